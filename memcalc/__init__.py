@@ -1,0 +1,43 @@
+"""memcalc: how much GPU memory will this PyTorch training step take, and where is the peak?
+
+The model is built on meta tensors and one step runs symbolically under a dispatch mode that
+tracks storage lifetimes; the alloc/free sequence is replayed the way the CUDA caching
+allocator counts it. See README.md.
+"""
+
+from .api import estimate
+from .categories import Category, Mode, Phase
+from .errors import (
+    InvalidInputError,
+    MemcalcError,
+    MissingPackageError,
+    ModelSourceError,
+    SymbolicExecutionError,
+    UnknownModelError,
+)
+from .losses import LossChoice
+from .optimizers import Optimizer
+from .report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, Textbook
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "estimate",
+    "MemoryReport",
+    "ByteBreakdown",
+    "ModuleRow",
+    "Textbook",
+    "Measurement",
+    "Category",
+    "Phase",
+    "Mode",
+    "Optimizer",
+    "LossChoice",
+    "MemcalcError",
+    "UnknownModelError",
+    "ModelSourceError",
+    "InvalidInputError",
+    "SymbolicExecutionError",
+    "MissingPackageError",
+    "__version__",
+)

@@ -1,0 +1,41 @@
+"""The vocabulary of the report: what a byte is for (:class:`Category`) and when it was
+allocated (:class:`Phase`)."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ("Category", "Phase", "Mode")
+
+
+class Category(str, enum.Enum):
+    """What a storage is for. Assigned once, from the strongest evidence (a parameter's
+    storage is a parameter even if an op also returned it)."""
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    INPUTS = "inputs"  # the batch and its targets
+    GRADIENTS = "gradients"  # storages that end up as a parameter's .grad
+    OPTIMIZER_STATE = "optimizer_state"  # storages held in optimizer.state after the step
+    ACTIVATIONS = "activations"  # created in forward/loss; alive during backward = saved for backward
+    WORKSPACE = "workspace"  # temporaries: activation gradients, optimizer scratch, kernel workspaces
+
+
+class Phase(str, enum.Enum):
+    """The part of the training step an allocation happens in."""
+
+    SETUP = "setup"  # pre-existing storages: parameters, buffers, inputs
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    ZERO_GRAD = "zero_grad"
+
+
+class Mode(str, enum.Enum):
+    """``train`` runs forward, loss, backward, optimizer step and zero_grad (two iterations, so
+    that the steady state with optimizer state already allocated is covered); ``eval`` runs
+    the forward only, under ``torch.no_grad()`` with the model in eval mode."""
+
+    TRAIN = "train"
+    EVAL = "eval"

@@ -1,0 +1,129 @@
+"""Text rendering of reports: tabulate tables in binary units. Computing lives elsewhere;
+this module only formats (and never changes tabulate's global settings)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tabulate import tabulate
+
+from .categories import Category, Mode
+from .report import MemoryReport
+from .units import Unit, format_bytes
+
+__all__ = ("render_report", "render_json", "TABLE_FORMATS")
+
+# tabulate's formats that read well for a breakdown; "json" is handled separately.
+TABLE_FORMATS = ("simple", "plain", "github", "grid", "pipe", "rst", "orgtbl", "psql", "presto",
+                 "fancy_grid", "rounded_grid", "heavy_grid", "simple_grid", "html", "latex", "tsv")
+
+_CATEGORY_LABELS = {
+    Category.PARAMETERS: "parameters",
+    Category.BUFFERS: "buffers",
+    Category.INPUTS: "input batch (+ targets)",
+    Category.GRADIENTS: "gradients",
+    Category.OPTIMIZER_STATE: "optimizer state",
+    Category.ACTIVATIONS: "activations (saved for backward)",
+    Category.WORKSPACE: "temporaries / workspace",
+}
+
+
+def render_json(data: Any) -> str:
+    return json.dumps(data, indent=2)
+
+
+def render_report(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str = Unit.AUTO,
+                  modules: bool = True) -> str:
+    """The breakdown table, the peak line, the textbook line, and (optionally) per-module rows."""
+    sections = [_header(report), _breakdown(report, fmt, unit)]
+    sections.append(_peak_lines(report, unit))
+    if modules and report.modules:
+        sections.append(_module_table(report, fmt, unit))
+    if report.measurement is not None:
+        sections.append(_measurement_lines(report, unit))
+    notes = list(report.notes)
+    if report.unsupported_ops:
+        ops = ", ".join(f"{op} ×{n}" for op, n in report.unsupported_ops)
+        notes.append(f"approximated (CUDA workspace not modelled): {ops}")
+    if notes:
+        sections.append("\n".join(f"note: {n}" for n in notes))
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _header(report: MemoryReport) -> str:
+    mode = "training step" if report.mode is Mode.TRAIN else "eval forward (no_grad)"
+    lines = [
+        f"memcalc: {report.model}, batch {report.batch_size}, {mode}, optimizer {report.optimizer}",
+        f"input {report.input_description}; loss {report.loss}; "
+        f"{report.parameters:,} parameters",
+    ]
+    return "\n".join(lines)
+
+
+def _breakdown(report: MemoryReport, fmt: str, unit: Unit | str) -> str:
+    b = report.bytes
+    rows = []
+    for category in Category:
+        value = b.category(category)
+        detail = f"{report.parameters:,} params" if category is Category.PARAMETERS else ""
+        rows.append([_CATEGORY_LABELS[category], format_bytes(value, unit), _share(value, b.peak_allocated), detail])
+    rows.append(["allocator rounding (512 B blocks)", format_bytes(b.rounding, unit), _share(b.rounding, b.peak_allocated), ""])
+    rows.append(["peak allocated", format_bytes(b.peak_allocated, unit), "100.0%", report.peak_location])
+    return tabulate(rows, headers=["at the peak", "memory (binary units)", "share", ""], tablefmt=fmt,
+                    colalign=("left", "right", "right", "left"), disable_numparse=True)
+
+
+def _share(value: int, total: int) -> str:
+    return f"{100.0 * value / total:.1f}%" if total else "-"
+
+
+def _peak_lines(report: MemoryReport, unit: Unit | str) -> str:
+    lines = [f"peak allocated: {format_bytes(report.bytes.peak_allocated, unit)} "
+             f"({report.bytes.peak_allocated:,} B) in {report.peak_location}"]
+    if report.mode is Mode.TRAIN and report.peak_iteration == 2:
+        lines.append(f"  reached in the second iteration (optimizer state allocated); "
+                     f"the first iteration peaks at {format_bytes(report.first_iteration_peak, unit)}")
+    tb = report.textbook
+    if tb is not None:
+        lines.append(
+            f"textbook: parameters {format_bytes(tb.parameter_bytes, unit)} × {tb.multiplier} ({tb.terms}) "
+            f"+ activations {format_bytes(tb.activation_bytes, unit)} = {format_bytes(tb.total, unit)}"
+            f" vs simulated peak {format_bytes(report.bytes.peak_allocated, unit)}"
+            f" ({_signed_pct(tb.total, report.bytes.peak_allocated)}); the simulation knows when each tensor "
+            f"is alive: gradients appear during backward as activations are freed, optimizer state is "
+            f"created at the first step, temporaries come and go.")
+    return "\n".join(lines)
+
+
+def _signed_pct(value: int, reference: int) -> str:
+    if not reference:
+        return "-"
+    return f"{100.0 * (value - reference) / reference:+.1f}%"
+
+
+def _module_table(report: MemoryReport, fmt: str, unit: Unit | str) -> str:
+    kept = "kept for backward" if report.mode is Mode.TRAIN else "allocated in forward"
+    rows = [[("  " * (m.depth - 1)) + m.name, m.type, f"{m.parameters:,}",
+             "x".join(str(d) for d in m.output_shape) if m.output_shape else "-",
+             format_bytes(m.activation_bytes, unit)] for m in report.modules]
+    return tabulate(rows, headers=["module", "type", "parameters", "output shape", f"activations {kept}"],
+                    tablefmt=fmt, colalign=("left", "left", "right", "left", "right"), disable_numparse=True)
+
+
+def _measurement_lines(report: MemoryReport, unit: Unit | str) -> str:
+    m = report.measurement
+    assert m is not None
+    if m.oom:
+        return f"measured on {m.device}: OOM{(' — ' + m.note) if m.note else ''}"
+    if m.peak_allocated is None:
+        return f"measured on {m.device}: no result{(' — ' + m.note) if m.note else ''}"
+    compared = m.compared_with if m.compared_with is not None else report.bytes.peak_allocated
+    error = m.relative_error(compared)
+    line = (f"measured on {m.device}: peak {format_bytes(m.peak_allocated, unit)} ({m.peak_allocated:,} B); "
+            f"estimate {format_bytes(compared, unit)}; error {error:+.2%}")
+    if m.peak_reserved is not None:
+        line += f"; reserved {format_bytes(m.peak_reserved, unit)}"
+    if m.note:
+        line += f"\n  {m.note}"
+    return line

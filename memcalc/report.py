@@ -1,0 +1,139 @@
+"""The report an estimate returns: frozen dataclasses, and ``to_dict()`` for the JSON contract.
+
+The JSON contract (README, "JSON output") is exactly::
+
+    {"model", "batch_size", "optimizer", "mode", "parameters", "peak_phase", "peak_module",
+     "bytes": {"parameters", "buffers", "inputs", "gradients", "optimizer_state",
+               "activations", "workspace", "peak_allocated"}}
+
+Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
+the CUDA caching allocator counts (each block rounded up to 512 B), so the categories plus
+``rounding`` add up to ``peak_allocated``. Parameters and buffers are alive throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .categories import Category, Mode, Phase
+
+__all__ = ("ByteBreakdown", "ModuleRow", "Textbook", "Measurement", "MemoryReport")
+
+
+@dataclass(frozen=True)
+class ByteBreakdown:
+    parameters: int
+    buffers: int
+    inputs: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    workspace: int
+    peak_allocated: int
+
+    @property
+    def rounding(self) -> int:
+        """Bytes added by the allocator's 512-byte block rounding at the peak."""
+        return self.peak_allocated - sum(self.category(c) for c in Category)
+
+    def category(self, category: Category) -> int:
+        return int(getattr(self, category.value))
+
+    def to_dict(self) -> dict[str, int]:
+        return {c.value: self.category(c) for c in Category} | {"peak_allocated": self.peak_allocated}
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One module of the per-module table.
+
+    ``activation_bytes``: in train mode, bytes born during the module's forward (its
+    submodules included) still alive when the forward ended — what it keeps for backward;
+    in eval mode, bytes born during its forward (freed soon after).
+    """
+
+    name: str
+    type: str
+    depth: int
+    parameters: int
+    output_shape: tuple[int, ...]
+    activation_bytes: int
+
+
+@dataclass(frozen=True)
+class Textbook:
+    """The rule of thumb: parameter bytes × optimizer multiplier + activations."""
+
+    parameter_bytes: int
+    multiplier: int
+    terms: str  # e.g. "weights + grads + 2 moments"
+    activation_bytes: int  # saved for backward at the end of the forward (train)
+
+    @property
+    def total(self) -> int:
+        return self.parameter_bytes * self.multiplier + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A real run of the same step: CUDA (``max_memory_allocated``) or CPU (profiler)."""
+
+    device: str  # e.g. "cuda: NVIDIA H100 80GB HBM3" or "cpu (torch.profiler)"
+    peak_allocated: int | None  # None when the run went out of memory
+    peak_reserved: int | None = None
+    oom: bool = False
+    note: str = ""
+    compared_with: int | None = None  # the estimate this measurement is compared with
+
+    def relative_error(self, estimate: int | None = None) -> float | None:
+        """(estimate − measured) / measured; ``estimate`` defaults to ``compared_with``."""
+        estimate = self.compared_with if estimate is None else estimate
+        if not self.peak_allocated or estimate is None:
+            return None
+        return (estimate - self.peak_allocated) / self.peak_allocated
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    model: str
+    batch_size: int
+    optimizer: str
+    mode: Mode
+    parameters: int  # count, tied weights once
+    peak_phase: Phase
+    peak_module: str  # "" when the peak happens outside any submodule (e.g. optimizer)
+    bytes: ByteBreakdown
+    peak_iteration: int = 1  # 2 when the steady state (optimizer state present) is higher
+    input_description: str = ""
+    loss: str = ""
+    textbook: Textbook | None = None
+    modules: tuple[ModuleRow, ...] = ()
+    first_iteration_peak: int = 0
+    peak_requested: int = 0  # the same simulation without the 512-byte rounding (CPU comparisons)
+    unsupported_ops: tuple[tuple[str, int], ...] = ()  # ops whose CUDA memory is approximated
+    measurement: Measurement | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak_location(self) -> str:
+        """``"backward, layer4.2.conv3"`` — where the peak happens."""
+        where = self.peak_module or {
+            Phase.OPTIMIZER: "optimizer.step()",
+            Phase.ZERO_GRAD: "zero_grad()",
+            Phase.LOSS: "loss",
+        }.get(self.peak_phase, "top level")
+        return f"{self.peak_phase.value}, {where}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON contract (see the module docstring); integers are bytes."""
+        return {
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer,
+            "mode": self.mode.value,
+            "parameters": self.parameters,
+            "peak_phase": self.peak_phase.value,
+            "peak_module": self.peak_module,
+            "bytes": self.bytes.to_dict(),
+        }

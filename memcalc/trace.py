@@ -1,0 +1,235 @@
+"""Storage-lifetime tracing: a ``TorchDispatchMode`` that sees every op's outputs while a
+step runs on meta tensors and records when each *storage* is born and when it dies.
+
+Why storages, not tensors: views, ``.detach()``, in-place results and tied weights share one
+storage and one allocation; a CUDA allocator sees storages. Why weak references: the tracer
+must never keep a tensor alive, and a storage's death is exactly the moment the real caching
+allocator gets the block back (autograd frees saved tensors from C++ during backward; the
+Python storage object is preserved with its ``StorageImpl``, so its weakref callback fires
+then).
+
+The tracer records raw facts only — sizes, birth phase and module, the alloc/free order.
+Categories and peaks are computed afterwards by :mod:`memcalc.timeline`, when it is known
+which storages ended up as gradients or optimizer state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .categories import Category, Phase
+from .errors import SymbolicExecutionError
+
+__all__ = ("StorageTracer", "StepTrace", "ModuleTracker")
+
+
+@dataclass
+class StepTrace:
+    """What the tracer saw. Storage ``uid`` indexes the per-storage lists.
+
+    ``events`` is the alloc/free order: ``uid`` (≥ 0) for a birth, ``~uid`` (< 0) for a death.
+    Pre-existing storages (parameters, buffers, inputs, targets) are listed in ``preexisting``
+    and never appear as births in ``events``.
+    """
+
+    nbytes: list[int] = field(default_factory=list)
+    phase: list[Phase] = field(default_factory=list)
+    module: list[str] = field(default_factory=list)
+    category: list[Category | None] = field(default_factory=list)  # explicit; None = by phase
+    events: list[int] = field(default_factory=list)
+    preexisting: list[int] = field(default_factory=list)
+    phase_starts: dict[Phase, int] = field(default_factory=dict)  # index into events
+    op_counts: Counter[str] = field(default_factory=Counter)  # every aten op seen, by name
+
+    @property
+    def num_storages(self) -> int:
+        return len(self.nbytes)
+
+
+class StorageTracer(TorchDispatchMode):
+    """Dispatch mode recording storage births and deaths on one device type (``meta``).
+
+    Storages on other devices (the CPU step counters of ``torch.optim``, for example) are
+    ignored: they would not be on the GPU either.
+    """
+
+    def __init__(self, device_type: str = "meta") -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.trace = StepTrace()
+        self.phase = Phase.SETUP
+        self.modules = ModuleTracker()
+        self._uid_by_key: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._recording = True
+
+    # ---- the hot path -------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception as exc:  # any failure of a meta kernel ends the estimate, named
+            raise SymbolicExecutionError(str(func), self.modules.current, self.phase.value, exc) from exc
+        self.trace.op_counts[func.__name__] += 1
+        self._see(out)
+        return out
+
+    def _see(self, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            if out.device.type == self.device_type:
+                self.track(out)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                self._see(item)
+
+    # ---- storage bookkeeping ------------------------------------------------------------
+    def track(self, tensor: torch.Tensor, category: Category | None = None) -> int:
+        """The uid of ``tensor``'s storage, registering the storage as born now if new."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        uid = self._uid_by_key.get(key)
+        if uid is not None:
+            if category is not None:
+                self.trace.category[uid] = category
+            return uid
+        trace = self.trace
+        uid = len(trace.nbytes)
+        trace.nbytes.append(storage.nbytes())
+        trace.phase.append(self.phase)
+        trace.module.append(self.modules.current)
+        trace.category.append(category)
+        trace.events.append(uid)
+        self._uid_by_key[key] = uid
+        self._refs[key] = weakref.ref(storage, lambda _ref, key=key, uid=uid: self._on_free(key, uid))
+        return uid
+
+    def _on_free(self, key: int, uid: int) -> None:
+        self._uid_by_key.pop(key, None)
+        self._refs.pop(key, None)
+        if self._recording:
+            self.trace.events.append(~uid)
+
+    def preexisting(self, tensor: torch.Tensor, category: Category) -> int:
+        """Register a storage that exists before the step (parameter, buffer, input, target).
+
+        A storage already traced as born during the step (a target built after the forward,
+        when the output shape is known) is moved to the pre-existing set: in a real loop the
+        targets arrive with the batch.
+        """
+        uid = self.track(tensor, category)
+        trace = self.trace
+        if uid not in trace.preexisting:
+            trace.preexisting.append(uid)
+            trace.phase[uid] = Phase.SETUP
+            trace.module[uid] = ""
+            try:
+                trace.events.remove(uid)
+            except ValueError:
+                pass
+        return uid
+
+    def uid_of(self, tensor: torch.Tensor) -> int | None:
+        """The uid of a live traced storage, or None if the tracer never saw it."""
+        return self._uid_by_key.get(id(tensor.untyped_storage()))
+
+    def set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+        self.trace.phase_starts.setdefault(phase, len(self.trace.events))
+
+    def stop(self) -> StepTrace:
+        """Stop recording deaths (storages freed after the step are not part of it)."""
+        self._recording = False
+        return self.trace
+
+
+class ModuleTracker:
+    """Which module is running: a stack of forward pre/post hooks, and during backward the
+    leaf module whose output gradient arrived last (a tensor hook on each leaf's output).
+
+    Hooks are installed on one model and removed by :meth:`remove` (the caller does it in a
+    ``finally``), so the user's modules are left as they were.
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[str] = []
+        self._backward_module = ""
+        self._handles: list[Any] = []
+        self.output_shapes: dict[str, tuple[int, ...]] = {}
+        self.order: list[str] = []  # module names in the order their forward first ran
+        self.in_backward = False
+
+    @property
+    def current(self) -> str:
+        if self.in_backward:
+            return self._backward_module
+        return self._stack[-1] if self._stack else ""
+
+    def install(self, model: nn.Module) -> None:
+        for name, module in model.named_modules():
+            if not name:
+                continue  # the root: outside any submodule is reported as ""
+            is_leaf = next(module.children(), None) is None
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+            self._handles.append(module.register_forward_hook(self._post_hook(name, is_leaf)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_hook(self, name: str):
+        def hook(_module: nn.Module, _args: Any) -> None:
+            self._stack.append(name)
+            if name not in self.output_shapes:
+                self.order.append(name)
+                self.output_shapes[name] = ()
+        return hook
+
+    def _post_hook(self, name: str, is_leaf: bool):
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if self._stack and self._stack[-1] == name:
+                self._stack.pop()
+            first = _first_tensor(output)
+            if first is not None:
+                self.output_shapes[name] = tuple(first.shape)
+            if is_leaf and torch.is_grad_enabled():
+                for tensor in _tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._grad_hook(name))
+        return hook
+
+    def _grad_hook(self, name: str):
+        def hook(_grad: torch.Tensor) -> None:
+            self._backward_module = name
+        return hook
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        self.in_backward = True
+        try:
+            yield
+        finally:
+            self.in_backward = False
+            self._backward_module = ""
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    return next(_tensors(output), None)

@@ -1,0 +1,145 @@
+"""The zoo's name registry: one :class:`ZooEntry` per model, looked up by forgiving names.
+
+Every entry knows how to build its model (always on whatever device is current, so
+``with torch.device("meta"):`` builds it without memory), what one sample of input looks
+like, which loss it trains with, and the parameter count of the reference implementation
+it reproduces (tests assert the two are equal).
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = (
+    "InputKind",
+    "LossKind",
+    "ZooEntry",
+    "register",
+    "get",
+    "names",
+    "entries",
+    "normalize",
+    "closest",
+)
+
+
+class InputKind(str, enum.Enum):
+    """What the model's ``forward`` takes."""
+
+    IMAGE = "image"  # float tensor (B, C, H, W); shape given as (C, H, W)
+    FEATURES = "features"  # float tensor (B, *shape)
+    TOKENS = "tokens"  # int64 token ids (B, seq_len); shape given as (seq_len,)
+
+
+class LossKind(str, enum.Enum):
+    """The loss a model trains with; memcalc builds the targets to match."""
+
+    CROSS_ENTROPY = "cross-entropy"  # logits (B, C[, d1, ...]) → class targets (B[, d1, ...])
+    LM_CROSS_ENTROPY = "lm-cross-entropy"  # logits (B, T, V) → next-token targets (B, T)
+    MEAN = "mean"  # mean of every floating output (models without a head)
+    MSE = "mse"  # mean squared error against a target shaped like the output
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One model of the zoo.
+
+    ``builder(input_shape)`` receives the per-sample input shape actually used (so a ViT can
+    size its position embeddings, a GPT its position table) and returns an ``nn.Module``;
+    it must create tensors on the current default device only (never ``.to(...)``), so that
+    building under ``torch.device("meta")`` allocates nothing.
+    """
+
+    name: str
+    family: str
+    builder: Callable[[tuple[int, ...]], nn.Module]
+    input_kind: InputKind
+    default_shape: tuple[int, ...]
+    loss: LossKind
+    reference_parameters: int | None = None
+    vocab_size: int | None = None
+    description: str = ""
+    aliases: tuple[str, ...] = ()
+    # Names of module lists whose items are the model's repeated blocks (used by
+    # activation checkpointing): e.g. ("layer1", "layer2") or ("h",).
+    block_containers: tuple[str, ...] = field(default=())
+
+    def build(self, input_shape: tuple[int, ...] | None = None) -> nn.Module:
+        return self.builder(tuple(input_shape or self.default_shape))
+
+    def example_inputs(
+        self,
+        batch_size: int,
+        input_shape: tuple[int, ...] | None = None,
+        device: torch.device | str | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """One batch of inputs; random values so that a real run (``--measure``) works too."""
+        shape = tuple(input_shape or self.default_shape)
+        if self.input_kind is InputKind.TOKENS:
+            assert self.vocab_size is not None, f"{self.name}: token model without vocab_size"
+            return (torch.randint(0, self.vocab_size, (batch_size, *shape), device=device),)
+        return (torch.randn(batch_size, *shape, device=device),)
+
+    @property
+    def default_input_text(self) -> str:
+        """Human-readable default input, e.g. ``3x224x224`` or ``seq 1024, vocab 50257``."""
+        if self.input_kind is InputKind.TOKENS:
+            return f"seq {self.default_shape[0]}, vocab {self.vocab_size}"
+        return "x".join(str(d) for d in self.default_shape)
+
+
+_REGISTRY: dict[str, ZooEntry] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def normalize(name: str) -> str:
+    """Case-insensitive, ``_`` and ``-`` and ``.`` interchangeable: ``ResNet_50`` → ``resnet-50``."""
+    return name.strip().lower().replace("_", "-").replace(".", "-")
+
+
+def register(entry: ZooEntry) -> ZooEntry:
+    """Add an entry; refuses duplicates so two modules can't silently shadow each other."""
+    keys = [normalize(entry.name), *(normalize(a) for a in entry.aliases)]
+    for key in keys:
+        if key in _ALIASES:
+            raise ValueError(f"zoo name {key!r} registered twice ({_ALIASES[key]} and {entry.name})")
+    _REGISTRY[entry.name] = entry
+    for key in keys:
+        _ALIASES[key] = entry.name
+    # "resnet50" and "resnet-50" both work: also register the name with separators removed.
+    for key in keys:
+        squashed = key.replace("-", "")
+        _ALIASES.setdefault(squashed, entry.name)
+    return entry
+
+
+def get(name: str) -> ZooEntry | None:
+    key = normalize(name)
+    canonical = _ALIASES.get(key) or _ALIASES.get(key.replace("-", ""))
+    return _REGISTRY[canonical] if canonical else None
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def entries() -> list[ZooEntry]:
+    return list(_REGISTRY.values())
+
+
+def closest(name: str, n: int = 3) -> list[str]:
+    """Canonical names close to ``name``, for "did you mean ...?" messages."""
+    key = normalize(name)
+    matches = difflib.get_close_matches(key, list(_ALIASES), n=n * 3, cutoff=0.5)
+    seen: list[str] = []
+    for m in matches:
+        canonical = _ALIASES[m]
+        if canonical not in seen:
+            seen.append(canonical)
+    return seen[:n]
