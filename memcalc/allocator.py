@@ -1,0 +1,489 @@
+"""A replayable model of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``).
+
+memcalc runs a training step on meta tensors and records when storages are allocated and
+freed. Summing live tensor bytes gives a lower bound on GPU memory; what ``nvidia-smi`` and
+``torch.cuda.max_memory_reserved()`` show depends on how the caching allocator rounds,
+packs, splits and caches those requests. This module replays the recorded sequence through
+a faithful model of the native allocator's *default* configuration (PyTorch 2.4–2.9) and
+reports the two numbers ``torch.cuda.memory_stats()`` would: peak ``allocated_bytes`` and
+peak ``reserved_bytes``.
+
+What is modelled (C++ names in brackets, all in ``DeviceCachingAllocator``):
+
+* request rounding to 512 B [``round_size``]; zero-byte requests allocate nothing
+  [``NativeCachingAllocator::allocate`` only calls ``malloc`` for ``size != 0``];
+* two pools: small (≤ 1 MiB) and large [``get_pool``];
+* segment sizes on a cudaMalloc: 2 MiB, 20 MiB, or rounded up to 2 MiB
+  [``get_allocation_size``];
+* best-fit reuse of cached free blocks, ordered by (size, address) [``get_free_block``,
+  ``BlockComparatorSize``], including the ``max_split_size`` oversize rules (inert with the
+  default, unlimited, setting);
+* splitting a block, the allocation taking the front part [``should_split``,
+  ``alloc_found_block``];
+* ``allocated`` counts the *block's* size, which exceeds the rounded request whenever a
+  large-pool remainder is too small to split (≤ 1 MiB) [``alloc_found_block``:
+  ``increase_stat(stats.allocated_bytes, block->size)``];
+* freeing with coalescing of the adjacent prev/next free blocks of the same segment
+  [``free_block``, ``try_merge_blocks``];
+* a device capacity: when a new segment does not fit, all cached *unsplit* free segments
+  are cudaFree'd and the cudaMalloc retried once; if that still fails it is an OOM
+  [``malloc``, ``alloc_block``, ``release_cached_blocks``, ``release_blocks``]. The capacity
+  test ``reserved + segment > capacity`` is the one ``alloc_block`` applies under
+  ``set_per_process_memory_fraction``; with a plain device limit, pass the memory the
+  process may use (total minus the CUDA context and anything else on the GPU);
+* ``torch.cuda.empty_cache()`` [``emptyCache`` → ``release_cached_blocks``].
+
+What is left out: multiple streams (blocks are per stream; ``recordStream`` and the
+cross-stream events that delay frees), expandable segments, CUDA graph private pools,
+``roundup_power2_divisions``, a finite ``max_split_size_mb`` (and hence
+``release_available_cached_blocks``, a no-op when it is unlimited),
+``garbage_collection_threshold``, ``FreeCudaMemoryCallbacks``, and the real addresses
+cudaMalloc returns: segments here get increasing fake addresses that are never reused,
+which matters only to the address tie-break between equal-sized cached blocks.
+
+After an OOM the real allocator raises. The model records the first failing event in
+``oom_at`` and carries on as if the cudaMalloc had succeeded (it *over-commits*), so the
+peaks reported for a run past its OOM are what the run would have needed without a limit.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+__all__ = (
+    "ALLOC",
+    "FREE",
+    "EMPTY_CACHE",
+    "K_MIN_BLOCK_SIZE",
+    "K_SMALL_SIZE",
+    "K_SMALL_BUFFER",
+    "K_LARGE_BUFFER",
+    "K_MIN_LARGE_ALLOC",
+    "K_ROUND_LARGE",
+    "MAX_SPLIT_SIZE",
+    "AllocatorStats",
+    "CachingAllocatorModel",
+    "replay",
+    "round_size",
+    "segment_size",
+)
+
+# --- Constants, each named after its C++ counterpart -------------------------------------
+
+K_MIN_BLOCK_SIZE = 512  # CUDACachingAllocator.cpp `kMinBlockSize`: all sizes are rounded to at least 512 bytes
+K_SMALL_SIZE = 1048576  # CUDACachingAllocator.cpp `kSmallSize`: largest "small" allocation is 1 MiB
+K_SMALL_BUFFER = 2097152  # CUDACachingAllocator.cpp `kSmallBuffer`: "small" allocations are packed in 2 MiB blocks
+K_LARGE_BUFFER = 20971520  # CUDACachingAllocator.cpp `kLargeBuffer`: "large" allocations may be packed in 20 MiB blocks
+K_MIN_LARGE_ALLOC = 10485760  # CUDACachingAllocator.cpp `kMinLargeAlloc`: allocations between 1 and 10 MiB may use kLargeBuffer
+K_ROUND_LARGE = 2097152  # CUDACachingAllocator.cpp `kRoundLarge`: round up large allocations to 2 MiB
+MAX_SPLIT_SIZE = 2**64 - 1  # CUDAAllocatorConfig::parseArgs default `m_max_split_size = std::numeric_limits<size_t>::max()`
+
+# Event kinds understood by `replay`.
+ALLOC = 1  # (ALLOC, key, nbytes): a storage of nbytes is allocated under `key`
+FREE = -1  # (FREE, key, 0): the storage allocated under `key` is freed
+EMPTY_CACHE = 0  # (EMPTY_CACHE, None, 0): torch.cuda.empty_cache()
+
+# Where the fake cudaMalloc hands out its first segment (a typical device address; only the
+# order of addresses matters, for the best-fit tie-break).
+_FIRST_SEGMENT_ADDRESS = 0x7F0000000000
+
+
+def round_size(nbytes: int) -> int:
+    """Bytes the allocator sets aside for a request of ``nbytes`` (``round_size`` in the C++).
+
+    Requests under 512 B take 512 B; larger ones round up to a multiple of 512 B (the
+    ``roundup_power2_divisions`` branch is off by default). A 0-byte request never reaches
+    the allocator, so it costs 0 here rather than 512.
+    """
+    if nbytes < 0:
+        raise ValueError(f"a request size cannot be negative, got {nbytes}")
+    if nbytes == 0:
+        return 0
+    if nbytes < K_MIN_BLOCK_SIZE:
+        return K_MIN_BLOCK_SIZE
+    return K_MIN_BLOCK_SIZE * ((nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
+
+
+def segment_size(rounded: int) -> int:
+    """Size of the segment cudaMalloc'ed when no cached block fits (``get_allocation_size``).
+
+    Small requests get a 2 MiB segment to pack into; mid-sized ones (1–10 MiB) a 20 MiB one
+    so later requests of that class can share it; large ones only round up to 2 MiB.
+    """
+    if rounded <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if rounded < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return K_ROUND_LARGE * ((rounded + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """What a replay reports; byte counts match ``torch.cuda.memory_stats()`` "all" entries."""
+
+    peak_allocated: int  # max over time of the sizes of live blocks ("allocated_bytes.all.peak")
+    peak_reserved: int  # max over time of the sizes of live segments ("reserved_bytes.all.peak")
+    final_allocated: int  # allocated bytes after the last event
+    final_reserved: int  # reserved bytes after the last event
+    num_segments: int  # segments ever cudaMalloc'ed, released ones included
+    num_mallocs: int  # successful cudaMalloc calls ("num_device_alloc"); equals num_segments here
+    oom_at: int | None  # index of the first event that could not be satisfied under the capacity
+    peak_index: int  # index of the event at which peak_allocated was first reached (-1: never)
+    peak_requested: int = 0  # max over time of the unrounded bytes requested ("requested_bytes.all.peak")
+    final_segments: int = 0  # segments still held after the last event
+    num_device_frees: int = 0  # segments cudaFree'd, by OOM recovery or empty_cache ("num_device_free")
+    num_alloc_retries: int = 0  # cudaMallocs retried after releasing the cache ("num_alloc_retries")
+    num_ooms: int = 0  # events that could not be satisfied under the capacity ("num_ooms")
+
+
+class _Block:
+    """A contiguous range of one segment, either handed out or cached (C++ ``Block``)."""
+
+    __slots__ = ("addr", "size", "pool", "prev", "next", "allocated", "requested")
+
+    def __init__(self, addr: int, size: int, pool: _Pool) -> None:
+        self.addr = addr
+        self.size = size
+        self.pool = pool
+        self.prev: _Block | None = None  # the block just before this one in its segment
+        self.next: _Block | None = None  # the block just after this one in its segment
+        self.allocated = False
+        self.requested = 0
+
+
+class _Pool:
+    """Cached free blocks of one pool (C++ ``BlockPool``), ordered as ``BlockComparatorSize``.
+
+    ``entries`` is a sorted list of ``(size, address)``: with a single stream that is exactly
+    the C++ set's order, so ``bisect`` finds the block ``std::set::lower_bound`` would.
+    """
+
+    __slots__ = ("is_small", "entries", "blocks")
+
+    def __init__(self, is_small: bool) -> None:
+        self.is_small = is_small
+        self.entries: list[tuple[int, int]] = []
+        self.blocks: dict[int, _Block] = {}  # address -> cached block
+
+    def insert(self, block: _Block) -> None:
+        bisect.insort(self.entries, (block.size, block.addr))
+        self.blocks[block.addr] = block
+
+    def remove(self, block: _Block) -> None:
+        entries = self.entries
+        i = bisect.bisect_left(entries, (block.size, block.addr))
+        if i == len(entries) or entries[i] != (block.size, block.addr):
+            raise AssertionError(f"block at {block.addr:#x} is not cached in this pool")
+        del entries[i]
+        del self.blocks[block.addr]
+
+
+class CachingAllocatorModel:
+    """The allocator's state, driven one request at a time.
+
+    Every call to :meth:`malloc`, :meth:`free` and :meth:`empty_cache` is one *event*; events
+    are numbered from 0 in call order, and ``oom_at``/``peak_index`` refer to those numbers
+    (so :func:`replay` reports the index of the event in its input).
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        """``capacity``: bytes cudaMalloc may hand out in all (None: unlimited)."""
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity cannot be negative, got {capacity}")
+        self.capacity = capacity
+        self._small = _Pool(is_small=True)
+        self._large = _Pool(is_small=False)
+        self._live: dict[Hashable, _Block] = {}
+        self._zero: set[Hashable] = set()  # keys of 0-byte allocations: nothing to free
+        self._segments: dict[int, int] = {}  # base address -> size of every segment held
+        self._next_address = _FIRST_SEGMENT_ADDRESS
+        self._events = 0
+        self._allocated = 0
+        self._reserved = 0
+        self._requested = 0
+        self._peak_allocated = 0
+        self._peak_reserved = 0
+        self._peak_requested = 0
+        self._peak_index = -1
+        self._num_segments = 0
+        self._num_device_frees = 0
+        self._num_alloc_retries = 0
+        self._num_ooms = 0
+        self._oom_at: int | None = None
+
+    # --- public state -------------------------------------------------------------------
+
+    @property
+    def allocated(self) -> int:
+        """Bytes in blocks handed out now (``memory_allocated()``)."""
+        return self._allocated
+
+    @property
+    def reserved(self) -> int:
+        """Bytes in segments held now (``memory_reserved()``)."""
+        return self._reserved
+
+    @property
+    def peak_allocated(self) -> int:
+        return self._peak_allocated
+
+    @property
+    def peak_reserved(self) -> int:
+        return self._peak_reserved
+
+    @property
+    def oom_at(self) -> int | None:
+        return self._oom_at
+
+    def stats(self) -> AllocatorStats:
+        """A snapshot of the counters so far."""
+        return AllocatorStats(
+            peak_allocated=self._peak_allocated,
+            peak_reserved=self._peak_reserved,
+            final_allocated=self._allocated,
+            final_reserved=self._reserved,
+            num_segments=self._num_segments,
+            num_mallocs=self._num_segments,
+            oom_at=self._oom_at,
+            peak_index=self._peak_index,
+            peak_requested=self._peak_requested,
+            final_segments=len(self._segments),
+            num_device_frees=self._num_device_frees,
+            num_alloc_retries=self._num_alloc_retries,
+            num_ooms=self._num_ooms,
+        )
+
+    def address_of(self, key: Hashable) -> int:
+        """Fake device address of a live allocation (for tests and debugging)."""
+        return self._live[key].addr
+
+    def block_size_of(self, key: Hashable) -> int:
+        """Size of the block backing a live allocation: its share of ``allocated``."""
+        return self._live[key].size
+
+    def segments(self) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
+        """Held segments as ``(base, size, [(address, size, allocated), ...])``, by address.
+
+        O(number of blocks); meant for tests and debugging, like ``torch.cuda.memory_snapshot()``.
+        """
+        blocks = list(self._live.values()) + list(self._small.blocks.values()) + list(self._large.blocks.values())
+        blocks.sort(key=lambda b: b.addr)
+        result = []
+        i = 0
+        for base in sorted(self._segments):
+            size = self._segments[base]
+            parts = []
+            while i < len(blocks) and blocks[i].addr < base + size:
+                parts.append((blocks[i].addr, blocks[i].size, blocks[i].allocated))
+                i += 1
+            result.append((base, size, parts))
+        return result
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the state is inconsistent. O(blocks); for tests."""
+        live_total = sum(b.size for b in self._live.values())
+        assert live_total == self._allocated, (live_total, self._allocated)
+        assert sum(self._segments.values()) == self._reserved
+        for pool in (self._small, self._large):
+            assert pool.entries == sorted(pool.entries)
+            assert len(pool.entries) == len(pool.blocks)
+            for size, addr in pool.entries:
+                block = pool.blocks[addr]
+                assert block.size == size and not block.allocated and block.pool is pool
+                # free_block always merges free neighbours, so two never sit side by side
+                assert block.prev is None or block.prev.allocated
+                assert block.next is None or block.next.allocated
+        for base, size, parts in self.segments():
+            assert parts and parts[0][0] == base, f"segment {base:#x} does not start with a block"
+            end = base
+            for addr, bsize, _ in parts:
+                assert addr == end, f"gap or overlap at {addr:#x}"
+                end += bsize
+            assert end == base + size, f"segment {base:#x} blocks do not add up"
+
+    # --- events -------------------------------------------------------------------------
+
+    def malloc(self, key: Hashable, nbytes: int) -> None:
+        """Allocate ``nbytes`` under ``key`` (``DeviceCachingAllocator::malloc``)."""
+        index = self._events
+        self._events += 1
+        if key in self._live or key in self._zero:
+            raise ValueError(f"allocation key {key!r} is already live")
+        size = round_size(nbytes)
+        if size == 0:
+            self._zero.add(key)
+            return
+        pool = self._small if size <= K_SMALL_SIZE else self._large
+        block = self._get_free_block(pool, size)
+        if block is None:
+            alloc_size = segment_size(size)
+            block = self._alloc_block(pool, alloc_size)
+            # release_available_cached_blocks() returns false at once with an unlimited
+            # max_split_size, so the next resort is to free every unsplit cached segment.
+            if block is None:
+                self._release_cached_blocks()
+                self._num_alloc_retries += 1
+                block = self._alloc_block(pool, alloc_size)
+            if block is None:
+                self._num_ooms += 1
+                if self._oom_at is None:
+                    self._oom_at = index
+                block = self._alloc_block(pool, alloc_size, force=True)
+                assert block is not None
+        if self._should_split(block, size):
+            block = self._split(block, size)
+        block.allocated = True
+        block.requested = nbytes
+        self._live[key] = block
+        self._allocated += block.size
+        self._requested += nbytes
+        if self._allocated > self._peak_allocated:
+            self._peak_allocated = self._allocated
+            self._peak_index = index
+        if self._requested > self._peak_requested:
+            self._peak_requested = self._requested
+
+    def free(self, key: Hashable) -> None:
+        """Free the allocation made under ``key`` (``DeviceCachingAllocator::free``)."""
+        self._events += 1
+        if key in self._zero:
+            self._zero.discard(key)
+            return
+        try:
+            block = self._live.pop(key)
+        except KeyError:
+            raise KeyError(f"free of {key!r}, which is not a live allocation") from None
+        self._allocated -= block.size
+        self._requested -= block.requested
+        block.allocated = False
+        block.requested = 0
+        self._free_block(block)
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: cudaFree every cached segment with no live block."""
+        self._events += 1
+        self._release_cached_blocks()
+
+    # --- the allocator's internals ------------------------------------------------------
+
+    @staticmethod
+    def _get_free_block(pool: _Pool, size: int) -> _Block | None:
+        """Best fit: the smallest cached block ≥ size, lowest address first (``get_free_block``)."""
+        entries = pool.entries
+        # (size,) sorts before every (size, address): the C++ search key has ptr == nullptr.
+        i = bisect.bisect_left(entries, (size,))
+        if i == len(entries):
+            return None
+        found_size, addr = entries[i]
+        # Do not return an oversized block for a large request
+        if size < MAX_SPLIT_SIZE and found_size >= MAX_SPLIT_SIZE:
+            return None
+        # Allow oversized block size to be rounded up but within a limit
+        if size >= MAX_SPLIT_SIZE and found_size >= size + K_LARGE_BUFFER:
+            return None
+        del entries[i]
+        return pool.blocks.pop(addr)
+
+    @staticmethod
+    def _should_split(block: _Block, size: int) -> bool:
+        """Whether the remainder is worth keeping as its own block (``should_split``).
+
+        Small pool: any remainder of at least 512 B. Large pool: only a remainder of more than
+        1 MiB (a smaller one could only ever serve small requests, which never come to the
+        large pool), and never for requests of ``max_split_size`` or more.
+        """
+        remaining = block.size - size
+        if block.pool.is_small:
+            return remaining >= K_MIN_BLOCK_SIZE
+        return size < MAX_SPLIT_SIZE and remaining > K_SMALL_SIZE
+
+    @staticmethod
+    def _split(block: _Block, size: int) -> _Block:
+        """Carve ``size`` bytes off the front of ``block``; cache the rest (``alloc_found_block``)."""
+        front = _Block(block.addr, size, block.pool)
+        front.prev = block.prev
+        if front.prev is not None:
+            front.prev.next = front
+        front.next = block
+        block.prev = front
+        block.addr += size
+        block.size -= size
+        block.pool.insert(block)
+        return front
+
+    def _free_block(self, block: _Block) -> None:
+        """Return a block to its pool, merging free neighbours (``free_block``/``try_merge_blocks``)."""
+        pool = block.pool
+        prev = block.prev
+        if prev is not None and not prev.allocated:  # [prev block] -> one block at prev's address
+            pool.remove(prev)
+            block.addr = prev.addr
+            block.size += prev.size
+            block.prev = prev.prev
+            if block.prev is not None:
+                block.prev.next = block
+        nxt = block.next
+        if nxt is not None and not nxt.allocated:  # [block next] -> one block at block's address
+            pool.remove(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if block.next is not None:
+                block.next.prev = block
+        pool.insert(block)
+
+    def _alloc_block(self, pool: _Pool, alloc_size: int, force: bool = False) -> _Block | None:
+        """cudaMalloc a new segment, or None if it would exceed the capacity (``alloc_block``).
+
+        ``force`` ignores the capacity: the model's way of going on past an OOM.
+        """
+        if not force and self.capacity is not None and self._reserved + alloc_size > self.capacity:
+            return None
+        base = self._next_address
+        self._next_address += alloc_size
+        self._segments[base] = alloc_size
+        self._num_segments += 1
+        self._reserved += alloc_size
+        if self._reserved > self._peak_reserved:
+            self._peak_reserved = self._reserved
+        return _Block(base, alloc_size, pool)
+
+    def _release_cached_blocks(self) -> None:
+        """cudaFree every cached block that is a whole segment (``release_cached_blocks``).
+
+        Split segments with some block still live stay: their free parts cannot be returned.
+        Linear in the number of cached blocks, but it runs only on empty_cache or when a
+        cudaMalloc would not fit.
+        """
+        for pool in (self._large, self._small):  # release_blocks(large_blocks) first, as in C++
+            whole = [b for b in pool.blocks.values() if b.prev is None and b.next is None]
+            if not whole:
+                continue
+            for block in whole:
+                del pool.blocks[block.addr]
+                del self._segments[block.addr]
+                self._reserved -= block.size
+                self._num_device_frees += 1
+            pool.entries = sorted((b.size, b.addr) for b in pool.blocks.values())
+
+
+def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None) -> AllocatorStats:
+    """Run a recorded sequence through a fresh allocator and return its stats.
+
+    Each event is ``(ALLOC, key, nbytes)`` (``ALLOC == +1``), ``(FREE, key, 0)``
+    (``FREE == -1``) or ``(EMPTY_CACHE, None, 0)`` (``EMPTY_CACHE == 0``); indices in the
+    result (``oom_at``, ``peak_index``) are positions in ``events``.
+    """
+    model = CachingAllocatorModel(capacity)
+    malloc, free, empty_cache = model.malloc, model.free, model.empty_cache
+    for kind, key, nbytes in events:
+        if kind == ALLOC:
+            malloc(key, nbytes)
+        elif kind == FREE:
+            free(key)
+        elif kind == EMPTY_CACHE:
+            empty_cache()
+        else:
+            raise ValueError(f"unknown event kind {kind!r}; expected +1 (alloc), -1 (free) or 0 (empty_cache)")
+    return model.stats()
