@@ -15,7 +15,8 @@ from .models import ResolvedModel, resolve
 from .optimizers import Optimizer, spec_for
 from .report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from .step import run_step
-from .timeline import Program, alive_at_end, build_program, cuda_round, final_categories, replay
+from . import allocator
+from .timeline import Program, allocator_events, build_program, category_totals_at, final_categories
 from .trace import StepTrace, StorageTracer
 
 __all__ = ("estimate", "trace_model", "TracedStep")
@@ -165,19 +166,17 @@ def _report(resolved: ResolvedModel, traced: TracedStep, optimizer: Optimizer, m
             module_depth: int) -> MemoryReport:
     trace = traced.trace
     program = traced.program()
-    rounded = [cuda_round(n) for n in trace.nbytes]
-    peak = replay(program, rounded, traced.categories)
-    raw = _raw_totals_at(program, trace.nbytes, traced.categories, peak.index)
-    uid = program.storage(peak.key)
+    stats = allocator.replay(allocator_events(program, trace.nbytes))
+    peak_index = max(stats.peak_index, 0)
+    raw = category_totals_at(program, trace.nbytes, traced.categories, peak_index)
     breakdown = ByteBreakdown(
         parameters=raw[Category.PARAMETERS], buffers=raw[Category.BUFFERS], inputs=raw[Category.INPUTS],
         gradients=raw[Category.GRADIENTS], optimizer_state=raw[Category.OPTIMIZER_STATE],
         activations=raw[Category.ACTIVATIONS], workspace=raw[Category.WORKSPACE],
-        peak_allocated=peak.bytes,
+        peak_allocated=stats.peak_allocated,
     )
-    first = replay(program, rounded, traced.categories, until=program.iteration_starts[-1]) \
-        if program.iterations > 1 else peak
-    requested = replay(program, trace.nbytes, traced.categories)
+    first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[-1])) \
+        if program.iterations > 1 else stats
     spec = spec_for(optimizer)
     module = resolved.module
     param_bytes = sum(trace.nbytes[u] for u in trace.preexisting if traced.categories[u] is Category.PARAMETERS)
@@ -188,34 +187,28 @@ def _report(resolved: ResolvedModel, traced: TracedStep, optimizer: Optimizer, m
         activation_bytes=_saved_for_backward(trace, traced.categories) if mode is Mode.TRAIN
         else raw[Category.ACTIVATIONS],
     )
+    key = program.events[peak_index] if program.events else 0
+    uid = program.storage(key) if key >= 0 else 0
+    has_peak = stats.peak_allocated > 0
     return MemoryReport(
         model=resolved.name,
         batch_size=resolved.batch_size,
         optimizer=spec.key.value,
         mode=mode,
         parameters=sum(p.numel() for p in module.parameters()),
-        peak_phase=trace.phase[uid] if peak.bytes else Phase.SETUP,
-        peak_module=trace.module[uid] if peak.bytes else "",
+        peak_phase=trace.phase[uid] if has_peak else Phase.SETUP,
+        peak_module=trace.module[uid] if has_peak else "",
         bytes=breakdown,
-        peak_iteration=program.iteration_of(peak.index),
+        peak_iteration=program.iteration_of(peak_index),
         input_description=resolved.input_description,
         loss=traced.loss,
         textbook=textbook,
         modules=_module_rows(module, traced, module_depth),
-        first_iteration_peak=first.bytes,
-        peak_requested=requested.bytes,
+        first_iteration_peak=first.peak_allocated,
+        peak_requested=stats.peak_requested,
+        peak_reserved=stats.peak_reserved,
         unsupported_ops=_approximated(trace),
     )
-
-
-def _raw_totals_at(program: Program, nbytes: list[int], categories: list[Category], index: int) -> dict[Category, int]:
-    """Per-category requested bytes alive just after ``program.events[index]``."""
-    totals = {c: 0 for c in Category}
-    n = program.num_storages
-    for event in program.events[: index + 1]:
-        uid = (event if event >= 0 else ~event) % n
-        totals[categories[uid]] += nbytes[uid] if event >= 0 else -nbytes[uid]
-    return totals
 
 
 def _saved_for_backward(trace: StepTrace, categories: list[Category]) -> int:

@@ -34,7 +34,8 @@ class ByteBreakdown:
 
     @property
     def rounding(self) -> int:
-        """Bytes added by the allocator's 512-byte block rounding at the peak."""
+        """Bytes the allocator adds at the peak: 512-byte rounding, and large blocks whose
+        remainder (≤ 1 MiB) is too small to split off and so counts as allocated."""
         return self.peak_allocated - sum(self.category(c) for c in Category)
 
     def category(self, category: Category) -> int:
@@ -110,7 +111,8 @@ class MemoryReport:
     textbook: Textbook | None = None
     modules: tuple[ModuleRow, ...] = ()
     first_iteration_peak: int = 0
-    peak_requested: int = 0  # the same simulation without the 512-byte rounding (CPU comparisons)
+    peak_requested: int = 0  # the same simulation without the allocator's rounding (CPU comparisons)
+    peak_reserved: int = 0  # segments the caching allocator would hold at its peak
     unsupported_ops: tuple[tuple[str, int], ...] = ()  # ops whose CUDA memory is approximated
     measurement: Measurement | None = None
     notes: tuple[str, ...] = field(default=())

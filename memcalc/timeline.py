@@ -6,36 +6,20 @@ optimizer state and activations together — every later iteration does. We trac
 build the second iteration from it (the same alloc/free order, with the storages still alive
 after the first iteration — optimizer state — already there), then replay both.
 
-Replaying is a single pass over integers: allocation sizes (rounded as the CUDA caching
-allocator rounds them), running totals per category, and a copy of those totals whenever
-a new peak is reached.
+The replay itself is :mod:`memcalc.allocator` (the CUDA caching allocator model); this module
+builds the sequence it replays and reads the categories alive at the peak it finds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from .categories import Category, Phase
 from .trace import StepTrace
 
-__all__ = ("Program", "Peak", "final_categories", "build_program", "replay", "alive_at_end",
-           "CUDA_BLOCK_ROUNDING", "cuda_round")
-
-# c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize = 512; round_size() rounds every request
-# up to a multiple of it, and that rounded size is what max_memory_allocated counts.
-CUDA_BLOCK_ROUNDING = 512
-
-_CATEGORIES = list(Category)
-_CATEGORY_INDEX = {c: i for i, c in enumerate(_CATEGORIES)}
-
-
-def cuda_round(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator counts for a request of ``nbytes`` (0 stays 0)."""
-    if nbytes <= 0:
-        return 0
-    return -(-nbytes // CUDA_BLOCK_ROUNDING) * CUDA_BLOCK_ROUNDING
-
+__all__ = ("Program", "final_categories", "build_program", "alive_at_end", "category_totals_at",
+           "allocator_events")
 
 def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state: Iterable[int]) -> list[Category]:
     """One category per storage: explicit (parameters, buffers, inputs) first, then what the
@@ -107,44 +91,24 @@ def build_program(trace: StepTrace, iterations: int) -> Program:
     return Program(events=events, num_storages=n, iterations=min(iterations, 2), iteration_starts=tuple(starts))
 
 
-@dataclass(frozen=True)
-class Peak:
-    """The highest point of the curve and what was alive then."""
-
-    bytes: int
-    index: int  # index into Program.events of the allocation that reached the peak
-    key: int  # the allocation (program key) that reached the peak
-    by_category: dict[Category, int]
-
-
-def replay(program: Program, sizes: Sequence[int], categories: Sequence[Category],
-           until: int | None = None) -> Peak:
-    """The peak of live bytes over ``program.events[:until]`` (sizes already rounded)."""
+def category_totals_at(program: Program, nbytes: Sequence[int], categories: Sequence[Category],
+                       index: int) -> dict[Category, int]:
+    """Requested bytes per category alive just after ``program.events[index]``."""
+    totals = {c: 0 for c in Category}
     n = program.num_storages
-    cat_index = [_CATEGORY_INDEX[c] for c in categories]
-    totals = [0] * len(_CATEGORIES)
-    current = 0
-    best = -1
-    best_index = best_key = 0
-    best_totals = totals[:]
+    for event in program.events[: index + 1]:
+        uid = (event if event >= 0 else ~event) % n
+        totals[categories[uid]] += nbytes[uid] if event >= 0 else -nbytes[uid]
+    return totals
+
+
+def allocator_events(program: Program, nbytes: Sequence[int], until: int | None = None):
+    """The program as ``(+1, key, nbytes)`` / ``(-1, key, 0)`` events for
+    :func:`memcalc.allocator.replay`."""
+    n = program.num_storages
     events = program.events if until is None else program.events[:until]
-    for index, event in enumerate(events):
+    for event in events:
         if event >= 0:
-            uid = event % n
-            size = sizes[uid]
-            current += size
-            totals[cat_index[uid]] += size
-            if current > best:
-                best, best_index, best_key = current, index, event
-                best_totals = totals[:]
+            yield (1, event, nbytes[event % n])
         else:
-            uid = (~event) % n
-            size = sizes[uid]
-            current -= size
-            totals[cat_index[uid]] -= size
-    by_category = {c: best_totals[i] for i, c in enumerate(_CATEGORIES)}
-    return Peak(bytes=max(best, 0), index=best_index, key=best_key, by_category=by_category)
-
-
-def rounded_sizes(trace: StepTrace, rounding: Callable[[int], int] = cuda_round) -> list[int]:
-    return [rounding(n) for n in trace.nbytes]
+            yield (-1, ~event, 0)
