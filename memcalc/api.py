@@ -134,6 +134,7 @@ def estimate(
     loss: LossChoice | str | None = None,
     seq_len: int | None = None,
     module_depth: int = 1,
+    capacity: int | None = None,
 ) -> MemoryReport:
     """Estimate the GPU memory of one training (or eval) step of ``model``.
 
@@ -145,6 +146,9 @@ def estimate(
 
     ``loss_fn(output) -> scalar`` replaces the default loss (see :mod:`memcalc.losses`).
     ``module_depth`` chooses which modules the per-module table lists (1 = top-level children).
+    ``capacity``: bytes the caching allocator may reserve (device memory minus the CUDA
+    context); the report then says whether the step ``fits`` — replayed under that limit, with
+    the allocator's own recovery (freeing cached segments and retrying) before an OOM.
 
     The peak covers two training iterations, so optimizer state created at the first
     ``step()`` is counted with the activations of the next forward/backward.
@@ -159,11 +163,13 @@ def estimate(
         raise InvalidInputError(str(exc)) from None
     resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
     traced = trace_model(resolved, optimizer=spec.key, mode=mode, loss_fn=loss_fn, loss=loss)
-    return _report(resolved, traced, spec.key, mode, module_depth)
+    if capacity is not None and capacity <= 0:
+        raise InvalidInputError(f"capacity must be a positive number of bytes, got {capacity}")
+    return _report(resolved, traced, spec.key, mode, module_depth, capacity)
 
 
 def _report(resolved: ResolvedModel, traced: TracedStep, optimizer: Optimizer, mode: Mode,
-            module_depth: int) -> MemoryReport:
+            module_depth: int, capacity: int | None = None) -> MemoryReport:
     trace = traced.trace
     program = traced.program()
     stats = allocator.replay(allocator_events(program, trace.nbytes))
@@ -187,6 +193,7 @@ def _report(resolved: ResolvedModel, traced: TracedStep, optimizer: Optimizer, m
         activation_bytes=_saved_for_backward(trace, traced.categories) if mode is Mode.TRAIN
         else raw[Category.ACTIVATIONS],
     )
+    fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats)
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
@@ -208,7 +215,22 @@ def _report(resolved: ResolvedModel, traced: TracedStep, optimizer: Optimizer, m
         peak_requested=stats.peak_requested,
         peak_reserved=stats.peak_reserved,
         unsupported_ops=_approximated(trace),
+        capacity=capacity,
+        fits=fits,
+        reserved_within_capacity=reserved_within,
     )
+
+
+def _fit_under(program: Program, nbytes: list[int], capacity: int | None,
+               stats: allocator.AllocatorStats) -> tuple[bool | None, int | None]:
+    """Whether the step runs within ``capacity`` reserved bytes, and the peak reserved when it
+    does so under that limit (the allocator frees cached segments under pressure)."""
+    if capacity is None:
+        return None, None
+    if stats.peak_reserved <= capacity:
+        return True, stats.peak_reserved  # never under pressure: the same replay
+    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity)
+    return limited.oom_at is None, limited.peak_reserved
 
 
 def _saved_for_backward(trace: StepTrace, categories: list[Category]) -> int:

@@ -64,20 +64,26 @@ class SymbolicExecutionError(MemcalcError):
     ``nonzero``, Python branching on tensor values)."""
 
     def __init__(self, op: str, module: str, phase: str, cause: BaseException):
-        where = f"module {module!r}" if module else "the top level (outside any submodule)"
+        where = f"module {module!r}" if module else "the model's own forward (outside its submodules)"
         super().__init__(
-            f"op {op} cannot run symbolically during {phase} in {where}: {type(cause).__name__}: {cause}",
-            hint=_hint_for(op),
+            f"op {op} failed during {phase} in {where}: {type(cause).__name__}: {cause}",
+            hint=_hint_for(op, cause),
         )
         self.op = op
         self.module = module
         self.phase = phase
 
 
-def _hint_for(op: str) -> str:
-    if "_local_scalar_dense" in op or "nonzero" in op or "unique" in op or "masked_select" in op:
+_DATA_DEPENDENT = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "item")
+
+
+def _hint_for(op: str, cause: BaseException) -> str:
+    if any(name in op for name in _DATA_DEPENDENT):
         return ("The model reads tensor values (.item(), nonzero, boolean masks, or an `if` on a "
                 "tensor), which have no value when memcalc runs it without data. Make that branch "
                 "depend on shapes or configuration instead, or estimate the submodule separately.")
-    return ("The op has no shape-only (meta) implementation in this PyTorch version; check the "
-            "input shape (--input-shape / --seq-len), or report the op.")
+    if isinstance(cause, NotImplementedError) or "meta" in str(cause).lower() and "implement" in str(cause).lower():
+        return ("The op has no shape-only (meta) implementation in this PyTorch version, so memcalc "
+                "cannot run it without data; please report the op.")
+    return ("The op rejected the shapes it was given: check the input, --input-shape C,H,W for "
+            "vision models (one sample, no batch dimension) or --seq-len N for sequence models.")

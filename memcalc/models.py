@@ -67,7 +67,7 @@ class ResolvedModel:
 def resolve(
     model: Any,
     *,
-    batch_size: int | None,
+    batch_size: int | None = None,
     input_shape: Sequence[int] | None = None,
     seq_len: int | None = None,
     inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,

@@ -113,9 +113,21 @@ class MemoryReport:
     first_iteration_peak: int = 0
     peak_requested: int = 0  # the same simulation without the allocator's rounding (CPU comparisons)
     peak_reserved: int = 0  # segments the caching allocator would hold at its peak
+    capacity: int | None = None  # bytes the allocator may reserve, when a budget/GPU was given
+    fits: bool | None = None  # replayed under ``capacity`` without an OOM (None: no capacity)
+    reserved_within_capacity: int | None = None  # peak reserved in that replay
     unsupported_ops: tuple[tuple[str, int], ...] = ()  # ops whose CUDA memory is approximated
     measurement: Measurement | None = None
     notes: tuple[str, ...] = field(default=())
+
+    @property
+    def headroom(self) -> int | None:
+        """Bytes left under ``capacity`` at the peak: ``capacity − peak allocated`` when the
+        step fits (reserved-but-free cache can be reclaimed), negative by the shortfall when
+        it does not. None without a capacity."""
+        if self.capacity is None:
+            return None
+        return self.capacity - self.bytes.peak_allocated
 
     @property
     def peak_location(self) -> str:

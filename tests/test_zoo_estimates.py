@@ -1,0 +1,27 @@
+"""Every zoo entry estimates in train mode with Adam (on meta, on this CPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+
+import memcalc
+import models_zoo
+from memcalc import Category
+
+
+@pytest.mark.parametrize("name", models_zoo.names())
+def test_every_zoo_entry_estimates_with_adam(name):
+    r = memcalc.estimate(name, batch_size=1, optimizer="adam")
+    entry = models_zoo.get(name)
+    assert r.parameters == entry.reference_parameters
+    # params fp32; Adam's two moments; the categories and the rounding add up to the peak
+    assert r.bytes.parameters == 4 * r.parameters
+    assert sum(r.bytes.category(c) for c in Category) + r.bytes.rounding == r.bytes.peak_allocated
+    assert r.bytes.peak_allocated >= r.bytes.parameters * 3  # weights + two moments at least
+
+
+def test_llama_70b_long_sequence_finishes_small():
+    # The issue's command: memcalc llama-2-70b --batch 1 --seq-len 4096 --optim adamw
+    r = memcalc.estimate("llama-2-70b", batch_size=1, seq_len=4096, optimizer="adamw")
+    assert r.parameters == 68_976_648_192
+    assert r.bytes.optimizer_state >= 2 * r.bytes.parameters or r.peak_iteration == 1
