@@ -68,7 +68,7 @@ def _breakdown(report: MemoryReport, fmt: str, unit: Unit | str) -> str:
         value = b.category(category)
         detail = f"{report.parameters:,} params" if category is Category.PARAMETERS else ""
         rows.append([_CATEGORY_LABELS[category], format_bytes(value, unit), _share(value, b.peak_allocated), detail])
-    rows.append(["allocator rounding (512 B blocks)", format_bytes(b.rounding, unit), _share(b.rounding, b.peak_allocated), ""])
+    rows.append(["allocator block rounding", format_bytes(b.rounding, unit), _share(b.rounding, b.peak_allocated), ""])
     rows.append(["peak allocated", format_bytes(b.peak_allocated, unit), "100.0%", report.peak_location])
     return tabulate(rows, headers=["at the peak", "memory (binary units)", "share", ""], tablefmt=fmt,
                     colalign=("left", "right", "right", "left"), disable_numparse=True)
