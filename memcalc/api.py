@@ -2,34 +2,30 @@
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from typing import Any, ContextManager, Sequence
 
 import torch
 from torch import nn
 
+from . import allocator
 from .categories import Category, Mode, Phase
-from .errors import InvalidInputError, MemcalcError, SymbolicExecutionError
+from .emulation import CudaEmulation
+from .errors import InvalidInputError, MemcalcError
 from .losses import LossChoice, LossFn
 from .models import ResolvedModel, resolve
-from .optimizers import Optimizer, spec_for
+from .optimizers import Optimizer
+from .options import EstimateOptions, Target
+from .precision import Precision
 from .report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
-from .step import run_step
-from . import allocator
+from .step import StepConfig, run_step
 from .timeline import Program, allocator_events, build_program, category_totals_at, final_categories
 from .trace import StepTrace, StorageTracer
+from .transforms import apply_checkpointing, apply_precision, cast_inputs, kv_elements_per_token
+from .workspaces import WorkspaceModel
 
 __all__ = ("estimate", "trace_model", "TracedStep")
-
-# Ops whose CUDA kernels allocate memory the meta kernels don't show (cuDNN convolution
-# workspace, cuDNN RNN reserve space, fused attention kernels): reported as approximated.
-_APPROXIMATED_OPS = {
-    "convolution.default": "cuDNN convolution workspace not modelled",
-    "convolution_backward.default": "cuDNN convolution workspace not modelled",
-    "_cudnn_rnn.default": "cuDNN RNN workspace not modelled",
-    "_scaled_dot_product_flash_attention_for_cpu.default": "attention kernel choice not modelled (CPU kernel)",
-    "_scaled_dot_product_efficient_attention.default": "attention kernel choice not modelled",
-}
 
 
 class _TracerObserver:
@@ -64,38 +60,87 @@ class _TracerObserver:
         self.tracer.stop()
 
 
+class EmulatedGradScaler:
+    """``torch.amp.GradScaler``'s device work without its host syncs: a 1-element scale, the
+    scaled loss, ``_amp_foreach_non_finite_check_and_unscale_`` on the gradients (in place)
+    and ``_amp_update_scale_``. The real ``step`` reads ``found_inf.item()``, which has no value
+    on meta; a finite step is assumed."""
+
+    def __init__(self, device: torch.device):
+        self._scale = torch.full((1,), 65536.0, device=device)
+        self._growth = torch.zeros((1,), dtype=torch.int32, device=device)
+        self._found_inf = torch.zeros((1,), device=device)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self._scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        inv_scale = self._scale.double().reciprocal().float()
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, self._found_inf, inv_scale)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def update(self) -> None:
+        torch._amp_update_scale_(self._scale, self._growth, self._found_inf, 2.0, 0.5, 2000)
+
+
 class TracedStep:
     """The raw result of tracing one step: the trace, final categories, module data."""
 
-    def __init__(self, trace: StepTrace, categories: list[Category], tracer: StorageTracer,
-                 loss: str, mode: Mode):
+    def __init__(self, trace: StepTrace, categories: list[Category], tracer: StorageTracer, loss: str,
+                 options: EstimateOptions, attention: dict[str, int], notes: list[str]):
         self.trace = trace
         self.categories = categories
         self.output_shapes = dict(tracer.modules.output_shapes)
         self.module_order = list(tracer.modules.order)
         self.loss = loss
-        self.mode = mode
+        self.options = options
+        self.mode = options.mode
+        self.attention = attention
+        self.notes = notes
 
     def program(self) -> Program:
         return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1)
 
 
-def trace_model(resolved: ResolvedModel, *, optimizer: Optimizer | str = Optimizer.ADAM,
-                mode: Mode | str = Mode.TRAIN, loss_fn: LossFn | None = None,
-                loss: LossChoice | str | None = None) -> TracedStep:
-    """Run one step of ``resolved`` under the tracer (the estimator's engine, without the report)."""
-    mode = Mode(mode)
-    spec = spec_for(optimizer)
+def trace_model(resolved: ResolvedModel, options: EstimateOptions | None = None, **option_values: Any) -> TracedStep:
+    """Run one step of ``resolved`` under the tracer (the engine, without the report)."""
+    options = options or EstimateOptions.create(**option_values)
     module = resolved.module
-    tracer = StorageTracer("meta")
+    notes: list[str] = []
+    apply_precision(module, options.precision)
+    inputs = cast_inputs(resolved.inputs, options.precision)
+    if options.checkpoint:
+        containers = resolved.entry.block_containers if resolved.entry is not None else ()
+        count = apply_checkpointing(module, containers, resolved.name)
+        notes.append(f"activation checkpointing on {count} blocks ({', '.join(containers)})")
+    emulation = CudaEmulation(options.precision, options.gpu.compute_capability,
+                              emulate_kernels=options.emulate_cuda)
+    workspaces = WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN) if options.emulate_cuda else None
+    tracer = StorageTracer("meta", after_op=workspaces.after_op if workspaces else None)
+    if workspaces is not None:
+        workspaces.attach(tracer)
     observer = _TracerObserver(tracer)
-    _register_preexisting(tracer, module, resolved.inputs)
+    _register_preexisting(tracer, module, inputs)
+    if options.kv_cache is not None:
+        notes.append(_register_kv_cache(tracer, module, inputs, options))
     tracer.modules.install(module)
-    loss_choice = loss if loss is not None else resolved.loss
+    config = StepConfig(
+        mode=options.mode, optimizer=options.optimizer,
+        loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
+        accum_steps=options.accum_steps, autocast=emulation.autocast if options.precision.is_amp else nullcontext,
+        scaler_factory=(lambda: EmulatedGradScaler(torch.device("meta"))) if options.precision.uses_grad_scaler
+        and options.mode is Mode.TRAIN else None,
+    )
     try:
-        with tracer:
-            outcome = run_step(module, resolved.inputs, mode=mode, optimizer=spec, loss=loss_choice,
-                               loss_fn=loss_fn, iterations=1, observer=observer)
+        with tracer, emulation:
+            outcome = run_step(module, inputs, config, observer)
     except MemcalcError:
         raise
     except Exception as exc:
@@ -108,9 +153,14 @@ def trace_model(resolved: ResolvedModel, *, optimizer: Optimizer | str = Optimiz
         tracer.modules.remove()
         trace = tracer.stop()
     categories = final_categories(trace, observer.gradient_uids, observer.state_uids)
-    loss_name = "custom loss_fn" if loss_fn is not None else (
-        outcome.loss_kind.value if outcome.loss_kind is not None else "none (eval)")
-    return TracedStep(trace, categories, tracer, loss_name, mode)
+    loss_name = "custom loss_fn" if options.loss_fn is not None else (
+        outcome.loss_kind.value if outcome.loss_kind is not None else f"none ({options.mode.value})")
+    if workspaces is not None:
+        notes.extend(workspaces.notes())
+    if options.emulate_cuda and any(isinstance(m, nn.RNNBase) for m in module.modules()):
+        notes.append("recurrent layers: on CUDA nn.LSTM/GRU/RNN run cuDNN's fused kernel with a reserve buffer "
+                     "that memcalc does not model; the estimate follows the step-by-step decomposition")
+    return TracedStep(trace, categories, tracer, loss_name, options, dict(emulation.attention_backends), notes)
 
 
 def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
@@ -120,6 +170,23 @@ def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequ
         tracer.preexisting(b, Category.BUFFERS)
     for t in inputs:
         tracer.preexisting(t, Category.INPUTS)
+
+
+def _register_kv_cache(tracer: StorageTracer, module: nn.Module, inputs: Sequence[torch.Tensor],
+                       options: EstimateOptions) -> str:
+    """A static KV cache sized for prompt + generated tokens, allocated before the prefill
+    (as Hugging Face's StaticCache is): 2 (K, V) are counted in ``kv_elements_per_token``."""
+    per_token = kv_elements_per_token(module)
+    if per_token == 0 or not inputs or inputs[0].dim() != 2:
+        raise InvalidInputError("--kv-cache needs a decoder language model taking token ids (B, T) "
+                                "with k_proj/v_proj or c_attn attention projections")
+    batch, prompt = int(inputs[0].shape[0]), int(inputs[0].shape[1])
+    tokens = prompt + int(options.kv_cache or 0)
+    itemsize = torch.empty((), dtype=options.precision.compute_dtype).element_size()
+    nbytes = per_token * batch * tokens * itemsize
+    tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True)
+    return (f"KV cache for {tokens} tokens ({prompt} prompt + {options.kv_cache} generated) × batch {batch}: "
+            f"{per_token:,} elements per token across layers; the prefill forward is simulated")
 
 
 def estimate(
@@ -133,10 +200,16 @@ def estimate(
     loss_fn: LossFn | None = None,
     loss: LossChoice | str | None = None,
     seq_len: int | None = None,
+    precision: Precision | str = Precision.FP32,
+    gpu: Any = None,
+    checkpoint: bool = False,
+    accum_steps: int = 1,
+    kv_cache: int | None = None,
     module_depth: int = 1,
     capacity: int | None = None,
+    target: str = Target.CUDA,
 ) -> MemoryReport:
-    """Estimate the GPU memory of one training (or eval) step of ``model``.
+    """Estimate the GPU memory of one training (or eval / inference) step of ``model``.
 
     ``model``: a zoo name (``"resnet50"``), a source string (``"my.py:make_model"``,
     ``"hf:gpt2"``), an ``nn.Module`` (never modified, never copied to memory: memcalc works on
@@ -144,33 +217,36 @@ def estimate(
     (one sample's shape; the batch dimension is added), ``seq_len`` for token models, or
     ``inputs`` (tensors whose shapes are used, batch included).
 
+    ``precision``: ``fp32``, ``amp-fp16``, ``amp-bf16`` (CUDA autocast emulated op by op),
+    ``fp16``, ``bf16`` (the whole model in that dtype). ``gpu``: a catalogue name
+    (``"h100-80gb"``) or a :class:`~memcalc.gpus.GpuProfile`; it drives attention-kernel choice
+    and workspaces, adds its CUDA context, and makes ``fits``/``headroom`` answer for its memory
+    (default: a generic sm80-class profile without a capacity). ``checkpoint``: activation
+    checkpointing per block of a zoo model. ``accum_steps``: micro-batches of ``batch_size``
+    per optimizer step. ``kv_cache``: tokens to generate (``mode="inference"``, decoder LLMs).
     ``loss_fn(output) -> scalar`` replaces the default loss (see :mod:`memcalc.losses`).
-    ``module_depth`` chooses which modules the per-module table lists (1 = top-level children).
-    ``capacity``: bytes the caching allocator may reserve (device memory minus the CUDA
-    context); the report then says whether the step ``fits`` — replayed under that limit, with
-    the allocator's own recovery (freeing cached segments and retrying) before an OOM.
+    ``capacity``: bytes the caching allocator may reserve, overriding the GPU's.
+    ``target="cpu"`` turns the CUDA emulation off, to compare with a real CPU run.
 
     The peak covers two training iterations, so optimizer state created at the first
     ``step()`` is counted with the activations of the next forward/backward.
     """
-    try:
-        mode = Mode(mode)
-    except ValueError:
-        raise InvalidInputError(f"unknown mode {mode!r}; choose one of: {', '.join(m.value for m in Mode)}") from None
-    try:
-        spec = spec_for(optimizer)
-    except ValueError as exc:
-        raise InvalidInputError(str(exc)) from None
-    resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
-    traced = trace_model(resolved, optimizer=spec.key, mode=mode, loss_fn=loss_fn, loss=loss)
+    options = EstimateOptions.create(optimizer=optimizer, mode=mode, precision=precision, gpu=gpu, loss=loss,
+                                     loss_fn=loss_fn, accum_steps=accum_steps, checkpoint=checkpoint,
+                                     kv_cache=kv_cache, target=target)
     if capacity is not None and capacity <= 0:
         raise InvalidInputError(f"capacity must be a positive number of bytes, got {capacity}")
-    return _report(resolved, traced, spec.key, mode, module_depth, capacity)
+    resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
+    traced = trace_model(resolved, options)
+    if capacity is None and options.gpu_named:
+        capacity = options.gpu.usable_memory
+    return _report(resolved, traced, options, module_depth, capacity)
 
 
-def _report(resolved: ResolvedModel, traced: TracedStep, optimizer: Optimizer, mode: Mode,
-            module_depth: int, capacity: int | None = None) -> MemoryReport:
+def _report(resolved: ResolvedModel, traced: TracedStep, options: EstimateOptions, module_depth: int,
+            capacity: int | None) -> MemoryReport:
     trace = traced.trace
+    mode = options.mode
     program = traced.program()
     stats = allocator.replay(allocator_events(program, trace.nbytes))
     peak_index = max(stats.peak_index, 0)
@@ -178,25 +254,29 @@ def _report(resolved: ResolvedModel, traced: TracedStep, optimizer: Optimizer, m
     breakdown = ByteBreakdown(
         parameters=raw[Category.PARAMETERS], buffers=raw[Category.BUFFERS], inputs=raw[Category.INPUTS],
         gradients=raw[Category.GRADIENTS], optimizer_state=raw[Category.OPTIMIZER_STATE],
-        activations=raw[Category.ACTIVATIONS], workspace=raw[Category.WORKSPACE],
+        activations=raw[Category.ACTIVATIONS], workspace=raw[Category.WORKSPACE], kv_cache=raw[Category.KV_CACHE],
         peak_allocated=stats.peak_allocated,
     )
     first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[-1])) \
         if program.iterations > 1 else stats
-    spec = spec_for(optimizer)
+    spec = options.optimizer
     module = resolved.module
     param_bytes = sum(trace.nbytes[u] for u in trace.preexisting if traced.categories[u] is Category.PARAMETERS)
+    training = mode is Mode.TRAIN
     textbook = Textbook(
         parameter_bytes=param_bytes,
-        multiplier=spec.textbook_multiplier if mode is Mode.TRAIN else 1,
-        terms=spec.textbook_terms if mode is Mode.TRAIN else "weights",
-        activation_bytes=_saved_for_backward(trace, traced.categories) if mode is Mode.TRAIN
-        else raw[Category.ACTIVATIONS],
+        multiplier=spec.textbook_multiplier if training else 1,
+        terms=spec.textbook_terms if training else "weights",
+        activation_bytes=_saved_for_backward(trace, traced.categories) if training else raw[Category.ACTIVATIONS],
     )
     fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats)
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
+    notes = list(traced.notes)
+    if (warning := options.precision_warning()) is not None:
+        notes.append(warning)
+        warnings.warn(warning, stacklevel=3)
     return MemoryReport(
         model=resolved.name,
         batch_size=resolved.batch_size,
@@ -214,11 +294,25 @@ def _report(resolved: ResolvedModel, traced: TracedStep, optimizer: Optimizer, m
         first_iteration_peak=first.peak_allocated,
         peak_requested=stats.peak_requested,
         peak_reserved=stats.peak_reserved,
-        unsupported_ops=_approximated(trace),
+        unsupported_ops=_approximated(trace, options),
         capacity=capacity,
         fits=fits,
         reserved_within_capacity=reserved_within,
+        precision=options.precision,
+        gpu=options.gpu,
+        gpu_named=options.gpu_named,
+        attention_backend=_main_backend(traced.attention),
+        attention_calls=tuple(sorted(traced.attention.items())),
+        accum_steps=options.accum_steps,
+        checkpoint=options.checkpoint,
+        notes=tuple(notes),
     )
+
+
+def _main_backend(attention: dict[str, int]) -> str | None:
+    if not attention:
+        return None
+    return max(attention.items(), key=lambda item: item[1])[0]
 
 
 def _fit_under(program: Program, nbytes: list[int], capacity: int | None,
@@ -236,12 +330,7 @@ def _fit_under(program: Program, nbytes: list[int], capacity: int | None,
 def _saved_for_backward(trace: StepTrace, categories: list[Category]) -> int:
     """Activation bytes alive when backward starts (what autograd saved, plus the output)."""
     start = trace.phase_starts.get(Phase.BACKWARD, len(trace.events))
-    alive: set[int] = set()
-    for event in trace.events[:start]:
-        if event >= 0:
-            alive.add(event)
-        else:
-            alive.discard(~event)
+    alive = alive_after(trace, start)
     return sum(trace.nbytes[u] for u in alive if categories[u] is Category.ACTIVATIONS)
 
 
@@ -272,6 +361,7 @@ def _module_rows(module: nn.Module, traced: TracedStep, depth: int) -> tuple[Mod
 
 
 def alive_after(trace: StepTrace, index: int) -> set[int]:
+    """Storages born during the step and alive just before ``trace.events[index]``."""
     alive: set[int] = set()
     for event in trace.events[:index]:
         if event >= 0:
@@ -281,5 +371,11 @@ def alive_after(trace: StepTrace, index: int) -> set[int]:
     return alive
 
 
-def _approximated(trace: StepTrace) -> tuple[tuple[str, int], ...]:
-    return tuple((op, count) for op, count in sorted(trace.op_counts.items()) if op in _APPROXIMATED_OPS)
+# Ops whose CUDA memory memcalc approximates (the report lists them with their counts).
+_APPROXIMATED_CUDA = {"convolution.default", "convolution_backward.default"}  # cuDNN workspace: a model
+_APPROXIMATED_CPU = {"convolution.default", "convolution_backward.default"}
+
+
+def _approximated(trace: StepTrace, options: EstimateOptions) -> tuple[tuple[str, int], ...]:
+    names = _APPROXIMATED_CUDA if options.emulate_cuda else _APPROXIMATED_CPU
+    return tuple((op, count) for op, count in sorted(trace.op_counts.items()) if op in names)

@@ -19,6 +19,7 @@ class Category(str, enum.Enum):
     OPTIMIZER_STATE = "optimizer_state"  # storages held in optimizer.state after the step
     ACTIVATIONS = "activations"  # created in forward/loss; alive during backward = saved for backward
     WORKSPACE = "workspace"  # temporaries: activation gradients, optimizer scratch, kernel workspaces
+    KV_CACHE = "kv_cache"  # keys and values kept for generation (inference with a KV cache)
 
 
 class Phase(str, enum.Enum):
@@ -35,7 +36,9 @@ class Phase(str, enum.Enum):
 class Mode(str, enum.Enum):
     """``train`` runs forward, loss, backward, optimizer step and zero_grad (two iterations, so
     that the steady state with optimizer state already allocated is covered); ``eval`` runs
-    the forward only, under ``torch.no_grad()`` with the model in eval mode."""
+    the forward only, under ``torch.no_grad()`` with the model in eval mode; ``inference``
+    the same under ``torch.inference_mode()`` (with a KV cache for decoder LLMs on request)."""
 
     TRAIN = "train"
     EVAL = "eval"
+    INFERENCE = "inference"

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
-from torch import nn
 
-from .categories import Mode
-from .losses import LossChoice
 from .models import ResolvedModel, resolve
-from .optimizers import Optimizer, spec_for
+from .options import EstimateOptions, Target
 from .report import Measurement, MemoryReport
-from .step import run_step
+from .step import StepConfig, run_step
+from .transforms import apply_checkpointing, apply_precision, cast_inputs, kv_elements_per_token
 
 __all__ = ("measure", "measure_cpu", "measure_cuda", "attach_measurement", "storage_bytes")
 
@@ -41,22 +40,51 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _step(module: nn.Module, inputs, optimizer: Optimizer | str, mode: Mode | str, loss) -> None:
-    run_step(module, inputs, mode=Mode(mode), optimizer=spec_for(optimizer),
-             loss=loss if loss is not None else LossChoice.AUTO, iterations=2)
+def _prepare(resolved: ResolvedModel, device: torch.device, options: EstimateOptions):
+    """The real model and inputs with the same transforms the estimate applies, and a KV
+    cache of the estimated size when one is asked for (the zoo's models have no cache of their
+    own: a buffer of the same size stands for it)."""
+    module, inputs = resolved.build_real(device)
+    apply_precision(module, options.precision)
+    inputs = cast_inputs(inputs, options.precision)
+    if options.checkpoint:
+        containers = resolved.entry.block_containers if resolved.entry is not None else ()
+        apply_checkpointing(module, containers, resolved.name)
+    keep: list[torch.Tensor] = []
+    if options.kv_cache is not None:
+        batch, prompt = inputs[0].shape
+        itemsize = torch.empty((), dtype=options.precision.compute_dtype).element_size()
+        elements = kv_elements_per_token(module) * batch * (prompt + options.kv_cache)
+        keep.append(torch.empty(elements * itemsize, dtype=torch.uint8, device=device))
+    return module, inputs, keep
 
 
-def measure_cpu(resolved: ResolvedModel, *, optimizer: Optimizer | str, mode: Mode | str,
-                loss: Any = None) -> Measurement:
+def _config(resolved: ResolvedModel, options: EstimateOptions, device: torch.device) -> StepConfig:
+    """The step program with real autocast and a real GradScaler (on CUDA)."""
+    autocast: Any = nullcontext
+    scaler = None
+    if options.precision.is_amp:
+        dtype = options.precision.compute_dtype
+        autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+        if options.precision.uses_grad_scaler and device.type == "cuda":
+            scaler = lambda: torch.amp.GradScaler("cuda")  # noqa: E731
+    return StepConfig(mode=options.mode, optimizer=options.optimizer,
+                      loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
+                      iterations=2, accum_steps=options.accum_steps, autocast=autocast, scaler_factory=scaler)
+
+
+def measure_cpu(resolved: ResolvedModel, options: EstimateOptions | None = None, **option_values: Any) -> Measurement:
     """Peak CPU bytes of the real step, from the profiler's allocation events."""
     from torch.profiler import ProfilerActivity, profile
 
-    module, inputs = resolved.build_real(torch.device("cpu"))
-    loss = loss if loss is not None else resolved.loss
+    options = options or EstimateOptions.create(target=Target.CPU, **option_values)
+    device = torch.device("cpu")
+    module, inputs, _kv = _prepare(resolved, device, options)
+    config = _config(resolved, options, device)
     before = storage_bytes([*module.parameters(), *module.buffers(), *inputs])
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(module, inputs, optimizer, mode, loss)
+        run_step(module, inputs, config)
     peak = before + _profiler_peak(prof)
     return Measurement(device="cpu (torch.profiler)", peak_allocated=peak,
                        note="CPU measurement: CPU kernels' own workspaces differ from CUDA's")
@@ -76,22 +104,22 @@ def _profiler_peak(prof: Any) -> int:
     return peak
 
 
-def measure_cuda(resolved: ResolvedModel, *, optimizer: Optimizer | str, mode: Mode | str,
-                 loss: Any = None, device: torch.device | None = None) -> Measurement:
+def measure_cuda(resolved: ResolvedModel, options: EstimateOptions | None = None, *,
+                 device: torch.device | None = None, **option_values: Any) -> Measurement:
     """``max_memory_allocated`` / ``max_memory_reserved`` of the real step on a GPU."""
+    options = options or EstimateOptions.create(**option_values)
     device = device or torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device)
-    loss = loss if loss is not None else resolved.loss
     module = inputs = None
     try:
         gc.collect()
         torch.cuda.empty_cache()
         _warm_cublas(device)
         workspace = torch.cuda.memory_allocated(device)
-        module, inputs = resolved.build_real(device)
+        module, inputs, _kv = _prepare(resolved, device, options)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        _step(module, inputs, optimizer, mode, loss)
+        run_step(module, inputs, _config(resolved, options, device))
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         reserved = torch.cuda.max_memory_reserved(device)
@@ -114,24 +142,31 @@ def _warm_cublas(device: torch.device) -> None:
 
 
 def measure(model: Any, *, batch_size: int | None = None, input_shape: Sequence[int] | None = None,
-            seq_len: int | None = None, inputs=None, optimizer: Optimizer | str = Optimizer.ADAM,
-            mode: Mode | str = Mode.TRAIN, loss: Any = None, device: str | None = None) -> Measurement:
-    """Measure the real step: on CUDA when available (or ``device="cuda..."``), else on CPU."""
+            seq_len: int | None = None, inputs=None, device: str | None = None, **option_values: Any) -> Measurement:
+    """Measure the real step: on CUDA when available (or ``device="cuda..."``), else on CPU.
+    ``option_values`` are :func:`memcalc.estimate`'s step options (optimizer, mode, precision...)."""
     resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
     use_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
     if use_cuda:
-        return measure_cuda(resolved, optimizer=optimizer, mode=mode, loss=loss,
-                            device=torch.device(device) if device else None)
-    return measure_cpu(resolved, optimizer=optimizer, mode=mode, loss=loss)
+        options = EstimateOptions.create(**option_values)
+        return measure_cuda(resolved, options, device=torch.device(device) if device else None)
+    options = EstimateOptions.create(target=Target.CPU, **{k: v for k, v in option_values.items() if k != "target"})
+    return measure_cpu(resolved, options)
 
 
 def attach_measurement(report: MemoryReport, model: Any, **kwargs: Any) -> MemoryReport:
     """``report`` with a real measurement of the same configuration attached.
 
-    A CUDA measurement is compared with ``peak_allocated`` (512-byte blocks, as CUDA counts);
-    a CPU one with the unrounded simulated peak, as the CPU allocator does not round.
+    A CUDA measurement is compared with ``peak_allocated`` (as CUDA counts it). A CPU one is
+    compared with a CPU-faithful re-estimate (no CUDA kernel emulation, no CUDA workspaces,
+    unrounded), since the CPU runs CPU kernels and its allocator does not round.
     """
-    measured = measure(model, **kwargs)
-    compared = report.bytes.peak_allocated if measured.device.startswith("cuda") else report.peak_requested
-    return dataclasses.replace(report, measurement=dataclasses.replace(measured, compared_with=compared))
+    from .api import estimate
 
+    measured = measure(model, **kwargs)
+    if measured.device.startswith("cuda"):
+        compared = report.bytes.peak_allocated
+    else:
+        option_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        compared = estimate(model, target=Target.CPU, **option_kwargs).peak_requested
+    return dataclasses.replace(report, measurement=dataclasses.replace(measured, compared_with=compared))

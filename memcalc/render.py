@@ -26,6 +26,7 @@ _CATEGORY_LABELS = {
     Category.OPTIMIZER_STATE: "optimizer state",
     Category.ACTIVATIONS: "activations (saved for backward)",
     Category.WORKSPACE: "temporaries / workspace",
+    Category.KV_CACHE: "KV cache",
 }
 
 
@@ -51,12 +52,22 @@ def render_report(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
+_MODE_TEXT = {Mode.TRAIN: "training step", Mode.EVAL: "eval forward (no_grad)",
+              Mode.INFERENCE: "inference forward (inference_mode)"}
+
+
 def _header(report: MemoryReport) -> str:
-    mode = "training step" if report.mode is Mode.TRAIN else "eval forward (no_grad)"
+    step = _MODE_TEXT[report.mode]
+    if report.mode is Mode.TRAIN:
+        step += f", optimizer {report.optimizer}"
+        if report.accum_steps > 1:
+            step += f", {report.accum_steps} accumulation steps"
+        if report.checkpoint:
+            step += ", checkpointing"
+    gpu = report.gpu.name if report.gpu_named else f"{report.gpu.key} CUDA GPU (no --gpu given)"
     lines = [
-        f"memcalc: {report.model}, batch {report.batch_size}, {mode}, optimizer {report.optimizer}",
-        f"input {report.input_description}; loss {report.loss}; "
-        f"{report.parameters:,} parameters",
+        f"memcalc: {report.model}, batch {report.batch_size}, {step}, {report.precision.value}",
+        f"on {gpu}; input {report.input_description}; loss {report.loss}; {report.parameters:,} parameters",
     ]
     return "\n".join(lines)
 
@@ -66,6 +77,8 @@ def _breakdown(report: MemoryReport, fmt: str, unit: Unit | str) -> str:
     rows = []
     for category in Category:
         value = b.category(category)
+        if category is Category.KV_CACHE and not value:
+            continue
         detail = f"{report.parameters:,} params" if category is Category.PARAMETERS else ""
         rows.append([_CATEGORY_LABELS[category], format_bytes(value, unit), _share(value, b.peak_allocated), detail])
     rows.append(["allocator block rounding", format_bytes(b.rounding, unit), _share(b.rounding, b.peak_allocated), ""])
@@ -84,6 +97,21 @@ def _peak_lines(report: MemoryReport, unit: Unit | str) -> str:
     if report.mode is Mode.TRAIN and report.peak_iteration == 2:
         lines.append(f"  reached in the second iteration (optimizer state allocated); "
                      f"the first iteration peaks at {format_bytes(report.first_iteration_peak, unit)}")
+    device = (f"peak reserved by the caching allocator: {format_bytes(report.peak_reserved, unit)}; "
+              f"+ CUDA context {format_bytes(report.cuda_context, unit)} (assumed for {report.gpu.key}) "
+              f"= {format_bytes(report.device_total, unit)} on the device")
+    lines.append(device)
+    if report.fits is not None:
+        if report.fits:
+            lines.append(f"fits in {format_bytes(report.capacity, unit)} ({report.gpu.name if report.gpu_named else 'budget'}): "
+                         f"yes, {format_bytes(report.headroom, unit)} headroom at the peak")
+        else:
+            lines.append(f"fits in {format_bytes(report.capacity, unit)} ({report.gpu.name if report.gpu_named else 'budget'}): "
+                         f"NO — out of memory; {format_bytes(-report.headroom, unit) if report.headroom < 0 else 'fragmentation'}"
+                         f" over at the peak")
+    if report.attention_calls:
+        calls = ", ".join(f"{backend} ×{count}" for backend, count in report.attention_calls)
+        lines.append(f"attention kernels (as CUDA would choose): {calls}")
     tb = report.textbook
     if tb is not None:
         lines.append(

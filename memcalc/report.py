@@ -2,9 +2,11 @@
 
 The JSON contract (README, "JSON output") is exactly::
 
-    {"model", "batch_size", "optimizer", "mode", "parameters", "peak_phase", "peak_module",
+    {"model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters",
+     "peak_phase", "peak_module", "attention_backend", "fits",
      "bytes": {"parameters", "buffers", "inputs", "gradients", "optimizer_state",
-               "activations", "workspace", "peak_allocated"}}
+               "activations", "workspace", "kv_cache", "peak_allocated", "peak_reserved",
+               "cuda_context"}}
 
 Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
 the CUDA caching allocator counts (each block rounded up to 512 B), so the categories plus
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .categories import Category, Mode, Phase
+from .gpus import GENERIC, GpuProfile
+from .precision import Precision
 
 __all__ = ("ByteBreakdown", "ModuleRow", "Textbook", "Measurement", "MemoryReport")
 
@@ -31,6 +35,7 @@ class ByteBreakdown:
     activations: int
     workspace: int
     peak_allocated: int
+    kv_cache: int = 0
 
     @property
     def rounding(self) -> int:
@@ -119,6 +124,24 @@ class MemoryReport:
     unsupported_ops: tuple[tuple[str, int], ...] = ()  # ops whose CUDA memory is approximated
     measurement: Measurement | None = None
     notes: tuple[str, ...] = field(default=())
+    precision: Precision = Precision.FP32
+    gpu: GpuProfile = GENERIC
+    gpu_named: bool = False  # False: the generic default profile was assumed
+    attention_backend: str | None = None  # the backend of most attention calls; None: no attention
+    attention_calls: tuple[tuple[str, int], ...] = ()  # every backend used, with its call count
+    accum_steps: int = 1
+    checkpoint: bool = False
+
+    @property
+    def cuda_context(self) -> int:
+        """The CUDA context (and libraries) of the GPU: never in max_memory_allocated, but it
+        is on the device, so it counts toward an OOM (an assumption per GPU: memcalc.gpus)."""
+        return self.gpu.cuda_context
+
+    @property
+    def device_total(self) -> int:
+        """What the device would really use: peak reserved + the CUDA context."""
+        return self.peak_reserved + self.cuda_context
 
     @property
     def headroom(self) -> int | None:
@@ -136,6 +159,7 @@ class MemoryReport:
             Phase.OPTIMIZER: "optimizer.step()",
             Phase.ZERO_GRAD: "zero_grad()",
             Phase.LOSS: "loss",
+            Phase.BACKWARD: "loss (before any module's backward)",
         }.get(self.peak_phase, "top level")
         return f"{self.peak_phase.value}, {where}"
 
@@ -146,8 +170,12 @@ class MemoryReport:
             "batch_size": self.batch_size,
             "optimizer": self.optimizer,
             "mode": self.mode.value,
+            "precision": self.precision.value,
+            "gpu": self.gpu.key,
             "parameters": self.parameters,
             "peak_phase": self.peak_phase.value,
             "peak_module": self.peak_module,
-            "bytes": self.bytes.to_dict(),
+            "attention_backend": self.attention_backend,
+            "fits": self.fits,
+            "bytes": self.bytes.to_dict() | {"peak_reserved": self.peak_reserved, "cuda_context": self.cuda_context},
         }

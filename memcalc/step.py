@@ -2,23 +2,26 @@
 tensors under the tracer (the estimate) and on real tensors (``--measure``), so that the two
 can never drift apart.
 
-One iteration is::
+One iteration is (``accum_steps`` micro-batches, then one optimizer step)::
 
-    output = model(*inputs)                       # forward
-    loss = loss_fn(output, targets)               # loss
-    loss.backward()                               # backward
-    optimizer.step()                              # optimizer (state created lazily at step 1)
+    for micro_batch in range(accum_steps):
+        with autocast():                          # a no-op at fp32 / pure fp16 / pure bf16
+            output = model(*inputs)               # forward
+            loss = loss_fn(output, targets) / accum_steps   # loss
+        scaler.scale(loss).backward()             # backward (scaler: amp-fp16 only)
+        del output, loss
+    scaler.unscale_(optimizer); scaler.step(optimizer); scaler.update()   # optimizer
     optimizer.zero_grad(set_to_none=True)         # zero_grad
-    del output, loss                              # a tidy loop: nothing survives the iteration
 
-``eval`` mode is ``model.eval()`` and one forward under ``torch.no_grad()``.
+``eval`` mode is ``model.eval()`` and one forward under ``torch.no_grad()``; ``inference``
+the same under ``torch.inference_mode()``.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, ContextManager, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -26,10 +29,10 @@ from torch import nn
 from models_zoo.registry import LossKind
 
 from .categories import Category, Mode, Phase
-from .losses import LossChoice, LossFn, compute_loss, make_targets, resolve_loss
+from .losses import LossChoice, LossFn, compute_loss, make_targets, primary_tensor, resolve_loss
 from .optimizers import OptimizerSpec
 
-__all__ = ("StepObserver", "StepOutcome", "run_step", "NullObserver")
+__all__ = ("StepObserver", "StepOutcome", "StepConfig", "Scaler", "run_step", "NullObserver")
 
 
 class StepObserver(Protocol):
@@ -64,41 +67,59 @@ class NullObserver:
         pass
 
 
+class Scaler(Protocol):
+    """The part of ``torch.amp.GradScaler``'s interface the step uses."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def step(self, optimizer: torch.optim.Optimizer) -> Any: ...
+    def update(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How to run the step. ``autocast`` is a factory of the context that wraps forward and
+    loss (``torch.autocast`` for real, memcalc's emulation on meta); ``scaler`` makes it an
+    amp-fp16 step."""
+
+    mode: Mode
+    optimizer: OptimizerSpec
+    loss: LossKind | LossChoice | str = LossChoice.AUTO
+    loss_fn: LossFn | None = None
+    iterations: int = 1
+    accum_steps: int = 1
+    foreach: bool = True
+    autocast: Callable[[], ContextManager[Any]] = field(default=nullcontext)
+    scaler_factory: Callable[[], Scaler] | None = None
+
+
 @dataclass(frozen=True)
 class StepOutcome:
-    loss_kind: LossKind | None  # None when a user loss_fn was given or in eval mode
+    loss_kind: LossKind | None  # None when a user loss_fn was given or without a loss
     output_shape: tuple[int, ...]
 
 
-def run_step(
-    model: nn.Module,
-    inputs: Sequence[torch.Tensor],
-    *,
-    mode: Mode,
-    optimizer: OptimizerSpec,
-    loss: LossKind | LossChoice | str = LossChoice.AUTO,
-    loss_fn: LossFn | None = None,
-    iterations: int = 1,
-    observer: StepObserver | None = None,
-    foreach: bool = True,
-) -> StepOutcome:
-    """Run ``iterations`` training iterations (or one eval forward) of ``model``.
+def run_step(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfig,
+             observer: StepObserver | None = None) -> StepOutcome:
+    """Run ``config.iterations`` training iterations (or one eval/inference forward).
 
     The caller owns ``model``; its train/eval flag is restored on the way out.
     """
     obs: StepObserver = observer or NullObserver()
     was_training = model.training
     try:
-        if mode is Mode.EVAL:
-            return _eval_forward(model, inputs, obs)
-        return _train(model, inputs, optimizer, loss, loss_fn, iterations, obs, foreach)
+        if config.mode is not Mode.TRAIN:
+            return _forward_only(model, inputs, config, obs)
+        return _train(model, inputs, config, obs)
     finally:
         model.train(was_training)
 
 
-def _eval_forward(model: nn.Module, inputs: Sequence[torch.Tensor], obs: StepObserver) -> StepOutcome:
+def _forward_only(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfig,
+                  obs: StepObserver) -> StepOutcome:
     model.eval()
-    with torch.no_grad():
+    grad_mode = torch.inference_mode() if config.mode is Mode.INFERENCE else torch.no_grad()
+    with grad_mode, config.autocast():
         obs.set_phase(Phase.FORWARD)
         output = model(*inputs)
         shape = _shape(output)
@@ -107,49 +128,59 @@ def _eval_forward(model: nn.Module, inputs: Sequence[torch.Tensor], obs: StepObs
     return StepOutcome(loss_kind=None, output_shape=shape)
 
 
-def _train(model, inputs, optimizer_spec, loss, loss_fn, iterations, obs, foreach) -> StepOutcome:
+def _train(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfig, obs: StepObserver) -> StepOutcome:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer_spec.build(params, foreach) if params else None
-    targets: tuple[torch.Tensor, ...] | None = None
+    opt = config.optimizer.build(params, config.foreach) if params else None
+    scaler = config.scaler_factory() if config.scaler_factory is not None else None
+    targets: tuple[torch.Tensor, ...] = ()
     kind: LossKind | None = None
     shape: tuple[int, ...] = ()
-    for _ in range(iterations):
-        obs.set_phase(Phase.FORWARD)
-        output = model(*inputs)
-        shape = _shape(output)
-        obs.set_phase(Phase.LOSS)
-        if loss_fn is not None:
-            loss_value = loss_fn(output)
-        else:
-            if kind is None:
-                kind = resolve_loss(loss, output)
-                targets = make_targets(kind, output)
-                for target in targets:
-                    obs.preexisting(target, Category.INPUTS)
-            loss_value = compute_loss(kind, output, targets or ())
-        obs.set_phase(Phase.BACKWARD)
-        if loss_value.requires_grad:
-            with obs.backward_context():
-                loss_value.backward()
+    for _ in range(config.iterations):
+        for _micro in range(config.accum_steps):
+            with config.autocast():
+                obs.set_phase(Phase.FORWARD)
+                output = model(*inputs)
+                shape = _shape(output)
+                obs.set_phase(Phase.LOSS)
+                if config.loss_fn is not None:
+                    loss_value = config.loss_fn(output)
+                else:
+                    if kind is None:
+                        kind = resolve_loss(config.loss, output)
+                        targets = make_targets(kind, output)
+                        for target in targets:
+                            obs.preexisting(target, Category.INPUTS)
+                    loss_value = compute_loss(kind, output, targets)
+                if config.accum_steps > 1:
+                    loss_value = loss_value / config.accum_steps
+            obs.set_phase(Phase.BACKWARD)
+            if loss_value.requires_grad:
+                scaled = scaler.scale(loss_value) if scaler is not None else loss_value
+                with obs.backward_context():
+                    scaled.backward()
+                del scaled
+            del output, loss_value
         obs.gradients_ready(params)
         if opt is not None:
             obs.set_phase(Phase.OPTIMIZER)
-            opt.step()
+            if scaler is not None:
+                scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
             obs.optimizer_stepped(opt)
         obs.set_phase(Phase.ZERO_GRAD)
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
-        del output, loss_value
     obs.finished()  # the optimizer (and its state) is still alive here, as in a real loop
     return StepOutcome(loss_kind=kind, output_shape=shape)
 
 
 def _shape(output: Any) -> tuple[int, ...]:
-    from .losses import primary_tensor
-
     try:
         return tuple(primary_tensor(output).shape)
     except TypeError:

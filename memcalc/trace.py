@@ -19,7 +19,7 @@ import weakref
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -61,9 +61,12 @@ class StorageTracer(TorchDispatchMode):
     ignored: they would not be on the GPU either.
     """
 
-    def __init__(self, device_type: str = "meta") -> None:
+    def __init__(self, device_type: str = "meta", after_op: Callable[[Any, tuple, dict, Any], None] | None = None) -> None:
         super().__init__()
         self.device_type = device_type
+        # Called after every op with (func, args, kwargs, out): kernel workspace rules that
+        # add synthetic allocations for memory the meta kernels do not show.
+        self.after_op = after_op
         self.trace = StepTrace()
         self.phase = Phase.SETUP
         self.modules = ModuleTracker()
@@ -79,6 +82,8 @@ class StorageTracer(TorchDispatchMode):
             raise SymbolicExecutionError(str(func), self.modules.current, self.phase.value, exc) from exc
         self.trace.op_counts[func.__name__] += 1
         self._see(out)
+        if self.after_op is not None:
+            self.after_op(func, args, kwargs or {}, out)
         return out
 
     def _see(self, out: Any) -> None:
@@ -133,6 +138,24 @@ class StorageTracer(TorchDispatchMode):
                 trace.events.remove(uid)
             except ValueError:
                 pass
+        return uid
+
+    def synthetic(self, nbytes: int, category: Category, *, persistent: bool, preexisting: bool = False) -> int:
+        """Record an allocation no tensor stands for: a kernel's workspace (freed at once
+        unless ``persistent``, like the cuBLAS workspace that lives as long as its handle),
+        or a pre-existing buffer such as a KV cache."""
+        trace = self.trace
+        uid = len(trace.nbytes)
+        trace.nbytes.append(int(nbytes))
+        trace.phase.append(Phase.SETUP if preexisting else self.phase)
+        trace.module.append("" if preexisting else self.modules.current)
+        trace.category.append(category)
+        if preexisting:
+            trace.preexisting.append(uid)
+        else:
+            trace.events.append(uid)
+            if not persistent:
+                trace.events.append(~uid)
         return uid
 
     def uid_of(self, tensor: torch.Tensor) -> int | None:

@@ -127,31 +127,13 @@ def _measure_and_estimate(case):
         kwargs = dict(inputs=case["inputs"](case["batch"]))
     mode = case.get("mode", "train")
     loss_fn = case.get("loss_fn")
-    estimate = memcalc.estimate(model, optimizer=case["optimizer"], mode=mode, loss_fn=loss_fn, **kwargs)
+    # target="cpu": no CUDA kernel emulation, no CUDA workspaces — the CPU runs CPU kernels
+    estimate = memcalc.estimate(model, optimizer=case["optimizer"], mode=mode, loss_fn=loss_fn, target="cpu",
+                                **kwargs)
     resolved = resolve(model, **kwargs)
     torch.manual_seed(0)
-    if loss_fn is not None:
-        measured = _measure_with_loss_fn(resolved, case["optimizer"], mode, loss_fn)
-    else:
-        measured = measure_cpu(resolved, optimizer=case["optimizer"], mode=mode)
+    measured = measure_cpu(resolved, optimizer=case["optimizer"], mode=mode, loss_fn=loss_fn)
     return estimate, measured.peak_allocated
-
-
-def _measure_with_loss_fn(resolved, optimizer, mode, loss_fn):
-    """measure_cpu with a custom loss: the same program, via the step runner's loss_fn."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from memcalc.categories import Mode
-    from memcalc.measure import _profiler_peak, storage_bytes
-    from memcalc.optimizers import spec_for
-    from memcalc.report import Measurement
-    from memcalc.step import run_step
-
-    module, inputs = resolved.build_real(torch.device("cpu"))
-    before = storage_bytes([*module.parameters(), *module.buffers(), *inputs])
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_step(module, inputs, mode=Mode(mode), optimizer=spec_for(optimizer), loss_fn=loss_fn, iterations=2)
-    return Measurement(device="cpu", peak_allocated=before + _profiler_peak(prof))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -49,14 +49,15 @@ def test_worked_example_shows_the_articles_numbers():
     assert result.exit_code == 0
     for figure in ("12,800 B", "2,048 B", "6,400 B"):
         assert figure in result.output
-    assert "21,504 B" in result.output  # peak: each block rounded up to 512 B
+    # peak: each block rounded up to 512 B (21,504 B) + the cuBLAS workspace of the first matmul
+    assert "8,541,184 B" in result.output and "cuBLAS workspace: 1 × 8,519,680 B" in result.output
 
 
 def test_json_contract_keys():
     result = run("mlp", "--batch", "8", "--format", "json")
     data = json.loads(result.output)
-    assert list(data) == ["model", "batch_size", "optimizer", "mode", "parameters", "peak_phase",
-                          "peak_module", "bytes"]
+    assert list(data) == ["model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters",
+                          "peak_phase", "peak_module", "attention_backend", "fits", "bytes"]
     assert data["batch_size"] == 8 and data["optimizer"] == "adam"
 
 

@@ -24,13 +24,24 @@ def test_fc_worked_example_components_exact():
     assert r.bytes.inputs == 12_800
     assert r.bytes.parameters == 2_048
     assert r.bytes.activations == 6_400
-    assert r.bytes.gradients == r.bytes.optimizer_state == r.bytes.workspace == r.bytes.buffers == 0
-    assert r.peak_requested == 21_248
+    assert r.bytes.gradients == r.bytes.optimizer_state == r.bytes.buffers == 0
+    # On a CUDA GPU the first matmul also creates cuBLAS's workspace through the caching
+    # allocator: 4096 KiB·2 + 16 KiB·8 = 8,519,680 B (default CUBLAS_WORKSPACE_CONFIG, non-Hopper).
+    assert r.bytes.workspace == 4096 * 1024 * 2 + 16 * 1024 * 8 == 8_519_680
+    assert r.peak_requested == 21_248 + 8_519_680
     # CUDA counts each storage as a block rounded up to 512 B:
-    #   12,800 = 25·512 stays;  2,048 = 4·512 stays;  6,400 → 13·512 = 6,656;  total 21,504 B.
-    assert r.bytes.peak_allocated == _round512(12_800) + _round512(2_048) + _round512(6_400) == 21_504
-    assert r.bytes.rounding == r.bytes.peak_allocated - 21_248
+    #   12,800 = 25·512 stays;  2,048 = 4·512 stays;  6,400 → 13·512 = 6,656;  total 21,504 B
+    #   (8,519,680 = 16,640·512 stays).
+    assert r.bytes.peak_allocated == _round512(12_800) + _round512(2_048) + _round512(6_400) + 8_519_680
+    assert r.bytes.rounding == r.bytes.peak_allocated - 21_248 - 8_519_680 == 256
     assert r.peak_phase is Phase.FORWARD
+
+
+def test_fc_worked_example_without_cuda_workspaces():
+    # target="cpu": the article's arithmetic alone, 21,248 B = 20.75 KiB.
+    r = memcalc.estimate("fc-32-16", batch_size=100, mode="eval", optimizer="none", target="cpu")
+    assert r.bytes.workspace == 0
+    assert r.peak_requested == 21_248
 
 
 def test_categories_plus_rounding_sum_to_peak():
@@ -119,9 +130,10 @@ def test_eval_mode_keeps_no_activations_for_backward():
     ev = memcalc.estimate("mlp", batch_size=512, mode="eval")
     assert ev.mode is Mode.EVAL
     assert ev.bytes.gradients == 0 and ev.bytes.optimizer_state == 0
-    # eval peak: params + input + at most two live activations (layer input and output):
-    # 7,454,760 + 512·784·4 + 512·1024·4·2 = 7,454,760 + 1,605,632 + 4,194,304
-    assert ev.peak_requested <= 7_454_760 + 1_605_632 + 4_194_304
+    # eval peak: params + input + at most two live activations (layer input and output)
+    # + the forward cuBLAS workspace:
+    # 7,454,760 + 512·784·4 + 512·1024·4·2 + 8,519,680 = 7,454,760 + 1,605,632 + 4,194,304 + 8,519,680
+    assert ev.peak_requested <= 7_454_760 + 1_605_632 + 4_194_304 + 8_519_680
     assert ev.bytes.peak_allocated < train.bytes.peak_allocated
 
 
@@ -171,9 +183,12 @@ def test_module_table_rows_and_depth():
 
 def test_to_dict_is_exactly_the_contract():
     d = memcalc.estimate("mlp", batch_size=4).to_dict()
-    assert set(d) == {"model", "batch_size", "optimizer", "mode", "parameters", "peak_phase", "peak_module", "bytes"}
+    assert set(d) == {"model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters", "peak_phase",
+                      "peak_module", "attention_backend", "fits", "bytes"}
     assert set(d["bytes"]) == {"parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations",
-                               "workspace", "peak_allocated"}
+                               "workspace", "kv_cache", "peak_allocated", "peak_reserved", "cuda_context"}
+    assert d["precision"] == "fp32" and d["gpu"] == "generic" and d["fits"] is None
+    assert d["attention_backend"] is None  # an MLP has no attention
     assert all(isinstance(v, int) for v in d["bytes"].values())
     assert d["model"] == "mlp" and d["batch_size"] == 4 and d["optimizer"] == "adam" and d["mode"] == "train"
 

@@ -1,0 +1,243 @@
+"""What a CUDA GPU does differently from meta tensors, emulated above autograd.
+
+Meta kernels ignore ``torch.autocast``, take the math path of
+``scaled_dot_product_attention`` (keeping the full attention matrix) and implement dropout as
+a float noise tensor; a CUDA GPU casts ops to fp16/bf16 by its own op lists, picks a fused
+attention kernel that saves only the output and a logsumexp, and keeps a 1-byte dropout mask.
+This ``TorchFunctionMode`` sits *above* autograd — so autograd records (and saves for
+backward) exactly what CUDA would — and rewrites those calls:
+
+- autocast (``amp-fp16``/``amp-bf16``, inside :meth:`CudaEmulation.autocast`): each call is
+  looked up in CUDA's autocast policy (:func:`memcalc.kernels.autocast_policy`, taken from
+  ``aten/src/ATen/autocast_mode.cpp``) and its floating arguments cast as CUDA would,
+  including the weight-cast cache (a float32 leaf that requires grad is cast once per
+  autocast region);
+- attention: the backend CUDA would choose (:func:`memcalc.kernels.choose_sdpa_backend`)
+  and the matching fused aten op, called directly (their meta kernels give CUDA's outputs);
+- dropout in training: ``aten.native_dropout``, CUDA's fused kernel (a bool mask).
+
+A function mode only sees the outermost call of a Python composite (its handler runs with the
+mode off), so for composites of ``torch.nn.functional`` (``multi_head_attention_forward``,
+...) the mode lets the composite's own torch-function check pass once and stays on for the
+calls inside it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import kernels
+from .errors import InvalidInputError
+from .precision import Precision
+
+__all__ = ("CudaEmulation",)
+
+_FLOATING_LOW = (torch.float16, torch.bfloat16)
+
+# Python-level names that differ from the aten op they reach.
+_ALIASES = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow",
+            "__ipow__": "pow", "scaled_dot_product_attention": "scaled_dot_product_attention"}
+
+# The names torch.nn.functional's composites use for their own torch-function check.
+_TORCH_FUNCTION_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _op_name(func: Callable[..., Any]) -> str:
+    name = getattr(func, "__name__", "")
+    return _ALIASES.get(name, name)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        mapped = [_map_tensors(v, fn) for v in value]
+        return type(value)(mapped) if isinstance(value, tuple) else mapped
+    return value
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_tensors(value, lambda t: (found.append(t) if t.is_floating_point() else None) or t)
+    return found
+
+
+class CudaEmulation(TorchFunctionMode):
+    """See the module docstring. ``compute_capability`` drives the attention backend."""
+
+    def __init__(self, precision: Precision, compute_capability: tuple[int, int], *, emulate_kernels: bool = True):
+        super().__init__()
+        self.precision = precision
+        self.compute_capability = compute_capability
+        self.emulate_kernels = emulate_kernels
+        self.autocast_dtype = precision.compute_dtype if precision.is_amp else None
+        self._autocast_depth = 0
+        self._cast_cache: dict[int, torch.Tensor] = {}
+        self.attention_backends: Counter[str] = Counter()
+
+    # ---- the autocast region ---------------------------------------------------------------
+    @contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The region ``torch.autocast`` would cover; the weight-cast cache is cleared when the
+        outermost region exits (``at::autocast::clear_cache``), so the cast copies that
+        autograd did not save are freed then."""
+        self._autocast_depth += 1
+        try:
+            yield
+        finally:
+            self._autocast_depth -= 1
+            if self._autocast_depth == 0:
+                self._cast_cache.clear()
+
+    @property
+    def autocasting(self) -> bool:
+        return self.autocast_dtype is not None and self._autocast_depth > 0
+
+    # ---- dispatch ---------------------------------------------------------------------------
+    def __torch_function__(self, func, types_, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = dict(kwargs or {})
+        name = _op_name(func)
+        if self.emulate_kernels and name == "scaled_dot_product_attention":
+            return self._attention(func, args, kwargs)
+        if self.emulate_kernels and name == "dropout" and func is F.dropout:
+            return self._dropout(func, args, kwargs)
+        if self.autocasting:
+            policy = kernels.autocast_policy(name)
+            if policy != "none":
+                return self._autocast_call(func, name, policy, args, kwargs)
+            if name == "cross_entropy":
+                return self._cross_entropy(args, kwargs)
+        if isinstance(func, types.FunctionType) and func.__module__ == "torch.nn.functional":
+            return self._composite(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _composite(self, func: types.FunctionType, args: tuple, kwargs: dict) -> Any:
+        """Run a torch.nn.functional composite with this mode on for the calls inside it: its
+        own torch-function check (its first statement) answers False once."""
+        namespace = func.__globals__
+        saved = {n: namespace[n] for n in _TORCH_FUNCTION_CHECKS if n in namespace}
+        if not saved:  # a wrapper without its own check (boolean_dispatch): call it as it is
+            return func(*args, **kwargs)
+
+        def once(*_a: Any, **_k: Any) -> bool:
+            namespace.update(saved)
+            return False
+
+        for n in saved:
+            namespace[n] = once
+        try:
+            with self:
+                return func(*args, **kwargs)
+        finally:
+            namespace.update(saved)
+
+    # ---- autocast ---------------------------------------------------------------------------
+    def _autocast_call(self, func, name: str, policy: str, args: tuple, kwargs: dict) -> Any:
+        low = self.autocast_dtype
+        assert low is not None
+        if policy == "lower":
+            args, kwargs = _map_tensors(args, lambda t: self._cast(t, low)), {
+                k: _map_tensors(v, lambda t: self._cast(t, low)) for k, v in kwargs.items()}
+        elif policy == "fp32":
+            args = _map_tensors(args, _to_fp32)
+            kwargs = {k: _map_tensors(v, _to_fp32) for k, v in kwargs.items()}
+        elif policy == "fp32_set_opt_dtype":
+            first = next(iter(_floating(args)), None)
+            if first is not None and kwargs.get("dtype") is None:
+                kwargs["dtype"] = torch.float32
+        elif policy == "promote":
+            floats = _floating(args) + _floating(list(kwargs.values()))
+            if floats:
+                widest = max((t.dtype for t in floats), key=lambda d: torch.finfo(d).bits)
+                args = _map_tensors(args, lambda t: t.to(widest) if t.is_floating_point() and t.dtype != widest else t)
+        elif policy == "banned":
+            raise InvalidInputError(
+                f"{name} is unsafe to autocast and CUDA refuses it under autocast",
+                hint="Use binary_cross_entropy_with_logits (or BCEWithLogitsLoss), as PyTorch's error says.")
+        return func(*args, **kwargs)
+
+    def _cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``cached_cast``: floating non-double tensors to ``dtype``; float32 leaves that
+        require grad (parameters) are cast once per autocast region."""
+        if not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
+            return tensor
+        cacheable = tensor.is_leaf and tensor.requires_grad and tensor.dtype is torch.float32
+        if cacheable:
+            cached = self._cast_cache.get(id(tensor))
+            if cached is not None:
+                return cached
+        cast = tensor.to(dtype)
+        if cacheable:
+            self._cast_cache[id(tensor)] = cast
+        return cast
+
+    def _cross_entropy(self, args: tuple, kwargs: dict) -> Any:
+        """``cross_entropy_loss`` is a C++ composite; under CUDA autocast its pieces are cast:
+        ``log_softmax`` runs with ``dtype=float32`` and ``nll_loss`` in float32."""
+        input_, target = args[0], args[1]
+        rest = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"), args[2:]))
+        rest.update(kwargs)
+        if rest.get("label_smoothing", 0.0) or not input_.is_floating_point() or target.is_floating_point():
+            return F.cross_entropy(_to_fp32(input_), target, **rest)
+        log_probs = F.log_softmax(input_, dim=1 if input_.dim() > 1 else 0, dtype=torch.float32)
+        rest.pop("label_smoothing", None)
+        return F.nll_loss(log_probs, target, **rest)
+
+    # ---- attention and dropout ---------------------------------------------------------------
+    def _attention(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        if self.autocasting:
+            low = self.autocast_dtype
+            q, k, v = (self._cast(t, low) for t in (q, k, v))
+        mask = bound.get("attn_mask")
+        dropout_p = float(bound.get("dropout_p", 0.0) or 0.0)
+        is_causal = bool(bound.get("is_causal", False))
+        scale = bound.get("scale")
+        enable_gqa = bool(bound.get("enable_gqa", False))
+        call = kernels.SdpaCall(
+            batch=int(q.shape[0]) if q.dim() == 4 else 1, heads_q=int(q.shape[-3]), heads_kv=int(k.shape[-3]),
+            seq_q=int(q.shape[-2]), seq_kv=int(k.shape[-2]), head_dim=int(q.shape[-1]), head_dim_v=int(v.shape[-1]),
+            dtype=q.dtype, has_mask=mask is not None, dropout_p=dropout_p, is_causal=is_causal,
+            requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            enable_gqa=enable_gqa)
+        backend = kernels.choose_sdpa_backend(call, self.compute_capability)
+        self.attention_backends[backend.value] += 1
+        aten = torch.ops.aten
+        if q.dim() == 4 and not enable_gqa:
+            if backend is kernels.AttentionBackend.FLASH:
+                return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+            if backend is kernels.AttentionBackend.EFFICIENT:
+                return aten._scaled_dot_product_efficient_attention(
+                    q, k, v, mask, call.requires_grad, dropout_p, is_causal, scale=scale)[0]
+            if backend is kernels.AttentionBackend.CUDNN:
+                return aten._scaled_dot_product_cudnn_attention(
+                    q, k, v, mask, call.requires_grad, dropout_p, is_causal, False, scale=scale)[0]
+        bound.update(query=q, key=k, value=v)
+        return func(**bound)
+
+    def _dropout(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        names = ("input", "p", "training", "inplace")
+        bound = {"p": 0.5, "training": True, "inplace": False}
+        bound.update(dict(zip(names, args)))
+        bound.update(kwargs)
+        x, p = bound["input"], float(bound["p"])
+        if not bound["training"] or bound["inplace"] or not 0.0 < p < 1.0 or not x.is_floating_point():
+            return func(*args, **kwargs)
+        # at::native::dropout: CUDA tensors take the fused native_dropout (mask: bool, 1 B/elt)
+        return torch.ops.aten.native_dropout(x, p, True)[0]
+
+
+def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_floating_point() and tensor.dtype in _FLOATING_LOW:
+        return tensor.float()
+    return tensor

@@ -1,0 +1,93 @@
+"""Everything that describes the step being estimated, converted once from user strings at
+the API boundary (``EstimateOptions.create``) so the engine only sees enums and numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import gpus
+from .categories import Mode
+from .errors import InvalidInputError
+from .losses import LossChoice, LossFn
+from .optimizers import Optimizer, OptimizerSpec, spec_for
+from .precision import Precision
+
+__all__ = ("EstimateOptions", "Target")
+
+
+class Target:
+    """What the simulation is faithful to: a CUDA GPU (the default) or the CPU (used to compare
+    with a real CPU run: no CUDA kernel emulation, no CUDA workspaces)."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class EstimateOptions:
+    optimizer: OptimizerSpec
+    mode: Mode
+    precision: Precision
+    gpu: gpus.GpuProfile
+    gpu_named: bool  # False when the generic default profile is used
+    loss: LossChoice | None
+    loss_fn: LossFn | None
+    accum_steps: int
+    checkpoint: bool
+    kv_cache: int | None  # tokens to generate with a KV cache (inference only)
+    target: str
+
+    @classmethod
+    def create(cls, *, optimizer: Any = "adam", mode: Any = "train", precision: Any = "fp32", gpu: Any = None,
+               loss: Any = None, loss_fn: LossFn | None = None, accum_steps: int = 1, checkpoint: bool = False,
+               kv_cache: int | None = None, target: str = Target.CUDA) -> "EstimateOptions":
+        mode_ = _enum(Mode, mode, "mode")
+        precision_ = _enum(Precision, precision, "precision")
+        try:
+            spec = spec_for(optimizer)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from None
+        if isinstance(gpu, gpus.GpuProfile):
+            profile, named = gpu, gpu is not gpus.GENERIC
+        elif gpu is None:
+            profile, named = gpus.GENERIC, False
+        else:
+            profile, named = gpus.get_gpu(str(gpu)), True
+        if accum_steps < 1:
+            raise InvalidInputError(f"accumulation steps must be at least 1, got {accum_steps}")
+        if kv_cache is not None and (kv_cache < 0 or mode_ is Mode.TRAIN):
+            raise InvalidInputError("a KV cache (generation length) goes with --mode inference and is ≥ 0",
+                                    hint="e.g. --mode inference --kv-cache 256")
+        if mode_ is not Mode.TRAIN and (accum_steps > 1 or checkpoint):
+            raise InvalidInputError("gradient accumulation and checkpointing apply to training (--mode train)")
+        if target not in (Target.CUDA, Target.CPU):
+            raise InvalidInputError(f"unknown target {target!r}")
+        return cls(optimizer=spec, mode=mode_, precision=precision_, gpu=profile, gpu_named=named,
+                   loss=None if loss is None else _enum(LossChoice, loss, "loss"), loss_fn=loss_fn,
+                   accum_steps=int(accum_steps), checkpoint=bool(checkpoint), kv_cache=kv_cache, target=target)
+
+    @property
+    def optimizer_key(self) -> Optimizer:
+        return self.optimizer.key
+
+    @property
+    def emulate_cuda(self) -> bool:
+        return self.target == Target.CUDA
+
+    def precision_warning(self) -> str | None:
+        """A bf16 step on a GPU without native bf16 (V100, T4): PyTorch emulates many bf16 ops
+        slowly and the fused attention kernels refuse bf16 there."""
+        if self.precision.uses_bf16 and not self.gpu.supports_bf16:
+            return (f"{self.gpu.name} (sm{self.gpu.compute_capability[0]}{self.gpu.compute_capability[1]}) has no "
+                    f"native bf16: PyTorch falls back to slow emulated kernels and the math attention path; "
+                    f"use amp-fp16 or fp16 on this GPU")
+        return None
+
+
+def _enum(kind, value: Any, what: str):
+    try:
+        return kind(value.value if hasattr(value, "value") else str(value).strip().lower())
+    except ValueError:
+        choices = ", ".join(v.value for v in kind)
+        raise InvalidInputError(f"unknown {what} {value!r}; choose one of: {choices}") from None

@@ -1,0 +1,70 @@
+"""What memcalc does to its own (meta) copy of the model before the step: the dtype of pure
+fp16/bf16 training, activation checkpointing per block, and the size of a KV cache. The
+user's module is never touched: these run on the meta twin or on a model memcalc built."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .errors import InvalidInputError
+from .precision import Precision
+
+__all__ = ("apply_precision", "apply_checkpointing", "kv_elements_per_token", "cast_inputs")
+
+
+def apply_precision(module: nn.Module, precision: Precision) -> None:
+    """Pure fp16/bf16: parameters and buffers in that dtype (in place, on meta: free)."""
+    if precision.parameter_dtype is not torch.float32:
+        module.to(precision.parameter_dtype)
+
+
+def cast_inputs(inputs: Sequence[torch.Tensor], precision: Precision) -> tuple[torch.Tensor, ...]:
+    """Floating inputs in the model's dtype under pure fp16/bf16 (token ids stay int64)."""
+    dtype = precision.parameter_dtype
+    return tuple(t.to(dtype) if t.is_floating_point() and dtype is not torch.float32 else t for t in inputs)
+
+
+def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name: str) -> int:
+    """Wrap each block of the named containers in ``torch.utils.checkpoint`` (non-reentrant,
+    PyTorch's recommendation). The block keeps its name and hooks: its ``forward`` is replaced
+    on this instance only. Returns the number of blocks wrapped."""
+    if not containers:
+        raise InvalidInputError(
+            f"{model_name} has no repeated blocks that memcalc knows how to checkpoint",
+            hint="--checkpoint applies to zoo models with blocks (ResNet stages, transformer layers); "
+                 "in your own model, call torch.utils.checkpoint.checkpoint in forward and memcalc simulates it.")
+    wrapped = 0
+    for path in containers:
+        container = module.get_submodule(path)
+        for block in container.children():
+            block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
+            wrapped += 1
+    return wrapped
+
+
+def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def kv_elements_per_token(module: nn.Module) -> int:
+    """Elements of key + value cached per token across all layers, read from the attention
+    projections by the names used in the zoo and in Hugging Face models: ``k_proj``/``v_proj``
+    (Llama, Mistral, Qwen: grouped-query heads included) or a fused ``c_attn``/``qkv`` (GPT-2:
+    two thirds of its output are keys and values)."""
+    total = 0
+    for name, sub in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        weight = getattr(sub, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        out_features = int(getattr(sub, "out_features", weight.shape[0] if isinstance(sub, nn.Linear) else weight.shape[1]))
+        if leaf in ("k_proj", "v_proj", "key", "value"):
+            total += out_features
+        elif leaf in ("c_attn", "qkv", "query_key_value"):
+            total += 2 * out_features // 3
+    return total
