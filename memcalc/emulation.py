@@ -37,7 +37,19 @@ from . import kernels
 from .errors import InvalidInputError
 from .precision import Precision
 
-__all__ = ("CudaEmulation",)
+__all__ = ("CudaEmulation", "current_autocast")
+
+_ACTIVE: list["CudaEmulation"] = []  # emulations entered on this thread, innermost last
+
+
+def current_autocast() -> Callable[[], Any] | None:
+    """The emulated autocast region in force now (a context-manager factory), or None.
+
+    ``torch.utils.checkpoint`` records the real autocast state at forward and re-enters it for
+    the recomputation in backward; memcalc's checkpoint wrapper does the same with this."""
+    if _ACTIVE and _ACTIVE[-1].autocasting:
+        return _ACTIVE[-1].autocast
+    return None
 
 _FLOATING_LOW = (torch.float16, torch.bfloat16)
 
@@ -82,6 +94,15 @@ class CudaEmulation(TorchFunctionMode):
         self._cast_cache: dict[int, torch.Tensor] = {}
         self.attention_backends: Counter[str] = Counter()
 
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any):
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+        return super().__exit__(*exc)
+
     # ---- the autocast region ---------------------------------------------------------------
     @contextmanager
     def autocast(self) -> Iterator[None]:
@@ -114,7 +135,9 @@ class CudaEmulation(TorchFunctionMode):
                 return self._autocast_call(func, name, policy, args, kwargs)
             if name == "cross_entropy":
                 return self._cross_entropy(args, kwargs)
-        if isinstance(func, types.FunctionType) and func.__module__ == "torch.nn.functional":
+        if isinstance(func, types.FunctionType) and (func.__module__ == "torch.nn.functional" or name == "backward"):
+            # Tensor.backward too: the autograd engine captures the torch-function modes in force
+            # when backward starts, and checkpoint's recomputation must run under this mode.
             return self._composite(func, args, kwargs)
         return func(*args, **kwargs)
 

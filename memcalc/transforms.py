@@ -5,12 +5,14 @@ user's module is never touched: these run on the meta twin or on a model memcalc
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .emulation import current_autocast
 from .errors import InvalidInputError
 from .precision import Precision
 
@@ -48,7 +50,15 @@ def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    # Like checkpoint does for torch.autocast: the recomputation runs under the autocast state
+    # of the original forward (memcalc's emulated autocast is invisible to checkpoint itself).
+    region = current_autocast()
+
+    def run(*a: Any, **k: Any) -> Any:
+        with region() if region is not None else nullcontext():
+            return forward(*a, **k)
+
+    return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 def kv_elements_per_token(module: nn.Module) -> int:
