@@ -71,20 +71,24 @@ class StorageTracer(TorchDispatchMode):
         self.phase = Phase.SETUP
         self.modules = ModuleTracker()
         self._uid_by_key: dict[int, int] = {}
+        self._cache = MetaKernelCache(device_type)
         self._refs: dict[int, weakref.ref] = {}
         self._recording = True
 
     # ---- the hot path -------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        try:
-            out = func(*args, **(kwargs or {}))
-        except Exception as exc:  # any failure of a meta kernel ends the estimate, named
-            raise SymbolicExecutionError(str(func), self.modules.current, self.phase.value, exc) from exc
+        out = self._cache.run(func, args, kwargs or {}, self._run)
         self.trace.op_counts[func.__name__] += 1
         self._see(out)
         if self.after_op is not None:
             self.after_op(func, args, kwargs or {}, out)
         return out
+
+    def _run(self, func, args, kwargs):
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:  # any failure of a meta kernel ends the estimate, named
+            raise SymbolicExecutionError(str(func), self.modules.current, self.phase.value, exc) from exc
 
     def _see(self, out: Any) -> None:
         if isinstance(out, torch.Tensor):
@@ -170,6 +174,140 @@ class StorageTracer(TorchDispatchMode):
         """Stop recording deaths (storages freed after the step are not part of it)."""
         self._recording = False
         return self.trace
+
+
+class MetaKernelCache:
+    """Outputs of functional ops, by the metadata of their arguments.
+
+    A meta kernel computes only shapes, strides and dtypes, and for an op that mutates nothing
+    and returns fresh tensors (no aliasing in its schema) they depend only on its arguments'
+    metadata. Models repeat the same calls block after block, and many meta kernels are Python
+    decompositions, so a repeated call makes fresh ``empty_strided`` meta tensors instead of
+    running the kernel again — as FakeTensor's dispatch cache does. Anything unusual
+    (mutation, aliasing, non-tensor outputs we cannot rebuild, storage offsets or oversized
+    storages, unhashable arguments) is simply not cached.
+    """
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self._specs: dict[Any, Any] = {}
+        self._cacheable: dict[Any, bool] = {}
+        self.hits = 0
+
+    def run(self, func, args: tuple, kwargs: dict, compute) -> Any:
+        if not self._is_cacheable(func):
+            return compute(func, args, kwargs)
+        key = self._key(func, args, kwargs)
+        if key is None:
+            return compute(func, args, kwargs)
+        spec = self._specs.get(key)
+        if spec is not None:
+            self.hits += 1
+            return _materialize(spec, self.device_type)
+        out = compute(func, args, kwargs)
+        if _aliases_an_input(out, args, kwargs):
+            # some ops alias their input without saying so in their schema (_unsafe_view)
+            self._cacheable[func] = False
+            return out
+        spec = _spec(out)
+        if spec is not None:
+            self._specs[key] = spec
+        return out
+
+    def _is_cacheable(self, func) -> bool:
+        known = self._cacheable.get(func)
+        if known is None:
+            schema = func._schema
+            known = (not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+                     and not any(a.alias_info is not None for a in schema.arguments)
+                     and "nondeterministic_seeded" not in getattr(func, "tags", ()))
+            self._cacheable[func] = known
+        return known
+
+    def _key(self, func, args: tuple, kwargs: dict) -> Any:
+        # Which arguments share a storage is part of the key: some meta kernels decide on it
+        # (memory-efficient attention's backward packs dq/dk/dv into one buffer when q, k, v
+        # are views of one storage).
+        storages: dict[int, int] = {}
+        try:
+            parts = [func]
+            for value in args:
+                parts.append(_arg_key(value, storages))
+            for name in sorted(kwargs):
+                parts.append((name, _arg_key(kwargs[name], storages)))
+            key = tuple(parts)
+            hash(key)
+            return key
+        except _Uncacheable:
+            return None
+        except TypeError:
+            return None
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _arg_key(value: Any, storages: dict[int, int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta":
+            raise _Uncacheable  # a real (CPU) tensor: its values may matter
+        alias = storages.setdefault(id(value.untyped_storage()), len(storages))
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.storage_offset(), alias)
+    if isinstance(value, (list, tuple)):
+        return tuple(_arg_key(v, storages) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                           torch.memory_format)):
+        return value
+    raise _Uncacheable
+
+
+def _storage_ids(value: Any, into: set[int]) -> set[int]:
+    if isinstance(value, torch.Tensor):
+        into.add(id(value.untyped_storage()))
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _storage_ids(item, into)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _storage_ids(item, into)
+    return into
+
+
+def _aliases_an_input(out: Any, args: tuple, kwargs: dict) -> bool:
+    outputs = _storage_ids(out, set())
+    return bool(outputs & _storage_ids(args, set())) or bool(outputs & _storage_ids(kwargs, set()))
+
+
+def _spec(out: Any) -> Any:
+    """How to rebuild ``out``; None if it cannot be rebuilt exactly."""
+    if isinstance(out, torch.Tensor):
+        if out.device.type != "meta" or out.storage_offset() != 0:
+            return None
+        expected = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
+        if expected.untyped_storage().nbytes() != out.untyped_storage().nbytes():
+            return None
+        return ("T", tuple(out.shape), out.stride(), out.dtype)
+    if isinstance(out, tuple):
+        specs = tuple(_spec(o) for o in out)
+        tensors = [o for o in out if isinstance(o, torch.Tensor)]
+        if any(s is None for s, o in zip(specs, out) if isinstance(o, torch.Tensor)):
+            return None
+        if len({id(t.untyped_storage()) for t in tensors}) != len(tensors):
+            return None  # outputs sharing a storage
+        if not all(isinstance(o, torch.Tensor) or o is None or isinstance(o, (int, float, bool)) for o in out):
+            return None
+        return ("tuple", tuple(s if isinstance(o, torch.Tensor) else ("C", o) for s, o in zip(specs, out)))
+    return None
+
+
+def _materialize(spec: Any, device_type: str) -> Any:
+    kind = spec[0]
+    if kind == "T":
+        return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device=device_type)
+    if kind == "C":
+        return spec[1]
+    return tuple(_materialize(s, device_type) for s in spec[1])
 
 
 class ModuleTracker:

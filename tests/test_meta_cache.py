@@ -1,0 +1,32 @@
+"""The meta-kernel cache is an optimisation only: traces are identical with and without it."""
+
+from __future__ import annotations
+
+import pytest
+
+import memcalc.trace as trace_module
+from memcalc.api import trace_model
+from memcalc.models import resolve
+
+CASES = [
+    ("resnet18", dict(batch_size=2, input_shape=(3, 64, 64))),
+    ("vit_b_16", dict(batch_size=2), dict(precision="amp-fp16")),  # packed q/k/v gradients
+    ("llama-tiny", dict(batch_size=2, seq_len=64)),  # _unsafe_view aliases without saying so
+    ("densenet121", dict(batch_size=1, input_shape=(3, 64, 64))),
+]
+
+
+def _trace(name, resolve_kwargs, options):
+    traced = trace_model(resolve(name, **resolve_kwargs), optimizer="adam", **options)
+    return traced.trace.nbytes, traced.trace.events, traced.categories
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_cache_changes_nothing(case, monkeypatch):
+    name, resolve_kwargs, *rest = case
+    options = rest[0] if rest else {}
+    cached = _trace(name, resolve_kwargs, options)
+    monkeypatch.setattr(trace_module.MetaKernelCache, "run",
+                        lambda self, func, args, kwargs, compute: compute(func, args, kwargs))
+    uncached = _trace(name, resolve_kwargs, options)
+    assert cached == uncached
