@@ -73,6 +73,7 @@ class StorageTracer(TorchDispatchMode):
         self._uid_by_key: dict[int, int] = {}
         self._cache = MetaKernelCache(device_type)
         self._refs: dict[int, weakref.ref] = {}
+        self._released: set[int] = set()  # storages whose memory free_storage returned
         self._recording = True
 
     # ---- the hot path -------------------------------------------------------------------
@@ -122,8 +123,35 @@ class StorageTracer(TorchDispatchMode):
     def _on_free(self, key: int, uid: int) -> None:
         self._uid_by_key.pop(key, None)
         self._refs.pop(key, None)
+        if key in self._released:  # its memory went back earlier (free_storage)
+            self._released.discard(key)
+            return
         if self._recording:
             self.trace.events.append(~uid)
+
+    # ---- storages resized in place (FSDP's unsharded parameters) -------------------------
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        """The memory of ``tensor``'s storage is returned now although the storage object
+        lives on: FSDP's ``storage.resize_(0)`` on an unsharded parameter that autograd still
+        references. Views of it are not new allocations until :meth:`alloc_storage`, and its
+        eventual death is not an event."""
+        key = id(tensor.untyped_storage())
+        uid = self._uid_by_key.get(key)
+        if uid is None or key in self._released:
+            return
+        self._released.add(key)
+        if self._recording:
+            self.trace.events.append(~uid)
+
+    def alloc_storage(self, tensor: torch.Tensor, category: Category | None = None) -> int:
+        """The storage of ``tensor`` takes memory again (FSDP's ``storage.resize_(n)`` before
+        an all-gather): a new allocation, born now, for the same storage."""
+        key = id(tensor.untyped_storage())
+        if key in self._released:
+            self._released.discard(key)
+            self._uid_by_key.pop(key, None)
+            self._refs.pop(key, None)  # the old weak reference goes, and its callback with it
+        return self.track(tensor, category)
 
     def preexisting(self, tensor: torch.Tensor, category: Category) -> int:
         """Register a storage that exists before the step (parameter, buffer, input, target).
@@ -177,25 +205,33 @@ class StorageTracer(TorchDispatchMode):
 
 
 class MetaKernelCache:
-    """Outputs of functional ops, by the metadata of their arguments.
+    """Outputs of ops, by the metadata of their arguments.
 
-    A meta kernel computes only shapes, strides and dtypes, and for an op that mutates nothing
-    and returns fresh tensors (no aliasing in its schema) they depend only on its arguments'
-    metadata. Models repeat the same calls block after block, and many meta kernels are Python
-    decompositions, so a repeated call makes fresh ``empty_strided`` meta tensors instead of
-    running the kernel again — as FakeTensor's dispatch cache does. Anything unusual
-    (mutation, aliasing, non-tensor outputs we cannot rebuild, storage offsets or oversized
-    storages, unhashable arguments) is simply not cached.
+    A meta kernel computes only shapes, strides and dtypes; for an op whose returns are either
+    fresh tensors or a mutated argument returned as itself (``add_``, ``relu_``; the running
+    statistics ``native_batch_norm`` updates), they depend only on its arguments' metadata.
+    Models repeat the same calls block after block, and many meta kernels are Python
+    decompositions, so a repeated call makes fresh ``empty_strided`` meta tensors (and hands
+    back the mutated argument) instead of running the kernel again — as FakeTensor's dispatch
+    cache does. Views, ops that change metadata in place, non-tensor outputs we cannot
+    rebuild, storage offsets, oversized storages and unhashable arguments are not cached; an
+    op whose output turns out to alias an input in a way its schema does not say
+    (``_unsafe_view``) is never cached again.
     """
 
     def __init__(self, device_type: str):
         self.device_type = device_type
         self._specs: dict[Any, Any] = {}
-        self._cacheable: dict[Any, bool] = {}
+        self._plans: dict[Any, tuple | None] = {}
         self.hits = 0
 
     def run(self, func, args: tuple, kwargs: dict, compute) -> Any:
-        if not self._is_cacheable(func):
+        shortcut = _foreach_shortcut(func, args, kwargs, self.device_type)
+        if shortcut is not _NO_SHORTCUT:
+            self.hits += 1
+            return shortcut
+        plan = self._plan(func)
+        if plan is None:
             return compute(func, args, kwargs)
         key = self._key(func, args, kwargs)
         if key is None:
@@ -203,26 +239,21 @@ class MetaKernelCache:
         spec = self._specs.get(key)
         if spec is not None:
             self.hits += 1
-            return _materialize(spec, self.device_type)
+            return _materialize(spec, self.device_type, args, kwargs)
         out = compute(func, args, kwargs)
-        if _aliases_an_input(out, args, kwargs):
-            # some ops alias their input without saying so in their schema (_unsafe_view)
-            self._cacheable[func] = False
-            return out
-        spec = _spec(out)
-        if spec is not None:
+        spec = _spec_with_plan(out, plan, args, kwargs)
+        if spec is _ALIASING:
+            self._plans[func] = None  # aliases an input although its schema says otherwise
+        elif spec is not None:
             self._specs[key] = spec
         return out
 
-    def _is_cacheable(self, func) -> bool:
-        known = self._cacheable.get(func)
-        if known is None:
-            schema = func._schema
-            known = (not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
-                     and not any(a.alias_info is not None for a in schema.arguments)
-                     and "nondeterministic_seeded" not in getattr(func, "tags", ()))
-            self._cacheable[func] = known
-        return known
+    def _plan(self, func) -> tuple | None:
+        """Per return: ("fresh",) or ("arg", position, name) for a returned mutated argument."""
+        if func in self._plans:
+            return self._plans[func]
+        self._plans[func] = plan = _make_plan(func)
+        return plan
 
     def _key(self, func, args: tuple, kwargs: dict) -> Any:
         # Which arguments share a storage is part of the key: some meta kernels decide on it
@@ -242,6 +273,80 @@ class MetaKernelCache:
             return None
         except TypeError:
             return None
+
+
+_ALIASING = object()
+_NO_SHORTCUT = object()
+
+# Elementwise foreach ops of torch.optim: out[i] has the shape, strides and dtype of the first
+# list's tensor i when every tensor of the call has that dtype. On meta their kernel is a
+# Python loop of per-tensor meta kernels, once per parameter; the in-place ones change no
+# metadata at all. (Checked against the real kernels by tests/test_meta_cache.py.)
+_FOREACH_ELEMENTWISE = frozenset({
+    "_foreach_add", "_foreach_sub", "_foreach_mul", "_foreach_div", "_foreach_addcdiv", "_foreach_addcmul",
+    "_foreach_lerp", "_foreach_sqrt", "_foreach_neg", "_foreach_abs", "_foreach_reciprocal", "_foreach_sign",
+    "_foreach_exp", "_foreach_maximum", "_foreach_minimum", "_foreach_pow", "_foreach_clamp_min",
+    "_foreach_clamp_max", "_foreach_copy",
+})
+
+
+def _foreach_shortcut(func, args: tuple, kwargs: dict, device_type: str) -> Any:
+    name = func.__name__.split(".")[0]
+    inplace = name.endswith("_")
+    if (name[:-1] if inplace else name) not in _FOREACH_ELEMENTWISE or not args or not isinstance(args[0], list):
+        return _NO_SHORTCUT
+    first = args[0]
+    tensors = [t for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) for t in a
+               if isinstance(t, torch.Tensor)] + [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not first or not all(isinstance(t, torch.Tensor) and t.device.type == device_type for t in first):
+        return _NO_SHORTCUT
+    if any(t.device.type != device_type and t.dim() > 0 for t in tensors):
+        return _NO_SHORTCUT
+    dtypes = {t.dtype for t in tensors if t.dim() > 0}
+    if len(dtypes) != 1:
+        return _NO_SHORTCUT  # type promotion: let the real kernel decide
+    for other in args[1:]:
+        if isinstance(other, list) and other and isinstance(other[0], torch.Tensor):
+            if len(other) != len(first) or any(o.shape != f.shape for o, f in zip(other, first)):
+                return _NO_SHORTCUT
+    if inplace:
+        return None
+    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device_type) for t in first]
+_METADATA_MUTATORS = ("resize", "set_", "as_strided", "swap", "_unsafe_set")
+
+
+def _make_plan(func) -> tuple | None:
+    schema = func._schema
+    tags = getattr(func, "tags", ())
+    if torch.Tag.inplace_view in tags or "nondeterministic_seeded" in tags or any(
+            m in func.__name__ for m in _METADATA_MUTATORS):
+        return None
+    written: dict[Any, tuple[int, str]] = {}
+    for position, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is None:
+            continue
+        if not info.is_write:
+            return None  # a view argument
+        # a mutated list (the in-place foreach ops) is fine; returning it is not handled
+        written[frozenset(info.before_set)] = (position, argument.name)
+    plan = []
+    for ret in schema.returns:
+        info = ret.alias_info
+        if info is None:
+            plan.append(("fresh_list",) if "Tensor[]" in str(ret.type) else ("fresh",))
+            continue
+        if "[]" in str(ret.type):
+            return None
+        target = written.get(frozenset(info.before_set))
+        if target is None or not info.is_write:
+            return None  # a view of an argument
+        plan.append(("arg", *target))
+    return tuple(plan)
+
+
+def _argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
+    return args[position] if position < len(args) else kwargs.get(name)
 
 
 class _Uncacheable(Exception):
@@ -274,40 +379,70 @@ def _storage_ids(value: Any, into: set[int]) -> set[int]:
     return into
 
 
-def _aliases_an_input(out: Any, args: tuple, kwargs: dict) -> bool:
-    outputs = _storage_ids(out, set())
-    return bool(outputs & _storage_ids(args, set())) or bool(outputs & _storage_ids(kwargs, set()))
+def _spec_with_plan(out: Any, plan: tuple, args: tuple, kwargs: dict) -> Any:
+    """How to rebuild ``out`` following ``plan``; None if it cannot be rebuilt exactly;
+    ``_ALIASING`` if a "fresh" output shares a storage with an input."""
+    if not plan:  # returns nothing (in-place foreach ops)
+        return ("void", ()) if out is None else None
+    outs = out if isinstance(out, tuple) else (out,)
+    if len(outs) != len(plan):
+        return None
+    inputs = _storage_ids(args, set()) | _storage_ids(kwargs, set())
+    fresh_storages: set[int] = set()
+
+    def fresh(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            storage = id(value.untyped_storage())
+            if storage in inputs:
+                return _ALIASING
+            if storage in fresh_storages or value.device.type != "meta" or value.storage_offset() != 0:
+                return None
+            fresh_storages.add(storage)
+            expected = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            if expected.untyped_storage().nbytes() != value.untyped_storage().nbytes():
+                return None
+            return ("T", tuple(value.shape), value.stride(), value.dtype)
+        if value is None or isinstance(value, (int, float, bool)):
+            return ("C", value)
+        return None
+
+    parts = []
+    for value, step in zip(outs, plan):
+        if step[0] == "arg":
+            if value is not _argument(args, kwargs, step[1], step[2]):
+                return None
+            parts.append(("A", step[1], step[2]))
+        elif step[0] == "fresh_list":
+            if not isinstance(value, list):
+                return None
+            items = [fresh(v) for v in value]
+            if any(i is _ALIASING for i in items):
+                return _ALIASING
+            if any(i is None or i[0] != "T" for i in items):
+                return None
+            parts.append(("L", tuple(items)))
+        else:
+            part = fresh(value)
+            if part is None or part is _ALIASING:
+                return part
+            parts.append(part)
+    return ("tuple" if isinstance(out, tuple) else "one", tuple(parts))
 
 
-def _spec(out: Any) -> Any:
-    """How to rebuild ``out``; None if it cannot be rebuilt exactly."""
-    if isinstance(out, torch.Tensor):
-        if out.device.type != "meta" or out.storage_offset() != 0:
-            return None
-        expected = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
-        if expected.untyped_storage().nbytes() != out.untyped_storage().nbytes():
-            return None
-        return ("T", tuple(out.shape), out.stride(), out.dtype)
-    if isinstance(out, tuple):
-        specs = tuple(_spec(o) for o in out)
-        tensors = [o for o in out if isinstance(o, torch.Tensor)]
-        if any(s is None for s, o in zip(specs, out) if isinstance(o, torch.Tensor)):
-            return None
-        if len({id(t.untyped_storage()) for t in tensors}) != len(tensors):
-            return None  # outputs sharing a storage
-        if not all(isinstance(o, torch.Tensor) or o is None or isinstance(o, (int, float, bool)) for o in out):
-            return None
-        return ("tuple", tuple(s if isinstance(o, torch.Tensor) else ("C", o) for s, o in zip(specs, out)))
-    return None
-
-
-def _materialize(spec: Any, device_type: str) -> Any:
-    kind = spec[0]
-    if kind == "T":
-        return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device=device_type)
-    if kind == "C":
-        return spec[1]
-    return tuple(_materialize(s, device_type) for s in spec[1])
+def _materialize(spec: Any, device_type: str, args: tuple, kwargs: dict) -> Any:
+    if spec[0] == "void":
+        return None
+    values = []
+    for part in spec[1]:
+        if part[0] == "T":
+            values.append(torch.empty_strided(part[1], part[2], dtype=part[3], device=device_type))
+        elif part[0] == "L":
+            values.append([torch.empty_strided(p[1], p[2], dtype=p[3], device=device_type) for p in part[1]])
+        elif part[0] == "A":
+            values.append(_argument(args, kwargs, part[1], part[2]))
+        else:
+            values.append(part[1])
+    return tuple(values) if spec[0] == "tuple" else values[0]
 
 
 class ModuleTracker:

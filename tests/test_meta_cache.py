@@ -9,6 +9,8 @@ from memcalc.api import trace_model
 from memcalc.models import resolve
 
 CASES = [
+    *[("mlp", dict(batch_size=4), dict(optimizer=o, precision=p))  # the foreach shortcut, every optimizer
+      for o in ("sgd", "sgd-momentum", "adam", "adamw", "rmsprop", "adagrad") for p in ("fp32", "amp-fp16", "bf16")],
     ("resnet18", dict(batch_size=2, input_shape=(3, 64, 64))),
     ("vit_b_16", dict(batch_size=2), dict(precision="amp-fp16")),  # packed q/k/v gradients
     ("llama-tiny", dict(batch_size=2, seq_len=64)),  # _unsafe_view aliases without saying so
@@ -17,11 +19,12 @@ CASES = [
 
 
 def _trace(name, resolve_kwargs, options):
-    traced = trace_model(resolve(name, **resolve_kwargs), optimizer="adam", **options)
+    options = {"optimizer": "adam", **options}
+    traced = trace_model(resolve(name, **resolve_kwargs), **options)
     return traced.trace.nbytes, traced.trace.events, traced.categories
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_cache_changes_nothing(case, monkeypatch):
     name, resolve_kwargs, *rest = case
     options = rest[0] if rest else {}
