@@ -18,11 +18,15 @@ from .errors import (
 from .losses import LossChoice
 from .optimizers import Optimizer
 from .report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, Textbook
+from .search import FitResult, max_batch_size, sweep
 
 __version__ = "0.1.0"
 
 __all__ = (
     "estimate",
+    "max_batch_size",
+    "FitResult",
+    "sweep",
     "MemoryReport",
     "ByteBreakdown",
     "ModuleRow",

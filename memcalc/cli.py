@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from typing import Any, Callable
 
 import click
@@ -18,6 +19,7 @@ from .categories import Mode
 from .errors import MemcalcError
 from .losses import LossChoice
 from .optimizers import Optimizer
+from .precision import Precision
 from .render import TABLE_FORMATS, render_json, render_report
 from .units import Unit
 
@@ -101,6 +103,9 @@ def main() -> None:
     \b
     memcalc MODEL [options]      estimate one step (MODEL: a zoo name, file.py:factory, ...)
     memcalc zoo                  list the model zoo
+    memcalc fit MODEL --gpu G    the largest batch that fits a GPU (or --budget, --device)
+    memcalc sweep MODEL -b 1,64  memory over batch sizes, optimizers, precisions (--plot)
+    memcalc gpus                 list this machine's GPUs
 
     Example: memcalc resnet50 --batch 64 --optim adam
     """
@@ -117,7 +122,21 @@ def main() -> None:
               help="Shape of one sample, without the batch dimension, e.g. 3,224,224.")
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Sequence length for token models.")
 @click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.TRAIN.value, show_default=True,
-              help="train: forward, loss, backward, optimizer step; eval: forward under no_grad.")
+              help="train: forward, loss, backward, optimizer step; eval: forward under no_grad; "
+                   "inference: forward under inference_mode.")
+@click.option("--precision", type=click.Choice([p.value for p in Precision]), default=Precision.FP32.value,
+              show_default=True,
+              help="fp32; amp-fp16/amp-bf16: CUDA autocast (fp32 master weights and optimizer state); "
+                   "fp16/bf16: the whole model in that dtype.")
+@click.option("--gpu", default=None, metavar="NAME",
+              help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
+                   "its CUDA context, and whether the step fits. Default: a generic sm80-class profile.")
+@click.option("--checkpoint", is_flag=True, help="Activation checkpointing per block (zoo models with blocks).")
+@click.option("--accum-steps", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Gradient accumulation: micro-batches of --batch per optimizer step.")
+@click.option("--kv-cache", type=click.IntRange(min=0), default=None, metavar="TOKENS",
+              help="With --mode inference: a KV cache for the prompt plus TOKENS generated tokens "
+                   "(decoder language models).")
 @click.option("--loss", type=click.Choice([c.value for c in LossChoice]), default=None,
               help="Loss to train with (default: the zoo entry's, else auto: cross-entropy for (B, C) "
                    "outputs, the output's mean otherwise).")
@@ -128,20 +147,25 @@ def main() -> None:
 @_common_output_options
 @_handle_errors
 def estimate_command(model: str, batch: int, optim: str, input_shape: tuple[int, ...] | None,
-                     seq_len: int | None, mode: str, loss: str | None, depth: int, measure: bool,
+                     seq_len: int | None, mode: str, precision: str, gpu: str | None, checkpoint: bool,
+                     accum_steps: int, kv_cache: int | None, loss: str | None, depth: int, measure: bool,
                      fmt: str, units: str, debug: bool) -> None:
     """Estimate the GPU memory of one step of MODEL.
 
     MODEL is a zoo name (memcalc zoo lists them), path/to/file.py:factory,
     package.module:factory, torchvision:NAME, timm:NAME, hf:NAME or hf:config.json.
     """
-    report = api.estimate(model, batch_size=batch, optimizer=optim, input_shape=input_shape,
-                          seq_len=seq_len, mode=mode, loss=loss, module_depth=max(depth, 1))
+    step = dict(optimizer=optim, mode=mode, precision=precision, gpu=gpu, checkpoint=checkpoint,
+                accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # warnings reach the user as the report's notes
+        report = api.estimate(model, batch_size=batch, input_shape=input_shape, seq_len=seq_len,
+                              module_depth=max(depth, 1), **step)
     if measure:
         from .measure import attach_measurement
 
-        report = attach_measurement(report, model, batch_size=batch, optimizer=optim,
-                                    input_shape=input_shape, seq_len=seq_len, mode=mode, loss=loss)
+        report = attach_measurement(report, model, batch_size=batch, input_shape=input_shape, seq_len=seq_len,
+                                    **step)
     if fmt == "json":
         data = report.to_dict()
         if report.measurement is not None:
@@ -174,6 +198,13 @@ def zoo_command(fmt: str, units: str, debug: bool) -> None:
              for r in rows]
     click.echo(tabulate(table, headers=["name", "family", "parameters", "default input"], tablefmt=fmt,
                         colalign=("left", "left", "right", "left"), disable_numparse=True))
+
+
+from .cli_fit import fit_command, gpus_command, sweep_command  # noqa: E402  (subcommands)
+
+main.add_command(fit_command)
+main.add_command(sweep_command)
+main.add_command(gpus_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

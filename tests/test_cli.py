@@ -135,3 +135,44 @@ def test_subcommand_and_model_coexist():
     assert run("zoo", "--format", "json").exit_code == 0
     assert run("--help").exit_code == 0
     assert "estimate" in run("--help").output
+
+
+# ---- CUDA-faithful options ----------------------------------------------------------------
+def test_unknown_gpu_exit_2_with_close_matches():
+    result = run("mlp", "--gpu", "h1000")
+    assert result.exit_code == 2
+    assert "unknown GPU 'h1000'" in result.output and "h100-80gb" in result.output
+    _no_traceback(result)
+
+
+def test_ambiguous_gpu_lists_both():
+    result = run("mlp", "--gpu", "a100")
+    assert result.exit_code == 2 and "a100-40gb" in result.output and "a100-80gb" in result.output
+
+
+def test_accum_steps_zero_is_a_usage_error():
+    result = run("mlp", "--accum-steps", "0")
+    assert result.exit_code == 2 and "--accum-steps" in result.output
+
+
+def test_bf16_on_v100_says_so():
+    result = run("mlp", "--precision", "bf16", "--gpu", "v100-16gb", "--depth", "0")
+    assert result.exit_code == 0
+    assert "no native bf16" in result.output
+
+
+def test_gpu_json_fields():
+    data = json.loads(run("resnet18", "--input-shape", "3,64,64", "--gpu", "t4", "--format", "json").output)
+    assert data["gpu"] == "t4" and data["fits"] is True and data["precision"] == "fp32"
+    assert data["bytes"]["cuda_context"] > 0 and data["bytes"]["peak_reserved"] >= data["bytes"]["peak_allocated"]
+    text = run("gpt2", "--seq-len", "128", "--precision", "amp-bf16", "--gpu", "a100-80gb", "--depth", "0").output
+    assert "attention kernels (as CUDA would choose): flash ×12" in text
+    assert "fits in" in text and "yes" in text
+
+
+def test_inference_with_kv_cache():
+    result = run("llama-tiny", "--seq-len", "64", "--mode", "inference", "--kv-cache", "32", "--precision", "bf16",
+                 "--format", "json")
+    data = json.loads(result.output)
+    # 8 layers · 2 KV heads · 64 · 2 (K, V) · (64 + 32) tokens · 2 B = 393,216 B for batch 1
+    assert data["bytes"]["kv_cache"] == 8 * 2 * 64 * 2 * 96 * 2 == 196_608 * 2
