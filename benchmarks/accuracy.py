@@ -83,6 +83,18 @@ def suite(name: str) -> list[Config]:
             for opt in ("sgd-momentum", "adamw"):
                 configs.append(Config(model, batch, opt, seq_len=seq))
         configs += [Config("resnet50", 64, "none", "eval"), Config("gpt2", 8, "none", "eval", seq_len=1024)]
+        # precisions, checkpointing, accumulation and inference (issue 8's matrix)
+        for precision in ("amp-fp16", "amp-bf16", "bf16"):
+            configs += [Config("resnet50", 64, "sgd-momentum", extra={"precision": precision}),
+                        Config("gpt2", 8, "adamw", seq_len=1024, extra={"precision": precision}),
+                        Config("vit_b_16", 32, "adamw", extra={"precision": precision})]
+        configs += [Config("resnet50", 64, "sgd", extra={"checkpoint": True}),
+                    Config("gpt2", 8, "adamw", seq_len=1024, extra={"precision": "amp-bf16", "checkpoint": True}),
+                    Config("llama-tiny", 8, "adamw", seq_len=512, extra={"precision": "amp-bf16", "checkpoint": True}),
+                    Config("gpt2", 4, "adamw", seq_len=1024, extra={"precision": "amp-bf16", "accum_steps": 4}),
+                    Config("llama-tiny", 8, "none", "inference", seq_len=512, extra={"precision": "bf16"}),
+                    Config("llama-tiny", 8, "none", "inference", seq_len=512,
+                           extra={"precision": "bf16", "kv_cache": 512})]
         return configs
     raise SystemExit(f"unknown suite {name!r}: quick, cpu or gpu")
 
@@ -96,14 +108,20 @@ def run_config(config: Config, cuda: bool) -> dict[str, Any]:
     record["estimate_seconds"] = round(time.perf_counter() - start, 3)
     record["estimate"] = {"peak_allocated": report.bytes.peak_allocated, "peak_reserved": report.peak_reserved,
                           "peak_requested": report.peak_requested, "peak_location": report.peak_location}
+    record["estimate"]["attention"] = dict(report.attention_calls)
     resolved = resolve(config.model, **kwargs)
     torch.manual_seed(0)
     if cuda:
-        measured = measure_cuda(resolved, optimizer=config.optimizer, mode=config.mode)
+        if report.gpu_named is False:
+            record["note"] = "estimate used the generic GPU profile; pass --gpu to match the device"
+        measured = measure_cuda(resolved, optimizer=config.optimizer, mode=config.mode, **config.extra)
         compared = report.bytes.peak_allocated
     else:
-        measured = measure_cpu(resolved, optimizer=config.optimizer, mode=config.mode)
-        compared = report.peak_requested  # the CPU allocator does not round
+        # the CPU runs CPU kernels: compare with the CPU-faithful simulation (no CUDA emulation)
+        cpu_report = memcalc.estimate(config.model, optimizer=config.optimizer, mode=config.mode, target="cpu",
+                                      **kwargs, **config.extra)
+        measured = measure_cpu(resolved, optimizer=config.optimizer, mode=config.mode, **config.extra)
+        compared = cpu_report.peak_requested  # the CPU allocator does not round
     record["measured"] = {"peak_allocated": measured.peak_allocated, "peak_reserved": measured.peak_reserved,
                           "oom": measured.oom, "note": measured.note}
     record["estimate"]["compared"] = compared
@@ -159,8 +177,18 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     parser.add_argument("--suite", default="gpu" if cuda else "cpu", help="quick, cpu or gpu")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and markdown")
+    parser.add_argument("--gpu", default=None,
+                        help="catalogue profile of the device (e.g. h100-80gb): kernel choices and workspaces")
     args = parser.parse_args()
     configs = suite(args.suite)
+    if cuda and not args.gpu:
+        from memcalc.gpus import match_profile
+
+        profile = match_profile(torch.cuda.get_device_name())
+        args.gpu = profile.key if profile is not None else None
+    if args.gpu:
+        configs = [Config(c.model, c.batch, c.optimizer, c.mode, c.input_shape, c.seq_len,
+                          {**c.extra, "gpu": args.gpu}) for c in configs]
     device = device_name(cuda)
     results: dict[str, Any] = {
         "device": device, "torch": torch.__version__, "python": platform.python_version(),
