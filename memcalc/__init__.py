@@ -17,7 +17,7 @@ from .errors import (
 )
 from .losses import LossChoice
 from .optimizers import Optimizer
-from .report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, Textbook
+from .report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, RoleReport, Textbook
 from .search import FitResult, max_batch_size, sweep
 
 __version__ = "0.1.0"
@@ -28,6 +28,7 @@ __all__ = (
     "FitResult",
     "sweep",
     "MemoryReport",
+    "RoleReport",
     "ByteBreakdown",
     "ModuleRow",
     "Textbook",

@@ -109,8 +109,12 @@ class TracedStep:
         return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1)
 
 
-def trace_model(resolved: ResolvedModel, options: EstimateOptions | None = None, **option_values: Any) -> TracedStep:
-    """Run one step of ``resolved`` under the tracer (the engine, without the report)."""
+def trace_model(resolved: ResolvedModel, options: EstimateOptions | None = None, *, hooks: Any = None,
+                **option_values: Any) -> TracedStep:
+    """Run one step of ``resolved`` under the tracer (the engine, without the report).
+
+    ``hooks``: a per-rank program of a multi-GPU strategy (:mod:`memcalc.rank_programs`),
+    installed on the model before its storages are registered and removed afterwards."""
     options = options or EstimateOptions.create(**option_values)
     module = resolved.module
     notes: list[str] = []
@@ -127,6 +131,8 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions | None = None,
     if workspaces is not None:
         workspaces.attach(tracer)
     observer = _TracerObserver(tracer)
+    if hooks is not None:
+        hooks.install(tracer, module)
     _register_preexisting(tracer, module, inputs)
     if options.kv_cache is not None:
         notes.append(_register_kv_cache(tracer, module, inputs, options))
@@ -150,6 +156,8 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions | None = None,
             hint="Check the input: --input-shape C,H,W for vision models, --seq-len N for sequence models.",
         ) from exc
     finally:
+        if hooks is not None:
+            hooks.remove()
         tracer.modules.remove()
         trace = tracer.stop()
     categories = final_categories(trace, observer.gradient_uids, observer.state_uids)
@@ -208,6 +216,14 @@ def estimate(
     module_depth: int = 1,
     capacity: int | None = None,
     target: str = Target.CUDA,
+    strategy: str = "single",
+    world_size: int | None = None,
+    device_ids: Sequence[int] | None = None,
+    batch_is_global: bool = False,
+    bucket_cap_mb: float | None = None,
+    gradient_as_bucket_view: bool = False,
+    sharding: str = "full_shard",
+    reduce_bucket_size: int | None = None,
 ) -> MemoryReport:
     """Estimate the GPU memory of one training (or eval / inference) step of ``model``.
 
@@ -230,16 +246,33 @@ def estimate(
 
     The peak covers two training iterations, so optimizer state created at the first
     ``step()`` is counted with the activations of the next forward/backward.
+
+    Multi-GPU (:mod:`memcalc.strategies`): ``strategy`` is ``single``, ``dp``, ``ddp``,
+    ``fsdp``, ``zero1``, ``zero2`` or ``zero3`` over ``world_size`` GPUs (``dp``: or
+    ``device_ids``); ``batch_size`` is per GPU unless ``batch_is_global``. DDP:
+    ``bucket_cap_mb`` (25), ``gradient_as_bucket_view``; FSDP: ``sharding`` (``full_shard``,
+    ``shard_grad_op``); ZeRO: ``reduce_bucket_size`` (elements, DeepSpeed's 5e8). The report
+    then describes the busiest GPU and lists every role in ``report.roles``.
     """
     options = EstimateOptions.create(optimizer=optimizer, mode=mode, precision=precision, gpu=gpu, loss=loss,
                                      loss_fn=loss_fn, accum_steps=accum_steps, checkpoint=checkpoint,
                                      kv_cache=kv_cache, target=target)
     if capacity is not None and capacity <= 0:
         raise InvalidInputError(f"capacity must be a positive number of bytes, got {capacity}")
-    resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
-    traced = trace_model(resolved, options)
+    from . import strategies
+
+    distributed = strategies.DistributedOptions.create(
+        strategy=strategy, world_size=world_size, device_ids=device_ids, batch_is_global=batch_is_global,
+        bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view, sharding=sharding,
+        reduce_bucket_size=reduce_bucket_size)
     if capacity is None and options.gpu_named:
         capacity = options.gpu.usable_memory
+    if not distributed.is_single:
+        return strategies.estimate_per_rank(model, distributed=distributed, options=options, batch_size=batch_size,
+                                            input_shape=input_shape, seq_len=seq_len, inputs=inputs,
+                                            module_depth=module_depth, capacity=capacity)
+    resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
+    traced = trace_model(resolved, options)
     return _report(resolved, traced, options, module_depth, capacity)
 
 

@@ -20,7 +20,8 @@ from .errors import MemcalcError
 from .losses import LossChoice
 from .optimizers import Optimizer
 from .precision import Precision
-from .render import TABLE_FORMATS, render_json, render_report
+from .cli_strategy import strategy_arguments, strategy_options
+from .render import TABLE_FORMATS, render_json, render_report, render_roles
 from .units import Unit
 
 __all__ = ("main",)
@@ -144,12 +145,13 @@ def main() -> None:
               help="Module depth of the per-module table (0 hides it).")
 @click.option("--measure", is_flag=True,
               help="Also run the step for real (CUDA if available, else the CPU profiler) and compare.")
+@strategy_options
 @_common_output_options
 @_handle_errors
 def estimate_command(model: str, batch: int, optim: str, input_shape: tuple[int, ...] | None,
                      seq_len: int | None, mode: str, precision: str, gpu: str | None, checkpoint: bool,
                      accum_steps: int, kv_cache: int | None, loss: str | None, depth: int, measure: bool,
-                     fmt: str, units: str, debug: bool) -> None:
+                     fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
     """Estimate the GPU memory of one step of MODEL.
 
     MODEL is a zoo name (memcalc zoo lists them), path/to/file.py:factory,
@@ -157,10 +159,11 @@ def estimate_command(model: str, batch: int, optim: str, input_shape: tuple[int,
     """
     step = dict(optimizer=optim, mode=mode, precision=precision, gpu=gpu, checkpoint=checkpoint,
                 accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
+    distributed = strategy_arguments(measure=measure, **multi_gpu)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # warnings reach the user as the report's notes
         report = api.estimate(model, batch_size=batch, input_shape=input_shape, seq_len=seq_len,
-                              module_depth=max(depth, 1), **step)
+                              module_depth=max(depth, 1), **step, **distributed)
     if measure:
         from .measure import attach_measurement
 
@@ -172,6 +175,8 @@ def estimate_command(model: str, batch: int, optim: str, input_shape: tuple[int,
             data["measured"] = _measurement_dict(report)
         click.echo(render_json(data))
     else:
+        if report.roles:
+            click.echo(render_roles(report, fmt=fmt, unit=units))
         click.echo(render_report(report, fmt=fmt, unit=units, modules=depth > 0), nl=False)
 
 

@@ -12,7 +12,7 @@ from .categories import Category, Mode
 from .report import MemoryReport
 from .units import Unit, format_bytes
 
-__all__ = ("render_report", "render_json", "TABLE_FORMATS")
+__all__ = ("render_report", "render_roles", "render_json", "TABLE_FORMATS")
 
 # tabulate's formats that read well for a breakdown; "json" is handled separately.
 TABLE_FORMATS = ("simple", "plain", "github", "grid", "pipe", "rst", "orgtbl", "psql", "presto",
@@ -155,3 +155,42 @@ def _measurement_lines(report: MemoryReport, unit: Unit | str) -> str:
     if m.note:
         line += f"\n  {m.note}"
     return line
+
+
+def render_roles(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str = Unit.AUTO) -> str:
+    """The per-GPU table of a multi-GPU estimate: one row per kind of GPU, each with its
+    breakdown at its own peak (empty for a single-GPU report)."""
+    if not report.roles:
+        return ""
+    title = (f"memcalc: {report.model} under {report.strategy}, {report.world_size} GPUs, "
+             f"global batch {report.global_batch_size} — memory per GPU at each GPU's peak (binary units)")
+    shown = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE, Category.ACTIVATIONS)
+    with_fit = any(r.report.fits is not None for r in report.roles)
+    headers = ["GPU role", "GPUs", "batch", *[_CATEGORY_LABELS[c].split(" (")[0] for c in shown], "other",
+               "peak allocated", "peak reserved", "model states", "collective buffers",
+               *(["fits"] if with_fit else [])]
+    rows = []
+    for role in report.roles:
+        b = role.bytes
+        values = [b.category(c) for c in shown]
+        rows.append([role.name, _ranks(role.ranks), str(role.batch_size), *[format_bytes(v, unit) for v in values],
+                     format_bytes(b.peak_allocated - sum(values), unit), format_bytes(b.peak_allocated, unit),
+                     format_bytes(role.report.peak_reserved, unit), format_bytes(role.model_states, unit),
+                     format_bytes(role.communication, unit),
+                     *([{True: "yes", False: "NO", None: "-"}[role.report.fits]] if with_fit else [])])
+    table = tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True,
+                     colalign=("left", "left", "right", *["right"] * 9, *(["left"] if with_fit else [])))
+    busiest = report.busiest_role
+    assert busiest is not None
+    legend = ("other: inputs, buffers, temporaries, workspaces and allocator rounding. model states: parameters, "
+              "gradients and optimizer state (fp32 master weights included) at the optimizer step. collective "
+              "buffers: memory at the peak that exists only for communication (gathered parameters, "
+              "all-gather / reduce-scatter / reduce buffers, DDP buckets that are not the gradients); it is "
+              "counted in the columns before.")
+    return f"{title}\n\n{table}\n\n{legend}\nbusiest: {busiest.name} — its breakdown follows.\n"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"cuda:{ranks[0]}-{ranks[-1]}"
+    return ", ".join(f"cuda:{r}" for r in ranks)

@@ -8,6 +8,14 @@ The JSON contract (README, "JSON output") is exactly::
                "activations", "workspace", "kv_cache", "peak_allocated", "peak_reserved",
                "cuda_context"}}
 
+With a multi-GPU strategy (``strategy`` other than ``"single"``) the same fields describe
+the busiest GPU role and three keys are added (see :mod:`memcalc.strategies`)::
+
+    {"strategy", "world_size", "global_batch_size",
+     "roles": [{"name", "ranks", "batch_size", "peak_allocated", "peak_reserved",
+                "peak_phase", "peak_module", "fits", "model_states", "communication",
+                "bytes": {...the categories above...}}]}
+
 Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
 the CUDA caching allocator counts (each block rounded up to 512 B), so the categories plus
 ``rounding`` add up to ``peak_allocated``. Parameters and buffers are alive throughout.
@@ -22,7 +30,7 @@ from .categories import Category, Mode, Phase
 from .gpus import GENERIC, GpuProfile
 from .precision import Precision
 
-__all__ = ("ByteBreakdown", "ModuleRow", "Textbook", "Measurement", "MemoryReport")
+__all__ = ("ByteBreakdown", "ModuleRow", "Textbook", "Measurement", "MemoryReport", "RoleReport")
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,20 @@ class MemoryReport:
     attention_calls: tuple[tuple[str, int], ...] = ()  # every backend used, with its call count
     accum_steps: int = 1
     checkpoint: bool = False
+    # Multi-GPU (memcalc.strategies): the fields above describe the busiest role in ``roles``.
+    strategy: str = "single"
+    world_size: int = 1
+    global_batch_size: int | None = None  # samples per step over all GPUs (None: single GPU)
+    roles: tuple["RoleReport", ...] = ()
+
+    @property
+    def busiest_role(self) -> "RoleReport | None":
+        """The GPU role that runs out of memory first (multi-GPU): one that does not fit,
+        else the highest peak allocated (then reserved). None for a single GPU."""
+        if not self.roles:
+            return None
+        failing = [r for r in self.roles if r.report.fits is False]
+        return max(failing or self.roles, key=lambda r: (r.peak_allocated, r.report.peak_reserved))
 
     @property
     def cuda_context(self) -> int:
@@ -165,6 +187,13 @@ class MemoryReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (see the module docstring); integers are bytes."""
+        data = self._single_gpu_dict()
+        if self.roles:
+            data |= {"strategy": self.strategy, "world_size": self.world_size,
+                     "global_batch_size": self.global_batch_size, "roles": [r.to_dict() for r in self.roles]}
+        return data
+
+    def _single_gpu_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "batch_size": self.batch_size,
@@ -179,3 +208,39 @@ class MemoryReport:
             "fits": self.fits,
             "bytes": self.bytes.to_dict() | {"peak_reserved": self.peak_reserved, "cuda_context": self.cuda_context},
         }
+
+
+@dataclass(frozen=True)
+class RoleReport:
+    """One kind of GPU in a multi-GPU step: every rank of DDP/FSDP/ZeRO, or DataParallel's
+    output device and its other devices. ``report`` is that GPU's full single-GPU report.
+
+    ``model_states``: parameters + gradients + optimizer state (fp32 master weights included)
+    the GPU holds at the optimizer step — what DeepSpeed's estimators count. ``communication``:
+    bytes at the peak in buffers that exist only for the collectives (DDP buckets that are not
+    the gradients, all-gathered parameters, all-gather / reduce-scatter / reduce buffers); they
+    are also counted in their category of ``bytes``.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    batch_size: int  # samples this GPU runs through the model
+    model_states: int
+    communication: int
+    report: MemoryReport
+
+    @property
+    def bytes(self) -> ByteBreakdown:
+        return self.report.bytes
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.report.bytes.peak_allocated
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.report
+        return {"name": self.name, "ranks": list(self.ranks), "batch_size": self.batch_size,
+                "peak_allocated": r.bytes.peak_allocated, "peak_reserved": r.peak_reserved,
+                "peak_phase": r.peak_phase.value, "peak_module": r.peak_module, "fits": r.fits,
+                "model_states": self.model_states, "communication": self.communication,
+                "bytes": r.bytes.to_dict()}

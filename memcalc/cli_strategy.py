@@ -1,0 +1,100 @@
+"""The multi-GPU options of ``memcalc MODEL`` (and of any command that estimates a step):
+``--strategy``, ``--world-size``, ``--device-ids``, ``--global-batch/--per-rank-batch``,
+``--bucket-cap-mb``, ``--gradient-as-bucket-view``, ``--fsdp-sharding``,
+``--reduce-bucket-size``. :func:`strategy_options` adds them to a click command;
+:func:`strategy_arguments` checks them (bad combinations are usage errors) and returns the
+keyword arguments of :func:`memcalc.estimate` — so ``memcalc fit`` can take the same options
+and hand them to ``max_batch_size``, which passes them on to ``estimate``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+
+from .errors import InvalidInputError
+from .strategies import DEEPSPEED_REDUCE_BUCKET_SIZE, DEFAULT_BUCKET_CAP_MB, DistributedOptions, FsdpSharding, Strategy
+
+__all__ = ("strategy_options", "strategy_arguments", "DeviceIdsType")
+
+
+class DeviceIdsType(click.ParamType):
+    """``0,1,2,3`` → ``(0, 1, 2, 3)``; each a CUDA device number, none repeated."""
+
+    name = "ids"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        parts = [p.strip() for p in str(value).split(",") if p.strip()]
+        if not parts or not all(p.isdigit() for p in parts):
+            self.fail(f"{value!r} is not a list of CUDA device numbers; give e.g. 0,1,2,3", param, ctx)
+        ids = tuple(int(p) for p in parts)
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            self.fail(f"device ids repeat ({', '.join(map(str, repeated))} in {value}): each GPU can hold one "
+                      f"replica; give e.g. 0,1,2,3", param, ctx)
+        return ids
+
+
+def _at_least_one(_ctx: click.Context, _param: click.Parameter, value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise click.BadParameter(f"the world size is the number of GPUs and must be at least 1, got {value}")
+    return value
+
+
+def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the multi-GPU options (as keyword arguments named like the options)."""
+    options = [
+        click.option("--strategy", type=click.Choice([s.value for s in Strategy]), default=Strategy.SINGLE.value,
+                     show_default=True,
+                     help="Multi-GPU training: dp (nn.DataParallel), ddp (DistributedDataParallel), fsdp "
+                          "(FSDP2 fully_shard per block), zero1/zero2/zero3 (DeepSpeed ZeRO). The report has "
+                          "one row per kind of GPU."),
+        click.option("--world-size", type=int, default=None, callback=_at_least_one, metavar="N",
+                     help="Number of GPUs (ranks) for ddp, fsdp and zero*; for dp, devices 0..N-1."),
+        click.option("--device-ids", type=DeviceIdsType(), default=None,
+                     help="dp only: the GPUs DataParallel uses, e.g. 0,1,2,3 (outputs gathered on the first)."),
+        click.option("--global-batch/--per-rank-batch", "global_batch", default=False, show_default=True,
+                     help="Whether --batch is the global batch (split over the GPUs) or each GPU's batch "
+                          "(the default: each rank's DataLoader batch)."),
+        click.option("--bucket-cap-mb", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_BUCKET_CAP_MB,
+                     show_default=True, help="ddp: gradient bucket size in MiB."),
+        click.option("--gradient-as-bucket-view", is_flag=True,
+                     help="ddp: gradients are views into the buckets (no second copy)."),
+        click.option("--fsdp-sharding", type=click.Choice([s.value for s in FsdpSharding]),
+                     default=FsdpSharding.FULL_SHARD.value, show_default=True,
+                     help="fsdp: FULL_SHARD (reshard after forward) or SHARD_GRAD_OP (keep parameters gathered "
+                          "until backward)."),
+        click.option("--reduce-bucket-size", type=click.IntRange(min=1), default=DEEPSPEED_REDUCE_BUCKET_SIZE,
+                     show_default=True, metavar="ELEMENTS",
+                     help="zero*: DeepSpeed's reduce_bucket_size (elements of the gradient reduce bucket)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tuple[int, ...] | None,
+                       global_batch: bool, bucket_cap_mb: float, gradient_as_bucket_view: bool,
+                       fsdp_sharding: str, reduce_bucket_size: int, measure: bool = False) -> dict[str, Any]:
+    """The options as :func:`memcalc.estimate` keywords (none for a single GPU); a usage
+    error for combinations that make no sense."""
+    try:
+        DistributedOptions.create(strategy=strategy, world_size=world_size, device_ids=device_ids,
+                                  batch_is_global=global_batch, bucket_cap_mb=bucket_cap_mb,
+                                  gradient_as_bucket_view=gradient_as_bucket_view, sharding=fsdp_sharding,
+                                  reduce_bucket_size=reduce_bucket_size)
+    except InvalidInputError as exc:
+        raise click.UsageError(str(exc)) from None
+    if strategy == Strategy.SINGLE.value:
+        if global_batch:
+            raise click.UsageError("--global-batch needs a multi-GPU --strategy")
+        return {}
+    if measure:
+        raise click.UsageError("--measure runs the step on this machine's GPU (or CPU); it cannot measure "
+                               f"--strategy {strategy}")
+    return {"strategy": strategy, "world_size": world_size, "device_ids": device_ids, "batch_is_global": global_batch,
+            "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": gradient_as_bucket_view,
+            "sharding": fsdp_sharding, "reduce_bucket_size": reduce_bucket_size}

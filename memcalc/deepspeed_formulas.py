@@ -1,0 +1,146 @@
+"""DeepSpeed's published closed forms for ZeRO model-state memory, and the ZeRO paper's.
+
+These are *not* how memcalc estimates (it simulates the rank's step, see
+:mod:`memcalc.strategies`); they are the reference its ZeRO numbers are tested against.
+Pure functions of parameter counts; bytes out.
+
+Sources
+-------
+* DeepSpeed ``deepspeed/runtime/zero/stage_1_and_2.py``,
+  ``estimate_zero2_model_states_mem_needs`` (microsoft/DeepSpeed at 38327e07, Feb 2025;
+  the 18-bytes form since PR #5099, June 2024 — before it the GPU term read
+  ``4 * total_params + int(16 * total_params / total_gpus)``)::
+
+      if cpu_offload:  gpu_mem = 2 * total_params
+                       cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+      else:            # 2 = params_16bit,
+                       # 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit
+                       gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+                       cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+
+* DeepSpeed ``deepspeed/runtime/zero/stage3.py``, ``estimate_zero3_model_states_mem_needs``
+  (same commit)::
+
+      largest_layer_memory = 4 * largest_layer_params
+      offload optimizer and params:  gpu_mem = largest_layer_memory
+      offload optimizer only:        gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+      no offload:                    gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+      (cpu_mem: see zero3_model_states below)
+
+  ``largest_layer_params`` is the largest ``sum(p.numel() for p in m.parameters(recurse=False))``
+  over the model's modules (``model_to_params``): the layer ZeRO-3 gathers at once, in 16-bit,
+  with its 16-bit gradients (4 bytes per parameter).
+
+* ZeRO: Memory Optimizations Toward Training Trillion Parameter Models (Rajbhandari et al.,
+  SC'20, arXiv:1910.02054), Figure 1 / section 5.1, mixed-precision Adam, Ψ parameters,
+  N_d data-parallel ranks, K = 12 bytes of optimizer state per parameter (fp32 master
+  weights, momentum, variance): baseline (2 + 2 + K)Ψ; P_os 4Ψ + KΨ/N_d;
+  P_os+g 2Ψ + (2 + K)Ψ/N_d; P_os+g+p (2 + 2 + K)Ψ/N_d. DeepSpeed has no stage-1 estimator.
+
+The DeepSpeed functions count parameters once even when tied: ``model_to_params`` dedups by
+``data_ptr()``; memcalc dedups by storage (on meta tensors every ``data_ptr()`` is 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = (
+    "ZeroEstimate",
+    "zero2_model_states",
+    "zero3_model_states",
+    "zero_paper_model_states",
+    "model_to_params",
+    "ADDITIONAL_BUFFER_FACTOR",
+    "ZERO_PAPER_K",
+)
+
+#: DeepSpeed's estimators' default ``additional_buffer_factor`` (applies to CPU memory only).
+ADDITIONAL_BUFFER_FACTOR = 1.5
+#: The ZeRO paper's K for mixed-precision Adam: fp32 params (4) + momentum (4) + variance (4).
+ZERO_PAPER_K = 12
+
+
+@dataclass(frozen=True)
+class ZeroEstimate:
+    """Bytes per GPU and per CPU (node) as DeepSpeed's estimator returns them."""
+
+    gpu_bytes: int
+    cpu_bytes: int
+    largest_layer_bytes: int = 0  # ZeRO-3 only: 4 × largest_layer_params
+
+
+def zero2_model_states(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, *,
+                       cpu_offload: bool = False,
+                       additional_buffer_factor: float = ADDITIONAL_BUFFER_FACTOR) -> ZeroEstimate:
+    """``estimate_zero2_model_states_mem_needs`` (stage_1_and_2.py). DeepSpeed's default
+    argument is ``cpu_offload=True``; memcalc's is ``False`` (no offload)."""
+    _check(total_params, num_gpus_per_node, num_nodes)
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return ZeroEstimate(gpu_bytes=int(gpu), cpu_bytes=int(cpu))
+
+
+def zero3_model_states(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
+                       num_nodes: int = 1, *, cpu_offload: bool = False, cpu_offload_params: bool = False,
+                       zero_init: bool = True,
+                       additional_buffer_factor: float = ADDITIONAL_BUFFER_FACTOR) -> ZeroEstimate:
+    """``estimate_zero3_model_states_mem_needs`` (stage3.py). DeepSpeed's defaults offload
+    both optimizer and parameters; memcalc's default is no offload."""
+    _check(total_params, num_gpus_per_node, num_nodes)
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu = largest_layer_memory
+            cpu = (total_params * 18 * gpus_factor * additional_buffer_factor if zero_init else
+                   total_params * max(4 * num_gpus_per_node, 18 * gpus_factor) * additional_buffer_factor)
+        else:
+            gpu = largest_layer_memory + int(2 * total_params / total_gpus)
+            cpu = (total_params * 16 * gpus_factor * additional_buffer_factor if zero_init else
+                   total_params * max(4 * num_gpus_per_node, 16 * gpus_factor) * additional_buffer_factor)
+    else:
+        gpu = largest_layer_memory + int(18 * total_params / total_gpus)
+        cpu = (largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor if zero_init else
+               total_params * 4 * num_gpus_per_node * additional_buffer_factor)
+    return ZeroEstimate(gpu_bytes=int(gpu), cpu_bytes=int(cpu), largest_layer_bytes=int(largest_layer_memory))
+
+
+def zero_paper_model_states(stage: int, total_params: int, world_size: int, k: int = ZERO_PAPER_K) -> float:
+    """Model-state bytes per GPU from the ZeRO paper (stage 0 is plain data parallelism)."""
+    _check(total_params, world_size, 1)
+    psi, n = total_params, world_size
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 4 * psi + k * psi / n
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / n
+    if stage == 3:
+        return (2 + 2 + k) * psi / n
+    raise ValueError(f"ZeRO stage must be 0 to 3, got {stage}")
+
+
+def model_to_params(model: nn.Module) -> tuple[int, int]:
+    """``(total_params, largest_layer_params)`` as DeepSpeed's ``model_to_params`` counts them."""
+    storages: dict[int, int] = {}
+    for p in model.parameters():
+        storages[id(p.untyped_storage())] = p.numel()
+    largest = 0
+    for module in model.modules():
+        largest = max(largest, sum(p.numel() for p in module.parameters(recurse=False)))
+    return sum(storages.values()), largest
+
+
+def _check(total_params: int, gpus: int, nodes: int) -> None:
+    if total_params < 0 or gpus < 1 or nodes < 1:
+        raise ValueError(f"need total_params ≥ 0 and at least one GPU and node "
+                         f"(got {total_params}, {gpus}, {nodes})")

@@ -1,0 +1,485 @@
+"""Per-GPU memory under DataParallel, DDP, FSDP and DeepSpeed ZeRO.
+
+``memcalc.estimate(model, strategy="ddp", world_size=4, ...)`` (CLI: ``--strategy ddp
+--world-size 4``) answers "how much does each GPU need?". The answer is a report with one
+:class:`~memcalc.report.RoleReport` per distinct kind of GPU — every rank of DDP, FSDP and
+ZeRO holds the same; DataParallel's output device holds more than its other devices — and
+the report's single-GPU fields describe the busiest role (so ``fits``, ``memcalc fit`` and
+``max_batch_size`` answer for the GPU that runs out first).
+
+What runs for real and what is modelled
+---------------------------------------
+Each role's step is traced like a single-GPU step (:func:`memcalc.api.trace_model`): the
+model's forward, loss and backward run on meta tensors at the rank's batch, autograd makes
+the gradients, ``torch.optim`` creates its state — on the rank's shard when the optimizer
+is sharded — and the allocator model replays it all. What PyTorch and DeepSpeed add around
+the model is reproduced by :mod:`memcalc.rank_programs` with real meta tensors allocated
+and freed at the moments the real implementation does (their real classes cannot run
+symbolically: DDP's constructor reads parameter values, FSDP2 rejects meta parameters and
+allocates its buffers on the process group's device, DataParallel needs devices, DeepSpeed
+is not a dependency). Collectives move no bytes on meta; only their buffers matter.
+
+How faithful: the DDP and FSDP programs were checked against the real
+``DistributedDataParallel`` and ``fully_shard`` running on the CPU over a fake process group
+(every buffer really allocated, recorded by the CPU profiler): equal to the byte apart from
+Adam's CPU step counters, for FULL_SHARD and SHARD_GRAD_OP, fp32 and bf16 mixed precision,
+several bucket sizes, with and without ``gradient_as_bucket_view`` (tests/test_strategies.py).
+DataParallel and ZeRO follow their source code (cited in :mod:`memcalc.rank_programs`)
+without such a check. None of it has been measured on several CUDA GPUs: the CUDA caching
+allocator's per-stream pools (FSDP's all-gathers and reduce-scatters run on their own
+streams) can reserve more than the single-stream replay shows.
+
+Strategies
+----------
+``dp`` — ``nn.DataParallel(model, device_ids)``: one process; each forward scatters the
+batch (``torch.chunk``: the first devices get ``ceil(B/N)``), broadcasts the parameters and
+buffers to every other device, gathers all outputs on ``device_ids[0]`` (which computes the
+loss on the full batch) and, at the end of backward, reduces the replicas' gradients onto
+``device_ids[0]``, which alone runs the optimizer. Roles: ``output device (cuda:K)`` and
+``other devices``.
+
+``ddp`` — ``DistributedDataParallel``: one process per GPU, each with the whole model, its
+gradients and optimizer state, its share of the batch, and the gradient buckets
+(``bucket_cap_mb``, default 25 MiB, :data:`DEFAULT_BUCKET_CAP_MB`): with
+``gradient_as_bucket_view=False`` (PyTorch's default) the buckets are a second copy of the
+gradients; with ``True`` the gradients are views into them. Buffers are broadcast every
+forward (a flat copy).
+
+``fsdp`` — FSDP2 ``fully_shard`` on every transformer layer / ResNet block of a zoo model
+(other models: on the items of each outermost ``nn.ModuleList``, else on every child of
+the root that has parameters) and on the root.
+``sharding="full_shard"`` (FULL_SHARD, ``reshard_after_forward=True``) or
+``"shard_grad_op"`` (SHARD_GRAD_OP: parameters stay gathered from forward to backward).
+Each rank holds 1/N of the parameters, gradients and optimizer state, plus the all-gather
+and reduce-scatter buffers of the units in flight (the all-gather output is kept until the
+next unit's copy-out in forward; backward prefetches the next unit). ``precision="amp-bf16"``
+/ ``"amp-fp16"`` means ``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=float32)``:
+parameters are gathered in 16-bit, the root casts the inputs, and the model computes in
+16-bit without autocast; sharded parameters, gradients and optimizer state stay float32.
+
+``zero1`` / ``zero2`` / ``zero3`` — DeepSpeed ZeRO. Mixed precision is DeepSpeed's: the
+model runs in 16-bit (``amp-fp16``/``fp16`` → fp16, ``amp-bf16``/``bf16`` → bf16) and the
+optimizer steps a float32 master partition; at ``fp32`` the model is float32 and the master
+partition a float32 copy. Per rank (Ψ parameters, N ranks, bytes per parameter, Adam,
+16-bit):
+
+=================================  ======  ======  ======
+                                   zero1   zero2   zero3
+=================================  ======  ======  ======
+16-bit parameters                  2       2       2/N
+16-bit gradients                   2       2/N     2/N
+fp32 gradient partition (step)     4/N     4/N     4/N
+fp32 master partition              4/N     4/N     4/N
+Adam moments                       8/N     8/N     8/N
+total                              4+16/N  2+18/N  20/N
+=================================  ======  ======  ======
+
+ZeRO-2's total is DeepSpeed's estimator exactly (``2Ψ + 18Ψ/N``); ZeRO-1's is the ZeRO
+paper's P_os (4Ψ + 12Ψ/N) plus the fp32 gradient partition, and equals DeepSpeed's stage-2
+estimator before June 2024 (``4Ψ + 16Ψ/N``). DeepSpeed's ZeRO-3 estimator is
+``4·largest_layer + 18Ψ/N``: memcalc holds 2Ψ/N more (it keeps both the 16-bit gradient
+partition, ``grad_partitions_flat_buffer``, and the fp32 copy made for the step, which the
+estimator's 18 does not both count); its ``4·largest_layer`` is the 16-bit parameters and
+gradients of the largest gathered module, which memcalc simulates (gathered modules and
+their gradients appear as communication buffers, not model states). The formulas and their
+sources are in :mod:`memcalc.deepspeed_formulas`. Also simulated: the reduce bucket
+(``reduce_bucket_size`` elements, DeepSpeed's default 5e8 — about 954 MiB in 16-bit;
+Hugging Face's ``"auto"`` sets hidden_size²): allocated for each backward in stages 1–2,
+for good in stage 3. ZeRO-3 gathers one module at a time and prefetches the next; DeepSpeed's
+``stage3_prefetch_bucket_size``, ``max_live_parameters``, ``max_reuse_distance`` and
+``param_persistence_threshold`` are not modelled.
+
+The batch
+---------
+``batch_size`` is **per GPU** by default (each DDP rank's, FSDP rank's or DataParallel
+replica's ``DataLoader`` batch; DataParallel's model then sees ``N ×`` that). With
+``batch_is_global=True`` it is the global batch: split evenly over the ranks (it must divide
+by N) or, for ``dp``, chunked as ``torch.chunk`` does. ``memcalc fit`` / ``max_batch_size``
+search over ``batch_size`` and therefore answer with the largest per-GPU batch.
+
+JSON
+----
+For a strategy other than ``single`` the report's JSON gains ``"strategy"``,
+``"world_size"``, ``"global_batch_size"`` and ``"roles"`` (see :mod:`memcalc.report`); the
+single-GPU contract is unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import allocator
+from .categories import Category, Mode, Phase
+from .errors import InvalidInputError
+from .models import ResolvedModel, resolve
+from .optimizers import Optimizer, spec_for
+from .options import EstimateOptions
+from .precision import Precision
+from .rank_programs import (
+    DataParallelOutputDevice,
+    DataParallelReplica,
+    DdpProgram,
+    RankProgram,
+    ShardedProgram,
+    ZeroProgram,
+    fsdp_units,
+    module_units,
+)
+from .report import MemoryReport, RoleReport
+from .timeline import allocator_events
+from .units import format_bytes
+
+__all__ = (
+    "Strategy",
+    "FsdpSharding",
+    "DistributedOptions",
+    "estimate_per_rank",
+    "dp_chunks",
+    "DEFAULT_BUCKET_CAP_MB",
+    "DEEPSPEED_REDUCE_BUCKET_SIZE",
+)
+
+#: torch.nn.parallel.DistributedDataParallel: ``bucket_cap_mb=None`` means 25 (MiB).
+DEFAULT_BUCKET_CAP_MB = 25.0
+#: deepspeed/runtime/zero/config.py: ``reduce_bucket_size`` default, in elements.
+DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
+_MIB = 1024 * 1024
+
+
+class Strategy(str, enum.Enum):
+    SINGLE = "single"
+    DP = "dp"
+    DDP = "ddp"
+    FSDP = "fsdp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+    @property
+    def zero_stage(self) -> int | None:
+        return {Strategy.ZERO1: 1, Strategy.ZERO2: 2, Strategy.ZERO3: 3}.get(self)
+
+
+class FsdpSharding(str, enum.Enum):
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+
+
+@dataclass(frozen=True)
+class DistributedOptions:
+    """The multi-GPU setting, validated once at the API boundary."""
+
+    strategy: Strategy = Strategy.SINGLE
+    world_size: int = 1
+    device_ids: tuple[int, ...] = ()
+    batch_is_global: bool = False
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    gradient_as_bucket_view: bool = False
+    sharding: FsdpSharding = FsdpSharding.FULL_SHARD
+    reduce_bucket_size: int = DEEPSPEED_REDUCE_BUCKET_SIZE
+
+    @property
+    def is_single(self) -> bool:
+        return self.strategy is Strategy.SINGLE
+
+    @classmethod
+    def create(cls, *, strategy: Any = "single", world_size: int | None = None,
+               device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
+               bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
+               sharding: Any = "full_shard", reduce_bucket_size: int | None = None) -> "DistributedOptions":
+        strategy_ = _enum(Strategy, strategy, "strategy")
+        sharding_ = _enum(FsdpSharding, sharding, "FSDP sharding")
+        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+            raise InvalidInputError(f"the world size is the number of GPUs and must be at least 1, got {world_size}",
+                                    hint="e.g. --world-size 4")
+        ids = _device_ids(device_ids, strategy_)
+        world = _world_size(strategy_, world_size, ids)
+        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
+        if not cap > 0:
+            raise InvalidInputError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        bucket = DEEPSPEED_REDUCE_BUCKET_SIZE if reduce_bucket_size is None else int(reduce_bucket_size)
+        if bucket < 1:
+            raise InvalidInputError(f"reduce_bucket_size is a number of elements ≥ 1, got {reduce_bucket_size}")
+        if strategy_ is Strategy.DP and not ids:
+            ids = tuple(range(world))
+        return cls(strategy=strategy_, world_size=world, device_ids=ids, batch_is_global=bool(batch_is_global),
+                   bucket_cap_mb=cap, gradient_as_bucket_view=bool(gradient_as_bucket_view), sharding=sharding_,
+                   reduce_bucket_size=bucket)
+
+    def per_rank_batch(self, batch: int) -> int:
+        """The batch one rank's model sees (DDP, FSDP, ZeRO)."""
+        if not self.batch_is_global:
+            return batch
+        if batch % self.world_size:
+            raise InvalidInputError(
+                f"a global batch of {batch} does not split evenly over {self.world_size} ranks",
+                hint=f"give a multiple of {self.world_size}, or the per-GPU batch (--per-rank-batch)")
+        return batch // self.world_size
+
+    def global_batch(self, batch: int) -> int:
+        return batch if self.batch_is_global else batch * self.world_size
+
+
+def _enum(kind: Any, value: Any, what: str) -> Any:
+    try:
+        return kind(value.value if hasattr(value, "value") else str(value).strip().lower())
+    except ValueError:
+        raise InvalidInputError(f"unknown {what} {value!r}; choose one of: "
+                                f"{', '.join(v.value for v in kind)}") from None
+
+
+def _device_ids(device_ids: Sequence[int] | None, strategy: Strategy) -> tuple[int, ...]:
+    if device_ids is None:
+        return ()
+    ids = tuple(device_ids)
+    if strategy is not Strategy.DP:
+        raise InvalidInputError(f"device ids go with --strategy dp (DataParallel, one process driving several "
+                                f"GPUs); {strategy.value} runs one process per GPU: give --world-size instead")
+    if not ids:
+        raise InvalidInputError("give at least one device id, e.g. --device-ids 0,1,2,3")
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        raise InvalidInputError(f"device ids are CUDA device numbers ≥ 0, got {list(ids)}")
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise InvalidInputError(f"device ids repeat ({', '.join(map(str, repeated))} in {list(ids)}): "
+                                f"each GPU can hold one replica", hint="e.g. --device-ids 0,1,2,3")
+    return ids
+
+
+def _world_size(strategy: Strategy, world_size: int | None, ids: tuple[int, ...]) -> int:
+    if strategy is Strategy.SINGLE:
+        if world_size not in (None, 1):
+            raise InvalidInputError(f"--world-size {world_size} needs a multi-GPU strategy",
+                                    hint="add --strategy ddp (or dp, fsdp, zero1, zero2, zero3)")
+        return 1
+    if strategy is Strategy.DP:
+        if ids and world_size is not None and world_size != len(ids):
+            raise InvalidInputError(f"--world-size {world_size} disagrees with {len(ids)} device ids {list(ids)}")
+        if not ids and world_size is None:
+            raise InvalidInputError("--strategy dp needs the GPUs it spreads over",
+                                    hint="give --device-ids 0,1,2,3 (or --world-size 4 for devices 0..3)")
+        return len(ids) if ids else int(world_size or 1)
+    if world_size is None:
+        raise InvalidInputError(f"--strategy {strategy.value} needs the number of GPUs",
+                                hint=f"give --world-size N, e.g. --strategy {strategy.value} --world-size 8")
+    return world_size
+
+
+def dp_chunks(global_batch: int, world_size: int) -> list[int]:
+    """The batch of each replica as ``torch.chunk`` (DataParallel's scatter) splits it:
+    ``ceil(B/N)`` per chunk, fewer (or fewer chunks) at the end."""
+    size = math.ceil(global_batch / world_size)
+    chunks = []
+    left = global_batch
+    while left > 0:
+        chunks.append(min(size, left))
+        left -= size
+    return chunks
+
+
+# ============================================================================================
+# The roles of a strategy and their programs
+# ============================================================================================
+
+
+@dataclass(frozen=True)
+class _Role:
+    name: str
+    ranks: tuple[int, ...]
+    batch: int
+    program: Callable[[ResolvedModel], RankProgram]
+    optimizer: bool = True  # False: this GPU runs no optimizer (DataParallel's other devices)
+    loss_fn: Callable[[Any], Any] | None = None
+    loss_text: str | None = None
+
+
+def _roles(dist: DistributedOptions, batch: int, options: EstimateOptions) -> tuple[list[_Role], int, list[str]]:
+    """The roles, the global batch, and notes that apply to every role."""
+    training = options.mode is Mode.TRAIN
+    n = dist.world_size
+    every = tuple(range(n))
+    notes: list[str] = []
+    strategy = dist.strategy
+    if strategy is Strategy.DP:
+        global_batch = batch if dist.batch_is_global else batch * n
+        chunks = dp_chunks(global_batch, n)
+        primary = dist.device_ids[0]
+        roles = [_Role(f"output device (cuda:{primary})", (primary,), chunks[0],
+                       lambda r: DataParallelOutputDevice(chunks, training))]
+        others = dist.device_ids[1:len(chunks)]
+        if others:
+            roles.append(_Role("other devices", tuple(others), max(chunks[1:]),
+                               lambda r: DataParallelReplica(training), optimizer=False,
+                               loss_fn=_sent_output, loss_text=f"computed on cuda:{primary}"))
+        idle = dist.device_ids[len(chunks):]
+        if idle:
+            notes.append(f"the batch of {global_batch} fills only {len(chunks)} of {n} devices: "
+                         f"cuda:{', cuda:'.join(map(str, idle))} get no chunk (torch.chunk)")
+        notes.append("DataParallel replicas of the parameters and buffers are counted as alive for the whole "
+                     "forward and backward (they are broadcast at each forward)")
+        return roles, global_batch, notes
+    per_rank = dist.per_rank_batch(batch)
+    global_batch = per_rank * n
+    if strategy is Strategy.DDP:
+        cap = int(dist.bucket_cap_mb * _MIB)
+        view = dist.gradient_as_bucket_view
+        notes.append(f"DDP gradient buckets of {dist.bucket_cap_mb:g} MiB, gradient_as_bucket_view={view}"
+                     + ("" if view else ": the buckets are a second copy of the gradients"))
+        return [_Role("every rank", every, per_rank, lambda r: DdpProgram(cap, view, training))], global_batch, notes
+    if strategy is Strategy.FSDP:
+        mixed = options.precision.is_amp
+        low = options.precision.compute_dtype
+        reshard = dist.sharding is FsdpSharding.FULL_SHARD
+        notes.append(f"FSDP2 {dist.sharding.value.upper()} over {n} ranks"
+                     + (f"; MixedPrecisionPolicy(param_dtype={_dtype(low)}, reduce_dtype=float32): the model "
+                        f"computes in {_dtype(low)} without autocast" if mixed else ""))
+        if options.precision is Precision.AMP_FP16:
+            notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
+
+        def fsdp(resolved: ResolvedModel) -> RankProgram:
+            containers = resolved.entry.block_containers if resolved.entry is not None else ()
+            units = fsdp_units(resolved.module, containers)
+            return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
+                                  sharded_dtype=torch.float32 if mixed else None,
+                                  gather_dtype=low if mixed else None,
+                                  reduce_dtype=torch.float32 if mixed else None, training=training,
+                                  cpu=not options.emulate_cuda)
+
+        return [_Role("every rank", every, per_rank, fsdp)], global_batch, notes
+    stage = strategy.zero_stage
+    assert stage is not None
+    bucket = dist.reduce_bucket_size
+    sixteen = options.precision is not Precision.FP32
+    itemsize = 2 if sixteen else 4
+    notes.append(f"DeepSpeed ZeRO-{stage} over {n} ranks"
+                 + (f": the model in {_dtype(options.precision.compute_dtype)}, fp32 master partition"
+                    if sixteen else ": fp32 model, fp32 master partition"))
+    if training:
+        notes.append(f"DeepSpeed's reduce bucket: {format_bytes(bucket * itemsize)} (reduce_bucket_size "
+                     f"{bucket:,} elements; DeepSpeed's default is {DEEPSPEED_REDUCE_BUCKET_SIZE:,})")
+    if stage == 3:
+        notes.append("ZeRO-3 gathers one module at a time and prefetches the next; stage3_prefetch_bucket_size, "
+                     "max_live_parameters, max_reuse_distance and param_persistence_threshold are not modelled")
+
+    def zero(resolved: ResolvedModel) -> RankProgram:
+        sharded = None
+        if stage == 3:
+            sharded = ShardedProgram(module_units(resolved.module), n, style="deepspeed", reshard_after_forward=True,
+                                     sharded_dtype=None, gather_dtype=None, reduce_dtype=None, training=training,
+                                     reduce_bucket_size=bucket)
+        return ZeroProgram(stage, n, bucket, training, sharded=sharded)
+
+    return [_Role("every rank", every, per_rank, zero)], global_batch, notes
+
+
+def _sent_output(output: Any) -> Any:
+    return output  # DataParallelReplica made the output a scalar standing for the sent tensors
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _trace_precision(strategy: Strategy, precision: Precision) -> Precision:
+    """The precision the traced step runs at. DeepSpeed runs the model itself in 16-bit; FSDP's
+    mixed precision keeps the model's parameters (and inputs, buffers) as they are and casts
+    what it gathers (and the root's inputs): the program does that, without autocast."""
+    if strategy is Strategy.FSDP and precision.is_amp:
+        return Precision.FP32
+    if strategy.zero_stage is not None and precision is not Precision.FP32:
+        return Precision.BF16 if precision.uses_bf16 else Precision.FP16
+    return precision
+
+
+# ============================================================================================
+# The estimate
+# ============================================================================================
+
+
+def estimate_per_rank(model: Any, *, distributed: DistributedOptions, options: EstimateOptions,
+                      batch_size: int | None, input_shape: Sequence[int] | None, seq_len: int | None,
+                      inputs: Any, module_depth: int, capacity: int | None) -> MemoryReport:
+    """One estimate per GPU role; the report of the busiest, with every role in ``roles``."""
+    from . import api  # api imports this module lazily, and this one needs api's engine
+
+    if inputs is not None and distributed.batch_is_global:
+        raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")
+    if inputs is not None:
+        batch = resolve(model, inputs=inputs, input_shape=input_shape, seq_len=seq_len).batch_size
+    else:
+        batch = 1 if batch_size is None else batch_size
+        if batch < 1:
+            raise InvalidInputError(f"batch size must be at least 1, got {batch}")
+    roles, global_batch, notes = _roles(distributed, batch, options)
+    trace_precision = _trace_precision(distributed.strategy, options.precision)
+    if trace_precision is not options.precision and distributed.strategy.zero_stage is not None \
+            and not options.precision.is_amp:
+        notes.append("DeepSpeed keeps fp32 master weights in its fp16/bf16 modes too")
+    results: list[RoleReport] = []
+    for role in roles:
+        resolved = resolve(model, batch_size=None if inputs is not None else role.batch, input_shape=input_shape,
+                           seq_len=seq_len, inputs=inputs)
+        program = role.program(resolved)
+        spec = options.optimizer if role.optimizer else spec_for(Optimizer.NONE)
+        traced_options = replace(options, precision=trace_precision, optimizer=program.optimizer_spec(spec),
+                                 loss_fn=role.loss_fn or options.loss_fn)
+        traced = api.trace_model(resolved, traced_options, hooks=program)
+        if role.loss_text is not None:
+            traced.loss = role.loss_text
+        traced.notes.extend([*notes, *program.notes])
+        report = api._report(resolved, traced, options, module_depth, capacity)
+        results.append(RoleReport(
+            name=role.name, ranks=role.ranks, batch_size=resolved.batch_size,
+            model_states=_model_states(traced, program.communication),
+            communication=_alive_at_peak(traced, program.communication), report=report))
+    busiest = replace(results[0].report, roles=tuple(results)).busiest_role
+    assert busiest is not None
+    return replace(busiest.report, strategy=distributed.strategy.value, world_size=distributed.world_size,
+                   global_batch_size=global_batch, roles=tuple(results))
+
+
+_MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+
+
+def _model_states(traced: Any, communication: set[int]) -> int:
+    """Parameters + gradients + optimizer state (not collective buffers) alive during the
+    optimizer step — their largest sum between ``step()`` starting and ``zero_grad()`` (or,
+    without an optimizer, at ``zero_grad()``; in eval, at the end)."""
+    trace = traced.trace
+    categories = traced.categories
+
+    def counted(uid: int) -> bool:
+        return categories[uid] in _MODEL_STATES and uid not in communication
+
+    alive = sum(trace.nbytes[u] for u in trace.preexisting if counted(u))
+    end = trace.phase_starts.get(Phase.ZERO_GRAD, len(trace.events))
+    start = trace.phase_starts.get(Phase.OPTIMIZER, end)
+    best = 0
+    for index, event in enumerate(trace.events[:end]):
+        if index >= start:
+            best = max(best, alive)
+        uid = event if event >= 0 else ~event
+        if counted(uid):
+            alive += trace.nbytes[uid] if event >= 0 else -trace.nbytes[uid]
+    return max(best, alive)
+
+
+def _alive_at_peak(traced: Any, uids: set[int]) -> int:
+    """Bytes of the storages ``uids`` alive at the replayed peak allocated."""
+    if not uids:
+        return 0
+    program = traced.program()
+    nbytes = traced.trace.nbytes
+    stats = allocator.replay(allocator_events(program, nbytes))
+    n = program.num_storages
+    alive = 0
+    for event in program.events[: max(stats.peak_index, 0) + 1]:
+        uid = (event if event >= 0 else ~event) % n
+        if uid in uids:
+            alive += nbytes[uid] if event >= 0 else -nbytes[uid]
+    return alive
