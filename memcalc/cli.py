@@ -7,45 +7,18 @@ an exit code (2: bad input, 1: the model can't be estimated); ``--debug`` shows 
 
 from __future__ import annotations
 
-import functools
-import sys
-import warnings
-from typing import Any, Callable
+from typing import Any
 
 import click
 
 from . import api
-from .categories import Mode
-from .errors import MemcalcError
-from .losses import LossChoice
+from .cli_options import handle_errors, output_options, quiet, step_arguments, step_options
+from .cli_strategy import strategy_arguments, strategy_options
 from .optimizers import Optimizer
 from .precision import Precision
-from .cli_strategy import strategy_arguments, strategy_options
-from .render import TABLE_FORMATS, render_json, render_report, render_roles
-from .units import Unit
+from .render import render_json, render_report, render_roles
 
 __all__ = ("main",)
-
-_FORMATS = (*TABLE_FORMATS, "json")
-
-
-class ShapeType(click.ParamType):
-    """``3,224,224`` (also ``3x224x224``) → ``(3, 224, 224)``."""
-
-    name = "shape"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
-        if isinstance(value, tuple):
-            return value
-        text = str(value).strip().lower().replace("x", ",").strip("()[] ")
-        try:
-            dims = tuple(int(part) for part in text.split(",") if part.strip() != "")
-        except ValueError:
-            dims = ()
-        if not dims or any(d < 1 for d in dims):
-            self.fail(f"{value!r} is not a shape; give positive integers separated by commas, "
-                      f"e.g. 3,224,224 (one sample, without the batch dimension)", param, ctx)
-        return dims
 
 
 class ModelFirstGroup(click.Group):
@@ -60,40 +33,6 @@ class ModelFirstGroup(click.Group):
         if not wants_group_help and first is not None and first not in self.commands:
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
-
-
-def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Map library errors to a message and an exit code; tracebacks only with --debug."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        debug = kwargs.get("debug", False)
-        try:
-            return func(*args, **kwargs)
-        except MemcalcError as exc:
-            if debug:
-                raise
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
-            raise
-        except Exception as exc:  # a bug in memcalc or an unexpected failure: say so plainly
-            if debug:
-                raise
-            click.echo(f"error: {type(exc).__name__}: {exc}\n(run again with --debug for the traceback)", err=True)
-            sys.exit(1)
-
-    return wrapper
-
-
-def _common_output_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    func = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")(func)
-    func = click.option("--units", type=click.Choice([u.value for u in Unit], case_sensitive=False),
-                        default=Unit.AUTO.value, show_default=True,
-                        help="Binary units for byte figures (auto picks per figure).")(func)
-    func = click.option("--format", "fmt", type=click.Choice(_FORMATS), default="simple", show_default=True,
-                        help="A tabulate table format, or json (the stable JSON contract).")(func)
-    return func
 
 
 @click.group(cls=ModelFirstGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -119,12 +58,7 @@ def main() -> None:
 @click.option("--optim", "optim", type=click.Choice([o.value for o in Optimizer], case_sensitive=False),
               default=Optimizer.ADAM.value, show_default=True,
               help="Optimizer; its state is created by the real torch.optim class.")
-@click.option("--input-shape", type=ShapeType(), default=None,
-              help="Shape of one sample, without the batch dimension, e.g. 3,224,224.")
-@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Sequence length for token models.")
-@click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.TRAIN.value, show_default=True,
-              help="train: forward, loss, backward, optimizer step; eval: forward under no_grad; "
-                   "inference: forward under inference_mode.")
+@step_options
 @click.option("--precision", type=click.Choice([p.value for p in Precision]), default=Precision.FP32.value,
               show_default=True,
               help="fp32; amp-fp16/amp-bf16: CUDA autocast (fp32 master weights and optimizer state); "
@@ -132,24 +66,15 @@ def main() -> None:
 @click.option("--gpu", default=None, metavar="NAME",
               help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
                    "its CUDA context, and whether the step fits. Default: a generic sm80-class profile.")
-@click.option("--checkpoint", is_flag=True, help="Activation checkpointing per block (zoo models with blocks).")
-@click.option("--accum-steps", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Gradient accumulation: micro-batches of --batch per optimizer step.")
-@click.option("--kv-cache", type=click.IntRange(min=0), default=None, metavar="TOKENS",
-              help="With --mode inference: a KV cache for the prompt plus TOKENS generated tokens "
-                   "(decoder language models).")
-@click.option("--loss", type=click.Choice([c.value for c in LossChoice]), default=None,
-              help="Loss to train with (default: the zoo entry's, else auto: cross-entropy for (B, C) "
-                   "outputs, the output's mean otherwise).")
 @click.option("--depth", type=click.IntRange(min=0), default=1, show_default=True,
               help="Module depth of the per-module table (0 hides it).")
 @click.option("--measure", is_flag=True,
               help="Also run the step for real (CUDA if available, else the CPU profiler) and compare.")
 @strategy_options
-@_common_output_options
-@_handle_errors
-def estimate_command(model: str, batch: int, optim: str, input_shape: tuple[int, ...] | None,
-                     seq_len: int | None, mode: str, precision: str, gpu: str | None, checkpoint: bool,
+@output_options
+@handle_errors
+def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: str | None,
+                     input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
                      accum_steps: int, kv_cache: int | None, loss: str | None, depth: int, measure: bool,
                      fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
     """Estimate the GPU memory of one step of MODEL.
@@ -157,18 +82,16 @@ def estimate_command(model: str, batch: int, optim: str, input_shape: tuple[int,
     MODEL is a zoo name (memcalc zoo lists them), path/to/file.py:factory,
     package.module:factory, torchvision:NAME, timm:NAME, hf:NAME or hf:config.json.
     """
-    step = dict(optimizer=optim, mode=mode, precision=precision, gpu=gpu, checkpoint=checkpoint,
-                accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
+    step = dict(optimizer=optim, precision=precision, gpu=gpu,
+                **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
+                                 accum_steps=accum_steps, kv_cache=kv_cache, loss=loss))
     distributed = strategy_arguments(measure=measure, **multi_gpu)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # warnings reach the user as the report's notes
-        report = api.estimate(model, batch_size=batch, input_shape=input_shape, seq_len=seq_len,
-                              module_depth=max(depth, 1), **step, **distributed)
+    with quiet():
+        report = api.estimate(model, batch_size=batch, module_depth=max(depth, 1), **step, **distributed)
     if measure:
         from .measure import attach_measurement
 
-        report = attach_measurement(report, model, batch_size=batch, input_shape=input_shape, seq_len=seq_len,
-                                    **step)
+        report = attach_measurement(report, model, batch_size=batch, **step)
     if fmt == "json":
         data = report.to_dict()
         if report.measurement is not None:
@@ -187,8 +110,8 @@ def _measurement_dict(report) -> dict[str, Any]:
 
 
 @main.command("zoo")
-@_common_output_options
-@_handle_errors
+@output_options
+@handle_errors
 def zoo_command(fmt: str, units: str, debug: bool) -> None:
     """List the model zoo: name, family, parameters, default input."""
     import models_zoo

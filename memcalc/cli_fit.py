@@ -1,9 +1,9 @@
 """``memcalc fit``, ``memcalc sweep`` and ``memcalc gpus``: options, a call into
 :mod:`memcalc.search` / :mod:`memcalc.gpus`, rendering. Errors are mapped by
-:func:`memcalc.cli._handle_errors` (2: bad input, 1: does not fit or cannot be estimated).
+:func:`memcalc.cli_options.handle_errors` (2: bad input, 1: does not fit or cannot be estimated).
 
 :mod:`memcalc.cli` registers these commands at its end and this module takes the shared
-decorators from it, so import ``memcalc.cli`` first (importing this module first is circular).
+decorators from :mod:`memcalc.cli_options` (shared with ``memcalc MODEL``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from tabulate import tabulate
 
 from . import gpus as gpu_catalogue
 from . import search
-from .categories import Category, Mode
-from .cli import ShapeType, _common_output_options, _handle_errors
-from .losses import LossChoice
+from .categories import Category
+from .cli_options import handle_errors, output_options, quiet, step_arguments, step_options
+from .cli_strategy import strategy_arguments, strategy_options
 from .optimizers import Optimizer
 from .precision import Precision
-from .render import render_json, render_report
+from .render import render_json, render_report, render_roles
 from .units import BYTES_FORMS, format_bytes, parse_bytes
 
 __all__ = ("fit_command", "gpus_command", "sweep_command")
@@ -142,27 +142,6 @@ def _positional_indices(args: list[str], flags: set[str]) -> set[int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _model_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """The options that shape one step, as ``memcalc MODEL`` has them."""
-    func = click.option("--loss", type=click.Choice([c.value for c in LossChoice]), default=None,
-                        help="Loss to train with (default: the zoo entry's, else auto).")(func)
-    func = click.option("--kv-cache", type=click.IntRange(min=0), default=None, metavar="TOKENS",
-                        help="With --mode inference: a KV cache for the prompt plus TOKENS generated "
-                             "tokens (decoder language models).")(func)
-    func = click.option("--accum-steps", type=click.IntRange(min=1), default=1, show_default=True,
-                        help="Gradient accumulation: micro-batches per optimizer step.")(func)
-    func = click.option("--checkpoint", is_flag=True,
-                        help="Activation checkpointing per block (zoo models with blocks).")(func)
-    func = click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.TRAIN.value,
-                        show_default=True, help="train: forward, loss, backward, optimizer step; "
-                                                "eval/inference: forward only.")(func)
-    func = click.option("--seq-len", type=click.IntRange(min=1), default=None,
-                        help="Sequence length for token models.")(func)
-    func = click.option("--input-shape", type=ShapeType(), default=None,
-                        help="Shape of one sample, without the batch dimension, e.g. 3,224,224.")(func)
-    return func
-
-
 def _budget_options(func: Callable[..., Any]) -> Callable[..., Any]:
     func = click.option("--device", default=None, metavar="auto|cuda:N",
                         help="A GPU of this machine: its free memory minus a new process's CUDA "
@@ -185,19 +164,6 @@ def _budget_arguments(gpu: str | None, budget: int | None, device: str | None, *
     return given
 
 
-def _step_options(**options: Any) -> dict[str, Any]:
-    """The step options of a command, for :func:`memcalc.estimate` (None: its default)."""
-    return {name: value for name, value in options.items() if value is not None}
-
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """Estimates warn about approximations; the CLI shows them as the report's notes."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 _PRECISIONS = [p.value for p in Precision]
 _OPTIMIZERS = [o.value for o in Optimizer]
 
@@ -214,16 +180,18 @@ _OPTIMIZERS = [o.value for o in Optimizer]
               show_default=True, help="Optimizer.")
 @click.option("--precision", type=click.Choice(_PRECISIONS, case_sensitive=False), default=None,
               help="Numeric precision (default: the estimate's, fp32).")
-@_model_options
+@step_options
+@strategy_options
 @click.option("--neighbours", type=click.IntRange(min=0, max=16), default=DEFAULT_NEIGHBOURS, show_default=True,
               help="Also show the batches this close to the answer.")
-@_common_output_options
-@_handle_errors
+@output_options
+@handle_errors
 def fit_command(model: str, gpu: str | None, budget: int | None, device: str | None, optim: str,
                 precision: str | None, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str,
                 checkpoint: bool, accum_steps: int, kv_cache: int | None, loss: str | None, neighbours: int,
-                fmt: str, units: str, debug: bool) -> None:
-    """The largest batch of MODEL whose step fits a GPU, a budget or a local GPU.
+                fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
+    """The largest batch of MODEL whose step fits a GPU, a budget or a local GPU (per GPU, with
+    a multi-GPU --strategy).
 
     \b
     memcalc fit resnet50 --gpu a100-40gb --optim adam
@@ -231,11 +199,12 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
     memcalc fit resnet50 --device auto
     """
     where = _budget_arguments(gpu, budget, device, required=True)
-    step = _step_options(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
+    step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
                          accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
-    with _quiet():
+    distributed = strategy_arguments(**multi_gpu)
+    with quiet():
         result = search.max_batch_size(model, **where, optimizer=optim, precision=precision,
-                                       neighbours=0 if fmt == "json" else neighbours, **step)
+                                       neighbours=0 if fmt == "json" else neighbours, **step, **distributed)
     if fmt == "json":
         click.echo(render_json(result.to_dict()))
         return
@@ -251,7 +220,10 @@ def _render_fit(result: search.FitResult, fmt: str, unit: str) -> str:
          f"about {format_bytes(result.bytes_per_sample, unit)} per sample near it; "
          f"found with {result.num_estimates} estimates"),
     ]
-    sections = ["\n".join(lines), render_report(report, fmt=fmt, unit=unit, modules=False).rstrip("\n")]
+    sections = ["\n".join(lines)]
+    if report.roles:
+        sections.append(render_roles(report, fmt=fmt, unit=unit).rstrip("\n"))
+    sections.append(render_report(report, fmt=fmt, unit=unit, modules=False).rstrip("\n"))
     if result.neighbours:
         rows = [[p.batch_size, format_bytes(p.peak_allocated, unit),
                  format_bytes(result.budget_bytes - p.peak_allocated, unit), "yes" if p.fits else "no",
@@ -276,11 +248,11 @@ def _render_fit(result: search.FitResult, fmt: str, unit: str) -> str:
 @click.option("--precision", "precisions", type=ListType(_choice(_PRECISIONS), "PRECISION"), default=None,
               help=f"Precisions, comma-separated ({', '.join(_PRECISIONS)}).")
 @_budget_options
-@_model_options
+@step_options
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Draw memory against batch size to this file (PNG; needs matplotlib).")
-@_common_output_options
-@_handle_errors
+@output_options
+@handle_errors
 def sweep_command(model: str, batches: list[int], optims: list[str], precisions: list[str] | None,
                   gpu: str | None, budget: int | None, device: str | None,
                   input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
@@ -299,12 +271,12 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
 
         check_available()  # before the sweep, not after minutes of it
     configs = search.sweep_configurations(batches, optims, precisions or [None])
-    step = _step_options(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
+    step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
                          accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
     points_iter = search.iter_sweep(model, batch_sizes=batches, optimizers=optims,
                                     precisions=precisions or [None], budget=resolved, **step)
     show = fmt != "json" and len(configs) > PROGRESS_MIN_CONFIGURATIONS and _is_terminal(sys.stderr)
-    with _quiet(), _progress(points_iter, len(configs), show) as progress:
+    with quiet(), _progress(points_iter, len(configs), show) as progress:
         points = list(progress)
     if plot_path is not None:
         from .plot import plot_sweep
@@ -376,8 +348,8 @@ def _render_sweep(points: Sequence[search.SweepPoint], budget: search.Budget | N
 
 
 @click.command("gpus")
-@_common_output_options
-@_handle_errors
+@output_options
+@handle_errors
 def gpus_command(fmt: str, units: str, debug: bool) -> None:
     """List the GPUs this process can see (after CUDA_VISIBLE_DEVICES), in torch's order."""
     with warnings.catch_warnings(record=True) as caught:

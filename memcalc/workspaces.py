@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from . import kernels
-from .categories import Category, Phase
+from .categories import Category
 from .gpus import GpuProfile, cublas_workspace_bytes
 from .trace import StorageTracer
 

@@ -258,3 +258,27 @@ def test_gpus_through_nvidia_smi_with_reordering(monkeypatch):
         ("cuda:0", 1, "GPU-2222"), ("cuda:1", 0, "GPU-1111")]
     assert [r["most_free"] for r in rows] == [False, True]
 
+
+
+def test_fit_with_a_strategy_gives_the_per_gpu_batch():
+    from click.testing import CliRunner
+    from memcalc.cli import main
+
+    single = CliRunner().invoke(main, ["fit", "gpt2", "--seq-len", "64", "--budget", "3GiB", "--optim", "adamw",
+                                       "--format", "json"])
+    # a 1M-element reduce bucket: DeepSpeed's default (5·10⁸ elements) alone would take 2 GB here
+    zero = CliRunner().invoke(main, ["fit", "gpt2", "--seq-len", "64", "--budget", "3GiB", "--optim", "adamw",
+                                     "--strategy", "zero3", "--world-size", "8", "--reduce-bucket-size", "1000000",
+                                     "--format", "json"])
+    assert single.exit_code == 0 and zero.exit_code == 0, zero.output
+    # ZeRO-3 shards weights, gradients and Adam state over 8 GPUs: more room for activations per GPU
+    assert json.loads(zero.output)["batch_size"] > json.loads(single.output)["batch_size"]
+    assert json.loads(zero.output)["report"]["strategy"] == "zero3"
+
+
+def test_fit_strategy_without_world_size_is_a_usage_error():
+    from click.testing import CliRunner
+    from memcalc.cli import main
+
+    result = CliRunner().invoke(main, ["fit", "mlp", "--budget", "1GiB", "--strategy", "ddp"])
+    assert result.exit_code == 2 and "world" in result.output.lower()

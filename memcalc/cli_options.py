@@ -1,0 +1,120 @@
+"""What every ``memcalc`` command shares: error mapping, output options, the options that
+shape one step, and parameter types. The commands live in :mod:`memcalc.cli` (estimate, zoo)
+and :mod:`memcalc.cli_fit` (fit, sweep, gpus); both import from here, so neither depends on
+the other's import order."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import click
+
+from .categories import Mode
+from .errors import MemcalcError
+from .losses import LossChoice
+from .render import TABLE_FORMATS
+from .units import Unit
+
+__all__ = ("ShapeType", "handle_errors", "output_options", "step_options", "step_arguments", "quiet", "FORMATS")
+
+FORMATS = (*TABLE_FORMATS, "json")
+
+
+class ShapeType(click.ParamType):
+    """``3,224,224`` (also ``3x224x224``) → ``(3, 224, 224)``."""
+
+    name = "shape"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip().lower().replace("x", ",").strip("()[] ")
+        try:
+            dims = tuple(int(part) for part in text.split(",") if part.strip() != "")
+        except ValueError:
+            dims = ()
+        if not dims or any(d < 1 for d in dims):
+            self.fail(f"{value!r} is not a shape; give positive integers separated by commas, "
+                      f"e.g. 3,224,224 (one sample, without the batch dimension)", param, ctx)
+        return dims
+
+
+def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Map library errors to a message and an exit code; tracebacks only with --debug."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        debug = kwargs.get("debug", False)
+        try:
+            return func(*args, **kwargs)
+        except MemcalcError as exc:
+            if debug:
+                raise
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+            raise
+        except Exception as exc:  # a bug in memcalc or an unexpected failure: say so plainly
+            if debug:
+                raise
+            click.echo(f"error: {type(exc).__name__}: {exc}\n(run again with --debug for the traceback)", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+def output_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--format``, ``--units``, ``--debug``."""
+    func = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")(func)
+    func = click.option("--units", type=click.Choice([u.value for u in Unit], case_sensitive=False),
+                        default=Unit.AUTO.value, show_default=True,
+                        help="Binary units for byte figures (auto picks per figure).")(func)
+    func = click.option("--format", "fmt", type=click.Choice(FORMATS), default="simple", show_default=True,
+                        help="A tabulate table format, or json (the stable JSON contract).")(func)
+    return func
+
+
+def step_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The options that shape one step beyond optimizer, precision and GPU (which each command
+    takes in its own form: one value, a list, or a budget)."""
+    options = [
+        click.option("--input-shape", type=ShapeType(), default=None,
+                     help="Shape of one sample, without the batch dimension, e.g. 3,224,224."),
+        click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Sequence length for token models."),
+        click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.TRAIN.value,
+                     show_default=True,
+                     help="train: forward, loss, backward, optimizer step; eval: forward under no_grad; "
+                          "inference: forward under inference_mode."),
+        click.option("--checkpoint", is_flag=True, help="Activation checkpointing per block (zoo models with blocks)."),
+        click.option("--accum-steps", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Gradient accumulation: micro-batches of --batch per optimizer step."),
+        click.option("--kv-cache", type=click.IntRange(min=0), default=None, metavar="TOKENS",
+                     help="With --mode inference: a KV cache for the prompt plus TOKENS generated tokens "
+                          "(decoder language models)."),
+        click.option("--loss", type=click.Choice([c.value for c in LossChoice]), default=None,
+                     help="Loss to train with (default: the zoo entry's, else auto: cross-entropy for (B, C) "
+                          "outputs, the output's mean otherwise)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def step_arguments(*, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
+                   accum_steps: int, kv_cache: int | None, loss: str | None) -> dict[str, Any]:
+    """:func:`step_options`' values as :func:`memcalc.estimate` keywords (None: its default)."""
+    values = dict(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
+                  accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
+    return {name: value for name, value in values.items() if value is not None}
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Estimates warn about approximations; the CLI shows them as the report's notes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
