@@ -128,6 +128,7 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions | None = None,
                               emulate_kernels=options.emulate_cuda)
     workspaces = WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN) if options.emulate_cuda else None
     tracer = StorageTracer("meta", after_op=workspaces.after_op if workspaces else None)
+    emulation.recomputing = lambda: tracer.modules.recomputing
     if workspaces is not None:
         workspaces.attach(tracer)
     observer = _TracerObserver(tracer)

@@ -93,6 +93,10 @@ class CudaEmulation(TorchFunctionMode):
         self._autocast_depth = 0
         self._cast_cache: dict[int, torch.Tensor] = {}
         self.attention_backends: Counter[str] = Counter()
+        # Whether a checkpointed forward is being recomputed during backward (set by the caller,
+        # who tracks modules): the recomputation of an autocast forward is autocast too, as
+        # torch.utils.checkpoint re-enters torch.autocast for it.
+        self.recomputing: Callable[[], bool] = lambda: False
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -119,7 +123,7 @@ class CudaEmulation(TorchFunctionMode):
 
     @property
     def autocasting(self) -> bool:
-        return self.autocast_dtype is not None and self._autocast_depth > 0
+        return self.autocast_dtype is not None and (self._autocast_depth > 0 or self.recomputing())
 
     # ---- dispatch ---------------------------------------------------------------------------
     def __torch_function__(self, func, types_, args=(), kwargs=None):  # type: ignore[override]
@@ -191,7 +195,9 @@ class CudaEmulation(TorchFunctionMode):
         require grad (parameters) are cast once per autocast region."""
         if not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
             return tensor
-        cacheable = tensor.is_leaf and tensor.requires_grad and tensor.dtype is torch.float32
+        # the cache lives in an autocast region (a recomputation outside one casts per use)
+        cacheable = (self._autocast_depth > 0 and tensor.is_leaf and tensor.requires_grad
+                     and tensor.dtype is torch.float32)
         if cacheable:
             cached = self._cast_cache.get(id(tensor))
             if cached is not None:

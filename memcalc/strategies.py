@@ -1,4 +1,4 @@
-"""Per-GPU memory under DataParallel, DDP, FSDP and DeepSpeed ZeRO.
+r"""Per-GPU memory under DataParallel, DDP, FSDP and DeepSpeed ZeRO.
 
 ``memcalc.estimate(model, strategy="ddp", world_size=4, ...)`` (CLI: ``--strategy ddp
 --world-size 4``) answers "how much does each GPU need?". The answer is a report with one

@@ -467,6 +467,11 @@ class ModuleTracker:
             return self._backward_module
         return self._stack[-1] if self._stack else ""
 
+    @property
+    def recomputing(self) -> bool:
+        """A module's forward running during backward: activation checkpointing recomputing."""
+        return self.in_backward and bool(self._stack)
+
     def install(self, model: nn.Module) -> None:
         for name, module in model.named_modules():
             if not name:
@@ -504,6 +509,9 @@ class ModuleTracker:
     def _grad_hook(self, name: str):
         def hook(_grad: torch.Tensor) -> None:
             self._backward_module = name
+            # A recomputation is over when backward reaches a module's gradient; non-reentrant
+            # checkpoint may stop one early (by raising), leaving its forward post-hooks unrun.
+            self._stack.clear()
         return hook
 
     @contextmanager
@@ -514,6 +522,7 @@ class ModuleTracker:
         finally:
             self.in_backward = False
             self._backward_module = ""
+            self._stack.clear()
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:

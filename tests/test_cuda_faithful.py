@@ -303,3 +303,36 @@ def test_nested_composites_are_seen_inside_multihead_attention():
     # the in-projection weight (192·64) is cast to fp16 once: 24,576 B
     assert any(n == 192 * 64 * 2 for u, n in enumerate(traced.trace.nbytes) if traced.trace.phase[u] is Phase.FORWARD)
     assert math.isfinite(traced.trace.nbytes[0])
+
+
+class UserCheckpointedBlocks(nn.Module):
+    """A user's model calling torch.utils.checkpoint itself (non-reentrant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(3))
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("precision", ["amp-fp16", "amp-bf16"])
+def test_user_checkpoint_recomputes_under_autocast(precision):
+    # checkpoint re-enters autocast for the recomputation: the recomputed Linear runs in 16-bit
+    # again (its weight cast again), so the saved tensors match and no CheckpointError is raised.
+    traced = trace_model(resolve(UserCheckpointedBlocks(), batch_size=8, input_shape=(256,)), optimizer="sgd",
+                         precision=precision)
+    weight_casts = [u for u, n in enumerate(traced.trace.nbytes) if n == 256 * 256 * 2]
+    forward_casts = [u for u in weight_casts if traced.trace.phase[u] is Phase.FORWARD]
+    backward_casts = [u for u in weight_casts if traced.trace.phase[u] is Phase.BACKWARD]
+    assert len(forward_casts) == 3 and len(backward_casts) >= 3  # each block's weight, again in recompute
+
+
+def test_peak_location_after_checkpointed_backward_is_not_stale():
+    r = memcalc.estimate("llama-tiny", batch_size=1, seq_len=32, optimizer="adamw", checkpoint=True,
+                         precision="amp-bf16")
+    if r.peak_phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+        assert r.peak_module == ""
