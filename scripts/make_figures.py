@@ -1,0 +1,140 @@
+"""Regenerate the README's figures (``docs/figures/*.png``) from memcalc itself.
+
+    python scripts/make_figures.py               # every figure, into docs/figures/
+    python scripts/make_figures.py --out /tmp/f  # somewhere else
+
+Needs matplotlib (``pip install -e ".[plot]"``). Every number drawn comes from
+``memcalc.sweep`` / ``memcalc.estimate`` / ``memcalc.max_batch_size`` run on this checkout,
+and every label that names a kernel or a GPU is read from the reports: nothing is typed in.
+The figures are drawn on their own ``Figure`` with an Agg canvas (no pyplot state), and
+saved without the matplotlib version in their metadata so that they only change when the
+numbers do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+import memcalc
+from memcalc import gpus
+
+GIB = 1024**3
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "docs" / "figures"
+
+# Figure 1: ResNet-50 training step against batch size.
+RESNET_BATCHES = (1, *range(32, 513, 32))
+# (label, sweep options): one line each.
+RESNET_SERIES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("SGD, fp32", {"optimizers": ["sgd"], "precisions": ["fp32"]}),
+    ("Adam, fp32", {"optimizers": ["adam"], "precisions": ["fp32"]}),
+    ("Adam, AMP bf16", {"optimizers": ["adam"], "precisions": ["amp-bf16"]}),
+    ("Adam, fp32, checkpointing", {"optimizers": ["adam"], "precisions": ["fp32"], "checkpoint": True}),
+)
+# GPUs whose usable memory (total − CUDA context) is drawn, with the largest Adam fp32 batch.
+RESNET_GPUS = ("t4", "a100-40gb")
+
+# Figure 2: GPT-2 (124M) training step against sequence length, per attention kernel.
+GPT2_BATCH = 4
+GPT2_SEQ_LENS = (256, 512, 1024, 1536, 2048, 3072, 4096)
+# (gpu, precision): memcalc picks the attention kernel PyTorch would pick on that GPU.
+GPT2_CONFIGS = (("a100-80gb", "amp-bf16"), ("h100-80gb", "amp-bf16"), ("t4", "amp-fp16"), ("t4", "amp-bf16"))
+
+
+# Lines that coincide stay visible: each series gets its own marker and dash pattern.
+STYLES: tuple[dict[str, Any], ...] = (
+    {"marker": "o", "linestyle": "-"}, {"marker": "s", "linestyle": "--"},
+    {"marker": "^", "linestyle": "-."}, {"marker": "D", "linestyle": ":"},
+)
+
+
+def _new_figure() -> tuple[Figure, Axes]:
+    figure = Figure(figsize=(7.5, 5.0), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure, figure.add_subplot(1, 1, 1)
+
+
+def _legend_below(figure: Figure) -> None:
+    figure.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    figure.savefig(path, metadata={"Software": None})  # no version string: bytes change only with the plot
+    return path
+
+
+def resnet50_batch(out: Path) -> Path:
+    """Peak allocated against batch size for four training set-ups, with GPU capacities."""
+    figure, axes = _new_figure()
+    for (label, options), style in zip(RESNET_SERIES, STYLES):
+        points = memcalc.sweep("resnet50", batch_sizes=RESNET_BATCHES, **options)
+        axes.plot([p.batch_size for p in points], [p.report.bytes.peak_allocated / GIB for p in points],
+                  markersize=3, label=label, **style)
+    for key, grey in zip(RESNET_GPUS, ("dimgrey", "black")):
+        gpu = gpus.get_gpu(key)
+        fit = memcalc.max_batch_size("resnet50", gpu=key, optimizer="adam", precision="fp32")
+        usable = fit.budget_bytes  # the card's memory minus its CUDA context
+        axes.axhline(usable / GIB, color=grey, linestyle=(0, (4, 3)), linewidth=1,
+                     label=f"{gpu.name}: {usable / GIB:.1f} GiB usable; "
+                           f"Adam fp32 fits batch {fit.batch_size} (dot)")
+        axes.plot([fit.batch_size], [fit.report.bytes.peak_allocated / GIB], marker="o", color=grey,
+                  markersize=6, linestyle="none")
+    axes.set_xlabel("batch size")
+    axes.set_ylabel("peak allocated (GiB, binary)")
+    axes.set_title("memcalc: ResNet-50 training step (224×224) against batch size")
+    axes.set_xlim(0, RESNET_BATCHES[-1])
+    axes.set_ylim(bottom=0)
+    axes.grid(True, alpha=0.3)
+    _legend_below(figure)
+    return _save(figure, out / "resnet50_batch.png")
+
+
+def gpt2_seq_len(out: Path) -> Path:
+    """Peak allocated against sequence length; the attention kernel is the one CUDA would pick."""
+    figure, axes = _new_figure()
+    for (key, precision), style in zip(GPT2_CONFIGS, STYLES):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # bf16 on a T4 warns: that is the point of the line
+            reports = [memcalc.estimate("gpt2", batch_size=GPT2_BATCH, seq_len=seq, optimizer="adamw",
+                                        precision=precision, gpu=key) for seq in GPT2_SEQ_LENS]
+        backends = sorted({str(r.attention_backend) for r in reports})
+        label = f"{gpus.get_gpu(key).name}, {precision}: {'/'.join(backends)} attention"
+        axes.plot(GPT2_SEQ_LENS, [r.bytes.peak_allocated / GIB for r in reports], markersize=4, label=label,
+                  **style)
+    axes.set_xlabel("sequence length (tokens)")
+    axes.set_ylabel("peak allocated (GiB, binary)")
+    axes.set_title(f"memcalc: GPT-2 (124M) training step, batch {GPT2_BATCH}, AdamW")
+    axes.set_ylim(bottom=0)
+    axes.grid(True, alpha=0.3)
+    _legend_below(figure)
+    return _save(figure, out / "gpt2_seq_len.png")
+
+
+FIGURES: dict[str, Callable[[Path], Path]] = {"resnet50_batch": resnet50_batch, "gpt2_seq_len": gpt2_seq_len}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the PNGs")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"figures to draw: {', '.join(FIGURES)} (default: all)")
+    args = parser.parse_args(argv)
+    if unknown := [n for n in args.names if n not in FIGURES]:
+        parser.error(f"unknown figure {unknown[0]!r}; choose from {', '.join(FIGURES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.names or FIGURES:
+        start = time.perf_counter()
+        path = FIGURES[name](args.out)
+        print(f"{path} ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

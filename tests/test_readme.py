@@ -1,0 +1,215 @@
+"""The README cannot drift from the tool.
+
+* Every line of a ``bash``/``sh``/``console`` code block that starts with ``memcalc `` (or
+  ``$ memcalc ``) is run with click's CliRunner, in an empty working directory, and must
+  exit 0 — or with the code its trailing ``# exits N`` comment documents. A line ending in
+  ``# needs a GPU`` runs only where CUDA is available.
+* In ``console`` blocks, the lines after a ``$ memcalc ...`` line (up to the next ``$``
+  line) are that command's output and must match it exactly. After a change to the tool,
+  refresh them with ``MEMCALC_REGEN_README=1 python -m pytest tests/test_readme.py`` and
+  review the diff.
+* Every ``python`` code block runs without an error.
+* The command-line reference (the ``text`` blocks of "## Command line") names exactly the
+  options each command has: a new option must be documented, a removed one must go.
+
+The two set-up commands at the top (new virtual environment, installs) are not run here:
+``.ci/run`` runs the second one on a clean clone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+from memcalc.cli import main
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+REGEN = bool(os.environ.get("MEMCALC_REGEN_README"))
+
+_FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+_SHELL = {"bash", "sh", "shell", "console"}
+_EXITS = re.compile(r"#\s*exits\s+(\d+)\s*$")
+_NEEDS_GPU = re.compile(r"#\s*needs a GPU\s*$")
+_OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+# A fixed terminal width: click wraps some text to the terminal.
+_ENV = {"COLUMNS": "100"}
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    body: str
+    start: int  # offsets of the body in the README text
+    end: int
+
+
+@dataclass(frozen=True)
+class Command:
+    line: str  # as written in the README, without "$ "
+    args: tuple[str, ...]  # after "memcalc"
+    exit_code: int
+    needs_gpu: bool
+    output: str | None  # documented output (console blocks), else None
+
+
+def blocks(text: str) -> list[Block]:
+    return [Block(m["lang"], m["body"], m.start("body"), m.end("body")) for m in _FENCE.finditer(text)]
+
+
+def _command(line: str, output: str | None) -> Command:
+    exits = _EXITS.search(line)
+    args = shlex.split(line, comments=True)
+    assert args and args[0] == "memcalc", line
+    return Command(line=line, args=tuple(args[1:]), exit_code=int(exits[1]) if exits else 0,
+                   needs_gpu=bool(_NEEDS_GPU.search(line)), output=output)
+
+
+def _console_commands(body: str) -> list[Command]:
+    commands: list[Command] = []
+    line: str | None = None
+    output: list[str] = []
+    for raw in [*body.splitlines(), "$ "]:
+        if raw.startswith("$ "):
+            if line is not None:
+                commands.append(_command(line, _normalise("\n".join(output))))
+            line = raw[2:].strip() if raw[2:].strip().startswith("memcalc ") else None
+            output = []
+        else:
+            output.append(raw)
+    return commands
+
+
+def commands(text: str) -> list[Command]:
+    found: list[Command] = []
+    for block in blocks(text):
+        if block.lang == "console":
+            found += _console_commands(block.body)
+        elif block.lang in _SHELL:
+            for raw in block.body.splitlines():
+                line = raw.strip().removeprefix("$ ")
+                if line.startswith("memcalc "):
+                    found.append(_command(line, None))
+    return found
+
+
+def _normalise(output: str) -> str:
+    return "\n".join(line.rstrip() for line in output.strip("\n").splitlines())
+
+
+def run(command: Command):
+    return CliRunner().invoke(main, list(command.args), env=_ENV, catch_exceptions=True)
+
+
+def _regenerate() -> None:
+    """Rewrite the output under every ``$ memcalc`` line of the console blocks."""
+    text = README.read_text()
+    for block in reversed(blocks(text)):
+        if block.lang != "console":
+            continue
+        lines: list[str] = []
+        keep = True
+        for raw in block.body.splitlines():
+            if raw.startswith("$ "):
+                lines.append(raw)
+                keep = not raw[2:].strip().startswith("memcalc ")
+                if not keep:
+                    result = run(_command(raw[2:].strip(), None))
+                    lines.extend(_normalise(result.output).splitlines())
+            elif keep:
+                lines.append(raw)
+        text = text[: block.start] + "\n".join(lines) + "\n" + text[block.end:]
+    README.write_text(text)
+
+
+
+if REGEN:
+    _regenerate()
+README_TEXT = README.read_text()
+COMMANDS = commands(README_TEXT)
+PYTHON_BLOCKS = [b.body for b in blocks(README_TEXT) if b.lang == "python"]
+
+
+def test_the_readme_documents_commands_to_run() -> None:
+    # The parametrised tests below must not pass vacuously.
+    assert len(COMMANDS) >= 10
+    assert sum(c.output is not None for c in COMMANDS) >= 3
+    assert PYTHON_BLOCKS
+
+
+def test_the_readme_starts_with_the_two_commands() -> None:
+    first, second = blocks(README_TEXT)[:2]
+    assert first.body.strip().endswith("memcalc resnet50 --batch 64 --optim adam")
+    assert 'pip install -e ".[test,plot]"' in second.body and second.body.strip().endswith("python -m pytest -q")
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.line[:70])
+def test_readme_command(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if command.needs_gpu and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.chdir(tmp_path)  # --plot files and the like land here
+    result = run(command)
+    assert result.exit_code == command.exit_code, (
+        f"`{command.line}` exited {result.exit_code}, the README says {command.exit_code}:\n{result.output}"
+        + (f"\n{result.exception!r}" if result.exception and not isinstance(result.exception, SystemExit) else ""))
+    if command.output is not None and not REGEN:
+        assert _normalise(result.output) == command.output, (
+            f"the output of `{command.line}` changed; refresh the README with "
+            f"MEMCALC_REGEN_README=1 python -m pytest tests/test_readme.py and review the diff")
+
+
+@pytest.mark.parametrize("source", PYTHON_BLOCKS, ids=lambda s: s.strip().splitlines()[-1][:60])
+def test_readme_python_block(source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(source, str(README), "exec"), {"__name__": "__readme__"})  # noqa: S102 (the README's own code)
+
+
+def test_readme_links_to_files_that_exist() -> None:
+    # Figures (docs/figures/*.png, from scripts/make_figures.py), notebooks, scripts.
+    targets = re.findall(r"\]\(((?!https?:|#)[^)\s]+)\)", README_TEXT)
+    assert any(t.endswith(".png") for t in targets) and any(t.endswith(".ipynb") for t in targets)
+    missing = [t for t in targets if not (README.parent / t).exists()]
+    assert not missing, f"the README links to missing files: {missing}"
+
+
+def _reference_synopses(text: str) -> dict[str, str]:
+    """Command name → its synopsis in the "## Command line" section's ``text`` blocks."""
+    section = text.split("\n## Command line", 1)[1].split("\n## ", 1)[0]
+    synopses: dict[str, str] = {}
+    for block in blocks(section):
+        if block.lang != "text":
+            continue
+        current = None
+        for line in block.body.splitlines():
+            if line.startswith("memcalc "):
+                word = line.split()[1]
+                current = word if word in main.commands else "estimate"
+                assert current not in synopses, f"two synopses for memcalc {current}"
+                synopses[current] = line
+            elif current is not None and line.startswith(" "):
+                synopses[current] += "\n" + line
+    return synopses
+
+
+def _options(command: click.Command) -> set[str]:
+    names = {n for p in command.params if isinstance(p, click.Option) for n in (*p.opts, *p.secondary_opts)}
+    return {n for n in names if n.startswith("--")}
+
+
+SYNOPSES = _reference_synopses(README_TEXT)
+
+
+@pytest.mark.parametrize("name", sorted(main.commands))
+def test_cli_reference_lists_every_option(name: str) -> None:
+    assert name in SYNOPSES, f"the README's command-line reference has no synopsis for memcalc {name}"
+    documented = set(_OPTION.findall(SYNOPSES[name]))
+    actual = _options(main.commands[name])
+    assert documented - actual == set(), f"memcalc {name} has no option {sorted(documented - actual)}"
+    assert actual - documented == set(), f"the README does not document memcalc {name} {sorted(actual - documented)}"
