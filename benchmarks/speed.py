@@ -6,6 +6,7 @@ compare ratios measured in one run).
    backward, step, zero_grad). Times (best of N), the ratio, and both peaks.
 2. Large models: time and peak RSS of estimating gpt2-xl (batch 8, seq 1024, AdamW) and
    llama-2-7b (batch 1, seq 2048, AdamW), each in a fresh process.
+3. Fit time / one-estimate time for resnet50 and gpt2 (``benchmarks/speed_fit.py``).
 
 Run: ``python benchmarks/speed.py [--repeat 3]``.
 """
@@ -114,6 +115,11 @@ def main() -> None:
         r = large_model(name, batch, seq)
         print(f"  {name:11s} batch {batch} seq {seq:5d} AdamW: {r['seconds']:6.2f} s, "
               f"RSS {r['rss'] / 2**30:5.2f} GiB, estimated peak {r['peak'] / 2**30:8.2f} GiB ({r['phase']})")
+
+    print("\nmemcalc fit: time in units of one estimate")
+    import speed_fit  # beside this file
+
+    speed_fit.main()
 
 
 if __name__ == "__main__":

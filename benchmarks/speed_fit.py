@@ -1,6 +1,7 @@
 """How long does ``memcalc.max_batch_size`` take, in units of one estimate?
 
-The search's target is a fit in at most about four estimates' time (an estimate costs the same
+The search's target is a fit in at most about four estimates' time (four real estimates for
+a batch-affine step, plus synthetic replays of the allocator model) (an estimate costs the same
 at any batch size: meta tensors). For resnet50 (224×224) and gpt2 (256 tokens), Adam, fp32,
 on a few catalogue GPUs, this prints the fit time, the median time of one estimate with the
 same options (warm, under the same capacity), their ratio, and the estimates the fit made.
@@ -50,9 +51,10 @@ def main() -> None:
                                             {**options, "gpu": gpu})
             rows.append([model, gpu, result.batch_size, f"{fit_seconds:.2f}", f"{baseline:.2f}",
                          f"{fit_seconds / baseline:.1f}", result.num_estimates,
-                         " ".join(f"{p.batch_size}{'' if p.fits else '✗'}" for p in result.probes)])
+                         " ".join(f"{'~' if p.synthetic else ''}{p.batch_size}{'' if p.fits else '✗'}"
+                                  for p in result.probes)])
     print(tabulate(rows, headers=["model", "gpu", "batch", "fit s", "1 estimate s", "fit / estimate",
-                                  "estimates", "probes (✗: does not fit)"],
+                                  "estimates", "probes (✗: does not fit; ~: synthetic replay)"],
                    colalign=("left", "left", "right", "right", "right", "right", "right", "left"),
                    disable_numparse=True))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
-from typing import Any, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -217,6 +217,7 @@ def estimate(
     module_depth: int = 1,
     capacity: int | None = None,
     target: str = Target.CUDA,
+    on_trace: Callable[[TracedStep], None] | None = None,
     strategy: str = "single",
     world_size: int | None = None,
     device_ids: Sequence[int] | None = None,
@@ -248,6 +249,9 @@ def estimate(
     The peak covers two training iterations, so optimizer state created at the first
     ``step()`` is counted with the activations of the next forward/backward.
 
+    ``on_trace`` (single GPU): called with the raw traced step before the report is made —
+    :mod:`memcalc.search` uses it to replay the same step at other batch sizes.
+
     Multi-GPU (:mod:`memcalc.strategies`): ``strategy`` is ``single``, ``dp``, ``ddp``,
     ``fsdp``, ``zero1``, ``zero2`` or ``zero3`` over ``world_size`` GPUs (``dp``: or
     ``device_ids``); ``batch_size`` is per GPU unless ``batch_is_global``. DDP:
@@ -274,6 +278,8 @@ def estimate(
                                             module_depth=module_depth, capacity=capacity)
     resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
     traced = trace_model(resolved, options)
+    if on_trace is not None:
+        on_trace(traced)
     return _report(resolved, traced, options, module_depth, capacity)
 
 

@@ -17,6 +17,16 @@ batches the peak is often in the optimizer step, later in backward (the peak is 
 of several lines), and padding, kernel choices or attention can add steps. So the line is a
 guide and never the answer:
 
+0. *Batch-affine shortcut* (single GPU). Estimate batch 2 (if it does not fit, batch 1: the
+   answer is 1, or :class:`DoesNotFitError`), then one jump toward the budget. When the two
+   traces have the same structure and every storage's size is affine in the batch
+   (:mod:`memcalc.affine`), the steps below run on *synthetic* probes — the same alloc/free
+   sequence at any batch, replayed through the allocator model in milliseconds — and the
+   answer is then confirmed by real estimates at B and B + 1. Batch 1 is skipped because it is
+   often structurally special (a batch dimension of 1 broadcasts without a reduction). If
+   the first two traces differ, the family comes from the jump and the next point on the
+   line; if no family forms or the confirmation disagrees, the search below runs on real
+   estimates, reusing those already made.
 1. Estimate batch 1. If it does not fit, raise :class:`DoesNotFitError`.
 2. *Expand*: extrapolate the line through the two largest fitting batches (after batch 1
    alone, a per-sample guess from batch 1's breakdown) to the budget and estimate there,
@@ -33,10 +43,10 @@ guide and never the answer:
    costs more estimates, never a wrong answer (where fits is not monotone in the batch —
    fragmentation can do that — ``lo`` is *a* boundary, not necessarily the last).
 
-On the zoo's larger models and the catalogue's GPUs this takes 4 to 7 estimates (batch 1,
-one jump, an overshoot that measures the fragmentation, the batch and its successor);
-``benchmarks/speed_fit.py`` measures it. Small models whose batch runs into thousands take
-more, at a few milliseconds each.
+With the shortcut, a fit on the zoo's models and the catalogue's GPUs costs 4 real estimates
+(batch 2, one jump, B and B + 1) plus a few synthetic replays; without it (non-affine steps,
+multi-GPU strategies) 4 to 7 (batch 1, one jump, an overshoot that measures the
+fragmentation, the batch and its successor); ``benchmarks/speed_fit.py`` measures both.
 
 Budgets
 -------
@@ -55,7 +65,6 @@ may reserve (:func:`resolve_budget`):
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -63,6 +72,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from . import api
+from .affine import AffineFamily
 from . import gpus as gpu_catalogue
 from .categories import Category, Mode
 from .errors import InvalidInputError, MemcalcError
@@ -104,11 +114,14 @@ _MODEL_STATES = (Category.PARAMETERS, Category.BUFFERS, Category.GRADIENTS, Cate
 
 
 class Probe(NamedTuple):
-    """One estimate the search made: ``(batch_size, fits, peak_allocated)``."""
+    """One probe of the search: ``(batch_size, fits, peak_allocated, synthetic)``.
+    ``synthetic``: answered by replaying two real traces' batch-affine sizes through the
+    allocator model (:mod:`memcalc.affine`), not by an estimate of its own."""
 
     batch_size: int
     fits: bool
     peak_allocated: int
+    synthetic: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +162,8 @@ class FitResult:
 
     @property
     def num_estimates(self) -> int:
-        return len(self.probes)
+        """Real estimates (symbolic runs of the step) the search made."""
+        return sum(1 for p in self.probes if not p.synthetic)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``memcalc fit --format json`` contract: batch, budget and the estimate JSON."""
@@ -331,29 +345,50 @@ def max_batch_size(
     resolved = resolve_budget(budget, gpu, device)
     options = _estimate_options(estimate_options, optimizer=optimizer, precision=precision, budget=resolved)
     reports: dict[int, MemoryReport] = {}
+    traces: dict[int, Any] = {}
+    order: list[_Point] = []
+    single_gpu = options.get("strategy", "single") == "single"
 
     def measure(batch: int) -> _Point:
-        report = api.estimate(model, batch_size=batch, capacity=resolved.capacity, **options)
-        reports[batch] = report
-        return _point(report, batch)
+        """A real estimate (each batch at most once)."""
+        if batch not in reports:
+            keep = (lambda traced: traces.__setitem__(batch, traced)) if single_gpu else None
+            reports[batch] = api.estimate(model, batch_size=batch, capacity=resolved.capacity, on_trace=keep,
+                                          **options)
+            order.append(_point(reports[batch], batch))
+        return _point(reports[batch], batch)
 
-    first = measure(1)
+    # Batch 2 first: batch 1 is often a special case of the step (a batch dimension of 1
+    # broadcasts without a reduction), which would keep the two-trace family from forming.
+    start = min(2, max_batch)
+    first = measure(start)
     if not first.fits:
-        raise DoesNotFitError(reports[1], resolved)
-    try:
-        best, points = _search(measure, resolved.capacity, first=first,
-                               slope_hint=_per_sample_guess(reports[1]), max_batch=max_batch)
-    except _Unbounded:
-        raise BatchLimitError(max_batch, reports[max_batch], resolved) from None
+        if not measure(1).fits:
+            raise DoesNotFitError(reports[1], resolved)
+        first = _point(reports[1], 1)
+    slope_hint = _per_sample_guess(reports[first.batch_size])
+    if first.batch_size == 1 and start == 2:  # 1 fits, 2 does not
+        best = 1
+    elif single_gpu:
+        best = _affine_search(measure, traces, order, resolved.capacity, first, slope_hint, max_batch)
+    else:
+        best = None
+    if best is None:
+        try:
+            best, _ = _search(measure, resolved.capacity, first=first, slope_hint=slope_hint, max_batch=max_batch)
+        except _Unbounded:
+            raise BatchLimitError(max_batch, reports[max_batch], resolved) from None
+    points = order
     report = reports[best]
     probes = tuple(_as_probe(p) for p in points)
+    real_probes = tuple(p for p in probes if not p.synthetic)
     around = range(max(1, best - neighbours), best + neighbours + 1) if neighbours else range(0)
     return FitResult(
         batch_size=best,
         report=report,
         budget=resolved,
         headroom=resolved.capacity - report.bytes.peak_allocated,
-        bytes_per_sample=_slope_near(best, probes),
+        bytes_per_sample=_slope_near(best, real_probes),
         probes=probes,
         neighbours=tuple(_as_probe(reports[b] if b in reports else measure(b)) for b in around),
     )
@@ -362,7 +397,56 @@ def max_batch_size(
 def _as_probe(point: MemoryReport | _Point) -> Probe:
     if isinstance(point, MemoryReport):
         return Probe(point.batch_size, bool(point.fits), point.bytes.peak_allocated)
-    return Probe(point.batch_size, point.fits, point.peak_allocated)
+    return Probe(point.batch_size, point.fits, point.peak_allocated, point.synthetic)
+
+
+def _affine_search(measure: Callable[[int], "_Point"], traces: dict[int, Any], order: list["_Point"],
+                   capacity: int, first: "_Point", slope_hint: float | None, max_batch: int) -> int | None:
+    """The search on a batch-affine family built from two real traces, its answer confirmed by
+    real estimates at B and B + 1; None when the step is not batch-affine or the confirmation
+    disagrees (the caller then searches with real estimates, reusing the ones made here).
+
+    Real estimates: the first probe (batch 2), one jump toward the budget, B and B + 1 — four
+    for a batch-affine step, whatever the allocator's fragmentation (the synthetic replays
+    include it). When the first two differ in structure the family comes from the jump and
+    the next point on the line through them — five."""
+    start = first.batch_size
+    seen = {start: first}
+    jump = min(max(_extrapolate(seen, start, capacity, slope_hint), start + 1), start * _MAX_GROWTH, max_batch)
+    seen[jump] = measure(jump)
+    family = _family(traces, start, jump)
+    if family is None and jump < max_batch:
+        line = _extrapolate(seen, jump, capacity, slope_hint) if seen[jump].fits else (start + jump) // 2
+        second = min(max(line, 2), max_batch)
+        if second != jump:
+            measure(second)
+            family = _family(traces, min(jump, second), max(jump, second))
+    if family is None:
+        return None
+
+    def synthetic(batch: int) -> _Point:
+        if batch in seen:  # estimated for real already
+            return seen[batch]
+        probe = family.probe(batch, capacity)
+        needed = probe.peak_allocated if probe.fits else max(probe.peak_allocated, probe.reserved_within_capacity)
+        point = _Point(batch, probe.fits, probe.peak_allocated, needed, synthetic=True)
+        order.append(point)
+        return point
+
+    try:
+        best, _ = _search(synthetic, capacity, first=first, slope_hint=slope_hint, max_batch=max_batch)
+    except _Unbounded:
+        return None
+    at, after = measure(best), measure(best + 1)
+    if at.fits and not after.fits:
+        return best
+    return None
+
+
+def _family(traces: dict[int, Any], b1: int, b2: int) -> AffineFamily | None:
+    if b1 not in traces or b2 not in traces:
+        return None
+    return AffineFamily.from_traces(traces[b1], b1, traces[b2], b2)
 
 
 class _Point(NamedTuple):
@@ -374,6 +458,7 @@ class _Point(NamedTuple):
     fits: bool
     peak_allocated: int
     needed: int
+    synthetic: bool = False
 
 
 def _point(report: MemoryReport, batch: int) -> _Point:
@@ -491,7 +576,7 @@ def _slope_near(batch: int, probes: Sequence[Probe]) -> float:
 def _estimate_options(options: dict[str, Any], *, optimizer: Optimizer | str, precision: Precision | str | None,
                       budget: Budget | None) -> dict[str, Any]:
     """Options for :func:`memcalc.estimate`: the user's, the optimizer, ``precision`` when
-    given, and ``gpu`` when estimate takes one and the budget names a card."""
+    given, and ``gpu`` when the budget names a card (its kernels and workspaces)."""
     for fixed in ("batch_size", "capacity", "inputs"):
         if fixed in options:
             raise InvalidInputError(
@@ -501,13 +586,9 @@ def _estimate_options(options: dict[str, Any], *, optimizer: Optimizer | str, pr
     merged["optimizer"] = optimizer
     if precision is not None:
         merged["precision"] = precision
-    if budget is not None and budget.gpu is not None and "gpu" not in merged and _estimate_accepts("gpu"):
+    if budget is not None and budget.gpu is not None and "gpu" not in merged:
         merged["gpu"] = budget.gpu.key
     return merged
-
-
-def _estimate_accepts(name: str) -> bool:
-    return name in inspect.signature(api.estimate).parameters
 
 
 # --------------------------------------------------------------------------------------------
