@@ -176,3 +176,15 @@ def test_inference_with_kv_cache():
     data = json.loads(result.output)
     # 8 layers · 2 KV heads · 64 · 2 (K, V) · (64 + 32) tokens · 2 B = 393,216 B for batch 1
     assert data["bytes"]["kv_cache"] == 8 * 2 * 64 * 2 * 96 * 2 == 196_608 * 2
+
+
+def test_measure_on_cpu_puts_the_real_peak_beside_the_estimate():
+    # No GPU here: the real step runs on the CPU under torch.profiler, compared with the
+    # CPU-faithful simulation (an MLP agrees to the byte).
+    result = run("mlp", "--batch", "16", "--optim", "adam", "--measure", "--format", "json")
+    assert result.exit_code == 0, result.output
+    measured = json.loads(result.output)["measured"]
+    assert measured["device"] == "cpu (torch.profiler)" and measured["oom"] is False
+    assert abs(measured["relative_error"]) < 0.005
+    text = run("mlp", "--batch", "16", "--measure", "--depth", "0").output
+    assert "measured on cpu (torch.profiler)" in text and "error" in text
