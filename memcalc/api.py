@@ -20,7 +20,7 @@ from .options import EstimateOptions, Target
 from .precision import Precision
 from .report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from .step import StepConfig, run_step
-from .timeline import Program, allocator_events, build_program, category_totals_at, final_categories
+from .timeline import Program, alive_before, allocator_events, build_program, category_totals_at, final_categories
 from .trace import StepTrace, StorageTracer
 from .transforms import apply_checkpointing, apply_precision, cast_inputs, kv_elements_per_token
 from .workspaces import WorkspaceModel
@@ -370,14 +370,14 @@ def _fit_under(program: Program, nbytes: list[int], capacity: int | None,
 def _saved_for_backward(trace: StepTrace, categories: list[Category]) -> int:
     """Activation bytes alive when backward starts (what autograd saved, plus the output)."""
     start = trace.phase_starts.get(Phase.BACKWARD, len(trace.events))
-    alive = alive_after(trace, start)
+    alive = alive_before(trace, start)
     return sum(trace.nbytes[u] for u in alive if categories[u] is Category.ACTIVATIONS)
 
 
 def _module_rows(module: nn.Module, traced: TracedStep, depth: int) -> tuple[ModuleRow, ...]:
     trace = traced.trace
     end_of_forward = trace.phase_starts.get(Phase.LOSS, len(trace.events))
-    kept = alive_after(trace, end_of_forward) if traced.mode is Mode.TRAIN else None
+    kept = alive_before(trace, end_of_forward) if traced.mode is Mode.TRAIN else None
     per_module: dict[str, int] = {}
     for uid, name in enumerate(trace.module):
         if trace.phase[uid] is not Phase.FORWARD or (kept is not None and uid not in kept):
@@ -398,17 +398,6 @@ def _module_rows(module: nn.Module, traced: TracedStep, depth: int) -> tuple[Mod
             output_shape=traced.output_shapes.get(name, ()), activation_bytes=act,
         ))
     return tuple(rows)
-
-
-def alive_after(trace: StepTrace, index: int) -> set[int]:
-    """Storages born during the step and alive just before ``trace.events[index]``."""
-    alive: set[int] = set()
-    for event in trace.events[:index]:
-        if event >= 0:
-            alive.add(event)
-        else:
-            alive.discard(~event)
-    return alive
 
 
 # Ops whose CUDA memory memcalc approximates (the report lists them with their counts).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from torch import nn
 
 from .categories import Category
 from .optimizers import OptimizerSpec
-from .trace import StorageTracer
+from .trace import StorageTracer, tensors_of
 
 __all__ = (
     "RankProgram",
@@ -119,17 +119,6 @@ class RankProgram:
                 tensor.register_hook(on_output_grad)
 
         self._handles.append(module.register_forward_hook(forward_hook))
-
-
-def tensors_of(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from tensors_of(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_of(item)
 
 
 def _model_bytes(module: nn.Module) -> int:

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 from .categories import Category, Phase
 from .trace import StepTrace
 
-__all__ = ("Program", "final_categories", "build_program", "alive_at_end", "category_totals_at",
+__all__ = ("Program", "final_categories", "build_program", "alive_before", "alive_at_end", "category_totals_at",
            "allocator_events")
 
 def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state: Iterable[int]) -> list[Category]:
@@ -41,15 +41,20 @@ def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state
     return categories
 
 
-def alive_at_end(trace: StepTrace) -> set[int]:
-    """Storages born during the step and still alive when it ended."""
+def alive_before(trace: StepTrace, index: int) -> set[int]:
+    """Storages born during the step and alive just before ``trace.events[index]``."""
     alive: set[int] = set()
-    for event in trace.events:
+    for event in trace.events[:index]:
         if event >= 0:
             alive.add(event)
         else:
             alive.discard(~event)
     return alive
+
+
+def alive_at_end(trace: StepTrace) -> set[int]:
+    """Storages born during the step and still alive when it ended."""
+    return alive_before(trace, len(trace.events))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .categories import Category, Phase
 from .errors import SymbolicExecutionError
 
-__all__ = ("StorageTracer", "StepTrace", "ModuleTracker")
+__all__ = ("StorageTracer", "StepTrace", "ModuleTracker", "MetaKernelCache", "tensors_of")
 
 
 @dataclass
@@ -368,14 +368,7 @@ def _arg_key(value: Any, storages: dict[int, int]) -> Any:
 
 
 def _storage_ids(value: Any, into: set[int]) -> set[int]:
-    if isinstance(value, torch.Tensor):
-        into.add(id(value.untyped_storage()))
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _storage_ids(item, into)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _storage_ids(item, into)
+    into.update(id(t.untyped_storage()) for t in tensors_of(value))
     return into
 
 
@@ -501,7 +494,7 @@ class ModuleTracker:
             if first is not None:
                 self.output_shapes[name] = tuple(first.shape)
             if is_leaf and torch.is_grad_enabled():
-                for tensor in _tensors(output):
+                for tensor in tensors_of(output):
                     if tensor.requires_grad:
                         tensor.register_hook(self._grad_hook(name))
         return hook
@@ -525,16 +518,17 @@ class ModuleTracker:
             self._stack.clear()
 
 
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (tuple, list)):
-        for item in output:
-            yield from _tensors(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors(item)
+def tensors_of(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) tensor / tuple / list / dict value."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_of(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_of(item)
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
-    return next(_tensors(output), None)
+    return next(tensors_of(output), None)
