@@ -381,14 +381,14 @@ def max_batch_size(
     points = order
     report = reports[best]
     probes = tuple(_as_probe(p) for p in points)
-    real_probes = tuple(p for p in probes if not p.synthetic)
     around = range(max(1, best - neighbours), best + neighbours + 1) if neighbours else range(0)
     return FitResult(
         batch_size=best,
         report=report,
         budget=resolved,
         headroom=resolved.capacity - report.bytes.peak_allocated,
-        bytes_per_sample=_slope_near(best, real_probes),
+        # synthetic probes are exact replays of the same step: they widen the span of the secant
+        bytes_per_sample=_slope_near(best, probes),
         probes=probes,
         neighbours=tuple(_as_probe(reports[b] if b in reports else measure(b)) for b in around),
     )
