@@ -46,7 +46,7 @@ def render_report(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str
     notes = list(report.notes)
     if report.unsupported_ops:
         ops = ", ".join(f"{op} ×{n}" for op, n in report.unsupported_ops)
-        notes.append(f"approximated (CUDA workspace not modelled): {ops}")
+        notes.append(f"ops whose kernel workspace is approximated: {ops}")
     if notes:
         sections.append("\n".join(f"note: {n}" for n in notes))
     return "\n\n".join(s for s in sections if s) + "\n"
