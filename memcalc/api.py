@@ -22,7 +22,7 @@ from .report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from .step import StepConfig, run_step
 from .timeline import Program, alive_before, allocator_events, build_program, category_totals_at, final_categories
 from .trace import StepTrace, StorageTracer
-from .transforms import apply_checkpointing, apply_precision, cast_inputs, kv_elements_per_token
+from .transforms import kv_cache_bytes, kv_elements_per_token, prepare_step
 from .workspaces import WorkspaceModel
 
 __all__ = ("estimate", "trace_model", "TracedStep")
@@ -118,12 +118,10 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions | None = None,
     options = options or EstimateOptions.create(**option_values)
     module = resolved.module
     notes: list[str] = []
-    apply_precision(module, options.precision)
-    inputs = cast_inputs(resolved.inputs, options.precision)
-    if options.checkpoint:
-        containers = resolved.entry.block_containers if resolved.entry is not None else ()
-        count = apply_checkpointing(module, containers, resolved.name)
-        notes.append(f"activation checkpointing on {count} blocks ({', '.join(containers)})")
+    inputs, blocks = prepare_step(module, resolved.inputs, precision=options.precision, checkpoint=options.checkpoint,
+                                  containers=resolved.block_containers, model_name=resolved.name)
+    if blocks:
+        notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
     emulation = CudaEmulation(options.precision, options.gpu.compute_capability,
                               emulate_kernels=options.emulate_cuda)
     workspaces = WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN) if options.emulate_cuda else None
@@ -185,15 +183,12 @@ def _register_kv_cache(tracer: StorageTracer, module: nn.Module, inputs: Sequenc
                        options: EstimateOptions) -> str:
     """A static KV cache sized for prompt + generated tokens, allocated before the prefill
     (as Hugging Face's StaticCache is): 2 (K, V) are counted in ``kv_elements_per_token``."""
-    per_token = kv_elements_per_token(module)
-    if per_token == 0 or not inputs or inputs[0].dim() != 2:
-        raise InvalidInputError("--kv-cache needs a decoder language model taking token ids (B, T) "
-                                "with k_proj/v_proj or c_attn attention projections")
-    batch, prompt = int(inputs[0].shape[0]), int(inputs[0].shape[1])
-    tokens = prompt + int(options.kv_cache or 0)
-    itemsize = torch.empty((), dtype=options.precision.compute_dtype).element_size()
-    nbytes = per_token * batch * tokens * itemsize
+    generated = int(options.kv_cache or 0)
+    nbytes = kv_cache_bytes(module, inputs, options.precision, generated)
     tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True)
+    per_token = kv_elements_per_token(module)
+    batch, prompt = int(inputs[0].shape[0]), int(inputs[0].shape[1])
+    tokens = prompt + generated
     return (f"KV cache for {tokens} tokens ({prompt} prompt + {options.kv_cache} generated) × batch {batch}: "
             f"{per_token:,} elements per token across layers; the prefill forward is simulated")
 

@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from . import kernels
 from .errors import InvalidInputError
 from .precision import Precision
+from .trace import tensors_of
 
 __all__ = ("CudaEmulation", "current_autocast")
 
@@ -76,9 +77,7 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _floating(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    _map_tensors(value, lambda t: (found.append(t) if t.is_floating_point() else None) or t)
-    return found
+    return [t for t in tensors_of(value) if t.is_floating_point()]
 
 
 class CudaEmulation(TorchFunctionMode):

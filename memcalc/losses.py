@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from models_zoo.registry import LossKind
 
+from .trace import tensors_of
+
 __all__ = ("LossChoice", "LossFn", "primary_tensor", "make_targets", "compute_loss", "resolve_loss")
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -38,20 +40,8 @@ class LossChoice(str, enum.Enum):
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        values = list(output.values())
-    elif isinstance(output, (tuple, list)):
-        values = list(output)
-    elif hasattr(output, "to_tuple"):  # transformers' ModelOutput
-        values = list(output.to_tuple())
-    else:
-        return []
-    found: list[torch.Tensor] = []
-    for value in values:
-        found.extend(_tensors(value))
-    return found
+    """Every tensor of the output (transformers' ModelOutput is a dict: its values)."""
+    return list(tensors_of(output))
 
 
 def primary_tensor(output: Any) -> torch.Tensor:

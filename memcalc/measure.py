@@ -26,7 +26,7 @@ from .models import ResolvedModel, resolve
 from .options import EstimateOptions, Target
 from .report import Measurement, MemoryReport
 from .step import StepConfig, run_step
-from .transforms import apply_checkpointing, apply_precision, cast_inputs, kv_elements_per_token
+from .transforms import kv_cache_bytes, prepare_step
 
 __all__ = ("measure", "measure_cpu", "measure_cuda", "attach_measurement", "storage_bytes")
 
@@ -45,17 +45,12 @@ def _prepare(resolved: ResolvedModel, device: torch.device, options: EstimateOpt
     cache of the estimated size when one is asked for (the zoo's models have no cache of their
     own: a buffer of the same size stands for it)."""
     module, inputs = resolved.build_real(device)
-    apply_precision(module, options.precision)
-    inputs = cast_inputs(inputs, options.precision)
-    if options.checkpoint:
-        containers = resolved.entry.block_containers if resolved.entry is not None else ()
-        apply_checkpointing(module, containers, resolved.name)
+    inputs, _ = prepare_step(module, inputs, precision=options.precision, checkpoint=options.checkpoint,
+                             containers=resolved.block_containers, model_name=resolved.name)
     keep: list[torch.Tensor] = []
     if options.kv_cache is not None:
-        batch, prompt = inputs[0].shape
-        itemsize = torch.empty((), dtype=options.precision.compute_dtype).element_size()
-        elements = kv_elements_per_token(module) * batch * (prompt + options.kv_cache)
-        keep.append(torch.empty(elements * itemsize, dtype=torch.uint8, device=device))
+        nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache)
+        keep.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
     return module, inputs, keep
 
 

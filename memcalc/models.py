@@ -56,6 +56,11 @@ class ResolvedModel:
     entry: ZooEntry | None = None
 
     @property
+    def block_containers(self) -> tuple[str, ...]:
+        """The zoo entry's repeated-block containers (checkpointing, FSDP units); () otherwise."""
+        return self.entry.block_containers if self.entry is not None else ()
+
+    @property
     def batch_size(self) -> int:
         return int(self.inputs[0].shape[0]) if self.inputs and self.inputs[0].dim() else 1
 

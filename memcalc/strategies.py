@@ -342,7 +342,7 @@ def _roles(dist: DistributedOptions, batch: int, options: EstimateOptions) -> tu
             notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
 
         def fsdp(resolved: ResolvedModel) -> RankProgram:
-            containers = resolved.entry.block_containers if resolved.entry is not None else ()
+            containers = resolved.block_containers
             units = fsdp_units(resolved.module, containers)
             return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
                                   sharded_dtype=torch.float32 if mixed else None,

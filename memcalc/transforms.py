@@ -16,7 +16,8 @@ from .emulation import current_autocast
 from .errors import InvalidInputError
 from .precision import Precision
 
-__all__ = ("apply_precision", "apply_checkpointing", "kv_elements_per_token", "cast_inputs")
+__all__ = ("apply_precision", "apply_checkpointing", "kv_elements_per_token", "kv_cache_bytes", "cast_inputs",
+           "prepare_step")
 
 
 def apply_precision(module: nn.Module, precision: Precision) -> None:
@@ -29,6 +30,16 @@ def cast_inputs(inputs: Sequence[torch.Tensor], precision: Precision) -> tuple[t
     """Floating inputs in the model's dtype under pure fp16/bf16 (token ids stay int64)."""
     dtype = precision.parameter_dtype
     return tuple(t.to(dtype) if t.is_floating_point() and dtype is not torch.float32 else t for t in inputs)
+
+
+def prepare_step(module: nn.Module, inputs: Sequence[torch.Tensor], *, precision: Precision, checkpoint: bool,
+                 containers: Sequence[str], model_name: str) -> tuple[tuple[torch.Tensor, ...], int]:
+    """Everything the step changes in the model before it runs — the same for the estimate
+    (on meta) and the measurement (real): pure fp16/bf16 weights and inputs, and per-block
+    checkpointing. Returns the cast inputs and the number of blocks checkpointed."""
+    apply_precision(module, precision)
+    blocks = apply_checkpointing(module, containers, model_name) if checkpoint else 0
+    return cast_inputs(inputs, precision), blocks
 
 
 def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name: str) -> int:
@@ -78,3 +89,15 @@ def kv_elements_per_token(module: nn.Module) -> int:
         elif leaf in ("c_attn", "qkv", "query_key_value"):
             total += 2 * out_features // 3
     return total
+
+
+def kv_cache_bytes(module: nn.Module, inputs: Sequence[torch.Tensor], precision: Precision, generated: int) -> int:
+    """Bytes of a static KV cache for the prompt (token ids ``(B, T)``) plus ``generated``
+    tokens, in the compute dtype."""
+    per_token = kv_elements_per_token(module)
+    if per_token == 0 or not inputs or inputs[0].dim() != 2:
+        raise InvalidInputError("--kv-cache needs a decoder language model taking token ids (B, T) "
+                                "with k_proj/v_proj or c_attn attention projections")
+    batch, prompt = int(inputs[0].shape[0]), int(inputs[0].shape[1])
+    itemsize = torch.empty((), dtype=precision.compute_dtype).element_size()
+    return per_token * batch * (prompt + generated) * itemsize
