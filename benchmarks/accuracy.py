@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 import memcalc
-from memcalc.measure import measure_cpu, measure_cuda
-from memcalc.models import resolve
+from memcalc.report.measure import measure_cpu, measure_cuda
+from memcalc.sources.resolve import resolve
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -182,7 +182,7 @@ def main() -> None:
     args = parser.parse_args()
     configs = suite(args.suite)
     if cuda and not args.gpu:
-        from memcalc.gpus import match_profile
+        from memcalc.cuda.gpus.catalogue import match_profile
 
         profile = match_profile(torch.cuda.get_device_name())
         args.gpu = profile.key if profile is not None else None

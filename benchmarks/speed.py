@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 import memcalc
 import models_zoo
-from memcalc import allocator
+from memcalc.engine import allocator
 from memcalc.api import trace_model
-from memcalc.models import resolve
-from memcalc.timeline import allocator_events
+from memcalc.sources.resolve import resolve
+from memcalc.engine.timeline import allocator_events
 
 MiB = 2**20
 

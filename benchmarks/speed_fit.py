@@ -18,7 +18,7 @@ import warnings
 from tabulate import tabulate
 
 import memcalc
-from memcalc.search import max_batch_size
+from memcalc.search.fit import max_batch_size
 
 CASES = (
     ("resnet50", {}),

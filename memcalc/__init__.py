@@ -6,8 +6,8 @@ allocator counts it. See README.md.
 """
 
 from .api import estimate
-from .categories import Category, Mode, Phase
-from .errors import (
+from memcalc.core.categories import Category, Mode, Phase
+from memcalc.core.errors import (
     InvalidInputError,
     MemcalcError,
     MissingPackageError,
@@ -15,10 +15,10 @@ from .errors import (
     SymbolicExecutionError,
     UnknownModelError,
 )
-from .losses import LossChoice
-from .optimizers import Optimizer
-from .report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, RoleReport, Textbook
-from .search import FitResult, max_batch_size, sweep
+from memcalc.engine.losses import LossChoice
+from memcalc.engine.optimizers import Optimizer
+from memcalc.core.report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, RoleReport, Textbook
+from memcalc.search.fit import FitResult, max_batch_size, sweep
 
 __version__ = "0.1.0"
 

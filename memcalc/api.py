@@ -9,21 +9,21 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 from torch import nn
 
-from . import allocator
-from .categories import Category, Mode, Phase
-from .emulation import CudaEmulation
-from .errors import InvalidInputError, MemcalcError
-from .losses import LossChoice, LossFn
-from .models import ResolvedModel, resolve
-from .optimizers import Optimizer
-from .options import EstimateOptions, Target
-from .precision import Precision
-from .report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
-from .step import StepConfig, run_step
-from .timeline import Program, alive_before, allocator_events, build_program, category_totals_at, final_categories
-from .trace import StepTrace, StorageTracer
-from .transforms import kv_cache_bytes, kv_elements_per_token, prepare_step
-from .workspaces import WorkspaceModel
+from memcalc.engine import allocator
+from memcalc.core.categories import Category, Mode, Phase
+from memcalc.cuda.emulation import CudaEmulation
+from memcalc.core.errors import InvalidInputError, MemcalcError
+from memcalc.engine.losses import LossChoice, LossFn
+from memcalc.sources.resolve import ResolvedModel, resolve
+from memcalc.engine.optimizers import Optimizer
+from memcalc.engine.options import EstimateOptions, Target
+from memcalc.core.precision import Precision
+from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
+from memcalc.engine.step import StepConfig, run_step
+from memcalc.engine.timeline import Program, alive_before, allocator_events, build_program, category_totals_at, final_categories
+from memcalc.engine.trace import StepTrace, StorageTracer
+from memcalc.engine.prepare import kv_cache_bytes, kv_elements_per_token, prepare_step
+from memcalc.cuda.workspaces import WorkspaceModel
 
 __all__ = ("estimate", "trace_model", "TracedStep")
 
@@ -232,7 +232,7 @@ def estimate(
 
     ``precision``: ``fp32``, ``amp-fp16``, ``amp-bf16`` (CUDA autocast emulated op by op),
     ``fp16``, ``bf16`` (the whole model in that dtype). ``gpu``: a catalogue name
-    (``"h100-80gb"``) or a :class:`~memcalc.gpus.GpuProfile`; it drives attention-kernel choice
+    (``"h100-80gb"``) or a :class:`~memcalc.cuda.gpus.catalogue.GpuProfile`; it drives attention-kernel choice
     and workspaces, adds its CUDA context, and makes ``fits``/``headroom`` answer for its memory
     (default: a generic sm80-class profile without a capacity). ``checkpoint``: activation
     checkpointing per block of a zoo model. ``accum_steps``: micro-batches of ``batch_size``
@@ -259,7 +259,7 @@ def estimate(
                                      kv_cache=kv_cache, target=target)
     if capacity is not None and capacity <= 0:
         raise InvalidInputError(f"capacity must be a positive number of bytes, got {capacity}")
-    from . import strategies
+    from memcalc.distributed import strategies
 
     distributed = strategies.DistributedOptions.create(
         strategy=strategy, world_size=world_size, device_ids=device_ids, batch_is_global=batch_is_global,

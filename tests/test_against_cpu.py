@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memcalc
-from memcalc.measure import measure_cpu
-from memcalc.models import resolve
+from memcalc.report.measure import measure_cpu
+from memcalc.sources.resolve import resolve
 
 # The issue's bar is 2 %; on torch 2.13 these cases agree to the byte or within ~100 B (CPU
 # scalars such as the optimizers' step counters, which a GPU would not hold either), so we

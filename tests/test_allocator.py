@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from memcalc.allocator import (
+from memcalc.engine.allocator import (
     ALLOC,
     EMPTY_CACHE,
     FREE,

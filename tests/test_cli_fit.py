@@ -9,9 +9,12 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-import memcalc.cli  # before memcalc.cli_fit: the CLI module registers (and so imports) it
-from memcalc import api, cli_fit, gpus, search
-from memcalc.gpus import LocalGpu, get_gpu
+import memcalc.cli
+from memcalc import api
+from memcalc.cli import fit as cli_fit
+from memcalc.cuda.gpus import catalogue as gpus
+from memcalc.search import fit as search
+from memcalc.cuda.gpus.catalogue import LocalGpu, get_gpu
 
 main = memcalc.cli.main
 

@@ -15,12 +15,12 @@ from torch.utils.checkpoint import checkpoint
 import memcalc
 from memcalc import Category, Phase
 from memcalc.api import trace_model
-from memcalc.categories import Mode
-from memcalc.emulation import CudaEmulation
-from memcalc.kernels import AttentionBackend
-from memcalc.models import resolve
-from memcalc.precision import Precision
-from memcalc.trace import StorageTracer
+from memcalc.core.categories import Mode
+from memcalc.cuda.emulation import CudaEmulation
+from memcalc.cuda.kernels import AttentionBackend
+from memcalc.sources.resolve import resolve
+from memcalc.core.precision import Precision
+from memcalc.engine.trace import StorageTracer
 
 MiB = 2**20
 
@@ -267,7 +267,7 @@ def test_bf16_on_v100_warns():
 
 
 def test_unknown_gpu_suggests_names():
-    from memcalc.gpus import UnknownGpuError
+    from memcalc.cuda.gpus.catalogue import UnknownGpuError
 
     with pytest.raises(UnknownGpuError) as info:
         memcalc.estimate("mlp", batch_size=2, gpu="h1000")

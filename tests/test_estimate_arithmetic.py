@@ -75,7 +75,7 @@ def test_optimizer_state_multiple_of_parameter_bytes(optimizer, state_multiple):
 
 def _state_bytes_after_real_step(optimizer: str) -> int:
     """Sum over optimizer.state after one real CPU step of the same model."""
-    from memcalc.optimizers import spec_for
+    from memcalc.engine.optimizers import spec_for
     import models_zoo
 
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def _state_bytes_after_real_step(optimizer: str) -> int:
 
 def _symbolic_state_bytes(optimizer: str) -> int:
     from memcalc.api import trace_model
-    from memcalc.models import resolve
+    from memcalc.sources.resolve import resolve
 
     traced = trace_model(resolve("mlp", batch_size=8), optimizer=optimizer)
     return sum(traced.trace.nbytes[u] for u, c in enumerate(traced.categories) if c is Category.OPTIMIZER_STATE)
@@ -154,7 +154,7 @@ def test_mlp_saved_activations_by_hand():
 
 
 def test_textbook_multipliers():
-    from memcalc.optimizers import OPTIMIZERS, Optimizer
+    from memcalc.engine.optimizers import OPTIMIZERS, Optimizer
 
     assert OPTIMIZERS[Optimizer.SGD].textbook_multiplier == 2
     assert OPTIMIZERS[Optimizer.SGD_MOMENTUM].textbook_multiplier == 3
@@ -166,7 +166,7 @@ def test_peak_module_is_a_leaf_path():
     r = memcalc.estimate("resnet50", batch_size=16, input_shape=(3, 64, 64), optimizer="sgd")
     assert r.peak_phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.LOSS)
     if r.peak_phase in (Phase.FORWARD, Phase.BACKWARD):
-        named = dict(memcalc.models.resolve("resnet50", batch_size=1).module.named_modules())
+        named = dict(memcalc.sources.resolve.resolve("resnet50", batch_size=1).module.named_modules())
         assert r.peak_module in named
 
 

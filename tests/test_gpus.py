@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from memcalc import gpus
-from memcalc.gpus import (
+from memcalc.cuda.gpus import catalogue as gpus
+from memcalc.cuda.gpus.catalogue import (
     GENERIC,
     AmbiguousGpuError,
     GpuDiscoveryWarning,

@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from memcalc import kernels
-from memcalc.kernels import AttentionBackend as B
-from memcalc.kernels import Buffer, SdpaCall
+from memcalc.cuda import kernels
+from memcalc.cuda.kernels import AttentionBackend as B
+from memcalc.cuda.kernels import Buffer, SdpaCall
 
 H100 = (9, 0)
 A100 = (8, 0)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import memcalc.trace as trace_module
+import memcalc.engine.trace as trace_module
 from memcalc.api import trace_model
-from memcalc.models import resolve
+from memcalc.sources.resolve import resolve
 
 CASES = [
     *[("mlp", dict(batch_size=4), dict(optimizer=o, precision=p))  # the foreach shortcut, every optimizer

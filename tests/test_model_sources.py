@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 import memcalc
 from memcalc.cli import main
-from memcalc.errors import MissingPackageError, ModelSourceError, UnknownModelError
-from memcalc.models import resolve
+from memcalc.core.errors import MissingPackageError, ModelSourceError, UnknownModelError
+from memcalc.sources.resolve import resolve
 
 FIXTURES = Path(__file__).parent / "fixtures"
 USER_FILE = FIXTURES / "user_models.py"

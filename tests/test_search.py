@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import memcalc
-from memcalc import api, search
-from memcalc.errors import InvalidInputError
-from memcalc.gpus import GENERIC, LocalGpu, get_gpu
-from memcalc.search import (
+from memcalc import api
+from memcalc.search import fit as search
+from memcalc.core.errors import InvalidInputError
+from memcalc.cuda.gpus.catalogue import GENERIC, LocalGpu, get_gpu
+from memcalc.search.fit import (
     MAX_BATCH,
     BatchLimitError,
     Budget,
@@ -417,9 +418,9 @@ def test_public_api_exports():
 
 
 def test_affine_family_predicts_a_real_trace_exactly():
-    from memcalc.affine import AffineFamily
+    from memcalc.search.affine import AffineFamily
     from memcalc.api import trace_model
-    from memcalc.models import resolve
+    from memcalc.sources.resolve import resolve
 
     def traced(batch):
         return trace_model(resolve("resnet18", batch_size=batch, input_shape=(3, 64, 64)), optimizer="adam")
@@ -430,9 +431,9 @@ def test_affine_family_predicts_a_real_trace_exactly():
 
 
 def test_affine_family_refuses_structurally_different_traces():
-    from memcalc.affine import AffineFamily
+    from memcalc.search.affine import AffineFamily
     from memcalc.api import trace_model
-    from memcalc.models import resolve
+    from memcalc.sources.resolve import resolve
 
     one = trace_model(resolve("gpt2", batch_size=1, seq_len=32), optimizer="sgd")
     two = trace_model(resolve("gpt2", batch_size=2, seq_len=32), optimizer="sgd")

@@ -9,8 +9,8 @@ from torch import nn
 
 import memcalc
 from memcalc.api import trace_model
-from memcalc.categories import Category
-from memcalc.models import meta_twin, resolve
+from memcalc.core.categories import Category
+from memcalc.sources.resolve import meta_twin, resolve
 
 
 class TiedLM(nn.Module):

@@ -19,11 +19,11 @@ from click.testing import CliRunner
 from torch import nn
 
 import memcalc
-from memcalc import deepspeed_formulas as ds
+from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.cli import main
-from memcalc.errors import InvalidInputError
-from memcalc.rank_programs import DdpProgram, ShardedProgram, fsdp_units, module_units
-from memcalc.strategies import DistributedOptions, dp_chunks
+from memcalc.core.errors import InvalidInputError
+from memcalc.distributed.programs import DdpProgram, ShardedProgram, fsdp_units, module_units
+from memcalc.distributed.strategies import DistributedOptions, dp_chunks
 
 MiB = 2**20
 # two_layers: two 1024×1024 weights without bias: Ψ = 2,097,152 parameters, each weight
@@ -304,7 +304,7 @@ def test_ddp_batch_global_or_per_rank():
 
 
 def test_ddp_bucket_cap_sets_the_number_of_buckets_not_their_bytes():
-    from memcalc.trace import StorageTracer
+    from memcalc.engine.trace import StorageTracer
 
     def buckets(cap_mb: float) -> list[int]:
         with torch.device("meta"):
@@ -332,8 +332,8 @@ def test_fsdp_units_are_blocks_and_root():
 
 def test_sharded_program_puts_the_model_back():
     from memcalc import api
-    from memcalc.models import resolve
-    from memcalc.options import EstimateOptions
+    from memcalc.sources.resolve import resolve
+    from memcalc.engine.options import EstimateOptions
 
     resolved = resolve("mlp", batch_size=2)
     before = [id(p) for p in resolved.module.parameters()]
@@ -405,7 +405,7 @@ def _real_peak(model: nn.Module, x: torch.Tensor, before: list[torch.Tensor], se
     """Two real training iterations (Adam, loss = mean) under the CPU profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from memcalc.measure import _profiler_peak, storage_bytes
+    from memcalc.report.measure import _profiler_peak, storage_bytes
 
     start = storage_bytes([*before, x])
     gc.collect()

@@ -17,7 +17,7 @@ def transformers():
 
 @pytest.mark.parametrize("zoo, hf", [("gpt2", "hf:gpt2"), ("llama-2-7b", "hf:llama"), ("bert-base", "hf:bert")])
 def test_parameter_counts_equal_hugging_face(transformers, zoo, hf):
-    from memcalc.models import resolve
+    from memcalc.sources.resolve import resolve
 
     ours = resolve(zoo, batch_size=1, seq_len=8).module
     theirs = resolve(hf, batch_size=1, seq_len=8).module

@@ -1,4 +1,4 @@
-"""From a :class:`~memcalc.trace.StepTrace` to the memory curve of a training loop.
+"""From a :class:`~memcalc.engine.trace.StepTrace` to the memory curve of a training loop.
 
 A training loop's first step is not its worst: ``torch.optim`` creates its state lazily at the
 first ``step()``, after backward has freed the activations, so the first iteration never holds
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .categories import Category, Phase
-from .trace import StepTrace
+from memcalc.core.categories import Category, Phase
+from memcalc.engine.trace import StepTrace
 
 __all__ = ("Program", "final_categories", "build_program", "alive_before", "alive_at_end", "category_totals_at",
            "allocator_events")
@@ -109,7 +109,7 @@ def category_totals_at(program: Program, nbytes: Sequence[int], categories: Sequ
 
 def allocator_events(program: Program, nbytes: Sequence[int], until: int | None = None):
     """The program as ``(+1, key, nbytes)`` / ``(-1, key, 0)`` events for
-    :func:`memcalc.allocator.replay`."""
+    :func:`memcalc.engine.allocator.replay`."""
     n = program.num_storages
     events = program.events if until is None else program.events[:until]
     for event in events:

@@ -31,8 +31,8 @@ from torch import nn
 import models_zoo
 from models_zoo.registry import InputKind, LossKind, ZooEntry
 
-from .errors import InvalidInputError, MissingPackageError, ModelSourceError, UnknownModelError
-from .losses import LossChoice
+from memcalc.core.errors import InvalidInputError, MissingPackageError, ModelSourceError, UnknownModelError
+from memcalc.engine.losses import LossChoice
 
 __all__ = ("ResolvedModel", "resolve", "meta_twin", "ModelLike")
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from models_zoo.registry import LossKind
 
-from .trace import tensors_of
+from memcalc.engine.trace import tensors_of
 
 __all__ = ("LossChoice", "LossFn", "primary_tensor", "make_targets", "compute_loss", "resolve_loss")
 

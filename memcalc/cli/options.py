@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from .categories import Mode
-from .errors import MemcalcError
-from .losses import LossChoice
-from .render import TABLE_FORMATS
-from .units import Unit
+from memcalc.core.categories import Mode
+from memcalc.core.errors import MemcalcError
+from memcalc.engine.losses import LossChoice
+from memcalc.report.render import TABLE_FORMATS
+from memcalc.core.units import Unit
 
 __all__ = ("ShapeType", "handle_errors", "output_options", "step_options", "step_arguments", "quiet", "FORMATS")
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import gpus
-from .categories import Mode
-from .errors import InvalidInputError
-from .losses import LossChoice, LossFn
-from .optimizers import Optimizer, OptimizerSpec, spec_for
-from .precision import Precision
+from memcalc.cuda.gpus import catalogue as gpus
+from memcalc.core.categories import Mode
+from memcalc.core.errors import InvalidInputError
+from memcalc.engine.losses import LossChoice, LossFn
+from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
+from memcalc.core.precision import Precision
 
 __all__ = ("EstimateOptions", "Target")
 

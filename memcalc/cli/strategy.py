@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import click
 
-from .errors import InvalidInputError
-from .strategies import DEEPSPEED_REDUCE_BUCKET_SIZE, DEFAULT_BUCKET_CAP_MB, DistributedOptions, FsdpSharding, Strategy
+from memcalc.core.errors import InvalidInputError
+from memcalc.distributed.strategies import DEEPSPEED_REDUCE_BUCKET_SIZE, DEFAULT_BUCKET_CAP_MB, DistributedOptions, FsdpSharding, Strategy
 
 __all__ = ("strategy_options", "strategy_arguments", "DeviceIdsType")
 

@@ -2,7 +2,7 @@ r"""Per-GPU memory under DataParallel, DDP, FSDP and DeepSpeed ZeRO.
 
 ``memcalc.estimate(model, strategy="ddp", world_size=4, ...)`` (CLI: ``--strategy ddp
 --world-size 4``) answers "how much does each GPU need?". The answer is a report with one
-:class:`~memcalc.report.RoleReport` per distinct kind of GPU — every rank of DDP, FSDP and
+:class:`~memcalc.core.report.RoleReport` per distinct kind of GPU — every rank of DDP, FSDP and
 ZeRO holds the same; DataParallel's output device holds more than its other devices — and
 the report's single-GPU fields describe the busiest role (so ``fits``, ``memcalc fit`` and
 ``max_batch_size`` answer for the GPU that runs out first).
@@ -113,14 +113,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import allocator
-from .categories import Category, Mode, Phase
-from .errors import InvalidInputError
-from .models import ResolvedModel, resolve
-from .optimizers import Optimizer, spec_for
-from .options import EstimateOptions
-from .precision import Precision
-from .rank_programs import (
+from memcalc.engine import allocator
+from memcalc.core.categories import Category, Mode, Phase
+from memcalc.core.errors import InvalidInputError
+from memcalc.sources.resolve import ResolvedModel, resolve
+from memcalc.engine.optimizers import Optimizer, spec_for
+from memcalc.engine.options import EstimateOptions
+from memcalc.core.precision import Precision
+from memcalc.distributed.programs import (
     DataParallelOutputDevice,
     DataParallelReplica,
     DdpProgram,
@@ -130,9 +130,9 @@ from .rank_programs import (
     fsdp_units,
     module_units,
 )
-from .report import MemoryReport, RoleReport
-from .timeline import allocator_events
-from .units import format_bytes
+from memcalc.core.report import MemoryReport, RoleReport
+from memcalc.engine.timeline import allocator_events
+from memcalc.core.units import format_bytes
 
 __all__ = (
     "Strategy",
@@ -405,7 +405,7 @@ def estimate_per_rank(model: Any, *, distributed: DistributedOptions, options: E
                       batch_size: int | None, input_shape: Sequence[int] | None, seq_len: int | None,
                       inputs: Any, module_depth: int, capacity: int | None) -> MemoryReport:
     """One estimate per GPU role; the report of the busiest, with every role in ``roles``."""
-    from . import api  # api imports this module lazily, and this one needs api's engine
+    from memcalc import api
 
     if inputs is not None and distributed.batch_is_global:
         raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import MissingPackageError
-from .search import SweepPoint
-from .units import Unit
+from memcalc.core.errors import MissingPackageError
+from memcalc.search.fit import SweepPoint
+from memcalc.core.units import Unit
 
 __all__ = ("check_available", "plot_sweep")
 
@@ -71,7 +71,7 @@ def _default_title(points: Sequence[SweepPoint]) -> str:
 
 
 def check_available() -> None:
-    """Raise :class:`~memcalc.errors.MissingPackageError` now if matplotlib is missing."""
+    """Raise :class:`~memcalc.core.errors.MissingPackageError` now if matplotlib is missing."""
     _matplotlib()
 
 

@@ -7,11 +7,11 @@ each op and add synthetic allocations to the trace:
   device thread, whose handle gets a workspace of its own at its first matmul — so a training
   step holds one for the forward and one for the backward (:mod:`memcalc.kernels` documents
   the source). Size: the GPU profile's, honouring ``CUBLAS_WORKSPACE_CONFIG``.
-- cuDNN convolutions: a temporary per call, sized by :func:`memcalc.kernels.conv_workspace_bytes`
+- cuDNN convolutions: a temporary per call, sized by :func:`memcalc.cuda.kernels.conv_workspace_bytes`
   (a documented model, not a measurement).
 - fused attention: the temporaries the flash / memory-efficient / cuDNN kernels allocate
-  inside their forward and backward (:func:`memcalc.kernels.forward_temporaries`,
-  :func:`memcalc.kernels.backward_temporaries`).
+  inside their forward and backward (:func:`memcalc.cuda.kernels.forward_temporaries`,
+  :func:`memcalc.cuda.kernels.backward_temporaries`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import kernels
-from .categories import Category
-from .gpus import GpuProfile, cublas_workspace_bytes
-from .trace import StorageTracer
+from memcalc.cuda import kernels
+from memcalc.core.categories import Category
+from memcalc.cuda.gpus.catalogue import GpuProfile, cublas_workspace_bytes
+from memcalc.engine.trace import StorageTracer
 
 __all__ = ("WorkspaceModel", "CUBLAS_OPS")
 
@@ -141,5 +141,5 @@ class WorkspaceModel:
                          f"({', '.join(sorted(self._cublas_phases))} handle{'s' if len(self._cublas_phases) > 1 else ''})")
         if self.conv_calls:
             lines.append(f"cuDNN convolution workspace: modelled per call ({self.conv_calls} calls, largest "
-                         f"{self.conv_workspace_peak:,} B) — an assumption, see memcalc.kernels.conv_workspace_bytes")
+                         f"{self.conv_workspace_peak:,} B) — an assumption, see memcalc.cuda.kernels.conv_workspace_bytes")
         return lines

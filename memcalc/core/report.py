@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .categories import Category, Mode, Phase
-from .gpus import GENERIC, GpuProfile
-from .precision import Precision
+from memcalc.core.categories import Category, Mode, Phase
+from memcalc.cuda.gpus.catalogue import GENERIC, GpuProfile
+from memcalc.core.precision import Precision
 
 __all__ = ("ByteBreakdown", "ModuleRow", "Textbook", "Measurement", "MemoryReport", "RoleReport")
 

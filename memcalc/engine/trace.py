@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .categories import Category, Phase
-from .errors import SymbolicExecutionError
+from memcalc.core.categories import Category, Phase
+from memcalc.core.errors import SymbolicExecutionError
 
 __all__ = ("StorageTracer", "StepTrace", "ModuleTracker", "MetaKernelCache", "tensors_of")
 

@@ -22,11 +22,11 @@ from typing import Any, Sequence
 
 import torch
 
-from .models import ResolvedModel, resolve
-from .options import EstimateOptions, Target
-from .report import Measurement, MemoryReport
-from .step import StepConfig, run_step
-from .transforms import kv_cache_bytes, prepare_step
+from memcalc.sources.resolve import ResolvedModel, resolve
+from memcalc.engine.options import EstimateOptions, Target
+from memcalc.core.report import Measurement, MemoryReport
+from memcalc.engine.step import StepConfig, run_step
+from memcalc.engine.prepare import kv_cache_bytes, prepare_step
 
 __all__ = ("measure", "measure_cpu", "measure_cuda", "attach_measurement", "storage_bytes")
 
@@ -156,7 +156,7 @@ def attach_measurement(report: MemoryReport, model: Any, **kwargs: Any) -> Memor
     compared with a CPU-faithful re-estimate (no CUDA kernel emulation, no CUDA workspaces,
     unrounded), since the CPU runs CPU kernels and its allocator does not round.
     """
-    from .api import estimate
+    from memcalc.api import estimate
 
     measured = measure(model, **kwargs)
     if measured.device.startswith("cuda"):

@@ -8,7 +8,7 @@ needs several real devices, and DeepSpeed is not a dependency. So each strategy'
 behaviour* is reproduced here with real meta tensors at the moments the real implementation
 allocates and frees them; everything else — the model's forward and backward at the rank's
 batch, autograd's gradients, ``torch.optim``'s state on the rank's shard — runs for real
-under :class:`~memcalc.trace.StorageTracer`, exactly as for one GPU.
+under :class:`~memcalc.engine.trace.StorageTracer`, exactly as for one GPU.
 
 A program is handed to :func:`memcalc.api.trace_model` (``hooks=``): ``install`` runs before
 the model's storages are registered (so swapped-in shards are what gets registered),
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .categories import Category
-from .optimizers import OptimizerSpec
-from .trace import StorageTracer, tensors_of
+from memcalc.core.categories import Category
+from memcalc.engine.optimizers import OptimizerSpec
+from memcalc.engine.trace import StorageTracer, tensors_of
 
 __all__ = (
     "RankProgram",

@@ -8,11 +8,11 @@ This ``TorchFunctionMode`` sits *above* autograd — so autograd records (and sa
 backward) exactly what CUDA would — and rewrites those calls:
 
 - autocast (``amp-fp16``/``amp-bf16``, inside :meth:`CudaEmulation.autocast`): each call is
-  looked up in CUDA's autocast policy (:func:`memcalc.kernels.autocast_policy`, taken from
+  looked up in CUDA's autocast policy (:func:`memcalc.cuda.kernels.autocast_policy`, taken from
   ``aten/src/ATen/autocast_mode.cpp``) and its floating arguments cast as CUDA would,
   including the weight-cast cache (a float32 leaf that requires grad is cast once per
   autocast region);
-- attention: the backend CUDA would choose (:func:`memcalc.kernels.choose_sdpa_backend`)
+- attention: the backend CUDA would choose (:func:`memcalc.cuda.kernels.choose_sdpa_backend`)
   and the matching fused aten op, called directly (their meta kernels give CUDA's outputs);
 - dropout in training: ``aten.native_dropout``, CUDA's fused kernel (a bool mask).
 
@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import kernels
-from .errors import InvalidInputError
-from .precision import Precision
-from .trace import tensors_of
+from memcalc.cuda import kernels
+from memcalc.core.errors import InvalidInputError
+from memcalc.core.precision import Precision
+from memcalc.engine.trace import tensors_of
 
 __all__ = ("CudaEmulation", "current_autocast")
 

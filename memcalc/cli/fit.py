@@ -1,6 +1,6 @@
 """``memcalc fit``, ``memcalc sweep`` and ``memcalc gpus``: options, a call into
 :mod:`memcalc.search` / :mod:`memcalc.gpus`, rendering. Errors are mapped by
-:func:`memcalc.cli_options.handle_errors` (2: bad input, 1: does not fit or cannot be estimated).
+:func:`memcalc.cli.options.handle_errors` (2: bad input, 1: does not fit or cannot be estimated).
 
 :mod:`memcalc.cli` registers these commands at its end and this module takes the shared
 decorators from :mod:`memcalc.cli_options` (shared with ``memcalc MODEL``).
@@ -18,15 +18,15 @@ from typing import Any
 import click
 from tabulate import tabulate
 
-from . import gpus as gpu_catalogue
-from . import search
-from .categories import Category
-from .cli_options import handle_errors, output_options, quiet, step_arguments, step_options
-from .cli_strategy import strategy_arguments, strategy_options
-from .optimizers import Optimizer
-from .precision import Precision
-from .render import render_json, render_report, render_roles
-from .units import BYTES_FORMS, format_bytes, parse_bytes
+from memcalc.cuda.gpus import catalogue as gpu_catalogue
+from memcalc.search import fit as search
+from memcalc.core.categories import Category
+from memcalc.cli.options import handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.strategy import strategy_arguments, strategy_options
+from memcalc.engine.optimizers import Optimizer
+from memcalc.core.precision import Precision
+from memcalc.report.render import render_json, render_report, render_roles
+from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
 
 __all__ = ("fit_command", "gpus_command", "sweep_command")
 
@@ -267,7 +267,7 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
     where = _budget_arguments(gpu, budget, device, required=False)
     resolved = search.resolve_budget(**where) if where else None
     if plot_path is not None:
-        from .plot import check_available
+        from memcalc.report.plot import check_available
 
         check_available()  # before the sweep, not after minutes of it
     configs = search.sweep_configurations(batches, optims, precisions or [None])
@@ -279,7 +279,7 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
     with quiet(), _progress(points_iter, len(configs), show) as progress:
         points = list(progress)
     if plot_path is not None:
-        from .plot import plot_sweep
+        from memcalc.report.plot import plot_sweep
 
         written = plot_sweep(points, plot_path, capacity=resolved.capacity if resolved else None,
                              capacity_label=_capacity_label(resolved) if resolved else None)

@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from memcalc.errors import InvalidInputError, MemcalcError
-from memcalc.units import format_bytes
+from memcalc.core.errors import InvalidInputError, MemcalcError
+from memcalc.core.units import format_bytes
 
 __all__ = (
     "GpuProfile",
@@ -811,7 +811,7 @@ _DEVICE_SPEC = re.compile(r"^(?:cuda(?::(\d+))?|(\d+))$")
 def resolve_device(spec: str, gpus: Sequence[LocalGpu]) -> LocalGpu:
     """Pick a GPU from ``"auto"`` (most free memory), ``"cuda"`` (= ``cuda:0``, torch's
     default device), ``"cuda:N"`` or ``"N"`` — N being torch's index, after
-    CUDA_VISIBLE_DEVICES. Raises :class:`~memcalc.errors.InvalidInputError` (a ``ValueError``)
+    CUDA_VISIBLE_DEVICES. Raises :class:`~memcalc.core.errors.InvalidInputError` (a ``ValueError``)
     saying how many GPUs are visible when the choice does not exist.
     """
     text = spec.strip().lower()

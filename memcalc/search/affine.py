@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from . import allocator
-from .timeline import Program, allocator_events
+from memcalc.engine import allocator
+from memcalc.engine.timeline import Program, allocator_events
 
 __all__ = ("AffineFamily", "SyntheticPoint")
 

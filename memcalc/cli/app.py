@@ -11,12 +11,12 @@ from typing import Any
 
 import click
 
-from . import api
-from .cli_options import handle_errors, output_options, quiet, step_arguments, step_options
-from .cli_strategy import strategy_arguments, strategy_options
-from .optimizers import Optimizer
-from .precision import Precision
-from .render import render_json, render_report, render_roles
+from memcalc import api
+from memcalc.cli.options import handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.strategy import strategy_arguments, strategy_options
+from memcalc.engine.optimizers import Optimizer
+from memcalc.core.precision import Precision
+from memcalc.report.render import render_json, render_report, render_roles
 
 __all__ = ("main",)
 
@@ -89,7 +89,7 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     with quiet():
         report = api.estimate(model, batch_size=batch, module_depth=max(depth, 1), **step, **distributed)
     if measure:
-        from .measure import attach_measurement
+        from memcalc.report.measure import attach_measurement
 
         report = attach_measurement(report, model, batch_size=batch, **step)
     if fmt == "json":
@@ -128,7 +128,7 @@ def zoo_command(fmt: str, units: str, debug: bool) -> None:
                         colalign=("left", "left", "right", "left"), disable_numparse=True))
 
 
-from .cli_fit import fit_command, gpus_command, sweep_command  # noqa: E402  (subcommands)
+from memcalc.cli.fit import fit_command, gpus_command, sweep_command  # noqa: E402  (subcommands)
 
 main.add_command(fit_command)
 main.add_command(sweep_command)

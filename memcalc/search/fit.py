@@ -56,7 +56,7 @@ may reserve (:func:`resolve_budget`):
 * ``budget`` (``"24GiB"``, ``"80GB"``, an int): used as is — it is the memory the step may
   use; nothing is subtracted.
 * ``gpu`` (a catalogue name): the card's CUDA-reported memory minus its assumed CUDA
-  context (:attr:`memcalc.gpus.GpuProfile.usable_memory`).
+  context (:attr:`memcalc.cuda.gpus.catalogue.GpuProfile.usable_memory`).
 * ``device`` (``"cuda:1"``, ``"auto"``): that local GPU's free memory, minus the context a
   new process will create on it (the catalogue's estimate for the card, else the generic
   512 MiB) — unless this process had already initialised CUDA before the question, in which
@@ -71,15 +71,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from . import api
-from .affine import AffineFamily
-from . import gpus as gpu_catalogue
-from .categories import Category, Mode
-from .errors import InvalidInputError, MemcalcError
-from .optimizers import Optimizer
-from .precision import Precision
-from .report import MemoryReport
-from .units import BYTES_FORMS, format_bytes, parse_bytes
+from memcalc import api
+from memcalc.search.affine import AffineFamily
+from memcalc.cuda.gpus import catalogue as gpu_catalogue
+from memcalc.core.categories import Category, Mode
+from memcalc.core.errors import InvalidInputError, MemcalcError
+from memcalc.engine.optimizers import Optimizer
+from memcalc.core.precision import Precision
+from memcalc.core.report import MemoryReport
+from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
 
 __all__ = (
     "MAX_BATCH",

@@ -8,9 +8,9 @@ from typing import Any
 
 from tabulate import tabulate
 
-from .categories import Category, Mode
-from .report import MemoryReport
-from .units import Unit, format_bytes
+from memcalc.core.categories import Category, Mode
+from memcalc.core.report import MemoryReport
+from memcalc.core.units import Unit, format_bytes
 
 __all__ = ("render_report", "render_roles", "render_json", "TABLE_FORMATS")
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .emulation import current_autocast
-from .errors import InvalidInputError
-from .precision import Precision
+from memcalc.cuda.emulation import current_autocast
+from memcalc.core.errors import InvalidInputError
+from memcalc.core.precision import Precision
 
 __all__ = ("apply_precision", "apply_checkpointing", "kv_elements_per_token", "kv_cache_bytes", "cast_inputs",
            "prepare_step")

@@ -28,9 +28,9 @@ from torch import nn
 
 from models_zoo.registry import LossKind
 
-from .categories import Category, Mode, Phase
-from .losses import LossChoice, LossFn, compute_loss, make_targets, primary_tensor, resolve_loss
-from .optimizers import OptimizerSpec
+from memcalc.core.categories import Category, Mode, Phase
+from memcalc.engine.losses import LossChoice, LossFn, compute_loss, make_targets, primary_tensor, resolve_loss
+from memcalc.engine.optimizers import OptimizerSpec
 
 __all__ = ("StepObserver", "StepOutcome", "StepConfig", "Scaler", "run_step", "NullObserver")
 
