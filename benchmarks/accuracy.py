@@ -118,7 +118,7 @@ def run_config(config: Config, cuda: bool) -> dict[str, Any]:
         compared = report.bytes.peak_allocated
     else:
         # the CPU runs CPU kernels: compare with the CPU-faithful simulation (no CUDA emulation)
-        cpu_report = memcalc.estimate(config.model, optimizer=config.optimizer, mode=config.mode, target="cpu",
+        cpu_report = memcalc.estimate(config.model, optimizer=config.optimizer, mode=config.mode, gpu="cpu",
                                       **kwargs, **config.extra)
         measured = measure_cpu(resolved, optimizer=config.optimizer, mode=config.mode, **config.extra)
         compared = cpu_report.peak_requested  # the CPU allocator does not round

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import memcalc
 import models_zoo
 from memcalc.engine import allocator
-from memcalc.api import trace_model
+from memcalc.cuda.backend import trace_step as trace_model
 from memcalc.sources.resolve import resolve
 from memcalc.engine.timeline import allocator_events
 

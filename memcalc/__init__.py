@@ -2,10 +2,10 @@
 
 The model is built on meta tensors and one step runs symbolically under a dispatch mode that
 tracks storage lifetimes; the alloc/free sequence is replayed the way the CUDA caching
-allocator counts it. See README.md.
+allocator counts it. See README.md and docs/architecture.md.
 """
 
-from .api import estimate
+from memcalc.api import CPU, estimate, iter_sweep, max_batch_size, sweep
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import (
     InvalidInputError,
@@ -15,34 +15,49 @@ from memcalc.core.errors import (
     SymbolicExecutionError,
     UnknownModelError,
 )
-from memcalc.engine.losses import LossChoice
-from memcalc.engine.optimizers import Optimizer
+from memcalc.core.gpu import GpuProfile
+from memcalc.core.losses import LossChoice
+from memcalc.core.precision import Precision
 from memcalc.core.report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, RoleReport, Textbook
-from memcalc.search.fit import FitResult, max_batch_size, sweep
+from memcalc.distributed.options import Distributed, FsdpSharding, Strategy
+from memcalc.engine.optimizers import Optimizer
+from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult
+from memcalc.search.sweep import SweepPoint
 
 __version__ = "0.1.0"
 
 __all__ = (
-    "estimate",
-    "max_batch_size",
-    "FitResult",
-    "sweep",
-    "MemoryReport",
-    "RoleReport",
+    "CPU",
+    "BatchLimitError",
+    "Budget",
     "ByteBreakdown",
-    "ModuleRow",
-    "Textbook",
-    "Measurement",
     "Category",
-    "Phase",
-    "Mode",
-    "Optimizer",
-    "LossChoice",
-    "MemcalcError",
-    "UnknownModelError",
-    "ModelSourceError",
+    "Distributed",
+    "DoesNotFitError",
+    "FitResult",
+    "FsdpSharding",
+    "GpuProfile",
     "InvalidInputError",
-    "SymbolicExecutionError",
+    "LossChoice",
+    "Measurement",
+    "MemcalcError",
+    "MemoryReport",
     "MissingPackageError",
+    "Mode",
+    "ModelSourceError",
+    "ModuleRow",
+    "Optimizer",
+    "Phase",
+    "Precision",
+    "RoleReport",
+    "Strategy",
+    "SweepPoint",
+    "SymbolicExecutionError",
+    "Textbook",
+    "UnknownModelError",
     "__version__",
+    "estimate",
+    "iter_sweep",
+    "max_batch_size",
+    "sweep",
 )

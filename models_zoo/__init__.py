@@ -4,11 +4,8 @@ Importing this package registers every entry. Models are always built on the cur
 default device, so ``with torch.device("meta"): entry.build()`` allocates nothing.
 """
 
-from . import registry
-from .registry import InputKind, LossKind, ZooEntry, closest, entries, get, names
-
 # Each import registers that module's entries.
-from . import (  # noqa: E402,F401  (registration side effect)
+from . import (  # noqa: F401  (registration side effect)
     bert,
     densenet,
     efficientnet,
@@ -16,11 +13,13 @@ from . import (  # noqa: E402,F401  (registration side effect)
     llama,
     mlp,
     mobilenet,
+    registry,
     resnet,
     rnn,
     unet,
     vgg,
     vit,
 )
+from .registry import InputKind, LossKind, ZooEntry, closest, entries, get, names
 
 __all__ = ("InputKind", "LossKind", "ZooEntry", "closest", "entries", "get", "names", "registry")

@@ -8,7 +8,7 @@ EfficientNet reuses. Module names match torchvision (``features.3.block.1``,
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor, nn
 

@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import difflib
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
+
+from memcalc.core.losses import LossKind
 
 __all__ = (
     "InputKind",
     "LossKind",
     "ZooEntry",
-    "register",
+    "closest",
+    "entries",
     "get",
     "names",
-    "entries",
     "normalize",
-    "closest",
+    "register",
 )
 
 
@@ -35,15 +37,6 @@ class InputKind(str, enum.Enum):
     IMAGE = "image"  # float tensor (B, C, H, W); shape given as (C, H, W)
     FEATURES = "features"  # float tensor (B, *shape)
     TOKENS = "tokens"  # int64 token ids (B, seq_len); shape given as (seq_len,)
-
-
-class LossKind(str, enum.Enum):
-    """The loss a model trains with; memcalc builds the targets to match."""
-
-    CROSS_ENTROPY = "cross-entropy"  # logits (B, C[, d1, ...]) → class targets (B[, d1, ...])
-    LM_CROSS_ENTROPY = "lm-cross-entropy"  # logits (B, T, V) → next-token targets (B, T)
-    MEAN = "mean"  # mean of every floating output (models without a head)
-    MSE = "mse"  # mean squared error against a target shaped like the output
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def _measure_and_estimate(case):
     mode = case.get("mode", "train")
     loss_fn = case.get("loss_fn")
     # target="cpu": no CUDA kernel emulation, no CUDA workspaces — the CPU runs CPU kernels
-    estimate = memcalc.estimate(model, optimizer=case["optimizer"], mode=mode, loss_fn=loss_fn, target="cpu",
+    estimate = memcalc.estimate(model, optimizer=case["optimizer"], mode=mode, loss=loss_fn, gpu="cpu",
                                 **kwargs)
     resolved = resolve(model, **kwargs)
     torch.manual_seed(0)

@@ -11,10 +11,11 @@ from click.testing import CliRunner
 
 import memcalc.cli
 from memcalc import api
-from memcalc.cli import fit as cli_fit
-from memcalc.cuda.gpus import catalogue as gpus
-from memcalc.search import fit as search
-from memcalc.cuda.gpus.catalogue import LocalGpu, get_gpu
+from memcalc.cli import sweep as cli_sweep
+from memcalc.cuda.gpus import local as gpus
+from memcalc.cuda.gpus.catalogue import get_gpu
+from memcalc.cuda.gpus.local import LocalGpu
+from memcalc.search import budget as budgets
 
 main = memcalc.cli.main
 
@@ -36,7 +37,7 @@ def two_gpus(monkeypatch):
         LocalGpu(1, 0, "NVIDIA A100-SXM4-40GB", "GPU-bbbb", 40960 * MiB, 1024 * MiB),
     ]
     monkeypatch.setattr(gpus, "list_local_gpus", lambda *a, **k: found)
-    monkeypatch.setattr(search, "_cuda_initialised", lambda: False)
+    monkeypatch.setattr(budgets, "_cuda_initialised", lambda: False)
     return found
 
 
@@ -188,7 +189,7 @@ def test_sweep_progress_bar_only_on_a_terminal_and_never_with_json(monkeypatch):
     args = ["sweep", "mlp", "--batch", "1,2,3,4,5,6"]
     plain = run(*args)
     assert plain.exit_code == 0 and "estimating" not in plain.output  # CliRunner is not a terminal
-    monkeypatch.setattr(cli_fit, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(cli_sweep, "_is_terminal", lambda stream: True)
     shown = run(*args)
     assert shown.exit_code == 0 and "estimating" in shown.stderr
     as_json = run(*args, "--format", "json")

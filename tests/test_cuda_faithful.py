@@ -14,10 +14,10 @@ from torch.utils.checkpoint import checkpoint
 
 import memcalc
 from memcalc import Category, Phase
-from memcalc.api import trace_model
+from memcalc.cuda.backend import trace_step as trace_model
 from memcalc.core.categories import Mode
 from memcalc.cuda.emulation import CudaEmulation
-from memcalc.cuda.kernels import AttentionBackend
+from memcalc.cuda.sdpa import AttentionBackend
 from memcalc.sources.resolve import resolve
 from memcalc.core.precision import Precision
 from memcalc.engine.trace import StorageTracer
@@ -169,7 +169,7 @@ def test_gradient_accumulation_keeps_gradients_across_micro_batches():
     two = trace_model(resolve("mlp", batch_size=64), optimizer="sgd", accum_steps=2, target="cpu")
     n_grads = sum(1 for c in two.categories if c is Category.GRADIENTS)
     assert n_grads == sum(1 for c in one.categories if c is Category.GRADIENTS) == 6  # 3 weights + 3 biases
-    r = memcalc.estimate("mlp", batch_size=64, optimizer="sgd", accum_steps=2, target="cpu")
+    r = memcalc.estimate("mlp", batch_size=64, optimizer="sgd", accum_steps=2, gpu="cpu")
     assert r.accum_steps == 2
     assert r.peak_requested >= 2 * 1_863_690 * 4  # weights + gradients together
 

@@ -39,7 +39,7 @@ def test_fc_worked_example_components_exact():
 
 def test_fc_worked_example_without_cuda_workspaces():
     # target="cpu": the article's arithmetic alone, 21,248 B = 20.75 KiB.
-    r = memcalc.estimate("fc-32-16", batch_size=100, mode="eval", optimizer="none", target="cpu")
+    r = memcalc.estimate("fc-32-16", batch_size=100, mode="eval", optimizer="none", gpu="cpu")
     assert r.bytes.workspace == 0
     assert r.peak_requested == 21_248
 
@@ -92,7 +92,7 @@ def _state_bytes_after_real_step(optimizer: str) -> int:
 
 
 def _symbolic_state_bytes(optimizer: str) -> int:
-    from memcalc.api import trace_model
+    from memcalc.cuda.backend import trace_step as trace_model
     from memcalc.sources.resolve import resolve
 
     traced = trace_model(resolve("mlp", batch_size=8), optimizer=optimizer)
@@ -171,14 +171,14 @@ def test_peak_module_is_a_leaf_path():
 
 
 def test_module_table_rows_and_depth():
-    r = memcalc.estimate("resnet18", batch_size=2, input_shape=(3, 64, 64), optimizer="sgd", module_depth=1)
-    names = [row.name for row in r.modules]
+    r = memcalc.estimate("resnet18", batch_size=2, input_shape=(3, 64, 64), optimizer="sgd")
+    names = [row.name for row in r.modules_within(1)]
     assert names[:4] == ["conv1", "bn1", "relu", "maxpool"]
     assert names[-1] == "fc"
-    fc = r.modules[-1]
+    fc = r.modules_within(1)[-1]
     assert fc.parameters == 512 * 1000 + 1000 and fc.output_shape == (2, 1000)
-    deeper = memcalc.estimate("resnet18", batch_size=2, input_shape=(3, 64, 64), optimizer="sgd", module_depth=2)
-    assert "layer1.0" in [row.name for row in deeper.modules]
+    assert "layer1.0" not in names and "layer1.0" in [row.name for row in r.modules_within(2)]
+    assert "layer1.0.conv1" in [row.name for row in r.modules]  # every depth is kept
 
 
 def test_to_dict_is_exactly_the_contract():

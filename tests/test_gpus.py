@@ -13,20 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from memcalc.cuda.gpus import catalogue as gpus
-from memcalc.cuda.gpus.catalogue import (
-    GENERIC,
-    AmbiguousGpuError,
+from memcalc.core.gpu import GENERIC
+from memcalc.cuda import cublas
+from memcalc.cuda.cublas import cublas_workspace_bytes, cublaslt_workspace_bytes
+from memcalc.cuda.gpus import local as gpu_local
+from memcalc.cuda.gpus.catalogue import AmbiguousGpuError, UnknownGpuError, catalogue, get_gpu, match_profile
+from memcalc.cuda.gpus.local import (
     GpuDiscoveryWarning,
     LocalGpu,
-    UnknownGpuError,
     best_gpu,
-    catalogue,
-    cublas_workspace_bytes,
-    cublaslt_workspace_bytes,
-    get_gpu,
     list_local_gpus,
-    match_profile,
     parse_cuda_visible_devices,
     parse_nvidia_smi_csv,
     resolve_device,
@@ -171,7 +167,7 @@ def test_default_cublas_workspace_per_arch():
     assert get_gpu("h200").cublas_workspace == 32 * MiB
     for key in ("a100-80gb", "v100-16gb", "t4", "l4", "rtx-4090"):
         assert get_gpu(key).cublas_workspace == 8_519_680 == 4096 * 1024 * 2 + 16 * 1024 * 8
-    assert gpus.default_cublas_workspace((10, 0)) == 8_519_680  # only sm90 exactly
+    assert cublas.default_cublas_workspace((10, 0)) == 8_519_680  # only sm90 exactly
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -344,7 +340,7 @@ def test_default_sources_on_a_machine_without_gpus():
     pytest.importorskip("torch")
     import torch
 
-    if gpus._import_pynvml() is not None or torch.cuda.is_available():
+    if gpu_local._import_pynvml() is not None or torch.cuda.is_available():
         pytest.skip("this machine has a GPU stack")
 
     def missing(*args, **kwargs):
@@ -373,7 +369,7 @@ def test_nvidia_smi_source_applies_cuda_visible_devices():
     runner = smi_runner(sample("two_gpus.csv"))
     found = discover("", {"CUDA_VISIBLE_DEVICES": "1,0"}, runner=runner)
     assert runner.calls[0][0] == "/usr/bin/nvidia-smi"
-    assert runner.calls[0][1:] == list(gpus.NVIDIA_SMI_QUERY[1:])
+    assert runner.calls[0][1:] == list(gpu_local.NVIDIA_SMI_QUERY[1:])
     assert [(g.logical_index, g.physical_index) for g in found] == [(0, 1), (1, 0)]
     assert found[0].uuid == "GPU-a94f3d10-6e2b-47c8-b135-2d4e6f8a0c12"
     assert found[0].free_memory == 24080 * MiB

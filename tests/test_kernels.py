@@ -1,5 +1,6 @@
-"""CUDA kernel facts (memcalc.kernels): backend choice, fused-kernel scratch, autocast lists,
-cuBLAS workspace counts, the cuDNN convolution workspace model.
+"""CUDA kernel facts (memcalc.cuda.sdpa, .attention_memory, .autocast, .cublas, .cudnn): backend
+choice, fused-kernel scratch, autocast lists, cuBLAS workspace counts, the cuDNN convolution
+workspace model.
 
 Expected values are worked out by hand from the PyTorch sources the module cites; the
 arithmetic is in the comments. The autocast lists are also checked against the dispatcher of
@@ -13,9 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-from memcalc.cuda import kernels
-from memcalc.cuda.kernels import AttentionBackend as B
-from memcalc.cuda.kernels import Buffer, SdpaCall
+from memcalc.cuda import attention_memory, autocast, cublas, cudnn, sdpa, versions
+from memcalc.cuda.attention_memory import Buffer
+from memcalc.cuda.sdpa import AttentionBackend as B
+from memcalc.cuda.sdpa import SdpaCall
 
 H100 = (9, 0)
 A100 = (8, 0)
@@ -42,93 +44,93 @@ def call(**changes: object) -> SdpaCall:
 class TestBackendChoice:
     def test_fp16_causal_on_sm90_is_cudnn_in_2_11(self) -> None:
         # torch 2.11 bundles cuDNN 9.19 > 9.15.0 and sm90 is preferred → cuDNN is tried first
-        assert kernels.choose_sdpa_backend(call(), H100) is B.CUDNN
+        assert sdpa.choose_sdpa_backend(call(), H100) is B.CUDNN
 
     def test_fp16_causal_on_sm90_is_flash_before_cudnn_is_preferred(self) -> None:
-        assert kernels.choose_sdpa_backend(call(), H100, torch_version="2.10") is B.FLASH
+        assert sdpa.choose_sdpa_backend(call(), H100, torch_version="2.10") is B.FLASH
         # the threshold is "cudnn_version > 91500": 9.15.0 itself is not enough
-        assert kernels.choose_sdpa_backend(call(), H100, cudnn_version=91500) is B.FLASH
-        assert kernels.choose_sdpa_backend(call(), H100, cudnn_version=91501) is B.CUDNN
+        assert sdpa.choose_sdpa_backend(call(), H100, cudnn_version=91500) is B.FLASH
+        assert sdpa.choose_sdpa_backend(call(), H100, cudnn_version=91501) is B.CUDNN
 
     def test_fp16_causal_on_sm80_is_flash(self) -> None:
-        assert kernels.choose_sdpa_backend(call(), A100) is B.FLASH
+        assert sdpa.choose_sdpa_backend(call(), A100) is B.FLASH
 
     @pytest.mark.parametrize("cc", [H100, A100, V100])
     def test_fp32_runs_mem_efficient(self, cc: tuple[int, int]) -> None:
-        assert kernels.choose_sdpa_backend(call(dtype=torch.float32), cc) is B.EFFICIENT
+        assert sdpa.choose_sdpa_backend(call(dtype=torch.float32), cc) is B.EFFICIENT
 
     def test_fp16_on_v100_is_mem_efficient(self) -> None:
         # flash and cuDNN need sm80; mem-efficient alignment on sm70 half is 8 and 64 % 8 == 0
-        assert kernels.choose_sdpa_backend(call(), V100) is B.EFFICIENT
+        assert sdpa.choose_sdpa_backend(call(), V100) is B.EFFICIENT
 
     def test_bf16_on_t4_falls_back_to_math(self) -> None:
         # below sm80 mem-efficient takes {fp16, fp32} only; flash/cuDNN need sm80
-        assert kernels.choose_sdpa_backend(call(dtype=torch.bfloat16), T4) is B.MATH
+        assert sdpa.choose_sdpa_backend(call(dtype=torch.bfloat16), T4) is B.MATH
 
     def test_float_mask(self) -> None:
         masked = call(has_mask=True, is_causal=False)
-        assert kernels.choose_sdpa_backend(masked, A100) is B.EFFICIENT  # flash takes no mask
-        assert kernels.choose_sdpa_backend(masked, H100) is B.CUDNN  # cuDNN takes an attn_bias
+        assert sdpa.choose_sdpa_backend(masked, A100) is B.EFFICIENT  # flash takes no mask
+        assert sdpa.choose_sdpa_backend(masked, H100) is B.CUDNN  # cuDNN takes an attn_bias
         grad_mask = dataclasses.replace(masked, mask_requires_grad=True)
-        assert kernels.choose_sdpa_backend(grad_mask, H100) is B.EFFICIENT  # check_attn_mask_shape
+        assert sdpa.choose_sdpa_backend(grad_mask, H100) is B.EFFICIENT  # check_attn_mask_shape
 
     def test_head_dim_limits(self) -> None:
         big = call(head_dim=512, head_dim_v=512)
-        assert kernels.choose_sdpa_backend(big, H100) is B.EFFICIENT  # flash ≤ 256, cuDNN ≤ 256
+        assert sdpa.choose_sdpa_backend(big, H100) is B.EFFICIENT  # flash ≤ 256, cuDNN ≤ 256
         d256 = call(head_dim=256, head_dim_v=256)
-        assert kernels.choose_sdpa_backend(d256, H100) is B.CUDNN  # sm90 + cuDNN ≥ 9.10 → limit 256
-        assert kernels.choose_sdpa_backend(d256, B200) is B.FLASH  # sm100: cuDNN limit 128
+        assert sdpa.choose_sdpa_backend(d256, H100) is B.CUDNN  # sm90 + cuDNN ≥ 9.10 → limit 256
+        assert sdpa.choose_sdpa_backend(d256, B200) is B.FLASH  # sm100: cuDNN limit 128
 
     def test_head_dim_not_multiple_of_8(self) -> None:
         # flash pads to a multiple of 8 instead of refusing; mem-efficient on sm70 refuses
-        assert kernels.choose_sdpa_backend(call(head_dim=60, head_dim_v=60), H100) is B.FLASH
-        assert kernels.choose_sdpa_backend(call(head_dim=60, head_dim_v=60), V100) is B.MATH
+        assert sdpa.choose_sdpa_backend(call(head_dim=60, head_dim_v=60), H100) is B.FLASH
+        assert sdpa.choose_sdpa_backend(call(head_dim=60, head_dim_v=60), V100) is B.MATH
 
     def test_training_head_dim_200_on_sm86(self) -> None:
         # flash backward can't do head_dim in (192, 224] on sm86/89/120
-        assert kernels.choose_sdpa_backend(call(head_dim=200, head_dim_v=200), A10) is B.EFFICIENT
+        assert sdpa.choose_sdpa_backend(call(head_dim=200, head_dim_v=200), A10) is B.EFFICIENT
         inference = call(head_dim=200, head_dim_v=200, requires_grad=False)
-        assert kernels.choose_sdpa_backend(inference, A10) is B.FLASH
+        assert sdpa.choose_sdpa_backend(inference, A10) is B.FLASH
 
     def test_causal_non_square(self) -> None:
-        assert kernels.choose_sdpa_backend(call(seq_q=128), A100) is B.EFFICIENT
+        assert sdpa.choose_sdpa_backend(call(seq_q=128), A100) is B.EFFICIENT
 
     def test_dropout(self) -> None:
-        assert kernels.choose_sdpa_backend(call(dropout_p=0.1), A100) is B.FLASH
-        assert kernels.choose_sdpa_backend(call(dropout_p=0.1), H100) is B.CUDNN
+        assert sdpa.choose_sdpa_backend(call(dropout_p=0.1), A100) is B.FLASH
+        assert sdpa.choose_sdpa_backend(call(dropout_p=0.1), H100) is B.CUDNN
         # cuDNN 9.11–9.13 cannot do dropout → the next in line, flash
-        assert kernels.choose_sdpa_backend(call(dropout_p=0.1), H100, cudnn_version=91300) is B.FLASH
+        assert sdpa.choose_sdpa_backend(call(dropout_p=0.1), H100, cudnn_version=91300) is B.FLASH
 
     def test_grouped_query_attention(self) -> None:
         gqa = call(heads_q=32, heads_kv=8, enable_gqa=True)
-        assert kernels.choose_sdpa_backend(gqa, A100) is B.FLASH
-        assert kernels.choose_sdpa_backend(gqa, H100) is B.CUDNN
+        assert sdpa.choose_sdpa_backend(gqa, A100) is B.FLASH
+        assert sdpa.choose_sdpa_backend(gqa, H100) is B.CUDNN
         # 2.11's mem-efficient has no GQA: fp32 GQA goes to math
-        assert kernels.choose_sdpa_backend(dataclasses.replace(gqa, dtype=torch.float32), A100) is B.MATH
+        assert sdpa.choose_sdpa_backend(dataclasses.replace(gqa, dtype=torch.float32), A100) is B.MATH
         # different head counts without enable_gqa: no fused backend
-        assert kernels.choose_sdpa_backend(dataclasses.replace(gqa, enable_gqa=False), A100) is B.MATH
+        assert sdpa.choose_sdpa_backend(dataclasses.replace(gqa, enable_gqa=False), A100) is B.MATH
 
     def test_strided_last_dim_goes_to_math(self) -> None:
-        assert kernels.choose_sdpa_backend(call(query_contiguous_last_dim=False), A100) is B.MATH
+        assert sdpa.choose_sdpa_backend(call(query_contiguous_last_dim=False), A100) is B.MATH
 
     @pytest.mark.parametrize(("cc", "preferred"), [(H100, True), (B200, True), (GB300, True),
                                                    ((10, 1), False), (A100, False), (RTX5090, False)])
     def test_cudnn_preference_by_arch_in_2_11(self, cc: tuple[int, int], preferred: bool) -> None:
-        assert kernels.prefers_cudnn_attention(cc) is preferred
+        assert sdpa.prefers_cudnn_attention(cc) is preferred
 
     def test_cudnn_preference_by_version(self) -> None:
-        assert not kernels.prefers_cudnn_attention(H100, "2.8")
-        assert not kernels.prefers_cudnn_attention(H100, "2.9")  # wheels built with cuDNN 9.8 headers
-        assert kernels.prefers_cudnn_attention(H100, "2.9", cudnn_version=90900)
-        assert not kernels.prefers_cudnn_attention(H100, "2.10")  # bundled 9.10.2
-        assert kernels.prefers_cudnn_attention((10, 1), "2.12")  # CUDA 13 builds: any 10.x
+        assert not sdpa.prefers_cudnn_attention(H100, "2.8")
+        assert not sdpa.prefers_cudnn_attention(H100, "2.9")  # wheels built with cuDNN 9.8 headers
+        assert sdpa.prefers_cudnn_attention(H100, "2.9", cudnn_version=90900)
+        assert not sdpa.prefers_cudnn_attention(H100, "2.10")  # bundled 9.10.2
+        assert sdpa.prefers_cudnn_attention((10, 1), "2.12")  # CUDA 13 builds: any 10.x
 
     def test_default_order_puts_cudnn_after_math(self) -> None:
-        assert kernels.sdpa_priority_order(A100) == (B.FLASH, B.EFFICIENT, B.MATH, B.CUDNN)
-        assert kernels.sdpa_priority_order(H100)[0] is B.CUDNN
+        assert sdpa.sdpa_priority_order(A100) == (B.FLASH, B.EFFICIENT, B.MATH, B.CUDNN)
+        assert sdpa.sdpa_priority_order(H100)[0] is B.CUDNN
 
     def test_explanation_names_the_refusals(self) -> None:
-        reasons = kernels.explain_sdpa_choice(call(dtype=torch.bfloat16), T4)
+        reasons = sdpa.explain_sdpa_choice(call(dtype=torch.bfloat16), T4)
         assert reasons[B.MATH] == ()
         assert reasons[B.FLASH] and reasons[B.EFFICIENT] and reasons[B.CUDNN]
 
@@ -146,7 +148,7 @@ class TestFlashTemporaries:
         #   softmax_d (B, H, round128(L)) fp32   = 2·16·2048·4     =    262,144 B (256 KiB)
         #   dq_accum  (B, round128(L), H, 64) fp32 = 2·2048·16·64·4 = 16,777,216 B (16 MiB)
         #   head_size_rounded = round(64, 32) = 64; no GQA → no dk/dv_expanded
-        buffers = kernels.backward_temporaries(call(), B.FLASH, H100)
+        buffers = attention_memory.backward_temporaries(call(), B.FLASH, H100)
         assert [(b.name, b.shape, b.dtype) for b in buffers] == [
             ("flash_softmax_d", (2, 16, 2048), torch.float32),
             ("flash_dq_accum", (2, 2048, 16, 64), torch.float32),
@@ -156,21 +158,21 @@ class TestFlashTemporaries:
     def test_backward_rounding(self) -> None:
         # L=1000 → seqlen_q_rounded 1024; D=80 → head_size 80, rounded to 32 → 96;
         # D=160 → 160 rounded to 64 → 192 (head_size > 128 rounds to 64)
-        buffers = kernels.backward_temporaries(call(seq_q=1000, seq_kv=1000, head_dim=80, head_dim_v=80), B.FLASH, H100)
+        buffers = attention_memory.backward_temporaries(call(seq_q=1000, seq_kv=1000, head_dim=80, head_dim_v=80), B.FLASH, H100)
         assert buffers[0].shape == (2, 16, 1024)
         assert buffers[1].shape == (2, 1024, 16, 96)
-        wide = kernels.backward_temporaries(call(head_dim=160, head_dim_v=160), B.FLASH, H100)
+        wide = attention_memory.backward_temporaries(call(head_dim=160, head_dim_v=160), B.FLASH, H100)
         assert wide[1].shape == (2, 2048, 16, 192)
 
     def test_backward_gqa_expands_dk_dv(self) -> None:
         # heads_q=32, heads_kv=8: dk/dv computed per query head, (B, Lk, 32, 64) fp16 each
-        buffers = kernels.backward_temporaries(call(heads_q=32, heads_kv=8, enable_gqa=True), B.FLASH, H100)
+        buffers = attention_memory.backward_temporaries(call(heads_q=32, heads_kv=8, enable_gqa=True), B.FLASH, H100)
         expanded = [b for b in buffers if "expanded" in b.name]
         assert [b.shape for b in expanded] == [(2, 2048, 32, 64)] * 2
         assert all(b.dtype == torch.float16 and b.nbytes == 2 * 2048 * 32 * 64 * 2 for b in expanded)
 
     def test_backward_grad_out_copy_and_determinism(self) -> None:
-        buffers = kernels.backward_temporaries(call(), B.FLASH, H100, grad_out_needs_copy=True,
+        buffers = attention_memory.backward_temporaries(call(), B.FLASH, H100, grad_out_needs_copy=True,
                                                deterministic=True, sm_count=132)
         assert buffers[0].shape == (2, 2048, 16, 64) and buffers[0].dtype == torch.float16
         # deterministic: nsplits = ceil(132 / (2·16)) = 5 copies of dq_accum
@@ -178,19 +180,19 @@ class TestFlashTemporaries:
 
     def test_forward_training_shape_needs_no_split(self) -> None:
         # batch·heads·ceil(L/64) = 2·16·32 = 1024 ≥ 0.8·(2·132) → 1 split → no accumulators
-        assert kernels.flash_num_splits(call(), H100, sm_count=132) == 1
-        assert kernels.forward_temporaries(call(), B.FLASH, H100, sm_count=132) == []
+        assert attention_memory.flash_num_splits(call(), H100, sm_count=132) == 1
+        assert attention_memory.forward_temporaries(call(), B.FLASH, H100, sm_count=132) == []
 
     def test_forward_small_batch_splits_kv(self) -> None:
         # B=1, H=8, L=512, D=64 on 132 SMs: 1·8·ceil(512/64) = 64 < 211.2; block_n 256 →
         # 2 key blocks → max 2 splits; efficiency 64/264 = 0.24 (1 split), 128/264 = 0.48
         # (2 splits) → 2 splits. lse_accum (2,1,8,512) fp32 = 32 KiB, out_accum ×64 = 2 MiB.
         small = call(batch=1, heads_q=8, heads_kv=8, seq_q=512, seq_kv=512)
-        buffers = kernels.forward_temporaries(small, B.FLASH, H100, sm_count=132)
+        buffers = attention_memory.forward_temporaries(small, B.FLASH, H100, sm_count=132)
         assert [b.shape for b in buffers] == [(2, 1, 8, 512), (2, 1, 8, 512, 64)]
         assert total(buffers) == 32 * 1024 + 2 * MiB
         # dropout turns split-KV off
-        assert kernels.forward_temporaries(dataclasses.replace(small, dropout_p=0.1), B.FLASH, H100) == []
+        assert attention_memory.forward_temporaries(dataclasses.replace(small, dropout_p=0.1), B.FLASH, H100) == []
 
 
 class TestMemEfficientTemporaries:
@@ -199,7 +201,7 @@ class TestMemEfficientTemporaries:
         #   delta (B, H, M) fp32 = 2·16·2048·4 = 262,144 B
         #   gQ per (b, h) = ceil(2048/64)·ceil(64/64)·(4 + 64·64) = 32·4100 = 131,200 floats
         #   workspace = 2·16·131,200·4 = 16,793,600 B
-        buffers = kernels.backward_temporaries(call(), B.EFFICIENT, H100)
+        buffers = attention_memory.backward_temporaries(call(), B.EFFICIENT, H100)
         assert [(b.name, b.nbytes) for b in buffers] == [("mem_eff_delta", 262_144),
                                                           ("mem_eff_workspace", 16_793_600)]
 
@@ -207,59 +209,59 @@ class TestMemEfficientTemporaries:
         d128 = call(head_dim=128, head_dim_v=128)
         # H100: 128x128 k128 fits → registers; gQ = 16·1·(4 + 16384) = 262,208 floats
         #   → 2·16·262,208·4 = 33,562,624 B
-        h100 = kernels.backward_temporaries(d128, B.EFFICIENT, H100)
+        h100 = attention_memory.backward_temporaries(d128, B.EFFICIENT, H100)
         assert h100[-1].nbytes == 33_562_624
         # A10 (~99 KB smem): 64x64 k128, dK/dV staged in gmem. splits = min(ceil(2048/64)=32,
         # 200 // 32 = 6) = 6; gK = gV = 6·64·128 = 49,152; gQ = 32·2·4100 = 262,400
         #   → (49,152·2 + 262,400)·4·32 = 46,170,112 B
-        a10 = kernels.backward_temporaries(d128, B.EFFICIENT, A10)
+        a10 = attention_memory.backward_temporaries(d128, B.EFFICIENT, A10)
         assert a10[-1].nbytes == 46_170_112
 
     def test_backward_fp32_delta_is_computed_on_the_host(self) -> None:
         # fp32: (grad_out·out).sum(-1).transpose(-2,-1).contiguous() — product (B,M,H,Kv) and
         # sum (B,M,H) are statement temporaries alive with delta; then the workspace.
-        buffers = kernels.backward_temporaries(call(dtype=torch.float32), B.EFFICIENT, H100)
+        buffers = attention_memory.backward_temporaries(call(dtype=torch.float32), B.EFFICIENT, H100)
         assert [b.name for b in buffers] == ["mem_eff_delta_product", "mem_eff_delta_sum",
                                              "mem_eff_delta", "mem_eff_workspace"]
         # peak = 16,777,216 + 262,144 + 262,144 (statement) vs 262,144 + 16,793,600 (kernel)
-        assert kernels.peak_bytes(buffers) == 17_301_504
+        assert attention_memory.peak_bytes(buffers) == 17_301_504
 
     def test_forward_accumulator_only_for_large_half_head_dims(self) -> None:
-        assert kernels.forward_temporaries(call(head_dim=128, head_dim_v=128), B.EFFICIENT, H100) == []
-        big = kernels.forward_temporaries(call(head_dim=256, head_dim_v=256), B.EFFICIENT, H100)
+        assert attention_memory.forward_temporaries(call(head_dim=128, head_dim_v=128), B.EFFICIENT, H100) == []
+        big = attention_memory.forward_temporaries(call(head_dim=256, head_dim_v=256), B.EFFICIENT, H100)
         assert [(b.shape, b.dtype) for b in big] == [((2, 2048, 16, 256), torch.float32)]
         fp32 = call(dtype=torch.float32, head_dim=256, head_dim_v=256)
-        assert kernels.forward_temporaries(fp32, B.EFFICIENT, H100) == []
+        assert attention_memory.forward_temporaries(fp32, B.EFFICIENT, H100) == []
 
 
 class TestCudnnTemporaries:
     def test_backward_workspace(self) -> None:
         # dQ_accum b·h·s_q·d·4 = 2·16·2048·64·4 = 16,777,216; softmax_sum b·h·s_q·4 = 262,144
-        buffers = kernels.backward_temporaries(call(), B.CUDNN, H100)
+        buffers = attention_memory.backward_temporaries(call(), B.CUDNN, H100)
         assert total(buffers) == 17_039_360
 
     def test_forward_has_no_scratch(self) -> None:
-        assert kernels.forward_temporaries(call(), B.CUDNN, H100) == []
+        assert attention_memory.forward_temporaries(call(), B.CUDNN, H100) == []
 
     def test_math_has_no_kernel_scratch(self) -> None:
-        assert kernels.backward_temporaries(call(), B.MATH, H100) == []
+        assert attention_memory.backward_temporaries(call(), B.MATH, H100) == []
 
 
 class TestPrologueAndCorrections:
     def test_flash_pads_head_dim_to_8(self) -> None:
-        buffers = kernels.sdpa_prologue_buffers(call(head_dim=60, head_dim_v=60), B.FLASH)
+        buffers = attention_memory.sdpa_prologue_buffers(call(head_dim=60, head_dim_v=60), B.FLASH)
         assert [b.shape for b in buffers] == [(2, 16, 2048, 64)] * 3
 
     def test_mem_efficient_pads_unaligned_mask(self) -> None:
         masked = call(has_mask=True, is_causal=False, seq_kv=1000)
-        buffers = kernels.sdpa_prologue_buffers(masked, B.EFFICIENT, mask_shape=(2048, 1000), mask_is_bool=True)
+        buffers = attention_memory.sdpa_prologue_buffers(masked, B.EFFICIENT, mask_shape=(2048, 1000), mask_is_bool=True)
         assert [(b.name, b.shape) for b in buffers] == [("sdpa_mask_float", (2048, 1000)),
                                                          ("sdpa_mask_padded", (2, 16, 2048, 1008))]
 
     def test_meta_outputs_match_cuda_except_eager_dropout_seeds(self) -> None:
-        assert kernels.meta_output_corrections(call(), B.FLASH) == ()
-        assert kernels.meta_output_corrections(call(), B.EFFICIENT) == ()
-        seeds = kernels.meta_output_corrections(call(dropout_p=0.1), B.EFFICIENT)
+        assert attention_memory.meta_output_corrections(call(), B.FLASH) == ()
+        assert attention_memory.meta_output_corrections(call(), B.EFFICIENT) == ()
+        seeds = attention_memory.meta_output_corrections(call(dropout_p=0.1), B.EFFICIENT)
         assert sum(c.delta_bytes for c in seeds) == -16
 
     def test_peak_bytes_frees_statement_temporaries_together(self) -> None:
@@ -267,9 +269,9 @@ class TestPrologueAndCorrections:
         b = Buffer("b", (50,), torch.uint8, freed_early=True)
         kept = Buffer("kept", (10,), torch.uint8)
         later = Buffer("later", (120,), torch.uint8)
-        assert kernels.peak_bytes([a, b, kept]) == 160
-        assert kernels.peak_bytes([a, b, kept, later]) == 160  # 10 + 120 = 130 < 160
-        assert kernels.peak_bytes([kept, later]) == 130
+        assert attention_memory.peak_bytes([a, b, kept]) == 160
+        assert attention_memory.peak_bytes([a, b, kept, later]) == 160  # 10 + 120 = 130 < 160
+        assert attention_memory.peak_bytes([kept, later]) == 130
 
 
 # ------------------------------------------------------------------------------------------
@@ -279,48 +281,48 @@ class TestAutocast:
     @pytest.mark.parametrize("op", ["linear", "matmul", "conv2d", "bmm", "baddbmm", "addmm",
                                     "scaled_dot_product_attention", "__matmul__"])
     def test_lower_precision(self, op: str) -> None:
-        assert kernels.autocast_policy(op) == "lower"
+        assert autocast.autocast_policy(op) == "lower"
 
     @pytest.mark.parametrize("op", ["layer_norm", "group_norm", "exp", "log", "pow", "mse_loss",
                                     "nll_loss", "binary_cross_entropy_with_logits", "aten::pow.Tensor_Scalar"])
     def test_fp32(self, op: str) -> None:
-        assert kernels.autocast_policy(op) == "fp32"
+        assert autocast.autocast_policy(op) == "fp32"
 
     @pytest.mark.parametrize("op", ["softmax", "log_softmax", "sum", "cumsum", "prod", "aten::softmax.int"])
     def test_fp32_set_opt_dtype(self, op: str) -> None:
         # softmax is NOT in the fp32 list: it gets dtype=float32 and keeps its input uncast
-        assert kernels.autocast_policy(op) == "fp32_set_opt_dtype"
+        assert autocast.autocast_policy(op) == "fp32_set_opt_dtype"
 
     def test_norm_appends_dtype(self) -> None:
-        assert kernels.autocast_policy("norm") == "fp32_append_dtype"
+        assert autocast.autocast_policy("norm") == "fp32_append_dtype"
 
     def test_promote(self) -> None:
-        assert kernels.autocast_policy("addcmul") == "promote"
-        assert kernels.autocast_policy("index_put") == "promote"
+        assert autocast.autocast_policy("addcmul") == "promote"
+        assert autocast.autocast_policy("index_put") == "promote"
 
     @pytest.mark.parametrize("op", ["cat", "stack"])
     def test_cat_and_stack_are_not_autocast(self, op: str) -> None:
         # gone from AT_FORALL_PROMOTE: mixed inputs are widened by ordinary type promotion
-        assert kernels.autocast_policy(op) == "none"
+        assert autocast.autocast_policy(op) == "none"
 
     def test_banned_and_untouched(self) -> None:
-        assert kernels.autocast_policy("binary_cross_entropy") == "banned"
-        assert kernels.autocast_policy("relu") == "none"
-        assert kernels.autocast_policy("gelu") == "none"
+        assert autocast.autocast_policy("binary_cross_entropy") == "banned"
+        assert autocast.autocast_policy("relu") == "none"
+        assert autocast.autocast_policy("gelu") == "none"
 
     def test_rms_norm_joined_fp32_in_2_12(self) -> None:
-        assert kernels.autocast_policy("rms_norm", "2.11") == "none"
-        assert kernels.autocast_policy("rms_norm", "2.12") == "fp32"
+        assert autocast.autocast_policy("rms_norm", "2.11") == "none"
+        assert autocast.autocast_policy("rms_norm", "2.12") == "fp32"
 
     def test_lists_are_disjoint(self) -> None:
-        lists = list(kernels.autocast_lists().values())
+        lists = list(autocast.autocast_lists().values())
         for i, first in enumerate(lists):
             for second in lists[i + 1:]:
                 assert not first & second
 
     def test_lists_match_the_installed_dispatcher(self) -> None:
         """Every aten op with an AutocastCUDA kernel in this torch is in our lists and back."""
-        if kernels.parse_torch_version(torch.__version__) < (2, 11):
+        if versions.parse_torch_version(torch.__version__) < (2, 11):
             pytest.skip("the lists are transcribed for torch ≥ 2.11")
         has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
         if has_kernel is None:
@@ -330,7 +332,7 @@ class TestAutocast:
             for name in torch._C._dispatch_get_all_op_names()
             if name.startswith("aten::") and has_kernel(name, "AutocastCUDA")
         }
-        ours = {name.split(".", 1)[0] for names in kernels.autocast_lists(torch.__version__).values() for name in names}
+        ours = {name.split(".", 1)[0] for names in autocast.autocast_lists(torch.__version__).values() for name in names}
         assert registered == ours
 
 
@@ -340,13 +342,13 @@ class TestAutocast:
 class TestCublas:
     def test_two_workspaces_per_training_step(self) -> None:
         # one (handle, stream) pair for the forward thread, one for autograd's device thread
-        assert kernels.CUBLAS_WORKSPACES_PER_TRAINING_STEP == 2
-        assert kernels.cublas_workspaces_in_training_step("2.11.0+cu130") == 2
+        assert cublas.CUBLAS_WORKSPACES_PER_TRAINING_STEP == 2
+        assert cublas.cublas_workspaces_in_training_step("2.11.0+cu130") == 2
 
     def test_separate_cublaslt_workspaces_by_version(self) -> None:
-        assert kernels.separate_cublaslt_workspaces_in_training_step("2.7") == 0  # per-call temporary
-        assert kernels.separate_cublaslt_workspaces_in_training_step("2.9") == 2  # own map, persistent
-        assert kernels.separate_cublaslt_workspaces_in_training_step("2.11") == 0  # unified
+        assert cublas.separate_cublaslt_workspaces_in_training_step("2.7") == 0  # per-call temporary
+        assert cublas.separate_cublaslt_workspaces_in_training_step("2.9") == 2  # own map, persistent
+        assert cublas.separate_cublaslt_workspaces_in_training_step("2.11") == 0  # unified
 
 
 # ------------------------------------------------------------------------------------------
@@ -356,7 +358,7 @@ class TestConvWorkspace:
     X, W, Y = (8, 64, 56, 56), (128, 64, 3, 3), (8, 128, 56, 56)
 
     def ws(self, direction: str, dtype: torch.dtype = torch.float16, cc: tuple[int, int] = A100, **kw: object) -> int:
-        return kernels.conv_workspace_bytes(self.X, self.W, self.Y, dtype, (1, 1), (1, 1), (1, 1), 1,
+        return cudnn.conv_workspace_bytes(self.X, self.W, self.Y, dtype, (1, 1), (1, 1), (1, 1), 1,
                                             direction, cc, **kw)
 
     def test_nchw_fp16_forward_holds_nhwc_copies(self) -> None:
@@ -379,7 +381,7 @@ class TestConvWorkspace:
         assert self.ws("forward", dtype=torch.float32) > 0  # TF32 on sm80 by default
 
     def test_depthwise_has_no_workspace(self) -> None:
-        depthwise = kernels.conv_workspace_bytes((8, 64, 56, 56), (64, 1, 3, 3), (8, 64, 56, 56), torch.float16,
+        depthwise = cudnn.conv_workspace_bytes((8, 64, 56, 56), (64, 1, 3, 3), (8, 64, 56, 56), torch.float16,
                                                  (1, 1), (1, 1), (1, 1), 64, "forward", A100)
         assert depthwise == 0
 
@@ -389,7 +391,7 @@ class TestConvWorkspace:
 
 
 def test_torch_version_parsing() -> None:
-    assert kernels.parse_torch_version("2.11.0+cu130") == (2, 11)
-    assert kernels.parse_torch_version("2.4") == (2, 4)
+    assert versions.parse_torch_version("2.11.0+cu130") == (2, 11)
+    assert versions.parse_torch_version("2.4") == (2, 4)
     with pytest.raises(ValueError):
-        kernels.parse_torch_version("nightly")
+        versions.parse_torch_version("nightly")

@@ -7,6 +7,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # 7B/70B-parameter models
+
 GiB = 2**30
 
 _CHILD = textwrap.dedent("""

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 import memcalc.engine.trace as trace_module
-from memcalc.api import trace_model
+from memcalc.cuda.backend import trace_step as trace_model
 from memcalc.sources.resolve import resolve
+
+pytestmark = pytest.mark.slow  # traces zoo models twice, with and without the cache
 
 CASES = [
     *[("mlp", dict(batch_size=4), dict(optimizer=o, precision=p))  # the foreach shortcut, every optimizer

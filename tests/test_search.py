@@ -19,20 +19,14 @@ import memcalc
 from memcalc import api
 from memcalc.search import fit as search
 from memcalc.core.errors import InvalidInputError
-from memcalc.cuda.gpus.catalogue import GENERIC, LocalGpu, get_gpu
-from memcalc.search.fit import (
-    MAX_BATCH,
-    BatchLimitError,
-    Budget,
-    DoesNotFitError,
-    Probe,
-    _Point,
-    _search,
-    max_batch_size,
-    resolve_budget,
-    sweep,
-    sweep_configurations,
-)
+from memcalc.core.gpu import GENERIC
+from memcalc.cuda.gpus.catalogue import get_gpu
+from memcalc.cuda.gpus.local import LocalGpu
+from memcalc.api import max_batch_size, sweep
+from memcalc.search import budget as budgets
+from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, Probe, resolve_budget
+from memcalc.search.fit import MAX_BATCH, _Point, _search
+from memcalc.search.sweep import sweep_configurations
 
 MiB = 1024**2
 GiB = 1024**3
@@ -144,21 +138,21 @@ def test_a_flat_curve_hits_the_batch_limit():
 
 
 class CountingEstimate:
-    """Wraps memcalc.api.estimate to count the simulations a fit performs."""
+    """Wraps the search's estimate to count the simulations a fit performs."""
 
     def __init__(self):
-        self.real = api.estimate
+        self.real = search.run_estimate
         self.batches: list[int] = []
 
-    def __call__(self, *args, **kwargs):
-        self.batches.append(kwargs["batch_size"])
-        return self.real(*args, **kwargs)
+    def __call__(self, request, *args, **kwargs):
+        self.batches.append(request.batch_size)
+        return self.real(request, *args, **kwargs)
 
 
 @pytest.fixture
 def counted(monkeypatch):
     counter = CountingEstimate()
-    monkeypatch.setattr(api, "estimate", counter)
+    monkeypatch.setattr(search, "run_estimate", counter)
     return counter
 
 
@@ -260,7 +254,7 @@ def test_activation_dominated_model_puts_checkpointing_first():
     with pytest.raises(DoesNotFitError) as caught:
         max_batch_size("gpt2", budget=one.bytes.peak_allocated - MiB, seq_len=1024, optimizer="sgd")
     error = caught.value
-    states = sum(error.report.bytes.category(c) for c in search._MODEL_STATES)
+    states = sum(error.report.bytes.category(c) for c in budgets._MODEL_STATES)
     assert states < error.report.bytes.peak_allocated - states
     assert error.dominant == "activations" and "activations dominate" in str(error)
     remedies = error.hint.split(":", 1)[1].split(";")
@@ -282,7 +276,7 @@ def test_neighbours_reuse_the_search_probes(counted):
     assert [p.fits for p in result.neighbours if p.batch_size <= b][-1] is True
     assert next(p for p in result.neighbours if p.batch_size == b + 1).fits is False
     probed = {p.batch_size for p in result.probes}
-    extra = len(counted.batches) - 1 - result.num_estimates  # −1: the estimate in this test's budget
+    extra = len(counted.batches) - result.num_estimates
     assert extra == len({p.batch_size for p in result.neighbours} - probed)
 
 
@@ -340,14 +334,14 @@ def test_gpu_budget_is_total_minus_context():
 
 
 def test_device_budget_is_free_minus_a_new_process_context(monkeypatch):
-    monkeypatch.setattr(search, "_cuda_initialised", lambda: False)
+    monkeypatch.setattr(budgets, "_cuda_initialised", lambda: False)
     a100 = resolve_budget(device="cuda:0", local_gpus=lambda: TWO_GPUS)
     assert a100.capacity == 30 * GiB - get_gpu("a100-40gb").cuda_context
     # "auto" takes the most free memory; an A40 is not in the catalogue: the generic context
     auto = resolve_budget(device="auto", local_gpus=lambda: TWO_GPUS)
     assert auto.capacity == 44 * GiB - GENERIC.cuda_context and auto.gpu is None
     # a process that already holds a CUDA context: its free memory is the budget
-    monkeypatch.setattr(search, "_cuda_initialised", lambda: True)
+    monkeypatch.setattr(budgets, "_cuda_initialised", lambda: True)
     assert resolve_device_capacity("cuda:1") == 44 * GiB
 
 
@@ -412,14 +406,14 @@ def test_sweep_over_precisions():
 def test_public_api_exports():
     assert memcalc.max_batch_size is max_batch_size
     assert memcalc.sweep is sweep
-    assert memcalc.FitResult is search.FitResult
+    assert memcalc.FitResult is budgets.FitResult
     assert {"max_batch_size", "FitResult", "sweep"} <= set(memcalc.__all__)
     assert Probe(3, True, 10) == (3, True, 10, False)
 
 
 def test_affine_family_predicts_a_real_trace_exactly():
     from memcalc.search.affine import AffineFamily
-    from memcalc.api import trace_model
+    from memcalc.cuda.backend import trace_step as trace_model
     from memcalc.sources.resolve import resolve
 
     def traced(batch):
@@ -432,7 +426,7 @@ def test_affine_family_predicts_a_real_trace_exactly():
 
 def test_affine_family_refuses_structurally_different_traces():
     from memcalc.search.affine import AffineFamily
-    from memcalc.api import trace_model
+    from memcalc.cuda.backend import trace_step as trace_model
     from memcalc.sources.resolve import resolve
 
     one = trace_model(resolve("gpt2", batch_size=1, seq_len=32), optimizer="sgd")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memcalc
-from memcalc.api import trace_model
+from memcalc.cuda.backend import trace_step as trace_model
 from memcalc.core.categories import Category
 from memcalc.sources.resolve import meta_twin, resolve
 
@@ -138,7 +138,7 @@ def test_loss_fn_is_used():
         calls.append(tuple(output.shape))
         return (output ** 2).sum()
 
-    memcalc.estimate("mlp", batch_size=4, loss_fn=loss_fn, optimizer="sgd")
+    memcalc.estimate("mlp", batch_size=4, loss=loss_fn, optimizer="sgd")
     assert calls == [(4, 10)]
 
 

@@ -22,8 +22,9 @@ import memcalc
 from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError
-from memcalc.distributed.programs import DdpProgram, ShardedProgram, fsdp_units, module_units
-from memcalc.distributed.strategies import DistributedOptions, dp_chunks
+from memcalc.distributed.ddp import DdpProgram
+from memcalc.distributed.fsdp import ShardedProgram, fsdp_units, module_units
+from memcalc.distributed.options import Distributed, dp_chunks
 
 MiB = 2**20
 # two_layers: two 1024×1024 weights without bias: Ψ = 2,097,152 parameters, each weight
@@ -37,11 +38,16 @@ def two_layers() -> nn.Module:
     return nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 1024, bias=False))
 
 
+_DISTRIBUTED = ("world_size", "device_ids", "batch_is_global", "bucket_cap_mb", "gradient_as_bucket_view", "sharding",
+                "reduce_bucket_size")
+
+
 def _two(strategy: str, **kw):
-    # target="cpu": no cuBLAS workspace, so every byte below is the model's.
+    # gpu="cpu": no cuBLAS workspace, so every byte below is the model's.
     kw.setdefault("optimizer", "adam")
-    return memcalc.estimate(two_layers, input_shape=(1024,), batch_size=1, loss="mean", target="cpu",
-                            strategy=strategy, **kw)
+    dist = {k: kw.pop(k) for k in _DISTRIBUTED if k in kw}
+    return memcalc.estimate(two_layers, input_shape=(1024,), batch_size=1, loss="mean", gpu="cpu",
+                            distributed=memcalc.Distributed(strategy, **dist), **kw)
 
 
 def _only_role(report):
@@ -187,16 +193,14 @@ def test_zero_model_states_match_deepspeed(world_size, precision):
 
 def test_zero2_on_gpt2_matches_deepspeed_with_tied_weights_counted_once():
     # GPT-2 small: Ψ = 124,439,808 (lm_head shares wte), divisible by 2·8: no padding.
-    r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, strategy="zero2", world_size=8, precision="amp-fp16",
-                         reduce_bucket_size=1024)
+    r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, distributed=memcalc.Distributed("zero2", world_size=8, reduce_bucket_size=1024), precision="amp-fp16")
     total, largest = ds.model_to_params(_gpt2())
     assert total == 124_439_808
     assert _only_role(r).model_states == ds.zero2_model_states(total, 8).gpu_bytes
 
 
 def test_zero3_on_gpt2_matches_deepspeed_up_to_per_parameter_padding():
-    r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, strategy="zero3", world_size=8, precision="amp-fp16",
-                         reduce_bucket_size=1024)
+    r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, distributed=memcalc.Distributed("zero3", world_size=8, reduce_bucket_size=1024), precision="amp-fp16")
     model = _gpt2()
     total, largest = ds.model_to_params(model)
     assert largest == 50257 * 768  # wte
@@ -238,8 +242,8 @@ def test_deepspeed_formulas_by_hand():
 @pytest.mark.parametrize("world_size", [2, 8])
 @pytest.mark.parametrize("precision", ["fp32", "amp-fp16"])
 def test_model_states_order_zero3_zero2_zero1_ddp(world_size, precision):
-    states = {s: _only_role(memcalc.estimate("mlp", batch_size=4, strategy=s, world_size=world_size,
-                                             precision=precision, reduce_bucket_size=1024)).model_states
+    states = {s: _only_role(memcalc.estimate("mlp", batch_size=4, distributed=memcalc.Distributed(s, world_size=world_size, reduce_bucket_size=1024),
+                                             precision=precision)).model_states
               for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
     # zero1 keeps fp32 parameters and gradients whole in fp32 (8Ψ + 16Ψ/N): at N = 2 it equals
     # DDP's 16Ψ, plus ZeRO's padding of the partition to 2N elements (16 B per padded element).
@@ -267,12 +271,12 @@ def test_dp_chunks_like_torch_chunk():
 
 
 def test_dp_global_batch_is_chunked_and_idle_devices_are_said():
-    r = memcalc.estimate("mlp", batch_size=10, strategy="dp", device_ids=[2, 5, 6, 7], batch_is_global=True)
+    r = memcalc.estimate("mlp", batch_size=10, distributed=memcalc.Distributed("dp", device_ids=[2, 5, 6, 7], batch_is_global=True))
     output, others = r.roles
     assert (output.name, output.ranks, output.batch_size) == ("output device (cuda:2)", (2,), 3)
     assert (others.ranks, others.batch_size) == ((5, 6, 7), 3)
     assert r.global_batch_size == 10 and r.world_size == 4
-    small = memcalc.estimate("mlp", batch_size=2, strategy="dp", world_size=4, batch_is_global=True)
+    small = memcalc.estimate("mlp", batch_size=2, distributed=memcalc.Distributed("dp", world_size=4, batch_is_global=True))
     assert [role.ranks for role in small.roles] == [(0,), (1,)]
     assert any("cuda:2, cuda:3 get no chunk" in n for n in small.notes)
 
@@ -280,7 +284,7 @@ def test_dp_global_batch_is_chunked_and_idle_devices_are_said():
 def test_dp_output_device_holds_the_gathered_logits():
     # GPT-2, 4 devices × 2 sequences of 32 tokens: device 0 gathers the logits of all
     # 8 sequences (8·32·50257·4 B) and computes the loss there; the others send theirs away.
-    r = memcalc.estimate("gpt2", seq_len=32, batch_size=2, strategy="dp", world_size=4, optimizer="sgd")
+    r = memcalc.estimate("gpt2", seq_len=32, batch_size=2, distributed=memcalc.Distributed("dp", world_size=4), optimizer="sgd")
     output, others = r.roles
     gathered_logits = 8 * 32 * 50257 * 4
     assert output.peak_allocated - others.peak_allocated > gathered_logits
@@ -294,13 +298,13 @@ def test_dp_output_device_holds_the_gathered_logits():
 
 
 def test_ddp_batch_global_or_per_rank():
-    per_rank = memcalc.estimate("mlp", batch_size=8, strategy="ddp", world_size=4)
-    global_ = memcalc.estimate("mlp", batch_size=32, strategy="ddp", world_size=4, batch_is_global=True)
+    per_rank = memcalc.estimate("mlp", batch_size=8, distributed=memcalc.Distributed("ddp", world_size=4))
+    global_ = memcalc.estimate("mlp", batch_size=32, distributed=memcalc.Distributed("ddp", world_size=4, batch_is_global=True))
     assert per_rank.batch_size == global_.batch_size == 8
     assert per_rank.global_batch_size == global_.global_batch_size == 32
     assert per_rank.bytes == global_.bytes
     with pytest.raises(InvalidInputError, match="does not split evenly"):
-        memcalc.estimate("mlp", batch_size=30, strategy="ddp", world_size=4, batch_is_global=True)
+        memcalc.estimate("mlp", batch_size=30, distributed=memcalc.Distributed("ddp", world_size=4, batch_is_global=True))
 
 
 def test_ddp_bucket_cap_sets_the_number_of_buckets_not_their_bytes():
@@ -331,7 +335,7 @@ def test_fsdp_units_are_blocks_and_root():
 
 
 def test_sharded_program_puts_the_model_back():
-    from memcalc import api
+    from memcalc.cuda.backend import trace_step
     from memcalc.sources.resolve import resolve
     from memcalc.engine.options import EstimateOptions
 
@@ -339,7 +343,7 @@ def test_sharded_program_puts_the_model_back():
     before = [id(p) for p in resolved.module.parameters()]
     program = ShardedProgram(fsdp_units(resolved.module, ()), 4, style="fsdp2", reshard_after_forward=True,
                              sharded_dtype=None, gather_dtype=None, reduce_dtype=None, training=True)
-    api.trace_model(resolved, EstimateOptions.create(), hooks=program)
+    trace_step(resolved, EstimateOptions.create(), hooks=program)
     assert [id(p) for p in resolved.module.parameters()] == before
     assert all(p.grad is None for p in resolved.module.parameters())
     assert not dist.is_initialized()  # memcalc never creates a process group
@@ -355,8 +359,8 @@ def test_fsdp_mixed_precision_gathers_16_bit_and_keeps_fp32_states():
 
 def test_checkpointing_and_accumulation_run_under_every_strategy():
     for strategy in ("dp", "ddp", "fsdp", "zero1", "zero2", "zero3"):
-        r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, strategy=strategy, world_size=2, checkpoint=True,
-                             accum_steps=2, precision="amp-bf16", reduce_bucket_size=1024)
+        r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, distributed=memcalc.Distributed(strategy, world_size=2, reduce_bucket_size=1024), checkpoint=True,
+                             accum_steps=2, precision="amp-bf16")
         assert r.bytes.peak_allocated > 0 and r.roles
 
 
@@ -444,9 +448,8 @@ def test_fsdp_against_real_fully_shard(fake_process_group, factory, shape, batch
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     real = _real_peak(model, torch.randn(batch, *shape), [p.to_local() for p in model.parameters()])
-    estimate = memcalc.estimate(factory, input_shape=shape, batch_size=batch, strategy="fsdp",
-                                world_size=fake_process_group, sharding=sharding, optimizer="adam", loss="mean",
-                                target="cpu")
+    estimate = memcalc.estimate(factory, input_shape=shape, batch_size=batch, distributed=memcalc.Distributed("fsdp", world_size=fake_process_group, sharding=sharding), optimizer="adam", loss="mean",
+                                gpu="cpu")
     assert estimate.peak_requested == real - _step_counters(factory)
 
 
@@ -482,9 +485,7 @@ def test_ddp_against_real_distributed_data_parallel(fake_process_group, view, bu
     torch.manual_seed(0)
     model = _BlockNet()
     real = _real_peak(model, torch.randn(16, 64), list(model.parameters()), setup=wrap)
-    estimate = memcalc.estimate(_BlockNet, input_shape=(64,), batch_size=16, strategy="ddp",
-                                world_size=fake_process_group, gradient_as_bucket_view=view,
-                                bucket_cap_mb=bucket_cap_mb, optimizer="adam", loss="mean", target="cpu")
+    estimate = memcalc.estimate(_BlockNet, input_shape=(64,), batch_size=16, distributed=memcalc.Distributed("ddp", world_size=fake_process_group, gradient_as_bucket_view=view, bucket_cap_mb=bucket_cap_mb), optimizer="adam", loss="mean", gpu="cpu")
     # + 12 B: DDP's own CPU scalars
     assert 0 <= real - _step_counters(_BlockNet) - estimate.peak_requested <= 16
 
@@ -509,9 +510,12 @@ def test_ddp_against_real_distributed_data_parallel(fake_process_group, view, bu
 ])
 def test_bad_input_is_refused(kwargs, message):
     with pytest.raises(InvalidInputError, match=message):
-        DistributedOptions.create(**kwargs)
-    with pytest.raises(InvalidInputError, match=message):
-        memcalc.estimate("mlp", batch_size=2, **kwargs)
+        Distributed(**kwargs)
+
+
+def test_distributed_must_be_the_options_object():
+    with pytest.raises(InvalidInputError, match="memcalc.Distributed"):
+        memcalc.estimate("mlp", batch_size=2, distributed="ddp")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -540,7 +544,7 @@ _SINGLE_KEYS = {"model", "batch_size", "optimizer", "mode", "precision", "gpu", 
 
 def test_json_single_unchanged_and_strategy_section_added():
     assert set(memcalc.estimate("mlp", batch_size=2).to_dict()) == _SINGLE_KEYS
-    data = memcalc.estimate("mlp", batch_size=2, strategy="dp", world_size=2).to_dict()
+    data = memcalc.estimate("mlp", batch_size=2, distributed=memcalc.Distributed("dp", world_size=2)).to_dict()
     assert set(data) == _SINGLE_KEYS | {"strategy", "world_size", "global_batch_size", "roles"}
     assert (data["strategy"], data["world_size"], data["global_batch_size"]) == ("dp", 2, 4)
     assert [r["name"] for r in data["roles"]] == ["output device (cuda:0)", "other devices"]
@@ -569,8 +573,8 @@ def test_fit_with_a_strategy_answers_per_gpu():
     # the search varies batch_size, which is per GPU: sharding the model states leaves room
     # for a larger batch on every GPU
     common = dict(budget="2GiB", seq_len=32)
-    ddp = memcalc.max_batch_size("llama-tiny", strategy="ddp", world_size=8, **common)
-    fsdp = memcalc.max_batch_size("llama-tiny", strategy="fsdp", world_size=8, **common)
+    ddp = memcalc.max_batch_size("llama-tiny", distributed=memcalc.Distributed("ddp", world_size=8), **common)
+    fsdp = memcalc.max_batch_size("llama-tiny", distributed=memcalc.Distributed("fsdp", world_size=8), **common)
     assert fsdp.batch_size > ddp.batch_size >= 1
     assert fsdp.report.strategy == "fsdp" and fsdp.report.roles[0].batch_size == fsdp.batch_size
     assert fsdp.report.fits

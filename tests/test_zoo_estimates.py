@@ -8,6 +8,8 @@ import memcalc
 import models_zoo
 from memcalc import Category
 
+pytestmark = pytest.mark.slow  # every zoo entry, the 70B Llama included
+
 
 @pytest.mark.parametrize("name", models_zoo.names())
 def test_every_zoo_entry_estimates_with_adam(name):

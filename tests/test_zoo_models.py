@@ -121,6 +121,7 @@ def test_reference_count_is_the_hard_coded_one(name):
     assert models_zoo.get(name).reference_parameters == EXPECTED_PARAMETERS[name]
 
 
+@pytest.mark.slow  # the whole zoo, or real CPU steps
 @pytest.mark.parametrize("entry", ALL_ENTRIES, ids=ENTRY_IDS)
 def test_meta_build_matches_reference_count(entry):
     start = time.perf_counter()
@@ -135,6 +136,7 @@ def test_meta_build_matches_reference_count(entry):
         assert n_parameters(model) == EXPECTED_PARAMETERS[entry.name]
 
 
+@pytest.mark.slow  # the whole zoo, or real CPU steps
 @pytest.mark.parametrize("entry", ALL_ENTRIES, ids=ENTRY_IDS)
 def test_meta_training_step_shapes(entry):
     """Batch 2 at the default input: right output shapes, and backward reaches every parameter."""
@@ -253,6 +255,7 @@ def test_unet_odd_input_size_on_meta():
         ("unet", (3, 36, 36), 1),
     ],
 )
+@pytest.mark.slow  # the whole zoo, or real CPU steps
 def test_real_cpu_training_step(name, shape, batch):
     torch.manual_seed(0)
     entry = models_zoo.get(name)
@@ -265,6 +268,7 @@ def test_real_cpu_training_step(name, shape, batch):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.slow  # the whole zoo, or real CPU steps
 def test_real_cpu_gpt2_forward():
     torch.manual_seed(0)
     entry = models_zoo.get("gpt2")

@@ -12,10 +12,14 @@ from typing import Any
 import click
 
 from memcalc import api
+from memcalc.cli.fit import fit_command
+from memcalc.cli.gpus import gpus_command
 from memcalc.cli.options import handle_errors, output_options, quiet, step_arguments, step_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
-from memcalc.engine.optimizers import Optimizer
+from memcalc.cli.sweep import sweep_command
 from memcalc.core.precision import Precision
+from memcalc.core.report import Measurement
+from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json, render_report, render_roles
 
 __all__ = ("main",)
@@ -28,6 +32,7 @@ class ModelFirstGroup(click.Group):
     default_command = "estimate"
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Prepend ``estimate`` when the first positional argument is not a subcommand."""
         first = next((a for a in args if not a.startswith("-")), None)
         wants_group_help = not args or args[0] in ("--help", "-h", "--version")
         if not wants_group_help and first is not None and first not in self.commands:
@@ -87,7 +92,7 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
                                  accum_steps=accum_steps, kv_cache=kv_cache, loss=loss))
     distributed = strategy_arguments(measure=measure, **multi_gpu)
     with quiet():
-        report = api.estimate(model, batch_size=batch, module_depth=max(depth, 1), **step, **distributed)
+        report = api.estimate(model, batch_size=batch, **step, **distributed)
     if measure:
         from memcalc.report.measure import attach_measurement
 
@@ -95,16 +100,15 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     if fmt == "json":
         data = report.to_dict()
         if report.measurement is not None:
-            data["measured"] = _measurement_dict(report)
+            data["measured"] = _measurement_dict(report.measurement)
         click.echo(render_json(data))
     else:
         if report.roles:
             click.echo(render_roles(report, fmt=fmt, unit=units))
-        click.echo(render_report(report, fmt=fmt, unit=units, modules=depth > 0), nl=False)
+        click.echo(render_report(report, fmt=fmt, unit=units, module_depth=depth), nl=False)
 
 
-def _measurement_dict(report) -> dict[str, Any]:
-    m = report.measurement
+def _measurement_dict(m: Measurement) -> dict[str, Any]:
     return {"device": m.device, "peak_allocated": m.peak_allocated, "peak_reserved": m.peak_reserved,
             "oom": m.oom, "compared_with": m.compared_with, "relative_error": m.relative_error()}
 
@@ -114,8 +118,9 @@ def _measurement_dict(report) -> dict[str, Any]:
 @handle_errors
 def zoo_command(fmt: str, units: str, debug: bool) -> None:
     """List the model zoo: name, family, parameters, default input."""
-    import models_zoo
     from tabulate import tabulate
+
+    import models_zoo
 
     rows = [{"name": e.name, "family": e.family, "parameters": e.reference_parameters,
              "default_input": e.default_input_text} for e in models_zoo.entries()]
@@ -127,8 +132,6 @@ def zoo_command(fmt: str, units: str, debug: bool) -> None:
     click.echo(tabulate(table, headers=["name", "family", "parameters", "default input"], tablefmt=fmt,
                         colalign=("left", "left", "right", "left"), disable_numparse=True))
 
-
-from memcalc.cli.fit import fit_command, gpus_command, sweep_command  # noqa: E402  (subcommands)
 
 main.add_command(fit_command)
 main.add_command(sweep_command)

@@ -1,35 +1,37 @@
 """What every ``memcalc`` command shares: error mapping, output options, the options that
-shape one step, and parameter types. The commands live in :mod:`memcalc.cli` (estimate, zoo)
-and :mod:`memcalc.cli_fit` (fit, sweep, gpus); both import from here, so neither depends on
-the other's import order."""
+shape one step, and parameter types. The commands live in :mod:`memcalc.cli.app` (estimate,
+zoo), :mod:`memcalc.cli.fit`, :mod:`memcalc.cli.sweep` and :mod:`memcalc.cli.gpus`; all import
+from here, so none depends on another's import order."""
 
 from __future__ import annotations
 
 import functools
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import click
 
 from memcalc.core.categories import Mode
 from memcalc.core.errors import MemcalcError
-from memcalc.engine.losses import LossChoice
-from memcalc.report.render import TABLE_FORMATS
+from memcalc.core.losses import LossChoice
 from memcalc.core.units import Unit
+from memcalc.report.render import TABLE_FORMATS
 
-__all__ = ("ShapeType", "handle_errors", "output_options", "step_options", "step_arguments", "quiet", "FORMATS")
+__all__ = ("FORMATS", "ShapeType", "handle_errors", "output_options", "quiet", "step_arguments", "step_options")
 
 FORMATS = (*TABLE_FORMATS, "json")
 
 
-class ShapeType(click.ParamType):
+class ShapeType(click.ParamType[tuple[int, ...]]):
     """``3,224,224`` (also ``3x224x224``) → ``(3, 224, 224)``."""
 
     name = "shape"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        """Parse ``value``; a tuple is already a shape; a usage error otherwise."""
         if isinstance(value, tuple):
             return value
         text = str(value).strip().lower().replace("x", ",").strip("()[] ")

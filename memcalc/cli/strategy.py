@@ -3,28 +3,36 @@
 ``--bucket-cap-mb``, ``--gradient-as-bucket-view``, ``--fsdp-sharding``,
 ``--reduce-bucket-size``. :func:`strategy_options` adds them to a click command;
 :func:`strategy_arguments` checks them (bad combinations are usage errors) and returns the
-keyword arguments of :func:`memcalc.estimate` — so ``memcalc fit`` can take the same options
-and hand them to ``max_batch_size``, which passes them on to ``estimate``.
+:class:`memcalc.Distributed` setting as :func:`memcalc.estimate`'s ``distributed`` keyword —
+so ``memcalc fit`` can take the same options and hand them to ``max_batch_size``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
 from memcalc.core.errors import InvalidInputError
-from memcalc.distributed.strategies import DEEPSPEED_REDUCE_BUCKET_SIZE, DEFAULT_BUCKET_CAP_MB, DistributedOptions, FsdpSharding, Strategy
+from memcalc.distributed.options import (
+    DEEPSPEED_REDUCE_BUCKET_SIZE,
+    DEFAULT_BUCKET_CAP_MB,
+    Distributed,
+    FsdpSharding,
+    Strategy,
+)
 
-__all__ = ("strategy_options", "strategy_arguments", "DeviceIdsType")
+__all__ = ("DeviceIdsType", "strategy_arguments", "strategy_options")
 
 
-class DeviceIdsType(click.ParamType):
+class DeviceIdsType(click.ParamType[tuple[int, ...]]):
     """``0,1,2,3`` → ``(0, 1, 2, 3)``; each a CUDA device number, none repeated."""
 
     name = "ids"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        """Parse ``value``; a tuple is already a list of ids; a usage error otherwise."""
         if isinstance(value, tuple):
             return value
         parts = [p.strip() for p in str(value).split(",") if p.strip()]
@@ -79,10 +87,10 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tuple[int, ...] | None,
                        global_batch: bool, bucket_cap_mb: float, gradient_as_bucket_view: bool,
                        fsdp_sharding: str, reduce_bucket_size: int, measure: bool = False) -> dict[str, Any]:
-    """The options as :func:`memcalc.estimate` keywords (none for a single GPU); a usage
-    error for combinations that make no sense."""
+    """The options as :func:`memcalc.estimate`'s ``distributed`` keyword (none for a single
+    GPU); a usage error for combinations that make no sense."""
     try:
-        DistributedOptions.create(strategy=strategy, world_size=world_size, device_ids=device_ids,
+        distributed = Distributed(strategy, world_size=world_size, device_ids=device_ids,
                                   batch_is_global=global_batch, bucket_cap_mb=bucket_cap_mb,
                                   gradient_as_bucket_view=gradient_as_bucket_view, sharding=fsdp_sharding,
                                   reduce_bucket_size=reduce_bucket_size)
@@ -95,6 +103,4 @@ def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tup
     if measure:
         raise click.UsageError("--measure runs the step on this machine's GPU (or CPU); it cannot measure "
                                f"--strategy {strategy}")
-    return {"strategy": strategy, "world_size": world_size, "device_ids": device_ids, "batch_is_global": global_batch,
-            "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": gradient_as_bucket_view,
-            "sharding": fsdp_sharding, "reduce_bucket_size": reduce_bucket_size}
+    return {"distributed": distributed}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ("Category", "Phase", "Mode")
+__all__ = ("Category", "Mode", "Phase")
 
 
 class Category(str, enum.Enum):

@@ -4,12 +4,12 @@ exit code (2 for bad user input, 1 for a model that can't be estimated)."""
 from __future__ import annotations
 
 __all__ = (
-    "MemcalcError",
-    "UnknownModelError",
-    "ModelSourceError",
     "InvalidInputError",
-    "SymbolicExecutionError",
+    "MemcalcError",
     "MissingPackageError",
+    "ModelSourceError",
+    "SymbolicExecutionError",
+    "UnknownModelError",
 )
 
 
@@ -82,7 +82,7 @@ def _hint_for(op: str, cause: BaseException) -> str:
         return ("The model reads tensor values (.item(), nonzero, boolean masks, or an `if` on a "
                 "tensor), which have no value when memcalc runs it without data. Make that branch "
                 "depend on shapes or configuration instead, or estimate the submodule separately.")
-    if isinstance(cause, NotImplementedError) or "meta" in str(cause).lower() and "implement" in str(cause).lower():
+    if isinstance(cause, NotImplementedError) or ("meta" in str(cause).lower() and "implement" in str(cause).lower()):
         return ("The op has no shape-only (meta) implementation in this PyTorch version, so memcalc "
                 "cannot run it without data; please report the op.")
     return ("The op rejected the shapes it was given: check the input, --input-shape C,H,W for "

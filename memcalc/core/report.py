@@ -9,7 +9,7 @@ The JSON contract (README, "JSON output") is exactly::
                "cuda_context"}}
 
 With a multi-GPU strategy (``strategy`` other than ``"single"``) the same fields describe
-the busiest GPU role and three keys are added (see :mod:`memcalc.strategies`)::
+the busiest GPU role and three keys are added (see :mod:`memcalc.distributed.strategies`)::
 
     {"strategy", "world_size", "global_batch_size",
      "roles": [{"name", "ranks", "batch_size", "peak_allocated", "peak_reserved",
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memcalc.core.categories import Category, Mode, Phase
-from memcalc.cuda.gpus.catalogue import GENERIC, GpuProfile
+from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.precision import Precision
 
-__all__ = ("ByteBreakdown", "ModuleRow", "Textbook", "Measurement", "MemoryReport", "RoleReport")
+__all__ = ("ByteBreakdown", "Measurement", "MemoryReport", "ModuleRow", "RoleReport", "Textbook")
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class MemoryReport:
     input_description: str = ""
     loss: str = ""
     textbook: Textbook | None = None
-    modules: tuple[ModuleRow, ...] = ()
+    modules: tuple[ModuleRow, ...] = ()  # every submodule, at every depth (see modules_within)
     first_iteration_peak: int = 0
     peak_requested: int = 0  # the same simulation without the allocator's rounding (CPU comparisons)
     peak_reserved: int = 0  # segments the caching allocator would hold at its peak
@@ -139,14 +139,18 @@ class MemoryReport:
     attention_calls: tuple[tuple[str, int], ...] = ()  # every backend used, with its call count
     accum_steps: int = 1
     checkpoint: bool = False
-    # Multi-GPU (memcalc.strategies): the fields above describe the busiest role in ``roles``.
+    # Multi-GPU (memcalc.distributed): the fields above describe the busiest role in ``roles``.
     strategy: str = "single"
     world_size: int = 1
     global_batch_size: int | None = None  # samples per step over all GPUs (None: single GPU)
-    roles: tuple["RoleReport", ...] = ()
+    roles: tuple[RoleReport, ...] = ()
+
+    def modules_within(self, depth: int) -> tuple[ModuleRow, ...]:
+        """The per-module rows down to ``depth`` (1: the model's direct children)."""
+        return tuple(m for m in self.modules if m.depth <= depth)
 
     @property
-    def busiest_role(self) -> "RoleReport | None":
+    def busiest_role(self) -> RoleReport | None:
         """The GPU role that runs out of memory first (multi-GPU): one that does not fit,
         else the highest peak allocated (then reserved). None for a single GPU."""
         if not self.roles:
@@ -157,7 +161,7 @@ class MemoryReport:
     @property
     def cuda_context(self) -> int:
         """The CUDA context (and libraries) of the GPU: never in max_memory_allocated, but it
-        is on the device, so it counts toward an OOM (an assumption per GPU: memcalc.gpus)."""
+        is on the device, so it counts toward an OOM (an assumption per GPU: memcalc.cuda.gpus.catalogue)."""
         return self.gpu.cuda_context
 
     @property

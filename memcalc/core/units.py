@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import re
 
-__all__ = ("Unit", "format_bytes", "parse_bytes", "BYTES_FORMS")
+__all__ = ("BYTES_FORMS", "Unit", "format_bytes", "parse_bytes")
 
 
 class Unit(str, enum.Enum):

@@ -1,145 +1,183 @@
 """Kernel workspaces: memory CUDA libraries take through the caching allocator that no meta
-kernel shows. Rules keyed by aten op name (a plain dict, as in fvcore's handles) run after
-each op and add synthetic allocations to the trace:
+kernel shows. Rules registered per aten op (:data:`WORKSPACE_RULES`, a
+:class:`~memcalc.engine.rules.RuleRegistry` keyed by ``OpOverload``) run after each op and add
+synthetic allocations to the trace:
 
 - cuBLAS: one workspace per handle and stream, allocated at the first cuBLAS call and kept
   (``aten/src/ATen/cuda/CublasHandlePool.cpp``); the autograd engine runs backward on its own
   device thread, whose handle gets a workspace of its own at its first matmul — so a training
-  step holds one for the forward and one for the backward (:mod:`memcalc.kernels` documents
+  step holds one for the forward and one for the backward (:mod:`memcalc.cuda.cublas` documents
   the source). Size: the GPU profile's, honouring ``CUBLAS_WORKSPACE_CONFIG``.
-- cuDNN convolutions: a temporary per call, sized by :func:`memcalc.cuda.kernels.conv_workspace_bytes`
+- cuDNN convolutions: a temporary per call, sized by :func:`memcalc.cuda.cudnn.conv_workspace_bytes`
   (a documented model, not a measurement).
 - fused attention: the temporaries the flash / memory-efficient / cuDNN kernels allocate
-  inside their forward and backward (:func:`memcalc.cuda.kernels.forward_temporaries`,
-  :func:`memcalc.cuda.kernels.backward_temporaries`).
+  inside their forward and backward (:func:`memcalc.cuda.attention_memory.forward_temporaries`,
+  :func:`memcalc.cuda.attention_memory.backward_temporaries`).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch._ops import OpOverload
 
-from memcalc.cuda import kernels
 from memcalc.core.categories import Category
-from memcalc.cuda.gpus.catalogue import GpuProfile, cublas_workspace_bytes
+from memcalc.core.gpu import GpuProfile
+from memcalc.cuda.attention_memory import Buffer, backward_temporaries, forward_temporaries
+from memcalc.cuda.cublas import CUBLAS_WORKSPACES_PER_TRAINING_STEP, cublas_workspace_bytes
+from memcalc.cuda.cudnn import conv_workspace_bytes
+from memcalc.cuda.sdpa import AttentionBackend, SdpaCall
+from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("WorkspaceModel", "CUBLAS_OPS")
+__all__ = ("CUBLAS_OPS", "WORKSPACE_RULES", "WorkspaceModel", "WorkspaceRule")
+
+aten = torch.ops.aten
+
+#: A workspace rule: ``(model, op, args, kwargs, output)``, called after ``op`` ran.
+WorkspaceRule = Callable[["WorkspaceModel", OpOverload, tuple[Any, ...], dict[str, Any], Any], None]
+#: The workspace rules, one per aten op that has one.
+WORKSPACE_RULES: RuleRegistry[WorkspaceRule] = RuleRegistry("kernel workspace")
 
 # aten ops that run through cuBLAS (linear → addmm/mm, matmul → mm/bmm, attention math → bmm).
-CUBLAS_OPS = frozenset({
-    "mm.default", "addmm.default", "bmm.default", "baddbmm.default", "addbmm.default", "addmv.default",
-    "mv.default", "dot.default", "vdot.default", "_addmm_activation.default", "addmm_.default", "baddbmm_.default",
-})
+CUBLAS_OPS: tuple[OpOverload, ...] = (
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
+    aten.addmv.default, aten.mv.default, aten.dot.default, aten.vdot.default, aten._addmm_activation.default,
+    aten.addmm_.default, aten.baddbmm_.default,
+)
 
-_ATTENTION_FORWARD = {
-    "_scaled_dot_product_flash_attention.default": kernels.AttentionBackend.FLASH,
-    "_scaled_dot_product_efficient_attention.default": kernels.AttentionBackend.EFFICIENT,
-    "_scaled_dot_product_cudnn_attention.default": kernels.AttentionBackend.CUDNN,
+_ATTENTION_FORWARD: dict[OpOverload, AttentionBackend] = {
+    aten._scaled_dot_product_flash_attention.default: AttentionBackend.FLASH,
+    aten._scaled_dot_product_efficient_attention.default: AttentionBackend.EFFICIENT,
+    aten._scaled_dot_product_cudnn_attention.default: AttentionBackend.CUDNN,
 }
-_ATTENTION_BACKWARD = {
-    "_scaled_dot_product_flash_attention_backward.default": kernels.AttentionBackend.FLASH,
-    "_scaled_dot_product_efficient_attention_backward.default": kernels.AttentionBackend.EFFICIENT,
-    "_scaled_dot_product_cudnn_attention_backward.default": kernels.AttentionBackend.CUDNN,
+_ATTENTION_BACKWARD: dict[OpOverload, AttentionBackend] = {
+    aten._scaled_dot_product_flash_attention_backward.default: AttentionBackend.FLASH,
+    aten._scaled_dot_product_efficient_attention_backward.default: AttentionBackend.EFFICIENT,
+    aten._scaled_dot_product_cudnn_attention_backward.default: AttentionBackend.CUDNN,
 }
+
+_Temporaries = Callable[[SdpaCall, AttentionBackend, tuple[int, int]], list[Buffer]]
 
 
 class WorkspaceModel:
-    def __init__(self, gpu: GpuProfile, *, training: bool):
+    """The workspaces of one traced step on ``gpu``: :meth:`after_op` runs the rule of each op."""
+
+    def __init__(self, gpu: GpuProfile, *, training: bool) -> None:
         self.gpu = gpu
         self.training = training
         self.cublas_bytes = cublas_workspace_bytes(gpu)
         self.tracer: StorageTracer | None = None
-        self._cublas_phases: set[str] = set()  # "forward" / "backward" handles that have a workspace
+        self.cublas_phases: set[str] = set()  # "forward" / "backward" handles that have a workspace
         self.conv_calls = 0
         self.conv_workspace_peak = 0
-        self._rules: dict[str, Callable[[str, tuple, dict, Any], None]] = {
-            **{name: self._cublas for name in CUBLAS_OPS},
-            "convolution.default": self._conv_forward,
-            "convolution_backward.default": self._conv_backward,
-            **{name: self._attention_forward for name in _ATTENTION_FORWARD},
-            **{name: self._attention_backward for name in _ATTENTION_BACKWARD},
-        }
 
     def attach(self, tracer: StorageTracer) -> None:
         self.tracer = tracer
 
-    def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        rule = self._rules.get(func.__name__)
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        rule = WORKSPACE_RULES.get(func)
         if rule is not None:
-            rule(func.__name__, args, kwargs, out)
+            rule(self, func, args, kwargs, out)
 
-    # ---- cuBLAS -----------------------------------------------------------------------------
-    def _cublas(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+    def add_temporary(self, nbytes: int) -> None:
+        """A workspace the kernel frees when it returns."""
         assert self.tracer is not None
-        handle = "backward" if self.tracer.modules.in_backward else "forward"
-        if handle in self._cublas_phases or self.cublas_bytes <= 0:
-            return
-        if handle == "backward" and kernels.CUBLAS_WORKSPACES_PER_TRAINING_STEP < 2:
-            return
-        self._cublas_phases.add(handle)
-        self.tracer.synthetic(self.cublas_bytes, Category.WORKSPACE, persistent=True)
+        self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False)
 
     # ---- cuDNN convolution ------------------------------------------------------------------
-    def _conv_forward(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        x, w = args[0], args[1]
-        stride, padding, dilation, transposed, _, groups = args[3:9]
-        if transposed:
-            direction = "backward_data"  # a transposed convolution runs cuDNN's backward-data kernel
-        else:
-            direction = "forward"
-        self._conv(x, w, out, stride, padding, dilation, groups, direction)
-
-    def _conv_backward(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        grad_out, x, w = args[0], args[1], args[2]
-        stride, padding, dilation, _transposed, _, groups, mask = args[4:11]
-        if mask[0]:
-            self._conv(x, w, grad_out, stride, padding, dilation, groups, "backward_data")
-        if mask[1]:
-            self._conv(x, w, grad_out, stride, padding, dilation, groups, "backward_filter")
-
-    def _conv(self, x, w, y, stride, padding, dilation, groups, direction: str) -> None:
-        assert self.tracer is not None
-        nbytes = kernels.conv_workspace_bytes(
+    def conv(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stride: Sequence[int],
+             padding: Sequence[int], dilation: Sequence[int], groups: int, direction: str) -> None:
+        """One cuDNN convolution call: its modelled workspace, freed when it returns."""
+        nbytes = conv_workspace_bytes(
             tuple(x.shape), tuple(w.shape), tuple(y.shape), x.dtype, tuple(stride), tuple(padding),
             tuple(dilation), int(groups), direction, self.gpu.compute_capability)
         self.conv_calls += 1
         if nbytes > 0:
             self.conv_workspace_peak = max(self.conv_workspace_peak, nbytes)
-            self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False)
+            self.add_temporary(nbytes)
 
     # ---- fused attention --------------------------------------------------------------------
-    def _attention_forward(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        self._attention_temporaries(kernels.forward_temporaries, _ATTENTION_FORWARD[name], args, kwargs)
-
-    def _attention_backward(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        # backward signatures start with grad_out, then query, key, value
-        self._attention_temporaries(kernels.backward_temporaries, _ATTENTION_BACKWARD[name], args[1:], kwargs,
-                                    requires_grad=True)
-
-    def _attention_temporaries(self, which, backend, args: tuple, kwargs: dict, requires_grad: bool | None = None) -> None:
-        assert self.tracer is not None
+    def attention_temporaries(self, which: _Temporaries, backend: AttentionBackend, args: tuple[Any, ...],
+                              requires_grad: bool | None = None) -> None:
+        """The scratch of one fused attention call (q, k, v first in ``args``)."""
         q, k, v = args[0], args[1], args[2]
         if q.dim() != 4:
             return
-        call = kernels.SdpaCall(
+        call = SdpaCall(
             batch=int(q.shape[0]), heads_q=int(q.shape[1]), heads_kv=int(k.shape[1]), seq_q=int(q.shape[2]),
             seq_kv=int(k.shape[2]), head_dim=int(q.shape[3]), head_dim_v=int(v.shape[3]), dtype=q.dtype,
             has_mask=False, dropout_p=0.0, is_causal=False,
             requires_grad=bool(requires_grad) if requires_grad is not None else self.training)
         for buffer in which(call, backend, self.gpu.compute_capability):
-            nbytes = math.prod(buffer.shape) * torch.empty((), dtype=buffer.dtype).element_size()
-            if nbytes:
-                self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False)
+            if buffer.nbytes:
+                self.add_temporary(buffer.nbytes)
 
     def notes(self) -> list[str]:
         lines = []
-        if self._cublas_phases:
-            lines.append(f"cuBLAS workspace: {len(self._cublas_phases)} × {self.cublas_bytes:,} B "
-                         f"({', '.join(sorted(self._cublas_phases))} handle{'s' if len(self._cublas_phases) > 1 else ''})")
+        if self.cublas_phases:
+            handles = f"{', '.join(sorted(self.cublas_phases))} handle{'s' if len(self.cublas_phases) > 1 else ''}"
+            lines.append(f"cuBLAS workspace: {len(self.cublas_phases)} × {self.cublas_bytes:,} B ({handles})")
         if self.conv_calls:
             lines.append(f"cuDNN convolution workspace: modelled per call ({self.conv_calls} calls, largest "
-                         f"{self.conv_workspace_peak:,} B) — an assumption, see memcalc.cuda.kernels.conv_workspace_bytes")
+                         f"{self.conv_workspace_peak:,} B) — an assumption, "
+                         "see memcalc.cuda.cudnn.conv_workspace_bytes")
         return lines
+
+
+# ---- cuBLAS ---------------------------------------------------------------------------------
+@WORKSPACE_RULES.register(*CUBLAS_OPS)
+def cublas_workspace(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     out: Any) -> None:
+    """The first cuBLAS call of a handle (forward thread, autograd's thread) allocates its
+    workspace, kept for the life of the process."""
+    assert model.tracer is not None
+    handle = "backward" if model.tracer.modules.in_backward else "forward"
+    if handle in model.cublas_phases or model.cublas_bytes <= 0:
+        return
+    if handle == "backward" and CUBLAS_WORKSPACES_PER_TRAINING_STEP < 2:
+        return
+    model.cublas_phases.add(handle)
+    model.tracer.synthetic(model.cublas_bytes, Category.WORKSPACE, persistent=True)
+
+
+# ---- cuDNN convolution ----------------------------------------------------------------------
+@WORKSPACE_RULES.register(aten.convolution.default)
+def conv_forward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: Any) -> None:
+    """``convolution``: cuDNN's forward, or its backward-data kernel for a transposed one."""
+    x, w = args[0], args[1]
+    stride, padding, dilation, transposed, _, groups = args[3:9]
+    # a transposed convolution runs cuDNN's backward-data kernel
+    direction = "backward_data" if transposed else "forward"
+    model.conv(x, w, out, stride, padding, dilation, groups, direction)
+
+
+@WORKSPACE_RULES.register(aten.convolution_backward.default)
+def conv_backward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  out: Any) -> None:
+    """``convolution_backward``: one cuDNN call per gradient its output mask asks for."""
+    grad_out, x, w = args[0], args[1], args[2]
+    stride, padding, dilation, _transposed, _, groups, mask = args[4:11]
+    if mask[0]:
+        model.conv(x, w, grad_out, stride, padding, dilation, groups, "backward_data")
+    if mask[1]:
+        model.conv(x, w, grad_out, stride, padding, dilation, groups, "backward_filter")
+
+
+# ---- fused attention ------------------------------------------------------------------------
+@WORKSPACE_RULES.register(*_ATTENTION_FORWARD)
+def attention_forward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      out: Any) -> None:
+    """The scratch of a fused attention forward."""
+    model.attention_temporaries(forward_temporaries, _ATTENTION_FORWARD[op], args)
+
+
+@WORKSPACE_RULES.register(*_ATTENTION_BACKWARD)
+def attention_backward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       out: Any) -> None:
+    """The scratch of a fused attention backward."""
+    # backward signatures start with grad_out, then query, key, value
+    model.attention_temporaries(backward_temporaries, _ATTENTION_BACKWARD[op], args[1:], requires_grad=True)

@@ -1,7 +1,7 @@
 """DeepSpeed's published closed forms for ZeRO model-state memory, and the ZeRO paper's.
 
 These are *not* how memcalc estimates (it simulates the rank's step, see
-:mod:`memcalc.strategies`); they are the reference its ZeRO numbers are tested against.
+:mod:`memcalc.distributed.strategies`); they are the reference its ZeRO numbers are tested against.
 Pure functions of parameter counts; bytes out.
 
 Sources
@@ -48,13 +48,13 @@ from dataclasses import dataclass
 from torch import nn
 
 __all__ = (
+    "ADDITIONAL_BUFFER_FACTOR",
+    "ZERO_PAPER_K",
     "ZeroEstimate",
+    "model_to_params",
     "zero2_model_states",
     "zero3_model_states",
     "zero_paper_model_states",
-    "model_to_params",
-    "ADDITIONAL_BUFFER_FACTOR",
-    "ZERO_PAPER_K",
 )
 
 #: DeepSpeed's estimators' default ``additional_buffer_factor`` (applies to CPU memory only).

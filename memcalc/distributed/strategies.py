@@ -9,11 +9,11 @@ the report's single-GPU fields describe the busiest role (so ``fits``, ``memcalc
 
 What runs for real and what is modelled
 ---------------------------------------
-Each role's step is traced like a single-GPU step (:func:`memcalc.api.trace_model`): the
+Each role's step is traced like a single-GPU step (:func:`memcalc.cuda.backend.trace_step`): the
 model's forward, loss and backward run on meta tensors at the rank's batch, autograd makes
 the gradients, ``torch.optim`` creates its state — on the rank's shard when the optimizer
 is sharded — and the allocator model replays it all. What PyTorch and DeepSpeed add around
-the model is reproduced by :mod:`memcalc.rank_programs` with real meta tensors allocated
+the model is reproduced by :mod:`memcalc.distributed.program` and its siblings with real meta tensors allocated
 and freed at the moments the real implementation does (their real classes cannot run
 symbolically: DDP's constructor reads parameter values, FSDP2 rejects meta parameters and
 allocates its buffers on the process group's device, DataParallel needs devices, DeepSpeed
@@ -24,7 +24,7 @@ How faithful: the DDP and FSDP programs were checked against the real
 (every buffer really allocated, recorded by the CPU profiler): equal to the byte apart from
 Adam's CPU step counters, for FULL_SHARD and SHARD_GRAD_OP, fp32 and bf16 mixed precision,
 several bucket sizes, with and without ``gradient_as_bucket_view`` (tests/test_strategies.py).
-DataParallel and ZeRO follow their source code (cited in :mod:`memcalc.rank_programs`)
+DataParallel and ZeRO follow their source code (cited in :mod:`memcalc.distributed.program` and its siblings)
 without such a check. None of it has been measured on several CUDA GPUs: the CUDA caching
 allocator's per-stream pools (FSDP's all-gathers and reduce-scatters run on their own
 streams) can reserve more than the single-stream replay shows.
@@ -100,186 +100,42 @@ search over ``batch_size`` and therefore answer with the largest per-GPU batch.
 JSON
 ----
 For a strategy other than ``single`` the report's JSON gains ``"strategy"``,
-``"world_size"``, ``"global_batch_size"`` and ``"roles"`` (see :mod:`memcalc.report`); the
+``"world_size"``, ``"global_batch_size"`` and ``"roles"`` (see :mod:`memcalc.core.report`); the
 single-GPU contract is unchanged.
 """
 
 from __future__ import annotations
 
-import enum
-import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from memcalc.engine import allocator
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import InvalidInputError
-from memcalc.sources.resolve import ResolvedModel, resolve
+from memcalc.core.losses import LossFn
+from memcalc.core.precision import Precision
+from memcalc.core.report import MemoryReport, RoleReport
+from memcalc.core.units import format_bytes
+from memcalc.cuda.backend import trace_step
+from memcalc.distributed.ddp import DdpProgram
+from memcalc.distributed.dp import DataParallelOutputDevice, DataParallelReplica
+from memcalc.distributed.fsdp import ShardedProgram, fsdp_units, module_units
+from memcalc.distributed.options import DEEPSPEED_REDUCE_BUCKET_SIZE, Distributed, FsdpSharding, Strategy, dp_chunks
+from memcalc.distributed.program import RankProgram
+from memcalc.distributed.zero import ZeroProgram
+from memcalc.engine import allocator
+from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.options import EstimateOptions
-from memcalc.core.precision import Precision
-from memcalc.distributed.programs import (
-    DataParallelOutputDevice,
-    DataParallelReplica,
-    DdpProgram,
-    RankProgram,
-    ShardedProgram,
-    ZeroProgram,
-    fsdp_units,
-    module_units,
-)
-from memcalc.core.report import MemoryReport, RoleReport
+from memcalc.engine.run import TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
-from memcalc.core.units import format_bytes
+from memcalc.sources.resolve import resolve
 
-__all__ = (
-    "Strategy",
-    "FsdpSharding",
-    "DistributedOptions",
-    "estimate_per_rank",
-    "dp_chunks",
-    "DEFAULT_BUCKET_CAP_MB",
-    "DEEPSPEED_REDUCE_BUCKET_SIZE",
-)
+__all__ = ("estimate_per_rank",)
 
-#: torch.nn.parallel.DistributedDataParallel: ``bucket_cap_mb=None`` means 25 (MiB).
-DEFAULT_BUCKET_CAP_MB = 25.0
-#: deepspeed/runtime/zero/config.py: ``reduce_bucket_size`` default, in elements.
-DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
 _MIB = 1024 * 1024
-
-
-class Strategy(str, enum.Enum):
-    SINGLE = "single"
-    DP = "dp"
-    DDP = "ddp"
-    FSDP = "fsdp"
-    ZERO1 = "zero1"
-    ZERO2 = "zero2"
-    ZERO3 = "zero3"
-
-    @property
-    def zero_stage(self) -> int | None:
-        return {Strategy.ZERO1: 1, Strategy.ZERO2: 2, Strategy.ZERO3: 3}.get(self)
-
-
-class FsdpSharding(str, enum.Enum):
-    FULL_SHARD = "full_shard"
-    SHARD_GRAD_OP = "shard_grad_op"
-
-
-@dataclass(frozen=True)
-class DistributedOptions:
-    """The multi-GPU setting, validated once at the API boundary."""
-
-    strategy: Strategy = Strategy.SINGLE
-    world_size: int = 1
-    device_ids: tuple[int, ...] = ()
-    batch_is_global: bool = False
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    gradient_as_bucket_view: bool = False
-    sharding: FsdpSharding = FsdpSharding.FULL_SHARD
-    reduce_bucket_size: int = DEEPSPEED_REDUCE_BUCKET_SIZE
-
-    @property
-    def is_single(self) -> bool:
-        return self.strategy is Strategy.SINGLE
-
-    @classmethod
-    def create(cls, *, strategy: Any = "single", world_size: int | None = None,
-               device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
-               bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
-               sharding: Any = "full_shard", reduce_bucket_size: int | None = None) -> "DistributedOptions":
-        strategy_ = _enum(Strategy, strategy, "strategy")
-        sharding_ = _enum(FsdpSharding, sharding, "FSDP sharding")
-        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
-            raise InvalidInputError(f"the world size is the number of GPUs and must be at least 1, got {world_size}",
-                                    hint="e.g. --world-size 4")
-        ids = _device_ids(device_ids, strategy_)
-        world = _world_size(strategy_, world_size, ids)
-        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
-        if not cap > 0:
-            raise InvalidInputError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        bucket = DEEPSPEED_REDUCE_BUCKET_SIZE if reduce_bucket_size is None else int(reduce_bucket_size)
-        if bucket < 1:
-            raise InvalidInputError(f"reduce_bucket_size is a number of elements ≥ 1, got {reduce_bucket_size}")
-        if strategy_ is Strategy.DP and not ids:
-            ids = tuple(range(world))
-        return cls(strategy=strategy_, world_size=world, device_ids=ids, batch_is_global=bool(batch_is_global),
-                   bucket_cap_mb=cap, gradient_as_bucket_view=bool(gradient_as_bucket_view), sharding=sharding_,
-                   reduce_bucket_size=bucket)
-
-    def per_rank_batch(self, batch: int) -> int:
-        """The batch one rank's model sees (DDP, FSDP, ZeRO)."""
-        if not self.batch_is_global:
-            return batch
-        if batch % self.world_size:
-            raise InvalidInputError(
-                f"a global batch of {batch} does not split evenly over {self.world_size} ranks",
-                hint=f"give a multiple of {self.world_size}, or the per-GPU batch (--per-rank-batch)")
-        return batch // self.world_size
-
-    def global_batch(self, batch: int) -> int:
-        return batch if self.batch_is_global else batch * self.world_size
-
-
-def _enum(kind: Any, value: Any, what: str) -> Any:
-    try:
-        return kind(value.value if hasattr(value, "value") else str(value).strip().lower())
-    except ValueError:
-        raise InvalidInputError(f"unknown {what} {value!r}; choose one of: "
-                                f"{', '.join(v.value for v in kind)}") from None
-
-
-def _device_ids(device_ids: Sequence[int] | None, strategy: Strategy) -> tuple[int, ...]:
-    if device_ids is None:
-        return ()
-    ids = tuple(device_ids)
-    if strategy is not Strategy.DP:
-        raise InvalidInputError(f"device ids go with --strategy dp (DataParallel, one process driving several "
-                                f"GPUs); {strategy.value} runs one process per GPU: give --world-size instead")
-    if not ids:
-        raise InvalidInputError("give at least one device id, e.g. --device-ids 0,1,2,3")
-    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
-        raise InvalidInputError(f"device ids are CUDA device numbers ≥ 0, got {list(ids)}")
-    repeated = sorted({i for i in ids if ids.count(i) > 1})
-    if repeated:
-        raise InvalidInputError(f"device ids repeat ({', '.join(map(str, repeated))} in {list(ids)}): "
-                                f"each GPU can hold one replica", hint="e.g. --device-ids 0,1,2,3")
-    return ids
-
-
-def _world_size(strategy: Strategy, world_size: int | None, ids: tuple[int, ...]) -> int:
-    if strategy is Strategy.SINGLE:
-        if world_size not in (None, 1):
-            raise InvalidInputError(f"--world-size {world_size} needs a multi-GPU strategy",
-                                    hint="add --strategy ddp (or dp, fsdp, zero1, zero2, zero3)")
-        return 1
-    if strategy is Strategy.DP:
-        if ids and world_size is not None and world_size != len(ids):
-            raise InvalidInputError(f"--world-size {world_size} disagrees with {len(ids)} device ids {list(ids)}")
-        if not ids and world_size is None:
-            raise InvalidInputError("--strategy dp needs the GPUs it spreads over",
-                                    hint="give --device-ids 0,1,2,3 (or --world-size 4 for devices 0..3)")
-        return len(ids) if ids else int(world_size or 1)
-    if world_size is None:
-        raise InvalidInputError(f"--strategy {strategy.value} needs the number of GPUs",
-                                hint=f"give --world-size N, e.g. --strategy {strategy.value} --world-size 8")
-    return world_size
-
-
-def dp_chunks(global_batch: int, world_size: int) -> list[int]:
-    """The batch of each replica as ``torch.chunk`` (DataParallel's scatter) splits it:
-    ``ceil(B/N)`` per chunk, fewer (or fewer chunks) at the end."""
-    size = math.ceil(global_batch / world_size)
-    chunks = []
-    left = global_batch
-    while left > 0:
-        chunks.append(min(size, left))
-        left -= size
-    return chunks
 
 
 # ============================================================================================
@@ -294,11 +150,11 @@ class _Role:
     batch: int
     program: Callable[[ResolvedModel], RankProgram]
     optimizer: bool = True  # False: this GPU runs no optimizer (DataParallel's other devices)
-    loss_fn: Callable[[Any], Any] | None = None
+    loss_fn: LossFn | None = None
     loss_text: str | None = None
 
 
-def _roles(dist: DistributedOptions, batch: int, options: EstimateOptions) -> tuple[list[_Role], int, list[str]]:
+def _roles(dist: Distributed, batch: int, options: EstimateOptions) -> tuple[list[_Role], int, list[str]]:
     """The roles, the global batch, and notes that apply to every role."""
     training = options.mode is Mode.TRAIN
     n = dist.world_size
@@ -377,7 +233,7 @@ def _roles(dist: DistributedOptions, batch: int, options: EstimateOptions) -> tu
     return [_Role("every rank", every, per_rank, zero)], global_batch, notes
 
 
-def _sent_output(output: Any) -> Any:
+def _sent_output(output: torch.Tensor) -> torch.Tensor:
     return output  # DataParallelReplica made the output a scalar standing for the sent tensors
 
 
@@ -401,12 +257,10 @@ def _trace_precision(strategy: Strategy, precision: Precision) -> Precision:
 # ============================================================================================
 
 
-def estimate_per_rank(model: Any, *, distributed: DistributedOptions, options: EstimateOptions,
+def estimate_per_rank(model: Any, *, distributed: Distributed, options: EstimateOptions,
                       batch_size: int | None, input_shape: Sequence[int] | None, seq_len: int | None,
-                      inputs: Any, module_depth: int, capacity: int | None) -> MemoryReport:
+                      inputs: Sequence[torch.Tensor] | torch.Tensor | None, capacity: int | None) -> MemoryReport:
     """One estimate per GPU role; the report of the busiest, with every role in ``roles``."""
-    from memcalc import api
-
     if inputs is not None and distributed.batch_is_global:
         raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")
     if inputs is not None:
@@ -428,11 +282,11 @@ def estimate_per_rank(model: Any, *, distributed: DistributedOptions, options: E
         spec = options.optimizer if role.optimizer else spec_for(Optimizer.NONE)
         traced_options = replace(options, precision=trace_precision, optimizer=program.optimizer_spec(spec),
                                  loss_fn=role.loss_fn or options.loss_fn)
-        traced = api.trace_model(resolved, traced_options, hooks=program)
+        traced = trace_step(resolved, traced_options, hooks=program)
         if role.loss_text is not None:
             traced.loss = role.loss_text
         traced.notes.extend([*notes, *program.notes])
-        report = api._report(resolved, traced, options, module_depth, capacity)
+        report = build_report(resolved, traced, options, capacity)
         results.append(RoleReport(
             name=role.name, ranks=role.ranks, batch_size=resolved.batch_size,
             model_states=_model_states(traced, program.communication),
@@ -446,7 +300,7 @@ def estimate_per_rank(model: Any, *, distributed: DistributedOptions, options: E
 _MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
 
 
-def _model_states(traced: Any, communication: set[int]) -> int:
+def _model_states(traced: TracedStep, communication: set[int]) -> int:
     """Parameters + gradients + optimizer state (not collective buffers) alive during the
     optimizer step — their largest sum between ``step()`` starting and ``zero_grad()`` (or,
     without an optimizer, at ``zero_grad()``; in eval, at the end)."""
@@ -469,7 +323,7 @@ def _model_states(traced: Any, communication: set[int]) -> int:
     return max(best, alive)
 
 
-def _alive_at_peak(traced: Any, uids: set[int]) -> int:
+def _alive_at_peak(traced: TracedStep, uids: set[int]) -> int:
     """Bytes of the storages ``uids`` alive at the replayed peak allocated."""
     if not uids:
         return 0

@@ -54,14 +54,14 @@ from dataclasses import dataclass
 
 __all__ = (
     "ALLOC",
-    "FREE",
     "EMPTY_CACHE",
-    "K_MIN_BLOCK_SIZE",
-    "K_SMALL_SIZE",
-    "K_SMALL_BUFFER",
+    "FREE",
     "K_LARGE_BUFFER",
+    "K_MIN_BLOCK_SIZE",
     "K_MIN_LARGE_ALLOC",
     "K_ROUND_LARGE",
+    "K_SMALL_BUFFER",
+    "K_SMALL_SIZE",
     "MAX_SPLIT_SIZE",
     "AllocatorStats",
     "CachingAllocatorModel",
@@ -141,7 +141,7 @@ class AllocatorStats:
 class _Block:
     """A contiguous range of one segment, either handed out or cached (C++ ``Block``)."""
 
-    __slots__ = ("addr", "size", "pool", "prev", "next", "allocated", "requested")
+    __slots__ = ("addr", "allocated", "next", "pool", "prev", "requested", "size")
 
     def __init__(self, addr: int, size: int, pool: _Pool) -> None:
         self.addr = addr
@@ -160,7 +160,7 @@ class _Pool:
     the C++ set's order, so ``bisect`` finds the block ``std::set::lower_bound`` would.
     """
 
-    __slots__ = ("is_small", "entries", "blocks")
+    __slots__ = ("blocks", "entries", "is_small")
 
     def __init__(self, is_small: bool) -> None:
         self.is_small = is_small

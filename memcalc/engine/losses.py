@@ -15,28 +15,16 @@ logits is made.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from models_zoo.registry import LossKind
-
+from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.trace import tensors_of
 
-__all__ = ("LossChoice", "LossFn", "primary_tensor", "make_targets", "compute_loss", "resolve_loss")
+__all__ = ("compute_loss", "make_targets", "primary_tensor", "resolve_loss")
 
-LossFn = Callable[[Any], torch.Tensor]
-
-
-class LossChoice(str, enum.Enum):
-    """User-facing loss names: ``auto`` plus every :class:`LossKind`."""
-
-    AUTO = "auto"
-    CROSS_ENTROPY = LossKind.CROSS_ENTROPY.value
-    LM_CROSS_ENTROPY = LossKind.LM_CROSS_ENTROPY.value
-    MEAN = LossKind.MEAN.value
-    MSE = LossKind.MSE.value
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
@@ -48,7 +36,7 @@ def primary_tensor(output: Any) -> torch.Tensor:
     """The tensor a classification/LM loss reads: ``output["logits"]`` or the first tensor."""
     if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
         return output["logits"]
-    if hasattr(output, "logits") and isinstance(getattr(output, "logits"), torch.Tensor):
+    if hasattr(output, "logits") and isinstance(output.logits, torch.Tensor):
         return output.logits
     tensors = _tensors(output)
     if not tensors:

@@ -15,12 +15,12 @@ temporaries are much smaller than the foreach path's (which holds e.g. Adam's
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
-__all__ = ("Optimizer", "OptimizerSpec", "spec_for", "OPTIMIZERS")
+__all__ = ("OPTIMIZERS", "Optimizer", "OptimizerSpec", "spec_for")
 
 
 class Optimizer(str, enum.Enum):

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memcalc.cuda.gpus import catalogue as gpus
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError
-from memcalc.engine.losses import LossChoice, LossFn
-from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
+from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.losses import LossChoice, LossFn
 from memcalc.core.precision import Precision
+from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
 
 __all__ = ("EstimateOptions", "Target")
 
@@ -29,7 +29,7 @@ class EstimateOptions:
     optimizer: OptimizerSpec
     mode: Mode
     precision: Precision
-    gpu: gpus.GpuProfile
+    gpu: GpuProfile
     gpu_named: bool  # False when the generic default profile is used
     loss: LossChoice | None
     loss_fn: LossFn | None
@@ -39,21 +39,20 @@ class EstimateOptions:
     target: str
 
     @classmethod
-    def create(cls, *, optimizer: Any = "adam", mode: Any = "train", precision: Any = "fp32", gpu: Any = None,
+    def create(cls, *, optimizer: Any = "adam", mode: Any = "train", precision: Any = "fp32",
+               gpu: GpuProfile | None = None,
                loss: Any = None, loss_fn: LossFn | None = None, accum_steps: int = 1, checkpoint: bool = False,
-               kv_cache: int | None = None, target: str = Target.CUDA) -> "EstimateOptions":
+               kv_cache: int | None = None, target: str = Target.CUDA) -> EstimateOptions:
         mode_ = _enum(Mode, mode, "mode")
         precision_ = _enum(Precision, precision, "precision")
         try:
             spec = spec_for(optimizer)
         except ValueError as exc:
             raise InvalidInputError(str(exc)) from None
-        if isinstance(gpu, gpus.GpuProfile):
-            profile, named = gpu, gpu is not gpus.GENERIC
-        elif gpu is None:
-            profile, named = gpus.GENERIC, False
-        else:
-            profile, named = gpus.get_gpu(str(gpu)), True
+        if gpu is not None and not isinstance(gpu, GpuProfile):
+            # names are looked up in the catalogue at the API boundary (memcalc.api)
+            raise InvalidInputError(f"gpu must be a GpuProfile here, got {type(gpu).__name__} {gpu!r}")
+        profile, named = (GENERIC, False) if gpu is None else (gpu, gpu is not GENERIC)
         if accum_steps < 1:
             raise InvalidInputError(f"accumulation steps must be at least 1, got {accum_steps}")
         if kv_cache is not None and (kv_cache < 0 or mode_ is Mode.TRAIN):

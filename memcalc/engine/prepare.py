@@ -5,19 +5,26 @@ user's module is never touched: these run on the meta twin or on a model memcalc
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memcalc.cuda.emulation import current_autocast
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
+from memcalc.engine.backend import current_autocast_region
 
-__all__ = ("apply_precision", "apply_checkpointing", "kv_elements_per_token", "kv_cache_bytes", "cast_inputs",
-           "prepare_step")
+__all__ = (
+    "apply_checkpointing",
+    "apply_precision",
+    "cast_inputs",
+    "kv_cache_bytes",
+    "kv_elements_per_token",
+    "prepare_step",
+)
 
 
 def apply_precision(module: nn.Module, precision: Precision) -> None:
@@ -63,7 +70,7 @@ def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     # Like checkpoint does for torch.autocast: the recomputation runs under the autocast state
     # of the original forward (memcalc's emulated autocast is invisible to checkpoint itself).
-    region = current_autocast()
+    region = current_autocast_region()
 
     def run(*a: Any, **k: Any) -> Any:
         with region() if region is not None else nullcontext():

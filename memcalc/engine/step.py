@@ -19,20 +19,20 @@ the same under ``torch.inference_mode()``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from typing import Any, ContextManager, Protocol
 
 import torch
 from torch import nn
 
-from models_zoo.registry import LossKind
-
 from memcalc.core.categories import Category, Mode, Phase
-from memcalc.engine.losses import LossChoice, LossFn, compute_loss, make_targets, primary_tensor, resolve_loss
+from memcalc.core.losses import LossChoice, LossFn, LossKind
+from memcalc.engine.losses import compute_loss, make_targets, primary_tensor, resolve_loss
 from memcalc.engine.optimizers import OptimizerSpec
 
-__all__ = ("StepObserver", "StepOutcome", "StepConfig", "Scaler", "run_step", "NullObserver")
+__all__ = ("NullObserver", "Scaler", "StepConfig", "StepObserver", "StepOutcome", "run_step")
 
 
 class StepObserver(Protocol):

@@ -12,14 +12,21 @@ builds the sequence it replays and reads the categories alive at the peak it fin
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from memcalc.core.categories import Category, Phase
 from memcalc.engine.trace import StepTrace
 
-__all__ = ("Program", "final_categories", "build_program", "alive_before", "alive_at_end", "category_totals_at",
-           "allocator_events")
+__all__ = (
+    "Program",
+    "alive_at_end",
+    "alive_before",
+    "allocator_events",
+    "build_program",
+    "category_totals_at",
+    "final_categories",
+)
 
 def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state: Iterable[int]) -> list[Category]:
     """One category per storage: explicit (parameters, buffers, inputs) first, then what the

@@ -9,26 +9,37 @@ Python storage object is preserved with its ``StorageImpl``, so its weakref call
 then).
 
 The tracer records raw facts only — sizes, birth phase and module, the alloc/free order.
-Categories and peaks are computed afterwards by :mod:`memcalc.timeline`, when it is known
+Categories and peaks are computed afterwards by :mod:`memcalc.engine.timeline`, when it is known
 which storages ended up as gradients or optimizer state.
 """
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections import Counter
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Final, Literal, TypeAlias
 
 import torch
 from torch import nn
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import SymbolicExecutionError
 
-__all__ = ("StorageTracer", "StepTrace", "ModuleTracker", "MetaKernelCache", "tensors_of")
+__all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "StepTrace", "StorageTracer", "tensors_of")
+
+#: An aten operator overload, as a dispatch mode receives it (``aten.add.Tensor``).
+Op: TypeAlias = "OpOverload[..., Any]"
+#: Called after every op with ``(func, args, kwargs, out)``.
+AfterOpHook: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any], Any], None]
+#: Runs an op: ``(func, args, kwargs) -> out``.
+_Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
 
 @dataclass
@@ -51,18 +62,19 @@ class StepTrace:
 
     @property
     def num_storages(self) -> int:
+        """How many storages the trace knows (births, pre-existing and synthetic)."""
         return len(self.nbytes)
 
 
-class StorageTracer(TorchDispatchMode):
+class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """Dispatch mode recording storage births and deaths on one device type (``meta``).
 
     Storages on other devices (the CPU step counters of ``torch.optim``, for example) are
     ignored: they would not be on the GPU either.
     """
 
-    def __init__(self, device_type: str = "meta", after_op: Callable[[Any, tuple, dict, Any], None] | None = None) -> None:
-        super().__init__()
+    def __init__(self, device_type: str = "meta", after_op: AfterOpHook | None = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode.__init__ is untyped
         self.device_type = device_type
         # Called after every op with (func, args, kwargs, out): kernel workspace rules that
         # add synthetic allocations for memory the meta kernels do not show.
@@ -72,12 +84,13 @@ class StorageTracer(TorchDispatchMode):
         self.modules = ModuleTracker()
         self._uid_by_key: dict[int, int] = {}
         self._cache = MetaKernelCache(device_type)
-        self._refs: dict[int, weakref.ref] = {}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._released: set[int] = set()  # storages whose memory free_storage returned
         self._recording = True
 
     # ---- the hot path -------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         out = self._cache.run(func, args, kwargs or {}, self._run)
         self.trace.op_counts[func.__name__] += 1
         self._see(out)
@@ -85,7 +98,7 @@ class StorageTracer(TorchDispatchMode):
             self.after_op(func, args, kwargs or {}, out)
         return out
 
-    def _run(self, func, args, kwargs):
+    def _run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             return func(*args, **kwargs)
         except Exception as exc:  # any failure of a meta kernel ends the estimate, named
@@ -117,7 +130,7 @@ class StorageTracer(TorchDispatchMode):
         trace.category.append(category)
         trace.events.append(uid)
         self._uid_by_key[key] = uid
-        self._refs[key] = weakref.ref(storage, lambda _ref, key=key, uid=uid: self._on_free(key, uid))
+        self._refs[key] = weakref.ref(storage, lambda _ref: self._on_free(key, uid))
         return uid
 
     def _on_free(self, key: int, uid: int) -> None:
@@ -166,10 +179,8 @@ class StorageTracer(TorchDispatchMode):
             trace.preexisting.append(uid)
             trace.phase[uid] = Phase.SETUP
             trace.module[uid] = ""
-            try:
+            with suppress(ValueError):
                 trace.events.remove(uid)
-            except ValueError:
-                pass
         return uid
 
     def synthetic(self, nbytes: int, category: Category, *, persistent: bool, preexisting: bool = False) -> int:
@@ -195,6 +206,7 @@ class StorageTracer(TorchDispatchMode):
         return self._uid_by_key.get(id(tensor.untyped_storage()))
 
     def set_phase(self, phase: Phase) -> None:
+        """Enter ``phase``: storages born from now on belong to it."""
         self.phase = phase
         self.trace.phase_starts.setdefault(phase, len(self.trace.events))
 
@@ -219,13 +231,14 @@ class MetaKernelCache:
     (``_unsafe_view``) is never cached again.
     """
 
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str) -> None:
         self.device_type = device_type
-        self._specs: dict[Any, Any] = {}
-        self._plans: dict[Any, tuple | None] = {}
+        self._specs: dict[tuple[object, ...], _Spec] = {}
+        self._plans: dict[Op, _Plan | None] = {}
         self.hits = 0
 
-    def run(self, func, args: tuple, kwargs: dict, compute) -> Any:
+    def run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], compute: _Compute) -> Any:
+        """The output of ``func(*args, **kwargs)``: rebuilt from the cache, or ``compute``'s."""
         shortcut = _foreach_shortcut(func, args, kwargs, self.device_type)
         if shortcut is not _NO_SHORTCUT:
             self.hits += 1
@@ -236,10 +249,10 @@ class MetaKernelCache:
         key = self._key(func, args, kwargs)
         if key is None:
             return compute(func, args, kwargs)
-        spec = self._specs.get(key)
-        if spec is not None:
+        cached = self._specs.get(key)
+        if cached is not None:
             self.hits += 1
-            return _materialize(spec, self.device_type, args, kwargs)
+            return _materialize(cached, self.device_type, args, kwargs)
         out = compute(func, args, kwargs)
         spec = _spec_with_plan(out, plan, args, kwargs)
         if spec is _ALIASING:
@@ -248,20 +261,21 @@ class MetaKernelCache:
             self._specs[key] = spec
         return out
 
-    def _plan(self, func) -> tuple | None:
-        """Per return: ("fresh",) or ("arg", position, name) for a returned mutated argument."""
+    def _plan(self, func: Op) -> _Plan | None:
+        """Per return: ("fresh",), ("fresh_list",) or ("arg", position, name) for a returned mutated
+        argument; None if the op is not cacheable."""
         if func in self._plans:
             return self._plans[func]
         self._plans[func] = plan = _make_plan(func)
         return plan
 
-    def _key(self, func, args: tuple, kwargs: dict) -> Any:
+    def _key(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[object, ...] | None:
         # Which arguments share a storage is part of the key: some meta kernels decide on it
         # (memory-efficient attention's backward packs dq/dk/dv into one buffer when q, k, v
         # are views of one storage).
         storages: dict[int, int] = {}
         try:
-            parts = [func]
+            parts: list[object] = [func]
             for value in args:
                 parts.append(_arg_key(value, storages))
             for name in sorted(kwargs):
@@ -275,8 +289,26 @@ class MetaKernelCache:
             return None
 
 
-_ALIASING = object()
-_NO_SHORTCUT = object()
+class _Sentinel(enum.Enum):
+    ALIASING = enum.auto()  # a "fresh" output shares a storage with an input
+    NO_SHORTCUT = enum.auto()  # the foreach shortcut does not apply
+
+
+_ALIASING: Final = _Sentinel.ALIASING
+_NO_SHORTCUT: Final = _Sentinel.NO_SHORTCUT
+
+# How a cacheable op's returns are rebuilt (_make_plan), one step per return: a fresh tensor, a
+# fresh list of tensors, or the mutated argument at (position, name) returned as itself.
+_PlanStep: TypeAlias = "tuple[Literal['fresh']] | tuple[Literal['fresh_list']] | tuple[Literal['arg'], int, str]"
+_Plan: TypeAlias = "tuple[_PlanStep, ...]"
+# A cached output (_spec_with_plan), part by part: a tensor's (shape, strides, dtype), a
+# constant, an argument returned as itself, or a list of tensors.
+_TensorPart: TypeAlias = "tuple[Literal['T'], tuple[int, ...], tuple[int, ...], torch.dtype]"
+_ConstPart: TypeAlias = "tuple[Literal['C'], int | float | bool | None]"
+_ArgPart: TypeAlias = "tuple[Literal['A'], int, str]"
+_ListPart: TypeAlias = "tuple[Literal['L'], tuple[_TensorPart, ...]]"
+_Part: TypeAlias = "_TensorPart | _ConstPart | _ArgPart | _ListPart"
+_Spec: TypeAlias = "tuple[Literal['void'], tuple[()]] | tuple[Literal['tuple', 'one'], tuple[_Part, ...]]"
 
 # Elementwise foreach ops of torch.optim: out[i] has the shape, strides and dtype of the first
 # list's tensor i when every tensor of the call has that dtype. On meta their kernel is a
@@ -290,7 +322,8 @@ _FOREACH_ELEMENTWISE = frozenset({
 })
 
 
-def _foreach_shortcut(func, args: tuple, kwargs: dict, device_type: str) -> Any:
+def _foreach_shortcut(func: Op, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      device_type: str) -> list[torch.Tensor] | Literal[_Sentinel.NO_SHORTCUT] | None:
     name = func.__name__.split(".")[0]
     inplace = name.endswith("_")
     if (name[:-1] if inplace else name) not in _FOREACH_ELEMENTWISE or not args or not isinstance(args[0], list):
@@ -306,22 +339,24 @@ def _foreach_shortcut(func, args: tuple, kwargs: dict, device_type: str) -> Any:
     if len(dtypes) != 1:
         return _NO_SHORTCUT  # type promotion: let the real kernel decide
     for other in args[1:]:
-        if isinstance(other, list) and other and isinstance(other[0], torch.Tensor):
-            if len(other) != len(first) or any(o.shape != f.shape for o, f in zip(other, first)):
-                return _NO_SHORTCUT
+        if isinstance(other, list) and other and isinstance(other[0], torch.Tensor) and (
+                len(other) != len(first) or any(o.shape != f.shape for o, f in zip(other, first, strict=True))):
+            return _NO_SHORTCUT
     if inplace:
         return None
     return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device_type) for t in first]
+
+
 _METADATA_MUTATORS = ("resize", "set_", "as_strided", "swap", "_unsafe_set")
 
 
-def _make_plan(func) -> tuple | None:
+def _make_plan(func: Op) -> _Plan | None:
     schema = func._schema
     tags = getattr(func, "tags", ())
     if torch.Tag.inplace_view in tags or "nondeterministic_seeded" in tags or any(
             m in func.__name__ for m in _METADATA_MUTATORS):
         return None
-    written: dict[Any, tuple[int, str]] = {}
+    written: dict[frozenset[str], tuple[int, str]] = {}
     for position, argument in enumerate(schema.arguments):
         info = argument.alias_info
         if info is None:
@@ -330,7 +365,7 @@ def _make_plan(func) -> tuple | None:
             return None  # a view argument
         # a mutated list (the in-place foreach ops) is fine; returning it is not handled
         written[frozenset(info.before_set)] = (position, argument.name)
-    plan = []
+    plan: list[_PlanStep] = []
     for ret in schema.returns:
         info = ret.alias_info
         if info is None:
@@ -341,11 +376,12 @@ def _make_plan(func) -> tuple | None:
         target = written.get(frozenset(info.before_set))
         if target is None or not info.is_write:
             return None  # a view of an argument
-        plan.append(("arg", *target))
+        position, name = target
+        plan.append(("arg", position, name))
     return tuple(plan)
 
 
-def _argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str) -> Any:
     return args[position] if position < len(args) else kwargs.get(name)
 
 
@@ -353,7 +389,7 @@ class _Uncacheable(Exception):
     pass
 
 
-def _arg_key(value: Any, storages: dict[int, int]) -> Any:
+def _arg_key(value: Any, storages: dict[int, int]) -> object:
     if isinstance(value, torch.Tensor):
         if value.device.type != "meta":
             raise _Uncacheable  # a real (CPU) tensor: its values may matter
@@ -372,7 +408,8 @@ def _storage_ids(value: Any, into: set[int]) -> set[int]:
     return into
 
 
-def _spec_with_plan(out: Any, plan: tuple, args: tuple, kwargs: dict) -> Any:
+def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> _Spec | Literal[_Sentinel.ALIASING] | None:
     """How to rebuild ``out`` following ``plan``; None if it cannot be rebuilt exactly;
     ``_ALIASING`` if a "fresh" output shares a storage with an input."""
     if not plan:  # returns nothing (in-place foreach ops)
@@ -383,7 +420,7 @@ def _spec_with_plan(out: Any, plan: tuple, args: tuple, kwargs: dict) -> Any:
     inputs = _storage_ids(args, set()) | _storage_ids(kwargs, set())
     fresh_storages: set[int] = set()
 
-    def fresh(value: Any) -> Any:
+    def fresh(value: Any) -> _TensorPart | _ConstPart | Literal[_Sentinel.ALIASING] | None:
         if isinstance(value, torch.Tensor):
             storage = id(value.untyped_storage())
             if storage in inputs:
@@ -399,8 +436,8 @@ def _spec_with_plan(out: Any, plan: tuple, args: tuple, kwargs: dict) -> Any:
             return ("C", value)
         return None
 
-    parts = []
-    for value, step in zip(outs, plan):
+    parts: list[_Part] = []
+    for value, step in zip(outs, plan, strict=True):
         if step[0] == "arg":
             if value is not _argument(args, kwargs, step[1], step[2]):
                 return None
@@ -411,9 +448,10 @@ def _spec_with_plan(out: Any, plan: tuple, args: tuple, kwargs: dict) -> Any:
             items = [fresh(v) for v in value]
             if any(i is _ALIASING for i in items):
                 return _ALIASING
-            if any(i is None or i[0] != "T" for i in items):
+            tensors = [i for i in items if i is not None and i is not _ALIASING and i[0] == "T"]
+            if len(tensors) != len(items):  # a None or a constant among them
                 return None
-            parts.append(("L", tuple(items)))
+            parts.append(("L", tuple(tensors)))
         else:
             part = fresh(value)
             if part is None or part is _ALIASING:
@@ -422,10 +460,10 @@ def _spec_with_plan(out: Any, plan: tuple, args: tuple, kwargs: dict) -> Any:
     return ("tuple" if isinstance(out, tuple) else "one", tuple(parts))
 
 
-def _materialize(spec: Any, device_type: str, args: tuple, kwargs: dict) -> Any:
+def _materialize(spec: _Spec, device_type: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if spec[0] == "void":
         return None
-    values = []
+    values: list[Any] = []
     for part in spec[1]:
         if part[0] == "T":
             values.append(torch.empty_strided(part[1], part[2], dtype=part[3], device=device_type))
@@ -449,13 +487,14 @@ class ModuleTracker:
     def __init__(self) -> None:
         self._stack: list[str] = []
         self._backward_module = ""
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self.output_shapes: dict[str, tuple[int, ...]] = {}
         self.order: list[str] = []  # module names in the order their forward first ran
         self.in_backward = False
 
     @property
     def current(self) -> str:
+        """The running module's name ("" outside any submodule)."""
         if self.in_backward:
             return self._backward_module
         return self._stack[-1] if self._stack else ""
@@ -466,6 +505,7 @@ class ModuleTracker:
         return self.in_backward and bool(self._stack)
 
     def install(self, model: nn.Module) -> None:
+        """Hook every submodule of ``model`` (undone by :meth:`remove`)."""
         for name, module in model.named_modules():
             if not name:
                 continue  # the root: outside any submodule is reported as ""
@@ -474,11 +514,12 @@ class ModuleTracker:
             self._handles.append(module.register_forward_hook(self._post_hook(name, is_leaf)))
 
     def remove(self) -> None:
+        """Remove every hook :meth:`install` added."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _pre_hook(self, name: str):
+    def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
         def hook(_module: nn.Module, _args: Any) -> None:
             self._stack.append(name)
             if name not in self.output_shapes:
@@ -486,7 +527,7 @@ class ModuleTracker:
                 self.output_shapes[name] = ()
         return hook
 
-    def _post_hook(self, name: str, is_leaf: bool):
+    def _post_hook(self, name: str, is_leaf: bool) -> Callable[[nn.Module, Any, Any], None]:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             if self._stack and self._stack[-1] == name:
                 self._stack.pop()
@@ -496,10 +537,10 @@ class ModuleTracker:
             if is_leaf and torch.is_grad_enabled():
                 for tensor in tensors_of(output):
                     if tensor.requires_grad:
-                        tensor.register_hook(self._grad_hook(name))
+                        tensor.register_hook(self._grad_hook(name))  # type: ignore[no-untyped-call]  # untyped in torch
         return hook
 
-    def _grad_hook(self, name: str):
+    def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_grad: torch.Tensor) -> None:
             self._backward_module = name
             # A recomputation is over when backward reaches a module's gradient; non-reentrant
@@ -509,6 +550,7 @@ class ModuleTracker:
 
     @contextmanager
     def backward(self) -> Iterator[None]:
+        """The backward pass: the current module is the one whose output gradient arrived last."""
         self.in_backward = True
         try:
             yield

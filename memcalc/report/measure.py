@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from contextlib import nullcontext
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
-from memcalc.sources.resolve import ResolvedModel, resolve
-from memcalc.engine.options import EstimateOptions, Target
+from memcalc.api import CPU, estimate, make_request
 from memcalc.core.report import Measurement, MemoryReport
-from memcalc.engine.step import StepConfig, run_step
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.prepare import kv_cache_bytes, prepare_step
+from memcalc.engine.step import Scaler, StepConfig, run_step
+from memcalc.sources.resolve import resolve
 
-__all__ = ("measure", "measure_cpu", "measure_cuda", "attach_measurement", "storage_bytes")
+__all__ = ("attach_measurement", "measure", "measure_cpu", "measure_cuda", "storage_bytes")
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -40,7 +43,8 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _prepare(resolved: ResolvedModel, device: torch.device, options: EstimateOptions):
+def _prepare(resolved: ResolvedModel, device: torch.device,
+             options: EstimateOptions) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], list[torch.Tensor]]:
     """The real model and inputs with the same transforms the estimate applies, and a KV
     cache of the estimated size when one is asked for (the zoo's models have no cache of their
     own: a buffer of the same size stands for it)."""
@@ -56,13 +60,13 @@ def _prepare(resolved: ResolvedModel, device: torch.device, options: EstimateOpt
 
 def _config(resolved: ResolvedModel, options: EstimateOptions, device: torch.device) -> StepConfig:
     """The step program with real autocast and a real GradScaler (on CUDA)."""
-    autocast: Any = nullcontext
-    scaler = None
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
+    scaler: Callable[[], Scaler] | None = None
     if options.precision.is_amp:
         dtype = options.precision.compute_dtype
-        autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+        autocast = lambda: torch.autocast(device.type, dtype=dtype)
         if options.precision.uses_grad_scaler and device.type == "cuda":
-            scaler = lambda: torch.amp.GradScaler("cuda")  # noqa: E731
+            scaler = lambda: torch.amp.GradScaler("cuda")
     return StepConfig(mode=options.mode, optimizer=options.optimizer,
                       loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
                       iterations=2, accum_steps=options.accum_steps, autocast=autocast, scaler_factory=scaler)
@@ -137,16 +141,17 @@ def _warm_cublas(device: torch.device) -> None:
 
 
 def measure(model: Any, *, batch_size: int | None = None, input_shape: Sequence[int] | None = None,
-            seq_len: int | None = None, inputs=None, device: str | None = None, **option_values: Any) -> Measurement:
+            seq_len: int | None = None, inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
+            device: str | None = None, **option_values: Any) -> Measurement:
     """Measure the real step: on CUDA when available (or ``device="cuda..."``), else on CPU.
     ``option_values`` are :func:`memcalc.estimate`'s step options (optimizer, mode, precision...)."""
+    request = make_request(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs,
+                           **option_values)
     resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
     use_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
     if use_cuda:
-        options = EstimateOptions.create(**option_values)
-        return measure_cuda(resolved, options, device=torch.device(device) if device else None)
-    options = EstimateOptions.create(target=Target.CPU, **{k: v for k, v in option_values.items() if k != "target"})
-    return measure_cpu(resolved, options)
+        return measure_cuda(resolved, request.options, device=torch.device(device) if device else None)
+    return measure_cpu(resolved, dataclasses.replace(request.options, target=Target.CPU))
 
 
 def attach_measurement(report: MemoryReport, model: Any, **kwargs: Any) -> MemoryReport:
@@ -156,12 +161,10 @@ def attach_measurement(report: MemoryReport, model: Any, **kwargs: Any) -> Memor
     compared with a CPU-faithful re-estimate (no CUDA kernel emulation, no CUDA workspaces,
     unrounded), since the CPU runs CPU kernels and its allocator does not round.
     """
-    from memcalc.api import estimate
-
     measured = measure(model, **kwargs)
     if measured.device.startswith("cuda"):
         compared = report.bytes.peak_allocated
     else:
         option_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-        compared = estimate(model, target=Target.CPU, **option_kwargs).peak_requested
+        compared = estimate(model, **{**option_kwargs, "gpu": CPU}).peak_requested
     return dataclasses.replace(report, measurement=dataclasses.replace(measured, compared_with=compared))

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memcalc.core.errors import MissingPackageError
-from memcalc.search.fit import SweepPoint
 from memcalc.core.units import Unit
+from memcalc.search.sweep import SweepPoint
+
+if TYPE_CHECKING:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
 __all__ = ("check_available", "plot_sweep")
 
@@ -75,7 +79,7 @@ def check_available() -> None:
     _matplotlib()
 
 
-def _matplotlib() -> tuple[Any, Any]:
+def _matplotlib() -> tuple[type[Figure], type[FigureCanvasAgg]]:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -12,7 +12,7 @@ from memcalc.core.categories import Category, Mode
 from memcalc.core.report import MemoryReport
 from memcalc.core.units import Unit, format_bytes
 
-__all__ = ("render_report", "render_roles", "render_json", "TABLE_FORMATS")
+__all__ = ("TABLE_FORMATS", "render_json", "render_report", "render_roles")
 
 # tabulate's formats that read well for a breakdown; "json" is handled separately.
 TABLE_FORMATS = ("simple", "plain", "github", "grid", "pipe", "rst", "orgtbl", "psql", "presto",
@@ -31,16 +31,28 @@ _CATEGORY_LABELS = {
 
 
 def render_json(data: Any) -> str:
+    """``data`` as indented JSON (the ``--format json`` output)."""
     return json.dumps(data, indent=2)
 
 
 def render_report(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str = Unit.AUTO,
-                  modules: bool = True) -> str:
-    """The breakdown table, the peak line, the textbook line, and (optionally) per-module rows."""
+                  modules: bool = True, module_depth: int = 1) -> str:
+    """The breakdown table, the peak line, the textbook line, and (optionally) per-module rows.
+
+    Args:
+        report: what :func:`memcalc.estimate` returned.
+        fmt: a tabulate table format (``simple``, ``github``, ...).
+        unit: the byte unit of every figure (``auto`` picks per figure).
+        modules: show the per-module table.
+        module_depth: how deep the per-module table goes (1: the model's direct children).
+
+    Returns:
+        The text, ending with a newline.
+    """
     sections = [_header(report), _breakdown(report, fmt, unit)]
     sections.append(_peak_lines(report, unit))
-    if modules and report.modules:
-        sections.append(_module_table(report, fmt, unit))
+    if modules and module_depth > 0 and report.modules_within(module_depth):
+        sections.append(_module_table(report, fmt, unit, module_depth))
     if report.measurement is not None:
         sections.append(_measurement_lines(report, unit))
     notes = list(report.notes)
@@ -101,14 +113,16 @@ def _peak_lines(report: MemoryReport, unit: Unit | str) -> str:
               f"+ CUDA context {format_bytes(report.cuda_context, unit)} (assumed for {report.gpu.key}) "
               f"= {format_bytes(report.device_total, unit)} on the device")
     lines.append(device)
-    if report.fits is not None:
+    capacity, headroom = report.capacity, report.headroom
+    if report.fits is not None and capacity is not None and headroom is not None:  # fits is judged under a capacity
+        budget = report.gpu.name if report.gpu_named else "budget"
         if report.fits:
-            lines.append(f"fits in {format_bytes(report.capacity, unit)} ({report.gpu.name if report.gpu_named else 'budget'}): "
-                         f"yes, {format_bytes(report.headroom, unit)} headroom at the peak")
+            lines.append(f"fits in {format_bytes(capacity, unit)} ({budget}): "
+                         f"yes, {format_bytes(headroom, unit)} headroom at the peak")
         else:
-            lines.append(f"fits in {format_bytes(report.capacity, unit)} ({report.gpu.name if report.gpu_named else 'budget'}): "
-                         f"NO — out of memory; {format_bytes(-report.headroom, unit) if report.headroom < 0 else 'fragmentation'}"
-                         f" over at the peak")
+            over = format_bytes(-headroom, unit) if headroom < 0 else "fragmentation"
+            lines.append(f"fits in {format_bytes(capacity, unit)} ({budget}): "
+                         f"NO — out of memory; {over} over at the peak")
     if report.attention_calls:
         calls = ", ".join(f"{backend} ×{count}" for backend, count in report.attention_calls)
         lines.append(f"attention kernels (as CUDA would choose): {calls}")
@@ -130,11 +144,11 @@ def _signed_pct(value: int, reference: int) -> str:
     return f"{100.0 * (value - reference) / reference:+.1f}%"
 
 
-def _module_table(report: MemoryReport, fmt: str, unit: Unit | str) -> str:
+def _module_table(report: MemoryReport, fmt: str, unit: Unit | str, depth: int) -> str:
     kept = "kept for backward" if report.mode is Mode.TRAIN else "allocated in forward"
     rows = [[("  " * (m.depth - 1)) + m.name, m.type, f"{m.parameters:,}",
              "x".join(str(d) for d in m.output_shape) if m.output_shape else "-",
-             format_bytes(m.activation_bytes, unit)] for m in report.modules]
+             format_bytes(m.activation_bytes, unit)] for m in report.modules_within(depth)]
     return tabulate(rows, headers=["module", "type", "parameters", "output shape", f"activations {kept}"],
                     tablefmt=fmt, colalign=("left", "left", "right", "left", "right"), disable_numparse=True)
 

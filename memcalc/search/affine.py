@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from memcalc.engine import allocator
+from memcalc.engine.run import TracedStep
 from memcalc.engine.timeline import Program, allocator_events
 
 __all__ = ("AffineFamily", "SyntheticPoint")
@@ -31,12 +32,15 @@ class SyntheticPoint(NamedTuple):
 
 @dataclass(frozen=True)
 class AffineFamily:
+    """One step at every batch size: its alloc/free ``program`` (the same at any batch) and
+    each storage's size ``intercepts[uid] + slopes[uid]·B``."""
+
     program: Program
     intercepts: tuple[int, ...]
     slopes: tuple[int, ...]
 
     @classmethod
-    def from_traces(cls, first, b1: int, second, b2: int) -> "AffineFamily | None":
+    def from_traces(cls, first: TracedStep, b1: int, second: TracedStep, b2: int) -> AffineFamily | None:
         """The family through two traced steps (``TracedStep``), or None when they differ in
         structure (events, categories) or a size is not an integer-affine function of the batch."""
         if b1 == b2:
@@ -47,8 +51,10 @@ class AffineFamily:
         program = first.program()
         if program.events != second.program().events:
             return None
-        intercepts, slopes = [], []
-        for n1, n2 in zip(t1.nbytes, t2.nbytes):
+        intercepts: list[int] = []
+        slopes: list[int] = []
+        # equal events and pre-existing storages name every uid: the lists have the same length
+        for n1, n2 in zip(t1.nbytes, t2.nbytes, strict=True):
             step, remainder = divmod(n2 - n1, b2 - b1)
             if remainder or step < 0:
                 return None
@@ -60,7 +66,8 @@ class AffineFamily:
         return cls(program=program, intercepts=tuple(intercepts), slopes=tuple(slopes))
 
     def nbytes(self, batch: int) -> list[int]:
-        return [a + s * batch for a, s in zip(self.intercepts, self.slopes)]
+        """Every storage's size at ``batch``, indexed by uid."""
+        return [a + s * batch for a, s in zip(self.intercepts, self.slopes, strict=True)]
 
     def probe(self, batch: int, capacity: int) -> SyntheticPoint:
         """Replay the step at ``batch`` through the allocator model under ``capacity``."""

@@ -1,4 +1,4 @@
-"""The largest batch that fits a memory budget, and sweeps over batch sizes and settings.
+"""The largest batch that fits a memory budget.
 
 Fit criterion
 -------------
@@ -20,7 +20,7 @@ guide and never the answer:
 0. *Batch-affine shortcut* (single GPU). Estimate batch 2 (if it does not fit, batch 1: the
    answer is 1, or :class:`DoesNotFitError`), then one jump toward the budget. When the two
    traces have the same structure and every storage's size is affine in the batch
-   (:mod:`memcalc.affine`), the steps below run on *synthetic* probes — the same alloc/free
+   (:mod:`memcalc.search.affine`), the steps below run on *synthetic* probes — the same alloc/free
    sequence at any batch, replayed through the allocator model in milliseconds — and the
    answer is then confirmed by real estimates at B and B + 1. Batch 1 is skipped because it is
    often structurally special (a batch dimension of 1 broadcasts without a reduction). If
@@ -47,54 +47,22 @@ With the shortcut, a fit on the zoo's models and the catalogue's GPUs costs 4 re
 (batch 2, one jump, B and B + 1) plus a few synthetic replays; without it (non-affine steps,
 multi-GPU strategies) 4 to 7 (batch 1, one jump, an overshoot that measures the
 fragmentation, the batch and its successor); ``benchmarks/speed_fit.py`` measures both.
-
-Budgets
--------
-Exactly one of ``budget``, ``gpu`` or ``device`` says how many bytes the caching allocator
-may reserve (:func:`resolve_budget`):
-
-* ``budget`` (``"24GiB"``, ``"80GB"``, an int): used as is — it is the memory the step may
-  use; nothing is subtracted.
-* ``gpu`` (a catalogue name): the card's CUDA-reported memory minus its assumed CUDA
-  context (:attr:`memcalc.cuda.gpus.catalogue.GpuProfile.usable_memory`).
-* ``device`` (``"cuda:1"``, ``"auto"``): that local GPU's free memory, minus the context a
-  new process will create on it (the catalogue's estimate for the card, else the generic
-  512 MiB) — unless this process had already initialised CUDA before the question, in which
-  case the step is taken to run here and its context is already out of the free memory.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import NamedTuple
 
-from memcalc import api
-from memcalc.search.affine import AffineFamily
-from memcalc.cuda.gpus import catalogue as gpu_catalogue
-from memcalc.core.categories import Category, Mode
-from memcalc.core.errors import InvalidInputError, MemcalcError
-from memcalc.engine.optimizers import Optimizer
-from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
-from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
+from memcalc.distributed.estimate import EstimateRequest, run_estimate
+from memcalc.engine.run import TracedStep
+from memcalc.search.affine import AffineFamily
+from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult, Probe, batch_bytes
 
-__all__ = (
-    "MAX_BATCH",
-    "BatchLimitError",
-    "Budget",
-    "DoesNotFitError",
-    "FitResult",
-    "Probe",
-    "SweepPoint",
-    "iter_sweep",
-    "max_batch_size",
-    "resolve_budget",
-    "sweep",
-    "sweep_configurations",
-)
+__all__ = ("MAX_BATCH", "find_max_batch")
 
 #: Largest batch the search tries: beyond it a model is "too small to bound".
 MAX_BATCH = 2**20
@@ -105,256 +73,36 @@ _FLAT_GROWTH = 16
 #: Narrowing steps in a row that may fail to halve the bracket before a bisection step.
 _SLOW_STEPS = 2
 
-_MODEL_STATES = (Category.PARAMETERS, Category.BUFFERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
 
+def find_max_batch(request: EstimateRequest, budget: Budget, *, neighbours: int = 0,
+                   max_batch: int = MAX_BATCH) -> FitResult:
+    """The largest batch whose step of ``request`` fits ``budget`` (see the module docstring).
 
-# --------------------------------------------------------------------------------------------
-# Results and errors
-# --------------------------------------------------------------------------------------------
+    Args:
+        request: the estimate to search over; its batch size and capacity are replaced.
+        budget: the bytes the caching allocator may reserve.
+        neighbours: also estimate the batches within this distance of the answer.
+        max_batch: the largest batch tried.
 
+    Returns:
+        The batch, its report, the budget and every probe.
 
-class Probe(NamedTuple):
-    """One probe of the search: ``(batch_size, fits, peak_allocated, synthetic)``.
-    ``synthetic``: answered by replaying two real traces' batch-affine sizes through the
-    allocator model (:mod:`memcalc.affine`), not by an estimate of its own."""
-
-    batch_size: int
-    fits: bool
-    peak_allocated: int
-    synthetic: bool = False
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Bytes the caching allocator may reserve, and where the number comes from.
-
-    ``gpu``: the catalogue entry of the card, when one is known (given, or recognised from
-    a local device's name); estimates then model that card's kernels and workspaces.
+    Raises:
+        DoesNotFitError: batch 1 does not fit.
+        BatchLimitError: ``max_batch`` still fits.
     """
-
-    capacity: int
-    source: str
-    gpu: gpu_catalogue.GpuProfile | None = None
-
-
-@dataclass(frozen=True)
-class FitResult:
-    """The largest batch that fits, its report, and how the search got there.
-
-    ``headroom``: budget minus the peak allocated at ``batch_size``. ``bytes_per_sample``:
-    the slope of the peak near ``batch_size`` (the secant over the widest span of probes
-    between half and twice that batch). ``probes``: the search's estimates, in the order
-    made (``num_estimates`` of them). ``neighbours``: batches around ``batch_size`` when
-    asked for, sorted, reusing the probes (their extra estimates are not in ``probes``).
-    """
-
-    batch_size: int
-    report: MemoryReport
-    budget: Budget
-    headroom: int
-    bytes_per_sample: float
-    probes: tuple[Probe, ...]
-    neighbours: tuple[Probe, ...] = ()
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.budget.capacity
-
-    @property
-    def num_estimates(self) -> int:
-        """Real estimates (symbolic runs of the step) the search made."""
-        return sum(1 for p in self.probes if not p.synthetic)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``memcalc fit --format json`` contract: batch, budget and the estimate JSON."""
-        return {"batch_size": self.batch_size, "budget_bytes": self.budget_bytes, "report": self.report.to_dict()}
-
-
-class DoesNotFitError(MemcalcError):
-    """Even batch 1 does not fit; ``report`` is batch 1's estimate under the budget."""
-
-    exit_code = 1
-
-    def __init__(self, report: MemoryReport, budget: Budget):
-        needed = report.bytes.peak_allocated
-        states = _model_state_bytes(report)
-        per_sample = _batch_bytes(report)
-        dominant = "model states" if states >= per_sample else "activations"
-        over = (f"{format_bytes(needed - budget.capacity)} over"
-                if needed > budget.capacity else "under the budget, but the allocator's cache fragments it")
-        message = (
-            f"even batch 1 does not fit in {format_bytes(budget.capacity)} ({budget.source}): "
-            f"one step of {report.model} needs {format_bytes(needed)} at batch 1 ({over}). "
-            f"Model states (parameters, gradients, optimizer state) take {format_bytes(states)}"
-            f"{_share(states, needed)}, activations and temporaries {format_bytes(per_sample)}"
-            f"{_share(per_sample, needed)}: {dominant} dominate."
-        )
-        super().__init__(message, hint=_suggestions(dominant, report))
-        self.report = report
-        self.budget = budget
-        self.dominant = dominant
-
-
-class BatchLimitError(MemcalcError):
-    """Even the largest batch the search tries fits: the budget does not bound the batch."""
-
-    exit_code = 1
-
-    def __init__(self, max_batch: int, report: MemoryReport, budget: Budget):
-        super().__init__(
-            f"batch {max_batch:,} still fits in {format_bytes(budget.capacity)} ({budget.source}), "
-            f"peaking at {format_bytes(report.bytes.peak_allocated)}: the model is too small for "
-            f"this budget to bound its batch size",
-            hint="Use a smaller budget, or estimate the batch you mean to run (memcalc MODEL --batch N).",
-        )
-        self.max_batch = max_batch
-        self.report = report
-
-
-def _share(part: int, whole: int) -> str:
-    return f" ({100.0 * part / whole:.0f}%)" if whole else ""
-
-
-_LIGHTER_OPTIMIZER = {"adam": "sgd-momentum or sgd", "adamw": "sgd-momentum or sgd", "rmsprop": "sgd",
-                      "adagrad": "sgd", "sgd-momentum": "sgd"}
-
-
-def _suggestions(dominant: str, report: MemoryReport) -> str:
-    """What would shrink the step, the dominant part's remedies first; only the remedies
-    that apply to this step (no optimizer advice for eval, no precision the step has)."""
-    training = report.mode is Mode.TRAIN
-    precision = report.precision
-    lighter = _LIGHTER_OPTIMIZER.get(report.optimizer) if training else None
-    state_help = [
-        f"a lighter optimizer (--optim {lighter}: less optimizer state per parameter)" if lighter else None,
-        "lower precision (--precision bf16 or fp16 halves parameters and gradients)"
-        if precision in (Precision.FP32, Precision.AMP_BF16, Precision.AMP_FP16) else None,
-        "sharding the model states across GPUs (FSDP, DeepSpeed ZeRO)",
-    ]
-    activation_help = [
-        "activation checkpointing (--checkpoint: keeps block inputs, recomputes the rest in backward)"
-        if training else None,
-        "mixed precision (--precision amp-bf16 or amp-fp16 halves most activations)"
-        if precision is Precision.FP32 else None,
-        "a shorter sequence or a smaller input (--seq-len, --input-shape)",
-    ]
-    ordered = state_help + activation_help if dominant == "model states" else activation_help + state_help
-    return "What would help: " + "; ".join(s for s in ordered if s) + "."
-
-
-# --------------------------------------------------------------------------------------------
-# Budgets
-# --------------------------------------------------------------------------------------------
-
-
-def resolve_budget(
-    budget: str | int | Budget | None = None,
-    gpu: str | gpu_catalogue.GpuProfile | None = None,
-    device: str | None = None,
-    *,
-    local_gpus: Callable[[], Sequence[gpu_catalogue.LocalGpu]] | None = None,
-) -> Budget:
-    """Bytes the caching allocator may reserve, from exactly one of the three sources (see
-    the module docstring); a :class:`Budget` is returned as is. ``local_gpus`` replaces GPU
-    discovery (tests)."""
-    given = [name for name, value in (("budget", budget), ("gpu", gpu), ("device", device)) if value is not None]
-    if len(given) != 1:
-        what = "none" if not given else " and ".join(given)
-        raise InvalidInputError(f"give exactly one of budget, gpu or device (got {what})")
-    if isinstance(budget, Budget):
-        return budget
-    if budget is not None:
-        return _from_budget(budget)
-    if gpu is not None:
-        return _from_gpu(gpu)
-    assert device is not None
-    return _from_device(device, local_gpus)
-
-
-def _from_budget(budget: str | int) -> Budget:
-    try:
-        capacity = parse_bytes(budget)
-    except ValueError as exc:
-        raise InvalidInputError(str(exc), hint=f"A budget is {BYTES_FORMS}.") from None
-    return Budget(capacity, "as given")
-
-
-def _from_gpu(gpu: str | gpu_catalogue.GpuProfile) -> Budget:
-    profile = gpu if isinstance(gpu, gpu_catalogue.GpuProfile) else gpu_catalogue.get_gpu(gpu)
-    usable = profile.usable_memory
-    if usable is None or profile.total_memory is None:
-        raise InvalidInputError(
-            f"GPU {profile.key!r} has no known capacity",
-            hint="Name a GPU model (e.g. a100-40gb) or give a budget (e.g. 24GiB).")
-    source = (f"{profile.key}: {format_bytes(profile.total_memory)} "
-              f"− {format_bytes(profile.cuda_context)} CUDA context (assumed)")
-    return Budget(usable, source, profile)
-
-
-def _from_device(spec: str, local_gpus: Callable[[], Sequence[gpu_catalogue.LocalGpu]] | None) -> Budget:
-    context_exists = _cuda_initialised()  # read before discovery, which may initialise CUDA
-    found = local_gpus() if local_gpus is not None else gpu_catalogue.list_local_gpus()
-    chosen = gpu_catalogue.resolve_device(spec, found)
-    profile = chosen.profile
-    context = 0 if context_exists else (profile or gpu_catalogue.GENERIC).cuda_context
-    capacity = chosen.free_memory - context
-    label = f"{chosen.device} ({chosen.name}): {format_bytes(chosen.free_memory)} free"
-    if context:
-        label += f" − {format_bytes(context)} CUDA context (assumed)"
-    if capacity <= 0:
-        raise InvalidInputError(f"{label}: nothing is left for a training step",
-                                hint="Free memory on that GPU, or pick another (memcalc gpus lists them).")
-    return Budget(capacity, label, profile)
-
-
-def _cuda_initialised() -> bool:
-    """Whether this process already holds a CUDA context (never creates one)."""
-    import torch
-
-    return bool(torch.cuda.is_initialized())
-
-
-# --------------------------------------------------------------------------------------------
-# The search
-# --------------------------------------------------------------------------------------------
-
-
-def max_batch_size(
-    model: Any,
-    *,
-    budget: str | int | Budget | None = None,
-    gpu: str | gpu_catalogue.GpuProfile | None = None,
-    device: str | None = None,
-    optimizer: Optimizer | str = Optimizer.ADAM,
-    precision: Precision | str | None = None,
-    neighbours: int = 0,
-    max_batch: int = MAX_BATCH,
-    **estimate_options: Any,
-) -> FitResult:
-    """The largest batch whose step fits ``budget``, ``gpu`` or ``device`` (give exactly
-    one; see :func:`resolve_budget`).
-
-    ``estimate_options`` go to :func:`memcalc.estimate` unchanged (``input_shape``,
-    ``seq_len``, ``mode``, ``loss``, ...); ``precision`` is passed only when given.
-    ``neighbours=k`` also estimates the batches within ``k`` of the answer. Raises
-    :class:`DoesNotFitError` when batch 1 does not fit and :class:`BatchLimitError` when
-    ``max_batch`` still does.
-    """
-    if max_batch < 1 or neighbours < 0:
-        raise InvalidInputError(f"max_batch must be ≥ 1 and neighbours ≥ 0 (got {max_batch}, {neighbours})")
-    resolved = resolve_budget(budget, gpu, device)
-    options = _estimate_options(estimate_options, optimizer=optimizer, precision=precision, budget=resolved)
+    resolved = budget
     reports: dict[int, MemoryReport] = {}
-    traces: dict[int, Any] = {}
+    traces: dict[int, TracedStep] = {}
     order: list[_Point] = []
-    single_gpu = options.get("strategy", "single") == "single"
+    single_gpu = request.distributed.is_single
 
     def measure(batch: int) -> _Point:
         """A real estimate (each batch at most once)."""
         if batch not in reports:
             keep = (lambda traced: traces.__setitem__(batch, traced)) if single_gpu else None
-            reports[batch] = api.estimate(model, batch_size=batch, capacity=resolved.capacity, on_trace=keep,
-                                          **options)
+            reports[batch] = run_estimate(replace(request, batch_size=batch, capacity=resolved.capacity),
+                                          on_trace=keep)
             order.append(_point(reports[batch], batch))
         return _point(reports[batch], batch)
 
@@ -367,6 +115,7 @@ def max_batch_size(
             raise DoesNotFitError(reports[1], resolved)
         first = _point(reports[1], 1)
     slope_hint = _per_sample_guess(reports[first.batch_size])
+    best: int | None
     if first.batch_size == 1 and start == 2:  # 1 fits, 2 does not
         best = 1
     elif single_gpu:
@@ -400,8 +149,8 @@ def _as_probe(point: MemoryReport | _Point) -> Probe:
     return Probe(point.batch_size, point.fits, point.peak_allocated, point.synthetic)
 
 
-def _affine_search(measure: Callable[[int], "_Point"], traces: dict[int, Any], order: list["_Point"],
-                   capacity: int, first: "_Point", slope_hint: float | None, max_batch: int) -> int | None:
+def _affine_search(measure: Callable[[int], _Point], traces: dict[int, TracedStep], order: list[_Point],
+                   capacity: int, first: _Point, slope_hint: float | None, max_batch: int) -> int | None:
     """The search on a batch-affine family built from two real traces, its answer confirmed by
     real estimates at B and B + 1; None when the step is not batch-affine or the confirmation
     disagrees (the caller then searches with real estimates, reusing the ones made here).
@@ -443,7 +192,7 @@ def _affine_search(measure: Callable[[int], "_Point"], traces: dict[int, Any], o
     return None
 
 
-def _family(traces: dict[int, Any], b1: int, b2: int) -> AffineFamily | None:
+def _family(traces: dict[int, TracedStep], b1: int, b2: int) -> AffineFamily | None:
     if b1 not in traces or b2 not in traces:
         return None
     return AffineFamily.from_traces(traces[b1], b1, traces[b2], b2)
@@ -471,17 +220,7 @@ def _point(report: MemoryReport, batch: int) -> _Point:
 def _per_sample_guess(report: MemoryReport) -> float:
     """Bytes per sample guessed from one report: what is not model state, over the batch.
     Usually too high (it counts batch-independent temporaries), so the first jump undershoots."""
-    return _batch_bytes(report) / report.batch_size
-
-
-def _model_state_bytes(report: MemoryReport) -> int:
-    return sum(report.bytes.category(c) for c in _MODEL_STATES)
-
-
-def _batch_bytes(report: MemoryReport) -> int:
-    """Bytes at the peak in the categories that are not model states (inputs, activations,
-    temporaries, ...): the part that grows with the batch."""
-    return sum(report.bytes.category(c) for c in Category if c not in _MODEL_STATES)
+    return batch_bytes(report) / report.batch_size
 
 
 class _Unbounded(Exception):
@@ -571,130 +310,3 @@ def _slope_near(batch: int, probes: Sequence[Probe]) -> float:
     if high.batch_size == low.batch_size:
         return 0.0
     return (high.peak_allocated - low.peak_allocated) / (high.batch_size - low.batch_size)
-
-
-def _estimate_options(options: dict[str, Any], *, optimizer: Optimizer | str, precision: Precision | str | None,
-                      budget: Budget | None) -> dict[str, Any]:
-    """Options for :func:`memcalc.estimate`: the user's, the optimizer, ``precision`` when
-    given, and ``gpu`` when the budget names a card (its kernels and workspaces)."""
-    for fixed in ("batch_size", "capacity", "inputs"):
-        if fixed in options:
-            raise InvalidInputError(
-                f"{fixed} cannot be given here: the search sets the batch size and capacity",
-                hint="Give input_shape or seq_len for the shape of one sample.")
-    merged = {k: v for k, v in options.items() if v is not None}
-    merged["optimizer"] = optimizer
-    if precision is not None:
-        merged["precision"] = precision
-    if budget is not None and budget.gpu is not None and "gpu" not in merged:
-        merged["gpu"] = budget.gpu.key
-    return merged
-
-
-# --------------------------------------------------------------------------------------------
-# Sweeps
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    """One configuration of a sweep and its estimate (``fits`` is None without a budget)."""
-
-    batch_size: int
-    optimizer: str
-    precision: str | None
-    report: MemoryReport
-
-    @property
-    def fits(self) -> bool | None:
-        return self.report.fits
-
-    @property
-    def series(self) -> str:
-        """The configuration without the batch: one line of a plot."""
-        return self.optimizer if self.precision is None else f"{self.optimizer}, {self.precision}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "optimizer": self.optimizer, "precision": self.precision,
-                "fits": self.fits, "report": self.report.to_dict()}
-
-
-def sweep_configurations(
-    batch_sizes: Sequence[int],
-    optimizers: Sequence[Optimizer | str] = (Optimizer.ADAM,),
-    precisions: Sequence[Precision | str | None] = (None,),
-) -> list[tuple[int, str, str | None]]:
-    """Every ``(batch, optimizer, precision)`` in sweep order (by series, then batch);
-    raises :class:`InvalidInputError` naming the first invalid item."""
-    batches = [_check_batch(b) for b in batch_sizes]
-    optims = [_check_optimizer(o) for o in optimizers]
-    precs = [_check_precision(p) for p in precisions]
-    if not batches or not optims or not precs:
-        raise InvalidInputError("a sweep needs at least one batch size, optimizer and precision")
-    return [(b, o, p) for o, p in itertools.product(optims, precs) for b in sorted(set(batches))]
-
-
-def iter_sweep(
-    model: Any,
-    *,
-    batch_sizes: Sequence[int],
-    optimizers: Sequence[Optimizer | str] = (Optimizer.ADAM,),
-    precisions: Sequence[Precision | str | None] = (None,),
-    budget: str | int | Budget | None = None,
-    gpu: str | gpu_catalogue.GpuProfile | None = None,
-    device: str | None = None,
-    **estimate_options: Any,
-) -> Iterator[SweepPoint]:
-    """Estimate every configuration, yielding each as it is done (for progress bars).
-
-    A budget (at most one of ``budget``, ``gpu``, ``device``) adds ``fits`` to every point.
-    All items are checked before the first estimate.
-    """
-    configs = sweep_configurations(batch_sizes, optimizers, precisions)
-    resolved = resolve_budget(budget, gpu, device) if any(x is not None for x in (budget, gpu, device)) else None
-    capacity = resolved.capacity if resolved is not None else None
-    for batch, optimizer, precision in configs:
-        options = _estimate_options(estimate_options, optimizer=optimizer, precision=precision, budget=resolved)
-        report = api.estimate(model, batch_size=batch, capacity=capacity, **options)
-        yield SweepPoint(batch, optimizer, precision, report)
-
-
-def sweep(
-    model: Any,
-    *,
-    batch_sizes: Sequence[int],
-    optimizers: Sequence[Optimizer | str] = (Optimizer.ADAM,),
-    precisions: Sequence[Precision | str | None] = (None,),
-    budget: str | int | Budget | None = None,
-    gpu: str | gpu_catalogue.GpuProfile | None = None,
-    device: str | None = None,
-    **estimate_options: Any,
-) -> list[SweepPoint]:
-    """:func:`iter_sweep`, collected: ``sweep("resnet50", batch_sizes=[1, 16, 64],
-    optimizers=["sgd", "adam"], gpu="a100-40gb")``."""
-    return list(iter_sweep(model, batch_sizes=batch_sizes, optimizers=optimizers, precisions=precisions,
-                           budget=budget, gpu=gpu, device=device, **estimate_options))
-
-
-def _check_batch(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInputError(f"batch size {value!r} is not a positive integer")
-    return value
-
-
-def _check_optimizer(value: Optimizer | str) -> str:
-    try:
-        return Optimizer(str(getattr(value, "value", value)).lower()).value
-    except ValueError:
-        raise InvalidInputError(
-            f"unknown optimizer {value!r}; choose from: {', '.join(o.value for o in Optimizer)}") from None
-
-
-def _check_precision(value: Precision | str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return Precision(str(getattr(value, "value", value)).lower()).value
-    except ValueError:
-        raise InvalidInputError(
-            f"unknown precision {value!r}; choose from: {', '.join(p.value for p in Precision)}") from None

@@ -21,63 +21,60 @@ import importlib.util
 import itertools
 import sys
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from types import ModuleType
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
 
 import models_zoo
+from memcalc.core.errors import InvalidInputError, MissingPackageError, ModelSourceError, UnknownModelError
+from memcalc.core.losses import LossChoice
+from memcalc.engine.model import ResolvedModel
 from models_zoo.registry import InputKind, LossKind, ZooEntry
 
-from memcalc.core.errors import InvalidInputError, MissingPackageError, ModelSourceError, UnknownModelError
-from memcalc.engine.losses import LossChoice
+__all__ = ("ModelLike", "ResolvedModel", "meta_twin", "resolve")
 
-__all__ = ("ResolvedModel", "resolve", "meta_twin", "ModelLike")
-
-ModelLike = "str | nn.Module | Callable[[], nn.Module]"
+#: What :func:`resolve` accepts as a model (see the module docstring for the string forms).
+ModelLike: TypeAlias = "str | nn.Module | Callable[[], nn.Module]"
 META = torch.device("meta")
+
+_Shape: TypeAlias = tuple[int, ...]
+_Inputs: TypeAlias = tuple[torch.Tensor, ...]
+#: Builds the model and its inputs on a device (``ResolvedModel.build_real``).
+_Builder: TypeAlias = Callable[[torch.device], tuple[nn.Module, _Inputs]]
+#: A user's ``example_inputs(batch_size)``: a tensor or a sequence of tensors (user code: unchecked).
+_Example: TypeAlias = Callable[[int], Any]
+#: ``(name, batch_size, shape, seq_len, user_inputs)`` of an optional package's model source.
+_PackageSource: TypeAlias = Callable[[str, int, _Shape | None, int | None, _Inputs | None], ResolvedModel]
 
 # Default sequence length for Hugging Face models built from a config without one.
 _HF_DEFAULT_SEQ_LEN = 512
 
 
-@dataclass
-class ResolvedModel:
-    """A model ready to estimate: a module and its inputs on meta, and how to build the
-    same thing for real (``build_real``) when the step is measured."""
-
-    name: str
-    module: nn.Module
-    inputs: tuple[torch.Tensor, ...]
-    loss: LossKind | LossChoice
-    build_real: Callable[[torch.device], tuple[nn.Module, tuple[torch.Tensor, ...]]]
-    entry: ZooEntry | None = None
-
-    @property
-    def block_containers(self) -> tuple[str, ...]:
-        """The zoo entry's repeated-block containers (checkpointing, FSDP units); () otherwise."""
-        return self.entry.block_containers if self.entry is not None else ()
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.inputs[0].shape[0]) if self.inputs and self.inputs[0].dim() else 1
-
-    @property
-    def input_description(self) -> str:
-        return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in self.inputs)
-
-
 def resolve(
-    model: Any,
+    model: object,
     *,
     batch_size: int | None = None,
     input_shape: Sequence[int] | None = None,
     seq_len: int | None = None,
     inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
 ) -> ResolvedModel:
-    """Turn whatever the user gave into a :class:`ResolvedModel` on meta."""
+    """Turn whatever the user gave into a :class:`ResolvedModel` on meta.
+
+    Args:
+        model: a zoo name or another string form (module docstring), an ``nn.Module`` or a
+            zero-argument factory (:data:`ModelLike`); anything else is refused.
+        batch_size: samples per step; taken from ``inputs`` when they are given.
+        input_shape: the shape of one sample (``(C, H, W)``, or ``(seq_len,)`` for tokens).
+        seq_len: the sequence length of a token model (when ``input_shape`` is not given).
+        inputs: the model's inputs themselves (copied to meta).
+
+    Returns:
+        The module and its inputs on meta, with a builder of the real ones.
+    """
     if batch_size is not None and batch_size < 1:
         raise InvalidInputError(f"batch size must be at least 1, got {batch_size}")
     shape = _requested_shape(input_shape, seq_len)
@@ -100,7 +97,8 @@ def resolve(
 
 
 # ---- strings ---------------------------------------------------------------------------
-def _resolve_string(spec: str, batch_size: int, shape, seq_len, user_inputs) -> ResolvedModel:
+def _resolve_string(spec: str, batch_size: int, shape: _Shape | None, seq_len: int | None,
+                    user_inputs: _Inputs | None) -> ResolvedModel:
     entry = models_zoo.get(spec)
     if entry is not None:
         return _resolve_entry(entry, batch_size, shape, seq_len, user_inputs)
@@ -118,7 +116,8 @@ def _resolve_string(spec: str, batch_size: int, shape, seq_len, user_inputs) -> 
     raise UnknownModelError(spec, models_zoo.closest(spec))
 
 
-def _resolve_entry(entry: ZooEntry, batch_size: int, shape, seq_len, user_inputs) -> ResolvedModel:
+def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_len: int | None,
+                   user_inputs: _Inputs | None) -> ResolvedModel:
     if entry.input_kind is InputKind.TOKENS:
         if shape is not None and len(shape) != 1:
             raise InvalidInputError(
@@ -138,7 +137,7 @@ def _resolve_entry(entry: ZooEntry, batch_size: int, shape, seq_len, user_inputs
         return module, entry.example_inputs(batch_size, per_sample, device=device)
 
     module, inputs = _build_on_meta(build, entry.name)
-    return ResolvedModel(entry.name, module, inputs, entry.loss, build, entry)
+    return ResolvedModel(entry.name, module, inputs, entry.loss, build, entry.block_containers)
 
 
 # ---- modules and factories --------------------------------------------------------------
@@ -162,24 +161,25 @@ def _has_real_storage(module: nn.Module) -> bool:
     return any(t.device.type != "meta" for t in itertools.chain(module.parameters(), module.buffers()))
 
 
-def _resolve_module(module: nn.Module, name: str, batch_size: int, shape, user_inputs,
-                    example: Callable[[int], Any] | None) -> ResolvedModel:
+def _resolve_module(module: nn.Module, name: str, batch_size: int, shape: _Shape | None,
+                    user_inputs: _Inputs | None, example: _Example | None) -> ResolvedModel:
     twin = meta_twin(module)
     inputs = _inputs_for(name, batch_size, shape, user_inputs, example)
 
-    def build(device: torch.device):
+    def build(device: torch.device) -> tuple[nn.Module, _Inputs]:
         real = copy.deepcopy(module).to(device)
         if user_inputs is not None:
             return real, tuple(t.to(device) for t in user_inputs)
         if example is not None:
             return real, tuple(t.to(device) for t in _as_tuple(example(batch_size)) or ())
+        assert shape is not None  # without inputs or example_inputs, _inputs_for required a shape
         return real, (torch.randn(batch_size, *shape, device=device),)
 
     return ResolvedModel(name, twin, inputs, LossChoice.AUTO, build)
 
 
-def _resolve_factory(factory: Callable[[], Any], name: str, batch_size: int, shape, user_inputs,
-                     example: Callable[[int], Any] | None) -> ResolvedModel:
+def _resolve_factory(factory: Callable[[], object], name: str, batch_size: int, shape: _Shape | None,
+                     user_inputs: _Inputs | None, example: _Example | None) -> ResolvedModel:
     def make(device: torch.device) -> nn.Module:
         with device:
             try:
@@ -198,19 +198,21 @@ def _resolve_factory(factory: Callable[[], Any], name: str, batch_size: int, sha
         module = meta_twin(module)
     inputs = _inputs_for(name, batch_size, shape, user_inputs, example)
 
-    def build(device: torch.device):
+    def build(device: torch.device) -> tuple[nn.Module, _Inputs]:
         real = make(device)
         if user_inputs is not None:
             return real, tuple(t.to(device) for t in user_inputs)
         if example is not None:
             with device:
                 return real, tuple(t.to(device) for t in _as_tuple(example(batch_size)) or ())
+        assert shape is not None  # without inputs or example_inputs, _inputs_for required a shape
         return real, (torch.randn(batch_size, *shape, device=device),)
 
     return ResolvedModel(name, module, inputs, LossChoice.AUTO, build)
 
 
-def _inputs_for(name: str, batch_size: int, shape, user_inputs, example) -> tuple[torch.Tensor, ...]:
+def _inputs_for(name: str, batch_size: int, shape: _Shape | None, user_inputs: _Inputs | None,
+                example: _Example | None) -> _Inputs:
     if user_inputs is not None:
         return tuple(t.detach().to(META) for t in user_inputs)
     if example is not None:
@@ -231,7 +233,7 @@ def _inputs_for(name: str, batch_size: int, shape, user_inputs, example) -> tupl
     return (torch.empty(batch_size, *shape, device=META),)
 
 
-def _build_on_meta(build, name: str):
+def _build_on_meta(build: _Builder, name: str) -> tuple[nn.Module, _Inputs]:
     try:
         return build(META)
     except Exception as exc:
@@ -239,9 +241,10 @@ def _build_on_meta(build, name: str):
 
 
 # ---- user code: files and modules --------------------------------------------------------
-def _load_from_file(path: Path, attr: str) -> tuple[Callable[[], Any], Callable[[int], Any] | None]:
+def _load_from_file(path: Path, attr: str) -> tuple[Callable[[], object], _Example | None]:
     if not path.is_file():
-        raise ModelSourceError(f"model file not found: {path}", hint="Check the path (relative to the current directory).")
+        raise ModelSourceError(f"model file not found: {path}",
+                               hint="Check the path (relative to the current directory).")
     module_name = f"memcalc_user_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
@@ -257,7 +260,7 @@ def _load_from_file(path: Path, attr: str) -> tuple[Callable[[], Any], Callable[
     return _factory_from(module, attr, str(path))
 
 
-def _load_from_module(module_path: str, attr: str):
+def _load_from_module(module_path: str, attr: str) -> tuple[Callable[[], object], _Example | None]:
     try:
         module = importlib.import_module(module_path)
     except ModuleNotFoundError as exc:
@@ -271,7 +274,7 @@ def _load_from_module(module_path: str, attr: str):
     return _factory_from(module, attr, module_path)
 
 
-def _factory_from(module: Any, attr: str, where: str):
+def _factory_from(module: ModuleType, attr: str, where: str) -> tuple[Callable[[], object], _Example | None]:
     if not attr:
         raise InvalidInputError(f"name the factory after the colon: {where}:make_model")
     factory = getattr(module, attr, None)
@@ -282,7 +285,7 @@ def _factory_from(module: Any, attr: str, where: str):
     example = getattr(module, "example_inputs", None)
     if isinstance(factory, nn.Module):
         instance = factory
-        factory = lambda: instance  # noqa: E731  (a module object named directly)
+        factory = lambda: instance  # a module object named directly
     if not callable(factory):
         raise ModelSourceError(f"{where}:{attr} is a {type(factory).__name__}, not a factory")
     return factory, example if callable(example) else None
@@ -298,36 +301,39 @@ def _user_frame(exc: BaseException) -> str:
 
 
 # ---- optional package sources -------------------------------------------------------------
-def _import_optional(package: str, purpose: str):
+def _import_optional(package: str, purpose: str) -> ModuleType:
     try:
         return importlib.import_module(package)
     except ImportError as exc:
         raise MissingPackageError(package, purpose) from exc
 
 
-def _torchvision_source(name, batch_size, shape, seq_len, user_inputs) -> ResolvedModel:
+def _torchvision_source(name: str, batch_size: int, shape: _Shape | None, seq_len: int | None,
+                       user_inputs: _Inputs | None) -> ResolvedModel:
     tv_models = _import_optional("torchvision", f"the model source torchvision:{name}").models
     try:
         builder = tv_models.get_model_builder(name)
     except ValueError as exc:
         raise UnknownModelError(f"torchvision:{name}", [f"torchvision:{n}" for n in
                                                         _close(name, tv_models.list_models())]) from exc
-    factory = lambda: builder(weights=None)  # noqa: E731
+    factory = lambda: builder(weights=None)
     return _resolve_factory(factory, f"torchvision:{name}", batch_size, shape or (3, 224, 224), user_inputs, None)
 
 
-def _timm_source(name, batch_size, shape, seq_len, user_inputs) -> ResolvedModel:
+def _timm_source(name: str, batch_size: int, shape: _Shape | None, seq_len: int | None,
+                 user_inputs: _Inputs | None) -> ResolvedModel:
     timm = _import_optional("timm", f"the model source timm:{name}")
     if name not in timm.list_models():
         raise UnknownModelError(f"timm:{name}", [f"timm:{n}" for n in _close(name, timm.list_models())])
-    factory = lambda: timm.create_model(name, pretrained=False)  # noqa: E731
+    factory = lambda: timm.create_model(name, pretrained=False)
     if shape is None:
         config = timm.get_pretrained_cfg(name)
         shape = tuple(getattr(config, "input_size", None) or (3, 224, 224))
     return _resolve_factory(factory, f"timm:{name}", batch_size, shape, user_inputs, None)
 
 
-def _hf_source(spec, batch_size, shape, seq_len, user_inputs) -> ResolvedModel:
+def _hf_source(spec: str, batch_size: int, shape: _Shape | None, seq_len: int | None,
+               user_inputs: _Inputs | None) -> ResolvedModel:
     transformers = _import_optional("transformers", f"the model source hf:{spec}")
     if spec.endswith(".json"):
         path = Path(spec)
@@ -339,12 +345,12 @@ def _hf_source(spec, batch_size, shape, seq_len, user_inputs) -> ResolvedModel:
         if spec not in mapping:
             raise UnknownModelError(f"hf:{spec}", [f"hf:{n}" for n in _close(spec, list(mapping.keys()))])
         config = mapping[spec]()
-    factory = lambda: _hf_model_from_config(transformers, config)  # noqa: E731
+    factory = lambda: _hf_model_from_config(transformers, config)
     length = (shape[0] if shape else None) or seq_len or min(
         getattr(config, "max_position_embeddings", _HF_DEFAULT_SEQ_LEN) or _HF_DEFAULT_SEQ_LEN, _HF_DEFAULT_SEQ_LEN)
     vocab = getattr(config, "vocab_size", None) or 32000
 
-    def example(b: int):
+    def example(b: int) -> tuple[torch.Tensor]:
         return (torch.randint(0, vocab, (b, length)),)
 
     resolved = _resolve_factory(factory, f"hf:{spec}", batch_size, None, user_inputs, example)
@@ -352,10 +358,11 @@ def _hf_source(spec, batch_size, shape, seq_len, user_inputs) -> ResolvedModel:
     return resolved
 
 
-def _hf_model_from_config(transformers, config):
+def _hf_model_from_config(transformers: ModuleType, config: Any) -> nn.Module:
     for auto in ("AutoModelForCausalLM", "AutoModel"):
         try:
-            return getattr(transformers, auto).from_config(config)
+            model: nn.Module = getattr(transformers, auto).from_config(config)
+            return model
         except ValueError:
             continue
     raise ModelSourceError(f"transformers has no model class for config {type(config).__name__}")
@@ -371,7 +378,7 @@ def _close(name: str, candidates: list[str]) -> list[str]:
     return difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
 
 
-_PACKAGE_SOURCES: dict[str, Callable[..., ResolvedModel]] = {
+_PACKAGE_SOURCES: dict[str, _PackageSource] = {
     "torchvision": _torchvision_source,
     "timm": _timm_source,
     "hf": _hf_source,
@@ -379,7 +386,7 @@ _PACKAGE_SOURCES: dict[str, Callable[..., ResolvedModel]] = {
 
 
 # ---- small helpers -----------------------------------------------------------------------
-def _requested_shape(input_shape, seq_len) -> tuple[int, ...] | None:
+def _requested_shape(input_shape: Sequence[int] | None, seq_len: int | None) -> _Shape | None:
     if input_shape is not None:
         shape = tuple(int(d) for d in input_shape)
         if not shape or any(d < 1 for d in shape):
@@ -392,15 +399,16 @@ def _requested_shape(input_shape, seq_len) -> tuple[int, ...] | None:
     return None
 
 
-def _as_tuple(inputs) -> tuple[torch.Tensor, ...] | None:
+def _as_tuple(inputs: Iterable[object] | torch.Tensor | None) -> _Inputs | None:
     if inputs is None:
         return None
     if isinstance(inputs, torch.Tensor):
         return (inputs,)
     values = tuple(inputs)
-    if not values or not all(isinstance(t, torch.Tensor) for t in values):
+    tensors = tuple(t for t in values if isinstance(t, torch.Tensor))
+    if not values or len(tensors) != len(values):
         raise InvalidInputError("inputs must be a tensor or a sequence of tensors")
-    return values
+    return tensors
 
 
 def _display_name(module: nn.Module) -> str:

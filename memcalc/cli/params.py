@@ -1,0 +1,166 @@
+"""Parameter types and options shared by ``memcalc fit`` and ``memcalc sweep``: byte counts,
+comma-separated lists, and the budget (``--gpu``, ``--budget``, ``--device``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import click
+
+from memcalc.core.precision import Precision
+from memcalc.core.units import BYTES_FORMS, parse_bytes
+from memcalc.engine.optimizers import Optimizer
+
+__all__ = (
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "BytesType",
+    "ListType",
+    "UnitCommand",
+    "budget_arguments",
+    "budget_options",
+    "choice_of",
+    "positive_int",
+)
+
+_T = TypeVar("_T")
+
+
+class BytesType(click.ParamType[int]):
+    """``24GiB``, ``16 GiB``, ``80GB``, ``12884901888`` → bytes."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        """Bytes from ``value`` (an int is already bytes); a usage error for an unreadable size."""
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_bytes(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class ListType(click.ParamType[list[_T]]):
+    """A comma-separated list, each item converted by ``item``; a bad item is a usage error
+    that names it."""
+
+    def __init__(self, item: Callable[[str], _T], what: str) -> None:
+        self.item = item
+        self.what = what
+        self.name = f"{what}[,{what}...]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[_T]:
+        """Split ``value`` at commas and convert each item (a list is already converted)."""
+        if isinstance(value, list):
+            return value
+        items = [part.strip() for part in str(value).split(",")]
+        converted: list[_T] = []
+        for item in items:
+            try:
+                converted.append(self.item(item))
+            except ValueError as exc:
+                self.fail(f"item {item!r} of {value!r}: {exc}", param, ctx)
+        return converted
+
+
+def positive_int(text: str) -> int:
+    """``text`` as a batch size (digits only, at least 1); ``ValueError`` otherwise."""
+    if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
+        raise ValueError("not a positive integer batch size")
+    return int(text)
+
+
+def choice_of(values: Iterable[str]) -> Callable[[str], str]:
+    """A converter to one of ``values`` (case-insensitive, lower-cased); ``ValueError`` otherwise."""
+    allowed = list(values)
+
+    def convert(text: str) -> str:
+        if text.lower() not in allowed:
+            raise ValueError(f"choose from {', '.join(allowed)}")
+        return text.lower()
+
+    return convert
+
+
+class UnitCommand(click.Command):
+    """Reads ``--budget 16 GiB`` (unquoted) as one size: a number followed by a word that
+    would otherwise be a second positional argument is that number's unit."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Join a ``--budget`` number and its unit, then parse as click does."""
+        flags = {name for p in self.get_params(ctx) if isinstance(p, click.Option) and p.is_flag
+                 for name in (*p.opts, *p.secondary_opts)}
+        return super().parse_args(ctx, _join_budget_unit(args, flags))
+
+
+_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+_WORD = re.compile(r"[A-Za-z]+")
+
+
+def _join_budget_unit(args: list[str], flags: set[str]) -> list[str]:
+    """``[..., "--budget", "16", "GiB", ...]`` → ``[..., "--budget", "16 GiB", ...]`` when
+    "GiB" would be an extra positional argument (the model came first)."""
+    positionals = _positional_indices(args, flags)
+    for i in range(len(args) - 2):
+        number, word = args[i + 1], args[i + 2]
+        if (args[i] == "--budget" and _NUMBER.fullmatch(number) and _WORD.fullmatch(word)
+                and i + 2 in positionals and len(positionals) > 1):
+            return [*args[:i + 1], f"{number} {word}", *args[i + 3:]]
+    return list(args)
+
+
+def _positional_indices(args: list[str], flags: set[str]) -> set[int]:
+    """Positions of the arguments that are not options or option values."""
+    found: set[int] = set()
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if token == "--":
+            found.update(range(i + 1, len(args)))
+            break
+        if token.startswith("-") and token != "-":
+            i += 1 if token in flags or "=" in token else 2
+            continue
+        found.add(i)
+        i += 1
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# Shared options
+# --------------------------------------------------------------------------------------------
+
+
+def budget_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--gpu``, ``--budget`` and ``--device`` (keyword arguments ``gpu``, ``budget``, ``device``)."""
+    func = click.option("--device", default=None, metavar="auto|cuda:N",
+                        help="A GPU of this machine: its free memory minus a new process's CUDA "
+                             "context (auto: the one with the most free memory).")(func)
+    func = click.option("--budget", type=BytesType(), default=None,
+                        help=f"Bytes the step may use, nothing subtracted: {BYTES_FORMS}.")(func)
+    func = click.option("--gpu", default=None, metavar="NAME",
+                        help="A GPU model (a100-40gb, h100-80gb, ...): its memory minus the CUDA context.")(func)
+    return func
+
+
+def budget_arguments(gpu: str | None, budget: int | None, device: str | None, *, required: bool) -> dict[str, Any]:
+    """The one budget option given, as :func:`memcalc.search.budget.resolve_budget` keywords; a
+    usage error for more than one (or none, when ``required``)."""
+    given = {name: value for name, value in (("gpu", gpu), ("budget", budget), ("device", device))
+             if value is not None}
+    if len(given) > 1:
+        raise click.UsageError(
+            f"give only one of --gpu, --budget or --device (got {', '.join('--' + n for n in given)})")
+    if required and not given:
+        raise click.UsageError("give a GPU model (--gpu a100-40gb), a budget (--budget 16GiB) or a local "
+                               "GPU (--device auto)")
+    return given
+
+
+PRECISIONS = [p.value for p in Precision]
+OPTIMIZERS = [o.value for o in Optimizer]
+
+

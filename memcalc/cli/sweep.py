@@ -1,0 +1,141 @@
+"""``memcalc sweep``: estimates over batch sizes, optimizers and precisions, as a table, JSON
+or a plot."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TextIO
+
+import click
+from tabulate import tabulate
+
+from memcalc import api
+from memcalc.cli.options import handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.params import (
+    OPTIMIZERS,
+    PRECISIONS,
+    ListType,
+    UnitCommand,
+    budget_arguments,
+    budget_options,
+    choice_of,
+    positive_int,
+)
+from memcalc.core.categories import Category
+from memcalc.core.units import format_bytes
+from memcalc.engine.optimizers import Optimizer
+from memcalc.report.render import render_json
+from memcalc.search.budget import Budget, resolve_budget
+from memcalc.search.sweep import SweepPoint, sweep_configurations
+
+__all__ = ("sweep_command",)
+
+#: Sweeps with more configurations than this show a progress bar (on a terminal).
+PROGRESS_MIN_CONFIGURATIONS = 4
+
+
+@click.command("sweep", cls=UnitCommand)
+@click.argument("model")
+@click.option("--batch", "-b", "batches", type=ListType(positive_int, "N"), required=True,
+              help="Batch sizes, comma-separated: 1,16,64,256.")
+@click.option("--optim", "optims", type=ListType(choice_of(OPTIMIZERS), "OPTIM"), default=Optimizer.ADAM.value,
+              show_default=True, help=f"Optimizers, comma-separated ({', '.join(OPTIMIZERS)}).")
+@click.option("--precision", "precisions", type=ListType(choice_of(PRECISIONS), "PRECISION"), default=None,
+              help=f"Precisions, comma-separated ({', '.join(PRECISIONS)}).")
+@budget_options
+@step_options
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Draw memory against batch size to this file (PNG; needs matplotlib).")
+@output_options
+@handle_errors
+def sweep_command(model: str, batches: list[int], optims: list[str], precisions: list[str] | None,
+                  gpu: str | None, budget: int | None, device: str | None,
+                  input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
+                  accum_steps: int, kv_cache: int | None, loss: str | None,
+                  plot_path: str | None, fmt: str, units: str, debug: bool) -> None:
+    """Estimate MODEL for every batch size × optimizer × precision: one row each.
+
+    \b
+    memcalc sweep resnet50 --batch 1,16,64,256 --optim sgd,adam --precision fp32,amp-bf16
+    memcalc sweep resnet50 --batch 16,64,256 --gpu a100-40gb --plot memory.png
+    """
+    where = budget_arguments(gpu, budget, device, required=False)
+    resolved = resolve_budget(**where) if where else None
+    if plot_path is not None:
+        from memcalc.report.plot import check_available
+
+        check_available()  # before the sweep, not after minutes of it
+    configs = sweep_configurations(batches, optims, precisions or [None])
+    step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
+                         accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
+    points_iter = api.iter_sweep(model, batch_sizes=batches, optimizers=optims,
+                                    precisions=precisions or [None], budget=resolved, **step)
+    show = fmt != "json" and len(configs) > PROGRESS_MIN_CONFIGURATIONS and _is_terminal(sys.stderr)
+    with quiet(), _progress(points_iter, len(configs), show) as progress:
+        points = list(progress)
+    if plot_path is not None:
+        from memcalc.report.plot import plot_sweep
+
+        written = plot_sweep(points, plot_path, capacity=resolved.capacity if resolved else None,
+                             capacity_label=_capacity_label(resolved) if resolved else None)
+        click.echo(f"wrote {written}", err=True)
+    if fmt == "json":
+        click.echo(render_json([p.to_dict() for p in points]))
+        return
+    click.echo(_render_sweep(points, resolved, fmt, units, with_precision=precisions is not None), nl=False)
+
+
+@contextmanager
+def _progress(points: Iterator[SweepPoint], total: int, show: bool) -> Iterator[Iterable[SweepPoint]]:
+    if not show:
+        yield points
+        return
+    with click.progressbar(points, length=total, label="estimating", file=sys.stderr,
+                           show_pos=True) as bar:
+        yield bar
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def _capacity_label(budget: Budget) -> str:
+    name = budget.gpu.key if budget.gpu is not None else "budget"
+    return f"{name}: {format_bytes(budget.capacity, 'GiB')} usable"
+
+
+_SWEEP_CATEGORIES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE, Category.ACTIVATIONS)
+
+
+def _render_sweep(points: Sequence[SweepPoint], budget: Budget | None, fmt: str, unit: str,
+                  *, with_precision: bool) -> str:
+    headers = ["batch", "optimizer", *(["precision"] if with_precision else []), "peak allocated",
+               *[c.value.replace("_", " ") for c in _SWEEP_CATEGORIES], "other"]
+    if budget is not None:
+        headers.append("fits")
+    rows = []
+    for point in points:
+        b = point.report.bytes
+        shown = [b.category(c) for c in _SWEEP_CATEGORIES]
+        row = [str(point.batch_size), point.optimizer, *([point.precision or "-"] if with_precision else []),
+               format_bytes(b.peak_allocated, unit), *[format_bytes(v, unit) for v in shown],
+               format_bytes(b.peak_allocated - sum(shown), unit)]
+        if budget is not None:
+            row.append("yes" if point.fits else "no")
+        rows.append(row)
+    model = points[0].report.model if points else "?"
+    title = f"memcalc sweep: {model}, {points[0].report.mode.value if points else ''} (binary units; bytes at the peak)"
+    if budget is not None:
+        title += f"\nbudget: {format_bytes(budget.capacity, unit)} ({budget.source})"
+    colalign = ["right", "left", *(["left"] if with_precision else []), *["right"] * (len(_SWEEP_CATEGORIES) + 2)]
+    if budget is not None:
+        colalign.append("left")
+    table = tabulate(rows, headers=headers, tablefmt=fmt, colalign=colalign, disable_numparse=True)
+    return f"{title}\n\n{table}\n"
+
+

@@ -1,0 +1,73 @@
+"""What memcalc needs to know about a GPU: :class:`GpuProfile`, and :data:`GENERIC`, the
+profile used when none is named. The catalogue of real cards lives in
+:mod:`memcalc.cuda.gpus.catalogue`; this module is vocabulary, so that options and reports can
+name a GPU without depending on the CUDA rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.core.units import format_bytes
+
+__all__ = ("CUBLAS_WORKSPACE_DEFAULT", "GENERIC", "GENERIC_CONTEXT", "GpuProfile")
+
+KiB = 1024
+MiB = 1024**2
+
+#: ``4096 * 1024 * 2 + 16 * 1024 * 8`` = 8,519,680 B: PyTorch's ``:4096:2:16:8`` cuBLAS
+#: workspace default off sm90 (aten/src/ATen/cuda/CublasHandlePool.cpp; see memcalc.cuda.cublas).
+CUBLAS_WORKSPACE_DEFAULT = 4096 * KiB * 2 + 16 * KiB * 8
+#: GENERIC's context: a round number at the top of the reported 300–600 MiB range.
+GENERIC_CONTEXT = 512 * MiB
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """One GPU model: capacity as CUDA reports it and the fixed costs before the first tensor.
+
+    ``total_memory`` is ``None`` only for :data:`GENERIC` (no capacity: estimates work, fit
+    checks cannot). ``smi_total_mib`` is nvidia-smi's ``memory.total`` (bigger: it includes
+    the driver's reserve) — shown to users and used to recognise local GPUs; ``None`` when
+    unknown.
+    """
+
+    key: str
+    name: str
+    total_memory: int | None
+    compute_capability: tuple[int, int]
+    arch: str
+    sm_count: int
+    supports_bf16: bool
+    cuda_context: int
+    cublas_workspace: int
+    aliases: tuple[str, ...] = ()
+    smi_total_mib: int | None = None
+
+    @property
+    def usable_memory(self) -> int | None:
+        """What tensors, the caching allocator and workspaces can share: total minus context."""
+        if self.total_memory is None:
+            return None
+        return self.total_memory - self.cuda_context
+
+    def describe(self) -> str:
+        """One line for listings: key, name, capacity (binary units), context."""
+        total = "no capacity" if self.total_memory is None else format_bytes(self.total_memory, "GiB")
+        return f"{self.key}: {self.name}, {total}, sm{self.compute_capability[0]}{self.compute_capability[1]}, context ~{format_bytes(self.cuda_context, 'MiB')}"
+
+
+#: The profile used when no GPU is named: an sm80-class card of unknown capacity. Its cuBLAS
+#: workspace is the non-Hopper default (8,519,680 B) and its context a flat 512 MiB, both
+#: assumptions; ``total_memory=None`` means "no capacity": fit questions need a real GPU.
+GENERIC = GpuProfile(
+    key="generic",
+    name="Generic CUDA GPU (sm80-class, capacity unknown)",
+    total_memory=None,
+    compute_capability=(8, 0),
+    arch="ampere",
+    sm_count=108,
+    supports_bf16=True,
+    cuda_context=GENERIC_CONTEXT,
+    cublas_workspace=CUBLAS_WORKSPACE_DEFAULT,
+    aliases=("default", "none", "any"),
+)

@@ -1,0 +1,143 @@
+"""What CUDA autocast does with an op: :func:`autocast_policy`, from the op lists of
+``aten/src/ATen/autocast_mode.{h,cpp}``.
+
+Under ``torch.autocast("cuda")`` each registered op casts its floating inputs by one of a few
+policies (run in fp16/bf16, run in fp32, promote to the widest input, ...); ops not listed run
+in whatever dtypes reach them. Source snapshots read: ``autocast_mode.h`` (installed torch
+2.13 headers) and ``autocast_mode.cpp`` (pytorch/pytorch); the lists are 2.11's.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from memcalc.cuda.versions import TARGET_TORCH_VERSION, parse_torch_version
+
+__all__ = (
+    "BANNED_OPS",
+    "FP32_APPEND_DTYPE_OPS",
+    "FP32_OPS",
+    "FP32_SET_OPT_DTYPE_OPS",
+    "LOWER_PRECISION_OPS",
+    "PROMOTE_OPS",
+    "AutocastPolicy",
+    "autocast_lists",
+    "autocast_policy",
+)
+
+# =============================================================================================
+# CUDA autocast — aten/src/ATen/autocast_mode.{h,cpp}
+# =============================================================================================
+
+AutocastPolicy = Literal["lower", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote", "banned", "none"]
+
+#: AT_FORALL_LOWER_PRECISION_FP + the two CUDA-only registrations (cudnn_convolution,
+#: cudnn_convolution_transpose) in ``TORCH_LIBRARY_IMPL(aten, Autocast, m)``: run in the
+#: autocast dtype (fp16 by default on CUDA, bf16 when asked).
+LOWER_PRECISION_OPS: frozenset[str] = frozenset({
+    "_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "convolution", "prelu",
+    "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear",
+    "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
+    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell",
+    "rnn_tanh_cell", "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+    "cudnn_convolution", "cudnn_convolution_transpose",
+})  # fmt: skip
+
+#: AT_FORALL_FP32 (2.11): cast every floating input to float32. ``rms_norm`` joined in 2.12
+#: (#174824), see :func:`autocast_lists`.
+FP32_OPS: frozenset[str] = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+    "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm",
+    "group_norm", "frobenius_norm", "nuclear_norm", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div",
+    "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+    "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
+    "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+    "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+})  # fmt: skip
+
+#: AT_FORALL_FP32_SET_OPT_DTYPE: when the first tensor is eligible and no ``dtype=`` is given,
+#: pass ``dtype=float32`` (the op computes and returns fp32 without casting its input first).
+FP32_SET_OPT_DTYPE_OPS: frozenset[str] = frozenset({
+    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "sum",
+})  # fmt: skip
+
+#: AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE: ``norm.Scalar`` / ``norm.ScalarOpt_dim`` redispatch
+#: with an appended ``dtype`` = float32 (or the input's dtype when it is not eligible).
+FP32_APPEND_DTYPE_OPS: frozenset[str] = frozenset({"norm"})
+
+#: AT_FORALL_PROMOTE: cast all floating inputs to the widest floating input type. ``cat`` and
+#: ``stack`` are *not* here any more: native type promotion handles them.
+PROMOTE_OPS: frozenset[str] = frozenset({
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
+    "index_put", "tensordot", "scatter_add",
+})  # fmt: skip
+
+#: ``binary_cross_entropy_banned``: raises "unsafe to autocast" under CUDA autocast.
+BANNED_OPS: frozenset[str] = frozenset({"binary_cross_entropy"})
+
+#: Python-level names that reach an aten op of another name.
+_AUTOCAST_ALIASES: dict[str, str] = {
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "multi_dot": "linalg_multi_dot",
+    "grid_sample": "grid_sampler",
+    "vector_norm": "linalg_vector_norm",
+    "matrix_norm": "linalg_matrix_norm",
+}
+
+
+def autocast_lists(torch_version: str = TARGET_TORCH_VERSION) -> dict[AutocastPolicy, frozenset[str]]:
+    """Op names (no overload) per CUDA autocast policy for ``torch_version``.
+
+    The lists are 2.11's; the one known later change is ``rms_norm`` → fp32 in 2.12 (#174824,
+    which also makes an fp32 output from bf16 inputs under autocast). Earlier versions are
+    assumed equal to 2.11 except where noted; not verified below 2.11.
+    """
+    fp32 = FP32_OPS | ({"rms_norm"} if parse_torch_version(torch_version) >= (2, 12) else frozenset())
+    return {
+        "lower": LOWER_PRECISION_OPS,
+        "fp32": fp32,
+        "fp32_set_opt_dtype": FP32_SET_OPT_DTYPE_OPS,
+        "fp32_append_dtype": FP32_APPEND_DTYPE_OPS,
+        "promote": PROMOTE_OPS,
+        "banned": BANNED_OPS,
+    }
+
+
+def _base_op_name(op_name: str) -> str:
+    """``"aten::softmax.int"`` / ``"softmax.int"`` / ``"torch.softmax"`` → ``"softmax"``, but
+    keep ``"_convolution.deprecated"`` whole (both overloads of _convolution are listed)."""
+    name = op_name.removeprefix("aten::").removeprefix("torch.")
+    if name == "_convolution.deprecated":
+        return name
+    name = name.split(".", 1)[0]
+    return _AUTOCAST_ALIASES.get(name, name)
+
+
+def autocast_policy(op_name: str, torch_version: str = TARGET_TORCH_VERSION) -> AutocastPolicy:
+    """What CUDA autocast does with ``op_name`` ("none": the op is not registered and runs in
+    whatever dtypes reach it).
+
+    Cast inputs go through ``cached_cast``: a cast is cached — and so reused by every later op
+    in the autocast region — only when it is a cast *to the lower-precision dtype* of a tensor
+    that is eligible (floating, on the autocast device, not float64), float32, requires grad,
+    is a leaf, is not a view, the cache is enabled (``cache_enabled=True``, default), and is
+    not already a cached tensor. In practice: fp32 parameters. Other casts (activations, fp32
+    casts, frozen weights with ``requires_grad=False``) are redone per op and freed unless
+    autograd saves them. The cache is keyed by the source TensorImpl and holds the cast alive
+    until ``clear_cache()``, which ``torch.autocast.__exit__`` calls when the *outermost*
+    autocast region exits (``autocast_decrement_nesting() == 0``) — the end of the forward in
+    the usual training loop; casts autograd saved live on until backward frees them.
+    """
+    name = _base_op_name(op_name)
+    for policy, names in autocast_lists(torch_version).items():
+        if name in names:
+            return policy
+    return "none"

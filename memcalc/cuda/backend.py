@@ -1,0 +1,97 @@
+"""The CUDA rules plugged into the engine: one :class:`CudaBackend` per traced step.
+
+It puts together what :mod:`memcalc.cuda` knows: the autocast and kernel-choice emulation
+(:mod:`memcalc.cuda.emulation`), the kernel workspaces (:mod:`memcalc.cuda.workspaces`) and
+the emulated gradient scaler of fp16 mixed precision. With ``target="cpu"`` the kernel
+emulation and the workspaces are off — the step is what a CPU run allocates — while mixed
+precision still follows CUDA's autocast lists (a CPU comparison of an AMP step uses them too).
+
+:func:`trace_step` is the engine's :func:`~memcalc.engine.run.trace_model` with this backend:
+what every caller above this layer uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from memcalc.core.categories import Mode
+from memcalc.cuda.emulation import CudaEmulation
+from memcalc.cuda.gpus.catalogue import get_gpu
+from memcalc.cuda.grad_scaler import EmulatedGradScaler
+from memcalc.cuda.workspaces import WorkspaceModel
+from memcalc.engine.backend import AutocastRegion, GradScalerLike
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.options import EstimateOptions
+from memcalc.engine.run import RankHooks, TracedStep, trace_model
+from memcalc.engine.trace import StorageTracer
+
+__all__ = ("CudaBackend", "trace_step")
+
+_RNN_NOTE = ("recurrent layers: on CUDA nn.LSTM/GRU/RNN run cuDNN's fused kernel with a reserve buffer "
+             "that memcalc does not model; the estimate follows the step-by-step decomposition")
+
+
+class CudaBackend:
+    """What a CUDA GPU does differently from meta tensors, for one step of ``options``."""
+
+    def __init__(self, options: EstimateOptions) -> None:
+        self.options = options
+        self.emulation = CudaEmulation(options.precision, options.gpu.compute_capability,
+                                       emulate_kernels=options.emulate_cuda)
+        self.workspaces = (WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN)
+                           if options.emulate_cuda else None)
+
+    def attach(self, tracer: StorageTracer) -> None:
+        # a checkpointed forward recomputed in backward runs under autocast again
+        self.emulation.recomputing = lambda: tracer.modules.recomputing
+        if self.workspaces is not None:
+            self.workspaces.attach(tracer)
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self.workspaces is not None:
+            self.workspaces.after_op(func, args, kwargs, out)
+
+    def mode(self) -> AbstractContextManager[Any]:
+        return self.emulation
+
+    def autocast(self) -> AutocastRegion | None:
+        return self.emulation.autocast if self.options.precision.is_amp else None
+
+    def grad_scaler(self) -> GradScalerLike | None:
+        if not self.options.precision.uses_grad_scaler:
+            return None
+        return EmulatedGradScaler(torch.device("meta"))
+
+    def attention_backends(self) -> Mapping[str, int]:
+        return dict(self.emulation.attention_backends)
+
+    def notes(self, module: nn.Module) -> list[str]:
+        notes = self.workspaces.notes() if self.workspaces is not None else []
+        if self.options.emulate_cuda and any(isinstance(m, nn.RNNBase) for m in module.modules()):
+            notes.append(_RNN_NOTE)
+        return notes
+
+
+def trace_step(resolved: ResolvedModel, options: EstimateOptions | None = None, *, hooks: RankHooks | None = None,
+               **option_values: Any) -> TracedStep:
+    """Trace one step of ``resolved`` as a CUDA GPU would run it.
+
+    Args:
+        resolved: the model and its inputs, on meta.
+        options: the step; or give ``option_values`` for :meth:`EstimateOptions.create`
+            (``optimizer="sgd"``, ``precision="amp-bf16"``, ``gpu="h100-80gb"`` (a catalogue
+            name), ``target="cpu"``, ...).
+        hooks: a multi-GPU program's hooks on this rank's model.
+
+    Returns:
+        The traced step, ready for :func:`memcalc.engine.run.build_report`.
+    """
+    if options is None:
+        gpu = option_values.pop("gpu", None)
+        options = EstimateOptions.create(gpu=get_gpu(gpu) if isinstance(gpu, str) else gpu, **option_values)
+    return trace_model(resolved, options, CudaBackend(options), hooks=hooks)

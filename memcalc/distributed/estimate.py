@@ -1,0 +1,67 @@
+"""One validated estimate request, and the estimate of it on one GPU or under a strategy.
+
+:class:`EstimateRequest` is everything :func:`memcalc.estimate` was asked, converted once at
+the API boundary; the batch search (:mod:`memcalc.search`) varies its batch size, capacity,
+optimizer and precision with :func:`dataclasses.replace` and calls :func:`run_estimate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memcalc.core.report import MemoryReport
+from memcalc.cuda.backend import trace_step
+from memcalc.distributed.options import Distributed
+from memcalc.distributed.strategies import estimate_per_rank
+from memcalc.engine.options import EstimateOptions
+from memcalc.engine.run import TracedStep, build_report
+from memcalc.sources.resolve import resolve
+
+__all__ = ("EstimateRequest", "run_estimate")
+
+
+@dataclass(frozen=True)
+class EstimateRequest:
+    """A model, its inputs, the step and the GPUs, validated.
+
+    ``model`` is whatever the user named (resolved anew for each estimate: a meta twin is
+    cheap, and a strategy resolves each role at its own batch). ``capacity``: the bytes the
+    caching allocator may reserve (None: no limit, ``fits`` stays None).
+    """
+
+    model: Any
+    options: EstimateOptions
+    distributed: Distributed = field(default_factory=Distributed)
+    batch_size: int | None = None
+    input_shape: tuple[int, ...] | None = None
+    seq_len: int | None = None
+    inputs: Sequence[torch.Tensor] | torch.Tensor | None = None
+    capacity: int | None = None
+
+
+def run_estimate(request: EstimateRequest, on_trace: Callable[[TracedStep], None] | None = None) -> MemoryReport:
+    """Estimate ``request``.
+
+    Args:
+        request: the validated request.
+        on_trace: single GPU only: called with the raw traced step before the report is
+            made (the batch search replays the same step at other batch sizes with it).
+
+    Returns:
+        The report; under a strategy, that of the busiest GPU with every role in ``roles``.
+    """
+    options = request.options
+    if not request.distributed.is_single:
+        return estimate_per_rank(request.model, distributed=request.distributed, options=options,
+                                 batch_size=request.batch_size, input_shape=request.input_shape,
+                                 seq_len=request.seq_len, inputs=request.inputs, capacity=request.capacity)
+    resolved = resolve(request.model, batch_size=request.batch_size, input_shape=request.input_shape,
+                       seq_len=request.seq_len, inputs=request.inputs)
+    traced = trace_step(resolved, options)
+    if on_trace is not None:
+        on_trace(traced)
+    return build_report(resolved, traced, options, request.capacity)

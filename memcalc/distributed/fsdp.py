@@ -1,0 +1,453 @@
+"""Sharded parameters: one rank of FSDP2 (``fully_shard``) or of DeepSpeed ZeRO-3, whose
+parameters are this rank's shards and are all-gathered unit by unit around each forward and
+backward, their gradients reduce-scattered back to shards. ZeRO-3's partitioned optimizer is
+:class:`~memcalc.distributed.zero.ZeroProgram`, which runs over this program."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memcalc.core.categories import Category
+from memcalc.distributed.program import RankProgram, map_output
+from memcalc.engine.trace import StorageTracer, tensors_of
+
+__all__ = (
+    "ShardedProgram",
+    "Unit",
+    "fsdp_units",
+    "module_units",
+)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A group of parameters gathered together: an FSDP-wrapped module (the modules of its
+    subtree that no inner unit claims) or, for ZeRO-3, one module's own parameters."""
+
+    name: str
+    module: nn.Module
+    members: tuple[nn.Module, ...]  # modules whose own (recurse=False) parameters it gathers
+
+
+def fsdp_units(module: nn.Module, containers: Sequence[str]) -> list[Unit]:
+    """``fully_shard`` on every block of ``containers`` (a zoo model's transformer layers or
+    ResNet blocks) and on the root. Without containers: on the items of the model's
+    outermost ``nn.ModuleList``s (how transformer layers are held), else on every direct
+    child that has parameters."""
+    paths = list(containers) or _module_lists(module)
+    blocks: list[tuple[str, nn.Module]] = []
+    for path in paths:
+        container = module.get_submodule(path)
+        blocks.extend((f"{path}.{name}", child) for name, child in container.named_children())
+    if not paths:
+        blocks = [(name, child) for name, child in module.named_children()
+                  if next(child.parameters(), None) is not None]
+    claimed: set[int] = set()
+    units: list[Unit] = []
+    for name, block in blocks:
+        members = tuple(m for m in block.modules() if id(m) not in claimed)
+        claimed.update(id(m) for m in members)
+        units.append(Unit(name, block, members))
+    root_members = tuple(m for m in module.modules() if id(m) not in claimed)
+    units.append(Unit("(root)", module, root_members))
+    return units
+
+
+def _module_lists(module: nn.Module) -> list[str]:
+    found: list[str] = []
+    for name, sub in module.named_modules():
+        if (isinstance(sub, nn.ModuleList) and not any(name.startswith(f + ".") for f in found)
+                and next(sub.parameters(), None) is not None):
+            found.append(name)
+    return found
+
+
+def module_units(module: nn.Module) -> list[Unit]:
+    """DeepSpeed ZeRO-3's granularity: each module that owns parameters gathers them in its
+    forward pre-hook (``fetch_sub_module``) and releases them after."""
+    return [Unit(name or "(root)", m, (m,)) for name, m in module.named_modules()
+            if next(m.parameters(recurse=False), None) is not None]
+
+
+@dataclass(eq=False)
+class _Param:
+    original: nn.Parameter
+    sharded: nn.Parameter
+    shard_numel: int
+    world_size: int
+    gather_dtype: torch.dtype
+    owner: _UnitState | None = None
+    unsharded: nn.Parameter | None = None
+    holders: int = 0
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+
+@dataclass(eq=False)
+class _UnitState:
+    unit: Unit
+    params: list[_Param]  # every parameter it gathers
+    owned: list[_Param]  # those whose gradient it reduces
+    locations: list[tuple[nn.Module, str, _Param]]
+    reshard_after_forward: bool
+    gathered: bool = False
+    prefetched: torch.Tensor | None = None  # an all-gather output issued by a prefetch
+    backward_started: bool = False
+    reduced: bool = False
+
+
+class ShardedProgram(RankProgram):
+    """One rank of FSDP2 (``style="fsdp2"``) or DeepSpeed ZeRO-3 (``style="deepspeed"``).
+
+    The model's parameters are replaced by this rank's shards for the whole step (what the
+    optimizer sees); a unit's pre-forward hook all-gathers its parameters — real meta
+    tensors of the full size that the module then uses — and resharding frees them with
+    :meth:`StorageTracer.free_storage` (FSDP's ``resize_(0)``: autograd keeps referencing
+    them), backward gathers them again (:meth:`StorageTracer.alloc_storage`).
+
+    FSDP2 (``torch/distributed/fsdp/_fully_shard``): shards are dim-0 chunks padded to a
+    multiple of the world size; an all-gather output of ``world_size × shard`` elements
+    (under mixed precision, from a cast copy of the shards) is copied out into per-parameter
+    unsharded storages; in forward the output lives until the next unit's copy-out is done
+    (``comm_ctx.all_gather_state``), in backward it goes at once; the root is not resharded
+    after forward and casts the forward inputs to ``param_dtype``; backward prefetches the
+    next unit's all-gather; post-backward (when the gradients of the unit's inputs are done,
+    else the final callback) reshards, allocates a reduce-scatter input of the padded unit in
+    ``reduce_dtype`` and the reduce-scatter output (this rank's sharded ``.grad``, cast to the
+    shard's dtype if it differs), then frees the unsharded gradients; one reduce-scatter input
+    is kept until the next unit's (``reduce_scatter_max_input_buffers=1``). Against real
+    ``fully_shard`` on the CPU (fake process group, profiler) this agrees to the byte, less
+    Adam's CPU step counters (tests/test_strategies.py).
+
+    DeepSpeed ZeRO-3 (``deepspeed/runtime/zero/stage3.py``, ``partition_parameters.py``):
+    each parameter is a flat partition of ``ceil(numel / world_size)`` elements; gathering
+    writes straight into the full parameter; the next unit is prefetched in forward and in
+    backward; each gradient is copied into the persistent reduce bucket as soon as autograd
+    produces it and freed (``reduce_partition_and_remove_grads``), its partition landing in
+    the persistent ``grad_partitions_flat_buffer``; the step runs in :class:`ZeroOptimizer`.
+    """
+
+    def __init__(self, units: Sequence[Unit], world_size: int, *, style: str, reshard_after_forward: bool,
+                 sharded_dtype: torch.dtype | None, gather_dtype: torch.dtype | None,
+                 reduce_dtype: torch.dtype | None, training: bool, reduce_bucket_size: int = 0,
+                 cpu: bool = False):
+        super().__init__()
+        if style not in ("fsdp2", "deepspeed"):
+            raise ValueError(style)
+        self.units = list(units)
+        self.world_size = world_size
+        self.style = style
+        self.reshard_after_forward = reshard_after_forward
+        self.sharded_dtype = sharded_dtype
+        self.gather_dtype = gather_dtype
+        self.reduce_dtype = reduce_dtype
+        self.training = training
+        self.reduce_bucket_size = reduce_bucket_size
+        self.cpu = cpu  # the CPU kernels (target="cpu"), to compare with a real CPU run
+        self.states: list[_UnitState] = []
+        self.params: list[_Param] = []
+        self.grad_partition: torch.Tensor | None = None
+        self._pending_all_gather: torch.Tensor | None = None
+        self._reduce_scatter_inputs: list[torch.Tensor] = []
+        self._forward_order: list[_UnitState] = []
+        self._in_backward = False
+
+    @property
+    def fsdp2(self) -> bool:
+        return self.style == "fsdp2"
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(p.shard_numel for p in self.params)
+
+    # ---- install / remove -----------------------------------------------------------------
+    def install(self, tracer: StorageTracer, module: nn.Module) -> None:
+        super().install(tracer, module)
+        by_param: dict[int, _Param] = {}
+        root = self.units[-1].module if self.fsdp2 else module
+        for unit in self.units:
+            state = _UnitState(unit, [], [], [], self._unit_reshards(unit, root))
+            for member in unit.members:
+                for name, original in list(member._parameters.items()):
+                    if original is None:
+                        continue
+                    param = by_param.get(id(original))
+                    if param is None:
+                        param = by_param[id(original)] = self._shard(original)
+                        self.params.append(param)
+                    if param.owner is None:
+                        param.owner = state
+                        state.owned.append(param)
+                    if param not in state.params:
+                        state.params.append(param)
+                    state.locations.append((member, name, param))
+                    self._set(member, name, param.sharded)
+                    self._undo.append(functools.partial(self._set, member, name, original))
+            self.states.append(state)
+        for state in self.states:
+            self._handles.append(state.unit.module.register_forward_pre_hook(
+                lambda m, args, s=state: self._pre_forward(s, args)))
+            self._handles.append(state.unit.module.register_forward_hook(
+                lambda m, args, out, s=state: self._post_forward(s, out)))
+        if self.training and not self.fsdp2 and self.params:
+            dtype = self.params[0].sharded.dtype
+            # stage3.py __init__: grad_partitions_flat_buffer (this rank's gradient partitions)
+            self.grad_partition = self._buffer(self.shard_numel, dtype, Category.GRADIENTS, preexisting=True,
+                                               communication=False)
+            # stage3.py __init__ (contiguous_gradients): __ipg_bucket_flat_buffer
+            self._buffer(self.reduce_bucket_size, dtype, Category.WORKSPACE, preexisting=True)
+
+    def _unit_reshards(self, unit: Unit, root: nn.Module) -> bool:
+        if self.fsdp2 and unit.module is root:
+            return False  # FSDP2's lazy init: the root is not resharded after forward
+        return self.reshard_after_forward
+
+    def _shard(self, original: nn.Parameter) -> _Param:
+        n = self.world_size
+        dtype = self.sharded_dtype or original.dtype
+        if self.fsdp2:  # dim-0 chunks, padded (FSDPParam._init_sharded_param)
+            dim0 = original.shape[0] if original.dim() else 1
+            shape = (math.ceil(dim0 / n), *original.shape[1:])
+        else:  # a flat partition (ds_tensor)
+            shape = (math.ceil(original.numel() / n),)
+        sharded = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=original.requires_grad)
+        return _Param(original, sharded, sharded.numel(), n, self.gather_dtype or original.dtype)
+
+    @staticmethod
+    def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        # FSDP's unsafe_setattr_param: no Parameter check, no hooks
+        module._parameters[name] = tensor  # type: ignore[assignment]
+
+    # ---- gather and reshard ---------------------------------------------------------------
+    def _gather(self, state: _UnitState, *, forward: bool) -> None:
+        if state.gathered:
+            return
+        missing = [p for p in state.params if p.holders == 0]
+        all_gather = None
+        if self.fsdp2 and missing:
+            all_gather = state.prefetched if state.prefetched is not None else self._all_gather_output(missing)
+            state.prefetched = None
+        for p in state.params:  # the copy-out into the unsharded parameters
+            if p.holders == 0:
+                self._allocate_unsharded(p)
+            p.holders += 1
+        state.gathered = True
+        if forward and all_gather is not None:
+            # wait_for_unshard drops the previous unit's output, but its local reference
+            # keeps it until the copy-out is done; this unit's waits for the next one
+            self._pending_all_gather = all_gather
+        del all_gather
+
+    def _all_gather_output(self, params: Sequence[_Param]) -> torch.Tensor:
+        dtype = params[0].gather_dtype
+        cast = None
+        if params[0].sharded.dtype != dtype:  # mixed precision: the all-gather input is a cast copy
+            cast = self._buffer(sum(p.shard_numel for p in params), dtype, Category.WORKSPACE)
+        output = self._buffer(sum(p.padded_numel for p in params), dtype, Category.WORKSPACE)
+        del cast  # all_gather_copy_in has copied it into the output
+        return output
+
+    def _allocate_unsharded(self, p: _Param) -> None:
+        tracer = self._tracer
+        if p.unsharded is None:
+            storage = torch.empty(p.padded_numel, dtype=p.gather_dtype, device="meta")
+            unsharded = nn.Parameter(storage.narrow(0, 0, p.original.numel()).view(p.original.shape),
+                                     requires_grad=p.original.requires_grad)
+            self.communication.add(tracer.track(storage, Category.PARAMETERS))
+            del storage
+            if unsharded.requires_grad and self.training:
+                self._handles.append(unsharded.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(self._gradient_ready_hook, p)))
+            p.unsharded = unsharded
+        else:
+            self.communication.add(tracer.alloc_storage(p.unsharded, Category.PARAMETERS))
+
+    def _reshard(self, state: _UnitState) -> None:
+        if not state.gathered:
+            return
+        for module, name, p in state.locations:
+            self._set(module, name, p.sharded)
+        for p in state.params:
+            p.holders -= 1
+            if p.holders == 0 and p.unsharded is not None:
+                self._tracer.free_storage(p.unsharded)
+        state.gathered = False
+
+    def _swap_in(self, state: _UnitState) -> None:
+        for module, name, p in state.locations:
+            assert p.unsharded is not None, "gathered before use"
+            self._set(module, name, p.unsharded)
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _pre_forward(self, state: _UnitState, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self._in_backward:  # recomputation (activation checkpointing) inside backward
+            self._gather(state, forward=False)
+            self._swap_in(state)
+            return None
+        if self.fsdp2 and state is self.states[-1] and self.gather_dtype is not None:
+            args = map_output(args, self._cast_input)  # FSDP2's root casts forward inputs
+        self._gather(state, forward=True)
+        if not self.fsdp2:  # DeepSpeed prefetches the next module in forward too
+            following = self._next_in_forward(state)
+            if following is not None:
+                self._gather(following, forward=False)
+        self._swap_in(state)
+        if self.training and torch.is_grad_enabled():
+            return _wrap_inputs(args, lambda: self._post_backward(state)) or args
+        return args
+
+    def _cast_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point() and self.gather_dtype is not None and tensor.dtype != self.gather_dtype:
+            return tensor.to(self.gather_dtype)
+        return tensor
+
+    def _next_in_forward(self, state: _UnitState) -> _UnitState | None:
+        index = self.states.index(state)
+        return self.states[index + 1] if index + 1 < len(self.states) else None
+
+    def _post_forward(self, state: _UnitState, output: Any) -> None:
+        if self._in_backward:
+            return
+        if state not in self._forward_order:
+            self._forward_order.append(state)
+        if self.training and torch.is_grad_enabled():
+            for tensor in tensors_of(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda _g, s=state: self._pre_backward(s))  # type: ignore[no-untyped-call]
+        if state.reshard_after_forward:
+            self._reshard(state)
+        if self.fsdp2 and state is self.states[-1]:
+            self._pending_all_gather = None  # FSDPState._post_forward of the root
+
+    # ---- backward ---------------------------------------------------------------------------
+    def _pre_backward(self, state: _UnitState) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if state.backward_started:
+            return
+        state.backward_started = True
+        self._gather(state, forward=False)
+        self._swap_in(state)
+        following = self._next_in_backward(state)
+        if following is not None and not following.gathered and following.prefetched is None:
+            if self.fsdp2:
+                missing = [p for p in following.params if p.holders == 0]
+                if missing:
+                    following.prefetched = self._all_gather_output(missing)
+            else:
+                self._gather(following, forward=False)
+
+    def _next_in_backward(self, state: _UnitState) -> _UnitState | None:
+        if state not in self._forward_order:
+            return None
+        index = self._forward_order.index(state)
+        for candidate in reversed(self._forward_order[:index]):
+            if not candidate.backward_started:
+                return candidate
+        return None
+
+    def _gradient_ready_hook(self, p: _Param, _tensor: torch.Tensor) -> None:
+        self._gradient_ready(p)
+
+    def _gradient_ready(self, p: _Param) -> None:
+        if self.fsdp2 or p.unsharded is None or p.unsharded.grad is None:
+            return
+        # DeepSpeed: copied into the reduce bucket, reduce-scattered into the partition buffer
+        self._tracer.track(p.unsharded.grad, Category.GRADIENTS)
+        p.unsharded.grad = None
+
+    def _post_backward(self, state: _UnitState) -> None:
+        if state.reduced:
+            return
+        state.reduced = True
+        grads: list[tuple[_Param, torch.Tensor]] = []
+        for p in state.owned:
+            if p.unsharded is not None and p.unsharded.grad is not None:
+                self._tracer.track(p.unsharded.grad, Category.GRADIENTS)
+                grads.append((p, p.unsharded.grad))
+                p.unsharded.grad = None
+        self._reshard(state)
+        if self.fsdp2 and grads:
+            self._reduce_scatter(grads)
+        grads.clear()
+
+    def _reduce_scatter(self, grads: list[tuple[_Param, torch.Tensor]]) -> None:
+        while self._reduce_scatter_inputs:  # reduce_scatter_max_input_buffers = 1
+            self._reduce_scatter_inputs.pop(0)
+        params = [p for p, _ in grads]
+        reduce_dtype = self.reduce_dtype or grads[0][1].dtype
+        rs_input = self._buffer(sum(p.padded_numel for p in params), reduce_dtype, Category.WORKSPACE)
+        grad_dtype = grads[0][1].dtype
+        if grad_dtype != reduce_dtype and (self.cpu or (grad_dtype, reduce_dtype) != (torch.bfloat16, torch.float32)):
+            # fsdp.chunk_cat converts while copying in only in CUDA's bf16 -> fp32 kernel
+            # (_chunk_cat_out_cuda); otherwise the generic path concatenates first
+            self._transient(sum(p.padded_numel for p in params) * grads[0][1].element_size())
+        output = torch.empty(sum(p.shard_numel for p in params), dtype=reduce_dtype, device="meta")
+        self._tracer.track(output, Category.GRADIENTS)
+        # The unsharded gradients are copied in, yet a real run (torch 2.13, fake process
+        # group, CPU profiler) frees them only after the reduce-scatter output exists.
+        grads.clear()
+        sharded_dtype = params[0].sharded.dtype
+        if sharded_dtype != reduce_dtype:
+            output = output.to(sharded_dtype)
+            self._tracer.track(output, Category.GRADIENTS)
+        offset = 0
+        for p in params:
+            view = output.narrow(0, offset, p.shard_numel).view(p.sharded.shape)
+            offset += p.shard_numel
+            if p.sharded.grad is None:
+                p.sharded.grad = view
+            else:
+                p.sharded.grad.add_(view)  # accumulation over micro-batches
+            del view
+        del output
+        self._reduce_scatter_inputs.append(rs_input)
+
+    def _end_of_backward(self) -> None:
+        for state in reversed(self.states):
+            self._post_backward(state)  # units whose input gradients never came (the root)
+        for state in self.states:
+            self._reshard(state)
+            state.prefetched = None
+            state.backward_started = False
+            state.reduced = False
+        self._reduce_scatter_inputs.clear()
+        self._forward_order.clear()
+        self._in_backward = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """FSDP2's ``RegisterPostBackwardFunction``: an identity on a unit's inputs whose
+    backward runs once the gradients of those inputs are computed — the unit's backward
+    is over."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _wrap_inputs(args: tuple[Any, ...], callback: Callable[[], None]) -> tuple[Any, ...] | None:
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not positions:
+        return None
+    wrapped = _PostBackward.apply(callback, *(args[i] for i in positions))  # type: ignore[no-untyped-call]
+    out = list(args)
+    for i, tensor in zip(positions, wrapped):
+        out[i] = tensor
+    return tuple(out)

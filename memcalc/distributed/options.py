@@ -1,0 +1,189 @@
+"""The multi-GPU vocabulary: :class:`Strategy`, :class:`FsdpSharding` and the validated
+setting :class:`Distributed` that :func:`memcalc.estimate` takes. What each strategy
+holds per GPU is described in :mod:`memcalc.distributed.strategies`."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from memcalc.core.errors import InvalidInputError
+
+__all__ = (
+    "DEEPSPEED_REDUCE_BUCKET_SIZE",
+    "DEFAULT_BUCKET_CAP_MB",
+    "Distributed",
+    "FsdpSharding",
+    "Strategy",
+    "dp_chunks",
+)
+
+#: torch.nn.parallel.DistributedDataParallel: ``bucket_cap_mb=None`` means 25 (MiB).
+DEFAULT_BUCKET_CAP_MB = 25.0
+#: deepspeed/runtime/zero/config.py: ``reduce_bucket_size`` default, in elements.
+DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
+_MIB = 1024 * 1024
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+class Strategy(str, enum.Enum):
+    """How the training step is spread over GPUs (``single``: one GPU, no strategy)."""
+
+    SINGLE = "single"
+    DP = "dp"
+    DDP = "ddp"
+    FSDP = "fsdp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed ZeRO's stage (1, 2 or 3); None for the other strategies."""
+        return {Strategy.ZERO1: 1, Strategy.ZERO2: 2, Strategy.ZERO3: 3}.get(self)
+
+
+class FsdpSharding(str, enum.Enum):
+    """FSDP's sharding: ``full_shard`` reshards after forward, ``shard_grad_op`` keeps the
+    parameters gathered until backward."""
+
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+
+
+@dataclass(frozen=True, init=False)
+class Distributed:
+    """The multi-GPU setting of an estimate, validated when it is made.
+
+    ``Distributed("ddp", world_size=4)``; ``Distributed("dp", device_ids=(0, 1))``;
+    ``Distributed("fsdp", world_size=8, sharding="shard_grad_op")``;
+    ``Distributed("zero3", world_size=8, reduce_bucket_size=10**7)``.
+
+    Args:
+        strategy: ``single``, ``dp``, ``ddp``, ``fsdp``, ``zero1``, ``zero2`` or ``zero3``.
+        world_size: the number of GPUs (ranks); ``dp``: or give ``device_ids``.
+        device_ids: ``dp`` only: the GPUs DataParallel uses (outputs gathered on the first).
+        batch_is_global: the estimate's ``batch_size`` is the global batch, split over the
+            GPUs (default: each GPU's batch).
+        bucket_cap_mb: ``ddp``: gradient bucket size in MiB (PyTorch's 25 by default).
+        gradient_as_bucket_view: ``ddp``: gradients are views into the buckets.
+        sharding: ``fsdp``: ``full_shard`` or ``shard_grad_op``.
+        reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
+    """
+
+    strategy: Strategy
+    world_size: int
+    device_ids: tuple[int, ...]
+    batch_is_global: bool
+    bucket_cap_mb: float
+    gradient_as_bucket_view: bool
+    sharding: FsdpSharding
+    reduce_bucket_size: int
+
+    def __init__(self, strategy: Strategy | str = Strategy.SINGLE, *, world_size: int | None = None,
+                 device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
+                 bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
+                 sharding: FsdpSharding | str = FsdpSharding.FULL_SHARD, reduce_bucket_size: int | None = None) -> None:
+        strategy_ = _enum(Strategy, strategy, "strategy")
+        sharding_ = _enum(FsdpSharding, sharding, "FSDP sharding")
+        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                       or world_size < 1):
+            raise InvalidInputError(f"the world size is the number of GPUs and must be at least 1, got {world_size}",
+                                    hint="e.g. --world-size 4")
+        ids = _device_ids(device_ids, strategy_)
+        world = _world_size(strategy_, world_size, ids)
+        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
+        if not cap > 0:
+            raise InvalidInputError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        bucket = DEEPSPEED_REDUCE_BUCKET_SIZE if reduce_bucket_size is None else int(reduce_bucket_size)
+        if bucket < 1:
+            raise InvalidInputError(f"reduce_bucket_size is a number of elements ≥ 1, got {reduce_bucket_size}")
+        if strategy_ is Strategy.DP and not ids:
+            ids = tuple(range(world))
+        values = {"strategy": strategy_, "world_size": world, "device_ids": ids,
+                  "batch_is_global": bool(batch_is_global), "bucket_cap_mb": cap,
+                  "gradient_as_bucket_view": bool(gradient_as_bucket_view), "sharding": sharding_,
+                  "reduce_bucket_size": bucket}
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def is_single(self) -> bool:
+        """One GPU, no strategy."""
+        return self.strategy is Strategy.SINGLE
+
+    def per_rank_batch(self, batch: int) -> int:
+        """The batch one rank's model sees (DDP, FSDP, ZeRO)."""
+        if not self.batch_is_global:
+            return batch
+        if batch % self.world_size:
+            raise InvalidInputError(
+                f"a global batch of {batch} does not split evenly over {self.world_size} ranks",
+                hint=f"give a multiple of {self.world_size}, or the per-GPU batch (--per-rank-batch)")
+        return batch // self.world_size
+
+    def global_batch(self, batch: int) -> int:
+        """The samples per step over all GPUs when the estimate's batch is ``batch``."""
+        return batch if self.batch_is_global else batch * self.world_size
+
+
+def _enum(kind: type[_E], value: object, what: str) -> _E:
+    try:
+        return kind(value.value if hasattr(value, "value") else str(value).strip().lower())
+    except ValueError:
+        raise InvalidInputError(f"unknown {what} {value!r}; choose one of: "
+                                f"{', '.join(v.value for v in kind)}") from None
+
+
+def _device_ids(device_ids: Sequence[int] | None, strategy: Strategy) -> tuple[int, ...]:
+    if device_ids is None:
+        return ()
+    ids = tuple(device_ids)
+    if not ids and strategy is not Strategy.DP:  # dataclasses.replace passes the normalised ()
+        return ()
+    if strategy is not Strategy.DP:
+        raise InvalidInputError(f"device ids go with --strategy dp (DataParallel, one process driving several "
+                                f"GPUs); {strategy.value} runs one process per GPU: give --world-size instead")
+    if not ids:
+        raise InvalidInputError("give at least one device id, e.g. --device-ids 0,1,2,3")
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        raise InvalidInputError(f"device ids are CUDA device numbers ≥ 0, got {list(ids)}")
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise InvalidInputError(f"device ids repeat ({', '.join(map(str, repeated))} in {list(ids)}): "
+                                f"each GPU can hold one replica", hint="e.g. --device-ids 0,1,2,3")
+    return ids
+
+
+def _world_size(strategy: Strategy, world_size: int | None, ids: tuple[int, ...]) -> int:
+    if strategy is Strategy.SINGLE:
+        if world_size not in (None, 1):
+            raise InvalidInputError(f"--world-size {world_size} needs a multi-GPU strategy",
+                                    hint="add --strategy ddp (or dp, fsdp, zero1, zero2, zero3)")
+        return 1
+    if strategy is Strategy.DP:
+        if ids and world_size is not None and world_size != len(ids):
+            raise InvalidInputError(f"--world-size {world_size} disagrees with {len(ids)} device ids {list(ids)}")
+        if not ids and world_size is None:
+            raise InvalidInputError("--strategy dp needs the GPUs it spreads over",
+                                    hint="give --device-ids 0,1,2,3 (or --world-size 4 for devices 0..3)")
+        return len(ids) if ids else int(world_size or 1)
+    if world_size is None:
+        raise InvalidInputError(f"--strategy {strategy.value} needs the number of GPUs",
+                                hint=f"give --world-size N, e.g. --strategy {strategy.value} --world-size 8")
+    return world_size
+
+
+def dp_chunks(global_batch: int, world_size: int) -> list[int]:
+    """The batch of each replica as ``torch.chunk`` (DataParallel's scatter) splits it:
+    ``ceil(B/N)`` per chunk, fewer (or fewer chunks) at the end."""
+    size = math.ceil(global_batch / world_size)
+    chunks = []
+    left = global_batch
+    while left > 0:
+        chunks.append(min(size, left))
+        left -= size
+    return chunks

@@ -1,0 +1,128 @@
+"""The seam between the engine and a device: what a backend plugs into a traced step.
+
+The engine runs the step on meta tensors and knows nothing of CUDA. A *step backend* adds
+what a real device does differently: a function mode entered around the step (CUDA's
+autocast and kernel choices, :mod:`memcalc.cuda.emulation`), a callback after every aten op
+(kernel workspaces, :mod:`memcalc.cuda.workspaces`), an autocast region and a gradient
+scaler for mixed precision, and notes for the report. :class:`PlainBackend` adds nothing: the
+step as meta tensors run it.
+
+Activation checkpointing must recompute under the autocast region of the original forward,
+as ``torch.utils.checkpoint`` does for the real ``torch.autocast``. An emulated region is
+invisible to checkpoint, so a backend announces its region here
+(:func:`push_autocast_region`) and the checkpoint wrapper of :mod:`memcalc.engine.prepare`
+reads it (:func:`current_autocast_region`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol
+
+import torch
+
+from memcalc.engine.trace import StorageTracer
+
+__all__ = (
+    "AfterOp",
+    "AutocastRegion",
+    "GradScalerLike",
+    "PlainBackend",
+    "StepBackend",
+    "current_autocast_region",
+    "pop_autocast_region",
+    "push_autocast_region",
+)
+
+#: Called after every aten op with ``(op, args, kwargs, output)``.
+AfterOp = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]
+#: A factory of context managers: each call opens one autocast region.
+AutocastRegion = Callable[[], AbstractContextManager[Any]]
+
+
+class GradScalerLike(Protocol):
+    """The part of ``torch.amp.GradScaler`` the step program calls."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def update(self) -> None: ...
+
+
+class StepBackend(Protocol):
+    """What a device adds to the traced step (see the module docstring)."""
+
+    def attach(self, tracer: StorageTracer) -> None:
+        """Called once, before the step, with the tracer the backend may add storages to."""
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Called after every aten op the tracer sees."""
+
+    def mode(self) -> AbstractContextManager[Any]:
+        """Entered around the whole step (outside the tracer's dispatch mode)."""
+
+    def autocast(self) -> AutocastRegion | None:
+        """The autocast region of a mixed-precision step, or None."""
+
+    def grad_scaler(self) -> GradScalerLike | None:
+        """A gradient scaler for the step (fp16 mixed precision), or None."""
+
+    def attention_backends(self) -> Mapping[str, int]:
+        """Attention kernels chosen during the step, with their call counts."""
+
+    def notes(self, module: torch.nn.Module) -> list[str]:
+        """Lines for the report about what the backend modelled."""
+
+
+class PlainBackend:
+    """The step as meta tensors run it: nothing emulated, nothing added."""
+
+    def attach(self, tracer: StorageTracer) -> None:
+        return None
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        return None
+
+    def mode(self) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def autocast(self) -> AutocastRegion | None:
+        return None
+
+    def grad_scaler(self) -> GradScalerLike | None:
+        return None
+
+    def attention_backends(self) -> Mapping[str, int]:
+        return {}
+
+    def notes(self, module: torch.nn.Module) -> list[str]:
+        return []
+
+
+class _Regions(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Callable[[], AutocastRegion | None]] = []
+
+
+_REGIONS = _Regions()
+
+
+def push_autocast_region(current: Callable[[], AutocastRegion | None]) -> None:
+    """A backend's mode was entered: ``current()`` says which region is in force now."""
+    _REGIONS.stack.append(current)
+
+
+def pop_autocast_region(current: Callable[[], AutocastRegion | None]) -> None:
+    """The backend's mode was left (innermost first)."""
+    if _REGIONS.stack and _REGIONS.stack[-1] is current:
+        _REGIONS.stack.pop()
+
+
+def current_autocast_region() -> AutocastRegion | None:
+    """The emulated autocast region in force now on this thread, or None."""
+    return _REGIONS.stack[-1]() if _REGIONS.stack else None

@@ -1,0 +1,314 @@
+"""Trace one step and assemble its report: the engine's two entry points.
+
+:func:`trace_model` runs forward, loss, backward, optimizer step and zero_grad of a resolved
+model on meta tensors under the storage tracer, with a device backend plugged in;
+:func:`build_report` replays the trace through the caching-allocator model and assembles the
+:class:`~memcalc.core.report.MemoryReport`. The data flow is drawn in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from memcalc.core.categories import Category, Mode, Phase
+from memcalc.core.errors import InvalidInputError, MemcalcError
+from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
+from memcalc.engine import allocator
+from memcalc.engine.backend import PlainBackend, StepBackend
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.options import EstimateOptions
+from memcalc.engine.prepare import kv_cache_bytes, kv_elements_per_token, prepare_step
+from memcalc.engine.step import StepConfig, run_step
+from memcalc.engine.timeline import (
+    Program,
+    alive_before,
+    allocator_events,
+    build_program,
+    category_totals_at,
+    final_categories,
+)
+from memcalc.engine.trace import StepTrace, StorageTracer
+
+__all__ = ("RankHooks", "TracedStep", "build_report", "trace_model")
+
+
+class RankHooks(Protocol):
+    """A multi-GPU program's hooks on one rank's model (:mod:`memcalc.distributed`)."""
+
+    def install(self, tracer: StorageTracer, module: nn.Module) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+class _TracerObserver:
+    """Adapts :class:`StorageTracer` to the step program's observer protocol."""
+
+    def __init__(self, tracer: StorageTracer):
+        self.tracer = tracer
+        self.gradient_uids: set[int] = set()
+        self.state_uids: set[int] = set()
+
+    def set_phase(self, phase: Phase) -> None:
+        self.tracer.set_phase(phase)
+
+    def preexisting(self, tensor: torch.Tensor, category: Category) -> None:
+        self.tracer.preexisting(tensor, category)
+
+    def backward_context(self) -> ContextManager[Any]:
+        return self.tracer.modules.backward()
+
+    def gradients_ready(self, params: Sequence[nn.Parameter]) -> None:
+        for p in params:
+            if p.grad is not None and (uid := self.tracer.uid_of(p.grad)) is not None:
+                self.gradient_uids.add(uid)
+
+    def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and (uid := self.tracer.uid_of(value)) is not None:
+                    self.state_uids.add(uid)
+
+    def finished(self) -> None:
+        self.tracer.stop()
+
+
+class TracedStep:
+    """The raw result of tracing one step: the trace, final categories, module data."""
+
+    def __init__(self, trace: StepTrace, categories: list[Category], tracer: StorageTracer, loss: str,
+                 options: EstimateOptions, attention: dict[str, int], notes: list[str]):
+        self.trace = trace
+        self.categories = categories
+        self.output_shapes = dict(tracer.modules.output_shapes)
+        self.module_order = list(tracer.modules.order)
+        self.loss = loss
+        self.options = options
+        self.mode = options.mode
+        self.attention = attention
+        self.notes = notes
+
+    def program(self) -> Program:
+        return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1)
+
+
+def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: StepBackend | None = None, *,
+                hooks: RankHooks | None = None) -> TracedStep:
+    """Run one step of ``resolved`` under the tracer (the engine, without the report).
+
+    Args:
+        resolved: the model and its inputs, on meta.
+        options: the step (optimizer, mode, precision, loss, accumulation, ...).
+        backend: what the device adds (:mod:`memcalc.engine.backend`); None: plain meta.
+        hooks: a per-rank program of a multi-GPU strategy (:mod:`memcalc.distributed`),
+            installed on the model before its storages are registered and removed afterwards.
+
+    Returns:
+        The trace with final categories, module data and the backend's notes.
+    """
+    backend = backend if backend is not None else PlainBackend()
+    module = resolved.module
+    notes: list[str] = []
+    inputs, blocks = prepare_step(module, resolved.inputs, precision=options.precision, checkpoint=options.checkpoint,
+                                  containers=resolved.block_containers, model_name=resolved.name)
+    if blocks:
+        notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
+    tracer = StorageTracer("meta", after_op=backend.after_op)
+    backend.attach(tracer)
+    observer = _TracerObserver(tracer)
+    if hooks is not None:
+        hooks.install(tracer, module)
+    _register_preexisting(tracer, module, inputs)
+    if options.kv_cache is not None:
+        notes.append(_register_kv_cache(tracer, module, inputs, options))
+    tracer.modules.install(module)
+    config = StepConfig(
+        mode=options.mode, optimizer=options.optimizer,
+        loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
+        accum_steps=options.accum_steps, autocast=backend.autocast() or nullcontext,
+        scaler_factory=backend.grad_scaler if options.mode is Mode.TRAIN else None,
+    )
+    try:
+        with tracer, backend.mode():
+            outcome = run_step(module, inputs, config, observer)
+    except MemcalcError:
+        raise
+    except Exception as exc:
+        raise InvalidInputError(
+            f"the forward of {resolved.name} failed on input {resolved.input_description}: "
+            f"{type(exc).__name__}: {exc}",
+            hint="Check the input: --input-shape C,H,W for vision models, --seq-len N for sequence models.",
+        ) from exc
+    finally:
+        if hooks is not None:
+            hooks.remove()
+        tracer.modules.remove()
+        trace = tracer.stop()
+    categories = final_categories(trace, observer.gradient_uids, observer.state_uids)
+    loss_name = "custom loss_fn" if options.loss_fn is not None else (
+        outcome.loss_kind.value if outcome.loss_kind is not None else f"none ({options.mode.value})")
+    notes.extend(backend.notes(module))
+    return TracedStep(trace, categories, tracer, loss_name, options, dict(backend.attention_backends()), notes)
+
+
+def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
+    for p in module.parameters():
+        tracer.preexisting(p, Category.PARAMETERS)
+    for b in module.buffers():
+        tracer.preexisting(b, Category.BUFFERS)
+    for t in inputs:
+        tracer.preexisting(t, Category.INPUTS)
+
+
+def _register_kv_cache(tracer: StorageTracer, module: nn.Module, inputs: Sequence[torch.Tensor],
+                       options: EstimateOptions) -> str:
+    """A static KV cache sized for prompt + generated tokens, allocated before the prefill
+    (as Hugging Face's StaticCache is): 2 (K, V) are counted in ``kv_elements_per_token``."""
+    generated = int(options.kv_cache or 0)
+    nbytes = kv_cache_bytes(module, inputs, options.precision, generated)
+    tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True)
+    per_token = kv_elements_per_token(module)
+    batch, prompt = int(inputs[0].shape[0]), int(inputs[0].shape[1])
+    tokens = prompt + generated
+    return (f"KV cache for {tokens} tokens ({prompt} prompt + {options.kv_cache} generated) × batch {batch}: "
+            f"{per_token:,} elements per token across layers; the prefill forward is simulated")
+
+
+def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateOptions,
+                 capacity: int | None) -> MemoryReport:
+    """The report of a traced step: replay through the allocator model, breakdown at the peak,
+    textbook comparison, per-module rows and, under ``capacity``, whether it fits."""
+    trace = traced.trace
+    mode = options.mode
+    program = traced.program()
+    stats = allocator.replay(allocator_events(program, trace.nbytes))
+    peak_index = max(stats.peak_index, 0)
+    raw = category_totals_at(program, trace.nbytes, traced.categories, peak_index)
+    breakdown = ByteBreakdown(
+        parameters=raw[Category.PARAMETERS], buffers=raw[Category.BUFFERS], inputs=raw[Category.INPUTS],
+        gradients=raw[Category.GRADIENTS], optimizer_state=raw[Category.OPTIMIZER_STATE],
+        activations=raw[Category.ACTIVATIONS], workspace=raw[Category.WORKSPACE], kv_cache=raw[Category.KV_CACHE],
+        peak_allocated=stats.peak_allocated,
+    )
+    first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[-1])) \
+        if program.iterations > 1 else stats
+    spec = options.optimizer
+    module = resolved.module
+    param_bytes = sum(trace.nbytes[u] for u in trace.preexisting if traced.categories[u] is Category.PARAMETERS)
+    training = mode is Mode.TRAIN
+    textbook = Textbook(
+        parameter_bytes=param_bytes,
+        multiplier=spec.textbook_multiplier if training else 1,
+        terms=spec.textbook_terms if training else "weights",
+        activation_bytes=_saved_for_backward(trace, traced.categories) if training else raw[Category.ACTIVATIONS],
+    )
+    fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats)
+    key = program.events[peak_index] if program.events else 0
+    uid = program.storage(key) if key >= 0 else 0
+    has_peak = stats.peak_allocated > 0
+    notes = list(traced.notes)
+    if (warning := options.precision_warning()) is not None:
+        notes.append(warning)
+        warnings.warn(warning, stacklevel=3)
+    return MemoryReport(
+        model=resolved.name,
+        batch_size=resolved.batch_size,
+        optimizer=spec.key.value,
+        mode=mode,
+        parameters=sum(p.numel() for p in module.parameters()),
+        peak_phase=trace.phase[uid] if has_peak else Phase.SETUP,
+        peak_module=trace.module[uid] if has_peak else "",
+        bytes=breakdown,
+        peak_iteration=program.iteration_of(peak_index),
+        input_description=resolved.input_description,
+        loss=traced.loss,
+        textbook=textbook,
+        modules=_module_rows(module, traced),
+        first_iteration_peak=first.peak_allocated,
+        peak_requested=stats.peak_requested,
+        peak_reserved=stats.peak_reserved,
+        unsupported_ops=_approximated(trace, options),
+        capacity=capacity,
+        fits=fits,
+        reserved_within_capacity=reserved_within,
+        precision=options.precision,
+        gpu=options.gpu,
+        gpu_named=options.gpu_named,
+        attention_backend=_main_backend(traced.attention),
+        attention_calls=tuple(sorted(traced.attention.items())),
+        accum_steps=options.accum_steps,
+        checkpoint=options.checkpoint,
+        notes=tuple(notes),
+    )
+
+
+def _main_backend(attention: dict[str, int]) -> str | None:
+    if not attention:
+        return None
+    return max(attention.items(), key=lambda item: item[1])[0]
+
+
+def _fit_under(program: Program, nbytes: list[int], capacity: int | None,
+               stats: allocator.AllocatorStats) -> tuple[bool | None, int | None]:
+    """Whether the step runs within ``capacity`` reserved bytes, and the peak reserved when it
+    does so under that limit (the allocator frees cached segments under pressure)."""
+    if capacity is None:
+        return None, None
+    if stats.peak_reserved <= capacity:
+        return True, stats.peak_reserved  # never under pressure: the same replay
+    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity)
+    return limited.oom_at is None, limited.peak_reserved
+
+
+def _saved_for_backward(trace: StepTrace, categories: list[Category]) -> int:
+    """Activation bytes alive when backward starts (what autograd saved, plus the output)."""
+    start = trace.phase_starts.get(Phase.BACKWARD, len(trace.events))
+    alive = alive_before(trace, start)
+    return sum(trace.nbytes[u] for u in alive if categories[u] is Category.ACTIVATIONS)
+
+
+def _module_rows(module: nn.Module, traced: TracedStep) -> tuple[ModuleRow, ...]:
+    """One row per submodule, at every depth (the table's depth is chosen when it is shown)."""
+    trace = traced.trace
+    end_of_forward = trace.phase_starts.get(Phase.LOSS, len(trace.events))
+    kept = alive_before(trace, end_of_forward) if traced.mode is Mode.TRAIN else None
+    # bytes born in a module's forward count for it and for each of its ancestors
+    subtree: dict[str, int] = {}
+    for uid, name in enumerate(trace.module):
+        if trace.phase[uid] is not Phase.FORWARD or (kept is not None and uid not in kept):
+            continue
+        for ancestor in _self_and_ancestors(name):
+            subtree[ancestor] = subtree.get(ancestor, 0) + trace.nbytes[uid]
+    rows: list[ModuleRow] = []
+    named = dict(module.named_modules())
+    for name in traced.module_order:
+        if name not in named:
+            continue
+        sub = named[name]
+        rows.append(ModuleRow(
+            name=name, type=type(sub).__name__, depth=name.count(".") + 1,
+            parameters=sum(p.numel() for p in sub.parameters()),  # tied weights once per subtree
+            output_shape=traced.output_shapes.get(name, ()), activation_bytes=subtree.get(name, 0),
+        ))
+    return tuple(rows)
+
+
+def _self_and_ancestors(name: str) -> list[str]:
+    """``"a.b.c"`` → ``["a.b.c", "a.b", "a"]`` (a name with no dot: itself)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+# Ops whose CUDA memory memcalc approximates (the report lists them with their counts).
+_APPROXIMATED_CUDA = {"convolution.default", "convolution_backward.default"}  # cuDNN workspace: a model
+_APPROXIMATED_CPU = {"convolution.default", "convolution_backward.default"}
+
+
+def _approximated(trace: StepTrace, options: EstimateOptions) -> tuple[tuple[str, int], ...]:
+    names = _APPROXIMATED_CUDA if options.emulate_cuda else _APPROXIMATED_CPU
+    return tuple((op, count) for op, count in sorted(trace.op_counts.items()) if op in names)

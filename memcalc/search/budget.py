@@ -1,0 +1,253 @@
+"""Memory budgets: how many bytes the caching allocator may reserve, from a number, a
+catalogue GPU or a local device; and the errors of a search that meets one.
+
+Exactly one of ``budget``, ``gpu`` or ``device`` says how many bytes the caching allocator
+may reserve (:func:`resolve_budget`):
+
+* ``budget`` (``"24GiB"``, ``"80GB"``, an int): used as is — it is the memory the step may
+  use; nothing is subtracted.
+* ``gpu`` (a catalogue name): the card's CUDA-reported memory minus its assumed CUDA
+  context (:attr:`memcalc.core.gpu.GpuProfile.usable_memory`).
+* ``device`` (``"cuda:1"``, ``"auto"``): that local GPU's free memory, minus the context a
+  new process will create on it (the catalogue's estimate for the card, else the generic
+  512 MiB) — unless this process had already initialised CUDA before the question, in which
+  case the step is taken to run here and its context is already out of the free memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from memcalc.core.categories import Category, Mode
+from memcalc.core.errors import InvalidInputError, MemcalcError
+from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.precision import Precision
+from memcalc.core.report import MemoryReport
+from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
+from memcalc.cuda.gpus import catalogue as gpu_catalogue
+from memcalc.cuda.gpus import local as gpu_local
+
+__all__ = (
+    "BatchLimitError",
+    "Budget",
+    "DoesNotFitError",
+    "FitResult",
+    "Probe",
+    "batch_bytes",
+    "model_state_bytes",
+    "resolve_budget",
+)
+
+_MODEL_STATES = (Category.PARAMETERS, Category.BUFFERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+
+
+class Probe(NamedTuple):
+    """One probe of the search: ``(batch_size, fits, peak_allocated, synthetic)``.
+    ``synthetic``: answered by replaying two real traces' batch-affine sizes through the
+    allocator model (:mod:`memcalc.search.affine`), not by an estimate of its own."""
+
+    batch_size: int
+    fits: bool
+    peak_allocated: int
+    synthetic: bool = False
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes the caching allocator may reserve, and where the number comes from.
+
+    ``gpu``: the catalogue entry of the card, when one is known (given, or recognised from
+    a local device's name); estimates then model that card's kernels and workspaces.
+    """
+
+    capacity: int
+    source: str
+    gpu: GpuProfile | None = None
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The largest batch that fits, its report, and how the search got there.
+
+    ``headroom``: budget minus the peak allocated at ``batch_size``. ``bytes_per_sample``:
+    the slope of the peak near ``batch_size`` (the secant over the widest span of probes
+    between half and twice that batch). ``probes``: the search's estimates, in the order
+    made (``num_estimates`` of them). ``neighbours``: batches around ``batch_size`` when
+    asked for, sorted, reusing the probes (their extra estimates are not in ``probes``).
+    """
+
+    batch_size: int
+    report: MemoryReport
+    budget: Budget
+    headroom: int
+    bytes_per_sample: float
+    probes: tuple[Probe, ...]
+    neighbours: tuple[Probe, ...] = ()
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget's capacity in bytes (``budget.capacity``)."""
+        return self.budget.capacity
+
+    @property
+    def num_estimates(self) -> int:
+        """Real estimates (symbolic runs of the step) the search made."""
+        return sum(1 for p in self.probes if not p.synthetic)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``memcalc fit --format json`` contract: batch, budget and the estimate JSON."""
+        return {"batch_size": self.batch_size, "budget_bytes": self.budget_bytes, "report": self.report.to_dict()}
+
+
+class DoesNotFitError(MemcalcError):
+    """Even batch 1 does not fit; ``report`` is batch 1's estimate under the budget."""
+
+    exit_code = 1
+
+    def __init__(self, report: MemoryReport, budget: Budget):
+        needed = report.bytes.peak_allocated
+        states = model_state_bytes(report)
+        per_sample = batch_bytes(report)
+        dominant = "model states" if states >= per_sample else "activations"
+        over = (f"{format_bytes(needed - budget.capacity)} over"
+                if needed > budget.capacity else "under the budget, but the allocator's cache fragments it")
+        message = (
+            f"even batch 1 does not fit in {format_bytes(budget.capacity)} ({budget.source}): "
+            f"one step of {report.model} needs {format_bytes(needed)} at batch 1 ({over}). "
+            f"Model states (parameters, gradients, optimizer state) take {format_bytes(states)}"
+            f"{_share(states, needed)}, activations and temporaries {format_bytes(per_sample)}"
+            f"{_share(per_sample, needed)}: {dominant} dominate."
+        )
+        super().__init__(message, hint=_suggestions(dominant, report))
+        self.report = report
+        self.budget = budget
+        self.dominant = dominant
+
+
+class BatchLimitError(MemcalcError):
+    """Even the largest batch the search tries fits: the budget does not bound the batch."""
+
+    exit_code = 1
+
+    def __init__(self, max_batch: int, report: MemoryReport, budget: Budget):
+        super().__init__(
+            f"batch {max_batch:,} still fits in {format_bytes(budget.capacity)} ({budget.source}), "
+            f"peaking at {format_bytes(report.bytes.peak_allocated)}: the model is too small for "
+            f"this budget to bound its batch size",
+            hint="Use a smaller budget, or estimate the batch you mean to run (memcalc MODEL --batch N).",
+        )
+        self.max_batch = max_batch
+        self.report = report
+
+
+def _share(part: int, whole: int) -> str:
+    return f" ({100.0 * part / whole:.0f}%)" if whole else ""
+
+
+_LIGHTER_OPTIMIZER = {"adam": "sgd-momentum or sgd", "adamw": "sgd-momentum or sgd", "rmsprop": "sgd",
+                      "adagrad": "sgd", "sgd-momentum": "sgd"}
+
+
+def _suggestions(dominant: str, report: MemoryReport) -> str:
+    """What would shrink the step, the dominant part's remedies first; only the remedies
+    that apply to this step (no optimizer advice for eval, no precision the step has)."""
+    training = report.mode is Mode.TRAIN
+    precision = report.precision
+    lighter = _LIGHTER_OPTIMIZER.get(report.optimizer) if training else None
+    state_help = [
+        f"a lighter optimizer (--optim {lighter}: less optimizer state per parameter)" if lighter else None,
+        "lower precision (--precision bf16 or fp16 halves parameters and gradients)"
+        if precision in (Precision.FP32, Precision.AMP_BF16, Precision.AMP_FP16) else None,
+        "sharding the model states across GPUs (FSDP, DeepSpeed ZeRO)",
+    ]
+    activation_help = [
+        "activation checkpointing (--checkpoint: keeps block inputs, recomputes the rest in backward)"
+        if training else None,
+        "mixed precision (--precision amp-bf16 or amp-fp16 halves most activations)"
+        if precision is Precision.FP32 else None,
+        "a shorter sequence or a smaller input (--seq-len, --input-shape)",
+    ]
+    ordered = state_help + activation_help if dominant == "model states" else activation_help + state_help
+    return "What would help: " + "; ".join(s for s in ordered if s) + "."
+
+
+def model_state_bytes(report: MemoryReport) -> int:
+    """Bytes at the peak in the model states: parameters, buffers, gradients, optimizer state."""
+    return sum(report.bytes.category(c) for c in _MODEL_STATES)
+
+
+def batch_bytes(report: MemoryReport) -> int:
+    """Bytes at the peak in the categories that are not model states (inputs, activations,
+    temporaries, ...): the part that grows with the batch."""
+    return sum(report.bytes.category(c) for c in Category if c not in _MODEL_STATES)
+
+
+def resolve_budget(
+    budget: str | int | Budget | None = None,
+    gpu: str | GpuProfile | None = None,
+    device: str | None = None,
+    *,
+    local_gpus: Callable[[], Sequence[gpu_local.LocalGpu]] | None = None,
+) -> Budget:
+    """Bytes the caching allocator may reserve, from exactly one of the three sources (see
+    the module docstring); a :class:`Budget` is returned as is. ``local_gpus`` replaces GPU
+    discovery (tests)."""
+    given = [name for name, value in (("budget", budget), ("gpu", gpu), ("device", device)) if value is not None]
+    if len(given) != 1:
+        what = "none" if not given else " and ".join(given)
+        raise InvalidInputError(f"give exactly one of budget, gpu or device (got {what})")
+    if isinstance(budget, Budget):
+        return budget
+    if budget is not None:
+        return _from_budget(budget)
+    if gpu is not None:
+        return _from_gpu(gpu)
+    assert device is not None
+    return _from_device(device, local_gpus)
+
+
+def _from_budget(budget: str | int) -> Budget:
+    try:
+        capacity = parse_bytes(budget)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc), hint=f"A budget is {BYTES_FORMS}.") from None
+    return Budget(capacity, "as given")
+
+
+def _from_gpu(gpu: str | GpuProfile) -> Budget:
+    profile = gpu if isinstance(gpu, GpuProfile) else gpu_catalogue.get_gpu(gpu)
+    usable = profile.usable_memory
+    if usable is None or profile.total_memory is None:
+        raise InvalidInputError(
+            f"GPU {profile.key!r} has no known capacity",
+            hint="Name a GPU model (e.g. a100-40gb) or give a budget (e.g. 24GiB).")
+    source = (f"{profile.key}: {format_bytes(profile.total_memory)} "
+              f"− {format_bytes(profile.cuda_context)} CUDA context (assumed)")
+    return Budget(usable, source, profile)
+
+
+def _from_device(spec: str, local_gpus: Callable[[], Sequence[gpu_local.LocalGpu]] | None) -> Budget:
+    context_exists = _cuda_initialised()  # read before discovery, which may initialise CUDA
+    found = local_gpus() if local_gpus is not None else gpu_local.list_local_gpus()
+    chosen = gpu_local.resolve_device(spec, found)
+    profile = chosen.profile
+    context = 0 if context_exists else (profile or GENERIC).cuda_context
+    capacity = chosen.free_memory - context
+    label = f"{chosen.device} ({chosen.name}): {format_bytes(chosen.free_memory)} free"
+    if context:
+        label += f" − {format_bytes(context)} CUDA context (assumed)"
+    if capacity <= 0:
+        raise InvalidInputError(f"{label}: nothing is left for a training step",
+                                hint="Free memory on that GPU, or pick another (memcalc gpus lists them).")
+    return Budget(capacity, label, profile)
+
+
+def _cuda_initialised() -> bool:
+    """Whether this process already holds a CUDA context (never creates one)."""
+    import torch
+
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]  # unannotated in torch
+
+

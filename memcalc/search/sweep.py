@@ -1,0 +1,91 @@
+"""Sweeps: one estimate per (batch size, optimizer, precision), for tables and plots."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from memcalc.core.errors import InvalidInputError
+from memcalc.core.precision import Precision
+from memcalc.core.report import MemoryReport
+from memcalc.distributed.estimate import EstimateRequest, run_estimate
+from memcalc.engine.optimizers import Optimizer, spec_for
+
+__all__ = ("SweepPoint", "sweep_configurations", "sweep_requests")
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One configuration of a sweep and its estimate (``fits`` is None without a budget)."""
+
+    batch_size: int
+    optimizer: str
+    precision: str | None
+    report: MemoryReport
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step fits the sweep's budget (None without a budget)."""
+        return self.report.fits
+
+    @property
+    def series(self) -> str:
+        """The configuration without the batch: one line of a plot."""
+        return self.optimizer if self.precision is None else f"{self.optimizer}, {self.precision}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``memcalc sweep --format json`` row: the configuration, ``fits`` and the estimate JSON."""
+        return {"batch_size": self.batch_size, "optimizer": self.optimizer, "precision": self.precision,
+                "fits": self.fits, "report": self.report.to_dict()}
+
+
+def sweep_configurations(
+    batch_sizes: Sequence[int],
+    optimizers: Sequence[Optimizer | str] = (Optimizer.ADAM,),
+    precisions: Sequence[Precision | str | None] = (None,),
+) -> list[tuple[int, str, str | None]]:
+    """Every ``(batch, optimizer, precision)`` in sweep order (by series, then batch);
+    raises :class:`InvalidInputError` naming the first invalid item."""
+    batches = [_check_batch(b) for b in batch_sizes]
+    optims = [_check_optimizer(o) for o in optimizers]
+    precs = [_check_precision(p) for p in precisions]
+    if not batches or not optims or not precs:
+        raise InvalidInputError("a sweep needs at least one batch size, optimizer and precision")
+    return [(b, o, p) for o, p in itertools.product(optims, precs) for b in sorted(set(batches))]
+
+
+def sweep_requests(request: EstimateRequest, configs: Sequence[tuple[int, str, str | None]]) -> Iterator[SweepPoint]:
+    """Estimate ``request`` at every ``(batch, optimizer, precision)`` of ``configs`` (from
+    :func:`sweep_configurations`; precision None keeps the request's), yielding each point."""
+    for batch, optimizer, precision in configs:
+        options = replace(request.options, optimizer=spec_for(optimizer))
+        if precision is not None:
+            options = replace(options, precision=Precision(precision))
+        report = run_estimate(replace(request, batch_size=batch, options=options))
+        yield SweepPoint(batch, optimizer, precision, report)
+
+
+def _check_batch(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInputError(f"batch size {value!r} is not a positive integer")
+    return value
+
+
+def _check_optimizer(value: Optimizer | str) -> str:
+    try:
+        return Optimizer(str(getattr(value, "value", value)).lower()).value
+    except ValueError:
+        raise InvalidInputError(
+            f"unknown optimizer {value!r}; choose from: {', '.join(o.value for o in Optimizer)}") from None
+
+
+def _check_precision(value: Precision | str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return Precision(str(getattr(value, "value", value)).lower()).value
+    except ValueError:
+        raise InvalidInputError(
+            f"unknown precision {value!r}; choose from: {', '.join(p.value for p in Precision)}") from None
