@@ -3,28 +3,87 @@
 The model is built on meta tensors and one step runs symbolically under a dispatch mode that
 tracks storage lifetimes; the alloc/free sequence is replayed the way the CUDA caching
 allocator counts it. See README.md and docs/architecture.md.
+
+Importing ``memcalc`` is cheap: the public names below are loaded on first use (PEP 562), so
+that importing a vocabulary module (``memcalc.core.losses``, which the model zoo does) never
+drags in the whole package — and never closes an import cycle through it.
 """
 
-from memcalc.api import CPU, estimate, iter_sweep, max_batch_size, sweep
-from memcalc.core.categories import Category, Mode, Phase
-from memcalc.core.errors import (
-    InvalidInputError,
-    MemcalcError,
-    MissingPackageError,
-    ModelSourceError,
-    SymbolicExecutionError,
-    UnknownModelError,
-)
-from memcalc.core.gpu import GpuProfile
-from memcalc.core.losses import LossChoice
-from memcalc.core.precision import Precision
-from memcalc.core.report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, RoleReport, Textbook
-from memcalc.distributed.options import Distributed, FsdpSharding, Strategy
-from memcalc.engine.optimizers import Optimizer
-from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult
-from memcalc.search.sweep import SweepPoint
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memcalc.api import CPU, estimate, iter_sweep, max_batch_size, sweep
+    from memcalc.core.categories import Category, Mode, Phase
+    from memcalc.core.errors import (
+        InvalidInputError,
+        MemcalcError,
+        MissingPackageError,
+        ModelSourceError,
+        SymbolicExecutionError,
+        UnknownModelError,
+    )
+    from memcalc.core.gpu import GpuProfile
+    from memcalc.core.losses import LossChoice
+    from memcalc.core.precision import Precision
+    from memcalc.core.report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, RoleReport, Textbook
+    from memcalc.distributed.options import Distributed, FsdpSharding, Strategy
+    from memcalc.engine.optimizers import Optimizer
+    from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult
+    from memcalc.search.sweep import SweepPoint
 
 __version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "CPU": "memcalc.api",
+    "estimate": "memcalc.api",
+    "iter_sweep": "memcalc.api",
+    "max_batch_size": "memcalc.api",
+    "sweep": "memcalc.api",
+    "Category": "memcalc.core.categories",
+    "Mode": "memcalc.core.categories",
+    "Phase": "memcalc.core.categories",
+    "InvalidInputError": "memcalc.core.errors",
+    "MemcalcError": "memcalc.core.errors",
+    "MissingPackageError": "memcalc.core.errors",
+    "ModelSourceError": "memcalc.core.errors",
+    "SymbolicExecutionError": "memcalc.core.errors",
+    "UnknownModelError": "memcalc.core.errors",
+    "GpuProfile": "memcalc.core.gpu",
+    "LossChoice": "memcalc.core.losses",
+    "Precision": "memcalc.core.precision",
+    "ByteBreakdown": "memcalc.core.report",
+    "Measurement": "memcalc.core.report",
+    "MemoryReport": "memcalc.core.report",
+    "ModuleRow": "memcalc.core.report",
+    "RoleReport": "memcalc.core.report",
+    "Textbook": "memcalc.core.report",
+    "Distributed": "memcalc.distributed.options",
+    "FsdpSharding": "memcalc.distributed.options",
+    "Strategy": "memcalc.distributed.options",
+    "Optimizer": "memcalc.engine.optimizers",
+    "BatchLimitError": "memcalc.search.budget",
+    "Budget": "memcalc.search.budget",
+    "DoesNotFitError": "memcalc.search.budget",
+    "FitResult": "memcalc.search.budget",
+    "SweepPoint": "memcalc.search.sweep",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memcalc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = (
     "CPU",

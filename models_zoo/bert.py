@@ -16,6 +16,7 @@ loss, which averages every floating output.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,8 @@ class BertEmbeddings(nn.Module):
         token_type_ids = torch.zeros_like(input_ids)
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
         x = x + self.position_embeddings(position_ids)
-        return self.dropout(self.LayerNorm(x))
+        out: Tensor = self.dropout(self.LayerNorm(x))
+        return out
 
 
 class BertSelfAttention(nn.Module):
@@ -87,7 +89,8 @@ class BertSelfOutput(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, hidden: Tensor, residual: Tensor) -> Tensor:
-        return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+        out: Tensor = self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+        return out
 
 
 class BertAttention(nn.Module):
@@ -97,7 +100,8 @@ class BertAttention(nn.Module):
         self.output = BertSelfOutput(cfg, cfg.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.output(self.self(x), x)
+        out: Tensor = self.output(self.self(x), x)
+        return out
 
 
 class BertIntermediate(nn.Module):
@@ -107,7 +111,8 @@ class BertIntermediate(nn.Module):
         self.intermediate_act_fn = nn.GELU()  # HF "gelu": the exact erf form
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.intermediate_act_fn(self.dense(x))
+        out: Tensor = self.intermediate_act_fn(self.dense(x))
+        return out
 
 
 class BertLayer(nn.Module):
@@ -119,7 +124,8 @@ class BertLayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         attn = self.attention(x)
-        return self.output(self.intermediate(attn), attn)
+        out: Tensor = self.output(self.intermediate(attn), attn)
+        return out
 
 
 class BertEncoder(nn.Module):
@@ -142,7 +148,8 @@ class BertPooler(nn.Module):
         self.activation = nn.Tanh()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.activation(self.dense(x[:, 0]))
+        pooled: Tensor = self.activation(self.dense(x[:, 0]))
+        return pooled
 
 
 class BertModel(nn.Module):
@@ -154,8 +161,9 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(cfg)
 
     def forward(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
-        hidden = self.encoder(self.embeddings(input_ids))
-        return hidden, self.pooler(hidden)
+        hidden: Tensor = self.encoder(self.embeddings(input_ids))
+        pooled: Tensor = self.pooler(hidden)
+        return hidden, pooled
 
 
 _CONFIGS = {
@@ -176,7 +184,7 @@ for _name, (_cfg, _count, _hf) in _CONFIGS.items():
         ZooEntry(
             name=_name,
             family="bert",
-            builder=lambda shape, c=_cfg: _build(c, shape),
+            builder=partial(_build, _cfg),
             input_kind=InputKind.TOKENS,
             default_shape=(512,),
             loss=LossKind.MEAN,

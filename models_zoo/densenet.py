@@ -36,7 +36,7 @@ class DenseLayer(nn.Module):
     def forward(self, inputs: list[Tensor] | Tensor) -> Tensor:
         prev = [inputs] if isinstance(inputs, Tensor) else inputs
         bottleneck = self.conv1(self.relu1(self.norm1(torch.cat(prev, 1))))
-        out = self.conv2(self.relu2(self.norm2(bottleneck)))
+        out: Tensor = self.conv2(self.relu2(self.norm2(bottleneck)))
         if self.drop_rate > 0:
             out = F.dropout(out, p=self.drop_rate, training=self.training)
         return out
@@ -55,7 +55,8 @@ class DenseBlock(nn.ModuleDict):
     def forward(self, init_features: Tensor) -> Tensor:
         features = [init_features]
         for layer in self.values():
-            features.append(layer(features))
+            # a copy: a checkpointed layer recomputes in backward with the list as it was then
+            features.append(layer(list(features)))
         return torch.cat(features, 1)
 
 
@@ -95,7 +96,8 @@ class DenseNet(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.features(x), inplace=True)
         out = F.adaptive_avg_pool2d(out, (1, 1)).flatten(1)
-        return self.classifier(out)
+        logits: Tensor = self.classifier(out)
+        return logits
 
 
 register(

@@ -65,7 +65,7 @@ class MBConv(nn.Module):
         self.out_channels = cout
 
     def forward(self, x: Tensor) -> Tensor:
-        result = self.block(x)
+        result: Tensor = self.block(x)
         if self.use_res_connect:
             result = self.stochastic_depth(result)
             result += x
@@ -73,7 +73,8 @@ class MBConv(nn.Module):
 
 
 # expand ratio, kernel, stride, in, out, repeats: B0 (width and depth multipliers 1.0).
-_B0 = [
+StageSetting = tuple[float, int, int, int, int, int]
+_B0: list[StageSetting] = [
     (1, 3, 1, 32, 16, 1),
     (6, 3, 2, 16, 24, 2),
     (6, 5, 2, 24, 40, 2),
@@ -85,7 +86,7 @@ _B0 = [
 
 
 class EfficientNet(nn.Module):
-    def __init__(self, setting: list[tuple], dropout: float = 0.2, stochastic_depth_prob: float = 0.2,
+    def __init__(self, setting: list[StageSetting], dropout: float = 0.2, stochastic_depth_prob: float = 0.2,
                  num_classes: int = 1000, in_channels: int = 3):
         super().__init__()
         layers: list[nn.Module] = [
@@ -110,7 +111,8 @@ class EfficientNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.avgpool(self.features(x)).flatten(1)
-        return self.classifier(x)
+        logits: Tensor = self.classifier(x)
+        return logits
 
 
 register(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,8 @@ class GPT2Attention(nn.Module):
         )
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_dropout.p if self.training else 0.0, is_causal=True)
-        return self.resid_dropout(self.c_proj(out.transpose(1, 2).reshape(b, t, d)))
+        projected: Tensor = self.resid_dropout(self.c_proj(out.transpose(1, 2).reshape(b, t, d)))
+        return projected
 
 
 class NewGELU(nn.Module):
@@ -77,7 +79,8 @@ class GPT2MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+        out: Tensor = self.dropout(self.c_proj(self.act(self.c_fc(x))))
+        return out
 
 
 class GPT2Block(nn.Module):
@@ -92,7 +95,8 @@ class GPT2Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
 
 
 class GPT2Model(nn.Module):
@@ -109,7 +113,8 @@ class GPT2Model(nn.Module):
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         for block in self.h:
             x = block(x)
-        return self.ln_f(x)
+        hidden: Tensor = self.ln_f(x)
+        return hidden
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -122,7 +127,8 @@ class GPT2LMHeadModel(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Logits ``(B, T, vocab)``."""
-        return self.lm_head(self.transformer(input_ids))
+        logits: Tensor = self.lm_head(self.transformer(input_ids))
+        return logits
 
 
 _CONFIGS = {
@@ -142,7 +148,7 @@ for _name, (_cfg, _count) in _CONFIGS.items():
         ZooEntry(
             name=_name,
             family="gpt2",
-            builder=lambda shape, c=_cfg: _build(c, shape),
+            builder=partial(_build, _cfg),
             input_kind=InputKind.TOKENS,
             default_shape=(1024,),
             loss=LossKind.LM_CROSS_ENTROPY,

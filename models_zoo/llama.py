@@ -17,6 +17,7 @@ Layers are called as ``layer(hidden, cos, sin)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,8 @@ class LlamaAttention(nn.Module):
         q, k = _apply_rotary(q, k, cos, sin)
         n_rep = self.num_heads // self.num_kv_heads
         out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        projected: Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return projected
 
 
 class LlamaMLP(nn.Module):
@@ -123,7 +125,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = nn.SiLU()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        out: Tensor = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -136,7 +139,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x
 
 
 class LlamaModel(nn.Module):
@@ -152,7 +156,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb(x, input_ids.shape[1])
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.norm(x)
+        hidden: Tensor = self.norm(x)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Logits ``(B, T, vocab)``."""
-        return self.lm_head(self.model(input_ids))
+        logits: Tensor = self.lm_head(self.model(input_ids))
+        return logits
 
 
 def parameter_count(cfg: LlamaConfig) -> int:
@@ -172,6 +178,10 @@ def parameter_count(cfg: LlamaConfig) -> int:
     d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     per_layer = 2 * d * d + 2 * d * kv + 3 * d * cfg.intermediate_size + 2 * d
     return 2 * cfg.vocab_size * d + cfg.num_layers * per_layer + d
+
+
+def _build(cfg: LlamaConfig, shape: tuple[int, ...]) -> LlamaForCausalLM:
+    return LlamaForCausalLM(cfg)  # no position table: the sequence length does not change the model
 
 
 _TINY = LlamaConfig(512, 8, 8, 2, 1376, max_position_embeddings=512)
@@ -190,7 +200,7 @@ for _name, (_cfg, _count, _source) in _CONFIGS.items():
         ZooEntry(
             name=_name,
             family="llama",
-            builder=lambda shape, c=_cfg: LlamaForCausalLM(c),
+            builder=partial(_build, _cfg),
             input_kind=InputKind.TOKENS,
             default_shape=(_cfg.max_position_embeddings,),
             loss=LossKind.LM_CROSS_ENTROPY,

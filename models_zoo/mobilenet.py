@@ -9,6 +9,7 @@ EfficientNet reuses. Module names match torchvision (``features.3.block.1``,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from torch import Tensor, nn
 
@@ -63,7 +64,7 @@ class SqueezeExcitation(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         scale = self.fc2(self.activation(self.fc1(self.avgpool(x))))
-        return self.scale_activation(scale) * x
+        return cast(Tensor, self.scale_activation(scale) * x)  # a module call is untyped (Any)
 
 
 # --------------------------------------------------------------------------- MobileNetV2
@@ -74,7 +75,7 @@ class InvertedResidualV2(nn.Module):
 
     def __init__(self, inp: int, oup: int, stride: int, expand_ratio: int):
         super().__init__()
-        hidden = int(round(inp * expand_ratio))
+        hidden = round(inp * expand_ratio)
         self.use_res_connect = stride == 1 and inp == oup
         layers: list[nn.Module] = []
         if expand_ratio != 1:
@@ -88,7 +89,7 @@ class InvertedResidualV2(nn.Module):
         self.out_channels = oup
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + self.conv(x) if self.use_res_connect else self.conv(x)
+        return cast(Tensor, x + self.conv(x) if self.use_res_connect else self.conv(x))
 
 
 # t (expansion), c (channels), n (repeats), s (first stride): the paper's Table 2.
@@ -120,7 +121,8 @@ class MobileNetV2(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = nn.functional.adaptive_avg_pool2d(self.features(x), (1, 1)).flatten(1)
-        return self.classifier(x)
+        logits: Tensor = self.classifier(x)
+        return logits
 
 
 # --------------------------------------------------------------------------- MobileNetV3
@@ -155,14 +157,15 @@ class InvertedResidualV3(nn.Module):
         self.out_channels = cout
 
     def forward(self, x: Tensor) -> Tensor:
-        result = self.block(x)
+        result: Tensor = self.block(x)
         if self.use_res_connect:
             result += x
         return result
 
 
 # in, kernel, expanded, out, SE, hard-swish, stride: torchvision's "mobilenet_v3_large" table.
-_V3_LARGE = [
+V3Setting = tuple[int, int, int, int, bool, bool, int]
+_V3_LARGE: list[V3Setting] = [
     (16, 3, 16, 16, False, False, 1),
     (16, 3, 64, 24, False, False, 2),
     (24, 3, 72, 24, False, False, 1),
@@ -182,8 +185,8 @@ _V3_LARGE = [
 
 
 class MobileNetV3(nn.Module):
-    def __init__(self, setting: list[tuple], last_channel: int, num_classes: int = 1000, in_channels: int = 3,
-                 dropout: float = 0.2):
+    def __init__(self, setting: list[V3Setting], last_channel: int, num_classes: int = 1000,
+                 in_channels: int = 3, dropout: float = 0.2):
         super().__init__()
         layers: list[nn.Module] = [
             Conv2dNormActivation(in_channels, setting[0][0], stride=2, norm_layer=_bn_v3,
@@ -205,7 +208,8 @@ class MobileNetV3(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.avgpool(self.features(x)).flatten(1)
-        return self.classifier(x)
+        logits: Tensor = self.classifier(x)
+        return logits
 
 
 register(

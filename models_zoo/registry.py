@@ -64,6 +64,8 @@ class ZooEntry:
     block_containers: tuple[str, ...] = field(default=())
 
     def build(self, input_shape: tuple[int, ...] | None = None) -> nn.Module:
+        """The model for one sample of ``input_shape`` (default: :attr:`default_shape`), built
+        on the current default device."""
         return self.builder(tuple(input_shape or self.default_shape))
 
     def example_inputs(
@@ -113,16 +115,26 @@ def register(entry: ZooEntry) -> ZooEntry:
 
 
 def get(name: str) -> ZooEntry | None:
+    """The entry registered under ``name`` or one of its aliases (forgiving spelling), or None.
+
+    Args:
+        name: a zoo name, e.g. ``resnet50``, ``ResNet_50`` or ``gpt2-xl``.
+
+    Returns:
+        The entry, or None when no name matches.
+    """
     key = normalize(name)
     canonical = _ALIASES.get(key) or _ALIASES.get(key.replace("-", ""))
     return _REGISTRY[canonical] if canonical else None
 
 
 def names() -> list[str]:
+    """Canonical names of every entry, in registration order."""
     return list(_REGISTRY)
 
 
 def entries() -> list[ZooEntry]:
+    """Every entry, in registration order."""
     return list(_REGISTRY.values())
 
 

@@ -6,6 +6,8 @@ reported at the same module paths a torchvision user sees.
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import Tensor, nn
 
 from .registry import InputKind, LossKind, ZooEntry, register
@@ -36,7 +38,8 @@ class BasicBlock(nn.Module):
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         out += identity
-        return self.relu(out)
+        result: Tensor = self.relu(out)
+        return result
 
 
 class Bottleneck(nn.Module):
@@ -61,7 +64,8 @@ class Bottleneck(nn.Module):
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
         out += identity
-        return self.relu(out)
+        result: Tensor = self.relu(out)
+        return result
 
 
 class ResNet(nn.Module):
@@ -80,7 +84,8 @@ class ResNet(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(512 * block.expansion, num_classes)
 
-    def _make_layer(self, block, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+    def _make_layer(self, block: type[BasicBlock] | type[Bottleneck], planes: int, blocks: int,
+                    stride: int = 1) -> nn.Sequential:
         downsample = None
         if stride != 1 or self.inplanes != planes * block.expansion:
             downsample = nn.Sequential(
@@ -96,10 +101,12 @@ class ResNet(nn.Module):
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         x = self.avgpool(x).flatten(1)
-        return self.fc(x)
+        logits: Tensor = self.fc(x)
+        return logits
 
 
-_CONFIGS = {
+# block, blocks per stage, reference count.
+_CONFIGS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int], int]] = {
     "resnet18": (BasicBlock, [2, 2, 2, 2], 11_689_512),
     "resnet34": (BasicBlock, [3, 4, 6, 3], 21_797_672),
     "resnet50": (Bottleneck, [3, 4, 6, 3], 25_557_032),
@@ -107,12 +114,17 @@ _CONFIGS = {
     "resnet152": (Bottleneck, [3, 8, 36, 3], 60_192_808),
 }
 
+
+def _build(block: type[BasicBlock] | type[Bottleneck], layers: list[int], shape: tuple[int, ...]) -> ResNet:
+    return ResNet(block, layers, in_channels=shape[0])
+
+
 for _name, (_block, _layers, _count) in _CONFIGS.items():
     register(
         ZooEntry(
             name=_name,
             family="resnet",
-            builder=lambda shape, b=_block, l=_layers: ResNet(b, l, in_channels=shape[0]),
+            builder=partial(_build, _block, _layers),
             input_kind=InputKind.IMAGE,
             default_shape=(3, 224, 224),
             loss=LossKind.CROSS_ENTROPY,

@@ -28,7 +28,8 @@ class LSTMLanguageModel(nn.Module):
     def forward(self, input_ids: Tensor) -> Tensor:
         """Logits ``(B, T, vocab)``."""
         out, _ = self.rnn(self.drop(self.encoder(input_ids)))
-        return self.decoder(self.drop(out))
+        logits: Tensor = self.decoder(self.drop(out))
+        return logits
 
 
 register(

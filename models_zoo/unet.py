@@ -35,7 +35,8 @@ class DoubleConv(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.double_conv(x)
+        out: Tensor = self.double_conv(x)
+        return out
 
 
 class Down(nn.Module):
@@ -46,7 +47,8 @@ class Down(nn.Module):
         self.maxpool_conv = nn.Sequential(nn.MaxPool2d(2), DoubleConv(in_channels, out_channels))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.maxpool_conv(x)
+        out: Tensor = self.maxpool_conv(x)
+        return out
 
 
 class Up(nn.Module):
@@ -62,7 +64,8 @@ class Up(nn.Module):
         dy = x2.shape[2] - x1.shape[2]
         dx = x2.shape[3] - x1.shape[3]
         x1 = F.pad(x1, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
-        return self.conv(torch.cat([x2, x1], dim=1))
+        out: Tensor = self.conv(torch.cat([x2, x1], dim=1))
+        return out
 
 
 class OutConv(nn.Module):
@@ -71,7 +74,8 @@ class OutConv(nn.Module):
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.conv(x)
+        out: Tensor = self.conv(x)
+        return out
 
 
 class UNet(nn.Module):
@@ -98,7 +102,8 @@ class UNet(nn.Module):
         x = self.up1(self.down4(x4), x4)
         x = self.up2(x, x3)
         x = self.up3(x, x2)
-        return self.outc(self.up4(x, x1))
+        logits: Tensor = self.outc(self.up4(x, x1))
+        return logits
 
 
 register(

@@ -7,6 +7,8 @@ zoo's "huge fully connected head" case: ~120M of its ~138M parameters sit in the
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import Tensor, nn
 
 from .registry import InputKind, LossKind, ZooEntry, register
@@ -52,7 +54,8 @@ class VGG(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.avgpool(self.features(x)).flatten(1)
-        return self.classifier(x)
+        logits: Tensor = self.classifier(x)
+        return logits
 
 
 _CONFIGS = {
@@ -61,12 +64,17 @@ _CONFIGS = {
     "vgg19": ("E", 143_667_240),
 }
 
+
+def _build(cfg: str, shape: tuple[int, ...]) -> VGG:
+    return VGG(_CFGS[cfg], in_channels=shape[0])
+
+
 for _name, (_cfg, _count) in _CONFIGS.items():
     register(
         ZooEntry(
             name=_name,
             family="vgg",
-            builder=lambda shape, c=_cfg: VGG(_CFGS[c], in_channels=shape[0]),
+            builder=partial(_build, _cfg),
             input_kind=InputKind.IMAGE,
             default_shape=(3, 224, 224),
             loss=LossKind.CROSS_ENTROPY,

@@ -51,7 +51,8 @@ class SelfAttention(nn.Module):
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
         q, k, v = qkv.view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, d))
+        projected: Tensor = self.out_proj(out.transpose(1, 2).reshape(b, t, d))
+        return projected
 
 
 class MLPBlock(nn.Sequential):
@@ -76,7 +77,8 @@ class EncoderBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.dropout(self.self_attention(self.ln_1(x)))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
 
 
 class Encoder(nn.Module):
@@ -92,7 +94,8 @@ class Encoder(nn.Module):
         self.ln = nn.LayerNorm(hidden_dim, eps=1e-6)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.ln(self.layers(self.dropout(x + self.pos_embedding)))
+        out: Tensor = self.ln(self.layers(self.dropout(x + self.pos_embedding)))
+        return out
 
 
 class VisionTransformer(nn.Module):
@@ -115,7 +118,8 @@ class VisionTransformer(nn.Module):
         x = self.conv_proj(x).reshape(n, self.hidden_dim, -1).permute(0, 2, 1)
         x = torch.cat([self.class_token.expand(n, -1, -1), x], dim=1)
         x = self.encoder(x)
-        return self.heads(x[:, 0])
+        logits: Tensor = self.heads(x[:, 0])
+        return logits
 
 
 # layers, heads, hidden, mlp, reference count (torchvision, 224x224: 197 tokens).
@@ -124,13 +128,17 @@ _CONFIGS = {
     "vit_l_16": (24, 16, 1024, 4096, 304_326_632),
 }
 
+
+def _build(layers: int, heads: int, dim: int, mlp: int, shape: tuple[int, ...]) -> VisionTransformer:
+    return VisionTransformer((shape[1], shape[2]), layers, heads, dim, mlp, in_channels=shape[0])
+
+
 for _name, (_layers, _heads, _dim, _mlp, _count) in _CONFIGS.items():
     register(
         ZooEntry(
             name=_name,
             family="vit",
-            builder=lambda shape, l=_layers, nh=_heads, d=_dim, m=_mlp: VisionTransformer(
-                (shape[1], shape[2]), l, nh, d, m, in_channels=shape[0]),
+            builder=partial(_build, _layers, _heads, _dim, _mlp),
             input_kind=InputKind.IMAGE,
             default_shape=(3, 224, 224),
             loss=LossKind.CROSS_ENTROPY,

@@ -144,6 +144,7 @@ def test_simulated_peak_matches_real_cpu_step(name):
         f"{name}: simulated {estimate.peak_requested:,} B vs real CPU {measured:,} B ({error:+.2%})")
 
 
+@pytest.mark.slow
 def test_conv_net_differs_on_cpu_for_a_known_reason():
     # Convolutions are outside the 2 % bar on CPU: oneDNN/MKL-DNN convolution kernels allocate
     # their own workspaces (reordered weights, im2col buffers) that no meta kernel shows — and

@@ -264,6 +264,7 @@ def test_gpus_through_nvidia_smi_with_reordering(monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_fit_with_a_strategy_gives_the_per_gpu_batch():
     from click.testing import CliRunner
     from memcalc.cli import main

@@ -150,6 +150,7 @@ def test_the_readme_starts_with_the_two_commands() -> None:
     assert 'pip install -e ".[test,plot]"' in second.body and second.body.strip().endswith("python -m pytest -q")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.line[:70])
 def test_readme_command(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if command.needs_gpu and not torch.cuda.is_available():
@@ -165,6 +166,7 @@ def test_readme_command(command: Command, tmp_path: Path, monkeypatch: pytest.Mo
             f"MEMCALC_REGEN_README=1 python -m pytest tests/test_readme.py and review the diff")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", PYTHON_BLOCKS, ids=lambda s: s.strip().splitlines()[-1][:60])
 def test_readme_python_block(source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -173,6 +173,7 @@ ZOO_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, options, factors", ZOO_CASES, ids=[c[0] for c in ZOO_CASES])
 def test_fit_invariant_on_zoo_models(model, options, factors, counted):
     one = api.estimate(model, batch_size=1, **options)

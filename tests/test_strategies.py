@@ -357,6 +357,7 @@ def test_fsdp_mixed_precision_gathers_16_bit_and_keeps_fp32_states():
     assert r.peak_requested < _two("fsdp", world_size=4).peak_requested
 
 
+@pytest.mark.slow
 def test_checkpointing_and_accumulation_run_under_every_strategy():
     for strategy in ("dp", "ddp", "fsdp", "zero1", "zero2", "zero3"):
         r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, distributed=memcalc.Distributed(strategy, world_size=2, reduce_bucket_size=1024), checkpoint=True,
@@ -569,6 +570,7 @@ def test_cli_table_has_one_row_per_role():
     assert data["batch_size"] == 2 and data["global_batch_size"] == 8 and data["roles"][0]["ranks"] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_fit_with_a_strategy_answers_per_gpu():
     # the search varies batch_size, which is per GPU: sharding the model states leaves room
     # for a larger batch on every GPU

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import memcalc
 import models_zoo
 from models_zoo import InputKind, LossKind
 
@@ -277,3 +278,11 @@ def test_real_cpu_gpt2_forward():
         logits = model(*entry.example_inputs(1, (8,)))
     assert tuple(logits.shape) == (1, 8, 50257)
     assert torch.isfinite(logits).all()
+
+
+def test_densenet_checkpointing_recomputes_each_layer_with_its_own_inputs():
+    # each dense layer reads the features so far; under checkpointing it is recomputed in
+    # backward and must see the same list as in forward (not the grown one)
+    plain = memcalc.estimate("densenet121", batch_size=2, input_shape=(3, 64, 64), optimizer="sgd")
+    ckpt = memcalc.estimate("densenet121", batch_size=2, input_shape=(3, 64, 64), optimizer="sgd", checkpoint=True)
+    assert ckpt.bytes.activations < plain.bytes.activations

@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import click
+from tabulate import tabulate
 
+import models_zoo
 from memcalc import api
 from memcalc.cli.fit import fit_command
 from memcalc.cli.gpus import gpus_command
@@ -20,6 +22,7 @@ from memcalc.cli.sweep import sweep_command
 from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.engine.optimizers import Optimizer
+from memcalc.report.measure import attach_measurement
 from memcalc.report.render import render_json, render_report, render_roles
 
 __all__ = ("main",)
@@ -94,8 +97,6 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     with quiet():
         report = api.estimate(model, batch_size=batch, **step, **distributed)
     if measure:
-        from memcalc.report.measure import attach_measurement
-
         report = attach_measurement(report, model, batch_size=batch, **step)
     if fmt == "json":
         data = report.to_dict()
@@ -118,9 +119,7 @@ def _measurement_dict(m: Measurement) -> dict[str, Any]:
 @handle_errors
 def zoo_command(fmt: str, units: str, debug: bool) -> None:
     """List the model zoo: name, family, parameters, default input."""
-    from tabulate import tabulate
 
-    import models_zoo
 
     rows = [{"name": e.name, "family": e.family, "parameters": e.reference_parameters,
              "default_input": e.default_input_text} for e in models_zoo.entries()]

@@ -53,7 +53,8 @@ class GpuProfile:
     def describe(self) -> str:
         """One line for listings: key, name, capacity (binary units), context."""
         total = "no capacity" if self.total_memory is None else format_bytes(self.total_memory, "GiB")
-        return f"{self.key}: {self.name}, {total}, sm{self.compute_capability[0]}{self.compute_capability[1]}, context ~{format_bytes(self.cuda_context, 'MiB')}"
+        return (f"{self.key}: {self.name}, {total}, sm{self.compute_capability[0]}{self.compute_capability[1]}, "
+                f"context ~{format_bytes(self.cuda_context, 'MiB')}")
 
 
 #: The profile used when no GPU is named: an sm80-class card of unknown capacity. Its cuBLAS

@@ -19,6 +19,8 @@ __all__ = ("Precision",)
 
 
 class Precision(str, enum.Enum):
+    """How the step computes: fp32, autocast mixed precision (``amp-*``) or pure half precision."""
+
     FP32 = "fp32"
     AMP_FP16 = "amp-fp16"
     AMP_BF16 = "amp-bf16"
@@ -27,6 +29,7 @@ class Precision(str, enum.Enum):
 
     @property
     def is_amp(self) -> bool:
+        """Mixed precision under autocast (fp32 master weights)."""
         return self in (Precision.AMP_FP16, Precision.AMP_BF16)
 
     @property
@@ -47,6 +50,7 @@ class Precision(str, enum.Enum):
 
     @property
     def uses_bf16(self) -> bool:
+        """The compute dtype is bfloat16."""
         return self.compute_dtype is torch.bfloat16
 
     @property

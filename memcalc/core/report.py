@@ -35,6 +35,8 @@ __all__ = ("ByteBreakdown", "Measurement", "MemoryReport", "ModuleRow", "RoleRep
 
 @dataclass(frozen=True)
 class ByteBreakdown:
+    """Bytes per category alive at the peak, and the peak allocated itself."""
+
     parameters: int
     buffers: int
     inputs: int
@@ -52,9 +54,11 @@ class ByteBreakdown:
         return self.peak_allocated - sum(self.category(c) for c in Category)
 
     def category(self, category: Category) -> int:
+        """The bytes of one category."""
         return int(getattr(self, category.value))
 
     def to_dict(self) -> dict[str, int]:
+        """Category name → bytes, plus ``peak_allocated`` (the JSON ``bytes`` object)."""
         return {c.value: self.category(c) for c in Category} | {"peak_allocated": self.peak_allocated}
 
 
@@ -86,6 +90,7 @@ class Textbook:
 
     @property
     def total(self) -> int:
+        """The textbook estimate: parameter bytes × multiplier + activation bytes."""
         return self.parameter_bytes * self.multiplier + self.activation_bytes
 
 
@@ -110,6 +115,9 @@ class Measurement:
 
 @dataclass(frozen=True)
 class MemoryReport:
+    """Everything an estimate found: the peak and its breakdown, where it happens, and the
+    step that was simulated (the JSON contract is in the module docstring)."""
+
     model: str
     batch_size: int
     optimizer: str
@@ -235,13 +243,16 @@ class RoleReport:
 
     @property
     def bytes(self) -> ByteBreakdown:
+        """This role's breakdown at its peak."""
         return self.report.bytes
 
     @property
     def peak_allocated(self) -> int:
+        """This role's peak allocated bytes."""
         return self.report.bytes.peak_allocated
 
     def to_dict(self) -> dict[str, Any]:
+        """The role's entry of the JSON ``roles`` list."""
         r = self.report
         return {"name": self.name, "ranks": list(self.ranks), "batch_size": self.batch_size,
                 "peak_allocated": r.bytes.peak_allocated, "peak_reserved": r.peak_reserved,

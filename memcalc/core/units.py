@@ -70,8 +70,5 @@ def format_bytes(nbytes: int | float, unit: Unit | str = Unit.AUTO, *, with_unit
     unit = Unit(unit)
     if unit is Unit.AUTO:
         unit = _auto_unit(int(nbytes))
-    if unit is Unit.B:
-        text = f"{int(nbytes):,}"
-    else:
-        text = f"{nbytes / _BINARY[unit]:,.2f}"
+    text = f"{int(nbytes):,}" if unit is Unit.B else f"{nbytes / _BINARY[unit]:,.2f}"
     return f"{text} {unit.value}" if with_unit else text

@@ -448,6 +448,6 @@ def _wrap_inputs(args: tuple[Any, ...], callback: Callable[[], None]) -> tuple[A
         return None
     wrapped = _PostBackward.apply(callback, *(args[i] for i in positions))  # type: ignore[no-untyped-call]
     out = list(args)
-    for i, tensor in zip(positions, wrapped):
+    for i, tensor in zip(positions, wrapped, strict=True):
         out[i] = tensor
     return tuple(out)

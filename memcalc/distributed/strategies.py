@@ -1,107 +1,16 @@
-r"""Per-GPU memory under DataParallel, DDP, FSDP and DeepSpeed ZeRO.
+r"""Per-GPU memory under DataParallel, DDP, FSDP and DeepSpeed ZeRO: the *roles* of each
+strategy and one estimate per role.
 
-``memcalc.estimate(model, strategy="ddp", world_size=4, ...)`` (CLI: ``--strategy ddp
---world-size 4``) answers "how much does each GPU need?". The answer is a report with one
-:class:`~memcalc.core.report.RoleReport` per distinct kind of GPU — every rank of DDP, FSDP and
-ZeRO holds the same; DataParallel's output device holds more than its other devices — and
-the report's single-GPU fields describe the busiest role (so ``fits``, ``memcalc fit`` and
-``max_batch_size`` answer for the GPU that runs out first).
+A role is a distinct kind of GPU — every rank of DDP, FSDP and ZeRO holds the same;
+DataParallel's output device holds more than its other devices. Each role's step is traced
+like a single-GPU step (:func:`memcalc.cuda.backend.trace_step`) at the rank's batch, with the
+strategy's rank program (:mod:`memcalc.distributed.program` and its siblings) allocating and
+freeing what PyTorch or DeepSpeed would around the model. The report is the busiest role's,
+with every role in ``roles``.
 
-What runs for real and what is modelled
----------------------------------------
-Each role's step is traced like a single-GPU step (:func:`memcalc.cuda.backend.trace_step`): the
-model's forward, loss and backward run on meta tensors at the rank's batch, autograd makes
-the gradients, ``torch.optim`` creates its state — on the rank's shard when the optimizer
-is sharded — and the allocator model replays it all. What PyTorch and DeepSpeed add around
-the model is reproduced by :mod:`memcalc.distributed.program` and its siblings with real meta tensors allocated
-and freed at the moments the real implementation does (their real classes cannot run
-symbolically: DDP's constructor reads parameter values, FSDP2 rejects meta parameters and
-allocates its buffers on the process group's device, DataParallel needs devices, DeepSpeed
-is not a dependency). Collectives move no bytes on meta; only their buffers matter.
-
-How faithful: the DDP and FSDP programs were checked against the real
-``DistributedDataParallel`` and ``fully_shard`` running on the CPU over a fake process group
-(every buffer really allocated, recorded by the CPU profiler): equal to the byte apart from
-Adam's CPU step counters, for FULL_SHARD and SHARD_GRAD_OP, fp32 and bf16 mixed precision,
-several bucket sizes, with and without ``gradient_as_bucket_view`` (tests/test_strategies.py).
-DataParallel and ZeRO follow their source code (cited in :mod:`memcalc.distributed.program` and its siblings)
-without such a check. None of it has been measured on several CUDA GPUs: the CUDA caching
-allocator's per-stream pools (FSDP's all-gathers and reduce-scatters run on their own
-streams) can reserve more than the single-stream replay shows.
-
-Strategies
-----------
-``dp`` — ``nn.DataParallel(model, device_ids)``: one process; each forward scatters the
-batch (``torch.chunk``: the first devices get ``ceil(B/N)``), broadcasts the parameters and
-buffers to every other device, gathers all outputs on ``device_ids[0]`` (which computes the
-loss on the full batch) and, at the end of backward, reduces the replicas' gradients onto
-``device_ids[0]``, which alone runs the optimizer. Roles: ``output device (cuda:K)`` and
-``other devices``.
-
-``ddp`` — ``DistributedDataParallel``: one process per GPU, each with the whole model, its
-gradients and optimizer state, its share of the batch, and the gradient buckets
-(``bucket_cap_mb``, default 25 MiB, :data:`DEFAULT_BUCKET_CAP_MB`): with
-``gradient_as_bucket_view=False`` (PyTorch's default) the buckets are a second copy of the
-gradients; with ``True`` the gradients are views into them. Buffers are broadcast every
-forward (a flat copy).
-
-``fsdp`` — FSDP2 ``fully_shard`` on every transformer layer / ResNet block of a zoo model
-(other models: on the items of each outermost ``nn.ModuleList``, else on every child of
-the root that has parameters) and on the root.
-``sharding="full_shard"`` (FULL_SHARD, ``reshard_after_forward=True``) or
-``"shard_grad_op"`` (SHARD_GRAD_OP: parameters stay gathered from forward to backward).
-Each rank holds 1/N of the parameters, gradients and optimizer state, plus the all-gather
-and reduce-scatter buffers of the units in flight (the all-gather output is kept until the
-next unit's copy-out in forward; backward prefetches the next unit). ``precision="amp-bf16"``
-/ ``"amp-fp16"`` means ``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=float32)``:
-parameters are gathered in 16-bit, the root casts the inputs, and the model computes in
-16-bit without autocast; sharded parameters, gradients and optimizer state stay float32.
-
-``zero1`` / ``zero2`` / ``zero3`` — DeepSpeed ZeRO. Mixed precision is DeepSpeed's: the
-model runs in 16-bit (``amp-fp16``/``fp16`` → fp16, ``amp-bf16``/``bf16`` → bf16) and the
-optimizer steps a float32 master partition; at ``fp32`` the model is float32 and the master
-partition a float32 copy. Per rank (Ψ parameters, N ranks, bytes per parameter, Adam,
-16-bit):
-
-=================================  ======  ======  ======
-                                   zero1   zero2   zero3
-=================================  ======  ======  ======
-16-bit parameters                  2       2       2/N
-16-bit gradients                   2       2/N     2/N
-fp32 gradient partition (step)     4/N     4/N     4/N
-fp32 master partition              4/N     4/N     4/N
-Adam moments                       8/N     8/N     8/N
-total                              4+16/N  2+18/N  20/N
-=================================  ======  ======  ======
-
-ZeRO-2's total is DeepSpeed's estimator exactly (``2Ψ + 18Ψ/N``); ZeRO-1's is the ZeRO
-paper's P_os (4Ψ + 12Ψ/N) plus the fp32 gradient partition, and equals DeepSpeed's stage-2
-estimator before June 2024 (``4Ψ + 16Ψ/N``). DeepSpeed's ZeRO-3 estimator is
-``4·largest_layer + 18Ψ/N``: memcalc holds 2Ψ/N more (it keeps both the 16-bit gradient
-partition, ``grad_partitions_flat_buffer``, and the fp32 copy made for the step, which the
-estimator's 18 does not both count); its ``4·largest_layer`` is the 16-bit parameters and
-gradients of the largest gathered module, which memcalc simulates (gathered modules and
-their gradients appear as communication buffers, not model states). The formulas and their
-sources are in :mod:`memcalc.deepspeed_formulas`. Also simulated: the reduce bucket
-(``reduce_bucket_size`` elements, DeepSpeed's default 5e8 — about 954 MiB in 16-bit;
-Hugging Face's ``"auto"`` sets hidden_size²): allocated for each backward in stages 1–2,
-for good in stage 3. ZeRO-3 gathers one module at a time and prefetches the next; DeepSpeed's
-``stage3_prefetch_bucket_size``, ``max_live_parameters``, ``max_reuse_distance`` and
-``param_persistence_threshold`` are not modelled.
-
-The batch
----------
-``batch_size`` is **per GPU** by default (each DDP rank's, FSDP rank's or DataParallel
-replica's ``DataLoader`` batch; DataParallel's model then sees ``N ×`` that). With
-``batch_is_global=True`` it is the global batch: split evenly over the ranks (it must divide
-by N) or, for ``dp``, chunked as ``torch.chunk`` does. ``memcalc fit`` / ``max_batch_size``
-search over ``batch_size`` and therefore answer with the largest per-GPU batch.
-
-JSON
-----
-For a strategy other than ``single`` the report's JSON gains ``"strategy"``,
-``"world_size"``, ``"global_batch_size"`` and ``"roles"`` (see :mod:`memcalc.core.report`); the
-single-GPU contract is unchanged.
+What each strategy holds per GPU, how faithful each program is (DDP and FSDP2 agree to the
+byte with the real classes run on the CPU), the ZeRO memory table and the batch conventions
+are written up in docs/architecture.md, "Multi-GPU strategies".
 """
 
 from __future__ import annotations

@@ -76,9 +76,11 @@ K_MIN_BLOCK_SIZE = 512  # CUDACachingAllocator.cpp `kMinBlockSize`: all sizes ar
 K_SMALL_SIZE = 1048576  # CUDACachingAllocator.cpp `kSmallSize`: largest "small" allocation is 1 MiB
 K_SMALL_BUFFER = 2097152  # CUDACachingAllocator.cpp `kSmallBuffer`: "small" allocations are packed in 2 MiB blocks
 K_LARGE_BUFFER = 20971520  # CUDACachingAllocator.cpp `kLargeBuffer`: "large" allocations may be packed in 20 MiB blocks
-K_MIN_LARGE_ALLOC = 10485760  # CUDACachingAllocator.cpp `kMinLargeAlloc`: allocations between 1 and 10 MiB may use kLargeBuffer
+# CUDACachingAllocator.cpp `kMinLargeAlloc`: allocations between 1 and 10 MiB may use kLargeBuffer
+K_MIN_LARGE_ALLOC = 10485760
 K_ROUND_LARGE = 2097152  # CUDACachingAllocator.cpp `kRoundLarge`: round up large allocations to 2 MiB
-MAX_SPLIT_SIZE = 2**64 - 1  # CUDAAllocatorConfig::parseArgs default `m_max_split_size = std::numeric_limits<size_t>::max()`
+# CUDAAllocatorConfig::parseArgs default `m_max_split_size = std::numeric_limits<size_t>::max()`
+MAX_SPLIT_SIZE = 2**64 - 1
 
 # Event kinds understood by `replay`.
 ALLOC = 1  # (ALLOC, key, nbytes): a storage of nbytes is allocated under `key`
@@ -227,14 +229,17 @@ class CachingAllocatorModel:
 
     @property
     def peak_allocated(self) -> int:
+        """The highest :attr:`allocated` so far (``max_memory_allocated()``)."""
         return self._peak_allocated
 
     @property
     def peak_reserved(self) -> int:
+        """The highest :attr:`reserved` so far (``max_memory_reserved()``)."""
         return self._peak_reserved
 
     @property
     def oom_at(self) -> int | None:
+        """Index of the first allocation that did not fit under the capacity, or None."""
         return self._oom_at
 
     def stats(self) -> AllocatorStats:

@@ -45,13 +45,17 @@ AutocastRegion = Callable[[], AbstractContextManager[Any]]
 class GradScalerLike(Protocol):
     """The part of ``torch.amp.GradScaler`` the step program calls."""
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the scale, for ``backward()``."""
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, in place."""
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` unless the gradients hold inf/NaN."""
 
-    def update(self) -> None: ...
+    def update(self) -> None:
+        """Adjust the scale for the next iteration."""
 
 
 class StepBackend(Protocol):

@@ -35,9 +35,11 @@ def _tensors(output: Any) -> list[torch.Tensor]:
 def primary_tensor(output: Any) -> torch.Tensor:
     """The tensor a classification/LM loss reads: ``output["logits"]`` or the first tensor."""
     if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
-        return output["logits"]
+        logits: torch.Tensor = output["logits"]
+        return logits
     if hasattr(output, "logits") and isinstance(output.logits, torch.Tensor):
-        return output.logits
+        attribute: torch.Tensor = output.logits
+        return attribute
     tensors = _tensors(output)
     if not tensors:
         raise TypeError(f"the model returned no tensor (got {type(output).__name__})")
@@ -70,6 +72,7 @@ def make_targets(kind: LossKind, output: Any) -> tuple[torch.Tensor, ...]:
 
 
 def compute_loss(kind: LossKind, output: Any, targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The scalar loss of ``kind`` on ``output`` against ``targets`` (:func:`make_targets`)."""
     logits = primary_tensor(output)
     if kind is LossKind.CROSS_ENTROPY:
         return F.cross_entropy(logits, targets[0])

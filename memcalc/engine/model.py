@@ -29,8 +29,10 @@ class ResolvedModel:
 
     @property
     def batch_size(self) -> int:
+        """Samples per step: the first input's leading dimension (1 for a scalar input)."""
         return int(self.inputs[0].shape[0]) if self.inputs and self.inputs[0].dim() else 1
 
     @property
     def input_description(self) -> str:
+        """The inputs' shapes and dtypes, e.g. ``(8, 3, 224, 224) float32``."""
         return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in self.inputs)

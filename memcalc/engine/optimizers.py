@@ -24,6 +24,8 @@ __all__ = ("OPTIMIZERS", "Optimizer", "OptimizerSpec", "spec_for")
 
 
 class Optimizer(str, enum.Enum):
+    """The optimizers memcalc simulates, by their user-facing names."""
+
     SGD = "sgd"
     SGD_MOMENTUM = "sgd-momentum"
     ADAM = "adam"
@@ -38,6 +40,8 @@ Params = Iterable[torch.nn.Parameter]
 
 @dataclass(frozen=True)
 class OptimizerSpec:
+    """How to build one optimizer, and its textbook memory multiplier."""
+
     key: Optimizer
     display: str
     factory: Callable[[Params, bool], torch.optim.Optimizer] | None
@@ -45,6 +49,15 @@ class OptimizerSpec:
     textbook_terms: str  # what the multiplier adds up, for the explanation line
 
     def build(self, params: Params, foreach: bool = True) -> torch.optim.Optimizer | None:
+        """The optimizer over ``params`` (``foreach``: the multi-tensor kernels); None for ``none``.
+
+        Args:
+            params: the parameters to optimize.
+            foreach: whether to use ``torch.optim``'s multi-tensor (``foreach``) implementation.
+
+        Returns:
+            A ``torch.optim.Optimizer``, or None when no optimizer step is simulated.
+        """
         return None if self.factory is None else self.factory(params, foreach)
 
 

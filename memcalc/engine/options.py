@@ -3,8 +3,9 @@ the API boundary (``EstimateOptions.create``) so the engine only sees enums and 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError
@@ -14,6 +15,8 @@ from memcalc.core.precision import Precision
 from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
 
 __all__ = ("EstimateOptions", "Target")
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 class Target:
@@ -26,6 +29,8 @@ class Target:
 
 @dataclass(frozen=True)
 class EstimateOptions:
+    """The step being estimated, as enums and numbers (build it with :meth:`create`)."""
+
     optimizer: OptimizerSpec
     mode: Mode
     precision: Precision
@@ -43,6 +48,26 @@ class EstimateOptions:
                gpu: GpuProfile | None = None,
                loss: Any = None, loss_fn: LossFn | None = None, accum_steps: int = 1, checkpoint: bool = False,
                kv_cache: int | None = None, target: str = Target.CUDA) -> EstimateOptions:
+        """Validate and convert the user's values (strings or enums).
+
+        Args:
+            optimizer: an :class:`Optimizer` or its name (``"adam"``, ``"sgd"``, ...).
+            mode: ``"train"``, ``"eval"`` or ``"inference"`` (or a :class:`Mode`).
+            precision: a :class:`Precision` or its name (``"fp32"``, ``"amp-bf16"``, ...).
+            gpu: the GPU's profile (names are looked up at the API boundary); None: the generic one.
+            loss: a :class:`LossChoice` or its name; None: the model's own.
+            loss_fn: a user loss, the model's output in, a scalar out (overrides ``loss``).
+            accum_steps: gradient-accumulation micro-batches per optimizer step (training).
+            checkpoint: activation checkpointing of the model's blocks (training).
+            kv_cache: tokens to generate with a static KV cache (inference only).
+            target: :attr:`Target.CUDA` or :attr:`Target.CPU`.
+
+        Returns:
+            The options.
+
+        Raises:
+            InvalidInputError: an unknown name or an inconsistent combination.
+        """
         mode_ = _enum(Mode, mode, "mode")
         precision_ = _enum(Precision, precision, "precision")
         try:
@@ -68,10 +93,12 @@ class EstimateOptions:
 
     @property
     def optimizer_key(self) -> Optimizer:
+        """The optimizer's name, as an enum."""
         return self.optimizer.key
 
     @property
     def emulate_cuda(self) -> bool:
+        """Whether the step is simulated as a CUDA GPU runs it (else as the CPU does)."""
         return self.target == Target.CUDA
 
     def precision_warning(self) -> str | None:
@@ -84,7 +111,7 @@ class EstimateOptions:
         return None
 
 
-def _enum(kind, value: Any, what: str):
+def _enum(kind: type[_E], value: object, what: str) -> _E:
     try:
         return kind(value.value if hasattr(value, "value") else str(value).strip().lower())
     except ValueError:

@@ -62,7 +62,7 @@ def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name
     for path in containers:
         container = module.get_submodule(path)
         for block in container.children():
-            block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
+            block.forward = functools.partial(_checkpointed, block.forward)
             wrapped += 1
     return wrapped
 
@@ -90,7 +90,8 @@ def kv_elements_per_token(module: nn.Module) -> int:
         weight = getattr(sub, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
-        out_features = int(getattr(sub, "out_features", weight.shape[0] if isinstance(sub, nn.Linear) else weight.shape[1]))
+        out_features = int(getattr(sub, "out_features",
+                                   weight.shape[0] if isinstance(sub, nn.Linear) else weight.shape[1]))
         if leaf in ("k_proj", "v_proj", "key", "value"):
             total += out_features
         elif leaf in ("c_attn", "qkv", "query_key_value"):

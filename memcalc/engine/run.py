@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -41,9 +41,11 @@ __all__ = ("RankHooks", "TracedStep", "build_report", "trace_model")
 class RankHooks(Protocol):
     """A multi-GPU program's hooks on one rank's model (:mod:`memcalc.distributed`)."""
 
-    def install(self, tracer: StorageTracer, module: nn.Module) -> None: ...
+    def install(self, tracer: StorageTracer, module: nn.Module) -> None:
+        """Hook the rank's model before its storages are registered."""
 
-    def remove(self) -> None: ...
+    def remove(self) -> None:
+        """Undo :meth:`install` (called in a ``finally``)."""
 
 
 class _TracerObserver:
@@ -60,7 +62,7 @@ class _TracerObserver:
     def preexisting(self, tensor: torch.Tensor, category: Category) -> None:
         self.tracer.preexisting(tensor, category)
 
-    def backward_context(self) -> ContextManager[Any]:
+    def backward_context(self) -> AbstractContextManager[Any]:
         return self.tracer.modules.backward()
 
     def gradients_ready(self, params: Sequence[nn.Parameter]) -> None:
@@ -94,6 +96,7 @@ class TracedStep:
         self.notes = notes
 
     def program(self) -> Program:
+        """The replayable program of this step (two iterations when training)."""
         return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1)
 
 

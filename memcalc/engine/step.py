@@ -20,9 +20,9 @@ the same under ``torch.inference_mode()``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -38,23 +38,35 @@ __all__ = ("NullObserver", "Scaler", "StepConfig", "StepObserver", "StepOutcome"
 class StepObserver(Protocol):
     """Callbacks the program makes; the tracer records, a measurement ignores most."""
 
-    def set_phase(self, phase: Phase) -> None: ...
-    def preexisting(self, tensor: torch.Tensor, category: Category) -> None: ...
-    def backward_context(self) -> ContextManager[Any]: ...
-    def gradients_ready(self, params: Sequence[nn.Parameter]) -> None: ...
-    def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def set_phase(self, phase: Phase) -> None:
+        """The step enters ``phase``."""
+
+    def preexisting(self, tensor: torch.Tensor, category: Category) -> None:
+        """``tensor`` exists before the step in a real loop (a target built after the forward)."""
+
+    def backward_context(self) -> AbstractContextManager[Any]:
+        """The context each ``backward()`` runs in."""
+
+    def gradients_ready(self, params: Sequence[nn.Parameter]) -> None:
+        """Backward is over for this iteration: the ``.grad`` of ``params`` are final."""
+
+    def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` ran: its state exists now."""
+
     def finished(self) -> None:
         """The step is over; what dies after this (the program's locals) is not part of it."""
 
 
 class NullObserver:
+    """An observer that ignores every callback (a plain run of the step)."""
+
     def set_phase(self, phase: Phase) -> None:
         pass
 
     def preexisting(self, tensor: torch.Tensor, category: Category) -> None:
         pass
 
-    def backward_context(self) -> ContextManager[Any]:
+    def backward_context(self) -> AbstractContextManager[Any]:
         return nullcontext()
 
     def gradients_ready(self, params: Sequence[nn.Parameter]) -> None:
@@ -70,10 +82,17 @@ class NullObserver:
 class Scaler(Protocol):
     """The part of ``torch.amp.GradScaler``'s interface the step uses."""
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def step(self, optimizer: torch.optim.Optimizer) -> Any: ...
-    def update(self) -> None: ...
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the scale, for ``backward()``."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, in place."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> Any:
+        """``optimizer.step()`` unless the gradients hold inf/NaN."""
+
+    def update(self) -> None:
+        """Adjust the scale for the next iteration."""
 
 
 @dataclass(frozen=True)
@@ -89,12 +108,14 @@ class StepConfig:
     iterations: int = 1
     accum_steps: int = 1
     foreach: bool = True
-    autocast: Callable[[], ContextManager[Any]] = field(default=nullcontext)
-    scaler_factory: Callable[[], Scaler] | None = None
+    autocast: Callable[[], AbstractContextManager[Any]] = field(default=nullcontext)
+    scaler_factory: Callable[[], Scaler | None] | None = None  # a factory may decline (None: no scaler)
 
 
 @dataclass(frozen=True)
 class StepOutcome:
+    """What the step found out: the loss it trained with and the output's shape."""
+
     loss_kind: LossKind | None  # None when a user loss_fn was given or without a loss
     output_shape: tuple[int, ...]
 
@@ -158,7 +179,7 @@ def _train(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfig,
             if loss_value.requires_grad:
                 scaled = scaler.scale(loss_value) if scaler is not None else loss_value
                 with obs.backward_context():
-                    scaled.backward()
+                    scaled.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is untyped in torch
                 del scaled
             del output, loss_value
         obs.gradients_ready(params)

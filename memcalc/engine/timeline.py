@@ -12,7 +12,7 @@ builds the sequence it replays and reads the categories alive at the peak it fin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from memcalc.core.categories import Category, Phase
@@ -75,9 +75,11 @@ class Program:
     iteration_starts: tuple[int, ...]  # index in events where each iteration begins
 
     def storage(self, key: int) -> int:
+        """The storage uid behind an event key."""
         return key % self.num_storages
 
     def iteration_of(self, index: int) -> int:
+        """The iteration (1-based) that ``events[index]`` belongs to."""
         iteration = 1
         for i, start in enumerate(self.iteration_starts):
             if index >= start:
@@ -114,7 +116,8 @@ def category_totals_at(program: Program, nbytes: Sequence[int], categories: Sequ
     return totals
 
 
-def allocator_events(program: Program, nbytes: Sequence[int], until: int | None = None):
+def allocator_events(program: Program, nbytes: Sequence[int],
+                     until: int | None = None) -> Iterator[tuple[int, int, int]]:
     """The program as ``(+1, key, nbytes)`` / ``(-1, key, 0)`` events for
     :func:`memcalc.engine.allocator.replay`."""
     n = program.num_storages

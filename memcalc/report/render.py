@@ -162,8 +162,9 @@ def _measurement_lines(report: MemoryReport, unit: Unit | str) -> str:
         return f"measured on {m.device}: no result{(' — ' + m.note) if m.note else ''}"
     compared = m.compared_with if m.compared_with is not None else report.bytes.peak_allocated
     error = m.relative_error(compared)
+    error_text = "n/a (nothing measured)" if error is None else f"{error:+.2%}"
     line = (f"measured on {m.device}: peak {format_bytes(m.peak_allocated, unit)} ({m.peak_allocated:,} B); "
-            f"estimate {format_bytes(compared, unit)}; error {error:+.2%}")
+            f"estimate {format_bytes(compared, unit)}; error {error_text}")
     if m.peak_reserved is not None:
         line += f"; reserved {format_bytes(m.peak_reserved, unit)}"
     if m.note:

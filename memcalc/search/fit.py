@@ -1,52 +1,14 @@
 """The largest batch that fits a memory budget.
 
-Fit criterion
--------------
-A batch fits when :func:`memcalc.estimate` with ``capacity=`` says so: the step's alloc/free
-sequence replayed through the caching-allocator model under that limit never runs out of
-memory (the allocator frees its cache and retries first, as PyTorch does). It is *not* a
-comparison of the peak with the budget: fragmentation can make a step whose peak allocated
-is under the budget fail.
-
-The search
-----------
-One estimate costs the same at any batch size (meta tensors), so the search minimises the
-number of estimates, not their size. Memory is close to affine in the batch size for most
-models (a constant for the model states plus a per-sample part), but only piecewise: at small
-batches the peak is often in the optimizer step, later in backward (the peak is the maximum
-of several lines), and padding, kernel choices or attention can add steps. So the line is a
-guide and never the answer:
-
-0. *Batch-affine shortcut* (single GPU). Estimate batch 2 (if it does not fit, batch 1: the
-   answer is 1, or :class:`DoesNotFitError`), then one jump toward the budget. When the two
-   traces have the same structure and every storage's size is affine in the batch
-   (:mod:`memcalc.search.affine`), the steps below run on *synthetic* probes — the same alloc/free
-   sequence at any batch, replayed through the allocator model in milliseconds — and the
-   answer is then confirmed by real estimates at B and B + 1. Batch 1 is skipped because it is
-   often structurally special (a batch dimension of 1 broadcasts without a reduction). If
-   the first two traces differ, the family comes from the jump and the next point on the
-   line; if no family forms or the confirmation disagrees, the search below runs on real
-   estimates, reusing those already made.
-1. Estimate batch 1. If it does not fit, raise :class:`DoesNotFitError`.
-2. *Expand*: extrapolate the line through the two largest fitting batches (after batch 1
-   alone, a per-sample guess from batch 1's breakdown) to the budget and estimate there,
-   until a batch does not fit. A flat curve grows the batch geometrically, up to
-   ``max_batch`` (:class:`BatchLimitError` if even that fits).
-3. *Narrow* the bracket ``lo`` (fits) < ``hi`` (does not) with the line through both ends
-   (regula falsi). Its target is the budget less the fragmentation ``hi`` showed: a replay
-   under the limit runs on past its OOM, so the reserved peak of a failing batch is what it
-   needed; the ratio of that to its peak allocated scales the budget down. A boundary
-   predicted at ``lo`` is confirmed at ``lo + 1``; if that fits too, the line was short and
-   the search gallops up (``lo + 2``, ``+ 4``, ...). Two steps in a row that do not halve
-   the bracket make the next one a bisection. The search stops only when ``hi == lo + 1``,
-   both estimated: batch ``lo`` fits and ``lo + 1`` does not. A curve that is not affine
-   costs more estimates, never a wrong answer (where fits is not monotone in the batch —
-   fragmentation can do that — ``lo`` is *a* boundary, not necessarily the last).
-
-With the shortcut, a fit on the zoo's models and the catalogue's GPUs costs 4 real estimates
-(batch 2, one jump, B and B + 1) plus a few synthetic replays; without it (non-affine steps,
-multi-GPU strategies) 4 to 7 (batch 1, one jump, an overshoot that measures the
-fragmentation, the batch and its successor); ``benchmarks/speed_fit.py`` measures both.
+A batch fits when its step, replayed through the caching-allocator model under the budget,
+never runs out of memory — not when its peak is under the budget (fragmentation can make a
+step whose peak allocated is under the budget fail). One estimate costs the same at any batch
+size, so the search minimises the number of estimates: batch 2, one jump toward the budget,
+then a batch-affine trace family (:mod:`memcalc.search.affine`) answers the probes by
+replay, and real estimates at B and B + 1 confirm the answer; otherwise regula falsi with
+bisection steps on real estimates. It stops only when batch ``lo`` fits and ``lo + 1`` does
+not, both estimated. The algorithm and its cost are written up in docs/architecture.md,
+"The batch search".
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ from torch import nn
 
 import models_zoo
 from memcalc.core.errors import InvalidInputError, MissingPackageError, ModelSourceError, UnknownModelError
-from memcalc.core.losses import LossChoice
+from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.model import ResolvedModel
-from models_zoo.registry import InputKind, LossKind, ZooEntry
+from models_zoo.registry import InputKind, ZooEntry
 
 __all__ = ("ModelLike", "ResolvedModel", "meta_twin", "resolve")
 

@@ -1,0 +1,55 @@
+"""The shape of the package, as promised in docs/architecture.md: small modules, a small
+public API, a lazily loaded top-level package, and no import cycle through it. (The layers
+themselves are checked by `lint-imports` in .ci/run.)"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import memcalc
+
+PACKAGE = Path(memcalc.__file__).parent
+MAX_LINES = 600
+MAX_ESTIMATE_PARAMETERS = 15
+
+
+def test_no_module_is_over_the_size_limit():
+    sizes = {p.relative_to(PACKAGE.parent): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    too_big = {str(p): n for p, n in sizes.items() if n > MAX_LINES}
+    assert not too_big, f"split these modules by subject: {too_big}"
+
+
+def test_estimate_takes_at_most_fifteen_parameters():
+    parameters = inspect.signature(memcalc.estimate).parameters
+    assert len(parameters) <= MAX_ESTIMATE_PARAMETERS, list(parameters)
+    assert "on_trace" not in parameters  # an internal hook, not part of the public signature
+
+
+def test_every_public_name_resolves_and_is_documented():
+    for name in memcalc.__all__:
+        value = getattr(memcalc, name)
+        if callable(value) and not isinstance(value, type(memcalc)):
+            assert inspect.getdoc(value), f"memcalc.{name} has no docstring"
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        memcalc.nonsense  # noqa: B018
+
+
+@pytest.mark.parametrize("first", ["models_zoo", "memcalc.core.losses", "memcalc.sources.resolve", "memcalc.cli"])
+def test_any_module_imports_first_in_a_fresh_interpreter(first: str):
+    # the zoo takes its vocabulary from memcalc.core; memcalc.sources imports the zoo: whichever
+    # comes first, no half-initialised module may be reached
+    done = subprocess.run([sys.executable, "-c", f"import {first}; import memcalc; memcalc.estimate"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_importing_memcalc_loads_no_engine():
+    code = "import sys, memcalc; print(sorted(m for m in sys.modules if m.startswith('memcalc.')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
