@@ -8,8 +8,8 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
+from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InvalidInputError
 
 __all__ = (
@@ -26,7 +26,6 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 #: deepspeed/runtime/zero/config.py: ``reduce_bucket_size`` default, in elements.
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
 _MIB = 1024 * 1024
-_E = TypeVar("_E", bound=enum.Enum)
 
 
 class Strategy(str, enum.Enum):
@@ -87,8 +86,8 @@ class Distributed:
                  device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
                  bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
                  sharding: FsdpSharding | str = FsdpSharding.FULL_SHARD, reduce_bucket_size: int | None = None) -> None:
-        strategy_ = _enum(Strategy, strategy, "strategy")
-        sharding_ = _enum(FsdpSharding, sharding, "FSDP sharding")
+        strategy_ = parse_choice(Strategy, strategy, "strategy")
+        sharding_ = parse_choice(FsdpSharding, sharding, "FSDP sharding")
         if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                        or world_size < 1):
             raise InvalidInputError(f"the world size is the number of GPUs and must be at least 1, got {world_size}",
@@ -128,14 +127,6 @@ class Distributed:
     def global_batch(self, batch: int) -> int:
         """The samples per step over all GPUs when the estimate's batch is ``batch``."""
         return batch if self.batch_is_global else batch * self.world_size
-
-
-def _enum(kind: type[_E], value: object, what: str) -> _E:
-    try:
-        return kind(value.value if hasattr(value, "value") else str(value).strip().lower())
-    except ValueError:
-        raise InvalidInputError(f"unknown {what} {value!r}; choose one of: "
-                                f"{', '.join(v.value for v in kind)}") from None
 
 
 def _device_ids(device_ids: Sequence[int] | None, strategy: Strategy) -> tuple[int, ...]:

@@ -3,11 +3,11 @@ the API boundary (``EstimateOptions.create``) so the engine only sees enums and 
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from memcalc.core.categories import Mode
+from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.losses import LossChoice, LossFn
@@ -16,7 +16,6 @@ from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
 
 __all__ = ("EstimateOptions", "Target")
 
-_E = TypeVar("_E", bound=enum.Enum)
 
 
 class Target:
@@ -68,8 +67,8 @@ class EstimateOptions:
         Raises:
             InvalidInputError: an unknown name or an inconsistent combination.
         """
-        mode_ = _enum(Mode, mode, "mode")
-        precision_ = _enum(Precision, precision, "precision")
+        mode_ = parse_choice(Mode, mode, "mode")
+        precision_ = parse_choice(Precision, precision, "precision")
         try:
             spec = spec_for(optimizer)
         except ValueError as exc:
@@ -88,7 +87,7 @@ class EstimateOptions:
         if target not in (Target.CUDA, Target.CPU):
             raise InvalidInputError(f"unknown target {target!r}")
         return cls(optimizer=spec, mode=mode_, precision=precision_, gpu=profile, gpu_named=named,
-                   loss=None if loss is None else _enum(LossChoice, loss, "loss"), loss_fn=loss_fn,
+                   loss=None if loss is None else parse_choice(LossChoice, loss, "loss"), loss_fn=loss_fn,
                    accum_steps=int(accum_steps), checkpoint=bool(checkpoint), kv_cache=kv_cache, target=target)
 
     @property
@@ -109,11 +108,3 @@ class EstimateOptions:
                     f"native bf16: PyTorch falls back to slow emulated kernels and the math attention path; "
                     f"use amp-fp16 or fp16 on this GPU")
         return None
-
-
-def _enum(kind: type[_E], value: object, what: str) -> _E:
-    try:
-        return kind(value.value if hasattr(value, "value") else str(value).strip().lower())
-    except ValueError:
-        choices = ", ".join(v.value for v in kind)
-        raise InvalidInputError(f"unknown {what} {value!r}; choose one of: {choices}") from None

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
@@ -74,18 +75,8 @@ def _check_batch(value: object) -> int:
 
 
 def _check_optimizer(value: Optimizer | str) -> str:
-    try:
-        return Optimizer(str(getattr(value, "value", value)).lower()).value
-    except ValueError:
-        raise InvalidInputError(
-            f"unknown optimizer {value!r}; choose from: {', '.join(o.value for o in Optimizer)}") from None
+    return parse_choice(Optimizer, value, "optimizer").value
 
 
 def _check_precision(value: Precision | str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return Precision(str(getattr(value, "value", value)).lower()).value
-    except ValueError:
-        raise InvalidInputError(
-            f"unknown precision {value!r}; choose from: {', '.join(p.value for p in Precision)}") from None
+    return None if value is None else parse_choice(Precision, value, "precision").value
