@@ -8,22 +8,26 @@ enums, GPU names to catalogue profiles, byte counts such as ``"16GiB"`` to integ
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import difflib
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from memcalc.core.categories import Mode
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.choices import parse_choice
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.losses import LossChoice, LossFn
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
-from memcalc.core.units import BYTES_FORMS, parse_bytes
-from memcalc.cuda.gpus.catalogue import get_gpu
+from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
+from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.distributed.estimate import EstimateRequest, run_estimate
 from memcalc.distributed.options import Distributed
+from memcalc.engine.model import InputsLike
 from memcalc.engine.optimizers import Optimizer
 from memcalc.engine.options import EstimateOptions, Target
 from memcalc.search.budget import Budget, FitResult, resolve_budget
@@ -45,9 +49,9 @@ def estimate(
     *,
     batch_size: int | None = None,
     input_shape: Sequence[int] | None = None,
-    inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    inputs: InputsLike | None = None,
     seq_len: int | None = None,
-    optimizer: Optimizer | str = Optimizer.ADAM,
+    optimizer: Optimizer | str | None = None,
     mode: Mode | str = Mode.TRAIN,
     loss: LossLike = None,
     precision: Precision | str = Precision.FP32,
@@ -70,13 +74,15 @@ def estimate(
         batch_size: samples per step (per GPU under a strategy, unless
             ``Distributed(batch_is_global=True)``).
         input_shape: one sample's shape, without the batch dimension.
-        inputs: tensors whose shapes are used as they are (batch included).
+        inputs: tensors whose shapes are used as they are (batch included): a tensor, a tuple of
+            positional arguments, or a dict of keyword arguments (``model(**inputs)``).
         seq_len: the sequence length of a token model.
-        optimizer: ``sgd``, ``sgd-momentum``, ``adam``, ``adamw``, ``rmsprop``, ``adagrad``
-            or ``none``; its state comes from the real ``torch.optim`` class.
+        optimizer: ``sgd``, ``sgd-momentum``, ``adam`` (None: the default), ``adamw``,
+            ``rmsprop``, ``adagrad`` or ``none``; its state comes from the real ``torch.optim``
+            class. Training only: an eval or inference step refuses one (``none`` aside).
         mode: ``train``, ``eval`` (forward under ``no_grad``) or ``inference``.
         loss: ``auto`` (the default), ``cross-entropy``, ``lm-cross-entropy``, ``mean``,
-            ``mse``, or your own ``loss(output) -> scalar`` (simulated too).
+            ``mse``, or your own ``loss(output) -> scalar`` (simulated too). Training only.
         precision: ``fp32``, ``amp-fp16``, ``amp-bf16`` (CUDA autocast, emulated op by op),
             ``fp16`` or ``bf16`` (the whole model in that dtype).
         gpu: a catalogue name (``"h100-80gb"``) or a ``GpuProfile``: it drives the attention
@@ -93,7 +99,8 @@ def estimate(
     Returns:
         A :class:`MemoryReport`: the breakdown at the peak, where it happens, the textbook
         comparison, per-module rows and, under a strategy, one row per kind of GPU in
-        ``roles`` (the report's own fields describe the busiest).
+        ``roles`` (the report's own fields describe the busiest). A step larger than every
+        GPU in the catalogue says so in ``notes`` (and warns).
 
     Raises:
         MemcalcError: a subclass naming what was wrong and what to do.
@@ -102,12 +109,12 @@ def estimate(
                            optimizer=optimizer, mode=mode, loss=loss, precision=precision, gpu=gpu,
                            checkpoint=checkpoint, accum_steps=accum_steps, kv_cache=kv_cache, capacity=capacity,
                            distributed=distributed)
-    return run_estimate(request)
+    return _note_beyond_every_gpu(run_estimate(request))
 
 
 def make_request(model: Any, *, batch_size: int | None = None, input_shape: Sequence[int] | None = None,
-                 inputs: Sequence[torch.Tensor] | torch.Tensor | None = None, seq_len: int | None = None,
-                 optimizer: Optimizer | str = Optimizer.ADAM, mode: Mode | str = Mode.TRAIN, loss: LossLike = None,
+                 inputs: InputsLike | None = None, seq_len: int | None = None,
+                 optimizer: Optimizer | str | None = None, mode: Mode | str = Mode.TRAIN, loss: LossLike = None,
                  precision: Precision | str = Precision.FP32, gpu: GpuLike = None, checkpoint: bool = False,
                  accum_steps: int = 1, kv_cache: int | None = None, capacity: int | str | None = None,
                  distributed: Distributed | None = None) -> EstimateRequest:
@@ -123,11 +130,16 @@ def make_request(model: Any, *, batch_size: int | None = None, input_shape: Sequ
     Raises:
         MemcalcError: a subclass naming what was wrong and what to do.
     """
+    batch_size = _positive_int(batch_size, "batch_size", "--batch")
+    seq_len = _positive_int(seq_len, "seq_len", "--seq-len")
+    shape = _input_shape(input_shape)
+    _check_inputs_batch(inputs, batch_size)
+    _check_training_only(mode, optimizer, loss)
     profile, target = _gpu(gpu)
     loss_choice, loss_fn = _loss(loss)
-    options = EstimateOptions.create(optimizer=optimizer, mode=mode, precision=precision, gpu=profile,
-                                     loss=loss_choice, loss_fn=loss_fn, accum_steps=accum_steps,
-                                     checkpoint=checkpoint, kv_cache=kv_cache, target=target)
+    options = EstimateOptions.create(optimizer=Optimizer.ADAM if optimizer is None else optimizer, mode=mode,
+                                     precision=precision, gpu=profile, loss=loss_choice, loss_fn=loss_fn,
+                                     accum_steps=accum_steps, checkpoint=checkpoint, kv_cache=kv_cache, target=target)
     if distributed is not None and not isinstance(distributed, Distributed):
         raise InvalidInputError(f"distributed must be a memcalc.Distributed(...), got {type(distributed).__name__}",
                                 hint='e.g. distributed=memcalc.Distributed("ddp", world_size=4)')
@@ -135,8 +147,7 @@ def make_request(model: Any, *, batch_size: int | None = None, input_shape: Sequ
     if limit is None and options.gpu_named:
         limit = options.gpu.usable_memory
     return EstimateRequest(model=model, options=options, distributed=distributed or Distributed(),
-                           batch_size=batch_size, input_shape=None if input_shape is None else tuple(input_shape),
-                           seq_len=seq_len, inputs=inputs, capacity=limit)
+                           batch_size=batch_size, input_shape=shape, seq_len=seq_len, inputs=inputs, capacity=limit)
 
 
 def max_batch_size(
@@ -145,7 +156,7 @@ def max_batch_size(
     budget: str | int | Budget | None = None,
     gpu: str | GpuProfile | None = None,
     device: str | None = None,
-    optimizer: Optimizer | str = Optimizer.ADAM,
+    optimizer: Optimizer | str | None = None,
     precision: Precision | str | None = None,
     neighbours: int = 0,
     max_batch: int = MAX_BATCH,
@@ -175,8 +186,10 @@ def max_batch_size(
         DoesNotFitError: batch 1 does not fit.
         BatchLimitError: ``max_batch`` still fits.
     """
-    if max_batch < 1 or neighbours < 0:
-        raise InvalidInputError(f"max_batch must be ≥ 1 and neighbours ≥ 0 (got {max_batch}, {neighbours})")
+    max_batch = _positive_int(max_batch, "max_batch", None)
+    if not _is_int(neighbours) or neighbours < 0:
+        raise InvalidInputError(f"neighbours must be an integer ≥ 0, got {neighbours!r}")
+    _check_estimate_options("max_batch_size", estimate_options)
     resolved = resolve_budget(budget, gpu, device)
     request = _search_request(model, resolved, optimizer=optimizer, precision=precision, options=estimate_options)
     return find_max_batch(request, resolved, neighbours=neighbours, max_batch=max_batch)
@@ -186,7 +199,7 @@ def iter_sweep(
     model: Any,
     *,
     batch_sizes: Sequence[int],
-    optimizers: Sequence[Optimizer | str] = (Optimizer.ADAM,),
+    optimizers: Sequence[Optimizer | str] | None = None,
     precisions: Sequence[Precision | str | None] = (None,),
     budget: str | int | Budget | None = None,
     gpu: str | GpuProfile | None = None,
@@ -197,17 +210,21 @@ def iter_sweep(
 
     Args:
         model: as for :func:`estimate`.
-        batch_sizes, optimizers, precisions: the grid (None in ``precisions``: fp32);
-            every item is checked before the first estimate.
+        batch_sizes, optimizers, precisions: the grid, each a list (``optimizers`` None:
+            adam; None in ``precisions``: fp32); every item is checked before the first estimate.
         budget, gpu, device: at most one; with it, every point says whether it fits.
         **estimate_options: the other arguments of :func:`estimate`.
 
     Returns:
         An iterator of :class:`SweepPoint`, series by series, batches ascending.
     """
-    configs = sweep_configurations(batch_sizes, optimizers, precisions)
+    configs = sweep_configurations(batch_sizes, (Optimizer.ADAM,) if optimizers is None else optimizers, precisions)
+    _check_estimate_options("iter_sweep", estimate_options)
     resolved = resolve_budget(budget, gpu, device) if any(x is not None for x in (budget, gpu, device)) else None
-    request = _search_request(model, resolved, optimizer=Optimizer.ADAM, precision=None, options=estimate_options)
+    # optimizers given for an eval sweep are refused as estimate() refuses one: name a real one if any
+    named = None if optimizers is None else next((o for _b, o, _p in configs if o != Optimizer.NONE.value),
+                                                 Optimizer.NONE.value)
+    request = _search_request(model, resolved, optimizer=named, precision=None, options=estimate_options)
     return sweep_requests(request, configs)
 
 
@@ -215,7 +232,7 @@ def sweep(
     model: Any,
     *,
     batch_sizes: Sequence[int],
-    optimizers: Sequence[Optimizer | str] = (Optimizer.ADAM,),
+    optimizers: Sequence[Optimizer | str] | None = None,
     precisions: Sequence[Precision | str | None] = (None,),
     budget: str | int | Budget | None = None,
     gpu: str | GpuProfile | None = None,
@@ -232,28 +249,42 @@ def sweep(
     Returns:
         A list of :class:`SweepPoint`, series by series, batches ascending.
     """
+    _check_estimate_options("sweep", estimate_options)  # named as the user called it
     return list(iter_sweep(model, batch_sizes=batch_sizes, optimizers=optimizers, precisions=precisions,
                            budget=budget, gpu=gpu, device=device, **estimate_options))
 
 
-def _search_request(model: Any, budget: Budget | None, *, optimizer: Optimizer | str,
+#: The arguments of estimate() that max_batch_size() and sweep() pass on (``**estimate_options``).
+_ESTIMATE_OPTIONS = ("input_shape", "seq_len", "mode", "loss", "checkpoint", "accum_steps", "kv_cache", "distributed")
+#: estimate() arguments a search sets itself, or takes under another name.
+_SEARCH_SETS = {"batch_size": "the search sets the batch size", "capacity": "the budget is the capacity",
+                "inputs": "the search makes inputs at each batch size: give input_shape or seq_len",
+                "optimizer": "give optimizers=[...]", "precision": "give precisions=[...]"}
+
+
+def _check_estimate_options(function: str, options: Mapping[str, Any]) -> None:
+    """Every keyword of ``**estimate_options`` is one :func:`estimate` takes and the search
+    does not set itself; else :class:`InvalidInputError` naming it (and a close match)."""
+    for name in options:
+        if name in _SEARCH_SETS:
+            raise InvalidInputError(f"{function}() does not take {name}: {_SEARCH_SETS[name]}")
+        if name not in _ESTIMATE_OPTIONS:
+            close = difflib.get_close_matches(name, _ESTIMATE_OPTIONS, n=1)
+            raise InvalidInputError(f"{function}() got an unknown argument {name!r}"
+                                    + (f"; did you mean {close[0]!r}?" if close else ""),
+                                    hint=f"The estimate options it takes: {', '.join(_ESTIMATE_OPTIONS)}.")
+
+
+def _search_request(model: Any, budget: Budget | None, *, optimizer: Optimizer | str | None,
                     precision: Precision | str | None, options: dict[str, Any]) -> EstimateRequest:
     """The request a search varies: the user's options, the budget's GPU (its kernels and
     workspaces) and the budget as capacity."""
-    for fixed in ("batch_size", "capacity", "inputs"):
-        if fixed in options:
-            raise InvalidInputError(
-                f"{fixed} cannot be given here: the search sets the batch size and capacity",
-                hint="Give input_shape or seq_len for the shape of one sample.")
     given = {k: v for k, v in options.items() if v is not None}
     if budget is not None and budget.gpu is not None and "gpu" not in given:
         given["gpu"] = budget.gpu
     if precision is not None:
         given["precision"] = precision
-    try:
-        request = make_request(model, optimizer=optimizer, **given)
-    except TypeError as exc:  # an unknown keyword
-        raise InvalidInputError(f"{exc}", hint="See help(memcalc.estimate) for the options.") from None
+    request = make_request(model, optimizer=optimizer, **given)
     return replace(request, capacity=budget.capacity if budget is not None else None)
 
 
@@ -263,7 +294,7 @@ def _gpu(gpu: GpuLike) -> tuple[GpuProfile | None, str]:
         return gpu, Target.CUDA
     if not isinstance(gpu, str):
         raise InvalidInputError(f"gpu must be a GPU name or a GpuProfile, got {type(gpu).__name__} {gpu!r}",
-                                hint="memcalc gpus --help lists the catalogue; e.g. gpu=\"h100-80gb\"")
+                                hint="Known GPUs: " + ", ".join(g.key for g in catalogue()) + ".")
     if gpu.strip().lower() == CPU:
         return GENERIC, Target.CPU
     return get_gpu(gpu), Target.CUDA
@@ -287,3 +318,82 @@ def _capacity(capacity: int | str | None) -> int | None:
     except ValueError:
         raise InvalidInputError(f"capacity must be a positive number of bytes, got {capacity!r}",
                                 hint=f"A capacity is {BYTES_FORMS}.") from None
+
+
+def _is_int(value: object) -> bool:
+    """An ``int`` proper: ``True`` and ``64.0`` are not counts."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any, name: str, flag: str | None) -> Any:
+    """``value`` when it is None or an integer ≥ 1; else :class:`InvalidInputError` naming it."""
+    if value is None or (_is_int(value) and value >= 1):
+        return value
+    kind = "" if _is_int(value) else f" ({type(value).__name__})"
+    raise InvalidInputError(f"{name}{f' ({flag})' if flag else ''} must be an integer, at least 1; "
+                            f"got {value!r}{kind}")
+
+
+def _input_shape(shape: Any) -> tuple[int, ...] | None:
+    """One sample's shape as a tuple of positive integers (None: the model's default)."""
+    if shape is None:
+        return None
+    dims = tuple(shape) if isinstance(shape, Iterable) and not isinstance(shape, (str, bytes)) else None
+    if not dims or not all(_is_int(d) and d >= 1 for d in dims):
+        raise InvalidInputError(f"input_shape must be one sample's shape, a sequence of positive integers without "
+                                f"the batch dimension; got {shape!r}", hint="e.g. input_shape=(3, 224, 224) or (1024,)")
+    return dims
+
+
+def _inputs_batch(inputs: Any) -> int | None:
+    """The batch (first dimension) of the first tensor in ``inputs``; None if there is none."""
+    if isinstance(inputs, torch.Tensor):
+        candidates: list[Any] = [inputs]
+    elif isinstance(inputs, Mapping):
+        candidates = list(inputs.values())
+    elif isinstance(inputs, Sequence):
+        candidates = list(inputs)
+    else:
+        return None  # not inputs at all: the model source says so
+    first = next((t for t in candidates if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        return None
+    return int(first.shape[0]) if first.dim() else 1
+
+
+def _check_inputs_batch(inputs: Any, batch_size: int | None) -> None:
+    """``inputs`` carry their batch; a different ``batch_size`` beside them is a contradiction."""
+    batch = None if inputs is None or batch_size is None else _inputs_batch(inputs)
+    if batch is not None and batch != batch_size:
+        raise InvalidInputError(f"batch_size={batch_size} disagrees with inputs, whose batch (first dimension) is "
+                                f"{batch}", hint="Leave batch_size out (inputs carry their batch) or give inputs of "
+                                                 f"batch {batch_size}.")
+
+
+def _check_training_only(mode: Mode | str, optimizer: Optimizer | str | None, loss: LossLike) -> None:
+    """An optimizer or a loss for an eval or inference step would be ignored: refused."""
+    mode_ = parse_choice(Mode, mode, "mode")
+    if mode_ is Mode.TRAIN:
+        return
+    if optimizer is not None and parse_choice(Optimizer, optimizer, "optimizer") is not Optimizer.NONE:
+        raise InapplicableOptionError(f"optimizer (--optim) applies to training (mode train); a mode "
+                                      f"{mode_.value} step runs no optimizer", hint="Leave the optimizer out.")
+    if loss is not None:
+        raise InapplicableOptionError(f"loss (--loss) applies to training (mode train); a mode {mode_.value} "
+                                      f"step computes no loss", hint="Leave the loss out.")
+
+
+def _note_beyond_every_gpu(report: MemoryReport) -> MemoryReport:
+    """A peak no GPU of the catalogue holds (a batch of a billion) is said so, in the notes and
+    as a warning: the figure is right, but no card exists to run it on."""
+    largest = max(catalogue(), key=lambda g: g.usable_memory or 0)
+    usable = largest.usable_memory
+    peak = report.bytes.peak_allocated
+    if usable is None or peak <= usable:
+        return report
+    note = (f"no GPU in the catalogue holds this step: its peak allocated, {format_bytes(peak)}, is "
+            f"{peak / usable:,.1f}× what the largest, the {largest.name}, leaves usable "
+            f"({format_bytes(usable)} after its CUDA context); it takes a smaller batch or input, or "
+            f"sharding over more GPUs (--strategy fsdp or zero3, --world-size)")
+    warnings.warn(note, stacklevel=3)
+    return replace(report, notes=(*report.notes, note))

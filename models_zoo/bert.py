@@ -194,5 +194,6 @@ for _name, (_cfg, _count, _hf) in _CONFIGS.items():
                         f"{_cfg.num_heads} heads, with pooler, no head",
             aliases=(_hf,),
             block_containers=("encoder.layer",),
+            context_length=_cfg.max_position_embeddings,
         )
     )

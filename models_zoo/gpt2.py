@@ -15,7 +15,7 @@ hub checkpoints. Differences from HF, none of which changes a parameter count:
 ``lm_head.weight`` *is* ``transformer.wte.weight`` (tied, counted once). The position table
 has HF's 1024 rows; a longer requested sequence grows it to the sequence length (GPT-2
 itself cannot attend past 1024 positions, but the memory of a longer run is still a fair
-question to ask).
+question to ask; the report says so, with the grown parameter count: ``context_length``).
 """
 
 from __future__ import annotations
@@ -157,5 +157,7 @@ for _name, (_cfg, _count) in _CONFIGS.items():
             description=f"HF GPT2LMHeadModel ({_name}): {_cfg.n_layer} layers, d {_cfg.n_embd}, "
                         f"{_cfg.n_head} heads, tied lm_head",
             block_containers=("transformer.h",),
+            context_length=_cfg.n_positions,
+            decoder=True,
         )
     )

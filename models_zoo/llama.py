@@ -209,5 +209,7 @@ for _name, (_cfg, _count, _source) in _CONFIGS.items():
             description=f"HF LlamaForCausalLM ({_source}): {_cfg.num_layers} layers, d {_cfg.hidden_size}, "
                         f"{_cfg.num_heads} heads{gqa}, SwiGLU {_cfg.intermediate_size}",
             block_containers=("model.layers",),
+            context_length=_cfg.max_position_embeddings,
+            decoder=True,
         )
     )

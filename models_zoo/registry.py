@@ -62,6 +62,11 @@ class ZooEntry:
     # Names of module lists whose items are the model's repeated blocks (used by
     # activation checkpointing): e.g. ("layer1", "layer2") or ("h",).
     block_containers: tuple[str, ...] = field(default=())
+    # The longest sequence the released model takes (its position table, or the length it was
+    # trained on); None: not a sequence model. A longer one is reported with what it changes.
+    context_length: int | None = None
+    # A decoder language model (causal self-attention, generates tokens): a KV cache applies.
+    decoder: bool = False
 
     def build(self, input_shape: tuple[int, ...] | None = None) -> nn.Module:
         """The model for one sample of ``input_shape`` (default: :attr:`default_shape`), built

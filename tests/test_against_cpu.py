@@ -151,5 +151,7 @@ def test_conv_net_differs_on_cpu_for_a_known_reason():
     # they differ from cuDNN's on a GPU anyway. The simulation is a lower bound here.
     estimate, measured = _measure_and_estimate(dict(model="resnet18", batch=2, input_shape=(3, 64, 64),
                                                     optimizer="sgd"))
-    assert estimate.peak_requested <= measured * 1.02  # measured on torch 2.13: -0.27 %
+    # measured on torch 2.13: -0.34 % (-0.27 % while the simulation also added autograd's
+    # gradient sums out of place, as the tracer's dispatch mode makes it; see memcalc.cuda.cpu)
+    assert estimate.peak_requested <= measured * 1.02
     assert estimate.unsupported_ops  # and the report says convolution is approximated

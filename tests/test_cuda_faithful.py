@@ -239,7 +239,7 @@ def test_cublas_workspaces_per_gpu():
     # H100 (sm90): 32 MiB per handle; elsewhere 8,519,680 B; training: forward + backward handle.
     h100 = memcalc.estimate("mlp", batch_size=4, gpu="h100-80gb", optimizer="sgd")
     assert "2 × 33,554,432 B" in " ".join(h100.notes)
-    a100 = memcalc.estimate("mlp", batch_size=4, gpu="a100-80gb", optimizer="sgd", mode="eval")
+    a100 = memcalc.estimate("mlp", batch_size=4, gpu="a100-80gb", mode="eval")  # eval: no optimizer
     assert "1 × 8,519,680 B" in " ".join(a100.notes)
 
 

@@ -150,7 +150,9 @@ def test_mlp_saved_activations_by_hand():
     r = memcalc.estimate("mlp", batch_size=64, optimizer="sgd")
     assert r.textbook.activation_bytes == 262_144 * 2 + 2_560 + 2_560 + 4 + 4
     assert r.textbook.multiplier == 2
-    assert r.textbook.total == r.bytes.parameters * 2 + r.textbook.activation_bytes
+    # the rule counts the input batch too: 64·784·4 B of inputs + 64·8 B of int64 targets
+    assert r.textbook.input_bytes == 64 * 784 * 4 + 64 * 8
+    assert r.textbook.total == r.bytes.parameters * 2 + r.textbook.input_bytes + r.textbook.activation_bytes
 
 
 def test_textbook_multipliers():
@@ -186,7 +188,8 @@ def test_to_dict_is_exactly_the_contract():
     assert set(d) == {"model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters", "peak_phase",
                       "peak_module", "attention_backend", "fits", "bytes"}
     assert set(d["bytes"]) == {"parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations",
-                               "workspace", "kv_cache", "peak_allocated", "peak_reserved", "cuda_context"}
+                               "workspace", "kv_cache", "peak_allocated", "peak_reserved",
+                               "peak_reserved_unconstrained", "cuda_context"}
     assert d["precision"] == "fp32" and d["gpu"] == "generic" and d["fits"] is None
     assert d["attention_backend"] is None  # an MLP has no attention
     assert all(isinstance(v, int) for v in d["bytes"].values())

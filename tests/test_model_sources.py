@@ -111,7 +111,7 @@ def test_token_models_take_seq_len():
 
 
 def test_vision_input_shape_sizes_position_embeddings():
-    r = memcalc.estimate("vit_b_16", batch_size=1, input_shape=(3, 384, 384), optimizer="sgd", mode="eval")
+    r = memcalc.estimate("vit_b_16", batch_size=1, input_shape=(3, 384, 384), mode="eval")
     # 577 position tokens of width 768 instead of 197: +380·768 parameters
     assert r.parameters == 86_567_656 + (577 - 197) * 768
 

@@ -16,7 +16,7 @@ import models_zoo
 from memcalc import api
 from memcalc.cli.fit import fit_command
 from memcalc.cli.gpus import gpus_command
-from memcalc.cli.options import handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.cli.sweep import sweep_command
 from memcalc.core.precision import Precision
@@ -65,7 +65,7 @@ def main() -> None:
               help="Batch size (samples per step).")
 @click.option("--optim", "optim", type=click.Choice([o.value for o in Optimizer], case_sensitive=False),
               default=Optimizer.ADAM.value, show_default=True,
-              help="Optimizer; its state is created by the real torch.optim class.")
+              help="Optimizer (training only); its state is created by the real torch.optim class.")
 @step_options
 @click.option("--precision", type=click.Choice([p.value for p in Precision]), default=Precision.FP32.value,
               show_default=True,
@@ -90,7 +90,7 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     MODEL is a zoo name (memcalc zoo lists them), path/to/file.py:factory,
     package.module:factory, torchvision:NAME, timm:NAME, hf:NAME or hf:config.json.
     """
-    step = dict(optimizer=optim, precision=precision, gpu=gpu,
+    step = dict(optimizer=optim if given("optim") else None, precision=precision, gpu=gpu,
                 **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
                                  accum_steps=accum_steps, kv_cache=kv_cache, loss=loss))
     distributed = strategy_arguments(measure=measure, **multi_gpu)

@@ -10,7 +10,7 @@ import click
 from tabulate import tabulate
 
 from memcalc import api
-from memcalc.cli.options import handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
 from memcalc.cli.params import OPTIMIZERS, PRECISIONS, UnitCommand, budget_arguments, budget_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.core.units import format_bytes
@@ -54,7 +54,7 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
                          accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
     distributed = strategy_arguments(**multi_gpu)
     with quiet():
-        result = api.max_batch_size(model, **where, optimizer=optim, precision=precision,
+        result = api.max_batch_size(model, **where, optimizer=optim if given("optim") else None, precision=precision,
                                        neighbours=0 if fmt == "json" else neighbours, **step, **distributed)
     if fmt == "json":
         click.echo(render_json(result.to_dict()))
@@ -67,7 +67,7 @@ def _render_fit(result: FitResult, fmt: str, unit: str) -> str:
     lines = [
         f"budget: {format_bytes(result.budget_bytes, unit)} ({result.budget.source})",
         (f"largest batch that fits: {result.batch_size} (batch {result.batch_size + 1} does not); "
-         f"headroom {format_bytes(result.headroom, unit)}; "
+         f"headroom {format_bytes(result.headroom, unit)} above its peak allocated; "
          f"about {format_bytes(result.bytes_per_sample, unit)} per sample near it; "
          f"found with {result.num_estimates} estimates"),
     ]
@@ -82,6 +82,11 @@ def _render_fit(result: FitResult, fmt: str, unit: str) -> str:
         sections.append(tabulate(rows, headers=["batch", "peak allocated", "budget − peak", "fits", ""],
                                  tablefmt=fmt, colalign=("right", "right", "right", "left", "left"),
                                  disable_numparse=True))
+        if any(not p.fits and p.peak_allocated <= result.budget_bytes for p in result.neighbours):
+            # without this, the table's own arithmetic would seem to contradict its "no"
+            sections.append("a batch with room left under the budget can still fail: the caching allocator's "
+                            "segments fragment, so it must reserve more than the budget (it frees its cache "
+                            "and retries first)")
     return "\n\n".join(sections) + "\n"
 
 

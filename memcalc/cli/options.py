@@ -13,14 +13,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from memcalc.core.categories import Mode
 from memcalc.core.errors import MemcalcError
 from memcalc.core.losses import LossChoice
 from memcalc.core.units import Unit
+from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import TABLE_FORMATS
 
-__all__ = ("FORMATS", "ShapeType", "handle_errors", "output_options", "quiet", "step_arguments", "step_options")
+__all__ = ("FORMATS", "ShapeType", "given", "handle_errors", "output_options", "quiet", "step_arguments",
+           "step_options")
 
 FORMATS = (*TABLE_FORMATS, "json")
 
@@ -98,20 +101,49 @@ def step_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="With --mode inference: a KV cache for the prompt plus TOKENS generated tokens "
                           "(decoder language models)."),
         click.option("--loss", type=click.Choice([c.value for c in LossChoice]), default=None,
-                     help="Loss to train with (default: the zoo entry's, else auto: cross-entropy for (B, C) "
-                          "outputs, the output's mean otherwise)."),
+                     help="Loss to train with (training only; default: the zoo entry's, else auto: cross-entropy "
+                          "for (B, C) outputs, the output's mean otherwise)."),
     ]
     for option in reversed(options):
         func = option(func)
     return func
 
 
+def given(name: str) -> bool:
+    """Whether the current command's parameter ``name`` was set by the user (on the command
+    line or through the environment), not left at its default: an option the step would
+    ignore is refused only when the user asked for it."""
+    ctx = click.get_current_context()
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
 def step_arguments(*, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
                    accum_steps: int, kv_cache: int | None, loss: str | None) -> dict[str, Any]:
-    """:func:`step_options`' values as :func:`memcalc.estimate` keywords (None: its default)."""
+    """:func:`step_options`' values as :func:`memcalc.estimate` keywords (None: its default);
+    a usage error for a training-only option given for an eval or inference step."""
+    if mode != Mode.TRAIN.value:
+        _refuse_training_options(mode)
     values = dict(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
                   accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
     return {name: value for name, value in values.items() if value is not None}
+
+
+#: Options that only a training step uses: (parameter name, flag); a value that means "no
+#: optimizer" is no contradiction.
+_TRAINING_ONLY = (("optim", "--optim"), ("optims", "--optim"), ("loss", "--loss"))
+
+
+def _refuse_training_options(mode: str) -> None:
+    ctx = click.get_current_context()
+    for name, flag in _TRAINING_ONLY:
+        if name not in ctx.params or not given(name):
+            continue
+        value = ctx.params[name]
+        values = value if isinstance(value, list) else [value]
+        if name != "loss" and all(v == Optimizer.NONE.value for v in values):
+            continue
+        raise click.UsageError(f"{flag} applies to training (--mode train); --mode {mode} runs "
+                               f"{'no optimizer' if name != 'loss' else 'no loss computation'}: drop {flag}")
 
 
 @contextmanager

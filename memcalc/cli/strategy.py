@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from memcalc.cli.options import given
 from memcalc.core.errors import InvalidInputError
 from memcalc.distributed.options import (
     DEEPSPEED_REDUCE_BUCKET_SIZE,
@@ -21,6 +22,7 @@ from memcalc.distributed.options import (
     Distributed,
     FsdpSharding,
     Strategy,
+    inapplicable_option,
 )
 
 __all__ = ("DeviceIdsType", "strategy_arguments", "strategy_options")
@@ -84,21 +86,34 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+#: The options of one family of strategies: click parameter → :class:`Distributed` argument.
+_STRATEGY_ONLY = {"bucket_cap_mb": "bucket_cap_mb", "gradient_as_bucket_view": "gradient_as_bucket_view",
+                  "fsdp_sharding": "sharding", "reduce_bucket_size": "reduce_bucket_size",
+                  "global_batch": "batch_is_global"}
+
+
 def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tuple[int, ...] | None,
                        global_batch: bool, bucket_cap_mb: float, gradient_as_bucket_view: bool,
                        fsdp_sharding: str, reduce_bucket_size: int, measure: bool = False) -> dict[str, Any]:
     """The options as :func:`memcalc.estimate`'s ``distributed`` keyword (none for a single
-    GPU); a usage error for combinations that make no sense."""
+    GPU); a usage error for combinations that make no sense, and for an option given on the
+    command line that the strategy would ignore (``--bucket-cap-mb`` without ddp)."""
+    # a flag's explicit False (--per-rank-batch, the default's own spelling) asks for nothing
+    explicit = {argument for parameter, argument in _STRATEGY_ONLY.items()
+                if given(parameter) and click.get_current_context().params.get(parameter) is not False}
+    problem = inapplicable_option(Strategy(strategy), explicit, flags=True)
+    if problem is not None:
+        raise click.UsageError(problem)
     try:
         distributed = Distributed(strategy, world_size=world_size, device_ids=device_ids,
-                                  batch_is_global=global_batch, bucket_cap_mb=bucket_cap_mb,
-                                  gradient_as_bucket_view=gradient_as_bucket_view, sharding=fsdp_sharding,
-                                  reduce_bucket_size=reduce_bucket_size)
+                                  batch_is_global=global_batch,
+                                  bucket_cap_mb=bucket_cap_mb if "bucket_cap_mb" in explicit else None,
+                                  gradient_as_bucket_view=gradient_as_bucket_view,
+                                  sharding=fsdp_sharding if "sharding" in explicit else None,
+                                  reduce_bucket_size=reduce_bucket_size if "reduce_bucket_size" in explicit else None)
     except InvalidInputError as exc:
         raise click.UsageError(str(exc)) from None
     if strategy == Strategy.SINGLE.value:
-        if global_batch:
-            raise click.UsageError("--global-batch needs a multi-GPU --strategy")
         return {}
     if measure:
         raise click.UsageError("--measure runs the step on this machine's GPU (or CPU); it cannot measure "

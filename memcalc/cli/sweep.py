@@ -12,7 +12,7 @@ import click
 from tabulate import tabulate
 
 from memcalc import api
-from memcalc.cli.options import handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
 from memcalc.cli.params import (
     OPTIMIZERS,
     PRECISIONS,
@@ -46,8 +46,9 @@ PROGRESS_MIN_CONFIGURATIONS = 4
               help=f"Precisions, comma-separated ({', '.join(PRECISIONS)}).")
 @budget_options
 @step_options
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Draw memory against batch size to this file (PNG; needs matplotlib).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, metavar="FILE",
+              help="Draw memory against batch size to this file (.png, .pdf, .svg, ...: the extension picks the "
+                   "format; needs matplotlib).")
 @output_options
 @handle_errors
 def sweep_command(model: str, batches: list[int], optims: list[str], precisions: list[str] | None,
@@ -62,16 +63,16 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
     memcalc sweep resnet50 --batch 16,64,256 --gpu a100-40gb --plot memory.png
     """
     where = budget_arguments(gpu, budget, device, required=False)
-    resolved = resolve_budget(**where) if where else None
     if plot_path is not None:
-        from memcalc.report.plot import check_available
+        from memcalc.report.plot import check_plot_path
 
-        check_available()  # before the sweep, not after minutes of it
-    configs = sweep_configurations(batches, optims, precisions or [None])
+        check_plot_path(plot_path)  # before the sweep, not after minutes of it
     step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                         accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
-    points_iter = api.iter_sweep(model, batch_sizes=batches, optimizers=optims,
-                                    precisions=precisions or [None], budget=resolved, **step)
+                          accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
+    resolved = resolve_budget(**where) if where else None
+    configs = sweep_configurations(batches, optims, precisions or [None])
+    points_iter = api.iter_sweep(model, batch_sizes=batches, optimizers=optims if given("optims") else None,
+                                 precisions=precisions or [None], budget=resolved, **step)
     show = fmt != "json" and len(configs) > PROGRESS_MIN_CONFIGURATIONS and _is_terminal(sys.stderr)
     with quiet(), _progress(points_iter, len(configs), show) as progress:
         points = list(progress)

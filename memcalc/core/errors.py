@@ -4,12 +4,17 @@ exit code (2 for bad user input, 1 for a model that can't be estimated)."""
 from __future__ import annotations
 
 __all__ = (
+    "DataDependentError",
+    "InapplicableOptionError",
     "InvalidInputError",
+    "LossFunctionError",
     "MemcalcError",
     "MissingPackageError",
     "ModelSourceError",
+    "PlotPathError",
     "SymbolicExecutionError",
     "UnknownModelError",
+    "symbolic_execution_error",
 )
 
 
@@ -50,6 +55,29 @@ class InvalidInputError(MemcalcError, ValueError):
     exit_code = 2
 
 
+class InapplicableOptionError(InvalidInputError):
+    """An option that the rest of the request would ignore (an optimizer for an eval step, a
+    DDP bucket size without DDP): refused rather than dropped, since the user meant something
+    by it."""
+
+
+class LossFunctionError(InvalidInputError):
+    """The user's own loss function raised, or returned something other than a scalar tensor."""
+
+    def __init__(self, name: str, problem: str):
+        super().__init__(
+            f"the loss function {name} {problem}",
+            hint="memcalc calls loss(output) with the model's output as meta tensors (shapes, no values) "
+                 "and needs a one-element tensor back; fix the function, or use a built-in loss "
+                 "(loss=\"cross-entropy\", \"mean\", ...).")
+        self.name = name
+
+
+class PlotPathError(InvalidInputError):
+    """A plot file that cannot be written: its folder is missing or read-only, or its
+    extension is not a format matplotlib writes."""
+
+
 class MissingPackageError(MemcalcError, ImportError):
     """An optional source (torchvision, timm, transformers, matplotlib) is not installed."""
 
@@ -60,29 +88,109 @@ class MissingPackageError(MemcalcError, ImportError):
 
 
 class SymbolicExecutionError(MemcalcError):
-    """An op could not run on meta tensors (no meta kernel, or data-dependent: ``.item()``,
-    ``nonzero``, Python branching on tensor values)."""
+    """An op could not run on meta tensors: it has no shape-only (meta) kernel, or it rejected
+    the shapes it was given. (An op that needs tensor values: :class:`DataDependentError`.)
+    Made by :func:`symbolic_execution_error`, which tells the two apart."""
 
-    def __init__(self, op: str, module: str, phase: str, cause: BaseException):
-        where = f"module {module!r}" if module else "the model's own forward (outside its submodules)"
+    def __init__(self, op: str, module: str, phase: str, cause: BaseException, *, message: str | None = None,
+                 hint: str | None = None):
         super().__init__(
-            f"op {op} failed during {phase} in {where}: {type(cause).__name__}: {cause}",
-            hint=_hint_for(op, cause),
+            message or f"op {op} failed during {phase} in {_where(module)}: {type(cause).__name__}: {cause}",
+            hint=hint or _hint_for(cause),
         )
         self.op = op
         self.module = module
         self.phase = phase
+        #: The op refused the shapes it was given (it has a meta kernel): the inputs may be wrong.
+        self.rejected_shapes = hint is None and not _no_meta_kernel(cause)
 
 
-_DATA_DEPENDENT = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "item")
+class DataDependentError(SymbolicExecutionError):
+    """The model reads tensor values — ``.item()``, an ``if`` on a tensor, ``nonzero``, a
+    boolean mask, ``torch.unique``, ``masked_select`` — whose result (a number, an output
+    size) a run on shapes alone cannot know."""
+
+    def __init__(self, op: str, module: str, phase: str, cause: BaseException, *, reads: str, advice: str):
+        super().__init__(
+            op, module, phase, cause,
+            message=f"the model reads tensor values during {phase} in {_where(module)}: {reads} (op {op}), "
+                    f"and memcalc runs the model on shapes only, without data",
+            hint=f"{advice}Otherwise make that code depend on shapes or configuration, or estimate the "
+                 f"submodule separately." if advice else
+                 "Make that code depend on shapes or configuration instead, or estimate the submodule separately.",
+        )
+        self.reads = reads
 
 
-def _hint_for(op: str, cause: BaseException) -> str:
-    if any(name in op for name in _DATA_DEPENDENT):
-        return ("The model reads tensor values (.item(), nonzero, boolean masks, or an `if` on a "
-                "tensor), which have no value when memcalc runs it without data. Make that branch "
-                "depend on shapes or configuration instead, or estimate the submodule separately.")
-    if isinstance(cause, NotImplementedError) or ("meta" in str(cause).lower() and "implement" in str(cause).lower()):
+def symbolic_execution_error(op: str, module: str, phase: str, cause: BaseException) -> SymbolicExecutionError:
+    """The error for ``op`` failing on meta tensors with ``cause``: a :class:`DataDependentError`
+    when the op needs tensor values (by the op, or by what its meta kernel said), else a
+    :class:`SymbolicExecutionError`."""
+    reads = _data_dependent(op, str(cause))
+    if reads is not None:
+        return DataDependentError(op, module, phase, cause, reads=reads[0], advice=reads[1])
+    return SymbolicExecutionError(op, module, phase, cause)
+
+
+def _where(module: str) -> str:
+    return f"module {module!r}" if module else "the model's own code (outside its submodules)"
+
+
+_SCALAR = (".item(), int() / float() / bool() of a tensor or an `if` on one, which needs the tensor's value",
+           "Take such numbers from the configuration or the shapes (x.shape[0]) instead. ")
+_MASK = ("boolean-mask indexing x[mask], whose result has as many elements as the mask has True values",
+         "x * mask or torch.where(mask, x, 0) keep the shape and give the same sums. ")
+# aten ops whose result needs the data (by NAME in "aten.NAME.overload"): what they read, and
+# what keeps the shape instead ("" when there is no general substitute).
+_DATA_DEPENDENT_OPS: dict[str, tuple[str, str]] = {
+    "_local_scalar_dense": _SCALAR,
+    "item": _SCALAR,
+    "is_nonzero": _SCALAR,
+    "nonzero": ("nonzero / argwhere / torch.where(condition), whose result has a row per nonzero element",
+                "torch.nonzero_static(x, size=N) has a fixed size. "),
+    "argwhere": ("argwhere, whose result has a row per nonzero element",
+                 "torch.nonzero_static(x, size=N) has a fixed size. "),
+    "masked_select": ("masked_select, whose result has as many elements as the mask has True values", _MASK[1]),
+    "_unique": ("torch.unique, whose result has an element per distinct value", ""),
+    "_unique2": ("torch.unique, whose result has an element per distinct value", ""),
+    "unique_dim": ("torch.unique(dim=...), whose result has a slice per distinct slice", ""),
+    "unique_consecutive": ("torch.unique_consecutive, whose result has an element per run of equal values", ""),
+    "repeat_interleave": ("repeat_interleave with a tensor of repeats, whose output length is their sum",
+                          "Pass output_size= (the total length) and the size is known. "),
+    "bincount": ("bincount, whose output length is the largest value plus one",
+                 "one_hot(x, num_classes).sum(0) or scatter_add_ into a tensor of known size count the same. "),
+    "equal": ("torch.equal, which compares the values", ""),
+    "allclose": ("torch.allclose, which compares the values", ""),
+}
+
+
+def _data_dependent(op: str, cause: str) -> tuple[str, str] | None:
+    """What a failing op reads from the data, or None when it failed for another reason."""
+    parts = op.split(".")
+    name = parts[1] if len(parts) > 2 and parts[0] == "aten" else op
+    if name in _DATA_DEPENDENT_OPS:
+        return _DATA_DEPENDENT_OPS[name]
+    text = cause.lower()
+    if "nonzero" in text and name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        return _MASK  # a boolean index becomes nonzero inside the op's meta decomposition
+    if "item() cannot be called on meta" in text:
+        return _SCALAR
+    if "cannot copy out of meta tensor" in text:
+        return (".tolist(), .cpu() or .numpy(), which copy the values out",
+                "Keep the values on the device, or read what you need from the shapes. ")
+    if "data-dependent" in text or "data dependent" in text:
+        return ("an op whose result depends on the values", "")
+    return None
+
+
+def _no_meta_kernel(cause: BaseException) -> bool:
+    text = str(cause).lower()
+    # "no fake impl registered" is how a custom op (torch.library) without a meta function fails
+    return isinstance(cause, NotImplementedError) or ("meta" in text and "implement" in text) or "fake impl" in text
+
+
+def _hint_for(cause: BaseException) -> str:
+    if _no_meta_kernel(cause):
         return ("The op has no shape-only (meta) implementation in this PyTorch version, so memcalc "
                 "cannot run it without data; please report the op.")
     return ("The op rejected the shapes it was given: check the input, --input-shape C,H,W for "

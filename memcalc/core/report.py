@@ -6,7 +6,7 @@ The JSON contract (README, "JSON output") is exactly::
      "peak_phase", "peak_module", "attention_backend", "fits",
      "bytes": {"parameters", "buffers", "inputs", "gradients", "optimizer_state",
                "activations", "workspace", "kv_cache", "peak_allocated", "peak_reserved",
-               "cuda_context"}}
+               "peak_reserved_unconstrained", "cuda_context"}}
 
 With a multi-GPU strategy (``strategy`` other than ``"single"``) the same fields describe
 the busiest GPU role and three keys are added (see :mod:`memcalc.distributed.strategies`)::
@@ -19,6 +19,13 @@ the busiest GPU role and three keys are added (see :mod:`memcalc.distributed.str
 Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
 the CUDA caching allocator counts (each block rounded up to 512 B), so the categories plus
 ``rounding`` add up to ``peak_allocated``. Parameters and buffers are alive throughout.
+
+``peak_reserved`` is the caching allocator's segments at their peak *under the capacity* when
+there is one (a named GPU, a budget, ``memcalc fit``): the allocator frees its cached segments
+and retries before it gives up, so when ``fits`` is true it never exceeds the capacity; when
+``fits`` is false it is what the step would have needed under that limit (more than the
+capacity). ``peak_reserved_unconstrained`` is the same replay with no limit (what an
+unpressured allocator caches); without a capacity the two are equal.
 """
 
 from __future__ import annotations
@@ -66,9 +73,11 @@ class ByteBreakdown:
 class ModuleRow:
     """One module of the per-module table.
 
-    ``activation_bytes``: in train mode, bytes born during the module's forward (its
-    submodules included) still alive when the forward ended — what it keeps for backward;
-    in eval mode, bytes born during its forward (freed soon after).
+    ``activation_bytes``: in train mode, activation bytes born during the module's forward
+    (its submodules included) still alive when the forward ended — what its backward keeps;
+    in eval and inference mode, activation bytes born during its forward (freed soon after).
+    Kernel workspaces (cuBLAS, cuDNN: category ``workspace``) are never counted here: they
+    belong to the library handle or the call, not to what the module keeps.
     """
 
     name: str
@@ -81,17 +90,31 @@ class ModuleRow:
 
 @dataclass(frozen=True)
 class Textbook:
-    """The rule of thumb: parameter bytes × optimizer multiplier + activations."""
+    """The rule of thumb: parameter bytes × optimizer multiplier + the input batch + activations.
+
+    It is the articles' arithmetic (e.g. one fully connected layer, batch 100, 32 → 16, fp32:
+    4 × (100·32 + 32·16 + 100·16) = 21,248 B: inputs + weights + outputs). ``activation_bytes``
+    are, in train mode, the activations saved for backward (alive when backward starts); in
+    eval and inference mode, the activations alive at the simulated peak. Temporaries and
+    kernel workspaces are never part of the rule.
+    """
 
     parameter_bytes: int
-    multiplier: int
+    multiplier: int  # 1 outside training: weights only
     terms: str  # e.g. "weights + grads + 2 moments"
-    activation_bytes: int  # saved for backward at the end of the forward (train)
+    activation_bytes: int
+    input_bytes: int = 0  # the input batch and its targets
 
     @property
     def total(self) -> int:
-        """The textbook estimate: parameter bytes × multiplier + activation bytes."""
-        return self.parameter_bytes * self.multiplier + self.activation_bytes
+        """The textbook estimate: parameter bytes × multiplier + input bytes + activation bytes."""
+        return self.parameter_bytes * self.multiplier + self.input_bytes + self.activation_bytes
+
+    def gap(self, peak: int) -> float | None:
+        """How far ``peak`` is above the rule of thumb, as a fraction of it: ``(peak − total) /
+        total`` (+0.25: the simulated peak is 25% above the rule; −0.1: 10% below). None when
+        the rule counts nothing."""
+        return (peak - self.total) / self.total if self.total else None
 
 
 @dataclass(frozen=True)
@@ -133,10 +156,13 @@ class MemoryReport:
     modules: tuple[ModuleRow, ...] = ()  # every submodule, at every depth (see modules_within)
     first_iteration_peak: int = 0
     peak_requested: int = 0  # the same simulation without the allocator's rounding (CPU comparisons)
-    peak_reserved: int = 0  # segments the caching allocator would hold at its peak
+    # Segments the caching allocator holds at its peak: under ``capacity`` when there is one
+    # (the replay that decides ``fits``), else with no limit (see the module docstring).
+    peak_reserved: int = 0
     capacity: int | None = None  # bytes the allocator may reserve, when a budget/GPU was given
     fits: bool | None = None  # replayed under ``capacity`` without an OOM (None: no capacity)
-    reserved_within_capacity: int | None = None  # peak reserved in that replay
+    reserved_within_capacity: int | None = None  # peak reserved in that replay (= peak_reserved)
+    peak_reserved_unconstrained: int = 0  # peak reserved replayed with no limit
     unsupported_ops: tuple[tuple[str, int], ...] = ()  # ops whose CUDA memory is approximated
     measurement: Measurement | None = None
     notes: tuple[str, ...] = field(default=())
@@ -174,7 +200,8 @@ class MemoryReport:
 
     @property
     def device_total(self) -> int:
-        """What the device would really use: peak reserved + the CUDA context."""
+        """What the device would really use: peak reserved (under the capacity, when there
+        is one) + the CUDA context."""
         return self.peak_reserved + self.cuda_context
 
     @property
@@ -218,7 +245,9 @@ class MemoryReport:
             "peak_module": self.peak_module,
             "attention_backend": self.attention_backend,
             "fits": self.fits,
-            "bytes": self.bytes.to_dict() | {"peak_reserved": self.peak_reserved, "cuda_context": self.cuda_context},
+            "bytes": self.bytes.to_dict() | {"peak_reserved": self.peak_reserved,
+                                             "peak_reserved_unconstrained": self.peak_reserved_unconstrained,
+                                             "cuda_context": self.cuda_context},
         }
 
 

@@ -1,4 +1,4 @@
-"""Byte units: binary for display (KiB, MiB, GiB — said so in every header) and a forgiving
+"""Byte units: binary for display (KiB … EiB — said so in every header) and a forgiving
 parser for budgets (``"24GiB"``, ``"80GB"``, ``"16 gib"``, ``12884901888``).
 
 Decimal suffixes (kB, MB, GB, TB) mean powers of 1000 as the SI says; binary ones (KiB, MiB,
@@ -11,20 +11,26 @@ from __future__ import annotations
 import enum
 import re
 
-__all__ = ("BYTES_FORMS", "Unit", "format_bytes", "parse_bytes")
+__all__ = ("BYTES_FORMS", "Unit", "auto_unit", "format_bytes", "parse_bytes", "unit_bytes")
 
 
 class Unit(str, enum.Enum):
-    """Display units; ``AUTO`` picks the largest unit that keeps the number ≥ 1."""
+    """Display units; ``AUTO`` picks the largest unit that keeps the number ≥ 1. The units
+    above GiB exist so that an absurd request (a batch of a billion) reads as the absurdity it
+    is — "77.01 PiB" — rather than as a 14-digit GiB figure."""
 
     AUTO = "auto"
     B = "B"
     KIB = "KiB"
     MIB = "MiB"
     GIB = "GiB"
+    TIB = "TiB"
+    PIB = "PiB"
+    EIB = "EiB"
 
 
-_BINARY = {Unit.B: 1, Unit.KIB: 1024, Unit.MIB: 1024**2, Unit.GIB: 1024**3}
+_BINARY = {Unit.B: 1, Unit.KIB: 1024, Unit.MIB: 1024**2, Unit.GIB: 1024**3, Unit.TIB: 1024**4,
+           Unit.PIB: 1024**5, Unit.EIB: 1024**6}
 
 _SUFFIXES = {
     "": 1,
@@ -33,6 +39,8 @@ _SUFFIXES = {
     "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
     "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+    "p": 1024**5, "pib": 1024**5, "pb": 1000**5,
+    "e": 1024**6, "eib": 1024**6, "eb": 1000**6,
 }
 
 BYTES_FORMS = "an integer number of bytes or a number with a unit: 24GiB, 16 GiB, 80GB, 512MiB, 1.5TiB"
@@ -58,17 +66,26 @@ def parse_bytes(value: str | int | float) -> int:
     return int(number)
 
 
-def _auto_unit(nbytes: int) -> Unit:
-    for unit in (Unit.GIB, Unit.MIB, Unit.KIB):
+def auto_unit(nbytes: int | float) -> Unit:
+    """The largest binary unit that keeps ``nbytes`` at 1 or more (``Unit.B`` below 1 KiB)."""
+    for unit in (Unit.EIB, Unit.PIB, Unit.TIB, Unit.GIB, Unit.MIB, Unit.KIB):
         if abs(nbytes) >= _BINARY[unit]:
             return unit
     return Unit.B
+
+
+def unit_bytes(unit: Unit | str) -> int:
+    """Bytes in one ``unit`` (``"GiB"`` → 1,073,741,824); ``Unit.AUTO`` has no size."""
+    unit = Unit(unit)
+    if unit is Unit.AUTO:
+        raise ValueError("Unit.AUTO has no size: pick one with auto_unit()")
+    return _BINARY[unit]
 
 
 def format_bytes(nbytes: int | float, unit: Unit | str = Unit.AUTO, *, with_unit: bool = True) -> str:
     """``format_bytes(21248)`` → ``'20.75 KiB'``; ``format_bytes(5, "MiB")`` → ``'0.00 MiB'``."""
     unit = Unit(unit)
     if unit is Unit.AUTO:
-        unit = _auto_unit(int(nbytes))
+        unit = auto_unit(int(nbytes))
     text = f"{int(nbytes):,}" if unit is Unit.B else f"{nbytes / _BINARY[unit]:,.2f}"
     return f"{text} {unit.value}" if with_unit else text

@@ -2,12 +2,15 @@
 
 It puts together what :mod:`memcalc.cuda` knows: the autocast and kernel-choice emulation
 (:mod:`memcalc.cuda.emulation`), the kernel workspaces (:mod:`memcalc.cuda.workspaces`) and
-the emulated gradient scaler of fp16 mixed precision. With ``target="cpu"`` the kernel
-emulation and the workspaces are off — the step is what a CPU run allocates — while mixed
+the emulated gradient scaler of fp16 mixed precision.
+
+With ``target="cpu"`` the step is what this machine's CPU runs instead (:class:`CpuBackend`,
+the rules of :mod:`memcalc.cuda.cpu`): the CPU's attention and LSTM kernels and what they
+allocate inside, no CUDA workspaces — the figure a real CPU run is compared with. Mixed
 precision still follows CUDA's autocast lists (a CPU comparison of an AMP step uses them too).
 
-:func:`trace_step` is the engine's :func:`~memcalc.engine.run.trace_model` with this backend:
-what every caller above this layer uses.
+:func:`trace_step` is the engine's :func:`~memcalc.engine.run.trace_model` with the backend of
+the options' target: what every caller above this layer uses.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Mode
+from memcalc.cuda.cpu import CpuCapabilities, CpuEmulation, CpuKernels
 from memcalc.cuda.emulation import CudaEmulation
 from memcalc.cuda.gpus.catalogue import get_gpu
 from memcalc.cuda.grad_scaler import EmulatedGradScaler
@@ -30,7 +34,7 @@ from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import RankHooks, TracedStep, trace_model
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("CudaBackend", "trace_step")
+__all__ = ("CpuBackend", "CudaBackend", "trace_step")
 
 _RNN_NOTE = ("recurrent layers: on CUDA nn.LSTM/GRU/RNN run cuDNN's fused kernel with a reserve buffer "
              "that memcalc does not model; the estimate follows the step-by-step decomposition")
@@ -77,9 +81,45 @@ class CudaBackend:
         return notes
 
 
+class CpuBackend:
+    """What this machine's CPU runs for one step of ``options`` (the CPU target,
+    :mod:`memcalc.cuda.cpu`): its own kernel choices and their inner allocations."""
+
+    def __init__(self, options: EstimateOptions, capabilities: CpuCapabilities | None = None) -> None:
+        self.options = options
+        self.kernels = CpuKernels(capabilities or CpuCapabilities.here())
+        self.emulation = CpuEmulation(options.precision, options.gpu.compute_capability, self.kernels)
+
+    def attach(self, tracer: StorageTracer) -> None:
+        # a checkpointed forward recomputed in backward runs under autocast again
+        self.emulation.recomputing = lambda: tracer.modules.recomputing
+        self.kernels.attach(tracer)
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        self.kernels.after_op(func, args, kwargs, out)
+
+    def mode(self) -> AbstractContextManager[Any]:
+        return self.emulation
+
+    def autocast(self) -> AutocastRegion | None:
+        return self.emulation.autocast if self.options.precision.is_amp else None
+
+    def grad_scaler(self) -> GradScalerLike | None:
+        if not self.options.precision.uses_grad_scaler:
+            return None
+        return EmulatedGradScaler(torch.device("meta"))
+
+    def attention_backends(self) -> Mapping[str, int]:
+        return {}  # the report's attention line speaks of CUDA's kernels; the notes name the CPU's
+
+    def notes(self, module: nn.Module) -> list[str]:
+        return self.kernels.notes()
+
+
 def trace_step(resolved: ResolvedModel, options: EstimateOptions | None = None, *, hooks: RankHooks | None = None,
                **option_values: Any) -> TracedStep:
-    """Trace one step of ``resolved`` as a CUDA GPU would run it.
+    """Trace one step of ``resolved`` as a CUDA GPU would run it (or, with ``target="cpu"``,
+    as this machine's CPU does).
 
     Args:
         resolved: the model and its inputs, on meta.
@@ -94,4 +134,5 @@ def trace_step(resolved: ResolvedModel, options: EstimateOptions | None = None, 
     if options is None:
         gpu = option_values.pop("gpu", None)
         options = EstimateOptions.create(gpu=get_gpu(gpu) if isinstance(gpu, str) else gpu, **option_values)
-    return trace_model(resolved, options, CudaBackend(options), hooks=hooks)
+    backend = CudaBackend(options) if options.emulate_cuda else CpuBackend(options)
+    return trace_model(resolved, options, backend, hooks=hooks)

@@ -7,16 +7,15 @@ optimizer and precision with :func:`dataclasses.replace` and calls :func:`run_es
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from memcalc.core.report import MemoryReport
 from memcalc.cuda.backend import trace_step
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
+from memcalc.engine.model import InputsLike
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import TracedStep, build_report
 from memcalc.sources.resolve import resolve
@@ -39,7 +38,7 @@ class EstimateRequest:
     batch_size: int | None = None
     input_shape: tuple[int, ...] | None = None
     seq_len: int | None = None
-    inputs: Sequence[torch.Tensor] | torch.Tensor | None = None
+    inputs: InputsLike | None = None
     capacity: int | None = None
 
 

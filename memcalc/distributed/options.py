@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from memcalc.core.choices import parse_choice
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 
 __all__ = (
     "DEEPSPEED_REDUCE_BUCKET_SIZE",
@@ -19,6 +19,7 @@ __all__ = (
     "FsdpSharding",
     "Strategy",
     "dp_chunks",
+    "inapplicable_option",
 )
 
 #: torch.nn.parallel.DistributedDataParallel: ``bucket_cap_mb=None`` means 25 (MiB).
@@ -69,8 +70,12 @@ class Distributed:
             GPUs (default: each GPU's batch).
         bucket_cap_mb: ``ddp``: gradient bucket size in MiB (PyTorch's 25 by default).
         gradient_as_bucket_view: ``ddp``: gradients are views into the buckets.
-        sharding: ``fsdp``: ``full_shard`` or ``shard_grad_op``.
+        sharding: ``fsdp``: ``full_shard`` (the default) or ``shard_grad_op``.
         reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
+
+    An option of another strategy (``bucket_cap_mb`` with ``"zero3"``, ``batch_is_global``
+    with one GPU) raises :class:`~memcalc.core.errors.InapplicableOptionError` rather than
+    being ignored.
     """
 
     strategy: Strategy
@@ -85,21 +90,33 @@ class Distributed:
     def __init__(self, strategy: Strategy | str = Strategy.SINGLE, *, world_size: int | None = None,
                  device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
                  bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
-                 sharding: FsdpSharding | str = FsdpSharding.FULL_SHARD, reduce_bucket_size: int | None = None) -> None:
+                 sharding: FsdpSharding | str | None = None, reduce_bucket_size: int | None = None) -> None:
         strategy_ = parse_choice(Strategy, strategy, "strategy")
-        sharding_ = parse_choice(FsdpSharding, sharding, "FSDP sharding")
-        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
-                                       or world_size < 1):
-            raise InvalidInputError(f"the world size is the number of GPUs and must be at least 1, got {world_size}",
-                                    hint="e.g. --world-size 4")
+        sharding_ = FsdpSharding.FULL_SHARD if sharding is None else parse_choice(FsdpSharding, sharding,
+                                                                                 "FSDP sharding")
+        if world_size is not None and (not _is_int(world_size) or world_size < 1):
+            kind = "" if _is_int(world_size) else f" ({type(world_size).__name__})"
+            raise InvalidInputError(
+                f"world_size is the number of GPUs: an integer, at least 1; got {world_size!r}{kind}",
+                hint="e.g. world_size=4 (--world-size 4)")
+        for flag, setting in (("batch_is_global", batch_is_global),
+                              ("gradient_as_bucket_view", gradient_as_bucket_view)):
+            if not isinstance(setting, bool):
+                raise InvalidInputError(f"{flag} must be True or False, got {setting!r}")
+        _refuse_inapplicable(strategy_, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+                             sharding=sharding_, reduce_bucket_size=reduce_bucket_size,
+                             batch_is_global=batch_is_global)
         ids = _device_ids(device_ids, strategy_)
         world = _world_size(strategy_, world_size, ids)
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                                          or not bucket_cap_mb > 0):
+            raise InvalidInputError(
+                f"bucket_cap_mb is DDP's bucket size in MiB, a positive number; got {bucket_cap_mb!r}")
         cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
-        if not cap > 0:
-            raise InvalidInputError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if reduce_bucket_size is not None and (not _is_int(reduce_bucket_size) or reduce_bucket_size < 1):
+            raise InvalidInputError(f"reduce_bucket_size is a number of elements, an integer ≥ 1; "
+                                    f"got {reduce_bucket_size!r}")
         bucket = DEEPSPEED_REDUCE_BUCKET_SIZE if reduce_bucket_size is None else int(reduce_bucket_size)
-        if bucket < 1:
-            raise InvalidInputError(f"reduce_bucket_size is a number of elements ≥ 1, got {reduce_bucket_size}")
         if strategy_ is Strategy.DP and not ids:
             ids = tuple(range(world))
         values = {"strategy": strategy_, "world_size": world, "device_ids": ids,
@@ -132,6 +149,9 @@ class Distributed:
 def _device_ids(device_ids: Sequence[int] | None, strategy: Strategy) -> tuple[int, ...]:
     if device_ids is None:
         return ()
+    if isinstance(device_ids, (str, bytes)) or not isinstance(device_ids, Sequence):
+        raise InvalidInputError(f"device_ids must be a list of CUDA device numbers, got {device_ids!r}",
+                                hint="e.g. device_ids=[0, 1, 2, 3] (--device-ids 0,1,2,3)")
     ids = tuple(device_ids)
     if not ids and strategy is not Strategy.DP:  # dataclasses.replace passes the normalised ()
         return ()
@@ -147,6 +167,57 @@ def _device_ids(device_ids: Sequence[int] | None, strategy: Strategy) -> tuple[i
         raise InvalidInputError(f"device ids repeat ({', '.join(map(str, repeated))} in {list(ids)}): "
                                 f"each GPU can hold one replica", hint="e.g. --device-ids 0,1,2,3")
     return ids
+
+
+#: The options that apply to one family of strategies only: (argument, CLI flag, strategies, default).
+_STRATEGY_OPTIONS: tuple[tuple[str, str, tuple[Strategy, ...], object], ...] = (
+    ("bucket_cap_mb", "--bucket-cap-mb", (Strategy.DDP,), DEFAULT_BUCKET_CAP_MB),
+    ("gradient_as_bucket_view", "--gradient-as-bucket-view", (Strategy.DDP,), False),
+    ("sharding", "--fsdp-sharding", (Strategy.FSDP,), FsdpSharding.FULL_SHARD),
+    ("reduce_bucket_size", "--reduce-bucket-size", (Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3),
+     DEEPSPEED_REDUCE_BUCKET_SIZE),
+    ("batch_is_global", "--global-batch", tuple(s for s in Strategy if s is not Strategy.SINGLE), False),
+)
+
+
+def inapplicable_option(strategy: Strategy, given: Iterable[str], *, flags: bool = False) -> str | None:
+    """Why the first of ``given`` (:class:`Distributed` argument names) would be ignored
+    under ``strategy``; None when every one applies.
+
+    Args:
+        strategy: the strategy chosen.
+        given: the arguments the user set (the CLI: the flags given on the command line).
+        flags: name the CLI flags (``--bucket-cap-mb``) rather than the arguments.
+
+    Returns:
+        A message naming the argument, the strategies it belongs to and what to do, or None.
+    """
+    chosen = set(given)
+    strategy_word = "--strategy" if flags else "strategy"
+    for option, flag, applies, _default in _STRATEGY_OPTIONS:
+        if option in chosen and strategy not in applies:
+            name = flag if flags else f"{option} ({flag})"
+            names = [s.value for s in applies]
+            listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+            where = (f"under a multi-GPU {strategy_word} ({listed})" if option == "batch_is_global"
+                     else f"to {strategy_word} {listed}")
+            return f"{name} applies only {where}; with {strategy_word} {strategy.value} it would be ignored"
+    return None
+
+
+def _refuse_inapplicable(strategy: Strategy, **values: object) -> None:
+    """A value the strategy would ignore is refused: the user meant something by it. A value
+    equal to the default is let through (``dataclasses.replace`` passes every field; the CLI
+    tells an explicit flag from a default itself)."""
+    given = [option for option, _flag, _applies, default in _STRATEGY_OPTIONS
+             if values[option] is not None and values[option] != default]
+    message = inapplicable_option(strategy, given)
+    if message is not None:
+        raise InapplicableOptionError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _world_size(strategy: Strategy, world_size: int | None, ids: tuple[int, ...]) -> int:

@@ -35,7 +35,7 @@ from memcalc.distributed.options import DEEPSPEED_REDUCE_BUCKET_SIZE, Distribute
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.zero import ZeroProgram
 from memcalc.engine import allocator
-from memcalc.engine.model import ResolvedModel
+from memcalc.engine.model import InputsLike, ResolvedModel
 from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import TracedStep, build_report
@@ -168,7 +168,7 @@ def _trace_precision(strategy: Strategy, precision: Precision) -> Precision:
 
 def estimate_per_rank(model: Any, *, distributed: Distributed, options: EstimateOptions,
                       batch_size: int | None, input_shape: Sequence[int] | None, seq_len: int | None,
-                      inputs: Sequence[torch.Tensor] | torch.Tensor | None, capacity: int | None) -> MemoryReport:
+                      inputs: InputsLike | None, capacity: int | None) -> MemoryReport:
     """One estimate per GPU role; the report of the busiest, with every role in ``roles``."""
     if inputs is not None and distributed.batch_is_global:
         raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")

@@ -3,15 +3,82 @@ names, files, hubs and the zoo is :mod:`memcalc.sources`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeAlias, overload
 
 import torch
 from torch import nn
 
 from memcalc.core.losses import LossChoice, LossKind
 
-__all__ = ("ResolvedModel",)
+__all__ = ("InputsLike", "ModelInputs", "ResolvedModel")
+
+#: What a user may give as a model's inputs: a tensor, a sequence of positional arguments, or a
+#: mapping of keyword arguments (``model(**batch)``, a Hugging Face batch). Arguments are tensors
+#: or nested tuples / lists / dicts of them; plain values (``None``, numbers, strings) pass as given.
+InputsLike: TypeAlias = "torch.Tensor | Sequence[Any] | Mapping[str, Any]"
+
+
+class ModelInputs(Sequence[torch.Tensor]):
+    """The arguments of one forward call, ``module(*args, **kwargs)``.
+
+    As a sequence it is every input tensor in call order (the positional arguments', then
+    the keyword arguments' in insertion order), so code that only needs the tensors (their
+    bytes, their shapes) reads it as a tuple.
+    """
+
+    __slots__ = ("_tensors", "args", "kwargs")
+
+    def __init__(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None):
+        self.args: tuple[Any, ...] = tuple(args)
+        self.kwargs: dict[str, Any] = dict(kwargs or {})
+        self._tensors = (*_tensors_in(self.args), *_tensors_in(tuple(self.kwargs.values())))
+
+    @classmethod
+    def of(cls, inputs: ModelInputs | Sequence[torch.Tensor]) -> ModelInputs:
+        """``inputs`` as :class:`ModelInputs` (a plain sequence: positional arguments)."""
+        return inputs if isinstance(inputs, ModelInputs) else cls(tuple(inputs))
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[torch.Tensor]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        return self._tensors[index]
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._tensors)
+
+    def __repr__(self) -> str:
+        return f"ModelInputs({self.description})"
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ModelInputs:
+        """The same call with ``fn`` applied to every tensor (containers rebuilt as they were)."""
+        return ModelInputs(tuple(_map(a, fn) for a in self.args), {k: _map(v, fn) for k, v in self.kwargs.items()})
+
+    def call(self, module: Callable[..., Any]) -> Any:
+        """``module(*args, **kwargs)``."""
+        return module(*self.args, **self.kwargs)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per step: the first tensor's leading dimension (1 for a scalar)."""
+        first = self._tensors[0] if self._tensors else None
+        return int(first.shape[0]) if first is not None and first.dim() else 1
+
+    @property
+    def description(self) -> str:
+        """Shapes and dtypes in call order, keyword arguments by name: ``(8, 3, 224, 224) float32``,
+        ``input_ids=(8, 128) int64, attention_mask=(8, 128) int64``."""
+        parts = [_describe(a) for a in self.args]
+        parts += [f"{k}={_describe(v)}" for k, v in self.kwargs.items()]
+        return ", ".join(parts)
 
 
 @dataclass
@@ -21,18 +88,60 @@ class ResolvedModel:
 
     name: str
     module: nn.Module
-    inputs: tuple[torch.Tensor, ...]
+    #: The forward's arguments (``inputs.args``, ``inputs.kwargs``); as a sequence, every input tensor.
+    inputs: ModelInputs
     loss: LossKind | LossChoice
-    build_real: Callable[[torch.device], tuple[nn.Module, tuple[torch.Tensor, ...]]]
+    build_real: Callable[[torch.device], tuple[nn.Module, ModelInputs]]
     #: Paths of the containers of repeated blocks (checkpointing, FSDP units): a zoo entry's, or ().
     block_containers: tuple[str, ...] = ()
+    #: What resolving decided that the report should say (where the inputs came from, a grown model).
+    notes: tuple[str, ...] = ()
+    #: Whether the model is a decoder language model (a KV cache applies); None: not known.
+    decoder: bool | None = None
+    #: The user's code that made the inputs (``example_inputs(2) in models.py``); None: memcalc
+    #: made them from a shape or a zoo entry, or the user passed them.
+    inputs_from: str | None = None
 
     @property
     def batch_size(self) -> int:
-        """Samples per step: the first input's leading dimension (1 for a scalar input)."""
-        return int(self.inputs[0].shape[0]) if self.inputs and self.inputs[0].dim() else 1
+        """Samples per step: the first input tensor's leading dimension (1 for a scalar input)."""
+        return self.inputs.batch_size
 
     @property
     def input_description(self) -> str:
-        """The inputs' shapes and dtypes, e.g. ``(8, 3, 224, 224) float32``."""
-        return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in self.inputs)
+        """The inputs' shapes and dtypes, e.g. ``(8, 3, 224, 224) float32`` (keyword inputs by name)."""
+        return self.inputs.description
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_map(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(v, fn) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _map(v, fn) for k, v in value.items()}
+    return value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_describe(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in value.items()) + "}"
+    return repr(value)

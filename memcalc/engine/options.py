@@ -8,7 +8,7 @@ from typing import Any
 
 from memcalc.core.categories import Mode
 from memcalc.core.choices import parse_choice
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.losses import LossChoice, LossFn
 from memcalc.core.precision import Precision
@@ -77,13 +77,21 @@ class EstimateOptions:
             # names are looked up in the catalogue at the API boundary (memcalc.api)
             raise InvalidInputError(f"gpu must be a GpuProfile here, got {type(gpu).__name__} {gpu!r}")
         profile, named = (GENERIC, False) if gpu is None else (gpu, gpu is not GENERIC)
-        if accum_steps < 1:
-            raise InvalidInputError(f"accumulation steps must be at least 1, got {accum_steps}")
-        if kv_cache is not None and (kv_cache < 0 or mode_ is Mode.TRAIN):
-            raise InvalidInputError("a KV cache (generation length) goes with --mode inference and is ≥ 0",
+        if not _is_int(accum_steps) or accum_steps < 1:
+            raise InvalidInputError(f"accum_steps (--accum-steps) must be an integer ≥ 1, got {accum_steps!r}")
+        if kv_cache is not None and (not _is_int(kv_cache) or kv_cache < 0):
+            raise InvalidInputError(f"kv_cache (--kv-cache) is a number of tokens to generate, ≥ 0; got {kv_cache!r}",
                                     hint="e.g. --mode inference --kv-cache 256")
+        if kv_cache is not None and mode_ is not Mode.INFERENCE:
+            # eval runs the forward under no_grad without a cache: the tokens would be ignored
+            raise InapplicableOptionError(f"kv_cache (--kv-cache) needs mode inference; the mode is {mode_.value}",
+                                          hint="e.g. --mode inference --kv-cache 256")
+        if not isinstance(checkpoint, bool):
+            raise InvalidInputError(f"checkpoint must be True or False, got {checkpoint!r}")
         if mode_ is not Mode.TRAIN and (accum_steps > 1 or checkpoint):
-            raise InvalidInputError("gradient accumulation and checkpointing apply to training (--mode train)")
+            what = ("gradient accumulation (accum_steps, --accum-steps)" if accum_steps > 1
+                    else "activation checkpointing (checkpoint, --checkpoint)")
+            raise InapplicableOptionError(f"{what} applies to training (mode train); the mode is {mode_.value}")
         if target not in (Target.CUDA, Target.CPU):
             raise InvalidInputError(f"unknown target {target!r}")
         return cls(optimizer=spec, mode=mode_, precision=precision_, gpu=profile, gpu_named=named,
@@ -108,3 +116,8 @@ class EstimateOptions:
                     f"native bf16: PyTorch falls back to slow emulated kernels and the math attention path; "
                     f"use amp-fp16 or fp16 on this GPU")
         return None
+
+
+def _is_int(value: object) -> bool:
+    """An ``int`` proper: ``True`` and ``2.0`` are not counts."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.engine.backend import current_autocast_region
+from memcalc.engine.model import ModelInputs
 
 __all__ = (
     "apply_checkpointing",
@@ -23,6 +24,7 @@ __all__ = (
     "cast_inputs",
     "kv_cache_bytes",
     "kv_elements_per_token",
+    "kv_prompt",
     "prepare_step",
 )
 
@@ -33,14 +35,17 @@ def apply_precision(module: nn.Module, precision: Precision) -> None:
         module.to(precision.parameter_dtype)
 
 
-def cast_inputs(inputs: Sequence[torch.Tensor], precision: Precision) -> tuple[torch.Tensor, ...]:
-    """Floating inputs in the model's dtype under pure fp16/bf16 (token ids stay int64)."""
+def cast_inputs(inputs: ModelInputs | Sequence[torch.Tensor], precision: Precision) -> ModelInputs:
+    """Floating inputs in the model's dtype under pure fp16/bf16 (token ids stay int64),
+    positional and keyword alike."""
     dtype = precision.parameter_dtype
-    return tuple(t.to(dtype) if t.is_floating_point() and dtype is not torch.float32 else t for t in inputs)
+    if dtype is torch.float32:
+        return ModelInputs.of(inputs)
+    return ModelInputs.of(inputs).map(lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-def prepare_step(module: nn.Module, inputs: Sequence[torch.Tensor], *, precision: Precision, checkpoint: bool,
-                 containers: Sequence[str], model_name: str) -> tuple[tuple[torch.Tensor, ...], int]:
+def prepare_step(module: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor], *, precision: Precision,
+                 checkpoint: bool, containers: Sequence[str], model_name: str) -> tuple[ModelInputs, int]:
     """Everything the step changes in the model before it runs — the same for the estimate
     (on meta) and the measurement (real): pure fp16/bf16 weights and inputs, and per-block
     checkpointing. Returns the cast inputs and the number of blocks checkpointed."""
@@ -99,13 +104,36 @@ def kv_elements_per_token(module: nn.Module) -> int:
     return total
 
 
-def kv_cache_bytes(module: nn.Module, inputs: Sequence[torch.Tensor], precision: Precision, generated: int) -> int:
+def kv_prompt(inputs: ModelInputs | Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """``(batch, prompt length)`` of the token ids ``(B, T)`` a KV cache is sized for: the
+    ``input_ids`` keyword argument, else the first input; None when they are not token ids."""
+    call = ModelInputs.of(inputs)
+    ids = call.kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = call[0] if len(call) else None
+    if ids is None or ids.dim() != 2:
+        return None
+    return int(ids.shape[0]), int(ids.shape[1])
+
+
+def kv_cache_bytes(module: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor], precision: Precision,
+                   generated: int, *, model_name: str = "the model", decoder: bool | None = None) -> int:
     """Bytes of a static KV cache for the prompt (token ids ``(B, T)``) plus ``generated``
-    tokens, in the compute dtype."""
+    tokens, in the compute dtype.
+
+    ``decoder`` is what the model's source knows (a zoo entry, a Hugging Face config): False
+    refuses the cache outright — an encoder such as BERT has key and value projections too,
+    but attends to the whole sequence at once and generates nothing, so it keeps no cache."""
+    if decoder is False:
+        raise InvalidInputError(
+            f"a KV cache needs a decoder language model (causal attention, generating tokens); "
+            f"{model_name} is not one, so --kv-cache (kv_cache=) does not apply to it",
+            hint="Drop --kv-cache to estimate its forward, or choose a decoder (gpt2, llama-2-7b, hf:gpt2, ...).")
     per_token = kv_elements_per_token(module)
-    if per_token == 0 or not inputs or inputs[0].dim() != 2:
+    prompt = kv_prompt(inputs)
+    if per_token == 0 or prompt is None:
         raise InvalidInputError("--kv-cache needs a decoder language model taking token ids (B, T) "
                                 "with k_proj/v_proj or c_attn attention projections")
-    batch, prompt = int(inputs[0].shape[0]), int(inputs[0].shape[1])
+    batch, length = prompt
     itemsize = torch.empty((), dtype=precision.compute_dtype).element_size()
-    return per_token * batch * (prompt + generated) * itemsize
+    return per_token * batch * (length + generated) * itemsize

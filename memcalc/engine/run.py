@@ -11,19 +11,20 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from memcalc.core.categories import Category, Mode, Phase
-from memcalc.core.errors import InvalidInputError, MemcalcError
+from memcalc.core.errors import DataDependentError, InvalidInputError, MemcalcError, SymbolicExecutionError
 from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from memcalc.engine import allocator
 from memcalc.engine.backend import PlainBackend, StepBackend
-from memcalc.engine.model import ResolvedModel
+from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.options import EstimateOptions
-from memcalc.engine.prepare import kv_cache_bytes, kv_elements_per_token, prepare_step
+from memcalc.engine.prepare import cast_inputs, kv_cache_bytes, kv_elements_per_token, kv_prompt, prepare_step
 from memcalc.engine.step import StepConfig, run_step
 from memcalc.engine.timeline import (
     Program,
@@ -35,7 +36,14 @@ from memcalc.engine.timeline import (
 )
 from memcalc.engine.trace import StepTrace, StorageTracer
 
-__all__ = ("RankHooks", "TracedStep", "build_report", "trace_model")
+__all__ = ("MODEL_LOSS", "RankHooks", "TracedStep", "build_report", "trace_model")
+
+#: The report's loss when the step trained with the loss the model returned (``output.loss``).
+MODEL_LOSS = "the model's own (output.loss)"
+#: A dict batch's ``attention_mask`` is read by Hugging Face models (``masking_utils``: no causal
+#: mask is built when nothing is padded), which a run without data cannot do.
+_MASK_VALUES = ("Hugging Face models read the values of attention_mask (to skip building a causal mask when "
+                "nothing is padded): leave attention_mask out of the inputs to estimate a batch without padding.")
 
 
 class RankHooks(Protocol):
@@ -116,7 +124,7 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     """
     backend = backend if backend is not None else PlainBackend()
     module = resolved.module
-    notes: list[str] = []
+    notes = list(resolved.notes)  # what resolving decided (where the inputs came from, a grown model)
     inputs, blocks = prepare_step(module, resolved.inputs, precision=options.precision, checkpoint=options.checkpoint,
                                   containers=resolved.block_containers, model_name=resolved.name)
     if blocks:
@@ -128,17 +136,29 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         hooks.install(tracer, module)
     _register_preexisting(tracer, module, inputs)
     if options.kv_cache is not None:
-        notes.append(_register_kv_cache(tracer, module, inputs, options))
+        notes.append(_register_kv_cache(tracer, resolved, inputs, options))
     tracer.modules.install(module)
     config = StepConfig(
         mode=options.mode, optimizer=options.optimizer,
         loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
         accum_steps=options.accum_steps, autocast=backend.autocast() or nullcontext,
         scaler_factory=backend.grad_scaler if options.mode is Mode.TRAIN else None,
+        model_loss=options.loss is None and options.loss_fn is None,
     )
     try:
         with tracer, backend.mode():
             outcome = run_step(module, inputs, config, observer)
+    except DataDependentError as exc:
+        if isinstance(inputs.kwargs.get("attention_mask"), torch.Tensor):
+            exc.hint = f"{_MASK_VALUES} {exc.hint or ''}".strip()
+        raise
+    except SymbolicExecutionError as exc:
+        if exc.rejected_shapes and resolved.inputs_from is not None:
+            # a file's example_inputs serves every factory of the file: it may be another one's
+            exc.hint = (f"The inputs, {resolved.input_description}, came from {resolved.inputs_from}; if they are "
+                        f"not this model's, give its input with --input-shape or --seq-len, which win over "
+                        f"example_inputs.")
+        raise
     except MemcalcError:
         raise
     except Exception as exc:
@@ -153,7 +173,7 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         tracer.modules.remove()
         trace = tracer.stop()
     categories = final_categories(trace, observer.gradient_uids, observer.state_uids)
-    loss_name = "custom loss_fn" if options.loss_fn is not None else (
+    loss_name = "custom loss_fn" if options.loss_fn is not None else MODEL_LOSS if outcome.model_loss else (
         outcome.loss_kind.value if outcome.loss_kind is not None else f"none ({options.mode.value})")
     notes.extend(backend.notes(module))
     return TracedStep(trace, categories, tracer, loss_name, options, dict(backend.attention_backends()), notes)
@@ -168,15 +188,18 @@ def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequ
         tracer.preexisting(t, Category.INPUTS)
 
 
-def _register_kv_cache(tracer: StorageTracer, module: nn.Module, inputs: Sequence[torch.Tensor],
+def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs,
                        options: EstimateOptions) -> str:
     """A static KV cache sized for prompt + generated tokens, allocated before the prefill
-    (as Hugging Face's StaticCache is): 2 (K, V) are counted in ``kv_elements_per_token``."""
+    (as Hugging Face's StaticCache is): 2 (K, V) are counted in ``kv_elements_per_token``.
+    A model its source knows to be no decoder (an encoder such as BERT) is refused."""
     generated = int(options.kv_cache or 0)
-    nbytes = kv_cache_bytes(module, inputs, options.precision, generated)
+    module = resolved.module
+    nbytes = kv_cache_bytes(module, inputs, options.precision, generated, model_name=resolved.name,
+                            decoder=resolved.decoder)
     tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True)
     per_token = kv_elements_per_token(module)
-    batch, prompt = int(inputs[0].shape[0]), int(inputs[0].shape[1])
+    batch, prompt = kv_prompt(inputs) or (0, 0)  # kv_cache_bytes refused inputs that are not token ids
     tokens = prompt + generated
     return (f"KV cache for {tokens} tokens ({prompt} prompt + {options.kv_cache} generated) × batch {batch}: "
             f"{per_token:,} elements per token across layers; the prefill forward is simulated")
@@ -202,13 +225,13 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         if program.iterations > 1 else stats
     spec = options.optimizer
     module = resolved.module
-    param_bytes = sum(trace.nbytes[u] for u in trace.preexisting if traced.categories[u] is Category.PARAMETERS)
     training = mode is Mode.TRAIN
     textbook = Textbook(
-        parameter_bytes=param_bytes,
+        parameter_bytes=_preexisting_bytes(trace, traced.categories, Category.PARAMETERS),
         multiplier=spec.textbook_multiplier if training else 1,
         terms=spec.textbook_terms if training else "weights",
         activation_bytes=_saved_for_backward(trace, traced.categories) if training else raw[Category.ACTIVATIONS],
+        input_bytes=_preexisting_bytes(trace, traced.categories, Category.INPUTS),
     )
     fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats)
     key = program.events[peak_index] if program.events else 0
@@ -228,13 +251,16 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         peak_module=trace.module[uid] if has_peak else "",
         bytes=breakdown,
         peak_iteration=program.iteration_of(peak_index),
-        input_description=resolved.input_description,
+        input_description=_cast_input_description(resolved, options),
         loss=traced.loss,
         textbook=textbook,
         modules=_module_rows(module, traced),
         first_iteration_peak=first.peak_allocated,
         peak_requested=stats.peak_requested,
-        peak_reserved=stats.peak_reserved,
+        # under a capacity, the figure the allocator reaches within it (the one ``fits`` is
+        # judged by), so that the reserved bytes shown never contradict ``fits``
+        peak_reserved=stats.peak_reserved if reserved_within is None else reserved_within,
+        peak_reserved_unconstrained=stats.peak_reserved,
         unsupported_ops=_approximated(trace, options),
         capacity=capacity,
         fits=fits,
@@ -268,6 +294,19 @@ def _fit_under(program: Program, nbytes: list[int], capacity: int | None,
     return limited.oom_at is None, limited.peak_reserved
 
 
+def _preexisting_bytes(trace: StepTrace, categories: list[Category], category: Category) -> int:
+    """Bytes of the storages that exist before the step in ``category`` (parameters, the
+    input batch and its targets)."""
+    return sum(trace.nbytes[u] for u in trace.preexisting if categories[u] is category)
+
+
+def _cast_input_description(resolved: ResolvedModel, options: EstimateOptions) -> str:
+    """The inputs as the step sees them: under pure fp16/bf16 the floating inputs are cast
+    (:func:`~memcalc.engine.prepare.cast_inputs`, on meta: free), and the breakdown counts
+    them in that dtype, so the header must name it too."""
+    return replace(resolved, inputs=cast_inputs(resolved.inputs, options.precision)).input_description
+
+
 def _saved_for_backward(trace: StepTrace, categories: list[Category]) -> int:
     """Activation bytes alive when backward starts (what autograd saved, plus the output)."""
     start = trace.phase_starts.get(Phase.BACKWARD, len(trace.events))
@@ -280,10 +319,13 @@ def _module_rows(module: nn.Module, traced: TracedStep) -> tuple[ModuleRow, ...]
     trace = traced.trace
     end_of_forward = trace.phase_starts.get(Phase.LOSS, len(trace.events))
     kept = alive_before(trace, end_of_forward) if traced.mode is Mode.TRAIN else None
-    # bytes born in a module's forward count for it and for each of its ancestors
+    # activation bytes born in a module's forward count for it and for each of its ancestors;
+    # workspaces (the cuBLAS handle's, a conv's) are born there too but are not what it keeps
     subtree: dict[str, int] = {}
     for uid, name in enumerate(trace.module):
-        if trace.phase[uid] is not Phase.FORWARD or (kept is not None and uid not in kept):
+        if trace.phase[uid] is not Phase.FORWARD or traced.categories[uid] is not Category.ACTIVATIONS:
+            continue
+        if kept is not None and uid not in kept:
             continue
         for ancestor in _self_and_ancestors(name):
             subtree[ancestor] = subtree.get(ancestor, 0) + trace.nbytes[uid]

@@ -6,12 +6,15 @@ One iteration is (``accum_steps`` micro-batches, then one optimizer step)::
 
     for micro_batch in range(accum_steps):
         with autocast():                          # a no-op at fp32 / pure fp16 / pure bf16
-            output = model(*inputs)               # forward
-            loss = loss_fn(output, targets) / accum_steps   # loss
+            output = model(*args, **kwargs)       # forward (a dict batch: keyword arguments)
+            loss = loss_fn(output, targets) / accum_steps   # loss (or output.loss: see below)
         scaler.scale(loss).backward()             # backward (scaler: amp-fp16 only)
         del output, loss
     scaler.unscale_(optimizer); scaler.step(optimizer); scaler.update()   # optimizer
     optimizer.zero_grad(set_to_none=True)         # zero_grad
+
+When no loss was chosen and the model returns its own (``output.loss``: a Hugging Face model
+given ``labels`` in its batch), the step trains with that one, as a Hugging Face loop does.
 
 ``eval`` mode is ``model.eval()`` and one forward under ``torch.no_grad()``; ``inference``
 the same under ``torch.inference_mode()``.
@@ -19,7 +22,7 @@ the same under ``torch.inference_mode()``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,8 +31,10 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Category, Mode, Phase
+from memcalc.core.errors import LossFunctionError, MemcalcError
 from memcalc.core.losses import LossChoice, LossFn, LossKind
 from memcalc.engine.losses import compute_loss, make_targets, primary_tensor, resolve_loss
+from memcalc.engine.model import ModelInputs
 from memcalc.engine.optimizers import OptimizerSpec
 
 __all__ = ("NullObserver", "Scaler", "StepConfig", "StepObserver", "StepOutcome", "run_step")
@@ -110,23 +115,29 @@ class StepConfig:
     foreach: bool = True
     autocast: Callable[[], AbstractContextManager[Any]] = field(default=nullcontext)
     scaler_factory: Callable[[], Scaler | None] | None = None  # a factory may decline (None: no scaler)
+    #: Train with the loss the model returns itself (``output.loss``) when it returns one: the
+    #: user chose no loss, and a batch with ``labels`` makes a Hugging Face model compute it.
+    model_loss: bool = False
 
 
 @dataclass(frozen=True)
 class StepOutcome:
     """What the step found out: the loss it trained with and the output's shape."""
 
-    loss_kind: LossKind | None  # None when a user loss_fn was given or without a loss
+    loss_kind: LossKind | None  # None with a user loss_fn, the model's own loss, or no loss
     output_shape: tuple[int, ...]
+    model_loss: bool = False  # trained with the loss the model returned (``output.loss``)
 
 
-def run_step(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfig,
+def run_step(model: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor], config: StepConfig,
              observer: StepObserver | None = None) -> StepOutcome:
     """Run ``config.iterations`` training iterations (or one eval/inference forward).
 
-    The caller owns ``model``; its train/eval flag is restored on the way out.
+    ``inputs``: the forward's arguments (a plain sequence: positional). The caller owns
+    ``model``; its train/eval flag is restored on the way out.
     """
     obs: StepObserver = observer or NullObserver()
+    inputs = ModelInputs.of(inputs)
     was_training = model.training
     try:
         if config.mode is not Mode.TRAIN:
@@ -136,20 +147,20 @@ def run_step(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfi
         model.train(was_training)
 
 
-def _forward_only(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfig,
+def _forward_only(model: nn.Module, inputs: ModelInputs, config: StepConfig,
                   obs: StepObserver) -> StepOutcome:
     model.eval()
     grad_mode = torch.inference_mode() if config.mode is Mode.INFERENCE else torch.no_grad()
     with grad_mode, config.autocast():
         obs.set_phase(Phase.FORWARD)
-        output = model(*inputs)
+        output = inputs.call(model)
         shape = _shape(output)
         del output
     obs.finished()
     return StepOutcome(loss_kind=None, output_shape=shape)
 
 
-def _train(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfig, obs: StepObserver) -> StepOutcome:
+def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepObserver) -> StepOutcome:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = config.optimizer.build(params, config.foreach) if params else None
@@ -157,15 +168,31 @@ def _train(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfig,
     targets: tuple[torch.Tensor, ...] = ()
     kind: LossKind | None = None
     shape: tuple[int, ...] = ()
+    model_loss = False
     for _ in range(config.iterations):
         for _micro in range(config.accum_steps):
             with config.autocast():
                 obs.set_phase(Phase.FORWARD)
-                output = model(*inputs)
+                output = inputs.call(model)
                 shape = _shape(output)
                 obs.set_phase(Phase.LOSS)
                 if config.loss_fn is not None:
-                    loss_value = config.loss_fn(output)
+                    # the user's own code: a failure is the loss's, not the forward's or the input's
+                    name = getattr(config.loss_fn, "__qualname__", None) or type(config.loss_fn).__name__
+                    try:
+                        returned: object = config.loss_fn(output)
+                    except MemcalcError:
+                        raise
+                    except Exception as exc:
+                        raise LossFunctionError(name, f"raised {type(exc).__name__}: {exc}") from exc
+                    if not isinstance(returned, torch.Tensor) or returned.numel() != 1:
+                        got = (f"a tensor of shape {tuple(returned.shape)}" if isinstance(returned, torch.Tensor)
+                               else type(returned).__name__)
+                        raise LossFunctionError(name, f"returned {got}, not a one-element tensor")
+                    loss_value = returned
+                elif (own := _model_loss(output, config)) is not None:
+                    loss_value = own
+                    model_loss = True
                 else:
                     if kind is None:
                         kind = resolve_loss(config.loss, output)
@@ -198,7 +225,18 @@ def _train(model: nn.Module, inputs: Sequence[torch.Tensor], config: StepConfig,
         else:
             model.zero_grad(set_to_none=True)
     obs.finished()  # the optimizer (and its state) is still alive here, as in a real loop
-    return StepOutcome(loss_kind=kind, output_shape=shape)
+    return StepOutcome(loss_kind=kind, output_shape=shape, model_loss=model_loss)
+
+
+def _model_loss(output: Any, config: StepConfig) -> torch.Tensor | None:
+    """The loss the model computed itself, when the loss was not chosen: a Hugging Face model
+    given ``labels`` returns it as ``output.loss`` (a dict key of its ``ModelOutput``)."""
+    if not config.model_loss:
+        return None
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    return None
 
 
 def _shape(output: Any) -> tuple[int, ...]:

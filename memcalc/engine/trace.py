@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Phase
-from memcalc.core.errors import SymbolicExecutionError
+from memcalc.core.errors import symbolic_execution_error
 
 __all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "StepTrace", "StorageTracer", "tensors_of")
 
@@ -102,7 +102,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         try:
             return func(*args, **kwargs)
         except Exception as exc:  # any failure of a meta kernel ends the estimate, named
-            raise SymbolicExecutionError(str(func), self.modules.current, self.phase.value, exc) from exc
+            raise symbolic_execution_error(str(func), self.modules.current, self.phase.value, exc) from exc
 
     def _see(self, out: Any) -> None:
         if isinstance(out, torch.Tensor):

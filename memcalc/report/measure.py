@@ -8,30 +8,36 @@ and ``max_memory_reserved``. An OOM is a result ("measured: OOM"), not a crash.
 
 CPU (no GPU here): ``torch.profiler`` with ``profile_memory=True`` records every CPU
 allocation and free with its size, in order; their running sum on top of the storages that
-existed before the step (parameters, buffers, inputs) is the real peak. CPU kernels have
-their own workspaces (MKL-DNN convolutions, the CPU flash-attention kernel), so CPU figures
-compare cleanly with the estimate only for models built from ops without hidden workspaces.
+existed before the step (parameters, buffers, inputs) is the real peak. It is compared with
+memcalc's estimate for this CPU (``gpu="cpu"``, :mod:`memcalc.cuda.cpu`): the attention and
+LSTM kernels the CPU runs and what they allocate inside, no CUDA workspaces, unrounded. The
+note of the comparison names each op whose CPU memory that estimate does not follow (oneDNN's
+convolutions, for one). Kineto's "profiler_start/stop" lines to the process's stderr are
+silenced.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 from memcalc.api import CPU, estimate, make_request
 from memcalc.core.report import Measurement, MemoryReport
-from memcalc.engine.model import ResolvedModel
+from memcalc.cuda.cpu import NOT_FOLLOWED
+from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel
 from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.prepare import kv_cache_bytes, prepare_step
 from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.sources.resolve import resolve
 
-__all__ = ("attach_measurement", "measure", "measure_cpu", "measure_cuda", "storage_bytes")
+__all__ = ("attach_measurement", "cpu_comparison_note", "measure", "measure_cpu", "measure_cuda", "storage_bytes")
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -44,7 +50,7 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def _prepare(resolved: ResolvedModel, device: torch.device,
-             options: EstimateOptions) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], list[torch.Tensor]]:
+             options: EstimateOptions) -> tuple[torch.nn.Module, ModelInputs, list[torch.Tensor]]:
     """The real model and inputs with the same transforms the estimate applies, and a KV
     cache of the estimated size when one is asked for (the zoo's models have no cache of their
     own: a buffer of the same size stands for it)."""
@@ -53,7 +59,8 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
                              containers=resolved.block_containers, model_name=resolved.name)
     keep: list[torch.Tensor] = []
     if options.kv_cache is not None:
-        nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache)
+        nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache, model_name=resolved.name,
+                                decoder=resolved.decoder)
         keep.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
     return module, inputs, keep
 
@@ -69,7 +76,8 @@ def _config(resolved: ResolvedModel, options: EstimateOptions, device: torch.dev
             scaler = lambda: torch.amp.GradScaler("cuda")
     return StepConfig(mode=options.mode, optimizer=options.optimizer,
                       loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
-                      iterations=2, accum_steps=options.accum_steps, autocast=autocast, scaler_factory=scaler)
+                      iterations=2, accum_steps=options.accum_steps, autocast=autocast, scaler_factory=scaler,
+                      model_loss=options.loss is None and options.loss_fn is None)
 
 
 def measure_cpu(resolved: ResolvedModel, options: EstimateOptions | None = None, **option_values: Any) -> Measurement:
@@ -82,11 +90,42 @@ def measure_cpu(resolved: ResolvedModel, options: EstimateOptions | None = None,
     config = _config(resolved, options, device)
     before = storage_bytes([*module.parameters(), *module.buffers(), *inputs])
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _kineto_lines_silenced():
+        prof.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
+    try:
         run_step(module, inputs, config)
+    finally:
+        with _kineto_lines_silenced():
+            prof.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # untyped in torch
     peak = before + _profiler_peak(prof)
-    return Measurement(device="cpu (torch.profiler)", peak_allocated=peak,
-                       note="CPU measurement: CPU kernels' own workspaces differ from CUDA's")
+    return Measurement(device="cpu (torch.profiler)", peak_allocated=peak, note=_CPU_NOTE)
+
+
+#: A CPU measurement's note until it is compared with an estimate for this CPU.
+_CPU_NOTE = "CPU run; compare it with memcalc's estimate for this CPU (gpu=\"cpu\")"
+
+
+@contextmanager
+def _kineto_lines_silenced() -> Iterator[None]:
+    """Kineto writes "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start" (and
+    ``profiler_stop``) to file descriptor 2 when the profiler starts and stops, past Python's
+    ``sys.stderr``: point descriptor 2 at /dev/null for those two calls only, so that nothing
+    the step itself prints is lost."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _profiler_peak(prof: Any) -> int:
@@ -141,7 +180,7 @@ def _warm_cublas(device: torch.device) -> None:
 
 
 def measure(model: Any, *, batch_size: int | None = None, input_shape: Sequence[int] | None = None,
-            seq_len: int | None = None, inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
+            seq_len: int | None = None, inputs: InputsLike | None = None,
             device: str | None = None, **option_values: Any) -> Measurement:
     """Measure the real step: on CUDA when available (or ``device="cuda..."``), else on CPU.
     ``option_values`` are :func:`memcalc.estimate`'s step options (optimizer, mode, precision...)."""
@@ -158,13 +197,27 @@ def attach_measurement(report: MemoryReport, model: Any, **kwargs: Any) -> Memor
     """``report`` with a real measurement of the same configuration attached.
 
     A CUDA measurement is compared with ``peak_allocated`` (as CUDA counts it). A CPU one is
-    compared with a CPU-faithful re-estimate (no CUDA kernel emulation, no CUDA workspaces,
-    unrounded), since the CPU runs CPU kernels and its allocator does not round.
+    compared with the estimate for this CPU (its own kernels, no CUDA workspaces, unrounded:
+    the CPU allocator does not round), and its note names the ops that estimate cannot follow.
     """
     measured = measure(model, **kwargs)
     if measured.device.startswith("cuda"):
         compared = report.bytes.peak_allocated
     else:
         option_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-        compared = estimate(model, **{**option_kwargs, "gpu": CPU}).peak_requested
+        cpu_report = estimate(model, **{**option_kwargs, "gpu": CPU})
+        compared = cpu_report.peak_requested
+        measured = dataclasses.replace(measured, note=cpu_comparison_note(cpu_report))
     return dataclasses.replace(report, measurement=dataclasses.replace(measured, compared_with=compared))
+
+
+def cpu_comparison_note(cpu_report: MemoryReport) -> str:
+    """What a CPU measurement is compared with, and each op whose CPU memory ``cpu_report``
+    (an estimate with ``gpu="cpu"``) does not follow, by name and count."""
+    unfollowed = [f"{op} ×{n} (memory inside oneDNN's kernel)" for op, n in cpu_report.unsupported_ops]
+    unfollowed += [line.removeprefix(NOT_FOLLOWED).strip() for line in cpu_report.notes
+                   if line.startswith(NOT_FOLLOWED)]
+    note = "compared with the estimate for this CPU: its own kernels, no CUDA workspaces, unrounded"
+    if unfollowed:
+        note += f"; {NOT_FOLLOWED} " + "; ".join(unfollowed)
+    return note

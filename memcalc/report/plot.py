@@ -1,28 +1,90 @@
 """Memory against batch size, one line per configuration, as a PNG (or any format matplotlib
-writes). matplotlib is an optional extra (``pip install memcalc[plot]``), imported only here
-and only when a plot is asked for. The figure is drawn on its own ``Figure`` with an Agg
-canvas: pyplot's global state and the user's backend are left alone.
+writes), in the style of the README's figure (``scripts/make_figures.py``): a linear batch
+axis from 0 — peak memory is close to affine in the batch, and a linear axis shows it as the
+straight line it is —, one marker and dash pattern per series, the budget as a horizontal
+line and, on each series, the largest swept batch that fits it.
+
+matplotlib is an optional extra (``pip install memcalc[plot]``), imported only here and only
+when a plot is asked for. The figure is drawn on its own ``Figure`` with an Agg canvas:
+pyplot's global state and the user's backend are left alone. The file is checked before the
+sweep (:func:`check_plot_path`) and written whole or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from memcalc.core.errors import MissingPackageError
-from memcalc.core.units import Unit
+from memcalc.core.errors import MissingPackageError, PlotPathError
+from memcalc.core.units import auto_unit, unit_bytes
 from memcalc.search.sweep import SweepPoint
 
 if TYPE_CHECKING:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-__all__ = ("check_available", "plot_sweep")
+__all__ = ("check_available", "check_plot_path", "plot_sweep", "sweep_figure")
 
-_GIB = 1024**3
-#: Batch sizes spanning more than this ratio are drawn on a log2 axis.
-_LOG_AXIS_RATIO = 16
+#: Series that coincide stay visible: each gets its own marker and dash pattern (as the README figure).
+_STYLES: tuple[dict[str, Any], ...] = (
+    {"marker": "o", "linestyle": "-"}, {"marker": "s", "linestyle": "--"},
+    {"marker": "^", "linestyle": "-."}, {"marker": "D", "linestyle": ":"},
+)
+
+
+def sweep_figure(
+    points: Sequence[SweepPoint],
+    *,
+    capacity: int | None = None,
+    capacity_label: str | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Peak allocated memory against batch size, one line per optimizer and precision; with
+    ``capacity``, a horizontal line at it and, on each series, a larger dot on the largest
+    batch that fits.
+
+    Args:
+        points: the sweep's points (:func:`memcalc.sweep`).
+        capacity: the budget in bytes (the points' ``fits`` answer for it); None: none drawn.
+        capacity_label: the budget line's legend entry (default: its size).
+        title: the figure's title (default: the model and mode).
+
+    Returns:
+        The figure, on an Agg canvas, not yet saved.
+    """
+    figure_class, canvas_class = _matplotlib()
+    figure = figure_class(figsize=(7.5, 5.0), dpi=100, layout="constrained")
+    canvas_class(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    peaks = [p.report.bytes.peak_allocated for p in points] + ([capacity] if capacity is not None else [])
+    unit = auto_unit(max(peaks, default=0))
+    scale = unit_bytes(unit)
+    for (label, series), style in zip(_series(points).items(), itertools.cycle(_STYLES)):
+        (line,) = axes.plot([p.batch_size for p in series], [p.report.bytes.peak_allocated / scale for p in series],
+                            markersize=4, label=label, **style)
+        fitting = [p for p in series if p.fits]
+        if capacity is not None and fitting:
+            best = fitting[-1]
+            # a ring, so that coinciding marks of several series all stay visible
+            axes.plot([best.batch_size], [best.report.bytes.peak_allocated / scale], marker="o", markersize=10,
+                      markerfacecolor="none", markeredgewidth=1.8, color=line.get_color(), linestyle="none",
+                      label=f"{label}: batch {best.batch_size}, the largest swept that fits")
+    if capacity is not None:
+        axes.axhline(capacity / scale, color="black", linestyle=(0, (4, 3)), linewidth=1,
+                     label=capacity_label or f"budget: {capacity / scale:,.2f} {unit.value}")
+    axes.set_xlabel("batch size")
+    axes.set_ylabel(f"peak allocated ({unit.value}, binary)")
+    axes.set_xlim(left=0)
+    axes.set_ylim(bottom=0)
+    axes.set_title(title or _default_title(points))
+    axes.grid(True, alpha=0.3)
+    figure.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
+    return figure
 
 
 def plot_sweep(
@@ -33,32 +95,68 @@ def plot_sweep(
     capacity_label: str | None = None,
     title: str | None = None,
 ) -> Path:
-    """Draw peak allocated memory (GiB) against batch size, one line per optimizer and
-    precision, with ``capacity`` as a horizontal line when given; write it to ``path``."""
-    figure_class, canvas_class = _matplotlib()
-    figure = figure_class(figsize=(7.0, 4.5), dpi=100)
-    canvas_class(figure)
-    axes = figure.add_subplot(1, 1, 1)
-    for label, series in _series(points).items():
-        batches = [p.batch_size for p in series]
-        peaks = [p.report.bytes.peak_allocated / _GIB for p in series]
-        axes.plot(batches, peaks, marker="o", label=label)
-    if capacity is not None:
-        axes.axhline(capacity / _GIB, color="black", linestyle="--", linewidth=1,
-                     label=capacity_label or f"capacity {capacity / _GIB:.2f} GiB")
-    batches = sorted({p.batch_size for p in points})
-    if batches and batches[-1] >= _LOG_AXIS_RATIO * batches[0]:
-        axes.set_xscale("log", base=2)
-    axes.set_xlabel("batch size")
-    axes.set_ylabel(f"peak allocated ({Unit.GIB.value}, binary)")
-    axes.set_ylim(bottom=0)
-    axes.set_title(title or _default_title(points))
-    axes.grid(True, alpha=0.3)
-    axes.legend(loc="best", fontsize="small")
-    figure.tight_layout()
-    target = Path(path)
-    figure.savefig(target)
+    """Draw :func:`sweep_figure` and write it to ``path``, in the format its extension names.
+
+    Args:
+        points, capacity, capacity_label, title: as for :func:`sweep_figure`.
+        path: the file; its folder must exist.
+
+    Returns:
+        The path written.
+
+    Raises:
+        PlotPathError: the folder is missing or read-only, the extension is not a format
+            matplotlib writes, or writing failed; nothing is left at ``path`` then.
+        MissingPackageError: matplotlib is not installed.
+    """
+    target, fmt = check_plot_path(path)
+    figure = sweep_figure(points, capacity=capacity, capacity_label=capacity_label, title=title)
+    # Written to a temporary file beside the target and renamed into place: a failure midway
+    # leaves neither a truncated plot nor a stray file. (Named here rather than made by mkstemp,
+    # whose 0600 mode the plot would keep: savefig creates it with the user's umask.)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        figure.savefig(temporary, format=fmt)
+        os.replace(temporary, target)
+    except Exception as exc:
+        raise PlotPathError(f"cannot write the plot to {target}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
     return target
+
+
+def check_plot_path(path: str | Path) -> tuple[Path, str]:
+    """Check, before any work, that a plot can be written to ``path``.
+
+    Args:
+        path: the file the plot goes to.
+
+    Returns:
+        The path and the format its extension names (``"png"``).
+
+    Raises:
+        MissingPackageError: matplotlib is not installed.
+        PlotPathError: its folder does not exist or cannot be written, it is a folder, or its
+            extension is not a format matplotlib writes — one line naming the path (and the
+            formats).
+    """
+    _figure_class, canvas_class = _matplotlib()
+    target = Path(path)
+    formats = sorted(canvas_class.get_supported_filetypes())
+    fmt = target.suffix.lower().lstrip(".")
+    if fmt not in formats:
+        what = f"{target.suffix!r} is not an" if target.suffix else "a name without an extension names no"
+        raise PlotPathError(f"cannot write the plot to {target}: {what} image format matplotlib writes; "
+                            f"end the name in one of {', '.join('.' + f for f in formats)}")
+    folder = target.parent
+    if not folder.is_dir():
+        raise PlotPathError(f"cannot write the plot to {target}: the folder {folder} does not exist; create it first")
+    if target.is_dir():
+        raise PlotPathError(f"cannot write the plot to {target}: it is a folder; give a file name")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise PlotPathError(f"cannot write the plot to {target}: permission denied")
+    return target, fmt
 
 
 def _series(points: Sequence[SweepPoint]) -> dict[str, list[SweepPoint]]:

@@ -9,7 +9,7 @@ from typing import Any
 from tabulate import tabulate
 
 from memcalc.core.categories import Category, Mode
-from memcalc.core.report import MemoryReport
+from memcalc.core.report import MemoryReport, Textbook
 from memcalc.core.units import Unit, format_bytes
 
 __all__ = ("TABLE_FORMATS", "render_json", "render_report", "render_roles")
@@ -28,6 +28,14 @@ _CATEGORY_LABELS = {
     Category.WORKSPACE: "temporaries / workspace",
     Category.KV_CACHE: "KV cache",
 }
+# Without autograd nothing is saved for backward: the activations alive at the peak are
+# layer outputs the next op still reads; gradients and optimizer state cannot exist.
+_FORWARD_ONLY_LABELS = _CATEGORY_LABELS | {Category.ACTIVATIONS: "activations (forward outputs in use)"}
+_TRAINING_ONLY = (Category.GRADIENTS, Category.OPTIMIZER_STATE)
+
+
+def _category_label(category: Category, mode: Mode) -> str:
+    return (_CATEGORY_LABELS if mode is Mode.TRAIN else _FORWARD_ONLY_LABELS)[category]
 
 
 def render_json(data: Any) -> str:
@@ -89,10 +97,12 @@ def _breakdown(report: MemoryReport, fmt: str, unit: Unit | str) -> str:
     rows = []
     for category in Category:
         value = b.category(category)
-        if category is Category.KV_CACHE and not value:
+        if not value and (category is Category.KV_CACHE
+                          or (category in _TRAINING_ONLY and report.mode is not Mode.TRAIN)):
             continue
         detail = f"{report.parameters:,} params" if category is Category.PARAMETERS else ""
-        rows.append([_CATEGORY_LABELS[category], format_bytes(value, unit), _share(value, b.peak_allocated), detail])
+        rows.append([_category_label(category, report.mode), format_bytes(value, unit),
+                     _share(value, b.peak_allocated), detail])
     rows.append(["allocator block rounding", format_bytes(b.rounding, unit), _share(b.rounding, b.peak_allocated), ""])
     rows.append(["peak allocated", format_bytes(b.peak_allocated, unit), "100.0%", report.peak_location])
     return tabulate(rows, headers=["at the peak", "memory (binary units)", "share", ""], tablefmt=fmt,
@@ -109,39 +119,87 @@ def _peak_lines(report: MemoryReport, unit: Unit | str) -> str:
     if report.mode is Mode.TRAIN and report.peak_iteration == 2:
         lines.append(f"  reached in the second iteration (optimizer state allocated); "
                      f"the first iteration peaks at {format_bytes(report.first_iteration_peak, unit)}")
-    device = (f"peak reserved by the caching allocator: {format_bytes(report.peak_reserved, unit)}; "
-              f"+ CUDA context {format_bytes(report.cuda_context, unit)} (assumed for {report.gpu.key}) "
-              f"= {format_bytes(report.device_total, unit)} on the device")
-    lines.append(device)
-    capacity, headroom = report.capacity, report.headroom
-    if report.fits is not None and capacity is not None and headroom is not None:  # fits is judged under a capacity
-        budget = report.gpu.name if report.gpu_named else "budget"
-        if report.fits:
-            lines.append(f"fits in {format_bytes(capacity, unit)} ({budget}): "
-                         f"yes, {format_bytes(headroom, unit)} headroom at the peak")
-        else:
-            over = format_bytes(-headroom, unit) if headroom < 0 else "fragmentation"
-            lines.append(f"fits in {format_bytes(capacity, unit)} ({budget}): "
-                         f"NO — out of memory; {over} over at the peak")
+    lines.append(_reserved_line(report, unit))
+    if report.fits is not None and report.capacity is not None:  # fits is judged under a capacity
+        lines.append(_fits_line(report, report.capacity, unit))
     if report.attention_calls:
         calls = ", ".join(f"{backend} ×{count}" for backend, count in report.attention_calls)
         lines.append(f"attention kernels (as CUDA would choose): {calls}")
-    tb = report.textbook
-    if tb is not None:
-        lines.append(
-            f"textbook: parameters {format_bytes(tb.parameter_bytes, unit)} × {tb.multiplier} ({tb.terms}) "
-            f"+ activations {format_bytes(tb.activation_bytes, unit)} = {format_bytes(tb.total, unit)}"
-            f" vs simulated peak {format_bytes(report.bytes.peak_allocated, unit)}"
-            f" ({_signed_pct(tb.total, report.bytes.peak_allocated)}); the simulation knows when each tensor "
-            f"is alive: gradients appear during backward as activations are freed, optimizer state is "
-            f"created at the first step, temporaries come and go.")
+    if report.textbook is not None:
+        lines.append(_textbook_line(report, report.textbook, unit))
     return "\n".join(lines)
 
 
-def _signed_pct(value: int, reference: int) -> str:
-    if not reference:
-        return "-"
-    return f"{100.0 * (value - reference) / reference:+.1f}%"
+def _reserved_line(report: MemoryReport, unit: Unit | str) -> str:
+    """Peak reserved and what the device holds. Under a capacity the figure is the replay
+    under it (the allocator frees its cached segments and retries before an OOM), so it
+    agrees with the fits line; the unlimited replay's figure is named as such."""
+    reserved = format_bytes(report.peak_reserved, unit)
+    context = (f"+ CUDA context {format_bytes(report.cuda_context, unit)} (assumed for {report.gpu.key}) "
+               f"= {format_bytes(report.device_total, unit)}")
+    capacity, unlimited = report.capacity, report.peak_reserved_unconstrained
+    if capacity is None or (report.fits and report.peak_reserved == unlimited):
+        return f"peak reserved by the caching allocator: {reserved}; {context} on the device"
+    no_limit = f"{format_bytes(unlimited, unit)} with no limit"
+    if report.fits:
+        return (f"peak reserved by the caching allocator: {reserved} within the {format_bytes(capacity, unit)} "
+                f"capacity (it frees cached segments and retries; {no_limit}); {context} on the device")
+    return (f"peak reserved by the caching allocator: {reserved} needed under the {format_bytes(capacity, unit)} "
+            f"capacity even after freeing cached segments ({no_limit}); {context} needed on the device")
+
+
+def _fits_line(report: MemoryReport, capacity: int, unit: Unit | str) -> str:
+    # a capacity given with a named GPU but not equal to its usable memory is a budget
+    named = report.gpu_named and capacity == report.gpu.usable_memory
+    head = f"fits in {format_bytes(capacity, unit)} ({report.gpu.name if named else 'budget'}): "
+    headroom = capacity - report.bytes.peak_allocated
+    if report.fits:
+        return head + f"yes, {format_bytes(headroom, unit)} headroom above the peak allocated"
+    if headroom < 0:
+        return head + f"NO — out of memory; the peak allocated is {format_bytes(-headroom, unit)} over"
+    return head + (f"NO — out of memory; the peak allocated is {format_bytes(headroom, unit)} under it, but it "
+                   f"needs {format_bytes(report.peak_reserved, unit)} reserved: segments partly in use cannot be "
+                   f"freed (fragmentation)")
+
+
+# Why the simulated peak differs from the rule, by mode (the textbook line's last sentence).
+_FORWARD_ONLY_WHY = ("Without autograd there are no gradients or optimizer state, and each activation is freed "
+                     "once the next op has read it.")
+_TEXTBOOK_WHY = {
+    Mode.TRAIN: "The simulation knows when each tensor is alive: gradients appear during backward as activations "
+                "are freed, optimizer state is created at the first step, temporaries come and go.",
+    Mode.EVAL: _FORWARD_ONLY_WHY,
+    Mode.INFERENCE: _FORWARD_ONLY_WHY,
+}
+# Memory the rule of thumb never counts (it has parameters, the input batch and activations).
+_NOT_IN_TEXTBOOK = (Category.WORKSPACE, Category.KV_CACHE, Category.BUFFERS)
+#: From this ratio on the gap is given as a factor ("4.7× the rule"): "+370%" reads worse.
+_FACTOR_FROM = 2.0
+
+
+def _textbook_line(report: MemoryReport, tb: Textbook, unit: Unit | str) -> str:
+    """The rule of thumb, term by term, and where the simulated peak stands against it. One
+    sign convention: the simulated peak is above or below the rule (:meth:`Textbook.gap`)."""
+    params = format_bytes(tb.parameter_bytes, unit)
+    weights = f"{params} × {tb.multiplier} ({tb.terms})" if tb.multiplier > 1 else f"{params} ({tb.terms})"
+    saved = "saved for backward" if report.mode is Mode.TRAIN else "alive at the peak"
+    peak = report.bytes.peak_allocated
+    line = (f"textbook: parameters {weights} + input batch {format_bytes(tb.input_bytes, unit)} "
+            f"+ activations {saved} {format_bytes(tb.activation_bytes, unit)} = {format_bytes(tb.total, unit)}; "
+            f"the simulated peak, {format_bytes(peak, unit)}, is {_versus(tb.gap(peak))}.")
+    left_out = [f"{_category_label(c, report.mode)} {format_bytes(report.bytes.category(c), unit)}"
+                for c in _NOT_IN_TEXTBOOK if report.bytes.category(c)]
+    if left_out:
+        line += f" Not in the rule, at the peak: {', '.join(left_out)}."
+    return f"{line} {_TEXTBOOK_WHY[report.mode]}"
+
+
+def _versus(gap: float | None) -> str:
+    if gap is None:
+        return "not comparable (the rule counts nothing)"
+    if gap + 1 >= _FACTOR_FROM:
+        return f"{gap + 1:.1f}× the rule of thumb"
+    return f"{abs(gap):.1%} {'above' if gap >= 0 else 'below'} the rule of thumb"
 
 
 def _module_table(report: MemoryReport, fmt: str, unit: Unit | str, depth: int) -> str:

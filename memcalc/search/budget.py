@@ -212,11 +212,14 @@ def _from_budget(budget: str | int) -> Budget:
     try:
         capacity = parse_bytes(budget)
     except ValueError as exc:
-        raise InvalidInputError(str(exc), hint=f"A budget is {BYTES_FORMS}.") from None
+        raise InvalidInputError(f"budget: {exc}", hint=f"A budget is {BYTES_FORMS}.") from None
     return Budget(capacity, "as given")
 
 
 def _from_gpu(gpu: str | GpuProfile) -> Budget:
+    if not isinstance(gpu, (str, GpuProfile)):
+        raise InvalidInputError(f"gpu must be a GPU name or a GpuProfile, got {type(gpu).__name__} {gpu!r}",
+                                hint="Known GPUs: " + ", ".join(g.key for g in gpu_catalogue.catalogue()) + ".")
     profile = gpu if isinstance(gpu, GpuProfile) else gpu_catalogue.get_gpu(gpu)
     usable = profile.usable_memory
     if usable is None or profile.total_memory is None:
@@ -229,6 +232,7 @@ def _from_gpu(gpu: str | GpuProfile) -> Budget:
 
 
 def _from_device(spec: str, local_gpus: Callable[[], Sequence[gpu_local.LocalGpu]] | None) -> Budget:
+    gpu_local.check_device_spec(spec)  # a typo is refused before GPUs are looked for
     context_exists = _cuda_initialised()  # read before discovery, which may initialise CUDA
     found = local_gpus() if local_gpus is not None else gpu_local.list_local_gpus()
     chosen = gpu_local.resolve_device(spec, found)

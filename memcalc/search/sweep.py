@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,9 +49,9 @@ def sweep_configurations(
 ) -> list[tuple[int, str, str | None]]:
     """Every ``(batch, optimizer, precision)`` in sweep order (by series, then batch);
     raises :class:`InvalidInputError` naming the first invalid item."""
-    batches = [_check_batch(b) for b in batch_sizes]
-    optims = [_check_optimizer(o) for o in optimizers]
-    precs = [_check_precision(p) for p in precisions]
+    batches = [_check_batch(b) for b in _items(batch_sizes, "batch_sizes", "[1, 16, 64]")]
+    optims = [_check_optimizer(o) for o in _items(optimizers, "optimizers", '["sgd", "adam"]')]
+    precs = [_check_precision(p) for p in _items(precisions, "precisions", '["fp32", "amp-bf16"]')]
     if not batches or not optims or not precs:
         raise InvalidInputError("a sweep needs at least one batch size, optimizer and precision")
     return [(b, o, p) for o, p in itertools.product(optims, precs) for b in sorted(set(batches))]
@@ -68,9 +68,18 @@ def sweep_requests(request: EstimateRequest, configs: Sequence[tuple[int, str, s
         yield SweepPoint(batch, optimizer, precision, report)
 
 
+def _items(values: object, name: str, example: str) -> list[Any]:
+    """``values`` as a list; a single value or a string (which would be read letter by letter)
+    is refused, naming the argument."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidInputError(f"{name} must be a list, got {type(values).__name__} {values!r}",
+                                hint=f"e.g. {name}={example}")
+    return list(values)
+
+
 def _check_batch(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInputError(f"batch size {value!r} is not a positive integer")
+        raise InvalidInputError(f"batch_sizes: {value!r} is not a positive integer batch size")
     return value
 
 

@@ -5,7 +5,10 @@ Forms accepted by :func:`resolve`:
 - a zoo name (``resnet50``, ``ResNet_50``, ``gpt2-xl``; case-insensitive, ``_``/``-`` alike);
 - an ``nn.Module`` (left untouched: memcalc works on a meta twin) or a zero-argument factory;
 - ``path/to/file.py:factory`` and ``package.module:factory`` — the factory returns an
-  ``nn.Module``; an optional ``example_inputs(batch_size)`` beside it supplies the inputs;
+  ``nn.Module``; an optional ``example_inputs(batch_size)`` beside it supplies the inputs
+  (a tensor, a tuple of positional arguments, or a dict of keyword arguments) unless an input
+  shape or sequence length is given; the file's folder is importable while its code runs, as
+  under ``python file.py``;
 - ``torchvision:resnet50``, ``timm:convnext_tiny``, ``hf:gpt2``, ``hf:path/to/config.json``
   when those packages are installed (never a download: Hugging Face models come from their
   config class defaults or a local config file).
@@ -17,11 +20,8 @@ from __future__ import annotations
 
 import copy
 import importlib
-import importlib.util
 import itertools
-import sys
-import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeAlias
@@ -32,7 +32,9 @@ from torch import nn
 import models_zoo
 from memcalc.core.errors import InvalidInputError, MissingPackageError, ModelSourceError, UnknownModelError
 from memcalc.core.losses import LossChoice, LossKind
-from memcalc.engine.model import ResolvedModel
+from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel
+from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
+from memcalc.sources.user_code import Example, load_from_file, load_from_module, user_frame
 from models_zoo.registry import InputKind, ZooEntry
 
 __all__ = ("ModelLike", "ResolvedModel", "meta_twin", "resolve")
@@ -42,11 +44,9 @@ ModelLike: TypeAlias = "str | nn.Module | Callable[[], nn.Module]"
 META = torch.device("meta")
 
 _Shape: TypeAlias = tuple[int, ...]
-_Inputs: TypeAlias = tuple[torch.Tensor, ...]
+_Inputs: TypeAlias = ModelInputs
 #: Builds the model and its inputs on a device (``ResolvedModel.build_real``).
 _Builder: TypeAlias = Callable[[torch.device], tuple[nn.Module, _Inputs]]
-#: A user's ``example_inputs(batch_size)``: a tensor or a sequence of tensors (user code: unchecked).
-_Example: TypeAlias = Callable[[int], Any]
 #: ``(name, batch_size, shape, seq_len, user_inputs)`` of an optional package's model source.
 _PackageSource: TypeAlias = Callable[[str, int, _Shape | None, int | None, _Inputs | None], ResolvedModel]
 
@@ -60,7 +60,7 @@ def resolve(
     batch_size: int | None = None,
     input_shape: Sequence[int] | None = None,
     seq_len: int | None = None,
-    inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    inputs: InputsLike | None = None,
 ) -> ResolvedModel:
     """Turn whatever the user gave into a :class:`ResolvedModel` on meta.
 
@@ -69,29 +69,36 @@ def resolve(
             zero-argument factory (:data:`ModelLike`); anything else is refused.
         batch_size: samples per step; taken from ``inputs`` when they are given.
         input_shape: the shape of one sample (``(C, H, W)``, or ``(seq_len,)`` for tokens).
-        seq_len: the sequence length of a token model (when ``input_shape`` is not given).
-        inputs: the model's inputs themselves (copied to meta).
+        seq_len: the sequence length of a token model (when ``input_shape`` is not given):
+            token ids ``(batch_size, seq_len)``.
+        inputs: the model's inputs themselves (copied to meta): a tensor, a sequence of
+            positional arguments, or a dict of keyword arguments (``model(**inputs)``).
+
+    An explicit ``input_shape`` or ``seq_len`` wins over a file's ``example_inputs`` (which
+    may have been written for another factory of the file); the report's notes say which
+    inputs were used.
 
     Returns:
         The module and its inputs on meta, with a builder of the real ones.
     """
     if batch_size is not None and batch_size < 1:
         raise InvalidInputError(f"batch size must be at least 1, got {batch_size}")
-    shape = _requested_shape(input_shape, seq_len)
-    user_inputs = _as_tuple(inputs)
+    shape = requested_shape(input_shape, seq_len)
+    user_inputs = as_inputs(inputs)
     if user_inputs is not None:
-        batch_size = int(user_inputs[0].shape[0]) if user_inputs[0].dim() else 1
+        batch_size = user_inputs.batch_size
     if batch_size is None:
         raise InvalidInputError("give a batch size (or inputs to take it from)")
 
     seq_len_only = seq_len if input_shape is None else None
     if isinstance(model, str):
         return _resolve_string(model, batch_size, shape, seq_len_only, user_inputs)
+    asked = Asked(batch_size, shape, seq_len_only is not None, user_inputs)
     if isinstance(model, nn.Module):
-        return _resolve_module(model, _display_name(model), batch_size, shape, user_inputs, None)
+        return _resolve_module(model, _display_name(model), asked)
     if callable(model):
         name = getattr(model, "__name__", type(model).__name__)
-        return _resolve_factory(model, name, batch_size, shape, user_inputs, None)
+        return _resolve_factory(model, name, asked)
     raise InvalidInputError(
         f"cannot estimate a {type(model).__name__}: give a zoo name, an nn.Module or a factory")
 
@@ -105,12 +112,13 @@ def _resolve_string(spec: str, batch_size: int, shape: _Shape | None, seq_len: i
     prefix, sep, rest = spec.partition(":")
     if sep and prefix in _PACKAGE_SOURCES:
         return _PACKAGE_SOURCES[prefix](rest, batch_size, shape, seq_len, user_inputs)
+    asked = Asked(batch_size, shape, seq_len is not None, user_inputs)
     if sep and (prefix.endswith(".py") or "/" in prefix or "\\" in prefix):
-        factory, example = _load_from_file(Path(prefix), rest)
-        return _resolve_factory(factory, spec, batch_size, shape, user_inputs, example)
+        factory, example = load_from_file(Path(prefix), rest)
+        return _resolve_factory(factory, spec, asked, example, prefix)
     if sep and prefix.replace(".", "").replace("_", "").isalnum():
-        factory, example = _load_from_module(prefix, rest)
-        return _resolve_factory(factory, spec, batch_size, shape, user_inputs, example)
+        factory, example = load_from_module(prefix, rest)
+        return _resolve_factory(factory, spec, asked, example, prefix)
     if spec.endswith(".py"):
         raise InvalidInputError(f"{spec!r}: name the factory too, as {spec}:make_model")
     raise UnknownModelError(spec, models_zoo.closest(spec))
@@ -129,15 +137,35 @@ def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_l
                                     f"give --input-shape (e.g. {','.join(map(str, entry.default_shape))})")
         per_sample = shape or entry.default_shape
 
-    def build(device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    def build(device: torch.device) -> tuple[nn.Module, ModelInputs]:
         with device:
             module = entry.build(per_sample)
         if user_inputs is not None:
-            return module, tuple(t.to(device) for t in user_inputs)
-        return module, entry.example_inputs(batch_size, per_sample, device=device)
+            return module, user_inputs.map(lambda t: t.detach().to(device))
+        return module, ModelInputs(entry.example_inputs(batch_size, per_sample, device=device))
 
     module, inputs = _build_on_meta(build, entry.name)
-    return ResolvedModel(entry.name, module, inputs, entry.loss, build, entry.block_containers)
+    notes = _context_notes(entry, per_sample, module)
+    return ResolvedModel(entry.name, module, inputs, entry.loss, build, entry.block_containers,
+                         notes=notes, decoder=entry.decoder)
+
+
+def _context_notes(entry: ZooEntry, per_sample: _Shape, module: nn.Module) -> tuple[str, ...]:
+    """What a sequence longer than the released model's context does to the zoo's model: a
+    learned position table (GPT-2, BERT) grows with it, and so does the parameter count,
+    which must not pass unremarked; rotary positions (Llama) just run past it."""
+    limit = entry.context_length
+    if entry.input_kind is not InputKind.TOKENS or limit is None or per_sample[0] <= limit:
+        return ()
+    length = per_sample[0]
+    count = sum(p.numel() for p in module.parameters())
+    released = entry.reference_parameters
+    if released is not None and count != released:
+        return (f"{length:,} tokens exceed {entry.name}'s context of {limit:,}: its position table is grown to "
+                f"{length:,} rows, so this model has {count:,} parameters, not the released {released:,} "
+                f"(which cannot take more than {limit:,} tokens)",)
+    return (f"{length:,} tokens exceed {entry.name}'s context of {limit:,} (max_position_embeddings); the model "
+            f"runs them with the same {count:,} parameters (rotary positions, no position table)",)
 
 
 # ---- modules and factories --------------------------------------------------------------
@@ -161,32 +189,29 @@ def _has_real_storage(module: nn.Module) -> bool:
     return any(t.device.type != "meta" for t in itertools.chain(module.parameters(), module.buffers()))
 
 
-def _resolve_module(module: nn.Module, name: str, batch_size: int, shape: _Shape | None,
-                    user_inputs: _Inputs | None, example: _Example | None) -> ResolvedModel:
+def _resolve_module(module: nn.Module, name: str, asked: Asked) -> ResolvedModel:
     twin = meta_twin(module)
-    inputs = _inputs_for(name, batch_size, shape, user_inputs, example)
+    plan = input_maker(name, asked, None, None)
+    inputs = plan.make(META)
 
     def build(device: torch.device) -> tuple[nn.Module, _Inputs]:
-        real = copy.deepcopy(module).to(device)
-        if user_inputs is not None:
-            return real, tuple(t.to(device) for t in user_inputs)
-        if example is not None:
-            return real, tuple(t.to(device) for t in _as_tuple(example(batch_size)) or ())
-        assert shape is not None  # without inputs or example_inputs, _inputs_for required a shape
-        return real, (torch.randn(batch_size, *shape, device=device),)
+        return copy.deepcopy(module).to(device), plan.make(device)
 
-    return ResolvedModel(name, twin, inputs, LossChoice.AUTO, build)
+    return ResolvedModel(name, twin, inputs, LossChoice.AUTO, build, notes=plan.notes,
+                         decoder=_declared_decoder(twin))
 
 
-def _resolve_factory(factory: Callable[[], object], name: str, batch_size: int, shape: _Shape | None,
-                     user_inputs: _Inputs | None, example: _Example | None) -> ResolvedModel:
+def _resolve_factory(factory: Callable[[], object], name: str, asked: Asked, example: Example | None = None,
+                     example_where: str | None = None) -> ResolvedModel:
+    """A factory's model on meta. ``example`` is the ``example_inputs`` found beside a user's
+    factory (in ``example_where``) or a source's own (``example_where`` None: no note)."""
     def make(device: torch.device) -> nn.Module:
         with device:
             try:
                 module = factory()
             except Exception as exc:
                 raise ModelSourceError(f"the factory {name} raised {type(exc).__name__}: {exc}"
-                                       f"{_user_frame(exc)}") from exc
+                                       f"{user_frame(exc)}") from exc
         if not isinstance(module, nn.Module):
             raise ModelSourceError(
                 f"the factory {name} returned a {type(module).__name__}, not an nn.Module",
@@ -196,41 +221,21 @@ def _resolve_factory(factory: Callable[[], object], name: str, batch_size: int, 
     module = make(META)
     if _has_real_storage(module):  # the factory chose a device itself: estimate on a twin
         module = meta_twin(module)
-    inputs = _inputs_for(name, batch_size, shape, user_inputs, example)
+    plan = input_maker(name, asked, example, example_where)
+    inputs = plan.make(META)
 
     def build(device: torch.device) -> tuple[nn.Module, _Inputs]:
-        real = make(device)
-        if user_inputs is not None:
-            return real, tuple(t.to(device) for t in user_inputs)
-        if example is not None:
-            with device:
-                return real, tuple(t.to(device) for t in _as_tuple(example(batch_size)) or ())
-        assert shape is not None  # without inputs or example_inputs, _inputs_for required a shape
-        return real, (torch.randn(batch_size, *shape, device=device),)
+        return make(device), plan.make(device)
 
-    return ResolvedModel(name, module, inputs, LossChoice.AUTO, build)
+    return ResolvedModel(name, module, inputs, LossChoice.AUTO, build, notes=plan.notes,
+                         decoder=_declared_decoder(module), inputs_from=plan.source)
 
 
-def _inputs_for(name: str, batch_size: int, shape: _Shape | None, user_inputs: _Inputs | None,
-                example: _Example | None) -> _Inputs:
-    if user_inputs is not None:
-        return tuple(t.detach().to(META) for t in user_inputs)
-    if example is not None:
-        with META:
-            try:
-                produced = _as_tuple(example(batch_size))
-            except Exception as exc:
-                raise ModelSourceError(f"example_inputs({batch_size}) of {name} raised "
-                                       f"{type(exc).__name__}: {exc}{_user_frame(exc)}") from exc
-        if not produced:
-            raise ModelSourceError(f"example_inputs of {name} returned no tensors")
-        return tuple(t.detach().to(META) for t in produced)
-    if shape is None:
-        raise InvalidInputError(
-            f"memcalc does not know what {name} takes as input",
-            hint="Give the shape of one sample, e.g. --input-shape 3,224,224 (input_shape=(3, 224, 224)), "
-                 "or pass inputs=..., or define example_inputs(batch_size) beside the factory.")
-    return (torch.empty(batch_size, *shape, device=META),)
+def _declared_decoder(module: nn.Module) -> bool | None:
+    """Whether the model's attention says it is causal: Hugging Face attention modules carry
+    ``is_causal`` (True in GPT-2's and Llama's, False in BERT's encoder). None: none says."""
+    flags = [m.is_causal for m in module.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    return any(flags) if flags else None
 
 
 def _build_on_meta(build: _Builder, name: str) -> tuple[nn.Module, _Inputs]:
@@ -238,66 +243,6 @@ def _build_on_meta(build: _Builder, name: str) -> tuple[nn.Module, _Inputs]:
         return build(META)
     except Exception as exc:
         raise ModelSourceError(f"building {name} failed: {type(exc).__name__}: {exc}") from exc
-
-
-# ---- user code: files and modules --------------------------------------------------------
-def _load_from_file(path: Path, attr: str) -> tuple[Callable[[], object], _Example | None]:
-    if not path.is_file():
-        raise ModelSourceError(f"model file not found: {path}",
-                               hint="Check the path (relative to the current directory).")
-    module_name = f"memcalc_user_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ModelSourceError(f"cannot load {path} as Python source")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as exc:
-        raise ModelSourceError(f"syntax error in {exc.filename or path}, line {exc.lineno}: {exc.msg}") from exc
-    except Exception as exc:
-        raise ModelSourceError(f"importing {path} raised {type(exc).__name__}: {exc}{_user_frame(exc)}") from exc
-    return _factory_from(module, attr, str(path))
-
-
-def _load_from_module(module_path: str, attr: str) -> tuple[Callable[[], object], _Example | None]:
-    try:
-        module = importlib.import_module(module_path)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_path.startswith(exc.name):
-            raise UnknownModelError(f"{module_path}:{attr}", models_zoo.closest(module_path)) from exc
-        raise ModelSourceError(f"importing {module_path} raised ModuleNotFoundError: {exc}") from exc
-    except SyntaxError as exc:
-        raise ModelSourceError(f"syntax error in {exc.filename}, line {exc.lineno}: {exc.msg}") from exc
-    except Exception as exc:
-        raise ModelSourceError(f"importing {module_path} raised {type(exc).__name__}: {exc}{_user_frame(exc)}") from exc
-    return _factory_from(module, attr, module_path)
-
-
-def _factory_from(module: ModuleType, attr: str, where: str) -> tuple[Callable[[], object], _Example | None]:
-    if not attr:
-        raise InvalidInputError(f"name the factory after the colon: {where}:make_model")
-    factory = getattr(module, attr, None)
-    if factory is None:
-        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        raise ModelSourceError(f"{where} has no attribute {attr!r}",
-                               hint=f"Callables defined there: {', '.join(public[:10]) or 'none'}")
-    example = getattr(module, "example_inputs", None)
-    if isinstance(factory, nn.Module):
-        instance = factory
-        factory = lambda: instance  # a module object named directly
-    if not callable(factory):
-        raise ModelSourceError(f"{where}:{attr} is a {type(factory).__name__}, not a factory")
-    return factory, example if callable(example) else None
-
-
-def _user_frame(exc: BaseException) -> str:
-    """' (at file.py, line N)' for the innermost frame outside torch and memcalc."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        if "/torch/" not in frame.filename and "/memcalc/" not in frame.filename:
-            return f" (at {frame.filename}, line {frame.lineno})"
-    return ""
 
 
 # ---- optional package sources -------------------------------------------------------------
@@ -317,7 +262,8 @@ def _torchvision_source(name: str, batch_size: int, shape: _Shape | None, seq_le
         raise UnknownModelError(f"torchvision:{name}", [f"torchvision:{n}" for n in
                                                         _close(name, tv_models.list_models())]) from exc
     factory = lambda: builder(weights=None)
-    return _resolve_factory(factory, f"torchvision:{name}", batch_size, shape or (3, 224, 224), user_inputs, None)
+    return _resolve_factory(factory, f"torchvision:{name}",
+                            Asked(batch_size, shape or (3, 224, 224), seq_len is not None, user_inputs))
 
 
 def _timm_source(name: str, batch_size: int, shape: _Shape | None, seq_len: int | None,
@@ -329,7 +275,7 @@ def _timm_source(name: str, batch_size: int, shape: _Shape | None, seq_len: int 
     if shape is None:
         config = timm.get_pretrained_cfg(name)
         shape = tuple(getattr(config, "input_size", None) or (3, 224, 224))
-    return _resolve_factory(factory, f"timm:{name}", batch_size, shape, user_inputs, None)
+    return _resolve_factory(factory, f"timm:{name}", Asked(batch_size, shape, False, user_inputs))
 
 
 def _hf_source(spec: str, batch_size: int, shape: _Shape | None, seq_len: int | None,
@@ -346,16 +292,35 @@ def _hf_source(spec: str, batch_size: int, shape: _Shape | None, seq_len: int | 
             raise UnknownModelError(f"hf:{spec}", [f"hf:{n}" for n in _close(spec, list(mapping.keys()))])
         config = mapping[spec]()
     factory = lambda: _hf_model_from_config(transformers, config)
-    length = (shape[0] if shape else None) or seq_len or min(
-        getattr(config, "max_position_embeddings", _HF_DEFAULT_SEQ_LEN) or _HF_DEFAULT_SEQ_LEN, _HF_DEFAULT_SEQ_LEN)
+    context = getattr(config, "max_position_embeddings", None)
+    asked = (shape[0] if shape else None) or seq_len
+    length = asked or min(context or _HF_DEFAULT_SEQ_LEN, _HF_DEFAULT_SEQ_LEN)
     vocab = getattr(config, "vocab_size", None) or 32000
 
     def example(b: int) -> tuple[torch.Tensor]:
         return (torch.randint(0, vocab, (b, length)),)
 
-    resolved = _resolve_factory(factory, f"hf:{spec}", batch_size, None, user_inputs, example)
+    resolved = _resolve_factory(factory, f"hf:{spec}", Asked(batch_size, None, False, user_inputs), example)
     resolved.loss = LossKind.LM_CROSS_ENTROPY if _is_causal_lm(resolved.module) else LossChoice.AUTO
+    if user_inputs is None and isinstance(context, int) and length > context:
+        resolved.notes += (_hf_beyond_context(resolved, context, length),)
     return resolved
+
+
+def _hf_beyond_context(resolved: ResolvedModel, context: int, length: int) -> str:
+    """A sequence longer than the config's ``max_position_embeddings``: refused when the model
+    has a learned position table (the real model would index past it: there is no such step
+    to estimate), else a note (rotary or relative positions run past the trained length)."""
+    for name, sub in resolved.module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(sub, nn.Embedding) and ("position" in leaf or leaf in ("wpe", "pos_embed", "pos_emb")):
+            raise InvalidInputError(
+                f"{resolved.name} takes at most {context:,} tokens (max_position_embeddings): its position "
+                f"embeddings {name} have {sub.num_embeddings:,} rows, so {length:,} tokens cannot run",
+                hint=f"Give --seq-len {context} or less, or a config file with a larger max_position_embeddings "
+                     f"(hf:path/to/config.json): the position table is then sized for it.")
+    return (f"{length:,} tokens exceed {resolved.name}'s max_position_embeddings of {context:,}; the model runs "
+            f"them with the same parameters (no position table)")
 
 
 def _hf_model_from_config(transformers: ModuleType, config: Any) -> nn.Module:
@@ -386,30 +351,5 @@ _PACKAGE_SOURCES: dict[str, _PackageSource] = {
 
 
 # ---- small helpers -----------------------------------------------------------------------
-def _requested_shape(input_shape: Sequence[int] | None, seq_len: int | None) -> _Shape | None:
-    if input_shape is not None:
-        shape = tuple(int(d) for d in input_shape)
-        if not shape or any(d < 1 for d in shape):
-            raise InvalidInputError(f"input shape must be positive integers, got {input_shape!r}")
-        return shape
-    if seq_len is not None:
-        if seq_len < 1:
-            raise InvalidInputError(f"sequence length must be at least 1, got {seq_len}")
-        return (int(seq_len),)
-    return None
-
-
-def _as_tuple(inputs: Iterable[object] | torch.Tensor | None) -> _Inputs | None:
-    if inputs is None:
-        return None
-    if isinstance(inputs, torch.Tensor):
-        return (inputs,)
-    values = tuple(inputs)
-    tensors = tuple(t for t in values if isinstance(t, torch.Tensor))
-    if not values or len(tensors) != len(values):
-        raise InvalidInputError("inputs must be a tensor or a sequence of tensors")
-    return tensors
-
-
 def _display_name(module: nn.Module) -> str:
     return type(module).__name__

@@ -30,6 +30,7 @@ __all__ = (
     "LocalGpu",
     "PhysicalGpu",
     "best_gpu",
+    "check_device_spec",
     "list_local_gpus",
     "parse_cuda_visible_devices",
     "parse_nvidia_smi_csv",
@@ -366,15 +367,29 @@ def best_gpu(gpus: Sequence[LocalGpu]) -> LocalGpu | None:
 
 
 _DEVICE_SPEC = re.compile(r"^(?:cuda(?::(\d+))?|(\d+))$")
+#: What a device spec may be, for messages.
+_DEVICE_SPEC_FORMS = '"auto" (the GPU with the most free memory), "cuda" (= cuda:0), "cuda:N" or "N"'
+
+
+def check_device_spec(spec: object) -> str:
+    """``spec`` lower-cased and stripped when it reads as a device (``"auto"``, ``"cuda"``,
+    ``"cuda:N"``, ``"N"``); :class:`~memcalc.core.errors.InvalidInputError` otherwise — before any
+    GPU is looked for, so that a typo is not answered with "no GPU is visible"."""
+    text = spec.strip().lower() if isinstance(spec, str) else None
+    if text is None or (text != "auto" and _DEVICE_SPEC.match(text) is None):
+        raise InvalidInputError(f"device {spec!r} is not a device spec",
+                                hint=f"Give {_DEVICE_SPEC_FORMS}, N being torch's index after "
+                                     f"CUDA_VISIBLE_DEVICES (memcalc gpus lists them).")
+    return text
 
 
 def resolve_device(spec: str, gpus: Sequence[LocalGpu]) -> LocalGpu:
     """Pick a GPU from ``"auto"`` (most free memory), ``"cuda"`` (= ``cuda:0``, torch's
     default device), ``"cuda:N"`` or ``"N"`` — N being torch's index, after
     CUDA_VISIBLE_DEVICES. Raises :class:`~memcalc.core.errors.InvalidInputError` (a ``ValueError``)
-    saying how many GPUs are visible when the choice does not exist.
+    for anything else, and saying how many GPUs are visible when the choice does not exist.
     """
-    text = spec.strip().lower()
+    text = check_device_spec(spec)
     count = len(gpus)
     if count == 0:
         raise InvalidInputError(
@@ -386,8 +401,7 @@ def resolve_device(spec: str, gpus: Sequence[LocalGpu]) -> LocalGpu:
         assert chosen is not None
         return chosen
     match = _DEVICE_SPEC.match(text)
-    if match is None:
-        raise InvalidInputError(f"cannot read device {spec!r}", hint='Use "auto", "cuda", "cuda:N" or "N".')
+    assert match is not None  # check_device_spec
     index = int(match.group(1) or match.group(2) or 0)
     by_logical = {gpu.logical_index: gpu for gpu in gpus}
     if index not in by_logical:

@@ -1,0 +1,463 @@
+"""The CPU target: what PyTorch's own CPU kernels run and allocate, so that an estimate can be
+compared with a real step on this machine's CPU (``--measure`` without a GPU,
+:mod:`memcalc.report.measure`). It models no GPU; it lives beside the CUDA rules because it is
+the same kind of knowledge — which aten ops a device chooses and what they allocate inside.
+
+Meta tensors take the paths of no real device. Where the CPU's choice differs, a rule rewrites
+the call above autograd (:data:`CPU_CALL_RULES`, keyed by the function ``__torch_function__``
+gets), so that autograd saves what the CPU's kernel saves; an after-op rule
+(:data:`CPU_KERNEL_RULES`, keyed by ``OpOverload``) adds what the kernel allocates inside:
+
+- ``scaled_dot_product_attention``: ``_fused_sdp_choice_cpp`` (``sdp_utils_cpp.cpp``,
+  :func:`cpu_flash_refusal`) picks ``_scaled_dot_product_flash_attention_for_cpu``, which keeps
+  the output and a logsumexp — not the attention matrix of meta's math path — plus per-thread
+  buffers (``cpu/FlashAttentionKernel.cpp``).
+- ``nn.LSTM``: ``at::lstm`` runs oneDNN when ``use_mkldnn`` (``native/RNN.cpp``) allows:
+  ``mkldnn_rnn`` (``native/mkldnn/RNN.cpp``) calls ``mkldnn_rnn_layer`` per layer and
+  direction; each keeps a oneDNN workspace for its backward and, inside, reorders the weights
+  and takes a scratchpad (sizes: :mod:`memcalc.cuda.onednn`). GRU, plain RNN, LSTM with
+  projections and packed sequences run ``_rnn_impl``, which on a CPU tensor projects the
+  inputs of all steps at once — meta's never do (:mod:`memcalc.cuda.cpu_aten`).
+- In-place adds: while a dispatch mode is active (memcalc's tracer is one) every tensor is
+  "subclass-like", and ``at::linear``'s bias add and autograd's gradient accumulation go out
+  of place; a plain CPU run adds in place, and so does the CPU target.
+
+Sizes follow torch 2.13 with oneDNN v3.12 on x86-64 (float32; checked against the CPU
+profiler). The per-thread buffers use this process's ``torch.get_num_threads()``. What a rule
+cannot follow is named in :meth:`CpuKernels.notes` (each line starts with
+:data:`NOT_FOLLOWED`), so a CPU measurement can say which op it is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._ops import OpOverload
+
+from memcalc.core.categories import Category
+from memcalc.core.precision import Precision
+from memcalc.cuda import cpu_aten, onednn
+from memcalc.cuda.emulation import CudaEmulation
+from memcalc.engine.rules import RuleRegistry, op_name
+from memcalc.engine.trace import StorageTracer
+
+__all__ = (
+    "CPU_CALL_RULES",
+    "CPU_KERNEL_RULES",
+    "NOT_FOLLOWED",
+    "CpuCapabilities",
+    "CpuEmulation",
+    "CpuKernels",
+    "cpu_flash_refusal",
+    "flash_backward_temporaries",
+    "flash_forward_temporaries",
+)
+
+aten = torch.ops.aten
+
+#: How a note names an op whose CPU memory the target does not follow.
+NOT_FOLLOWED = "not followed on the CPU:"
+
+#: A call rule: ``(mode, func, args, kwargs) → result`` in place of ``func(*args, **kwargs)``.
+CpuCallRule = Callable[["CpuEmulation", Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+#: The calls the CPU target rewrites, keyed by the function object ``__torch_function__`` gets.
+CPU_CALL_RULES: RuleRegistry[CpuCallRule] = RuleRegistry("CPU call")
+#: A kernel rule: ``(kernels, op, args, kwargs, output)``, called after ``op`` ran.
+CpuKernelRule = Callable[["CpuKernels", OpOverload, tuple[Any, ...], dict[str, Any], Any], None]
+#: What CPU kernels allocate inside, keyed by ``OpOverload``.
+CPU_KERNEL_RULES: RuleRegistry[CpuKernelRule] = RuleRegistry("CPU kernel")
+
+
+@dataclass(frozen=True)
+class CpuCapabilities:
+    """What decides this CPU's kernel choices, read once outside the trace."""
+
+    threads: int  # at::get_num_threads(): one buffer per thread in the flash kernels
+    onednn: bool  # AT_MKLDNN_ENABLED() and at::globalContext().userEnabledMkldnn()
+    onednn_bf16: bool  # mkldnn_bf16_device_check()
+    onednn_fp16: bool  # mkldnn_fp16_device_check()
+    flash_sdp: bool  # at::globalContext().userEnabledFlashSDP() (shared with CUDA)
+
+    @classmethod
+    def here(cls) -> CpuCapabilities:
+        """This process's CPU and settings."""
+        onednn = torch.backends.mkldnn.is_available() and bool(  # type: ignore[no-untyped-call]  # untyped in torch
+            torch.backends.mkldnn.enabled)
+        return cls(threads=torch.get_num_threads(), onednn=onednn,
+                   onednn_bf16=onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                   onednn_fp16=onednn and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+                   flash_sdp=torch.backends.cuda.flash_sdp_enabled())  # type: ignore[no-untyped-call]  # untyped
+
+
+class CpuKernels:
+    """The after-op rules of one traced step, and what they followed or could not follow."""
+
+    def __init__(self, capabilities: CpuCapabilities) -> None:
+        self.capabilities = capabilities
+        self.tracer: StorageTracer | None = None
+        self.followed: Counter[str] = Counter()
+        self.unfollowed: dict[str, tuple[int, str]] = {}  # op name → (calls, why)
+
+    def attach(self, tracer: StorageTracer) -> None:
+        self.tracer = tracer
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        rule = CPU_KERNEL_RULES.get(func)
+        if rule is not None:
+            rule(self, func, args, kwargs, out)
+
+    def add_temporary(self, nbytes: int) -> None:
+        """Memory the kernel takes through the CPU allocator and frees before it returns."""
+        assert self.tracer is not None
+        if nbytes > 0:
+            self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False)
+
+    def resize_output(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """An output the meta kernel leaves empty (oneDNN's workspace): it lives as long as the
+        tensor (autograd saves it for backward) but holds ``nbytes`` on the CPU."""
+        assert self.tracer is not None
+        uid = self.tracer.uid_of(tensor)
+        if uid is not None:
+            self.tracer.trace.nbytes[uid] = nbytes
+
+    def reuse(self, old: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` was computed into ``old``'s memory (an in-place op the tracer saw as out of
+        place): ``old``'s memory is returned just before ``out`` takes the same amount."""
+        tracer = self.tracer
+        assert tracer is not None
+        events = tracer.trace.events
+        out_uid, old_uid = tracer.uid_of(out), tracer.uid_of(old)
+        if out_uid is None or old_uid is None or not events or events[-1] != out_uid:
+            return
+        tracer.free_storage(old)  # its later death is no event
+        events[-2], events[-1] = events[-1], events[-2]
+
+    def follow(self, op: OpOverload) -> None:
+        """A call of ``op`` whose CPU memory a rule modelled."""
+        self.followed[op_name(op)] += 1
+
+    def cannot_follow(self, op: object, why: str) -> None:
+        """``op`` (an op, or a name) allocates memory on the CPU that no rule models: say so."""
+        name = op if isinstance(op, str) else op_name(op)
+        calls, _ = self.unfollowed.get(name, (0, why))
+        self.unfollowed[name] = (calls + 1, why)
+
+    def notes(self) -> list[str]:
+        """The kernels followed, then one line per op not followed (:data:`NOT_FOLLOWED`)."""
+        lines = []
+        if self.followed:
+            ops = ", ".join(f"{name} ×{n}" for name, n in sorted(self.followed.items()))
+            lines.append(f"CPU target: the CPU's own kernels followed ({self.capabilities.threads} threads): {ops}")
+        for name, (calls, why) in sorted(self.unfollowed.items()):
+            lines.append(f"{NOT_FOLLOWED} {name} ×{calls} ({why})")
+        return lines
+
+
+class CpuEmulation(CudaEmulation):
+    """The CUDA emulation's function mode (autocast, composites) with the CUDA kernel choices
+    off and the CPU's calls (:data:`CPU_CALL_RULES`) in their place."""
+
+    def __init__(self, precision: Precision, compute_capability: tuple[int, int], kernels: CpuKernels) -> None:
+        super().__init__(precision, compute_capability, emulate_kernels=False)
+        self.kernels = kernels
+
+    def __torch_function__(self, func: Callable[..., Any], types_: Any, args: tuple[Any, ...] = (),
+                           kwargs: Any = None) -> Any:
+        try:
+            rule = CPU_CALL_RULES.get(func)
+        except TypeError:  # an unhashable callable: no rule
+            rule = None
+        if rule is not None:
+            return rule(self, func, args, dict(kwargs or {}))
+        return super().__torch_function__(func, types_, args, kwargs)
+
+
+# ---- scaled dot product attention ------------------------------------------------------------
+#: use_flash_attention_cpp's ``cpp_supported_flash_dtypes`` (sdp_utils_cpp.cpp).
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def cpu_flash_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      dropout_p: float, enable_gqa: bool, flash_enabled: bool = True) -> str | None:
+    """Why ``select_sdp_backend_cpp`` would not run the CPU flash kernel (None: it would), its
+    checks in the order of ``use_flash_attention_cpp`` (sdp_utils_cpp.cpp / .h, torch 2.13)."""
+    if not flash_enabled:
+        return "flash attention disabled (torch.backends.cuda.enable_flash_sdp)"  # check_runtime_disabled_flash
+    if q.is_nested or k.is_nested or v.is_nested:
+        return "nested tensors"
+    if dropout_p > 0.0:
+        return "dropout"  # check_for_dropout
+    if not q.dim() == k.dim() == v.dim() == 4:
+        return "q, k, v are not 4-D"  # check_tensor_shapes
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        return "batch sizes differ"
+    if enable_gqa:  # check_grouped_query_attention<requires_same_num_heads=true>
+        if k.shape[-3] != v.shape[-3] or q.shape[-3] % k.shape[-3]:
+            return "key/value heads do not divide the query heads"
+    elif not q.shape[-3] == k.shape[-3] == v.shape[-3]:
+        return "numbers of heads differ"
+    if mask is not None and not _mask_shape_ok(mask, q, k):
+        return "attention mask shape"  # check_attn_mask_shape
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return "head sizes differ"  # check_head_dim_size_cpp
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return "empty sequence"  # check_nonzero_sequence_lengths_dense
+    if not q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+        return "last dimension not contiguous"  # check_last_dim_stride_equals_1_dense (mask free on CPU)
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in _CPU_FLASH_DTYPES):
+        return "dtype"  # check_tensor_dtype
+    return None
+
+
+def _mask_shape_ok(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """check_attn_mask_shape: a 2-D or 4-D mask broadcastable to (B, H, L, S), not requiring grad."""
+    if mask.requires_grad or mask.dim() not in (2, 4):
+        return False
+
+    def fits(size: int, target: int) -> bool:
+        return size in (target, 1)
+
+    if not (fits(mask.shape[-2], q.shape[2]) and fits(mask.shape[-1], k.shape[2])):
+        return False
+    return mask.dim() == 2 or (fits(mask.shape[0], q.shape[0]) and fits(mask.shape[1], q.shape[1]))
+
+
+@CPU_CALL_RULES.register(F.scaled_dot_product_attention, aten.scaled_dot_product_attention)
+def attention(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """SDPA on the CPU: the flash kernel for CPU when ``_fused_sdp_choice_cpp`` picks it (else
+    the math path, which meta runs too)."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    if mode.autocasting:  # SDPA is in the lower-precision list of CPU autocast as of CUDA's
+        low = mode.autocast_dtype
+        assert low is not None
+        q, k, v = (mode.cast(t, low) for t in (q, k, v))
+    mask = bound.get("attn_mask")
+    dropout_p = float(bound.get("dropout_p", 0.0) or 0.0)
+    refusal = cpu_flash_refusal(q, k, v, mask, dropout_p, bool(bound.get("enable_gqa", False)),
+                                mode.kernels.capabilities.flash_sdp)
+    if refusal is not None:
+        return mode.dispatch(func, args, kwargs)
+    if mask is not None and mask.dtype is torch.bool:
+        # convert_boolean_attn_mask (attention.cpp): an additive mask in the query's dtype
+        mask = torch.where(mask, 0.0, torch.scalar_tensor(float("-inf"), dtype=q.dtype, device=mask.device))
+    return aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, bool(bound.get("is_causal", False)), attn_mask=mask, scale=bound.get("scale"))[0]
+
+
+#: flash_attention_kernel_impl (cpu/FlashAttentionKernel.cpp): the query block (q_split_size)
+#: by query length — 256 rows from 768, 64 from 192, else 32 — and the kv block (kv_split_size).
+_FLASH_Q_SPLITS = ((768, 256), (192, 64), (0, 32))
+_FLASH_KV_SPLIT = 512
+
+
+def _flash_splits(q_len: int, kv_len: int) -> tuple[int, int]:
+    """(qSplitSize, kvSplitSize) of the CPU flash kernels: the template sizes, capped at the
+    lengths."""
+    q_split = next(split for rows, split in _FLASH_Q_SPLITS if q_len >= rows)
+    return min(q_split, q_len), min(_FLASH_KV_SPLIT, kv_len)
+
+
+def _accumulate_itemsize(dtype: torch.dtype) -> int:
+    """``toOpMathType``: float for the reduced types, else the dtype itself."""
+    return 8 if dtype is torch.float64 else 4
+
+
+def flash_forward_temporaries(q: torch.Tensor, k: torch.Tensor, threads: int) -> int:
+    """Bytes ``cpu_flash_attention`` takes while it runs: per thread, ``buf`` (the q·kᵀ block,
+    running max and sum, the output block, in the accumulate type) and for bf16/fp16
+    ``buf_reduced`` (the block in the input type). q, k as SDPA gets them: (B, H, L, E)."""
+    q_split, kv_split = _flash_splits(int(q.shape[2]), int(k.shape[2]))
+    head = int(q.shape[3])
+    per_thread = q_split * kv_split + 2 * q_split + q_split * head
+    reduced = q.dtype in (torch.bfloat16, torch.float16)
+    buf_reduced = threads * q_split * kv_split * q.element_size() if reduced else 0
+    return threads * per_thread * _accumulate_itemsize(q.dtype) + buf_reduced
+
+
+def flash_backward_temporaries(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, threads: int) -> int:
+    """Bytes ``cpu_flash_attention_backward`` takes: a contiguous copy of the output gradient
+    in (B, L, H, E) when it is not, ``buf`` (attention and its gradient blocks) and for
+    bf16/fp16 ``buf_reduced`` per thread, and each working thread's ``dsum`` row."""
+    q_split, kv_split = _flash_splits(int(q.shape[2]), int(k.shape[2]))
+    accumulate = _accumulate_itemsize(q.dtype)
+    grad_copy = 0 if grad_out.transpose(1, 2).is_contiguous() else grad_out.numel() * grad_out.element_size()
+    buf = threads * 2 * q_split * kv_split * accumulate
+    reduced = q.dtype in (torch.bfloat16, torch.float16)
+    buf_reduced = threads * 2 * q_split * kv_split * q.element_size() if reduced else 0
+    # at::parallel_for over B·H with grain 1: min(threads, B·H) threads each allocate dsum
+    working = min(threads, int(q.shape[0]) * int(q.shape[1]))
+    return grad_copy + buf + buf_reduced + working * q_split * accumulate
+
+
+@CPU_KERNEL_RULES.register(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def flash_forward(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  out: Any) -> None:
+    """The forward's per-thread buffers."""
+    q, k = args[0], args[1]
+    if q.dtype is torch.float16:
+        # flash_attention_kernel_impl packs K and V (cpublas::need_pack(kHalf), AMX-FP16 CPUs)
+        # into std::make_unique buffers, outside the CPU allocator
+        kernels.cannot_follow(op, "float16: its packed copies of K and V on AMX-FP16 CPUs")
+    else:
+        kernels.follow(op)
+    kernels.add_temporary(flash_forward_temporaries(q, k, kernels.capabilities.threads))
+
+
+@CPU_KERNEL_RULES.register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def flash_backward(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   out: Any) -> None:
+    """The backward's copy of the output gradient and per-thread buffers."""
+    grad_out, q, k = args[0], args[1], args[2]
+    if q.dtype in (torch.bfloat16, torch.float16):
+        # cpublas::gemm on reduced types goes through oneDNN, which takes scratch per call
+        kernels.cannot_follow(op, f"{str(q.dtype).removeprefix('torch.')}: the scratch of the GEMMs inside")
+    else:
+        kernels.follow(op)
+    kernels.add_temporary(flash_backward_temporaries(grad_out, q, k, kernels.capabilities.threads))
+
+
+# ---- what a dispatch mode changes ------------------------------------------------------------
+# ``at::isTensorSubclassLike`` is true for every tensor while a dispatch mode is active, as
+# memcalc's tracer is (c10/core/impl/TorchDispatchModeTLS, ATen/TensorSubclassLikeUtils.h), and
+# "composite compliant" code then avoids in-place ops that a plain CPU run makes.
+
+#: ``_storage_Use_Count`` of a storage held by one tensor, read through the Python storage
+#: object the check itself creates (the tensor's reference and that object's).
+_SOLE_STORAGE_USES = 2
+
+
+def _sole_dense(tensor: torch.Tensor) -> bool:
+    """``can_accumulate_inplace`` (torch/csrc/autograd/input_buffer.cpp): dense, covering its
+    whole storage, and the last reference to that storage."""
+    storage = tensor.untyped_storage()
+    return (tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
+            and torch._C._storage_Use_Count(storage._cdata) == _SOLE_STORAGE_USES)
+
+
+@CPU_KERNEL_RULES.register(aten.add.Tensor)
+def gradient_accumulation(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                          out: Any) -> None:
+    """Autograd's engine adds a second gradient for the same input into the first in place
+    (``old_var.add_(var)``) when it holds the first's only reference; under a dispatch mode it
+    writes ``old_var + var`` to a new tensor instead. Here, in backward without grad mode, an
+    ``add`` of two same-shaped gradients whose first is sole and dense takes that tensor's
+    memory instead of new memory."""
+    tracer = kernels.tracer
+    assert tracer is not None
+    if not tracer.modules.in_backward or torch.is_grad_enabled() or len(args) != 2 or kwargs.get("alpha", 1) != 1:
+        return
+    old, new = args
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return
+    if old.shape != out.shape or new.shape != out.shape or old.dtype != out.dtype or not _sole_dense(old):
+        return
+    kernels.reuse(old, out)
+
+
+@CPU_CALL_RULES.register(F.linear)
+def linear(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``at::linear`` as the CPU runs it (:func:`memcalc.cuda.cpu_aten.linear`: the bias added
+    in place after a ``matmul``)."""
+    bound = dict(zip(("input", "weight", "bias"), args, strict=False))
+    bound.update(kwargs)
+    x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
+    if mode.autocasting:  # linear is in autocast's lower-precision list
+        low = mode.autocast_dtype
+        assert low is not None
+        x, weight, bias = (None if t is None else mode.cast(t, low) for t in (x, weight, bias))
+    return cpu_aten.linear(x, weight, bias)
+
+
+# ---- LSTM: oneDNN ------------------------------------------------------------------------------
+def _lstm_layer_followed(kernels: CpuKernels, op: OpOverload, x: torch.Tensor, mode: int) -> bool:
+    """Whether the oneDNN sizes apply (a float32 LSTM layer); if not, the op is named."""
+    if mode != cpu_aten.LSTM_MODE or x.dtype is not torch.float32:
+        kernels.cannot_follow(op, "oneDNN's workspace, weight reorders and scratchpad are modelled for "
+                                  "float32 LSTM only")
+        return False
+    return True
+
+
+@CPU_KERNEL_RULES.register(aten.mkldnn_rnn_layer.default)
+def onednn_lstm_forward(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        out: Any) -> None:
+    """One oneDNN LSTM layer: the workspace its backward reads (empty on meta) and, inside, the
+    summed bias, the weight reorders and the scratchpad."""
+    x, w_ih, hidden, mode = args[0], args[1], int(args[10]), int(args[9])
+    if not _lstm_layer_followed(kernels, op, x, mode):
+        return
+    steps, batch, input_size = (int(s) for s in x.shape)
+    if not torch.is_grad_enabled():  # lstm_forward_inference: MKL-packed weights
+        kernels.cannot_follow(op, "oneDNN LSTM inference: its packed weights and scratchpad are not modelled")
+        return
+    kernels.follow(op)
+    kernels.resize_output(out[3], onednn.lstm_workspace_bytes(steps, batch, input_size, hidden))
+    bias = onednn.LSTM_GATES * hidden * w_ih.element_size()  # _shuffle_bias: b_ih + b_hh
+    kernels.add_temporary(bias + onednn.lstm_weight_reorder_bytes(input_size, hidden, forward=True)
+                          + onednn.lstm_scratchpad_bytes(steps, batch, hidden, forward=True))
+
+
+@CPU_KERNEL_RULES.register(aten.mkldnn_rnn_layer_backward.default)
+def onednn_lstm_backward(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         out: Any) -> None:
+    """One oneDNN LSTM layer's backward: contiguous (or zero) output gradients, the summed bias,
+    then ideep's weight reorders, weight-gradient and bias-gradient buffers and scratchpad."""
+    x, w_ih, hx, cx, output = args[0], args[1], args[5], args[6], args[7]
+    grads, mode, hidden = args[10:13], int(args[14]), int(args[15])
+    if not _lstm_layer_followed(kernels, op, x, mode):
+        return
+    steps, batch, input_size = (int(s) for s in x.shape)
+    kernels.follow(op)
+    temporaries = 0
+    for grad, like in zip(grads, (output, hx, cx), strict=True):
+        if grad is None:  # at::zeros_like
+            temporaries += like.numel() * like.element_size()
+        elif not grad.is_contiguous():  # .contiguous()
+            temporaries += grad.numel() * grad.element_size()
+    temporaries += onednn.LSTM_GATES * hidden * w_ih.element_size()  # _shuffle_bias
+    temporaries += onednn.lstm_weight_reorder_bytes(input_size, hidden, forward=False)
+    temporaries += onednn.LSTM_GATES * hidden * 4  # diff_bias, in a float32 buffer of oneDNN's
+    temporaries += onednn.lstm_scratchpad_bytes(steps, batch, hidden, forward=False)
+    kernels.add_temporary(temporaries)
+
+
+def _onednn_lstm_applies(kernels: CpuKernels, x: torch.Tensor, hx: Sequence[torch.Tensor]) -> bool:
+    """``use_mkldnn`` (native/RNN.cpp) and no projections (``at::lstm`` then warns and runs the
+    generic path)."""
+    caps = kernels.capabilities
+    dtype_ok = (x.dtype is torch.float32 or (x.dtype is torch.bfloat16 and caps.onednn_bf16)
+                or (x.dtype is torch.float16 and not torch.is_grad_enabled() and caps.onednn_fp16))
+    return caps.onednn and dtype_ok and x.numel() != 0 and hx[0].shape[2] == hx[1].shape[2]
+
+
+@CPU_CALL_RULES.register(torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
+def recurrent(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``at::lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` on the CPU: an LSTM through oneDNN
+    when ``use_mkldnn`` allows, else ``_rnn_impl`` with the CPU's precomputed input projection,
+    for a packed sequence too (:mod:`memcalc.cuda.cpu_aten`)."""
+    kind = cpu_aten.RnnKind(getattr(func, "__name__", ""))
+    if kwargs or len(args) != 9:
+        return mode.dispatch(func, args, kwargs)
+    if mode.autocasting:  # CPU autocast casts oneDNN's LSTM layers; memcalc follows CUDA's lists
+        mode.kernels.cannot_follow(f"torch.{kind.name}", "under autocast the CPU runs it in the autocast dtype")
+        return mode.dispatch(func, args, kwargs)
+    # the PackedSequence overloads take (data, batch_sizes, hx, ...): hx is a list for an LSTM
+    if isinstance(args[1], torch.Tensor) if kind.is_lstm else isinstance(args[2], torch.Tensor):
+        data, batch_sizes, *rest = args
+        if batch_sizes.device.type != "cpu":
+            return mode.dispatch(func, args, kwargs)
+        return cpu_aten.packed_rnn(kind, data, batch_sizes, rest[0], rest[1], bool(rest[2]), int(rest[3]),
+                                   float(rest[4]), bool(rest[5]), bool(rest[6]))
+    x, hx, params, has_biases, num_layers, dropout_p, train, bidirectional, batch_first = args
+    step = (bool(has_biases), int(num_layers), float(dropout_p), bool(train), bool(bidirectional), bool(batch_first))
+    if kind.is_lstm and _onednn_lstm_applies(mode.kernels, x, hx):
+        return cpu_aten.mkldnn_rnn(x, hx, params, *step)
+    return cpu_aten.generic_rnn(kind, x, hx, params, *step)

@@ -1,0 +1,133 @@
+"""Loading the user's own model code: ``path/to/file.py:factory`` and
+``package.module:factory``, with the ``example_inputs`` found beside the factory.
+
+A model file runs as ``python file.py`` would run it: its folder is importable while its code
+runs (at import, and when its factory and ``example_inputs`` are called), so that it can
+import its neighbours (``from layers import Block``); afterwards neither the folder nor those
+neighbours stay in ``sys.path`` / ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeAlias
+
+from torch import nn
+
+import models_zoo
+from memcalc.core.errors import InvalidInputError, ModelSourceError, UnknownModelError
+
+__all__ = ("Example", "load_from_file", "load_from_module", "user_frame")
+
+#: A user's ``example_inputs(batch_size[, seq_len=N])``: anything ``InputsLike`` (user code: unchecked).
+Example: TypeAlias = Callable[..., Any]
+
+
+def load_from_file(path: Path, attr: str) -> tuple[Callable[[], object], Example | None]:
+    """The factory ``attr`` of the model file ``path`` and the file's ``example_inputs``
+    (None if it has none), each run with the file's folder importable."""
+    if not path.is_file():
+        raise ModelSourceError(f"model file not found: {path}",
+                               hint="Check the path (relative to the current directory).")
+    module_name = f"memcalc_user_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelSourceError(f"cannot load {path} as Python source")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    folder = str(path.resolve().parent)
+    try:
+        with _importable(folder):
+            spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise ModelSourceError(f"syntax error in {exc.filename or path}, line {exc.lineno}: {exc.msg}") from exc
+    except Exception as exc:
+        raise ModelSourceError(f"importing {path} raised {type(exc).__name__}: {exc}{user_frame(exc)}") from exc
+    factory, example = _factory_from(module, attr, str(path))
+    # the factory and example_inputs may import their neighbours lazily, when they are called
+    return _in_folder(factory, folder), (_in_folder(example, folder) if example is not None else None)
+
+
+@contextmanager
+def _importable(folder: str) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` while a model file's code runs, as ``python file.py``
+    has it, so that ``from layers import Block`` finds ``layers.py`` beside the file.
+
+    Afterwards the folder leaves ``sys.path`` and the neighbours imported from it leave
+    ``sys.modules`` (what they built keeps working): the next model file, in another folder,
+    may have a ``layers.py`` of its own, and the user's session keeps no trace of either."""
+    before = set(sys.modules)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)  # the first occurrence: ours, unless the user's code moved it
+        for name in set(sys.modules) - before:
+            if _defined_in(sys.modules.get(name), folder):
+                del sys.modules[name]
+
+
+def _defined_in(module: ModuleType | None, folder: str) -> bool:
+    location = getattr(module, "__file__", None)
+    return isinstance(location, str) and Path(location).resolve().is_relative_to(folder)
+
+
+def _in_folder(fn: Callable[..., Any], folder: str) -> Callable[..., Any]:
+    """``fn`` called with its model file's folder importable (:func:`_importable`); its
+    signature stays readable (``functools.wraps``)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _importable(folder):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def load_from_module(module_path: str, attr: str) -> tuple[Callable[[], object], Example | None]:
+    """The factory ``attr`` of the importable module ``module_path`` and its ``example_inputs``."""
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_path.startswith(exc.name):
+            raise UnknownModelError(f"{module_path}:{attr}", models_zoo.closest(module_path)) from exc
+        raise ModelSourceError(f"importing {module_path} raised ModuleNotFoundError: {exc}") from exc
+    except SyntaxError as exc:
+        raise ModelSourceError(f"syntax error in {exc.filename}, line {exc.lineno}: {exc.msg}") from exc
+    except Exception as exc:
+        raise ModelSourceError(f"importing {module_path} raised {type(exc).__name__}: {exc}{user_frame(exc)}") from exc
+    return _factory_from(module, attr, module_path)
+
+
+def _factory_from(module: ModuleType, attr: str, where: str) -> tuple[Callable[[], object], Example | None]:
+    if not attr:
+        raise InvalidInputError(f"name the factory after the colon: {where}:make_model")
+    factory = getattr(module, attr, None)
+    if factory is None:
+        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+        raise ModelSourceError(f"{where} has no attribute {attr!r}",
+                               hint=f"Callables defined there: {', '.join(public[:10]) or 'none'}")
+    example = getattr(module, "example_inputs", None)
+    if isinstance(factory, nn.Module):
+        instance = factory
+        factory = lambda: instance  # a module object named directly
+    if not callable(factory):
+        raise ModelSourceError(f"{where}:{attr} is a {type(factory).__name__}, not a factory")
+    return factory, example if callable(example) else None
+
+
+def user_frame(exc: BaseException) -> str:
+    """' (at file.py, line N)' for the innermost frame outside torch and memcalc."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if "/torch/" not in frame.filename and "/memcalc/" not in frame.filename:
+            return f" (at {frame.filename}, line {frame.lineno})"
+    return ""

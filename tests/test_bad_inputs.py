@@ -1,0 +1,453 @@
+"""A battery of bad inputs: every mistake gets a clear answer.
+
+* CLI (click's CliRunner), every command: each bad input exits non-zero (2: bad input, 1: it
+  cannot be estimated) with one ``error:`` line — the message itself on one line; a
+  ``MemcalcError``'s hint may follow it — and no traceback; nothing is written to the working
+  folder.
+* API, every public function: each wrong argument raises a ``MemcalcError`` subclass whose
+  message names the argument.
+* The items of the issue this battery came with: units above GiB and a note when no GPU holds
+  the step; options the step would ignore are refused; a user's failing loss is blamed on the
+  loss; ``--plot`` checks its file before the sweep and writes it whole or not at all; the
+  sweep plot's style (linear batch axis, the budget, the largest batch that fits).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import memcalc
+from memcalc.cli import main
+from memcalc.core.errors import (
+    InapplicableOptionError,
+    InvalidInputError,
+    LossFunctionError,
+    MemcalcError,
+    PlotPathError,
+)
+from memcalc.core.units import format_bytes, parse_bytes
+from memcalc.cuda.gpus import local as local_gpus
+from memcalc.cuda.gpus.catalogue import catalogue
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+# ============================================================================================
+# CLI
+# ============================================================================================
+
+# (arguments, exit code, a fragment of the error line). Grouped by command.
+CLI_CASES: list[tuple[str, int, str]] = [
+    # memcalc MODEL (estimate)
+    ("resnt50 --batch 2", 2, "unknown model 'resnt50'"),
+    ("mlp --batch 0", 2, "'--batch'"),
+    ("mlp --batch abc", 2, "'--batch'"),
+    ("mlp --batch 2.5", 2, "'--batch'"),
+    ("mlp --input-shape 0,3", 2, "is not a shape"),
+    ("mlp --optim lion", 2, "'lion' is not one of"),
+    ("mlp --precision fp8", 2, "'fp8' is not one of"),
+    ("mlp --gpu h1000", 2, "unknown GPU 'h1000'"),
+    ("mlp --gpu a100", 2, "is ambiguous"),
+    ("mlp --mode test", 2, "'--mode'"),
+    ("mlp --seq-len 0", 2, "'--seq-len'"),
+    ("mlp --accum-steps 0", 2, "'--accum-steps'"),
+    ("mlp --kv-cache -1", 2, "'--kv-cache'"),
+    ("mlp --depth -1", 2, "'--depth'"),
+    ("mlp --format xml", 2, "'--format'"),
+    ("mlp --units TB", 2, "'--units'"),
+    ("mlp --mode eval --checkpoint", 2, "activation checkpointing (checkpoint, --checkpoint) applies to training"),
+    ("mlp --mode eval --accum-steps 2", 2, "gradient accumulation (accum_steps, --accum-steps) applies to training"),
+    ("gpt2 --seq-len 16 --mode eval --kv-cache 10", 2, "kv_cache (--kv-cache) needs mode inference; the mode is eval"),
+    ("mlp --mode inference --optim sgd", 2, "--optim applies to training (--mode train)"),
+    ("mlp --mode eval --loss mean", 2, "--loss applies to training (--mode train)"),
+    ("mlp --bucket-cap-mb 10", 2, "--bucket-cap-mb applies only to --strategy ddp; with --strategy single"),
+    ("mlp --gradient-as-bucket-view", 2, "--gradient-as-bucket-view applies only to --strategy ddp"),
+    ("mlp --strategy zero3 --world-size 2 --fsdp-sharding shard_grad_op", 2,
+     "--fsdp-sharding applies only to --strategy fsdp; with --strategy zero3"),
+    ("mlp --strategy zero3 --world-size 2 --fsdp-sharding full_shard", 2,  # the default value, given: still refused
+     "--fsdp-sharding applies only to --strategy fsdp"),
+    ("mlp --strategy ddp --world-size 2 --reduce-bucket-size 1000", 2,
+     "--reduce-bucket-size applies only to --strategy zero1, zero2 or zero3"),
+    ("mlp --global-batch", 2, "--global-batch applies only under a multi-GPU --strategy"),
+    ("mlp --strategy ddp", 2, "needs the number of GPUs"),
+    ("mlp --strategy tp --world-size 2", 2, "'tp' is not one of"),
+    ("mlp --strategy ddp --world-size 0", 2, "at least 1, got 0"),
+    ("mlp --strategy dp --device-ids 0,0", 2, "device ids repeat"),
+    ("mlp --strategy ddp --world-size 4 --global-batch --batch 6", 2, "does not split evenly over 4 ranks"),
+    ("mlp --strategy ddp --world-size 2 --measure", 2, "cannot measure"),
+    (f"{FIXTURES}/broken_syntax.py:make", 1, "syntax error"),
+    (f"{FIXTURES}/missing.py:make", 1, "model file not found"),
+    # memcalc fit
+    ("fit mlp", 2, "give a GPU model"),
+    ("fit mlp --gpu t4 --budget 1GiB", 2, "give only one of --gpu, --budget or --device"),
+    ("fit mlp --budget lots", 2, "cannot read 'lots' as a size"),
+    ("fit mlp --budget 0", 2, "must be positive"),
+    ("fit mlp --device banana", 2, "device 'banana' is not a device spec"),
+    ("fit mlp --device cuda:3", 2, "no GPU is visible"),
+    ("fit mlp --gpu h1000", 2, "unknown GPU 'h1000'"),
+    ("fit mlp --budget 1KiB", 1, "even batch 1 does not fit in 1.00 KiB"),
+    ("fit mlp --gpu t4 --mode eval --optim sgd", 2, "--optim applies to training"),
+    ("fit mlp --gpu t4 --neighbours 99", 2, "'--neighbours'"),
+    ("fit mlp --gpu t4 --batch 4", 2, "No such option '--batch'"),
+    ("fit mlp --gpu t4 --strategy zero2 --world-size 2 --bucket-cap-mb 10", 2,
+     "--bucket-cap-mb applies only to --strategy ddp; with --strategy zero2"),
+    # memcalc sweep
+    ("sweep mlp", 2, "Missing option '--batch'"),
+    ("sweep mlp --batch 1,x", 2, "item 'x' of '1,x'"),
+    ("sweep mlp --batch 1 --optim sgd,lion", 2, "item 'lion'"),
+    ("sweep mlp --batch 1 --precision fp8", 2, "item 'fp8'"),
+    ("sweep mlp --batch 1 --plot missing-folder/memory.png", 2,
+     "cannot write the plot to missing-folder/memory.png: the folder missing-folder does not exist"),
+    ("sweep mlp --batch 1 --plot memory.xyz", 2,
+     "cannot write the plot to memory.xyz: '.xyz' is not an image format matplotlib writes; end the name in one of"),
+    ("sweep mlp --batch 1 --plot memory", 2, "cannot write the plot to memory: a name without an extension"),
+    ("sweep mlp --batch 1 --mode eval --optim sgd,adam", 2, "--optim applies to training"),
+    ("sweep mlp --batch 1 --mode eval --loss mse", 2, "--loss applies to training"),
+    ("sweep mlp --batch 1 --gpu t4 --budget 1GiB", 2, "give only one of"),
+    ("sweep mlp --batch 1 --device banana", 2, "device 'banana' is not a device spec"),
+    ("sweep mlp --batch 1 --mode eval --kv-cache 3", 2, "kv_cache (--kv-cache) needs mode inference"),
+    # memcalc gpus, memcalc zoo
+    ("gpus --format xml", 2, "'--format'"),
+    ("gpus extra", 2, "unexpected extra argument (extra)"),
+    ("gpus --units TB", 2, "'--units'"),
+    ("zoo --format xml", 2, "'--format'"),
+    ("zoo extra", 2, "unexpected extra argument (extra)"),
+]
+
+
+@pytest.fixture
+def no_local_gpus(monkeypatch):
+    """No GPU in this process's view (never probe the real machine's)."""
+    monkeypatch.setattr(local_gpus, "list_local_gpus", lambda *a, **k: [])
+
+
+@pytest.mark.parametrize("args, exit_code, fragment", CLI_CASES, ids=[c[0][:60] for c in CLI_CASES])
+def test_cli_bad_input_exits_with_one_error_line(args, exit_code, fragment, no_local_gpus, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")  # the --plot cases check the format list matplotlib writes
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args.split())
+    output = result.output
+    assert result.exit_code == exit_code, output
+    assert isinstance(result.exception, SystemExit), result.exception  # mapped, not leaked
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.lower().startswith("error:")]
+    assert len(errors) == 1, output
+    # the message is that one line (a MemcalcError's hint may follow it, a usage error's usage precedes it)
+    assert fragment in errors[0], output
+    assert len([line for line in output.splitlines() if line.strip()]) <= 4, output
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing left behind
+
+
+def test_the_cli_battery_covers_every_command_and_is_large_enough():
+    commands = {c[0].split()[0] if c[0].split()[0] in ("fit", "sweep", "gpus", "zoo") else "estimate"
+                for c in CLI_CASES}
+    assert commands == {"estimate", "fit", "sweep", "gpus", "zoo"}
+    assert len(CLI_CASES) + len(API_CASES) >= 40
+
+
+def test_an_explicit_option_is_told_from_its_default():
+    # the defaults of --optim, --bucket-cap-mb, --fsdp-sharding, --reduce-bucket-size are fine
+    runner = CliRunner()
+    assert runner.invoke(main, ["fc-32-16", "--batch", "2", "--mode", "eval"]).exit_code == 0
+    assert runner.invoke(main, ["fc-32-16", "--batch", "2", "--mode", "eval", "--optim", "none"]).exit_code == 0
+    zero = runner.invoke(main, ["fc-32-16", "--batch", "2", "--strategy", "zero3", "--world-size", "2",
+                                "--reduce-bucket-size", "1024", "--format", "json"])
+    assert zero.exit_code == 0, zero.output
+
+
+# ============================================================================================
+# API
+# ============================================================================================
+
+
+def _raising_loss(output):
+    raise ValueError("my bug")
+
+
+def _float_loss(output):
+    return 1.0
+
+
+def _unreduced_loss(output):
+    return output * 2
+
+
+# (id, call, exception class, fragments of the message)
+API_CASES = [
+    ("estimate batch_size='64'", lambda: memcalc.estimate("mlp", batch_size="64"), InvalidInputError,
+     ["batch_size", "'64' (str)"]),
+    ("estimate batch_size=64.0", lambda: memcalc.estimate("mlp", batch_size=64.0), InvalidInputError,
+     ["batch_size", "64.0 (float)"]),
+    ("estimate batch_size=True", lambda: memcalc.estimate("mlp", batch_size=True), InvalidInputError,
+     ["batch_size", "True"]),
+    ("estimate input_shape=1024", lambda: memcalc.estimate("mlp", batch_size=2, input_shape=1024), InvalidInputError,
+     ["input_shape", "got 1024"]),
+    ("estimate input_shape='784'", lambda: memcalc.estimate("mlp", batch_size=2, input_shape="784"),
+     InvalidInputError, ["input_shape", "'784'"]),
+    ("estimate seq_len='128'", lambda: memcalc.estimate("gpt2", batch_size=1, seq_len="128"), InvalidInputError,
+     ["seq_len", "'128'"]),
+    ("estimate capacity='lots'", lambda: memcalc.estimate("mlp", batch_size=2, capacity="lots"), InvalidInputError,
+     ["capacity", "'lots'"]),
+    ("estimate accum_steps='2'", lambda: memcalc.estimate("mlp", batch_size=2, accum_steps="2"), InvalidInputError,
+     ["accum_steps", "'2'"]),
+    ("estimate accum_steps=2.5", lambda: memcalc.estimate("mlp", batch_size=2, accum_steps=2.5), InvalidInputError,
+     ["accum_steps", "2.5"]),
+    ("estimate kv_cache='10'", lambda: memcalc.estimate("gpt2", batch_size=1, seq_len=8, mode="inference",
+                                                         kv_cache="10"), InvalidInputError, ["kv_cache", "'10'"]),
+    ("estimate kv_cache in eval", lambda: memcalc.estimate("gpt2", batch_size=1, seq_len=8, mode="eval", kv_cache=10),
+     InapplicableOptionError, ["kv_cache", "needs mode inference", "eval"]),
+    ("estimate checkpoint='yes'", lambda: memcalc.estimate("mlp", batch_size=2, checkpoint="yes"),
+     InvalidInputError, ["checkpoint", "'yes'"]),
+    ("estimate optimizer in inference", lambda: memcalc.estimate("mlp", batch_size=2, optimizer="sgd",
+                                                                  mode="inference"),
+     InapplicableOptionError, ["optimizer", "mode inference"]),
+    ("estimate loss in eval", lambda: memcalc.estimate("mlp", batch_size=2, loss="mean", mode="eval"),
+     InapplicableOptionError, ["loss", "mode eval"]),
+    ("estimate optimizer='lion'", lambda: memcalc.estimate("mlp", batch_size=2, optimizer="lion"), InvalidInputError,
+     ["optimizer", "'lion'"]),
+    ("estimate mode='test'", lambda: memcalc.estimate("mlp", batch_size=2, mode="test"), InvalidInputError,
+     ["mode", "'test'"]),
+    ("estimate precision='fp8'", lambda: memcalc.estimate("mlp", batch_size=2, precision="fp8"), InvalidInputError,
+     ["precision", "'fp8'"]),
+    ("estimate gpu=80", lambda: memcalc.estimate("mlp", batch_size=2, gpu=80), InvalidInputError, ["gpu", "80"]),
+    ("estimate loss=42", lambda: memcalc.estimate("mlp", batch_size=2, loss=42), InvalidInputError, ["loss", "int"]),
+    ("estimate distributed='ddp'", lambda: memcalc.estimate("mlp", batch_size=2, distributed="ddp"),
+     InvalidInputError, ["distributed", "memcalc.Distributed"]),
+    ("estimate inputs of batch 4, batch_size=8",
+     lambda: memcalc.estimate("mlp", batch_size=8, inputs=torch.zeros(4, 784)), InvalidInputError,
+     ["batch_size=8", "inputs", "is 4"]),
+    ("estimate failing loss", lambda: memcalc.estimate("mlp", batch_size=2, loss=_raising_loss), LossFunctionError,
+     ["loss function _raising_loss", "raised ValueError: my bug"]),
+    ("estimate loss returning a float", lambda: memcalc.estimate("mlp", batch_size=2, loss=_float_loss),
+     LossFunctionError, ["loss function _float_loss", "returned float"]),
+    ("estimate loss not reduced", lambda: memcalc.estimate("mlp", batch_size=2, loss=_unreduced_loss),
+     LossFunctionError, ["loss function _unreduced_loss", "shape (2, 10)"]),
+    ("Distributed world_size='8'", lambda: memcalc.Distributed("ddp", world_size="8"), InvalidInputError,
+     ["world_size", "'8' (str)"]),
+    ("Distributed world_size=2.0", lambda: memcalc.Distributed("ddp", world_size=2.0), InvalidInputError,
+     ["world_size", "2.0 (float)"]),
+    ("Distributed bucket_cap_mb='x'", lambda: memcalc.Distributed("ddp", world_size=2, bucket_cap_mb="x"),
+     InvalidInputError, ["bucket_cap_mb", "'x'"]),
+    ("Distributed reduce_bucket_size='x'", lambda: memcalc.Distributed("zero2", world_size=2, reduce_bucket_size="x"),
+     InvalidInputError, ["reduce_bucket_size", "'x'"]),
+    ("Distributed device_ids=3", lambda: memcalc.Distributed("dp", device_ids=3), InvalidInputError,
+     ["device_ids", "3"]),
+    ("Distributed bucket_cap_mb on one GPU", lambda: memcalc.Distributed(bucket_cap_mb=10),
+     InapplicableOptionError, ["bucket_cap_mb", "only to strategy ddp", "strategy single"]),
+    ("Distributed sharding with zero3", lambda: memcalc.Distributed("zero3", world_size=2, sharding="shard_grad_op"),
+     InapplicableOptionError, ["sharding", "only to strategy fsdp", "strategy zero3"]),
+    ("Distributed reduce_bucket_size with ddp", lambda: memcalc.Distributed("ddp", world_size=2,
+                                                                           reduce_bucket_size=10),
+     InapplicableOptionError, ["reduce_bucket_size", "zero1, zero2 or zero3"]),
+    ("Distributed batch_is_global on one GPU", lambda: memcalc.Distributed(batch_is_global=True),
+     InapplicableOptionError, ["batch_is_global", "multi-GPU"]),
+    ("max_batch_size unknown keyword", lambda: memcalc.max_batch_size("mlp", gpu="t4", seq_length=8),
+     InvalidInputError, ["max_batch_size()", "'seq_length'", "did you mean 'seq_len'"]),
+    ("max_batch_size max_batch='10'", lambda: memcalc.max_batch_size("mlp", gpu="t4", max_batch="10"),
+     InvalidInputError, ["max_batch", "'10'"]),
+    ("max_batch_size neighbours=-1", lambda: memcalc.max_batch_size("mlp", gpu="t4", neighbours=-1),
+     InvalidInputError, ["neighbours", "-1"]),
+    ("max_batch_size batch_size=4", lambda: memcalc.max_batch_size("mlp", gpu="t4", batch_size=4),
+     InvalidInputError, ["batch_size", "the search sets"]),
+    ("max_batch_size no budget", lambda: memcalc.max_batch_size("mlp"), InvalidInputError,
+     ["budget, gpu or device"]),
+    ("max_batch_size gpu=3", lambda: memcalc.max_batch_size("mlp", gpu=3), InvalidInputError, ["gpu", "3"]),
+    ("max_batch_size budget='x'", lambda: memcalc.max_batch_size("mlp", budget="x"), InvalidInputError,
+     ["budget", "'x'"]),
+    ("max_batch_size device='banana'", lambda: memcalc.max_batch_size("mlp", device="banana"), InvalidInputError,
+     ["device 'banana' is not a device spec"]),
+    ("max_batch_size device=0", lambda: memcalc.max_batch_size("mlp", device=0), InvalidInputError,
+     ["device 0 is not a device spec"]),
+    ("max_batch_size optimizer in eval", lambda: memcalc.max_batch_size("mlp", gpu="t4", optimizer="adam",
+                                                                        mode="eval"),
+     InapplicableOptionError, ["optimizer", "mode eval"]),
+    ("sweep batch_sizes=64", lambda: memcalc.sweep("mlp", batch_sizes=64), InvalidInputError,
+     ["batch_sizes", "must be a list"]),
+    ("sweep batch_sizes='64'", lambda: memcalc.sweep("mlp", batch_sizes="64"), InvalidInputError,
+     ["batch_sizes", "must be a list"]),
+    ("sweep batch_sizes=[0]", lambda: memcalc.sweep("mlp", batch_sizes=[0]), InvalidInputError,
+     ["batch_sizes", "0"]),
+    ("sweep optimizers='adam'", lambda: memcalc.sweep("mlp", batch_sizes=[1], optimizers="adam"), InvalidInputError,
+     ["optimizers", "must be a list"]),
+    ("sweep precisions=['fp8']", lambda: memcalc.sweep("mlp", batch_sizes=[1], precisions=["fp8"]),
+     InvalidInputError, ["precision", "'fp8'"]),
+    ("sweep unknown keyword", lambda: memcalc.sweep("mlp", batch_sizes=[1], foo=1), InvalidInputError,
+     ["sweep()", "'foo'"]),
+    ("sweep optimizer=", lambda: memcalc.sweep("mlp", batch_sizes=[1], optimizer="sgd"), InvalidInputError,
+     ["optimizer", "optimizers=[...]"]),
+    ("sweep optimizers in eval", lambda: memcalc.sweep("mlp", batch_sizes=[1], optimizers=["none", "sgd"],
+                                                       mode="eval"),
+     InapplicableOptionError, ["optimizer", "mode eval"]),
+    ("iter_sweep unknown keyword", lambda: memcalc.iter_sweep("mlp", batch_sizes=[1], inputs=torch.zeros(1, 784)),
+     InvalidInputError, ["iter_sweep() does not take inputs", "input_shape or seq_len"]),
+]
+
+
+@pytest.mark.parametrize("call, error, fragments", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
+def test_api_bad_input_raises_a_memcalc_error_naming_the_argument(call, error, fragments):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(MemcalcError) as caught:
+            call()
+    assert isinstance(caught.value, error), repr(caught.value)
+    message = str(caught.value)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_the_api_battery_covers_every_public_function():
+    names = {case[0].split()[0] for case in API_CASES}
+    assert names == {"estimate", "max_batch_size", "sweep", "iter_sweep", "Distributed"}
+
+
+def test_a_capacity_string_is_read_like_the_cli_budget():
+    report = memcalc.estimate("mlp", batch_size=2, capacity="16GiB")
+    assert report.capacity == 16 * 1024**3 and report.fits is True
+
+
+def test_inputs_with_the_same_batch_as_batch_size_are_accepted():
+    report = memcalc.estimate("mlp", batch_size=4, inputs=torch.zeros(4, 784))
+    assert report.batch_size == 4
+
+
+def test_a_failing_loss_is_blamed_on_the_loss_not_on_the_input():
+    with pytest.raises(LossFunctionError) as caught:
+        memcalc.estimate("mlp", batch_size=2, loss=_raising_loss)
+    message = str(caught.value)
+    assert "--input-shape" not in message and "the forward of" not in message
+    assert caught.value.exit_code == 2
+    assert isinstance(caught.value.__cause__, ValueError)  # the user's own exception, for --debug
+
+
+# ============================================================================================
+# Huge figures: units beyond GiB, a note when no GPU holds the step
+# ============================================================================================
+
+
+def test_units_go_up_to_exbibytes():
+    assert format_bytes(86_708_136_333_288_960) == "77.01 PiB"  # 86,708,136,333,288,960 / 1024**5
+    assert format_bytes(2 * 1024**4) == "2.00 TiB"
+    assert format_bytes(3 * 1024**6) == "3.00 EiB"
+    assert format_bytes(1023 * 1024**3) == "1,023.00 GiB"  # below 1 TiB stays in GiB
+    assert format_bytes(5 * 1024**5, "TiB") == "5,120.00 TiB"
+    assert parse_bytes("1.5PiB") == 3 * 1024**5 // 2 and parse_bytes("2PB") == 2 * 1000**5
+
+
+def test_a_step_no_gpu_holds_says_so():
+    largest = max(catalogue(), key=lambda g: g.usable_memory or 0)
+    with pytest.warns(UserWarning, match="no GPU in the catalogue holds this step"):
+        report = memcalc.estimate("mlp", batch_size=10**9)
+    peak = report.bytes.peak_allocated
+    assert peak > largest.usable_memory
+    note = next(n for n in report.notes if n.startswith("no GPU in the catalogue"))
+    assert format_bytes(peak) in note and largest.name in note and format_bytes(largest.usable_memory) in note
+    assert format_bytes(peak).endswith(" TiB")  # 10⁹ samples of the mlp: tens of TiB, not thousands of GiB
+
+
+def test_a_step_that_fits_some_gpu_has_no_such_note():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either
+        report = memcalc.estimate("mlp", batch_size=64)
+    assert not any("no GPU in the catalogue" in n for n in report.notes)
+
+
+def test_cli_shows_the_note_and_the_large_unit():
+    result = CliRunner().invoke(main, ["mlp", "--batch", "1000000000", "--depth", "0"])
+    assert result.exit_code == 0, result.output
+    assert "note: no GPU in the catalogue holds this step" in result.output
+    assert " TiB" in result.output and "18,224.16 GiB" not in result.output
+
+
+# ============================================================================================
+# --plot: checked first, written whole or not at all, drawn in the README figure's style
+# ============================================================================================
+
+
+def test_plot_check_names_the_path_and_the_formats(tmp_path):
+    pytest.importorskip("matplotlib")
+    from memcalc.report.plot import check_plot_path
+
+    with pytest.raises(PlotPathError, match=r"memory\.xyz.*\.png.*\.svg"):
+        check_plot_path(tmp_path / "memory.xyz")
+    missing = tmp_path / "nowhere" / "memory.png"
+    with pytest.raises(PlotPathError, match=f"the folder {tmp_path / 'nowhere'} does not exist"):
+        check_plot_path(missing)
+    assert check_plot_path(tmp_path / "memory.PDF") == (tmp_path / "memory.PDF", "pdf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_is_checked_before_the_sweep(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from memcalc import api
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the sweep ran before the plot path was checked")
+
+    monkeypatch.setattr(api, "iter_sweep", must_not_run)
+    result = CliRunner().invoke(main, ["sweep", "mlp", "--batch", "1", "--plot", str(tmp_path / "no" / "m.png")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    assert not (tmp_path / "no").exists()
+
+
+_BATCHES = [1, 1024, 2048, 4096, 8192]
+
+
+def _points():
+    # a budget the mlp crosses between batch 4096 (about 100 / 115 MiB) and 8192 (176 / 190 MiB)
+    return memcalc.sweep("mlp", batch_sizes=_BATCHES, optimizers=["sgd", "adam"], budget="160MiB")
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from memcalc.report.plot import plot_sweep
+
+    def half_then_fail(self, fname, **kwargs):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", half_then_fail)
+    with pytest.raises(PlotPathError, match=r"memory\.png: OSError: disk full"):
+        plot_sweep(_points(), tmp_path / "memory.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_writes_only_the_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    from memcalc.report.plot import plot_sweep
+
+    path = plot_sweep(_points(), tmp_path / "memory.svg")
+    assert path == tmp_path / "memory.svg" and path.read_text().lstrip().startswith("<?xml")
+    assert sorted(os.listdir(tmp_path)) == ["memory.svg"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not a private temporary's 0600
+
+
+def test_sweep_plot_style_is_linear_with_budget_and_largest_fitting_batch():
+    pytest.importorskip("matplotlib")
+    from memcalc.report.plot import sweep_figure
+
+    points = _points()
+    budget = points[0].report.capacity
+    assert budget == 160 * 1024**2
+    figure = sweep_figure(points, capacity=budget, capacity_label="budget: 160 MiB")
+    axes = figure.axes[0]
+    assert axes.get_xscale() == "linear" and axes.get_yscale() == "linear"  # affine growth looks affine
+    assert axes.get_xlim()[0] == 0 and axes.get_ylim()[0] == 0
+    assert axes.get_ylabel() == "peak allocated (MiB, binary)"  # the unit of the largest figure (190 MiB)
+    lines = {line.get_label(): line for line in axes.get_lines()}
+    assert list(lines["budget: 160 MiB"].get_ydata()) == [160.0, 160.0]  # the budget, drawn across
+    for optimizer in ("sgd", "adam"):
+        series = [p for p in points if p.optimizer == optimizer]
+        assert [p.fits for p in series] == [True, True, True, True, False]
+        mark = lines[f"{optimizer}: batch 4096, the largest swept that fits"]
+        assert list(mark.get_xdata()) == [4096]
+        assert list(mark.get_ydata()) == [series[3].report.bytes.peak_allocated / 1024**2]
+        assert list(lines[optimizer].get_xdata()) == _BATCHES

@@ -1,0 +1,314 @@
+"""The CPU target (``gpu="cpu"``, :mod:`memcalc.cuda.cpu`) against what the CPU really runs.
+
+``--measure`` without a GPU runs the step on the CPU under ``torch.profiler`` and compares it
+with this estimate, so the estimate must follow the CPU's own kernels: its flash attention for
+SDPA, oneDNN for ``nn.LSTM``, its generic RNN path otherwise. Here: the issue's three models
+through the CLI and the API; the CPU's RNN paths; the size formulas against the bytes the
+profiler showed; the SDPA choice against the real dispatcher; the notes that name what is not
+followed; a profiler that keeps stderr clean; CUDA estimates left as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import memcalc
+from memcalc.cli import main
+from memcalc.cuda import onednn
+from memcalc.cuda.cpu import cpu_flash_refusal, flash_backward_temporaries, flash_forward_temporaries
+from memcalc.report.measure import attach_measurement, cpu_comparison_note, measure_cpu
+from memcalc.sources.resolve import resolve
+
+# The issue's bar is 2 %; on torch 2.13 these agree within ~0.01 % (a few CPU scalars such as
+# Adam's step counters), so a tighter 0.5 % catches regressions.
+TOLERANCE = 0.005
+
+# The issue's three models, as a user's file (the CLI takes FILE.py:factory).
+MODELS_SOURCE = textwrap.dedent('''
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class SdpaOnly(nn.Module):
+        """Just scaled_dot_product_attention on projections."""
+
+        def __init__(self, d=256, heads=4):
+            super().__init__()
+            self.heads = heads
+            self.qkv = nn.Linear(d, 3 * d)
+            self.out = nn.Linear(d, d)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d))
+
+
+    class Mha(nn.Module):
+        """nn.MultiheadAttention; without the attention weights it runs SDPA."""
+
+        def __init__(self, d=256, heads=4, need_weights=False):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+            self.out = nn.Linear(d, d)
+            self.need_weights = need_weights
+
+        def forward(self, x):
+            return self.out(self.attn(x, x, x, need_weights=self.need_weights)[0])
+
+
+    class Lstm(nn.Module):
+        """A 2-layer nn.LSTM."""
+
+        def __init__(self, d=128, hidden=256):
+            super().__init__()
+            self.lstm = nn.LSTM(d, hidden, num_layers=2, batch_first=True)
+            self.out = nn.Linear(hidden, 10)
+
+        def forward(self, x):
+            return self.out(self.lstm(x)[0][:, -1])
+
+
+    def sdpa():
+        return SdpaOnly()
+
+
+    def mha():
+        return Mha()
+
+
+    def mha_weights():
+        return Mha(need_weights=True)
+
+
+    def lstm():
+        return Lstm()
+''')
+
+# factory, batch, one sample's shape; the first three are the issue's models
+ISSUE_MODELS = {
+    "sdpa": ("sdpa", 8, (256, 256)),
+    "mha": ("mha", 8, (256, 256)),
+    "lstm": ("lstm", 8, (64, 128)),
+}
+# What the old estimate (meta's math attention, meta's LSTM decomposition) said against the
+# real CPU peak with these models: +58.3 %, +41.0 %, -39.4 %.
+
+
+@pytest.fixture(scope="module")
+def models_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cpu_target") / "issue_models.py"
+    path.write_text(MODELS_SOURCE)
+    return path
+
+
+def _error(measured: int, estimate: int) -> float:
+    return (estimate - measured) / measured
+
+
+@pytest.mark.parametrize("name", list(ISSUE_MODELS))
+def test_issue_models_measure_within_the_bar_from_the_cli(models_file: Path, name: str) -> None:
+    factory, batch, shape = ISSUE_MODELS[name]
+    result = CliRunner().invoke(main, [f"{models_file}:{factory}", "--batch", str(batch), "--input-shape",
+                                       ",".join(map(str, shape)), "--measure", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    measured = json.loads(result.output)["measured"]
+    assert measured["device"] == "cpu (torch.profiler)"
+    assert abs(measured["relative_error"]) <= TOLERANCE, measured
+    text = CliRunner().invoke(main, [f"{models_file}:{factory}", "--batch", str(batch), "--input-shape",
+                                     ",".join(map(str, shape)), "--measure", "--depth", "0"]).output
+    assert "compared with the estimate for this CPU: its own kernels" in text
+    assert "own workspaces differ" not in text  # the old, vague blame
+
+
+@pytest.mark.parametrize("name", [*ISSUE_MODELS, "mha_weights"])
+def test_issue_models_measure_within_the_bar_through_the_api(models_file: Path, name: str) -> None:
+    factory, batch, shape = ISSUE_MODELS.get(name, ("mha_weights", 8, (256, 256)))
+    model = f"{models_file}:{factory}"
+    report = attach_measurement(memcalc.estimate(model, batch_size=batch, input_shape=shape), model,
+                                batch_size=batch, input_shape=shape)
+    measurement = report.measurement
+    assert measurement is not None and measurement.peak_allocated and measurement.compared_with
+    error = measurement.relative_error()
+    assert error is not None and abs(error) <= TOLERANCE, (
+        f"{name}: CPU estimate {measurement.compared_with:,} B vs real {measurement.peak_allocated:,} B "
+        f"({error:+.2%})")
+    assert "not followed" not in measurement.note  # every op of these models is followed
+
+
+class Rnn(nn.Module):
+    """One recurrent layer stack and a head; ``packed`` feeds it a PackedSequence."""
+
+    def __init__(self, kind: str, packed: bool = False, **options: object) -> None:
+        super().__init__()
+        self.rnn = getattr(nn, kind)(128, 64, batch_first=True, **options)
+        self.packed = packed
+        width = (self.rnn.proj_size or self.rnn.hidden_size) * (2 if self.rnn.bidirectional else 1)
+        self.out = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            lengths = torch.arange(x.shape[0], 0, -1) * (x.shape[1] // x.shape[0])
+            x = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+            return self.out(self.rnn(x)[0].data.sum(0, keepdim=True))
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+# The CPU's RNN paths: oneDNN for an LSTM (bidirectional, without biases), the generic path with
+# the CPU's precomputed input projection otherwise (GRU, RNN, LSTM with projections, packed
+# sequences). The old estimate followed meta's path: GRU +2.6 %, projected LSTM -8.9 %,
+# bidirectional tanh RNN +6.1 %, ReLU RNN -25.8 %, packed bidirectional RNN +9.2 %, GRU in
+# eval -25 %.
+RNN_CASES = {
+    "lstm-bidirectional-dropout": dict(kind="LSTM", num_layers=3, bidirectional=True, dropout=0.2),
+    "lstm-without-bias": dict(kind="LSTM", num_layers=2, bias=False),
+    "lstm-projections": dict(kind="LSTM", num_layers=2, proj_size=32),
+    "gru": dict(kind="GRU", num_layers=2),
+    "gru-bidirectional": dict(kind="GRU", num_layers=2, bidirectional=True),
+    "rnn-tanh-bidirectional": dict(kind="RNN", num_layers=2, bidirectional=True, dropout=0.1),
+    "rnn-relu": dict(kind="RNN", nonlinearity="relu"),
+    "lstm-packed": dict(kind="LSTM", packed=True, num_layers=2),
+    "rnn-packed-bidirectional": dict(kind="RNN", packed=True, num_layers=2, bidirectional=True),
+    "gru-eval": dict(kind="GRU", num_layers=2, mode="eval"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize("name", list(RNN_CASES))
+def test_cpu_rnn_paths_match_the_real_cpu(name: str) -> None:
+    options = dict(RNN_CASES[name])
+    mode = str(options.pop("mode", "train"))
+    step: dict[str, object] = {"mode": mode} if mode != "train" else {"optimizer": "adam"}
+
+    def model() -> nn.Module:
+        return Rnn(**options)  # type: ignore[arg-type]
+
+    estimate = memcalc.estimate(model, batch_size=8, input_shape=(64, 128), gpu="cpu", **step)
+    torch.manual_seed(0)
+    measured = measure_cpu(resolve(model, batch_size=8, input_shape=(64, 128)), **step).peak_allocated
+    assert measured
+    error = _error(measured, estimate.peak_requested)
+    assert abs(error) <= TOLERANCE, f"{name}: {estimate.peak_requested:,} B vs real {measured:,} B ({error:+.2%})"
+
+
+def test_cpu_estimate_names_the_op_it_cannot_follow(models_file: Path) -> None:
+    # oneDNN's LSTM without autograd packs its weights with MKL: not modelled, and said so
+    model = f"{models_file}:lstm"
+    report = attach_measurement(memcalc.estimate(model, batch_size=8, input_shape=(64, 128), mode="eval"), model,
+                                batch_size=8, input_shape=(64, 128), mode="eval")
+    assert report.measurement is not None
+    assert "not followed on the CPU: aten.mkldnn_rnn_layer.default ×2 (oneDNN LSTM inference" in (
+        report.measurement.note)
+    # oneDNN's convolutions keep their own reorders and scratchpad
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    note = cpu_comparison_note(memcalc.estimate(conv, batch_size=2, input_shape=(3, 8, 8), gpu="cpu"))
+    assert "not followed on the CPU: convolution.default ×1" in note
+    assert "convolution_backward.default ×1" in note
+
+
+def test_cpu_measurement_keeps_stderr_clean(capfd: pytest.CaptureFixture[str]) -> None:
+    # kineto wrote "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start" (and _stop) to
+    # file descriptor 2 at every profiler start and stop
+    measure_cpu(resolve("mlp", batch_size=4))
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err and "USDT" not in err
+
+
+def test_cuda_estimates_do_not_change(models_file: Path) -> None:
+    # the CPU target is a backend of its own: the CUDA estimates of the issue's models are
+    # those memcalc gave before it existed
+    expected = {"sdpa": 43_566_080, "mha_weights": 63_457_280, "lstm": 40_947_712}
+    for factory, peak in expected.items():
+        shape = (64, 128) if factory == "lstm" else (256, 256)
+        report = memcalc.estimate(f"{models_file}:{factory}", batch_size=8, input_shape=shape)
+        assert report.bytes.peak_allocated == peak, factory
+
+
+# ---- the size formulas, against the bytes the CPU profiler showed on torch 2.13 -----------------
+
+def test_onednn_lstm_workspace_bytes() -> None:
+    # T=64 steps, N=8, input 128, hidden 256; get_good_ld(1024) = 1040, get_good_ld(256) = 272:
+    # gates 64·8·1040·4 = 2,129,920 (520 pages), ht 64·8·272·4 = 557,056 (136), states
+    # 2·65·8·272·4 = 1,131,520 (277 pages, rounded up), c-states 2·65·8·256·4 = 1,064,960
+    # (260); states, c-states and their gradients: 520+136+277+260+277+277+260 = 2007 pages
+    assert onednn.lstm_workspace_bytes(64, 8, 128, 256) == 2007 * 4096 == 8_220_672
+    assert onednn.lstm_workspace_bytes(64, 16, 128, 256) == 16_429_056  # measured
+    assert onednn.lstm_workspace_bytes(100, 4, 32, 64) == 1_585_152  # measured
+    assert onednn.lstm_workspace_bytes(1, 1, 1, 1) == 7 * 4096  # seven parts of one page
+
+
+def test_onednn_lstm_scratchpad_and_reorders() -> None:
+    # gates 2,129,920 (520 pages) + ht 8·272·4 = 8,704 (→ 523) + diff-ht 8,704 (→ 526 pages)
+    # = 2,154,496; + the RNN space's 4096-byte alignment + 3·(8+128) + (32+128) = 568
+    assert onednn.lstm_scratchpad_bytes(64, 8, 256, forward=True) == 2_154_496 + 4096 + 568 == 2_159_160
+    assert onednn.lstm_scratchpad_bytes(64, 16, 256, forward=False) == 4_305_464  # measured
+    assert onednn.lstm_scratchpad_bytes(20, 32, 200, forward=True) == 2_110_008  # measured
+    # forward: both weights into ldigo with ld 1040: 128·1040·4 + 256·1040·4
+    assert onednn.lstm_weight_reorder_bytes(128, 256, forward=True) == 532_480 + 1_064_960
+    # backward: w_ih needs no copy (ld 128 = 128), w_hh into ld 272 (1024·272·4), and both
+    # weight gradients in ldigo (128·1040·4 + 256·1040·4)
+    assert onednn.lstm_weight_reorder_bytes(128, 256, forward=False) == 1_114_112 + 532_480 + 1_064_960
+
+
+def test_cpu_flash_attention_buffers() -> None:
+    q = torch.empty(8, 4, 256, 64, device="meta")
+    # 256 query rows → q blocks of 64, kv blocks of min(512, 256); per thread
+    # 64·256 (q·kᵀ) + 2·64 (max, sum) + 64·64 (output block) floats, two threads
+    assert flash_forward_temporaries(q, q, threads=2) == 2 * (64 * 256 + 2 * 64 + 64 * 64) * 4 == 164_864
+    grad = torch.empty(8, 256, 4, 64, device="meta").transpose(1, 2)  # (B, L, H, E) underneath: no copy
+    # per thread 2·64·256 floats (attention and its gradient), and each thread's 64-float dsum
+    assert flash_backward_temporaries(grad, q, q, threads=2) == 2 * 2 * 64 * 256 * 4 + 2 * 64 * 4
+    contiguous = torch.empty(8, 4, 256, 64, device="meta")  # copied into (B, L, H, E) first
+    assert flash_backward_temporaries(contiguous, q, q, threads=2) == 262_656 + 8 * 4 * 256 * 64 * 4
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _t(*shape: int, **kw: object) -> torch.Tensor:
+    return torch.randn(*shape, **kw)  # type: ignore[call-overload]
+
+
+SDPA_CALLS = {
+    "plain": lambda: (_t(2, 4, 8, 16), _t(2, 4, 8, 16), _t(2, 4, 8, 16), {}),
+    "causal": lambda: (_t(2, 4, 8, 16), _t(2, 4, 8, 16), _t(2, 4, 8, 16), {"is_causal": True}),
+    "gqa": lambda: (_t(2, 4, 8, 16), _t(2, 2, 8, 16), _t(2, 2, 8, 16), {"enable_gqa": True}),
+    "dropout": lambda: (_t(2, 4, 8, 16), _t(2, 4, 8, 16), _t(2, 4, 8, 16), {"dropout_p": 0.1}),
+    "bool-mask": lambda: (_t(2, 4, 8, 16), _t(2, 4, 8, 16), _t(2, 4, 8, 16),
+                          {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}),
+    "3-d-mask": lambda: (_t(2, 4, 8, 16), _t(2, 4, 8, 16), _t(2, 4, 8, 16), {"attn_mask": torch.zeros(4, 8, 8)}),
+    "mask-requires-grad": lambda: (_t(2, 4, 8, 16), _t(2, 4, 8, 16), _t(2, 4, 8, 16),
+                                   {"attn_mask": torch.zeros(8, 8, requires_grad=True)}),
+    "3-d-inputs": lambda: (_t(4, 8, 16), _t(4, 8, 16), _t(4, 8, 16), {}),
+    "value-head-size": lambda: (_t(2, 4, 8, 16), _t(2, 4, 8, 16), _t(2, 4, 8, 32), {}),
+    "strided-last-dim": lambda: (_t(2, 4, 16, 8).transpose(-1, -2), _t(2, 4, 8, 16), _t(2, 4, 8, 16), {}),
+    "bf16": lambda: (_t(2, 4, 8, 16, dtype=torch.bfloat16), _t(2, 4, 8, 16, dtype=torch.bfloat16),
+                     _t(2, 4, 8, 16, dtype=torch.bfloat16), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(SDPA_CALLS))
+def test_cpu_sdpa_choice_is_the_dispatchers(name: str) -> None:
+    q, k, v, kwargs = SDPA_CALLS[name]()
+    with _Ops() as ops:
+        F.scaled_dot_product_attention(q, k, v, **kwargs)
+    runs_flash = "_scaled_dot_product_flash_attention_for_cpu.default" in ops.names
+    refusal = cpu_flash_refusal(q, k, v, kwargs.get("attn_mask"), float(kwargs.get("dropout_p", 0.0)),
+                                bool(kwargs.get("enable_gqa", False)))
+    assert (refusal is None) == runs_flash, refusal
