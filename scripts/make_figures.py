@@ -2,6 +2,7 @@
 
     python scripts/make_figures.py               # every figure, into docs/figures/
     python scripts/make_figures.py --out /tmp/f  # somewhere else
+    python scripts/make_figures.py timeline_gpt2 # one of them
 
 Needs matplotlib (``pip install -e ".[plot]"``). Every number drawn comes from
 ``memcalc.sweep`` / ``memcalc.estimate`` / ``memcalc.max_batch_size`` run on this checkout,
@@ -119,7 +120,40 @@ def gpt2_seq_len(out: Path) -> Path:
     return _save(figure, out / "gpt2_seq_len.png")
 
 
-FIGURES: dict[str, Callable[[Path], Path]] = {"resnet50_batch": resnet50_batch, "gpt2_seq_len": gpt2_seq_len}
+# Figures 3–5: the memory timeline of one step (``memcalc MODEL --timeline FILE.png``), drawn by
+# memcalc.report.timeline_plot exactly as the command draws it.
+TIMELINE_RESNET50 = {"batch_size": 64, "optimizer": "adam"}
+TIMELINE_GPT2 = {"batch_size": 8, "seq_len": 1024, "optimizer": "adamw", "precision": "amp-bf16", "gpu": "a100-40gb"}
+
+
+def _timeline(model: str, options: dict[str, Any], path: Path) -> Path:
+    from memcalc.report.timeline_plot import write_timeline
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # approximations are notes of the report, not the figure's business
+        report = memcalc.estimate(model, **options)
+    return write_timeline(report, path)
+
+
+def timeline_resnet50(out: Path) -> Path:
+    """ResNet-50, batch 64, Adam: memory over both iterations of the step."""
+    return _timeline("resnet50", TIMELINE_RESNET50, out / "timeline_resnet50_b64_adam.png")
+
+
+def timeline_gpt2(out: Path) -> Path:
+    """GPT-2 (124M), batch 8 × 1024 tokens, AdamW, AMP bf16, on an A100 40 GB."""
+    return _timeline("gpt2", TIMELINE_GPT2, out / "timeline_gpt2.png")
+
+
+def timeline_gpt2_checkpoint(out: Path) -> Path:
+    """The same with activation checkpointing on every block."""
+    return _timeline("gpt2", TIMELINE_GPT2 | {"checkpoint": True}, out / "timeline_gpt2_checkpoint.png")
+
+
+FIGURES: dict[str, Callable[[Path], Path]] = {
+    "resnet50_batch": resnet50_batch, "gpt2_seq_len": gpt2_seq_len, "timeline_resnet50": timeline_resnet50,
+    "timeline_gpt2": timeline_gpt2, "timeline_gpt2_checkpoint": timeline_gpt2_checkpoint,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

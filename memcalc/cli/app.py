@@ -24,8 +24,13 @@ from memcalc.core.report import Measurement
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.measure import attach_measurement
 from memcalc.report.render import render_json, render_report, render_roles
+from memcalc.report.snapshot import write_snapshot
+from memcalc.report.timeline_plot import check_output_path, check_timeline_path, write_timeline
 
 __all__ = ("main",)
+
+#: ``--snapshot``'s extensions: ``torch.cuda.memory._dump_snapshot`` writes a pickle.
+SNAPSHOT_FORMATS = ("pickle", "pkl")
 
 
 class ModelFirstGroup(click.Group):
@@ -78,12 +83,19 @@ def main() -> None:
               help="Module depth of the per-module table (0 hides it).")
 @click.option("--measure", is_flag=True,
               help="Also run the step for real (CUDA if available, else the CPU profiler) and compare.")
+@click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Draw memory over the step's events to this file: .html (interactive, one self-contained file), "
+                   ".png or .svg (need matplotlib). One chart per GPU role with --strategy.")
+@click.option("--snapshot", "snapshot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Write the simulated allocator trace as a torch.cuda.memory._snapshot() pickle (.pickle or "
+                   ".pkl; the busiest GPU's with --strategy): open it at https://pytorch.org/memory_viz.")
 @strategy_options
 @output_options
 @handle_errors
 def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: str | None,
                      input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
                      accum_steps: int, kv_cache: int | None, loss: str | None, depth: int, measure: bool,
+                     timeline_path: str | None, snapshot_path: str | None,
                      fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
     """Estimate the GPU memory of one step of MODEL.
 
@@ -94,10 +106,20 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
                 **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
                                  accum_steps=accum_steps, kv_cache=kv_cache, loss=loss))
     distributed = strategy_arguments(measure=measure, **multi_gpu)
+    # the output files are checked before the estimate, not after it
+    if timeline_path is not None:
+        check_timeline_path(timeline_path)
+    if snapshot_path is not None:
+        check_output_path(snapshot_path, "snapshot", SNAPSHOT_FORMATS)
     with quiet():
         report = api.estimate(model, batch_size=batch, **step, **distributed)
     if measure:
         report = attach_measurement(report, model, batch_size=batch, **step)
+    if timeline_path is not None:
+        click.echo(f"wrote {write_timeline(report, timeline_path)}", err=True)
+    if snapshot_path is not None:
+        write_snapshot(report, snapshot_path)
+        click.echo(f"wrote {snapshot_path}", err=True)
     if fmt == "json":
         data = report.to_dict()
         if report.measurement is not None:

@@ -30,12 +30,14 @@ unpressured allocator caches); without a capacity the two are equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.precision import Precision
+from memcalc.core.timeline import Timeline
 
 __all__ = ("ByteBreakdown", "Measurement", "MemoryReport", "ModuleRow", "RoleReport", "Textbook")
 
@@ -178,6 +180,28 @@ class MemoryReport:
     world_size: int = 1
     global_batch_size: int | None = None  # samples per step over all GPUs (None: single GPU)
     roles: tuple[RoleReport, ...] = ()
+    # Builds the timeline on request (set by memcalc.engine.run.build_report): kept out of
+    # equality, repr and to_dict(), so that reports compare and serialise as before.
+    _timeline_builder: Callable[[], Timeline] | None = field(default=None, compare=False, repr=False)
+
+    def timeline(self) -> Timeline:
+        """The memory of every event of the simulated step (both iterations of a training
+        step): bytes per category, allocated and reserved after each event, phases, the
+        largest storages at the peak, and the allocator's actions (for
+        :func:`memcalc.report.snapshot.write_snapshot`). Computed when first asked (one more
+        replay of the step), then kept. Under a multi-GPU strategy: the busiest role's; each
+        ``roles[i].report.timeline()`` is that role's.
+
+        Returns:
+            The :class:`~memcalc.core.timeline.Timeline`; its ``peak_index`` is this report's
+            peak and ``max(allocated) == bytes.peak_allocated``.
+
+        Raises:
+            ValueError: the report was not made by an estimate (built by hand).
+        """
+        if self._timeline_builder is None:
+            raise ValueError("this report has no step to replay: only reports made by an estimate have a timeline")
+        return self._timeline_builder()
 
     def modules_within(self, depth: int) -> tuple[ModuleRow, ...]:
         """The per-module rows down to ``depth`` (1: the model's direct children)."""

@@ -82,10 +82,10 @@ class WorkspaceModel:
         if rule is not None:
             rule(self, func, args, kwargs, out)
 
-    def add_temporary(self, nbytes: int) -> None:
-        """A workspace the kernel frees when it returns."""
+    def add_temporary(self, nbytes: int, what: str) -> None:
+        """A workspace the kernel frees when it returns; ``what`` names it in the timeline."""
         assert self.tracer is not None
-        self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False)
+        self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False, label=f"synthetic: {what}")
 
     # ---- cuDNN convolution ------------------------------------------------------------------
     def conv(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stride: Sequence[int],
@@ -97,7 +97,7 @@ class WorkspaceModel:
         self.conv_calls += 1
         if nbytes > 0:
             self.conv_workspace_peak = max(self.conv_workspace_peak, nbytes)
-            self.add_temporary(nbytes)
+            self.add_temporary(nbytes, f"cuDNN convolution workspace ({direction})")
 
     # ---- fused attention --------------------------------------------------------------------
     def attention_temporaries(self, which: _Temporaries, backend: AttentionBackend, args: tuple[Any, ...],
@@ -113,7 +113,7 @@ class WorkspaceModel:
             requires_grad=bool(requires_grad) if requires_grad is not None else self.training)
         for buffer in which(call, backend, self.gpu.compute_capability):
             if buffer.nbytes:
-                self.add_temporary(buffer.nbytes)
+                self.add_temporary(buffer.nbytes, f"{backend.value} attention scratch")
 
     def notes(self) -> list[str]:
         lines = []
@@ -140,7 +140,8 @@ def cublas_workspace(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...
     if handle == "backward" and CUBLAS_WORKSPACES_PER_TRAINING_STEP < 2:
         return
     model.cublas_phases.add(handle)
-    model.tracer.synthetic(model.cublas_bytes, Category.WORKSPACE, persistent=True)
+    model.tracer.synthetic(model.cublas_bytes, Category.WORKSPACE, persistent=True,
+                           label=f"synthetic: cuBLAS workspace ({handle} handle)")
 
 
 # ---- cuDNN convolution ----------------------------------------------------------------------

@@ -195,7 +195,7 @@ def estimate_per_rank(model: Any, *, distributed: Distributed, options: Estimate
         if role.loss_text is not None:
             traced.loss = role.loss_text
         traced.notes.extend([*notes, *program.notes])
-        report = build_report(resolved, traced, options, capacity)
+        report = build_report(resolved, traced, options, capacity, role=role.name)  # its timeline names the role
         results.append(RoleReport(
             name=role.name, ranks=role.ranks, batch_size=resolved.batch_size,
             model_states=_model_states(traced, program.communication),

@@ -65,7 +65,10 @@ __all__ = (
     "MAX_SPLIT_SIZE",
     "AllocatorStats",
     "CachingAllocatorModel",
+    "RecordedReplay",
+    "RecordingAllocatorModel",
     "replay",
+    "replay_recorded",
     "round_size",
     "segment_size",
 )
@@ -481,6 +484,11 @@ def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = N
     result (``oom_at``, ``peak_index``) are positions in ``events``.
     """
     model = CachingAllocatorModel(capacity)
+    _drive(model, events)
+    return model.stats()
+
+
+def _drive(model: CachingAllocatorModel, events: Iterable[tuple[int, Hashable, int]]) -> None:
     malloc, free, empty_cache = model.malloc, model.free, model.empty_cache
     for kind, key, nbytes in events:
         if kind == ALLOC:
@@ -491,4 +499,79 @@ def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = N
             empty_cache()
         else:
             raise ValueError(f"unknown event kind {kind!r}; expected +1 (alloc), -1 (free) or 0 (empty_cache)")
-    return model.stats()
+
+
+# --- Recording: what each event did, for the timeline and the snapshot export ------------------
+
+#: One action of the allocator: ``(action, address, size, event index, key, requested bytes)``;
+#: ``action`` is a ``TraceEntry`` name of ``CUDACachingAllocator.h`` (``alloc``,
+#: ``free_completed``, ``segment_alloc``, ``segment_free``); key None for segments.
+Action = tuple[str, int, int, int, Hashable, int]
+
+
+class RecordingAllocatorModel(CachingAllocatorModel):
+    """The same allocator, also recording ``allocated``/``reserved`` after every event and every
+    block and segment it hands out or takes back (what ``torch.cuda.memory._record_memory_history``
+    records). A separate class so that the replays of an estimate pay nothing for it."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        super().__init__(capacity)
+        self.allocated_after: list[int] = []  # per event
+        self.reserved_after: list[int] = []  # per event
+        self.actions: list[Action] = []
+
+    def malloc(self, key: Hashable, nbytes: int) -> None:
+        index = self._events
+        super().malloc(key, nbytes)
+        block = self._live.get(key)
+        if block is not None:
+            self.actions.append(("alloc", block.addr, block.size, index, key, nbytes))
+        self.allocated_after.append(self._allocated)
+        self.reserved_after.append(self._reserved)
+
+    def free(self, key: Hashable) -> None:
+        index = self._events
+        block = self._live.get(key)
+        if block is not None:  # before free_block merges it with its neighbours (its address moves)
+            self.actions.append(("free_completed", block.addr, block.size, index, key, block.requested))
+        super().free(key)
+        self.allocated_after.append(self._allocated)
+        self.reserved_after.append(self._reserved)
+
+    def empty_cache(self) -> None:
+        super().empty_cache()
+        self.allocated_after.append(self._allocated)
+        self.reserved_after.append(self._reserved)
+
+    def _alloc_block(self, pool: _Pool, alloc_size: int, force: bool = False) -> _Block | None:
+        block = super()._alloc_block(pool, alloc_size, force)
+        if block is not None:
+            self.actions.append(("segment_alloc", block.addr, alloc_size, self._events - 1, None, 0))
+        return block
+
+    def _release_cached_blocks(self) -> None:
+        for pool in (self._large, self._small):  # the order and the test of the base class
+            for block in pool.blocks.values():
+                if block.prev is None and block.next is None:
+                    self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
+        super()._release_cached_blocks()
+
+
+@dataclass(frozen=True)
+class RecordedReplay:
+    """A replay with its history: the stats, ``allocated``/``reserved`` after each event, the
+    allocator's actions in order, and the segments held at the end (:meth:`CachingAllocatorModel.segments`)."""
+
+    stats: AllocatorStats
+    allocated: list[int]
+    reserved: list[int]
+    actions: list[Action]
+    segments: list[tuple[int, int, list[tuple[int, int, bool]]]]
+
+
+def replay_recorded(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None) -> RecordedReplay:
+    """:func:`replay` with a :class:`RecordingAllocatorModel`: the same stats, and the history."""
+    model = RecordingAllocatorModel(capacity)
+    _drive(model, events)
+    return RecordedReplay(model.stats(), model.allocated_after, model.reserved_after, model.actions,
+                          model.segments())

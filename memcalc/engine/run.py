@@ -20,6 +20,7 @@ from torch import nn
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import DataDependentError, InvalidInputError, MemcalcError, SymbolicExecutionError
 from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
+from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
 from memcalc.engine.backend import PlainBackend, StepBackend
 from memcalc.engine.model import ModelInputs, ResolvedModel
@@ -31,6 +32,7 @@ from memcalc.engine.timeline import (
     alive_before,
     allocator_events,
     build_program,
+    build_timeline,
     category_totals_at,
     final_categories,
 )
@@ -197,7 +199,7 @@ def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: M
     module = resolved.module
     nbytes = kv_cache_bytes(module, inputs, options.precision, generated, model_name=resolved.name,
                             decoder=resolved.decoder)
-    tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True)
+    tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True, label="synthetic: KV cache")
     per_token = kv_elements_per_token(module)
     batch, prompt = kv_prompt(inputs) or (0, 0)  # kv_cache_bytes refused inputs that are not token ids
     tokens = prompt + generated
@@ -205,10 +207,38 @@ def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: M
             f"{per_token:,} elements per token across layers; the prefill forward is simulated")
 
 
+class _TimelineBuilder:
+    """``MemoryReport.timeline()`` behind the report: what the replay needs, kept so that the
+    timeline costs nothing until it is asked for (then it is built once and kept)."""
+
+    def __init__(self, trace: StepTrace, program: Program, categories: list[Category], capacity: int | None,
+                 role: str) -> None:
+        self._args = (trace, program, categories)
+        self._capacity = capacity
+        self._role = role
+        self._timeline: Timeline | None = None
+
+    def __call__(self) -> Timeline:
+        if self._timeline is None:
+            self._timeline = build_timeline(*self._args, capacity=self._capacity, role=self._role)
+        return self._timeline
+
+
 def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateOptions,
-                 capacity: int | None) -> MemoryReport:
+                 capacity: int | None, *, role: str = "") -> MemoryReport:
     """The report of a traced step: replay through the allocator model, breakdown at the peak,
-    textbook comparison, per-module rows and, under ``capacity``, whether it fits."""
+    textbook comparison, per-module rows and, under ``capacity``, whether it fits.
+
+    Args:
+        resolved: the model and its inputs.
+        traced: the traced step (:func:`trace_model`).
+        options: the step's options.
+        capacity: the bytes the allocator may reserve (None: no limit, ``fits`` is None).
+        role: the GPU role this step is (multi-GPU strategies), carried into its timeline.
+
+    Returns:
+        The report; ``report.timeline()`` replays the step again when it is first called.
+    """
     trace = traced.trace
     mode = options.mode
     program = traced.program()
@@ -273,6 +303,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         accum_steps=options.accum_steps,
         checkpoint=options.checkpoint,
         notes=tuple(notes),
+        _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role),
     )
 
 

@@ -6,8 +6,9 @@ optimizer state and activations together — every later iteration does. We trac
 build the second iteration from it (the same alloc/free order, with the storages still alive
 after the first iteration — optimizer state — already there), then replay both.
 
-The replay itself is :mod:`memcalc.allocator` (the CUDA caching allocator model); this module
-builds the sequence it replays and reads the categories alive at the peak it finds.
+The replay itself is :mod:`memcalc.engine.allocator` (the CUDA caching allocator model); this
+module builds the sequence it replays and reads the categories alive at the peak it finds, and,
+on request, the whole curve (:func:`build_timeline`, behind ``MemoryReport.timeline()``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from memcalc.core.categories import Category, Phase
+from memcalc.core.timeline import Allocation, AllocatorEvent, PhaseSpan, Timeline
+from memcalc.engine import allocator
 from memcalc.engine.trace import StepTrace
 
 __all__ = (
@@ -24,6 +29,7 @@ __all__ = (
     "alive_before",
     "allocator_events",
     "build_program",
+    "build_timeline",
     "category_totals_at",
     "final_categories",
 )
@@ -127,3 +133,111 @@ def allocator_events(program: Program, nbytes: Sequence[int],
             yield (1, event, nbytes[event % n])
         else:
             yield (-1, ~event, 0)
+
+
+#: How many of the storages alive at the peak a timeline lists (``Timeline.largest_at_peak``).
+LARGEST_AT_PEAK = 10
+
+
+def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Category], *,
+                   capacity: int | None = None, role: str = "") -> Timeline:
+    """The memory after every event of ``program``, replayed once more with the recording
+    allocator model (:func:`memcalc.engine.allocator.replay_recorded`).
+
+    ``allocated`` and the allocator's actions come from the replay without a limit, the one the
+    report's ``peak_allocated`` comes from; ``reserved`` from the replay the report's
+    ``peak_reserved`` comes from: under ``capacity`` when the allocator meets it (it frees its
+    cache there), else the same replay.
+
+    Args:
+        trace: the traced step (sizes, birth phase, module and op of every storage).
+        program: its replayable program (:func:`build_program`).
+        categories: the final category of every storage (:func:`final_categories`).
+        capacity: the bytes the allocator may reserve, when the report has a limit.
+        role: the GPU role under a multi-GPU strategy ("" for one GPU).
+
+    Returns:
+        The :class:`~memcalc.core.timeline.Timeline`, one row per event of ``program``.
+    """
+    nbytes = trace.nbytes
+    recorded = allocator.replay_recorded(allocator_events(program, nbytes))
+    reserved = recorded.reserved
+    if capacity is not None and recorded.stats.peak_reserved > capacity:
+        reserved = allocator.replay_recorded(allocator_events(program, nbytes), capacity=capacity).reserved
+    n = max(program.num_storages, 1)
+    keys = np.asarray(program.events, dtype=np.int64)
+    is_alloc = keys >= 0
+    uids = np.where(is_alloc, keys, ~keys) % n
+    sizes = np.asarray(nbytes, dtype=np.int64)[uids] if len(keys) else np.zeros(0, dtype=np.int64)
+    order = tuple(Category)
+    column = {c: i for i, c in enumerate(order)}
+    columns = np.asarray([column[c] for c in categories], dtype=np.intp)[uids] if len(keys) else uids
+    delta = np.zeros((len(keys), len(order)), dtype=np.int64)
+    delta[np.arange(len(keys)), columns] = np.where(is_alloc, sizes, -sizes)
+    storage = uids.tolist()
+    peak_index = max(recorded.stats.peak_index, 0)
+    return Timeline(
+        categories=order,
+        by_category=np.cumsum(delta, axis=0),
+        allocated=np.asarray(recorded.allocated, dtype=np.int64),
+        reserved=np.asarray(reserved, dtype=np.int64),
+        phase=tuple(trace.phase[u] for u in storage),
+        module=tuple(trace.module[u] for u in storage),
+        op=tuple(trace.op[u] for u in storage),
+        is_alloc=is_alloc,
+        spans=_phase_spans(trace, program),
+        peak_index=peak_index,
+        capacity=capacity,
+        largest_at_peak=_largest_alive(trace, program, categories, peak_index)
+        if recorded.stats.peak_allocated > 0 else (),
+        allocator_events=tuple(
+            AllocatorEvent(action, address, size, event, key % n if isinstance(key, int) else -1, requested)
+            for action, address, size, event, key, requested in recorded.actions),
+        role=role,
+        category=tuple(categories[u] for u in storage),
+    )
+
+
+def _phase_spans(trace: StepTrace, program: Program) -> tuple[PhaseSpan, ...]:
+    """The phases of each iteration as contiguous spans of program events, in order: the
+    pre-existing storages (setup), then every phase the step entered (micro-batches repeat
+    forward, loss and backward), with the second iteration's indices shifted past the storages
+    it does not allocate again."""
+    starts = program.iteration_starts
+    bounds: list[tuple[Phase, int, int]] = [(Phase.SETUP, 1, 0), (Phase.SETUP, 1, starts[0])]
+    bounds += [(phase, 1, starts[0] + index) for phase, index in trace.phase_log]
+    if program.iterations > 1:
+        persistent = alive_at_end(trace)
+        kept = [0]  # kept[i]: events of trace.events[:i] the second iteration replays
+        for event in trace.events:
+            kept.append(kept[-1] + ((event if event >= 0 else ~event) not in persistent))
+        bounds.append((Phase.SETUP, 2, starts[1]))
+        bounds += [(phase, 2, starts[1] + kept[index]) for phase, index in trace.phase_log]
+    spans: list[PhaseSpan] = []
+    for i, (phase, iteration, start) in enumerate(bounds):
+        end = bounds[i + 1][2] if i + 1 < len(bounds) else len(program.events)
+        if end <= start:
+            continue
+        last = spans[-1] if spans else None
+        if last is not None and last.phase is phase and last.iteration == iteration:
+            spans[-1] = PhaseSpan(phase, iteration, last.start, end)
+        else:
+            spans.append(PhaseSpan(phase, iteration, start, end))
+    return tuple(spans)
+
+
+def _largest_alive(trace: StepTrace, program: Program, categories: Sequence[Category],
+                   index: int) -> tuple[Allocation, ...]:
+    """The largest storages alive just after ``program.events[index]``, largest first (the
+    earlier born first among equals)."""
+    alive: dict[int, None] = {}  # keys in birth order
+    for event in program.events[: index + 1]:
+        if event >= 0:
+            alive[event] = None
+        else:
+            alive.pop(~event, None)
+    n = program.num_storages
+    nbytes = trace.nbytes
+    largest = sorted((key % n for key in alive if nbytes[key % n] > 0), key=lambda uid: -nbytes[uid])
+    return tuple(Allocation(nbytes=nbytes[u], category=categories[u], phase=trace.phase[u], module=trace.module[u],
+                            op=trace.op[u]) for u in largest[:LARGEST_AT_PEAK])

@@ -59,6 +59,8 @@ class StepTrace:
     preexisting: list[int] = field(default_factory=list)
     phase_starts: dict[Phase, int] = field(default_factory=dict)  # index into events
     op_counts: Counter[str] = field(default_factory=Counter)  # every aten op seen, by name
+    op: list[str] = field(default_factory=list)  # per storage: the op that made it ("" pre-existing)
+    phase_log: list[tuple[Phase, int]] = field(default_factory=list)  # every set_phase: (phase, index into events)
 
     @property
     def num_storages(self) -> int:
@@ -87,15 +89,20 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._released: set[int] = set()  # storages whose memory free_storage returned
         self._recording = True
+        self._op = ""  # the aten op being dispatched ("" between ops): what made a new storage
+        self._op_names: dict[Op, str] = {}  # str(func) formats its schema name: once per op
 
     # ---- the hot path -------------------------------------------------------------------
     def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         out = self._cache.run(func, args, kwargs or {}, self._run)
         self.trace.op_counts[func.__name__] += 1
+        name = self._op_names.get(func)
+        self._op = name if name is not None else self._op_names.setdefault(func, str(func))
         self._see(out)
         if self.after_op is not None:
             self.after_op(func, args, kwargs or {}, out)
+        self._op = ""
         return out
 
     def _run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -128,6 +135,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         trace.phase.append(self.phase)
         trace.module.append(self.modules.current)
         trace.category.append(category)
+        trace.op.append(self._op)
         trace.events.append(uid)
         self._uid_by_key[key] = uid
         self._refs[key] = weakref.ref(storage, lambda _ref: self._on_free(key, uid))
@@ -164,6 +172,9 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             self._released.discard(key)
             self._uid_by_key.pop(key, None)
             self._refs.pop(key, None)  # the old weak reference goes, and its callback with it
+            uid = self.track(tensor, category)
+            self.trace.op[uid] = self._op or "storage.resize_"  # no aten op takes the memory back
+            return uid
         return self.track(tensor, category)
 
     def preexisting(self, tensor: torch.Tensor, category: Category) -> int:
@@ -178,21 +189,27 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         if uid not in trace.preexisting:
             trace.preexisting.append(uid)
             trace.phase[uid] = Phase.SETUP
-            trace.module[uid] = ""
+            trace.module[uid] = trace.op[uid] = ""
             with suppress(ValueError):
-                trace.events.remove(uid)
+                at = trace.events.index(uid)
+                del trace.events[at]
+                trace.phase_log[:] = [(p, i - (i > at)) for p, i in trace.phase_log]
         return uid
 
-    def synthetic(self, nbytes: int, category: Category, *, persistent: bool, preexisting: bool = False) -> int:
+    def synthetic(self, nbytes: int, category: Category, *, persistent: bool, preexisting: bool = False,
+                  label: str | None = None) -> int:
         """Record an allocation no tensor stands for: a kernel's workspace (freed at once
         unless ``persistent``, like the cuBLAS workspace that lives as long as its handle),
-        or a pre-existing buffer such as a KV cache."""
+        or a pre-existing buffer such as a KV cache. ``label`` names it in the timeline
+        (``"synthetic: cuBLAS workspace"``); by default the category and the op running."""
         trace = self.trace
         uid = len(trace.nbytes)
         trace.nbytes.append(int(nbytes))
         trace.phase.append(Phase.SETUP if preexisting else self.phase)
         trace.module.append("" if preexisting else self.modules.current)
         trace.category.append(category)
+        kind = f"{'persistent ' if persistent and not preexisting else ''}{category.value.replace('_', ' ')}"
+        trace.op.append(label or f"synthetic: {kind}{f' in {self._op}' if self._op else ''}")
         if preexisting:
             trace.preexisting.append(uid)
         else:
@@ -209,6 +226,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         """Enter ``phase``: storages born from now on belong to it."""
         self.phase = phase
         self.trace.phase_starts.setdefault(phase, len(self.trace.events))
+        self.trace.phase_log.append((phase, len(self.trace.events)))
 
     def stop(self) -> StepTrace:
         """Stop recording deaths (storages freed after the step are not part of it)."""

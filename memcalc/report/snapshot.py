@@ -1,0 +1,174 @@
+"""The simulated step as a ``torch.cuda.memory._snapshot()``: a pickle that PyTorch's own
+viewers open (https://pytorch.org/memory_viz, ``python -m torch.cuda._memory_viz trace_plot``).
+
+A real snapshot is what the CUDA caching allocator recorded with
+``torch.cuda.memory._record_memory_history()``; this one is what memcalc's model of it
+(:mod:`memcalc.engine.allocator`) did while replaying the step, both iterations of a training
+step, on device 0 and stream 0:
+
+* ``device_traces[0]``: every ``segment_alloc`` (cudaMalloc), ``alloc``, ``free_requested``
+  then ``free_completed`` (one stream: a block is free as soon as it is released) and
+  ``segment_free`` (cudaFree, when the allocator releases its cache under a limit), in order,
+  each with the model's fake address, its size and one frame naming where it happened:
+  ``{"filename": "<memcalc>", "line": 0, "name": "forward layer4.2.conv3 aten.convolution.default"}``
+  (phase, module, the op that created the storage). An entry's ``size`` is the *block's* size
+  (the request rounded as the allocator rounds it), so the viewer's curve peaks exactly at the
+  report's ``peak_allocated`` (``torch.cuda.max_memory_allocated()``); a real trace records
+  the requested size, here in each block's ``requested_size``. ``category`` (parameters,
+  activations, ...) colours the viewer's timeline, as in the snapshots PyTorch makes from a
+  profile.
+* ``segments``: the segments held at the end of the step, each with its blocks (allocated
+  ones with their request and frame, free ones ``inactive``), as ``_snapshot()`` lists them.
+
+Addresses are the model's: increasing, never reused by a new segment (see the allocator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+from pathlib import Path
+from typing import Any
+
+from memcalc.core.categories import Category
+from memcalc.core.errors import PlotPathError
+from memcalc.core.report import MemoryReport
+from memcalc.core.timeline import AllocatorEvent, Timeline
+from memcalc.engine.allocator import K_SMALL_BUFFER
+
+__all__ = ("FRAME_FILENAME", "PICKLE_PROTOCOL", "snapshot_dict", "write_snapshot")
+
+#: The ``filename`` of every frame: the viewers print ``filename:line:name``.
+FRAME_FILENAME = "<memcalc>"
+#: The pickle protocol: the highest MemoryViz.js's own unpickler reads (``unpickle`` throws
+#: "Unhandled version" above 4; Python 3.14 pickles at 5 by default).
+PICKLE_PROTOCOL = 4
+#: The category of entries that belong to no storage (segments). MemoryViz.js colours
+#: allocations by ``category`` and appends "unknown" when it is missing from those it saw
+#: (through a misspelt ``snapshot.categores``, which throws): naming it once avoids that.
+_NO_CATEGORY = "unknown"
+
+
+def snapshot_dict(report: MemoryReport) -> dict[str, Any]:
+    """The report's step in the format of ``torch.cuda.memory._snapshot()`` (see the module
+    docstring); under a multi-GPU strategy, the busiest GPU role's step.
+
+    Args:
+        report: a report made by an estimate (it replays its step: ``report.timeline()``).
+
+    Returns:
+        ``{"segments": [...], "device_traces": [[...]]}``: plain dicts, lists, ints and
+        strings, ready for :func:`pickle.dump`.
+    """
+    timeline = report.timeline()
+    frames = _Frames(timeline)
+    trace: list[dict[str, Any]] = []
+    for event in timeline.allocator_events:
+        entry = {"action": event.action, "addr": event.address, "size": event.size, "stream": 0,
+                 "frames": frames.of(event.event),
+                 "category": frames.category(event.event) if event.storage >= 0 else _NO_CATEGORY}
+        if event.action == "free_completed":  # one stream: the free is requested and completed at once
+            trace.append(entry | {"action": "free_requested"})
+        trace.append(entry)
+    return {"segments": _segments_at_end(timeline.allocator_events, frames), "device_traces": [trace]}
+
+
+def write_snapshot(report: MemoryReport, path: str | os.PathLike[str]) -> None:
+    """Pickle :func:`snapshot_dict` of ``report`` to ``path`` (``.pickle``, as
+    ``torch.cuda.memory._dump_snapshot`` writes it), whole or not at all.
+
+    Args:
+        report: a report made by an estimate.
+        path: the file to write (replaced if it exists).
+
+    Raises:
+        PlotPathError: the file cannot be written (a missing or read-only folder).
+    """
+    target = Path(path)
+    data = pickle.dumps(snapshot_dict(report), protocol=PICKLE_PROTOCOL)
+    # a temporary beside the target, renamed into place; named here rather than by mkstemp,
+    # whose 0600 mode the snapshot would keep
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with temporary.open("xb") as handle:
+            handle.write(data)
+        os.replace(temporary, target)
+    except OSError as exc:
+        raise PlotPathError(f"cannot write the snapshot to {target}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+
+
+class _Frames:
+    """The one-frame stack of each program event, made once per event."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self._timeline = timeline
+        self._made: dict[int, list[dict[str, Any]]] = {}
+
+    def of(self, index: int) -> list[dict[str, Any]]:
+        made = self._made.get(index)
+        if made is None:
+            t = self._timeline
+            # an allocation no op made (a parameter, an input) says what it is instead
+            what = t.op[index] or f"({self._category(index).value})"
+            name = " ".join(part for part in (t.phase[index].value, t.module[index], what) if part)
+            made = self._made[index] = [{"filename": FRAME_FILENAME, "line": 0, "name": name}]
+        return made
+
+    def category(self, index: int) -> str:
+        return self._category(index).value
+
+    def _category(self, index: int) -> Category:
+        return self._timeline.category[index]
+
+
+def _segments_at_end(events: tuple[AllocatorEvent, ...], frames: _Frames) -> list[dict[str, Any]]:
+    """The segments held after the last event, with their blocks, replayed from ``events``:
+    the allocator merges free neighbours, so every gap between allocated blocks is one free
+    (``inactive``) block."""
+    segments: dict[int, int] = {}
+    live: dict[int, AllocatorEvent] = {}
+    for event in events:
+        if event.action == "segment_alloc":
+            segments[event.address] = event.size
+        elif event.action == "segment_free":
+            del segments[event.address]
+        elif event.action == "alloc":
+            live[event.address] = event
+        elif event.action == "free_completed":
+            del live[event.address]
+    blocks = sorted(live.values(), key=lambda e: e.address)
+    result: list[dict[str, Any]] = []
+    i = 0
+    for base in sorted(segments):
+        size = segments[base]
+        parts: list[dict[str, Any]] = []
+        cursor = base
+        while i < len(blocks) and blocks[i].address < base + size:
+            block = blocks[i]
+            if block.address > cursor:
+                parts.append(_free_block(cursor, block.address - cursor))
+            parts.append({"address": block.address, "size": block.size, "requested_size": block.requested,
+                          "state": "active_allocated", "frames": frames.of(block.event)})
+            cursor = block.address + block.size
+            i += 1
+        if cursor < base + size:
+            parts.append(_free_block(cursor, base + size - cursor))
+        allocated = sum(p["size"] for p in parts if p["state"] == "active_allocated")
+        result.append({
+            "device": 0, "address": base, "total_size": size, "allocated_size": allocated, "active_size": allocated,
+            "requested_size": sum(p["requested_size"] for p in parts), "stream": 0,
+            # a 2 MiB segment is the small pool's (kSmallBuffer); the large pool's are 20 MiB
+            # or at least 10 MiB rounded up to 2 MiB (memcalc.engine.allocator.segment_size)
+            "segment_type": "small" if size <= K_SMALL_BUFFER else "large",
+            "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": parts,
+        })
+    return result
+
+
+def _free_block(address: int, size: int) -> dict[str, Any]:
+    return {"address": address, "size": size, "requested_size": 0, "state": "inactive", "frames": []}
