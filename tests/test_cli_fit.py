@@ -56,11 +56,13 @@ def mlp_budget() -> int:
 
 
 def test_fit_json_shape(mlp_budget):
-    result = run("fit", "mlp", "--budget", str(mlp_budget), "--optim", "sgd", "--format", "json")
+    result = run("fit", "mlp", "--budget", str(mlp_budget), "--optim", "sgd", "--margin", "0", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert set(data) == {"batch_size", "budget_bytes", "report"}
-    assert data["budget_bytes"] == mlp_budget
+    assert set(data) == {"batch_size", "budget_bytes", "margin", "margin_budget_bytes", "raw_batch_size",
+                         "checked_from", "report"}
+    assert data["budget_bytes"] == data["margin_budget_bytes"] == mlp_budget and data["margin"] == 0
+    assert data["raw_batch_size"] >= data["batch_size"] >= data["checked_from"] >= 1
     batch = data["batch_size"]
     at_batch = api.estimate("mlp", batch_size=batch, optimizer="sgd", capacity=mlp_budget)
     assert data["report"] == at_batch.to_dict()  # the estimate JSON, unchanged
@@ -70,11 +72,12 @@ def test_fit_json_shape(mlp_budget):
 
 
 def test_fit_text_shows_batch_breakdown_and_neighbours(mlp_budget):
-    result = run("fit", "mlp", "--budget", str(mlp_budget))
+    result = run("fit", "mlp", "--budget", str(mlp_budget), "--margin", "0")
     assert result.exit_code == 0, result.output
-    batch = json.loads(run("fit", "mlp", "--budget", str(mlp_budget), "--format", "json").stdout)["batch_size"]
+    batch = json.loads(run("fit", "mlp", "--budget", str(mlp_budget), "--margin", "0", "--format", "json").stdout)[
+        "batch_size"]
     out = result.stdout
-    assert f"largest batch that fits: {batch} (batch {batch + 1} does not)" in out
+    assert f"largest batch that fits: {batch} (batch {batch + 1} does not" in out
     assert "peak allocated" in out and "optimizer state" in out  # the breakdown at that batch
     neighbour_rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
     assert [int(r[0]) for r in neighbour_rows] == list(range(batch - 2, batch + 3))
@@ -88,8 +91,8 @@ def test_fit_gpu_uses_total_minus_context():
 
 
 def test_fit_budget_with_unit_as_a_separate_word():
-    quoted = run("fit", "mlp", "--budget", "64 MiB", "--format", "json")
-    unquoted = run("fit", "mlp", "--budget", "64", "MiB", "--format", "json")
+    quoted = run("fit", "mlp", "--budget", "64 MiB", "--margin", "0", "--format", "json")
+    unquoted = run("fit", "mlp", "--budget", "64", "MiB", "--margin", "0", "--format", "json")
     assert quoted.exit_code == unquoted.exit_code == 0, unquoted.output
     assert json.loads(unquoted.stdout) == json.loads(quoted.stdout)
     assert json.loads(unquoted.stdout)["budget_bytes"] == 64 * MiB

@@ -16,12 +16,31 @@ from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.core.units import format_bytes
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json, render_report, render_roles
-from memcalc.search.budget import FitResult
+from memcalc.search.budget import DEFAULT_MARGIN, FitResult, format_margin
 
 __all__ = ("fit_command",)
 
 #: ``memcalc fit`` shows the batches within this distance of the answer by default.
 DEFAULT_NEIGHBOURS = 2
+
+
+class MarginType(click.ParamType[float]):
+    """A fraction of the budget in [0, 1): ``0.06`` or ``6%``."""
+
+    name = "fraction"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        """The fraction ``value`` says; a usage error for anything else."""
+        if isinstance(value, float):
+            return value
+        text = str(value).strip()
+        try:
+            margin = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            margin = -1.0
+        if not 0 <= margin < 1:
+            self.fail(f"{value!r} is not a fraction of the budget, at least 0 and under 1 (0.06 or 6%)", param, ctx)
+        return margin
 
 
 @click.command("fit", cls=UnitCommand)
@@ -33,14 +52,16 @@ DEFAULT_NEIGHBOURS = 2
               help="Numeric precision (default: the estimate's, fp32).")
 @step_options
 @strategy_options
+@click.option("--margin", type=MarginType(), default=DEFAULT_MARGIN, show_default=True,
+              help="Fraction of the budget held back for the estimate's error (0.06 or 6%); 0: the raw boundary.")
 @click.option("--neighbours", type=click.IntRange(min=0, max=16), default=DEFAULT_NEIGHBOURS, show_default=True,
               help="Also show the batches this close to the answer.")
 @output_options
 @handle_errors
 def fit_command(model: str, gpu: str | None, budget: int | None, device: str | None, optim: str,
                 precision: str | None, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str,
-                checkpoint: bool, accum_steps: int, kv_cache: int | None, loss: str | None, neighbours: int,
-                fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
+                checkpoint: bool, accum_steps: int, kv_cache: int | None, loss: str | None, margin: float,
+                neighbours: int, fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
     """The largest batch of MODEL whose step fits a GPU, a budget or a local GPU (per GPU, with
     a multi-GPU --strategy).
 
@@ -48,6 +69,7 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
     memcalc fit resnet50 --gpu a100-40gb --optim adam
     memcalc fit gpt2 --seq-len 512 --budget 16GiB
     memcalc fit resnet50 --device auto
+    memcalc fit vgg16 --budget 24GiB --margin 0
     """
     where = budget_arguments(gpu, budget, device, required=True)
     step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
@@ -55,7 +77,8 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
     distributed = strategy_arguments(**multi_gpu)
     with quiet():
         result = api.max_batch_size(model, **where, optimizer=optim if given("optim") else None, precision=precision,
-                                       neighbours=0 if fmt == "json" else neighbours, **step, **distributed)
+                                    margin=margin, neighbours=0 if fmt == "json" else neighbours, **step,
+                                    **distributed)
     if fmt == "json":
         click.echo(render_json(result.to_dict()))
         return
@@ -64,25 +87,43 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
 
 def _render_fit(result: FitResult, fmt: str, unit: str) -> str:
     report = result.report
-    lines = [
-        f"budget: {format_bytes(result.budget_bytes, unit)} ({result.budget.source})",
-        (f"largest batch that fits: {result.batch_size} (batch {result.batch_size + 1} does not); "
-         f"headroom {format_bytes(result.headroom, unit)} above its peak allocated; "
-         f"about {format_bytes(result.bytes_per_sample, unit)} per sample near it; "
-         f"found with {result.num_estimates} estimates"),
-    ]
+    margin, limit = result.margin, result.margin_budget_bytes
+    lines = [f"budget: {format_bytes(result.budget_bytes, unit)} ({result.budget.source})", _margin_line(result, unit)]
+    raw = result.raw_batch_size
+    lines.append(
+        f"largest batch that fits{f' with a {format_margin(margin)} margin' if margin else ''}: {result.batch_size} "
+        f"(batch {result.batch_size + 1} does not"
+        + (f"; every batch from {result.checked_from} to it replayed and fits" if result.checked_from is not None
+           and result.checked_from < result.batch_size else "")
+        + (" — the check stopped at its cost bound, the fragmentation reaching further down" if result.check_capped
+           else "")
+        + (f"; the raw boundary, with no margin, is {raw}" if margin and raw is not None
+           else "; the raw boundary was not searched" if margin else "")
+        + f"); headroom {format_bytes(result.headroom, unit)} above its peak allocated; "
+        f"about {format_bytes(result.bytes_per_sample, unit)} per sample near it; "
+        f"found with {result.num_estimates} estimates" + (f" and {result.replays} replays" if result.replays else ""))
+    if result.failing_above:
+        shown = ", ".join(str(b) for b in result.failing_above[:_FAILING_SHOWN])
+        more = len(result.failing_above) - _FAILING_SHOWN
+        several = len(result.failing_above) > 1
+        larger = f"{raw} (the boundary the search met)" if not margin and raw is not None else "a larger one"
+        lines.append(f"not monotone: batch{'es' if several else ''} {shown}{f' and {more} more' if more > 0 else ''}"
+                     f" above it do{'' if several else 'es'} not fit although {larger} does (the caching "
+                     f"allocator's fragmentation depends on the exact sizes)")
     sections = ["\n".join(lines)]
     if report.roles:
         sections.append(render_roles(report, fmt=fmt, unit=unit).rstrip("\n"))
     sections.append(render_report(report, fmt=fmt, unit=unit, modules=False).rstrip("\n"))
     if result.neighbours:
-        rows = [[p.batch_size, format_bytes(p.peak_allocated, unit),
-                 format_bytes(result.budget_bytes - p.peak_allocated, unit), "yes" if p.fits else "no",
-                 "<- largest" if p.batch_size == result.batch_size else ""] for p in result.neighbours]
-        sections.append(tabulate(rows, headers=["batch", "peak allocated", "budget − peak", "fits", ""],
+        room = "margin budget − peak" if margin else "budget − peak"
+        rows = [[p.batch_size, format_bytes(p.peak_allocated, unit), format_bytes(limit - p.peak_allocated, unit),
+                 "yes" if p.fits else "no", "<- largest" if p.batch_size == result.batch_size else ""]
+                for p in result.neighbours]
+        sections.append(tabulate(rows, headers=["batch", "peak allocated", room,
+                                                f"fits ({format_margin(margin)} margin)" if margin else "fits", ""],
                                  tablefmt=fmt, colalign=("right", "right", "right", "left", "left"),
                                  disable_numparse=True))
-        if any(not p.fits and p.peak_allocated <= result.budget_bytes for p in result.neighbours):
+        if any(not p.fits and p.peak_allocated <= limit for p in result.neighbours):
             # without this, the table's own arithmetic would seem to contradict its "no"
             sections.append("a batch with room left under the budget can still fail: the caching allocator's "
                             "segments fragment, so it must reserve more than the budget (it frees its cache "
@@ -90,3 +131,16 @@ def _render_fit(result: FitResult, fmt: str, unit: str) -> str:
     return "\n\n".join(sections) + "\n"
 
 
+#: ``memcalc fit`` lists at most this many of the batches above the answer that do not fit.
+_FAILING_SHOWN = 8
+
+
+def _margin_line(result: FitResult, unit: str) -> str:
+    """What the margin holds back and what it covers (docs/architecture.md, "The batch search")."""
+    if not result.margin:
+        return "margin: none (--margin 0): nothing held back for the estimate's error against a real run"
+    held = result.budget_bytes - result.margin_budget_bytes
+    return (f"margin: {format_margin(result.margin)} held back ({format_bytes(held, unit)}; the step must fit "
+            f"{format_bytes(result.margin_budget_bytes, unit)}) for the estimate's error against real CUDA runs "
+            f"(answers 3.4% and 5.5% too large seen so far), the assumed CUDA context and what the allocator model "
+            f"leaves out (other CUDA streams); --margin 0 gives the raw boundary")

@@ -6,28 +6,40 @@ batch, weights and their state do not). Two traces at batches ``b1 < b2`` with i
 structure then give every storage's size at any ``B`` — ``a + s·B`` — and a replay through
 the allocator model answers "does batch ``B`` fit?" in milliseconds instead of a new
 symbolic run. Whether the assumption holds at the batch that matters is never assumed: the
-search confirms its answer with real estimates (see :mod:`memcalc.search`).
+search traces its answer for real and checks that the trace is the family's, storage for
+storage (:meth:`AffineFamily.matches`; see :mod:`memcalc.search.fit`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from memcalc.engine import allocator
 from memcalc.engine.run import TracedStep
 from memcalc.engine.timeline import Program, allocator_events
 
-__all__ = ("AffineFamily", "SyntheticPoint")
+__all__ = ("AffineFamily", "SyntheticPoint", "replay_under")
 
 
 class SyntheticPoint(NamedTuple):
-    """What a replay at batch ``batch_size`` says, in the terms the search uses."""
+    """What a replay at batch ``batch_size`` under a capacity says, in the terms the search uses.
+
+    ``reserved_within_capacity``: the peak reserved of the replay under the capacity; for a
+    step that does not fit, the replay goes on past its OOM, so this is what it needed."""
 
     batch_size: int
     fits: bool
     peak_allocated: int
     reserved_within_capacity: int
+
+
+def replay_under(program: Program, nbytes: Sequence[int], capacity: int, batch: int) -> SyntheticPoint:
+    """One replay of ``program`` with storage sizes ``nbytes`` under ``capacity`` (the allocator
+    frees its cache and retries before it gives up, as PyTorch does): whether it fits."""
+    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity)
+    return SyntheticPoint(batch, stats.oom_at is None, stats.peak_allocated, stats.peak_reserved)
 
 
 @dataclass(frozen=True)
@@ -38,15 +50,14 @@ class AffineFamily:
     program: Program
     intercepts: tuple[int, ...]
     slopes: tuple[int, ...]
+    #: the traced step the family was built from: its structure, to compare other traces with
+    reference: TracedStep | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_traces(cls, first: TracedStep, b1: int, second: TracedStep, b2: int) -> AffineFamily | None:
         """The family through two traced steps (``TracedStep``), or None when they differ in
         structure (events, categories) or a size is not an integer-affine function of the batch."""
-        if b1 == b2:
-            return None
-        t1, t2 = first.trace, second.trace
-        if t1.events != t2.events or t1.preexisting != t2.preexisting or first.categories != second.categories:
+        if b1 == b2 or not _same_structure(first, second):
             return None
         program = first.program()
         if program.events != second.program().events:
@@ -54,7 +65,7 @@ class AffineFamily:
         intercepts: list[int] = []
         slopes: list[int] = []
         # equal events and pre-existing storages name every uid: the lists have the same length
-        for n1, n2 in zip(t1.nbytes, t2.nbytes, strict=True):
+        for n1, n2 in zip(first.trace.nbytes, second.trace.nbytes, strict=True):
             step, remainder = divmod(n2 - n1, b2 - b1)
             if remainder or step < 0:
                 return None
@@ -63,17 +74,25 @@ class AffineFamily:
                 return None
             intercepts.append(intercept)
             slopes.append(step)
-        return cls(program=program, intercepts=tuple(intercepts), slopes=tuple(slopes))
+        return cls(program=program, intercepts=tuple(intercepts), slopes=tuple(slopes), reference=first)
 
     def nbytes(self, batch: int) -> list[int]:
         """Every storage's size at ``batch``, indexed by uid."""
         return [a + s * batch for a, s in zip(self.intercepts, self.slopes, strict=True)]
 
     def probe(self, batch: int, capacity: int) -> SyntheticPoint:
-        """Replay the step at ``batch`` through the allocator model under ``capacity``."""
-        sizes = self.nbytes(batch)
-        free_run = allocator.replay(allocator_events(self.program, sizes))
-        if free_run.peak_reserved <= capacity:
-            return SyntheticPoint(batch, True, free_run.peak_allocated, free_run.peak_reserved)
-        limited = allocator.replay(allocator_events(self.program, sizes), capacity=capacity)
-        return SyntheticPoint(batch, limited.oom_at is None, free_run.peak_allocated, limited.peak_reserved)
+        """Replay the step at ``batch`` through the allocator model under ``capacity`` (one replay)."""
+        return replay_under(self.program, self.nbytes(batch), capacity, batch)
+
+    def matches(self, traced: TracedStep, batch: int) -> bool:
+        """Whether ``traced`` (a real trace at ``batch``) is this family's step at ``batch``: the
+        same alloc/free sequence and categories, every storage of the size the family gives.
+        Then the family's replay at ``batch`` *is* the estimate's replay, byte for byte."""
+        if self.reference is None or not _same_structure(self.reference, traced):
+            return False
+        return traced.trace.nbytes == self.nbytes(batch)
+
+
+def _same_structure(first: TracedStep, second: TracedStep) -> bool:
+    t1, t2 = first.trace, second.trace
+    return t1.events == t2.events and t1.preexisting == t2.preexisting and first.categories == second.categories

@@ -1,28 +1,38 @@
-"""The largest batch that fits a memory budget.
+"""The largest batch that fits a memory budget, less a margin held back for what the estimate
+does not know.
 
-A batch fits when its step, replayed through the caching-allocator model under the budget,
-never runs out of memory — not when its peak is under the budget (fragmentation can make a
+A batch fits when its step, replayed through the caching-allocator model under the budget less
+the margin, never runs out of memory — not when its peak is under it (fragmentation can make a
 step whose peak allocated is under the budget fail). One estimate costs the same at any batch
 size, so the search minimises the number of estimates: batch 2, one jump toward the budget,
-then a batch-affine trace family (:mod:`memcalc.search.affine`) answers the probes by
-replay, and real estimates at B and B + 1 confirm the answer; otherwise regula falsi with
-bisection steps on real estimates. It stops only when batch ``lo`` fits and ``lo + 1`` does
-not, both estimated. The algorithm and its cost are written up in docs/architecture.md,
-"The batch search".
+then a batch-affine trace family (:mod:`memcalc.search.affine`) answers the probes by replay;
+the boundary it finds is checked downward by replays (fragmentation is not monotone in the
+batch: a batch below a fitting one can fail), and the answer is traced for real and must be
+the family's step, storage for storage. Otherwise regula falsi with bisection steps on real
+estimates, which stops when batch ``lo`` fits and ``lo + 1`` does not, both estimated. The
+algorithm, its guarantee and its cost are written up in docs/architecture.md, "The batch search".
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.estimate import EstimateRequest, run_estimate
 from memcalc.engine.run import TracedStep
-from memcalc.search.affine import AffineFamily
-from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult, Probe, batch_bytes
+from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_under
+from memcalc.search.budget import (
+    BatchLimitError,
+    Budget,
+    DoesNotFitError,
+    FitResult,
+    Probe,
+    batch_bytes,
+    margin_capacity,
+)
 
 __all__ = ("MAX_BATCH", "find_max_batch")
 
@@ -34,130 +44,92 @@ _MAX_GROWTH = 256
 _FLAT_GROWTH = 16
 #: Narrowing steps in a row that may fail to halve the bracket before a bisection step.
 _SLOW_STEPS = 2
+#: The check below the boundary (:func:`_check_below`) replays at least this many batches under
+#: the answer ...
+_CHECK_WINDOW = 4
+#: ... and goes on down while a batch could still fail with this many times the worst
+#: fragmentation met: while its peak allocated × (1 + this × (f − 1)) exceeds the budget, f
+#: being the largest bytes needed / peak allocated of a failing replay. Chosen on a survey of
+#: 40 zoo model × GPU cases (resnet18/50, vgg11/16/19, efficientnet_b0, vit_b_16, bert-base,
+#: llama-tiny on a T4, 24 GiB, an A100 40 GB and an H100, with a 6% margin, every batch from
+#: 60% of the budget up replayed): with 1.25 to 2 the check stops under the first failing
+#: batch in all 40; with 1 in 38 (vgg16 on an H100 has a failing batch 53 under a run of 52
+#: that fit, and f grows as it goes down: 1.48 → 1.51).
+_CHECK_FRAGMENTATION = 1.5
+#: The check's cost bound: after this many replays it only finishes its window under the answer
+#: (``FitResult.check_capped``). The survey's non-VGG cases need at most 116 replays; the VGGs
+#: on the largest GPUs, where the fragmentation reaches 20% under the boundary, up to 650, and
+#: with this bound 2 of the 40 answers would be above the first failing batch (by 5% and 6%).
+_MAX_CHECK_REPLAYS = 256
+#: Without a batch-affine family, the raw boundary (under the whole budget, for the report)
+#: may cost at most this many more real estimates; past them it is left unknown (None).
+_RAW_ESTIMATES = 4
 
 
-def find_max_batch(request: EstimateRequest, budget: Budget, *, neighbours: int = 0,
+def find_max_batch(request: EstimateRequest, budget: Budget, *, margin: float = 0.0, neighbours: int = 0,
                    max_batch: int = MAX_BATCH) -> FitResult:
-    """The largest batch whose step of ``request`` fits ``budget`` (see the module docstring).
+    """The largest batch whose step of ``request`` fits ``budget`` less ``margin`` (see the module
+    docstring and docs/architecture.md, "The batch search", for what is checked).
 
     Args:
         request: the estimate to search over; its batch size and capacity are replaced.
         budget: the bytes the caching allocator may reserve.
+        margin: the fraction of ``budget`` held back (0 ≤ margin < 1, checked by the caller).
         neighbours: also estimate the batches within this distance of the answer.
         max_batch: the largest batch tried.
 
     Returns:
-        The batch, its report, the budget and every probe.
+        The batch, its report against the whole budget, the budget, the margin, the raw
+        boundary, the checked range and every probe.
 
     Raises:
-        DoesNotFitError: batch 1 does not fit.
+        DoesNotFitError: batch 1 does not fit the budget less the margin.
         BatchLimitError: ``max_batch`` still fits.
     """
-    resolved = budget
-    reports: dict[int, MemoryReport] = {}
-    traces: dict[int, TracedStep] = {}
-    order: list[_Point] = []
-    single_gpu = request.distributed.is_single
-
-    def measure(batch: int) -> _Point:
-        """A real estimate (each batch at most once)."""
-        if batch not in reports:
-            keep = (lambda traced: traces.__setitem__(batch, traced)) if single_gpu else None
-            reports[batch] = run_estimate(replace(request, batch_size=batch, capacity=resolved.capacity),
-                                          on_trace=keep)
-            order.append(_point(reports[batch], batch))
-        return _point(reports[batch], batch)
-
+    capacity = budget.capacity
+    limit = margin_capacity(capacity, margin)
+    real = _Estimates(request, capacity, limit)
     # Batch 2 first: batch 1 is often a special case of the step (a batch dimension of 1
     # broadcasts without a reduction), which would keep the two-trace family from forming.
     start = min(2, max_batch)
-    first = measure(start)
+    first = real.point(start)
     if not first.fits:
-        if not measure(1).fits:
-            raise DoesNotFitError(reports[1], resolved)
-        first = _point(reports[1], 1)
-    slope_hint = _per_sample_guess(reports[first.batch_size])
-    best: int | None
+        if not real.point(1).fits:
+            raise DoesNotFitError(real.reports[1], budget, margin)
+        first = real.points[1]
+    slope_hint = _per_sample_guess(real.reports[first.batch_size])
+    found: _Found | None = None
     if first.batch_size == 1 and start == 2:  # 1 fits, 2 does not
-        best = 1
-    elif single_gpu:
-        best = _affine_search(measure, traces, order, resolved.capacity, first, slope_hint, max_batch)
-    else:
-        best = None
-    if best is None:
+        found = _Found(1, 1, 1, ())
+    elif real.single:
+        found = _affine_search(real, first, slope_hint, max_batch)
+    if found is None:
         try:
-            best, _ = _search(measure, resolved.capacity, first=first, slope_hint=slope_hint, max_batch=max_batch)
+            best, _ = _search(real.point, limit, first=first, slope_hint=slope_hint, max_batch=max_batch)
         except _Unbounded:
-            raise BatchLimitError(max_batch, reports[max_batch], resolved) from None
-    points = order
-    report = reports[best]
-    probes = tuple(_as_probe(p) for p in points)
+            raise BatchLimitError(max_batch, real.reports[max_batch], budget) from None
+        found = _Found(best, best, best, ())
+    best = found.best
+    report = real.report_under_budget(best)
+    raw = _raw_boundary(real, found, first.batch_size, slope_hint, max_batch)
+    probes = tuple(_as_probe(p) for p in real.order)
     around = range(max(1, best - neighbours), best + neighbours + 1) if neighbours else range(0)
     return FitResult(
         batch_size=best,
         report=report,
-        budget=resolved,
-        headroom=resolved.capacity - report.bytes.peak_allocated,
+        budget=budget,
+        headroom=capacity - report.bytes.peak_allocated,
         # synthetic probes are exact replays of the same step: they widen the span of the secant
         bytes_per_sample=_slope_near(best, probes),
         probes=probes,
-        neighbours=tuple(_as_probe(reports[b] if b in reports else measure(b)) for b in around),
+        neighbours=tuple(_as_probe(real.point(b)) for b in around),
+        margin=margin,
+        raw_batch_size=raw,
+        checked_from=found.checked_from,
+        failing_above=found.failing,
+        check_capped=found.capped,
+        replays=real.replays,
     )
-
-
-def _as_probe(point: MemoryReport | _Point) -> Probe:
-    if isinstance(point, MemoryReport):
-        return Probe(point.batch_size, bool(point.fits), point.bytes.peak_allocated)
-    return Probe(point.batch_size, point.fits, point.peak_allocated, point.synthetic)
-
-
-def _affine_search(measure: Callable[[int], _Point], traces: dict[int, TracedStep], order: list[_Point],
-                   capacity: int, first: _Point, slope_hint: float | None, max_batch: int) -> int | None:
-    """The search on a batch-affine family built from two real traces, its answer confirmed by
-    real estimates at B and B + 1; None when the step is not batch-affine or the confirmation
-    disagrees (the caller then searches with real estimates, reusing the ones made here).
-
-    Real estimates: the first probe (batch 2), one jump toward the budget, B and B + 1 — four
-    for a batch-affine step, whatever the allocator's fragmentation (the synthetic replays
-    include it). When the first two differ in structure the family comes from the jump and
-    the next point on the line through them — five."""
-    start = first.batch_size
-    seen = {start: first}
-    jump = min(max(_extrapolate(seen, start, capacity, slope_hint), start + 1), start * _MAX_GROWTH, max_batch)
-    seen[jump] = measure(jump)
-    family = _family(traces, start, jump)
-    if family is None and jump < max_batch:
-        line = _extrapolate(seen, jump, capacity, slope_hint) if seen[jump].fits else (start + jump) // 2
-        second = min(max(line, 2), max_batch)
-        if second != jump:
-            measure(second)
-            family = _family(traces, min(jump, second), max(jump, second))
-    if family is None:
-        return None
-
-    def synthetic(batch: int) -> _Point:
-        if batch in seen:  # estimated for real already
-            return seen[batch]
-        probe = family.probe(batch, capacity)
-        needed = probe.peak_allocated if probe.fits else max(probe.peak_allocated, probe.reserved_within_capacity)
-        point = _Point(batch, probe.fits, probe.peak_allocated, needed, synthetic=True)
-        order.append(point)
-        return point
-
-    try:
-        best, _ = _search(synthetic, capacity, first=first, slope_hint=slope_hint, max_batch=max_batch)
-    except _Unbounded:
-        return None
-    at, after = measure(best), measure(best + 1)
-    if at.fits and not after.fits:
-        return best
-    return None
-
-
-def _family(traces: dict[int, TracedStep], b1: int, b2: int) -> AffineFamily | None:
-    if b1 not in traces or b2 not in traces:
-        return None
-    return AffineFamily.from_traces(traces[b1], b1, traces[b2], b2)
 
 
 class _Point(NamedTuple):
@@ -170,6 +142,260 @@ class _Point(NamedTuple):
     peak_allocated: int
     needed: int
     synthetic: bool = False
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What a search found: ``best`` (the answer), ``top`` (the boundary it met first: ``top``
+    fits, ``top + 1`` does not), every batch from ``checked_from`` to ``best`` fits, and the
+    batches above ``best`` that do not."""
+
+    best: int
+    top: int
+    checked_from: int
+    failing: tuple[int, ...]
+    family: AffineFamily | None = None
+    capped: bool = False
+
+
+class _Estimates:
+    """The real estimates of one fit, each batch at most once, and the replays of the family.
+
+    On one GPU a batch is estimated against the whole budget (its report is the one shown) and
+    its trace is kept; whether it fits the margin budget is one replay of that trace under it.
+    Under a multi-GPU strategy (no trace to replay) it is estimated under the margin budget.
+    """
+
+    def __init__(self, request: EstimateRequest, capacity: int, limit: int):
+        self.request = request
+        self.capacity = capacity
+        self.limit = limit
+        self.single = request.distributed.is_single
+        self.reports: dict[int, MemoryReport] = {}
+        self.traces: dict[int, TracedStep] = {}
+        self.points: dict[int, _Point] = {}  # real estimates, judged under the margin budget
+        self.order: list[_Point] = []  # the search's probes, real and synthetic, in order
+        self.replays = 0
+        self._synthetic: dict[tuple[int, int], _Point] = {}
+
+    def point(self, batch: int) -> _Point:
+        """A real estimate, judged under the margin budget."""
+        if batch not in self.points:
+            self.adopt(self._judge(batch, self.estimate(batch)))
+        return self.points[batch]
+
+    def adopt(self, point: _Point) -> None:
+        """Record ``point`` as the real estimate of its batch (already made by :meth:`estimate`):
+        the family's replay at a batch whose trace is the family's is that estimate's own."""
+        real = point._replace(synthetic=False)
+        self.points[point.batch_size] = real
+        self.order.append(real)
+
+    def whole(self, batch: int) -> _Point:
+        """A real estimate, judged under the whole budget (one GPU, or no margin)."""
+        self.point(batch)
+        return _point(self.reports[batch], batch)
+
+    def estimate(self, batch: int) -> MemoryReport:
+        """The estimate at ``batch`` (each batch at most once), its trace kept on one GPU."""
+        if batch in self.reports:
+            return self.reports[batch]
+        keep = (lambda traced: self.traces.__setitem__(batch, traced)) if self.single else None
+        capacity = self.capacity if self.single else self.limit
+        report = run_estimate(replace(self.request, batch_size=batch, capacity=capacity), on_trace=keep)
+        self.reports[batch] = report
+        return report
+
+    def _judge(self, batch: int, report: MemoryReport) -> _Point:
+        if not self.single or self.limit == self.capacity:
+            return _point(report, batch)
+        if report.peak_reserved_unconstrained <= self.limit:  # never meets the limit: no replay needed
+            peak = report.bytes.peak_allocated
+            return _Point(batch, True, peak, peak)
+        traced = self.traces[batch]
+        self.replays += 1
+        replayed = replay_under(traced.program(), traced.trace.nbytes, self.limit, batch)
+        return _Point(batch, replayed.fits, report.bytes.peak_allocated, _needed(replayed))
+
+    def synthetic(self, family: AffineFamily, batch: int, capacity: int, *, probe: bool = False) -> _Point:
+        """The family's replay at ``batch`` under ``capacity`` (a real estimate where there is
+        one); ``probe``: a probe of the search, listed in ``order``."""
+        if batch in self.points:
+            return self.points[batch] if capacity == self.limit else self.whole(batch)
+        key = (batch, capacity)
+        if key not in self._synthetic:
+            self.replays += 1
+            replayed = family.probe(batch, capacity)
+            self._synthetic[key] = _Point(batch, replayed.fits, replayed.peak_allocated, _needed(replayed), True)
+            if probe:
+                self.order.append(self._synthetic[key])
+        return self._synthetic[key]
+
+    def report_under_budget(self, batch: int) -> MemoryReport:
+        """The estimate at ``batch`` against the whole budget (under a strategy with a margin,
+        one more estimate: the search's were made under the margin budget)."""
+        self.point(batch)
+        if self.single or self.limit == self.capacity:
+            return self.reports[batch]
+        return run_estimate(replace(self.request, batch_size=batch, capacity=self.capacity))
+
+
+def _needed(replayed: SyntheticPoint) -> int:
+    return replayed.peak_allocated if replayed.fits else max(replayed.peak_allocated,
+                                                             replayed.reserved_within_capacity)
+
+
+def _as_probe(point: _Point) -> Probe:
+    return Probe(point.batch_size, point.fits, point.peak_allocated, point.synthetic)
+
+
+def _affine_search(real: _Estimates, first: _Point, slope_hint: float | None, max_batch: int) -> _Found | None:
+    """The search on a batch-affine family built from two real traces, its boundary checked
+    downward by replays (:func:`_check_below`) and its answer traced for real; None when the
+    step is not batch-affine or the answer's trace is not the family's (the caller then
+    searches with real estimates, reusing the ones made here).
+
+    Real estimates: the first probe (batch 2), one jump toward the budget and the answer —
+    three for a batch-affine step, whatever the allocator's fragmentation (the replays include
+    it). When the first two differ in structure the family comes from the jump and the next
+    point on the line through them — four."""
+    limit = real.limit
+    start = first.batch_size
+    jump = min(max(_extrapolate({start: first}, start, limit, slope_hint), start + 1), start * _MAX_GROWTH,
+               max_batch)
+    seen = {start: first, jump: real.point(jump)}
+    family = _family(real.traces, start, jump)
+    if family is None and jump < max_batch:
+        line = _extrapolate(seen, jump, limit, slope_hint) if seen[jump].fits else (start + jump) // 2
+        second = min(max(line, 2), max_batch)
+        if second != jump:
+            real.point(second)
+            family = _family(real.traces, min(jump, second), max(jump, second))
+    if family is None:
+        return None
+    affine = family
+
+    def under_limit(batch: int) -> _Point:
+        return real.synthetic(affine, batch, limit, probe=True)
+
+    try:
+        top, _ = _search(under_limit, limit, first=first, slope_hint=slope_hint, max_batch=max_batch)
+    except _Unbounded:
+        return None
+    check = _check_below(lambda b: real.synthetic(affine, b, limit), top, limit, floor=start, seen=real.order)
+    best = check.answer
+    # traced for real: it must be the family's step at that batch, whose replay is then its own
+    if best not in real.points:
+        real.estimate(best)
+        if not family.matches(real.traces[best], best):
+            real.point(best)  # an estimate like the others: judged, and listed among the probes
+            return None
+        replayed = real.synthetic(affine, best, limit)
+        real.adopt(replayed._replace(peak_allocated=real.reports[best].bytes.peak_allocated))
+    elif not family.matches(real.traces[best], best) or not real.points[best].fits:
+        return None
+    return _Found(best, top, check.checked_from, check.failing, family, check.capped)
+
+
+def _check_below(point: Callable[[int], _Point], top: int, limit: int, *, floor: int,
+                 seen: Sequence[_Point] = ()) -> _Check:
+    """Walk down from the boundary ``top`` (it fits, ``top + 1`` does not), replaying every
+    batch: each that does not fit moves the answer under it. Stop at a fitting batch at least
+    ``_CHECK_WINDOW`` under the answer that is *clear*: its peak allocated would stay within
+    ``limit`` with ``_CHECK_FRAGMENTATION`` times the worst fragmentation of a failing probe on
+    top — ``top + 1``, those in ``seen`` (the search's) whose peak allocated is within ``limit``,
+    and those the walk meets. Or at ``floor`` (a real estimate that fits). After
+    ``_MAX_CHECK_REPLAYS`` the walk only finishes its window under the answer (``capped``)."""
+    factor = max(_fragmentation(p) for p in (point(top + 1), *(p for p in seen if p.peak_allocated <= limit)))
+    answer = lowest = top
+    failing: list[int] = []
+    batch, replays, capped = top - 1, 0, False
+    while batch >= floor:
+        replayed = point(batch)
+        replays += 1
+        if not replayed.fits:
+            failing.append(batch)
+            answer = batch - 1
+            factor = max(factor, _fragmentation(replayed))
+        else:
+            lowest = batch
+            if answer - batch >= _CHECK_WINDOW:
+                if _clear(replayed, factor, limit):
+                    break
+                if replays >= _MAX_CHECK_REPLAYS:  # the cost bound: the window under the answer, no more
+                    capped = True
+                    break
+        batch -= 1
+    return _Check(answer, min(lowest, answer), tuple(sorted(failing)), capped)
+
+
+class _Check(NamedTuple):
+    """What :func:`_check_below` found: every batch from ``checked_from`` to ``answer`` fits,
+    ``failing`` (ascending) are the batches above it that do not; ``capped``: the walk met its
+    cost bound."""
+
+    answer: int
+    checked_from: int
+    failing: tuple[int, ...]
+    capped: bool = False
+
+
+def _clear(point: _Point, factor: float, limit: int) -> bool:
+    """Whether ``point`` would fit with ``_CHECK_FRAGMENTATION`` times fragmentation ``factor``."""
+    return point.fits and point.peak_allocated * (1 + _CHECK_FRAGMENTATION * (factor - 1)) <= limit
+
+
+def _fragmentation(point: _Point) -> float:
+    """Bytes a failing probe needed per byte it had allocated at its peak (1 for one that fits)."""
+    return 1.0 if point.fits else point.needed / max(point.peak_allocated, 1)
+
+
+def _raw_boundary(real: _Estimates, found: _Found, first: int, slope_hint: float | None,
+                  max_batch: int) -> int | None:
+    """The boundary under the whole budget that a search with no margin meets (``top`` then): the
+    same search — from the same first probe, with the same per-sample guess — under the whole
+    budget, on the family's replays when there is one; without a family, on real estimates
+    from the answer up, at most ``_RAW_ESTIMATES`` more (one GPU; None when they do not settle
+    it, and under a strategy, whose estimates were made under the margin budget). Where fits is
+    monotone in the batch there is one boundary; where the allocator's fragmentation makes it
+    ragged, this one."""
+    if real.limit == real.capacity:
+        return found.top
+    family = found.family
+    measure: Callable[[int], _Point]
+    if family is not None:
+        measure = lambda batch: real.synthetic(family, batch, real.capacity)
+    elif real.single:
+        measure, first = _limited(real, _RAW_ESTIMATES), found.best
+    else:
+        return None
+    start = real.whole(first)  # estimated for real: no replay
+    if not start.fits:
+        return None
+    try:
+        raw, _ = _search(measure, real.capacity, first=start, slope_hint=slope_hint, max_batch=max_batch)
+    except _Unbounded:
+        return None
+    return raw
+
+
+def _limited(real: _Estimates, estimates: int) -> Callable[[int], _Point]:
+    """``real.whole`` that raises :class:`_Unbounded` rather than make more than ``estimates``
+    new estimates."""
+    spent = len(real.reports)
+
+    def measure(batch: int) -> _Point:
+        if batch not in real.reports and len(real.reports) - spent >= estimates:
+            raise _Unbounded  # not worth more estimates: the caller leaves the answer unknown
+        return real.whole(batch)
+
+    return measure
+
+
+def _family(traces: dict[int, TracedStep], b1: int, b2: int) -> AffineFamily | None:
+    if b1 not in traces or b2 not in traces:
+        return None
+    return AffineFamily.from_traces(traces[b1], b1, traces[b2], b2)
 
 
 def _point(report: MemoryReport, batch: int) -> _Point:
