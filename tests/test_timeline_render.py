@@ -27,9 +27,9 @@ from memcalc.core.errors import PlotPathError
 from memcalc.core.timeline import Allocation, PhaseSpan, Timeline
 from memcalc.core.units import format_bytes
 from memcalc.report.timeline_html import timeline_html
+from memcalc.report.output import check_output_path
 from memcalc.report.timeline_plot import (
     CATEGORY_STYLE,
-    check_output_path,
     check_timeline_path,
     sample,
     write_timeline,

@@ -23,9 +23,10 @@ from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.measure import attach_measurement
+from memcalc.report.output import check_output_path
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
-from memcalc.report.timeline_plot import check_output_path, check_timeline_path, write_timeline
+from memcalc.report.timeline_plot import check_timeline_path, write_timeline
 
 __all__ = ("main",)
 

@@ -12,16 +12,14 @@ sweep (:func:`check_plot_path`) and written whole or not at all.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
-import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memcalc.core.errors import MissingPackageError, PlotPathError
 from memcalc.core.units import auto_unit, unit_bytes
+from memcalc.report.output import check_writable, write_atomically
 from memcalc.search.sweep import SweepPoint
 
 if TYPE_CHECKING:
@@ -111,18 +109,7 @@ def plot_sweep(
     """
     target, fmt = check_plot_path(path)
     figure = sweep_figure(points, capacity=capacity, capacity_label=capacity_label, title=title)
-    # Written to a temporary file beside the target and renamed into place: a failure midway
-    # leaves neither a truncated plot nor a stray file. (Named here rather than made by mkstemp,
-    # whose 0600 mode the plot would keep: savefig creates it with the user's umask.)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        figure.savefig(temporary, format=fmt)
-        os.replace(temporary, target)
-    except Exception as exc:
-        raise PlotPathError(f"cannot write the plot to {target}: {type(exc).__name__}: {exc}") from exc
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
+    write_atomically(target, "plot", lambda temporary: figure.savefig(temporary, format=fmt))
     return target
 
 
@@ -149,13 +136,7 @@ def check_plot_path(path: str | Path) -> tuple[Path, str]:
         what = f"{target.suffix!r} is not an" if target.suffix else "a name without an extension names no"
         raise PlotPathError(f"cannot write the plot to {target}: {what} image format matplotlib writes; "
                             f"end the name in one of {', '.join('.' + f for f in formats)}")
-    folder = target.parent
-    if not folder.is_dir():
-        raise PlotPathError(f"cannot write the plot to {target}: the folder {folder} does not exist; create it first")
-    if target.is_dir():
-        raise PlotPathError(f"cannot write the plot to {target}: it is a folder; give a file name")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise PlotPathError(f"cannot write the plot to {target}: permission denied")
+    check_writable(target, "plot")
     return target, fmt
 
 

@@ -25,18 +25,16 @@ Addresses are the model's: increasing, never reused by a new segment (see the al
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
-import secrets
 from pathlib import Path
 from typing import Any
 
 from memcalc.core.categories import Category
-from memcalc.core.errors import PlotPathError
 from memcalc.core.report import MemoryReport
 from memcalc.core.timeline import AllocatorEvent, Timeline
 from memcalc.engine.allocator import K_SMALL_BUFFER
+from memcalc.report.output import write_atomically
 
 __all__ = ("FRAME_FILENAME", "PICKLE_PROTOCOL", "snapshot_dict", "write_snapshot")
 
@@ -88,18 +86,7 @@ def write_snapshot(report: MemoryReport, path: str | os.PathLike[str]) -> None:
     """
     target = Path(path)
     data = pickle.dumps(snapshot_dict(report), protocol=PICKLE_PROTOCOL)
-    # a temporary beside the target, renamed into place; named here rather than by mkstemp,
-    # whose 0600 mode the snapshot would keep
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with temporary.open("xb") as handle:
-            handle.write(data)
-        os.replace(temporary, target)
-    except OSError as exc:
-        raise PlotPathError(f"cannot write the snapshot to {target}: {type(exc).__name__}: {exc}") from exc
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
+    write_atomically(target, "snapshot", lambda temporary: temporary.write_bytes(data))
 
 
 class _Frames:

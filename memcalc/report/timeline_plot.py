@@ -18,11 +18,8 @@ survive at any width.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -31,10 +28,11 @@ import numpy as np
 import numpy.typing as npt
 
 from memcalc.core.categories import Category, Mode, Phase
-from memcalc.core.errors import MissingPackageError, PlotPathError
+from memcalc.core.errors import MissingPackageError
 from memcalc.core.report import MemoryReport
 from memcalc.core.timeline import Timeline
 from memcalc.core.units import Unit, auto_unit, format_bytes, unit_bytes
+from memcalc.report.output import check_output_path, write_atomically
 
 if TYPE_CHECKING:
     from matplotlib.artist import Artist
@@ -48,7 +46,6 @@ __all__ = (
     "Layer",
     "Sampled",
     "ceiling",
-    "check_output_path",
     "check_timeline_path",
     "event_axis_label",
     "event_labels",
@@ -56,7 +53,6 @@ __all__ = (
     "sample",
     "timeline_figure",
     "timelines_of",
-    "write_atomically",
     "write_timeline",
 )
 
@@ -236,54 +232,6 @@ def check_timeline_path(path: str | Path) -> tuple[Path, str]:
     if fmt != "html":
         _matplotlib()
     return target, fmt
-
-
-def check_output_path(path: str | Path, what: str, formats: Sequence[str]) -> tuple[Path, str]:
-    """Check that ``what`` (``"timeline"``, ``"snapshot"``) can be written to ``path``, whose
-    extension must be one of ``formats`` (without the dot).
-
-    Returns:
-        The path and its format (its extension, lower case).
-
-    Raises:
-        PlotPathError: one line naming the path and what to do.
-    """
-    target = Path(path)
-    fmt = target.suffix.lower().lstrip(".")
-    if fmt not in formats:
-        endings = ", ".join("." + f for f in formats[:-1]) + f" or .{formats[-1]}" if len(formats) > 1 \
-            else "." + formats[0]
-        what_is = f"{target.suffix!r} is not a {what} format" if target.suffix else "the name has no extension"
-        raise PlotPathError(f"cannot write the {what} to {target}: {what_is}; end the name in {endings}")
-    folder = target.parent
-    if not folder.is_dir():
-        raise PlotPathError(f"cannot write the {what} to {target}: the folder {folder} does not exist; "
-                            f"create it first")
-    if target.is_dir():
-        raise PlotPathError(f"cannot write the {what} to {target}: it is a folder; give a file name")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise PlotPathError(f"cannot write the {what} to {target}: permission denied")
-    return target, fmt
-
-
-def write_atomically(target: Path, what: str, write: Callable[[Path], object]) -> Path:
-    """Call ``write(temporary)`` for a temporary file beside ``target``, then rename it into
-    place: a failure midway leaves neither a truncated file nor a stray one.
-
-    Raises:
-        PlotPathError: ``write`` or the rename failed.
-    """
-    # Named here rather than made by mkstemp, whose 0600 mode the file would keep.
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        write(temporary)
-        os.replace(temporary, target)
-    except Exception as exc:
-        raise PlotPathError(f"cannot write the {what} to {target}: {type(exc).__name__}: {exc}") from exc
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-    return target
 
 
 def write_timeline(report_or_timelines: MemoryReport | Timeline | Sequence[Timeline], path: str | Path, *,
