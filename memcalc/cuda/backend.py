@@ -40,25 +40,17 @@ _RNN_NOTE = ("recurrent layers: on CUDA nn.LSTM/GRU/RNN run cuDNN's fused kernel
              "that memcalc does not model; the estimate follows the step-by-step decomposition")
 
 
-class CudaBackend:
-    """What a CUDA GPU does differently from meta tensors, for one step of ``options``."""
+class _EmulatingBackend:
+    """What both targets share: an emulation mode entered around the step, CUDA's autocast
+    region for mixed precision and the emulated gradient scaler of fp16."""
 
-    def __init__(self, options: EstimateOptions) -> None:
+    def __init__(self, options: EstimateOptions, emulation: CudaEmulation) -> None:
         self.options = options
-        self.emulation = CudaEmulation(options.precision, options.gpu.compute_capability,
-                                       emulate_kernels=options.emulate_cuda)
-        self.workspaces = (WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN)
-                           if options.emulate_cuda else None)
+        self.emulation = emulation
 
     def attach(self, tracer: StorageTracer) -> None:
         # a checkpointed forward recomputed in backward runs under autocast again
         self.emulation.recomputing = lambda: tracer.modules.recomputing
-        if self.workspaces is not None:
-            self.workspaces.attach(tracer)
-
-    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if self.workspaces is not None:
-            self.workspaces.after_op(func, args, kwargs, out)
 
     def mode(self) -> AbstractContextManager[Any]:
         return self.emulation
@@ -70,6 +62,25 @@ class CudaBackend:
         if not self.options.precision.uses_grad_scaler:
             return None
         return EmulatedGradScaler(torch.device("meta"))
+
+
+class CudaBackend(_EmulatingBackend):
+    """What a CUDA GPU does differently from meta tensors, for one step of ``options``."""
+
+    def __init__(self, options: EstimateOptions) -> None:
+        super().__init__(options, CudaEmulation(options.precision, options.gpu.compute_capability,
+                                                emulate_kernels=options.emulate_cuda))
+        self.workspaces = (WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN)
+                           if options.emulate_cuda else None)
+
+    def attach(self, tracer: StorageTracer) -> None:
+        super().attach(tracer)
+        if self.workspaces is not None:
+            self.workspaces.attach(tracer)
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self.workspaces is not None:
+            self.workspaces.after_op(func, args, kwargs, out)
 
     def attention_backends(self) -> Mapping[str, int]:
         return dict(self.emulation.attention_backends)
@@ -81,33 +92,21 @@ class CudaBackend:
         return notes
 
 
-class CpuBackend:
+class CpuBackend(_EmulatingBackend):
     """What this machine's CPU runs for one step of ``options`` (the CPU target,
     :mod:`memcalc.cuda.cpu`): its own kernel choices and their inner allocations."""
 
     def __init__(self, options: EstimateOptions, capabilities: CpuCapabilities | None = None) -> None:
-        self.options = options
-        self.kernels = CpuKernels(capabilities or CpuCapabilities.here())
-        self.emulation = CpuEmulation(options.precision, options.gpu.compute_capability, self.kernels)
+        kernels = CpuKernels(capabilities or CpuCapabilities.here())
+        super().__init__(options, CpuEmulation(options.precision, options.gpu.compute_capability, kernels))
+        self.kernels = kernels
 
     def attach(self, tracer: StorageTracer) -> None:
-        # a checkpointed forward recomputed in backward runs under autocast again
-        self.emulation.recomputing = lambda: tracer.modules.recomputing
+        super().attach(tracer)
         self.kernels.attach(tracer)
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         self.kernels.after_op(func, args, kwargs, out)
-
-    def mode(self) -> AbstractContextManager[Any]:
-        return self.emulation
-
-    def autocast(self) -> AutocastRegion | None:
-        return self.emulation.autocast if self.options.precision.is_amp else None
-
-    def grad_scaler(self) -> GradScalerLike | None:
-        if not self.options.precision.uses_grad_scaler:
-            return None
-        return EmulatedGradScaler(torch.device("meta"))
 
     def attention_backends(self) -> Mapping[str, int]:
         return {}  # the report's attention line speaks of CUDA's kernels; the notes name the CPU's

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from memcalc.core.losses import LossChoice, LossKind
+from memcalc.engine.trace import tensors_of
 
 __all__ = ("InputsLike", "ModelInputs", "ResolvedModel")
 
@@ -33,7 +34,7 @@ class ModelInputs(Sequence[torch.Tensor]):
     def __init__(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None):
         self.args: tuple[Any, ...] = tuple(args)
         self.kwargs: dict[str, Any] = dict(kwargs or {})
-        self._tensors = (*_tensors_in(self.args), *_tensors_in(tuple(self.kwargs.values())))
+        self._tensors = (*tensors_of(self.args), *tensors_of(tuple(self.kwargs.values())))
 
     @classmethod
     def of(cls, inputs: ModelInputs | Sequence[torch.Tensor]) -> ModelInputs:
@@ -111,17 +112,6 @@ class ResolvedModel:
     def input_description(self) -> str:
         """The inputs' shapes and dtypes, e.g. ``(8, 3, 224, 224) float32`` (keyword inputs by name)."""
         return self.inputs.description
-
-
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors_in(item)
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

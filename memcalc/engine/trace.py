@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias
@@ -579,13 +579,14 @@ class ModuleTracker:
 
 
 def tensors_of(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) tensor / tuple / list / dict value."""
+    """Every tensor in a (nested) tensor / tuple / list / mapping value (a dict, a Hugging
+    Face ``ModelOutput``, a batch of keyword inputs)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from tensors_of(item)
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
         for item in value.values():
             yield from tensors_of(item)
 
