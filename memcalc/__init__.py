@@ -15,11 +15,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from memcalc.api import CPU, estimate, iter_sweep, max_batch_size, sweep
+    from memcalc.api import CPU, estimate, fastest_setting, iter_sweep, max_batch_size, sweep
     from memcalc.core.categories import Category, Mode, Phase
     from memcalc.core.errors import (
         DataDependentError,
         InvalidInputError,
+        LoopFunctionError,
         MemcalcError,
         MissingPackageError,
         ModelSourceError,
@@ -27,20 +28,28 @@ if TYPE_CHECKING:
         SymbolicExecutionError,
         UnknownModelError,
     )
+    from memcalc.core.finetune import FineTune, LoRA, Quant
     from memcalc.core.gpu import GpuProfile
+    from memcalc.core.loop import Loop, LoopPreset, OptimizerImpl
     from memcalc.core.losses import LossChoice
     from memcalc.core.precision import Precision
     from memcalc.core.report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, RoleReport, Textbook
+    from memcalc.core.stack import Stack
+    from memcalc.core.throughput import DataLoaderSetup, LoaderAdvice, StepFlops, StepTime
+    from memcalc.cuda.gpus.performance import loader_advice, step_time, with_time
     from memcalc.distributed.options import Distributed, FsdpSharding, Strategy
     from memcalc.engine.optimizers import Optimizer
     from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult
     from memcalc.search.sweep import SweepPoint
+    from memcalc.search.throughput import ThroughputChoice
+    from memcalc.sources.hub import HuggingFace
 
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     "CPU": "memcalc.api",
     "estimate": "memcalc.api",
+    "fastest_setting": "memcalc.api",
     "iter_sweep": "memcalc.api",
     "max_batch_size": "memcalc.api",
     "sweep": "memcalc.api",
@@ -51,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     "InapplicableOptionError": "memcalc.core.errors",
     "InvalidInputError": "memcalc.core.errors",
     "LossFunctionError": "memcalc.core.errors",
+    "LoopFunctionError": "memcalc.core.errors",
     "PlotPathError": "memcalc.core.errors",
     "MemcalcError": "memcalc.core.errors",
     "MissingPackageError": "memcalc.core.errors",
@@ -58,6 +68,13 @@ _EXPORTS: dict[str, str] = {
     "SymbolicExecutionError": "memcalc.core.errors",
     "UnknownModelError": "memcalc.core.errors",
     "GpuProfile": "memcalc.core.gpu",
+    "FineTune": "memcalc.core.finetune",
+    "LoRA": "memcalc.core.finetune",
+    "Quant": "memcalc.core.finetune",
+    "Loop": "memcalc.core.loop",
+    "LoopPreset": "memcalc.core.loop",
+    "OptimizerImpl": "memcalc.core.loop",
+    "Stack": "memcalc.core.stack",
     "LossChoice": "memcalc.core.losses",
     "Precision": "memcalc.core.precision",
     "ByteBreakdown": "memcalc.core.report",
@@ -75,6 +92,15 @@ _EXPORTS: dict[str, str] = {
     "DoesNotFitError": "memcalc.search.budget",
     "FitResult": "memcalc.search.budget",
     "SweepPoint": "memcalc.search.sweep",
+    "StepFlops": "memcalc.core.throughput",
+    "StepTime": "memcalc.core.throughput",
+    "DataLoaderSetup": "memcalc.core.throughput",
+    "LoaderAdvice": "memcalc.core.throughput",
+    "ThroughputChoice": "memcalc.search.throughput",
+    "loader_advice": "memcalc.cuda.gpus.performance",
+    "step_time": "memcalc.cuda.gpus.performance",
+    "with_time": "memcalc.cuda.gpus.performance",
+    "HuggingFace": "memcalc.sources.hub",
 }
 
 
@@ -98,13 +124,21 @@ __all__ = (
     "ByteBreakdown",
     "Category",
     "DataDependentError",
+    "DataLoaderSetup",
     "Distributed",
     "DoesNotFitError",
+    "FineTune",
     "FitResult",
     "FsdpSharding",
     "GpuProfile",
+    "HuggingFace",
     "InapplicableOptionError",
     "InvalidInputError",
+    "LoRA",
+    "LoaderAdvice",
+    "Loop",
+    "LoopFunctionError",
+    "LoopPreset",
     "LossChoice",
     "LossFunctionError",
     "Measurement",
@@ -115,18 +149,28 @@ __all__ = (
     "ModelSourceError",
     "ModuleRow",
     "Optimizer",
+    "OptimizerImpl",
     "Phase",
     "PlotPathError",
     "Precision",
+    "Quant",
     "RoleReport",
+    "Stack",
+    "StepFlops",
+    "StepTime",
     "Strategy",
     "SweepPoint",
     "SymbolicExecutionError",
     "Textbook",
+    "ThroughputChoice",
     "UnknownModelError",
     "__version__",
     "estimate",
+    "fastest_setting",
     "iter_sweep",
+    "loader_advice",
     "max_batch_size",
+    "step_time",
     "sweep",
+    "with_time",
 )

@@ -19,12 +19,16 @@ import torch
 from memcalc.core.categories import Mode
 from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.loop import Loop, LoopFn, LoopPreset
 from memcalc.core.losses import LossChoice, LossFn
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
+from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
 from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
+from memcalc.cuda.stack import resolve_stack
 from memcalc.distributed.estimate import EstimateRequest, run_estimate
 from memcalc.distributed.options import Distributed
 from memcalc.engine.model import InputsLike
@@ -33,8 +37,9 @@ from memcalc.engine.options import EstimateOptions, Target
 from memcalc.search.budget import DEFAULT_MARGIN, Budget, FitResult, check_margin, resolve_budget
 from memcalc.search.fit import MAX_BATCH, find_max_batch
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests
+from memcalc.search.throughput import ThroughputChoice, find_fastest
 
-__all__ = ("CPU", "estimate", "iter_sweep", "max_batch_size", "sweep")
+__all__ = ("CPU", "estimate", "fastest_setting", "iter_sweep", "max_batch_size", "sweep")
 
 #: ``gpu=memcalc.CPU``: estimate what a CPU run of the step allocates (no CUDA kernel choice,
 #: no CUDA workspaces) — the figure to compare with a real CPU run.
@@ -42,6 +47,7 @@ CPU = "cpu"
 
 GpuLike = str | GpuProfile | None
 LossLike = LossChoice | str | LossFn | None
+LoopLike = Loop | LoopPreset | str | LoopFn | None
 
 
 def estimate(
@@ -61,6 +67,9 @@ def estimate(
     kv_cache: int | None = None,
     capacity: int | str | None = None,
     distributed: Distributed | None = None,
+    loop: LoopLike = None,
+    stack: Stack | None = None,
+    finetune: FineTune | None = None,
 ) -> MemoryReport:
     """Estimate the GPU memory of one training (or eval / inference) step of ``model``.
 
@@ -95,6 +104,12 @@ def estimate(
         capacity: bytes the caching allocator may reserve (an int, or ``"16GiB"``),
             overriding the GPU's.
         distributed: the multi-GPU setting (:class:`Distributed`); None: one GPU.
+        loop: the training loop around the model: a preset name (``"minimal"``, the default;
+            ``"tutorial"``, ``"trainer"``, ``"zero-grad-late"``), your own
+            ``fn(model, optimizer, batches)``, or a :class:`Loop` that adds ``keep_grads`` and
+            ``optimizer_impl`` (``auto``, ``for-loop``, ``foreach``, ``fused``).
+        stack: the PyTorch and CUDA versions assumed (:class:`Stack`); None: the installed torch.
+        finetune: frozen parameters, LoRA adapters and a quantized base (:class:`FineTune`).
 
     Returns:
         A :class:`MemoryReport`: the breakdown at the peak, where it happens, the textbook
@@ -108,7 +123,7 @@ def estimate(
     request = make_request(model, batch_size=batch_size, input_shape=input_shape, inputs=inputs, seq_len=seq_len,
                            optimizer=optimizer, mode=mode, loss=loss, precision=precision, gpu=gpu,
                            checkpoint=checkpoint, accum_steps=accum_steps, kv_cache=kv_cache, capacity=capacity,
-                           distributed=distributed)
+                           distributed=distributed, loop=loop, stack=stack, finetune=finetune)
     return _note_beyond_every_gpu(run_estimate(request))
 
 
@@ -117,12 +132,14 @@ def make_request(model: Any, *, batch_size: int | None = None, input_shape: Sequ
                  optimizer: Optimizer | str | None = None, mode: Mode | str = Mode.TRAIN, loss: LossLike = None,
                  precision: Precision | str = Precision.FP32, gpu: GpuLike = None, checkpoint: bool = False,
                  accum_steps: int = 1, kv_cache: int | None = None, capacity: int | str | None = None,
-                 distributed: Distributed | None = None) -> EstimateRequest:
+                 distributed: Distributed | None = None, loop: LoopLike = None, stack: Stack | None = None,
+                 finetune: FineTune | None = None) -> EstimateRequest:
     """:func:`estimate`'s arguments, validated into an :class:`EstimateRequest`.
 
     Args:
         model, batch_size, input_shape, inputs, seq_len, optimizer, mode, loss, precision, gpu,
-            checkpoint, accum_steps, kv_cache, capacity, distributed: as for :func:`estimate`.
+            checkpoint, accum_steps, kv_cache, capacity, distributed, loop, stack, finetune: as
+            for :func:`estimate`.
 
     Returns:
         The request, with the capacity of the named GPU when none is given.
@@ -139,7 +156,11 @@ def make_request(model: Any, *, batch_size: int | None = None, input_shape: Sequ
     loss_choice, loss_fn = _loss(loss)
     options = EstimateOptions.create(optimizer=Optimizer.ADAM if optimizer is None else optimizer, mode=mode,
                                      precision=precision, gpu=profile, loss=loss_choice, loss_fn=loss_fn,
-                                     accum_steps=accum_steps, checkpoint=checkpoint, kv_cache=kv_cache, target=target)
+                                     accum_steps=accum_steps, checkpoint=checkpoint, kv_cache=kv_cache, target=target,
+                                     loop=loop, stack=stack, finetune=finetune)
+    # the stack, resolved once: concrete versions, and the GPU's context under them
+    versions = resolve_stack(options.stack)
+    options = replace(options, stack=versions.core, gpu=versions.apply(options.gpu))
     if distributed is not None and not isinstance(distributed, Distributed):
         raise InvalidInputError(f"distributed must be a memcalc.Distributed(...), got {type(distributed).__name__}",
                                 hint='e.g. distributed=memcalc.Distributed("ddp", world_size=4)')
@@ -204,9 +225,51 @@ def max_batch_size(
     if not _is_int(neighbours) or neighbours < 0:
         raise InvalidInputError(f"neighbours must be an integer ≥ 0, got {neighbours!r}")
     _check_estimate_options("max_batch_size", estimate_options)
-    resolved = resolve_budget(budget, gpu, device)
+    resolved = resolve_budget(budget, gpu, device, stack=estimate_options.get("stack"))
     request = _search_request(model, resolved, optimizer=optimizer, precision=precision, options=estimate_options)
     return find_max_batch(request, resolved, margin=margin, neighbours=neighbours, max_batch=max_batch)
+
+
+def fastest_setting(
+    model: Any,
+    *,
+    budget: str | int | Budget | None = None,
+    gpu: str | GpuProfile | None = None,
+    device: str | None = None,
+    target_batch: int | None = None,
+    optimizer: Optimizer | str | None = None,
+    precision: Precision | str | None = None,
+    margin: float = DEFAULT_MARGIN,
+    max_batch: int = MAX_BATCH,
+    **estimate_options: Any,
+) -> ThroughputChoice:
+    """The training setting with the most samples per second whose step fits: checkpointing on
+    or off, the micro-batch and, to reach ``target_batch`` samples per optimizer step, the
+    accumulation (:mod:`memcalc.search.throughput`; ``memcalc fit --objective throughput``).
+
+    Args:
+        model, budget, gpu, device, optimizer, precision, margin, max_batch, **estimate_options:
+            as for :func:`max_batch_size` (the GPU must have sourced figures, to be timed;
+            ``checkpoint`` and ``accum_steps`` are the search's).
+        target_batch: samples per optimizer step (per GPU) to reach exactly, as micro-batch ×
+            accumulation (None: no accumulation).
+
+    Returns:
+        A :class:`~memcalc.search.throughput.ThroughputChoice`: the best setting and every one timed.
+
+    Raises:
+        DoesNotFitError: no setting fits.
+        InvalidInputError: an invalid option, or a GPU the step cannot be timed on.
+    """
+    margin = check_margin(margin)
+    target_batch = _positive_int(target_batch, "target_batch", "--target-batch")
+    for chosen in ("checkpoint", "accum_steps"):
+        if chosen in estimate_options:
+            raise InvalidInputError(f"fastest_setting chooses {chosen} itself; leave it out")
+    _check_estimate_options("fastest_setting", estimate_options)
+    resolved = resolve_budget(budget, gpu, device, stack=estimate_options.get("stack"))
+    request = _search_request(model, resolved, optimizer=optimizer, precision=precision, options=estimate_options)
+    return find_fastest(request, resolved, margin=margin, target_batch=target_batch, max_batch=max_batch)
 
 
 def iter_sweep(
@@ -234,7 +297,8 @@ def iter_sweep(
     """
     configs = sweep_configurations(batch_sizes, (Optimizer.ADAM,) if optimizers is None else optimizers, precisions)
     _check_estimate_options("iter_sweep", estimate_options)
-    resolved = resolve_budget(budget, gpu, device) if any(x is not None for x in (budget, gpu, device)) else None
+    resolved = (resolve_budget(budget, gpu, device, stack=estimate_options.get("stack"))
+                if any(x is not None for x in (budget, gpu, device)) else None)
     # optimizers given for an eval sweep are refused as estimate() refuses one: name a real one if any
     named = None if optimizers is None else next((o for _b, o, _p in configs if o != Optimizer.NONE.value),
                                                  Optimizer.NONE.value)
@@ -269,7 +333,8 @@ def sweep(
 
 
 #: The arguments of estimate() that max_batch_size() and sweep() pass on (``**estimate_options``).
-_ESTIMATE_OPTIONS = ("input_shape", "seq_len", "mode", "loss", "checkpoint", "accum_steps", "kv_cache", "distributed")
+_ESTIMATE_OPTIONS = ("input_shape", "seq_len", "mode", "loss", "checkpoint", "accum_steps", "kv_cache", "distributed",
+                     "loop", "stack", "finetune")
 #: estimate() arguments a search sets itself, or takes under another name.
 _SEARCH_SETS = {"batch_size": "the search sets the batch size", "capacity": "the budget is the capacity",
                 "inputs": "the search makes inputs at each batch size: give input_shape or seq_len",

@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (registration side effect)
     bert,
     densenet,
     efficientnet,
+    gemma2,
     gpt2,
     llama,
     mlp,

@@ -1,4 +1,5 @@
-"""Llama 2 (7B, 13B, 70B) and a small llama-shaped model, laid out as HF ``LlamaForCausalLM``.
+"""Llama 2 and 3, Mistral 7B, Qwen2.5 7B and a small llama-shaped model, laid out as HF
+``LlamaForCausalLM`` (``MistralForCausalLM`` and ``Qwen2ForCausalLM`` share that layout).
 
 Names follow HF (``model.embed_tokens``, ``model.layers.9.self_attn.q_proj``,
 ``model.layers.9.mlp.gate_proj``, ``model.layers.9.input_layernorm``, ``model.norm``,
@@ -6,12 +7,23 @@ Names follow HF (``model.embed_tokens``, ``model.layers.9.self_attn.q_proj``,
 
 * RMSNorm computes in float32 and casts back (so a bf16 run holds an fp32 copy);
 * rotary embeddings are computed once per forward in ``model.rotary_emb`` and handed to
-  every layer as ``(cos, sin)``; unlike HF there is no ``inv_freq`` buffer (it is rebuilt
-  from ``arange`` on the input's device), so nothing needs materializing after a meta build;
-* grouped-query attention repeats the K/V heads with ``expand`` + ``reshape`` (HF's
-  ``repeat_kv``) before ``F.scaled_dot_product_attention(..., is_causal=True)``.
+  every layer as ``(cos, sin)`` (:mod:`models_zoo.llm_blocks`);
+* attention is ``F.scaled_dot_product_attention`` as HF's ``sdpa_attention_forward`` calls it
+  (:func:`models_zoo.llm_blocks.sdpa_attention`). Grouped-query K/V: the Llama 3, Mistral and
+  Qwen2.5 entries follow transformers 5.x (``enable_gqa=True`` when no mask is given, K/V not
+  copied); the Llama 2 entries and ``llama-tiny`` keep the ``repeat_kv`` copy of transformers 4.x
+  (``LlamaConfig.sdpa_enable_gqa``), as they were first written. Note that with ``enable_gqa``
+  CUDA has no fused fp32 kernel up to torch 2.13 (flash is 16-bit only, mem-efficient takes no
+  GQA), so an fp32 step runs the math kernel and materializes the ``(B, H, T, T)`` scores, in HF
+  as here;
+* Qwen2 gives q/k/v (not o_proj) a bias (``qkv_bias``);
+* Mistral's sliding window (``sliding_window``): below it a causal mask hides nothing more, and
+  HF passes no mask (``is_causal=True``, ``enable_gqa``); from ``seq_len >= sliding_window`` on HF
+  builds one boolean ``(B, 1, T, T)`` mask per forward (an expanded ``(1, 1, T, T)``), shared by
+  every layer, and — having a mask — repeats K/V for SDPA. The zoo does the same.
 
-Layers are called as ``layer(hidden, cos, sin)``.
+Layers are called as ``layer(hidden, cos, sin, mask)``; ``mask`` is None unless a sliding
+window applies.
 """
 
 from __future__ import annotations
@@ -20,10 +32,20 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .llm_blocks import GatedMLP, RotaryEmbedding, apply_rotary_pos_emb, causal_mask, sdpa_attention, sdpa_needs_mask
 from .registry import InputKind, LossKind, ZooEntry, register
+
+__all__ = (
+    "LlamaAttention",
+    "LlamaConfig",
+    "LlamaDecoderLayer",
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "LlamaRMSNorm",
+    "parameter_count",
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +59,13 @@ class LlamaConfig:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Qwen2: q_proj, k_proj and v_proj have a bias, o_proj has none.
+    qkv_bias: bool = False
+    # Mistral: each query attends to the last `sliding_window` keys (None: all earlier keys).
+    sliding_window: int | None = None
+    # transformers 5.x: grouped-query K/V reach SDPA uncopied (enable_gqa=True) when there is no
+    # mask; False: always repeat_kv, as transformers 4.x did.
+    sdpa_enable_gqa: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -56,89 +85,39 @@ class LlamaRMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class LlamaRotaryEmbedding(nn.Module):
-    """cos/sin tables ``(1, T, head_dim)`` for positions ``0..T-1`` (HF's default rope type)."""
-
-    def __init__(self, head_dim: int, base: float = 10000.0):
-        super().__init__()
-        self.head_dim = head_dim
-        self.base = base
-
-    def forward(self, x: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=x.device).float() / self.head_dim
-        inv_freq = 1.0 / (self.base ** exponent)
-        positions = torch.arange(seq_len, device=x.device).float()
-        freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(0)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
-    """(B, kv_heads, T, hd) → (B, kv_heads * n_rep, T, hd), as HF (materializes the copy)."""
-    if n_rep == 1:
-        return x
-    b, kv, t, hd = x.shape
-    return x[:, :, None, :, :].expand(b, kv, n_rep, t, hd).reshape(b, kv * n_rep, t, hd)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.sdpa_enable_gqa = cfg.sdpa_enable_gqa
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _apply_rotary(q, k, cos, sin)
-        n_rep = self.num_heads // self.num_kv_heads
-        out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = sdpa_attention(q, k, v, self.num_heads // self.num_kv_heads, mask, enable_gqa=self.sdpa_enable_gqa)
         projected: Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         return projected
-
-
-class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return out
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -146,16 +125,20 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
+        self.sliding_window = cfg.sliding_window
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(cfg.head_dim, base=cfg.rope_theta)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, base=cfg.rope_theta)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(x, input_ids.shape[1])
+        b, t = input_ids.shape
+        # HF makes the mask before the rotary tables (create_sliding_window_causal_mask).
+        mask = causal_mask(b, t, x.device, self.sliding_window) if sdpa_needs_mask(t, self.sliding_window) else None
+        cos, sin = self.rotary_emb(x, t)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         hidden: Tensor = self.norm(x)
         return hidden
 
@@ -176,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
 def parameter_count(cfg: LlamaConfig) -> int:
     """Closed form: embeddings + untied head + per-layer attention/MLP/norms + final norm."""
     d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    per_layer = 2 * d * d + 2 * d * kv + 3 * d * cfg.intermediate_size + 2 * d
+    qkv_bias = d + 2 * kv if cfg.qkv_bias else 0
+    per_layer = 2 * d * d + 2 * d * kv + qkv_bias + 3 * d * cfg.intermediate_size + 2 * d
     return 2 * cfg.vocab_size * d + cfg.num_layers * per_layer + d
 
 
@@ -184,32 +168,64 @@ def _build(cfg: LlamaConfig, shape: tuple[int, ...]) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)  # no position table: the sequence length does not change the model
 
 
-_TINY = LlamaConfig(512, 8, 8, 2, 1376, max_position_embeddings=512)
-
-# config, reference count, default sequence length, description.
-_CONFIGS = {
-    "llama-2-7b": (LlamaConfig(4096, 32, 32, 32, 11008), 6_738_415_616, "meta-llama/Llama-2-7b-hf"),
-    "llama-2-13b": (LlamaConfig(5120, 40, 40, 40, 13824), 13_015_864_320, "meta-llama/Llama-2-13b-hf"),
-    "llama-2-70b": (LlamaConfig(8192, 80, 64, 8, 28672), 68_976_648_192, "meta-llama/Llama-2-70b-hf"),
-    "llama-tiny": (_TINY, parameter_count(_TINY), "memcalc's own small config, not a released model"),
-}
-
-for _name, (_cfg, _count, _source) in _CONFIGS.items():
-    gqa = f", {_cfg.num_kv_heads} KV heads" if _cfg.num_kv_heads != _cfg.num_heads else ""
+def _register(name: str, family: str, cfg: LlamaConfig, count: int, source: str, *,
+              default_seq_len: int | None = None, extra: str = "") -> None:
+    gqa = f", {cfg.num_kv_heads} KV heads" if cfg.num_kv_heads != cfg.num_heads else ""
     register(
         ZooEntry(
-            name=_name,
-            family="llama",
-            builder=partial(_build, _cfg),
+            name=name,
+            family=family,
+            builder=partial(_build, cfg),
             input_kind=InputKind.TOKENS,
-            default_shape=(_cfg.max_position_embeddings,),
+            default_shape=(default_seq_len or cfg.max_position_embeddings,),
             loss=LossKind.LM_CROSS_ENTROPY,
-            reference_parameters=_count,
-            vocab_size=_cfg.vocab_size,
-            description=f"HF LlamaForCausalLM ({_source}): {_cfg.num_layers} layers, d {_cfg.hidden_size}, "
-                        f"{_cfg.num_heads} heads{gqa}, SwiGLU {_cfg.intermediate_size}",
+            reference_parameters=count,
+            vocab_size=cfg.vocab_size,
+            description=f"{source}: {cfg.num_layers} layers, d {cfg.hidden_size}, "
+                        f"{cfg.num_heads} heads{gqa}, SwiGLU {cfg.intermediate_size}{extra}",
             block_containers=("model.layers",),
-            context_length=_cfg.max_position_embeddings,
+            context_length=cfg.max_position_embeddings,
             decoder=True,
         )
     )
+
+
+_TINY = LlamaConfig(512, 8, 8, 2, 1376, max_position_embeddings=512)
+
+# Reference counts: the hub checkpoints, checked against transformers' own classes built from
+# the same configs (tests/test_zoo_vs_references.py).
+_register("llama-2-7b", "llama", LlamaConfig(4096, 32, 32, 32, 11008), 6_738_415_616,
+          "HF LlamaForCausalLM (meta-llama/Llama-2-7b-hf)")
+_register("llama-2-13b", "llama", LlamaConfig(5120, 40, 40, 40, 13824), 13_015_864_320,
+          "HF LlamaForCausalLM (meta-llama/Llama-2-13b-hf)")
+_register("llama-2-70b", "llama", LlamaConfig(8192, 80, 64, 8, 28672), 68_976_648_192,
+          "HF LlamaForCausalLM (meta-llama/Llama-2-70b-hf)")
+_register("llama-tiny", "llama", _TINY, parameter_count(_TINY),
+          "HF LlamaForCausalLM (memcalc's own small config, not a released model)")
+
+
+def _llama_3(hidden: int, layers: int, heads: int, intermediate: int) -> LlamaConfig:
+    """Llama 3: 8 KV heads, a 128,256-token vocabulary, rope_theta 500,000, 8,192-token context."""
+    return LlamaConfig(hidden, layers, heads, 8, intermediate, vocab_size=128256, max_position_embeddings=8192,
+                       rope_theta=500000.0, sdpa_enable_gqa=True)
+
+
+_register("llama-3-8b", "llama", _llama_3(4096, 32, 32, 14336), 8_030_261_248,
+          "HF LlamaForCausalLM (meta-llama/Meta-Llama-3-8B)")
+_register("llama-3-70b", "llama", _llama_3(8192, 80, 64, 28672), 70_553_706_496,
+          "HF LlamaForCausalLM (meta-llama/Meta-Llama-3-70B)")
+
+# Mistral 7B v0.1: max_position_embeddings 32,768, but trained on 8,192 tokens (its paper's
+# context_len), which is the default here.
+_register("mistral-7b", "mistral",
+          LlamaConfig(4096, 32, 32, 8, 14336, max_position_embeddings=32768, sliding_window=4096,
+                      sdpa_enable_gqa=True),
+          7_241_732_096, "HF MistralForCausalLM (mistralai/Mistral-7B-v0.1)", default_seq_len=8192,
+          extra=", sliding window 4096")
+
+# Qwen2.5 7B: use_sliding_window is false in its config, so every layer attends to all earlier
+# tokens; max_position_embeddings 131,072 (its card: beyond 32,768 with YaRN) — 8,192 by default.
+_register("qwen2.5-7b", "qwen2",
+          LlamaConfig(3584, 28, 28, 4, 18944, vocab_size=152064, max_position_embeddings=131072,
+                      rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True, sdpa_enable_gqa=True),
+          7_615_616_512, "HF Qwen2ForCausalLM (Qwen/Qwen2.5-7B)", default_seq_len=8192, extra=", q/k/v bias")

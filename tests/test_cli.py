@@ -57,7 +57,9 @@ def test_json_contract_keys():
     result = run("mlp", "--batch", "8", "--format", "json")
     data = json.loads(result.output)
     assert list(data) == ["model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters",
-                          "peak_phase", "peak_module", "attention_backend", "fits", "bytes"]
+                          "peak_phase", "peak_module", "attention_backend", "fits", "loop", "keep_grads",
+                          "optimizer_impl", "torch_version", "cuda_version", "trainable_parameters",
+                          "paged_optimizer_state", "bytes"]
     assert data["batch_size"] == 8 and data["optimizer"] == "adam"
 
 

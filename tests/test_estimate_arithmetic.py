@@ -186,7 +186,8 @@ def test_module_table_rows_and_depth():
 def test_to_dict_is_exactly_the_contract():
     d = memcalc.estimate("mlp", batch_size=4).to_dict()
     assert set(d) == {"model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters", "peak_phase",
-                      "peak_module", "attention_backend", "fits", "bytes"}
+                      "peak_module", "attention_backend", "fits", "loop", "keep_grads", "optimizer_impl",
+                      "torch_version", "cuda_version", "trainable_parameters", "paged_optimizer_state", "bytes"}
     assert set(d["bytes"]) == {"parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations",
                                "workspace", "kv_cache", "peak_allocated", "peak_reserved",
                                "peak_reserved_unconstrained", "cuda_context"}

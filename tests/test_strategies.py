@@ -42,9 +42,15 @@ _DISTRIBUTED = ("world_size", "device_ids", "batch_is_global", "bucket_cap_mb", 
                 "reduce_bucket_size")
 
 
+#: The real runs below step Adam(foreach=True); the estimates step the same implementation.
+FOREACH = memcalc.Loop(optimizer_impl="foreach")
+
+
 def _two(strategy: str, **kw):
-    # gpu="cpu": no cuBLAS workspace, so every byte below is the model's.
+    # gpu="cpu": no cuBLAS workspace, so every byte below is the model's. The step is the one a
+    # GPU runs, foreach (the CPU's own default is the for-loop), as in _real_peak below.
     kw.setdefault("optimizer", "adam")
+    kw.setdefault("loop", FOREACH)
     dist = {k: kw.pop(k) for k in _DISTRIBUTED if k in kw}
     return memcalc.estimate(two_layers, input_shape=(1024,), batch_size=1, loss="mean", gpu="cpu",
                             distributed=memcalc.Distributed(strategy, **dist), **kw)
@@ -455,7 +461,7 @@ def test_fsdp_against_real_fully_shard(fake_process_group, factory, shape, batch
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     real = _real_peak(model, torch.randn(batch, *shape), [p.to_local() for p in model.parameters()])
     estimate = memcalc.estimate(factory, input_shape=shape, batch_size=batch, distributed=memcalc.Distributed("fsdp", world_size=fake_process_group, sharding=sharding), optimizer="adam", loss="mean",
-                                gpu="cpu")
+                                gpu="cpu", loop=FOREACH)
     assert estimate.peak_requested == real - _step_counters(factory)
 
 
@@ -491,7 +497,7 @@ def test_ddp_against_real_distributed_data_parallel(fake_process_group, view, bu
     torch.manual_seed(0)
     model = _BlockNet()
     real = _real_peak(model, torch.randn(16, 64), list(model.parameters()), setup=wrap)
-    estimate = memcalc.estimate(_BlockNet, input_shape=(64,), batch_size=16, distributed=memcalc.Distributed("ddp", world_size=fake_process_group, gradient_as_bucket_view=view, bucket_cap_mb=bucket_cap_mb), optimizer="adam", loss="mean", gpu="cpu")
+    estimate = memcalc.estimate(_BlockNet, input_shape=(64,), batch_size=16, distributed=memcalc.Distributed("ddp", world_size=fake_process_group, gradient_as_bucket_view=view, bucket_cap_mb=bucket_cap_mb), optimizer="adam", loss="mean", gpu="cpu", loop=FOREACH)
     # + 12 B: DDP's own CPU scalars
     assert 0 <= real - _step_counters(_BlockNet) - estimate.peak_requested <= 16
 
@@ -545,7 +551,8 @@ def test_cli_usage_errors(args, message):
 
 
 _SINGLE_KEYS = {"model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters", "peak_phase",
-                "peak_module", "attention_backend", "fits", "bytes"}
+                "peak_module", "attention_backend", "fits", "loop", "keep_grads", "optimizer_impl", "torch_version",
+                "cuda_version", "trainable_parameters", "paged_optimizer_state", "bytes"}
 
 
 def test_json_single_unchanged_and_strategy_section_added():

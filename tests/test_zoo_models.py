@@ -8,14 +8,21 @@ registry typo cannot make a test pass by reading its own answer back.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import memcalc
 import models_zoo
 from models_zoo import InputKind, LossKind
+from models_zoo.llm_blocks import causal_mask, eager_attention, eager_float_mask, repeat_kv
+from models_zoo.gemma2 import Gemma2Config, Gemma2ForCausalLM
+from models_zoo.gemma2 import parameter_count as gemma2_parameter_count
+from models_zoo.llama import LlamaConfig, LlamaForCausalLM
 
 # --------------------------------------------------------------------------- reference counts
 
@@ -64,6 +71,12 @@ EXPECTED_PARAMETERS = {
     "llama-2-7b": 6_738_415_616,
     "llama-2-13b": 13_015_864_320,
     "llama-2-70b": 68_976_648_192,
+    "llama-3-8b": 8_030_261_248,
+    "llama-3-70b": 70_553_706_496,
+    "mistral-7b": 7_241_732_096,
+    "qwen2.5-7b": 7_615_616_512,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-2-9b": 9_241_705_984,
     # memcalc's own config: d 512, 8 layers, 8 heads / 2 KV heads (head 64), SwiGLU 1376, vocab 32000.
     "llama-tiny": 2 * 32000 * 512 + 8 * (2 * 512 * 512 + 2 * 512 * 128 + 3 * 512 * 1376 + 2 * 512) + 512,
     "unet": unet_parameters(),
@@ -190,6 +203,11 @@ def test_block_containers_resolve_to_module_lists():
         ("gpt2", "transformer.h.11.mlp.c_proj"),
         ("llama-2-70b", "model.layers.79.self_attn.k_proj"),
         ("llama-2-70b", "model.layers.79.post_attention_layernorm"),
+        ("llama-3-70b", "model.layers.79.mlp.down_proj"),
+        ("mistral-7b", "model.layers.31.self_attn.v_proj"),
+        ("qwen2.5-7b", "model.layers.27.self_attn.q_proj"),
+        ("gemma-2-2b", "model.layers.25.pre_feedforward_layernorm"),
+        ("gemma-2-9b", "model.layers.41.post_feedforward_layernorm"),
         ("unet", "up4.conv.double_conv.3"),
     ],
 )
@@ -236,6 +254,142 @@ def test_llama_70b_grouped_query_attention_shapes():
 def test_llama_lm_head_is_untied():
     model = build_meta("llama-2-7b")
     assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
+def test_llama_3_mistral_qwen_shapes():
+    attn = build_meta("llama-3-70b").model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (64, 8, 128)
+    assert build_meta("llama-3-8b").model.embed_tokens.num_embeddings == 128256
+    mistral = build_meta("mistral-7b")
+    assert mistral.model.sliding_window == 4096
+    assert mistral.lm_head.weight is not mistral.model.embed_tokens.weight
+    qwen = build_meta("qwen2.5-7b").model.layers[0].self_attn
+    # Qwen2: q/k/v with bias (28 and 4 heads of 128), o_proj without
+    assert [tuple(m.bias.shape) for m in (qwen.q_proj, qwen.k_proj, qwen.v_proj)] == [(3584,), (512,), (512,)]
+    assert qwen.o_proj.bias is None
+    assert build_meta("qwen2.5-7b").model.sliding_window is None  # use_sliding_window: false
+
+
+@pytest.mark.parametrize("name, gqa", [("llama-3-8b", True), ("llama-3-70b", True), ("mistral-7b", True),
+                                       ("qwen2.5-7b", True), ("llama-2-70b", False), ("llama-tiny", False)])
+def test_grouped_query_attention_follows_its_transformers_version(name, gqa):
+    # transformers 5.x passes enable_gqa=True to SDPA; the Llama 2 entries keep 4.x's repeat_kv
+    assert build_meta(name).config.sdpa_enable_gqa is gqa
+
+
+class _RecordSdpa(TorchFunctionMode):
+    """Records what each F.scaled_dot_product_attention call receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            mask = kwargs.get("attn_mask")
+            self.calls.append({"key": tuple(args[1].shape), "mask": None if mask is None else tuple(mask.shape),
+                               "enable_gqa": kwargs.get("enable_gqa", False), "is_causal": kwargs.get("is_causal")})
+        return func(*args, **kwargs)
+
+
+# d 64, 2 layers, 4 heads / 2 KV heads (head 16), window 8
+_SMALL = LlamaConfig(64, 2, 4, 2, 128, vocab_size=100, sliding_window=8, sdpa_enable_gqa=True)
+
+
+@pytest.mark.parametrize("cfg, seq_len, expected", [
+    # below the window: no mask, is_causal, the 2 KV heads handed over as they are
+    (_SMALL, 7, {"key": (3, 2, 7, 16), "mask": None, "enable_gqa": True, "is_causal": True}),
+    # from the window on (even at ==): HF's boolean mask, and having a mask, K/V repeated to 4 heads
+    (_SMALL, 8, {"key": (3, 4, 8, 16), "mask": (3, 1, 8, 8), "enable_gqa": False, "is_causal": False}),
+    (_SMALL, 20, {"key": (3, 4, 20, 16), "mask": (3, 1, 20, 20), "enable_gqa": False, "is_causal": False}),
+    # no window (Llama 3, Qwen2.5): never a mask
+    (replace(_SMALL, sliding_window=None), 20, {"key": (3, 2, 20, 16), "mask": None, "enable_gqa": True,
+                                                "is_causal": True}),
+    # transformers 4.x (Llama 2 entries): repeat_kv, is_causal
+    (replace(_SMALL, sliding_window=None, sdpa_enable_gqa=False), 20,
+     {"key": (3, 4, 20, 16), "mask": None, "enable_gqa": False, "is_causal": True}),
+])
+def test_sdpa_calls_match_hugging_face(cfg, seq_len, expected):
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    recorder = _RecordSdpa()
+    with recorder:
+        model(torch.zeros(3, seq_len, dtype=torch.int64, device="meta"))
+    assert recorder.calls == [expected] * cfg.num_layers
+
+
+def test_sliding_window_mask_is_hugging_faces_example():
+    # masking_utils.sdpa_mask's docstring, sliding_window=3, 5 tokens: each query sees itself and 2 before
+    allowed = causal_mask(2, 5, torch.device("cpu"), sliding_window=3)
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [1, 1, 1, 0, 0],
+                             [0, 1, 1, 1, 0],
+                             [0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert allowed.shape == (2, 1, 5, 5) and allowed.stride(0) == 0  # one (1, 1, T, T) expanded over the batch
+    assert torch.equal(allowed[1, 0], expected)
+    assert torch.equal(causal_mask(1, 5, torch.device("cpu"))[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
+    additive = eager_float_mask(allowed, torch.bfloat16)
+    assert additive.dtype == torch.bfloat16 and additive.shape == (2, 1, 5, 5) and additive.stride(0) != 0
+    assert torch.equal(additive[0, 0] == 0, expected)
+    assert float(additive[0, 0, 0, 1]) == torch.finfo(torch.bfloat16).min
+
+
+def test_eager_attention_equals_sdpa_without_softcap():
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 6, 8, dtype=torch.float64), torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    mask = eager_float_mask(causal_mask(2, 6, q.device), q.dtype)
+    eager = eager_attention(q, k, v, 2, mask, scaling=8 ** -0.5, softcap=None, dropout_p=0.0, training=True)
+    reference = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+    assert torch.allclose(eager, reference.transpose(1, 2))
+    capped = eager_attention(q, k, v, 2, mask, scaling=8 ** -0.5, softcap=1e-3, dropout_p=0.0, training=True)
+    assert not torch.allclose(capped, eager)  # a cap this small flattens the scores: uniform over the past
+
+
+@pytest.mark.slow  # the whole zoo, or real CPU steps
+def test_real_cpu_mistral_window_that_hides_nothing_changes_nothing():
+    # at seq_len == window the mask path runs (mask + repeat_kv) but masks only the future
+    torch.manual_seed(0)
+    windowed = LlamaForCausalLM(replace(_SMALL, sliding_window=10))
+    plain = LlamaForCausalLM(replace(_SMALL, sliding_window=None))
+    plain.load_state_dict(windowed.state_dict())
+    ids = torch.randint(0, 100, (2, 10))
+    assert torch.allclose(windowed(ids), plain(ids), atol=1e-6)
+    shorter = LlamaForCausalLM(replace(_SMALL, sliding_window=4))
+    shorter.load_state_dict(windowed.state_dict())
+    assert torch.allclose(shorter(ids)[:, :4], plain(ids)[:, :4], atol=1e-6)
+    assert not torch.allclose(shorter(ids)[:, 4:], plain(ids)[:, 4:], atol=1e-3)
+
+
+def test_gemma_2_layout():
+    model = build_meta("gemma-2-2b")
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, counted once
+    assert [layer.sliding for layer in model.model.layers[:4]] == [True, False, True, False]  # HF layer_types
+    attn = model.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (8, 4, 256)
+    assert tuple(attn.q_proj.weight.shape) == (2048, 2304)  # 8 heads × 256 > hidden 2304
+    assert attn.scaling == 256 ** -0.5 and attn.softcap == 50.0
+    assert model.final_logit_softcapping == 30.0 and model.model.embed_scale == 48.0  # sqrt(2304)
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.act_fn, nn.GELU) and layer.mlp.act_fn.approximate == "tanh"
+    assert build_meta("gemma-2-9b").model.layers[0].self_attn.scaling == 256 ** -0.5
+
+
+@pytest.mark.slow  # the whole zoo, or real CPU steps
+def test_real_cpu_gemma_2_step():
+    torch.manual_seed(0)
+    cfg = Gemma2Config(64, 3, 4, 2, 128, head_dim=32, vocab_size=100, sliding_window=4, query_pre_attn_scalar=32)
+    model = Gemma2ForCausalLM(cfg)
+    for p in model.parameters():  # Gemma's norms start at 0 (scale 1): move everything off its init
+        nn.init.normal_(p, std=2.0)
+    logits = model(torch.randint(0, 100, (2, 9)))
+    assert tuple(logits.shape) == (2, 9, 100)
+    assert logits.abs().max() <= 30.0  # final soft-cap: 30 · tanh(·)
+    logits.mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert gemma2_parameter_count(cfg) == n_parameters(model)
 
 
 def test_unet_odd_input_size_on_meta():

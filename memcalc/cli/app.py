@@ -16,16 +16,22 @@ import models_zoo
 from memcalc import api
 from memcalc.cli.fit import fit_command
 from memcalc.cli.gpus import gpus_command
+from memcalc.cli.hf import attn_model, attn_option
 from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.cli.sweep import sweep_command
+from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
+from memcalc.core.throughput import DataLoaderSetup
+from memcalc.cuda.gpus.performance import check_timeable, loader_advice, with_time
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.measure import attach_measurement
 from memcalc.report.output import check_output_path
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
+from memcalc.report.time_render import render_loader
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
 
 __all__ = ("main",)
@@ -90,46 +96,87 @@ def main() -> None:
 @click.option("--snapshot", "snapshot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Write the simulated allocator trace as a torch.cuda.memory._snapshot() pickle (.pickle or "
                    ".pkl; the busiest GPU's with --strategy): open it at https://pytorch.org/memory_viz.")
+@click.option("--time", "timed", is_flag=True,
+              help="Also estimate the step time on --gpu (a roofline per kernel, with assumed efficiencies): "
+                   "samples/s and tokens/s beside the memory.")
+@click.option("--data-loader", "data_loader", default=None, metavar="SPEC",
+              help="Your DataLoader, to check it keeps the GPU fed (implies --time): workers=N,prefetch=N,pin=yes|no,"
+                   "sample-bytes=SIZE (default: the input batch's bytes per sample).")
+@click.option("--sample-load-ms", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MS",
+              help="One worker's measured time to load one sample, in ms (with --data-loader, or alone for "
+                   "num_workers=0): the workers that keep the GPU fed, and whether the loader is the bottleneck.")
+@setup_options
+@attn_option
 @strategy_options
 @output_options
 @handle_errors
 def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: str | None,
                      input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
                      accum_steps: int, kv_cache: int | None, loss: str | None, depth: int, measure: bool,
-                     timeline_path: str | None, snapshot_path: str | None,
+                     timeline_path: str | None, snapshot_path: str | None, timed: bool, data_loader: str | None,
+                     sample_load_ms: float | None,
                      fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
     """Estimate the GPU memory of one step of MODEL.
 
     MODEL is a zoo name (memcalc zoo lists them), path/to/file.py:factory,
-    package.module:factory, torchvision:NAME, timm:NAME, hf:NAME or hf:config.json.
+    package.module:factory, torchvision:NAME, timm:NAME, hf:MODEL_TYPE, hf:ORG/NAME[@REVISION]
+    (config.json only, from the Hugging Face cache or the Hub) or hf:config.json.
     """
+    source = attn_model(model, multi_gpu)  # an hf: model with --attn becomes a HuggingFace source
     step = dict(optimizer=optim if given("optim") else None, precision=precision, gpu=gpu,
                 **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                                 accum_steps=accum_steps, kv_cache=kv_cache, loss=loss))
+                                 accum_steps=accum_steps, kv_cache=kv_cache, loss=loss),
+                **setup_arguments(multi_gpu))
     distributed = strategy_arguments(measure=measure, **multi_gpu)
+    if measure and "finetune" in step:
+        _refuse_measured_finetune(step["finetune"])
     # the output files are checked before the estimate, not after it
     if timeline_path is not None:
         check_timeline_path(timeline_path)
     if snapshot_path is not None:
         check_output_path(snapshot_path, "snapshot", SNAPSHOT_FORMATS)
+    loader = None
+    if data_loader is not None or sample_load_ms is not None:
+        loader = DataLoaderSetup.parse(data_loader or "", sample_load_ms=sample_load_ms)
+        timed = True  # the loader is judged against the step time
+    if timed:
+        check_timeable(gpu)  # before the estimate, not after it
     with quiet():
-        report = api.estimate(model, batch_size=batch, **step, **distributed)
+        report = api.estimate(source, batch_size=batch, **step, **distributed)
     if measure:
-        report = attach_measurement(report, model, batch_size=batch, **step)
+        report = attach_measurement(report, source, batch_size=batch, **step)
+    if timed:
+        report = with_time(report)
     if timeline_path is not None:
         click.echo(f"wrote {write_timeline(report, timeline_path)}", err=True)
     if snapshot_path is not None:
         write_snapshot(report, snapshot_path)
         click.echo(f"wrote {snapshot_path}", err=True)
+    advice = loader_advice(report, loader) if loader is not None else None
     if fmt == "json":
         data = report.to_dict()
         if report.measurement is not None:
             data["measured"] = _measurement_dict(report.measurement)
+        if advice is not None:
+            data["data_loader"] = advice.to_dict()
         click.echo(render_json(data))
     else:
         if report.roles:
             click.echo(render_roles(report, fmt=fmt, unit=units))
         click.echo(render_report(report, fmt=fmt, unit=units, module_depth=depth), nl=False)
+        if advice is not None:
+            click.echo(f"\n{render_loader(advice, unit=units)}")
+
+
+def _refuse_measured_finetune(finetune: FineTune) -> None:
+    """--measure runs the real step: a quantized base needs bitsandbytes' CUDA kernels (memcalc
+    only emulates their storage), and the measurement does not build adapters or freeze yet."""
+    if finetune.quant is not None:
+        raise click.UsageError(f"--measure cannot run --quant {finetune.quant.value}: a real quantized base needs "
+                               f"bitsandbytes and its CUDA kernels, which memcalc emulates without running them; "
+                               f"leave out --measure to estimate it")
+    raise click.UsageError("--measure does not apply --freeze or --lora yet (it would measure full fine-tuning); "
+                           "leave out --measure to estimate them")
 
 
 def _measurement_dict(m: Measurement) -> dict[str, Any]:

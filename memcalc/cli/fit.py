@@ -4,18 +4,23 @@ call to :func:`memcalc.max_batch_size`, rendering; errors are mapped by
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import click
 from tabulate import tabulate
 
 from memcalc import api
+from memcalc.cli.hf import attn_model, attn_option
 from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
 from memcalc.cli.params import OPTIMIZERS, PRECISIONS, UnitCommand, budget_arguments, budget_options
+from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.core.units import format_bytes
+from memcalc.cuda.gpus.performance import check_timeable, with_time
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json, render_report, render_roles
+from memcalc.report.time_render import render_choice
 from memcalc.search.budget import DEFAULT_MARGIN, FitResult, format_margin
 
 __all__ = ("fit_command",)
@@ -51,17 +56,28 @@ class MarginType(click.ParamType[float]):
 @click.option("--precision", type=click.Choice(PRECISIONS, case_sensitive=False), default=None,
               help="Numeric precision (default: the estimate's, fp32).")
 @step_options
+@setup_options
+@attn_option
 @strategy_options
 @click.option("--margin", type=MarginType(), default=DEFAULT_MARGIN, show_default=True,
               help="Fraction of the budget held back for the estimate's error (0.06 or 6%); 0: the raw boundary.")
 @click.option("--neighbours", type=click.IntRange(min=0, max=16), default=DEFAULT_NEIGHBOURS, show_default=True,
               help="Also show the batches this close to the answer.")
+@click.option("--time", "timed", is_flag=True,
+              help="Also estimate the step time of the answer on --gpu: samples/s and tokens/s beside the memory.")
+@click.option("--objective", type=click.Choice(["memory", "throughput"]), default="memory", show_default=True,
+              help="memory: the largest batch that fits. throughput: among the settings that fit (checkpointing on "
+                   "or off, micro-batch, accumulation to --target-batch), the one with the most samples/s on --gpu.")
+@click.option("--target-batch", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --objective throughput: samples per optimizer step to reach exactly, accumulating "
+                   "micro-batches when they do not fit at once.")
 @output_options
 @handle_errors
 def fit_command(model: str, gpu: str | None, budget: int | None, device: str | None, optim: str,
                 precision: str | None, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str,
                 checkpoint: bool, accum_steps: int, kv_cache: int | None, loss: str | None, margin: float,
-                neighbours: int, fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
+                neighbours: int, timed: bool, objective: str, target_batch: int | None, fmt: str, units: str,
+                debug: bool, **multi_gpu: Any) -> None:
     """The largest batch of MODEL whose step fits a GPU, a budget or a local GPU (per GPU, with
     a multi-GPU --strategy).
 
@@ -70,19 +86,50 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
     memcalc fit gpt2 --seq-len 512 --budget 16GiB
     memcalc fit resnet50 --device auto
     memcalc fit vgg16 --budget 24GiB --margin 0
+    memcalc fit gpt2 --seq-len 1024 --gpu a100-80gb --objective throughput --target-batch 64
     """
+    source = attn_model(model, multi_gpu)  # an hf: model with --attn becomes a HuggingFace source
     where = budget_arguments(gpu, budget, device, required=True)
     step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                         accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
+                         accum_steps=accum_steps, kv_cache=kv_cache, loss=loss) | setup_arguments(multi_gpu)
     distributed = strategy_arguments(**multi_gpu)
+    if objective == "throughput":
+        _fit_throughput(source, where, optim, precision, margin, target_batch, step | distributed, fmt, units)
+        return
+    if target_batch is not None:
+        raise click.UsageError("--target-batch goes with --objective throughput")
+    if timed and device is None:
+        check_timeable(gpu)  # before the search (a local --device is known after it)
     with quiet():
-        result = api.max_batch_size(model, **where, optimizer=optim if given("optim") else None, precision=precision,
+        result = api.max_batch_size(source, **where, optimizer=optim if given("optim") else None, precision=precision,
                                     margin=margin, neighbours=0 if fmt == "json" else neighbours, **step,
                                     **distributed)
+    if timed:
+        result = replace(result, report=with_time(result.report))
     if fmt == "json":
         click.echo(render_json(result.to_dict()))
         return
     click.echo(_render_fit(result, fmt, units), nl=False)
+
+
+def _fit_throughput(source: Any, where: dict[str, Any], optim: str, precision: str | None, margin: float,
+                    target_batch: int | None, options: dict[str, Any], fmt: str, unit: str) -> None:
+    """``--objective throughput``: the fastest setting that fits, and why."""
+    for name, flag in (("checkpoint", "--checkpoint"), ("accum_steps", "--accum-steps")):
+        if given(name):
+            raise click.UsageError(f"--objective throughput chooses {flag} itself; leave it out")
+        options.pop(name, None)
+    if where.get("device") is None:
+        check_timeable(where.get("gpu"))  # before the search
+    with quiet():
+        choice = api.fastest_setting(source, **where, optimizer=optim if given("optim") else None,
+                                     precision=precision, margin=margin, target_batch=target_batch, **options)
+    if fmt == "json":
+        click.echo(render_json(choice.to_dict()))
+        return
+    click.echo(render_choice(choice, fmt=fmt, unit=unit))
+    click.echo()
+    click.echo(render_report(choice.best.report, fmt=fmt, unit=unit, modules=False), nl=False)
 
 
 def _render_fit(result: FitResult, fmt: str, unit: str) -> str:

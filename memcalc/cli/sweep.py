@@ -6,12 +6,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TextIO
+from dataclasses import replace
+from typing import Any, TextIO
 
 import click
 from tabulate import tabulate
 
 from memcalc import api
+from memcalc.cli.hf import attn_model, attn_option
 from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
 from memcalc.cli.params import (
     OPTIMIZERS,
@@ -23,10 +25,13 @@ from memcalc.cli.params import (
     choice_of,
     positive_int,
 )
+from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.categories import Category
 from memcalc.core.units import format_bytes
+from memcalc.cuda.gpus.performance import check_timeable, with_time
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json
+from memcalc.report.time_render import format_seconds
 from memcalc.search.budget import Budget, resolve_budget
 from memcalc.search.sweep import SweepPoint, sweep_configurations
 
@@ -46,6 +51,11 @@ PROGRESS_MIN_CONFIGURATIONS = 4
               help=f"Precisions, comma-separated ({', '.join(PRECISIONS)}).")
 @budget_options
 @step_options
+@setup_options
+@attn_option
+@click.option("--time", "timed", is_flag=True,
+              help="Also estimate each step's time on --gpu: step time, samples/s and tokens/s columns (and a "
+                   "samples/s panel in --plot).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, metavar="FILE",
               help="Draw memory against batch size to this file (.png, .pdf, .svg, ...: the extension picks the "
                    "format; needs matplotlib).")
@@ -55,27 +65,32 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
                   gpu: str | None, budget: int | None, device: str | None,
                   input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
                   accum_steps: int, kv_cache: int | None, loss: str | None,
-                  plot_path: str | None, fmt: str, units: str, debug: bool) -> None:
+                  timed: bool, plot_path: str | None, fmt: str, units: str, debug: bool, **setup: Any) -> None:
     """Estimate MODEL for every batch size × optimizer × precision: one row each.
 
     \b
     memcalc sweep resnet50 --batch 1,16,64,256 --optim sgd,adam --precision fp32,amp-bf16
     memcalc sweep resnet50 --batch 16,64,256 --gpu a100-40gb --plot memory.png
     """
+    source = attn_model(model, setup)  # an hf: model with --attn becomes a HuggingFace source
     where = budget_arguments(gpu, budget, device, required=False)
     if plot_path is not None:
         from memcalc.report.plot import check_plot_path
 
         check_plot_path(plot_path)  # before the sweep, not after minutes of it
     step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                          accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
-    resolved = resolve_budget(**where) if where else None
+                          accum_steps=accum_steps, kv_cache=kv_cache, loss=loss) | setup_arguments(setup)
+    resolved = resolve_budget(**where, stack=step.get("stack")) if where else None
     configs = sweep_configurations(batches, optims, precisions or [None])
-    points_iter = api.iter_sweep(model, batch_sizes=batches, optimizers=optims if given("optims") else None,
+    points_iter = api.iter_sweep(source, batch_sizes=batches, optimizers=optims if given("optims") else None,
                                  precisions=precisions or [None], budget=resolved, **step)
     show = fmt != "json" and len(configs) > PROGRESS_MIN_CONFIGURATIONS and _is_terminal(sys.stderr)
+    if timed and device is None:
+        check_timeable(gpu)  # before the sweep, not after it
     with quiet(), _progress(points_iter, len(configs), show) as progress:
         points = list(progress)
+    if timed:
+        points = [replace(p, report=with_time(p.report)) for p in points]
     if plot_path is not None:
         from memcalc.report.plot import plot_sweep
 
@@ -119,6 +134,10 @@ def _render_sweep(points: Sequence[SweepPoint], budget: Budget | None, fmt: str,
                *[c.value.replace("_", " ") for c in _SWEEP_CATEGORIES], "other"]
     if budget is not None:
         headers.append("fits")
+    timed = bool(points) and all(p.report.time is not None for p in points)
+    tokens = timed and any(p.report.time is not None and p.report.time.tokens is not None for p in points)
+    if timed:
+        headers.extend(["step time", "samples/s", *(["tokens/s"] if tokens else [])])
     rows = []
     for point in points:
         b = point.report.bytes
@@ -128,6 +147,8 @@ def _render_sweep(points: Sequence[SweepPoint], budget: Budget | None, fmt: str,
                format_bytes(b.peak_allocated - sum(shown), unit)]
         if budget is not None:
             row.append("yes" if point.fits else "no")
+        if timed:
+            row.extend(_time_cells(point, tokens))
         rows.append(row)
     model = points[0].report.model if points else "?"
     title = f"memcalc sweep: {model}, {points[0].report.mode.value if points else ''} (binary units; bytes at the peak)"
@@ -136,7 +157,21 @@ def _render_sweep(points: Sequence[SweepPoint], budget: Budget | None, fmt: str,
     colalign = ["right", "left", *(["left"] if with_precision else []), *["right"] * (len(_SWEEP_CATEGORIES) + 2)]
     if budget is not None:
         colalign.append("left")
+    if timed:
+        colalign.extend(["right"] * (3 if tokens else 2))
     table = tabulate(rows, headers=headers, tablefmt=fmt, colalign=colalign, disable_numparse=True)
+    if timed:
+        table += ("\n\nstep time: a roofline per kernel with ASSUMED efficiencies (memcalc MODEL --time shows them); "
+                  "one GPU, no data loading")
     return f"{title}\n\n{table}\n"
+
+
+def _time_cells(point: SweepPoint, tokens: bool) -> list[str]:
+    time = point.report.time
+    assert time is not None
+    cells = [format_seconds(time.seconds), f"{time.samples_per_second:,.1f}"]
+    if tokens:
+        cells.append("-" if time.tokens_per_second is None else f"{time.tokens_per_second:,.0f}")
+    return cells
 
 

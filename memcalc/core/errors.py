@@ -7,6 +7,7 @@ __all__ = (
     "DataDependentError",
     "InapplicableOptionError",
     "InvalidInputError",
+    "LoopFunctionError",
     "LossFunctionError",
     "MemcalcError",
     "MissingPackageError",
@@ -70,6 +71,19 @@ class LossFunctionError(InvalidInputError):
             hint="memcalc calls loss(output) with the model's output as meta tensors (shapes, no values) "
                  "and needs a one-element tensor back; fix the function, or use a built-in loss "
                  "(loss=\"cross-entropy\", \"mean\", ...).")
+        self.name = name
+
+
+class LoopFunctionError(InvalidInputError):
+    """The user's own training loop (``loop=fn``, ``--loop file.py:fn``) raised outside the
+    model's forward."""
+
+    def __init__(self, name: str, problem: str):
+        super().__init__(
+            f"the loop function {name} {problem}",
+            hint="memcalc calls loop(model, optimizer, batches) with the model and each batch as meta tensors "
+                 "(shapes, no values): make new tensors on the batch's device (device=x.device) and leave out "
+                 "what reads values (loss.item(), print(loss)).")
         self.name = name
 
 

@@ -42,6 +42,13 @@ class GpuProfile:
     cublas_workspace: int
     aliases: tuple[str, ...] = ()
     smi_total_mib: int | None = None
+    lazy_context: int | None = None
+    context_basis: str = ""
+
+    @property
+    def lazy_loading_context(self) -> int:
+        """The profile's own CUDA context with lazy module loading (before any stack)."""
+        return self.cuda_context if self.lazy_context is None else self.lazy_context
 
     @property
     def usable_memory(self) -> int | None:

@@ -3,7 +3,9 @@
 The JSON contract (README, "JSON output") is exactly::
 
     {"model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters",
-     "peak_phase", "peak_module", "attention_backend", "fits",
+     "peak_phase", "peak_module", "attention_backend", "fits", "loop", "keep_grads",
+     "optimizer_impl", "torch_version", "cuda_version", "trainable_parameters",
+     "paged_optimizer_state",
      "bytes": {"parameters", "buffers", "inputs", "gradients", "optimizer_state",
                "activations", "workspace", "kv_cache", "peak_allocated", "peak_reserved",
                "peak_reserved_unconstrained", "cuda_context"}}
@@ -15,6 +17,9 @@ the busiest GPU role and three keys are added (see :mod:`memcalc.distributed.str
      "roles": [{"name", "ranks", "batch_size", "peak_allocated", "peak_reserved",
                 "peak_phase", "peak_module", "fits", "model_states", "communication",
                 "bytes": {...the categories above...}}]}
+
+When a step time was computed (``memcalc.step_time``, ``--time``) a ``"time"`` key holds it
+(:meth:`memcalc.core.throughput.StepTime.to_dict`); otherwise the JSON is exactly the above.
 
 Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
 the CUDA caching allocator counts (each block rounded up to 512 B), so the categories plus
@@ -37,6 +42,7 @@ from typing import Any
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.precision import Precision
+from memcalc.core.throughput import CostSource, DeviceRates, StepFlops, StepTime
 from memcalc.core.timeline import Timeline
 
 __all__ = ("ByteBreakdown", "Measurement", "MemoryReport", "ModuleRow", "RoleReport", "Textbook")
@@ -106,11 +112,15 @@ class Textbook:
     terms: str  # e.g. "weights + grads + 2 moments"
     activation_bytes: int
     input_bytes: int = 0  # the input batch and its targets
+    # optimizer state that is no multiple of the parameter bytes: 8-bit Adam's 1-byte moments,
+    # Adafactor's factored (row and column) second moments
+    state_bytes: int = 0
 
     @property
     def total(self) -> int:
-        """The textbook estimate: parameter bytes × multiplier + input bytes + activation bytes."""
-        return self.parameter_bytes * self.multiplier + self.input_bytes + self.activation_bytes
+        """The textbook estimate: parameter bytes × multiplier + optimizer state bytes outside the
+        multiplier + input bytes + activation bytes."""
+        return self.parameter_bytes * self.multiplier + self.state_bytes + self.input_bytes + self.activation_bytes
 
     def gap(self, peak: int) -> float | None:
         """How far ``peak`` is above the rule of thumb, as a fraction of it: ``(peak − total) /
@@ -180,9 +190,21 @@ class MemoryReport:
     world_size: int = 1
     global_batch_size: int | None = None  # samples per step over all GPUs (None: single GPU)
     roles: tuple[RoleReport, ...] = ()
+    # The loop and stack the step was estimated for (memcalc.core.loop, memcalc.core.stack).
+    loop: str = "minimal"  # a preset's name, or the user's loop function's qualified name
+    keep_grads: bool = False  # zero_grad(set_to_none=False): gradients allocated throughout
+    optimizer_impl: str = ""  # for-loop, foreach or fused, as resolved ("" without an optimizer)
+    torch_version: str = ""  # the PyTorch whose kernel facts were used ("X.Y")
+    cuda_version: str = ""  # the CUDA runtime assumed for the context ("X.Y")
+    trainable_parameters: int | None = None  # parameters with requires_grad (None: not training)
+    paged_optimizer_state: int = 0  # optimizer state in unified memory (paged optimizers), not in the peak
+    # The step's time on the report's GPU, when asked for (memcalc.step_time; JSON "time" only then).
+    time: StepTime | None = None
     # Builds the timeline on request (set by memcalc.engine.run.build_report): kept out of
     # equality, repr and to_dict(), so that reports compare and serialise as before.
     _timeline_builder: Callable[[], Timeline] | None = field(default=None, compare=False, repr=False)
+    # The step's FLOPs and bytes per kernel (memcalc.engine.flops.StepCosts), for flops() and step times.
+    _costs: CostSource | None = field(default=None, compare=False, repr=False)
 
     def timeline(self) -> Timeline:
         """The memory of every event of the simulated step (both iterations of a training
@@ -202,6 +224,29 @@ class MemoryReport:
         if self._timeline_builder is None:
             raise ValueError("this report has no step to replay: only reports made by an estimate have a timeline")
         return self._timeline_builder()
+
+    def flops(self) -> StepFlops:
+        """The FLOPs of the simulated step, counted per aten op: per phase (backward's
+        recomputation of checkpointed blocks apart), per module and per op. Computed when first
+        asked, then kept. Under a multi-GPU strategy: the busiest role's, per GPU.
+
+        Raises:
+            ValueError: the report was not made by an estimate (built by hand).
+        """
+        if self._costs is None:
+            raise ValueError("this report has no traced step: only reports made by an estimate count FLOPs")
+        return self._costs.flops()
+
+    def time_on(self, rates: DeviceRates) -> StepTime:
+        """The step's time on the GPU whose peaks are ``rates``, from a roofline per traced
+        kernel (:func:`memcalc.step_time` gives ``rates`` for the report's catalogue GPU).
+
+        Raises:
+            ValueError: the report was not made by an estimate (built by hand).
+        """
+        if self._costs is None:
+            raise ValueError("this report has no traced step: only reports made by an estimate have a step time")
+        return self._costs.time(rates)
 
     def modules_within(self, depth: int) -> tuple[ModuleRow, ...]:
         """The per-module rows down to ``depth`` (1: the model's direct children)."""
@@ -254,6 +299,8 @@ class MemoryReport:
         if self.roles:
             data |= {"strategy": self.strategy, "world_size": self.world_size,
                      "global_batch_size": self.global_batch_size, "roles": [r.to_dict() for r in self.roles]}
+        if self.time is not None:
+            data["time"] = self.time.to_dict()
         return data
 
     def _single_gpu_dict(self) -> dict[str, Any]:
@@ -269,6 +316,13 @@ class MemoryReport:
             "peak_module": self.peak_module,
             "attention_backend": self.attention_backend,
             "fits": self.fits,
+            "loop": self.loop,
+            "keep_grads": self.keep_grads,
+            "optimizer_impl": self.optimizer_impl,
+            "torch_version": self.torch_version,
+            "cuda_version": self.cuda_version,
+            "trainable_parameters": self.trainable_parameters,
+            "paged_optimizer_state": self.paged_optimizer_state,
             "bytes": self.bytes.to_dict() | {"peak_reserved": self.peak_reserved,
                                              "peak_reserved_unconstrained": self.peak_reserved_unconstrained,
                                              "cuda_context": self.cuda_context},

@@ -97,8 +97,10 @@ def autocast_lists(torch_version: str = TARGET_TORCH_VERSION) -> dict[AutocastPo
     """Op names (no overload) per CUDA autocast policy for ``torch_version``.
 
     The lists are 2.11's; the one known later change is ``rms_norm`` → fp32 in 2.12 (#174824,
-    which also makes an fp32 output from bf16 inputs under autocast). Earlier versions are
-    assumed equal to 2.11 except where noted; not verified below 2.11.
+    which also makes an fp32 output from bf16 inputs under autocast; pytorch#188955 reports "the
+    rms_norm autocast fp32 policy (2.12)" against "the 2.11 baseline"). 2.13's lists are checked
+    against the installed dispatcher (tests/test_kernels.py). Earlier versions are assumed equal
+    to 2.11: not verified below 2.11.
     """
     fp32 = FP32_OPS | ({"rms_norm"} if parse_torch_version(torch_version) >= (2, 12) else frozenset())
     return {

@@ -11,6 +11,12 @@ precision still follows CUDA's autocast lists (a CPU comparison of an AMP step u
 
 :func:`trace_step` is the engine's :func:`~memcalc.engine.run.trace_model` with the backend of
 the options' target: what every caller above this layer uses.
+
+Every kernel fact is taken for the PyTorch of the options' :class:`~memcalc.core.stack.Stack`
+(:func:`memcalc.cuda.stack.resolve_torch_version`: the installed torch unless another is
+asked for): SDPA's backend priority and constraints and autocast's op lists (the emulation),
+the cuBLAS workspaces per step (the workspace model), cuDNN through the release's bundled
+version.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from memcalc.cuda.cpu import CpuCapabilities, CpuEmulation, CpuKernels
 from memcalc.cuda.emulation import CudaEmulation
 from memcalc.cuda.gpus.catalogue import get_gpu
 from memcalc.cuda.grad_scaler import EmulatedGradScaler
+from memcalc.cuda.stack import resolve_torch_version
 from memcalc.cuda.workspaces import WorkspaceModel
 from memcalc.engine.backend import AutocastRegion, GradScalerLike
 from memcalc.engine.model import ResolvedModel
@@ -68,9 +75,11 @@ class CudaBackend(_EmulatingBackend):
     """What a CUDA GPU does differently from meta tensors, for one step of ``options``."""
 
     def __init__(self, options: EstimateOptions) -> None:
+        torch_version = resolve_torch_version(options.stack.torch)
         super().__init__(options, CudaEmulation(options.precision, options.gpu.compute_capability,
-                                                emulate_kernels=options.emulate_cuda))
-        self.workspaces = (WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN)
+                                                emulate_kernels=options.emulate_cuda, torch_version=torch_version))
+        self.workspaces = (WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN,
+                                          torch_version=torch_version)
                            if options.emulate_cuda else None)
 
     def attach(self, tracer: StorageTracer) -> None:
@@ -98,7 +107,10 @@ class CpuBackend(_EmulatingBackend):
 
     def __init__(self, options: EstimateOptions, capabilities: CpuCapabilities | None = None) -> None:
         kernels = CpuKernels(capabilities or CpuCapabilities.here())
-        super().__init__(options, CpuEmulation(options.precision, options.gpu.compute_capability, kernels))
+        emulation = CpuEmulation(options.precision, options.gpu.compute_capability, kernels)
+        # mixed precision follows CUDA's autocast lists of the stack's release
+        emulation.torch_version = resolve_torch_version(options.stack.torch)
+        super().__init__(options, emulation)
         self.kernels = kernels
 
     def attach(self, tracer: StorageTracer) -> None:

@@ -63,6 +63,11 @@ def default_cublas_workspace(compute_capability: tuple[int, int]) -> int:
 
     Only compute capability *exactly* (9, 0) gets 32 MiB: the C++ test is
     ``major == 9 && minor == 0``, so Blackwell (10.x, 12.x) gets the 8,519,680 B default.
+    The same in every release memcalc models (2.4–2.13) on the catalogue's GPUs (≤ sm90): the
+    32 MiB sm90 default dates from pytorch#91564 (merged 2023-01-03, torch 2.0). Blackwell's
+    default moved back and forth in 2026 (pytorch#175344 "Try to reenable 32MiB workspaces on
+    Blackwell", #182669, #189312 for sm110); which releases carry which is not verified, so it
+    is not keyed by release.
     """
     return CUBLAS_WORKSPACE_SM90 if tuple(compute_capability) == (9, 0) else CUBLAS_WORKSPACE_DEFAULT
 
@@ -140,7 +145,8 @@ def cublas_workspaces_in_training_step(torch_version: str = TARGET_TORCH_VERSION
     2.4–2.12: two, as :data:`CUBLAS_WORKSPACES_PER_TRAINING_STEP` explains (2.3 and CUDA ≥ 12.2
     builds briefly let cuBLAS allocate its own workspace, #113994; #124250 restored the explicit
     one for 2.4). Newer snapshots make caching opt-in (``TORCH_CUBLAS_WORKSPACE_CACHE``) and fall
-    back to cuBLAS's own workspace; that is not modelled (assumed two as well).
+    back to cuBLAS's own workspace; that is not modelled (assumed two as well). The estimate
+    asks this for its stack's release (:class:`memcalc.cuda.workspaces.WorkspaceModel`).
     """
     return CUBLAS_WORKSPACES_PER_TRAINING_STEP
 
@@ -153,6 +159,10 @@ def separate_cublaslt_workspaces_in_training_step(torch_version: str = TARGET_TO
       allocator (CUDABlas.cpp), so it shows as a transient 1 MiB block per Lt GEMM.
     * 2.8–2.10: two — #156495 made it persistent per (Lt handle, stream) in a second map.
     * ≥ 2.11: 0 — unified with the cuBLAS workspace by default (#168175).
+
+    Not applied to estimates yet: which GEMMs take the cuBLASLt path (``addmm``'s
+    ``useLtInterface`` conditions) was not checked release by release; the difference is at most
+    2 × 1 MiB.
     """
     version = parse_torch_version(torch_version)
     if (2, 8) <= version <= (2, 10):

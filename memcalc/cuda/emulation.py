@@ -43,6 +43,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.cuda.autocast import AutocastPolicy, autocast_policy
 from memcalc.cuda.sdpa import AttentionBackend, SdpaCall, choose_sdpa_backend
+from memcalc.cuda.versions import TARGET_TORCH_VERSION
 from memcalc.engine.backend import AutocastRegion, pop_autocast_region, push_autocast_region
 from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import tensors_of
@@ -83,13 +84,16 @@ def _floating(value: Any) -> list[torch.Tensor]:
 
 
 class CudaEmulation(TorchFunctionMode):
-    """See the module docstring. ``compute_capability`` drives the attention backend."""
+    """See the module docstring. ``compute_capability`` drives the attention backend;
+    ``torch_version`` (``"X.Y"``) picks the release's autocast lists and SDPA rules."""
 
-    def __init__(self, precision: Precision, compute_capability: tuple[int, int], *, emulate_kernels: bool = True):
+    def __init__(self, precision: Precision, compute_capability: tuple[int, int], *, emulate_kernels: bool = True,
+                 torch_version: str = TARGET_TORCH_VERSION):
         super().__init__()
         self.precision = precision
         self.compute_capability = compute_capability
         self.emulate_kernels = emulate_kernels
+        self.torch_version = torch_version
         self.autocast_dtype: torch.dtype | None = precision.compute_dtype if precision.is_amp else None
         self._autocast_depth = 0
         self._cast_cache: dict[int, torch.Tensor] = {}
@@ -149,7 +153,7 @@ class CudaEmulation(TorchFunctionMode):
         itself (a ``torch.nn.functional`` composite with this mode on inside it)."""
         name = _op_name(func)
         if self.autocasting:
-            policy = autocast_policy(name)
+            policy = autocast_policy(name, self.torch_version)
             if policy != "none":
                 return self._autocast_call(func, name, policy, args, kwargs)
         if isinstance(func, types.FunctionType) and (func.__module__ == "torch.nn.functional" or name == "backward"):
@@ -255,10 +259,13 @@ def attention(mode: CudaEmulation, func: Callable[..., Any], args: tuple[Any, ..
         dtype=q.dtype, has_mask=mask is not None, dropout_p=dropout_p, is_causal=is_causal,
         requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         enable_gqa=enable_gqa)
-    backend = choose_sdpa_backend(call, mode.compute_capability)
+    backend = choose_sdpa_backend(call, mode.compute_capability, torch_version=mode.torch_version)
     mode.attention_backends[backend.value] += 1
     aten = torch.ops.aten
-    if q.dim() == 4 and not enable_gqa:
+    # grouped K/V heads (enable_gqa): the flash and cuDNN kernels take K/V unrepeated
+    # (sdp_utils.cpp check_grouped_query_attention; memcalc.cuda.sdpa admits GQA for them only);
+    # the other backends repeat them, which the call itself does
+    if q.dim() == 4 and (not enable_gqa or backend in (AttentionBackend.FLASH, AttentionBackend.CUDNN)):
         if backend is AttentionBackend.FLASH:
             return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
         if backend is AttentionBackend.EFFICIENT:

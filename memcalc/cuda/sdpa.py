@@ -15,6 +15,7 @@ below), ``sdp_utils_cpp.h`` (installed torch 2.13 headers), ``attention.cpp`` an
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,7 +38,9 @@ __all__ = (
     "choose_sdpa_backend",
     "explain_sdpa_choice",
     "prefers_cudnn_attention",
+    "sdpa_backend_checks",
     "sdpa_priority_order",
+    "sdpa_sm_ranges",
 )
 
 # =============================================================================================
@@ -91,11 +94,12 @@ _HALF_BF16 = frozenset({torch.float16, torch.bfloat16})
 _HALF_FLOAT = frozenset({torch.float16, torch.float32})
 _HALF_FLOAT_BF16 = frozenset({torch.float16, torch.float32, torch.bfloat16})
 
+_SmRange = tuple[tuple[int, int], tuple[int, int]]
 #: ``check_sm_version<sm80, sm121>`` (flash, cuDNN) and ``<sm50, sm121>`` (mem-efficient) in
-#: 2.11. 2.4–2.6 stopped at sm90 for both; sm100/sm120 came with 2.7, sm121 with #152314.
-_FLASH_SM_RANGE = ((8, 0), (12, 1))
-_MEM_EFF_SM_RANGE = ((5, 0), (12, 1))
-_CUDNN_SM_RANGE = ((8, 0), (12, 1))
+#: 2.11; older releases: :func:`sdpa_sm_ranges`.
+_FLASH_SM_RANGE: _SmRange = ((8, 0), (12, 1))
+_MEM_EFF_SM_RANGE: _SmRange = ((5, 0), (12, 1))
+_CUDNN_SM_RANGE: _SmRange = ((8, 0), (12, 1))
 #: check_head_dim_size_flash: "All head_dim sizes must be equal and less than 256".
 FLASH_MAX_HEAD_DIM = 256
 #: check_cudnn_tensor_shapes: ``auto head_dim_limit = 128;`` before the per-arch raises.
@@ -183,9 +187,19 @@ def _flash_head_dim(call: SdpaCall, cc: tuple[int, int], cudnn: int) -> Reason:
     return None
 
 
-def _flash_hardware(call: SdpaCall, cc: tuple[int, int], cudnn: int) -> Reason:
-    """check_flash_attention_hardware_support: sm80 … sm121."""
-    return None if _in_sm_range(cc, _FLASH_SM_RANGE) else "flash needs sm80–sm121"
+def _hardware(name: str, bounds: _SmRange) -> _Check:
+    """check_{flash_attention,mem_efficient,cudnn}_hardware_support: the compute capability
+    within ``bounds`` (``check_sm_version<lower, upper>``, both ends included)."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = bounds
+    reason = f"{name} needs sm{lo_major}{lo_minor}–sm{hi_major}{hi_minor}"
+
+    def check(call: SdpaCall, cc: tuple[int, int], cudnn: int) -> Reason:
+        return None if _in_sm_range(cc, bounds) else reason
+
+    return check
+
+
+_flash_hardware = _hardware("flash", _FLASH_SM_RANGE)
 
 
 def _flash_training_head_dim(call: SdpaCall, cc: tuple[int, int], cudnn: int) -> Reason:
@@ -221,9 +235,7 @@ _FLASH_CHECKS: tuple[_Check, ...] = (
 
 
 # ---- mem-efficient (can_use_mem_efficient_attention) -----------------------------------------
-def _mem_eff_hardware(call: SdpaCall, cc: tuple[int, int], cudnn: int) -> Reason:
-    """check_mem_efficient_hardware_support: sm50 … sm121."""
-    return None if _in_sm_range(cc, _MEM_EFF_SM_RANGE) else "mem-efficient needs sm50–sm121"
+_mem_eff_hardware = _hardware("mem-efficient", _MEM_EFF_SM_RANGE)
 
 
 def _mem_eff_head_dim(call: SdpaCall, cc: tuple[int, int], cudnn: int) -> Reason:
@@ -256,9 +268,7 @@ def _cudnn_dropout_window(call: SdpaCall, cc: tuple[int, int], cudnn: int) -> Re
     return None
 
 
-def _cudnn_hardware(call: SdpaCall, cc: tuple[int, int], cudnn: int) -> Reason:
-    """check_cudnn_hardware_support: sm80 … sm121."""
-    return None if _in_sm_range(cc, _CUDNN_SM_RANGE) else "cuDNN SDPA needs sm80–sm121"
+_cudnn_hardware = _hardware("cuDNN SDPA", _CUDNN_SM_RANGE)
 
 
 def _cudnn_mask(call: SdpaCall, cc: tuple[int, int], cudnn: int) -> Reason:
@@ -309,13 +319,61 @@ _CUDNN_CHECKS: tuple[_Check, ...] = (
     _cudnn_shapes,
 )
 
-#: Registry: the constraint list each fused backend runs (``can_use_<backend>``).
+#: Registry: the constraint list each fused backend runs (``can_use_<backend>``) in 2.11;
+#: :func:`sdpa_backend_checks` gives another release's.
 SDPA_BACKEND_CHECKS: dict[AttentionBackend, tuple[_Check, ...]] = {
     AttentionBackend.FLASH: _FLASH_CHECKS,
     AttentionBackend.EFFICIENT: _MEM_EFF_CHECKS,
     AttentionBackend.CUDNN: _CUDNN_CHECKS,
     AttentionBackend.MATH: (),
 }
+
+_HARDWARE_CHECKS = {AttentionBackend.FLASH: _flash_hardware, AttentionBackend.EFFICIENT: _mem_eff_hardware,
+                    AttentionBackend.CUDNN: _cudnn_hardware}
+_HARDWARE_NAMES = {AttentionBackend.FLASH: "flash", AttentionBackend.EFFICIENT: "mem-efficient",
+                   AttentionBackend.CUDNN: "cuDNN SDPA"}
+
+
+def sdpa_sm_ranges(torch_version: str = TARGET_TORCH_VERSION) -> dict[AttentionBackend, _SmRange]:
+    """The compute capabilities each fused backend accepts in ``torch_version``.
+
+    * ≤ 2.6: flash and cuDNN ``check_sm_version<sm80, sm90>``, mem-efficient ``<sm50, sm90>``
+      (sdp_utils.cpp read in a snapshot between v2.4.0 and v2.5.0 — ``enable_gqa`` support
+      present, the 2.5.0 cuDNN-first ``priority_order`` not yet — and in older snapshots; the
+      range only moved with the PRs below).
+    * 2.7: flash and mem-efficient up to sm120 (pytorch#145602, "Add Blackwell support to SDPA":
+      "adds sm_100 and sm_120 archs", merged 2025-01-24, after the 2.6 branch cut).
+    * ≥ 2.8: up to sm121 (pytorch#152314, "Enable SDPA on sm_121", merged 2025-04-28).
+
+    cuDNN's range from 2.7 on is the 2.11 one, not checked release by release: no release
+    before 2.9 tries cuDNN before math (:func:`prefers_cudnn_attention`), so it decides nothing
+    there. Every GPU of the catalogue (sm70–sm90) is inside every range.
+    """
+    version = parse_torch_version(torch_version)
+    if version <= (2, 6):
+        return {AttentionBackend.FLASH: ((8, 0), (9, 0)), AttentionBackend.EFFICIENT: ((5, 0), (9, 0)),
+                AttentionBackend.CUDNN: ((8, 0), (9, 0))}
+    if version == (2, 7):
+        return {AttentionBackend.FLASH: ((8, 0), (12, 0)), AttentionBackend.EFFICIENT: ((5, 0), (12, 0)),
+                AttentionBackend.CUDNN: _CUDNN_SM_RANGE}
+    return {AttentionBackend.FLASH: _FLASH_SM_RANGE, AttentionBackend.EFFICIENT: _MEM_EFF_SM_RANGE,
+            AttentionBackend.CUDNN: _CUDNN_SM_RANGE}
+
+
+@functools.cache
+def sdpa_backend_checks(torch_version: str = TARGET_TORCH_VERSION) -> dict[AttentionBackend, tuple[_Check, ...]]:
+    """:data:`SDPA_BACKEND_CHECKS` as ``torch_version`` runs them: the hardware check of each
+    fused backend takes that release's range (:func:`sdpa_sm_ranges`)."""
+    ranges = sdpa_sm_ranges(torch_version)
+    checks: dict[AttentionBackend, tuple[_Check, ...]] = {}
+    for backend, constraints in SDPA_BACKEND_CHECKS.items():
+        hardware = _HARDWARE_CHECKS.get(backend)
+        if hardware is None:
+            checks[backend] = constraints
+            continue
+        keyed = _hardware(_HARDWARE_NAMES[backend], ranges[backend])
+        checks[backend] = tuple(keyed if check is hardware else check for check in constraints)
+    return checks
 
 #: ``Context::sdp_priority_order`` default (ATen/Context.h): cuDNN comes after math, so it is
 #: never reached unless ``check_prefer_cudnn_attention`` reorders.
@@ -379,9 +437,10 @@ def explain_sdpa_choice(
     """Why each backend would be refused (an empty tuple: it would run), in priority order."""
     cc = (int(compute_capability[0]), int(compute_capability[1]))
     cudnn = cudnn_version_of(parse_torch_version(torch_version), cudnn_version)
+    checks = sdpa_backend_checks(torch_version)
     reasons: dict[AttentionBackend, tuple[str, ...]] = {}
     for backend in sdpa_priority_order(cc, torch_version, cudnn_version):
-        found = (check(call, cc, cudnn) for check in SDPA_BACKEND_CHECKS[backend])
+        found = (check(call, cc, cudnn) for check in checks[backend])
         reasons[backend] = tuple(reason for reason in found if reason is not None)
     return reasons
 

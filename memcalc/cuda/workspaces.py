@@ -26,9 +26,10 @@ from torch._ops import OpOverload
 from memcalc.core.categories import Category
 from memcalc.core.gpu import GpuProfile
 from memcalc.cuda.attention_memory import Buffer, backward_temporaries, forward_temporaries
-from memcalc.cuda.cublas import CUBLAS_WORKSPACES_PER_TRAINING_STEP, cublas_workspace_bytes
+from memcalc.cuda.cublas import cublas_workspace_bytes, cublas_workspaces_in_training_step
 from memcalc.cuda.cudnn import conv_workspace_bytes
 from memcalc.cuda.sdpa import AttentionBackend, SdpaCall
+from memcalc.cuda.versions import TARGET_TORCH_VERSION
 from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import StorageTracer
 
@@ -63,12 +64,15 @@ _Temporaries = Callable[[SdpaCall, AttentionBackend, tuple[int, int]], list[Buff
 
 
 class WorkspaceModel:
-    """The workspaces of one traced step on ``gpu``: :meth:`after_op` runs the rule of each op."""
+    """The workspaces of one traced step on ``gpu`` under torch ``torch_version``: :meth:`after_op`
+    runs the rule of each op."""
 
-    def __init__(self, gpu: GpuProfile, *, training: bool) -> None:
+    def __init__(self, gpu: GpuProfile, *, training: bool, torch_version: str = TARGET_TORCH_VERSION) -> None:
         self.gpu = gpu
         self.training = training
+        self.torch_version = torch_version
         self.cublas_bytes = cublas_workspace_bytes(gpu)
+        self.cublas_handles = cublas_workspaces_in_training_step(torch_version)
         self.tracer: StorageTracer | None = None
         self.cublas_phases: set[str] = set()  # "forward" / "backward" handles that have a workspace
         self.conv_calls = 0
@@ -137,7 +141,7 @@ def cublas_workspace(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...
     handle = "backward" if model.tracer.modules.in_backward else "forward"
     if handle in model.cublas_phases or model.cublas_bytes <= 0:
         return
-    if handle == "backward" and CUBLAS_WORKSPACES_PER_TRAINING_STEP < 2:
+    if handle == "backward" and model.cublas_handles < 2:
         return
     model.cublas_phases.add(handle)
     model.tracer.synthetic(model.cublas_bytes, Category.WORKSPACE, persistent=True,

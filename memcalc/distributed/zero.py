@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Category
+from memcalc.core.loop import OptimizerImpl
 from memcalc.distributed.fsdp import ShardedProgram
 from memcalc.distributed.program import RankProgram
 from memcalc.engine.optimizers import OptimizerSpec
@@ -141,9 +142,9 @@ class ZeroProgram(RankProgram):
             return spec
         inner_factory = spec.factory
 
-        def build(params: Any, foreach: bool) -> Any:
+        def build(params: Any, impl: OptimizerImpl) -> Any:
             assert self.master is not None
-            inner = inner_factory([self.master], foreach)  # type: ignore[list-item]
+            inner = inner_factory([self.master], impl)  # type: ignore[list-item]
             return ZeroOptimizer(inner, self.master, list(params), self._tracer, self._dtype)
 
         return replace(spec, factory=build)

@@ -1,15 +1,34 @@
-"""The optimizers memcalc knows, each built from the real ``torch.optim`` class.
+"""The optimizers memcalc knows, each built from the real ``torch.optim`` class (or, for
+bitsandbytes', an emulation of what it allocates: :mod:`memcalc.engine.optimizers_bnb`).
 
 Optimizer state is never taken from a table: the real class runs its real ``step()`` on the
 symbolic parameters and whatever it keeps in ``optimizer.state`` is what we count. The
 textbook multiplier (SGD ×2, momentum ×3, Adam ×4 of parameter memory) is kept only as the
 explanation printed beside the simulated peak.
 
-``foreach=True`` is passed explicitly because that is what ``torch.optim`` picks by default
-when every parameter is on CUDA (``torch.optim.optimizer._default_to_fused_or_foreach``);
-on meta or CPU tensors it would otherwise fall back to the per-parameter loop, whose
-temporaries are much smaller than the foreach path's (which holds e.g. Adam's
-``sqrt(exp_avg_sq)`` for all parameters at once).
+**Implementations** (:class:`~memcalc.core.loop.OptimizerImpl`): the for-loop (one parameter at
+a time: a parameter-sized temporary at most), foreach (multi-tensor kernels: Adam's
+``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)`` in adam.py
+``_multi_tensor_adam`` holds a temporary for *every* parameter at once) and fused (one in-place
+kernel: no parameter-sized temporary). ``auto`` is what the installed torch picks when neither
+``foreach`` nor ``fused`` is given (torch 2.13):
+
+* Adam, AdamW, SGD, RMSprop, Adagrad: their functional entry (adam.py ``adam``, sgd.py ``sgd``,
+  rmsprop.py ``rmsprop``, adagrad.py ``adagrad``) calls
+  ``torch.optim.optimizer._default_to_fused_or_foreach(params, differentiable, use_fused=False)``
+  — "we want to give the fused impl bake-in time before making it the default" — so none
+  defaults to fused; foreach is chosen when every parameter's device is in
+  ``torch.utils._foreach_utils._get_foreach_kernels_supported_devices()`` (cuda, xpu, mtia and
+  the private-use backend): **foreach on CUDA, the for-loop on the CPU**.
+* Adafactor (torch/optim/_adafactor.py ``adafactor``): ``foreach=None`` runs the for-loop on every
+  device ("Adafactor will default to the slower single tensor for-loop implementation unless
+  this flag is explicitly True").
+* ``fused=True`` exists for Adam, AdamW, SGD and Adagrad (their constructors take ``fused``;
+  ``_get_fused_kernels_supported_devices()`` includes cuda and cpu); on meta parameters it runs
+  through :mod:`memcalc.engine.optimizers_meta`.
+* bitsandbytes' optimizers have one implementation, their own fused kernel per parameter.
+
+The CPU target (``gpu="cpu"``) therefore steps with the for-loop, as a real CPU run does.
 """
 
 from __future__ import annotations
@@ -17,10 +36,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ("OPTIMIZERS", "Optimizer", "OptimizerSpec", "spec_for")
+from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.loop import OptimizerImpl
+from memcalc.engine.optimizers_bnb import BnbAdamW
+from memcalc.engine.optimizers_meta import fused_kernels_on_meta, scalars_on_meta, step_under
+
+__all__ = ("OPTIMIZERS", "Factory", "Optimizer", "OptimizerSpec", "TorchOptim", "resolve_impl", "spec_for")
 
 
 class Optimizer(str, enum.Enum):
@@ -28,56 +53,163 @@ class Optimizer(str, enum.Enum):
 
     SGD = "sgd"
     SGD_MOMENTUM = "sgd-momentum"
+    SGD_NESTEROV = "sgd-nesterov"
     ADAM = "adam"
     ADAMW = "adamw"
     RMSPROP = "rmsprop"
     ADAGRAD = "adagrad"
+    ADAFACTOR = "adafactor"
+    ADAMW_8BIT = "adamw-8bit"  # bitsandbytes.optim.AdamW8bit
+    PAGED_ADAMW_8BIT = "paged-adamw-8bit"  # bitsandbytes.optim.PagedAdamW8bit
+    PAGED_ADAMW_32BIT = "paged-adamw-32bit"  # bitsandbytes.optim.PagedAdamW32bit
     NONE = "none"  # forward + backward only
 
 
 Params = Iterable[torch.nn.Parameter]
+#: Builds the optimizer over the parameters in one (concrete) implementation.
+Factory = Callable[[Params, OptimizerImpl], torch.optim.Optimizer]
+
+_LOOPS = frozenset({OptimizerImpl.FOR_LOOP, OptimizerImpl.FOREACH})
+_LOOPS_AND_FUSED = _LOOPS | {OptimizerImpl.FUSED}
+_FUSED_ONLY = frozenset({OptimizerImpl.FUSED})
+
+
+@dataclass(frozen=True)
+class TorchOptim:
+    """A ``torch.optim`` class by name, with its hyper-parameters: called with ``(params, impl)``
+    it passes ``foreach`` (and ``fused``, where the constructor takes it) for ``impl``."""
+
+    name: str  # the class in torch.optim
+    hyper: tuple[tuple[str, Any], ...] = ()  # keyword arguments (a tuple: the spec stays hashable)
+    takes_fused: bool = False
+    reads_scalars: bool = False  # its step reads tensor values (.item()) that size the update
+
+    def __call__(self, params: Params, impl: OptimizerImpl) -> torch.optim.Optimizer:
+        cls = getattr(torch.optim, self.name)
+        flags: dict[str, bool] = {"foreach": impl is OptimizerImpl.FOREACH}
+        if self.takes_fused:
+            flags["fused"] = impl is OptimizerImpl.FUSED
+        elif impl is OptimizerImpl.FUSED:
+            raise ValueError(f"torch.optim.{self.name} has no fused implementation")
+        params = list(params)
+        optimizer: torch.optim.Optimizer = cls(params, **dict(self.hyper), **flags)  # no constructor checks devices
+        if not any(isinstance(p, torch.Tensor) and p.is_meta for p in params):
+            return optimizer
+        # on meta (memcalc.engine.optimizers_meta): the same code path, with what meta lacks
+        contexts = [*([fused_kernels_on_meta] if impl is OptimizerImpl.FUSED else []),
+                    *([scalars_on_meta] if self.reads_scalars else [])]
+        return step_under(optimizer, contexts)
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """How to build one optimizer, and its textbook memory multiplier."""
+    """How to build one optimizer, which implementations it has, and its textbook line.
+
+    Attributes:
+        key, display: its name, and how the report writes it.
+        factory: builds it (None for ``none``: no optimizer step).
+        textbook_multiplier: × parameter bytes: weights + grads + state tensors per weight.
+        textbook_terms: what the textbook line adds up.
+        impls: the implementations it has.
+        auto_cuda, auto_cpu: what ``auto`` is for CUDA and for CPU parameters (module docstring).
+        textbook_state: optimizer state per parameter that is not a multiple of its bytes (the
+            1-byte moments of 8-bit Adam, Adafactor's factored moments), for the textbook line.
+        torch_class: the ``torch.optim`` class it needs ("" for none and the emulations), and
+            ``torch_since`` the torch version that added it.
+    """
 
     key: Optimizer
     display: str
-    factory: Callable[[Params, bool], torch.optim.Optimizer] | None
-    textbook_multiplier: int  # × parameter bytes: weights + grads + state tensors per weight
-    textbook_terms: str  # what the multiplier adds up, for the explanation line
+    factory: Factory | None
+    textbook_multiplier: int
+    textbook_terms: str
+    impls: frozenset[OptimizerImpl] = _LOOPS
+    auto_cuda: OptimizerImpl = OptimizerImpl.FOREACH
+    auto_cpu: OptimizerImpl = OptimizerImpl.FOR_LOOP
+    textbook_state: Callable[[torch.Tensor], int] | None = None
+    torch_class: str = ""
+    torch_since: str = ""
 
-    def build(self, params: Params, foreach: bool = True) -> torch.optim.Optimizer | None:
-        """The optimizer over ``params`` (``foreach``: the multi-tensor kernels); None for ``none``.
+    def build(self, params: Params, impl: OptimizerImpl = OptimizerImpl.FOREACH) -> torch.optim.Optimizer | None:
+        """The optimizer over ``params`` in implementation ``impl``; None for ``none``.
 
         Args:
             params: the parameters to optimize.
-            foreach: whether to use ``torch.optim``'s multi-tensor (``foreach``) implementation.
+            impl: the implementation; ``AUTO`` must have been resolved for the target already
+                (:func:`resolve_impl`).
 
         Returns:
             A ``torch.optim.Optimizer``, or None when no optimizer step is simulated.
+
+        Raises:
+            InapplicableOptionError: the optimizer has no such implementation, or the
+                installed torch lacks the optimizer.
         """
-        return None if self.factory is None else self.factory(params, foreach)
+        if impl is OptimizerImpl.AUTO:
+            raise ValueError("OptimizerImpl.AUTO is resolved for the target before the optimizer is built")
+        if self.factory is None:
+            return None
+        _check_available(self, impl)
+        return self.factory(params, impl)
+
+    def textbook_state_bytes(self, params: Iterable[torch.Tensor]) -> int:
+        """The textbook's optimizer state outside the multiplier, over ``params`` (0 for most)."""
+        rule = self.textbook_state
+        return 0 if rule is None else sum(rule(p) for p in params)
+
+
+def _torch_spec(key: Optimizer, display: str, name: str, multiplier: int, terms: str, *, fused: bool = False,
+                auto_cuda: OptimizerImpl = OptimizerImpl.FOREACH, since: str = "", reads_scalars: bool = False,
+                textbook_state: Callable[[torch.Tensor], int] | None = None, **hyper: Any) -> OptimizerSpec:
+    factory = TorchOptim(name, tuple(hyper.items()), takes_fused=fused, reads_scalars=reads_scalars)
+    return OptimizerSpec(key, display, factory, multiplier, terms, impls=_LOOPS_AND_FUSED if fused else _LOOPS,
+                         auto_cuda=auto_cuda, textbook_state=textbook_state, torch_class=name, torch_since=since)
+
+
+def _bnb_spec(key: Optimizer, display: str, optim_bits: int, paged: bool, terms: str,
+              textbook_state: Callable[[torch.Tensor], int] | None) -> OptimizerSpec:
+    return OptimizerSpec(key, display, BnbAdamW(optim_bits, paged), 2, terms, impls=_FUSED_ONLY,
+                         auto_cuda=OptimizerImpl.FUSED, auto_cpu=OptimizerImpl.FUSED, textbook_state=textbook_state)
+
+
+def _one_byte_moments(p: torch.Tensor) -> int:
+    """Two 1-byte moments per element (8-bit Adam's rule of thumb)."""
+    return 2 * p.numel()
+
+
+def _factored_second_moment(p: torch.Tensor) -> int:
+    """Adafactor's state (torch/optim/_adafactor.py ``Adafactor._init_group``): a matrix keeps a
+    row vector (``row_shape[-1] = 1``) and a column vector (``col_shape[-2] = 1``) of second
+    moments; a vector keeps a full ``variance`` copy."""
+    if p.dim() > 1:
+        return (p.numel() // p.shape[-1] + p.numel() // p.shape[-2]) * p.element_size()
+    return p.numel() * p.element_size()
 
 
 OPTIMIZERS: dict[Optimizer, OptimizerSpec] = {
     spec.key: spec
     for spec in (
-        OptimizerSpec(Optimizer.SGD, "SGD", lambda p, f: torch.optim.SGD(p, lr=0.01, foreach=f), 2,
-                      "weights + grads"),
-        OptimizerSpec(Optimizer.SGD_MOMENTUM, "SGD (momentum 0.9)",
-                      lambda p, f: torch.optim.SGD(p, lr=0.01, momentum=0.9, foreach=f), 3,
-                      "weights + grads + momentum"),
-        OptimizerSpec(Optimizer.ADAM, "Adam", lambda p, f: torch.optim.Adam(p, foreach=f), 4,
-                      "weights + grads + 2 moments"),
-        OptimizerSpec(Optimizer.ADAMW, "AdamW", lambda p, f: torch.optim.AdamW(p, foreach=f), 4,
-                      "weights + grads + 2 moments"),
-        OptimizerSpec(Optimizer.RMSPROP, "RMSprop", lambda p, f: torch.optim.RMSprop(p, foreach=f), 3,
-                      "weights + grads + square average"),
-        OptimizerSpec(Optimizer.ADAGRAD, "Adagrad", lambda p, f: torch.optim.Adagrad(p, foreach=f), 3,
-                      "weights + grads + sum of squares"),
-        OptimizerSpec(Optimizer.NONE, "none (forward + backward)", None, 2, "weights + grads"),
+        _torch_spec(Optimizer.SGD, "SGD", "SGD", 2, "weights + grads", fused=True, lr=0.01),
+        _torch_spec(Optimizer.SGD_MOMENTUM, "SGD (momentum 0.9)", "SGD", 3, "weights + grads + momentum",
+                    fused=True, lr=0.01, momentum=0.9),
+        _torch_spec(Optimizer.SGD_NESTEROV, "SGD (Nesterov momentum 0.9)", "SGD", 3, "weights + grads + momentum",
+                    fused=True, lr=0.01, momentum=0.9, nesterov=True),
+        _torch_spec(Optimizer.ADAM, "Adam", "Adam", 4, "weights + grads + 2 moments", fused=True),
+        _torch_spec(Optimizer.ADAMW, "AdamW", "AdamW", 4, "weights + grads + 2 moments", fused=True),
+        _torch_spec(Optimizer.RMSPROP, "RMSprop", "RMSprop", 3, "weights + grads + square average"),
+        _torch_spec(Optimizer.ADAGRAD, "Adagrad", "Adagrad", 3, "weights + grads + sum of squares", fused=True),
+        _torch_spec(Optimizer.ADAFACTOR, "Adafactor", "Adafactor", 2,
+                    "weights + grads + factored second moments: a row and a column vector per matrix, "
+                    "not a full copy", auto_cuda=OptimizerImpl.FOR_LOOP, since="2.5", reads_scalars=True,
+                    textbook_state=_factored_second_moment),
+        _bnb_spec(Optimizer.ADAMW_8BIT, "AdamW 8-bit (bitsandbytes)", 8, False,
+                  "weights + grads + 2 × 1-byte moments", _one_byte_moments),
+        _bnb_spec(Optimizer.PAGED_ADAMW_8BIT, "paged AdamW 8-bit (bitsandbytes)", 8, True,
+                  "weights + grads; the 2 × 1-byte moments are paged: unified memory, not in the peak", None),
+        _bnb_spec(Optimizer.PAGED_ADAMW_32BIT, "paged AdamW 32-bit (bitsandbytes)", 32, True,
+                  "weights + grads; the 2 fp32 moments are paged: unified memory, not in the peak", None),
+        OptimizerSpec(Optimizer.NONE, "none (forward + backward)", None, 2, "weights + grads",
+                      impls=_LOOPS_AND_FUSED),
     )
 }
 
@@ -90,3 +222,42 @@ def spec_for(optimizer: Optimizer | str) -> OptimizerSpec:
     except ValueError:
         choices = ", ".join(o.value for o in Optimizer)
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of: {choices}") from None
+
+
+def resolve_impl(spec: OptimizerSpec, impl: OptimizerImpl, *, cuda: bool) -> OptimizerImpl:
+    """The implementation ``spec`` runs in: ``impl`` as given, or for ``AUTO`` what the installed
+    torch picks for the target's parameters (module docstring).
+
+    Args:
+        spec: the optimizer.
+        impl: the user's choice.
+        cuda: whether the parameters are CUDA tensors (else CPU).
+
+    Returns:
+        A concrete implementation (never ``AUTO``).
+
+    Raises:
+        InapplicableOptionError: ``spec`` has no implementation ``impl``, or the installed torch
+            lacks the optimizer.
+    """
+    if impl is OptimizerImpl.AUTO:
+        impl = spec.auto_cuda if cuda else spec.auto_cpu
+    _check_available(spec, impl)
+    return impl
+
+
+def _check_available(spec: OptimizerSpec, impl: OptimizerImpl) -> None:
+    if spec.torch_class and not hasattr(torch.optim, spec.torch_class):
+        raise InapplicableOptionError(
+            f"optimizer {spec.key.value} needs torch.optim.{spec.torch_class}, added in torch {spec.torch_since}; "
+            f"the installed torch is {torch.__version__}",
+            hint=f"upgrade torch to {spec.torch_since} or later, or choose another --optim")
+    if impl in spec.impls:
+        return
+    has = ", ".join(i.value for i in OptimizerImpl if i in spec.impls)
+    fused = ", ".join(s.key.value for s in OPTIMIZERS.values() if s.torch_class and OptimizerImpl.FUSED in s.impls)
+    why = ("bitsandbytes runs its own fused kernel per parameter" if spec.impls == _FUSED_ONLY
+           else f"fused=True is offered by torch {torch.__version__} for: {fused}" if impl is OptimizerImpl.FUSED
+           else f"its implementations: {has}")
+    raise InapplicableOptionError(f"optimizer {spec.key.value} has no {impl.value} implementation: {why}",
+                                  hint=f"choose optimizer_impl (--optim-impl) auto or one of: {has}")

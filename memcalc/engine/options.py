@@ -3,15 +3,18 @@ the API boundary (``EstimateOptions.create``) so the engine only sees enums and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memcalc.core.categories import Mode
 from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice, LossFn
 from memcalc.core.precision import Precision
+from memcalc.core.stack import Stack
 from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
 
 __all__ = ("EstimateOptions", "Target")
@@ -41,12 +44,16 @@ class EstimateOptions:
     checkpoint: bool
     kv_cache: int | None  # tokens to generate with a KV cache (inference only)
     target: str
+    loop: Loop = field(default_factory=Loop)
+    stack: Stack = field(default_factory=Stack)
+    finetune: FineTune = field(default_factory=FineTune)
 
     @classmethod
     def create(cls, *, optimizer: Any = "adam", mode: Any = "train", precision: Any = "fp32",
                gpu: GpuProfile | None = None,
                loss: Any = None, loss_fn: LossFn | None = None, accum_steps: int = 1, checkpoint: bool = False,
-               kv_cache: int | None = None, target: str = Target.CUDA) -> EstimateOptions:
+               kv_cache: int | None = None, target: str = Target.CUDA, loop: Any = None,
+               stack: Stack | None = None, finetune: FineTune | None = None) -> EstimateOptions:
         """Validate and convert the user's values (strings or enums).
 
         Args:
@@ -60,6 +67,9 @@ class EstimateOptions:
             checkpoint: activation checkpointing of the model's blocks (training).
             kv_cache: tokens to generate with a static KV cache (inference only).
             target: :attr:`Target.CUDA` or :attr:`Target.CPU`.
+            loop: a :class:`~memcalc.core.loop.Loop`, a preset name or a loop function (None: minimal).
+            stack: the torch/CUDA versions assumed (None: the installed torch).
+            finetune: frozen parameters, adapters, a quantized base (None: everything trains).
 
         Returns:
             The options.
@@ -94,9 +104,20 @@ class EstimateOptions:
             raise InapplicableOptionError(f"{what} applies to training (mode train); the mode is {mode_.value}")
         if target not in (Target.CUDA, Target.CPU):
             raise InvalidInputError(f"unknown target {target!r}")
+        loop_ = Loop.of(loop)
+        if not loop_.is_default and mode_ is not Mode.TRAIN:
+            raise InapplicableOptionError(f"a training loop (loop, --loop, --keep-grads) applies to mode train; "
+                                          f"the mode is {mode_.value}")
+        if stack is not None and not isinstance(stack, Stack):
+            raise InvalidInputError(f"stack must be a memcalc.Stack(...), got {type(stack).__name__}",
+                                    hint='e.g. stack=memcalc.Stack(torch="2.4", cuda="12.1")')
+        if finetune is not None and not isinstance(finetune, FineTune):
+            raise InvalidInputError(f"finetune must be a memcalc.FineTune(...), got {type(finetune).__name__}",
+                                    hint='e.g. finetune=memcalc.FineTune(lora=memcalc.LoRA(16), quant="nf4")')
         return cls(optimizer=spec, mode=mode_, precision=precision_, gpu=profile, gpu_named=named,
                    loss=None if loss is None else parse_choice(LossChoice, loss, "loss"), loss_fn=loss_fn,
-                   accum_steps=int(accum_steps), checkpoint=bool(checkpoint), kv_cache=kv_cache, target=target)
+                   accum_steps=int(accum_steps), checkpoint=bool(checkpoint), kv_cache=kv_cache, target=target,
+                   loop=loop_, stack=stack or Stack(), finetune=finetune or FineTune())
 
     @property
     def optimizer_key(self) -> Optimizer:

@@ -9,7 +9,7 @@ model on meta tensors under the storage tracer, with a device backend plugged in
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any, Protocol
@@ -23,7 +23,12 @@ from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
 from memcalc.engine.backend import PlainBackend, StepBackend
+from memcalc.engine.flops import OpCost, OpCostRecorder, StepCosts, tokens_per_step
+from memcalc.engine.loop_trace import LoopTracing, check_loop
+from memcalc.engine.loops import ITERATIONS, run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
+from memcalc.engine.optimizers import resolve_impl
+from memcalc.engine.optimizers_bnb import is_paged
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.prepare import cast_inputs, kv_cache_bytes, kv_elements_per_token, kv_prompt, prepare_step
 from memcalc.engine.step import StepConfig, run_step
@@ -38,10 +43,18 @@ from memcalc.engine.timeline import (
 )
 from memcalc.engine.trace import StepTrace, StorageTracer
 
-__all__ = ("MODEL_LOSS", "RankHooks", "TracedStep", "build_report", "trace_model")
+__all__ = ("KEEP_DTYPE", "LOGICAL_NUMEL", "MODEL_LOSS", "RankHooks", "TracedStep", "build_report",
+           "parameter_count", "trace_model")
 
 #: The report's loss when the step trained with the loss the model returned (``output.loss``).
 MODEL_LOSS = "the model's own (output.loss)"
+#: Attribute of a parameter that stores others' elements (a quantized weight, packed; its
+#: statistics: :mod:`memcalc.sources.quant`): the parameters it stands for, as PEFT and
+#: transformers count them. Without it a parameter counts its ``numel()``.
+LOGICAL_NUMEL = "memcalc_logical_numel"
+#: Attribute of a parameter whose dtype the model's pure fp16/bf16 cast must not change (the
+#: float32 statistics of a quantized weight; PEFT's float32 LoRA adapters, ``autocast_adapter_dtype``).
+KEEP_DTYPE = "memcalc_keep_dtype"
 #: A dict batch's ``attention_mask`` is read by Hugging Face models (``masking_utils``: no causal
 #: mask is built when nothing is padded), which a run without data cannot do.
 _MASK_VALUES = ("Hugging Face models read the values of attention_mask (to skip building a causal mask when "
@@ -59,18 +72,25 @@ class RankHooks(Protocol):
 
 
 class _TracerObserver:
-    """Adapts :class:`StorageTracer` to the step program's observer protocol."""
+    """Adapts :class:`StorageTracer` to the step program's observer protocol. ``unified_memory``:
+    the target is CUDA, where a paged optimizer's large states live in unified memory
+    (:func:`~memcalc.engine.optimizers_bnb.is_paged`), outside the caching allocator."""
 
-    def __init__(self, tracer: StorageTracer):
+    def __init__(self, tracer: StorageTracer, *, unified_memory: bool = False):
         self.tracer = tracer
+        self.unified_memory = unified_memory
         self.gradient_uids: set[int] = set()
         self.state_uids: set[int] = set()
+        self.paged_uids: set[int] = set()
 
     def set_phase(self, phase: Phase) -> None:
         self.tracer.set_phase(phase)
 
     def preexisting(self, tensor: torch.Tensor, category: Category) -> None:
         self.tracer.preexisting(tensor, category)
+
+    def batch_tensor(self, tensor: torch.Tensor) -> None:
+        self.tracer.track(tensor, Category.INPUTS)
 
     def backward_context(self) -> AbstractContextManager[Any]:
         return self.tracer.modules.backward()
@@ -85,6 +105,8 @@ class _TracerObserver:
             for value in state.values():
                 if isinstance(value, torch.Tensor) and (uid := self.tracer.uid_of(value)) is not None:
                     self.state_uids.add(uid)
+                    if self.unified_memory and is_paged(value):
+                        self.paged_uids.add(uid)
 
     def finished(self) -> None:
         self.tracer.stop()
@@ -94,7 +116,7 @@ class TracedStep:
     """The raw result of tracing one step: the trace, final categories, module data."""
 
     def __init__(self, trace: StepTrace, categories: list[Category], tracer: StorageTracer, loss: str,
-                 options: EstimateOptions, attention: dict[str, int], notes: list[str]):
+                 options: EstimateOptions, attention: dict[str, int], notes: list[str], optimizer_impl: str = ""):
         self.trace = trace
         self.categories = categories
         self.output_shapes = dict(tracer.modules.output_shapes)
@@ -104,14 +126,19 @@ class TracedStep:
         self.mode = options.mode
         self.attention = attention
         self.notes = notes
+        self.optimizer_impl = optimizer_impl  # as resolved for the target ("" without an optimizer step)
+        self.op_costs: list[OpCost] = []  # every kernel's FLOPs and bytes (memcalc.engine.flops)
+        self.paged_optimizer_state = 0  # bytes in unified memory, set apart from the trace (_set_apart)
+        #: A loop traced for all its iterations: where in ``trace.events`` the second, third, ... begin.
+        self.iteration_starts: list[int] | None = None
 
     def program(self) -> Program:
         """The replayable program of this step (two iterations when training)."""
-        return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1)
+        return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1, traced_starts=self.iteration_starts)
 
 
 def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: StepBackend | None = None, *,
-                hooks: RankHooks | None = None) -> TracedStep:
+                hooks: RankHooks | None = None, traced_loop: bool | None = None) -> TracedStep:
     """Run one step of ``resolved`` under the tracer (the engine, without the report).
 
     Args:
@@ -120,6 +147,9 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         backend: what the device adds (:mod:`memcalc.engine.backend`); None: plain meta.
         hooks: a per-rank program of a multi-GPU strategy (:mod:`memcalc.distributed`),
             installed on the model before its storages are registered and removed afterwards.
+        traced_loop: run ``options.loop`` as written (:mod:`memcalc.engine.loops`), every
+            iteration traced; None: unless it is the default loop, whose second iteration is
+            synthesised from one traced step (the same peak, faster).
 
     Returns:
         The trace with final categories, module data and the backend's notes.
@@ -127,30 +157,42 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     backend = backend if backend is not None else PlainBackend()
     module = resolved.module
     notes = list(resolved.notes)  # what resolving decided (where the inputs came from, a grown model)
+    if traced_loop is None:
+        traced_loop = not options.loop.is_default
+    if traced_loop:
+        check_loop(options, multi_gpu=hooks is not None)
     inputs, blocks = prepare_step(module, resolved.inputs, precision=options.precision, checkpoint=options.checkpoint,
                                   containers=resolved.block_containers, model_name=resolved.name)
+    _restore_kept_dtypes(module)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
-    tracer = StorageTracer("meta", after_op=backend.after_op)
+    costs = OpCostRecorder(then=backend.after_op)  # FLOPs and bytes per kernel, then the backend's rules
+    tracer = StorageTracer("meta", after_op=costs)
+    costs.attach(tracer)
     backend.attach(tracer)
-    observer = _TracerObserver(tracer)
+    observer = _TracerObserver(tracer, unified_memory=options.emulate_cuda)
+    tracing = LoopTracing(tracer, module, observer) if traced_loop else None
     if hooks is not None:
         hooks.install(tracer, module)
-    _register_preexisting(tracer, module, inputs)
+    _register_preexisting(tracer, module, inputs if tracing is None else ())  # a loop's batches: when drawn
     if options.kv_cache is not None:
         notes.append(_register_kv_cache(tracer, resolved, inputs, options))
     tracer.modules.install(module)
+    impl = resolve_impl(options.optimizer, options.loop.optimizer_impl, cuda=options.emulate_cuda)
     config = StepConfig(
-        mode=options.mode, optimizer=options.optimizer,
+        mode=options.mode, optimizer=options.optimizer, optimizer_impl=impl,
         loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
         accum_steps=options.accum_steps, autocast=backend.autocast() or nullcontext,
         scaler_factory=backend.grad_scaler if options.mode is Mode.TRAIN else None,
-        model_loss=options.loss is None and options.loss_fn is None,
+        model_loss=options.loss is None and options.loss_fn is None, amp=options.precision.is_amp,
     )
     try:
         with tracer, backend.mode():
-            outcome = run_step(module, inputs, config, observer)
+            outcome = run_step(module, inputs, config, observer) if tracing is None else \
+                run_loop(module, inputs, config, options.loop, tracing)
     except DataDependentError as exc:
+        if tracing is not None:
+            tracing.explain(exc)
         if isinstance(inputs.kwargs.get("attention_mask"), torch.Tensor):
             exc.hint = f"{_MASK_VALUES} {exc.hint or ''}".strip()
         raise
@@ -178,7 +220,42 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     loss_name = "custom loss_fn" if options.loss_fn is not None else MODEL_LOSS if outcome.model_loss else (
         outcome.loss_kind.value if outcome.loss_kind is not None else f"none ({options.mode.value})")
     notes.extend(backend.notes(module))
-    return TracedStep(trace, categories, tracer, loss_name, options, dict(backend.attention_backends()), notes)
+    has_step = options.mode is Mode.TRAIN and options.optimizer.factory is not None
+    traced = TracedStep(trace, categories, tracer, loss_name, options, dict(backend.attention_backends()), notes,
+                        impl.value if has_step else "")
+    traced.op_costs = costs.records
+    traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
+    if tracing is not None:
+        traced.iteration_starts = tracing.iteration_starts()
+        traced.notes.extend(tracing.notes(options, ITERATIONS * options.accum_steps, has_step))
+        if options.loop.preset is None:
+            traced.loss = f"computed by the loop ({options.loop.name})"
+    return traced
+
+
+def _set_apart(trace: StepTrace, uids: set[int]) -> int:
+    """Take storages out of the caching allocator's view (a paged optimizer's states, in CUDA
+    unified memory): their size becomes 0 — a zero-byte request allocates nothing — so they
+    count in no category and no peak. Returns their bytes, reported apart."""
+    total = 0
+    for uid in uids:
+        total += trace.nbytes[uid]
+        trace.nbytes[uid] = 0
+    return total
+
+
+def parameter_count(params: Iterable[nn.Parameter]) -> int:
+    """How many parameters ``params`` hold, as PEFT's ``get_nb_trainable_parameters`` counts
+    them: ``numel()``, or :data:`LOGICAL_NUMEL` where a parameter stores others' elements."""
+    return sum(int(getattr(p, LOGICAL_NUMEL, p.numel())) for p in params)
+
+
+def _restore_kept_dtypes(module: nn.Module) -> None:
+    """Undo the pure fp16/bf16 cast on the parameters marked :data:`KEEP_DTYPE` (on meta: free)."""
+    for p in module.parameters():
+        kept = getattr(p, KEEP_DTYPE, None)
+        if isinstance(kept, torch.dtype) and p.dtype != kept:
+            p.data = p.data.to(kept)
 
 
 def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
@@ -251,7 +328,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         activations=raw[Category.ACTIVATIONS], workspace=raw[Category.WORKSPACE], kv_cache=raw[Category.KV_CACHE],
         peak_allocated=stats.peak_allocated,
     )
-    first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[-1])) \
+    first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[1])) \
         if program.iterations > 1 else stats
     spec = options.optimizer
     module = resolved.module
@@ -260,6 +337,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         parameter_bytes=_preexisting_bytes(trace, traced.categories, Category.PARAMETERS),
         multiplier=spec.textbook_multiplier if training else 1,
         terms=spec.textbook_terms if training else "weights",
+        state_bytes=spec.textbook_state_bytes(module.parameters()) if training else 0,
         activation_bytes=_saved_for_backward(trace, traced.categories) if training else raw[Category.ACTIVATIONS],
         input_bytes=_preexisting_bytes(trace, traced.categories, Category.INPUTS),
     )
@@ -276,7 +354,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         batch_size=resolved.batch_size,
         optimizer=spec.key.value,
         mode=mode,
-        parameters=sum(p.numel() for p in module.parameters()),
+        parameters=parameter_count(module.parameters()),
         peak_phase=trace.phase[uid] if has_peak else Phase.SETUP,
         peak_module=trace.module[uid] if has_peak else "",
         bytes=breakdown,
@@ -302,8 +380,20 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         attention_calls=tuple(sorted(traced.attention.items())),
         accum_steps=options.accum_steps,
         checkpoint=options.checkpoint,
+        loop=options.loop.name,
+        keep_grads=options.loop.keep_grads,
+        optimizer_impl=traced.optimizer_impl,
+        # the stack resolved at the API boundary (memcalc.cuda.stack); no CUDA version on the CPU target
+        torch_version=options.stack.torch or "",
+        cuda_version=(options.stack.cuda or "") if options.emulate_cuda else "",
+        paged_optimizer_state=traced.paged_optimizer_state,
+        trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
         notes=tuple(notes),
         _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role),
+        _costs=StepCosts(traced.op_costs, samples=resolved.batch_size * options.accum_steps,
+                         tokens=tokens_per_step(resolved.inputs, options.accum_steps),
+                         module_order=traced.module_order,  # a loop traced whole: its first iteration
+                         until=traced.iteration_starts[0] if traced.iteration_starts else None),
     )
 
 
@@ -368,7 +458,7 @@ def _module_rows(module: nn.Module, traced: TracedStep) -> tuple[ModuleRow, ...]
         sub = named[name]
         rows.append(ModuleRow(
             name=name, type=type(sub).__name__, depth=name.count(".") + 1,
-            parameters=sum(p.numel() for p in sub.parameters()),  # tied weights once per subtree
+            parameters=parameter_count(sub.parameters()),  # tied weights once per subtree
             output_shape=traced.output_shapes.get(name, ()), activation_bytes=subtree.get(name, 0),
         ))
     return tuple(rows)

@@ -16,6 +16,12 @@ One iteration is (``accum_steps`` micro-batches, then one optimizer step)::
 When no loss was chosen and the model returns its own (``output.loss``: a Hugging Face model
 given ``labels`` in its batch), the step trains with that one, as a Hugging Face loop does.
 
+That loop (the ``minimal`` preset, ``memcalc.Loop()``) is traced once and its second iteration
+synthesised (:mod:`memcalc.engine.timeline`). The other loops (:mod:`memcalc.engine.loops`) run
+for real, iteration by iteration; they and :func:`run_step` share what the options decide —
+the autocast region, the loss and its targets, the gradient scaler — through
+:class:`StepKit`.
+
 ``eval`` mode is ``model.eval()`` and one forward under ``torch.no_grad()``; ``inference``
 the same under ``torch.inference_mode()``.
 """
@@ -32,12 +38,13 @@ from torch import nn
 
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import LossFunctionError, MemcalcError
+from memcalc.core.loop import OptimizerImpl
 from memcalc.core.losses import LossChoice, LossFn, LossKind
 from memcalc.engine.losses import compute_loss, make_targets, primary_tensor, resolve_loss
 from memcalc.engine.model import ModelInputs
 from memcalc.engine.optimizers import OptimizerSpec
 
-__all__ = ("NullObserver", "Scaler", "StepConfig", "StepObserver", "StepOutcome", "run_step")
+__all__ = ("NullObserver", "Scaler", "StepConfig", "StepKit", "StepObserver", "StepOutcome", "Targets", "run_step")
 
 
 class StepObserver(Protocol):
@@ -48,6 +55,9 @@ class StepObserver(Protocol):
 
     def preexisting(self, tensor: torch.Tensor, category: Category) -> None:
         """``tensor`` exists before the step in a real loop (a target built after the forward)."""
+
+    def batch_tensor(self, tensor: torch.Tensor) -> None:
+        """``tensor`` arrives now with a batch (an input or a target of a batch after the first)."""
 
     def backward_context(self) -> AbstractContextManager[Any]:
         """The context each ``backward()`` runs in."""
@@ -69,6 +79,9 @@ class NullObserver:
         pass
 
     def preexisting(self, tensor: torch.Tensor, category: Category) -> None:
+        pass
+
+    def batch_tensor(self, tensor: torch.Tensor) -> None:
         pass
 
     def backward_context(self) -> AbstractContextManager[Any]:
@@ -112,9 +125,10 @@ class StepConfig:
     loss_fn: LossFn | None = None
     iterations: int = 1
     accum_steps: int = 1
-    foreach: bool = True
+    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH  # AUTO resolved for the target already
     autocast: Callable[[], AbstractContextManager[Any]] = field(default=nullcontext)
     scaler_factory: Callable[[], Scaler | None] | None = None  # a factory may decline (None: no scaler)
+    amp: bool = False  # autocast mixed precision (``autocast`` opens a real or emulated region)
     #: Train with the loss the model returns itself (``output.loss``) when it returns one: the
     #: user chose no loss, and a batch with ``labels`` makes a Hugging Face model compute it.
     model_loss: bool = False
@@ -127,6 +141,135 @@ class StepOutcome:
     loss_kind: LossKind | None  # None with a user loss_fn, the model's own loss, or no loss
     output_shape: tuple[int, ...]
     model_loss: bool = False  # trained with the loss the model returned (``output.loss``)
+
+
+class Targets:
+    """A batch's targets for memcalc's loss (the ``y`` of ``for X, y in batches``).
+
+    Their shape is known only once the model's output is: the first batch's are made by the
+    first loss (and count as existing before the step, as they would arrive with the batch);
+    a later batch brings its own (:meth:`StepKit.targets_for`)."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...] | None = None) -> None:
+        self.tensors = tensors  # None: not made yet
+
+
+class StepKit:
+    """What memcalc's options decide inside a training loop: the autocast region, the loss and
+    its targets, the gradient scaler of amp-fp16, and whether ``zero_grad`` frees the
+    gradients. :func:`run_step` and the presets of :mod:`memcalc.engine.loops` call these, so
+    the loops differ only in their own code.
+
+    Args:
+        config: the step's options.
+        observer: told about the targets it makes (None: nobody).
+        keep_grads: ``zero_grad(set_to_none=False)``.
+    """
+
+    def __init__(self, config: StepConfig, observer: StepObserver | None = None, *, keep_grads: bool = False):
+        self.config = config
+        self.accum_steps = config.accum_steps
+        self.keep_grads = keep_grads
+        self.scaler = config.scaler_factory() if config.scaler_factory is not None else None
+        self.loss_kind: LossKind | None = None
+        self.model_loss = False
+        self.output_shape: tuple[int, ...] = ()
+        self._observer: StepObserver = observer or NullObserver()
+        # (shape, dtype) of each target, known after the first loss; () when the loss needs none
+        self._target_spec: tuple[tuple[tuple[int, ...], torch.dtype], ...] | None = None
+        self._targets = Targets()  # run_step's one batch
+        self._unscaled = False
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The region around forward and loss (``torch.autocast`` under amp; else nothing)."""
+        return self.config.autocast()
+
+    def loss_fn(self, output: Any, targets: Targets | None = None) -> torch.Tensor:
+        """The chosen loss of ``output`` (the user's ``loss_fn``, the model's own ``output.loss``,
+        or memcalc's against ``targets``), divided by ``accum_steps`` when accumulating.
+
+        Args:
+            output: what the model returned.
+            targets: the batch's targets; None: :func:`run_step`'s single batch's.
+
+        Returns:
+            A one-element tensor.
+        """
+        if not self.output_shape:
+            self.output_shape = _shape(output)
+        loss = self._loss(output, targets if targets is not None else self._targets)
+        return loss / self.accum_steps if self.accum_steps > 1 else loss
+
+    def _loss(self, output: Any, targets: Targets) -> torch.Tensor:
+        config = self.config
+        if config.loss_fn is not None:
+            self._target_spec = ()
+            return _user_loss(config.loss_fn, output)
+        if (own := _model_loss(output, config)) is not None:
+            self.model_loss = True
+            self._target_spec = ()
+            return own
+        if self.loss_kind is None:
+            self.loss_kind = resolve_loss(config.loss, output)
+        if targets.tensors is None:
+            made = make_targets(self.loss_kind, output)
+            targets.tensors = made
+            for target in made:
+                if self._target_spec is None:  # the first batch's: they arrived with it, before the step
+                    self._observer.preexisting(target, Category.INPUTS)
+                else:  # a batch drawn before the first loss (a prefetch): they arrive now
+                    self._observer.batch_tensor(target)
+            if self._target_spec is None:
+                self._target_spec = tuple((tuple(t.shape), t.dtype) for t in made)
+        return compute_loss(self.loss_kind, output, targets.tensors)
+
+    def targets_for(self, device: torch.device) -> Targets:
+        """The targets a batch drawn now brings: zeros shaped as the first batch's (a valid class
+        index, a valid regression target), or to be made by the loss if none was computed yet."""
+        if self._target_spec is None:
+            return Targets()
+        return Targets(tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in self._target_spec))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` (``scaler.scale(loss).backward()`` under amp-fp16); nothing when
+        nothing requires grad (a frozen model)."""
+        if not loss.requires_grad:
+            return
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        scaled.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is untyped in torch
+
+    def unscale_(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """``scaler.unscale_(optimizer)`` under amp-fp16, once per step (before clipping)."""
+        if self.scaler is not None and optimizer is not None and not self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled = True
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """``optimizer.step()``; under amp-fp16 ``scaler.unscale_(optimizer)`` (unless done),
+        ``scaler.step(optimizer)``, ``scaler.update()``. Nothing without an optimizer."""
+        if optimizer is None:
+            return
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.unscale_(optimizer)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        self._unscaled = False
+
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """``optimizer.zero_grad()`` (the model's without an optimizer), with
+        ``set_to_none=not keep_grads``."""
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=not self.keep_grads)
+        else:
+            model.zero_grad(set_to_none=not self.keep_grads)
+
+    def outcome(self) -> StepOutcome:
+        """What the loss found out, for the report."""
+        return StepOutcome(loss_kind=self.loss_kind, output_shape=self.output_shape, model_loss=self.model_loss)
 
 
 def run_step(model: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor], config: StepConfig,
@@ -163,69 +306,44 @@ def _forward_only(model: nn.Module, inputs: ModelInputs, config: StepConfig,
 def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepObserver) -> StepOutcome:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = config.optimizer.build(params, config.foreach) if params else None
-    scaler = config.scaler_factory() if config.scaler_factory is not None else None
-    targets: tuple[torch.Tensor, ...] = ()
-    kind: LossKind | None = None
-    shape: tuple[int, ...] = ()
-    model_loss = False
+    opt = config.optimizer.build(params, config.optimizer_impl) if params else None
+    step = StepKit(config, obs)
     for _ in range(config.iterations):
         for _micro in range(config.accum_steps):
-            with config.autocast():
+            with step.autocast():
                 obs.set_phase(Phase.FORWARD)
                 output = inputs.call(model)
-                shape = _shape(output)
                 obs.set_phase(Phase.LOSS)
-                if config.loss_fn is not None:
-                    # the user's own code: a failure is the loss's, not the forward's or the input's
-                    name = getattr(config.loss_fn, "__qualname__", None) or type(config.loss_fn).__name__
-                    try:
-                        returned: object = config.loss_fn(output)
-                    except MemcalcError:
-                        raise
-                    except Exception as exc:
-                        raise LossFunctionError(name, f"raised {type(exc).__name__}: {exc}") from exc
-                    if not isinstance(returned, torch.Tensor) or returned.numel() != 1:
-                        got = (f"a tensor of shape {tuple(returned.shape)}" if isinstance(returned, torch.Tensor)
-                               else type(returned).__name__)
-                        raise LossFunctionError(name, f"returned {got}, not a one-element tensor")
-                    loss_value = returned
-                elif (own := _model_loss(output, config)) is not None:
-                    loss_value = own
-                    model_loss = True
-                else:
-                    if kind is None:
-                        kind = resolve_loss(config.loss, output)
-                        targets = make_targets(kind, output)
-                        for target in targets:
-                            obs.preexisting(target, Category.INPUTS)
-                    loss_value = compute_loss(kind, output, targets)
-                if config.accum_steps > 1:
-                    loss_value = loss_value / config.accum_steps
+                loss = step.loss_fn(output)
             obs.set_phase(Phase.BACKWARD)
-            if loss_value.requires_grad:
-                scaled = scaler.scale(loss_value) if scaler is not None else loss_value
-                with obs.backward_context():
-                    scaled.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is untyped in torch
-                del scaled
-            del output, loss_value
+            with obs.backward_context():
+                step.backward(loss)
+            del output, loss
         obs.gradients_ready(params)
         if opt is not None:
             obs.set_phase(Phase.OPTIMIZER)
-            if scaler is not None:
-                scaler.unscale_(opt)
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+            step.optimizer_step(opt)
             obs.optimizer_stepped(opt)
         obs.set_phase(Phase.ZERO_GRAD)
-        if opt is not None:
-            opt.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
+        step.zero_grad(model, opt)
     obs.finished()  # the optimizer (and its state) is still alive here, as in a real loop
-    return StepOutcome(loss_kind=kind, output_shape=shape, model_loss=model_loss)
+    return step.outcome()
+
+
+def _user_loss(loss_fn: LossFn, output: Any) -> torch.Tensor:
+    """The user's own ``loss_fn(output)``: a failure is the loss's, not the forward's or the input's."""
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+    try:
+        returned: object = loss_fn(output)
+    except MemcalcError:
+        raise
+    except Exception as exc:
+        raise LossFunctionError(name, f"raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(returned, torch.Tensor) or returned.numel() != 1:
+        got = (f"a tensor of shape {tuple(returned.shape)}" if isinstance(returned, torch.Tensor)
+               else type(returned).__name__)
+        raise LossFunctionError(name, f"returned {got}, not a one-element tensor")
+    return returned
 
 
 def _model_loss(output: Any, config: StepConfig) -> torch.Tensor | None:

@@ -2,9 +2,11 @@
 
 A training loop's first step is not its worst: ``torch.optim`` creates its state lazily at the
 first ``step()``, after backward has freed the activations, so the first iteration never holds
-optimizer state and activations together — every later iteration does. We trace one step and
-build the second iteration from it (the same alloc/free order, with the storages still alive
-after the first iteration — optimizer state — already there), then replay both.
+optimizer state and activations together — every later iteration does. For memcalc's own loop
+we trace one step and build the second iteration from it (the same alloc/free order, with the
+storages still alive after the first iteration — optimizer state — already there), then replay
+both. Any other loop (:mod:`memcalc.engine.loops`) is traced for all its iterations, which
+are replayed as they ran.
 
 The replay itself is :mod:`memcalc.engine.allocator` (the CUDA caching allocator model); this
 module builds the sequence it replays and reads the categories alive at the peak it finds, and,
@@ -73,12 +75,14 @@ def alive_at_end(trace: StepTrace) -> set[int]:
 @dataclass(frozen=True)
 class Program:
     """The replayable sequence: ``events`` over keys ``0 .. 2N-1`` (``uid`` for the first
-    iteration, ``uid + N`` for the second), every key's storage being ``key % N``."""
+    iteration, ``uid + N`` for the synthesised second), every key's storage being ``key % N``.
+    A loop traced for all its iterations (``traced``) uses the keys ``0 .. N-1`` only."""
 
     events: list[int]
     num_storages: int
     iterations: int
     iteration_starts: tuple[int, ...]  # index in events where each iteration begins
+    traced: bool = False  # every iteration is in the trace (none synthesised)
 
     def storage(self, key: int) -> int:
         """The storage uid behind an event key."""
@@ -93,13 +97,21 @@ class Program:
         return iteration
 
 
-def build_program(trace: StepTrace, iterations: int) -> Program:
+def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Sequence[int] | None = None) -> Program:
     """Pre-existing storages, then ``iterations`` copies of the step (at most 2 are needed:
-    the third iteration's events are the second's)."""
+    the third iteration's events are the second's).
+
+    With ``traced_starts`` (indices into ``trace.events`` where the iterations after the first
+    begin) the trace already holds every iteration: it is replayed as it ran, and
+    ``iterations`` is ignored."""
     n = trace.num_storages
     events: list[int] = list(trace.preexisting)
     starts = [len(events)]
     events.extend(trace.events)
+    if traced_starts is not None:
+        starts.extend(starts[0] + start for start in traced_starts)
+        return Program(events=events, num_storages=n, iterations=len(starts), iteration_starts=tuple(starts),
+                       traced=True)
     if iterations >= 2:
         persistent = alive_at_end(trace)
         starts.append(len(events))
@@ -205,8 +217,12 @@ def _phase_spans(trace: StepTrace, program: Program) -> tuple[PhaseSpan, ...]:
     it does not allocate again."""
     starts = program.iteration_starts
     bounds: list[tuple[Phase, int, int]] = [(Phase.SETUP, 1, 0), (Phase.SETUP, 1, starts[0])]
-    bounds += [(phase, 1, starts[0] + index) for phase, index in trace.phase_log]
-    if program.iterations > 1:
+    if program.traced:  # every iteration's phases are in the log; an iteration starts with a batch
+        bounds += [(phase, program.iteration_of(starts[0] + index), starts[0] + index)
+                   for phase, index in trace.phase_log]
+    else:
+        bounds += [(phase, 1, starts[0] + index) for phase, index in trace.phase_log]
+    if program.iterations > 1 and not program.traced:
         persistent = alive_at_end(trace)
         kept = [0]  # kept[i]: events of trace.events[:i] the second iteration replays
         for event in trace.events:

@@ -3,8 +3,10 @@ never assumed.
 
 CUDA: build the real model on the GPU, warm the cuBLAS handle (its workspace is allocated
 through the caching allocator at the first matmul and stays), ``reset_peak_memory_stats``,
-run the step program (two iterations, as the estimate does), read ``max_memory_allocated``
-and ``max_memory_reserved``. An OOM is a result ("measured: OOM"), not a crash.
+run the step program (two iterations, as the estimate does; or the chosen loop as written,
+:mod:`memcalc.engine.loops`), read ``max_memory_allocated`` and ``max_memory_reserved``. An
+OOM is a result ("measured: OOM"), not a crash. The optimizer runs in the implementation the
+estimate resolved for the device (``resolve_impl``).
 
 CPU (no GPU here): ``torch.profiler`` with ``profile_memory=True`` records every CPU
 allocation and free with its size, in order; their running sum on top of the storages that
@@ -31,7 +33,9 @@ import torch
 from memcalc.api import CPU, estimate, make_request
 from memcalc.core.report import Measurement, MemoryReport
 from memcalc.cuda.cpu import NOT_FOLLOWED
+from memcalc.engine.loops import run_loop
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel
+from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.prepare import kv_cache_bytes, prepare_step
 from memcalc.engine.step import Scaler, StepConfig, run_step
@@ -66,7 +70,8 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
 
 
 def _config(resolved: ResolvedModel, options: EstimateOptions, device: torch.device) -> StepConfig:
-    """The step program with real autocast and a real GradScaler (on CUDA)."""
+    """The step program with real autocast, a real GradScaler (on CUDA) and the optimizer
+    implementation the estimate for this device resolved."""
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
     scaler: Callable[[], Scaler] | None = None
     if options.precision.is_amp:
@@ -77,24 +82,47 @@ def _config(resolved: ResolvedModel, options: EstimateOptions, device: torch.dev
     return StepConfig(mode=options.mode, optimizer=options.optimizer,
                       loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
                       iterations=2, accum_steps=options.accum_steps, autocast=autocast, scaler_factory=scaler,
-                      model_loss=options.loss is None and options.loss_fn is None)
+                      model_loss=options.loss is None and options.loss_fn is None, amp=options.precision.is_amp,
+                      optimizer_impl=resolve_impl(options.optimizer, options.loop.optimizer_impl,
+                                                  cuda=device.type == "cuda"))
 
 
-def measure_cpu(resolved: ResolvedModel, options: EstimateOptions | None = None, **option_values: Any) -> Measurement:
-    """Peak CPU bytes of the real step, from the profiler's allocation events."""
+def _run(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, options: EstimateOptions,
+         traced_loop: bool) -> None:
+    """The step the estimate traced: memcalc's loop (two iterations), or the chosen loop as
+    written (:func:`memcalc.engine.loops.run_loop`), on real tensors."""
+    if traced_loop:
+        run_loop(module, inputs, config, options.loop)
+    else:
+        run_step(module, inputs, config)
+
+
+def _existing(module: torch.nn.Module, inputs: ModelInputs, traced_loop: bool) -> list[torch.Tensor]:
+    """The tensors there before the step: parameters, buffers and — for memcalc's loop, which
+    reuses them — the inputs (another loop's batches are copies made as it draws them)."""
+    return [*module.parameters(), *module.buffers(), *(() if traced_loop else inputs)]
+
+
+def measure_cpu(resolved: ResolvedModel, options: EstimateOptions | None = None, *, traced_loop: bool | None = None,
+                **option_values: Any) -> Measurement:
+    """Peak CPU bytes of the real step, from the profiler's allocation events.
+
+    ``traced_loop``: run ``options.loop`` as written even when it is the default one (as
+    :func:`memcalc.engine.run.trace_model` does with the same flag); None: unless it is."""
     from torch.profiler import ProfilerActivity, profile
 
     options = options or EstimateOptions.create(target=Target.CPU, **option_values)
+    as_written = not options.loop.is_default if traced_loop is None else traced_loop
     device = torch.device("cpu")
     module, inputs, _kv = _prepare(resolved, device, options)
     config = _config(resolved, options, device)
-    before = storage_bytes([*module.parameters(), *module.buffers(), *inputs])
+    before = storage_bytes(_existing(module, inputs, as_written))
     gc.collect()
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _kineto_lines_silenced():
         prof.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
     try:
-        run_step(module, inputs, config)
+        _run(module, inputs, config, options, as_written)
     finally:
         with _kineto_lines_silenced():
             prof.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # untyped in torch
@@ -157,7 +185,7 @@ def measure_cuda(resolved: ResolvedModel, options: EstimateOptions | None = None
         module, inputs, _kv = _prepare(resolved, device, options)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        run_step(module, inputs, _config(resolved, options, device))
+        _run(module, inputs, _config(resolved, options, device), options, not options.loop.is_default)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         reserved = torch.cuda.max_memory_reserved(device)

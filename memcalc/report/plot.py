@@ -44,7 +44,8 @@ def sweep_figure(
 ) -> Figure:
     """Peak allocated memory against batch size, one line per optimizer and precision; with
     ``capacity``, a horizontal line at it and, on each series, a larger dot on the largest
-    batch that fits.
+    batch that fits. When every point's report has a step time (``--time``), a second panel
+    below shows samples/s against batch size.
 
     Args:
         points: the sweep's points (:func:`memcalc.sweep`).
@@ -56,9 +57,10 @@ def sweep_figure(
         The figure, on an Agg canvas, not yet saved.
     """
     figure_class, canvas_class = _matplotlib()
-    figure = figure_class(figsize=(7.5, 5.0), dpi=100, layout="constrained")
+    timed = bool(points) and all(p.report.time is not None for p in points)  # a sweep with --time
+    figure = figure_class(figsize=(7.5, 8.0 if timed else 5.0), dpi=100, layout="constrained")
     canvas_class(figure)
-    axes = figure.add_subplot(1, 1, 1)
+    axes = figure.add_subplot(2 if timed else 1, 1, 1)
     peaks = [p.report.bytes.peak_allocated for p in points] + ([capacity] if capacity is not None else [])
     unit = auto_unit(max(peaks, default=0))
     scale = unit_bytes(unit)
@@ -81,8 +83,22 @@ def sweep_figure(
     axes.set_ylim(bottom=0)
     axes.set_title(title or _default_title(points))
     axes.grid(True, alpha=0.3)
+    if timed:
+        _throughput_axes(figure.add_subplot(2, 1, 2, sharex=axes), points)
     figure.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
     return figure
+
+
+def _throughput_axes(axes: Any, points: Sequence[SweepPoint]) -> None:
+    """Samples/s against batch size under the memory, one line per series in the same styles
+    (and, axes by axes, the same colours)."""
+    for (_label, series), style in zip(_series(points).items(), itertools.cycle(_STYLES)):
+        rates = [p.report.time.samples_per_second if p.report.time is not None else 0.0 for p in series]
+        axes.plot([p.batch_size for p in series], rates, markersize=4, **style)
+    axes.set_xlabel("batch size")
+    axes.set_ylabel("samples/s (roofline, assumed efficiencies)")
+    axes.set_ylim(bottom=0)
+    axes.grid(True, alpha=0.3)
 
 
 def plot_sweep(

@@ -11,6 +11,7 @@ from tabulate import tabulate
 from memcalc.core.categories import Category, Mode
 from memcalc.core.report import MemoryReport, Textbook
 from memcalc.core.units import Unit, format_bytes
+from memcalc.report.time_render import render_time
 
 __all__ = ("TABLE_FORMATS", "render_json", "render_report", "render_roles")
 
@@ -59,6 +60,8 @@ def render_report(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str
     """
     sections = [_header(report), _breakdown(report, fmt, unit)]
     sections.append(_peak_lines(report, unit))
+    if report.time is not None:  # asked for (--time, memcalc.step_time)
+        sections.append(render_time(report.time, report.gpu.name, fmt=fmt, unit=unit))
     if modules and module_depth > 0 and report.modules_within(module_depth):
         sections.append(_module_table(report, fmt, unit, module_depth))
     if report.measurement is not None:
@@ -79,7 +82,7 @@ _MODE_TEXT = {Mode.TRAIN: "training step", Mode.EVAL: "eval forward (no_grad)",
 def _header(report: MemoryReport) -> str:
     step = _MODE_TEXT[report.mode]
     if report.mode is Mode.TRAIN:
-        step += f", optimizer {report.optimizer}"
+        step += f", optimizer {report.optimizer}" + (f" ({report.optimizer_impl})" if report.optimizer_impl else "")
         if report.accum_steps > 1:
             step += f", {report.accum_steps} accumulation steps"
         if report.checkpoint:
@@ -89,7 +92,22 @@ def _header(report: MemoryReport) -> str:
         f"memcalc: {report.model}, batch {report.batch_size}, {step}, {report.precision.value}",
         f"on {gpu}; input {report.input_description}; loss {report.loss}; {report.parameters:,} parameters",
     ]
+    trainable = report.trainable_parameters
+    if trainable is not None and trainable < report.parameters:  # frozen parameters: as PEFT prints it
+        lines.append(f"trainable parameters: {trainable:,} of {report.parameters:,} "
+                     f"({100 * trainable / report.parameters:.4f}%)")
+    if report.torch_version:
+        lines.append(_assumed_line(report))
     return "\n".join(lines)
+
+
+def _assumed_line(report: MemoryReport) -> str:
+    """The software stack the kernel facts and the CUDA context were taken for."""
+    if not report.cuda_version:  # the CPU target: no CUDA context
+        return f"assumed: torch {report.torch_version} (CPU target)"
+    basis = report.gpu.context_basis or "lazy module loading"  # a profile's own figure is the lazy one
+    return (f"assumed: torch {report.torch_version}, CUDA {report.cuda_version}; CUDA context "
+            f"{format_bytes(report.cuda_context, 'MiB')} ({basis})")
 
 
 def _breakdown(report: MemoryReport, fmt: str, unit: Unit | str) -> str:
@@ -120,6 +138,10 @@ def _peak_lines(report: MemoryReport, unit: Unit | str) -> str:
         lines.append(f"  reached in the second iteration (optimizer state allocated); "
                      f"the first iteration peaks at {format_bytes(report.first_iteration_peak, unit)}")
     lines.append(_reserved_line(report, unit))
+    if report.paged_optimizer_state:
+        lines.append(f"paged optimizer state: {format_bytes(report.paged_optimizer_state, unit)} in CUDA unified "
+                     f"memory (bitsandbytes' page manager, outside the caching allocator): not in the peak; the "
+                     f"driver moves its pages to the host when the GPU runs short")
     if report.fits is not None and report.capacity is not None:  # fits is judged under a capacity
         lines.append(_fits_line(report, report.capacity, unit))
     if report.attention_calls:
@@ -181,7 +203,10 @@ def _textbook_line(report: MemoryReport, tb: Textbook, unit: Unit | str) -> str:
     """The rule of thumb, term by term, and where the simulated peak stands against it. One
     sign convention: the simulated peak is above or below the rule (:meth:`Textbook.gap`)."""
     params = format_bytes(tb.parameter_bytes, unit)
-    weights = f"{params} × {tb.multiplier} ({tb.terms})" if tb.multiplier > 1 else f"{params} ({tb.terms})"
+    weights = f"{params} × {tb.multiplier}" if tb.multiplier > 1 else params
+    if tb.state_bytes:
+        weights += f" + {format_bytes(tb.state_bytes, unit)}"
+    weights += f" ({tb.terms})"
     saved = "saved for backward" if report.mode is Mode.TRAIN else "alive at the peak"
     peak = report.bytes.peak_allocated
     line = (f"textbook: parameters {weights} + input batch {format_bytes(tb.input_bytes, unit)} "

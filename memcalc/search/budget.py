@@ -12,6 +12,9 @@ may reserve (:func:`resolve_budget`):
   new process will create on it (the catalogue's estimate for the card, else the generic
   512 MiB) — unless this process had already initialised CUDA before the question, in which
   case the step is taken to run here and its context is already out of the free memory.
+
+The context is the one of the software stack asked for (``stack``: its CUDA version and
+module loading, or ``context_mib``; :mod:`memcalc.cuda.stack`), as the estimate's.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from memcalc.core.errors import InvalidInputError, MemcalcError
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
+from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
 from memcalc.cuda.gpus import catalogue as gpu_catalogue
 from memcalc.cuda.gpus import local as gpu_local
+from memcalc.cuda.stack import ResolvedStack, resolve_stack
 
 __all__ = (
     "DEFAULT_MARGIN",
@@ -264,10 +269,12 @@ def resolve_budget(
     gpu: str | GpuProfile | None = None,
     device: str | None = None,
     *,
+    stack: Stack | None = None,
     local_gpus: Callable[[], Sequence[gpu_local.LocalGpu]] | None = None,
 ) -> Budget:
     """Bytes the caching allocator may reserve, from exactly one of the three sources (see
-    the module docstring); a :class:`Budget` is returned as is. ``local_gpus`` replaces GPU
+    the module docstring); a :class:`Budget` is returned as is. ``stack``: the software stack
+    whose CUDA context is subtracted (None: the defaults). ``local_gpus`` replaces GPU
     discovery (tests)."""
     given = [name for name, value in (("budget", budget), ("gpu", gpu), ("device", device)) if value is not None]
     if len(given) != 1:
@@ -277,10 +284,14 @@ def resolve_budget(
         return budget
     if budget is not None:
         return _from_budget(budget)
+    if stack is not None and not isinstance(stack, Stack):
+        raise InvalidInputError(f"stack must be a memcalc.Stack(...), got {type(stack).__name__}",
+                                hint='e.g. stack=memcalc.Stack(torch="2.4", cuda="12.1")')
+    versions = resolve_stack(stack)
     if gpu is not None:
-        return _from_gpu(gpu)
+        return _from_gpu(gpu, versions)
     assert device is not None
-    return _from_device(device, local_gpus)
+    return _from_device(device, local_gpus, versions)
 
 
 def _from_budget(budget: str | int) -> Budget:
@@ -291,11 +302,11 @@ def _from_budget(budget: str | int) -> Budget:
     return Budget(capacity, "as given")
 
 
-def _from_gpu(gpu: str | GpuProfile) -> Budget:
+def _from_gpu(gpu: str | GpuProfile, versions: ResolvedStack) -> Budget:
     if not isinstance(gpu, (str, GpuProfile)):
         raise InvalidInputError(f"gpu must be a GPU name or a GpuProfile, got {type(gpu).__name__} {gpu!r}",
                                 hint="Known GPUs: " + ", ".join(g.key for g in gpu_catalogue.catalogue()) + ".")
-    profile = gpu if isinstance(gpu, GpuProfile) else gpu_catalogue.get_gpu(gpu)
+    profile = versions.apply(gpu if isinstance(gpu, GpuProfile) else gpu_catalogue.get_gpu(gpu))
     usable = profile.usable_memory
     if usable is None or profile.total_memory is None:
         raise InvalidInputError(
@@ -306,13 +317,14 @@ def _from_gpu(gpu: str | GpuProfile) -> Budget:
     return Budget(usable, source, profile)
 
 
-def _from_device(spec: str, local_gpus: Callable[[], Sequence[gpu_local.LocalGpu]] | None) -> Budget:
+def _from_device(spec: str, local_gpus: Callable[[], Sequence[gpu_local.LocalGpu]] | None,
+                 versions: ResolvedStack) -> Budget:
     gpu_local.check_device_spec(spec)  # a typo is refused before GPUs are looked for
     context_exists = _cuda_initialised()  # read before discovery, which may initialise CUDA
     found = local_gpus() if local_gpus is not None else gpu_local.list_local_gpus()
     chosen = gpu_local.resolve_device(spec, found)
-    profile = chosen.profile
-    context = 0 if context_exists else (profile or GENERIC).cuda_context
+    profile = None if chosen.profile is None else versions.apply(chosen.profile)
+    context = 0 if context_exists else versions.context_bytes(profile or GENERIC)
     capacity = chosen.free_memory - context
     label = f"{chosen.device} ({chosen.name}): {format_bytes(chosen.free_memory)} free"
     if context:

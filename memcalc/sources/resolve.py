@@ -10,8 +10,11 @@ Forms accepted by :func:`resolve`:
   shape or sequence length is given; the file's folder is importable while its code runs, as
   under ``python file.py``;
 - ``torchvision:resnet50``, ``timm:convnext_tiny``, ``hf:gpt2``, ``hf:path/to/config.json``
-  when those packages are installed (never a download: Hugging Face models come from their
-  config class defaults or a local config file).
+  when those packages are installed (Hugging Face models come from their config class
+  defaults or a local config file);
+- ``hf:ORG/NAME[@revision]`` or a :class:`~memcalc.sources.hub.HuggingFace` (which also picks
+  the attention implementation): the repository's ``config.json`` alone, from the Hugging Face
+  cache or the Hub (:mod:`memcalc.sources.hub`) — never its weights.
 
 Every model is built under ``torch.device("meta")``: no weights are ever allocated.
 """
@@ -30,9 +33,17 @@ import torch
 from torch import nn
 
 import models_zoo
-from memcalc.core.errors import InvalidInputError, MissingPackageError, ModelSourceError, UnknownModelError
+from memcalc.core.errors import (
+    InvalidInputError,
+    MemcalcError,
+    MissingPackageError,
+    ModelSourceError,
+    UnknownModelError,
+)
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel
+from memcalc.sources.hf_attention import attention_note, check_supported, implementation_name
+from memcalc.sources.hub import HfAttention, HuggingFace, import_hf, load_config
 from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
 from memcalc.sources.user_code import Example, load_from_file, load_from_module, user_frame
 from models_zoo.registry import InputKind, ZooEntry
@@ -40,7 +51,7 @@ from models_zoo.registry import InputKind, ZooEntry
 __all__ = ("ModelLike", "ResolvedModel", "meta_twin", "resolve")
 
 #: What :func:`resolve` accepts as a model (see the module docstring for the string forms).
-ModelLike: TypeAlias = "str | nn.Module | Callable[[], nn.Module]"
+ModelLike: TypeAlias = "str | HuggingFace | nn.Module | Callable[[], nn.Module]"
 META = torch.device("meta")
 
 _Shape: TypeAlias = tuple[int, ...]
@@ -65,8 +76,9 @@ def resolve(
     """Turn whatever the user gave into a :class:`ResolvedModel` on meta.
 
     Args:
-        model: a zoo name or another string form (module docstring), an ``nn.Module`` or a
-            zero-argument factory (:data:`ModelLike`); anything else is refused.
+        model: a zoo name or another string form (module docstring), a
+            :class:`~memcalc.sources.hub.HuggingFace`, an ``nn.Module`` or a zero-argument factory
+            (:data:`ModelLike`); anything else is refused.
         batch_size: samples per step; taken from ``inputs`` when they are given.
         input_shape: the shape of one sample (``(C, H, W)``, or ``(seq_len,)`` for tokens).
         seq_len: the sequence length of a token model (when ``input_shape`` is not given):
@@ -93,6 +105,8 @@ def resolve(
     seq_len_only = seq_len if input_shape is None else None
     if isinstance(model, str):
         return _resolve_string(model, batch_size, shape, seq_len_only, user_inputs)
+    if isinstance(model, HuggingFace):
+        return _hf_resolve(model, batch_size, shape, seq_len_only, user_inputs)
     asked = Asked(batch_size, shape, seq_len_only is not None, user_inputs)
     if isinstance(model, nn.Module):
         return _resolve_module(model, _display_name(model), asked)
@@ -209,6 +223,8 @@ def _resolve_factory(factory: Callable[[], object], name: str, asked: Asked, exa
         with device:
             try:
                 module = factory()
+            except MemcalcError:  # already says what went wrong (a source's own refusal)
+                raise
             except Exception as exc:
                 raise ModelSourceError(f"the factory {name} raised {type(exc).__name__}: {exc}"
                                        f"{user_frame(exc)}") from exc
@@ -280,18 +296,14 @@ def _timm_source(name: str, batch_size: int, shape: _Shape | None, seq_len: int 
 
 def _hf_source(spec: str, batch_size: int, shape: _Shape | None, seq_len: int | None,
                user_inputs: _Inputs | None) -> ResolvedModel:
-    transformers = _import_optional("transformers", f"the model source hf:{spec}")
-    if spec.endswith(".json"):
-        path = Path(spec)
-        if not path.is_file():
-            raise ModelSourceError(f"config file not found: {path}")
-        config = transformers.AutoConfig.from_pretrained(str(path))  # a local file: no download
-    else:
-        mapping = transformers.CONFIG_MAPPING
-        if spec not in mapping:
-            raise UnknownModelError(f"hf:{spec}", [f"hf:{n}" for n in _close(spec, list(mapping.keys()))])
-        config = mapping[spec]()
-    factory = lambda: _hf_model_from_config(transformers, config)
+    return _hf_resolve(HuggingFace.parse(spec), batch_size, shape, seq_len, user_inputs)
+
+
+def _hf_resolve(source: HuggingFace, batch_size: int, shape: _Shape | None, seq_len: int | None,
+                user_inputs: _Inputs | None) -> ResolvedModel:
+    transformers = import_hf("transformers", f"the model source {source.spec}")
+    config = load_config(transformers, source)
+    factory = lambda: _hf_model_from_config(transformers, config, source.attention, source.spec)
     context = getattr(config, "max_position_embeddings", None)
     asked = (shape[0] if shape else None) or seq_len
     length = asked or min(context or _HF_DEFAULT_SEQ_LEN, _HF_DEFAULT_SEQ_LEN)
@@ -300,11 +312,25 @@ def _hf_source(spec: str, batch_size: int, shape: _Shape | None, seq_len: int | 
     def example(b: int) -> tuple[torch.Tensor]:
         return (torch.randint(0, vocab, (b, length)),)
 
-    resolved = _resolve_factory(factory, f"hf:{spec}", Asked(batch_size, None, False, user_inputs), example)
+    resolved = _resolve_factory(factory, source.spec, Asked(batch_size, None, False, user_inputs), example)
     resolved.loss = LossKind.LM_CROSS_ENTROPY if _is_causal_lm(resolved.module) else LossChoice.AUTO
+    resolved.notes += (attention_note(resolved.module, source.attention),)
+    resolved.block_containers = hf_block_containers(resolved.module)
     if user_inputs is None and isinstance(context, int) and length > context:
         resolved.notes += (_hf_beyond_context(resolved, context, length),)
     return resolved
+
+
+def hf_block_containers(module: nn.Module) -> tuple[str, ...]:
+    """The containers of a Hugging Face model's repeated blocks (its decoder or encoder layers):
+    the ``ModuleList`` containers whose children are all of the classes the model names in
+    ``_no_split_modules`` — the classes transformers itself keeps whole when it shards a model,
+    and whose instances ``gradient_checkpointing_enable()`` checkpoints
+    (``GradientCheckpointingLayer``). Used by ``--checkpoint`` and the FSDP units."""
+    names = set(getattr(module, "_no_split_modules", None) or ())
+    return tuple(path for path, sub in module.named_modules()
+                 if isinstance(sub, nn.ModuleList) and len(sub) > 0
+                 and all(type(child).__name__ in names for child in sub))
 
 
 def _hf_beyond_context(resolved: ResolvedModel, context: int, length: int) -> str:
@@ -323,13 +349,23 @@ def _hf_beyond_context(resolved: ResolvedModel, context: int, length: int) -> st
             f"them with the same parameters (no position table)")
 
 
-def _hf_model_from_config(transformers: ModuleType, config: Any) -> nn.Module:
+def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttention | None = None,
+                          name: str = "") -> nn.Module:
+    implementation = implementation_name(transformers, attn)
+    kwargs: dict[str, Any] = {} if implementation is None else {"attn_implementation": implementation}
+    # float32 parameters whatever the config's torch_dtype says (the dtype the Hub stores weights
+    # in, bfloat16 for most LLMs, which from_config would build in): --precision decides the step's.
+    kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = torch.float32
     for auto in ("AutoModelForCausalLM", "AutoModel"):
         try:
-            model: nn.Module = getattr(transformers, auto).from_config(config)
-            return model
-        except ValueError:
+            model: nn.Module = getattr(transformers, auto).from_config(config, **kwargs)
+        except ValueError as exc:
+            if attn is not None and "Unrecognized configuration class" not in str(exc):
+                raise InvalidInputError(f"{name} cannot run --attn {attn.value}: {str(exc).splitlines()[0]}",
+                                        hint="Leave --attn out to run what transformers picks for it.") from exc
             continue
+        check_supported(model, attn, name)
+        return model
     raise ModelSourceError(f"transformers has no model class for config {type(config).__name__}")
 
 

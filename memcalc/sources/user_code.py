@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -23,9 +24,9 @@ from typing import Any, TypeAlias
 from torch import nn
 
 import models_zoo
-from memcalc.core.errors import InvalidInputError, ModelSourceError, UnknownModelError
+from memcalc.core.errors import InvalidInputError, MemcalcError, ModelSourceError, UnknownModelError
 
-__all__ = ("Example", "load_from_file", "load_from_module", "user_frame")
+__all__ = ("Example", "load_from_file", "load_from_module", "load_function", "user_frame")
 
 #: A user's ``example_inputs(batch_size[, seq_len=N])``: anything ``InputsLike`` (user code: unchecked).
 Example: TypeAlias = Callable[..., Any]
@@ -34,13 +35,21 @@ Example: TypeAlias = Callable[..., Any]
 def load_from_file(path: Path, attr: str) -> tuple[Callable[[], object], Example | None]:
     """The factory ``attr`` of the model file ``path`` and the file's ``example_inputs``
     (None if it has none), each run with the file's folder importable."""
+    module, folder = _exec_file(path, "model file", ModelSourceError)
+    factory, example = _factory_from(module, attr, str(path))
+    # the factory and example_inputs may import their neighbours lazily, when they are called
+    return _in_folder(factory, folder), (_in_folder(example, folder) if example is not None else None)
+
+
+def _exec_file(path: Path, what: str, error: type[MemcalcError]) -> tuple[ModuleType, str]:
+    """Run the Python file ``path`` (a ``what``: "model file", "loop file") with its folder
+    importable; its module and folder. Failures are ``error``s naming the file."""
     if not path.is_file():
-        raise ModelSourceError(f"model file not found: {path}",
-                               hint="Check the path (relative to the current directory).")
+        raise error(f"{what} not found: {path}", hint="Check the path (relative to the current directory).")
     module_name = f"memcalc_user_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ModelSourceError(f"cannot load {path} as Python source")
+        raise error(f"cannot load the {what} {path} as Python source")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     folder = str(path.resolve().parent)
@@ -48,12 +57,10 @@ def load_from_file(path: Path, attr: str) -> tuple[Callable[[], object], Example
         with _importable(folder):
             spec.loader.exec_module(module)
     except SyntaxError as exc:
-        raise ModelSourceError(f"syntax error in {exc.filename or path}, line {exc.lineno}: {exc.msg}") from exc
+        raise error(f"syntax error in {exc.filename or path}, line {exc.lineno}: {exc.msg}") from exc
     except Exception as exc:
-        raise ModelSourceError(f"importing {path} raised {type(exc).__name__}: {exc}{user_frame(exc)}") from exc
-    factory, example = _factory_from(module, attr, str(path))
-    # the factory and example_inputs may import their neighbours lazily, when they are called
-    return _in_folder(factory, folder), (_in_folder(example, folder) if example is not None else None)
+        raise error(f"importing the {what} {path} raised {type(exc).__name__}: {exc}{user_frame(exc)}") from exc
+    return module, folder
 
 
 @contextmanager
@@ -131,3 +138,33 @@ def user_frame(exc: BaseException) -> str:
         if "/torch/" not in frame.filename and "/memcalc/" not in frame.filename:
             return f" (at {frame.filename}, line {frame.lineno})"
     return ""
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function named by ``path/to/file.py:name`` or ``package.module:name`` (a training
+    loop given with ``--loop``), called with its file's folder importable.
+
+    Raises:
+        InvalidInputError: the file or module cannot be loaded, or has no such function.
+    """
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise InvalidInputError(f"--loop {spec!r} names no loop function; give path/to/file.py:function or "
+                                f"package.module:function, or a preset name")
+    folder = None
+    if where.endswith(".py"):
+        module, folder = _exec_file(Path(where), "loop file", InvalidInputError)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as exc:
+            raise InvalidInputError(f"importing the loop module {where} raised {type(exc).__name__}: {exc}"
+                                    f"{user_frame(exc)}") from exc
+    function = getattr(module, attr, None)
+    if function is None or isinstance(function, nn.Module) or not callable(function):
+        public = [n for n, v in vars(module).items() if not n.startswith("_") and inspect.isfunction(v)]
+        raise InvalidInputError(f"{where} has no attribute {attr!r}" if function is None else
+                                f"{where}:{attr} is a {type(function).__name__}, not a loop function",
+                                hint=f"A loop is a function fn(model, optimizer, batches). Functions defined "
+                                     f"there: {', '.join(public[:10]) or 'none'}")
+    return _in_folder(function, folder) if folder is not None else function

@@ -15,8 +15,10 @@ reserve (e.g. H100 80GB HBM3: 81,559 MiB in nvidia-smi, ~81,090 MiB in CUDA), an
 figure is kept in ``smi_total_mib`` because that is what users see and what local discovery
 reports.
 
-The CUDA context size is not published by NVIDIA; :func:`_context_bytes` is a documented
-assumption (see there). cuBLAS workspace sizes are exact, transcribed from PyTorch
+The CUDA context size is not published by NVIDIA; :func:`_context_bytes` (lazy module
+loading, each profile's ``cuda_context``) and :func:`cuda_context_bytes` (the one function that
+turns a profile, a CUDA version and the module-loading mode into a context) are documented
+assumptions (see there). cuBLAS workspace sizes are exact, transcribed from PyTorch
 (:func:`memcalc.cuda.cublas.cublas_workspace_bytes`).
 """
 
@@ -31,9 +33,12 @@ from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.cuda.cublas import default_cublas_workspace
 
 __all__ = (
+    "EAGER_MODULE_LOADING_EXTRA",
+    "LAZY_LOADING_MIN_CUDA",
     "AmbiguousGpuError",
     "UnknownGpuError",
     "catalogue",
+    "cuda_context_bytes",
     "get_gpu",
     "match_profile",
 )
@@ -48,7 +53,7 @@ MiB = 1024**2
 #   * pytorch/pytorch#107667 and #109888 (ptrblck, 2023): "~300MB" / "around 400MB if CUDA
 #     >= 11.7 is used and lazy module loading enabled (default in PyTorch)";
 #   * invoke-ai/InvokeAI#9413 (torch 2.7.1+cu128, RTX 3090): a bare context is "a flat 256 MiB";
-#   * before CUDA 11.7 (eager module loading) it exceeded 1000 MB — not modelled.
+#   * before CUDA 11.7 (eager module loading) it exceeded 1000 MB: EAGER_MODULE_LOADING_EXTRA.
 # It grows with the SM count because the driver reserves local memory (per-thread stacks,
 # cudaLimitStackSize default 1 KiB) for every thread that can be resident at once:
 # sm_count × max_threads_per_sm × 1 KiB. The formula below is that reservation on top of the
@@ -72,9 +77,55 @@ _MAX_THREADS_PER_SM: dict[tuple[int, int], int] = {
 
 
 def _context_bytes(compute_capability: tuple[int, int], sm_count: int) -> int:
-    """Assumed CUDA context + library footprint: ``256 MiB + SMs × threads/SM × 1 KiB``."""
+    """Assumed CUDA context + library footprint with lazy module loading:
+    ``256 MiB + SMs × threads/SM × 1 KiB``."""
     threads = _MAX_THREADS_PER_SM.get((compute_capability[0], compute_capability[1]), 2048)
     return CONTEXT_BASE + sm_count * threads * DEFAULT_STACK_PER_THREAD
+
+
+# --------------------------------------------------------------------------------------------
+# Eager module loading — ASSUMPTION. Without lazy loading every kernel of every CUDA library a
+# process loads goes into the context when the library is loaded: libtorch_cuda's at the first
+# CUDA call, cuBLAS's and cuDNN's when a step first creates their handles.
+#   * Lazy loading needs the CUDA 11.7+ runtime ("Lazy loading first introduced, disabled by
+#     default" in 11.7; default on Linux from 12.2: CUDA Programming Guide, "Lazy Loading",
+#     Change History), and PyTorch turns it on when the user has not chosen:
+#     ``c10::utils::set_env("CUDA_MODULE_LOADING", "LAZY", false)`` in ``CUDAHooks::init``
+#     (aten/src/ATen/cuda/detail/CUDAHooks.cpp; since 1.13, pytorch#85692 / #86509).
+#   * pytorch#85692 measured it on torch 1.13 + CUDA 11.7: ``torch.randn(20, 16, 50, 100).cuda()``
+#     leaves 287,047,680 B in use with LAZY and 666,632,192 B with eager loading — 362 MiB of
+#     libtorch_cuda's own kernels, before cuBLAS or cuDNN is touched.
+#   * ptrblck, pytorch#107667 (2023): "Before CUDA 11.7, *all* kernels were loaded into the
+#     context once the library was loaded, which took >1000MB".
+#   * issue 13 (runs compared with published measurements): ~1.3 GiB without lazy loading,
+#     ~0.4 GiB with it.
+# 800 MiB on top of the lazy figure puts the catalogue at 1,096 MiB (T4) to 1,320 MiB (H100
+# SXM): above ptrblck's 1000 MB and at issue 13's ~1.3 GiB. Not a measurement.
+# --------------------------------------------------------------------------------------------
+
+#: What eager module loading adds to the lazy-loading context (see above).
+EAGER_MODULE_LOADING_EXTRA = 800 * MiB
+#: The first CUDA runtime that can load modules lazily (CUDA Programming Guide, "Lazy Loading").
+LAZY_LOADING_MIN_CUDA = (11, 7)
+
+
+def cuda_context_bytes(profile: GpuProfile, cuda_version: tuple[int, int], *, lazy_loading: bool = True) -> int:
+    """The CUDA context of ``profile`` under CUDA ``cuda_version``: the profile's lazy-loading
+    figure when modules load lazily (asked for, and CUDA ≥ 11.7), that plus
+    :data:`EAGER_MODULE_LOADING_EXTRA` when they load eagerly.
+
+    Args:
+        profile: the GPU; its :attr:`~memcalc.core.gpu.GpuProfile.lazy_loading_context` is the
+            lazy figure (a stack applied before does not change it).
+        cuda_version: the CUDA runtime, ``(major, minor)``.
+        lazy_loading: whether lazy loading is asked for (``CUDA_MODULE_LOADING`` not ``EAGER``).
+
+    Returns:
+        Bytes.
+    """
+    lazy = lazy_loading and tuple(cuda_version) >= LAZY_LOADING_MIN_CUDA
+    base = profile.lazy_loading_context
+    return base if lazy else base + EAGER_MODULE_LOADING_EXTRA
 
 
 # --------------------------------------------------------------------------------------------

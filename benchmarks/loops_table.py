@@ -1,0 +1,67 @@
+"""How much the training loop moves the peak: one model under each preset loop, with and
+without ``keep_grads`` (``zero_grad(set_to_none=False)``), on the generic CUDA GPU, Adam at
+its resolved implementation, fp32. Peaks are relative to the ``minimal`` loop's of the same
+model (ratios measured in one run). Then the time of the traced loop path against the fast
+path (memcalc's default loop, whose second iteration is synthesised) for gpt2, in the same
+process.
+
+Prints a table; asserts nothing. Run: ``python benchmarks/loops_table.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import memcalc
+from memcalc.cuda.backend import CudaBackend
+from memcalc.engine.options import EstimateOptions
+from memcalc.engine.run import build_report, trace_model
+from memcalc.sources.resolve import resolve
+
+MiB = 2**20
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt2 (batch 4, seq 512)": dict(model="gpt2", batch_size=4, seq_len=512),
+    "resnet50 (batch 32)": dict(model="resnet50", batch_size=32),
+}
+PRESETS = ("minimal", "tutorial", "trainer", "zero-grad-late")
+
+
+def table() -> None:
+    print(f"{'model':<26} {'loop':<16} {'keep_grads':<10} {'peak (MiB)':>11} {'vs minimal':>10}  "
+          f"{'peak at':<18} optimizer")
+    for label, spec in MODELS.items():
+        spec = dict(spec)
+        model = spec.pop("model")
+        baseline = None
+        for keep in (False, True):
+            for preset in PRESETS:
+                report = memcalc.estimate(model, loop=memcalc.Loop(preset, keep_grads=keep), **spec)
+                peak = report.bytes.peak_allocated
+                baseline = baseline or peak
+                where = f"{report.peak_phase.value}, it. {report.peak_iteration}"
+                print(f"{label:<26} {preset:<16} {str(keep):<10} {peak / MiB:>11,.1f} {peak / baseline:>10.3f}  "
+                      f"{where:<18} {report.optimizer} ({report.optimizer_impl})")
+        print()
+
+
+def timings() -> None:
+    spec = dict(batch_size=4, seq_len=512)
+    memcalc.estimate("gpt2", **spec)  # warm: imports, kernel caches
+    start = time.perf_counter()
+    fast = memcalc.estimate("gpt2", **spec)
+    fast_s = time.perf_counter() - start
+    start = time.perf_counter()
+    options = EstimateOptions.create()
+    resolved = resolve("gpt2", **spec)
+    traced = build_report(resolved, trace_model(resolved, options, CudaBackend(options), traced_loop=True), options,
+                          None)
+    traced_s = time.perf_counter() - start
+    print(f"gpt2 (batch 4, seq 512), Adam, generic GPU: fast path {fast_s:.2f} s "
+          f"(peak {fast.bytes.peak_allocated:,} B); minimal loop traced as written {traced_s:.2f} s "
+          f"(peak {traced.bytes.peak_allocated:,} B); {traced_s / fast_s:.2f}×")
+
+
+if __name__ == "__main__":
+    table()
+    timings()

@@ -1,0 +1,6 @@
+"""``python -m memcalc``: the same command as ``memcalc``."""
+
+from memcalc.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""How fast each catalogue GPU computes and moves bytes, and the step time of a report on it.
+
+:data:`PERFORMANCE` holds, per catalogue key (:mod:`memcalc.cuda.gpus.catalogue`), the dense
+peak FLOP/s of each math mode and the memory bandwidth, each entry naming the NVIDIA document
+it is read from. NVIDIA's datasheets print the tensor-core figures "with sparsity" (2:4
+structured sparsity, twice the dense rate); training runs dense, so those are halved here.
+The GeForce figures are the "FP32 accumulate" column of the architecture whitepapers: PyTorch's
+half and bfloat16 GEMMs accumulate in float32 (``CUBLAS_COMPUTE_32F`` in
+aten/src/ATen/cuda/CUDABlas.cpp, ``gemm_internal_cublas<at::Half>``), which GeForce cards run at
+half the FP16-accumulate rate.
+
+The efficiency of each op class and the launch overhead (:data:`ASSUMED_EFFICIENCY`,
+:data:`ASSUMED_LAUNCH_OVERHEAD`) are ASSUMPTIONS, not measurements: the output labels them so.
+A GPU run that records step times (``benchmarks/accuracy.py --suite gpu`` with timings) is how
+they will be replaced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memcalc.core.errors import InvalidInputError
+from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.report import MemoryReport
+from memcalc.core.throughput import DataLoaderSetup, DeviceRates, LoaderAdvice, OpClass, StepTime, advise_loader
+from memcalc.cuda.gpus.catalogue import get_gpu
+
+__all__ = (
+    "ASSUMED_EFFICIENCY",
+    "ASSUMED_LAUNCH_OVERHEAD",
+    "PERFORMANCE",
+    "GpuPerformance",
+    "check_timeable",
+    "device_rates",
+    "loader_advice",
+    "step_time",
+    "with_time",
+)
+
+TERA = 1e12
+GB_S = 1e9
+
+
+@dataclass(frozen=True)
+class GpuPerformance:
+    """Dense peak FLOP/s by math mode (a mode the GPU lacks is absent), bandwidth in bytes/s,
+    and where the figures come from."""
+
+    peaks: tuple[tuple[str, float], ...]
+    bandwidth: float
+    source: str
+
+
+def _tflops(**modes: float) -> tuple[tuple[str, float], ...]:
+    return tuple((mode, value * TERA) for mode, value in modes.items())
+
+
+# Dense TFLOPS (datasheet "with sparsity" figures halved) and GB/s, per catalogue key.
+_H100_SXM = "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (tensor figures with sparsity, halved)"
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5, TF32 156, BF16/FP16 312 dense)"
+_V100 = "NVIDIA Tesla V100 GPU datasheet, V100 SXM2 column (FP32 15.7, Tensor 125)"
+PERFORMANCE: dict[str, GpuPerformance] = {
+    "h100-80gb": GpuPerformance(_tflops(fp32=67, tf32=494.5, bf16=989.5, fp16=989.5, fp8=1979), 3350 * GB_S,
+                                f"{_H100_SXM}: 3.35 TB/s"),
+    "h100-pcie": GpuPerformance(_tflops(fp32=51, tf32=378, bf16=756.5, fp16=756.5, fp8=1513), 2000 * GB_S,
+                                "NVIDIA H100 Tensor Core GPU datasheet (2022), H100 PCIe column (tensor figures with "
+                                "sparsity, halved): 2 TB/s"),
+    "h200": GpuPerformance(_tflops(fp32=67, tf32=494.5, bf16=989.5, fp16=989.5, fp8=1979), 4800 * GB_S,
+                           "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (tensor figures with sparsity, "
+                           "halved): 4.8 TB/s; the H200 NVL is clocked lower"),
+    "a100-40gb": GpuPerformance(_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312), 1555 * GB_S,
+                                f"{_A100}: A100 40GB, 1,555 GB/s"),
+    "a100-80gb": GpuPerformance(_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312), 2039 * GB_S,
+                                f"{_A100}: A100 80GB SXM, 2,039 GB/s (the 80GB PCIe: 1,935 GB/s)"),
+    "v100-16gb": GpuPerformance(_tflops(fp32=15.7, fp16=125), 900 * GB_S, f"{_V100}: 900 GB/s"),
+    "v100-32gb": GpuPerformance(_tflops(fp32=15.7, fp16=125), 900 * GB_S, f"{_V100}: 900 GB/s"),
+    "l4": GpuPerformance(_tflops(fp32=30.3, tf32=60, bf16=121, fp16=121, fp8=242.5), 300 * GB_S,
+                         "NVIDIA L4 Tensor Core GPU datasheet (tensor figures with sparsity, halved): 300 GB/s"),
+    "t4": GpuPerformance(_tflops(fp32=8.1, fp16=65), 320 * GB_S,
+                         "NVIDIA T4 datasheet (FP32 8.1, mixed-precision FP16/FP32 65 TFLOPS): 320+ GB/s"),
+    "rtx-3090": GpuPerformance(_tflops(fp32=35.6, tf32=35.6, bf16=71, fp16=71), 936 * GB_S,
+                               "NVIDIA Ampere GA102 GPU Architecture whitepaper, Appendix A, GeForce RTX 3090 (dense, "
+                               "FP32 accumulate): 936 GB/s"),
+    "rtx-4090": GpuPerformance(_tflops(fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2, fp8=330.3), 1008 * GB_S,
+                               "NVIDIA Ada GPU Architecture whitepaper, GeForce RTX 4090 (dense, FP32 accumulate): "
+                               "1,008 GB/s"),
+    # a10g: no figures. It is AWS's variant of the A10, with no NVIDIA datasheet of its own; its tensor
+    # throughput differs from the A10's (which the A10 datasheet gives), so the A10's would be a guess.
+}
+
+# --------------------------------------------------------------------------------------------
+# ASSUMPTIONS — the fraction of the binding peak (compute or bandwidth) each op class reaches,
+# and the time each kernel launch adds. None is measured yet; each says what it leans on.
+# --------------------------------------------------------------------------------------------
+#: ASSUMPTION: fraction of peak per op class.
+ASSUMED_EFFICIENCY: dict[OpClass, float] = {
+    # large cuBLAS GEMMs run at 70-80% of the dense tensor-core peak; smaller ones less
+    OpClass.MATMUL: 0.70,
+    # cuDNN convolutions: lower than GEMMs (small channel counts, im2col-like layouts)
+    OpClass.CONV: 0.50,
+    # FlashAttention-2 (Dao, 2023): 50-73% of the A100's peak forward, less backward
+    OpClass.ATTENTION: 0.50,
+    # elementwise, reductions, normalisation, copies: a fraction of the device bandwidth
+    OpClass.MEMORY: 0.70,
+    # torch.optim's multi_tensor_apply kernels: many small chunks, lower than a plain copy
+    OpClass.MULTI_TENSOR: 0.60,
+}
+#: ASSUMPTION: seconds each kernel adds beyond its roofline time (the launch and the host-side
+#: dispatch of eager PyTorch, a few microseconds per op: NVIDIA's "Getting Started with CUDA
+#: Graphs" blog measures launch overheads of this order).
+ASSUMED_LAUNCH_OVERHEAD = 5e-6
+
+
+def device_rates(gpu: GpuProfile, *, efficiency: dict[OpClass, float] | None = None,
+                 launch_overhead: float | None = None) -> DeviceRates:
+    """What the roofline needs about ``gpu``: its peaks and bandwidth from :data:`PERFORMANCE`
+    with the assumed (or the given) efficiencies and launch overhead.
+
+    Raises:
+        InvalidInputError: no figures for this GPU (the generic profile, a GPU without a source).
+    """
+    figures = PERFORMANCE.get(gpu.key)
+    if figures is None:
+        known = ", ".join(PERFORMANCE)
+        why = ("no GPU was named: a step time needs a GPU's peak FLOP/s and memory bandwidth" if gpu.key == "generic"
+               else f"memcalc has no sourced peak FLOP/s and bandwidth for {gpu.name}")
+        raise InvalidInputError(f"cannot time the step: {why}", hint=f"Estimate for one of: {known} (--gpu NAME).")
+    chosen = {**ASSUMED_EFFICIENCY, **(efficiency or {})}
+    return DeviceRates(gpu=gpu.key, peaks=figures.peaks, bandwidth=figures.bandwidth,
+                       efficiency=tuple((c, chosen[c]) for c in OpClass),
+                       launch_overhead=ASSUMED_LAUNCH_OVERHEAD if launch_overhead is None else launch_overhead,
+                       source=figures.source)
+
+
+def check_timeable(gpu: str | GpuProfile | None) -> None:
+    """Refuse, before any estimate, a step that could not be timed: no GPU named (or the CPU
+    target, ``"cpu"``) or a GPU without sourced figures.
+
+    Raises:
+        InvalidInputError: what is missing and which GPUs can be timed.
+    """
+    if gpu is None or (isinstance(gpu, str) and gpu.strip().lower() == "cpu"):
+        gpu = GENERIC  # refused below, naming the GPUs that can be timed
+    device_rates(get_gpu(gpu) if isinstance(gpu, str) else gpu)
+
+
+def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
+              launch_overhead: float | None = None) -> StepTime:
+    """The time of the report's step on the report's GPU, from a roofline per traced kernel.
+
+    Each kernel takes the larger of FLOPs ÷ (its math mode's peak × its class's efficiency) and
+    bytes moved ÷ (bandwidth × efficiency), plus a launch overhead; the step is their sum (one
+    stream, kernels back to back). Under a multi-GPU strategy: the busiest GPU's step, without
+    its communication.
+
+    Args:
+        report: what :func:`memcalc.estimate` returned for a named GPU (``gpu="a100-80gb"``).
+        efficiency: override the assumed efficiency of some op classes (fractions of peak).
+        launch_overhead: override the assumed seconds per kernel launch.
+
+    Returns:
+        The :class:`~memcalc.core.throughput.StepTime`: seconds, samples/s, tokens/s, per phase
+        and per op class, with the assumptions it rests on.
+
+    Raises:
+        InvalidInputError: the report has no named GPU with known figures, or no traced step.
+    """
+    if not report.gpu_named:
+        device_rates(GENERIC)  # raises, naming the GPUs that can be timed
+    rates = device_rates(report.gpu, efficiency=efficiency, launch_overhead=launch_overhead)
+    try:
+        return report.time_on(rates)
+    except ValueError as exc:
+        raise InvalidInputError(f"cannot time the step: {exc}") from None
+
+
+def with_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
+              launch_overhead: float | None = None) -> MemoryReport:
+    """``report`` with its :attr:`~memcalc.core.report.MemoryReport.time` filled in (its JSON
+    then gains a ``"time"`` key); the arguments as for :func:`step_time`."""
+    return replace(report, time=step_time(report, efficiency=efficiency, launch_overhead=launch_overhead))
+
+
+def loader_advice(report: MemoryReport, setup: DataLoaderSetup | None = None) -> LoaderAdvice:
+    """Whether a DataLoader keeps the GPU fed at the report's step time, and the host memory it
+    holds (:func:`memcalc.core.throughput.advise_loader`).
+
+    Args:
+        report: an estimate for a GPU with figures (its ``time`` is used when set, else computed).
+        setup: the loader (None: ``DataLoader``'s defaults, no workers); its ``sample_bytes``
+            defaults to the estimate's input batch (and targets) per sample, as the GPU sees it.
+
+    Returns:
+        The advice: host memory, the pace each worker must keep, and, given a measured load time
+        per sample, the workers needed and whether the loader is the bottleneck.
+
+    Raises:
+        InvalidInputError: the step cannot be timed (see :func:`step_time`).
+    """
+    time = report.time if report.time is not None else step_time(report)
+    inputs = report.textbook.input_bytes if report.textbook is not None else report.bytes.inputs
+    return advise_loader(time, setup or DataLoaderSetup(), batch_size=report.batch_size,
+                         sample_bytes=max(1, inputs // max(report.batch_size, 1)))

@@ -1,0 +1,512 @@
+"""FLOPs and bytes moved per aten op, recorded while the step is traced, and the roofline that
+turns them into a step time on a GPU whose peaks are passed in (:class:`~memcalc.core.throughput.DeviceRates`).
+
+:class:`OpCostRecorder` is an after-op hook of :class:`~memcalc.engine.trace.StorageTracer`
+(chained before the device backend's): for every op that launches a kernel it records the
+phase, whether a checkpointed forward is being recomputed, the module, the op's class, the
+dtype it computes in, its FLOPs and the bytes it reads and writes. Views and allocations
+launch no kernel and are not recorded. The roofline and the per-phase / per-module totals are
+computed only when asked (:class:`StepCosts`), so an estimate that never asks for a time
+pays only for the recording.
+
+FLOPs come from PyTorch's own formulas (``torch.utils.flop_counter.flop_registry``, keyed by
+op packet: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``, ``convolution`` and its
+backward, the SDPA kernels and their backwards), which read only shapes and so work on meta
+tensors. One deviation: a fused attention kernel called with a causal mask skips the masked
+blocks, so memcalc counts half of the formula's full product, as flash-attention's own
+benchmark does (``benchmarks/benchmark_flash_attention.py``, ``flops(..., causal)``: ``// (2
+if causal else 1)``); ``FlopCounterMode`` counts the full product ("We aren't accounting for
+causal attention here", ``sdpa_flop``). Every other op has no FLOP formula and is timed by the
+bytes it moves: on these GPUs an elementwise op is memory-bound by two orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.flop_counter import conv_flop_count, flop_registry
+
+from memcalc.core.categories import Phase
+from memcalc.core.throughput import PHASES, ClassTime, DeviceRates, OpClass, PhaseCost, StepFlops, StepTime
+from memcalc.engine.model import ModelInputs
+from memcalc.engine.trace import AfterOpHook, Op, StorageTracer
+
+__all__ = ("OpCost", "OpCostRecorder", "StepCosts", "multi_tensor_launches", "tokens_per_step")
+
+aten = torch.ops.aten
+
+_MATMUL = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm})
+_CONV = frozenset({aten.convolution, aten._convolution, aten.cudnn_convolution, aten.convolution_overrideable,
+                   aten._slow_conv2d_forward, aten.convolution_backward})
+_ATTENTION = frozenset({
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention_backward, aten._scaled_dot_product_cudnn_attention_backward,
+    aten._flash_attention_forward, aten._flash_attention_backward, aten._efficient_attention_forward,
+    aten._efficient_attention_backward,
+})
+#: Ops torch's registry has no formula for that compute what a registered op does, with the
+#: same leading arguments: the CPU's flash attention (the CPU target's SDPA,
+#: aten/src/ATen/native/transformers/attention.cpp) and the GEMM with a fused activation.
+_SAME_FORMULA = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_fused_attention_overrideable: aten._scaled_dot_product_flash_attention,
+    aten._addmm_activation: aten.addmm,
+    aten._int_mm: aten.mm,
+}
+
+def _linear_flops(x: torch.Tensor, weight: torch.Tensor, *_args: Any, out_val: Any = None, **_kw: Any) -> int:
+    """``linear``: every element of the input meets a column of the weight, ``out`` of them."""
+    return 2 * x.numel() * (weight.shape[0] if weight.dim() == 2 else 1)
+
+
+def _matmul_flops(a: torch.Tensor, _b: torch.Tensor, *_args: Any, out_val: Any = None, **_kw: Any) -> int:
+    """``matmul``: each output element is a dot product of ``a``'s last dimension."""
+    return 2 * (out_val.numel() if isinstance(out_val, torch.Tensor) else 0) * (a.shape[-1] if a.dim() else 1)
+
+
+def _conv_flops(transposed: bool) -> Callable[..., int]:
+    def count(x: torch.Tensor, weight: torch.Tensor, *_args: Any, out_val: Any = None, **_kw: Any) -> int:
+        out = out_val.shape if isinstance(out_val, torch.Tensor) else x.shape
+        return int(conv_flop_count(list(x.shape), list(weight.shape), list(out), transposed=transposed))
+    return count
+
+
+def _einsum_flops(equation: str, operands: Sequence[torch.Tensor], *_args: Any, out_val: Any = None,
+                  **_kw: Any) -> int:
+    """``einsum`` of two operands without ellipsis: 2 × the product of every index's size (each
+    combination of indices is one multiply-add); -1 (uncounted) for anything else."""
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    if len(inputs) != 2 or "." in equation or len(operands) != 2:
+        return -1
+    sizes: dict[str, int] = {}
+    for letters, operand in zip(inputs, operands, strict=True):
+        sizes.update(zip(letters, operand.shape, strict=False))
+    return 2 * math.prod(sizes.values())
+
+
+#: Composite ops that inference mode hands to the dispatch mode undecomposed (their
+#: CompositeImplicitAutograd kernel runs below it), with the FLOPs of what they decompose into.
+_COMPOSITE_FORMULAS: dict[object, tuple[Callable[..., int], OpClass]] = {
+    aten.linear: (_linear_flops, OpClass.MATMUL),
+    aten.matmul: (_matmul_flops, OpClass.MATMUL),
+    aten.einsum: (_einsum_flops, OpClass.MATMUL),
+    aten.conv1d: (_conv_flops(False), OpClass.CONV),
+    aten.conv2d: (_conv_flops(False), OpClass.CONV),
+    aten.conv3d: (_conv_flops(False), OpClass.CONV),
+    aten.conv_transpose1d: (_conv_flops(True), OpClass.CONV),
+    aten.conv_transpose2d: (_conv_flops(True), OpClass.CONV),
+    aten.conv_transpose3d: (_conv_flops(True), OpClass.CONV),
+}
+#: Ops that do a GEMM's arithmetic with no formula here: timed by their bytes, their FLOPs
+#: reported as uncounted (as are the kernels of other libraries' namespaces, bitsandbytes').
+_UNCOUNTED = frozenset({
+    aten._weight_int4pack_mm, aten._weight_int8pack_mm, aten._native_multi_head_attention, aten.mkldnn_rnn_layer,
+    aten.mkldnn_rnn_layer_backward, aten._cudnn_rnn, aten._cudnn_rnn_backward, aten.mkldnn_convolution,
+    aten.convolution_backward_overrideable, aten.cudnn_convolution_transpose, aten._grouped_mm,
+    aten._scaled_grouped_mm, aten.bilinear, aten.tensordot,
+})
+_COMPUTE = frozenset({OpClass.MATMUL, OpClass.CONV, OpClass.ATTENTION})
+#: Ops that launch no kernel: they allocate, reinterpret or read a value on the host.
+_NO_KERNEL = frozenset({
+    aten._unsafe_view, aten.lift_fresh, aten.empty, aten.empty_like, aten.empty_strided, aten.empty_permuted,
+    aten.new_empty, aten.new_empty_strided, aten._local_scalar_dense, aten.set_, aten.resize_, aten.detach_,
+})
+#: Composite ops whose schema says "view" but that copy when they cannot view (a non-contiguous
+#: input, another dtype): inference mode hands them over undecomposed. A copy when the output
+#: has a storage of its own.
+_VIEW_OR_COPY = frozenset({aten.contiguous, aten.reshape, aten.to, aten.type_as, aten.flatten})
+#: Ops that write their output without reading a tensor's values (fills).
+_FILLS = frozenset({
+    aten.zeros_like, aten.ones_like, aten.full_like, aten.new_zeros, aten.new_ones, aten.new_full, aten.zeros,
+    aten.ones, aten.full, aten.scalar_tensor, aten.arange, aten.fill_, aten.zero_, aten._foreach_zero_,
+    aten.rand_like, aten.randn_like, aten.uniform_, aten.normal_,
+})
+#: Ops whose first argument is only written (``copy_(self, src)`` reads ``src`` alone).
+_OVERWRITE_FIRST = frozenset({aten.copy_, aten._foreach_copy_})
+#: Ops that read the rows they gather, not the whole source (an embedding reads ``B·T`` rows
+#: of its table): the source counts as many bytes as the output.
+_GATHER = frozenset({aten.embedding, aten.index_select, aten.gather, aten.index})
+#: Optimizer-phase ops that only the first ``step()`` runs: creating the state (``torch.optim``'s
+#: ``_init_group`` zero-fills ``exp_avg`` and friends with ``torch.zeros_like``).
+_STATE_INIT = frozenset({aten.zeros_like, aten.zeros, aten.ones_like, aten.full_like, aten.new_zeros, aten.full})
+
+#: ``multi_tensor_apply`` (aten/src/ATen/native/cuda/MultiTensorApply.cuh): tensors one launch
+#: can take, by the number of tensor lists (``depth_to_max_tensors``), blocks per launch
+#: (``depth_to_max_blocks``) and elements per block (``kChunkSize``).
+_MAX_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
+_MAX_BLOCKS = 320
+_CHUNK = 65536
+
+
+class OpCost(NamedTuple):
+    """One kernel-launching op of the traced step."""
+
+    phase: Phase
+    recompute: bool  # a checkpointed forward re-run during backward
+    module: str
+    op: str
+    op_class: OpClass
+    dtype: str  # the dtype it computes in ("" for memory-bound ops)
+    flops: int
+    bytes_moved: int
+    launches: int
+    first_step_only: bool  # creates optimizer state: not part of a steady-state step
+    uncounted: bool = False  # a GEMM-like op without a FLOP formula: its FLOPs are missing
+    event: int = 0  # events the trace held after the op (where it is in the alloc/free order)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What memcalc knows of one op overload, worked out once."""
+
+    name: str
+    launches_kernel: bool
+    op_class: OpClass
+    formula: Callable[..., int] | None
+    on_shapes: bool  # the formula takes shapes (torch's shape_wrapper unwrapped), else the raw arguments
+    uncounted: bool  # does arithmetic no formula here counts
+    causal_at: int | None  # position of ``is_causal`` / ``custom_mask_type`` in the schema
+    causal_name: str
+    reads: str  # "all" arguments, "none" (a fill) or "not-first" (the first is overwritten or gathered from)
+    gather: bool
+    state_init: bool
+    written_args: tuple[int, ...]  # arguments the op mutates and does not return
+    tensor_lists: int  # tensor-list arguments and returns (multi_tensor_apply's depth)
+    mutates: bool  # writes an argument in place
+    view_or_copy: bool  # a view of its input, or a copy (_VIEW_OR_COPY)
+
+
+def _rule(func: Op) -> _Rule:
+    packet = func.overloadpacket
+    schema = func._schema
+    name = func.__name__
+    view = (func.is_view or torch.Tag.inplace_view in func.tags) and packet not in _VIEW_OR_COPY
+    launches = not view and packet not in _NO_KERNEL and func.namespace != "profiler"
+    formula_of = _SAME_FORMULA.get(packet, packet)
+    composite = _COMPOSITE_FORMULAS.get(packet)
+    if composite is not None:
+        op_class = composite[1]
+    elif formula_of in _MATMUL:
+        op_class = OpClass.MATMUL
+    elif formula_of in _CONV:
+        op_class = OpClass.CONV
+    elif formula_of in _ATTENTION:
+        op_class = OpClass.ATTENTION
+    elif name.startswith(("_foreach_", "_fused_")):
+        op_class = OpClass.MULTI_TENSOR
+    else:
+        op_class = OpClass.MEMORY
+    names = [a.name for a in schema.arguments]
+    causal = next((n for n in ("is_causal", "custom_mask_type") if n in names), "")
+    written = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write) \
+        if not schema.returns else ()
+    lists = sum("Tensor[]" in str(a.type) or "Tensor?[]" in str(a.type) for a in schema.arguments) + sum(
+        "Tensor[]" in str(r.type) for r in schema.returns)
+    registered = composite[0] if composite is not None else flop_registry.get(formula_of)
+    # torch wraps most formulas in shape_wrapper, a pytree map over every argument: taking the
+    # shapes here instead costs a tenth of it, on the hot path of every estimate
+    raw = getattr(registered, "__wrapped__", None)
+    return _Rule(name=name, launches_kernel=launches, op_class=op_class, formula=raw or registered,
+                 on_shapes=raw is not None,
+                 uncounted=packet in _UNCOUNTED or (registered is None and func.namespace not in ("aten", "prims")),
+                 causal_at=names.index(causal) if causal else None, causal_name=causal,
+                 reads="none" if packet in _FILLS else "not-first" if packet in _OVERWRITE_FIRST | _GATHER else "all",
+                 gather=packet in _GATHER, state_init=packet in _STATE_INIT,
+                 written_args=written, tensor_lists=lists,
+                 mutates=any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments),
+                 view_or_copy=packet in _VIEW_OR_COPY)
+
+
+def multi_tensor_launches(numels: Sequence[int], depth: int) -> int:
+    """Kernels ``multi_tensor_apply`` launches for tensors of ``numels`` elements and ``depth``
+    tensor lists: a launch takes at most ``depth_to_max_tensors[depth]`` tensors and 320 blocks
+    of 65,536 elements (MultiTensorApply.cuh); the larger of the two bounds."""
+    tensors = sum(1 for n in numels if n)
+    if not tensors:
+        return 0
+    chunks = sum(-(-n // _CHUNK) for n in numels)
+    return max(-(-tensors // _MAX_TENSORS.get(depth, 30)), -(-chunks // _MAX_BLOCKS))
+
+
+def _shape(value: Any) -> Any:
+    """``value`` with its tensors replaced by their shapes, one level into lists, which become
+    tuples (the formulas' arguments are tensors, lists of ints or tensors, and scalars; the
+    result is hashable)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if isinstance(value, (list, tuple)):
+        return tuple(v.shape if isinstance(v, torch.Tensor) else v for v in value)
+    return value
+
+
+def _same_storage(out: Any, source: Any) -> bool:
+    """Whether ``out`` is a view of ``source`` (the storage objects are kept alive and unique,
+    memcalc.engine.trace keys storages by them too)."""
+    return (isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor)
+            and out.untyped_storage() is source.untyped_storage())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    size: int = tensor.nbytes
+    if not tensor.is_contiguous():  # an expanded view reads its storage once, not per element
+        size = min(size, tensor.untyped_storage().nbytes())
+    return size
+
+
+class OpCostRecorder:
+    """The after-op hook recording :class:`OpCost` for every kernel of the step; ``then`` (the
+    device backend's hook) runs first. :meth:`attach` it to the tracer it is given to."""
+
+    def __init__(self, then: AfterOpHook | None = None) -> None:
+        self._then = then
+        self._tracer: StorageTracer | None = None
+        self._rules: dict[Op, _Rule] = {}
+        self._dtypes: dict[torch.dtype, str] = {}
+        self._flop_cache: dict[tuple[object, ...], int] = {}
+        self.records: list[OpCost] = []
+
+    def attach(self, tracer: StorageTracer) -> None:
+        """Read the phase, module and recomputation from ``tracer``."""
+        self._tracer = tracer
+
+    def __call__(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self._then is not None:
+            self._then(func, args, kwargs, out)
+        rule = self._rules.get(func)
+        if rule is None:
+            rule = self._rules[func] = _rule(func)
+        tracer = self._tracer
+        if not rule.launches_kernel or tracer is None or (args and out is args[0] and not rule.mutates):
+            return  # a view, an allocation, or a composite op returning its input (eval dropout, contiguous)
+        if rule.view_or_copy and _same_storage(out, args[0] if args else None):
+            return
+        read, dtype, numels = self._reads(rule, args, kwargs)
+        written = self._writes(rule, args, out)
+        if read is None or (not written and not read):
+            return  # no device tensor: host-side work (torch.optim's CPU step counters)
+        op_class = rule.op_class
+        flops = self._flops(func, rule, args, kwargs, out) if rule.formula is not None else 0
+        uncounted = rule.uncounted or flops < 0
+        flops = max(flops, 0)
+        launches = multi_tensor_launches(numels, max(rule.tensor_lists, 1)) if op_class is OpClass.MULTI_TENSOR else 1
+        phase = tracer.phase
+        modules = tracer.modules
+        module = modules.current
+        # Checkpoint's recomputation runs under torch.enable_grad() inside backward, where the
+        # autograd engine otherwise runs with grad mode off (torch/utils/checkpoint.py, both the
+        # reentrant CheckpointFunction.backward and the non-reentrant recompute_fn). The seed
+        # gradient (ones_like) is made before any module's gradient arrives (module "").
+        # ModuleTracker.recomputing cannot tell: a recomputation stopped early leaves its stack.
+        recompute = modules.in_backward and bool(module) and torch.is_grad_enabled()
+        self.records.append(OpCost(phase, recompute, module, rule.name, op_class,
+                                   dtype if op_class in _COMPUTE else "", flops, read + written, launches,
+                                   rule.state_init and phase is Phase.OPTIMIZER, uncounted, len(tracer.trace.events)))
+
+    def _flops(self, func: Op, rule: _Rule, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+        """The op's FLOPs by torch's formula, kept by shapes: blocks repeat the same calls."""
+        formula = rule.formula
+        assert formula is not None
+        if not rule.on_shapes:
+            flops = int(formula(*args, **kwargs, out_val=out))
+            return flops // 2 if _causal(rule, args, kwargs) else flops
+        shapes = tuple(map(_shape, args))
+        named = tuple((k, _shape(v)) for k, v in kwargs.items())
+        key: tuple[object, ...] | None = (func, shapes, named)  # is_causal is among the arguments
+        try:
+            cached = self._flop_cache.get(key) if key is not None else None
+        except TypeError:  # an unhashable argument: compute, do not keep
+            key, cached = None, None
+        if cached is None:
+            cached = int(formula(*shapes, **dict(named), out_shape=_shape(out)))
+            if _causal(rule, args, kwargs):
+                cached //= 2
+            if key is not None:
+                self._flop_cache[key] = cached
+        return cached
+
+    def _reads(self, rule: _Rule, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> tuple[int | None, str, list[int]]:
+        """Bytes read, the dtype a compute op computes in (its first floating argument's), and
+        the element counts of the first tensor list (multi-tensor ops). None for the bytes when
+        no argument lives on the device."""
+        total, dtype, seen = 0, "", False
+        numels: list[int] = []
+        reads = rule.reads
+        wants_dtype = rule.op_class in _COMPUTE
+        for position, value in enumerate(args if not kwargs else (*args, *kwargs.values())):
+            if isinstance(value, torch.Tensor):
+                if not value.is_meta:
+                    continue
+                seen = True
+                if wants_dtype and not dtype and value.is_floating_point():
+                    dtype = self._dtype_name(value.dtype)
+                if reads == "all" or (position and reads == "not-first"):
+                    total += value.nbytes if value.is_contiguous() else _nbytes(value)
+            elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+                counted = reads == "all" or (position and reads == "not-first")
+                for item in value:
+                    if isinstance(item, torch.Tensor) and item.is_meta:
+                        seen = True
+                        if wants_dtype and not dtype and item.is_floating_point():
+                            dtype = self._dtype_name(item.dtype)
+                        if counted:
+                            total += item.nbytes if item.is_contiguous() else _nbytes(item)
+                        if position == 0:
+                            numels.append(item.numel())
+        return (total if seen else None), dtype, numels
+
+    def _writes(self, rule: _Rule, args: tuple[Any, ...], out: Any) -> int:
+        total = 0
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        for value in outputs:
+            if isinstance(value, torch.Tensor):
+                if value.is_meta:
+                    total += value.nbytes
+            elif isinstance(value, (list, tuple)):
+                total += sum(t.nbytes for t in value if isinstance(t, torch.Tensor) and t.is_meta)
+        for position in rule.written_args:
+            if position < len(args):
+                value = args[position]
+                items = value if isinstance(value, (list, tuple)) else (value,)
+                total += sum(t.nbytes for t in items if isinstance(t, torch.Tensor) and t.is_meta)
+        if rule.gather:
+            total *= 2  # the rows read from the source are as many bytes as the output
+        return total
+
+    def _dtype_name(self, dtype: torch.dtype) -> str:
+        name = self._dtypes.get(dtype)
+        if name is None:
+            name = self._dtypes[dtype] = str(dtype).removeprefix("torch.")
+        return name
+
+
+def tokens_per_step(inputs: ModelInputs | Sequence[torch.Tensor], micro_batches: int = 1) -> int | None:
+    """Tokens one step processes: the elements of its token ids (``input_ids``, else the first
+    input, when it is a 2-D integer tensor ``(B, T)``) times the micro-batches; None for a
+    model that takes no token ids."""
+    call = ModelInputs.of(inputs)
+    ids = call.kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = call[0] if len(call) else None
+    if ids is None or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype is torch.bool:
+        return None
+    return ids.numel() * micro_batches
+
+
+def _causal(rule: _Rule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if rule.causal_at is None:
+        return False
+    at = rule.causal_at
+    value = args[at] if at is not None and at < len(args) else kwargs.get(rule.causal_name, False)
+    return bool(value)  # custom_mask_type: 0 none, 1 causal from the top left, 2 from the bottom right
+
+
+def _phase_name(cost: OpCost) -> str:
+    return "recompute" if cost.recompute else cost.phase.value
+
+
+def _self_and_ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+class StepCosts:
+    """The recorded ops of one step, with what a time needs besides the GPU: samples and tokens
+    per step and the modules' order. Implements :class:`~memcalc.core.throughput.CostSource`;
+    each figure is computed on first request and kept."""
+
+    def __init__(self, records: Sequence[OpCost], *, samples: int, tokens: int | None,
+                 module_order: Sequence[str] = (), until: int | None = None) -> None:
+        # ``until``: a trace of several iterations (a loop run as written) counts its first, the
+        # ops up to that trace event (an op that allocates nothing there may be the next's first)
+        self.records = [r for r in records if not r.first_step_only and (until is None or r.event <= until)]
+        self.samples = samples
+        self.tokens = tokens
+        self.module_order = tuple(module_order)
+        self._flops: StepFlops | None = None
+        self._times: dict[DeviceRates, StepTime] = {}
+
+    def flops(self) -> StepFlops:
+        """FLOPs per phase, module and op (see :class:`~memcalc.core.throughput.StepFlops`)."""
+        if self._flops is None:
+            self._flops = self._count()
+        return self._flops
+
+    def _count(self) -> StepFlops:
+        by_module: dict[str, int] = {}
+        by_op: dict[str, int] = {}
+        uncounted: dict[str, int] = {}
+        for cost in self.records:
+            if cost.uncounted:
+                uncounted[cost.op] = uncounted.get(cost.op, 0) + 1
+            if not cost.flops:
+                continue
+            by_op[cost.op] = by_op.get(cost.op, 0) + cost.flops
+            if cost.module:
+                for name in _self_and_ancestors(cost.module):
+                    by_module[name] = by_module.get(name, 0) + cost.flops
+        order = [m for m in self.module_order if m in by_module]
+        order += sorted(m for m in by_module if m not in set(order))
+        return StepFlops(total=sum(c.flops for c in self.records), phases=self._phases(None),
+                         modules=tuple((m, by_module[m]) for m in order),
+                         ops=tuple(sorted(by_op.items(), key=lambda item: (-item[1], item[0]))),
+                         uncounted=tuple(sorted(uncounted.items())))
+
+    def _phases(self, seconds: Sequence[float] | None) -> tuple[PhaseCost, ...]:
+        totals: dict[str, list[float]] = {}
+        for index, cost in enumerate(self.records):
+            row = totals.setdefault(_phase_name(cost), [0, 0, 0, 0.0])
+            row[0] += cost.flops
+            row[1] += cost.bytes_moved
+            row[2] += cost.launches
+            row[3] += seconds[index] if seconds is not None else 0.0
+        return tuple(PhaseCost(p, int(totals[p][0]), int(totals[p][1]), int(totals[p][2]), float(totals[p][3]))
+                     for p in PHASES if p in totals)
+
+    def time(self, rates: DeviceRates) -> StepTime:
+        """The step's time on the GPU of ``rates`` (see :class:`~memcalc.core.throughput.StepTime`)."""
+        cached = self._times.get(rates)
+        if cached is None:
+            cached = self._times[rates] = self._roofline(rates)
+        return cached
+
+    def _roofline(self, rates: DeviceRates) -> StepTime:
+        efficiency = dict(rates.efficiency)
+        peaks: dict[tuple[OpClass, str], float] = {}
+        seconds: list[float] = []
+        classes: dict[OpClass, list[float]] = {}
+        launch_total = 0.0
+        for cost in self.records:
+            eff = efficiency[cost.op_class]
+            compute = 0.0
+            if cost.flops:
+                key = (cost.op_class, cost.dtype)
+                peak = peaks.get(key)
+                if peak is None:
+                    peak = peaks[key] = rates.peak(cost.op_class, cost.dtype)[1]
+                compute = cost.flops / (peak * eff) if peak else math.inf
+            memory = cost.bytes_moved / (rates.bandwidth * eff)
+            launch = cost.launches * rates.launch_overhead
+            total = max(compute, memory) + launch
+            seconds.append(total)
+            launch_total += launch
+            row = classes.setdefault(cost.op_class, [0, 0, 0, 0.0, 0.0])
+            row[0] += cost.launches
+            row[1] += cost.flops
+            row[2] += cost.bytes_moved
+            row[3] += total
+            row[4] += compute if compute >= memory else 0.0
+        assumptions = (*((f"efficiency: {c.value}", e) for c, e in rates.efficiency),
+                       ("launch overhead per kernel (s)", rates.launch_overhead))
+        return StepTime(
+            gpu=rates.gpu, seconds=sum(seconds), samples=self.samples,
+            tokens=None if self.tokens is None else self.tokens, phases=self._phases(seconds),
+            classes=tuple(ClassTime(c, int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), efficiency[c])
+                          for c in OpClass if (r := classes.get(c)) is not None),
+            flops=self.flops(), launch_seconds=launch_total, assumptions=assumptions, source=rates.source)

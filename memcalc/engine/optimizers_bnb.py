@@ -1,0 +1,179 @@
+"""bitsandbytes' 8-bit and paged AdamW, emulated on meta tensors without importing bitsandbytes.
+
+What is emulated is what bitsandbytes allocates, and where. Read from
+bitsandbytes-foundation/bitsandbytes at 95f9af3 (``__version__`` 0.50.2.dev0):
+
+* ``bitsandbytes/optim/adamw.py``: ``AdamW8bit``, ``PagedAdamW8bit`` and ``PagedAdamW32bit`` are
+  ``Optimizer2State("adam", params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+  optim_bits=8 | 32, min_8bit_size=4096, is_paged=False | True)``.
+* ``bitsandbytes/optim/optimizer.py``, ``Optimizer8bit.__init__``: with ``optim_bits == 8``,
+  ``fill_qmap()`` makes ``name2qmap["dynamic"] = F.create_dynamic_map(signed=True)`` and
+  ``name2qmap["udynamic"] = F.create_dynamic_map(signed=False)`` — host tensors of 256 float32
+  each (``functional.py`` ``create_dynamic_map``: ``assert len(data) == 2**total_bits``,
+  ``total_bits=8``), once per optimizer.
+* ``Optimizer2State.init_state``, at a parameter's first step: the state is uint8 when
+  ``optim_bits == 8`` and ``p.numel() >= min_8bit_size`` (4096), else float32;
+  ``state["step"] = 0`` is a Python int (no tensor). For a parameter of *n* elements:
+
+  - float32: ``state1``, ``state2`` = ``get_state_buffer(p, torch.float32)``: 4·n B each;
+  - uint8: both qmaps moved to the parameter's device (``name2qmap[...].to(p.device)``: one
+    copy per optimizer, every parameter's ``state["qmap1"]`` / ``["qmap2"]`` is that tensor),
+    ``state1``, ``state2`` = ``get_state_buffer(p, torch.uint8)``: n B each, and
+    ``blocksize = 256``, ``blocks = ceil(n / 256)``: ``absmax1``, ``absmax2`` =
+    ``torch.zeros((blocks,), float32)``: 4·ceil(n/256) B each.
+
+  So 8-bit state is 2n + 8·ceil(n/256) B per parameter, plus 2 × 256 × 4 B of qmaps per
+  optimizer; 32-bit state (and 8-bit for n < 4096) 8n B. ``max_unorm`` is 0 by default: no
+  ``unorm_vec``.
+* ``Optimizer8bit.get_state_buffer``: a CPU parameter, a non-paged optimizer, or
+  ``p.numel() < 1e5`` get ``torch.zeros_like(p, dtype=dtype)`` (PyTorch's caching allocator);
+  otherwise ``F.get_paged(*p.shape, dtype=dtype, device=p.device)`` (``functional.py``:
+  ``lib.cget_managed_ptr`` — ``cudaMallocManaged`` — wrapped by ``torch.frombuffer``, marked
+  ``out.is_paged = True``): CUDA unified memory outside the caching allocator. It is not in
+  ``max_memory_allocated`` and never makes the allocator run out of memory (the driver pages it
+  to the host under pressure), so memcalc reports it apart (``MemoryReport.paged_optimizer_state``)
+  and leaves it out of the peak. The absmax and qmap tensors are never paged.
+* ``Optimizer2State.update_step``: ``p.data = p.data.contiguous()``, ``p.grad =
+  p.grad.contiguous()`` (copies only for non-contiguous tensors), then
+  ``F.optimizer_update_8bit_blockwise`` / ``F.optimizer_update_32bit`` → one kernel launch per
+  parameter on the tensors' pointers (``backends/cuda/ops.py``
+  ``_optimizer_update_8bit_blockwise_impl``, ``_optimizer_update_32bit_impl``): ``p``, the states
+  and the absmax are updated in place, nothing is allocated.
+
+The emulation's update writes the same tensors in place (:meth:`EmulatedBnbAdamW._kernel`); on
+meta tensors there are no values, and its arithmetic is not bitsandbytes' — only what is
+allocated, and when, is modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memcalc.core.loop import OptimizerImpl
+
+__all__ = ("BLOCKSIZE", "MIN_8BIT_SIZE", "PAGED_MIN_NUMEL", "QMAP_ENTRIES", "BnbAdamW", "EmulatedBnbAdamW",
+           "eight_bit_state_bytes", "is_paged")
+
+#: ``Optimizer2State.init_state``: ``blocksize = 256`` for the block-wise absmax of 8-bit states.
+BLOCKSIZE = 256
+#: ``Optimizer2State.__init__``: ``min_8bit_size=4096``; smaller parameters keep 32-bit states.
+MIN_8BIT_SIZE = 4096
+#: ``Optimizer8bit.get_state_buffer``: ``p.numel() < 1e5`` is never paged.
+PAGED_MIN_NUMEL = 100_000
+#: ``functional.create_dynamic_map``: ``2**total_bits`` entries (256 float32) per quantization map.
+QMAP_ENTRIES = 256
+
+
+def eight_bit_state_bytes(numel: int) -> int:
+    """Bytes of one parameter's 8-bit AdamW state (n ≥ 4096): two uint8 moments of n bytes and
+    two float32 absmax vectors of ceil(n / 256) entries (the shared qmaps not included)."""
+    return 2 * numel + 2 * 4 * math.ceil(numel / BLOCKSIZE)
+
+
+def is_paged(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` stands for a buffer in CUDA unified memory (``F.get_paged`` marks its
+    tensors with ``is_paged = True``, and so does the emulation)."""
+    return bool(getattr(tensor, "is_paged", False))
+
+
+class EmulatedBnbAdamW(torch.optim.Optimizer):
+    """``bnb.optim.AdamW8bit`` / ``PagedAdamW8bit`` / ``PagedAdamW32bit`` as they allocate
+    (see the module docstring). The learning-rate and beta hyper-parameters only fill the
+    param groups, as bitsandbytes' defaults do."""
+
+    def __init__(self, params: Iterable[torch.Tensor], *, optim_bits: int, paged: bool, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 min_8bit_size: int = MIN_8BIT_SIZE) -> None:
+        if optim_bits not in (8, 32):
+            raise ValueError(f"optim_bits is 8 or 32, got {optim_bits}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.optim_bits = optim_bits
+        self.paged = paged
+        self.min_8bit_size = min_8bit_size
+        self.name2qmap: dict[str, torch.Tensor] = {}
+        if optim_bits == 8:
+            # fill_qmap(): made on the host by create_dynamic_map (values irrelevant here)
+            self.name2qmap = {name: torch.zeros(QMAP_ENTRIES, dtype=torch.float32) for name in ("dynamic", "udynamic")}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """``Optimizer8bit.step``: for each parameter with a gradient, its state at the first
+        step, then its in-place update."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state)
+                self._update(group, p, state)
+        return loss
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """``Optimizer2State.init_state``."""
+        eight_bit = self.optim_bits == 8 and p.numel() >= self.min_8bit_size
+        state["step"] = 0
+        if not eight_bit:
+            state["state1"] = self._state_buffer(p, torch.float32)
+            state["state2"] = self._state_buffer(p, torch.float32)
+            return
+        for name in ("dynamic", "udynamic"):
+            self.name2qmap[name] = self.name2qmap[name].to(p.device)
+        blocks = math.ceil(p.numel() / BLOCKSIZE)
+        state["state1"] = self._state_buffer(p, torch.uint8)
+        state["qmap1"] = self.name2qmap["dynamic"]
+        state["state2"] = self._state_buffer(p, torch.uint8)
+        state["qmap2"] = self.name2qmap["udynamic"]
+        state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+        state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+
+    def _state_buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``Optimizer8bit.get_state_buffer``: a parameter-shaped buffer, in unified memory when
+        paged and large enough (the CPU fallback, "Paged optimizers are not supported on CPU",
+        is the memcalc CPU target's business: it does not count paged buffers apart)."""
+        buffer = torch.zeros_like(p, dtype=dtype)
+        if self.paged and p.device.type != "cpu" and p.numel() >= PAGED_MIN_NUMEL:
+            buffer.is_paged = True  # type: ignore[attr-defined]  # as F.get_paged marks its tensors
+        return buffer
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+        """``Optimizer2State.update_step``: contiguous parameter and gradient, then the kernel."""
+        p.data = p.data.contiguous()
+        assert p.grad is not None
+        p.grad = p.grad.contiguous()
+        state["step"] += 1
+        written = [state[key] for key in ("state1", "state2", "absmax1", "absmax2") if key in state]
+        self._kernel(p, p.grad, written, lr=group["lr"], weight_decay=group["weight_decay"])
+
+    @staticmethod
+    def _kernel(p: torch.Tensor, grad: torch.Tensor, written: list[torch.Tensor], *, lr: float,
+                weight_decay: float) -> None:
+        """What bitsandbytes' update kernel does to memory: ``p`` and every state tensor are
+        rewritten in place and nothing is allocated (the values are not bitsandbytes')."""
+        p.mul_(1.0 - lr * weight_decay).add_(grad, alpha=-lr)
+        for tensor in written:
+            tensor.zero_()
+
+
+@dataclass(frozen=True)
+class BnbAdamW:
+    """The factory of one emulated bitsandbytes AdamW: ``(params, impl)`` → the optimizer.
+    bitsandbytes has one implementation (its own fused kernel per parameter), so ``impl`` is
+    always :attr:`OptimizerImpl.FUSED` here."""
+
+    optim_bits: int
+    paged: bool
+
+    def __call__(self, params: Iterable[torch.Tensor], impl: OptimizerImpl) -> torch.optim.Optimizer:
+        if impl is not OptimizerImpl.FUSED:
+            raise ValueError(f"bitsandbytes' optimizers run their own fused kernel, not {impl.value}")
+        return EmulatedBnbAdamW(params, optim_bits=self.optim_bits, paged=self.paged)
