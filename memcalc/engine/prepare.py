@@ -19,6 +19,7 @@ from memcalc.engine.backend import current_autocast_region
 from memcalc.engine.model import ModelInputs
 
 __all__ = (
+    "KEEP_DTYPE",
     "apply_checkpointing",
     "apply_precision",
     "cast_inputs",
@@ -29,10 +30,21 @@ __all__ = (
 )
 
 
+#: Attribute of a parameter whose dtype the model's pure fp16/bf16 cast must not change (the
+#: float32 statistics of a quantized weight; PEFT's float32 LoRA adapters, ``autocast_adapter_dtype``).
+KEEP_DTYPE = "memcalc_keep_dtype"
+
+
 def apply_precision(module: nn.Module, precision: Precision) -> None:
-    """Pure fp16/bf16: parameters and buffers in that dtype (in place, on meta: free)."""
-    if precision.parameter_dtype is not torch.float32:
-        module.to(precision.parameter_dtype)
+    """Pure fp16/bf16: parameters and buffers in that dtype (in place, on meta: free), except
+    the parameters marked :data:`KEEP_DTYPE`, which stay in theirs."""
+    if precision.parameter_dtype is torch.float32:
+        return
+    module.to(precision.parameter_dtype)
+    for p in module.parameters():
+        kept = getattr(p, KEEP_DTYPE, None)
+        if isinstance(kept, torch.dtype) and p.dtype != kept:
+            p.data = p.data.to(kept)
 
 
 def cast_inputs(inputs: ModelInputs | Sequence[torch.Tensor], precision: Precision) -> ModelInputs:

@@ -43,7 +43,7 @@ from memcalc.engine.timeline import (
 )
 from memcalc.engine.trace import StepTrace, StorageTracer
 
-__all__ = ("KEEP_DTYPE", "LOGICAL_NUMEL", "MODEL_LOSS", "RankHooks", "TracedStep", "build_report",
+__all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "RankHooks", "TracedStep", "build_report",
            "parameter_count", "trace_model")
 
 #: The report's loss when the step trained with the loss the model returned (``output.loss``).
@@ -52,9 +52,6 @@ MODEL_LOSS = "the model's own (output.loss)"
 #: statistics: :mod:`memcalc.sources.quant`): the parameters it stands for, as PEFT and
 #: transformers count them. Without it a parameter counts its ``numel()``.
 LOGICAL_NUMEL = "memcalc_logical_numel"
-#: Attribute of a parameter whose dtype the model's pure fp16/bf16 cast must not change (the
-#: float32 statistics of a quantized weight; PEFT's float32 LoRA adapters, ``autocast_adapter_dtype``).
-KEEP_DTYPE = "memcalc_keep_dtype"
 #: A dict batch's ``attention_mask`` is read by Hugging Face models (``masking_utils``: no causal
 #: mask is built when nothing is padded), which a run without data cannot do.
 _MASK_VALUES = ("Hugging Face models read the values of attention_mask (to skip building a causal mask when "
@@ -163,7 +160,6 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         check_loop(options, multi_gpu=hooks is not None)
     inputs, blocks = prepare_step(module, resolved.inputs, precision=options.precision, checkpoint=options.checkpoint,
                                   containers=resolved.block_containers, model_name=resolved.name)
-    _restore_kept_dtypes(module)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
     costs = OpCostRecorder(then=backend.after_op)  # FLOPs and bytes per kernel, then the backend's rules
@@ -248,14 +244,6 @@ def parameter_count(params: Iterable[nn.Parameter]) -> int:
     """How many parameters ``params`` hold, as PEFT's ``get_nb_trainable_parameters`` counts
     them: ``numel()``, or :data:`LOGICAL_NUMEL` where a parameter stores others' elements."""
     return sum(int(getattr(p, LOGICAL_NUMEL, p.numel())) for p in params)
-
-
-def _restore_kept_dtypes(module: nn.Module) -> None:
-    """Undo the pure fp16/bf16 cast on the parameters marked :data:`KEEP_DTYPE` (on meta: free)."""
-    for p in module.parameters():
-        kept = getattr(p, KEEP_DTYPE, None)
-        if isinstance(kept, torch.dtype) and p.dtype != kept:
-            p.data = p.data.to(kept)
 
 
 def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequence[torch.Tensor]) -> None:

@@ -26,7 +26,8 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import FineTune, LoRA
 from memcalc.core.precision import Precision
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.run import KEEP_DTYPE, parameter_count
+from memcalc.engine.prepare import KEEP_DTYPE
+from memcalc.engine.run import parameter_count
 from memcalc.sources.hub import import_hf
 from memcalc.sources.quant import quantize_linears
 
@@ -148,7 +149,7 @@ def add_lora(module: nn.Module, lora: LoRA) -> LoraResult:
     PEFT freezes every other parameter; its adapters are created on the module's device
     directly (under ``torch.device(...)``: on meta, ``nn.Linear(in, r)`` and its init run
     without memory) and, as ``autocast_adapter_dtype=True`` does, stay float32 in a pure
-    fp16/bf16 model (marked :data:`~memcalc.engine.run.KEEP_DTYPE`).
+    fp16/bf16 model (marked :data:`~memcalc.engine.prepare.KEEP_DTYPE`).
 
     Returns:
         The base model (with the adapters; ``PeftModel.forward`` calls it as is), the targets

@@ -32,7 +32,7 @@ Each buffer is a separate CUDA allocation, so each is its own frozen parameter h
 breakdown counts them as parameters, the allocator model rounds each to 512 B. They carry
 :data:`~memcalc.engine.run.LOGICAL_NUMEL` (the packed weight stands for its ``n`` parameters,
 the statistics for none: PEFT's ``get_nb_trainable_parameters`` counts a ``Params4bit`` as
-``numel · 2`` and the ``QuantState`` not at all) and :data:`~memcalc.engine.run.KEEP_DTYPE`
+``numel · 2`` and the ``QuantState`` not at all) and :data:`~memcalc.engine.prepare.KEEP_DTYPE`
 (a pure-bf16 model's ``.to(bfloat16)`` does not reach bitsandbytes' float32 statistics, which
 are no parameters there).
 
@@ -94,7 +94,8 @@ from torch import nn
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import Quant
 from memcalc.core.units import format_bytes
-from memcalc.engine.run import KEEP_DTYPE, LOGICAL_NUMEL
+from memcalc.engine.prepare import KEEP_DTYPE
+from memcalc.engine.run import LOGICAL_NUMEL
 
 __all__ = (
     "BLOCKSIZE",
