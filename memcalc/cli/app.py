@@ -129,7 +129,7 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
                 **setup_arguments(multi_gpu))
     distributed = strategy_arguments(measure=measure, **multi_gpu)
     if measure and "finetune" in step:
-        _refuse_measured_finetune(step["finetune"])
+        _refuse_measured_quant(step["finetune"])
     # the output files are checked before the estimate, not after it
     if timeline_path is not None:
         check_timeline_path(timeline_path)
@@ -168,15 +168,13 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
             click.echo(f"\n{render_loader(advice, unit=units)}")
 
 
-def _refuse_measured_finetune(finetune: FineTune) -> None:
+def _refuse_measured_quant(finetune: FineTune) -> None:
     """--measure runs the real step: a quantized base needs bitsandbytes' CUDA kernels (memcalc
-    only emulates their storage), and the measurement does not build adapters or freeze yet."""
+    only emulates their storage). Frozen parameters and LoRA adapters are measured as estimated."""
     if finetune.quant is not None:
         raise click.UsageError(f"--measure cannot run --quant {finetune.quant.value}: a real quantized base needs "
                                f"bitsandbytes and its CUDA kernels, which memcalc emulates without running them; "
                                f"leave out --measure to estimate it")
-    raise click.UsageError("--measure does not apply --freeze or --lora yet (it would measure full fine-tuning); "
-                           "leave out --measure to estimate them")
 
 
 def _measurement_dict(m: Measurement) -> dict[str, Any]:

@@ -105,22 +105,34 @@ class Textbook:
     are, in train mode, the activations saved for backward (alive when backward starts); in
     eval and inference mode, the activations alive at the simulated peak. Temporaries and
     kernel workspaces are never part of the rule.
+
+    Frozen parameters (fine-tuning: ``--freeze``, the base under LoRA, a quantized base) have
+    no gradient and no optimizer state, so they count once: only the trainable parameters take
+    the multiplier. Multiplying all of them would put QLoRA's 4-bit base × 4 in the rule.
     """
 
-    parameter_bytes: int
+    parameter_bytes: int  # every parameter, trainable and frozen (tied weights once)
     multiplier: int  # 1 outside training: weights only
     terms: str  # e.g. "weights + grads + 2 moments"
     activation_bytes: int
     input_bytes: int = 0  # the input batch and its targets
     # optimizer state that is no multiple of the parameter bytes: 8-bit Adam's 1-byte moments,
-    # Adafactor's factored (row and column) second moments
+    # Adafactor's factored (row and column) second moments; over the trainable parameters
     state_bytes: int = 0
+    # the part of ``parameter_bytes`` that does not train (0 outside training: all count once)
+    frozen_parameter_bytes: int = 0
+
+    @property
+    def trainable_parameter_bytes(self) -> int:
+        """The parameter bytes that take the multiplier: ``parameter_bytes − frozen_parameter_bytes``."""
+        return self.parameter_bytes - self.frozen_parameter_bytes
 
     @property
     def total(self) -> int:
-        """The textbook estimate: parameter bytes × multiplier + optimizer state bytes outside the
-        multiplier + input bytes + activation bytes."""
-        return self.parameter_bytes * self.multiplier + self.state_bytes + self.input_bytes + self.activation_bytes
+        """The textbook estimate: trainable parameter bytes × multiplier + frozen parameter bytes
+        + optimizer state bytes outside the multiplier + input bytes + activation bytes."""
+        return (self.trainable_parameter_bytes * self.multiplier + self.frozen_parameter_bytes + self.state_bytes
+                + self.input_bytes + self.activation_bytes)
 
     def gap(self, peak: int) -> float | None:
         """How far ``peak`` is above the rule of thumb, as a fraction of it: ``(peak − total) /

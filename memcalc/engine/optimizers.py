@@ -153,9 +153,10 @@ class OptimizerSpec:
         return self.factory(params, impl)
 
     def textbook_state_bytes(self, params: Iterable[torch.Tensor]) -> int:
-        """The textbook's optimizer state outside the multiplier, over ``params`` (0 for most)."""
+        """The textbook's optimizer state outside the multiplier, over those of ``params`` that
+        require grad (0 for most): a frozen parameter is never handed to the optimizer."""
         rule = self.textbook_state
-        return 0 if rule is None else sum(rule(p) for p in params)
+        return 0 if rule is None else sum(rule(p) for p in params if p.requires_grad)
 
 
 def _torch_spec(key: Optimizer, display: str, name: str, multiplier: int, terms: str, *, fused: bool = False,

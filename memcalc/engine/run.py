@@ -328,6 +328,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         state_bytes=spec.textbook_state_bytes(module.parameters()) if training else 0,
         activation_bytes=_saved_for_backward(trace, traced.categories) if training else raw[Category.ACTIVATIONS],
         input_bytes=_preexisting_bytes(trace, traced.categories, Category.INPUTS),
+        frozen_parameter_bytes=_frozen_parameter_bytes(module) if training else 0,
     )
     fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats)
     key = program.events[peak_index] if program.events else 0
@@ -407,6 +408,13 @@ def _preexisting_bytes(trace: StepTrace, categories: list[Category], category: C
     """Bytes of the storages that exist before the step in ``category`` (parameters, the
     input batch and its targets)."""
     return sum(trace.nbytes[u] for u in trace.preexisting if categories[u] is category)
+
+
+def _frozen_parameter_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters that do not train (``requires_grad=False``), each storage once:
+    the textbook counts them without gradient or optimizer state."""
+    frozen = [p.untyped_storage() for p in module.parameters() if not p.requires_grad]  # alive: ids stay distinct
+    return sum({id(storage): storage.nbytes() for storage in frozen}.values())
 
 
 def _cast_input_description(resolved: ResolvedModel, options: EstimateOptions) -> str:

@@ -6,7 +6,9 @@ through the caching allocator at the first matmul and stays), ``reset_peak_memor
 run the step program (two iterations, as the estimate does; or the chosen loop as written,
 :mod:`memcalc.engine.loops`), read ``max_memory_allocated`` and ``max_memory_reserved``. An
 OOM is a result ("measured: OOM"), not a crash. The optimizer runs in the implementation the
-estimate resolved for the device (``resolve_impl``).
+estimate resolved for the device (``resolve_impl``). Frozen parameters and LoRA adapters are
+applied to the real model by the estimate's own code (:mod:`memcalc.sources.adapters`); a
+quantized base is not measured (bitsandbytes' kernels are emulated, never run).
 
 CPU (no GPU here): ``torch.profiler`` with ``profile_memory=True`` records every CPU
 allocation and free with its size, in order; their running sum on top of the storages that
@@ -39,6 +41,7 @@ from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.prepare import kv_cache_bytes, prepare_step
 from memcalc.engine.step import Scaler, StepConfig, run_step
+from memcalc.sources.adapters import finetune_module
 from memcalc.sources.resolve import resolve
 
 __all__ = ("attach_measurement", "cpu_comparison_note", "measure", "measure_cpu", "measure_cuda", "storage_bytes")
@@ -57,8 +60,19 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
              options: EstimateOptions) -> tuple[torch.nn.Module, ModelInputs, list[torch.Tensor]]:
     """The real model and inputs with the same transforms the estimate applies, and a KV
     cache of the estimated size when one is asked for (the zoo's models have no cache of their
-    own: a buffer of the same size stands for it)."""
+    own: a buffer of the same size stands for it).
+
+    The fine-tuning is the estimate's too (:func:`~memcalc.sources.adapters.finetune_module`,
+    in the estimate's order: adapters and freezing before the precision cast, which keeps the
+    adapters' dtype), so frozen parameters get no gradient and no optimizer state here either.
+
+    Raises:
+        InvalidInputError: a quantized base (``finetune.quant``): memcalc emulates bitsandbytes'
+            storage on meta tensors without running its kernels.
+    """
     module, inputs = resolved.build_real(device)
+    if not options.finetune.is_empty:
+        module, _notes = finetune_module(module, options.finetune, precision=options.precision, mode=options.mode)
     inputs, _ = prepare_step(module, inputs, precision=options.precision, checkpoint=options.checkpoint,
                              containers=resolved.block_containers, model_name=resolved.name)
     keep: list[torch.Tensor] = []

@@ -202,14 +202,18 @@ _FACTOR_FROM = 2.0
 def _textbook_line(report: MemoryReport, tb: Textbook, unit: Unit | str) -> str:
     """The rule of thumb, term by term, and where the simulated peak stands against it. One
     sign convention: the simulated peak is above or below the rule (:meth:`Textbook.gap`)."""
-    params = format_bytes(tb.parameter_bytes, unit)
+    params = format_bytes(tb.trainable_parameter_bytes, unit)
     weights = f"{params} × {tb.multiplier}" if tb.multiplier > 1 else params
     if tb.state_bytes:
         weights += f" + {format_bytes(tb.state_bytes, unit)}"
     weights += f" ({tb.terms})"
+    if tb.frozen_parameter_bytes:  # fine-tuning: the frozen ones once, weights only
+        weights = f"trainable parameters {weights} + frozen parameters {format_bytes(tb.frozen_parameter_bytes, unit)}"
+    else:
+        weights = f"parameters {weights}"
     saved = "saved for backward" if report.mode is Mode.TRAIN else "alive at the peak"
     peak = report.bytes.peak_allocated
-    line = (f"textbook: parameters {weights} + input batch {format_bytes(tb.input_bytes, unit)} "
+    line = (f"textbook: {weights} + input batch {format_bytes(tb.input_bytes, unit)} "
             f"+ activations {saved} {format_bytes(tb.activation_bytes, unit)} = {format_bytes(tb.total, unit)}; "
             f"the simulated peak, {format_bytes(peak, unit)}, is {_versus(tb.gap(peak))}.")
     left_out = [f"{_category_label(c, report.mode)} {format_bytes(report.bytes.category(c), unit)}"
