@@ -150,9 +150,60 @@ def timeline_gpt2_checkpoint(out: Path) -> Path:
     return _timeline("gpt2", TIMELINE_GPT2 | {"checkpoint": True}, out / "timeline_gpt2_checkpoint.png")
 
 
+# Figure 6: memory or throughput? Peak allocated and samples/s against batch size on an A100,
+# with and without checkpointing (memcalc sweep ... --time): the README's "Memory or throughput?".
+THROUGHPUT_GPU = "a100-80gb"
+# (model, title, batches, estimate options): one column each.
+THROUGHPUT_MODELS: tuple[tuple[str, str, tuple[int, ...], dict[str, Any]], ...] = (
+    ("resnet50", "ResNet-50 (224×224), Adam", (8, 16, 32, 64, 128, 256, 512, 1024), {"optimizers": ["adam"]}),
+    ("gpt2", "GPT-2 (124M), 1,024 tokens, AdamW", (1, 2, 4, 8, 16, 32, 64), {"optimizers": ["adamw"], "seq_len": 1024}),
+)
+
+
+def throughput_batch(out: Path) -> Path:
+    """Peak allocated (top) and modelled samples/s (bottom) against batch size, AMP bf16 on an
+    A100 80 GB, with and without activation checkpointing; a hollow marker is a batch that does
+    not fit."""
+    gpu = gpus.get_gpu(THROUGHPUT_GPU)
+    figure = Figure(figsize=(9.0, 6.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    grid = figure.subplots(2, len(THROUGHPUT_MODELS), sharex="col")
+    for column, (model, title, batches, options) in enumerate(THROUGHPUT_MODELS):
+        memory_axes, speed_axes = grid[0][column], grid[1][column]
+        for checkpoint, style in zip((False, True), STYLES):
+            points = memcalc.sweep(model, batch_sizes=batches, precisions=["amp-bf16"], gpu=THROUGHPUT_GPU,
+                                   checkpoint=checkpoint, **options)
+            times = [memcalc.step_time(p.report) for p in points]
+            label = "activation checkpointing" if checkpoint else "no checkpointing"
+            xs = [p.batch_size for p in points]
+            for axes, ys in ((memory_axes, [p.report.bytes.peak_allocated / GIB for p in points]),
+                             (speed_axes, [t.samples_per_second for t in times])):
+                line, = axes.plot(xs, ys, markersize=4, label=label if axes is memory_axes and column == 0 else None,
+                                  **style)
+                misses = [(x, y) for p, x, y in zip(points, xs, ys) if not p.fits]
+                if misses:
+                    axes.plot(*zip(*misses), marker=style["marker"], markersize=8, linestyle="none",
+                              markerfacecolor="white", color=line.get_color())
+        memory_axes.axhline(gpu.usable_memory / GIB, color="black", linestyle=(0, (4, 3)), linewidth=1,
+                            label=f"{gpu.name}: {gpu.usable_memory / GIB:.1f} GiB usable" if column == 0 else None)
+        memory_axes.set_title(title, fontsize="medium")
+        memory_axes.set_ylabel("peak allocated (GiB)")
+        speed_axes.set_ylabel("samples/s (roofline, assumed efficiencies)")
+        speed_axes.set_xlabel("batch size")
+        for axes in (memory_axes, speed_axes):
+            axes.set_xscale("log", base=2)
+            axes.set_xticks(batches, [str(b) for b in batches])
+            axes.set_ylim(bottom=0)
+            axes.grid(True, alpha=0.3)
+    figure.suptitle(f"memcalc: memory or throughput? AMP bf16 on an {gpu.name} (hollow: does not fit)")
+    _legend_below(figure)
+    return _save(figure, out / "throughput_batch.png")
+
+
 FIGURES: dict[str, Callable[[Path], Path]] = {
     "resnet50_batch": resnet50_batch, "gpt2_seq_len": gpt2_seq_len, "timeline_resnet50": timeline_resnet50,
     "timeline_gpt2": timeline_gpt2, "timeline_gpt2_checkpoint": timeline_gpt2_checkpoint,
+    "throughput_batch": throughput_batch,
 }
 
 

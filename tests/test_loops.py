@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +87,6 @@ def _traced_report(model: Any, size: dict[str, Any], **options: Any) -> memcalc.
 def test_loop_estimate_matches_the_real_cpu_run(model: str, loop: str) -> None:
     source, size = MODELS[model]
     options = _options(model, LOOPS[loop])
-    started = time.perf_counter()
     report = _traced_report(source, size, **options)
     torch.manual_seed(0)
     measured = measure_cpu(resolve(source, **size), EstimateOptions.create(target="cpu", **options),
@@ -97,7 +95,6 @@ def test_loop_estimate_matches_the_real_cpu_run(model: str, loop: str) -> None:
     error = (report.peak_requested - measured) / measured
     assert abs(error) <= TOLERANCE, f"{model}/{loop}: {report.peak_requested:,} B vs real {measured:,} B ({error:+.3%})"
     assert report.peak_iteration in (1, 2) and report.first_iteration_peak <= report.bytes.peak_allocated
-    assert time.perf_counter() - started < 10
 
 
 @pytest.mark.parametrize("case", [
@@ -234,6 +231,8 @@ def test_what_a_user_loop_cannot_honour_is_refused() -> None:
         memcalc.estimate("mlp", batch_size=8, loop=user_loops.keeps_logits, loss="mse")
     with pytest.raises(InapplicableOptionError, match="amp-bf16 is memcalc's autocast"):
         memcalc.estimate("mlp", batch_size=8, loop=user_loops.keeps_logits, precision="amp-bf16")
+    with pytest.raises(InapplicableOptionError, match="calls its own zero_grad"):
+        memcalc.estimate("mlp", batch_size=8, loop=memcalc.Loop(user_loops.keeps_logits, keep_grads=True))
     with pytest.raises(InapplicableOptionError, match="one GPU only for now"):
         memcalc.estimate("mlp", batch_size=8, loop="tutorial",
                          distributed=memcalc.Distributed("ddp", world_size=2))

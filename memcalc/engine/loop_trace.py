@@ -199,8 +199,8 @@ def check_loop(options: EstimateOptions, *, multi_gpu: bool) -> None:
 
     Raises:
         InapplicableOptionError: a multi-GPU strategy, an eval or inference step, or — with the
-            user's own loop, which computes its own loss and runs its own autocast — a chosen
-            loss or an amp precision.
+            user's own loop, which computes its own loss, runs its own autocast and zeroes its own
+            gradients — a chosen loss, an amp precision or ``keep_grads``.
     """
     loop = options.loop
     if multi_gpu:
@@ -211,6 +211,10 @@ def check_loop(options: EstimateOptions, *, multi_gpu: bool) -> None:
         raise InapplicableOptionError(f"a training loop applies to mode train; the mode is {options.mode.value}")
     if loop.preset is not None:
         return
+    if loop.keep_grads:
+        raise InapplicableOptionError(
+            f"your loop {loop.name} calls its own zero_grad: keep_grads (--keep-grads) would be ignored",
+            hint="Call optimizer.zero_grad(set_to_none=False) in your loop instead.")
     if options.loss is not None or options.loss_fn is not None:
         raise InapplicableOptionError(
             f"your loop {loop.name} computes its own loss: the loss option (loss, --loss) would be ignored",
