@@ -32,16 +32,16 @@ def test_llama_70b_long_sequence_finishes_small():
     assert r.bytes.optimizer_state >= 2 * r.bytes.parameters or r.peak_iteration == 1
 
 
-def test_llama_3_70b_long_sequence_is_quick_and_small():
+def test_llama_3_70b_long_sequence_stays_small():
     # memcalc llama-3-70b --batch 1 --seq-len 4096 --optim adamw, in a fresh process so that its
-    # peak resident set is its own (measured: about 4 s and 330 MiB on the 2-core CI machine)
-    code = ("import resource, time, memcalc; start = time.perf_counter(); "
+    # peak resident set is its own (measured: about 330 MiB on the 2-core CI machine; its time is
+    # benchmarks/finetune_speed.py's business)
+    code = ("import resource, memcalc; "
             "r = memcalc.estimate('llama-3-70b', batch_size=1, seq_len=4096, optimizer='adamw'); "
-            "print(r.parameters, time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+            "print(r.parameters, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
                           check=True, timeout=300)
-    parameters, seconds, max_rss = done.stdout.split()
+    parameters, max_rss = done.stdout.split()
     rss_bytes = int(max_rss) * (1 if sys.platform == "darwin" else 1024)  # ru_maxrss: KiB on Linux
     assert int(parameters) == 70_553_706_496
-    assert float(seconds) < 60
     assert rss_bytes < 1.5 * 2**30

@@ -7,7 +7,6 @@ registry typo cannot make a test pass by reading its own answer back.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -138,10 +137,8 @@ def test_reference_count_is_the_hard_coded_one(name):
 @pytest.mark.slow  # the whole zoo, or real CPU steps
 @pytest.mark.parametrize("entry", ALL_ENTRIES, ids=ENTRY_IDS)
 def test_meta_build_matches_reference_count(entry):
-    start = time.perf_counter()
     with torch.device("meta"):
         model = entry.build()
-    assert time.perf_counter() - start < 20, "a meta build should take seconds, not allocate"
     tensors = [*model.parameters(), *model.buffers()]
     assert all(t.is_meta for t in tensors), "building under torch.device('meta') must not allocate"
     assert entry.reference_parameters is not None
