@@ -21,15 +21,21 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
 - In-place adds: while a dispatch mode is active (memcalc's tracer is one) every tensor is
   "subclass-like", and ``at::linear``'s bias add and autograd's gradient accumulation go out
   of place; a plain CPU run adds in place, and so does the CPU target.
+- bfloat16 GEMMs (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``addmv``): on a CPU that
+  ``mkldnn_bf16_device_check`` accepts they run oneDNN's matmul, and ideep takes its
+  scratchpad from the CPU allocator for the call (:mod:`memcalc.cuda.onednn_matmul`);
+  float32 GEMMs (MKL) and float16 ones (cpublas, without AVX512-FP16) take nothing there.
 
-Sizes follow torch 2.13 with oneDNN v3.12 on x86-64 (float32; checked against the CPU
-profiler). The per-thread buffers use this process's ``torch.get_num_threads()``. What a rule
-cannot follow is named in :meth:`CpuKernels.notes` (each line starts with
-:data:`NOT_FOLLOWED`), so a CPU measurement can say which op it is.
+Sizes follow torch 2.13 with oneDNN v3.12 on x86-64 (float32, and bfloat16 GEMMs on
+AVX512-BF16 without AMX; checked against the CPU profiler). The per-thread buffers use this
+process's ``torch.get_num_threads()``. What a rule cannot follow is named in
+:meth:`CpuKernels.notes` (each line starts with :data:`NOT_FOLLOWED`), so a CPU measurement
+can say which op it is.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +49,7 @@ from memcalc.core.categories import Category
 from memcalc.core.precision import Precision
 from memcalc.cuda import cpu_aten, onednn
 from memcalc.cuda.emulation import CudaEmulation
+from memcalc.cuda.onednn_matmul import ONEDNN_BF16_MATMUL_ISA, onednn_bf16_matmul_isa, onednn_bf16_matmul_scratchpad
 from memcalc.engine.rules import RuleRegistry, op_name
 from memcalc.engine.trace import StorageTracer
 
@@ -82,6 +89,9 @@ class CpuCapabilities:
     onednn_bf16: bool  # mkldnn_bf16_device_check()
     onednn_fp16: bool  # mkldnn_fp16_device_check()
     flash_sdp: bool  # at::globalContext().userEnabledFlashSDP() (shared with CUDA)
+    # the ISA of oneDNN's bf16 matmul (onednn_bf16_matmul_isa); its threads are ``threads``
+    # (dnnl_get_max_threads() is omp_get_max_threads(), which at::set_num_threads sets)
+    onednn_bf16_isa: str = ""
 
     @classmethod
     def here(cls) -> CpuCapabilities:
@@ -91,7 +101,8 @@ class CpuCapabilities:
         return cls(threads=torch.get_num_threads(), onednn=onednn,
                    onednn_bf16=onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
                    onednn_fp16=onednn and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()),
-                   flash_sdp=torch.backends.cuda.flash_sdp_enabled())  # type: ignore[no-untyped-call]  # untyped
+                   flash_sdp=torch.backends.cuda.flash_sdp_enabled(),  # type: ignore[no-untyped-call]  # untyped
+                   onednn_bf16_isa=onednn_bf16_matmul_isa(torch._C._cpu._get_cpu_capability(), os.environ))
 
 
 class CpuKernels:
@@ -375,6 +386,101 @@ def linear(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], 
         x, weight, bias = (None if t is None else mode.cast(t, low) for t in (x, weight, bias))
     return cpu_aten.linear(x, weight, bias)
 
+
+# ---- bfloat16 GEMMs: oneDNN's matmul -----------------------------------------------------------
+# With oneDNN enabled on a CPU that mkldnn_bf16_device_check() accepts, a bfloat16 GEMM larger
+# than 16·16·16 multiply-adds runs oneDNN's matmul primitive (native/mkldnn/Matmul.cpp):
+# ``mm``/``addmm`` through cpublas::gemm → mkldnn_bf16_gemm, ``bmm``/``baddbmm``/``mv``/``addmv``
+# through mkldnn_matmul; ideep books its scratchpad in the CPU allocator for the call
+# (sizes: :mod:`memcalc.cuda.onednn_matmul`).
+
+#: mkldnn_gemm and checksize (Matmul.cpp): oneDNN only above 16·16·16 multiply-adds.
+_ONEDNN_GEMM_MIN_SIZE = 16 * 16 * 16
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _gemm_ready(matrix: torch.Tensor) -> bool:
+    """addmm_impl_cpu_: row- or column-major with a leading dimension at least the row or
+    column (else it clones the operand)."""
+    rows, cols = matrix.shape
+    row_stride, col_stride = matrix.stride()
+    return (col_stride == 1 and row_stride >= max(1, cols)) or (row_stride == 1 and col_stride >= max(1, rows))
+
+
+def _onednn_layout(tensor: torch.Tensor) -> bool:
+    """mkldnn_matmul's is_mkldnn_optimized_format: contiguous, or the last two dimensions
+    transposed (else it makes a contiguous copy)."""
+    if tensor.is_contiguous():
+        return True
+    if tensor.dim() == 2:
+        return tensor.stride(0) == 1 and tensor.stride(1) == tensor.shape[0]
+    return (tensor.stride(0) == tensor.shape[1] * tensor.shape[2] and tensor.stride(1) == 1
+            and tensor.stride(2) == tensor.shape[1])
+
+
+def _follow_reduced_gemm(kernels: CpuKernels, op: OpOverload, a: torch.Tensor, b: torch.Tensor,
+                         alpha: object, multiply_adds: int) -> bool:
+    """Whether the call runs oneDNN's bf16 matmul and its scratchpad is modelled here; a
+    reduced-precision GEMM oneDNN runs otherwise is named."""
+    caps = kernels.capabilities
+    if not caps.onednn or alpha == 0 or multiply_adds <= _ONEDNN_GEMM_MIN_SIZE or a.dtype is not b.dtype:
+        return False
+    if a.dtype is torch.float16 and caps.onednn_fp16:  # use_mkldnn_fp16_matmul
+        kernels.cannot_follow(op, "float16: oneDNN's matmul scratchpad on AVX512-FP16 / AMX-FP16 CPUs")
+        return False
+    if a.dtype is not torch.bfloat16 or not caps.onednn_bf16:
+        return False
+    if caps.onednn_bf16_isa != ONEDNN_BF16_MATMUL_ISA:
+        where = caps.onednn_bf16_isa or "this CPU"
+        kernels.cannot_follow(op, f"bfloat16: oneDNN's matmul scratchpad is modelled for "
+                                  f"{ONEDNN_BF16_MATMUL_ISA}, not {where}")
+        return False
+    kernels.follow(op)
+    return True
+
+
+@CPU_KERNEL_RULES.register(aten.mm.default, aten.addmm.default)
+def bf16_gemm(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+              out: Any) -> None:
+    """``mm`` / ``addmm`` in bfloat16: cpublas::gemm → mkldnn_bf16_gemm, C = A·B given to
+    oneDNN as row-major; a column result (n = 1) stays column-major, so oneDNN computes its
+    transpose (1 × k)·(k × m). Operands neither row- nor column-major are cloned first."""
+    mat1, mat2 = (args[0], args[1]) if op is aten.mm.default else (args[1], args[2])
+    m, k = (int(s) for s in mat1.shape)
+    n = int(mat2.shape[1])
+    if not _follow_reduced_gemm(kernels, op, mat1, mat2, kwargs.get("alpha", 1), m * n * k):  # alpha: keyword-only
+        return
+    clones = sum(_nbytes(t) for t in (mat1, mat2) if not _gemm_ready(t))
+    threads = kernels.capabilities.threads
+    if n == 1:
+        scratchpad = onednn_bf16_matmul_scratchpad(1, m, k, threads=threads)
+    else:
+        row_major = mat1.stride(1) == 1 and mat1.stride(0) >= max(1, k)
+        a_transposed = _gemm_ready(mat1) and not row_major
+        scratchpad = onednn_bf16_matmul_scratchpad(m, n, k, threads=threads, a_transposed=a_transposed)
+    kernels.add_temporary(clones + scratchpad)
+
+
+@CPU_KERNEL_RULES.register(aten.bmm.default, aten.baddbmm.default, aten.mv.default, aten.addmv.default)
+def bf16_matmul(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                out: Any) -> None:
+    """``bmm`` / ``baddbmm`` / ``mv`` / ``addmv`` in bfloat16: mkldnn_matmul, which copies an
+    operand it cannot hand to oneDNN as it is (a vector is a one-column matrix, so a strided
+    vector is copied)."""
+    a, b = (args[0], args[1]) if op in (aten.bmm.default, aten.mv.default) else (args[1], args[2])
+    batch = int(a.shape[0]) if a.dim() == 3 else 1
+    m, k = (int(s) for s in a.shape[-2:])
+    n = int(b.shape[-1]) if b.dim() > 1 else 1
+    if not _follow_reduced_gemm(kernels, op, a, b, kwargs.get("alpha", 1), batch * m * n * k):
+        return
+    b_copied = not _onednn_layout(b) if b.dim() > 1 else (b.stride(0) != 1 and k > 1)
+    copies = (0 if _onednn_layout(a) else _nbytes(a)) + (_nbytes(b) if b_copied else 0)
+    a_transposed = not a.is_contiguous() and _onednn_layout(a)
+    kernels.add_temporary(copies + onednn_bf16_matmul_scratchpad(
+        m, n, k, threads=kernels.capabilities.threads, batch=batch, a_transposed=a_transposed))
 
 # ---- LSTM: oneDNN ------------------------------------------------------------------------------
 def _lstm_layer_followed(kernels: CpuKernels, op: OpOverload, x: torch.Tensor, mode: int) -> bool:

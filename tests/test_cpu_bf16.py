@@ -1,0 +1,180 @@
+"""bfloat16 training on the CPU target (``gpu="cpu"``) against the real CPU step.
+
+A small Hugging Face Llama trained in ``precision="bf16"`` was estimated 3.8 % under the CPU
+profiler (2,074,788 B against 2,157,048 B) while float32 agreed. The difference was oneDNN:
+on a CPU with AVX512-BF16 every bfloat16 GEMM above 16³ multiply-adds runs oneDNN's matmul,
+and ideep takes its scratchpad from the CPU allocator for the call — at the peak, 210,176 B
+inside the LM head's weight-gradient ``mm``. :mod:`memcalc.cuda.cpu` now adds that scratchpad
+(:mod:`memcalc.cuda.onednn_matmul`: oneDNN v3.12's ``brg_matmul:avx512_core_bf16``). Here:
+the issue's model in bf16, amp-bf16 and fp16; the formula worked out by hand; each op's path
+(plain, transposed, a column result, one row, K split over threads, copied operands, ``bmm``,
+``mv``, ``addmm``) against the profiler to the byte; and the note a CPU with another oneDNN
+ISA gets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import memcalc
+from memcalc.cuda.backend import CpuBackend
+from memcalc.cuda.cpu import NOT_FOLLOWED, CpuCapabilities
+from memcalc.cuda.onednn_matmul import ONEDNN_BF16_MATMUL_ISA, onednn_bf16_matmul_isa, onednn_bf16_matmul_scratchpad
+from memcalc.engine.options import EstimateOptions, Target
+from memcalc.engine.run import trace_model
+from memcalc.report.measure import attach_measurement, measure_cpu
+from memcalc.sources.resolve import resolve
+
+pytest.importorskip("transformers")
+
+# The bar of tests/test_against_cpu.py (0.5 %). On torch 2.13 these agree within 84 B
+# (0.004 %): the optimizers' CPU step counters, which the estimate for this CPU leaves out.
+TOLERANCE = 0.005
+
+#: The issue's model: a small Llama (grouped-query attention), built from this dict.
+SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256,
+               "tie_word_embeddings": False}
+
+HERE = CpuCapabilities.here()
+#: This CPU runs bf16 GEMMs through a oneDNN matmul whose scratchpad is not modelled (AMX, say):
+#: the estimate says so in its notes and stays under the measurement.
+bf16_followed = pytest.mark.skipif(
+    HERE.onednn_bf16 and HERE.onednn_bf16_isa != ONEDNN_BF16_MATMUL_ISA,
+    reason=f"oneDNN's bf16 matmul runs {HERE.onednn_bf16_isa or 'another implementation'} here")
+fp16_followed = pytest.mark.skipif(HERE.onednn_fp16, reason="oneDNN's fp16 matmul (AVX512-FP16) is not modelled")
+
+
+def _small_llama(tmp_path: Path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL_LLAMA))
+    return f"hf:{path}"
+
+
+@pytest.mark.parametrize("precision", [
+    pytest.param("bf16", marks=bf16_followed),
+    pytest.param("amp-bf16", marks=bf16_followed),
+    pytest.param("fp16", marks=fp16_followed),
+])
+def test_small_llama_matches_the_real_cpu_step(tmp_path: Path, precision: str) -> None:
+    # before the oneDNN scratchpad on torch 2.13: bf16 -3.81 %, amp-bf16 and fp16 within 0.01 %
+    model = _small_llama(tmp_path)
+    kwargs = dict(batch_size=2, seq_len=32, optimizer="adamw", precision=precision)
+    report = memcalc.estimate(model, gpu="cpu", **kwargs)
+    torch.manual_seed(0)
+    measured = attach_measurement(report, model, device="cpu", **kwargs).measurement
+    assert measured is not None and measured.compared_with == report.peak_requested
+    error = measured.relative_error()
+    assert error is not None and abs(error) <= TOLERANCE, (
+        f"{precision}: estimated {report.peak_requested:,} B vs real CPU {measured.peak_allocated:,} B")
+    if precision == "bf16" and HERE.onednn_bf16:
+        assert any("aten.mm.default" in note for note in report.notes if note.startswith("CPU target"))
+
+
+# ---- the scratchpad formula, worked out --------------------------------------------------------
+
+def test_scratchpad_of_the_lm_heads_gemms_by_hand() -> None:
+    # 2 threads; each booking adds 128 B; the brgemm batch is 2·16·40 + 128 = 1,408 B.
+    # Forward, (64×64)·(64×1000): N blocks of 64 (16 of them, enough work); M from 256 down:
+    # 64 splits evenly. B copy 2·2·64·64 + 128 = 16,512; f32 accumulator 2·4·64·64 + 128 = 32,896.
+    assert onednn_bf16_matmul_scratchpad(64, 1000, 64, threads=2) == 1_408 + 16_512 + 32_896 == 50_816
+    # Weight gradient, (1000×64, transposed)·(64×64): one N block for 2 threads, so M blocks may
+    # go down to 16; 250 is the first to split 1000 into 4 even chunks. A copy 2·2·250·64 + 128 =
+    # 64,128; B 16,512; accumulator 2·4·64·250 + 128 = 128,128.
+    assert (onednn_bf16_matmul_scratchpad(1000, 64, 64, threads=2, a_transposed=True)
+            == 1_408 + 64_128 + 16_512 + 128_128 == 210_176)
+    # Input gradient, (64×1000)·(1000×64): K blocks of 512 (B copy 2·2·64·512 + 128 = 131,200);
+    # 64 rows in one block leave a thread idle, 32 split evenly: accumulator 2·4·64·32 + 128.
+    assert onednn_bf16_matmul_scratchpad(64, 64, 1000, threads=2) == 1_408 + 131_200 + 16_512 == 149_120
+
+
+def test_k_split_over_threads_by_hand() -> None:
+    # (64×2048, transposed)·(2048×32) on 4 threads: one N block for 4 threads and a power-of-2
+    # K of 2048 → K over 4 threads, each with all of C; M in one block of 64, K blocks of 512.
+    # Batch 4·16·40 + 128; A copy with lda 512 + 32 (a power of 2 ≥ 512): 4·2·64·544 + 128;
+    # B 4·2·64·512 + 128; accumulators 4·(4·32·64) + 128.
+    assert (onednn_bf16_matmul_scratchpad(64, 32, 2048, threads=4, a_transposed=True)
+            == 2_688 + 278_656 + 262_272 + 32_896 == 576_512)
+
+
+def test_one_row_is_never_copied_and_keeps_short_k_blocks() -> None:
+    # transA is 'T' for one row: K blocks of 512 even past 1024 (B 2·2·64·512 + 128), no A copy;
+    # accumulator 2·4·64·1 + 128, with two K blocks per N chunk of one
+    assert onednn_bf16_matmul_scratchpad(1, 96, 2048, threads=2) == 1_408 + 131_200 + 640 == 133_248
+    assert onednn_bf16_matmul_scratchpad(1, 96, 2048, threads=2, a_transposed=True) == 133_248
+
+
+def test_onednn_bf16_isa_from_cpu_flags() -> None:
+    avx512_bf16 = dict.fromkeys(("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni", "avx512_bf16"),
+                                True)
+    assert onednn_bf16_matmul_isa(avx512_bf16, {}) == ONEDNN_BF16_MATMUL_ISA
+    amx = {**avx512_bf16, "amx_tile": True, "amx_int8": True, "amx_bf16": True}
+    assert onednn_bf16_matmul_isa(amx, {}) == "avx512_core_amx"
+    assert onednn_bf16_matmul_isa({**avx512_bf16, "avx512_bf16": False}, {}) == ""
+    assert onednn_bf16_matmul_isa(avx512_bf16, {"ONEDNN_MAX_CPU_ISA": "AVX2"}) == "ONEDNN_MAX_CPU_ISA=AVX2"
+
+
+# ---- each op's path against the profiler ------------------------------------------------------
+
+#: The parameter's shape, the input's, and the product (the parameter is ``w``).
+PRODUCTS = {
+    "plain": ((512, 1000), (64, 512), lambda x, w: x @ w),
+    "transposed A": ((512, 100), (512, 64), lambda x, w: x.t() @ w),
+    "column result": ((256, 1), (300, 256), lambda x, w: x @ w),
+    "one row": ((2048, 96), (1, 2048), lambda x, w: x @ w),
+    "K over threads": ((2048, 32), (2048, 64), lambda x, w: x.t() @ w),
+    "cloned A": ((128, 200), (64, 256), lambda x, w: x[:, ::2] @ w),
+    "addmm": ((1000, 64), (64, 64), lambda x, w: torch.addmm(w[:, 0], x, w.t())),
+    "bmm, copied A": ((4, 64, 96), (4, 64, 128), lambda x, w: torch.bmm(x[:, :, :64], w)),
+    "bmm, transposed A": ((4, 64, 96), (4, 64, 64), lambda x, w: torch.bmm(x.transpose(1, 2), w)),
+    "mv": ((1000, 512), (1, 512), lambda x, w: torch.mv(w, x[0])),
+}
+
+
+class Product(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.w = nn.Parameter(torch.randn(*PRODUCTS[name][0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return PRODUCTS[self.name][2](x, self.w)  # type: ignore[no-any-return, operator]
+
+
+@bf16_followed
+@pytest.mark.parametrize("name", list(PRODUCTS))
+def test_each_bf16_gemm_path_matches_the_profiler_to_the_byte(name: str) -> None:
+    # inference of one product: the parameter, the input, the output and the scratchpad (plus
+    # any copy) are all the memory there is, so the estimate is exact; without the scratchpad
+    # it was 50,816 to 288,512 B under
+    def model() -> nn.Module:
+        return Product(name)
+
+    inputs = (torch.randn(*PRODUCTS[name][1]),)
+    step = dict(mode="eval", optimizer="none", precision="bf16")
+    estimate = memcalc.estimate(model, gpu="cpu", inputs=inputs, **step)
+    measured = measure_cpu(resolve(model, inputs=inputs), **step).peak_allocated
+    assert estimate.peak_requested == measured
+
+
+def test_another_onednn_isa_is_named_not_followed() -> None:
+    def model() -> nn.Module:
+        return Product("plain")
+
+    resolved = resolve(model, inputs=(torch.randn(64, 512),))
+    options = EstimateOptions.create(target=Target.CPU, mode="eval", optimizer="none", precision="bf16")
+    amx = dataclasses.replace(HERE, onednn=True, onednn_bf16=True, onednn_bf16_isa="avx512_core_amx")
+    notes = trace_model(resolved, options, CpuBackend(options, amx)).notes
+    assert (f"{NOT_FOLLOWED} aten.mm.default ×1 (bfloat16: oneDNN's matmul scratchpad is modelled for "
+            f"{ONEDNN_BF16_MATMUL_ISA}, not avx512_core_amx)") in notes
+    followed = dataclasses.replace(amx, onednn_bf16_isa=ONEDNN_BF16_MATMUL_ISA)
+    notes = trace_model(resolved, options, CpuBackend(options, followed)).notes
+    assert not any(note.startswith(NOT_FOLLOWED) for note in notes)
+    assert any("aten.mm.default ×1" in note for note in notes)
