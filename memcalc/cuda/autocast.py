@@ -1,5 +1,6 @@
 """What CUDA autocast does with an op: :func:`autocast_policy`, from the op lists of
-``aten/src/ATen/autocast_mode.{h,cpp}``.
+``aten/src/ATen/autocast_mode.{h,cpp}``; and what CPU autocast does
+(:func:`cpu_autocast_policy`, its own lists in the same file), for the CPU target.
 
 Under ``torch.autocast("cuda")`` each registered op casts its floating inputs by one of a few
 policies (run in fp16/bf16, run in fp32, promote to the widest input, ...); ops not listed run
@@ -15,6 +16,9 @@ from memcalc.cuda.versions import TARGET_TORCH_VERSION, parse_torch_version
 
 __all__ = (
     "BANNED_OPS",
+    "CPU_FP32_OPS",
+    "CPU_LOWER_PRECISION_OPS",
+    "CPU_PROMOTE_OPS",
     "FP32_APPEND_DTYPE_OPS",
     "FP32_OPS",
     "FP32_SET_OPT_DTYPE_OPS",
@@ -23,6 +27,8 @@ __all__ = (
     "AutocastPolicy",
     "autocast_lists",
     "autocast_policy",
+    "cpu_autocast_lists",
+    "cpu_autocast_policy",
 )
 
 # =============================================================================================
@@ -140,6 +146,69 @@ def autocast_policy(op_name: str, torch_version: str = TARGET_TORCH_VERSION) -> 
     """
     name = _base_op_name(op_name)
     for policy, names in autocast_lists(torch_version).items():
+        if name in names:
+            return policy
+    return "none"
+
+
+# =============================================================================================
+# CPU autocast — TORCH_LIBRARY_IMPL(aten, AutocastCPU, m) in aten/src/ATen/autocast_mode.cpp
+# =============================================================================================
+# Lists of their own, not CUDA's: no fp32_set_opt_dtype policy (softmax, log_softmax, sum and
+# cumsum run in the dtype that reaches them), layer_norm, group_norm, exp, log, pow, ... in no
+# list (they too run as they come), fewer lower-precision ops (no addmv, mv, addr, einsum,
+# chain_matmul, the RNN cells), binary_cross_entropy run in float32 (not banned), and cat,
+# stack, index_copy promoted. Checked against the installed dispatcher's AutocastCPU kernels
+# (torch 2.13, tests/test_cpu_autocast.py).
+
+#: KERNEL_CPU(..., lower_precision_fp): run in the autocast dtype (bfloat16 by default on the CPU).
+CPU_LOWER_PRECISION_OPS: frozenset[str] = frozenset({
+    "conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "_addmm_activation",
+    "addbmm", "linear", "_convolution.deprecated", "matmul", "conv_tbc", "mkldnn_rnn_layer",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu", "scaled_dot_product_attention",
+    "_native_multi_head_attention",
+})  # fmt: skip
+
+#: KERNEL_CPU(..., fp32): cast every floating input to float32.
+CPU_FP32_OPS: frozenset[str] = frozenset({
+    "avg_pool3d", "binary_cross_entropy", "grid_sampler", "polar", "prod", "quantile", "nanquantile",
+    "stft", "cdist", "grid_sampler_2d", "_grid_sampler_2d_cpu_fallback", "grid_sampler_3d", "trace",
+    "view_as_complex", "cholesky", "cholesky_inverse", "cholesky_solve", "inverse", "lu_solve", "orgqr",
+    "ormqr", "pinverse", "max_pool3d", "max_unpool2d", "max_unpool3d", "adaptive_avg_pool3d",
+    "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
+    "mse_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss",
+    "poisson_nll_loss", "smooth_l1_loss", "cross_entropy_loss", "l1_loss", "huber_loss",
+    "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "ctc_loss",
+    "kl_div", "multilabel_margin_loss", "binary_cross_entropy_with_logits", "fft_fft", "fft_ifft",
+    "fft_fft2", "fft_ifft2", "fft_fftn", "fft_ifftn", "fft_rfft", "fft_irfft", "fft_rfft2", "fft_irfft2",
+    "fft_rfftn", "fft_irfftn", "fft_hfft", "fft_ihfft", "linalg_cond", "linalg_matrix_rank",
+    "linalg_solve", "linalg_cholesky", "linalg_svdvals", "linalg_eigvals", "linalg_eigvalsh", "linalg_inv",
+    "linalg_householder_product", "linalg_tensorinv", "linalg_tensorsolve",
+    "fake_quantize_per_tensor_affine", "geqrf", "_lu_with_info", "qr", "svd", "triangular_solve",
+    "fractional_max_pool2d", "fractional_max_pool3d", "adaptive_max_pool3d",
+    "multilabel_margin_loss_forward", "linalg_qr", "linalg_cholesky_ex", "linalg_svd", "linalg_eig",
+    "linalg_eigh", "linalg_lstsq", "linalg_inv_ex",
+})  # fmt: skip
+
+#: KERNEL_CPU(..., promote): float32 when any floating input is, else the autocast dtype.
+CPU_PROMOTE_OPS: frozenset[str] = frozenset({"stack", "cat", "index_copy"})
+
+
+def cpu_autocast_lists() -> dict[AutocastPolicy, frozenset[str]]:
+    """Op names (no overload, but ``"_convolution.deprecated"``) per CPU autocast policy."""
+    return {"lower": CPU_LOWER_PRECISION_OPS, "fp32": CPU_FP32_OPS, "promote": CPU_PROMOTE_OPS}
+
+
+def cpu_autocast_policy(op_name: str) -> AutocastPolicy:
+    """What ``torch.autocast("cpu")`` does with ``op_name`` ("none": it runs in whatever dtypes
+    reach it — softmax and layer_norm among them, unlike on CUDA).
+
+    The casts go through the same ``cached_cast`` as CUDA's (:func:`autocast_policy`): a
+    float32 leaf that requires grad is cast to the autocast dtype once per region, the cache
+    cleared when the outermost ``torch.autocast`` exits, whatever the device.
+    """
+    name = _base_op_name(op_name)
+    for policy, names in cpu_autocast_lists().items():
         if name in names:
             return policy
     return "none"

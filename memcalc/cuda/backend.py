@@ -7,7 +7,8 @@ the emulated gradient scaler of fp16 mixed precision.
 With ``target="cpu"`` the step is what this machine's CPU runs instead (:class:`CpuBackend`,
 the rules of :mod:`memcalc.cuda.cpu`): the CPU's attention and LSTM kernels and what they
 allocate inside, no CUDA workspaces — the figure a real CPU run is compared with. Mixed
-precision still follows CUDA's autocast lists (a CPU comparison of an AMP step uses them too).
+precision follows CPU autocast's own op lists there (``AutocastCPU`` in autocast_mode.cpp:
+softmax and layer_norm stay in the lower precision; :mod:`memcalc.cuda.autocast`).
 
 :func:`trace_step` is the engine's :func:`~memcalc.engine.run.trace_model` with the backend of
 the options' target: what every caller above this layer uses.
@@ -48,8 +49,8 @@ _RNN_NOTE = ("recurrent layers: on CUDA nn.LSTM/GRU/RNN run cuDNN's fused kernel
 
 
 class _EmulatingBackend:
-    """What both targets share: an emulation mode entered around the step, CUDA's autocast
-    region for mixed precision and the emulated gradient scaler of fp16."""
+    """What both targets share: an emulation mode entered around the step, an autocast region
+    for mixed precision (its op lists are the target's) and the emulated gradient scaler of fp16."""
 
     def __init__(self, options: EstimateOptions, emulation: CudaEmulation) -> None:
         self.options = options
@@ -108,7 +109,7 @@ class CpuBackend(_EmulatingBackend):
     def __init__(self, options: EstimateOptions, capabilities: CpuCapabilities | None = None) -> None:
         kernels = CpuKernels(capabilities or CpuCapabilities.here())
         emulation = CpuEmulation(options.precision, options.gpu.compute_capability, kernels)
-        # mixed precision follows CUDA's autocast lists of the stack's release
+        # the release whose kernel facts the shared emulation reads (CPU autocast's lists: CpuEmulation)
         emulation.torch_version = resolve_torch_version(options.stack.torch)
         super().__init__(options, emulation)
         self.kernels = kernels

@@ -18,6 +18,9 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
   and takes a scratchpad (sizes: :mod:`memcalc.cuda.onednn`). GRU, plain RNN, LSTM with
   projections and packed sequences run ``_rnn_impl``, which on a CPU tensor projects the
   inputs of all steps at once — meta's never do (:mod:`memcalc.cuda.cpu_aten`).
+- Mixed precision: ``torch.autocast("cpu")`` casts by CPU autocast's own op lists
+  (:func:`~memcalc.cuda.autocast.cpu_autocast_policy`), not CUDA's: softmax and layer_norm,
+  among others, run in the dtype that reaches them (:meth:`CpuEmulation.dispatch`).
 - In-place adds: while a dispatch mode is active (memcalc's tracer is one) every tensor is
   "subclass-like", and ``at::linear``'s bias add and autograd's gradient accumulation go out
   of place; a plain CPU run adds in place, and so does the CPU target.
@@ -36,6 +39,7 @@ can say which op it is.
 from __future__ import annotations
 
 import os
+import types
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +52,7 @@ from torch._ops import OpOverload
 from memcalc.core.categories import Category
 from memcalc.core.precision import Precision
 from memcalc.cuda import cpu_aten, onednn
+from memcalc.cuda.autocast import cpu_autocast_policy
 from memcalc.cuda.emulation import CudaEmulation
 from memcalc.cuda.onednn_matmul import ONEDNN_BF16_MATMUL_ISA, onednn_bf16_matmul_isa, onednn_bf16_matmul_scratchpad
 from memcalc.engine.rules import RuleRegistry, op_name
@@ -170,8 +175,9 @@ class CpuKernels:
 
 
 class CpuEmulation(CudaEmulation):
-    """The CUDA emulation's function mode (autocast, composites) with the CUDA kernel choices
-    off and the CPU's calls (:data:`CPU_CALL_RULES`) in their place."""
+    """The CUDA emulation's function mode (autocast region and cache, composites) with the CUDA
+    kernel choices off, the CPU's calls (:data:`CPU_CALL_RULES`) in their place and CPU
+    autocast's op lists in place of CUDA's."""
 
     def __init__(self, precision: Precision, compute_capability: tuple[int, int], kernels: CpuKernels) -> None:
         super().__init__(precision, compute_capability, emulate_kernels=False)
@@ -186,6 +192,22 @@ class CpuEmulation(CudaEmulation):
         if rule is not None:
             return rule(self, func, args, dict(kwargs or {}))
         return super().__torch_function__(func, types_, args, kwargs)
+
+    def dispatch(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Under autocast, AutocastCPU's lists: a listed op gets its inputs cast as
+        ``torch.autocast("cpu")`` casts them (:func:`memcalc.cuda.cpu_aten.autocast_arguments`);
+        any other runs as it comes — a ``torch.nn.functional`` composite with this mode on
+        inside, as the CUDA emulation runs an op outside CUDA's lists."""
+        if not self.autocasting:
+            return super().dispatch(func, args, kwargs)
+        low = self.autocast_dtype
+        assert low is not None
+        policy = cpu_autocast_policy(getattr(func, "__name__", ""))
+        if policy != "none":
+            args, kwargs = cpu_aten.autocast_arguments(policy, args, kwargs, low, self.cast)
+        elif isinstance(func, types.FunctionType) and (func.__module__ == F.__name__ or func.__name__ == "backward"):
+            return self._composite(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 # ---- scaled dot product attention ------------------------------------------------------------
@@ -246,7 +268,7 @@ def attention(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...
     bound = dict(zip(names, args, strict=False))
     bound.update(kwargs)
     q, k, v = bound["query"], bound["key"], bound["value"]
-    if mode.autocasting:  # SDPA is in the lower-precision list of CPU autocast as of CUDA's
+    if mode.autocasting:  # SDPA is in the lower-precision list of CPU autocast
         low = mode.autocast_dtype
         assert low is not None
         q, k, v = (mode.cast(t, low) for t in (q, k, v))
@@ -373,6 +395,14 @@ def gradient_accumulation(kernels: CpuKernels, op: OpOverload, args: tuple[Any, 
     kernels.reuse(old, out)
 
 
+@CPU_CALL_RULES.register(F.cross_entropy)
+def cross_entropy(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The composite as it is: under CPU autocast ``cross_entropy_loss`` itself is in the
+    float32 list (not CUDA's float32 ``log_softmax`` and ``nll_loss``, its rule in
+    :mod:`memcalc.cuda.emulation`)."""
+    return mode.dispatch(func, args, kwargs)
+
+
 @CPU_CALL_RULES.register(F.linear)
 def linear(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``at::linear`` as the CPU runs it (:func:`memcalc.cuda.cpu_aten.linear`: the bias added
@@ -380,10 +410,10 @@ def linear(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], 
     bound = dict(zip(("input", "weight", "bias"), args, strict=False))
     bound.update(kwargs)
     x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
-    if mode.autocasting:  # linear is in autocast's lower-precision list
+    if mode.autocasting:  # lower-precision list; cast last argument first (cpu_aten.autocast_arguments)
         low = mode.autocast_dtype
         assert low is not None
-        x, weight, bias = (None if t is None else mode.cast(t, low) for t in (x, weight, bias))
+        bias, weight, x = (None if t is None else mode.cast(t, low) for t in (bias, weight, x))
     return cpu_aten.linear(x, weight, bias)
 
 
@@ -552,7 +582,7 @@ def recurrent(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...
     kind = cpu_aten.RnnKind(getattr(func, "__name__", ""))
     if kwargs or len(args) != 9:
         return mode.dispatch(func, args, kwargs)
-    if mode.autocasting:  # CPU autocast casts oneDNN's LSTM layers; memcalc follows CUDA's lists
+    if mode.autocasting:  # CPU autocast casts each mkldnn_rnn_layer (its lower-precision list)
         mode.kernels.cannot_follow(f"torch.{kind.name}", "under autocast the CPU runs it in the autocast dtype")
         return mode.dispatch(func, args, kwargs)
     # the PackedSequence overloads take (data, batch_sizes, hx, ...): hx is a list for an LSTM

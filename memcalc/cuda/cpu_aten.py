@@ -1,6 +1,8 @@
 """ATen's CPU composites, op for op, where the CPU runs other ops than meta tensors do — for
 the CPU target (:mod:`memcalc.cuda.cpu`, whose rules call these on meta tensors):
 
+- :func:`autocast_arguments`: what ``torch.autocast("cpu")`` casts an op's inputs to, by CPU
+  autocast's own lists (:func:`memcalc.cuda.autocast.cpu_autocast_policy`).
 - :func:`linear`: ``at::linear`` adds the bias in place after a ``matmul``; under memcalc's
   tracer (a dispatch mode makes every tensor "subclass-like") it would add out of place.
 - :func:`mkldnn_rnn`: ``nn.LSTM`` through oneDNN, one ``mkldnn_rnn_layer`` per layer and
@@ -14,12 +16,14 @@ the CPU target (:mod:`memcalc.cuda.cpu`, whose rules call these on meta tensors)
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ("LSTM_MODE", "RnnKind", "generic_rnn", "linear", "mkldnn_rnn", "packed_rnn")
+from memcalc.cuda.autocast import AutocastPolicy
+
+__all__ = ("LSTM_MODE", "RnnKind", "autocast_arguments", "generic_rnn", "linear", "mkldnn_rnn", "packed_rnn")
 
 #: ``ideep::rnn_kind::LSTM``: mkldnn_rnn_layer's ``mode`` for an LSTM (RNN.cpp RNNParams).
 LSTM_MODE = 2
@@ -27,6 +31,56 @@ LSTM_MODE = 2
 _LINEAR_FLATTEN_3D = os.environ.get("TORCH_LINEAR_FLATTEN_3D") == "1"
 
 Hidden = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+Cast = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors(item)] if isinstance(value, (list, tuple)) else []
+
+
+def _cast_floating(value: Any, dtype: torch.dtype, cast: Cast) -> Any:
+    """``cached_cast`` over an argument (a tensor, a TensorList or anything else): eligible
+    tensors — floating, not float64 — that are not ``dtype`` yet."""
+    if isinstance(value, torch.Tensor):
+        eligible = value.is_floating_point() and value.dtype not in (dtype, torch.float64)
+        return cast(value, dtype) if eligible else value
+    if isinstance(value, (list, tuple)):
+        cast_items = [_cast_floating(item, dtype, cast) for item in value]
+        return tuple(cast_items) if isinstance(value, tuple) else cast_items
+    return value
+
+
+def autocast_arguments(policy: AutocastPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], low: torch.dtype,
+                       cast: Cast) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments AutocastCPU's ``WrapFunction_`` hands on for an op of ``policy``
+    (autocast_mode.h): every eligible floating input in ``low`` ("lower"), in float32
+    ("fp32"), or in float32 when one of them is and else in ``low`` ("promote",
+    ``promote_type``); unchanged for "none". ``cast`` makes each copy (the emulation's, with
+    the weight-cast cache), last argument first: the order of a real CPU step, whose wrapper
+    casts the arguments of one call (``cached_cast(to_type, args, device_type)...``) in an
+    order C++ leaves to the compiler — right to left in PyTorch's GCC builds.
+
+    Raises:
+        ValueError: a policy of CUDA's lists that CPU autocast has not.
+    """
+    if policy == "none":
+        return args, kwargs
+    if policy == "lower":
+        dtype = low
+    elif policy == "promote":
+        floats = [t for t in _tensors((args, tuple(kwargs.values()))) if t.is_floating_point()]
+        dtype = torch.float32 if any(t.dtype is torch.float32 for t in floats) else low
+    elif policy == "fp32":
+        dtype = torch.float32
+    else:
+        raise ValueError(f"CPU autocast has no {policy!r} policy")
+    cast_kwargs = {name: _cast_floating(value, dtype, cast) for name, value in reversed(kwargs.items())}
+    cast_args = [_cast_floating(value, dtype, cast) for value in reversed(args)]
+    return tuple(reversed(cast_args)), dict(reversed(cast_kwargs.items()))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
