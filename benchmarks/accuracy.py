@@ -69,6 +69,12 @@ def suite(name: str) -> list[Config]:
             Config("mobilenet_v2", 8, "adam", input_shape=(3, 64, 64)),
             Config("llama-tiny", 2, "adamw", seq_len=128),
             Config("lstm-lm", 20, "sgd"),
+            # reduced precision and checkpointing: the CPU's own autocast lists and oneDNN's bf16
+            # matmul scratchpad (memcalc.cuda.cpu), the recomputation
+            Config("mlp", 256, "adam", extra={"precision": "amp-bf16"}),
+            Config("llama-tiny", 2, "adamw", seq_len=128, extra={"precision": "bf16"}),
+            Config("llama-tiny", 2, "adamw", seq_len=128, extra={"precision": "amp-bf16"}),
+            Config("llama-tiny", 2, "adamw", seq_len=128, extra={"checkpoint": True}),
         ]
     if name == "gpu":
         configs: list[Config] = []
