@@ -18,6 +18,13 @@ benchmark does (``benchmarks/benchmark_flash_attention.py``, ``flops(..., causal
 if causal else 1)``); ``FlopCounterMode`` counts the full product ("We aren't accounting for
 causal attention here", ``sdpa_flop``). Every other op has no FLOP formula and is timed by the
 bytes it moves: on these GPUs an elementwise op is memory-bound by two orders of magnitude.
+
+Kernels of other libraries that memcalc emulates (bitsandbytes' dequantization, int8 matmul
+and optimizer updates: ``memcalc::`` ops defined by :mod:`memcalc.sources.quant` and
+:mod:`memcalc.engine.optimizers_bnb`) have schemas that say too little — which arguments the
+kernel reads, which it writes through a pre-allocated ``out``, what arithmetic it does — so
+each has a rule in :data:`KERNEL_COSTS`, registered by op object in the module that defines
+the op, that works out its :class:`KernelCost`.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 from torch.utils.flop_counter import conv_flop_count, flop_registry
@@ -33,9 +40,11 @@ from torch.utils.flop_counter import conv_flop_count, flop_registry
 from memcalc.core.categories import Phase
 from memcalc.core.throughput import PHASES, ClassTime, DeviceRates, OpClass, PhaseCost, StepFlops, StepTime
 from memcalc.engine.model import ModelInputs
+from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import AfterOpHook, Op, StorageTracer
 
-__all__ = ("OpCost", "OpCostRecorder", "StepCosts", "multi_tensor_launches", "tokens_per_step")
+__all__ = ("KERNEL_COSTS", "KernelCost", "KernelCostRule", "OpCost", "OpCostRecorder", "StepCosts", "device_bytes",
+           "multi_tensor_launches", "tokens_per_step")
 
 aten = torch.ops.aten
 
@@ -144,6 +153,31 @@ _MAX_BLOCKS = 320
 _CHUNK = 65536
 
 
+class KernelCost(NamedTuple):
+    """What one emulated kernel costs, as its :data:`KERNEL_COSTS` rule works it out."""
+
+    op_class: OpClass
+    bytes_read: int
+    bytes_written: int
+    flops: int = 0
+    dtype: torch.dtype | None = None  # the dtype a compute kernel computes in (its math mode's peak)
+    uncounted: bool = False  # does a matrix product's arithmetic without a FLOP figure (an int8 GEMM)
+
+
+#: ``(args, kwargs, out) → KernelCost``: the cost of one call of an emulated kernel, from the
+#: arguments the tracer dispatched (positional, as the op's schema orders them).
+KernelCostRule: TypeAlias = Callable[[tuple[Any, ...], dict[str, Any], Any], KernelCost]
+#: Rules for the kernels memcalc emulates with ops of its own (module docstring), keyed by
+#: ``OpOverload`` (``torch.ops.memcalc.dequantize_4bit.out``); registering one twice is refused.
+KERNEL_COSTS: RuleRegistry[KernelCostRule] = RuleRegistry("kernel cost")
+
+
+def device_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the traced device's tensors among ``tensors`` (None and host tensors skipped, as
+    the generic rules skip them): what a kernel reads or writes of them, each once."""
+    return sum(t.nbytes for t in tensors if t is not None and t.is_meta)
+
+
 class OpCost(NamedTuple):
     """One kernel-launching op of the traced step."""
 
@@ -180,6 +214,7 @@ class _Rule:
     tensor_lists: int  # tensor-list arguments and returns (multi_tensor_apply's depth)
     mutates: bool  # writes an argument in place
     view_or_copy: bool  # a view of its input, or a copy (_VIEW_OR_COPY)
+    kernel_cost: KernelCostRule | None  # an emulated kernel's own rule (KERNEL_COSTS), else the generic ones
 
 
 def _rule(func: Op) -> _Rule:
@@ -220,7 +255,7 @@ def _rule(func: Op) -> _Rule:
                  gather=packet in _GATHER, state_init=packet in _STATE_INIT,
                  written_args=written, tensor_lists=lists,
                  mutates=any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments),
-                 view_or_copy=packet in _VIEW_OR_COPY)
+                 view_or_copy=packet in _VIEW_OR_COPY, kernel_cost=KERNEL_COSTS.get(func))
 
 
 def multi_tensor_launches(numels: Sequence[int], depth: int) -> int:
@@ -282,6 +317,13 @@ class OpCostRecorder:
         if rule is None:
             rule = self._rules[func] = _rule(func)
         tracer = self._tracer
+        if rule.kernel_cost is not None:  # an emulated kernel: its own rule says what it moves
+            if tracer is not None:
+                cost = rule.kernel_cost(args, kwargs, out)
+                dtype = self._dtype_name(cost.dtype) if cost.dtype is not None else ""
+                self._append(tracer, rule, cost.op_class, dtype, cost.flops, cost.bytes_read + cost.bytes_written, 1,
+                             cost.uncounted)
+            return
         if not rule.launches_kernel or tracer is None or (args and out is args[0] and not rule.mutates):
             return  # a view, an allocation, or a composite op returning its input (eval dropout, contiguous)
         if rule.view_or_copy and _same_storage(out, args[0] if args else None):
@@ -293,8 +335,13 @@ class OpCostRecorder:
         op_class = rule.op_class
         flops = self._flops(func, rule, args, kwargs, out) if rule.formula is not None else 0
         uncounted = rule.uncounted or flops < 0
-        flops = max(flops, 0)
         launches = multi_tensor_launches(numels, max(rule.tensor_lists, 1)) if op_class is OpClass.MULTI_TENSOR else 1
+        self._append(tracer, rule, op_class, dtype if op_class in _COMPUTE else "", max(flops, 0), read + written,
+                     launches, uncounted)
+
+    def _append(self, tracer: StorageTracer, rule: _Rule, op_class: OpClass, dtype: str, flops: int,
+                bytes_moved: int, launches: int, uncounted: bool) -> None:
+        """Record one op at the tracer's phase and module."""
         phase = tracer.phase
         modules = tracer.modules
         module = modules.current
@@ -304,8 +351,7 @@ class OpCostRecorder:
         # gradient (ones_like) is made before any module's gradient arrives (module "").
         # ModuleTracker.recomputing cannot tell: a recomputation stopped early leaves its stack.
         recompute = modules.in_backward and bool(module) and torch.is_grad_enabled()
-        self.records.append(OpCost(phase, recompute, module, rule.name, op_class,
-                                   dtype if op_class in _COMPUTE else "", flops, read + written, launches,
+        self.records.append(OpCost(phase, recompute, module, rule.name, op_class, dtype, flops, bytes_moved, launches,
                                    rule.state_init and phase is Phase.OPTIMIZER, uncounted, len(tracer.trace.events)))
 
     def _flops(self, func: Op, rule: _Rule, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:

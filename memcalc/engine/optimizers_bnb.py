@@ -40,9 +40,14 @@ bitsandbytes-foundation/bitsandbytes at 95f9af3 (``__version__`` 0.50.2.dev0):
   ``_optimizer_update_8bit_blockwise_impl``, ``_optimizer_update_32bit_impl``): ``p``, the states
   and the absmax are updated in place, nothing is allocated.
 
-The emulation's update writes the same tensors in place (:meth:`EmulatedBnbAdamW._kernel`); on
-meta tensors there are no values, and its arithmetic is not bitsandbytes' — only what is
-allocated, and when, is modelled.
+The update kernels are ``memcalc::`` operators with bitsandbytes' schemas
+(``bitsandbytes/_ops.py``: ``optimizer_update_8bit_blockwise``, ``optimizer_update_32bit``), so
+that the tracer sees one kernel per parameter, as bitsandbytes launches, and a rule in
+:data:`memcalc.engine.flops.KERNEL_COSTS` gives the step-time roofline the bytes it moves
+(``kOptimizerStatic8bit2StateBlockwise`` / ``kOptimizer32bit2State`` in ``csrc/kernels.cu``). On
+meta tensors they do nothing and allocate nothing; on real tensors (a ``--measure`` run on the
+CPU) they rewrite ``p`` and the states in place with arithmetic that is not bitsandbytes' — only
+what is allocated, and when, is modelled, and what each kernel reads and writes.
 """
 
 from __future__ import annotations
@@ -55,9 +60,11 @@ from typing import Any
 import torch
 
 from memcalc.core.loop import OptimizerImpl
+from memcalc.core.throughput import OpClass
+from memcalc.engine.flops import KERNEL_COSTS, KernelCost, device_bytes
 
-__all__ = ("BLOCKSIZE", "MIN_8BIT_SIZE", "PAGED_MIN_NUMEL", "QMAP_ENTRIES", "BnbAdamW", "EmulatedBnbAdamW",
-           "eight_bit_state_bytes", "is_paged")
+__all__ = ("BLOCKSIZE", "MIN_8BIT_SIZE", "PAGED_MIN_NUMEL", "QMAP_ENTRIES", "UPDATE_KERNELS", "BnbAdamW",
+           "EmulatedBnbAdamW", "eight_bit_state_bytes", "is_paged")
 
 #: ``Optimizer2State.init_state``: ``blocksize = 256`` for the block-wise absmax of 8-bit states.
 BLOCKSIZE = 256
@@ -67,6 +74,79 @@ MIN_8BIT_SIZE = 4096
 PAGED_MIN_NUMEL = 100_000
 #: ``functional.create_dynamic_map``: ``2**total_bits`` entries (256 float32) per quantization map.
 QMAP_ENTRIES = 256
+
+
+#: bitsandbytes' update operators (``bitsandbytes/_ops.py``), as ``memcalc::`` operators. Kept:
+#: the tensors and the arguments of AdamW; left out: AdEMAMix's ``beta3`` / ``alpha``,
+#: ``unorm_vec`` / ``max_unorm`` / ``param_norm`` (None and 0 for AdamW), ``gnorm_scale`` and
+#: ``skip_zeros``, which change no byte moved. ``g`` and the qmaps are read only here (bitsandbytes
+#: marks them mutable; its kernels only load them).
+UPDATE_KERNELS = (
+    "optimizer_update_8bit_blockwise(str optimizer_name, Tensor g, Tensor(a0!) p, Tensor(a1!) state1, "
+    "Tensor(a2!)? state2, float beta1, float beta2, float eps, int step, float lr, Tensor qmap1, Tensor? qmap2, "
+    "Tensor(a3!) absmax1, Tensor(a4!)? absmax2, float weight_decay) -> ()",
+    "optimizer_update_32bit(str optimizer_name, Tensor g, Tensor(a0!) p, Tensor(a1!) state1, Tensor(a2!)? state2, "
+    "float beta1, float beta2, float eps, float weight_decay, int step, float lr) -> ()",
+)
+#: The library object must live as long as the process: destroying it would unregister the ops.
+_LIBRARY = torch.library.Library("memcalc", "FRAGMENT")  # type: ignore[no-untyped-call]  # untyped in torch
+for _schema in UPDATE_KERNELS:
+    _LIBRARY.define(_schema)  # type: ignore[no-untyped-call]  # untyped in torch
+_ops = torch.ops.memcalc
+
+
+def _update_on_meta(*_args: object) -> None:
+    """The meta kernel of :data:`UPDATE_KERNELS`: the update is in place and allocates nothing."""
+
+
+def _update_8bit_blockwise(optimizer_name: str, g: torch.Tensor, p: torch.Tensor, state1: torch.Tensor,
+                           state2: torch.Tensor | None, beta1: float, beta2: float, eps: float, step: int, lr: float,
+                           qmap1: torch.Tensor, qmap2: torch.Tensor | None, absmax1: torch.Tensor,
+                           absmax2: torch.Tensor | None, weight_decay: float) -> None:
+    """On real tensors: ``p`` and the states rewritten in place, nothing allocated (not
+    bitsandbytes' values)."""
+    _rewrite(p, g, (state1, state2, absmax1, absmax2), lr=lr, weight_decay=weight_decay)
+
+
+def _update_32bit(optimizer_name: str, g: torch.Tensor, p: torch.Tensor, state1: torch.Tensor,
+                  state2: torch.Tensor | None, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                  lr: float) -> None:
+    """On real tensors: as :func:`_update_8bit_blockwise`."""
+    _rewrite(p, g, (state1, state2), lr=lr, weight_decay=weight_decay)
+
+
+def _rewrite(p: torch.Tensor, g: torch.Tensor, states: Iterable[torch.Tensor | None], *, lr: float,
+             weight_decay: float) -> None:
+    """The emulation's stand-in arithmetic: in place, so it allocates what the kernel does (nothing)."""
+    p.mul_(1.0 - lr * weight_decay).add_(g, alpha=-lr)
+    for tensor in states:
+        if tensor is not None:
+            tensor.zero_()
+
+
+for _name, _kernel in (("optimizer_update_8bit_blockwise", _update_8bit_blockwise),
+                       ("optimizer_update_32bit", _update_32bit)):
+    _LIBRARY.impl(_name, _update_on_meta, "Meta")  # type: ignore[no-untyped-call]  # untyped in torch
+    _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+@KERNEL_COSTS.register(_ops.optimizer_update_8bit_blockwise.default)
+def _update_8bit_blockwise_cost(args: tuple[Any, ...], _kwargs: dict[str, Any], _out: Any) -> KernelCost:
+    """``kOptimizerStatic8bit2StateBlockwise`` (csrc/kernels.cu): loads ``g``, ``state1``,
+    ``state2``, each block's ``absmax1`` / ``absmax2`` and ``p``, and the two 256-entry qmaps
+    into shared memory (each read once here: later blocks find them in L2); stores ``p``, the
+    requantized states and their new absmax."""
+    _name, g, p, state1, state2, *_hyper, qmap1, qmap2, absmax1, absmax2, _weight_decay = args
+    return KernelCost(OpClass.MEMORY, device_bytes(g, p, state1, state2, qmap1, qmap2, absmax1, absmax2),
+                      device_bytes(p, state1, state2, absmax1, absmax2))
+
+
+@KERNEL_COSTS.register(_ops.optimizer_update_32bit.default)
+def _update_32bit_cost(args: tuple[Any, ...], _kwargs: dict[str, Any], _out: Any) -> KernelCost:
+    """``kOptimizer32bit2State`` (csrc/kernels.cu): loads ``g``, ``state1``, ``state2`` and
+    ``p``, stores ``p`` and both states."""
+    _name, g, p, state1, state2, *_rest = args
+    return KernelCost(OpClass.MEMORY, device_bytes(g, p, state1, state2), device_bytes(p, state1, state2))
 
 
 def eight_bit_state_bytes(numel: int) -> int:
@@ -146,22 +226,21 @@ class EmulatedBnbAdamW(torch.optim.Optimizer):
         return buffer
 
     def _update(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
-        """``Optimizer2State.update_step``: contiguous parameter and gradient, then the kernel."""
+        """``Optimizer2State.update_step``: contiguous parameter and gradient, then one kernel
+        (``F.optimizer_update_8bit_blockwise`` for uint8 states, else ``F.optimizer_update_32bit``)."""
         p.data = p.data.contiguous()
         assert p.grad is not None
         p.grad = p.grad.contiguous()
         state["step"] += 1
-        written = [state[key] for key in ("state1", "state2", "absmax1", "absmax2") if key in state]
-        self._kernel(p, p.grad, written, lr=group["lr"], weight_decay=group["weight_decay"])
-
-    @staticmethod
-    def _kernel(p: torch.Tensor, grad: torch.Tensor, written: list[torch.Tensor], *, lr: float,
-                weight_decay: float) -> None:
-        """What bitsandbytes' update kernel does to memory: ``p`` and every state tensor are
-        rewritten in place and nothing is allocated (the values are not bitsandbytes')."""
-        p.mul_(1.0 - lr * weight_decay).add_(grad, alpha=-lr)
-        for tensor in written:
-            tensor.zero_()
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        if "absmax1" in state:
+            _ops.optimizer_update_8bit_blockwise("adam", p.grad, p, state["state1"], state["state2"], beta1, beta2,
+                                                 eps, state["step"], lr, state["qmap1"], state["qmap2"],
+                                                 state["absmax1"], state["absmax2"], weight_decay)
+        else:
+            _ops.optimizer_update_32bit("adam", p.grad, p, state["state1"], state["state2"], beta1, beta2, eps,
+                                        weight_decay, state["step"], lr)
 
 
 @dataclass(frozen=True)

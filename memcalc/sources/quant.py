@@ -72,6 +72,15 @@ embeddings: the LM head stays unquantized) and ``_keep_in_fp32_modules``; embedd
 included. bitsandbytes casts a bias to the input's dtype in place on the first forward
 (``self.bias.data = self.bias.data.to(x.dtype)``); here the cast is a temporary.
 
+The kernels (:data:`KERNELS`): those the step runs are ``memcalc::`` operators with
+bitsandbytes' schemas (``_ops.py``), ``.out`` overloads writing a buffer the emulation allocated
+as bitsandbytes allocates it; their meta kernels allocate nothing (no other device has one).
+The tracer sees them as it sees aten ops, and a rule per op in
+:data:`memcalc.engine.flops.KERNEL_COSTS` gives the step-time roofline the bytes each kernel
+reads and writes (``kDequantizeBlockwise``, ``cgemm_4bit_*``, ``kInt8VectorQuant``,
+``cigemmlt_32``, ``kdequant_mm_int32_fp16`` in ``csrc/``). The int8 GEMM's FLOPs are reported
+as uncounted (the roofline knows no int8 tensor-core peak): it is timed by its bytes.
+
 The emulated module subclasses ``nn.Linear`` (with bitsandbytes' packed ``weight``, as
 ``Linear4bit`` does), so that PEFT's default LoRA dispatch (``dispatch_default``:
 ``isinstance(target, torch.nn.Linear)``) wraps it in ``lora.Linear``; PEFT's own
@@ -85,7 +94,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,13 +102,16 @@ from torch import nn
 
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import Quant
+from memcalc.core.throughput import OpClass
 from memcalc.core.units import format_bytes
+from memcalc.engine.flops import KERNEL_COSTS, KernelCost, device_bytes
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import LOGICAL_NUMEL
 
 __all__ = (
     "BLOCKSIZE",
     "INT8_THRESHOLD",
+    "KERNELS",
     "NESTED_BLOCKSIZE",
     "QuantSummary",
     "QuantizedLinear",
@@ -126,6 +138,92 @@ INT8_THRESHOLD = 6.0
 GEMM_4BIT_FUSED_MAX_M = 4
 #: ... and dequantizes from this many rows on (``_gemm_4bit_custom_max_m`` on CUDA); between: see the docstring.
 GEMM_4BIT_FALLBACK_FROM_M = 1536 + 1
+
+
+# ---- bitsandbytes' kernels as operators ---------------------------------------------------
+#: The ``memcalc::`` operators standing for bitsandbytes' CUDA kernels (module docstring). The
+#: library object must live as long as the process: destroying it would unregister them.
+_LIBRARY = torch.library.Library("memcalc", "FRAGMENT")  # type: ignore[no-untyped-call]  # untyped in torch
+#: Their schemas: bitsandbytes 0.50.1's (``bitsandbytes/_ops.py``), as ``.out`` overloads where
+#: bitsandbytes' op allocates its output itself (gemm_4bit, int8_vectorwise_quant, int8_mm_dequant),
+#: no defaults (the rules read the arguments by position).
+KERNELS = (
+    "dequantize_blockwise.out(Tensor A, Tensor absmax, Tensor code, int blocksize, ScalarType dtype, "
+    "Tensor(a!) out) -> ()",
+    "dequantize_4bit.out(Tensor A, Tensor absmax, int blocksize, str quant_type, int[] shape, ScalarType dtype, "
+    "Tensor(a!) out) -> ()",
+    "gemm_4bit.out(Tensor A, Tensor B, int[] shapeB, Tensor absmax, int blocksize, str quant_type, Tensor? bias, "
+    "Tensor? absmax_8bit, Tensor? absmax_code, Tensor? absmax_offset, Tensor(a!) out) -> ()",
+    "int8_vectorwise_quant.out(Tensor A, float threshold, Tensor(a!) out_row, Tensor(b!) row_stats) -> ()",
+    "int8_linear_matmul.out(Tensor A, Tensor B, Tensor(a!) out) -> ()",
+    "int8_mm_dequant.out(Tensor A, Tensor row_stats, Tensor col_stats, Tensor? bias, Tensor(a!) out) -> ()",
+)
+
+
+def _writes_into_out(*_args: object) -> None:
+    """The meta kernel of every :data:`KERNELS` op: the kernel writes buffers its caller
+    allocated, so on meta tensors (no values) there is nothing to do."""
+
+
+for _schema in KERNELS:
+    _LIBRARY.define(_schema)  # type: ignore[no-untyped-call]  # untyped in torch
+    _LIBRARY.impl(_schema.split("(", 1)[0], _writes_into_out, "Meta")  # type: ignore[no-untyped-call]  # untyped
+_ops = torch.ops.memcalc
+
+
+@KERNEL_COSTS.register(_ops.dequantize_blockwise.out)
+def _dequantize_blockwise_cost(args: tuple[Any, ...], _kwargs: dict[str, Any], _out: Any) -> KernelCost:
+    """``kDequantizeBlockwise<float, 512, 64, 8, General8bit>`` (csrc/kernels.cu; double
+    quantization's absmax): each byte of ``A`` is looked up in ``code``
+    (``__ldg(&code[qvals[j]])``) and scaled by its block's ``absmax``, stored to ``out``."""
+    A, absmax, code, _blocksize, _dtype, out = args
+    return KernelCost(OpClass.MEMORY, device_bytes(A, absmax, code), device_bytes(out))
+
+
+@KERNEL_COSTS.register(_ops.dequantize_4bit.out)
+def _dequantize_4bit_cost(args: tuple[Any, ...], _kwargs: dict[str, Any], _out: Any) -> KernelCost:
+    """``kDequantizeBlockwise<T, 512, 64, 8, NF4|FP4>`` (csrc/kernels.cu, ``dequantize_4bit``):
+    reads the packed weight and the float32 absmax, writes the weight in ``dtype``. The 16-entry
+    code is not read: ``dDequantizeNF4`` / ``dDequantizeFP4Tree`` hold it in registers, and
+    ``_dequantize_4bit_impl`` passes ``None`` for it."""
+    A, absmax, _blocksize, _quant_type, _shape, _dtype, out = args
+    return KernelCost(OpClass.MEMORY, device_bytes(A, absmax), device_bytes(out))
+
+
+@KERNEL_COSTS.register(_ops.gemm_4bit.out)
+def _gemm_4bit_cost(args: tuple[Any, ...], _kwargs: dict[str, Any], _out: Any) -> KernelCost:
+    """The fused ``cgemm_4bit_*`` kernel (``_gemm_4bit_kernel_impl``, csrc/gemm_4bit.cu): each
+    output element a dot product over ``K`` of the input and the weight dequantized in registers;
+    reads the input, the packed weight, its statistics and the bias, writes the output."""
+    A, B, shapeB, absmax, _blocksize, _quant_type, bias, absmax_8bit, absmax_code, absmax_offset, out = args
+    rows = A.numel() // A.shape[-1]
+    return KernelCost(OpClass.MATMUL, device_bytes(A, B, absmax, bias, absmax_8bit, absmax_code, absmax_offset),
+                      device_bytes(out), flops=2 * rows * shapeB[0] * shapeB[1], dtype=A.dtype)
+
+
+@KERNEL_COSTS.register(_ops.int8_vectorwise_quant.out)
+def _int8_vectorwise_quant_cost(args: tuple[Any, ...], _kwargs: dict[str, Any], _out: Any) -> KernelCost:
+    """``kInt8VectorQuant<half, 1024, ...>`` (csrc/kernels.cu): reads the float16 input, writes
+    its int8 copy and one float32 scale per row."""
+    A, _threshold, out_row, row_stats = args
+    return KernelCost(OpClass.MEMORY, device_bytes(A), device_bytes(out_row, row_stats))
+
+
+@KERNEL_COSTS.register(_ops.int8_linear_matmul.out)
+def _int8_linear_matmul_cost(args: tuple[Any, ...], _kwargs: dict[str, Any], _out: Any) -> KernelCost:
+    """cuBLASLt's int8 GEMM (``cigemmlt_32``, ``_int8_linear_matmul_impl``): reads both int8
+    operands, writes the int32 product. Its FLOPs are uncounted: the roofline knows no int8
+    tensor-core peak, so it is timed by its bytes."""
+    A, B, out = args
+    return KernelCost(OpClass.MATMUL, device_bytes(A, B), device_bytes(out), uncounted=True)
+
+
+@KERNEL_COSTS.register(_ops.int8_mm_dequant.out)
+def _int8_mm_dequant_cost(args: tuple[Any, ...], _kwargs: dict[str, Any], _out: Any) -> KernelCost:
+    """``kdequant_mm_int32_fp16`` (csrc/kernels.cu): reads the int32 product, the row and column
+    scales and a float16 bias (the only one it fuses), writes the float16 result."""
+    A, row_stats, col_stats, bias, out = args
+    return KernelCost(OpClass.MEMORY, device_bytes(A, row_stats, col_stats, bias), device_bytes(out))
 
 
 @dataclass(frozen=True)
@@ -205,14 +303,19 @@ class QuantizedLinear(nn.Linear):
             # Linear8bitLt.forward: no compute dtype; the bias follows the input's dtype
             bias = None if self.bias is None else self.bias.to(x.dtype)
             out: torch.Tensor = _MatMul8bitLt.apply(  # type: ignore[no-untyped-call]  # Function.apply is untyped
-                x, self.weight, self.SCB, bias, INT8_THRESHOLD)
+                x, self.weight, self.get_parameter("SCB"), bias, INT8_THRESHOLD)
             return out
         # Linear4bit.forward: x.to(compute_dtype), bias.to(compute_dtype), matmul_4bit(...).to(inp_dtype)
         inp_dtype = x.dtype
         x = x.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        spec = _Spec4bit(self.out_features, self.in_features, self.double_quant, self.compute_dtype)
-        result: torch.Tensor = _MatMul4Bit.apply(x, bias, spec)  # type: ignore[no-untyped-call]
+        spec = _Spec4bit(self.out_features, self.in_features, self.double_quant, self.compute_dtype, self.quant.value)
+        nested = self.double_quant
+        state = _State4bit(self.weight, self.get_parameter("weight_absmax"),
+                           self.get_parameter("weight_nested_absmax") if nested else None,
+                           self.get_parameter("weight_nested_quant_map") if nested else None,
+                           self.get_parameter("weight_offset") if nested else None)
+        result: torch.Tensor = _MatMul4Bit.apply(x, bias, spec, state)  # type: ignore[no-untyped-call]
         return result.to(inp_dtype)
 
     def extra_repr(self) -> str:
@@ -222,16 +325,27 @@ class QuantizedLinear(nn.Linear):
 
 @dataclass(frozen=True)
 class _Spec4bit:
-    """What a 4-bit ``QuantState`` says of the weight: ``shape`` (out, in), nesting, dtype."""
+    """What a 4-bit ``QuantState`` says of the weight: ``shape`` (out, in), nesting, dtype, type."""
 
     out_features: int
     in_features: int
     nested: bool
     dtype: torch.dtype  # quant_state.dtype: the weights' dtype when quantized (taken = compute dtype)
+    quant_type: str  # "nf4" or "fp4"
 
     @property
     def blocks(self) -> int:
         return -(self.out_features * self.in_features // -BLOCKSIZE)
+
+
+class _State4bit(NamedTuple):
+    """The stored tensors a 4-bit ``QuantState`` points to (the module's frozen parameters)."""
+
+    weight: torch.Tensor  # packed, uint8
+    absmax: torch.Tensor  # float32; uint8 when nested
+    nested_absmax: torch.Tensor | None  # state2.absmax, float32
+    nested_code: torch.Tensor | None  # state2.code: the dynamic map, float32
+    offset: torch.Tensor | None  # quant_state.offset, a float32 scalar
 
 
 def _absmax_f32(spec: _Spec4bit, device: torch.device) -> torch.Tensor:
@@ -239,43 +353,69 @@ def _absmax_f32(spec: _Spec4bit, device: torch.device) -> torch.Tensor:
     return torch.empty((spec.blocks,), dtype=torch.float32, device=device)
 
 
+def _dequantize_nested_absmax(state: _State4bit, out: torch.Tensor) -> torch.Tensor:
+    """``dequantize_blockwise`` of the uint8 absmax into ``out`` (float32), with the nested
+    state; returns the offset still to be added (``quant_state.offset``)."""
+    assert state.offset is not None, "a nested QuantState has an offset"
+    _ops.dequantize_blockwise.out(state.absmax, state.nested_absmax, state.nested_code, NESTED_BLOCKSIZE,
+                                  torch.float32, out)
+    return state.offset
+
+
 class _MatMul4Bit(torch.autograd.Function):
-    """``MatMul4Bit`` with ``gemm_4bit``'s CUDA dispatch; the dequantization kernels are
-    emulated by their outputs' allocations (``torch.empty`` of the sizes they allocate)."""
+    """``MatMul4Bit`` with ``gemm_4bit``'s CUDA dispatch: bitsandbytes' allocations made as it
+    makes them (``torch.empty`` of their sizes), its kernels run as :data:`KERNELS` ops writing
+    into them."""
 
     @staticmethod
-    def forward(ctx: Any, A: torch.Tensor, bias: torch.Tensor | None, spec: _Spec4bit) -> torch.Tensor:
-        ctx.spec = spec
+    def forward(ctx: Any, A: torch.Tensor, bias: torch.Tensor | None, spec: _Spec4bit,
+                state: _State4bit) -> torch.Tensor:
+        ctx.spec, ctx.state = spec, state
         rows = A.numel() // A.shape[-1]
+        shape = [spec.out_features, spec.in_features]
         if rows <= GEMM_4BIT_FUSED_MAX_M:  # _gemm_4bit_kernel_impl: the output alone
             A = A.contiguous()
-            return torch.empty((*A.shape[:-1], spec.out_features), dtype=A.dtype, device=A.device)
+            out = torch.empty((*A.shape[:-1], spec.out_features), dtype=A.dtype, device=A.device)
+            # MatMul4Bit.forward, nested: absmax=state2.absmax, absmax_8bit=quant_state.absmax, code, offset
+            absmax, nested = ((state.nested_absmax, (state.absmax, state.nested_code, state.offset)) if spec.nested
+                              else (state.absmax, (None, None, None)))
+            _ops.gemm_4bit.out(A, state.weight, shape, absmax, BLOCKSIZE, spec.quant_type, bias, *nested, out)
+            return out
         # _dequant_linear_fallback (taken for 5–1536 rows as well: module docstring)
-        absmax = absmax_dq = None
+        absmax, absmax_dq = state.absmax, None
         if spec.nested:
             absmax_dq = _absmax_f32(spec, A.device)  # empty_like(absmax_8bit, dtype=float32)
-            absmax = torch.empty_like(absmax_dq)  # absmax_dq + absmax_offset
-        B_dq = torch.empty((spec.out_features, spec.in_features), dtype=A.dtype, device=A.device)
+            offset = _dequantize_nested_absmax(state, absmax_dq)
+            absmax = absmax_dq + offset  # absmax_dq + absmax_offset
+        B_dq = torch.empty(shape, dtype=A.dtype, device=A.device)
+        _ops.dequantize_4bit.out(state.weight, absmax, BLOCKSIZE, spec.quant_type, shape, A.dtype, B_dq)
         output = F.linear(A, B_dq, bias)
         del B_dq, absmax, absmax_dq
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         spec: _Spec4bit = ctx.spec
+        state: _State4bit = ctx.state
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         # functional.dequantize_4bit: the nested absmax in float32 (dequantize_blockwise, += offset)
-        absmax = _absmax_f32(spec, grad_output.device) if spec.nested else None
-        weight = torch.empty((spec.out_features, spec.in_features), dtype=spec.dtype, device=grad_output.device)
+        absmax = state.absmax
+        if spec.nested:
+            absmax = _absmax_f32(spec, grad_output.device)  # the dequantize_blockwise op's empty_like(A, float32)
+            absmax.add_(_dequantize_nested_absmax(state, absmax))  # absmax += quant_state.offset
+        shape = [spec.out_features, spec.in_features]
+        weight = torch.empty(shape, dtype=spec.dtype, device=grad_output.device)  # dequantize_4bit's out
+        _ops.dequantize_4bit.out(state.weight, absmax, BLOCKSIZE, spec.quant_type, shape, spec.dtype, weight)
         del absmax  # a local of dequantize_4bit: gone when it returns
         grad_A = torch.matmul(grad_output, weight.to(grad_output.dtype))
-        return grad_A, None, None
+        return grad_A, None, None, None
 
 
 class _MatMul8bitLt(torch.autograd.Function):
-    """``MatMul8bitLt`` (fast path: a frozen int8 weight), with ``int8_vectorwise_quant`` and
-    ``int8_scaled_mm``'s kernels emulated by the allocations they make."""
+    """``MatMul8bitLt`` (fast path: a frozen int8 weight): ``int8_vectorwise_quant`` and
+    ``int8_scaled_mm``'s allocations made as bitsandbytes makes them, its kernels run as
+    :data:`KERNELS` ops writing into them."""
 
     @staticmethod
     def forward(ctx: Any, A: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, bias: torch.Tensor | None,
@@ -287,7 +427,10 @@ class _MatMul8bitLt(torch.autograd.Function):
         rows, out_features = A.shape[0], CB.shape[0]
         # int8_scaled_mm → int8_linear_matmul (int32) → int8_mm_dequant (float16, bias, .to(dtype))
         out_i32 = torch.empty((rows, out_features), dtype=torch.int32, device=A.device)
+        _ops.int8_linear_matmul.out(CA, CB, out_i32)
         out16 = torch.empty((rows, out_features), dtype=torch.float16, device=A.device)
+        fused_bias = bias if bias is not None and bias.dtype == torch.float16 else None  # only fp16 is fused
+        _ops.int8_mm_dequant.out(out_i32, SCA, SCB, fused_bias, out16)
         if bias is not None and bias.dtype != torch.float16:
             out16.add_(bias)
         output = out16.to(A.dtype)
@@ -312,7 +455,8 @@ class _MatMul8bitLt(torch.autograd.Function):
 
 def _int8_vectorwise_quant(A: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA kernel of ``bitsandbytes::int8_vectorwise_quant``: row scales and the int8
-    copy, then (threshold > 0) the outlier mask ``A.abs() >= threshold`` and its ``any()``."""
+    copy, then (threshold > 0) the outlier mask ``A.abs() >= threshold`` and its ``any()``, then
+    the quantization kernel (``lib.cint8_vector_quant``)."""
     rows = A.numel() // A.shape[-1]
     row_stats = torch.empty((rows,), dtype=torch.float32, device=A.device)
     out_row = torch.empty(A.shape, dtype=torch.int8, device=A.device)
@@ -320,6 +464,7 @@ def _int8_vectorwise_quant(A: torch.Tensor, threshold: float) -> tuple[torch.Ten
         outliers = A.abs() >= threshold
         outliers.any()  # its value picks the outlier columns: none taken on meta (module docstring)
         del outliers
+    _ops.int8_vectorwise_quant.out(A, threshold, out_row, row_stats)
     return out_row, row_stats
 
 
