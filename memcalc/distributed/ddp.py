@@ -26,7 +26,8 @@ class DdpProgram(RankProgram):
     """One DDP rank (checked against the real class on the CPU, tests/test_strategies.py):
     the whole model, its gradients and optimizer state, plus the Reducer's
     gradient buckets — flat buffers allocated when DDP is constructed, one per
-    ``bucket_cap_mb`` of parameters in reverse registration order (as
+    ``bucket_cap_mb`` of the parameters that require grad (``_build_params_for_reducer``:
+    frozen ones get none) in reverse registration order (as
     ``dist._compute_bucket_assignment_by_size`` assigns them after the first iteration's
     rebuild), held for the life of the model. Each gradient autograd produces is copied into
     its bucket, all-reduced there and copied back: buckets and ``.grad`` both exist. With

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport
 from memcalc.cuda.backend import trace_step
 from memcalc.distributed.options import Distributed
@@ -56,13 +55,7 @@ def run_estimate(request: EstimateRequest, on_trace: Callable[[TracedStep], None
         The report; under a strategy, that of the busiest GPU with every role in ``roles``.
     """
     options = request.options
-    if not request.distributed.is_single and not options.finetune.is_empty:
-        # the rank programs build their own models (sharded, wrapped): not taught to adapt them yet
-        raise InapplicableOptionError(
-            f"fine-tuning options (--freeze, --lora, --quant) are estimated on one GPU for now, not under "
-            f"--strategy {request.distributed.strategy.value}",
-            hint="Leave out --strategy to estimate one GPU's step.")
-    if not request.distributed.is_single:
+    if not request.distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
         return estimate_per_rank(request.model, distributed=request.distributed, options=options,
                                  batch_size=request.batch_size, input_shape=request.input_shape,
                                  seq_len=request.seq_len, inputs=request.inputs, capacity=request.capacity)

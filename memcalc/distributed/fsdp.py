@@ -116,24 +116,32 @@ class ShardedProgram(RankProgram):
 
     FSDP2 (``torch/distributed/fsdp/_fully_shard``): shards are dim-0 chunks padded to a
     multiple of the world size; an all-gather output of ``world_size × shard`` elements
-    (under mixed precision, from a cast copy of the shards) is copied out into per-parameter
-    unsharded storages; in forward the output lives until the next unit's copy-out is done
-    (``comm_ctx.all_gather_state``), in backward it goes at once; the root is not resharded
-    after forward and casts the forward inputs to ``param_dtype``; backward prefetches the
-    next unit's all-gather; post-backward (when the gradients of the unit's inputs are done,
-    else the final callback) reshards, allocates a reduce-scatter input of the padded unit in
-    ``reduce_dtype`` and the reduce-scatter output (this rank's sharded ``.grad``, cast to the
-    shard's dtype if it differs), then frees the unsharded gradients; one reduce-scatter input
-    is kept until the next unit's (``reduce_scatter_max_input_buffers=1``). Against real
-    ``fully_shard`` on the CPU (fake process group, profiler) this agrees to the byte, less
-    Adam's CPU step counters (tests/test_strategies.py).
+    (under mixed precision, from a cast copy of the shards; bytes when a unit's parameters
+    have several dtypes, e.g. float32 LoRA adapters in a bf16 model) is copied out into
+    per-parameter unsharded storages; in forward the output lives until the next unit's
+    copy-out is done (``comm_ctx.all_gather_state``), in backward it goes at once; the root is
+    not resharded after forward and casts the forward inputs to ``param_dtype``; backward
+    prefetches the next unit's all-gather; post-backward (when the gradients of the unit's
+    inputs are done, else the final callback: the root, then the others in model order)
+    reshards, releases the previous unit's reduce-scatter input
+    (``reduce_scatter_max_input_buffers=1``), allocates a reduce-scatter input of the padded
+    unit in ``reduce_dtype``, frees the unsharded gradients but the last (a local keeps it
+    until ``foreach_reduce`` returns) and allocates the reduce-scatter output (this rank's
+    sharded ``.grad``, cast to the shard's dtype if it differs). Frozen parameters
+    (``requires_grad=False``: ``--freeze``, a LoRA base) are sharded and gathered like the
+    others; they have no gradient to reduce, and a unit of frozen parameters only
+    reshards. Against real ``fully_shard`` on the CPU (fake process group, profiler) this
+    agrees to the byte, less Adam's CPU step counters (tests/test_strategies.py,
+    tests/test_strategies_finetune.py).
 
     DeepSpeed ZeRO-3 (``deepspeed/runtime/zero/stage3.py``, ``partition_parameters.py``):
     each parameter is a flat partition of ``ceil(numel / world_size)`` elements; gathering
     writes straight into the full parameter; the next unit is prefetched in forward and in
     backward; each gradient is copied into the persistent reduce bucket as soon as autograd
     produces it and freed (``reduce_partition_and_remove_grads``), its partition landing in
-    the persistent ``grad_partitions_flat_buffer``; the step runs in :class:`ZeroOptimizer`.
+    the persistent ``grad_partitions_flat_buffer`` (the trainable parameters' partitions:
+    frozen ones are partitioned and gathered, never reduced); the step runs in
+    :class:`ZeroOptimizer`.
     """
 
     def __init__(self, units: Sequence[Unit], world_size: int, *, style: str, reshard_after_forward: bool,
@@ -166,8 +174,9 @@ class ShardedProgram(RankProgram):
         return self.style == "fsdp2"
 
     @property
-    def shard_numel(self) -> int:
-        return sum(p.shard_numel for p in self.params)
+    def trainable_shard_numel(self) -> int:
+        """Elements of this rank's shards of the parameters that train."""
+        return sum(p.shard_numel for p in self.params if p.sharded.requires_grad)
 
     # ---- install / remove -----------------------------------------------------------------
     def install(self, tracer: StorageTracer, module: nn.Module) -> None:
@@ -198,11 +207,13 @@ class ShardedProgram(RankProgram):
                 lambda m, args, s=state: self._pre_forward(s, args)))
             self._handles.append(state.unit.module.register_forward_hook(
                 lambda m, args, out, s=state: self._post_forward(s, out)))
-        if self.training and not self.fsdp2 and self.params:
-            dtype = self.params[0].sharded.dtype
-            # stage3.py __init__: grad_partitions_flat_buffer (this rank's gradient partitions)
-            self.grad_partition = self._buffer(self.shard_numel, dtype, Category.GRADIENTS, preexisting=True,
-                                               communication=False)
+        trainable = [p for p in self.params if p.sharded.requires_grad]
+        if self.training and not self.fsdp2 and trainable:
+            dtype = trainable[0].sharded.dtype
+            # stage3.py __init__: grad_partitions_flat_buffer (this rank's gradient partitions) over
+            # fp16_groups, which _get_trainable_parameter_groups fills with the params that require grad
+            self.grad_partition = self._buffer(self.trainable_shard_numel, dtype, Category.GRADIENTS,
+                                               preexisting=True, communication=False)
             # stage3.py __init__ (contiguous_gradients): __ipg_bucket_flat_buffer
             self._buffer(self.reduce_bucket_size, dtype, Category.WORKSPACE, preexisting=True)
 
@@ -248,11 +259,16 @@ class ShardedProgram(RankProgram):
         del all_gather
 
     def _all_gather_output(self, params: Sequence[_Param]) -> torch.Tensor:
-        dtype = params[0].gather_dtype
         cast = None
-        if params[0].sharded.dtype != dtype:  # mixed precision: the all-gather input is a cast copy
-            cast = self._buffer(sum(p.shard_numel for p in params), dtype, Category.WORKSPACE)
-        output = self._buffer(sum(p.padded_numel for p in params), dtype, Category.WORKSPACE)
+        casting = [p for p in params if p.sharded.dtype != p.gather_dtype]
+        if casting:  # mixed precision: the all-gather input of these is one flat cast copy
+            cast = self._buffer(sum(p.shard_numel for p in casting), casting[0].gather_dtype, Category.WORKSPACE)
+        dtypes = {p.gather_dtype for p in params}
+        if len(dtypes) == 1:
+            output = self._buffer(sum(p.padded_numel for p in params), dtypes.pop(), Category.WORKSPACE)
+        else:  # _get_all_gather_input_metadatas: inputs of several dtypes are all-gathered as bytes
+            nbytes = sum(p.padded_numel * p.gather_dtype.itemsize for p in params)
+            output = self._buffer(nbytes, torch.uint8, Category.WORKSPACE)
         del cast  # all_gather_copy_in has copied it into the output
         return output
 
@@ -377,30 +393,32 @@ class ShardedProgram(RankProgram):
                 grads.append((p, p.unsharded.grad))
                 p.unsharded.grad = None
         self._reshard(state)
-        if self.fsdp2 and grads:
-            self._reduce_scatter(grads)
+        if self.fsdp2 and state.params:
+            # FSDPParamGroup.post_backward: the previous unit's reduce-scatter input goes
+            # (reduce_scatter_max_input_buffers = 1) before it asks whether any gradient is
+            # there to reduce — a unit of frozen parameters releases it too
+            self._reduce_scatter_inputs.clear()
+            if grads:
+                self._reduce_scatter(grads)
         grads.clear()
 
     def _reduce_scatter(self, grads: list[tuple[_Param, torch.Tensor]]) -> None:
-        while self._reduce_scatter_inputs:  # reduce_scatter_max_input_buffers = 1
-            self._reduce_scatter_inputs.pop(0)
         params = [p for p, _ in grads]
         reduce_dtype = self.reduce_dtype or grads[0][1].dtype
         rs_input = self._buffer(sum(p.padded_numel for p in params), reduce_dtype, Category.WORKSPACE)
-        grad_dtype = grads[0][1].dtype
-        if grad_dtype != reduce_dtype and (self.cpu or (grad_dtype, reduce_dtype) != (torch.bfloat16, torch.float32)):
-            # fsdp.chunk_cat converts while copying in only in CUDA's bf16 -> fp32 kernel
-            # (_chunk_cat_out_cuda); otherwise the generic path concatenates first
-            self._transient(sum(p.padded_numel for p in params) * grads[0][1].element_size())
+        self._chunk_cat_scratch(params, grads[0][1].dtype, reduce_dtype)
+        # foreach_reduce frees the unsharded gradients once they are copied in (unsharded_grads.clear()),
+        # all but the last: with more than one rank its loop over (fsdp_param, unsharded_grad) leaves
+        # that one bound to a local until the function returns (a real run, torch 2.13, confirms it)
+        last = grads[-1][1] if self.world_size > 1 else None
+        grads.clear()
         output = torch.empty(sum(p.shard_numel for p in params), dtype=reduce_dtype, device="meta")
         self._tracer.track(output, Category.GRADIENTS)
-        # The unsharded gradients are copied in, yet a real run (torch 2.13, fake process
-        # group, CPU profiler) frees them only after the reduce-scatter output exists.
-        grads.clear()
         sharded_dtype = params[0].sharded.dtype
         if sharded_dtype != reduce_dtype:
             output = output.to(sharded_dtype)
             self._tracer.track(output, Category.GRADIENTS)
+        del last
         offset = 0
         for p in params:
             view = output.narrow(0, offset, p.shard_numel).view(p.sharded.shape)
@@ -413,9 +431,33 @@ class ShardedProgram(RankProgram):
         del output
         self._reduce_scatter_inputs.append(rs_input)
 
+    def _chunk_cat_scratch(self, params: Sequence[_Param], grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        """The scratch memory of ``fsdp.chunk_cat`` copying the unsharded gradients into the
+        reduce-scatter input."""
+        if not self.cpu:
+            if grad_dtype != reduce_dtype and (grad_dtype, reduce_dtype) != (torch.bfloat16, torch.float32):
+                # _chunk_cat_out_cuda converts while copying in only in its bf16 -> fp32 kernel;
+                # otherwise the generic path concatenates first
+                self._transient(sum(p.padded_numel for p in params) * grad_dtype.itemsize)
+            return
+        # the CPU runs the generic at::native::_chunk_cat_out (a real CPU run, torch 2.13):
+        # _pad_chunk copies each gradient whose dim 0 does not divide by the world size into a
+        # zero-padded tensor, kept until the concatenation is done; cat_out then casts each
+        # one through a temporary of its own dtype (TensorIterator's cast_common_dtype_to_outputs)
+        padded = [self._buffer(p.padded_numel, grad_dtype, Category.WORKSPACE)
+                  for p in params if p.padded_numel != p.original.numel()]
+        if grad_dtype != reduce_dtype:
+            for p in params:
+                self._transient(p.padded_numel * grad_dtype.itemsize)
+        padded.clear()
+
     def _end_of_backward(self) -> None:
-        for state in reversed(self.states):
-            self._post_backward(state)  # units whose input gradients never came (the root)
+        # units whose input gradients never came (the root; a unit after frozen ones): FSDP2's
+        # final callback visits the root, then the others in model order (all_states);
+        # DeepSpeed's, the units in reverse
+        order = [self.states[-1], *self.states[:-1]] if self.fsdp2 else list(reversed(self.states))
+        for state in order:
+            self._post_backward(state)
         for state in self.states:
             self._reshard(state)
             state.prefetched = None

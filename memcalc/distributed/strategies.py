@@ -6,7 +6,9 @@ DataParallel's output device holds more than its other devices. Each role's step
 like a single-GPU step (:func:`memcalc.cuda.backend.trace_step`) at the rank's batch, with the
 strategy's rank program (:mod:`memcalc.distributed.program` and its siblings) allocating and
 freeing what PyTorch or DeepSpeed would around the model. The report is the busiest role's,
-with every role in ``roles``.
+with every role in ``roles``. Fine-tuning (``--freeze``, ``--lora``; ``--quant`` under DDP)
+is applied to each role's model before its program wraps it (:func:`refuse_finetune` says
+what is not modelled).
 
 What each strategy holds per GPU, how faithful each program is (DDP and FSDP2 agree to the
 byte with the real classes run on the CPU), the ZeRO memory table and the batch conventions
@@ -22,7 +24,8 @@ from typing import Any
 import torch
 
 from memcalc.core.categories import Category, Mode, Phase
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.finetune import FineTune
 from memcalc.core.losses import LossFn
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport, RoleReport
@@ -38,11 +41,13 @@ from memcalc.engine import allocator
 from memcalc.engine.model import InputsLike, ResolvedModel
 from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.options import EstimateOptions
+from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
+from memcalc.sources.adapters import apply_finetune
 from memcalc.sources.resolve import resolve
 
-__all__ = ("estimate_per_rank",)
+__all__ = ("estimate_per_rank", "refuse_finetune")
 
 _MIB = 1024 * 1024
 
@@ -162,6 +167,74 @@ def _trace_precision(strategy: Strategy, precision: Precision) -> Precision:
 
 
 # ============================================================================================
+# Fine-tuning under a strategy
+# ============================================================================================
+
+
+def refuse_finetune(strategy: Strategy, finetune: FineTune) -> None:
+    """Refuse the fine-tuning options a strategy's rank program does not model faithfully.
+
+    Frozen parameters and LoRA adapters are applied to each role's model before its program
+    wraps it, as real code calls ``peft.get_peft_model`` before ``DistributedDataParallel``,
+    ``fully_shard`` or ``deepspeed.initialize``. A quantized base is left to DDP, whose
+    replicas hold the model as it is.
+
+    Raises:
+        InapplicableOptionError: any fine-tuning option under ``dp``; ``--quant`` under
+            ``fsdp`` or ``zero*``.
+    """
+    if finetune.is_empty:
+        return
+    name = strategy.value
+    if strategy is Strategy.DP:
+        # Broadcast.forward marks the replicas of frozen parameters non-differentiable, and an
+        # autograd Function receives zeros for those outputs (materialize_grads), which
+        # Broadcast.backward reduces with the real gradients (torch/nn/parallel/_functions.py)
+        raise InapplicableOptionError(
+            "fine-tuning options (--freeze, --lora, --quant) are not estimated under --strategy dp: DataParallel "
+            "gives every frozen parameter's replica a zero gradient in backward and reduces them onto the output "
+            "device (torch.nn.parallel Broadcast/ReduceAddCoalesced), which memcalc does not model",
+            hint="Use --strategy ddp (PyTorch recommends it over DataParallel), or leave out --strategy.")
+    if finetune.quant is None or strategy is Strategy.DDP:
+        return
+    quant = finetune.quant.value
+    if strategy is Strategy.FSDP:
+        raise InapplicableOptionError(
+            f"--quant {quant} is not estimated under --strategy fsdp: sharding a bitsandbytes base needs "
+            f"bnb_4bit_quant_storage (the packed weights stored in a float dtype so that fully_shard can split "
+            f"them, the quantization statistics left whole), which memcalc does not model",
+            hint="Use --strategy ddp for QLoRA on several GPUs, or leave out --quant (FSDP with --lora or --freeze "
+                 "is estimated).")
+    raise InapplicableOptionError(
+        f"--quant {quant} is not estimated under --strategy {name}: DeepSpeed's handling of a bitsandbytes base "
+        f"(its 16-bit cast of the model, ZeRO-3's partitioning through bnb_4bit_quant_storage) is not modelled",
+        hint=f"Use --strategy ddp for QLoRA on several GPUs, or leave out --quant (--strategy {name} with --lora "
+             f"or --freeze is estimated).")
+
+
+def _finetuned(resolved: ResolvedModel, strategy: Strategy, options: EstimateOptions,
+               trace_precision: Precision) -> ResolvedModel:
+    """One role's model with the fine-tuning applied, ready for its program to wrap."""
+    resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode)
+    module = resolved.module
+    if strategy is Strategy.DDP and not any(p.requires_grad for p in module.parameters()):
+        # DistributedDataParallel.__init__ raises the same (_log_and_throw, RuntimeError)
+        raise InapplicableOptionError(
+            "DistributedDataParallel refuses a module none of whose parameters requires a gradient: "
+            "nothing would train",
+            hint="Freeze fewer parameters, or estimate the step on one GPU (leave out --strategy).")
+    kept = [p for p in module.parameters() if hasattr(p, KEEP_DTYPE)]
+    if strategy.zero_stage is not None and trace_precision.parameter_dtype is not torch.float32 and kept:
+        # DeepSpeed's engine casts the whole module to 16-bit (_configure_distributed_model:
+        # module.half() / module.bfloat16()), PEFT's float32 adapters included
+        for p in kept:
+            delattr(p, KEEP_DTYPE)
+        note = f"DeepSpeed casts the whole model to {_dtype(trace_precision.parameter_dtype)}, the LoRA adapters too"
+        resolved = replace(resolved, notes=(*resolved.notes, note))
+    return resolved
+
+
+# ============================================================================================
 # The estimate
 # ============================================================================================
 
@@ -170,6 +243,7 @@ def estimate_per_rank(model: Any, *, distributed: Distributed, options: Estimate
                       batch_size: int | None, input_shape: Sequence[int] | None, seq_len: int | None,
                       inputs: InputsLike | None, capacity: int | None) -> MemoryReport:
     """One estimate per GPU role; the report of the busiest, with every role in ``roles``."""
+    refuse_finetune(distributed.strategy, options.finetune)
     if inputs is not None and distributed.batch_is_global:
         raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")
     if inputs is not None:
@@ -187,6 +261,7 @@ def estimate_per_rank(model: Any, *, distributed: Distributed, options: Estimate
     for role in roles:
         resolved = resolve(model, batch_size=None if inputs is not None else role.batch, input_shape=input_shape,
                            seq_len=seq_len, inputs=inputs)
+        resolved = _finetuned(resolved, distributed.strategy, options, trace_precision)
         program = role.program(resolved)
         spec = options.optimizer if role.optimizer else spec_for(Optimizer.NONE)
         traced_options = replace(options, precision=trace_precision, optimizer=program.optimizer_spec(spec),

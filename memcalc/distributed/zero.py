@@ -71,7 +71,9 @@ class ZeroProgram(RankProgram):
     """A rank of DeepSpeed ZeRO stage 1 or 2 (``deepspeed/runtime/zero/stage_1_and_2.py``):
     the 16-bit model is whole on every rank; this rank keeps the fp32 master partition and
     the optimizer state of ``1/world_size`` of the flattened parameters (padded to a multiple
-    of ``2 × world_size`` elements). Backward first allocates the contiguous reduce bucket
+    of ``2 × world_size`` elements) — of the parameters that require grad only
+    (``bit16_groups`` holds the ``trainable_parameters`` of each group); frozen ones stay
+    whole in 16-bit, with no gradient. Backward first allocates the contiguous reduce bucket
     (``ipg_buffer``, ``reduce_bucket_size`` elements, freed when backward ends). Stage 1
     keeps every 16-bit gradient until ``zero_grad``; stage 2 copies each gradient into the
     bucket as autograd produces it and frees it, keeping only this rank's partition in a
