@@ -1,6 +1,7 @@
 """Every notebook in notebooks/ runs top to bottom without an error, within the time issue 7
-allows (under a minute on a CPU-only machine), and is committed with its outputs so that it
-reads well on a code host.
+allows (under a minute on a CPU-only machine; 06 has its own), and is committed with its
+outputs so that it reads well on a code host — the outputs it prints today, text for text
+(figures aside), so that the narration that cites them cannot drift.
 
 The notebooks run in a Jupyter kernel, the ``python3`` kernelspec that ipykernel installs
 into the environment (``pip install -e ".[test]"``), with notebooks/ as the working
@@ -61,11 +62,34 @@ def test_the_notebooks_of_issues_7_and_14_exist() -> None:
     assert {p.stem for p in NOTEBOOKS} == EXPECTED
 
 
+def _texts(notebook: nbformat.NotebookNode) -> list[list[str]]:
+    """Per code cell, the text it printed and the plain text of its results (figures left out:
+    their bytes depend on the matplotlib release)."""
+    texts = []
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        shown = []
+        for output in cell.outputs:
+            if output.output_type == "stream":
+                shown.append(output.text)
+            elif output.output_type == "execute_result":
+                shown.append(output.data.get("text/plain", ""))
+        texts.append(shown)
+    return texts
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path: Path) -> None:
+    committed = _texts(nbformat.read(path, as_version=4))
     notebook, seconds = _execute(path)
     if REGEN:
         _save(notebook, path)
+    else:  # the committed outputs are what the notebook prints today: the narration cites them
+        for index, (now, saved) in enumerate(zip(_texts(notebook), committed, strict=True)):
+            assert now == saved, (f"{path.name}, code cell {index + 1}: the output differs from the committed one; "
+                                  f"refresh it with MEMCALC_REGEN_NOTEBOOKS=1 python -m pytest tests/test_notebooks.py "
+                                  f"and check that the text around it still holds")
     limit = LIMITS_S.get(path.stem, NOTEBOOK_LIMIT_S)
     assert seconds < limit, f"{path.name} took {seconds:.0f} s (limit {limit} s)"
 
