@@ -51,7 +51,7 @@ from torch._ops import OpOverload
 
 from memcalc.core.categories import Category
 from memcalc.core.precision import Precision
-from memcalc.cuda import cpu_aten, onednn
+from memcalc.cuda import cpu_aten, cpu_norms, onednn
 from memcalc.cuda.autocast import cpu_autocast_policy
 from memcalc.cuda.emulation import CudaEmulation
 from memcalc.cuda.onednn_matmul import ONEDNN_BF16_MATMUL_ISA, onednn_bf16_matmul_isa, onednn_bf16_matmul_scratchpad
@@ -83,6 +83,7 @@ CPU_CALL_RULES: RuleRegistry[CpuCallRule] = RuleRegistry("CPU call")
 CpuKernelRule = Callable[["CpuKernels", OpOverload, tuple[Any, ...], dict[str, Any], Any], None]
 #: What CPU kernels allocate inside, keyed by ``OpOverload``.
 CPU_KERNEL_RULES: RuleRegistry[CpuKernelRule] = RuleRegistry("CPU kernel")
+CPU_KERNEL_RULES.register(*cpu_norms.NORM_STATISTICS_OPS)(cpu_norms.follow_statistics)  # norms' saved statistics
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,8 @@ class CpuKernels:
             self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False)
 
     def resize_output(self, tensor: torch.Tensor, nbytes: int) -> None:
-        """An output the meta kernel leaves empty (oneDNN's workspace): it lives as long as the
-        tensor (autograd saves it for backward) but holds ``nbytes`` on the CPU."""
+        """An output meta sizes otherwise (oneDNN's empty workspace, a norm's statistics): it lives
+        as long as the tensor (autograd saves it for backward) but holds ``nbytes`` on the CPU."""
         assert self.tracer is not None
         uid = self.tracer.uid_of(tensor)
         if uid is not None:
