@@ -43,8 +43,8 @@ from memcalc.engine.model import ModelInputs
 from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import AfterOpHook, Op, StorageTracer
 
-__all__ = ("KERNEL_COSTS", "KernelCost", "KernelCostRule", "OpCost", "OpCostRecorder", "StepCosts", "device_bytes",
-           "multi_tensor_launches", "tokens_per_step")
+__all__ = ("KERNEL_COSTS", "KernelCost", "KernelCostRule", "OpCost", "OpCostRecorder", "StepCosts",
+           "define_kernels", "device_bytes", "multi_tensor_launches", "tokens_per_step")
 
 aten = torch.ops.aten
 
@@ -170,6 +170,35 @@ KernelCostRule: TypeAlias = Callable[[tuple[Any, ...], dict[str, Any], Any], Ker
 #: Rules for the kernels memcalc emulates with ops of its own (module docstring), keyed by
 #: ``OpOverload`` (``torch.ops.memcalc.dequantize_4bit.out``); registering one twice is refused.
 KERNEL_COSTS: RuleRegistry[KernelCostRule] = RuleRegistry("kernel cost")
+
+#: The ``memcalc::`` operators standing for those kernels, one library for every module that
+#: defines some (:func:`define_kernels`). It must live as long as the process: destroying it
+#: would unregister them.
+_KERNEL_LIBRARY = torch.library.Library("memcalc", "FRAGMENT")  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+def _nothing_on_meta(*_args: object) -> None:
+    """The meta kernel of every :func:`define_kernels` op: the kernel writes buffers its caller
+    allocated, or updates tensors in place, so on meta tensors (no values) there is nothing to do."""
+
+
+def define_kernels(schemas: Sequence[str], real: dict[str, Callable[..., None]] | None = None) -> Any:
+    """Define ``memcalc::`` operators with ``schemas`` for a library's kernels that memcalc
+    emulates, so that the tracer sees each launch as it sees an aten op (their costs are
+    :data:`KERNEL_COSTS` rules). Each gets a meta kernel that does nothing; those named in
+    ``real`` (the name before the schema's ``(``) also run that function on real tensors (a
+    ``--measure`` run on the CPU).
+
+    Returns:
+        ``torch.ops.memcalc``, the namespace the operators are called through.
+    """
+    for schema in schemas:
+        name = schema.split("(", 1)[0]
+        _KERNEL_LIBRARY.define(schema)  # type: ignore[no-untyped-call]  # untyped in torch
+        _KERNEL_LIBRARY.impl(name, _nothing_on_meta, "Meta")  # type: ignore[no-untyped-call]  # untyped in torch
+        if real is not None and name in real:
+            _KERNEL_LIBRARY.impl(name, real[name], "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    return torch.ops.memcalc
 
 
 def device_bytes(*tensors: torch.Tensor | None) -> int:

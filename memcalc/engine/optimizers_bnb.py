@@ -61,7 +61,7 @@ import torch
 
 from memcalc.core.loop import OptimizerImpl
 from memcalc.core.throughput import OpClass
-from memcalc.engine.flops import KERNEL_COSTS, KernelCost, device_bytes
+from memcalc.engine.flops import KERNEL_COSTS, KernelCost, define_kernels, device_bytes
 
 __all__ = ("BLOCKSIZE", "MIN_8BIT_SIZE", "PAGED_MIN_NUMEL", "QMAP_ENTRIES", "UPDATE_KERNELS", "BnbAdamW",
            "EmulatedBnbAdamW", "eight_bit_state_bytes", "is_paged")
@@ -88,17 +88,6 @@ UPDATE_KERNELS = (
     "optimizer_update_32bit(str optimizer_name, Tensor g, Tensor(a0!) p, Tensor(a1!) state1, Tensor(a2!)? state2, "
     "float beta1, float beta2, float eps, float weight_decay, int step, float lr) -> ()",
 )
-#: The library object must live as long as the process: destroying it would unregister the ops.
-_LIBRARY = torch.library.Library("memcalc", "FRAGMENT")  # type: ignore[no-untyped-call]  # untyped in torch
-for _schema in UPDATE_KERNELS:
-    _LIBRARY.define(_schema)  # type: ignore[no-untyped-call]  # untyped in torch
-_ops = torch.ops.memcalc
-
-
-def _update_on_meta(*_args: object) -> None:
-    """The meta kernel of :data:`UPDATE_KERNELS`: the update is in place and allocates nothing."""
-
-
 def _update_8bit_blockwise(optimizer_name: str, g: torch.Tensor, p: torch.Tensor, state1: torch.Tensor,
                            state2: torch.Tensor | None, beta1: float, beta2: float, eps: float, step: int, lr: float,
                            qmap1: torch.Tensor, qmap2: torch.Tensor | None, absmax1: torch.Tensor,
@@ -124,10 +113,9 @@ def _rewrite(p: torch.Tensor, g: torch.Tensor, states: Iterable[torch.Tensor | N
             tensor.zero_()
 
 
-for _name, _kernel in (("optimizer_update_8bit_blockwise", _update_8bit_blockwise),
-                       ("optimizer_update_32bit", _update_32bit)):
-    _LIBRARY.impl(_name, _update_on_meta, "Meta")  # type: ignore[no-untyped-call]  # untyped in torch
-    _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]  # untyped in torch
+# on meta the update is in place and allocates nothing; on real tensors, the stand-in above
+_ops = define_kernels(UPDATE_KERNELS, {"optimizer_update_8bit_blockwise": _update_8bit_blockwise,
+                                       "optimizer_update_32bit": _update_32bit})
 
 
 @KERNEL_COSTS.register(_ops.optimizer_update_8bit_blockwise.default)

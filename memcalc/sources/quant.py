@@ -104,7 +104,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import Quant
 from memcalc.core.throughput import OpClass
 from memcalc.core.units import format_bytes
-from memcalc.engine.flops import KERNEL_COSTS, KernelCost, device_bytes
+from memcalc.engine.flops import KERNEL_COSTS, KernelCost, define_kernels, device_bytes
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import LOGICAL_NUMEL
 
@@ -141,10 +141,8 @@ GEMM_4BIT_FALLBACK_FROM_M = 1536 + 1
 
 
 # ---- bitsandbytes' kernels as operators ---------------------------------------------------
-#: The ``memcalc::`` operators standing for bitsandbytes' CUDA kernels (module docstring). The
-#: library object must live as long as the process: destroying it would unregister them.
-_LIBRARY = torch.library.Library("memcalc", "FRAGMENT")  # type: ignore[no-untyped-call]  # untyped in torch
-#: Their schemas: bitsandbytes 0.50.1's (``bitsandbytes/_ops.py``), as ``.out`` overloads where
+#: The ``memcalc::`` operators standing for bitsandbytes' CUDA kernels (module docstring). Their
+#: schemas: bitsandbytes 0.50.1's (``bitsandbytes/_ops.py``), as ``.out`` overloads where
 #: bitsandbytes' op allocates its output itself (gemm_4bit, int8_vectorwise_quant, int8_mm_dequant),
 #: no defaults (the rules read the arguments by position).
 KERNELS = (
@@ -160,15 +158,7 @@ KERNELS = (
 )
 
 
-def _writes_into_out(*_args: object) -> None:
-    """The meta kernel of every :data:`KERNELS` op: the kernel writes buffers its caller
-    allocated, so on meta tensors (no values) there is nothing to do."""
-
-
-for _schema in KERNELS:
-    _LIBRARY.define(_schema)  # type: ignore[no-untyped-call]  # untyped in torch
-    _LIBRARY.impl(_schema.split("(", 1)[0], _writes_into_out, "Meta")  # type: ignore[no-untyped-call]  # untyped
-_ops = torch.ops.memcalc
+_ops = define_kernels(KERNELS)
 
 
 @KERNEL_COSTS.register(_ops.dequantize_blockwise.out)
