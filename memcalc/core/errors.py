@@ -62,29 +62,35 @@ class InapplicableOptionError(InvalidInputError):
     by it."""
 
 
-class LossFunctionError(InvalidInputError):
-    """The user's own loss function raised, or returned something other than a scalar tensor."""
+class _UserFunctionError(InvalidInputError):
+    """A function of the user's that memcalc calls on meta tensors failed: "the KIND function
+    NAME PROBLEM", with the subclass's hint on how memcalc calls it."""
+
+    KIND = ""
+    HINT = ""
 
     def __init__(self, name: str, problem: str):
-        super().__init__(
-            f"the loss function {name} {problem}",
-            hint="memcalc calls loss(output) with the model's output as meta tensors (shapes, no values) "
-                 "and needs a one-element tensor back; fix the function, or use a built-in loss "
-                 "(loss=\"cross-entropy\", \"mean\", ...).")
+        super().__init__(f"the {self.KIND} function {name} {problem}", hint=self.HINT)
         self.name = name
 
 
-class LoopFunctionError(InvalidInputError):
+class LossFunctionError(_UserFunctionError):
+    """The user's own loss function raised, or returned something other than a scalar tensor."""
+
+    KIND = "loss"
+    HINT = ("memcalc calls loss(output) with the model's output as meta tensors (shapes, no values) "
+            "and needs a one-element tensor back; fix the function, or use a built-in loss "
+            "(loss=\"cross-entropy\", \"mean\", ...).")
+
+
+class LoopFunctionError(_UserFunctionError):
     """The user's own training loop (``loop=fn``, ``--loop file.py:fn``) raised outside the
     model's forward."""
 
-    def __init__(self, name: str, problem: str):
-        super().__init__(
-            f"the loop function {name} {problem}",
-            hint="memcalc calls loop(model, optimizer, batches) with the model and each batch as meta tensors "
-                 "(shapes, no values): make new tensors on the batch's device (device=x.device) and leave out "
-                 "what reads values (loss.item(), print(loss)).")
-        self.name = name
+    KIND = "loop"
+    HINT = ("memcalc calls loop(model, optimizer, batches) with the model and each batch as meta tensors "
+            "(shapes, no values): make new tensors on the batch's device (device=x.device) and leave out "
+            "what reads values (loss.item(), print(loss)).")
 
 
 class PlotPathError(InvalidInputError):
