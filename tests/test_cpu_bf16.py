@@ -15,11 +15,11 @@ ISA gets.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from support import hf_config_source
 from torch import nn
 
 import memcalc
@@ -37,11 +37,6 @@ pytest.importorskip("transformers")
 # (0.004 %): the optimizers' CPU step counters, which the estimate for this CPU leaves out.
 TOLERANCE = 0.005
 
-#: The issue's model: a small Llama (grouped-query attention), built from this dict.
-SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256,
-               "tie_word_embeddings": False}
 
 HERE = CpuCapabilities.here()
 #: This CPU runs bf16 GEMMs through a oneDNN matmul whose scratchpad is not modelled (AMX, say):
@@ -52,12 +47,6 @@ bf16_followed = pytest.mark.skipif(
 fp16_followed = pytest.mark.skipif(HERE.onednn_fp16, reason="oneDNN's fp16 matmul (AVX512-FP16) is not modelled")
 
 
-def _small_llama(tmp_path: Path) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(SMALL_LLAMA))
-    return f"hf:{path}"
-
-
 @pytest.mark.parametrize("precision", [
     pytest.param("bf16", marks=bf16_followed),
     pytest.param("amp-bf16", marks=bf16_followed),
@@ -65,7 +54,7 @@ def _small_llama(tmp_path: Path) -> str:
 ])
 def test_small_llama_matches_the_real_cpu_step(tmp_path: Path, precision: str) -> None:
     # before the oneDNN scratchpad on torch 2.13: bf16 -3.81 %, amp-bf16 and fp16 within 0.01 %
-    model = _small_llama(tmp_path)
+    model = hf_config_source(tmp_path)
     kwargs = dict(batch_size=2, seq_len=32, optimizer="adamw", precision=precision)
     report = memcalc.estimate(model, gpu="cpu", **kwargs)
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from support import SMALL_LLAMA, hf_config_source
 from torch import nn
 
 import memcalc
@@ -33,23 +34,12 @@ from memcalc.sources.resolve import resolve
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-#: A small Llama (grouped-query attention: 2 key/value heads of 16), built from this dict, no network.
-SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256,
-               "tie_word_embeddings": False}
 #: Meta-Llama-3-8B's dimensions (its config.json).
 LLAMA_3_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
               "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 K, N = 4096, 4096  # the hand-computed layer: Linear(4096, 4096)
-
-
-def _config_file(tmp_path: Path, config: dict[str, object]) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return f"hf:{path}"
 
 
 def _peft_counts(model: nn.Module, config: object) -> tuple[int, int]:
@@ -102,7 +92,7 @@ def test_freeze_pattern_matching_nothing_names_parameters():
 def test_lora_counts_equal_peft_on_a_hugging_face_llama(tmp_path: Path, quant: str | None):
     # on a quantized base too: PEFT counts a bitsandbytes 4-bit weight as numel × 2 and its
     # statistics not at all, which gives the unquantized model's count
-    report = memcalc.estimate(_config_file(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=16,
+    report = memcalc.estimate(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=16,
                               finetune=FineTune(lora=LoRA(8), quant=quant))
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_LLAMA))
@@ -162,7 +152,7 @@ def test_lora_dropout_keeps_a_dropped_copy_and_its_mask():
 
 
 def test_lora_adapters_stay_float32_in_a_pure_bf16_model(tmp_path: Path):
-    report = memcalc.estimate(_config_file(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=16, precision="bf16",
+    report = memcalc.estimate(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=16, precision="bf16",
                               finetune=FineTune(lora=LoRA(8)))
     # PEFT's autocast_adapter_dtype keeps the adapters float32: their gradients too, Adam's moments too
     assert report.bytes.optimizer_state == 2 * 4 * 3584
@@ -222,7 +212,7 @@ def test_lm_head_and_embeddings_stay_unquantized_as_transformers_leaves_them(tmp
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SMALL_LLAMA,
                                                                                "tie_word_embeddings": tied}))
         assert modules_to_not_convert(model) == sorted(get_keys_to_not_convert(model))
-    report = memcalc.estimate(_config_file(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=16,
+    report = memcalc.estimate(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=16,
                               finetune=FineTune(lora=LoRA(8), quant="nf4"))
     note = next(n for n in report.notes if n.startswith("nf4 weights"))
     assert "for 14 Linear layers" in note  # 2 layers × (q, k, v, o, gate, up, down)
@@ -317,7 +307,7 @@ def test_ddp_refuses_a_model_that_trains_nothing():
 
 
 def test_cli_shows_trainable_parameters_as_peft_does(tmp_path: Path):
-    model = _config_file(tmp_path, SMALL_LLAMA)
+    model = hf_config_source(tmp_path, SMALL_LLAMA)
     result = CliRunner().invoke(main, [model, "--lora", "8", "--seq-len", "16", "--batch", "1"])
     assert result.exit_code == 0, result.output
     report = memcalc.estimate(model, batch_size=1, seq_len=16, finetune=FineTune(lora=LoRA(8)))
@@ -351,7 +341,7 @@ _CHILD = textwrap.dedent("""
 
 @pytest.mark.slow  # a Llama-3-8B-sized model: about 5 s
 def test_qlora_on_an_8b_llama_answers_in_small_memory(tmp_path: Path):
-    args = [_config_file(tmp_path, LLAMA_3_8B), "--lora", "16", "--quant", "nf4", "--double-quant",
+    args = [hf_config_source(tmp_path, LLAMA_3_8B), "--lora", "16", "--quant", "nf4", "--double-quant",
             "--precision", "amp-bf16", "--seq-len", "2048", "--batch", "4"]
     # Its speed (the issue's "under 5 s") is benchmarks/finetune_speed.py's business, not a test's.
     out = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, timeout=300)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from support import hf_config_source
 from torch import nn
 
 import memcalc
@@ -30,21 +31,10 @@ pytest.importorskip("transformers")
 # (0.003 %): the optimizers' CPU step counters, which the estimate for this CPU leaves out.
 TOLERANCE = 0.005
 
-#: A small Llama (grouped-query attention), built from this dict: no network, a few MB.
-SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256,
-               "tie_word_embeddings": False}
 
 
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 10))
-
-
-def _small_llama(tmp_path: Path) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(SMALL_LLAMA))
-    return f"hf:{path}"
 
 
 def _error(estimated: int, measured: int | None) -> float:
@@ -68,7 +58,7 @@ def test_frozen_layers_measured_on_cpu_match_the_estimate(optimizer: str):
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
 def test_lora_measured_on_cpu_matches_the_estimate(tmp_path: Path, precision: str):
     # bf16: the adapters stay float32 in a bf16 model (KEEP_DTYPE), in the real model as on meta
-    model = _small_llama(tmp_path)
+    model = hf_config_source(tmp_path)
     kwargs = dict(batch_size=2, seq_len=32, optimizer="adamw", precision=precision, finetune=FineTune(lora=LoRA(8)))
     report = memcalc.estimate(model, **kwargs)
     assert report.trainable_parameters == 3584  # PEFT's count: q_proj and v_proj adapted, r=8, 2 layers
@@ -90,13 +80,13 @@ def test_measuring_leaves_the_users_module_as_it_was():
 
 def test_a_quantized_base_is_not_measured(tmp_path: Path):
     with pytest.raises(InvalidInputError, match="bitsandbytes"):
-        measure(_small_llama(tmp_path), batch_size=1, seq_len=16, device="cpu",
+        measure(hf_config_source(tmp_path), batch_size=1, seq_len=16, device="cpu",
                 finetune=FineTune(lora=LoRA(8), quant="nf4"))
 
 
 # ---- the command line ------------------------------------------------------------------------
 def test_cli_measures_lora(tmp_path: Path):
-    result = CliRunner().invoke(main, [_small_llama(tmp_path), "--lora", "8", "--seq-len", "32", "--batch", "2",
+    result = CliRunner().invoke(main, [hf_config_source(tmp_path), "--lora", "8", "--seq-len", "32", "--batch", "2",
                                        "--optim", "adamw", "--measure", "--format", "json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
@@ -118,7 +108,7 @@ def test_cli_measures_frozen_parameters():
 
 @pytest.mark.parametrize("extra", [["--lora", "8"], ["--freeze", "*.layers.0.*"]])
 def test_cli_still_refuses_to_measure_a_quantized_base(tmp_path: Path, extra: list[str]):
-    result = CliRunner().invoke(main, [_small_llama(tmp_path), *extra, "--quant", "nf4", "--seq-len", "16",
+    result = CliRunner().invoke(main, [hf_config_source(tmp_path), *extra, "--quant", "nf4", "--seq-len", "16",
                                        "--measure"])
     assert result.exit_code == 2
     assert "--measure cannot run --quant nf4" in result.output and "bitsandbytes" in result.output

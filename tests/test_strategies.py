@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from click.testing import CliRunner
+from support import fake_ddp
 from torch import nn
 
 import memcalc
-from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError
+from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.distributed.ddp import DdpProgram
 from memcalc.distributed.fsdp import ShardedProgram, fsdp_units, module_units
 from memcalc.distributed.options import Distributed, dp_chunks
@@ -347,8 +348,8 @@ def test_fsdp_units_are_blocks_and_root():
 
 def test_sharded_program_puts_the_model_back():
     from memcalc.cuda.backend import trace_step
-    from memcalc.sources.resolve import resolve
     from memcalc.engine.options import EstimateOptions
+    from memcalc.sources.resolve import resolve
 
     resolved = resolve("mlp", batch_size=2)
     before = [id(p) for p in resolved.module.parameters()]
@@ -405,16 +406,6 @@ class _BlockNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-
-@pytest.fixture
-def fake_process_group():
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    dist.init_process_group("fake", rank=0, world_size=4, store=fake_pg.FakeStore())
-    try:
-        yield 4
-    finally:
-        dist.destroy_process_group()
 
 
 def _real_peak(model: nn.Module, x: torch.Tensor, before: list[torch.Tensor], setup=None) -> int:
@@ -484,15 +475,7 @@ def test_fsdp_mixed_precision_against_real_fully_shard(fake_process_group):
 @pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.5])
 def test_ddp_against_real_distributed_data_parallel(fake_process_group, view, bucket_cap_mb):
     def wrap(model: nn.Module) -> nn.Module:
-        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=view, bucket_cap_mb=bucket_cap_mb)
-
-        def hook(state, bucket):  # the fake process group's all-reduce returns no tensor
-            future = torch.futures.Future()
-            future.set_result(bucket.buffer())
-            return future
-
-        ddp.register_comm_hook(None, hook)
-        return ddp
+        return fake_ddp(model, gradient_as_bucket_view=view, bucket_cap_mb=bucket_cap_mb)
 
     torch.manual_seed(0)
     model = _BlockNet()

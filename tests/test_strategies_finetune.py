@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from click.testing import CliRunner
+from support import FAKE_WORLD, fake_ddp
 from torch import nn
 
 import memcalc
@@ -32,7 +32,7 @@ from memcalc.report.measure import _profiler_peak, storage_bytes
 from memcalc.sources.adapters import finetune_module
 from memcalc.sources.resolve import resolve
 
-WORLD = 4
+WORLD = FAKE_WORLD  # the fake_process_group fixture's (tests/conftest.py)
 #: The real runs step Adam(foreach=True); the estimates step the same implementation.
 FOREACH = memcalc.Loop(optimizer_impl="foreach")
 #: LoRA r=8 on llama-tiny's q_proj (512 -> 512) and v_proj (512 -> 128, grouped-query attention)
@@ -78,16 +78,6 @@ def _plain_net() -> nn.Module:
     # No LayerNorm: a bf16 LayerNorm on the CPU keeps its mean and rstd in bf16 where CUDA (and
     # memcalc) keep float32, a CPU difference of its own that the 16-bit runs below stay clear of
     return _BlockNet(norm=False)
-
-
-@pytest.fixture
-def fake_process_group():
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    dist.init_process_group("fake", rank=0, world_size=WORLD, store=fake_pg.FakeStore())
-    try:
-        yield WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -137,18 +127,7 @@ def _real_peak(model: nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[st
 
 
 def _ddp(view: bool = False) -> Callable[[nn.Module], nn.Module]:
-    def wrap(model: nn.Module) -> nn.Module:
-        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=view)
-
-        def hook(state, bucket):  # the fake process group's all-reduce returns no tensor
-            future = torch.futures.Future()
-            future.set_result(bucket.buffer())
-            return future
-
-        ddp.register_comm_hook(None, hook)
-        return ddp
-
-    return wrap
+    return lambda model: fake_ddp(model, gradient_as_bucket_view=view)
 
 
 def _fully_shard(model: nn.Module, blocks: nn.ModuleList, sharding: str, precision: Precision) -> None:

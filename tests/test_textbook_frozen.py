@@ -4,11 +4,11 @@ arithmetic is worked out in each test."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from support import hf_config_source
 from torch import nn
 
 import memcalc
@@ -16,12 +16,6 @@ from memcalc import FineTune, LoRA
 from memcalc.core.report import Textbook
 from memcalc.engine.optimizers import OPTIMIZERS, Optimizer
 from memcalc.report.render import render_report
-
-#: A small Llama (grouped-query attention), built from this dict: no network.
-SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256,
-               "tie_word_embeddings": False}
 
 
 def _two_linears() -> nn.Module:
@@ -79,9 +73,8 @@ def test_textbook_state_bytes_skips_parameters_without_grad():
 
 def test_lora_base_counts_once(tmp_path: Path):
     pytest.importorskip("peft")
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(SMALL_LLAMA))
-    r = memcalc.estimate(f"hf:{path}", batch_size=1, seq_len=16, optimizer="adamw", finetune=FineTune(lora=LoRA(8)))
+    r = memcalc.estimate(hf_config_source(tmp_path), batch_size=1, seq_len=16, optimizer="adamw",
+                         finetune=FineTune(lora=LoRA(8)))
     tb = r.textbook
     assert tb is not None and r.trainable_parameters == 3584  # PEFT's count (tests/test_finetune.py)
     # fp32: the adapters' 3,584 parameters · 4 B train; everything else (the base) is frozen
@@ -94,9 +87,7 @@ def test_quantized_base_counts_once_as_stored(tmp_path: Path):
     # QLoRA: the frozen 4-bit weights and their statistics count once, as stored; the float32
     # adapters (kept float32 under amp-bf16) take Adam's × 4
     pytest.importorskip("peft")
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(SMALL_LLAMA))
-    r = memcalc.estimate(f"hf:{path}", batch_size=1, seq_len=16, optimizer="adamw", precision="amp-bf16",
+    r = memcalc.estimate(hf_config_source(tmp_path), batch_size=1, seq_len=16, optimizer="adamw", precision="amp-bf16",
                          finetune=FineTune(lora=LoRA(8), quant="nf4"))
     tb = r.textbook
     assert tb is not None

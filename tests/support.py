@@ -1,0 +1,44 @@
+"""What several test files share: a small Hugging Face Llama config written where an ``hf:``
+source can read it, and DistributedDataParallel over the fake process group (the fixture is
+``fake_process_group`` in tests/conftest.py). pytest puts tests/ on the path: ``from support
+import ...``."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: A small Llama (grouped-query attention): no network, a few MB; PEFT's default LoRA targets
+#: (q_proj, v_proj) give it 3,584 trainable parameters at r=8.
+SMALL_LLAMA: dict[str, object] = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+    "max_position_embeddings": 256, "tie_word_embeddings": False}
+#: The world size of the fake process group.
+FAKE_WORLD = 4
+
+
+def hf_config_source(tmp_path: Path, config: dict[str, object] | None = None) -> str:
+    """``config`` (default :data:`SMALL_LLAMA`) written as ``tmp_path/config.json``; returns the
+    ``hf:`` source that reads it."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL_LLAMA if config is None else config))
+    return f"hf:{path}"
+
+
+def fake_ddp(model: nn.Module, **ddp_options: Any) -> nn.Module:
+    """``DistributedDataParallel(model, **ddp_options)`` whose all-reduce hands each bucket back
+    as it is: the fake process group's all-reduce returns no tensor."""
+    ddp = nn.parallel.DistributedDataParallel(model, **ddp_options)
+
+    # no postponed annotations in this module: DDP checks that ``bucket`` is annotated as a GradBucket
+    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    ddp.register_comm_hook(None, hook)
+    return ddp
