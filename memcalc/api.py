@@ -28,6 +28,7 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
 from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
+from memcalc.cuda.gpus.performance import check_timeable, with_time
 from memcalc.cuda.stack import resolve_stack
 from memcalc.distributed.estimate import EstimateRequest, run_estimate
 from memcalc.distributed.options import Distributed
@@ -70,6 +71,7 @@ def estimate(
     loop: LoopLike = None,
     stack: Stack | None = None,
     finetune: FineTune | None = None,
+    time: bool = False,
 ) -> MemoryReport:
     """Estimate the GPU memory of one training (or eval / inference) step of ``model``.
 
@@ -110,6 +112,10 @@ def estimate(
             ``optimizer_impl`` (``auto``, ``for-loop``, ``foreach``, ``fused``).
         stack: the PyTorch and CUDA versions assumed (:class:`Stack`); None: the installed torch.
         finetune: frozen parameters, LoRA adapters and a quantized base (:class:`FineTune`).
+        time: also time the step on ``gpu`` (a catalogue GPU with figures) and fill
+            ``report.time`` (:func:`memcalc.step_time`). Every kernel's FLOPs and bytes are then
+            recorded while the step is traced, which costs 10–26% more; without it they are
+            recorded only if :func:`memcalc.step_time` is called on the report (one more trace).
 
     Returns:
         A :class:`MemoryReport`: the breakdown at the peak, where it happens, the textbook
@@ -124,7 +130,13 @@ def estimate(
                            optimizer=optimizer, mode=mode, loss=loss, precision=precision, gpu=gpu,
                            checkpoint=checkpoint, accum_steps=accum_steps, kv_cache=kv_cache, capacity=capacity,
                            distributed=distributed, loop=loop, stack=stack, finetune=finetune)
-    return _note_beyond_every_gpu(run_estimate(request))
+    if not isinstance(time, bool):
+        raise InvalidInputError(f"time must be True or False, got {time!r}")
+    if time:
+        check_timeable(request.options.gpu if request.options.gpu_named else None)  # before the estimate
+        request = replace(request, options=replace(request.options, record_costs=True))
+    report = _note_beyond_every_gpu(run_estimate(request))
+    return with_time(report) if time else report
 
 
 def make_request(model: Any, *, batch_size: int | None = None, input_shape: Sequence[int] | None = None,
@@ -281,6 +293,7 @@ def iter_sweep(
     budget: str | int | Budget | None = None,
     gpu: str | GpuProfile | None = None,
     device: str | None = None,
+    time: bool = False,
     **estimate_options: Any,
 ) -> Iterator[SweepPoint]:
     """Estimate every (batch, optimizer, precision), yielding each point as it is done.
@@ -290,6 +303,7 @@ def iter_sweep(
         batch_sizes, optimizers, precisions: the grid, each a list (``optimizers`` None:
             adam; None in ``precisions``: fp32); every item is checked before the first estimate.
         budget, gpu, device: at most one; with it, every point says whether it fits.
+        time: also time every point on the GPU (``report.time``), as :func:`estimate` does.
         **estimate_options: the other arguments of :func:`estimate`.
 
     Returns:
@@ -303,7 +317,11 @@ def iter_sweep(
     named = None if optimizers is None else next((o for _b, o, _p in configs if o != Optimizer.NONE.value),
                                                  Optimizer.NONE.value)
     request = _search_request(model, resolved, optimizer=named, precision=None, options=estimate_options)
-    return sweep_requests(request, configs)
+    if not time:
+        return sweep_requests(request, configs)
+    check_timeable(request.options.gpu if request.options.gpu_named else None)  # before the first estimate
+    recording = replace(request, options=replace(request.options, record_costs=True))
+    return (replace(point, report=with_time(point.report)) for point in sweep_requests(recording, configs))
 
 
 def sweep(
@@ -315,13 +333,14 @@ def sweep(
     budget: str | int | Budget | None = None,
     gpu: str | GpuProfile | None = None,
     device: str | None = None,
+    time: bool = False,
     **estimate_options: Any,
 ) -> list[SweepPoint]:
     """:func:`iter_sweep`, collected: ``sweep("resnet50", batch_sizes=[1, 16, 64],
     optimizers=["sgd", "adam"], gpu="a100-40gb")``.
 
     Args:
-        model, batch_sizes, optimizers, precisions, budget, gpu, device, **estimate_options:
+        model, batch_sizes, optimizers, precisions, budget, gpu, device, time, **estimate_options:
             as for :func:`iter_sweep`.
 
     Returns:
@@ -329,7 +348,7 @@ def sweep(
     """
     _check_estimate_options("sweep", estimate_options)  # named as the user called it
     return list(iter_sweep(model, batch_sizes=batch_sizes, optimizers=optimizers, precisions=precisions,
-                           budget=budget, gpu=gpu, device=device, **estimate_options))
+                           budget=budget, gpu=gpu, device=device, time=time, **estimate_options))
 
 
 #: The arguments of estimate() that max_batch_size() and sweep() pass on (``**estimate_options``).

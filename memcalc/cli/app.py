@@ -25,7 +25,7 @@ from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.core.throughput import DataLoaderSetup
-from memcalc.cuda.gpus.performance import check_timeable, loader_advice, with_time
+from memcalc.cuda.gpus.performance import check_timeable, loader_advice
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.measure import attach_measurement
 from memcalc.report.output import check_output_path
@@ -142,11 +142,9 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     if timed:
         check_timeable(gpu)  # before the estimate, not after it
     with quiet():
-        report = api.estimate(source, batch_size=batch, **step, **distributed)
+        report = api.estimate(source, batch_size=batch, **step, **distributed, time=timed)
     if measure:
         report = attach_measurement(report, source, batch_size=batch, **step)
-    if timed:
-        report = with_time(report)
     if timeline_path is not None:
         click.echo(f"wrote {write_timeline(report, timeline_path)}", err=True)
     if snapshot_path is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any, TextIO
 
 import click
@@ -28,7 +27,7 @@ from memcalc.cli.params import (
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.categories import Category
 from memcalc.core.units import format_bytes
-from memcalc.cuda.gpus.performance import check_timeable, with_time
+from memcalc.cuda.gpus.performance import check_timeable
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json
 from memcalc.report.time_render import format_seconds
@@ -83,14 +82,12 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
     resolved = resolve_budget(**where, stack=step.get("stack")) if where else None
     configs = sweep_configurations(batches, optims, precisions or [None])
     points_iter = api.iter_sweep(source, batch_sizes=batches, optimizers=optims if given("optims") else None,
-                                 precisions=precisions or [None], budget=resolved, **step)
+                                 precisions=precisions or [None], budget=resolved, time=timed, **step)
     show = fmt != "json" and len(configs) > PROGRESS_MIN_CONFIGURATIONS and _is_terminal(sys.stderr)
     if timed and device is None:
         check_timeable(gpu)  # before the sweep, not after it
     with quiet(), _progress(points_iter, len(configs), show) as progress:
         points = list(progress)
-    if timed:
-        points = [replace(p, report=with_time(p.report)) for p in points]
     if plot_path is not None:
         from memcalc.report.plot import plot_sweep
 

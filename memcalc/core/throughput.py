@@ -81,7 +81,10 @@ class StepFlops:
     RNN kernel, a quantized matmul, another library's kernel), with their call counts: the
     total misses their FLOPs, and their time is their bytes'. Ops that
     run only at the first optimizer step (creating the optimizer state) are left out: the
-    figures are those of a step in the steady state.
+    figures are those of a step in the steady state. ``failed``: ops whose FLOPs or bytes could
+    not be worked out because a formula raised (torch's own formula of an older release, say),
+    with the error: their FLOPs are left out of the total, never guessed, and the memory
+    estimate does not depend on them.
     """
 
     total: int
@@ -89,6 +92,7 @@ class StepFlops:
     modules: tuple[tuple[str, int], ...] = ()
     ops: tuple[tuple[str, int], ...] = ()
     uncounted: tuple[tuple[str, int], ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
 
     def phase(self, name: str) -> int:
         """FLOPs of one phase (``"forward"``, ``"backward"``, ``"recompute"``, ...); 0 if it did not run."""
@@ -101,7 +105,13 @@ class StepFlops:
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: total, per phase, per module, per op."""
         return {"total": self.total, "phases": {p.phase: p.flops for p in self.phases},
-                "modules": dict(self.modules), "ops": dict(self.ops), "uncounted": dict(self.uncounted)}
+                "modules": dict(self.modules), "ops": dict(self.ops), "uncounted": dict(self.uncounted),
+                "failed": dict(self.failed)}
+
+    def failure_notes(self) -> tuple[str, ...]:
+        """One report note per op in :attr:`failed`: which op, and what its formula raised."""
+        return tuple(f"FLOPs of {op} are not counted (its formula failed: {error}); the memory figures do not "
+                     f"depend on them" for op, error in self.failed)
 
 
 @dataclass(frozen=True)

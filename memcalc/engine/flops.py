@@ -5,9 +5,19 @@ turns them into a step time on a GPU whose peaks are passed in (:class:`~memcalc
 (chained before the device backend's): for every op that launches a kernel it records the
 phase, whether a checkpointed forward is being recomputed, the module, the op's class, the
 dtype it computes in, its FLOPs and the bytes it reads and writes. Views and allocations
-launch no kernel and are not recorded. The roofline and the per-phase / per-module totals are
-computed only when asked (:class:`StepCosts`), so an estimate that never asks for a time
-pays only for the recording.
+launch no kernel and are not recorded. It is installed only when a time is asked for
+(``EstimateOptions.record_costs``: ``--time``, ``estimate(time=True)``, ``fit --objective
+throughput``; :func:`memcalc.step_time` on a report made without it traces the step again), so
+an estimate that never asks for a time pays nothing for it; the roofline and the per-phase /
+per-module totals are computed only when asked (:class:`StepCosts`).
+
+A cost rule that raises on a call — torch's own formula of an older release (before 2.13,
+``sdpa_flop_count`` asserted on grouped-query attention), or a byte rule meeting an argument it
+does not know — costs that op's FLOPs, never the estimate: the op is kept with its bytes where
+they are known, its FLOPs counted as missing, and the first error per op is kept
+(:attr:`OpCostRecorder.failures`, reported as notes). Grouped-query attention is counted by
+broadcasting the key/value heads to the query's, as the kernels do, wherever the installed
+torch's formula refuses it.
 
 FLOPs come from PyTorch's own formulas (``torch.utils.flop_counter.flop_registry``, keyed by
 op packet: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``, ``convolution`` and its
@@ -30,7 +40,7 @@ the op, that works out its :class:`KernelCost`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeAlias
 
@@ -309,6 +319,32 @@ def _shape(value: Any) -> Any:
     return value
 
 
+def _kv_heads_broadcast(rule: _Rule, shapes: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``shapes`` of an attention kernel's call with the key and value heads broadcast to the
+    query's, as the kernel does for grouped-query attention (the FLOPs are those of the
+    broadcast product); None when the call is not grouped-query attention.
+
+    The ``_scaled_dot_product_*`` kernels take ``(B, H, L, E)`` tensors; the varlen
+    ``_flash_attention_*`` / ``_efficient_attention_*`` kernels ``(B, L, H, E)``. A backward takes
+    the output's gradient first, then query, key and value.
+    """
+    query_at = 1 if rule.name.endswith("_backward") or "_backward." in rule.name else 0
+    heads_dim = 1 if rule.name.startswith("_scaled_dot_product") else 2
+    if len(shapes) < query_at + 3:
+        return None
+    query, key, value = shapes[query_at:query_at + 3]
+    if not all(isinstance(s, torch.Size) and len(s) == 4 for s in (query, key, value)):
+        return None
+    heads, kv_heads = query[heads_dim], key[heads_dim]
+    if kv_heads == heads or kv_heads < 1 or heads % kv_heads or value[heads_dim] != kv_heads:
+        return None
+
+    def widened(shape: torch.Size) -> torch.Size:
+        return torch.Size((*shape[:heads_dim], heads, *shape[heads_dim + 1:]))
+
+    return (*shapes[:query_at + 1], widened(key), widened(value), *shapes[query_at + 3:])
+
+
 def _same_storage(out: Any, source: Any) -> bool:
     """Whether ``out`` is a view of ``source`` (the storage objects are kept alive and unique,
     memcalc.engine.trace keys storages by them too)."""
@@ -334,6 +370,9 @@ class OpCostRecorder:
         self._dtypes: dict[torch.dtype, str] = {}
         self._flop_cache: dict[tuple[object, ...], int] = {}
         self.records: list[OpCost] = []
+        #: ops whose FLOPs or bytes could not be worked out, with the first error (a formula of
+        #: the installed torch that raises on this call): recorded without FLOPs, or not at all
+        self.failures: dict[str, str] = {}
 
     def attach(self, tracer: StorageTracer) -> None:
         """Read the phase, module and recomputation from ``tracer``."""
@@ -341,7 +380,13 @@ class OpCostRecorder:
 
     def __call__(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self._then is not None:
-            self._then(func, args, kwargs, out)
+            self._then(func, args, kwargs, out)  # the memory rules: their errors are the estimate's
+        try:
+            self._record(func, args, kwargs, out)
+        except Exception as exc:  # a cost rule that cannot handle this call costs its FLOPs, never the estimate
+            self._fail(func.__name__, exc)
+
+    def _record(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         rule = self._rules.get(func)
         if rule is None:
             rule = self._rules[func] = _rule(func)
@@ -362,11 +407,21 @@ class OpCostRecorder:
         if read is None or (not written and not read):
             return  # no device tensor: host-side work (torch.optim's CPU step counters)
         op_class = rule.op_class
-        flops = self._flops(func, rule, args, kwargs, out) if rule.formula is not None else 0
+        flops = 0
+        if rule.formula is not None:
+            try:
+                flops = self._flops(func, rule, args, kwargs, out)
+            except Exception as exc:  # its bytes are still known: the op is timed by them
+                self._fail(rule.name, exc)
+                flops = -1
         uncounted = rule.uncounted or flops < 0
         launches = multi_tensor_launches(numels, max(rule.tensor_lists, 1)) if op_class is OpClass.MULTI_TENSOR else 1
         self._append(tracer, rule, op_class, dtype if op_class in _COMPUTE else "", max(flops, 0), read + written,
                      launches, uncounted)
+
+    def _fail(self, op: str, exc: Exception) -> None:
+        """Remember the first error of ``op``'s cost rules (one note per op, not per call)."""
+        self.failures.setdefault(op, f"{type(exc).__name__}: {exc}")
 
     def _append(self, tracer: StorageTracer, rule: _Rule, op_class: OpClass, dtype: str, flops: int,
                 bytes_moved: int, launches: int, uncounted: bool) -> None:
@@ -398,7 +453,15 @@ class OpCostRecorder:
         except TypeError:  # an unhashable argument: compute, do not keep
             key, cached = None, None
         if cached is None:
-            cached = int(formula(*shapes, **dict(named), out_shape=_shape(out)))
+            try:
+                cached = int(formula(*shapes, **dict(named), out_shape=_shape(out)))
+            except Exception:
+                broadcast = _kv_heads_broadcast(rule, shapes) if rule.op_class is OpClass.ATTENTION else None
+                if broadcast is None:
+                    raise
+                # grouped-query attention: the kernel broadcasts the key/value heads to the query's;
+                # torch's formula counts that only from 2.13 on (sdpa_flop_count asserts before)
+                cached = int(formula(*broadcast, **dict(named), out_shape=_shape(out)))
             if _causal(rule, args, kwargs):
                 cached //= 2
             if key is not None:
@@ -497,13 +560,15 @@ class StepCosts:
     each figure is computed on first request and kept."""
 
     def __init__(self, records: Sequence[OpCost], *, samples: int, tokens: int | None,
-                 module_order: Sequence[str] = (), until: int | None = None) -> None:
+                 module_order: Sequence[str] = (), until: int | None = None,
+                 failures: Mapping[str, str] | None = None) -> None:
         # ``until``: a trace of several iterations (a loop run as written) counts its first, the
         # ops up to that trace event (an op that allocates nothing there may be the next's first)
         self.records = [r for r in records if not r.first_step_only and (until is None or r.event <= until)]
         self.samples = samples
         self.tokens = tokens
         self.module_order = tuple(module_order)
+        self.failures = dict(failures or {})  # OpCostRecorder.failures
         self._flops: StepFlops | None = None
         self._times: dict[DeviceRates, StepTime] = {}
 
@@ -531,7 +596,7 @@ class StepCosts:
         return StepFlops(total=sum(c.flops for c in self.records), phases=self._phases(None),
                          modules=tuple((m, by_module[m]) for m in order),
                          ops=tuple(sorted(by_op.items(), key=lambda item: (-item[1], item[0]))),
-                         uncounted=tuple(sorted(uncounted.items())))
+                         uncounted=tuple(sorted(uncounted.items())), failed=tuple(sorted(self.failures.items())))
 
     def _phases(self, seconds: Sequence[float] | None) -> tuple[PhaseCost, ...]:
         totals: dict[str, list[float]] = {}

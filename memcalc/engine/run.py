@@ -124,7 +124,9 @@ class TracedStep:
         self.attention = attention
         self.notes = notes
         self.optimizer_impl = optimizer_impl  # as resolved for the target ("" without an optimizer step)
-        self.op_costs: list[OpCost] = []  # every kernel's FLOPs and bytes (memcalc.engine.flops)
+        #: every kernel's FLOPs and bytes (memcalc.engine.flops); None: not recorded (options.record_costs)
+        self.op_costs: list[OpCost] | None = None
+        self.cost_failures: dict[str, str] = {}  # ops whose FLOPs could not be counted, with the error
         self.paged_optimizer_state = 0  # bytes in unified memory, set apart from the trace (_set_apart)
         #: A loop traced for all its iterations: where in ``trace.events`` the second, third, ... begin.
         self.iteration_starts: list[int] | None = None
@@ -162,9 +164,11 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
                                   containers=resolved.block_containers, model_name=resolved.name)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
-    costs = OpCostRecorder(then=backend.after_op)  # FLOPs and bytes per kernel, then the backend's rules
-    tracer = StorageTracer("meta", after_op=costs)
-    costs.attach(tracer)
+    # FLOPs and bytes per kernel, after the backend's rules: only for a step time (options.record_costs)
+    costs = OpCostRecorder(then=backend.after_op) if options.record_costs else None
+    tracer = StorageTracer("meta", after_op=costs if costs is not None else backend.after_op)
+    if costs is not None:
+        costs.attach(tracer)
     backend.attach(tracer)
     observer = _TracerObserver(tracer, unified_memory=options.emulate_cuda)
     tracing = LoopTracing(tracer, module, observer) if traced_loop else None
@@ -219,7 +223,8 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     has_step = options.mode is Mode.TRAIN and options.optimizer.factory is not None
     traced = TracedStep(trace, categories, tracer, loss_name, options, dict(backend.attention_backends()), notes,
                         impl.value if has_step else "")
-    traced.op_costs = costs.records
+    if costs is not None:
+        traced.op_costs, traced.cost_failures = costs.records, costs.failures
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
     if tracing is not None:
         traced.iteration_starts = tracing.iteration_starts()
@@ -379,10 +384,11 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
         notes=tuple(notes),
         _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role),
-        _costs=StepCosts(traced.op_costs, samples=resolved.batch_size * options.accum_steps,
-                         tokens=tokens_per_step(resolved.inputs, options.accum_steps),
-                         module_order=traced.module_order,  # a loop traced whole: its first iteration
-                         until=traced.iteration_starts[0] if traced.iteration_starts else None),
+        _costs=None if traced.op_costs is None else StepCosts(
+            traced.op_costs, samples=resolved.batch_size * options.accum_steps,
+            tokens=tokens_per_step(resolved.inputs, options.accum_steps),
+            module_order=traced.module_order,  # a loop traced whole: its first iteration
+            until=traced.iteration_starts[0] if traced.iteration_starts else None, failures=traced.cost_failures),
     )
 
 

@@ -155,7 +155,7 @@ def _candidates(request: EstimateRequest, budget: Budget, margin: float, target_
 
 def _timed(request: EstimateRequest, budget: Budget, margin: float, micro_batch: int, accum_steps: int) -> Candidate:
     traced = min(accum_steps, 2)
-    options = replace(request.options, accum_steps=traced)
+    options = replace(request.options, accum_steps=traced, record_costs=True)  # timed below
     report = run_estimate(replace(request, batch_size=micro_batch, options=options,
                                   capacity=margin_capacity(budget.capacity, margin)))
     time = step_time(report)

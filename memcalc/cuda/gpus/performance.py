@@ -177,8 +177,11 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
 def with_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
               launch_overhead: float | None = None) -> MemoryReport:
     """``report`` with its :attr:`~memcalc.core.report.MemoryReport.time` filled in (its JSON
-    then gains a ``"time"`` key); the arguments as for :func:`step_time`."""
-    return replace(report, time=step_time(report, efficiency=efficiency, launch_overhead=launch_overhead))
+    then gains a ``"time"`` key) and a note for each op whose FLOPs could not be counted; the
+    arguments as for :func:`step_time`."""
+    time = step_time(report, efficiency=efficiency, launch_overhead=launch_overhead)
+    notes = report.notes + tuple(n for n in time.flops.failure_notes() if n not in report.notes)
+    return replace(report, time=time, notes=notes)
 
 
 def loader_advice(report: MemoryReport, setup: DataLoaderSetup | None = None) -> LoaderAdvice:
