@@ -1,6 +1,6 @@
 """The paths that run on a CUDA machine, checked on this CPU-only one (issue 22, item 4):
-``estimate(gpu="cuda:N" | "auto")`` and ``memcalc MODEL --device``, and ``--measure`` estimating
-for the GPU it measures on.
+``estimate(gpu="cuda:N" | "auto")`` and ``memcalc MODEL --device``, ``--measure`` estimating for
+the GPU it measures on, and ``benchmarks/accuracy.py`` on a GPU.
 
 The machine's GPUs are the recorded nvidia-smi outputs of tests/data/nvidia_smi/ (as in
 test_gpus.py); where a test needs CUDA itself, ``torch.cuda``'s answers and the real measurement
@@ -10,9 +10,12 @@ real one does.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -31,6 +34,7 @@ from memcalc.report import measure as measure_module
 from memcalc.search import budget as budgets
 from memcalc.search.budget import resolve_budget
 
+ROOT = Path(__file__).parent.parent
 SMI = Path(__file__).parent / "data" / "nvidia_smi"
 MiB = 1024**2
 GiB = 1024**3
@@ -210,3 +214,83 @@ def test_measure_on_a_cuda_machine_keeps_the_gpu_given(monkeypatch):
     data = json.loads(result.stdout)
     assert data["gpu"] == "a100-80gb" and "local_gpu" not in data
     assert calls[0]["device"] is None  # torch's current device, as measure() always did
+
+
+# ------------------------------------------------------------------ benchmarks/accuracy.py on a GPU
+
+#: The keys of ../shared/gpu/2026-11-25-h100/suite-gpu.jsonl (a real H100 run), which a new
+#: run's .jsonl must have so that the two compare line by line.
+SHARED_ENVIRONMENT = ["device", "torch", "cuda", "cudnn", "n"]
+SHARED_RECORD = {"config", "estimate_s", "estimate", "measured", "error_allocated", "error_reserved", "wall_s"}
+SHARED_ESTIMATE = {"peak_allocated", "peak_reserved", "where", "attention"}
+SHARED_MEASURED = {"peak_allocated", "peak_reserved", "oom", "note"}
+
+
+@pytest.fixture
+def accuracy(monkeypatch) -> ModuleType:
+    """benchmarks/accuracy.py on a faked H100: torch.cuda and its versions answer as on the real
+    run, the measurement is replaced (it fails for the fc-32-16 config)."""
+    spec = importlib.util.spec_from_file_location("accuracy_benchmark", ROOT / "benchmarks" / "accuracy.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    calls = cuda_device(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: H100_NAME)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    monkeypatch.setattr(module, "driver_version", lambda: "580.159.04")
+
+    def measure_cuda(resolved: Any, options: EstimateOptions | None = None, **kwargs: Any) -> Measurement:
+        if resolved.name == "fc-32-16":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+        return measure_module.measure_cuda(resolved, options, **kwargs)  # the stand-in above
+
+    monkeypatch.setattr(module, "measure_cuda", measure_cuda)
+    module.calls = calls
+    return module
+
+
+def test_accuracy_suite_runs_on_a_gpu_and_writes_the_shared_format(accuracy, tmp_path, capsys):
+    accuracy.main(["--suite", "quick", "--out", str(tmp_path)])
+    [jsonl] = tmp_path.glob("accuracy-nvidia-h100-80gb-hbm3-quick-*.jsonl")
+    env, *records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert list(env)[:5] == SHARED_ENVIRONMENT
+    assert (env["device"], env["cuda"], env["cudnn"], env["n"]) == (H100_NAME, "13.0", 91900, 3)
+    assert (env["driver"], env["profile"]) == ("580.159.04", "h100-80gb") and env["date"] and env["torch"]
+    assert [r["config"] for r in records] == ["mlp b64 sgd train", "mlp b64 adam train", "fc-32-16 b100 none eval"]
+    for record in records[:2]:
+        assert set(record) == SHARED_RECORD
+        assert set(record["estimate"]) == SHARED_ESTIMATE and set(record["measured"]) == SHARED_MEASURED
+        assert record["measured"]["peak_allocated"] == 50 * MiB
+        expected = (record["estimate"]["peak_allocated"] - 50 * MiB) / (50 * MiB)
+        assert record["error_allocated"] == pytest.approx(expected)
+        expected = (record["estimate"]["peak_reserved"] - 64 * MiB) / (64 * MiB)
+        assert record["error_reserved"] == pytest.approx(expected)
+    # the failed config is a record with its error, and the suite went on to write everything
+    failed = records[2]
+    assert set(failed) == SHARED_RECORD | {"error"}
+    assert failed["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert failed["measured"] is None and failed["estimate"]["where"]
+    # the estimates used the H100's profile; the measurement was given no GPU
+    results = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert {r["estimate"]["gpu"] for r in results["configs"]} == {"h100-80gb"}
+    assert (results["cuda"], results["cudnn"], results["driver"]) == ("13.0", 91900, "580.159.04")
+    assert [c["options"].gpu for c in accuracy.calls] == [GENERIC, GENERIC]
+    markdown = next(tmp_path.glob("*.md")).read_text()
+    assert "CUDA 13.0, cuDNN 91900, driver 580.159.04" in markdown and "h100-80gb" in markdown
+    assert "| fc-32-16 b100 none eval | failed: RuntimeError" in markdown
+    progress = capsys.readouterr().err
+    assert "[1/3] mlp b64 sgd train ..." in progress and "[3/3] fc-32-16 b100 none eval: FAILED" in progress
+
+
+def test_accuracy_configs_filter_and_gpu_option(accuracy, tmp_path):
+    accuracy.main(["--suite", "quick", "--configs", "ADAM", "--gpu", "a100-80gb", "--out", str(tmp_path)])
+    env, *records = [json.loads(line) for line in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    assert env["n"] == 1 and env["profile"] == "a100-80gb"
+    assert [r["config"] for r in records] == ["mlp b64 adam train"]
+    with pytest.raises(SystemExit, match="no config of suite 'quick' contains 'lstm'"):
+        accuracy.main(["--suite", "quick", "--configs", "lstm", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--gpu h1000"):
+        accuracy.main(["--suite", "quick", "--gpu", "h1000", "--out", str(tmp_path)])
