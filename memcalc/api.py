@@ -28,6 +28,7 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
 from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
+from memcalc.cuda.gpus.local import names_local_gpu
 from memcalc.cuda.gpus.performance import check_timeable, with_time
 from memcalc.cuda.stack import resolve_stack
 from memcalc.distributed.estimate import EstimateRequest, run_estimate
@@ -100,6 +101,11 @@ def estimate(
             kernel choice and workspaces, adds its CUDA context, and makes ``fits`` and
             ``headroom`` answer for its memory. None: a generic sm80-class GPU without a
             capacity. :data:`CPU` (``"cpu"``): what a CPU run allocates, to compare with one.
+            ``"auto"`` (the one with the most free memory), ``"cuda"`` or ``"cuda:N"``: a GPU
+            of this machine, found as ``memcalc gpus`` finds it — its catalogue profile (the
+            generic one for a card the catalogue lacks) and, as capacity, its free memory less
+            the CUDA context a new process creates (``max_batch_size(device=...)``'s budget);
+            a note in the report names the GPU, the profile and the capacity.
         checkpoint: activation checkpointing per block of a zoo model.
         accum_steps: micro-batches of ``batch_size`` per optimizer step.
         kv_cache: tokens to generate with a KV cache (``mode="inference"``, decoder LLMs).
@@ -126,6 +132,7 @@ def estimate(
     Raises:
         MemcalcError: a subclass naming what was wrong and what to do.
     """
+    gpu, capacity, local_note = _local_gpu(gpu, capacity, stack)  # found once: the note says what was found
     request = make_request(model, batch_size=batch_size, input_shape=input_shape, inputs=inputs, seq_len=seq_len,
                            optimizer=optimizer, mode=mode, loss=loss, precision=precision, gpu=gpu,
                            checkpoint=checkpoint, accum_steps=accum_steps, kv_cache=kv_cache, capacity=capacity,
@@ -135,7 +142,10 @@ def estimate(
     if time:
         check_timeable(request.options.gpu if request.options.gpu_named else None)  # before the estimate
         request = replace(request, options=replace(request.options, record_costs=True))
-    report = _note_beyond_every_gpu(run_estimate(request))
+    report = run_estimate(request)
+    if local_note is not None:
+        report = replace(report, notes=(local_note, *report.notes))
+    report = _note_beyond_every_gpu(report)
     return with_time(report) if time else report
 
 
@@ -164,6 +174,7 @@ def make_request(model: Any, *, batch_size: int | None = None, input_shape: Sequ
     shape = _input_shape(input_shape)
     _check_inputs_batch(inputs, batch_size)
     _check_training_only(mode, optimizer, loss)
+    gpu, capacity, _note = _local_gpu(gpu, capacity, stack)
     profile, target = _gpu(gpu)
     loss_choice, loss_fn = _loss(loss)
     options = EstimateOptions.create(optimizer=Optimizer.ADAM if optimizer is None else optimizer, mode=mode,
@@ -207,7 +218,8 @@ def max_batch_size(
         budget: bytes the step may use (``"24GiB"``, ``"80GB"``, an int); nothing is
             subtracted. Give exactly one of ``budget``, ``gpu`` and ``device``.
         gpu: a catalogue GPU: its CUDA-reported memory minus its assumed CUDA context; its
-            kernels and workspaces are used too.
+            kernels and workspaces are used too. ``"auto"``, ``"cuda"`` or ``"cuda:N"`` are
+            read as ``device`` (as :func:`estimate` reads them).
         device: a local GPU (``"cuda:1"``, ``"auto"``): its free memory.
         optimizer: as for :func:`estimate`.
         precision: as for :func:`estimate` (None: fp32).
@@ -384,6 +396,27 @@ def _search_request(model: Any, budget: Budget | None, *, optimizer: Optimizer |
         given["precision"] = precision
     request = make_request(model, optimizer=optimizer, **given)
     return replace(request, capacity=budget.capacity if budget is not None else None)
+
+
+def _local_gpu(gpu: GpuLike, capacity: int | str | None,
+               stack: Stack | None) -> tuple[GpuLike, int | str | None, str | None]:
+    """``gpu="auto"``, ``"cuda"`` or ``"cuda:N"``: this machine's GPU, as its catalogue profile
+    (None, the generic one, when the catalogue lacks the card) and — unless ``capacity`` is
+    given — its free memory less a new process's CUDA context, with a note saying which GPU,
+    profile and capacity were used. Any other ``gpu`` comes back unchanged, with no note.
+
+    The budget is :func:`~memcalc.search.budget.resolve_budget`'s for ``device=``, so that
+    ``estimate(gpu="cuda:0")`` and ``max_batch_size(device="cuda:0")`` see one GPU the same way.
+    """
+    if not names_local_gpu(gpu):
+        return gpu, capacity, None
+    found = resolve_budget(gpu=gpu, stack=stack)
+    profile = (f"the catalogue profile {found.gpu.key}" if found.gpu is not None
+               else "the generic sm80-class profile, the catalogue lacking this card")
+    note = f"estimated for this machine's GPU: kernel choices, workspaces and CUDA context of {profile}; "
+    if capacity is None:
+        return found.gpu, found.capacity, note + f"capacity {found.source}"
+    return found.gpu, capacity, note + f"capacity as given, not {found.source}"
 
 
 def _gpu(gpu: GpuLike) -> tuple[GpuProfile | None, str]:

@@ -25,9 +25,10 @@ from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.core.throughput import DataLoaderSetup
+from memcalc.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
 from memcalc.cuda.gpus.performance import check_timeable, loader_advice
 from memcalc.engine.optimizers import Optimizer
-from memcalc.report.measure import attach_measurement
+from memcalc.report.measure import attach_measurement, measured_device
 from memcalc.report.output import check_output_path
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
@@ -62,6 +63,7 @@ def main() -> None:
 
     \b
     memcalc MODEL [options]      estimate one step (MODEL: a zoo name, file.py:factory, ...)
+                                 on a catalogue GPU (--gpu) or this machine's (--device)
     memcalc zoo                  list the model zoo
     memcalc fit MODEL --gpu G    the largest batch that fits a GPU (or --budget, --device)
     memcalc sweep MODEL -b 1,64  memory over batch sizes, optimizers, precisions (--plot)
@@ -85,7 +87,12 @@ def main() -> None:
                    "fp16/bf16: the whole model in that dtype.")
 @click.option("--gpu", default=None, metavar="NAME",
               help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
-                   "its CUDA context, and whether the step fits. Default: a generic sm80-class profile.")
+                   "its CUDA context, and whether the step fits. Default: a generic sm80-class profile "
+                   "(with --measure on a CUDA machine: that GPU's, as --device).")
+@click.option("--device", default=None, metavar="auto|cuda:N",
+              help="A GPU of this machine instead of --gpu (auto: the one with the most free memory; memcalc gpus "
+                   "lists them): its catalogue profile, and its free memory minus a new process's CUDA context "
+                   "for whether the step fits. --measure runs the step there.")
 @click.option("--depth", type=click.IntRange(min=0), default=1, show_default=True,
               help="Module depth of the per-module table (0 hides it).")
 @click.option("--measure", is_flag=True,
@@ -110,7 +117,7 @@ def main() -> None:
 @strategy_options
 @output_options
 @handle_errors
-def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: str | None,
+def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: str | None, device: str | None,
                      input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
                      accum_steps: int, kv_cache: int | None, loss: str | None, depth: int, measure: bool,
                      timeline_path: str | None, snapshot_path: str | None, timed: bool, data_loader: str | None,
@@ -123,7 +130,7 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     (config.json only, from the Hugging Face cache or the Hub) or hf:config.json.
     """
     source = attn_model(model, multi_gpu)  # an hf: model with --attn becomes a HuggingFace source
-    step = dict(optimizer=optim if given("optim") else None, precision=precision, gpu=gpu,
+    step = dict(optimizer=optim if given("optim") else None, precision=precision,
                 **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
                                  accum_steps=accum_steps, kv_cache=kv_cache, loss=loss),
                 **setup_arguments(multi_gpu))
@@ -135,16 +142,20 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         check_timeline_path(timeline_path)
     if snapshot_path is not None:
         check_output_path(snapshot_path, "snapshot", SNAPSHOT_FORMATS)
+    local = _local_gpu(gpu, device, measure)  # after the usage checks: looking may initialise CUDA
+    # a local GPU is found once: the estimate and the measurement use the same one
+    step["gpu"] = gpu if local is None else local.device
     loader = None
     if data_loader is not None or sample_load_ms is not None:
         loader = DataLoaderSetup.parse(data_loader or "", sample_load_ms=sample_load_ms)
         timed = True  # the loader is judged against the step time
     if timed:
-        check_timeable(gpu)  # before the estimate, not after it
+        check_timeable(gpu if local is None else local.profile)  # before the estimate, not after it
     with quiet():
         report = api.estimate(source, batch_size=batch, **step, **distributed, time=timed)
     if measure:
-        report = attach_measurement(report, source, batch_size=batch, **step)
+        report = attach_measurement(report, source, batch_size=batch, device=None if local is None else local.device,
+                                    **step)
     if timeline_path is not None:
         click.echo(f"wrote {write_timeline(report, timeline_path)}", err=True)
     if snapshot_path is not None:
@@ -155,6 +166,9 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         data = report.to_dict()
         if report.measurement is not None:
             data["measured"] = _measurement_dict(report.measurement)
+        if local is not None:
+            data["local_gpu"] = {"device": local.device, "name": local.name,
+                                 "catalogue": None if local.profile is None else local.profile.key}
         if advice is not None:
             data["data_loader"] = advice.to_dict()
         click.echo(render_json(data))
@@ -164,6 +178,21 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         click.echo(render_report(report, fmt=fmt, unit=units, module_depth=depth), nl=False)
         if advice is not None:
             click.echo(f"\n{render_loader(advice, unit=units)}")
+
+
+def _local_gpu(gpu: str | None, device: str | None, measure: bool) -> LocalGpu | None:
+    """The GPU of this machine to estimate for: ``--device`` (or a ``--gpu`` spelled as one,
+    ``auto``/``cuda:N``); with ``--measure`` and neither option, the CUDA device the step will be
+    measured on, so that the estimate models that GPU's kernels and not the generic profile's.
+    None: a catalogue GPU, or none (and no CUDA GPU to measure on)."""
+    if device is not None and gpu is not None:
+        raise click.UsageError(f"give only one of --gpu (a GPU model) or --device (a GPU of this machine); "
+                               f"got --gpu {gpu} and --device {device}")
+    if gpu is not None and names_local_gpu(gpu):
+        device = gpu
+    if device is None and gpu is None and measure:
+        device = measured_device()
+    return None if device is None else find_local_gpu(device)
 
 
 def _refuse_measured_quant(finetune: FineTune) -> None:

@@ -44,7 +44,8 @@ from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.sources.adapters import finetune_module
 from memcalc.sources.resolve import resolve
 
-__all__ = ("attach_measurement", "cpu_comparison_note", "measure", "measure_cpu", "measure_cuda", "storage_bytes")
+__all__ = ("attach_measurement", "cpu_comparison_note", "measure", "measure_cpu", "measure_cuda", "measured_device",
+           "storage_bytes")
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -221,11 +222,25 @@ def _warm_cublas(device: torch.device) -> None:
     del a
 
 
+def measured_device() -> str | None:
+    """``"cuda:N"``, torch's current CUDA device — where :func:`measure` runs the step when no
+    device is named — or None without a usable CUDA GPU (it measures on the CPU then).
+
+    An estimate to compare with that measurement should be for this GPU
+    (``estimate(gpu="cuda:N")``): the generic profile would model other kernels. Asking
+    initialises CUDA, as the measurement will.
+    """
+    if not torch.cuda.is_available():
+        return None
+    return f"cuda:{torch.cuda.current_device()}"
+
+
 def measure(model: Any, *, batch_size: int | None = None, input_shape: Sequence[int] | None = None,
             seq_len: int | None = None, inputs: InputsLike | None = None,
             device: str | None = None, **option_values: Any) -> Measurement:
-    """Measure the real step: on CUDA when available (or ``device="cuda..."``), else on CPU.
-    ``option_values`` are :func:`memcalc.estimate`'s step options (optimizer, mode, precision...)."""
+    """Measure the real step: on ``device`` (``"cuda:N"``) when given, else on CUDA when
+    available, else on CPU. ``option_values`` are :func:`memcalc.estimate`'s step options
+    (optimizer, mode, precision...)."""
     request = make_request(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs,
                            **option_values)
     resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)

@@ -12,6 +12,8 @@ may reserve (:func:`resolve_budget`):
   new process will create on it (the catalogue's estimate for the card, else the generic
   512 MiB) — unless this process had already initialised CUDA before the question, in which
   case the step is taken to run here and its context is already out of the free memory.
+  ``gpu="auto"``, ``"cuda"`` or ``"cuda:N"`` names such a device too (as
+  :func:`memcalc.estimate` reads it): one spelling for "this machine's GPU" across the API.
 
 The context is the one of the software stack asked for (``stack``: its CUDA version and
 module loading, or ``context_mib``; :mod:`memcalc.cuda.stack`), as the estimate's.
@@ -282,6 +284,8 @@ def resolve_budget(
         raise InvalidInputError(f"give exactly one of budget, gpu or device (got {what})")
     if isinstance(budget, Budget):
         return budget
+    if gpu_local.names_local_gpu(gpu):  # "auto", "cuda:N": this machine's GPU
+        gpu, device = None, gpu
     if budget is not None:
         return _from_budget(budget)
     if stack is not None and not isinstance(stack, Stack):

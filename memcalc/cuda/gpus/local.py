@@ -2,9 +2,9 @@
 
 "Does it fit on the GPU in this machine?" needs the GPUs visible to this process (NVML,
 ``nvidia-smi`` or ``torch.cuda``, with ``CUDA_VISIBLE_DEVICES`` applied as CUDA applies it):
-:func:`list_local_gpus`, :func:`best_gpu`, :func:`resolve_device`. Each found GPU is
-recognised in the catalogue (:func:`memcalc.cuda.gpus.catalogue.match_profile`) when it can
-be.
+:func:`list_local_gpus`, :func:`best_gpu`, :func:`resolve_device`, :func:`find_local_gpu`.
+Each found GPU is recognised in the catalogue
+(:func:`memcalc.cuda.gpus.catalogue.match_profile`) when it can be.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GpuProfile
@@ -31,7 +31,9 @@ __all__ = (
     "PhysicalGpu",
     "best_gpu",
     "check_device_spec",
+    "find_local_gpu",
     "list_local_gpus",
+    "names_local_gpu",
     "parse_cuda_visible_devices",
     "parse_nvidia_smi_csv",
     "resolve_device",
@@ -411,3 +413,29 @@ def resolve_device(spec: str, gpus: Sequence[LocalGpu]) -> LocalGpu:
             hint="Indices count only the GPUs left after CUDA_VISIBLE_DEVICES.",
         )
     return by_logical[index]
+
+
+def names_local_gpu(gpu: object) -> TypeGuard[str]:
+    """Whether ``gpu`` (a ``gpu=`` value) names a GPU of this machine — ``"auto"``, ``"cuda"``
+    or ``"cuda:N"`` — rather than a GPU of the catalogue.
+
+    A bare ``"N"``, which :func:`resolve_device` takes, does not: "3090" and "4090" are
+    catalogue names. Every string starting with "cuda" does, so that a malformed one
+    (``"cuda:x"``) is refused as a device spec rather than as an unknown GPU model.
+    """
+    if not isinstance(gpu, str):
+        return False
+    text = gpu.strip().lower()
+    return text == "auto" or text.startswith("cuda")
+
+
+def find_local_gpu(spec: str) -> LocalGpu:
+    """The GPU of this machine that ``spec`` names (as :func:`resolve_device` reads it),
+    discovered now (:func:`list_local_gpus`).
+
+    Raises:
+        InvalidInputError: ``spec`` is not a device spec (said before any GPU is looked for),
+            no GPU is visible, or the one named does not exist.
+    """
+    check_device_spec(spec)
+    return resolve_device(spec, list_local_gpus())
