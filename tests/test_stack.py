@@ -182,7 +182,8 @@ def test_a_users_profile_keeps_its_own_lazy_figure() -> None:
 def test_cli_prints_the_assumed_versions() -> None:
     code, out = run("mlp", "--batch", "4", "--gpu", "t4", "--torch-version", "2.4", "--cuda-version", "11.6")
     assert code == 0, out
-    assert "assumed: torch 2.4, CUDA 11.6; CUDA context 1,096.00 MiB (eager module loading: CUDA < 11.7)" in out
+    assert (f"assumed: torch 2.4's kernel rules (traced with the installed torch {INSTALLED}), CUDA 11.6; "
+            "CUDA context 1,096.00 MiB (eager module loading: CUDA < 11.7)") in out
     code, out = run("mlp", "--batch", "4", "--gpu", "t4", "--context-mib", "1000")
     assert code == 0, out
     assert f"assumed: torch {INSTALLED}, CUDA " in out and "CUDA context 1,000.00 MiB (given (--context-mib))" in out

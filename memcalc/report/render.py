@@ -11,6 +11,7 @@ from tabulate import tabulate
 from memcalc.core.categories import Category, Mode
 from memcalc.core.report import MemoryReport, Textbook
 from memcalc.core.units import Unit, format_bytes
+from memcalc.cuda.stack import installed_torch_version
 from memcalc.report.time_render import render_time
 
 __all__ = ("TABLE_FORMATS", "render_json", "render_report", "render_roles")
@@ -102,11 +103,18 @@ def _header(report: MemoryReport) -> str:
 
 
 def _assumed_line(report: MemoryReport) -> str:
-    """The software stack the kernel facts and the CUDA context were taken for."""
+    """The software stack the kernel facts and the CUDA context were taken for. When the torch
+    modelled (``--torch-version``) is not the installed one, both are named: the kernel rules
+    (attention backends, autocast lists, optimizer defaults, workspaces) are the modelled
+    release's, while the model's ops, their shapes and decompositions come from the installed
+    torch that traced the step."""
+    installed = installed_torch_version()
+    torch_text = report.torch_version if report.torch_version == installed else (
+        f"{report.torch_version}'s kernel rules (traced with the installed torch {installed})")
     if not report.cuda_version:  # the CPU target: no CUDA context
-        return f"assumed: torch {report.torch_version} (CPU target)"
+        return f"assumed: torch {torch_text} (CPU target)"
     basis = report.gpu.context_basis or "lazy module loading"  # a profile's own figure is the lazy one
-    return (f"assumed: torch {report.torch_version}, CUDA {report.cuda_version}; CUDA context "
+    return (f"assumed: torch {torch_text}, CUDA {report.cuda_version}; CUDA context "
             f"{format_bytes(report.cuda_context, 'MiB')} ({basis})")
 
 
