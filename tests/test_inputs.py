@@ -16,7 +16,12 @@ from torch import nn
 import memcalc
 import models_zoo
 from memcalc.cli import main
-from memcalc.core.errors import DataDependentError, InvalidInputError, ModelSourceError, SymbolicExecutionError
+from memcalc.core.errors import (
+    DataDependentError,
+    InvalidInputError,
+    RejectedShapesError,
+    SymbolicExecutionError,
+)
 from memcalc.engine.model import ModelInputs
 from memcalc.report.measure import measure
 from memcalc.sources.resolve import resolve
@@ -252,8 +257,39 @@ def test_an_op_without_a_meta_kernel_is_still_reported_as_such():
     model = nn.Sequential(nn.Linear(16, 16), _CpuOnly())
     with pytest.raises(SymbolicExecutionError) as caught:
         memcalc.estimate(model, batch_size=2, input_shape=(16,))
-    assert not isinstance(caught.value, DataDependentError)
+    assert not isinstance(caught.value, (DataDependentError, RejectedShapesError))
+    assert caught.value.exit_code == 1  # memcalc's limit, not the user's input
     assert "please report the op" in str(caught.value)
+
+
+# ---- 11. shapes the model refuses are bad input (exit 2), and say what the input was ---------------
+def test_shapes_an_op_refuses_are_bad_input_naming_the_input():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(20, 5))
+    with pytest.raises(RejectedShapesError) as caught:
+        memcalc.estimate(model, batch_size=2, input_shape=(3, 224))
+    error = caught.value
+    assert isinstance(error, InvalidInputError) and isinstance(error, SymbolicExecutionError)
+    assert error.exit_code == 2 and error.rejected_shapes
+    assert str(error).startswith("op aten.addmm.default failed during forward in module '1': ")
+    assert error.hint is not None and error.hint.startswith("The input was (2, 3, 224) float32. The op rejected")
+
+
+@pytest.mark.parametrize("shape, count", [((3, 224), 2), ((8, 3, 224, 224), 4), ((224,), 1)])
+def test_a_zoo_image_model_refuses_a_shape_of_another_rank_before_tracing(shape, count):
+    with pytest.raises(InvalidInputError) as caught:
+        resolve("resnet50", batch_size=1, input_shape=shape)
+    message = str(caught.value)
+    assert message.startswith(f"resnet50 takes images of shape C,H,W (3 numbers: channels, height, width); "
+                              f"the input shape given, {','.join(map(str, shape))}, has {count}")
+    assert caught.value.hint == ("Give one image's shape without the batch dimension: --input-shape 3,224,224 "
+                                 "(input_shape=(3, 224, 224) in Python).")
+
+
+def test_a_wrong_rank_image_shape_exits_2_on_the_command_line():
+    result = run("resnet50", "--input-shape", "3,224")  # the case a new user met: it exited 1
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: resnet50 takes images of shape C,H,W")
+    assert "--input-shape 3,224,224" in result.output and "Traceback" not in result.output
 
 
 def test_a_read_attention_mask_gets_a_hint():

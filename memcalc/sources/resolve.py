@@ -149,6 +149,8 @@ def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_l
         if seq_len is not None:
             raise InvalidInputError(f"{entry.name} takes {entry.input_kind.value} inputs; "
                                     f"give --input-shape (e.g. {','.join(map(str, entry.default_shape))})")
+        if entry.input_kind is InputKind.IMAGE and shape is not None and len(shape) != len(entry.default_shape):
+            raise _image_rank_error(entry, shape)
         per_sample = shape or entry.default_shape
 
     def build(device: torch.device) -> tuple[nn.Module, ModelInputs]:
@@ -162,6 +164,19 @@ def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_l
     notes = _context_notes(entry, per_sample, module)
     return ResolvedModel(entry.name, module, inputs, entry.loss, build, entry.block_containers,
                          notes=notes, decoder=entry.decoder)
+
+
+def _image_rank_error(entry: ZooEntry, shape: _Shape) -> InvalidInputError:
+    """A zoo image model given a shape of another rank: caught here, before the forward, where
+    the first convolution would only say "Invalid channel dimensions" (two numbers) or complain
+    of a 5-D input (the batch dimension included)."""
+    example = entry.default_shape
+    extra = " (the batch dimension is --batch, not part of the shape)" if len(shape) > len(example) else ""
+    return InvalidInputError(
+        f"{entry.name} takes images of shape C,H,W ({len(example)} numbers: channels, height, width); "
+        f"the input shape given, {','.join(map(str, shape))}, has {len(shape)}{extra}",
+        hint=f"Give one image's shape without the batch dimension: --input-shape {','.join(map(str, example))} "
+             f"(input_shape={example} in Python).")
 
 
 def _context_notes(entry: ZooEntry, per_sample: _Shape, module: nn.Module) -> tuple[str, ...]:
