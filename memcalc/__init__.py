@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         MissingPackageError,
         ModelSourceError,
         PlotPathError,
+        RejectedShapesError,
         SymbolicExecutionError,
         UnknownModelError,
     )
@@ -62,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     "LossFunctionError": "memcalc.core.errors",
     "LoopFunctionError": "memcalc.core.errors",
     "PlotPathError": "memcalc.core.errors",
+    "RejectedShapesError": "memcalc.core.errors",
     "MemcalcError": "memcalc.core.errors",
     "MissingPackageError": "memcalc.core.errors",
     "ModelSourceError": "memcalc.core.errors",
@@ -154,6 +156,7 @@ __all__ = (
     "PlotPathError",
     "Precision",
     "Quant",
+    "RejectedShapesError",
     "RoleReport",
     "Stack",
     "StepFlops",

@@ -87,7 +87,8 @@ def estimate(
             ``Distributed(batch_is_global=True)``).
         input_shape: one sample's shape, without the batch dimension.
         inputs: tensors whose shapes are used as they are (batch included): a tensor, a tuple of
-            positional arguments, or a dict of keyword arguments (``model(**inputs)``).
+            positional arguments, or a dict — keyword arguments (``model(**inputs)``) when its keys
+            name the forward's parameters, else the forward's one argument (``model(inputs)``).
         seq_len: the sequence length of a token model.
         optimizer: ``sgd``, ``sgd-momentum``, ``adam`` (None: the default), ``adamw``,
             ``rmsprop``, ``adagrad`` or ``none``; its state comes from the real ``torch.optim``

@@ -80,6 +80,9 @@ CLI_CASES: list[tuple[str, int, str]] = [
     ("mlp --strategy dp --device-ids 0,0", 2, "device ids repeat"),
     ("mlp --strategy ddp --world-size 4 --global-batch --batch 6", 2, "does not split evenly over 4 ranks"),
     ("mlp --strategy ddp --world-size 2 --measure", 2, "cannot measure"),
+    ("resnet50 --input-shape 3,224", 2, "resnet50 takes images of shape C,H,W (3 numbers"),
+    ("resnet50 --input-shape 8,3,224,224", 2, "has 4 (the batch dimension is --batch"),
+    (f"{FIXTURES}/user_models.py:make_mlp --input-shape 3,224", 2, "op aten.addmm.default failed during forward"),
     (f"{FIXTURES}/broken_syntax.py:make", 1, "syntax error"),
     (f"{FIXTURES}/missing.py:make", 1, "model file not found"),
     # memcalc fit

@@ -10,10 +10,15 @@ tests/fixtures/hf_configs: Meta-Llama-3-8B's public config.json, and a two-layer
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +27,7 @@ from click.testing import CliRunner
 import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError, MissingPackageError, UnknownModelError
-from memcalc.sources.hub import HubError, HubProblem, HuggingFace, download_config
+from memcalc.sources.hub import PROBE_TIMEOUT_S, HubError, HubProblem, HuggingFace, download_config
 from memcalc.sources.resolve import resolve
 
 hub = pytest.importorskip("huggingface_hub")
@@ -83,6 +88,54 @@ def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
     return cache
+
+
+@dataclass
+class FakeNetwork:
+    """The Hub client's network in a test: every request fails as on a machine whose DNS
+    fails (``[Errno -2] Name or service not known``, what this machine's real client says)
+    unless ``respond`` answers it. ``requests``: every request the client made."""
+
+    library: ModuleType  # the client's HTTP library (httpx2 in huggingface_hub 2.x)
+    requests: list[Any] = field(default_factory=list)
+    respond: Callable[[Any], Any] | None = None
+
+    def handle(self, request: Any) -> Any:
+        self.requests.append(request)
+        if self.respond is None:
+            raise self.library.ConnectError("[Errno -2] Name or service not known", request=request)
+        return self.respond(request)
+
+    def config_heads(self) -> list[Any]:
+        """The requests for a config.json (the client also fetches a registry of its own)."""
+        return [r for r in self.requests if r.method == "HEAD" and r.url.path.endswith("/config.json")]
+
+
+@pytest.fixture(autouse=True)
+def network(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNetwork]:
+    """No test reaches the network: the client's shared HTTP client (``get_session``, which every
+    request of huggingface_hub goes through) is replaced by one whose transport is a
+    :class:`FakeNetwork` — the layer under both memcalc's probe and ``hf_hub_download``."""
+    library = sys.modules[type(hub.get_session()).__module__.split(".")[0]]
+    if not hasattr(library, "MockTransport"):  # a client on requests (huggingface_hub 0.x)
+        pytest.skip("the client's HTTP library has no mock transport")
+    fake = FakeNetwork(library)
+    http = importlib.import_module("huggingface_hub.utils._http")
+    monkeypatch.setattr(http, "_GLOBAL_CLIENT_FACTORY",
+                        lambda: library.Client(transport=library.MockTransport(fake.handle)))
+    hub.close_session()  # the next request makes its client with the factory above
+    yield fake
+    hub.close_session()
+
+
+@pytest.fixture
+def online(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """HF_HUB_OFFLINE unset and an empty cache: the Hub is asked (the :func:`network` fixture answers)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    return tmp_path
 
 
 def _layers(spec: object) -> int:
@@ -215,6 +268,71 @@ def test_gated_repository_on_the_command_line(monkeypatch: pytest.MonkeyPatch) -
 def test_a_bad_id_is_bad_input() -> None:
     with pytest.raises(InvalidInputError, match="not a Hugging Face Hub id"):
         download_config("a/b/c")
+
+
+# ---- no network: one request, then the cache ---------------------------------------------------
+NO_DNS = "ConnectError: [Errno -2] Name or service not known"
+
+
+@pytest.mark.parametrize("failure", ["ConnectError", "ConnectTimeout", "ReadTimeout"])
+def test_no_network_fails_within_seconds_with_the_clear_error(online: Path, network: FakeNetwork,
+                                                             failure: str) -> None:
+    # huggingface_hub alone retries five times after its first request (1+2+4+8+8 s of sleep):
+    # 25 s before the same error. memcalc asks once, with a short timeout, then reads the cache.
+    def fail(request: Any) -> Any:
+        raise getattr(network.library, failure)("no answer", request=request)
+
+    network.respond = None if failure == "ConnectError" else fail
+    start = time.monotonic()
+    with pytest.raises(HubError) as caught:
+        download_config("meta-llama/Llama-3.1-8B")
+    elapsed = time.monotonic() - start
+    assert elapsed < 3.0, f"{elapsed:.1f} s"
+    error = caught.value
+    assert error.problem is HubProblem.NO_NETWORK
+    why = NO_DNS if failure == "ConnectError" else f"{failure}: no answer"
+    assert error.args[0] == (f"cannot reach the Hugging Face Hub ({why}), and meta-llama/Llama-3.1-8B is not "
+                             f"in the cache ({online})")
+    heads = network.config_heads()
+    assert len(heads) == 1  # no retry
+    assert heads[0].extensions["timeout"]["read"] == PROBE_TIMEOUT_S
+
+
+def test_the_probe_waits_as_long_as_the_user_asked(online: Path, network: FakeNetwork,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hub.constants, "HF_HUB_ETAG_TIMEOUT", 30)  # HF_HUB_ETAG_TIMEOUT=30: a slow link
+    with pytest.raises(HubError):
+        download_config("meta-llama/Llama-3.1-8B")
+    assert [r.extensions["timeout"]["connect"] for r in network.config_heads()] == [30]
+
+
+def test_no_network_still_answers_from_the_cache(hf_cache: Path, network: FakeNetwork,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
+    assert _layers(f"hf:{TINY}@dev") == 4
+    assert len(network.config_heads()) == 1
+
+
+def test_a_hub_that_answers_is_left_to_the_client(online: Path, network: FakeNetwork) -> None:
+    # the probe's answer is an HTTP error: hf_hub_download asks again and says what it is, as before
+    network.respond = lambda request: network.library.Response(
+        404, headers={"X-Error-Code": "RepoNotFound"}, request=request)
+    with pytest.raises(HubError) as caught:
+        download_config("nobody/no-such-model")
+    assert caught.value.problem is HubProblem.NOT_FOUND and caught.value.exit_code == 2
+    assert len(network.config_heads()) == 2  # the probe's, the client's
+
+
+def test_no_network_on_the_command_line(online: Path, network: FakeNetwork) -> None:
+    start = time.monotonic()
+    result = CliRunner().invoke(main, ["hf:meta-llama/Llama-3.1-8B", "--batch", "1", "--seq-len", "128"])
+    assert time.monotonic() - start < 3.0
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert lines[0] == (f"error: cannot reach the Hugging Face Hub ({NO_DNS}), and meta-llama/Llama-3.1-8B "
+                        f"is not in the cache ({online})")
+    assert lines[1].startswith("Check the network connection") and "Traceback" not in result.output
 
 
 # ---- the other hf: forms keep working, and never ask the Hub --------------------------------------

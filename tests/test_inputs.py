@@ -5,6 +5,7 @@ cannot take."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -16,14 +17,20 @@ from torch import nn
 import memcalc
 import models_zoo
 from memcalc.cli import main
-from memcalc.core.errors import DataDependentError, InvalidInputError, ModelSourceError, SymbolicExecutionError
-from memcalc.engine.model import ModelInputs
+from memcalc.core.errors import (
+    DataDependentError,
+    InvalidInputError,
+    RejectedShapesError,
+    SymbolicExecutionError,
+)
+from memcalc.engine.model import ModelInputs, bind_inputs
 from memcalc.report.measure import measure
 from memcalc.sources.resolve import resolve
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_STYLE = FIXTURES / "hf_style.py"
 TWO_MODELS = FIXTURES / "two_models.py"
+DICT_MODELS = FIXTURES / "dict_models.py"
 NEIGHBOURS = FIXTURES / "neighbours" / "net.py"
 NEIGHBOURS_WIDE = FIXTURES / "neighbours_wide" / "net.py"
 META = torch.device("meta")
@@ -252,8 +259,39 @@ def test_an_op_without_a_meta_kernel_is_still_reported_as_such():
     model = nn.Sequential(nn.Linear(16, 16), _CpuOnly())
     with pytest.raises(SymbolicExecutionError) as caught:
         memcalc.estimate(model, batch_size=2, input_shape=(16,))
-    assert not isinstance(caught.value, DataDependentError)
+    assert not isinstance(caught.value, (DataDependentError, RejectedShapesError))
+    assert caught.value.exit_code == 1  # memcalc's limit, not the user's input
     assert "please report the op" in str(caught.value)
+
+
+# ---- 11. shapes the model refuses are bad input (exit 2), and say what the input was ---------------
+def test_shapes_an_op_refuses_are_bad_input_naming_the_input():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(20, 5))
+    with pytest.raises(RejectedShapesError) as caught:
+        memcalc.estimate(model, batch_size=2, input_shape=(3, 224))
+    error = caught.value
+    assert isinstance(error, InvalidInputError) and isinstance(error, SymbolicExecutionError)
+    assert error.exit_code == 2 and error.rejected_shapes
+    assert str(error).startswith("op aten.addmm.default failed during forward in module '1': ")
+    assert error.hint is not None and error.hint.startswith("The input was (2, 3, 224) float32. The op rejected")
+
+
+@pytest.mark.parametrize("shape, count", [((3, 224), 2), ((8, 3, 224, 224), 4), ((224,), 1)])
+def test_a_zoo_image_model_refuses_a_shape_of_another_rank_before_tracing(shape, count):
+    with pytest.raises(InvalidInputError) as caught:
+        resolve("resnet50", batch_size=1, input_shape=shape)
+    message = str(caught.value)
+    assert message.startswith(f"resnet50 takes images of shape C,H,W (3 numbers: channels, height, width); "
+                              f"the input shape given, {','.join(map(str, shape))}, has {count}")
+    assert caught.value.hint == ("Give one image's shape without the batch dimension: --input-shape 3,224,224 "
+                                 "(input_shape=(3, 224, 224) in Python).")
+
+
+def test_a_wrong_rank_image_shape_exits_2_on_the_command_line():
+    result = run("resnet50", "--input-shape", "3,224")  # the case a new user met: it exited 1
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: resnet50 takes images of shape C,H,W")
+    assert "--input-shape 3,224,224" in result.output and "Traceback" not in result.output
 
 
 def test_a_read_attention_mask_gets_a_hint():
@@ -332,3 +370,93 @@ def test_hf_encoder_refuses_a_kv_cache(transformers):
     with pytest.raises(InvalidInputError, match="hf:bert is not one"):
         memcalc.estimate("hf:bert", batch_size=1, seq_len=32, mode="inference", kv_cache=8)
 
+
+
+# ---- 12. a dict of inputs is bound as Python would call the forward ------------------------------
+WHOLE = ("the dict of inputs is the forward's one argument, model(inputs): its keys are not the forward's "
+         "keyword arguments")
+
+
+def _dict_batch(batch_size: int, device: torch.device = META) -> dict[str, torch.Tensor]:
+    """What dict_models.example_inputs returns, on ``device``."""
+    return {"features": torch.zeros(batch_size, 20, device=device), "mask": torch.ones(batch_size, 5, device=device)}
+
+
+def _batch_forward(batch): ...
+def _keyword_forward(features, mask): ...
+def _any_keywords(**inputs): ...
+def _dict_and_options(batch, scale=1.0, **options): ...
+def _keys_a_subset(features, mask=None, scale=1.0): ...
+def _named_batch(batch): ...  # the dict {"batch": ...} binds both ways: keywords come first
+
+
+@pytest.mark.parametrize("forward, keys, whole", [
+    (_batch_forward, ("features", "mask"), True),
+    (_keyword_forward, ("features", "mask"), False),
+    (_any_keywords, ("features", "mask"), False),
+    (_dict_and_options, ("features", "mask"), True),  # **options, but batch is left unbound by the keys
+    (_keys_a_subset, ("features",), False),
+    (_named_batch, ("batch",), False),
+])
+def test_bind_inputs_binds_as_python_would(forward, keys, whole):
+    given = ModelInputs((), {k: torch.zeros(2, 3) for k in keys})
+    bound = bind_inputs(forward, given)
+    if whole:
+        assert bound.args == (given.kwargs,) and bound.kwargs == {}
+    else:
+        assert bound is given
+    assert bind_inputs(forward, ModelInputs((torch.zeros(2, 3),))).kwargs == {}  # positional: as given
+
+
+@pytest.mark.parametrize("name, whole", [("DictForward", True), ("Keywords", False), ("AnyKeywords", False),
+                                         ("DictAndOptions", True)])
+def test_a_dict_of_inputs_binds_alike_in_the_api_and_the_cli(name, whole):
+    # API: the module with inputs={...}; CLI: the file's example_inputs returning the same dict
+    module = resolve(f"{DICT_MODELS}:{name}", batch_size=1).module
+    report = memcalc.estimate(module, inputs=_dict_batch(4))
+    described = ("{features: (4, 20) float32, mask: (4, 5) float32}" if whole
+                 else "features=(4, 20) float32, mask=(4, 5) float32")
+    assert report.input_description == described
+    assert (WHOLE in report.notes) is whole
+    table = run(f"{DICT_MODELS}:{name}", "--batch", "4", "--depth", "0")
+    assert table.exit_code == 0, table.output
+    assert f"input {described};" in table.output and (f"note: {WHOLE}" in table.output) is whole
+    as_json = run(f"{DICT_MODELS}:{name}", "--batch", "4", "--format", "json")
+    assert json.loads(as_json.output)["bytes"] == report.to_dict()["bytes"]
+    # both tensors (fp32) once, however they are bound, and the loss's 4 int64 class targets
+    assert report.bytes.inputs == 4 * (20 + 5) * 4 + 4 * 8
+
+
+def test_a_dict_the_forward_takes_neither_way_is_refused_naming_both():
+    with pytest.raises(InvalidInputError) as caught:
+        resolve(f"{DICT_MODELS}:NeedsMore", batch_size=2)
+    message = str(caught.value)
+    assert message.startswith(f"the forward(features, mask, extra) of {DICT_MODELS}:NeedsMore takes its dict of "
+                              f"inputs (keys features, mask) neither as keyword arguments (")
+    assert "'extra'" in message and "nor as its one argument (" in message
+    result = run(f"{DICT_MODELS}:NeedsMore", "--batch", "2")
+    assert result.exit_code == 2 and "neither as keyword arguments" in result.output
+
+
+@pytest.mark.parametrize("name", ["DictForward", "DictAndOptions"])
+def test_a_dict_forward_is_measured_as_it_is_estimated(name):
+    measured = measure(f"{DICT_MODELS}:{name}", inputs=_dict_batch(2, torch.device("cpu")), device="cpu")
+    assert measured.peak_allocated is not None and measured.peak_allocated > 0
+    result = run(f"{DICT_MODELS}:{name}", "--batch", "2", "--measure", "--gpu", "cpu", "--depth", "0")
+    assert result.exit_code == 0, result.output
+    assert "measured on cpu" in result.output
+
+
+def _loop_over_dicts(model, optimizer, batches):
+    """A loop as written for a DataLoader of dicts: model(batch)."""
+    for batch in batches:
+        assert isinstance(batch, dict), type(batch)
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_a_users_loop_gets_the_dict_a_dict_forward_takes():
+    module = resolve(f"{DICT_MODELS}:DictForward", batch_size=1).module
+    report = memcalc.estimate(module, inputs=_dict_batch(4), loop=_loop_over_dicts)
+    assert report.loop == "_loop_over_dicts"

@@ -13,6 +13,7 @@ __all__ = (
     "MissingPackageError",
     "ModelSourceError",
     "PlotPathError",
+    "RejectedShapesError",
     "SymbolicExecutionError",
     "UnknownModelError",
     "symbolic_execution_error",
@@ -109,8 +110,8 @@ class MissingPackageError(MemcalcError, ImportError):
 
 class SymbolicExecutionError(MemcalcError):
     """An op could not run on meta tensors: it has no shape-only (meta) kernel, or it rejected
-    the shapes it was given. (An op that needs tensor values: :class:`DataDependentError`.)
-    Made by :func:`symbolic_execution_error`, which tells the two apart."""
+    the shapes it was given (:class:`RejectedShapesError`). (An op that needs tensor values:
+    :class:`DataDependentError`.) Made by :func:`symbolic_execution_error`, which tells them apart."""
 
     def __init__(self, op: str, module: str, phase: str, cause: BaseException, *, message: str | None = None,
                  hint: str | None = None):
@@ -123,6 +124,14 @@ class SymbolicExecutionError(MemcalcError):
         self.phase = phase
         #: The op refused the shapes it was given (it has a meta kernel): the inputs may be wrong.
         self.rejected_shapes = hint is None and not _no_meta_kernel(cause)
+
+
+class RejectedShapesError(SymbolicExecutionError, InvalidInputError):
+    """An op that has a meta kernel refused the shapes it was given: the model and its input
+    disagree (an image shape of the wrong rank, another model's ``example_inputs``, a width the
+    first layer does not take). The input is what the user can change, so it is bad input
+    (exit 2, as :class:`InvalidInputError`); catching :class:`SymbolicExecutionError` still
+    catches it."""
 
 
 class DataDependentError(SymbolicExecutionError):
@@ -144,12 +153,14 @@ class DataDependentError(SymbolicExecutionError):
 
 def symbolic_execution_error(op: str, module: str, phase: str, cause: BaseException) -> SymbolicExecutionError:
     """The error for ``op`` failing on meta tensors with ``cause``: a :class:`DataDependentError`
-    when the op needs tensor values (by the op, or by what its meta kernel said), else a
-    :class:`SymbolicExecutionError`."""
+    when the op needs tensor values (by the op, or by what its meta kernel said), a
+    :class:`SymbolicExecutionError` when it has no meta kernel, else a :class:`RejectedShapesError`."""
     reads = _data_dependent(op, str(cause))
     if reads is not None:
         return DataDependentError(op, module, phase, cause, reads=reads[0], advice=reads[1])
-    return SymbolicExecutionError(op, module, phase, cause)
+    if _no_meta_kernel(cause):
+        return SymbolicExecutionError(op, module, phase, cause)
+    return RejectedShapesError(op, module, phase, cause)
 
 
 def _where(module: str) -> str:

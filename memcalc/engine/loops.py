@@ -9,8 +9,8 @@ phases apart without the loop's help); on real tensors it is ``--measure`` and t
 runs — the same function both times.
 
 ``batches`` hands out ``2 × accum_steps`` batches, one at a time as a DataLoader does: each a
-fresh copy of the model's inputs (a tuple of positional arguments, or a dict of keyword
-arguments), made when it is drawn, so the previous batch dies when the loop lets go of it.
+fresh copy of the model's inputs (a tuple of positional arguments, or a dict: of keyword
+arguments, or a forward's one argument), made when it is drawn, so the previous batch dies when the loop lets go of it.
 For a preset each batch is a pair ``(X, y)``: ``X`` the inputs (``model(*X.args,
 **X.kwargs)``), ``y`` memcalc's targets for the chosen loss.
 
@@ -232,7 +232,9 @@ class Batches:
         per_iteration: micro-batches per optimizer step (``accum_steps``).
         observer: told of every batch.
         step: a preset's kit: batches are then ``(X, y)`` pairs with memcalc's targets; None: a
-            user's loop, given a tuple of positional arguments or a dict of keyword arguments.
+            user's loop, given a tuple of positional arguments, or a dict — of keyword
+            arguments, or the one argument of a forward that takes a dict (as a DataLoader of
+            dicts yields it: ``model(batch)``, not ``model(*batch)``).
     """
 
     def __init__(self, inputs: ModelInputs, count: int, per_iteration: int, observer: LoopObserver,
@@ -265,7 +267,11 @@ class Batches:
                 self._observer.batch_tensor(tensor)
         if y is not None:
             return X, y
-        return dict(X.kwargs) if X.kwargs else tuple(X.args)
+        if X.kwargs:
+            return dict(X.kwargs)
+        if len(X.args) == 1 and isinstance(X.args[0], dict):  # the forward takes the dict itself
+            return X.args[0]
+        return tuple(X.args)
 
 
 def run_loop(model: nn.Module, inputs: ModelInputs, config: StepConfig, loop: Loop,

@@ -3,6 +3,7 @@ names, files, hubs and the zoo is :mod:`memcalc.sources`)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, overload
@@ -10,14 +11,16 @@ from typing import Any, TypeAlias, overload
 import torch
 from torch import nn
 
+from memcalc.core.errors import InvalidInputError
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.trace import tensors_of
 
-__all__ = ("InputsLike", "ModelInputs", "ResolvedModel")
+__all__ = ("InputsLike", "ModelInputs", "ResolvedModel", "bind_inputs")
 
 #: What a user may give as a model's inputs: a tensor, a sequence of positional arguments, or a
-#: mapping of keyword arguments (``model(**batch)``, a Hugging Face batch). Arguments are tensors
-#: or nested tuples / lists / dicts of them; plain values (``None``, numbers, strings) pass as given.
+#: mapping — keyword arguments (``model(**batch)``, a Hugging Face batch) or the forward's one
+#: argument (``model(batch)``), as :func:`bind_inputs` decides. Arguments are tensors or nested
+#: tuples / lists / dicts of them; plain values (``None``, numbers, strings) pass as given.
 InputsLike: TypeAlias = "torch.Tensor | Sequence[Any] | Mapping[str, Any]"
 
 
@@ -112,6 +115,43 @@ class ResolvedModel:
     def input_description(self) -> str:
         """The inputs' shapes and dtypes, e.g. ``(8, 3, 224, 224) float32`` (keyword inputs by name)."""
         return self.inputs.description
+
+
+def bind_inputs(forward: Callable[..., Any], inputs: ModelInputs, name: str = "the model") -> ModelInputs:
+    """A dict of inputs bound to ``forward`` the way Python would call it: as keyword arguments,
+    ``forward(**inputs)``, when that call binds (the keys name its parameters, or it takes
+    ``**kwargs``, and no required parameter is missing) — a Hugging Face batch; else as its one
+    positional argument, ``forward(inputs)`` (``def forward(self, batch)``, common outside
+    Hugging Face). Keywords come first: a dict that binds both ways is a batch of named
+    arguments. Other inputs (a tensor, positional arguments) are returned as they are.
+
+    One function for every way inputs arrive (``inputs=``, a file's ``example_inputs``), called by
+    the resolver on the model it estimates and on the real one ``--measure`` builds, so the two
+    call the model alike.
+
+    Raises:
+        InvalidInputError: the dict binds neither way (both of Python's complaints are named).
+    """
+    if inputs.args or not inputs.kwargs:
+        return inputs
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):  # no signature to read (a builtin): keywords, as model(**inputs)
+        return inputs
+    try:
+        signature.bind(**inputs.kwargs)
+        return inputs
+    except TypeError as exc:
+        as_keywords = str(exc)
+    try:
+        signature.bind(inputs.kwargs)
+    except TypeError as exc:
+        raise InvalidInputError(
+            f"the forward{signature} of {name} takes its dict of inputs (keys {', '.join(inputs.kwargs)}) "
+            f"neither as keyword arguments ({as_keywords}) nor as its one argument ({exc})",
+            hint="Give a dict whose keys name the forward's parameters (model(**inputs)), a dict the forward "
+                 "takes whole (model(inputs)), or a tuple of positional arguments.") from None
+    return ModelInputs((inputs.kwargs,))
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

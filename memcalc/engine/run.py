@@ -202,6 +202,8 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
             exc.hint = (f"The inputs, {resolved.input_description}, came from {resolved.inputs_from}; if they are "
                         f"not this model's, give its input with --input-shape or --seq-len, which win over "
                         f"example_inputs.")
+        elif exc.rejected_shapes:  # say what the input was: the shapes in the message are the op's
+            exc.hint = f"The input was {resolved.input_description}. {exc.hint}"
         raise
     except MemcalcError:
         raise

@@ -26,6 +26,16 @@ Offline, ``hf_hub_download`` answers from the cache laid out as it writes it:
 file (``file_download.py`` lines 1099-1153: a commit sha is looked up in ``snapshots`` directly,
 a branch or tag through ``refs``).
 
+Without a network the client would retry before giving up: after its first request fails,
+``hf_hub_download`` asks again with ``retry_on_errors=True`` (``file_download.py``
+``_hf_hub_download_to_cache_dir``), five retries with 1, 2, 4, 8 and 8 s between them and up to
+60 s each (``_ETAG_RETRY_TIMEOUT``) — 25 s on a machine whose DNS fails, minutes where packets
+are dropped — and none of it can be configured per call. So memcalc first asks once itself
+(:func:`_unreachable`: one HEAD of the same URL through the client, no retry, a short timeout);
+a request that gets no answer means no network, and the config is then read from the cache
+alone (``local_files_only``), as offline. Any answer, even an error, leaves the rest to the
+client as before.
+
 Every failure becomes one :class:`HubError` (a :class:`~memcalc.core.errors.ModelSourceError`)
 whose ``problem`` says which: gated, missing repository, missing revision, no config.json,
 not cached while offline, no network. The client's exceptions (``huggingface_hub/errors.py``:
@@ -39,6 +49,7 @@ from __future__ import annotations
 import enum
 import importlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -65,6 +76,10 @@ CONFIG_NAME = "config.json"
 #: Where to log in for a gated or private repository (both CLIs write the same token file).
 _LOGIN_HINT = "log in with `hf auth login` (or `huggingface-cli login`), or set HF_TOKEN to a token with access"
 _HUB_URL = "https://huggingface.co"
+#: Seconds the one probe of the Hub (:func:`_unreachable`) waits for an answer; the client's own
+#: first request waits 10 (``constants.DEFAULT_ETAG_TIMEOUT``). ``HF_HUB_ETAG_TIMEOUT``, when the
+#: user sets it, is used instead: a slow link asked for longer.
+PROBE_TIMEOUT_S = 5.0
 
 
 class HfAttention(str, enum.Enum):
@@ -251,15 +266,17 @@ def download_config(repo_id: str, revision: str | None = None) -> Path:
     from the cache or downloaded into it — never another file of the repository."""
     hub = import_hf("huggingface_hub", f"the model source hf:{repo_id}")
     errors = importlib.import_module("huggingface_hub.errors")
+    importlib.import_module("huggingface_hub.constants")  # hub.constants: a lazy package loads it on import only
     offline = _offline(hub)
+    no_network = None if offline else _unreachable(hub, errors, repo_id, revision)
     try:
         path = hub.hf_hub_download(repo_id, CONFIG_NAME, revision=revision, library_name="memcalc",
-                                   local_files_only=offline)
+                                   local_files_only=offline or no_network is not None)
     except errors.HFValidationError as exc:
         raise InvalidInputError(f"{repo_id!r} is not a Hugging Face Hub id: {exc}",
                                 hint="A Hub id is ORG/NAME (hf:meta-llama/Meta-Llama-3-8B).") from exc
     except Exception as exc:
-        problem = _hub_error(hub, errors, exc, repo_id, revision, offline)
+        problem = _hub_error(hub, errors, exc, repo_id, revision, offline, no_network)
         if problem is None:
             raise
         raise problem from exc
@@ -272,9 +289,45 @@ def _offline(hub: ModuleType) -> bool:
     return bool(hub.constants.is_offline_mode()) or now.strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
+def _unreachable(hub: ModuleType, errors: ModuleType, repo_id: str, revision: str | None) -> str | None:
+    """Why the Hub cannot be reached — the client's error on one line — or None when it answered.
+
+    One HEAD of the config's URL through the client's own HTTP stack (so ``HF_ENDPOINT``, proxies
+    and certificates are the client's), without retries, waiting :data:`PROBE_TIMEOUT_S`. Only a
+    request that got no answer counts: an HTTP error is an answer, and anything else unexpected is
+    left to ``hf_hub_download`` (None), which then behaves as it always did.
+    """
+    constants = hub.constants
+    user_timeout = constants.HF_HUB_ETAG_TIMEOUT != constants.DEFAULT_ETAG_TIMEOUT
+    try:
+        hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, CONFIG_NAME, revision=revision),
+                                 timeout=constants.HF_HUB_ETAG_TIMEOUT if user_timeout else PROBE_TIMEOUT_S)
+    except errors.HfHubHTTPError:  # the Hub answered (0.x's is a requests.HTTPError, an OSError: tested first)
+        return None
+    except _transport_errors() as exc:
+        lines = str(exc).splitlines()
+        return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    except Exception:  # not a network failure: the client's own call will say what it is
+        return None
+    return None
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions of a request that got no answer, in the HTTP library the client loaded:
+    httpx2's or httpx's ``TransportError`` (connect, read, timeouts, proxy), or an ``OSError``
+    (socket errors; requests' ``ConnectionError`` and ``Timeout``, huggingface_hub 0.x)."""
+    found: list[type[BaseException]] = [OSError]
+    for library in ("httpx2", "httpx"):
+        error = getattr(sys.modules.get(library), "TransportError", None)
+        if isinstance(error, type) and issubclass(error, BaseException):
+            found.append(error)
+    return tuple(found)
+
+
 def _hub_error(hub: ModuleType, errors: ModuleType, exc: Exception, repo_id: str, revision: str | None,
-               offline: bool) -> HubError | None:
-    """The :class:`HubError` for one of the client's exceptions (None: not the Hub's)."""
+               offline: bool, no_network: str | None = None) -> HubError | None:
+    """The :class:`HubError` for one of the client's exceptions (None: not the Hub's).
+    ``no_network``: why :func:`_unreachable` found the Hub unreachable (the cache was asked alone)."""
     at = f"{repo_id}@{revision}" if revision else repo_id
     page = f"{_HUB_URL}/{repo_id}"
     if isinstance(exc, errors.GatedRepoError):  # before RepositoryNotFoundError, its base class
@@ -292,7 +345,7 @@ def _hub_error(hub: ModuleType, errors: ModuleType, exc: Exception, repo_id: str
                         hint="memcalc reads the architecture from config.json; estimate other models as "
                              "file.py:factory.", bad_input=True)
     if isinstance(exc, errors.LocalEntryNotFoundError):
-        return _not_cached(hub, repo_id, revision, offline)
+        return _not_cached(hub, repo_id, revision, offline, no_network)
     if isinstance(exc, errors.HfHubHTTPError):
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if status == 401:
@@ -303,17 +356,20 @@ def _hub_error(hub: ModuleType, errors: ModuleType, exc: Exception, repo_id: str
     return None
 
 
-def _not_cached(hub: ModuleType, repo_id: str, revision: str | None, offline: bool) -> HubError:
+def _not_cached(hub: ModuleType, repo_id: str, revision: str | None, offline: bool,
+                no_network: str | None = None) -> HubError:
     """``LocalEntryNotFoundError``: the Hub could not be asked and the cache has no answer —
-    tell a missing repository from a missing revision by what the cache holds."""
+    tell a missing repository from a missing revision by what the cache holds. ``no_network``:
+    the probe's error, named in the message."""
     cache = Path(hub.constants.HF_HUB_CACHE)
     folder = cache / ("models--" + repo_id.replace("/", "--"))  # file_download.repo_folder_name's layout
     fetch_later = (f"Run once with network access (memcalc fetches only {CONFIG_NAME}), or copy the model's "
                    f"{CONFIG_NAME} here and give hf:path/to/{CONFIG_NAME}.")
     if not offline:
-        return HubError(f"cannot reach the Hugging Face Hub, and {repo_id} is not in the cache ({cache})",
+        why = f" ({no_network})" if no_network else ""
+        return HubError(f"cannot reach the Hugging Face Hub{why}, and {repo_id} is not in the cache ({cache})",
                         problem=HubProblem.NO_NETWORK,
-                        hint="Check the network connection (or HF_ENDPOINT / proxy settings); " + fetch_later)
+                        hint="Check the network connection (or HF_ENDPOINT / proxy settings). " + fetch_later)
     if folder.is_dir():
         return HubError(f"revision {revision or 'main'!r} of {repo_id} is not in the cache ({cache}) and "
                         f"HF_HUB_OFFLINE is set",

@@ -131,7 +131,9 @@ def requested_shape(input_shape: Sequence[int] | None, seq_len: int | None) -> _
 def as_inputs(inputs: object, what: str = "inputs", *,
               error: type[InvalidInputError] | type[ModelSourceError] = InvalidInputError) -> ModelInputs | None:
     """The user's inputs as the forward's arguments: a tensor; a tuple or list of positional
-    arguments; a dict (any mapping with string keys) of keyword arguments, ``model(**inputs)``.
+    arguments; a dict (any mapping with string keys) as keyword arguments, ``model(**inputs)`` —
+    which the resolver turns into the forward's one argument, ``model(inputs)``, where the keys
+    do not bind as the forward's parameters (:func:`~memcalc.engine.model.bind_inputs`).
     Arguments may nest tuples, lists and dicts of tensors and hold plain values (``None``,
     numbers, strings); at least one tensor is needed, and the first gives the batch size."""
     if inputs is None:
@@ -141,8 +143,8 @@ def as_inputs(inputs: object, what: str = "inputs", *,
     if isinstance(inputs, Mapping):
         keys = [k for k in inputs if not isinstance(k, str)]
         if keys:
-            raise error(f"{what}: the keys of a dict of inputs name the forward's keyword arguments; "
-                        f"got {keys[0]!r}", hint=_INPUTS_FORMS)
+            raise error(f"{what}: the keys of a dict of inputs are strings, the forward's parameters or the "
+                        f"keys of the dict it takes; got {keys[0]!r}", hint=_INPUTS_FORMS)
         call = ModelInputs((), dict(inputs))
     elif isinstance(inputs, (tuple, list)):
         call = ModelInputs(tuple(inputs))
@@ -158,8 +160,9 @@ def as_inputs(inputs: object, what: str = "inputs", *,
     return call
 
 
-_INPUTS_FORMS = ("Inputs are a tensor, a tuple of positional arguments, or a dict of keyword arguments "
-                 "(model(**inputs), e.g. {\"input_ids\": ..., \"attention_mask\": ...}); arguments are tensors, "
+_INPUTS_FORMS = ("Inputs are a tensor, a tuple of positional arguments, or a dict: keyword arguments "
+                 "(model(**inputs), e.g. {\"input_ids\": ..., \"attention_mask\": ...}), or the forward's one "
+                 "argument (model(inputs)) when its keys are not the forward's parameters; arguments are tensors, "
                  "tuples, lists or dicts of them, or plain values (None, numbers, strings).")
 
 

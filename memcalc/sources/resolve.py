@@ -6,8 +6,9 @@ Forms accepted by :func:`resolve`:
 - an ``nn.Module`` (left untouched: memcalc works on a meta twin) or a zero-argument factory;
 - ``path/to/file.py:factory`` and ``package.module:factory`` — the factory returns an
   ``nn.Module``; an optional ``example_inputs(batch_size)`` beside it supplies the inputs
-  (a tensor, a tuple of positional arguments, or a dict of keyword arguments) unless an input
-  shape or sequence length is given; the file's folder is importable while its code runs, as
+  (a tensor, a tuple of positional arguments, or a dict: keyword arguments, or the forward's one
+  argument when its keys are not the forward's parameters) unless an input shape or sequence
+  length is given; the file's folder is importable while its code runs, as
   under ``python file.py``;
 - ``torchvision:resnet50``, ``timm:convnext_tiny``, ``hf:gpt2``, ``hf:path/to/config.json``
   when those packages are installed (Hugging Face models come from their config class
@@ -22,6 +23,7 @@ Every model is built under ``torch.device("meta")``: no weights are ever allocat
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import itertools
 from collections.abc import Callable, Sequence
@@ -41,7 +43,7 @@ from memcalc.core.errors import (
     UnknownModelError,
 )
 from memcalc.core.losses import LossChoice, LossKind
-from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel
+from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
 from memcalc.sources.hf_attention import attention_note, check_supported, implementation_name
 from memcalc.sources.hub import HfAttention, HuggingFace, import_hf, load_config
 from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
@@ -84,7 +86,9 @@ def resolve(
         seq_len: the sequence length of a token model (when ``input_shape`` is not given):
             token ids ``(batch_size, seq_len)``.
         inputs: the model's inputs themselves (copied to meta): a tensor, a sequence of
-            positional arguments, or a dict of keyword arguments (``model(**inputs)``).
+            positional arguments, or a dict — keyword arguments (``model(**inputs)``) when its
+            keys name the forward's parameters, else the forward's one argument (``model(inputs)``;
+            :func:`~memcalc.engine.model.bind_inputs`, which binds a file's ``example_inputs`` too).
 
     An explicit ``input_shape`` or ``seq_len`` wins over a file's ``example_inputs`` (which
     may have been written for another factory of the file); the report's notes say which
@@ -103,11 +107,16 @@ def resolve(
         raise InvalidInputError("give a batch size (or inputs to take it from)")
 
     seq_len_only = seq_len if input_shape is None else None
+    return _bound(_resolve_any(model, batch_size, shape, seq_len_only, user_inputs))
+
+
+def _resolve_any(model: object, batch_size: int, shape: _Shape | None, seq_len: int | None,
+                 user_inputs: _Inputs | None) -> ResolvedModel:
     if isinstance(model, str):
-        return _resolve_string(model, batch_size, shape, seq_len_only, user_inputs)
+        return _resolve_string(model, batch_size, shape, seq_len, user_inputs)
     if isinstance(model, HuggingFace):
-        return _hf_resolve(model, batch_size, shape, seq_len_only, user_inputs)
-    asked = Asked(batch_size, shape, seq_len_only is not None, user_inputs)
+        return _hf_resolve(model, batch_size, shape, seq_len, user_inputs)
+    asked = Asked(batch_size, shape, seq_len is not None, user_inputs)
     if isinstance(model, nn.Module):
         return _resolve_module(model, _display_name(model), asked)
     if callable(model):
@@ -115,6 +124,24 @@ def resolve(
         return _resolve_factory(model, name, asked)
     raise InvalidInputError(
         f"cannot estimate a {type(model).__name__}: give a zoo name, an nn.Module or a factory")
+
+
+def _bound(resolved: ResolvedModel) -> ResolvedModel:
+    """``resolved`` with a dict of inputs bound to its forward as Python would
+    (:func:`~memcalc.engine.model.bind_inputs`), on meta and in the real build of ``--measure``
+    alike; a dict passed whole is noted in the report."""
+    inputs = bind_inputs(resolved.module.forward, resolved.inputs, resolved.name)
+    if inputs is resolved.inputs:
+        return resolved
+    build, name = resolved.build_real, resolved.name
+
+    def build_bound(device: torch.device) -> tuple[nn.Module, _Inputs]:
+        module, real = build(device)
+        return module, bind_inputs(module.forward, real, name)
+
+    note = ("the dict of inputs is the forward's one argument, model(inputs): its keys are not the forward's "
+            "keyword arguments")
+    return dataclasses.replace(resolved, inputs=inputs, build_real=build_bound, notes=(*resolved.notes, note))
 
 
 # ---- strings ---------------------------------------------------------------------------
@@ -149,6 +176,8 @@ def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_l
         if seq_len is not None:
             raise InvalidInputError(f"{entry.name} takes {entry.input_kind.value} inputs; "
                                     f"give --input-shape (e.g. {','.join(map(str, entry.default_shape))})")
+        if entry.input_kind is InputKind.IMAGE and shape is not None and len(shape) != len(entry.default_shape):
+            raise _image_rank_error(entry, shape)
         per_sample = shape or entry.default_shape
 
     def build(device: torch.device) -> tuple[nn.Module, ModelInputs]:
@@ -162,6 +191,19 @@ def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_l
     notes = _context_notes(entry, per_sample, module)
     return ResolvedModel(entry.name, module, inputs, entry.loss, build, entry.block_containers,
                          notes=notes, decoder=entry.decoder)
+
+
+def _image_rank_error(entry: ZooEntry, shape: _Shape) -> InvalidInputError:
+    """A zoo image model given a shape of another rank: caught here, before the forward, where
+    the first convolution would only say "Invalid channel dimensions" (two numbers) or complain
+    of a 5-D input (the batch dimension included)."""
+    example = entry.default_shape
+    extra = " (the batch dimension is --batch, not part of the shape)" if len(shape) > len(example) else ""
+    return InvalidInputError(
+        f"{entry.name} takes images of shape C,H,W ({len(example)} numbers: channels, height, width); "
+        f"the input shape given, {','.join(map(str, shape))}, has {len(shape)}{extra}",
+        hint=f"Give one image's shape without the batch dimension: --input-shape {','.join(map(str, example))} "
+             f"(input_shape={example} in Python).")
 
 
 def _context_notes(entry: ZooEntry, per_sample: _Shape, module: nn.Module) -> tuple[str, ...]:
