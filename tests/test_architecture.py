@@ -1,6 +1,7 @@
-"""The shape of the package, as promised in docs/architecture.md: small modules, a small
-public API, a lazily loaded top-level package, and no import cycle through it. (The layers
-themselves are checked by `lint-imports` in .ci/run.)"""
+"""The shape of the package, as promised in docs/architecture.md: a small public API, a lazily
+loaded top-level package, and no import cycle through it. (The layers themselves are checked by
+`lint-imports` in .ci/run; module sizes and estimate()'s keywords are reviewed, not capped:
+docs/architecture.md, "Sizes are reviewed, not capped".)"""
 
 from __future__ import annotations
 
@@ -14,22 +15,12 @@ import pytest
 import memcalc
 
 PACKAGE = Path(memcalc.__file__).parent
-MAX_LINES = 600
-#: 15 single options plus three grouped ones (loop, stack, finetune): a new family of options
-#: arrives as one object (memcalc.Loop, memcalc.Stack, memcalc.FineTune), not as more keywords.
-MAX_ESTIMATE_PARAMETERS = 18
 
 
-def test_no_module_is_over_the_size_limit():
-    sizes = {p.relative_to(PACKAGE.parent): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    too_big = {str(p): n for p, n in sizes.items() if n > MAX_LINES}
-    assert not too_big, f"split these modules by subject: {too_big}"
-
-
-def test_estimate_takes_a_bounded_number_of_parameters():
+def test_estimate_keeps_internal_hooks_out_of_its_signature():
     parameters = inspect.signature(memcalc.estimate).parameters
-    assert len(parameters) <= MAX_ESTIMATE_PARAMETERS, list(parameters)
     assert "on_trace" not in parameters  # an internal hook, not part of the public signature
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for name, p in parameters.items() if name != "model")
 
 
 def test_every_public_name_resolves_and_is_documented():

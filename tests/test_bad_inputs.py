@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -454,3 +455,30 @@ def test_sweep_plot_style_is_linear_with_budget_and_largest_fitting_batch():
         assert list(mark.get_xdata()) == [4096]
         assert list(mark.get_ydata()) == [series[3].report.bytes.peak_allocated / 1024**2]
         assert list(lines[optimizer].get_xdata()) == _BATCHES
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this backward cannot run")
+
+
+class _ModelFailingInBackward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailsInBackward.apply(self.linear(x))
+
+
+def test_a_failure_past_the_forward_names_its_phase_and_does_not_only_blame_the_input() -> None:
+    # issue 22: a failure inside the step was reported as "the forward ... failed", blaming the input
+    with pytest.raises(memcalc.InvalidInputError) as info:
+        memcalc.estimate(_ModelFailingInBackward(), inputs=torch.randn(4, 8), loss="mean")
+    assert "the backward of" in str(info.value) and "this backward cannot run" in str(info.value)
+    assert "--debug" in (info.value.hint or "") and "model's code" in (info.value.hint or "")

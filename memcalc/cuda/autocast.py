@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
+
 from memcalc.cuda.versions import TARGET_TORCH_VERSION, parse_torch_version
 
 __all__ = (
@@ -49,6 +51,9 @@ LOWER_PRECISION_OPS: frozenset[str] = frozenset({
     "rnn_tanh_cell", "rnn_relu_cell",
     "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
     "cudnn_convolution", "cudnn_convolution_transpose",
+    # aten/src/ATen/cudnn/AutocastRNN.cpp (CUDA builds with cuDNN): _cudnn_rnn casts its input,
+    # weights and states to the autocast dtype (_cudnn_rnn_cast_reflatten)
+    "_cudnn_rnn",
 })  # fmt: skip
 
 #: AT_FORALL_FP32 (2.11): cast every floating input to float32. ``rms_norm`` joined in 2.12
@@ -102,13 +107,16 @@ _AUTOCAST_ALIASES: dict[str, str] = {
 def autocast_lists(torch_version: str = TARGET_TORCH_VERSION) -> dict[AutocastPolicy, frozenset[str]]:
     """Op names (no overload) per CUDA autocast policy for ``torch_version``.
 
-    The lists are 2.11's; the one known later change is ``rms_norm`` → fp32 in 2.12 (#174824,
+    The lists are 2.11's; the known later changes are ``rms_norm`` → fp32 in 2.12 (#174824,
     which also makes an fp32 output from bf16 inputs under autocast; pytorch#188955 reports "the
-    rms_norm autocast fp32 policy (2.12)" against "the 2.11 baseline"). 2.13's lists are checked
-    against the installed dispatcher (tests/test_kernels.py). Earlier versions are assumed equal
-    to 2.11: not verified below 2.11.
+    rms_norm autocast fp32 policy (2.12)" against "the 2.11 baseline") and the new
+    ``linalg_matrix_sqrth`` in 2.14 (:data:`_FP32_FROM_2_14`). The lists of every torch that CI's
+    version matrix installs (2.11, 2.13, 2.14) are checked against that torch's dispatcher
+    (tests/test_kernels.py). Earlier versions are assumed equal to 2.11: not verified below 2.11.
     """
-    fp32 = FP32_OPS | ({"rms_norm"} if parse_torch_version(torch_version) >= (2, 12) else frozenset())
+    version = parse_torch_version(torch_version)
+    fp32 = FP32_OPS | ({"rms_norm"} if version >= (2, 12) else frozenset()) | (
+        _FP32_FROM_2_14 if version >= (2, 14) else frozenset())
     return {
         "lower": LOWER_PRECISION_OPS,
         "fp32": fp32,
@@ -190,13 +198,24 @@ CPU_FP32_OPS: frozenset[str] = frozenset({
     "linalg_eigh", "linalg_lstsq", "linalg_inv_ex",
 })  # fmt: skip
 
+#: CPU fp32 ops that torch 2.14 no longer registers (its AutocastCPU kernels, read from the
+#: 2.14.1 dispatcher: ``qr`` and ``cholesky`` are gone, their ``linalg_`` forms stay), and the
+#: op it adds: ``linalg_matrix_sqrth`` (a bf16 input comes out float32 under CPU autocast).
+_CPU_FP32_DROPPED_IN_2_14 = frozenset({"qr", "cholesky"})
+#: Ops torch 2.14 adds to the fp32 lists. CUDA: registered with AutocastCUDA in 2.14.1, assumed
+#: fp32 there as on the CPU, as every other ``linalg_`` decomposition is (not run on a GPU).
+_FP32_FROM_2_14 = frozenset({"linalg_matrix_sqrth"})
+
 #: KERNEL_CPU(..., promote): float32 when any floating input is, else the autocast dtype.
 CPU_PROMOTE_OPS: frozenset[str] = frozenset({"stack", "cat", "index_copy"})
 
 
-def cpu_autocast_lists() -> dict[AutocastPolicy, frozenset[str]]:
-    """Op names (no overload, but ``"_convolution.deprecated"``) per CPU autocast policy."""
-    return {"lower": CPU_LOWER_PRECISION_OPS, "fp32": CPU_FP32_OPS, "promote": CPU_PROMOTE_OPS}
+def cpu_autocast_lists(torch_version: str | None = None) -> dict[AutocastPolicy, frozenset[str]]:
+    """Op names (no overload, but ``"_convolution.deprecated"``) per CPU autocast policy of
+    ``torch_version`` (None: the installed torch, the one a CPU run is compared with)."""
+    version = parse_torch_version(torch.__version__ if torch_version is None else torch_version)
+    fp32 = CPU_FP32_OPS - _CPU_FP32_DROPPED_IN_2_14 | _FP32_FROM_2_14 if version >= (2, 14) else CPU_FP32_OPS
+    return {"lower": CPU_LOWER_PRECISION_OPS, "fp32": fp32, "promote": CPU_PROMOTE_OPS}
 
 
 def cpu_autocast_policy(op_name: str) -> AutocastPolicy:
@@ -208,7 +227,11 @@ def cpu_autocast_policy(op_name: str) -> AutocastPolicy:
     cleared when the outermost ``torch.autocast`` exits, whatever the device.
     """
     name = _base_op_name(op_name)
-    for policy, names in cpu_autocast_lists().items():
+    for policy, names in _INSTALLED_CPU_LISTS.items():
         if name in names:
             return policy
     return "none"
+
+
+#: The CPU target follows the installed torch: its lists, worked out once.
+_INSTALLED_CPU_LISTS = cpu_autocast_lists()

@@ -55,6 +55,7 @@ from memcalc.cuda import cpu_aten, cpu_norms, onednn
 from memcalc.cuda.autocast import cpu_autocast_policy
 from memcalc.cuda.emulation import CudaEmulation
 from memcalc.cuda.onednn_matmul import ONEDNN_BF16_MATMUL_ISA, onednn_bf16_matmul_isa, onednn_bf16_matmul_scratchpad
+from memcalc.cuda.versions import parse_torch_version
 from memcalc.engine.rules import RuleRegistry, op_name
 from memcalc.engine.trace import StorageTracer
 
@@ -214,6 +215,11 @@ class CpuEmulation(CudaEmulation):
 # ---- scaled dot product attention ------------------------------------------------------------
 #: use_flash_attention_cpp's ``cpp_supported_flash_dtypes`` (sdp_utils_cpp.cpp).
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: Ranks of q, k and v the CPU flash kernel takes (``check_tensor_shapes``): 4-D up to torch
+#: 2.13; 2.14 also runs it on 3-D inputs (measured: 2.14.1 dispatches 3-D q/k/v, with or without
+#: a mask, to ``_scaled_dot_product_flash_attention_for_cpu``; 2.13 takes the math path). The CPU
+#: target models the installed torch, the one a CPU run is compared with.
+_CPU_FLASH_RANKS = (3, 4) if parse_torch_version(torch.__version__) >= (2, 14) else (4,)
 
 
 def cpu_flash_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -226,8 +232,8 @@ def cpu_flash_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         return "nested tensors"
     if dropout_p > 0.0:
         return "dropout"  # check_for_dropout
-    if not q.dim() == k.dim() == v.dim() == 4:
-        return "q, k, v are not 4-D"  # check_tensor_shapes
+    if not (q.dim() == k.dim() == v.dim() and q.dim() in _CPU_FLASH_RANKS):
+        return f"q, k, v are not {' or '.join(f'{r}-D' for r in _CPU_FLASH_RANKS)}"  # check_tensor_shapes
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         return "batch sizes differ"
     if enable_gqa:  # check_grouped_query_attention<requires_same_num_heads=true>

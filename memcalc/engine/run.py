@@ -208,10 +208,15 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     except MemcalcError:
         raise
     except Exception as exc:
+        # the model's own code (or memcalc's tracing of it) raised: the input is one suspect, not the only one
+        where = "forward" if tracer.phase in (Phase.SETUP, Phase.FORWARD) else tracer.phase.value
         raise InvalidInputError(
-            f"the forward of {resolved.name} failed on input {resolved.input_description}: "
+            f"the {where} of {resolved.name} failed on input {resolved.input_description}: "
             f"{type(exc).__name__}: {exc}",
-            hint="Check the input: --input-shape C,H,W for vision models, --seq-len N for sequence models.",
+            hint="If that input is not what the model takes, give its input: --input-shape C,H,W for vision models, "
+                 "--seq-len N for sequence models. If it is, the error comes from the model's code or from memcalc's "
+                 "tracing of it on meta tensors: --debug shows the traceback (please report it if the model runs on "
+                 "real tensors).",
         ) from exc
     finally:
         if hooks is not None:
