@@ -25,6 +25,7 @@ import memcalc
 from memcalc.cli import main
 from memcalc.cuda import onednn
 from memcalc.cuda.cpu import cpu_flash_refusal, flash_backward_temporaries, flash_forward_temporaries
+from memcalc.cuda.versions import parse_torch_version
 from memcalc.report.measure import attach_measurement, cpu_comparison_note, measure_cpu
 from memcalc.sources.resolve import resolve
 
@@ -182,8 +183,15 @@ RNN_CASES = {
 }
 
 
+#: torch 2.11's oneDNN LSTM without bias allocates 64,488 B less than the rule, which follows
+#: 2.13 (measured: +0.79% on 2.11.0; exact on 2.13.0 and 2.14.1): not followed.
+_RNN_OLDER_TORCH = pytest.mark.xfail(parse_torch_version(torch.__version__) < (2, 13), strict=True,
+                                     reason="torch < 2.13's oneDNN LSTM without bias (the rule follows 2.13)")
+
+
 @pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
-@pytest.mark.parametrize("name", list(RNN_CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_RNN_OLDER_TORCH) if n == "lstm-without-bias" else n
+                                  for n in RNN_CASES])
 def test_cpu_rnn_paths_match_the_real_cpu(name: str) -> None:
     options = dict(RNN_CASES[name])
     mode = str(options.pop("mode", "train"))

@@ -114,7 +114,18 @@ def test_new_llm_parameter_counts_equal_transformers(transformers, name):
     count = lambda m: sum(p.numel() for p in m.parameters())
     assert count(ours) == count(theirs) == entry.reference_parameters
     # the attention HF runs by default, which the zoo's forward reproduces
+    if name.startswith("gemma"):
+        _skip_unless_gemma_defaults_to_eager(theirs.config._attn_implementation)
     assert theirs.config._attn_implementation == ("eager" if name.startswith("gemma") else "sdpa")
+
+
+def _skip_unless_gemma_defaults_to_eager(chosen: str) -> None:
+    """The zoo's Gemma-2 reproduces the eager attention transformers 5.24 runs by default;
+    transformers 5.17 (the floor CI's version matrix runs) picks sdpa for it, so the zoo's Gemma
+    is not that release's: the comparisons are skipped there (an ``hf:`` Gemma config estimates
+    what the installed transformers runs)."""
+    if chosen != "eager":
+        pytest.skip(f"this transformers runs Gemma-2 with {chosen} attention by default; the zoo's follows eager")
 
 
 def test_transformers_hands_grouped_kv_heads_to_sdpa_unless_masked(transformers):
@@ -176,6 +187,13 @@ def test_new_llm_estimates_identical_to_transformers_without_cache(hf_without_ca
     from memcalc import Category
 
     kw = dict(batch_size=2, seq_len=seq_len, optimizer="adamw", gpu="a100-80gb", precision=precision)
+    if name.startswith("gemma"):
+        import torch
+        import transformers
+
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(_hf_config(transformers, name))
+        _skip_unless_gemma_defaults_to_eager(hf.config._attn_implementation)
     ours = memcalc.estimate(name, **kw)
     theirs = memcalc.estimate(hf_without_cache(name), **kw)
     assert ours.textbook.activation_bytes == theirs.textbook.activation_bytes
