@@ -17,7 +17,7 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import ClassTime, OpClass, StepTime
-from memcalc.cuda.gpus.performance import ASSUMED_EFFICIENCY, ASSUMED_LAUNCH_OVERHEAD, PERFORMANCE
+from memcalc.cuda.gpus.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
 from memcalc.engine.flops import KERNEL_COSTS, KernelCost
 from memcalc.engine.optimizers_bnb import UPDATE_KERNELS
 from memcalc.engine.rules import DuplicateRuleError
@@ -47,12 +47,12 @@ def _inference(batch: int, quant: str | None = None, double_quant: bool = False)
 def _of(time: StepTime, op_class: OpClass) -> ClassTime:
     """The step's kernels of ``op_class`` (none: zero kernels, FLOPs, bytes and seconds)."""
     return next((c for c in time.classes if c.op_class is op_class),
-                ClassTime(op_class, 0, 0, 0, 0.0, 0.0, ASSUMED_EFFICIENCY[op_class]))
+                ClassTime(op_class, 0, 0, 0, 0.0, 0.0, EFFICIENCY[op_class]))
 
 
 def _memory_seconds(nbytes: int) -> float:
     """The roofline's time of memory-bound kernels moving ``nbytes`` on the A100 80GB."""
-    return nbytes / (PERFORMANCE[GPU].bandwidth * ASSUMED_EFFICIENCY[OpClass.MEMORY])
+    return nbytes / (PERFORMANCE[GPU].bandwidth * EFFICIENCY[OpClass.MEMORY])
 
 
 # ============================================================================================
@@ -72,7 +72,7 @@ def test_nf4_dequantization_bytes_by_hand() -> None:
     # F.linear on the dequantized weight moves what it moves on the bf16 weight
     assert _of(nf4, OpClass.MATMUL) == _of(plain, OpClass.MATMUL)
     assert nf4.phase_seconds("forward") - plain.phase_seconds("forward") == pytest.approx(
-        _memory_seconds(dequantize) + ASSUMED_LAUNCH_OVERHEAD)
+        _memory_seconds(dequantize) + KERNEL_SECONDS[OpClass.MEMORY] + LAUNCH_OVERHEAD)
 
 
 def test_nf4_double_quant_dequantization_bytes_by_hand() -> None:
