@@ -184,3 +184,22 @@ def test_a_second_cost_rule_for_a_kernel_is_refused() -> None:
 
     with pytest.raises(DuplicateRuleError, match="dequantize_4bit"):
         KERNEL_COSTS.register(torch.ops.memcalc.dequantize_4bit.out)(again)
+
+
+def test_recomputation_inside_quantized_layers_is_booked_as_recompute() -> None:
+    # Checkpointing recomputes each block's forward in backward under enable_grad, but
+    # MatMul4Bit.forward (an autograd Function) runs with grad mode off: its F.linear on the
+    # dequantized weight must still count as recomputation, not backward. The base's FLOPs are the
+    # same quantized or not, so every phase's FLOPs must be too.
+    def flops(quant: str | None) -> dict[str, int]:
+        report = memcalc.estimate("llama-tiny", batch_size=1, seq_len=128, precision="bf16", gpu=GPU, checkpoint=True,
+                                  finetune=FineTune(lora=LoRA(8, targets=("q_proj", "v_proj")), quant=quant),
+                                  time=True)
+        assert report.time is not None
+        return {p.phase: p.flops for p in report.time.flops.phases}
+
+    plain, nf4 = flops(None), flops("nf4")
+    assert nf4 == plain
+    # the recomputation is the forward of the checkpointed blocks: all of the forward but the head's
+    # GEMM (2 × 128 tokens × hidden × vocab), which is outside the blocks
+    assert 0 < plain["recompute"] < plain["forward"]

@@ -492,10 +492,12 @@ class OpCostRecorder:
         module = modules.current
         # Checkpoint's recomputation runs under torch.enable_grad() inside backward, where the
         # autograd engine otherwise runs with grad mode off (torch/utils/checkpoint.py, both the
-        # reentrant CheckpointFunction.backward and the non-reentrant recompute_fn). The seed
-        # gradient (ones_like) is made before any module's gradient arrives (module "").
-        # ModuleTracker.recomputing cannot tell: a recomputation stopped early leaves its stack.
-        recompute = modules.in_backward and bool(module) and torch.is_grad_enabled()
+        # reentrant CheckpointFunction.backward and the non-reentrant recompute_fn). But the
+        # forward of an autograd Function runs with grad mode off even then (bitsandbytes'
+        # MatMul4Bit, memcalc.sources.quant): there a module's forward is still on the tracker's
+        # stack (ModuleTracker.recomputing). The seed gradient (ones_like) is made before any
+        # module's gradient arrives (module "").
+        recompute = modules.in_backward and bool(module) and (torch.is_grad_enabled() or modules.recomputing)
         self.records.append(OpCost(phase, recompute, module, rule.name, op_class, dtype, flops, bytes_moved, launches,
                                    rule.state_init and phase is Phase.OPTIMIZER, uncounted, len(tracer.trace.events)))
 
