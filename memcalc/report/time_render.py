@@ -85,8 +85,10 @@ def render_time(time: StepTime, gpu_name: str, *, fmt: str = "simple", unit: Uni
     efficiencies = ", ".join(f"{name.removeprefix('efficiency: ')} {value:.2f}" for name, value in time.assumptions
                              if name.startswith("efficiency"))
     launch = next((v for name, v in time.assumptions if name.startswith("launch")), 0.0)
-    fixed = ", ".join(f"{name.removeprefix('seconds per kernel: ')} {format_seconds(value)}"
-                      for name, value in time.assumptions if name.startswith("seconds per kernel") and value)
+    per_class = {name.removeprefix("seconds per kernel: "): value for name, value in time.assumptions
+                 if name.startswith("seconds per kernel") and value}
+    fixed = (format_seconds(next(iter(per_class.values()))) if len(set(per_class.values())) == 1
+             else ", ".join(f"{name} {format_seconds(value)}" for name, value in per_class.items()))
     lines = [
         f"where the time goes: {by_class}; gaps between kernels {_share(time.launch_seconds, time.seconds)}",
         _flops_line(time.flops),

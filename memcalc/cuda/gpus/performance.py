@@ -107,8 +107,8 @@ FITTED_GPU = fitted.GPU
 
 def basis(gpu_key: str) -> str:
     """What a time on ``gpu_key`` rests on, said beside it."""
-    fitted_on = (f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to "
-                 f"({fitted.DEVICE}, torch {fitted.TORCH})")
+    fitted_on = (f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to, on an "
+                 f"{fitted.DEVICE} with torch {fitted.TORCH}")
     if gpu_key == FITTED_GPU:
         return fitted_on
     return f"{fitted_on}; {gpu_key} scaled from its datasheet peaks, an assumption"
