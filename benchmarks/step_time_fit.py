@@ -10,7 +10,8 @@ model (bert-base) and dtype (resnet50 in float32, TF32 convolutions). Then every
 held out in turn (leave one out: the seven others and their profiles fit it). It prints
 predicted / measured for each, and the errors of each part, beside the model fitted on all of
 them (the committed coefficients) and the roofline before the fit (``times.jsonl``'s
-``predicted_s``).
+``predicted_s``). Last, the committed model against the same steps measured again on another
+H100 and an H200 (``tests/data/gpu/2026-11-26-steps/``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ HELD_OUT = (
 )
 
 
+AGAIN = DATA.parent / "2026-11-26-steps"
+
+
 @functools.cache
 def features(config: MeasuredConfig) -> ClassFeatures:
     """memcalc's per-class ideal seconds and kernels of the config's traced step on the H100."""
@@ -51,6 +55,33 @@ def features(config: MeasuredConfig) -> ClassFeatures:
         warnings.simplefilter("ignore")
         report = memcalc.estimate(config.model, **config.estimate_kwargs())
     return ClassFeatures.of(memcalc.step_time(report, **ideal_overrides()))
+
+
+def predicted(config: MeasuredConfig, gpu: str) -> float:
+    """memcalc's step time for ``config`` on the catalogue GPU ``gpu`` (the committed coefficients)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        time = memcalc.estimate(config.model, **config.estimate_kwargs(gpu)).time
+    assert time is not None
+    return time.seconds
+
+
+def measured_again() -> None:
+    """The committed model against the steps measured again on 2026-11-26 (an H100, an H200)."""
+    first = {c.name: c.step_seconds for c in load_measurements(DATA)}
+    rows = []
+    for file, gpu in (("h100-times.jsonl", "h100-80gb"), ("h200-times.jsonl", "h200")):
+        for config in load_measurements(AGAIN, file):
+            if config.step_seconds is None:
+                continue
+            before = first.get(config.name)
+            rows.append([gpu, config.name, f"{config.step_seconds * 1e3:.1f}",
+                         f"{before / config.step_seconds:.2f}" if before else "",
+                         f"{predicted(config, gpu) / config.step_seconds:.2f}"])
+    print("\nmeasured again on 2026-11-26 (tests/data/gpu/2026-11-26-steps/): the committed model, predicted / "
+          "measured\n")
+    print(tabulate(rows, headers=["GPU", "config", "measured ms", "2026-11-25 H100 / this", "predicted / measured"],
+                   colalign=("left", "left", "right", "right", "right"), disable_numparse=True))
 
 
 def ratio(result: FitResult, config: MeasuredConfig) -> float:
@@ -92,6 +123,7 @@ def main() -> None:
     print(f"split, the {len(fitted_on)} timed configs fitted on: {summary([ratio(split, c) for c in fitted_on])}")
     print(f"split, the {len(held_out)} held out: {summary([ratio(split, c) for c in held_out])}")
     print(f"leave one out, each config predicted by a fit on the seven others: {summary(list(loo.values()))}")
+    measured_again()
 
 
 if __name__ == "__main__":

@@ -112,3 +112,20 @@ def test_gpt2_head_is_an_unaligned_gemm() -> None:
     unaligned = next(c for c in report.time.classes if c.op_class is OpClass.MATMUL_UNALIGNED)
     assert unaligned.kernels == 3
     assert unaligned.flops == 3 * 2 * 64 * 768 * 50257
+
+
+AGAIN = DATA.parent / "2026-11-26-steps"
+
+
+@pytest.mark.xfail(strict=True, reason="the H100 of 2026-11-25 that the model is fitted to ran these steps 2.0-2.2x "
+                   "slower than the H100 of 2026-11-26 (tests/data/gpu/2026-11-26-steps/README.md): the model is "
+                   "about 2x pessimistic on the second one until it is refitted")
+def test_step_time_within_20_percent_of_the_same_steps_on_another_h100() -> None:
+    again = [c for c in load_measurements(AGAIN, "h100-times.jsonl") if c.step_seconds]
+    assert len(again) == len(TIMED)
+    ratios = []
+    for config in again:
+        time = _report(config).time
+        assert time is not None and config.step_seconds is not None
+        ratios.append(time.seconds / config.step_seconds)
+    assert all(abs(r - 1) <= TOLERANCE for r in ratios), ratios

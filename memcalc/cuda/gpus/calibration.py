@@ -106,14 +106,14 @@ def _key(record: Mapping[str, Any]) -> tuple[object, ...]:
             bool(record.get("checkpoint", False)))
 
 
-def load_measurements(folder: Path) -> tuple[MeasuredConfig, ...]:
-    """The configs of a GPU run's ``times.jsonl`` and ``profile.json`` (either may be absent),
-    merged by their options, timed ones first in file order.
+def load_measurements(folder: Path, times_file: str = "times.jsonl") -> tuple[MeasuredConfig, ...]:
+    """The configs of a GPU run's ``times.jsonl`` (or ``times_file``) and ``profile.json``
+    (either may be absent), merged by their options, timed ones first in file order.
 
     The profile holds ``steps`` steps of each config; its self CUDA times are divided by it.
     """
     found: dict[tuple[object, ...], dict[str, Any]] = {}
-    times = folder / "times.jsonl"
+    times = folder / times_file
     if times.exists():
         for line in times.read_text().splitlines():
             if line.strip():
