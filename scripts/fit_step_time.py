@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -28,11 +29,15 @@ from memcalc.cuda.gpus.calibration import (
     fit,
     ideal_overrides,
     load_measurements,
+    predict,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "gpu" / "2026-11-25-h100"
 OUT = ROOT / "memcalc" / "cuda" / "gpus" / "fitted.py"
+#: The same steps measured again on another H100: the fitted model is checked against them.
+RECHECK = ROOT / "tests" / "data" / "gpu" / "2026-11-26-steps"
+RECHECK_FILE = "h100-times.jsonl"
 GPU = "h100-80gb"
 
 
@@ -45,7 +50,13 @@ def features(config: MeasuredConfig) -> ClassFeatures:
     return ClassFeatures.of(memcalc.step_time(report, **ideal_overrides()))
 
 
-def render(result: FitResult, configs: tuple[MeasuredConfig, ...]) -> str:
+def recheck(result: FitResult) -> list[float]:
+    """Predicted / measured on the steps measured again on another H100 (:data:`RECHECK`)."""
+    return [predict(result, features(c)) / c.step_seconds for c in load_measurements(RECHECK, RECHECK_FILE)
+            if c.step_seconds]
+
+
+def render(result: FitResult, configs: tuple[MeasuredConfig, ...], rechecked: list[float]) -> str:
     """The coefficients module's text."""
     import json
 
@@ -78,6 +89,10 @@ def render(result: FitResult, configs: tuple[MeasuredConfig, ...]) -> str:
         "TIMED: tuple[str, ...] = (",
         *(f"    {json.dumps(c.name)}," for c in configs if c.step_seconds),
         ")",
+        f"#: predicted / measured on the same steps measured again on another H100 ({RECHECK.name}/{RECHECK_FILE})",
+        f"RECHECK_RATIO = {statistics.median(rechecked):.4g}" if rechecked else "RECHECK_RATIO = 1.0",
+        f"RECHECK_RANGE = ({min(rechecked):.4g}, {max(rechecked):.4g})" if rechecked else "RECHECK_RANGE = (1.0, 1.0)",
+        f"RECHECK_DATE = {json.dumps(RECHECK.name.split('-steps')[0])}",
         "#: the profiled steps the kernel coefficients are fitted to",
         "PROFILED: tuple[str, ...] = (",
         *(f"    {json.dumps(c.name)}," for c in configs if c.kernel_seconds),
@@ -93,7 +108,8 @@ def main() -> int:
     args = parser.parse_args()
     configs = load_measurements(DATA)
     result = fit(configs, features)
-    text = render(result, configs)
+    rechecked = recheck(result)
+    text = render(result, configs, rechecked)
     if args.check:
         current = OUT.read_text() if OUT.exists() else ""
         if current != text:
@@ -107,6 +123,9 @@ def main() -> int:
         print(f"  {op_class.value:18s} efficiency {result.efficiency_map()[op_class]:.3f}  "
               f"{result.kernel_seconds_map()[op_class] * 1e6:7.2f} µs per kernel")
     print(f"  gap {result.gap_seconds * 1e6:.2f} µs per kernel; spread ±{result.spread:.1%}")
+    if rechecked:
+        print(f"  on the steps measured again on another H100: predicted / measured {min(rechecked):.2f}-"
+              f"{max(rechecked):.2f} (median {statistics.median(rechecked):.2f})")
     return 0
 
 

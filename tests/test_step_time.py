@@ -16,8 +16,8 @@ from memcalc.cli.app import main
 from memcalc.core.categories import Phase
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.throughput import DeviceRates, OpClass
-from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.cuda.gpus import fitted
+from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.cuda.gpus.performance import EFFICIENCY, PERFORMANCE, device_rates, step_time, with_time
 from memcalc.engine.flops import OpCost, StepCosts
 
@@ -159,6 +159,8 @@ def test_cli_time_text_and_json() -> None:
     # the interval and what it rests on, beside the time: fitted on the H100, the A100 scaled from its datasheet
     assert f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to" in text.output
     assert "a100-80gb scaled from its datasheet peaks, an assumption" in text.output
+    # and, since another H100 ran the fitted steps 2x faster, that the time is likely an upper bound
+    assert f"{fitted.RECHECK_RATIO:.1f}× the same steps measured on another H100" in text.output
     data = json.loads(runner.invoke(main, ["resnet18", "--batch", "4", "--gpu", "a100-80gb", "--time",
                                            "--format", "json"]).output)
     assert data["time"]["samples"] == 4 and data["time"]["gpu"] == "a100-80gb"

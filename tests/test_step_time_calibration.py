@@ -4,6 +4,7 @@ the fit's arithmetic on a made-up GPU, and the classes the fit relies on."""
 from __future__ import annotations
 
 import functools
+import statistics
 import warnings
 from pathlib import Path
 
@@ -67,6 +68,11 @@ def test_committed_coefficients_are_those_the_data_gives() -> None:
     assert pytest.approx(result.gap_seconds, rel=1e-3) == fitted.GAP_SECONDS
     assert pytest.approx(result.spread, rel=1e-3) == fitted.SPREAD
     assert fitted.SPREAD <= TOLERANCE
+    # the same steps measured on another H100: predicted / measured, median (what the output says)
+    again = [c for c in load_measurements(DATA.parent / "2026-11-26-steps", "h100-times.jsonl") if c.step_seconds]
+    ratios = sorted(predict(result, _features(c)) / c.step_seconds for c in again if c.step_seconds)
+    assert pytest.approx(statistics.median(ratios), rel=1e-3) == fitted.RECHECK_RATIO
+    assert pytest.approx((ratios[0], ratios[-1]), rel=1e-3) == fitted.RECHECK_RANGE
 
 
 def test_fit_recovers_known_coefficients() -> None:

@@ -42,6 +42,10 @@ TIMED: tuple[str, ...] = (
     "gpt2-medium b8 s1024 adamw bf16",
     "resnet50 b64 adam fp32",
 )
+#: predicted / measured on the same steps measured again on another H100 (2026-11-26-steps/h100-times.jsonl)
+RECHECK_RATIO = 2.072
+RECHECK_RANGE = (1.956, 2.25)
+RECHECK_DATE = "2026-11-26"
 #: the profiled steps the kernel coefficients are fitted to
 PROFILED: tuple[str, ...] = (
     "resnet50 b64 sgd-momentum amp-bf16",

@@ -109,6 +109,9 @@ def basis(gpu_key: str) -> str:
     """What a time on ``gpu_key`` rests on, said beside it."""
     fitted_on = (f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to, on an "
                  f"{fitted.DEVICE} with torch {fitted.TORCH}")
+    if abs(fitted.RECHECK_RATIO - 1) > fitted.SPREAD:  # measured again elsewhere, it did not hold: say so
+        fitted_on += (f"; {fitted.RECHECK_RATIO:.1f}× the same steps measured on another H100 on "
+                      f"{fitted.RECHECK_DATE}, so likely an upper bound")
     if gpu_key == FITTED_GPU:
         return fitted_on
     return f"{fitted_on}; {gpu_key} scaled from its datasheet peaks, an assumption"
