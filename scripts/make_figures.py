@@ -188,7 +188,8 @@ def throughput_batch(out: Path) -> Path:
                             label=f"{gpu.name}: {gpu.usable_memory / GIB:.1f} GiB usable" if column == 0 else None)
         memory_axes.set_title(title, fontsize="medium")
         memory_axes.set_ylabel("peak allocated (GiB)")
-        speed_axes.set_ylabel("samples/s (roofline, assumed efficiencies)")
+        spread = times[0].spread if times else 0.0
+        speed_axes.set_ylabel(f"samples/s (fitted model, ±{spread:.0%})")
         speed_axes.set_xlabel("batch size")
         for axes in (memory_axes, speed_axes):
             axes.set_xscale("log", base=2)

@@ -17,7 +17,7 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import ClassTime, OpClass, StepTime
-from memcalc.cuda.gpus.performance import ASSUMED_EFFICIENCY, ASSUMED_LAUNCH_OVERHEAD, PERFORMANCE
+from memcalc.cuda.gpus.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
 from memcalc.engine.flops import KERNEL_COSTS, KernelCost
 from memcalc.engine.optimizers_bnb import UPDATE_KERNELS
 from memcalc.engine.rules import DuplicateRuleError
@@ -47,12 +47,12 @@ def _inference(batch: int, quant: str | None = None, double_quant: bool = False)
 def _of(time: StepTime, op_class: OpClass) -> ClassTime:
     """The step's kernels of ``op_class`` (none: zero kernels, FLOPs, bytes and seconds)."""
     return next((c for c in time.classes if c.op_class is op_class),
-                ClassTime(op_class, 0, 0, 0, 0.0, 0.0, ASSUMED_EFFICIENCY[op_class]))
+                ClassTime(op_class, 0, 0, 0, 0.0, 0.0, EFFICIENCY[op_class]))
 
 
 def _memory_seconds(nbytes: int) -> float:
     """The roofline's time of memory-bound kernels moving ``nbytes`` on the A100 80GB."""
-    return nbytes / (PERFORMANCE[GPU].bandwidth * ASSUMED_EFFICIENCY[OpClass.MEMORY])
+    return nbytes / (PERFORMANCE[GPU].bandwidth * EFFICIENCY[OpClass.MEMORY])
 
 
 # ============================================================================================
@@ -72,7 +72,7 @@ def test_nf4_dequantization_bytes_by_hand() -> None:
     # F.linear on the dequantized weight moves what it moves on the bf16 weight
     assert _of(nf4, OpClass.MATMUL) == _of(plain, OpClass.MATMUL)
     assert nf4.phase_seconds("forward") - plain.phase_seconds("forward") == pytest.approx(
-        _memory_seconds(dequantize) + ASSUMED_LAUNCH_OVERHEAD)
+        _memory_seconds(dequantize) + KERNEL_SECONDS[OpClass.MEMORY] + LAUNCH_OVERHEAD)
 
 
 def test_nf4_double_quant_dequantization_bytes_by_hand() -> None:
@@ -184,3 +184,22 @@ def test_a_second_cost_rule_for_a_kernel_is_refused() -> None:
 
     with pytest.raises(DuplicateRuleError, match="dequantize_4bit"):
         KERNEL_COSTS.register(torch.ops.memcalc.dequantize_4bit.out)(again)
+
+
+def test_recomputation_inside_quantized_layers_is_booked_as_recompute() -> None:
+    # Checkpointing recomputes each block's forward in backward under enable_grad, but
+    # MatMul4Bit.forward (an autograd Function) runs with grad mode off: its F.linear on the
+    # dequantized weight must still count as recomputation, not backward. The base's FLOPs are the
+    # same quantized or not, so every phase's FLOPs must be too.
+    def flops(quant: str | None) -> dict[str, int]:
+        report = memcalc.estimate("llama-tiny", batch_size=1, seq_len=128, precision="bf16", gpu=GPU, checkpoint=True,
+                                  finetune=FineTune(lora=LoRA(8, targets=("q_proj", "v_proj")), quant=quant),
+                                  time=True)
+        assert report.time is not None
+        return {p.phase: p.flops for p in report.time.flops.phases}
+
+    plain, nf4 = flops(None), flops("nf4")
+    assert nf4 == plain
+    # the recomputation is the forward of the checkpointed blocks: all of the forward but the head's
+    # GEMM (2 × 128 tokens × hidden × vocab), which is outside the blocks
+    assert 0 < plain["recompute"] < plain["forward"]

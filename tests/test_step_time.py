@@ -16,8 +16,9 @@ from memcalc.cli.app import main
 from memcalc.core.categories import Phase
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.throughput import DeviceRates, OpClass
+from memcalc.cuda.gpus import fitted
 from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
-from memcalc.cuda.gpus.performance import ASSUMED_EFFICIENCY, PERFORMANCE, device_rates, step_time, with_time
+from memcalc.cuda.gpus.performance import EFFICIENCY, PERFORMANCE, device_rates, step_time, with_time
 from memcalc.engine.flops import OpCost, StepCosts
 
 RATES = DeviceRates(
@@ -105,7 +106,7 @@ def test_step_time_of_a_report() -> None:
     assert time.seconds == pytest.approx(sum(p.seconds for p in time.phases))
     assert [p.phase for p in time.phases] == ["forward", "loss", "backward", "optimizer"]
     assert time.flops == report.flops()
-    assert dict(time.assumptions)["efficiency: matmul"] == ASSUMED_EFFICIENCY[OpClass.MATMUL]
+    assert dict(time.assumptions)["efficiency: matmul"] == EFFICIENCY[OpClass.MATMUL]
     # faster GPUs take less time; assumed efficiencies can be replaced
     assert step_time(mlp_report(gpu="h100-80gb")).seconds < time.seconds < step_time(mlp_report(gpu="t4")).seconds
     better = step_time(report, efficiency=dict.fromkeys(OpClass, 1.0), launch_overhead=0.0)
@@ -155,10 +156,19 @@ def test_cli_time_text_and_json() -> None:
     text = runner.invoke(main, ["resnet18", "--batch", "4", "--gpu", "a100-80gb", "--time"])
     assert text.exit_code == 0, text.output
     assert "step time on NVIDIA A100-SXM4-80GB" in text.output and "samples/s" in text.output
-    assert "ASSUMPTIONS" in text.output
+    # the interval and what it rests on, beside the time: fitted on the H100, the A100 scaled from its datasheet
+    assert f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to" in text.output
+    assert "a100-80gb scaled from its datasheet peaks, an assumption" in text.output
+    # and, since another H100 ran the fitted steps 2x faster, that the time is likely an upper bound
+    assert f"{fitted.RECHECK_RATIO:.1f}× the same steps measured on another H100" in text.output
     data = json.loads(runner.invoke(main, ["resnet18", "--batch", "4", "--gpu", "a100-80gb", "--time",
                                            "--format", "json"]).output)
     assert data["time"]["samples"] == 4 and data["time"]["gpu"] == "a100-80gb"
+    # seconds × (1 ± spread)
+    assert data["time"]["spread"] == fitted.SPREAD
+    assert data["time"]["seconds_low"] == pytest.approx(data["time"]["seconds"] * (1 - fitted.SPREAD))
+    assert data["time"]["seconds_high"] == pytest.approx(data["time"]["seconds"] * (1 + fitted.SPREAD))
+    assert "scaled from its datasheet" in data["time"]["basis"]
     untimed = json.loads(runner.invoke(main, ["resnet18", "--batch", "4", "--gpu", "a100-80gb",
                                               "--format", "json"]).output)
     assert "time" not in untimed

@@ -38,9 +38,15 @@ class OpClass(str, enum.Enum):
     """What bounds a kernel, and so which efficiency factor applies to it."""
 
     MATMUL = "matmul"  # mm, addmm, bmm, baddbmm, _scaled_mm (cuBLAS)
+    # a GEMM with a dimension that is not a multiple of 16 bytes (GPT-2's 50,257-word vocabulary):
+    # cuBLAS can only use its "align1" kernels, an order of magnitude slower (profile.json, gpt2)
+    MATMUL_UNALIGNED = "matmul-unaligned"
     CONV = "conv"  # convolution and its backward (cuDNN)
     ATTENTION = "attention"  # fused SDPA kernels (flash, memory-efficient, cuDNN), forward and backward
-    MEMORY = "memory-bound"  # elementwise, reductions, normalisation, copies: no FLOP formula
+    # batch, layer, group and RMS norm, forward and backward: memory-bound in their bytes, but
+    # their reductions run far below the bandwidth (30 of the 60 ms of resnet50's bf16 step)
+    NORMALIZATION = "normalization"
+    MEMORY = "memory-bound"  # elementwise, reductions, copies: no FLOP formula
     MULTI_TENSOR = "multi-tensor"  # torch.optim's foreach / fused kernels (multi_tensor_apply)
 
 
@@ -120,9 +126,13 @@ class DeviceRates:
 
     ``peaks``: dense FLOP/s by math mode (``"fp32"``: CUDA cores; ``"tf32"``, ``"fp16"``,
     ``"bf16"``, ``"fp8"``: tensor cores), a mode the GPU lacks left out. ``bandwidth``: device
-    memory bytes/s. ``efficiency``: the fraction of the binding peak each op class reaches and
-    ``launch_overhead``: seconds added per kernel — both assumptions until a GPU measures them
-    (:mod:`memcalc.cuda.gpus.performance` names their sources). ``tf32_conv`` / ``tf32_matmul``:
+    memory bytes/s. ``efficiency``: the fraction of the binding peak each op class reaches on a
+    large problem; ``kernel_seconds``: the fixed time each kernel of a class takes besides (its
+    ramp-up and tail: why a small kernel is far from peak); ``launch_overhead``: the gap each
+    kernel adds between kernels (the launch and eager PyTorch's host-side dispatch). All three are
+    fitted to real kernels (:mod:`memcalc.cuda.gpus.calibration`). ``spread``: the relative error
+    the fit leaves on the steps it was fitted to (the ± of the time), and ``basis``: what the
+    figures rest on, said beside the time. ``tf32_conv`` / ``tf32_matmul``:
     whether float32 convolutions / matrix products run on TF32 tensor cores (PyTorch's defaults:
     ``torch.backends.cudnn.allow_tf32 = True``, ``torch.backends.cuda.matmul.allow_tf32 =
     False``).
@@ -136,6 +146,9 @@ class DeviceRates:
     tf32_conv: bool = True
     tf32_matmul: bool = False
     source: str = ""
+    kernel_seconds: tuple[tuple[OpClass, float], ...] = ()
+    spread: float = 0.0
+    basis: str = ""
 
     def peak(self, op_class: OpClass, dtype: str) -> tuple[str, float]:
         """The math mode a kernel of ``op_class`` on ``dtype`` (``"float32"``, ``"bfloat16"``,
@@ -149,7 +162,8 @@ class DeviceRates:
             wanted = ("fp16", "fp32")
         elif dtype == "bfloat16":
             wanted = ("bf16", "fp32")
-        elif (op_class is OpClass.CONV and self.tf32_conv) or (op_class is OpClass.MATMUL and self.tf32_matmul):
+        elif (op_class is OpClass.CONV and self.tf32_conv) or (
+                op_class in (OpClass.MATMUL, OpClass.MATMUL_UNALIGNED) and self.tf32_matmul):
             wanted = ("tf32", "fp32")
         else:
             wanted = ("fp32",)
@@ -159,8 +173,12 @@ class DeviceRates:
         return "fp32", peaks.get("fp32", 0.0)
 
     def efficiency_of(self, op_class: OpClass) -> float:
-        """The efficiency factor of ``op_class`` (an assumption: see the class docstring)."""
+        """The efficiency factor of ``op_class`` (see the class docstring)."""
         return dict(self.efficiency)[op_class]
+
+    def kernel_seconds_of(self, op_class: OpClass) -> float:
+        """The fixed seconds each kernel of ``op_class`` takes besides its roofline time (0 when not given)."""
+        return dict(self.kernel_seconds).get(op_class, 0.0)
 
 
 @dataclass(frozen=True)
@@ -187,7 +205,13 @@ class ClassTime:
 class StepTime:
     """The step's time on one GPU from a roofline per op: each kernel takes the larger of its
     compute time (FLOPs ÷ (the peak of its math mode × its class's efficiency)) and its memory
-    time (bytes read and written ÷ (bandwidth × efficiency)), plus a launch overhead.
+    time (bytes read and written ÷ (bandwidth × efficiency)), plus its class's fixed time per
+    kernel and the gap between kernels (:class:`DeviceRates`).
+
+    ``spread``: the relative error the step-time model leaves on the measured steps it was fitted
+    to, so that the time is ``seconds × (1 ± spread)`` on such a step (:attr:`low`,
+    :attr:`high`); ``basis``: what the figure rests on (the GPU it was fitted on, and how other
+    GPUs are scaled), said beside it.
 
     ``samples`` per step is ``batch × accumulation steps``; ``tokens`` is that times the
     sequence length for a model taking token ids (None otherwise). ``assumptions`` are the
@@ -205,6 +229,18 @@ class StepTime:
     launch_seconds: float
     assumptions: tuple[tuple[str, float], ...]
     source: str = ""
+    spread: float = 0.0
+    basis: str = ""
+
+    @property
+    def low(self) -> float:
+        """The low end of the interval: ``seconds × (1 - spread)``."""
+        return self.seconds * (1 - self.spread)
+
+    @property
+    def high(self) -> float:
+        """The high end of the interval: ``seconds × (1 + spread)``."""
+        return self.seconds * (1 + self.spread)
 
     @property
     def samples_per_second(self) -> float:
@@ -231,7 +267,8 @@ class StepTime:
                 "samples_per_second": self.samples_per_second, "tokens_per_second": self.tokens_per_second,
                 "flops_per_second": self.flops_per_second, "launch_seconds": self.launch_seconds,
                 "phases": [p.to_dict() for p in self.phases], "classes": [c.to_dict() for c in self.classes],
-                "flops": self.flops.to_dict(), "assumptions": dict(self.assumptions), "source": self.source}
+                "flops": self.flops.to_dict(), "assumptions": dict(self.assumptions), "source": self.source,
+                "spread": self.spread, "seconds_low": self.low, "seconds_high": self.high, "basis": self.basis}
 
 
 class CostSource(Protocol):

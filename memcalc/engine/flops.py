@@ -39,6 +39,7 @@ the op, that works out its :class:`KernelCost`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,8 +54,9 @@ from memcalc.engine.model import ModelInputs
 from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import AfterOpHook, Op, StorageTracer
 
-__all__ = ("KERNEL_COSTS", "KernelCost", "KernelCostRule", "OpCost", "OpCostRecorder", "StepCosts",
-           "define_kernels", "device_bytes", "multi_tensor_launches", "tokens_per_step")
+__all__ = ("GEMM_ALIGNMENT_BYTES", "KERNEL_COSTS", "NORMALIZATION_ELEMENT_BYTES", "KernelCost", "KernelCostRule",
+           "OpCost", "OpCostRecorder", "StepCosts", "define_kernels", "device_bytes", "multi_tensor_launches",
+           "op_class_of", "tokens_per_step")
 
 aten = torch.ops.aten
 
@@ -130,7 +132,29 @@ _UNCOUNTED = frozenset({
     aten.convolution_backward_overrideable, aten.cudnn_convolution_transpose, aten._grouped_mm,
     aten._scaled_grouped_mm, aten.bilinear, aten.tensordot,
 })
-_COMPUTE = frozenset({OpClass.MATMUL, OpClass.CONV, OpClass.ATTENTION})
+_COMPUTE = frozenset({OpClass.MATMUL, OpClass.MATMUL_UNALIGNED, OpClass.CONV, OpClass.ATTENTION})
+#: Normalisations, forward and backward: memory-bound, but with their own (low) efficiency.
+_NORMALIZATION = frozenset({
+    aten.native_batch_norm, aten.native_batch_norm_backward, aten.cudnn_batch_norm, aten.cudnn_batch_norm_backward,
+    aten.miopen_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit_no_training, aten._batch_norm_with_update, aten._batch_norm_with_update_functional,
+    aten._batch_norm_no_update, aten.batch_norm_backward, aten.batch_norm_stats, aten.batch_norm_elemt,
+    aten.batch_norm_backward_reduce, aten.batch_norm_backward_elemt, aten.native_layer_norm,
+    aten.native_layer_norm_backward, aten.native_group_norm, aten.native_group_norm_backward, aten._fused_rms_norm,
+    aten._fused_rms_norm_backward,
+})
+#: Ops that record the dtype they compute in (the compute classes' math mode; the others' for display).
+_DTYPED = _COMPUTE | {OpClass.NORMALIZATION}
+#: cuBLAS's fast GEMM kernels need every matrix dimension's bytes to be a multiple of 16 (the
+#: ``align8`` bf16 / ``align4`` fp32 kernels; the "Tensor Core requirements" of NVIDIA's Matrix
+#: Multiplication Background User's Guide); otherwise it runs ``align1`` kernels (profile.json:
+#: gpt2's 50,257-word head, 6% of the bf16 peak).
+GEMM_ALIGNMENT_BYTES = 16
+#: Normalisation kernels accumulate in float32 whatever their input (``at::acc_type``, e.g.
+#: aten/src/ATen/native/cuda/Normalization.cuh), and their reductions, not the bytes, bound them:
+#: a 16-bit batch norm took as long as a float32 one on the same shapes (profile.json, resnet50
+#: amp-bf16 vs fp32: 30 and 24 ms). They are timed by their elements at this width.
+NORMALIZATION_ELEMENT_BYTES = 4
 #: Ops that launch no kernel: they allocate, reinterpret or read a value on the host.
 _NO_KERNEL = frozenset({
     aten._unsafe_view, aten.lift_fresh, aten.empty, aten.empty_like, aten.empty_strided, aten.empty_permuted,
@@ -264,18 +288,7 @@ def _rule(func: Op) -> _Rule:
     launches = not view and packet not in _NO_KERNEL and func.namespace != "profiler"
     formula_of = _SAME_FORMULA.get(packet, packet)
     composite = _COMPOSITE_FORMULAS.get(packet)
-    if composite is not None:
-        op_class = composite[1]
-    elif formula_of in _MATMUL:
-        op_class = OpClass.MATMUL
-    elif formula_of in _CONV:
-        op_class = OpClass.CONV
-    elif formula_of in _ATTENTION:
-        op_class = OpClass.ATTENTION
-    elif name.startswith(("_foreach_", "_fused_")):
-        op_class = OpClass.MULTI_TENSOR
-    else:
-        op_class = OpClass.MEMORY
+    op_class = _class_of(packet, name)
     names = [a.name for a in schema.arguments]
     causal = next((n for n in ("is_causal", "custom_mask_type") if n in names), "")
     written = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write) \
@@ -295,6 +308,52 @@ def _rule(func: Op) -> _Rule:
                  written_args=written, tensor_lists=lists,
                  mutates=any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments),
                  view_or_copy=packet in _VIEW_OR_COPY, kernel_cost=KERNEL_COSTS.get(func))
+
+
+def _class_of(packet: Any, name: str) -> OpClass:
+    formula_of = _SAME_FORMULA.get(packet, packet)
+    composite = _COMPOSITE_FORMULAS.get(packet)
+    if composite is not None:
+        return composite[1]
+    if formula_of in _MATMUL:
+        return OpClass.MATMUL
+    if formula_of in _CONV:
+        return OpClass.CONV
+    if formula_of in _ATTENTION:
+        return OpClass.ATTENTION
+    if packet in _NORMALIZATION:
+        return OpClass.NORMALIZATION
+    if name.startswith(("_foreach_", "_fused_", "_amp_foreach_")):
+        return OpClass.MULTI_TENSOR
+    return OpClass.MEMORY
+
+
+def op_class_of(name: str) -> OpClass:
+    """The class of the aten op ``name`` as a profiler names it (``"aten::mm"``,
+    ``"aten::_cudnn_attention_backward"``) or as memcalc records it (``"mm.default"``): what the
+    step-time fit uses to sort measured kernel time into the classes memcalc times. An unknown
+    name is memory-bound; a matrix product is :attr:`OpClass.MATMUL` (its alignment is a
+    property of the call, not of the name). Kernels that only CUDA runs have names the traced
+    step does not use (cuDNN's attention and convolution entry points): those are sorted by name."""
+    bare = name.removeprefix("aten::").split(".")[0]
+    packet = getattr(aten, bare, None)
+    op_class = _class_of(packet, bare) if packet is not None else OpClass.MEMORY
+    if op_class is OpClass.MEMORY and "attention" in bare:
+        return OpClass.ATTENTION  # _cudnn_attention_forward/_backward: CUDA's SDPA below the dispatcher
+    if op_class is OpClass.MEMORY and "conv" in bare:
+        return OpClass.CONV  # _conv_depthwise2d, cudnn_convolution_relu: CUDA-only convolutions
+    return op_class
+
+
+def _gemm_aligned(args: tuple[Any, ...], out: Any) -> bool:
+    """Whether every matrix operand's and the output's leading dimension (the larger of its last
+    two strides: a transposed view keeps its storage's) spans a multiple of
+    :data:`GEMM_ALIGNMENT_BYTES`, the fast cuBLAS kernels' requirement."""
+    for value in (*args, out):
+        if (isinstance(value, torch.Tensor) and value.dim() >= 2 and min(value.shape[-2:]) > 1
+                and max(value.stride()[-2:]) * value.element_size() % GEMM_ALIGNMENT_BYTES):
+            return False
+    return True
 
 
 def multi_tensor_launches(numels: Sequence[int], depth: int) -> int:
@@ -416,7 +475,9 @@ class OpCostRecorder:
                 flops = -1
         uncounted = rule.uncounted or flops < 0
         launches = multi_tensor_launches(numels, max(rule.tensor_lists, 1)) if op_class is OpClass.MULTI_TENSOR else 1
-        self._append(tracer, rule, op_class, dtype if op_class in _COMPUTE else "", max(flops, 0), read + written,
+        if op_class is OpClass.MATMUL and not _gemm_aligned(args, out):
+            op_class = OpClass.MATMUL_UNALIGNED
+        self._append(tracer, rule, op_class, dtype if op_class in _DTYPED else "", max(flops, 0), read + written,
                      launches, uncounted)
 
     def _fail(self, op: str, exc: Exception) -> None:
@@ -431,10 +492,12 @@ class OpCostRecorder:
         module = modules.current
         # Checkpoint's recomputation runs under torch.enable_grad() inside backward, where the
         # autograd engine otherwise runs with grad mode off (torch/utils/checkpoint.py, both the
-        # reentrant CheckpointFunction.backward and the non-reentrant recompute_fn). The seed
-        # gradient (ones_like) is made before any module's gradient arrives (module "").
-        # ModuleTracker.recomputing cannot tell: a recomputation stopped early leaves its stack.
-        recompute = modules.in_backward and bool(module) and torch.is_grad_enabled()
+        # reentrant CheckpointFunction.backward and the non-reentrant recompute_fn). But the
+        # forward of an autograd Function runs with grad mode off even then (bitsandbytes'
+        # MatMul4Bit, memcalc.sources.quant): there a module's forward is still on the tracker's
+        # stack (ModuleTracker.recomputing). The seed gradient (ones_like) is made before any
+        # module's gradient arrives (module "").
+        recompute = modules.in_backward and bool(module) and (torch.is_grad_enabled() or modules.recomputing)
         self.records.append(OpCost(phase, recompute, module, rule.name, op_class, dtype, flops, bytes_moved, launches,
                                    rule.state_init and phase is Phase.OPTIMIZER, uncounted, len(tracer.trace.events)))
 
@@ -476,7 +539,7 @@ class OpCostRecorder:
         total, dtype, seen = 0, "", False
         numels: list[int] = []
         reads = rule.reads
-        wants_dtype = rule.op_class in _COMPUTE
+        wants_dtype = rule.op_class in _DTYPED
         for position, value in enumerate(args if not kwargs else (*args, *kwargs.values())):
             if isinstance(value, torch.Tensor):
                 if not value.is_meta:
@@ -543,6 +606,11 @@ def _causal(rule: _Rule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     at = rule.causal_at
     value = args[at] if at is not None and at < len(args) else kwargs.get(rule.causal_name, False)
     return bool(value)  # custom_mask_type: 0 none, 1 causal from the top left, 2 from the bottom right
+
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize if hasattr(torch, dtype) else NORMALIZATION_ELEMENT_BYTES
 
 
 def _phase_name(cost: OpCost) -> str:
@@ -618,6 +686,7 @@ class StepCosts:
 
     def _roofline(self, rates: DeviceRates) -> StepTime:
         efficiency = dict(rates.efficiency)
+        fixed = {c: rates.kernel_seconds_of(c) + rates.launch_overhead for c in OpClass}
         peaks: dict[tuple[OpClass, str], float] = {}
         seconds: list[float] = []
         classes: dict[OpClass, list[float]] = {}
@@ -631,9 +700,12 @@ class StepCosts:
                 if peak is None:
                     peak = peaks[key] = rates.peak(cost.op_class, cost.dtype)[1]
                 compute = cost.flops / (peak * eff) if peak else math.inf
-            memory = cost.bytes_moved / (rates.bandwidth * eff)
+            moved = cost.bytes_moved
+            if cost.op_class is OpClass.NORMALIZATION and cost.dtype:
+                moved = moved * NORMALIZATION_ELEMENT_BYTES // _itemsize(cost.dtype)
+            memory = moved / (rates.bandwidth * eff)
             launch = cost.launches * rates.launch_overhead
-            total = max(compute, memory) + launch
+            total = max(compute, memory) + cost.launches * fixed[cost.op_class]
             seconds.append(total)
             launch_total += launch
             row = classes.setdefault(cost.op_class, [0, 0, 0, 0.0, 0.0])
@@ -643,10 +715,12 @@ class StepCosts:
             row[3] += total
             row[4] += compute if compute >= memory else 0.0
         assumptions = (*((f"efficiency: {c.value}", e) for c, e in rates.efficiency),
+                       *((f"seconds per kernel: {c.value}", t) for c, t in rates.kernel_seconds),
                        ("launch overhead per kernel (s)", rates.launch_overhead))
         return StepTime(
             gpu=rates.gpu, seconds=sum(seconds), samples=self.samples,
             tokens=None if self.tokens is None else self.tokens, phases=self._phases(seconds),
             classes=tuple(ClassTime(c, int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), efficiency[c])
                           for c in OpClass if (r := classes.get(c)) is not None),
-            flops=self.flops(), launch_seconds=launch_total, assumptions=assumptions, source=rates.source)
+            flops=self.flops(), launch_seconds=launch_total, assumptions=assumptions, source=rates.source,
+            spread=rates.spread, basis=rates.basis)

@@ -529,7 +529,10 @@ class ModuleTracker:
                 continue  # the root: outside any submodule is reported as ""
             is_leaf = next(module.children(), None) is None
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
-            self._handles.append(module.register_forward_hook(self._post_hook(name, is_leaf)))
+            # always_call: a forward stopped by an exception still leaves the stack, so that the stack
+            # is non-empty in backward exactly while a recomputation runs (non-reentrant checkpoint
+            # stops one early by raising _StopRecomputationError, torch/utils/checkpoint.py)
+            self._handles.append(module.register_forward_hook(self._post_hook(name, is_leaf), always_call=True))
 
     def remove(self) -> None:
         """Remove every hook :meth:`install` added."""
@@ -561,8 +564,8 @@ class ModuleTracker:
     def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_grad: torch.Tensor) -> None:
             self._backward_module = name
-            # A recomputation is over when backward reaches a module's gradient; non-reentrant
-            # checkpoint may stop one early (by raising), leaving its forward post-hooks unrun.
+            # A recomputation is over when backward reaches a module's gradient (kept as a guard:
+            # the post-hooks run even for a forward stopped early, see install)
             self._stack.clear()
         return hook
 

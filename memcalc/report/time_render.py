@@ -10,7 +10,8 @@ from memcalc.core.units import Unit, format_bytes
 from memcalc.search.budget import format_margin
 from memcalc.search.throughput import Candidate, ThroughputChoice
 
-__all__ = ("format_flops", "format_seconds", "render_choice", "render_loader", "render_time", "throughput_text")
+__all__ = ("format_flops", "format_seconds", "interval_text", "render_choice", "render_loader", "render_time",
+           "throughput_text")
 
 _SI = ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
@@ -32,9 +33,16 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} µs"
 
 
+def interval_text(time: StepTime) -> str:
+    """`` (±9% on the 8 steps it was fitted to (NVIDIA H100 ...); a100-80gb scaled from its
+    datasheet peaks, an assumption)``: the spread and basis of a time; empty when it has none
+    (coefficients given by the caller)."""
+    return f" ({time.basis})" if time.basis else ""
+
+
 def throughput_text(time: StepTime) -> str:
-    """``123 ms per step, 519 samples/s, 265,523 tokens/s``."""
-    text = f"{format_seconds(time.seconds)} per step, {time.samples_per_second:,.1f} samples/s"
+    """``123 ms per step (±9% on ...), 519 samples/s, 265,523 tokens/s``."""
+    text = f"{format_seconds(time.seconds)} per step{interval_text(time)}, {time.samples_per_second:,.1f} samples/s"
     tokens = time.tokens_per_second
     if tokens is not None:
         text += f", {tokens:,.0f} tokens/s"
@@ -65,8 +73,8 @@ def render_time(time: StepTime, gpu_name: str, *, fmt: str = "simple", unit: Uni
     Returns:
         The text, without a trailing newline.
     """
-    head = (f"step time on {gpu_name} (roofline per kernel, ASSUMED efficiencies): {throughput_text(time)}; "
-            f"{format_flops(time.flops_per_second, 'FLOP/s')} achieved")
+    head = (f"step time on {gpu_name} (roofline per kernel, efficiencies fitted to real kernels): "
+            f"{throughput_text(time)}; {format_flops(time.flops_per_second, 'FLOP/s')} achieved")
     rows = [[p.phase, format_flops(p.flops), format_bytes(p.bytes_moved, unit), f"{p.kernels:,}",
              format_seconds(p.seconds), _share(p.seconds, time.seconds)] for p in time.phases]
     phases = tabulate(rows, headers=["phase", "FLOPs", "bytes moved", "kernels", "time", "share"], tablefmt=fmt,
@@ -77,11 +85,16 @@ def render_time(time: StepTime, gpu_name: str, *, fmt: str = "simple", unit: Uni
     efficiencies = ", ".join(f"{name.removeprefix('efficiency: ')} {value:.2f}" for name, value in time.assumptions
                              if name.startswith("efficiency"))
     launch = next((v for name, v in time.assumptions if name.startswith("launch")), 0.0)
+    per_class = {name.removeprefix("seconds per kernel: "): value for name, value in time.assumptions
+                 if name.startswith("seconds per kernel") and value}
+    fixed = (format_seconds(next(iter(per_class.values()))) if len(set(per_class.values())) == 1
+             else ", ".join(f"{name} {format_seconds(value)}" for name, value in per_class.items()))
     lines = [
-        f"where the time goes: {by_class}; kernel launches {_share(time.launch_seconds, time.seconds)}",
+        f"where the time goes: {by_class}; gaps between kernels {_share(time.launch_seconds, time.seconds)}",
         _flops_line(time.flops),
-        f"ASSUMPTIONS (not measured on a GPU yet): efficiency per op class (fraction of the peak) {efficiencies}; "
-        f"launch overhead {format_seconds(launch)} per kernel; one stream, kernels back to back, no data loading",
+        f"model (scripts/fit_step_time.py): efficiency per op class (fraction of the datasheet peak) {efficiencies}; "
+        + (f"fixed time per kernel {fixed}; " if fixed else "")
+        + f"gap between kernels {format_seconds(launch)}; one stream, no data loading",
         f"peaks: {time.source}",
     ]
     if time.flops.uncounted:
@@ -164,7 +177,9 @@ def render_choice(choice: ThroughputChoice, *, fmt: str = "simple", unit: Unit |
     table = tabulate(rows, headers=headers,
                      tablefmt=fmt, disable_numparse=True,
                      colalign=("left", *["right"] * (7 if with_tokens else 6), "left"))
-    note = ("step times: a roofline per kernel with ASSUMED efficiencies (the fastest setting's breakdown follows); "
+    spread = best.report.time.spread if best.report.time is not None else 0.0
+    note = (f"step times: a roofline per kernel with efficiencies fitted to real kernels, ±{spread:.0%} on the steps "
+            "it was fitted to (the fastest setting's breakdown follows); "
             "an accumulating setting is estimated with two micro-batches (gradients alive across them) and timed as "
             "its micro-batches plus one optimizer step")
     return "\n\n".join(["\n".join(head), table, note])

@@ -9,10 +9,11 @@ half and bfloat16 GEMMs accumulate in float32 (``CUBLAS_COMPUTE_32F`` in
 aten/src/ATen/cuda/CUDABlas.cpp, ``gemm_internal_cublas<at::Half>``), which GeForce cards run at
 half the FP16-accumulate rate.
 
-The efficiency of each op class and the launch overhead (:data:`ASSUMED_EFFICIENCY`,
-:data:`ASSUMED_LAUNCH_OVERHEAD`) are ASSUMPTIONS, not measurements: the output labels them so.
-A GPU run that records step times (``benchmarks/accuracy.py --suite gpu`` with timings) is how
-they will be replaced.
+The efficiency of each op class, the fixed time per kernel and the gap between kernels
+(:data:`EFFICIENCY`, :data:`KERNEL_SECONDS`, :data:`LAUNCH_OVERHEAD`) are fitted to an H100's
+profiled kernels and real step times (:mod:`memcalc.cuda.gpus.calibration`). On another GPU the
+same fractions apply to that GPU's datasheet peaks: an assumption, stated with every time
+(:func:`basis`), as is the spread the fit leaves on the steps it was fitted to.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DataLoaderSetup, DeviceRates, LoaderAdvice, OpClass, StepTime, advise_loader
+from memcalc.cuda.gpus import fitted
 from memcalc.cuda.gpus.catalogue import get_gpu
 
 __all__ = (
-    "ASSUMED_EFFICIENCY",
-    "ASSUMED_LAUNCH_OVERHEAD",
+    "EFFICIENCY",
+    "FITTED_GPU",
+    "KERNEL_SECONDS",
+    "LAUNCH_OVERHEAD",
     "PERFORMANCE",
     "GpuPerformance",
+    "basis",
     "check_timeable",
     "device_rates",
     "loader_advice",
@@ -88,33 +93,35 @@ PERFORMANCE: dict[str, GpuPerformance] = {
     # throughput differs from the A10's (which the A10 datasheet gives), so the A10's would be a guess.
 }
 
-# --------------------------------------------------------------------------------------------
-# ASSUMPTIONS — the fraction of the binding peak (compute or bandwidth) each op class reaches,
-# and the time each kernel launch adds. None is measured yet; each says what it leans on.
-# --------------------------------------------------------------------------------------------
-#: ASSUMPTION: fraction of peak per op class.
-ASSUMED_EFFICIENCY: dict[OpClass, float] = {
-    # large cuBLAS GEMMs run at 70-80% of the dense tensor-core peak; smaller ones less
-    OpClass.MATMUL: 0.70,
-    # cuDNN convolutions: lower than GEMMs (small channel counts, im2col-like layouts)
-    OpClass.CONV: 0.50,
-    # FlashAttention-2 (Dao, 2023): 50-73% of the A100's peak forward, less backward
-    OpClass.ATTENTION: 0.50,
-    # elementwise, reductions, normalisation, copies: a fraction of the device bandwidth
-    OpClass.MEMORY: 0.70,
-    # torch.optim's multi_tensor_apply kernels: many small chunks, lower than a plain copy
-    OpClass.MULTI_TENSOR: 0.60,
-}
-#: ASSUMPTION: seconds each kernel adds beyond its roofline time (the launch and the host-side
-#: dispatch of eager PyTorch, a few microseconds per op: NVIDIA's "Getting Started with CUDA
-#: Graphs" blog measures launch overheads of this order).
-ASSUMED_LAUNCH_OVERHEAD = 5e-6
+#: Efficiency per op class (fraction of the binding datasheet peak a large kernel reaches),
+#: fitted to the H100's kernels (:mod:`memcalc.cuda.gpus.fitted`, written by
+#: ``scripts/fit_step_time.py``).
+EFFICIENCY: dict[OpClass, float] = dict(fitted.EFFICIENCY)
+#: Seconds each kernel of a class takes besides its roofline time (fitted likewise).
+KERNEL_SECONDS: dict[OpClass, float] = dict(fitted.KERNEL_SECONDS)
+#: Seconds between kernels: the launch and eager PyTorch's host-side dispatch (fitted likewise).
+LAUNCH_OVERHEAD: float = fitted.GAP_SECONDS
+#: The GPU the coefficients were measured on.
+FITTED_GPU = fitted.GPU
+
+
+def basis(gpu_key: str) -> str:
+    """What a time on ``gpu_key`` rests on, said beside it."""
+    fitted_on = (f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to, on an "
+                 f"{fitted.DEVICE} with torch {fitted.TORCH}")
+    if abs(fitted.RECHECK_RATIO - 1) > fitted.SPREAD:  # measured again elsewhere, it did not hold: say so
+        fitted_on += (f"; {fitted.RECHECK_RATIO:.1f}× the same steps measured on another H100 on "
+                      f"{fitted.RECHECK_DATE}, so likely an upper bound")
+    if gpu_key == FITTED_GPU:
+        return fitted_on
+    return f"{fitted_on}; {gpu_key} scaled from its datasheet peaks, an assumption"
 
 
 def device_rates(gpu: GpuProfile, *, efficiency: dict[OpClass, float] | None = None,
-                 launch_overhead: float | None = None) -> DeviceRates:
+                 launch_overhead: float | None = None,
+                 kernel_seconds: dict[OpClass, float] | None = None) -> DeviceRates:
     """What the roofline needs about ``gpu``: its peaks and bandwidth from :data:`PERFORMANCE`
-    with the assumed (or the given) efficiencies and launch overhead.
+    with the fitted (or the given) efficiencies, seconds per kernel and launch overhead.
 
     Raises:
         InvalidInputError: no figures for this GPU (the generic profile, a GPU without a source).
@@ -125,11 +132,15 @@ def device_rates(gpu: GpuProfile, *, efficiency: dict[OpClass, float] | None = N
         why = ("no GPU was named: a step time needs a GPU's peak FLOP/s and memory bandwidth" if gpu.key == "generic"
                else f"memcalc has no sourced peak FLOP/s and bandwidth for {gpu.name}")
         raise InvalidInputError(f"cannot time the step: {why}", hint=f"Estimate for one of: {known} (--gpu NAME).")
-    chosen = {**ASSUMED_EFFICIENCY, **(efficiency or {})}
+    chosen = {**EFFICIENCY, **(efficiency or {})}
+    fixed = {**KERNEL_SECONDS, **(kernel_seconds or {})}
+    overridden = efficiency is not None or launch_overhead is not None or kernel_seconds is not None
     return DeviceRates(gpu=gpu.key, peaks=figures.peaks, bandwidth=figures.bandwidth,
                        efficiency=tuple((c, chosen[c]) for c in OpClass),
-                       launch_overhead=ASSUMED_LAUNCH_OVERHEAD if launch_overhead is None else launch_overhead,
-                       source=figures.source)
+                       launch_overhead=LAUNCH_OVERHEAD if launch_overhead is None else launch_overhead,
+                       source=figures.source, kernel_seconds=tuple((c, fixed[c]) for c in OpClass),
+                       spread=0.0 if overridden else fitted.SPREAD,
+                       basis="coefficients given by the caller" if overridden else basis(gpu.key))
 
 
 def check_timeable(gpu: str | GpuProfile | None) -> None:
@@ -145,18 +156,20 @@ def check_timeable(gpu: str | GpuProfile | None) -> None:
 
 
 def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
-              launch_overhead: float | None = None) -> StepTime:
+              launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None) -> StepTime:
     """The time of the report's step on the report's GPU, from a roofline per traced kernel.
 
     Each kernel takes the larger of FLOPs ÷ (its math mode's peak × its class's efficiency) and
-    bytes moved ÷ (bandwidth × efficiency), plus a launch overhead; the step is their sum (one
-    stream, kernels back to back). Under a multi-GPU strategy: the busiest GPU's step, without
-    its communication.
+    bytes moved ÷ (bandwidth × efficiency), plus its class's fixed seconds per kernel and the
+    gap between kernels; the step is their sum (one stream). The coefficients are fitted to an
+    H100 (:mod:`memcalc.cuda.gpus.calibration`); the time carries the spread of that fit.
+    Under a multi-GPU strategy: the busiest GPU's step, without its communication.
 
     Args:
         report: what :func:`memcalc.estimate` returned for a named GPU (``gpu="a100-80gb"``).
-        efficiency: override the assumed efficiency of some op classes (fractions of peak).
-        launch_overhead: override the assumed seconds per kernel launch.
+        efficiency: override the fitted efficiency of some op classes (fractions of peak).
+        launch_overhead: override the fitted gap between kernels (seconds per kernel).
+        kernel_seconds: override the fitted fixed seconds per kernel of some op classes.
 
     Returns:
         The :class:`~memcalc.core.throughput.StepTime`: seconds, samples/s, tokens/s, per phase
@@ -167,7 +180,8 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
     """
     if not report.gpu_named:
         device_rates(GENERIC)  # raises, naming the GPUs that can be timed
-    rates = device_rates(report.gpu, efficiency=efficiency, launch_overhead=launch_overhead)
+    rates = device_rates(report.gpu, efficiency=efficiency, launch_overhead=launch_overhead,
+                         kernel_seconds=kernel_seconds)
     try:
         return report.time_on(rates)
     except ValueError as exc:
@@ -175,11 +189,11 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
 
 
 def with_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
-              launch_overhead: float | None = None) -> MemoryReport:
+              launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None) -> MemoryReport:
     """``report`` with its :attr:`~memcalc.core.report.MemoryReport.time` filled in (its JSON
     then gains a ``"time"`` key) and a note for each op whose FLOPs could not be counted; the
     arguments as for :func:`step_time`."""
-    time = step_time(report, efficiency=efficiency, launch_overhead=launch_overhead)
+    time = step_time(report, efficiency=efficiency, launch_overhead=launch_overhead, kernel_seconds=kernel_seconds)
     notes = report.notes + tuple(n for n in time.flops.failure_notes() if n not in report.notes)
     return replace(report, time=time, notes=notes)
 

@@ -1,0 +1,133 @@
+"""Fit memcalc's step-time model to a GPU's real kernels and write its coefficients.
+
+    python scripts/fit_step_time.py                  # writes memcalc/cuda/gpus/fitted.py
+    python scripts/fit_step_time.py --check          # fails if the committed module is stale
+
+Reads ``tests/data/gpu/2026-11-25-h100/`` (``profile.json``: self CUDA time of every aten op of
+eight configs; ``times.jsonl``: memcalc's prediction beside the real step of eight configs),
+traces each config with memcalc on this checkout, fits per op class an efficiency and a fixed
+time per kernel, and a gap between kernels (:mod:`memcalc.cuda.gpus.calibration`), and writes
+them as a Python module that :mod:`memcalc.cuda.gpus.performance` reads. Every coefficient comes
+from these files: nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import memcalc
+from memcalc.core.throughput import OpClass
+from memcalc.cuda.gpus.calibration import (
+    ClassFeatures,
+    FitResult,
+    MeasuredConfig,
+    fit,
+    ideal_overrides,
+    load_measurements,
+    predict,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "gpu" / "2026-11-25-h100"
+OUT = ROOT / "memcalc" / "cuda" / "gpus" / "fitted.py"
+#: The same steps measured again on another H100: the fitted model is checked against them.
+RECHECK = ROOT / "tests" / "data" / "gpu" / "2026-11-26-steps"
+RECHECK_FILE = "h100-times.jsonl"
+GPU = "h100-80gb"
+
+
+@functools.cache
+def features(config: MeasuredConfig) -> ClassFeatures:
+    """memcalc's per-class ideal seconds and kernels of ``config``'s traced step on the H100."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # approximation notes are not what is fitted
+        report = memcalc.estimate(config.model, **config.estimate_kwargs(GPU))
+    return ClassFeatures.of(memcalc.step_time(report, **ideal_overrides()))
+
+
+def recheck(result: FitResult) -> list[float]:
+    """Predicted / measured on the steps measured again on another H100 (:data:`RECHECK`)."""
+    return [predict(result, features(c)) / c.step_seconds for c in load_measurements(RECHECK, RECHECK_FILE)
+            if c.step_seconds]
+
+
+def render(result: FitResult, configs: tuple[MeasuredConfig, ...], rechecked: list[float]) -> str:
+    """The coefficients module's text."""
+    import json
+
+    env = (DATA / "env.txt").read_text().splitlines()
+    device = env[1].split(",")[0].strip() if len(env) > 1 else "NVIDIA H100"
+    torch_version = next((w for line in env for w in line.split()[1:2] if line.startswith("torch")), "?")
+    lines = [
+        '"""The step-time model\'s coefficients for the NVIDIA H100 80GB (SXM): WRITTEN BY',
+        "``scripts/fit_step_time.py`` from ``tests/data/gpu/2026-11-25-h100/`` (profile.json, times.jsonl);",
+        'do not edit, run the script (``--check`` tells whether this file is current)."""',
+        "",
+        "from memcalc.core.throughput import OpClass",
+        "",
+        f'GPU = "{GPU}"',
+        f"DEVICE = {json.dumps(device)}",
+        f"TORCH = {json.dumps(torch_version.split('+')[0])}",
+        "#: fraction of the binding datasheet peak a large kernel of each class reaches",
+        "EFFICIENCY: dict[OpClass, float] = {",
+        *(f"    OpClass.{c.name}: {e:.4g}," for c, e in result.efficiency),
+        "}",
+        "#: seconds each kernel of a class takes besides its roofline time",
+        "KERNEL_SECONDS: dict[OpClass, float] = {",
+        *(f"    OpClass.{c.name}: {s:.4g}," for c, s in result.kernel_seconds),
+        "}",
+        "#: seconds between kernels (launch and host-side dispatch), per kernel",
+        f"GAP_SECONDS = {result.gap_seconds:.4g}",
+        "#: the largest relative error left on the timed steps below",
+        f"SPREAD = {result.spread:.4g}",
+        "#: the timed steps the spread is measured on",
+        "TIMED: tuple[str, ...] = (",
+        *(f"    {json.dumps(c.name)}," for c in configs if c.step_seconds),
+        ")",
+        f"#: predicted / measured on the same steps measured again on another H100 ({RECHECK.name}/{RECHECK_FILE})",
+        f"RECHECK_RATIO = {statistics.median(rechecked):.4g}" if rechecked else "RECHECK_RATIO = 1.0",
+        f"RECHECK_RANGE = ({min(rechecked):.4g}, {max(rechecked):.4g})" if rechecked else "RECHECK_RANGE = (1.0, 1.0)",
+        f"RECHECK_DATE = {json.dumps(RECHECK.name.split('-steps')[0])}",
+        "#: the profiled steps the kernel coefficients are fitted to",
+        "PROFILED: tuple[str, ...] = (",
+        *(f"    {json.dumps(c.name)}," for c in configs if c.kernel_seconds),
+        ")",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the committed coefficients are stale")
+    args = parser.parse_args()
+    configs = load_measurements(DATA)
+    result = fit(configs, features)
+    rechecked = recheck(result)
+    text = render(result, configs, rechecked)
+    if args.check:
+        current = OUT.read_text() if OUT.exists() else ""
+        if current != text:
+            print(f"{OUT.relative_to(ROOT)} is stale: run python scripts/fit_step_time.py", file=sys.stderr)
+            return 1
+        print(f"{OUT.relative_to(ROOT)} is current")
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT.relative_to(ROOT)}")
+    for op_class in OpClass:
+        print(f"  {op_class.value:18s} efficiency {result.efficiency_map()[op_class]:.3f}  "
+              f"{result.kernel_seconds_map()[op_class] * 1e6:7.2f} µs per kernel")
+    print(f"  gap {result.gap_seconds * 1e6:.2f} µs per kernel; spread ±{result.spread:.1%}")
+    if rechecked:
+        print(f"  on the steps measured again on another H100: predicted / measured {min(rechecked):.2f}-"
+              f"{max(rechecked):.2f} (median {statistics.median(rechecked):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
