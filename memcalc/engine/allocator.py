@@ -39,7 +39,11 @@ cross-stream events that delay frees), expandable segments, CUDA graph private p
 ``release_available_cached_blocks``, a no-op when it is unlimited),
 ``garbage_collection_threshold``, ``FreeCudaMemoryCallbacks``, and the real addresses
 cudaMalloc returns: segments here get increasing fake addresses that are never reused,
-which matters only to the address tie-break between equal-sized cached blocks.
+which matters only to the address tie-break between equal-sized cached blocks — unless a real
+run's addresses are given (``segment_addresses``). Given them, and the segments a real trace
+began with (:meth:`CachingAllocatorModel.seed_segment`), the model makes every cudaMalloc of
+the fourteen real H100 snapshots in ``tests/data/gpu/`` (``tests/test_real_snapshots.py``);
+with its own addresses twelve still come out exact, two within 3.7% of the real peak reserved.
 
 After an OOM the real allocator raises. The model records the first failing event in
 ``oom_at`` and carries on as if the cudaMalloc had succeeded (it *over-commits*), so the

@@ -108,7 +108,7 @@ def load_snapshot(path: str | Path, device: int = 0) -> RealSnapshot:
     """Read a ``torch.cuda.memory._snapshot()`` pickle (as ``torch.cuda.memory._dump_snapshot``
     writes it) and return its trace for ``device``."""
     with open(path, "rb") as handle:
-        data = pickle.load(handle)  # noqa: S301 - a snapshot the user hands us, like memory_viz does
+        data = pickle.load(handle)
     return read_snapshot(data, device)
 
 
