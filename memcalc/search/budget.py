@@ -317,7 +317,8 @@ def _from_gpu(gpu: str | GpuProfile, versions: ResolvedStack) -> Budget:
             f"GPU {profile.key!r} has no known capacity",
             hint="Name a GPU model (e.g. a100-40gb) or give a budget (e.g. 24GiB).")
     source = (f"{profile.key}: {format_bytes(profile.total_memory)} "
-              f"− {format_bytes(profile.cuda_context)} CUDA context (assumed)")
+              f"− {format_bytes(profile.cuda_context)} CUDA context "
+              f"({'measured' if 'measured on' in profile.context_basis else 'assumed'})")
     return Budget(usable, source, profile)
 
 
