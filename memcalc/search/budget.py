@@ -144,6 +144,7 @@ class FitResult:
     failing_above: tuple[int, ...] = ()
     check_capped: bool = False
     replays: int = 0
+    margin_basis: str = ""  # how the margin was derived (memcalc.search.margins); "" when the caller gave it
 
     @property
     def budget_bytes(self) -> int:
@@ -164,7 +165,8 @@ class FitResult:
         """The ``memcalc fit --format json`` contract: batch, budget, margin, the raw boundary,
         where the check below the batch started, and the estimate JSON."""
         return {"batch_size": self.batch_size, "budget_bytes": self.budget_bytes, "margin": self.margin,
-                "margin_budget_bytes": self.margin_budget_bytes, "raw_batch_size": self.raw_batch_size,
+                "margin_basis": self.margin_basis, "margin_budget_bytes": self.margin_budget_bytes,
+                "raw_batch_size": self.raw_batch_size,
                 "checked_from": self.checked_from, "report": self.report.to_dict()}
 
 
