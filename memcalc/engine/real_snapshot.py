@@ -113,8 +113,9 @@ def load_snapshot(path: str | Path, device: int = 0) -> RealSnapshot:
 
 
 def _frames(event: Mapping[str, Any]) -> tuple[str, ...]:
+    """The Python frames (``file.py``, or a synthetic ``<name>`` such as memcalc's own), not C++'s."""
     return tuple(f"{f['filename']}:{f['line']} {f['name']}" for f in event.get("frames", ())
-                 if str(f.get("filename", "")).endswith(".py"))
+                 if str(f.get("filename", "")).endswith(".py") or str(f.get("filename", "")).startswith("<"))
 
 
 def read_snapshot(data: Mapping[str, Any], device: int = 0) -> RealSnapshot:
