@@ -52,8 +52,9 @@ __all__ = (
     "resolve_budget",
 )
 
-#: The fraction of the budget ``memcalc fit`` / ``max_batch_size`` hold back by default. The
-#: only measurements against real CUDA runs so far are two over-promises on a 24 GiB GPU:
+#: The flat margin ``memcalc fit`` / ``max_batch_size`` held back by default before the one
+#: measured per class of step (:mod:`memcalc.search.margins`, now the default); still what the
+#: error hints quote as an example of a fraction. Its basis: two over-promises on a 24 GiB GPU:
 #: resnet152, answered 265, ran out of memory at 256 (the answer ≥ 3.4% too large), and
 #: efficientnet_b0, answered 542, ran out at 512 (≥ 5.5%). Both are lower bounds (the real
 #: boundary was not searched). Holding back a fraction m of the budget lowers the answer by
