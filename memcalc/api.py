@@ -36,8 +36,9 @@ from memcalc.distributed.options import Distributed
 from memcalc.engine.model import InputsLike
 from memcalc.engine.optimizers import Optimizer
 from memcalc.engine.options import EstimateOptions, Target
-from memcalc.search.budget import DEFAULT_MARGIN, Budget, FitResult, check_margin, resolve_budget
+from memcalc.search.budget import Budget, FitResult, check_margin, resolve_budget
 from memcalc.search.fit import MAX_BATCH, find_max_batch
+from memcalc.search.margins import measured_margin, step_class
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests
 from memcalc.search.throughput import ThroughputChoice, find_fastest
 
@@ -203,7 +204,7 @@ def max_batch_size(
     device: str | None = None,
     optimizer: Optimizer | str | None = None,
     precision: Precision | str | None = None,
-    margin: float = DEFAULT_MARGIN,
+    margin: float | None = None,
     neighbours: int = 0,
     max_batch: int = MAX_BATCH,
     **estimate_options: Any,
@@ -225,10 +226,10 @@ def max_batch_size(
         optimizer: as for :func:`estimate`.
         precision: as for :func:`estimate` (None: fp32).
         margin: the fraction of the budget held back (0 ≤ margin < 1): the answer must fit
-            ``budget × (1 − margin)``. The default, 0.06, covers the over-promises measured
-            against real runs so far (3.4% and 5.5% too many samples on a 24 GiB GPU), the
-            assumed CUDA context, and allocator behaviour the model does not follow (several
-            streams); not a step that differs from the one estimated. 0: the raw boundary.
+            ``budget × (1 − margin)``. None (the default): the margin measured for this
+            class of step on real GPU runs (:mod:`memcalc.search.margins`: the estimate's
+            largest under-estimates of its family, precision and checkpointing, at least
+            3%); ``FitResult.margin_basis`` says how it was derived. 0: the raw boundary.
         neighbours: also estimate the batches within this distance of the answer.
         max_batch: the largest batch tried.
         **estimate_options: the other arguments of :func:`estimate` (``input_shape``,
@@ -245,14 +246,26 @@ def max_batch_size(
         BatchLimitError: ``max_batch`` still fits.
         InvalidInputError: a margin outside [0, 1), or another invalid option.
     """
-    margin = check_margin(margin)
+    given = None if margin is None else check_margin(margin)
     max_batch = _positive_int(max_batch, "max_batch", None)
     if not _is_int(neighbours) or neighbours < 0:
         raise InvalidInputError(f"neighbours must be an integer ≥ 0, got {neighbours!r}")
     _check_estimate_options("max_batch_size", estimate_options)
     resolved = resolve_budget(budget, gpu, device, stack=estimate_options.get("stack"))
     request = _search_request(model, resolved, optimizer=optimizer, precision=precision, options=estimate_options)
-    return find_max_batch(request, resolved, margin=margin, neighbours=neighbours, max_batch=max_batch)
+    chosen, basis = _margin(given, request, resolved)
+    result = find_max_batch(request, resolved, margin=chosen, neighbours=neighbours, max_batch=max_batch)
+    return replace(result, margin_basis=basis)
+
+
+def _margin(given: float | None, request: EstimateRequest, budget: Budget) -> tuple[float, str]:
+    """The margin given, or the one measured for the request's class of step, and its basis."""
+    if given is not None:
+        return given, ""
+    options = request.options
+    measured = measured_margin(step_class(request.model, options.precision, options.checkpoint, options.mode),
+                               budget.capacity)
+    return measured.fraction, measured.explain()
 
 
 def fastest_setting(
@@ -264,7 +277,7 @@ def fastest_setting(
     target_batch: int | None = None,
     optimizer: Optimizer | str | None = None,
     precision: Precision | str | None = None,
-    margin: float = DEFAULT_MARGIN,
+    margin: float | None = None,
     max_batch: int = MAX_BATCH,
     **estimate_options: Any,
 ) -> ThroughputChoice:
@@ -286,7 +299,7 @@ def fastest_setting(
         DoesNotFitError: no setting fits.
         InvalidInputError: an invalid option, or a GPU the step cannot be timed on.
     """
-    margin = check_margin(margin)
+    given = None if margin is None else check_margin(margin)
     target_batch = _positive_int(target_batch, "target_batch", "--target-batch")
     for chosen in ("checkpoint", "accum_steps"):
         if chosen in estimate_options:
@@ -294,7 +307,8 @@ def fastest_setting(
     _check_estimate_options("fastest_setting", estimate_options)
     resolved = resolve_budget(budget, gpu, device, stack=estimate_options.get("stack"))
     request = _search_request(model, resolved, optimizer=optimizer, precision=precision, options=estimate_options)
-    return find_fastest(request, resolved, margin=margin, target_batch=target_batch, max_batch=max_batch)
+    held, _basis = _margin(given, request, resolved)
+    return find_fastest(request, resolved, margin=held, target_batch=target_batch, max_batch=max_batch)
 
 
 def iter_sweep(

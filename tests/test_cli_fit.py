@@ -59,7 +59,7 @@ def test_fit_json_shape(mlp_budget):
     result = run("fit", "mlp", "--budget", str(mlp_budget), "--optim", "sgd", "--margin", "0", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert set(data) == {"batch_size", "budget_bytes", "margin", "margin_budget_bytes", "raw_batch_size",
+    assert set(data) == {"batch_size", "budget_bytes", "margin", "margin_basis", "margin_budget_bytes", "raw_batch_size",
                          "checked_from", "report"}
     assert data["budget_bytes"] == data["margin_budget_bytes"] == mlp_budget and data["margin"] == 0
     assert data["raw_batch_size"] >= data["batch_size"] >= data["checked_from"] >= 1

@@ -272,7 +272,9 @@ def test_model_too_small_to_bound_raises_batch_limit():
 
 
 def test_neighbours_reuse_the_search_probes(counted):
-    result = max_batch_size("mlp", budget=int(api.estimate("mlp", batch_size=1).peak_reserved * 1.3), neighbours=2)
+    # the flat 6%: the measured margin of a family without data (an MLP) is 29% of so small a budget
+    result = max_batch_size("mlp", budget=int(api.estimate("mlp", batch_size=1).peak_reserved * 1.3), neighbours=2,
+                            margin=0.06)
     b = result.batch_size
     assert [p.batch_size for p in result.neighbours] == [x for x in range(b - 2, b + 3) if x >= 1]
     assert [p.fits for p in result.neighbours if p.batch_size <= b][-1] is True

@@ -5,6 +5,7 @@ and the report saying which it assumed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +17,16 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GpuProfile
 from memcalc.core.stack import Stack
 from memcalc.cuda import versions
-from memcalc.cuda.gpus.catalogue import EAGER_MODULE_LOADING_EXTRA, catalogue, cuda_context_bytes, get_gpu
+from memcalc.cuda.gpus.catalogue import (
+    EAGER_MODULE_LOADING_EXTRA,
+    MEASURED_CONTEXTS,
+    catalogue,
+    cuda_context_bytes,
+    get_gpu,
+)
 from memcalc.cuda.sdpa import AttentionBackend, SdpaCall, choose_sdpa_backend
 from memcalc.cuda.stack import installed_torch_version, lazy_module_loading, resolve_stack, supported_torch_versions
+from memcalc.report.render import render_report
 from memcalc.search.budget import resolve_budget
 
 MiB = 2**20
@@ -115,6 +123,8 @@ def test_module_loading_follows_cuda_and_the_environment() -> None:
 
 def test_eager_context_of_the_catalogue_is_about_1_3_gib() -> None:
     for gpu in catalogue():
+        if gpu.key in MEASURED_CONTEXTS:  # measured, both ways: test_measured_h100_context_...
+            continue
         lazy = cuda_context_bytes(gpu, (12, 4))
         eager = cuda_context_bytes(gpu, (11, 6))
         assert lazy == gpu.cuda_context  # each catalogue figure is the lazy-loading one
@@ -201,3 +211,29 @@ def test_json_has_the_versions() -> None:
 def test_cpu_target_names_no_cuda() -> None:
     report = memcalc.estimate("mlp", batch_size=4, gpu="cpu")
     assert report.torch_version == INSTALLED and report.cuda_version == ""
+
+
+# ---- the measured H100 context ---------------------------------------------------------------
+
+
+def test_measured_h100_context_comes_from_the_shared_data() -> None:
+    ctx = json.loads((Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100" / "ctx.json").read_text())
+    lazy, eager = (json.loads(ctx[mode])["context"] for mode in ("LAZY", "EAGER"))
+    h100 = get_gpu("h100-80gb")
+    assert cuda_context_bytes(h100, (13, 0)) == lazy == 726_663_168  # 693.0 MiB
+    assert cuda_context_bytes(h100, (13, 0), lazy_loading=False) == eager == 2_039_480_320  # 1,945.0 MiB
+    # a card not measured keeps the assumption: 256 MiB + 132 SMs × 2048 threads × 1 KiB, + 800 MiB eager
+    h200 = get_gpu("h200")
+    assert cuda_context_bytes(h200, (13, 0), lazy_loading=False) == (520 + 800) * MiB
+
+
+def test_report_says_which_context_is_measured() -> None:
+    measured = memcalc.estimate("mlp", batch_size=4, gpu="h100-80gb", stack=Stack(cuda="13.0"))
+    assert measured.gpu.context_basis == "lazy module loading, measured on NVIDIA H100 80GB HBM3, CUDA 13.0"
+    text = render_report(measured)
+    assert "CUDA context 693.00 MiB (lazy module loading, measured on NVIDIA H100 80GB HBM3, CUDA 13.0)" in text
+    assert "(measured for h100-80gb)" in text
+    other_cuda = memcalc.estimate("mlp", batch_size=4, gpu="h100-80gb", stack=Stack(cuda="12.4"))
+    assert other_cuda.gpu.context_basis.endswith("CUDA 13.0; assumed the same for CUDA 12.4")
+    assumed = memcalc.estimate("mlp", batch_size=4, gpu="h200", stack=Stack(cuda="13.0"))
+    assert assumed.gpu.context_basis == "" and "(assumed for h200)" in render_report(assumed)

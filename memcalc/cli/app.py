@@ -14,6 +14,7 @@ from tabulate import tabulate
 
 import models_zoo
 from memcalc import api
+from memcalc.cli.compare import compare_command
 from memcalc.cli.fit import fit_command
 from memcalc.cli.gpus import gpus_command
 from memcalc.cli.hf import attn_model, attn_option
@@ -68,6 +69,8 @@ def main() -> None:
     memcalc fit MODEL --gpu G    the largest batch that fits a GPU (or --budget, --device)
     memcalc sweep MODEL -b 1,64  memory over batch sizes, optimizers, precisions (--plot)
     memcalc gpus                 list this machine's GPUs
+    memcalc compare RUN.pickle MODEL [options]
+                                 a real torch.cuda.memory._snapshot() beside the estimate
 
     Example: memcalc resnet50 --batch 64 --optim adam
     """
@@ -228,6 +231,7 @@ def zoo_command(fmt: str, units: str, debug: bool) -> None:
 
 
 main.add_command(fit_command)
+main.add_command(compare_command)
 main.add_command(sweep_command)
 main.add_command(gpus_command)
 

@@ -21,7 +21,7 @@ from memcalc.cuda.gpus.performance import check_timeable, with_time
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.time_render import render_choice
-from memcalc.search.budget import DEFAULT_MARGIN, FitResult, format_margin
+from memcalc.search.budget import FitResult, format_margin
 
 __all__ = ("fit_command",)
 
@@ -59,8 +59,10 @@ class MarginType(click.ParamType[float]):
 @setup_options
 @attn_option
 @strategy_options
-@click.option("--margin", type=MarginType(), default=DEFAULT_MARGIN, show_default=True,
-              help="Fraction of the budget held back for the estimate's error (0.06 or 6%); 0: the raw boundary.")
+@click.option("--margin", type=MarginType(), default=None, show_default="measured for the class of step",
+              help="Fraction of the budget held back for the estimate's error (0.06 or 6%); 0: the raw boundary. "
+                   "Default: the estimate's error measured on real GPU runs for this class of step (family, "
+                   "precision, checkpointing), at least 3%.")
 @click.option("--neighbours", type=click.IntRange(min=0, max=16), default=DEFAULT_NEIGHBOURS, show_default=True,
               help="Also show the batches this close to the answer.")
 @click.option("--time", "timed", is_flag=True,
@@ -75,7 +77,7 @@ class MarginType(click.ParamType[float]):
 @handle_errors
 def fit_command(model: str, gpu: str | None, budget: int | None, device: str | None, optim: str,
                 precision: str | None, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str,
-                checkpoint: bool, accum_steps: int, kv_cache: int | None, loss: str | None, margin: float,
+                checkpoint: bool, accum_steps: int, kv_cache: int | None, loss: str | None, margin: float | None,
                 neighbours: int, timed: bool, objective: str, target_batch: int | None, fmt: str, units: str,
                 debug: bool, **multi_gpu: Any) -> None:
     """The largest batch of MODEL whose step fits a GPU, a budget or a local GPU (per GPU, with
@@ -112,7 +114,7 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
     click.echo(_render_fit(result, fmt, units), nl=False)
 
 
-def _fit_throughput(source: Any, where: dict[str, Any], optim: str, precision: str | None, margin: float,
+def _fit_throughput(source: Any, where: dict[str, Any], optim: str, precision: str | None, margin: float | None,
                     target_batch: int | None, options: dict[str, Any], fmt: str, unit: str) -> None:
     """``--objective throughput``: the fastest setting that fits, and why."""
     for name, flag in (("checkpoint", "--checkpoint"), ("accum_steps", "--accum-steps")):
@@ -187,7 +189,8 @@ def _margin_line(result: FitResult, unit: str) -> str:
     if not result.margin:
         return "margin: none (--margin 0): nothing held back for the estimate's error against a real run"
     held = result.budget_bytes - result.margin_budget_bytes
+    why = (f"({result.margin_basis})" if result.margin_basis else
+           "(given: --margin)")
     return (f"margin: {format_margin(result.margin)} held back ({format_bytes(held, unit)}; the step must fit "
             f"{format_bytes(result.margin_budget_bytes, unit)}) for the estimate's error against real CUDA runs "
-            f"(answers 3.4% and 5.5% too large seen so far), the assumed CUDA context and what the allocator model "
-            f"leaves out (other CUDA streams); --margin 0 gives the raw boundary")
+            f"{why}; --margin 0 gives the raw boundary")

@@ -17,7 +17,9 @@ concrete versions (:func:`resolve_stack`), and what they decide.
   every kernel; ``DEFAULT`` is the driver's default, lazy from CUDA 12.2 on Linux (CUDA
   Programming Guide, "Lazy Loading", Change History).
 * **The CUDA context**: ``context_mib`` when given, else
-  :func:`memcalc.cuda.gpus.catalogue.cuda_context_bytes` of the GPU.
+  :func:`memcalc.cuda.gpus.catalogue.cuda_context_bytes` of the GPU: measured where that GPU
+  was measured (the H100 80GB under CUDA 13.0, both module-loading modes; the report's basis
+  says so), assumed elsewhere.
 
 The API boundary applies the result to the GPU profile (:meth:`ResolvedStack.apply`), so the
 report's context, the usable memory, ``fits``, the headroom and the fit budget all use it.
@@ -35,7 +37,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GpuProfile
 from memcalc.core.stack import Stack
 from memcalc.core.units import format_bytes
-from memcalc.cuda.gpus.catalogue import LAZY_LOADING_MIN_CUDA, cuda_context_bytes
+from memcalc.cuda.gpus.catalogue import LAZY_LOADING_MIN_CUDA, context_source, cuda_context_bytes
 from memcalc.cuda.versions import OLDEST_TORCH_VERSION, WHEEL_CUDA_VERSION, parse_torch_version
 
 __all__ = (
@@ -149,15 +151,19 @@ class ResolvedStack:
             return round(self.context_mib * MiB)
         return cuda_context_bytes(gpu, parse_torch_version(self.cuda), lazy_loading=self.lazy_loading)
 
-    def context_basis(self) -> str:
-        """How the context was arrived at, in a few words for the report."""
+    def context_basis(self, gpu: GpuProfile | None = None) -> str:
+        """How the context was arrived at, in a few words for the report; on a GPU whose
+        context was measured (:data:`~memcalc.cuda.gpus.catalogue.MEASURED_CONTEXTS`), where."""
         if self.context_mib is not None:
             return "given (--context-mib)"
         if self.lazy_loading:
-            return "lazy module loading"
-        if parse_torch_version(self.cuda) < LAZY_LOADING_MIN_CUDA:
-            return f"eager module loading: CUDA < {_version_text(LAZY_LOADING_MIN_CUDA)}"
-        return "eager module loading: CUDA_MODULE_LOADING"
+            basis = "lazy module loading"
+        elif parse_torch_version(self.cuda) < LAZY_LOADING_MIN_CUDA:
+            basis = f"eager module loading: CUDA < {_version_text(LAZY_LOADING_MIN_CUDA)}"
+        else:
+            basis = "eager module loading: CUDA_MODULE_LOADING"
+        source = "assumed" if gpu is None else context_source(gpu, parse_torch_version(self.cuda))
+        return basis if source == "assumed" else f"{basis}, {source}"
 
     def apply(self, gpu: GpuProfile) -> GpuProfile:
         """``gpu`` with this stack's CUDA context (its lazy-loading figure kept, so applying a
@@ -166,14 +172,15 @@ class ResolvedStack:
         empty ``context_basis`` means lazy module loading)."""
         context = self.context_bytes(gpu)
         lazy = gpu.lazy_loading_context
-        if self.context_mib is None and self.lazy_loading and context == lazy:
+        basis = self.context_basis(gpu)
+        if self.context_mib is None and self.lazy_loading and context == lazy and basis == "lazy module loading":
             return gpu if gpu.lazy_context is None else replace(gpu, cuda_context=lazy, lazy_context=None,
                                                                 context_basis="")
-        return replace(gpu, cuda_context=context, lazy_context=lazy, context_basis=self.context_basis())
+        return replace(gpu, cuda_context=context, lazy_context=lazy, context_basis=basis)
 
     def describe(self, gpu: GpuProfile | None = None) -> str:
         """``"torch 2.13, CUDA 13.0 (lazy module loading)"``, with the context on ``gpu``."""
-        text = f"torch {self.torch}, CUDA {self.cuda} ({self.context_basis()})"
+        text = f"torch {self.torch}, CUDA {self.cuda} ({self.context_basis(gpu)})"
         if gpu is not None:
             text += f", CUDA context {format_bytes(self.context_bytes(gpu), 'MiB')}"
         return text

@@ -165,7 +165,8 @@ def _reserved_line(report: MemoryReport, unit: Unit | str) -> str:
     under it (the allocator frees its cached segments and retries before an OOM), so it
     agrees with the fits line; the unlimited replay's figure is named as such."""
     reserved = format_bytes(report.peak_reserved, unit)
-    context = (f"+ CUDA context {format_bytes(report.cuda_context, unit)} (assumed for {report.gpu.key}) "
+    how = "measured" if "measured on" in report.gpu.context_basis else "assumed"
+    context = (f"+ CUDA context {format_bytes(report.cuda_context, unit)} ({how} for {report.gpu.key}) "
                f"= {format_bytes(report.device_total, unit)}")
     capacity, unlimited = report.capacity, report.peak_reserved_unconstrained
     if capacity is None or (report.fits and report.peak_reserved == unlimited):

@@ -52,8 +52,9 @@ __all__ = (
     "resolve_budget",
 )
 
-#: The fraction of the budget ``memcalc fit`` / ``max_batch_size`` hold back by default. The
-#: only measurements against real CUDA runs so far are two over-promises on a 24 GiB GPU:
+#: The flat margin ``memcalc fit`` / ``max_batch_size`` held back by default before the one
+#: measured per class of step (:mod:`memcalc.search.margins`, now the default); still what the
+#: error hints quote as an example of a fraction. Its basis: two over-promises on a 24 GiB GPU:
 #: resnet152, answered 265, ran out of memory at 256 (the answer ≥ 3.4% too large), and
 #: efficientnet_b0, answered 542, ran out at 512 (≥ 5.5%). Both are lower bounds (the real
 #: boundary was not searched). Holding back a fraction m of the budget lowers the answer by
@@ -144,6 +145,7 @@ class FitResult:
     failing_above: tuple[int, ...] = ()
     check_capped: bool = False
     replays: int = 0
+    margin_basis: str = ""  # how the margin was derived (memcalc.search.margins); "" when the caller gave it
 
     @property
     def budget_bytes(self) -> int:
@@ -164,7 +166,8 @@ class FitResult:
         """The ``memcalc fit --format json`` contract: batch, budget, margin, the raw boundary,
         where the check below the batch started, and the estimate JSON."""
         return {"batch_size": self.batch_size, "budget_bytes": self.budget_bytes, "margin": self.margin,
-                "margin_budget_bytes": self.margin_budget_bytes, "raw_batch_size": self.raw_batch_size,
+                "margin_basis": self.margin_basis, "margin_budget_bytes": self.margin_budget_bytes,
+                "raw_batch_size": self.raw_batch_size,
                 "checked_from": self.checked_from, "report": self.report.to_dict()}
 
 
@@ -317,7 +320,8 @@ def _from_gpu(gpu: str | GpuProfile, versions: ResolvedStack) -> Budget:
             f"GPU {profile.key!r} has no known capacity",
             hint="Name a GPU model (e.g. a100-40gb) or give a budget (e.g. 24GiB).")
     source = (f"{profile.key}: {format_bytes(profile.total_memory)} "
-              f"− {format_bytes(profile.cuda_context)} CUDA context (assumed)")
+              f"− {format_bytes(profile.cuda_context)} CUDA context "
+              f"({'measured' if 'measured on' in profile.context_basis else 'assumed'})")
     return Budget(usable, source, profile)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from memcalc.core.errors import MemcalcError
 from memcalc.core.gpu import GENERIC, GpuProfile
@@ -35,12 +36,16 @@ from memcalc.cuda.cublas import default_cublas_workspace
 __all__ = (
     "EAGER_MODULE_LOADING_EXTRA",
     "LAZY_LOADING_MIN_CUDA",
+    "MEASURED_CONTEXTS",
     "AmbiguousGpuError",
+    "MeasuredContext",
     "UnknownGpuError",
     "catalogue",
+    "context_source",
     "cuda_context_bytes",
     "get_gpu",
     "match_profile",
+    "measured_context",
 )
 
 KiB = 1024
@@ -109,6 +114,59 @@ EAGER_MODULE_LOADING_EXTRA = 800 * MiB
 LAZY_LOADING_MIN_CUDA = (11, 7)
 
 
+# --------------------------------------------------------------------------------------------
+# CUDA context — MEASURED, where a real GPU was measured. ``nvidia-smi`` memory.used minus
+# ``torch.cuda.memory_reserved()`` after a cuBLAS matmul and a cuDNN convolution, in a fresh
+# process, with CUDA_MODULE_LOADING=LAZY and =EAGER (tests/data/gpu/2026-11-25-h100/ctx.json).
+# The H100's 693 MiB lazy figure is 173 MiB above the formula's 520 MiB, and eager loading adds
+# 1,252 MiB, not the 800 MiB assumed: the assumptions above stay for the cards not measured.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeasuredContext:
+    """A CUDA context measured on one catalogue GPU under one CUDA release.
+
+    Attributes:
+        lazy: bytes with ``CUDA_MODULE_LOADING=LAZY``.
+        eager: bytes with ``CUDA_MODULE_LOADING=EAGER``.
+        cuda: the CUDA runtime it was measured with, ``(major, minor)``.
+        where: the run, in a few words (driver, torch, date, data file).
+    """
+
+    lazy: int
+    eager: int
+    cuda: tuple[int, int]
+    where: str
+
+
+#: Measured CUDA contexts by catalogue key (every other figure is the assumption above).
+MEASURED_CONTEXTS: dict[str, MeasuredContext] = {
+    # ctx.json: LAZY context 726,663,168 B (693.0 MiB), EAGER 2,039,480,320 B (1,945.0 MiB)
+    "h100-80gb": MeasuredContext(
+        lazy=726_663_168, eager=2_039_480_320, cuda=(13, 0),
+        where="driver 580.159.04, torch 2.11+cu130, 2026-11-25 (tests/data/gpu/2026-11-25-h100/ctx.json)"),
+}
+
+
+def measured_context(profile: GpuProfile) -> MeasuredContext | None:
+    """The measured context of ``profile``'s catalogue GPU, if one was measured."""
+    return MEASURED_CONTEXTS.get(profile.key)
+
+
+def context_source(profile: GpuProfile, cuda_version: tuple[int, int]) -> str:
+    """Whether :func:`cuda_context_bytes` is measured or assumed for this GPU and CUDA, in words
+    for the report: ``"measured on NVIDIA H100 80GB HBM3, CUDA 13.0"`` (``"…, CUDA 13.0;
+    assumed the same for CUDA 12.4"`` under another release), else ``"assumed"``."""
+    measured = measured_context(profile)
+    if measured is None or profile.lazy_loading_context != measured.lazy:
+        return "assumed"
+    text = f"measured on {profile.name}, CUDA {measured.cuda[0]}.{measured.cuda[1]}"
+    if tuple(cuda_version[:1]) != measured.cuda[:1]:
+        text += f"; assumed the same for CUDA {cuda_version[0]}.{cuda_version[1]}"
+    return text
+
+
 def cuda_context_bytes(profile: GpuProfile, cuda_version: tuple[int, int], *, lazy_loading: bool = True) -> int:
     """The CUDA context of ``profile`` under CUDA ``cuda_version``: the profile's lazy-loading
     figure when modules load lazily (asked for, and CUDA ≥ 11.7), that plus
@@ -125,7 +183,12 @@ def cuda_context_bytes(profile: GpuProfile, cuda_version: tuple[int, int], *, la
     """
     lazy = lazy_loading and tuple(cuda_version) >= LAZY_LOADING_MIN_CUDA
     base = profile.lazy_loading_context
-    return base if lazy else base + EAGER_MODULE_LOADING_EXTRA
+    if lazy:
+        return base
+    measured = measured_context(profile)
+    if measured is not None and base == measured.lazy:  # a user's own profile keeps the assumption
+        return measured.eager
+    return base + EAGER_MODULE_LOADING_EXTRA
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +216,7 @@ def _profile(
         arch=arch,
         sm_count=sm_count,
         supports_bf16=cc >= (8, 0),
-        cuda_context=_context_bytes(cc, sm_count),
+        cuda_context=MEASURED_CONTEXTS[key].lazy if key in MEASURED_CONTEXTS else _context_bytes(cc, sm_count),
         cublas_workspace=default_cublas_workspace(cc),
         aliases=aliases,
         smi_total_mib=smi_total_mib,

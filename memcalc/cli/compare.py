@@ -1,0 +1,69 @@
+"""``memcalc compare``: a real ``torch.cuda.memory._snapshot()`` beside memcalc's step."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import click
+
+from memcalc import api
+from memcalc.cli.hf import attn_model, attn_option
+from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.setup import setup_arguments, setup_options
+from memcalc.core.errors import InvalidInputError
+from memcalc.core.precision import Precision
+from memcalc.engine.optimizers import Optimizer
+from memcalc.engine.real_snapshot import load_snapshot
+from memcalc.report.compare import compare_snapshot
+from memcalc.report.compare_render import render_comparison
+from memcalc.report.render import render_json
+
+__all__ = ("compare_command",)
+
+
+@click.command("compare")
+@click.argument("snapshot", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model")
+@click.option("--batch", "-b", "batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Batch size of the run the snapshot recorded.")
+@click.option("--optim", "optim", type=click.Choice([o.value for o in Optimizer], case_sensitive=False),
+              default=Optimizer.ADAM.value, show_default=True, help="Optimizer of the run.")
+@step_options
+@click.option("--precision", type=click.Choice([p.value for p in Precision]), default=Precision.FP32.value,
+              show_default=True, help="Precision of the run (as for memcalc estimate).")
+@click.option("--gpu", default=None, metavar="NAME",
+              help="The GPU the snapshot was taken on, from the catalogue (its kernels and workspaces).")
+@setup_options
+@attn_option
+@output_options
+@handle_errors
+def compare_command(snapshot: str, model: str, batch: int, optim: str, precision: str, gpu: str | None,
+                    input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
+                    accum_steps: int, kv_cache: int | None, loss: str | None, fmt: str, units: str, debug: bool,
+                    **setup: Any) -> None:
+    """Compare SNAPSHOT, a torch.cuda.memory._snapshot() pickle of a real run, with memcalc's
+    estimate of MODEL's step in the same configuration (the options of memcalc estimate):
+    peaks, the reserved difference, allocations by phase, and the blocks each side lacks.
+
+    Record the snapshot around the step: torch.cuda.memory._record_memory_history(), the step,
+    torch.cuda.memory._dump_snapshot("run.pickle").
+    """
+    try:
+        real = load_snapshot(snapshot)
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, AttributeError) as exc:
+        raise InvalidInputError(f"{snapshot} is not a torch.cuda.memory._snapshot() pickle ({exc})",
+                                hint="Write one with torch.cuda.memory._dump_snapshot(path) while "
+                                     "torch.cuda.memory._record_memory_history() is on.") from None
+    source = attn_model(model, setup)
+    step = dict(optimizer=optim if given("optim") else None, precision=precision, gpu=gpu,
+                **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
+                                 accum_steps=accum_steps, kv_cache=kv_cache, loss=loss),
+                **setup_arguments(setup))
+    with quiet():
+        report = api.estimate(source, batch_size=batch, **step)
+    comparison = compare_snapshot(real, report)
+    if fmt == "json":
+        click.echo(render_json(comparison.to_dict()))
+    else:
+        click.echo(render_comparison(comparison, fmt=fmt, unit=units), nl=False)

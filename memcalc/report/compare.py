@@ -1,0 +1,202 @@
+"""A real ``torch.cuda.memory._snapshot()`` beside memcalc's simulated step of the same configuration.
+
+Someone debugging an out-of-memory error has two things: the snapshot of the run that failed (or
+nearly did), and memcalc's estimate of the same step. This module says where they part:
+
+* the peaks — allocated and reserved — of each, and the run's own allocation stream replayed
+  through memcalc's allocator model (:mod:`memcalc.engine.real_snapshot`), which splits the
+  reserved difference into what the *stream* does (which tensors, which workspaces) and what the
+  *allocator* does (nothing, on every real snapshot here, given the real addresses);
+* the allocations of each phase (setup, forward, loss, backward, optimizer, zero_grad): how many,
+  how many bytes;
+* the blocks one side has and the other lacks, matched by phase and size (rounded as the
+  allocator rounds): for the run's, the call site that made most of them; for memcalc's, the op
+  and its category.
+
+A real trace names no phase: it is read from the Python stack of each allocation. No Python
+frame means the autograd engine's thread (backward); ``torch/optim`` the optimizer; a loss
+function the loss; a module's ``forward`` the forward; anything else — building the model,
+the inputs, the cuBLAS warm-up — is setup. memcalc's own snapshot names the phase in its frame.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from memcalc.core.categories import Phase
+from memcalc.core.report import MemoryReport
+from memcalc.engine.allocator import round_size
+from memcalc.engine.real_snapshot import RealAllocation, RealSnapshot, read_snapshot, replay_snapshot
+from memcalc.report.snapshot import snapshot_dict
+
+__all__ = ("BlockDifference", "PhaseRow", "SnapshotComparison", "compare_snapshot", "real_phase")
+
+#: The block differences listed on each side, largest first.
+SHOWN = 10
+#: What marks a loss function in a frame: torch's loss modules and functions, memcalc's losses.
+_LOSS_MARKS = ("torch/nn/modules/loss.py", "memcalc/engine/losses.py", " cross_entropy", " mse_loss", " nll_loss")
+
+
+@dataclass(frozen=True)
+class PhaseRow:
+    """Allocations made in one phase: count and bytes requested, the run's and memcalc's."""
+
+    phase: str
+    real_count: int
+    real_bytes: int
+    memcalc_count: int
+    memcalc_bytes: int
+
+
+@dataclass(frozen=True)
+class BlockDifference:
+    """``count`` more blocks of ``size`` bytes (rounded to 512) in ``phase`` on one side than on
+    the other; ``site`` is where that side made most of them, ``category`` memcalc's (or "")."""
+
+    phase: str
+    size: int
+    count: int
+    site: str
+    category: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes those blocks allocate."""
+        return self.size * self.count
+
+
+@dataclass(frozen=True)
+class SnapshotComparison:
+    """The comparison (see the module docstring); bytes throughout."""
+
+    real_peak_allocated: int
+    real_peak_reserved: int
+    memcalc_peak_allocated: int
+    memcalc_peak_reserved: int
+    replayed_peak_reserved: int  # the run's own stream through memcalc's allocator model
+    phases: tuple[PhaseRow, ...]
+    missing: tuple[BlockDifference, ...]  # the run has them, memcalc does not
+    extra: tuple[BlockDifference, ...]  # memcalc has them, the run does not
+    missing_total: int  # bytes of every missing block (not only those listed)
+    extra_total: int
+
+    @property
+    def reserved_difference(self) -> int:
+        """memcalc's peak reserved minus the run's."""
+        return self.memcalc_peak_reserved - self.real_peak_reserved
+
+    @property
+    def stream_part(self) -> int:
+        """The part of :attr:`reserved_difference` the streams make (memcalc's stream against the
+        run's, both through memcalc's allocator model)."""
+        return self.memcalc_peak_reserved - self.replayed_peak_reserved
+
+    @property
+    def allocator_part(self) -> int:
+        """The part the allocator model makes (the run's stream, model against the real allocator)."""
+        return self.replayed_peak_reserved - self.real_peak_reserved
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for ``--format json``."""
+        data = asdict(self)
+        data.update(reserved_difference=self.reserved_difference, stream_part=self.stream_part,
+                    allocator_part=self.allocator_part)
+        return data
+
+
+def real_phase(frames: Iterable[str]) -> str:
+    """The phase of a real allocation, from its Python frames (innermost first)."""
+    frames = tuple(frames)
+    if not frames:
+        return Phase.BACKWARD.value  # the autograd engine's own thread runs no Python
+    text = "\n".join(frames)
+    if "torch/optim/" in text:
+        return Phase.ZERO_GRAD.value if " zero_grad" in text else Phase.OPTIMIZER.value
+    if "torch/autograd/" in text or ("_tensor.py" in text and " backward" in text):
+        return Phase.BACKWARD.value
+    if any(mark in text for mark in _LOSS_MARKS):
+        return Phase.LOSS.value
+    if any(frame.endswith(" forward") for frame in frames):
+        return Phase.FORWARD.value
+    return Phase.SETUP.value
+
+
+def _site(allocation: RealAllocation) -> str:
+    """The innermost frame, as ``dir/file.py:line function``; the autograd engine without one."""
+    if not allocation.frames:
+        return "(autograd engine thread)"
+    path, _, rest = allocation.frames[0].partition(":")
+    return "/".join(path.split("/")[-2:]) + ":" + rest
+
+
+def _memcalc_phase(allocation: RealAllocation) -> str:
+    name = allocation.frames[0].split(" ", 1)[1] if allocation.frames else ""
+    return name.split(" ", 1)[0] or Phase.SETUP.value
+
+
+def _memcalc_frames(data: dict[str, Any]) -> dict[int, tuple[str, str]]:
+    """memcalc's snapshot: per trace index of an ``alloc``, its frame name and category."""
+    return {i: (e["frames"][0]["name"] if e["frames"] else "", str(e.get("category", "")))
+            for i, e in enumerate(data["device_traces"][0]) if e["action"] == "alloc"}
+
+
+def compare_snapshot(real: RealSnapshot, report: MemoryReport) -> SnapshotComparison:
+    """Compare a real snapshot (:func:`~memcalc.engine.real_snapshot.load_snapshot`) with the
+    estimate of the same configuration.
+
+    Args:
+        real: the run's snapshot, read.
+        report: memcalc's estimate of the same step (its step is replayed for the comparison).
+
+    Returns:
+        A :class:`SnapshotComparison`.
+    """
+    data = snapshot_dict(report)
+    simulated = read_snapshot(data)
+    named = _memcalc_frames(data)
+    real_groups: dict[tuple[str, int], list[RealAllocation]] = defaultdict(list)
+    for allocation in real.allocations:
+        real_groups[(real_phase(allocation.frames), round_size(allocation.nbytes))].append(allocation)
+    sim_groups: dict[tuple[str, int], list[RealAllocation]] = defaultdict(list)
+    for allocation in simulated.allocations:
+        sim_groups[(_memcalc_phase(allocation), round_size(allocation.nbytes))].append(allocation)
+    missing, extra = [], []
+    for key in set(real_groups) | set(sim_groups):
+        ours, theirs = sim_groups.get(key, []), real_groups.get(key, [])
+        if len(theirs) > len(ours):
+            site = Counter(_site(a) for a in theirs).most_common(1)[0][0]
+            missing.append(BlockDifference(key[0], key[1], len(theirs) - len(ours), site))
+        elif len(ours) > len(theirs):
+            label = Counter(named.get(a.alloc_index, ("", "")) for a in ours).most_common(1)[0][0]
+            site = label[0].split(" ", 1)[1] if " " in label[0] else label[0]
+            extra.append(BlockDifference(key[0], key[1], len(ours) - len(theirs), site, label[1]))
+    order = [p.value for p in Phase]
+    phases = []
+    for phase in order:
+        real_in = [a for (p, _), group in real_groups.items() if p == phase for a in group]
+        sim_in = [a for (p, _), group in sim_groups.items() if p == phase for a in group]
+        if real_in or sim_in:
+            phases.append(PhaseRow(phase, len(real_in), sum(a.nbytes for a in real_in),
+                                   len(sim_in), sum(a.nbytes for a in sim_in)))
+    missing.sort(key=_largest_first)
+    extra.sort(key=_largest_first)
+    replayed = replay_snapshot(real, real_addresses=False)
+    return SnapshotComparison(
+        real_peak_allocated=_real_peak_allocated(real), real_peak_reserved=real.peak_reserved,
+        memcalc_peak_allocated=report.bytes.peak_allocated, memcalc_peak_reserved=report.peak_reserved,
+        replayed_peak_reserved=replayed.stats.peak_reserved, phases=tuple(phases),
+        missing=tuple(missing[:SHOWN]), extra=tuple(extra[:SHOWN]),
+        missing_total=sum(d.nbytes for d in missing), extra_total=sum(d.nbytes for d in extra))
+
+
+def _largest_first(difference: BlockDifference) -> tuple[int, str, int]:
+    return -difference.nbytes, difference.phase, difference.size
+
+
+def _real_peak_allocated(real: RealSnapshot) -> int:
+    """The run's peak of allocated block bytes over its trace (the seed's live blocks included)."""
+    return replay_snapshot(real, real_addresses=True).stats.peak_allocated
+

@@ -1,0 +1,86 @@
+"""``memcalc compare``: a real H100 snapshot (tests/data/gpu/2026-11-25-h100) beside memcalc's step."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import memcalc
+from memcalc.cli import main
+from memcalc.engine.real_snapshot import load_snapshot
+from memcalc.report.compare import compare_snapshot, real_phase
+
+DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
+GOLDEN = Path(__file__).parent / "golden"
+STEM = "resnet18-b1-sgd"
+# the run's configuration: resnet18, batch 1, SGD, fp32, on the H100 with torch 2.11 (env.txt)
+OPTIONS = ["resnet18", "--batch", "1", "--optim", "sgd", "--gpu", "h100-80gb", "--torch-version", "2.11"]
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("compare")
+    with tarfile.open(DATA / "snapshots.tar.xz") as archive:
+        archive.extractall(folder, members=[archive.getmember(f"{STEM}.pickle"), archive.getmember(f"{STEM}.json")],
+                           filter="data")
+    return folder / f"{STEM}.pickle"
+
+
+def test_phases_from_the_stack() -> None:
+    assert real_phase(()) == "backward"  # the autograd engine's thread runs no Python
+    assert real_phase(("site-packages/torch/optim/sgd.py:100 _single_tensor_sgd",)) == "optimizer"
+    assert real_phase(("site-packages/torch/nn/functional.py:3504 cross_entropy", "memcalc/engine/losses.py:66 f")) \
+        == "loss"
+    assert real_phase(("site-packages/torch/nn/modules/conv.py:548 _conv_forward",
+                       "site-packages/torch/nn/modules/conv.py:553 forward")) == "forward"
+    assert real_phase(("models_zoo/resnet.py:30 __init__",)) == "setup"
+
+
+def test_comparison_of_a_real_snapshot(snapshot: Path) -> None:
+    real = load_snapshot(snapshot)
+    report = memcalc.estimate("resnet18", batch_size=1, optimizer="sgd", gpu="h100-80gb",
+                              stack=memcalc.Stack(torch="2.11"))
+    comparison = compare_snapshot(real, report)
+    measured = json.loads(snapshot.with_suffix(".json").read_text())
+    # the run's peak reserved is the one it reported; memcalc's are its report's
+    assert comparison.real_peak_reserved == measured["peak_reserved"] == 207_618_048
+    assert (comparison.memcalc_peak_allocated, comparison.memcalc_peak_reserved) == (
+        report.bytes.peak_allocated, report.peak_reserved)
+    # the run's own stream through the allocator model reserves what the run did: the whole
+    # reserved difference is memcalc's stream
+    assert comparison.allocator_part == 0
+    assert comparison.stream_part == comparison.reserved_difference == report.peak_reserved - 207_618_048
+    # every allocation of the trace is in one phase; 637 allocs in the trace
+    assert sum(p.real_count for p in comparison.phases) == len(real.allocations) == 637
+    assert [p.phase for p in comparison.phases] == ["setup", "forward", "loss", "backward"]
+    # listed differences are the largest, each side's rows sorted by bytes
+    for rows, total in ((comparison.missing, comparison.missing_total), (comparison.extra, comparison.extra_total)):
+        assert [d.nbytes for d in rows] == sorted((d.nbytes for d in rows), reverse=True)
+        assert 0 < sum(d.nbytes for d in rows) <= total
+    # what it shows: memcalc's cuDNN workspaces are not the sizes cuDNN 9.19 chose on the H100
+    assert any("cuDNN convolution workspace" in d.site for d in comparison.extra)
+    assert any(d.site == "(autograd engine thread)" for d in comparison.missing)
+
+
+def test_compare_cli_golden(snapshot: Path) -> None:
+    result = CliRunner().invoke(main, ["compare", str(snapshot), *OPTIONS])
+    assert result.exit_code == 0, result.output
+    path = GOLDEN / "compare_resnet18_b1_h100.out"
+    if os.environ.get("MEMCALC_REGEN_GOLDEN"):
+        path.write_text(result.output)
+    assert result.output == path.read_text()
+    data = json.loads(CliRunner().invoke(main, ["compare", str(snapshot), *OPTIONS, "--format", "json"]).stdout)
+    assert data["real_peak_reserved"] == 207_618_048 and data["allocator_part"] == 0
+
+
+def test_compare_refuses_what_is_not_a_snapshot(tmp_path: Path) -> None:
+    bogus = tmp_path / "run.pickle"
+    bogus.write_bytes(b"not a pickle")
+    result = CliRunner().invoke(main, ["compare", str(bogus), "resnet18"])
+    assert result.exit_code != 0
+    assert "is not a torch.cuda.memory._snapshot() pickle" in result.output
