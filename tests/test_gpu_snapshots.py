@@ -135,3 +135,123 @@ def test_loss_backward_under_autocast_matches_the_real_snapshot(snapshots: Path,
     assert real[:3] == [("alloc", logits, "NllLossBackward0"), ("alloc", logits // 2, "ToCopyBackward0"),
                         ("alloc", logits // 2, "LogSoftmaxBackward0")]
     assert mine[:3] == real[:3]
+
+
+# ---- inference: the cuBLAS workspace of the forward handle ------------------------------------
+
+def test_inference_mode_matmuls_allocate_the_forward_cublas_workspace():
+    # under inference_mode, linear and matmul reach the tracer whole; on CUDA they still run
+    # through cuBLAS, whose first call allocates the handle's workspace (32 MiB on sm90:
+    # CublasHandlePool.cpp; the H100 suite's first warm-up measured 33,554,432 B)
+    report = memcalc.estimate("llama-tiny", batch_size=2, seq_len=64, mode="inference", precision="bf16",
+                              gpu=GPU, stack=STACK)
+    workspaces = [e for e in _events(snapshot_dict(report)["device_traces"][0]) if "cuBLAS workspace" in e[2]]
+    assert workspaces == [("alloc", 32 * 2**20, "forward model.layers.0.self_attn.q_proj synthetic: cuBLAS workspace "
+                                                 "(forward handle)")]
+
+
+def _own_peak(trace: list[dict[str, Any]]) -> int:
+    """The highest running sum of a real trace's allocations: blocks allocated before the
+    recording (the workspaces of earlier configs in the measuring process) are not in it."""
+    current = peak = 0
+    for entry in trace:
+        if entry["action"] == "alloc":
+            current += entry["size"]
+        elif entry["action"] == "free_completed":
+            current -= entry["size"]
+        peak = max(peak, current)
+    return peak
+
+
+#: The forward handle's cuBLAS workspace on an H100, as the suite's first warm-up measured it.
+FORWARD_CUBLAS_WORKSPACE = 33_554_432
+
+
+@pytest.mark.parametrize("name", ["llama-tiny-b8-s512-inference-bf16", "llama-tiny-b8-s512-inference-bf16-kv512",
+                                  "gpt2-b8-s1024-eval"])
+def test_forward_only_step_matches_its_own_real_allocations(snapshots: Path, name: str):
+    # the step's own real allocations (the trace) plus the one workspace a fresh process's
+    # forward allocates: what the estimate models, within 1%
+    options, _ = _config(snapshots, name)
+    real = _own_peak(pickle.loads((snapshots / f"{name}.pickle").read_bytes())["device_traces"][0])
+    fresh = real + FORWARD_CUBLAS_WORKSPACE
+    estimate = _estimate(options).bytes.peak_allocated
+    assert abs(estimate - fresh) / fresh < TOLERANCE, (estimate, fresh)
+
+
+# ---- every shared config within 1% ------------------------------------------------------------
+
+#: The shared configs still outside 1% of the measured peak allocated: name → (gap measured on
+#: 2026-11-26 after the fixes above, cause). Each is a strict xfail: closing one fails the test
+#: until its entry goes.
+OUTSIDE_1PCT: dict[str, tuple[str, str]] = {
+    "llama-tiny-b8-s512-inference-bf16": (
+        "-7.8%", "the measuring process held 69,206,016 B of workspaces from earlier training configs (its "
+                 ".json's note): the backward thread's cuBLAS workspace (32 MiB) and two cuBLASLt ones (1 MiB "
+                 "each), which an inference-only process never allocates; the step itself is within 0.4% "
+                 "(test_forward_only_step_matches_its_own_real_allocations)"),
+    "llama-tiny-b8-s512-inference-bf16-kv512": (
+        "-7.5%", "as llama-tiny-b8-s512-inference-bf16: workspaces left by earlier configs"),
+    "gpt2-b8-s1024-eval": (
+        "-1.6%", "as llama-tiny-b8-s512-inference-bf16: workspaces left by earlier configs; the step itself "
+                 "is within 0.1%"),
+    "resnet50-b64-sgd-momentum-amp-fp16": (
+        "+3.1%", "GradScaler skipped optimizer.step() in both measured iterations (inf/NaN in the fp16 "
+                 "gradients at the initial scale 2**16: the real trace has no momentum-buffer allocation), "
+                 "so the 105 MB of SGD momentum never existed; memcalc models the steady state, where "
+                 "the step runs (amp-bf16, without a scaler: -0.3%)"),
+    "vit_b_16-b32-adamw-bf16": (
+        "-3.2%", "not modelled: the global-reduction scratch of at::native::gpu_reduce_kernel "
+                 "(aten/src/ATen/native/cuda/Reduce.cuh, ReduceConfig::global_memory_size) in the bf16 "
+                 "bias-gradient sums of backward, up to 138,412,032 B per call (mlp.0's bias)"),
+    "resnet18-b1-sgd": (
+        "-5.2%", "cuDNN's own workspace choices at batch 1 are larger than memcalc.cuda.cudnn's model "
+                 "(layer3's 3x3 weight gradients: 10,616,832 B real, 2,760,704 B modelled), plus the 2 MiB "
+                 "of cuBLASLt workspaces left by earlier configs"),
+    "unet-b2-sgd": (
+        "-1.9%", "cuDNN workspaces (modelled, not measured: memcalc.cuda.cudnn) and the 2 MiB of cuBLASLt "
+                 "workspaces left by earlier configs; not diffed further"),
+}
+
+
+
+def _shared_names() -> list[str]:
+    """The configs in the archive (one .json each), without extracting it."""
+    with tarfile.open(DATA / "snapshots.tar.xz") as archive:
+        return sorted(Path(n).stem for n in archive.getnames() if n.endswith(".json"))
+
+
+SHARED = _shared_names()
+
+
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    if name not in OUTSIDE_1PCT:
+        return []
+    gap, cause = OUTSIDE_1PCT[name]
+    return [pytest.mark.xfail(strict=True, reason=f"{gap}: {cause}")]
+
+
+def test_the_shared_data_has_its_ten_configs():
+    assert len(SHARED) == 10 and set(OUTSIDE_1PCT) < set(SHARED)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in SHARED])
+def test_peak_allocated_within_1pct_of_the_h100(snapshots: Path, name: str):
+    options, measured = _config(snapshots, name)
+    estimate = _estimate(options).bytes.peak_allocated
+    error = (estimate - measured) / measured
+    assert abs(error) < TOLERANCE, f"{name}: estimate {estimate:,} B, measured {measured:,} B ({error:+.2%})"
+
+
+def test_the_fp16_run_skipped_its_optimizer_steps(snapshots: Path):
+    # the cause listed for resnet50 amp-fp16: scaler.unscale_ ran, SGD never allocated a
+    # momentum buffer (torch/optim/sgd.py clones the gradient into it at its first step)
+    trace = pickle.loads((snapshots / "resnet50-b64-sgd-momentum-amp-fp16.pickle").read_bytes())["device_traces"][0]
+    files = [{f["filename"].rsplit("/", 1)[-1] for f in e["frames"]} for e in trace if e["action"] == "alloc"]
+    assert any("grad_scaler.py" in names for names in files)
+    assert not any("sgd.py" in names for names in files)
+    # the same config's estimate holds the momentum buffers (one per parameter, 161 of them)
+    options, _ = _config(snapshots, "resnet50-b64-sgd-momentum-amp-fp16")
+    optimizer = [e for e in _events(snapshot_dict(_estimate(options))["device_traces"][0])
+                 if e[0] == "alloc" and e[2].startswith("optimizer aten.clone")]
+    assert len(optimizer) == 161
