@@ -297,9 +297,20 @@ def dropout(mode: CudaEmulation, func: Callable[..., Any], args: tuple[Any, ...]
 @EMULATION_RULES.register(F.cross_entropy)
 def cross_entropy(mode: CudaEmulation, func: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> Any:
-    """``cross_entropy_loss`` is a C++ composite; under CUDA autocast its pieces are cast:
-    ``log_softmax`` runs with ``dtype=float32`` and ``nll_loss`` in float32. (It is in no
-    autocast list, so outside autocast it is the composite as it is.)"""
+    """``cross_entropy_loss`` is a C++ composite in no autocast list; under CUDA autocast its
+    pieces are cast one by one. ``cross_entropy_loss_symint`` (aten/src/ATen/native/LossNLL.cpp)
+    calls ``at::log_softmax(self, class_dim, self.scalar_type())``: the dtype is *given*, so
+    the fp32_set_opt_dtype policy leaves it alone and the log-probabilities stay in the logits'
+    fp16/bf16 (saved by ``LogSoftmaxBackward``). ``nll_loss_nd`` then reaches ``nll_loss`` /
+    ``nll_loss2d``, fp32 ops: autocast casts the log-probabilities to a float32 copy, which
+    ``NllLossBackward`` saves. So the loss keeps both (1.5× the fp32 logits' bytes), and
+    backward holds the fp32 gradient of the copy but never an fp32 one of log_softmax's —
+    the sequence an H100 snapshot shows (llama-tiny amp-bf16: NllLossBackward0 524,288,000 B,
+    ToCopyBackward0 262,144,000 B, LogSoftmaxBackward0 262,144,000 B).
+
+    Label smoothing and probability targets take other composites
+    (``cross_entropy_loss_label_smoothing`` / ``_prob_target``), emulated here as a float32
+    cross-entropy (not checked against a GPU). Outside autocast: the composite as it is."""
     if not mode.autocasting:
         return mode.dispatch(func, args, kwargs)
     input_, target = args[0], args[1]
@@ -308,9 +319,11 @@ def cross_entropy(mode: CudaEmulation, func: Callable[..., Any], args: tuple[Any
     rest.update(kwargs)
     if rest.get("label_smoothing", 0.0) or not input_.is_floating_point() or target.is_floating_point():
         return F.cross_entropy(_to_fp32(input_), target, **rest)
-    log_probs = F.log_softmax(input_, dim=1 if input_.dim() > 1 else 0, dtype=torch.float32)
+    log_probs = F.log_softmax(input_, dim=1 if input_.dim() > 1 else 0, dtype=input_.dtype)
     rest.pop("label_smoothing", None)
-    return F.nll_loss(log_probs, target, **rest)
+    if isinstance(rest.get("weight"), torch.Tensor):
+        rest["weight"] = _to_fp32(rest["weight"])
+    return F.nll_loss(_to_fp32(log_probs), target, **rest)
 
 
 def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:

@@ -43,10 +43,15 @@ WorkspaceRule = Callable[["WorkspaceModel", OpOverload, tuple[Any, ...], dict[st
 WORKSPACE_RULES: RuleRegistry[WorkspaceRule] = RuleRegistry("kernel workspace")
 
 # aten ops that run through cuBLAS (linear → addmm/mm, matmul → mm/bmm, attention math → bmm).
+# Under ``torch.inference_mode()`` the CompositeImplicitAutograd ops ``linear`` and ``matmul``
+# reach the dispatch mode whole (no autograd key decomposes them above it: checked on torch
+# 2.13 meta tensors), yet on CUDA they still run ``at::native::linear`` / ``matmul`` → addmm /
+# mm / bmm through cuBLAS — an inference step's first matmul allocates the forward handle's
+# workspace as a training step's does.
 CUBLAS_OPS: tuple[OpOverload, ...] = (
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
     aten.addmv.default, aten.mv.default, aten.dot.default, aten.vdot.default, aten._addmm_activation.default,
-    aten.addmm_.default, aten.baddbmm_.default,
+    aten.addmm_.default, aten.baddbmm_.default, aten.linear.default, aten.matmul.default,
 )
 
 _ATTENTION_FORWARD: dict[OpOverload, AttentionBackend] = {

@@ -1,0 +1,301 @@
+"""memcalc's simulated step against the real H100 snapshots of tests/data/gpu/2026-11-25-h100/
+(issue 25): ``torch.cuda.memory._snapshot()`` pickles of ten configs of the gpu suite, each
+with every alloc/free of the real step and its Python + C++ stack, and a ``.json`` with the
+measured peaks (torch 2.11, CUDA 13.0, cuDNN 9.19).
+
+Two layers:
+
+- the rules, pinned event by event: the worked arithmetic of a small case, then the same
+  sequence read from the real snapshot by the autograd nodes in its C++ frames;
+- every shared config's peak allocated within 1% of the measured one. The configs still
+  outside are listed in :data:`OUTSIDE_1PCT` with their measured gap and its cause (strict
+  xfail: closing one makes its test fail until the entry is removed).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memcalc
+from memcalc.cuda.reduce import ReductionScratch, reduction_scratch
+from memcalc.report.snapshot import snapshot_dict
+
+DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
+#: The stack the snapshots were taken with (their .json: torch 2.11.0+cu130).
+STACK = memcalc.Stack(torch="2.11", cuda="13.0")
+GPU = "h100-80gb"
+#: The bar of issue 25's "done when".
+TOLERANCE = 0.01
+#: The caching allocator's rounding of every request (CUDACachingAllocator.cpp kMinBlockSize).
+BLOCK = 512
+
+
+def _rounded(nbytes: int) -> int:
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared archive, extracted once per run into a temporary folder (never committed)."""
+    folder = tmp_path_factory.mktemp("h100-snapshots")
+    with tarfile.open(DATA / "snapshots.tar.xz") as archive:
+        archive.extractall(folder, filter="data")
+    return folder
+
+
+def _config(folder: Path, name: str) -> tuple[dict[str, Any], int]:
+    """(estimate() keywords, measured peak allocated) of the shared config ``name``."""
+    measured = json.loads((folder / f"{name}.json").read_text())
+    config = measured["config"]
+    options: dict[str, Any] = {"batch_size": config["batch_size"], "optimizer": config["optimizer"],
+                               "mode": config["mode"]}
+    if config.get("seq_len"):
+        options["seq_len"] = config["seq_len"]
+    for key in ("precision", "checkpoint", "accum_steps", "kv_cache"):
+        if key in config:
+            options[key] = config[key]
+    return {"model": config["model"], **options}, int(measured["peak_allocated"])
+
+
+def _estimate(options: dict[str, Any]) -> memcalc.MemoryReport:
+    options = dict(options)
+    return memcalc.estimate(options.pop("model"), gpu=GPU, stack=STACK, **options)
+
+
+def _events(trace: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
+    """(action, size, memcalc's frame name) of each alloc / completed free."""
+    return [(e["action"], e["size"], e["frames"][0]["name"]) for e in trace
+            if e["action"] in ("alloc", "free_completed")]
+
+
+# ---- the loss under autocast ----------------------------------------------------------------
+
+def test_autocast_cross_entropy_keeps_low_precision_log_probs_and_an_fp32_copy():
+    # cross_entropy_loss (LossNLL.cpp) calls log_softmax(self, dim, self.scalar_type()): under
+    # amp-bf16 the log-probabilities stay bf16; nll_loss (autocast fp32 list) casts them to fp32.
+    batch, classes = 128, 1000
+    report = memcalc.estimate(nn.Sequential(nn.Linear(64, classes)), input_shape=(64,), batch_size=batch,
+                              optimizer="sgd", precision="amp-bf16", gpu=GPU, stack=STACK)
+    events = _events(snapshot_dict(report)["device_traces"][0])
+    bf16, fp32 = _rounded(batch * classes * 2), _rounded(batch * classes * 4)  # 256,000 / 512,000 B
+    loss = [e for e in events if e[2].startswith("loss ") and e[0] == "alloc"][:2]
+    assert loss == [("alloc", bf16, "loss aten._log_softmax.default"), ("alloc", fp32, "loss aten._to_copy.default")]
+    # backward of the loss, in the real order: the fp32 gradient of the copy, the copy freed,
+    # ToCopyBackward's bf16 gradient, the fp32 one freed, LogSoftmaxBackward's bf16 gradient
+    start = events.index(("alloc", fp32, "backward aten.nll_loss_backward.default"))
+    sized = [e for e in events[start:] if e[1] in (bf16, fp32)][:7]
+    assert sized == [
+        ("alloc", fp32, "backward aten.nll_loss_backward.default"),
+        ("free_completed", fp32, "loss aten._to_copy.default"),
+        ("alloc", bf16, "backward aten._to_copy.default"),
+        ("free_completed", fp32, "backward aten.nll_loss_backward.default"),
+        ("alloc", bf16, "backward aten._log_softmax_backward_data.default"),
+        ("free_completed", bf16, "backward aten._to_copy.default"),
+        ("free_completed", bf16, "loss aten._log_softmax.default"),
+    ]
+    # nothing of the loss is fp32-sized but the copy and its gradient: no fp32 log_softmax
+    assert not any(e[1] == fp32 and "log_softmax" in e[2] for e in events)
+
+
+#: The autograd nodes of the loss's backward, as the real C++ frames name them.
+_LOSS_NODES = ("NllLossBackward0", "ToCopyBackward0", "LogSoftmaxBackward0")
+
+
+def _real_loss_backward(trace: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
+    """The real trace's allocations made by the loss's autograd nodes, first iteration: (alloc,
+    size, node)."""
+    found: list[tuple[str, int, str]] = []
+    for entry in trace:
+        if entry["action"] != "alloc":
+            continue
+        names = " ".join(frame["name"] for frame in entry["frames"])
+        node = next((n for n in _LOSS_NODES if f"generated::{n}::apply" in names), None)
+        if node is not None:
+            if found and node == _LOSS_NODES[0]:
+                break  # the second iteration
+            found.append(("alloc", entry["size"], node))
+    return found
+
+
+@pytest.mark.parametrize("name", ["llama-tiny-b8-s512-adamw-amp-bf16-ckpt", "gpt2-b8-s1024-adamw-amp-bf16"])
+def test_loss_backward_under_autocast_matches_the_real_snapshot(snapshots: Path, name: str):
+    real = _real_loss_backward(pickle.loads((snapshots / f"{name}.pickle").read_bytes())["device_traces"][0])
+    options, _ = _config(snapshots, name)
+    simulated = _events(snapshot_dict(_estimate(options))["device_traces"][0])
+    ops = {"backward aten.nll_loss_backward.default": _LOSS_NODES[0], "backward aten._to_copy.default": _LOSS_NODES[1],
+           "backward aten._log_softmax_backward_data.default": _LOSS_NODES[2]}
+    logits = real[0][1]  # the fp32 gradient of the logits' copy
+    mine = [(a, size, ops[op]) for a, size, op in simulated if a == "alloc" and op in ops and size >= logits // 2]
+    assert real[:3] == [("alloc", logits, "NllLossBackward0"), ("alloc", logits // 2, "ToCopyBackward0"),
+                        ("alloc", logits // 2, "LogSoftmaxBackward0")]
+    assert mine[:3] == real[:3]
+
+
+# ---- inference: the cuBLAS workspace of the forward handle ------------------------------------
+
+def test_inference_mode_matmuls_allocate_the_forward_cublas_workspace():
+    # under inference_mode, linear and matmul reach the tracer whole; on CUDA they still run
+    # through cuBLAS, whose first call allocates the handle's workspace (32 MiB on sm90:
+    # CublasHandlePool.cpp; the H100 suite's first warm-up measured 33,554,432 B)
+    report = memcalc.estimate("llama-tiny", batch_size=2, seq_len=64, mode="inference", precision="bf16",
+                              gpu=GPU, stack=STACK)
+    workspaces = [e for e in _events(snapshot_dict(report)["device_traces"][0]) if "cuBLAS workspace" in e[2]]
+    assert workspaces == [("alloc", 32 * 2**20, "forward model.layers.0.self_attn.q_proj synthetic: cuBLAS workspace "
+                                                 "(forward handle)")]
+
+
+def _own_peak(trace: list[dict[str, Any]]) -> int:
+    """The highest running sum of a real trace's allocations: blocks allocated before the
+    recording (the workspaces of earlier configs in the measuring process) are not in it."""
+    current = peak = 0
+    for entry in trace:
+        if entry["action"] == "alloc":
+            current += entry["size"]
+        elif entry["action"] == "free_completed":
+            current -= entry["size"]
+        peak = max(peak, current)
+    return peak
+
+
+#: The forward handle's cuBLAS workspace on an H100, as the suite's first warm-up measured it.
+FORWARD_CUBLAS_WORKSPACE = 33_554_432
+
+
+@pytest.mark.parametrize(("name", "workspaces"), [
+    ("llama-tiny-b8-s512-inference-bf16", 1), ("llama-tiny-b8-s512-inference-bf16-kv512", 1),
+    ("gpt2-b8-s1024-eval", 1),
+    ("unet-b2-sgd", 0),  # convolutions only: its step never creates a cuBLAS handle
+])
+def test_step_matches_its_own_real_allocations(snapshots: Path, name: str, workspaces: int):
+    # the step's own real allocations (the trace) plus the cuBLAS workspaces a fresh process
+    # running it would allocate: what the estimate models, within 1%
+    options, _ = _config(snapshots, name)
+    real = _own_peak(pickle.loads((snapshots / f"{name}.pickle").read_bytes())["device_traces"][0])
+    fresh = real + workspaces * FORWARD_CUBLAS_WORKSPACE
+    estimate = _estimate(options).bytes.peak_allocated
+    assert abs(estimate - fresh) / fresh < TOLERANCE, (estimate, fresh)
+
+
+# ---- reductions: gpu_reduce_kernel's global scratch --------------------------------------------
+
+def test_bias_gradient_sum_stages_partial_results_in_global_memory():
+    # sum over the 6,304 rows of a (6304, 3072) bf16 gradient on an H100 (132 SMs, 2,048
+    # threads/SM), transcribing setReduceConfig (Reduce.cuh): outputs vectorised by 4 → 768
+    # columns; block 32 × 4 = 128 threads; step_output 32, step_input 4 → 1,576 values per
+    # thread; grid.x = 768 / 32 = 24 ≤ 132 × 2048 / 128 = 2,112 → ctas_per_output =
+    # max(min(⌈2112/24⌉ = 88, ⌈1576/16⌉ = 99), ⌈1576/256⌉ = 7) = 88; staging = 4 B (float
+    # accumulator) × 3072 × 88 × 32 × 4 = 138,412,032 B; semaphores 4 B × 24 = 96 B
+    assert reduction_scratch((6304, 3072), (3072, 1), [0], torch.bfloat16, (9, 0), 132) == ReductionScratch(
+        staging=4 * 3072 * 88 * 32 * 4, semaphores=96)
+    # reducing the contiguous dimension (one output per row): the blocks reduce on their own
+    assert reduction_scratch((6304, 3072), (3072, 1), [1], torch.bfloat16, (9, 0), 132) == ReductionScratch(0, 0)
+
+
+def _real_reduction_scratch(trace: list[dict[str, Any]]) -> list[int]:
+    """Sizes of the staging buffers gpu_reduce_kernel took in a real trace, in order."""
+    return [e["size"] for e in trace if e["action"] == "alloc" and e["size"] > BLOCK
+            and any("gpu_reduce_kernel" in f["name"] for f in e["frames"])]
+
+
+def test_reduction_scratch_matches_the_real_vit_snapshot(snapshots: Path):
+    name = "vit_b_16-b32-adamw-bf16"
+    real = _real_reduction_scratch(pickle.loads((snapshots / f"{name}.pickle").read_bytes())["device_traces"][0])
+    # the bias gradients of ViT-B/16 at batch 32 in bf16: each Linear's over 32 × 197 = 6,304
+    # rows, and the patch convolution's over a channels-last (32, 768, 14, 14) gradient
+    rows = 32 * 197
+    linear = {c: reduction_scratch((rows, c), (c, 1), [0], torch.bfloat16, (9, 0), 132).staging
+              for c in (768, 2304, 3072)}
+    conv = reduction_scratch((32, 768, 14, 14), (150_528, 1, 10_752, 768), [0, 2, 3], torch.bfloat16, (9, 0), 132)
+    # both iterations: per encoder block mlp.3 and out_proj (768), in_proj (2304), mlp.0 (3072),
+    # then the patch convolution's bias
+    per_step = [linear[768], linear[3072], linear[768], linear[2304]] * 12 + [conv.staging]
+    assert real == per_step * 2
+
+
+# ---- every shared config within 1% ------------------------------------------------------------
+
+#: The shared configs still outside 1% of the measured peak allocated: name → (gap measured on
+#: 2026-11-26 after the fixes above, cause). Each is a strict xfail: closing one fails the test
+#: until its entry goes.
+OUTSIDE_1PCT: dict[str, tuple[str, str]] = {
+    "llama-tiny-b8-s512-inference-bf16": (
+        "-7.8%", "the measuring process held 69,206,016 B of workspaces from earlier training configs (its "
+                 ".json's note): the backward thread's cuBLAS workspace (32 MiB) and two cuBLASLt ones (1 MiB "
+                 "each), which an inference-only process never allocates; the step itself is within 0.4% "
+                 "(test_step_matches_its_own_real_allocations)"),
+    "llama-tiny-b8-s512-inference-bf16-kv512": (
+        "-7.5%", "as llama-tiny-b8-s512-inference-bf16: workspaces left by earlier configs"),
+    "gpt2-b8-s1024-eval": (
+        "-1.6%", "as llama-tiny-b8-s512-inference-bf16: workspaces left by earlier configs; the step itself "
+                 "is within 0.1%"),
+    "resnet50-b64-sgd-momentum-amp-fp16": (
+        "+3.1%", "GradScaler skipped optimizer.step() in both measured iterations (inf/NaN in the fp16 "
+                 "gradients at the initial scale 2**16: the real trace has no momentum-buffer allocation), "
+                 "so the 105 MB of SGD momentum never existed; memcalc models the steady state, where "
+                 "the step runs (amp-bf16, without a scaler: -0.3%)"),
+    "vit_b_16-b32-adamw-bf16": (
+        "-3.2%", "the global-reduction scratch of at::native::gpu_reduce_kernel in the bf16 bias-gradient "
+                 "sums of backward, up to 138,412,032 B per call (mlp.0's bias): transcribed in "
+                 "memcalc.cuda.reduce (exact on all 98 real launches) but not applied to estimates yet — its "
+                 "size is not affine in the batch, which the fit search's batch-affine families require "
+                 "(search/affine.py); applied, the config comes to -0.3%"),
+    "resnet18-b1-sgd": (
+        "-5.2%", "cuDNN's own workspace choices at batch 1 are larger than memcalc.cuda.cudnn's model "
+                 "(layer3's 3x3 weight gradients: 10,616,832 B real, 2,760,704 B modelled), plus the 2 MiB "
+                 "of cuBLASLt workspaces left by earlier configs"),
+    "unet-b2-sgd": (
+        "-1.9%", "as llama-tiny-b8-s512-inference-bf16: the 69,206,016 B of workspaces left by earlier "
+                 "configs; a convolution-only step creates no cuBLAS handle, and its own real allocations "
+                 "peak within 0.01% of the estimate"),
+}
+
+
+
+def _shared_names() -> list[str]:
+    """The configs in the archive (one .json each), without extracting it."""
+    with tarfile.open(DATA / "snapshots.tar.xz") as archive:
+        return sorted(Path(n).stem for n in archive.getnames() if n.endswith(".json"))
+
+
+SHARED = _shared_names()
+
+
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    if name not in OUTSIDE_1PCT:
+        return []
+    gap, cause = OUTSIDE_1PCT[name]
+    return [pytest.mark.xfail(strict=True, reason=f"{gap}: {cause}")]
+
+
+def test_the_shared_data_has_its_ten_configs():
+    assert len(SHARED) == 10 and set(OUTSIDE_1PCT) < set(SHARED)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in SHARED])
+def test_peak_allocated_within_1pct_of_the_h100(snapshots: Path, name: str):
+    options, measured = _config(snapshots, name)
+    estimate = _estimate(options).bytes.peak_allocated
+    error = (estimate - measured) / measured
+    assert abs(error) < TOLERANCE, f"{name}: estimate {estimate:,} B, measured {measured:,} B ({error:+.2%})"
+
+
+def test_the_fp16_run_skipped_its_optimizer_steps(snapshots: Path):
+    # the cause listed for resnet50 amp-fp16: scaler.unscale_ ran, SGD never allocated a
+    # momentum buffer (torch/optim/sgd.py clones the gradient into it at its first step)
+    trace = pickle.loads((snapshots / "resnet50-b64-sgd-momentum-amp-fp16.pickle").read_bytes())["device_traces"][0]
+    files = [{f["filename"].rsplit("/", 1)[-1] for f in e["frames"]} for e in trace if e["action"] == "alloc"]
+    assert any("grad_scaler.py" in names for names in files)
+    assert not any("sgd.py" in names for names in files)
+    # the same config's estimate holds the momentum buffers (one per parameter, 161 of them)
+    options, _ = _config(snapshots, "resnet50-b64-sgd-momentum-amp-fp16")
+    optimizer = [e for e in _events(snapshot_dict(_estimate(options))["device_traces"][0])
+                 if e[0] == "alloc" and e[2].startswith("optimizer aten.clone")]
+    assert len(optimizer) == 161
