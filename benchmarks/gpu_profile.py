@@ -17,7 +17,6 @@ does: to see what that recording costs a step. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import itertools
 import json
@@ -28,13 +27,10 @@ import warnings
 from typing import Any
 
 import torch
-from gpu_step_times import CONFIGS, _StepEvents  # the same configs and step events (benchmarks/)
+from gpu_step_times import CONFIGS, _StepEvents, prepared_step  # the same configs and steps (benchmarks/)
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from memcalc.api import make_request
 from memcalc.engine.step import run_step
-from memcalc.report.measure import _config, _prepare  # the measured step, prepared as --measure does
-from memcalc.sources.resolve import resolve
 
 WARMUP = 3
 STEPS = 2
@@ -63,13 +59,7 @@ def _self_cuda_us(event: Any) -> float:
 
 
 def profile_config(config: dict[str, Any], history: bool, device: torch.device | None = None) -> dict[str, Any]:
-    kwargs = {"batch_size": config["batch"], "seq_len": config["seq"], "optimizer": config["opt"],
-              "precision": config["precision"], "checkpoint": bool(config.get("checkpoint"))}
-    request = make_request(config["model"], **kwargs)
-    resolved = resolve(config["model"], batch_size=config["batch"], seq_len=config["seq"])
-    device = device or torch.device("cuda", torch.cuda.current_device())
-    module, inputs, _keep = _prepare(resolved, device, request.options)
-    step = dataclasses.replace(_config(resolved, request.options, device), iterations=WARMUP + STEPS + 1)
+    module, inputs, step, _keep = prepared_step(config, WARMUP + STEPS + 1, device)
     if history:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     try:

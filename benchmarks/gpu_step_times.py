@@ -63,15 +63,23 @@ class _StepEvents(NullObserver):
         self.events.append(event)
 
 
-def measure_steps(config: dict[str, Any], device: torch.device | None = None) -> list[float]:
-    """Seconds between consecutive optimizer steps of memcalc's loop, run for real."""
+def prepared_step(config: dict[str, Any], iterations: int, device: torch.device | None = None) -> tuple[Any, ...]:
+    """``config``'s model and inputs built on ``device`` (default: the current CUDA device) and
+    memcalc's loop for ``iterations`` steps, as ``--measure`` prepares them: what ``run_step``
+    takes, then what must stay alive while it runs."""
     kwargs = {"batch_size": config["batch"], "seq_len": config["seq"], "optimizer": config["opt"],
               "precision": config["precision"], "checkpoint": bool(config.get("checkpoint"))}
     request = make_request(config["model"], **kwargs)
     resolved = resolve(config["model"], batch_size=config["batch"], seq_len=config["seq"])
     device = device or torch.device("cuda", torch.cuda.current_device())
-    module, inputs, _keep = _prepare(resolved, device, request.options)
-    step = dataclasses.replace(_config(resolved, request.options, device), iterations=WARMUP + STEPS + 1)
+    module, inputs, keep = _prepare(resolved, device, request.options)
+    step = dataclasses.replace(_config(resolved, request.options, device), iterations=iterations)
+    return module, inputs, step, keep
+
+
+def measure_steps(config: dict[str, Any], device: torch.device | None = None) -> list[float]:
+    """Seconds between consecutive optimizer steps of memcalc's loop, run for real."""
+    module, inputs, step, _keep = prepared_step(config, WARMUP + STEPS + 1, device)
     observer = _StepEvents()
     run_step(module, inputs, step, observer)
     torch.cuda.synchronize()
