@@ -3,6 +3,7 @@ the arithmetic by hand on made-up kernels, the GPUs' figures, the report and its
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -18,7 +19,14 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.throughput import DeviceRates, OpClass
 from memcalc.cuda.gpus import fitted
 from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
-from memcalc.cuda.gpus.performance import EFFICIENCY, PERFORMANCE, device_rates, step_time, with_time
+from memcalc.cuda.gpus.performance import (
+    EFFICIENCY,
+    HOST_SECONDS,
+    PERFORMANCE,
+    device_rates,
+    step_time,
+    with_time,
+)
 from memcalc.engine.flops import OpCost, StepCosts
 
 RATES = DeviceRates(
@@ -62,6 +70,17 @@ def test_roofline_by_hand() -> None:
     matmul = next(c for c in time.classes if c.op_class is OpClass.MATMUL)
     assert matmul.compute_bound_seconds == pytest.approx(30e-3)  # the recomputed GEMM was memory-bound
     assert sum(c.seconds for c in time.classes) == pytest.approx(time.seconds)
+    # a host that needs 5 ms per kernel: 8 kernels × 5 ms = 40 ms > 35.008 ms of kernels and gaps, so the
+    # step is host-bound; the GPU's idle time is booked as gaps, the phases stretched in proportion
+    slow_host = dataclasses.replace(RATES, host_seconds=5e-3)
+    bound = StepCosts(records, samples=32, tokens=None).time(slow_host)
+    assert bound.seconds == pytest.approx(8 * 5e-3)
+    assert bound.launch_seconds == pytest.approx(launches + 8 * 5e-3 - (busy + launches))
+    assert bound.phase_seconds("forward") == pytest.approx((10e-3 + 1e-6) * 40e-3 / (busy + launches))
+    assert sum(c.seconds for c in bound.classes) == pytest.approx(bound.seconds)
+    # a faster host leaves the GPU-bound step as it was
+    fast_host = dataclasses.replace(RATES, host_seconds=4e-3)
+    assert StepCosts(records, samples=32, tokens=None).time(fast_host).seconds == pytest.approx(busy + launches)
 
 
 def test_math_modes() -> None:
@@ -107,14 +126,19 @@ def test_step_time_of_a_report() -> None:
     assert [p.phase for p in time.phases] == ["forward", "loss", "backward", "optimizer"]
     assert time.flops == report.flops()
     assert dict(time.assumptions)["efficiency: matmul"] == EFFICIENCY[OpClass.MATMUL]
-    # faster GPUs take less time; assumed efficiencies can be replaced
-    assert step_time(mlp_report(gpu="h100-80gb")).seconds < time.seconds < step_time(mlp_report(gpu="t4")).seconds
-    better = step_time(report, efficiency=dict.fromkeys(OpClass, 1.0), launch_overhead=0.0)
-    assert better.seconds < time.seconds and better.launch_seconds == 0
+    # a step this small is host-bound: the host's time per kernel × its kernels
+    kernels = sum(c.kernels for c in time.classes)
+    assert time.seconds == pytest.approx(kernels * HOST_SECONDS)
+    # without the host floor, faster GPUs take less time; assumed efficiencies can be replaced
+    a100, h100, t4 = (step_time(mlp_report(gpu=g), host_seconds=0.0).seconds for g in ("a100-80gb", "h100-80gb", "t4"))
+    assert h100 < a100 < t4 and a100 < time.seconds
+    better = step_time(report, efficiency=dict.fromkeys(OpClass, 1.0), launch_overhead=0.0, host_seconds=0.0)
+    assert better.seconds < a100 and better.launch_seconds == 0
 
 
 def test_accumulation_counts_every_micro_batch() -> None:
-    one, four = (step_time(mlp_report(accum_steps=n)) for n in (1, 4))
+    # GPU-bound (no host floor): a step this small is host-bound, which would stretch its phases
+    one, four = (step_time(mlp_report(accum_steps=n), host_seconds=0.0) for n in (1, 4))
     assert four.samples == 4 * one.samples
     assert four.flops.phase("forward") == 4 * one.flops.phase("forward")
     assert four.phase_seconds("optimizer") == pytest.approx(one.phase_seconds("optimizer"))  # one step
@@ -156,11 +180,14 @@ def test_cli_time_text_and_json() -> None:
     text = runner.invoke(main, ["resnet18", "--batch", "4", "--gpu", "a100-80gb", "--time"])
     assert text.exit_code == 0, text.output
     assert "step time on NVIDIA A100-SXM4-80GB" in text.output and "samples/s" in text.output
-    # the interval and what it rests on, beside the time: fitted on the H100, the A100 scaled from its datasheet
-    assert f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to" in text.output
+    # the interval and what it rests on, beside the time: fitted on the H200, the A100 scaled from its datasheet
+    assert f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to, on an NVIDIA H200" in text.output
     assert "a100-80gb scaled from its datasheet peaks, an assumption" in text.output
-    # and, since another H100 ran the fitted steps 2x faster, that the time is likely an upper bound
-    assert f"{fitted.RECHECK_RATIO:.1f}× the same steps measured on another H100" in text.output
+    # with how that scaling held on a healthy H100's steps, measured, not fitted
+    low, high = fitted.RECHECK_RANGE
+    assert (f"on {fitted.RECHECK_STEPS} steps of an h100-80gb, predicted / measured {low:.2f}-{high:.2f}"
+            in text.output)
+    assert "upper bound" not in text.output  # the caveat of the first fit (a half-speed H100) is gone
     data = json.loads(runner.invoke(main, ["resnet18", "--batch", "4", "--gpu", "a100-80gb", "--time",
                                            "--format", "json"]).output)
     assert data["time"]["samples"] == 4 and data["time"]["gpu"] == "a100-80gb"

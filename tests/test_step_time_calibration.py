@@ -1,5 +1,8 @@
-"""The step-time model against the real H100 steps it was fitted to (tests/data/gpu/2026-11-25-h100/),
-the fit's arithmetic on a made-up GPU, and the classes the fit relies on."""
+"""The step-time model against real steps: the healthy H200 it is fitted to
+(tests/data/gpu/2026-11-26-h200-profile/), a healthy H100 it is not fitted to
+(tests/data/gpu/2026-11-26-steps/h100-times.jsonl, the check of the datasheet scaling), why the
+first fit's H100 (tests/data/gpu/2026-11-25-h100/) is left out, the fit's arithmetic on a made-up
+GPU, and the classes the fit relies on."""
 
 from __future__ import annotations
 
@@ -23,40 +26,66 @@ from memcalc.cuda.gpus.calibration import (
 )
 from memcalc.engine.flops import op_class_of
 
-DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
+GPU_DATA = Path(__file__).parent / "data" / "gpu"
+DATA = GPU_DATA / "2026-11-26-h200-profile"
 CONFIGS = load_measurements(DATA)
 TIMED = [c for c in CONFIGS if c.step_seconds]
+#: A healthy H100's steps of 2026-11-26: not fitted, they check the datasheet scaling.
+H100_STEPS = [c for c in load_measurements(GPU_DATA / "2026-11-26-steps", "h100-times.jsonl") if c.step_seconds]
+#: The first fit's data, left out (test_the_first_h100_ran_its_kernels_at_half_speed).
+EXCLUDED = load_measurements(GPU_DATA / "2026-11-25-h100")
 #: The issue's acceptance bound: every measured step within ±20%.
 TOLERANCE = 0.20
 
 
 @functools.cache
-def _report(config: MeasuredConfig) -> memcalc.MemoryReport:
+def _report(config: MeasuredConfig, gpu: str = "h200") -> memcalc.MemoryReport:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return memcalc.estimate(config.model, **config.estimate_kwargs())
+        return memcalc.estimate(config.model, **config.estimate_kwargs(gpu))
 
 
 def _features(config: MeasuredConfig) -> ClassFeatures:
     return ClassFeatures.of(memcalc.step_time(_report(config), **ideal_overrides()))
 
 
-def test_the_shared_data_has_eight_timed_and_eight_profiled_steps() -> None:
-    assert len(TIMED) == 8
+def _h100_features(config: MeasuredConfig) -> ClassFeatures:
+    return ClassFeatures.of(memcalc.step_time(_report(config, "h100-80gb"), **ideal_overrides()))
+
+
+def test_the_shared_data_has_twelve_timed_and_eight_profiled_steps() -> None:
+    assert len(TIMED) == 12
     assert sum(1 for c in CONFIGS if c.kernel_seconds) == 8
     assert tuple(c.name for c in TIMED) == fitted.TIMED
+    assert fitted.GPU == "h200" and fitted.DEVICE == "NVIDIA H200"
+    assert len(H100_STEPS) == 8 == fitted.RECHECK_STEPS
 
 
 @pytest.mark.parametrize("config", TIMED, ids=lambda c: c.name)
-def test_step_time_within_20_percent_of_the_measured_step(config: MeasuredConfig) -> None:
+def test_step_time_within_20_percent_of_the_measured_h200_step(config: MeasuredConfig) -> None:
     time = _report(config).time
     assert time is not None
-    assert config.step_seconds is not None and config.predicted_before is not None
+    assert config.step_seconds is not None
     assert abs(time.seconds / config.step_seconds - 1) <= TOLERANCE
     # the interval said beside it covers the measurement (the spread is the largest error of the fit)
     assert time.low <= config.step_seconds * (1 + 1e-9) and config.step_seconds <= time.high * (1 + 1e-9)
-    # before the fit, the roofline was 2.2-4.2x too optimistic on every one of them
-    assert config.predicted_before / config.step_seconds < 0.5
+
+
+#: The one healthy-H100 step the datasheet scaling misses by more than 20%: resnet50 in float32 spends a third
+#: of its H200 kernels in batch norm, which the model times by bandwidth (3.35 TB/s on the H100 against 4.8 on
+#: the H200, 1.43x); the H100 ran the step only 1.16x slower than the H200 (37.9 against 32.7 ms).
+_SCALING_MISSES = {"resnet50 b64 adam fp32"}
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="datasheet bandwidth scaling overstates the H100's "
+                                            "batch norm: predicted / measured 1.27"))
+    if c.name in _SCALING_MISSES else c for c in H100_STEPS], ids=lambda c: c.name)
+def test_step_time_within_20_percent_of_a_healthy_h100_step(config: MeasuredConfig) -> None:
+    # fitted on the H200, scaled to the H100 by its datasheet peaks: these steps were not fitted
+    time = _report(config, "h100-80gb").time
+    assert time is not None and config.step_seconds is not None
+    assert abs(time.seconds / config.step_seconds - 1) <= TOLERANCE
 
 
 def test_committed_coefficients_are_those_the_data_gives() -> None:
@@ -66,13 +95,35 @@ def test_committed_coefficients_are_those_the_data_gives() -> None:
     for op_class, seconds in result.kernel_seconds:
         assert fitted.KERNEL_SECONDS[op_class] == pytest.approx(seconds, rel=1e-3)
     assert pytest.approx(result.gap_seconds, rel=1e-3) == fitted.GAP_SECONDS
+    assert pytest.approx(result.host_seconds, rel=1e-3) == fitted.HOST_SECONDS
     assert pytest.approx(result.spread, rel=1e-3) == fitted.SPREAD
-    assert fitted.SPREAD <= TOLERANCE
-    # the same steps measured on another H100: predicted / measured, median (what the output says)
-    again = [c for c in load_measurements(DATA.parent / "2026-11-26-steps", "h100-times.jsonl") if c.step_seconds]
-    ratios = sorted(predict(result, _features(c)) / c.step_seconds for c in again if c.step_seconds)
+    # the spread is the largest error relative to the prediction: the widest ± the timed steps need
+    widest = max(abs(c.step_seconds / predict(result, _features(c)) - 1) for c in TIMED if c.step_seconds)
+    assert widest == pytest.approx(fitted.SPREAD, rel=1e-3)
+    # the healthy H100's steps: predicted / measured, median and range (what the output says)
+    ratios = sorted(predict(result, _h100_features(c)) / c.step_seconds for c in H100_STEPS if c.step_seconds)
     assert pytest.approx(statistics.median(ratios), rel=1e-3) == fitted.RECHECK_RATIO
     assert pytest.approx((ratios[0], ratios[-1]), rel=1e-3) == fitted.RECHECK_RANGE
+
+
+def test_the_first_h100_ran_its_kernels_at_half_speed() -> None:
+    # Why tests/data/gpu/2026-11-25-h100/ is not fitted: per config profiled on both, its kernels add up to about
+    # twice the H200's kernels of the same step, and to about twice the whole step (kernels and gaps) of the
+    # healthy H100 of 2026-11-26, the same GPU model and torch. The H200's kernels add up to its unprofiled step
+    # within 1-4%: its steps are GPU-bound, so the kernels are what differ.
+    h200 = {c.name: c for c in CONFIGS}
+    h100 = {c.name: c for c in H100_STEPS}
+    both = [c for c in EXCLUDED if c.kernel_seconds and c.name in h200 and h200[c.name].kernel_seconds]
+    assert len(both) == 6
+    for config in both:
+        first = config.kernel_total()
+        healthy = h100[config.name].step_seconds
+        fitted_step = h200[config.name].step_seconds
+        assert healthy is not None and fitted_step is not None
+        assert 2.0 <= first / h200[config.name].kernel_total() <= 2.4, config.name
+        assert 1.85 <= first / healthy <= 2.05, config.name
+        assert 0.96 <= h200[config.name].kernel_total() / fitted_step <= 0.99, config.name
+    assert fitted.DEVICE != "NVIDIA H100 80GB HBM3"  # and the committed model is not the one fitted to it
 
 
 def test_fit_recovers_known_coefficients() -> None:
@@ -120,18 +171,26 @@ def test_gpt2_head_is_an_unaligned_gemm() -> None:
     assert unaligned.flops == 3 * 2 * 64 * 768 * 50257
 
 
-AGAIN = DATA.parent / "2026-11-26-steps"
+def test_fit_recovers_a_host_bound_floor() -> None:
+    # the made-up GPU above at batch / 64, with a host that needs 40 µs per kernel: batches 1 and 2 are host-bound
+    # (510 kernels × 40 µs = 20.4 ms against 8.0 ms of kernels and gaps), 128 and 256 GPU-bound
+    # (batch 128: 53.8 + 14.0 ms of kernels + 1,780 × 5 µs of gaps = 76.7 ms > 1,780 × 40 µs = 71.2 ms)
+    def features(config: MeasuredConfig) -> ClassFeatures:
+        scale = config.batch / 64
+        return ClassFeatures(ideal=((OpClass.MATMUL, 0.010 * scale), (OpClass.MEMORY, 0.004 * scale)),
+                             kernels=((OpClass.MATMUL, 100 + 10 * config.batch), (OpClass.MEMORY, 400)))
 
+    def measured(batch: int) -> MeasuredConfig:
+        matmul = 0.010 * batch / 64 / 0.5 + (100 + 10 * batch) * 10e-6
+        memory = 0.004 * batch / 64 / 0.8 + 400 * 10e-6
+        kernels = 500 + 10 * batch
+        step = max(matmul + memory + kernels * 5e-6, kernels * 40e-6)
+        return MeasuredConfig("m", batch, None, "sgd", "fp32", step_seconds=step,
+                              kernel_seconds=((OpClass.MATMUL, matmul), (OpClass.MEMORY, memory)))
 
-@pytest.mark.xfail(strict=True, reason="the H100 of 2026-11-25 that the model is fitted to ran these steps 2.0-2.2x "
-                   "slower than the H100 of 2026-11-26 (tests/data/gpu/2026-11-26-steps/README.md): the model is "
-                   "about 2x pessimistic on the second one until it is refitted")
-def test_step_time_within_20_percent_of_the_same_steps_on_another_h100() -> None:
-    again = [c for c in load_measurements(AGAIN, "h100-times.jsonl") if c.step_seconds]
-    assert len(again) == len(TIMED)
-    ratios = []
-    for config in again:
-        time = _report(config).time
-        assert time is not None and config.step_seconds is not None
-        ratios.append(time.seconds / config.step_seconds)
-    assert all(abs(r - 1) <= TOLERANCE for r in ratios), ratios
+    configs = [measured(b) for b in (1, 2, 128, 256)]
+    result = fit(configs, features)
+    assert result.gap_seconds == pytest.approx(5e-6, rel=1e-6)
+    assert result.host_seconds == pytest.approx(40e-6, rel=1e-6)
+    assert result.spread == pytest.approx(0.0, abs=1e-9)
+    assert predict(result, features(configs[0])) == pytest.approx(510 * 40e-6)

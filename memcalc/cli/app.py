@@ -107,7 +107,7 @@ def main() -> None:
               help="Write the simulated allocator trace as a torch.cuda.memory._snapshot() pickle (.pickle or "
                    ".pkl; the busiest GPU's with --strategy): open it at https://pytorch.org/memory_viz.")
 @click.option("--time", "timed", is_flag=True,
-              help="Also estimate the step time on --gpu (a roofline per kernel, fitted to an H100's kernels): "
+              help="Also estimate the step time on --gpu (a roofline per kernel, fitted to an H200's kernels): "
                    "samples/s and tokens/s beside the memory.")
 @click.option("--data-loader", "data_loader", default=None, metavar="SPEC",
               help="Your DataLoader, to check it keeps the GPU fed (implies --time): workers=N,prefetch=N,pin=yes|no,"

@@ -158,7 +158,7 @@ def _render_sweep(points: Sequence[SweepPoint], budget: Budget | None, fmt: str,
         colalign.extend(["right"] * (3 if tokens else 2))
     table = tabulate(rows, headers=headers, tablefmt=fmt, colalign=colalign, disable_numparse=True)
     if timed:
-        table += ("\n\nstep time: a roofline per kernel fitted to an H100's kernels (memcalc MODEL --time shows them); "
+        table += ("\n\nstep time: a roofline per kernel fitted to an H200's kernels (memcalc MODEL --time shows them); "
                   "one GPU, no data loading")
     return f"{title}\n\n{table}\n"
 

@@ -130,7 +130,10 @@ class DeviceRates:
     large problem; ``kernel_seconds``: the fixed time each kernel of a class takes besides (its
     ramp-up and tail: why a small kernel is far from peak); ``launch_overhead``: the gap each
     kernel adds between kernels (the launch and eager PyTorch's host-side dispatch). All three are
-    fitted to real kernels (:mod:`memcalc.cuda.gpus.calibration`). ``spread``: the relative error
+    fitted to real kernels (:mod:`memcalc.cuda.gpus.calibration`). ``host_seconds``: the host's
+    time per kernel (eager PyTorch's dispatch of the op that launches it), fitted likewise: a step
+    is never shorter than its kernels × this, since a GPU that finishes first waits on the host
+    (small steps are host-bound). ``spread``: the relative error
     the fit leaves on the steps it was fitted to (the ± of the time), and ``basis``: what the
     figures rest on, said beside the time. ``tf32_conv`` / ``tf32_matmul``:
     whether float32 convolutions / matrix products run on TF32 tensor cores (PyTorch's defaults:
@@ -149,6 +152,7 @@ class DeviceRates:
     kernel_seconds: tuple[tuple[OpClass, float], ...] = ()
     spread: float = 0.0
     basis: str = ""
+    host_seconds: float = 0.0
 
     def peak(self, op_class: OpClass, dtype: str) -> tuple[str, float]:
         """The math mode a kernel of ``op_class`` on ``dtype`` (``"float32"``, ``"bfloat16"``,

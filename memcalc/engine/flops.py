@@ -714,9 +714,18 @@ class StepCosts:
             row[2] += cost.bytes_moved
             row[3] += total
             row[4] += compute if compute >= memory else 0.0
+        host = rates.host_seconds * sum(int(r[0]) for r in classes.values())
+        if host > sum(seconds) > 0:  # host-bound: the GPU idles between kernels until the host catches up
+            stretch = host / sum(seconds)
+            launch_total += host - sum(seconds)
+            seconds = [s * stretch for s in seconds]
+            for row in classes.values():
+                row[3] *= stretch
+                row[4] *= stretch
         assumptions = (*((f"efficiency: {c.value}", e) for c, e in rates.efficiency),
                        *((f"seconds per kernel: {c.value}", t) for c, t in rates.kernel_seconds),
-                       ("launch overhead per kernel (s)", rates.launch_overhead))
+                       ("launch overhead per kernel (s)", rates.launch_overhead),
+                       ("host seconds per kernel (s)", rates.host_seconds))
         return StepTime(
             gpu=rates.gpu, seconds=sum(seconds), samples=self.samples,
             tokens=None if self.tokens is None else self.tokens, phases=self._phases(seconds),

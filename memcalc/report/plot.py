@@ -96,7 +96,7 @@ def _throughput_axes(axes: Any, points: Sequence[SweepPoint]) -> None:
         rates = [p.report.time.samples_per_second if p.report.time is not None else 0.0 for p in series]
         axes.plot([p.batch_size for p in series], rates, markersize=4, **style)
     axes.set_xlabel("batch size")
-    axes.set_ylabel("samples/s (roofline fitted to H100 kernels)")
+    axes.set_ylabel("samples/s (roofline fitted to H200 kernels)")
     axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
 

@@ -34,9 +34,9 @@ def format_seconds(seconds: float) -> str:
 
 
 def interval_text(time: StepTime) -> str:
-    """`` (±9% on the 8 steps it was fitted to (NVIDIA H100 ...); a100-80gb scaled from its
-    datasheet peaks, an assumption)``: the spread and basis of a time; empty when it has none
-    (coefficients given by the caller)."""
+    """`` (±20% on the 12 steps it was fitted to, on an NVIDIA H200 ...; a100-80gb scaled from its
+    datasheet peaks, an assumption (on 8 steps of an h100-80gb, predicted / measured ...))``: the
+    spread and basis of a time; empty when it has none (coefficients given by the caller)."""
     return f" ({time.basis})" if time.basis else ""
 
 
@@ -85,6 +85,7 @@ def render_time(time: StepTime, gpu_name: str, *, fmt: str = "simple", unit: Uni
     efficiencies = ", ".join(f"{name.removeprefix('efficiency: ')} {value:.2f}" for name, value in time.assumptions
                              if name.startswith("efficiency"))
     launch = next((v for name, v in time.assumptions if name.startswith("launch")), 0.0)
+    host = next((v for name, v in time.assumptions if name.startswith("host")), 0.0)
     per_class = {name.removeprefix("seconds per kernel: "): value for name, value in time.assumptions
                  if name.startswith("seconds per kernel") and value}
     fixed = (format_seconds(next(iter(per_class.values()))) if len(set(per_class.values())) == 1
@@ -94,7 +95,9 @@ def render_time(time: StepTime, gpu_name: str, *, fmt: str = "simple", unit: Uni
         _flops_line(time.flops),
         f"model (scripts/fit_step_time.py): efficiency per op class (fraction of the datasheet peak) {efficiencies}; "
         + (f"fixed time per kernel {fixed}; " if fixed else "")
-        + f"gap between kernels {format_seconds(launch)}; one stream, no data loading",
+        + f"gap between kernels {format_seconds(launch)}; "
+        + (f"host-bound below {format_seconds(host)} per kernel (eager dispatch); " if host else "")
+        + "one stream, no data loading",
         f"peaks: {time.source}",
     ]
     if time.flops.uncounted:

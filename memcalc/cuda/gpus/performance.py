@@ -9,11 +9,12 @@ half and bfloat16 GEMMs accumulate in float32 (``CUBLAS_COMPUTE_32F`` in
 aten/src/ATen/cuda/CUDABlas.cpp, ``gemm_internal_cublas<at::Half>``), which GeForce cards run at
 half the FP16-accumulate rate.
 
-The efficiency of each op class, the fixed time per kernel and the gap between kernels
-(:data:`EFFICIENCY`, :data:`KERNEL_SECONDS`, :data:`LAUNCH_OVERHEAD`) are fitted to an H100's
-profiled kernels and real step times (:mod:`memcalc.cuda.gpus.calibration`). On another GPU the
-same fractions apply to that GPU's datasheet peaks: an assumption, stated with every time
-(:func:`basis`), as is the spread the fit leaves on the steps it was fitted to.
+The efficiency of each op class, the fixed time per kernel, the gap between kernels and the
+host's time per kernel (:data:`EFFICIENCY`, :data:`KERNEL_SECONDS`, :data:`LAUNCH_OVERHEAD`,
+:data:`HOST_SECONDS`) are fitted to an H200's profiled kernels and real step times
+(:mod:`memcalc.cuda.gpus.calibration`). On another GPU the same fractions apply to that GPU's
+datasheet peaks: an assumption, stated with every time (:func:`basis`) with how it held on a
+healthy H100, as is the spread the fit leaves on the steps it was fitted to.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from memcalc.cuda.gpus.catalogue import get_gpu
 __all__ = (
     "EFFICIENCY",
     "FITTED_GPU",
+    "HOST_SECONDS",
     "KERNEL_SECONDS",
     "LAUNCH_OVERHEAD",
     "PERFORMANCE",
@@ -94,13 +96,15 @@ PERFORMANCE: dict[str, GpuPerformance] = {
 }
 
 #: Efficiency per op class (fraction of the binding datasheet peak a large kernel reaches),
-#: fitted to the H100's kernels (:mod:`memcalc.cuda.gpus.fitted`, written by
+#: fitted to the H200's kernels (:mod:`memcalc.cuda.gpus.fitted`, written by
 #: ``scripts/fit_step_time.py``).
 EFFICIENCY: dict[OpClass, float] = dict(fitted.EFFICIENCY)
 #: Seconds each kernel of a class takes besides its roofline time (fitted likewise).
 KERNEL_SECONDS: dict[OpClass, float] = dict(fitted.KERNEL_SECONDS)
 #: Seconds between kernels: the launch and eager PyTorch's host-side dispatch (fitted likewise).
 LAUNCH_OVERHEAD: float = fitted.GAP_SECONDS
+#: The host's seconds per kernel (eager dispatch), the floor of a host-bound step (fitted likewise).
+HOST_SECONDS: float = fitted.HOST_SECONDS
 #: The GPU the coefficients were measured on.
 FITTED_GPU = fitted.GPU
 
@@ -109,17 +113,17 @@ def basis(gpu_key: str) -> str:
     """What a time on ``gpu_key`` rests on, said beside it."""
     fitted_on = (f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to, on an "
                  f"{fitted.DEVICE} with torch {fitted.TORCH}")
-    if abs(fitted.RECHECK_RATIO - 1) > fitted.SPREAD:  # measured again elsewhere, it did not hold: say so
-        fitted_on += (f"; {fitted.RECHECK_RATIO:.1f}× the same steps measured on another H100 on "
-                      f"{fitted.RECHECK_DATE}, so likely an upper bound")
     if gpu_key == FITTED_GPU:
         return fitted_on
-    return f"{fitted_on}; {gpu_key} scaled from its datasheet peaks, an assumption"
+    low, high = fitted.RECHECK_RANGE
+    return (f"{fitted_on}; {gpu_key} scaled from its datasheet peaks, an assumption (on {fitted.RECHECK_STEPS} "
+            f"steps of an {fitted.RECHECK_GPU}, predicted / measured {low:.2f}-{high:.2f})")
 
 
 def device_rates(gpu: GpuProfile, *, efficiency: dict[OpClass, float] | None = None,
                  launch_overhead: float | None = None,
-                 kernel_seconds: dict[OpClass, float] | None = None) -> DeviceRates:
+                 kernel_seconds: dict[OpClass, float] | None = None,
+                 host_seconds: float | None = None) -> DeviceRates:
     """What the roofline needs about ``gpu``: its peaks and bandwidth from :data:`PERFORMANCE`
     with the fitted (or the given) efficiencies, seconds per kernel and launch overhead.
 
@@ -134,13 +138,14 @@ def device_rates(gpu: GpuProfile, *, efficiency: dict[OpClass, float] | None = N
         raise InvalidInputError(f"cannot time the step: {why}", hint=f"Estimate for one of: {known} (--gpu NAME).")
     chosen = {**EFFICIENCY, **(efficiency or {})}
     fixed = {**KERNEL_SECONDS, **(kernel_seconds or {})}
-    overridden = efficiency is not None or launch_overhead is not None or kernel_seconds is not None
+    overridden = any(v is not None for v in (efficiency, launch_overhead, kernel_seconds, host_seconds))
     return DeviceRates(gpu=gpu.key, peaks=figures.peaks, bandwidth=figures.bandwidth,
                        efficiency=tuple((c, chosen[c]) for c in OpClass),
                        launch_overhead=LAUNCH_OVERHEAD if launch_overhead is None else launch_overhead,
                        source=figures.source, kernel_seconds=tuple((c, fixed[c]) for c in OpClass),
                        spread=0.0 if overridden else fitted.SPREAD,
-                       basis="coefficients given by the caller" if overridden else basis(gpu.key))
+                       basis="coefficients given by the caller" if overridden else basis(gpu.key),
+                       host_seconds=HOST_SECONDS if host_seconds is None else host_seconds)
 
 
 def check_timeable(gpu: str | GpuProfile | None) -> None:
@@ -156,13 +161,15 @@ def check_timeable(gpu: str | GpuProfile | None) -> None:
 
 
 def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
-              launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None) -> StepTime:
+              launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None,
+              host_seconds: float | None = None) -> StepTime:
     """The time of the report's step on the report's GPU, from a roofline per traced kernel.
 
     Each kernel takes the larger of FLOPs ÷ (its math mode's peak × its class's efficiency) and
     bytes moved ÷ (bandwidth × efficiency), plus its class's fixed seconds per kernel and the
-    gap between kernels; the step is their sum (one stream). The coefficients are fitted to an
-    H100 (:mod:`memcalc.cuda.gpus.calibration`); the time carries the spread of that fit.
+    gap between kernels; the step is their sum (one stream), or the host's time per kernel × the
+    kernels when that is longer (a host-bound step). The coefficients are fitted to an H200
+    (:mod:`memcalc.cuda.gpus.calibration`); the time carries the spread of that fit.
     Under a multi-GPU strategy: the busiest GPU's step, without its communication.
 
     Args:
@@ -170,6 +177,7 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
         efficiency: override the fitted efficiency of some op classes (fractions of peak).
         launch_overhead: override the fitted gap between kernels (seconds per kernel).
         kernel_seconds: override the fitted fixed seconds per kernel of some op classes.
+        host_seconds: override the fitted host seconds per kernel (0: never host-bound).
 
     Returns:
         The :class:`~memcalc.core.throughput.StepTime`: seconds, samples/s, tokens/s, per phase
@@ -181,7 +189,7 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
     if not report.gpu_named:
         device_rates(GENERIC)  # raises, naming the GPUs that can be timed
     rates = device_rates(report.gpu, efficiency=efficiency, launch_overhead=launch_overhead,
-                         kernel_seconds=kernel_seconds)
+                         kernel_seconds=kernel_seconds, host_seconds=host_seconds)
     try:
         return report.time_on(rates)
     except ValueError as exc:
@@ -189,11 +197,13 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
 
 
 def with_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
-              launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None) -> MemoryReport:
+              launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None,
+              host_seconds: float | None = None) -> MemoryReport:
     """``report`` with its :attr:`~memcalc.core.report.MemoryReport.time` filled in (its JSON
     then gains a ``"time"`` key) and a note for each op whose FLOPs could not be counted; the
     arguments as for :func:`step_time`."""
-    time = step_time(report, efficiency=efficiency, launch_overhead=launch_overhead, kernel_seconds=kernel_seconds)
+    time = step_time(report, efficiency=efficiency, launch_overhead=launch_overhead, kernel_seconds=kernel_seconds,
+                     host_seconds=host_seconds)
     notes = report.notes + tuple(n for n in time.flops.failure_notes() if n not in report.notes)
     return replace(report, time=time, notes=notes)
 
