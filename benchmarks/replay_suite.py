@@ -1,0 +1,82 @@
+"""Today's estimates against a recorded GPU run of the accuracy suite, without a GPU.
+
+    python benchmarks/replay_suite.py [tests/data/gpu/2026-11-25-h100/suite-gpu.jsonl] [--gpu h100-80gb]
+
+Re-estimates every config of a recorded ``benchmarks/accuracy.py --suite gpu`` run (its
+``.jsonl``: the environment first, then a record per config) with the current code, for the
+catalogue GPU and the torch/CUDA the run had, and prints each config's error on peak allocated and
+reserved beside the recorded one, then the median and worst |error| and how many are within 1%
+and 3%. The measured figures are the recording's; only the estimates are new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import warnings
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+import memcalc
+
+DEFAULT = Path(__file__).parent.parent / "tests" / "data" / "gpu" / "2026-11-25-h100" / "suite-gpu.jsonl"
+
+
+def options_of(label: str) -> dict[str, Any]:
+    """``"gpt2 seq 1024 b8 adamw train precision=amp-bf16"`` → estimate() keywords."""
+    words = label.split()
+    options: dict[str, Any] = {"model": words[0]}
+    if "seq" in words:
+        options["seq_len"] = int(words[words.index("seq") + 1])
+    batch = next(w for w in words if re.fullmatch(r"b\d+", w))
+    options["batch_size"] = int(batch[1:])
+    at = words.index(batch)
+    options["optimizer"], options["mode"] = words[at + 1], words[at + 2]
+    for word in words[at + 3:]:
+        key, value = word.split("=", 1)
+        options[key] = True if value == "True" else int(value) if value.isdigit() else value
+    return options
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("suite", nargs="?", type=Path, default=DEFAULT)
+    parser.add_argument("--gpu", default="h100-80gb", help="the catalogue GPU the run was on")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    lines = args.suite.read_text().splitlines()
+    env = json.loads(lines[0])
+    stack = memcalc.Stack(torch=".".join(env["torch"].split("+")[0].split(".")[:2]), cuda=env["cuda"])
+    rows, errors, recorded, reserved_errors, reserved_recorded = [], [], [], [], []
+    for line in lines[1:]:
+        record = json.loads(line)
+        options = options_of(record["config"])
+        model = options.pop("model")
+        report = memcalc.estimate(model, gpu=args.gpu, stack=stack, **options)
+        measured = record["measured"]["peak_allocated"]
+        error = (report.bytes.peak_allocated - measured) / measured
+        reserved = (report.peak_reserved - record["measured"]["peak_reserved"]) / record["measured"]["peak_reserved"]
+        errors.append(abs(error))
+        recorded.append(abs(record["error_allocated"]))
+        reserved_errors.append(abs(reserved))
+        reserved_recorded.append(abs(record["error_reserved"]))
+        rows.append([record["config"], f"{record['error_allocated']:+.2%}", f"{error:+.2%}",
+                     f"{record['error_reserved']:+.2%}", f"{reserved:+.2%}"])
+    print(f"{args.suite} ({env['device']}, torch {env['torch']}): estimates of today against its measurements")
+    print(tabulate(rows, headers=["config", "allocated, recorded", "allocated, today", "reserved, recorded",
+                                  "reserved, today"], disable_numparse=True))
+    summaries = (("recorded", recorded, "peak allocated", 0.01), ("today", errors, "peak allocated", 0.01),
+                 ("recorded", reserved_recorded, "peak reserved", 0.05),
+                 ("today", reserved_errors, "peak reserved", 0.05))
+    for name, values, what, near in summaries:
+        print(f"{name}: median |error| {statistics.median(values):.2%}, worst {max(values):.2%}; "
+              f"{sum(v <= near for v in values)} within {near:.0%}, {sum(v <= 0.03 for v in values)} within 3% "
+              f"of {len(values)} ({what})")
+
+
+if __name__ == "__main__":
+    main()
