@@ -68,35 +68,62 @@ def _legend_below(figure: Figure) -> None:
     figure.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
 
 
-def _save(figure: Figure, path: Path) -> Path:
-    figure.savefig(path, metadata={"Software": None})  # no version string: bytes change only with the plot
+def _save(figure: Figure, path: Path, *, description: str | None = None) -> Path:
+    metadata: dict[str, str | None] = {"Software": None}  # no version string: bytes change only with the plot
+    if description is not None:
+        metadata["Description"] = description
+    figure.savefig(path, metadata=metadata)
     return path
 
 
+# The README's caption states these answers and tests/test_readme.py checks them against
+# memcalc.max_batch_size, so the options live here once.
+RESNET_FIT_OPTIONS: dict[str, Any] = {"optimizer": "adam", "precision": "fp32"}
+
+
+def resnet50_fits() -> list[tuple[str, memcalc.FitResult]]:
+    """What ``memcalc fit resnet50 --optim adam --gpu KEY`` answers for each card of the figure."""
+    return [(key, memcalc.max_batch_size("resnet50", gpu=key, **RESNET_FIT_OPTIONS)) for key in RESNET_GPUS]
+
+
+def resnet50_fit_metadata(fits: Sequence[tuple[str, memcalc.FitResult]]) -> str:
+    """The dots' answers, written into the PNG (``Description``) so a test can tell a stale figure
+    from a current one without drawing it again."""
+    return "; ".join(f"{key}: fit {fit.batch_size}, raw boundary {fit.raw_batch_size}" for key, fit in fits)
+
+
 def resnet50_batch(out: Path) -> Path:
-    """Peak allocated against batch size for four training set-ups, with GPU capacities."""
+    """Peak allocated against batch size for four training set-ups, with GPU capacities; a dot
+    is what ``memcalc fit`` answers (after its measured margin), a ring the raw boundary."""
     figure, axes = _new_figure()
+    series: list[Any] = []
     for (label, options), style in zip(RESNET_SERIES, STYLES):
         points = memcalc.sweep("resnet50", batch_sizes=RESNET_BATCHES, **options)
-        axes.plot([p.batch_size for p in points], [p.report.bytes.peak_allocated / GIB for p in points],
-                  markersize=3, label=label, **style)
-    for key, grey in zip(RESNET_GPUS, ("dimgrey", "black")):
+        series += axes.plot([p.batch_size for p in points], [p.report.bytes.peak_allocated / GIB for p in points],
+                            markersize=3, label=label, **style)
+    cards: list[Any] = []
+    fits = resnet50_fits()
+    for (key, fit), grey in zip(fits, ("dimgrey", "black")):
         gpu = gpus.get_gpu(key)
-        fit = memcalc.max_batch_size("resnet50", gpu=key, optimizer="adam", precision="fp32")
         usable = fit.budget_bytes  # the card's memory minus its CUDA context
-        axes.axhline(usable / GIB, color=grey, linestyle=(0, (4, 3)), linewidth=1,
-                     label=f"{gpu.name}: {usable / GIB:.1f} GiB usable; "
-                           f"Adam fp32 fits batch {fit.batch_size} (dot)")
+        raw = memcalc.estimate("resnet50", batch_size=fit.raw_batch_size, gpu=key, **RESNET_FIT_OPTIONS)
+        cards.append(axes.axhline(
+            usable / GIB, color=grey, linestyle=(0, (4, 3)), linewidth=1,
+            label=f"{gpu.name}: {usable / GIB:.1f} GiB usable; memcalc fit, Adam fp32: {fit.batch_size} (dot), "
+                  f"no margin {fit.raw_batch_size} (ring)"))
         axes.plot([fit.batch_size], [fit.report.bytes.peak_allocated / GIB], marker="o", color=grey,
                   markersize=6, linestyle="none")
+        axes.plot([fit.raw_batch_size], [raw.bytes.peak_allocated / GIB], marker="o", color=grey,
+                  markerfacecolor="white", markersize=6, linestyle="none")
     axes.set_xlabel("batch size")
     axes.set_ylabel("peak allocated (GiB, binary)")
     axes.set_title("memcalc: ResNet-50 training step (224×224) against batch size")
     axes.set_xlim(0, RESNET_BATCHES[-1])
     axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
-    _legend_below(figure)
-    return _save(figure, out / "resnet50_batch.png")
+    axes.legend(handles=series, loc="upper left", fontsize="small", frameon=False)
+    figure.legend(handles=cards, loc="outside lower center", ncols=1, fontsize="small", frameon=False)
+    return _save(figure, out / "resnet50_batch.png", description=resnet50_fit_metadata(fits))
 
 
 def gpt2_seq_len(out: Path) -> Path:

@@ -18,6 +18,7 @@ The two set-up commands at the top (new virtual environment, installs) are not r
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -215,3 +216,56 @@ def test_cli_reference_lists_every_option(name: str) -> None:
     actual = _options(main.commands[name])
     assert documented - actual == set(), f"memcalc {name} has no option {sorted(documented - actual)}"
     assert actual - documented == set(), f"the README does not document memcalc {name} {sorted(actual - documented)}"
+
+
+# ---- the ResNet-50 figure: its caption and its dots are what `memcalc fit` answers today ------
+# scripts/make_figures.py is the single source of the figure's fit options; the answers are
+# computed here, never typed in, so a change to the margins (memcalc/search/margins.py) fails
+# this test until the figure and its caption are redrawn and rewritten.
+FIGURE = "docs/figures/resnet50_batch.png"
+_FIT_ANSWER = re.compile(r"([\d,]+) with `--gpu ([\w-]+)` \(margin (\d+\.\d)%\)")
+_RAW_ANSWER = re.compile(r"([\d,]+) with `--gpu ([\w-]+) --margin 0`")
+
+
+def _figure_script():
+    spec = importlib.util.spec_from_file_location("make_figures", README.parent / "scripts" / "make_figures.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def figure_caption(text: str, target: str) -> str:
+    """The italic paragraph under the image that links ``target``."""
+    after = text.split(f"]({target})", 1)[1].lstrip("\n")
+    assert after.startswith("*"), f"no caption under {target}"
+    return after.split("\n\n", 1)[0].replace("\n", " ")
+
+
+@pytest.fixture(scope="module")
+def resnet50_fits():
+    script = _figure_script()
+    return script, script.resnet50_fits()
+
+
+def test_resnet50_figure_caption_states_what_fit_answers(resnet50_fits) -> None:
+    _, fits = resnet50_fits
+    caption = figure_caption(README_TEXT, FIGURE)
+    stated = {gpu: (int(n.replace(",", "")), float(margin)) for n, gpu, margin in _FIT_ANSWER.findall(caption)}
+    raw = {gpu: int(n.replace(",", "")) for n, gpu in _RAW_ANSWER.findall(caption)}
+    answers = {key: (fit.batch_size, round(fit.margin * 100, 1)) for key, fit in fits}
+    boundaries = {key: fit.raw_batch_size for key, fit in fits}
+    assert stated == answers, f"the README's caption under {FIGURE} says {stated}; memcalc fit answers {answers}"
+    assert raw == boundaries, f"the caption's raw boundaries {raw}; with --margin 0, fit answers {boundaries}"
+    assert len(answers) == 2 and all(a < boundaries[k] for k, (a, _) in answers.items())  # a margin held back
+
+
+def test_resnet50_figure_dots_are_what_fit_answers(resnet50_fits) -> None:
+    # the figure carries its dots' answers in the PNG's Description, written by the script
+    from PIL import Image
+
+    script, fits = resnet50_fits
+    with Image.open(README.parent / FIGURE) as png:
+        drawn = png.text.get("Description")
+    assert drawn == script.resnet50_fit_metadata(fits), (
+        f"{FIGURE} was drawn for {drawn!r}; redraw it with python scripts/make_figures.py resnet50_batch")
