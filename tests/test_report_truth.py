@@ -118,6 +118,37 @@ def test_resnet50_fc_row_is_its_logits():
     assert fc.activation_bytes == 8 * 1000 * 4  # was 32,000 + 8,519,680
 
 
+def test_inference_module_rows_never_exceed_the_peak():
+    # Without autograd each activation dies soon after its consumer: the sum of everything a
+    # module allocated is no memory that was ever resident (gpt2, bf16, batch 4 × 1,024 tokens:
+    # the transformer's was 3,495,698,720 B beside a 681,858,048 B peak, a column that read as
+    # 5× the peak). The column shows each module's high-water: what was alive at one moment.
+    for model, options in (("gpt2", {"seq_len": 1024, "precision": "bf16"}), ("resnet18", {}),
+                           ("llama-tiny", {"seq_len": 512, "precision": "bf16"})):
+        for mode in ("inference", "eval"):
+            r = memcalc.estimate(model, batch_size=4, mode=mode, optimizer="none", **options)
+            over = [(m.name, m.activation_bytes) for m in r.modules if m.activation_bytes > r.bytes.peak_allocated]
+            assert not over, f"{model} {mode}: rows above the {r.bytes.peak_allocated:,} B peak: {over}"
+            rows = {m.name: m.activation_bytes for m in r.modules}
+            # a container's high-water is at least each child's: the child's bytes are its bytes
+            assert all(rows[m.name] >= rows[child.name] for m in r.modules for child in r.modules
+                       if child.name.startswith(m.name + ".") and child.depth == m.depth + 1)
+            assert "activations alive in forward (high-water)" in render_report(r)
+
+
+def test_inference_module_row_is_its_largest_moment_not_its_sum():
+    # A container of Linear(64, 256), ReLU, Linear(256, 256), ReLU, Linear(256, 10), batch 8,
+    # fp32, inference: each output is 8·256·4 = 8,192 B (the last 8·10·4 = 320 B) and dies once
+    # the next module has run, so at most two are alive at once: 2 × 8,192 = 16,384 B. The
+    # cumulative figure the column showed before was 4 × 8,192 + 320 = 33,088 B.
+    model = nn.Sequential(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                        nn.Linear(256, 10)))
+    r = memcalc.estimate(model, batch_size=8, input_shape=(64,), mode="inference", optimizer="none", gpu="cpu")
+    rows = {m.name: m.activation_bytes for m in r.modules}
+    assert rows["0"] == 2 * 8 * 256 * 4
+    assert rows["0.0"] == rows["0.1"] == rows["0.2"] == 8 * 256 * 4 and rows["0.4"] == 8 * 10 * 4
+
+
 # ---- 3. each mode in its own words; the textbook states what it adds, one sign convention ----
 def test_textbook_counts_the_input_batch_like_the_worked_example():
     # one fully connected layer, batch 100, 32 → 16, fp32: 4 × (100·32 + 32·16 + 100·16)
@@ -163,7 +194,7 @@ def test_forward_only_modes_do_not_speak_of_backward():
         assert "optimizer state is created" not in text
         assert "\ngradients " not in text and "\noptimizer state " not in text  # rows that cannot exist
         assert "Without autograd there are no gradients or optimizer state" in text
-        assert "activations allocated in forward" in text  # the module table's column
+        assert "activations alive in forward (high-water)" in text  # the module table's column
     train = render_report(memcalc.estimate("mlp", batch_size=8, optimizer="sgd"))
     assert "activations (saved for backward)" in train and "activations kept for backward" in train
     assert "activations saved for backward" in train and "gradients appear during backward" in train

@@ -83,7 +83,9 @@ class ModuleRow:
 
     ``activation_bytes``: in train mode, activation bytes born during the module's forward
     (its submodules included) still alive when the forward ended — what its backward keeps;
-    in eval and inference mode, activation bytes born during its forward (freed soon after).
+    in eval and inference mode, the most activation bytes born during its forward alive at one
+    moment (its high-water: each is freed soon after its consumer runs, so the sum of everything
+    it allocated would be no memory that was ever resident, and could exceed the peak).
     Kernel workspaces (cuBLAS, cuDNN: category ``workspace``) are never counted here: they
     belong to the library handle or the call, not to what the module keeps.
     """

@@ -446,19 +446,7 @@ def _saved_for_backward(trace: StepTrace, categories: list[Category]) -> int:
 
 def _module_rows(module: nn.Module, traced: TracedStep) -> tuple[ModuleRow, ...]:
     """One row per submodule, at every depth (the table's depth is chosen when it is shown)."""
-    trace = traced.trace
-    end_of_forward = trace.phase_starts.get(Phase.LOSS, len(trace.events))
-    kept = alive_before(trace, end_of_forward) if traced.mode is Mode.TRAIN else None
-    # activation bytes born in a module's forward count for it and for each of its ancestors;
-    # workspaces (the cuBLAS handle's, a conv's) are born there too but are not what it keeps
-    subtree: dict[str, int] = {}
-    for uid, name in enumerate(trace.module):
-        if trace.phase[uid] is not Phase.FORWARD or traced.categories[uid] is not Category.ACTIVATIONS:
-            continue
-        if kept is not None and uid not in kept:
-            continue
-        for ancestor in _self_and_ancestors(name):
-            subtree[ancestor] = subtree.get(ancestor, 0) + trace.nbytes[uid]
+    subtree = (_kept_for_backward(traced) if traced.mode is Mode.TRAIN else _forward_high_water(traced))
     rows: list[ModuleRow] = []
     named = dict(module.named_modules())
     for name in traced.module_order:
@@ -471,6 +459,48 @@ def _module_rows(module: nn.Module, traced: TracedStep) -> tuple[ModuleRow, ...]
             output_shape=traced.output_shapes.get(name, ()), activation_bytes=subtree.get(name, 0),
         ))
     return tuple(rows)
+
+
+def _forward_activations(traced: TracedStep) -> list[int]:
+    """The storages a module row may count: activations born in the forward. Workspaces (the
+    cuBLAS handle's, a conv's) are born there too but are not what a module keeps."""
+    trace = traced.trace
+    return [uid for uid in range(len(trace.module))
+            if trace.phase[uid] is Phase.FORWARD and traced.categories[uid] is Category.ACTIVATIONS]
+
+
+def _kept_for_backward(traced: TracedStep) -> dict[str, int]:
+    """Module → activation bytes born in its forward (its submodules included) still alive when
+    the forward ended: what its backward keeps."""
+    trace = traced.trace
+    kept = alive_before(trace, trace.phase_starts.get(Phase.LOSS, len(trace.events)))
+    subtree: dict[str, int] = {}
+    for uid in _forward_activations(traced):
+        if uid in kept:
+            for ancestor in _self_and_ancestors(trace.module[uid]):
+                subtree[ancestor] = subtree.get(ancestor, 0) + trace.nbytes[uid]
+    return subtree
+
+
+def _forward_high_water(traced: TracedStep) -> dict[str, int]:
+    """Module → the most activation bytes born in its forward (its submodules included) alive at
+    one moment. Without autograd each activation dies soon after its consumer runs, so the sum
+    of everything a module allocated (mistral-7b, inference, 4,096 tokens: 44.48 GiB beside a
+    13.93 GiB peak) is not memory that was ever resident; this is, and no row can exceed the peak."""
+    trace = traced.trace
+    counted = set(_forward_activations(traced))
+    alive: dict[str, int] = {}
+    high: dict[str, int] = {}
+    for event in trace.events:
+        uid = event if event >= 0 else ~event
+        if uid not in counted:
+            continue
+        sign = 1 if event >= 0 else -1
+        for ancestor in _self_and_ancestors(trace.module[uid]):
+            alive[ancestor] = alive.get(ancestor, 0) + sign * trace.nbytes[uid]
+            if sign > 0 and alive[ancestor] > high.get(ancestor, 0):
+                high[ancestor] = alive[ancestor]
+    return high
 
 
 def _self_and_ancestors(name: str) -> list[str]:

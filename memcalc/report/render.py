@@ -241,7 +241,8 @@ def _versus(gap: float | None) -> str:
 
 
 def _module_table(report: MemoryReport, fmt: str, unit: Unit | str, depth: int) -> str:
-    kept = "kept for backward" if report.mode is Mode.TRAIN else "allocated in forward"
+    # eval/inference: the most alive at once, never a cumulative total that could exceed the peak
+    kept = "kept for backward" if report.mode is Mode.TRAIN else "alive in forward (high-water)"
     rows = [[("  " * (m.depth - 1)) + m.name, m.type, f"{m.parameters:,}",
              "x".join(str(d) for d in m.output_shape) if m.output_shape else "-",
              format_bytes(m.activation_bytes, unit)] for m in report.modules_within(depth)]
