@@ -27,7 +27,7 @@ that mode; a family without data (a user's own model, an MLP) the worst β of al
 under-estimate counts: where memcalc over-estimates, the margin is the floor.
 
 The errors are *today's* estimates against the suite's recorded measurements, not the estimates
-the suite recorded: fixes since (the loss's log-probs under autocast, llama's inference step)
+the suite recorded: fixes since (the loss's log-probs under autocast, cuBLAS's workspace under inference_mode)
 changed them — GPT-2 under autocast went from 6.1% over to 0.05% under, checkpointed llama-tiny
 under autocast from 10.7% over to 0.09% under. ``benchmarks/replay_suite.py`` re-estimates every
 config for the H100 and the run's torch/CUDA, and ``tests/test_margins.py`` derives the tables
