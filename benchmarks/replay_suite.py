@@ -7,6 +7,9 @@ Re-estimates every config of a recorded ``benchmarks/accuracy.py --suite gpu`` r
 catalogue GPU and the torch/CUDA the run had, and prints each config's error on peak allocated and
 reserved beside the recorded one, then the median and worst |error| and how many are within 1%
 and 3%. The measured figures are the recording's; only the estimates are new.
+
+:func:`replay` is the part others reuse: ``tests/test_margins.py`` loads this file by its path
+(``benchmarks/`` is not a package) to derive the fit's margin tables from today's estimates.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import re
 import statistics
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,30 +46,63 @@ def options_of(label: str) -> dict[str, Any]:
     return options
 
 
+@dataclass(frozen=True)
+class Replayed:
+    """One config of a recorded suite run: its record as written, and today's estimate of it."""
+
+    record: dict[str, Any]
+    peak_allocated: int  # today's estimate, bytes
+    peak_reserved: int
+
+    @property
+    def config(self) -> str:
+        return str(self.record["config"])
+
+    @property
+    def measured(self) -> dict[str, int]:
+        return dict(self.record["measured"])
+
+    @property
+    def error_allocated(self) -> float:
+        """Today's error on peak allocated, (estimate − measured) / measured, as the suite writes it."""
+        return (self.peak_allocated - self.measured["peak_allocated"]) / self.measured["peak_allocated"]
+
+    @property
+    def error_reserved(self) -> float:
+        return (self.peak_reserved - self.measured["peak_reserved"]) / self.measured["peak_reserved"]
+
+
+def replay(suite: Path = DEFAULT, gpu: str = "h100-80gb") -> tuple[dict[str, Any], list[Replayed]]:
+    """The run's environment, and every config of it re-estimated with today's code for the
+    catalogue ``gpu`` and the torch/CUDA the run had (shared with tests/test_margins.py, whose
+    margin tables are derived from it)."""
+    lines = suite.read_text().splitlines()
+    env = json.loads(lines[0])
+    stack = memcalc.Stack(torch=".".join(env["torch"].split("+")[0].split(".")[:2]), cuda=env["cuda"])
+    replayed = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for line in lines[1:]:
+            record = json.loads(line)
+            options = options_of(record["config"])
+            model = options.pop("model")
+            report = memcalc.estimate(model, gpu=gpu, stack=stack, **options)
+            replayed.append(Replayed(record, report.bytes.peak_allocated, report.peak_reserved))
+    return env, replayed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("suite", nargs="?", type=Path, default=DEFAULT)
     parser.add_argument("--gpu", default="h100-80gb", help="the catalogue GPU the run was on")
     args = parser.parse_args()
-    warnings.simplefilter("ignore")
-    lines = args.suite.read_text().splitlines()
-    env = json.loads(lines[0])
-    stack = memcalc.Stack(torch=".".join(env["torch"].split("+")[0].split(".")[:2]), cuda=env["cuda"])
-    rows, errors, recorded, reserved_errors, reserved_recorded = [], [], [], [], []
-    for line in lines[1:]:
-        record = json.loads(line)
-        options = options_of(record["config"])
-        model = options.pop("model")
-        report = memcalc.estimate(model, gpu=args.gpu, stack=stack, **options)
-        measured = record["measured"]["peak_allocated"]
-        error = (report.bytes.peak_allocated - measured) / measured
-        reserved = (report.peak_reserved - record["measured"]["peak_reserved"]) / record["measured"]["peak_reserved"]
-        errors.append(abs(error))
-        recorded.append(abs(record["error_allocated"]))
-        reserved_errors.append(abs(reserved))
-        reserved_recorded.append(abs(record["error_reserved"]))
-        rows.append([record["config"], f"{record['error_allocated']:+.2%}", f"{error:+.2%}",
-                     f"{record['error_reserved']:+.2%}", f"{reserved:+.2%}"])
+    env, replayed = replay(args.suite, args.gpu)
+    rows = [[r.config, f"{r.record['error_allocated']:+.2%}", f"{r.error_allocated:+.2%}",
+             f"{r.record['error_reserved']:+.2%}", f"{r.error_reserved:+.2%}"] for r in replayed]
+    errors = [abs(r.error_allocated) for r in replayed]
+    recorded = [abs(r.record["error_allocated"]) for r in replayed]
+    reserved_errors = [abs(r.error_reserved) for r in replayed]
+    reserved_recorded = [abs(r.record["error_reserved"]) for r in replayed]
     print(f"{args.suite} ({env['device']}, torch {env['torch']}): estimates of today against its measurements")
     print(tabulate(rows, headers=["config", "allocated, recorded", "allocated, today", "reserved, recorded",
                                   "reserved, today"], disable_numparse=True))

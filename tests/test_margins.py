@@ -5,9 +5,12 @@ measured on 2026-11-26: tests/data/gpu/2026-11-26-fit-checks/)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -24,13 +27,20 @@ from memcalc.search.margins import (
     step_class,
 )
 
-DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
+ROOT = Path(__file__).parent.parent
+DATA = ROOT / "tests" / "data" / "gpu" / "2026-11-25-h100"
 GiB = 1024**3
 H100_BUDGET = 85_028_896_768 - 726_663_168  # CUDA's total less the measured lazy context
 
 
-def _suite() -> list[dict[str, object]]:
-    return [json.loads(line) for line in (DATA / "suite-gpu.jsonl").read_text().splitlines()[1:]]
+def _replay_suite() -> ModuleType:
+    """benchmarks/replay_suite.py, loaded by its path (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("replay_suite", ROOT / "benchmarks" / "replay_suite.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up while it is defined
+    spec.loader.exec_module(module)
+    return module
 
 
 def _class_of(config: str) -> StepClass:
@@ -40,21 +50,24 @@ def _class_of(config: str) -> StepClass:
     return step_class(words[0], Precision(precision), "checkpoint=True" in words, mode)
 
 
+@pytest.mark.slow  # re-estimates the suite's 51 configs: about 15 s
 def test_tables_are_the_suites_data() -> None:
+    # today's estimates of every config against the recorded measurements, not the estimates the
+    # suite recorded (fixes since have changed some: GPT-2 under autocast, llama-tiny inference)
+    _, replayed = _replay_suite().replay(DATA / "suite-gpu.jsonl", "h100-80gb")
+    assert len(replayed) == 51
     allocated: dict[StepClass, tuple[float, str]] = {}
     reserved: dict[str, tuple[int, int, str]] = {}
-    for record in _suite():
-        config, measured, estimate = record["config"], record["measured"], record["estimate"]
-        assert isinstance(config, str) and isinstance(measured, dict) and isinstance(estimate, dict)
-        key = _class_of(config)
+    for config in replayed:
+        key, measured = _class_of(config.config), config.measured
         # α: under-estimates of peak allocated, on real peaks of at least 1 GiB
-        alpha = round(max(0.0, -float(record["error_allocated"])), 4) if measured["peak_allocated"] >= GiB else 0.0
+        alpha = round(max(0.0, -config.error_allocated), 4) if measured["peak_allocated"] >= GiB else 0.0
         if key not in allocated or alpha > allocated[key][0]:
-            allocated[key] = (alpha, config)
+            allocated[key] = (alpha, config.config)
         # β: under-estimates of peak reserved in bytes, per family
-        beta = max(0, measured["peak_reserved"] - estimate["peak_reserved"])
+        beta = max(0, measured["peak_reserved"] - config.peak_reserved)
         if key.family not in reserved or beta > reserved[key.family][0]:
-            reserved[key.family] = (beta, measured["peak_reserved"], config)
+            reserved[key.family] = (beta, measured["peak_reserved"], config.config)
     assert allocated == ALLOCATED_UNDERESTIMATE
     assert reserved == RESERVED_SHORTFALL
 
@@ -64,7 +77,7 @@ def test_margin_arithmetic() -> None:
     cnn = measured_margin(StepClass("cnn", "fp32", False, True), H100_BUDGET)
     assert cnn.fraction == math.ceil((0.0073 + 2_747_269_120 / H100_BUDGET) * 1000) / 1000 == 0.04
     assert "the sum" in cnn.explain() and "resnet18 b256 sgd train" in cnn.explain()
-    # transformer amp: 1.83% + 182,452,224 / 84,302,233,600 = 2.05%, under the floor
+    # transformer amp: 1.84% + 197,132,288 / 84,302,233,600 = 2.07%, under the floor
     amp = measured_margin(StepClass("transformer", "amp", False, True), H100_BUDGET)
     assert amp.fraction == FLOOR and "the floor" in amp.explain()
     # the same cnn class on a 24 GiB card: 0.73% + 2.56 GiB / 24 GiB (10.66%) = 11.39% → 11.4%
@@ -75,7 +88,7 @@ def test_margin_arithmetic() -> None:
     # a family not measured takes the largest share (cnn's) and the worst α of its mode
     other = measured_margin(StepClass("other", "fp32", False, True), H100_BUDGET)
     assert other.reserved == RESERVED_SHORTFALL["cnn"][0]
-    assert other.allocated == max(v[0] for k, v in ALLOCATED_UNDERESTIMATE.items() if k.training) == 0.0314
+    assert other.allocated == max(v[0] for k, v in ALLOCATED_UNDERESTIMATE.items() if k.training) == 0.0316
 
 
 def test_families() -> None:
