@@ -142,8 +142,7 @@ def estimate(
     if not isinstance(time, bool):
         raise InvalidInputError(f"time must be True or False, got {time!r}")
     if time:
-        check_timeable(request.options.gpu if request.options.gpu_named else None)  # before the estimate
-        request = replace(request, options=replace(request.options, record_costs=True))
+        request = _recording_costs(request)
     report = run_estimate(request)
     if local_note is not None:
         report = replace(report, notes=(local_note, *report.notes))
@@ -346,8 +345,7 @@ def iter_sweep(
     request = _search_request(model, resolved, optimizer=named, precision=None, options=estimate_options)
     if not time:
         return sweep_requests(request, configs)
-    check_timeable(request.options.gpu if request.options.gpu_named else None)  # before the first estimate
-    recording = replace(request, options=replace(request.options, record_costs=True))
+    recording = _recording_costs(request)
     return (replace(point, report=with_time(point.report)) for point in sweep_requests(recording, configs))
 
 
@@ -411,6 +409,13 @@ def _search_request(model: Any, budget: Budget | None, *, optimizer: Optimizer |
         given["precision"] = precision
     request = make_request(model, optimizer=optimizer, **given)
     return replace(request, capacity=budget.capacity if budget is not None else None)
+
+
+def _recording_costs(request: EstimateRequest) -> EstimateRequest:
+    """``request`` for a step that will be timed: refused now, before any estimate, when its GPU
+    cannot be timed; else with every kernel's costs recorded as the step is traced."""
+    check_timeable(request.options.gpu if request.options.gpu_named else None)
+    return replace(request, options=replace(request.options, record_costs=True))
 
 
 def _local_gpu(gpu: GpuLike, capacity: int | str | None,

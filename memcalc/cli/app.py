@@ -27,7 +27,7 @@ from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.core.throughput import DataLoaderSetup
 from memcalc.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
-from memcalc.cuda.gpus.performance import check_timeable, loader_advice
+from memcalc.cuda.gpus.performance import loader_advice
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.measure import attach_measurement, measured_device
 from memcalc.report.output import check_output_path
@@ -151,9 +151,7 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     loader = None
     if data_loader is not None or sample_load_ms is not None:
         loader = DataLoaderSetup.parse(data_loader or "", sample_load_ms=sample_load_ms)
-        timed = True  # the loader is judged against the step time
-    if timed:
-        check_timeable(gpu if local is None else local.profile)  # before the estimate, not after it
+        timed = True  # the loader is judged against the step time (api.estimate refuses an untimeable GPU first)
     with quiet():
         report = api.estimate(source, batch_size=batch, **step, **distributed, time=timed)
     if measure:

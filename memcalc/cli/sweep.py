@@ -27,7 +27,6 @@ from memcalc.cli.params import (
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.categories import Category
 from memcalc.core.units import format_bytes
-from memcalc.cuda.gpus.performance import check_timeable
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json
 from memcalc.report.time_render import format_seconds
@@ -84,8 +83,6 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
     points_iter = api.iter_sweep(source, batch_sizes=batches, optimizers=optims if given("optims") else None,
                                  precisions=precisions or [None], budget=resolved, time=timed, **step)
     show = fmt != "json" and len(configs) > PROGRESS_MIN_CONFIGURATIONS and _is_terminal(sys.stderr)
-    if timed and device is None:
-        check_timeable(gpu)  # before the sweep, not after it
     with quiet(), _progress(points_iter, len(configs), show) as progress:
         points = list(progress)
     if plot_path is not None:
