@@ -51,6 +51,13 @@ class GpuProfile:
         return self.cuda_context if self.lazy_context is None else self.lazy_context
 
     @property
+    def context_measured(self) -> bool:
+        """Whether the CUDA context was measured on this GPU rather than assumed: the stack
+        names where in ``context_basis`` ("…, measured on NVIDIA H100 80GB HBM3, CUDA 13.0",
+        :func:`memcalc.cuda.gpus.catalogue.context_source`)."""
+        return "measured on" in self.context_basis
+
+    @property
     def usable_memory(self) -> int | None:
         """What tensors, the caching allocator and workspaces can share: total minus context."""
         if self.total_memory is None:

@@ -165,7 +165,7 @@ def _reserved_line(report: MemoryReport, unit: Unit | str) -> str:
     under it (the allocator frees its cached segments and retries before an OOM), so it
     agrees with the fits line; the unlimited replay's figure is named as such."""
     reserved = format_bytes(report.peak_reserved, unit)
-    how = "measured" if "measured on" in report.gpu.context_basis else "assumed"
+    how = "measured" if report.gpu.context_measured else "assumed"
     context = (f"+ CUDA context {format_bytes(report.cuda_context, unit)} ({how} for {report.gpu.key}) "
                f"= {format_bytes(report.device_total, unit)}")
     capacity, unlimited = report.capacity, report.peak_reserved_unconstrained

@@ -321,7 +321,7 @@ def _from_gpu(gpu: str | GpuProfile, versions: ResolvedStack) -> Budget:
             hint="Name a GPU model (e.g. a100-40gb) or give a budget (e.g. 24GiB).")
     source = (f"{profile.key}: {format_bytes(profile.total_memory)} "
               f"− {format_bytes(profile.cuda_context)} CUDA context "
-              f"({'measured' if 'measured on' in profile.context_basis else 'assumed'})")
+              f"({'measured' if profile.context_measured else 'assumed'})")
     return Budget(usable, source, profile)
 
 
