@@ -1,12 +1,126 @@
-"""Fixtures shared by several test files (helpers they share: tests/support.py)."""
+"""Fixtures shared by several test files (helpers they share: tests/support.py).
+
+* ``golden``: what a command prints, compared with ``tests/golden/<test name>.out`` — one file
+  per scenario, as torchinfo keeps its ``tests/test_output/*.out``. ``pytest --overwrite`` (or
+  ``MEMCALC_REGEN_GOLDEN=1``, the older spelling) rewrites the files from this run's output, for
+  review in ``git diff``. docs/testing.md says when to use it and when an assertion is better.
+* ``fake_process_group``: a fake process group for the distributed tests.
+"""
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from support import FAKE_WORLD
+
+TESTS = Path(__file__).parent
+GOLDEN = TESTS / "golden"
+
+#: The torch the golden files were recorded with. CI's version matrix runs them on other
+#: releases too: there the installed release, named in the header's "assumed:" line and in the
+#: JSON's torch_version, is read as this one, and every other character must be equal.
+GOLDEN_TORCH = "2.13"
+
+#: The test directory as the golden files spell it: commands that name a file under tests/
+#: (a model file, a snapshot) print its absolute path, which differs between checkouts.
+TESTS_PLACEHOLDER = "<tests>"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--overwrite", action="store_true", default=False,
+                     help="rewrite tests/golden/*.out from this run's output instead of comparing "
+                          "(review with git diff); MEMCALC_REGEN_GOLDEN=1 does the same")
+
+
+def overwriting_golden(config: pytest.Config) -> bool:
+    """Whether this run rewrites golden files: ``--overwrite``, or ``MEMCALC_REGEN_GOLDEN`` set
+    (the spelling the README and older notes use)."""
+    return bool(config.getoption("overwrite") or os.environ.get("MEMCALC_REGEN_GOLDEN"))
+
+
+def installed_torch() -> str:
+    """The installed torch's ``"major.minor"`` (``"2.13"`` for ``2.13.0+cpu``), read here rather
+    than from memcalc so that the normalisation does not trust the code it checks."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def as_recorded(text: str) -> str:
+    """``text`` as the golden files hold it: the installed torch named as :data:`GOLDEN_TORCH`
+    where an estimate states the torch it assumed, and the tests directory as
+    :data:`TESTS_PLACEHOLDER`."""
+    text = text.replace(str(TESTS), TESTS_PLACEHOLDER)
+    installed = installed_torch()
+    if installed == GOLDEN_TORCH:
+        return text
+    for said_by_memcalc in ("assumed: torch {},", "(traced with the installed torch {})", '"torch_version": "{}"'):
+        text = text.replace(said_by_memcalc.format(installed), said_by_memcalc.format(GOLDEN_TORCH))
+    return text
+
+
+def golden_name(node: pytest.Item) -> str:
+    """The file stem of a test's golden output: its name without ``test_``, with the
+    parametrized id (``test_usage_error[batch-0]`` → ``usage_error[batch-0]``). Characters a file
+    name should not hold become ``_``."""
+    name = node.name.removeprefix("test_")
+    return re.sub(r"[^\w.\[\]=,+-]", "_", name)
+
+
+#: Golden file → the test that compared it in this session: two tests on one file would each
+#: overwrite the other's output.
+_CLAIMED: dict[Path, str] = {}
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it is inside it (as a failure message names it)."""
+    return str(path.relative_to(TESTS.parent)) if path.is_relative_to(TESTS.parent) else str(path)
+
+
+class Golden:
+    """Compares a scenario's output with its golden file (module docstring)."""
+
+    def __init__(self, node: pytest.Item, overwrite: bool) -> None:
+        self._node = node
+        self._overwrite = overwrite
+        self.checked: list[Path] = []
+
+    def path(self, suffix: str = ".out") -> Path:
+        """The golden file of this test for ``suffix`` (``.out``, or ``.json`` for JSON output)."""
+        return GOLDEN / f"{golden_name(self._node)}{suffix}"
+
+    def __call__(self, output: str, *, suffix: str = ".out") -> None:
+        """Assert that ``output`` (normalised by :func:`as_recorded`) equals the golden file, or
+        write it there when overwriting. A missing file fails: a new scenario is recorded on
+        purpose, with ``--overwrite``, and reviewed."""
+        path = self.path(suffix)
+        owner = _CLAIMED.setdefault(path, self._node.nodeid)
+        assert owner == self._node.nodeid, f"{path.name} is already the golden output of {owner}"
+        assert path not in self.checked, f"{path.name} compared twice in one test: give the second a suffix"
+        self.checked.append(path)
+        text = as_recorded(output)
+        if self._overwrite:
+            GOLDEN.mkdir(exist_ok=True)
+            if not path.exists() or path.read_text() != text:
+                path.write_text(text)
+            return
+        if not path.exists():
+            pytest.fail(f"no golden output {_shown(path)} for this test: record it with "
+                        f"`python -m pytest {self._node.nodeid} --overwrite` and review the new file",
+                        pytrace=False)
+        expected = path.read_text()
+        assert text == expected, (f"output differs from {_shown(path)}; if the change is "
+                                  "intended, rewrite it with --overwrite and review the diff")
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest) -> Golden:
+    """Compare a CLI scenario's output with ``tests/golden/<test name>.out`` (:class:`Golden`)."""
+    return Golden(request.node, overwriting_golden(request.config))
 
 
 @pytest.fixture

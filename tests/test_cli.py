@@ -1,22 +1,21 @@
 """The ``memcalc`` command: golden output, JSON, exit codes and messages for bad input.
 
-Golden files live in tests/golden/; regenerate them with ``MEMCALC_REGEN_GOLDEN=1 pytest tests/test_cli.py``
-and review the diff.
+What a scenario prints is compared with ``tests/golden/<test name>.out`` by the ``golden``
+fixture (tests/conftest.py); after an intended change, ``python -m pytest tests/test_cli.py
+--overwrite`` rewrites the files (``MEMCALC_REGEN_GOLDEN=1`` does the same) for review in the
+diff. Assertions here check what a golden file cannot: arithmetic, JSON keys, exit codes.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from memcalc.cli import main
-from memcalc.cuda.stack import installed_torch_version
 
-GOLDEN = Path(__file__).parent / "golden"
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
@@ -24,40 +23,20 @@ def run(*args: str, env: dict[str, str] | None = None):
     return CliRunner().invoke(main, list(args), env=env, catch_exceptions=True)
 
 
-#: The torch the golden files were recorded with. CI's version matrix runs them on other
-#: releases too: there the installed release, named in the header's "assumed:" line and in the
-#: JSON's torch_version, is read as this one, and every other character must be equal.
-GOLDEN_TORCH = "2.13"
-
-
-def _as_recorded(text: str) -> str:
-    installed = installed_torch_version()
-    if installed == GOLDEN_TORCH:
-        return text
-    return text.replace(f"assumed: torch {installed},", f"assumed: torch {GOLDEN_TORCH},").replace(
-        f'"torch_version": "{installed}"', f'"torch_version": "{GOLDEN_TORCH}"')
-
-
-def _golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    text = _as_recorded(text)
-    if os.environ.get("MEMCALC_REGEN_GOLDEN"):
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"missing golden file {path}; run with MEMCALC_REGEN_GOLDEN=1"
-    assert text == path.read_text()
-
-
-@pytest.mark.parametrize("name, args", [
-    ("fc-32-16_eval.out", ["fc-32-16", "--batch", "100", "--mode", "eval", "--optim", "none"]),
-    ("mlp_sgd_github.out", ["mlp", "--batch", "32", "--optim", "sgd", "--format", "github"]),
-    ("mlp_adam.json", ["mlp", "-b", "32", "--optim", "adam", "--format", "json"]),
-    ("zoo.out", ["zoo"]),
+@pytest.mark.parametrize("args", [
+    pytest.param(["fc-32-16", "--batch", "100", "--mode", "eval", "--optim", "none"], id="fc-32-16_eval"),
+    pytest.param(["mlp", "--batch", "32", "--optim", "sgd", "--format", "github"], id="mlp_sgd_github"),
+    pytest.param(["mlp", "-b", "32", "--optim", "adam", "--format", "json"], id="mlp_adam_json"),
+    pytest.param(["resnet50", "--batch", "64", "--optim", "adam"], id="resnet50_readme"),  # the README's main job
+    pytest.param(["mlp", "--precision", "bf16", "--gpu", "v100-16gb", "--depth", "0"], id="mlp_bf16_v100"),
+    pytest.param(["gpt2", "--seq-len", "128", "--precision", "amp-bf16", "--gpu", "a100-80gb", "--depth", "0"],
+                 id="gpt2_amp_bf16_a100"),
+    pytest.param(["zoo"], id="zoo"),
 ])
-def test_golden_output(name, args):
+def test_estimate(args, golden):
     result = run(*args)
     assert result.exit_code == 0, result.output
-    _golden(name, result.output)
+    golden(result.output, suffix=".json" if "json" in args else ".out")
 
 
 def test_worked_example_shows_the_articles_numbers():
@@ -79,54 +58,18 @@ def test_json_contract_keys():
     assert data["batch_size"] == 8 and data["optimizer"] == "adam"
 
 
-def test_main_job_from_the_readme():
-    result = run("resnet50", "--batch", "64", "--optim", "adam")
-    assert result.exit_code == 0, result.output
-    assert "peak allocated" in result.output and "backward" in result.output
-    assert "textbook: parameters" in result.output and "× 4" in result.output
-
-
 def test_units_option():
     result = run("mlp", "--batch", "8", "--units", "MiB", "--depth", "0")
     assert result.exit_code == 0
     assert " KiB" not in result.output and " GiB" not in result.output
 
 
-# ---- bad input ---------------------------------------------------------------------------
-def _no_traceback(result):
-    assert "Traceback" not in result.output
-
-
-def test_unknown_model_suggests_closest():
-    result = run("resnt50", "--batch", "2")
-    assert result.exit_code == 2
-    assert "unknown model 'resnt50'" in result.output
-    assert "Did you mean resnet50" in result.output
-    _no_traceback(result)
-
-
-@pytest.mark.parametrize("args, fragment", [
-    (["mlp", "--batch", "0"], "--batch"),
-    (["mlp", "--input-shape", "3,a,224"], "is not a shape"),
-    (["mlp", "--input-shape", "3,-1"], "is not a shape"),
-    (["mlp", "--optim", "adamax"], "--optim"),
-    (["mlp", "--mode", "sideways"], "--mode"),
-    (["mlp", "--format", "yaml"], "--format"),
-])
-def test_usage_errors_exit_2(args, fragment):
-    result = run(*args)
-    assert result.exit_code == 2, result.output
-    assert fragment in result.output
-    _no_traceback(result)
-
-
-def test_op_that_cannot_run_symbolically_names_op_and_module():
+# ---- bad input (the battery of usage errors, one golden file each, is tests/test_bad_inputs.py) ---
+def test_op_that_cannot_run_symbolically(golden):
+    # bool(tensor) in forward: the message names the op and where it ran, and says what to do
     result = run(f"{FIXTURES / 'user_models.py'}:make_branching", "--batch", "4", "--input-shape", "20")
     assert result.exit_code == 1, result.output
-    assert "_local_scalar_dense" in result.output  # the op: bool(tensor) reads a value
-    assert "forward" in result.output
-    assert "reads tensor values" in result.output  # the hint
-    _no_traceback(result)
+    golden(result.output)
 
 
 def test_debug_shows_the_traceback():
@@ -136,17 +79,13 @@ def test_debug_shows_the_traceback():
 
 
 def test_model_that_does_not_fit_the_input_shape():
-    # example_inputs gives (B, 20) to a Linear(7, 3): the meta kernel of addmm refuses
+    # example_inputs gives (B, 20) to a Linear(7, 3): the meta kernel of addmm refuses. Not a
+    # golden file: the message quotes torch's own error, whose words differ between the torch
+    # releases of CI's version matrix.
     result = run(f"{FIXTURES / 'user_models.py'}:make_wrong_width", "--batch", "2")
     assert result.exit_code == 2, result.output  # the input is what the user can change
     assert "--input-shape" in result.output and "aten.addmm" in result.output
-    _no_traceback(result)
-
-
-def test_image_model_given_only_seq_len():
-    result = run("resnet18", "--seq-len", "128")
-    assert result.exit_code == 2
-    assert "--input-shape" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_subcommand_and_model_coexist():
@@ -156,36 +95,10 @@ def test_subcommand_and_model_coexist():
 
 
 # ---- CUDA-faithful options ----------------------------------------------------------------
-def test_unknown_gpu_exit_2_with_close_matches():
-    result = run("mlp", "--gpu", "h1000")
-    assert result.exit_code == 2
-    assert "unknown GPU 'h1000'" in result.output and "h100-80gb" in result.output
-    _no_traceback(result)
-
-
-def test_ambiguous_gpu_lists_both():
-    result = run("mlp", "--gpu", "a100")
-    assert result.exit_code == 2 and "a100-40gb" in result.output and "a100-80gb" in result.output
-
-
-def test_accum_steps_zero_is_a_usage_error():
-    result = run("mlp", "--accum-steps", "0")
-    assert result.exit_code == 2 and "--accum-steps" in result.output
-
-
-def test_bf16_on_v100_says_so():
-    result = run("mlp", "--precision", "bf16", "--gpu", "v100-16gb", "--depth", "0")
-    assert result.exit_code == 0
-    assert "no native bf16" in result.output
-
-
 def test_gpu_json_fields():
     data = json.loads(run("resnet18", "--input-shape", "3,64,64", "--gpu", "t4", "--format", "json").output)
     assert data["gpu"] == "t4" and data["fits"] is True and data["precision"] == "fp32"
     assert data["bytes"]["cuda_context"] > 0 and data["bytes"]["peak_reserved"] >= data["bytes"]["peak_allocated"]
-    text = run("gpt2", "--seq-len", "128", "--precision", "amp-bf16", "--gpu", "a100-80gb", "--depth", "0").output
-    assert "attention kernels (as CUDA would choose): flash ×12" in text
-    assert "fits in" in text and "yes" in text
 
 
 def test_inference_with_kv_cache():

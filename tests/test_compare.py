@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import tarfile
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from memcalc.engine.real_snapshot import load_snapshot
 from memcalc.report.compare import compare_snapshot, real_phase
 
 DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
-GOLDEN = Path(__file__).parent / "golden"
 STEM = "resnet18-b1-sgd"
 # the run's configuration: resnet18, batch 1, SGD, fp32, on the H100 with torch 2.11 (env.txt)
 OPTIONS = ["resnet18", "--batch", "1", "--optim", "sgd", "--gpu", "h100-80gb", "--torch-version", "2.11"]
@@ -67,13 +65,11 @@ def test_comparison_of_a_real_snapshot(snapshot: Path) -> None:
     assert any(d.site == "(autograd engine thread)" for d in comparison.missing)
 
 
-def test_compare_cli_golden(snapshot: Path) -> None:
+def test_compare_resnet18_b1_h100(snapshot: Path, golden) -> None:
+    # the golden file's name is the README's link to this output
     result = CliRunner().invoke(main, ["compare", str(snapshot), *OPTIONS])
     assert result.exit_code == 0, result.output
-    path = GOLDEN / "compare_resnet18_b1_h100.out"
-    if os.environ.get("MEMCALC_REGEN_GOLDEN"):
-        path.write_text(result.output)
-    assert result.output == path.read_text()
+    golden(result.output)
     data = json.loads(CliRunner().invoke(main, ["compare", str(snapshot), *OPTIONS, "--format", "json"]).stdout)
     assert data["real_peak_reserved"] == 207_618_048 and data["allocator_part"] == 0
 

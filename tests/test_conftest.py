@@ -1,0 +1,73 @@
+"""The shared test machinery of tests/conftest.py itself: the ``golden`` fixture. A missing
+file fails instead of passing, ``--overwrite`` writes what the test printed, another torch reads
+as the recorded one, and every file in tests/golden/ belongs to a test that still exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import conftest
+import pytest
+from conftest import GOLDEN, GOLDEN_TORCH, TESTS, Golden, as_recorded, golden_name
+
+
+def test_a_missing_golden_file_fails_and_says_how_to_record_it(request: pytest.FixtureRequest,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    monkeypatch.setattr(conftest, "GOLDEN", tmp_path)
+    with pytest.raises(pytest.fail.Exception, match=r"no golden output .* --overwrite") as failure:
+        Golden(request.node, overwrite=False)("anything")
+    assert request.node.nodeid in str(failure.value)
+    assert not list(tmp_path.iterdir())  # comparing never writes
+
+
+def test_overwrite_writes_the_output_and_a_later_run_compares_it(request: pytest.FixtureRequest,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    monkeypatch.setattr(conftest, "GOLDEN", tmp_path)
+    monkeypatch.setattr(conftest, "_CLAIMED", {})
+    Golden(request.node, overwrite=True)("line one\n")
+    written = tmp_path / f"{golden_name(request.node)}.out"
+    assert written.read_text() == "line one\n"
+    Golden(request.node, overwrite=False)("line one\n")  # the same text passes
+    with pytest.raises(AssertionError, match="output differs"):
+        Golden(request.node, overwrite=False)("line two\n")
+
+
+def test_one_test_cannot_compare_the_same_file_twice(request: pytest.FixtureRequest,
+                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(conftest, "GOLDEN", tmp_path)
+    monkeypatch.setattr(conftest, "_CLAIMED", {})
+    golden = Golden(request.node, overwrite=True)
+    golden("text")
+    with pytest.raises(AssertionError, match="compared twice"):
+        golden("text")
+    golden("{}", suffix=".json")  # a second output under its own suffix is its own file
+
+
+def test_another_torch_reads_as_the_recorded_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conftest, "installed_torch", lambda: "2.11")
+    text = ('assumed: torch 2.11, CUDA 13.0\n"torch_version": "2.11"\n'
+            "assumed: torch 2.4's kernel rules (traced with the installed torch 2.11)\nrequires torch 2.11, or newer")
+    # only where the estimate states its torch; other mentions are the output's own words
+    assert as_recorded(text) == (f'assumed: torch {GOLDEN_TORCH}, CUDA 13.0\n"torch_version": "{GOLDEN_TORCH}"\n'
+                                 f"assumed: torch 2.4's kernel rules (traced with the installed torch {GOLDEN_TORCH})\n"
+                                 "requires torch 2.11, or newer")
+    assert as_recorded(f"error in {TESTS / 'fixtures' / 'm.py'}") == "error in <tests>/fixtures/m.py"
+
+
+def test_golden_names_follow_the_test_and_its_parameters() -> None:
+    class Node:
+        name = "test_usage_errors[mlp --batch 0]"
+
+    assert golden_name(Node()) == "usage_errors[mlp_--batch_0]"  # type: ignore[arg-type]
+
+
+def test_every_golden_file_belongs_to_a_test() -> None:
+    # a test renamed or removed leaves its file behind; the file's stem names the test function
+    defined = {match for path in TESTS.glob("test_*.py")
+               for match in re.findall(r"^def test_(\w+)\(", path.read_text(), flags=re.MULTILINE)}
+    orphans = [path.name for path in sorted(GOLDEN.iterdir()) if path.name.split("[")[0].split(".")[0] not in defined]
+    assert not orphans, f"golden files no test compares (delete them, or rename them with their test): {orphans}"
+
