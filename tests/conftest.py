@@ -123,6 +123,31 @@ def golden(request: pytest.FixtureRequest) -> Golden:
     return Golden(request.node, overwriting_golden(request.config))
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the slow marks added here must count
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.quick_cases("id", ...)`` on a parametrized test keeps those cases in the
+    quick run and marks every other case ``slow``: one representative of a family of real-CPU or
+    real-distributed comparisons runs in ``-m "not slow"``, the whole family in the full suite."""
+    families: dict[tuple[str, str], list[pytest.Function]] = {}
+    for item in items:
+        if isinstance(item, pytest.Function) and item.get_closest_marker("quick_cases") is not None:
+            families.setdefault((item.nodeid.split("::")[0], item.originalname), []).append(item)
+    for (path, name), members in families.items():
+        marker = members[0].get_closest_marker("quick_cases")
+        assert marker is not None
+        keep = set(marker.args)
+        if not all(hasattr(item, "callspec") for item in members):
+            raise pytest.UsageError(f"{path}::{name}: quick_cases needs a parametrized test")
+        ids = {item.callspec.id for item in members}
+        unknown = keep - ids
+        if unknown and len(members) > 1:  # one case selected by node id: the others are not collected
+            raise pytest.UsageError(f"{path}::{name}: quick_cases names no case {sorted(unknown)}; "
+                                    f"its cases: {sorted(ids)}")
+        for item in members:
+            if item.callspec.id not in keep:
+                item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def fake_process_group() -> Iterator[int]:
     """A process group of :data:`support.FAKE_WORLD` ranks in which this process is rank 0 and

@@ -137,6 +137,7 @@ def _measure_and_estimate(case):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.quick_cases("embedding-rmsprop")
 def test_simulated_peak_matches_real_cpu_step(name):
     estimate, measured = _measure_and_estimate(CASES[name])
     error = (estimate.peak_requested - measured) / measured

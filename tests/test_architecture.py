@@ -33,6 +33,7 @@ def test_every_public_name_resolves_and_is_documented():
 
 
 @pytest.mark.parametrize("first", ["models_zoo", "memcalc.core.losses", "memcalc.sources.resolve", "memcalc.cli"])
+@pytest.mark.slow  # a fresh interpreter (torch imported again) per case
 def test_any_module_imports_first_in_a_fresh_interpreter(first: str):
     # the zoo takes its vocabulary from memcalc.core; memcalc.sources imports the zoo: whichever
     # comes first, no half-initialised module may be reached

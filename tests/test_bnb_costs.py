@@ -155,6 +155,7 @@ def _tiny(quant: str | None) -> MemoryReport:
                             finetune=FineTune(lora=LoRA(8, targets=("q_proj", "v_proj", "gate_proj")), quant=quant))
 
 
+@pytest.mark.slow  # two timed estimates of llama-tiny at 512 tokens, LoRA and QLoRA
 def test_qlora_step_is_slower_than_lora() -> None:
     lora, qlora = _tiny(None), _tiny("nf4")
     assert qlora.peak_requested < lora.peak_requested  # the quantized base is smaller...
@@ -187,6 +188,7 @@ def test_a_second_cost_rule_for_a_kernel_is_refused() -> None:
         KERNEL_COSTS.register(torch.ops.memcalc.dequantize_4bit.out)(again)
 
 
+@pytest.mark.slow  # two timed, checkpointed estimates, LoRA and QLoRA
 def test_recomputation_inside_quantized_layers_is_booked_as_recompute() -> None:
     # Checkpointing recomputes each block's forward in backward under enable_grad, but
     # MatMul4Bit.forward (an autograd Function) runs with grad mode off: its F.linear on the

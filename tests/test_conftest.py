@@ -1,6 +1,11 @@
-"""The shared test machinery of tests/conftest.py itself: the ``golden`` fixture. A missing
-file fails instead of passing, ``--overwrite`` writes what the test printed, another torch reads
-as the recorded one, and every file in tests/golden/ belongs to a test that still exists."""
+"""The shared test machinery of tests/conftest.py itself.
+
+* The ``golden`` fixture: a missing file fails instead of passing, ``--overwrite`` writes what
+  the test printed, another torch reads as the recorded one, and every file in tests/golden/
+  belongs to a test that still exists.
+* ``quick_cases``: the named cases stay in the quick run, the others are slow, and a name that
+  matches no case is an error.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from pathlib import Path
 
 import conftest
 import pytest
+
+pytest_plugins = ("pytester",)
 from conftest import GOLDEN, GOLDEN_TORCH, TESTS, Golden, as_recorded, golden_name
 
 
@@ -71,3 +78,33 @@ def test_every_golden_file_belongs_to_a_test() -> None:
     orphans = [path.name for path in sorted(GOLDEN.iterdir()) if path.name.split("[")[0].split(".")[0] not in defined]
     assert not orphans, f"golden files no test compares (delete them, or rename them with their test): {orphans}"
 
+
+QUICK_CASES_TEST = """
+import pytest
+
+@pytest.mark.quick_cases({keep})
+@pytest.mark.parametrize("n", [1, 2, 3], ids=["one", "two", "three"])
+def test_family(n):
+    assert n > 0
+"""
+
+
+def _family(pytester: pytest.Pytester, keep: str) -> None:
+    pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n    quick_cases(*ids): kept in the quick run\n")
+    pytester.makepyfile(QUICK_CASES_TEST.format(keep=keep))
+
+
+def test_quick_cases_keeps_the_named_cases_and_marks_the_others_slow(pytester: pytest.Pytester) -> None:
+    _family(pytester, '"two"')
+    quick = pytester.runpytest("-m", "not slow", "-p", "no:cacheprovider", plugins=[conftest])
+    quick.assert_outcomes(passed=1, deselected=2)
+    slow = pytester.runpytest("-m", "slow", "-p", "no:cacheprovider", "-v", plugins=[conftest])
+    slow.assert_outcomes(passed=2, deselected=1)
+    slow.stdout.fnmatch_lines(["*test_family?one? PASSED*", "*test_family?three? PASSED*"])
+
+
+def test_quick_cases_naming_no_case_is_an_error(pytester: pytest.Pytester) -> None:
+    _family(pytester, '"four"')
+    result = pytester.runpytest("-m", "not slow", "-p", "no:cacheprovider", plugins=[conftest])
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_family: quick_cases names no case ?'four'?; its cases:*"])

@@ -161,6 +161,7 @@ def test_forward_and_backward_run_the_ops_of_the_real_cpu_step() -> None:
 # ---- the peak against the profiler ------------------------------------------------------------
 
 @pytest.mark.parametrize(("batch", "tokens"), [(4, 32), (8, 64), (16, 128)])
+@pytest.mark.slow  # a real CPU step under the profiler per case
 def test_encoder_lm_in_amp_bf16_matches_the_real_cpu_step(batch: int, tokens: int) -> None:
     # before CPU autocast's lists, on torch 2.13 (2 threads): +1.25 %, +5.20 %, +13.81 %
     inputs = (torch.randint(0, 1000, (batch, tokens)),)

@@ -52,6 +52,7 @@ fp16_followed = pytest.mark.skipif(HERE.onednn_fp16, reason="oneDNN's fp16 matmu
     pytest.param("amp-bf16", marks=bf16_followed),
     pytest.param("fp16", marks=fp16_followed),
 ])
+@pytest.mark.slow  # a real CPU step under the profiler per case
 def test_small_llama_matches_the_real_cpu_step(tmp_path: Path, precision: str) -> None:
     # before the oneDNN scratchpad on torch 2.13: bf16 -3.81 %, amp-bf16 and fp16 within 0.01 %
     model = hf_config_source(tmp_path)
@@ -139,6 +140,7 @@ class Product(nn.Module):
 
 @bf16_followed
 @pytest.mark.parametrize("name", list(PRODUCTS))
+@pytest.mark.quick_cases("plain", "addmm", "mv")
 def test_each_bf16_gemm_path_matches_the_profiler_to_the_byte(name: str) -> None:
     # inference of one product: the parameter, the input, the output and the scratchpad (plus
     # any copy) are all the memory there is, so the estimate is exact; without the scratchpad

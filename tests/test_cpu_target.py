@@ -117,6 +117,7 @@ def _error(measured: int, estimate: int) -> float:
 
 
 @pytest.mark.parametrize("name", list(ISSUE_MODELS))
+@pytest.mark.slow  # a real CPU step under the profiler per case (through_the_api keeps one quick)
 def test_issue_models_measure_within_the_bar_from_the_cli(models_file: Path, name: str) -> None:
     factory, batch, shape = ISSUE_MODELS[name]
     result = CliRunner().invoke(main, [f"{models_file}:{factory}", "--batch", str(batch), "--input-shape",
@@ -132,6 +133,7 @@ def test_issue_models_measure_within_the_bar_from_the_cli(models_file: Path, nam
 
 
 @pytest.mark.parametrize("name", [*ISSUE_MODELS, "mha_weights"])
+@pytest.mark.quick_cases("sdpa")
 def test_issue_models_measure_within_the_bar_through_the_api(models_file: Path, name: str) -> None:
     factory, batch, shape = ISSUE_MODELS.get(name, ("mha_weights", 8, (256, 256)))
     model = f"{models_file}:{factory}"
@@ -192,6 +194,7 @@ _RNN_OLDER_TORCH = pytest.mark.xfail(parse_torch_version(torch.__version__) < (2
 @pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_RNN_OLDER_TORCH) if n == "lstm-without-bias" else n
                                   for n in RNN_CASES])
+@pytest.mark.quick_cases("gru-eval")
 def test_cpu_rnn_paths_match_the_real_cpu(name: str) -> None:
     options = dict(RNN_CASES[name])
     mode = str(options.pop("mode", "train"))
@@ -208,6 +211,7 @@ def test_cpu_rnn_paths_match_the_real_cpu(name: str) -> None:
     assert abs(error) <= TOLERANCE, f"{name}: {estimate.peak_requested:,} B vs real {measured:,} B ({error:+.2%})"
 
 
+@pytest.mark.slow  # a real oneDNN LSTM step under the profiler
 def test_cpu_estimate_names_the_op_it_cannot_follow(models_file: Path) -> None:
     # oneDNN's LSTM without autograd packs its weights with MKL: not modelled, and said so
     model = f"{models_file}:lstm"
@@ -223,6 +227,7 @@ def test_cpu_estimate_names_the_op_it_cannot_follow(models_file: Path) -> None:
     assert "convolution_backward.default ×1" in note
 
 
+@pytest.mark.slow  # a real CPU step under the profiler
 def test_cpu_measurement_keeps_stderr_clean(capfd: pytest.CaptureFixture[str]) -> None:
     # kineto wrote "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start" (and _stop) to
     # file descriptor 2 at every profiler start and stop

@@ -88,6 +88,7 @@ def _split(options):
 
 @pytest.mark.parametrize("model, options", PROPERTY_CASES, ids=[f"{m}-{o.get('gpu', o.get('budget'))}"
                                                                 for m, o in PROPERTY_CASES])
+@pytest.mark.quick_cases("vgg11-t4")
 def test_every_batch_up_to_the_answer_fits(model, options):
     result = memcalc.max_batch_size(model, **options)
     assert result.checked_from is not None and result.checked_from <= result.batch_size
@@ -116,6 +117,7 @@ def test_a_batch_that_fails_under_one_that_fits_moves_the_answer_down():
     assert result.checked_from <= 403 - search._CHECK_WINDOW
 
 
+@pytest.mark.slow  # a fit of gpt2
 def test_a_batch_affine_fit_makes_three_estimates(monkeypatch):
     made = []
     real = search.run_estimate
@@ -195,6 +197,7 @@ def test_the_default_margin_is_the_measured_one():
     assert result.headroom > result.budget_bytes - result.margin_budget_bytes
 
 
+@pytest.mark.slow  # fits at several margins
 def test_a_larger_margin_never_answers_more_and_the_raw_boundary_is_the_no_margin_one():
     answers = {m: memcalc.max_batch_size("gpt2", gpu="a100-40gb", seq_len=256, margin=m) for m in (0, 0.06, 0.2)}
     assert answers[0].batch_size > answers[0.06].batch_size > answers[0.2].batch_size
@@ -223,6 +226,7 @@ def test_batch_one_that_only_fits_without_the_margin_says_so():
     assert memcalc.max_batch_size("mlp", budget=budget, margin=0).batch_size >= 1
 
 
+@pytest.mark.slow  # a fit under DDP and two estimates
 def test_a_strategy_fit_with_a_margin_reports_against_the_whole_budget():
     ddp = memcalc.Distributed("ddp", world_size=2)
     result = memcalc.max_batch_size("mlp", budget="256MiB", distributed=ddp, margin=DEFAULT_MARGIN)
@@ -240,6 +244,7 @@ def run(*args):
     return CliRunner().invoke(main, list(args))
 
 
+@pytest.mark.slow  # two fits of gpt2 at sequence 256
 def test_cli_states_the_margin_and_the_raw_boundary():
     result = run("fit", "gpt2", "--seq-len", "256", "--gpu", "t4", "--neighbours", "1")
     assert result.exit_code == 0, result.output

@@ -126,6 +126,7 @@ def _real_loss_backward(trace: list[dict[str, Any]]) -> list[tuple[str, int, str
 
 
 @pytest.mark.parametrize("name", ["llama-tiny-b8-s512-adamw-amp-bf16-ckpt", "gpt2-b8-s1024-adamw-amp-bf16"])
+@pytest.mark.quick_cases("gpt2-b8-s1024-adamw-amp-bf16")
 def test_loss_backward_under_autocast_matches_the_real_snapshot(snapshots: Path, name: str):
     real = _real_loss_backward(pickle.loads((snapshots / f"{name}.pickle").read_bytes())["device_traces"][0])
     options, _ = _config(snapshots, name)
@@ -280,6 +281,7 @@ def test_the_shared_data_has_its_ten_configs():
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in SHARED])
+@pytest.mark.quick_cases("resnet18-b1-sgd", "llama-tiny-b8-s512-inference-bf16")
 def test_peak_allocated_within_1pct_of_the_h100(snapshots: Path, name: str):
     options, measured = _config(snapshots, name)
     estimate = _estimate(options).bytes.peak_allocated

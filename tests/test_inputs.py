@@ -102,6 +102,7 @@ def test_dict_inputs_under_a_strategy():
             == memcalc.estimate(Scaled(), inputs=(x,), distributed=strategy).bytes)
 
 
+@pytest.mark.slow  # a real CPU step under the profiler
 def test_dict_inputs_are_measured_for_real():
     ids = torch.randint(0, 1000, (2, 16))
     batch = {"input_ids": ids, "attention_mask": torch.ones(2, 16, dtype=torch.long), "labels": ids}
@@ -439,6 +440,7 @@ def test_a_dict_the_forward_takes_neither_way_is_refused_naming_both():
 
 
 @pytest.mark.parametrize("name", ["DictForward", "DictAndOptions"])
+@pytest.mark.slow  # a real CPU step under the profiler per case
 def test_a_dict_forward_is_measured_as_it_is_estimated(name):
     measured = measure(f"{DICT_MODELS}:{name}", inputs=_dict_batch(2, torch.device("cpu")), device="cpu")
     assert measured.peak_allocated is not None and measured.peak_allocated > 0

@@ -84,6 +84,7 @@ def _traced_report(model: Any, size: dict[str, Any], **options: Any) -> memcalc.
 
 @pytest.mark.parametrize("loop", list(LOOPS))
 @pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.quick_cases("mlp-tutorial")
 def test_loop_estimate_matches_the_real_cpu_run(model: str, loop: str) -> None:
     source, size = MODELS[model]
     options = _options(model, LOOPS[loop])
@@ -105,6 +106,7 @@ def test_loop_estimate_matches_the_real_cpu_run(model: str, loop: str) -> None:
     dict(model=small_lm, size=dict(inputs=_lm_inputs()),
          options=dict(precision="amp-bf16", optimizer="sgd-momentum", loss="lm-cross-entropy")),
 ])
+@pytest.mark.quick_cases("case0")
 def test_the_fast_path_and_the_traced_minimal_loop_agree_to_the_byte(case: dict[str, Any]) -> None:
     # The fast path traces one step and synthesises the second; the minimal preset runs both
     # (fresh batches, the first one dropped when the second is drawn). Same live set at the

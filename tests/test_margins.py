@@ -122,6 +122,7 @@ def _real_rows(case: str) -> list[dict[str, object]]:
 
 
 @pytest.mark.parametrize("case", sorted(FIT_CASES))
+@pytest.mark.slow  # a fit of a real-size model per case
 def test_fit_never_exceeds_the_largest_batch_that_ran(case: str) -> None:
     rows = _real_rows(case)
     ran = max(int(row["batch"]) for row in rows if not row["oom"])  # type: ignore[call-overload]
@@ -142,6 +143,7 @@ def test_fit_never_exceeds_the_largest_batch_that_ran(case: str) -> None:
     ("efficientnet_b0", {"optimizer": "sgd", "precision": "amp-bf16"}, 512),
     ("resnet152", {"optimizer": "sgd-momentum", "precision": "amp-bf16"}, 256),
 ])
+@pytest.mark.slow  # a fit of a real-size model per case
 def test_the_24_gib_over_promises_stay_under_the_batch_that_failed(model: str, options: dict[str, str],
                                                                     failed: int) -> None:
     result = memcalc.max_batch_size(model, gpu="rtx-4090", **options)

@@ -43,6 +43,7 @@ def _error(estimated: int, measured: int | None) -> float:
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.quick_cases("adam")
 def test_frozen_layers_measured_on_cpu_match_the_estimate(optimizer: str):
     finetune = FineTune(freeze=("0.*", "2.weight"))
     kwargs = dict(batch_size=64, input_shape=(256,), optimizer=optimizer)
@@ -56,6 +57,7 @@ def test_frozen_layers_measured_on_cpu_match_the_estimate(optimizer: str):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
+@pytest.mark.slow  # a real LoRA step under the profiler per case
 def test_lora_measured_on_cpu_matches_the_estimate(tmp_path: Path, precision: str):
     # bf16: the adapters stay float32 in a bf16 model (KEEP_DTYPE), in the real model as on meta
     model = hf_config_source(tmp_path)
@@ -85,6 +87,7 @@ def test_a_quantized_base_is_not_measured(tmp_path: Path):
 
 
 # ---- the command line ------------------------------------------------------------------------
+@pytest.mark.slow  # a real LoRA step under the profiler
 def test_cli_measures_lora(tmp_path: Path):
     result = CliRunner().invoke(main, [hf_config_source(tmp_path), "--lora", "8", "--seq-len", "32", "--batch", "2",
                                        "--optim", "adamw", "--measure", "--format", "json"])
@@ -96,6 +99,7 @@ def test_cli_measures_lora(tmp_path: Path):
     assert abs(measured["relative_error"]) <= TOLERANCE
 
 
+@pytest.mark.slow  # a real CPU step under the profiler
 def test_cli_measures_frozen_parameters():
     args = ["mlp", "--batch", "16", "--freeze", "1.*", "--measure"]
     data = json.loads(CliRunner().invoke(main, [*args, "--format", "json"]).output)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -35,6 +36,7 @@ def _markdown(name: str) -> str:
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
+@pytest.mark.slow  # a real CPU step under the profiler
 def test_own_checkpoint_under_amp_agrees_with_a_real_cpu_step():
     # notebook 05: "under amp-* the recomputation runs under autocast again ... agrees to the byte"
     options = dict(batch_size=32, input_shape=(128,), optimizer="adam", precision="amp-bf16")

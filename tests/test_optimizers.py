@@ -154,6 +154,7 @@ _MODELS = {
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 @pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
 @pytest.mark.parametrize("model", list(_MODELS))
+@pytest.mark.quick_cases("mlp-fused-adam")
 def test_estimate_matches_the_real_cpu_step(model, impl, optimizer):
     # fused on the CPU: torch has had fused Adam/AdamW CPU kernels since 2.4 (the real run below
     # is one); on meta it runs through memcalc.engine.optimizers_meta
@@ -165,6 +166,7 @@ def test_estimate_matches_the_real_cpu_step(model, impl, optimizer):
     assert abs(error) <= TOLERANCE, f"{model} {optimizer} {impl}: {estimate.peak_requested:,} vs real {real:,}"
 
 
+@pytest.mark.slow  # real CPU steps of six optimizer implementations
 def test_the_real_cpu_comparison_tells_the_implementations_apart():
     # the bar is narrower than what the implementation moves, so the test above can fail
     peaks = {impl: _real_cpu_peak("mlp", "adam", impl, batch_size=16) for impl in ("for-loop", "foreach", "fused")}
@@ -175,6 +177,7 @@ def test_the_real_cpu_comparison_tells_the_implementations_apart():
 @pytest.mark.parametrize("optimizer, impl", [("sgd-nesterov", "for-loop"), ("sgd-nesterov", "foreach"),
                                              ("sgd-nesterov", "fused"), ("adagrad", "fused"),
                                              ("adafactor", "for-loop"), ("adafactor", "foreach")])
+@pytest.mark.quick_cases("sgd-nesterov-fused")
 def test_new_optimizers_and_fused_kernels_without_meta_kernels_match_the_real_cpu_step(optimizer, impl):
     # fused SGD and Adagrad: torch has no meta kernel for _fused_sgd_ / _fused_adagrad_;
     # Adafactor reads .item() of meta tensors to size its step

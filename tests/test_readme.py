@@ -248,6 +248,7 @@ def resnet50_fits():
     return script, script.resnet50_fits()
 
 
+@pytest.mark.slow  # two fits of resnet50 (the module's resnet50_fits)
 def test_resnet50_figure_caption_states_what_fit_answers(resnet50_fits) -> None:
     _, fits = resnet50_fits
     caption = figure_caption(README_TEXT, FIGURE)
@@ -260,6 +261,7 @@ def test_resnet50_figure_caption_states_what_fit_answers(resnet50_fits) -> None:
     assert len(answers) == 2 and all(a < boundaries[k] for k, (a, _) in answers.items())  # a margin held back
 
 
+@pytest.mark.slow  # shares resnet50_fits (two fits of resnet50) with the caption's test
 def test_resnet50_figure_dots_are_what_fit_answers(resnet50_fits) -> None:
     # the figure carries its dots' answers in the PNG's Description, written by the script
     from PIL import Image

@@ -48,6 +48,7 @@ def snapshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("stem", STEMS + LATER_STEMS)
+@pytest.mark.quick_cases("resnet18-b1-sgd", "llama-tiny-b8-s512-inference-bf16-kv512")
 def test_replay_makes_the_real_allocators_cudamallocs(snapshots: Path, stem: str) -> None:
     snapshot = load_snapshot(snapshots / f"{stem}.pickle")
     replay = replay_snapshot(snapshot, real_addresses=True)
@@ -60,6 +61,7 @@ def test_replay_makes_the_real_allocators_cudamallocs(snapshots: Path, stem: str
 
 
 @pytest.mark.parametrize("stem", STEMS + LATER_STEMS)
+@pytest.mark.quick_cases("resnet18-b1-sgd", "gpt2-b8-s1024-eval")  # exact, and one whose tie-break differs
 def test_replay_with_the_models_own_addresses(snapshots: Path, stem: str) -> None:
     replay = replay_snapshot(load_snapshot(snapshots / f"{stem}.pickle"), real_addresses=False)
     assert replay.reserved_error == pytest.approx(OWN_ADDRESS_ERROR.get(stem, 0.0), abs=5e-4)

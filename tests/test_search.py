@@ -191,6 +191,7 @@ def test_fit_invariant_on_zoo_models(model, options, factors, counted):
         check_invariant(model, result, **options)
 
 
+@pytest.mark.slow  # a fit
 def test_a_fit_on_a_near_affine_model_costs_a_handful_of_estimates(counted):
     # gpt2 at 256 tokens on a T4: batch 1, one jump, an overshoot that measures the
     # allocator's fragmentation, the batch and its successor — 5 when this was written
@@ -249,6 +250,7 @@ def test_budget_below_batch_one_raises_does_not_fit():
     assert "lighter optimizer" in text and "sharding" in text and "checkpointing" in text
 
 
+@pytest.mark.slow  # fastest_setting's search
 def test_activation_dominated_model_puts_checkpointing_first():
     # gpt2 at 1024 tokens with SGD: 124 M parameters × 4 B × (weights + grads) ≈ 0.9 GiB of
     # model states at the backward peak, well under the activations of 12 layers × 1024 tokens
@@ -290,6 +292,7 @@ def test_options_that_fix_the_batch_are_refused():
             max_batch_size("mlp", budget="1GiB", **bad)
 
 
+@pytest.mark.slow  # a fit and its probes
 def test_bytes_per_sample_matches_the_line_on_an_affine_model():
     result = max_batch_size("gpt2", budget="6GiB", seq_len=64)
     b = result.batch_size
@@ -415,6 +418,7 @@ def test_public_api_exports():
     assert Probe(3, True, 10) == (3, True, 10, False)
 
 
+@pytest.mark.slow  # traces of resnet18 at several batches
 def test_affine_family_predicts_a_real_trace_exactly():
     from memcalc.search.affine import AffineFamily
     from memcalc.cuda.backend import trace_step as trace_model

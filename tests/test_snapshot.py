@@ -107,6 +107,7 @@ def test_frames_name_phase_module_and_op():
     assert any(n.startswith("optimizer ") for n in names)
 
 
+@pytest.mark.slow  # torch's _memory_viz in a subprocess per case
 def test_trace_plot_opens_it(report, tmp_path: Path):
     path = tmp_path / "step.pickle"
     write_snapshot(report, path)

@@ -151,6 +151,7 @@ def test_cuda_module_loading_eager_in_the_environment(monkeypatch: pytest.Monkey
     assert report.cuda_context == (256 + 40 + 800) * MiB  # T4: 40 SMs × 1024 threads × 1 KiB
 
 
+@pytest.mark.slow  # two fits
 def test_cuda_11_6_lowers_the_largest_batch_on_a_16_gib_gpu() -> None:
     def fit(cuda: str) -> memcalc.FitResult:
         return memcalc.max_batch_size("resnet18", gpu="v100-16gb", input_shape=(3, 32, 32), optimizer="sgd",

@@ -207,6 +207,7 @@ def test_cli_time_needs_a_gpu_before_estimating() -> None:
     assert "no GPU was named" in result.output
 
 
+@pytest.mark.slow  # a timed fit and a timed sweep
 def test_fit_and_sweep_time_options() -> None:
     runner = CliRunner()
     fit = runner.invoke(main, ["fit", "resnet18", "--input-shape", "3,64,64", "--gpu", "t4", "--time"])
@@ -218,6 +219,7 @@ def test_fit_and_sweep_time_options() -> None:
     assert header.split()[-3:] == ["time", "samples/s", "tokens/s"]
 
 
+@pytest.mark.slow  # fastest_setting's search over micro-batches and checkpointing
 def test_fastest_setting_reaches_the_target_batch() -> None:
     from memcalc.api import fastest_setting
 
@@ -249,6 +251,7 @@ def test_fastest_setting_of_a_model_without_blocks_leaves_checkpointing_out() ->
     assert choice.best.accum_steps == 1
 
 
+@pytest.mark.slow  # fit --objective throughput twice: about 25 s
 def test_cli_fit_objective_throughput() -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["fit", "gpt2", "--seq-len", "64", "--gpu", "t4", "--precision", "amp-fp16",
@@ -260,7 +263,10 @@ def test_cli_fit_objective_throughput() -> None:
                                            "--format", "json"]).output)
     assert data["best"]["samples_per_step"] == 384
     assert data["best"]["samples_per_second"] == max(c["samples_per_second"] for c in data["candidates"])
-    refused = runner.invoke(main, ["fit", "gpt2", "--gpu", "t4", "--target-batch", "64"])
+
+
+def test_cli_target_batch_needs_the_throughput_objective() -> None:
+    refused = CliRunner().invoke(main, ["fit", "gpt2", "--gpu", "t4", "--target-batch", "64"])
     assert refused.exit_code == 2 and "--objective throughput" in refused.output
 
 

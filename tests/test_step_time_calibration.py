@@ -62,6 +62,7 @@ def test_the_shared_data_has_twelve_timed_and_eight_profiled_steps() -> None:
 
 
 @pytest.mark.parametrize("config", TIMED, ids=lambda c: c.name)
+@pytest.mark.quick_cases("gpt2 b8 s1024 adamw amp-bf16")  # each case estimates a real-size model
 def test_step_time_within_20_percent_of_the_measured_h200_step(config: MeasuredConfig) -> None:
     time = _report(config).time
     assert time is not None
@@ -81,6 +82,7 @@ _SCALING_MISSES = {"resnet50 b64 adam fp32"}
     pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="datasheet bandwidth scaling overstates the H100's "
                                             "batch norm: predicted / measured 1.27"))
     if c.name in _SCALING_MISSES else c for c in H100_STEPS], ids=lambda c: c.name)
+@pytest.mark.slow  # eight real-size models estimated on an H100
 def test_step_time_within_20_percent_of_a_healthy_h100_step(config: MeasuredConfig) -> None:
     # fitted on the H200, scaled to the H100 by its datasheet peaks: these steps were not fitted
     time = _report(config, "h100-80gb").time
@@ -88,6 +90,7 @@ def test_step_time_within_20_percent_of_a_healthy_h100_step(config: MeasuredConf
     assert abs(time.seconds / config.step_seconds - 1) <= TOLERANCE
 
 
+@pytest.mark.slow  # the fit's 20 real-size estimates
 def test_committed_coefficients_are_those_the_data_gives() -> None:
     result = fit(CONFIGS, _features)
     for op_class, efficiency in result.efficiency:

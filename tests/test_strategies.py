@@ -438,6 +438,7 @@ def _step_counters(model_factory) -> int:
 
 @pytest.mark.parametrize("factory, shape, batch", [(two_layers, (1024,), 1), (_BlockNet, (64,), 16)])
 @pytest.mark.parametrize("sharding", ["full_shard", "shard_grad_op"])
+@pytest.mark.quick_cases("full_shard-two_layers-shape0-1")
 def test_fsdp_against_real_fully_shard(fake_process_group, factory, shape, batch, sharding):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -456,6 +457,7 @@ def test_fsdp_against_real_fully_shard(fake_process_group, factory, shape, batch
     assert estimate.peak_requested == real - _step_counters(factory)
 
 
+@pytest.mark.slow  # a real fully_shard step under the profiler
 def test_fsdp_mixed_precision_against_real_fully_shard(fake_process_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -473,6 +475,7 @@ def test_fsdp_mixed_precision_against_real_fully_shard(fake_process_group):
 
 @pytest.mark.parametrize("view", [False, True])
 @pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.5])
+@pytest.mark.slow  # a real DDP step under the profiler per case; the quick run keeps one real FSDP step
 def test_ddp_against_real_distributed_data_parallel(fake_process_group, view, bucket_cap_mb):
     def wrap(model: nn.Module) -> nn.Module:
         return fake_ddp(model, gradient_as_bucket_view=view, bucket_cap_mb=bucket_cap_mb)

@@ -181,6 +181,7 @@ def _real_llama(finetune: FineTune, precision: Precision) -> tuple[nn.Module, tu
 
 
 @pytest.mark.parametrize("view", [False, True])
+@pytest.mark.slow  # a real DDP step under the profiler per case
 def test_ddp_frozen_layers_against_real_distributed_data_parallel(fake_process_group, view):
     torch.manual_seed(0)
     model = _finetuned(_BlockNet(), FROZEN_EARLY, Precision.FP32)
@@ -222,6 +223,7 @@ def test_ddp_lora_against_real_distributed_data_parallel(fake_process_group, pef
     (FROZEN_MIDDLE, "full_shard"),
     (FROZEN_MIDDLE, "shard_grad_op"),
 ])
+@pytest.mark.slow  # a real fully_shard step under the profiler per case
 def test_fsdp_frozen_layers_against_real_fully_shard(fake_process_group, finetune, sharding):
     torch.manual_seed(0)
     model = _finetuned(_BlockNet(), finetune, Precision.FP32)
@@ -233,6 +235,7 @@ def test_fsdp_frozen_layers_against_real_fully_shard(fake_process_group, finetun
 
 @pytest.mark.parametrize("precision", ["amp-bf16", "bf16"])
 @pytest.mark.parametrize("sharding", ["full_shard", "shard_grad_op"])
+@pytest.mark.slow  # a real fully_shard step under the profiler per case
 def test_fsdp_frozen_unit_in_16_bit_against_real_fully_shard(fake_process_group, precision, sharding):
     # amp-bf16: MixedPrecisionPolicy(bf16, reduce fp32), where the CPU's chunk_cat casts each
     # gradient through a temporary of its own while copying in
@@ -299,6 +302,7 @@ def test_zero_partitions_only_the_trainable_parameters(strategy, states):
 
 
 @pytest.mark.parametrize("precision", ["amp-bf16", "bf16"])
+@pytest.mark.quick_cases("amp-bf16")
 def test_zero_casts_the_lora_adapters_to_16_bit_with_the_model(peft, precision):
     # DeepSpeed's engine casts the whole module (module.bfloat16()): the adapters' gradient
     # partition is bf16, not float32 as PEFT's autocast_adapter_dtype keeps them on one GPU

@@ -219,6 +219,7 @@ def test_html_draws_one_chart_per_role_on_one_axis() -> None:
 
 # --- PNG and SVG --------------------------------------------------------------------------
 
+@pytest.mark.slow  # matplotlib draws a PNG
 def test_png_is_written_and_not_blank(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
@@ -394,6 +395,7 @@ def test_cli_cnn_writes_html_png_and_snapshot(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["s.pickle", "t.html", "t.png"]
 
 
+@pytest.mark.slow  # HTML, PNG and snapshot of a checkpointed transformer
 def test_cli_checkpointed_transformer(tmp_path: Path) -> None:
     plain, checkpointed = tmp_path / "plain.html", tmp_path / "checkpoint.html"
     first = _run(tmp_path, "gpt2", "--seq-len", "64", "--batch", "2", "--timeline", str(plain))
@@ -410,6 +412,7 @@ def test_cli_checkpointed_transformer(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strategy, roles", [("fsdp", ["every rank (ranks 0, 1)"]),
                                              ("dp", ["output device (cuda:0)", "other devices"])])
+@pytest.mark.quick_cases("fsdp-roles0")
 def test_cli_multi_gpu_draws_one_chart_per_role(tmp_path: Path, strategy: str, roles: list[str]) -> None:
     html = tmp_path / "t.html"
     report = _run(tmp_path, "gpt2", "--seq-len", "64", "--batch", "2", "--strategy", strategy, "--world-size", "2",
@@ -419,6 +422,7 @@ def test_cli_multi_gpu_draws_one_chart_per_role(tmp_path: Path, strategy: str, r
     assert _peak_in_html(html) == [r["peak_allocated"] for r in report["roles"]]  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # an SVG per role
 def test_cli_multi_gpu_svg_has_a_panel_per_role(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     svg = tmp_path / "t.svg"

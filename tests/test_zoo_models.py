@@ -178,6 +178,7 @@ def test_example_inputs(entry):
     assert xm.is_meta and xm.shape == x.shape
 
 
+@pytest.mark.slow  # builds every zoo model
 def test_block_containers_resolve_to_module_lists():
     for entry in ALL_ENTRIES:
         model = build_meta(entry.name)
@@ -431,6 +432,7 @@ def test_real_cpu_gpt2_forward():
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.slow  # a checkpointed DenseNet traced
 def test_densenet_checkpointing_recomputes_each_layer_with_its_own_inputs():
     # each dense layer reads the features so far; under checkpointing it is recomputed in
     # backward and must see the same list as in forward (not the grown one)
