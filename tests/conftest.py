@@ -4,6 +4,8 @@
   per scenario, as torchinfo keeps its ``tests/test_output/*.out``. ``pytest --overwrite`` (or
   ``MEMCALC_REGEN_GOLDEN=1``, the older spelling) rewrites the files from this run's output, for
   review in ``git diff``. docs/testing.md says when to use it and when an assertion is better.
+* ``@pytest.mark.quick_cases("id", ...)``: of a parametrized family, the cases the quick run
+  (``-m "not slow"``) keeps; every other case is marked slow (``pytest_collection_modifyitems``).
 * ``fake_process_group``: a fake process group for the distributed tests.
 """
 
@@ -40,7 +42,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def overwriting_golden(config: pytest.Config) -> bool:
     """Whether this run rewrites golden files: ``--overwrite``, or ``MEMCALC_REGEN_GOLDEN`` set
-    (the spelling the README and older notes use)."""
+    (the older spelling, kept so that notes and habits that use it still work)."""
     return bool(config.getoption("overwrite") or os.environ.get("MEMCALC_REGEN_GOLDEN"))
 
 
@@ -65,8 +67,8 @@ def as_recorded(text: str) -> str:
 
 def golden_name(node: pytest.Item) -> str:
     """The file stem of a test's golden output: its name without ``test_``, with the
-    parametrized id (``test_usage_error[batch-0]`` → ``usage_error[batch-0]``). Characters a file
-    name should not hold become ``_``."""
+    parametrized id (``test_estimate[mlp_bf16_v100]`` → ``estimate[mlp_bf16_v100]``). Characters a
+    file name should not hold become ``_``."""
     name = node.name.removeprefix("test_")
     return re.sub(r"[^\w.\[\]=,+-]", "_", name)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import conftest
 import pytest
+from conftest import GOLDEN, GOLDEN_TORCH, TESTS, Golden, as_recorded, golden_name
 
 pytest_plugins = ("pytester",)
-from conftest import GOLDEN, GOLDEN_TORCH, TESTS, Golden, as_recorded, golden_name
 
 
 def test_a_missing_golden_file_fails_and_says_how_to_record_it(request: pytest.FixtureRequest,
