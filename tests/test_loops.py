@@ -191,10 +191,18 @@ def test_a_loop_that_raises_is_reported_as_the_loop() -> None:
         memcalc.estimate("mlp", batch_size=8, loop=user_loops.draws_too_many)
 
 
-def test_a_loop_reading_a_value_says_the_loop_reads_it() -> None:
+def test_a_loop_reading_a_value_says_so_once_with_its_line() -> None:
+    """One message, about the loop and its line: not "the model reads tensor values during
+    backward in the model's own code" followed by a hint that contradicts it."""
     with pytest.raises(DataDependentError) as caught:
         memcalc.estimate("mlp", batch_size=8, loop=user_loops.reads_the_loss)
-    assert "the loop function reads it, outside the model" in (caught.value.hint or "")
+    line = next(number for number, text in enumerate(Path(user_loops.__file__).read_text().splitlines(), 1)
+                if "loss.item()" in text)
+    message = str(caught.value).splitlines()[0]
+    assert message.startswith("the loop function reads_the_loss reads a tensor's value "
+                              f"(at {user_loops.__file__}, line {line}): .item()")
+    assert "the model" not in str(caught.value) and "during backward" not in str(caught.value)
+    assert "Leave such lines" in (caught.value.hint or "")
 
 
 class Picky(nn.Module):

@@ -186,12 +186,11 @@ class LoopTracing:
                          f"or amp-fp16 for memcalc's emulation of it)")
         return notes
 
-    def explain(self, exc: DataDependentError) -> None:
-        """A value read by the loop's own code (``loss.item()``), not by the model: say so."""
+    def explain(self, exc: DataDependentError, loop: str) -> None:
+        """A value read by the loop's own code (``loss.item()``), not by the model: say so, once,
+        with the loop's line."""
         if not self.in_forward() and not exc.module:
-            exc.hint = ("Here the loop function reads it, outside the model (loss.item(), print(loss), "
-                        "float(loss)): memcalc runs the loop on meta tensors, so leave such lines out of the "
-                        f"loop you estimate. {exc.hint or ''}").strip()
+            exc.read_by_loop(loop)
 
 
 def check_loop(options: EstimateOptions, *, multi_gpu: bool) -> None:

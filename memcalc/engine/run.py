@@ -192,7 +192,7 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
                 run_loop(module, inputs, config, options.loop, tracing)
     except DataDependentError as exc:
         if tracing is not None:
-            tracing.explain(exc)
+            tracing.explain(exc, options.loop.name)
         if isinstance(inputs.kwargs.get("attention_mask"), torch.Tensor):
             exc.hint = f"{_MASK_VALUES} {exc.hint or ''}".strip()
         raise

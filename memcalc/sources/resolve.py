@@ -41,13 +41,14 @@ from memcalc.core.errors import (
     MissingPackageError,
     ModelSourceError,
     UnknownModelError,
+    user_frame,
 )
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
 from memcalc.sources.hf_attention import attention_note, check_supported, implementation_name
 from memcalc.sources.hub import HfAttention, HuggingFace, import_hf, load_config
 from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
-from memcalc.sources.user_code import Example, load_from_file, load_from_module, user_frame
+from memcalc.sources.user_code import Example, load_from_file, load_from_module
 from models_zoo.registry import InputKind, ZooEntry
 
 __all__ = ("ModelLike", "ResolvedModel", "meta_twin", "resolve")
