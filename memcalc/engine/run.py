@@ -160,7 +160,9 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         traced_loop = not options.loop.is_default
     if traced_loop:
         check_loop(options, multi_gpu=hooks is not None)
-    inputs, blocks = prepare_step(module, resolved.inputs, precision=options.precision, checkpoint=options.checkpoint,
+    own_loss = options.mode is Mode.TRAIN and options.loss is None and options.loss_fn is None
+    inputs, blocks = prepare_step(module, resolved.step_inputs(resolved.inputs, own_loss=own_loss),
+                                  precision=options.precision, checkpoint=options.checkpoint,
                                   containers=resolved.block_containers, model_name=resolved.name)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
@@ -184,7 +186,7 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
         accum_steps=options.accum_steps, autocast=backend.autocast() or nullcontext,
         scaler_factory=backend.grad_scaler if options.mode is Mode.TRAIN else None,
-        model_loss=options.loss is None and options.loss_fn is None, amp=options.precision.is_amp,
+        model_loss=own_loss, amp=options.precision.is_amp,
     )
     try:
         with tracer, backend.mode():

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from memcalc.api import CPU, estimate, make_request
+from memcalc.core.categories import Mode
 from memcalc.core.report import Measurement, MemoryReport
 from memcalc.cuda.cpu import NOT_FOLLOWED
 from memcalc.engine.loops import run_loop
@@ -76,6 +77,7 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
     module, inputs = resolved.build_real(device)
     if not options.finetune.is_empty:
         module, _notes = finetune_module(module, options.finetune, precision=options.precision, mode=options.mode)
+    inputs = resolved.step_inputs(inputs, own_loss=_trains_own_loss(options))
     inputs, _ = prepare_step(module, inputs, precision=options.precision, checkpoint=options.checkpoint,
                              containers=resolved.block_containers, model_name=resolved.name)
     keep: list[torch.Tensor] = []
@@ -99,9 +101,15 @@ def _config(resolved: ResolvedModel, options: EstimateOptions, device: torch.dev
     return StepConfig(mode=options.mode, optimizer=options.optimizer,
                       loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
                       iterations=2, accum_steps=options.accum_steps, autocast=autocast, scaler_factory=scaler,
-                      model_loss=options.loss is None and options.loss_fn is None, amp=options.precision.is_amp,
+                      model_loss=_trains_own_loss(options), amp=options.precision.is_amp,
                       optimizer_impl=resolve_impl(options.optimizer, options.loop.optimizer_impl,
                                                   cuda=device.type == "cuda"))
+
+
+def _trains_own_loss(options: EstimateOptions) -> bool:
+    """A training step whose loss the user did not choose: a model that computes its own trains
+    with it (``output.loss``), as the estimate's step does (``engine.run.trace_model``)."""
+    return options.mode is Mode.TRAIN and options.loss is None and options.loss_fn is None
 
 
 def _run(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, options: EstimateOptions,

@@ -46,6 +46,7 @@ from memcalc.core.errors import (
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
 from memcalc.sources.hf_attention import attention_note, check_supported, implementation_name
+from memcalc.sources.hf_heads import labels_maker, named_architecture
 from memcalc.sources.hub import HfAttention, HuggingFace, import_hf, load_config
 from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
 from memcalc.sources.user_code import Example, load_from_file, load_from_module
@@ -356,7 +357,10 @@ def _hf_resolve(source: HuggingFace, batch_size: int, shape: _Shape | None, seq_
         return (torch.randint(0, vocab, (b, length)),)
 
     resolved = _resolve_factory(factory, source.spec, Asked(batch_size, None, False, user_inputs), example)
+    # memcalc's loss when the user names none is the model's own (labels in the batch, as Trainer
+    # passes them); LM cross-entropy is memcalc's stand-in for a causal LM whose loss is chosen
     resolved.loss = LossKind.LM_CROSS_ENTROPY if _is_causal_lm(resolved.module) else LossChoice.AUTO
+    resolved.labels = labels_maker(resolved.module)
     resolved.notes += (attention_note(resolved.module, source.attention),)
     resolved.block_containers = hf_block_containers(resolved.module)
     if user_inputs is None and isinstance(context, int) and length > context:
@@ -399,9 +403,12 @@ def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttenti
     # float32 parameters whatever the config's torch_dtype says (the dtype the Hub stores weights
     # in, bfloat16 for most LLMs, which from_config would build in): --precision decides the step's.
     kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = torch.float32
-    for auto in ("AutoModelForCausalLM", "AutoModel"):
+    named = named_architecture(transformers, config)
+    builders = [] if named is None else [named._from_config]  # type: ignore[attr-defined]  # PreTrainedModel's
+    builders += [getattr(transformers, auto).from_config for auto in ("AutoModelForCausalLM", "AutoModel")]
+    for build in builders:  # the head the config names (hf_heads), else a causal LM, else the bare model
         try:
-            model: nn.Module = getattr(transformers, auto).from_config(config, **kwargs)
+            model: nn.Module = build(config, **kwargs)
         except ValueError as exc:
             if attn is not None and "Unrecognized configuration class" not in str(exc):
                 raise InvalidInputError(f"{name} cannot run --attn {attn.value}: {str(exc).splitlines()[0]}",
