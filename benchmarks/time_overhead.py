@@ -27,8 +27,8 @@ from tabulate import tabulate
 
 import memcalc
 from memcalc.api import make_request
-from memcalc.cuda.gpus.performance import step_time
 from memcalc.distributed.estimate import run_estimate
+from memcalc.targets.cuda.gpus.performance import step_time
 
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("resnet50", {"batch_size": 64}),

@@ -17,11 +17,11 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import ClassTime, OpClass, StepTime
-from memcalc.cuda.gpus.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
 from memcalc.engine.flops import KERNEL_COSTS, KernelCost
 from memcalc.engine.optimizers_bnb import UPDATE_KERNELS
 from memcalc.engine.rules import DuplicateRuleError
 from memcalc.sources.quant import KERNELS
+from memcalc.targets.cuda.gpus.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
 
 GPU = "a100-80gb"
 N = 4096 * 4096  # elements of the weight: 16,777,216

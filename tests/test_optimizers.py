@@ -21,12 +21,12 @@ from memcalc.cli import main
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.loop import OptimizerImpl
-from memcalc.cuda.backend import trace_step
 from memcalc.engine.optimizers import OPTIMIZERS, Optimizer, resolve_impl, spec_for
 from memcalc.engine.optimizers_bnb import PAGED_MIN_NUMEL
 from memcalc.engine.step import StepConfig, run_step
 from memcalc.report.render import render_report
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step
 
 # The bar for the real CPU step; on torch 2.13 these agree within 40 B (the for-loop's
 # and foreach's CPU step counters, 4 B per parameter, which the estimate leaves out).

@@ -347,9 +347,9 @@ def test_fsdp_units_are_blocks_and_root():
 
 
 def test_sharded_program_puts_the_model_back():
-    from memcalc.cuda.backend import trace_step
     from memcalc.engine.options import EstimateOptions
     from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step
 
     resolved = resolve("mlp", batch_size=2)
     before = [id(p) for p in resolved.module.parameters()]

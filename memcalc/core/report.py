@@ -278,7 +278,7 @@ class MemoryReport:
     @property
     def cuda_context(self) -> int:
         """The CUDA context (and libraries) of the GPU: never in max_memory_allocated, but it
-        is on the device, so it counts toward an OOM (an assumption per GPU: memcalc.cuda.gpus.catalogue)."""
+        is on the device, so it counts toward an OOM (an assumption per GPU: memcalc.targets.cuda.gpus.catalogue)."""
         return self.gpu.cuda_context
 
     @property

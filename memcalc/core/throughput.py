@@ -3,7 +3,7 @@
 time it predicts (:class:`StepTime`).
 
 The counting lives in :mod:`memcalc.engine.flops`, the GPUs' peaks in
-:mod:`memcalc.cuda.gpus.performance`; these are frozen records with ``to_dict()``, like the rest
+:mod:`memcalc.targets.cuda.gpus.performance`; these are frozen records with ``to_dict()``, like the rest
 of the report. FLOPs follow ``torch.utils.flop_counter``'s convention: one multiply-add is two
 FLOPs, and only the ops with a formula there (matrix products, convolutions, attention) count;
 every other op is timed by the bytes it moves (see :class:`StepTime`).
@@ -130,7 +130,7 @@ class DeviceRates:
     large problem; ``kernel_seconds``: the fixed time each kernel of a class takes besides (its
     ramp-up and tail: why a small kernel is far from peak); ``launch_overhead``: the gap each
     kernel adds between kernels (the launch and eager PyTorch's host-side dispatch). All three are
-    fitted to real kernels (:mod:`memcalc.cuda.gpus.calibration`). ``host_seconds``: the host's
+    fitted to real kernels (:mod:`memcalc.targets.cuda.gpus.calibration`). ``host_seconds``: the host's
     time per kernel (eager PyTorch's dispatch of the op that launches it), fitted likewise: a step
     is never shorter than its kernels × this, since a GPU that finishes first waits on the host
     (small steps are host-bound). ``spread``: the relative error

@@ -3,7 +3,7 @@ strategy and one estimate per role.
 
 A role is a distinct kind of GPU — every rank of DDP, FSDP and ZeRO holds the same;
 DataParallel's output device holds more than its other devices. Each role's step is traced
-like a single-GPU step (:func:`memcalc.cuda.backend.trace_step`) at the rank's batch, with the
+like a single-GPU step (:func:`memcalc.targets.backend.trace_step`) at the rank's batch, with the
 strategy's rank program (:mod:`memcalc.distributed.program` and its siblings) allocating and
 freeing what PyTorch or DeepSpeed would around the model. The report is the busiest role's,
 with every role in ``roles``. Fine-tuning (``--freeze``, ``--lora``; ``--quant`` under DDP)
@@ -30,7 +30,6 @@ from memcalc.core.losses import LossFn
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport, RoleReport
 from memcalc.core.units import format_bytes
-from memcalc.cuda.backend import trace_step
 from memcalc.distributed.ddp import DdpProgram
 from memcalc.distributed.dp import DataParallelOutputDevice, DataParallelReplica
 from memcalc.distributed.fsdp import ShardedProgram, fsdp_units, module_units
@@ -46,6 +45,7 @@ from memcalc.engine.run import TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
 from memcalc.sources.adapters import apply_finetune
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step
 
 __all__ = ("estimate_per_rank", "refuse_finetune")
 

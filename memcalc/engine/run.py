@@ -384,7 +384,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         loop=options.loop.name,
         keep_grads=options.loop.keep_grads,
         optimizer_impl=traced.optimizer_impl,
-        # the stack resolved at the API boundary (memcalc.cuda.stack); no CUDA version on the CPU target
+        # the stack resolved at the API boundary (memcalc.targets.stack); no CUDA version on the CPU target
         torch_version=options.stack.torch or "",
         cuda_version=(options.stack.cuda or "") if options.emulate_cuda else "",
         paged_optimizer_state=traced.paged_optimizer_state,

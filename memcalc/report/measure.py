@@ -14,7 +14,7 @@ quantized base is not measured (bitsandbytes' kernels are emulated, never run).
 CPU (no GPU here): ``torch.profiler`` with ``profile_memory=True`` records every CPU
 allocation and free with its size, in order; their running sum on top of the storages that
 existed before the step (parameters, buffers, inputs) is the real peak. It is compared with
-memcalc's estimate for this CPU (``gpu="cpu"``, :mod:`memcalc.cuda.cpu`): the attention and
+memcalc's estimate for this CPU (``gpu="cpu"``, :mod:`memcalc.targets.cpu.kernels`): the attention and
 LSTM kernels the CPU runs and what they allocate inside, no CUDA workspaces, unrounded. The
 note of the comparison names each op whose CPU memory that estimate does not follow (oneDNN's
 convolutions, for one). Kineto's "profiler_start/stop" lines to the process's stderr are
@@ -35,7 +35,6 @@ import torch
 
 from memcalc.api import CPU, estimate, make_request
 from memcalc.core.report import Measurement, MemoryReport
-from memcalc.cuda.cpu import NOT_FOLLOWED
 from memcalc.engine.loops import run_loop
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
@@ -44,6 +43,7 @@ from memcalc.engine.prepare import kv_cache_bytes, prepare_step
 from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.sources.adapters import finetune_module
 from memcalc.sources.resolve import resolve
+from memcalc.targets.cpu.kernels import NOT_FOLLOWED
 
 __all__ = ("RESERVED_SHOWN", "attach_measurement", "cpu_comparison_note", "measure", "measure_cpu", "measure_cuda",
            "measured_device",

@@ -15,8 +15,8 @@ transformers models call attention through ``ALL_ATTENTION_FUNCTIONS`` under the
   B·H·T² probabilities are real tensors, saved for backward. Nothing to emulate: memcalc runs it.
 - ``sdpa``: ``integrations/sdpa_attention.py`` calls ``F.scaled_dot_product_attention``
   (``enable_gqa=True`` for grouped k/v without a mask, else ``repeat_kv``). memcalc's CUDA
-  emulation (:mod:`memcalc.cuda.emulation`) replaces that call by the fused kernel CUDA would
-  choose (:mod:`memcalc.cuda.sdpa`), with its scratch (:mod:`memcalc.cuda.attention_memory`).
+  emulation (:mod:`memcalc.targets.cuda.emulation`) replaces that call by the fused kernel CUDA would
+  choose (:mod:`memcalc.targets.cuda.sdpa`), with its scratch (:mod:`memcalc.targets.cuda.attention_memory`).
 - ``flash_attention_2``: ``integrations/flash_attention.py`` transposes q/k/v to (B, T, H, D),
   casts float32 q/k/v to the autocast dtype (``get_target_dtype``) and calls flash-attn. flash-attn
   is not installed here (and needs a GPU), and asking transformers for it would import it.

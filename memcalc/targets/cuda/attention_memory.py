@@ -4,7 +4,7 @@ A meta-tensor run of a fused SDPA op makes its outputs but none of the scratch b
 CUDA kernels allocate and free inside the call; and a few meta outputs differ in size from
 CUDA's. :func:`forward_temporaries`, :func:`backward_temporaries`,
 :func:`sdpa_prologue_buffers` and :func:`meta_output_corrections` transcribe those for
-PyTorch 2.11 (the backend itself is chosen by :mod:`memcalc.cuda.sdpa`).
+PyTorch 2.11 (the backend itself is chosen by :mod:`memcalc.targets.cuda.sdpa`).
 
 Source snapshots read (pytorch/pytorch unless said otherwise): ``attention.cpp``,
 ``attention_backward.cu``, ``flash_attn/flash_api.cpp``, ``mem_eff_attention/kernel_backward.h``,
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from memcalc.cuda.sdpa import AttentionBackend, SdpaCall
-from memcalc.cuda.versions import ceil_div, element_size, round_up
+from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall
+from memcalc.targets.versions import ceil_div, element_size, round_up
 
 __all__ = (
     "BACKWARD_TEMPORARIES",

@@ -33,7 +33,7 @@ that are host-bound are chosen with the fit (:func:`_host_bound_candidates`). ``
 largest error left on the timed configs relative to the prediction (``|measured / predicted -
 1|``), so that the ± shown with every time covers each of them.
 
-The coefficients hold for the GPU they were measured on; :mod:`memcalc.cuda.gpus.performance`
+The coefficients hold for the GPU they were measured on; :mod:`memcalc.targets.cuda.gpus.performance`
 applies them to the other GPUs of the catalogue with those GPUs' datasheet peaks (the same
 fraction of a different peak): an assumption, said so beside every time, with how it held on a
 healthy H100's steps (``tests/data/gpu/2026-11-26-steps/h100-times.jsonl``, not fitted). The

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memcalc.cuda.versions import element_size
+from memcalc.targets.versions import element_size
 
 __all__ = ("ConvDirection", "conv_workspace_bytes")
 

@@ -1,8 +1,8 @@
 """ATen's CPU composites, op for op, where the CPU runs other ops than meta tensors do — for
-the CPU target (:mod:`memcalc.cuda.cpu`, whose rules call these on meta tensors):
+the CPU target (:mod:`memcalc.targets.cpu.kernels`, whose rules call these on meta tensors):
 
 - :func:`autocast_arguments`: what ``torch.autocast("cpu")`` casts an op's inputs to, by CPU
-  autocast's own lists (:func:`memcalc.cuda.autocast.cpu_autocast_policy`).
+  autocast's own lists (:func:`memcalc.targets.autocast.cpu_autocast_policy`).
 - :func:`linear`: ``at::linear`` adds the bias in place after a ``matmul``; under memcalc's
   tracer (a dispatch mode makes every tensor "subclass-like") it would add out of place.
 - :func:`mkldnn_rnn`: ``nn.LSTM`` through oneDNN, one ``mkldnn_rnn_layer`` per layer and
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from memcalc.cuda.autocast import AutocastPolicy
+from memcalc.targets.autocast import AutocastPolicy
 
 __all__ = ("LSTM_MODE", "RnnKind", "autocast_arguments", "generic_rnn", "linear", "mkldnn_rnn", "packed_rnn")
 

@@ -3,7 +3,7 @@
 "Does it fit on an H100?" needs the capacity the *CUDA driver* hands out on that card, and
 the memory that is spent before the first tensor: the CUDA context and cuBLAS workspaces.
 :class:`~memcalc.core.gpu.GpuProfile` holds those numbers; :func:`get_gpu` finds one by a
-forgiving name. (The GPUs of *this* machine are found by :mod:`memcalc.cuda.gpus.local`.)
+forgiving name. (The GPUs of *this* machine are found by :mod:`memcalc.targets.cuda.gpus.local`.)
 
 Where the numbers come from
 ---------------------------
@@ -19,7 +19,7 @@ The CUDA context size is not published by NVIDIA; :func:`_context_bytes` (lazy m
 loading, each profile's ``cuda_context``) and :func:`cuda_context_bytes` (the one function that
 turns a profile, a CUDA version and the module-loading mode into a context) are documented
 assumptions (see there). cuBLAS workspace sizes are exact, transcribed from PyTorch
-(:func:`memcalc.cuda.cublas.cublas_workspace_bytes`).
+(:func:`memcalc.targets.cuda.cublas.cublas_workspace_bytes`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from memcalc.core.errors import MemcalcError
 from memcalc.core.gpu import GENERIC, GpuProfile
-from memcalc.cuda.cublas import default_cublas_workspace
+from memcalc.targets.cuda.cublas import default_cublas_workspace
 
 __all__ = (
     "EAGER_MODULE_LOADING_EXTRA",

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 
 from memcalc.core.gpu import CUBLAS_WORKSPACE_DEFAULT, GpuProfile
-from memcalc.cuda.versions import TARGET_TORCH_VERSION, parse_torch_version
+from memcalc.targets.versions import TARGET_TORCH_VERSION, parse_torch_version
 
 __all__ = (
     "CUBLASLT_WORKSPACE_DEFAULT_KIB",
@@ -146,7 +146,7 @@ def cublas_workspaces_in_training_step(torch_version: str = TARGET_TORCH_VERSION
     builds briefly let cuBLAS allocate its own workspace, #113994; #124250 restored the explicit
     one for 2.4). Newer snapshots make caching opt-in (``TORCH_CUBLAS_WORKSPACE_CACHE``) and fall
     back to cuBLAS's own workspace; that is not modelled (assumed two as well). The estimate
-    asks this for its stack's release (:class:`memcalc.cuda.workspaces.WorkspaceModel`).
+    asks this for its stack's release (:class:`memcalc.targets.cuda.workspaces.WorkspaceModel`).
     """
     return CUBLAS_WORKSPACES_PER_TRAINING_STEP
 

@@ -1,23 +1,23 @@
 """The software stack an estimate assumes: a :class:`~memcalc.core.stack.Stack` resolved into
 concrete versions (:func:`resolve_stack`), and what they decide.
 
-* **PyTorch** keys every kernel fact (:mod:`memcalc.cuda.sdpa`, :mod:`~memcalc.cuda.autocast`,
-  :mod:`~memcalc.cuda.cublas`, cuDNN through :func:`~memcalc.cuda.versions.cudnn_version_of`).
+* **PyTorch** keys every kernel fact (:mod:`memcalc.targets.cuda.sdpa`, :mod:`~memcalc.targets.autocast`,
+  :mod:`~memcalc.targets.cuda.cublas`, cuDNN through :func:`~memcalc.targets.versions.cudnn_version_of`).
   Default: the installed torch's ``major.minor``. Supported: 2.4 through the installed one — a
   newer release is refused, because memcalc cannot know kernels it has never seen.
 * **CUDA** decides the context (lazy module loading needs 11.7+). Default: the installed
   build's ``torch.version.cuda`` when the installed torch is the one assumed; otherwise (a CPU
   build, or another release) the CUDA of that release's default PyPI wheel
-  (:data:`~memcalc.cuda.versions.WHEEL_CUDA_VERSION`: 12.1 for 2.4 … 13.0 for 2.11+), the
+  (:data:`~memcalc.targets.versions.WHEEL_CUDA_VERSION`: 12.1 for 2.4 … 13.0 for 2.11+), the
   build a ``pip install torch==X.Y`` gets.
 * **Module loading**: lazy unless ``CUDA_MODULE_LOADING`` says otherwise (read from this
-  process's environment, as :func:`memcalc.cuda.cublas.cublas_workspace_bytes` reads
+  process's environment, as :func:`memcalc.targets.cuda.cublas.cublas_workspace_bytes` reads
   ``CUBLAS_WORKSPACE_CONFIG``): PyTorch sets it to ``LAZY`` when it is unset
   (``CUDAHooks::init``, aten/src/ATen/cuda/detail/CUDAHooks.cpp, since 1.13); ``EAGER`` loads
   every kernel; ``DEFAULT`` is the driver's default, lazy from CUDA 12.2 on Linux (CUDA
   Programming Guide, "Lazy Loading", Change History).
 * **The CUDA context**: ``context_mib`` when given, else
-  :func:`memcalc.cuda.gpus.catalogue.cuda_context_bytes` of the GPU: measured where that GPU
+  :func:`memcalc.targets.cuda.gpus.catalogue.cuda_context_bytes` of the GPU: measured where that GPU
   was measured (the H100 80GB under CUDA 13.0, both module-loading modes; the report's basis
   says so), assumed elsewhere.
 
@@ -37,8 +37,8 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GpuProfile
 from memcalc.core.stack import Stack
 from memcalc.core.units import format_bytes
-from memcalc.cuda.gpus.catalogue import LAZY_LOADING_MIN_CUDA, context_source, cuda_context_bytes
-from memcalc.cuda.versions import OLDEST_TORCH_VERSION, WHEEL_CUDA_VERSION, parse_torch_version
+from memcalc.targets.cuda.gpus.catalogue import LAZY_LOADING_MIN_CUDA, context_source, cuda_context_bytes
+from memcalc.targets.versions import OLDEST_TORCH_VERSION, WHEEL_CUDA_VERSION, parse_torch_version
 
 __all__ = (
     "LAZY_BY_DEFAULT_CUDA",
@@ -153,7 +153,7 @@ class ResolvedStack:
 
     def context_basis(self, gpu: GpuProfile | None = None) -> str:
         """How the context was arrived at, in a few words for the report; on a GPU whose
-        context was measured (:data:`~memcalc.cuda.gpus.catalogue.MEASURED_CONTEXTS`), where."""
+        context was measured (:data:`~memcalc.targets.cuda.gpus.catalogue.MEASURED_CONTEXTS`), where."""
         if self.context_mib is not None:
             return "given (--context-mib)"
         if self.lazy_loading:

@@ -1,5 +1,5 @@
 """What oneDNN allocates for one LSTM layer on the CPU: its workspace, its scratchpad and the
-weight copies ideep makes — the sizes :mod:`memcalc.cuda.cpu` adds to ``mkldnn_rnn_layer``.
+weight copies ideep makes — the sizes :mod:`memcalc.targets.cpu.kernels` adds to ``mkldnn_rnn_layer``.
 
 PyTorch runs ``nn.LSTM`` on the CPU one layer and direction at a time
 (``mkldnn_rnn_layer``, ``aten/src/ATen/native/mkldnn/RNN.cpp``); in training oneDNN's

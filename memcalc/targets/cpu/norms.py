@@ -1,5 +1,5 @@
 """The statistics PyTorch's CPU normalization kernels save for backward, for the CPU target
-(:mod:`memcalc.cuda.cpu` registers :func:`follow_statistics` as an after-op rule).
+(:mod:`memcalc.targets.cpu.kernels` registers :func:`follow_statistics` as an after-op rule).
 
 A meta kernel sizes the mean and inverse deviation a norm returns as CUDA does: float32 for a
 bfloat16 or float16 input (``acc_type``) in ``native_layer_norm`` and every batch norm, one
@@ -33,7 +33,7 @@ aten = torch.ops.aten
 
 
 class _Kernels(Protocol):
-    """What the rule needs of :class:`memcalc.cuda.cpu.CpuKernels`."""
+    """What the rule needs of :class:`memcalc.targets.cpu.kernels.CpuKernels`."""
 
     def resize_output(self, tensor: torch.Tensor, nbytes: int) -> None: ...
 

@@ -15,18 +15,18 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
 - ``nn.LSTM``: ``at::lstm`` runs oneDNN when ``use_mkldnn`` (``native/RNN.cpp``) allows:
   ``mkldnn_rnn`` (``native/mkldnn/RNN.cpp``) calls ``mkldnn_rnn_layer`` per layer and
   direction; each keeps a oneDNN workspace for its backward and, inside, reorders the weights
-  and takes a scratchpad (sizes: :mod:`memcalc.cuda.onednn`). GRU, plain RNN, LSTM with
+  and takes a scratchpad (sizes: :mod:`memcalc.targets.cpu.onednn`). GRU, plain RNN, LSTM with
   projections and packed sequences run ``_rnn_impl``, which on a CPU tensor projects the
-  inputs of all steps at once — meta's never do (:mod:`memcalc.cuda.cpu_aten`).
+  inputs of all steps at once — meta's never do (:mod:`memcalc.targets.cpu.aten`).
 - Mixed precision: ``torch.autocast("cpu")`` casts by CPU autocast's own op lists
-  (:func:`~memcalc.cuda.autocast.cpu_autocast_policy`), not CUDA's: softmax and layer_norm,
+  (:func:`~memcalc.targets.autocast.cpu_autocast_policy`), not CUDA's: softmax and layer_norm,
   among others, run in the dtype that reaches them (:meth:`CpuEmulation.dispatch`).
 - In-place adds: while a dispatch mode is active (memcalc's tracer is one) every tensor is
   "subclass-like", and ``at::linear``'s bias add and autograd's gradient accumulation go out
   of place; a plain CPU run adds in place, and so does the CPU target.
 - bfloat16 GEMMs (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``addmv``): on a CPU that
   ``mkldnn_bf16_device_check`` accepts they run oneDNN's matmul, and ideep takes its
-  scratchpad from the CPU allocator for the call (:mod:`memcalc.cuda.onednn_matmul`);
+  scratchpad from the CPU allocator for the call (:mod:`memcalc.targets.cpu.onednn_matmul`);
   float32 GEMMs (MKL) and float16 ones (cpublas, without AVX512-FP16) take nothing there.
 
 Sizes follow torch 2.13 with oneDNN v3.12 on x86-64 (float32, and bfloat16 GEMMs on
@@ -51,13 +51,19 @@ from torch._ops import OpOverload
 
 from memcalc.core.categories import Category
 from memcalc.core.precision import Precision
-from memcalc.cuda import cpu_aten, cpu_norms, onednn
-from memcalc.cuda.autocast import cpu_autocast_policy
-from memcalc.cuda.emulation import CudaEmulation
-from memcalc.cuda.onednn_matmul import ONEDNN_BF16_MATMUL_ISA, onednn_bf16_matmul_isa, onednn_bf16_matmul_scratchpad
-from memcalc.cuda.versions import parse_torch_version
 from memcalc.engine.rules import RuleRegistry, op_name
 from memcalc.engine.trace import StorageTracer
+from memcalc.targets.autocast import cpu_autocast_policy
+from memcalc.targets.cpu import aten as cpu_aten
+from memcalc.targets.cpu import norms as cpu_norms
+from memcalc.targets.cpu import onednn
+from memcalc.targets.cpu.onednn_matmul import (
+    ONEDNN_BF16_MATMUL_ISA,
+    onednn_bf16_matmul_isa,
+    onednn_bf16_matmul_scratchpad,
+)
+from memcalc.targets.cuda.emulation import CudaEmulation
+from memcalc.targets.versions import parse_torch_version
 
 __all__ = (
     "CPU_CALL_RULES",
@@ -197,7 +203,7 @@ class CpuEmulation(CudaEmulation):
 
     def dispatch(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Under autocast, AutocastCPU's lists: a listed op gets its inputs cast as
-        ``torch.autocast("cpu")`` casts them (:func:`memcalc.cuda.cpu_aten.autocast_arguments`);
+        ``torch.autocast("cpu")`` casts them (:func:`memcalc.targets.cpu.aten.autocast_arguments`);
         any other runs as it comes — a ``torch.nn.functional`` composite with this mode on
         inside, as the CUDA emulation runs an op outside CUDA's lists."""
         if not self.autocasting:
@@ -406,13 +412,13 @@ def gradient_accumulation(kernels: CpuKernels, op: OpOverload, args: tuple[Any, 
 def cross_entropy(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The composite as it is: under CPU autocast ``cross_entropy_loss`` itself is in the
     float32 list (not CUDA's float32 ``log_softmax`` and ``nll_loss``, its rule in
-    :mod:`memcalc.cuda.emulation`)."""
+    :mod:`memcalc.targets.cuda.emulation`)."""
     return mode.dispatch(func, args, kwargs)
 
 
 @CPU_CALL_RULES.register(F.linear)
 def linear(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``at::linear`` as the CPU runs it (:func:`memcalc.cuda.cpu_aten.linear`: the bias added
+    """``at::linear`` as the CPU runs it (:func:`memcalc.targets.cpu.aten.linear`: the bias added
     in place after a ``matmul``)."""
     bound = dict(zip(("input", "weight", "bias"), args, strict=False))
     bound.update(kwargs)
@@ -429,7 +435,7 @@ def linear(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], 
 # than 16·16·16 multiply-adds runs oneDNN's matmul primitive (native/mkldnn/Matmul.cpp):
 # ``mm``/``addmm`` through cpublas::gemm → mkldnn_bf16_gemm, ``bmm``/``baddbmm``/``mv``/``addmv``
 # through mkldnn_matmul; ideep books its scratchpad in the CPU allocator for the call
-# (sizes: :mod:`memcalc.cuda.onednn_matmul`).
+# (sizes: :mod:`memcalc.targets.cpu.onednn_matmul`).
 
 #: mkldnn_gemm and checksize (Matmul.cpp): oneDNN only above 16·16·16 multiply-adds.
 _ONEDNN_GEMM_MIN_SIZE = 16 * 16 * 16
@@ -585,7 +591,7 @@ def _onednn_lstm_applies(kernels: CpuKernels, x: torch.Tensor, hx: Sequence[torc
 def recurrent(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``at::lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` on the CPU: an LSTM through oneDNN
     when ``use_mkldnn`` allows, else ``_rnn_impl`` with the CPU's precomputed input projection,
-    for a packed sequence too (:mod:`memcalc.cuda.cpu_aten`)."""
+    for a packed sequence too (:mod:`memcalc.targets.cpu.aten`)."""
     kind = cpu_aten.RnnKind(getattr(func, "__name__", ""))
     if kwargs or len(args) != 9:
         return mode.dispatch(func, args, kwargs)

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from memcalc.cuda.versions import TARGET_TORCH_VERSION, parse_torch_version
+from memcalc.targets.versions import TARGET_TORCH_VERSION, parse_torch_version
 
 __all__ = (
     "BANNED_OPS",

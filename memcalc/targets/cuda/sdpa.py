@@ -3,7 +3,7 @@ math, as ``_fused_sdp_choice_cuda`` decides with default settings.
 
 A meta-tensor run takes the math path; on a real GPU, PyTorch picks one of several attention
 kernels. :func:`choose_sdpa_backend` transcribes that choice for PyTorch 2.11
-(:data:`~memcalc.cuda.versions.TARGET_TORCH_VERSION`); where 2.4–2.13 differ and the
+(:data:`~memcalc.targets.versions.TARGET_TORCH_VERSION`); where 2.4–2.13 differ and the
 difference is known, it takes ``torch_version``.
 
 Source snapshots read (pytorch/pytorch): ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memcalc.cuda.versions import (
+from memcalc.targets.versions import (
     TARGET_TORCH_VERSION,
     cudnn_version_of,
     parse_torch_version,

@@ -6,13 +6,13 @@ synthetic allocations to the trace:
 - cuBLAS: one workspace per handle and stream, allocated at the first cuBLAS call and kept
   (``aten/src/ATen/cuda/CublasHandlePool.cpp``); the autograd engine runs backward on its own
   device thread, whose handle gets a workspace of its own at its first matmul — so a training
-  step holds one for the forward and one for the backward (:mod:`memcalc.cuda.cublas` documents
+  step holds one for the forward and one for the backward (:mod:`memcalc.targets.cuda.cublas` documents
   the source). Size: the GPU profile's, honouring ``CUBLAS_WORKSPACE_CONFIG``.
-- cuDNN convolutions: a temporary per call, sized by :func:`memcalc.cuda.cudnn.conv_workspace_bytes`
+- cuDNN convolutions: a temporary per call, sized by :func:`memcalc.targets.cuda.cudnn.conv_workspace_bytes`
   (a documented model, not a measurement).
 - fused attention: the temporaries the flash / memory-efficient / cuDNN kernels allocate
-  inside their forward and backward (:func:`memcalc.cuda.attention_memory.forward_temporaries`,
-  :func:`memcalc.cuda.attention_memory.backward_temporaries`).
+  inside their forward and backward (:func:`memcalc.targets.cuda.attention_memory.forward_temporaries`,
+  :func:`memcalc.targets.cuda.attention_memory.backward_temporaries`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from torch._ops import OpOverload
 
 from memcalc.core.categories import Category
 from memcalc.core.gpu import GpuProfile
-from memcalc.cuda.attention_memory import Buffer, backward_temporaries, forward_temporaries
-from memcalc.cuda.cublas import cublas_workspace_bytes, cublas_workspaces_in_training_step
-from memcalc.cuda.cudnn import conv_workspace_bytes
-from memcalc.cuda.sdpa import AttentionBackend, SdpaCall
-from memcalc.cuda.versions import TARGET_TORCH_VERSION
 from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import StorageTracer
+from memcalc.targets.cuda.attention_memory import Buffer, backward_temporaries, forward_temporaries
+from memcalc.targets.cuda.cublas import cublas_workspace_bytes, cublas_workspaces_in_training_step
+from memcalc.targets.cuda.cudnn import conv_workspace_bytes
+from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall
+from memcalc.targets.versions import TARGET_TORCH_VERSION
 
 __all__ = ("CUBLAS_OPS", "WORKSPACE_RULES", "WorkspaceModel", "WorkspaceRule")
 
@@ -132,7 +132,7 @@ class WorkspaceModel:
         if self.conv_calls:
             lines.append(f"cuDNN convolution workspace: modelled per call ({self.conv_calls} calls, largest "
                          f"{self.conv_workspace_peak:,} B) — an assumption, "
-                         "see memcalc.cuda.cudnn.conv_workspace_bytes")
+                         "see memcalc.targets.cuda.cudnn.conv_workspace_bytes")
         return lines
 
 

@@ -1,20 +1,20 @@
 """The CUDA rules plugged into the engine: one :class:`CudaBackend` per traced step.
 
-It puts together what :mod:`memcalc.cuda` knows: the autocast and kernel-choice emulation
-(:mod:`memcalc.cuda.emulation`), the kernel workspaces (:mod:`memcalc.cuda.workspaces`) and
+It puts together what :mod:`memcalc.targets.cuda` knows: the autocast and kernel-choice emulation
+(:mod:`memcalc.targets.cuda.emulation`), the kernel workspaces (:mod:`memcalc.targets.cuda.workspaces`) and
 the emulated gradient scaler of fp16 mixed precision.
 
 With ``target="cpu"`` the step is what this machine's CPU runs instead (:class:`CpuBackend`,
-the rules of :mod:`memcalc.cuda.cpu`): the CPU's attention and LSTM kernels and what they
+the rules of :mod:`memcalc.targets.cpu.kernels`): the CPU's attention and LSTM kernels and what they
 allocate inside, no CUDA workspaces — the figure a real CPU run is compared with. Mixed
 precision follows CPU autocast's own op lists there (``AutocastCPU`` in autocast_mode.cpp:
-softmax and layer_norm stay in the lower precision; :mod:`memcalc.cuda.autocast`).
+softmax and layer_norm stay in the lower precision; :mod:`memcalc.targets.autocast`).
 
 :func:`trace_step` is the engine's :func:`~memcalc.engine.run.trace_model` with the backend of
 the options' target: what every caller above this layer uses.
 
 Every kernel fact is taken for the PyTorch of the options' :class:`~memcalc.core.stack.Stack`
-(:func:`memcalc.cuda.stack.resolve_torch_version`: the installed torch unless another is
+(:func:`memcalc.targets.stack.resolve_torch_version`: the installed torch unless another is
 asked for): SDPA's backend priority and constraints and autocast's op lists (the emulation),
 the cuBLAS workspaces per step (the workspace model), cuDNN through the release's bundled
 version.
@@ -30,17 +30,17 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Mode
-from memcalc.cuda.cpu import CpuCapabilities, CpuEmulation, CpuKernels
-from memcalc.cuda.emulation import CudaEmulation
-from memcalc.cuda.gpus.catalogue import get_gpu
-from memcalc.cuda.grad_scaler import EmulatedGradScaler
-from memcalc.cuda.stack import resolve_torch_version
-from memcalc.cuda.workspaces import WorkspaceModel
 from memcalc.engine.backend import AutocastRegion, GradScalerLike
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import RankHooks, TracedStep, trace_model
 from memcalc.engine.trace import StorageTracer
+from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels
+from memcalc.targets.cuda.emulation import CudaEmulation
+from memcalc.targets.cuda.gpus.catalogue import get_gpu
+from memcalc.targets.cuda.workspaces import WorkspaceModel
+from memcalc.targets.grad_scaler import EmulatedGradScaler
+from memcalc.targets.stack import resolve_torch_version
 
 __all__ = ("CpuBackend", "CudaBackend", "trace_step")
 
@@ -104,7 +104,7 @@ class CudaBackend(_EmulatingBackend):
 
 class CpuBackend(_EmulatingBackend):
     """What this machine's CPU runs for one step of ``options`` (the CPU target,
-    :mod:`memcalc.cuda.cpu`): its own kernel choices and their inner allocations."""
+    :mod:`memcalc.targets.cpu.kernels`): its own kernel choices and their inner allocations."""
 
     def __init__(self, options: EstimateOptions, capabilities: CpuCapabilities | None = None) -> None:
         kernels = CpuKernels(capabilities or CpuCapabilities.here())

@@ -1,5 +1,5 @@
 """What oneDNN's matmul takes from the CPU allocator for a bfloat16 GEMM: its scratchpad — the
-size :mod:`memcalc.cuda.cpu` adds to ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv`` and
+size :mod:`memcalc.targets.cpu.kernels` adds to ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv`` and
 ``addmv`` in bfloat16.
 
 With oneDNN enabled on a CPU that ``mkldnn_bf16_device_check`` accepts, PyTorch runs a

@@ -8,11 +8,11 @@ This ``TorchFunctionMode`` sits *above* autograd — so autograd records (and sa
 backward) exactly what CUDA would — and rewrites those calls:
 
 - autocast (``amp-fp16``/``amp-bf16``, inside :meth:`CudaEmulation.autocast`): each call is
-  looked up in CUDA's autocast policy (:func:`memcalc.cuda.autocast.autocast_policy`, taken from
+  looked up in CUDA's autocast policy (:func:`memcalc.targets.autocast.autocast_policy`, taken from
   ``aten/src/ATen/autocast_mode.cpp``) and its floating arguments cast as CUDA would,
   including the weight-cast cache (a float32 leaf that requires grad is cast once per
   autocast region);
-- attention: the backend CUDA would choose (:func:`memcalc.cuda.sdpa.choose_sdpa_backend`)
+- attention: the backend CUDA would choose (:func:`memcalc.targets.cuda.sdpa.choose_sdpa_backend`)
   and the matching fused aten op, called directly (their meta kernels give CUDA's outputs);
 - dropout in training: ``aten.native_dropout``, CUDA's fused kernel (a bool mask).
 
@@ -41,12 +41,12 @@ from torch.overrides import TorchFunctionMode
 
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
-from memcalc.cuda.autocast import AutocastPolicy, autocast_policy
-from memcalc.cuda.sdpa import AttentionBackend, SdpaCall, choose_sdpa_backend
-from memcalc.cuda.versions import TARGET_TORCH_VERSION
 from memcalc.engine.backend import AutocastRegion, pop_autocast_region, push_autocast_region
 from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import tensors_of
+from memcalc.targets.autocast import AutocastPolicy, autocast_policy
+from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall, choose_sdpa_backend
+from memcalc.targets.versions import TARGET_TORCH_VERSION
 
 __all__ = ("EMULATION_RULES", "CudaEmulation", "EmulationRule")
 
@@ -263,7 +263,7 @@ def attention(mode: CudaEmulation, func: Callable[..., Any], args: tuple[Any, ..
     mode.attention_backends[backend.value] += 1
     aten = torch.ops.aten
     # grouped K/V heads (enable_gqa): the flash and cuDNN kernels take K/V unrepeated
-    # (sdp_utils.cpp check_grouped_query_attention; memcalc.cuda.sdpa admits GQA for them only);
+    # (sdp_utils.cpp check_grouped_query_attention; memcalc.targets.cuda.sdpa admits GQA for them only);
     # the other backends repeat them, which the call itself does
     if q.dim() == 4 and (not enable_gqa or backend in (AttentionBackend.FLASH, AttentionBackend.CUDNN)):
         if backend is AttentionBackend.FLASH:

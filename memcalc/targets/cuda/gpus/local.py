@@ -4,7 +4,7 @@
 ``nvidia-smi`` or ``torch.cuda``, with ``CUDA_VISIBLE_DEVICES`` applied as CUDA applies it):
 :func:`list_local_gpus`, :func:`best_gpu`, :func:`resolve_device`, :func:`find_local_gpu`.
 Each found GPU is recognised in the catalogue
-(:func:`memcalc.cuda.gpus.catalogue.match_profile`) when it can be.
+(:func:`memcalc.targets.cuda.gpus.catalogue.match_profile`) when it can be.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, TypeGuard
 
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GpuProfile
-from memcalc.cuda.gpus.catalogue import match_profile
+from memcalc.targets.cuda.gpus.catalogue import match_profile
 
 __all__ = (
     "NVIDIA_SMI_QUERY",
