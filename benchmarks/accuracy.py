@@ -1,7 +1,7 @@
 """Accuracy: memcalc's estimate against a real run of the same step, over a matrix of configs.
 
 On a CUDA machine the real run is measured with ``torch.cuda.max_memory_allocated`` /
-``max_memory_reserved`` (:func:`memcalc.report.measure.measure_cuda`), and the estimate is made
+``max_memory_reserved`` (:func:`memcalc.measure.step.measure_cuda`), and the estimate is made
 for the device's catalogue profile (matched from ``torch.cuda.get_device_name()``, or ``--gpu``),
 so that it models that GPU's kernels and workspaces. Without a GPU the step is measured with the
 CPU profiler (labelled as such: CPU kernels have their own workspaces, so CPU figures say less
@@ -43,7 +43,7 @@ import torch
 
 import memcalc
 from memcalc.core.errors import MemcalcError
-from memcalc.report.measure import measure_cpu, measure_cuda
+from memcalc.measure.step import measure_cpu, measure_cuda
 from memcalc.sources.resolve import resolve
 from memcalc.targets.cuda.gpus.catalogue import get_gpu, match_profile
 

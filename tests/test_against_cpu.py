@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memcalc
-from memcalc.report.measure import measure_cpu
+from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
 
 # The bar is 2 %; on torch 2.13 these cases agree to the byte or within ~100 B (CPU

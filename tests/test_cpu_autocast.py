@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memcalc
 from memcalc.core.precision import Precision
-from memcalc.report.measure import measure_cpu
+from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.targets.autocast import autocast_policy, cpu_autocast_lists, cpu_autocast_policy
 from memcalc.targets.cpu.aten import autocast_arguments

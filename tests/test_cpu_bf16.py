@@ -25,7 +25,7 @@ from torch import nn
 import memcalc
 from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.run import trace_model
-from memcalc.report.measure import attach_measurement, measure_cpu
+from memcalc.measure.step import attach_measurement, measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import CpuBackend
 from memcalc.targets.cpu.kernels import NOT_FOLLOWED, CpuCapabilities

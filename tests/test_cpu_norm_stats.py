@@ -26,7 +26,7 @@ from torch._ops import OpOverload
 import memcalc
 from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.run import trace_model
-from memcalc.report.measure import measure_cpu
+from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import CpuBackend
 from memcalc.targets.cpu.kernels import CPU_KERNEL_RULES

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memcalc
 from memcalc.cli import main
-from memcalc.report.measure import attach_measurement, cpu_comparison_note, measure_cpu
+from memcalc.measure.step import attach_measurement, cpu_comparison_note, measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.targets.cpu import onednn
 from memcalc.targets.cpu.kernels import cpu_flash_refusal, flash_backward_temporaries, flash_forward_temporaries

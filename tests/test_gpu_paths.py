@@ -28,7 +28,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC
 from memcalc.core.report import Measurement
 from memcalc.engine.options import EstimateOptions
-from memcalc.report import measure as measure_module
+from memcalc.measure import step as measure_module
 from memcalc.search import budget as budgets
 from memcalc.search.budget import resolve_budget
 from memcalc.targets.cuda.gpus import local as gpu_local

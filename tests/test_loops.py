@@ -25,7 +25,7 @@ from memcalc.cli import main
 from memcalc.core.errors import DataDependentError, InapplicableOptionError, LoopFunctionError
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import build_report, trace_model
-from memcalc.report.measure import measure_cpu
+from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import CpuBackend
 from models_zoo.gpt2 import GPT2Config, GPT2LMHeadModel

@@ -21,7 +21,7 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError
-from memcalc.report.measure import attach_measurement, measure, measure_cpu
+from memcalc.measure.step import attach_measurement, measure, measure_cpu
 from memcalc.sources.resolve import resolve
 
 pytest.importorskip("peft")

@@ -412,7 +412,7 @@ def _real_peak(model: nn.Module, x: torch.Tensor, before: list[torch.Tensor], se
     """Two real training iterations (Adam, loss = mean) under the CPU profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from memcalc.report.measure import _profiler_peak, storage_bytes
+    from memcalc.measure.step import _profiler_peak, storage_bytes
 
     start = storage_bytes([*before, x])
     gc.collect()

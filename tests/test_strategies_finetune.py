@@ -28,7 +28,7 @@ from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.precision import Precision
 from memcalc.engine.prepare import apply_precision
-from memcalc.report.measure import _profiler_peak, storage_bytes
+from memcalc.measure.step import _profiler_peak, storage_bytes
 from memcalc.sources.adapters import finetune_module
 from memcalc.sources.resolve import resolve
 

@@ -27,7 +27,7 @@ from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.core.throughput import DataLoaderSetup
 from memcalc.engine.optimizers import Optimizer
-from memcalc.report.measure import attach_measurement, measured_device
+from memcalc.measure.step import attach_measurement, measured_device
 from memcalc.report.output import check_output_path
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot

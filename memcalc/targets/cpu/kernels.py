@@ -1,6 +1,6 @@
 """The CPU target: what PyTorch's own CPU kernels run and allocate, so that an estimate can be
 compared with a real step on this machine's CPU (``--measure`` without a GPU,
-:mod:`memcalc.report.measure`). It models no GPU; it lives beside the CUDA rules because it is
+:mod:`memcalc.measure.step`). It models no GPU; it lives beside the CUDA rules because it is
 the same kind of knowledge — which aten ops a device chooses and what they allocate inside.
 
 Meta tensors take the paths of no real device. Where the CPU's choice differs, a rule rewrites

@@ -80,7 +80,7 @@ class RealSnapshot:
 
     def first_event_in(self, filename: str, function: str) -> int | None:
         """Index in :attr:`events` of the first allocation made under ``function`` of a file
-        ending in ``filename`` (e.g. ``memcalc/report/measure.py``, ``_run``: the step of a
+        ending in ``filename`` (e.g. ``memcalc/measure/step.py``, ``_run``: the step of a
         ``measure_cuda`` run), or None."""
         wanted = f" {function}"
         for allocation in self.allocations:
