@@ -17,7 +17,7 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import ClassTime, OpClass, StepTime
-from memcalc.engine.flops import KERNEL_COSTS, KernelCost
+from memcalc.engine.kernels import KERNEL_COSTS, KernelCost
 from memcalc.engine.optimizers_bnb import UPDATE_KERNELS
 from memcalc.engine.rules import DuplicateRuleError
 from memcalc.sources.quant import KERNELS

@@ -5,10 +5,12 @@ turns them into a step time on a GPU whose peaks are passed in (:class:`~memcalc
 (chained before the device backend's): for every op that launches a kernel it records the
 phase, whether a checkpointed forward is being recomputed, the module, the op's class, the
 dtype it computes in, its FLOPs and the bytes it reads and writes. Views and allocations
-launch no kernel and are not recorded. It is installed only when a time is asked for
-(``EstimateOptions.record_costs``: ``--time``, ``estimate(time=True)``, ``fit --objective
-throughput``; :func:`memcalc.step_time` on a report made without it traces the step again), so
-an estimate that never asks for a time pays nothing for it; the roofline and the per-phase /
+launch no kernel and are not recorded. The engine takes it as its cost recorder
+(:class:`~memcalc.engine.run.CostRecorder`) only when a time is asked for: the estimate decides
+(:func:`memcalc.distributed.estimate.run_estimate`, from ``EstimateOptions.record_costs``:
+``--time``, ``estimate(time=True)``, ``fit --objective throughput``; :func:`memcalc.step_time`
+on a report made without it traces the step again), so an estimate that never asks for a time
+pays nothing for it; the roofline and the per-phase /
 per-module totals are computed only when asked (:class:`StepCosts`).
 
 A cost rule that raises on a call — torch's own formula of an older release (before 2.13,
@@ -30,11 +32,10 @@ causal attention here", ``sdpa_flop``). Every other op has no FLOP formula and i
 bytes it moves: on these GPUs an elementwise op is memory-bound by two orders of magnitude.
 
 Kernels of other libraries that memcalc emulates (bitsandbytes' dequantization, int8 matmul
-and optimizer updates: ``memcalc::`` ops defined by :mod:`memcalc.sources.quant` and
-:mod:`memcalc.engine.optimizers_bnb`) have schemas that say too little — which arguments the
-kernel reads, which it writes through a pre-allocated ``out``, what arithmetic it does — so
-each has a rule in :data:`KERNEL_COSTS`, registered by op object in the module that defines
-the op, that works out its :class:`KernelCost`.
+and optimizer updates: ``memcalc::`` ops, :mod:`memcalc.engine.kernels`) have schemas that say
+too little — which arguments the kernel reads, which it writes through a pre-allocated ``out``,
+what arithmetic it does — so each declares its cost beside its definition, in
+:data:`~memcalc.engine.kernels.KERNEL_COSTS`, and the recorder takes it from there.
 """
 
 from __future__ import annotations
@@ -43,20 +44,19 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from memcalc.core.categories import Phase
 from memcalc.core.throughput import PHASES, ClassTime, DeviceRates, OpClass, PhaseCost, StepFlops, StepTime
+from memcalc.engine.kernels import KERNEL_COSTS, KernelCostRule
 from memcalc.engine.model import ModelInputs
-from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import AfterOpHook, Op, StorageTracer
 
-__all__ = ("GEMM_ALIGNMENT_BYTES", "KERNEL_COSTS", "NORMALIZATION_ELEMENT_BYTES", "KernelCost", "KernelCostRule",
-           "OpCost", "OpCostRecorder", "StepCosts", "define_kernels", "device_bytes", "multi_tensor_launches",
-           "op_class_of", "tokens_per_step")
+__all__ = ("GEMM_ALIGNMENT_BYTES", "NORMALIZATION_ELEMENT_BYTES", "OpCost", "OpCostRecorder", "StepCosts",
+           "multi_tensor_launches", "op_class_of", "tokens_per_step")
 
 aten = torch.ops.aten
 
@@ -185,60 +185,6 @@ _STATE_INIT = frozenset({aten.zeros_like, aten.zeros, aten.ones_like, aten.full_
 _MAX_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
 _MAX_BLOCKS = 320
 _CHUNK = 65536
-
-
-class KernelCost(NamedTuple):
-    """What one emulated kernel costs, as its :data:`KERNEL_COSTS` rule works it out."""
-
-    op_class: OpClass
-    bytes_read: int
-    bytes_written: int
-    flops: int = 0
-    dtype: torch.dtype | None = None  # the dtype a compute kernel computes in (its math mode's peak)
-    uncounted: bool = False  # does a matrix product's arithmetic without a FLOP figure (an int8 GEMM)
-
-
-#: ``(args, kwargs, out) → KernelCost``: the cost of one call of an emulated kernel, from the
-#: arguments the tracer dispatched (positional, as the op's schema orders them).
-KernelCostRule: TypeAlias = Callable[[tuple[Any, ...], dict[str, Any], Any], KernelCost]
-#: Rules for the kernels memcalc emulates with ops of its own (module docstring), keyed by
-#: ``OpOverload`` (``torch.ops.memcalc.dequantize_4bit.out``); registering one twice is refused.
-KERNEL_COSTS: RuleRegistry[KernelCostRule] = RuleRegistry("kernel cost")
-
-#: The ``memcalc::`` operators standing for those kernels, one library for every module that
-#: defines some (:func:`define_kernels`). It must live as long as the process: destroying it
-#: would unregister them.
-_KERNEL_LIBRARY = torch.library.Library("memcalc", "FRAGMENT")  # type: ignore[no-untyped-call]  # untyped in torch
-
-
-def _nothing_on_meta(*_args: object) -> None:
-    """The meta kernel of every :func:`define_kernels` op: the kernel writes buffers its caller
-    allocated, or updates tensors in place, so on meta tensors (no values) there is nothing to do."""
-
-
-def define_kernels(schemas: Sequence[str], real: dict[str, Callable[..., None]] | None = None) -> Any:
-    """Define ``memcalc::`` operators with ``schemas`` for a library's kernels that memcalc
-    emulates, so that the tracer sees each launch as it sees an aten op (their costs are
-    :data:`KERNEL_COSTS` rules). Each gets a meta kernel that does nothing; those named in
-    ``real`` (the name before the schema's ``(``) also run that function on real tensors (a
-    ``--measure`` run on the CPU).
-
-    Returns:
-        ``torch.ops.memcalc``, the namespace the operators are called through.
-    """
-    for schema in schemas:
-        name = schema.split("(", 1)[0]
-        _KERNEL_LIBRARY.define(schema)  # type: ignore[no-untyped-call]  # untyped in torch
-        _KERNEL_LIBRARY.impl(name, _nothing_on_meta, "Meta")  # type: ignore[no-untyped-call]  # untyped in torch
-        if real is not None and name in real:
-            _KERNEL_LIBRARY.impl(name, real[name], "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-    return torch.ops.memcalc
-
-
-def device_bytes(*tensors: torch.Tensor | None) -> int:
-    """Bytes of the traced device's tensors among ``tensors`` (None and host tensors skipped, as
-    the generic rules skip them): what a kernel reads or writes of them, each once."""
-    return sum(t.nbytes for t in tensors if t is not None and t.is_meta)
 
 
 class OpCost(NamedTuple):
@@ -436,6 +382,16 @@ class OpCostRecorder:
     def attach(self, tracer: StorageTracer) -> None:
         """Read the phase, module and recomputation from ``tracer``."""
         self._tracer = tracer
+
+    def step_costs(self, inputs: ModelInputs, *, batch_size: int, micro_batches: int, module_order: Sequence[str],
+                   until: int | None) -> StepCosts:
+        """What was recorded, with what a time needs besides the GPU (the engine's
+        :class:`~memcalc.engine.run.CostRecorder`): samples per step are ``batch_size ×
+        micro_batches``; tokens per step are counted from ``inputs``' token ids
+        (:func:`tokens_per_step`); ``until``: a loop traced whole counts its first iteration."""
+        return StepCosts(self.records, samples=batch_size * micro_batches,
+                         tokens=tokens_per_step(inputs, micro_batches), module_order=module_order, until=until,
+                         failures=self.failures)
 
     def __call__(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self._then is not None:

@@ -33,7 +33,7 @@ from memcalc.core.categories import Mode
 from memcalc.engine.backend import AutocastRegion, GradScalerLike
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import EstimateOptions
-from memcalc.engine.run import RankHooks, TracedStep, trace_model
+from memcalc.engine.run import CostRecorderFactory, RankHooks, TracedStep, trace_model
 from memcalc.engine.trace import StorageTracer
 from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels
 from memcalc.targets.cuda.emulation import CudaEmulation
@@ -129,7 +129,7 @@ class CpuBackend(_EmulatingBackend):
 
 
 def trace_step(resolved: ResolvedModel, options: EstimateOptions | None = None, *, hooks: RankHooks | None = None,
-               **option_values: Any) -> TracedStep:
+               costs: CostRecorderFactory | None = None, **option_values: Any) -> TracedStep:
     """Trace one step of ``resolved`` as a CUDA GPU would run it (or, with ``target="cpu"``,
     as this machine's CPU does).
 
@@ -139,6 +139,8 @@ def trace_step(resolved: ResolvedModel, options: EstimateOptions | None = None, 
             (``optimizer="sgd"``, ``precision="amp-bf16"``, ``gpu="h100-80gb"`` (a catalogue
             name), ``target="cpu"``, ...).
         hooks: a multi-GPU program's hooks on this rank's model.
+        costs: makes the recorder of every kernel's FLOPs and bytes, for a step time
+            (:func:`~memcalc.engine.run.trace_model`); None: none recorded.
 
     Returns:
         The traced step, ready for :func:`memcalc.engine.run.build_report`.
@@ -147,4 +149,4 @@ def trace_step(resolved: ResolvedModel, options: EstimateOptions | None = None, 
         gpu = option_values.pop("gpu", None)
         options = EstimateOptions.create(gpu=get_gpu(gpu) if isinstance(gpu, str) else gpu, **option_values)
     backend = CudaBackend(options) if options.emulate_cuda else CpuBackend(options)
-    return trace_model(resolved, options, backend, hooks=hooks)
+    return trace_model(resolved, options, backend, hooks=hooks, costs=costs)
