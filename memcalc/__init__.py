@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from memcalc.search.sweep import SweepPoint
     from memcalc.search.throughput import ThroughputChoice
     from memcalc.sources.hub import HuggingFace
-    from memcalc.targets.cuda.gpus.performance import loader_advice, step_time, with_time
+    from memcalc.timing.performance import loader_advice, step_time, with_time
 
 __version__ = "0.1.0"
 
@@ -99,9 +99,9 @@ _EXPORTS: dict[str, str] = {
     "DataLoaderSetup": "memcalc.core.throughput",
     "LoaderAdvice": "memcalc.core.throughput",
     "ThroughputChoice": "memcalc.search.throughput",
-    "loader_advice": "memcalc.targets.cuda.gpus.performance",
-    "step_time": "memcalc.targets.cuda.gpus.performance",
-    "with_time": "memcalc.targets.cuda.gpus.performance",
+    "loader_advice": "memcalc.timing.performance",
+    "step_time": "memcalc.timing.performance",
+    "with_time": "memcalc.timing.performance",
     "HuggingFace": "memcalc.sources.hub",
 }
 

@@ -39,8 +39,8 @@ from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_request
 from memcalc.search.throughput import ThroughputChoice, find_fastest
 from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.targets.cuda.gpus.local import names_local_gpu
-from memcalc.targets.cuda.gpus.performance import check_timeable, with_time
 from memcalc.targets.stack import resolve_stack
+from memcalc.timing.performance import check_timeable, with_time
 
 __all__ = ("CPU", "estimate", "fastest_setting", "iter_sweep", "max_batch_size", "sweep")
 

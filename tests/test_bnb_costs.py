@@ -21,7 +21,7 @@ from memcalc.engine.kernels import KERNEL_COSTS, KernelCost
 from memcalc.engine.optimizers_bnb import UPDATE_KERNELS
 from memcalc.engine.rules import DuplicateRuleError
 from memcalc.sources.quant import KERNELS
-from memcalc.targets.cuda.gpus.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
+from memcalc.timing.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
 
 GPU = "a100-80gb"
 N = 4096 * 4096  # elements of the weight: 16,777,216

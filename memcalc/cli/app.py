@@ -31,10 +31,10 @@ from memcalc.measure.step import attach_measurement, measured_device
 from memcalc.report.output import check_output_path
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
-from memcalc.report.time_render import render_loader
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
 from memcalc.targets.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
-from memcalc.targets.cuda.gpus.performance import loader_advice
+from memcalc.timing.performance import loader_advice
+from memcalc.timing.render import render_loader
 
 __all__ = ("main",)
 

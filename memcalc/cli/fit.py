@@ -21,7 +21,7 @@ from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.throughput_render import render_choice
 from memcalc.search.budget import FitResult, format_margin
-from memcalc.targets.cuda.gpus.performance import check_timeable, with_time
+from memcalc.timing.performance import check_timeable, with_time
 
 __all__ = ("fit_command",)
 

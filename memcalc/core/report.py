@@ -217,7 +217,7 @@ class MemoryReport:
     # Builds the timeline on request (set by memcalc.engine.run.build_report): kept out of
     # equality, repr and to_dict(), so that reports compare and serialise as before.
     _timeline_builder: Callable[[], Timeline] | None = field(default=None, compare=False, repr=False)
-    # The step's FLOPs and bytes per kernel (memcalc.engine.flops.StepCosts), for flops() and step times.
+    # The step's FLOPs and bytes per kernel (memcalc.timing.flops.StepCosts), for flops() and step times.
     _costs: CostSource | None = field(default=None, compare=False, repr=False)
 
     def timeline(self) -> Timeline:

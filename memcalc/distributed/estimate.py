@@ -15,13 +15,13 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
-from memcalc.engine.flops import OpCostRecorder
 from memcalc.engine.model import InputsLike
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import TracedStep, build_report
 from memcalc.sources.adapters import apply_finetune
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import trace_step
+from memcalc.timing.flops import OpCostRecorder
 
 __all__ = ("CostsOnRequest", "EstimateRequest", "run_estimate")
 

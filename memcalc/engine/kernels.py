@@ -8,7 +8,7 @@ sees an aten op. Their schemas say too little for a step time — which argument
 which it writes through a pre-allocated ``out``, what arithmetic it does — so the module that
 defines an operator registers beside it, by op object, the rule that works out one call's
 :class:`KernelCost` (:data:`KERNEL_COSTS`); the FLOP recorder of a timed step reads it there
-(:class:`memcalc.engine.flops.OpCostRecorder`). The registry lives in the engine, with the
+(:class:`memcalc.timing.flops.OpCostRecorder`). The registry lives in the engine, with the
 operators, so that the emulations never import the timing code that reads it.
 """
 

@@ -25,7 +25,7 @@ from memcalc.core.throughput import StepTime
 from memcalc.distributed.estimate import EstimateRequest, run_estimate
 from memcalc.search.budget import Budget, DoesNotFitError, margin_capacity
 from memcalc.search.fit import MAX_BATCH, find_max_batch
-from memcalc.targets.cuda.gpus.performance import step_time
+from memcalc.timing.performance import step_time
 
 __all__ = ("Candidate", "ThroughputChoice", "find_fastest")
 

@@ -12,7 +12,7 @@ half the FP16-accumulate rate.
 The efficiency of each op class, the fixed time per kernel, the gap between kernels and the
 host's time per kernel (:data:`EFFICIENCY`, :data:`KERNEL_SECONDS`, :data:`LAUNCH_OVERHEAD`,
 :data:`HOST_SECONDS`) are fitted to an H200's profiled kernels and real step times
-(:mod:`memcalc.targets.cuda.gpus.calibration`). On another GPU the same fractions apply to that GPU's
+(:mod:`memcalc.timing.calibration`). On another GPU the same fractions apply to that GPU's
 datasheet peaks: an assumption, stated with every time (:func:`basis`) with how it held on a
 healthy H100, as is the spread the fit leaves on the steps it was fitted to.
 """
@@ -25,8 +25,8 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DataLoaderSetup, DeviceRates, LoaderAdvice, OpClass, StepTime, advise_loader
-from memcalc.targets.cuda.gpus import fitted
 from memcalc.targets.cuda.gpus.catalogue import get_gpu
+from memcalc.timing import fitted
 
 __all__ = (
     "EFFICIENCY",
@@ -96,7 +96,7 @@ PERFORMANCE: dict[str, GpuPerformance] = {
 }
 
 #: Efficiency per op class (fraction of the binding datasheet peak a large kernel reaches),
-#: fitted to the H200's kernels (:mod:`memcalc.targets.cuda.gpus.fitted`, written by
+#: fitted to the H200's kernels (:mod:`memcalc.timing.fitted`, written by
 #: ``scripts/fit_step_time.py``).
 EFFICIENCY: dict[OpClass, float] = dict(fitted.EFFICIENCY)
 #: Seconds each kernel of a class takes besides its roofline time (fitted likewise).
@@ -169,7 +169,7 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
     bytes moved ÷ (bandwidth × efficiency), plus its class's fixed seconds per kernel and the
     gap between kernels; the step is their sum (one stream), or the host's time per kernel × the
     kernels when that is longer (a host-bound step). The coefficients are fitted to an H200
-    (:mod:`memcalc.targets.cuda.gpus.calibration`); the time carries the spread of that fit.
+    (:mod:`memcalc.timing.calibration`); the time carries the spread of that fit.
     Under a multi-GPU strategy: the busiest GPU's step, without its communication.
 
     Args:

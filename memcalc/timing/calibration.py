@@ -2,7 +2,7 @@
 profile and step times, and how well they hold.
 
 The model (:class:`~memcalc.core.throughput.DeviceRates`, timed by
-:meth:`memcalc.engine.flops.StepCosts.time`): each traced kernel of op class ``k`` takes
+:meth:`memcalc.timing.flops.StepCosts.time`): each traced kernel of op class ``k`` takes
 
     t = ideal / efficiency[k] + kernel_seconds[k] + gap
 
@@ -18,7 +18,7 @@ aligned kernels (:class:`~memcalc.core.throughput.OpClass`).
 
 Fitting (:func:`fit`), from two files of one GPU run (``tests/data/gpu/2026-11-26-h200-profile/``):
 ``profile.json`` gives, per config, the self CUDA time of every aten op, which
-:func:`~memcalc.engine.flops.op_class_of` sorts into classes. One efficiency per class and one
+:func:`~memcalc.timing.flops.op_class_of` sorts into classes. One efficiency per class and one
 fixed time per kernel, shared by all classes, are the non-negative least-squares solution of
 ``measured[class] = Σ ideal / efficiency[class] + kernel_seconds × kernels[class]`` over every
 (profiled config, class) pair, each residual relative to its config's kernel time. (A fixed time
@@ -33,7 +33,7 @@ that are host-bound are chosen with the fit (:func:`_host_bound_candidates`). ``
 largest error left on the timed configs relative to the prediction (``|measured / predicted -
 1|``), so that the ± shown with every time covers each of them.
 
-The coefficients hold for the GPU they were measured on; :mod:`memcalc.targets.cuda.gpus.performance`
+The coefficients hold for the GPU they were measured on; :mod:`memcalc.timing.performance`
 applies them to the other GPUs of the catalogue with those GPUs' datasheet peaks (the same
 fraction of a different peak): an assumption, said so beside every time, with how it held on a
 healthy H100's steps (``tests/data/gpu/2026-11-26-steps/h100-times.jsonl``, not fitted). The
@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from memcalc.core.throughput import OpClass, StepTime
-from memcalc.engine.flops import op_class_of
+from memcalc.timing.flops import op_class_of
 
 __all__ = (
     "ClassFeatures",
@@ -219,7 +219,7 @@ def _nnls(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, A
 
 def predict(result: FitResult, features: ClassFeatures) -> float:
     """The step's seconds by the model with ``result``'s coefficients (what
-    :meth:`~memcalc.engine.flops.StepCosts.time` computes kernel by kernel, summed by class)."""
+    :meth:`~memcalc.timing.flops.StepCosts.time` computes kernel by kernel, summed by class)."""
     total = _kernel_seconds(result, features) + result.gap_seconds * features.total_kernels
     return max(total, result.host_seconds * features.total_kernels)
 
