@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult
     from memcalc.search.sweep import SweepPoint
     from memcalc.search.throughput import ThroughputChoice
-    from memcalc.sources.hub import HuggingFace
+    from memcalc.stacks.transformers.hub import HuggingFace
     from memcalc.timing.performance import loader_advice, step_time, with_time
 
 __version__ = "0.1.0"
@@ -102,7 +102,7 @@ _EXPORTS: dict[str, str] = {
     "loader_advice": "memcalc.timing.performance",
     "step_time": "memcalc.timing.performance",
     "with_time": "memcalc.timing.performance",
-    "HuggingFace": "memcalc.sources.hub",
+    "HuggingFace": "memcalc.stacks.transformers.hub",
 }
 
 

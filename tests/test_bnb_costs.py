@@ -1,4 +1,4 @@
-"""Step-time costs of the bitsandbytes kernels memcalc emulates (memcalc.sources.quant's
+"""Step-time costs of the bitsandbytes kernels memcalc emulates (memcalc.stacks.bitsandbytes's
 dequantization and int8 matmul, memcalc.engine.optimizers_bnb's update kernels): the bytes each
 kernel moves, worked out by hand, against what ``memcalc.step_time`` counts per op class and phase.
 
@@ -20,7 +20,7 @@ from memcalc.core.throughput import ClassTime, OpClass, StepTime
 from memcalc.engine.kernels import KERNEL_COSTS, KernelCost
 from memcalc.engine.optimizers_bnb import UPDATE_KERNELS
 from memcalc.engine.rules import DuplicateRuleError
-from memcalc.sources.quant import KERNELS
+from memcalc.stacks.bitsandbytes import KERNELS
 from memcalc.timing.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
 
 GPU = "a100-80gb"

@@ -18,8 +18,8 @@ from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.model import InputsLike
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import TracedStep, build_report
-from memcalc.sources.adapters import apply_finetune
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.peft import apply_finetune
 from memcalc.targets.backend import trace_step
 from memcalc.timing.flops import OpCostRecorder
 

@@ -43,8 +43,8 @@ from memcalc.engine.options import EstimateOptions
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
-from memcalc.sources.adapters import apply_finetune
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.peft import apply_finetune
 from memcalc.targets.backend import trace_step
 
 __all__ = ("estimate_per_rank", "refuse_finetune")

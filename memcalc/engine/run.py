@@ -53,7 +53,7 @@ __all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory",
 #: The report's loss when the step trained with the loss the model returned (``output.loss``).
 MODEL_LOSS = "the model's own (output.loss)"
 #: Attribute of a parameter that stores others' elements (a quantized weight, packed; its
-#: statistics: :mod:`memcalc.sources.quant`): the parameters it stands for, as PEFT and
+#: statistics: :mod:`memcalc.stacks.bitsandbytes`): the parameters it stands for, as PEFT and
 #: transformers count them. Without it a parameter counts its ``numel()``.
 LOGICAL_NUMEL = "memcalc_logical_numel"
 #: A dict batch's ``attention_mask`` is read by Hugging Face models (``masking_utils``: no causal

@@ -8,7 +8,7 @@ run the step program (two iterations, as the estimate does; or the chosen loop a
 :mod:`memcalc.engine.loops`), read ``max_memory_allocated`` and ``max_memory_reserved``. An
 OOM is a result ("measured: OOM"), not a crash. The optimizer runs in the implementation the
 estimate resolved for the device (``resolve_impl``). Frozen parameters and LoRA adapters are
-applied to the real model by the estimate's own code (:mod:`memcalc.sources.adapters`); a
+applied to the real model by the estimate's own code (:mod:`memcalc.stacks.peft`); a
 quantized base is not measured (bitsandbytes' kernels are emulated, never run).
 
 CPU (no GPU here): ``torch.profiler`` with ``profile_memory=True`` records every CPU
@@ -41,8 +41,8 @@ from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.prepare import kv_cache_bytes, prepare_step
 from memcalc.engine.step import Scaler, StepConfig, run_step
-from memcalc.sources.adapters import finetune_module
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.peft import finetune_module
 from memcalc.targets.cpu.kernels import NOT_FOLLOWED
 
 __all__ = ("RESERVED_SHOWN", "attach_measurement", "cpu_comparison_note", "measure", "measure_cpu", "measure_cuda",
@@ -65,7 +65,7 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
     cache of the estimated size when one is asked for (the zoo's models have no cache of their
     own: a buffer of the same size stands for it).
 
-    The fine-tuning is the estimate's too (:func:`~memcalc.sources.adapters.finetune_module`,
+    The fine-tuning is the estimate's too (:func:`~memcalc.stacks.peft.finetune_module`,
     in the estimate's order: adapters and freezing before the precision cast, which keeps the
     adapters' dtype), so frozen parameters get no gradient and no optimizer state here either.
 

@@ -1,6 +1,6 @@
 """Fine-tuning as people do it, applied to the resolved model before the step is traced:
 frozen parameters (``--freeze``), LoRA adapters made by the real ``peft`` library (``--lora``)
-and a quantized base (``--quant``, :mod:`memcalc.sources.quant`).
+and a quantized base (``--quant``, :mod:`memcalc.stacks.bitsandbytes`).
 
 The order is QLoRA's: quantize the base, wrap it with ``peft.get_peft_model`` (which freezes
 every parameter but the adapters), then freeze what the patterns name. Nothing here allocates
@@ -28,8 +28,8 @@ from memcalc.core.precision import Precision
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import parameter_count
-from memcalc.sources.hub import import_hf
-from memcalc.sources.quant import quantize_linears
+from memcalc.stacks.bitsandbytes import quantize_linears
+from memcalc.stacks.transformers.hub import import_hf
 
 __all__ = ("LoraResult", "add_lora", "apply_finetune", "finetune_module", "freeze_parameters", "linear_names")
 

@@ -83,7 +83,7 @@ PROBE_TIMEOUT_S = 5.0
 
 
 class HfAttention(str, enum.Enum):
-    """``attn_implementation`` of a transformers model (``--attn``); :mod:`memcalc.sources.hf_attention`
+    """``attn_implementation`` of a transformers model (``--attn``); :mod:`memcalc.stacks.transformers.attention`
     says what memcalc runs for each."""
 
     EAGER = "eager"

@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from memcalc.core.errors import InvalidInputError
-from memcalc.sources.hub import HfAttention
+from memcalc.stacks.transformers.hub import HfAttention
 
 __all__ = (
     "FLASH_ATTENTION_2_MAX_HEAD_DIM",
