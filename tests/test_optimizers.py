@@ -1,4 +1,4 @@
-"""Optimizers and their implementations (memcalc.engine.optimizers, optimizers_meta, optimizers_bnb).
+"""Optimizers and their implementations (memcalc.engine.optimizers, optimizers_bnb).
 
 Three layers, as everywhere: what the installed torch really picks and allocates (real CPU
 steps under the profiler, torch's own dispatch), arithmetic worked out here from torch's and
@@ -156,7 +156,7 @@ _MODELS = {
 @pytest.mark.parametrize("model", list(_MODELS))
 def test_estimate_matches_the_real_cpu_step(model, impl, optimizer):
     # fused on the CPU: torch has had fused Adam/AdamW CPU kernels since 2.4 (the real run below
-    # is one); on meta it runs through memcalc.engine.optimizers_meta
+    # is one); on meta it runs through memcalc.engine.optimizers.fused_kernels_on_meta
     source = _MODELS[model]
     estimate = memcalc.estimate(**source, optimizer=optimizer, gpu="cpu", loop=_impl(impl))
     assert estimate.optimizer_impl == impl
