@@ -31,8 +31,7 @@ from memcalc.core.precision import Precision
 from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.targets.autocast import autocast_policy, cpu_autocast_lists, cpu_autocast_policy
-from memcalc.targets.cpu.aten import autocast_arguments
-from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels
+from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels, autocast_arguments
 
 # tests/test_against_cpu.py's bar. On torch 2.13 these agree within 124 B: the optimizer's CPU
 # step counters, which the estimate for this CPU leaves out.
