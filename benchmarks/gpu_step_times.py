@@ -28,7 +28,7 @@ import torch
 import memcalc
 from memcalc.api import make_request
 from memcalc.engine.step import NullObserver, run_step
-from memcalc.report.measure import _config, _prepare  # the measured step, prepared as --measure does
+from memcalc.measure.step import _config, _prepare  # the measured step, prepared as --measure does
 from memcalc.sources.resolve import resolve
 
 WARMUP = 4

@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 import memcalc
-from memcalc.cuda.backend import CudaBackend
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import build_report, trace_model
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import CudaBackend
 
 MiB = 2**20
 MODELS: dict[str, dict[str, Any]] = {

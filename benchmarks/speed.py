@@ -26,9 +26,9 @@ import torch.nn.functional as F
 import memcalc
 import models_zoo
 from memcalc.engine import allocator
-from memcalc.cuda.backend import trace_step as trace_model
-from memcalc.sources.resolve import resolve
 from memcalc.engine.timeline import allocator_events
+from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step as trace_model
 
 MiB = 2**20
 

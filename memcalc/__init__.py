@@ -37,13 +37,13 @@ if TYPE_CHECKING:
     from memcalc.core.report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, RoleReport, Textbook
     from memcalc.core.stack import Stack
     from memcalc.core.throughput import DataLoaderSetup, LoaderAdvice, StepFlops, StepTime
-    from memcalc.cuda.gpus.performance import loader_advice, step_time, with_time
     from memcalc.distributed.options import Distributed, FsdpSharding, Strategy
     from memcalc.engine.optimizers import Optimizer
     from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult
     from memcalc.search.sweep import SweepPoint
     from memcalc.search.throughput import ThroughputChoice
-    from memcalc.sources.hub import HuggingFace
+    from memcalc.stacks.transformers.hub import HuggingFace
+    from memcalc.timing.performance import loader_advice, step_time, with_time
 
 __version__ = "0.1.0"
 
@@ -99,10 +99,10 @@ _EXPORTS: dict[str, str] = {
     "DataLoaderSetup": "memcalc.core.throughput",
     "LoaderAdvice": "memcalc.core.throughput",
     "ThroughputChoice": "memcalc.search.throughput",
-    "loader_advice": "memcalc.cuda.gpus.performance",
-    "step_time": "memcalc.cuda.gpus.performance",
-    "with_time": "memcalc.cuda.gpus.performance",
-    "HuggingFace": "memcalc.sources.hub",
+    "loader_advice": "memcalc.timing.performance",
+    "step_time": "memcalc.timing.performance",
+    "with_time": "memcalc.timing.performance",
+    "HuggingFace": "memcalc.stacks.transformers.hub",
 }
 
 

@@ -27,10 +27,6 @@ from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
-from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
-from memcalc.cuda.gpus.local import names_local_gpu
-from memcalc.cuda.gpus.performance import check_timeable, with_time
-from memcalc.cuda.stack import resolve_stack
 from memcalc.distributed.estimate import EstimateRequest, run_estimate
 from memcalc.distributed.options import Distributed
 from memcalc.engine.model import InputsLike
@@ -41,6 +37,10 @@ from memcalc.search.fit import MAX_BATCH, find_max_batch
 from memcalc.search.margins import measured_margin, step_class
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests
 from memcalc.search.throughput import ThroughputChoice, find_fastest
+from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
+from memcalc.targets.cuda.gpus.local import names_local_gpu
+from memcalc.targets.stack import resolve_stack
+from memcalc.timing.performance import check_timeable, with_time
 
 __all__ = ("CPU", "estimate", "fastest_setting", "iter_sweep", "max_batch_size", "sweep")
 

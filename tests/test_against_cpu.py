@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memcalc
-from memcalc.report.measure import measure_cpu
+from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
 
 # The bar is 2 %; on torch 2.13 these cases agree to the byte or within ~100 B (CPU
@@ -152,6 +152,6 @@ def test_conv_net_differs_on_cpu_for_a_known_reason():
     estimate, measured = _measure_and_estimate(dict(model="resnet18", batch=2, input_shape=(3, 64, 64),
                                                     optimizer="sgd"))
     # measured on torch 2.13: -0.34 % (-0.27 % while the simulation also added autograd's
-    # gradient sums out of place, as the tracer's dispatch mode makes it; see memcalc.cuda.cpu)
+    # gradient sums out of place, as the tracer's dispatch mode makes it; see memcalc.targets.cpu.kernels)
     assert estimate.peak_requested <= measured * 1.02
     assert estimate.unsupported_ops  # and the report says convolution is approximated

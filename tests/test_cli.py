@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from memcalc.cli import main
-from memcalc.cuda.stack import installed_torch_version
+from memcalc.targets.stack import installed_torch_version
 
 GOLDEN = Path(__file__).parent / "golden"
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -4,8 +4,8 @@ A small Hugging Face Llama trained in ``precision="bf16"`` was estimated 3.8 % u
 profiler (2,074,788 B against 2,157,048 B) while float32 agreed. The difference was oneDNN:
 on a CPU with AVX512-BF16 every bfloat16 GEMM above 16³ multiply-adds runs oneDNN's matmul,
 and ideep takes its scratchpad from the CPU allocator for the call — at the peak, 210,176 B
-inside the LM head's weight-gradient ``mm``. :mod:`memcalc.cuda.cpu` now adds that scratchpad
-(:mod:`memcalc.cuda.onednn_matmul`: oneDNN v3.12's ``brg_matmul:avx512_core_bf16``). Here:
+inside the LM head's weight-gradient ``mm``. :mod:`memcalc.targets.cpu.kernels` now adds that scratchpad
+(:mod:`memcalc.targets.cpu.onednn`: oneDNN v3.12's ``brg_matmul:avx512_core_bf16``). Here:
 the issue's model in bf16, amp-bf16 and fp16; the formula worked out by hand; each op's path
 (plain, transposed, a column result, one row, K split over threads, copied operands, ``bmm``,
 ``mv``, ``addmm``) against the profiler to the byte; and the note a CPU with another oneDNN
@@ -23,13 +23,17 @@ from support import hf_config_source
 from torch import nn
 
 import memcalc
-from memcalc.cuda.backend import CpuBackend
-from memcalc.cuda.cpu import NOT_FOLLOWED, CpuCapabilities
-from memcalc.cuda.onednn_matmul import ONEDNN_BF16_MATMUL_ISA, onednn_bf16_matmul_isa, onednn_bf16_matmul_scratchpad
 from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.run import trace_model
-from memcalc.report.measure import attach_measurement, measure_cpu
+from memcalc.measure.step import attach_measurement, measure_cpu
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import CpuBackend
+from memcalc.targets.cpu.kernels import NOT_FOLLOWED, CpuCapabilities
+from memcalc.targets.cpu.onednn import (
+    ONEDNN_BF16_MATMUL_ISA,
+    onednn_bf16_matmul_isa,
+    onednn_bf16_matmul_scratchpad,
+)
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The CPU target (``gpu="cpu"``, :mod:`memcalc.cuda.cpu`) against what the CPU really runs.
+"""The CPU target (``gpu="cpu"``, :mod:`memcalc.targets.cpu.kernels`) against what the CPU really runs.
 
 ``--measure`` without a GPU runs the step on the CPU under ``torch.profiler`` and compares it
 with this estimate, so the estimate must follow the CPU's own kernels: its flash attention for
@@ -23,11 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memcalc
 from memcalc.cli import main
-from memcalc.cuda import onednn
-from memcalc.cuda.cpu import cpu_flash_refusal, flash_backward_temporaries, flash_forward_temporaries
-from memcalc.cuda.versions import parse_torch_version
-from memcalc.report.measure import attach_measurement, cpu_comparison_note, measure_cpu
+from memcalc.measure.step import attach_measurement, cpu_comparison_note, measure_cpu
 from memcalc.sources.resolve import resolve
+from memcalc.targets.cpu import onednn
+from memcalc.targets.cpu.kernels import cpu_flash_refusal, flash_backward_temporaries, flash_forward_temporaries
+from memcalc.targets.versions import parse_torch_version
 
 # The issue's bar is 2 %; on torch 2.13 these agree within ~0.01 % (a few CPU scalars such as
 # Adam's step counters), so a tighter 0.5 % catches regressions.

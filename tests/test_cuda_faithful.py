@@ -14,13 +14,13 @@ from torch.utils.checkpoint import checkpoint
 
 import memcalc
 from memcalc import Category, Phase
-from memcalc.cuda.backend import trace_step as trace_model
 from memcalc.core.categories import Mode
-from memcalc.cuda.emulation import CudaEmulation
-from memcalc.cuda.sdpa import AttentionBackend
-from memcalc.sources.resolve import resolve
 from memcalc.core.precision import Precision
 from memcalc.engine.trace import StorageTracer
+from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step as trace_model
+from memcalc.targets.cuda.emulation import CudaEmulation
+from memcalc.targets.cuda.sdpa import AttentionBackend
 
 MiB = 2**20
 
@@ -267,7 +267,7 @@ def test_bf16_on_v100_warns():
 
 
 def test_unknown_gpu_suggests_names():
-    from memcalc.cuda.gpus.catalogue import UnknownGpuError
+    from memcalc.targets.cuda.gpus.catalogue import UnknownGpuError
 
     with pytest.raises(UnknownGpuError) as info:
         memcalc.estimate("mlp", batch_size=2, gpu="h1000")

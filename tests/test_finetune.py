@@ -1,8 +1,8 @@
 """Fine-tuning: frozen parameters, LoRA with the real PEFT, and a quantized base emulated as
-bitsandbytes stores and computes it (memcalc.sources.adapters, memcalc.sources.quant).
+bitsandbytes stores and computes it (memcalc.stacks.peft, memcalc.stacks.bitsandbytes).
 
 Byte counts are worked out in the tests from bitsandbytes' formulas (cited in
-memcalc/sources/quant.py); parameter counts are compared with PEFT's own objects.
+memcalc/stacks/bitsandbytes.py); parameter counts are compared with PEFT's own objects.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from memcalc.core.errors import InapplicableOptionError, InvalidInputError, Miss
 from memcalc.core.finetune import Quant
 from memcalc.distributed.estimate import run_estimate
 from memcalc.engine.run import TracedStep
-from memcalc.sources.quant import layout_4bit, layout_int8, modules_to_not_convert
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.bitsandbytes import layout_4bit, layout_int8, modules_to_not_convert
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -23,13 +23,13 @@ import memcalc
 from memcalc import api
 from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError
-from memcalc.cuda.backend import trace_step
 from memcalc.search import fit as search
 from memcalc.search.affine import AffineFamily
 from memcalc.search.budget import DEFAULT_MARGIN, DoesNotFitError, margin_capacity
 from memcalc.search.fit import _check_below, _Point
 from memcalc.search.margins import FLOOR, StepClass, measured_margin
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step
 
 MiB = 1024**2
 GiB = 1024**3

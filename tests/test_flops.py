@@ -1,4 +1,4 @@
-"""FLOPs and bytes counted per op while the step is traced (memcalc.engine.flops), against
+"""FLOPs and bytes counted per op while the step is traced (memcalc.timing.flops), against
 counts worked out by hand in each test, against torch's own FlopCounterMode on a real CPU step,
 and against fvcore where it is installed.
 
@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 import memcalc
-from memcalc.engine.flops import multi_tensor_launches
+from memcalc.timing.flops import multi_tensor_launches
 
 
 def two_linears() -> nn.Module:

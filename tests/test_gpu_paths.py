@@ -27,12 +27,12 @@ import memcalc.cli
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC
 from memcalc.core.report import Measurement
-from memcalc.cuda.gpus import local as gpu_local
-from memcalc.cuda.gpus.catalogue import get_gpu
 from memcalc.engine.options import EstimateOptions
-from memcalc.report import measure as measure_module
+from memcalc.measure import step as measure_module
 from memcalc.search import budget as budgets
 from memcalc.search.budget import resolve_budget
+from memcalc.targets.cuda.gpus import local as gpu_local
+from memcalc.targets.cuda.gpus.catalogue import get_gpu
 
 #: These tests fake a CUDA machine by stubbing torch.cuda's queries. On a CPU build every CUDA
 #: call that slips past the stubs fails cleanly; a CUDA build without a GPU (the version matrix

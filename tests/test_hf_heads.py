@@ -1,5 +1,5 @@
 """``hf:`` models train with their own loss and the head their config names
-(memcalc/sources/hf_heads.py); the real-CPU comparisons are in tests/hf_reference/."""
+(memcalc/stacks/transformers/heads.py); the real-CPU comparisons are in tests/hf_reference/."""
 
 from __future__ import annotations
 

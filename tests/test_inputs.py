@@ -24,7 +24,7 @@ from memcalc.core.errors import (
     SymbolicExecutionError,
 )
 from memcalc.engine.model import ModelInputs, bind_inputs
-from memcalc.report.measure import measure
+from memcalc.measure.step import measure
 from memcalc.sources.resolve import resolve
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -23,11 +23,11 @@ from torch import nn
 import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import DataDependentError, InapplicableOptionError, LoopFunctionError
-from memcalc.cuda.backend import CpuBackend
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import build_report, trace_model
-from memcalc.report.measure import measure_cpu
+from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import CpuBackend
 from models_zoo.gpt2 import GPT2Config, GPT2LMHeadModel
 
 USER_LOOPS_FILE = Path(__file__).parent / "fixtures" / "user_loops.py"
@@ -112,7 +112,7 @@ def test_the_fast_path_and_the_traced_minimal_loop_agree_to_the_byte(case: dict[
     resolved = resolve(case["model"], **case["size"])
     opts = EstimateOptions.create(**case["options"])
     fast = memcalc.estimate(case["model"], **case["size"], **case["options"])
-    from memcalc.cuda.backend import CudaBackend
+    from memcalc.targets.backend import CudaBackend
     traced = build_report(resolved, trace_model(resolved, opts, CudaBackend(opts), traced_loop=True), opts, None)
     assert traced.bytes.peak_allocated == fast.bytes.peak_allocated
     assert traced.first_iteration_peak == fast.first_iteration_peak

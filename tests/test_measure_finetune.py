@@ -1,5 +1,5 @@
 """``--measure`` with fine-tuning: the real step freezes the same parameters and carries the same
-PEFT adapters as the estimate (:func:`memcalc.sources.adapters.finetune_module` on the real
+PEFT adapters as the estimate (:func:`memcalc.stacks.peft.finetune_module` on the real
 model, before the optimizer is built), and agrees with the estimate for this CPU.
 
 Compared as tests/test_against_cpu.py compares: the simulation's unrounded peak for
@@ -21,7 +21,7 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError
-from memcalc.report.measure import attach_measurement, measure, measure_cpu
+from memcalc.measure.step import attach_measurement, measure, measure_cpu
 from memcalc.sources.resolve import resolve
 
 pytest.importorskip("peft")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memcalc.engine.options import EstimateOptions
-from memcalc.report import measure
+from memcalc.measure import step as measure
 
 
 def test_the_build_cache_is_freed_before_the_peak_is_reset(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import memcalc.engine.trace as trace_module
-from memcalc.cuda.backend import trace_step as trace_model
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step as trace_model
 
 pytestmark = pytest.mark.slow  # traces zoo models twice, with and without the cache
 

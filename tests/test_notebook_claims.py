@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memcalc
-from memcalc.report.measure import measure
+from memcalc.measure.step import measure
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 

@@ -1,4 +1,4 @@
-"""Optimizers and their implementations (memcalc.engine.optimizers, optimizers_meta, optimizers_bnb).
+"""Optimizers and their implementations (memcalc.engine.optimizers, optimizers_bnb).
 
 Three layers, as everywhere: what the installed torch really picks and allocates (real CPU
 steps under the profiler, torch's own dispatch), arithmetic worked out here from torch's and
@@ -21,12 +21,12 @@ from memcalc.cli import main
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.loop import OptimizerImpl
-from memcalc.cuda.backend import trace_step
 from memcalc.engine.optimizers import OPTIMIZERS, Optimizer, resolve_impl, spec_for
 from memcalc.engine.optimizers_bnb import PAGED_MIN_NUMEL
 from memcalc.engine.step import StepConfig, run_step
 from memcalc.report.render import render_report
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step
 
 # The issue's bar for the real CPU step; on torch 2.13 these agree within 40 B (the for-loop's
 # and foreach's CPU step counters, 4 B per parameter, which the estimate leaves out).
@@ -156,7 +156,7 @@ _MODELS = {
 @pytest.mark.parametrize("model", list(_MODELS))
 def test_estimate_matches_the_real_cpu_step(model, impl, optimizer):
     # fused on the CPU: torch has had fused Adam/AdamW CPU kernels since 2.4 (the real run below
-    # is one); on meta it runs through memcalc.engine.optimizers_meta
+    # is one); on meta it runs through memcalc.engine.optimizers.fused_kernels_on_meta
     source = _MODELS[model]
     estimate = memcalc.estimate(**source, optimizer=optimizer, gpu="cpu", loop=_impl(impl))
     assert estimate.optimizer_impl == impl

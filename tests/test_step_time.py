@@ -1,4 +1,4 @@
-"""Step time from a roofline per kernel (memcalc.engine.flops.StepCosts, memcalc.step_time):
+"""Step time from a roofline per kernel (memcalc.timing.flops.StepCosts, memcalc.step_time):
 the arithmetic by hand on made-up kernels, the GPUs' figures, the report and its JSON, the CLI."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from memcalc.cli.app import main
 from memcalc.core.categories import Phase
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.throughput import DeviceRates, OpClass
-from memcalc.cuda.gpus import fitted
-from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
-from memcalc.cuda.gpus.performance import (
+from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
+from memcalc.timing import fitted
+from memcalc.timing.flops import OpCost, StepCosts
+from memcalc.timing.performance import (
     EFFICIENCY,
     HOST_SECONDS,
     PERFORMANCE,
@@ -27,7 +28,6 @@ from memcalc.cuda.gpus.performance import (
     step_time,
     with_time,
 )
-from memcalc.engine.flops import OpCost, StepCosts
 
 RATES = DeviceRates(
     gpu="test", peaks=(("fp32", 10e12), ("tf32", 100e12), ("bf16", 200e12)), bandwidth=1e12,

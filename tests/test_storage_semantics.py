@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memcalc
-from memcalc.cuda.backend import trace_step as trace_model
 from memcalc.core.categories import Category
 from memcalc.sources.resolve import meta_twin, resolve
+from memcalc.targets.backend import trace_step as trace_model
 
 
 class TiedLM(nn.Module):

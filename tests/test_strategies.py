@@ -347,9 +347,9 @@ def test_fsdp_units_are_blocks_and_root():
 
 
 def test_sharded_program_puts_the_model_back():
-    from memcalc.cuda.backend import trace_step
     from memcalc.engine.options import EstimateOptions
     from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step
 
     resolved = resolve("mlp", batch_size=2)
     before = [id(p) for p in resolved.module.parameters()]
@@ -412,7 +412,7 @@ def _real_peak(model: nn.Module, x: torch.Tensor, before: list[torch.Tensor], se
     """Two real training iterations (Adam, loss = mean) under the CPU profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from memcalc.report.measure import _profiler_peak, storage_bytes
+    from memcalc.measure.step import _profiler_peak, storage_bytes
 
     start = storage_bytes([*before, x])
     gc.collect()

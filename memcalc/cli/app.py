@@ -26,15 +26,15 @@ from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.core.throughput import DataLoaderSetup
-from memcalc.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
-from memcalc.cuda.gpus.performance import loader_advice
 from memcalc.engine.optimizers import Optimizer
-from memcalc.report.measure import attach_measurement, measured_device
+from memcalc.measure.step import attach_measurement, measured_device
 from memcalc.report.output import check_output_path
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
-from memcalc.report.time_render import render_loader
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
+from memcalc.targets.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
+from memcalc.timing.performance import loader_advice
+from memcalc.timing.render import render_loader
 
 __all__ = ("main",)
 

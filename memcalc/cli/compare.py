@@ -14,7 +14,7 @@ from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.engine.optimizers import Optimizer
-from memcalc.engine.real_snapshot import load_snapshot
+from memcalc.measure.snapshot import load_snapshot
 from memcalc.report.compare import compare_snapshot
 from memcalc.report.compare_render import render_comparison
 from memcalc.report.render import render_json

@@ -17,11 +17,11 @@ from memcalc.cli.params import OPTIMIZERS, PRECISIONS, UnitCommand, budget_argum
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.core.units import format_bytes
-from memcalc.cuda.gpus.performance import check_timeable, with_time
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json, render_report, render_roles
-from memcalc.report.time_render import render_choice
+from memcalc.report.throughput_render import render_choice
 from memcalc.search.budget import FitResult, format_margin
+from memcalc.timing.performance import check_timeable, with_time
 
 __all__ = ("fit_command",)
 

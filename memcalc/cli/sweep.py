@@ -29,9 +29,9 @@ from memcalc.core.categories import Category
 from memcalc.core.units import format_bytes
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json
-from memcalc.report.time_render import format_seconds
 from memcalc.search.budget import Budget, resolve_budget
 from memcalc.search.sweep import SweepPoint, sweep_configurations
+from memcalc.timing.render import format_seconds
 
 __all__ = ("sweep_command",)
 

@@ -13,14 +13,15 @@ from typing import Any
 
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
-from memcalc.cuda.backend import trace_step
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.model import InputsLike
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import TracedStep, build_report
-from memcalc.sources.adapters import apply_finetune
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.peft import apply_finetune
+from memcalc.targets.backend import trace_step
+from memcalc.timing.flops import OpCostRecorder
 
 __all__ = ("CostsOnRequest", "EstimateRequest", "run_estimate")
 
@@ -56,15 +57,18 @@ def run_estimate(request: EstimateRequest, on_trace: Callable[[TracedStep], None
         The report; under a strategy, that of the busiest GPU with every role in ``roles``.
     """
     options = request.options
+    # every kernel's FLOPs and bytes, recorded only when a time is asked for (CostsOnRequest otherwise)
+    costs = OpCostRecorder if options.record_costs else None
     if not request.distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
         report = estimate_per_rank(request.model, distributed=request.distributed, options=options,
                                    batch_size=request.batch_size, input_shape=request.input_shape,
-                                   seq_len=request.seq_len, inputs=request.inputs, capacity=request.capacity)
+                                   seq_len=request.seq_len, inputs=request.inputs, capacity=request.capacity,
+                                   costs=costs)
     else:
         resolved = resolve(request.model, batch_size=request.batch_size, input_shape=request.input_shape,
                            seq_len=request.seq_len, inputs=request.inputs)
         resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode)
-        traced = trace_step(resolved, options)
+        traced = trace_step(resolved, options, costs=costs)
         if on_trace is not None:
             on_trace(traced)
         report = build_report(resolved, traced, options, request.capacity)

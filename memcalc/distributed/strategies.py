@@ -3,7 +3,7 @@ strategy and one estimate per role.
 
 A role is a distinct kind of GPU — every rank of DDP, FSDP and ZeRO holds the same;
 DataParallel's output device holds more than its other devices. Each role's step is traced
-like a single-GPU step (:func:`memcalc.cuda.backend.trace_step`) at the rank's batch, with the
+like a single-GPU step (:func:`memcalc.targets.backend.trace_step`) at the rank's batch, with the
 strategy's rank program (:mod:`memcalc.distributed.program` and its siblings) allocating and
 freeing what PyTorch or DeepSpeed would around the model. The report is the busiest role's,
 with every role in ``roles``. Fine-tuning (``--freeze``, ``--lora``; ``--quant`` under DDP)
@@ -30,7 +30,6 @@ from memcalc.core.losses import LossFn
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport, RoleReport
 from memcalc.core.units import format_bytes
-from memcalc.cuda.backend import trace_step
 from memcalc.distributed.ddp import DdpProgram
 from memcalc.distributed.dp import DataParallelOutputDevice, DataParallelReplica
 from memcalc.distributed.fsdp import ShardedProgram, fsdp_units, module_units
@@ -42,10 +41,11 @@ from memcalc.engine.model import InputsLike, ResolvedModel
 from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.prepare import KEEP_DTYPE
-from memcalc.engine.run import TracedStep, build_report
+from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
-from memcalc.sources.adapters import apply_finetune
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.peft import apply_finetune
+from memcalc.targets.backend import trace_step
 
 __all__ = ("estimate_per_rank", "refuse_finetune")
 
@@ -241,8 +241,11 @@ def _finetuned(resolved: ResolvedModel, strategy: Strategy, options: EstimateOpt
 
 def estimate_per_rank(model: Any, *, distributed: Distributed, options: EstimateOptions,
                       batch_size: int | None, input_shape: Sequence[int] | None, seq_len: int | None,
-                      inputs: InputsLike | None, capacity: int | None) -> MemoryReport:
-    """One estimate per GPU role; the report of the busiest, with every role in ``roles``."""
+                      inputs: InputsLike | None, capacity: int | None,
+                      costs: CostRecorderFactory | None = None) -> MemoryReport:
+    """One estimate per GPU role; the report of the busiest, with every role in ``roles``.
+    ``costs``: the recorder of each role's kernels, when a step time is wanted
+    (:func:`~memcalc.engine.run.trace_model`)."""
     refuse_finetune(distributed.strategy, options.finetune)
     if inputs is not None and distributed.batch_is_global:
         raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")
@@ -266,7 +269,7 @@ def estimate_per_rank(model: Any, *, distributed: Distributed, options: Estimate
         spec = options.optimizer if role.optimizer else spec_for(Optimizer.NONE)
         traced_options = replace(options, precision=trace_precision, optimizer=program.optimizer_spec(spec),
                                  loss_fn=role.loss_fn or options.loss_fn)
-        traced = trace_step(resolved, traced_options, hooks=program)
+        traced = trace_step(resolved, traced_options, hooks=program, costs=costs)
         if role.loss_text is not None:
             traced.loss = role.loss_text
         traced.notes.extend([*notes, *program.notes])

@@ -23,7 +23,7 @@ __all__ = ("InputsLike", "LabelsMaker", "ModelInputs", "ResolvedModel", "bind_in
 #: tuples / lists / dicts of them; plain values (``None``, numbers, strings) pass as given.
 InputsLike: TypeAlias = "torch.Tensor | Sequence[Any] | Mapping[str, Any]"
 #: The labels a model computes its own loss from, made from a batch's inputs (on their device)
-#: and passed as keyword arguments (a Hugging Face head's: :mod:`memcalc.sources.hf_heads`).
+#: and passed as keyword arguments (a Hugging Face head's: :mod:`memcalc.stacks.transformers.heads`).
 LabelsMaker: TypeAlias = "Callable[[ModelInputs], dict[str, torch.Tensor]]"
 
 

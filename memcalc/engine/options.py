@@ -47,7 +47,7 @@ class EstimateOptions:
     loop: Loop = field(default_factory=Loop)
     stack: Stack = field(default_factory=Stack)
     finetune: FineTune = field(default_factory=FineTune)
-    #: Record every kernel's FLOPs and bytes while tracing (memcalc.engine.flops), for a step
+    #: Record every kernel's FLOPs and bytes while tracing (memcalc.timing.flops), for a step
     #: time: only when a time is asked for, since it adds 10–26% to an estimate. The memory
     #: figures do not depend on it.
     record_costs: bool = False

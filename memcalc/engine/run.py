@@ -4,12 +4,16 @@
 model on meta tensors under the storage tracer, with a device backend plugged in;
 :func:`build_report` replays the trace through the caching-allocator model and assembles the
 :class:`~memcalc.core.report.MemoryReport`. The data flow is drawn in docs/architecture.md.
+
+Two seams take what the engine does not know: the device's rules (a step backend,
+:mod:`memcalc.engine.backend`) and, when a step time is wanted, a recorder of every kernel's
+FLOPs and bytes (:class:`CostRecorder`, made by the layer that decides to time the step).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any, Protocol
@@ -20,10 +24,10 @@ from torch import nn
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import DataDependentError, InvalidInputError, MemcalcError, SymbolicExecutionError
 from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
+from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
 from memcalc.engine.backend import PlainBackend, StepBackend
-from memcalc.engine.flops import OpCost, OpCostRecorder, StepCosts, tokens_per_step
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
@@ -41,15 +45,15 @@ from memcalc.engine.timeline import (
     category_totals_at,
     final_categories,
 )
-from memcalc.engine.trace import StepTrace, StorageTracer
+from memcalc.engine.trace import AfterOpHook, Op, StepTrace, StorageTracer
 
-__all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "RankHooks", "TracedStep", "build_report",
-           "parameter_count", "trace_model")
+__all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "TracedStep",
+           "build_report", "parameter_count", "trace_model")
 
 #: The report's loss when the step trained with the loss the model returned (``output.loss``).
 MODEL_LOSS = "the model's own (output.loss)"
 #: Attribute of a parameter that stores others' elements (a quantized weight, packed; its
-#: statistics: :mod:`memcalc.sources.quant`): the parameters it stands for, as PEFT and
+#: statistics: :mod:`memcalc.stacks.bitsandbytes`): the parameters it stands for, as PEFT and
 #: transformers count them. Without it a parameter counts its ``numel()``.
 LOGICAL_NUMEL = "memcalc_logical_numel"
 #: A dict batch's ``attention_mask`` is read by Hugging Face models (``masking_utils``: no causal
@@ -66,6 +70,37 @@ class RankHooks(Protocol):
 
     def remove(self) -> None:
         """Undo :meth:`install` (called in a ``finally``)."""
+
+
+class CostRecorder(Protocol):
+    """What each kernel of the traced step costs, recorded while it runs
+    (:class:`memcalc.timing.flops.OpCostRecorder`): an after-op hook of the tracer that runs the
+    backend's own hook first. The engine times nothing itself; the layer that wants a step time
+    hands :func:`trace_model` a :data:`CostRecorderFactory`, and the report keeps what the
+    recorder made of the step (:meth:`step_costs`)."""
+
+    def __call__(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Run the backend's hook, then record the op."""
+
+    def attach(self, tracer: StorageTracer) -> None:
+        """Read the phase, module and recomputation of each op from ``tracer``."""
+
+    def step_costs(self, inputs: ModelInputs, *, batch_size: int, micro_batches: int, module_order: Sequence[str],
+                   until: int | None) -> CostSource:
+        """The recorded step as the report's source of FLOPs and step times.
+
+        Args:
+            inputs: the step's inputs (its token ids give the tokens per step).
+            batch_size: samples per micro-batch.
+            micro_batches: micro-batches per optimizer step (gradient accumulation).
+            module_order: the modules in the order the forward first ran them.
+            until: a loop traced for several iterations counts the ops up to this trace event
+                (its first iteration); None: every op.
+        """
+
+
+#: Makes the recorder of one traced step around the backend's after-op hook.
+CostRecorderFactory = Callable[[AfterOpHook], CostRecorder]
 
 
 class _TracerObserver:
@@ -124,9 +159,8 @@ class TracedStep:
         self.attention = attention
         self.notes = notes
         self.optimizer_impl = optimizer_impl  # as resolved for the target ("" without an optimizer step)
-        #: every kernel's FLOPs and bytes (memcalc.engine.flops); None: not recorded (options.record_costs)
-        self.op_costs: list[OpCost] | None = None
-        self.cost_failures: dict[str, str] = {}  # ops whose FLOPs could not be counted, with the error
+        #: every kernel's FLOPs and bytes (trace_model's ``costs``); None: not recorded (no time was asked for)
+        self.costs: CostRecorder | None = None
         self.paged_optimizer_state = 0  # bytes in unified memory, set apart from the trace (_set_apart)
         #: A loop traced for all its iterations: where in ``trace.events`` the second, third, ... begin.
         self.iteration_starts: list[int] | None = None
@@ -137,7 +171,8 @@ class TracedStep:
 
 
 def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: StepBackend | None = None, *,
-                hooks: RankHooks | None = None, traced_loop: bool | None = None) -> TracedStep:
+                hooks: RankHooks | None = None, traced_loop: bool | None = None,
+                costs: CostRecorderFactory | None = None) -> TracedStep:
     """Run one step of ``resolved`` under the tracer (the engine, without the report).
 
     Args:
@@ -149,6 +184,9 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         traced_loop: run ``options.loop`` as written (:mod:`memcalc.engine.loops`), every
             iteration traced; None: unless it is the default loop, whose second iteration is
             synthesised from one traced step (the same peak, faster).
+        costs: makes the recorder of every kernel's FLOPs and bytes, when a step time is wanted
+            (the layer that decides so passes :class:`memcalc.timing.flops.OpCostRecorder`);
+            None: nothing is recorded, and an estimate that asks for no time pays nothing for it.
 
     Returns:
         The trace with final categories, module data and the backend's notes.
@@ -166,11 +204,11 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
                                   containers=resolved.block_containers, model_name=resolved.name)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
-    # FLOPs and bytes per kernel, after the backend's rules: only for a step time (options.record_costs)
-    costs = OpCostRecorder(then=backend.after_op) if options.record_costs else None
-    tracer = StorageTracer("meta", after_op=costs if costs is not None else backend.after_op)
-    if costs is not None:
-        costs.attach(tracer)
+    # FLOPs and bytes per kernel, after the backend's rules: only for a step time
+    recorder = costs(backend.after_op) if costs is not None else None
+    tracer = StorageTracer("meta", after_op=recorder if recorder is not None else backend.after_op)
+    if recorder is not None:
+        recorder.attach(tracer)
     backend.attach(tracer)
     observer = _TracerObserver(tracer, unified_memory=options.emulate_cuda)
     tracing = LoopTracing(tracer, module, observer) if traced_loop else None
@@ -232,8 +270,7 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     has_step = options.mode is Mode.TRAIN and options.optimizer.factory is not None
     traced = TracedStep(trace, categories, tracer, loss_name, options, dict(backend.attention_backends()), notes,
                         impl.value if has_step else "")
-    if costs is not None:
-        traced.op_costs, traced.cost_failures = costs.records, costs.failures
+    traced.costs = recorder
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
     if tracing is not None:
         traced.iteration_starts = tracing.iteration_starts()
@@ -386,18 +423,17 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         loop=options.loop.name,
         keep_grads=options.loop.keep_grads,
         optimizer_impl=traced.optimizer_impl,
-        # the stack resolved at the API boundary (memcalc.cuda.stack); no CUDA version on the CPU target
+        # the stack resolved at the API boundary (memcalc.targets.stack); no CUDA version on the CPU target
         torch_version=options.stack.torch or "",
         cuda_version=(options.stack.cuda or "") if options.emulate_cuda else "",
         paged_optimizer_state=traced.paged_optimizer_state,
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
         notes=tuple(notes),
         _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role),
-        _costs=None if traced.op_costs is None else StepCosts(
-            traced.op_costs, samples=resolved.batch_size * options.accum_steps,
-            tokens=tokens_per_step(resolved.inputs, options.accum_steps),
+        _costs=None if traced.costs is None else traced.costs.step_costs(
+            resolved.inputs, batch_size=resolved.batch_size, micro_batches=options.accum_steps,
             module_order=traced.module_order,  # a loop traced whole: its first iteration
-            until=traced.iteration_starts[0] if traced.iteration_starts else None, failures=traced.cost_failures),
+            until=traced.iteration_starts[0] if traced.iteration_starts else None),
     )
 
 

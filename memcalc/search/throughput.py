@@ -22,10 +22,10 @@ from typing import Any
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
-from memcalc.cuda.gpus.performance import step_time
 from memcalc.distributed.estimate import EstimateRequest, run_estimate
 from memcalc.search.budget import Budget, DoesNotFitError, margin_capacity
 from memcalc.search.fit import MAX_BATCH, find_max_batch
+from memcalc.timing.performance import step_time
 
 __all__ = ("Candidate", "ThroughputChoice", "find_fastest")
 

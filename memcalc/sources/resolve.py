@@ -13,9 +13,9 @@ Forms accepted by :func:`resolve`:
 - ``torchvision:resnet50``, ``timm:convnext_tiny``, ``hf:gpt2``, ``hf:path/to/config.json``
   when those packages are installed (Hugging Face models come from their config class
   defaults or a local config file);
-- ``hf:ORG/NAME[@revision]`` or a :class:`~memcalc.sources.hub.HuggingFace` (which also picks
+- ``hf:ORG/NAME[@revision]`` or a :class:`~memcalc.stacks.transformers.hub.HuggingFace` (which also picks
   the attention implementation): the repository's ``config.json`` alone, from the Hugging Face
-  cache or the Hub (:mod:`memcalc.sources.hub`) — never its weights.
+  cache or the Hub (:mod:`memcalc.stacks.transformers.hub`) — never its weights.
 
 Every model is built under ``torch.device("meta")``: no weights are ever allocated.
 """
@@ -45,11 +45,11 @@ from memcalc.core.errors import (
 )
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
-from memcalc.sources.hf_attention import attention_note, check_supported, implementation_name
-from memcalc.sources.hf_heads import labels_maker, named_architecture
-from memcalc.sources.hub import HfAttention, HuggingFace, import_hf, load_config
 from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
 from memcalc.sources.user_code import Example, load_from_file, load_from_module
+from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
+from memcalc.stacks.transformers.heads import labels_maker, named_architecture
+from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, import_hf, load_config
 from models_zoo.registry import InputKind, ZooEntry
 
 __all__ = ("ModelLike", "ResolvedModel", "meta_twin", "resolve")
@@ -81,7 +81,7 @@ def resolve(
 
     Args:
         model: a zoo name or another string form (module docstring), a
-            :class:`~memcalc.sources.hub.HuggingFace`, an ``nn.Module`` or a zero-argument factory
+            :class:`~memcalc.stacks.transformers.hub.HuggingFace`, an ``nn.Module`` or a zero-argument factory
             (:data:`ModelLike`); anything else is refused.
         batch_size: samples per step; taken from ``inputs`` when they are given.
         input_shape: the shape of one sample (``(C, H, W)``, or ``(seq_len,)`` for tokens).
@@ -406,7 +406,7 @@ def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttenti
     named = named_architecture(transformers, config)
     builders = [] if named is None else [named._from_config]  # type: ignore[attr-defined]  # PreTrainedModel's
     builders += [getattr(transformers, auto).from_config for auto in ("AutoModelForCausalLM", "AutoModel")]
-    for build in builders:  # the head the config names (hf_heads), else a causal LM, else the bare model
+    for build in builders:  # the head the config names (stacks.transformers.heads), else a causal LM, else the bare model
         try:
             model: nn.Module = build(config, **kwargs)
         except ValueError as exc:

@@ -85,7 +85,7 @@ def _quiet_fd2() -> Iterator[None]:
 
 def profiled_peak(existing: int, run: Callable[[], object]) -> int:
     """``existing`` bytes plus the highest running sum of the CPU profiler's ``[memory]`` events
-    while ``run()`` runs (the measurement of ``memcalc.report.measure.measure_cpu``)."""
+    while ``run()`` runs (the measurement of ``memcalc.measure.step.measure_cpu``)."""
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()
