@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from memcalc.api import CPU, estimate, fastest_setting, iter_sweep, max_batch_size, sweep
+    from memcalc.api import estimate, fastest_setting, iter_sweep, max_batch_size, sweep
     from memcalc.core.categories import Category, Mode, Phase
     from memcalc.core.errors import (
         DataDependentError,
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from memcalc.cuda.gpus.performance import loader_advice, step_time, with_time
     from memcalc.distributed.options import Distributed, FsdpSharding, Strategy
     from memcalc.engine.optimizers import Optimizer
+    from memcalc.fields import CPU
     from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult
     from memcalc.search.sweep import SweepPoint
     from memcalc.search.throughput import ThroughputChoice
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
-    "CPU": "memcalc.api",
+    "CPU": "memcalc.fields",
     "estimate": "memcalc.api",
     "fastest_setting": "memcalc.api",
     "iter_sweep": "memcalc.api",

@@ -32,7 +32,7 @@ from memcalc.cuda.autocast import autocast_policy, cpu_autocast_lists, cpu_autoc
 from memcalc.cuda.cpu import CpuCapabilities, CpuEmulation, CpuKernels
 from memcalc.cuda.cpu_aten import autocast_arguments
 from memcalc.report.measure import measure_cpu
-from memcalc.sources.resolve import resolve
+from memcalc.fields import build_step
 
 # tests/test_against_cpu.py's bar. On torch 2.13 these agree within 124 B: the optimizer's CPU
 # step counters, which the estimate for this CPU leaves out.
@@ -167,7 +167,7 @@ def test_encoder_lm_in_amp_bf16_matches_the_real_cpu_step(batch: int, tokens: in
     step: dict[str, Any] = dict(optimizer="adamw", precision="amp-bf16")
     estimate = memcalc.estimate(TinyEncoderLM, gpu="cpu", inputs=inputs, loss=lm_loss, **step)
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(TinyEncoderLM, inputs=inputs), loss_fn=lm_loss, **step).peak_allocated
+    measured = measure_cpu(build_step(TinyEncoderLM, inputs=inputs, loss=lm_loss, **step)).peak_allocated
     assert estimate.peak_requested is not None
     error = (estimate.peak_requested - measured) / measured
     assert abs(error) <= TOLERANCE, (

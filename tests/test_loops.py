@@ -24,10 +24,10 @@ import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import DataDependentError, InapplicableOptionError, LoopFunctionError
 from memcalc.cuda.backend import CpuBackend
-from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import build_report, trace_model
 from memcalc.report.measure import measure_cpu
 from memcalc.sources.resolve import resolve
+from memcalc.fields import build_step
 from models_zoo.gpt2 import GPT2Config, GPT2LMHeadModel
 
 USER_LOOPS_FILE = Path(__file__).parent / "fixtures" / "user_loops.py"
@@ -77,9 +77,9 @@ def _options(model: str, loop: memcalc.Loop, **extra: Any) -> dict[str, Any]:
 def _traced_report(model: Any, size: dict[str, Any], **options: Any) -> memcalc.MemoryReport:
     """The CPU estimate with the loop traced as written (also the default loop, which
     ``memcalc.estimate`` synthesises instead)."""
-    opts = EstimateOptions.create(target="cpu", **options)
+    opts = build_step(model, gpu="cpu", **size, **options)
     resolved = resolve(model, **size)
-    return build_report(resolved, trace_model(resolved, opts, CpuBackend(opts), traced_loop=True), opts, None)
+    return build_report(resolved, trace_model(resolved, opts, CpuBackend(opts), traced_loop=True), opts)
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
@@ -89,8 +89,7 @@ def test_loop_estimate_matches_the_real_cpu_run(model: str, loop: str) -> None:
     options = _options(model, LOOPS[loop])
     report = _traced_report(source, size, **options)
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(source, **size), EstimateOptions.create(target="cpu", **options),
-                           traced_loop=True).peak_allocated
+    measured = measure_cpu(build_step(source, gpu="cpu", **size, **options), traced_loop=True).peak_allocated
     assert measured
     error = (report.peak_requested - measured) / measured
     assert abs(error) <= TOLERANCE, f"{model}/{loop}: {report.peak_requested:,} B vs real {measured:,} B ({error:+.3%})"
@@ -110,10 +109,10 @@ def test_the_fast_path_and_the_traced_minimal_loop_agree_to_the_byte(case: dict[
     # (fresh batches, the first one dropped when the second is drawn). Same live set at the
     # peak, so the same peak, on the generic CUDA GPU (its workspaces, autocast, GradScaler).
     resolved = resolve(case["model"], **case["size"])
-    opts = EstimateOptions.create(**case["options"])
+    opts = build_step(case["model"], **case["size"], **case["options"])
     fast = memcalc.estimate(case["model"], **case["size"], **case["options"])
     from memcalc.cuda.backend import CudaBackend
-    traced = build_report(resolved, trace_model(resolved, opts, CudaBackend(opts), traced_loop=True), opts, None)
+    traced = build_report(resolved, trace_model(resolved, opts, CudaBackend(opts), traced_loop=True), opts)
     assert traced.bytes.peak_allocated == fast.bytes.peak_allocated
     assert traced.first_iteration_peak == fast.first_iteration_peak
     assert (traced.peak_iteration, traced.peak_phase) == (fast.peak_iteration, fast.peak_phase)

@@ -348,14 +348,14 @@ def test_fsdp_units_are_blocks_and_root():
 
 def test_sharded_program_puts_the_model_back():
     from memcalc.cuda.backend import trace_step
-    from memcalc.engine.options import EstimateOptions
+    from memcalc.engine.options import Step
     from memcalc.sources.resolve import resolve
 
     resolved = resolve("mlp", batch_size=2)
     before = [id(p) for p in resolved.module.parameters()]
     program = ShardedProgram(fsdp_units(resolved.module, ()), 4, style="fsdp2", reshard_after_forward=True,
                              sharded_dtype=None, gather_dtype=None, reduce_dtype=None, training=True)
-    trace_step(resolved, EstimateOptions.create(), hooks=program)
+    trace_step(resolved, Step(), hooks=program)
     assert [id(p) for p in resolved.module.parameters()] == before
     assert all(p.grad is None for p in resolved.module.parameters())
     assert not dist.is_initialized()  # memcalc never creates a process group

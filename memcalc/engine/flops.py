@@ -6,7 +6,7 @@ turns them into a step time on a GPU whose peaks are passed in (:class:`~memcalc
 phase, whether a checkpointed forward is being recomputed, the module, the op's class, the
 dtype it computes in, its FLOPs and the bytes it reads and writes. Views and allocations
 launch no kernel and are not recorded. It is installed only when a time is asked for
-(``EstimateOptions.record_costs``: ``--time``, ``estimate(time=True)``, ``fit --objective
+(``Step.record_costs``: ``--time``, ``estimate(time=True)``, ``fit --objective
 throughput``; :func:`memcalc.step_time` on a report made without it traces the step again), so
 an estimate that never asks for a time pays nothing for it; the roofline and the per-phase /
 per-module totals are computed only when asked (:class:`StepCosts`).
