@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memcalc
-from memcalc import Category, Phase
+from memcalc.core.categories import Category, Phase
 from memcalc.cuda.backend import trace_step as trace_model
 from memcalc.core.categories import Mode
 from memcalc.cuda.emulation import CudaEmulation

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import memcalc
-from memcalc import Category, Mode, Phase
+from memcalc.core.categories import Category, Mode, Phase
 from memcalc.fields import build_step
 
 MiB = 2**20

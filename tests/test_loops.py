@@ -28,6 +28,7 @@ from memcalc.engine.run import build_report, trace_model
 from memcalc.report.measure import measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.fields import build_step
+from memcalc.core.categories import Phase
 from models_zoo.gpt2 import GPT2Config, GPT2LMHeadModel
 
 USER_LOOPS_FILE = Path(__file__).parent / "fixtures" / "user_loops.py"
@@ -130,7 +131,7 @@ def test_tutorial_keeps_the_last_logits_past_backward() -> None:
     minimal, tutorial = (memcalc.estimate(small_lm, gpu="cpu", loop=loop, loss="lm-cross-entropy", **size)
                          for loop in loops.values())
     logits = 1 * 8 * VOCAB * 4
-    assert minimal.peak_phase is memcalc.Phase.OPTIMIZER
+    assert minimal.peak_phase is Phase.OPTIMIZER
     assert tutorial.peak_requested - minimal.peak_requested >= logits
     for name in MODELS:  # never below the minimal loop
         source, model_size = MODELS[name]
@@ -159,7 +160,7 @@ def test_trainer_drops_the_outputs_before_backward() -> None:
                         for loop in ("minimal", "trainer"))
     # It holds three float32 scalars the minimal loop does not: tr_loss, the last step's
     # detached loss (tr_loss_step) and the last grad norm (both alive until rebound).
-    assert minimal.peak_phase is memcalc.Phase.BACKWARD
+    assert minimal.peak_phase is Phase.BACKWARD
     assert minimal.peak_requested - trainer.peak_requested == BATCH * SEQ * VOCAB * 4 - 3 * 4
 
 
@@ -169,8 +170,8 @@ def test_a_traced_loop_reports_its_iterations_and_phases() -> None:
     assert {s.iteration for s in spans} == {1, 2}
     phases = [s.phase for s in spans if s.iteration == 2]
     # each micro-batch: drawn, forward, loss, backward; then the step and zero_grad
-    assert phases == [memcalc.Phase.SETUP, memcalc.Phase.FORWARD, memcalc.Phase.LOSS, memcalc.Phase.BACKWARD] * 2 + [
-        memcalc.Phase.OPTIMIZER, memcalc.Phase.ZERO_GRAD]
+    assert phases == [Phase.SETUP, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD] * 2 + [
+        Phase.OPTIMIZER, Phase.ZERO_GRAD]
     assert report.loop == "tutorial" and report.bytes.optimizer_state > 0
 
 

@@ -26,6 +26,7 @@ from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.distributed.ddp import DdpProgram
 from memcalc.distributed.fsdp import ShardedProgram, fsdp_units, module_units
 from memcalc.distributed.options import Distributed, dp_chunks
+from memcalc.core.categories import Phase
 
 MiB = 2**20
 # two_layers: two 1024×1024 weights without bias: Ψ = 2,097,152 parameters, each weight
@@ -152,7 +153,7 @@ def test_fsdp_shard_grad_op_keeps_parameters_gathered_until_backward():
     r = _two("fsdp", world_size=4, sharding="shard_grad_op")
     role = _only_role(r)
     assert r.peak_requested == 22 * MiB + INPUT + INPUT == 23_076_864
-    assert r.peak_phase is memcalc.Phase.FORWARD
+    assert r.peak_phase is Phase.FORWARD
     assert (role.bytes.parameters, role.bytes.workspace) == (2 * MiB + 8 * MiB, 8 * MiB)
     assert role.communication == 16 * MiB
     assert role.model_states == 16 * PSI // 4
