@@ -19,7 +19,7 @@ from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GpuProfile
 from memcalc.core.loop import Loop, LoopFn, LoopPreset
 from memcalc.core.losses import LossChoice, LossFn
-from memcalc.core.precision import Precision
+from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
 from memcalc.core.units import format_bytes
@@ -55,6 +55,7 @@ def estimate(
     mode: Mode | str = Mode.TRAIN,
     loss: LossLike = None,
     precision: Precision | str = Precision.FP32,
+    weight_dtype: WeightDtype | str | None = None,
     gpu: GpuLike = None,
     checkpoint: bool = False,
     accum_steps: int = 1,
@@ -90,6 +91,10 @@ def estimate(
             ``mse``, or your own ``loss(output) -> scalar`` (simulated too). Training only.
         precision: ``fp32``, ``amp-fp16``, ``amp-bf16`` (CUDA autocast, emulated op by op),
             ``fp16`` or ``bf16`` (the whole model in that dtype).
+        weight_dtype: ``fp32``, ``bf16`` or ``fp16``: the dtype the parameters are stored in
+            (their gradients and optimizer state follow it); None: what ``precision`` implies.
+            ``weight_dtype="bf16", precision="amp-bf16"`` is a model loaded in bf16 and trained
+            under autocast (Hugging Face Trainer's ``bf16=True``).
         gpu: a catalogue name (``"h100-80gb"``) or a ``GpuProfile``: it drives the attention
             kernel choice and workspaces, adds its CUDA context, and makes ``fits`` and
             ``headroom`` answer for its memory. None: a generic sm80-class GPU without a

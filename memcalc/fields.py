@@ -32,7 +32,7 @@ from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice
-from memcalc.core.precision import Precision
+from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, parse_bytes
 from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
@@ -253,6 +253,10 @@ _FIELDS = (
           searched="give precisions=[...]",
           help="fp32; amp-fp16/amp-bf16: CUDA autocast (fp32 master weights and optimizer state); "
                "fp16/bf16: the whole model in that dtype."),
+    Field("weight_dtype", _choice, flag="--weight-dtype", choices=WeightDtype, cli=Flag("choice"),
+          help="The dtype the parameters are stored in (default: what --precision implies); their gradients and "
+               "optimizer state follow it. bf16 with --precision amp-bf16: a model loaded in bf16 and trained "
+               "under autocast (Hugging Face Trainer's bf16=True on a model loaded with dtype=torch.bfloat16)."),
     Field("gpu", _gpu, flag="--gpu", sets=("gpu", "gpu_named", "target"),
           help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
                "its CUDA context, and whether the step fits."),
@@ -352,6 +356,7 @@ def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
     """What no single field can judge: options a step of this mode would ignore, and inputs
     whose batch contradicts ``batch_size``."""
     _check_inputs_batch(step.inputs, step.batch_size)
+    _check_weight_dtype(step)
     mode = step.mode
     if step.kv_cache is not None and mode is not Mode.INFERENCE:
         # eval runs the forward under no_grad without a cache: the tokens would be ignored
@@ -372,6 +377,27 @@ def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
     if not step.loop.is_default:
         raise InapplicableOptionError(f"a training loop (loop, --loop, --keep-grads) applies to mode train; "
                                       f"the mode is {mode.value}")
+
+
+def _check_weight_dtype(step: Step) -> None:
+    """Weights in another dtype than the precision's need autocast (without it a model computes
+    in its weights' dtype: that is precision fp16 or bf16), and not fp16 under amp-fp16 (torch's
+    GradScaler refuses to unscale fp16 gradients: "Attempting to unscale FP16 gradients.")."""
+    weights, precision = step.weight_dtype, step.precision
+    if weights is None or weights.dtype is precision.parameter_dtype:
+        return
+    if not precision.is_amp:
+        under = f"amp-{weights.value}" if weights is not WeightDtype.FP32 else f"amp-{precision.value}"
+        raise InvalidInputError(
+            f"weight_dtype (--weight-dtype) {weights.value} contradicts precision {precision.value}, which stores "
+            f"the weights in {str(precision.parameter_dtype).removeprefix('torch.')} and computes in them without "
+            f"autocast",
+            hint=f"Give precision {weights.value} for {weights.value} weights without autocast, or precision "
+                 f"{under} with weight_dtype {weights.value} for {weights.value} weights under autocast.")
+    if precision is Precision.AMP_FP16 and weights is WeightDtype.FP16:
+        raise InvalidInputError("weight_dtype (--weight-dtype) fp16 under precision amp-fp16: torch's GradScaler "
+                                "refuses to unscale fp16 gradients",
+                                hint="Give precision fp16 for a model trained in fp16 without autocast.")
 
 
 def _inputs_batch(inputs: Any) -> int | None:

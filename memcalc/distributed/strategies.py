@@ -241,6 +241,11 @@ def _finetuned(resolved: ResolvedModel, strategy: Strategy, options: Step,
 def estimate_per_rank(step: Step, distributed: Distributed) -> MemoryReport:
     """One estimate per GPU role; the report of the busiest, with every role in ``roles``."""
     refuse_finetune(distributed.strategy, step.finetune)
+    if step.parameter_dtype is not step.precision.parameter_dtype:
+        raise InapplicableOptionError(
+            f"weight_dtype (--weight-dtype) is not estimated under --strategy {distributed.strategy.value}: FSDP's "
+            f"MixedPrecisionPolicy and DeepSpeed's 16-bit modes decide the parameters' dtype there, from --precision",
+            hint="Leave out weight_dtype, or estimate one GPU (leave out --strategy).")
     model, inputs, input_shape, seq_len = step.model, step.inputs, step.input_shape, step.seq_len
     if inputs is not None and distributed.batch_is_global:
         raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")

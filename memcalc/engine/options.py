@@ -20,7 +20,7 @@ from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice, LossFn
-from memcalc.core.precision import Precision
+from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.stack import Stack
 from memcalc.engine.model import InputsLike
 from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
@@ -52,6 +52,7 @@ class Step:
         mode: train, eval or inference.
         loss, loss_fn: a loss by name (None: the model's own), or the user's own function.
         precision: fp32, autocast mixed precision (``amp-*``) or pure half precision.
+        weight_dtype: the dtype the parameters are stored in (None: the precision's).
         gpu, gpu_named: the GPU's profile, and whether it was named (False: the generic one).
         target: CUDA, or this machine's CPU.
         checkpoint: activation checkpointing per block.
@@ -77,6 +78,7 @@ class Step:
     loss: LossChoice | None = None
     loss_fn: LossFn | None = None
     precision: Precision = Precision.FP32
+    weight_dtype: WeightDtype | None = None
     gpu: GpuProfile = GENERIC
     gpu_named: bool = False
     target: Target = Target.CUDA
@@ -102,9 +104,9 @@ class Step:
 
     @property
     def parameter_dtype(self) -> torch.dtype:
-        """The dtype the parameters and buffers are stored in (float32 master weights under
-        autocast, the model's dtype under pure fp16/bf16)."""
-        return self.precision.parameter_dtype
+        """The dtype the parameters and buffers are stored in: ``weight_dtype``, else float32
+        master weights under autocast and the model's dtype under pure fp16/bf16."""
+        return self.precision.parameter_dtype if self.weight_dtype is None else self.weight_dtype.dtype
 
     def on_cpu(self) -> Step:
         """The same step as this machine's CPU runs it (the generic profile, no capacity): the

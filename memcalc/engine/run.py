@@ -192,6 +192,10 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
                                   model_name=resolved.name)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
+    if options.parameter_dtype is not options.precision.parameter_dtype:
+        dtype = str(options.parameter_dtype).removeprefix("torch.")
+        notes.append(f"parameters stored in {dtype} (weight_dtype) under {options.precision.value}: their "
+                     f"gradients and optimizer state in {dtype} too")
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time (options.record_costs)
     costs = OpCostRecorder(then=backend.after_op) if options.record_costs else None
     tracer = StorageTracer("meta", after_op=costs if costs is not None else backend.after_op)
