@@ -43,8 +43,8 @@ import torch
 
 import memcalc
 from memcalc.core.errors import MemcalcError
+from memcalc.fields import build_step
 from memcalc.measure.step import measure_cpu, measure_cuda
-from memcalc.sources.resolve import resolve
 from memcalc.targets.cuda.gpus.catalogue import get_gpu, match_profile
 
 RESULTS = Path(__file__).parent / "results"
@@ -145,19 +145,19 @@ def _estimate_and_measure(config: Config, cuda: bool, gpu: str | None, record: d
     record["estimate"] = {"gpu": report.gpu.key, "peak_allocated": report.bytes.peak_allocated,
                           "peak_reserved": report.peak_reserved, "peak_requested": report.peak_requested,
                           "peak_location": report.peak_location, "attention": dict(report.attention_calls)}
-    resolved = resolve(config.model, **kwargs)
+    step = build_step(config.model, optimizer=config.optimizer, mode=config.mode, **kwargs, **config.extra)
     torch.manual_seed(0)
     if cuda:
         if not report.gpu_named:
             record["note"] = "estimate used the generic GPU profile; pass --gpu to match the device"
         # config.extra holds estimate options only: the GPU is the estimate's, never the measurement's
-        measured = measure_cuda(resolved, optimizer=config.optimizer, mode=config.mode, **config.extra)
+        measured = measure_cuda(step)
         compared = report.bytes.peak_allocated
     else:
         # the CPU runs CPU kernels: compare with the CPU-faithful simulation (no CUDA emulation)
         cpu_report = memcalc.estimate(config.model, optimizer=config.optimizer, mode=config.mode, gpu="cpu",
                                       **kwargs, **config.extra)
-        measured = measure_cpu(resolved, optimizer=config.optimizer, mode=config.mode, **config.extra)
+        measured = measure_cpu(step.on_cpu())
         compared = cpu_report.peak_requested  # the CPU allocator does not round
     record["measured"] = {"peak_allocated": measured.peak_allocated, "peak_reserved": measured.peak_reserved,
                           "oom": measured.oom, "note": measured.note}

@@ -26,8 +26,8 @@ from typing import Any
 from tabulate import tabulate
 
 import memcalc
-from memcalc.api import make_request
 from memcalc.distributed.estimate import run_estimate
+from memcalc.fields import build_step
 from memcalc.timing.performance import step_time
 
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -43,9 +43,8 @@ REPEATS = 9
 
 def recording(model: str, kwargs: dict[str, Any]) -> Any:
     """An estimate whose kernels' costs are recorded as it is traced, not yet timed: what
-    ``estimate(time=True)`` traces (the request with ``record_costs`` set)."""
-    request = make_request(model, **kwargs)
-    return run_estimate(replace(request, options=replace(request.options, record_costs=True)))
+    ``estimate(time=True)`` traces (the step with ``record_costs`` set)."""
+    return run_estimate(replace(build_step(model, **kwargs), record_costs=True))
 
 
 def seconds(run: Callable[[], object]) -> float:

@@ -64,3 +64,27 @@ def test_the_layers_contract_names_every_package():
     rooms = {f"memcalc.{path.name}" for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
     rooms |= {f"memcalc.{path.stem}" for path in PACKAGE.glob("*.py") if not path.name.startswith("__")}
     assert rooms == named
+
+
+def _type_checking_imports() -> dict[str, str]:
+    """``name → module`` of the imports under ``if TYPE_CHECKING:`` in memcalc/__init__.py."""
+    import ast
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    found: dict[str, str] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.module is not None
+        for alias in node.names:
+            assert alias.asname == alias.name, f"{alias.name}: 'import X as X' re-exports it under mypy --strict"
+            found[alias.name] = node.module
+    return found
+
+
+def test_the_public_api_is_one_table_and_the_type_checkers_see_the_same():
+    table = memcalc._PUBLIC
+    assert memcalc.__all__ == ("__version__", *table)
+    assert _type_checking_imports() == table
+    assert len(table) <= 25  # a small surface: everything else stays importable from its module
+    for name, module in table.items():
+        assert getattr(memcalc, name) is getattr(__import__(module, fromlist=[name]), name)

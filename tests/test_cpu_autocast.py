@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memcalc
 from memcalc.core.precision import Precision
+from memcalc.fields import build_step
 from memcalc.measure.step import measure_cpu
-from memcalc.sources.resolve import resolve
 from memcalc.targets.autocast import autocast_policy, cpu_autocast_lists, cpu_autocast_policy
 from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels, autocast_arguments
 
@@ -166,7 +166,7 @@ def test_encoder_lm_in_amp_bf16_matches_the_real_cpu_step(batch: int, tokens: in
     step: dict[str, Any] = dict(optimizer="adamw", precision="amp-bf16")
     estimate = memcalc.estimate(TinyEncoderLM, gpu="cpu", inputs=inputs, loss=lm_loss, **step)
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(TinyEncoderLM, inputs=inputs), loss_fn=lm_loss, **step).peak_allocated
+    measured = measure_cpu(build_step(TinyEncoderLM, inputs=inputs, loss=lm_loss, **step)).peak_allocated
     assert estimate.peak_requested is not None
     error = (estimate.peak_requested - measured) / measured
     assert abs(error) <= TOLERANCE, (

@@ -24,8 +24,8 @@ from torch import nn
 from torch._ops import OpOverload
 
 import memcalc
-from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.run import trace_model
+from memcalc.fields import build_step
 from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import CpuBackend
@@ -151,7 +151,8 @@ def batch_norms() -> nn.Module:
 def _statistics_bytes(model: Callable[[], nn.Module], x: torch.Tensor, op: str,
                       **step: Any) -> tuple[Counter[int], list[str]]:
     """The bytes of the storages ``op`` made in a traced CPU-target step, and its notes."""
-    options = EstimateOptions.create(target=Target.CPU, loss="mean", **step)
+    loss = "mean" if step.get("mode", "train") == "train" else None  # an eval step computes no loss
+    options = build_step(gpu="cpu", loss=loss, **step)
     traced = trace_model(resolve(model, inputs=(x,)), options, CpuBackend(options))
     trace = traced.trace
     return Counter(n for uid, n in enumerate(trace.nbytes) if trace.op[uid] == op), traced.notes
@@ -213,7 +214,7 @@ def test_layer_norm_step_matches_the_real_cpu_step(precision: str) -> None:
     step = dict(optimizer="adamw", precision=precision, loss="mean")
     estimate = memcalc.estimate(layer_norms, gpu="cpu", inputs=inputs, **step).peak_requested
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(layer_norms, inputs=inputs), **step).peak_allocated
+    measured = measure_cpu(build_step(layer_norms, inputs=inputs, **step)).peak_allocated
     error = (estimate - measured) / measured
     assert abs(error) <= TOLERANCE, f"{precision}: estimated {estimate:,} B vs real CPU {measured:,} B ({error:+.2%})"
     # the step is one the statistics decide: with meta's float32 statistics it is off by more

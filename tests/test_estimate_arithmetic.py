@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import memcalc
-from memcalc import Category, Mode, Phase
+from memcalc.core.categories import Category, Mode, Phase
+from memcalc.fields import build_step
 
 MiB = 2**20
 
@@ -95,7 +95,7 @@ def _symbolic_state_bytes(optimizer: str) -> int:
     from memcalc.sources.resolve import resolve
     from memcalc.targets.backend import trace_step as trace_model
 
-    traced = trace_model(resolve("mlp", batch_size=8), optimizer=optimizer)
+    traced = trace_model(resolve("mlp", batch_size=8), build_step(optimizer=optimizer))
     return sum(traced.trace.nbytes[u] for u, c in enumerate(traced.categories) if c is Category.OPTIMIZER_STATE)
 
 

@@ -22,9 +22,10 @@ from torch import nn
 
 import memcalc
 from memcalc.cli import main
+from memcalc.core.categories import Phase
 from memcalc.core.errors import DataDependentError, InapplicableOptionError, LoopFunctionError
-from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import build_report, trace_model
+from memcalc.fields import build_step
 from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import CpuBackend
@@ -77,9 +78,9 @@ def _options(model: str, loop: memcalc.Loop, **extra: Any) -> dict[str, Any]:
 def _traced_report(model: Any, size: dict[str, Any], **options: Any) -> memcalc.MemoryReport:
     """The CPU estimate with the loop traced as written (also the default loop, which
     ``memcalc.estimate`` synthesises instead)."""
-    opts = EstimateOptions.create(target="cpu", **options)
+    opts = build_step(model, gpu="cpu", **size, **options)
     resolved = resolve(model, **size)
-    return build_report(resolved, trace_model(resolved, opts, CpuBackend(opts), traced_loop=True), opts, None)
+    return build_report(resolved, trace_model(resolved, opts, CpuBackend(opts), traced_loop=True), opts)
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
@@ -89,8 +90,7 @@ def test_loop_estimate_matches_the_real_cpu_run(model: str, loop: str) -> None:
     options = _options(model, LOOPS[loop])
     report = _traced_report(source, size, **options)
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(source, **size), EstimateOptions.create(target="cpu", **options),
-                           traced_loop=True).peak_allocated
+    measured = measure_cpu(build_step(source, gpu="cpu", **size, **options), traced_loop=True).peak_allocated
     assert measured
     error = (report.peak_requested - measured) / measured
     assert abs(error) <= TOLERANCE, f"{model}/{loop}: {report.peak_requested:,} B vs real {measured:,} B ({error:+.3%})"
@@ -110,10 +110,10 @@ def test_the_fast_path_and_the_traced_minimal_loop_agree_to_the_byte(case: dict[
     # (fresh batches, the first one dropped when the second is drawn). Same live set at the
     # peak, so the same peak, on the generic CUDA GPU (its workspaces, autocast, GradScaler).
     resolved = resolve(case["model"], **case["size"])
-    opts = EstimateOptions.create(**case["options"])
+    opts = build_step(case["model"], **case["size"], **case["options"])
     fast = memcalc.estimate(case["model"], **case["size"], **case["options"])
     from memcalc.targets.backend import CudaBackend
-    traced = build_report(resolved, trace_model(resolved, opts, CudaBackend(opts), traced_loop=True), opts, None)
+    traced = build_report(resolved, trace_model(resolved, opts, CudaBackend(opts), traced_loop=True), opts)
     assert traced.bytes.peak_allocated == fast.bytes.peak_allocated
     assert traced.first_iteration_peak == fast.first_iteration_peak
     assert (traced.peak_iteration, traced.peak_phase) == (fast.peak_iteration, fast.peak_phase)
@@ -131,7 +131,7 @@ def test_tutorial_keeps_the_last_logits_past_backward() -> None:
     minimal, tutorial = (memcalc.estimate(small_lm, gpu="cpu", loop=loop, loss="lm-cross-entropy", **size)
                          for loop in loops.values())
     logits = 1 * 8 * VOCAB * 4
-    assert minimal.peak_phase is memcalc.Phase.OPTIMIZER
+    assert minimal.peak_phase is Phase.OPTIMIZER
     assert tutorial.peak_requested - minimal.peak_requested >= logits
     for name in MODELS:  # never below the minimal loop
         source, model_size = MODELS[name]
@@ -160,7 +160,7 @@ def test_trainer_drops_the_outputs_before_backward() -> None:
                         for loop in ("minimal", "trainer"))
     # It holds three float32 scalars the minimal loop does not: tr_loss, the last step's
     # detached loss (tr_loss_step) and the last grad norm (both alive until rebound).
-    assert minimal.peak_phase is memcalc.Phase.BACKWARD
+    assert minimal.peak_phase is Phase.BACKWARD
     assert minimal.peak_requested - trainer.peak_requested == BATCH * SEQ * VOCAB * 4 - 3 * 4
 
 
@@ -170,8 +170,8 @@ def test_a_traced_loop_reports_its_iterations_and_phases() -> None:
     assert {s.iteration for s in spans} == {1, 2}
     phases = [s.phase for s in spans if s.iteration == 2]
     # each micro-batch: drawn, forward, loss, backward; then the step and zero_grad
-    assert phases == [memcalc.Phase.SETUP, memcalc.Phase.FORWARD, memcalc.Phase.LOSS, memcalc.Phase.BACKWARD] * 2 + [
-        memcalc.Phase.OPTIMIZER, memcalc.Phase.ZERO_GRAD]
+    assert phases == [Phase.SETUP, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD] * 2 + [
+        Phase.OPTIMIZER, Phase.ZERO_GRAD]
     assert report.loop == "tutorial" and report.bytes.optimizer_state > 0
 
 

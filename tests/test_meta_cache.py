@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import memcalc.engine.trace as trace_module
+from memcalc.fields import build_step
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import trace_step as trace_model
 
@@ -22,7 +23,7 @@ CASES = [
 
 def _trace(name, resolve_kwargs, options):
     options = {"optimizer": "adam", **options}
-    traced = trace_model(resolve(name, **resolve_kwargs), **options)
+    traced = trace_model(resolve(name, **resolve_kwargs), build_step(**options))
     return traced.trace.nbytes, traced.trace.events, traced.categories
 
 

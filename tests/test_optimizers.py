@@ -24,6 +24,7 @@ from memcalc.core.loop import OptimizerImpl
 from memcalc.engine.optimizers import OPTIMIZERS, Optimizer, resolve_impl, spec_for
 from memcalc.engine.optimizers_bnb import PAGED_MIN_NUMEL
 from memcalc.engine.step import StepConfig, run_step
+from memcalc.fields import build_step
 from memcalc.report.render import render_report
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import trace_step
@@ -213,8 +214,8 @@ def test_step_temporaries_by_hand():
 
 
 def test_fused_step_has_no_temporaries():
-    traced = trace_step(resolve(lambda: nn.Linear(1024, 1024), batch_size=2, input_shape=(1024,)), optimizer="adam",
-                        target="cpu", loss="mean", loop=_impl("fused"))
+    traced = trace_step(resolve(lambda: nn.Linear(1024, 1024), batch_size=2, input_shape=(1024,)),
+                        build_step(optimizer="adam", gpu="cpu", loss="mean", loop=_impl("fused")))
     born_in_step = {c for u, c in enumerate(traced.categories)
                     if traced.trace.phase[u] is Phase.OPTIMIZER and traced.trace.nbytes[u]}
     assert born_in_step == {Category.OPTIMIZER_STATE}  # the moments and the step counters only
@@ -323,7 +324,7 @@ def test_adafactor_state_is_factored_by_hand_and_by_torch():
 
 def _state_bytes(factory, optimizer: str, **kw) -> int:
     traced = trace_step(resolve(factory, batch_size=2, input_shape=(factory().in_features,)),
-                        optimizer=optimizer, loss="mean", **kw)
+                        build_step(optimizer=optimizer, loss="mean", **kw))
     return sum(traced.trace.nbytes[u] for u, c in enumerate(traced.categories) if c is Category.OPTIMIZER_STATE)
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 import memcalc
 from memcalc.cli import main
+from memcalc.core.categories import Phase
 from memcalc.core.errors import InvalidInputError
 from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.distributed.ddp import DdpProgram
@@ -152,7 +153,7 @@ def test_fsdp_shard_grad_op_keeps_parameters_gathered_until_backward():
     r = _two("fsdp", world_size=4, sharding="shard_grad_op")
     role = _only_role(r)
     assert r.peak_requested == 22 * MiB + INPUT + INPUT == 23_076_864
-    assert r.peak_phase is memcalc.Phase.FORWARD
+    assert r.peak_phase is Phase.FORWARD
     assert (role.bytes.parameters, role.bytes.workspace) == (2 * MiB + 8 * MiB, 8 * MiB)
     assert role.communication == 16 * MiB
     assert role.model_states == 16 * PSI // 4
@@ -347,7 +348,7 @@ def test_fsdp_units_are_blocks_and_root():
 
 
 def test_sharded_program_puts_the_model_back():
-    from memcalc.engine.options import EstimateOptions
+    from memcalc.engine.options import Step
     from memcalc.sources.resolve import resolve
     from memcalc.targets.backend import trace_step
 
@@ -355,7 +356,7 @@ def test_sharded_program_puts_the_model_back():
     before = [id(p) for p in resolved.module.parameters()]
     program = ShardedProgram(fsdp_units(resolved.module, ()), 4, style="fsdp2", reshard_after_forward=True,
                              sharded_dtype=None, gather_dtype=None, reduce_dtype=None, training=True)
-    trace_step(resolved, EstimateOptions.create(), hooks=program)
+    trace_step(resolved, Step(), hooks=program)
     assert [id(p) for p in resolved.module.parameters()] == before
     assert all(p.grad is None for p in resolved.module.parameters())
     assert not dist.is_initialized()  # memcalc never creates a process group

@@ -27,7 +27,7 @@ from memcalc.cli import main
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.precision import Precision
-from memcalc.engine.prepare import apply_precision
+from memcalc.engine.prepare import cast_parameters
 from memcalc.measure.step import _profiler_peak, storage_bytes
 from memcalc.sources.resolve import resolve
 from memcalc.stacks.peft import finetune_module
@@ -151,7 +151,7 @@ def _finetuned(model: nn.Module, finetune: FineTune, precision: Precision) -> nn
     after, the float32 adapters kept (what --measure does, engine.prepare)."""
     model, _notes = finetune_module(model, finetune, precision=precision, mode=Mode.TRAIN)
     if not precision.is_amp:
-        apply_precision(model, precision)
+        cast_parameters(model, precision.parameter_dtype)
     return model
 
 

@@ -9,7 +9,6 @@ import pytest
 
 import memcalc
 
-
 #: The models are compared under one loss, memcalc's: an ``hf:`` model whose loss is not chosen computes
 #: its own (transformers' ForCausalLMLoss, test_hf_loss_differs_from_memcalcs_by_its_fp32_upcast).
 _LM = "lm-cross-entropy"

@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import DataDependentError, InapplicableOptionError
-from memcalc.engine.options import EstimateOptions
+from memcalc.engine.options import Step
 from memcalc.engine.step import StepObserver
 from memcalc.engine.trace import StorageTracer
 
@@ -168,7 +168,7 @@ class LoopTracing:
         return result
 
     # ---- what the report says ----------------------------------------------------------------
-    def notes(self, options: EstimateOptions, batches: int, has_optimizer: bool) -> list[str]:
+    def notes(self, options: Step, batches: int, has_optimizer: bool) -> list[str]:
         """What the report should say about the loop's run: whatever it did not do."""
         name = options.loop.name
         notes: list[str] = []
@@ -193,7 +193,7 @@ class LoopTracing:
             exc.read_by_loop(loop)
 
 
-def check_loop(options: EstimateOptions, *, multi_gpu: bool) -> None:
+def check_loop(options: Step, *, multi_gpu: bool) -> None:
     """Refuse what a traced loop cannot honour, rather than ignore it.
 
     Raises:

@@ -27,15 +27,15 @@ from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
-from memcalc.engine.backend import PlainBackend, StepBackend
+from memcalc.engine.backend import AutocastRegion, PlainBackend, StepBackend
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.optimizers_bnb import is_paged
-from memcalc.engine.options import EstimateOptions
+from memcalc.engine.options import Step
 from memcalc.engine.prepare import cast_inputs, kv_cache_bytes, kv_elements_per_token, kv_prompt, prepare_step
-from memcalc.engine.step import StepConfig, run_step
+from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.engine.timeline import (
     Program,
     alive_before,
@@ -48,7 +48,7 @@ from memcalc.engine.timeline import (
 from memcalc.engine.trace import AfterOpHook, Op, StepTrace, StorageTracer
 
 __all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "TracedStep",
-           "build_report", "parameter_count", "trace_model")
+           "build_report", "parameter_count", "step_config", "trace_model")
 
 #: The report's loss when the step trained with the loss the model returned (``output.loss``).
 MODEL_LOSS = "the model's own (output.loss)"
@@ -148,7 +148,7 @@ class TracedStep:
     """The raw result of tracing one step: the trace, final categories, module data."""
 
     def __init__(self, trace: StepTrace, categories: list[Category], tracer: StorageTracer, loss: str,
-                 options: EstimateOptions, attention: dict[str, int], notes: list[str], optimizer_impl: str = ""):
+                 options: Step, attention: dict[str, int], notes: list[str], optimizer_impl: str = ""):
         self.trace = trace
         self.categories = categories
         self.output_shapes = dict(tracer.modules.output_shapes)
@@ -170,7 +170,35 @@ class TracedStep:
         return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1, traced_starts=self.iteration_starts)
 
 
-def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: StepBackend | None = None, *,
+def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastRegion | None,
+                scaler: Callable[[], Scaler | None] | None, cuda: bool, iterations: int = 1) -> StepConfig:
+    """How the step program runs ``options`` — one configuration for the trace and for a real
+    run of the same step (``--measure``), which differ only in what they run under.
+
+    Args:
+        resolved: the model (its own loss, when none was chosen).
+        options: the step.
+        autocast: opens the autocast region of a mixed-precision step (the backend's emulated
+            one, or ``torch.autocast``); None: none.
+        scaler: makes the gradient scaler of an amp-fp16 step (emulated, or torch's); None: none.
+        cuda: the parameters are on a CUDA device (the optimizer's ``auto`` implementation
+            depends on it).
+        iterations: optimizer steps to run (the trace runs one and synthesises the second).
+
+    Returns:
+        The step program's configuration.
+    """
+    return StepConfig(
+        mode=options.mode, optimizer=options.optimizer, iterations=iterations,
+        optimizer_impl=resolve_impl(options.optimizer, options.loop.optimizer_impl, cuda=cuda),
+        loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
+        accum_steps=options.accum_steps, autocast=autocast or nullcontext,
+        scaler_factory=scaler if options.mode is Mode.TRAIN else None,
+        model_loss=options.trains_own_loss, amp=options.precision.is_amp,
+    )
+
+
+def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | None = None, *,
                 hooks: RankHooks | None = None, traced_loop: bool | None = None,
                 costs: CostRecorderFactory | None = None) -> TracedStep:
     """Run one step of ``resolved`` under the tracer (the engine, without the report).
@@ -198,12 +226,14 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         traced_loop = not options.loop.is_default
     if traced_loop:
         check_loop(options, multi_gpu=hooks is not None)
-    own_loss = options.mode is Mode.TRAIN and options.loss is None and options.loss_fn is None
-    inputs, blocks = prepare_step(module, resolved.step_inputs(resolved.inputs, own_loss=own_loss),
-                                  precision=options.precision, checkpoint=options.checkpoint,
-                                  containers=resolved.block_containers, model_name=resolved.name)
+    inputs, blocks = prepare_step(module, resolved.step_inputs(resolved.inputs, own_loss=options.trains_own_loss),
+                                  options, containers=resolved.block_containers, model_name=resolved.name)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
+    if options.parameter_dtype is not options.precision.parameter_dtype:
+        dtype = str(options.parameter_dtype).removeprefix("torch.")
+        notes.append(f"parameters stored in {dtype} (weight_dtype) under {options.precision.value}: their "
+                     f"gradients and optimizer state in {dtype} too")
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time
     recorder = costs(backend.after_op) if costs is not None else None
     tracer = StorageTracer("meta", after_op=recorder if recorder is not None else backend.after_op)
@@ -218,14 +248,8 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     if options.kv_cache is not None:
         notes.append(_register_kv_cache(tracer, resolved, inputs, options))
     tracer.modules.install(module)
-    impl = resolve_impl(options.optimizer, options.loop.optimizer_impl, cuda=options.emulate_cuda)
-    config = StepConfig(
-        mode=options.mode, optimizer=options.optimizer, optimizer_impl=impl,
-        loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
-        accum_steps=options.accum_steps, autocast=backend.autocast() or nullcontext,
-        scaler_factory=backend.grad_scaler if options.mode is Mode.TRAIN else None,
-        model_loss=own_loss, amp=options.precision.is_amp,
-    )
+    config = step_config(resolved, options, autocast=backend.autocast(), scaler=backend.grad_scaler,
+                         cuda=options.emulate_cuda)
     try:
         with tracer, backend.mode():
             outcome = run_step(module, inputs, config, observer) if tracing is None else \
@@ -269,7 +293,7 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     notes.extend(backend.notes(module))
     has_step = options.mode is Mode.TRAIN and options.optimizer.factory is not None
     traced = TracedStep(trace, categories, tracer, loss_name, options, dict(backend.attention_backends()), notes,
-                        impl.value if has_step else "")
+                        config.optimizer_impl.value if has_step else "")
     traced.costs = recorder
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
     if tracing is not None:
@@ -307,7 +331,7 @@ def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequ
 
 
 def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs,
-                       options: EstimateOptions) -> str:
+                       options: Step) -> str:
     """A static KV cache sized for prompt + generated tokens, allocated before the prefill
     (as Hugging Face's StaticCache is): 2 (K, V) are counted in ``kv_elements_per_token``.
     A model its source knows to be no decoder (an encoder such as BERT) is refused."""
@@ -340,16 +364,15 @@ class _TimelineBuilder:
         return self._timeline
 
 
-def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateOptions,
-                 capacity: int | None, *, role: str = "") -> MemoryReport:
+def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, role: str = "") -> MemoryReport:
     """The report of a traced step: replay through the allocator model, breakdown at the peak,
     textbook comparison, per-module rows and, under ``capacity``, whether it fits.
 
     Args:
         resolved: the model and its inputs.
         traced: the traced step (:func:`trace_model`).
-        options: the step's options.
-        capacity: the bytes the allocator may reserve (None: no limit, ``fits`` is None).
+        options: the step; under its ``capacity`` (the bytes the allocator may reserve; None:
+            no limit, ``fits`` is None) it says whether the step fits.
         role: the GPU role this step is (multi-GPU strategies), carried into its timeline.
 
     Returns:
@@ -357,6 +380,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
     """
     trace = traced.trace
     mode = options.mode
+    capacity = options.capacity
     program = traced.program()
     stats = allocator.replay(allocator_events(program, trace.nbytes))
     peak_index = max(stats.peak_index, 0)
@@ -385,7 +409,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
-    notes = list(traced.notes)
+    notes = [*options.notes, *traced.notes]
     if (warning := options.precision_warning()) is not None:
         notes.append(warning)
         warnings.warn(warning, stacklevel=3)
@@ -468,7 +492,7 @@ def _frozen_parameter_bytes(module: nn.Module) -> int:
     return sum({id(storage): storage.nbytes() for storage in frozen}.values())
 
 
-def _cast_input_description(resolved: ResolvedModel, options: EstimateOptions) -> str:
+def _cast_input_description(resolved: ResolvedModel, options: Step) -> str:
     """The inputs as the step sees them: under pure fp16/bf16 the floating inputs are cast
     (:func:`~memcalc.engine.prepare.cast_inputs`, on meta: free), and the breakdown counts
     them in that dtype, so the header must name it too."""
@@ -552,6 +576,6 @@ _APPROXIMATED_CUDA = {"convolution.default", "convolution_backward.default"}  # 
 _APPROXIMATED_CPU = {"convolution.default", "convolution_backward.default"}
 
 
-def _approximated(trace: StepTrace, options: EstimateOptions) -> tuple[tuple[str, int], ...]:
+def _approximated(trace: StepTrace, options: Step) -> tuple[tuple[str, int], ...]:
     names = _APPROXIMATED_CUDA if options.emulate_cuda else _APPROXIMATED_CPU
     return tuple((op, count) for op, count in sorted(trace.op_counts.items()) if op in names)

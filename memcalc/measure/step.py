@@ -28,19 +28,18 @@ import gc
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 
-from memcalc.api import CPU, estimate, make_request
-from memcalc.core.categories import Mode
+from memcalc.api import estimate_step
 from memcalc.core.report import Measurement, MemoryReport
 from memcalc.engine.loops import run_loop
-from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel
-from memcalc.engine.optimizers import resolve_impl
-from memcalc.engine.options import EstimateOptions, Target
+from memcalc.engine.model import ModelInputs, ResolvedModel
+from memcalc.engine.options import Step
 from memcalc.engine.prepare import kv_cache_bytes, prepare_step
+from memcalc.engine.run import step_config
 from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.sources.resolve import resolve
 from memcalc.stacks.peft import finetune_module
@@ -60,8 +59,14 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def _resolve(step: Step) -> ResolvedModel:
+    """The step's model and inputs, resolved as the estimate resolves them (on meta)."""
+    return resolve(step.model, batch_size=step.batch_size, input_shape=step.input_shape, seq_len=step.seq_len,
+                   inputs=step.inputs)
+
+
 def _prepare(resolved: ResolvedModel, device: torch.device,
-             options: EstimateOptions) -> tuple[torch.nn.Module, ModelInputs, list[torch.Tensor]]:
+             options: Step) -> tuple[torch.nn.Module, ModelInputs, list[torch.Tensor]]:
     """The real model and inputs with the same transforms the estimate applies, and a KV
     cache of the estimated size when one is asked for (the zoo's models have no cache of their
     own: a buffer of the same size stands for it).
@@ -77,9 +82,8 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
     module, inputs = resolved.build_real(device)
     if not options.finetune.is_empty:
         module, _notes = finetune_module(module, options.finetune, precision=options.precision, mode=options.mode)
-    inputs = resolved.step_inputs(inputs, own_loss=_trains_own_loss(options))
-    inputs, _ = prepare_step(module, inputs, precision=options.precision, checkpoint=options.checkpoint,
-                             containers=resolved.block_containers, model_name=resolved.name)
+    inputs = resolved.step_inputs(inputs, own_loss=options.trains_own_loss)
+    inputs, _ = prepare_step(module, inputs, options, containers=resolved.block_containers, model_name=resolved.name)
     keep: list[torch.Tensor] = []
     if options.kv_cache is not None:
         nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache, model_name=resolved.name,
@@ -88,31 +92,21 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
     return module, inputs, keep
 
 
-def _config(resolved: ResolvedModel, options: EstimateOptions, device: torch.device) -> StepConfig:
-    """The step program with real autocast, a real GradScaler (on CUDA) and the optimizer
-    implementation the estimate for this device resolved."""
-    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
+def _config(resolved: ResolvedModel, options: Step, device: torch.device) -> StepConfig:
+    """The engine's configuration of the step (:func:`memcalc.engine.run.step_config`), run for
+    real: under ``torch.autocast``, with torch's GradScaler (on CUDA), for the two iterations
+    the estimate covers."""
+    autocast: Callable[[], AbstractContextManager[Any]] | None = None
     scaler: Callable[[], Scaler] | None = None
     if options.precision.is_amp:
         dtype = options.precision.compute_dtype
         autocast = lambda: torch.autocast(device.type, dtype=dtype)
         if options.precision.uses_grad_scaler and device.type == "cuda":
             scaler = lambda: torch.amp.GradScaler("cuda")
-    return StepConfig(mode=options.mode, optimizer=options.optimizer,
-                      loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
-                      iterations=2, accum_steps=options.accum_steps, autocast=autocast, scaler_factory=scaler,
-                      model_loss=_trains_own_loss(options), amp=options.precision.is_amp,
-                      optimizer_impl=resolve_impl(options.optimizer, options.loop.optimizer_impl,
-                                                  cuda=device.type == "cuda"))
+    return step_config(resolved, options, autocast=autocast, scaler=scaler, cuda=device.type == "cuda", iterations=2)
 
 
-def _trains_own_loss(options: EstimateOptions) -> bool:
-    """A training step whose loss the user did not choose: a model that computes its own trains
-    with it (``output.loss``), as the estimate's step does (``engine.run.trace_model``)."""
-    return options.mode is Mode.TRAIN and options.loss is None and options.loss_fn is None
-
-
-def _run(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, options: EstimateOptions,
+def _run(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, options: Step,
          traced_loop: bool) -> None:
     """The step the estimate traced: memcalc's loop (two iterations), or the chosen loop as
     written (:func:`memcalc.engine.loops.run_loop`), on real tensors."""
@@ -128,26 +122,31 @@ def _existing(module: torch.nn.Module, inputs: ModelInputs, traced_loop: bool) -
     return [*module.parameters(), *module.buffers(), *(() if traced_loop else inputs)]
 
 
-def measure_cpu(resolved: ResolvedModel, options: EstimateOptions | None = None, *, traced_loop: bool | None = None,
-                **option_values: Any) -> Measurement:
+def measure_cpu(step: Step, *, traced_loop: bool | None = None) -> Measurement:
     """Peak CPU bytes of the real step, from the profiler's allocation events.
 
-    ``traced_loop``: run ``options.loop`` as written even when it is the default one (as
-    :func:`memcalc.engine.run.trace_model` does with the same flag); None: unless it is."""
+    Args:
+        step: the step (its model is built for real on the CPU).
+        traced_loop: run ``step.loop`` as written even when it is the default one (as
+            :func:`memcalc.engine.run.trace_model` does with the same flag); None: unless it is.
+
+    Returns:
+        The measurement (its note says what to compare it with).
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    options = options or EstimateOptions.create(target=Target.CPU, **option_values)
-    as_written = not options.loop.is_default if traced_loop is None else traced_loop
+    as_written = not step.loop.is_default if traced_loop is None else traced_loop
     device = torch.device("cpu")
-    module, inputs, _kv = _prepare(resolved, device, options)
-    config = _config(resolved, options, device)
+    resolved = _resolve(step)
+    module, inputs, _kv = _prepare(resolved, device, step)
+    config = _config(resolved, step, device)
     before = storage_bytes(_existing(module, inputs, as_written))
     gc.collect()
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _kineto_lines_silenced():
         prof.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
     try:
-        _run(module, inputs, config, options, as_written)
+        _run(module, inputs, config, step, as_written)
     finally:
         with _kineto_lines_silenced():
             prof.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # untyped in torch
@@ -195,10 +194,9 @@ def _profiler_peak(prof: Any) -> int:
     return peak
 
 
-def measure_cuda(resolved: ResolvedModel, options: EstimateOptions | None = None, *,
-                 device: torch.device | None = None, **option_values: Any) -> Measurement:
-    """``max_memory_allocated`` / ``max_memory_reserved`` of the real step on a GPU."""
-    options = options or EstimateOptions.create(**option_values)
+def measure_cuda(step: Step, *, device: torch.device | None = None) -> Measurement:
+    """``max_memory_allocated`` / ``max_memory_reserved`` of the real step on a GPU (``device``;
+    None: torch's current one)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device)
     module = inputs = None
@@ -207,11 +205,12 @@ def measure_cuda(resolved: ResolvedModel, options: EstimateOptions | None = None
         torch.cuda.empty_cache()
         _warm_cublas(device)
         workspace = torch.cuda.memory_allocated(device)
-        module, inputs, _kv = _prepare(resolved, device, options)
+        resolved = _resolve(step)
+        module, inputs, _kv = _prepare(resolved, device, step)
         torch.cuda.synchronize(device)
         built_cache = _free_build_cache(device)
         torch.cuda.reset_peak_memory_stats(device)
-        _run(module, inputs, _config(resolved, options, device), options, not options.loop.is_default)
+        _run(module, inputs, _config(resolved, step, device), step, not step.loop.is_default)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         reserved = torch.cuda.max_memory_reserved(device)
@@ -267,34 +266,27 @@ def measured_device() -> str | None:
     return f"cuda:{torch.cuda.current_device()}"
 
 
-def measure(model: Any, *, batch_size: int | None = None, input_shape: Sequence[int] | None = None,
-            seq_len: int | None = None, inputs: InputsLike | None = None,
-            device: str | None = None, **option_values: Any) -> Measurement:
+def measure(step: Step, *, device: str | None = None) -> Measurement:
     """Measure the real step: on ``device`` (``"cuda:N"``) when given, else on CUDA when
-    available, else on CPU. ``option_values`` are :func:`memcalc.estimate`'s step options
-    (optimizer, mode, precision...)."""
-    request = make_request(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs,
-                           **option_values)
-    resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
+    available, else on the CPU (as this machine's CPU runs the step: :meth:`Step.on_cpu`)."""
     use_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
     if use_cuda:
-        return measure_cuda(resolved, request.options, device=torch.device(device) if device else None)
-    return measure_cpu(resolved, dataclasses.replace(request.options, target=Target.CPU))
+        return measure_cuda(step, device=torch.device(device) if device else None)
+    return measure_cpu(step.on_cpu())
 
 
-def attach_measurement(report: MemoryReport, model: Any, **kwargs: Any) -> MemoryReport:
-    """``report`` with a real measurement of the same configuration attached.
+def attach_measurement(report: MemoryReport, step: Step, *, device: str | None = None) -> MemoryReport:
+    """``report`` (the estimate of ``step``) with a real measurement of the same step attached.
 
     A CUDA measurement is compared with ``peak_allocated`` (as CUDA counts it). A CPU one is
     compared with the estimate for this CPU (its own kernels, no CUDA workspaces, unrounded:
     the CPU allocator does not round), and its note names the ops that estimate cannot follow.
     """
-    measured = measure(model, **kwargs)
+    measured = measure(step, device=device)
     if measured.device.startswith("cuda"):
         compared = report.bytes.peak_allocated
     else:
-        option_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-        cpu_report = estimate(model, **{**option_kwargs, "gpu": CPU})
+        cpu_report = estimate_step(dataclasses.replace(step.on_cpu(), record_costs=False))
         compared = cpu_report.peak_requested
         measured = dataclasses.replace(measured, note=cpu_comparison_note(cpu_report))
     return dataclasses.replace(report, measurement=dataclasses.replace(measured, compared_with=compared))

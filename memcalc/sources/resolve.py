@@ -406,7 +406,7 @@ def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttenti
     named = named_architecture(transformers, config)
     builders = [] if named is None else [named._from_config]  # type: ignore[attr-defined]  # PreTrainedModel's
     builders += [getattr(transformers, auto).from_config for auto in ("AutoModelForCausalLM", "AutoModel")]
-    for build in builders:  # the head the config names (stacks.transformers.heads), else a causal LM, else the bare model
+    for build in builders:  # the config's head (stacks.transformers.heads), a causal LM, the bare model
         try:
             model: nn.Module = build(config, **kwargs)
         except ValueError as exc:

@@ -32,12 +32,11 @@ from torch import nn
 from memcalc.core.categories import Mode
 from memcalc.engine.backend import AutocastRegion, GradScalerLike
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import EstimateOptions
+from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, RankHooks, TracedStep, trace_model
 from memcalc.engine.trace import StorageTracer
 from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels
 from memcalc.targets.cuda.emulation import CudaEmulation
-from memcalc.targets.cuda.gpus.catalogue import get_gpu
 from memcalc.targets.cuda.workspaces import WorkspaceModel
 from memcalc.targets.grad_scaler import EmulatedGradScaler
 from memcalc.targets.stack import resolve_torch_version
@@ -52,7 +51,7 @@ class _EmulatingBackend:
     """What both targets share: an emulation mode entered around the step, an autocast region
     for mixed precision (its op lists are the target's) and the emulated gradient scaler of fp16."""
 
-    def __init__(self, options: EstimateOptions, emulation: CudaEmulation) -> None:
+    def __init__(self, options: Step, emulation: CudaEmulation) -> None:
         self.options = options
         self.emulation = emulation
 
@@ -75,7 +74,7 @@ class _EmulatingBackend:
 class CudaBackend(_EmulatingBackend):
     """What a CUDA GPU does differently from meta tensors, for one step of ``options``."""
 
-    def __init__(self, options: EstimateOptions) -> None:
+    def __init__(self, options: Step) -> None:
         torch_version = resolve_torch_version(options.stack.torch)
         super().__init__(options, CudaEmulation(options.precision, options.gpu.compute_capability,
                                                 emulate_kernels=options.emulate_cuda, torch_version=torch_version))
@@ -106,7 +105,7 @@ class CpuBackend(_EmulatingBackend):
     """What this machine's CPU runs for one step of ``options`` (the CPU target,
     :mod:`memcalc.targets.cpu.kernels`): its own kernel choices and their inner allocations."""
 
-    def __init__(self, options: EstimateOptions, capabilities: CpuCapabilities | None = None) -> None:
+    def __init__(self, options: Step, capabilities: CpuCapabilities | None = None) -> None:
         kernels = CpuKernels(capabilities or CpuCapabilities.here())
         emulation = CpuEmulation(options.precision, options.gpu.compute_capability, kernels)
         # the release whose kernel facts the shared emulation reads (CPU autocast's lists: CpuEmulation)
@@ -128,16 +127,14 @@ class CpuBackend(_EmulatingBackend):
         return self.kernels.notes()
 
 
-def trace_step(resolved: ResolvedModel, options: EstimateOptions | None = None, *, hooks: RankHooks | None = None,
-               costs: CostRecorderFactory | None = None, **option_values: Any) -> TracedStep:
+def trace_step(resolved: ResolvedModel, options: Step, *, hooks: RankHooks | None = None,
+               costs: CostRecorderFactory | None = None) -> TracedStep:
     """Trace one step of ``resolved`` as a CUDA GPU would run it (or, with ``target="cpu"``,
     as this machine's CPU does).
 
     Args:
         resolved: the model and its inputs, on meta.
-        options: the step; or give ``option_values`` for :meth:`EstimateOptions.create`
-            (``optimizer="sgd"``, ``precision="amp-bf16"``, ``gpu="h100-80gb"`` (a catalogue
-            name), ``target="cpu"``, ...).
+        options: the step (:func:`memcalc.fields.build_step` makes one from a user's values).
         hooks: a multi-GPU program's hooks on this rank's model.
         costs: makes the recorder of every kernel's FLOPs and bytes, for a step time
             (:func:`~memcalc.engine.run.trace_model`); None: none recorded.
@@ -145,8 +142,5 @@ def trace_step(resolved: ResolvedModel, options: EstimateOptions | None = None, 
     Returns:
         The traced step, ready for :func:`memcalc.engine.run.build_report`.
     """
-    if options is None:
-        gpu = option_values.pop("gpu", None)
-        options = EstimateOptions.create(gpu=get_gpu(gpu) if isinstance(gpu, str) else gpu, **option_values)
     backend = CudaBackend(options) if options.emulate_cuda else CpuBackend(options)
     return trace_model(resolved, options, backend, hooks=hooks, costs=costs)

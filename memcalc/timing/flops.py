@@ -7,10 +7,10 @@ phase, whether a checkpointed forward is being recomputed, the module, the op's 
 dtype it computes in, its FLOPs and the bytes it reads and writes. Views and allocations
 launch no kernel and are not recorded. The engine takes it as its cost recorder
 (:class:`~memcalc.engine.run.CostRecorder`) only when a time is asked for: the estimate decides
-(:func:`memcalc.distributed.estimate.run_estimate`, from ``EstimateOptions.record_costs``:
-``--time``, ``estimate(time=True)``, ``fit --objective throughput``; :func:`memcalc.step_time`
-on a report made without it traces the step again), so an estimate that never asks for a time
-pays nothing for it; the roofline and the per-phase /
+(:func:`memcalc.distributed.estimate.run_estimate`, from ``Step.record_costs``: ``--time``,
+``estimate(time=True)``, ``fit --objective throughput``; :func:`memcalc.step_time` on a report
+made without it traces the step again), so an estimate that never asks for a time pays nothing
+for it; the roofline and the per-phase /
 per-module totals are computed only when asked (:class:`StepCosts`).
 
 A cost rule that raises on a call — torch's own formula of an older release (before 2.13,
