@@ -123,7 +123,8 @@ def test_dataparallel_output_device_by_hand():
     assert r.bytes == output.bytes  # the report's own fields describe the busiest GPU
 
 
-def test_fsdp_full_shard_by_hand():
+def test_fsdp_full_shard_by_hand(without_gloo_copies):
+    # FSDP's own buffers (gloo's copies, which the CPU target adds: the test after next).
     # FULL_SHARD, units = the two Linear layers (+ an empty root). Per rank: shards 2 MiB,
     # Adam 4 MiB. Peak in the 2nd iteration's backward, at unit 1's reduce-scatter (unit 1
     # resharded, unit 0's all-gather prefetched, its copy-out not yet done):
@@ -145,8 +146,8 @@ def test_fsdp_full_shard_by_hand():
     assert role.model_states == 16 * PSI // 4  # fp32 shards 4 + gradients 4 + Adam 8 bytes, over 4
 
 
-def test_fsdp_shard_grad_op_keeps_parameters_gathered_until_backward():
-    # SHARD_GRAD_OP: forward of the 2nd iteration gathers unit 1 (all-gather output 4 +
+def test_fsdp_shard_grad_op_keeps_parameters_gathered_until_backward(without_gloo_copies):
+    # FSDP's own buffers, as above. SHARD_GRAD_OP: forward of the 2nd iteration gathers unit 1 (all-gather output 4 +
     # unsharded 4 MiB) while unit 0's output (4) and parameters (4) are still there:
     #   shards 2 + 16 MiB of gathered parameters and outputs + Adam 4 = 22 MiB (+ input,
     #   activations). FULL_SHARD peaks at 19 MiB.
@@ -157,6 +158,18 @@ def test_fsdp_shard_grad_op_keeps_parameters_gathered_until_backward():
     assert (role.bytes.parameters, role.bytes.workspace) == (2 * MiB + 8 * MiB, 8 * MiB)
     assert role.communication == 16 * MiB
     assert role.model_states == 16 * PSI // 4
+
+
+def test_fsdp_on_the_cpu_target_adds_gloos_copies_by_hand():
+    # The CPU target's process group is gloo's (tests/test_gloo_runs.py runs it), which
+    # reduce-scatters by all-reducing a clone of the reduce-scatter input: the FULL_SHARD peak
+    # worked out above (unit 1's reduce-scatter) + that clone, 4 MiB. gloo's copy of an
+    # all-gather output (4 MiB) comes while less is alive: the peak stays where it was.
+    r = _two("fsdp", world_size=4)
+    role = _only_role(r)
+    assert r.peak_requested == 19_935_240 + 4 * MiB
+    assert role.bytes.workspace == 8 * MiB + 4 * MiB + INPUT + 4
+    assert role.communication == 4 * MiB * 3  # all-gather output, reduce-scatter input, its clone
 
 
 @pytest.mark.parametrize("stage, peak, states", [
