@@ -12,7 +12,7 @@ which a steady-state step does not repeat), then the step under ``torch.profiler
 (``profile_memory=True``): a fresh ``Adam(foreach=True)``, two iterations of memcalc's default
 loop (loss = the output's mean, the output referenced until the optimizer step,
 ``zero_grad(set_to_none=True)``), the running sum of the ``[memory]`` events in time order
-(:func:`memcalc.report.measure._profiler_peak`, as ``--measure`` reads a CPU run) on top of
+(:func:`memcalc.measure.step._profiler_peak`, as ``--measure`` reads a CPU run) on top of
 the storages alive before it (parameters, buffers, the input, DDP's buckets).
 
 Why a step can be measured more than once: gloo runs each collective on a worker thread, and
@@ -89,7 +89,7 @@ class BlockNet(nn.Module):
 @dataclass(frozen=True)
 class GlooCase:
     """One real run: ``strategy`` ("ddp" or "fsdp") over :class:`BlockNet`, fine-tuned by
-    ``finetune`` (memcalc's :func:`~memcalc.sources.adapters.finetune_module`, PEFT for LoRA)
+    ``finetune`` (memcalc's :func:`~memcalc.stacks.peft.finetune_module`, PEFT for LoRA)
     before it is wrapped.
 
     Attributes:
@@ -185,7 +185,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[GlooCase], work_d
 def _run_case(case: GlooCase, world_size: int) -> RankPeak:
     from memcalc.core.categories import Mode
     from memcalc.core.precision import Precision
-    from memcalc.sources.adapters import finetune_module
+    from memcalc.stacks.peft import finetune_module
 
     torch.manual_seed(0)  # the same weights on every rank, as DDP and FSDP expect
     model: nn.Module = BlockNet()
@@ -228,7 +228,7 @@ def _wrap(case: GlooCase, model: nn.Module, world_size: int) -> nn.Module:
 def _storages_before(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes alive when the step starts: the parameters (this rank's shards under FSDP), the
     buffers, the input and DDP's gradient buckets (the Reducer keeps them for the model's life)."""
-    from memcalc.report.measure import storage_bytes
+    from memcalc.measure.step import storage_bytes
 
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     nbytes = storage_bytes([*local, *model.buffers(), x])
@@ -258,7 +258,7 @@ def _measured_step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Paramet
     (every byte it allocated seen freed)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from memcalc.report.measure import _profiler_peak
+    from memcalc.measure.step import _profiler_peak
 
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
