@@ -38,6 +38,7 @@ from memcalc.core.units import BYTES_FORMS, parse_bytes
 from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.options import Step, Target
 from memcalc.search.budget import resolve_budget
+from memcalc.sources.resolve import resolve
 from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.targets.cuda.gpus.local import names_local_gpu
 from memcalc.targets.stack import resolve_stack
@@ -319,7 +320,7 @@ def build_step(model: Any = None, /, **values: Any) -> Step:
     for field in _FIELDS:
         value = field.convert(given.get(field.name, field.default), field)
         converted.update(zip(field.attributes, value if len(field.attributes) > 1 else (value,), strict=True))
-    step = Step(model=model, notes=() if note is None else (note,), **converted)
+    step = Step(model=model, resolver=resolve, notes=() if note is None else (note,), **converted)
     _check_combinations(step, optimizer_given=values.get("optimizer") is not None)
     # the stack, resolved once: concrete versions, and the GPU's context under them
     versions = resolve_stack(step.stack)

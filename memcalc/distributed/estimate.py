@@ -16,7 +16,6 @@ from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.options import Step
 from memcalc.engine.run import TracedStep, build_report
-from memcalc.sources.resolve import resolve
 from memcalc.stacks.peft import apply_finetune
 from memcalc.targets.backend import trace_step
 from memcalc.timing.flops import OpCostRecorder
@@ -46,8 +45,7 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
     if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
         report = estimate_per_rank(step, distributed, costs=costs)
     else:
-        resolved = resolve(step.model, batch_size=step.batch_size, input_shape=step.input_shape,
-                           seq_len=step.seq_len, inputs=step.inputs)
+        resolved = step.resolved()
         resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode)
         traced = trace_step(resolved, step, costs=costs)
         if on_trace is not None:

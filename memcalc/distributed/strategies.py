@@ -42,7 +42,6 @@ from memcalc.engine.options import Step
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
-from memcalc.sources.resolve import resolve
 from memcalc.stacks.peft import apply_finetune
 from memcalc.targets.backend import trace_step
 
@@ -249,11 +248,11 @@ def estimate_per_rank(step: Step, distributed: Distributed,
             f"weight_dtype (--weight-dtype) is not estimated under --strategy {distributed.strategy.value}: FSDP's "
             f"MixedPrecisionPolicy and DeepSpeed's 16-bit modes decide the parameters' dtype there, from --precision",
             hint="Leave out weight_dtype, or estimate one GPU (leave out --strategy).")
-    model, inputs, input_shape, seq_len = step.model, step.inputs, step.input_shape, step.seq_len
+    inputs = step.inputs
     if inputs is not None and distributed.batch_is_global:
         raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")
     if inputs is not None:
-        batch = resolve(model, inputs=inputs, input_shape=input_shape, seq_len=seq_len).batch_size
+        batch = step.resolved(batch_size=None).batch_size
     else:
         batch = 1 if step.batch_size is None else step.batch_size
         if batch < 1:
@@ -265,8 +264,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         notes.append("DeepSpeed keeps fp32 master weights in its fp16/bf16 modes too")
     results: list[RoleReport] = []
     for role in roles:
-        resolved = resolve(model, batch_size=None if inputs is not None else role.batch, input_shape=input_shape,
-                           seq_len=seq_len, inputs=inputs)
+        resolved = step.resolved(batch_size=None if inputs is not None else role.batch)
         resolved = _finetuned(resolved, distributed.strategy, step, trace_precision)
         program = role.program(resolved)
         spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)

@@ -15,7 +15,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.trace import tensors_of
 
-__all__ = ("InputsLike", "LabelsMaker", "ModelInputs", "ResolvedModel", "bind_inputs")
+__all__ = ("InputsLike", "LabelsMaker", "ModelInputs", "ModelResolver", "ResolvedModel", "bind_inputs")
 
 #: What a user may give as a model's inputs: a tensor, a sequence of positional arguments, or a
 #: mapping — keyword arguments (``model(**batch)``, a Hugging Face batch) or the forward's one
@@ -25,6 +25,11 @@ InputsLike: TypeAlias = "torch.Tensor | Sequence[Any] | Mapping[str, Any]"
 #: The labels a model computes its own loss from, made from a batch's inputs (on their device)
 #: and passed as keyword arguments (a Hugging Face head's: :mod:`memcalc.stacks.transformers.heads`).
 LabelsMaker: TypeAlias = "Callable[[ModelInputs], dict[str, torch.Tensor]]"
+#: Resolves what the user named into a :class:`ResolvedModel` on meta, at a batch:
+#: ``resolver(model, batch_size=, input_shape=, seq_len=, inputs=)``. The API hands it to the
+#: :class:`~memcalc.engine.options.Step` it builds (``memcalc.sources.resolve.resolve``), so the
+#: layers below resolve a model through the step and never import the resolver.
+ModelResolver: TypeAlias = "Callable[..., ResolvedModel]"
 
 
 class ModelInputs(Sequence[torch.Tensor]):

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
+from types import EllipsisType
 from typing import Any
 
 import torch
 
 from memcalc.core.categories import Mode
+from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice, LossFn
 from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.stack import Stack
-from memcalc.engine.model import InputsLike
+from memcalc.engine.model import InputsLike, ModelResolver, ResolvedModel
 from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
 
 __all__ = ("Step", "Target")
@@ -66,6 +68,9 @@ class Step:
             to an estimate. The memory figures do not depend on it.
         notes: what building the step found out (the local GPU it stands for), shown first
             among the report's notes.
+        resolver: resolves ``model`` at a batch (:meth:`resolved`); the API sets it, so that the
+            estimate, the strategies, the searches and the measurement resolve the model the
+            same way without importing the resolver (``memcalc.sources``).
     """
 
     model: Any = None
@@ -91,6 +96,7 @@ class Step:
     finetune: FineTune = field(default_factory=FineTune)
     record_costs: bool = False
     notes: tuple[str, ...] = ()
+    resolver: ModelResolver | None = field(default=None, compare=False, repr=False)
 
     @property
     def optimizer_key(self) -> Optimizer:
@@ -107,6 +113,21 @@ class Step:
         """The dtype the parameters and buffers are stored in: ``weight_dtype``, else float32
         master weights under autocast and the model's dtype under pure fp16/bf16."""
         return self.precision.parameter_dtype if self.weight_dtype is None else self.weight_dtype.dtype
+
+    def resolved(self, batch_size: int | EllipsisType | None = ...) -> ResolvedModel:
+        """The step's model and inputs on meta, built anew (a fine-tune changes the module in
+        place, so a resolved model serves one trace).
+
+        Args:
+            batch_size: samples per step; ``...``: the step's own; None: taken from ``inputs``.
+
+        Raises:
+            InvalidInputError: a step made without the API has no resolver.
+        """
+        if self.resolver is None:
+            raise InvalidInputError("this Step has no model resolver: build it with memcalc.fields.build_step()")
+        return self.resolver(self.model, batch_size=self.batch_size if batch_size is ... else batch_size,
+                             input_shape=self.input_shape, seq_len=self.seq_len, inputs=self.inputs)
 
     @property
     def trains_own_loss(self) -> bool:

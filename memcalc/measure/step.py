@@ -41,7 +41,6 @@ from memcalc.engine.options import Step
 from memcalc.engine.prepare import kv_cache_bytes, prepare_step
 from memcalc.engine.run import step_config
 from memcalc.engine.step import Scaler, StepConfig, run_step
-from memcalc.sources.resolve import resolve
 from memcalc.stacks.peft import finetune_module
 from memcalc.targets.cpu.kernels import NOT_FOLLOWED
 
@@ -61,8 +60,7 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 def _resolve(step: Step) -> ResolvedModel:
     """The step's model and inputs, resolved as the estimate resolves them (on meta)."""
-    return resolve(step.model, batch_size=step.batch_size, input_shape=step.input_shape, seq_len=step.seq_len,
-                   inputs=step.inputs)
+    return step.resolved()
 
 
 def _prepare(resolved: ResolvedModel, device: torch.device,
