@@ -1,7 +1,7 @@
 """Accuracy: memcalc's estimate against a real run of the same step, over a matrix of configs.
 
 On a CUDA machine the real run is measured with ``torch.cuda.max_memory_allocated`` /
-``max_memory_reserved`` (:func:`memcalc.report.measure.measure_cuda`), and the estimate is made
+``max_memory_reserved`` (:func:`memcalc.measure.step.measure_cuda`), and the estimate is made
 for the device's catalogue profile (matched from ``torch.cuda.get_device_name()``, or ``--gpu``),
 so that it models that GPU's kernels and workspaces. Without a GPU the step is measured with the
 CPU profiler (labelled as such: CPU kernels have their own workspaces, so CPU figures say less
@@ -43,9 +43,9 @@ import torch
 
 import memcalc
 from memcalc.core.errors import MemcalcError
-from memcalc.cuda.gpus.catalogue import get_gpu, match_profile
-from memcalc.report.measure import measure_cpu, measure_cuda
-from memcalc.sources.resolve import resolve
+from memcalc.fields import build_step
+from memcalc.measure.step import measure_cpu, measure_cuda
+from memcalc.targets.cuda.gpus.catalogue import get_gpu, match_profile
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -85,7 +85,7 @@ def suite(name: str) -> list[Config]:
             Config("llama-tiny", 2, "adamw", seq_len=128),
             Config("lstm-lm", 20, "sgd"),
             # reduced precision and checkpointing: the CPU's own autocast lists and oneDNN's bf16
-            # matmul scratchpad (memcalc.cuda.cpu), the recomputation
+            # matmul scratchpad (memcalc.targets.cpu.kernels), the recomputation
             Config("mlp", 256, "adam", extra={"precision": "amp-bf16"}),
             Config("llama-tiny", 2, "adamw", seq_len=128, extra={"precision": "bf16"}),
             Config("llama-tiny", 2, "adamw", seq_len=128, extra={"precision": "amp-bf16"}),
@@ -145,19 +145,19 @@ def _estimate_and_measure(config: Config, cuda: bool, gpu: str | None, record: d
     record["estimate"] = {"gpu": report.gpu.key, "peak_allocated": report.bytes.peak_allocated,
                           "peak_reserved": report.peak_reserved, "peak_requested": report.peak_requested,
                           "peak_location": report.peak_location, "attention": dict(report.attention_calls)}
-    resolved = resolve(config.model, **kwargs)
+    step = build_step(config.model, optimizer=config.optimizer, mode=config.mode, **kwargs, **config.extra)
     torch.manual_seed(0)
     if cuda:
         if not report.gpu_named:
             record["note"] = "estimate used the generic GPU profile; pass --gpu to match the device"
         # config.extra holds estimate options only: the GPU is the estimate's, never the measurement's
-        measured = measure_cuda(resolved, optimizer=config.optimizer, mode=config.mode, **config.extra)
+        measured = measure_cuda(step)
         compared = report.bytes.peak_allocated
     else:
         # the CPU runs CPU kernels: compare with the CPU-faithful simulation (no CUDA emulation)
         cpu_report = memcalc.estimate(config.model, optimizer=config.optimizer, mode=config.mode, gpu="cpu",
                                       **kwargs, **config.extra)
-        measured = measure_cpu(resolved, optimizer=config.optimizer, mode=config.mode, **config.extra)
+        measured = measure_cpu(step.on_cpu())
         compared = cpu_report.peak_requested  # the CPU allocator does not round
     record["measured"] = {"peak_allocated": measured.peak_allocated, "peak_reserved": measured.peak_reserved,
                           "oom": measured.oom, "note": measured.note}

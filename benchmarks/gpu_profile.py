@@ -7,7 +7,7 @@ memcalc's own loop is run for real, ``WARMUP`` steps and then ``STEPS`` steps un
 ``torch.profiler`` (CPU and CUDA activities, a profiler step at each optimizer step). Written
 per config: every aten op's calls and self CUDA time (µs) over the profiled steps, the top
 kernels, and the wall time per step measured with CUDA events in the same run. This is what
-``scripts/fit_step_time.py`` fits memcalc's step-time model to (:mod:`memcalc.cuda.gpus.calibration`).
+``scripts/fit_step_time.py`` fits memcalc's step-time model to (:mod:`memcalc.timing.calibration`).
 
 ``--history`` records the CUDA caching allocator's history (``torch.cuda.memory.
 _record_memory_history``, Python and C++ stacks) during the steps, as a memory-snapshot run

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 import memcalc
-from memcalc.api import make_request
 from memcalc.engine.step import NullObserver, run_step
-from memcalc.report.measure import _config, _prepare  # the measured step, prepared as --measure does
+from memcalc.fields import build_step
+from memcalc.measure.step import _config, _prepare  # the measured step, prepared as --measure does
 from memcalc.sources.resolve import resolve
 
 WARMUP = 4
@@ -69,11 +69,11 @@ def prepared_step(config: dict[str, Any], iterations: int, device: torch.device 
     takes, then what must stay alive while it runs."""
     kwargs = {"batch_size": config["batch"], "seq_len": config["seq"], "optimizer": config["opt"],
               "precision": config["precision"], "checkpoint": bool(config.get("checkpoint"))}
-    request = make_request(config["model"], **kwargs)
+    built = build_step(config["model"], **kwargs)
     resolved = resolve(config["model"], batch_size=config["batch"], seq_len=config["seq"])
     device = device or torch.device("cuda", torch.cuda.current_device())
-    module, inputs, keep = _prepare(resolved, device, request.options)
-    step = dataclasses.replace(_config(resolved, request.options, device), iterations=iterations)
+    module, inputs, keep = _prepare(resolved, device, built)
+    step = dataclasses.replace(_config(resolved, built, device), iterations=iterations)
     return module, inputs, step, keep
 
 

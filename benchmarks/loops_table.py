@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 import memcalc
-from memcalc.cuda.backend import CudaBackend
-from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import build_report, trace_model
+from memcalc.fields import build_step
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import CudaBackend
 
 MiB = 2**20
 MODELS: dict[str, dict[str, Any]] = {
@@ -52,10 +52,9 @@ def timings() -> None:
     fast = memcalc.estimate("gpt2", **spec)
     fast_s = time.perf_counter() - start
     start = time.perf_counter()
-    options = EstimateOptions.create()
+    options = build_step("gpt2", **spec)
     resolved = resolve("gpt2", **spec)
-    traced = build_report(resolved, trace_model(resolved, options, CudaBackend(options), traced_loop=True), options,
-                          None)
+    traced = build_report(resolved, trace_model(resolved, options, CudaBackend(options), traced_loop=True), options)
     traced_s = time.perf_counter() - start
     print(f"gpt2 (batch 4, seq 512), Adam, generic GPU: fast path {fast_s:.2f} s "
           f"(peak {fast.bytes.peak_allocated:,} B); minimal loop traced as written {traced_s:.2f} s "

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 import memcalc
 import models_zoo
 from memcalc.engine import allocator
-from memcalc.cuda.backend import trace_step as trace_model
-from memcalc.sources.resolve import resolve
 from memcalc.engine.timeline import allocator_events
+from memcalc.fields import build_step
+from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step as trace_model
 
 MiB = 2**20
 
@@ -39,7 +40,7 @@ def memcalc_first_iteration(batch: int) -> tuple[float, int, int, int]:
     report = memcalc.estimate("resnet50", batch_size=batch, optimizer="adam")
     seconds = time.perf_counter() - start
     # target="cpu": tensors only — MemTracker knows nothing of CUDA workspaces
-    traced = trace_model(resolve("resnet50", batch_size=batch), optimizer="adam", target="cpu")
+    traced = trace_model(resolve("resnet50", batch_size=batch), build_step(optimizer="adam", gpu="cpu"))
     program = traced.program()
     first = allocator.replay(allocator_events(program, traced.trace.nbytes, until=program.iteration_starts[-1]))
     return seconds, first.peak_allocated, first.peak_requested, report.bytes.peak_allocated

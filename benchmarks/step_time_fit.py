@@ -4,7 +4,7 @@
 
 The healthy H200's measurements (``tests/data/gpu/2026-11-26-h200-profile/``: eight profiled
 configs, twelve timed ones, the eight profiled among them) are split in two. The model
-(:mod:`memcalc.cuda.gpus.calibration`) is fitted on the first part, the profile and the step
+(:mod:`memcalc.timing.calibration`) is fitted on the first part, the profile and the step
 times of its configs only, and predicts the held-out part (:data:`HELD_OUT`), which differs from
 it in batch (resnet50 at 256), checkpointing (gpt2 b16), model (bert-base, mobilenet_v2), dtype
 (resnet50 in float32, TF32 convolutions) and a host-bound step (gpt2 b2 × 512 tokens). Then
@@ -28,7 +28,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 import memcalc
-from memcalc.cuda.gpus.calibration import (
+from memcalc.timing.calibration import (
     ClassFeatures,
     FitResult,
     MeasuredConfig,

@@ -1,7 +1,7 @@
 """What does timing the step add to an estimate?
 
 Two costs: recording every kernel's FLOPs and bytes while the step is traced
-(:class:`memcalc.engine.flops.OpCostRecorder`, paid only by an estimate that asks for a time:
+(:class:`memcalc.timing.flops.OpCostRecorder`, paid only by an estimate that asks for a time:
 ``estimate(time=True)``, ``--time``), and the roofline over the recorded kernels
 (:func:`memcalc.step_time`). For resnet50 (224×224, batch 64) and gpt2 (512 tokens, batch 8),
 Adam, on an A100 80GB, fp32 and amp-bf16, this prints the median time of a plain estimate
@@ -26,9 +26,9 @@ from typing import Any
 from tabulate import tabulate
 
 import memcalc
-from memcalc.api import make_request
-from memcalc.cuda.gpus.performance import step_time
 from memcalc.distributed.estimate import run_estimate
+from memcalc.fields import build_step
+from memcalc.timing.performance import step_time
 
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("resnet50", {"batch_size": 64}),
@@ -43,9 +43,8 @@ REPEATS = 9
 
 def recording(model: str, kwargs: dict[str, Any]) -> Any:
     """An estimate whose kernels' costs are recorded as it is traced, not yet timed: what
-    ``estimate(time=True)`` traces (the request with ``record_costs`` set)."""
-    request = make_request(model, **kwargs)
-    return run_estimate(replace(request, options=replace(request.options, record_costs=True)))
+    ``estimate(time=True)`` traces (the step with ``record_costs`` set)."""
+    return run_estimate(replace(build_step(model, **kwargs), record_costs=True))
 
 
 def seconds(run: Callable[[], object]) -> float:

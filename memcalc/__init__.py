@@ -14,166 +14,84 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from memcalc.api import CPU, estimate, fastest_setting, iter_sweep, max_batch_size, sweep
-    from memcalc.core.categories import Category, Mode, Phase
-    from memcalc.core.errors import (
-        DataDependentError,
-        InvalidInputError,
-        LoopFunctionError,
-        MemcalcError,
-        MissingPackageError,
-        ModelSourceError,
-        PlotPathError,
-        RejectedShapesError,
-        SymbolicExecutionError,
-        UnknownModelError,
-    )
-    from memcalc.core.finetune import FineTune, LoRA, Quant
-    from memcalc.core.gpu import GpuProfile
-    from memcalc.core.loop import Loop, LoopPreset, OptimizerImpl
-    from memcalc.core.losses import LossChoice
-    from memcalc.core.precision import Precision
-    from memcalc.core.report import ByteBreakdown, Measurement, MemoryReport, ModuleRow, RoleReport, Textbook
-    from memcalc.core.stack import Stack
-    from memcalc.core.throughput import DataLoaderSetup, LoaderAdvice, StepFlops, StepTime
-    from memcalc.cuda.gpus.performance import loader_advice, step_time, with_time
-    from memcalc.distributed.options import Distributed, FsdpSharding, Strategy
-    from memcalc.engine.optimizers import Optimizer
-    from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, FitResult
-    from memcalc.search.sweep import SweepPoint
-    from memcalc.search.throughput import ThroughputChoice
-    from memcalc.sources.hub import HuggingFace
-
 __version__ = "0.1.0"
 
-_EXPORTS: dict[str, str] = {
-    "CPU": "memcalc.api",
+#: The public API, listed once: each name and the module that defines it. ``__all__`` and the
+#: lazy loader come from this table; the imports for type checkers below repeat it, and
+#: tests/test_architecture.py keeps the two equal. Every other name stays importable from its
+#: module (``memcalc.core.categories.Phase``, ``memcalc.core.precision.Precision``, ...).
+_PUBLIC: dict[str, str] = {
+    # what memcalc answers
     "estimate": "memcalc.api",
-    "fastest_setting": "memcalc.api",
-    "iter_sweep": "memcalc.api",
     "max_batch_size": "memcalc.api",
     "sweep": "memcalc.api",
-    "Category": "memcalc.core.categories",
-    "Mode": "memcalc.core.categories",
-    "Phase": "memcalc.core.categories",
-    "DataDependentError": "memcalc.core.errors",
-    "InapplicableOptionError": "memcalc.core.errors",
-    "InvalidInputError": "memcalc.core.errors",
-    "LossFunctionError": "memcalc.core.errors",
-    "LoopFunctionError": "memcalc.core.errors",
-    "PlotPathError": "memcalc.core.errors",
-    "RejectedShapesError": "memcalc.core.errors",
-    "MemcalcError": "memcalc.core.errors",
-    "MissingPackageError": "memcalc.core.errors",
-    "ModelSourceError": "memcalc.core.errors",
-    "SymbolicExecutionError": "memcalc.core.errors",
-    "UnknownModelError": "memcalc.core.errors",
+    "iter_sweep": "memcalc.api",
+    "fastest_setting": "memcalc.api",
+    "step_time": "memcalc.timing.performance",
+    # the step it answers for
+    "Step": "memcalc.engine.options",
+    "CPU": "memcalc.fields",
     "GpuProfile": "memcalc.core.gpu",
+    "Distributed": "memcalc.distributed.options",
+    "Loop": "memcalc.core.loop",
+    "Stack": "memcalc.core.stack",
     "FineTune": "memcalc.core.finetune",
     "LoRA": "memcalc.core.finetune",
-    "Quant": "memcalc.core.finetune",
-    "Loop": "memcalc.core.loop",
-    "LoopPreset": "memcalc.core.loop",
-    "OptimizerImpl": "memcalc.core.loop",
-    "Stack": "memcalc.core.stack",
-    "LossChoice": "memcalc.core.losses",
-    "Precision": "memcalc.core.precision",
-    "ByteBreakdown": "memcalc.core.report",
-    "Measurement": "memcalc.core.report",
+    "HuggingFace": "memcalc.stacks.transformers.hub",
+    # what it returns
     "MemoryReport": "memcalc.core.report",
-    "ModuleRow": "memcalc.core.report",
-    "RoleReport": "memcalc.core.report",
-    "Textbook": "memcalc.core.report",
-    "Distributed": "memcalc.distributed.options",
-    "FsdpSharding": "memcalc.distributed.options",
-    "Strategy": "memcalc.distributed.options",
-    "Optimizer": "memcalc.engine.optimizers",
-    "BatchLimitError": "memcalc.search.budget",
-    "Budget": "memcalc.search.budget",
-    "DoesNotFitError": "memcalc.search.budget",
+    "Category": "memcalc.core.categories",
     "FitResult": "memcalc.search.budget",
     "SweepPoint": "memcalc.search.sweep",
-    "StepFlops": "memcalc.core.throughput",
-    "StepTime": "memcalc.core.throughput",
-    "DataLoaderSetup": "memcalc.core.throughput",
-    "LoaderAdvice": "memcalc.core.throughput",
-    "ThroughputChoice": "memcalc.search.throughput",
-    "loader_advice": "memcalc.cuda.gpus.performance",
-    "step_time": "memcalc.cuda.gpus.performance",
-    "with_time": "memcalc.cuda.gpus.performance",
-    "HuggingFace": "memcalc.sources.hub",
+    # what it raises: the base class, and the errors a caller catches
+    "MemcalcError": "memcalc.core.errors",
+    "InvalidInputError": "memcalc.core.errors",
+    "InapplicableOptionError": "memcalc.core.errors",
+    "UnknownModelError": "memcalc.core.errors",
+    "SymbolicExecutionError": "memcalc.core.errors",
+    "DoesNotFitError": "memcalc.search.budget",
 }
 
+if TYPE_CHECKING:  # the table above, for type checkers (``as``: re-exported under mypy --strict)
+    from memcalc.api import estimate as estimate
+    from memcalc.api import fastest_setting as fastest_setting
+    from memcalc.api import iter_sweep as iter_sweep
+    from memcalc.api import max_batch_size as max_batch_size
+    from memcalc.api import sweep as sweep
+    from memcalc.core.categories import Category as Category
+    from memcalc.core.errors import InapplicableOptionError as InapplicableOptionError
+    from memcalc.core.errors import InvalidInputError as InvalidInputError
+    from memcalc.core.errors import MemcalcError as MemcalcError
+    from memcalc.core.errors import SymbolicExecutionError as SymbolicExecutionError
+    from memcalc.core.errors import UnknownModelError as UnknownModelError
+    from memcalc.core.finetune import FineTune as FineTune
+    from memcalc.core.finetune import LoRA as LoRA
+    from memcalc.core.gpu import GpuProfile as GpuProfile
+    from memcalc.core.loop import Loop as Loop
+    from memcalc.core.report import MemoryReport as MemoryReport
+    from memcalc.core.stack import Stack as Stack
+    from memcalc.distributed.options import Distributed as Distributed
+    from memcalc.engine.options import Step as Step
+    from memcalc.fields import CPU as CPU
+    from memcalc.search.budget import DoesNotFitError as DoesNotFitError
+    from memcalc.search.budget import FitResult as FitResult
+    from memcalc.search.sweep import SweepPoint as SweepPoint
+    from memcalc.stacks.transformers.hub import HuggingFace as HuggingFace
+    from memcalc.timing.performance import step_time as step_time
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'memcalc' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__all__ = ("__version__", *_PUBLIC)
+
+
+if not TYPE_CHECKING:  # hidden from type checkers, which see the imports above: any other name is an error
+
+    def __getattr__(name: str) -> Any:
+        module = _PUBLIC.get(name)
+        if module is None:
+            raise AttributeError(f"module 'memcalc' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
-
-
-__all__ = (
-    "CPU",
-    "BatchLimitError",
-    "Budget",
-    "ByteBreakdown",
-    "Category",
-    "DataDependentError",
-    "DataLoaderSetup",
-    "Distributed",
-    "DoesNotFitError",
-    "FineTune",
-    "FitResult",
-    "FsdpSharding",
-    "GpuProfile",
-    "HuggingFace",
-    "InapplicableOptionError",
-    "InvalidInputError",
-    "LoRA",
-    "LoaderAdvice",
-    "Loop",
-    "LoopFunctionError",
-    "LoopPreset",
-    "LossChoice",
-    "LossFunctionError",
-    "Measurement",
-    "MemcalcError",
-    "MemoryReport",
-    "MissingPackageError",
-    "Mode",
-    "ModelSourceError",
-    "ModuleRow",
-    "Optimizer",
-    "OptimizerImpl",
-    "Phase",
-    "PlotPathError",
-    "Precision",
-    "Quant",
-    "RejectedShapesError",
-    "RoleReport",
-    "Stack",
-    "StepFlops",
-    "StepTime",
-    "Strategy",
-    "SweepPoint",
-    "SymbolicExecutionError",
-    "Textbook",
-    "ThroughputChoice",
-    "UnknownModelError",
-    "__version__",
-    "estimate",
-    "fastest_setting",
-    "iter_sweep",
-    "loader_advice",
-    "max_batch_size",
-    "step_time",
-    "sweep",
-    "with_time",
-)
+    return sorted([*globals(), *_PUBLIC])

@@ -1,14 +1,14 @@
 """Fit memcalc's step-time model to a GPU's real kernels and write its coefficients.
 
-    python scripts/fit_step_time.py                  # writes memcalc/cuda/gpus/fitted.py
+    python scripts/fit_step_time.py                  # writes memcalc/timing/fitted.py
     python scripts/fit_step_time.py --check          # fails if the committed module is stale
 
 Reads :data:`DATA`, ``tests/data/gpu/2026-11-26-h200-profile/`` (one run on a healthy NVIDIA
 H200, torch 2.11: ``profile.json``, the self CUDA time of every aten op of eight configs;
 ``times.jsonl``, the unprofiled real step of twelve configs), traces each config with memcalc on
 this checkout for the H200's datasheet peaks, fits per op class an efficiency and a fixed time
-per kernel, and a gap between kernels (:mod:`memcalc.cuda.gpus.calibration`), and writes them as
-a Python module that :mod:`memcalc.cuda.gpus.performance` reads. Every coefficient comes from
+per kernel, and a gap between kernels (:mod:`memcalc.timing.calibration`), and writes them as
+a Python module that :mod:`memcalc.timing.performance` reads. Every coefficient comes from
 these files: nothing is typed in. The other GPUs get the same fractions of their own datasheet
 peaks; :data:`RECHECK` (a healthy H100's eight steps) checks that scaling, and the ratios are
 written beside the coefficients.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import memcalc
 from memcalc.core.throughput import OpClass
-from memcalc.cuda.gpus.calibration import (
+from memcalc.timing.calibration import (
     ClassFeatures,
     FitResult,
     MeasuredConfig,
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "gpu" / "2026-11-26-h200-profile"
 #: The catalogue key of the GPU :data:`DATA` was measured on: its datasheet peaks give ``ideal``.
 GPU = "h200"
-OUT = ROOT / "memcalc" / "cuda" / "gpus" / "fitted.py"
+OUT = ROOT / "memcalc" / "timing" / "fitted.py"
 #: A healthy H100's eight steps (2026-11-26), not fitted: they check the datasheet scaling.
 RECHECK = ROOT / "tests" / "data" / "gpu" / "2026-11-26-steps"
 RECHECK_FILE = "h100-times.jsonl"

@@ -26,7 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 import memcalc
-from memcalc.cuda.gpus import catalogue as gpus
+from memcalc.targets.cuda.gpus import catalogue as gpus
 
 GIB = 1024**3
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,8 @@
   review in ``git diff``. docs/testing.md says when to use it and when an assertion is better.
 * ``@pytest.mark.quick_cases("id", ...)``: of a parametrized family, the cases the quick run
   (``-m "not slow"``) keeps; every other case is marked slow (``pytest_collection_modifyitems``).
-* ``fake_process_group``: a fake process group for the distributed tests.
+* ``fake_process_group``: a fake process group for the distributed tests (and
+  ``without_gloo_copies``, which it uses).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from support import FAKE_WORLD
+
+from memcalc.distributed.fsdp import ShardedProgram
 
 TESTS = Path(__file__).parent
 GOLDEN = TESTS / "golden"
@@ -151,9 +154,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def fake_process_group() -> Iterator[int]:
+def without_gloo_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Estimates on the CPU target without the copies gloo makes in FSDP's collectives
+    (:meth:`memcalc.distributed.fsdp.ShardedProgram._gloo_copy`): FSDP's own buffers alone."""
+    monkeypatch.setattr(ShardedProgram, "gloo_copies", False)
+
+
+@pytest.fixture
+def fake_process_group(without_gloo_copies: None) -> Iterator[int]:
     """A process group of :data:`support.FAKE_WORLD` ranks in which this process is rank 0 and
-    collectives do nothing (``torch.testing``'s fake backend); yields the world size."""
+    collectives do nothing (``torch.testing``'s fake backend); yields the world size. Its
+    collectives allocate nothing, so the estimates compared with its runs leave gloo's copies
+    out (tests/test_gloo_runs.py compares them with real gloo runs)."""
     fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
     dist.init_process_group("fake", rank=0, world_size=FAKE_WORLD, store=fake_pg.FakeStore())
     try:

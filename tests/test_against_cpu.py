@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memcalc
-from memcalc.report.measure import measure_cpu
-from memcalc.sources.resolve import resolve
+from memcalc.fields import build_step
+from memcalc.measure.step import measure_cpu
 
 # The issue's bar is 2 %; on torch 2.13 these cases agree to the byte or within ~100 B (CPU
 # scalars such as the optimizers' step counters, which a GPU would not hold either), so we
@@ -130,9 +130,8 @@ def _measure_and_estimate(case):
     # target="cpu": no CUDA kernel emulation, no CUDA workspaces — the CPU runs CPU kernels
     estimate = memcalc.estimate(model, optimizer=case["optimizer"], mode=mode, loss=loss_fn, gpu="cpu",
                                 **kwargs)
-    resolved = resolve(model, **kwargs)
     torch.manual_seed(0)
-    measured = measure_cpu(resolved, optimizer=case["optimizer"], mode=mode, loss_fn=loss_fn)
+    measured = measure_cpu(build_step(model, optimizer=case["optimizer"], mode=mode, loss=loss_fn, **kwargs))
     return estimate, measured.peak_allocated
 
 
@@ -153,6 +152,6 @@ def test_conv_net_differs_on_cpu_for_a_known_reason():
     estimate, measured = _measure_and_estimate(dict(model="resnet18", batch=2, input_shape=(3, 64, 64),
                                                     optimizer="sgd"))
     # measured on torch 2.13: -0.34 % (-0.27 % while the simulation also added autograd's
-    # gradient sums out of place, as the tracer's dispatch mode makes it; see memcalc.cuda.cpu)
+    # gradient sums out of place, as the tracer's dispatch mode makes it; see memcalc.targets.cpu.kernels)
     assert estimate.peak_requested <= measured * 1.02
     assert estimate.unsupported_ops  # and the report says convolution is approximated

@@ -1,7 +1,8 @@
 """The shape of the package, as promised in docs/architecture.md: a small public API, a lazily
-loaded top-level package, and no import cycle through it. (The layers themselves are checked by
-`lint-imports` in .ci/run; module sizes and estimate()'s keywords are reviewed, not capped:
-docs/architecture.md, "Sizes are reviewed, not capped".)"""
+loaded top-level package, no import cycle through it, and a layers contract that covers every
+package. (The layers themselves are checked by `lint-imports` in .ci/run; module sizes and
+estimate()'s keywords are reviewed, not capped: docs/architecture.md, "Sizes are reviewed, not
+capped".)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import inspect
 import subprocess
 import sys
 from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pytest's own TOML reader
+    import tomli as tomllib
 
 import pytest
 
@@ -47,3 +53,39 @@ def test_importing_memcalc_loads_no_engine():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_layers_contract_names_every_package():
+    # a package the layers contract leaves out escapes lint-imports' direction checks: a new
+    # room must be placed among the layers when it is made
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    contracts = pyproject["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["type"] == "layers" and "containers" not in c)["layers"]
+    named = {name.strip() for layer in layers for name in layer.split("|")}
+    rooms = {f"memcalc.{path.name}" for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    rooms |= {f"memcalc.{path.stem}" for path in PACKAGE.glob("*.py") if not path.name.startswith("__")}
+    assert rooms == named
+
+
+def _type_checking_imports() -> dict[str, str]:
+    """``name → module`` of the imports under ``if TYPE_CHECKING:`` in memcalc/__init__.py."""
+    import ast
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    found: dict[str, str] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.module is not None
+        for alias in node.names:
+            assert alias.asname == alias.name, f"{alias.name}: 'import X as X' re-exports it under mypy --strict"
+            found[alias.name] = node.module
+    return found
+
+
+def test_the_public_api_is_one_table_and_the_type_checkers_see_the_same():
+    table = memcalc._PUBLIC
+    assert memcalc.__all__ == ("__version__", *table)
+    assert _type_checking_imports() == table
+    assert len(table) <= 25  # a small surface: everything else stays importable from its module
+    for name, module in table.items():
+        assert getattr(memcalc, name) is getattr(__import__(module, fromlist=[name]), name)

@@ -34,8 +34,8 @@ from memcalc.core.errors import (
     PlotPathError,
 )
 from memcalc.core.units import format_bytes, parse_bytes
-from memcalc.cuda.gpus import local as local_gpus
-from memcalc.cuda.gpus.catalogue import catalogue
+from memcalc.targets.cuda.gpus import local as local_gpus
+from memcalc.targets.cuda.gpus.catalogue import catalogue
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,4 +1,4 @@
-"""Step-time costs of the bitsandbytes kernels memcalc emulates (memcalc.sources.quant's
+"""Step-time costs of the bitsandbytes kernels memcalc emulates (memcalc.stacks.bitsandbytes's
 dequantization and int8 matmul, memcalc.engine.optimizers_bnb's update kernels): the bytes each
 kernel moves, worked out by hand, against what ``memcalc.step_time`` counts per op class and phase.
 
@@ -17,11 +17,11 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import ClassTime, OpClass, StepTime
-from memcalc.cuda.gpus.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
-from memcalc.engine.flops import KERNEL_COSTS, KernelCost
+from memcalc.engine.kernels import KERNEL_COSTS, KernelCost
 from memcalc.engine.optimizers_bnb import UPDATE_KERNELS
 from memcalc.engine.rules import DuplicateRuleError
-from memcalc.sources.quant import KERNELS
+from memcalc.stacks.bitsandbytes import KERNELS
+from memcalc.timing.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
 
 GPU = "a100-80gb"
 N = 4096 * 4096  # elements of the weight: 16,777,216

@@ -14,10 +14,10 @@ from click.testing import CliRunner
 import memcalc.cli
 from memcalc import api
 from memcalc.cli import sweep as cli_sweep
-from memcalc.cuda.gpus import local as gpus
-from memcalc.cuda.gpus.catalogue import get_gpu
-from memcalc.cuda.gpus.local import LocalGpu
 from memcalc.search import budget as budgets
+from memcalc.targets.cuda.gpus import local as gpus
+from memcalc.targets.cuda.gpus.catalogue import get_gpu
+from memcalc.targets.cuda.gpus.local import LocalGpu
 
 main = memcalc.cli.main
 
@@ -225,6 +225,7 @@ def test_gpus_through_nvidia_smi_with_reordering(monkeypatch):
 @pytest.mark.slow
 def test_fit_with_a_strategy_gives_the_per_gpu_batch():
     from click.testing import CliRunner
+
     from memcalc.cli import main
 
     single = CliRunner().invoke(main, ["fit", "gpt2", "--seq-len", "64", "--budget", "3GiB", "--optim", "adamw",

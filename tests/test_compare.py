@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 import memcalc
 from memcalc.cli import main
-from memcalc.engine.real_snapshot import load_snapshot
+from memcalc.measure.snapshot import load_snapshot
 from memcalc.report.compare import compare_snapshot, real_phase
 
 DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"

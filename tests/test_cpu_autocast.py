@@ -7,8 +7,8 @@ float32 and bfloat16 agreed. The CPU target cast by CUDA's autocast lists: softm
 ``dtype=float32`` (a float32 copy of the scores, a float32 probability matrix saved for
 backward, and a bfloat16 copy of it for the next ``bmm``), where CPU autocast — whose lists
 (``TORCH_LIBRARY_IMPL(aten, AutocastCPU, m)``) have no softmax, layer_norm, exp, pow, ... —
-runs softmax in bfloat16 and saves that. :mod:`memcalc.cuda.cpu` now casts by the CPU's lists
-(:func:`memcalc.cuda.autocast.cpu_autocast_policy`). Here: the lists against the installed
+runs softmax in bfloat16 and saves that. :mod:`memcalc.targets.cpu.kernels` now casts by the CPU's lists
+(:func:`memcalc.targets.autocast.cpu_autocast_policy`). Here: the lists against the installed
 dispatcher, the policies by hand, the forward and backward op for op against a real step, and
 the peak against the profiler.
 """
@@ -28,11 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memcalc
 from memcalc.core.precision import Precision
-from memcalc.cuda.autocast import autocast_policy, cpu_autocast_lists, cpu_autocast_policy
-from memcalc.cuda.cpu import CpuCapabilities, CpuEmulation, CpuKernels
-from memcalc.cuda.cpu_aten import autocast_arguments
-from memcalc.report.measure import measure_cpu
-from memcalc.sources.resolve import resolve
+from memcalc.fields import build_step
+from memcalc.measure.step import measure_cpu
+from memcalc.targets.autocast import autocast_policy, cpu_autocast_lists, cpu_autocast_policy
+from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels, autocast_arguments
 
 # tests/test_against_cpu.py's bar. On torch 2.13 these agree within 124 B: the optimizer's CPU
 # step counters, which the estimate for this CPU leaves out.
@@ -168,7 +167,7 @@ def test_encoder_lm_in_amp_bf16_matches_the_real_cpu_step(batch: int, tokens: in
     step: dict[str, Any] = dict(optimizer="adamw", precision="amp-bf16")
     estimate = memcalc.estimate(TinyEncoderLM, gpu="cpu", inputs=inputs, loss=lm_loss, **step)
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(TinyEncoderLM, inputs=inputs), loss_fn=lm_loss, **step).peak_allocated
+    measured = measure_cpu(build_step(TinyEncoderLM, inputs=inputs, loss=lm_loss, **step)).peak_allocated
     assert estimate.peak_requested is not None
     error = (estimate.peak_requested - measured) / measured
     assert abs(error) <= TOLERANCE, (

@@ -4,8 +4,8 @@ A small Hugging Face Llama trained in ``precision="bf16"`` was estimated 3.8 % u
 profiler (2,074,788 B against 2,157,048 B) while float32 agreed. The difference was oneDNN:
 on a CPU with AVX512-BF16 every bfloat16 GEMM above 16³ multiply-adds runs oneDNN's matmul,
 and ideep takes its scratchpad from the CPU allocator for the call — at the peak, 210,176 B
-inside the LM head's weight-gradient ``mm``. :mod:`memcalc.cuda.cpu` now adds that scratchpad
-(:mod:`memcalc.cuda.onednn_matmul`: oneDNN v3.12's ``brg_matmul:avx512_core_bf16``). Here:
+inside the LM head's weight-gradient ``mm``. :mod:`memcalc.targets.cpu.kernels` now adds that scratchpad
+(:mod:`memcalc.targets.cpu.onednn`: oneDNN v3.12's ``brg_matmul:avx512_core_bf16``). Here:
 the issue's model in bf16, amp-bf16 and fp16; the formula worked out by hand; each op's path
 (plain, transposed, a column result, one row, K split over threads, copied operands, ``bmm``,
 ``mv``, ``addmm``) against the profiler to the byte; and the note a CPU with another oneDNN
@@ -23,13 +23,13 @@ from support import hf_config_source
 from torch import nn
 
 import memcalc
-from memcalc.cuda.backend import CpuBackend
-from memcalc.cuda.cpu import NOT_FOLLOWED, CpuCapabilities
-from memcalc.cuda.onednn_matmul import ONEDNN_BF16_MATMUL_ISA, onednn_bf16_matmul_isa, onednn_bf16_matmul_scratchpad
-from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.run import trace_model
-from memcalc.report.measure import attach_measurement, measure_cpu
+from memcalc.fields import build_step
+from memcalc.measure.step import attach_measurement, measure_cpu
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import CpuBackend
+from memcalc.targets.cpu.kernels import NOT_FOLLOWED, CpuCapabilities
+from memcalc.targets.cpu.onednn import ONEDNN_BF16_MATMUL_ISA, onednn_bf16_matmul_isa, onednn_bf16_matmul_scratchpad
 
 pytest.importorskip("transformers")
 
@@ -59,7 +59,7 @@ def test_small_llama_matches_the_real_cpu_step(tmp_path: Path, precision: str) -
     kwargs = dict(batch_size=2, seq_len=32, optimizer="adamw", precision=precision)
     report = memcalc.estimate(model, gpu="cpu", **kwargs)
     torch.manual_seed(0)
-    measured = attach_measurement(report, model, device="cpu", **kwargs).measurement
+    measured = attach_measurement(report, build_step(model, **kwargs), device="cpu").measurement
     assert measured is not None and measured.compared_with == report.peak_requested
     error = measured.relative_error()
     assert error is not None and abs(error) <= TOLERANCE, (
@@ -151,7 +151,7 @@ def test_each_bf16_gemm_path_matches_the_profiler_to_the_byte(name: str) -> None
     inputs = (torch.randn(*PRODUCTS[name][1]),)
     step = dict(mode="eval", optimizer="none", precision="bf16")
     estimate = memcalc.estimate(model, gpu="cpu", inputs=inputs, **step)
-    measured = measure_cpu(resolve(model, inputs=inputs), **step).peak_allocated
+    measured = measure_cpu(build_step(model, inputs=inputs, **step)).peak_allocated
     assert estimate.peak_requested == measured
 
 
@@ -160,7 +160,7 @@ def test_another_onednn_isa_is_named_not_followed() -> None:
         return Product("plain")
 
     resolved = resolve(model, inputs=(torch.randn(64, 512),))
-    options = EstimateOptions.create(target=Target.CPU, mode="eval", optimizer="none", precision="bf16")
+    options = build_step(gpu="cpu", mode="eval", optimizer="none", precision="bf16")
     amx = dataclasses.replace(HERE, onednn=True, onednn_bf16=True, onednn_bf16_isa="avx512_core_amx")
     notes = trace_model(resolved, options, CpuBackend(options, amx)).notes
     assert (f"{NOT_FOLLOWED} aten.mm.default ×1 (bfloat16: oneDNN's matmul scratchpad is modelled for "

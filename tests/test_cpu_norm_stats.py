@@ -5,7 +5,7 @@ dtype), where meta kernels, as CUDA's, keep float32: a small LayerNorm stack tra
 was estimated 2.04 % over the CPU profiler (4,916,356 B against 4,818,086 B on torch 2.13).
 Batch norm keeps its statistics in the input's dtype too, and none out of training; group norm
 keeps float32 ones when a bfloat16 input meets float32 weights (``torch.autocast("cpu")``),
-where meta keeps bfloat16. :mod:`memcalc.cuda.cpu_norms` gives each statistic the CPU's bytes.
+where meta keeps bfloat16. :func:`memcalc.targets.cpu.kernels.follow_statistics` gives each statistic the CPU's bytes.
 Here: every norm op's rule against the real CPU kernel, the bytes of a traced step worked out
 by hand, and LayerNorm steps against the profiler.
 """
@@ -24,13 +24,12 @@ from torch import nn
 from torch._ops import OpOverload
 
 import memcalc
-from memcalc.cuda.backend import CpuBackend
-from memcalc.cuda.cpu import CPU_KERNEL_RULES
-from memcalc.cuda.cpu_norms import NORM_STATISTICS_OPS, statistics_nbytes
-from memcalc.engine.options import EstimateOptions, Target
 from memcalc.engine.run import trace_model
-from memcalc.report.measure import measure_cpu
+from memcalc.fields import build_step
+from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import CpuBackend
+from memcalc.targets.cpu.kernels import CPU_KERNEL_RULES, NORM_STATISTICS_OPS, statistics_nbytes
 
 aten = torch.ops.aten
 
@@ -152,7 +151,8 @@ def batch_norms() -> nn.Module:
 def _statistics_bytes(model: Callable[[], nn.Module], x: torch.Tensor, op: str,
                       **step: Any) -> tuple[Counter[int], list[str]]:
     """The bytes of the storages ``op`` made in a traced CPU-target step, and its notes."""
-    options = EstimateOptions.create(target=Target.CPU, loss="mean", **step)
+    loss = "mean" if step.get("mode", "train") == "train" else None  # an eval step computes no loss
+    options = build_step(gpu="cpu", loss=loss, **step)
     traced = trace_model(resolve(model, inputs=(x,)), options, CpuBackend(options))
     trace = traced.trace
     return Counter(n for uid, n in enumerate(trace.nbytes) if trace.op[uid] == op), traced.notes
@@ -215,7 +215,7 @@ def test_layer_norm_step_matches_the_real_cpu_step(precision: str) -> None:
     step = dict(optimizer="adamw", precision=precision, loss="mean")
     estimate = memcalc.estimate(layer_norms, gpu="cpu", inputs=inputs, **step).peak_requested
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(layer_norms, inputs=inputs), **step).peak_allocated
+    measured = measure_cpu(build_step(layer_norms, inputs=inputs, **step)).peak_allocated
     error = (estimate - measured) / measured
     assert abs(error) <= TOLERANCE, f"{precision}: estimated {estimate:,} B vs real CPU {measured:,} B ({error:+.2%})"
     # the step is one the statistics decide: with meta's float32 statistics it is off by more

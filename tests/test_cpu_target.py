@@ -1,4 +1,4 @@
-"""The CPU target (``gpu="cpu"``, :mod:`memcalc.cuda.cpu`) against what the CPU really runs.
+"""The CPU target (``gpu="cpu"``, :mod:`memcalc.targets.cpu.kernels`) against what the CPU really runs.
 
 ``--measure`` without a GPU runs the step on the CPU under ``torch.profiler`` and compares it
 with this estimate, so the estimate must follow the CPU's own kernels: its flash attention for
@@ -23,11 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memcalc
 from memcalc.cli import main
-from memcalc.cuda import onednn
-from memcalc.cuda.cpu import cpu_flash_refusal, flash_backward_temporaries, flash_forward_temporaries
-from memcalc.cuda.versions import parse_torch_version
-from memcalc.report.measure import attach_measurement, cpu_comparison_note, measure_cpu
-from memcalc.sources.resolve import resolve
+from memcalc.fields import build_step
+from memcalc.measure.step import attach_measurement, cpu_comparison_note, measure_cpu
+from memcalc.targets.cpu import onednn
+from memcalc.targets.cpu.kernels import cpu_flash_refusal, flash_backward_temporaries, flash_forward_temporaries
+from memcalc.targets.versions import parse_torch_version
 
 # The issue's bar is 2 %; on torch 2.13 these agree within ~0.01 % (a few CPU scalars such as
 # Adam's step counters), so a tighter 0.5 % catches regressions.
@@ -137,8 +137,8 @@ def test_issue_models_measure_within_the_bar_from_the_cli(models_file: Path, nam
 def test_issue_models_measure_within_the_bar_through_the_api(models_file: Path, name: str) -> None:
     factory, batch, shape = ISSUE_MODELS.get(name, ("mha_weights", 8, (256, 256)))
     model = f"{models_file}:{factory}"
-    report = attach_measurement(memcalc.estimate(model, batch_size=batch, input_shape=shape), model,
-                                batch_size=batch, input_shape=shape)
+    report = attach_measurement(memcalc.estimate(model, batch_size=batch, input_shape=shape),
+                                build_step(model, batch_size=batch, input_shape=shape))
     measurement = report.measurement
     assert measurement is not None and measurement.peak_allocated and measurement.compared_with
     error = measurement.relative_error()
@@ -205,7 +205,7 @@ def test_cpu_rnn_paths_match_the_real_cpu(name: str) -> None:
 
     estimate = memcalc.estimate(model, batch_size=8, input_shape=(64, 128), gpu="cpu", **step)
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(model, batch_size=8, input_shape=(64, 128)), **step).peak_allocated
+    measured = measure_cpu(build_step(model, batch_size=8, input_shape=(64, 128), **step)).peak_allocated
     assert measured
     error = _error(measured, estimate.peak_requested)
     assert abs(error) <= TOLERANCE, f"{name}: {estimate.peak_requested:,} B vs real {measured:,} B ({error:+.2%})"
@@ -215,8 +215,8 @@ def test_cpu_rnn_paths_match_the_real_cpu(name: str) -> None:
 def test_cpu_estimate_names_the_op_it_cannot_follow(models_file: Path) -> None:
     # oneDNN's LSTM without autograd packs its weights with MKL: not modelled, and said so
     model = f"{models_file}:lstm"
-    report = attach_measurement(memcalc.estimate(model, batch_size=8, input_shape=(64, 128), mode="eval"), model,
-                                batch_size=8, input_shape=(64, 128), mode="eval")
+    step = build_step(model, batch_size=8, input_shape=(64, 128), mode="eval")
+    report = attach_measurement(memcalc.estimate(model, batch_size=8, input_shape=(64, 128), mode="eval"), step)
     assert report.measurement is not None
     assert "not followed on the CPU: aten.mkldnn_rnn_layer.default ×2 (oneDNN LSTM inference" in (
         report.measurement.note)
@@ -231,7 +231,7 @@ def test_cpu_estimate_names_the_op_it_cannot_follow(models_file: Path) -> None:
 def test_cpu_measurement_keeps_stderr_clean(capfd: pytest.CaptureFixture[str]) -> None:
     # kineto wrote "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start" (and _stop) to
     # file descriptor 2 at every profiler start and stop
-    measure_cpu(resolve("mlp", batch_size=4))
+    measure_cpu(build_step("mlp", batch_size=4))
     err = capfd.readouterr().err
     assert "profiler_start" not in err and "profiler_stop" not in err and "USDT" not in err
 

@@ -13,14 +13,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memcalc
-from memcalc import Category, Phase
-from memcalc.cuda.backend import trace_step as trace_model
-from memcalc.core.categories import Mode
-from memcalc.cuda.emulation import CudaEmulation
-from memcalc.cuda.sdpa import AttentionBackend
-from memcalc.sources.resolve import resolve
+from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.precision import Precision
 from memcalc.engine.trace import StorageTracer
+from memcalc.fields import build_step
+from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step as trace_model
+from memcalc.targets.cuda.emulation import CudaEmulation
 
 MiB = 2**20
 
@@ -92,8 +91,8 @@ class AttentionOnly(nn.Module):
 
 
 def _activations(seq_len, precision, gpu):
-    traced = trace_model(resolve(AttentionOnly(), batch_size=2, input_shape=(seq_len, 256)), optimizer="sgd",
-                         precision=precision, gpu=gpu, loss="mean")
+    traced = trace_model(resolve(AttentionOnly(), batch_size=2, input_shape=(seq_len, 256)),
+                         build_step(optimizer="sgd", precision=precision, gpu=gpu, loss="mean"))
     start = traced.trace.phase_starts[Phase.BACKWARD]
     alive = set()
     for e in traced.trace.events[:start]:
@@ -130,10 +129,10 @@ def test_user_checkpoint_drops_the_block_activations_and_recomputes():
     # input), GELU1 out (Linear2 input), Linear2 out (GELU2 input), GELU2 out (head input)
     # = 4 × 4,096 B. With it, only the block output that the head saves stays (its input x is
     # an input): 1 × 4,096 B. Batch 64 → 1,048,576 B vs 262,144 B.
-    plain = trace_model(resolve(CheckpointedMLP(False), batch_size=64, input_shape=(1024,)), optimizer="sgd",
-                        target="cpu")
-    ckpt = trace_model(resolve(CheckpointedMLP(True), batch_size=64, input_shape=(1024,)), optimizer="sgd",
-                       target="cpu")
+    plain = trace_model(resolve(CheckpointedMLP(False), batch_size=64, input_shape=(1024,)),
+                        build_step(optimizer="sgd", gpu="cpu"))
+    ckpt = trace_model(resolve(CheckpointedMLP(True), batch_size=64, input_shape=(1024,)),
+                       build_step(optimizer="sgd", gpu="cpu"))
 
     def kept(traced):
         start = traced.trace.phase_starts[Phase.LOSS]
@@ -165,8 +164,8 @@ def test_gradient_accumulation_keeps_gradients_across_micro_batches():
     # accum 2: the second micro-batch's forward runs while the first's gradients exist, so the
     # gradients (= parameter bytes, fp32) are alive with the activations; gradients are
     # accumulated in place — one gradient storage per parameter, not one per micro-batch.
-    one = trace_model(resolve("mlp", batch_size=64), optimizer="sgd", target="cpu")
-    two = trace_model(resolve("mlp", batch_size=64), optimizer="sgd", accum_steps=2, target="cpu")
+    one = trace_model(resolve("mlp", batch_size=64), build_step(optimizer="sgd", gpu="cpu"))
+    two = trace_model(resolve("mlp", batch_size=64), build_step(optimizer="sgd", accum_steps=2, gpu="cpu"))
     n_grads = sum(1 for c in two.categories if c is Category.GRADIENTS)
     assert n_grads == sum(1 for c in one.categories if c is Category.GRADIENTS) == 6  # 3 weights + 3 biases
     r = memcalc.estimate("mlp", batch_size=64, optimizer="sgd", accum_steps=2, gpu="cpu")
@@ -186,8 +185,8 @@ class TwiceLinear(nn.Module):
 def test_autocast_weight_cast_cache_casts_once_per_forward():
     # amp-fp16: the weight (512·512·4 = 1 MiB fp32) is cast to fp16 (512 KiB) once and the copy
     # is reused by the second call: one weight-sized fp16 storage is born in the forward.
-    traced = trace_model(resolve(TwiceLinear(), batch_size=8, input_shape=(512,)), optimizer="sgd",
-                         precision="amp-fp16")
+    traced = trace_model(resolve(TwiceLinear(), batch_size=8, input_shape=(512,)),
+                         build_step(optimizer="sgd", precision="amp-fp16"))
     casts = [traced.trace.nbytes[u] for u in range(traced.trace.num_storages)
              if traced.trace.phase[u] is Phase.FORWARD and traced.trace.nbytes[u] == 512 * 512 * 2]
     assert len(casts) == 1
@@ -199,23 +198,23 @@ def test_amp_keeps_fp32_master_weights_and_state_and_halves_activations():
                            precision="amp-bf16")
     assert amp.bytes.parameters == fp32.bytes.parameters == 124_439_808 * 4
     assert amp.textbook.activation_bytes < fp32.textbook.activation_bytes
-    state = trace_model(resolve("gpt2", batch_size=1, seq_len=32), optimizer="adamw", precision="amp-bf16")
+    state = trace_model(resolve("gpt2", batch_size=1, seq_len=32), build_step(optimizer="adamw", precision="amp-bf16"))
     state_bytes = sum(state.trace.nbytes[u] for u, c in enumerate(state.categories) if c is Category.OPTIMIZER_STATE)
     assert state_bytes == 2 * 124_439_808 * 4  # two fp32 moments
 
 
 def test_amp_fp16_runs_the_grad_scaler():
-    traced = trace_model(resolve("mlp", batch_size=4), optimizer="adam", precision="amp-fp16")
+    traced = trace_model(resolve("mlp", batch_size=4), build_step(optimizer="adam", precision="amp-fp16"))
     assert traced.trace.op_counts["_amp_foreach_non_finite_check_and_unscale_.default"] >= 1
     assert traced.trace.op_counts["_amp_update_scale_.default"] == 1
-    bf16 = trace_model(resolve("mlp", batch_size=4), optimizer="adam", precision="amp-bf16")
+    bf16 = trace_model(resolve("mlp", batch_size=4), build_step(optimizer="adam", precision="amp-bf16"))
     assert bf16.trace.op_counts["_amp_update_scale_.default"] == 0  # bf16 needs no scaler
 
 
 def test_pure_fp16_halves_weights_and_state():
     r = memcalc.estimate("mlp", batch_size=4, optimizer="adam", precision="fp16")
     assert r.bytes.parameters == 1_863_690 * 2
-    traced = trace_model(resolve("mlp", batch_size=4), optimizer="adam", precision="fp16")
+    traced = trace_model(resolve("mlp", batch_size=4), build_step(optimizer="adam", precision="fp16"))
     state = sum(traced.trace.nbytes[u] for u, c in enumerate(traced.categories) if c is Category.OPTIMIZER_STATE)
     assert state == 2 * 1_863_690 * 2
 
@@ -267,7 +266,7 @@ def test_bf16_on_v100_warns():
 
 
 def test_unknown_gpu_suggests_names():
-    from memcalc.cuda.gpus.catalogue import UnknownGpuError
+    from memcalc.targets.cuda.gpus.catalogue import UnknownGpuError
 
     with pytest.raises(UnknownGpuError) as info:
         memcalc.estimate("mlp", batch_size=2, gpu="h1000")
@@ -277,8 +276,8 @@ def test_unknown_gpu_suggests_names():
 def test_dropout_keeps_a_one_byte_mask_on_cuda():
     # CUDA's fused dropout saves a bool mask (1 B/element); meta/CPU keep a float noise tensor.
     model = nn.Sequential(nn.Linear(256, 256), nn.Dropout(0.1), nn.Linear(256, 10))
-    cuda = trace_model(resolve(model, batch_size=64, input_shape=(256,)), optimizer="sgd")
-    cpu = trace_model(resolve(model, batch_size=64, input_shape=(256,)), optimizer="sgd", target="cpu")
+    cuda = trace_model(resolve(model, batch_size=64, input_shape=(256,)), build_step(optimizer="sgd"))
+    cpu = trace_model(resolve(model, batch_size=64, input_shape=(256,)), build_step(optimizer="sgd", gpu="cpu"))
     assert cuda.trace.op_counts["native_dropout.default"] == 1
     masks = [n for u, n in enumerate(cuda.trace.nbytes) if cuda.trace.phase[u] is Phase.FORWARD and n == 64 * 256]
     assert masks  # a 64·256·1-byte mask
@@ -298,8 +297,8 @@ def test_nested_composites_are_seen_inside_multihead_attention():
         def forward(self, x):
             return self.mha(x, x, x, need_weights=False)[0]
 
-    traced = trace_model(resolve(Wrap(), batch_size=2, input_shape=(16, 64)), optimizer="sgd",
-                         precision="amp-fp16", loss="mean")
+    traced = trace_model(resolve(Wrap(), batch_size=2, input_shape=(16, 64)),
+                         build_step(optimizer="sgd", precision="amp-fp16", loss="mean"))
     # the in-projection weight (192·64) is cast to fp16 once: 24,576 B
     assert any(n == 192 * 64 * 2 for u, n in enumerate(traced.trace.nbytes) if traced.trace.phase[u] is Phase.FORWARD)
     assert math.isfinite(traced.trace.nbytes[0])
@@ -323,8 +322,8 @@ class UserCheckpointedBlocks(nn.Module):
 def test_user_checkpoint_recomputes_under_autocast(precision):
     # checkpoint re-enters autocast for the recomputation: the recomputed Linear runs in 16-bit
     # again (its weight cast again), so the saved tensors match and no CheckpointError is raised.
-    traced = trace_model(resolve(UserCheckpointedBlocks(), batch_size=8, input_shape=(256,)), optimizer="sgd",
-                         precision=precision)
+    traced = trace_model(resolve(UserCheckpointedBlocks(), batch_size=8, input_shape=(256,)),
+                         build_step(optimizer="sgd", precision=precision))
     weight_casts = [u for u, n in enumerate(traced.trace.nbytes) if n == 256 * 256 * 2]
     forward_casts = [u for u in weight_casts if traced.trace.phase[u] is Phase.FORWARD]
     backward_casts = [u for u in weight_casts if traced.trace.phase[u] is Phase.BACKWARD]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import memcalc
-from memcalc import Category, Mode, Phase
+from memcalc.core.categories import Category, Mode, Phase
+from memcalc.fields import build_step
 
 MiB = 2**20
 
@@ -75,8 +75,8 @@ def test_optimizer_state_multiple_of_parameter_bytes(optimizer, state_multiple):
 
 def _state_bytes_after_real_step(optimizer: str) -> int:
     """Sum over optimizer.state after one real CPU step of the same model."""
-    from memcalc.engine.optimizers import spec_for
     import models_zoo
+    from memcalc.engine.optimizers import spec_for
 
     torch.manual_seed(0)
     model = models_zoo.get("mlp").build()
@@ -92,10 +92,10 @@ def _state_bytes_after_real_step(optimizer: str) -> int:
 
 
 def _symbolic_state_bytes(optimizer: str) -> int:
-    from memcalc.cuda.backend import trace_step as trace_model
     from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step as trace_model
 
-    traced = trace_model(resolve("mlp", batch_size=8), optimizer=optimizer)
+    traced = trace_model(resolve("mlp", batch_size=8), build_step(optimizer=optimizer))
     return sum(traced.trace.nbytes[u] for u, c in enumerate(traced.categories) if c is Category.OPTIMIZER_STATE)
 
 

@@ -1,8 +1,8 @@
 """Fine-tuning: frozen parameters, LoRA with the real PEFT, and a quantized base emulated as
-bitsandbytes stores and computes it (memcalc.sources.adapters, memcalc.sources.quant).
+bitsandbytes stores and computes it (memcalc.stacks.peft, memcalc.stacks.bitsandbytes).
 
 Byte counts are worked out in the tests from bitsandbytes' formulas (cited in
-memcalc/sources/quant.py); parameter counts are compared with PEFT's own objects.
+memcalc/stacks/bitsandbytes.py); parameter counts are compared with PEFT's own objects.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from torch import nn
 
 import memcalc
 from memcalc import FineTune, LoRA
-from memcalc.api import make_request
 from memcalc.cli import main
 from memcalc.core.categories import Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.finetune import Quant
 from memcalc.distributed.estimate import run_estimate
 from memcalc.engine.run import TracedStep
-from memcalc.sources.quant import layout_4bit, layout_int8, modules_to_not_convert
+from memcalc.fields import build_step
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.bitsandbytes import layout_4bit, layout_int8, modules_to_not_convert
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -238,10 +238,9 @@ def test_quant_statistics_stay_float32_in_a_pure_bf16_model():
 # ---- the quantized base: the step ----------------------------------------------------------
 def _trace(finetune: FineTune, precision: str) -> TracedStep:
     # input (2, 1024, 64): 2,048 rows reach the quantized layer, past gemm_4bit's fused-kernel range
-    request = make_request(_three_layers, batch_size=2, input_shape=(1024, 64), precision=precision,
-                           finetune=finetune)
+    step = build_step(_three_layers, batch_size=2, input_shape=(1024, 64), precision=precision, finetune=finetune)
     traced: list[TracedStep] = []
-    run_estimate(request, on_trace=traced.append)
+    run_estimate(step, on_trace=traced.append)
     return traced[0]
 
 

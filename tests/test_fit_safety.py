@@ -23,13 +23,14 @@ import memcalc
 from memcalc import api
 from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError
-from memcalc.cuda.backend import trace_step
+from memcalc.fields import build_step
 from memcalc.search import fit as search
 from memcalc.search.affine import AffineFamily
 from memcalc.search.budget import DEFAULT_MARGIN, DoesNotFitError, margin_capacity
 from memcalc.search.fit import _check_below, _Point
 from memcalc.search.margins import FLOOR, StepClass, measured_margin
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step
 
 MiB = 1024**2
 GiB = 1024**3
@@ -38,9 +39,9 @@ GiB = 1024**3
 
 
 def traced(model, batch, options):
-    request = api.make_request(model, batch_size=batch, **options)
-    return trace_step(resolve(model, batch_size=batch, input_shape=request.input_shape, seq_len=request.seq_len,
-                              inputs=None), request.options)
+    step = build_step(model, batch_size=batch, **options)
+    return trace_step(resolve(model, batch_size=batch, input_shape=step.input_shape, seq_len=step.seq_len,
+                              inputs=None), step)
 
 
 def assert_every_batch_fits(model, result, **options):
@@ -121,8 +122,8 @@ def test_a_batch_that_fails_under_one_that_fits_moves_the_answer_down():
 def test_a_batch_affine_fit_makes_three_estimates(monkeypatch):
     made = []
     real = search.run_estimate
-    monkeypatch.setattr(search, "run_estimate", lambda request, **kw: made.append(request.batch_size) or real(request,
-                                                                                                            **kw))
+    monkeypatch.setattr(search, "run_estimate",
+                        lambda step, *args, **kw: made.append(step.batch_size) or real(step, *args, **kw))
     result = memcalc.max_batch_size("gpt2", gpu="t4", seq_len=256)
     # batch 2, one jump, the answer; everything else (the boundary, B + 1, the check below,
     # the raw boundary) is a replay of the batch-affine family

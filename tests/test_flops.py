@@ -1,4 +1,4 @@
-"""FLOPs and bytes counted per op while the step is traced (memcalc.engine.flops), against
+"""FLOPs and bytes counted per op while the step is traced (memcalc.timing.flops), against
 counts worked out by hand in each test, against torch's own FlopCounterMode on a real CPU step,
 and against fvcore where it is installed.
 
@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 import memcalc
-from memcalc.engine.flops import multi_tensor_launches
+from memcalc.core.loop import OptimizerImpl
+from memcalc.timing.flops import multi_tensor_launches
 
 
 def two_linears() -> nn.Module:
@@ -154,7 +155,7 @@ def test_optimizer_bytes_hand_count_and_state_creation_left_out() -> None:
     model = two_linears()
     param_bytes = 4 * sum(p.numel() for p in model.parameters())
     report = memcalc.estimate(model, inputs=torch.randn(100, 32), loss="mean", optimizer="adam", gpu="a100-80gb",
-                              loop=memcalc.Loop(optimizer_impl=memcalc.OptimizerImpl.FOREACH))
+                              loop=memcalc.Loop(optimizer_impl=OptimizerImpl.FOREACH))
     optimizer = next(p for p in report.flops().phases if p.phase == "optimizer")
     assert optimizer.flops == 0
     assert optimizer.bytes_moved == 19 * param_bytes

@@ -20,7 +20,7 @@ from support import hf_config_source
 from torch import nn
 
 import memcalc
-from memcalc.engine import flops
+from memcalc.timing import flops
 
 aten = torch.ops.aten
 _SDPA_FORWARD = (aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention,

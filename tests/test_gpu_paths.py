@@ -27,12 +27,12 @@ import memcalc.cli
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC
 from memcalc.core.report import Measurement
-from memcalc.cuda.gpus import local as gpu_local
-from memcalc.cuda.gpus.catalogue import get_gpu
-from memcalc.engine.options import EstimateOptions
-from memcalc.report import measure as measure_module
+from memcalc.engine.options import Step
+from memcalc.measure import step as measure_module
 from memcalc.search import budget as budgets
 from memcalc.search.budget import resolve_budget
+from memcalc.targets.cuda.gpus import local as gpu_local
+from memcalc.targets.cuda.gpus.catalogue import get_gpu
 
 #: These tests fake a CUDA machine by stubbing torch.cuda's queries. On a CPU build every CUDA
 #: call that slips past the stubs fails cleanly; a CUDA build without a GPU (the version matrix
@@ -71,10 +71,8 @@ def cuda_device(monkeypatch: pytest.MonkeyPatch, index: int = 0) -> list[dict[st
     measurement is replaced; returns the calls it gets."""
     calls: list[dict[str, Any]] = []
 
-    def measure_cuda(resolved: Any, options: EstimateOptions | None = None, *, device: torch.device | None = None,
-                     **option_values: Any) -> Measurement:
-        options = options or EstimateOptions.create(**option_values)  # as the real one: refuses a gpu name
-        calls.append({"model": resolved.name, "options": options, "device": device})
+    def measure_cuda(step: Step, *, device: torch.device | None = None) -> Measurement:
+        calls.append({"model": step.model, "options": step, "device": device})
         return Measurement(device=f"cuda: {H100_NAME}", peak_allocated=50 * MiB, peak_reserved=64 * MiB,
                            note="stand-in for a real run")
 
@@ -252,10 +250,10 @@ def accuracy(monkeypatch) -> ModuleType:
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     monkeypatch.setattr(module, "driver_version", lambda: "580.159.04")
 
-    def measure_cuda(resolved: Any, options: EstimateOptions | None = None, **kwargs: Any) -> Measurement:
-        if resolved.name == "fc-32-16":
+    def measure_cuda(step: Step, **kwargs: Any) -> Measurement:
+        if step.model == "fc-32-16":
             raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
-        return measure_module.measure_cuda(resolved, options, **kwargs)  # the stand-in above
+        return measure_module.measure_cuda(step, **kwargs)  # the stand-in above
 
     monkeypatch.setattr(module, "measure_cuda", measure_cuda)
     module.calls = calls

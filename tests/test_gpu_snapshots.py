@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import memcalc
-from memcalc.cuda.reduce import ReductionScratch, reduction_scratch
 from memcalc.report.snapshot import snapshot_dict
+from memcalc.targets.cuda.reduce import ReductionScratch, reduction_scratch
 
 DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
 #: The stack the snapshots were taken with (their .json: torch 2.11.0+cu130).
@@ -245,11 +245,11 @@ OUTSIDE_1PCT: dict[str, tuple[str, str]] = {
     "vit_b_16-b32-adamw-bf16": (
         "-3.2%", "the global-reduction scratch of at::native::gpu_reduce_kernel in the bf16 bias-gradient "
                  "sums of backward, up to 138,412,032 B per call (mlp.0's bias): transcribed in "
-                 "memcalc.cuda.reduce (exact on all 98 real launches) but not applied to estimates yet — its "
+                 "memcalc.targets.cuda.reduce (exact on all 98 real launches) but not applied to estimates yet — its "
                  "size is not affine in the batch, which the fit search's batch-affine families require "
                  "(search/affine.py); applied, the config comes to -0.3%"),
     "resnet18-b1-sgd": (
-        "-5.2%", "cuDNN's own workspace choices at batch 1 are larger than memcalc.cuda.cudnn's model "
+        "-5.2%", "cuDNN's own workspace choices at batch 1 are larger than memcalc.targets.cuda.cudnn's model "
                  "(layer3's 3x3 weight gradients: 10,616,832 B real, 2,760,704 B modelled), plus the 2 MiB "
                  "of cuBLASLt workspaces left by earlier configs"),
     "unet-b2-sgd": (

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 
 from memcalc.core.gpu import GENERIC
-from memcalc.cuda import cublas
-from memcalc.cuda.cublas import cublas_workspace_bytes, cublaslt_workspace_bytes
-from memcalc.cuda.gpus import local as gpu_local
-from memcalc.cuda.gpus.catalogue import AmbiguousGpuError, UnknownGpuError, catalogue, get_gpu, match_profile
-from memcalc.cuda.gpus.local import (
+from memcalc.targets.cuda import cublas
+from memcalc.targets.cuda.cublas import cublas_workspace_bytes, cublaslt_workspace_bytes
+from memcalc.targets.cuda.gpus import local as gpu_local
+from memcalc.targets.cuda.gpus.catalogue import AmbiguousGpuError, UnknownGpuError, catalogue, get_gpu, match_profile
+from memcalc.targets.cuda.gpus.local import (
     GpuDiscoveryWarning,
     LocalGpu,
     best_gpu,

@@ -1,4 +1,4 @@
-"""``--attn eager|sdpa|flash_attention_2`` for hf: models (memcalc.sources.hf_attention).
+"""``--attn eager|sdpa|flash_attention_2`` for hf: models (memcalc.stacks.transformers.attention).
 
 Worked numbers use the tiny Llama of tests/fixtures/hf_configs (hidden 64, 4 heads of 16,
 2 layers) at batch 1 and 256 tokens: one layer's attention probabilities are
@@ -19,9 +19,9 @@ import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.report import MemoryReport
-from memcalc.sources.hf_attention import MEMCALC_FA2, flash_attention_2_forward
-from memcalc.sources.hub import HuggingFace, with_attention
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.transformers.attention import MEMCALC_FA2, flash_attention_2_forward
+from memcalc.stacks.transformers.hub import HuggingFace, with_attention
 
 transformers = pytest.importorskip("transformers")
 

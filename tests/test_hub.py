@@ -27,8 +27,8 @@ from click.testing import CliRunner
 import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError, MissingPackageError, UnknownModelError
-from memcalc.sources.hub import PROBE_TIMEOUT_S, HubError, HubProblem, HuggingFace, download_config
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.transformers.hub import PROBE_TIMEOUT_S, HubError, HubProblem, HuggingFace, download_config
 
 hub = pytest.importorskip("huggingface_hub")
 pytest.importorskip("transformers")

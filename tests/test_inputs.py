@@ -24,7 +24,8 @@ from memcalc.core.errors import (
     SymbolicExecutionError,
 )
 from memcalc.engine.model import ModelInputs, bind_inputs
-from memcalc.report.measure import measure
+from memcalc.fields import build_step
+from memcalc.measure.step import measure
 from memcalc.sources.resolve import resolve
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -106,7 +107,7 @@ def test_dict_inputs_under_a_strategy():
 def test_dict_inputs_are_measured_for_real():
     ids = torch.randint(0, 1000, (2, 16))
     batch = {"input_ids": ids, "attention_mask": torch.ones(2, 16, dtype=torch.long), "labels": ids}
-    measured = measure(f"{HF_STYLE}:make", inputs=batch, device="cpu")
+    measured = measure(build_step(f"{HF_STYLE}:make", inputs=batch), device="cpu")
     estimated = memcalc.estimate(f"{HF_STYLE}:make", inputs=batch, gpu="cpu").peak_requested
     assert measured.peak_allocated is not None
     assert abs(measured.peak_allocated - estimated) <= 0.01 * estimated
@@ -442,7 +443,7 @@ def test_a_dict_the_forward_takes_neither_way_is_refused_naming_both():
 @pytest.mark.parametrize("name", ["DictForward", "DictAndOptions"])
 @pytest.mark.slow  # a real CPU step under the profiler per case
 def test_a_dict_forward_is_measured_as_it_is_estimated(name):
-    measured = measure(f"{DICT_MODELS}:{name}", inputs=_dict_batch(2, torch.device("cpu")), device="cpu")
+    measured = measure(build_step(f"{DICT_MODELS}:{name}", inputs=_dict_batch(2, torch.device("cpu"))), device="cpu")
     assert measured.peak_allocated is not None and measured.peak_allocated > 0
     result = run(f"{DICT_MODELS}:{name}", "--batch", "2", "--measure", "--gpu", "cpu", "--depth", "0")
     assert result.exit_code == 0, result.output

@@ -1,4 +1,4 @@
-"""CUDA kernel facts (memcalc.cuda.sdpa, .attention_memory, .autocast, .cublas, .cudnn): backend
+"""CUDA kernel facts (memcalc.targets.cuda.sdpa, .attention_memory, .autocast, .cublas, .cudnn): backend
 choice, fused-kernel scratch, autocast lists, cuBLAS workspace counts, the cuDNN convolution
 workspace model.
 
@@ -14,10 +14,11 @@ import dataclasses
 import pytest
 import torch
 
-from memcalc.cuda import attention_memory, autocast, cublas, cudnn, sdpa, versions
-from memcalc.cuda.attention_memory import Buffer
-from memcalc.cuda.sdpa import AttentionBackend as B
-from memcalc.cuda.sdpa import SdpaCall
+from memcalc.targets import autocast, versions
+from memcalc.targets.cuda import attention_memory, cublas, cudnn, sdpa
+from memcalc.targets.cuda.attention_memory import Buffer
+from memcalc.targets.cuda.sdpa import AttentionBackend as B
+from memcalc.targets.cuda.sdpa import SdpaCall
 
 H100 = (9, 0)
 A100 = (8, 0)

@@ -22,12 +22,13 @@ from torch import nn
 
 import memcalc
 from memcalc.cli import main
+from memcalc.core.categories import Phase
 from memcalc.core.errors import DataDependentError, InapplicableOptionError, LoopFunctionError
-from memcalc.cuda.backend import CpuBackend
-from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import build_report, trace_model
-from memcalc.report.measure import measure_cpu
+from memcalc.fields import build_step
+from memcalc.measure.step import measure_cpu
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import CpuBackend
 from models_zoo.gpt2 import GPT2Config, GPT2LMHeadModel
 
 USER_LOOPS_FILE = Path(__file__).parent / "fixtures" / "user_loops.py"
@@ -77,9 +78,9 @@ def _options(model: str, loop: memcalc.Loop, **extra: Any) -> dict[str, Any]:
 def _traced_report(model: Any, size: dict[str, Any], **options: Any) -> memcalc.MemoryReport:
     """The CPU estimate with the loop traced as written (also the default loop, which
     ``memcalc.estimate`` synthesises instead)."""
-    opts = EstimateOptions.create(target="cpu", **options)
+    opts = build_step(model, gpu="cpu", **size, **options)
     resolved = resolve(model, **size)
-    return build_report(resolved, trace_model(resolved, opts, CpuBackend(opts), traced_loop=True), opts, None)
+    return build_report(resolved, trace_model(resolved, opts, CpuBackend(opts), traced_loop=True), opts)
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
@@ -90,8 +91,7 @@ def test_loop_estimate_matches_the_real_cpu_run(model: str, loop: str) -> None:
     options = _options(model, LOOPS[loop])
     report = _traced_report(source, size, **options)
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(source, **size), EstimateOptions.create(target="cpu", **options),
-                           traced_loop=True).peak_allocated
+    measured = measure_cpu(build_step(source, gpu="cpu", **size, **options), traced_loop=True).peak_allocated
     assert measured
     error = (report.peak_requested - measured) / measured
     assert abs(error) <= TOLERANCE, f"{model}/{loop}: {report.peak_requested:,} B vs real {measured:,} B ({error:+.3%})"
@@ -112,10 +112,10 @@ def test_the_fast_path_and_the_traced_minimal_loop_agree_to_the_byte(case: dict[
     # (fresh batches, the first one dropped when the second is drawn). Same live set at the
     # peak, so the same peak, on the generic CUDA GPU (its workspaces, autocast, GradScaler).
     resolved = resolve(case["model"], **case["size"])
-    opts = EstimateOptions.create(**case["options"])
+    opts = build_step(case["model"], **case["size"], **case["options"])
     fast = memcalc.estimate(case["model"], **case["size"], **case["options"])
-    from memcalc.cuda.backend import CudaBackend
-    traced = build_report(resolved, trace_model(resolved, opts, CudaBackend(opts), traced_loop=True), opts, None)
+    from memcalc.targets.backend import CudaBackend
+    traced = build_report(resolved, trace_model(resolved, opts, CudaBackend(opts), traced_loop=True), opts)
     assert traced.bytes.peak_allocated == fast.bytes.peak_allocated
     assert traced.first_iteration_peak == fast.first_iteration_peak
     assert (traced.peak_iteration, traced.peak_phase) == (fast.peak_iteration, fast.peak_phase)
@@ -133,7 +133,7 @@ def test_tutorial_keeps_the_last_logits_past_backward() -> None:
     minimal, tutorial = (memcalc.estimate(small_lm, gpu="cpu", loop=loop, loss="lm-cross-entropy", **size)
                          for loop in loops.values())
     logits = 1 * 8 * VOCAB * 4
-    assert minimal.peak_phase is memcalc.Phase.OPTIMIZER
+    assert minimal.peak_phase is Phase.OPTIMIZER
     assert tutorial.peak_requested - minimal.peak_requested >= logits
     for name in MODELS:  # never below the minimal loop
         source, model_size = MODELS[name]
@@ -162,7 +162,7 @@ def test_trainer_drops_the_outputs_before_backward() -> None:
                         for loop in ("minimal", "trainer"))
     # It holds three float32 scalars the minimal loop does not: tr_loss, the last step's
     # detached loss (tr_loss_step) and the last grad norm (both alive until rebound).
-    assert minimal.peak_phase is memcalc.Phase.BACKWARD
+    assert minimal.peak_phase is Phase.BACKWARD
     assert minimal.peak_requested - trainer.peak_requested == BATCH * SEQ * VOCAB * 4 - 3 * 4
 
 
@@ -172,8 +172,8 @@ def test_a_traced_loop_reports_its_iterations_and_phases() -> None:
     assert {s.iteration for s in spans} == {1, 2}
     phases = [s.phase for s in spans if s.iteration == 2]
     # each micro-batch: drawn, forward, loss, backward; then the step and zero_grad
-    assert phases == [memcalc.Phase.SETUP, memcalc.Phase.FORWARD, memcalc.Phase.LOSS, memcalc.Phase.BACKWARD] * 2 + [
-        memcalc.Phase.OPTIMIZER, memcalc.Phase.ZERO_GRAD]
+    assert phases == [Phase.SETUP, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD] * 2 + [
+        Phase.OPTIMIZER, Phase.ZERO_GRAD]
     assert report.loop == "tutorial" and report.bytes.optimizer_state > 0
 
 
@@ -193,10 +193,18 @@ def test_a_loop_that_raises_is_reported_as_the_loop() -> None:
         memcalc.estimate("mlp", batch_size=8, loop=user_loops.draws_too_many)
 
 
-def test_a_loop_reading_a_value_says_the_loop_reads_it() -> None:
+def test_a_loop_reading_a_value_says_so_once_with_its_line() -> None:
+    """One message, about the loop and its line: not "the model reads tensor values during
+    backward in the model's own code" followed by a hint that contradicts it."""
     with pytest.raises(DataDependentError) as caught:
         memcalc.estimate("mlp", batch_size=8, loop=user_loops.reads_the_loss)
-    assert "the loop function reads it, outside the model" in (caught.value.hint or "")
+    line = next(number for number, text in enumerate(Path(user_loops.__file__).read_text().splitlines(), 1)
+                if "loss.item()" in text)
+    message = str(caught.value).splitlines()[0]
+    assert message.startswith("the loop function reads_the_loss reads a tensor's value "
+                              f"(at {user_loops.__file__}, line {line}): .item()")
+    assert "the model" not in str(caught.value) and "during backward" not in str(caught.value)
+    assert "Leave such lines" in (caught.value.hint or "")
 
 
 class Picky(nn.Module):

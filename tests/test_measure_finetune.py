@@ -1,5 +1,5 @@
 """``--measure`` with fine-tuning: the real step freezes the same parameters and carries the same
-PEFT adapters as the estimate (:func:`memcalc.sources.adapters.finetune_module` on the real
+PEFT adapters as the estimate (:func:`memcalc.stacks.peft.finetune_module` on the real
 model, before the optimizer is built), and agrees with the estimate for this CPU.
 
 Compared as tests/test_against_cpu.py compares: the simulation's unrounded peak for
@@ -21,8 +21,8 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError
-from memcalc.report.measure import attach_measurement, measure, measure_cpu
-from memcalc.sources.resolve import resolve
+from memcalc.fields import build_step
+from memcalc.measure.step import attach_measurement, measure, measure_cpu
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -51,7 +51,7 @@ def test_frozen_layers_measured_on_cpu_match_the_estimate(optimizer: str):
     full = memcalc.estimate(_mlp, gpu="cpu", **kwargs)
     assert frozen.peak_requested < full.peak_requested  # the freeze changes the step: a measurement must see it
     torch.manual_seed(0)
-    measured = measure_cpu(resolve(_mlp, batch_size=64, input_shape=(256,)), optimizer=optimizer, finetune=finetune)
+    measured = measure_cpu(build_step(_mlp, finetune=finetune, **kwargs))
     error = _error(frozen.peak_requested, measured.peak_allocated)
     assert abs(error) <= TOLERANCE, f"estimated {frozen.peak_requested:,} B vs real CPU {measured.peak_allocated:,} B"
 
@@ -65,7 +65,7 @@ def test_lora_measured_on_cpu_matches_the_estimate(tmp_path: Path, precision: st
     report = memcalc.estimate(model, **kwargs)
     assert report.trainable_parameters == 3584  # PEFT's count: q_proj and v_proj adapted, r=8, 2 layers
     torch.manual_seed(0)
-    measured = attach_measurement(report, model, device="cpu", **kwargs).measurement
+    measured = attach_measurement(report, build_step(model, **kwargs), device="cpu").measurement
     assert measured is not None and measured.device == "cpu (torch.profiler)"
     cpu = memcalc.estimate(model, gpu="cpu", **kwargs)
     assert measured.compared_with == cpu.peak_requested
@@ -76,14 +76,15 @@ def test_lora_measured_on_cpu_matches_the_estimate(tmp_path: Path, precision: st
 
 def test_measuring_leaves_the_users_module_as_it_was():
     model = _mlp()
-    measure(model, batch_size=4, input_shape=(256,), device="cpu", finetune=FineTune(freeze=("*",), lora=None))
+    measure(build_step(model, batch_size=4, input_shape=(256,), finetune=FineTune(freeze=("*",), lora=None)),
+            device="cpu")
     assert all(p.requires_grad for p in model.parameters())
 
 
 def test_a_quantized_base_is_not_measured(tmp_path: Path):
     with pytest.raises(InvalidInputError, match="bitsandbytes"):
-        measure(hf_config_source(tmp_path), batch_size=1, seq_len=16, device="cpu",
-                finetune=FineTune(lora=LoRA(8), quant="nf4"))
+        measure(build_step(hf_config_source(tmp_path), batch_size=1, seq_len=16,
+                           finetune=FineTune(lora=LoRA(8), quant="nf4")), device="cpu")
 
 
 # ---- the command line ------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from memcalc.engine.options import EstimateOptions
-from memcalc.report import measure
+from memcalc.engine.options import Step
+from memcalc.measure import step as measure
 
 
 def test_the_build_cache_is_freed_before_the_peak_is_reset(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,11 +40,12 @@ def test_the_build_cache_is_freed_before_the_peak_is_reset(monkeypatch: pytest.M
     for name, value in fake.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(measure, "_warm_cublas", lambda device: calls.append("warm"))
+    monkeypatch.setattr(measure, "_resolve", lambda step: None)
     monkeypatch.setattr(measure, "_prepare", prepare)
     monkeypatch.setattr(measure, "_config", lambda *args: None)
     monkeypatch.setattr(measure, "_run", lambda *args: calls.append("step"))
 
-    result = measure.measure_cuda(object(), EstimateOptions.create(), device=torch.device("cuda", 0))  # type: ignore[arg-type]
+    result = measure.measure_cuda(Step(), device=torch.device("cuda", 0))
 
     # the first empty_cache is measure_cuda's clean start; the last, its clean-up
     assert calls == ["empty_cache", "warm", "build", "empty_cache", "reset_peak", "step", "empty_cache"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 import memcalc.engine.trace as trace_module
-from memcalc.cuda.backend import trace_step as trace_model
+from memcalc.fields import build_step
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step as trace_model
 
 pytestmark = pytest.mark.slow  # traces zoo models twice, with and without the cache
 
@@ -22,7 +23,7 @@ CASES = [
 
 def _trace(name, resolve_kwargs, options):
     options = {"optimizer": "adam", **options}
-    traced = trace_model(resolve(name, **resolve_kwargs), **options)
+    traced = trace_model(resolve(name, **resolve_kwargs), build_step(**options))
     return traced.trace.nbytes, traced.trace.events, traced.categories
 
 

@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memcalc
-from memcalc.report.measure import measure
+from memcalc.fields import build_step
+from memcalc.measure.step import measure
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 
@@ -41,7 +42,7 @@ def test_own_checkpoint_under_amp_agrees_with_a_real_cpu_step():
     # notebook 05: "under amp-* the recomputation runs under autocast again ... agrees to the byte"
     options = dict(batch_size=32, input_shape=(128,), optimizer="adam", precision="amp-bf16")
     estimate = memcalc.estimate(CheckpointedBlocks, gpu="cpu", **options)
-    real = measure(CheckpointedBlocks, device="cpu", **options)
+    real = measure(build_step(CheckpointedBlocks, **options), device="cpu")
     assert real.peak_allocated is not None
     assert abs(estimate.peak_requested - real.peak_allocated) <= 0.005 * real.peak_allocated
 

@@ -1,4 +1,4 @@
-"""Optimizers and their implementations (memcalc.engine.optimizers, optimizers_meta, optimizers_bnb).
+"""Optimizers and their implementations (memcalc.engine.optimizers, optimizers_bnb).
 
 Three layers, as everywhere: what the installed torch really picks and allocates (real CPU
 steps under the profiler, torch's own dispatch), arithmetic worked out here from torch's and
@@ -21,12 +21,13 @@ from memcalc.cli import main
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.loop import OptimizerImpl
-from memcalc.cuda.backend import trace_step
 from memcalc.engine.optimizers import OPTIMIZERS, Optimizer, resolve_impl, spec_for
 from memcalc.engine.optimizers_bnb import PAGED_MIN_NUMEL
 from memcalc.engine.step import StepConfig, run_step
+from memcalc.fields import build_step
 from memcalc.report.render import render_report
 from memcalc.sources.resolve import resolve
+from memcalc.targets.backend import trace_step
 
 # The issue's bar for the real CPU step; on torch 2.13 these agree within 40 B (the for-loop's
 # and foreach's CPU step counters, 4 B per parameter, which the estimate leaves out).
@@ -157,7 +158,7 @@ _MODELS = {
 @pytest.mark.quick_cases("mlp-fused-adam")
 def test_estimate_matches_the_real_cpu_step(model, impl, optimizer):
     # fused on the CPU: torch has had fused Adam/AdamW CPU kernels since 2.4 (the real run below
-    # is one); on meta it runs through memcalc.engine.optimizers_meta
+    # is one); on meta it runs through memcalc.engine.optimizers.fused_kernels_on_meta
     source = _MODELS[model]
     estimate = memcalc.estimate(**source, optimizer=optimizer, gpu="cpu", loop=_impl(impl))
     assert estimate.optimizer_impl == impl
@@ -216,8 +217,8 @@ def test_step_temporaries_by_hand():
 
 
 def test_fused_step_has_no_temporaries():
-    traced = trace_step(resolve(lambda: nn.Linear(1024, 1024), batch_size=2, input_shape=(1024,)), optimizer="adam",
-                        target="cpu", loss="mean", loop=_impl("fused"))
+    traced = trace_step(resolve(lambda: nn.Linear(1024, 1024), batch_size=2, input_shape=(1024,)),
+                        build_step(optimizer="adam", gpu="cpu", loss="mean", loop=_impl("fused")))
     born_in_step = {c for u, c in enumerate(traced.categories)
                     if traced.trace.phase[u] is Phase.OPTIMIZER and traced.trace.nbytes[u]}
     assert born_in_step == {Category.OPTIMIZER_STATE}  # the moments and the step counters only
@@ -326,7 +327,7 @@ def test_adafactor_state_is_factored_by_hand_and_by_torch():
 
 def _state_bytes(factory, optimizer: str, **kw) -> int:
     traced = trace_step(resolve(factory, batch_size=2, input_shape=(factory().in_features,)),
-                        optimizer=optimizer, loss="mean", **kw)
+                        build_step(optimizer=optimizer, loss="mean", **kw))
     return sum(traced.trace.nbytes[u] for u, c in enumerate(traced.categories) if c is Category.OPTIMIZER_STATE)
 
 

@@ -1,5 +1,5 @@
 """Golden tests: the real H100 snapshots' allocation streams, replayed through memcalc's model of
-the caching allocator (``tests/data/gpu/*-h100/``, memcalc.engine.real_snapshot).
+the caching allocator (``tests/data/gpu/*-h100/``, memcalc.measure.snapshot).
 
 Each snapshot's trace is every alloc and free the real run made, with the size it requested, and
 every cudaMalloc/cudaFree the real allocator made in answer. Replayed from the segments the trace
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from memcalc.engine.allocator import CachingAllocatorModel
-from memcalc.engine.real_snapshot import load_snapshot, replay_snapshot
+from memcalc.measure.snapshot import load_snapshot, replay_snapshot
 
 DATA = Path(__file__).parent / "data" / "gpu"
 SHARED = DATA / "2026-11-25-h100"

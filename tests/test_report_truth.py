@@ -12,15 +12,15 @@ from click.testing import CliRunner
 from torch import nn
 
 import memcalc
-from memcalc.cuda.gpus.catalogue import get_gpu
 from memcalc.cli import main
 from memcalc.cli.fit import _render_fit
 from memcalc.core.report import Textbook
 from memcalc.report.render import render_report
 from memcalc.search.budget import Budget, FitResult, Probe
+from memcalc.targets.cuda.gpus.catalogue import get_gpu
 
 KiB, MiB = 2**10, 2**20
-CUBLAS_WORKSPACE_SM90 = 32 * MiB  # memcalc.cuda.cublas: 32 MiB per handle on Hopper
+CUBLAS_WORKSPACE_SM90 = 32 * MiB  # memcalc.targets.cuda.cublas: 32 MiB per handle on Hopper
 
 
 def run(*args: str):

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from memcalc.cuda.emulation import EMULATION_RULES
-from memcalc.cuda.workspaces import CUBLAS_OPS, WORKSPACE_RULES
 from memcalc.engine.rules import DuplicateRuleError, RuleRegistry
+from memcalc.targets.cuda.emulation import EMULATION_RULES
+from memcalc.targets.cuda.workspaces import CUBLAS_OPS, WORKSPACE_RULES
 
 aten = torch.ops.aten
 

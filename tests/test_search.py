@@ -17,16 +17,17 @@ from torch import nn
 
 import memcalc
 from memcalc import api
-from memcalc.search import fit as search
+from memcalc.api import max_batch_size, sweep
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC
-from memcalc.cuda.gpus.catalogue import get_gpu
-from memcalc.cuda.gpus.local import LocalGpu
-from memcalc.api import max_batch_size, sweep
+from memcalc.fields import build_step
 from memcalc.search import budget as budgets
+from memcalc.search import fit as search
 from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, Probe, resolve_budget
 from memcalc.search.fit import MAX_BATCH, _Point, _search
 from memcalc.search.sweep import sweep_configurations
+from memcalc.targets.cuda.gpus.catalogue import get_gpu
+from memcalc.targets.cuda.gpus.local import LocalGpu
 
 MiB = 1024**2
 GiB = 1024**3
@@ -144,9 +145,9 @@ class CountingEstimate:
         self.real = search.run_estimate
         self.batches: list[int] = []
 
-    def __call__(self, request, *args, **kwargs):
-        self.batches.append(request.batch_size)
-        return self.real(request, *args, **kwargs)
+    def __call__(self, step, *args, **kwargs):
+        self.batches.append(step.batch_size)
+        return self.real(step, *args, **kwargs)
 
 
 @pytest.fixture
@@ -421,11 +422,11 @@ def test_public_api_exports():
 @pytest.mark.slow  # traces of resnet18 at several batches
 def test_affine_family_predicts_a_real_trace_exactly():
     from memcalc.search.affine import AffineFamily
-    from memcalc.cuda.backend import trace_step as trace_model
     from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step as trace_model
 
     def traced(batch):
-        return trace_model(resolve("resnet18", batch_size=batch, input_shape=(3, 64, 64)), optimizer="adam")
+        return trace_model(resolve("resnet18", batch_size=batch, input_shape=(3, 64, 64)), build_step(optimizer="adam"))
 
     family = AffineFamily.from_traces(traced(2), 2, traced(5), 5)
     assert family is not None
@@ -434,10 +435,10 @@ def test_affine_family_predicts_a_real_trace_exactly():
 
 def test_affine_family_refuses_structurally_different_traces():
     from memcalc.search.affine import AffineFamily
-    from memcalc.cuda.backend import trace_step as trace_model
     from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step as trace_model
 
-    one = trace_model(resolve("gpt2", batch_size=1, seq_len=32), optimizer="sgd")
-    two = trace_model(resolve("gpt2", batch_size=2, seq_len=32), optimizer="sgd")
+    one = trace_model(resolve("gpt2", batch_size=1, seq_len=32), build_step(optimizer="sgd"))
+    two = trace_model(resolve("gpt2", batch_size=2, seq_len=32), build_step(optimizer="sgd"))
     # at batch 1 the position embedding's gradient broadcast needs no reduction: one storage fewer
     assert AffineFamily.from_traces(one, 1, two, 2) is None

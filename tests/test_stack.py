@@ -16,18 +16,18 @@ from memcalc.cli import main
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GpuProfile
 from memcalc.core.stack import Stack
-from memcalc.cuda import versions
-from memcalc.cuda.gpus.catalogue import (
+from memcalc.report.render import render_report
+from memcalc.search.budget import resolve_budget
+from memcalc.targets import versions
+from memcalc.targets.cuda.gpus.catalogue import (
     EAGER_MODULE_LOADING_EXTRA,
     MEASURED_CONTEXTS,
     catalogue,
     cuda_context_bytes,
     get_gpu,
 )
-from memcalc.cuda.sdpa import AttentionBackend, SdpaCall, choose_sdpa_backend
-from memcalc.cuda.stack import installed_torch_version, lazy_module_loading, resolve_stack, supported_torch_versions
-from memcalc.report.render import render_report
-from memcalc.search.budget import resolve_budget
+from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall, choose_sdpa_backend
+from memcalc.targets.stack import installed_torch_version, lazy_module_loading, resolve_stack, supported_torch_versions
 
 MiB = 2**20
 INSTALLED = "{}.{}".format(*versions.parse_torch_version(torch.__version__))

@@ -1,4 +1,4 @@
-"""Step time from a roofline per kernel (memcalc.engine.flops.StepCosts, memcalc.step_time):
+"""Step time from a roofline per kernel (memcalc.timing.flops.StepCosts, memcalc.step_time):
 the arithmetic by hand on made-up kernels, the GPUs' figures, the report and its JSON, the CLI."""
 
 from __future__ import annotations
@@ -16,18 +16,19 @@ import memcalc
 from memcalc.cli.app import main
 from memcalc.core.categories import Phase
 from memcalc.core.errors import InvalidInputError
-from memcalc.core.throughput import DeviceRates, OpClass
-from memcalc.cuda.gpus import fitted
-from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
-from memcalc.cuda.gpus.performance import (
+from memcalc.core.throughput import DataLoaderSetup, DeviceRates, OpClass, StepFlops, StepTime
+from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
+from memcalc.timing import fitted
+from memcalc.timing.flops import OpCost, StepCosts
+from memcalc.timing.performance import (
     EFFICIENCY,
     HOST_SECONDS,
     PERFORMANCE,
     device_rates,
+    loader_advice,
     step_time,
     with_time,
 )
-from memcalc.engine.flops import OpCost, StepCosts
 
 RATES = DeviceRates(
     gpu="test", peaks=(("fp32", 10e12), ("tf32", 100e12), ("bf16", 200e12)), bandwidth=1e12,
@@ -270,17 +271,17 @@ def test_cli_target_batch_needs_the_throughput_objective() -> None:
     assert refused.exit_code == 2 and "--objective throughput" in refused.output
 
 
-def a_step(samples: int = 64, seconds: float = 0.032) -> memcalc.StepTime:
+def a_step(samples: int = 64, seconds: float = 0.032) -> StepTime:
     """A step of 64 samples in 32 ms: the GPU consumes 2,000 samples/s."""
-    flops = memcalc.StepFlops(total=0, phases=())
-    return memcalc.StepTime(gpu="test", seconds=seconds, samples=samples, tokens=None, phases=(), classes=(),
+    flops = StepFlops(total=0, phases=())
+    return StepTime(gpu="test", seconds=seconds, samples=samples, tokens=None, phases=(), classes=(),
                             flops=flops, launch_seconds=0.0, assumptions=())
 
 
 def test_loader_memory_and_pace_by_hand() -> None:
     from memcalc.core.throughput import advise_loader
 
-    setup = memcalc.DataLoaderSetup(num_workers=8, pin_memory=True, sample_bytes=1000, sample_load_ms=5)
+    setup = DataLoaderSetup(num_workers=8, pin_memory=True, sample_bytes=1000, sample_load_ms=5)
     advice = advise_loader(a_step(), setup, batch_size=64, sample_bytes=1)
     # batch 64 × 1,000 B = 64,000 B; 8 workers × prefetch 2 = 16 batches in shared memory: 1,024,000 B;
     # pinned: 17 batches (16 in flight, 1 in use), each rounded up to 65,536 B (a power of two)
@@ -298,7 +299,7 @@ def test_loader_memory_and_pace_by_hand() -> None:
     assert enough.loader_bound is False and enough.samples_per_second == pytest.approx(2000)
 
 
-def replace_setup(setup: memcalc.DataLoaderSetup, **changes: object) -> memcalc.DataLoaderSetup:
+def replace_setup(setup: DataLoaderSetup, **changes: object) -> DataLoaderSetup:
     from dataclasses import replace
 
     return replace(setup, **changes)  # type: ignore[arg-type]
@@ -308,22 +309,22 @@ def test_loading_in_the_main_process_adds_to_the_step() -> None:
     from memcalc.core.throughput import advise_loader
 
     # num_workers=0: 64 samples × 0.25 ms = 16 ms of loading, then the 32 ms step: 64 / 0.048 s
-    advice = advise_loader(a_step(), memcalc.DataLoaderSetup(sample_load_ms=0.25), batch_size=64, sample_bytes=500)
+    advice = advise_loader(a_step(), DataLoaderSetup(sample_load_ms=0.25), batch_size=64, sample_bytes=500)
     assert advice.samples_per_second == pytest.approx(64 / 0.048)
     assert advice.loader_bound and advice.gpu_idle == pytest.approx(1 / 3)
     assert advice.workers_needed == 1  # 2,000 × 0.00025 = 0.5: one worker overlaps it all
     assert advice.host_bytes == 64 * 500 and advice.pinned_bytes == 0
-    assert advise_loader(a_step(), memcalc.DataLoaderSetup(), batch_size=64, sample_bytes=500).loader_bound is None
+    assert advise_loader(a_step(), DataLoaderSetup(), batch_size=64, sample_bytes=500).loader_bound is None
 
 
 def test_data_loader_spec() -> None:
-    setup = memcalc.DataLoaderSetup.parse("workers=8, prefetch_factor=4,pin=yes,sample-bytes=1KiB", sample_load_ms=3)
-    assert setup == memcalc.DataLoaderSetup(num_workers=8, prefetch_factor=4, pin_memory=True, sample_bytes=1024,
+    setup = DataLoaderSetup.parse("workers=8, prefetch_factor=4,pin=yes,sample-bytes=1KiB", sample_load_ms=3)
+    assert setup == DataLoaderSetup(num_workers=8, prefetch_factor=4, pin_memory=True, sample_bytes=1024,
                                             sample_load_ms=3)
-    assert memcalc.DataLoaderSetup.parse("") == memcalc.DataLoaderSetup()
+    assert DataLoaderSetup.parse("") == DataLoaderSetup()
     for bad in ("threads=4", "workers=many", "pin=maybe", "workers=-1"):
         with pytest.raises(InvalidInputError):
-            memcalc.DataLoaderSetup.parse(bad)
+            DataLoaderSetup.parse(bad)
 
 
 def test_cli_data_loader() -> None:
@@ -342,6 +343,6 @@ def test_cli_data_loader() -> None:
 
 def test_loader_advice_defaults_to_the_input_bytes() -> None:
     report = mlp_report()  # inputs (64, 256) fp32; cross-entropy's targets, one int64 class index each
-    advice = memcalc.loader_advice(report)
+    advice = loader_advice(report)
     assert advice.sample_bytes == 256 * 4 + 8
     assert advice.gpu_samples_per_second == pytest.approx(step_time(report).samples_per_second)

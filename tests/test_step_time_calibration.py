@@ -15,8 +15,8 @@ import pytest
 
 import memcalc
 from memcalc.core.throughput import OpClass
-from memcalc.cuda.gpus import fitted
-from memcalc.cuda.gpus.calibration import (
+from memcalc.timing import fitted
+from memcalc.timing.calibration import (
     ClassFeatures,
     MeasuredConfig,
     fit,
@@ -24,7 +24,7 @@ from memcalc.cuda.gpus.calibration import (
     load_measurements,
     predict,
 )
-from memcalc.engine.flops import op_class_of
+from memcalc.timing.flops import op_class_of
 
 GPU_DATA = Path(__file__).parent / "data" / "gpu"
 DATA = GPU_DATA / "2026-11-26-h200-profile"

@@ -4,13 +4,13 @@ outputs, and a user's module left exactly as it was."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import memcalc
-from memcalc.cuda.backend import trace_step as trace_model
 from memcalc.core.categories import Category
+from memcalc.fields import build_step
 from memcalc.sources.resolve import meta_twin, resolve
+from memcalc.targets.backend import trace_step as trace_model
 
 
 class TiedLM(nn.Module):
@@ -43,8 +43,8 @@ class InplaceNet(nn.Module):
 
 def _storages_born_in_forward(model, batch=64):
     # target="cpu": tensors only, without the synthetic CUDA workspaces
-    traced = trace_model(resolve(model, batch_size=batch, input_shape=(512,)), optimizer="sgd", mode="eval",
-                         target="cpu")
+    traced = trace_model(resolve(model, batch_size=batch, input_shape=(512,)),
+                         build_step(optimizer="none", mode="eval", gpu="cpu"))
     return [traced.trace.nbytes[u] for u in range(traced.trace.num_storages) if traced.trace.phase[u].value == "forward"]
 
 
@@ -62,7 +62,8 @@ class ViewNet(nn.Module):
 
 
 def test_views_share_storage_and_copies_do_not():
-    traced = trace_model(resolve(ViewNet(), batch_size=8, input_shape=(4, 4)), optimizer="none", mode="eval")
+    traced = trace_model(resolve(ViewNet(), batch_size=8, input_shape=(4, 4)),
+                         build_step(optimizer="none", mode="eval"))
     born = [traced.trace.nbytes[u] for u in range(traced.trace.num_storages) if traced.trace.phase[u].value == "forward"]
     # x*2: 8·16·4 = 512 B; view and t() share it; contiguous() of the transpose copies: 512 B
     assert born == [512, 512]
@@ -86,7 +87,7 @@ def test_dict_outputs_use_logits_for_cross_entropy():
 
 
 def test_dict_outputs_mean_reaches_every_output():
-    traced = trace_model(resolve(DictNet(), batch_size=4, input_shape=(16,)), optimizer="sgd", loss="mean")
+    traced = trace_model(resolve(DictNet(), batch_size=4, input_shape=(16,)), build_step(optimizer="sgd", loss="mean"))
     grads = sum(traced.trace.nbytes[u] for u, c in enumerate(traced.categories) if c is Category.GRADIENTS)
     assert grads == (16 * 4 + 4 + 16 * 8 + 8) * 4  # every parameter got a gradient
 
@@ -102,7 +103,7 @@ def test_tuple_outputs_handled():
             return y, y.relu()
 
     # auto loss reads the first tensor, (B, 8): a classifier → cross-entropy
-    traced = trace_model(resolve(TupleNet(), batch_size=2, input_shape=(8,)), optimizer="adam")
+    traced = trace_model(resolve(TupleNet(), batch_size=2, input_shape=(8,)), build_step(optimizer="adam"))
     grads = sum(traced.trace.nbytes[u] for u, c in enumerate(traced.categories) if c is Category.GRADIENTS)
     assert traced.loss == "cross-entropy" and grads == (8 * 8 + 8) * 4
     r = memcalc.estimate(TupleNet(), batch_size=2, input_shape=(8,), optimizer="adam", loss="mean")

@@ -21,6 +21,7 @@ from torch import nn
 
 import memcalc
 from memcalc.cli import main
+from memcalc.core.categories import Phase
 from memcalc.core.errors import InvalidInputError
 from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.distributed.ddp import DdpProgram
@@ -122,7 +123,8 @@ def test_dataparallel_output_device_by_hand():
     assert r.bytes == output.bytes  # the report's own fields describe the busiest GPU
 
 
-def test_fsdp_full_shard_by_hand():
+def test_fsdp_full_shard_by_hand(without_gloo_copies):
+    # FSDP's own buffers (gloo's copies, which the CPU target adds: the test after next).
     # FULL_SHARD, units = the two Linear layers (+ an empty root). Per rank: shards 2 MiB,
     # Adam 4 MiB. Peak in the 2nd iteration's backward, at unit 1's reduce-scatter (unit 1
     # resharded, unit 0's all-gather prefetched, its copy-out not yet done):
@@ -144,18 +146,30 @@ def test_fsdp_full_shard_by_hand():
     assert role.model_states == 16 * PSI // 4  # fp32 shards 4 + gradients 4 + Adam 8 bytes, over 4
 
 
-def test_fsdp_shard_grad_op_keeps_parameters_gathered_until_backward():
-    # SHARD_GRAD_OP: forward of the 2nd iteration gathers unit 1 (all-gather output 4 +
+def test_fsdp_shard_grad_op_keeps_parameters_gathered_until_backward(without_gloo_copies):
+    # FSDP's own buffers, as above. SHARD_GRAD_OP: forward of the 2nd iteration gathers unit 1 (all-gather output 4 +
     # unsharded 4 MiB) while unit 0's output (4) and parameters (4) are still there:
     #   shards 2 + 16 MiB of gathered parameters and outputs + Adam 4 = 22 MiB (+ input,
     #   activations). FULL_SHARD peaks at 19 MiB.
     r = _two("fsdp", world_size=4, sharding="shard_grad_op")
     role = _only_role(r)
     assert r.peak_requested == 22 * MiB + INPUT + INPUT == 23_076_864
-    assert r.peak_phase is memcalc.Phase.FORWARD
+    assert r.peak_phase is Phase.FORWARD
     assert (role.bytes.parameters, role.bytes.workspace) == (2 * MiB + 8 * MiB, 8 * MiB)
     assert role.communication == 16 * MiB
     assert role.model_states == 16 * PSI // 4
+
+
+def test_fsdp_on_the_cpu_target_adds_gloos_copies_by_hand():
+    # The CPU target's process group is gloo's (tests/test_gloo_runs.py runs it), which
+    # reduce-scatters by all-reducing a clone of the reduce-scatter input: the FULL_SHARD peak
+    # worked out above (unit 1's reduce-scatter) + that clone, 4 MiB. gloo's copy of an
+    # all-gather output (4 MiB) comes while less is alive: the peak stays where it was.
+    r = _two("fsdp", world_size=4)
+    role = _only_role(r)
+    assert r.peak_requested == 19_935_240 + 4 * MiB
+    assert role.bytes.workspace == 8 * MiB + 4 * MiB + INPUT + 4
+    assert role.communication == 4 * MiB * 3  # all-gather output, reduce-scatter input, its clone
 
 
 @pytest.mark.parametrize("stage, peak, states", [
@@ -347,15 +361,15 @@ def test_fsdp_units_are_blocks_and_root():
 
 
 def test_sharded_program_puts_the_model_back():
-    from memcalc.cuda.backend import trace_step
-    from memcalc.engine.options import EstimateOptions
+    from memcalc.engine.options import Step
     from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step
 
     resolved = resolve("mlp", batch_size=2)
     before = [id(p) for p in resolved.module.parameters()]
     program = ShardedProgram(fsdp_units(resolved.module, ()), 4, style="fsdp2", reshard_after_forward=True,
                              sharded_dtype=None, gather_dtype=None, reduce_dtype=None, training=True)
-    trace_step(resolved, EstimateOptions.create(), hooks=program)
+    trace_step(resolved, Step(), hooks=program)
     assert [id(p) for p in resolved.module.parameters()] == before
     assert all(p.grad is None for p in resolved.module.parameters())
     assert not dist.is_initialized()  # memcalc never creates a process group
@@ -412,7 +426,7 @@ def _real_peak(model: nn.Module, x: torch.Tensor, before: list[torch.Tensor], se
     """Two real training iterations (Adam, loss = mean) under the CPU profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from memcalc.report.measure import _profiler_peak, storage_bytes
+    from memcalc.measure.step import _profiler_peak, storage_bytes
 
     start = storage_bytes([*before, x])
     gc.collect()

@@ -3,7 +3,7 @@ DDP and FSDP2 against the real ``DistributedDataParallel`` and ``fully_shard`` o
 fake process group, as tests/test_strategies.py runs them), ZeRO's partitions of the trainable
 parameters worked out by hand, and what stays refused, with its reason.
 
-Every real run here fine-tunes the model with :func:`memcalc.sources.adapters.finetune_module`
+Every real run here fine-tunes the model with :func:`memcalc.stacks.peft.finetune_module`
 (what ``--measure`` does) before wrapping it, in the order real code does: PEFT first, then
 ``DistributedDataParallel(model)`` or ``fully_shard`` per block and on the root.
 """
@@ -27,10 +27,10 @@ from memcalc.cli import main
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.precision import Precision
-from memcalc.engine.prepare import apply_precision
-from memcalc.report.measure import _profiler_peak, storage_bytes
-from memcalc.sources.adapters import finetune_module
+from memcalc.engine.prepare import cast_parameters
+from memcalc.measure.step import _profiler_peak, storage_bytes
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.peft import finetune_module
 
 WORLD = FAKE_WORLD  # the fake_process_group fixture's (tests/conftest.py)
 #: The real runs step Adam(foreach=True); the estimates step the same implementation.
@@ -151,7 +151,7 @@ def _finetuned(model: nn.Module, finetune: FineTune, precision: Precision) -> nn
     after, the float32 adapters kept (what --measure does, engine.prepare)."""
     model, _notes = finetune_module(model, finetune, precision=precision, mode=Mode.TRAIN)
     if not precision.is_amp:
-        apply_precision(model, precision)
+        cast_parameters(model, precision.parameter_dtype)
     return model
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import memcalc
 import memcalc.engine.run as engine_run
-from memcalc import Category, Phase
+from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.timeline import Allocation, Timeline
 from memcalc.engine.allocator import K_SMALL_BUFFER
 
@@ -133,7 +133,7 @@ def _check_invariants(r: memcalc.MemoryReport, t: Timeline) -> None:
     assert spans[0].start == 0 and spans[-1].end == n
     assert all(a.end == b.start for a, b in itertools.pairwise(spans)) and all(s.start < s.end for s in spans)
     assert [s.iteration for s in spans] == sorted(s.iteration for s in spans)
-    assert {s.iteration for s in spans} == ({1, 2} if r.mode is memcalc.Mode.TRAIN else {1})
+    assert {s.iteration for s in spans} == ({1, 2} if r.mode is Mode.TRAIN else {1})
     for iteration in (1, 2):
         phases = [s.phase for s in spans if s.iteration == iteration]
         assert phases == sorted(phases, key=_PHASE_ORDER.index)

@@ -26,14 +26,10 @@ from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import PlotPathError
 from memcalc.core.timeline import Allocation, PhaseSpan, Timeline
 from memcalc.core.units import format_bytes
-from memcalc.report.timeline_html import timeline_html
 from memcalc.report.output import check_output_path
-from memcalc.report.timeline_plot import (
-    CATEGORY_STYLE,
-    check_timeline_path,
-    sample,
-    write_timeline,
-)
+from memcalc.report.timeline_chart import CATEGORY_STYLE, sample
+from memcalc.report.timeline_html import timeline_html
+from memcalc.report.timeline_plot import check_timeline_path, write_timeline
 
 MIB = 1024**2
 BLOCK = 512  # the caching allocator's rounding

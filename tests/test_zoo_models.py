@@ -18,10 +18,10 @@ from torch.overrides import TorchFunctionMode
 import memcalc
 import models_zoo
 from models_zoo import InputKind, LossKind
-from models_zoo.llm_blocks import causal_mask, eager_attention, eager_float_mask, repeat_kv
 from models_zoo.gemma2 import Gemma2Config, Gemma2ForCausalLM
 from models_zoo.gemma2 import parameter_count as gemma2_parameter_count
 from models_zoo.llama import LlamaConfig, LlamaForCausalLM
+from models_zoo.llm_blocks import causal_mask, eager_attention, eager_float_mask, repeat_kv
 
 # --------------------------------------------------------------------------- reference counts
 

@@ -26,15 +26,16 @@ from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.core.throughput import DataLoaderSetup
-from memcalc.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
-from memcalc.cuda.gpus.performance import loader_advice
 from memcalc.engine.optimizers import Optimizer
-from memcalc.report.measure import attach_measurement, measured_device
+from memcalc.fields import FIELDS, build_step
+from memcalc.measure.step import attach_measurement, measured_device
 from memcalc.report.output import check_output_path
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
-from memcalc.report.time_render import render_loader
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
+from memcalc.targets.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
+from memcalc.timing.performance import loader_advice
+from memcalc.timing.render import render_loader
 
 __all__ = ("main",)
 
@@ -79,15 +80,12 @@ def main() -> None:
 @main.command("estimate")
 @click.argument("model")
 @click.option("--batch", "-b", "batch", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Batch size (samples per step).")
+              help=FIELDS["batch_size"].help)
 @click.option("--optim", "optim", type=click.Choice([o.value for o in Optimizer], case_sensitive=False),
-              default=Optimizer.ADAM.value, show_default=True,
-              help="Optimizer (training only); its state is created by the real torch.optim class.")
+              default=Optimizer.ADAM.value, show_default=True, help=FIELDS["optimizer"].help)
 @step_options
 @click.option("--precision", type=click.Choice([p.value for p in Precision]), default=Precision.FP32.value,
-              show_default=True,
-              help="fp32; amp-fp16/amp-bf16: CUDA autocast (fp32 master weights and optimizer state); "
-                   "fp16/bf16: the whole model in that dtype.")
+              show_default=True, help=FIELDS["precision"].help)
 @click.option("--gpu", default=None, metavar="NAME",
               help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
                    "its CUDA context, and whether the step fits. Default: a generic sm80-class profile "
@@ -121,25 +119,21 @@ def main() -> None:
 @output_options
 @handle_errors
 def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: str | None, device: str | None,
-                     input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
-                     accum_steps: int, kv_cache: int | None, loss: str | None, depth: int, measure: bool,
-                     timeline_path: str | None, snapshot_path: str | None, timed: bool, data_loader: str | None,
-                     sample_load_ms: float | None,
-                     fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
+                     depth: int, measure: bool, timeline_path: str | None, snapshot_path: str | None, timed: bool,
+                     data_loader: str | None, sample_load_ms: float | None, fmt: str, units: str, debug: bool,
+                     **options: Any) -> None:
     """Estimate the GPU memory of one step of MODEL.
 
     MODEL is a zoo name (memcalc zoo lists them), path/to/file.py:factory,
     package.module:factory, torchvision:NAME, timm:NAME, hf:MODEL_TYPE, hf:ORG/NAME[@REVISION]
     (config.json only, from the Hugging Face cache or the Hub) or hf:config.json.
     """
-    source = attn_model(model, multi_gpu)  # an hf: model with --attn becomes a HuggingFace source
-    step = dict(optimizer=optim if given("optim") else None, precision=precision,
-                **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                                 accum_steps=accum_steps, kv_cache=kv_cache, loss=loss),
-                **setup_arguments(multi_gpu))
-    distributed = strategy_arguments(measure=measure, **multi_gpu)
-    if measure and "finetune" in step:
-        _refuse_measured_quant(step["finetune"])
+    source = attn_model(model, options)  # an hf: model with --attn becomes a HuggingFace source
+    keywords = dict(optimizer=optim if given("optim") else None, precision=precision,
+                    **step_arguments(options), **setup_arguments(options))
+    distributed = strategy_arguments(measure=measure, **options).get("distributed")  # what is left: multi-GPU
+    if measure and "finetune" in keywords:
+        _refuse_measured_quant(keywords["finetune"])
     # the output files are checked before the estimate, not after it
     if timeline_path is not None:
         check_timeline_path(timeline_path)
@@ -147,16 +141,16 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         check_output_path(snapshot_path, "snapshot", SNAPSHOT_FORMATS)
     local = _local_gpu(gpu, device, measure)  # after the usage checks: looking may initialise CUDA
     # a local GPU is found once: the estimate and the measurement use the same one
-    step["gpu"] = gpu if local is None else local.device
+    keywords["gpu"] = gpu if local is None else local.device
     loader = None
     if data_loader is not None or sample_load_ms is not None:
         loader = DataLoaderSetup.parse(data_loader or "", sample_load_ms=sample_load_ms)
         timed = True  # the loader is judged against the step time (api.estimate refuses an untimeable GPU first)
-    with quiet():
-        report = api.estimate(source, batch_size=batch, **step, **distributed, time=timed)
+    with quiet():  # the step is built once: the estimate and the measurement run the same one
+        step = build_step(source, batch_size=batch, time=timed, **keywords)
+        report = api.estimate_step(step, distributed)
     if measure:
-        report = attach_measurement(report, source, batch_size=batch, device=None if local is None else local.device,
-                                    **step)
+        report = attach_measurement(report, step, device=None if local is None else local.device)
     if timeline_path is not None:
         click.echo(f"wrote {write_timeline(report, timeline_path)}", err=True)
     if snapshot_path is not None:

@@ -14,7 +14,7 @@ from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.engine.optimizers import Optimizer
-from memcalc.engine.real_snapshot import load_snapshot
+from memcalc.measure.snapshot import load_snapshot
 from memcalc.report.compare import compare_snapshot
 from memcalc.report.compare_render import render_comparison
 from memcalc.report.render import render_json
@@ -39,9 +39,7 @@ __all__ = ("compare_command",)
 @output_options
 @handle_errors
 def compare_command(snapshot: str, model: str, batch: int, optim: str, precision: str, gpu: str | None,
-                    input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
-                    accum_steps: int, kv_cache: int | None, loss: str | None, fmt: str, units: str, debug: bool,
-                    **setup: Any) -> None:
+                    fmt: str, units: str, debug: bool, **options: Any) -> None:
     """Compare SNAPSHOT, a torch.cuda.memory._snapshot() pickle of a real run, with memcalc's
     estimate of MODEL's step in the same configuration (the options of memcalc estimate):
     peaks, the reserved difference, allocations by phase, and the blocks each side lacks.
@@ -55,11 +53,9 @@ def compare_command(snapshot: str, model: str, batch: int, optim: str, precision
         raise InvalidInputError(f"{snapshot} is not a torch.cuda.memory._snapshot() pickle ({exc})",
                                 hint="Write one with torch.cuda.memory._dump_snapshot(path) while "
                                      "torch.cuda.memory._record_memory_history() is on.") from None
-    source = attn_model(model, setup)
+    source = attn_model(model, options)
     step = dict(optimizer=optim if given("optim") else None, precision=precision, gpu=gpu,
-                **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                                 accum_steps=accum_steps, kv_cache=kv_cache, loss=loss),
-                **setup_arguments(setup))
+                **step_arguments(options), **setup_arguments(options))
     with quiet():
         report = api.estimate(source, batch_size=batch, **step)
     comparison = compare_snapshot(real, report)

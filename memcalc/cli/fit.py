@@ -17,11 +17,11 @@ from memcalc.cli.params import OPTIMIZERS, PRECISIONS, UnitCommand, budget_argum
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.core.units import format_bytes
-from memcalc.cuda.gpus.performance import check_timeable, with_time
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json, render_report, render_roles
-from memcalc.report.time_render import render_choice
+from memcalc.report.throughput_render import render_choice
 from memcalc.search.budget import FitResult, format_margin
+from memcalc.timing.performance import check_timeable, with_time
 
 __all__ = ("fit_command",)
 
@@ -76,10 +76,8 @@ class MarginType(click.ParamType[float]):
 @output_options
 @handle_errors
 def fit_command(model: str, gpu: str | None, budget: int | None, device: str | None, optim: str,
-                precision: str | None, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str,
-                checkpoint: bool, accum_steps: int, kv_cache: int | None, loss: str | None, margin: float | None,
-                neighbours: int, timed: bool, objective: str, target_batch: int | None, fmt: str, units: str,
-                debug: bool, **multi_gpu: Any) -> None:
+                precision: str | None, margin: float | None, neighbours: int, timed: bool, objective: str,
+                target_batch: int | None, fmt: str, units: str, debug: bool, **options: Any) -> None:
     """The largest batch of MODEL whose step fits a GPU, a budget or a local GPU (per GPU, with
     a multi-GPU --strategy).
 
@@ -90,11 +88,10 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
     memcalc fit vgg16 --budget 24GiB --margin 0
     memcalc fit gpt2 --seq-len 1024 --gpu a100-80gb --objective throughput --target-batch 64
     """
-    source = attn_model(model, multi_gpu)  # an hf: model with --attn becomes a HuggingFace source
+    source = attn_model(model, options)  # an hf: model with --attn becomes a HuggingFace source
     where = budget_arguments(gpu, budget, device, required=True)
-    step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                         accum_steps=accum_steps, kv_cache=kv_cache, loss=loss) | setup_arguments(multi_gpu)
-    distributed = strategy_arguments(**multi_gpu)
+    step = step_arguments(options) | setup_arguments(options)
+    distributed = strategy_arguments(**options)  # what is left: the multi-GPU options
     if objective == "throughput":
         _fit_throughput(source, where, optim, precision, margin, target_batch, step | distributed, fmt, units)
         return

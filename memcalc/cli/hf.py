@@ -1,7 +1,7 @@
 """``--attn``: which attention code a Hugging Face model runs (``hf:`` models only).
 
 The option's value travels in a command's ``**kwargs`` with the other shared option groups;
-:func:`attn_model` pops it and turns ``MODEL`` into a :class:`memcalc.sources.hub.HuggingFace`
+:func:`attn_model` pops it and turns ``MODEL`` into a :class:`memcalc.stacks.transformers.hub.HuggingFace`
 (an ``hf:`` model) or refuses it (any other model: the option would be ignored)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from memcalc.sources.hub import HfAttention, HuggingFace, with_attention
+from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, with_attention
 
 __all__ = ("ATTN_PARAMETER", "attn_model", "attn_option")
 

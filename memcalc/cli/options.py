@@ -5,6 +5,7 @@ from here, so none depends on another's import order."""
 
 from __future__ import annotations
 
+import enum
 import functools
 import sys
 import warnings
@@ -17,9 +18,9 @@ from click.core import ParameterSource
 
 from memcalc.core.categories import Mode
 from memcalc.core.errors import MemcalcError
-from memcalc.core.losses import LossChoice
 from memcalc.core.units import Unit
 from memcalc.engine.optimizers import Optimizer
+from memcalc.fields import FIELDS, Field
 from memcalc.report.render import TABLE_FORMATS
 
 __all__ = ("FORMATS", "ShapeType", "given", "handle_errors", "output_options", "quiet", "step_arguments",
@@ -84,29 +85,31 @@ def output_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def step_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """The options that shape one step beyond optimizer, precision and GPU (which each command
-    takes in its own form: one value, a list, or a budget)."""
-    options = [
-        click.option("--input-shape", type=ShapeType(), default=None,
-                     help="Shape of one sample, without the batch dimension, e.g. 3,224,224."),
-        click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Sequence length for token models."),
-        click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.TRAIN.value,
-                     show_default=True,
-                     help="train: forward, loss, backward, optimizer step; eval: forward under no_grad; "
-                          "inference: forward under inference_mode."),
-        click.option("--checkpoint", is_flag=True, help="Activation checkpointing per block (zoo models with blocks)."),
-        click.option("--accum-steps", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Gradient accumulation: micro-batches of --batch per optimizer step."),
-        click.option("--kv-cache", type=click.IntRange(min=0), default=None, metavar="TOKENS",
-                     help="With --mode inference: a KV cache for the prompt plus TOKENS generated tokens "
-                          "(decoder language models)."),
-        click.option("--loss", type=click.Choice([c.value for c in LossChoice]), default=None,
-                     help="Loss to train with (training only; default: the zoo entry's, else auto: cross-entropy "
-                          "for (B, C) outputs, the output's mean otherwise)."),
-    ]
-    for option in reversed(options):
-        func = option(func)
+    """The options that shape one step the same way in every command: each field of
+    :data:`memcalc.fields.FIELDS` with a :class:`~memcalc.fields.Flag` (optimizer, precision and
+    GPU each command takes in its own form: one value, a list, or a budget)."""
+    for field in reversed([f for f in FIELDS.values() if f.cli is not None]):
+        func = _option(field)(func)
     return func
+
+
+def _option(field: Field) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The click option of ``field``: its flag, a parameter type for its kind, its default and help."""
+    flag = field.cli
+    assert flag is not None and field.flag is not None
+    if flag.kind == "switch":
+        return click.option(field.flag, field.name, is_flag=True, help=field.help)
+    kind: click.ParamType[Any]
+    if flag.kind == "choice":
+        assert field.choices is not None
+        kind = click.Choice([c.value for c in field.choices])
+    elif flag.kind == "shape":
+        kind = ShapeType()
+    else:
+        kind = click.IntRange(min=flag.minimum)
+    default = field.default.value if isinstance(field.default, enum.Enum) else field.default
+    return click.option(field.flag, field.name, type=kind, default=default, show_default=flag.show_default,
+                        metavar=flag.metavar, help=field.help)
 
 
 def given(name: str) -> bool:
@@ -117,14 +120,14 @@ def given(name: str) -> bool:
     return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
 
 
-def step_arguments(*, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
-                   accum_steps: int, kv_cache: int | None, loss: str | None) -> dict[str, Any]:
-    """:func:`step_options`' values as :func:`memcalc.estimate` keywords (None: its default);
-    a usage error for a training-only option given for an eval or inference step."""
-    if mode != Mode.TRAIN.value:
+def step_arguments(params: dict[str, Any]) -> dict[str, Any]:
+    """Pop :func:`step_options`' values from a command's ``params`` and return them as
+    :func:`memcalc.estimate` keywords (None: its default); a usage error for a training-only
+    option given for an eval or inference step."""
+    values = {field.name: params.pop(field.name, None) for field in FIELDS.values() if field.cli is not None}
+    mode = values.get("mode")
+    if mode is not None and mode != Mode.TRAIN.value:
         _refuse_training_options(mode)
-    values = dict(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                  accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
     return {name: value for name, value in values.items() if value is not None}
 
 

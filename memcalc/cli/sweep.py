@@ -29,9 +29,9 @@ from memcalc.core.categories import Category
 from memcalc.core.units import format_bytes
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json
-from memcalc.report.time_render import format_seconds
 from memcalc.search.budget import Budget, resolve_budget
 from memcalc.search.sweep import SweepPoint, sweep_configurations
+from memcalc.timing.render import format_seconds
 
 __all__ = ("sweep_command",)
 
@@ -60,24 +60,21 @@ PROGRESS_MIN_CONFIGURATIONS = 4
 @output_options
 @handle_errors
 def sweep_command(model: str, batches: list[int], optims: list[str], precisions: list[str] | None,
-                  gpu: str | None, budget: int | None, device: str | None,
-                  input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
-                  accum_steps: int, kv_cache: int | None, loss: str | None,
-                  timed: bool, plot_path: str | None, fmt: str, units: str, debug: bool, **setup: Any) -> None:
+                  gpu: str | None, budget: int | None, device: str | None, timed: bool, plot_path: str | None,
+                  fmt: str, units: str, debug: bool, **options: Any) -> None:
     """Estimate MODEL for every batch size × optimizer × precision: one row each.
 
     \b
     memcalc sweep resnet50 --batch 1,16,64,256 --optim sgd,adam --precision fp32,amp-bf16
     memcalc sweep resnet50 --batch 16,64,256 --gpu a100-40gb --plot memory.png
     """
-    source = attn_model(model, setup)  # an hf: model with --attn becomes a HuggingFace source
+    source = attn_model(model, options)  # an hf: model with --attn becomes a HuggingFace source
     where = budget_arguments(gpu, budget, device, required=False)
     if plot_path is not None:
         from memcalc.report.plot import check_plot_path
 
         check_plot_path(plot_path)  # before the sweep, not after minutes of it
-    step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                          accum_steps=accum_steps, kv_cache=kv_cache, loss=loss) | setup_arguments(setup)
+    step = step_arguments(options) | setup_arguments(options)
     resolved = resolve_budget(**where, stack=step.get("stack")) if where else None
     configs = sweep_configurations(batches, optims, precisions or [None])
     points_iter = api.iter_sweep(source, batch_sizes=batches, optimizers=optims if given("optims") else None,

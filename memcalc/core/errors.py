@@ -3,6 +3,8 @@ exit code (2 for bad user input, 1 for a model that can't be estimated)."""
 
 from __future__ import annotations
 
+import traceback
+
 __all__ = (
     "DataDependentError",
     "InapplicableOptionError",
@@ -17,6 +19,7 @@ __all__ = (
     "SymbolicExecutionError",
     "UnknownModelError",
     "symbolic_execution_error",
+    "user_frame",
 )
 
 
@@ -149,6 +152,26 @@ class DataDependentError(SymbolicExecutionError):
                  "Make that code depend on shapes or configuration instead, or estimate the submodule separately.",
         )
         self.reads = reads
+        self.op = op
+
+    def read_by_loop(self, loop: str) -> None:
+        """The value was read by the user's training loop, not by the model (``loss.item()``
+        after ``backward()``): one message that names the loop and its line, in place of the
+        model-centred one (which would blame "the model's own code" during backward)."""
+        self.args = (f"the loop function {loop} reads a tensor's value{user_frame(self)}: {self.reads} "
+                     f"(op {self.op}), and memcalc runs the loop on meta tensors, shapes only, without data",)
+        self.hint = ("Leave such lines (loss.item(), print(loss), float(loss), logging of values) out of the loop "
+                     "you estimate: reading a value allocates no GPU memory, so the estimate is the same without "
+                     "them.")
+
+
+def user_frame(exc: BaseException) -> str:
+    """' (at file.py, line N)' for the innermost frame of the user's code (outside torch and
+    memcalc) in ``exc``'s traceback, or "" when there is none: errors name the user's line."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "/torch/" not in frame.filename and "/memcalc/" not in frame.filename:
+            return f" (at {frame.filename}, line {frame.lineno})"
+    return ""
 
 
 def symbolic_execution_error(op: str, module: str, phase: str, cause: BaseException) -> SymbolicExecutionError:

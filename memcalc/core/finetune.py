@@ -1,8 +1,8 @@
 """Fine-tuning choices: which parameters train, adapters and a quantized base
 (:class:`FineTune`, :class:`LoRA`, :class:`Quant`).
 
-Vocabulary only: :mod:`memcalc.sources.adapters` freezes and wraps the model with PEFT, and
-:mod:`memcalc.sources.quant` stores the frozen Linear weights as bitsandbytes does.
+Vocabulary only: :mod:`memcalc.stacks.peft` freezes and wraps the model with PEFT, and
+:mod:`memcalc.stacks.bitsandbytes` stores the frozen Linear weights as bitsandbytes does.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What memcalc needs to know about a GPU: :class:`GpuProfile`, and :data:`GENERIC`, the
 profile used when none is named. The catalogue of real cards lives in
-:mod:`memcalc.cuda.gpus.catalogue`; this module is vocabulary, so that options and reports can
+:mod:`memcalc.targets.cuda.gpus.catalogue`; this module is vocabulary, so that options and reports can
 name a GPU without depending on the CUDA rules."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ KiB = 1024
 MiB = 1024**2
 
 #: ``4096 * 1024 * 2 + 16 * 1024 * 8`` = 8,519,680 B: PyTorch's ``:4096:2:16:8`` cuBLAS
-#: workspace default off sm90 (aten/src/ATen/cuda/CublasHandlePool.cpp; see memcalc.cuda.cublas).
+#: workspace default off sm90 (aten/src/ATen/cuda/CublasHandlePool.cpp; see memcalc.targets.cuda.cublas).
 CUBLAS_WORKSPACE_DEFAULT = 4096 * KiB * 2 + 16 * KiB * 8
 #: GENERIC's context: a round number at the top of the reported 300–600 MiB range.
 GENERIC_CONTEXT = 512 * MiB
@@ -54,7 +54,7 @@ class GpuProfile:
     def context_measured(self) -> bool:
         """Whether the CUDA context was measured on this GPU rather than assumed: the stack
         names where in ``context_basis`` ("…, measured on NVIDIA H100 80GB HBM3, CUDA 13.0",
-        :func:`memcalc.cuda.gpus.catalogue.context_source`)."""
+        :func:`memcalc.targets.cuda.gpus.catalogue.context_source`)."""
         return "measured on" in self.context_basis
 
     @property

@@ -7,6 +7,9 @@
   forward and cached), ops on its fp32 list run in float32. ``amp-fp16`` adds GradScaler's
   work (scaled loss, unscale with inf checks).
 - ``fp16`` / ``bf16``: the whole model in that dtype; gradients and optimizer state too.
+
+:class:`WeightDtype` stores the parameters in another dtype than the precision implies: bf16
+weights under ``amp-bf16`` autocast are a model loaded in bf16 and trained under autocast.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import enum
 
 import torch
 
-__all__ = ("Precision",)
+__all__ = ("Precision", "WeightDtype")
 
 
 class Precision(str, enum.Enum):
@@ -57,3 +60,19 @@ class Precision(str, enum.Enum):
     def uses_grad_scaler(self) -> bool:
         """torch.amp.GradScaler is the standard companion of fp16 autocast (bf16 needs none)."""
         return self is Precision.AMP_FP16
+
+
+class WeightDtype(str, enum.Enum):
+    """The dtype the parameters are stored in, apart from the precision's autocast: what a
+    model loaded with ``dtype=torch.bfloat16`` has (its gradients and optimizer state follow,
+    as torch makes them like the parameters)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype."""
+        return {WeightDtype.FP32: torch.float32, WeightDtype.BF16: torch.bfloat16,
+                WeightDtype.FP16: torch.float16}[self]

@@ -217,7 +217,7 @@ class MemoryReport:
     # Builds the timeline on request (set by memcalc.engine.run.build_report): kept out of
     # equality, repr and to_dict(), so that reports compare and serialise as before.
     _timeline_builder: Callable[[], Timeline] | None = field(default=None, compare=False, repr=False)
-    # The step's FLOPs and bytes per kernel (memcalc.engine.flops.StepCosts), for flops() and step times.
+    # The step's FLOPs and bytes per kernel (memcalc.timing.flops.StepCosts), for flops() and step times.
     _costs: CostSource | None = field(default=None, compare=False, repr=False)
 
     def timeline(self) -> Timeline:
@@ -278,7 +278,7 @@ class MemoryReport:
     @property
     def cuda_context(self) -> int:
         """The CUDA context (and libraries) of the GPU: never in max_memory_allocated, but it
-        is on the device, so it counts toward an OOM (an assumption per GPU: memcalc.cuda.gpus.catalogue)."""
+        is on the device, so it counts toward an OOM (an assumption per GPU: memcalc.targets.cuda.gpus.catalogue)."""
         return self.gpu.cuda_context
 
     @property

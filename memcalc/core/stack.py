@@ -4,7 +4,7 @@ Every kernel fact memcalc uses (SDPA backend priority and constraints, autocast 
 cuBLAS workspaces, optimizer defaults) depends on the PyTorch version, and the CUDA context on
 the CUDA version (lazy module loading, CUDA ≥ 11.7, shrinks it from ~1.3 GiB to ~0.4 GiB).
 The default is the installed torch; :class:`Stack` asks for another. Vocabulary only: the
-rules keyed by these versions live in :mod:`memcalc.cuda.versions`.
+rules keyed by these versions live in :mod:`memcalc.targets.versions`.
 """
 
 from __future__ import annotations

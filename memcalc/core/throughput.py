@@ -2,8 +2,8 @@
 (:class:`StepFlops`), what a roofline needs to know about a GPU (:class:`DeviceRates`), and the
 time it predicts (:class:`StepTime`).
 
-The counting lives in :mod:`memcalc.engine.flops`, the GPUs' peaks in
-:mod:`memcalc.cuda.gpus.performance`; these are frozen records with ``to_dict()``, like the rest
+The counting lives in :mod:`memcalc.timing.flops`, the GPUs' peaks in
+:mod:`memcalc.timing.performance`; these are frozen records with ``to_dict()``, like the rest
 of the report. FLOPs follow ``torch.utils.flop_counter``'s convention: one multiply-add is two
 FLOPs, and only the ops with a formula there (matrix products, convolutions, attention) count;
 every other op is timed by the bytes it moves (see :class:`StepTime`).
@@ -130,7 +130,7 @@ class DeviceRates:
     large problem; ``kernel_seconds``: the fixed time each kernel of a class takes besides (its
     ramp-up and tail: why a small kernel is far from peak); ``launch_overhead``: the gap each
     kernel adds between kernels (the launch and eager PyTorch's host-side dispatch). All three are
-    fitted to real kernels (:mod:`memcalc.cuda.gpus.calibration`). ``host_seconds``: the host's
+    fitted to real kernels (:mod:`memcalc.timing.calibration`). ``host_seconds``: the host's
     time per kernel (eager PyTorch's dispatch of the op that launches it), fitted likewise: a step
     is never shorter than its kernels × this, since a GPU that finishes first waits on the host
     (small steps are host-bound). ``spread``: the relative error
@@ -277,7 +277,7 @@ class StepTime:
 
 class CostSource(Protocol):
     """What a report keeps to compute its FLOPs and time when asked
-    (:class:`memcalc.engine.flops.StepCosts`)."""
+    (:class:`memcalc.timing.flops.StepCosts`)."""
 
     def flops(self) -> StepFlops:
         """The step's FLOPs per phase, module and op."""

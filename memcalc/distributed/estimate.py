@@ -1,90 +1,73 @@
-"""One validated estimate request, and the estimate of it on one GPU or under a strategy.
+"""The estimate of one step, on one GPU or under a multi-GPU strategy.
 
-:class:`EstimateRequest` is everything :func:`memcalc.estimate` was asked, converted once at
-the API boundary; the batch search (:mod:`memcalc.search`) varies its batch size, capacity,
-optimizer and precision with :func:`dataclasses.replace` and calls :func:`run_estimate`.
+:func:`run_estimate` takes the :class:`~memcalc.engine.options.Step` the API built once; the
+batch search (:mod:`memcalc.search`) varies its batch size, capacity, optimizer and precision
+with :func:`dataclasses.replace` and calls it again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
-from memcalc.cuda.backend import trace_step
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
-from memcalc.engine.model import InputsLike
-from memcalc.engine.options import EstimateOptions
+from memcalc.engine.options import Step
 from memcalc.engine.run import TracedStep, build_report
-from memcalc.sources.adapters import apply_finetune
-from memcalc.sources.resolve import resolve
+from memcalc.stacks.peft import apply_finetune
+from memcalc.targets.backend import trace_step
+from memcalc.timing.flops import OpCostRecorder
 
-__all__ = ("CostsOnRequest", "EstimateRequest", "run_estimate")
+__all__ = ("CostsOnRequest", "run_estimate")
 
-
-@dataclass(frozen=True)
-class EstimateRequest:
-    """A model, its inputs, the step and the GPUs, validated.
-
-    ``model`` is whatever the user named (resolved anew for each estimate: a meta twin is
-    cheap, and a strategy resolves each role at its own batch). ``capacity``: the bytes the
-    caching allocator may reserve (None: no limit, ``fits`` stays None).
-    """
-
-    model: Any
-    options: EstimateOptions
-    distributed: Distributed = field(default_factory=Distributed)
-    batch_size: int | None = None
-    input_shape: tuple[int, ...] | None = None
-    seq_len: int | None = None
-    inputs: InputsLike | None = None
-    capacity: int | None = None
+#: One GPU, no strategy.
+SINGLE = Distributed()
 
 
-def run_estimate(request: EstimateRequest, on_trace: Callable[[TracedStep], None] | None = None) -> MemoryReport:
-    """Estimate ``request``.
+def run_estimate(step: Step, distributed: Distributed = SINGLE,
+                 on_trace: Callable[[TracedStep], None] | None = None) -> MemoryReport:
+    """Estimate ``step``.
 
     Args:
-        request: the validated request.
+        step: the step, as the API built it. Its ``model`` is resolved anew for each estimate
+            (a meta twin is cheap, and a strategy resolves each role at its own batch).
+        distributed: the multi-GPU setting (one GPU by default).
         on_trace: single GPU only: called with the raw traced step before the report is
             made (the batch search replays the same step at other batch sizes with it).
 
     Returns:
         The report; under a strategy, that of the busiest GPU with every role in ``roles``.
     """
-    options = request.options
-    if not request.distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
-        report = estimate_per_rank(request.model, distributed=request.distributed, options=options,
-                                   batch_size=request.batch_size, input_shape=request.input_shape,
-                                   seq_len=request.seq_len, inputs=request.inputs, capacity=request.capacity)
+    # every kernel's FLOPs and bytes, recorded only when a time is asked for (CostsOnRequest otherwise)
+    costs = OpCostRecorder if step.record_costs else None
+    if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
+        report = estimate_per_rank(step, distributed, costs=costs)
     else:
-        resolved = resolve(request.model, batch_size=request.batch_size, input_shape=request.input_shape,
-                           seq_len=request.seq_len, inputs=request.inputs)
-        resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode)
-        traced = trace_step(resolved, options)
+        resolved = step.resolved()
+        resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode)
+        traced = trace_step(resolved, step, costs=costs)
         if on_trace is not None:
             on_trace(traced)
-        report = build_report(resolved, traced, options, request.capacity)
-    return report if options.record_costs else replace(report, _costs=CostsOnRequest(request))
+        report = build_report(resolved, traced, step)
+    return report if step.record_costs else replace(report, _costs=CostsOnRequest(step, distributed))
 
 
 class CostsOnRequest:
     """A report's FLOPs and step times when its kernels' costs were not recorded
-    (``options.record_costs`` off, as for every estimate that asks for no time): the first
+    (``step.record_costs`` off, as for every estimate that asks for no time): the first
     request traces the estimate again, recording them, and keeps that report. A step time
     asked for after the fact costs one more trace; an estimate never timed costs nothing."""
 
-    def __init__(self, request: EstimateRequest) -> None:
-        self._request = request
+    def __init__(self, step: Step, distributed: Distributed) -> None:
+        self._step = step
+        self._distributed = distributed
         self._recorded: MemoryReport | None = None
 
     def _report(self) -> MemoryReport:
         if self._recorded is None:
-            request = self._request
-            self._recorded = run_estimate(replace(request, options=replace(request.options, record_costs=True)))
+            self._recorded = run_estimate(replace(self._step, record_costs=True), self._distributed)
         return self._recorded
 
     def flops(self) -> StepFlops:

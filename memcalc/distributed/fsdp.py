@@ -9,7 +9,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -130,9 +130,11 @@ class ShardedProgram(RankProgram):
     sharded ``.grad``, cast to the shard's dtype if it differs). Frozen parameters
     (``requires_grad=False``: ``--freeze``, a LoRA base) are sharded and gathered like the
     others; they have no gradient to reduce, and a unit of frozen parameters only
-    reshards. Against real ``fully_shard`` on the CPU (fake process group, profiler) this
-    agrees to the byte, less Adam's CPU step counters (tests/test_strategies.py,
-    tests/test_strategies_finetune.py).
+    reshards. On the CPU target the collectives are gloo's, which copy what they all-gather
+    and reduce-scatter (:meth:`_gloo_copy`). Against real ``fully_shard`` on the CPU this
+    agrees to the byte (less Adam's CPU step counters) over a fake process group, without
+    gloo's copies (tests/test_strategies.py, tests/test_strategies_finetune.py), and within
+    0.02% on every rank of real two-process runs over gloo (tests/test_gloo_runs.py).
 
     DeepSpeed ZeRO-3 (``deepspeed/runtime/zero/stage3.py``, ``partition_parameters.py``):
     each parameter is a flat partition of ``ceil(numel / world_size)`` elements; gathering
@@ -169,9 +171,19 @@ class ShardedProgram(RankProgram):
         self._forward_order: list[_UnitState] = []
         self._in_backward = False
 
+    #: Whether the CPU target's collectives make gloo's copies (:meth:`_gloo_copy`): a real CPU
+    #: process group is gloo's. torch's fake process group, over which tests/test_strategies.py
+    #: runs the real ``fully_shard``, allocates nothing; its tests turn this off.
+    gloo_copies: ClassVar[bool] = True
+
     @property
     def fsdp2(self) -> bool:
         return self.style == "fsdp2"
+
+    @property
+    def gloo(self) -> bool:
+        """FSDP2 on the CPU target, whose process group is gloo's."""
+        return self.fsdp2 and self.cpu and self.gloo_copies
 
     @property
     def trainable_shard_numel(self) -> int:
@@ -269,8 +281,35 @@ class ShardedProgram(RankProgram):
         else:  # _get_all_gather_input_metadatas: inputs of several dtypes are all-gathered as bytes
             nbytes = sum(p.padded_numel * p.gather_dtype.itemsize for p in params)
             output = self._buffer(nbytes, torch.uint8, Category.WORKSPACE)
+        if self.gloo:
+            self._gloo_copy(output)  # gloo's AsyncAllgatherWork gathers into a flat tensor of its own
         del cast  # all_gather_copy_in has copied it into the output
         return output
+
+    def _gloo_copy(self, tensor: torch.Tensor) -> None:
+        """A copy of ``tensor``'s size that gloo makes for a collective and frees when it completes.
+
+        ``ProcessGroupGloo`` (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp) all-gathers into
+        a flat output of its own (``AsyncAllgatherWork``: ``newLikeFlat(outputs[0])``, on its
+        worker thread) and copies it out into the caller's output; the profiler of a real run
+        (torch 2.13) sees two such output-sized blocks one after the other, one in
+        ``c10d::_allgather_base_`` and then the worker's, never both alive.
+        ``reduce_scatter_tensor_coalesced`` all-reduces a clone of the whole input
+        (``inputTensors[i].clone()``) and copies this rank's chunk out of it. Both happen while
+        the caller's buffers (the all-gather input and output; the reduce-scatter input and
+        output) are alive: real two-process runs over gloo agree with this within 0.02%
+        (tests/test_gloo_runs.py).
+
+        Only the CPU target has them: the CUDA target assumes NCCL, which all-gathers and
+        reduce-scatters in the caller's buffers. (gloo over CUDA tensors would clone the
+        reduce-scatter input on the GPU too and stage the all-gather in pinned host memory;
+        memcalc does not model gloo on CUDA.)
+
+        Modelled as alive for the collective alone: the all-gather's staging outlives the call
+        when the other rank arrives late, over a backward prefetch even while this unit's
+        backward runs; a real run's peak can then be one unit's all-gather output higher than
+        the estimate on that rank, by timing alone (not seen in the tests' runs)."""
+        self._transient(tensor.numel() * tensor.element_size())
 
     def _allocate_unsharded(self, p: _Param) -> None:
         tracer = self._tracer
@@ -414,6 +453,8 @@ class ShardedProgram(RankProgram):
         grads.clear()
         output = torch.empty(sum(p.shard_numel for p in params), dtype=reduce_dtype, device="meta")
         self._tracer.track(output, Category.GRADIENTS)
+        if self.gloo:
+            self._gloo_copy(rs_input)  # gloo reduce-scatters by all-reducing a clone of the input
         sharded_dtype = params[0].sharded.dtype
         if sharded_dtype != reduce_dtype:
             output = output.to(sharded_dtype)

@@ -3,7 +3,7 @@ strategy and one estimate per role.
 
 A role is a distinct kind of GPU — every rank of DDP, FSDP and ZeRO holds the same;
 DataParallel's output device holds more than its other devices. Each role's step is traced
-like a single-GPU step (:func:`memcalc.cuda.backend.trace_step`) at the rank's batch, with the
+like a single-GPU step (:func:`memcalc.targets.backend.trace_step`) at the rank's batch, with the
 strategy's rank program (:mod:`memcalc.distributed.program` and its siblings) allocating and
 freeing what PyTorch or DeepSpeed would around the model. The report is the busiest role's,
 with every role in ``roles``. Fine-tuning (``--freeze``, ``--lora``; ``--quant`` under DDP)
@@ -17,9 +17,8 @@ are written up in docs/architecture.md, "Multi-GPU strategies".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -30,7 +29,6 @@ from memcalc.core.losses import LossFn
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport, RoleReport
 from memcalc.core.units import format_bytes
-from memcalc.cuda.backend import trace_step
 from memcalc.distributed.ddp import DdpProgram
 from memcalc.distributed.dp import DataParallelOutputDevice, DataParallelReplica
 from memcalc.distributed.fsdp import ShardedProgram, fsdp_units, module_units
@@ -38,14 +36,14 @@ from memcalc.distributed.options import DEEPSPEED_REDUCE_BUCKET_SIZE, Distribute
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.zero import ZeroProgram
 from memcalc.engine import allocator
-from memcalc.engine.model import InputsLike, ResolvedModel
+from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import Optimizer, spec_for
-from memcalc.engine.options import EstimateOptions
+from memcalc.engine.options import Step
 from memcalc.engine.prepare import KEEP_DTYPE
-from memcalc.engine.run import TracedStep, build_report
+from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
-from memcalc.sources.adapters import apply_finetune
-from memcalc.sources.resolve import resolve
+from memcalc.stacks.peft import apply_finetune
+from memcalc.targets.backend import trace_step
 
 __all__ = ("estimate_per_rank", "refuse_finetune")
 
@@ -68,7 +66,7 @@ class _Role:
     loss_text: str | None = None
 
 
-def _roles(dist: Distributed, batch: int, options: EstimateOptions) -> tuple[list[_Role], int, list[str]]:
+def _roles(dist: Distributed, batch: int, options: Step) -> tuple[list[_Role], int, list[str]]:
     """The roles, the global batch, and notes that apply to every role."""
     training = options.mode is Mode.TRAIN
     n = dist.world_size
@@ -212,7 +210,7 @@ def refuse_finetune(strategy: Strategy, finetune: FineTune) -> None:
              f"or --freeze is estimated).")
 
 
-def _finetuned(resolved: ResolvedModel, strategy: Strategy, options: EstimateOptions,
+def _finetuned(resolved: ResolvedModel, strategy: Strategy, options: Step,
                trace_precision: Precision) -> ResolvedModel:
     """One role's model with the fine-tuning applied, ready for its program to wrap."""
     resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode)
@@ -239,38 +237,44 @@ def _finetuned(resolved: ResolvedModel, strategy: Strategy, options: EstimateOpt
 # ============================================================================================
 
 
-def estimate_per_rank(model: Any, *, distributed: Distributed, options: EstimateOptions,
-                      batch_size: int | None, input_shape: Sequence[int] | None, seq_len: int | None,
-                      inputs: InputsLike | None, capacity: int | None) -> MemoryReport:
-    """One estimate per GPU role; the report of the busiest, with every role in ``roles``."""
-    refuse_finetune(distributed.strategy, options.finetune)
+def estimate_per_rank(step: Step, distributed: Distributed,
+                      costs: CostRecorderFactory | None = None) -> MemoryReport:
+    """One estimate per GPU role; the report of the busiest, with every role in ``roles``.
+    ``costs``: the recorder of each role's kernels, when a step time is wanted
+    (:func:`~memcalc.engine.run.trace_model`)."""
+    refuse_finetune(distributed.strategy, step.finetune)
+    if step.parameter_dtype is not step.precision.parameter_dtype:
+        raise InapplicableOptionError(
+            f"weight_dtype (--weight-dtype) is not estimated under --strategy {distributed.strategy.value}: FSDP's "
+            f"MixedPrecisionPolicy and DeepSpeed's 16-bit modes decide the parameters' dtype there, from --precision",
+            hint="Leave out weight_dtype, or estimate one GPU (leave out --strategy).")
+    inputs = step.inputs
     if inputs is not None and distributed.batch_is_global:
         raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")
     if inputs is not None:
-        batch = resolve(model, inputs=inputs, input_shape=input_shape, seq_len=seq_len).batch_size
+        batch = step.resolved(batch_size=None).batch_size
     else:
-        batch = 1 if batch_size is None else batch_size
+        batch = 1 if step.batch_size is None else step.batch_size
         if batch < 1:
             raise InvalidInputError(f"batch size must be at least 1, got {batch}")
-    roles, global_batch, notes = _roles(distributed, batch, options)
-    trace_precision = _trace_precision(distributed.strategy, options.precision)
-    if trace_precision is not options.precision and distributed.strategy.zero_stage is not None \
-            and not options.precision.is_amp:
+    roles, global_batch, notes = _roles(distributed, batch, step)
+    trace_precision = _trace_precision(distributed.strategy, step.precision)
+    if trace_precision is not step.precision and distributed.strategy.zero_stage is not None \
+            and not step.precision.is_amp:
         notes.append("DeepSpeed keeps fp32 master weights in its fp16/bf16 modes too")
     results: list[RoleReport] = []
     for role in roles:
-        resolved = resolve(model, batch_size=None if inputs is not None else role.batch, input_shape=input_shape,
-                           seq_len=seq_len, inputs=inputs)
-        resolved = _finetuned(resolved, distributed.strategy, options, trace_precision)
+        resolved = step.resolved(batch_size=None if inputs is not None else role.batch)
+        resolved = _finetuned(resolved, distributed.strategy, step, trace_precision)
         program = role.program(resolved)
-        spec = options.optimizer if role.optimizer else spec_for(Optimizer.NONE)
-        traced_options = replace(options, precision=trace_precision, optimizer=program.optimizer_spec(spec),
-                                 loss_fn=role.loss_fn or options.loss_fn)
-        traced = trace_step(resolved, traced_options, hooks=program)
+        spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)
+        traced_options = replace(step, precision=trace_precision, optimizer=program.optimizer_spec(spec),
+                                 loss_fn=role.loss_fn or step.loss_fn)
+        traced = trace_step(resolved, traced_options, hooks=program, costs=costs)
         if role.loss_text is not None:
             traced.loss = role.loss_text
         traced.notes.extend([*notes, *program.notes])
-        report = build_report(resolved, traced, options, capacity, role=role.name)  # its timeline names the role
+        report = build_report(resolved, traced, step, role=role.name)  # its timeline names the role
         results.append(RoleReport(
             name=role.name, ranks=role.ranks, batch_size=resolved.batch_size,
             model_states=_model_states(traced, program.communication),

@@ -2,8 +2,8 @@
 
 The engine runs the step on meta tensors and knows nothing of CUDA. A *step backend* adds
 what a real device does differently: a function mode entered around the step (CUDA's
-autocast and kernel choices, :mod:`memcalc.cuda.emulation`), a callback after every aten op
-(kernel workspaces, :mod:`memcalc.cuda.workspaces`), an autocast region and a gradient
+autocast and kernel choices, :mod:`memcalc.targets.cuda.emulation`), a callback after every aten op
+(kernel workspaces, :mod:`memcalc.targets.cuda.workspaces`), an autocast region and a gradient
 scaler for mixed precision, and notes for the report. :class:`PlainBackend` adds nothing: the
 step as meta tensors run it.
 

@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import DataDependentError, InapplicableOptionError
-from memcalc.engine.options import EstimateOptions
+from memcalc.engine.options import Step
 from memcalc.engine.step import StepObserver
 from memcalc.engine.trace import StorageTracer
 
@@ -168,7 +168,7 @@ class LoopTracing:
         return result
 
     # ---- what the report says ----------------------------------------------------------------
-    def notes(self, options: EstimateOptions, batches: int, has_optimizer: bool) -> list[str]:
+    def notes(self, options: Step, batches: int, has_optimizer: bool) -> list[str]:
         """What the report should say about the loop's run: whatever it did not do."""
         name = options.loop.name
         notes: list[str] = []
@@ -186,15 +186,14 @@ class LoopTracing:
                          f"or amp-fp16 for memcalc's emulation of it)")
         return notes
 
-    def explain(self, exc: DataDependentError) -> None:
-        """A value read by the loop's own code (``loss.item()``), not by the model: say so."""
+    def explain(self, exc: DataDependentError, loop: str) -> None:
+        """A value read by the loop's own code (``loss.item()``), not by the model: say so, once,
+        with the loop's line."""
         if not self.in_forward() and not exc.module:
-            exc.hint = ("Here the loop function reads it, outside the model (loss.item(), print(loss), "
-                        "float(loss)): memcalc runs the loop on meta tensors, so leave such lines out of the "
-                        f"loop you estimate. {exc.hint or ''}").strip()
+            exc.read_by_loop(loop)
 
 
-def check_loop(options: EstimateOptions, *, multi_gpu: bool) -> None:
+def check_loop(options: Step, *, multi_gpu: bool) -> None:
     """Refuse what a traced loop cannot honour, rather than ignore it.
 
     Raises:

@@ -9,7 +9,9 @@ backward reaches every output (e.g. ``BertModel``'s hidden states and pooler out
 
 Language-model cross-entropy follows current Hugging Face practice: logits ``(B, T, V)`` are
 flattened (a view), the *labels* are shifted — the logits are not sliced, so no copy of the
-logits is made.
+logits is made. It serves the zoo's plain-torch LLMs and a loss chosen by name: an ``hf:`` model
+whose loss is not chosen computes its own from labels (:mod:`memcalc.stacks.transformers.heads`), with
+transformers' dtype casts.
 """
 
 from __future__ import annotations

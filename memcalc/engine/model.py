@@ -15,13 +15,21 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.trace import tensors_of
 
-__all__ = ("InputsLike", "ModelInputs", "ResolvedModel", "bind_inputs")
+__all__ = ("InputsLike", "LabelsMaker", "ModelInputs", "ModelResolver", "ResolvedModel", "bind_inputs")
 
 #: What a user may give as a model's inputs: a tensor, a sequence of positional arguments, or a
 #: mapping — keyword arguments (``model(**batch)``, a Hugging Face batch) or the forward's one
 #: argument (``model(batch)``), as :func:`bind_inputs` decides. Arguments are tensors or nested
 #: tuples / lists / dicts of them; plain values (``None``, numbers, strings) pass as given.
 InputsLike: TypeAlias = "torch.Tensor | Sequence[Any] | Mapping[str, Any]"
+#: The labels a model computes its own loss from, made from a batch's inputs (on their device)
+#: and passed as keyword arguments (a Hugging Face head's: :mod:`memcalc.stacks.transformers.heads`).
+LabelsMaker: TypeAlias = "Callable[[ModelInputs], dict[str, torch.Tensor]]"
+#: Resolves what the user named into a :class:`ResolvedModel` on meta, at a batch:
+#: ``resolver(model, batch_size=, input_shape=, seq_len=, inputs=)``. The API hands it to the
+#: :class:`~memcalc.engine.options.Step` it builds (``memcalc.sources.resolve.resolve``), so the
+#: layers below resolve a model through the step and never import the resolver.
+ModelResolver: TypeAlias = "Callable[..., ResolvedModel]"
 
 
 class ModelInputs(Sequence[torch.Tensor]):
@@ -105,6 +113,18 @@ class ResolvedModel:
     #: The user's code that made the inputs (``example_inputs(2) in models.py``); None: memcalc
     #: made them from a shape or a zoo entry, or the user passed them.
     inputs_from: str | None = None
+    #: The labels a training step adds to the batch when the user chose no loss, so that the model
+    #: computes its own (``output.loss``, as ``Trainer.compute_loss`` trains); None: memcalc's loss.
+    labels: LabelsMaker | None = None
+
+    def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
+        """``inputs`` (this model's, on any device) as the step passes them: with the labels of
+        :attr:`labels` added when ``own_loss`` (a training step whose loss the user did not
+        choose), except those the inputs carry already."""
+        if not own_loss or self.labels is None:
+            return inputs
+        added = {k: v for k, v in self.labels(inputs).items() if k not in inputs.kwargs}
+        return ModelInputs(inputs.args, {**inputs.kwargs, **added}) if added else inputs
 
     @property
     def batch_size(self) -> int:

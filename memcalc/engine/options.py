@@ -1,27 +1,36 @@
-"""Everything that describes the step being estimated, converted once from user strings at
-the API boundary (``EstimateOptions.create``) so the engine only sees enums and numbers."""
+"""The one description of the step: :class:`Step`, frozen, every value already converted.
+
+A user's values (strings from the command line, objects from Python) are converted into a
+:class:`Step` exactly once, by the table of :mod:`memcalc.fields` that both the API and the
+CLI read. Every layer below takes the :class:`Step` as it is: the engine traces it, the CUDA
+and CPU targets model it, a strategy traces it per GPU role, the batch search varies it with
+:func:`dataclasses.replace`, and ``--measure`` runs it for real. None of them converts again.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass, field, replace
+from types import EllipsisType
 from typing import Any
 
+import torch
+
 from memcalc.core.categories import Mode
-from memcalc.core.choices import parse_choice
-from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice, LossFn
-from memcalc.core.precision import Precision
+from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.stack import Stack
+from memcalc.engine.model import InputsLike, ModelResolver, ResolvedModel
 from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
 
-__all__ = ("EstimateOptions", "Target")
+__all__ = ("Step", "Target")
 
 
-
-class Target:
+class Target(str, enum.Enum):
     """What the simulation is faithful to: a CUDA GPU (the default) or the CPU (used to compare
     with a real CPU run: no CUDA kernel emulation, no CUDA workspaces)."""
 
@@ -30,98 +39,64 @@ class Target:
 
 
 @dataclass(frozen=True)
-class EstimateOptions:
-    """The step being estimated, as enums and numbers (build it with :meth:`create`)."""
+class Step:
+    """One step of one model on one GPU (or the CPU), as enums, numbers and objects.
 
-    optimizer: OptimizerSpec
-    mode: Mode
-    precision: Precision
-    gpu: GpuProfile
-    gpu_named: bool  # False when the generic default profile is used
-    loss: LossChoice | None
-    loss_fn: LossFn | None
-    accum_steps: int
-    checkpoint: bool
-    kv_cache: int | None  # tokens to generate with a KV cache (inference only)
-    target: str
+    Build it from a user's values with :func:`memcalc.fields.build_step` (which validates each
+    value and their combinations); below the API it is only read, or varied with
+    :func:`dataclasses.replace`.
+
+    Attributes:
+        model: what the user named (a zoo name, a source string, a module or a factory),
+            resolved anew for each estimate; None when the caller resolved it itself.
+        batch_size, input_shape, seq_len, inputs: the batch (None: the model's default).
+        optimizer: the optimizer, by its spec (``none``: no optimizer step).
+        mode: train, eval or inference.
+        loss, loss_fn: a loss by name (None: the model's own), or the user's own function.
+        precision: fp32, autocast mixed precision (``amp-*``) or pure half precision.
+        weight_dtype: the dtype the parameters are stored in (None: the precision's).
+        gpu, gpu_named: the GPU's profile, and whether it was named (False: the generic one).
+        target: CUDA, or this machine's CPU.
+        checkpoint: activation checkpointing per block.
+        accum_steps: micro-batches per optimizer step.
+        kv_cache: tokens generated with a static KV cache (inference only).
+        capacity: bytes the caching allocator may reserve (None: no limit).
+        loop, stack, finetune: the training loop, the torch/CUDA versions (resolved: concrete
+            versions), frozen parameters, adapters and a quantized base.
+        record_costs: record every kernel's FLOPs and bytes while tracing, for a step time
+            (:mod:`memcalc.timing.flops`): only when a time is asked for, since it adds 10–26%
+            to an estimate. The memory figures do not depend on it.
+        notes: what building the step found out (the local GPU it stands for), shown first
+            among the report's notes.
+        resolver: resolves ``model`` at a batch (:meth:`resolved`); the API sets it, so that the
+            estimate, the strategies, the searches and the measurement resolve the model the
+            same way without importing the resolver (``memcalc.sources``).
+    """
+
+    model: Any = None
+    batch_size: int | None = None
+    input_shape: tuple[int, ...] | None = None
+    seq_len: int | None = None
+    inputs: InputsLike | None = None
+    optimizer: OptimizerSpec = field(default_factory=lambda: spec_for(Optimizer.ADAM))
+    mode: Mode = Mode.TRAIN
+    loss: LossChoice | None = None
+    loss_fn: LossFn | None = None
+    precision: Precision = Precision.FP32
+    weight_dtype: WeightDtype | None = None
+    gpu: GpuProfile = GENERIC
+    gpu_named: bool = False
+    target: Target = Target.CUDA
+    checkpoint: bool = False
+    accum_steps: int = 1
+    kv_cache: int | None = None
+    capacity: int | None = None
     loop: Loop = field(default_factory=Loop)
     stack: Stack = field(default_factory=Stack)
     finetune: FineTune = field(default_factory=FineTune)
-    #: Record every kernel's FLOPs and bytes while tracing (memcalc.engine.flops), for a step
-    #: time: only when a time is asked for, since it adds 10–26% to an estimate. The memory
-    #: figures do not depend on it.
     record_costs: bool = False
-
-    @classmethod
-    def create(cls, *, optimizer: Any = "adam", mode: Any = "train", precision: Any = "fp32",
-               gpu: GpuProfile | None = None,
-               loss: Any = None, loss_fn: LossFn | None = None, accum_steps: int = 1, checkpoint: bool = False,
-               kv_cache: int | None = None, target: str = Target.CUDA, loop: Any = None,
-               stack: Stack | None = None, finetune: FineTune | None = None) -> EstimateOptions:
-        """Validate and convert the user's values (strings or enums).
-
-        Args:
-            optimizer: an :class:`Optimizer` or its name (``"adam"``, ``"sgd"``, ...).
-            mode: ``"train"``, ``"eval"`` or ``"inference"`` (or a :class:`Mode`).
-            precision: a :class:`Precision` or its name (``"fp32"``, ``"amp-bf16"``, ...).
-            gpu: the GPU's profile (names are looked up at the API boundary); None: the generic one.
-            loss: a :class:`LossChoice` or its name; None: the model's own.
-            loss_fn: a user loss, the model's output in, a scalar out (overrides ``loss``).
-            accum_steps: gradient-accumulation micro-batches per optimizer step (training).
-            checkpoint: activation checkpointing of the model's blocks (training).
-            kv_cache: tokens to generate with a static KV cache (inference only).
-            target: :attr:`Target.CUDA` or :attr:`Target.CPU`.
-            loop: a :class:`~memcalc.core.loop.Loop`, a preset name or a loop function (None: minimal).
-            stack: the torch/CUDA versions assumed (None: the installed torch).
-            finetune: frozen parameters, adapters, a quantized base (None: everything trains).
-
-        Returns:
-            The options.
-
-        Raises:
-            InvalidInputError: an unknown name or an inconsistent combination.
-        """
-        mode_ = parse_choice(Mode, mode, "mode")
-        precision_ = parse_choice(Precision, precision, "precision")
-        try:
-            spec = spec_for(optimizer)
-        except ValueError as exc:
-            raise InvalidInputError(str(exc)) from None
-        if gpu is not None and not isinstance(gpu, GpuProfile):
-            # names are looked up in the catalogue at the API boundary (memcalc.api)
-            raise InvalidInputError(f"gpu must be a GpuProfile here, got {type(gpu).__name__} {gpu!r}")
-        profile, named = (GENERIC, False) if gpu is None else (gpu, gpu is not GENERIC)
-        if not _is_int(accum_steps) or accum_steps < 1:
-            raise InvalidInputError(f"accum_steps (--accum-steps) must be an integer ≥ 1, got {accum_steps!r}")
-        if kv_cache is not None and (not _is_int(kv_cache) or kv_cache < 0):
-            raise InvalidInputError(f"kv_cache (--kv-cache) is a number of tokens to generate, ≥ 0; got {kv_cache!r}",
-                                    hint="e.g. --mode inference --kv-cache 256")
-        if kv_cache is not None and mode_ is not Mode.INFERENCE:
-            # eval runs the forward under no_grad without a cache: the tokens would be ignored
-            raise InapplicableOptionError(f"kv_cache (--kv-cache) needs mode inference; the mode is {mode_.value}",
-                                          hint="e.g. --mode inference --kv-cache 256")
-        if not isinstance(checkpoint, bool):
-            raise InvalidInputError(f"checkpoint must be True or False, got {checkpoint!r}")
-        if mode_ is not Mode.TRAIN and (accum_steps > 1 or checkpoint):
-            what = ("gradient accumulation (accum_steps, --accum-steps)" if accum_steps > 1
-                    else "activation checkpointing (checkpoint, --checkpoint)")
-            raise InapplicableOptionError(f"{what} applies to training (mode train); the mode is {mode_.value}")
-        if target not in (Target.CUDA, Target.CPU):
-            raise InvalidInputError(f"unknown target {target!r}")
-        loop_ = Loop.of(loop)
-        if not loop_.is_default and mode_ is not Mode.TRAIN:
-            raise InapplicableOptionError(f"a training loop (loop, --loop, --keep-grads) applies to mode train; "
-                                          f"the mode is {mode_.value}")
-        if stack is not None and not isinstance(stack, Stack):
-            raise InvalidInputError(f"stack must be a memcalc.Stack(...), got {type(stack).__name__}",
-                                    hint='e.g. stack=memcalc.Stack(torch="2.4", cuda="12.1")')
-        if finetune is not None and not isinstance(finetune, FineTune):
-            raise InvalidInputError(f"finetune must be a memcalc.FineTune(...), got {type(finetune).__name__}",
-                                    hint='e.g. finetune=memcalc.FineTune(lora=memcalc.LoRA(16), quant="nf4")')
-        return cls(optimizer=spec, mode=mode_, precision=precision_, gpu=profile, gpu_named=named,
-                   loss=None if loss is None else parse_choice(LossChoice, loss, "loss"), loss_fn=loss_fn,
-                   accum_steps=int(accum_steps), checkpoint=bool(checkpoint), kv_cache=kv_cache, target=target,
-                   loop=loop_, stack=stack or Stack(), finetune=finetune or FineTune())
+    notes: tuple[str, ...] = ()
+    resolver: ModelResolver | None = field(default=None, compare=False, repr=False)
 
     @property
     def optimizer_key(self) -> Optimizer:
@@ -131,7 +106,40 @@ class EstimateOptions:
     @property
     def emulate_cuda(self) -> bool:
         """Whether the step is simulated as a CUDA GPU runs it (else as the CPU does)."""
-        return self.target == Target.CUDA
+        return self.target is Target.CUDA
+
+    @property
+    def parameter_dtype(self) -> torch.dtype:
+        """The dtype the parameters and buffers are stored in: ``weight_dtype``, else float32
+        master weights under autocast and the model's dtype under pure fp16/bf16."""
+        return self.precision.parameter_dtype if self.weight_dtype is None else self.weight_dtype.dtype
+
+    def resolved(self, batch_size: int | EllipsisType | None = ...) -> ResolvedModel:
+        """The step's model and inputs on meta, built anew (a fine-tune changes the module in
+        place, so a resolved model serves one trace).
+
+        Args:
+            batch_size: samples per step; ``...``: the step's own; None: taken from ``inputs``.
+
+        Raises:
+            InvalidInputError: a step made without the API has no resolver.
+        """
+        if self.resolver is None:
+            raise InvalidInputError("this Step has no model resolver: build it with memcalc.fields.build_step()")
+        return self.resolver(self.model, batch_size=self.batch_size if batch_size is ... else batch_size,
+                             input_shape=self.input_shape, seq_len=self.seq_len, inputs=self.inputs)
+
+    @property
+    def trains_own_loss(self) -> bool:
+        """A training step whose loss the user did not choose: the model computes its own (a
+        Hugging Face head from the labels it is given), for the estimate and the measurement
+        alike."""
+        return self.mode is Mode.TRAIN and self.loss is None and self.loss_fn is None
+
+    def on_cpu(self) -> Step:
+        """The same step as this machine's CPU runs it (the generic profile, no capacity): the
+        estimate a real CPU run is compared with."""
+        return replace(self, gpu=GENERIC, gpu_named=False, target=Target.CPU, capacity=None)
 
     def precision_warning(self) -> str | None:
         """A bf16 step on a GPU without native bf16 (V100, T4): PyTorch emulates many bf16 ops
@@ -142,7 +150,3 @@ class EstimateOptions:
                     f"use amp-fp16 or fp16 on this GPU")
         return None
 
-
-def _is_int(value: object) -> bool:
-    """An ``int`` proper: ``True`` and ``2.0`` are not counts."""
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,5 +1,5 @@
-"""What memcalc does to its own (meta) copy of the model before the step: the dtype of pure
-fp16/bf16 training, activation checkpointing per block, and the size of a KV cache. The
+"""What memcalc does to its own (meta) copy of the model before the step: the dtype the
+parameters are stored in, activation checkpointing per block, and the size of a KV cache. The
 user's module is never touched: these run on the meta twin or on a model memcalc built."""
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.engine.backend import current_autocast_region
 from memcalc.engine.model import ModelInputs
+from memcalc.engine.options import Step
 
 __all__ = (
     "KEEP_DTYPE",
     "apply_checkpointing",
-    "apply_precision",
     "cast_inputs",
+    "cast_parameters",
     "kv_cache_bytes",
     "kv_elements_per_token",
     "kv_prompt",
@@ -30,17 +31,17 @@ __all__ = (
 )
 
 
-#: Attribute of a parameter whose dtype the model's pure fp16/bf16 cast must not change (the
+#: Attribute of a parameter whose dtype the model's fp16/bf16 cast must not change (the
 #: float32 statistics of a quantized weight; PEFT's float32 LoRA adapters, ``autocast_adapter_dtype``).
 KEEP_DTYPE = "memcalc_keep_dtype"
 
 
-def apply_precision(module: nn.Module, precision: Precision) -> None:
-    """Pure fp16/bf16: parameters and buffers in that dtype (in place, on meta: free), except
-    the parameters marked :data:`KEEP_DTYPE`, which stay in theirs."""
-    if precision.parameter_dtype is torch.float32:
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters and buffers in ``dtype`` (in place, on meta: free), except the parameters
+    marked :data:`KEEP_DTYPE`, which stay in theirs; float32 leaves the model as built."""
+    if dtype is torch.float32:
         return
-    module.to(precision.parameter_dtype)
+    module.to(dtype)
     for p in module.parameters():
         kept = getattr(p, KEEP_DTYPE, None)
         if isinstance(kept, torch.dtype) and p.dtype != kept:
@@ -56,14 +57,14 @@ def cast_inputs(inputs: ModelInputs | Sequence[torch.Tensor], precision: Precisi
     return ModelInputs.of(inputs).map(lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-def prepare_step(module: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor], *, precision: Precision,
-                 checkpoint: bool, containers: Sequence[str], model_name: str) -> tuple[ModelInputs, int]:
+def prepare_step(module: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor], step: Step, *,
+                 containers: Sequence[str], model_name: str) -> tuple[ModelInputs, int]:
     """Everything the step changes in the model before it runs — the same for the estimate
-    (on meta) and the measurement (real): pure fp16/bf16 weights and inputs, and per-block
-    checkpointing. Returns the cast inputs and the number of blocks checkpointed."""
-    apply_precision(module, precision)
-    blocks = apply_checkpointing(module, containers, model_name) if checkpoint else 0
-    return cast_inputs(inputs, precision), blocks
+    (on meta) and the measurement (real): the parameters' dtype, the inputs of pure fp16/bf16,
+    and per-block checkpointing. Returns the cast inputs and the number of blocks checkpointed."""
+    cast_parameters(module, step.parameter_dtype)
+    blocks = apply_checkpointing(module, containers, model_name) if step.checkpoint else 0
+    return cast_inputs(inputs, step.precision), blocks
 
 
 def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name: str) -> int:

@@ -4,12 +4,16 @@
 model on meta tensors under the storage tracer, with a device backend plugged in;
 :func:`build_report` replays the trace through the caching-allocator model and assembles the
 :class:`~memcalc.core.report.MemoryReport`. The data flow is drawn in docs/architecture.md.
+
+Two seams take what the engine does not know: the device's rules (a step backend,
+:mod:`memcalc.engine.backend`) and, when a step time is wanted, a recorder of every kernel's
+FLOPs and bytes (:class:`CostRecorder`, made by the layer that decides to time the step).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any, Protocol
@@ -20,18 +24,18 @@ from torch import nn
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import DataDependentError, InvalidInputError, MemcalcError, SymbolicExecutionError
 from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
+from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
-from memcalc.engine.backend import PlainBackend, StepBackend
-from memcalc.engine.flops import OpCost, OpCostRecorder, StepCosts, tokens_per_step
+from memcalc.engine.backend import AutocastRegion, PlainBackend, StepBackend
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.optimizers_bnb import is_paged
-from memcalc.engine.options import EstimateOptions
+from memcalc.engine.options import Step
 from memcalc.engine.prepare import cast_inputs, kv_cache_bytes, kv_elements_per_token, kv_prompt, prepare_step
-from memcalc.engine.step import StepConfig, run_step
+from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.engine.timeline import (
     Program,
     alive_before,
@@ -41,15 +45,15 @@ from memcalc.engine.timeline import (
     category_totals_at,
     final_categories,
 )
-from memcalc.engine.trace import StepTrace, StorageTracer
+from memcalc.engine.trace import AfterOpHook, Op, StepTrace, StorageTracer
 
-__all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "RankHooks", "TracedStep", "build_report",
-           "parameter_count", "trace_model")
+__all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "TracedStep",
+           "build_report", "parameter_count", "step_config", "trace_model")
 
 #: The report's loss when the step trained with the loss the model returned (``output.loss``).
 MODEL_LOSS = "the model's own (output.loss)"
 #: Attribute of a parameter that stores others' elements (a quantized weight, packed; its
-#: statistics: :mod:`memcalc.sources.quant`): the parameters it stands for, as PEFT and
+#: statistics: :mod:`memcalc.stacks.bitsandbytes`): the parameters it stands for, as PEFT and
 #: transformers count them. Without it a parameter counts its ``numel()``.
 LOGICAL_NUMEL = "memcalc_logical_numel"
 #: A dict batch's ``attention_mask`` is read by Hugging Face models (``masking_utils``: no causal
@@ -66,6 +70,37 @@ class RankHooks(Protocol):
 
     def remove(self) -> None:
         """Undo :meth:`install` (called in a ``finally``)."""
+
+
+class CostRecorder(Protocol):
+    """What each kernel of the traced step costs, recorded while it runs
+    (:class:`memcalc.timing.flops.OpCostRecorder`): an after-op hook of the tracer that runs the
+    backend's own hook first. The engine times nothing itself; the layer that wants a step time
+    hands :func:`trace_model` a :data:`CostRecorderFactory`, and the report keeps what the
+    recorder made of the step (:meth:`step_costs`)."""
+
+    def __call__(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Run the backend's hook, then record the op."""
+
+    def attach(self, tracer: StorageTracer) -> None:
+        """Read the phase, module and recomputation of each op from ``tracer``."""
+
+    def step_costs(self, inputs: ModelInputs, *, batch_size: int, micro_batches: int, module_order: Sequence[str],
+                   until: int | None) -> CostSource:
+        """The recorded step as the report's source of FLOPs and step times.
+
+        Args:
+            inputs: the step's inputs (its token ids give the tokens per step).
+            batch_size: samples per micro-batch.
+            micro_batches: micro-batches per optimizer step (gradient accumulation).
+            module_order: the modules in the order the forward first ran them.
+            until: a loop traced for several iterations counts the ops up to this trace event
+                (its first iteration); None: every op.
+        """
+
+
+#: Makes the recorder of one traced step around the backend's after-op hook.
+CostRecorderFactory = Callable[[AfterOpHook], CostRecorder]
 
 
 class _TracerObserver:
@@ -113,7 +148,7 @@ class TracedStep:
     """The raw result of tracing one step: the trace, final categories, module data."""
 
     def __init__(self, trace: StepTrace, categories: list[Category], tracer: StorageTracer, loss: str,
-                 options: EstimateOptions, attention: dict[str, int], notes: list[str], optimizer_impl: str = ""):
+                 options: Step, attention: dict[str, int], notes: list[str], optimizer_impl: str = ""):
         self.trace = trace
         self.categories = categories
         self.output_shapes = dict(tracer.modules.output_shapes)
@@ -124,9 +159,8 @@ class TracedStep:
         self.attention = attention
         self.notes = notes
         self.optimizer_impl = optimizer_impl  # as resolved for the target ("" without an optimizer step)
-        #: every kernel's FLOPs and bytes (memcalc.engine.flops); None: not recorded (options.record_costs)
-        self.op_costs: list[OpCost] | None = None
-        self.cost_failures: dict[str, str] = {}  # ops whose FLOPs could not be counted, with the error
+        #: every kernel's FLOPs and bytes (trace_model's ``costs``); None: not recorded (no time was asked for)
+        self.costs: CostRecorder | None = None
         self.paged_optimizer_state = 0  # bytes in unified memory, set apart from the trace (_set_apart)
         #: A loop traced for all its iterations: where in ``trace.events`` the second, third, ... begin.
         self.iteration_starts: list[int] | None = None
@@ -136,8 +170,37 @@ class TracedStep:
         return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1, traced_starts=self.iteration_starts)
 
 
-def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: StepBackend | None = None, *,
-                hooks: RankHooks | None = None, traced_loop: bool | None = None) -> TracedStep:
+def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastRegion | None,
+                scaler: Callable[[], Scaler | None] | None, cuda: bool, iterations: int = 1) -> StepConfig:
+    """How the step program runs ``options`` — one configuration for the trace and for a real
+    run of the same step (``--measure``), which differ only in what they run under.
+
+    Args:
+        resolved: the model (its own loss, when none was chosen).
+        options: the step.
+        autocast: opens the autocast region of a mixed-precision step (the backend's emulated
+            one, or ``torch.autocast``); None: none.
+        scaler: makes the gradient scaler of an amp-fp16 step (emulated, or torch's); None: none.
+        cuda: the parameters are on a CUDA device (the optimizer's ``auto`` implementation
+            depends on it).
+        iterations: optimizer steps to run (the trace runs one and synthesises the second).
+
+    Returns:
+        The step program's configuration.
+    """
+    return StepConfig(
+        mode=options.mode, optimizer=options.optimizer, iterations=iterations,
+        optimizer_impl=resolve_impl(options.optimizer, options.loop.optimizer_impl, cuda=cuda),
+        loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
+        accum_steps=options.accum_steps, autocast=autocast or nullcontext,
+        scaler_factory=scaler if options.mode is Mode.TRAIN else None,
+        model_loss=options.trains_own_loss, amp=options.precision.is_amp,
+    )
+
+
+def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | None = None, *,
+                hooks: RankHooks | None = None, traced_loop: bool | None = None,
+                costs: CostRecorderFactory | None = None) -> TracedStep:
     """Run one step of ``resolved`` under the tracer (the engine, without the report).
 
     Args:
@@ -149,6 +212,9 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         traced_loop: run ``options.loop`` as written (:mod:`memcalc.engine.loops`), every
             iteration traced; None: unless it is the default loop, whose second iteration is
             synthesised from one traced step (the same peak, faster).
+        costs: makes the recorder of every kernel's FLOPs and bytes, when a step time is wanted
+            (the layer that decides so passes :class:`memcalc.timing.flops.OpCostRecorder`);
+            None: nothing is recorded, and an estimate that asks for no time pays nothing for it.
 
     Returns:
         The trace with final categories, module data and the backend's notes.
@@ -160,15 +226,19 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         traced_loop = not options.loop.is_default
     if traced_loop:
         check_loop(options, multi_gpu=hooks is not None)
-    inputs, blocks = prepare_step(module, resolved.inputs, precision=options.precision, checkpoint=options.checkpoint,
-                                  containers=resolved.block_containers, model_name=resolved.name)
+    inputs, blocks = prepare_step(module, resolved.step_inputs(resolved.inputs, own_loss=options.trains_own_loss),
+                                  options, containers=resolved.block_containers, model_name=resolved.name)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
-    # FLOPs and bytes per kernel, after the backend's rules: only for a step time (options.record_costs)
-    costs = OpCostRecorder(then=backend.after_op) if options.record_costs else None
-    tracer = StorageTracer("meta", after_op=costs if costs is not None else backend.after_op)
-    if costs is not None:
-        costs.attach(tracer)
+    if options.parameter_dtype is not options.precision.parameter_dtype:
+        dtype = str(options.parameter_dtype).removeprefix("torch.")
+        notes.append(f"parameters stored in {dtype} (weight_dtype) under {options.precision.value}: their "
+                     f"gradients and optimizer state in {dtype} too")
+    # FLOPs and bytes per kernel, after the backend's rules: only for a step time
+    recorder = costs(backend.after_op) if costs is not None else None
+    tracer = StorageTracer("meta", after_op=recorder if recorder is not None else backend.after_op)
+    if recorder is not None:
+        recorder.attach(tracer)
     backend.attach(tracer)
     observer = _TracerObserver(tracer, unified_memory=options.emulate_cuda)
     tracing = LoopTracing(tracer, module, observer) if traced_loop else None
@@ -178,21 +248,15 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     if options.kv_cache is not None:
         notes.append(_register_kv_cache(tracer, resolved, inputs, options))
     tracer.modules.install(module)
-    impl = resolve_impl(options.optimizer, options.loop.optimizer_impl, cuda=options.emulate_cuda)
-    config = StepConfig(
-        mode=options.mode, optimizer=options.optimizer, optimizer_impl=impl,
-        loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
-        accum_steps=options.accum_steps, autocast=backend.autocast() or nullcontext,
-        scaler_factory=backend.grad_scaler if options.mode is Mode.TRAIN else None,
-        model_loss=options.loss is None and options.loss_fn is None, amp=options.precision.is_amp,
-    )
+    config = step_config(resolved, options, autocast=backend.autocast(), scaler=backend.grad_scaler,
+                         cuda=options.emulate_cuda)
     try:
         with tracer, backend.mode():
             outcome = run_step(module, inputs, config, observer) if tracing is None else \
                 run_loop(module, inputs, config, options.loop, tracing)
     except DataDependentError as exc:
         if tracing is not None:
-            tracing.explain(exc)
+            tracing.explain(exc, options.loop.name)
         if isinstance(inputs.kwargs.get("attention_mask"), torch.Tensor):
             exc.hint = f"{_MASK_VALUES} {exc.hint or ''}".strip()
         raise
@@ -229,9 +293,8 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     notes.extend(backend.notes(module))
     has_step = options.mode is Mode.TRAIN and options.optimizer.factory is not None
     traced = TracedStep(trace, categories, tracer, loss_name, options, dict(backend.attention_backends()), notes,
-                        impl.value if has_step else "")
-    if costs is not None:
-        traced.op_costs, traced.cost_failures = costs.records, costs.failures
+                        config.optimizer_impl.value if has_step else "")
+    traced.costs = recorder
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
     if tracing is not None:
         traced.iteration_starts = tracing.iteration_starts()
@@ -268,7 +331,7 @@ def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequ
 
 
 def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs,
-                       options: EstimateOptions) -> str:
+                       options: Step) -> str:
     """A static KV cache sized for prompt + generated tokens, allocated before the prefill
     (as Hugging Face's StaticCache is): 2 (K, V) are counted in ``kv_elements_per_token``.
     A model its source knows to be no decoder (an encoder such as BERT) is refused."""
@@ -301,16 +364,15 @@ class _TimelineBuilder:
         return self._timeline
 
 
-def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateOptions,
-                 capacity: int | None, *, role: str = "") -> MemoryReport:
+def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, role: str = "") -> MemoryReport:
     """The report of a traced step: replay through the allocator model, breakdown at the peak,
     textbook comparison, per-module rows and, under ``capacity``, whether it fits.
 
     Args:
         resolved: the model and its inputs.
         traced: the traced step (:func:`trace_model`).
-        options: the step's options.
-        capacity: the bytes the allocator may reserve (None: no limit, ``fits`` is None).
+        options: the step; under its ``capacity`` (the bytes the allocator may reserve; None:
+            no limit, ``fits`` is None) it says whether the step fits.
         role: the GPU role this step is (multi-GPU strategies), carried into its timeline.
 
     Returns:
@@ -318,6 +380,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
     """
     trace = traced.trace
     mode = options.mode
+    capacity = options.capacity
     program = traced.program()
     stats = allocator.replay(allocator_events(program, trace.nbytes))
     peak_index = max(stats.peak_index, 0)
@@ -346,7 +409,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
-    notes = list(traced.notes)
+    notes = [*options.notes, *traced.notes]
     if (warning := options.precision_warning()) is not None:
         notes.append(warning)
         warnings.warn(warning, stacklevel=3)
@@ -384,18 +447,17 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         loop=options.loop.name,
         keep_grads=options.loop.keep_grads,
         optimizer_impl=traced.optimizer_impl,
-        # the stack resolved at the API boundary (memcalc.cuda.stack); no CUDA version on the CPU target
+        # the stack resolved at the API boundary (memcalc.targets.stack); no CUDA version on the CPU target
         torch_version=options.stack.torch or "",
         cuda_version=(options.stack.cuda or "") if options.emulate_cuda else "",
         paged_optimizer_state=traced.paged_optimizer_state,
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
         notes=tuple(notes),
         _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role),
-        _costs=None if traced.op_costs is None else StepCosts(
-            traced.op_costs, samples=resolved.batch_size * options.accum_steps,
-            tokens=tokens_per_step(resolved.inputs, options.accum_steps),
+        _costs=None if traced.costs is None else traced.costs.step_costs(
+            resolved.inputs, batch_size=resolved.batch_size, micro_batches=options.accum_steps,
             module_order=traced.module_order,  # a loop traced whole: its first iteration
-            until=traced.iteration_starts[0] if traced.iteration_starts else None, failures=traced.cost_failures),
+            until=traced.iteration_starts[0] if traced.iteration_starts else None),
     )
 
 
@@ -430,7 +492,7 @@ def _frozen_parameter_bytes(module: nn.Module) -> int:
     return sum({id(storage): storage.nbytes() for storage in frozen}.values())
 
 
-def _cast_input_description(resolved: ResolvedModel, options: EstimateOptions) -> str:
+def _cast_input_description(resolved: ResolvedModel, options: Step) -> str:
     """The inputs as the step sees them: under pure fp16/bf16 the floating inputs are cast
     (:func:`~memcalc.engine.prepare.cast_inputs`, on meta: free), and the breakdown counts
     them in that dtype, so the header must name it too."""
@@ -514,6 +576,6 @@ _APPROXIMATED_CUDA = {"convolution.default", "convolution_backward.default"}  # 
 _APPROXIMATED_CPU = {"convolution.default", "convolution_backward.default"}
 
 
-def _approximated(trace: StepTrace, options: EstimateOptions) -> tuple[tuple[str, int], ...]:
+def _approximated(trace: StepTrace, options: Step) -> tuple[tuple[str, int], ...]:
     names = _APPROXIMATED_CUDA if options.emulate_cuda else _APPROXIMATED_CPU
     return tuple((op, count) for op, count in sorted(trace.op_counts.items()) if op in names)

@@ -4,7 +4,7 @@ Someone debugging an out-of-memory error has two things: the snapshot of the run
 nearly did), and memcalc's estimate of the same step. This module says where they part:
 
 * the peaks — allocated and reserved — of each, and the run's own allocation stream replayed
-  through memcalc's allocator model (:mod:`memcalc.engine.real_snapshot`), which splits the
+  through memcalc's allocator model (:mod:`memcalc.measure.snapshot`), which splits the
   reserved difference into what the *stream* does (which tensors, which workspaces) and what the
   *allocator* does (nothing, on every real snapshot here, given the real addresses);
 * the allocations of each phase (setup, forward, loss, backward, optimizer, zero_grad): how many,
@@ -29,7 +29,7 @@ from typing import Any
 from memcalc.core.categories import Phase
 from memcalc.core.report import MemoryReport
 from memcalc.engine.allocator import round_size
-from memcalc.engine.real_snapshot import RealAllocation, RealSnapshot, read_snapshot, replay_snapshot
+from memcalc.measure.snapshot import RealAllocation, RealSnapshot, read_snapshot, replay_snapshot
 from memcalc.report.snapshot import snapshot_dict
 
 __all__ = ("BlockDifference", "PhaseRow", "SnapshotComparison", "compare_snapshot", "real_phase")
@@ -144,7 +144,7 @@ def _memcalc_frames(data: dict[str, Any]) -> dict[int, tuple[str, str]]:
 
 
 def compare_snapshot(real: RealSnapshot, report: MemoryReport) -> SnapshotComparison:
-    """Compare a real snapshot (:func:`~memcalc.engine.real_snapshot.load_snapshot`) with the
+    """Compare a real snapshot (:func:`~memcalc.measure.snapshot.load_snapshot`) with the
     estimate of the same configuration.
 
     Args:

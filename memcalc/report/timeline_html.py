@@ -6,7 +6,7 @@ inline JavaScript that shows, under the pointer, the event's op, module, phase a
 Nothing is fetched: no CDN, no font, no script from elsewhere — the file opens offline, from
 an email or a CI artifact, in any browser. The chart is drawn here, in Python, so that it is
 there even with scripts off; the script only adds the hover. What is drawn is what the PNG
-draws (:func:`memcalc.report.timeline_plot.sample`): per pixel column, the events of highest
+draws (:func:`memcalc.report.timeline_chart.sample`): per pixel column, the events of highest
 and lowest allocated memory; hovering names the nearest such event.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from memcalc.core.timeline import Timeline
 from memcalc.core.units import Unit, format_bytes, unit_bytes
-from memcalc.report.timeline_plot import (
+from memcalc.report.timeline_chart import (
     CAPACITY_COLOR,
     CATEGORY_STYLE,
     LARGEST_SHOWN,

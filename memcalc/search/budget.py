@@ -16,7 +16,7 @@ may reserve (:func:`resolve_budget`):
   :func:`memcalc.estimate` reads it): one spelling for "this machine's GPU" across the API.
 
 The context is the one of the software stack asked for (``stack``: its CUDA version and
-module loading, or ``context_mib``; :mod:`memcalc.cuda.stack`), as the estimate's.
+module loading, or ``context_mib``; :mod:`memcalc.targets.stack`), as the estimate's.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
-from memcalc.cuda.gpus import catalogue as gpu_catalogue
-from memcalc.cuda.gpus import local as gpu_local
-from memcalc.cuda.stack import ResolvedStack, resolve_stack
+from memcalc.targets.cuda.gpus import catalogue as gpu_catalogue
+from memcalc.targets.cuda.gpus import local as gpu_local
+from memcalc.targets.stack import ResolvedStack, resolve_stack
 
 __all__ = (
     "DEFAULT_MARGIN",

@@ -21,7 +21,9 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from memcalc.core.report import MemoryReport
-from memcalc.distributed.estimate import EstimateRequest, run_estimate
+from memcalc.distributed.estimate import SINGLE, run_estimate
+from memcalc.distributed.options import Distributed
+from memcalc.engine.options import Step
 from memcalc.engine.run import TracedStep
 from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_under
 from memcalc.search.budget import (
@@ -66,13 +68,14 @@ _MAX_CHECK_REPLAYS = 256
 _RAW_ESTIMATES = 4
 
 
-def find_max_batch(request: EstimateRequest, budget: Budget, *, margin: float = 0.0, neighbours: int = 0,
-                   max_batch: int = MAX_BATCH) -> FitResult:
-    """The largest batch whose step of ``request`` fits ``budget`` less ``margin`` (see the module
+def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SINGLE, margin: float = 0.0,
+                   neighbours: int = 0, max_batch: int = MAX_BATCH) -> FitResult:
+    """The largest batch whose ``step`` fits ``budget`` less ``margin`` (see the module
     docstring and docs/architecture.md, "The batch search", for what is checked).
 
     Args:
-        request: the estimate to search over; its batch size and capacity are replaced.
+        step: the step to search over; its batch size and capacity are replaced.
+        distributed: the multi-GPU setting (the budget is each GPU's).
         budget: the bytes the caching allocator may reserve.
         margin: the fraction of ``budget`` held back (0 ≤ margin < 1, checked by the caller).
         neighbours: also estimate the batches within this distance of the answer.
@@ -88,7 +91,7 @@ def find_max_batch(request: EstimateRequest, budget: Budget, *, margin: float = 
     """
     capacity = budget.capacity
     limit = margin_capacity(capacity, margin)
-    real = _Estimates(request, capacity, limit)
+    real = _Estimates(step, distributed, capacity, limit)
     # Batch 2 first: batch 1 is often a special case of the step (a batch dimension of 1
     # broadcasts without a reduction), which would keep the two-trace family from forming.
     start = min(2, max_batch)
@@ -166,11 +169,12 @@ class _Estimates:
     Under a multi-GPU strategy (no trace to replay) it is estimated under the margin budget.
     """
 
-    def __init__(self, request: EstimateRequest, capacity: int, limit: int):
-        self.request = request
+    def __init__(self, step: Step, distributed: Distributed, capacity: int, limit: int):
+        self.step = step
+        self.distributed = distributed
         self.capacity = capacity
         self.limit = limit
-        self.single = request.distributed.is_single
+        self.single = distributed.is_single
         self.reports: dict[int, MemoryReport] = {}
         self.traces: dict[int, TracedStep] = {}
         self.points: dict[int, _Point] = {}  # real estimates, judged under the margin budget
@@ -202,7 +206,7 @@ class _Estimates:
             return self.reports[batch]
         keep = (lambda traced: self.traces.__setitem__(batch, traced)) if self.single else None
         capacity = self.capacity if self.single else self.limit
-        report = run_estimate(replace(self.request, batch_size=batch, capacity=capacity), on_trace=keep)
+        report = run_estimate(replace(self.step, batch_size=batch, capacity=capacity), self.distributed, on_trace=keep)
         self.reports[batch] = report
         return report
 
@@ -237,7 +241,7 @@ class _Estimates:
         self.point(batch)
         if self.single or self.limit == self.capacity:
             return self.reports[batch]
-        return run_estimate(replace(self.request, batch_size=batch, capacity=self.capacity))
+        return run_estimate(replace(self.step, batch_size=batch, capacity=self.capacity), self.distributed)
 
 
 def _needed(replayed: SyntheticPoint) -> int:

@@ -11,8 +11,10 @@ from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
-from memcalc.distributed.estimate import EstimateRequest, run_estimate
+from memcalc.distributed.estimate import SINGLE, run_estimate
+from memcalc.distributed.options import Distributed
 from memcalc.engine.optimizers import Optimizer, spec_for
+from memcalc.engine.options import Step
 
 __all__ = ("SweepPoint", "sweep_configurations", "sweep_requests")
 
@@ -57,15 +59,16 @@ def sweep_configurations(
     return [(b, o, p) for o, p in itertools.product(optims, precs) for b in sorted(set(batches))]
 
 
-def sweep_requests(request: EstimateRequest, configs: Sequence[tuple[int, str, str | None]]) -> Iterator[SweepPoint]:
-    """Estimate ``request`` at every ``(batch, optimizer, precision)`` of ``configs`` (from
-    :func:`sweep_configurations`; precision None keeps the request's), yielding each point."""
+def sweep_requests(step: Step, configs: Sequence[tuple[int, str, str | None]], *,
+                   distributed: Distributed = SINGLE) -> Iterator[SweepPoint]:
+    """Estimate ``step`` at every ``(batch, optimizer, precision)`` of ``configs`` (from
+    :func:`sweep_configurations`, which checked every item; precision None keeps the step's),
+    yielding each point."""
     for batch, optimizer, precision in configs:
-        options = replace(request.options, optimizer=spec_for(optimizer))
+        point = replace(step, batch_size=batch, optimizer=spec_for(optimizer))
         if precision is not None:
-            options = replace(options, precision=Precision(precision))
-        report = run_estimate(replace(request, batch_size=batch, options=options))
-        yield SweepPoint(batch, optimizer, precision, report)
+            point = replace(point, precision=Precision(precision))
+        yield SweepPoint(batch, optimizer, precision, run_estimate(point, distributed))
 
 
 def _items(values: object, name: str, example: str) -> list[Any]:

@@ -22,10 +22,12 @@ from typing import Any
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
-from memcalc.cuda.gpus.performance import step_time
-from memcalc.distributed.estimate import EstimateRequest, run_estimate
+from memcalc.distributed.estimate import SINGLE, run_estimate
+from memcalc.distributed.options import Distributed
+from memcalc.engine.options import Step
 from memcalc.search.budget import Budget, DoesNotFitError, margin_capacity
 from memcalc.search.fit import MAX_BATCH, find_max_batch
+from memcalc.timing.performance import step_time
 
 __all__ = ("Candidate", "ThroughputChoice", "find_fastest")
 
@@ -92,14 +94,15 @@ class ThroughputChoice:
                 "report": self.best.report.to_dict()}
 
 
-def find_fastest(request: EstimateRequest, budget: Budget, *, margin: float = 0.0, target_batch: int | None = None,
-                 max_batch: int = MAX_BATCH) -> ThroughputChoice:
-    """The setting of ``request`` with the most samples per second whose step fits ``budget``
+def find_fastest(step: Step, budget: Budget, *, distributed: Distributed = SINGLE, margin: float = 0.0,
+                 target_batch: int | None = None, max_batch: int = MAX_BATCH) -> ThroughputChoice:
+    """The setting of ``step`` with the most samples per second whose step fits ``budget``
     less ``margin`` (see the module docstring).
 
     Args:
-        request: the step to search over; its batch size, checkpointing, accumulation and
+        step: the step to search over; its batch size, checkpointing, accumulation and
             capacity are replaced.
+        distributed: the multi-GPU setting (the budget is each GPU's).
         budget: the bytes the caching allocator may reserve (a GPU with figures, to be timed).
         margin: the fraction of ``budget`` held back.
         target_batch: samples per optimizer step to reach exactly (None: any, no accumulation).
@@ -118,9 +121,9 @@ def find_fastest(request: EstimateRequest, budget: Budget, *, margin: float = 0.
     left_out: list[str] = []
     failure: DoesNotFitError | None = None
     for checkpoint in (False, True):
-        base = replace(request, options=replace(request.options, checkpoint=checkpoint, accum_steps=1))
+        base = replace(step, checkpoint=checkpoint, accum_steps=1)
         try:
-            candidates += _candidates(base, budget, margin, target_batch, max_batch)
+            candidates += _candidates(base, distributed, budget, margin, target_batch, max_batch)
         except DoesNotFitError as exc:
             failure = failure or exc
             left_out.append(f"{_ckpt(checkpoint)}: not even batch 1 fits")
@@ -136,30 +139,32 @@ def find_fastest(request: EstimateRequest, budget: Budget, *, margin: float = 0.
                             target_batch=target_batch, left_out=tuple(left_out))
 
 
-def _candidates(request: EstimateRequest, budget: Budget, margin: float, target_batch: int | None,
+def _candidates(step: Step, distributed: Distributed, budget: Budget, margin: float, target_batch: int | None,
                 max_batch: int) -> list[Candidate]:
-    largest = find_max_batch(request, budget, margin=margin, max_batch=max_batch).batch_size
+    largest = find_max_batch(step, budget, distributed=distributed, margin=margin, max_batch=max_batch).batch_size
     if target_batch is None:
         settings = [(b, 1) for b in _halvings(largest)]
     elif target_batch <= largest:
         settings = [(b, target_batch // b) for b in _divisors_up_to(target_batch, largest)]
     else:  # accumulation: fit again with the gradients alive across micro-batches
-        accumulating = replace(request, options=replace(request.options, accum_steps=2))
-        largest = find_max_batch(accumulating, budget, margin=margin, max_batch=max_batch).batch_size
+        accumulating = replace(step, accum_steps=2)
+        largest = find_max_batch(accumulating, budget, distributed=distributed, margin=margin,
+                                 max_batch=max_batch).batch_size
         settings = [(b, target_batch // b) for b in _divisors_up_to(target_batch, largest)]
-    timed = [_timed(request, budget, margin, b, a) for b, a in settings[:CANDIDATES]]
+    timed = [_timed(step, distributed, budget, margin, b, a) for b, a in settings[:CANDIDATES]]
     # a micro-batch under the fit's answer can still fail (fragmentation, or the gradients kept
     # across accumulated micro-batches): only the settings whose own estimate fits compete
     return [c for c in timed if c.report.fits is not False]
 
 
-def _timed(request: EstimateRequest, budget: Budget, margin: float, micro_batch: int, accum_steps: int) -> Candidate:
+def _timed(step: Step, distributed: Distributed, budget: Budget, margin: float, micro_batch: int,
+           accum_steps: int) -> Candidate:
     traced = min(accum_steps, 2)
-    options = replace(request.options, accum_steps=traced, record_costs=True)  # timed below
-    report = run_estimate(replace(request, batch_size=micro_batch, options=options,
-                                  capacity=margin_capacity(budget.capacity, margin)))
+    timed = replace(step, batch_size=micro_batch, accum_steps=traced, record_costs=True,  # timed below
+                    capacity=margin_capacity(budget.capacity, margin))
+    report = run_estimate(timed, distributed)
     time = step_time(report)
-    return Candidate(checkpoint=request.options.checkpoint, micro_batch=micro_batch, accum_steps=accum_steps,
+    return Candidate(checkpoint=step.checkpoint, micro_batch=micro_batch, accum_steps=accum_steps,
                      report=replace(report, time=time), seconds=_seconds(time, traced, accum_steps))
 
 

@@ -11,9 +11,9 @@ from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
-from memcalc.core.errors import InvalidInputError, ModelSourceError
+from memcalc.core.errors import InvalidInputError, ModelSourceError, user_frame
 from memcalc.engine.model import ModelInputs
-from memcalc.sources.user_code import Example, user_frame
+from memcalc.sources.user_code import Example
 
 __all__ = ("Asked", "InputPlan", "as_inputs", "input_maker", "requested_shape")
 

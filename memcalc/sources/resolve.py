@@ -13,9 +13,9 @@ Forms accepted by :func:`resolve`:
 - ``torchvision:resnet50``, ``timm:convnext_tiny``, ``hf:gpt2``, ``hf:path/to/config.json``
   when those packages are installed (Hugging Face models come from their config class
   defaults or a local config file);
-- ``hf:ORG/NAME[@revision]`` or a :class:`~memcalc.sources.hub.HuggingFace` (which also picks
+- ``hf:ORG/NAME[@revision]`` or a :class:`~memcalc.stacks.transformers.hub.HuggingFace` (which also picks
   the attention implementation): the repository's ``config.json`` alone, from the Hugging Face
-  cache or the Hub (:mod:`memcalc.sources.hub`) — never its weights.
+  cache or the Hub (:mod:`memcalc.stacks.transformers.hub`) — never its weights.
 
 Every model is built under ``torch.device("meta")``: no weights are ever allocated.
 """
@@ -41,13 +41,15 @@ from memcalc.core.errors import (
     MissingPackageError,
     ModelSourceError,
     UnknownModelError,
+    user_frame,
 )
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
-from memcalc.sources.hf_attention import attention_note, check_supported, implementation_name
-from memcalc.sources.hub import HfAttention, HuggingFace, import_hf, load_config
 from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
-from memcalc.sources.user_code import Example, load_from_file, load_from_module, user_frame
+from memcalc.sources.user_code import Example, load_from_file, load_from_module
+from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
+from memcalc.stacks.transformers.heads import labels_maker, named_architecture
+from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, import_hf, load_config
 from models_zoo.registry import InputKind, ZooEntry
 
 __all__ = ("ModelLike", "ResolvedModel", "meta_twin", "resolve")
@@ -79,7 +81,7 @@ def resolve(
 
     Args:
         model: a zoo name or another string form (module docstring), a
-            :class:`~memcalc.sources.hub.HuggingFace`, an ``nn.Module`` or a zero-argument factory
+            :class:`~memcalc.stacks.transformers.hub.HuggingFace`, an ``nn.Module`` or a zero-argument factory
             (:data:`ModelLike`); anything else is refused.
         batch_size: samples per step; taken from ``inputs`` when they are given.
         input_shape: the shape of one sample (``(C, H, W)``, or ``(seq_len,)`` for tokens).
@@ -355,7 +357,10 @@ def _hf_resolve(source: HuggingFace, batch_size: int, shape: _Shape | None, seq_
         return (torch.randint(0, vocab, (b, length)),)
 
     resolved = _resolve_factory(factory, source.spec, Asked(batch_size, None, False, user_inputs), example)
+    # memcalc's loss when the user names none is the model's own (labels in the batch, as Trainer
+    # passes them); LM cross-entropy is memcalc's stand-in for a causal LM whose loss is chosen
     resolved.loss = LossKind.LM_CROSS_ENTROPY if _is_causal_lm(resolved.module) else LossChoice.AUTO
+    resolved.labels = labels_maker(resolved.module)
     resolved.notes += (attention_note(resolved.module, source.attention),)
     resolved.block_containers = hf_block_containers(resolved.module)
     if user_inputs is None and isinstance(context, int) and length > context:
@@ -398,9 +403,12 @@ def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttenti
     # float32 parameters whatever the config's torch_dtype says (the dtype the Hub stores weights
     # in, bfloat16 for most LLMs, which from_config would build in): --precision decides the step's.
     kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = torch.float32
-    for auto in ("AutoModelForCausalLM", "AutoModel"):
+    named = named_architecture(transformers, config)
+    builders = [] if named is None else [named._from_config]  # type: ignore[attr-defined]  # PreTrainedModel's
+    builders += [getattr(transformers, auto).from_config for auto in ("AutoModelForCausalLM", "AutoModel")]
+    for build in builders:  # the config's head (stacks.transformers.heads), a causal LM, the bare model
         try:
-            model: nn.Module = getattr(transformers, auto).from_config(config, **kwargs)
+            model: nn.Module = build(config, **kwargs)
         except ValueError as exc:
             if attn is not None and "Unrecognized configuration class" not in str(exc):
                 raise InvalidInputError(f"{name} cannot run --attn {attn.value}: {str(exc).splitlines()[0]}",

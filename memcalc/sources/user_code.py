@@ -14,7 +14,6 @@ import importlib
 import importlib.util
 import inspect
 import sys
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,9 +23,9 @@ from typing import Any, TypeAlias
 from torch import nn
 
 import models_zoo
-from memcalc.core.errors import InvalidInputError, MemcalcError, ModelSourceError, UnknownModelError
+from memcalc.core.errors import InvalidInputError, MemcalcError, ModelSourceError, UnknownModelError, user_frame
 
-__all__ = ("Example", "load_from_file", "load_from_module", "load_function", "user_frame")
+__all__ = ("Example", "load_from_file", "load_from_module", "load_function")
 
 #: A user's ``example_inputs(batch_size[, seq_len=N])``: anything ``InputsLike`` (user code: unchecked).
 Example: TypeAlias = Callable[..., Any]
@@ -129,15 +128,6 @@ def _factory_from(module: ModuleType, attr: str, where: str) -> tuple[Callable[[
     if not callable(factory):
         raise ModelSourceError(f"{where}:{attr} is a {type(factory).__name__}, not a factory")
     return factory, example if callable(example) else None
-
-
-def user_frame(exc: BaseException) -> str:
-    """' (at file.py, line N)' for the innermost frame outside torch and memcalc."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        if "/torch/" not in frame.filename and "/memcalc/" not in frame.filename:
-            return f" (at {frame.filename}, line {frame.lineno})"
-    return ""
 
 
 def load_function(spec: str) -> Callable[..., Any]:

@@ -1,0 +1,446 @@
+"""The step's options, listed once: one table of fields from which a user's values become a
+:class:`~memcalc.engine.options.Step`.
+
+Each :class:`Field` says how one option is converted (its converter: a string from the command
+line or an object from Python in, the step's typed value out, or an error naming the option),
+its default, how the command line spells it and what its ``--help`` says. :func:`build_step`
+reads the table once per estimate — for :func:`memcalc.estimate`, for the searches'
+``**estimate_options`` and for every command of the CLI — then checks the combinations no single
+field can judge (an optimizer for an eval step, a KV cache outside inference) and resolves the
+software stack. The layers below take the step as it is and never convert again.
+
+Adding an option is one :class:`Field` here (and, where it is offered on the command line of
+every estimating command, its :class:`Flag`), one attribute of the ``Step``, one keyword of
+:func:`memcalc.estimate` (tests/test_fields.py keeps those two lists equal to this one) and the
+engine's use of it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from memcalc.core.categories import Mode
+from memcalc.core.choices import parse_choice
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.finetune import FineTune
+from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.loop import Loop
+from memcalc.core.losses import LossChoice
+from memcalc.core.precision import Precision, WeightDtype
+from memcalc.core.stack import Stack
+from memcalc.core.units import BYTES_FORMS, parse_bytes
+from memcalc.engine.optimizers import Optimizer, spec_for
+from memcalc.engine.options import Step, Target
+from memcalc.search.budget import resolve_budget
+from memcalc.sources.resolve import resolve
+from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
+from memcalc.targets.cuda.gpus.local import names_local_gpu
+from memcalc.targets.stack import resolve_stack
+
+__all__ = ("CPU", "DISTRIBUTED", "FIELDS", "Field", "Flag", "build_step", "check_keywords", "positive_int")
+
+#: ``gpu=memcalc.CPU``: estimate what a CPU run of the step allocates (no CUDA kernel choice,
+#: no CUDA workspaces) — the figure to compare with a real CPU run.
+CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How every command that estimates (``memcalc MODEL``, ``fit``, ``sweep``) offers a field:
+    ``choice`` (the values of the field's enum), ``int`` (at least ``minimum``), ``shape``
+    (``3,224,224``) or ``switch`` (a flag without a value)."""
+
+    kind: Literal["choice", "int", "shape", "switch"]
+    minimum: int | None = None
+    metavar: str | None = None
+    show_default: bool = False
+
+
+@dataclass(frozen=True)
+class Field:
+    """One option of the step.
+
+    Attributes:
+        name: the keyword of :func:`memcalc.estimate` (and, unless ``sets`` says otherwise, the
+            :class:`~memcalc.engine.options.Step` attribute it fills).
+        convert: the user's value (as given, or the default) → the step's value; raises an
+            error naming the option. Returns one value per name of ``sets``.
+        default: the value when the option is not given (before conversion).
+        flag: how the command line spells it (error messages name it too).
+        help: what ``--help`` says of it.
+        cli: the option every estimating command adds; None: each command offers it in its own
+            form (one value, a list, a budget, a group of options), or none does.
+        choices: the enum of its values, for a ``choice`` flag and its converter.
+        sets: the step attributes it fills, in the order ``convert`` returns them.
+        searched: why a search (:func:`memcalc.max_batch_size`, :func:`memcalc.sweep`) does not
+            take it among its ``**estimate_options``; None: it does.
+    """
+
+    name: str
+    convert: Callable[[Any, Field], Any]
+    default: Any = None
+    flag: str | None = None
+    help: str = ""
+    cli: Flag | None = None
+    choices: type[enum.Enum] | None = None
+    sets: tuple[str, ...] = ()
+    searched: str | None = None
+
+    @property
+    def attributes(self) -> tuple[str, ...]:
+        """The step attributes this field fills."""
+        return self.sets or (self.name,)
+
+    @property
+    def spelled(self) -> str:
+        """``name (--flag)``, as error messages name the option."""
+        return f"{self.name} ({self.flag})" if self.flag else self.name
+
+
+# --------------------------------------------------------------------------------------------
+# Converters: one per kind of value
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    """An ``int`` proper: ``True`` and ``64.0`` are not counts."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(value: Any, name: str, flag: str | None) -> Any:
+    """``value`` when it is None or an integer ≥ 1; else :class:`InvalidInputError` naming it."""
+    if value is None or (_is_int(value) and value >= 1):
+        return value
+    kind = "" if _is_int(value) else f" ({type(value).__name__})"
+    raise InvalidInputError(f"{name}{f' ({flag})' if flag else ''} must be an integer, at least 1; "
+                            f"got {value!r}{kind}")
+
+
+def _positive_int(value: Any, field: Field) -> int | None:
+    """None, or an integer ≥ 1."""
+    return positive_int(value, field.name, field.flag)  # type: ignore[no-any-return]  # checked
+
+
+def _count(value: Any, field: Field) -> int:
+    """An integer ≥ 1 (never None: the default is 1)."""
+    if not _is_int(value) or value < 1:
+        raise InvalidInputError(f"{field.spelled} must be an integer ≥ 1, got {value!r}")
+    return int(value)
+
+
+def _tokens(value: Any, field: Field) -> int | None:
+    """None, or a number of tokens ≥ 0."""
+    if value is not None and (not _is_int(value) or value < 0):
+        raise InvalidInputError(f"{field.spelled} is a number of tokens to generate, ≥ 0; got {value!r}",
+                                hint="e.g. --mode inference --kv-cache 256")
+    return value  # type: ignore[no-any-return]  # checked: None or an int
+
+
+def _switch(value: Any, field: Field) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{field.name} must be True or False, got {value!r}")
+    return value
+
+
+def _choice(value: Any, field: Field) -> Any:
+    """A member of the field's enum; None stays None where None is the field's default (it has
+    a meaning of its own there: the model's loss, the dtype the precision implies)."""
+    assert field.choices is not None
+    return None if value is None and field.default is None else parse_choice(field.choices, value, field.name)
+
+
+def _shape(shape: Any, field: Field) -> tuple[int, ...] | None:
+    """One sample's shape as a tuple of positive integers (None: the model's default)."""
+    if shape is None:
+        return None
+    dims = tuple(shape) if isinstance(shape, Iterable) and not isinstance(shape, (str, bytes)) else None
+    if not dims or not all(_is_int(d) and d >= 1 for d in dims):
+        raise InvalidInputError(f"input_shape must be one sample's shape, a sequence of positive integers without "
+                                f"the batch dimension; got {shape!r}", hint="e.g. input_shape=(3, 224, 224) or (1024,)")
+    return dims
+
+
+def _as_given(value: Any, field: Field) -> Any:
+    """Taken as it is: the model's source judges it when it resolves the model."""
+    return value
+
+
+def _optimizer(value: Any, field: Field) -> Any:
+    try:
+        return spec_for(Optimizer.ADAM if value is None else value)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+
+
+def _loss(loss: Any, field: Field) -> tuple[LossChoice | None, Any]:
+    """A loss name, or the user's own loss function."""
+    if loss is None:
+        return None, None
+    if isinstance(loss, str):
+        return parse_choice(LossChoice, loss, "loss"), None
+    if callable(loss):
+        return None, loss
+    raise InvalidInputError(f"loss must be a loss name or a function of the output, got {type(loss).__name__}",
+                            hint=f"one of: {', '.join(c.value for c in LossChoice)}, or loss=my_loss")
+
+
+def _gpu(gpu: Any, field: Field) -> tuple[GpuProfile, bool, Target]:
+    """The GPU's profile (the generic one when none is named), whether one was named, and the
+    target (CUDA, or the CPU)."""
+    if gpu is None:
+        return GENERIC, False, Target.CUDA
+    if isinstance(gpu, GpuProfile):
+        return gpu, gpu is not GENERIC, Target.CUDA
+    if not isinstance(gpu, str):
+        raise InvalidInputError(f"gpu must be a GPU name or a GpuProfile, got {type(gpu).__name__} {gpu!r}",
+                                hint="Known GPUs: " + ", ".join(g.key for g in catalogue()) + ".")
+    if gpu.strip().lower() == CPU:
+        return GENERIC, False, Target.CPU
+    return get_gpu(gpu), True, Target.CUDA
+
+
+def _capacity(capacity: Any, field: Field) -> int | None:
+    if capacity is None:
+        return None
+    try:
+        return parse_bytes(capacity)
+    except ValueError:
+        raise InvalidInputError(f"capacity must be a positive number of bytes, got {capacity!r}",
+                                hint=f"A capacity is {BYTES_FORMS}.") from None
+
+
+def _loop(value: Any, field: Field) -> Loop:
+    return Loop.of(value)
+
+
+def _stack(stack: Any, field: Field) -> Stack:
+    if stack is not None and not isinstance(stack, Stack):
+        raise InvalidInputError(f"stack must be a memcalc.Stack(...), got {type(stack).__name__}",
+                                hint='e.g. stack=memcalc.Stack(torch="2.4", cuda="12.1")')
+    return stack or Stack()
+
+
+def _finetune(finetune: Any, field: Field) -> FineTune:
+    if finetune is not None and not isinstance(finetune, FineTune):
+        raise InvalidInputError(f"finetune must be a memcalc.FineTune(...), got {type(finetune).__name__}",
+                                hint='e.g. finetune=memcalc.FineTune(lora=memcalc.LoRA(16), quant="nf4")')
+    return finetune or FineTune()
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+_FIELDS = (
+    Field("batch_size", _positive_int, flag="--batch", help="Batch size (samples per step).",
+          searched="the search sets the batch size"),
+    Field("input_shape", _shape, flag="--input-shape",
+          help="Shape of one sample, without the batch dimension, e.g. 3,224,224.", cli=Flag("shape")),
+    Field("seq_len", _positive_int, flag="--seq-len", help="Sequence length for token models.",
+          cli=Flag("int", minimum=1)),
+    Field("inputs", _as_given, searched="the search makes inputs at each batch size: give input_shape or seq_len"),
+    Field("mode", _choice, Mode.TRAIN, flag="--mode", choices=Mode, cli=Flag("choice", show_default=True),
+          help="train: forward, loss, backward, optimizer step; eval: forward under no_grad; "
+               "inference: forward under inference_mode."),
+    Field("optimizer", _optimizer, flag="--optim", choices=Optimizer, searched="give optimizers=[...]",
+          help="Optimizer (training only); its state is created by the real torch.optim class."),
+    Field("precision", _choice, Precision.FP32, flag="--precision", choices=Precision,
+          searched="give precisions=[...]",
+          help="fp32; amp-fp16/amp-bf16: CUDA autocast (fp32 master weights and optimizer state); "
+               "fp16/bf16: the whole model in that dtype."),
+    Field("weight_dtype", _choice, flag="--weight-dtype", choices=WeightDtype, cli=Flag("choice"),
+          help="The dtype the parameters are stored in (default: what --precision implies); their gradients and "
+               "optimizer state follow it. bf16 with --precision amp-bf16: a model loaded in bf16 and trained "
+               "under autocast (Hugging Face Trainer's bf16=True on a model loaded with dtype=torch.bfloat16)."),
+    Field("gpu", _gpu, flag="--gpu", sets=("gpu", "gpu_named", "target"),
+          help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
+               "its CUDA context, and whether the step fits."),
+    Field("checkpoint", _switch, False, flag="--checkpoint", cli=Flag("switch"),
+          help="Activation checkpointing per block (zoo models with blocks)."),
+    Field("accum_steps", _count, 1, flag="--accum-steps", cli=Flag("int", minimum=1, show_default=True),
+          help="Gradient accumulation: micro-batches of --batch per optimizer step."),
+    Field("kv_cache", _tokens, flag="--kv-cache", cli=Flag("int", minimum=0, metavar="TOKENS"),
+          help="With --mode inference: a KV cache for the prompt plus TOKENS generated tokens "
+               "(decoder language models)."),
+    Field("loss", _loss, flag="--loss", choices=LossChoice, sets=("loss", "loss_fn"), cli=Flag("choice"),
+          help="Loss to train with (training only; default: the zoo entry's, else auto: cross-entropy "
+               "for (B, C) outputs, the output's mean otherwise)."),
+    Field("capacity", _capacity, searched="the budget is the capacity",
+          help="Bytes the caching allocator may reserve, overriding the GPU's."),
+    # groups of options, each one object (memcalc.cli.setup offers each as several flags)
+    Field("loop", _loop, help="The training loop around the model (--loop, --keep-grads, --optim-impl)."),
+    Field("stack", _stack, help="The PyTorch and CUDA versions assumed (--torch-version, --cuda-version, "
+                                "--context-mib)."),
+    Field("finetune", _finetune, help="Frozen parameters, LoRA adapters and a quantized base (--freeze, --lora*, "
+                                      "--quant, --double-quant)."),
+    Field("time", _switch, False, flag="--time", sets=("record_costs",),
+          searched="time its answer with memcalc.step_time(result.report)",
+          help="Also estimate the step time on --gpu: samples/s and tokens/s beside the memory."),
+)
+
+#: Every option of the step, by its keyword, in the order they are converted.
+FIELDS: Mapping[str, Field] = {f.name: f for f in _FIELDS}
+
+#: :func:`memcalc.estimate`'s keyword for the multi-GPU setting, which is not one GPU's step
+#: (:class:`memcalc.Distributed`): the searches pass it on beside the fields.
+DISTRIBUTED = "distributed"
+
+
+# --------------------------------------------------------------------------------------------
+# Building the step
+# --------------------------------------------------------------------------------------------
+
+
+def build_step(model: Any = None, /, **values: Any) -> Step:
+    """The :class:`~memcalc.engine.options.Step` of ``model`` with ``values`` (the keywords of
+    :func:`memcalc.estimate` but ``distributed``), each converted once by its field.
+
+    ``gpu="auto"``, ``"cuda"`` or ``"cuda:N"`` is this machine's GPU: its catalogue profile
+    and, unless a capacity is given, its free memory less a new process's CUDA context; a note
+    in the step (and so in the report) says which. A named GPU's usable memory is the capacity
+    when none is given. The stack is resolved to concrete versions, and the GPU's CUDA context
+    to those versions.
+
+    Raises:
+        InvalidInputError: an unknown keyword or an invalid value, naming the option.
+        InapplicableOptionError: an option the step would ignore (an optimizer in eval, ...).
+    """
+    unknown = [name for name in values if name not in FIELDS]
+    if unknown:
+        raise InvalidInputError(f"unknown step option {unknown[0]!r}", hint=f"The options: {', '.join(FIELDS)}.")
+    gpu, capacity, note = _local_gpu(values.get("gpu"), values.get("capacity"), values.get("stack"))
+    given = {**values, "gpu": gpu, "capacity": capacity}
+    converted: dict[str, Any] = {}
+    for field in _FIELDS:
+        value = field.convert(given.get(field.name, field.default), field)
+        converted.update(zip(field.attributes, value if len(field.attributes) > 1 else (value,), strict=True))
+    step = Step(model=model, resolver=resolve, notes=() if note is None else (note,), **converted)
+    _check_combinations(step, optimizer_given=values.get("optimizer") is not None)
+    # the stack, resolved once: concrete versions, and the GPU's context under them
+    versions = resolve_stack(step.stack)
+    step = replace(step, stack=versions.core, gpu=versions.apply(step.gpu))
+    if step.capacity is None and step.gpu_named:
+        step = replace(step, capacity=step.gpu.usable_memory)
+    return step
+
+
+def check_keywords(function: str, keywords: Mapping[str, Any], own: Sequence[str] = ()) -> None:
+    """Every keyword of a search's ``**estimate_options`` is an option of :func:`memcalc.estimate`
+    that the search does not set itself; else :class:`InvalidInputError` naming it (and a
+    close match).
+
+    Args:
+        function: the search, as the user called it (``"max_batch_size"``).
+        keywords: its ``**estimate_options``.
+        own: the search's own parameters (``gpu``, ``time``...), left out of the hint.
+    """
+    takes = [name for name, field in FIELDS.items() if field.searched is None and name not in own]
+    takes.append(DISTRIBUTED)
+    for name in keywords:
+        field = FIELDS.get(name)
+        if field is not None and field.searched is not None:
+            raise InvalidInputError(f"{function}() does not take {name}: {field.searched}")
+        if name not in takes:
+            close = difflib.get_close_matches(name, takes, n=1)
+            raise InvalidInputError(f"{function}() got an unknown argument {name!r}"
+                                    + (f"; did you mean {close[0]!r}?" if close else ""),
+                                    hint=f"The estimate options it takes: {', '.join(takes)}.")
+
+
+def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
+    """What no single field can judge: options a step of this mode would ignore, and inputs
+    whose batch contradicts ``batch_size``."""
+    _check_inputs_batch(step.inputs, step.batch_size)
+    _check_weight_dtype(step)
+    mode = step.mode
+    if step.kv_cache is not None and mode is not Mode.INFERENCE:
+        # eval runs the forward under no_grad without a cache: the tokens would be ignored
+        raise InapplicableOptionError(f"kv_cache (--kv-cache) needs mode inference; the mode is {mode.value}",
+                                      hint="e.g. --mode inference --kv-cache 256")
+    if mode is Mode.TRAIN:
+        return
+    if optimizer_given and step.optimizer_key is not Optimizer.NONE:
+        raise InapplicableOptionError(f"optimizer (--optim) applies to training (mode train); a mode "
+                                      f"{mode.value} step runs no optimizer", hint="Leave the optimizer out.")
+    if step.loss is not None or step.loss_fn is not None:
+        raise InapplicableOptionError(f"loss (--loss) applies to training (mode train); a mode {mode.value} "
+                                      f"step computes no loss", hint="Leave the loss out.")
+    if step.accum_steps > 1 or step.checkpoint:
+        what = ("gradient accumulation (accum_steps, --accum-steps)" if step.accum_steps > 1
+                else "activation checkpointing (checkpoint, --checkpoint)")
+        raise InapplicableOptionError(f"{what} applies to training (mode train); the mode is {mode.value}")
+    if not step.loop.is_default:
+        raise InapplicableOptionError(f"a training loop (loop, --loop, --keep-grads) applies to mode train; "
+                                      f"the mode is {mode.value}")
+
+
+def _check_weight_dtype(step: Step) -> None:
+    """Weights in another dtype than the precision's need autocast (without it a model computes
+    in its weights' dtype: that is precision fp16 or bf16), and not fp16 under amp-fp16 (torch's
+    GradScaler refuses to unscale fp16 gradients: "Attempting to unscale FP16 gradients.")."""
+    weights, precision = step.weight_dtype, step.precision
+    if weights is None or weights.dtype is precision.parameter_dtype:
+        return
+    if not precision.is_amp:
+        under = f"amp-{weights.value}" if weights is not WeightDtype.FP32 else f"amp-{precision.value}"
+        raise InvalidInputError(
+            f"weight_dtype (--weight-dtype) {weights.value} contradicts precision {precision.value}, which stores "
+            f"the weights in {str(precision.parameter_dtype).removeprefix('torch.')} and computes in them without "
+            f"autocast",
+            hint=f"Give precision {weights.value} for {weights.value} weights without autocast, or precision "
+                 f"{under} with weight_dtype {weights.value} for {weights.value} weights under autocast.")
+    if precision is Precision.AMP_FP16 and weights is WeightDtype.FP16:
+        raise InvalidInputError("weight_dtype (--weight-dtype) fp16 under precision amp-fp16: torch's GradScaler "
+                                "refuses to unscale fp16 gradients",
+                                hint="Give precision fp16 for a model trained in fp16 without autocast.")
+
+
+def _inputs_batch(inputs: Any) -> int | None:
+    """The batch (first dimension) of the first tensor in ``inputs``; None if there is none."""
+    if isinstance(inputs, torch.Tensor):
+        candidates: list[Any] = [inputs]
+    elif isinstance(inputs, Mapping):
+        candidates = list(inputs.values())
+    elif isinstance(inputs, Sequence):
+        candidates = list(inputs)
+    else:
+        return None  # not inputs at all: the model source says so
+    first = next((t for t in candidates if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        return None
+    return int(first.shape[0]) if first.dim() else 1
+
+
+def _check_inputs_batch(inputs: Any, batch_size: int | None) -> None:
+    """``inputs`` carry their batch; a different ``batch_size`` beside them is a contradiction."""
+    batch = None if inputs is None or batch_size is None else _inputs_batch(inputs)
+    if batch is not None and batch != batch_size:
+        raise InvalidInputError(f"batch_size={batch_size} disagrees with inputs, whose batch (first dimension) is "
+                                f"{batch}", hint="Leave batch_size out (inputs carry their batch) or give inputs of "
+                                                 f"batch {batch_size}.")
+
+
+def _local_gpu(gpu: Any, capacity: Any, stack: Any) -> tuple[Any, Any, str | None]:
+    """``gpu="auto"``, ``"cuda"`` or ``"cuda:N"``: this machine's GPU, as its catalogue profile
+    (None, the generic one, when the catalogue lacks the card) and — unless ``capacity`` is
+    given — its free memory less a new process's CUDA context, with a note saying which GPU,
+    profile and capacity were used. Any other ``gpu`` comes back unchanged, with no note.
+
+    The budget is :func:`~memcalc.search.budget.resolve_budget`'s for ``device=``, so that
+    ``estimate(gpu="cuda:0")`` and ``max_batch_size(device="cuda:0")`` see one GPU the same way.
+    """
+    if not names_local_gpu(gpu):
+        return gpu, capacity, None
+    found = resolve_budget(gpu=gpu, stack=stack)
+    profile = (f"the catalogue profile {found.gpu.key}" if found.gpu is not None
+               else "the generic sm80-class profile, the catalogue lacking this card")
+    note = f"estimated for this machine's GPU: kernel choices, workspaces and CUDA context of {profile}; "
+    if capacity is None:
+        return found.gpu, found.capacity, note + f"capacity {found.source}"
+    return found.gpu, capacity, note + f"capacity as given, not {found.source}"

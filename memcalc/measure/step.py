@@ -1,0 +1,302 @@
+"""Real measurement of the same step the estimator simulates — our accuracy is measured,
+never assumed.
+
+CUDA: build the real model on the GPU, warm the cuBLAS handle (its workspace is allocated
+through the caching allocator at the first matmul and stays), free the segments the build left
+cached (``empty_cache``: the step's reserved memory, not the build's), ``reset_peak_memory_stats``,
+run the step program (two iterations, as the estimate does; or the chosen loop as written,
+:mod:`memcalc.engine.loops`), read ``max_memory_allocated`` and ``max_memory_reserved``. An
+OOM is a result ("measured: OOM"), not a crash. The optimizer runs in the implementation the
+estimate resolved for the device (``resolve_impl``). Frozen parameters and LoRA adapters are
+applied to the real model by the estimate's own code (:mod:`memcalc.stacks.peft`); a
+quantized base is not measured (bitsandbytes' kernels are emulated, never run).
+
+CPU (no GPU here): ``torch.profiler`` with ``profile_memory=True`` records every CPU
+allocation and free with its size, in order; their running sum on top of the storages that
+existed before the step (parameters, buffers, inputs) is the real peak. It is compared with
+memcalc's estimate for this CPU (``gpu="cpu"``, :mod:`memcalc.targets.cpu.kernels`): the attention and
+LSTM kernels the CPU runs and what they allocate inside, no CUDA workspaces, unrounded. The
+note of the comparison names each op whose CPU memory that estimate does not follow (oneDNN's
+convolutions, for one). Kineto's "profiler_start/stop" lines to the process's stderr are
+silenced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+
+from memcalc.api import estimate_step
+from memcalc.core.report import Measurement, MemoryReport
+from memcalc.engine.loops import run_loop
+from memcalc.engine.model import ModelInputs, ResolvedModel
+from memcalc.engine.options import Step
+from memcalc.engine.prepare import kv_cache_bytes, prepare_step
+from memcalc.engine.run import step_config
+from memcalc.engine.step import Scaler, StepConfig, run_step
+from memcalc.stacks.peft import finetune_module
+from memcalc.targets.cpu.kernels import NOT_FOLLOWED
+
+__all__ = ("RESERVED_SHOWN", "attach_measurement", "cpu_comparison_note", "measure", "measure_cpu", "measure_cuda",
+           "measured_device",
+           "storage_bytes")
+
+
+def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and tied weights once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _resolve(step: Step) -> ResolvedModel:
+    """The step's model and inputs, resolved as the estimate resolves them (on meta)."""
+    return step.resolved()
+
+
+def _prepare(resolved: ResolvedModel, device: torch.device,
+             options: Step) -> tuple[torch.nn.Module, ModelInputs, list[torch.Tensor]]:
+    """The real model and inputs with the same transforms the estimate applies, and a KV
+    cache of the estimated size when one is asked for (the zoo's models have no cache of their
+    own: a buffer of the same size stands for it).
+
+    The fine-tuning is the estimate's too (:func:`~memcalc.stacks.peft.finetune_module`,
+    in the estimate's order: adapters and freezing before the precision cast, which keeps the
+    adapters' dtype), so frozen parameters get no gradient and no optimizer state here either.
+
+    Raises:
+        InvalidInputError: a quantized base (``finetune.quant``): memcalc emulates bitsandbytes'
+            storage on meta tensors without running its kernels.
+    """
+    module, inputs = resolved.build_real(device)
+    if not options.finetune.is_empty:
+        module, _notes = finetune_module(module, options.finetune, precision=options.precision, mode=options.mode)
+    inputs = resolved.step_inputs(inputs, own_loss=options.trains_own_loss)
+    inputs, _ = prepare_step(module, inputs, options, containers=resolved.block_containers, model_name=resolved.name)
+    keep: list[torch.Tensor] = []
+    if options.kv_cache is not None:
+        nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache, model_name=resolved.name,
+                                decoder=resolved.decoder)
+        keep.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+    return module, inputs, keep
+
+
+def _config(resolved: ResolvedModel, options: Step, device: torch.device) -> StepConfig:
+    """The engine's configuration of the step (:func:`memcalc.engine.run.step_config`), run for
+    real: under ``torch.autocast``, with torch's GradScaler (on CUDA), for the two iterations
+    the estimate covers."""
+    autocast: Callable[[], AbstractContextManager[Any]] | None = None
+    scaler: Callable[[], Scaler] | None = None
+    if options.precision.is_amp:
+        dtype = options.precision.compute_dtype
+        autocast = lambda: torch.autocast(device.type, dtype=dtype)
+        if options.precision.uses_grad_scaler and device.type == "cuda":
+            scaler = lambda: torch.amp.GradScaler("cuda")
+    return step_config(resolved, options, autocast=autocast, scaler=scaler, cuda=device.type == "cuda", iterations=2)
+
+
+def _run(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, options: Step,
+         traced_loop: bool) -> None:
+    """The step the estimate traced: memcalc's loop (two iterations), or the chosen loop as
+    written (:func:`memcalc.engine.loops.run_loop`), on real tensors."""
+    if traced_loop:
+        run_loop(module, inputs, config, options.loop)
+    else:
+        run_step(module, inputs, config)
+
+
+def _existing(module: torch.nn.Module, inputs: ModelInputs, traced_loop: bool) -> list[torch.Tensor]:
+    """The tensors there before the step: parameters, buffers and — for memcalc's loop, which
+    reuses them — the inputs (another loop's batches are copies made as it draws them)."""
+    return [*module.parameters(), *module.buffers(), *(() if traced_loop else inputs)]
+
+
+def measure_cpu(step: Step, *, traced_loop: bool | None = None) -> Measurement:
+    """Peak CPU bytes of the real step, from the profiler's allocation events.
+
+    Args:
+        step: the step (its model is built for real on the CPU).
+        traced_loop: run ``step.loop`` as written even when it is the default one (as
+            :func:`memcalc.engine.run.trace_model` does with the same flag); None: unless it is.
+
+    Returns:
+        The measurement (its note says what to compare it with).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    as_written = not step.loop.is_default if traced_loop is None else traced_loop
+    device = torch.device("cpu")
+    resolved = _resolve(step)
+    module, inputs, _kv = _prepare(resolved, device, step)
+    config = _config(resolved, step, device)
+    before = storage_bytes(_existing(module, inputs, as_written))
+    gc.collect()
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _kineto_lines_silenced():
+        prof.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
+    try:
+        _run(module, inputs, config, step, as_written)
+    finally:
+        with _kineto_lines_silenced():
+            prof.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # untyped in torch
+    peak = before + _profiler_peak(prof)
+    return Measurement(device="cpu (torch.profiler)", peak_allocated=peak, note=_CPU_NOTE)
+
+
+#: A CPU measurement's note until it is compared with an estimate for this CPU.
+_CPU_NOTE = "CPU run; compare it with memcalc's estimate for this CPU (gpu=\"cpu\")"
+
+
+@contextmanager
+def _kineto_lines_silenced() -> Iterator[None]:
+    """Kineto writes "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start" (and
+    ``profiler_stop``) to file descriptor 2 when the profiler starts and stops, past Python's
+    ``sys.stderr``: point descriptor 2 at /dev/null for those two calls only, so that nothing
+    the step itself prints is lost."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _profiler_peak(prof: Any) -> int:
+    """The highest running sum of the profiler's [memory] events, in time order."""
+    try:
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        deltas = [(e.start_ns(), e.nbytes()) for e in events]
+    except AttributeError:  # older/newer torch: the public (aggregated) view
+        deltas = [(e.time_range.start, e.cpu_memory_usage) for e in prof.events() if e.name == "[memory]"]
+    current = peak = 0
+    for _, delta in sorted(deltas, key=lambda d: d[0]):
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def measure_cuda(step: Step, *, device: torch.device | None = None) -> Measurement:
+    """``max_memory_allocated`` / ``max_memory_reserved`` of the real step on a GPU (``device``;
+    None: torch's current one)."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device)
+    module = inputs = None
+    try:
+        gc.collect()
+        torch.cuda.empty_cache()
+        _warm_cublas(device)
+        workspace = torch.cuda.memory_allocated(device)
+        resolved = _resolve(step)
+        module, inputs, _kv = _prepare(resolved, device, step)
+        torch.cuda.synchronize(device)
+        built_cache = _free_build_cache(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _run(module, inputs, _config(resolved, step, device), step, not step.loop.is_default)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        reserved = torch.cuda.max_memory_reserved(device)
+        return Measurement(device=f"cuda: {name}", peak_allocated=peak, peak_reserved=reserved,
+                           note=f"includes {workspace:,} B allocated by the cuBLAS/cuDNN warm-up; "
+                                f"{RESERVED_SHOWN} ({built_cache:,} B cached by the build freed first)")
+    except torch.cuda.OutOfMemoryError as exc:
+        return Measurement(device=f"cuda: {name}", peak_allocated=None, oom=True, note=str(exc).split("\n")[0])
+    finally:
+        del module, inputs
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+#: What a CUDA measurement's ``peak_reserved`` is, said in its note.
+RESERVED_SHOWN = "reserved: the step's peak, the model build's cached segments freed before it (empty_cache)"
+
+
+def _free_build_cache(device: torch.device) -> int:
+    """Return to CUDA the segments the model's build left cached, and say how many bytes.
+
+    Building a model on the GPU allocates and frees temporaries (initialisers, a cast from fp32
+    to bf16 frees the fp32 copy), whose segments the caching allocator keeps. Left there, they
+    count in ``max_memory_reserved`` after ``reset_peak_memory_stats`` — the peak restarts from
+    the reserved bytes of now — and a 7B model built in fp32 and cast to bf16 then shows about
+    twice the step's reserved memory. The estimate models the step alone (parameters allocated
+    once, in order), so the measurement frees that cache first (``empty_cache`` releases only
+    segments with no live block: the parameters' own stay)."""
+    gc.collect()
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.empty_cache()
+    return before - torch.cuda.memory_reserved(device)
+
+
+def _warm_cublas(device: torch.device) -> None:
+    """Create the cuBLAS handle (and its workspace) before the measurement, as any real
+    training process has done by its second step."""
+    a = torch.ones(64, 64, device=device)
+    (a @ a).sum().item()
+    del a
+
+
+def measured_device() -> str | None:
+    """``"cuda:N"``, torch's current CUDA device — where :func:`measure` runs the step when no
+    device is named — or None without a usable CUDA GPU (it measures on the CPU then).
+
+    An estimate to compare with that measurement should be for this GPU
+    (``estimate(gpu="cuda:N")``): the generic profile would model other kernels. Asking
+    initialises CUDA, as the measurement will.
+    """
+    if not torch.cuda.is_available():
+        return None
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def measure(step: Step, *, device: str | None = None) -> Measurement:
+    """Measure the real step: on ``device`` (``"cuda:N"``) when given, else on CUDA when
+    available, else on the CPU (as this machine's CPU runs the step: :meth:`Step.on_cpu`)."""
+    use_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
+    if use_cuda:
+        return measure_cuda(step, device=torch.device(device) if device else None)
+    return measure_cpu(step.on_cpu())
+
+
+def attach_measurement(report: MemoryReport, step: Step, *, device: str | None = None) -> MemoryReport:
+    """``report`` (the estimate of ``step``) with a real measurement of the same step attached.
+
+    A CUDA measurement is compared with ``peak_allocated`` (as CUDA counts it). A CPU one is
+    compared with the estimate for this CPU (its own kernels, no CUDA workspaces, unrounded:
+    the CPU allocator does not round), and its note names the ops that estimate cannot follow.
+    """
+    measured = measure(step, device=device)
+    if measured.device.startswith("cuda"):
+        compared = report.bytes.peak_allocated
+    else:
+        cpu_report = estimate_step(dataclasses.replace(step.on_cpu(), record_costs=False))
+        compared = cpu_report.peak_requested
+        measured = dataclasses.replace(measured, note=cpu_comparison_note(cpu_report))
+    return dataclasses.replace(report, measurement=dataclasses.replace(measured, compared_with=compared))
+
+
+def cpu_comparison_note(cpu_report: MemoryReport) -> str:
+    """What a CPU measurement is compared with, and each op whose CPU memory ``cpu_report``
+    (an estimate with ``gpu="cpu"``) does not follow, by name and count."""
+    unfollowed = [f"{op} ×{n} (memory inside oneDNN's kernel)" for op, n in cpu_report.unsupported_ops]
+    unfollowed += [line.removeprefix(NOT_FOLLOWED).strip() for line in cpu_report.notes
+                   if line.startswith(NOT_FOLLOWED)]
+    note = "compared with the estimate for this CPU: its own kernels, no CUDA workspaces, unrounded"
+    if unfollowed:
+        note += f"; {NOT_FOLLOWED} " + "; ".join(unfollowed)
+    return note

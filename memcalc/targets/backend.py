@@ -1,0 +1,146 @@
+"""The CUDA rules plugged into the engine: one :class:`CudaBackend` per traced step.
+
+It puts together what :mod:`memcalc.targets.cuda` knows: the autocast and kernel-choice emulation
+(:mod:`memcalc.targets.cuda.emulation`), the kernel workspaces (:mod:`memcalc.targets.cuda.workspaces`) and
+the emulated gradient scaler of fp16 mixed precision.
+
+With ``target="cpu"`` the step is what this machine's CPU runs instead (:class:`CpuBackend`,
+the rules of :mod:`memcalc.targets.cpu.kernels`): the CPU's attention and LSTM kernels and what they
+allocate inside, no CUDA workspaces — the figure a real CPU run is compared with. Mixed
+precision follows CPU autocast's own op lists there (``AutocastCPU`` in autocast_mode.cpp:
+softmax and layer_norm stay in the lower precision; :mod:`memcalc.targets.autocast`).
+
+:func:`trace_step` is the engine's :func:`~memcalc.engine.run.trace_model` with the backend of
+the options' target: what every caller above this layer uses.
+
+Every kernel fact is taken for the PyTorch of the options' :class:`~memcalc.core.stack.Stack`
+(:func:`memcalc.targets.stack.resolve_torch_version`: the installed torch unless another is
+asked for): SDPA's backend priority and constraints and autocast's op lists (the emulation),
+the cuBLAS workspaces per step (the workspace model), cuDNN through the release's bundled
+version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from memcalc.core.categories import Mode
+from memcalc.engine.backend import AutocastRegion, GradScalerLike
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.options import Step
+from memcalc.engine.run import CostRecorderFactory, RankHooks, TracedStep, trace_model
+from memcalc.engine.trace import StorageTracer
+from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels
+from memcalc.targets.cuda.emulation import CudaEmulation
+from memcalc.targets.cuda.workspaces import WorkspaceModel
+from memcalc.targets.grad_scaler import EmulatedGradScaler
+from memcalc.targets.stack import resolve_torch_version
+
+__all__ = ("CpuBackend", "CudaBackend", "trace_step")
+
+_RNN_NOTE = ("recurrent layers: on CUDA nn.LSTM/GRU/RNN run cuDNN's fused kernel with a reserve buffer "
+             "that memcalc does not model; the estimate follows the step-by-step decomposition")
+
+
+class _EmulatingBackend:
+    """What both targets share: an emulation mode entered around the step, an autocast region
+    for mixed precision (its op lists are the target's) and the emulated gradient scaler of fp16."""
+
+    def __init__(self, options: Step, emulation: CudaEmulation) -> None:
+        self.options = options
+        self.emulation = emulation
+
+    def attach(self, tracer: StorageTracer) -> None:
+        # a checkpointed forward recomputed in backward runs under autocast again
+        self.emulation.recomputing = lambda: tracer.modules.recomputing
+
+    def mode(self) -> AbstractContextManager[Any]:
+        return self.emulation
+
+    def autocast(self) -> AutocastRegion | None:
+        return self.emulation.autocast if self.options.precision.is_amp else None
+
+    def grad_scaler(self) -> GradScalerLike | None:
+        if not self.options.precision.uses_grad_scaler:
+            return None
+        return EmulatedGradScaler(torch.device("meta"))
+
+
+class CudaBackend(_EmulatingBackend):
+    """What a CUDA GPU does differently from meta tensors, for one step of ``options``."""
+
+    def __init__(self, options: Step) -> None:
+        torch_version = resolve_torch_version(options.stack.torch)
+        super().__init__(options, CudaEmulation(options.precision, options.gpu.compute_capability,
+                                                emulate_kernels=options.emulate_cuda, torch_version=torch_version))
+        self.workspaces = (WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN,
+                                          torch_version=torch_version)
+                           if options.emulate_cuda else None)
+
+    def attach(self, tracer: StorageTracer) -> None:
+        super().attach(tracer)
+        if self.workspaces is not None:
+            self.workspaces.attach(tracer)
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self.workspaces is not None:
+            self.workspaces.after_op(func, args, kwargs, out)
+
+    def attention_backends(self) -> Mapping[str, int]:
+        return dict(self.emulation.attention_backends)
+
+    def notes(self, module: nn.Module) -> list[str]:
+        notes = self.workspaces.notes() if self.workspaces is not None else []
+        if self.options.emulate_cuda and any(isinstance(m, nn.RNNBase) for m in module.modules()):
+            notes.append(_RNN_NOTE)
+        return notes
+
+
+class CpuBackend(_EmulatingBackend):
+    """What this machine's CPU runs for one step of ``options`` (the CPU target,
+    :mod:`memcalc.targets.cpu.kernels`): its own kernel choices and their inner allocations."""
+
+    def __init__(self, options: Step, capabilities: CpuCapabilities | None = None) -> None:
+        kernels = CpuKernels(capabilities or CpuCapabilities.here())
+        emulation = CpuEmulation(options.precision, options.gpu.compute_capability, kernels)
+        # the release whose kernel facts the shared emulation reads (CPU autocast's lists: CpuEmulation)
+        emulation.torch_version = resolve_torch_version(options.stack.torch)
+        super().__init__(options, emulation)
+        self.kernels = kernels
+
+    def attach(self, tracer: StorageTracer) -> None:
+        super().attach(tracer)
+        self.kernels.attach(tracer)
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        self.kernels.after_op(func, args, kwargs, out)
+
+    def attention_backends(self) -> Mapping[str, int]:
+        return {}  # the report's attention line speaks of CUDA's kernels; the notes name the CPU's
+
+    def notes(self, module: nn.Module) -> list[str]:
+        return self.kernels.notes()
+
+
+def trace_step(resolved: ResolvedModel, options: Step, *, hooks: RankHooks | None = None,
+               costs: CostRecorderFactory | None = None) -> TracedStep:
+    """Trace one step of ``resolved`` as a CUDA GPU would run it (or, with ``target="cpu"``,
+    as this machine's CPU does).
+
+    Args:
+        resolved: the model and its inputs, on meta.
+        options: the step (:func:`memcalc.fields.build_step` makes one from a user's values).
+        hooks: a multi-GPU program's hooks on this rank's model.
+        costs: makes the recorder of every kernel's FLOPs and bytes, for a step time
+            (:func:`~memcalc.engine.run.trace_model`); None: none recorded.
+
+    Returns:
+        The traced step, ready for :func:`memcalc.engine.run.build_report`.
+    """
+    backend = CudaBackend(options) if options.emulate_cuda else CpuBackend(options)
+    return trace_model(resolved, options, backend, hooks=hooks, costs=costs)

@@ -1,0 +1,193 @@
+"""Kernel workspaces: memory CUDA libraries take through the caching allocator that no meta
+kernel shows. Rules registered per aten op (:data:`WORKSPACE_RULES`, a
+:class:`~memcalc.engine.rules.RuleRegistry` keyed by ``OpOverload``) run after each op and add
+synthetic allocations to the trace:
+
+- cuBLAS: one workspace per handle and stream, allocated at the first cuBLAS call and kept
+  (``aten/src/ATen/cuda/CublasHandlePool.cpp``); the autograd engine runs backward on its own
+  device thread, whose handle gets a workspace of its own at its first matmul — so a training
+  step holds one for the forward and one for the backward (:mod:`memcalc.targets.cuda.cublas` documents
+  the source). Size: the GPU profile's, honouring ``CUBLAS_WORKSPACE_CONFIG``.
+- cuDNN convolutions: a temporary per call, sized by :func:`memcalc.targets.cuda.cudnn.conv_workspace_bytes`
+  (a documented model, not a measurement).
+- fused attention: the temporaries the flash / memory-efficient / cuDNN kernels allocate
+  inside their forward and backward (:func:`memcalc.targets.cuda.attention_memory.forward_temporaries`,
+  :func:`memcalc.targets.cuda.attention_memory.backward_temporaries`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+
+from memcalc.core.categories import Category
+from memcalc.core.gpu import GpuProfile
+from memcalc.engine.rules import RuleRegistry
+from memcalc.engine.trace import StorageTracer
+from memcalc.targets.cuda.attention_memory import Buffer, backward_temporaries, forward_temporaries
+from memcalc.targets.cuda.cublas import cublas_workspace_bytes, cublas_workspaces_in_training_step
+from memcalc.targets.cuda.cudnn import conv_workspace_bytes
+from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall
+from memcalc.targets.versions import TARGET_TORCH_VERSION
+
+__all__ = ("CUBLAS_OPS", "WORKSPACE_RULES", "WorkspaceModel", "WorkspaceRule")
+
+aten = torch.ops.aten
+
+#: A workspace rule: ``(model, op, args, kwargs, output)``, called after ``op`` ran.
+WorkspaceRule = Callable[["WorkspaceModel", OpOverload, tuple[Any, ...], dict[str, Any], Any], None]
+#: The workspace rules, one per aten op that has one.
+WORKSPACE_RULES: RuleRegistry[WorkspaceRule] = RuleRegistry("kernel workspace")
+
+# aten ops that run through cuBLAS (linear → addmm/mm, matmul → mm/bmm, attention math → bmm).
+# Under ``torch.inference_mode()`` the CompositeImplicitAutograd ops ``linear`` and ``matmul``
+# reach the dispatch mode whole (no autograd key decomposes them above it: checked on torch
+# 2.13 meta tensors), yet on CUDA they still run ``at::native::linear`` / ``matmul`` → addmm /
+# mm / bmm through cuBLAS — an inference step's first matmul allocates the forward handle's
+# workspace as a training step's does.
+CUBLAS_OPS: tuple[OpOverload, ...] = (
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
+    aten.addmv.default, aten.mv.default, aten.dot.default, aten.vdot.default, aten._addmm_activation.default,
+    aten.addmm_.default, aten.baddbmm_.default, aten.linear.default, aten.matmul.default,
+)
+
+_ATTENTION_FORWARD: dict[OpOverload, AttentionBackend] = {
+    aten._scaled_dot_product_flash_attention.default: AttentionBackend.FLASH,
+    aten._scaled_dot_product_efficient_attention.default: AttentionBackend.EFFICIENT,
+    aten._scaled_dot_product_cudnn_attention.default: AttentionBackend.CUDNN,
+}
+_ATTENTION_BACKWARD: dict[OpOverload, AttentionBackend] = {
+    aten._scaled_dot_product_flash_attention_backward.default: AttentionBackend.FLASH,
+    aten._scaled_dot_product_efficient_attention_backward.default: AttentionBackend.EFFICIENT,
+    aten._scaled_dot_product_cudnn_attention_backward.default: AttentionBackend.CUDNN,
+}
+
+_Temporaries = Callable[[SdpaCall, AttentionBackend, tuple[int, int]], list[Buffer]]
+
+
+class WorkspaceModel:
+    """The workspaces of one traced step on ``gpu`` under torch ``torch_version``: :meth:`after_op`
+    runs the rule of each op."""
+
+    def __init__(self, gpu: GpuProfile, *, training: bool, torch_version: str = TARGET_TORCH_VERSION) -> None:
+        self.gpu = gpu
+        self.training = training
+        self.torch_version = torch_version
+        self.cublas_bytes = cublas_workspace_bytes(gpu)
+        self.cublas_handles = cublas_workspaces_in_training_step(torch_version)
+        self.tracer: StorageTracer | None = None
+        self.cublas_phases: set[str] = set()  # "forward" / "backward" handles that have a workspace
+        self.conv_calls = 0
+        self.conv_workspace_peak = 0
+
+    def attach(self, tracer: StorageTracer) -> None:
+        self.tracer = tracer
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        rule = WORKSPACE_RULES.get(func)
+        if rule is not None:
+            rule(self, func, args, kwargs, out)
+
+    def add_temporary(self, nbytes: int, what: str) -> None:
+        """A workspace the kernel frees when it returns; ``what`` names it in the timeline."""
+        assert self.tracer is not None
+        self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False, label=f"synthetic: {what}")
+
+    # ---- cuDNN convolution ------------------------------------------------------------------
+    def conv(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stride: Sequence[int],
+             padding: Sequence[int], dilation: Sequence[int], groups: int, direction: str) -> None:
+        """One cuDNN convolution call: its modelled workspace, freed when it returns."""
+        nbytes = conv_workspace_bytes(
+            tuple(x.shape), tuple(w.shape), tuple(y.shape), x.dtype, tuple(stride), tuple(padding),
+            tuple(dilation), int(groups), direction, self.gpu.compute_capability)
+        self.conv_calls += 1
+        if nbytes > 0:
+            self.conv_workspace_peak = max(self.conv_workspace_peak, nbytes)
+            self.add_temporary(nbytes, f"cuDNN convolution workspace ({direction})")
+
+    # ---- fused attention --------------------------------------------------------------------
+    def attention_temporaries(self, which: _Temporaries, backend: AttentionBackend, args: tuple[Any, ...],
+                              requires_grad: bool | None = None) -> None:
+        """The scratch of one fused attention call (q, k, v first in ``args``)."""
+        q, k, v = args[0], args[1], args[2]
+        if q.dim() != 4:
+            return
+        call = SdpaCall(
+            batch=int(q.shape[0]), heads_q=int(q.shape[1]), heads_kv=int(k.shape[1]), seq_q=int(q.shape[2]),
+            seq_kv=int(k.shape[2]), head_dim=int(q.shape[3]), head_dim_v=int(v.shape[3]), dtype=q.dtype,
+            has_mask=False, dropout_p=0.0, is_causal=False,
+            requires_grad=bool(requires_grad) if requires_grad is not None else self.training)
+        for buffer in which(call, backend, self.gpu.compute_capability):
+            if buffer.nbytes:
+                self.add_temporary(buffer.nbytes, f"{backend.value} attention scratch")
+
+    def notes(self) -> list[str]:
+        lines = []
+        if self.cublas_phases:
+            handles = f"{', '.join(sorted(self.cublas_phases))} handle{'s' if len(self.cublas_phases) > 1 else ''}"
+            lines.append(f"cuBLAS workspace: {len(self.cublas_phases)} × {self.cublas_bytes:,} B ({handles})")
+        if self.conv_calls:
+            lines.append(f"cuDNN convolution workspace: modelled per call ({self.conv_calls} calls, largest "
+                         f"{self.conv_workspace_peak:,} B) — an assumption, "
+                         "see memcalc.targets.cuda.cudnn.conv_workspace_bytes")
+        return lines
+
+
+# ---- cuBLAS ---------------------------------------------------------------------------------
+@WORKSPACE_RULES.register(*CUBLAS_OPS)
+def cublas_workspace(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     out: Any) -> None:
+    """The first cuBLAS call of a handle (forward thread, autograd's thread) allocates its
+    workspace, kept for the life of the process."""
+    assert model.tracer is not None
+    handle = "backward" if model.tracer.modules.in_backward else "forward"
+    if handle in model.cublas_phases or model.cublas_bytes <= 0:
+        return
+    if handle == "backward" and model.cublas_handles < 2:
+        return
+    model.cublas_phases.add(handle)
+    model.tracer.synthetic(model.cublas_bytes, Category.WORKSPACE, persistent=True,
+                           label=f"synthetic: cuBLAS workspace ({handle} handle)")
+
+
+# ---- cuDNN convolution ----------------------------------------------------------------------
+@WORKSPACE_RULES.register(aten.convolution.default)
+def conv_forward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: Any) -> None:
+    """``convolution``: cuDNN's forward, or its backward-data kernel for a transposed one."""
+    x, w = args[0], args[1]
+    stride, padding, dilation, transposed, _, groups = args[3:9]
+    # a transposed convolution runs cuDNN's backward-data kernel
+    direction = "backward_data" if transposed else "forward"
+    model.conv(x, w, out, stride, padding, dilation, groups, direction)
+
+
+@WORKSPACE_RULES.register(aten.convolution_backward.default)
+def conv_backward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  out: Any) -> None:
+    """``convolution_backward``: one cuDNN call per gradient its output mask asks for."""
+    grad_out, x, w = args[0], args[1], args[2]
+    stride, padding, dilation, _transposed, _, groups, mask = args[4:11]
+    if mask[0]:
+        model.conv(x, w, grad_out, stride, padding, dilation, groups, "backward_data")
+    if mask[1]:
+        model.conv(x, w, grad_out, stride, padding, dilation, groups, "backward_filter")
+
+
+# ---- fused attention ------------------------------------------------------------------------
+@WORKSPACE_RULES.register(*_ATTENTION_FORWARD)
+def attention_forward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      out: Any) -> None:
+    """The scratch of a fused attention forward."""
+    model.attention_temporaries(forward_temporaries, _ATTENTION_FORWARD[op], args)
+
+
+@WORKSPACE_RULES.register(*_ATTENTION_BACKWARD)
+def attention_backward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       out: Any) -> None:
+    """The scratch of a fused attention backward."""
+    # backward signatures start with grad_out, then query, key, value
+    model.attention_temporaries(backward_temporaries, _ATTENTION_BACKWARD[op], args[1:], requires_grad=True)

@@ -1,0 +1,230 @@
+"""How fast each catalogue GPU computes and moves bytes, and the step time of a report on it.
+
+:data:`PERFORMANCE` holds, per catalogue key (:mod:`memcalc.targets.cuda.gpus.catalogue`), the dense
+peak FLOP/s of each math mode and the memory bandwidth, each entry naming the NVIDIA document
+it is read from. NVIDIA's datasheets print the tensor-core figures "with sparsity" (2:4
+structured sparsity, twice the dense rate); training runs dense, so those are halved here.
+The GeForce figures are the "FP32 accumulate" column of the architecture whitepapers: PyTorch's
+half and bfloat16 GEMMs accumulate in float32 (``CUBLAS_COMPUTE_32F`` in
+aten/src/ATen/cuda/CUDABlas.cpp, ``gemm_internal_cublas<at::Half>``), which GeForce cards run at
+half the FP16-accumulate rate.
+
+The efficiency of each op class, the fixed time per kernel, the gap between kernels and the
+host's time per kernel (:data:`EFFICIENCY`, :data:`KERNEL_SECONDS`, :data:`LAUNCH_OVERHEAD`,
+:data:`HOST_SECONDS`) are fitted to an H200's profiled kernels and real step times
+(:mod:`memcalc.timing.calibration`). On another GPU the same fractions apply to that GPU's
+datasheet peaks: an assumption, stated with every time (:func:`basis`) with how it held on a
+healthy H100, as is the spread the fit leaves on the steps it was fitted to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memcalc.core.errors import InvalidInputError
+from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.report import MemoryReport
+from memcalc.core.throughput import DataLoaderSetup, DeviceRates, LoaderAdvice, OpClass, StepTime, advise_loader
+from memcalc.targets.cuda.gpus.catalogue import get_gpu
+from memcalc.timing import fitted
+
+__all__ = (
+    "EFFICIENCY",
+    "FITTED_GPU",
+    "HOST_SECONDS",
+    "KERNEL_SECONDS",
+    "LAUNCH_OVERHEAD",
+    "PERFORMANCE",
+    "GpuPerformance",
+    "basis",
+    "check_timeable",
+    "device_rates",
+    "loader_advice",
+    "step_time",
+    "with_time",
+)
+
+TERA = 1e12
+GB_S = 1e9
+
+
+@dataclass(frozen=True)
+class GpuPerformance:
+    """Dense peak FLOP/s by math mode (a mode the GPU lacks is absent), bandwidth in bytes/s,
+    and where the figures come from."""
+
+    peaks: tuple[tuple[str, float], ...]
+    bandwidth: float
+    source: str
+
+
+def _tflops(**modes: float) -> tuple[tuple[str, float], ...]:
+    return tuple((mode, value * TERA) for mode, value in modes.items())
+
+
+# Dense TFLOPS (datasheet "with sparsity" figures halved) and GB/s, per catalogue key.
+_H100_SXM = "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (tensor figures with sparsity, halved)"
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5, TF32 156, BF16/FP16 312 dense)"
+_V100 = "NVIDIA Tesla V100 GPU datasheet, V100 SXM2 column (FP32 15.7, Tensor 125)"
+PERFORMANCE: dict[str, GpuPerformance] = {
+    "h100-80gb": GpuPerformance(_tflops(fp32=67, tf32=494.5, bf16=989.5, fp16=989.5, fp8=1979), 3350 * GB_S,
+                                f"{_H100_SXM}: 3.35 TB/s"),
+    "h100-pcie": GpuPerformance(_tflops(fp32=51, tf32=378, bf16=756.5, fp16=756.5, fp8=1513), 2000 * GB_S,
+                                "NVIDIA H100 Tensor Core GPU datasheet (2022), H100 PCIe column (tensor figures with "
+                                "sparsity, halved): 2 TB/s"),
+    "h200": GpuPerformance(_tflops(fp32=67, tf32=494.5, bf16=989.5, fp16=989.5, fp8=1979), 4800 * GB_S,
+                           "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (tensor figures with sparsity, "
+                           "halved): 4.8 TB/s; the H200 NVL is clocked lower"),
+    "a100-40gb": GpuPerformance(_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312), 1555 * GB_S,
+                                f"{_A100}: A100 40GB, 1,555 GB/s"),
+    "a100-80gb": GpuPerformance(_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312), 2039 * GB_S,
+                                f"{_A100}: A100 80GB SXM, 2,039 GB/s (the 80GB PCIe: 1,935 GB/s)"),
+    "v100-16gb": GpuPerformance(_tflops(fp32=15.7, fp16=125), 900 * GB_S, f"{_V100}: 900 GB/s"),
+    "v100-32gb": GpuPerformance(_tflops(fp32=15.7, fp16=125), 900 * GB_S, f"{_V100}: 900 GB/s"),
+    "l4": GpuPerformance(_tflops(fp32=30.3, tf32=60, bf16=121, fp16=121, fp8=242.5), 300 * GB_S,
+                         "NVIDIA L4 Tensor Core GPU datasheet (tensor figures with sparsity, halved): 300 GB/s"),
+    "t4": GpuPerformance(_tflops(fp32=8.1, fp16=65), 320 * GB_S,
+                         "NVIDIA T4 datasheet (FP32 8.1, mixed-precision FP16/FP32 65 TFLOPS): 320+ GB/s"),
+    "rtx-3090": GpuPerformance(_tflops(fp32=35.6, tf32=35.6, bf16=71, fp16=71), 936 * GB_S,
+                               "NVIDIA Ampere GA102 GPU Architecture whitepaper, Appendix A, GeForce RTX 3090 (dense, "
+                               "FP32 accumulate): 936 GB/s"),
+    "rtx-4090": GpuPerformance(_tflops(fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2, fp8=330.3), 1008 * GB_S,
+                               "NVIDIA Ada GPU Architecture whitepaper, GeForce RTX 4090 (dense, FP32 accumulate): "
+                               "1,008 GB/s"),
+    # a10g: no figures. It is AWS's variant of the A10, with no NVIDIA datasheet of its own; its tensor
+    # throughput differs from the A10's (which the A10 datasheet gives), so the A10's would be a guess.
+}
+
+#: Efficiency per op class (fraction of the binding datasheet peak a large kernel reaches),
+#: fitted to the H200's kernels (:mod:`memcalc.timing.fitted`, written by
+#: ``scripts/fit_step_time.py``).
+EFFICIENCY: dict[OpClass, float] = dict(fitted.EFFICIENCY)
+#: Seconds each kernel of a class takes besides its roofline time (fitted likewise).
+KERNEL_SECONDS: dict[OpClass, float] = dict(fitted.KERNEL_SECONDS)
+#: Seconds between kernels: the launch and eager PyTorch's host-side dispatch (fitted likewise).
+LAUNCH_OVERHEAD: float = fitted.GAP_SECONDS
+#: The host's seconds per kernel (eager dispatch), the floor of a host-bound step (fitted likewise).
+HOST_SECONDS: float = fitted.HOST_SECONDS
+#: The GPU the coefficients were measured on.
+FITTED_GPU = fitted.GPU
+
+
+def basis(gpu_key: str) -> str:
+    """What a time on ``gpu_key`` rests on, said beside it."""
+    fitted_on = (f"±{fitted.SPREAD:.0%} on the {len(fitted.TIMED)} steps it was fitted to, on an "
+                 f"{fitted.DEVICE} with torch {fitted.TORCH}")
+    if gpu_key == FITTED_GPU:
+        return fitted_on
+    low, high = fitted.RECHECK_RANGE
+    return (f"{fitted_on}; {gpu_key} scaled from its datasheet peaks, an assumption (on {fitted.RECHECK_STEPS} "
+            f"steps of an {fitted.RECHECK_GPU}, predicted / measured {low:.2f}-{high:.2f})")
+
+
+def device_rates(gpu: GpuProfile, *, efficiency: dict[OpClass, float] | None = None,
+                 launch_overhead: float | None = None,
+                 kernel_seconds: dict[OpClass, float] | None = None,
+                 host_seconds: float | None = None) -> DeviceRates:
+    """What the roofline needs about ``gpu``: its peaks and bandwidth from :data:`PERFORMANCE`
+    with the fitted (or the given) efficiencies, seconds per kernel and launch overhead.
+
+    Raises:
+        InvalidInputError: no figures for this GPU (the generic profile, a GPU without a source).
+    """
+    figures = PERFORMANCE.get(gpu.key)
+    if figures is None:
+        known = ", ".join(PERFORMANCE)
+        why = ("no GPU was named: a step time needs a GPU's peak FLOP/s and memory bandwidth" if gpu.key == "generic"
+               else f"memcalc has no sourced peak FLOP/s and bandwidth for {gpu.name}")
+        raise InvalidInputError(f"cannot time the step: {why}", hint=f"Estimate for one of: {known} (--gpu NAME).")
+    chosen = {**EFFICIENCY, **(efficiency or {})}
+    fixed = {**KERNEL_SECONDS, **(kernel_seconds or {})}
+    overridden = any(v is not None for v in (efficiency, launch_overhead, kernel_seconds, host_seconds))
+    return DeviceRates(gpu=gpu.key, peaks=figures.peaks, bandwidth=figures.bandwidth,
+                       efficiency=tuple((c, chosen[c]) for c in OpClass),
+                       launch_overhead=LAUNCH_OVERHEAD if launch_overhead is None else launch_overhead,
+                       source=figures.source, kernel_seconds=tuple((c, fixed[c]) for c in OpClass),
+                       spread=0.0 if overridden else fitted.SPREAD,
+                       basis="coefficients given by the caller" if overridden else basis(gpu.key),
+                       host_seconds=HOST_SECONDS if host_seconds is None else host_seconds)
+
+
+def check_timeable(gpu: str | GpuProfile | None) -> None:
+    """Refuse, before any estimate, a step that could not be timed: no GPU named (or the CPU
+    target, ``"cpu"``) or a GPU without sourced figures.
+
+    Raises:
+        InvalidInputError: what is missing and which GPUs can be timed.
+    """
+    if gpu is None or (isinstance(gpu, str) and gpu.strip().lower() == "cpu"):
+        gpu = GENERIC  # refused below, naming the GPUs that can be timed
+    device_rates(get_gpu(gpu) if isinstance(gpu, str) else gpu)
+
+
+def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
+              launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None,
+              host_seconds: float | None = None) -> StepTime:
+    """The time of the report's step on the report's GPU, from a roofline per traced kernel.
+
+    Each kernel takes the larger of FLOPs ÷ (its math mode's peak × its class's efficiency) and
+    bytes moved ÷ (bandwidth × efficiency), plus its class's fixed seconds per kernel and the
+    gap between kernels; the step is their sum (one stream), or the host's time per kernel × the
+    kernels when that is longer (a host-bound step). The coefficients are fitted to an H200
+    (:mod:`memcalc.timing.calibration`); the time carries the spread of that fit.
+    Under a multi-GPU strategy: the busiest GPU's step, without its communication.
+
+    Args:
+        report: what :func:`memcalc.estimate` returned for a named GPU (``gpu="a100-80gb"``).
+        efficiency: override the fitted efficiency of some op classes (fractions of peak).
+        launch_overhead: override the fitted gap between kernels (seconds per kernel).
+        kernel_seconds: override the fitted fixed seconds per kernel of some op classes.
+        host_seconds: override the fitted host seconds per kernel (0: never host-bound).
+
+    Returns:
+        The :class:`~memcalc.core.throughput.StepTime`: seconds, samples/s, tokens/s, per phase
+        and per op class, with the assumptions it rests on.
+
+    Raises:
+        InvalidInputError: the report has no named GPU with known figures, or no traced step.
+    """
+    if not report.gpu_named:
+        device_rates(GENERIC)  # raises, naming the GPUs that can be timed
+    rates = device_rates(report.gpu, efficiency=efficiency, launch_overhead=launch_overhead,
+                         kernel_seconds=kernel_seconds, host_seconds=host_seconds)
+    try:
+        return report.time_on(rates)
+    except ValueError as exc:
+        raise InvalidInputError(f"cannot time the step: {exc}") from None
+
+
+def with_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
+              launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None,
+              host_seconds: float | None = None) -> MemoryReport:
+    """``report`` with its :attr:`~memcalc.core.report.MemoryReport.time` filled in (its JSON
+    then gains a ``"time"`` key) and a note for each op whose FLOPs could not be counted; the
+    arguments as for :func:`step_time`."""
+    time = step_time(report, efficiency=efficiency, launch_overhead=launch_overhead, kernel_seconds=kernel_seconds,
+                     host_seconds=host_seconds)
+    notes = report.notes + tuple(n for n in time.flops.failure_notes() if n not in report.notes)
+    return replace(report, time=time, notes=notes)
+
+
+def loader_advice(report: MemoryReport, setup: DataLoaderSetup | None = None) -> LoaderAdvice:
+    """Whether a DataLoader keeps the GPU fed at the report's step time, and the host memory it
+    holds (:func:`memcalc.core.throughput.advise_loader`).
+
+    Args:
+        report: an estimate for a GPU with figures (its ``time`` is used when set, else computed).
+        setup: the loader (None: ``DataLoader``'s defaults, no workers); its ``sample_bytes``
+            defaults to the estimate's input batch (and targets) per sample, as the GPU sees it.
+
+    Returns:
+        The advice: host memory, the pace each worker must keep, and, given a measured load time
+        per sample, the workers needed and whether the loader is the bottleneck.
+
+    Raises:
+        InvalidInputError: the step cannot be timed (see :func:`step_time`).
+    """
+    time = report.time if report.time is not None else step_time(report)
+    inputs = report.textbook.input_bytes if report.textbook is not None else report.bytes.inputs
+    return advise_loader(time, setup or DataLoaderSetup(), batch_size=report.batch_size,
+                         sample_bytes=max(1, inputs // max(report.batch_size, 1)))

@@ -1,0 +1,270 @@
+"""Real multi-process training steps over gloo on the CPU, each rank's peak read from the
+profiler: the reference for memcalc's DDP and FSDP2 estimates on the CPU target
+(tests/test_gloo_runs.py). Unlike the fake process group of tests/test_strategies.py, these
+runs allocate every buffer the real collectives allocate.
+
+:func:`run_cases` spawns ``world_size`` processes once for a list of :class:`GlooCase`s (a
+spawn costs seconds); each process joins a gloo group over a localhost TCP store, and runs
+the cases in order, each on a fresh model, wrapped as the case says.
+
+How a rank's peak is measured: one warm-up step (FSDP's lazy init and DDP's bucket rebuild,
+which a steady-state step does not repeat), then the step under ``torch.profiler``
+(``profile_memory=True``): a fresh ``Adam(foreach=True)``, two iterations of memcalc's default
+loop (loss = the output's mean, the output referenced until the optimizer step,
+``zero_grad(set_to_none=True)``), the running sum of the ``[memory]`` events in time order
+(:func:`memcalc.measure.step._profiler_peak`, as ``--measure`` reads a CPU run) on top of
+the storages alive before it (parameters, buffers, the input, DDP's buckets).
+
+Why a step can be measured more than once: gloo runs each collective on a worker thread, and
+the profiler records a thread's allocations only while that thread carries the profiler's
+state. The reduce-scatter's clone of its input (``ProcessGroupGloo::
+reduce_scatter_tensor_coalesced``) is held by the all-reduce work too; when gloo's worker
+thread drops that work after the caller has dropped its own reference, the clone is freed
+there, unrecorded, and the running sum never comes down (a real run's trace then ends one
+clone or more above where it began). So the step ends by dropping its optimizer: a complete
+trace ends where it began, and a rank repeats the step until it has one (the ranks repeat
+together, since every step runs collectives).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.multiprocessing.spawn import ProcessException
+
+from memcalc.core.finetune import FineTune
+
+#: How many times a rank may repeat the step to get a complete trace: from a third to a half of
+#: FSDP2's traces are complete on torch 2.13 (ten repeats were seen once); each repeat of these
+#: tiny steps takes a fraction of a second.
+MAX_ATTEMPTS = 40
+#: Input features, batch and model width of :class:`BlockNet`.
+FEATURES = 64
+BATCH = 16
+
+
+class Block(nn.Module):
+    """A residual MLP block: an FSDP unit."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class BlockNet(nn.Module):
+    """Three blocks in a ModuleList (memcalc's FSDP units, and the runs' ``fully_shard`` units)
+    between an input and an output layer, which belong to the root. The head's 9 rows do not
+    divide by 2 ranks: FSDP2 pads its shard, and the CPU's ``chunk_cat`` pads its gradient."""
+
+    def __init__(self, d: int = 256, blocks: int = 3, classes: int = 9):
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(blocks))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@dataclass(frozen=True)
+class GlooCase:
+    """One real run: ``strategy`` ("ddp" or "fsdp") over :class:`BlockNet`, fine-tuned by
+    ``finetune`` (memcalc's :func:`~memcalc.stacks.peft.finetune_module`, PEFT for LoRA)
+    before it is wrapped.
+
+    Attributes:
+        gradient_as_bucket_view: DDP's argument.
+        reshard_after_forward: ``fully_shard``'s argument on every block and on the root
+            (None: its default, which leaves the root unsharded between forward and backward).
+    """
+
+    name: str
+    strategy: str
+    finetune: FineTune = field(default_factory=FineTune)
+    gradient_as_bucket_view: bool = False
+    reshard_after_forward: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"a gloo run wraps the model in DDP or FSDP, not {self.strategy!r}")
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """What one rank measured.
+
+    Attributes:
+        peak: bytes: the storages alive before the step plus the profiler's peak over it.
+        step_counters: bytes of Adam's ``step`` tensors, 4 per trainable parameter tensor:
+            CPU memory that memcalc leaves out (on a GPU they stay on the host).
+        attempts: steps run to get a complete trace.
+    """
+
+    peak: int
+    step_counters: int
+    attempts: int
+
+    @property
+    def step_peak(self) -> int:
+        """The peak without Adam's step counters: what memcalc's estimate describes."""
+        return self.peak - self.step_counters
+
+
+class GlooRunError(RuntimeError):
+    """The processes failed, hung, or could not get a complete trace."""
+
+
+def run_cases(cases: Sequence[GlooCase], work_dir: Path, *, world_size: int = 2,
+              timeout_s: float = 300.0) -> dict[str, list[RankPeak]]:
+    """Run ``cases`` on ``world_size`` spawned processes over gloo.
+
+    Returns:
+        Each case's peaks, by rank.
+
+    Raises:
+        GlooRunError: a process failed or ran past ``timeout_s``.
+    """
+    names = [case.name for case in cases]
+    if len(set(names)) != len(names):
+        raise ValueError(f"case names repeat: {names}")
+    # the parent holds the store's server: no port is picked and then lost to another process
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    context = mp.start_processes(_worker, args=(world_size, store.port, list(cases), str(work_dir)),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise GlooRunError(f"the gloo runs took more than {timeout_s:.0f} s")
+    except ProcessException as error:  # a rank raised, or died
+        raise GlooRunError(f"a rank failed:\n{error}") from error
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    peaks: dict[str, list[RankPeak]] = {name: [] for name in names}
+    for rank in range(world_size):
+        measured = json.loads((work_dir / f"rank{rank}.json").read_text())
+        for name in names:
+            peaks[name].append(RankPeak(**measured[name]))
+    return peaks
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[GlooCase], work_dir: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        results = {case.name: asdict(_run_case(case, world_size)) for case in cases}
+    finally:
+        dist.destroy_process_group()
+    (Path(work_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _run_case(case: GlooCase, world_size: int) -> RankPeak:
+    from memcalc.core.categories import Mode
+    from memcalc.core.precision import Precision
+    from memcalc.stacks.peft import finetune_module
+
+    torch.manual_seed(0)  # the same weights on every rank, as DDP and FSDP expect
+    model: nn.Module = BlockNet()
+    if not case.finetune.is_empty:
+        model, _notes = finetune_module(model, case.finetune, precision=Precision.FP32, mode=Mode.TRAIN)
+    x = torch.randn(BATCH, FEATURES)
+    wrapped = _wrap(case, model, world_size)
+    trainable = [p for p in wrapped.parameters() if p.requires_grad]
+    _step(wrapped, x, trainable)  # the warm-up
+    before = _storages_before(wrapped, x)
+    result = None
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        peak, complete = _measured_step(wrapped, x, trainable)
+        if complete and result is None:
+            result = RankPeak(before + peak, 4 * len(trainable), attempt)
+        # every step runs collectives: the ranks stop together, once each has a complete trace
+        missing = torch.tensor([0 if result is not None else 1])
+        dist.all_reduce(missing)
+        if int(missing) == 0:
+            break
+    if result is None:
+        raise GlooRunError(f"{case.name}: no complete trace in {MAX_ATTEMPTS} steps")
+    return result
+
+
+def _wrap(case: GlooCase, model: nn.Module, world_size: int) -> nn.Module:
+    if case.strategy == "ddp":
+        return nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=case.gradient_as_bucket_view)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    blocks = next(m for m in model.modules() if isinstance(m, nn.ModuleList))  # under PEFT's wrappers too
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
+    return model
+
+
+def _storages_before(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes alive when the step starts: the parameters (this rank's shards under FSDP), the
+    buffers, the input and DDP's gradient buckets (the Reducer keeps them for the model's life)."""
+    from memcalc.measure.step import storage_bytes
+
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    nbytes = storage_bytes([*local, *model.buffers(), x])
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        buckets = model.reducer._get_zeros_like_grad_buckets()  # zeros of each bucket's size
+        nbytes += sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)
+    return nbytes
+
+
+def _step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter]) -> None:
+    """Two iterations of memcalc's default loop (the output referenced until the optimizer
+    step) with a fresh Adam, which is dropped at the end with its state."""
+    optimizer = torch.optim.Adam(trainable, foreach=True)
+    for _ in range(2):
+        out = model(x)
+        loss = out.mean()
+        loss.backward()
+        del out, loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    del optimizer
+    gc.collect()
+
+
+def _measured_step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter]) -> tuple[int, bool]:
+    """The step's peak over the storages alive before it, and whether its trace is complete
+    (every byte it allocated seen freed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from memcalc.measure.step import _profiler_peak
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(model, x, trainable)
+    return _profiler_peak(prof), _net_bytes(prof) == 0
+
+
+def _net_bytes(prof: Any) -> int:
+    return sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")

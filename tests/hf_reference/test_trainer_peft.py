@@ -1,0 +1,53 @@
+"""LoRA (PEFT) and QLoRA (bitsandbytes 4-bit nf4, ``prepare_model_for_kbit_training``, PEFT)
+through the real ``transformers.Trainer`` on the CPU, against memcalc's CPU target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_harness import (
+    LLAMA3_VOCAB,
+    MISTRAL_VOCAB,
+    QWEN2_VOCAB,
+    TOLERANCE,
+    Recipe,
+    check_trainer_recipe,
+    llama_config,
+)
+
+import memcalc
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytestmark = pytest.mark.slow  # 4–8 s a case on two CPU cores
+
+_TRAINER = memcalc.Loop("trainer", optimizer_impl="fused")
+_LORA = memcalc.FineTune(lora=memcalc.LoRA(16))
+
+
+def test_lora_fp32_weights_amp_bf16(tmp_path: Path) -> None:
+    recipe = Recipe(llama_config(LLAMA3_VOCAB), bf16=True, lora=16,
+                    estimate=dict(optimizer="adamw", precision="amp-bf16", loop=_TRAINER, finetune=_LORA))
+    check_trainer_recipe(recipe, tmp_path, "LoRA, fp32 weights + amp bf16", TOLERANCE)
+
+
+def test_lora_bf16_weights(tmp_path: Path) -> None:
+    # before the model's own loss: -45.9% (its fp32 upcast of the (2, 256, 151936) logits was missing)
+    recipe = Recipe(llama_config(QWEN2_VOCAB), bf16=True, weights=torch.bfloat16, lora=16,
+                    estimate=dict(optimizer="adamw", precision="bf16", loop=_TRAINER, finetune=_LORA))
+    check_trainer_recipe(recipe, tmp_path, "LoRA, bf16 weights + amp bf16", TOLERANCE)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "memcalc -17.5% (268.2 MiB real, 221.3 MiB estimated; -52.4% before the model's own loss): "
+    "prepare_model_for_kbit_training casts every unquantized parameter (the 32000-row embedding and LM head, "
+    "the norms) to fp32, which memcalc keeps in bf16"))
+def test_qlora_recipe(tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    recipe = Recipe(llama_config(MISTRAL_VOCAB, hidden=256), bf16=True, weights=torch.bfloat16, qlora=True,
+                    lora=16, checkpointing=True,
+                    estimate=dict(optimizer="adamw", precision="bf16", checkpoint=True, loop=_TRAINER,
+                                  finetune=memcalc.FineTune(lora=memcalc.LoRA(16), quant="nf4")))
+    check_trainer_recipe(recipe, tmp_path, "QLoRA nf4 + checkpointing", TOLERANCE)

@@ -1,0 +1,91 @@
+"""The step's options are listed once (memcalc.fields.FIELDS): the Step's attributes,
+estimate()'s keywords, the searches' ``**estimate_options`` and the CLI's shared options all
+follow that table, and a user's value is converted into the Step once."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import click
+import pytest
+
+import memcalc
+from memcalc.cli import main
+from memcalc.core.categories import Mode
+from memcalc.core.errors import InvalidInputError
+from memcalc.core.gpu import GENERIC
+from memcalc.core.loop import Loop
+from memcalc.core.losses import LossChoice
+from memcalc.core.precision import Precision
+from memcalc.engine.optimizers import Optimizer
+from memcalc.engine.options import Step, Target
+from memcalc.fields import DISTRIBUTED, FIELDS, build_step
+
+
+def _estimate_keywords() -> dict[str, inspect.Parameter]:
+    parameters = inspect.signature(memcalc.estimate).parameters
+    return {name: p for name, p in parameters.items() if name not in ("model", DISTRIBUTED)}
+
+
+def test_estimate_takes_every_field_and_nothing_else_with_the_tables_defaults():
+    keywords = _estimate_keywords()
+    assert set(keywords) == set(FIELDS)
+    for name, parameter in keywords.items():
+        assert parameter.default == FIELDS[name].default, name
+
+
+def test_estimate_documents_every_field():
+    doc = inspect.getdoc(memcalc.estimate) or ""
+    missing = [name for name in FIELDS if f"{name}:" not in doc]
+    assert not missing, f"estimate()'s docstring lacks {missing}"
+
+
+def test_every_attribute_of_the_step_comes_from_exactly_one_field():
+    filled = [attribute for field in FIELDS.values() for attribute in field.attributes]
+    assert len(filled) == len(set(filled))  # no attribute filled twice
+    # the positional model, its resolver (the API's), and the notes building the step found
+    attributes = {f.name for f in dataclasses.fields(Step)} - {"model", "resolver", "notes"}
+    assert set(filled) == attributes
+
+
+def test_the_cli_offers_every_shared_field_in_every_estimating_command():
+    shared = {name for name, field in FIELDS.items() if field.cli is not None}
+    assert shared  # the table drives the shared options: none written out by hand
+    for command in ("estimate", "fit", "sweep", "compare"):
+        params = {p.name: p for p in main.commands[command].params}
+        assert shared <= set(params), command
+        for name in shared:
+            assert isinstance(params[name], click.Option) and params[name].opts == [FIELDS[name].flag]
+
+
+def test_a_searchs_unknown_keyword_is_judged_by_the_table():
+    with pytest.raises(InvalidInputError) as caught:
+        memcalc.max_batch_size("mlp", gpu="t4", acum_steps=2)
+    assert "did you mean 'accum_steps'" in str(caught.value)
+    takes = [name for name, field in FIELDS.items() if field.searched is None and name != "gpu"]
+    assert caught.value.hint == f"The estimate options it takes: {', '.join([*takes, DISTRIBUTED])}."
+    with pytest.raises(InvalidInputError, match=r"max_batch_size\(\) does not take time"):
+        memcalc.max_batch_size("mlp", gpu="t4", time=True)
+
+
+def test_strings_become_the_steps_types_once():
+    step = build_step("mlp", batch_size=4, optimizer="SGD", mode="train", loss="mean", precision="amp-bf16",
+                      gpu="cpu", accum_steps=2, loop="tutorial", time=True)
+    assert step.model == "mlp" and step.batch_size == 4
+    assert step.optimizer_key is Optimizer.SGD and step.mode is Mode.TRAIN and step.loss is LossChoice.MEAN
+    assert step.precision is Precision.AMP_BF16 and step.target is Target.CPU
+    assert step.gpu.key == GENERIC.key and not step.gpu_named and step.capacity is None
+    assert step.loop == Loop("tutorial") and step.record_costs and step.accum_steps == 2
+    t4 = build_step("mlp", gpu="t4")
+    assert t4.gpu_named and t4.capacity == t4.gpu.usable_memory  # a named GPU's memory is the capacity
+    # objects pass as they are
+    assert build_step(gpu=t4.gpu).gpu == t4.gpu
+
+
+def test_a_loss_function_is_the_steps_loss_fn():
+    def my_loss(output):
+        return output.sum()
+
+    step = build_step("mlp", loss=my_loss)
+    assert step.loss is None and step.loss_fn is my_loss

@@ -1,0 +1,103 @@
+"""memcalc's per-rank DDP and FSDP2 estimates on the CPU target against real training steps on
+two processes over gloo (tests/gloo_runs.py), every rank's peak read from the profiler.
+
+These are the collectives a real CPU run has: gloo copies what FSDP2 all-gathers and
+reduce-scatters (memcalc.distributed.fsdp.ShardedProgram._gloo_copy), which the fake process
+group of tests/test_strategies.py never allocates. Without those copies the estimates below
+were 0.26% (FSDP2's defaults), 1.5% (LoRA) and 11.4% (a frozen block) under the real peak.
+
+Each rank's peak is compared less Adam's CPU step counters (4 B per trainable tensor), which a
+GPU would not hold and memcalc leaves out. memcalc describes the busiest rank: under FSDP2 rank
+1's local shard of the head is a row shorter, and so is its Adam state (2 KiB less).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from gloo_runs import BATCH, FEATURES, BlockNet, GlooCase, RankPeak, run_cases
+
+import memcalc
+from memcalc import FineTune, LoRA
+
+pytestmark = pytest.mark.slow  # one spawn of two processes for all cases: about a minute
+
+# The issue's bar is 1%; the runs agree within 0.02% on torch 2.13 (to the byte on FSDP2's
+# busiest rank without LoRA, below), so 0.1% is held: it still catches the 0.26% that leaving
+# out gloo's copies costs FSDP2's defaults.
+TOLERANCE = 0.001
+WORLD = 2
+#: The runs step Adam(foreach=True); the estimates step the same implementation.
+FOREACH = memcalc.Loop(optimizer_impl="foreach")
+#: A block in the middle frozen: FSDP2 gathers it and reduces nothing for it; DDP buckets only
+#: the trainable parameters.
+FROZEN = FineTune(freeze=("blocks.1.*",))
+#: PEFT's LoRA (r=8) on both Linear layers of every block: the base frozen, the adapters share
+#: each block's FSDP unit.
+LORA = FineTune(lora=LoRA(8, targets=("fc1", "fc2")))
+
+CASES = [
+    GlooCase("ddp", "ddp"),
+    GlooCase("ddp-bucket-view", "ddp", gradient_as_bucket_view=True),
+    GlooCase("ddp-frozen", "ddp", FROZEN),
+    GlooCase("ddp-lora", "ddp", LORA),
+    GlooCase("fsdp-defaults", "fsdp"),
+    GlooCase("fsdp-reshard", "fsdp", reshard_after_forward=True),
+    GlooCase("fsdp-no-reshard", "fsdp", reshard_after_forward=False),
+    GlooCase("fsdp-frozen", "fsdp", FROZEN),
+    GlooCase("fsdp-lora", "fsdp", LORA),
+]
+
+
+@pytest.fixture(scope="module")
+def gloo_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankPeak]]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    pytest.importorskip("peft")  # the LoRA cases, in the runs and in the estimates
+    work_dir: Path = tmp_path_factory.mktemp("gloo")
+    return run_cases(CASES, work_dir, world_size=WORLD)
+
+
+def _estimate(case: GlooCase) -> memcalc.MemoryReport:
+    if case.strategy == "ddp":
+        distributed = memcalc.Distributed("ddp", world_size=WORLD, gradient_as_bucket_view=case.gradient_as_bucket_view)
+    else:
+        # memcalc's FULL_SHARD is fully_shard's default (the root kept from forward to backward);
+        # reshard_after_forward=True on the root too gives the same real peak here: the peak
+        # comes later in backward, after the root's parameters are gathered again
+        sharding = "shard_grad_op" if case.reshard_after_forward is False else "full_shard"
+        distributed = memcalc.Distributed("fsdp", world_size=WORLD, sharding=sharding)
+    return memcalc.estimate(BlockNet, input_shape=(FEATURES,), batch_size=BATCH, optimizer="adam", loss="mean",
+                            gpu="cpu", loop=FOREACH, finetune=case.finetune, distributed=distributed)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_estimate_against_every_rank_of_a_real_gloo_run(gloo_peaks, case):
+    estimate = _estimate(case).peak_requested
+    ranks = gloo_peaks[case.name]
+    assert len(ranks) == WORLD
+    for rank, measured in enumerate(ranks):
+        real = measured.step_peak
+        error = (estimate - real) / real
+        print(f"{case.name} rank {rank}: real {real:,} B, estimate {estimate:,} B, {error:+.3%} "
+              f"({measured.attempts} step(s) for a complete trace)")
+        assert abs(error) <= TOLERANCE, f"rank {rank}: estimate {estimate:,} B, real {real:,} B ({error:+.3%})"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.finetune.lora is None], ids=lambda case: case.name)
+def test_to_the_byte_without_lora(gloo_peaks, case):
+    # PEFT's adapters keep CPU scalars of their own (tests/test_strategies_finetune.py): LoRA is
+    # held to the tolerance above only
+    estimate = _estimate(case).peak_requested
+    ranks = gloo_peaks[case.name]
+    if case.strategy == "ddp":
+        # DDP's own CPU scalars: up to 16 B (as over the fake process group)
+        assert all(0 <= rank.step_peak - estimate <= 16 for rank in ranks)
+        return
+    # FSDP2: memcalc's rank is rank 0, whose shards are the largest. Rank 1's shard of the head
+    # (9 rows over 2 ranks) is a row shorter: its Adam moments, sized like the unpadded local
+    # shard, hold one row of 256 weights and one bias element less, twice, at 4 B
+    assert estimate == ranks[0].step_peak
+    assert ranks[0].step_peak - ranks[1].step_peak == 2 * 4 * (256 + 1)
