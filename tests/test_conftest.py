@@ -73,7 +73,7 @@ def test_golden_names_follow_the_test_and_its_parameters() -> None:
 
 def test_every_golden_file_belongs_to_a_test() -> None:
     # a test renamed or removed leaves its file behind; the file's stem names the test function
-    defined = {match for path in TESTS.glob("test_*.py")
+    defined = {match for path in TESTS.rglob("test_*.py")
                for match in re.findall(r"^def test_(\w+)\(", path.read_text(), flags=re.MULTILINE)}
     orphans = [path.name for path in sorted(GOLDEN.iterdir()) if path.name.split("[")[0].split(".")[0] not in defined]
     assert not orphans, f"golden files no test compares (delete them, or rename them with their test): {orphans}"
