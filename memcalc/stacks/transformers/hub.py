@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -170,12 +171,31 @@ def with_attention(model: str, attn: str | None) -> str | HuggingFace:
 def import_hf(package: str, purpose: str) -> ModuleType:
     """``transformers`` or ``huggingface_hub``, or a :class:`MissingPackageError` naming the
     ``hf`` extra that installs them both."""
+    _quiet_optional_kernels()
     try:
         return importlib.import_module(package)
     except ImportError as exc:
         error = MissingPackageError(package, purpose)
         error.hint = f"Install it with: {HF_EXTRA_HINT} (or pip install {package})"
         raise error from exc
+
+
+#: What bitsandbytes logs at import (through peft and transformers, which import it when it is
+#: installed) on a CPU with AVX512-BF16 when the optional ``kernels`` package, which would
+#: fetch a faster 4-bit GEMM from the Hub, is missing. memcalc runs no bitsandbytes kernel, so
+#: the warning says nothing about the estimate; it would be printed into every command's output.
+_BNB_OPTIONAL_KERNEL = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+def _drops_optional_kernel_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_BNB_OPTIONAL_KERNEL)
+
+
+def _quiet_optional_kernels() -> None:
+    """Filter that one warning, and nothing else, out of bitsandbytes' CPU backend logger."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if _drops_optional_kernel_warning not in logger.filters:
+        logger.addFilter(_drops_optional_kernel_warning)
 
 
 # ---- the config --------------------------------------------------------------------------------
