@@ -4,7 +4,7 @@
 Three layers: what the installed transformers says (its dataclass's fields, the class and keywords
 its ``Trainer.get_optimizer_cls_and_kwargs`` returns), arithmetic worked out here for a single
 Linear layer through the trainer loop, and the CLI's output and messages. The real
-``Trainer.train()`` against these estimates is in tests/hf_reference/test_trainer_args.py.
+``Trainer.train()`` against these estimates is in tests/hf_reference/test_trainer_arguments.py.
 """
 
 from __future__ import annotations
