@@ -65,6 +65,7 @@ def estimate(
     loop: LoopLike = None,
     stack: Stack | None = None,
     finetune: FineTune | None = None,
+    trainer_args: Any = None,
     time: bool = False,
 ) -> MemoryReport:
     """Estimate the GPU memory of one training (or eval / inference) step of ``model``.
@@ -116,6 +117,19 @@ def estimate(
             ``optimizer_impl`` (``auto``, ``for-loop``, ``foreach``, ``fused``).
         stack: the PyTorch and CUDA versions assumed (:class:`Stack`); None: the installed torch.
         finetune: frozen parameters, LoRA adapters and a quantized base (:class:`FineTune`).
+        trainer_args: the Hugging Face Trainer's arguments: a ``transformers.TrainingArguments``,
+            a dict of its arguments, or the path of a ``.json`` (``to_json_string()``) or
+            ``.yaml`` file of them. They imply ``loop="trainer"`` and set what they decide:
+            ``per_device_train_batch_size`` the batch, ``gradient_accumulation_steps`` the
+            accumulation, ``bf16``/``fp16`` the precision (``amp-bf16``/``amp-fp16``: autocast
+            over the weights as loaded; add ``weight_dtype="bf16"`` for a model loaded in bf16),
+            ``gradient_checkpointing`` (``activation_checkpointing``) the checkpointing,
+            ``optim`` (and ``optim_args``) the optimizer and its implementation, ``use_cpu`` the
+            CPU as the target. A keyword given here with a value other than its default replaces
+            theirs (the report's note names what it replaced). Arguments that change memory in
+            ways memcalc does not model (``torch_compile``, ``deepspeed``, ``fsdp``, evaluation
+            during training, ...) are refused, naming them. ``loop="trainer"`` without them
+            takes the installed ``TrainingArguments`` defaults' ``optim`` and accumulation.
         time: also time the step on ``gpu`` (a catalogue GPU with figures) and fill
             ``report.time`` (:func:`memcalc.step_time`). Every kernel's FLOPs and bytes are then
             recorded while the step is traced, which costs 10–26% more; without it they are
@@ -289,8 +303,10 @@ def iter_sweep(
 
     Args:
         model: as for :func:`estimate`.
-        batch_sizes, optimizers, precisions: the grid, each a list (``optimizers`` None:
-            adam; None in ``precisions``: fp32); every item is checked before the first estimate.
+        batch_sizes, optimizers, precisions: the grid, each a list (``optimizers`` None: the
+            step's, adam unless ``trainer_args`` or ``loop="trainer"`` chose another; None in
+            ``precisions``: the step's, fp32 by default); every item is checked before the first
+            estimate.
         budget, gpu, device: at most one; with it, every point says whether it fits.
         time: also time every point on the GPU (``report.time``), as :func:`estimate` does.
         **estimate_options: the other arguments of :func:`estimate`.
@@ -306,6 +322,8 @@ def iter_sweep(
     named = None if optimizers is None else next((o for _b, o, _p in configs if o != Optimizer.NONE.value),
                                                  Optimizer.NONE.value)
     step, distributed = _search_step(model, resolved, optimizer=named, precision=None, options=estimate_options)
+    if optimizers is None:  # the step's own: adam, or the one the Trainer's arguments chose
+        configs = sweep_configurations(batch_sizes, (step.optimizer_key,), precisions)
     if not time:
         return sweep_requests(step, configs, distributed=distributed)
     check_timeable(step.gpu if step.gpu_named else None)  # refused now, before any estimate

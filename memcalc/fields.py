@@ -30,15 +30,17 @@ from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GENERIC, GpuProfile
-from memcalc.core.loop import Loop
+from memcalc.core.loop import Loop, LoopPreset, OptimizerImpl
 from memcalc.core.losses import LossChoice
 from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.stack import Stack
+from memcalc.core.trainer import TrainerArguments
 from memcalc.core.units import BYTES_FORMS, parse_bytes
 from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.options import Step, Target
 from memcalc.search.budget import resolve_budget
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.transformers.training_args import read_training_args
 from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.targets.cuda.gpus.local import names_local_gpu
 from memcalc.targets.stack import resolve_stack
@@ -226,6 +228,15 @@ def _stack(stack: Any, field: Field) -> Stack:
     return stack or Stack()
 
 
+def _trainer_args(value: Any, field: Field) -> TrainerArguments | None:
+    """What :func:`build_step` read from the Trainer's arguments before the other fields were
+    converted (they fill those fields), or None."""
+    if value is None or isinstance(value, TrainerArguments):
+        return value
+    raise InvalidInputError(f"trainer_args were not read: got {type(value).__name__}",
+                            hint="Give them to memcalc.estimate() or memcalc.fields.build_step(), which read them.")
+
+
 def _finetune(finetune: Any, field: Field) -> FineTune:
     if finetune is not None and not isinstance(finetune, FineTune):
         raise InvalidInputError(f"finetune must be a memcalc.FineTune(...), got {type(finetune).__name__}",
@@ -279,6 +290,12 @@ _FIELDS = (
                                 "--context-mib)."),
     Field("finetune", _finetune, help="Frozen parameters, LoRA adapters and a quantized base (--freeze, --lora*, "
                                       "--quant, --double-quant)."),
+    Field("trainer_args", _trainer_args,
+          help="Hugging Face Trainer's arguments (--training-args FILE.json|.yaml): a transformers.TrainingArguments, "
+               "a dict of its arguments or such a file. They set the batch (per_device_train_batch_size), "
+               "accumulation, precision (bf16/fp16: autocast over the weights as loaded; give weight_dtype bf16 for "
+               "a model loaded in bf16), checkpointing and the optimizer with its implementation (optim), and the "
+               "trainer loop; an option given with a value other than its default replaces theirs."),
     Field("time", _switch, False, flag="--time", sets=("record_costs",),
           searched="time its answer with memcalc.step_time(result.report)",
           help="Also estimate the step time on --gpu: samples/s and tokens/s beside the memory."),
@@ -314,20 +331,82 @@ def build_step(model: Any = None, /, **values: Any) -> Step:
     unknown = [name for name in values if name not in FIELDS]
     if unknown:
         raise InvalidInputError(f"unknown step option {unknown[0]!r}", hint=f"The options: {', '.join(FIELDS)}.")
+    optimizer_given = values.get("optimizer") is not None  # by the user, not by the Trainer's arguments
+    values = _with_trainer_args(values)
     gpu, capacity, note = _local_gpu(values.get("gpu"), values.get("capacity"), values.get("stack"))
     given = {**values, "gpu": gpu, "capacity": capacity}
     converted: dict[str, Any] = {}
     for field in _FIELDS:
         value = field.convert(given.get(field.name, field.default), field)
         converted.update(zip(field.attributes, value if len(field.attributes) > 1 else (value,), strict=True))
-    step = Step(model=model, resolver=resolve, notes=() if note is None else (note,), **converted)
-    _check_combinations(step, optimizer_given=values.get("optimizer") is not None)
+    trainer: TrainerArguments | None = converted["trainer_args"]
+    notes = (*(() if note is None else (note,)), *(() if trainer is None else (trainer.describe(),)))
+    step = Step(model=model, resolver=resolve, notes=notes, **converted)
+    _check_combinations(step, optimizer_given=optimizer_given)
     # the stack, resolved once: concrete versions, and the GPU's context under them
     versions = resolve_stack(step.stack)
     step = replace(step, stack=versions.core, gpu=versions.apply(step.gpu))
     if step.capacity is None and step.gpu_named:
         step = replace(step, capacity=step.gpu.usable_memory)
     return step
+
+
+def _given(values: Mapping[str, Any], name: str) -> bool:
+    """Whether the user gave option ``name`` a value of their own: one other than its default
+    (an option at its default, given or not, takes the Trainer's arguments' value)."""
+    value = values.get(name)
+    default = FIELDS[name].default
+    if value is None:
+        return False
+    return default is None or not _equal(value, default)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Two option values alike, a string and its enum member included (``"fp32"``, ``Precision.FP32``)."""
+    plain = [x.value if isinstance(x, enum.Enum) else x for x in (a, b)]
+    return bool(plain[0] == plain[1])
+
+
+def _with_trainer_args(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the Trainer's arguments laid under them, for the trainer loop.
+
+    ``trainer_args`` (the user's TrainingArguments), or ``loop="trainer"`` alone (the installed
+    TrainingArguments' defaults: the optimizer and accumulation), set the options the user left
+    at their defaults (:func:`_given`); the options the user gave win, and the record says which
+    they replaced. The loop becomes the trainer preset, in the optimizer implementation the
+    ``optim`` argument implies unless the user chose another optimizer (which brings its own
+    implementation, ``auto`` by default) or the implementation.
+
+    Raises:
+        InapplicableOptionError: ``trainer_args`` beside a loop other than the trainer's.
+    """
+    args, loop_value = values.get("trainer_args"), values.get("loop")
+    loop = Loop.of(loop_value)
+    if args is None and loop.preset is not LoopPreset.TRAINER:
+        return values
+    if args is not None and loop_value is not None and loop.preset is not LoopPreset.TRAINER:
+        raise InapplicableOptionError(
+            f"trainer_args (--training-args) describe Hugging Face Trainer's loop; the loop is {loop.name}",
+            hint="Leave the loop out (the Trainer's arguments imply loop trainer), or give loop "
+                 "memcalc.Loop('trainer', ...).")
+    setup = read_training_args(args)
+    out = dict(values)
+    replaced = []
+    for name, value in setup.values.items():
+        mine = values.get("inputs") if name == "batch_size" and values.get("inputs") is not None else None
+        if mine is None and not _given(values, name):
+            out[name] = value
+        elif mine is not None or not _equal(values[name], value):
+            replaced.append(f"{name} (inputs)" if mine is not None else name)
+    theirs = setup.values["optimizer"]
+    if not _given(values, "optimizer") or _equal(values["optimizer"], theirs):  # their optimizer, their implementation
+        if loop.optimizer_impl is OptimizerImpl.AUTO:
+            loop = replace(loop, optimizer_impl=setup.optimizer_impl)
+        elif loop.optimizer_impl is not setup.optimizer_impl:
+            replaced.append("optimizer_impl")
+    out["loop"] = replace(loop, body=LoopPreset.TRAINER)
+    out["trainer_args"] = replace(setup.record, overridden=tuple(replaced))
+    return out
 
 
 def check_keywords(function: str, keywords: Mapping[str, Any], own: Sequence[str] = ()) -> None:
@@ -365,6 +444,9 @@ def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
                                       hint="e.g. --mode inference --kv-cache 256")
     if mode is Mode.TRAIN:
         return
+    if step.trainer_args is not None and not step.trainer_args.defaults_only:
+        raise InapplicableOptionError(f"trainer_args (--training-args) describe a training run (mode train); "
+                                      f"the mode is {mode.value}", hint="Leave them out, or give mode train.")
     if optimizer_given and step.optimizer_key is not Optimizer.NONE:
         raise InapplicableOptionError(f"optimizer (--optim) applies to training (mode train); a mode "
                                       f"{mode.value} step runs no optimizer", hint="Leave the optimizer out.")

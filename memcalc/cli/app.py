@@ -147,7 +147,7 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         loader = DataLoaderSetup.parse(data_loader or "", sample_load_ms=sample_load_ms)
         timed = True  # the loader is judged against the step time (api.estimate refuses an untimeable GPU first)
     with quiet():  # the step is built once: the estimate and the measurement run the same one
-        step = build_step(source, batch_size=batch, time=timed, **keywords)
+        step = build_step(source, batch_size=_batch(batch, keywords), time=timed, **keywords)
         report = api.estimate_step(step, distributed)
     if measure:
         report = attach_measurement(report, step, device=None if local is None else local.device)
@@ -173,6 +173,12 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         click.echo(render_report(report, fmt=fmt, unit=units, module_depth=depth), nl=False)
         if advice is not None:
             click.echo(f"\n{render_loader(advice, unit=units)}")
+
+
+def _batch(batch: int, keywords: dict[str, Any]) -> int | None:
+    """``--batch``, unless it was left at its default beside ``--training-args``, whose
+    ``per_device_train_batch_size`` is then the batch."""
+    return batch if given("batch") or "trainer_args" not in keywords else None
 
 
 def _local_gpu(gpu: str | None, device: str | None, measure: bool) -> LocalGpu | None:

@@ -57,7 +57,8 @@ def compare_command(snapshot: str, model: str, batch: int, optim: str, precision
     step = dict(optimizer=optim if given("optim") else None, precision=precision, gpu=gpu,
                 **step_arguments(options), **setup_arguments(options))
     with quiet():
-        report = api.estimate(source, batch_size=batch, **step)
+        report = api.estimate(source, batch_size=batch if given("batch") or "trainer_args" not in step else None,
+                              **step)
     comparison = compare_snapshot(real, report)
     if fmt == "json":
         click.echo(render_json(comparison.to_dict()))

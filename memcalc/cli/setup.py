@@ -1,8 +1,9 @@
 """The options that describe the user's setup rather than the step's shape: the training loop
-(``--loop``, ``--keep-grads``, ``--optim-impl``), the software stack (``--torch-version``,
+(``--loop``, ``--keep-grads``, ``--optim-impl``, ``--training-args``), the software stack (``--torch-version``,
 ``--cuda-version``, ``--context-mib``) and fine-tuning (``--freeze``, ``--lora*``,
 ``--quant``, ``--double-quant``). Each group becomes one object of the API
-(:class:`memcalc.Loop`, :class:`memcalc.Stack`, :class:`memcalc.FineTune`)."""
+(:class:`memcalc.Loop`, :class:`memcalc.Stack`, :class:`memcalc.FineTune`); ``--training-args``
+is :func:`memcalc.estimate`'s ``trainer_args``."""
 
 from __future__ import annotations
 
@@ -19,22 +20,34 @@ from memcalc.sources.user_code import load_function
 __all__ = ("SETUP_PARAMETERS", "setup_arguments", "setup_options")
 
 #: The command parameters :func:`setup_options` adds (popped by :func:`setup_arguments`).
-SETUP_PARAMETERS = ("loop", "keep_grads", "optim_impl", "torch_version", "cuda_version", "context_mib", "freeze",
-                    "lora", "lora_alpha", "lora_dropout", "lora_targets", "quant", "double_quant")
+SETUP_PARAMETERS = ("loop", "keep_grads", "optim_impl", "training_args", "torch_version", "cuda_version",
+                    "context_mib", "freeze", "lora", "lora_alpha", "lora_dropout", "lora_targets", "quant",
+                    "double_quant")
 
 
 def setup_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--loop``, ``--keep-grads``, ``--optim-impl``, the stack and the fine-tuning options."""
+    """``--loop``, ``--keep-grads``, ``--optim-impl``, ``--training-args``, the stack and the
+    fine-tuning options."""
     presets = ", ".join(p.value for p in LoopPreset)
     options = [
         click.option("--loop", default=None, metavar="NAME|FILE.py:FN",
                      help=f"The training loop: a preset ({presets}; default minimal) or your own "
-                          "fn(model, optimizer, batches) in a file or module (README, \"Which loop?\")."),
+                          "fn(model, optimizer, batches) in a file or module (README, \"Which loop?\"). trainer: "
+                          "Hugging Face Trainer's loop, with the optim (--optim and --optim-impl) and accumulation "
+                          "of the installed transformers' TrainingArguments defaults unless you give them."),
         click.option("--keep-grads", is_flag=True,
                      help="zero_grad(set_to_none=False): gradients stay allocated for the whole run."),
         click.option("--optim-impl", type=click.Choice([i.value for i in OptimizerImpl]), default=None,
                      help="torch.optim implementation (default auto: what the installed torch picks for the "
                           "target's parameters)."),
+        click.option("--training-args", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                     help="Hugging Face TrainingArguments in a .json file (as TrainingArguments.to_json_string() "
+                          "writes it) or a .yaml one (needs PyYAML), with --loop trainer: they set --batch "
+                          "(per_device_train_batch_size), --accum-steps, --precision (bf16/fp16: autocast over the "
+                          "weights as loaded; add --weight-dtype bf16 for a model loaded in bf16), --checkpoint, "
+                          "--optim and --optim-impl (optim), --gpu cpu (use_cpu). An option you give with a value "
+                          "other than its default replaces the file's. Arguments that change memory in ways memcalc "
+                          "does not model (torch_compile, deepspeed, fsdp, evaluation, ...) are refused."),
         click.option("--torch-version", default=None, metavar="X.Y",
                      help="The PyTorch whose kernels are modelled (default: the installed one)."),
         click.option("--cuda-version", default=None, metavar="X.Y",
@@ -62,12 +75,16 @@ def setup_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def setup_arguments(params: dict[str, Any]) -> dict[str, Any]:
     """Pop :func:`setup_options`' values from a command's ``params`` and return them as
-    :func:`memcalc.estimate` keywords (``loop``, ``stack``, ``finetune``; absent when default)."""
+    :func:`memcalc.estimate` keywords (``loop``, ``trainer_args``, ``stack``, ``finetune``;
+    absent when default)."""
     values = {name: params.pop(name, None) for name in SETUP_PARAMETERS}
     out: dict[str, Any] = {}
+    if values["training_args"] is not None:
+        out["trainer_args"] = values["training_args"]
     loop_spec = values["loop"]
     if loop_spec is not None or values["keep_grads"] or values["optim_impl"] is not None:
-        body: Any = LoopPreset.MINIMAL
+        # the Trainer's arguments imply its loop: --keep-grads or --optim-impl alone then modify it
+        body: Any = LoopPreset.MINIMAL if values["training_args"] is None else LoopPreset.TRAINER
         if loop_spec is not None:
             body = load_function(loop_spec) if ":" in loop_spec else loop_spec
         out["loop"] = Loop(body=body, keep_grads=bool(values["keep_grads"]),

@@ -31,7 +31,7 @@ class LoopPreset(str, enum.Enum):
 
     MINIMAL = "minimal"  # forward → loss → backward (output dropped) → step → zero_grad(set_to_none)
     TUTORIAL = "tutorial"  # PyTorch quickstart: pred and loss stay alive until rebound
-    TRAINER = "trainer"  # Hugging Face Trainer: outputs dropped, clip_grad_norm_(1.0), step, zero_grad
+    TRAINER = "trainer"  # Hugging Face Trainer: outputs dropped, clip_grad_norm_, step, zero_grad
     ZERO_GRAD_LATE = "zero-grad-late"  # zero_grad() between forward and backward
 
 

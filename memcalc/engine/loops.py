@@ -114,10 +114,14 @@ def zero_grad_late(model: nn.Module, optimizer: Optimizer, batches: Batches, ste
 
 
 def trainer(model: nn.Module, optimizer: Optimizer, batches: Batches, step: StepKit) -> None:
-    """Hugging Face ``Trainer._inner_training_loop`` (transformers 5.23, trainer.py): the
+    """Hugging Face ``Trainer._inner_training_loop`` (transformers 5.24, trainer.py): the
     micro-batches of one update are drawn first (``get_batch_samples``), each goes through
-    :func:`_training_step`, then the gradients are clipped to norm 1.0 (``max_grad_norm``),
-    the optimizer steps and ``model.zero_grad()`` frees them."""
+    :func:`_training_step`, then the gradients' norm is taken and they are clipped, the
+    optimizer steps and ``model.zero_grad()`` frees them.
+
+    The norm is taken whatever ``max_grad_norm`` is: above 0 ``_clip_grad_norm`` clips to it,
+    at 0 ``_get_grad_norm`` calls the same ``clip_grad_norm_`` with ``max_norm=inf`` (the
+    clip's multiply then scales by 1, in place), so the step allocates the same either way."""
     epoch_iterator = iter(batches)
     tr_loss = torch.zeros((), device=_device(model))                  # self._tr_loss = torch.tensor(0.0)
     while batch_samples := _get_batch_samples(epoch_iterator, step.accum_steps):
@@ -126,7 +130,7 @@ def trainer(model: nn.Module, optimizer: Optimizer, batches: Batches, step: Step
             tr_loss += tr_loss_step                                     # self._tr_loss += tr_loss_step
         _grad_norm = None                                               # (logged, alive until here)
         step.unscale_(optimizer)                                        # accelerator.clip_grad_norm_ unscales,
-        _grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # then clips: max_grad_norm 1.0
+        _grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # then clips (max_grad_norm; inf at 0)
         step.optimizer_step(optimizer)                                  # self.optimizer.step()
         model.zero_grad(set_to_none=not step.keep_grads)                # model.zero_grad()
 

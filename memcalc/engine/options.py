@@ -24,6 +24,7 @@ from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice, LossFn
 from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.stack import Stack
+from memcalc.core.trainer import TrainerArguments
 from memcalc.engine.model import InputsLike, ModelResolver, ResolvedModel
 from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
 
@@ -63,6 +64,9 @@ class Step:
         capacity: bytes the caching allocator may reserve (None: no limit).
         loop, stack, finetune: the training loop, the torch/CUDA versions (resolved: concrete
             versions), frozen parameters, adapters and a quantized base.
+        trainer_args: what the Hugging Face Trainer's arguments set (the user's, or the
+            installed defaults for the trainer loop), already laid into the options above;
+            None for another loop.
         record_costs: record every kernel's FLOPs and bytes while tracing, for a step time
             (:mod:`memcalc.timing.flops`): only when a time is asked for, since it adds 10–26%
             to an estimate. The memory figures do not depend on it.
@@ -94,6 +98,7 @@ class Step:
     loop: Loop = field(default_factory=Loop)
     stack: Stack = field(default_factory=Stack)
     finetune: FineTune = field(default_factory=FineTune)
+    trainer_args: TrainerArguments | None = None
     record_costs: bool = False
     notes: tuple[str, ...] = ()
     resolver: ModelResolver | None = field(default=None, compare=False, repr=False)

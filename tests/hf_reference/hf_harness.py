@@ -194,16 +194,25 @@ def _dataset(recipe: Recipe) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def trainer_peak(recipe: Recipe, output_dir: Path) -> int:
-    """The real peak of ``Trainer.train()`` for two optimizer steps on the CPU (module docstring)."""
+def training_args(recipe: Recipe, output_dir: Path, **more: Any) -> Any:
+    """The ``TrainingArguments`` of the recipe's run: two optimizer steps on the CPU, nothing
+    logged or saved, and ``more`` (an ``optim``, a ``max_grad_norm``, ...)."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir), use_cpu=True, per_device_train_batch_size=recipe.batch, max_steps=2,
+        bf16=recipe.bf16, activation_checkpointing=recipe.checkpointing,
+        gradient_accumulation_steps=recipe.accumulation, report_to="none", save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0, **more)
+
+
+def trainer_peak(recipe: Recipe, output_dir: Path, args: Any = None) -> int:
+    """The real peak of ``Trainer.train()`` for two optimizer steps on the CPU (module docstring),
+    with ``args`` (None: :func:`training_args`)."""
     import transformers
 
     model = _real_model(recipe)
-    args = transformers.TrainingArguments(
-        output_dir=str(output_dir), use_cpu=True, per_device_train_batch_size=recipe.batch, max_steps=2,
-        bf16=recipe.bf16, gradient_checkpointing=recipe.checkpointing,
-        gradient_accumulation_steps=recipe.accumulation, report_to="none", save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    args = training_args(recipe, output_dir) if args is None else args
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_dataset(recipe))
     existing = storage_bytes([*model.parameters(), *model.buffers()])
     return profiled_peak(existing, trainer.train)

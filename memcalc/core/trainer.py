@@ -1,0 +1,48 @@
+"""What a step took from Hugging Face ``TrainingArguments``: :class:`TrainerArguments`.
+
+``memcalc.estimate(..., trainer_args=TrainingArguments(...))`` (CLI ``--training-args FILE``)
+and ``loop="trainer"`` read the Trainer's arguments — the user's, or the installed class's
+defaults — into the step's own options (the batch, the accumulation, the precision,
+checkpointing, the optimizer and its implementation). :mod:`memcalc.stacks.transformers.training_args`
+reads them; this record keeps what it read, so that the report can say where each value came
+from. It is vocabulary only: it imports nothing of transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ("TrainerArguments",)
+
+
+@dataclass(frozen=True)
+class TrainerArguments:
+    """The Trainer's arguments a step was built from, as memcalc read them.
+
+    Attributes:
+        source: where they came from: ``"your TrainingArguments (transformers 5.24.0)"``, a file's
+            path, or ``"the TrainingArguments defaults of transformers 5.24.0"`` (``loop="trainer"``
+            alone).
+        read: ``(argument, what it became)`` for every argument that decides the step, e.g.
+            ``("optim", "adamw_torch_fused → optimizer adamw, fused")``.
+        overridden: the step options given beside the arguments, which replaced theirs.
+        unknown: arguments set away from their defaults that memcalc did not read: the installed
+            class has them but memcalc knows nothing of them (a newer transformers), or the class
+            lacks them (a subclass's own, an older transformers').
+        defaults_only: the installed class's defaults, for ``loop="trainer"`` given alone.
+    """
+
+    source: str
+    read: tuple[tuple[str, str], ...] = ()
+    overridden: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+    defaults_only: bool = False
+
+    def describe(self) -> str:
+        """One line for the report's notes."""
+        text = f"loop trainer with {self.source}: " + "; ".join(f"{name} {became}" for name, became in self.read)
+        if self.overridden:
+            text += f"; replaced by your options: {', '.join(self.overridden)}"
+        if self.unknown:
+            text += f"; not read (memcalc does not know them): {', '.join(self.unknown)}"
+        return text
