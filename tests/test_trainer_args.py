@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ from memcalc.stacks.transformers.training_args import IGNORED, MAPPED, REFUSED
 
 transformers = pytest.importorskip("transformers")
 
-GOLDEN = Path(__file__).parent / "golden"
 FIXTURES = Path(__file__).parent / "fixtures"
 #: The transformers the golden file was recorded with (its note names the version).
 GOLDEN_TRANSFORMERS = "5.24.0"
@@ -320,24 +318,14 @@ def _run(*args: str) -> Any:
     return CliRunner().invoke(main, list(args), catch_exceptions=True)
 
 
-def _golden(name: str, text: str) -> None:
-    """As tests/test_cli.py's golden files (MEMCALC_REGEN_GOLDEN=1 rewrites them); the note names
-    the installed transformers, read as the one the file was recorded with."""
-    path = GOLDEN / name
-    text = text.replace(f"transformers {transformers.__version__}", f"transformers {GOLDEN_TRANSFORMERS}")
-    if os.environ.get("MEMCALC_REGEN_GOLDEN"):
-        path.write_text(text)
-    assert path.exists(), f"missing golden file {path}; run with MEMCALC_REGEN_GOLDEN=1"
-    assert text == path.read_text()
-
-
-def test_cli_training_args_golden(monkeypatch):
+def test_cli_training_args(monkeypatch, golden):
     # the file sets the batch (16), accumulation (2) and optim adamw_torch (AdamW, foreach on CUDA);
     # logging, saving and the learning rate change nothing allocated
     monkeypatch.chdir(FIXTURES)
     result = _run("mlp", "--training-args", "trainer_args.json")
     assert result.exit_code == 0, result.output
-    _golden("mlp_training_args.out", result.output)
+    # the note names the installed transformers: read as the one the file was recorded with
+    golden(result.output.replace(f"transformers {transformers.__version__}", f"transformers {GOLDEN_TRANSFORMERS}"))
     assert "memcalc: mlp, batch 16, training step, optimizer adamw (foreach), 2 accumulation steps" in result.output
 
 
