@@ -19,7 +19,7 @@ from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.model import InputsLike
 from memcalc.engine.options import EstimateOptions
 from memcalc.engine.run import TracedStep, build_report
-from memcalc.sources.adapters import apply_finetune
+from memcalc.sources.adapters import apply_finetune, step_precision
 from memcalc.sources.resolve import resolve
 
 __all__ = ("CostsOnRequest", "EstimateRequest", "run_estimate")
@@ -63,7 +63,10 @@ def run_estimate(request: EstimateRequest, on_trace: Callable[[TracedStep], None
     else:
         resolved = resolve(request.model, batch_size=request.batch_size, input_shape=request.input_shape,
                            seq_len=request.seq_len, inputs=request.inputs)
-        resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode)
+        resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode,
+                                  checkpoint=options.checkpoint)
+        options = replace(options, precision=step_precision(resolved, options.finetune, options.precision,
+                                                            options.mode))
         traced = trace_step(resolved, options)
         if on_trace is not None:
             on_trace(traced)

@@ -44,7 +44,7 @@ from memcalc.engine.options import EstimateOptions
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
-from memcalc.sources.adapters import apply_finetune
+from memcalc.sources.adapters import apply_finetune, step_precision
 from memcalc.sources.resolve import resolve
 
 __all__ = ("estimate_per_rank", "refuse_finetune")
@@ -215,7 +215,8 @@ def refuse_finetune(strategy: Strategy, finetune: FineTune) -> None:
 def _finetuned(resolved: ResolvedModel, strategy: Strategy, options: EstimateOptions,
                trace_precision: Precision) -> ResolvedModel:
     """One role's model with the fine-tuning applied, ready for its program to wrap."""
-    resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode)
+    resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode,
+                              checkpoint=options.checkpoint)
     module = resolved.module
     if strategy is Strategy.DDP and not any(p.requires_grad for p in module.parameters()):
         # DistributedDataParallel.__init__ raises the same (_log_and_throw, RuntimeError)
@@ -264,7 +265,8 @@ def estimate_per_rank(model: Any, *, distributed: Distributed, options: Estimate
         resolved = _finetuned(resolved, distributed.strategy, options, trace_precision)
         program = role.program(resolved)
         spec = options.optimizer if role.optimizer else spec_for(Optimizer.NONE)
-        traced_options = replace(options, precision=trace_precision, optimizer=program.optimizer_spec(spec),
+        precision = step_precision(resolved, options.finetune, trace_precision, options.mode)  # a QLoRA recipe's
+        traced_options = replace(options, precision=precision, optimizer=program.optimizer_spec(spec),
                                  loss_fn=role.loss_fn or options.loss_fn)
         traced = trace_step(resolved, traced_options, hooks=program)
         if role.loss_text is not None:
