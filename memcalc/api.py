@@ -74,6 +74,7 @@ def estimate(
     stack: Stack | None = None,
     finetune: FineTune | None = None,
     time: bool = False,
+    new_tokens: int | None = None,
 ) -> MemoryReport:
     """Estimate the GPU memory of one training (or eval / inference) step of ``model``.
 
@@ -94,7 +95,9 @@ def estimate(
         optimizer: ``sgd``, ``sgd-momentum``, ``adam`` (None: the default), ``adamw``,
             ``rmsprop``, ``adagrad`` or ``none``; its state comes from the real ``torch.optim``
             class. Training only: an eval or inference step refuses one (``none`` aside).
-        mode: ``train``, ``eval`` (forward under ``no_grad``) or ``inference``.
+        mode: ``train``, ``eval`` (forward under ``no_grad``), ``inference`` or ``generate``
+            (the model's own ``generate(prompt, max_new_tokens=new_tokens)``: a Hugging Face causal
+            LM; ``seq_len`` is the prompt's length).
         loss: ``auto`` (the default), ``cross-entropy``, ``lm-cross-entropy``, ``mean``,
             ``mse``, or your own ``loss(output) -> scalar`` (simulated too). Training only.
         precision: ``fp32``, ``amp-fp16``, ``amp-bf16`` (CUDA autocast, emulated op by op),
@@ -124,6 +127,9 @@ def estimate(
             ``report.time`` (:func:`memcalc.step_time`). Every kernel's FLOPs and bytes are then
             recorded while the step is traced, which costs 10–26% more; without it they are
             recorded only if :func:`memcalc.step_time` is called on the report (one more trace).
+        new_tokens: ``mode="generate"``: the tokens generated after the prompt (the peak is that of
+            the whole call: ``report.peak_phase`` is ``prefill`` or ``decode``, ``report.peak_step``
+            the decode step).
 
     Returns:
         A :class:`MemoryReport`: the breakdown at the peak, where it happens, the textbook
@@ -138,7 +144,7 @@ def estimate(
     request = make_request(model, batch_size=batch_size, input_shape=input_shape, inputs=inputs, seq_len=seq_len,
                            optimizer=optimizer, mode=mode, loss=loss, precision=precision, gpu=gpu,
                            checkpoint=checkpoint, accum_steps=accum_steps, kv_cache=kv_cache, capacity=capacity,
-                           distributed=distributed, loop=loop, stack=stack, finetune=finetune)
+                           distributed=distributed, loop=loop, stack=stack, finetune=finetune, new_tokens=new_tokens)
     if not isinstance(time, bool):
         raise InvalidInputError(f"time must be True or False, got {time!r}")
     if time:
@@ -156,13 +162,13 @@ def make_request(model: Any, *, batch_size: int | None = None, input_shape: Sequ
                  precision: Precision | str = Precision.FP32, gpu: GpuLike = None, checkpoint: bool = False,
                  accum_steps: int = 1, kv_cache: int | None = None, capacity: int | str | None = None,
                  distributed: Distributed | None = None, loop: LoopLike = None, stack: Stack | None = None,
-                 finetune: FineTune | None = None) -> EstimateRequest:
+                 finetune: FineTune | None = None, new_tokens: int | None = None) -> EstimateRequest:
     """:func:`estimate`'s arguments, validated into an :class:`EstimateRequest`.
 
     Args:
         model, batch_size, input_shape, inputs, seq_len, optimizer, mode, loss, precision, gpu,
-            checkpoint, accum_steps, kv_cache, capacity, distributed, loop, stack, finetune: as
-            for :func:`estimate`.
+            checkpoint, accum_steps, kv_cache, capacity, distributed, loop, stack, finetune,
+            new_tokens: as for :func:`estimate`.
 
     Returns:
         The request, with the capacity of the named GPU when none is given.
@@ -181,7 +187,7 @@ def make_request(model: Any, *, batch_size: int | None = None, input_shape: Sequ
     options = EstimateOptions.create(optimizer=Optimizer.ADAM if optimizer is None else optimizer, mode=mode,
                                      precision=precision, gpu=profile, loss=loss_choice, loss_fn=loss_fn,
                                      accum_steps=accum_steps, checkpoint=checkpoint, kv_cache=kv_cache, target=target,
-                                     loop=loop, stack=stack, finetune=finetune)
+                                     loop=loop, stack=stack, finetune=finetune, new_tokens=new_tokens)
     # the stack, resolved once: concrete versions, and the GPU's context under them
     versions = resolve_stack(options.stack)
     options = replace(options, stack=versions.core, gpu=versions.apply(options.gpu))
@@ -378,7 +384,7 @@ def sweep(
 
 #: The arguments of estimate() that max_batch_size() and sweep() pass on (``**estimate_options``).
 _ESTIMATE_OPTIONS = ("input_shape", "seq_len", "mode", "loss", "checkpoint", "accum_steps", "kv_cache", "distributed",
-                     "loop", "stack", "finetune")
+                     "loop", "stack", "finetune", "new_tokens")
 #: estimate() arguments a search sets itself, or takes under another name.
 _SEARCH_SETS = {"batch_size": "the search sets the batch size", "capacity": "the budget is the capacity",
                 "inputs": "the search makes inputs at each batch size: give input_shape or seq_len",

@@ -4,7 +4,7 @@ names, files, hubs and the zoo is :mod:`memcalc.sources`)."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, overload
 
@@ -15,7 +15,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.trace import tensors_of
 
-__all__ = ("InputsLike", "LabelsMaker", "ModelInputs", "ResolvedModel", "bind_inputs")
+__all__ = ("GenerateFn", "InputsLike", "LabelsMaker", "ModelInputs", "ResolvedModel", "bind_inputs")
 
 #: What a user may give as a model's inputs: a tensor, a sequence of positional arguments, or a
 #: mapping — keyword arguments (``model(**batch)``, a Hugging Face batch) or the forward's one
@@ -25,6 +25,11 @@ InputsLike: TypeAlias = "torch.Tensor | Sequence[Any] | Mapping[str, Any]"
 #: The labels a model computes its own loss from, made from a batch's inputs (on their device)
 #: and passed as keyword arguments (a Hugging Face head's: :mod:`memcalc.sources.hf_heads`).
 LabelsMaker: TypeAlias = "Callable[[ModelInputs], dict[str, torch.Tensor]]"
+#: A model's own generation run on meta: ``(module, prompt, new_tokens, mark_cache) -> sequences``,
+#: telling ``mark_cache`` the tensors of its KV cache after each forward (a Hugging Face causal
+#: LM's ``generate()``: :mod:`memcalc.sources.hf_generate`).
+GenerateFn: TypeAlias = (
+    "Callable[[nn.Module, ModelInputs, int, Callable[[Iterable[torch.Tensor]], None]], torch.Tensor]")
 
 
 class ModelInputs(Sequence[torch.Tensor]):
@@ -111,6 +116,8 @@ class ResolvedModel:
     #: The labels a training step adds to the batch when the user chose no loss, so that the model
     #: computes its own (``output.loss``, as ``Trainer.compute_loss`` trains); None: memcalc's loss.
     labels: LabelsMaker | None = None
+    #: How the model generates tokens (``mode="generate"``); None: it has no generate() memcalc runs.
+    generate: GenerateFn | None = None
 
     def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
         """``inputs`` (this model's, on any device) as the step passes them: with the labels of

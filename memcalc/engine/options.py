@@ -47,6 +47,8 @@ class EstimateOptions:
     loop: Loop = field(default_factory=Loop)
     stack: Stack = field(default_factory=Stack)
     finetune: FineTune = field(default_factory=FineTune)
+    #: Tokens ``generate()`` makes after the prompt (mode generate only; None otherwise).
+    new_tokens: int | None = None
     #: Record every kernel's FLOPs and bytes while tracing (memcalc.engine.flops), for a step
     #: time: only when a time is asked for, since it adds 10–26% to an estimate. The memory
     #: figures do not depend on it.
@@ -57,7 +59,8 @@ class EstimateOptions:
                gpu: GpuProfile | None = None,
                loss: Any = None, loss_fn: LossFn | None = None, accum_steps: int = 1, checkpoint: bool = False,
                kv_cache: int | None = None, target: str = Target.CUDA, loop: Any = None,
-               stack: Stack | None = None, finetune: FineTune | None = None) -> EstimateOptions:
+               stack: Stack | None = None, finetune: FineTune | None = None,
+               new_tokens: int | None = None) -> EstimateOptions:
         """Validate and convert the user's values (strings or enums).
 
         Args:
@@ -74,6 +77,7 @@ class EstimateOptions:
             loop: a :class:`~memcalc.core.loop.Loop`, a preset name or a loop function (None: minimal).
             stack: the torch/CUDA versions assumed (None: the installed torch).
             finetune: frozen parameters, adapters, a quantized base (None: everything trains).
+            new_tokens: mode generate: the tokens ``generate()`` makes after the prompt (``max_new_tokens``).
 
         Returns:
             The options.
@@ -96,6 +100,7 @@ class EstimateOptions:
         if kv_cache is not None and (not _is_int(kv_cache) or kv_cache < 0):
             raise InvalidInputError(f"kv_cache (--kv-cache) is a number of tokens to generate, ≥ 0; got {kv_cache!r}",
                                     hint="e.g. --mode inference --kv-cache 256")
+        _check_generation(mode_, new_tokens, kv_cache)
         if kv_cache is not None and mode_ is not Mode.INFERENCE:
             # eval runs the forward under no_grad without a cache: the tokens would be ignored
             raise InapplicableOptionError(f"kv_cache (--kv-cache) needs mode inference; the mode is {mode_.value}",
@@ -121,7 +126,7 @@ class EstimateOptions:
         return cls(optimizer=spec, mode=mode_, precision=precision_, gpu=profile, gpu_named=named,
                    loss=None if loss is None else parse_choice(LossChoice, loss, "loss"), loss_fn=loss_fn,
                    accum_steps=int(accum_steps), checkpoint=bool(checkpoint), kv_cache=kv_cache, target=target,
-                   loop=loop_, stack=stack or Stack(), finetune=finetune or FineTune())
+                   loop=loop_, stack=stack or Stack(), finetune=finetune or FineTune(), new_tokens=new_tokens)
 
     @property
     def optimizer_key(self) -> Optimizer:
@@ -141,6 +146,25 @@ class EstimateOptions:
                     f"native bf16: PyTorch falls back to slow emulated kernels and the math attention path; "
                     f"use amp-fp16 or fp16 on this GPU")
         return None
+
+
+def _check_generation(mode: Mode, new_tokens: int | None, kv_cache: int | None) -> None:
+    """``new_tokens`` goes with mode generate, and mode generate with it; generate() keeps its
+    own cache, so a static one (``kv_cache``) does not apply to it."""
+    if mode is Mode.GENERATE and new_tokens is None:
+        raise InvalidInputError("mode generate needs the number of tokens to generate (new_tokens, --new-tokens)",
+                                hint="e.g. --mode generate --seq-len 512 --new-tokens 128: a 512-token prompt, "
+                                     "128 new tokens")
+    if new_tokens is not None and (not _is_int(new_tokens) or new_tokens < 1):
+        raise InvalidInputError(f"new_tokens (--new-tokens) is a number of tokens to generate, ≥ 1; got {new_tokens!r}")
+    if kv_cache is not None and mode is Mode.GENERATE:
+        raise InapplicableOptionError(
+            "kv_cache (--kv-cache) is the static cache of one inference forward; mode generate follows the cache "
+            "generate() keeps itself (a DynamicCache growing by one token per step)",
+            hint="Drop --kv-cache: --new-tokens says how many tokens generate() makes.")
+    if new_tokens is not None and mode is not Mode.GENERATE:
+        raise InapplicableOptionError(f"new_tokens (--new-tokens) needs mode generate; the mode is {mode.value}",
+                                      hint="e.g. --mode generate --new-tokens 128")
 
 
 def _is_int(value: object) -> bool:

@@ -18,15 +18,22 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Category, Mode, Phase
-from memcalc.core.errors import DataDependentError, InvalidInputError, MemcalcError, SymbolicExecutionError
+from memcalc.core.errors import (
+    DataDependentError,
+    InapplicableOptionError,
+    InvalidInputError,
+    MemcalcError,
+    SymbolicExecutionError,
+)
 from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
 from memcalc.engine.backend import PlainBackend, StepBackend
 from memcalc.engine.flops import OpCost, OpCostRecorder, StepCosts, tokens_per_step
+from memcalc.engine.generation import decode_step_at, run_generation
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
-from memcalc.engine.model import ModelInputs, ResolvedModel
+from memcalc.engine.model import GenerateFn, ModelInputs, ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.optimizers_bnb import is_paged
 from memcalc.engine.options import EstimateOptions
@@ -104,6 +111,11 @@ class _TracerObserver:
                     self.state_uids.add(uid)
                     if self.unified_memory and is_paged(value):
                         self.paged_uids.add(uid)
+
+    def kv_cache(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            if tensor.device.type == self.tracer.device_type:
+                self.tracer.track(tensor, Category.KV_CACHE)
 
     def finished(self) -> None:
         self.tracer.stop()
@@ -188,10 +200,16 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         scaler_factory=backend.grad_scaler if options.mode is Mode.TRAIN else None,
         model_loss=own_loss, amp=options.precision.is_amp,
     )
+    generate = _generation_of(resolved, options)
     try:
         with tracer, backend.mode():
-            outcome = run_step(module, inputs, config, observer) if tracing is None else \
-                run_loop(module, inputs, config, options.loop, tracing)
+            if generate is not None:
+                assert options.new_tokens is not None  # EstimateOptions.create checked it
+                outcome = run_generation(module, inputs, config, generate, options.new_tokens, observer)
+            elif tracing is None:
+                outcome = run_step(module, inputs, config, observer)
+            else:
+                outcome = run_loop(module, inputs, config, options.loop, tracing)
     except DataDependentError as exc:
         if tracing is not None:
             tracing.explain(exc, options.loop.name)
@@ -241,6 +259,23 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
         if options.loop.preset is None:
             traced.loss = f"computed by the loop ({options.loop.name})"
     return traced
+
+
+def _generation_of(resolved: ResolvedModel, options: EstimateOptions) -> GenerateFn | None:
+    """The model's own generation in mode generate (None in the other modes).
+
+    Raises:
+        InapplicableOptionError: mode generate for a model without a generate() memcalc runs.
+    """
+    if options.mode is not Mode.GENERATE:
+        return None
+    if resolved.generate is None:
+        raise InapplicableOptionError(
+            f"mode generate runs the model's own generate(); memcalc runs that of a Hugging Face causal language "
+            f"model, and {resolved.name} is not one",
+            hint="Give its Hugging Face config (hf:ORG/NAME or hf:path/to/config.json), or estimate one forward with "
+                 "a static KV cache: --mode inference --kv-cache TOKENS.")
+    return resolved.generate
 
 
 def _set_apart(trace: StepTrace, uids: set[int]) -> int:
@@ -348,6 +383,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
+    generating = mode is Mode.GENERATE
+    peak_step = decode_step_at(trace, trace.events.index(uid)) if generating and uid in trace.events else None
     notes = list(traced.notes)
     if (warning := options.precision_warning()) is not None:
         notes.append(warning)
@@ -391,6 +428,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: EstimateO
         cuda_version=(options.stack.cuda or "") if options.emulate_cuda else "",
         paged_optimizer_state=traced.paged_optimizer_state,
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
+        new_tokens=options.new_tokens,
+        peak_step=peak_step if has_peak else None,
         notes=tuple(notes),
         _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role),
         _costs=None if traced.op_costs is None else StepCosts(
@@ -468,7 +507,8 @@ def _forward_activations(traced: TracedStep) -> list[int]:
     cuBLAS handle's, a conv's) are born there too but are not what a module keeps."""
     trace = traced.trace
     return [uid for uid in range(len(trace.module))
-            if trace.phase[uid] is Phase.FORWARD and traced.categories[uid] is Category.ACTIVATIONS]
+            if trace.phase[uid].runs_forward and trace.phase[uid] is not Phase.LOSS
+            and traced.categories[uid] is Category.ACTIVATIONS]
 
 
 def _kept_for_backward(traced: TracedStep) -> dict[str, int]:

@@ -35,6 +35,7 @@ import torch
 
 from memcalc.api import CPU, estimate, make_request
 from memcalc.core.categories import Mode
+from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import Measurement, MemoryReport
 from memcalc.cuda.cpu import NOT_FOLLOWED
 from memcalc.engine.loops import run_loop
@@ -275,6 +276,12 @@ def measure(model: Any, *, batch_size: int | None = None, input_shape: Sequence[
     (optimizer, mode, precision...)."""
     request = make_request(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs,
                            **option_values)
+    if request.options.mode is Mode.GENERATE:
+        raise InapplicableOptionError(
+            "measuring mode generate is not implemented: the measurement runs memcalc's step program, and a "
+            "generate() call's end depends on the tokens it draws",
+            hint="Compare with a real model.generate(...) under torch.cuda.max_memory_allocated() or the CPU "
+                 "profiler (tests/hf_reference/test_generate.py does the latter).")
     resolved = resolve(model, batch_size=batch_size, input_shape=input_shape, seq_len=seq_len, inputs=inputs)
     use_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
     if use_cuda:
