@@ -115,3 +115,21 @@ def test_a_read_generate_does_not_have_is_named_not_guessed(tmp_path: Path, monk
             newread.check(torch.ones(3, device="meta"))
     finally:
         sys.modules.pop("newread", None)
+
+
+# ---- the command line ------------------------------------------------------------------------
+def test_cli_estimates_a_generation(tmp_path: Path):
+    import json
+
+    from click.testing import CliRunner
+
+    from memcalc.cli import main
+
+    args = [hf_config_source(tmp_path, SMALL_LLAMA), "--batch", "2", "--seq-len", "128", "--mode", "generate",
+            "--optim", "none"]
+    result = CliRunner().invoke(main, [*args, "--new-tokens", "4", "--gpu", "cpu", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data == _generate(tmp_path, 2, 128, 4, optimizer="none").to_dict()
+    refused = CliRunner().invoke(main, args)
+    assert refused.exit_code == 2 and "--new-tokens" in refused.output

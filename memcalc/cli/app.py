@@ -122,7 +122,8 @@ def main() -> None:
 @handle_errors
 def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: str | None, device: str | None,
                      input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
-                     accum_steps: int, kv_cache: int | None, loss: str | None, depth: int, measure: bool,
+                     accum_steps: int, kv_cache: int | None, new_tokens: int | None, loss: str | None, depth: int,
+                     measure: bool,
                      timeline_path: str | None, snapshot_path: str | None, timed: bool, data_loader: str | None,
                      sample_load_ms: float | None,
                      fmt: str, units: str, debug: bool, **multi_gpu: Any) -> None:
@@ -135,7 +136,7 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     source = attn_model(model, multi_gpu)  # an hf: model with --attn becomes a HuggingFace source
     step = dict(optimizer=optim if given("optim") else None, precision=precision,
                 **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                                 accum_steps=accum_steps, kv_cache=kv_cache, loss=loss),
+                                 accum_steps=accum_steps, kv_cache=kv_cache, new_tokens=new_tokens, loss=loss),
                 **setup_arguments(multi_gpu))
     distributed = strategy_arguments(measure=measure, **multi_gpu)
     if measure and "finetune" in step:

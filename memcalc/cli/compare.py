@@ -40,7 +40,8 @@ __all__ = ("compare_command",)
 @handle_errors
 def compare_command(snapshot: str, model: str, batch: int, optim: str, precision: str, gpu: str | None,
                     input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
-                    accum_steps: int, kv_cache: int | None, loss: str | None, fmt: str, units: str, debug: bool,
+                    accum_steps: int, kv_cache: int | None, new_tokens: int | None, loss: str | None, fmt: str,
+                    units: str, debug: bool,
                     **setup: Any) -> None:
     """Compare SNAPSHOT, a torch.cuda.memory._snapshot() pickle of a real run, with memcalc's
     estimate of MODEL's step in the same configuration (the options of memcalc estimate):
@@ -58,7 +59,7 @@ def compare_command(snapshot: str, model: str, batch: int, optim: str, precision
     source = attn_model(model, setup)
     step = dict(optimizer=optim if given("optim") else None, precision=precision, gpu=gpu,
                 **step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                                 accum_steps=accum_steps, kv_cache=kv_cache, loss=loss),
+                                 accum_steps=accum_steps, kv_cache=kv_cache, new_tokens=new_tokens, loss=loss),
                 **setup_arguments(setup))
     with quiet():
         report = api.estimate(source, batch_size=batch, **step)

@@ -77,7 +77,8 @@ class MarginType(click.ParamType[float]):
 @handle_errors
 def fit_command(model: str, gpu: str | None, budget: int | None, device: str | None, optim: str,
                 precision: str | None, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str,
-                checkpoint: bool, accum_steps: int, kv_cache: int | None, loss: str | None, margin: float | None,
+                checkpoint: bool, accum_steps: int, kv_cache: int | None, new_tokens: int | None, loss: str | None,
+                margin: float | None,
                 neighbours: int, timed: bool, objective: str, target_batch: int | None, fmt: str, units: str,
                 debug: bool, **multi_gpu: Any) -> None:
     """The largest batch of MODEL whose step fits a GPU, a budget or a local GPU (per GPU, with
@@ -93,7 +94,8 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
     source = attn_model(model, multi_gpu)  # an hf: model with --attn becomes a HuggingFace source
     where = budget_arguments(gpu, budget, device, required=True)
     step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                         accum_steps=accum_steps, kv_cache=kv_cache, loss=loss) | setup_arguments(multi_gpu)
+                         accum_steps=accum_steps, kv_cache=kv_cache, new_tokens=new_tokens,
+                         loss=loss) | setup_arguments(multi_gpu)
     distributed = strategy_arguments(**multi_gpu)
     if objective == "throughput":
         _fit_throughput(source, where, optim, precision, margin, target_batch, step | distributed, fmt, units)

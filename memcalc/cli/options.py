@@ -93,13 +93,17 @@ def step_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--mode", type=click.Choice([m.value for m in Mode]), default=Mode.TRAIN.value,
                      show_default=True,
                      help="train: forward, loss, backward, optimizer step; eval: forward under no_grad; "
-                          "inference: forward under inference_mode."),
+                          "inference: forward under inference_mode; generate: the model's own generate() of "
+                          "--new-tokens tokens after a --seq-len prompt (Hugging Face causal LMs)."),
         click.option("--checkpoint", is_flag=True, help="Activation checkpointing per block (zoo models with blocks)."),
         click.option("--accum-steps", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Gradient accumulation: micro-batches of --batch per optimizer step."),
         click.option("--kv-cache", type=click.IntRange(min=0), default=None, metavar="TOKENS",
                      help="With --mode inference: a KV cache for the prompt plus TOKENS generated tokens "
                           "(decoder language models)."),
+        click.option("--new-tokens", type=click.IntRange(min=1), default=None, metavar="TOKENS",
+                     help="With --mode generate: the tokens generate() makes after the prompt (max_new_tokens); "
+                          "the peak is that of the whole call, prefill or decode step."),
         click.option("--loss", type=click.Choice([c.value for c in LossChoice]), default=None,
                      help="Loss to train with (training only; default: the zoo entry's, else auto: cross-entropy "
                           "for (B, C) outputs, the output's mean otherwise)."),
@@ -118,13 +122,14 @@ def given(name: str) -> bool:
 
 
 def step_arguments(*, input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
-                   accum_steps: int, kv_cache: int | None, loss: str | None) -> dict[str, Any]:
+                   accum_steps: int, kv_cache: int | None, loss: str | None,
+                   new_tokens: int | None = None) -> dict[str, Any]:
     """:func:`step_options`' values as :func:`memcalc.estimate` keywords (None: its default);
     a usage error for a training-only option given for an eval or inference step."""
     if mode != Mode.TRAIN.value:
         _refuse_training_options(mode)
     values = dict(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                  accum_steps=accum_steps, kv_cache=kv_cache, loss=loss)
+                  accum_steps=accum_steps, kv_cache=kv_cache, loss=loss, new_tokens=new_tokens)
     return {name: value for name, value in values.items() if value is not None}
 
 

@@ -62,7 +62,7 @@ PROGRESS_MIN_CONFIGURATIONS = 4
 def sweep_command(model: str, batches: list[int], optims: list[str], precisions: list[str] | None,
                   gpu: str | None, budget: int | None, device: str | None,
                   input_shape: tuple[int, ...] | None, seq_len: int | None, mode: str, checkpoint: bool,
-                  accum_steps: int, kv_cache: int | None, loss: str | None,
+                  accum_steps: int, kv_cache: int | None, new_tokens: int | None, loss: str | None,
                   timed: bool, plot_path: str | None, fmt: str, units: str, debug: bool, **setup: Any) -> None:
     """Estimate MODEL for every batch size × optimizer × precision: one row each.
 
@@ -77,7 +77,8 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
 
         check_plot_path(plot_path)  # before the sweep, not after minutes of it
     step = step_arguments(input_shape=input_shape, seq_len=seq_len, mode=mode, checkpoint=checkpoint,
-                          accum_steps=accum_steps, kv_cache=kv_cache, loss=loss) | setup_arguments(setup)
+                          accum_steps=accum_steps, kv_cache=kv_cache, new_tokens=new_tokens,
+                          loss=loss) | setup_arguments(setup)
     resolved = resolve_budget(**where, stack=step.get("stack")) if where else None
     configs = sweep_configurations(batches, optims, precisions or [None])
     points_iter = api.iter_sweep(source, batch_sizes=batches, optimizers=optims if given("optims") else None,
