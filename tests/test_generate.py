@@ -15,7 +15,7 @@ from support import SMALL_LLAMA, hf_config_source
 
 import memcalc
 from memcalc.core.categories import Mode, Phase
-from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MemcalcError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.report.render import render_report
 
 pytest.importorskip("transformers")
@@ -99,22 +99,44 @@ def test_measuring_a_generation_is_refused(tmp_path: Path):
                 device="cpu")
 
 
-def test_a_read_generate_does_not_have_is_named_not_guessed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    # a function in a file under a "transformers" folder that turns a meta tensor into a bool
+_FAKE_TRANSFORMERS = """
+def find_packed_sequence_indices(t, ask):
+    return ask(t)
+
+def _ignore_causal_mask_sdpa(t, ask):
+    return ask(t)
+
+def a_new_check(t, ask):
+    return ask(t)
+
+class StopCheck:
+    def __call__(self, t, ask):
+        return ask(t)
+"""
+
+
+def test_reads_are_answered_from_the_table_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from memcalc.sources.hf_reads import hf_reads
+
+    # functions of those names in a file under a "transformers" folder, reading a meta tensor
     folder = tmp_path / "transformers"
     folder.mkdir()
-    (folder / "newread.py").write_text("def check(t):\n    return bool(t.any())\n")
+    (folder / "fake_reads.py").write_text(_FAKE_TRANSFORMERS)
     monkeypatch.syspath_prepend(str(folder))
-    import newread  # type: ignore[import-not-found]
+    import fake_reads  # type: ignore[import-not-found]
 
-    from memcalc.sources.hf_generate import _ReadAnswers
-
+    t = torch.ones((), device="meta")
     try:
-        with _ReadAnswers(4), pytest.raises(MemcalcError, match=r"transformers/newread.py, line 2 \(check: "
-                                                                  r"'return bool\(t.any\(\)\)'\)"):
-            newread.check(torch.ones(3, device="meta"))
+        step, generation = hf_reads(Mode.TRAIN, None), hf_reads(Mode.GENERATE, 3)
+        assert fake_reads.find_packed_sequence_indices(t, step) is True  # no packed sequences, in every step
+        assert fake_reads._ignore_causal_mask_sdpa(t, step) is None  # padding: a training step does not guess
+        assert fake_reads._ignore_causal_mask_sdpa(t, generation) is True  # a prompt without padding
+        assert fake_reads.a_new_check(t, generation) is None  # not in the table: not guessed
+        assert step(t) is None  # outside transformers' code
+        stop = fake_reads.StopCheck()
+        assert [stop(t, generation) for _ in range(3)] == [False, False, True]  # stop at the 3rd new token
     finally:
-        sys.modules.pop("newread", None)
+        sys.modules.pop("fake_reads", None)
 
 
 # ---- the command line ------------------------------------------------------------------------

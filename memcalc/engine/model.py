@@ -11,11 +11,13 @@ from typing import Any, TypeAlias, overload
 import torch
 from torch import nn
 
+from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.losses import LossChoice, LossKind
-from memcalc.engine.trace import tensors_of
+from memcalc.engine.trace import ReadOracle, tensors_of
 
-__all__ = ("GenerateFn", "InputsLike", "LabelsMaker", "ModelInputs", "ResolvedModel", "bind_inputs")
+__all__ = ("CheckpointFn", "Checkpointer", "GenerateFn", "InputsLike", "LabelsMaker", "ModelInputs", "ReadsFn",
+           "ResolvedModel", "bind_inputs")
 
 #: What a user may give as a model's inputs: a tensor, a sequence of positional arguments, or a
 #: mapping — keyword arguments (``model(**batch)``, a Hugging Face batch) or the forward's one
@@ -25,6 +27,16 @@ InputsLike: TypeAlias = "torch.Tensor | Sequence[Any] | Mapping[str, Any]"
 #: The labels a model computes its own loss from, made from a batch's inputs (on their device)
 #: and passed as keyword arguments (a Hugging Face head's: :mod:`memcalc.sources.hf_heads`).
 LabelsMaker: TypeAlias = "Callable[[ModelInputs], dict[str, torch.Tensor]]"
+#: ``checkpoint(forward, *args, **kwargs)``: memcalc's non-reentrant checkpoint of one block
+#: (:func:`memcalc.engine.prepare.checkpointed`).
+CheckpointFn: TypeAlias = "Callable[..., Any]"
+#: A model's own way to checkpoint its blocks, given memcalc's checkpoint function; returns the
+#: number of blocks (a Hugging Face model's gradient checkpointing: :mod:`memcalc.sources.hf_checkpointing`).
+Checkpointer: TypeAlias = "Callable[[nn.Module, CheckpointFn], int]"
+#: The answers to a model's own reads of tensor values in a step of a mode (and a generation's
+#: new tokens, else None): a Hugging Face model's checks for padding and packing, generate()'s stop
+#: checks (:mod:`memcalc.sources.hf_reads`).
+ReadsFn: TypeAlias = "Callable[[Mode, int | None], ReadOracle]"
 #: A model's own generation run on meta: ``(module, prompt, new_tokens, mark_cache) -> sequences``,
 #: telling ``mark_cache`` the tensors of its KV cache after each forward (a Hugging Face causal
 #: LM's ``generate()``: :mod:`memcalc.sources.hf_generate`).
@@ -116,6 +128,11 @@ class ResolvedModel:
     #: The labels a training step adds to the batch when the user chose no loss, so that the model
     #: computes its own (``output.loss``, as ``Trainer.compute_loss`` trains); None: memcalc's loss.
     labels: LabelsMaker | None = None
+    #: How the model checkpoints its blocks itself (``checkpoint=True``); None: memcalc wraps the
+    #: blocks of ``block_containers``.
+    checkpointing: Checkpointer | None = None
+    #: What the model's code reads from tensors, answered for the estimated run; None: nothing.
+    reads: ReadsFn | None = None
     #: How the model generates tokens (``mode="generate"``); None: it has no generate() memcalc runs.
     generate: GenerateFn | None = None
 

@@ -175,12 +175,14 @@ def trace_model(resolved: ResolvedModel, options: EstimateOptions, backend: Step
     own_loss = options.mode is Mode.TRAIN and options.loss is None and options.loss_fn is None
     inputs, blocks = prepare_step(module, resolved.step_inputs(resolved.inputs, own_loss=own_loss),
                                   precision=options.precision, checkpoint=options.checkpoint,
-                                  containers=resolved.block_containers, model_name=resolved.name)
+                                  containers=resolved.block_containers, model_name=resolved.name,
+                                  own_checkpointing=resolved.checkpointing)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time (options.record_costs)
     costs = OpCostRecorder(then=backend.after_op) if options.record_costs else None
-    tracer = StorageTracer("meta", after_op=costs if costs is not None else backend.after_op)
+    reads = resolved.reads(options.mode, options.new_tokens) if resolved.reads is not None else None
+    tracer = StorageTracer("meta", after_op=costs if costs is not None else backend.after_op, read_values=reads)
     if costs is not None:
         costs.attach(tracer)
     backend.attach(tracer)

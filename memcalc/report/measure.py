@@ -80,7 +80,8 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
         module, _notes = finetune_module(module, options.finetune, precision=options.precision, mode=options.mode)
     inputs = resolved.step_inputs(inputs, own_loss=_trains_own_loss(options))
     inputs, _ = prepare_step(module, inputs, precision=options.precision, checkpoint=options.checkpoint,
-                             containers=resolved.block_containers, model_name=resolved.name)
+                             containers=resolved.block_containers, model_name=resolved.name,
+                             own_checkpointing=resolved.checkpointing)
     keep: list[torch.Tensor] = []
     if options.kv_cache is not None:
         nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache, model_name=resolved.name,

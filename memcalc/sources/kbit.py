@@ -23,26 +23,21 @@ runs on it (peft/utils/other.py):
   weights are integer tensors and their statistics float32, so PEFT leaves them as it leaves
   bitsandbytes'. The cast parameters are marked :data:`~memcalc.engine.prepare.KEEP_DTYPE`,
   which the step's precision cast respects;
-- with gradient checkpointing, ``model.enable_input_require_grads()`` (transformers'
-  ``modeling_utils.py``): a forward hook that makes the input embeddings' output require a
-  gradient, so backward runs down to it.
+- with gradient checkpointing (``use_gradient_checkpointing``: memcalc passes ``--checkpoint``,
+  where PEFT's default is True — the report says so when it is off),
+  ``model.enable_input_require_grads()`` — a forward hook that makes the input embeddings'
+  output require a gradient, so backward runs down to it — and
+  ``model.gradient_checkpointing_enable()``: transformers' own checkpointing of its decoder
+  layers, which drops their KV cache in training. The step keeps it and gives it memcalc's
+  checkpoint function, whose recomputation runs under the emulated autocast
+  (:mod:`memcalc.sources.hf_checkpointing`).
 
-Two parts of it are left to memcalc, for a reason each:
-
-- **The checkpointing.** ``prepare_model_for_kbit_training`` turns it on by default
-  (``use_gradient_checkpointing=True``) through ``model.gradient_checkpointing_enable()``. memcalc
-  runs it with ``use_gradient_checkpointing=False`` and checkpoints the same blocks
-  (``GradientCheckpointingLayer``: the decoder layers) with its own non-reentrant wrapper
-  (:func:`memcalc.engine.prepare.apply_checkpointing`, the ``checkpoint(..., use_reentrant=False)``
-  transformers 5 uses by default), whose recomputation runs under memcalc's emulated autocast,
-  which ``torch.utils.checkpoint`` cannot see. It follows ``--checkpoint`` rather than PEFT's
-  default: the report says so when checkpointing is off.
-- **The step's precision.** After ``prepare_model_for_kbit_training`` no parameter is in 16 bits
-  any more: a recipe that loads the model in bf16 (``--precision bf16``) and trains it with
-  ``TrainingArguments(bf16=True)`` runs float32 weights under bf16 autocast — memcalc's
-  ``amp-bf16`` —, the 4-bit matmuls in ``bnb_4bit_compute_dtype`` (bf16). So :func:`kbit_precision`
-  turns ``bf16`` into ``amp-bf16`` and ``fp16`` into ``amp-fp16`` (``fp16=True``: autocast and
-  GradScaler); ``fp32`` and the ``amp-*`` precisions are what they say already.
+**The step's precision.** After ``prepare_model_for_kbit_training`` no parameter is in 16 bits
+any more: a recipe that loads the model in bf16 (``--precision bf16``) and trains it with
+``TrainingArguments(bf16=True)`` runs float32 weights under bf16 autocast — memcalc's
+``amp-bf16`` —, the 4-bit matmuls in ``bnb_4bit_compute_dtype`` (bf16). So :func:`kbit_precision`
+turns ``bf16`` into ``amp-bf16`` and ``fp16`` into ``amp-fp16`` (``fp16=True``: autocast and
+GradScaler); ``fp32`` and the ``amp-*`` precisions are what they say already.
 
 Only Hugging Face models are prepared: PEFT's function "only works for transformers models"
 (its docstring), and the load it follows is transformers'. A plain-torch model with
@@ -102,7 +97,7 @@ def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Pre
         module: a Hugging Face model on meta, quantized by :func:`memcalc.sources.quant.quantize_linears`.
         quant: the quantization (which ``is_loaded_in_*`` transformers sets).
         precision: the user's precision: the dtype the model is loaded in (``from_pretrained(dtype=...)``).
-        checkpoint: gradient checkpointing, which makes PEFT call ``enable_input_require_grads()``.
+        checkpoint: gradient checkpointing (PEFT's ``use_gradient_checkpointing``).
     """
     peft = import_hf("peft", "QLoRA (--lora with --quant)")
     _load_in(module, precision.parameter_dtype)
@@ -112,9 +107,7 @@ def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Pre
     with warnings.catch_warnings():
         # transformers' deprecation of gradient_checkpointing_enable, reached through PEFT: not the user's concern
         warnings.filterwarnings("ignore", category=FutureWarning)
-        peft.prepare_model_for_kbit_training(module, use_gradient_checkpointing=False)
-        if checkpoint:  # what prepare_model_for_kbit_training does before gradient_checkpointing_enable()
-            module.enable_input_require_grads()  # type: ignore[operator]  # PreTrainedModel's
+        peft.prepare_model_for_kbit_training(module, use_gradient_checkpointing=checkpoint)
     cast = [p for p in module.parameters() if id(p) in half and p.dtype is torch.float32]
     for p in module.parameters():
         if p.is_floating_point():

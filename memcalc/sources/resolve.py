@@ -46,8 +46,10 @@ from memcalc.core.errors import (
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
 from memcalc.sources.hf_attention import attention_note, check_supported, implementation_name
+from memcalc.sources.hf_checkpointing import hf_checkpointing, supports_checkpointing
 from memcalc.sources.hf_generate import generate_on_meta
 from memcalc.sources.hf_heads import Head, head_of, labels_maker, named_architecture
+from memcalc.sources.hf_reads import hf_reads
 from memcalc.sources.hub import HfAttention, HuggingFace, import_hf, load_config
 from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
 from memcalc.sources.user_code import Example, load_from_file, load_from_module
@@ -363,8 +365,10 @@ def _hf_resolve(source: HuggingFace, batch_size: int, shape: _Shape | None, seq_
     resolved.loss = LossKind.LM_CROSS_ENTROPY if _is_causal_lm(resolved.module) else LossChoice.AUTO
     resolved.labels = labels_maker(resolved.module)
     resolved.generate = generate_on_meta if head_of(resolved.module) is Head.CAUSAL_LM else None
+    resolved.reads = hf_reads
     resolved.notes += (attention_note(resolved.module, source.attention),)
     resolved.block_containers = hf_block_containers(resolved.module)
+    resolved.checkpointing = hf_checkpointing if supports_checkpointing(resolved.module) else None
     if user_inputs is None and isinstance(context, int) and length > context:
         resolved.notes += (_hf_beyond_context(resolved, context, length),)
     return resolved
