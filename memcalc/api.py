@@ -29,7 +29,7 @@ from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
 from memcalc.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.cuda.gpus.local import names_local_gpu
-from memcalc.cuda.gpus.performance import check_timeable, with_time
+from memcalc.cuda.gpus.performance import check_timeable, check_timeable_mode, with_time
 from memcalc.cuda.stack import resolve_stack
 from memcalc.distributed.estimate import EstimateRequest, run_estimate
 from memcalc.distributed.options import Distributed
@@ -421,6 +421,7 @@ def _recording_costs(request: EstimateRequest) -> EstimateRequest:
     """``request`` for a step that will be timed: refused now, before any estimate, when its GPU
     cannot be timed; else with every kernel's costs recorded as the step is traced."""
     check_timeable(request.options.gpu if request.options.gpu_named else None)
+    check_timeable_mode(request.options.mode)
     return replace(request, options=replace(request.options, record_costs=True))
 
 

@@ -91,6 +91,15 @@ def test_inconsistent_generation_options_are_refused(tmp_path: Path, kwargs: dic
         memcalc.estimate(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=8, **kwargs)
 
 
+def test_timing_a_generation_is_refused(tmp_path: Path):
+    source = hf_config_source(tmp_path, SMALL_LLAMA)
+    with pytest.raises(InvalidInputError, match="time of a generation"):
+        memcalc.estimate(source, batch_size=1, seq_len=8, mode="generate", new_tokens=2, gpu="h100-80gb", time=True)
+    report = memcalc.estimate(source, batch_size=1, seq_len=8, mode="generate", new_tokens=2, gpu="h100-80gb")
+    with pytest.raises(InvalidInputError, match="time of a generation"):
+        memcalc.step_time(report)
+
+
 def test_measuring_a_generation_is_refused(tmp_path: Path):
     from memcalc.report.measure import measure
 
