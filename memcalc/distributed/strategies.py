@@ -245,6 +245,10 @@ def estimate_per_rank(model: Any, *, distributed: Distributed, options: Estimate
                       inputs: InputsLike | None, capacity: int | None) -> MemoryReport:
     """One estimate per GPU role; the report of the busiest, with every role in ``roles``."""
     refuse_finetune(distributed.strategy, options.finetune)
+    if options.mode is Mode.GENERATE:  # the rank programs wrap a training or forward step
+        raise InapplicableOptionError(f"mode generate is estimated on one GPU; --strategy {distributed.strategy.value} "
+                                      f"is not modelled for a generation",
+                                      hint="Leave out --strategy.")
     if inputs is not None and distributed.batch_is_global:
         raise InvalidInputError("inputs= are one GPU's inputs; batch_is_global needs batch_size instead")
     if inputs is not None:

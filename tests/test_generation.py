@@ -91,6 +91,12 @@ def test_inconsistent_generation_options_are_refused(tmp_path: Path, kwargs: dic
         memcalc.estimate(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=8, **kwargs)
 
 
+def test_a_generation_under_a_strategy_is_refused(tmp_path: Path):
+    with pytest.raises(InapplicableOptionError, match="mode generate is estimated on one GPU"):
+        memcalc.estimate(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=8, mode="generate",
+                         new_tokens=2, distributed=memcalc.Distributed("ddp", world_size=2))
+
+
 def test_timing_a_generation_is_refused(tmp_path: Path):
     source = hf_config_source(tmp_path, SMALL_LLAMA)
     with pytest.raises(InvalidInputError, match="time of a generation"):
