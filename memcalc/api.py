@@ -35,7 +35,7 @@ from memcalc.search.margins import measured_margin, step_class
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests
 from memcalc.search.throughput import ThroughputChoice, find_fastest
 from memcalc.targets.cuda.gpus.catalogue import catalogue
-from memcalc.timing.performance import check_timeable, with_time
+from memcalc.timing.performance import check_timeable, check_timeable_mode, with_time
 
 __all__ = ("estimate", "estimate_step", "fastest_setting", "iter_sweep", "max_batch_size", "sweep")
 
@@ -60,6 +60,7 @@ def estimate(
     checkpoint: bool = False,
     accum_steps: int = 1,
     kv_cache: int | None = None,
+    new_tokens: int | None = None,
     capacity: int | str | None = None,
     distributed: Distributed | None = None,
     loop: LoopLike = None,
@@ -87,7 +88,9 @@ def estimate(
         optimizer: ``sgd``, ``sgd-momentum``, ``adam`` (None: the default), ``adamw``,
             ``rmsprop``, ``adagrad`` or ``none``; its state comes from the real ``torch.optim``
             class. Training only: an eval or inference step refuses one (``none`` aside).
-        mode: ``train``, ``eval`` (forward under ``no_grad``) or ``inference``.
+        mode: ``train``, ``eval`` (forward under ``no_grad``), ``inference`` or ``generate``
+            (the model's own ``generate(prompt, max_new_tokens=new_tokens)``: a Hugging Face causal
+            LM; ``seq_len`` is the prompt's length).
         loss: ``auto`` (the default), ``cross-entropy``, ``lm-cross-entropy``, ``mean``,
             ``mse``, or your own ``loss(output) -> scalar`` (simulated too). Training only.
         precision: ``fp32``, ``amp-fp16``, ``amp-bf16`` (CUDA autocast, emulated op by op),
@@ -108,6 +111,9 @@ def estimate(
         checkpoint: activation checkpointing per block of a zoo model.
         accum_steps: micro-batches of ``batch_size`` per optimizer step.
         kv_cache: tokens to generate with a KV cache (``mode="inference"``, decoder LLMs).
+        new_tokens: ``mode="generate"``: the tokens generated after the prompt (the peak is that of
+            the whole call: ``report.peak_phase`` is ``prefill`` or ``decode``, ``report.peak_step``
+            the decode step).
         capacity: bytes the caching allocator may reserve (an int, or ``"16GiB"``),
             overriding the GPU's.
         distributed: the multi-GPU setting (:class:`Distributed`); None: one GPU.
@@ -166,6 +172,7 @@ def estimate_step(step: Step, distributed: Distributed | None = None) -> MemoryR
     """
     if step.record_costs:
         check_timeable(step.gpu if step.gpu_named else None)  # refused before any estimate
+        check_timeable_mode(step.mode)
     report = _note_beyond_every_gpu(run_estimate(step, distributed or Distributed()))
     return with_time(report) if step.record_costs else report
 

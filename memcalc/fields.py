@@ -144,6 +144,14 @@ def _tokens(value: Any, field: Field) -> int | None:
     return value  # type: ignore[no-any-return]  # checked: None or an int
 
 
+def _new_tokens(value: Any, field: Field) -> int | None:
+    """None, or a number of tokens ≥ 1 (a generation makes at least one)."""
+    if value is not None and (not _is_int(value) or value < 1):
+        raise InvalidInputError(f"{field.spelled} is a number of tokens to generate, ≥ 1; got {value!r}",
+                                hint="e.g. --mode generate --seq-len 512 --new-tokens 128")
+    return value  # type: ignore[no-any-return]  # checked: None or an int
+
+
 def _switch(value: Any, field: Field) -> bool:
     if not isinstance(value, bool):
         raise InvalidInputError(f"{field.name} must be True or False, got {value!r}")
@@ -258,7 +266,8 @@ _FIELDS = (
     Field("inputs", _as_given, searched="the search makes inputs at each batch size: give input_shape or seq_len"),
     Field("mode", _choice, Mode.TRAIN, flag="--mode", choices=Mode, cli=Flag("choice", show_default=True),
           help="train: forward, loss, backward, optimizer step; eval: forward under no_grad; "
-               "inference: forward under inference_mode."),
+               "inference: forward under inference_mode; generate: the model's own generate() of "
+               "--new-tokens tokens after a --seq-len prompt (Hugging Face causal LMs)."),
     Field("optimizer", _optimizer, flag="--optim", choices=Optimizer, searched="give optimizers=[...]",
           help="Optimizer (training only); its state is created by the real torch.optim class."),
     Field("precision", _choice, Precision.FP32, flag="--precision", choices=Precision,
@@ -279,6 +288,9 @@ _FIELDS = (
     Field("kv_cache", _tokens, flag="--kv-cache", cli=Flag("int", minimum=0, metavar="TOKENS"),
           help="With --mode inference: a KV cache for the prompt plus TOKENS generated tokens "
                "(decoder language models)."),
+    Field("new_tokens", _new_tokens, flag="--new-tokens", cli=Flag("int", minimum=1, metavar="TOKENS"),
+          help="With --mode generate: the tokens generate() makes after the prompt (--seq-len), its "
+               "max_new_tokens (Hugging Face causal language models)."),
     Field("loss", _loss, flag="--loss", choices=LossChoice, sets=("loss", "loss_fn"), cli=Flag("choice"),
           help="Loss to train with (training only; default: the zoo entry's, else auto: cross-entropy "
                "for (B, C) outputs, the output's mean otherwise)."),
@@ -432,11 +444,30 @@ def check_keywords(function: str, keywords: Mapping[str, Any], own: Sequence[str
                                     hint=f"The estimate options it takes: {', '.join(takes)}.")
 
 
+def _check_generation(step: Step) -> None:
+    """``new_tokens`` goes with mode generate, and mode generate with it; generate() keeps its
+    own cache, so a static one (``kv_cache``) does not apply to it."""
+    mode, new_tokens = step.mode, step.new_tokens
+    if mode is Mode.GENERATE and new_tokens is None:
+        raise InvalidInputError("mode generate needs the number of tokens to generate (new_tokens, --new-tokens)",
+                                hint="e.g. --mode generate --seq-len 512 --new-tokens 128: a 512-token prompt, "
+                                     "128 new tokens")
+    if step.kv_cache is not None and mode is Mode.GENERATE:
+        raise InapplicableOptionError(
+            "kv_cache (--kv-cache) is the static cache of one inference forward; mode generate follows the cache "
+            "generate() keeps itself (a DynamicCache growing by one token per step)",
+            hint="Drop --kv-cache: --new-tokens says how many tokens generate() makes.")
+    if new_tokens is not None and mode is not Mode.GENERATE:
+        raise InapplicableOptionError(f"new_tokens (--new-tokens) needs mode generate; the mode is {mode.value}",
+                                      hint="e.g. --mode generate --new-tokens 128")
+
+
 def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
     """What no single field can judge: options a step of this mode would ignore, and inputs
     whose batch contradicts ``batch_size``."""
     _check_inputs_batch(step.inputs, step.batch_size)
     _check_weight_dtype(step)
+    _check_generation(step)
     mode = step.mode
     if step.kv_cache is not None and mode is not Mode.INFERENCE:
         # eval runs the forward under no_grad without a cache: the tokens would be ignored

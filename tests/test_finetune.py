@@ -235,6 +235,53 @@ def test_quant_statistics_stay_float32_in_a_pure_bf16_model():
     assert report.bytes.parameters == others + 8_388_608 + 1_048_576 + 64
 
 
+# ---- QLoRA's preparation (memcalc.stacks.kbit; checked against the real one in tests/hf_reference) ----
+def test_qlora_on_a_hugging_face_model_runs_prepare_model_for_kbit_training(tmp_path: Path):
+    source = hf_config_source(tmp_path, SMALL_LLAMA)
+    kwargs = dict(batch_size=1, seq_len=16, optimizer="adamw", finetune=FineTune(lora=LoRA(8), quant="nf4"))
+    loaded_bf16 = memcalc.estimate(source, precision="bf16", **kwargs)
+    loaded_fp32 = memcalc.estimate(source, precision="amp-bf16", **kwargs)
+    # PEFT casts every bf16 parameter left unquantized to float32: embeddings and LM head (1000 × 64 each),
+    # 2 × 2 layer norms and the final norm (64 each): 128,320 values, 250.62 KiB in bf16
+    unquantized = 2 * 1000 * 64 + 5 * 64
+    note = next(n for n in loaded_bf16.notes if n.startswith("prepare_model_for_kbit_training"))
+    assert "7 parameter tensors left unquantized cast from bf16 to float32 (250.62 KiB → 501.25 KiB)" in note
+    assert "the step runs as amp-bf16" in note and "add --checkpoint" in note
+    # then a bf16 load is a float32 one, and Trainer's bf16=True is autocast over it
+    assert loaded_bf16.precision is memcalc.Precision.AMP_BF16
+    assert loaded_bf16.bytes.parameters == loaded_fp32.bytes.parameters
+    assert loaded_bf16.bytes.peak_allocated == loaded_fp32.bytes.peak_allocated
+    # (out, in) of each layer's q, k, v, o (2 key-value heads of 16), gate, up, down; adapters on q and v, r=8
+    shapes = [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)]
+    quantized = 2 * sum(t.nbytes for out, inp in shapes for t in layout_4bit(out, inp, double_quant=False))
+    adapters = 2 * (8 * 64 + 64 * 8 + 8 * 64 + 32 * 8)
+    assert loaded_bf16.bytes.parameters == 4 * unquantized + quantized + 4 * adapters
+    plain_lora = memcalc.estimate(source, precision="bf16", **(kwargs | dict(finetune=FineTune(lora=LoRA(8)))))
+    assert plain_lora.precision is memcalc.Precision.BF16  # no quantized base: nothing to prepare
+
+
+def test_qlora_on_a_plain_torch_model_is_not_prepared():
+    # prepare_model_for_kbit_training "only works for transformers models": the zoo's Llama keeps its bf16
+    finetune = FineTune(lora=LoRA(8, targets=("q_proj", "v_proj")), quant="nf4")
+    report = memcalc.estimate("llama-tiny", batch_size=1, seq_len=16, precision="bf16", finetune=finetune)
+    assert report.precision is memcalc.Precision.BF16
+    assert not any(n.startswith("prepare_model_for_kbit_training") for n in report.notes)
+
+
+def test_qlora_with_checkpointing_makes_the_input_embeddings_require_grad(tmp_path: Path):
+    from memcalc.core.categories import Mode
+    from memcalc.core.precision import Precision
+    from memcalc.stacks.peft import apply_finetune
+
+    resolved = resolve(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=16)
+    module = apply_finetune(resolved, FineTune(lora=LoRA(8), quant="nf4"), precision=Precision.BF16,
+                            mode=Mode.TRAIN, checkpoint=True).module
+    embeddings = module.get_input_embeddings()
+    assert embeddings.weight.dtype is torch.float32 and not embeddings.weight.requires_grad
+    out = embeddings(torch.zeros(1, 4, dtype=torch.long, device="meta"))
+    assert out.requires_grad  # transformers' enable_input_require_grads hook, as PEFT installs it
+
+
 # ---- the quantized base: the step ----------------------------------------------------------
 def _trace(finetune: FineTune, precision: str) -> TracedStep:
     # input (2, 1024, 64): 2,048 rows reach the quantized layer, past gemm_4bit's fused-kernel range

@@ -23,7 +23,7 @@ class Category(str, enum.Enum):
 
 
 class Phase(str, enum.Enum):
-    """The part of the training step an allocation happens in."""
+    """The part of the step an allocation happens in."""
 
     SETUP = "setup"  # pre-existing storages: parameters, buffers, inputs
     FORWARD = "forward"
@@ -31,14 +31,24 @@ class Phase(str, enum.Enum):
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     ZERO_GRAD = "zero_grad"
+    PREFILL = "prefill"  # generation: generate()'s setup and its forward over the prompt, the first token chosen
+    DECODE = "decode"  # generation: the forward of one new token over the cache, the next token chosen
+
+    @property
+    def runs_forward(self) -> bool:
+        """The model's forward runs in this phase (what is born in it is an activation)."""
+        return self in (Phase.FORWARD, Phase.LOSS, Phase.PREFILL, Phase.DECODE)
 
 
 class Mode(str, enum.Enum):
     """``train`` runs forward, loss, backward, optimizer step and zero_grad (two iterations, so
     that the steady state with optimizer state already allocated is covered); ``eval`` runs
     the forward only, under ``torch.no_grad()`` with the model in eval mode; ``inference``
-    the same under ``torch.inference_mode()`` (with a KV cache for decoder LLMs on request)."""
+    the same under ``torch.inference_mode()`` (with a static KV cache for decoder LLMs on
+    request); ``generate`` runs the model's own ``generate(prompt, max_new_tokens=N)``: the
+    prefill, then one forward per new token over the cache generate() keeps."""
 
     TRAIN = "train"
     EVAL = "eval"
     INFERENCE = "inference"
+    GENERATE = "generate"

@@ -19,7 +19,9 @@ the busiest GPU role and three keys are added (see :mod:`memcalc.distributed.str
                 "bytes": {...the categories above...}}]}
 
 When a step time was computed (``memcalc.step_time``, ``--time``) a ``"time"`` key holds it
-(:meth:`memcalc.core.throughput.StepTime.to_dict`); otherwise the JSON is exactly the above.
+(:meth:`memcalc.core.throughput.StepTime.to_dict`). A generation (``mode`` ``"generate"``) adds
+``"new_tokens"`` and ``"peak_step"`` (the decode step of the peak, 0 for the prefill; its
+``peak_phase`` is ``"prefill"`` or ``"decode"``). Otherwise the JSON is exactly the above.
 
 Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
 the CUDA caching allocator counts (each block rounded up to 512 B), so the categories plus
@@ -212,6 +214,8 @@ class MemoryReport:
     cuda_version: str = ""  # the CUDA runtime assumed for the context ("X.Y")
     trainable_parameters: int | None = None  # parameters with requires_grad (None: not training)
     paged_optimizer_state: int = 0  # optimizer state in unified memory (paged optimizers), not in the peak
+    new_tokens: int | None = None  # mode generate: the tokens generate() makes after the prompt
+    peak_step: int | None = None  # mode generate: the decode step of the peak (0: the prefill)
     # The step's time on the report's GPU, when asked for (memcalc.step_time; JSON "time" only then).
     time: StepTime | None = None
     # Builds the timeline on request (set by memcalc.engine.run.build_report): kept out of
@@ -305,6 +309,8 @@ class MemoryReport:
             Phase.LOSS: "loss",
             Phase.BACKWARD: "loss (before any module's backward)",
         }.get(self.peak_phase, "top level")
+        if self.peak_phase is Phase.DECODE and self.peak_step is not None:
+            return f"decode step {self.peak_step} of {(self.new_tokens or 1) - 1}, {where}"
         return f"{self.peak_phase.value}, {where}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -315,6 +321,8 @@ class MemoryReport:
                      "global_batch_size": self.global_batch_size, "roles": [r.to_dict() for r in self.roles]}
         if self.time is not None:
             data["time"] = self.time.to_dict()
+        if self.new_tokens is not None:
+            data |= {"new_tokens": self.new_tokens, "peak_step": self.peak_step}
         return data
 
     def _single_gpu_dict(self) -> dict[str, Any]:

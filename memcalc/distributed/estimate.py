@@ -16,7 +16,7 @@ from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.options import Step
 from memcalc.engine.run import TracedStep, build_report
-from memcalc.stacks.peft import apply_finetune
+from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
 from memcalc.timing.flops import OpCostRecorder
 
@@ -46,7 +46,9 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
         report = estimate_per_rank(step, distributed, costs=costs)
     else:
         resolved = step.resolved()
-        resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode)
+        resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
+                                  checkpoint=step.checkpoint)
+        step = replace(step, precision=step_precision(resolved, step.finetune, step.precision, step.mode))
         traced = trace_step(resolved, step, costs=costs)
         if on_trace is not None:
             on_trace(traced)

@@ -42,7 +42,7 @@ from memcalc.engine.options import Step
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
-from memcalc.stacks.peft import apply_finetune
+from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
 
 __all__ = ("estimate_per_rank", "refuse_finetune")
@@ -213,7 +213,8 @@ def refuse_finetune(strategy: Strategy, finetune: FineTune) -> None:
 def _finetuned(resolved: ResolvedModel, strategy: Strategy, options: Step,
                trace_precision: Precision) -> ResolvedModel:
     """One role's model with the fine-tuning applied, ready for its program to wrap."""
-    resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode)
+    resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode,
+                              checkpoint=options.checkpoint)
     module = resolved.module
     if strategy is Strategy.DDP and not any(p.requires_grad for p in module.parameters()):
         # DistributedDataParallel.__init__ raises the same (_log_and_throw, RuntimeError)
@@ -243,6 +244,10 @@ def estimate_per_rank(step: Step, distributed: Distributed,
     ``costs``: the recorder of each role's kernels, when a step time is wanted
     (:func:`~memcalc.engine.run.trace_model`)."""
     refuse_finetune(distributed.strategy, step.finetune)
+    if step.mode is Mode.GENERATE:  # the rank programs wrap a training or forward step
+        raise InapplicableOptionError(f"mode generate is estimated on one GPU; --strategy {distributed.strategy.value} "
+                                      f"is not modelled for a generation",
+                                      hint="Leave out --strategy.")
     if step.parameter_dtype is not step.precision.parameter_dtype:
         raise InapplicableOptionError(
             f"weight_dtype (--weight-dtype) is not estimated under --strategy {distributed.strategy.value}: FSDP's "
@@ -268,7 +273,8 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         resolved = _finetuned(resolved, distributed.strategy, step, trace_precision)
         program = role.program(resolved)
         spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)
-        traced_options = replace(step, precision=trace_precision, optimizer=program.optimizer_spec(spec),
+        precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
+        traced_options = replace(step, precision=precision, optimizer=program.optimizer_spec(spec),
                                  loss_fn=role.loss_fn or step.loss_fn)
         traced = trace_step(resolved, traced_options, hooks=program, costs=costs)
         if role.loss_text is not None:

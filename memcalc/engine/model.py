@@ -4,18 +4,20 @@ names, files, hubs and the zoo is :mod:`memcalc.sources`)."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, overload
 
 import torch
 from torch import nn
 
+from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.losses import LossChoice, LossKind
-from memcalc.engine.trace import tensors_of
+from memcalc.engine.trace import ReadOracle, tensors_of
 
-__all__ = ("InputsLike", "LabelsMaker", "ModelInputs", "ModelResolver", "ResolvedModel", "bind_inputs")
+__all__ = ("CheckpointFn", "Checkpointer", "GenerateFn", "InputsLike", "LabelsMaker", "ModelInputs", "ModelResolver",
+           "ReadsFn", "ResolvedModel", "bind_inputs")
 
 #: What a user may give as a model's inputs: a tensor, a sequence of positional arguments, or a
 #: mapping — keyword arguments (``model(**batch)``, a Hugging Face batch) or the forward's one
@@ -30,6 +32,21 @@ LabelsMaker: TypeAlias = "Callable[[ModelInputs], dict[str, torch.Tensor]]"
 #: :class:`~memcalc.engine.options.Step` it builds (``memcalc.sources.resolve.resolve``), so the
 #: layers below resolve a model through the step and never import the resolver.
 ModelResolver: TypeAlias = "Callable[..., ResolvedModel]"
+#: ``checkpoint(forward, *args, **kwargs)``: memcalc's non-reentrant checkpoint of one block
+#: (:func:`memcalc.engine.prepare.checkpointed`).
+CheckpointFn: TypeAlias = "Callable[..., Any]"
+#: A model's own way to checkpoint its blocks, given memcalc's checkpoint function; returns the
+#: number of blocks (a Hugging Face model's gradient checkpointing: :mod:`memcalc.stacks.transformers.checkpointing`).
+Checkpointer: TypeAlias = "Callable[[nn.Module, CheckpointFn], int]"
+#: The answers to a model's own reads of tensor values in a step of a mode (and a generation's
+#: new tokens, else None): a Hugging Face model's checks for padding and packing, generate()'s stop
+#: checks (:mod:`memcalc.stacks.transformers.reads`).
+ReadsFn: TypeAlias = "Callable[[Mode, int | None], ReadOracle]"
+#: A model's own generation run on meta: ``(module, prompt, new_tokens, mark_cache) -> sequences``,
+#: telling ``mark_cache`` the tensors of its KV cache after each forward (a Hugging Face causal
+#: LM's ``generate()``: :mod:`memcalc.stacks.transformers.generate`).
+GenerateFn: TypeAlias = (
+    "Callable[[nn.Module, ModelInputs, int, Callable[[Iterable[torch.Tensor]], None]], torch.Tensor]")
 
 
 class ModelInputs(Sequence[torch.Tensor]):
@@ -116,6 +133,13 @@ class ResolvedModel:
     #: The labels a training step adds to the batch when the user chose no loss, so that the model
     #: computes its own (``output.loss``, as ``Trainer.compute_loss`` trains); None: memcalc's loss.
     labels: LabelsMaker | None = None
+    #: How the model checkpoints its blocks itself (``checkpoint=True``); None: memcalc wraps the
+    #: blocks of ``block_containers``.
+    checkpointing: Checkpointer | None = None
+    #: What the model's code reads from tensors, answered for the estimated run; None: nothing.
+    reads: ReadsFn | None = None
+    #: How the model generates tokens (``mode="generate"``); None: it has no generate() memcalc runs.
+    generate: GenerateFn | None = None
 
     def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
         """``inputs`` (this model's, on any device) as the step passes them: with the labels of

@@ -99,6 +99,8 @@ class Step:
     stack: Stack = field(default_factory=Stack)
     finetune: FineTune = field(default_factory=FineTune)
     trainer_args: TrainerArguments | None = None
+    #: Tokens ``generate()`` makes after the prompt (mode generate only; None otherwise).
+    new_tokens: int | None = None
     record_costs: bool = False
     notes: tuple[str, ...] = ()
     resolver: ModelResolver | None = field(default=None, compare=False, repr=False)

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.engine.backend import current_autocast_region
-from memcalc.engine.model import ModelInputs
+from memcalc.engine.model import Checkpointer, ModelInputs
 from memcalc.engine.options import Step
 
 __all__ = (
@@ -24,6 +24,7 @@ __all__ = (
     "apply_checkpointing",
     "cast_inputs",
     "cast_parameters",
+    "checkpointed",
     "kv_cache_bytes",
     "kv_elements_per_token",
     "kv_prompt",
@@ -58,19 +59,26 @@ def cast_inputs(inputs: ModelInputs | Sequence[torch.Tensor], precision: Precisi
 
 
 def prepare_step(module: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor], step: Step, *,
-                 containers: Sequence[str], model_name: str) -> tuple[ModelInputs, int]:
+                 containers: Sequence[str], model_name: str,
+                 own_checkpointing: Checkpointer | None = None) -> tuple[ModelInputs, int]:
     """Everything the step changes in the model before it runs — the same for the estimate
     (on meta) and the measurement (real): the parameters' dtype, the inputs of pure fp16/bf16,
-    and per-block checkpointing. Returns the cast inputs and the number of blocks checkpointed."""
+    and per-block checkpointing (the model's own, ``own_checkpointing``, when it has one).
+    Returns the cast inputs and the number of blocks checkpointed."""
     cast_parameters(module, step.parameter_dtype)
-    blocks = apply_checkpointing(module, containers, model_name) if step.checkpoint else 0
+    blocks = apply_checkpointing(module, containers, model_name, own_checkpointing) if step.checkpoint else 0
     return cast_inputs(inputs, step.precision), blocks
 
 
-def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name: str) -> int:
-    """Wrap each block of the named containers in ``torch.utils.checkpoint`` (non-reentrant,
-    PyTorch's recommendation). The block keeps its name and hooks: its ``forward`` is replaced
-    on this instance only. Returns the number of blocks wrapped."""
+def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name: str,
+                        own: Checkpointer | None = None) -> int:
+    """Checkpoint the model's blocks, non-reentrant (PyTorch's recommendation), with
+    :func:`checkpointed`: through the model's own mechanism when it has one (``own``: a Hugging
+    Face model's gradient checkpointing, which also drops its KV cache in the checkpointed
+    layers), else by wrapping each block of the named containers — the block keeps its name and
+    hooks, its ``forward`` is replaced on this instance only. Returns the number of blocks."""
+    if own is not None:
+        return own(module, checkpointed)
     if not containers:
         raise InvalidInputError(
             f"{model_name} has no repeated blocks that memcalc knows how to checkpoint",
@@ -80,14 +88,15 @@ def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name
     for path in containers:
         container = module.get_submodule(path)
         for block in container.children():
-            block.forward = functools.partial(_checkpointed, block.forward)
+            block.forward = functools.partial(checkpointed, block.forward)
             wrapped += 1
     return wrapped
 
 
-def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    # Like checkpoint does for torch.autocast: the recomputation runs under the autocast state
-    # of the original forward (memcalc's emulated autocast is invisible to checkpoint itself).
+def checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)``
+    whose recomputation runs under the autocast region of the original forward, as checkpoint
+    does for ``torch.autocast`` (memcalc's emulated autocast is invisible to checkpoint itself)."""
     region = current_autocast_region()
 
     def run(*a: Any, **k: Any) -> Any:

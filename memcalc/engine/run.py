@@ -22,15 +22,22 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Category, Mode, Phase
-from memcalc.core.errors import DataDependentError, InvalidInputError, MemcalcError, SymbolicExecutionError
+from memcalc.core.errors import (
+    DataDependentError,
+    InapplicableOptionError,
+    InvalidInputError,
+    MemcalcError,
+    SymbolicExecutionError,
+)
 from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
 from memcalc.engine.backend import AutocastRegion, PlainBackend, StepBackend
+from memcalc.engine.generation import decode_step_at, run_generation
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
-from memcalc.engine.model import ModelInputs, ResolvedModel
+from memcalc.engine.model import GenerateFn, ModelInputs, ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.optimizers_bnb import is_paged
 from memcalc.engine.options import Step
@@ -140,6 +147,11 @@ class _TracerObserver:
                     if self.unified_memory and is_paged(value):
                         self.paged_uids.add(uid)
 
+    def kv_cache(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            if tensor.device.type == self.tracer.device_type:
+                self.tracer.track(tensor, Category.KV_CACHE)
+
     def finished(self) -> None:
         self.tracer.stop()
 
@@ -227,7 +239,8 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     if traced_loop:
         check_loop(options, multi_gpu=hooks is not None)
     inputs, blocks = prepare_step(module, resolved.step_inputs(resolved.inputs, own_loss=options.trains_own_loss),
-                                  options, containers=resolved.block_containers, model_name=resolved.name)
+                                  options, containers=resolved.block_containers, model_name=resolved.name,
+                                  own_checkpointing=resolved.checkpointing)
     if blocks:
         notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
     if options.parameter_dtype is not options.precision.parameter_dtype:
@@ -236,7 +249,9 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
                      f"gradients and optimizer state in {dtype} too")
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time
     recorder = costs(backend.after_op) if costs is not None else None
-    tracer = StorageTracer("meta", after_op=recorder if recorder is not None else backend.after_op)
+    reads = resolved.reads(options.mode, options.new_tokens) if resolved.reads is not None else None
+    tracer = StorageTracer("meta", after_op=recorder if recorder is not None else backend.after_op,
+                           read_values=reads)
     if recorder is not None:
         recorder.attach(tracer)
     backend.attach(tracer)
@@ -250,10 +265,16 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     tracer.modules.install(module)
     config = step_config(resolved, options, autocast=backend.autocast(), scaler=backend.grad_scaler,
                          cuda=options.emulate_cuda)
+    generate = _generation_of(resolved, options)
     try:
         with tracer, backend.mode():
-            outcome = run_step(module, inputs, config, observer) if tracing is None else \
-                run_loop(module, inputs, config, options.loop, tracing)
+            if generate is not None:
+                assert options.new_tokens is not None  # fields.build_step checked it
+                outcome = run_generation(module, inputs, config, generate, options.new_tokens, observer)
+            elif tracing is None:
+                outcome = run_step(module, inputs, config, observer)
+            else:
+                outcome = run_loop(module, inputs, config, options.loop, tracing)
     except DataDependentError as exc:
         if tracing is not None:
             tracing.explain(exc, options.loop.name)
@@ -302,6 +323,23 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
         if options.loop.preset is None:
             traced.loss = f"computed by the loop ({options.loop.name})"
     return traced
+
+
+def _generation_of(resolved: ResolvedModel, options: Step) -> GenerateFn | None:
+    """The model's own generation in mode generate (None in the other modes).
+
+    Raises:
+        InapplicableOptionError: mode generate for a model without a generate() memcalc runs.
+    """
+    if options.mode is not Mode.GENERATE:
+        return None
+    if resolved.generate is None:
+        raise InapplicableOptionError(
+            f"mode generate runs the model's own generate(); memcalc runs that of a Hugging Face causal language "
+            f"model, and {resolved.name} is not one",
+            hint="Give its Hugging Face config (hf:ORG/NAME or hf:path/to/config.json), or estimate one forward with "
+                 "a static KV cache: --mode inference --kv-cache TOKENS.")
+    return resolved.generate
 
 
 def _set_apart(trace: StepTrace, uids: set[int]) -> int:
@@ -409,6 +447,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
+    generating = mode is Mode.GENERATE
+    peak_step = decode_step_at(trace, trace.events.index(uid)) if generating and uid in trace.events else None
     notes = [*options.notes, *traced.notes]
     if (warning := options.precision_warning()) is not None:
         notes.append(warning)
@@ -452,6 +492,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         cuda_version=(options.stack.cuda or "") if options.emulate_cuda else "",
         paged_optimizer_state=traced.paged_optimizer_state,
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
+        new_tokens=options.new_tokens,
+        peak_step=peak_step if has_peak else None,
         notes=tuple(notes),
         _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role),
         _costs=None if traced.costs is None else traced.costs.step_costs(
@@ -528,7 +570,8 @@ def _forward_activations(traced: TracedStep) -> list[int]:
     cuBLAS handle's, a conv's) are born there too but are not what a module keeps."""
     trace = traced.trace
     return [uid for uid in range(len(trace.module))
-            if trace.phase[uid] is Phase.FORWARD and traced.categories[uid] is Category.ACTIVATIONS]
+            if trace.phase[uid].runs_forward and trace.phase[uid] is not Phase.LOSS
+            and traced.categories[uid] is Category.ACTIVATIONS]
 
 
 def _kept_for_backward(traced: TracedStep) -> dict[str, int]:

@@ -43,7 +43,7 @@ def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state
     for uid, explicit in enumerate(trace.category):
         if explicit is not None:
             categories.append(explicit)
-        elif trace.phase[uid] in (Phase.FORWARD, Phase.LOSS):
+        elif trace.phase[uid].runs_forward:
             categories.append(Category.ACTIVATIONS)
         else:
             categories.append(Category.WORKSPACE)

@@ -32,12 +32,17 @@ from torch.utils.hooks import RemovableHandle
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import symbolic_execution_error
 
-__all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "StepTrace", "StorageTracer", "tensors_of")
+__all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle", "StepTrace", "StorageTracer",
+           "tensors_of")
 
 #: An aten operator overload, as a dispatch mode receives it (``aten.add.Tensor``).
 Op: TypeAlias = "OpOverload[..., Any]"
 #: Called after every op with ``(func, args, kwargs, out)``.
 AfterOpHook: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any], Any], None]
+#: The value of a one-element tensor the code reads (None: not known without data).
+ReadOracle: TypeAlias = Callable[[torch.Tensor], "bool | int | float | None"]
+#: The op behind ``.item()``, ``bool()`` and ``if`` on a tensor.
+_READ_VALUE: Final = torch.ops.aten._local_scalar_dense.default
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -75,12 +80,16 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
     ignored: they would not be on the GPU either.
     """
 
-    def __init__(self, device_type: str = "meta", after_op: AfterOpHook | None = None) -> None:
+    def __init__(self, device_type: str = "meta", after_op: AfterOpHook | None = None,
+                 read_values: ReadOracle | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode.__init__ is untyped
         self.device_type = device_type
         # Called after every op with (func, args, kwargs, out): kernel workspace rules that
         # add synthetic allocations for memory the meta kernels do not show.
         self.after_op = after_op
+        # Asked for the value of a tensor the code reads (.item(), bool(), an `if` on one), which
+        # a meta tensor cannot give: the model's source knows some (memcalc.stacks.transformers.reads).
+        self.read_values = read_values
         self.trace = StepTrace()
         self.phase = Phase.SETUP
         self.modules = ModuleTracker()
@@ -109,6 +118,10 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         try:
             return func(*args, **kwargs)
         except Exception as exc:  # any failure of a meta kernel ends the estimate, named
+            if func is _READ_VALUE and self.read_values is not None:
+                value = self.read_values(args[0])
+                if value is not None:  # a read the model's source answers for the estimated run
+                    return value
             raise symbolic_execution_error(str(func), self.modules.current, self.phase.value, exc) from exc
 
     def _see(self, out: Any) -> None:
@@ -252,7 +265,8 @@ class MetaKernelCache:
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
         self._specs: dict[tuple[object, ...], _Spec] = {}
-        self._plans: dict[Op, _Plan | None] = {}
+        # a value read (.item()) is never cached: its answer changes with the data it stands for
+        self._plans: dict[Op, _Plan | None] = {_READ_VALUE: None}
         self.hits = 0
 
     def run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], compute: _Compute) -> Any:

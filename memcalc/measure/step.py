@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from memcalc.api import estimate_step
+from memcalc.core.categories import Mode
+from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import Measurement, MemoryReport
 from memcalc.engine.loops import run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
@@ -81,7 +83,8 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
     if not options.finetune.is_empty:
         module, _notes = finetune_module(module, options.finetune, precision=options.precision, mode=options.mode)
     inputs = resolved.step_inputs(inputs, own_loss=options.trains_own_loss)
-    inputs, _ = prepare_step(module, inputs, options, containers=resolved.block_containers, model_name=resolved.name)
+    inputs, _ = prepare_step(module, inputs, options, containers=resolved.block_containers, model_name=resolved.name,
+                             own_checkpointing=resolved.checkpointing)
     keep: list[torch.Tensor] = []
     if options.kv_cache is not None:
         nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache, model_name=resolved.name,
@@ -267,6 +270,12 @@ def measured_device() -> str | None:
 def measure(step: Step, *, device: str | None = None) -> Measurement:
     """Measure the real step: on ``device`` (``"cuda:N"``) when given, else on CUDA when
     available, else on the CPU (as this machine's CPU runs the step: :meth:`Step.on_cpu`)."""
+    if step.mode is Mode.GENERATE:
+        raise InapplicableOptionError(
+            "measuring mode generate is not implemented: the measurement runs memcalc's step program, and a "
+            "generate() call's end depends on the tokens it draws",
+            hint="Compare with a real model.generate(...) under torch.cuda.max_memory_allocated() or the CPU "
+                 "profiler (tests/hf_reference/test_generate.py does the latter).")
     use_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
     if use_cuda:
         return measure_cuda(step, device=torch.device(device) if device else None)

@@ -77,11 +77,14 @@ def render_report(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str
 
 
 _MODE_TEXT = {Mode.TRAIN: "training step", Mode.EVAL: "eval forward (no_grad)",
-              Mode.INFERENCE: "inference forward (inference_mode)"}
+              Mode.INFERENCE: "inference forward (inference_mode)", Mode.GENERATE: "generate()"}
 
 
 def _header(report: MemoryReport) -> str:
     step = _MODE_TEXT[report.mode]
+    if report.mode is Mode.GENERATE:
+        new = report.new_tokens or 1
+        step += f" of {new} new tokens (prefill + {new - 1} decode steps)"
     if report.mode is Mode.TRAIN:
         step += f", optimizer {report.optimizer}" + (f" ({report.optimizer_impl})" if report.optimizer_impl else "")
         if report.accum_steps > 1:
@@ -201,6 +204,7 @@ _TEXTBOOK_WHY = {
                 "are freed, optimizer state is created at the first step, temporaries come and go.",
     Mode.EVAL: _FORWARD_ONLY_WHY,
     Mode.INFERENCE: _FORWARD_ONLY_WHY,
+    Mode.GENERATE: _FORWARD_ONLY_WHY + " The KV cache grows by one token per decode step.",
 }
 # Memory the rule of thumb never counts (it has parameters, the input batch and activations).
 _NOT_IN_TEXTBOOK = (Category.WORKSPACE, Category.KV_CACHE, Category.BUFFERS)

@@ -48,8 +48,11 @@ from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_in
 from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
 from memcalc.sources.user_code import Example, load_from_file, load_from_module
 from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
-from memcalc.stacks.transformers.heads import labels_maker, named_architecture
+from memcalc.stacks.transformers.checkpointing import hf_checkpointing, supports_checkpointing
+from memcalc.stacks.transformers.generate import generate_on_meta
+from memcalc.stacks.transformers.heads import Head, head_of, labels_maker, named_architecture
 from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, import_hf, load_config
+from memcalc.stacks.transformers.reads import hf_reads
 from models_zoo.registry import InputKind, ZooEntry
 
 __all__ = ("ModelLike", "ResolvedModel", "meta_twin", "resolve")
@@ -361,8 +364,11 @@ def _hf_resolve(source: HuggingFace, batch_size: int, shape: _Shape | None, seq_
     # passes them); LM cross-entropy is memcalc's stand-in for a causal LM whose loss is chosen
     resolved.loss = LossKind.LM_CROSS_ENTROPY if _is_causal_lm(resolved.module) else LossChoice.AUTO
     resolved.labels = labels_maker(resolved.module)
+    resolved.generate = generate_on_meta if head_of(resolved.module) is Head.CAUSAL_LM else None
+    resolved.reads = hf_reads
     resolved.notes += (attention_note(resolved.module, source.attention),)
     resolved.block_containers = hf_block_containers(resolved.module)
+    resolved.checkpointing = hf_checkpointing if supports_checkpointing(resolved.module) else None
     if user_inputs is None and isinstance(context, int) and length > context:
         resolved.notes += (_hf_beyond_context(resolved, context, length),)
     return resolved

@@ -29,24 +29,33 @@ from memcalc.engine.model import ResolvedModel
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import parameter_count
 from memcalc.stacks.bitsandbytes import quantize_linears
+from memcalc.stacks.kbit import kbit_precision, prepare_for_kbit_training, prepares_for_kbit
 from memcalc.stacks.transformers.hub import import_hf
 
-__all__ = ("LoraResult", "add_lora", "apply_finetune", "finetune_module", "freeze_parameters", "linear_names")
+__all__ = ("LoraResult", "add_lora", "apply_finetune", "finetune_module", "freeze_parameters", "linear_names",
+           "step_precision")
 
 #: How many names an error lists.
 _SHOWN = 8
 
 
-def apply_finetune(resolved: ResolvedModel, finetune: FineTune, *, precision: Precision, mode: Mode) -> ResolvedModel:
+def apply_finetune(resolved: ResolvedModel, finetune: FineTune, *, precision: Precision, mode: Mode,
+                   checkpoint: bool = False) -> ResolvedModel:
     """``resolved`` with its base quantized, LoRA adapters added and parameters frozen (in place
     on its meta module), and a note for each.
+
+    A Hugging Face model trained with LoRA on a quantized base is prepared as the QLoRA recipe
+    prepares it (:mod:`memcalc.stacks.kbit`): its step then runs at
+    ``kbit_precision(precision)``, which :func:`step_precision` gives the caller.
 
     Args:
         resolved: the model on meta (:func:`memcalc.sources.resolve.resolve`).
         finetune: what to do.
-        precision: gives the compute dtype of a quantized base.
+        precision: gives the compute dtype of a quantized base, and the dtype it is loaded in.
         mode: in training, only frozen layers are quantized (bitsandbytes' weights cannot train):
             every eligible one with LoRA, those the freeze patterns name without it.
+        checkpoint: the step checkpoints its blocks (QLoRA's preparation then makes the input
+            embeddings' output require a gradient).
 
     Returns:
         The same model, changed, with the notes added.
@@ -58,12 +67,19 @@ def apply_finetune(resolved: ResolvedModel, finetune: FineTune, *, precision: Pr
     """
     if finetune.is_empty:
         return resolved
-    module, notes = finetune_module(resolved.module, finetune, precision=precision, mode=mode)
+    module, notes = finetune_module(resolved.module, finetune, precision=precision, mode=mode, checkpoint=checkpoint)
     return dataclasses.replace(resolved, module=module, notes=(*resolved.notes, *notes))
 
 
+def step_precision(resolved: ResolvedModel, finetune: FineTune, precision: Precision, mode: Mode) -> Precision:
+    """The precision the step of ``resolved`` (after :func:`apply_finetune`) runs at: the user's,
+    or for a model prepared for k-bit training the autocast of its compute dtype
+    (:func:`memcalc.stacks.kbit.kbit_precision`)."""
+    return kbit_precision(precision) if prepares_for_kbit(resolved.module, finetune, mode) else precision
+
+
 def finetune_module(module: nn.Module, finetune: FineTune, *, precision: Precision,
-                    mode: Mode) -> tuple[nn.Module, list[str]]:
+                    mode: Mode, checkpoint: bool = False) -> tuple[nn.Module, list[str]]:
     """:func:`apply_finetune` on a module: the module to run (changed in place) and the notes.
 
     Freezing and LoRA work on a real module too (PEFT's adapters are made on the module's
@@ -82,6 +98,8 @@ def finetune_module(module: nn.Module, finetune: FineTune, *, precision: Precisi
         summary = quantize_linears(module, finetune.quant, double_quant=finetune.double_quant,
                                    compute_dtype=precision.compute_dtype, select=frozen)
         notes.append(summary.note)
+        if prepares_for_kbit(module, finetune, mode):
+            notes.append(prepare_for_kbit_training(module, finetune.quant, precision=precision, checkpoint=checkpoint))
     if finetune.lora is not None:
         lora = add_lora(module, finetune.lora)
         module = lora.module

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.report import MemoryReport
@@ -38,6 +39,7 @@ __all__ = (
     "GpuPerformance",
     "basis",
     "check_timeable",
+    "check_timeable_mode",
     "device_rates",
     "loader_advice",
     "step_time",
@@ -160,6 +162,19 @@ def check_timeable(gpu: str | GpuProfile | None) -> None:
     device_rates(get_gpu(gpu) if isinstance(gpu, str) else gpu)
 
 
+def check_timeable_mode(mode: Mode) -> None:
+    """Refuse to time a generation: the roofline's phases and its tokens per step are those of
+    one training or forward step, not of a prefill and its decode steps.
+
+    Raises:
+        InvalidInputError: mode generate.
+    """
+    if mode is Mode.GENERATE:
+        raise InvalidInputError("the time of a generation (mode generate) is not modelled: the step-time model "
+                                "times one training or forward step",
+                                hint="Leave out --time; time one decode step as a forward (mode inference) instead.")
+
+
 def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
               launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None,
               host_seconds: float | None = None) -> StepTime:
@@ -186,6 +201,7 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
     Raises:
         InvalidInputError: the report has no named GPU with known figures, or no traced step.
     """
+    check_timeable_mode(report.mode)
     if not report.gpu_named:
         device_rates(GENERIC)  # raises, naming the GPUs that can be timed
     rates = device_rates(report.gpu, efficiency=efficiency, launch_overhead=launch_overhead,

@@ -1,0 +1,85 @@
+"""Generation traced as the model runs it: ``mode="generate"`` calls the model's own
+``generate()`` (:attr:`memcalc.engine.model.ResolvedModel.generate`: a Hugging Face causal LM's,
+made runnable on meta by :mod:`memcalc.stacks.transformers.generate`) under the tracer, and tells the
+phases apart as it runs.
+
+The peak of a generation is the highest point of the whole call. Where it lies depends on the
+model and the sizes: in the **prefill** (one forward over the whole prompt: its activations,
+its attention, the logits it keeps), or in a **decode step** (one forward of one new token,
+over a cache that has grown by one token per step; a ``DynamicCache`` grows by ``torch.cat``,
+so for a moment each layer holds its old keys and values and the longer copy). So every
+forward of the model starts a phase: the first :attr:`~memcalc.core.categories.Phase.PREFILL`
+(with generate()'s setup before it), each later one :attr:`~memcalc.core.categories.Phase.DECODE`
+— decode step *k* is the *k*-th forward after the prefill, with the token selection after it.
+:func:`decode_step_at` counts them back from the trace.
+
+The cache's keys and values are marked :attr:`~memcalc.core.categories.Category.KV_CACHE`
+as the forward that made them returns; everything else generate() allocates is an activation
+(the model's, or the selection's: the last position's logits copied to float32, the argmax,
+the sequences grown by one token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from memcalc.core.categories import Phase
+from memcalc.engine.model import GenerateFn, ModelInputs
+from memcalc.engine.step import StepConfig, StepOutcome
+from memcalc.engine.trace import StepTrace
+
+__all__ = ("GenerationObserver", "decode_step_at", "run_generation")
+
+
+class GenerationObserver(Protocol):
+    """What the tracer learns from a generation."""
+
+    def set_phase(self, phase: Phase) -> None:
+        """The generation enters ``phase``."""
+
+    def kv_cache(self, tensors: Iterable[torch.Tensor]) -> None:
+        """``tensors`` are the cache's keys and values."""
+
+    def finished(self) -> None:
+        """The call is over; what dies after this is not part of it."""
+
+
+def run_generation(model: nn.Module, inputs: ModelInputs, config: StepConfig, generate: GenerateFn,
+                   new_tokens: int, observer: GenerationObserver) -> StepOutcome:
+    """Run ``generate(model, inputs, new_tokens, ...)`` with the model in eval mode, inside the
+    step's autocast region (generate() runs under ``torch.no_grad()`` itself), a phase per forward.
+
+    Returns:
+        The outcome: no loss; the generated sequences' shape as the output's.
+    """
+    was_training = model.training
+    forwards = 0
+
+    def forward_starts(_module: nn.Module, _args: Any) -> None:
+        nonlocal forwards
+        observer.set_phase(Phase.PREFILL if forwards == 0 else Phase.DECODE)
+        forwards += 1
+
+    model.eval()
+    handle = model.register_forward_pre_hook(forward_starts)
+    try:
+        with config.autocast():
+            observer.set_phase(Phase.PREFILL)  # generate()'s setup: the cache, the masks, the processors
+            sequences = generate(model, inputs, new_tokens, observer.kv_cache)
+            shape = tuple(sequences.shape)
+            del sequences
+    finally:
+        handle.remove()
+        model.train(was_training)
+    observer.finished()
+    return StepOutcome(loss_kind=None, output_shape=shape)
+
+
+def decode_step_at(trace: StepTrace, event: int) -> int:
+    """The decode step ``trace.events[event]`` happens in: 0 in the prefill, *k* in the *k*-th
+    forward after it (:func:`run_generation` logs a :attr:`Phase.DECODE` per decode step)."""
+    return sum(1 for phase, start in trace.phase_log if phase is Phase.DECODE and start <= event)

@@ -1,0 +1,143 @@
+"""QLoRA as the recipes run it: ``peft.prepare_model_for_kbit_training`` run for real on the
+meta model, between transformers' quantized load and ``peft.get_peft_model``.
+
+The recipe (PEFT's and transformers' QLoRA guides, TRL's ``SFTTrainer`` when it is given a
+k-bit model) is::
+
+    model = AutoModelForCausalLM.from_pretrained(name, quantization_config=BitsAndBytesConfig(...),
+                                                 dtype=torch.bfloat16)
+    model = prepare_model_for_kbit_training(model)
+    model = get_peft_model(model, LoraConfig(...))
+    Trainer(model, TrainingArguments(bf16=True, ...)).train()
+
+memcalc's meta model follows it step by step: :func:`memcalc.stacks.bitsandbytes.quantize_linears`
+stands for ``from_pretrained``'s quantization (``replace_with_bnb_linear``), the parameters are
+cast to the dtype the model is loaded in (``dtype=``: the precision's parameter dtype) and it is marked as
+transformers' bitsandbytes quantizer marks it (``is_loaded_in_4bit`` / ``is_loaded_in_8bit``,
+``_process_model_after_weight_loading``), then PEFT's own ``prepare_model_for_kbit_training``
+runs on it (peft/utils/other.py):
+
+- every parameter frozen;
+- every fp16/bf16 parameter that is not a ``Params4bit`` cast to float32: the embeddings, the
+  LM head, the norms, the biases — all that stays unquantized. memcalc's packed 4-bit and int8
+  weights are integer tensors and their statistics float32, so PEFT leaves them as it leaves
+  bitsandbytes'. The cast parameters are marked :data:`~memcalc.engine.prepare.KEEP_DTYPE`,
+  which the step's precision cast respects;
+- with gradient checkpointing (``use_gradient_checkpointing``: memcalc passes ``--checkpoint``,
+  where PEFT's default is True — the report says so when it is off),
+  ``model.enable_input_require_grads()`` — a forward hook that makes the input embeddings'
+  output require a gradient, so backward runs down to it — and
+  ``model.gradient_checkpointing_enable()``: transformers' own checkpointing of its decoder
+  layers, which drops their KV cache in training. The step keeps it and gives it memcalc's
+  checkpoint function, whose recomputation runs under the emulated autocast
+  (:mod:`memcalc.stacks.transformers.checkpointing`).
+
+**The step's precision.** After ``prepare_model_for_kbit_training`` no parameter is in 16 bits
+any more: a recipe that loads the model in bf16 (``--precision bf16``) and trains it with
+``TrainingArguments(bf16=True)`` runs float32 weights under bf16 autocast — memcalc's
+``amp-bf16`` —, the 4-bit matmuls in ``bnb_4bit_compute_dtype`` (bf16). So :func:`kbit_precision`
+turns ``bf16`` into ``amp-bf16`` and ``fp16`` into ``amp-fp16`` (``fp16=True``: autocast and
+GradScaler); ``fp32`` and the ``amp-*`` precisions are what they say already.
+
+Only Hugging Face models are prepared: PEFT's function "only works for transformers models"
+(its docstring), and the load it follows is transformers'. A plain-torch model with
+``--quant`` keeps the layout bitsandbytes gives its Linear layers and nothing else.
+
+Checked against the real libraries on the CPU (tests/hf_reference/test_trainer_peft.py: a
+bf16 checkpoint loaded with a 4-bit ``BitsAndBytesConfig``, ``prepare_model_for_kbit_training``,
+``get_peft_model`` and ``Trainer(bf16=True)`` for two steps; and the parameters' bytes after
+preparation, storage by storage).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from memcalc.core.categories import Mode
+from memcalc.core.finetune import FineTune, Quant
+from memcalc.core.precision import Precision
+from memcalc.core.units import format_bytes
+from memcalc.engine.prepare import KEEP_DTYPE
+from memcalc.stacks.transformers.hub import import_hf
+
+__all__ = ("is_transformers_model", "kbit_precision", "prepare_for_kbit_training", "prepares_for_kbit")
+
+#: The dtypes ``prepare_model_for_kbit_training`` casts to float32.
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (recognised by its class hierarchy, so that transformers
+    need not be imported for a plain-torch model)."""
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+               for cls in type(module).__mro__)
+
+
+def prepares_for_kbit(module: nn.Module, finetune: FineTune, mode: Mode) -> bool:
+    """Whether the QLoRA recipe's ``prepare_model_for_kbit_training`` applies: a quantized base
+    with LoRA adapters, trained, on a Hugging Face model (module docstring)."""
+    return (finetune.quant is not None and finetune.lora is not None and mode is Mode.TRAIN
+            and is_transformers_model(module))
+
+
+def kbit_precision(precision: Precision) -> Precision:
+    """The precision a step of a model prepared for k-bit training runs at: float32 weights under
+    the autocast of the precision's compute dtype (module docstring)."""
+    return {Precision.BF16: Precision.AMP_BF16, Precision.FP16: Precision.AMP_FP16}.get(precision, precision)
+
+
+def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Precision, checkpoint: bool) -> str:
+    """Load ``module`` (its Linear layers already quantized, on meta) in the precision's parameter
+    dtype and run PEFT's ``prepare_model_for_kbit_training`` on it, in place. Returns the report's note.
+
+    Args:
+        module: a Hugging Face model on meta, quantized by :func:`memcalc.stacks.bitsandbytes.quantize_linears`.
+        quant: the quantization (which ``is_loaded_in_*`` transformers sets).
+        precision: the user's precision: the dtype the model is loaded in (``from_pretrained(dtype=...)``).
+        checkpoint: gradient checkpointing (PEFT's ``use_gradient_checkpointing``).
+    """
+    peft = import_hf("peft", "QLoRA (--lora with --quant)")
+    _load_in(module, precision.parameter_dtype)
+    # transformers' Bnb4BitHfQuantizer / Bnb8BitHfQuantizer._process_model_after_weight_loading
+    setattr(module, "is_loaded_in_8bit" if quant is Quant.INT8 else "is_loaded_in_4bit", True)
+    half = {id(p): p.nbytes for p in module.parameters() if p.dtype in _HALF}
+    with warnings.catch_warnings():
+        # transformers' deprecation of gradient_checkpointing_enable, reached through PEFT: not the user's concern
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        peft.prepare_model_for_kbit_training(module, use_gradient_checkpointing=checkpoint)
+    cast = [p for p in module.parameters() if id(p) in half and p.dtype is torch.float32]
+    for p in module.parameters():
+        if p.is_floating_point():
+            setattr(p, KEEP_DTYPE, p.dtype)
+    version = getattr(peft, "__version__", "?")
+    note = f"prepare_model_for_kbit_training (peft {version}) run as the QLoRA recipe runs it: "
+    if cast:
+        before = sum(half[id(p)] for p in cast)
+        note += (f"{len(cast)} parameter tensors left unquantized cast from {_name(precision.parameter_dtype)} "
+                 f"to float32 ({format_bytes(before)} → {format_bytes(2 * before)})")
+    else:
+        note += "nothing to cast (the model is loaded in float32)"
+    if precision is not kbit_precision(precision):
+        note += (f"; the step runs as {kbit_precision(precision).value}: float32 weights under "
+                 f"{_name(precision.compute_dtype)} autocast, as TrainingArguments({_name(precision.compute_dtype)}"
+                 f"=True) trains them")
+    if not checkpoint:
+        note += ("; without gradient checkpointing (prepare_model_for_kbit_training turns it on by default: "
+                 "add --checkpoint if the recipe keeps that default)")
+    return note
+
+
+def _load_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """``from_pretrained(dtype=dtype)``: the floating parameters in ``dtype``, except those marked
+    :data:`KEEP_DTYPE` (bitsandbytes' float32 statistics); buffers keep the dtype the model's
+    ``__init__`` gave them (a rotary embedding's float32 ``inv_freq``), as they do in transformers."""
+    for p in module.parameters():
+        if p.is_floating_point() and not hasattr(p, KEEP_DTYPE) and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).removeprefix("torch."))

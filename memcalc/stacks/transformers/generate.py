@@ -1,0 +1,88 @@
+"""``model.generate(prompt, max_new_tokens=N)`` of a Hugging Face causal LM, run for real on
+meta tensors: transformers' own ``GenerationMixin.generate`` as installed — its prefill with
+``logits_to_keep=1``, the cache class ``_prepare_cache_for_generation`` picks (``DynamicCache``
+unless the generation config names another), the logits processors and stopping criteria it
+builds, and each decode step of ``_sample`` — under memcalc's tracer.
+
+The values generate() reads from tensors (whether the prompt is padded; whether to stop after
+each token) cannot be read from meta tensors: the tracer takes them from
+:mod:`memcalc.stacks.transformers.reads`, answered for a prompt without padding that generates all ``N``
+tokens — no end-of-sequence token before, what ``max_new_tokens`` allows at most, and the
+largest cache. So the estimate is the call's peak when it runs to ``max_new_tokens``; a run that
+stops earlier at an end-of-sequence token peaks no higher, except through ``min_new_tokens``,
+whose logits processor (not run here) copies the scores at each step.
+
+The prefill is the first call of the model's forward, each decode step one more (the engine
+tells them apart: :mod:`memcalc.engine.generation`); after each forward, the tensors of the
+cache the output carries are marked as the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from memcalc.engine.model import ModelInputs
+
+__all__ = ("cache_tensors", "generate_on_meta")
+
+
+def cache_tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The keys and values held by the cache a forward's output carries (transformers'
+    ``Cache``: one ``CacheLayerMixin`` per layer, ``keys`` and ``values`` each)."""
+    values = output.values() if isinstance(output, dict) else ()
+    for value in values:
+        for layer in getattr(value, "layers", None) or ():
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor):
+                    yield tensor
+
+
+@contextmanager
+def _quiet_generation() -> Iterator[None]:
+    """transformers' generation logger (its notes on pad ids and attention masks): the user did not call it."""
+    logger = logging.getLogger("transformers.generation.utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def generate_on_meta(module: nn.Module, inputs: ModelInputs, new_tokens: int,
+                     mark_cache: Callable[[Iterable[torch.Tensor]], None]) -> torch.Tensor:
+    """``module.generate(input_ids, max_new_tokens=new_tokens, do_sample=False)`` on meta, the
+    cache's tensors handed to ``mark_cache`` after each forward (its reads of tensor values are
+    the tracer's to answer: module docstring).
+
+    Args:
+        module: a Hugging Face causal LM on meta.
+        inputs: the prompt: ``input_ids`` (B, T), with its other keyword arguments (an attention mask).
+        new_tokens: ``max_new_tokens``.
+        mark_cache: told the cache's tensors after each forward.
+
+    Returns:
+        The generated sequences (B, T + new_tokens).
+    """
+    kwargs = dict(inputs.kwargs)
+    ids = kwargs.pop("input_ids", None)
+    if ids is None:
+        ids = inputs.args[0]
+    config: Any = module.generation_config  # GenerationMixin's GenerationConfig
+    eos = config.eos_token_id
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    hook = module.register_forward_hook(lambda _m, _a, out: mark_cache(cache_tensors(out)))
+    try:
+        with _quiet_generation():
+            sequences: torch.Tensor = module.generate(  # type: ignore[operator]  # GenerationMixin's
+                ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, **kwargs)
+    finally:
+        hook.remove()
+    return sequences
