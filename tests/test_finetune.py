@@ -25,6 +25,7 @@ from memcalc.cli import main
 from memcalc.core.categories import Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.finetune import Quant
+from memcalc.core.precision import Precision
 from memcalc.distributed.estimate import run_estimate
 from memcalc.engine.run import TracedStep
 from memcalc.fields import build_step
@@ -248,7 +249,7 @@ def test_qlora_on_a_hugging_face_model_runs_prepare_model_for_kbit_training(tmp_
     assert "7 parameter tensors left unquantized cast from bf16 to float32 (250.62 KiB → 501.25 KiB)" in note
     assert "the step runs as amp-bf16" in note and "add --checkpoint" in note
     # then a bf16 load is a float32 one, and Trainer's bf16=True is autocast over it
-    assert loaded_bf16.precision is memcalc.Precision.AMP_BF16
+    assert loaded_bf16.precision is Precision.AMP_BF16
     assert loaded_bf16.bytes.parameters == loaded_fp32.bytes.parameters
     assert loaded_bf16.bytes.peak_allocated == loaded_fp32.bytes.peak_allocated
     # (out, in) of each layer's q, k, v, o (2 key-value heads of 16), gate, up, down; adapters on q and v, r=8
@@ -257,14 +258,14 @@ def test_qlora_on_a_hugging_face_model_runs_prepare_model_for_kbit_training(tmp_
     adapters = 2 * (8 * 64 + 64 * 8 + 8 * 64 + 32 * 8)
     assert loaded_bf16.bytes.parameters == 4 * unquantized + quantized + 4 * adapters
     plain_lora = memcalc.estimate(source, precision="bf16", **(kwargs | dict(finetune=FineTune(lora=LoRA(8)))))
-    assert plain_lora.precision is memcalc.Precision.BF16  # no quantized base: nothing to prepare
+    assert plain_lora.precision is Precision.BF16  # no quantized base: nothing to prepare
 
 
 def test_qlora_on_a_plain_torch_model_is_not_prepared():
     # prepare_model_for_kbit_training "only works for transformers models": the zoo's Llama keeps its bf16
     finetune = FineTune(lora=LoRA(8, targets=("q_proj", "v_proj")), quant="nf4")
     report = memcalc.estimate("llama-tiny", batch_size=1, seq_len=16, precision="bf16", finetune=finetune)
-    assert report.precision is memcalc.Precision.BF16
+    assert report.precision is Precision.BF16
     assert not any(n.startswith("prepare_model_for_kbit_training") for n in report.notes)
 
 

@@ -107,11 +107,13 @@ def test_timing_a_generation_is_refused(tmp_path: Path):
 
 
 def test_measuring_a_generation_is_refused(tmp_path: Path):
+    from memcalc.fields import build_step
     from memcalc.measure.step import measure
 
+    step = build_step(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=8, mode="generate",
+                      new_tokens=2)
     with pytest.raises(InapplicableOptionError, match="measuring mode generate"):
-        measure(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=8, mode="generate", new_tokens=2,
-                device="cpu")
+        measure(step, device="cpu")
 
 
 _FAKE_TRANSFORMERS = """
