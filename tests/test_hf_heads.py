@@ -35,6 +35,34 @@ def test_the_head_is_the_class_architectures_names(tmp_path: Path, architecture:
     assert report.loss == "the model's own (output.loss)"
 
 
+@pytest.mark.parametrize("task, architecture", [
+    ("sequence-classification", "BertForSequenceClassification"),
+    ("token-classification", "BertForTokenClassification"),
+    ("masked-lm", "BertForMaskedLM"),
+    ("question-answering", "BertForQuestionAnswering"),
+])
+def test_task_builds_the_head_asked_for_over_architectures(tmp_path: Path, task: str, architecture: str):
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "named").mkdir()
+    bert = {**_BERT, "num_labels": 2 if task == "question-answering" else 3}  # a QA head's two logits
+    source = hf_config_source(tmp_path / "bare", {**bert, "architectures": ["BertModel"]})
+    asked = memcalc.HuggingFace(str(source).removeprefix("hf:"), task=task)
+    assert type(resolve(asked, batch_size=4, seq_len=16).module).__name__ == architecture
+    named = hf_config_source(tmp_path / "named", {**bert, "architectures": [architecture]})
+    # the same head as the config naming it: the same step, to the byte
+    kw = dict(batch_size=4, seq_len=16, optimizer="adamw")
+    assert memcalc.estimate(asked, **kw).bytes == memcalc.estimate(named, **kw).bytes
+
+
+def test_task_a_model_type_lacks_is_refused_naming_it(tmp_path: Path):
+    source = hf_config_source(tmp_path, SMALL_LLAMA)
+    with pytest.raises(memcalc.InvalidInputError, match="has no seq2seq head in transformers"):
+        memcalc.estimate(memcalc.HuggingFace(str(source).removeprefix("hf:"), task="seq2seq"), batch_size=1,
+                         seq_len=8)
+    with pytest.raises(memcalc.InvalidInputError, match="unknown task 'classify'"):
+        memcalc.HuggingFace("bert", task="classify")
+
+
 def test_a_config_without_architectures_is_a_causal_lm_as_before(tmp_path: Path):
     config = {k: v for k, v in SMALL_LLAMA.items() if k != "architectures"}
     resolved = resolve(hf_config_source(tmp_path, config), batch_size=2, seq_len=8)

@@ -1,8 +1,11 @@
-"""``--attn``: which attention code a Hugging Face model runs (``hf:`` models only).
+"""``--attn`` and ``--task``: which attention code a Hugging Face model runs, and which head it
+is built with (``hf:`` models only).
 
-The option's value travels in a command's ``**kwargs`` with the other shared option groups;
-:func:`attn_model` pops it and turns ``MODEL`` into a :class:`memcalc.stacks.transformers.hub.HuggingFace`
-(an ``hf:`` model) or refuses it (any other model: the option would be ignored)."""
+The options' values travel in a command's ``**kwargs`` with the other shared option groups;
+:func:`attn_model` pops them and turns ``MODEL`` into a
+:class:`memcalc.stacks.transformers.hub.HuggingFace` (an ``hf:`` model) or refuses them (any
+other model: the options would be ignored). They describe the model, not the step, so they
+are not fields of the step (:mod:`memcalc.fields`)."""
 
 from __future__ import annotations
 
@@ -11,16 +14,24 @@ from typing import Any
 
 import click
 
+from memcalc.stacks.transformers.heads import Head
 from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, with_attention
 
-__all__ = ("ATTN_PARAMETER", "attn_model", "attn_option")
+__all__ = ("ATTN_PARAMETER", "TASK_PARAMETER", "attn_model", "attn_option")
 
-#: The command parameter :func:`attn_option` adds (popped by :func:`attn_model`).
+#: The command parameters :func:`attn_option` adds (popped by :func:`attn_model`).
 ATTN_PARAMETER = "attn"
+TASK_PARAMETER = "task"
 
 
 def attn_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--attn eager|sdpa|flash_attention_2``."""
+    """``--attn eager|sdpa|flash_attention_2`` and ``--task HEAD``."""
+    func = click.option(
+        "--task", TASK_PARAMETER, type=click.Choice([h.value for h in Head]), default=None,
+        help="Head of an hf: model, and so the loss it trains with from its labels (Trainer's): causal-lm, "
+             "masked-lm, seq2seq, sequence-classification, token-classification or question-answering. Default: "
+             "the head the config's architectures names, else a causal LM.",
+    )(func)
     return click.option(
         "--attn", ATTN_PARAMETER, type=click.Choice([a.value for a in HfAttention]), default=None,
         help="Attention of an hf: model: eager (softmax(QKᵀ) as tensors), sdpa (the fused kernel CUDA picks) or "
@@ -29,5 +40,5 @@ def attn_option(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def attn_model(model: str, options: MutableMapping[str, Any]) -> str | HuggingFace:
-    """``MODEL`` with ``--attn`` (taken out of ``options``) applied."""
-    return with_attention(model, options.pop(ATTN_PARAMETER, None))
+    """``MODEL`` with ``--attn`` and ``--task`` (taken out of ``options``) applied."""
+    return with_attention(model, options.pop(ATTN_PARAMETER, None), options.pop(TASK_PARAMETER, None))

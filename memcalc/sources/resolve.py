@@ -50,7 +50,7 @@ from memcalc.sources.user_code import Example, load_from_file, load_from_module
 from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
 from memcalc.stacks.transformers.checkpointing import hf_checkpointing, supports_checkpointing
 from memcalc.stacks.transformers.generate import generate_on_meta
-from memcalc.stacks.transformers.heads import Head, head_of, labels_maker, named_architecture
+from memcalc.stacks.transformers.heads import AUTO_CLASSES, Head, head_of, labels_maker, named_architecture
 from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, import_hf, load_config
 from memcalc.stacks.transformers.reads import hf_reads
 from models_zoo.registry import InputKind, ZooEntry
@@ -350,7 +350,7 @@ def _hf_resolve(source: HuggingFace, batch_size: int, shape: _Shape | None, seq_
                 user_inputs: _Inputs | None) -> ResolvedModel:
     transformers = import_hf("transformers", f"the model source {source.spec}")
     config = load_config(transformers, source)
-    factory = lambda: _hf_model_from_config(transformers, config, source.attention, source.spec)
+    factory = lambda: _hf_model_from_config(transformers, config, source.attention, source.spec, source.head)
     context = getattr(config, "max_position_embeddings", None)
     asked = (shape[0] if shape else None) or seq_len
     length = asked or min(context or _HF_DEFAULT_SEQ_LEN, _HF_DEFAULT_SEQ_LEN)
@@ -403,12 +403,14 @@ def _hf_beyond_context(resolved: ResolvedModel, context: int, length: int) -> st
 
 
 def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttention | None = None,
-                          name: str = "") -> nn.Module:
+                          name: str = "", task: Head | None = None) -> nn.Module:
     implementation = implementation_name(transformers, attn)
     kwargs: dict[str, Any] = {} if implementation is None else {"attn_implementation": implementation}
     # float32 parameters whatever the config's torch_dtype says (the dtype the Hub stores weights
     # in, bfloat16 for most LLMs, which from_config would build in): --precision decides the step's.
     kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = torch.float32
+    if task is not None:  # --task: that head, or an error (not another head in its place)
+        return _hf_head(transformers, config, task, kwargs, attn, name)
     named = named_architecture(transformers, config)
     builders = [] if named is None else [named._from_config]  # type: ignore[attr-defined]  # PreTrainedModel's
     builders += [getattr(transformers, auto).from_config for auto in ("AutoModelForCausalLM", "AutoModel")]
@@ -423,6 +425,25 @@ def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttenti
         check_supported(model, attn, name)
         return model
     raise ModelSourceError(f"transformers has no model class for config {type(config).__name__}")
+
+
+def _hf_head(transformers: ModuleType, config: Any, task: Head, kwargs: dict[str, Any], attn: HfAttention | None,
+             name: str) -> nn.Module:
+    """The model with the head ``--task`` asks for, built by its Auto class; a model type
+    without that head in the installed transformers is refused, naming the task."""
+    try:
+        model: nn.Module = getattr(transformers, AUTO_CLASSES[task]).from_config(config, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise InvalidInputError(
+                f"{name} has no {task.value} head in transformers {transformers.__version__} "
+                f"({AUTO_CLASSES[task]} does not know {type(config).__name__})",
+                hint="Choose another --task, or leave it out to build the head the config's architectures "
+                     "names.") from None
+        raise InvalidInputError(f"{name} cannot run --attn {attn.value if attn else ''}: {str(exc).splitlines()[0]}",
+                                hint="Leave --attn out to run what transformers picks for it.") from exc
+    check_supported(model, attn, name)
+    return model
 
 
 def _is_causal_lm(module: nn.Module) -> bool:

@@ -44,6 +44,18 @@ class Head(str, enum.Enum):
     QUESTION_ANSWERING = "question-answering"  # start_positions, end_positions (B,)
 
 
+#: The Auto class that builds each head from a config (``--task``: the head asked for, not the
+#: one ``architectures`` names).
+AUTO_CLASSES: dict[Head, str] = {
+    Head.CAUSAL_LM: "AutoModelForCausalLM",
+    Head.MASKED_LM: "AutoModelForMaskedLM",
+    Head.SEQ2SEQ: "AutoModelForSeq2SeqLM",
+    Head.SEQUENCE_CLASSIFICATION: "AutoModelForSequenceClassification",
+    Head.TOKEN_CLASSIFICATION: "AutoModelForTokenClassification",
+    Head.QUESTION_ANSWERING: "AutoModelForQuestionAnswering",
+}
+
+
 #: transformers' Auto mappings (model type → class name) that say what each head is, in the
 #: order they are asked: BART's conditional-generation class is in the masked-LM mapping too.
 _MAPPINGS: tuple[tuple[str, Head], ...] = (

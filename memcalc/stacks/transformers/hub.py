@@ -57,6 +57,7 @@ from types import ModuleType
 from typing import Any
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError, ModelSourceError
+from memcalc.stacks.transformers.heads import Head
 
 __all__ = (
     "HF_EXTRA_HINT",
@@ -104,6 +105,10 @@ class HuggingFace:
             the string ``"hf:ORG/NAME@REV"``).
         attn: ``"eager"``, ``"sdpa"`` or ``"flash_attention_2"``; None: what transformers picks
             (``sdpa`` where the model supports it).
+        task: the head to build (``"causal-lm"``, ``"masked-lm"``, ``"seq2seq"``,
+            ``"sequence-classification"``, ``"token-classification"``, ``"question-answering"``);
+            None: the one the config's ``architectures`` names (else a causal LM, else the bare
+            model). A training step computes that head's own loss from the labels it takes.
 
     Only ``config.json`` is fetched from the Hub; the model is built on meta tensors.
     """
@@ -111,6 +116,7 @@ class HuggingFace:
     model_id: str
     revision: str | None = None
     attn: HfAttention | str | None = None
+    task: Head | str | None = None
 
     def __post_init__(self) -> None:
         given = self.model_id
@@ -128,12 +134,14 @@ class HuggingFace:
             raise InvalidInputError(f"{self.model_id}: an empty revision (give a branch, a tag or a commit sha)")
         if self.attn is not None:
             object.__setattr__(self, "attn", _attention(self.attn))
+        if self.task is not None:
+            object.__setattr__(self, "task", _head(self.task))
 
     @classmethod
-    def parse(cls, spec: str, attn: HfAttention | str | None = None) -> HuggingFace:
+    def parse(cls, spec: str, attn: HfAttention | str | None = None, task: Head | str | None = None) -> HuggingFace:
         """What follows ``hf:`` in a model string: ``ORG/NAME@REV`` splits at the last ``@``
         (a local path that exists is taken whole, ``@`` or not)."""
-        return cls(spec, None, attn)
+        return cls(spec, None, attn, task)
 
     @property
     def spec(self) -> str:
@@ -145,6 +153,11 @@ class HuggingFace:
         """``attn`` as the enum (``__post_init__`` converted it)."""
         return None if self.attn is None else _attention(self.attn)
 
+    @property
+    def head(self) -> Head | None:
+        """``task`` as the enum (``__post_init__`` converted it)."""
+        return None if self.task is None else _head(self.task)
+
 
 def _attention(value: HfAttention | str) -> HfAttention:
     try:
@@ -154,17 +167,26 @@ def _attention(value: HfAttention | str) -> HfAttention:
         raise InvalidInputError(f"unknown attention implementation {value!r}: choose one of {choices}") from None
 
 
-def with_attention(model: str, attn: str | None) -> str | HuggingFace:
-    """The CLI's ``MODEL`` with ``--attn``: an ``hf:`` string becomes a :class:`HuggingFace`;
-    ``--attn`` with any other model is refused (it would be ignored)."""
-    if attn is None:
+def _head(value: Head | str) -> Head:
+    try:
+        return Head(value)
+    except ValueError:
+        choices = ", ".join(h.value for h in Head)
+        raise InvalidInputError(f"unknown task {value!r}: choose one of {choices}") from None
+
+
+def with_attention(model: str, attn: str | None, task: str | None = None) -> str | HuggingFace:
+    """The CLI's ``MODEL`` with ``--attn`` and ``--task``: an ``hf:`` string becomes a
+    :class:`HuggingFace`; either option with any other model is refused (it would be ignored)."""
+    if attn is None and task is None:
         return model
     if not model.startswith("hf:"):
+        given = f"--attn {attn}" if attn is not None else f"--task {task}"
         raise InapplicableOptionError(
-            f"--attn {attn} applies to Hugging Face models only, not to {model!r}",
-            hint="Give an hf: model (hf:ORG/NAME, hf:llama, hf:config.json), or leave --attn out: "
-                 "other models run the attention their own code calls.")
-    return HuggingFace.parse(model[len("hf:"):], attn)
+            f"{given} applies to Hugging Face models only, not to {model!r}",
+            hint="Give an hf: model (hf:ORG/NAME, hf:llama, hf:config.json), or leave it out: other models run "
+                 "their own code (their attention, their head).")
+    return HuggingFace.parse(model[len("hf:"):], attn, task)
 
 
 # ---- optional packages ----------------------------------------------------------------------
