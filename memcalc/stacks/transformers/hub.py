@@ -46,10 +46,12 @@ them in :func:`_hub_error`.
 
 from __future__ import annotations
 
+import copy
 import enum
 import importlib
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -63,6 +65,7 @@ __all__ = (
     "HubError",
     "HubProblem",
     "HuggingFace",
+    "config_from_values",
     "download_config",
     "import_hf",
     "load_config",
@@ -198,6 +201,23 @@ def load_config(transformers: ModuleType, source: HuggingFace) -> Any:
     if "/" not in name and source.revision is None:
         return _model_type_config(transformers, name)
     return _auto_config(transformers, download_config(name, source.revision), source)
+
+
+def config_from_values(transformers: ModuleType, values: Mapping[str, object], name: str) -> Any:
+    """The ``PretrainedConfig`` of a ``config.json``'s values held in memory (a zoo entry's
+    released config): the config class of their ``model_type``, through its ``from_dict``, as
+    ``AutoConfig.from_pretrained`` reads a file. The values are copied: transformers keeps (and may
+    change) what it is given.
+
+    Raises:
+        ModelSourceError: the installed transformers has no such model type.
+    """
+    model_type = values.get("model_type")
+    mapping = transformers.CONFIG_MAPPING
+    if not isinstance(model_type, str) or model_type not in mapping:
+        raise ModelSourceError(f"{name}: transformers {transformers.__version__} has no model type {model_type!r}",
+                               hint="Upgrade transformers (pip install -U transformers).")
+    return mapping[model_type].from_dict(copy.deepcopy(dict(values)))
 
 
 def _no_revision(source: HuggingFace, what: str) -> None:
