@@ -55,7 +55,7 @@ from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_in
 from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
 from memcalc.sources.user_code import Example, load_from_file, load_from_module
 from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
-from memcalc.stacks.transformers.heads import labels_maker, named_architecture
+from memcalc.stacks.transformers.heads import labels_maker, named_architecture, settle_loss_type
 from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, config_from_values, import_hf, load_config
 from models_zoo.registry import TORCH_PREFIX, HfConfig, InputKind, ZooEntry
 
@@ -496,6 +496,7 @@ def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttenti
                                         hint="Leave --attn out to run what transformers picks for it.") from exc
             continue
         check_supported(model, attn, name)
+        settle_loss_type(model)
         return model
     raise ModelSourceError(f"transformers has no model class for config {type(config).__name__}")
 
