@@ -157,3 +157,22 @@ def test_the_issues_qlora_command_runs() -> None:
     assert "loss the model's own (output.loss)" in result.output
     assert "LoRA r=16 on q_proj, v_proj (PEFT's default for llama): 6,815,744 trainable" in result.output
     assert "fits in 23.08 GiB (NVIDIA GeForce RTX 4090): yes" in result.output
+
+
+def test_checkpointing_switches_transformers_layers_on_as_gradient_checkpointing_enable_does() -> None:
+    # transformers' layers checkpoint themselves and then write no KV cache in the recomputed forward
+    # (GradientCheckpointingLayer drops use_cache / cache), as a real gradient_checkpointing_enable()
+    # run does: under memcalc's own loss, the peak is the plain-torch model's but for transformers' rotary
+    # inv_freq buffer (256 B) and its small per-forward tensors (4 KiB). Wrapped from outside instead,
+    # the recomputation wrote the cache again and its autograd history kept every layer's recomputed
+    # tensors alive to the end of backward, where the peak moved (705 MiB more with LoRA on all seven
+    # Linear layers).
+    lora = memcalc.LoRA(16, targets=("q_proj", "down_proj"))
+    kw = dict(batch_size=1, seq_len=512, optimizer="adamw", precision="bf16", gpu="a100-80gb", checkpoint=True,
+              loss="lm-cross-entropy", finetune=memcalc.FineTune(lora=lora))
+    hf = memcalc.estimate("llama-3-8b", **kw)
+    plain = memcalc.estimate("torch:llama-3-8b", **kw)
+    assert "activation checkpointing on 32 blocks (model.layers)" in hf.notes
+    assert hf.bytes.buffers - plain.bytes.buffers == 256  # inv_freq: 64 float32 values
+    assert 0 <= hf.bytes.peak_allocated - plain.bytes.peak_allocated <= 8 << 10
+    assert hf.peak_location == plain.peak_location == "backward, loss (before any module's backward)"

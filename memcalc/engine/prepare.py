@@ -70,7 +70,8 @@ def prepare_step(module: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor]
 def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name: str) -> int:
     """Wrap each block of the named containers in ``torch.utils.checkpoint`` (non-reentrant,
     PyTorch's recommendation). The block keeps its name and hooks: its ``forward`` is replaced
-    on this instance only. Returns the number of blocks wrapped."""
+    on this instance only — except a block that checkpoints itself (:func:`_checkpoints_itself`),
+    which is switched on as its library does it. Returns the number of blocks wrapped."""
     if not containers:
         raise InvalidInputError(
             f"{model_name} has no repeated blocks that memcalc knows how to checkpoint",
@@ -80,9 +81,27 @@ def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name
     for path in containers:
         container = module.get_submodule(path)
         for block in container.children():
-            block.forward = functools.partial(_checkpointed, block.forward)
+            if _checkpoints_itself(block):
+                # what transformers' gradient_checkpointing_enable() sets on each layer
+                # (PreTrainedModel._set_gradient_checkpointing), with memcalc's checkpoint function
+                setattr(block, "gradient_checkpointing", True)  # noqa: B010  (nn.Module types attributes as tensors)
+                setattr(block, "_gradient_checkpointing_func", _checkpointed)  # noqa: B010
+            else:
+                block.forward = functools.partial(_checkpointed, block.forward)
             wrapped += 1
     return wrapped
+
+
+def _checkpoints_itself(block: nn.Module) -> bool:
+    """A transformers layer (``GradientCheckpointingLayer``, modeling_layers.py): its class wraps
+    its forward, and once its ``gradient_checkpointing`` flag is on (in training, with grad
+    enabled) the wrapper drops the layer's KV-cache arguments (``use_cache=False``, ``cache=None``)
+    before it calls ``_gradient_checkpointing_func(forward, *args)``. Without that, a model built
+    with ``use_cache=True`` writes its cache again in the recomputed forward, and the cache's
+    autograd history keeps every layer's recomputed tensors alive until backward ends — which no
+    real ``gradient_checkpointing_enable()`` run does."""
+    return isinstance(getattr(block, "gradient_checkpointing", None), bool) and any(
+        cls.__name__ == "GradientCheckpointingLayer" for cls in type(block).__mro__)
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:

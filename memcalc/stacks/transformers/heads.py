@@ -82,8 +82,8 @@ def settle_loss_type(model: nn.Module) -> None:
         from transformers.loss.loss_utils import LOSS_MAPPING
     except ImportError:
         return
-    if hasattr(model, "loss_type") and model.loss_type is None and _FALLBACK_LOSS in LOSS_MAPPING:
-        model.loss_type = _FALLBACK_LOSS
+    if getattr(model, "loss_type", "") is None and _FALLBACK_LOSS in LOSS_MAPPING:
+        setattr(model, "loss_type", _FALLBACK_LOSS)  # noqa: B010  (nn.Module's typed attributes are tensors)
 
 
 def head_of(module: nn.Module) -> Head | None:

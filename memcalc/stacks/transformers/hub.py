@@ -51,6 +51,7 @@ import enum
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +175,11 @@ def import_hf(package: str, purpose: str) -> ModuleType:
     """``transformers`` or ``huggingface_hub``, or a :class:`MissingPackageError` naming the
     ``hf`` extra that installs them both."""
     try:
-        return importlib.import_module(package)
+        with warnings.catch_warnings():
+            # tqdm.auto, which transformers and peft import, warns in a notebook without ipywidgets that its
+            # progress bars will be plain text: memcalc shows none of theirs
+            warnings.filterwarnings("ignore", message="IProgress not found")
+            return importlib.import_module(package)
     except ImportError as exc:
         error = MissingPackageError(package, purpose)
         error.hint = f"Install it with: {HF_EXTRA_HINT} (or pip install {package})"
