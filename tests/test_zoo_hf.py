@@ -8,6 +8,7 @@ transformers is missing."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -157,6 +158,9 @@ def test_the_issues_qlora_command_runs() -> None:
     assert "loss the model's own (output.loss)" in result.output
     assert "LoRA r=16 on q_proj, v_proj (PEFT's default for llama): 6,815,744 trainable" in result.output
     assert "fits in 23.08 GiB (NVIDIA GeForce RTX 4090): yes" in result.output
+    # transformers' notice that its checkpointed layers drop their cache is what memcalc asked for: not shown
+    assert "[transformers]" not in result.output
+    assert logging.getLogger("transformers.modeling_layers").level == logging.NOTSET  # restored
 
 
 def test_checkpointing_switches_transformers_layers_on_as_gradient_checkpointing_enable_does() -> None:

@@ -5,6 +5,7 @@ user's module is never touched: these run on the meta twin or on a model memcalc
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -81,27 +82,45 @@ def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name
     for path in containers:
         container = module.get_submodule(path)
         for block in container.children():
-            if _checkpoints_itself(block):
+            library = _checkpointing_layer(block)
+            if library is not None:
                 # what transformers' gradient_checkpointing_enable() sets on each layer
                 # (PreTrainedModel._set_gradient_checkpointing), with memcalc's checkpoint function
                 setattr(block, "gradient_checkpointing", True)  # noqa: B010  (nn.Module types attributes as tensors)
                 setattr(block, "_gradient_checkpointing_func", _checkpointed)  # noqa: B010
+                block.forward = functools.partial(_without_cache_notice, block.forward, library.__module__)
             else:
                 block.forward = functools.partial(_checkpointed, block.forward)
             wrapped += 1
     return wrapped
 
 
-def _checkpoints_itself(block: nn.Module) -> bool:
-    """A transformers layer (``GradientCheckpointingLayer``, modeling_layers.py): its class wraps
-    its forward, and once its ``gradient_checkpointing`` flag is on (in training, with grad
-    enabled) the wrapper drops the layer's KV-cache arguments (``use_cache=False``, ``cache=None``)
-    before it calls ``_gradient_checkpointing_func(forward, *args)``. Without that, a model built
-    with ``use_cache=True`` writes its cache again in the recomputed forward, and the cache's
+def _checkpointing_layer(block: nn.Module) -> type | None:
+    """The class through which ``block`` checkpoints itself — transformers'
+    ``GradientCheckpointingLayer`` (modeling_layers.py) — or None. Its class wraps the layer's
+    forward, and once the ``gradient_checkpointing`` flag is on (in training, with grad enabled)
+    the wrapper drops the layer's KV-cache arguments (``use_cache=False``, ``cache=None``) before it
+    calls ``_gradient_checkpointing_func(forward, *args)``. Wrapped from outside instead, a model
+    built with ``use_cache=True`` writes its cache again in the recomputed forward, and the cache's
     autograd history keeps every layer's recomputed tensors alive until backward ends — which no
     real ``gradient_checkpointing_enable()`` run does."""
-    return isinstance(getattr(block, "gradient_checkpointing", None), bool) and any(
-        cls.__name__ == "GradientCheckpointingLayer" for cls in type(block).__mro__)
+    if not isinstance(getattr(block, "gradient_checkpointing", None), bool):
+        return None
+    return next((cls for cls in type(block).__mro__ if cls.__name__ == "GradientCheckpointingLayer"), None)
+
+
+def _without_cache_notice(forward: Any, logger_name: str, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` with the logger of the layer's library module held at ERROR while it runs, and
+    restored after: transformers' wrapper logs once that it drops the cache ("Caching is
+    incompatible with gradient checkpointing ... Setting `use_cache=False`"), which is what memcalc
+    asked of it, not news for the report (its note says which blocks are checkpointed)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        logger.setLevel(level)
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
