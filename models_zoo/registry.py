@@ -189,16 +189,18 @@ def get(name: str) -> ZooEntry | None:
 
 def plain_torch(name: str) -> str:
     """The spelling of the zoo model ``name`` that always means its plain-torch definition
-    (``torch:gpt2``): what the real GPU measurements were made with. Other names pass unchanged.
+    (``torch:gpt2``): what the real GPU measurements were made with. A name whose entry has no
+    Hugging Face config (``resnet50``) is that definition already, and passes unchanged, as do
+    names outside the zoo.
 
     Args:
         name: a model name as a user gives it.
 
     Returns:
-        ``torch:`` + the canonical name for a zoo name, else ``name``.
+        ``torch:`` + the canonical name for a zoo language model, else ``name``.
     """
     entry = get(name)
-    return f"{TORCH_PREFIX}{entry.name}" if entry is not None else name
+    return f"{TORCH_PREFIX}{entry.name}" if entry is not None and entry.hf is not None else name
 
 
 def names() -> list[str]:

@@ -117,6 +117,7 @@ def test_torch_prefix_names_the_plain_torch_model() -> None:
     # a model without a Hugging Face config is the same either way
     assert _count(resolve("torch:resnet50", batch_size=1).module) == 25_557_032
     assert models_zoo.plain_torch("GPT2") == "torch:gpt2" and models_zoo.plain_torch("hf:gpt2") == "hf:gpt2"
+    assert models_zoo.plain_torch("resnet50") == "resnet50"  # plain torch already: the name is unchanged
     with pytest.raises(UnknownModelError) as caught:
         resolve("torch:llama-tinny", batch_size=1)
     assert "torch:llama-tiny" in str(caught.value.hint)
