@@ -46,6 +46,7 @@ from memcalc.core.errors import MemcalcError
 from memcalc.fields import build_step
 from memcalc.measure.step import measure_cpu, measure_cuda
 from memcalc.targets.cuda.gpus.catalogue import get_gpu, match_profile
+from models_zoo import plain_torch
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -60,6 +61,13 @@ class Config:
     seq_len: int | None = None
     # further estimate() options (precision, ...), which the measurement takes too: never the GPU
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def source(self) -> str:
+        """The model as estimated and measured: the zoo's plain-torch definition (``torch:gpt2``),
+        which every recorded run (``results/``, ``tests/data/gpu/``) used, where ``gpt2`` alone now
+        builds transformers' model. The label keeps the zoo name the records are keyed by."""
+        return plain_torch(self.model)
 
     @property
     def label(self) -> str:
@@ -139,13 +147,13 @@ def _estimate_and_measure(config: Config, cuda: bool, gpu: str | None, record: d
     """Fill ``record`` in as the config runs: the estimate, then the measurement, then the errors."""
     kwargs = dict(batch_size=config.batch, input_shape=config.input_shape, seq_len=config.seq_len)
     start = time.perf_counter()
-    report = memcalc.estimate(config.model, optimizer=config.optimizer, mode=config.mode, gpu=gpu, **kwargs,
+    report = memcalc.estimate(config.source, optimizer=config.optimizer, mode=config.mode, gpu=gpu, **kwargs,
                               **config.extra)
     record["estimate_seconds"] = round(time.perf_counter() - start, 3)
     record["estimate"] = {"gpu": report.gpu.key, "peak_allocated": report.bytes.peak_allocated,
                           "peak_reserved": report.peak_reserved, "peak_requested": report.peak_requested,
                           "peak_location": report.peak_location, "attention": dict(report.attention_calls)}
-    step = build_step(config.model, optimizer=config.optimizer, mode=config.mode, **kwargs, **config.extra)
+    step = build_step(config.source, optimizer=config.optimizer, mode=config.mode, **kwargs, **config.extra)
     torch.manual_seed(0)
     if cuda:
         if not report.gpu_named:
@@ -155,7 +163,7 @@ def _estimate_and_measure(config: Config, cuda: bool, gpu: str | None, record: d
         compared = report.bytes.peak_allocated
     else:
         # the CPU runs CPU kernels: compare with the CPU-faithful simulation (no CUDA emulation)
-        cpu_report = memcalc.estimate(config.model, optimizer=config.optimizer, mode=config.mode, gpu="cpu",
+        cpu_report = memcalc.estimate(config.source, optimizer=config.optimizer, mode=config.mode, gpu="cpu",
                                       **kwargs, **config.extra)
         measured = measure_cpu(step.on_cpu())
         compared = cpu_report.peak_requested  # the CPU allocator does not round

@@ -30,6 +30,7 @@ from memcalc.engine.step import NullObserver, run_step
 from memcalc.fields import build_step
 from memcalc.measure.step import _config, _prepare  # the measured step, prepared as --measure does
 from memcalc.sources.resolve import resolve
+from models_zoo import plain_torch
 
 WARMUP = 4
 STEPS = 8
@@ -69,8 +70,10 @@ def prepared_step(config: dict[str, Any], iterations: int, device: torch.device 
     takes, then what must stay alive while it runs."""
     kwargs = {"batch_size": config["batch"], "seq_len": config["seq"], "optimizer": config["opt"],
               "precision": config["precision"], "checkpoint": bool(config.get("checkpoint"))}
-    built = build_step(config["model"], **kwargs)
-    resolved = resolve(config["model"], batch_size=config["batch"], seq_len=config["seq"])
+    # the zoo's plain-torch models (torch:NAME), which the committed step times were measured with
+    model = plain_torch(config["model"])
+    built = build_step(model, **kwargs)
+    resolved = resolve(model, batch_size=config["batch"], seq_len=config["seq"])
     device = device or torch.device("cuda", torch.cuda.current_device())
     module, inputs, keep = _prepare(resolved, device, built)
     step = dataclasses.replace(_config(resolved, built, device), iterations=iterations)
@@ -97,9 +100,9 @@ def main() -> int:
         for config in CONFIGS:
             record: dict[str, Any] = {**config, "gpu": args.gpu, "device": torch.cuda.get_device_name()}
             try:
-                report = memcalc.estimate(config["model"], batch_size=config["batch"], seq_len=config["seq"],
-                                          optimizer=config["opt"], precision=config["precision"], gpu=args.gpu,
-                                          checkpoint=bool(config.get("checkpoint")), time=True)
+                report = memcalc.estimate(plain_torch(config["model"]), batch_size=config["batch"],
+                                          seq_len=config["seq"], optimizer=config["opt"], precision=config["precision"],
+                                          gpu=args.gpu, checkpoint=bool(config.get("checkpoint")), time=True)
                 assert report.time is not None
                 record["predicted_s"] = report.time.seconds
                 record["flops"] = report.time.flops.total

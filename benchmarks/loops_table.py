@@ -4,7 +4,9 @@ its resolved implementation (given to every loop: ``trainer`` alone would take t
 TrainingArguments defaults' fused AdamW), fp32. Peaks are relative to the ``minimal`` loop's of the same
 model (ratios measured in one run). Then the time of the traced loop path against the fast
 path (memcalc's default loop, whose second iteration is synthesised) for gpt2, in the same
-process.
+process. GPT-2 is the zoo's plain-torch model (``torch:gpt2``), whose output is the logits that
+memcalc's loss takes, as the README's table and its arithmetic were written for; ``gpt2`` alone
+is transformers' model where transformers is installed, trained with its own loss.
 
 Prints a table; asserts nothing. Run: ``python benchmarks/loops_table.py``.
 """
@@ -22,7 +24,7 @@ from memcalc.targets.backend import CudaBackend
 
 MiB = 2**20
 MODELS: dict[str, dict[str, Any]] = {
-    "gpt2 (batch 4, seq 512)": dict(model="gpt2", batch_size=4, seq_len=512),
+    "torch:gpt2 (batch 4, seq 512)": dict(model="torch:gpt2", batch_size=4, seq_len=512),
     "resnet50 (batch 32)": dict(model="resnet50", batch_size=32),
 }
 PRESETS = ("minimal", "tutorial", "trainer", "zero-grad-late")
@@ -48,16 +50,16 @@ def table() -> None:
 
 def timings() -> None:
     spec = dict(batch_size=4, seq_len=512)
-    memcalc.estimate("gpt2", **spec)  # warm: imports, kernel caches
+    memcalc.estimate("torch:gpt2", **spec)  # warm: imports, kernel caches
     start = time.perf_counter()
-    fast = memcalc.estimate("gpt2", **spec)
+    fast = memcalc.estimate("torch:gpt2", **spec)
     fast_s = time.perf_counter() - start
     start = time.perf_counter()
-    options = build_step("gpt2", **spec)
-    resolved = resolve("gpt2", **spec)
+    options = build_step("torch:gpt2", **spec)
+    resolved = resolve("torch:gpt2", **spec)
     traced = build_report(resolved, trace_model(resolved, options, CudaBackend(options), traced_loop=True), options)
     traced_s = time.perf_counter() - start
-    print(f"gpt2 (batch 4, seq 512), Adam, generic GPU: fast path {fast_s:.2f} s "
+    print(f"torch:gpt2 (batch 4, seq 512), Adam, generic GPU: fast path {fast_s:.2f} s "
           f"(peak {fast.bytes.peak_allocated:,} B); minimal loop traced as written {traced_s:.2f} s "
           f"(peak {traced.bytes.peak_allocated:,} B); {traced_s / fast_s:.2f}×")
 

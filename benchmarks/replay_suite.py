@@ -26,6 +26,7 @@ from typing import Any
 from tabulate import tabulate
 
 import memcalc
+from models_zoo import plain_torch
 
 DEFAULT = Path(__file__).parent.parent / "tests" / "data" / "gpu" / "2026-11-25-h100" / "suite-gpu.jsonl"
 
@@ -85,7 +86,8 @@ def replay(suite: Path = DEFAULT, gpu: str = "h100-80gb") -> tuple[dict[str, Any
         for line in lines[1:]:
             record = json.loads(line)
             options = options_of(record["config"])
-            model = options.pop("model")
+            # the suite ran the zoo's plain-torch models (torch:NAME), whatever NAME builds today
+            model = plain_torch(options.pop("model"))
             report = memcalc.estimate(model, gpu=gpu, stack=stack, **options)
             replayed.append(Replayed(record, report.bytes.peak_allocated, report.peak_reserved))
     return env, replayed

@@ -5,7 +5,9 @@ compare ratios measured in one run).
    ``FakeTensorMode`` on the same model and the same step (one iteration: forward, loss,
    backward, step, zero_grad). Times (best of N), the ratio, and both peaks.
 2. Large models: time and peak RSS of estimating gpt2-xl (batch 8, seq 1024, AdamW) and
-   llama-2-7b (batch 1, seq 2048, AdamW), each in a fresh process.
+   llama-2-7b (batch 1, seq 2048, AdamW), each in a fresh process: the zoo's plain-torch models
+   (``torch:NAME``, what the README's figures were measured with), then the same names as
+   transformers' models (the zoo's default where transformers is installed, which imports it).
 3. Fit time / one-estimate time for resnet50 and gpt2 (``benchmarks/speed_fit.py``).
 
 Run: ``python benchmarks/speed.py [--repeat 3]``.
@@ -112,9 +114,10 @@ def main() -> None:
     print(f"  memcalc steady-state peak (2nd iteration, Adam state alive) {steady / MiB:10.1f} MiB")
 
     print("\nlarge models (fresh process each): time and peak RSS of the estimator")
-    for name, batch, seq in (("gpt2-xl", 8, 1024), ("llama-2-7b", 1, 2048)):
+    for name, batch, seq in (("torch:gpt2-xl", 8, 1024), ("torch:llama-2-7b", 1, 2048), ("gpt2-xl", 8, 1024),
+                             ("llama-2-7b", 1, 2048)):
         r = large_model(name, batch, seq)
-        print(f"  {name:11s} batch {batch} seq {seq:5d} AdamW: {r['seconds']:6.2f} s, "
+        print(f"  {name:17s} batch {batch} seq {seq:5d} AdamW: {r['seconds']:6.2f} s, "
               f"RSS {r['rss'] / 2**30:5.2f} GiB, estimated peak {r['peak'] / 2**30:8.2f} GiB ({r['phase']})")
 
     print("\nmemcalc fit: time in units of one estimate")

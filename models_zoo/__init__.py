@@ -1,7 +1,10 @@
 """memcalc's model zoo: architectures in plain torch, registered by name.
 
 Importing this package registers every entry. Models are always built on the current
-default device, so ``with torch.device("meta"): entry.build()`` allocates nothing.
+default device, so ``with torch.device("meta"): entry.build()`` allocates nothing. The language
+models also carry their released Hugging Face config (``entry.hf``), which memcalc builds
+transformers' model from where transformers is installed (``torch:NAME`` keeps this package's
+definition).
 """
 
 # Each import registers that module's entries.
@@ -21,6 +24,7 @@ from . import (  # noqa: F401  (registration side effect)
     vgg,
     vit,
 )
-from .registry import InputKind, LossKind, ZooEntry, closest, entries, get, names
+from .registry import TORCH_PREFIX, HfConfig, InputKind, LossKind, ZooEntry, closest, entries, get, names, plain_torch
 
-__all__ = ("InputKind", "LossKind", "ZooEntry", "closest", "entries", "get", "names", "registry")
+__all__ = ("TORCH_PREFIX", "HfConfig", "InputKind", "LossKind", "ZooEntry", "closest", "entries", "get", "names",
+           "plain_torch", "registry")

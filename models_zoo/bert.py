@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .registry import InputKind, LossKind, ZooEntry, register
+from .registry import HfConfig, InputKind, LossKind, ZooEntry, register
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,21 @@ _CONFIGS = {
 }
 
 
+def _hf_config(repo: str, cfg: BertConfig, count: int) -> HfConfig:
+    """The checkpoint's config.json (``google-bert/NAME``). It names ``BertForMaskedLM``, which
+    transformers builds: no pooler (d² + d), and the masked-LM head's transform (d² + d), its
+    LayerNorm (2d) and the decoder's bias (vocab), the decoder's weight tied to the embeddings."""
+    d = cfg.hidden_size
+    return HfConfig(f"google-bert/{repo}", {
+        "architectures": ["BertForMaskedLM"], "model_type": "bert", "attention_probs_dropout_prob": 0.1,
+        "gradient_checkpointing": False, "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "hidden_size": d,
+        "initializer_range": 0.02, "intermediate_size": cfg.intermediate_size, "layer_norm_eps": 1e-12,
+        "max_position_embeddings": 512, "num_attention_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
+        "pad_token_id": 0, "position_embedding_type": "absolute", "type_vocab_size": 2, "use_cache": True,
+        "vocab_size": cfg.vocab_size}, parameters=count + 2 * d + cfg.vocab_size,
+        position_table="max_position_embeddings")
+
+
 def _build(cfg: BertConfig, shape: tuple[int, ...]) -> BertModel:
     # Longer sequences than 512 would index past HF's position table; grow it instead of failing
     # (the reference count holds at the default 512).
@@ -195,5 +210,6 @@ for _name, (_cfg, _count, _hf) in _CONFIGS.items():
             aliases=(_hf,),
             block_containers=("encoder.layer",),
             context_length=_cfg.max_position_embeddings,
+            hf=_hf_config(_hf, _cfg, _count),
         )
     )

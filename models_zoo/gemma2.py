@@ -40,7 +40,7 @@ from .llm_blocks import (
     eager_attention,
     eager_float_mask,
 )
-from .registry import InputKind, LossKind, ZooEntry, register
+from .registry import HfConfig, InputKind, LossKind, ZooEntry, register
 
 __all__ = (
     "Gemma2Attention",
@@ -193,6 +193,21 @@ _CONFIGS = {
     "gemma-2-9b": (Gemma2Config(3584, 42, 16, 8, 14336), 9_241_705_984, "google/gemma-2-9b"),
 }
 
+
+def _hf_config(repo: str, cfg: Gemma2Config) -> HfConfig:
+    """The checkpoint's config.json: the Gemma 2 releases share every value but the sizes."""
+    return HfConfig(repo, {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+        "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+        "eos_token_id": 1, "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": cfg.hidden_size, "initializer_range": 0.02,
+        "intermediate_size": cfg.intermediate_size, "max_position_embeddings": 8192,
+        "num_attention_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
+        "num_key_value_heads": cfg.num_kv_heads, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
+        "use_cache": True, "vocab_size": 256000})
+
+
 for _name, (_cfg, _count, _source) in _CONFIGS.items():
     register(
         ZooEntry(
@@ -212,5 +227,6 @@ for _name, (_cfg, _count, _source) in _CONFIGS.items():
             block_containers=("model.layers",),
             context_length=_cfg.max_position_embeddings,
             decoder=True,
+            hf=_hf_config(_source, _cfg),
         )
     )

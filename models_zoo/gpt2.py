@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .registry import InputKind, LossKind, ZooEntry, register
+from .registry import HfConfig, InputKind, LossKind, ZooEntry, register
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,19 @@ _CONFIGS = {
 }
 
 
+def _hf_config(name: str, cfg: GPT2Config) -> HfConfig:
+    """The checkpoint's config.json (``openai-community/NAME``; ``task_specific_params``, the
+    text-generation defaults, left out): the releases share every value but the sizes. The
+    position table (``n_positions``) grows with a longer sequence, as the plain-torch one does."""
+    return HfConfig(f"openai-community/{name}", {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
+        "attn_pdrop": 0.1, "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256,
+        "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "n_ctx": 1024, "n_embd": cfg.n_embd,
+        "n_head": cfg.n_head, "n_layer": cfg.n_layer, "n_positions": 1024, "resid_pdrop": 0.1,
+        "summary_activation": None, "summary_first_dropout": 0.1, "summary_proj_to_labels": True,
+        "summary_type": "cls_index", "summary_use_proj": True, "vocab_size": 50257}, position_table="n_positions")
+
+
 def _build(cfg: GPT2Config, shape: tuple[int, ...]) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(replace(cfg, n_positions=max(cfg.n_positions, shape[0])))
 
@@ -159,5 +172,6 @@ for _name, (_cfg, _count) in _CONFIGS.items():
             block_containers=("transformer.h",),
             context_length=_cfg.n_positions,
             decoder=True,
+            hf=_hf_config(_name, _cfg),
         )
     )

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from .llm_blocks import GatedMLP, RotaryEmbedding, apply_rotary_pos_emb, causal_mask, sdpa_attention, sdpa_needs_mask
-from .registry import InputKind, LossKind, ZooEntry, register
+from .registry import HfConfig, InputKind, LossKind, ZooEntry, register
 
 __all__ = (
     "LlamaAttention",
@@ -168,7 +168,7 @@ def _build(cfg: LlamaConfig, shape: tuple[int, ...]) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)  # no position table: the sequence length does not change the model
 
 
-def _register(name: str, family: str, cfg: LlamaConfig, count: int, source: str, *,
+def _register(name: str, family: str, cfg: LlamaConfig, count: int, source: str, hf: HfConfig, *,
               default_seq_len: int | None = None, extra: str = "") -> None:
     gqa = f", {cfg.num_kv_heads} KV heads" if cfg.num_kv_heads != cfg.num_heads else ""
     register(
@@ -186,22 +186,44 @@ def _register(name: str, family: str, cfg: LlamaConfig, count: int, source: str,
             block_containers=("model.layers",),
             context_length=cfg.max_position_embeddings,
             decoder=True,
+            hf=hf,
         )
     )
+
+
+def _llama_json(repo: str, **values: object) -> HfConfig:
+    """A Llama checkpoint's config.json: the fields every Llama release shares, then its own."""
+    return HfConfig(repo, {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "initializer_range": 0.02, "pretraining_tp": 1, "rope_scaling": None, "tie_word_embeddings": False,
+        "use_cache": True, **values})
 
 
 _TINY = LlamaConfig(512, 8, 8, 2, 1376, max_position_embeddings=512)
 
 # Reference counts: the hub checkpoints, checked against transformers' own classes built from
-# the same configs (tests/test_zoo_vs_references.py).
+# the same configs (tests/test_zoo_vs_references.py). The Hugging Face configs are the
+# checkpoints' config.json values (token ids and dtypes included, though they change no memory).
+_LLAMA_2 = {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
+            "torch_dtype": "float16", "vocab_size": 32000}
 _register("llama-2-7b", "llama", LlamaConfig(4096, 32, 32, 32, 11008), 6_738_415_616,
-          "HF LlamaForCausalLM (meta-llama/Llama-2-7b-hf)")
+          "HF LlamaForCausalLM (meta-llama/Llama-2-7b-hf)",
+          _llama_json("meta-llama/Llama-2-7b-hf", hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                      num_hidden_layers=32, num_key_value_heads=32, **_LLAMA_2))
 _register("llama-2-13b", "llama", LlamaConfig(5120, 40, 40, 40, 13824), 13_015_864_320,
-          "HF LlamaForCausalLM (meta-llama/Llama-2-13b-hf)")
+          "HF LlamaForCausalLM (meta-llama/Llama-2-13b-hf)",
+          _llama_json("meta-llama/Llama-2-13b-hf", hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+                      num_hidden_layers=40, num_key_value_heads=40, **_LLAMA_2))
 _register("llama-2-70b", "llama", LlamaConfig(8192, 80, 64, 8, 28672), 68_976_648_192,
-          "HF LlamaForCausalLM (meta-llama/Llama-2-70b-hf)")
+          "HF LlamaForCausalLM (meta-llama/Llama-2-70b-hf)",
+          _llama_json("meta-llama/Llama-2-70b-hf", hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                      num_hidden_layers=80, num_key_value_heads=8, **_LLAMA_2))
+# Not a released model: the same values as a LlamaConfig, written as a config.json would hold them.
 _register("llama-tiny", "llama", _TINY, parameter_count(_TINY),
-          "HF LlamaForCausalLM (memcalc's own small config, not a released model)")
+          "HF LlamaForCausalLM (memcalc's own small config, not a released model)",
+          _llama_json("memcalc/llama-tiny", hidden_size=512, intermediate_size=1376, num_attention_heads=8,
+                      num_hidden_layers=8, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-05,
+                      rope_theta=10000.0, vocab_size=32000))
 
 
 def _llama_3(hidden: int, layers: int, heads: int, intermediate: int) -> LlamaConfig:
@@ -210,22 +232,44 @@ def _llama_3(hidden: int, layers: int, heads: int, intermediate: int) -> LlamaCo
                        rope_theta=500000.0, sdpa_enable_gqa=True)
 
 
+_LLAMA_3 = {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001,
+            "max_position_embeddings": 8192, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+            "torch_dtype": "bfloat16", "vocab_size": 128256}
 _register("llama-3-8b", "llama", _llama_3(4096, 32, 32, 14336), 8_030_261_248,
-          "HF LlamaForCausalLM (meta-llama/Meta-Llama-3-8B)")
+          "HF LlamaForCausalLM (meta-llama/Meta-Llama-3-8B)",
+          _llama_json("meta-llama/Meta-Llama-3-8B", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_hidden_layers=32, **_LLAMA_3))
 _register("llama-3-70b", "llama", _llama_3(8192, 80, 64, 28672), 70_553_706_496,
-          "HF LlamaForCausalLM (meta-llama/Meta-Llama-3-70B)")
+          "HF LlamaForCausalLM (meta-llama/Meta-Llama-3-70B)",
+          _llama_json("meta-llama/Meta-Llama-3-70B", hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                      num_hidden_layers=80, **_LLAMA_3))
 
 # Mistral 7B v0.1: max_position_embeddings 32,768, but trained on 8,192 tokens (its paper's
 # context_len), which is the default here.
 _register("mistral-7b", "mistral",
           LlamaConfig(4096, 32, 32, 8, 14336, max_position_embeddings=32768, sliding_window=4096,
                       sdpa_enable_gqa=True),
-          7_241_732_096, "HF MistralForCausalLM (mistralai/Mistral-7B-v0.1)", default_seq_len=8192,
-          extra=", sliding window 4096")
+          7_241_732_096, "HF MistralForCausalLM (mistralai/Mistral-7B-v0.1)",
+          HfConfig("mistralai/Mistral-7B-v0.1", {
+              "architectures": ["MistralForCausalLM"], "model_type": "mistral", "bos_token_id": 1, "eos_token_id": 2,
+              "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+              "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
+              "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000}),
+          default_seq_len=8192, extra=", sliding window 4096")
 
 # Qwen2.5 7B: use_sliding_window is false in its config, so every layer attends to all earlier
 # tokens; max_position_embeddings 131,072 (its card: beyond 32,768 with YaRN) — 8,192 by default.
 _register("qwen2.5-7b", "qwen2",
           LlamaConfig(3584, 28, 28, 4, 18944, vocab_size=152064, max_position_embeddings=131072,
                       rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True, sdpa_enable_gqa=True),
-          7_615_616_512, "HF Qwen2ForCausalLM (Qwen/Qwen2.5-7B)", default_seq_len=8192, extra=", q/k/v bias")
+          7_615_616_512, "HF Qwen2ForCausalLM (Qwen/Qwen2.5-7B)",
+          HfConfig("Qwen/Qwen2.5-7B", {
+              "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+              "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584,
+              "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 131072,
+              "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+              "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+              "torch_dtype": "bfloat16", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+              "vocab_size": 152064}),
+          default_seq_len=8192, extra=", q/k/v bias")

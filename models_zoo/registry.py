@@ -4,14 +4,21 @@ Every entry knows how to build its model (always on whatever device is current, 
 ``with torch.device("meta"):`` builds it without memory), what one sample of input looks
 like, which loss it trains with, and the parameter count of the reference implementation
 it reproduces (tests assert the two are equal).
+
+The language models also carry their released Hugging Face config (:class:`HfConfig`, plain
+data): where transformers is installed, memcalc builds *transformers'* model from it, so that
+PEFT's default targets, the model's own loss and generation are the library's
+(:mod:`memcalc.sources.resolve`). The plain-torch definition here stays the model without
+transformers, and is named explicitly with :data:`TORCH_PREFIX` (``torch:llama-tiny``).
 """
 
 from __future__ import annotations
 
 import difflib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -19,6 +26,8 @@ from torch import nn
 from memcalc.core.losses import LossKind
 
 __all__ = (
+    "TORCH_PREFIX",
+    "HfConfig",
     "InputKind",
     "LossKind",
     "ZooEntry",
@@ -27,8 +36,13 @@ __all__ = (
     "get",
     "names",
     "normalize",
+    "plain_torch",
     "register",
 )
+
+#: ``torch:NAME``: the zoo's plain-torch definition of NAME, even where transformers is installed
+#: (where NAME alone is transformers' model built from :attr:`ZooEntry.hf`).
+TORCH_PREFIX = "torch:"
 
 
 class InputKind(str, enum.Enum):
@@ -37,6 +51,37 @@ class InputKind(str, enum.Enum):
     IMAGE = "image"  # float tensor (B, C, H, W); shape given as (C, H, W)
     FEATURES = "features"  # float tensor (B, *shape)
     TOKENS = "tokens"  # int64 token ids (B, seq_len); shape given as (seq_len,)
+
+
+@dataclass(frozen=True)
+class HfConfig:
+    """A zoo entry's released Hugging Face config: the checkpoint's ``config.json``, written here
+    as plain data (memcalc never downloads it), which transformers builds the model from.
+
+    ``values`` holds ``model_type`` and ``architectures`` (the class transformers builds: its head
+    and its loss) and the released values. ``parameters`` is the count of that class's model when
+    it is not the entry's ``reference_parameters`` (BERT's checkpoint names ``BertForMaskedLM``,
+    the zoo's plain-torch model is ``BertModel``). ``position_table`` names the value that sizes
+    a learned position table (GPT-2's ``n_positions``), grown to a longer sequence as the
+    plain-torch model grows its table; None: rotary positions, nothing to grow.
+    """
+
+    repo: str
+    values: Mapping[str, object]
+    parameters: int | None = None
+    position_table: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.values.get("model_type"), str) or not self.values.get("architectures"):
+            raise ValueError(f"{self.repo}: a config needs its model_type and architectures")
+        object.__setattr__(self, "values", MappingProxyType(dict(self.values)))  # shared: read-only
+
+    @property
+    def architecture(self) -> str:
+        """The model class ``architectures`` names first, e.g. ``LlamaForCausalLM``."""
+        names = self.values["architectures"]
+        assert isinstance(names, (list, tuple)) and names, self.repo
+        return str(names[0])
 
 
 @dataclass(frozen=True)
@@ -67,6 +112,8 @@ class ZooEntry:
     context_length: int | None = None
     # A decoder language model (causal self-attention, generates tokens): a KV cache applies.
     decoder: bool = False
+    # The released Hugging Face config: with transformers installed, the model built from it.
+    hf: HfConfig | None = None
 
     def build(self, input_shape: tuple[int, ...] | None = None) -> nn.Module:
         """The model for one sample of ``input_shape`` (default: :attr:`default_shape`), built
@@ -85,6 +132,13 @@ class ZooEntry:
             assert self.vocab_size is not None, f"{self.name}: token model without vocab_size"
             return (torch.randint(0, self.vocab_size, (batch_size, *shape), device=device),)
         return (torch.randn(batch_size, *shape, device=device),)
+
+    @property
+    def hf_parameters(self) -> int | None:
+        """The parameter count of transformers' model of this entry (None: no Hugging Face config)."""
+        if self.hf is None:
+            return None
+        return self.hf.parameters if self.hf.parameters is not None else self.reference_parameters
 
     @property
     def default_input_text(self) -> str:
@@ -131,6 +185,22 @@ def get(name: str) -> ZooEntry | None:
     key = normalize(name)
     canonical = _ALIASES.get(key) or _ALIASES.get(key.replace("-", ""))
     return _REGISTRY[canonical] if canonical else None
+
+
+def plain_torch(name: str) -> str:
+    """The spelling of the zoo model ``name`` that always means its plain-torch definition
+    (``torch:gpt2``): what the real GPU measurements were made with. A name whose entry has no
+    Hugging Face config (``resnet50``) is that definition already, and passes unchanged, as do
+    names outside the zoo.
+
+    Args:
+        name: a model name as a user gives it.
+
+    Returns:
+        ``torch:`` + the canonical name for a zoo language model, else ``name``.
+    """
+    entry = get(name)
+    return f"{TORCH_PREFIX}{entry.name}" if entry is not None and entry.hf is not None else name
 
 
 def names() -> list[str]:

@@ -39,6 +39,7 @@ from memcalc.timing.calibration import (
     load_measurements,
     predict,
 )
+from models_zoo import plain_torch
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The run the coefficients are fitted to: a healthy H200's profile and unprofiled steps (its
@@ -60,7 +61,8 @@ def features_on(config: MeasuredConfig, gpu: str) -> ClassFeatures:
     """memcalc's per-class ideal seconds and kernels of ``config``'s traced step on ``gpu``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # approximation notes are not what is fitted
-        report = memcalc.estimate(config.model, **config.estimate_kwargs(gpu))
+        # the zoo's plain-torch models (torch:NAME), which the GPU steps were measured with
+        report = memcalc.estimate(plain_torch(config.model), **config.estimate_kwargs(gpu))
     return ClassFeatures.of(memcalc.step_time(report, **ideal_overrides()))
 
 

@@ -151,7 +151,8 @@ def test_32bit_paged_adamw_step_bytes_by_hand() -> None:
 
 
 def _tiny(quant: str | None) -> MemoryReport:
-    return memcalc.estimate("llama-tiny", batch_size=4, seq_len=512, precision="bf16", gpu=GPU,
+    # the zoo's plain-torch llama-tiny, trained with memcalc's loss (its own phase, counted below)
+    return memcalc.estimate("torch:llama-tiny", batch_size=4, seq_len=512, precision="bf16", gpu=GPU,
                             finetune=FineTune(lora=LoRA(8, targets=("q_proj", "v_proj", "gate_proj")), quant=quant))
 
 

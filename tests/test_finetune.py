@@ -119,7 +119,8 @@ def test_lora_counts_on_zoo_llama_tiny_with_explicit_targets():
 
 def test_lora_without_targets_on_a_non_hugging_face_model_lists_its_linear_layers():
     with pytest.raises(InvalidInputError) as caught:
-        memcalc.estimate("llama-tiny", batch_size=1, seq_len=16, finetune=FineTune(lora=LoRA(8)))
+        # the zoo's plain-torch llama-tiny: "llama-tiny" alone is transformers' model, PEFT's default applies
+        memcalc.estimate("torch:llama-tiny", batch_size=1, seq_len=16, finetune=FineTune(lora=LoRA(8)))
     assert "PEFT has no default LoRA targets" in str(caught.value)
     assert "--lora-targets" in (caught.value.hint or "") and "q_proj, k_proj, v_proj" in (caught.value.hint or "")
 

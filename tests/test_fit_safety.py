@@ -124,7 +124,9 @@ def test_a_batch_affine_fit_makes_three_estimates(monkeypatch):
     real = search.run_estimate
     monkeypatch.setattr(search, "run_estimate",
                         lambda step, *args, **kw: made.append(step.batch_size) or real(step, *args, **kw))
-    result = memcalc.max_batch_size("gpt2", gpu="t4", seq_len=256)
+    # the plain-torch GPT-2, whose raw boundary (28) lies far enough above the answer (26) for a whole
+    # window of replays on each side of it
+    result = memcalc.max_batch_size("torch:gpt2", gpu="t4", seq_len=256)
     # batch 2, one jump, the answer; everything else (the boundary, B + 1, the check below,
     # the raw boundary) is a replay of the batch-affine family
     assert made == [2, made[1], result.batch_size] and result.num_estimates == 3

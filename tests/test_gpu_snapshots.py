@@ -27,6 +27,7 @@ from torch import nn
 import memcalc
 from memcalc.report.snapshot import snapshot_dict
 from memcalc.targets.cuda.reduce import ReductionScratch, reduction_scratch
+from models_zoo import plain_torch
 
 DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
 #: The stack the snapshots were taken with (their .json: torch 2.11.0+cu130).
@@ -66,8 +67,10 @@ def _config(folder: Path, name: str) -> tuple[dict[str, Any], int]:
 
 
 def _estimate(options: dict[str, Any]) -> memcalc.MemoryReport:
+    """The estimate of a measured config: of the zoo's plain-torch model (``torch:NAME``), which the
+    snapshots were taken with, even where the zoo's name builds transformers' model."""
     options = dict(options)
-    return memcalc.estimate(options.pop("model"), gpu=GPU, stack=STACK, **options)
+    return memcalc.estimate(plain_torch(options.pop("model")), gpu=GPU, stack=STACK, **options)
 
 
 def _events(trace: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
@@ -146,7 +149,7 @@ def test_inference_mode_matmuls_allocate_the_forward_cublas_workspace():
     # under inference_mode, linear and matmul reach the tracer whole; on CUDA they still run
     # through cuBLAS, whose first call allocates the handle's workspace (32 MiB on sm90:
     # CublasHandlePool.cpp; the H100 suite's first warm-up measured 33,554,432 B)
-    report = memcalc.estimate("llama-tiny", batch_size=2, seq_len=64, mode="inference", precision="bf16",
+    report = memcalc.estimate("torch:llama-tiny", batch_size=2, seq_len=64, mode="inference", precision="bf16",
                               gpu=GPU, stack=STACK)
     workspaces = [e for e in _events(snapshot_dict(report)["device_traces"][0]) if "cuBLAS workspace" in e[2]]
     assert workspaces == [("alloc", 32 * 2**20, "forward model.layers.0.self_attn.q_proj synthetic: cuBLAS workspace "

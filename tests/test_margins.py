@@ -26,6 +26,7 @@ from memcalc.search.margins import (
     model_family,
     step_class,
 )
+from models_zoo import plain_torch
 
 ROOT = Path(__file__).parent.parent
 DATA = ROOT / "tests" / "data" / "gpu" / "2026-11-25-h100"
@@ -92,8 +93,9 @@ def test_margin_arithmetic() -> None:
 
 
 def test_families() -> None:
-    assert [model_family(m) for m in ("resnet50", "vit_b_16", "llama-tiny", "unet", "mlp")] == [
-        "cnn", "transformer", "transformer", "unet", "other"]
+    assert [model_family(m) for m in ("resnet50", "vit_b_16", "llama-tiny", "torch:gpt2", "unet", "mlp")] == [
+        "cnn", "transformer", "transformer", "transformer", "unet", "other"]
+    assert model_family("torch:gpt2") == model_family(plain_torch("gpt2"))  # the search's spelling is the zoo's
 
 
 FIT_CASES = {
@@ -129,7 +131,8 @@ def test_fit_never_exceeds_the_largest_batch_that_ran(case: str) -> None:
     failed = min(int(row["batch"]) for row in rows if row["oom"])  # type: ignore[call-overload]
     assert ran < failed  # the data is consistent: every batch that ran is under every one that failed
     model, options = FIT_CASES[case]
-    result = memcalc.max_batch_size(model, gpu="h100-80gb", **options)
+    # the checks ran the zoo's plain-torch models: torch:NAME, where NAME builds transformers' model
+    result = memcalc.max_batch_size(plain_torch(model), gpu="h100-80gb", **options)
     assert result.margin >= FLOOR and result.margin_basis.startswith("measured for ")
     assert result.batch_size <= ran
     # the raw boundary (no margin) is the real one: at most the first batch that failed, less one

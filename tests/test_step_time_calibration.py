@@ -25,6 +25,7 @@ from memcalc.timing.calibration import (
     predict,
 )
 from memcalc.timing.flops import op_class_of
+from models_zoo import plain_torch
 
 GPU_DATA = Path(__file__).parent / "data" / "gpu"
 DATA = GPU_DATA / "2026-11-26-h200-profile"
@@ -42,7 +43,8 @@ TOLERANCE = 0.20
 def _report(config: MeasuredConfig, gpu: str = "h200") -> memcalc.MemoryReport:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return memcalc.estimate(config.model, **config.estimate_kwargs(gpu))
+        # the steps were measured with the zoo's plain-torch models (torch:NAME)
+        return memcalc.estimate(plain_torch(config.model), **config.estimate_kwargs(gpu))
 
 
 def _features(config: MeasuredConfig) -> ClassFeatures:
@@ -167,7 +169,7 @@ def test_profiled_op_names_sort_into_the_traced_classes(name: str, op_class: OpC
 def test_gpt2_head_is_an_unaligned_gemm() -> None:
     # 50,257 × 2 bytes is not a multiple of 16: the head's forward and its two backward GEMMs
     # run cuBLAS's align1 kernels (profile.json: cutlass_75_..._align1, 3 per step)
-    report = memcalc.estimate("gpt2", batch_size=1, seq_len=64, precision="amp-bf16", gpu="h100-80gb", time=True)
+    report = memcalc.estimate("torch:gpt2", batch_size=1, seq_len=64, precision="amp-bf16", gpu="h100-80gb", time=True)
     assert report.time is not None
     unaligned = next(c for c in report.time.classes if c.op_class is OpClass.MATMUL_UNALIGNED)
     assert unaligned.kernels == 3

@@ -162,16 +162,21 @@ def _blocknet_estimate(factory: Callable[[], nn.Module], finetune: FineTune, str
                             distributed=memcalc.Distributed(strategy, **distributed))
 
 
+#: The zoo's plain-torch llama-tiny (its output a tensor, which the real loop below averages): the
+#: name alone is transformers' model, whose output is a ModelOutput.
+LLAMA = "torch:llama-tiny"
+
+
 def _llama_estimate(finetune: FineTune, strategy: str, precision: str = "fp32",
                     **distributed: Any) -> memcalc.MemoryReport:
-    return memcalc.estimate("llama-tiny", seq_len=32, batch_size=2, precision=precision, optimizer="adam",
+    return memcalc.estimate(LLAMA, seq_len=32, batch_size=2, precision=precision, optimizer="adam",
                             loss="mean", gpu="cpu", loop=FOREACH, finetune=finetune,
                             distributed=memcalc.Distributed(strategy, **distributed))
 
 
 def _real_llama(finetune: FineTune, precision: Precision) -> tuple[nn.Module, tuple[torch.Tensor, ...], dict]:
     torch.manual_seed(0)
-    model, inputs = resolve("llama-tiny", batch_size=2, seq_len=32).build_real(torch.device("cpu"))
+    model, inputs = resolve(LLAMA, batch_size=2, seq_len=32).build_real(torch.device("cpu"))
     return _finetuned(model, finetune, precision), tuple(inputs.args), dict(inputs.kwargs)
 
 

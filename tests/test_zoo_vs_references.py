@@ -1,7 +1,10 @@
 """The zoo against the libraries it reproduces, where they are installed (this project's GPU
 machine has torchvision, timm and transformers; the CPU machine may have none — then these
 tests skip). Parameter counts must be equal and estimates identical, except where the
-reference does more work by default (said per case)."""
+reference does more work by default (said per case).
+
+With transformers installed a zoo language model's name builds transformers' own model from the
+released config the zoo holds; the zoo's plain-torch definitions compared here are ``torch:NAME``."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ def transformers():
 def test_parameter_counts_equal_hugging_face(transformers, zoo, hf):
     from memcalc.sources.resolve import resolve
 
-    ours = resolve(zoo, batch_size=1, seq_len=8).module
+    ours = resolve(f"torch:{zoo}", batch_size=1, seq_len=8).module
     theirs = resolve(hf, batch_size=1, seq_len=8).module
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     if zoo == "bert-base":  # hf:bert builds BertLMHeadModel; the zoo is BertModel with pooler
@@ -39,7 +42,7 @@ def test_llama_estimate_identical_to_hugging_face(transformers, precision):
     # Same activations saved for backward; the peaks differ by HF's rotary `inv_freq` buffer
     # (64 floats, a 512-byte block; the zoo computes it in forward) — 1 KiB in 125 GiB.
     kw = dict(batch_size=1, seq_len=256, optimizer="adamw", gpu="a100-80gb", precision=precision, loss=_LM)
-    ours = memcalc.estimate("llama-2-7b", **kw)
+    ours = memcalc.estimate("torch:llama-2-7b", **kw)
     theirs = memcalc.estimate("hf:llama", **kw)
     assert ours.textbook.activation_bytes == theirs.textbook.activation_bytes
     assert abs(ours.bytes.peak_allocated - theirs.bytes.peak_allocated) <= 2048
@@ -52,7 +55,7 @@ def test_gpt2_differs_from_hugging_face_only_by_its_training_kv_cache(transforme
     # reads tensor values and so cannot run on meta tensors).
     b, t, d, layers = 8, 512, 768, 12
     kw = dict(batch_size=b, seq_len=t, optimizer="adamw", gpu="a100-80gb", loss=_LM)
-    ours = memcalc.estimate("gpt2", **kw)
+    ours = memcalc.estimate("torch:gpt2", **kw)
     theirs = memcalc.estimate("hf:gpt2", **kw)
     assert theirs.textbook.activation_bytes - ours.textbook.activation_bytes == layers * 2 * b * t * d * 4
 
@@ -63,7 +66,7 @@ def test_llama_under_amp_is_within_two_percent_of_hugging_face(transformers):
     # copy per layer than the zoo's (its attention/RoPE dtype handling under autocast) and keeps
     # ~1.8 % more activations at batch 1, 256 tokens. fp32 is identical (test above).
     kw = dict(batch_size=1, seq_len=256, optimizer="adamw", gpu="a100-80gb", precision="amp-bf16", loss=_LM)
-    ours = memcalc.estimate("llama-2-7b", **kw).textbook.activation_bytes
+    ours = memcalc.estimate("torch:llama-2-7b", **kw).textbook.activation_bytes
     theirs = memcalc.estimate("hf:llama", **kw).textbook.activation_bytes
     assert 0 < (theirs - ours) / theirs < 0.02
 
@@ -201,7 +204,7 @@ def test_new_llm_estimates_identical_to_transformers_without_cache(hf_without_ca
         with torch.device("meta"):
             hf = transformers.AutoModelForCausalLM.from_config(_hf_config(transformers, name))
         _skip_unless_gemma_defaults_to_eager(hf.config._attn_implementation)
-    ours = memcalc.estimate(name, **kw)
+    ours = memcalc.estimate(f"torch:{name}", **kw)
     theirs = memcalc.estimate(hf_without_cache(name), **kw)
     assert ours.textbook.activation_bytes == theirs.textbook.activation_bytes
     assert ours.attention_backend == theirs.attention_backend
@@ -228,6 +231,6 @@ def test_llama_3_differs_from_transformers_only_by_its_training_kv_cache(transfo
     path = tmp_path / "llama-3-8b.json"
     _hf_config(transformers, "llama-3-8b").to_json_file(str(path))
     kw = dict(batch_size=b, seq_len=t, optimizer="adamw", gpu="a100-80gb", loss=_LM)
-    ours = memcalc.estimate("llama-3-8b", **kw)
+    ours = memcalc.estimate("torch:llama-3-8b", **kw)
     theirs = memcalc.estimate(f"hf:{path}", **kw)
     assert theirs.textbook.activation_bytes - ours.textbook.activation_bytes == layers * 2 * b * t * kv_width * 4

@@ -33,6 +33,7 @@ from memcalc.report.output import check_output_path
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
+from memcalc.sources.resolve import builds_transformers
 from memcalc.targets.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
 from memcalc.timing.performance import loader_advice
 from memcalc.timing.render import render_loader
@@ -124,9 +125,11 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
                      **options: Any) -> None:
     """Estimate the GPU memory of one step of MODEL.
 
-    MODEL is a zoo name (memcalc zoo lists them), path/to/file.py:factory,
-    package.module:factory, torchvision:NAME, timm:NAME, hf:MODEL_TYPE, hf:ORG/NAME[@REVISION]
-    (config.json only, from the Hugging Face cache or the Hub) or hf:config.json.
+    MODEL is a zoo name (memcalc zoo lists them; its language models are transformers' models
+    when transformers is installed, torch:NAME the zoo's plain-torch definition),
+    path/to/file.py:factory, package.module:factory, torchvision:NAME, timm:NAME, hf:MODEL_TYPE,
+    hf:ORG/NAME[@REVISION] (config.json only, from the Hugging Face cache or the Hub) or
+    hf:config.json.
     """
     source = attn_model(model, options)  # an hf: model with --attn becomes a HuggingFace source
     keywords = dict(optimizer=optim if given("optim") else None, precision=precision,
@@ -214,18 +217,27 @@ def _measurement_dict(m: Measurement) -> dict[str, Any]:
 @output_options
 @handle_errors
 def zoo_command(fmt: str, units: str, debug: bool) -> None:
-    """List the model zoo: name, family, parameters, default input."""
+    """List the model zoo: name, family, parameters, default input, and the model the name builds
+    (transformers' class from the released config, or memcalc's plain-torch definition)."""
 
 
-    rows = [{"name": e.name, "family": e.family, "parameters": e.reference_parameters,
-             "default_input": e.default_input_text} for e in models_zoo.entries()]
+    rows = [_zoo_row(e) for e in models_zoo.entries()]
     if fmt == "json":
         click.echo(render_json(rows))
         return
-    table = [[r["name"], r["family"], f"{r['parameters']:,}" if r["parameters"] else "-", r["default_input"]]
-             for r in rows]
-    click.echo(tabulate(table, headers=["name", "family", "parameters", "default input"], tablefmt=fmt,
-                        colalign=("left", "left", "right", "left"), disable_numparse=True))
+    table = [[r["name"], r["family"], f"{r['parameters']:,}" if r["parameters"] else "-", r["default_input"],
+              r["model"]] for r in rows]
+    click.echo(tabulate(table, headers=["name", "family", "parameters", "default input", "model"], tablefmt=fmt,
+                        colalign=("left", "left", "right", "left", "left"), disable_numparse=True))
+
+
+def _zoo_row(entry: models_zoo.ZooEntry) -> dict[str, Any]:
+    """One entry of ``memcalc zoo``: the parameters of the model its name builds here."""
+    if entry.hf is not None and builds_transformers(entry):
+        return {"name": entry.name, "family": entry.family, "parameters": entry.hf_parameters,
+                "default_input": entry.default_input_text, "model": f"transformers {entry.hf.architecture}"}
+    return {"name": entry.name, "family": entry.family, "parameters": entry.reference_parameters,
+            "default_input": entry.default_input_text, "model": "plain torch"}
 
 
 main.add_command(fit_command)

@@ -66,6 +66,9 @@ MAX_MARGIN = 0.5
 #: Where the tables were measured.
 MEASURED_ON = "H100 80GB, torch 2.11 + CUDA 13.0, 2026-11-25 (tests/data/gpu/2026-11-25-h100/suite-gpu.jsonl)"
 
+#: The zoo's spelling of its plain-torch models (``models_zoo.TORCH_PREFIX``; the search does not
+#: import the zoo): the suite's models, measured before the zoo's names built transformers' models.
+_PLAIN_TORCH = "torch:"
 #: Model families by name prefix (lower case), as the suite's models fall into them.
 FAMILY_PREFIXES: dict[str, tuple[str, ...]] = {
     "cnn": ("resnet", "wide_resnet", "resnext", "vgg", "mobilenet", "efficientnet", "densenet", "convnext", "regnet",
@@ -143,10 +146,11 @@ class MeasuredMargin:
 
 
 def model_family(model: object) -> str:
-    """The family of a model named as in the zoo (``"resnet50"``: ``"cnn"``), else ``"other"``."""
+    """The family of a model named as in the zoo (``"resnet50"``: ``"cnn"``; its plain-torch
+    spelling ``"torch:gpt2"`` alike), else ``"other"``."""
     if not isinstance(model, str):
         return "other"
-    name = model.lower().rsplit("/", 1)[-1]
+    name = model.lower().removeprefix(_PLAIN_TORCH).rsplit("/", 1)[-1]
     for family, prefixes in FAMILY_PREFIXES.items():
         if name.startswith(prefixes):
             return family

@@ -2,7 +2,13 @@
 
 Forms accepted by :func:`resolve`:
 
-- a zoo name (``resnet50``, ``ResNet_50``, ``gpt2-xl``; case-insensitive, ``_``/``-`` alike);
+- a zoo name (``resnet50``, ``ResNet_50``, ``gpt2-xl``; case-insensitive, ``_``/``-`` alike). A
+  zoo language model (Llama, Mistral, Qwen2.5, Gemma 2, GPT-2, BERT) is transformers' own model,
+  built from the checkpoint's released config that the zoo holds, when transformers is installed
+  (as an ``hf:`` model is: the class its ``architectures`` names, its own loss, PEFT's default
+  LoRA targets, transformers' attention), and the zoo's plain-torch definition otherwise;
+- ``torch:NAME``: the zoo's plain-torch definition of NAME whether transformers is installed or
+  not — the models the real GPU measurements (``tests/data/gpu/``) were made with;
 - an ``nn.Module`` (left untouched: memcalc works on a meta twin) or a zero-argument factory;
 - ``path/to/file.py:factory`` and ``package.module:factory`` — the factory returns an
   ``nn.Module``; an optional ``example_inputs(batch_size)`` beside it supplies the inputs
@@ -25,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.util
 import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,12 +57,19 @@ from memcalc.sources.user_code import Example, load_from_file, load_from_module
 from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
 from memcalc.stacks.transformers.checkpointing import hf_checkpointing, supports_checkpointing
 from memcalc.stacks.transformers.generate import generate_on_meta
-from memcalc.stacks.transformers.heads import AUTO_CLASSES, Head, head_of, labels_maker, named_architecture
-from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, import_hf, load_config
+from memcalc.stacks.transformers.heads import (
+    AUTO_CLASSES,
+    Head,
+    head_of,
+    labels_maker,
+    named_architecture,
+    settle_loss_type,
+)
+from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, config_from_values, import_hf, load_config
 from memcalc.stacks.transformers.reads import hf_reads
-from models_zoo.registry import InputKind, ZooEntry
+from models_zoo.registry import TORCH_PREFIX, HfConfig, InputKind, ZooEntry
 
-__all__ = ("ModelLike", "ResolvedModel", "meta_twin", "resolve")
+__all__ = ("ModelLike", "ResolvedModel", "builds_transformers", "meta_twin", "resolve")
 
 #: What :func:`resolve` accepts as a model (see the module docstring for the string forms).
 ModelLike: TypeAlias = "str | HuggingFace | nn.Module | Callable[[], nn.Module]"
@@ -172,19 +186,61 @@ def _resolve_string(spec: str, batch_size: int, shape: _Shape | None, seq_len: i
 
 def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_len: int | None,
                    user_inputs: _Inputs | None) -> ResolvedModel:
+    """A zoo name: transformers' model when the entry has a Hugging Face config and transformers
+    is installed, else the plain-torch definition (with a note saying why, for a language model)."""
+    per_sample = _entry_shape(entry, shape, seq_len)
+    if entry.hf is not None and builds_transformers(entry):
+        return _resolve_zoo_hf(entry, entry.hf, batch_size, per_sample, user_inputs)
+    resolved = _resolve_zoo_torch(entry, batch_size, per_sample, user_inputs, entry.name)
+    if entry.hf is not None:
+        resolved.notes += (f"transformers is not installed: {entry.name} is memcalc's plain-torch definition of "
+                           f"{entry.hf.architecture} (the same parameters; the model's own loss and PEFT's default "
+                           f"LoRA targets need transformers' model: pip install transformers)",)
+    return resolved
+
+
+def builds_transformers(entry: ZooEntry) -> bool:
+    """Whether the zoo name ``entry.name`` builds transformers' model (the entry has a released
+    Hugging Face config, and transformers is installed) rather than the plain-torch definition.
+
+    Args:
+        entry: a zoo entry.
+
+    Returns:
+        True where resolving the name builds transformers' model.
+    """
+    return entry.hf is not None and importlib.util.find_spec("transformers") is not None
+
+
+def _torch_zoo_source(name: str, batch_size: int, shape: _Shape | None, seq_len: int | None,
+                      user_inputs: _Inputs | None) -> ResolvedModel:
+    """``torch:NAME``: the zoo's plain-torch definition, transformers installed or not."""
+    entry = models_zoo.get(name)
+    if entry is None:
+        raise UnknownModelError(f"{TORCH_PREFIX}{name}", [f"{TORCH_PREFIX}{n}" for n in models_zoo.closest(name)])
+    per_sample = _entry_shape(entry, shape, seq_len)
+    return _resolve_zoo_torch(entry, batch_size, per_sample, user_inputs, f"{TORCH_PREFIX}{entry.name}")
+
+
+def _entry_shape(entry: ZooEntry, shape: _Shape | None, seq_len: int | None) -> _Shape:
+    """One sample's shape for ``entry``: the one asked (checked against what the model takes),
+    else the entry's default."""
     if entry.input_kind is InputKind.TOKENS:
         if shape is not None and len(shape) != 1:
             raise InvalidInputError(
                 f"{entry.name} takes token ids; give --seq-len N (not an image shape {shape})")
-        per_sample = shape or entry.default_shape
-    else:
-        if seq_len is not None:
-            raise InvalidInputError(f"{entry.name} takes {entry.input_kind.value} inputs; "
-                                    f"give --input-shape (e.g. {','.join(map(str, entry.default_shape))})")
-        if entry.input_kind is InputKind.IMAGE and shape is not None and len(shape) != len(entry.default_shape):
-            raise _image_rank_error(entry, shape)
-        per_sample = shape or entry.default_shape
+        return shape or entry.default_shape
+    if seq_len is not None:
+        raise InvalidInputError(f"{entry.name} takes {entry.input_kind.value} inputs; "
+                                f"give --input-shape (e.g. {','.join(map(str, entry.default_shape))})")
+    if entry.input_kind is InputKind.IMAGE and shape is not None and len(shape) != len(entry.default_shape):
+        raise _image_rank_error(entry, shape)
+    return shape or entry.default_shape
 
+
+def _resolve_zoo_torch(entry: ZooEntry, batch_size: int, per_sample: _Shape, user_inputs: _Inputs | None,
+                       name: str) -> ResolvedModel:
+    """The zoo's plain-torch model of ``entry``, reported as ``name``."""
     def build(device: torch.device) -> tuple[nn.Module, ModelInputs]:
         with device:
             module = entry.build(per_sample)
@@ -192,10 +248,32 @@ def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_l
             return module, user_inputs.map(lambda t: t.detach().to(device))
         return module, ModelInputs(entry.example_inputs(batch_size, per_sample, device=device))
 
-    module, inputs = _build_on_meta(build, entry.name)
-    notes = _context_notes(entry, per_sample, module)
-    return ResolvedModel(entry.name, module, inputs, entry.loss, build, entry.block_containers,
+    module, inputs = _build_on_meta(build, name)
+    notes = _context_notes(entry, per_sample, module, entry.reference_parameters)
+    return ResolvedModel(name, module, inputs, entry.loss, build, entry.block_containers,
                          notes=notes, decoder=entry.decoder)
+
+
+def _resolve_zoo_hf(entry: ZooEntry, hf: HfConfig, batch_size: int, per_sample: _Shape,
+                    user_inputs: _Inputs | None) -> ResolvedModel:
+    """transformers' model of ``entry``, built from its released config as an ``hf:`` model is
+    (:func:`_hf_model`): the zoo gives the config, the default sequence length and, for a learned
+    position table, its growth to a longer sequence (as the plain-torch model grows its own)."""
+    transformers = import_hf("transformers", f"the zoo model {entry.name}")
+    values = dict(hf.values)
+    length = per_sample[0] if entry.input_kind is InputKind.TOKENS else None
+    table = values.get(hf.position_table) if hf.position_table is not None else None
+    if length is not None and isinstance(table, int) and length > table:
+        values[str(hf.position_table)] = length
+    config = config_from_values(transformers, values, entry.name)
+    resolved = _hf_model(transformers, config, entry.name, None, batch_size, length or _HF_DEFAULT_SEQ_LEN,
+                         user_inputs)
+    resolved.decoder = entry.decoder
+    built = (f"{entry.name} is transformers' {type(resolved.module).__name__}, built from the released config of "
+             f"{hf.repo} ({TORCH_PREFIX}{entry.name}: memcalc's plain-torch definition)")
+    resolved.notes = (built, *resolved.notes,
+                      *_context_notes(entry, per_sample, resolved.module, entry.hf_parameters))
+    return resolved
 
 
 def _image_rank_error(entry: ZooEntry, shape: _Shape) -> InvalidInputError:
@@ -211,16 +289,16 @@ def _image_rank_error(entry: ZooEntry, shape: _Shape) -> InvalidInputError:
              f"(input_shape={example} in Python).")
 
 
-def _context_notes(entry: ZooEntry, per_sample: _Shape, module: nn.Module) -> tuple[str, ...]:
+def _context_notes(entry: ZooEntry, per_sample: _Shape, module: nn.Module, released: int | None) -> tuple[str, ...]:
     """What a sequence longer than the released model's context does to the zoo's model: a
-    learned position table (GPT-2, BERT) grows with it, and so does the parameter count,
-    which must not pass unremarked; rotary positions (Llama) just run past it."""
+    learned position table (GPT-2, BERT) grows with it, and so does the parameter count
+    (``released`` at the released context), which must not pass unremarked; rotary positions
+    (Llama) just run past it."""
     limit = entry.context_length
     if entry.input_kind is not InputKind.TOKENS or limit is None or per_sample[0] <= limit:
         return ()
     length = per_sample[0]
     count = sum(p.numel() for p in module.parameters())
-    released = entry.reference_parameters
     if released is not None and count != released:
         return (f"{length:,} tokens exceed {entry.name}'s context of {limit:,}: its position table is grown to "
                 f"{length:,} rows, so this model has {count:,} parameters, not the released {released:,} "
@@ -350,27 +428,39 @@ def _hf_resolve(source: HuggingFace, batch_size: int, shape: _Shape | None, seq_
                 user_inputs: _Inputs | None) -> ResolvedModel:
     transformers = import_hf("transformers", f"the model source {source.spec}")
     config = load_config(transformers, source)
-    factory = lambda: _hf_model_from_config(transformers, config, source.attention, source.spec, source.head)
     context = getattr(config, "max_position_embeddings", None)
     asked = (shape[0] if shape else None) or seq_len
     length = asked or min(context or _HF_DEFAULT_SEQ_LEN, _HF_DEFAULT_SEQ_LEN)
+    resolved = _hf_model(transformers, config, source.spec, source.attention, batch_size, length, user_inputs,
+                         source.head)
+    if user_inputs is None and isinstance(context, int) and length > context:
+        resolved.notes += (_hf_beyond_context(resolved, context, length),)
+    return resolved
+
+
+def _hf_model(transformers: ModuleType, config: Any, name: str, attn: HfAttention | None, batch_size: int,
+              length: int, user_inputs: _Inputs | None, task: Head | None = None) -> ResolvedModel:
+    """transformers' model of ``config`` on meta, as every Hugging Face model is estimated (an
+    ``hf:`` model and a zoo language model alike): the class the config's ``architectures``
+    names, token ids ``(batch, length)`` unless the user gave inputs, the labels of its head (so
+    that a training step trains the model's own loss), its repeated blocks and its attention;
+    ``task``: another head (``--task``), the class its Auto class builds."""
+    factory = lambda: _hf_model_from_config(transformers, config, attn, name, task)
     vocab = getattr(config, "vocab_size", None) or 32000
 
     def example(b: int) -> tuple[torch.Tensor]:
         return (torch.randint(0, vocab, (b, length)),)
 
-    resolved = _resolve_factory(factory, source.spec, Asked(batch_size, None, False, user_inputs), example)
+    resolved = _resolve_factory(factory, name, Asked(batch_size, None, False, user_inputs), example)
     # memcalc's loss when the user names none is the model's own (labels in the batch, as Trainer
     # passes them); LM cross-entropy is memcalc's stand-in for a causal LM whose loss is chosen
     resolved.loss = LossKind.LM_CROSS_ENTROPY if _is_causal_lm(resolved.module) else LossChoice.AUTO
     resolved.labels = labels_maker(resolved.module)
     resolved.generate = generate_on_meta if head_of(resolved.module) is Head.CAUSAL_LM else None
     resolved.reads = hf_reads
-    resolved.notes += (attention_note(resolved.module, source.attention),)
+    resolved.notes += (attention_note(resolved.module, attn),)
     resolved.block_containers = hf_block_containers(resolved.module)
     resolved.checkpointing = hf_checkpointing if supports_checkpointing(resolved.module) else None
-    if user_inputs is None and isinstance(context, int) and length > context:
-        resolved.notes += (_hf_beyond_context(resolved, context, length),)
     return resolved
 
 
@@ -423,6 +513,7 @@ def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttenti
                                         hint="Leave --attn out to run what transformers picks for it.") from exc
             continue
         check_supported(model, attn, name)
+        settle_loss_type(model)
         return model
     raise ModelSourceError(f"transformers has no model class for config {type(config).__name__}")
 
@@ -460,6 +551,7 @@ _PACKAGE_SOURCES: dict[str, _PackageSource] = {
     "torchvision": _torchvision_source,
     "timm": _timm_source,
     "hf": _hf_source,
+    "torch": _torch_zoo_source,
 }
 
 

@@ -30,7 +30,11 @@ from torch import nn
 
 from memcalc.engine.model import LabelsMaker, ModelInputs
 
-__all__ = ("Head", "head_of", "labels_maker", "named_architecture")
+__all__ = ("Head", "head_of", "labels_maker", "named_architecture", "settle_loss_type")
+
+#: The loss transformers falls back to for a model whose class name names none of its losses
+#: (``PreTrainedModel.loss_function``, modeling_utils.py).
+_FALLBACK_LOSS = "ForCausalLM"
 
 
 class Head(str, enum.Enum):
@@ -74,6 +78,24 @@ def named_architecture(transformers: ModuleType, config: Any) -> type[nn.Module]
     names = getattr(config, "architectures", None) or ()
     model_class = getattr(transformers, names[0], None) if names else None
     return model_class if isinstance(model_class, type) and issubclass(model_class, nn.Module) else None
+
+
+def settle_loss_type(model: nn.Module) -> None:
+    """Give ``model`` the loss transformers would fall back to, where its class names none.
+
+    transformers picks a model's loss by its class name (``PreTrainedModel.__init__`` sets
+    ``loss_type`` from it); a class that names none, such as ``GPT2LMHeadModel``, gets
+    ``loss_type=None``, and its first ``loss_function`` logs "`loss_type=None` was set in the
+    config but it is unrecognized" and uses ``ForCausalLMLoss`` (transformers 5.24,
+    modeling_utils.py). That warning would land in memcalc's report; the same loss is set here
+    without it. A model that names its loss, or has no ``loss_type``, is left as it is.
+    """
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:
+        return
+    if getattr(model, "loss_type", "") is None and _FALLBACK_LOSS in LOSS_MAPPING:
+        setattr(model, "loss_type", _FALLBACK_LOSS)  # noqa: B010  (nn.Module's typed attributes are tensors)
 
 
 def head_of(module: nn.Module) -> Head | None:

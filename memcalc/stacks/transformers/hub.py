@@ -46,11 +46,14 @@ them in :func:`_hub_error`.
 
 from __future__ import annotations
 
+import copy
 import enum
 import importlib
 import logging
 import os
 import sys
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -65,6 +68,7 @@ __all__ = (
     "HubError",
     "HubProblem",
     "HuggingFace",
+    "config_from_values",
     "download_config",
     "import_hf",
     "load_config",
@@ -195,7 +199,11 @@ def import_hf(package: str, purpose: str) -> ModuleType:
     ``hf`` extra that installs them both."""
     _quiet_optional_kernels()
     try:
-        return importlib.import_module(package)
+        with warnings.catch_warnings():
+            # tqdm.auto, which transformers and peft import, warns in a notebook without ipywidgets that its
+            # progress bars will be plain text: memcalc shows none of theirs
+            warnings.filterwarnings("ignore", message="IProgress not found")
+            return importlib.import_module(package)
     except ImportError as exc:
         error = MissingPackageError(package, purpose)
         error.hint = f"Install it with: {HF_EXTRA_HINT} (or pip install {package})"
@@ -240,6 +248,23 @@ def load_config(transformers: ModuleType, source: HuggingFace) -> Any:
     if "/" not in name and source.revision is None:
         return _model_type_config(transformers, name)
     return _auto_config(transformers, download_config(name, source.revision), source)
+
+
+def config_from_values(transformers: ModuleType, values: Mapping[str, object], name: str) -> Any:
+    """The ``PretrainedConfig`` of a ``config.json``'s values held in memory (a zoo entry's
+    released config): the config class of their ``model_type``, through its ``from_dict``, as
+    ``AutoConfig.from_pretrained`` reads a file. The values are copied: transformers keeps (and may
+    change) what it is given.
+
+    Raises:
+        ModelSourceError: the installed transformers has no such model type.
+    """
+    model_type = values.get("model_type")
+    mapping = transformers.CONFIG_MAPPING
+    if not isinstance(model_type, str) or model_type not in mapping:
+        raise ModelSourceError(f"{name}: transformers {transformers.__version__} has no model type {model_type!r}",
+                               hint="Upgrade transformers (pip install -U transformers).")
+    return mapping[model_type].from_dict(copy.deepcopy(dict(values)))
 
 
 def _no_revision(source: HuggingFace, what: str) -> None:
