@@ -265,7 +265,7 @@ def test_qlora_on_a_hugging_face_model_runs_prepare_model_for_kbit_training(tmp_
 def test_qlora_on_a_plain_torch_model_is_not_prepared():
     # prepare_model_for_kbit_training "only works for transformers models": the zoo's Llama keeps its bf16
     finetune = FineTune(lora=LoRA(8, targets=("q_proj", "v_proj")), quant="nf4")
-    report = memcalc.estimate("llama-tiny", batch_size=1, seq_len=16, precision="bf16", finetune=finetune)
+    report = memcalc.estimate("torch:llama-tiny", batch_size=1, seq_len=16, precision="bf16", finetune=finetune)
     assert report.precision is Precision.BF16
     assert not any(n.startswith("prepare_model_for_kbit_training") for n in report.notes)
 

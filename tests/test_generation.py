@@ -74,8 +74,8 @@ def test_the_header_names_the_call(tmp_path: Path):
 
 # ---- refusals ------------------------------------------------------------------------------
 def test_a_model_without_generate_is_refused_with_the_static_cache_as_the_way_out():
-    with pytest.raises(InapplicableOptionError, match="llama-tiny is not one") as caught:
-        memcalc.estimate("llama-tiny", batch_size=1, seq_len=16, mode="generate", new_tokens=4)
+    with pytest.raises(InapplicableOptionError, match="torch:llama-tiny is not one") as caught:
+        memcalc.estimate("torch:llama-tiny", batch_size=1, seq_len=16, mode="generate", new_tokens=4)
     assert "--mode inference --kv-cache" in (caught.value.hint or "")
 
 
