@@ -57,7 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError, ModelSourceError
 from memcalc.stacks.transformers.heads import Head
@@ -163,20 +163,24 @@ class HuggingFace:
         return None if self.task is None else _head(self.task)
 
 
-def _attention(value: HfAttention | str) -> HfAttention:
+_Choice = TypeVar("_Choice", HfAttention, Head)
+
+
+def _one_of(kind: type[_Choice], value: _Choice | str, what: str) -> _Choice:
+    """``value`` as a member of ``kind``; else an error naming ``what`` and the choices."""
     try:
-        return HfAttention(value)
+        return kind(value)
     except ValueError:
-        choices = ", ".join(a.value for a in HfAttention)
-        raise InvalidInputError(f"unknown attention implementation {value!r}: choose one of {choices}") from None
+        choices = ", ".join(member.value for member in kind)
+        raise InvalidInputError(f"unknown {what} {value!r}: choose one of {choices}") from None
+
+
+def _attention(value: HfAttention | str) -> HfAttention:
+    return _one_of(HfAttention, value, "attention implementation")
 
 
 def _head(value: Head | str) -> Head:
-    try:
-        return Head(value)
-    except ValueError:
-        choices = ", ".join(h.value for h in Head)
-        raise InvalidInputError(f"unknown task {value!r}: choose one of {choices}") from None
+    return _one_of(Head, value, "task")
 
 
 def with_attention(model: str, attn: str | None, task: str | None = None) -> str | HuggingFace:
