@@ -10,6 +10,7 @@ Linear layer through the trainer loop, and the CLI's output and messages. The re
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -94,9 +95,19 @@ def test_the_users_options_win_over_the_defaults():
 # ============================================================================================
 
 
+#: The installed transformers' name of the checkpointing argument: 5.24 has
+#: ``activation_checkpointing`` (and still reads ``gradient_checkpointing``); 5.17, the floor CI
+#: runs, has ``gradient_checkpointing`` only.
+CHECKPOINTING = ("activation_checkpointing"
+                 if "activation_checkpointing" in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+                 else "gradient_checkpointing")
+#: Arguments memcalc judges that only some of the releases CI runs have.
+NOT_IN_EVERY_RELEASE = {"activation_checkpointing", "activation_checkpointing_kwargs"}
+
+
 def test_the_users_arguments_set_the_step():
     args = _args(per_device_train_batch_size=3, gradient_accumulation_steps=2, bf16=True,
-                 activation_checkpointing=True, optim="sgd", optim_args="momentum=0.9")
+                 optim="sgd", optim_args="momentum=0.9", **{CHECKPOINTING: True})
     step = build_step("gpt2", seq_len=64, trainer_args=args)
     assert (step.batch_size, step.accum_steps, step.precision, step.checkpoint) == (3, 2, Precision.AMP_BF16, True)
     assert step.optimizer_key is Optimizer.SGD_MOMENTUM  # optim_args' momentum: a momentum buffer
@@ -188,7 +199,7 @@ def test_every_argument_of_the_installed_class_is_judged():
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     judged = MAPPED | IGNORED | REFUSED.keys()
     assert fields - judged == set(), "arguments memcalc has not judged: add each to MAPPED, IGNORED or REFUSED"
-    assert judged - fields == set(), "arguments the installed TrainingArguments no longer has"
+    assert judged - fields <= NOT_IN_EVERY_RELEASE, "arguments the installed TrainingArguments no longer has"
     assert not (MAPPED & IGNORED) and not (MAPPED & REFUSED.keys()) and not (IGNORED & REFUSED.keys())
 
 
@@ -227,18 +238,19 @@ def test_checkpointing_it_cannot_follow_is_refused(kwargs, says):
 
 def test_checkpointing_kwargs_it_follows_and_kwargs_without_checkpointing():
     accepted = {"use_reentrant": False, "preserve_rng_state": True}
-    step = build_step("gpt2", seq_len=32, trainer_args={"activation_checkpointing": True,
-                                                        "activation_checkpointing_kwargs": accepted})
+    step = build_step("gpt2", seq_len=32, trainer_args={CHECKPOINTING: True, f"{CHECKPOINTING}_kwargs": accepted})
     assert step.checkpoint
     # the Trainer reads the kwargs only when it checkpoints
-    off = build_step("gpt2", seq_len=32, trainer_args={"activation_checkpointing_kwargs": {"use_reentrant": True}})
+    off = build_step("gpt2", seq_len=32, trainer_args={f"{CHECKPOINTING}_kwargs": {"use_reentrant": True}})
     assert not off.checkpoint
 
 
 @pytest.mark.parametrize("optim, args, says", [
     ("adafactor", None, "builds transformers.optimization.Adafactor: transformers' own Adafactor is not "
                         "torch.optim.Adafactor"),
-    ("lion_8bit", None, "builds bitsandbytes.optim.lion.Lion, which memcalc does not model"),
+    pytest.param("lion_8bit", None, "builds bitsandbytes.optim.lion.Lion, which memcalc does not model",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                                          reason="the Trainer builds bitsandbytes' Lion only where it is installed")),
     ("rmsprop", "momentum=0.9", "momentum or centered keeps a momentum buffer"),
     ("adamw_torch_4bit", None, "the installed Trainer cannot build it here"),
 ])
