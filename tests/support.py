@@ -42,3 +42,23 @@ def fake_ddp(model: nn.Module, **ddp_options: Any) -> nn.Module:
 
     ddp.register_comm_hook(None, hook)
     return ddp
+
+
+#: Source of ``peak_rss()`` for a child process's script: the child's own peak resident set, in
+#: bytes. Linux keeps ``getrusage(RUSAGE_SELF).ru_maxrss`` across fork and exec, so a child of a
+#: large pytest process reports at least the parent's resident set at the fork (2.1 GiB in a full
+#: suite run); ``VmHWM`` in /proc/self/status is the high-water mark of the child's own address
+#: space, which exec starts afresh. Elsewhere (macOS: no /proc) ru_maxrss, in bytes there.
+PEAK_RSS = '''
+def peak_rss():
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource, sys
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+'''

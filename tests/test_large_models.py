@@ -8,13 +8,14 @@ import sys
 import textwrap
 
 import pytest
+from support import PEAK_RSS
 
 pytestmark = pytest.mark.slow  # 7B/70B-parameter models
 
 GiB = 2**30
 
-_CHILD = textwrap.dedent("""
-    import json, resource, torch
+_CHILD = PEAK_RSS + textwrap.dedent("""
+    import json, torch
     from torch import nn
     import memcalc
 
@@ -23,7 +24,7 @@ _CHILD = textwrap.dedent("""
         return nn.Sequential(*[nn.Linear(8192, 8192, bias=False) for _ in range(104)])
 
     report = memcalc.estimate(seven_billion, batch_size=1, input_shape=(8192,), optimizer="adam")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    rss = peak_rss()  # the child's own (support.PEAK_RSS)
     print(json.dumps({"rss": rss, "parameters": report.parameters,
                       "param_bytes": report.bytes.parameters, "peak": report.bytes.peak_allocated}))
 """)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from support import PEAK_RSS
 
 import memcalc
 import models_zoo
@@ -40,13 +41,13 @@ def test_llama_3_70b_long_sequence_stays_small():
     # peak resident set is its own (measured: about 330 MiB on the 2-core CI machine, 375 MiB with
     # transformers' model, which from_config builds on meta, its weight init skipped there; its time
     # is benchmarks/large_models.py's business)
-    code = ("import json, resource, memcalc; "
-            "r = memcalc.estimate('llama-3-70b', batch_size=1, seq_len=4096, optimizer='adamw'); "
-            "print(json.dumps([r.parameters, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, r.notes[0]]))")
+    code = PEAK_RSS + (
+        "import json, memcalc\n"
+        "r = memcalc.estimate('llama-3-70b', batch_size=1, seq_len=4096, optimizer='adamw')\n"
+        "print(json.dumps([r.parameters, peak_rss(), r.notes[0]]))\n")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
                           check=True, timeout=300)
-    parameters, max_rss, first_note = json.loads(done.stdout.strip().splitlines()[-1])
-    rss_bytes = max_rss * (1 if sys.platform == "darwin" else 1024)  # ru_maxrss: KiB on Linux
+    parameters, rss_bytes, first_note = json.loads(done.stdout.strip().splitlines()[-1])  # support.PEAK_RSS
     assert parameters == 70_553_706_496
     assert rss_bytes < 1.5 * 2**30
     if builds_transformers(models_zoo.get("llama-3-70b")):
