@@ -27,7 +27,7 @@ import torch
 
 from memcalc.core.categories import Mode
 from memcalc.core.choices import parse_choice
-from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.loop import Loop, LoopPreset, OptimizerImpl
@@ -401,7 +401,20 @@ def _with_trainer_args(values: dict[str, Any]) -> dict[str, Any]:
             f"trainer_args (--training-args) describe Hugging Face Trainer's loop; the loop is {loop.name}",
             hint="Leave the loop out (the Trainer's arguments imply loop trainer), or give loop "
                  "memcalc.Loop('trainer', ...).")
-    setup = read_training_args(args)
+    try:
+        setup = read_training_args(args)
+    except MissingPackageError:
+        if args is not None:
+            raise
+        # loop="trainer" alone, without transformers: the preset's loop (clipping, outputs
+        # dropped) with memcalc's own options, as before the defaults were read from the class
+        out = dict(values)
+        out["loop"] = replace(loop, body=LoopPreset.TRAINER)
+        out["trainer_args"] = TrainerArguments(
+            "memcalc's own options (transformers is not installed, so its TrainingArguments defaults — the "
+            "optimizer adamw_torch_fused among them — were not read; give --optim adamw --optim-impl fused "
+            "for that default)", defaults_only=True)
+        return out
     out = dict(values)
     replaced = []
     for name, value in setup.values.items():

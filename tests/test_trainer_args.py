@@ -301,6 +301,19 @@ def test_the_arguments_describe_the_trainers_loop_in_training():
     assert kept.loop.keep_grads and kept.loop.optimizer_impl is OptimizerImpl.FUSED and kept.mode is Mode.TRAIN
 
 
+def test_the_trainer_loop_without_transformers_runs_on_memcalcs_options(monkeypatch):
+    # loop="trainer" alone reads the installed TrainingArguments' defaults; where transformers is
+    # not installed it is still the trainer preset (clipping, outputs dropped), with memcalc's own
+    # optimizer, and the note says what was not read. The user's own arguments still need it.
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    step = build_step("mlp", loop="trainer")
+    assert step.loop.preset is LoopPreset.TRAINER and step.optimizer_key is Optimizer.ADAM
+    assert step.trainer_args is not None and "transformers is not installed" in step.trainer_args.describe()
+    assert any("were not read" in note for note in step.notes)
+    with pytest.raises(MissingPackageError, match="transformers"):
+        build_step("mlp", trainer_args={"per_device_train_batch_size": 2})
+
+
 def test_files_it_cannot_read(tmp_path, monkeypatch):
     with pytest.raises(InvalidInputError, match="training arguments file not found"):
         build_step("mlp", trainer_args=str(tmp_path / "missing.json"))
