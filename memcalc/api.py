@@ -171,8 +171,7 @@ def estimate_step(step: Step, distributed: Distributed | None = None) -> MemoryR
         MemcalcError: a subclass naming what was wrong and what to do.
     """
     if step.record_costs:
-        check_timeable(step.gpu if step.gpu_named else None)  # refused before any estimate
-        check_timeable_mode(step.mode)
+        _check_timeable(step)
     report = _note_beyond_every_gpu(run_estimate(step, distributed or Distributed()))
     return with_time(report) if step.record_costs else report
 
@@ -333,7 +332,7 @@ def iter_sweep(
         configs = sweep_configurations(batch_sizes, (step.optimizer_key,), precisions)
     if not time:
         return sweep_requests(step, configs, distributed=distributed)
-    check_timeable(step.gpu if step.gpu_named else None)  # refused now, before any estimate
+    _check_timeable(step)
     recording = replace(step, record_costs=True)
     return (replace(point, report=with_time(point.report))
             for point in sweep_requests(recording, configs, distributed=distributed))
@@ -378,6 +377,13 @@ def _search_step(model: Any, budget: Budget | None, *, optimizer: Optimizer | st
         given["precision"] = precision
     step = build_step(model, optimizer=optimizer, **given)
     return replace(step, capacity=budget.capacity if budget is not None else None), distributed
+
+
+def _check_timeable(step: Step) -> None:
+    """Refuse a step time now, before any estimate: a GPU without figures, or a generation
+    (whose prefill and decode steps the roofline does not time)."""
+    check_timeable(step.gpu if step.gpu_named else None)
+    check_timeable_mode(step.mode)
 
 
 def _distributed(distributed: Any) -> Distributed:

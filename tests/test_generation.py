@@ -172,3 +172,15 @@ def test_cli_estimates_a_generation(tmp_path: Path):
     assert data == _generate(tmp_path, 2, 128, 4, optimizer="none").to_dict()
     refused = CliRunner().invoke(main, args)
     assert refused.exit_code == 2 and "--new-tokens" in refused.output
+
+
+def test_timing_a_generation_is_refused_before_any_estimate(tmp_path: Path):
+    # estimate(time=True) and iter_sweep(time=True) refuse in one place (api._check_timeable),
+    # when called: a sweep yields lazily, so it is refused before its first point is estimated
+    source = hf_config_source(tmp_path, SMALL_LLAMA)
+    with pytest.raises(InvalidInputError, match="the time of a generation"):
+        memcalc.estimate(source, batch_size=1, seq_len=8, mode="generate", new_tokens=2, gpu="h100-80gb", time=True)
+    with pytest.raises(InvalidInputError, match="the time of a generation"):
+        memcalc.iter_sweep(source, batch_sizes=[1], optimizers=["none"], gpu="h100-80gb", mode="generate",
+                           new_tokens=2, seq_len=8, time=True)
+
