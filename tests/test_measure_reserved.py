@@ -1,7 +1,14 @@
-"""``measure_cuda`` reports the step's reserved memory, not the build's: the segments the model's
-build left cached are freed (``empty_cache``) after the build and before the peak statistics are
-reset, and the note says which reserved figure is shown. The CUDA calls are faked (no GPU here);
-the order of the real ones is what is checked."""
+"""``measure_cuda`` measures the step as a fresh process runs it, in its steady state:
+
+- its reserved memory, not the build's: the segments the model's build left cached are freed
+  (``empty_cache``) after the build and before the peak statistics are reset, and the note says
+  which reserved figure is shown;
+- the cuBLAS workspaces earlier steps left are freed first (the H100 suite's inference configs
+  counted a training step's backward-thread workspace: -7.8%), and again after any warm-up;
+- under amp-fp16 the GradScaler backs off until no optimizer step is skipped (the H100 suite's
+  ResNet-50 amp-fp16 run skipped both, and held no SGD momentum: +3.1%).
+
+The CUDA calls are faked (no GPU here); the order of the real ones is what is checked."""
 
 from __future__ import annotations
 
@@ -11,6 +18,10 @@ import pytest
 import torch
 
 from memcalc.engine.options import Step
+from memcalc.core.categories import Mode
+from memcalc.engine.optimizers import spec_for
+from memcalc.engine.step import StepConfig
+from memcalc.fields import build_step
 from memcalc.measure import step as measure
 
 
@@ -39,16 +50,92 @@ def test_the_build_cache_is_freed_before_the_peak_is_reset(monkeypatch: pytest.M
     }
     for name, value in fake.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(measure, "_warm_cublas", lambda device: calls.append("warm"))
+    monkeypatch.setattr(measure, "_clear_cublas_workspaces", lambda: calls.append("clear_cublas"))
     monkeypatch.setattr(measure, "_resolve", lambda step: None)
     monkeypatch.setattr(measure, "_prepare", prepare)
-    monkeypatch.setattr(measure, "_config", lambda *args: None)
+    monkeypatch.setattr(measure, "_config", lambda *args: StepConfig(Mode.TRAIN, spec_for("sgd")))
     monkeypatch.setattr(measure, "_run", lambda *args: calls.append("step"))
 
     result = measure.measure_cuda(Step(), device=torch.device("cuda", 0))
 
     # the first empty_cache is measure_cuda's clean start; the last, its clean-up
-    assert calls == ["empty_cache", "warm", "build", "empty_cache", "reset_peak", "step", "empty_cache"]
+    assert calls == ["clear_cublas", "empty_cache", "build", "clear_cublas", "empty_cache", "reset_peak", "step",
+                     "empty_cache"]
     assert result.peak_reserved == 6 << 30
     assert measure.RESERVED_SHOWN in result.note
     assert "(2,147,483,648 B cached by the build freed first)" in result.note  # 3 GiB − 1 GiB
+
+
+class _FakeScaler:
+    """GradScaler's scale: halved by each run whose gradients overflow (the first ``overflows``)."""
+
+    made = 0
+
+    def __init__(self, device: str) -> None:
+        _FakeScaler.made += 1
+        self.scale = 2.0**16
+
+    def get_scale(self) -> float:
+        return self.scale
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    fake = {
+        "get_device_name": lambda device=None: "NVIDIA H100 80GB HBM3",
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "memory_reserved": lambda device=None: 0,
+        "memory_allocated": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: calls.append("reset_peak"),
+        "max_memory_allocated": lambda device=None: 5 << 30,
+        "max_memory_reserved": lambda device=None: 6 << 30,
+    }
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(measure, "_clear_cublas_workspaces", lambda: calls.append("clear_cublas"))
+    monkeypatch.setattr(measure, "_resolve", lambda step: None)
+    monkeypatch.setattr(measure, "_prepare", lambda *args: (torch.nn.Linear(2, 2), (), []))
+
+
+@pytest.mark.parametrize("overflows", [0, 3])
+def test_an_amp_fp16_step_is_measured_once_its_scaler_skips_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                                     overflows: int) -> None:
+    calls: list[str] = []
+    _fake_cuda(monkeypatch, calls)
+    monkeypatch.setattr(torch.amp, "GradScaler", _FakeScaler)
+    grads: list[bool] = []
+
+    def run(module: torch.nn.Module, inputs: Any, config: StepConfig, *args: Any) -> None:
+        scaler = config.scaler_factory()  # the one scaler every run shares
+        grads.append(all(p.grad is None for p in module.parameters()))  # each run starts without gradients
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+        if calls.count("run") < overflows:
+            scaler.scale /= 2  # an overflow: the step skipped, the scale backed off
+        calls.append("run")
+
+    monkeypatch.setattr(measure, "_run", run)
+    _FakeScaler.made = 0
+    step = build_step("mlp", batch_size=2, precision="amp-fp16")
+    config = StepConfig(Mode.TRAIN, spec_for("sgd"), scaler_factory=lambda: _FakeScaler("cuda"))
+    monkeypatch.setattr(measure, "_config", lambda *args: config)
+
+    result = measure.measure_cuda(step, device=torch.device("cuda", 0))
+
+    warmups = overflows + 1  # the runs that backed off, then one that skipped nothing
+    assert calls == ["clear_cublas", *["run"] * warmups, "clear_cublas", "reset_peak", "run"]
+    assert all(grads)
+    assert f"GradScaler warmed up over {warmups} run" in result.note
+
+
+def test_a_step_without_a_scaler_is_not_warmed_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    _fake_cuda(monkeypatch, calls)
+    monkeypatch.setattr(measure, "_config", lambda *args: StepConfig(Mode.TRAIN, spec_for("sgd")))
+    monkeypatch.setattr(measure, "_run", lambda *args: calls.append("run"))
+
+    result = measure.measure_cuda(build_step("mlp", batch_size=2, precision="amp-bf16"),
+                                  device=torch.device("cuda", 0))
+
+    assert calls == ["clear_cublas", "clear_cublas", "reset_peak", "run"]
+    assert "GradScaler" not in result.note and "cuBLAS workspaces of earlier steps freed first" in result.note

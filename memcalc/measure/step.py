@@ -1,9 +1,12 @@
 """Real measurement of the same step the estimator simulates — our accuracy is measured,
 never assumed.
 
-CUDA: build the real model on the GPU, warm the cuBLAS handle (its workspace is allocated
-through the caching allocator at the first matmul and stays), free the segments the build left
-cached (``empty_cache``: the step's reserved memory, not the build's), ``reset_peak_memory_stats``,
+CUDA: free the cuBLAS workspaces earlier steps of the process left (each handle's is allocated
+through the caching allocator at its first matmul and stays, so a process that measured a
+training step before an inference one would count the backward thread's), build the real model
+on the GPU, under amp-fp16 let the GradScaler back off to a scale its gradients fit (warm-up
+runs), free the segments the build left cached (``empty_cache``: the step's reserved memory, not
+the build's) and the warm-ups' workspaces, ``reset_peak_memory_stats``,
 run the step program (two iterations, as the estimate does; or the chosen loop as written,
 :mod:`memcalc.engine.loops`), read ``max_memory_allocated`` and ``max_memory_reserved``. An
 OOM is a result ("measured: OOM"), not a crash. The optimizer runs in the implementation the
@@ -197,33 +200,76 @@ def _profiler_peak(prof: Any) -> int:
 
 def measure_cuda(step: Step, *, device: torch.device | None = None) -> Measurement:
     """``max_memory_allocated`` / ``max_memory_reserved`` of the real step on a GPU (``device``;
-    None: torch's current one)."""
+    None: torch's current one), as a fresh process runs it: with the cuBLAS workspaces its own
+    matmuls allocate, none left by earlier steps."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device)
     module = inputs = None
     try:
         gc.collect()
+        _clear_cublas_workspaces()
         torch.cuda.empty_cache()
-        _warm_cublas(device)
-        workspace = torch.cuda.memory_allocated(device)
+        before = torch.cuda.memory_allocated(device)
         resolved = _resolve(step)
         module, inputs, _kv = _prepare(resolved, device, step)
+        traced_loop = not step.loop.is_default
+        config, warmups = _steady_scaler(module, inputs, _config(resolved, step, device), step, traced_loop)
         torch.cuda.synchronize(device)
+        _clear_cublas_workspaces()
         built_cache = _free_build_cache(device)
         torch.cuda.reset_peak_memory_stats(device)
-        _run(module, inputs, _config(resolved, step, device), step, not step.loop.is_default)
+        _run(module, inputs, config, step, traced_loop)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         reserved = torch.cuda.max_memory_reserved(device)
-        return Measurement(device=f"cuda: {name}", peak_allocated=peak, peak_reserved=reserved,
-                           note=f"includes {workspace:,} B allocated by the cuBLAS/cuDNN warm-up; "
-                                f"{RESERVED_SHOWN} ({built_cache:,} B cached by the build freed first)")
+        notes = [f"cuBLAS workspaces of earlier steps freed first (the step allocates its own, as in a fresh "
+                 f"process; {before:,} B were allocated before the model was built)",
+                 f"{RESERVED_SHOWN} ({built_cache:,} B cached by the build freed first)"]
+        if warmups:
+            notes.append(f"GradScaler warmed up over {warmups} run{'s' if warmups > 1 else ''} until no "
+                         "optimizer step was skipped (the steady state the estimate models)")
+        return Measurement(device=f"cuda: {name}", peak_allocated=peak, peak_reserved=reserved, note="; ".join(notes))
     except torch.cuda.OutOfMemoryError as exc:
         return Measurement(device=f"cuda: {name}", peak_allocated=None, oom=True, note=str(exc).split("\n")[0])
     finally:
         del module, inputs
         gc.collect()
         torch.cuda.empty_cache()
+
+
+#: Warm-up runs at most for an amp-fp16 step's GradScaler to settle. Its scale starts at 2**16 and
+#: halves at each iteration whose gradients overflow (torch/amp/grad_scaler.py, ``update``), so
+#: 24 runs of two iterations each reach 2**-32.
+SCALER_WARMUPS = 24
+
+
+def _steady_scaler(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, options: Step,
+                   traced_loop: bool) -> tuple[StepConfig, int]:
+    """The step's configuration with one GradScaler for all runs, settled by warm-up runs; and
+    how many it took (0 without a scaler).
+
+    A fresh ``GradScaler`` starts at a scale of 2**16, where fp16 gradients often overflow: its
+    ``step`` then skips ``optimizer.step()``, and a measured step allocates no optimizer state
+    (the H100 suite's ResNet-50 amp-fp16 run had no momentum buffers: +3.1%). A training run
+    spends its first iterations backing off and then steps every time; that steady state is what
+    memcalc estimates, so the measurement runs until a run skips nothing (the scale did not
+    fall), with the gradients of the warm-ups dropped, and measures the next run with the same
+    scaler."""
+    if config.scaler_factory is None or config.scaler_factory() is None:
+        return config, 0
+    scaler = torch.amp.GradScaler("cuda")
+    shared = dataclasses.replace(config, scaler_factory=lambda: scaler)
+    runs = 0
+    while runs < SCALER_WARMUPS:
+        scale = scaler.get_scale()
+        _run(module, inputs, shared, options, traced_loop)
+        runs += 1
+        for parameter in module.parameters():
+            parameter.grad = None
+        if scaler.get_scale() >= scale:
+            break
+    gc.collect()
+    return shared, runs
 
 
 #: What a CUDA measurement's ``peak_reserved`` is, said in its note.
@@ -246,12 +292,14 @@ def _free_build_cache(device: torch.device) -> int:
     return before - torch.cuda.memory_reserved(device)
 
 
-def _warm_cublas(device: torch.device) -> None:
-    """Create the cuBLAS handle (and its workspace) before the measurement, as any real
-    training process has done by its second step."""
-    a = torch.ones(64, 64, device=device)
-    (a @ a).sum().item()
-    del a
+def _clear_cublas_workspaces() -> None:
+    """Free the cuBLAS (and cuBLASLt) workspaces of every handle and stream
+    (``at::cuda::clearCublasWorkspaces``, which torch's own tests and CUDA graph trees call): a
+    step measured after others then allocates the workspaces it needs itself, at its first
+    matmul in forward and in backward, as the estimate models them."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def measured_device() -> str | None:
