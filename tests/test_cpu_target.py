@@ -238,8 +238,10 @@ def test_cpu_measurement_keeps_stderr_clean(capfd: pytest.CaptureFixture[str]) -
 
 def test_cuda_estimates_do_not_change(models_file: Path) -> None:
     # the CPU target is a backend of its own: the CUDA estimates of the models are
-    # those memcalc gave before it existed
-    expected = {"sdpa": 43_566_080, "mha_weights": 63_457_280, "lstm": 40_947_712}
+    # those memcalc gave before it existed, but for a CUDA rule added since: sdpa's qkv bias
+    # gradient (a sum over 8 × 256 rows of 768 columns) stages 12,582,912 B in gpu_reduce_kernel
+    # (43,566,080 B without it)
+    expected = {"sdpa": 44_320_256, "mha_weights": 63_457_280, "lstm": 40_947_712}
     for factory, peak in expected.items():
         shape = (64, 128) if factory == "lstm" else (256, 256)
         report = memcalc.estimate(f"{models_file}:{factory}", batch_size=8, input_shape=shape)

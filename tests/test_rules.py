@@ -65,7 +65,7 @@ def test_override_on_the_workspace_registry_can_be_undone() -> None:
     assert WORKSPACE_RULES.get(aten.mm.default) is previous
 
 
-def test_workspace_rules_cover_cublas_cudnn_and_fused_attention() -> None:
+def test_workspace_rules_cover_cublas_cudnn_fused_attention_and_reductions() -> None:
     attention = {
         aten._scaled_dot_product_flash_attention.default,
         aten._scaled_dot_product_efficient_attention.default,
@@ -74,7 +74,8 @@ def test_workspace_rules_cover_cublas_cudnn_and_fused_attention() -> None:
         aten._scaled_dot_product_efficient_attention_backward.default,
         aten._scaled_dot_product_cudnn_attention_backward.default,
     }
-    expected = {*CUBLAS_OPS, aten.convolution.default, aten.convolution_backward.default, *attention}
+    reductions = {aten.sum.dim_IntList, aten.mean.dim}  # gpu_reduce_kernel's global scratch
+    expected = {*CUBLAS_OPS, aten.convolution.default, aten.convolution_backward.default, *attention, *reductions}
     assert set(WORKSPACE_RULES) == expected
     # 12 cuBLAS kernels, and linear / matmul, which reach the tracer whole under inference_mode
     assert len(CUBLAS_OPS) == 14 and aten.addmm.default in CUBLAS_OPS and aten.bmm.default in CUBLAS_OPS

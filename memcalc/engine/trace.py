@@ -32,8 +32,8 @@ from torch.utils.hooks import RemovableHandle
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import symbolic_execution_error
 
-__all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle", "StepTrace", "StorageTracer",
-           "tensors_of")
+__all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle", "ShapeSized", "SizeRule",
+           "StepTrace", "StorageTracer", "tensors_of")
 
 #: An aten operator overload, as a dispatch mode receives it (``aten.add.Tensor``).
 Op: TypeAlias = "OpOverload[..., Any]"
@@ -45,6 +45,24 @@ ReadOracle: TypeAlias = Callable[[torch.Tensor], "bool | int | float | None"]
 _READ_VALUE: Final = torch.ops.aten._local_scalar_dense.default
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
+
+
+#: The size of a synthetic storage from integer arguments (a tensor's shape and strides): it
+#: must compare equal for the same rule (a frozen dataclass), since batch-affine families match
+#: two traces' rules (:mod:`memcalc.search.affine`).
+SizeRule: TypeAlias = Callable[[tuple[int, ...]], int]
+
+
+@dataclass(frozen=True)
+class ShapeSized:
+    """How a synthetic storage's size follows from the step rather than being one: ``rule``
+    applied to ``arguments`` (the shape and strides of the tensor a kernel works on) gives its
+    bytes. A kernel's scratch can be a step function of a tensor's shape (a reduction's, whose
+    thread blocks per output saturate): its size is then not affine in the batch although the
+    shape is, and a batch-affine family computes it from the shape at each batch instead."""
+
+    rule: SizeRule
+    arguments: tuple[int, ...]
 
 
 @dataclass
@@ -66,6 +84,7 @@ class StepTrace:
     op_counts: Counter[str] = field(default_factory=Counter)  # every aten op seen, by name
     op: list[str] = field(default_factory=list)  # per storage: the op that made it ("" pre-existing)
     phase_log: list[tuple[Phase, int]] = field(default_factory=list)  # every set_phase: (phase, index into events)
+    sized: dict[int, ShapeSized] = field(default_factory=dict)  # synthetic storages sized by a rule, by uid
 
     @property
     def num_storages(self) -> int:
@@ -210,13 +229,17 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         return uid
 
     def synthetic(self, nbytes: int, category: Category, *, persistent: bool, preexisting: bool = False,
-                  label: str | None = None) -> int:
+                  label: str | None = None, sized: ShapeSized | None = None) -> int:
         """Record an allocation no tensor stands for: a kernel's workspace (freed at once
         unless ``persistent``, like the cuBLAS workspace that lives as long as its handle),
         or a pre-existing buffer such as a KV cache. ``label`` names it in the timeline
-        (``"synthetic: cuBLAS workspace"``); by default the category and the op running."""
+        (``"synthetic: cuBLAS workspace"``); by default the category and the op running.
+        ``sized``: the rule ``nbytes`` came from (``nbytes == sized.rule(sized.arguments)``)."""
         trace = self.trace
         uid = len(trace.nbytes)
+        if sized is not None:
+            assert sized.rule(sized.arguments) == nbytes, "a sized storage's bytes are its rule's"
+            trace.sized[uid] = sized
         trace.nbytes.append(int(nbytes))
         trace.phase.append(Phase.SETUP if preexisting else self.phase)
         trace.module.append("" if preexisting else self.modules.current)
@@ -230,6 +253,12 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             if not persistent:
                 trace.events.append(~uid)
         return uid
+
+    def release(self, uid: int) -> None:
+        """Free a synthetic allocation recorded with ``persistent=True``: for a kernel whose
+        temporaries are alive together (a reduction's staging buffer and semaphores), taken
+        one after the other and returned when it ends."""
+        self.trace.events.append(~uid)
 
     def uid_of(self, tensor: torch.Tensor) -> int | None:
         """The uid of a live traced storage, or None if the tracer never saw it."""

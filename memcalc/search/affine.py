@@ -8,17 +8,23 @@ the allocator model answers "does batch ``B`` fit?" in milliseconds instead of a
 symbolic run. Whether the assumption holds at the batch that matters is never assumed: the
 search traces its answer for real and checks that the trace is the family's, storage for
 storage (:meth:`AffineFamily.matches`; see :mod:`memcalc.search.fit`).
+
+A kernel's scratch sized by a rule from a tensor's shape (a reduction's staging buffer, a step
+function of the rows it sums: :class:`~memcalc.engine.trace.ShapeSized`) is not affine in ``B``
+although the shape is: the family takes the rule's arguments as affine instead, and applies
+the rule at each batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from memcalc.engine import allocator
 from memcalc.engine.run import TracedStep
 from memcalc.engine.timeline import Program, allocator_events
+from memcalc.engine.trace import SizeRule
 
 __all__ = ("AffineFamily", "SyntheticPoint", "replay_under")
 
@@ -50,6 +56,8 @@ class AffineFamily:
     program: Program
     intercepts: tuple[int, ...]
     slopes: tuple[int, ...]
+    #: storages sized by a rule: (uid, rule, the rule's arguments' intercepts, their slopes)
+    sized: tuple[tuple[int, SizeRule, tuple[int, ...], tuple[int, ...]], ...] = ()
     #: the traced step the family was built from: its structure, to compare other traces with
     reference: TracedStep | None = field(default=None, compare=False, repr=False)
 
@@ -62,23 +70,28 @@ class AffineFamily:
         program = first.program()
         if program.events != second.program().events:
             return None
-        intercepts: list[int] = []
-        slopes: list[int] = []
-        # equal events and pre-existing storages name every uid: the lists have the same length
-        for n1, n2 in zip(first.trace.nbytes, second.trace.nbytes, strict=True):
-            step, remainder = divmod(n2 - n1, b2 - b1)
-            if remainder or step < 0:
+        sized = []
+        rules1, rules2 = first.trace.sized, second.trace.sized
+        if rules1.keys() != rules2.keys():
+            return None
+        for uid, one in rules1.items():
+            other = rules2[uid]
+            line = _integer_line(one.arguments, other.arguments, b1, b2)
+            if one.rule != other.rule or line is None:
                 return None
-            intercept = n1 - step * b1
-            if intercept < 0:
-                return None
-            intercepts.append(intercept)
-            slopes.append(step)
-        return cls(program=program, intercepts=tuple(intercepts), slopes=tuple(slopes), reference=first)
+            sized.append((uid, one.rule, *line))
+        line = _integer_line(first.trace.nbytes, second.trace.nbytes, b1, b2, skip=rules1.keys())
+        if line is None:
+            return None
+        intercepts, slopes = line
+        return cls(program=program, intercepts=intercepts, slopes=slopes, sized=tuple(sized), reference=first)
 
     def nbytes(self, batch: int) -> list[int]:
         """Every storage's size at ``batch``, indexed by uid."""
-        return [a + s * batch for a, s in zip(self.intercepts, self.slopes, strict=True)]
+        sizes = [a + s * batch for a, s in zip(self.intercepts, self.slopes, strict=True)]
+        for uid, rule, intercepts, slopes in self.sized:
+            sizes[uid] = rule(tuple(a + s * batch for a, s in zip(intercepts, slopes, strict=True)))
+        return sizes
 
     def probe(self, batch: int, capacity: int) -> SyntheticPoint:
         """Replay the step at ``batch`` through the allocator model under ``capacity`` (one replay)."""
@@ -91,6 +104,28 @@ class AffineFamily:
         if self.reference is None or not _same_structure(self.reference, traced):
             return False
         return traced.trace.nbytes == self.nbytes(batch)
+
+
+def _integer_line(at1: Sequence[int], at2: Sequence[int], b1: int, b2: int,
+                  skip: Iterable[int] = ()) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Intercepts and slopes of the values ``at1`` (at batch ``b1``) and ``at2`` (at ``b2``), each
+    a non-negative integer line that does not fall with the batch; None if one is not. The
+    indices in ``skip`` get (0, 0)."""
+    skipped = set(skip)
+    intercepts: list[int] = []
+    slopes: list[int] = []
+    for i, (v1, v2) in enumerate(zip(at1, at2, strict=True)):
+        if i in skipped:
+            intercepts.append(0)
+            slopes.append(0)
+            continue
+        step, remainder = divmod(v2 - v1, b2 - b1)
+        intercept = v1 - step * b1
+        if remainder or step < 0 or intercept < 0:
+            return None
+        intercepts.append(intercept)
+        slopes.append(step)
+    return tuple(intercepts), tuple(slopes)
 
 
 def _same_structure(first: TracedStep, second: TracedStep) -> bool:

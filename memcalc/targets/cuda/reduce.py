@@ -12,12 +12,12 @@ columns contiguous) keeps ``C`` outputs, vectorised by 4, and stages
 ``4 B × C × ctas_per_output × 32 × 4`` — 138,412,032 B for ViT-B/16's ``mlp.0`` bias at batch 32
 on an H100, the size a real snapshot shows (tests/test_gpu_snapshots.py).
 
-Not applied to estimates yet: the scratch appears only above a work threshold and its size
-(through ``ctas_per_output``) is not affine in the batch, while the fit search builds
-batch-affine trace families (:mod:`memcalc.search.affine`) that need every storage at every
-batch. Registering it as a workspace rule waits for the search to take such temporaries; on the
-H100 data it brings ViT-B/16 (bf16, batch 32) from -3.2% to -0.3% and BERT/ViT fp32 and amp
-within 0.1%.
+Applied to estimates by the workspace rules of ``sum``/``mean`` over dimensions and of a
+convolution's bias gradient (:mod:`memcalc.targets.cuda.workspaces`). On the H100 data it brings
+ViT-B/16 (bf16, batch 32) from -3.2% to -0.3%. Its size (through ``ctas_per_output``) is not
+affine in the batch below the size where ``ctas_per_output`` saturates at the grid's cap, and it
+appears only above a work threshold: a fit search whose two traces straddle either builds no
+batch-affine family and searches on real estimates instead (:mod:`memcalc.search.fit`).
 
 This is a transcription of ``setReduceConfig`` and ``ReduceConfig`` (torch 2.x), from the
 TensorIterator's view of the input: reduced dimensions first (``reorder_dimensions`` moves

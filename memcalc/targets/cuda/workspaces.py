@@ -13,11 +13,15 @@ synthetic allocations to the trace:
 - fused attention: the temporaries the flash / memory-efficient / cuDNN kernels allocate
   inside their forward and backward (:func:`memcalc.targets.cuda.attention_memory.forward_temporaries`,
   :func:`memcalc.targets.cuda.attention_memory.backward_temporaries`).
+- reductions: the global-memory staging buffer and semaphores of ``gpu_reduce_kernel`` when it
+  splits each output over several thread blocks (:func:`memcalc.targets.cuda.reduce.reduction_scratch`,
+  transcribed from ``Reduce.cuh``): the sums of bias gradients over many rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,14 +30,15 @@ from torch._ops import OpOverload
 from memcalc.core.categories import Category
 from memcalc.core.gpu import GpuProfile
 from memcalc.engine.rules import RuleRegistry
-from memcalc.engine.trace import StorageTracer
+from memcalc.engine.trace import ShapeSized, StorageTracer
 from memcalc.targets.cuda.attention_memory import Buffer, backward_temporaries, forward_temporaries
 from memcalc.targets.cuda.cublas import cublas_workspace_bytes, cublas_workspaces_in_training_step
 from memcalc.targets.cuda.cudnn import conv_workspace_bytes
+from memcalc.targets.cuda.reduce import reduction_scratch
 from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall
 from memcalc.targets.versions import TARGET_TORCH_VERSION
 
-__all__ = ("CUBLAS_OPS", "WORKSPACE_RULES", "WorkspaceModel", "WorkspaceRule")
+__all__ = ("CUBLAS_OPS", "WORKSPACE_RULES", "ReductionScratchRule", "WorkspaceModel", "WorkspaceRule")
 
 aten = torch.ops.aten
 
@@ -66,6 +71,25 @@ _ATTENTION_BACKWARD: dict[OpOverload, AttentionBackend] = {
 }
 
 _Temporaries = Callable[[SdpaCall, AttentionBackend, tuple[int, int]], list[Buffer]]
+
+
+@dataclass(frozen=True)
+class ReductionScratchRule:
+    """The bytes of one of a reduction launch's two temporaries (``part``: ``"staging"`` or
+    ``"semaphores"``) from the input's shape and strides (``ndim`` of each, in one tuple), for
+    the trace's :class:`~memcalc.engine.trace.ShapeSized`: equal rules for the same launch site."""
+
+    ndim: int
+    dims: tuple[int, ...]
+    dtype: torch.dtype
+    compute_capability: tuple[int, int]
+    sm_count: int
+    part: str
+
+    def __call__(self, arguments: tuple[int, ...]) -> int:
+        shape, strides = arguments[:self.ndim], arguments[self.ndim:]
+        scratch = reduction_scratch(shape, strides, self.dims, self.dtype, self.compute_capability, self.sm_count)
+        return scratch.staging if self.part == "staging" else scratch.semaphores
 
 
 class WorkspaceModel:
@@ -107,6 +131,28 @@ class WorkspaceModel:
         if nbytes > 0:
             self.conv_workspace_peak = max(self.conv_workspace_peak, nbytes)
             self.add_temporary(nbytes, f"cuDNN convolution workspace ({direction})")
+
+    # ---- reductions -------------------------------------------------------------------------
+    def reduction(self, x: torch.Tensor, dims: Sequence[int]) -> None:
+        """One ``gpu_reduce_kernel`` launch over ``dims`` of ``x``: its staging buffer and
+        semaphores, both taken before the kernel runs and freed when it returns (Reduce.cuh,
+        ``launch_reduce_kernel``), after the op's output.
+
+        Both are recorded even when the launch needs none (0 B, which the allocator never
+        sees): whether it does depends on the batch, and the step's events must not."""
+        if not x.is_floating_point() or x.dim() == 0:
+            return
+        assert self.tracer is not None
+        arguments = (*(int(n) for n in x.shape), *(int(n) for n in x.stride()))
+        uids = []
+        for part in ("staging", "semaphores"):
+            rule = ReductionScratchRule(x.dim(), tuple(int(d) for d in dims), x.dtype, self.gpu.compute_capability,
+                                        self.gpu.sm_count, part)
+            uids.append(self.tracer.synthetic(rule(arguments), Category.WORKSPACE, persistent=True,
+                                              label=f"synthetic: reduction {part} (gpu_reduce_kernel)",
+                                              sized=ShapeSized(rule, arguments)))
+        for uid in reversed(uids):
+            self.tracer.release(uid)
 
     # ---- fused attention --------------------------------------------------------------------
     def attention_temporaries(self, which: _Temporaries, backend: AttentionBackend, args: tuple[Any, ...],
@@ -175,6 +221,10 @@ def conv_backward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], 
         model.conv(x, w, grad_out, stride, padding, dilation, groups, "backward_data")
     if mask[1]:
         model.conv(x, w, grad_out, stride, padding, dilation, groups, "backward_filter")
+    if len(mask) > 2 and mask[2]:
+        # the bias gradient: at::native::convolution_backward sums grad_output over every
+        # dimension but the channels (ConvUtils.h, a gpu_reduce_kernel launch of its own)
+        model.reduction(grad_out, [d for d in range(grad_out.dim()) if d != 1])
 
 
 # ---- fused attention ------------------------------------------------------------------------
@@ -191,3 +241,13 @@ def attention_backward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, .
     """The scratch of a fused attention backward."""
     # backward signatures start with grad_out, then query, key, value
     model.attention_temporaries(backward_temporaries, _ATTENTION_BACKWARD[op], args[1:], requires_grad=True)
+
+
+# ---- reductions -----------------------------------------------------------------------------
+@WORKSPACE_RULES.register(aten.sum.dim_IntList, aten.mean.dim)
+def reduction(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
+              out: Any) -> None:
+    """``sum`` / ``mean`` over dimensions (a bias gradient: ``grad.sum(0)`` in AddmmBackward):
+    the global-reduction scratch of its ``gpu_reduce_kernel`` launch."""
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    model.reduction(args[0], () if dims is None else tuple(int(d) for d in dims))
