@@ -203,9 +203,10 @@ def test_bias_gradient_sum_stages_partial_results_in_global_memory():
     assert reduction_scratch((6304, 3072), (3072, 1), [1], torch.bfloat16, (9, 0), 132) == ReductionScratch(0, 0)
 
 
-def _real_reduction_scratch(trace: list[dict[str, Any]]) -> list[int]:
-    """Sizes of the staging buffers gpu_reduce_kernel took in a real trace, in order."""
-    return [e["size"] for e in trace if e["action"] == "alloc" and e["size"] > BLOCK
+def _real_reduction_scratch(trace: list[dict[str, Any]], *, semaphores: bool = False) -> list[int]:
+    """Sizes of the staging buffers gpu_reduce_kernel took in a real trace, in order; with
+    ``semaphores``, its semaphore arrays too (the requests of at most one block)."""
+    return [e["size"] for e in trace if e["action"] == "alloc" and (semaphores or e["size"] > BLOCK)
             and any("gpu_reduce_kernel" in f["name"] for f in e["frames"])]
 
 
@@ -229,8 +230,7 @@ def test_the_estimate_stages_every_reduction_the_real_vit_step_staged(snapshots:
     # the 98 real launches, of the real sizes, in the real order (both iterations)
     name = "vit_b_16-b32-adamw-bf16"
     trace = pickle.loads((snapshots / f"{name}.pickle").read_bytes())["device_traces"][0]
-    real = [e["size"] for e in trace if e["action"] == "alloc"
-            and any("gpu_reduce_kernel" in f["name"] for f in e["frames"])]
+    real = _real_reduction_scratch(trace, semaphores=True)
     options, _ = _config(snapshots, name)
     timeline = _estimate(options).timeline()
     mine = [e.requested for e in timeline.allocator_events

@@ -25,6 +25,26 @@ from memcalc.fields import build_step
 from memcalc.measure import step as measure
 
 
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[str], **cuda: Any) -> None:
+    """torch.cuda's calls measure_cuda makes, faked (``cuda``: replacements by name), with the
+    model's build and the cuBLAS clean-up stubbed; the calls that matter are logged in ``calls``."""
+    fake = {
+        "get_device_name": lambda device=None: "NVIDIA H100 80GB HBM3",
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "memory_reserved": lambda device=None: 0,
+        "memory_allocated": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: calls.append("reset_peak"),
+        "max_memory_allocated": lambda device=None: 5 << 30,
+        "max_memory_reserved": lambda device=None: 6 << 30,
+    } | cuda
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(measure, "_clear_cublas_workspaces", lambda: calls.append("clear_cublas"))
+    monkeypatch.setattr(measure, "_resolve", lambda step: None)
+    monkeypatch.setattr(measure, "_prepare", lambda *args: (torch.nn.Linear(2, 2), (), []))
+
+
 def test_the_build_cache_is_freed_before_the_peak_is_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     reserved = {"now": 0}
@@ -38,20 +58,7 @@ def test_the_build_cache_is_freed_before_the_peak_is_reset(monkeypatch: pytest.M
         calls.append("empty_cache")
         reserved["now"] = 1 << 30
 
-    fake = {
-        "get_device_name": lambda device=None: "NVIDIA H100 80GB HBM3",
-        "synchronize": lambda device=None: None,
-        "empty_cache": empty_cache,
-        "memory_reserved": lambda device=None: reserved["now"],
-        "memory_allocated": lambda device=None: 0,
-        "reset_peak_memory_stats": lambda device=None: calls.append("reset_peak"),
-        "max_memory_allocated": lambda device=None: 5 << 30,
-        "max_memory_reserved": lambda device=None: 6 << 30,
-    }
-    for name, value in fake.items():
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(measure, "_clear_cublas_workspaces", lambda: calls.append("clear_cublas"))
-    monkeypatch.setattr(measure, "_resolve", lambda step: None)
+    _fake_cuda(monkeypatch, calls, empty_cache=empty_cache, memory_reserved=lambda device=None: reserved["now"])
     monkeypatch.setattr(measure, "_prepare", prepare)
     monkeypatch.setattr(measure, "_config", lambda *args: StepConfig(Mode.TRAIN, spec_for("sgd")))
     monkeypatch.setattr(measure, "_run", lambda *args: calls.append("step"))
@@ -69,32 +76,11 @@ def test_the_build_cache_is_freed_before_the_peak_is_reset(monkeypatch: pytest.M
 class _FakeScaler:
     """GradScaler's scale: halved by each run whose gradients overflow (the first ``overflows``)."""
 
-    made = 0
-
     def __init__(self, device: str) -> None:
-        _FakeScaler.made += 1
         self.scale = 2.0**16
 
     def get_scale(self) -> float:
         return self.scale
-
-
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
-    fake = {
-        "get_device_name": lambda device=None: "NVIDIA H100 80GB HBM3",
-        "synchronize": lambda device=None: None,
-        "empty_cache": lambda: None,
-        "memory_reserved": lambda device=None: 0,
-        "memory_allocated": lambda device=None: 0,
-        "reset_peak_memory_stats": lambda device=None: calls.append("reset_peak"),
-        "max_memory_allocated": lambda device=None: 5 << 30,
-        "max_memory_reserved": lambda device=None: 6 << 30,
-    }
-    for name, value in fake.items():
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(measure, "_clear_cublas_workspaces", lambda: calls.append("clear_cublas"))
-    monkeypatch.setattr(measure, "_resolve", lambda step: None)
-    monkeypatch.setattr(measure, "_prepare", lambda *args: (torch.nn.Linear(2, 2), (), []))
 
 
 @pytest.mark.parametrize("overflows", [0, 3])
@@ -115,7 +101,6 @@ def test_an_amp_fp16_step_is_measured_once_its_scaler_skips_nothing(monkeypatch:
         calls.append("run")
 
     monkeypatch.setattr(measure, "_run", run)
-    _FakeScaler.made = 0
     step = build_step("mlp", batch_size=2, precision="amp-fp16")
     config = StepConfig(Mode.TRAIN, spec_for("sgd"), scaler_factory=lambda: _FakeScaler("cuda"))
     monkeypatch.setattr(measure, "_config", lambda *args: config)

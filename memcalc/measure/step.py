@@ -255,9 +255,9 @@ def _steady_scaler(module: torch.nn.Module, inputs: ModelInputs, config: StepCon
     memcalc estimates, so the measurement runs until a run skips nothing (the scale did not
     fall), with the gradients of the warm-ups dropped, and measures the next run with the same
     scaler."""
-    if config.scaler_factory is None or config.scaler_factory() is None:
+    scaler = config.scaler_factory() if config.scaler_factory is not None else None
+    if not isinstance(scaler, torch.amp.GradScaler):  # none (or not torch's: it has no scale to read)
         return config, 0
-    scaler = torch.amp.GradScaler("cuda")
     shared = dataclasses.replace(config, scaler_factory=lambda: scaler)
     runs = 0
     while runs < SCALER_WARMUPS:

@@ -16,8 +16,10 @@ Applied to estimates by the workspace rules of ``sum``/``mean`` over dimensions 
 convolution's bias gradient (:mod:`memcalc.targets.cuda.workspaces`). On the H100 data it brings
 ViT-B/16 (bf16, batch 32) from -3.2% to -0.3%. Its size (through ``ctas_per_output``) is not
 affine in the batch below the size where ``ctas_per_output`` saturates at the grid's cap, and it
-appears only above a work threshold: a fit search whose two traces straddle either builds no
-batch-affine family and searches on real estimates instead (:mod:`memcalc.search.fit`).
+is 0 under a work threshold: the rules record both temporaries of every launch (0 B ones too)
+with the rule that sized them (:class:`~memcalc.engine.trace.ShapeSized`), and the fit search's
+batch-affine families apply that rule to the input's shape at each batch
+(:mod:`memcalc.search.affine`).
 
 This is a transcription of ``setReduceConfig`` and ``ReduceConfig`` (torch 2.x), from the
 TensorIterator's view of the input: reduced dimensions first (``reorder_dimensions`` moves

@@ -20,6 +20,7 @@ synthetic allocations to the trace:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,8 +89,13 @@ class ReductionScratchRule:
 
     def __call__(self, arguments: tuple[int, ...]) -> int:
         shape, strides = arguments[:self.ndim], arguments[self.ndim:]
-        scratch = reduction_scratch(shape, strides, self.dims, self.dtype, self.compute_capability, self.sm_count)
+        scratch = _reduction_scratch(shape, strides, self.dims, self.dtype, self.compute_capability, self.sm_count)
         return scratch.staging if self.part == "staging" else scratch.semaphores
+
+
+#: :func:`~memcalc.targets.cuda.reduce.reduction_scratch`, remembered: both parts of a launch, the
+#: tracer's check of each and every replay of a batch-affine family ask for the same launches.
+_reduction_scratch = functools.lru_cache(maxsize=1 << 16)(reduction_scratch)
 
 
 class WorkspaceModel:
