@@ -25,7 +25,9 @@ import torch
 from torch import nn
 
 import memcalc
+from memcalc.core.categories import Category
 from memcalc.report.snapshot import snapshot_dict
+from memcalc.targets.cuda import workspaces
 from memcalc.targets.cuda.reduce import ReductionScratch, reduction_scratch
 from models_zoo import plain_torch
 
@@ -33,8 +35,9 @@ DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
 #: The stack the snapshots were taken with (their .json: torch 2.11.0+cu130).
 STACK = memcalc.Stack(torch="2.11", cuda="13.0")
 GPU = "h100-80gb"
-#: The bar of issue 25's "done when".
+#: The bars of issue 25's "done when": peak allocated, peak reserved.
 TOLERANCE = 0.01
+RESERVED_TOLERANCE = 0.03
 #: The caching allocator's rounding of every request (CUDACachingAllocator.cpp kMinBlockSize).
 BLOCK = 512
 
@@ -263,9 +266,8 @@ OUTSIDE_1PCT: dict[str, tuple[str, str]] = {
                  "the step runs (amp-bf16, without a scaler: -0.3%). measure_cuda now warms the scaler up "
                  "until no step is skipped (tests/test_measure_reserved.py): a later GPU run re-measures"),
     "resnet18-b1-sgd": (
-        "-5.2%", "cuDNN's own workspace choices at batch 1 are larger than memcalc.targets.cuda.cudnn's model "
-                 "(layer3's 3x3 weight gradients: 10,616,832 B real, 2,760,704 B modelled), plus the 2 MiB "
-                 "of cuBLASLt workspaces left by earlier configs"),
+        "-1.1%", "the 2 MiB of cuBLASLt workspaces left by earlier configs (memcalc compare: memcalc -1.99 "
+                 "MiB); cuDNN's workspaces at batch 1, -5.2% with the old model, follow the measured rule"),
     "unet-b2-sgd": (
         "-1.9%", "as llama-tiny-b8-s512-inference-bf16: the 69,206,016 B of workspaces left by earlier "
                  "configs; a convolution-only step creates no cuBLAS handle, and its own real allocations "
@@ -301,6 +303,68 @@ def test_peak_allocated_within_1pct_of_the_h100(snapshots: Path, name: str):
     estimate = _estimate(options).bytes.peak_allocated
     error = (estimate - measured) / measured
     assert abs(error) < TOLERANCE, f"{name}: estimate {estimate:,} B, measured {measured:,} B ({error:+.2%})"
+
+
+#: The shared configs whose peak reserved is more than 3% off, with the gap and its cause (strict
+#: xfail, as OUTSIDE_1PCT).
+OUTSIDE_3PCT_RESERVED: dict[str, tuple[str, str]] = {
+    "gpt2-b8-s1024-adamw-amp-bf16": (
+        "+11.4%", "the measuring process's warm-up had put the cuBLAS workspaces in segments of their own "
+                  "before the step; in a fresh process the backward handle's is born inside the step, in a "
+                  "1.5 GiB segment the loss needs again in the second iteration, which then takes a segment "
+                  "more, as memcalc's does. With them there before the step the estimate is within 0.1% "
+                  "(test_reserved_as_measured_with_the_warm_up_workspaces); measure_cuda now frees them "
+                  "before it measures: a later GPU run re-measures"),
+    "gpt2-b8-s1024-eval": (
+        "-4.8%", "as llama-tiny-b8-s512-inference-bf16: workspaces left by earlier configs, in segments of "
+                 "their own"),
+    "llama-tiny-b8-s512-inference-bf16": (
+        "-18.7%", "the 69,206,016 B of workspaces left by earlier configs (OUTSIDE_1PCT) and their segments"),
+    "llama-tiny-b8-s512-inference-bf16-kv512": (
+        "-13.2%", "as llama-tiny-b8-s512-inference-bf16"),
+}
+
+
+def _reserved_marks(name: str) -> list[pytest.MarkDecorator]:
+    if name not in OUTSIDE_3PCT_RESERVED:
+        return []
+    gap, cause = OUTSIDE_3PCT_RESERVED[name]
+    return [pytest.mark.xfail(strict=True, reason=f"{gap}: {cause}")]
+
+
+def _measured_reserved(folder: Path, name: str) -> int:
+    return int(json.loads((folder / f"{name}.json").read_text())["peak_reserved"])
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_reserved_marks(n)) for n in SHARED])
+@pytest.mark.quick_cases("resnet18-b1-sgd", "unet-b2-sgd")
+def test_peak_reserved_within_3pct_of_the_h100(snapshots: Path, name: str):
+    options, _ = _config(snapshots, name)
+    measured = _measured_reserved(snapshots, name)
+    estimate = _estimate(options).peak_reserved
+    error = (estimate - measured) / measured
+    assert abs(error) < RESERVED_TOLERANCE, f"{name}: estimate {estimate:,} B, measured {measured:,} B ({error:+.2%})"
+
+
+def test_reserved_as_measured_with_the_warm_up_workspaces(snapshots: Path, monkeypatch: pytest.MonkeyPatch):
+    # The suite's process ran a warm-up before each config: its cuBLAS workspaces (one per handle)
+    # were allocated before the step, in segments of their own. Estimated so, GPT-2's step under
+    # autocast reserves what the run did: the +11.4% of OUTSIDE_3PCT_RESERVED is that warm-up.
+    def warm_handles(model: workspaces.WorkspaceModel, op: object, args: object, kwargs: object, out: object) -> None:
+        assert model.tracer is not None
+        handle = "backward" if model.tracer.modules.in_backward else "forward"
+        if handle not in model.cublas_phases and (handle == "forward" or model.cublas_handles == 2):
+            model.cublas_phases.add(handle)
+            model.tracer.synthetic(model.cublas_bytes, Category.WORKSPACE, persistent=True, preexisting=True)
+
+    name = "gpt2-b8-s1024-adamw-amp-bf16"
+    options, _ = _config(snapshots, name)
+    measured = _measured_reserved(snapshots, name)
+    assert _estimate(options).peak_reserved > 1.1 * measured  # in a fresh process
+    for op in workspaces.CUBLAS_OPS:
+        monkeypatch.setattr(workspaces.WORKSPACE_RULES, "_rules", {**workspaces.WORKSPACE_RULES._rules, op: warm_handles})
+    warm = _estimate(options).peak_reserved
+    assert abs(warm - measured) / measured < 0.001, f"{warm:,} B against {measured:,} B"
 
 
 def test_the_fp16_run_skipped_its_optimizer_steps(snapshots: Path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from memcalc.targets import autocast, versions
-from memcalc.targets.cuda import attention_memory, cublas, cudnn, sdpa
+from memcalc.targets.cuda import attention_memory, cublas, cudnn, sdpa, workspaces
 from memcalc.targets.cuda.attention_memory import Buffer
 from memcalc.targets.cuda.sdpa import AttentionBackend as B
 from memcalc.targets.cuda.sdpa import SdpaCall
@@ -358,39 +358,112 @@ class TestCublas:
 # 5. cuDNN convolution workspace model
 # ------------------------------------------------------------------------------------------
 class TestConvWorkspace:
-    X, W, Y = (8, 64, 56, 56), (128, 64, 3, 3), (8, 128, 56, 56)
+    """The rule read off the H100 snapshots (benchmarks/results/2026-11-26-cudnn-workspaces/REPORT.md),
+    worked by hand; "+ 16" is cuDNN's tail on a layout-copying engine's workspace."""
 
-    def ws(self, direction: str, dtype: torch.dtype = torch.float16, cc: tuple[int, int] = A100, **kw: object) -> int:
-        return cudnn.conv_workspace_bytes(self.X, self.W, self.Y, dtype, (1, 1), (1, 1), (1, 1), 1,
-                                            direction, cc, **kw)
+    @staticmethod
+    def ws(x: tuple[int, ...], w: tuple[int, ...], y: tuple[int, ...], direction: str,
+           dtype: torch.dtype = torch.float16, cc: tuple[int, int] = H100, stride: tuple[int, int] = (1, 1),
+           groups: int = 1, **kw: object) -> int:
+        return cudnn.conv_workspace_bytes(x, w, y, dtype, stride, (1, 1), (1, 1), groups, direction, cc, **kw)
 
-    def test_nchw_fp16_forward_holds_nhwc_copies(self) -> None:
+    # a 3x3, 128 -> 128 channels, 28x28, batch 8, fp16: x = y = 8·128·28·28·2 = 1,605,632; w 128·128·9·2 = 294,912
+    X3, W3, Y3 = (8, 128, 28, 28), (128, 128, 3, 3), (8, 128, 28, 28)
+
+    def test_3x3_forward_and_backward_data_hold_nhwc_copies_of_x_w_y(self) -> None:
+        assert self.ws(self.X3, self.W3, self.Y3, "forward") == 1_605_632 + 294_912 + 1_605_632 + 16
+        assert self.ws(self.X3, self.W3, self.Y3, "backward_data") == 1_605_632 + 294_912 + 1_605_632 + 16
+
+    def test_3x3_weight_gradient_adds_split_k_partials(self) -> None:
+        # one 128-tile of K and of C, 9 taps: 132 SMs // 9 = 14 fp32 copies of dW (128·128·9·4 = 589,824)
+        copies = 1_605_632 + 294_912 + 1_605_632 + 16
+        assert self.ws(self.X3, self.W3, self.Y3, "backward_filter") == copies + 14 * 589_824
+        assert self.ws(self.X3, self.W3, self.Y3, "wgrad") == self.ws(self.X3, self.W3, self.Y3, "backward_filter")
+        # an A100's 108 SMs: 108 // 9 = 12 copies
+        assert self.ws(self.X3, self.W3, self.Y3, "backward_filter", sm_count=108) == copies + 12 * 589_824
+        # 512 -> 512: 4·4·9 = 144 tiles, one split of 512·512·9·4 = 9,437,184 B, capped at one
+        # 128×128 fp32 tile per SM: 132·128·128·4 = 8,650,752
+        x, w = (2, 512, 14, 14), (512, 512, 3, 3)
+        plain = 2 * (2 * 512 * 14 * 14 * 2) + 512 * 512 * 9 * 2 + 16
+        assert self.ws(x, w, x, "backward_filter") == plain + 8_650_752
+
+    def test_64_to_128_forward_copies_the_64_channel_tensor_and_w_only(self) -> None:
         # x 8·64·56·56·2 = 3,211,264; w 128·64·9·2 = 147,456; y 8·128·56·56·2 = 6,422,528
-        assert self.ws("forward") == 3_211_264 + 147_456 + 6_422_528
-        assert self.ws("backward_data") == 3_211_264 + 147_456 + 6_422_528
+        x, w, y = (8, 64, 56, 56), (128, 64, 3, 3), (8, 128, 56, 56)
+        assert self.ws(x, w, y, "forward") == 3_211_264 + 147_456 + 16
+        assert self.ws(x, w, y, "backward_data") == 3_211_264 + 147_456 + 6_422_528 + 16
 
-    def test_backward_filter_adds_an_fp32_weight_accumulator(self) -> None:
-        # x + dy + 4·numel(w) = 3,211,264 + 6,422,528 + 128·64·9·4 (294,912)
-        assert self.ws("backward_filter") == 3_211_264 + 6_422_528 + 294_912
-        assert self.ws("backward_weight") == self.ws("backward_filter")
+    def test_1x1_stride_1_is_a_gemm_per_image(self) -> None:
+        # 256 -> 64 at 56x56 (3,136 pixels ≥ 196): no copies; dW: one fp32 copy per image, 8·64·256·4
+        x, w, y = (8, 256, 56, 56), (64, 256, 1, 1), (8, 64, 56, 56)
+        assert self.ws(x, w, y, "forward") == self.ws(x, w, y, "backward_data") == 0
+        assert self.ws(x, w, y, "backward_filter") == 8 * 64 * 256 * 4 == 524_288
+        # at 7x7 (49 pixels) the NHWC-copy engine: x and y (a 1x1 weight needs no copy)
+        x7, y7 = (8, 256, 7, 7), (8, 64, 7, 7)
+        assert self.ws(x7, w, y7, "forward") == 8 * 256 * 49 * 2 + 8 * 64 * 49 * 2 + 16 == 250_896
+
+    def test_1x1_strided_downsample(self) -> None:
+        # 256 -> 512, stride 2, 56x56 -> 28x28: copies of x (12,845,056) and y (6,422,528)
+        x, w, y = (8, 256, 56, 56), (512, 256, 1, 1), (8, 512, 28, 28)
+        assert self.ws(x, w, y, "forward", stride=(2, 2)) == 12_845_056 + 6_422_528 + 16
+        assert self.ws(x, w, y, "backward_filter", stride=(2, 2)) == 12_845_056 + 262_144 + 6_422_528 + 16
+        # 64 input channels take an engine without workspace
+        assert self.ws((8, 64, 56, 56), (256, 64, 1, 1), (8, 256, 28, 28), "forward", stride=(2, 2)) == 0
+
+    def test_resnet_stem_pads_3_channels_to_4(self) -> None:
+        # 7x7, 3 -> 64, stride 2, batch 64, fp32: x 38,535,168 (padded: 51,380,224), w 37,632 (50,176),
+        # y 64·64·112·112·4 = 205,520,896
+        x, w, y = (64, 3, 224, 224), (64, 3, 7, 7), (64, 64, 112, 112)
+        fp32 = torch.float32
+        assert self.ws(x, w, y, "forward", fp32, stride=(2, 2)) == 38_535_168 + 37_632 + 205_520_896 + 16
+        # wgrad: min(120, 64·112·112 // 348) = 120 fp32 copies of the padded dW (50,176 B): 250.79 MiB,
+        # the snapshot's conv1 weight gradient at batch 64
+        wgrad = self.ws(x, w, y, "backward_filter", fp32, stride=(2, 2))
+        assert wgrad == 51_380_224 + 50_176 + 205_520_896 + 120 * 50_176 + 16 == 262_972_432
+        # a 3x3 RGB stem (VGG, U-Net) uses an engine without workspace
+        assert self.ws((8, 3, 224, 224), (64, 3, 3, 3), (8, 64, 224, 224), "backward_filter") == 0
 
     def test_channels_last_needs_no_transposes(self) -> None:
-        assert self.ws("forward", channels_last=True) == 0
-        assert self.ws("backward_filter", channels_last=True) == 294_912
+        assert self.ws(self.X3, self.W3, self.Y3, "forward", channels_last=True) == 0
+        assert self.ws(self.X3, self.W3, self.Y3, "backward_filter", channels_last=True) == 14 * 589_824
 
     def test_no_tensor_cores_no_workspace(self) -> None:
-        assert self.ws("forward", dtype=torch.float32, cc=V100) == 0
-        assert self.ws("forward", dtype=torch.float32, allow_tf32=False) == 0
-        assert self.ws("forward", dtype=torch.float32) > 0  # TF32 on sm80 by default
+        assert self.ws(self.X3, self.W3, self.Y3, "forward", dtype=torch.float32, cc=V100) == 0
+        assert self.ws(self.X3, self.W3, self.Y3, "forward", dtype=torch.float32, allow_tf32=False) == 0
+        assert self.ws(self.X3, self.W3, self.Y3, "forward", dtype=torch.float32, cc=A100) > 0  # TF32 by default
 
     def test_depthwise_has_no_workspace(self) -> None:
-        depthwise = cudnn.conv_workspace_bytes((8, 64, 56, 56), (64, 1, 3, 3), (8, 64, 56, 56), torch.float16,
-                                                 (1, 1), (1, 1), (1, 1), 64, "forward", A100)
-        assert depthwise == 0
+        assert self.ws((8, 64, 56, 56), (64, 1, 3, 3), (8, 64, 56, 56), "forward", groups=64) == 0
 
     def test_unknown_direction_is_refused(self) -> None:
         with pytest.raises(ValueError, match="unknown convolution direction"):
-            self.ws("sideways")
+            self.ws(self.X3, self.W3, self.Y3, "sideways")
+
+    def test_the_rule_of_a_call_site_is_the_function(self) -> None:
+        rule = cudnn.ConvWorkspaceRule(4, torch.float16, (1, 1), 1, cudnn.ConvDirection.BACKWARD_FILTER, H100, 132)
+        assert rule((*self.X3, *self.W3, *self.Y3)) == self.ws(self.X3, self.W3, self.Y3, "backward_filter")
+        assert hash(rule) == hash(cudnn.ConvWorkspaceRule(4, torch.float16, (1, 1), 1,
+                                                          cudnn.ConvDirection.BACKWARD_FILTER, H100, 132))
+
+
+def test_a_transposed_convolutions_input_gradient_is_cudnns_forward() -> None:
+    # cudnn_convolution_transpose_backward_input calls raw_cudnn_convolution_forward_out; its forward
+    # is cuDNN's backward-data
+    calls: list[str] = []
+
+    class Recorder:
+        def conv(self, *args: object) -> None:
+            calls.append(str(args[-1].value))  # type: ignore[attr-defined]
+
+    x, w, y = torch.empty(2, 64, 8, 8), torch.empty(64, 32, 2, 2), torch.empty(2, 32, 16, 16)
+    aten = torch.ops.aten
+    workspaces.conv_forward(Recorder(), aten.convolution.default,  # type: ignore[arg-type]
+                            (x, w, None, [2, 2], [0, 0], [1, 1], True, [0, 0], 1), {}, y)
+    workspaces.conv_backward(Recorder(), aten.convolution_backward.default,  # type: ignore[arg-type]
+                             (y, x, w, None, [2, 2], [0, 0], [1, 1], True, [0, 0], 1, [True, True, False]), {}, None)
+    workspaces.conv_backward(Recorder(), aten.convolution_backward.default,  # type: ignore[arg-type]
+                             (y, x, w, None, [2, 2], [0, 0], [1, 1], False, [0, 0], 1, [True, False, False]), {}, None)
+    assert calls == ["backward_data", "forward", "backward_filter", "backward_data"]
 
 
 def test_torch_version_parsing() -> None:

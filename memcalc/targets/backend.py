@@ -2,7 +2,8 @@
 
 It puts together what :mod:`memcalc.targets.cuda` knows: the autocast and kernel-choice emulation
 (:mod:`memcalc.targets.cuda.emulation`), the kernel workspaces (:mod:`memcalc.targets.cuda.workspaces`) and
-the emulated gradient scaler of fp16 mixed precision.
+the emulated gradient scaler of fp16 mixed precision; and, on both targets, autograd's in-place
+gradient accumulation, which the tracer's dispatch mode turns off (:mod:`memcalc.targets.autograd`).
 
 With ``target="cpu"`` the step is what this machine's CPU runs instead (:class:`CpuBackend`,
 the rules of :mod:`memcalc.targets.cpu.kernels`): the CPU's attention and LSTM kernels and what they
@@ -35,6 +36,7 @@ from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, RankHooks, TracedStep, trace_model
 from memcalc.engine.trace import StorageTracer
+from memcalc.targets.autograd import accumulate_in_place
 from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels
 from memcalc.targets.cuda.emulation import CudaEmulation
 from memcalc.targets.cuda.workspaces import WorkspaceModel
@@ -54,10 +56,18 @@ class _EmulatingBackend:
     def __init__(self, options: Step, emulation: CudaEmulation) -> None:
         self.options = options
         self.emulation = emulation
+        self.tracer: StorageTracer | None = None
 
     def attach(self, tracer: StorageTracer) -> None:
+        self.tracer = tracer
         # a checkpointed forward recomputed in backward runs under autocast again
         self.emulation.recomputing = lambda: tracer.modules.recomputing
+
+    def accumulate_gradients(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Autograd's engine sums a second gradient into the first in place on a real device,
+        which it does not do under the tracer (:mod:`memcalc.targets.autograd`)."""
+        assert self.tracer is not None
+        accumulate_in_place(self.tracer, func, args, kwargs, out)
 
     def mode(self) -> AbstractContextManager[Any]:
         return self.emulation
@@ -88,7 +98,8 @@ class CudaBackend(_EmulatingBackend):
             self.workspaces.attach(tracer)
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if self.workspaces is not None:
+        if self.workspaces is not None:  # emulating CUDA: the device's engine and its kernels
+            self.accumulate_gradients(func, args, kwargs, out)
             self.workspaces.after_op(func, args, kwargs, out)
 
     def attention_backends(self) -> Mapping[str, int]:
@@ -118,6 +129,7 @@ class CpuBackend(_EmulatingBackend):
         self.kernels.attach(tracer)
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        self.accumulate_gradients(func, args, kwargs, out)
         self.kernels.after_op(func, args, kwargs, out)
 
     def attention_backends(self) -> Mapping[str, int]:

@@ -23,8 +23,9 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
   among others, run in the dtype that reaches them (:meth:`CpuEmulation.dispatch`,
   :func:`autocast_arguments`).
 - In-place adds: while a dispatch mode is active (memcalc's tracer is one) every tensor is
-  "subclass-like", and ``at::linear``'s bias add and autograd's gradient accumulation go out
-  of place; a plain CPU run adds in place, and so does the CPU target.
+  "subclass-like", and ``at::linear``'s bias add goes out of place; a plain CPU run adds in
+  place, and so does the CPU target. (Autograd's gradient accumulation does the same on every
+  device: :mod:`memcalc.targets.autograd`, applied by both backends.)
 - bfloat16 GEMMs (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``addmv``): on a CPU that
   ``mkldnn_bf16_device_check`` accepts they run oneDNN's matmul, and ideep takes its
   scratchpad from the CPU allocator for the call (:mod:`memcalc.targets.cpu.onednn`);
@@ -187,18 +188,6 @@ class CpuKernels:
         uid = self.tracer.uid_of(tensor)
         if uid is not None:
             self.tracer.trace.nbytes[uid] = nbytes
-
-    def reuse(self, old: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` was computed into ``old``'s memory (an in-place op the tracer saw as out of
-        place): ``old``'s memory is returned just before ``out`` takes the same amount."""
-        tracer = self.tracer
-        assert tracer is not None
-        events = tracer.trace.events
-        out_uid, old_uid = tracer.uid_of(out), tracer.uid_of(old)
-        if out_uid is None or old_uid is None or not events or events[-1] != out_uid:
-            return
-        tracer.free_storage(old)  # its later death is no event
-        events[-2], events[-1] = events[-1], events[-2]
 
     def follow(self, op: OpOverload) -> None:
         """A call of ``op`` whose CPU memory a rule modelled."""
@@ -412,39 +401,9 @@ def flash_backward(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], k
 # ---- what a dispatch mode changes ------------------------------------------------------------
 # ``at::isTensorSubclassLike`` is true for every tensor while a dispatch mode is active, as
 # memcalc's tracer is (c10/core/impl/TorchDispatchModeTLS, ATen/TensorSubclassLikeUtils.h), and
-# "composite compliant" code then avoids in-place ops that a plain CPU run makes.
-
-#: ``_storage_Use_Count`` of a storage held by one tensor, read through the Python storage
-#: object the check itself creates (the tensor's reference and that object's).
-_SOLE_STORAGE_USES = 2
-
-
-def _sole_dense(tensor: torch.Tensor) -> bool:
-    """``can_accumulate_inplace`` (torch/csrc/autograd/input_buffer.cpp): dense, covering its
-    whole storage, and the last reference to that storage."""
-    storage = tensor.untyped_storage()
-    return (tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
-            and torch._C._storage_Use_Count(storage._cdata) == _SOLE_STORAGE_USES)
-
-
-@CPU_KERNEL_RULES.register(aten.add.Tensor)
-def gradient_accumulation(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
-                          out: Any) -> None:
-    """Autograd's engine adds a second gradient for the same input into the first in place
-    (``old_var.add_(var)``) when it holds the first's only reference; under a dispatch mode it
-    writes ``old_var + var`` to a new tensor instead. Here, in backward without grad mode, an
-    ``add`` of two same-shaped gradients whose first is sole and dense takes that tensor's
-    memory instead of new memory."""
-    tracer = kernels.tracer
-    assert tracer is not None
-    if not tracer.modules.in_backward or torch.is_grad_enabled() or len(args) != 2 or kwargs.get("alpha", 1) != 1:
-        return
-    old, new = args
-    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and isinstance(out, torch.Tensor)):
-        return
-    if old.shape != out.shape or new.shape != out.shape or old.dtype != out.dtype or not _sole_dense(old):
-        return
-    kernels.reuse(old, out)
+# "composite compliant" code then avoids in-place ops that a plain CPU run makes. Autograd's
+# gradient accumulation, the same on every device, is put back by the backends
+# (:func:`memcalc.targets.autograd.accumulate_in_place`); at::linear's bias add below.
 
 
 @CPU_CALL_RULES.register(F.cross_entropy)

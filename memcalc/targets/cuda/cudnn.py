@@ -1,10 +1,12 @@
-"""How big one cuDNN convolution workspace is: :func:`conv_workspace_bytes` — a documented
-*model*, not a transcription: cuDNN's heuristics are closed source.
+"""How big one cuDNN convolution workspace is: :func:`conv_workspace_bytes` — a rule *measured*
+on H100 snapshots, not a transcription: cuDNN's heuristics are closed source.
 
 cuDNN convolutions borrow a workspace from the caching allocator per call and give it back
 when the call returns; no meta kernel shows it. What PyTorch does around it is read from
-``aten/src/ATen/native/cudnn/Conv_v8.cpp`` (cuDNN v8 API, the default path); the sizes are
-modelled (see :func:`conv_workspace_bytes` for the model and its uncertainty).
+``aten/src/ATen/native/cudnn/Conv_v8.cpp`` (cuDNN v8 API, the default path); the sizes were
+read off 1,133 real calls (593 per step, 305 distinct shapes) in seven H100 memory snapshots
+(torch 2.11 + CUDA 13.0, cuDNN 9.19; ``benchmarks/results/2026-11-26-cudnn-workspaces/``,
+whose ``REPORT.md`` gives the per-call table and the rule's error by class of call).
 """
 
 from __future__ import annotations
@@ -12,16 +14,29 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from memcalc.targets.versions import element_size
 
-__all__ = ("ConvDirection", "conv_workspace_bytes")
+__all__ = ("ConvDirection", "ConvWorkspaceRule", "conv_workspace_bytes")
 
-# =============================================================================================
-# cuDNN convolution workspace — a documented model
-# =============================================================================================
+#: The SM count the rule's split-K term was read on (H100 SXM); a GPU profile passes its own.
+MEASURED_SM_COUNT = 132
+#: What cuDNN adds to every layout-copying engine's workspace: 16 B (or 147 B; 400 or 272 B for
+#: the GEMM engines), which the allocator's 512-B rounding hides but a snapshot shows.
+WORKSPACE_TAIL = 16
+#: A split-K weight gradient keeps at most one 128×128 fp32 tile of partial sums per SM.
+SPLIT_K_TILE = 128
+#: A 1x1 stride-1 convolution over at least this many pixels runs as one GEMM per image in NCHW
+#: (14×14 and larger in the snapshots); 7×7 takes the NHWC-copy engine.
+PER_IMAGE_GEMM_MIN_PIXELS = 196
+#: The 7x7 RGB stem's fp32 weight gradient: min(120, output rows // 348) split-K copies of the
+#: padded dW (8 in fp16), fitted to ResNet's stem at batches 1, 32 and 64 (exact to 607 B).
+STEM_FP32_MAX_SPLITS = 120
+STEM_ROWS_PER_SPLIT = 348
+STEM_HALF_SPLITS = 8
 
 
 class ConvDirection(str, enum.Enum):
@@ -76,52 +91,111 @@ def conv_workspace_bytes(
     *,
     channels_last: bool = False,
     allow_tf32: bool = True,
+    sm_count: int = MEASURED_SM_COUNT,
 ) -> int:
-    """Estimated cuDNN workspace of one convolution call — a **model**, uncertainty high.
+    """The cuDNN workspace of one convolution call, in bytes: what the first engine of cuDNN's
+    heuristics asks for, as the H100 snapshots show it.
 
-    What PyTorch does (Conv_v8.cpp, cuDNN v8 API, the default path): with
-    ``torch.backends.cudnn.benchmark=False`` (default) it asks cuDNN's heuristics (mode A,
-    falling back to mode B) for engine configs and ``try_plans`` them *in heuristic order*:
+    What PyTorch does (Conv_v8.cpp): with ``torch.backends.cudnn.benchmark=False`` (the default)
+    it asks cuDNN's heuristics for engine configs and ``try_plans`` them in order;
     ``run_conv_plan`` allocates ``plan.getWorkspaceSize()`` bytes from the caching allocator,
-    runs, and frees them when the call returns; a plan whose workspace allocation throws
-    ``OutOfMemoryError`` is skipped for the next one. ``CUDNN_CONV_WSCAP_DBG`` (MiB) is cuDNN's
-    own cap on what heuristics may propose. So the workspace is a per-call temporary whose size
-    is whatever the first heuristic engine wants — not published, not derivable from sources.
+    runs, and frees them when the call returns. In the snapshots no call ever allocated a second
+    candidate's workspace.
 
-    The model (per call, bytes):
+    ``direction`` is cuDNN's: a transposed convolution's forward is ``backward_data``, its input
+    gradient ``forward``. The shapes may be the layer's or cuDNN's: C and K are read from the
+    weight, and the terms used are symmetric in x and y. X, W, Y below are the tensors' bytes.
 
-    * No tensor cores (fp32 without TF32, fp16 before Volta, fp64): 0 — implicit-precomputed-GEMM
-      style engines need at most a small index buffer.
-    * Depthwise (groups == C_in, one input channel per group): 0 — small dedicated kernels.
-    * Tensor cores, NCHW (the default memory format): cuDNN "may use padding, folding, and
-      NCHW-to-NHWC transformations to call the Tensor Core operations" (cuDNN developer guide,
-      Legacy API › Convolution Functions › Data and Filter Formats); the transformed copies live
-      in the workspace. Forward: bytes(x) + bytes(w) + bytes(y); backward-data:
-      bytes(dy) + bytes(w) + bytes(dx); backward-filter: bytes(x) + bytes(dy) + the dW
-      accumulator in fp32 (4·numel(w)).
-    * Tensor cores, channels_last: forward and backward-data 0 (native NHWC implicit GEMM);
-      backward-filter 4·numel(w) (split-K partial sums in fp32).
+    What the engines hold (``REPORT.md`` §2 gives the counts behind each line):
 
-    Uncertainty: an upper-bound-flavoured guess for NCHW, easily 0 on some engines and a factor
-    of 2 either way on others; measure with ``torch.cuda.memory_stats()["allocated_bytes.all.peak"]``
-    around a single conv on the target GPU before trusting it. Stride, padding and dilation do
-    not enter the model (they shape y, which does).
+    * No tensor cores (fp32 without TF32, fp16 before Volta, fp64), or depthwise: 0.
+    * The NHWC copies of x, w and y, plus :data:`WORKSPACE_TAIL` — the rule for 3x3 (and 2x2)
+      forward and backward-data, in 79 of 99 shapes. The C=64 → K=128 forward writes y in NCHW
+      itself: copies of the 64-channel tensor and w only.
+    * Weight gradients add fp32 split-K partial sums of dW: as many copies as fill the SMs with
+      one per (K, C) 128-tile and filter tap, at most one tile per SM.
+    * 1x1 stride 1 over ≥ :data:`PER_IMAGE_GEMM_MIN_PIXELS` pixels: one GEMM per image, no copies
+      (0 B); its weight gradient keeps one fp32 dW per image (capped by the copies). Smaller
+      images copy x and y (a 1x1 weight needs no copy: KCRS is KRSC).
+    * 1x1 strided (ResNet's downsample): copies of x and y; C ≤ 64 takes an engine without one.
+    * RGB stems (C or K < 8): 3x3 stems and a 1x1 head's forward use no workspace; ResNet's 7x7
+      stem pads C 3 → 4 and splits its weight gradient widely (the ``STEM_*`` constants).
+
+    Error on the snapshots' 593 calls per step: median 0 B; the step's sum within 0.2% on the
+    fit set and 1% on the held-out set. What it misses: split-K extras of 2–16 MiB on some
+    256/512-channel forwards, a few shapes whose engine takes X+W instead of X+Y (fp32 1x1/s2
+    C256 → K512 at 56×56) or none at all, and batch 1, whose engines are mostly workspace-free
+    (about 2× over in sum, all at the 10 MiB scale). Measured on an H100 only: other GPUs scale
+    the split-K term by their ``sm_count``; bf16 and ``channels_last`` have no data (channels_last
+    is assumed copy-free, with the same dW partials).
     """
-    del stride, padding, dilation  # accepted for the call signature; the model ignores them
+    del padding, dilation  # accepted for the call signature; the engines seen do not depend on them
     which = ConvDirection.parse(direction)
     cc = (int(compute_capability[0]), int(compute_capability[1]))
     if not _uses_tensor_cores(dtype, cc, allow_tf32) or _is_depthwise(input_shape, weight_shape, groups):
         return 0
     size = element_size(dtype)
-    x_bytes = math.prod(input_shape) * size
-    w_bytes = math.prod(weight_shape) * size
-    y_bytes = math.prod(output_shape) * size
-    w_fp32 = math.prod(weight_shape) * 4
+    k, c = int(weight_shape[0]), int(weight_shape[1]) * int(groups)
+    taps = math.prod(int(n) for n in weight_shape[2:])
+    x_bytes, w_bytes, y_bytes = (math.prod(int(n) for n in shape) * size
+                                 for shape in (input_shape, weight_shape, output_shape))
+    dw_fp32 = math.prod(int(n) for n in weight_shape) * 4
+    wgrad = which is ConvDirection.BACKWARD_FILTER
+    pointwise = taps == 1
+    strided = any(int(s) > 1 for s in stride)
+    batch = int(input_shape[0])
+
+    def split_k_partials() -> int:
+        tiles = math.ceil(k / SPLIT_K_TILE) * math.ceil(c / SPLIT_K_TILE) * taps
+        return min(max(1, sm_count // tiles) * dw_fp32, sm_count * SPLIT_K_TILE * SPLIT_K_TILE * 4)
+
     if channels_last:
-        return w_fp32 if which is ConvDirection.BACKWARD_FILTER else 0
-    model: dict[ConvDirection, int] = {
-        ConvDirection.FORWARD: x_bytes + w_bytes + y_bytes,
-        ConvDirection.BACKWARD_DATA: y_bytes + w_bytes + x_bytes,
-        ConvDirection.BACKWARD_FILTER: x_bytes + y_bytes + w_fp32,
-    }
-    return model[which]
+        return split_k_partials() if wgrad else 0
+    if c < 8 or k < 8:
+        if (pointwise and not wgrad) or (not pointwise and taps <= 9):
+            return 0
+        if pointwise or c >= 8:  # a K < 8 head's weight gradient: plain copies
+            return x_bytes + w_bytes + y_bytes + WORKSPACE_TAIL
+        padded = max(c, 4)  # the 7x7 stem: C padded to 4 in the NHWC copies (fp32 forward does not)
+        x4, w4, dw4_fp32 = x_bytes // c * padded, w_bytes // c * padded, dw_fp32 // c * padded
+        if which is ConvDirection.FORWARD:
+            return (x_bytes + w_bytes if size == 4 else x4 + w4) + y_bytes + WORKSPACE_TAIL
+        rows = batch * math.prod(int(n) for n in output_shape[2:])
+        splits = min(STEM_FP32_MAX_SPLITS, rows // STEM_ROWS_PER_SPLIT) if size == 4 else STEM_HALF_SPLITS
+        return x4 + w4 + y_bytes + splits * dw4_fp32 + WORKSPACE_TAIL
+    if pointwise and not strided:
+        pixels = min(math.prod(int(n) for n in input_shape[2:]), math.prod(int(n) for n in output_shape[2:]))
+        if pixels >= PER_IMAGE_GEMM_MIN_PIXELS:
+            return min(batch * dw_fp32, x_bytes + w_bytes + y_bytes) if wgrad else 0
+        return x_bytes + y_bytes + WORKSPACE_TAIL
+    if pointwise:
+        if wgrad:
+            return x_bytes + w_bytes + y_bytes + WORKSPACE_TAIL
+        return 0 if c <= 64 else x_bytes + y_bytes + WORKSPACE_TAIL
+    if wgrad:
+        return x_bytes + w_bytes + y_bytes + split_k_partials() + WORKSPACE_TAIL
+    if which is ConvDirection.FORWARD and c == 64 and k == 128:
+        return (x_bytes if int(input_shape[1]) == c else y_bytes) + w_bytes + WORKSPACE_TAIL
+    return x_bytes + w_bytes + y_bytes + WORKSPACE_TAIL
+
+
+@dataclass(frozen=True)
+class ConvWorkspaceRule:
+    """:func:`conv_workspace_bytes` of one call site, from the shapes of x, w and y (``ndim``
+    each, in one tuple), for the trace's :class:`~memcalc.engine.trace.ShapeSized`: which engine
+    runs changes with the batch (a 1x1 weight gradient's per-image dW, the stem's split count),
+    so the bytes are not affine in it although the shapes are."""
+
+    ndim: int
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    groups: int
+    direction: ConvDirection
+    compute_capability: tuple[int, int]
+    sm_count: int
+
+    def __call__(self, arguments: tuple[int, ...]) -> int:
+        n = self.ndim
+        return conv_workspace_bytes(arguments[:n], arguments[n:2 * n], arguments[2 * n:], self.dtype, self.stride,
+                                    (), (), self.groups, self.direction, self.compute_capability,
+                                    sm_count=self.sm_count)

@@ -9,7 +9,8 @@ synthetic allocations to the trace:
   step holds one for the forward and one for the backward (:mod:`memcalc.targets.cuda.cublas` documents
   the source). Size: the GPU profile's, honouring ``CUBLAS_WORKSPACE_CONFIG``.
 - cuDNN convolutions: a temporary per call, sized by :func:`memcalc.targets.cuda.cudnn.conv_workspace_bytes`
-  (a documented model, not a measurement).
+  (a rule read off real calls in H100 snapshots; the batch changes which engine runs, so the
+  bytes are a :class:`~memcalc.targets.cuda.cudnn.ConvWorkspaceRule` of the shapes).
 - fused attention: the temporaries the flash / memory-efficient / cuDNN kernels allocate
   inside their forward and backward (:func:`memcalc.targets.cuda.attention_memory.forward_temporaries`,
   :func:`memcalc.targets.cuda.attention_memory.backward_temporaries`).
@@ -34,7 +35,7 @@ from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import ShapeSized, StorageTracer
 from memcalc.targets.cuda.attention_memory import Buffer, backward_temporaries, forward_temporaries
 from memcalc.targets.cuda.cublas import cublas_workspace_bytes, cublas_workspaces_in_training_step
-from memcalc.targets.cuda.cudnn import conv_workspace_bytes
+from memcalc.targets.cuda.cudnn import ConvDirection, ConvWorkspaceRule
 from memcalc.targets.cuda.reduce import reduction_scratch
 from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall
 from memcalc.targets.versions import TARGET_TORCH_VERSION
@@ -128,15 +129,20 @@ class WorkspaceModel:
 
     # ---- cuDNN convolution ------------------------------------------------------------------
     def conv(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stride: Sequence[int],
-             padding: Sequence[int], dilation: Sequence[int], groups: int, direction: str) -> None:
-        """One cuDNN convolution call: its modelled workspace, freed when it returns."""
-        nbytes = conv_workspace_bytes(
-            tuple(x.shape), tuple(w.shape), tuple(y.shape), x.dtype, tuple(stride), tuple(padding),
-            tuple(dilation), int(groups), direction, self.gpu.compute_capability)
+             groups: int, direction: ConvDirection) -> None:
+        """One cuDNN convolution call: its workspace, freed when it returns. Recorded even at
+        0 B: which engine runs (and whether it wants a workspace) can change with the batch,
+        and the step's events must not."""
+        assert self.tracer is not None
+        rule = ConvWorkspaceRule(x.dim(), x.dtype, tuple(int(s) for s in stride), int(groups), direction,
+                                 self.gpu.compute_capability, self.gpu.sm_count)
+        arguments = tuple(int(n) for t in (x, w, y) for n in t.shape)
+        nbytes = rule(arguments)
         self.conv_calls += 1
-        if nbytes > 0:
-            self.conv_workspace_peak = max(self.conv_workspace_peak, nbytes)
-            self.add_temporary(nbytes, f"cuDNN convolution workspace ({direction})")
+        self.conv_workspace_peak = max(self.conv_workspace_peak, nbytes)
+        self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False,
+                              label=f"synthetic: cuDNN convolution workspace ({direction.value})",
+                              sized=ShapeSized(rule, arguments))
 
     # ---- reductions -------------------------------------------------------------------------
     def reduction(self, x: torch.Tensor, dims: Sequence[int]) -> None:
@@ -183,7 +189,7 @@ class WorkspaceModel:
             lines.append(f"cuBLAS workspace: {len(self.cublas_phases)} × {self.cublas_bytes:,} B ({handles})")
         if self.conv_calls:
             lines.append(f"cuDNN convolution workspace: modelled per call ({self.conv_calls} calls, largest "
-                         f"{self.conv_workspace_peak:,} B) — an assumption, "
+                         f"{self.conv_workspace_peak:,} B) — a rule measured on an H100, "
                          "see memcalc.targets.cuda.cudnn.conv_workspace_bytes")
         return lines
 
@@ -211,10 +217,10 @@ def conv_forward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], k
                  out: Any) -> None:
     """``convolution``: cuDNN's forward, or its backward-data kernel for a transposed one."""
     x, w = args[0], args[1]
-    stride, padding, dilation, transposed, _, groups = args[3:9]
+    stride, _padding, _dilation, transposed, _, groups = args[3:9]
     # a transposed convolution runs cuDNN's backward-data kernel
-    direction = "backward_data" if transposed else "forward"
-    model.conv(x, w, out, stride, padding, dilation, groups, direction)
+    direction = ConvDirection.BACKWARD_DATA if transposed else ConvDirection.FORWARD
+    model.conv(x, w, out, stride, groups, direction)
 
 
 @WORKSPACE_RULES.register(aten.convolution_backward.default)
@@ -222,11 +228,14 @@ def conv_backward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], 
                   out: Any) -> None:
     """``convolution_backward``: one cuDNN call per gradient its output mask asks for."""
     grad_out, x, w = args[0], args[1], args[2]
-    stride, padding, dilation, _transposed, _, groups, mask = args[4:11]
+    stride, _padding, _dilation, transposed, _, groups, mask = args[4:11]
     if mask[0]:
-        model.conv(x, w, grad_out, stride, padding, dilation, groups, "backward_data")
+        # a transposed convolution's input gradient is cuDNN's forward
+        # (cudnn_convolution_transpose_backward_input calls raw_cudnn_convolution_forward_out)
+        model.conv(x, w, grad_out, stride, groups,
+                   ConvDirection.FORWARD if transposed else ConvDirection.BACKWARD_DATA)
     if mask[1]:
-        model.conv(x, w, grad_out, stride, padding, dilation, groups, "backward_filter")
+        model.conv(x, w, grad_out, stride, groups, ConvDirection.BACKWARD_FILTER)
     if len(mask) > 2 and mask[2]:
         # the bias gradient: at::native::convolution_backward sums grad_output over every
         # dimension but the channels (ConvUtils.h, a gpu_reduce_kernel launch of its own)
