@@ -409,6 +409,9 @@ class TestConvWorkspace:
         assert self.ws(x, w, y, "backward_filter", stride=(2, 2)) == 12_845_056 + 262_144 + 6_422_528 + 16
         # 64 input channels take an engine without workspace
         assert self.ws((8, 64, 56, 56), (256, 64, 1, 1), (8, 256, 28, 28), "forward", stride=(2, 2)) == 0
+        # in fp32 (TF32) this one shape's forward copies x (25,690,112) and w (524,288), not y
+        fp32 = self.ws(x, w, y, "forward", torch.float32, stride=(2, 2))
+        assert fp32 == 8 * 256 * 56 * 56 * 4 + 512 * 256 * 4 + 16 == 26_214_416
 
     def test_resnet_stem_pads_3_channels_to_4(self) -> None:
         # 7x7, 3 -> 64, stride 2, batch 64, fp32: x 38,535,168 (padded: 51,380,224), w 37,632 (50,176),

@@ -76,8 +76,12 @@ def test_entries_are_trace_entries(report):
     assert set(actions) <= {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free"}
     assert actions[0] == "segment_alloc" and actions[1] == "alloc"
     for i, entry in enumerate(trace):
-        assert set(entry) == {"action", "addr", "size", "stream", "frames", "category"}
+        # an alloc also carries its request (a real trace's size is the request; ours is the block's)
+        extra = {"requested_size"} if entry["action"] == "alloc" else set()
+        assert set(entry) == {"action", "addr", "size", "stream", "frames", "category"} | extra
         assert entry["stream"] == 0 and entry["size"] > 0
+        if extra:
+            assert 0 < entry["requested_size"] <= entry["size"]
         if entry["action"] == "free_completed":  # one stream: requested, then completed at once
             assert trace[i - 1] == entry | {"action": "free_requested"}
     # every alloc is freed at most once, at the address it was given

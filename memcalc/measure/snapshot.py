@@ -149,8 +149,10 @@ def read_snapshot(data: Mapping[str, Any], device: int = 0) -> RealSnapshot:
             key = next_key
             next_key += 1
             addr_key[event["addr"]] = key
-            events.append((ALLOC, key, event["size"]))
-            allocations[key] = {"nbytes": event["size"], "alloc": i, "free": None, "frames": _frames(event)}
+            # a real trace's size is the request; memcalc's gives the block's and the request beside it
+            nbytes = int(event.get("requested_size", event["size"]))
+            events.append((ALLOC, key, nbytes))
+            allocations[key] = {"nbytes": nbytes, "alloc": i, "free": None, "frames": _frames(event)}
         elif action == "free_completed" and event["addr"] in addr_key:
             key = addr_key.pop(event["addr"])
             events.append((FREE, key, 0))

@@ -14,7 +14,7 @@ step, on device 0 and stream 0:
   (phase, module, the op that created the storage). An entry's ``size`` is the *block's* size
   (the request rounded as the allocator rounds it), so the viewer's curve peaks exactly at the
   report's ``peak_allocated`` (``torch.cuda.max_memory_allocated()``); a real trace records
-  the requested size, here in each block's ``requested_size``. ``category`` (parameters,
+  the requested size, here in each ``alloc``'s and each block's ``requested_size``. ``category`` (parameters,
   activations, ...) colours the viewer's timeline, as in the snapshots PyTorch makes from a
   profile.
 * ``segments``: the segments held at the end of the step, each with its blocks (allocated
@@ -67,6 +67,8 @@ def snapshot_dict(report: MemoryReport) -> dict[str, Any]:
         entry = {"action": event.action, "addr": event.address, "size": event.size, "stream": 0,
                  "frames": frames.of(event.event),
                  "category": frames.category(event.event) if event.storage >= 0 else _NO_CATEGORY}
+        if event.action == "alloc":  # the request, as a real trace's ``size`` is (read_snapshot prefers it)
+            entry["requested_size"] = event.requested
         if event.action == "free_completed":  # one stream: the free is requested and completed at once
             trace.append(entry | {"action": "free_requested"})
         trace.append(entry)

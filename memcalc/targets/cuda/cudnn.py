@@ -37,6 +37,9 @@ PER_IMAGE_GEMM_MIN_PIXELS = 196
 STEM_FP32_MAX_SPLITS = 120
 STEM_ROWS_PER_SPLIT = 348
 STEM_HALF_SPLITS = 8
+#: (C, K) of the one strided 1x1 whose fp32 forward copies x and w, not x and y: ResNet-50/101/152's
+#: layer2.0.downsample (56×56 → 28×28), at batches 32 and 64 alike; in fp16 it copies x and y.
+RESNET_WIDE_DOWNSAMPLE = (256, 512)
 
 
 class ConvDirection(str, enum.Enum):
@@ -117,14 +120,16 @@ def conv_workspace_bytes(
     * 1x1 stride 1 over ≥ :data:`PER_IMAGE_GEMM_MIN_PIXELS` pixels: one GEMM per image, no copies
       (0 B); its weight gradient keeps one fp32 dW per image (capped by the copies). Smaller
       images copy x and y (a 1x1 weight needs no copy: KCRS is KRSC).
-    * 1x1 strided (ResNet's downsample): copies of x and y; C ≤ 64 takes an engine without one.
+    * 1x1 strided (ResNet's downsample): copies of x and y; C ≤ 64 takes an engine without one,
+      and the fp32 forward of 256 → 512 channels copies x and w (:data:`RESNET_WIDE_DOWNSAMPLE`).
     * RGB stems (C or K < 8): 3x3 stems and a 1x1 head's forward use no workspace; ResNet's 7x7
       stem pads C 3 → 4 and splits its weight gradient widely (the ``STEM_*`` constants).
 
     Error on the snapshots' 593 calls per step: median 0 B; the step's sum within 0.2% on the
     fit set and 1% on the held-out set. What it misses: split-K extras of 2–16 MiB on some
-    256/512-channel forwards, a few shapes whose engine takes X+W instead of X+Y (fp32 1x1/s2
-    C256 → K512 at 56×56) or none at all, and batch 1, whose engines are mostly workspace-free
+    256/512-channel forwards and 1x1 weight gradients, engines that change with the batch (the
+    64 → 64 3x3 forward copies x and w only at batch 32), a few shapes that take none at all,
+    and batch 1, whose engines are mostly workspace-free
     (about 2× over in sum, all at the 10 MiB scale). Measured on an H100 only: other GPUs scale
     the split-K term by their ``sm_count``; bf16 and ``channels_last`` have no data (channels_last
     is assumed copy-free, with the same dW partials).
@@ -171,6 +176,8 @@ def conv_workspace_bytes(
     if pointwise:
         if wgrad:
             return x_bytes + w_bytes + y_bytes + WORKSPACE_TAIL
+        if which is ConvDirection.FORWARD and size == 4 and (c, k) == RESNET_WIDE_DOWNSAMPLE:
+            return x_bytes + w_bytes + WORKSPACE_TAIL
         return 0 if c <= 64 else x_bytes + y_bytes + WORKSPACE_TAIL
     if wgrad:
         return x_bytes + w_bytes + y_bytes + split_k_partials() + WORKSPACE_TAIL
