@@ -1,12 +1,19 @@
 """Today's estimates against a recorded GPU run of the accuracy suite, without a GPU.
 
     python benchmarks/replay_suite.py [tests/data/gpu/2026-11-25-h100/suite-gpu.jsonl] [--gpu h100-80gb]
+                                      [--as-measured]
 
 Re-estimates every config of a recorded ``benchmarks/accuracy.py --suite gpu`` run (its
 ``.jsonl``: the environment first, then a record per config) with the current code, for the
 catalogue GPU and the torch/CUDA the run had, and prints each config's error on peak allocated and
 reserved beside the recorded one, then the median and worst |error| and how many are within 1%
 and 3%. The measured figures are the recording's; only the estimates are new.
+
+``--as-measured`` estimates each step as the measuring process ran it: warm, holding the
+workspaces its record's note says an earlier warm-up left allocated ("includes N B allocated by
+the cuBLAS/cuDNN warm-up"; :func:`memcalc.targets.cuda.workspaces.warm_process`). The default is
+the fresh process memcalc estimates for a user; the difference between the two is the
+measurement's, not the estimate's.
 
 :func:`replay` is the part others reuse: ``tests/test_margins.py`` loads this file by its path
 (``benchmarks/`` is not a package) to derive the fit's margin tables from today's estimates.
@@ -15,6 +22,7 @@ and 3%. The measured figures are the recording's; only the estimates are new.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -26,6 +34,7 @@ from typing import Any
 from tabulate import tabulate
 
 import memcalc
+from memcalc.targets.cuda.workspaces import warm_process
 from models_zoo import plain_torch
 
 DEFAULT = Path(__file__).parent.parent / "tests" / "data" / "gpu" / "2026-11-25-h100" / "suite-gpu.jsonl"
@@ -73,10 +82,23 @@ class Replayed:
         return (self.peak_reserved - self.measured["peak_reserved"]) / self.measured["peak_reserved"]
 
 
-def replay(suite: Path = DEFAULT, gpu: str = "h100-80gb") -> tuple[dict[str, Any], list[Replayed]]:
+#: How a record's note states what the warm-up left allocated (benchmarks/accuracy.py writes it).
+_WARM_NOTE = re.compile(r"includes ([\d,]+) B allocated by")
+
+
+def warm_bytes(record: dict[str, Any]) -> int:
+    """The bytes of workspaces the measuring process held before the step, from the record's note."""
+    measured = record.get("measured", record)
+    match = _WARM_NOTE.search(str(measured.get("note", "")))
+    return int(match.group(1).replace(",", "")) if match else 0
+
+
+def replay(suite: Path = DEFAULT, gpu: str = "h100-80gb", *,
+           as_measured: bool = False) -> tuple[dict[str, Any], list[Replayed]]:
     """The run's environment, and every config of it re-estimated with today's code for the
     catalogue ``gpu`` and the torch/CUDA the run had (shared with tests/test_margins.py, whose
-    margin tables are derived from it)."""
+    margin tables are derived from it); ``as_measured``: in a process as warm as the measuring
+    one was (see the module docstring)."""
     lines = suite.read_text().splitlines()
     env = json.loads(lines[0])
     stack = memcalc.Stack(torch=".".join(env["torch"].split("+")[0].split(".")[:2]), cuda=env["cuda"])
@@ -88,7 +110,9 @@ def replay(suite: Path = DEFAULT, gpu: str = "h100-80gb") -> tuple[dict[str, Any
             options = options_of(record["config"])
             # the suite ran the zoo's plain-torch models (torch:NAME), whatever NAME builds today
             model = plain_torch(options.pop("model"))
-            report = memcalc.estimate(model, gpu=gpu, stack=stack, **options)
+            warm = warm_process(warm_bytes(record)) if as_measured else contextlib.nullcontext()
+            with warm:
+                report = memcalc.estimate(model, gpu=gpu, stack=stack, **options)
             replayed.append(Replayed(record, report.bytes.peak_allocated, report.peak_reserved))
     return env, replayed
 
@@ -97,15 +121,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("suite", nargs="?", type=Path, default=DEFAULT)
     parser.add_argument("--gpu", default="h100-80gb", help="the catalogue GPU the run was on")
+    parser.add_argument("--as-measured", action="store_true",
+                        help="estimate each step in a process as warm as the measuring one (its note)")
     args = parser.parse_args()
-    env, replayed = replay(args.suite, args.gpu)
+    env, replayed = replay(args.suite, args.gpu, as_measured=args.as_measured)
     rows = [[r.config, f"{r.record['error_allocated']:+.2%}", f"{r.error_allocated:+.2%}",
              f"{r.record['error_reserved']:+.2%}", f"{r.error_reserved:+.2%}"] for r in replayed]
     errors = [abs(r.error_allocated) for r in replayed]
     recorded = [abs(r.record["error_allocated"]) for r in replayed]
     reserved_errors = [abs(r.error_reserved) for r in replayed]
     reserved_recorded = [abs(r.record["error_reserved"]) for r in replayed]
-    print(f"{args.suite} ({env['device']}, torch {env['torch']}): estimates of today against its measurements")
+    process = "as warm as the measuring process" if args.as_measured else "in a fresh process"
+    print(f"{args.suite} ({env['device']}, torch {env['torch']}): estimates of today, {process}, "
+          "against its measurements")
     print(tabulate(rows, headers=["config", "allocated, recorded", "allocated, today", "reserved, recorded",
                                   "reserved, today"], disable_numparse=True))
     summaries = (("recorded", recorded, "peak allocated", 0.01), ("today", errors, "peak allocated", 0.01),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 import memcalc
-from memcalc.core.categories import Category
+from memcalc.report.compare import real_phase
 from memcalc.report.snapshot import snapshot_dict
 from memcalc.targets.cuda import workspaces
 from memcalc.targets.cuda.reduce import ReductionScratch, reduction_scratch
@@ -253,7 +254,8 @@ OUTSIDE_1PCT: dict[str, tuple[str, str]] = {
                  ".json's note): the backward thread's cuBLAS workspace (32 MiB) and two cuBLASLt ones (1 MiB "
                  "each), which an inference-only process never allocates; the step itself is within 0.4% "
                  "(test_step_matches_its_own_real_allocations). measure_cuda now frees them before it measures "
-                 "(tests/test_measure_reserved.py): a later GPU run re-measures"),
+                 "(tests/test_measure_reserved.py): a later GPU run re-measures. Estimated in a process holding "
+                 "them (test_peak_allocated_as_measured_within_1pct): +0.14%"),
     "llama-tiny-b8-s512-inference-bf16-kv512": (
         "-7.5%", "as llama-tiny-b8-s512-inference-bf16: workspaces left by earlier configs"),
     "gpt2-b8-s1024-eval": (
@@ -285,10 +287,12 @@ def _shared_names() -> list[str]:
 SHARED = _shared_names()
 
 
-def _marks(name: str) -> list[pytest.MarkDecorator]:
-    if name not in OUTSIDE_1PCT:
+def _marks(name: str, outside: dict[str, tuple[str, str]] | None = None) -> list[pytest.MarkDecorator]:
+    """A strict xfail for ``name`` where ``outside`` (default OUTSIDE_1PCT) lists it, with its gap and cause."""
+    table = OUTSIDE_1PCT if outside is None else outside
+    if name not in table:
         return []
-    gap, cause = OUTSIDE_1PCT[name]
+    gap, cause = table[name]
     return [pytest.mark.xfail(strict=True, reason=f"{gap}: {cause}")]
 
 
@@ -316,27 +320,25 @@ OUTSIDE_3PCT_RESERVED: dict[str, tuple[str, str]] = {
                   "(test_reserved_as_measured_with_the_warm_up_workspaces); measure_cuda now frees them "
                   "before it measures: a later GPU run re-measures"),
     "gpt2-b8-s1024-eval": (
-        "-4.8%", "as llama-tiny-b8-s512-inference-bf16: workspaces left by earlier configs, in segments of "
-                 "their own"),
+        "-4.8%", "the workspaces earlier configs left (as measured, -3.6%), and the model's build on the "
+                 "device: the step began with 676 MiB reserved around 475 MiB live "
+                 "(test_the_short_runs_began_with_the_builds_cache_around_live_blocks), cache that the "
+                 "step's own requests fit only in part"),
     "llama-tiny-b8-s512-inference-bf16": (
-        "-18.7%", "the 69,206,016 B of workspaces left by earlier configs (OUTSIDE_1PCT) and their segments"),
+        "-18.7%", "the 69,206,016 B of workspaces left by earlier configs (OUTSIDE_1PCT; as measured -12.8%) "
+                  "and the build in fp32 cast to bf16 on the device: the step began with 260 MiB reserved "
+                  "around 105 MiB live, and the 2026-11-26 re-measurement, its build's cache emptied, "
+                  "freed only 8 MiB of it (tests/data/gpu/2026-11-26-h100/suite-measured.jsonl)"),
     "llama-tiny-b8-s512-inference-bf16-kv512": (
-        "-13.2%", "as llama-tiny-b8-s512-inference-bf16"),
+        "-13.2%", "as llama-tiny-b8-s512-inference-bf16 (as measured -7.3%)"),
 }
-
-
-def _reserved_marks(name: str) -> list[pytest.MarkDecorator]:
-    if name not in OUTSIDE_3PCT_RESERVED:
-        return []
-    gap, cause = OUTSIDE_3PCT_RESERVED[name]
-    return [pytest.mark.xfail(strict=True, reason=f"{gap}: {cause}")]
 
 
 def _measured_reserved(folder: Path, name: str) -> int:
     return int(json.loads((folder / f"{name}.json").read_text())["peak_reserved"])
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_reserved_marks(n)) for n in SHARED])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n, OUTSIDE_3PCT_RESERVED)) for n in SHARED])
 @pytest.mark.quick_cases("resnet18-b1-sgd", "unet-b2-sgd")
 def test_peak_reserved_within_3pct_of_the_h100(snapshots: Path, name: str):
     options, _ = _config(snapshots, name)
@@ -346,25 +348,84 @@ def test_peak_reserved_within_3pct_of_the_h100(snapshots: Path, name: str):
     assert abs(error) < RESERVED_TOLERANCE, f"{name}: estimate {estimate:,} B, measured {measured:,} B ({error:+.2%})"
 
 
-def test_reserved_as_measured_with_the_warm_up_workspaces(snapshots: Path, monkeypatch: pytest.MonkeyPatch):
+def _warm_up_bytes(folder: Path, name: str) -> int:
+    """What the measuring process's warm-up left allocated, from the config's .json note."""
+    note = json.loads((folder / f"{name}.json").read_text())["note"]
+    match = re.search(r"includes ([\d,]+) B allocated by", note)
+    assert match is not None, note
+    return int(match.group(1).replace(",", ""))
+
+
+def test_reserved_as_measured_with_the_warm_up_workspaces(snapshots: Path):
     # The suite's process ran a warm-up before each config: its cuBLAS workspaces (one per handle)
     # were allocated before the step, in segments of their own. Estimated so, GPT-2's step under
     # autocast reserves what the run did: the +11.4% of OUTSIDE_3PCT_RESERVED is that warm-up.
-    def warm_handles(model: workspaces.WorkspaceModel, op: object, args: object, kwargs: object, out: object) -> None:
-        assert model.tracer is not None
-        handle = "backward" if model.tracer.modules.in_backward else "forward"
-        if handle not in model.cublas_phases and (handle == "forward" or model.cublas_handles == 2):
-            model.cublas_phases.add(handle)
-            model.tracer.synthetic(model.cublas_bytes, Category.WORKSPACE, persistent=True, preexisting=True)
-
     name = "gpt2-b8-s1024-adamw-amp-bf16"
     options, _ = _config(snapshots, name)
     measured = _measured_reserved(snapshots, name)
     assert _estimate(options).peak_reserved > 1.1 * measured  # in a fresh process
-    for op in workspaces.CUBLAS_OPS:
-        monkeypatch.setattr(workspaces.WORKSPACE_RULES, "_rules", {**workspaces.WORKSPACE_RULES._rules, op: warm_handles})
-    warm = _estimate(options).peak_reserved
+    with workspaces.warm_process(_warm_up_bytes(snapshots, name)):
+        warm = _estimate(options).peak_reserved
     assert abs(warm - measured) / measured < 0.001, f"{warm:,} B against {measured:,} B"
+
+
+@pytest.mark.parametrize("name, reserved, live", [
+    ("gpt2-b8-s1024-eval", 676, 474), ("llama-tiny-b8-s512-inference-bf16", 260, 104)])
+def test_the_short_runs_began_with_the_builds_cache_around_live_blocks(snapshots: Path, name: str,
+                                                                       reserved: int, live: int):
+    # the cause OUTSIDE_3PCT_RESERVED gives: before the step's first forward allocation the process
+    # reserved far more than it held (MiB), left by building the model on the device
+    trace = pickle.loads((snapshots / f"{name}.pickle").read_bytes())["device_traces"][0]
+    segments, blocks = 0, {}
+    for event in trace:
+        if event["action"] == "segment_alloc":
+            segments += event["size"]
+        elif event["action"] == "segment_free":
+            segments -= event["size"]
+        elif event["action"] == "alloc":
+            if real_phase(f"{f['filename']}:{f['line']} {f['name']}" for f in event["frames"]
+                          if f["filename"].endswith(".py")) == "forward":
+                break
+            blocks[event["addr"]] = event["size"]
+        elif event["action"] == "free_completed":
+            blocks.pop(event["addr"], None)
+    assert (segments >> 20, sum(blocks.values()) >> 20) == (reserved, live)
+
+
+#: Estimated in a process as warm as the measuring one, the one config still outside 1%.
+OUTSIDE_1PCT_AS_MEASURED = {"resnet50-b64-sgd-momentum-amp-fp16": OUTSIDE_1PCT["resnet50-b64-sgd-momentum-amp-fp16"]}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n, OUTSIDE_1PCT_AS_MEASURED)) for n in SHARED])
+@pytest.mark.quick_cases("llama-tiny-b8-s512-inference-bf16", "unet-b2-sgd")
+def test_peak_allocated_as_measured_within_1pct(snapshots: Path, name: str):
+    # the causes OUTSIDE_1PCT gives for the inference, eval, U-Net and batch-1 runs are the
+    # workspaces the measuring process held from its warm-up (each .json's note says how many
+    # bytes): estimated in a process that holds them (workspaces.warm_process), every config but
+    # the fp16 one whose scaler skipped its steps is within 1%
+    options, measured = _config(snapshots, name)
+    with workspaces.warm_process(_warm_up_bytes(snapshots, name)):
+        estimate = _estimate(options).bytes.peak_allocated
+    error = (estimate - measured) / measured
+    assert abs(error) < TOLERANCE, f"{name}: estimate {estimate:,} B, measured {measured:,} B ({error:+.2%})"
+
+
+def test_a_warm_process_holds_its_workspaces_before_the_step():
+    # an MLP on an H100 (cuBLAS workspace 32 MiB per handle): 65 MiB of warm-up = both handles'
+    # workspaces and a 1 MiB cuBLASLt one, allocated before the step; the step allocates none of them
+    fresh = memcalc.estimate("mlp", batch_size=64, gpu=GPU)
+    with workspaces.warm_process(65 * 2**20):
+        warm = memcalc.estimate("mlp", batch_size=64, gpu=GPU)
+    # training: both handles' workspaces are alive at the peak either way; the cuBLASLt MiB is new
+    assert warm.bytes.peak_allocated == fresh.bytes.peak_allocated + 2**20
+    # inference creates no backward handle: the warm process holds its 32 MiB as well
+    inference = {"mode": "inference", "optimizer": "none"}
+    fresh = memcalc.estimate("mlp", batch_size=64, gpu=GPU, **inference)
+    with workspaces.warm_process(65 * 2**20):
+        warm = memcalc.estimate("mlp", batch_size=64, gpu=GPU, **inference)
+    assert warm.bytes.peak_allocated == fresh.bytes.peak_allocated + 32 * 2**20 + 2**20
+    with pytest.raises(ValueError, match="≥ 0"), workspaces.warm_process(-1):
+        pass
 
 
 def test_the_fp16_run_skipped_its_optimizer_steps(snapshots: Path):

@@ -21,8 +21,10 @@ synthetic allocations to the trace:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +42,8 @@ from memcalc.targets.cuda.reduce import reduction_scratch
 from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall
 from memcalc.targets.versions import TARGET_TORCH_VERSION
 
-__all__ = ("CUBLAS_OPS", "WORKSPACE_RULES", "ReductionScratchRule", "WorkspaceModel", "WorkspaceRule")
+__all__ = ("CUBLAS_OPS", "WORKSPACE_RULES", "ReductionScratchRule", "WorkspaceModel", "WorkspaceRule",
+           "warm_process")
 
 aten = torch.ops.aten
 
@@ -99,6 +102,32 @@ class ReductionScratchRule:
 _reduction_scratch = functools.lru_cache(maxsize=1 << 16)(reduction_scratch)
 
 
+#: The bytes of workspaces a warm-up left allocated in the process (:func:`warm_process`).
+_WARM_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("memcalc_warm_workspace_bytes", default=0)
+#: A cuBLASLt workspace, as the measured processes held them beside the cuBLAS handles' (1 MiB each).
+CUBLASLT_WARM_BLOCK = 1 << 20
+
+
+@contextlib.contextmanager
+def warm_process(workspace_bytes: int) -> Iterator[None]:
+    """Estimate steps as a process that already holds ``workspace_bytes`` of library workspaces
+    from earlier work (a warm-up, an earlier configuration), as a measurement may have been taken:
+    the cuBLAS handles' workspaces first (the forward thread's, then autograd's), then 1 MiB
+    cuBLASLt ones, allocated before the step in segments of their own. A handle that already has
+    its workspace allocates none in the step.
+
+    Not what a user's fresh training process does (memcalc's default): it is how an estimate is
+    compared with a recorded run whose process was warm (``benchmarks/replay_suite.py
+    --as-measured``, whose records say what their warm-up left allocated)."""
+    if workspace_bytes < 0:
+        raise ValueError(f"workspace_bytes must be ≥ 0, got {workspace_bytes}")
+    token = _WARM_BYTES.set(workspace_bytes)
+    try:
+        yield
+    finally:
+        _WARM_BYTES.reset(token)
+
+
 class WorkspaceModel:
     """The workspaces of one traced step on ``gpu`` under torch ``torch_version``: :meth:`after_op`
     runs the rule of each op."""
@@ -113,9 +142,26 @@ class WorkspaceModel:
         self.cublas_phases: set[str] = set()  # "forward" / "backward" handles that have a workspace
         self.conv_calls = 0
         self.conv_workspace_peak = 0
+        self.warm_blocks = self._warm_blocks(_WARM_BYTES.get())
+
+    def _warm_blocks(self, nbytes: int) -> list[tuple[str, int]]:
+        """What a warm process holds (:func:`warm_process`): (what, bytes) per allocation."""
+        blocks = []
+        for handle in ("forward", "backward"):
+            if self.cublas_bytes > 0 and nbytes >= self.cublas_bytes:
+                blocks.append((f"cuBLAS workspace ({handle} handle)", self.cublas_bytes))
+                self.cublas_phases.add(handle)
+                nbytes -= self.cublas_bytes
+        while nbytes > 0:
+            blocks.append(("cuBLASLt workspace", min(nbytes, CUBLASLT_WARM_BLOCK)))
+            nbytes -= CUBLASLT_WARM_BLOCK
+        return blocks
 
     def attach(self, tracer: StorageTracer) -> None:
         self.tracer = tracer
+        for what, nbytes in self.warm_blocks:
+            tracer.synthetic(nbytes, Category.WORKSPACE, persistent=True, preexisting=True,
+                             label=f"synthetic: {what}, left by an earlier warm-up")
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         rule = WORKSPACE_RULES.get(func)
