@@ -1,10 +1,14 @@
 """What several test files share: a small Hugging Face Llama config written where an ``hf:``
-source can read it, and DistributedDataParallel over the fake process group (the fixture is
-``fake_process_group`` in tests/conftest.py). pytest puts tests/ on the path: ``from support
-import ...``."""
+source can read it, DistributedDataParallel over the fake process group (the fixture is
+``fake_process_group`` in tests/conftest.py), and ``benchmarks/replay_suite.py`` loaded as a
+module. pytest puts tests/ on the path: ``from support import ...``."""
 
+import functools
+import importlib.util
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -19,6 +23,18 @@ SMALL_LLAMA: dict[str, object] = {
     "max_position_embeddings": 256, "tie_word_embeddings": False}
 #: The world size of the fake process group.
 FAKE_WORLD = 4
+
+
+@functools.cache
+def replay_suite() -> ModuleType:
+    """benchmarks/replay_suite.py, loaded by its path (benchmarks/ is not a package)."""
+    path = Path(__file__).parent.parent / "benchmarks" / "replay_suite.py"
+    spec = importlib.util.spec_from_file_location("replay_suite", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up while it is defined
+    spec.loader.exec_module(module)
+    return module
 
 
 def hf_config_source(tmp_path: Path, config: dict[str, object] | None = None) -> str:

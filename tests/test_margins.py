@@ -5,14 +5,12 @@ measured on 2026-11-26: tests/data/gpu/2026-11-26-fit-checks/)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from support import replay_suite
 
 import memcalc
 from memcalc.core.categories import Mode
@@ -36,16 +34,6 @@ GiB = 1024**3
 H100_BUDGET = 85_028_896_768 - 726_663_168  # CUDA's total less the measured lazy context
 
 
-def _replay_suite() -> ModuleType:
-    """benchmarks/replay_suite.py, loaded by its path (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("replay_suite", ROOT / "benchmarks" / "replay_suite.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up while it is defined
-    spec.loader.exec_module(module)
-    return module
-
-
 def _class_of(config: str) -> StepClass:
     words = config.split()
     precision = next((w.split("=")[1] for w in words if w.startswith("precision=")), "fp32")
@@ -58,7 +46,7 @@ def derive_tables() -> tuple[dict[StepClass, tuple[float, str]], dict[str, tuple
     """α per class, ρ per model and β per family, from today's estimates of every config against
     the recorded measurements (not the estimates the suite recorded: fixes since have changed
     some), as memcalc.search.margins documents them."""
-    _, replayed = _replay_suite().replay(DATA / "suite-gpu.jsonl", "h100-80gb")
+    _, replayed = replay_suite().replay(DATA / "suite-gpu.jsonl", "h100-80gb")
     assert len(replayed) == 51
     allocated: dict[StepClass, tuple[float, str]] = {}
     largest: dict[str, tuple[int, float, str]] = {}  # model: (real peak reserved, ρ, config)

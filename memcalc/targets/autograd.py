@@ -6,10 +6,11 @@ activation read by several ops), the engine sums them in the input buffer of the
 takes them (``torch/csrc/autograd/input_buffer.cpp``, ``accumulate``): outside grad mode it
 writes ``old_var.add_(var)`` into the first gradient when ``can_accumulate_inplace(old_var)`` —
 a "vanilla" tensor, non-overlapping and dense, whose storage only this buffer holds — else
-``var.add_(old_var)``, else ``old_var + var`` into new memory. While a dispatch mode is active, as
-memcalc's tracer is, ``at::isTensorSubclassLike`` is true for every tensor
-(``ATen/TensorSubclassLikeUtils.h``), so the engine always takes the last branch: the trace shows
-an ``add`` with a new output where the device reuses the first gradient's memory.
+``old_var + var`` into new memory (``var.add_(old_var)`` is taken only for a sparse first
+gradient). While a dispatch mode is active, as memcalc's tracer is, ``at::isTensorSubclassLike``
+is true for every tensor (``ATen/TensorSubclassLikeUtils.h``), so the engine always takes the
+out-of-place branch: the trace shows an ``add`` with a new output where the device reuses the
+first gradient's memory.
 
 :func:`accumulate_in_place` puts that back: an ``add.Tensor`` in backward, outside grad mode, of
 two gradients of the output's shape and dtype whose first is the sole, dense user of its storage,

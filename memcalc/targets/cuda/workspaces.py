@@ -128,6 +128,21 @@ def warm_process(workspace_bytes: int) -> Iterator[None]:
         _WARM_BYTES.reset(token)
 
 
+def _warm_blocks(nbytes: int, cublas_bytes: int) -> list[tuple[str, int]]:
+    """What a warm process holds (:func:`warm_process`): (handle, bytes) per allocation — the
+    ``"forward"`` and ``"backward"`` cuBLAS handles' workspaces while ``nbytes`` covers them, then
+    ``"cublasLt"`` blocks of at most 1 MiB."""
+    blocks = []
+    for handle in ("forward", "backward"):
+        if 0 < cublas_bytes <= nbytes:
+            blocks.append((handle, cublas_bytes))
+            nbytes -= cublas_bytes
+    while nbytes > 0:
+        blocks.append(("cublasLt", min(nbytes, CUBLASLT_WARM_BLOCK)))
+        nbytes -= CUBLASLT_WARM_BLOCK
+    return blocks
+
+
 class WorkspaceModel:
     """The workspaces of one traced step on ``gpu`` under torch ``torch_version``: :meth:`after_op`
     runs the rule of each op."""
@@ -142,24 +157,14 @@ class WorkspaceModel:
         self.cublas_phases: set[str] = set()  # "forward" / "backward" handles that have a workspace
         self.conv_calls = 0
         self.conv_workspace_peak = 0
-        self.warm_blocks = self._warm_blocks(_WARM_BYTES.get())
-
-    def _warm_blocks(self, nbytes: int) -> list[tuple[str, int]]:
-        """What a warm process holds (:func:`warm_process`): (what, bytes) per allocation."""
-        blocks = []
-        for handle in ("forward", "backward"):
-            if self.cublas_bytes > 0 and nbytes >= self.cublas_bytes:
-                blocks.append((f"cuBLAS workspace ({handle} handle)", self.cublas_bytes))
-                self.cublas_phases.add(handle)
-                nbytes -= self.cublas_bytes
-        while nbytes > 0:
-            blocks.append(("cuBLASLt workspace", min(nbytes, CUBLASLT_WARM_BLOCK)))
-            nbytes -= CUBLASLT_WARM_BLOCK
-        return blocks
+        # a warm process (warm_process): its handles already hold their workspaces
+        self.warm_blocks = _warm_blocks(_WARM_BYTES.get(), self.cublas_bytes)
+        self.cublas_phases.update(handle for handle, _ in self.warm_blocks if handle in ("forward", "backward"))
 
     def attach(self, tracer: StorageTracer) -> None:
         self.tracer = tracer
-        for what, nbytes in self.warm_blocks:
+        for handle, nbytes in self.warm_blocks:
+            what = "cuBLASLt workspace" if handle == "cublasLt" else f"cuBLAS workspace ({handle} handle)"
             tracer.synthetic(nbytes, Category.WORKSPACE, persistent=True, preexisting=True,
                              label=f"synthetic: {what}, left by an earlier warm-up")
 
