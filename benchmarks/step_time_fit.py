@@ -13,9 +13,11 @@ it). It prints predicted / measured for each, and the errors of each part, besid
 fitted on all of them (the committed coefficients) and the model before this fit (the one fitted
 to the half-speed H100 of 2026-11-25, ``times.jsonl``'s ``predicted_s``).
 
-Last, the datasheet scaling: the committed model, timed with the H100's datasheet peaks, against
-a healthy H100's eight steps (``tests/data/gpu/2026-11-26-steps/h100-times.jsonl``, not fitted),
-beside the same fit made on the 2026-11-25 H100's data (``tests/data/gpu/2026-11-25-h100/``).
+Last, the H100: the committed model, timed with the H100's datasheet peaks, against a healthy
+H100's eight steps (``tests/data/gpu/2026-11-26-steps/h100-times.jsonl``), beside the same fit
+made on the 2026-11-25 H100's data (``tests/data/gpu/2026-11-25-h100/``); then with the H100's
+bandwidth factor fitted to those eight steps (what memcalc uses on an H100), and with each step
+left out of that factor's fit in turn.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ from memcalc.timing.calibration import (
     FitResult,
     MeasuredConfig,
     fit,
+    fit_bandwidth,
     ideal_overrides,
+    leave_one_out_bandwidth,
     load_measurements,
     predict,
 )
+from models_zoo import plain_torch
 
 GPU_DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "gpu"
 #: What the committed coefficients are fitted to (scripts/fit_step_time.py's DATA).
@@ -55,18 +60,21 @@ H100_STEPS = (GPU_DATA / "2026-11-26-steps", "h100-times.jsonl")
 #: The first fit's data, whose H100 ran its kernels at about half speed.
 EXCLUDED = GPU_DATA / "2026-11-25-h100"
 
-_FEATURES: dict[tuple[str, str], ClassFeatures] = {}
+_REPORTS: dict[tuple[str, str], memcalc.MemoryReport] = {}
 
 
-def features_on(config: MeasuredConfig, gpu: str) -> ClassFeatures:
-    """memcalc's per-class ideal seconds and kernels of the config's traced step on ``gpu``."""
+def features_on(config: MeasuredConfig, gpu: str, bandwidth_scale: float = 1.0) -> ClassFeatures:
+    """memcalc's per-class ideal seconds and kernels of the config's traced step on ``gpu``, its
+    datasheet bandwidth times ``bandwidth_scale``."""
     key = (config.name, gpu)
-    if key not in _FEATURES:
+    if key not in _REPORTS:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = memcalc.estimate(config.model, **config.estimate_kwargs(gpu))
-        _FEATURES[key] = ClassFeatures.of(memcalc.step_time(report, **ideal_overrides()))
-    return _FEATURES[key]
+            # the zoo's plain-torch models (torch:NAME), which the GPU steps were measured with and the
+            # committed coefficients are fitted to (scripts/fit_step_time.py)
+            _REPORTS[key] = memcalc.estimate(plain_torch(config.model), **config.estimate_kwargs(gpu))
+    overrides = {**ideal_overrides(), "bandwidth_scale": bandwidth_scale}
+    return ClassFeatures.of(memcalc.step_time(_REPORTS[key], **overrides))
 
 
 def features(config: MeasuredConfig) -> ClassFeatures:
@@ -74,9 +82,9 @@ def features(config: MeasuredConfig) -> ClassFeatures:
     return features_on(config, "h200")
 
 
-def h100_features(config: MeasuredConfig) -> ClassFeatures:
+def h100_features(config: MeasuredConfig, bandwidth_scale: float = 1.0) -> ClassFeatures:
     """:func:`features_on` the H100 80GB (SXM)."""
-    return features_on(config, "h100-80gb")
+    return features_on(config, "h100-80gb", bandwidth_scale)
 
 
 def ratio(result: FitResult, config: MeasuredConfig, gpu: str = "h200") -> float:
@@ -92,19 +100,27 @@ def summary(ratios: Sequence[float]) -> str:
 
 
 def datasheet_scaling(committed: FitResult) -> None:
-    """The committed model on the healthy H100's steps, and the fit to the 2026-11-25 H100 beside it."""
+    """The committed model on the healthy H100's steps: fitted to the 2026-11-25 H100, scaled from the
+    H200 by the datasheet, with the H100's bandwidth factor fitted to these steps, and each left out of it."""
     first = fit(load_measurements(EXCLUDED), h100_features)
     again = [c for c in load_measurements(*H100_STEPS) if c.step_seconds]
+    bandwidth = fit_bandwidth(committed, again, h100_features)
+    held_out = leave_one_out_bandwidth(committed, again, h100_features)
     rows = [[c.name, f"{c.step_seconds * 1e3:.1f}" if c.step_seconds else "",
-             f"{ratio(first, c, 'h100-80gb'):.2f}", f"{ratio(committed, c, 'h100-80gb'):.2f}"] for c in again]
-    print("\na healthy H100 80GB on 2026-11-26 (tests/data/gpu/2026-11-26-steps/h100-times.jsonl, not fitted), "
+             f"{ratio(first, c, 'h100-80gb'):.2f}", f"{ratio(committed, c, 'h100-80gb'):.2f}", f"{fitted_ratio:.2f}",
+             f"{held:.2f}"] for c, fitted_ratio, held in zip(again, bandwidth.ratios, held_out, strict=True)]
+    print("\na healthy H100 80GB on 2026-11-26 (tests/data/gpu/2026-11-26-steps/h100-times.jsonl), "
           "predicted / measured\n")
     print(tabulate(rows, headers=["config", "measured ms", "fitted to the 2026-11-25 H100",
-                                  "fitted to the H200, scaled by datasheet"],
-                   colalign=("left", "right", "right", "right"), disable_numparse=True))
+                                  "fitted to the H200, scaled by datasheet",
+                                  f"H100 bandwidth x{bandwidth.scale:.3f}, fitted on these 8", "each left out"],
+                   colalign=("left", "right", "right", "right", "right", "right"), disable_numparse=True))
     print(f"\nfitted to the 2026-11-25 H100: {summary([ratio(first, c, 'h100-80gb') for c in again])}")
     print(f"fitted to the H200 (committed), H100 datasheet peaks: "
           f"{summary([ratio(committed, c, 'h100-80gb') for c in again])}")
+    print(f"with the H100's bandwidth factor (x{bandwidth.scale:.3f}) fitted on these eight: "
+          f"{summary(bandwidth.ratios)}")
+    print(f"each step left out of the factor's fit (fitted on the seven others): {summary(held_out)}")
 
 
 def main() -> None:

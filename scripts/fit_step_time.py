@@ -11,7 +11,9 @@ per kernel, and a gap between kernels (:mod:`memcalc.timing.calibration`), and w
 a Python module that :mod:`memcalc.timing.performance` reads. Every coefficient comes from
 these files: nothing is typed in. The other GPUs get the same fractions of their own datasheet
 peaks; :data:`RECHECK` (a healthy H100's eight steps) checks that scaling, and the ratios are
-written beside the coefficients.
+written beside the coefficients. Those steps then fit the H100's own bandwidth factor
+(:func:`memcalc.timing.calibration.fit_bandwidth`), written with its ratios and each step's
+ratio when it is left out of that fit.
 
 Not :data:`EXCLUDED` (``tests/data/gpu/2026-11-25-h100/``, the first fit's data): that H100 ran
 its kernels at about half speed, its kernels of a step adding up to about twice the H200's and
@@ -31,11 +33,14 @@ from pathlib import Path
 import memcalc
 from memcalc.core.throughput import OpClass
 from memcalc.timing.calibration import (
+    BandwidthFit,
     ClassFeatures,
     FitResult,
     MeasuredConfig,
     fit,
+    fit_bandwidth,
     ideal_overrides,
+    leave_one_out_bandwidth,
     load_measurements,
     predict,
 )
@@ -57,13 +62,19 @@ EXCLUDED = ROOT / "tests" / "data" / "gpu" / "2026-11-25-h100"
 
 
 @functools.cache
-def features_on(config: MeasuredConfig, gpu: str) -> ClassFeatures:
-    """memcalc's per-class ideal seconds and kernels of ``config``'s traced step on ``gpu``."""
+def report_on(config: MeasuredConfig, gpu: str) -> memcalc.MemoryReport:
+    """memcalc's estimate of ``config``'s step on ``gpu``, its costs recorded."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # approximation notes are not what is fitted
         # the zoo's plain-torch models (torch:NAME), which the GPU steps were measured with
-        report = memcalc.estimate(plain_torch(config.model), **config.estimate_kwargs(gpu))
-    return ClassFeatures.of(memcalc.step_time(report, **ideal_overrides()))
+        return memcalc.estimate(plain_torch(config.model), **config.estimate_kwargs(gpu))
+
+
+def features_on(config: MeasuredConfig, gpu: str, bandwidth_scale: float = 1.0) -> ClassFeatures:
+    """memcalc's per-class ideal seconds and kernels of ``config``'s traced step on ``gpu``, its
+    datasheet bandwidth times ``bandwidth_scale``."""
+    overrides = {**ideal_overrides(), "bandwidth_scale": bandwidth_scale}
+    return ClassFeatures.of(memcalc.step_time(report_on(config, gpu), **overrides))
 
 
 def features(config: MeasuredConfig) -> ClassFeatures:
@@ -71,17 +82,37 @@ def features(config: MeasuredConfig) -> ClassFeatures:
     return features_on(config, GPU)
 
 
+def recheck_configs() -> list[MeasuredConfig]:
+    """The healthy H100's timed steps (:data:`RECHECK`)."""
+    return [c for c in load_measurements(RECHECK, RECHECK_FILE) if c.step_seconds]
+
+
+def recheck_features(config: MeasuredConfig, bandwidth_scale: float) -> ClassFeatures:
+    """:func:`features_on` the H100 of :data:`RECHECK`."""
+    return features_on(config, RECHECK_GPU, bandwidth_scale)
+
+
 def recheck(result: FitResult) -> list[float]:
     """Predicted / measured on the healthy H100's steps (:data:`RECHECK`), timed with the H100's
     datasheet peaks: how well the datasheet scaling holds."""
     return [predict(result, features_on(c, RECHECK_GPU)) / c.step_seconds
-            for c in load_measurements(RECHECK, RECHECK_FILE) if c.step_seconds]
+            for c in recheck_configs() if c.step_seconds]
 
 
-def render(result: FitResult, configs: tuple[MeasuredConfig, ...], rechecked: list[float]) -> str:
+def measured_bandwidth(result: FitResult) -> tuple[BandwidthFit, tuple[float, ...]]:
+    """The H100's bandwidth factor fitted to its steps (:data:`RECHECK`), and each step's
+    predicted / measured when it is left out of that fit."""
+    configs = recheck_configs()
+    return (fit_bandwidth(result, configs, recheck_features),
+            leave_one_out_bandwidth(result, configs, recheck_features))
+
+
+def render(result: FitResult, configs: tuple[MeasuredConfig, ...], rechecked: list[float],
+           measured: tuple[BandwidthFit, tuple[float, ...]]) -> str:
     """The coefficients module's text."""
     import json
 
+    bandwidth, held_out = measured
     env = (DATA / "env.txt").read_text().splitlines()
     device = env[1].split(",")[0].strip()
     torch_version = env[2].split()[0]  # the line torch.__version__, CUDA, cuDNN
@@ -120,6 +151,12 @@ def render(result: FitResult, configs: tuple[MeasuredConfig, ...], rechecked: li
         f"RECHECK_RATIO = {statistics.median(rechecked):.4g}" if rechecked else "RECHECK_RATIO = 1.0",
         f"RECHECK_RANGE = ({min(rechecked):.4g}, {max(rechecked):.4g})" if rechecked else "RECHECK_RANGE = (1.0, 1.0)",
         f"RECHECK_DATE = {json.dumps(RECHECK.name.split('-steps')[0])}",
+        "#: per catalogue key, the factor on the datasheet bandwidth fitted to that GPU's own steps above",
+        "#: (the H200's coefficients kept); its predicted / measured on them, and each left out of the fit",
+        f'MEASURED_BANDWIDTH: dict[str, float] = {{"{RECHECK_GPU}": {bandwidth.scale:.4g}}}',
+        f"MEASURED_STEPS = {len(bandwidth.ratios)}",
+        f"MEASURED_RANGE = ({min(bandwidth.ratios):.4g}, {max(bandwidth.ratios):.4g})",
+        f"MEASURED_HELD_OUT_RANGE = ({min(held_out):.4g}, {max(held_out):.4g})",
         "#: the profiled steps the kernel coefficients are fitted to",
         "PROFILED: tuple[str, ...] = (",
         *(f"    {json.dumps(c.name)}," for c in configs if c.kernel_seconds),
@@ -136,7 +173,8 @@ def main() -> int:
     configs = load_measurements(DATA)
     result = fit(configs, features)
     rechecked = recheck(result)
-    text = render(result, configs, rechecked)
+    measured = measured_bandwidth(result)
+    text = render(result, configs, rechecked, measured)
     if args.check:
         current = OUT.read_text() if OUT.exists() else ""
         if current != text:
@@ -155,6 +193,10 @@ def main() -> int:
         print(f"  on a healthy H100's steps (not fitted), scaled by its datasheet: predicted / measured "
               f"{min(rechecked):.2f}-"
               f"{max(rechecked):.2f} (median {statistics.median(rechecked):.2f})")
+    bandwidth, held_out = measured
+    print(f"  the H100's bandwidth fitted to those steps: x{bandwidth.scale:.3f} its datasheet's; predicted / measured "
+          f"{min(bandwidth.ratios):.2f}-{max(bandwidth.ratios):.2f}, each left out {min(held_out):.2f}-"
+          f"{max(held_out):.2f}")
     return 0
 
 

@@ -189,6 +189,14 @@ def test_cli_time_text_and_json() -> None:
     assert (f"on {fitted.RECHECK_STEPS} steps of an h100-80gb, predicted / measured {low:.2f}-{high:.2f}"
             in text.output)
     assert "upper bound" not in text.output  # the caveat of the first fit (a half-speed H100) is gone
+    # on the H100, whose own steps were measured, its bandwidth term is fitted to them, and the output says so
+    h100 = runner.invoke(main, ["resnet18", "--batch", "4", "--gpu", "h100-80gb", "--time"])
+    low, high = fitted.MEASURED_RANGE
+    held_low, held_high = fitted.MEASURED_HELD_OUT_RANGE
+    assert (f"h100-80gb scaled from its datasheet peaks, its bandwidth term fitted to {fitted.MEASURED_STEPS} of its "
+            f"own steps (its memory-bound kernels reach {fitted.MEASURED_BANDWIDTH['h100-80gb']:.2f}x the NVIDIA "
+            f"H200's fraction of the datasheet bandwidth; predicted / measured {low:.2f}-{high:.2f}, each left out "
+            f"of the fit {held_low:.2f}-{held_high:.2f})") in " ".join(h100.output.split())
     data = json.loads(runner.invoke(main, ["resnet18", "--batch", "4", "--gpu", "a100-80gb", "--time",
                                            "--format", "json"]).output)
     assert data["time"]["samples"] == 4 and data["time"]["gpu"] == "a100-80gb"

@@ -36,8 +36,13 @@ largest error left on the timed configs relative to the prediction (``|measured 
 The coefficients hold for the GPU they were measured on; :mod:`memcalc.timing.performance`
 applies them to the other GPUs of the catalogue with those GPUs' datasheet peaks (the same
 fraction of a different peak): an assumption, said so beside every time, with how it held on a
-healthy H100's steps (``tests/data/gpu/2026-11-26-steps/h100-times.jsonl``, not fitted). The
-first fit's data, ``tests/data/gpu/2026-11-25-h100/``, is not used: that H100 ran its kernels
+healthy H100's steps (``tests/data/gpu/2026-11-26-steps/h100-times.jsonl``). It held to 7-27%
+pessimistic there: the H200's memory-bound kernels, timed by its 4.8 TB/s, run at fractions of it
+that the H100's 3.35 TB/s does not scale down in proportion. So for a GPU whose own steps were
+measured (no profile needed), :func:`fit_bandwidth` fits one factor on its datasheet bandwidth to
+them, everything else kept from the H200 (``scale``: least relative squared error, by golden
+section), and :func:`leave_one_out_bandwidth` says how it predicts a step it was not fitted to.
+The first fit's data, ``tests/data/gpu/2026-11-25-h100/``, is not used: that H100 ran its kernels
 at about half speed (``tests/test_step_time_calibration.py`` checks it from the files).
 """
 
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,11 +62,14 @@ from memcalc.core.throughput import OpClass, StepTime
 from memcalc.timing.flops import op_class_of
 
 __all__ = (
+    "BandwidthFit",
     "ClassFeatures",
     "FitResult",
     "MeasuredConfig",
     "fit",
+    "fit_bandwidth",
     "ideal_overrides",
+    "leave_one_out_bandwidth",
     "load_measurements",
     "predict",
 )
@@ -175,9 +184,10 @@ class ClassFeatures:
 
 def ideal_overrides() -> dict[str, Any]:
     """Keyword arguments of :func:`memcalc.step_time` that time every kernel at 100% of the
-    peaks, with no fixed time and no gap: the ``ideal`` of the module docstring."""
+    peaks (the datasheet's bandwidth), with no fixed time and no gap: the ``ideal`` of the module
+    docstring."""
     return {"efficiency": dict.fromkeys(OpClass, 1.0), "kernel_seconds": dict.fromkeys(OpClass, 0.0),
-            "launch_overhead": 0.0, "host_seconds": 0.0}
+            "launch_overhead": 0.0, "host_seconds": 0.0, "bandwidth_scale": 1.0}
 
 
 @dataclass(frozen=True)
@@ -309,3 +319,78 @@ def _fit_gap(partial: FitResult, timed: Iterable[MeasuredConfig], feats: Mapping
         numerator += x * (1 - kernels / config.step_seconds)
         denominator += x * x
     return max(0.0, numerator / denominator) if denominator else 0.0
+
+
+#: Where :func:`fit_bandwidth` looks for the factor: a GPU whose kernels reach a quarter of its
+#: datasheet bandwidth's share on the fitted GPU, up to four times it.
+_SCALE_RANGE = (0.25, 4.0)
+
+
+@dataclass(frozen=True)
+class BandwidthFit:
+    """A GPU's bandwidth factor fitted to its measured steps (:func:`fit_bandwidth`): ``scale``
+    multiplies its datasheet bandwidth; ``ratios`` are predicted / measured of the steps it was
+    fitted to, in their order, with it."""
+
+    scale: float
+    ratios: tuple[float, ...]
+
+
+def _ratios(result: FitResult, configs: Sequence[MeasuredConfig],
+            features_at: Callable[[MeasuredConfig, float], ClassFeatures], scale: float) -> list[float]:
+    return [predict(result, features_at(c, scale)) / c.step_seconds for c in configs if c.step_seconds]
+
+
+def fit_bandwidth(result: FitResult, configs: Sequence[MeasuredConfig],
+                  features_at: Callable[[MeasuredConfig, float], ClassFeatures]) -> BandwidthFit:
+    """The factor on a GPU's datasheet bandwidth that makes ``result`` (fitted on another GPU)
+    best predict ``configs``' measured steps on it (module docstring).
+
+    Args:
+        result: the coefficients fitted on the profiled GPU.
+        configs: steps measured on this GPU (only their ``step_seconds`` are used).
+        features_at: a config's per-class ideal seconds and kernels on this GPU, its datasheet
+            bandwidth times the given factor.
+
+    Returns:
+        The factor minimising the sum of ``(predicted / measured - 1)²``, and those ratios.
+
+    Raises:
+        ValueError: no config has a measured step.
+    """
+    timed = [c for c in configs if c.step_seconds]
+    if not timed:
+        raise ValueError("no measured step to fit a bandwidth factor to")
+
+    def cost(log_scale: float) -> float:
+        return sum((r - 1) ** 2 for r in _ratios(result, timed, features_at, math.exp(log_scale)))
+
+    # golden-section search on log(scale): the error is unimodal in it (a step's time falls
+    # monotonically as its bandwidth grows)
+    low, high = math.log(_SCALE_RANGE[0]), math.log(_SCALE_RANGE[1])
+    golden = (math.sqrt(5) - 1) / 2
+    a, b = high - golden * (high - low), low + golden * (high - low)
+    cost_a, cost_b = cost(a), cost(b)
+    while high - low > 1e-5:
+        if cost_a <= cost_b:
+            high, b, cost_b = b, a, cost_a
+            a = high - golden * (high - low)
+            cost_a = cost(a)
+        else:
+            low, a, cost_a = a, b, cost_b
+            b = low + golden * (high - low)
+            cost_b = cost(b)
+    scale = math.exp((low + high) / 2)
+    return BandwidthFit(scale, tuple(_ratios(result, timed, features_at, scale)))
+
+
+def leave_one_out_bandwidth(result: FitResult, configs: Sequence[MeasuredConfig],
+                            features_at: Callable[[MeasuredConfig, float], ClassFeatures]) -> tuple[float, ...]:
+    """Predicted / measured of each timed config by a bandwidth factor fitted to the others
+    (:func:`fit_bandwidth`), in their order: how the fitted factor predicts a step it has not seen."""
+    timed = [c for c in configs if c.step_seconds]
+    held: list[float] = []
+    for config in timed:
+        scale = fit_bandwidth(result, [c for c in timed if c is not config], features_at).scale
+        held.extend(_ratios(result, [config], features_at, scale))
+    return tuple(held)

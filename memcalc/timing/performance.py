@@ -14,7 +14,10 @@ host's time per kernel (:data:`EFFICIENCY`, :data:`KERNEL_SECONDS`, :data:`LAUNC
 :data:`HOST_SECONDS`) are fitted to an H200's profiled kernels and real step times
 (:mod:`memcalc.timing.calibration`). On another GPU the same fractions apply to that GPU's
 datasheet peaks: an assumption, stated with every time (:func:`basis`) with how it held on a
-healthy H100, as is the spread the fit leaves on the steps it was fitted to.
+healthy H100, as is the spread the fit leaves on the steps it was fitted to. Where a GPU's own
+steps were measured (:data:`MEASURED_BANDWIDTH`: the H100 80GB), its bandwidth term is fitted to
+them instead: datasheet scaling timed the H100's memory-bound kernels 1.43x the H200's (their
+bandwidths' ratio), and its real steps ran only 1.08-1.16x the H200's.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = (
     "HOST_SECONDS",
     "KERNEL_SECONDS",
     "LAUNCH_OVERHEAD",
+    "MEASURED_BANDWIDTH",
     "PERFORMANCE",
     "GpuPerformance",
     "basis",
@@ -109,6 +113,9 @@ LAUNCH_OVERHEAD: float = fitted.GAP_SECONDS
 HOST_SECONDS: float = fitted.HOST_SECONDS
 #: The GPU the coefficients were measured on.
 FITTED_GPU = fitted.GPU
+#: Per catalogue key, the factor on the datasheet bandwidth fitted to that GPU's own measured
+#: steps (fitted likewise; a GPU absent here is scaled by its datasheet alone).
+MEASURED_BANDWIDTH: dict[str, float] = dict(fitted.MEASURED_BANDWIDTH)
 
 
 def basis(gpu_key: str) -> str:
@@ -117,6 +124,13 @@ def basis(gpu_key: str) -> str:
                  f"{fitted.DEVICE} with torch {fitted.TORCH}")
     if gpu_key == FITTED_GPU:
         return fitted_on
+    if gpu_key in MEASURED_BANDWIDTH:
+        low, high = fitted.MEASURED_RANGE
+        held_low, held_high = fitted.MEASURED_HELD_OUT_RANGE
+        return (f"{fitted_on}; {gpu_key} scaled from its datasheet peaks, its bandwidth term fitted to "
+                f"{fitted.MEASURED_STEPS} of its own steps (its memory-bound kernels reach "
+                f"{MEASURED_BANDWIDTH[gpu_key]:.2f}x the {fitted.DEVICE}'s fraction of the datasheet bandwidth; "
+                f"predicted / measured {low:.2f}-{high:.2f}, each left out of the fit {held_low:.2f}-{held_high:.2f})")
     low, high = fitted.RECHECK_RANGE
     return (f"{fitted_on}; {gpu_key} scaled from its datasheet peaks, an assumption (on {fitted.RECHECK_STEPS} "
             f"steps of an {fitted.RECHECK_GPU}, predicted / measured {low:.2f}-{high:.2f})")
@@ -125,9 +139,10 @@ def basis(gpu_key: str) -> str:
 def device_rates(gpu: GpuProfile, *, efficiency: dict[OpClass, float] | None = None,
                  launch_overhead: float | None = None,
                  kernel_seconds: dict[OpClass, float] | None = None,
-                 host_seconds: float | None = None) -> DeviceRates:
+                 host_seconds: float | None = None, bandwidth_scale: float | None = None) -> DeviceRates:
     """What the roofline needs about ``gpu``: its peaks and bandwidth from :data:`PERFORMANCE`
-    with the fitted (or the given) efficiencies, seconds per kernel and launch overhead.
+    (the bandwidth times its :data:`MEASURED_BANDWIDTH` factor, or ``bandwidth_scale``) with the
+    fitted (or the given) efficiencies, seconds per kernel and launch overhead.
 
     Raises:
         InvalidInputError: no figures for this GPU (the generic profile, a GPU without a source).
@@ -138,10 +153,14 @@ def device_rates(gpu: GpuProfile, *, efficiency: dict[OpClass, float] | None = N
         why = ("no GPU was named: a step time needs a GPU's peak FLOP/s and memory bandwidth" if gpu.key == "generic"
                else f"memcalc has no sourced peak FLOP/s and bandwidth for {gpu.name}")
         raise InvalidInputError(f"cannot time the step: {why}", hint=f"Estimate for one of: {known} (--gpu NAME).")
+    if bandwidth_scale is not None and not bandwidth_scale > 0:
+        raise InvalidInputError(f"bandwidth_scale must be positive, got {bandwidth_scale}")
     chosen = {**EFFICIENCY, **(efficiency or {})}
     fixed = {**KERNEL_SECONDS, **(kernel_seconds or {})}
-    overridden = any(v is not None for v in (efficiency, launch_overhead, kernel_seconds, host_seconds))
-    return DeviceRates(gpu=gpu.key, peaks=figures.peaks, bandwidth=figures.bandwidth,
+    overridden = any(v is not None for v in (efficiency, launch_overhead, kernel_seconds, host_seconds,
+                                             bandwidth_scale))
+    scale = MEASURED_BANDWIDTH.get(gpu.key, 1.0) if bandwidth_scale is None else bandwidth_scale
+    return DeviceRates(gpu=gpu.key, peaks=figures.peaks, bandwidth=figures.bandwidth * scale,
                        efficiency=tuple((c, chosen[c]) for c in OpClass),
                        launch_overhead=LAUNCH_OVERHEAD if launch_overhead is None else launch_overhead,
                        source=figures.source, kernel_seconds=tuple((c, fixed[c]) for c in OpClass),
@@ -177,14 +196,15 @@ def check_timeable_mode(mode: Mode) -> None:
 
 def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
               launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None,
-              host_seconds: float | None = None) -> StepTime:
+              host_seconds: float | None = None, bandwidth_scale: float | None = None) -> StepTime:
     """The time of the report's step on the report's GPU, from a roofline per traced kernel.
 
     Each kernel takes the larger of FLOPs ÷ (its math mode's peak × its class's efficiency) and
     bytes moved ÷ (bandwidth × efficiency), plus its class's fixed seconds per kernel and the
     gap between kernels; the step is their sum (one stream), or the host's time per kernel × the
     kernels when that is longer (a host-bound step). The coefficients are fitted to an H200
-    (:mod:`memcalc.timing.calibration`); the time carries the spread of that fit.
+    (:mod:`memcalc.timing.calibration`); the time carries the spread of that fit. A GPU whose own
+    steps were measured (:data:`MEASURED_BANDWIDTH`) has its bandwidth term fitted to them.
     Under a multi-GPU strategy: the busiest GPU's step, without its communication.
 
     Args:
@@ -193,6 +213,8 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
         launch_overhead: override the fitted gap between kernels (seconds per kernel).
         kernel_seconds: override the fitted fixed seconds per kernel of some op classes.
         host_seconds: override the fitted host seconds per kernel (0: never host-bound).
+        bandwidth_scale: override the factor on the GPU's datasheet bandwidth (1.0: the datasheet's;
+            default: the one fitted to its measured steps, else 1.0).
 
     Returns:
         The :class:`~memcalc.core.throughput.StepTime`: seconds, samples/s, tokens/s, per phase
@@ -205,7 +227,7 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
     if not report.gpu_named:
         device_rates(GENERIC)  # raises, naming the GPUs that can be timed
     rates = device_rates(report.gpu, efficiency=efficiency, launch_overhead=launch_overhead,
-                         kernel_seconds=kernel_seconds, host_seconds=host_seconds)
+                         kernel_seconds=kernel_seconds, host_seconds=host_seconds, bandwidth_scale=bandwidth_scale)
     try:
         return report.time_on(rates)
     except ValueError as exc:
@@ -214,12 +236,12 @@ def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None =
 
 def with_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
               launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None,
-              host_seconds: float | None = None) -> MemoryReport:
+              host_seconds: float | None = None, bandwidth_scale: float | None = None) -> MemoryReport:
     """``report`` with its :attr:`~memcalc.core.report.MemoryReport.time` filled in (its JSON
     then gains a ``"time"`` key) and a note for each op whose FLOPs could not be counted; the
     arguments as for :func:`step_time`."""
     time = step_time(report, efficiency=efficiency, launch_overhead=launch_overhead, kernel_seconds=kernel_seconds,
-                     host_seconds=host_seconds)
+                     host_seconds=host_seconds, bandwidth_scale=bandwidth_scale)
     notes = report.notes + tuple(n for n in time.flops.failure_notes() if n not in report.notes)
     return replace(report, time=time, notes=notes)
 
