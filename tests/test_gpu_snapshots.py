@@ -319,6 +319,12 @@ OUTSIDE_3PCT_RESERVED: dict[str, tuple[str, str]] = {
                   "more, as memcalc's does. With them there before the step the estimate is within 0.1% "
                   "(test_reserved_as_measured_with_the_warm_up_workspaces); measure_cuda now frees them "
                   "before it measures: a later GPU run re-measures"),
+    "llama-tiny-b8-s512-adamw-amp-bf16-ckpt": (
+        "+18.1%", "as gpt2-b8-s1024-adamw-amp-bf16: the measuring process held the warm-up's cuBLAS "
+                  "workspaces in segments of their own before the step; estimated so, exact "
+                  "(test_reserved_as_measured_with_the_warm_up_workspaces). Before the allocator model placed "
+                  "segments as the driver does (VA_GRANULARITY), the fresh estimate came out -1.8%: the "
+                  "tie-breaks of its many equal 8 MiB blocks fell otherwise"),
     "gpt2-b8-s1024-eval": (
         "-4.8%", "the workspaces earlier configs left (as measured, -3.6%), and the model's build on the "
                  "device: the step began with 676 MiB reserved around 475 MiB live "
@@ -356,11 +362,12 @@ def _warm_up_bytes(folder: Path, name: str) -> int:
     return warm
 
 
-def test_reserved_as_measured_with_the_warm_up_workspaces(snapshots: Path):
+@pytest.mark.parametrize("name", ["gpt2-b8-s1024-adamw-amp-bf16", "llama-tiny-b8-s512-adamw-amp-bf16-ckpt"])
+def test_reserved_as_measured_with_the_warm_up_workspaces(snapshots: Path, name: str):
     # The suite's process ran a warm-up before each config: its cuBLAS workspaces (one per handle)
     # were allocated before the step, in segments of their own. Estimated so, GPT-2's step under
-    # autocast reserves what the run did: the +11.4% of OUTSIDE_3PCT_RESERVED is that warm-up.
-    name = "gpt2-b8-s1024-adamw-amp-bf16"
+    # autocast and Llama's checkpointed one reserve what the runs did: the +11.4% and +18.1% of
+    # OUTSIDE_3PCT_RESERVED are that warm-up.
     options, _ = _config(snapshots, name)
     measured = _measured_reserved(snapshots, name)
     assert _estimate(options).peak_reserved > 1.1 * measured  # in a fresh process

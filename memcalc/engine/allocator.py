@@ -37,13 +37,17 @@ What is left out: multiple streams (blocks are per stream; ``recordStream`` and 
 cross-stream events that delay frees), expandable segments, CUDA graph private pools,
 ``roundup_power2_divisions``, a finite ``max_split_size_mb`` (and hence
 ``release_available_cached_blocks``, a no-op when it is unlimited),
-``garbage_collection_threshold``, ``FreeCudaMemoryCallbacks``, and the real addresses
-cudaMalloc returns: segments here get increasing fake addresses that are never reused,
-which matters only to the address tie-break between equal-sized cached blocks — unless a real
-run's addresses are given (``segment_addresses``). Given them, and the segments a real trace
-began with (:meth:`CachingAllocatorModel.seed_segment`), the model makes every cudaMalloc of
-the fourteen real H100 snapshots in ``tests/data/gpu/`` (``tests/test_real_snapshots.py``);
-with its own addresses twelve still come out exact, two within 3.7% of the real peak reserved.
+``garbage_collection_threshold`` and ``FreeCudaMemoryCallbacks``. The addresses cudaMalloc
+returns matter only to the address tie-break between equal-sized cached blocks; segments here
+get them as the CUDA driver placed them in the real snapshots (:data:`VA_GRANULARITY`: each in
+the lowest free address range it fits, else at the top of a new 32-MiB-rounded range below the
+others), unless a real run's addresses are given (``segment_addresses``). Given them, and the
+segments a real trace began with (:meth:`CachingAllocatorModel.seed_segment`), the model makes
+every cudaMalloc of the fourteen real H100 snapshots in ``tests/data/gpu/``
+(``tests/test_real_snapshots.py``); with its own placement all fourteen come out exact too
+(with increasing addresses never reused, two were 3.4% and 3.6% short). Device memory the
+allocator does not see (CUDA's lazily loaded kernels) also takes address ranges: the placement
+is the driver's where nothing else intervenes.
 
 After an OOM the real allocator raises. The model records the first failing event in
 ``oom_at`` and carries on as if the cudaMalloc had succeeded (it *over-commits*), so the
@@ -67,6 +71,7 @@ __all__ = (
     "K_SMALL_BUFFER",
     "K_SMALL_SIZE",
     "MAX_SPLIT_SIZE",
+    "VA_GRANULARITY",
     "AllocatorStats",
     "CachingAllocatorModel",
     "RecordedReplay",
@@ -94,9 +99,15 @@ ALLOC = 1  # (ALLOC, key, nbytes): a storage of nbytes is allocated under `key`
 FREE = -1  # (FREE, key, 0): the storage allocated under `key` is freed
 EMPTY_CACHE = 0  # (EMPTY_CACHE, None, 0): torch.cuda.empty_cache()
 
-# Where the fake cudaMalloc hands out its first segment (a typical device address; only the
-# order of addresses matters, for the best-fit tie-break).
+# Where the fake cudaMalloc's address space ends: its first segment lies just below (a typical
+# device address; only the order of addresses matters, for the best-fit tie-break).
 _FIRST_SEGMENT_ADDRESS = 0x7F0000000000
+# The granularity of the virtual address ranges the CUDA driver reserves for a cudaMalloc, read off
+# the H100 snapshots (driver 580, CUDA 13.0): a segment that fits in no free range is placed at the
+# top of a new range of its size rounded up to 32 MiB, each new range just below the last (74 and
+# 78 MiB segments 96 MiB apart, 196 MiB ones 224 apart, 1,572 MiB ones 1,600 apart); a later
+# segment takes the lowest free range it fits, such as the tail of a 36 MiB segment's 64 MiB.
+VA_GRANULARITY = 33554432
 
 
 def round_size(nbytes: int) -> int:
@@ -203,7 +214,8 @@ class CachingAllocatorModel:
         ``segment_addresses``: the addresses cudaMalloc returns, in order — a real run's, read
         from its snapshot, so that the best-fit tie-break between equal-sized cached blocks
         (``BlockComparatorSize`` orders them by address) falls as it fell there. Where they run
-        out, or one would overlap a segment held, the model's own increasing addresses go on.
+        out, or one would overlap a segment held, the model's own addresses go on: the driver's
+        placement (:data:`VA_GRANULARITY`), below every segment held.
         """
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity cannot be negative, got {capacity}")
@@ -214,7 +226,9 @@ class CachingAllocatorModel:
         self._live: dict[Hashable, _Block] = {}
         self._zero: set[Hashable] = set()  # keys of 0-byte allocations: nothing to free
         self._segments: dict[int, int] = {}  # base address -> size of every segment held
-        self._next_address = _FIRST_SEGMENT_ADDRESS
+        self._next_address = _FIRST_SEGMENT_ADDRESS  # the bottom of the address ranges reserved so far
+        self._free_ranges: list[tuple[int, int]] = []  # (base, size) of reserved address ranges no segment holds
+        self._own: set[int] = set()  # the bases of the segments placed by the model's own placement
         self._events = 0
         self._allocated = 0
         self._reserved = 0
@@ -469,13 +483,38 @@ class CachingAllocatorModel:
 
     def _segment_address(self, size: int) -> int:
         """Where the next segment of ``size`` bytes lies: the next given address when it
-        overlaps no segment held, else the model's own next one (never reused)."""
+        overlaps no segment held, else where the driver would put it (:data:`VA_GRANULARITY`):
+        the lowest free address range it fits, else the top of a new range of ``size`` rounded
+        up to the granularity, below all the others (its tail left free)."""
         given = next(self._given_addresses, None) if self._given_addresses is not None else None
         if given is not None and not self._overlaps(given, size):
             return given
+        for i, (base, length) in enumerate(self._free_ranges):
+            if length >= size:
+                if length > size:
+                    self._free_ranges[i] = (base + size, length - size)
+                else:
+                    del self._free_ranges[i]
+                self._own.add(base)
+                return base
+        reserved = -(-size // VA_GRANULARITY) * VA_GRANULARITY
+        self._next_address -= reserved
         base = self._next_address
-        self._next_address += size
+        if reserved > size:
+            bisect.insort(self._free_ranges, (base + size, reserved - size))
+        self._own.add(base)
         return base
+
+    def _release_address(self, base: int, size: int) -> None:
+        """A cudaFree'd segment's addresses go back to the free ranges, merged with free
+        neighbours: the next cudaMalloc may take them (the model's own placement only)."""
+        i = bisect.bisect_left(self._free_ranges, (base, size))
+        if i < len(self._free_ranges) and self._free_ranges[i][0] == base + size:  # [base, size)[next]
+            size += self._free_ranges.pop(i)[1]
+        if i > 0 and sum(self._free_ranges[i - 1]) == base:  # [previous][base, size)
+            previous, length = self._free_ranges.pop(i - 1)
+            base, size, i = previous, length + size, i - 1
+        self._free_ranges.insert(i, (base, size))
 
     def _overlaps(self, base: int, size: int) -> bool:
         return any(start < base + size and base < start + length for start, length in self._segments.items())
@@ -492,7 +531,7 @@ class CachingAllocatorModel:
         self._num_segments += 1
         self._reserved += size
         self._peak_reserved = max(self._peak_reserved, self._reserved)
-        self._next_address = max(self._next_address, base + size)
+        self._next_address = min(self._next_address, base)
         previous: _Block | None = None
         cursor = base
         for offset, key, block_size, requested in sorted(live, key=lambda part: part[0]):
@@ -539,6 +578,9 @@ class CachingAllocatorModel:
             for block in whole:
                 del pool.blocks[block.addr]
                 del self._segments[block.addr]
+                if block.addr in self._own:
+                    self._own.discard(block.addr)
+                    self._release_address(block.addr, block.size)
                 self._reserved -= block.size
                 self._num_device_frees += 1
             pool.entries = sorted((b.size, b.addr) for b in pool.blocks.values())
