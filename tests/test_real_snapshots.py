@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from memcalc.engine.allocator import ALLOC, FREE, CachingAllocatorModel
+from memcalc.engine.allocator import CachingAllocatorModel
 from memcalc.measure.snapshot import RealSnapshot, load_snapshot, replay_snapshot
 
 DATA = Path(__file__).parent / "data" / "gpu"
@@ -139,16 +139,7 @@ def _own_bases(snapshot: RealSnapshot) -> list[int]:
             bases.append(super()._segment_address(size))
             return bases[-1]
 
-    model = Recording()
-    for segment in snapshot.seed:
-        model.seed_segment(segment.base, segment.size, segment.small, segment.live)
-    for kind, key, nbytes in snapshot.events:
-        if kind == ALLOC:
-            model.malloc(key, nbytes)
-        elif kind == FREE:
-            model.free(key)
-        else:
-            model.empty_cache()
+    replay_snapshot(snapshot, model=Recording())
     return bases
 
 

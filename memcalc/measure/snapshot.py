@@ -239,13 +239,16 @@ def _seed(trace: Sequence[Mapping[str, Any]], segments: Sequence[Mapping[str, An
     return tuple(seeded)
 
 
-def replay_snapshot(snapshot: RealSnapshot, *, real_addresses: bool = True) -> SnapshotReplay:
+def replay_snapshot(snapshot: RealSnapshot, *, real_addresses: bool = True,
+                    model: CachingAllocatorModel | None = None) -> SnapshotReplay:
     """Replay a real snapshot's stream through the allocator model, from its starting segments.
 
     ``real_addresses``: give the model the real cudaMalloc addresses (False: its own, as an
-    estimate has no others).
+    estimate has no others). ``model``: a fresh model to drive instead (one that records what it
+    does; ``real_addresses`` is then its own business).
     """
-    model = CachingAllocatorModel(segment_addresses=snapshot.segment_addresses if real_addresses else None)
+    if model is None:
+        model = CachingAllocatorModel(segment_addresses=snapshot.segment_addresses if real_addresses else None)
     for segment in snapshot.seed:
         model.seed_segment(segment.base, segment.size, segment.small, segment.live)
     reserved: list[int] = []

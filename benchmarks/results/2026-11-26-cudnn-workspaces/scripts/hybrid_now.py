@@ -1,17 +1,9 @@
 """memcalc compare with the oracle for one class of conv call at a time (kernel size, stride, direction)
 and memcalc's rule for the rest: which class carries the reserved gap. Run as oracle_now.py."""
-import sys, io, contextlib, re
+import sys
 sys.path.insert(0, '/tmp/cudnn_work')
-import memcalc.targets.cuda.cudnn as C
 import oracle
-from memcalc.cli import main
-ORIG = C.conv_workspace_bytes
-COMMON = ['--gpu', 'h100-80gb', '--torch-version', '2.11']
-CFGS = {
-    'resnet50-b32-sgd': ['torch:resnet50', '--batch', '32', '--optim', 'sgd'],
-    'vgg16-b16-sgd': ['torch:vgg16', '--batch', '16', '--optim', 'sgd'],
-    'resnet18-b64-sgd': ['torch:resnet18', '--batch', '64', '--optim', 'sgd'],
-}
+from oracle_now import CFGS, ORIG, run
 def cls(x, w, stride, direction):
     one = w[2] * (w[3] if len(w) > 3 else 1) == 1
     strided = any(s > 1 for s in stride)
@@ -25,14 +17,6 @@ def make(target):
             return oracle.conv_workspace_bytes(x, w, y, dtype, stride, padding, dilation, groups, d, cc, **kw)
         return ORIG(x, w, y, dtype, stride, padding, dilation, groups, direction, cc, **kw)
     return fn
-for cfg in CFGS:
+for cfg in ('resnet50-b32-sgd', 'vgg16-b16-sgd', 'resnet18-b64-sgd'):
     for target in CLASSES:
-        C.conv_workspace_bytes = make(target)
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            try:
-                main(['compare', f'/tmp/cudnn_work/{cfg}.pickle'] + CFGS[cfg] + COMMON, standalone_mode=False)
-            except SystemExit:
-                pass
-        lines = [l for l in buf.getvalue().splitlines() if l.startswith('peak reserved')]
-        print(f'{cfg:20s} oracle for {target:24s} ' + ' | '.join(re.sub(r'\s+', ' ', l) for l in lines), flush=True)
+        print(f'{cfg:20s} oracle for {target:24s} ' + ' | '.join(l for l in run(cfg, make(target)) if l.startswith('peak reserved')), flush=True)

@@ -16,14 +16,17 @@ CFGS = {
 }
 def oracle_fn(x, w, y, dtype, stride, padding, dilation, groups, direction, cc, **kw):
     return oracle.conv_workspace_bytes(x, w, y, dtype, stride, padding, dilation, groups, direction, cc, **kw)
-for cfg in CFGS:
-    for name, fn in (("memcalc", ORIG), ("oracle", oracle_fn)):
-        C.conv_workspace_bytes = fn
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            try:
-                main(['compare', f'/tmp/cudnn_work/{cfg}.pickle'] + CFGS[cfg] + COMMON, standalone_mode=False)
-            except SystemExit:
-                pass
-        lines = [l for l in buf.getvalue().splitlines() if l.startswith('peak ')]
-        print(f'{cfg:36s} {name:8s} ' + ' | '.join(re.sub(r'\s+', ' ', l) for l in lines), 'misses', len(oracle.MISSES), flush=True)
+def run(cfg, fn):
+    """memcalc compare on one snapshot with ``fn`` as the conv rule: its two 'peak' lines."""
+    C.conv_workspace_bytes = fn
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            main(['compare', f'/tmp/cudnn_work/{cfg}.pickle'] + CFGS[cfg] + COMMON, standalone_mode=False)
+        except SystemExit:
+            pass
+    return [re.sub(r'\s+', ' ', l) for l in buf.getvalue().splitlines() if l.startswith('peak ')]
+if __name__ == "__main__":
+    for cfg in CFGS:
+        for name, fn in (("memcalc", ORIG), ("oracle", oracle_fn)):
+            print(f'{cfg:36s} {name:8s} ' + ' | '.join(run(cfg, fn)), 'misses', len(oracle.MISSES), flush=True)
