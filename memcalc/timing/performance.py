@@ -160,10 +160,14 @@ def device_rates(gpu: GpuProfile, *, efficiency: dict[OpClass, float] | None = N
     overridden = any(v is not None for v in (efficiency, launch_overhead, kernel_seconds, host_seconds,
                                              bandwidth_scale))
     scale = MEASURED_BANDWIDTH.get(gpu.key, 1.0) if bandwidth_scale is None else bandwidth_scale
+    source = figures.source
+    if scale != 1.0:
+        given = "given" if bandwidth_scale is not None else f"fitted to its {fitted.MEASURED_STEPS} measured steps"
+        source += f"; the bandwidth term times {scale:.4g} ({given})"
     return DeviceRates(gpu=gpu.key, peaks=figures.peaks, bandwidth=figures.bandwidth * scale,
                        efficiency=tuple((c, chosen[c]) for c in OpClass),
                        launch_overhead=LAUNCH_OVERHEAD if launch_overhead is None else launch_overhead,
-                       source=figures.source, kernel_seconds=tuple((c, fixed[c]) for c in OpClass),
+                       source=source, kernel_seconds=tuple((c, fixed[c]) for c in OpClass),
                        spread=0.0 if overridden else fitted.SPREAD,
                        basis="coefficients given by the caller" if overridden else basis(gpu.key),
                        host_seconds=HOST_SECONDS if host_seconds is None else host_seconds)
