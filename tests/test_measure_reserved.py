@@ -6,7 +6,9 @@
 - the cuBLAS workspaces earlier steps left are freed first (the H100 suite's inference configs
   counted a training step's backward-thread workspace: -7.8%), and again after any warm-up;
 - under amp-fp16 the GradScaler backs off until no optimizer step is skipped (the H100 suite's
-  ResNet-50 amp-fp16 run skipped both, and held no SGD momentum: +3.1%).
+  ResNet-50 amp-fp16 run skipped both, and held no SGD momentum: +3.1%);
+- with a snapshot asked for (``--measure-snapshot``), the allocator's history covers the step
+  alone, and is written even when the step runs out of memory.
 
 The CUDA calls are faked (no GPU here); the order of the real ones is what is checked."""
 
@@ -16,10 +18,13 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from memcalc.engine.options import Step
+from memcalc.cli import main
 from memcalc.core.categories import Mode
+from memcalc.core.errors import InapplicableOptionError
 from memcalc.engine.optimizers import spec_for
+from memcalc.engine.options import Step
 from memcalc.engine.step import StepConfig
 from memcalc.fields import build_step
 from memcalc.measure import step as measure
@@ -124,3 +129,62 @@ def test_a_step_without_a_scaler_is_not_warmed_up(monkeypatch: pytest.MonkeyPatc
 
     assert calls == ["clear_cublas", "clear_cublas", "reset_peak", "run"]
     assert "GradScaler" not in result.note and "cuBLAS workspaces of earlier steps freed first" in result.note
+
+
+def _fake_history(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    """torch.cuda.memory's history recording and dump, faked: each call logged in ``calls``."""
+    def record(enabled: str | None = "all", max_entries: int = 0, **kwargs: Any) -> None:
+        calls.append("record" if enabled else "stop")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(f"dump {path}"))
+
+
+def test_a_real_snapshot_records_the_step_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # --measure-snapshot: the history starts after the build's cache is freed and where the peaks
+    # are reset, and is written once the step is done: the stream memcalc compare sets beside the
+    # estimate, without the build
+    calls: list[str] = []
+    _fake_cuda(monkeypatch, calls, empty_cache=lambda: calls.append("empty_cache"))
+    _fake_history(monkeypatch, calls)
+    monkeypatch.setattr(measure, "_config", lambda *args: StepConfig(Mode.TRAIN, spec_for("sgd")))
+    monkeypatch.setattr(measure, "_run", lambda *args: calls.append("step"))
+
+    result = measure.measure_cuda(Step(), device=torch.device("cuda", 0), snapshot="run.pickle")
+
+    assert calls == ["clear_cublas", "empty_cache", "clear_cublas", "empty_cache", "record", "reset_peak", "step",
+                     "dump run.pickle", "stop", "empty_cache"]
+    assert "the step's allocator history written to run.pickle" in result.note
+    assert "memcalc compare run.pickle MODEL" in result.note
+
+
+def test_a_real_snapshot_of_an_oom_is_written_up_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    _fake_cuda(monkeypatch, calls)
+    _fake_history(monkeypatch, calls)
+    monkeypatch.setattr(measure, "_config", lambda *args: StepConfig(Mode.TRAIN, spec_for("sgd")))
+
+    def run(*args: Any) -> None:
+        calls.append("step")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(measure, "_run", run)
+
+    result = measure.measure_cuda(Step(), device=torch.device("cuda", 0), snapshot="oom.pickle")
+
+    assert result.oom and result.peak_allocated is None
+    assert calls[-4:] == ["reset_peak", "step", "dump oom.pickle", "stop"]  # recording stopped whatever happens
+    assert result.note == ("CUDA out of memory. Tried to allocate 2.00 GiB; the step's allocator history up to the "
+                           "OOM written to oom.pickle")
+
+
+def test_a_real_snapshot_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InapplicableOptionError, match="a real memory snapshot is the CUDA caching allocator's"):
+        measure.measure(build_step("mlp", batch_size=2), snapshot="run.pickle")
+    # the CLI refuses it before estimating, and a file name it could not write before that
+    runner = CliRunner()
+    refused = runner.invoke(main, ["mlp", "--measure-snapshot", "run.pickle"])
+    assert refused.exit_code == 2 and "this machine has no CUDA GPU" in refused.output
+    named = runner.invoke(main, ["mlp", "--measure-snapshot", "run.txt"])
+    assert named.exit_code == 2 and "'.txt' is not a snapshot format" in named.output

@@ -7,6 +7,7 @@ an exit code (2: bad input, 1: the model can't be estimated); ``--debug`` shows 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -99,6 +100,11 @@ def main() -> None:
               help="Module depth of the per-module table (0 hides it).")
 @click.option("--measure", is_flag=True,
               help="Also run the step for real (CUDA if available, else the CPU profiler) and compare.")
+@click.option("--measure-snapshot", "measure_snapshot", type=click.Path(dir_okay=False), default=None,
+              metavar="FILE",
+              help="With --measure (implied) on a CUDA GPU: record the real step's caching-allocator history and "
+                   "write it as a torch.cuda.memory._snapshot() pickle (.pickle or .pkl); memcalc compare FILE MODEL "
+                   "with the same options sets it beside the estimate.")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Draw memory over the step's events to this file: .html (interactive, one self-contained file), "
                    ".png or .svg (need matplotlib). One chart per GPU role with --strategy.")
@@ -120,7 +126,8 @@ def main() -> None:
 @output_options
 @handle_errors
 def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: str | None, device: str | None,
-                     depth: int, measure: bool, timeline_path: str | None, snapshot_path: str | None, timed: bool,
+                     depth: int, measure: bool, measure_snapshot: str | None, timeline_path: str | None,
+                     snapshot_path: str | None, timed: bool,
                      data_loader: str | None, sample_load_ms: float | None, fmt: str, units: str, debug: bool,
                      **options: Any) -> None:
     """Estimate the GPU memory of one step of MODEL.
@@ -132,6 +139,7 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     hf:config.json.
     """
     source = attn_model(model, options)  # an hf: model with --attn becomes a HuggingFace source
+    measure = measure or measure_snapshot is not None
     keywords = dict(optimizer=optim if given("optim") else None, precision=precision,
                     **step_arguments(options), **setup_arguments(options))
     distributed = strategy_arguments(measure=measure, **options).get("distributed")  # what is left: multi-GPU
@@ -142,6 +150,9 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         check_timeline_path(timeline_path)
     if snapshot_path is not None:
         check_output_path(snapshot_path, "snapshot", SNAPSHOT_FORMATS)
+    if measure_snapshot is not None:
+        check_output_path(measure_snapshot, "snapshot", SNAPSHOT_FORMATS)
+        _check_real_snapshot(device)
     local = _local_gpu(gpu, device, measure)  # after the usage checks: looking may initialise CUDA
     # a local GPU is found once: the estimate and the measurement use the same one
     keywords["gpu"] = gpu if local is None else local.device
@@ -153,7 +164,10 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         step = build_step(source, batch_size=_batch(batch, keywords), time=timed, **keywords)
         report = api.estimate_step(step, distributed)
     if measure:
-        report = attach_measurement(report, step, device=None if local is None else local.device)
+        report = attach_measurement(report, step, device=None if local is None else local.device,
+                                    snapshot=measure_snapshot)
+        if measure_snapshot is not None and os.path.exists(measure_snapshot):
+            click.echo(f"wrote {measure_snapshot}", err=True)
     if timeline_path is not None:
         click.echo(f"wrote {write_timeline(report, timeline_path)}", err=True)
     if snapshot_path is not None:
@@ -197,6 +211,15 @@ def _local_gpu(gpu: str | None, device: str | None, measure: bool) -> LocalGpu |
     if device is None and gpu is None and measure:
         device = measured_device()
     return None if device is None else find_local_gpu(device)
+
+
+def _check_real_snapshot(device: str | None) -> None:
+    """--measure-snapshot records the CUDA caching allocator: refused, before any estimate, where
+    the step would be measured on the CPU."""
+    if device in (None, "auto") and measured_device() is None:
+        raise click.UsageError("--measure-snapshot records the real step's CUDA caching allocator, and this machine "
+                               "has no CUDA GPU (the step would be measured on the CPU); leave it out, or run on a "
+                               "machine with one")
 
 
 def _refuse_measured_quant(finetune: FineTune) -> None:

@@ -44,8 +44,9 @@ def compare_command(snapshot: str, model: str, batch: int, optim: str, precision
     estimate of MODEL's step in the same configuration (the options of memcalc estimate):
     peaks, the reserved difference, allocations by phase, and the blocks each side lacks.
 
-    Record the snapshot around the step: torch.cuda.memory._record_memory_history(), the step,
-    torch.cuda.memory._dump_snapshot("run.pickle").
+    Record the snapshot with memcalc MODEL [options] --measure-snapshot run.pickle (memcalc's
+    step, run on this machine's GPU), or around your own step:
+    torch.cuda.memory._record_memory_history(), the step, torch.cuda.memory._dump_snapshot("run.pickle").
     """
     try:
         real = load_snapshot(snapshot)

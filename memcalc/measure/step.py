@@ -8,7 +8,10 @@ on the GPU, under amp-fp16 let the GradScaler back off to a scale its gradients 
 runs), free the segments the build left cached (``empty_cache``: the step's reserved memory, not
 the build's) and the warm-ups' workspaces, ``reset_peak_memory_stats``,
 run the step program (two iterations, as the estimate does; or the chosen loop as written,
-:mod:`memcalc.engine.loops`), read ``max_memory_allocated`` and ``max_memory_reserved``. An
+:mod:`memcalc.engine.loops`), read ``max_memory_allocated`` and ``max_memory_reserved``. With
+``snapshot``, the caching allocator's history is recorded over the step alone (from the reset of
+the peaks to the end of the step) and written as a ``torch.cuda.memory._snapshot()`` pickle:
+what ``memcalc compare`` sets beside the estimate. An
 OOM is a result ("measured: OOM"), not a crash. The optimizer runs in the implementation the
 estimate resolved for the device (``resolve_impl``). Frozen parameters and LoRA adapters are
 applied to the real model by the estimate's own code (:mod:`memcalc.stacks.peft`); a
@@ -49,9 +52,8 @@ from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.stacks.peft import finetune_module
 from memcalc.targets.cpu.kernels import NOT_FOLLOWED
 
-__all__ = ("RESERVED_SHOWN", "attach_measurement", "cpu_comparison_note", "measure", "measure_cpu", "measure_cuda",
-           "measured_device",
-           "storage_bytes")
+__all__ = ("RESERVED_SHOWN", "SNAPSHOT_ENTRIES", "attach_measurement", "cpu_comparison_note", "measure", "measure_cpu",
+           "measure_cuda", "measured_device", "storage_bytes")
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -198,13 +200,21 @@ def _profiler_peak(prof: Any) -> int:
     return peak
 
 
-def measure_cuda(step: Step, *, device: torch.device | None = None) -> Measurement:
+#: How many allocator events a real snapshot keeps (``_record_memory_history``'s ring buffer):
+#: a step of a 7B model makes some tens of thousands; the oldest are dropped past this.
+SNAPSHOT_ENTRIES = 1_000_000
+
+
+def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: str | None = None) -> Measurement:
     """``max_memory_allocated`` / ``max_memory_reserved`` of the real step on a GPU (``device``;
     None: torch's current one), as a fresh process runs it: with the cuBLAS workspaces its own
-    matmuls allocate, none left by earlier steps."""
+    matmuls allocate, none left by earlier steps. ``snapshot``: a path to write the step's
+    allocator history to (``torch.cuda.memory._dump_snapshot``), recorded from the reset of the
+    peaks to the end of the step."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device)
     module = inputs = None
+    recording = False
     try:
         gc.collect()
         _clear_cublas_workspaces()
@@ -217,6 +227,9 @@ def measure_cuda(step: Step, *, device: torch.device | None = None) -> Measureme
         torch.cuda.synchronize(device)
         _clear_cublas_workspaces()
         built_cache = _free_build_cache(device)
+        if snapshot is not None:
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+            recording = True
         torch.cuda.reset_peak_memory_stats(device)
         _run(module, inputs, config, step, traced_loop)
         torch.cuda.synchronize(device)
@@ -225,16 +238,33 @@ def measure_cuda(step: Step, *, device: torch.device | None = None) -> Measureme
         notes = [f"cuBLAS workspaces of earlier steps freed first (the step allocates its own, as in a fresh "
                  f"process; {before:,} B were allocated before the model was built)",
                  f"{RESERVED_SHOWN} ({built_cache:,} B cached by the build freed first)"]
+        if snapshot is not None:
+            _write_snapshot(snapshot)
+            notes.append(f"the step's allocator history written to {snapshot} (memcalc compare {snapshot} MODEL "
+                         "with this estimate's options sets it beside the estimate)")
         if warmups:
             notes.append(f"GradScaler warmed up over {warmups} run{'s' if warmups > 1 else ''} until no "
                          "optimizer step was skipped (the steady state the estimate models)")
         return Measurement(device=f"cuda: {name}", peak_allocated=peak, peak_reserved=reserved, note="; ".join(notes))
     except torch.cuda.OutOfMemoryError as exc:
-        return Measurement(device=f"cuda: {name}", peak_allocated=None, oom=True, note=str(exc).split("\n")[0])
+        note = str(exc).split("\n")[0]
+        if recording and snapshot is not None:  # what led up to the OOM: what debugging one wants to see
+            _write_snapshot(snapshot)
+            note += f"; the step's allocator history up to the OOM written to {snapshot}"
+        return Measurement(device=f"cuda: {name}", peak_allocated=None, oom=True, note=note)
     finally:
+        if recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
         del module, inputs
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def _write_snapshot(path: str) -> None:
+    """``torch.cuda.memory._dump_snapshot(path)``: the allocator history recorded so far, as the
+    pickle ``memcalc compare`` and https://pytorch.org/memory_viz read."""
+    dump: Callable[[str], None] = torch.cuda.memory._dump_snapshot
+    dump(path)
 
 
 #: Warm-up runs at most for an amp-fp16 step's GradScaler to settle. Its scale starts at 2**16 and
@@ -315,9 +345,14 @@ def measured_device() -> str | None:
     return f"cuda:{torch.cuda.current_device()}"
 
 
-def measure(step: Step, *, device: str | None = None) -> Measurement:
+def measure(step: Step, *, device: str | None = None, snapshot: str | None = None) -> Measurement:
     """Measure the real step: on ``device`` (``"cuda:N"``) when given, else on CUDA when
-    available, else on the CPU (as this machine's CPU runs the step: :meth:`Step.on_cpu`)."""
+    available, else on the CPU (as this machine's CPU runs the step: :meth:`Step.on_cpu`).
+    ``snapshot``: on CUDA, also write the step's allocator history there (:func:`measure_cuda`).
+
+    Raises:
+        InapplicableOptionError: mode generate; or a snapshot asked of a CPU measurement.
+    """
     if step.mode is Mode.GENERATE:
         raise InapplicableOptionError(
             "measuring mode generate is not implemented: the measurement runs memcalc's step program, and a "
@@ -326,18 +361,25 @@ def measure(step: Step, *, device: str | None = None) -> Measurement:
                  "profiler (tests/hf_reference/test_generate.py does the latter).")
     use_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
     if use_cuda:
-        return measure_cuda(step, device=torch.device(device) if device else None)
+        return measure_cuda(step, device=torch.device(device) if device else None, snapshot=snapshot)
+    if snapshot is not None:
+        raise InapplicableOptionError(
+            "a real memory snapshot is the CUDA caching allocator's history: this measurement runs on the CPU "
+            "(no CUDA GPU here)",
+            hint="Leave out the snapshot to measure on the CPU, or run on a machine with a CUDA GPU.")
     return measure_cpu(step.on_cpu())
 
 
-def attach_measurement(report: MemoryReport, step: Step, *, device: str | None = None) -> MemoryReport:
-    """``report`` (the estimate of ``step``) with a real measurement of the same step attached.
+def attach_measurement(report: MemoryReport, step: Step, *, device: str | None = None,
+                       snapshot: str | None = None) -> MemoryReport:
+    """``report`` (the estimate of ``step``) with a real measurement of the same step attached
+    (``snapshot``: on CUDA, the step's allocator history written there too, :func:`measure`).
 
     A CUDA measurement is compared with ``peak_allocated`` (as CUDA counts it). A CPU one is
     compared with the estimate for this CPU (its own kernels, no CUDA workspaces, unrounded:
     the CPU allocator does not round), and its note names the ops that estimate cannot follow.
     """
-    measured = measure(step, device=device)
+    measured = measure(step, device=device, snapshot=snapshot)
     if measured.device.startswith("cuda"):
         compared = report.bytes.peak_allocated
     else:
