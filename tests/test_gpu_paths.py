@@ -71,8 +71,8 @@ def cuda_device(monkeypatch: pytest.MonkeyPatch, index: int = 0) -> list[dict[st
     measurement is replaced; returns the calls it gets."""
     calls: list[dict[str, Any]] = []
 
-    def measure_cuda(step: Step, *, device: torch.device | None = None) -> Measurement:
-        calls.append({"model": step.model, "options": step, "device": device})
+    def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: str | None = None) -> Measurement:
+        calls.append({"model": step.model, "options": step, "device": device, "snapshot": snapshot})
         return Measurement(device=f"cuda: {H100_NAME}", peak_allocated=50 * MiB, peak_reserved=64 * MiB,
                            note="stand-in for a real run")
 
@@ -222,6 +222,17 @@ def test_measure_on_a_cuda_machine_keeps_the_gpu_given(monkeypatch):
     data = json.loads(result.stdout)
     assert data["gpu"] == "a100-80gb" and "local_gpu" not in data
     assert calls[0]["device"] is None  # torch's current device, as measure() always did
+
+
+def test_measure_snapshot_on_a_cuda_machine_measures_and_names_the_file(monkeypatch, tmp_path):
+    # --measure-snapshot implies --measure, and hands the path to the real step's measurement
+    machine(monkeypatch, "eight_h100.csv")
+    calls = cuda_device(monkeypatch, index=3)
+    path = str(tmp_path / "run.pickle")
+    result = run("mlp", "--batch", "4", "--gpu", "a100-80gb", "--measure-snapshot", path, "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert len(calls) == 1 and calls[0]["snapshot"] == path
+    assert "measured" in json.loads(result.stdout)
 
 
 # ------------------------------------------------------------------ benchmarks/accuracy.py on a GPU
