@@ -224,6 +224,7 @@ def test_measure_on_a_cuda_machine_keeps_the_gpu_given(monkeypatch):
     assert calls[0]["device"] is None  # torch's current device, as measure() always did
 
 
+@_FAKE_CUDA_NEEDS_CPU_BUILD
 def test_measure_snapshot_on_a_cuda_machine_measures_and_names_the_file(monkeypatch, tmp_path):
     # --measure-snapshot implies --measure, and hands the path to the real step's measurement
     machine(monkeypatch, "eight_h100.csv")
