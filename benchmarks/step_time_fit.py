@@ -23,29 +23,28 @@ left out of that factor's fit in turn.
 from __future__ import annotations
 
 import statistics
-import warnings
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from tabulate import tabulate
 
-import memcalc
+# the fit script's data and its traced features (the plain-torch models the steps were measured
+# with): one definition, so that this check cannot drift from what the committed model is fitted to
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from fit_step_time import DATA, EXCLUDED, RECHECK, RECHECK_FILE, features_on
+
 from memcalc.timing.calibration import (
     ClassFeatures,
     FitResult,
     MeasuredConfig,
     fit,
     fit_bandwidth,
-    ideal_overrides,
     leave_one_out_bandwidth,
     load_measurements,
     predict,
 )
-from models_zoo import plain_torch
 
-GPU_DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "gpu"
-#: What the committed coefficients are fitted to (scripts/fit_step_time.py's DATA).
-DATA = GPU_DATA / "2026-11-26-h200-profile"
 #: The configs held out of the split's fit: unseen batch, checkpointing, models, dtype, a host-bound step.
 HELD_OUT = (
     "resnet50 b256 sgd-momentum amp-bf16",
@@ -55,26 +54,8 @@ HELD_OUT = (
     "gpt2 b2 s512 adamw amp-bf16",
     "mobilenet_v2 b128 sgd-momentum amp-fp16",
 )
-#: A healthy H100's eight steps: the check of the datasheet scaling.
-H100_STEPS = (GPU_DATA / "2026-11-26-steps", "h100-times.jsonl")
-#: The first fit's data, whose H100 ran its kernels at about half speed.
-EXCLUDED = GPU_DATA / "2026-11-25-h100"
-
-_REPORTS: dict[tuple[str, str], memcalc.MemoryReport] = {}
-
-
-def features_on(config: MeasuredConfig, gpu: str, bandwidth_scale: float = 1.0) -> ClassFeatures:
-    """memcalc's per-class ideal seconds and kernels of the config's traced step on ``gpu``, its
-    datasheet bandwidth times ``bandwidth_scale``."""
-    key = (config.name, gpu)
-    if key not in _REPORTS:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # the zoo's plain-torch models (torch:NAME), which the GPU steps were measured with and the
-            # committed coefficients are fitted to (scripts/fit_step_time.py)
-            _REPORTS[key] = memcalc.estimate(plain_torch(config.model), **config.estimate_kwargs(gpu))
-    overrides = {**ideal_overrides(), "bandwidth_scale": bandwidth_scale}
-    return ClassFeatures.of(memcalc.step_time(_REPORTS[key], **overrides))
+#: A healthy H100's eight steps: the check of the datasheet scaling, and its bandwidth factor's data.
+H100_STEPS = (RECHECK, RECHECK_FILE)
 
 
 def features(config: MeasuredConfig) -> ClassFeatures:
