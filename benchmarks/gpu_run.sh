@@ -5,7 +5,8 @@
 # 2. benchmarks/accuracy.py --suite gpu: every config's estimate and measured bytes (.jsonl/.json/.md);
 # 3. issue 22's crash: grouped-query-attention LLMs estimated on the installed torch (2.11 crashed
 #    in the FLOP recorder), one of them measured;
-# 4. the quick test suite on the installed torch and transformers (pytest-xdist when present).
+# 4. the quick test suite on the installed torch and transformers (pytest-xdist when present);
+#    GPU_RUN_TESTS=0 leaves it out, for a session whose device time fits the two scripts only.
 # Then, as a second call (each call of the device tool is limited to 10 minutes):
 #   bash benchmarks/gpu_snapshots.sh OUTDIR
 # Runs from the repository root, without installing memcalc (PYTHONPATH).
@@ -31,6 +32,7 @@ done 2>&1 | tee "$out/gqa.txt"
 timeout 90 python3 -m memcalc llama-3-8b --seq-len 1024 --mode inference --precision bf16 --optim none --batch 1 \
   --depth 0 --measure 2>&1 | tail -12 | tee -a "$out/gqa.txt"
 
+if [ "${GPU_RUN_TESTS:-1}" = 0 ]; then echo "== quick test suite: left out (GPU_RUN_TESTS=0)"; exit 0; fi
 echo "== quick test suite"
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 16")
 timeout 150 python3 -m pytest -q -m "not slow" -p no:cacheprovider $xdist -rf > "$out/pytest-quick.txt" 2>&1
