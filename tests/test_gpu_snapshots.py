@@ -254,7 +254,8 @@ OUTSIDE_1PCT: dict[str, tuple[str, str]] = {
                  ".json's note): the backward thread's cuBLAS workspace (32 MiB) and two cuBLASLt ones (1 MiB "
                  "each), which an inference-only process never allocates; the step itself is within 0.4% "
                  "(test_step_matches_its_own_real_allocations). measure_cuda now frees them before it measures "
-                 "(tests/test_measure_reserved.py): a later GPU run re-measures. Estimated in a process holding "
+                 "(tests/test_measure_reserved.py); re-measured so on an H200 on 2026-11-28, the same step is "
+                 "-0.04% (tests/test_gpu_fresh_snapshots.py). Estimated in a process holding "
                  "them (test_peak_allocated_as_measured_within_1pct): +0.14%"),
     "llama-tiny-b8-s512-inference-bf16-kv512": (
         "-7.5%", "as llama-tiny-b8-s512-inference-bf16: workspaces left by earlier configs"),
@@ -318,11 +319,13 @@ OUTSIDE_3PCT_RESERVED: dict[str, tuple[str, str]] = {
                   "1.5 GiB segment the loss needs again in the second iteration, which then takes a segment "
                   "more, as memcalc's does. With them there before the step the estimate is within 0.1% "
                   "(test_reserved_as_measured_with_the_warm_up_workspaces); measure_cuda now frees them "
-                  "before it measures: a later GPU run re-measures"),
+                  "before it measures; re-measured so on an H200 on 2026-11-28, the estimate is +0.01% "
+                  "(tests/test_gpu_fresh_snapshots.py)"),
     "llama-tiny-b8-s512-adamw-amp-bf16-ckpt": (
         "+18.1%", "as gpt2-b8-s1024-adamw-amp-bf16: the measuring process held the warm-up's cuBLAS "
                   "workspaces in segments of their own before the step; estimated so, exact "
-                  "(test_reserved_as_measured_with_the_warm_up_workspaces). Before the allocator model placed "
+                  "(test_reserved_as_measured_with_the_warm_up_workspaces); in a fresh process on an H200 "
+                  "(2026-11-28, tests/test_gpu_fresh_snapshots.py) exact to the byte. Before the allocator model placed "
                   "segments as the driver does (VA_GRANULARITY), the fresh estimate came out -1.8%: the "
                   "tie-breaks of its many equal 8 MiB blocks fell otherwise"),
     "gpt2-b8-s1024-eval": (
