@@ -73,6 +73,14 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def force_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--force``: the files a command writes may replace existing ones (else they are refused,
+    before any work)."""
+    return click.option("--force", is_flag=True,
+                        help="Overwrite the files named by --timeline, --snapshot, --measure-snapshot or --plot "
+                             "if they exist (without it an existing file is refused, before any estimate).")(func)
+
+
 def output_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """``--format``, ``--units``, ``--debug``."""
     func = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")(func)

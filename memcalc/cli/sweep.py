@@ -13,7 +13,15 @@ from tabulate import tabulate
 
 from memcalc import api
 from memcalc.cli.hf import attn_model, attn_option
-from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.options import (
+    force_option,
+    given,
+    handle_errors,
+    output_options,
+    quiet,
+    step_arguments,
+    step_options,
+)
 from memcalc.cli.params import (
     OPTIMIZERS,
     PRECISIONS,
@@ -54,14 +62,15 @@ PROGRESS_MIN_CONFIGURATIONS = 4
 @click.option("--time", "timed", is_flag=True,
               help="Also estimate each step's time on --gpu: step time, samples/s and tokens/s columns (and a "
                    "samples/s panel in --plot).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, metavar="FILE",
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Draw memory against batch size to this file (.png, .pdf, .svg, ...: the extension picks the "
                    "format; needs matplotlib).")
+@force_option
 @output_options
 @handle_errors
 def sweep_command(model: str, batches: list[int], optims: list[str], precisions: list[str] | None,
                   gpu: str | None, budget: int | None, device: str | None, timed: bool, plot_path: str | None,
-                  fmt: str, units: str, debug: bool, **options: Any) -> None:
+                  force: bool, fmt: str, units: str, debug: bool, **options: Any) -> None:
     """Estimate MODEL for every batch size × optimizer × precision: one row each.
 
     \b
@@ -73,7 +82,7 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
     if plot_path is not None:
         from memcalc.report.plot import check_plot_path
 
-        check_plot_path(plot_path)  # before the sweep, not after minutes of it
+        check_plot_path(plot_path, force=force)  # before the sweep, not after minutes of it
     step = step_arguments(options) | setup_arguments(options)
     resolved = resolve_budget(**where, stack=step.get("stack")) if where else None
     configs = sweep_configurations(batches, optims, precisions or [None])
@@ -86,7 +95,7 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
         from memcalc.report.plot import plot_sweep
 
         written = plot_sweep(points, plot_path, capacity=resolved.capacity if resolved else None,
-                             capacity_label=_capacity_label(resolved) if resolved else None)
+                             capacity_label=_capacity_label(resolved) if resolved else None, force=force)
         click.echo(f"wrote {written}", err=True)
     if fmt == "json":
         click.echo(render_json([p.to_dict() for p in points]))
