@@ -16,6 +16,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from memcalc.cli.progress import progress_on_terminal
 from memcalc.core.categories import Mode
 from memcalc.core.errors import MemcalcError
 from memcalc.core.units import Unit
@@ -50,13 +51,16 @@ class ShapeType(click.ParamType[tuple[int, ...]]):
 
 
 def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Map library errors to a message and an exit code; tracebacks only with --debug."""
+    """Map library errors to a message and an exit code; tracebacks only with --debug. Long work
+    inside shows a progress bar on a terminal (:func:`memcalc.cli.progress.progress_on_terminal`),
+    its line ended before an error is printed."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         debug = kwargs.get("debug", False)
         try:
-            return func(*args, **kwargs)
+            with progress_on_terminal(kwargs.get("fmt", "")):
+                return func(*args, **kwargs)
         except MemcalcError as exc:
             if debug:
                 raise

@@ -3,10 +3,8 @@ or a plot."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, TextIO
+from collections.abc import Sequence
+from typing import Any
 
 import click
 from tabulate import tabulate
@@ -38,13 +36,10 @@ from memcalc.core.units import format_bytes
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json
 from memcalc.search.budget import Budget, resolve_budget
-from memcalc.search.sweep import SweepPoint, sweep_configurations
+from memcalc.search.sweep import SweepPoint
 from memcalc.timing.render import format_seconds
 
 __all__ = ("sweep_command",)
-
-#: Sweeps with more configurations than this show a progress bar (on a terminal).
-PROGRESS_MIN_CONFIGURATIONS = 4
 
 
 @click.command("sweep", cls=UnitCommand)
@@ -85,12 +80,10 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
         check_plot_path(plot_path, force=force)  # before the sweep, not after minutes of it
     step = step_arguments(options) | setup_arguments(options)
     resolved = resolve_budget(**where, stack=step.get("stack")) if where else None
-    configs = sweep_configurations(batches, optims, precisions or [None])
     points_iter = api.iter_sweep(source, batch_sizes=batches, optimizers=optims if given("optims") else None,
                                  precisions=precisions or [None], budget=resolved, time=timed, **step)
-    show = fmt != "json" and len(configs) > PROGRESS_MIN_CONFIGURATIONS and _is_terminal(sys.stderr)
-    with quiet(), _progress(points_iter, len(configs), show) as progress:
-        points = list(progress)
+    with quiet():  # a bar on a terminal: the sweep tells its progress (cli.progress)
+        points = list(points_iter)
     if plot_path is not None:
         from memcalc.report.plot import plot_sweep
 
@@ -101,23 +94,6 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
         click.echo(render_json([p.to_dict() for p in points]))
         return
     click.echo(_render_sweep(points, resolved, fmt, units, with_precision=precisions is not None), nl=False)
-
-
-@contextmanager
-def _progress(points: Iterator[SweepPoint], total: int, show: bool) -> Iterator[Iterable[SweepPoint]]:
-    if not show:
-        yield points
-        return
-    with click.progressbar(points, length=total, label="estimating", file=sys.stderr,
-                           show_pos=True) as bar:
-        yield bar
-
-
-def _is_terminal(stream: TextIO) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
 
 
 def _capacity_label(budget: Budget) -> str:
