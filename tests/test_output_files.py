@@ -77,6 +77,7 @@ def _is_svg(data: bytes) -> bool:
     return data.lstrip().startswith(b"<?xml")
 
 
+@pytest.mark.quick_cases("timeline-_is_html", "snapshot-_is_snapshot")  # the plot draws for a second
 @pytest.mark.parametrize(("case", "written"), [("timeline", _is_html), ("snapshot", _is_snapshot),
                                                ("plot", _is_svg)])
 def test_force_overwrites(case: str, written: object, tmp_path: Path) -> None:
@@ -156,6 +157,7 @@ def _plot(report: memcalc.MemoryReport, path: Path, force: bool) -> None:
                force=force)
 
 
+@pytest.mark.quick_cases("write_timeline", "write_snapshot")  # the plot draws for a second
 @pytest.mark.parametrize(("write", "name", "written"), [(_timeline, "step.html", _is_html),
                                                         (_snapshot, "step.pickle", _is_snapshot),
                                                         (_plot, "memory.svg", _is_svg)],

@@ -136,5 +136,17 @@ def test_the_cli_draws_on_a_terminal_only(tmp_path: Path, monkeypatch: pytest.Mo
     assert shown.exit_code == 0, shown.output
     assert f"\r{GENERATING}  [{'#' * BAR_WIDTH}]  5/5  " in shown.stderr and shown.stderr.endswith(" s\n")
     assert shown.stdout == piped.stdout  # the report itself is the same
-    as_json = CliRunner().invoke(main, [*args, "--format", "json"])
-    assert as_json.exit_code == 0 and GENERATING not in as_json.output
+    # (--format json draws no bar: tests/test_cli_fit.py, on a sweep)
+
+
+def test_the_line_is_ended_before_an_error_is_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    stderr = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stderr)
+    monkeypatch.setattr(cli_progress, "is_terminal", lambda stream: True)
+    monkeypatch.setattr(cli_progress, "SHOW_AFTER_S", 0.0)
+    with pytest.raises(RuntimeError), cli_progress.progress_on_terminal("simple"):
+        report_progress(SWEEPING, 0, 3)
+        raise RuntimeError("the second configuration failed")
+    assert stderr.getvalue() == f"\r{SWEEPING}  [{'-' * BAR_WIDTH}]  0/3  0 s\n"
+    report_progress(SWEEPING, 1, 3)  # the listener is gone with the block
+    assert stderr.getvalue().count("\r") == 1
