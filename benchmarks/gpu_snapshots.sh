@@ -14,7 +14,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 echo "== real snapshots, a fresh process each"
 mkdir -p "$out/snapshots"
 while read -r name args; do
-  timeout 60 python3 -m memcalc $args --depth 0 --format json --measure-snapshot "$out/snapshots/$name.pickle" \
+  timeout 60 python3 -m memcalc $args --depth 0 --format json --force --measure-snapshot "$out/snapshots/$name.pickle" \
     > "$out/snapshots/$name.json" 2> "$out/snapshots/$name.err" || echo "$name: failed (see $name.err)"
   xz -T0 -f "$out/snapshots/$name.pickle" 2>/dev/null
 done <<'CONFIGS'

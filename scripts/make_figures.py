@@ -159,7 +159,7 @@ def _timeline(model: str, options: dict[str, Any], path: Path) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # approximations are notes of the report, not the figure's business
         report = memcalc.estimate(model, **options)
-    return write_timeline(report, path)
+    return write_timeline(report, path, force=True)  # the figure replaces its previous drawing
 
 
 def timeline_resnet50(out: Path) -> Path:

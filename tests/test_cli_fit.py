@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import memcalc.cli
 from memcalc import api
-from memcalc.cli import sweep as cli_sweep
+from memcalc.cli import progress as cli_progress
 from memcalc.search import budget as budgets
 from memcalc.targets.cuda.gpus import local as gpus
 from memcalc.targets.cuda.gpus.catalogue import get_gpu
@@ -150,15 +150,17 @@ def test_sweep_json_rows_and_fits():
 
 def test_sweep_progress_bar_only_on_a_terminal_and_never_with_json(monkeypatch):
     args = ["sweep", "mlp", "--batch", "1,2,3,4,5,6"]
+    quick = run(*args)  # CliRunner is not a terminal; and a sweep of a second shows no bar anyway
+    assert quick.exit_code == 0 and "estimating" not in quick.output
+    monkeypatch.setattr(cli_progress, "SHOW_AFTER_S", 0.0)  # every sweep as if it took a while
     plain = run(*args)
-    assert plain.exit_code == 0 and "estimating" not in plain.output  # CliRunner is not a terminal
-    monkeypatch.setattr(cli_sweep, "_is_terminal", lambda stream: True)
+    assert plain.exit_code == 0 and "estimating" not in plain.output  # not a terminal
+    monkeypatch.setattr(cli_progress, "is_terminal", lambda stream: True)
     shown = run(*args)
-    assert shown.exit_code == 0 and "estimating" in shown.stderr
+    assert shown.exit_code == 0 and f"\restimating configurations  [{'#' * 30}]  6/6" in shown.stderr
+    assert shown.stderr.endswith("\n")
     as_json = run(*args, "--format", "json")
     assert "estimating" not in as_json.output and len(json.loads(as_json.stdout)) == 6
-    few = run("sweep", "mlp", "--batch", "1,2")  # a few configurations: no bar
-    assert "estimating" not in few.output
 
 
 def test_sweep_plot_writes_a_png(tmp_path):

@@ -71,8 +71,9 @@ def cuda_device(monkeypatch: pytest.MonkeyPatch, index: int = 0) -> list[dict[st
     measurement is replaced; returns the calls it gets."""
     calls: list[dict[str, Any]] = []
 
-    def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: str | None = None) -> Measurement:
-        calls.append({"model": step.model, "options": step, "device": device, "snapshot": snapshot})
+    def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: str | None = None,
+                     force: bool = False) -> Measurement:
+        calls.append({"model": step.model, "options": step, "device": device, "snapshot": snapshot, "force": force})
         return Measurement(device=f"cuda: {H100_NAME}", peak_allocated=50 * MiB, peak_reserved=64 * MiB,
                            note="stand-in for a real run")
 
@@ -232,7 +233,7 @@ def test_measure_snapshot_on_a_cuda_machine_measures_and_names_the_file(monkeypa
     path = str(tmp_path / "run.pickle")
     result = run("mlp", "--batch", "4", "--gpu", "a100-80gb", "--measure-snapshot", path, "--format", "json")
     assert result.exit_code == 0, result.output
-    assert len(calls) == 1 and calls[0]["snapshot"] == path
+    assert len(calls) == 1 and calls[0]["snapshot"] == path and calls[0]["force"] is False
     assert "measured" in json.loads(result.stdout)
 
 

@@ -14,6 +14,8 @@ The CUDA calls are faked (no GPU here); the order of the real ones is what is ch
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -137,10 +139,15 @@ def _fake_history(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
         calls.append("record" if enabled else "stop")
 
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
-    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(f"dump {path}"))
+
+    def dump(path: str) -> None:  # writes where it is told, as torch's does: memcalc's temporary beside the file
+        Path(path).write_bytes(b"the recorded history")
+        calls.append("dump")
+
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
 
 
-def test_a_real_snapshot_records_the_step_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_real_snapshot_records_the_step_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # --measure-snapshot: the history starts after the build's cache is freed and where the peaks
     # are reset, and is written once the step is done: the stream memcalc compare sets beside the
     # estimate, without the build
@@ -150,15 +157,18 @@ def test_a_real_snapshot_records_the_step_alone(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(measure, "_config", lambda *args: StepConfig(Mode.TRAIN, spec_for("sgd")))
     monkeypatch.setattr(measure, "_run", lambda *args: calls.append("step"))
 
+    monkeypatch.chdir(tmp_path)
     result = measure.measure_cuda(Step(), device=torch.device("cuda", 0), snapshot="run.pickle")
 
     assert calls == ["clear_cublas", "empty_cache", "clear_cublas", "empty_cache", "record", "reset_peak", "step",
-                     "dump run.pickle", "stop", "empty_cache"]
+                     "dump", "stop", "empty_cache"]
+    assert os.listdir(tmp_path) == ["run.pickle"]  # written whole, under its name: no temporary left
+    assert (tmp_path / "run.pickle").read_bytes() == b"the recorded history"
     assert "the step's allocator history written to run.pickle" in result.note
     assert "memcalc compare run.pickle MODEL" in result.note
 
 
-def test_a_real_snapshot_of_an_oom_is_written_up_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_real_snapshot_of_an_oom_is_written_up_to_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     calls: list[str] = []
     _fake_cuda(monkeypatch, calls)
     _fake_history(monkeypatch, calls)
@@ -170,10 +180,12 @@ def test_a_real_snapshot_of_an_oom_is_written_up_to_it(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(measure, "_run", run)
 
+    monkeypatch.chdir(tmp_path)
     result = measure.measure_cuda(Step(), device=torch.device("cuda", 0), snapshot="oom.pickle")
 
     assert result.oom and result.peak_allocated is None
-    assert calls[-4:] == ["reset_peak", "step", "dump oom.pickle", "stop"]  # recording stopped whatever happens
+    assert (tmp_path / "oom.pickle").read_bytes() == b"the recorded history"
+    assert calls[-4:] == ["reset_peak", "step", "dump", "stop"]  # recording stopped whatever happens
     assert result.note == ("CUDA out of memory. Tried to allocate 2.00 GiB; the step's allocator history up to the "
                            "OOM written to oom.pickle")
 

@@ -24,9 +24,9 @@ from click.testing import CliRunner
 from memcalc.cli import main
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import PlotPathError
+from memcalc.core.output import check_output_path
 from memcalc.core.timeline import Allocation, PhaseSpan, Timeline
 from memcalc.core.units import format_bytes
-from memcalc.report.output import check_output_path
 from memcalc.report.timeline_chart import CATEGORY_STYLE, sample
 from memcalc.report.timeline_html import timeline_html
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
@@ -297,7 +297,7 @@ def test_a_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(Path, "write_text", disk_full)
     with pytest.raises(PlotPathError) as error:
-        write_timeline([synthetic()], target)
+        write_timeline([synthetic()], target, force=True)  # replacing it: the old file survives the failure
     assert str(error.value) == f"cannot write the timeline to {target}: OSError: No space left on device"
     assert os.listdir(tmp_path) == ["t.html"] and target.read_text() == "the old file"
 

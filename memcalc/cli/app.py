@@ -19,18 +19,26 @@ from memcalc.cli.compare import compare_command
 from memcalc.cli.fit import fit_command
 from memcalc.cli.gpus import gpus_command
 from memcalc.cli.hf import attn_model, attn_option
-from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.options import (
+    force_option,
+    given,
+    handle_errors,
+    output_options,
+    quiet,
+    step_arguments,
+    step_options,
+)
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.cli.sweep import sweep_command
 from memcalc.core.finetune import FineTune
+from memcalc.core.output import check_output_path
 from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.core.throughput import DataLoaderSetup
 from memcalc.engine.optimizers import Optimizer
 from memcalc.fields import FIELDS, build_step
 from memcalc.measure.step import attach_measurement, measured_device
-from memcalc.report.output import check_output_path
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
@@ -111,6 +119,7 @@ def main() -> None:
 @click.option("--snapshot", "snapshot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Write the simulated allocator trace as a torch.cuda.memory._snapshot() pickle (.pickle or "
                    ".pkl; the busiest GPU's with --strategy): open it at https://pytorch.org/memory_viz.")
+@force_option
 @click.option("--time", "timed", is_flag=True,
               help="Also estimate the step time on --gpu (a roofline per kernel, fitted to an H200's kernels): "
                    "samples/s and tokens/s beside the memory.")
@@ -127,7 +136,7 @@ def main() -> None:
 @handle_errors
 def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: str | None, device: str | None,
                      depth: int, measure: bool, measure_snapshot: str | None, timeline_path: str | None,
-                     snapshot_path: str | None, timed: bool,
+                     snapshot_path: str | None, force: bool, timed: bool,
                      data_loader: str | None, sample_load_ms: float | None, fmt: str, units: str, debug: bool,
                      **options: Any) -> None:
     """Estimate the GPU memory of one step of MODEL.
@@ -146,12 +155,13 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     if measure and "finetune" in keywords:
         _refuse_measured_quant(keywords["finetune"])
     # the output files are checked before the estimate, not after it
+    _refuse_one_file_twice(snapshot_path, measure_snapshot)
     if timeline_path is not None:
-        check_timeline_path(timeline_path)
+        check_timeline_path(timeline_path, force=force)
     if snapshot_path is not None:
-        check_output_path(snapshot_path, "snapshot", SNAPSHOT_FORMATS)
+        check_output_path(snapshot_path, "snapshot", SNAPSHOT_FORMATS, force=force)
     if measure_snapshot is not None:
-        check_output_path(measure_snapshot, "snapshot", SNAPSHOT_FORMATS)
+        check_output_path(measure_snapshot, "snapshot", SNAPSHOT_FORMATS, force=force)
         _check_real_snapshot(device)
     local = _local_gpu(gpu, device, measure)  # after the usage checks: looking may initialise CUDA
     # a local GPU is found once: the estimate and the measurement use the same one
@@ -165,13 +175,13 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         report = api.estimate_step(step, distributed)
     if measure:
         report = attach_measurement(report, step, device=None if local is None else local.device,
-                                    snapshot=measure_snapshot)
+                                    snapshot=measure_snapshot, force=force)
         if measure_snapshot is not None and os.path.exists(measure_snapshot):
             click.echo(f"wrote {measure_snapshot}", err=True)
     if timeline_path is not None:
-        click.echo(f"wrote {write_timeline(report, timeline_path)}", err=True)
+        click.echo(f"wrote {write_timeline(report, timeline_path, force=force)}", err=True)
     if snapshot_path is not None:
-        write_snapshot(report, snapshot_path)
+        write_snapshot(report, snapshot_path, force=force)
         click.echo(f"wrote {snapshot_path}", err=True)
     advice = loader_advice(report, loader) if loader is not None else None
     if fmt == "json":
@@ -220,6 +230,14 @@ def _check_real_snapshot(device: str | None) -> None:
         raise click.UsageError("--measure-snapshot records the real step's CUDA caching allocator, and this machine "
                                "has no CUDA GPU (the step would be measured on the CPU); leave it out, or run on a "
                                "machine with one")
+
+
+def _refuse_one_file_twice(snapshot_path: str | None, measure_snapshot: str | None) -> None:
+    """--snapshot and --measure-snapshot both write a pickle: one path for both would keep only
+    the second written, the other lost without a word."""
+    if snapshot_path is not None and measure_snapshot is not None \
+            and os.path.abspath(snapshot_path) == os.path.abspath(measure_snapshot):
+        raise click.UsageError(f"--snapshot and --measure-snapshot both name {snapshot_path}: give each its own file")
 
 
 def _refuse_measured_quant(finetune: FineTune) -> None:

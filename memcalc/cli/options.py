@@ -16,6 +16,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from memcalc.cli.progress import progress_on_terminal
 from memcalc.core.categories import Mode
 from memcalc.core.errors import MemcalcError
 from memcalc.core.units import Unit
@@ -50,13 +51,16 @@ class ShapeType(click.ParamType[tuple[int, ...]]):
 
 
 def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Map library errors to a message and an exit code; tracebacks only with --debug."""
+    """Map library errors to a message and an exit code; tracebacks only with --debug. Long work
+    inside shows a progress bar on a terminal (:func:`memcalc.cli.progress.progress_on_terminal`),
+    its line ended before an error is printed."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         debug = kwargs.get("debug", False)
         try:
-            return func(*args, **kwargs)
+            with progress_on_terminal(kwargs.get("fmt", "")):
+                return func(*args, **kwargs)
         except MemcalcError as exc:
             if debug:
                 raise
@@ -71,6 +75,14 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(1)
 
     return wrapper
+
+
+def force_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--force``: the files a command writes may replace existing ones (else they are refused,
+    before any work)."""
+    return click.option("--force", is_flag=True,
+                        help="Overwrite the files named by --timeline, --snapshot, --measure-snapshot or --plot "
+                             "if they exist (without it an existing file is refused, before any estimate).")(func)
 
 
 def output_options(func: Callable[..., Any]) -> Callable[..., Any]:

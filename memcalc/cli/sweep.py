@@ -3,17 +3,23 @@ or a plot."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, TextIO
+from collections.abc import Sequence
+from typing import Any
 
 import click
 from tabulate import tabulate
 
 from memcalc import api
 from memcalc.cli.hf import attn_model, attn_option
-from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.options import (
+    force_option,
+    given,
+    handle_errors,
+    output_options,
+    quiet,
+    step_arguments,
+    step_options,
+)
 from memcalc.cli.params import (
     OPTIMIZERS,
     PRECISIONS,
@@ -30,13 +36,10 @@ from memcalc.core.units import format_bytes
 from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json
 from memcalc.search.budget import Budget, resolve_budget
-from memcalc.search.sweep import SweepPoint, sweep_configurations
+from memcalc.search.sweep import SweepPoint
 from memcalc.timing.render import format_seconds
 
 __all__ = ("sweep_command",)
-
-#: Sweeps with more configurations than this show a progress bar (on a terminal).
-PROGRESS_MIN_CONFIGURATIONS = 4
 
 
 @click.command("sweep", cls=UnitCommand)
@@ -54,14 +57,15 @@ PROGRESS_MIN_CONFIGURATIONS = 4
 @click.option("--time", "timed", is_flag=True,
               help="Also estimate each step's time on --gpu: step time, samples/s and tokens/s columns (and a "
                    "samples/s panel in --plot).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, metavar="FILE",
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Draw memory against batch size to this file (.png, .pdf, .svg, ...: the extension picks the "
                    "format; needs matplotlib).")
+@force_option
 @output_options
 @handle_errors
 def sweep_command(model: str, batches: list[int], optims: list[str], precisions: list[str] | None,
                   gpu: str | None, budget: int | None, device: str | None, timed: bool, plot_path: str | None,
-                  fmt: str, units: str, debug: bool, **options: Any) -> None:
+                  force: bool, fmt: str, units: str, debug: bool, **options: Any) -> None:
     """Estimate MODEL for every batch size × optimizer × precision: one row each.
 
     \b
@@ -73,42 +77,23 @@ def sweep_command(model: str, batches: list[int], optims: list[str], precisions:
     if plot_path is not None:
         from memcalc.report.plot import check_plot_path
 
-        check_plot_path(plot_path)  # before the sweep, not after minutes of it
+        check_plot_path(plot_path, force=force)  # before the sweep, not after minutes of it
     step = step_arguments(options) | setup_arguments(options)
     resolved = resolve_budget(**where, stack=step.get("stack")) if where else None
-    configs = sweep_configurations(batches, optims, precisions or [None])
     points_iter = api.iter_sweep(source, batch_sizes=batches, optimizers=optims if given("optims") else None,
                                  precisions=precisions or [None], budget=resolved, time=timed, **step)
-    show = fmt != "json" and len(configs) > PROGRESS_MIN_CONFIGURATIONS and _is_terminal(sys.stderr)
-    with quiet(), _progress(points_iter, len(configs), show) as progress:
-        points = list(progress)
+    with quiet():  # a bar on a terminal: the sweep tells its progress (cli.progress)
+        points = list(points_iter)
     if plot_path is not None:
         from memcalc.report.plot import plot_sweep
 
         written = plot_sweep(points, plot_path, capacity=resolved.capacity if resolved else None,
-                             capacity_label=_capacity_label(resolved) if resolved else None)
+                             capacity_label=_capacity_label(resolved) if resolved else None, force=force)
         click.echo(f"wrote {written}", err=True)
     if fmt == "json":
         click.echo(render_json([p.to_dict() for p in points]))
         return
     click.echo(_render_sweep(points, resolved, fmt, units, with_precision=precisions is not None), nl=False)
-
-
-@contextmanager
-def _progress(points: Iterator[SweepPoint], total: int, show: bool) -> Iterator[Iterable[SweepPoint]]:
-    if not show:
-        yield points
-        return
-    with click.progressbar(points, length=total, label="estimating", file=sys.stderr,
-                           show_pos=True) as bar:
-        yield bar
-
-
-def _is_terminal(stream: TextIO) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
 
 
 def _capacity_label(budget: Budget) -> str:

@@ -14,6 +14,7 @@ __all__ = (
     "MemcalcError",
     "MissingPackageError",
     "ModelSourceError",
+    "OutputExistsError",
     "PlotPathError",
     "RejectedShapesError",
     "SymbolicExecutionError",
@@ -98,8 +99,18 @@ class LoopFunctionError(_UserFunctionError):
 
 
 class PlotPathError(InvalidInputError):
-    """A plot file that cannot be written: its folder is missing or read-only, or its
-    extension is not a format matplotlib writes."""
+    """A file memcalc was asked to write (a plot, a timeline, a snapshot) that cannot be
+    written: its folder is missing or read-only, or its extension is not a format it writes."""
+
+
+class OutputExistsError(PlotPathError):
+    """The file memcalc was asked to write exists already: refused unless overwriting was asked
+    for (``--force``, ``force=True``), so that an estimate never replaces a user's file."""
+
+    def __init__(self, target: object, what: str):
+        super().__init__(f"cannot write the {what} to {target}: the file exists; --force overwrites it "
+                         f"(force=True in Python)")
+        self.target = target
 
 
 class MissingPackageError(MemcalcError, ImportError):

@@ -13,6 +13,9 @@ forward of the model starts a phase: the first :attr:`~memcalc.core.categories.P
 — decode step *k* is the *k*-th forward after the prefill, with the token selection after it.
 :func:`decode_step_at` counts them back from the trace.
 
+Each forward is one new token: the tokens done so far are told to the progress listener as
+:data:`GENERATING` (:mod:`memcalc.core.progress`), so that a long generation shows a bar.
+
 The cache's keys and values are marked :attr:`~memcalc.core.categories.Category.KV_CACHE`
 as the forward that made them returns; everything else generate() allocates is an activation
 (the model's, or the selection's: the last position's logits copied to float32, the argmax,
@@ -28,11 +31,15 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Phase
+from memcalc.core.progress import report_progress
 from memcalc.engine.model import GenerateFn, ModelInputs
 from memcalc.engine.step import StepConfig, StepOutcome
 from memcalc.engine.trace import StepTrace
 
-__all__ = ("GenerationObserver", "decode_step_at", "run_generation")
+__all__ = ("GENERATING", "GenerationObserver", "decode_step_at", "run_generation")
+
+#: The progress task of a generation: its units are the new tokens.
+GENERATING = "generating tokens"
 
 
 class GenerationObserver(Protocol):
@@ -62,6 +69,8 @@ def run_generation(model: nn.Module, inputs: ModelInputs, config: StepConfig, ge
     def forward_starts(_module: nn.Module, _args: Any) -> None:
         nonlocal forwards
         observer.set_phase(Phase.PREFILL if forwards == 0 else Phase.DECODE)
+        if 0 < forwards < new_tokens:  # forward k makes token k: the k - 1 before it are done
+            report_progress(GENERATING, forwards, new_tokens)
         forwards += 1
 
     model.eval()
@@ -69,7 +78,9 @@ def run_generation(model: nn.Module, inputs: ModelInputs, config: StepConfig, ge
     try:
         with config.autocast():
             observer.set_phase(Phase.PREFILL)  # generate()'s setup: the cache, the masks, the processors
+            report_progress(GENERATING, 0, new_tokens)
             sequences = generate(model, inputs, new_tokens, observer.kv_cache)
+            report_progress(GENERATING, new_tokens, new_tokens)
             shape = tuple(sequences.shape)
             del sequences
     finally:

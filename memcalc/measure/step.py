@@ -35,6 +35,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ import torch
 from memcalc.api import estimate_step
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.output import check_writable, write_atomically
 from memcalc.core.report import Measurement, MemoryReport
 from memcalc.engine.loops import run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
@@ -205,12 +207,13 @@ def _profiler_peak(prof: Any) -> int:
 SNAPSHOT_ENTRIES = 1_000_000
 
 
-def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: str | None = None) -> Measurement:
+def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: str | None = None,
+                 force: bool = False) -> Measurement:
     """``max_memory_allocated`` / ``max_memory_reserved`` of the real step on a GPU (``device``;
     None: torch's current one), as a fresh process runs it: with the cuBLAS workspaces its own
     matmuls allocate, none left by earlier steps. ``snapshot``: a path to write the step's
     allocator history to (``torch.cuda.memory._dump_snapshot``), recorded from the reset of the
-    peaks to the end of the step."""
+    peaks to the end of the step (``force``: replacing the file there; else it is refused)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device)
     module = inputs = None
@@ -239,7 +242,7 @@ def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: st
                  f"process; {before:,} B were allocated before the model was built)",
                  f"{RESERVED_SHOWN} ({built_cache:,} B cached by the build freed first)"]
         if snapshot is not None:
-            _write_snapshot(snapshot)
+            _write_snapshot(snapshot, force=force)
             notes.append(f"the step's allocator history written to {snapshot} (memcalc compare {snapshot} MODEL "
                          "with this estimate's options sets it beside the estimate)")
         if warmups:
@@ -249,7 +252,7 @@ def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: st
     except torch.cuda.OutOfMemoryError as exc:
         note = str(exc).split("\n")[0]
         if recording and snapshot is not None:  # what led up to the OOM: what debugging one wants to see
-            _write_snapshot(snapshot)
+            _write_snapshot(snapshot, force=force)
             note += f"; the step's allocator history up to the OOM written to {snapshot}"
         return Measurement(device=f"cuda: {name}", peak_allocated=None, oom=True, note=note)
     finally:
@@ -260,11 +263,11 @@ def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: st
         torch.cuda.empty_cache()
 
 
-def _write_snapshot(path: str) -> None:
+def _write_snapshot(path: str, *, force: bool) -> None:
     """``torch.cuda.memory._dump_snapshot(path)``: the allocator history recorded so far, as the
-    pickle ``memcalc compare`` and https://pytorch.org/memory_viz read."""
+    pickle ``memcalc compare`` and https://pytorch.org/memory_viz read; whole or not at all."""
     dump: Callable[[str], None] = torch.cuda.memory._dump_snapshot
-    dump(path)
+    write_atomically(Path(path), "snapshot", lambda temporary: dump(str(temporary)), force=force)
 
 
 #: Warm-up runs at most for an amp-fp16 step's GradScaler to settle. Its scale starts at 2**16 and
@@ -345,13 +348,17 @@ def measured_device() -> str | None:
     return f"cuda:{torch.cuda.current_device()}"
 
 
-def measure(step: Step, *, device: str | None = None, snapshot: str | None = None) -> Measurement:
+def measure(step: Step, *, device: str | None = None, snapshot: str | None = None,
+            force: bool = False) -> Measurement:
     """Measure the real step: on ``device`` (``"cuda:N"``) when given, else on CUDA when
     available, else on the CPU (as this machine's CPU runs the step: :meth:`Step.on_cpu`).
-    ``snapshot``: on CUDA, also write the step's allocator history there (:func:`measure_cuda`).
+    ``snapshot``: on CUDA, also write the step's allocator history there (:func:`measure_cuda`),
+    replacing an existing file only with ``force``; the path is checked before the step runs.
 
     Raises:
         InapplicableOptionError: mode generate; or a snapshot asked of a CPU measurement.
+        OutputExistsError: ``snapshot`` exists and ``force`` is False.
+        PlotPathError: ``snapshot`` cannot be written (a missing or read-only folder).
     """
     if step.mode is Mode.GENERATE:
         raise InapplicableOptionError(
@@ -359,9 +366,11 @@ def measure(step: Step, *, device: str | None = None, snapshot: str | None = Non
             "generate() call's end depends on the tokens it draws",
             hint="Compare with a real model.generate(...) under torch.cuda.max_memory_allocated() or the CPU "
                  "profiler (tests/hf_reference/test_generate.py does the latter).")
+    if snapshot is not None:
+        check_writable(Path(snapshot), "snapshot", force=force)
     use_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
     if use_cuda:
-        return measure_cuda(step, device=torch.device(device) if device else None, snapshot=snapshot)
+        return measure_cuda(step, device=torch.device(device) if device else None, snapshot=snapshot, force=force)
     if snapshot is not None:
         raise InapplicableOptionError(
             "a real memory snapshot is the CUDA caching allocator's history: this measurement runs on the CPU "
@@ -371,15 +380,16 @@ def measure(step: Step, *, device: str | None = None, snapshot: str | None = Non
 
 
 def attach_measurement(report: MemoryReport, step: Step, *, device: str | None = None,
-                       snapshot: str | None = None) -> MemoryReport:
+                       snapshot: str | None = None, force: bool = False) -> MemoryReport:
     """``report`` (the estimate of ``step``) with a real measurement of the same step attached
-    (``snapshot``: on CUDA, the step's allocator history written there too, :func:`measure`).
+    (``snapshot``: on CUDA, the step's allocator history written there too, replacing a file
+    only with ``force``: :func:`measure`).
 
     A CUDA measurement is compared with ``peak_allocated`` (as CUDA counts it). A CPU one is
     compared with the estimate for this CPU (its own kernels, no CUDA workspaces, unrounded:
     the CPU allocator does not round), and its note names the ops that estimate cannot follow.
     """
-    measured = measure(step, device=device, snapshot=snapshot)
+    measured = measure(step, device=device, snapshot=snapshot, force=force)
     if measured.device.startswith("cuda"):
         compared = report.bytes.peak_allocated
     else:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memcalc.core.errors import MissingPackageError, PlotPathError
+from memcalc.core.output import check_writable, write_atomically
 from memcalc.core.units import auto_unit, unit_bytes
-from memcalc.report.output import check_writable, write_atomically
 from memcalc.search.sweep import SweepPoint
 
 if TYPE_CHECKING:
@@ -108,38 +108,43 @@ def plot_sweep(
     capacity: int | None = None,
     capacity_label: str | None = None,
     title: str | None = None,
+    force: bool = False,
 ) -> Path:
     """Draw :func:`sweep_figure` and write it to ``path``, in the format its extension names.
 
     Args:
         points, capacity, capacity_label, title: as for :func:`sweep_figure`.
         path: the file; its folder must exist.
+        force: replace ``path`` if it exists (else an existing file is refused, left as it was).
 
     Returns:
         The path written.
 
     Raises:
+        OutputExistsError: ``path`` exists and ``force`` is False.
         PlotPathError: the folder is missing or read-only, the extension is not a format
             matplotlib writes, or writing failed; nothing is left at ``path`` then.
         MissingPackageError: matplotlib is not installed.
     """
-    target, fmt = check_plot_path(path)
+    target, fmt = check_plot_path(path, force=force)
     figure = sweep_figure(points, capacity=capacity, capacity_label=capacity_label, title=title)
-    write_atomically(target, "plot", lambda temporary: figure.savefig(temporary, format=fmt))
+    write_atomically(target, "plot", lambda temporary: figure.savefig(temporary, format=fmt), force=force)
     return target
 
 
-def check_plot_path(path: str | Path) -> tuple[Path, str]:
+def check_plot_path(path: str | Path, *, force: bool = False) -> tuple[Path, str]:
     """Check, before any work, that a plot can be written to ``path``.
 
     Args:
         path: the file the plot goes to.
+        force: replace it if it exists (else an existing file is refused).
 
     Returns:
         The path and the format its extension names (``"png"``).
 
     Raises:
         MissingPackageError: matplotlib is not installed.
+        OutputExistsError: the file exists and ``force`` is False.
         PlotPathError: its folder does not exist or cannot be written, it is a folder, or its
             extension is not a format matplotlib writes — one line naming the path (and the
             formats).
@@ -152,7 +157,7 @@ def check_plot_path(path: str | Path) -> tuple[Path, str]:
         what = f"{target.suffix!r} is not an" if target.suffix else "a name without an extension names no"
         raise PlotPathError(f"cannot write the plot to {target}: {what} image format matplotlib writes; "
                             f"end the name in one of {', '.join('.' + f for f in formats)}")
-    check_writable(target, "plot")
+    check_writable(target, "plot", force=force)
     return target, fmt
 
 

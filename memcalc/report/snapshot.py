@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from memcalc.core.categories import Category
+from memcalc.core.output import check_writable, write_atomically
 from memcalc.core.report import MemoryReport
 from memcalc.core.timeline import AllocatorEvent, Timeline
 from memcalc.engine.allocator import K_SMALL_BUFFER
-from memcalc.report.output import write_atomically
 
 __all__ = ("FRAME_FILENAME", "PICKLE_PROTOCOL", "snapshot_dict", "write_snapshot")
 
@@ -75,20 +75,23 @@ def snapshot_dict(report: MemoryReport) -> dict[str, Any]:
     return {"segments": _segments_at_end(timeline.allocator_events, frames), "device_traces": [trace]}
 
 
-def write_snapshot(report: MemoryReport, path: str | os.PathLike[str]) -> None:
+def write_snapshot(report: MemoryReport, path: str | os.PathLike[str], *, force: bool = False) -> None:
     """Pickle :func:`snapshot_dict` of ``report`` to ``path`` (``.pickle``, as
     ``torch.cuda.memory._dump_snapshot`` writes it), whole or not at all.
 
     Args:
         report: a report made by an estimate.
-        path: the file to write (replaced if it exists).
+        path: the file to write.
+        force: replace ``path`` if it exists (else an existing file is refused, left as it was).
 
     Raises:
+        OutputExistsError: ``path`` exists and ``force`` is False.
         PlotPathError: the file cannot be written (a missing or read-only folder).
     """
     target = Path(path)
+    check_writable(target, "snapshot", force=force)  # before the replay the snapshot is made from
     data = pickle.dumps(snapshot_dict(report), protocol=PICKLE_PROTOCOL)
-    write_atomically(target, "snapshot", lambda temporary: temporary.write_bytes(data))
+    write_atomically(target, "snapshot", lambda temporary: temporary.write_bytes(data), force=force)
 
 
 class _Frames:

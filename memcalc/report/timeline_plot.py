@@ -25,10 +25,10 @@ import numpy as np
 
 from memcalc.core.categories import Mode
 from memcalc.core.errors import MissingPackageError
+from memcalc.core.output import check_output_path, write_atomically
 from memcalc.core.report import MemoryReport
 from memcalc.core.timeline import Timeline
 from memcalc.core.units import Unit, format_bytes, unit_bytes
-from memcalc.report.output import check_output_path, write_atomically
 from memcalc.report.timeline_chart import (
     CAPACITY_COLOR,
     CATEGORY_STYLE,
@@ -99,25 +99,30 @@ def default_title(report: MemoryReport) -> str:
     return "memcalc: " + ", ".join(parts)
 
 
-def check_timeline_path(path: str | Path) -> tuple[Path, str]:
+def check_timeline_path(path: str | Path, *, force: bool = False) -> tuple[Path, str]:
     """Check, before any work, that a timeline can be written to ``path``.
+
+    Args:
+        path: the file.
+        force: replace it if it exists (else an existing file is refused).
 
     Returns:
         The path and its format (``"html"``, ``"png"`` or ``"svg"``).
 
     Raises:
+        OutputExistsError: the file exists and ``force`` is False.
         PlotPathError: the extension is not one of those, the folder is missing or read-only,
             or the path is a folder — one line naming the path.
         MissingPackageError: a PNG or SVG is asked for and matplotlib is not installed.
     """
-    target, fmt = check_output_path(path, "timeline", TIMELINE_FORMATS)
+    target, fmt = check_output_path(path, "timeline", TIMELINE_FORMATS, force=force)
     if fmt != "html":
         _matplotlib()
     return target, fmt
 
 
 def write_timeline(report_or_timelines: MemoryReport | Timeline | Sequence[Timeline], path: str | Path, *,
-                   title: str | None = None) -> Path:
+                   title: str | None = None, force: bool = False) -> Path:
     """Draw the timeline of a report (one panel per GPU role) to ``path``: ``.html``, ``.png``
     or ``.svg``, by its extension.
 
@@ -125,16 +130,18 @@ def write_timeline(report_or_timelines: MemoryReport | Timeline | Sequence[Timel
         report_or_timelines: an estimate's report, or a timeline (or one per GPU role).
         path: the file; its folder must exist.
         title: the heading (default: the report's model, batch, optimizer, precision, GPU).
+        force: replace ``path`` if it exists (else an existing file is refused, left as it was).
 
     Returns:
         The path written.
 
     Raises:
+        OutputExistsError: ``path`` exists and ``force`` is False.
         PlotPathError: as :func:`check_timeline_path`, or writing failed (nothing is left at
             ``path`` then).
         MissingPackageError: a PNG or SVG without matplotlib.
     """
-    target, fmt = check_timeline_path(path)
+    target, fmt = check_timeline_path(path, force=force)
     if isinstance(report_or_timelines, MemoryReport):
         timelines = timelines_of(report_or_timelines)
         title = title or default_title(report_or_timelines)
@@ -144,11 +151,12 @@ def write_timeline(report_or_timelines: MemoryReport | Timeline | Sequence[Timel
         timelines = list(report_or_timelines)
     if fmt == "html":
         text = timeline_html(timelines, title=title)
-        return write_atomically(target, "timeline", lambda p: p.write_text(text, encoding="utf-8"))
+        return write_atomically(target, "timeline", lambda p: p.write_text(text, encoding="utf-8"), force=force)
     figure = timeline_figure(timelines, title=title)
     # no version string in the metadata: a file changes only when its picture does
     metadata = {"Creator": None} if fmt == "svg" else {"Software": None}
-    return write_atomically(target, "timeline", lambda p: figure.savefig(p, format=fmt, metadata=metadata))
+    return write_atomically(target, "timeline", lambda p: figure.savefig(p, format=fmt, metadata=metadata),
+                            force=force)
 
 
 def timeline_figure(timelines: Sequence[Timeline] | Timeline, *, title: str | None = None) -> Figure:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.estimate import SINGLE, run_estimate
 from memcalc.distributed.options import Distributed
@@ -36,7 +37,10 @@ from memcalc.search.budget import (
     margin_capacity,
 )
 
-__all__ = ("MAX_BATCH", "find_max_batch")
+__all__ = ("FITTING", "MAX_BATCH", "find_max_batch")
+
+#: The progress task of a fit: its units are the batches estimated (for real, not replayed).
+FITTING = "estimating batch sizes"
 
 #: Largest batch the search tries: beyond it a model is "too small to bound".
 MAX_BATCH = 2**20
@@ -181,6 +185,7 @@ class _Estimates:
         self.order: list[_Point] = []  # the search's probes, real and synthetic, in order
         self.replays = 0
         self._synthetic: dict[tuple[int, int], _Point] = {}
+        report_progress(FITTING, 0, None)
 
     def point(self, batch: int) -> _Point:
         """A real estimate, judged under the margin budget."""
@@ -208,6 +213,7 @@ class _Estimates:
         capacity = self.capacity if self.single else self.limit
         report = run_estimate(replace(self.step, batch_size=batch, capacity=capacity), self.distributed, on_trace=keep)
         self.reports[batch] = report
+        report_progress(FITTING, len(self.reports), None)  # how many the search takes is not known ahead
         return report
 
     def _judge(self, batch: int, report: MemoryReport) -> _Point:

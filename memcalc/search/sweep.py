@@ -10,13 +10,17 @@ from typing import Any
 from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
+from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.estimate import SINGLE, run_estimate
 from memcalc.distributed.options import Distributed
 from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.options import Step
 
-__all__ = ("SweepPoint", "sweep_configurations", "sweep_requests")
+__all__ = ("SWEEPING", "SweepPoint", "sweep_configurations", "sweep_requests")
+
+#: The progress task of a sweep: its units are the configurations estimated.
+SWEEPING = "estimating configurations"
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,15 @@ def sweep_requests(step: Step, configs: Sequence[tuple[int, str, str | None]], *
                    distributed: Distributed = SINGLE) -> Iterator[SweepPoint]:
     """Estimate ``step`` at every ``(batch, optimizer, precision)`` of ``configs`` (from
     :func:`sweep_configurations`, which checked every item; precision None keeps the step's),
-    yielding each point."""
-    for batch, optimizer, precision in configs:
+    yielding each point (and telling the progress listener, as :data:`SWEEPING`)."""
+    report_progress(SWEEPING, 0, len(configs))
+    for done, (batch, optimizer, precision) in enumerate(configs, start=1):
         point = replace(step, batch_size=batch, optimizer=spec_for(optimizer))
         if precision is not None:
             point = replace(point, precision=Precision(precision))
-        yield SweepPoint(batch, optimizer, precision, run_estimate(point, distributed))
+        estimated = SweepPoint(batch, optimizer, precision, run_estimate(point, distributed))
+        report_progress(SWEEPING, done, len(configs))
+        yield estimated
 
 
 def _items(values: object, name: str, example: str) -> list[Any]:
