@@ -42,10 +42,10 @@ class UnknownModelError(MemcalcError, LookupError):
 
     exit_code = 2
 
-    def __init__(self, name: str, suggestions: list[str]):
+    def __init__(self, name: str, suggestions: list[str], *, reason: str | None = None):
         hint = f"Did you mean {' or '.join(suggestions)}?" if suggestions else None
         hint = (hint + " " if hint else "") + "Run `memcalc zoo` to list the models."
-        super().__init__(f"unknown model {name!r}", hint=hint)
+        super().__init__(f"unknown model {name!r}" + (f": {reason}" if reason else ""), hint=hint)
         self.name = name
         self.suggestions = suggestions
 
