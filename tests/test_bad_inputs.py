@@ -624,6 +624,7 @@ def test_numpy_integers_are_integers():
     assert report.batch_size == 4 and type(report.batch_size) is int
     assert memcalc.Distributed("ddp", world_size=np.int64(2)).world_size == 2
     assert memcalc.estimate("mlp", batch_size=2, input_shape=(np.int64(784),)).batch_size == 2
+    assert [point.batch_size for point in memcalc.sweep("mlp", batch_sizes=[np.int64(2)])] == [2]
     with pytest.raises(InvalidInputError, match="batch_size"):
         memcalc.estimate("mlp", batch_size=np.bool_(True))  # a truth value is no count
 

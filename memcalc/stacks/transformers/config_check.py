@@ -113,6 +113,7 @@ def check_architecture(transformers: ModuleType, config: Any, spec: str) -> None
     candidates = [n for n in dir(transformers) if n.endswith(("Model", "LMHeadModel")) or "For" in n]
     same_type = [n for n in candidates if n.lower().startswith(model_type)] if model_type else []
     close = difflib.get_close_matches(str(names[0]), same_type or candidates, n=1)
-    raise config_error(spec, f"architectures names {names[0]!r}, a class the installed transformers does not have" + (f"; did you mean {close[0]!r}?" if close else ""),
+    raise config_error(spec, f"architectures names {names[0]!r}, a class the installed transformers does not have"
+                             + (f"; did you mean {close[0]!r}?" if close else ""),
                        hint="Give a class transformers has, or leave architectures out to build the causal LM "
                             "of its model_type.")
