@@ -646,3 +646,10 @@ def test_the_largest_batch_that_fits_int64_is_let_through_to_the_estimate():
     check_batch_fits((2**63 - 1) // 4 // 784, (784,), tokens=False)
     with pytest.raises(InvalidInputError, match="too large"):
         check_batch_fits((2**63 - 1) // 4 // 784 + 1, (784,), tokens=False)
+
+
+def test_an_unreadable_training_arguments_file_is_named(tmp_path):
+    binary = tmp_path / "args.json"
+    binary.write_bytes(b"\xff\xfe\x00 not text")
+    with pytest.raises(InvalidInputError, match=r"args\.json cannot be read: UnicodeDecodeError"):
+        memcalc.estimate("mlp", trainer_args=str(binary))

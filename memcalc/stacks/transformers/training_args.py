@@ -266,7 +266,11 @@ def load_training_args(path: str | os.PathLike[str]) -> dict[str, Any]:
                                 hint="Write it with TrainingArguments.to_json_string() (JSON), or as YAML.")
     if not file.is_file():
         raise InvalidInputError(f"training arguments file not found: {file}")
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"training arguments file {file} cannot be read: {type(exc).__name__}: "
+                                f"{exc.strerror if isinstance(exc, OSError) else exc}") from None
     if suffix == ".json":
         try:
             data = json.loads(text)
