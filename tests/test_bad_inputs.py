@@ -653,3 +653,26 @@ def test_an_unreadable_training_arguments_file_is_named(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00 not text")
     with pytest.raises(InvalidInputError, match=r"args\.json cannot be read: UnicodeDecodeError"):
         memcalc.estimate("mlp", trainer_args=str(binary))
+
+
+# Bytes on which pickle raises each of its errors (found by feeding it random bytes): each is
+# "not a snapshot pickle", exit 2, never a traceback.
+_NOT_PICKLES = {
+    "UnpicklingError": b"b\xc2",
+    "ValueError": b"\x82?",  # unregistered extension code 63
+    "OverflowError": b"\x8d\x16/\x9f f\xc9@\xf4z",  # a BINUNICODE8 longer than 2**63 - 1 bytes
+    "UnicodeDecodeError": b"\x80\x04cd2\x06\x9a)\xc9\x0fjlU\xe5m\xcd\xb8a\nD\xecy\xa9\xf3\x92\x97\x03",
+    "MemoryError": b"\x80\x04\x96\xab\xbc\xbb\xe5\x00\x15\xf1i\xc5E5\x1dV<U\xcc",  # a BYTEARRAY8 of exabytes
+    "EOFError": b"\x80\x04\x88",
+    "a pickle of a list": b"\x80\x04]\x94.",
+}
+
+
+@pytest.mark.parametrize("data", list(_NOT_PICKLES.values()), ids=list(_NOT_PICKLES))
+def test_compare_on_bytes_that_are_not_a_snapshot_says_so(data, tmp_path):
+    path = tmp_path / "run.pickle"
+    path.write_bytes(data)
+    result = CliRunner().invoke(main, ["compare", str(path), "mlp"])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert result.output.startswith(f"error: {path} is not a torch.cuda.memory._snapshot() pickle ("), result.output
