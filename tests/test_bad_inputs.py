@@ -31,6 +31,7 @@ from memcalc.core.errors import (
     InvalidInputError,
     LossFunctionError,
     MemcalcError,
+    ModelSourceError,
     PlotPathError,
 )
 from memcalc.core.units import format_bytes, parse_bytes
@@ -676,3 +677,12 @@ def test_compare_on_bytes_that_are_not_a_snapshot_says_so(data, tmp_path):
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit)
     assert result.output.startswith(f"error: {path} is not a torch.cuda.memory._snapshot() pickle ("), result.output
+
+
+def test_a_mistyped_factory_is_answered_with_the_closest_the_file_defines():
+    with pytest.raises(ModelSourceError) as caught:
+        memcalc.estimate(f"{FIXTURES}/user_models.py:make_mpl", batch_size=1)
+    assert "has no attribute 'make_mpl'; did you mean 'make_mlp'?" in str(caught.value)
+    # the file's own factories, not what it imported (torch, nn) nor example_inputs
+    assert caught.value.hint == ("Factories defined there (callables that take no argument): make_mlp, "
+                                 "ValueBranching, make_branching, make_not_a_module, make_raises, make_wrong_width.")

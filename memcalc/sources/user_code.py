@@ -9,6 +9,7 @@ neighbours stay in ``sys.path`` / ``sys.modules``.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -156,9 +157,12 @@ def _factory_from(module: ModuleType, attr: str, where: str) -> tuple[Callable[[
         raise InvalidInputError(f"name the factory after the colon: {where}:make_model")
     factory = getattr(module, attr, None)
     if factory is None:
-        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        raise ModelSourceError(f"{where} has no attribute {attr!r}",
-                               hint=f"Callables defined there: {', '.join(public[:10]) or 'none'}")
+        names = factory_names(module)
+        close = difflib.get_close_matches(attr, names, n=1)
+        meant = f"; did you mean {close[0]!r}?" if close else ""
+        raise ModelSourceError(f"{where} has no attribute {attr!r}{meant}",
+                               hint=f"Factories defined there (callables that take no argument): "
+                                    f"{', '.join(names[:10]) or 'none'}.")
     example = getattr(module, "example_inputs", None)
     if isinstance(factory, nn.Module):
         instance = factory
