@@ -686,3 +686,14 @@ def test_a_mistyped_factory_is_answered_with_the_closest_the_file_defines():
     # the file's own factories, not what it imported (torch, nn) nor example_inputs
     assert caught.value.hint == ("Factories defined there (callables that take no argument): make_mlp, "
                                  "ValueBranching, make_branching, make_not_a_module, make_raises, make_wrong_width.")
+
+
+def test_an_activation_past_int64_bytes_blames_the_batch():
+    # the input (B, 784) fp32 fits 2**63 - 1 bytes, the first Linear's output (B, 1024) does not
+    batch = (2**63 - 1) // 4 // 784
+    assert batch * 1024 * 4 > 2**63 - 1
+    with pytest.raises(InvalidInputError) as caught:
+        memcalc.estimate("mlp", batch_size=batch)
+    assert f"sizes=[{batch}, 1024]" in str(caught.value)
+    assert "A tensor of these sizes would hold more than 2**63 - 1 bytes" in (caught.value.hint or "")
+    assert caught.value.exit_code == 2
