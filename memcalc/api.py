@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from memcalc.core.categories import Mode
+from memcalc.core.counts import as_integer
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GpuProfile
@@ -228,8 +229,10 @@ def max_batch_size(
     """
     given = None if margin is None else check_margin(margin)
     max_batch = positive_int(max_batch, "max_batch", None)
-    if isinstance(neighbours, bool) or not isinstance(neighbours, int) or neighbours < 0:
+    count = as_integer(neighbours)
+    if count is None or count < 0:
         raise InvalidInputError(f"neighbours must be an integer ≥ 0, got {neighbours!r}")
+    neighbours = count
     check_keywords("max_batch_size", estimate_options, own=("gpu",))
     resolved = resolve_budget(budget, gpu, device, stack=estimate_options.get("stack"))
     step, distributed = _search_step(model, resolved, optimizer=optimizer, precision=precision,

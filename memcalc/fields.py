@@ -27,6 +27,7 @@ import torch
 
 from memcalc.core.categories import Mode
 from memcalc.core.choices import parse_choice
+from memcalc.core.counts import INT64_MAX, as_integer, fits_int64
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GENERIC, GpuProfile
@@ -110,18 +111,35 @@ class Field:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_int(value: object) -> bool:
-    """An ``int`` proper: ``True`` and ``64.0`` are not counts."""
-    return isinstance(value, int) and not isinstance(value, bool)
+def _integer(value: object, minimum: int) -> int | None:
+    """``value`` as an ``int`` when it is an integer (NumPy's included) from ``minimum`` to
+    :data:`~memcalc.core.counts.INT64_MAX`; else None. ``True`` and ``64.0`` are not counts."""
+    number = as_integer(value)
+    return number if number is not None and minimum <= number and fits_int64(number) else None
+
+
+def _not_a_count(value: Any, name: str, flag: str | None, minimum: int, what: str = "an integer",
+                 hint: str | None = None) -> InvalidInputError:
+    """The error of a count out of range or not an integer, naming the option and the range."""
+    number = as_integer(value)
+    kind = "" if number is not None else f" ({type(value).__name__})"
+    spelled = f"{name}{f' ({flag})' if flag else ''}"
+    if number is not None and not fits_int64(number):
+        return InvalidInputError(f"{spelled} must be at most {INT64_MAX:,} (2**63 - 1, the largest size PyTorch "
+                                 f"holds); got {number:,}", hint=hint)
+    least = "at least 1" if minimum == 1 else f"≥ {minimum}"
+    return InvalidInputError(f"{spelled} must be {what}, {least}; got {value!r}{kind}", hint=hint)
 
 
 def positive_int(value: Any, name: str, flag: str | None) -> Any:
-    """``value`` when it is None or an integer ≥ 1; else :class:`InvalidInputError` naming it."""
-    if value is None or (_is_int(value) and value >= 1):
-        return value
-    kind = "" if _is_int(value) else f" ({type(value).__name__})"
-    raise InvalidInputError(f"{name}{f' ({flag})' if flag else ''} must be an integer, at least 1; "
-                            f"got {value!r}{kind}")
+    """``value`` (as an ``int``) when it is None or an integer from 1 to
+    :data:`~memcalc.core.counts.INT64_MAX`; else :class:`InvalidInputError` naming it."""
+    if value is None:
+        return None
+    number = _integer(value, 1)
+    if number is None:
+        raise _not_a_count(value, name, flag, 1)
+    return number
 
 
 def _positive_int(value: Any, field: Field) -> int | None:
@@ -131,25 +149,32 @@ def _positive_int(value: Any, field: Field) -> int | None:
 
 def _count(value: Any, field: Field) -> int:
     """An integer ≥ 1 (never None: the default is 1)."""
-    if not _is_int(value) or value < 1:
-        raise InvalidInputError(f"{field.spelled} must be an integer ≥ 1, got {value!r}")
-    return int(value)
+    number = _integer(value, 1)
+    if number is None:
+        raise _not_a_count(value, field.name, field.flag, 1)
+    return number
 
 
 def _tokens(value: Any, field: Field) -> int | None:
     """None, or a number of tokens ≥ 0."""
-    if value is not None and (not _is_int(value) or value < 0):
-        raise InvalidInputError(f"{field.spelled} is a number of tokens to generate, ≥ 0; got {value!r}",
-                                hint="e.g. --mode inference --kv-cache 256")
-    return value  # type: ignore[no-any-return]  # checked: None or an int
+    if value is None:
+        return None
+    number = _integer(value, 0)
+    if number is None:
+        raise _not_a_count(value, field.name, field.flag, 0, "a number of tokens to generate",
+                           hint="e.g. --mode inference --kv-cache 256")
+    return number
 
 
 def _new_tokens(value: Any, field: Field) -> int | None:
     """None, or a number of tokens ≥ 1 (a generation makes at least one)."""
-    if value is not None and (not _is_int(value) or value < 1):
-        raise InvalidInputError(f"{field.spelled} is a number of tokens to generate, ≥ 1; got {value!r}",
-                                hint="e.g. --mode generate --seq-len 512 --new-tokens 128")
-    return value  # type: ignore[no-any-return]  # checked: None or an int
+    if value is None:
+        return None
+    number = _integer(value, 1)
+    if number is None:
+        raise _not_a_count(value, field.name, field.flag, 1, "a number of tokens to generate",
+                           hint="e.g. --mode generate --seq-len 512 --new-tokens 128")
+    return number
 
 
 def _switch(value: Any, field: Field) -> bool:
@@ -169,11 +194,15 @@ def _shape(shape: Any, field: Field) -> tuple[int, ...] | None:
     """One sample's shape as a tuple of positive integers (None: the model's default)."""
     if shape is None:
         return None
-    dims = tuple(shape) if isinstance(shape, Iterable) and not isinstance(shape, (str, bytes)) else None
-    if not dims or not all(_is_int(d) and d >= 1 for d in dims):
+    given = tuple(shape) if isinstance(shape, Iterable) and not isinstance(shape, (str, bytes)) else ()
+    dims = tuple(_integer(d, 1) for d in given)
+    if not dims or None in dims:
+        bad = next((d for d in given if as_integer(d) is not None and not fits_int64(as_integer(d) or 0)), None)
+        beyond = f": {bad:,} is more than {INT64_MAX:,} (2**63 - 1, the largest size PyTorch holds)" if bad else ""
         raise InvalidInputError(f"input_shape must be one sample's shape, a sequence of positive integers without "
-                                f"the batch dimension; got {shape!r}", hint="e.g. input_shape=(3, 224, 224) or (1024,)")
-    return dims
+                                f"the batch dimension; got {shape!r}{beyond}",
+                                hint="e.g. input_shape=(3, 224, 224) or (1024,)")
+    return dims  # type: ignore[return-value]  # checked: no None
 
 
 def _as_given(value: Any, field: Field) -> Any:

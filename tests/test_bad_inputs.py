@@ -31,6 +31,7 @@ from memcalc.core.errors import (
     InvalidInputError,
     LossFunctionError,
     MemcalcError,
+    ModelSourceError,
     PlotPathError,
 )
 from memcalc.core.units import format_bytes, parse_bytes
@@ -516,3 +517,183 @@ def test_a_failure_past_the_forward_names_its_phase_and_does_not_only_blame_the_
         memcalc.estimate(_ModelFailingInBackward(), inputs=torch.randn(4, 8), loss="mean")
     assert "the backward of" in str(info.value) and "this backward cannot run" in str(info.value)
     assert "--debug" in (info.value.hint or "") and "model's code" in (info.value.hint or "")
+
+
+# ============================================================================================
+# Issue 32: values checked up front — counts beyond int64, shapes with a bad part, a budget
+# without its unit, the Trainer's arguments before the model, Hugging Face configs transformers
+# cannot build, model names that point nowhere, spellings of other tools
+# ============================================================================================
+
+_BAD_CONFIGS = FIXTURES / "hf_configs" / "bad"
+_BIG = 10**30  # beyond int64: torch's C++ argument parser refuses it with its frames
+
+# (arguments, exit code): every one is bad input (2), the README's exit-code table. What each
+# prints is its golden file, tests/golden/bad_input_checked_up_front[ARGUMENTS].out.
+CHECKED_UP_FRONT: list[tuple[str, int]] = [
+    (f"mlp --batch {_BIG}", 2),
+    (f"mlp --batch {2**63}", 2),  # one past int64
+    (f"mlp --batch {2**62}", 2),  # fits int64, but 2**62 × 784 input elements do not
+    (f"mlp --input-shape {10**20}", 2),
+    (f"mlp --accum-steps {_BIG}", 2),
+    (f"mlp --strategy ddp --world-size {_BIG}", 2),
+    ("mlp --strategy ddp --world-size 2 --bucket-cap-mb inf", 2),
+    ("mlp --input-shape 3,x,224", 2),
+    ("mlp --input-shape 3,224,224,", 2),
+    ("fit mlp --budget 10", 2),  # 10 what? not 10 bytes
+    ("mlp --training-args missing.json", 2),
+    (f"mlp --training-args {FIXTURES}/trainer_args_typo.json", 2),
+    (f"hf:{_BAD_CONFIGS}/heads-0.json", 2),
+    (f"hf:{_BAD_CONFIGS}/layers-minus-1.json", 2),
+    (f"hf:{_BAD_CONFIGS}/hidden-size-string.json", 2),
+    (f"hf:{_BAD_CONFIGS}/dtype-unknown.json", 2),
+    (f"hf:{_BAD_CONFIGS}/t5-no-decoder-start.json", 2),
+    (f"hf:{_BAD_CONFIGS}/architecture-unknown.json", 2),
+    ("nosuchpkg.mod:make", 2),
+    (f"{FIXTURES}/user_models.py", 2),  # which factory? those the file defines
+    (f"compare {FIXTURES}/random_bytes.pickle mlp", 2),
+    ("mlp --json", 2),
+    ("fit mlp --gpu t4 --json", 2),
+]
+
+
+@pytest.mark.parametrize("args, exit_code", CHECKED_UP_FRONT, ids=[_case_id(c[0]) for c in CHECKED_UP_FRONT])
+def test_bad_input_checked_up_front(args, exit_code, no_local_gpus, tmp_path, monkeypatch, golden):
+    if args.startswith("hf:") or "--training-args" in args:
+        pytest.importorskip("transformers")
+    golden(_run_bad_input(args, exit_code, tmp_path, monkeypatch))
+
+
+def test_the_training_arguments_file_is_read_before_transformers_is_imported(monkeypatch, tmp_path):
+    # issue 32: a missing file took 12-15 s to report, the time of importing transformers and more
+    from memcalc.stacks.transformers import training_args
+
+    def no_import(*args, **kwargs):
+        raise AssertionError("transformers was imported before the file was read")
+
+    monkeypatch.setattr(training_args, "import_hf", no_import)
+    with pytest.raises(InvalidInputError, match="training arguments file not found"):
+        memcalc.estimate("mlp", trainer_args=str(tmp_path / "missing.json"))
+
+
+# (id, call, exception class, fragments of the message)
+API_CHECKED_UP_FRONT = [
+    ("estimate batch_size=2**62", lambda: memcalc.estimate("mlp", batch_size=2**62), InvalidInputError,
+     ["batch_size", "4,611,686,018,427,387,904 × 784", "more than a tensor can hold (2**63 - 1 B)"]),
+    ("estimate batch_size=2**63", lambda: memcalc.estimate("mlp", batch_size=2**63), InvalidInputError,
+     ["batch_size", "at most 9,223,372,036,854,775,807", "got 9,223,372,036,854,775,808"]),
+    ("estimate seq_len=2**62", lambda: memcalc.estimate("gpt2", batch_size=4, seq_len=2**62), InvalidInputError,
+     ["batch_size", "4 × 4,611,686,018,427,387,904", "8 B"]),
+    ("estimate accum_steps=10**30", lambda: memcalc.estimate("mlp", batch_size=2, accum_steps=_BIG),
+     InvalidInputError, ["accum_steps", "at most", "2**63 - 1"]),
+    ("estimate input_shape=(10**20,)", lambda: memcalc.estimate("mlp", batch_size=2, input_shape=(10**20,)),
+     InvalidInputError, ["input_shape", "100,000,000,000,000,000,000 is more than"]),
+    ("estimate kv_cache=10**30", lambda: memcalc.estimate("gpt2", batch_size=1, seq_len=8, mode="inference",
+                                                          kv_cache=_BIG), InvalidInputError, ["kv_cache", "at most"]),
+    ("Distributed world_size=10**30", lambda: memcalc.Distributed("ddp", world_size=_BIG), InvalidInputError,
+     ["world_size", "at most 1,048,576"]),
+    ("Distributed bucket_cap_mb=inf", lambda: memcalc.Distributed("ddp", world_size=2, bucket_cap_mb=float("inf")),
+     InvalidInputError, ["bucket_cap_mb", "at most 8,796,093,022,207", "got inf"]),
+    ("Distributed reduce_bucket_size=2**63", lambda: memcalc.Distributed("zero2", world_size=2,
+                                                                          reduce_bucket_size=2**63),
+     InvalidInputError, ["reduce_bucket_size", "2**63 - 1"]),
+    ("estimate trainer_args with a typo", lambda: memcalc.estimate("mlp", trainer_args={
+        "gradient_accumulaton_steps": 4}), InvalidInputError,
+     ["'gradient_accumulaton_steps'", "did you mean 'gradient_accumulation_steps'?"]),
+    ("estimate a module that is not there", lambda: memcalc.estimate("nosuchpkg.mod:make", batch_size=1),
+     memcalc.UnknownModelError, ["'nosuchpkg.mod:make'", "no module named 'nosuchpkg'"]),
+]
+
+
+@pytest.mark.parametrize("call, error, fragments", [c[1:] for c in API_CHECKED_UP_FRONT],
+                         ids=[c[0] for c in API_CHECKED_UP_FRONT])
+def test_api_bad_value_checked_up_front(call, error, fragments):
+    if any("gradient_accumulaton" in fragment for fragment in fragments):
+        pytest.importorskip("transformers")
+    with pytest.raises(MemcalcError) as caught:
+        call()
+    assert isinstance(caught.value, error), repr(caught.value)
+    assert caught.value.exit_code == 2
+    message = str(caught.value)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_numpy_integers_are_integers():
+    np = pytest.importorskip("numpy")
+    report = memcalc.estimate("mlp", batch_size=np.int64(4), accum_steps=np.int32(2))
+    assert report.batch_size == 4 and type(report.batch_size) is int
+    assert memcalc.Distributed("ddp", world_size=np.int64(2)).world_size == 2
+    assert memcalc.estimate("mlp", batch_size=2, input_shape=(np.int64(784),)).batch_size == 2
+    assert [point.batch_size for point in memcalc.sweep("mlp", batch_sizes=[np.int64(2)])] == [2]
+    with pytest.raises(InvalidInputError, match="batch_size"):
+        memcalc.estimate("mlp", batch_size=np.bool_(True))  # a truth value is no count
+
+
+def test_a_shape_spelled_with_x_still_reads():
+    from memcalc.cli.options import ShapeType
+
+    assert ShapeType().convert("3x224x224", None, None) == (3, 224, 224)
+    assert ShapeType().convert("(3, 224, 224)", None, None) == (3, 224, 224)
+
+
+def test_the_largest_batch_that_fits_int64_is_let_through_to_the_estimate():
+    # 2**63 - 1 B of int64 token ids hold (2**63 - 1) // 8 of them: batch × seq_len at that bound
+    from memcalc.sources.inputs import check_batch_fits
+
+    check_batch_fits((2**63 - 1) // 8, (1,), tokens=True)
+    with pytest.raises(InvalidInputError, match="too large"):
+        check_batch_fits((2**63 - 1) // 8 + 1, (1,), tokens=True)
+    check_batch_fits((2**63 - 1) // 4 // 784, (784,), tokens=False)
+    with pytest.raises(InvalidInputError, match="too large"):
+        check_batch_fits((2**63 - 1) // 4 // 784 + 1, (784,), tokens=False)
+
+
+def test_an_unreadable_training_arguments_file_is_named(tmp_path):
+    binary = tmp_path / "args.json"
+    binary.write_bytes(b"\xff\xfe\x00 not text")
+    with pytest.raises(InvalidInputError, match=r"args\.json cannot be read: UnicodeDecodeError"):
+        memcalc.estimate("mlp", trainer_args=str(binary))
+
+
+# Bytes on which pickle raises each of its errors (found by feeding it random bytes): each is
+# "not a snapshot pickle", exit 2, never a traceback.
+_NOT_PICKLES = {
+    "UnpicklingError": b"b\xc2",
+    "ValueError": b"\x82?",  # unregistered extension code 63
+    "OverflowError": b"\x8d\x16/\x9f f\xc9@\xf4z",  # a BINUNICODE8 longer than 2**63 - 1 bytes
+    "UnicodeDecodeError": b"\x80\x04cd2\x06\x9a)\xc9\x0fjlU\xe5m\xcd\xb8a\nD\xecy\xa9\xf3\x92\x97\x03",
+    "MemoryError": b"\x80\x04\x96\xab\xbc\xbb\xe5\x00\x15\xf1i\xc5E5\x1dV<U\xcc",  # a BYTEARRAY8 of exabytes
+    "EOFError": b"\x80\x04\x88",
+    "a pickle of a list": b"\x80\x04]\x94.",
+}
+
+
+@pytest.mark.parametrize("data", list(_NOT_PICKLES.values()), ids=list(_NOT_PICKLES))
+def test_compare_on_bytes_that_are_not_a_snapshot_says_so(data, tmp_path):
+    path = tmp_path / "run.pickle"
+    path.write_bytes(data)
+    result = CliRunner().invoke(main, ["compare", str(path), "mlp"])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert result.output.startswith(f"error: {path} is not a torch.cuda.memory._snapshot() pickle ("), result.output
+
+
+def test_a_mistyped_factory_is_answered_with_the_closest_the_file_defines():
+    with pytest.raises(ModelSourceError) as caught:
+        memcalc.estimate(f"{FIXTURES}/user_models.py:make_mpl", batch_size=1)
+    assert "has no attribute 'make_mpl'; did you mean 'make_mlp'?" in str(caught.value)
+    # the file's own factories, not what it imported (torch, nn) nor example_inputs
+    assert caught.value.hint == ("Factories defined there (callables that take no argument): make_mlp, "
+                                 "ValueBranching, make_branching, make_not_a_module, make_raises, make_wrong_width.")
+
+
+def test_an_activation_past_int64_bytes_blames_the_batch():
+    # the input (B, 784) fp32 fits 2**63 - 1 bytes, the first Linear's output (B, 1024) does not
+    batch = (2**63 - 1) // 4 // 784
+    assert batch * 1024 * 4 > 2**63 - 1
+    with pytest.raises(InvalidInputError) as caught:
+        memcalc.estimate("mlp", batch_size=batch)
+    assert f"sizes=[{batch}, 1024]" in str(caught.value)
+    assert "A tensor of these sizes would hold more than 2**63 - 1 bytes" in (caught.value.hint or "")
+    assert caught.value.exit_code == 2

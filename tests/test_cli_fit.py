@@ -58,7 +58,7 @@ def mlp_budget() -> int:
 
 
 def test_fit_json_shape(mlp_budget):
-    result = run("fit", "mlp", "--budget", str(mlp_budget), "--optim", "sgd", "--margin", "0", "--format", "json")
+    result = run("fit", "mlp", "--budget", f"{mlp_budget}B", "--optim", "sgd", "--margin", "0", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert set(data) == {"batch_size", "budget_bytes", "margin", "margin_basis", "margin_budget_bytes", "raw_batch_size",
@@ -74,10 +74,10 @@ def test_fit_json_shape(mlp_budget):
 
 
 def test_fit_text_shows_batch_breakdown_and_neighbours(mlp_budget, golden):
-    result = run("fit", "mlp", "--budget", str(mlp_budget), "--margin", "0")
+    result = run("fit", "mlp", "--budget", f"{mlp_budget}B", "--margin", "0")
     assert result.exit_code == 0, result.output
     golden(result.output)  # the answer, the breakdown at that batch, the neighbours' table
-    batch = json.loads(run("fit", "mlp", "--budget", str(mlp_budget), "--margin", "0", "--format", "json").stdout)[
+    batch = json.loads(run("fit", "mlp", "--budget", f"{mlp_budget}B", "--margin", "0", "--format", "json").stdout)[
         "batch_size"]
     out = result.stdout
     assert f"largest batch that fits: {batch} (batch {batch + 1} does not" in out  # the JSON's answer

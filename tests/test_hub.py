@@ -390,3 +390,20 @@ def test_command_line_estimate_of_a_hub_id(hf_cache: Path) -> None:
     missing = CliRunner().invoke(main, ["hf:nobody/no-such-model", "--seq-len", "32"])
     assert missing.exit_code == 1
     assert missing.output.startswith("error: nobody/no-such-model is not in the Hugging Face cache")
+
+
+
+@pytest.mark.parametrize("repo, change, says", [
+    ("memcalc-test/zero-heads", {"num_attention_heads": 0}, "num_attention_heads must be at least 1, got 0"),
+    ("memcalc-test/no-such-class", {"architectures": ["LlamaForCasualLM"]},
+     "architectures names 'LlamaForCasualLM', a class the installed transformers does not have; did you mean "
+     "'LlamaForCausalLM'?"),
+])
+def test_a_hub_config_transformers_cannot_build_is_refused_naming_the_field(hf_cache: Path, repo: str,
+                                                                           change: dict[str, object], says: str):
+    # issue 32: num_attention_heads 0 ended in transformers' ZeroDivisionError, architectures naming a
+    # class transformers lacks in a silent LlamaForCausalLM
+    _add_repo(hf_cache, repo, {"main": MAIN_SHA}, {MAIN_SHA: {**_tiny(2), **change}})
+    with pytest.raises(InvalidInputError) as caught:
+        memcalc.estimate(f"hf:{repo}", batch_size=1, seq_len=8)
+    assert str(caught.value).startswith(f"transformers cannot build the config of hf:{repo}: {says}"), caught.value

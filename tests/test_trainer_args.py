@@ -282,10 +282,31 @@ def test_invalid_values_are_named():
         build_step("mlp", trainer_args=42)
 
 
-def test_arguments_it_does_not_know_are_named_as_not_read():
-    step = build_step("mlp", trainer_args={"per_device_train_batch_size": 2, "max_length": 512, "packing": True})
+@dataclasses.dataclass
+class _SftLikeArguments(transformers.TrainingArguments):
+    """A subclass with arguments of its own, as TRL's SFTConfig has."""
+
+    max_length: int = 1024
+    packing: bool = False
+
+
+def test_a_subclass_arguments_it_does_not_know_are_named_as_not_read():
+    config = _SftLikeArguments(output_dir="unused", use_cpu=True, report_to="none", per_device_train_batch_size=2,
+                               max_length=512, packing=True)
+    step = build_step("mlp", trainer_args=config)
     assert step.trainer_args.unknown == ("max_length", "packing")
     assert step.notes[-1].endswith("not read (memcalc does not know them): max_length, packing")
+
+
+def test_a_key_trainingarguments_does_not_have_is_refused_with_the_closest():
+    # TrainingArguments(**arguments) raises TypeError on it; a typo must not leave accumulation at 1 unnoticed
+    with pytest.raises(InvalidInputError) as caught:
+        build_step("mlp", trainer_args={"per_device_train_batch_size": 2, "gradient_accumulaton_steps": 4})
+    message = str(caught.value)
+    assert "TrainingArguments has no argument 'gradient_accumulaton_steps'" in message
+    assert "did you mean 'gradient_accumulation_steps'?" in message
+    with pytest.raises(InvalidInputError, match=r"no argument 'max_length' \(and 'packing'\)"):
+        build_step("mlp", trainer_args={"max_length": 512, "packing": True})
 
 
 def test_the_arguments_describe_the_trainers_loop_in_training():

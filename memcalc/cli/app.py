@@ -67,6 +67,22 @@ class ModelFirstGroup(click.Group):
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
 
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command; an unknown option that other tools spell for one of ours (``--json``)
+        is answered with ours (``--format json``), where click's close matches find none."""
+        try:
+            return super().invoke(ctx)
+        except click.NoSuchOption as exc:
+            ours = SPELLED_ELSEWHERE.get(exc.option_name)
+            if ours is None or exc.possibilities:
+                raise
+            raise click.NoSuchOption(exc.option_name, f"No such option {exc.option_name!r}. Did you mean {ours}?",
+                                     ctx=exc.ctx) from None
+
+
+#: Options other tools have, as memcalc spells them (click's close matches cannot find these).
+SPELLED_ELSEWHERE = {"--json": "--format json", "--csv": "--format tsv", "--markdown": "--format github"}
+
 
 @click.group(cls=ModelFirstGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="memcalc")

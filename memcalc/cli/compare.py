@@ -50,7 +50,8 @@ def compare_command(snapshot: str, model: str, batch: int, optim: str, precision
     """
     try:
         real = load_snapshot(snapshot)
-    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, AttributeError) as exc:
+    except (pickle.UnpicklingError, EOFError, ValueError, OverflowError, MemoryError, KeyError, IndexError, TypeError,
+            AttributeError) as exc:  # what pickle and the reading of its dict raise on other bytes
         raise InvalidInputError(f"{snapshot} is not a torch.cuda.memory._snapshot() pickle ({exc})",
                                 hint="Write one with torch.cuda.memory._dump_snapshot(path) while "
                                      "torch.cuda.memory._record_memory_history() is on.") from None

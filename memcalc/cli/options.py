@@ -39,15 +39,19 @@ class ShapeType(click.ParamType[tuple[int, ...]]):
         """Parse ``value``; a tuple is already a shape; a usage error otherwise."""
         if isinstance(value, tuple):
             return value
-        text = str(value).strip().lower().replace("x", ",").strip("()[] ")
-        try:
-            dims = tuple(int(part) for part in text.split(",") if part.strip() != "")
-        except ValueError:
-            dims = ()
-        if not dims or any(d < 1 for d in dims):
-            self.fail(f"{value!r} is not a shape; give positive integers separated by commas, "
+        text = str(value).strip().lower().strip("()[] ")
+        parts = text.split("," if "," in text else "x")  # 3,224,224 or 3x224x224: each part one dimension
+        bad = next((part for part in parts if not _is_dimension(part.strip())), None)
+        if bad is not None:
+            what = "an empty dimension" if not bad.strip() else f"the dimension {bad.strip()!r}"
+            self.fail(f"{value!r} is not a shape ({what}); give positive integers separated by commas, "
                       f"e.g. 3,224,224 (one sample, without the batch dimension)", param, ctx)
-        return dims
+        return tuple(int(part) for part in parts)
+
+
+def _is_dimension(text: str) -> bool:
+    """Whether ``text`` is a dimension: ASCII digits, at least 1 (``"x"``, ``""``, ``"-1"`` are not)."""
+    return text.isascii() and text.isdigit() and int(text) >= 1
 
 
 def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -29,7 +29,8 @@ _T = TypeVar("_T")
 
 
 class BytesType(click.ParamType[int]):
-    """``24GiB``, ``16 GiB``, ``80GB``, ``12884901888`` → bytes."""
+    """``24GiB``, ``16 GiB``, ``80GB``, ``12884901888B`` → bytes. A number needs its unit: a bare
+    ``10`` is refused rather than read as 10 bytes (the unit forgotten, not a budget of 10 B)."""
 
     name = "size"
 
@@ -38,9 +39,14 @@ class BytesType(click.ParamType[int]):
         if isinstance(value, int):
             return value
         try:
-            return parse_bytes(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
+            nbytes = parse_bytes(value)
+        except ValueError as exc:  # named in the command line's forms: a number with its unit
+            self.fail(str(exc).replace(BYTES_FORMS, CLI_BYTES_FORMS), param, ctx)
+        number = str(value).strip()
+        if _NUMBER.fullmatch(number):  # "10" is rarely 10 bytes: the unit was forgotten
+            self.fail(f"{number} has no unit; give a unit: {number}GiB, {number}GB, {number}MiB "
+                      f"({number}B for bytes)", param, ctx)
+        return nbytes
 
 
 class ListType(click.ParamType[list[_T]]):
@@ -97,6 +103,8 @@ class UnitCommand(click.Command):
 
 
 _NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+#: The sizes ``--budget`` takes: a number with its unit (a bare number is refused, not read as bytes).
+CLI_BYTES_FORMS = "a number with a unit: 24GiB, 16 GiB, 80GB, 512MiB, 1.5TiB, 12884901888B"
 _WORD = re.compile(r"[A-Za-z]+")
 
 
@@ -140,7 +148,7 @@ def budget_options(func: Callable[..., Any]) -> Callable[..., Any]:
                         help="A GPU of this machine: its free memory minus a new process's CUDA "
                              "context (auto: the one with the most free memory).")(func)
     func = click.option("--budget", type=BytesType(), default=None,
-                        help=f"Bytes the step may use, nothing subtracted: {BYTES_FORMS}.")(func)
+                        help=f"Bytes the step may use, nothing subtracted: {CLI_BYTES_FORMS}.")(func)
     func = click.option("--gpu", default=None, metavar="NAME",
                         help="A GPU model (a100-40gb, h100-80gb, ...): its memory minus the CUDA context.")(func)
     return func

@@ -43,10 +43,10 @@ class UnknownModelError(MemcalcError, LookupError):
 
     exit_code = 2
 
-    def __init__(self, name: str, suggestions: list[str]):
+    def __init__(self, name: str, suggestions: list[str], *, reason: str | None = None):
         hint = f"Did you mean {' or '.join(suggestions)}?" if suggestions else None
         hint = (hint + " " if hint else "") + "Run `memcalc zoo` to list the models."
-        super().__init__(f"unknown model {name!r}", hint=hint)
+        super().__init__(f"unknown model {name!r}" + (f": {reason}" if reason else ""), hint=hint)
         self.name = name
         self.suggestions = suggestions
 
@@ -254,7 +254,14 @@ def _no_meta_kernel(cause: BaseException) -> bool:
     return isinstance(cause, NotImplementedError) or ("meta" in text and "implement" in text) or "fake impl" in text
 
 
+#: What torch says when a tensor's sizes multiply past int64 (c10's ``computeStorageNbytes``, ``numel``).
+_SIZE_OVERFLOW = ("Storage size calculation overflowed", "integer multiplication overflow")
+
+
 def _hint_for(cause: BaseException) -> str:
+    if any(words in str(cause) for words in _SIZE_OVERFLOW):
+        return ("A tensor of these sizes would hold more than 2**63 - 1 bytes, the most PyTorch can address: "
+                "give a smaller --batch (or --seq-len, --input-shape).")
     if _no_meta_kernel(cause):
         return ("The op has no shape-only (meta) implementation in this PyTorch version, so memcalc "
                 "cannot run it without data; please report the op.")

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from memcalc.core.choices import parse_choice
+from memcalc.core.counts import INT64_MAX, as_integer
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 
 __all__ = (
@@ -27,6 +29,8 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 #: deepspeed/runtime/zero/config.py: ``reduce_bucket_size`` default, in elements.
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
 _MIB = 1024 * 1024
+#: The most GPUs a setting may name: memcalc lists every rank (the largest clusters hold ~10**5 GPUs).
+MAX_WORLD_SIZE = 2**20
 
 
 class Strategy(str, enum.Enum):
@@ -94,11 +98,7 @@ class Distributed:
         strategy_ = parse_choice(Strategy, strategy, "strategy")
         sharding_ = FsdpSharding.FULL_SHARD if sharding is None else parse_choice(FsdpSharding, sharding,
                                                                                  "FSDP sharding")
-        if world_size is not None and (not _is_int(world_size) or world_size < 1):
-            kind = "" if _is_int(world_size) else f" ({type(world_size).__name__})"
-            raise InvalidInputError(
-                f"world_size is the number of GPUs: an integer, at least 1; got {world_size!r}{kind}",
-                hint="e.g. world_size=4 (--world-size 4)")
+        world_size = _checked_world_size(world_size)
         for flag, setting in (("batch_is_global", batch_is_global),
                               ("gradient_as_bucket_view", gradient_as_bucket_view)):
             if not isinstance(setting, bool):
@@ -108,15 +108,9 @@ class Distributed:
                              batch_is_global=batch_is_global)
         ids = _device_ids(device_ids, strategy_)
         world = _world_size(strategy_, world_size, ids)
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-                                          or not bucket_cap_mb > 0):
-            raise InvalidInputError(
-                f"bucket_cap_mb is DDP's bucket size in MiB, a positive number; got {bucket_cap_mb!r}")
-        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
-        if reduce_bucket_size is not None and (not _is_int(reduce_bucket_size) or reduce_bucket_size < 1):
-            raise InvalidInputError(f"reduce_bucket_size is a number of elements, an integer ≥ 1; "
-                                    f"got {reduce_bucket_size!r}")
-        bucket = DEEPSPEED_REDUCE_BUCKET_SIZE if reduce_bucket_size is None else int(reduce_bucket_size)
+        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else _checked_bucket_cap_mb(bucket_cap_mb)
+        bucket = (DEEPSPEED_REDUCE_BUCKET_SIZE if reduce_bucket_size is None
+                  else _checked_reduce_bucket_size(reduce_bucket_size))
         if strategy_ is Strategy.DP and not ids:
             ids = tuple(range(world))
         values = {"strategy": strategy_, "world_size": world, "device_ids": ids,
@@ -216,8 +210,42 @@ def _refuse_inapplicable(strategy: Strategy, **values: object) -> None:
         raise InapplicableOptionError(message)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _checked_world_size(world_size: object) -> int | None:
+    """None, or the number of GPUs as an ``int`` (NumPy's integers are integers), from 1 to
+    :data:`MAX_WORLD_SIZE`."""
+    if world_size is None:
+        return None
+    number = as_integer(world_size)
+    if number is not None and number > MAX_WORLD_SIZE:
+        raise InvalidInputError(f"world_size (--world-size) is the number of GPUs, at most {MAX_WORLD_SIZE:,} "
+                                f"(2**20; memcalc lists every rank); got {number:,}")
+    if number is None or number < 1:
+        kind = "" if number is not None else f" ({type(world_size).__name__})"
+        raise InvalidInputError(
+            f"world_size is the number of GPUs: an integer, at least 1; got {world_size!r}{kind}",
+            hint="e.g. world_size=4 (--world-size 4)")
+    return number
+
+
+def _checked_bucket_cap_mb(bucket_cap_mb: object) -> float:
+    """DDP's bucket size in MiB: a positive, finite number whose bytes fit a tensor (int64)."""
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real) or not float(bucket_cap_mb) > 0:
+        raise InvalidInputError(
+            f"bucket_cap_mb is DDP's bucket size in MiB, a positive number; got {bucket_cap_mb!r}")
+    cap = float(bucket_cap_mb)
+    if not math.isfinite(cap) or cap * _MIB > INT64_MAX:
+        raise InvalidInputError(f"bucket_cap_mb (--bucket-cap-mb) is DDP's bucket size in MiB, at most "
+                                f"{INT64_MAX // _MIB:,} (2**63 - 1 bytes, the largest tensor); got {bucket_cap_mb!r}")
+    return cap
+
+
+def _checked_reduce_bucket_size(reduce_bucket_size: object) -> int:
+    """DeepSpeed's reduce bucket, in elements: an integer from 1 to 2**63 - 1."""
+    number = as_integer(reduce_bucket_size)
+    if number is None or number < 1 or number > INT64_MAX:
+        raise InvalidInputError(f"reduce_bucket_size is a number of elements, an integer from 1 to {INT64_MAX:,} "
+                                f"(2**63 - 1); got {reduce_bucket_size!r}")
+    return number
 
 
 def _world_size(strategy: Strategy, world_size: int | None, ids: tuple[int, ...]) -> int:

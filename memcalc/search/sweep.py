@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memcalc.core.choices import parse_choice
+from memcalc.core.counts import as_integer, fits_int64
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.core.progress import report_progress
@@ -88,9 +89,11 @@ def _items(values: object, name: str, example: str) -> list[Any]:
 
 
 def _check_batch(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInputError(f"batch_sizes: {value!r} is not a positive integer batch size")
-    return value
+    """A batch size: an integer (NumPy's included) from 1 to 2**63 - 1."""
+    batch = as_integer(value)
+    if batch is None or batch < 1 or not fits_int64(batch):
+        raise InvalidInputError(f"batch_sizes: {value!r} is not a positive integer batch size (at most 2**63 - 1)")
+    return batch
 
 
 def _check_optimizer(value: Optimizer | str) -> str:

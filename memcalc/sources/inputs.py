@@ -11,11 +11,12 @@ from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
+from memcalc.core.counts import tensor_bytes_problem
 from memcalc.core.errors import InvalidInputError, ModelSourceError, user_frame
 from memcalc.engine.model import ModelInputs
 from memcalc.sources.user_code import Example
 
-__all__ = ("Asked", "InputPlan", "as_inputs", "input_maker", "requested_shape")
+__all__ = ("Asked", "InputPlan", "as_inputs", "check_batch_fits", "input_maker", "requested_shape")
 
 _Shape: TypeAlias = tuple[int, ...]
 
@@ -95,6 +96,20 @@ def input_maker(name: str, asked: Asked, example: Example | None, where: str | N
                  "or --seq-len N for token ids, or pass inputs=..., or define example_inputs(batch_size) "
                  "beside the factory.")
     return InputPlan(_shaped_inputs(batch_size, shape, asked.tokens), ())
+
+
+#: Bytes of one element of the inputs memcalc makes: int64 token ids, float32 features.
+TOKEN_BYTES, FEATURE_BYTES = 8, 4
+
+
+def check_batch_fits(batch_size: int, shape: _Shape, *, tokens: bool) -> None:
+    """The input batch ``(batch_size, *shape)`` can exist: its bytes fit PyTorch's int64 sizes.
+    Checked before the model is built, so that an overflowing batch is refused naming the batch
+    size instead of failing inside torch with its C++ frames."""
+    problem = tensor_bytes_problem((batch_size, *shape), TOKEN_BYTES if tokens else FEATURE_BYTES)
+    if problem is not None:
+        raise InvalidInputError(f"batch_size (--batch) is too large for this input: {problem}",
+                                hint="Give a smaller --batch (or --input-shape, --seq-len).")
 
 
 def _shaped_inputs(batch_size: int, shape: _Shape, tokens: bool) -> Callable[[torch.device], ModelInputs]:

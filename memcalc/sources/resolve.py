@@ -52,10 +52,11 @@ from memcalc.core.errors import (
 )
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
-from memcalc.sources.inputs import Asked, as_inputs, input_maker, requested_shape
-from memcalc.sources.user_code import Example, load_from_file, load_from_module
+from memcalc.sources.inputs import Asked, as_inputs, check_batch_fits, input_maker, requested_shape
+from memcalc.sources.user_code import Example, load_from_file, load_from_module, name_the_factory
 from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
 from memcalc.stacks.transformers.checkpointing import hf_checkpointing, supports_checkpointing
+from memcalc.stacks.transformers.config_check import check_config, config_error
 from memcalc.stacks.transformers.generate import generate_on_meta
 from memcalc.stacks.transformers.heads import (
     AUTO_CLASSES,
@@ -126,6 +127,8 @@ def resolve(
         raise InvalidInputError("give a batch size (or inputs to take it from)")
 
     seq_len_only = seq_len if input_shape is None else None
+    if shape is not None and user_inputs is None:
+        check_batch_fits(batch_size, shape, tokens=seq_len_only is not None)
     return _bound(_resolve_any(model, batch_size, shape, seq_len_only, user_inputs))
 
 
@@ -180,7 +183,7 @@ def _resolve_string(spec: str, batch_size: int, shape: _Shape | None, seq_len: i
         factory, example = load_from_module(prefix, rest)
         return _resolve_factory(factory, spec, asked, example, prefix)
     if spec.endswith(".py"):
-        raise InvalidInputError(f"{spec!r}: name the factory too, as {spec}:make_model")
+        raise name_the_factory(Path(spec))
     raise UnknownModelError(spec, models_zoo.closest(spec))
 
 
@@ -189,6 +192,8 @@ def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_l
     """A zoo name: transformers' model when the entry has a Hugging Face config and transformers
     is installed, else the plain-torch definition (with a note saying why, for a language model)."""
     per_sample = _entry_shape(entry, shape, seq_len)
+    if user_inputs is None:
+        check_batch_fits(batch_size, per_sample, tokens=entry.input_kind is InputKind.TOKENS)
     if entry.hf is not None and builds_transformers(entry):
         return _resolve_zoo_hf(entry, entry.hf, batch_size, per_sample, user_inputs)
     resolved = _resolve_zoo_torch(entry, batch_size, per_sample, user_inputs, entry.name)
@@ -428,9 +433,12 @@ def _hf_resolve(source: HuggingFace, batch_size: int, shape: _Shape | None, seq_
                 user_inputs: _Inputs | None) -> ResolvedModel:
     transformers = import_hf("transformers", f"the model source {source.spec}")
     config = load_config(transformers, source)
+    check_config(transformers, config, source.spec)
     context = getattr(config, "max_position_embeddings", None)
     asked = (shape[0] if shape else None) or seq_len
     length = asked or min(context or _HF_DEFAULT_SEQ_LEN, _HF_DEFAULT_SEQ_LEN)
+    if user_inputs is None:
+        check_batch_fits(batch_size, (length,), tokens=True)
     resolved = _hf_model(transformers, config, source.spec, source.attention, batch_size, length, user_inputs,
                          source.head)
     if user_inputs is None and isinstance(context, int) and length > context:
@@ -512,6 +520,9 @@ def _hf_model_from_config(transformers: ModuleType, config: Any, attn: HfAttenti
                 raise InvalidInputError(f"{name} cannot run --attn {attn.value}: {str(exc).splitlines()[0]}",
                                         hint="Leave --attn out to run what transformers picks for it.") from exc
             continue
+        except (ArithmeticError, AttributeError, TypeError, IndexError, KeyError) as exc:  # a field it did not check
+            raise config_error(name, f"{type(exc).__name__} while building {getattr(build, '__qualname__', build)}: "
+                                     f"{' '.join(str(exc).split())}") from exc
         check_supported(model, attn, name)
         settle_loss_type(model)
         return model

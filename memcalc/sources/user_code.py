@@ -9,6 +9,7 @@ neighbours stay in ``sys.path`` / ``sys.modules``.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -25,7 +26,7 @@ from torch import nn
 import models_zoo
 from memcalc.core.errors import InvalidInputError, MemcalcError, ModelSourceError, UnknownModelError, user_frame
 
-__all__ = ("Example", "load_from_file", "load_from_module", "load_function")
+__all__ = ("Example", "factory_names", "load_from_file", "load_from_module", "load_function", "name_the_factory")
 
 #: A user's ``example_inputs(batch_size[, seq_len=N])``: anything ``InputsLike`` (user code: unchecked).
 Example: TypeAlias = Callable[..., Any]
@@ -38,6 +39,43 @@ def load_from_file(path: Path, attr: str) -> tuple[Callable[[], object], Example
     factory, example = _factory_from(module, attr, str(path))
     # the factory and example_inputs may import their neighbours lazily, when they are called
     return _in_folder(factory, folder), (_in_folder(example, folder) if example is not None else None)
+
+
+def name_the_factory(path: Path) -> InvalidInputError:
+    """The error for a model file given without its factory (``memcalc models.py``): the file is
+    run, as naming a factory would run it, to suggest the factories it defines."""
+    module, _folder = _exec_file(path, "model file", ModelSourceError)
+    names = factory_names(module)
+    example = names[0] if names else "make_model"
+    return InvalidInputError(f"{str(path)!r}: name the factory too, as {path}:{example}",
+                             hint=f"Factories defined there (callables that take no argument): {', '.join(names[:10])}."
+                             if names else "It defines no callable that takes no argument: add a function that "
+                                           "returns the model (def make_model(): return MyModel()).")
+
+
+def factory_names(module: ModuleType) -> list[str]:
+    """The names in ``module`` that can build its model: module objects, and the functions and
+    ``nn.Module`` classes defined there (not imported) that take no argument; not
+    ``example_inputs``."""
+    names = []
+    for name, value in vars(module).items():
+        if name.startswith("_") or name == "example_inputs":
+            continue
+        defined_here = getattr(value, "__module__", None) == module.__name__
+        if isinstance(value, nn.Module) or (defined_here and _takes_no_argument(value)):
+            names.append(name)
+    return names
+
+
+def _takes_no_argument(value: object) -> bool:
+    """A function, or an ``nn.Module`` class, callable without arguments."""
+    if not (inspect.isfunction(value) or (inspect.isclass(value) and issubclass(value, nn.Module))):
+        return False
+    try:
+        parameters = inspect.signature(value).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
 
 
 def _exec_file(path: Path, what: str, error: type[MemcalcError]) -> tuple[ModuleType, str]:
@@ -104,7 +142,8 @@ def load_from_module(module_path: str, attr: str) -> tuple[Callable[[], object],
         module = importlib.import_module(module_path)
     except ModuleNotFoundError as exc:
         if exc.name and module_path.startswith(exc.name):
-            raise UnknownModelError(f"{module_path}:{attr}", models_zoo.closest(module_path)) from exc
+            raise UnknownModelError(f"{module_path}:{attr}", models_zoo.closest(module_path),
+                                    reason=f"no module named {exc.name!r} is importable here") from exc
         raise ModelSourceError(f"importing {module_path} raised ModuleNotFoundError: {exc}") from exc
     except SyntaxError as exc:
         raise ModelSourceError(f"syntax error in {exc.filename}, line {exc.lineno}: {exc.msg}") from exc
@@ -118,9 +157,12 @@ def _factory_from(module: ModuleType, attr: str, where: str) -> tuple[Callable[[
         raise InvalidInputError(f"name the factory after the colon: {where}:make_model")
     factory = getattr(module, attr, None)
     if factory is None:
-        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        raise ModelSourceError(f"{where} has no attribute {attr!r}",
-                               hint=f"Callables defined there: {', '.join(public[:10]) or 'none'}")
+        names = factory_names(module)
+        close = difflib.get_close_matches(attr, names, n=1)
+        meant = f"; did you mean {close[0]!r}?" if close else ""
+        raise ModelSourceError(f"{where} has no attribute {attr!r}{meant}",
+                               hint=f"Factories defined there (callables that take no argument): "
+                                    f"{', '.join(names[:10]) or 'none'}.")
     example = getattr(module, "example_inputs", None)
     if isinstance(factory, nn.Module):
         instance = factory

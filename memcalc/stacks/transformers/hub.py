@@ -60,6 +60,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError, ModelSourceError
+from memcalc.stacks.transformers.config_check import check_config_file, config_error
 from memcalc.stacks.transformers.heads import Head
 
 __all__ = (
@@ -295,6 +296,7 @@ def _auto_config(transformers: ModuleType, path: Path, source: HuggingFace) -> A
     """``AutoConfig`` from a local file: no network. A config whose class lives in the
     repository's own code (``auto_map``, ``trust_remote_code``) is refused: memcalc runs no code
     from the Hub."""
+    check_config_file(path, source.spec)
     try:
         return transformers.AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError, OSError) as exc:
@@ -305,6 +307,8 @@ def _auto_config(transformers: ModuleType, path: Path, source: HuggingFace) -> A
                  "does not run; estimate that code as file.py:factory instead." if remote else
                  "Check that the file is a transformers config.json, and that transformers is recent enough "
                  "for its model_type.") from exc
+    except Exception as exc:  # transformers' own validation (a field's type, a dtype): one line, not its frames
+        raise config_error(source.spec, f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
 
 
 # ---- the Hub ---------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ transformers'), is named in the report's note as not read.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import json
 import os
@@ -201,12 +202,18 @@ def read_training_args(args: Any = None) -> TrainerSetup:
         InapplicableOptionError: an argument that changes memory in a way memcalc does not
             model (:data:`REFUSED`), a checkpointing keyword or an optimizer it cannot follow.
     """
+    # a file is read before transformers is imported (seconds): a missing or broken file is said at once
+    from_file = load_training_args(args) if isinstance(args, (str, os.PathLike)) else None
     transformers = import_hf("transformers", "loop trainer (the Trainer's TrainingArguments)")
     version = transformers.__version__
     defaults = _class_defaults(transformers.TrainingArguments)
     if args is None:
         return _defaults_setup(transformers, defaults, f"the TrainingArguments defaults of transformers {version}")
-    given, source, own_defaults = _given_values(transformers, args)
+    given, source, own_defaults = ((from_file, str(args), {}) if from_file is not None
+                                   else _given_values(transformers, args))
+    if not isinstance(args, transformers.TrainingArguments):
+        _refuse_unknown(given, defaults, f"training arguments file {args}" if from_file is not None
+                        else "trainer_args")
     values = {**defaults, **{k: v for k, v in given.items() if k in defaults}}
     _refuse_unmodelled(values)
     read: list[tuple[str, str]] = []
@@ -259,7 +266,11 @@ def load_training_args(path: str | os.PathLike[str]) -> dict[str, Any]:
                                 hint="Write it with TrainingArguments.to_json_string() (JSON), or as YAML.")
     if not file.is_file():
         raise InvalidInputError(f"training arguments file not found: {file}")
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"training arguments file {file} cannot be read: {type(exc).__name__}: "
+                                f"{exc.strerror if isinstance(exc, OSError) else exc}") from None
     if suffix == ".json":
         try:
             data = json.loads(text)
@@ -302,6 +313,24 @@ def _given_values(transformers: ModuleType, args: Any) -> tuple[dict[str, Any], 
     raise InvalidInputError(f"trainer_args must be a transformers.TrainingArguments, a dict of its arguments or the "
                             f"path of a .json or .yaml file of them; got {type(args).__name__}",
                             hint="e.g. trainer_args=TrainingArguments(per_device_train_batch_size=8, bf16=True)")
+
+
+def _refuse_unknown(given: Mapping[str, Any], defaults: Mapping[str, Any], source: str) -> None:
+    """A file or a dict of arguments holds only TrainingArguments' own: ``TrainingArguments(**it)``
+    raises on any other key, and a mistyped one (``gradient_accumulaton_steps``) would otherwise
+    leave its argument at the default unnoticed. The names any release has (:data:`MAPPED`,
+    :data:`IGNORED`, :data:`REFUSED`) are known too."""
+    known = sorted(defaults.keys() | MAPPED | IGNORED | REFUSED.keys())
+    unknown = [name for name in given if name not in known]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], known, n=1)
+    others = f" (and {', '.join(repr(n) for n in unknown[1:])})" if unknown[1:] else ""
+    raise InvalidInputError(
+        f"{source}: TrainingArguments has no argument {unknown[0]!r}{others}"
+        + (f"; did you mean {close[0]!r}?" if close else ""),
+        hint="TrainingArguments(**arguments) refuses it too. A subclass's own arguments (TRL's SFTConfig: "
+             "max_length, packing) are read from the object itself: trainer_args=config in Python.")
 
 
 def _class_defaults(cls: type) -> dict[str, Any]:
