@@ -188,8 +188,9 @@ def uniform_packed_lstm_runs_onednn() -> bool:
     """Whether this torch's packed ``at::lstm`` (native/RNN.cpp) unwraps a PackedSequence whose
     batch sizes are all equal into a (steps, batch, features) tensor and runs the unpacked
     ``at::lstm`` — oneDNN where ``use_mkldnn`` allows ("If packed sequence has uniform batch size,
-    unwrap to regular tensor": torch 2.13 does, pytorch#185531). Read off the ops of one real
-    LSTM step of one element rather than a version number; call it with oneDNN enabled."""
+    unwrap to regular tensor"). torch 2.13 does (measured); pytorch#185531 proposes the unwrap, and
+    whether that PR is the one merged was not checked. Read off the ops of one real LSTM step of
+    one element rather than a version number; call it with oneDNN enabled."""
     seen = _OpsSeen()
     weights = [torch.zeros(4, 1), torch.zeros(4, 1), torch.zeros(4), torch.zeros(4)]  # w_ih, w_hh, b_ih, b_hh
     state = [torch.zeros(1, 1, 1), torch.zeros(1, 1, 1)]
