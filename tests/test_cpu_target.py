@@ -26,7 +26,13 @@ from memcalc.cli import main
 from memcalc.fields import build_step
 from memcalc.measure.step import attach_measurement, cpu_comparison_note, measure_cpu
 from memcalc.targets.cpu import onednn
-from memcalc.targets.cpu.kernels import cpu_flash_refusal, flash_backward_temporaries, flash_forward_temporaries
+from memcalc.targets.cpu.kernels import (
+    CpuCapabilities,
+    cpu_flash_refusal,
+    flash_backward_temporaries,
+    flash_forward_temporaries,
+    uniform_packed_lstm_runs_onednn,
+)
 from memcalc.targets.versions import parse_torch_version
 
 # The issue's bar is 2 %; on torch 2.13 these agree within ~0.01 % (a few CPU scalars such as
@@ -149,19 +155,25 @@ def test_issue_models_measure_within_the_bar_through_the_api(models_file: Path, 
 
 
 class Rnn(nn.Module):
-    """One recurrent layer stack and a head; ``packed`` feeds it a PackedSequence."""
+    """One recurrent layer stack and a head; ``packed`` feeds it a PackedSequence, its sequences
+    of decreasing lengths, or all as long as the input with ``uniform`` (every step's batch the
+    same), in the reverse order with ``enforce_sorted=False``."""
 
-    def __init__(self, kind: str, packed: bool = False, **options: object) -> None:
+    def __init__(self, kind: str, packed: bool = False, uniform: bool = False, enforce_sorted: bool = True,
+                 features: int = 128, **options: object) -> None:
         super().__init__()
-        self.rnn = getattr(nn, kind)(128, 64, batch_first=True, **options)
-        self.packed = packed
+        self.rnn = getattr(nn, kind)(features, 64, batch_first=True, **options)
+        self.packed, self.uniform, self.enforce_sorted = packed, uniform, enforce_sorted
         width = (self.rnn.proj_size or self.rnn.hidden_size) * (2 if self.rnn.bidirectional else 1)
         self.out = nn.Linear(width, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            lengths = torch.arange(x.shape[0], 0, -1) * (x.shape[1] // x.shape[0])
-            x = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+            batch, steps = x.shape[0], x.shape[1]
+            lengths = torch.full((batch,), steps) if self.uniform else torch.arange(batch, 0, -1) * (steps // batch)
+            if not self.enforce_sorted:
+                lengths = lengths.flip(0)
+            x = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=self.enforce_sorted)
             return self.out(self.rnn(x)[0].data.sum(0, keepdim=True))
         return self.out(self.rnn(x)[0][:, -1])
 
@@ -209,6 +221,80 @@ def test_cpu_rnn_paths_match_the_real_cpu(name: str) -> None:
     assert measured
     error = _error(measured, estimate.peak_requested)
     assert abs(error) <= TOLERANCE, f"{name}: {estimate.peak_requested:,} B vs real {measured:,} B ({error:+.2%})"
+
+
+# A packed LSTM (issue 32, item 4): torch 2.13's packed at::lstm unwraps a batch whose sizes are
+# all equal (every sequence as long as the longest: batch 1, or lengths never shorter than the
+# padding) into a time-major tensor and runs oneDNN's LSTM, workspace and all (native/RNN.cpp).
+# The old estimate kept PackedLayer's generic path for every packed LSTM: here -25.5 % (uniform),
+# -26.6 %, -26.9 %, -27.7 %, -32.8 % (without bias); with projections (never oneDNN) it crashed
+# (IndexError in gather_params). Varying lengths and GRUs stay on the generic path (exact before
+# and after).
+PACKED_LSTM_CASES = {
+    "uniform": dict(num_layers=1),
+    "uniform-two-layers-unsorted": dict(num_layers=2, enforce_sorted=False),
+    "uniform-bidirectional": dict(num_layers=1, bidirectional=True),
+    "uniform-two-layers-bidirectional-dropout": dict(num_layers=2, bidirectional=True, dropout=0.2),
+    "uniform-without-bias": dict(num_layers=1, bias=False),
+    "uniform-projections": dict(num_layers=2, proj_size=16),
+    "varying-unsorted-bidirectional": dict(num_layers=2, bidirectional=True, uniform=False, enforce_sorted=False),
+    "varying-projections": dict(num_layers=1, proj_size=16, uniform=False),
+    "gru-uniform": dict(kind="GRU", num_layers=2, bidirectional=True),
+}
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize("name", list(PACKED_LSTM_CASES))
+@pytest.mark.quick_cases("uniform-two-layers-unsorted")
+def test_cpu_packed_lstm_matches_the_real_cpu(name: str) -> None:
+    options: dict[str, object] = {"kind": "LSTM", "packed": True, "uniform": True, "features": 32,
+                                  **PACKED_LSTM_CASES[name]}
+
+    def model() -> nn.Module:
+        return Rnn(**options)  # type: ignore[arg-type]
+
+    estimate = memcalc.estimate(model, batch_size=4, input_shape=(16, 32), gpu="cpu", optimizer="adam")
+    torch.manual_seed(0)
+    measured = measure_cpu(build_step(model, batch_size=4, input_shape=(16, 32), optimizer="adam")).peak_allocated
+    assert measured
+    error = _error(measured, estimate.peak_requested)
+    assert abs(error) <= TOLERANCE, f"{name}: {estimate.peak_requested:,} B vs real {measured:,} B ({error:+.2%})"
+
+
+def _real_lstm_ops(lengths: list[int]) -> set[str]:
+    """The aten ops a real packed LSTM step (forward and backward) records in the profiler."""
+    lstm = nn.LSTM(4, 8)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(max(lengths), len(lengths), 4), torch.tensor(lengths))
+    with torch.profiler.profile() as prof:
+        lstm(packed)[0].data.sum().backward()
+    return {event.name for event in prof.events()}
+
+
+def test_uniform_packed_lstm_probe_matches_the_profiler() -> None:
+    # the CPU target reads off one real call whether this torch's packed at::lstm unwraps a batch
+    # whose sizes are all equal onto oneDNN; a real step under the profiler says the same, and a
+    # batch whose sizes vary never runs oneDNN
+    assert ("aten::mkldnn_rnn_layer" in _real_lstm_ops([5, 5, 5])) is uniform_packed_lstm_runs_onednn()
+    assert "aten::mkldnn_rnn_layer" not in _real_lstm_ops([5, 4, 4])
+
+
+def test_cpu_packed_lstm_follows_onednn_only_on_a_uniform_batch() -> None:
+    # a 2-layer LSTM fed a packed batch of 4 sequences of 16 steps: every sequence as long as the
+    # padding runs oneDNN, one mkldnn_rnn_layer per layer (2: the second iteration is replayed from
+    # the traced first) and one backward each; a single shorter sequence keeps the whole batch on
+    # PackedLayer's generic path
+    if not CpuCapabilities.here().onednn_uniform_packed_lstm:
+        pytest.skip("this torch runs every packed LSTM on the generic path")
+
+    def notes(uniform: bool) -> str:
+        def model() -> nn.Module:
+            return Rnn("LSTM", packed=True, uniform=uniform, features=16, num_layers=2)
+
+        return "\n".join(memcalc.estimate(model, batch_size=4, input_shape=(16, 16), gpu="cpu",
+                                          optimizer="adam").notes)
+
+    assert "aten.mkldnn_rnn_layer.default ×2, aten.mkldnn_rnn_layer_backward.default ×2" in notes(uniform=True)
+    assert "mkldnn_rnn_layer" not in notes(uniform=False)
 
 
 @pytest.mark.slow  # a real oneDNN LSTM step under the profiler

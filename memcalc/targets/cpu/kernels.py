@@ -17,7 +17,10 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
   direction; each keeps a oneDNN workspace for its backward and, inside, reorders the weights
   and takes a scratchpad (sizes: :mod:`memcalc.targets.cpu.onednn`). GRU, plain RNN, LSTM with
   projections and packed sequences run ``_rnn_impl``, which on a CPU tensor projects the
-  inputs of all steps at once — meta's never do (:func:`generic_rnn`, :func:`packed_rnn`).
+  inputs of all steps at once — meta's never do (:func:`generic_rnn`, :func:`packed_rnn`). But
+  a packed LSTM whose batch sizes are all equal (every sequence as long as the longest) is
+  unwrapped into a time-major tensor and runs oneDNN in torch 2.13
+  (:func:`uniform_packed_mkldnn_rnn`, probed by :func:`uniform_packed_lstm_runs_onednn`).
 - Mixed precision: ``torch.autocast("cpu")`` casts by CPU autocast's own op lists
   (:func:`~memcalc.targets.autocast.cpu_autocast_policy`), not CUDA's: softmax and layer_norm,
   among others, run in the dtype that reaches them (:meth:`CpuEmulation.dispatch`,
@@ -60,7 +63,8 @@ rules above call them on meta tensors:
 - :func:`generic_rnn`: ``at::lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` without oneDNN
   (``native/RNN.cpp``): on a CPU tensor ``FullLayer`` projects the inputs of all steps at once
   (``inputs.device().is_cpu()``), which meta tensors never do; :func:`packed_rnn` is the same
-  for a ``PackedSequence`` (``PackedLayer``, ``ReversedPackedLayer``).
+  for a ``PackedSequence`` (``PackedLayer``, ``ReversedPackedLayer``), and
+  :func:`uniform_packed_mkldnn_rnn` the packed LSTM's detour to oneDNN on a uniform batch.
 
 Sizes follow torch 2.13 with oneDNN v3.12 on x86-64 (float32, and bfloat16 GEMMs on
 AVX512-BF16 without AMX; checked against the CPU profiler). The per-thread buffers use this
@@ -71,6 +75,7 @@ can say which op it is.
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 from collections import Counter
@@ -81,6 +86,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch._ops import OpOverload
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memcalc.core.categories import Category
 from memcalc.core.precision import Precision
@@ -116,6 +122,8 @@ __all__ = (
     "mkldnn_rnn",
     "packed_rnn",
     "statistics_nbytes",
+    "uniform_packed_lstm_runs_onednn",
+    "uniform_packed_mkldnn_rnn",
 )
 
 aten = torch.ops.aten
@@ -145,6 +153,9 @@ class CpuCapabilities:
     # the ISA of oneDNN's bf16 matmul (onednn_bf16_matmul_isa); its threads are ``threads``
     # (dnnl_get_max_threads() is omp_get_max_threads(), which at::set_num_threads sets)
     onednn_bf16_isa: str = ""
+    # the packed at::lstm runs oneDNN on a batch whose sizes are all equal (probed:
+    # :func:`uniform_packed_lstm_runs_onednn`)
+    onednn_uniform_packed_lstm: bool = False
 
     @classmethod
     def here(cls) -> CpuCapabilities:
@@ -155,7 +166,37 @@ class CpuCapabilities:
                    onednn_bf16=onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
                    onednn_fp16=onednn and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()),
                    flash_sdp=torch.backends.cuda.flash_sdp_enabled(),  # type: ignore[no-untyped-call]  # untyped
-                   onednn_bf16_isa=onednn_bf16_matmul_isa(torch._C._cpu._get_cpu_capability(), os.environ))
+                   onednn_bf16_isa=onednn_bf16_matmul_isa(torch._C._cpu._get_cpu_capability(), os.environ),
+                   onednn_uniform_packed_lstm=onednn and uniform_packed_lstm_runs_onednn())
+
+
+class _OpsSeen(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
+    """The aten ops a call runs, as a dispatch mode sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode.__init__ is untyped
+        self.ops: set[OpOverload] = set()
+
+    def __torch_dispatch__(self, func: OpOverload, types_: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+@functools.cache
+def uniform_packed_lstm_runs_onednn() -> bool:
+    """Whether this torch's packed ``at::lstm`` (native/RNN.cpp) unwraps a PackedSequence whose
+    batch sizes are all equal into a (steps, batch, features) tensor and runs the unpacked
+    ``at::lstm`` — oneDNN where ``use_mkldnn`` allows ("If packed sequence has uniform batch size,
+    unwrap to regular tensor"). torch 2.13 does (measured); pytorch#185531 proposes the unwrap, and
+    whether that PR is the one merged was not checked. Read off the ops of one real LSTM step of
+    one element rather than a version number; call it with oneDNN enabled."""
+    seen = _OpsSeen()
+    weights = [torch.zeros(4, 1), torch.zeros(4, 1), torch.zeros(4), torch.zeros(4)]  # w_ih, w_hh, b_ih, b_hh
+    state = [torch.zeros(1, 1, 1), torch.zeros(1, 1, 1)]
+    with torch.no_grad(), seen:
+        torch.lstm(torch.zeros(1, 1), torch.ones(1, dtype=torch.int64), state, weights, True, 1, 0.0, False, False)
+    return aten.mkldnn_rnn_layer.default in seen.ops
 
 
 class CpuKernels:
@@ -585,11 +626,21 @@ def _onednn_lstm_applies(kernels: CpuKernels, x: torch.Tensor, hx: Sequence[torc
     return caps.onednn and dtype_ok and x.numel() != 0 and hx[0].shape[2] == hx[1].shape[2]
 
 
+def _onednn_runs_packed_lstm(kernels: CpuKernels, data: torch.Tensor, batch_sizes: torch.Tensor,
+                             hx: Sequence[torch.Tensor]) -> bool:
+    """The packed ``at::lstm`` (native/RNN.cpp) on a batch whose sizes are all equal, where this
+    torch unwraps it (:func:`uniform_packed_lstm_runs_onednn`): ``use_mkldnn`` and no projections."""
+    sizes = batch_sizes.tolist()
+    return (kernels.capabilities.onednn_uniform_packed_lstm and len(sizes) > 0 and len(set(sizes)) == 1
+            and _onednn_lstm_applies(kernels, data, hx))
+
+
 @CPU_CALL_RULES.register(torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
 def recurrent(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``at::lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` on the CPU: an LSTM through oneDNN
     when ``use_mkldnn`` allows, else ``_rnn_impl`` with the CPU's precomputed input projection,
-    for a packed sequence too (:func:`mkldnn_rnn`, :func:`generic_rnn`, :func:`packed_rnn`)."""
+    for a packed sequence too (:func:`mkldnn_rnn`, :func:`generic_rnn`, :func:`packed_rnn`); a
+    packed LSTM whose batch sizes are all equal runs oneDNN (:func:`uniform_packed_mkldnn_rnn`)."""
     kind = RnnKind(getattr(func, "__name__", ""))
     if kwargs or len(args) != 9:
         return mode.dispatch(func, args, kwargs)
@@ -598,11 +649,13 @@ def recurrent(mode: CpuEmulation, func: Callable[..., Any], args: tuple[Any, ...
         return mode.dispatch(func, args, kwargs)
     # the PackedSequence overloads take (data, batch_sizes, hx, ...): hx is a list for an LSTM
     if isinstance(args[1], torch.Tensor) if kind.is_lstm else isinstance(args[2], torch.Tensor):
-        data, batch_sizes, *rest = args
+        data, batch_sizes, hx, params, *flags = args
         if batch_sizes.device.type != "cpu":
             return mode.dispatch(func, args, kwargs)
-        return packed_rnn(kind, data, batch_sizes, rest[0], rest[1], bool(rest[2]), int(rest[3]),
-                                   float(rest[4]), bool(rest[5]), bool(rest[6]))
+        packed_step = (bool(flags[0]), int(flags[1]), float(flags[2]), bool(flags[3]), bool(flags[4]))
+        if kind.is_lstm and _onednn_runs_packed_lstm(mode.kernels, data, batch_sizes, hx):
+            return uniform_packed_mkldnn_rnn(data, batch_sizes, hx, params, *packed_step)
+        return packed_rnn(kind, data, batch_sizes, hx, params, *packed_step)
     x, hx, params, has_biases, num_layers, dropout_p, train, bidirectional, batch_first = args
     step = (bool(has_biases), int(num_layers), float(dropout_p), bool(train), bool(bidirectional), bool(batch_first))
     if kind.is_lstm and _onednn_lstm_applies(mode.kernels, x, hx):
@@ -784,6 +837,17 @@ def mkldnn_rnn(x: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[tor
             layer_input = torch.dropout(layer_input, dropout_p, True)
     output = layer_input.transpose(0, 1) if batch_first else layer_input
     return output, torch.stack(hy, 0), torch.stack(cy, 0)
+
+
+def uniform_packed_mkldnn_rnn(data: torch.Tensor, batch_sizes: torch.Tensor, hx: Sequence[torch.Tensor],
+                              params: Sequence[torch.Tensor], has_biases: bool, num_layers: int, dropout_p: float,
+                              train: bool, bidirectional: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed ``at::lstm`` on a batch whose sizes are all equal: the packed data viewed as
+    (steps, batch, features), :func:`mkldnn_rnn` time-major, its output viewed packed again."""
+    steps, batch = int(batch_sizes.numel()), int(batch_sizes[0])
+    x = data.reshape(steps, batch, int(data.shape[-1]))
+    output, hy, cy = mkldnn_rnn(x, hx, params, has_biases, num_layers, dropout_p, train, bidirectional, False)
+    return output.reshape(steps * batch, int(output.shape[-1])), hy, cy
 
 
 class RnnKind(NamedTuple):
@@ -972,9 +1036,11 @@ def packed_rnn(kind: RnnKind, data: torch.Tensor, batch_sizes: torch.Tensor,
     hiddens: list[Hidden]
     if isinstance(hx, torch.Tensor):
         hiddens = list(hx.unbind(0))
+        has_projections = False
     else:
         hiddens = list(zip(hx[0].unbind(0), hx[1].unbind(0), strict=True))
-    cells = _gather_params(params, has_biases, has_projections=False)
+        has_projections = hx[0].shape[2] != hx[1].shape[2]  # an LSTM with proj_size
+    cells = _gather_params(params, has_biases, has_projections)
     directions = 2 if bidirectional else 1
     layer_input = data
     finals: list[Hidden] = []
