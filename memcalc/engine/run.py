@@ -233,6 +233,7 @@ def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastReg
     )
 
 
+@torch.inference_mode(False)  # a caller's inference mode would make every tensor of the step an inference tensor
 def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | None = None, *,
                 hooks: RankHooks | None = None, traced_loop: bool | None = None,
                 costs: CostRecorderFactory | None = None) -> TracedStep:
@@ -270,6 +271,8 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
         dtype = str(options.parameter_dtype).removeprefix("torch.")
         notes.append(f"parameters stored in {dtype} (weight_dtype) under {options.precision.value}: their "
                      f"gradients and optimizer state in {dtype} too")
+    if (built := _dtypes_as_built(module, options)) is not None:
+        notes.append(built)
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time
     recorder = costs(backend.after_op) if costs is not None else None
     reads = resolved.reads(options.mode, options.new_tokens) if resolved.reads is not None else None
@@ -349,6 +352,21 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
         if options.loop.preset is None:
             traced.loss = f"computed by the loop ({options.loop.name})"
     return traced
+
+
+def _dtypes_as_built(module: nn.Module, options: Step) -> str | None:
+    """What the report says when the parameters keep a dtype the precision does not name: an
+    fp32 step casts nothing (:func:`~memcalc.engine.prepare.cast_parameters`), so a module the
+    user built in float64 or bf16 is estimated in its own dtype — what it would run in."""
+    if options.parameter_dtype is not torch.float32:
+        return None  # the step cast the parameters to its dtype
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()
+                     if p.is_floating_point() and p.dtype is not torch.float32})
+    if not dtypes:
+        return None
+    return (f"parameters stored in {', '.join(dtypes)}, as the model was built: precision "
+            f"{options.precision.value} casts no parameter, so the step (its gradients and optimizer state too) is "
+            f"estimated in the model's own dtype")
 
 
 def _generation_of(resolved: ResolvedModel, options: Step) -> GenerateFn | None:
@@ -456,9 +474,11 @@ def _replayed(program: Program, trace: StepTrace) -> allocator.AllocatorStats:
         uid = program.storage(exc.key) if isinstance(exc.key, int) else -1
         if not 0 <= uid < trace.num_storages:
             raise InternalError(exc, stage="replaying the step") from exc
-        category = trace.category[uid]
-        made_by = trace.op[uid] or f"(none: a pre-existing {category.value if category else 'tensor'})"
-        raise InternalError(exc, op=made_by, module=trace.module[uid], phase=trace.phase[uid].value,
+        if uid in trace.preexisting:
+            category = trace.category[uid]
+            kind = category.value.replace("_", " ") if category is not None else "tensors"
+            raise InternalError(exc, stage=f"replaying pre-existing storage {uid} ({kind})") from exc
+        raise InternalError(exc, op=trace.op[uid], module=trace.module[uid], phase=trace.phase[uid].value,
                             stage=f"replaying storage {uid}, made by") from exc
 
 

@@ -17,8 +17,9 @@ When no loss was chosen and the model returns its own (``output.loss``: a Huggin
 given ``labels`` in its batch), the step trains with that one, as a Hugging Face loop does.
 
 That loop (the ``minimal`` preset, ``memcalc.Loop()``) is traced once and its second iteration
-synthesised (:mod:`memcalc.engine.timeline`). The other loops (:mod:`memcalc.engine.loops`) run
-for real, iteration by iteration; they and :func:`run_step` share what the options decide —
+synthesised (:mod:`memcalc.engine.timeline`) — unless the first freed a pre-existing storage (a
+buffer the forward rebinds), when the tracer asks for the second to run too (``run_again``).
+The other loops (:mod:`memcalc.engine.loops`) run for real, iteration by iteration; they and :func:`run_step` share what the options decide —
 the autocast region, the loss and its targets, the gradient scaler — through
 :class:`StepKit`.
 

@@ -6,7 +6,8 @@ optimizer state and activations together — every later iteration does. For mem
 we trace one step and build the second iteration from it (the same alloc/free order, with the
 storages still alive after the first iteration — optimizer state — already there), then replay
 both. Any other loop (:mod:`memcalc.engine.loops`) is traced for all its iterations, which
-are replayed as they ran.
+are replayed as they ran; so is memcalc's own loop when its first step frees a pre-existing
+storage (:func:`freed_preexisting`: a buffer the forward rebinds).
 
 The replay itself is :mod:`memcalc.engine.allocator` (the CUDA caching allocator model); this
 module builds the sequence it replays and reads the categories alive at the peak it finds, and,
