@@ -19,9 +19,9 @@ given ``labels`` in its batch), the step trains with that one, as a Hugging Face
 That loop (the ``minimal`` preset, ``memcalc.Loop()``) is traced once and its second iteration
 synthesised (:mod:`memcalc.engine.timeline`) — unless the first freed a pre-existing storage (a
 buffer the forward rebinds), when the tracer asks for the second to run too (``run_again``).
-The other loops (:mod:`memcalc.engine.loops`) run for real, iteration by iteration; they and :func:`run_step` share what the options decide —
-the autocast region, the loss and its targets, the gradient scaler — through
-:class:`StepKit`.
+The other loops (:mod:`memcalc.engine.loops`) run for real, iteration by iteration; they and
+:func:`run_step` share what the options decide — the autocast region, the loss and its
+targets, the gradient scaler — through :class:`StepKit`.
 
 ``eval`` mode is ``model.eval()`` and one forward under ``torch.no_grad()``; ``inference``
 the same under ``torch.inference_mode()``.
