@@ -15,7 +15,7 @@ from typing import Any
 
 from memcalc.core.categories import Mode
 from memcalc.core.counts import as_integer
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.errors import InvalidInputError, internal_errors_named
 from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import GpuProfile
 from memcalc.core.loop import Loop, LoopFn, LoopPreset
@@ -45,6 +45,7 @@ LossLike = LossChoice | str | LossFn | None
 LoopLike = Loop | LoopPreset | str | LoopFn | None
 
 
+@internal_errors_named("in estimate")
 def estimate(
     model: Any,
     *,
@@ -156,6 +157,7 @@ def estimate(
     return estimate_step(build_step(model, **fields), _distributed(distributed))
 
 
+@internal_errors_named("in estimate_step")
 def estimate_step(step: Step, distributed: Distributed | None = None) -> MemoryReport:
     """Estimate a step already built by :func:`memcalc.fields.build_step`: what :func:`estimate`
     does once it has converted its arguments (the CLI builds the step itself, to measure the
@@ -177,6 +179,7 @@ def estimate_step(step: Step, distributed: Distributed | None = None) -> MemoryR
     return with_time(report) if step.record_costs else report
 
 
+@internal_errors_named("in max_batch_size")
 def max_batch_size(
     model: Any,
     *,
@@ -251,6 +254,7 @@ def _margin(given: float | None, step: Step, budget: Budget) -> tuple[float, str
     return measured.fraction, measured.explain()
 
 
+@internal_errors_named("in fastest_setting")
 def fastest_setting(
     model: Any,
     *,
@@ -296,6 +300,7 @@ def fastest_setting(
                         max_batch=max_batch)
 
 
+@internal_errors_named("in iter_sweep")
 def iter_sweep(
     model: Any,
     *,
@@ -341,6 +346,7 @@ def iter_sweep(
             for point in sweep_requests(recording, configs, distributed=distributed))
 
 
+@internal_errors_named("in sweep")
 def sweep(
     model: Any,
     *,

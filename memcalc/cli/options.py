@@ -18,7 +18,7 @@ from click.core import ParameterSource
 
 from memcalc.cli.progress import progress_on_terminal
 from memcalc.core.categories import Mode
-from memcalc.core.errors import MemcalcError
+from memcalc.core.errors import InternalError, MemcalcError
 from memcalc.core.units import Unit
 from memcalc.engine.optimizers import Optimizer
 from memcalc.fields import FIELDS, Field
@@ -72,11 +72,11 @@ def handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(exc.exit_code)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
             raise
-        except Exception as exc:  # a bug in memcalc or an unexpected failure: say so plainly
+        except Exception as exc:  # a bug in memcalc's own code outside the library's entry points: say so plainly
             if debug:
                 raise
-            click.echo(f"error: {type(exc).__name__}: {exc}\n(run again with --debug for the traceback)", err=True)
-            sys.exit(1)
+            click.echo(f"error: {InternalError(exc, stage=f'in memcalc {func.__name__}')}", err=True)
+            sys.exit(InternalError.exit_code)
 
     return wrapper
 

@@ -3,11 +3,16 @@ exit code (2 for bad user input, 1 for a model that can't be estimated)."""
 
 from __future__ import annotations
 
+import functools
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar, cast
 
 __all__ = (
     "DataDependentError",
     "InapplicableOptionError",
+    "InternalError",
     "InvalidInputError",
     "LoopFunctionError",
     "LossFunctionError",
@@ -19,6 +24,7 @@ __all__ = (
     "RejectedShapesError",
     "SymbolicExecutionError",
     "UnknownModelError",
+    "internal_errors_named",
     "symbolic_execution_error",
     "user_frame",
 )
@@ -174,6 +180,75 @@ class DataDependentError(SymbolicExecutionError):
         self.hint = ("Leave such lines (loss.item(), print(loss), float(loss), logging of values) out of the loop "
                      "you estimate: reading a value allocates no GPU memory, so the estimate is the same without "
                      "them.")
+
+
+class InternalError(MemcalcError):
+    """A bug in memcalc itself, not in the model, its input or the options: a bare ``KeyError``
+    from the allocator model, say. It says so, asks for a report, and names where it happened —
+    the aten op and the module being traced, when a trace was running — so that the report can
+    be acted on. The original exception is its ``__cause__`` (``--debug`` shows both)."""
+
+    def __init__(self, cause: BaseException, *, op: str = "", module: str | None = None, phase: str = "",
+                 stage: str = ""):
+        super().__init__(f"internal error in memcalc, please report it: {type(cause).__name__}: {cause} "
+                         f"({_internal_where(op, module, phase, stage)})",
+                         hint="Run again with --debug for the traceback and include it in the report.")
+        self.op = op
+        self.module = module
+        self.phase = phase
+        self.stage = stage
+
+
+def _internal_where(op: str, module: str | None, phase: str, stage: str) -> str:
+    """Where an internal error happened, as precisely as it is known."""
+    parts = [stage] if stage else []
+    if op:
+        parts.append(f"op {op}")
+    if module is not None:
+        parts.append(f"in {_where(module)}")
+    if phase:
+        parts.append(f"during {phase}")
+    return " ".join(parts) or "outside any traced op"
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def internal_errors_named(stage: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Decorate a public entry point: any exception that is not a :class:`MemcalcError` leaves
+    it as an :class:`InternalError` (``stage`` says where: "in estimate"), never as a bare
+    Python exception. An iterator it returns is mapped the same way while it is iterated."""
+
+    def decorate(func: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(func)
+        def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with _mapped(stage):
+                result = func(*args, **kwargs)
+            if isinstance(result, Iterator):
+                return cast(_R, _iterated(result, stage))
+            return result
+
+        return call
+
+    return decorate
+
+
+def _iterated(items: Iterator[Any], stage: str) -> Iterator[Any]:
+    """``items``, with :func:`internal_errors_named`'s mapping around each step."""
+    with _mapped(stage):
+        yield from items
+
+
+@contextmanager
+def _mapped(stage: str) -> Iterator[None]:
+    """The mapping of :func:`internal_errors_named`."""
+    try:
+        yield
+    except MemcalcError:
+        raise
+    except Exception as exc:
+        raise InternalError(exc, stage=stage) from exc
 
 
 def user_frame(exc: BaseException) -> str:

@@ -73,7 +73,10 @@ __all__ = (
     "MAX_SPLIT_SIZE",
     "VA_GRANULARITY",
     "AllocatorStats",
+    "AlreadyLiveError",
     "CachingAllocatorModel",
+    "KeyStateError",
+    "NotLiveError",
     "RecordedReplay",
     "RecordingAllocatorModel",
     "replay",
@@ -81,6 +84,26 @@ __all__ = (
     "round_size",
     "segment_size",
 )
+
+
+class KeyStateError(Exception):
+    """An event the program's order makes impossible: a free of a key that is not live
+    (:class:`NotLiveError`), or an allocation under a key that is (:class:`AlreadyLiveError`).
+    The replayed program is wrong (a bug of its builder), and ``key`` lets the builder name the
+    storage."""
+
+    def __init__(self, key: Hashable, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class NotLiveError(KeyStateError, KeyError):
+    """A free of a key that is not a live allocation."""
+
+
+class AlreadyLiveError(KeyStateError, ValueError):
+    """An allocation under a key that is live already."""
+
 
 # --- Constants, each named after its C++ counterpart -------------------------------------
 
@@ -343,7 +366,7 @@ class CachingAllocatorModel:
         index = self._events
         self._events += 1
         if key in self._live or key in self._zero:
-            raise ValueError(f"allocation key {key!r} is already live")
+            raise AlreadyLiveError(key, f"allocation key {key!r} is already live")
         size = round_size(nbytes)
         if size == 0:
             self._zero.add(key)
@@ -387,7 +410,7 @@ class CachingAllocatorModel:
         try:
             block = self._live.pop(key)
         except KeyError:
-            raise KeyError(f"free of {key!r}, which is not a live allocation") from None
+            raise NotLiveError(key, f"free of {key!r}, which is not a live allocation") from None
         self._allocated -= block.size
         self._requested -= block.requested
         block.allocated = False
@@ -554,7 +577,7 @@ class CachingAllocatorModel:
             pool.insert(block)
             return block
         if key in self._live:
-            raise ValueError(f"allocation key {key!r} is already live")
+            raise AlreadyLiveError(key, f"allocation key {key!r} is already live")
         block.allocated = True
         block.requested = requested
         self._live[key] = block

@@ -88,6 +88,9 @@ class LoopTracing:
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         self.recorder.optimizer_stepped(optimizer)
 
+    def run_again(self) -> bool:
+        return False  # the loop traces every iteration it runs already
+
     def finished(self) -> None:
         self.recorder.gradients_ready(list(self.model.parameters()))
         self.recorder.finished()

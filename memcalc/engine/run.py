@@ -25,6 +25,7 @@ from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import (
     DataDependentError,
     InapplicableOptionError,
+    InternalError,
     InvalidInputError,
     MemcalcError,
     SymbolicExecutionError,
@@ -51,6 +52,7 @@ from memcalc.engine.timeline import (
     build_timeline,
     category_totals_at,
     final_categories,
+    freed_preexisting,
 )
 from memcalc.engine.trace import AfterOpHook, Op, StepTrace, StorageTracer
 
@@ -115,12 +117,14 @@ class _TracerObserver:
     the target is CUDA, where a paged optimizer's large states live in unified memory
     (:func:`~memcalc.engine.optimizers_bnb.is_paged`), outside the caching allocator."""
 
-    def __init__(self, tracer: StorageTracer, *, unified_memory: bool = False):
+    def __init__(self, tracer: StorageTracer, *, unified_memory: bool = False, model: nn.Module | None = None):
         self.tracer = tracer
+        self.model = model  # its buffers at the end of an iteration are buffers, wherever they were born
         self.unified_memory = unified_memory
         self.gradient_uids: set[int] = set()
         self.state_uids: set[int] = set()
         self.paged_uids: set[int] = set()
+        self.second_iteration: int | None = None  # where in trace.events a traced second iteration begins
 
     def set_phase(self, phase: Phase) -> None:
         self.tracer.set_phase(phase)
@@ -147,12 +151,31 @@ class _TracerObserver:
                     if self.unified_memory and is_paged(value):
                         self.paged_uids.add(uid)
 
+    def run_again(self) -> bool:
+        """Once, when the step freed a pre-existing storage (a rebound buffer): the second
+        iteration is then traced (from ``second_iteration``) rather than synthesised."""
+        if self.second_iteration is not None or not freed_preexisting(self.tracer.trace):
+            return False
+        self.second_iteration = len(self.tracer.trace.events)
+        self._buffers_bound()
+        return True
+
+    def _buffers_bound(self) -> None:
+        """The storages the model's buffers hold now count as buffers, though born in the step
+        (a buffer rebound by the forward) rather than before it."""
+        if self.model is None:
+            return
+        for buffer in self.model.buffers():
+            if (uid := self.tracer.uid_of(buffer)) is not None and self.tracer.trace.category[uid] is None:
+                self.tracer.trace.category[uid] = Category.BUFFERS
+
     def kv_cache(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
             if tensor.device.type == self.tracer.device_type:
                 self.tracer.track(tensor, Category.KV_CACHE)
 
     def finished(self) -> None:
+        self._buffers_bound()
         self.tracer.stop()
 
 
@@ -210,6 +233,7 @@ def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastReg
     )
 
 
+@torch.inference_mode(False)  # a caller's inference mode would make every tensor of the step an inference tensor
 def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | None = None, *,
                 hooks: RankHooks | None = None, traced_loop: bool | None = None,
                 costs: CostRecorderFactory | None = None) -> TracedStep:
@@ -247,6 +271,8 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
         dtype = str(options.parameter_dtype).removeprefix("torch.")
         notes.append(f"parameters stored in {dtype} (weight_dtype) under {options.precision.value}: their "
                      f"gradients and optimizer state in {dtype} too")
+    if (built := _dtypes_as_built(module, options)) is not None:
+        notes.append(built)
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time
     recorder = costs(backend.after_op) if costs is not None else None
     reads = resolved.reads(options.mode, options.new_tokens) if resolved.reads is not None else None
@@ -255,11 +281,11 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     if recorder is not None:
         recorder.attach(tracer)
     backend.attach(tracer)
-    observer = _TracerObserver(tracer, unified_memory=options.emulate_cuda)
+    observer = _TracerObserver(tracer, unified_memory=options.emulate_cuda, model=module)
     tracing = LoopTracing(tracer, module, observer) if traced_loop else None
     if hooks is not None:
         hooks.install(tracer, module)
-    _register_preexisting(tracer, module, inputs if tracing is None else ())  # a loop's batches: when drawn
+    buffers = _register_preexisting(tracer, module, inputs if tracing is None else ())  # a loop's batches: when drawn
     if options.kv_cache is not None:
         notes.append(_register_kv_cache(tracer, resolved, inputs, options))
     tracer.modules.install(module)
@@ -317,12 +343,30 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
                         config.optimizer_impl.value if has_step else "")
     traced.costs = recorder
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
+    if observer.second_iteration is not None:
+        traced.iteration_starts = [observer.second_iteration]
+        traced.notes.append(_rebound_note(trace, buffers))
     if tracing is not None:
         traced.iteration_starts = tracing.iteration_starts()
         traced.notes.extend(tracing.notes(options, ITERATIONS * options.accum_steps, has_step))
         if options.loop.preset is None:
             traced.loss = f"computed by the loop ({options.loop.name})"
     return traced
+
+
+def _dtypes_as_built(module: nn.Module, options: Step) -> str | None:
+    """What the report says when the parameters keep a dtype the precision does not name: an
+    fp32 step casts nothing (:func:`~memcalc.engine.prepare.cast_parameters`), so a module the
+    user built in float64 or bf16 is estimated in its own dtype — what it would run in."""
+    if options.parameter_dtype is not torch.float32:
+        return None  # the step cast the parameters to its dtype
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()
+                     if p.is_floating_point() and p.dtype is not torch.float32})
+    if not dtypes:
+        return None
+    return (f"parameters stored in {', '.join(dtypes)}, as the model was built: precision "
+            f"{options.precision.value} casts no parameter, so the step (its gradients and optimizer state too) is "
+            f"estimated in the model's own dtype")
 
 
 def _generation_of(resolved: ResolvedModel, options: Step) -> GenerateFn | None:
@@ -359,13 +403,24 @@ def parameter_count(params: Iterable[nn.Parameter]) -> int:
     return sum(int(getattr(p, LOGICAL_NUMEL, p.numel())) for p in params)
 
 
-def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
+def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[int, str]:
+    """Register the parameters, buffers and inputs as there before the step; returns each
+    buffer's name by uid, to name a buffer the step rebinds."""
     for p in module.parameters():
         tracer.preexisting(p, Category.PARAMETERS)
-    for b in module.buffers():
-        tracer.preexisting(b, Category.BUFFERS)
+    buffers = {tracer.preexisting(b, Category.BUFFERS): name for name, b in module.named_buffers()}
     for t in inputs:
         tracer.preexisting(t, Category.INPUTS)
+    return buffers
+
+
+def _rebound_note(trace: StepTrace, buffers: dict[int, str]) -> str:
+    """What the report says when the step rebound pre-existing storages (its second iteration
+    traced rather than synthesised)."""
+    freed = freed_preexisting(trace)
+    names = [f"'{buffers[uid]}'" for uid in freed if uid in buffers] or [f"{len(freed)} pre-existing tensors"]
+    return (f"the step rebinds buffer{'s' if len(names) > 1 else ''} {', '.join(names)} (a new tensor replaces the "
+            f"one there before the step): its second iteration was traced, not repeated from the first")
 
 
 def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs,
@@ -402,6 +457,31 @@ class _TimelineBuilder:
         return self._timeline
 
 
+def _program_of(traced: TracedStep) -> Program:
+    """The traced step's program; a step it cannot be built for is memcalc's bug, named."""
+    try:
+        return traced.program()
+    except ValueError as exc:
+        raise InternalError(exc, stage="building the program of the traced step") from exc
+
+
+def _replayed(program: Program, trace: StepTrace) -> allocator.AllocatorStats:
+    """The program replayed through the allocator model; an impossible event (a free of a
+    storage that is not live) is memcalc's bug, named by the op and module that made the storage."""
+    try:
+        return allocator.replay(allocator_events(program, trace.nbytes))
+    except allocator.KeyStateError as exc:
+        uid = program.storage(exc.key) if isinstance(exc.key, int) else -1
+        if not 0 <= uid < trace.num_storages:
+            raise InternalError(exc, stage="replaying the step") from exc
+        if uid in trace.preexisting:
+            category = trace.category[uid]
+            kind = category.value.replace("_", " ") if category is not None else "tensors"
+            raise InternalError(exc, stage=f"replaying pre-existing storage {uid} ({kind})") from exc
+        raise InternalError(exc, op=trace.op[uid], module=trace.module[uid], phase=trace.phase[uid].value,
+                            stage=f"replaying storage {uid}, made by") from exc
+
+
 def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, role: str = "") -> MemoryReport:
     """The report of a traced step: replay through the allocator model, breakdown at the peak,
     textbook comparison, per-module rows and, under ``capacity``, whether it fits.
@@ -419,8 +499,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     trace = traced.trace
     mode = options.mode
     capacity = options.capacity
-    program = traced.program()
-    stats = allocator.replay(allocator_events(program, trace.nbytes))
+    program = _program_of(traced)
+    stats = _replayed(program, trace)
     peak_index = max(stats.peak_index, 0)
     raw = category_totals_at(program, trace.nbytes, traced.categories, peak_index)
     breakdown = ByteBreakdown(

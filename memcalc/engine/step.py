@@ -17,10 +17,11 @@ When no loss was chosen and the model returns its own (``output.loss``: a Huggin
 given ``labels`` in its batch), the step trains with that one, as a Hugging Face loop does.
 
 That loop (the ``minimal`` preset, ``memcalc.Loop()``) is traced once and its second iteration
-synthesised (:mod:`memcalc.engine.timeline`). The other loops (:mod:`memcalc.engine.loops`) run
-for real, iteration by iteration; they and :func:`run_step` share what the options decide —
-the autocast region, the loss and its targets, the gradient scaler — through
-:class:`StepKit`.
+synthesised (:mod:`memcalc.engine.timeline`) — unless the first freed a pre-existing storage (a
+buffer the forward rebinds), when the tracer asks for the second to run too (``run_again``).
+The other loops (:mod:`memcalc.engine.loops`) run for real, iteration by iteration; they and
+:func:`run_step` share what the options decide — the autocast region, the loss and its
+targets, the gradient scaler — through :class:`StepKit`.
 
 ``eval`` mode is ``model.eval()`` and one forward under ``torch.no_grad()``; ``inference``
 the same under ``torch.inference_mode()``.
@@ -68,6 +69,11 @@ class StepObserver(Protocol):
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` ran: its state exists now."""
 
+    def run_again(self) -> bool:
+        """After the last iteration asked for: whether one more must run. The tracer says yes
+        once when the step freed a pre-existing storage (a buffer the forward rebinds), whose
+        second iteration cannot be synthesised from the first."""
+
     def finished(self) -> None:
         """The step is over; what dies after this (the program's locals) is not part of it."""
 
@@ -92,6 +98,9 @@ class NullObserver:
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         pass
+
+    def run_again(self) -> bool:
+        return False
 
     def finished(self) -> None:
         pass
@@ -277,15 +286,20 @@ def run_step(model: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor], con
     """Run ``config.iterations`` training iterations (or one eval/inference forward).
 
     ``inputs``: the forward's arguments (a plain sequence: positional). The caller owns
-    ``model``; its train/eval flag is restored on the way out.
+    ``model``; its train/eval flag is restored on the way out. The step sets its own grad
+    mode whatever the caller's (``torch.no_grad()``, ``torch.inference_mode()``): gradients
+    for training, ``no_grad`` for eval, ``inference_mode`` for inference; the caller's is
+    back on the way out.
     """
     obs: StepObserver = observer or NullObserver()
     inputs = ModelInputs.of(inputs)
     was_training = model.training
     try:
-        if config.mode is not Mode.TRAIN:
-            return _forward_only(model, inputs, config, obs)
-        return _train(model, inputs, config, obs)
+        with torch.inference_mode(False):  # the caller's inference mode would make every tensor one
+            if config.mode is not Mode.TRAIN:
+                return _forward_only(model, inputs, config, obs)
+            with torch.enable_grad():  # a caller under torch.no_grad() would get no backward
+                return _train(model, inputs, config, obs)
     finally:
         model.train(was_training)
 
@@ -308,7 +322,9 @@ def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepO
     params = [p for p in model.parameters() if p.requires_grad]
     opt = config.optimizer.build(params, config.optimizer_impl) if params else None
     step = StepKit(config, obs)
-    for _ in range(config.iterations):
+    iteration = 0
+    while iteration < config.iterations or obs.run_again():
+        iteration += 1
         for _micro in range(config.accum_steps):
             with step.autocast():
                 obs.set_phase(Phase.FORWARD)

@@ -6,7 +6,8 @@ optimizer state and activations together — every later iteration does. For mem
 we trace one step and build the second iteration from it (the same alloc/free order, with the
 storages still alive after the first iteration — optimizer state — already there), then replay
 both. Any other loop (:mod:`memcalc.engine.loops`) is traced for all its iterations, which
-are replayed as they ran.
+are replayed as they ran; so is memcalc's own loop when its first step frees a pre-existing
+storage (:func:`freed_preexisting`: a buffer the forward rebinds).
 
 The replay itself is :mod:`memcalc.engine.allocator` (the CUDA caching allocator model); this
 module builds the sequence it replays and reads the categories alive at the peak it finds, and,
@@ -34,6 +35,7 @@ __all__ = (
     "build_timeline",
     "category_totals_at",
     "final_categories",
+    "freed_preexisting",
 )
 
 def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state: Iterable[int]) -> list[Category]:
@@ -72,6 +74,24 @@ def alive_at_end(trace: StepTrace) -> set[int]:
     return alive_before(trace, len(trace.events))
 
 
+def freed_preexisting(trace: StepTrace) -> list[int]:
+    """Pre-existing storages the step freed: a buffer the forward rebinds (``self.ema = 0.9 *
+    self.ema + ...``, a RoPE cache rebuilt for a longer sequence, a buffer grown with
+    ``torch.cat``) lets its old storage die. The second iteration then frees the storage the
+    first one bound, not the pre-existing one, and may bind another size or none (a cache
+    rebuilt once): it cannot be synthesised from the first, and is traced instead."""
+    preexisting = set(trace.preexisting)
+    freed: list[int] = []
+    seen: set[int] = set()
+    for event in trace.events:
+        uid = event if event >= 0 else ~event
+        if uid in preexisting and uid not in seen:
+            seen.add(uid)
+            if event < 0:  # its first event is a death: the storage that was there before the step
+                freed.append(uid)
+    return freed
+
+
 @dataclass(frozen=True)
 class Program:
     """The replayable sequence: ``events`` over keys ``0 .. 2N-1`` (``uid`` for the first
@@ -99,7 +119,8 @@ class Program:
 
 def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Sequence[int] | None = None) -> Program:
     """Pre-existing storages, then ``iterations`` copies of the step (at most 2 are needed:
-    the third iteration's events are the second's).
+    the third iteration's events are the second's). A step that frees a pre-existing storage
+    (:func:`freed_preexisting`) is not copied: its second iteration must be in the trace.
 
     With ``traced_starts`` (indices into ``trace.events`` where the iterations after the first
     begin) the trace already holds every iteration: it is replayed as it ran, and
@@ -113,6 +134,9 @@ def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Seque
         return Program(events=events, num_storages=n, iterations=len(starts), iteration_starts=tuple(starts),
                        traced=True)
     if iterations >= 2:
+        if freed := freed_preexisting(trace):
+            raise ValueError(f"the step freed pre-existing storages {freed}: its second iteration must be traced, "
+                             f"not synthesised")
         persistent = alive_at_end(trace)
         starts.append(len(events))
         for event in trace.events:

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Phase
-from memcalc.core.errors import symbolic_execution_error
+from memcalc.core.errors import InternalError, MemcalcError, symbolic_execution_error
 
 __all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle", "ShapeSized", "SizeRule",
            "StepTrace", "StorageTracer", "tensors_of")
@@ -118,20 +118,33 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self._released: set[int] = set()  # storages whose memory free_storage returned
         self._recording = True
         self._op = ""  # the aten op being dispatched ("" between ops): what made a new storage
+        self.last_op: Op | None = None  # the aten op dispatched last: where an internal error happened
         self._op_names: dict[Op, str] = {}  # str(func) formats its schema name: once per op
 
     # ---- the hot path -------------------------------------------------------------------
     def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        out = self._cache.run(func, args, kwargs or {}, self._run)
-        self.trace.op_counts[func.__name__] += 1
-        name = self._op_names.get(func)
-        self._op = name if name is not None else self._op_names.setdefault(func, str(func))
-        self._see(out)
-        if self.after_op is not None:
-            self.after_op(func, args, kwargs or {}, out)
+        self.last_op = func
+        try:
+            out = self._cache.run(func, args, kwargs or {}, self._run)
+            self.trace.op_counts[func.__name__] += 1
+            name = self._op_names.get(func)
+            self._op = name if name is not None else self._op_names.setdefault(func, str(func))
+            self._see(out)
+            if self.after_op is not None:
+                self.after_op(func, args, kwargs or {}, out)
+        except MemcalcError:
+            raise
+        except Exception as exc:  # the op ran (_run maps its failures): what failed is memcalc's bookkeeping
+            raise self.internal_error(exc) from exc
         self._op = ""
         return out
+
+    def internal_error(self, cause: BaseException) -> InternalError:
+        """``cause`` as a bug of memcalc's, named by the op last dispatched and the module and
+        phase the trace is in."""
+        return InternalError(cause, op=str(self.last_op) if self.last_op is not None else "",
+                             module=self.modules.current, phase=self.phase.value, stage="while tracing")
 
     def _run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:

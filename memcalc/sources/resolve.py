@@ -33,7 +33,8 @@ import dataclasses
 import importlib
 import importlib.util
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeAlias
@@ -129,7 +130,57 @@ def resolve(
     seq_len_only = seq_len if input_shape is None else None
     if shape is not None and user_inputs is None:
         check_batch_fits(batch_size, shape, tokens=seq_len_only is not None)
-    return _bound(_resolve_any(model, batch_size, shape, seq_len_only, user_inputs))
+    dtype = BUILD_DTYPE if _memcalc_builds(model) else None
+    with _building(dtype):
+        resolved = _bound(_resolve_any(model, batch_size, shape, seq_len_only, user_inputs))
+    return dataclasses.replace(resolved, build_real=_built_real(resolved.build_real, dtype))
+
+
+#: The default dtype memcalc builds the models it names in (the zoo, ``torch:``,
+#: ``torchvision:``, ``timm:``, ``hf:``) and their inputs, whatever the caller's
+#: ``torch.get_default_dtype()``: a step's dtype is the precision's cast of it
+#: (:func:`~memcalc.engine.prepare.prepare_step`), so the report's precision is the parameters'.
+BUILD_DTYPE = torch.float32
+
+
+def _memcalc_builds(model: object) -> bool:
+    """Whether memcalc builds ``model`` from a name (the zoo, a package, a Hugging Face config),
+    rather than running the user's code (a module, a factory, a file's or a package's
+    ``factory``), whose tensors have the dtype that code gives them."""
+    if isinstance(model, HuggingFace):
+        return True
+    if not isinstance(model, str):
+        return False
+    prefix, sep, _rest = model.partition(":")
+    return models_zoo.get(model) is not None or (bool(sep) and prefix in _PACKAGE_SOURCES)
+
+
+@contextmanager
+def _building(dtype: torch.dtype | None) -> Iterator[None]:
+    """Tensors made here are normal ones, never inference tensors (a caller inside
+    ``torch.inference_mode()`` would make every parameter one, and backward refuse them); with
+    ``dtype``, floating ones are made in it by default. The caller's default dtype is back on
+    the way out; it is set only where it differs (it is global to the process)."""
+    previous = torch.get_default_dtype()
+    with torch.inference_mode(False):
+        if dtype is None or dtype == previous:
+            yield
+            return
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def _built_real(build: _Builder, dtype: torch.dtype | None) -> _Builder:
+    """``build`` (the real model and inputs of ``--measure``) under :func:`_building`."""
+
+    def build_real(device: torch.device) -> tuple[nn.Module, _Inputs]:
+        with _building(dtype):
+            return build(device)
+
+    return build_real
 
 
 def _resolve_any(model: object, batch_size: int, shape: _Shape | None, seq_len: int | None,

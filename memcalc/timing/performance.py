@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memcalc.core.categories import Mode
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.errors import InvalidInputError, internal_errors_named
 from memcalc.core.gpu import GENERIC, GpuProfile
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DataLoaderSetup, DeviceRates, LoaderAdvice, OpClass, StepTime, advise_loader
@@ -198,6 +198,7 @@ def check_timeable_mode(mode: Mode) -> None:
                                 hint="Leave out --time; time one decode step as a forward (mode inference) instead.")
 
 
+@internal_errors_named("in step_time")
 def step_time(report: MemoryReport, *, efficiency: dict[OpClass, float] | None = None,
               launch_overhead: float | None = None, kernel_seconds: dict[OpClass, float] | None = None,
               host_seconds: float | None = None, bandwidth_scale: float | None = None) -> StepTime:
