@@ -3,7 +3,9 @@ exit code (2 for bad user input, 1 for a model that can't be estimated)."""
 
 from __future__ import annotations
 
+import sys
 import traceback
+from pathlib import Path
 
 __all__ = (
     "DataDependentError",
@@ -167,11 +169,31 @@ class DataDependentError(SymbolicExecutionError):
 
 def user_frame(exc: BaseException) -> str:
     """' (at file.py, line N)' for the innermost frame of the user's code (outside torch and
-    memcalc) in ``exc``'s traceback, or "" when there is none: errors name the user's line."""
+    memcalc) in ``exc``'s traceback, or "" when there is none: errors name the user's line.
+
+    A frame is torch's or memcalc's by the package its file lies in, not by the words in its
+    path: ``git clone`` puts memcalc in a folder named ``memcalc``, and a user's files may lie
+    in one too."""
+    libraries = _library_dirs()
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if "/torch/" not in frame.filename and "/memcalc/" not in frame.filename:
+        if not _inside(frame.filename, libraries):
             return f" (at {frame.filename}, line {frame.lineno})"
     return ""
+
+
+#: memcalc's own package directory (this file is memcalc/core/errors.py).
+_MEMCALC_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _library_dirs() -> tuple[Path, ...]:
+    """The package directories of memcalc and of the imported torch, resolved."""
+    torch = sys.modules.get("torch")
+    return (_MEMCALC_PACKAGE, *(Path(p).resolve() for p in getattr(torch, "__path__", ())))
+
+
+def _inside(filename: str, directories: tuple[Path, ...]) -> bool:
+    path = Path(filename).resolve()
+    return any(path.is_relative_to(directory) for directory in directories)
 
 
 def symbolic_execution_error(op: str, module: str, phase: str, cause: BaseException) -> SymbolicExecutionError:
