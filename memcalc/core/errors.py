@@ -17,6 +17,7 @@ __all__ = (
     "MissingPackageError",
     "ModelSourceError",
     "PlotPathError",
+    "RefusedStepError",
     "RejectedShapesError",
     "SymbolicExecutionError",
     "UnknownModelError",
@@ -102,6 +103,12 @@ class LoopFunctionError(_UserFunctionError):
 class PlotPathError(InvalidInputError):
     """A plot file that cannot be written: its folder is missing or read-only, or its
     extension is not a format matplotlib writes."""
+
+
+class RefusedStepError(InvalidInputError):
+    """A training step that PyTorch itself refuses to run (an optimizer over no parameters, a
+    backward through a loss that does not require grad), or whose gradients memcalc cannot
+    follow (sparse ones): refused with the reason, rather than estimated as if it ran."""
 
 
 class MissingPackageError(MemcalcError, ImportError):
