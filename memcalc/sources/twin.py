@@ -13,9 +13,12 @@ reach come back as they were.
   appends to the user's list when the copy runs its forward.
 
 So every tensor the module reaches is pre-seeded in deepcopy's memo with its copy (on meta for
-the estimate), and every function with a closure that the module reaches (hooks, a patched
-``forward``) with a function of the same code over copied cells. A function's globals stay
-shared: a hook that appends to a module-level list still does.
+the estimate), and every function the module reaches (hooks, a patched ``forward``) that has a
+closure, or that the user wrote and that reads globals (a hook at the top of a notebook that
+appends to a global list), with a function of the same code over copied cells and copied
+globals. What stays shared: a library's functions (their globals are their package's state),
+the methods of the user's classes (a ``forward`` that appends to a global list still does),
+and what cannot be copied (a lock, an open file).
 """
 
 from __future__ import annotations
