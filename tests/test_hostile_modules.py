@@ -102,6 +102,22 @@ def test_a_lazy_module_stays_lazy_for_its_user() -> None:
     assert isinstance(model[0], nn.LazyLinear) and model[0].has_uninitialized_params()
 
 
+class _UnusedLazy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 4)
+        self.spare = nn.LazyLinear(4)  # never called: its weight never gets a shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_a_lazy_module_the_forward_never_calls_is_named() -> None:
+    with pytest.raises(ModelSourceError, match=r"module 'spare' of _UnusedLazy is lazy \(LazyLinear\) and the model's "
+                                               r"forward does not call it"):
+        memcalc.estimate(_UnusedLazy(), batch_size=2, input_shape=(8,))
+
+
 def test_a_tensor_attribute_is_never_copied_into_memory() -> None:
     # README: a module passed as an object is never copied to memory. Before, deepcopy copied a
     # plain tensor attribute (not a parameter or buffer) into real memory: +256 MiB for this one.
