@@ -90,6 +90,12 @@ CLI_CASES: list[tuple[str, int]] = [
     ("resnet50 --input-shape 8,3,224,224", 2),
     ("resnet18 --seq-len 128", 2),  # an image model given only a sequence length
     (f"{FIXTURES}/broken_syntax.py:make", 1),
+    # steps PyTorch itself refuses (issue 32, item 9), and modules memcalc cannot trace (item 8)
+    ("mlp --freeze *", 2),
+    ("mlp --freeze * --optim none", 2),
+    (f"{FIXTURES}/hostile_models.py:make_detached --input-shape 16", 2),
+    (f"{FIXTURES}/hostile_models.py:make_sparse_embedding --input-shape 16", 2),
+    (f"{FIXTURES}/hostile_models.py:make_scripted --input-shape 16", 1),
     (f"{FIXTURES}/missing.py:make", 1),
     # memcalc fit
     ("fit mlp", 2),

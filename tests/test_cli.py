@@ -32,6 +32,8 @@ def run(*args: str, env: dict[str, str] | None = None):
     pytest.param(["gpt2", "--seq-len", "128", "--precision", "amp-bf16", "--gpu", "a100-80gb", "--depth", "0"],
                  id="gpt2_amp_bf16_a100"),
     pytest.param(["zoo"], id="zoo"),
+    # SGD keeps no state: the second iteration's peak is the kept gradients', not "optimizer state"
+    pytest.param(["mlp", "--optim", "sgd", "--keep-grads", "--depth", "0"], id="mlp_sgd_keep_grads"),
 ])
 def test_estimate(args, golden):
     result = run(*args)

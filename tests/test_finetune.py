@@ -23,7 +23,7 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.cli import main
 from memcalc.core.categories import Phase
-from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError, RefusedStepError
 from memcalc.core.finetune import Quant
 from memcalc.core.precision import Precision
 from memcalc.distributed.estimate import run_estimate
@@ -75,10 +75,13 @@ def test_frozen_half_has_no_gradient_and_no_optimizer_state():
     assert any("frozen by --freeze '0.*': 1,049,600 parameters in 2 tensors" in n for n in half.notes)
 
 
-def test_freeze_everything_leaves_no_optimizer():
-    report = memcalc.estimate("mlp", batch_size=8, finetune=FineTune(freeze=("*",)))
-    assert report.trainable_parameters == 0
-    assert report.bytes.gradients == 0 and report.bytes.optimizer_state == 0
+def test_freeze_everything_is_refused_as_torch_refuses_it():
+    # nothing trains: torch.optim.Adam([]) refuses, and so does backward() without an optimizer
+    # (the refusals' own tests: tests/test_hostile_modules.py)
+    with pytest.raises(RefusedStepError, match="optimizer got an empty parameter list"):
+        memcalc.estimate("mlp", batch_size=8, finetune=FineTune(freeze=("*",)))
+    assert memcalc.estimate("mlp", batch_size=8, mode="eval", optimizer="none",
+                            finetune=FineTune(freeze=("*",))).parameters == 1_863_690  # a forward only: estimated
 
 
 def test_freeze_pattern_matching_nothing_names_parameters():

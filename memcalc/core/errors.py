@@ -4,9 +4,11 @@ exit code (2 for bad user input, 1 for a model that can't be estimated)."""
 from __future__ import annotations
 
 import functools
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 
 __all__ = (
@@ -21,6 +23,7 @@ __all__ = (
     "ModelSourceError",
     "OutputExistsError",
     "PlotPathError",
+    "RefusedStepError",
     "RejectedShapesError",
     "SymbolicExecutionError",
     "UnknownModelError",
@@ -117,6 +120,12 @@ class OutputExistsError(PlotPathError):
         super().__init__(f"cannot write the {what} to {target}: the file exists; --force overwrites it "
                          f"(force=True in Python)")
         self.target = target
+
+
+class RefusedStepError(InvalidInputError):
+    """A training step that PyTorch itself refuses to run (an optimizer over no parameters, a
+    backward through a loss that does not require grad), or whose gradients memcalc cannot
+    follow (sparse ones): refused with the reason, rather than estimated as if it ran."""
 
 
 class MissingPackageError(MemcalcError, ImportError):
@@ -253,11 +262,31 @@ def _mapped(stage: str) -> Iterator[None]:
 
 def user_frame(exc: BaseException) -> str:
     """' (at file.py, line N)' for the innermost frame of the user's code (outside torch and
-    memcalc) in ``exc``'s traceback, or "" when there is none: errors name the user's line."""
+    memcalc) in ``exc``'s traceback, or "" when there is none: errors name the user's line.
+
+    A frame is torch's or memcalc's by the package its file lies in, not by the words in its
+    path: ``git clone`` puts memcalc in a folder named ``memcalc``, and a user's files may lie
+    in one too."""
+    libraries = _library_dirs()
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if "/torch/" not in frame.filename and "/memcalc/" not in frame.filename:
+        if not _inside(frame.filename, libraries):
             return f" (at {frame.filename}, line {frame.lineno})"
     return ""
+
+
+#: memcalc's own package directory (this file is memcalc/core/errors.py).
+_MEMCALC_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _library_dirs() -> tuple[Path, ...]:
+    """The package directories of memcalc and of the imported torch, resolved."""
+    torch = sys.modules.get("torch")
+    return (_MEMCALC_PACKAGE, *(Path(p).resolve() for p in getattr(torch, "__path__", ())))
+
+
+def _inside(filename: str, directories: tuple[Path, ...]) -> bool:
+    path = Path(filename).resolve()
+    return any(path.is_relative_to(directory) for directory in directories)
 
 
 def symbolic_execution_error(op: str, module: str, phase: str, cause: BaseException) -> SymbolicExecutionError:

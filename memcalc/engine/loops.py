@@ -57,6 +57,7 @@ from memcalc.core.errors import InvalidInputError, LoopFunctionError, MemcalcErr
 from memcalc.core.loop import Loop, LoopFn, LoopPreset
 from memcalc.engine.model import ModelInputs
 from memcalc.engine.step import NullObserver, StepConfig, StepKit, StepObserver, StepOutcome, Targets
+from memcalc.engine.trainable import build_optimizer
 
 __all__ = ("ITERATIONS", "PRESETS", "Batches", "LoopObserver", "NullLoopObserver", "loop_name", "minimal", "run_loop",
            "trainer", "tutorial", "zero_grad_late")
@@ -307,8 +308,7 @@ def run_loop(model: nn.Module, inputs: ModelInputs, config: StepConfig, loop: Lo
             f"these inputs are both ({inputs.description})", hint="Give the inputs as a tuple or as a dict.")
     was_training = model.training
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = config.optimizer.build(params, config.optimizer_impl) if params else None
+    optimizer = build_optimizer(model, config.optimizer, config.optimizer_impl)
     step = StepKit(config, obs, keep_grads=loop.keep_grads)
     batches = Batches(inputs, iterations * config.accum_steps, config.accum_steps, obs,
                       step if preset is not None else None)

@@ -44,6 +44,7 @@ from memcalc.core.losses import LossChoice, LossFn, LossKind
 from memcalc.engine.losses import compute_loss, make_targets, primary_tensor, resolve_loss
 from memcalc.engine.model import ModelInputs
 from memcalc.engine.optimizers import OptimizerSpec
+from memcalc.engine.trainable import build_optimizer, check_loss_trains
 
 __all__ = ("NullObserver", "Scaler", "StepConfig", "StepKit", "StepObserver", "StepOutcome", "Targets", "run_step")
 
@@ -242,10 +243,9 @@ class StepKit:
         return Targets(tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in self._target_spec))
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` (``scaler.scale(loss).backward()`` under amp-fp16); nothing when
-        nothing requires grad (a frozen model)."""
-        if not loss.requires_grad:
-            return
+        """``loss.backward()`` (``scaler.scale(loss).backward()`` under amp-fp16); refused, as
+        PyTorch refuses it, when the loss does not require grad."""
+        check_loss_trains(loss)
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
         scaled.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is untyped in torch
 
@@ -320,7 +320,7 @@ def _forward_only(model: nn.Module, inputs: ModelInputs, config: StepConfig,
 def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepObserver) -> StepOutcome:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = config.optimizer.build(params, config.optimizer_impl) if params else None
+    opt = build_optimizer(model, config.optimizer, config.optimizer_impl)
     step = StepKit(config, obs)
     iteration = 0
     while iteration < config.iterations or obs.run_again():

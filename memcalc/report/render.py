@@ -146,7 +146,7 @@ def _peak_lines(report: MemoryReport, unit: Unit | str) -> str:
     lines = [f"peak allocated: {format_bytes(report.bytes.peak_allocated, unit)} "
              f"({report.bytes.peak_allocated:,} B) in {report.peak_location}"]
     if report.mode is Mode.TRAIN and report.peak_iteration == 2:
-        lines.append(f"  reached in the second iteration (optimizer state allocated); "
+        lines.append(f"  reached in the second iteration ({_left_by_first_iteration(report)}); "
                      f"the first iteration peaks at {format_bytes(report.first_iteration_peak, unit)}")
     lines.append(_reserved_line(report, unit))
     if report.paged_optimizer_state:
@@ -161,6 +161,19 @@ def _peak_lines(report: MemoryReport, unit: Unit | str) -> str:
     if report.textbook is not None:
         lines.append(_textbook_line(report, report.textbook, unit))
     return "\n".join(lines)
+
+
+def _left_by_first_iteration(report: MemoryReport) -> str:
+    """What the first iteration left alive that raises the second's peak, as far as the report
+    knows: optimizer state at the peak, gradients kept by ``zero_grad(set_to_none=False)``, or,
+    without either, only that the first iteration left memory behind (never "optimizer state"
+    beside 0 B of it)."""
+    held = []
+    if report.bytes.optimizer_state:
+        held.append("optimizer state allocated")
+    if report.keep_grads and report.bytes.gradients:
+        held.append("the first iteration's gradients kept by zero_grad(set_to_none=False)")
+    return "; ".join(held) if held else "with what the first iteration left allocated"
 
 
 def _reserved_line(report: MemoryReport, unit: Unit | str) -> str:

@@ -28,7 +28,6 @@ Every model is built under ``torch.device("meta")``: no weights are ever allocat
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -54,6 +53,7 @@ from memcalc.core.errors import (
 from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
 from memcalc.sources.inputs import Asked, as_inputs, check_batch_fits, input_maker, requested_shape
+from memcalc.sources.twin import check_supported_modules, materialise_lazy, meta_twin, own_copy
 from memcalc.sources.user_code import Example, load_from_file, load_from_module, name_the_factory
 from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
 from memcalc.stacks.transformers.checkpointing import hf_checkpointing, supports_checkpointing
@@ -364,20 +364,13 @@ def _context_notes(entry: ZooEntry, per_sample: _Shape, module: nn.Module, relea
 
 
 # ---- modules and factories --------------------------------------------------------------
-def meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers are on meta — without copying any
-    data: each tensor is pre-seeded in ``deepcopy``'s memo with its meta counterpart, so the
-    deep copy never touches real storage. Tied weights stay tied (one memo entry each)."""
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if id(tensor) in memo:
-            continue
-        meta = tensor.detach().to(META)
-        if isinstance(tensor, nn.Parameter):
-            meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
-        memo[id(tensor)] = meta
-    twin = copy.deepcopy(module, memo)
-    return twin
+def _measured_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A measured copy's tensors are real (deepcopy's own copies: None), except those that are
+    not graph leaves — the ``weight`` that pruning and the old weight norm recompute in a forward
+    pre-hook — which stay on meta: ``module.to(device)`` moves parameters and buffers, never a
+    plain attribute, so the device holds only the one the first forward computes (and a CPU
+    measurement must not see the stale copy freed)."""
+    return None if tensor.is_leaf else torch.empty_like(tensor, device=META)
 
 
 def _has_real_storage(module: nn.Module) -> bool:
@@ -385,12 +378,19 @@ def _has_real_storage(module: nn.Module) -> bool:
 
 
 def _resolve_module(module: nn.Module, name: str, asked: Asked) -> ResolvedModel:
+    """A module object: estimated on its meta twin, measured on its own copy (never the user's
+    object, whose tensors, hooks and what they hold stay as they were)."""
+    check_supported_modules(module, name)
     twin = meta_twin(module)
     plan = input_maker(name, asked, None, None)
     inputs = plan.make(META)
+    materialise_lazy(twin, inputs, name)
 
     def build(device: torch.device) -> tuple[nn.Module, _Inputs]:
-        return copy.deepcopy(module).to(device), plan.make(device)
+        real = own_copy(module, _measured_copy).to(device)
+        real_inputs = plan.make(device)
+        materialise_lazy(real, real_inputs, name)
+        return real, real_inputs
 
     return ResolvedModel(name, twin, inputs, LossChoice.AUTO, build, notes=plan.notes,
                          decoder=_declared_decoder(twin))
@@ -416,13 +416,17 @@ def _resolve_factory(factory: Callable[[], object], name: str, asked: Asked, exa
         return module
 
     module = make(META)
+    check_supported_modules(module, name)
     if _has_real_storage(module):  # the factory chose a device itself: estimate on a twin
         module = meta_twin(module)
     plan = input_maker(name, asked, example, example_where)
     inputs = plan.make(META)
+    materialise_lazy(module, inputs, name)
 
     def build(device: torch.device) -> tuple[nn.Module, _Inputs]:
-        return make(device), plan.make(device)
+        real, real_inputs = make(device), plan.make(device)
+        materialise_lazy(real, real_inputs, name)
+        return real, real_inputs
 
     return ResolvedModel(name, module, inputs, LossChoice.AUTO, build, notes=plan.notes,
                          decoder=_declared_decoder(module), inputs_from=plan.source)
