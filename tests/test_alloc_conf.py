@@ -10,7 +10,10 @@ follows c10/core/AllocatorConfig.cpp and c10/cuda/CUDAAllocatorConfig.cpp ``pars
 
 from __future__ import annotations
 
+import json
 import random
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -260,7 +263,7 @@ def test_expandable_random_sequence_keeps_invariants() -> None:
     rng = random.Random(38)
     model = CachingAllocatorModel(capacity=600 * MiB, settings=EXPANDABLE)
     live: list[int] = []
-    for key in range(1500):
+    for key in range(800):
         if live and rng.random() < 0.45:
             model.free(live.pop(rng.randrange(len(live))))
         elif rng.random() < 0.01:
@@ -307,3 +310,73 @@ def test_estimate_states_and_models_the_setting(monkeypatch: pytest.MonkeyPatch)
     assert from_env.bytes.peak_allocated == default.bytes.peak_allocated
     assert from_env.peak_reserved != default.peak_reserved
     assert (from_env.peak_reserved - 2 * MiB) % (20 * MiB) == 0  # mlp: one small page
+
+
+def test_cli_alloc_conf(golden) -> None:  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from memcalc.cli import main
+    result = CliRunner().invoke(main, ["mlp", "--batch", "64", "--gpu", "h100-80gb", "--alloc-conf",
+                                       "expandable_segments:True,max_split_size_mb:512"])
+    assert result.exit_code == 0, result.output
+    golden(result.output)
+
+
+def test_cli_refuses_an_unknown_key_from_the_environment() -> None:
+    from click.testing import CliRunner
+
+    from memcalc.cli import main
+    result = CliRunner().invoke(main, ["mlp", "--batch", "64"], env={"PYTORCH_CUDA_ALLOC_CONF": "expandable:True"})
+    assert result.exit_code == 2
+    assert result.output.splitlines()[0] == ("error: PYTORCH_CUDA_ALLOC_CONF: Unrecognized key 'expandable' in CUDA "
+                                             "allocator config")
+
+
+@pytest.mark.slow  # a search: a dozen estimates and replays
+def test_fit_replays_under_the_setting() -> None:
+    # the search's replays and its answer's report are the setting's: the report it returns is the
+    # estimate of that batch with the setting
+    found = memcalc.max_batch_size("mlp", budget="300MiB", alloc_conf="expandable_segments:True")
+    again = memcalc.estimate("mlp", batch_size=found.batch_size, capacity=found.report.capacity,
+                             alloc_conf="expandable_segments:True")
+    assert found.report.alloc_conf == "expandable_segments:True"
+    assert found.report.peak_reserved == again.peak_reserved
+    assert (found.report.peak_reserved - 2 * MiB) % (20 * MiB) == 0  # 20 MiB large pages, one 2 MiB small page
+
+
+# --- against the H200 measured under each setting ----------------------------------------------
+
+H200_RUNS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "2026-11-28-h200-alloc-conf"
+
+
+def _measured(folder: str, config: str) -> tuple[dict[str, str], dict[str, int]]:
+    lines = next((H200_RUNS / folder).glob("*.jsonl")).read_text().splitlines()
+    record = next(json.loads(line) for line in lines[1:] if json.loads(line)["config"] == config)
+    return json.loads(lines[0]), record["measured"]
+
+
+@pytest.mark.quick_cases("expandable-resnet18-b64")
+@pytest.mark.parametrize(("folder", "setting", "config", "options"), [
+    pytest.param("expandable_segments-True", "expandable_segments:True", "resnet18 b64 sgd train",
+                 {"batch_size": 64, "optimizer": "sgd"}, id="expandable-resnet18-b64"),
+    pytest.param("expandable_segments-True", "expandable_segments:True", "vgg16 b16 adam train",
+                 {"batch_size": 16, "optimizer": "adam"}, id="expandable-vgg16-b16"),
+    pytest.param("max_split_size_mb-128", "max_split_size_mb:128", "resnet18 b64 sgd train",
+                 {"batch_size": 64, "optimizer": "sgd"}, id="split128-resnet18-b64"),
+    pytest.param("max_split_size_mb-128", "max_split_size_mb:128", "gpt2 seq 1024 b8 adamw train",
+                 {"batch_size": 8, "seq_len": 1024, "optimizer": "adamw"}, id="split128-gpt2-b8"),
+])
+def test_reserved_as_measured_on_h200(folder: str, setting: str, config: str, options: dict[str, object]) -> None:
+    # benchmarks/results/2026-11-28-h200-alloc-conf: the suite measured on an H200 under each setting
+    # (torch 2.11, CUDA 13.0, fresh processes). Under the default model these configs were off by
+    # +78.0%, +35.3%, -7.8% and -3.6% on reserved; with the setting modelled each is within 0.5%
+    # (benchmarks/alloc_conf_replay.py: -0.00%, -0.06%, -0.07%, +0.13%)
+    from models_zoo import plain_torch
+
+    env, measured = _measured(folder, config)
+    stack = memcalc.Stack(torch=".".join(env["torch"].split("+")[0].split(".")[:2]), cuda=env["cuda"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = memcalc.estimate(plain_torch(config.split()[0]), gpu="h200", stack=stack, alloc_conf=setting,
+                                  **options)  # type: ignore[arg-type]
+    assert abs(report.peak_reserved - measured["peak_reserved"]) / measured["peak_reserved"] < 0.005
