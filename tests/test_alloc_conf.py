@@ -379,3 +379,35 @@ def test_reserved_as_measured_on_h200(folder: str, setting: str, config: str, op
         report = memcalc.estimate(plain_torch(config.split()[0]), gpu="h200", stack=stack, alloc_conf=setting,
                                   **options)  # type: ignore[arg-type]
     assert abs(report.peak_reserved - measured["peak_reserved"]) / measured["peak_reserved"] < 0.005
+
+
+def test_recorded_maps_and_unmaps_are_whole_pages() -> None:
+    # the timeline's and the snapshot's record: segment_map/segment_unmap (TraceEntry SEGMENT_MAP,
+    # SEGMENT_UNMAP) at page addresses. a (30 MiB) maps [0, 40); b (25 MiB) finds the free 10 MiB
+    # before the unmapped rest and maps [40, 60); freeing a and emptying the cache unmaps [0, 20),
+    # the only page a's free [0, 30) holds whole
+    from memcalc.engine.allocator import replay_recorded
+
+    recorded = replay_recorded([(ALLOC, "a", 30 * MiB), (ALLOC, "b", 25 * MiB), (FREE, "a", 0),
+                                (EMPTY_CACHE, None, 0)], settings=EXPANDABLE)
+    pages = [(action, size) for action, _, size, _, _, _ in recorded.actions if action.startswith("segment")]
+    assert pages == [("segment_map", 40 * MiB), ("segment_map", 20 * MiB), ("segment_unmap", 20 * MiB)]
+    base = recorded.actions[0][1]
+    assert [address - base for action, address, *_ in recorded.actions if action.startswith("segment")] == \
+        [0, 40 * MiB, 0]
+    assert recorded.reserved == [40 * MiB, 60 * MiB, 60 * MiB, 40 * MiB]
+    # what stays mapped, [20, 60): free [20, 30), b at [30, 55) (the free 10 MiB merged with the new
+    # page), free [55, 60)
+    assert [(size, len(parts)) for _, size, parts in recorded.segments] == [(40 * MiB, 3)]
+
+
+def test_snapshot_export_shows_the_mapped_pages() -> None:
+    # memcalc --snapshot under expandable segments: each contiguous mapped range is one segment (as
+    # torch.cuda.memory_snapshot() reports them), and they add up to the reserved bytes at the end
+    from memcalc.report.snapshot import snapshot_dict
+
+    report = memcalc.estimate("mlp", batch_size=64, gpu="h100-80gb", alloc_conf="expandable_segments:True")
+    segments = snapshot_dict(report)["segments"]
+    assert sum(s["total_size"] for s in segments) == report.timeline().reserved[-1]
+    assert sorted((s["segment_type"], s["total_size"] % (2 * MiB)) for s in segments) == [("large", 0), ("small", 0)]
+    assert all(s["total_size"] % (20 * MiB) == 0 for s in segments if s["segment_type"] == "large")

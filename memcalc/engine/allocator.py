@@ -848,7 +848,7 @@ class CachingAllocatorModel:
         self._reserved += mapped
         self._num_segments += 1  # one cuMemMap, counted as a device allocation ("num_device_alloc")
         self._peak_reserved = max(self._peak_reserved, self._reserved)
-        self._on_map(block.addr, mapped)
+        self._on_map(begin, mapped)
 
     def _unmap_block(self, block: _Block) -> None:
         """``unmap_block``: unmap the pages wholly inside the free ``block``; the free bytes on
