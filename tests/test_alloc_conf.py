@@ -411,3 +411,19 @@ def test_snapshot_export_shows_the_mapped_pages() -> None:
     assert sum(s["total_size"] for s in segments) == report.timeline().reserved[-1]
     assert sorted((s["segment_type"], s["total_size"] % (2 * MiB)) for s in segments) == [("large", 0), ("small", 0)]
     assert all(s["total_size"] % (20 * MiB) == 0 for s in segments if s["segment_type"] == "large")
+
+
+def test_measure_says_when_the_process_runs_other_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PyTorch reads PYTORCH_CUDA_ALLOC_CONF once, when it starts: --measure cannot switch the real
+    # step to --alloc-conf's settings, so it says which ones the real step had
+    from memcalc.fields import build_step
+    from memcalc.measure.step import allocator_settings_note
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert allocator_settings_note(build_step("mlp")) is None
+    note = allocator_settings_note(build_step("mlp", alloc_conf="expandable_segments:True"))
+    assert note is not None and note.startswith("the real step ran under this process's allocator settings (the "
+                                                "defaults), not the estimate's (expandable_segments:True)")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert allocator_settings_note(build_step("mlp")) is None
