@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
 from memcalc.core.counts import as_integer
 from memcalc.core.errors import InvalidInputError, internal_errors_named
@@ -70,6 +71,7 @@ def estimate(
     finetune: FineTune | None = None,
     trainer_args: Any = None,
     time: bool = False,
+    alloc_conf: str | AllocConf | None = None,
 ) -> MemoryReport:
     """Estimate the GPU memory of one training (or eval / inference) step of ``model``.
 
@@ -142,6 +144,9 @@ def estimate(
             ``report.time`` (:func:`memcalc.step_time`). Every kernel's FLOPs and bytes are then
             recorded while the step is traced, which costs 10–26% more; without it they are
             recorded only if :func:`memcalc.step_time` is called on the report (one more trace).
+        alloc_conf: the CUDA caching allocator's settings, as ``PYTORCH_CUDA_ALLOC_CONF`` spells
+            them (``"expandable_segments:True,max_split_size_mb:512"``); None: the environment's
+            ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, as the real job would read them.
 
     Returns:
         A :class:`MemoryReport`: the breakdown at the peak, where it happens, the textbook

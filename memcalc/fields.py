@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from memcalc.core.alloc_conf import AllocConf, alloc_conf_from_environment, parse_alloc_conf
 from memcalc.core.categories import Mode
 from memcalc.core.choices import parse_choice
 from memcalc.core.counts import INT64_MAX, as_integer, fits_int64
@@ -57,9 +58,9 @@ CPU = "cpu"
 class Flag:
     """How every command that estimates (``memcalc MODEL``, ``fit``, ``sweep``) offers a field:
     ``choice`` (the values of the field's enum), ``int`` (at least ``minimum``), ``shape``
-    (``3,224,224``) or ``switch`` (a flag without a value)."""
+    (``3,224,224``), ``switch`` (a flag without a value) or ``text`` (a string its converter reads)."""
 
-    kind: Literal["choice", "int", "shape", "switch"]
+    kind: Literal["choice", "int", "shape", "switch", "text"]
     minimum: int | None = None
     metavar: str | None = None
     show_default: bool = False
@@ -281,6 +282,16 @@ def _finetune(finetune: Any, field: Field) -> FineTune:
     return finetune or FineTune()
 
 
+def _alloc_conf(value: Any, field: Field) -> AllocConf:
+    """The allocator's settings: as given (a ``PYTORCH_CUDA_ALLOC_CONF`` string or an
+    :class:`AllocConf`), else the environment's, as the job launched from it would read them."""
+    if value is None:
+        return alloc_conf_from_environment()
+    if isinstance(value, AllocConf):
+        return value
+    return parse_alloc_conf(value, source=field.spelled)
+
+
 # --------------------------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------------------------
@@ -337,6 +348,11 @@ _FIELDS = (
                "accumulation, precision (bf16/fp16: autocast over the weights as loaded; give weight_dtype bf16 for "
                "a model loaded in bf16), checkpointing and the optimizer with its implementation (optim), and the "
                "trainer loop; an option given with a value other than its default replaces theirs."),
+    # issue 38: the allocator's settings (PYTORCH_CUDA_ALLOC_CONF)
+    Field("alloc_conf", _alloc_conf, flag="--alloc-conf", cli=Flag("text", metavar="SETTINGS"),
+          help="The CUDA caching allocator's settings, as PYTORCH_CUDA_ALLOC_CONF spells them, e.g. "
+               "expandable_segments:True,max_split_size_mb:512 (default: the environment's PYTORCH_CUDA_ALLOC_CONF "
+               "or PYTORCH_ALLOC_CONF, as the real job reads them)."),
     Field("time", _switch, False, flag="--time", sets=("record_costs",),
           searched="time its answer with memcalc.step_time(result.report)",
           help="Also estimate the step time on --gpu: samples/s and tokens/s beside the memory."),

@@ -121,6 +121,8 @@ def _option(field: Field) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         kind = click.Choice([c.value for c in field.choices])
     elif flag.kind == "shape":
         kind = ShapeType()
+    elif flag.kind == "text":
+        kind = click.STRING
     else:
         kind = click.IntRange(min=flag.minimum)
     default = field.default.value if isinstance(field.default, enum.Enum) else field.default

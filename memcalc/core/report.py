@@ -21,7 +21,9 @@ the busiest GPU role and three keys are added (see :mod:`memcalc.distributed.str
 When a step time was computed (``memcalc.step_time``, ``--time``) a ``"time"`` key holds it
 (:meth:`memcalc.core.throughput.StepTime.to_dict`). A generation (``mode`` ``"generate"``) adds
 ``"new_tokens"`` and ``"peak_step"`` (the decode step of the peak, 0 for the prefill; its
-``peak_phase`` is ``"prefill"`` or ``"decode"``). Otherwise the JSON is exactly the above.
+``peak_phase`` is ``"prefill"`` or ``"decode"``). Allocator settings other than PyTorch's defaults
+(``PYTORCH_CUDA_ALLOC_CONF``, ``--alloc-conf``) add ``"alloc_conf"``: the settings modelled, in
+PyTorch's spelling (``"expandable_segments:True"``). Otherwise the JSON is exactly the above.
 
 Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
 the CUDA caching allocator counts (each block rounded up to 512 B), so the categories plus
@@ -218,6 +220,10 @@ class MemoryReport:
     peak_step: int | None = None  # mode generate: the decode step of the peak (0: the prefill)
     # The step's time on the report's GPU, when asked for (memcalc.step_time; JSON "time" only then).
     time: StepTime | None = None
+    # The caching allocator's settings modelled (PYTORCH_CUDA_ALLOC_CONF, in PyTorch's spelling)
+    # and where they came from; "" for the defaults (JSON "alloc_conf" only then).
+    alloc_conf: str = ""
+    alloc_conf_source: str = ""
     # Builds the timeline on request (set by memcalc.engine.run.build_report): kept out of
     # equality, repr and to_dict(), so that reports compare and serialise as before.
     _timeline_builder: Callable[[], Timeline] | None = field(default=None, compare=False, repr=False)
@@ -323,6 +329,8 @@ class MemoryReport:
             data["time"] = self.time.to_dict()
         if self.new_tokens is not None:
             data |= {"new_tokens": self.new_tokens, "peak_step": self.peak_step}
+        if self.alloc_conf:
+            data["alloc_conf"] = self.alloc_conf
         return data
 
     def _single_gpu_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.finetune import FineTune
@@ -284,7 +285,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         results.append(RoleReport(
             name=role.name, ranks=role.ranks, batch_size=resolved.batch_size,
             model_states=_model_states(traced, program.communication),
-            communication=_alive_at_peak(traced, program.communication), report=report))
+            communication=_alive_at_peak(traced, program.communication, step.allocator_settings), report=report))
     busiest = replace(results[0].report, roles=tuple(results)).busiest_role
     assert busiest is not None
     return replace(busiest.report, strategy=distributed.strategy.value, world_size=distributed.world_size,
@@ -317,13 +318,13 @@ def _model_states(traced: TracedStep, communication: set[int]) -> int:
     return max(best, alive)
 
 
-def _alive_at_peak(traced: TracedStep, uids: set[int]) -> int:
+def _alive_at_peak(traced: TracedStep, uids: set[int], settings: AllocConf | None = None) -> int:
     """Bytes of the storages ``uids`` alive at the replayed peak allocated."""
     if not uids:
         return 0
     program = traced.program()
     nbytes = traced.trace.nbytes
-    stats = allocator.replay(allocator_events(program, nbytes))
+    stats = allocator.replay(allocator_events(program, nbytes), settings=settings)
     n = program.num_storages
     alive = 0
     for event in program.events[: max(stats.peak_index, 0) + 1]:

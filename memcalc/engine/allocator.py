@@ -4,7 +4,8 @@ memcalc runs a training step on meta tensors and records when storages are alloc
 freed. Summing live tensor bytes gives a lower bound on GPU memory; what ``nvidia-smi`` and
 ``torch.cuda.max_memory_reserved()`` show depends on how the caching allocator rounds,
 packs, splits and caches those requests. This module replays the recorded sequence through
-a faithful model of the native allocator's *default* configuration (PyTorch 2.4–2.9) and
+a faithful model of the native allocator (PyTorch 2.4–2.11), under its default settings or
+those of ``PYTORCH_CUDA_ALLOC_CONF`` (:class:`~memcalc.core.alloc_conf.AllocConf`), and
 reports the two numbers ``torch.cuda.memory_stats()`` would: peak ``allocated_bytes`` and
 peak ``reserved_bytes``.
 
@@ -16,8 +17,10 @@ What is modelled (C++ names in brackets, all in ``DeviceCachingAllocator``):
 * segment sizes on a cudaMalloc: 2 MiB, 20 MiB, or rounded up to 2 MiB
   [``get_allocation_size``];
 * best-fit reuse of cached free blocks, ordered by (size, address) [``get_free_block``,
-  ``BlockComparatorSize``], including the ``max_split_size`` oversize rules (inert with the
-  default, unlimited, setting);
+  ``BlockComparatorSize``], including the ``max_split_size`` oversize rules: a block of
+  ``max_split_size_mb`` or more is never split, serves no smaller request, and serves a larger
+  one only within ``kLargeBuffer`` (20 MiB) of its size;
+* ``roundup_power2_divisions`` [``round_size``, ``roundup_power2_next_division``];
 * splitting a block, the allocation taking the front part [``should_split``,
   ``alloc_found_block``];
 * ``allocated`` counts the *block's* size, which exceeds the rounded request whenever a
@@ -31,14 +34,24 @@ What is modelled (C++ names in brackets, all in ``DeviceCachingAllocator``):
   test ``reserved + segment > capacity`` is the one ``alloc_block`` applies under
   ``set_per_process_memory_fraction``; with a plain device limit, pass the memory the
   process may use (total minus the CUDA context and anything else on the GPU);
+* with a finite ``max_split_size_mb``, freeing only the oversize cached blocks a failed
+  cudaMalloc needs before freeing them all [``release_available_cached_blocks``];
+* ``garbage_collection_threshold``: before a cudaMalloc, freeing the oldest unsplit cached
+  blocks until reserved is under the threshold × the capacity [``garbage_collect_cached_blocks``,
+  which PyTorch runs only under ``set_per_process_memory_fraction``, as the capacity here];
+* expandable segments [``ExpandableSegment``, ``try_allocate_expandable_block``,
+  ``find_expandable_block``, ``map_block``, ``unmap_block``]: one segment per pool (one stream),
+  its address space reserved once and physical pages mapped as needed, 2 MiB for the small pool
+  and 20 MiB (``kLargeBuffer``, torch 2.11's ``large_segment_size``) for the large one; reserved
+  is the pages mapped; any remainder of 512 B or more is split off; ``empty_cache`` and the
+  out-of-memory retry unmap every page no live block touches, and release a segment left with
+  none;
 * ``torch.cuda.empty_cache()`` [``emptyCache`` → ``release_cached_blocks``].
 
 What is left out: multiple streams (blocks are per stream; ``recordStream`` and the
-cross-stream events that delay frees), expandable segments, CUDA graph private pools,
-``roundup_power2_divisions``, a finite ``max_split_size_mb`` (and hence
-``release_available_cached_blocks``, a no-op when it is unlimited),
-``garbage_collection_threshold`` and ``FreeCudaMemoryCallbacks``. The addresses cudaMalloc
-returns matter only to the address tie-break between equal-sized cached blocks; segments here
+cross-stream events that delay frees), CUDA graph private pools, ``large_segment_size_mb``,
+``max_non_split_rounding_mb``, ``backend:cudaMallocAsync`` and ``FreeCudaMemoryCallbacks``.
+The addresses cudaMalloc returns matter only to the address tie-break between equal-sized cached blocks; segments here
 get them as the CUDA driver placed them in the real snapshots (:data:`VA_GRANULARITY`: each in
 the lowest free address range it fits, else at the top of a new 32-MiB-rounded range below the
 others), unless a real run's addresses are given (``segment_addresses``). Given them, and the
@@ -59,6 +72,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+
+from memcalc.core.alloc_conf import AllocConf
 
 __all__ = (
     "ALLOC",
@@ -122,6 +137,13 @@ ALLOC = 1  # (ALLOC, key, nbytes): a storage of nbytes is allocated under `key`
 FREE = -1  # (FREE, key, 0): the storage allocated under `key` is freed
 EMPTY_CACHE = 0  # (EMPTY_CACHE, None, 0): torch.cuda.empty_cache()
 
+# Expandable segments reserve address space for 1 1/8 of the GPU's memory (``find_expandable_block``);
+# here a fixed 1 TiB per segment, more than any GPU's 1 1/8: only its being larger than any block matters.
+EXPANDABLE_ADDRESS_SPACE = 1 << 40
+# Where the expandable segments' address ranges begin (below the cudaMalloc'ed ones; each pool's
+# segment has its own range, so only the order within one pool matters, as for segments).
+_FIRST_EXPANDABLE_ADDRESS = 0x100000000000
+
 # Where the fake cudaMalloc's address space ends: its first segment lies just below (a typical
 # device address; only the order of addresses matters, for the best-fit tie-break).
 _FIRST_SEGMENT_ADDRESS = 0x7F0000000000
@@ -133,12 +155,13 @@ _FIRST_SEGMENT_ADDRESS = 0x7F0000000000
 VA_GRANULARITY = 33554432
 
 
-def round_size(nbytes: int) -> int:
+def round_size(nbytes: int, settings: AllocConf | None = None) -> int:
     """Bytes the allocator sets aside for a request of ``nbytes`` (``round_size`` in the C++).
 
-    Requests under 512 B take 512 B; larger ones round up to a multiple of 512 B (the
-    ``roundup_power2_divisions`` branch is off by default). A 0-byte request never reaches
-    the allocator, so it costs 0 here rather than 512.
+    Requests under 512 B take 512 B; larger ones round up to a multiple of 512 B, or, under
+    ``roundup_power2_divisions``, to the next of that many equal divisions of their power-of-two
+    interval (:func:`roundup_power2_next_division`) when that is coarser than 512 B. A 0-byte
+    request never reaches the allocator, so it costs 0 here rather than 512.
     """
     if nbytes < 0:
         raise ValueError(f"a request size cannot be negative, got {nbytes}")
@@ -146,7 +169,24 @@ def round_size(nbytes: int) -> int:
         return 0
     if nbytes < K_MIN_BLOCK_SIZE:
         return K_MIN_BLOCK_SIZE
+    divisions = settings.divisions_for(nbytes) if settings is not None else 0
+    if divisions > 1 and nbytes > K_MIN_BLOCK_SIZE * divisions:
+        return roundup_power2_next_division(nbytes, divisions)
     return K_MIN_BLOCK_SIZE * ((nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
+
+
+def roundup_power2_next_division(size: int, divisions: int) -> int:
+    """``roundup_power2_next_division``: ``size`` rounded up to the next of ``divisions`` equal
+    steps between the powers of two around it (1200 with 4 divisions: 1024, 1280, 1536, 1792 →
+    1280); a power of two stays as it is."""
+    if size & (size - 1) == 0:
+        return size
+    power2_floor = 1 << (size.bit_length() - 1)
+    step = power2_floor >> (divisions.bit_length() - 1)  # power2_floor >> log2(divisions)
+    if step == 0:
+        return power2_floor << 1
+    floor = size & ~(step - 1)
+    return size if floor == size else floor + step
 
 
 def segment_size(rounded: int) -> int:
@@ -182,11 +222,14 @@ class AllocatorStats:
 
 
 class _Block:
-    """A contiguous range of one segment, either handed out or cached (C++ ``Block``)."""
+    """A contiguous range of one segment, either handed out or cached (C++ ``Block``).
 
-    __slots__ = ("addr", "allocated", "next", "pool", "prev", "requested", "size")
+    In an expandable segment (``segment`` set) a block may also be a range of address space no
+    physical page backs (``mapped`` False), kept in its pool's ``unmapped`` set."""
 
-    def __init__(self, addr: int, size: int, pool: _Pool) -> None:
+    __slots__ = ("addr", "allocated", "gc_base", "mapped", "next", "pool", "prev", "requested", "segment", "size")
+
+    def __init__(self, addr: int, size: int, pool: _Pool, segment: _Expandable | None = None) -> None:
         self.addr = addr
         self.size = size
         self.pool = pool
@@ -194,23 +237,67 @@ class _Block:
         self.next: _Block | None = None  # the block just after this one in its segment
         self.allocated = False
         self.requested = 0
+        self.mapped = True
+        self.segment = segment  # the expandable segment it lies in (None: a cudaMalloc'ed one)
+        self.gc_base = 0  # the pool's get_free_block calls when it was cached (``gc_count_base``)
+
+    def splice(self, before: _Block | None, after: _Block | None) -> None:
+        """Put this block between ``before`` and ``after`` (``Block::splice``)."""
+        if before is not None:
+            before.next = self
+        self.prev = before
+        if after is not None:
+            after.prev = self
+        self.next = after
+
+
+class _Expandable:
+    """One expandable segment (``ExpandableSegment``): a range of address space reserved once,
+    into which physical pages of ``page`` bytes are mapped as the pool needs them."""
+
+    __slots__ = ("base", "page", "size")
+
+    def __init__(self, base: int, page: int, size: int) -> None:
+        self.base = base
+        self.page = page
+        self.size = size
+
+    def pages_covering(self, addr: int, size: int) -> tuple[int, int]:
+        """Addresses of the pages touching ``[addr, addr + size)`` (``map``: ``segmentLeft``, ``segmentRight``)."""
+        begin = (addr - self.base) // self.page
+        end = -(-(addr + size - self.base) // self.page)
+        return self.base + begin * self.page, self.base + end * self.page
+
+    def pages_within(self, addr: int, size: int) -> tuple[int, int]:
+        """Addresses of the pages wholly inside ``[addr, addr + size)`` (``unmap``: ``segmentRight``,
+        ``segmentLeft``); an empty range when none is."""
+        begin = -(-(addr - self.base) // self.page)
+        end = (addr + size - self.base) // self.page
+        return self.base + begin * self.page, self.base + max(begin, end) * self.page
 
 
 class _Pool:
     """Cached free blocks of one pool (C++ ``BlockPool``), ordered as ``BlockComparatorSize``.
 
     ``entries`` is a sorted list of ``(size, address)``: with a single stream that is exactly
-    the C++ set's order, so ``bisect`` finds the block ``std::set::lower_bound`` would.
+    the C++ set's order, so ``bisect`` finds the block ``std::set::lower_bound`` would. The
+    unmapped ranges of expandable segments are kept apart, by address (``unmapped``,
+    ``BlockComparatorAddress``); ``calls`` counts ``get_free_block`` calls while garbage
+    collection is on (``get_free_blocks_call_count``).
     """
 
-    __slots__ = ("blocks", "entries", "is_small")
+    __slots__ = ("blocks", "calls", "entries", "is_small", "unmapped")
 
     def __init__(self, is_small: bool) -> None:
         self.is_small = is_small
         self.entries: list[tuple[int, int]] = []
         self.blocks: dict[int, _Block] = {}  # address -> cached block
+        self.unmapped: dict[int, _Block] = {}  # address -> unmapped range of an expandable segment
+        self.calls = 0
 
     def insert(self, block: _Block) -> None:
+        """``insert_into_blocks``: cache ``block``, stamping its age for garbage collection."""
+        block.gc_base = self.calls
         bisect.insort(self.entries, (block.size, block.addr))
         self.blocks[block.addr] = block
 
@@ -231,8 +318,11 @@ class CachingAllocatorModel:
     (so :func:`replay` reports the index of the event in its input).
     """
 
-    def __init__(self, capacity: int | None = None, segment_addresses: Iterable[int] | None = None) -> None:
+    def __init__(self, capacity: int | None = None, segment_addresses: Iterable[int] | None = None,
+                 settings: AllocConf | None = None) -> None:
         """``capacity``: bytes cudaMalloc may hand out in all (None: unlimited).
+
+        ``settings``: ``PYTORCH_CUDA_ALLOC_CONF`` (None: PyTorch's defaults).
 
         ``segment_addresses``: the addresses cudaMalloc returns, in order — a real run's, read
         from its snapshot, so that the best-fit tie-break between equal-sized cached blocks
@@ -243,6 +333,14 @@ class CachingAllocatorModel:
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity cannot be negative, got {capacity}")
         self.capacity = capacity
+        self.settings = settings or AllocConf()
+        self._max_split = self.settings.max_split_size or MAX_SPLIT_SIZE
+        self._expandable = self.settings.expandable_segments
+        # garbage_collect_cached_blocks runs only under set_per_process_memory_fraction, which the
+        # capacity stands for (``set_fraction && garbage_collection_threshold() > 0``)
+        self._gc_threshold = self.settings.garbage_collection_threshold if capacity is not None else 0.0
+        self._next_expandable = _FIRST_EXPANDABLE_ADDRESS
+        self._mapped = 0  # bytes of physical pages mapped in expandable segments
         self._given_addresses = iter(segment_addresses) if segment_addresses is not None else None
         self._small = _Pool(is_small=True)
         self._large = _Pool(is_small=False)
@@ -324,8 +422,8 @@ class CachingAllocatorModel:
 
         O(number of blocks); meant for tests and debugging, like ``torch.cuda.memory_snapshot()``.
         """
-        blocks = list(self._live.values()) + list(self._small.blocks.values()) + list(self._large.blocks.values())
-        blocks.sort(key=lambda b: b.addr)
+        every = list(self._live.values()) + list(self._small.blocks.values()) + list(self._large.blocks.values())
+        blocks = sorted((b for b in every if b.segment is None), key=lambda b: b.addr)
         result = []
         i = 0
         for base in sorted(self._segments):
@@ -335,13 +433,26 @@ class CachingAllocatorModel:
                 parts.append((blocks[i].addr, blocks[i].size, blocks[i].allocated))
                 i += 1
             result.append((base, size, parts))
-        return result
+        return sorted(result + self._mapped_runs(b for b in every if b.segment is not None))
+
+    @staticmethod
+    def _mapped_runs(blocks: Iterable[_Block]) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
+        """Each contiguous mapped range of the expandable segments as one segment, as
+        ``DeviceCachingAllocator::snapshot`` reports them."""
+        runs: list[tuple[int, int, list[tuple[int, int, bool]]]] = []
+        for block in sorted(blocks, key=lambda b: b.addr):
+            if runs and runs[-1][0] + runs[-1][1] == block.addr:
+                base, size, parts = runs[-1]
+                runs[-1] = (base, size + block.size, [*parts, (block.addr, block.size, block.allocated)])
+            else:
+                runs.append((block.addr, block.size, [(block.addr, block.size, block.allocated)]))
+        return runs
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the state is inconsistent. O(blocks); for tests."""
         live_total = sum(b.size for b in self._live.values())
         assert live_total == self._allocated, (live_total, self._allocated)
-        assert sum(self._segments.values()) == self._reserved
+        assert sum(self._segments.values()) + self._mapped == self._reserved
         for pool in (self._small, self._large):
             assert pool.entries == sorted(pool.entries)
             assert len(pool.entries) == len(pool.blocks)
@@ -349,8 +460,8 @@ class CachingAllocatorModel:
                 block = pool.blocks[addr]
                 assert block.size == size and not block.allocated and block.pool is pool
                 # free_block always merges free neighbours, so two never sit side by side
-                assert block.prev is None or block.prev.allocated
-                assert block.next is None or block.next.allocated
+                assert block.prev is None or block.prev.allocated or not block.prev.mapped
+                assert block.next is None or block.next.allocated or not block.next.mapped
         for base, size, parts in self.segments():
             assert parts and parts[0][0] == base, f"segment {base:#x} does not start with a block"
             end = base
@@ -367,27 +478,14 @@ class CachingAllocatorModel:
         self._events += 1
         if key in self._live or key in self._zero:
             raise AlreadyLiveError(key, f"allocation key {key!r} is already live")
-        size = round_size(nbytes)
+        size = round_size(nbytes, self.settings)
         if size == 0:
             self._zero.add(key)
             return
         pool = self._small if size <= K_SMALL_SIZE else self._large
         block = self._get_free_block(pool, size)
         if block is None:
-            alloc_size = segment_size(size)
-            block = self._alloc_block(pool, alloc_size)
-            # release_available_cached_blocks() returns false at once with an unlimited
-            # max_split_size, so the next resort is to free every unsplit cached segment.
-            if block is None:
-                self._release_cached_blocks()
-                self._num_alloc_retries += 1
-                block = self._alloc_block(pool, alloc_size)
-            if block is None:
-                self._num_ooms += 1
-                if self._oom_at is None:
-                    self._oom_at = index
-                block = self._alloc_block(pool, alloc_size, force=True)
-                assert block is not None
+            block = self._new_block(pool, size, index)
         if self._should_split(block, size):
             block = self._split(block, size)
         block.allocated = True
@@ -400,6 +498,28 @@ class CachingAllocatorModel:
             self._peak_index = index
         if self._requested > self._peak_requested:
             self._peak_requested = self._requested
+
+    def _new_block(self, pool: _Pool, size: int, index: int) -> _Block:
+        """A block from new memory when no cached block fits (``malloc``'s resorts, in order):
+        collect garbage, cudaMalloc (or map pages), free enough oversize cached blocks and
+        retry, free every unsplit cached block and retry; else an OOM, and the model goes on."""
+        alloc_size = segment_size(size)
+        if self._gc_threshold > 0.0:
+            self._garbage_collect()
+        block = self._alloc_block(pool, alloc_size, size=size)
+        if block is None and self._release_available_cached_blocks(pool, size):
+            block = self._alloc_block(pool, alloc_size, size=size)
+        if block is None:
+            self._release_cached_blocks()
+            self._num_alloc_retries += 1
+            block = self._alloc_block(pool, alloc_size, size=size)
+        if block is None:
+            self._num_ooms += 1
+            if self._oom_at is None:
+                self._oom_at = index
+            block = self._alloc_block(pool, alloc_size, force=True, size=size)
+            assert block is not None
+        return block
 
     def free(self, key: Hashable) -> None:
         """Free the allocation made under ``key`` (``DeviceCachingAllocator::free``)."""
@@ -424,41 +544,51 @@ class CachingAllocatorModel:
 
     # --- the allocator's internals ------------------------------------------------------
 
-    @staticmethod
-    def _get_free_block(pool: _Pool, size: int) -> _Block | None:
-        """Best fit: the smallest cached block ≥ size, lowest address first (``get_free_block``)."""
+    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
+        """Best fit: the smallest cached block ≥ size, lowest address first (``get_free_block``),
+        with the ``max_split_size`` rules for oversize blocks. In an expandable segment a block
+        counts as the size it can grow to (itself and the unmapped range after it)."""
+        if self._gc_threshold > 0.0:
+            pool.calls += 1  # tracked only while garbage collection is on
         entries = pool.entries
         # (size,) sorts before every (size, address): the C++ search key has ptr == nullptr.
         i = bisect.bisect_left(entries, (size,))
         if i == len(entries):
             return None
-        found_size, addr = entries[i]
+        block = pool.blocks[entries[i][1]]
+        if block.segment is not None:
+            while i + 1 < len(entries) and block.segment is not None:
+                following = pool.blocks[entries[i + 1][1]]
+                if _expandable_size(following) >= _expandable_size(block):
+                    break
+                i, block = i + 1, following
+        max_split = self._max_split
         # Do not return an oversized block for a large request
-        if size < MAX_SPLIT_SIZE and found_size >= MAX_SPLIT_SIZE:
+        if size < max_split and block.size >= max_split:
             return None
         # Allow oversized block size to be rounded up but within a limit
-        if size >= MAX_SPLIT_SIZE and found_size >= size + K_LARGE_BUFFER:
+        if size >= max_split and block.size >= size + K_LARGE_BUFFER:
             return None
         del entries[i]
-        return pool.blocks.pop(addr)
+        return pool.blocks.pop(block.addr)
 
-    @staticmethod
-    def _should_split(block: _Block, size: int) -> bool:
+    def _should_split(self, block: _Block, size: int) -> bool:
         """Whether the remainder is worth keeping as its own block (``should_split``).
 
-        Small pool: any remainder of at least 512 B. Large pool: only a remainder of more than
-        1 MiB (a smaller one could only ever serve small requests, which never come to the
-        large pool), and never for requests of ``max_split_size`` or more.
+        Small pool, and every pool under expandable segments: any remainder of at least 512 B.
+        Large pool: only a remainder of more than 1 MiB (a smaller one could only ever serve
+        small requests, which never come to the large pool), and never for requests of
+        ``max_split_size`` or more.
         """
         remaining = block.size - size
-        if block.pool.is_small:
+        if block.pool.is_small or self._expandable:
             return remaining >= K_MIN_BLOCK_SIZE
-        return size < MAX_SPLIT_SIZE and remaining > K_SMALL_SIZE
+        return size < self._max_split and remaining > K_SMALL_SIZE
 
     @staticmethod
     def _split(block: _Block, size: int) -> _Block:
         """Carve ``size`` bytes off the front of ``block``; cache the rest (``alloc_found_block``)."""
-        front = _Block(block.addr, size, block.pool)
+        front = _Block(block.addr, size, block.pool, block.segment)
         front.prev = block.prev
         if front.prev is not None:
             front.prev.next = front
@@ -471,31 +601,42 @@ class CachingAllocatorModel:
 
     def _free_block(self, block: _Block) -> None:
         """Return a block to its pool, merging free neighbours (``free_block``/``try_merge_blocks``)."""
-        pool = block.pool
-        prev = block.prev
-        if prev is not None and not prev.allocated:  # [prev block] -> one block at prev's address
-            pool.remove(prev)
-            block.addr = prev.addr
-            block.size += prev.size
-            block.prev = prev.prev
-            if block.prev is not None:
-                block.prev.next = block
-        nxt = block.next
-        if nxt is not None and not nxt.allocated:  # [block next] -> one block at block's address
-            pool.remove(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if block.next is not None:
-                block.next.prev = block
-        pool.insert(block)
+        self._try_merge(block, block.prev)
+        self._try_merge(block, block.next)
+        block.pool.insert(block)
 
-    def _alloc_block(self, pool: _Pool, alloc_size: int, force: bool = False) -> _Block | None:
-        """cudaMalloc a new segment, or None if it would exceed the capacity (``alloc_block``).
+    @staticmethod
+    def _try_merge(dst: _Block, src: _Block | None) -> None:
+        """``try_merge_blocks``: ``src``, a free neighbour of ``dst`` mapped as it is, joins it."""
+        if src is None or src.allocated or src.mapped != dst.mapped:
+            return
+        pool = dst.pool
+        if src.mapped:
+            pool.remove(src)
+        else:
+            del pool.unmapped[src.addr]
+        if dst.prev is src:  # [src dst] -> one block at src's address
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:  # [dst src]
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+
+    def _alloc_block(self, pool: _Pool, alloc_size: int, force: bool = False, size: int = 0) -> _Block | None:
+        """cudaMalloc a new segment, or None if it would exceed the capacity (``alloc_block``);
+        under expandable segments, map pages for ``size`` bytes instead. The capacity test is
+        on ``alloc_size`` in both cases, as in the C++.
 
         ``force`` ignores the capacity: the model's way of going on past an OOM.
         """
         if not force and self.capacity is not None and self._reserved + alloc_size > self.capacity:
             return None
+        if self._expandable:
+            return self._allocate_expandable(pool, size)
         base = self._segment_address(alloc_size)
         self._segments[base] = alloc_size
         self._num_segments += 1
@@ -588,35 +729,202 @@ class CachingAllocatorModel:
         return block
 
     def _release_cached_blocks(self) -> None:
-        """cudaFree every cached block that is a whole segment (``release_cached_blocks``).
+        """cudaFree every cached block that is a whole segment, and unmap the free pages of the
+        expandable segments (``release_cached_blocks`` → ``release_blocks``).
 
-        Split segments with some block still live stay: their free parts cannot be returned.
-        Linear in the number of cached blocks, but it runs only on empty_cache or when a
-        cudaMalloc would not fit.
+        Split segments with some block still live stay: their free parts cannot be returned; of
+        an expandable segment every page no live block touches is unmapped, and a segment left
+        with no page is released. Linear in the number of cached blocks, but it runs only on
+        empty_cache or when a cudaMalloc would not fit.
         """
         for pool in (self._large, self._small):  # release_blocks(large_blocks) first, as in C++
-            whole = [b for b in pool.blocks.values() if b.prev is None and b.next is None]
-            if not whole:
-                continue
-            for block in whole:
-                del pool.blocks[block.addr]
-                del self._segments[block.addr]
-                if block.addr in self._own:
-                    self._own.discard(block.addr)
-                    self._release_address(block.addr, block.size)
-                self._reserved -= block.size
-                self._num_device_frees += 1
-            pool.entries = sorted((b.size, b.addr) for b in pool.blocks.values())
+            blocks = list(pool.blocks.values())
+            for block in blocks:
+                if block.segment is None and block.prev is None and block.next is None:
+                    self._release_block(block)
+            for block in blocks:
+                if block.segment is not None:
+                    self._unmap_block(block)
+
+    def _release_block(self, block: _Block) -> None:
+        """cudaFree the cached block ``block``, a whole segment (``release_block``)."""
+        block.pool.remove(block)
+        del self._segments[block.addr]
+        if block.addr in self._own:
+            self._own.discard(block.addr)
+            self._release_address(block.addr, block.size)
+        self._reserved -= block.size
+        self._num_device_frees += 1
+
+    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+        """Free oversize cached blocks, only as many as the request needs: the smallest one of at
+        least ``max(size, max_split_size)``, else the largest ones down to ``max_split_size``
+        until they add up to that (``release_available_cached_blocks``). False at once while
+        ``max_split_size`` is unlimited; blocks of expandable segments are never freed here."""
+        if self._max_split == MAX_SPLIT_SIZE or self._expandable:
+            return False
+        key = max(size, self._max_split)
+        entries = pool.entries
+        i = bisect.bisect_left(entries, (key,))
+        if i < len(entries):
+            self._release_block(pool.blocks[entries[i][1]])
+            return True
+        released = 0
+        for found_size, addr in reversed(list(entries)):  # the largest first
+            if released >= key or found_size < self._max_split:
+                break
+            released += found_size
+            self._release_block(pool.blocks[addr])
+        return released >= key
+
+    def _garbage_collect(self) -> None:
+        """Free cached whole segments of the large pool, the oldest first, until reserved is back
+        under ``garbage_collection_threshold`` × capacity (``garbage_collect_cached_blocks``).
+
+        A block's age is the number of ``get_free_block`` calls on its pool since it was cached;
+        each pass frees every unsplit block at least as old as the pass's average age, and does
+        not stop at the target within a pass ("we don't want this GC to be triggered frequently").
+        """
+        assert self.capacity is not None
+        threshold = int(self._gc_threshold * self.capacity)
+        if self._reserved <= threshold:
+            return
+        target = self._reserved - threshold
+        pool = self._large
+        whole = [b for b in pool.blocks.values() if b.prev is None and b.next is None and b.segment is None]
+        total_age = sum(pool.calls - b.gc_base for b in whole)
+        count = len(whole)
+        reclaimed, freed = 0, True
+        while reclaimed < target and freed and count > 0:
+            age_threshold = total_age / count
+            freed = False
+            for _, addr in list(pool.entries):
+                block = pool.blocks[addr]
+                age = pool.calls - block.gc_base
+                if block.prev is None and block.next is None and block.segment is None and age >= age_threshold:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= age
+                    count -= 1
+                    self._release_block(block)
+
+    # --- expandable segments (``ExpandableSegment``) -------------------------------------
+
+    def _allocate_expandable(self, pool: _Pool, size: int) -> _Block:
+        """``try_allocate_expandable_block``: map pages until a free block of ``size`` bytes
+        stands at the lowest address where free and unmapped space adds up to it, in the pool's
+        segment (a new segment when none has room)."""
+        candidate = self._find_expandable_block(pool, size)
+        if not candidate.mapped:
+            self._map_block(candidate, min(candidate.size, size))
+        while candidate.size < size:  # free -> unmapped: map some of it, which merges with the free part
+            following = candidate.next
+            assert following is not None and not following.mapped
+            self._map_block(following, min(size - candidate.size, following.size))
+            candidate = following
+        candidate.pool.remove(candidate)
+        return candidate
+
+    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
+        """``find_expandable_block``: the lowest unmapped range (with the free block just before
+        it) followed by enough free or unmapped space; else a new segment, all unmapped."""
+        for addr in sorted(pool.unmapped):
+            candidate = pool.unmapped[addr]
+            if candidate.prev is not None and not candidate.prev.allocated:
+                candidate = candidate.prev
+            room = 0
+            walk: _Block | None = candidate
+            while room < size and walk is not None and not walk.allocated:  # has_available_address_space
+                room += walk.size
+                walk = walk.next
+            if room >= size:
+                return candidate
+        page = K_SMALL_BUFFER if pool.is_small else K_LARGE_BUFFER  # 2 MiB pages small, 20 MiB large
+        segment = _Expandable(self._next_expandable, page, EXPANDABLE_ADDRESS_SPACE)
+        self._next_expandable += EXPANDABLE_ADDRESS_SPACE
+        block = _Block(segment.base, segment.size, pool, segment)
+        block.mapped = False
+        pool.unmapped[block.addr] = block
+        return block
+
+    def _map_block(self, block: _Block, size: int) -> None:
+        """``map_block``: back the start of the unmapped ``block`` with the pages covering
+        ``size`` bytes; the rest stays an unmapped block after it, and the mapped part merges
+        with free neighbours. Reserved grows by the pages mapped."""
+        segment = block.segment
+        assert segment is not None and not block.mapped
+        begin, end = segment.pages_covering(block.addr, size)
+        mapped = end - begin
+        pool = block.pool
+        del pool.unmapped[block.addr]
+        block.mapped = True
+        if mapped < block.size:
+            rest = _Block(block.addr + mapped, block.size - mapped, pool, segment)
+            rest.mapped = False
+            rest.splice(block, block.next)
+            pool.unmapped[rest.addr] = rest
+            block.size = mapped
+        self._try_merge(block, block.prev)
+        self._try_merge(block, block.next)
+        pool.insert(block)
+        self._mapped += mapped
+        self._reserved += mapped
+        self._num_segments += 1  # one cuMemMap, counted as a device allocation ("num_device_alloc")
+        self._peak_reserved = max(self._peak_reserved, self._reserved)
+        self._on_map(begin, mapped)
+
+    def _unmap_block(self, block: _Block) -> None:
+        """``unmap_block``: unmap the pages wholly inside the free ``block``; the free bytes on
+        either side stay mapped blocks of their own. A segment left all unmapped is released
+        (``release_expandable_segment``)."""
+        segment = block.segment
+        assert segment is not None and block.mapped and not block.allocated
+        begin, end = segment.pages_within(block.addr, block.size)
+        if begin >= end:
+            return
+        pool = block.pool
+        pool.remove(block)
+        if begin > block.addr:  # prev? -> before -> block
+            before = _Block(block.addr, begin - block.addr, pool, segment)
+            before.splice(block.prev, block)
+            pool.insert(before)
+        if block.addr + block.size > end:  # block -> after -> next?
+            after = _Block(end, block.addr + block.size - end, pool, segment)
+            after.splice(block, block.next)
+            pool.insert(after)
+        block.addr, block.size, block.mapped = begin, end - begin, False
+        self._try_merge(block, block.prev)
+        self._try_merge(block, block.next)
+        pool.unmapped[block.addr] = block
+        self._mapped -= end - begin
+        self._reserved -= end - begin
+        self._num_device_frees += 1
+        self._on_unmap(begin, end - begin)
+        if block.prev is None and block.next is None:
+            del pool.unmapped[block.addr]
+
+    def _on_map(self, addr: int, size: int) -> None:
+        """Hook for :class:`RecordingAllocatorModel`: pages were mapped."""
+
+    def _on_unmap(self, addr: int, size: int) -> None:
+        """Hook for :class:`RecordingAllocatorModel`: pages were unmapped."""
 
 
-def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None) -> AllocatorStats:
+def _expandable_size(block: _Block) -> int:
+    """``get_free_block``'s ``expandable_size``: a block and the unmapped range right after it."""
+    following = block.next
+    return block.size + (following.size if following is not None and not following.mapped else 0)
+
+
+def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
+           settings: AllocConf | None = None) -> AllocatorStats:
     """Run a recorded sequence through a fresh allocator and return its stats.
 
     Each event is ``(ALLOC, key, nbytes)`` (``ALLOC == +1``), ``(FREE, key, 0)``
     (``FREE == -1``) or ``(EMPTY_CACHE, None, 0)`` (``EMPTY_CACHE == 0``); indices in the
     result (``oom_at``, ``peak_index``) are positions in ``events``.
     """
-    model = CachingAllocatorModel(capacity)
+    model = CachingAllocatorModel(capacity, settings=settings)
     _drive(model, events)
     return model.stats()
 
@@ -647,8 +955,8 @@ class RecordingAllocatorModel(CachingAllocatorModel):
     block and segment it hands out or takes back (what ``torch.cuda.memory._record_memory_history``
     records). A separate class so that the replays of an estimate pay nothing for it."""
 
-    def __init__(self, capacity: int | None = None) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int | None = None, settings: AllocConf | None = None) -> None:
+        super().__init__(capacity, settings=settings)
         self.allocated_after: list[int] = []  # per event
         self.reserved_after: list[int] = []  # per event
         self.actions: list[Action] = []
@@ -676,18 +984,21 @@ class RecordingAllocatorModel(CachingAllocatorModel):
         self.allocated_after.append(self._allocated)
         self.reserved_after.append(self._reserved)
 
-    def _alloc_block(self, pool: _Pool, alloc_size: int, force: bool = False) -> _Block | None:
-        block = super()._alloc_block(pool, alloc_size, force)
-        if block is not None:
+    def _alloc_block(self, pool: _Pool, alloc_size: int, force: bool = False, size: int = 0) -> _Block | None:
+        block = super()._alloc_block(pool, alloc_size, force, size)
+        if block is not None and block.segment is None:
             self.actions.append(("segment_alloc", block.addr, alloc_size, self._events - 1, None, 0))
         return block
 
-    def _release_cached_blocks(self) -> None:
-        for pool in (self._large, self._small):  # the order and the test of the base class
-            for block in pool.blocks.values():
-                if block.prev is None and block.next is None:
-                    self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
-        super()._release_cached_blocks()
+    def _release_block(self, block: _Block) -> None:
+        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
+        super()._release_block(block)
+
+    def _on_map(self, addr: int, size: int) -> None:
+        self.actions.append(("segment_map", addr, size, self._events - 1, None, 0))
+
+    def _on_unmap(self, addr: int, size: int) -> None:
+        self.actions.append(("segment_unmap", addr, size, self._events - 1, None, 0))
 
 
 @dataclass(frozen=True)
@@ -702,9 +1013,10 @@ class RecordedReplay:
     segments: list[tuple[int, int, list[tuple[int, int, bool]]]]
 
 
-def replay_recorded(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None) -> RecordedReplay:
+def replay_recorded(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
+                    settings: AllocConf | None = None) -> RecordedReplay:
     """:func:`replay` with a :class:`RecordingAllocatorModel`: the same stats, and the history."""
-    model = RecordingAllocatorModel(capacity)
+    model = RecordingAllocatorModel(capacity, settings)
     _drive(model, events)
     return RecordedReplay(model.stats(), model.allocated_after, model.reserved_after, model.actions,
                           model.segments())

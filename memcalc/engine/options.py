@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import FineTune
@@ -70,6 +71,8 @@ class Step:
         record_costs: record every kernel's FLOPs and bytes while tracing, for a step time
             (:mod:`memcalc.timing.flops`): only when a time is asked for, since it adds 10–26%
             to an estimate. The memory figures do not depend on it.
+        alloc_conf: the CUDA caching allocator's settings (``PYTORCH_CUDA_ALLOC_CONF``) its
+            replays model.
         notes: what building the step found out (the local GPU it stands for), shown first
             among the report's notes.
         resolver: resolves ``model`` at a batch (:meth:`resolved`); the API sets it, so that the
@@ -102,6 +105,7 @@ class Step:
     #: Tokens ``generate()`` makes after the prompt (mode generate only; None otherwise).
     new_tokens: int | None = None
     record_costs: bool = False
+    alloc_conf: AllocConf = field(default_factory=AllocConf)
     notes: tuple[str, ...] = ()
     resolver: ModelResolver | None = field(default=None, compare=False, repr=False)
 
@@ -109,6 +113,12 @@ class Step:
     def optimizer_key(self) -> Optimizer:
         """The optimizer's name, as an enum."""
         return self.optimizer.key
+
+    @property
+    def allocator_settings(self) -> AllocConf | None:
+        """The caching allocator's settings the replays model: ``alloc_conf`` on a CUDA target
+        (None: the defaults, or the CPU target, whose allocator has none)."""
+        return self.alloc_conf if self.emulate_cuda and not self.alloc_conf.is_default else None
 
     @property
     def emulate_cuda(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import (
     DataDependentError,
@@ -445,15 +446,17 @@ class _TimelineBuilder:
     timeline costs nothing until it is asked for (then it is built once and kept)."""
 
     def __init__(self, trace: StepTrace, program: Program, categories: list[Category], capacity: int | None,
-                 role: str) -> None:
+                 role: str, settings: AllocConf | None = None) -> None:
         self._args = (trace, program, categories)
+        self._settings = settings
         self._capacity = capacity
         self._role = role
         self._timeline: Timeline | None = None
 
     def __call__(self) -> Timeline:
         if self._timeline is None:
-            self._timeline = build_timeline(*self._args, capacity=self._capacity, role=self._role)
+            self._timeline = build_timeline(*self._args, capacity=self._capacity, role=self._role,
+                                            settings=self._settings)
         return self._timeline
 
 
@@ -465,11 +468,12 @@ def _program_of(traced: TracedStep) -> Program:
         raise InternalError(exc, stage="building the program of the traced step") from exc
 
 
-def _replayed(program: Program, trace: StepTrace) -> allocator.AllocatorStats:
+def _replayed(program: Program, trace: StepTrace,
+              settings: AllocConf | None) -> allocator.AllocatorStats:
     """The program replayed through the allocator model; an impossible event (a free of a
     storage that is not live) is memcalc's bug, named by the op and module that made the storage."""
     try:
-        return allocator.replay(allocator_events(program, trace.nbytes))
+        return allocator.replay(allocator_events(program, trace.nbytes), settings=settings)
     except allocator.KeyStateError as exc:
         uid = program.storage(exc.key) if isinstance(exc.key, int) else -1
         if not 0 <= uid < trace.num_storages:
@@ -499,8 +503,9 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     trace = traced.trace
     mode = options.mode
     capacity = options.capacity
+    settings = options.allocator_settings
     program = _program_of(traced)
-    stats = _replayed(program, trace)
+    stats = _replayed(program, trace, settings)
     peak_index = max(stats.peak_index, 0)
     raw = category_totals_at(program, trace.nbytes, traced.categories, peak_index)
     breakdown = ByteBreakdown(
@@ -509,8 +514,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         activations=raw[Category.ACTIVATIONS], workspace=raw[Category.WORKSPACE], kv_cache=raw[Category.KV_CACHE],
         peak_allocated=stats.peak_allocated,
     )
-    first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[1])) \
-        if program.iterations > 1 else stats
+    first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[1]),
+                             settings=settings) if program.iterations > 1 else stats
     spec = options.optimizer
     module = resolved.module
     training = mode is Mode.TRAIN
@@ -523,7 +528,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         input_bytes=_preexisting_bytes(trace, traced.categories, Category.INPUTS),
         frozen_parameter_bytes=_frozen_parameter_bytes(module) if training else 0,
     )
-    fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats)
+    fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats, settings)
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
@@ -574,8 +579,10 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
         new_tokens=options.new_tokens,
         peak_step=peak_step if has_peak else None,
+        alloc_conf=settings.describe() if settings is not None else "",
+        alloc_conf_source=settings.source if settings is not None else "",
         notes=tuple(notes),
-        _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role),
+        _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role, settings),
         _costs=None if traced.costs is None else traced.costs.step_costs(
             resolved.inputs, batch_size=resolved.batch_size, micro_batches=options.accum_steps,
             module_order=traced.module_order,  # a loop traced whole: its first iteration
@@ -589,15 +596,16 @@ def _main_backend(attention: dict[str, int]) -> str | None:
     return max(attention.items(), key=lambda item: item[1])[0]
 
 
-def _fit_under(program: Program, nbytes: list[int], capacity: int | None,
-               stats: allocator.AllocatorStats) -> tuple[bool | None, int | None]:
+def _fit_under(program: Program, nbytes: list[int], capacity: int | None, stats: allocator.AllocatorStats,
+               settings: AllocConf | None = None) -> tuple[bool | None, int | None]:
     """Whether the step runs within ``capacity`` reserved bytes, and the peak reserved when it
     does so under that limit (the allocator frees cached segments under pressure)."""
     if capacity is None:
         return None, None
-    if stats.peak_reserved <= capacity:
+    gc = settings is not None and settings.garbage_collection_threshold > 0.0  # collects below the capacity
+    if stats.peak_reserved <= capacity and not gc:
         return True, stats.peak_reserved  # never under pressure: the same replay
-    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity)
+    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings)
     return limited.oom_at is None, limited.peak_reserved
 
 

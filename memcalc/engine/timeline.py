@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Category, Phase
 from memcalc.core.timeline import Allocation, AllocatorEvent, PhaseSpan, Timeline
 from memcalc.engine import allocator
@@ -176,7 +177,7 @@ LARGEST_AT_PEAK = 10
 
 
 def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Category], *,
-                   capacity: int | None = None, role: str = "") -> Timeline:
+                   capacity: int | None = None, role: str = "", settings: AllocConf | None = None) -> Timeline:
     """The memory after every event of ``program``, replayed once more with the recording
     allocator model (:func:`memcalc.engine.allocator.replay_recorded`).
 
@@ -196,10 +197,12 @@ def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Cate
         The :class:`~memcalc.core.timeline.Timeline`, one row per event of ``program``.
     """
     nbytes = trace.nbytes
-    recorded = allocator.replay_recorded(allocator_events(program, nbytes))
+    recorded = allocator.replay_recorded(allocator_events(program, nbytes), settings=settings)
     reserved = recorded.reserved
-    if capacity is not None and recorded.stats.peak_reserved > capacity:
-        reserved = allocator.replay_recorded(allocator_events(program, nbytes), capacity=capacity).reserved
+    collects = settings is not None and settings.garbage_collection_threshold > 0.0  # below the capacity too
+    if capacity is not None and (recorded.stats.peak_reserved > capacity or collects):
+        reserved = allocator.replay_recorded(allocator_events(program, nbytes), capacity=capacity,
+                                             settings=settings).reserved
     n = max(program.num_storages, 1)
     keys = np.asarray(program.events, dtype=np.int64)
     is_alloc = keys >= 0

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from memcalc.api import estimate_step
+from memcalc.core.alloc_conf import alloc_conf_from_environment
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.output import check_writable, write_atomically
@@ -54,8 +55,8 @@ from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.stacks.peft import finetune_module
 from memcalc.targets.cpu.kernels import NOT_FOLLOWED
 
-__all__ = ("RESERVED_SHOWN", "SNAPSHOT_ENTRIES", "attach_measurement", "cpu_comparison_note", "measure", "measure_cpu",
-           "measure_cuda", "measured_device", "storage_bytes")
+__all__ = ("RESERVED_SHOWN", "SNAPSHOT_ENTRIES", "allocator_settings_note", "attach_measurement", "cpu_comparison_note",
+           "measure", "measure_cpu", "measure_cuda", "measured_device", "storage_bytes")
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -245,6 +246,8 @@ def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: st
             _write_snapshot(snapshot, force=force)
             notes.append(f"the step's allocator history written to {snapshot} (memcalc compare {snapshot} MODEL "
                          "with this estimate's options sets it beside the estimate)")
+        if (settings := allocator_settings_note(step)) is not None:
+            notes.append(settings)
         if warmups:
             notes.append(f"GradScaler warmed up over {warmups} run{'s' if warmups > 1 else ''} until no "
                          "optimizer step was skipped (the steady state the estimate models)")
@@ -261,6 +264,18 @@ def measure_cuda(step: Step, *, device: torch.device | None = None, snapshot: st
         del module, inputs
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def allocator_settings_note(step: Step) -> str | None:
+    """A note when the estimate modelled other allocator settings than this process runs under:
+    PyTorch read ``PYTORCH_CUDA_ALLOC_CONF`` when it started, so ``--alloc-conf`` does not reach
+    the real step (None when they agree)."""
+    process = alloc_conf_from_environment()
+    if step.alloc_conf.describe() == process.describe():
+        return None
+    return (f"the real step ran under this process's allocator settings ({process.describe() or 'the defaults'}), "
+            f"not the estimate's ({step.alloc_conf.describe() or 'the defaults'}): set PYTORCH_CUDA_ALLOC_CONF "
+            f"before starting Python to measure under them")
 
 
 def _write_snapshot(path: str, *, force: bool) -> None:

@@ -102,6 +102,10 @@ def _header(report: MemoryReport) -> str:
                      f"({100 * trainable / report.parameters:.4f}%)")
     if report.torch_version:
         lines.append(_assumed_line(report))
+    if report.alloc_conf:  # issue 38: only settings other than PyTorch's defaults are stated
+        given = report.alloc_conf_source
+        origin = f"from the environment's {given}" if given.isupper() else "as given"
+        lines.append(f"allocator: {report.alloc_conf} ({origin}; reserved memory modelled under it)")
     return "\n".join(lines)
 
 

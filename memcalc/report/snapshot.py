@@ -118,21 +118,54 @@ class _Frames:
         return self._timeline.category[index]
 
 
+def _unmap(ranges: dict[int, int], address: int, size: int) -> None:
+    """Take ``[address, address + size)`` out of the mapped ``ranges`` of expandable segments
+    (``segment_unmap``: whole pages inside a free block, perhaps the middle of a mapped range)."""
+    for base, length in list(ranges.items()):
+        end = base + length
+        if end <= address or base >= address + size:
+            continue
+        del ranges[base]
+        if base < address:
+            ranges[base] = address - base
+        if end > address + size:
+            ranges[address + size] = end - address - size
+
+
+def _contiguous(ranges: dict[int, int]) -> dict[int, int]:
+    """Mapped ranges that touch as one segment each, as ``torch.cuda.memory_snapshot()`` reports an
+    expandable segment's contiguous mapped memory."""
+    merged: dict[int, int] = {}
+    last = None
+    for base in sorted(ranges):
+        if last is not None and last + merged[last] == base:
+            merged[last] += ranges[base]
+        else:
+            merged[base], last = ranges[base], base
+    return merged
+
+
 def _segments_at_end(events: tuple[AllocatorEvent, ...], frames: _Frames) -> list[dict[str, Any]]:
     """The segments held after the last event, with their blocks, replayed from ``events``:
     the allocator merges free neighbours, so every gap between allocated blocks is one free
     (``inactive``) block."""
     segments: dict[int, int] = {}
+    mapped: dict[int, int] = {}  # the pages of expandable segments
     live: dict[int, AllocatorEvent] = {}
     for event in events:
         if event.action == "segment_alloc":
             segments[event.address] = event.size
         elif event.action == "segment_free":
             del segments[event.address]
+        elif event.action == "segment_map":
+            mapped[event.address] = event.size
+        elif event.action == "segment_unmap":
+            _unmap(mapped, event.address, event.size)
         elif event.action == "alloc":
             live[event.address] = event
         elif event.action == "free_completed":
             del live[event.address]
+    segments |= _contiguous(mapped)
     blocks = sorted(live.values(), key=lambda e: e.address)
     result: list[dict[str, Any]] = []
     i = 0

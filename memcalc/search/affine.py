@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from memcalc.core.alloc_conf import AllocConf
 from memcalc.engine import allocator
 from memcalc.engine.run import TracedStep
 from memcalc.engine.timeline import Program, allocator_events
@@ -41,10 +42,12 @@ class SyntheticPoint(NamedTuple):
     reserved_within_capacity: int
 
 
-def replay_under(program: Program, nbytes: Sequence[int], capacity: int, batch: int) -> SyntheticPoint:
+def replay_under(program: Program, nbytes: Sequence[int], capacity: int, batch: int,
+                 settings: AllocConf | None = None) -> SyntheticPoint:
     """One replay of ``program`` with storage sizes ``nbytes`` under ``capacity`` (the allocator
-    frees its cache and retries before it gives up, as PyTorch does): whether it fits."""
-    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity)
+    frees its cache and retries before it gives up, as PyTorch does): whether it fits, under the
+    allocator's ``settings`` (``PYTORCH_CUDA_ALLOC_CONF``; None: the defaults)."""
+    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings)
     return SyntheticPoint(batch, stats.oom_at is None, stats.peak_allocated, stats.peak_reserved)
 
 
@@ -93,9 +96,9 @@ class AffineFamily:
             sizes[uid] = rule(tuple(a + s * batch for a, s in zip(intercepts, slopes, strict=True)))
         return sizes
 
-    def probe(self, batch: int, capacity: int) -> SyntheticPoint:
+    def probe(self, batch: int, capacity: int, settings: AllocConf | None = None) -> SyntheticPoint:
         """Replay the step at ``batch`` through the allocator model under ``capacity`` (one replay)."""
-        return replay_under(self.program, self.nbytes(batch), capacity, batch)
+        return replay_under(self.program, self.nbytes(batch), capacity, batch, settings)
 
     def matches(self, traced: TracedStep, batch: int) -> bool:
         """Whether ``traced`` (a real trace at ``batch``) is this family's step at ``batch``: the

@@ -224,7 +224,7 @@ class _Estimates:
             return _Point(batch, True, peak, peak)
         traced = self.traces[batch]
         self.replays += 1
-        replayed = replay_under(traced.program(), traced.trace.nbytes, self.limit, batch)
+        replayed = replay_under(traced.program(), traced.trace.nbytes, self.limit, batch, self.step.allocator_settings)
         return _Point(batch, replayed.fits, report.bytes.peak_allocated, _needed(replayed))
 
     def synthetic(self, family: AffineFamily, batch: int, capacity: int, *, probe: bool = False) -> _Point:
@@ -235,7 +235,7 @@ class _Estimates:
         key = (batch, capacity)
         if key not in self._synthetic:
             self.replays += 1
-            replayed = family.probe(batch, capacity)
+            replayed = family.probe(batch, capacity, self.step.allocator_settings)
             self._synthetic[key] = _Point(batch, replayed.fits, replayed.peak_allocated, _needed(replayed), True)
             if probe:
                 self.order.append(self._synthetic[key])
