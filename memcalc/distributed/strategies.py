@@ -323,7 +323,7 @@ def _alive_at_peak(traced: TracedStep, uids: set[int]) -> int:
         return 0
     program = traced.program()
     nbytes = traced.trace.nbytes
-    stats = allocator.replay(allocator_events(program, nbytes))
+    stats = allocator.replay(allocator_events(program, nbytes), host=not traced.options.emulate_cuda)
     n = program.num_storages
     alive = 0
     for event in program.events[: max(stats.peak_index, 0) + 1]:

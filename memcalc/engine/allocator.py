@@ -49,6 +49,12 @@ every cudaMalloc of the fourteen real H100 snapshots in ``tests/data/gpu/``
 allocator does not see (CUDA's lazily loaded kernels) also takes address ranges: the placement
 is the driver's where nothing else intervenes.
 
+The CPU target replays the same events through the same class as **the host allocator**
+(``host=True``): c10's CPU allocator hands each request its own ``malloc`` of exactly the bytes
+asked for and returns it at the free — no 512 B rounding, no pools, nothing cached. Allocated
+and reserved are then both the bytes requested: what ``torch.profiler``'s ``[memory]`` events
+add up to on a real CPU step.
+
 After an OOM the real allocator raises. The model records the first failing event in
 ``oom_at`` and carries on as if the cudaMalloc had succeeded (it *over-commits*), so the
 peaks reported for a run past its OOM are what the run would have needed without a limit.
@@ -208,8 +214,12 @@ class CachingAllocatorModel:
     (so :func:`replay` reports the index of the event in its input).
     """
 
-    def __init__(self, capacity: int | None = None, segment_addresses: Iterable[int] | None = None) -> None:
+    def __init__(self, capacity: int | None = None, segment_addresses: Iterable[int] | None = None, *,
+                 host: bool = False) -> None:
         """``capacity``: bytes cudaMalloc may hand out in all (None: unlimited).
+
+        ``host``: the CPU allocator instead (module docstring): every request its own segment
+        of exactly its bytes, given back at its free.
 
         ``segment_addresses``: the addresses cudaMalloc returns, in order — a real run's, read
         from its snapshot, so that the best-fit tie-break between equal-sized cached blocks
@@ -220,6 +230,7 @@ class CachingAllocatorModel:
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity cannot be negative, got {capacity}")
         self.capacity = capacity
+        self.host = host
         self._given_addresses = iter(segment_addresses) if segment_addresses is not None else None
         self._small = _Pool(is_small=True)
         self._large = _Pool(is_small=False)
@@ -344,14 +355,14 @@ class CachingAllocatorModel:
         self._events += 1
         if key in self._live or key in self._zero:
             raise ValueError(f"allocation key {key!r} is already live")
-        size = round_size(nbytes)
+        size = nbytes if self.host else round_size(nbytes)
         if size == 0:
             self._zero.add(key)
             return
         pool = self._small if size <= K_SMALL_SIZE else self._large
-        block = self._get_free_block(pool, size)
+        block = None if self.host else self._get_free_block(pool, size)
         if block is None:
-            alloc_size = segment_size(size)
+            alloc_size = size if self.host else segment_size(size)
             block = self._alloc_block(pool, alloc_size)
             # release_available_cached_blocks() returns false at once with an unlimited
             # max_split_size, so the next resort is to free every unsplit cached segment.
@@ -365,7 +376,7 @@ class CachingAllocatorModel:
                     self._oom_at = index
                 block = self._alloc_block(pool, alloc_size, force=True)
                 assert block is not None
-        if self._should_split(block, size):
+        if not self.host and self._should_split(block, size):
             block = self._split(block, size)
         block.allocated = True
         block.requested = nbytes
@@ -392,7 +403,10 @@ class CachingAllocatorModel:
         self._requested -= block.requested
         block.allocated = False
         block.requested = 0
-        self._free_block(block)
+        if self.host:
+            self._return_to_host(block)
+        else:
+            self._free_block(block)
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: cudaFree every cached segment with no live block."""
@@ -564,6 +578,15 @@ class CachingAllocatorModel:
         self._peak_requested = max(self._peak_requested, self._requested)
         return block
 
+    def _return_to_host(self, block: _Block) -> None:
+        """The host allocator's free: the block is its whole segment, given back at once."""
+        del self._segments[block.addr]
+        if block.addr in self._own:
+            self._own.discard(block.addr)
+            self._release_address(block.addr, block.size)
+        self._reserved -= block.size
+        self._num_device_frees += 1
+
     def _release_cached_blocks(self) -> None:
         """cudaFree every cached block that is a whole segment (``release_cached_blocks``).
 
@@ -586,14 +609,15 @@ class CachingAllocatorModel:
             pool.entries = sorted((b.size, b.addr) for b in pool.blocks.values())
 
 
-def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None) -> AllocatorStats:
-    """Run a recorded sequence through a fresh allocator and return its stats.
+def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None, *,
+           host: bool = False) -> AllocatorStats:
+    """Run a recorded sequence through a fresh allocator (``host``: the CPU's) and return its stats.
 
     Each event is ``(ALLOC, key, nbytes)`` (``ALLOC == +1``), ``(FREE, key, 0)``
     (``FREE == -1``) or ``(EMPTY_CACHE, None, 0)`` (``EMPTY_CACHE == 0``); indices in the
     result (``oom_at``, ``peak_index``) are positions in ``events``.
     """
-    model = CachingAllocatorModel(capacity)
+    model = CachingAllocatorModel(capacity, host=host)
     _drive(model, events)
     return model.stats()
 
@@ -624,8 +648,8 @@ class RecordingAllocatorModel(CachingAllocatorModel):
     block and segment it hands out or takes back (what ``torch.cuda.memory._record_memory_history``
     records). A separate class so that the replays of an estimate pay nothing for it."""
 
-    def __init__(self, capacity: int | None = None) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int | None = None, *, host: bool = False) -> None:
+        super().__init__(capacity, host=host)
         self.allocated_after: list[int] = []  # per event
         self.reserved_after: list[int] = []  # per event
         self.actions: list[Action] = []
@@ -659,6 +683,10 @@ class RecordingAllocatorModel(CachingAllocatorModel):
             self.actions.append(("segment_alloc", block.addr, alloc_size, self._events - 1, None, 0))
         return block
 
+    def _return_to_host(self, block: _Block) -> None:
+        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
+        super()._return_to_host(block)
+
     def _release_cached_blocks(self) -> None:
         for pool in (self._large, self._small):  # the order and the test of the base class
             for block in pool.blocks.values():
@@ -679,9 +707,10 @@ class RecordedReplay:
     segments: list[tuple[int, int, list[tuple[int, int, bool]]]]
 
 
-def replay_recorded(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None) -> RecordedReplay:
+def replay_recorded(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None, *,
+                    host: bool = False) -> RecordedReplay:
     """:func:`replay` with a :class:`RecordingAllocatorModel`: the same stats, and the history."""
-    model = RecordingAllocatorModel(capacity)
+    model = RecordingAllocatorModel(capacity, host=host)
     _drive(model, events)
     return RecordedReplay(model.stats(), model.allocated_after, model.reserved_after, model.actions,
                           model.segments())

@@ -390,15 +390,16 @@ class _TimelineBuilder:
     timeline costs nothing until it is asked for (then it is built once and kept)."""
 
     def __init__(self, trace: StepTrace, program: Program, categories: list[Category], capacity: int | None,
-                 role: str) -> None:
+                 role: str, host: bool) -> None:
         self._args = (trace, program, categories)
         self._capacity = capacity
         self._role = role
+        self._host = host
         self._timeline: Timeline | None = None
 
     def __call__(self) -> Timeline:
         if self._timeline is None:
-            self._timeline = build_timeline(*self._args, capacity=self._capacity, role=self._role)
+            self._timeline = build_timeline(*self._args, capacity=self._capacity, role=self._role, host=self._host)
         return self._timeline
 
 
@@ -420,7 +421,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     mode = options.mode
     capacity = options.capacity
     program = traced.program()
-    stats = allocator.replay(allocator_events(program, trace.nbytes))
+    host = not options.emulate_cuda  # the CPU target: what the CPU allocator counts, unrounded
+    stats = allocator.replay(allocator_events(program, trace.nbytes), host=host)
     peak_index = max(stats.peak_index, 0)
     raw = category_totals_at(program, trace.nbytes, traced.categories, peak_index)
     breakdown = ByteBreakdown(
@@ -429,7 +431,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         activations=raw[Category.ACTIVATIONS], workspace=raw[Category.WORKSPACE], kv_cache=raw[Category.KV_CACHE],
         peak_allocated=stats.peak_allocated,
     )
-    first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[1])) \
+    first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[1]), host=host) \
         if program.iterations > 1 else stats
     spec = options.optimizer
     module = resolved.module
@@ -443,7 +445,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         input_bytes=_preexisting_bytes(trace, traced.categories, Category.INPUTS),
         frozen_parameter_bytes=_frozen_parameter_bytes(module) if training else 0,
     )
-    fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats)
+    fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats, host=host)
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
@@ -495,7 +497,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         new_tokens=options.new_tokens,
         peak_step=peak_step if has_peak else None,
         notes=tuple(notes),
-        _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role),
+        _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role, host),
         _costs=None if traced.costs is None else traced.costs.step_costs(
             resolved.inputs, batch_size=resolved.batch_size, micro_batches=options.accum_steps,
             module_order=traced.module_order,  # a loop traced whole: its first iteration
@@ -510,14 +512,14 @@ def _main_backend(attention: dict[str, int]) -> str | None:
 
 
 def _fit_under(program: Program, nbytes: list[int], capacity: int | None,
-               stats: allocator.AllocatorStats) -> tuple[bool | None, int | None]:
+               stats: allocator.AllocatorStats, *, host: bool = False) -> tuple[bool | None, int | None]:
     """Whether the step runs within ``capacity`` reserved bytes, and the peak reserved when it
     does so under that limit (the allocator frees cached segments under pressure)."""
     if capacity is None:
         return None, None
     if stats.peak_reserved <= capacity:
         return True, stats.peak_reserved  # never under pressure: the same replay
-    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity)
+    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, host=host)
     return limited.oom_at is None, limited.peak_reserved
 
 

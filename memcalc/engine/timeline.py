@@ -152,7 +152,7 @@ LARGEST_AT_PEAK = 10
 
 
 def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Category], *,
-                   capacity: int | None = None, role: str = "") -> Timeline:
+                   capacity: int | None = None, role: str = "", host: bool = False) -> Timeline:
     """The memory after every event of ``program``, replayed once more with the recording
     allocator model (:func:`memcalc.engine.allocator.replay_recorded`).
 
@@ -167,15 +167,16 @@ def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Cate
         categories: the final category of every storage (:func:`final_categories`).
         capacity: the bytes the allocator may reserve, when the report has a limit.
         role: the GPU role under a multi-GPU strategy ("" for one GPU).
+        host: the CPU target: replayed through the host allocator (no rounding, nothing cached).
 
     Returns:
         The :class:`~memcalc.core.timeline.Timeline`, one row per event of ``program``.
     """
     nbytes = trace.nbytes
-    recorded = allocator.replay_recorded(allocator_events(program, nbytes))
+    recorded = allocator.replay_recorded(allocator_events(program, nbytes), host=host)
     reserved = recorded.reserved
     if capacity is not None and recorded.stats.peak_reserved > capacity:
-        reserved = allocator.replay_recorded(allocator_events(program, nbytes), capacity=capacity).reserved
+        reserved = allocator.replay_recorded(allocator_events(program, nbytes), capacity=capacity, host=host).reserved
     n = max(program.num_storages, 1)
     keys = np.asarray(program.events, dtype=np.int64)
     is_alloc = keys >= 0

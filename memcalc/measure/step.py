@@ -382,9 +382,10 @@ def attach_measurement(report: MemoryReport, step: Step, *, device: str | None =
     measured = measure(step, device=device, snapshot=snapshot)
     if measured.device.startswith("cuda"):
         compared = report.bytes.peak_allocated
-    else:
-        cpu_report = estimate_step(dataclasses.replace(step.on_cpu(), record_costs=False))
-        compared = cpu_report.peak_requested
+    else:  # the CPU target's report is already that estimate
+        cpu_report = report if report.gpu.is_cpu else estimate_step(dataclasses.replace(step.on_cpu(),
+                                                                                         record_costs=False))
+        compared = cpu_report.bytes.peak_allocated
         measured = dataclasses.replace(measured, note=cpu_comparison_note(cpu_report))
     return dataclasses.replace(report, measurement=dataclasses.replace(measured, compared_with=compared))
 

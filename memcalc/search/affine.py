@@ -41,10 +41,12 @@ class SyntheticPoint(NamedTuple):
     reserved_within_capacity: int
 
 
-def replay_under(program: Program, nbytes: Sequence[int], capacity: int, batch: int) -> SyntheticPoint:
+def replay_under(program: Program, nbytes: Sequence[int], capacity: int, batch: int, *,
+                 host: bool = False) -> SyntheticPoint:
     """One replay of ``program`` with storage sizes ``nbytes`` under ``capacity`` (the allocator
-    frees its cache and retries before it gives up, as PyTorch does): whether it fits."""
-    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity)
+    frees its cache and retries before it gives up, as PyTorch does): whether it fits.
+    ``host``: the CPU target's allocator (no rounding, nothing cached)."""
+    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity, host=host)
     return SyntheticPoint(batch, stats.oom_at is None, stats.peak_allocated, stats.peak_reserved)
 
 
@@ -60,6 +62,8 @@ class AffineFamily:
     sized: tuple[tuple[int, SizeRule, tuple[int, ...], tuple[int, ...]], ...] = ()
     #: the traced step the family was built from: its structure, to compare other traces with
     reference: TracedStep | None = field(default=None, compare=False, repr=False)
+    #: the CPU target's step: replayed through the host allocator (:func:`replay_under`)
+    host: bool = False
 
     @classmethod
     def from_traces(cls, first: TracedStep, b1: int, second: TracedStep, b2: int) -> AffineFamily | None:
@@ -84,7 +88,8 @@ class AffineFamily:
         if line is None:
             return None
         intercepts, slopes = line
-        return cls(program=program, intercepts=intercepts, slopes=slopes, sized=tuple(sized), reference=first)
+        return cls(program=program, intercepts=intercepts, slopes=slopes, sized=tuple(sized), reference=first,
+                   host=not first.options.emulate_cuda)
 
     def nbytes(self, batch: int) -> list[int]:
         """Every storage's size at ``batch``, indexed by uid."""
@@ -95,7 +100,7 @@ class AffineFamily:
 
     def probe(self, batch: int, capacity: int) -> SyntheticPoint:
         """Replay the step at ``batch`` through the allocator model under ``capacity`` (one replay)."""
-        return replay_under(self.program, self.nbytes(batch), capacity, batch)
+        return replay_under(self.program, self.nbytes(batch), capacity, batch, host=self.host)
 
     def matches(self, traced: TracedStep, batch: int) -> bool:
         """Whether ``traced`` (a real trace at ``batch``) is this family's step at ``batch``: the
