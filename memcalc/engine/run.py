@@ -260,8 +260,10 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     if hooks is not None:
         hooks.install(tracer, module)
     _register_preexisting(tracer, module, inputs if tracing is None else ())  # a loop's batches: when drawn
+    own_cache: Callable[[], Iterable[torch.Tensor]] | None = None
     if options.kv_cache is not None:
-        notes.append(_register_kv_cache(tracer, resolved, inputs, options))
+        note, inputs, own_cache = _register_kv_cache(tracer, resolved, inputs, options)
+        notes.append(note)
     tracer.modules.install(module)
     config = step_config(resolved, options, autocast=backend.autocast(), scaler=backend.grad_scaler,
                          cuda=options.emulate_cuda)
@@ -273,6 +275,8 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
                 outcome = run_generation(module, inputs, config, generate, options.new_tokens, observer)
             elif tracing is None:
                 outcome = run_step(module, inputs, config, observer)
+                if own_cache is not None:  # filled by the forward, as the model's own cache is
+                    observer.kv_cache(own_cache())
             else:
                 outcome = run_loop(module, inputs, config, options.loop, tracing)
     except DataDependentError as exc:
@@ -368,21 +372,34 @@ def _register_preexisting(tracer: StorageTracer, module: nn.Module, inputs: Sequ
         tracer.preexisting(t, Category.INPUTS)
 
 
-def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs,
-                       options: Step) -> str:
-    """A static KV cache sized for prompt + generated tokens, allocated before the prefill
-    (as Hugging Face's StaticCache is): 2 (K, V) are counted in ``kv_elements_per_token``.
-    A model its source knows to be no decoder (an encoder such as BERT) is refused."""
+def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs, options: Step
+                       ) -> tuple[str, ModelInputs, Callable[[], Iterable[torch.Tensor]] | None]:
+    """One KV cache for prompt + generated tokens, never two: the model's own where it keeps one
+    (a Hugging Face causal LM: its ``StaticCache`` of that length, passed as ``past_key_values``
+    and filled by the prefill, so no ``DynamicCache`` is made beside it), else a static one
+    allocated before the prefill (2 (K, V) are counted in ``kv_elements_per_token``). A model its
+    source knows to be no decoder (an encoder such as BERT) is refused.
+
+    Returns:
+        The report's note, the forward's inputs, and where the model keeps its own cache the
+        tensors it holds after the forward (to be marked as the KV cache), else None.
+    """
     generated = int(options.kv_cache or 0)
     module = resolved.module
     nbytes = kv_cache_bytes(module, inputs, options.precision, generated, model_name=resolved.name,
                             decoder=resolved.decoder)
-    tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True, label="synthetic: KV cache")
     per_token = kv_elements_per_token(module)
     batch, prompt = kv_prompt(inputs) or (0, 0)  # kv_cache_bytes refused inputs that are not token ids
     tokens = prompt + generated
-    return (f"KV cache for {tokens} tokens ({prompt} prompt + {options.kv_cache} generated) × batch {batch}: "
-            f"{per_token:,} elements per token across layers; the prefill forward is simulated")
+    sized = f"KV cache for {tokens} tokens ({prompt} prompt + {options.kv_cache} generated) × batch {batch}"
+    if resolved.static_cache is not None:
+        keywords, tensors = resolved.static_cache(module, tokens)
+        inputs = ModelInputs(inputs.args, {**inputs.kwargs, **keywords})
+        return (f"{sized}: the model's own StaticCache (max_cache_len {tokens}), passed to the forward and "
+                f"filled by the prefill, which is simulated; no other cache beside it", inputs, tensors)
+    tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True, label="synthetic: KV cache")
+    return (f"{sized}: {per_token:,} elements per token across layers; the prefill forward is simulated",
+            inputs, None)
 
 
 class _TimelineBuilder:
