@@ -187,12 +187,21 @@ def test_micro_batches_repeat_forward_loss_backward():
 
 
 def test_kv_cache_is_labelled():
-    r = memcalc.estimate("gpt2", batch_size=1, seq_len=32, mode="inference", kv_cache=32)
+    # memcalc's own cache (a plain-torch model keeps none): allocated before the prefill
+    r = memcalc.estimate("torch:gpt2", batch_size=1, seq_len=32, mode="inference", kv_cache=32)
     t = r.timeline()
     kv = t.category.index(Category.KV_CACHE)
-    assert kv < t.spans[0].end and t.phase[kv] is Phase.SETUP  # allocated before the prefill
+    assert kv < t.spans[0].end and t.phase[kv] is Phase.SETUP
     assert t.op[kv] == "synthetic: KV cache" and int(t.series(Category.KV_CACHE)[-1]) == r.bytes.kv_cache > 0
     assert {s.iteration for s in t.spans} == {1}
+    # a transformers model's own StaticCache: each layer allocates its keys and values at its first
+    # update, in the forward; 12 layers · 768 · 2 (K, V) · 64 tokens · 4 B = 4,718,592 B, as before
+    own = memcalc.estimate("gpt2", batch_size=1, seq_len=32, mode="inference", kv_cache=32)
+    t = own.timeline()
+    kv = t.category.index(Category.KV_CACHE)
+    assert t.phase[kv] is Phase.FORWARD and t.op[kv] == "aten.zeros.default"
+    assert t.category.count(Category.KV_CACHE) == 24
+    assert int(t.series(Category.KV_CACHE)[-1]) == own.bytes.kv_cache == r.bytes.kv_cache == 12 * 768 * 2 * 64 * 4
 
 
 # ---- capacity, roles, laziness ------------------------------------------------------------------
