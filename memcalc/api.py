@@ -33,7 +33,7 @@ from memcalc.engine.options import Step
 from memcalc.fields import DISTRIBUTED, FIELDS, build_step, check_keywords, positive_int
 from memcalc.search.budget import Budget, FitResult, check_margin, resolve_budget
 from memcalc.search.fit import MAX_BATCH, find_max_batch
-from memcalc.search.margins import measured_margin, step_class
+from memcalc.search.margins import CPU_MARGIN, CPU_MARGIN_BASIS, measured_margin, step_class
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests
 from memcalc.search.throughput import ThroughputChoice, find_fastest
 from memcalc.targets.cuda.gpus.catalogue import catalogue
@@ -255,6 +255,8 @@ def _margin(given: float | None, step: Step, budget: Budget) -> tuple[float, str
     """The margin given, or the one measured for the step's class, and its basis."""
     if given is not None:
         return given, ""
+    if step.gpu.is_cpu:
+        return CPU_MARGIN, CPU_MARGIN_BASIS
     measured = measured_margin(step_class(step.model, step.precision, step.checkpoint, step.mode), budget.capacity)
     return measured.fraction, measured.explain()
 

@@ -31,7 +31,7 @@ from memcalc.core.choices import parse_choice
 from memcalc.core.counts import INT64_MAX, as_integer, fits_int64
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.finetune import FineTune
-from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.gpu import CPU_PROFILE, GENERIC, GpuProfile
 from memcalc.core.loop import Loop, LoopPreset, OptimizerImpl
 from memcalc.core.losses import LossChoice
 from memcalc.core.precision import Precision, WeightDtype
@@ -236,12 +236,14 @@ def _gpu(gpu: Any, field: Field) -> tuple[GpuProfile, bool, Target]:
     if gpu is None:
         return GENERIC, False, Target.CUDA
     if isinstance(gpu, GpuProfile):
+        if gpu.is_cpu:  # a search's CPU budget hands its profile on
+            return CPU_PROFILE, False, Target.CPU
         return gpu, gpu is not GENERIC, Target.CUDA
     if not isinstance(gpu, str):
         raise InvalidInputError(f"gpu must be a GPU name or a GpuProfile, got {type(gpu).__name__} {gpu!r}",
                                 hint="Known GPUs: " + ", ".join(g.key for g in catalogue()) + ".")
     if gpu.strip().lower() == CPU:
-        return GENERIC, False, Target.CPU
+        return CPU_PROFILE, False, Target.CPU
     return get_gpu(gpu), True, Target.CUDA
 
 
@@ -402,7 +404,7 @@ def build_step(model: Any = None, /, **values: Any) -> Step:
     _check_combinations(step, optimizer_given=optimizer_given)
     # the stack, resolved once: concrete versions, and the GPU's context under them
     versions = resolve_stack(step.stack)
-    step = replace(step, stack=versions.core, gpu=versions.apply(step.gpu))
+    step = replace(step, stack=versions.core, gpu=versions.apply(step.gpu) if step.emulate_cuda else step.gpu)
     if step.capacity is None and step.gpu_named:
         step = replace(step, capacity=step.gpu.usable_memory)
     return step

@@ -422,3 +422,16 @@ def test_random_sequence_keeps_invariants() -> None:
         assert m.reserved == 0
         stats = m.stats()
         assert stats.peak_allocated <= stats.peak_reserved
+
+
+def test_host_allocator_rounds_and_caches_nothing():
+    # The CPU target's allocator: each request its own segment of exactly its bytes, given back at
+    # its free. 100 + 1,000 = 1,100 B, free the 100, + 50 = 1,050: the peak is 1,100 B; CUDA's
+    # would be 512 + 1,024 = 1,536 B allocated in one 2 MiB segment.
+    events = [(ALLOC, "a", 100), (ALLOC, "b", 1_000), (FREE, "a", 0), (ALLOC, "c", 50)]
+    host = replay(events, host=True)
+    assert (host.peak_allocated, host.peak_reserved, host.peak_requested) == (1_100, 1_100, 1_100)
+    assert (host.final_allocated, host.final_reserved, host.peak_index) == (1_050, 1_050, 1)
+    assert host.num_segments == 3 and host.num_device_frees == 1
+    cuda = replay(events)
+    assert (cuda.peak_allocated, cuda.peak_reserved) == (1_536, 2 * 1024**2)

@@ -11,6 +11,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+import memcalc
 import memcalc.cli
 from memcalc import api
 from memcalc.cli import progress as cli_progress
@@ -240,3 +241,30 @@ def test_fit_with_a_strategy_gives_the_per_gpu_batch():
     # ZeRO-3 shards weights, gradients and Adam state over 8 GPUs: more room for activations per GPU
     assert json.loads(zero.output)["batch_size"] > json.loads(single.output)["batch_size"]
     assert json.loads(zero.output)["report"]["strategy"] == "zero3"
+
+
+# ---- the CPU target (issue 32, item 5): --gpu cpu is a budget, not an unknown GPU -----------------
+def test_fit_gpu_cpu_with_a_budget_searches_the_cpu_target():
+    data = json.loads(run("fit", "mlp", "--gpu", "cpu", "--budget", "64MiB", "--format", "json").output)
+    assert data["budget_bytes"] == 64 * 2**20 and data["report"]["gpu"] == "cpu"
+    assert data["report"]["bytes"]["cuda_context"] == 0
+    # the CPU target's margin is 1%: the answer's peak lies under 99% of the budget, the next batch's above
+    assert data["margin"] == 0.01 and data["report"]["bytes"]["peak_allocated"] <= data["margin_budget_bytes"]
+    above = memcalc.estimate("mlp", batch_size=data["batch_size"] + 1, gpu="cpu").bytes.peak_allocated
+    assert above > data["margin_budget_bytes"]
+
+
+def test_fit_gpu_cpu_without_a_budget_takes_the_available_ram(monkeypatch):
+    monkeypatch.setattr(budgets, "available_ram", lambda: 256 * 2**20)
+    result = run("fit", "mlp", "--gpu", "cpu", "--optim", "sgd")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("budget: 256.00 MiB (the CPU: this machine's available RAM (MemAvailable))\n")
+    assert "against real CPU steps" in result.output
+
+
+def test_sweep_gpu_cpu_estimates_the_cpu_target(monkeypatch):
+    monkeypatch.setattr(budgets, "available_ram", lambda: 256 * 2**20)
+    rows = json.loads(run("sweep", "mlp", "--batch", "1,8", "--gpu", "cpu", "--format", "json").output)
+    direct = memcalc.estimate("mlp", batch_size=8, gpu="cpu", capacity=256 * 2**20).to_dict()
+    assert [r["batch_size"] for r in rows] == [1, 8] and rows[1]["report"] == direct
+    assert direct["gpu"] == "cpu" and all(r["fits"] for r in rows)

@@ -11,8 +11,9 @@ from click.testing import CliRunner
 
 import memcalc
 from memcalc.cli import main
-from memcalc.measure.snapshot import load_snapshot
+from memcalc.measure.snapshot import load_snapshot, read_snapshot
 from memcalc.report.compare import compare_snapshot, real_phase
+from memcalc.report.snapshot import snapshot_dict
 
 DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
 STEM = "resnet18-b1-sgd"
@@ -80,3 +81,48 @@ def test_compare_refuses_what_is_not_a_snapshot(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["compare", str(bogus), "resnet18"])
     assert result.exit_code != 0
     assert "is not a torch.cuda.memory._snapshot() pickle" in result.output
+
+
+# ---- memcalc's own --snapshot, and snapshots of another model (issue 32, item 7) -------------------
+def _own_snapshot(model: str, **options: object):
+    return read_snapshot(snapshot_dict(memcalc.estimate(model, **options)))
+
+
+def test_phases_from_memcalc_frames() -> None:
+    assert real_phase(("<memcalc>:0 forward 1 aten.addmm.default",)) == "forward"
+    assert real_phase(("<memcalc>:0 optimizer aten.zeros_like.default",)) == "optimizer"
+
+
+def test_compare_of_memcalcs_own_snapshot_finds_no_difference() -> None:
+    # before: the peaks agreed, then every block was filed under "setup" on the run's side and
+    # listed as a difference (41 GiB on a large model)
+    real = _own_snapshot("mlp", batch_size=8)
+    comparison = compare_snapshot(real, memcalc.estimate("mlp", batch_size=8))
+    assert comparison.real_peak_allocated == comparison.memcalc_peak_allocated
+    assert comparison.reserved_difference == 0 and comparison.allocator_part == 0
+    assert comparison.missing == comparison.extra == () and comparison.missing_total == comparison.extra_total == 0
+    assert [p.phase for p in comparison.phases] == ["setup", "forward", "loss", "backward", "optimizer"]
+    assert all((p.real_count, p.real_bytes) == (p.memcalc_count, p.memcalc_bytes) for p in comparison.phases)
+    assert comparison.mismatch is None
+
+
+def test_compare_warns_of_a_memcalc_snapshot_of_another_model(tmp_path: Path) -> None:
+    path = tmp_path / "mlp.pickle"
+    assert CliRunner().invoke(main, ["mlp", "--batch", "8", "--snapshot", str(path)]).exit_code == 0
+    result = CliRunner().invoke(main, ["compare", str(path), "fc-32-16", "--batch", "8"])
+    assert result.exit_code == 0, result.output
+    first, second = result.output.splitlines()[:2]
+    assert first.startswith("warning: this memcalc snapshot is not of fc-32-16's step: ") and second == ""
+    # the same model at another batch makes the same frames: sizes differ, not modules
+    assert CliRunner().invoke(main, ["compare", str(path), "mlp", "--batch", "2"]).output.startswith(" ")
+
+
+@pytest.mark.parametrize("model", ["mlp", "resnet50"])
+def test_compare_warns_of_a_real_snapshot_of_another_model(snapshot: Path, model: str) -> None:
+    # resnet18's run against mlp (only torch's modules) and against resnet50 (the same file,
+    # but Bottleneck where the run's forward ran BasicBlock)
+    result = CliRunner().invoke(main, ["compare", str(snapshot), model, "--batch", "1", "--optim", "sgd",
+                                       "--gpu", "h100-80gb", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    mismatch = json.loads(result.stdout)["mismatch"]
+    assert mismatch.startswith(f"this snapshot's forward runs code that is not {model}'s (models_zoo/resnet.py:")

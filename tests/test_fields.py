@@ -14,7 +14,6 @@ import memcalc
 from memcalc.cli import main
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError
-from memcalc.core.gpu import GENERIC
 from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice
 from memcalc.core.precision import Precision
@@ -75,7 +74,7 @@ def test_strings_become_the_steps_types_once():
     assert step.model == "mlp" and step.batch_size == 4
     assert step.optimizer_key is Optimizer.SGD and step.mode is Mode.TRAIN and step.loss is LossChoice.MEAN
     assert step.precision is Precision.AMP_BF16 and step.target is Target.CPU
-    assert step.gpu.key == GENERIC.key and not step.gpu_named and step.capacity is None
+    assert step.gpu.key == "cpu" and not step.gpu_named and step.capacity is None
     assert step.loop == Loop("tutorial") and step.record_costs and step.accum_steps == 2
     t4 = build_step("mlp", gpu="t4")
     assert t4.gpu_named and t4.capacity == t4.gpu.usable_memory  # a named GPU's memory is the capacity

@@ -184,3 +184,40 @@ def test_timing_a_generation_is_refused_before_any_estimate(tmp_path: Path):
         memcalc.iter_sweep(source, batch_sizes=[1], optimizers=["none"], gpu="h100-80gb", mode="generate",
                            new_tokens=2, seq_len=8, time=True)
 
+
+
+# ---- --kv-cache on a transformers model: one cache, the model's own (issue 32, item 6) ----------------
+def _inference(tmp_path: Path, kv_cache: int | None) -> memcalc.MemoryReport:
+    return memcalc.estimate(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=2, seq_len=32, mode="inference",
+                            kv_cache=kv_cache, gpu="cpu")
+
+
+def test_kv_cache_is_the_models_own_static_cache_counted_once(tmp_path: Path):
+    plain, empty, grown = (_inference(tmp_path, n) for n in (None, 0, 64))
+    # the StaticCache of 32 prompt + 64 generated tokens, float32:
+    # 2 layers · 2 KV heads · 16 head_dim · 2 (K, V) · 96 tokens · batch 2 · 4 B = 98,304 B
+    assert grown.bytes.kv_cache == LAYERS * KV_HEADS * HEAD_DIM * 2 * 96 * 2 * 4 == 98_304
+    assert any("the model's own StaticCache (max_cache_len 96)" in note for note in grown.notes)
+    # the plain forward keeps its DynamicCache of the prompt (use_cache=True); a static cache of the
+    # prompt alone replaces it, so the peak does not grow by the prompt's keys and values again
+    # (before: + 2 · 2 · 16 · 2 · 32 · 2 · 4 = 32,768 B). What it adds is StaticLayer's
+    # cumulative_length, one int64 per layer (2 · 8 = 16 B), moved to the keys' device at the first
+    # update (a real copy on CUDA; a real CPU run made it before the step, so 16 B over there).
+    assert empty.bytes.kv_cache == LAYERS * KV_HEADS * HEAD_DIM * 2 * 32 * 2 * 4 == 32_768
+    assert empty.bytes.peak_allocated - plain.bytes.peak_allocated == LAYERS * 8
+    # and each generated token adds its keys and values once: 64 tokens · 2 · 2 · 16 · 2 · 2 · 4 B
+    assert grown.bytes.peak_allocated - empty.bytes.peak_allocated == 64 * LAYERS * KV_HEADS * HEAD_DIM * 2 * 2 * 4
+
+
+def test_kv_cache_measured_on_the_cpu_is_the_estimate(tmp_path: Path):
+    # --measure runs the same forward with the model's own StaticCache (before: a buffer of the
+    # cache's size beside the model's DynamicCache, the estimate's double count measured back)
+    from memcalc.fields import build_step
+    from memcalc.measure.step import attach_measurement
+
+    source = hf_config_source(tmp_path, SMALL_LLAMA)
+    options = dict(batch_size=2, seq_len=32, mode="inference", kv_cache=64, gpu="cpu")
+    report = memcalc.estimate(source, **options)
+    measured = attach_measurement(report, build_step(source, **options)).measurement
+    assert measured is not None and measured.peak_allocated is not None
+    assert 0 <= report.bytes.peak_allocated - measured.peak_allocated <= LAYERS * 8  # the cumulative_length above

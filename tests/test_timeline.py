@@ -15,7 +15,6 @@ import memcalc
 import memcalc.engine.run as engine_run
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.timeline import Allocation, Timeline
-from memcalc.engine.allocator import K_SMALL_BUFFER
 
 MiB = 2**20
 # The order a train step's phases come in; setup only before the first iteration's step.
@@ -36,14 +35,15 @@ def gpt2_checkpointed() -> memcalc.MemoryReport:
 
 
 def test_fc_eval_step_by_hand():
-    # Linear(32, 16, bias=False), batch 100, fp32, eval, CPU rules (no cuBLAS workspace):
-    # weight 32·16·4 = 2,048 B; input 100·32·4 = 12,800 B; output 100·16·4 = 6,400 B, a
-    # 6,656 B block (13 × 512). Events: weight, input (pre-existing), the mm's output, its free.
+    # Linear(32, 16, bias=False), batch 100, fp32, eval, the CPU target (no cuBLAS workspace; the
+    # CPU allocator rounds nothing and caches nothing): weight 32·16·4 = 2,048 B; input
+    # 100·32·4 = 12,800 B; output 100·16·4 = 6,400 B. Events: weight, input (pre-existing), the
+    # mm's output, its free.
     r = memcalc.estimate("fc-32-16", batch_size=100, mode="eval", optimizer="none", gpu="cpu")
     t = r.timeline()
     assert t.num_events == 4
-    assert t.allocated.tolist() == [2_048, 14_848, 21_504, 14_848]
-    assert t.reserved.tolist() == [K_SMALL_BUFFER] * 4  # everything fits one 2 MiB small segment
+    assert t.allocated.tolist() == [2_048, 14_848, 21_248, 14_848]
+    assert t.reserved.tolist() == t.allocated.tolist()  # each tensor its own malloc, given back at its free
     params, inputs, acts = (t.categories.index(c) for c in (Category.PARAMETERS, Category.INPUTS,
                                                               Category.ACTIVATIONS))
     expected = np.zeros((4, len(Category)), dtype=np.int64)
@@ -57,34 +57,33 @@ def test_fc_eval_step_by_hand():
     assert t.category == (Category.PARAMETERS, Category.INPUTS, Category.ACTIVATIONS, Category.ACTIVATIONS)
     assert [(s.phase, s.iteration, s.start, s.end) for s in t.spans] == [
         (Phase.SETUP, 1, 0, 2), (Phase.FORWARD, 1, 2, 4)]
-    assert t.peak_index == 2 and t.peak_allocated == r.bytes.peak_allocated == 21_504
+    assert t.peak_index == 2 and t.peak_allocated == r.bytes.peak_allocated == 21_248
     assert t.largest_at_peak == (
         Allocation(12_800, Category.INPUTS, Phase.SETUP, "", ""),
         Allocation(6_400, Category.ACTIVATIONS, Phase.FORWARD, "", "aten.mm.default"),
         Allocation(2_048, Category.PARAMETERS, Phase.SETUP, "", ""),
     )
-    # the allocator's actions: one segment, three blocks packed from its base, one freed
-    base = t.allocator_events[0].address
-    assert [(e.action, e.address - base, e.size, e.event, e.storage, e.requested) for e in t.allocator_events] == [
-        ("segment_alloc", 0, K_SMALL_BUFFER, 0, -1, 0),
-        ("alloc", 0, 2_048, 0, 0, 2_048),
-        ("alloc", 2_048, 12_800, 1, 1, 12_800),
-        ("alloc", 14_848, 6_656, 2, 2, 6_400),
-        ("free_completed", 14_848, 6_656, 3, 2, 6_400),
+    # the host allocator's actions: a segment of exactly its bytes per tensor, freed with it
+    assert [(e.action, e.size, e.event, e.storage, e.requested) for e in t.allocator_events] == [
+        ("segment_alloc", 2_048, 0, -1, 0), ("alloc", 2_048, 0, 0, 2_048),
+        ("segment_alloc", 12_800, 1, -1, 0), ("alloc", 12_800, 1, 1, 12_800),
+        ("segment_alloc", 6_400, 2, -1, 0), ("alloc", 6_400, 2, 2, 6_400),
+        ("free_completed", 6_400, 3, 2, 6_400), ("segment_free", 6_400, 3, -1, 0),
     ]
     assert t.capacity is None and t.role == ""
 
 
 def test_fc_train_step_by_hand_both_iterations():
-    # The same layer trained with SGD (loss: output.mean()). Per iteration: the output
-    # (6,400 B → 6,656), the loss (4 B → 512), autograd's ones_like seed (4 B → 512), mean's
-    # backward (6,400 B → 6,656), the weight's gradient (2,048 B); then the frees, the gradient
-    # last, at zero_grad. SGD without momentum keeps no state: the second iteration repeats the first.
+    # The same layer trained with SGD (loss: output.mean()), on the CPU target (unrounded). Per
+    # iteration: the output (6,400 B), the loss (4 B), autograd's ones_like seed (4 B), mean's
+    # backward (6,400 B), the weight's gradient (2,048 B); then the frees, the gradient last, at
+    # zero_grad. SGD without momentum keeps no state: the second iteration repeats the first.
     r = memcalc.estimate("fc-32-16", batch_size=100, optimizer="sgd", gpu="cpu")
     t = r.timeline()
-    step = [21_504, 22_016, 22_528, 29_184, 31_232, 24_576, 24_064, 17_408, 16_896, 14_848]
+    step = [21_248, 21_252, 21_256, 27_656, 29_704, 23_304, 23_300, 16_900, 16_896, 14_848]
     assert t.allocated.tolist() == [2_048, 14_848, *step, *step]
-    assert t.peak_index == 6 and r.bytes.peak_allocated == 31_232  # first reached in iteration 1
+    # 12,800 + 6,400 + 6,400 + 2,048 + 2,048 + 4 + 4 = 29,704 B
+    assert t.peak_index == 6 and r.bytes.peak_allocated == 29_704  # first reached in iteration 1
     assert t.op[2:7] == ("aten.mm.default", "aten.mean.default", "aten.ones_like.default", "aten.div.Scalar",
                          "aten.mm.default")
     grads = t.series(Category.GRADIENTS)
@@ -188,12 +187,21 @@ def test_micro_batches_repeat_forward_loss_backward():
 
 
 def test_kv_cache_is_labelled():
-    r = memcalc.estimate("gpt2", batch_size=1, seq_len=32, mode="inference", kv_cache=32)
+    # memcalc's own cache (a plain-torch model keeps none): allocated before the prefill
+    r = memcalc.estimate("torch:gpt2", batch_size=1, seq_len=32, mode="inference", kv_cache=32)
     t = r.timeline()
     kv = t.category.index(Category.KV_CACHE)
-    assert kv < t.spans[0].end and t.phase[kv] is Phase.SETUP  # allocated before the prefill
+    assert kv < t.spans[0].end and t.phase[kv] is Phase.SETUP
     assert t.op[kv] == "synthetic: KV cache" and int(t.series(Category.KV_CACHE)[-1]) == r.bytes.kv_cache > 0
     assert {s.iteration for s in t.spans} == {1}
+    # a transformers model's own StaticCache: each layer allocates its keys and values at its first
+    # update, in the forward; 12 layers · 768 · 2 (K, V) · 64 tokens · 4 B = 4,718,592 B, as before
+    own = memcalc.estimate("gpt2", batch_size=1, seq_len=32, mode="inference", kv_cache=32)
+    t = own.timeline()
+    kv = t.category.index(Category.KV_CACHE)
+    assert t.phase[kv] is Phase.FORWARD and t.op[kv] == "aten.zeros.default"
+    assert t.category.count(Category.KV_CACHE) == 24
+    assert int(t.series(Category.KV_CACHE)[-1]) == own.bytes.kv_cache == r.bytes.kv_cache == 12 * 768 * 2 * 64 * 4
 
 
 # ---- capacity, roles, laziness ------------------------------------------------------------------

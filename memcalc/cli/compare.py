@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
 from typing import Any
 
@@ -15,9 +16,10 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.engine.optimizers import Optimizer
 from memcalc.measure.snapshot import load_snapshot
-from memcalc.report.compare import compare_snapshot
+from memcalc.report.compare import CodeSpan, compare_snapshot, is_memcalc_snapshot
 from memcalc.report.compare_render import render_comparison
 from memcalc.report.render import render_json
+from memcalc.sources.resolve import resolve
 
 __all__ = ("compare_command",)
 
@@ -61,8 +63,24 @@ def compare_command(snapshot: str, model: str, batch: int, optim: str, precision
     with quiet():
         report = api.estimate(source, batch_size=batch if given("batch") or "trainer_args" not in step else None,
                               **step)
-    comparison = compare_snapshot(real, report)
+    code = () if is_memcalc_snapshot(real) else _model_code(source, batch, step)
+    comparison = compare_snapshot(real, report, code)
     if fmt == "json":
         click.echo(render_json(comparison.to_dict()))
     else:
         click.echo(render_comparison(comparison, fmt=fmt, unit=units), nl=False)
+
+
+def _model_code(source: Any, batch: int, step: dict[str, Any]) -> tuple[CodeSpan, ...]:
+    """Where the ``forward`` of each of the model's classes lies, torch's own left out: what a
+    real snapshot's ``forward`` frames run when it is a snapshot of this model (the model built
+    once more, on meta)."""
+    module = resolve(source, batch_size=batch, input_shape=step.get("input_shape"), seq_len=step.get("seq_len")).module
+    spans = set()
+    for cls in {type(m) for m in module.modules()}:
+        path = inspect.getsourcefile(cls.forward)
+        if path is None or "/torch/" in path.replace("\\", "/"):
+            continue
+        lines, first = inspect.getsourcelines(cls.forward)
+        spans.add((path, first, first + len(lines) - 1))
+    return tuple(sorted(spans))

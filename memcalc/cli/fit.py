@@ -188,6 +188,7 @@ def _margin_line(result: FitResult, unit: str) -> str:
     held = result.budget_bytes - result.margin_budget_bytes
     why = (f"({result.margin_basis})" if result.margin_basis else
            "(given: --margin)")
+    runs = "CPU steps" if result.report.gpu.is_cpu else "CUDA runs"
     return (f"margin: {format_margin(result.margin)} held back ({format_bytes(held, unit)}; the step must fit "
-            f"{format_bytes(result.margin_budget_bytes, unit)}) for the estimate's error against real CUDA runs "
+            f"{format_bytes(result.margin_budget_bytes, unit)}) for the estimate's error against real {runs} "
             f"{why}; --margin 0 gives the raw boundary")

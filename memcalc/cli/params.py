@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
+from memcalc.core.gpu import CPU_PROFILE
 from memcalc.core.precision import Precision
 from memcalc.core.units import BYTES_FORMS, parse_bytes
 from memcalc.engine.optimizers import Optimizer
@@ -159,6 +160,8 @@ def budget_arguments(gpu: str | None, budget: int | None, device: str | None, *,
     usage error for more than one (or none, when ``required``)."""
     given = {name: value for name, value in (("gpu", gpu), ("budget", budget), ("device", device))
              if value is not None}
+    if gpu is not None and gpu.strip().lower() == CPU_PROFILE.key and device is None:
+        return given  # the CPU target, under --budget when given, else this machine's available RAM
     if len(given) > 1:
         raise click.UsageError(
             f"give only one of --gpu, --budget or --device (got {', '.join('--' + n for n in given)})")

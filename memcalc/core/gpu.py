@@ -1,7 +1,7 @@
-"""What memcalc needs to know about a GPU: :class:`GpuProfile`, and :data:`GENERIC`, the
-profile used when none is named. The catalogue of real cards lives in
-:mod:`memcalc.targets.cuda.gpus.catalogue`; this module is vocabulary, so that options and reports can
-name a GPU without depending on the CUDA rules."""
+"""What memcalc needs to know about a GPU: :class:`GpuProfile`, :data:`GENERIC`, the profile
+used when none is named, and :data:`CPU_PROFILE`, the CPU target's (``gpu="cpu"``). The
+catalogue of real cards lives in :mod:`memcalc.targets.cuda.gpus.catalogue`; this module is
+vocabulary, so that options and reports can name a GPU without depending on the CUDA rules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from memcalc.core.units import format_bytes
 
-__all__ = ("CUBLAS_WORKSPACE_DEFAULT", "GENERIC", "GENERIC_CONTEXT", "GpuProfile")
+__all__ = ("CPU_PROFILE", "CUBLAS_WORKSPACE_DEFAULT", "GENERIC", "GENERIC_CONTEXT", "GpuProfile")
 
 KiB = 1024
 MiB = 1024**2
@@ -58,6 +58,11 @@ class GpuProfile:
         return "measured on" in self.context_basis
 
     @property
+    def is_cpu(self) -> bool:
+        """Whether this is the CPU target's profile (:data:`CPU_PROFILE`), not a CUDA GPU."""
+        return self.key == CPU_PROFILE.key
+
+    @property
     def usable_memory(self) -> int | None:
         """What tensors, the caching allocator and workspaces can share: total minus context."""
         if self.total_memory is None:
@@ -85,4 +90,21 @@ GENERIC = GpuProfile(
     cuda_context=GENERIC_CONTEXT,
     cublas_workspace=CUBLAS_WORKSPACE_DEFAULT,
     aliases=("default", "none", "any"),
+)
+
+
+#: The CPU target's profile (``gpu="cpu"``): what this machine's CPU allocates. No CUDA context,
+#: no cuBLAS workspace, no capacity (a search takes one from a budget or the machine's RAM). Its
+#: compute capability is :data:`GENERIC`'s only because the shared emulation takes one; the CPU
+#: rules never read it.
+CPU_PROFILE = GpuProfile(
+    key="cpu",
+    name="the CPU",
+    total_memory=None,
+    compute_capability=GENERIC.compute_capability,
+    arch="cpu",
+    sm_count=0,
+    supports_bf16=True,
+    cuda_context=0,
+    cublas_workspace=0,
 )

@@ -62,6 +62,12 @@ every cudaMalloc of the fourteen real H100 snapshots in ``tests/data/gpu/``
 allocator does not see (CUDA's lazily loaded kernels) also takes address ranges: the placement
 is the driver's where nothing else intervenes.
 
+The CPU target replays the same events through the same class as **the host allocator**
+(``host=True``): c10's CPU allocator hands each request its own ``malloc`` of exactly the bytes
+asked for and returns it at the free — no 512 B rounding, no pools, nothing cached. Allocated
+and reserved are then both the bytes requested: what ``torch.profiler``'s ``[memory]`` events
+add up to on a real CPU step.
+
 After an OOM the real allocator raises. The model records the first failing event in
 ``oom_at`` and carries on as if the cudaMalloc had succeeded (it *over-commits*), so the
 peaks reported for a run past its OOM are what the run would have needed without a limit.
@@ -319,8 +325,11 @@ class CachingAllocatorModel:
     """
 
     def __init__(self, capacity: int | None = None, segment_addresses: Iterable[int] | None = None,
-                 settings: AllocConf | None = None) -> None:
+                 settings: AllocConf | None = None, *, host: bool = False) -> None:
         """``capacity``: bytes cudaMalloc may hand out in all (None: unlimited).
+
+        ``host``: the CPU allocator instead (module docstring): every request its own segment
+        of exactly its bytes, given back at its free; ``settings`` do not apply to it.
 
         ``settings``: ``PYTORCH_CUDA_ALLOC_CONF`` (None: PyTorch's defaults).
 
@@ -333,6 +342,7 @@ class CachingAllocatorModel:
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity cannot be negative, got {capacity}")
         self.capacity = capacity
+        self.host = host
         self.settings = settings or AllocConf()
         self._max_split = self.settings.max_split_size or MAX_SPLIT_SIZE
         self._expandable = self.settings.expandable_segments
@@ -478,15 +488,15 @@ class CachingAllocatorModel:
         self._events += 1
         if key in self._live or key in self._zero:
             raise AlreadyLiveError(key, f"allocation key {key!r} is already live")
-        size = round_size(nbytes, self.settings)
+        size = nbytes if self.host else round_size(nbytes, self.settings)
         if size == 0:
             self._zero.add(key)
             return
         pool = self._small if size <= K_SMALL_SIZE else self._large
-        block = self._get_free_block(pool, size)
+        block = None if self.host else self._get_free_block(pool, size)
         if block is None:
             block = self._new_block(pool, size, index)
-        if self._should_split(block, size):
+        if not self.host and self._should_split(block, size):
             block = self._split(block, size)
         block.allocated = True
         block.requested = nbytes
@@ -503,7 +513,7 @@ class CachingAllocatorModel:
         """A block from new memory when no cached block fits (``malloc``'s resorts, in order):
         collect garbage, cudaMalloc (or map pages), free enough oversize cached blocks and
         retry, free every unsplit cached block and retry; else an OOM, and the model goes on."""
-        alloc_size = segment_size(size)
+        alloc_size = size if self.host else segment_size(size)
         if self._gc_threshold > 0.0:
             self._garbage_collect()
         block = self._alloc_block(pool, alloc_size, size=size)
@@ -535,7 +545,10 @@ class CachingAllocatorModel:
         self._requested -= block.requested
         block.allocated = False
         block.requested = 0
-        self._free_block(block)
+        if self.host:
+            self._return_to_host(block)
+        else:
+            self._free_block(block)
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: cudaFree every cached segment with no live block."""
@@ -756,6 +769,15 @@ class CachingAllocatorModel:
         self._reserved -= block.size
         self._num_device_frees += 1
 
+    def _return_to_host(self, block: _Block) -> None:
+        """The host allocator's free: the block is its whole segment, given back at once."""
+        del self._segments[block.addr]
+        if block.addr in self._own:
+            self._own.discard(block.addr)
+            self._release_address(block.addr, block.size)
+        self._reserved -= block.size
+        self._num_device_frees += 1
+
     def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
         """Free oversize cached blocks, only as many as the request needs: the smallest one of at
         least ``max(size, max_split_size)``, else the largest ones down to ``max_split_size``
@@ -917,14 +939,14 @@ def _expandable_size(block: _Block) -> int:
 
 
 def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
-           settings: AllocConf | None = None) -> AllocatorStats:
-    """Run a recorded sequence through a fresh allocator and return its stats.
+           settings: AllocConf | None = None, *, host: bool = False) -> AllocatorStats:
+    """Run a recorded sequence through a fresh allocator (``host``: the CPU's) and return its stats.
 
     Each event is ``(ALLOC, key, nbytes)`` (``ALLOC == +1``), ``(FREE, key, 0)``
     (``FREE == -1``) or ``(EMPTY_CACHE, None, 0)`` (``EMPTY_CACHE == 0``); indices in the
     result (``oom_at``, ``peak_index``) are positions in ``events``.
     """
-    model = CachingAllocatorModel(capacity, settings=settings)
+    model = CachingAllocatorModel(capacity, settings=settings, host=host)
     _drive(model, events)
     return model.stats()
 
@@ -955,8 +977,9 @@ class RecordingAllocatorModel(CachingAllocatorModel):
     block and segment it hands out or takes back (what ``torch.cuda.memory._record_memory_history``
     records). A separate class so that the replays of an estimate pay nothing for it."""
 
-    def __init__(self, capacity: int | None = None, settings: AllocConf | None = None) -> None:
-        super().__init__(capacity, settings=settings)
+    def __init__(self, capacity: int | None = None, settings: AllocConf | None = None, *,
+                 host: bool = False) -> None:
+        super().__init__(capacity, settings=settings, host=host)
         self.allocated_after: list[int] = []  # per event
         self.reserved_after: list[int] = []  # per event
         self.actions: list[Action] = []
@@ -994,6 +1017,10 @@ class RecordingAllocatorModel(CachingAllocatorModel):
         self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
         super()._release_block(block)
 
+    def _return_to_host(self, block: _Block) -> None:
+        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
+        super()._return_to_host(block)
+
     def _on_map(self, addr: int, size: int) -> None:
         self.actions.append(("segment_map", addr, size, self._events - 1, None, 0))
 
@@ -1014,9 +1041,9 @@ class RecordedReplay:
 
 
 def replay_recorded(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
-                    settings: AllocConf | None = None) -> RecordedReplay:
+                    settings: AllocConf | None = None, *, host: bool = False) -> RecordedReplay:
     """:func:`replay` with a :class:`RecordingAllocatorModel`: the same stats, and the history."""
-    model = RecordingAllocatorModel(capacity, settings)
+    model = RecordingAllocatorModel(capacity, settings, host=host)
     _drive(model, events)
     return RecordedReplay(model.stats(), model.allocated_after, model.reserved_after, model.actions,
                           model.segments())

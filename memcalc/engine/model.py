@@ -17,7 +17,7 @@ from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.trace import ReadOracle, tensors_of
 
 __all__ = ("CheckpointFn", "Checkpointer", "GenerateFn", "InputsLike", "LabelsMaker", "ModelInputs", "ModelResolver",
-           "ReadsFn", "ResolvedModel", "bind_inputs")
+           "ReadsFn", "ResolvedModel", "StaticCacheFn", "bind_inputs")
 
 #: What a user may give as a model's inputs: a tensor, a sequence of positional arguments, or a
 #: mapping — keyword arguments (``model(**batch)``, a Hugging Face batch) or the forward's one
@@ -47,6 +47,10 @@ ReadsFn: TypeAlias = "Callable[[Mode, int | None], ReadOracle]"
 #: LM's ``generate()``: :mod:`memcalc.stacks.transformers.generate`).
 GenerateFn: TypeAlias = (
     "Callable[[nn.Module, ModelInputs, int, Callable[[Iterable[torch.Tensor]], None]], torch.Tensor]")
+#: A model's own static KV cache: ``(module, max_cache_len) -> (keywords, tensors)``, the forward's
+#: keyword arguments that hand it the cache and, once the forward has filled it, its keys and values
+#: (a Hugging Face causal LM's ``StaticCache``: :func:`memcalc.stacks.transformers.generate.static_cache`).
+StaticCacheFn: TypeAlias = "Callable[[nn.Module, int], tuple[dict[str, Any], Callable[[], Iterable[torch.Tensor]]]]"
 
 
 class ModelInputs(Sequence[torch.Tensor]):
@@ -140,6 +144,8 @@ class ResolvedModel:
     reads: ReadsFn | None = None
     #: How the model generates tokens (``mode="generate"``); None: it has no generate() memcalc runs.
     generate: GenerateFn | None = None
+    #: The model's own static KV cache (``kv_cache``); None: memcalc adds one beside the forward.
+    static_cache: StaticCacheFn | None = None
 
     def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
         """``inputs`` (this model's, on any device) as the step passes them: with the labels of

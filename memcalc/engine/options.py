@@ -20,7 +20,7 @@ from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import FineTune
-from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.gpu import CPU_PROFILE, GENERIC, GpuProfile
 from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice, LossFn
 from memcalc.core.precision import Precision, WeightDtype
@@ -154,9 +154,9 @@ class Step:
         return self.mode is Mode.TRAIN and self.loss is None and self.loss_fn is None
 
     def on_cpu(self) -> Step:
-        """The same step as this machine's CPU runs it (the generic profile, no capacity): the
+        """The same step as this machine's CPU runs it (the CPU profile, no capacity): the
         estimate a real CPU run is compared with."""
-        return replace(self, gpu=GENERIC, gpu_named=False, target=Target.CPU, capacity=None)
+        return replace(self, gpu=CPU_PROFILE, gpu_named=False, target=Target.CPU, capacity=None)
 
     def precision_warning(self) -> str | None:
         """A bf16 step on a GPU without native bf16 (V100, T4): PyTorch emulates many bf16 ops

@@ -287,8 +287,10 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     if hooks is not None:
         hooks.install(tracer, module)
     buffers = _register_preexisting(tracer, module, inputs if tracing is None else ())  # a loop's batches: when drawn
+    own_cache: Callable[[], Iterable[torch.Tensor]] | None = None
     if options.kv_cache is not None:
-        notes.append(_register_kv_cache(tracer, resolved, inputs, options))
+        note, inputs, own_cache = _register_kv_cache(tracer, resolved, inputs, options)
+        notes.append(note)
     tracer.modules.install(module)
     config = step_config(resolved, options, autocast=backend.autocast(), scaler=backend.grad_scaler,
                          cuda=options.emulate_cuda)
@@ -300,6 +302,8 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
                 outcome = run_generation(module, inputs, config, generate, options.new_tokens, observer)
             elif tracing is None:
                 outcome = run_step(module, inputs, config, observer)
+                if own_cache is not None:  # filled by the forward, as the model's own cache is
+                    observer.kv_cache(own_cache())
             else:
                 outcome = run_loop(module, inputs, config, options.loop, tracing)
     except DataDependentError as exc:
@@ -424,21 +428,34 @@ def _rebound_note(trace: StepTrace, buffers: dict[int, str]) -> str:
             f"one there before the step): its second iteration was traced, not repeated from the first")
 
 
-def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs,
-                       options: Step) -> str:
-    """A static KV cache sized for prompt + generated tokens, allocated before the prefill
-    (as Hugging Face's StaticCache is): 2 (K, V) are counted in ``kv_elements_per_token``.
-    A model its source knows to be no decoder (an encoder such as BERT) is refused."""
+def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs, options: Step
+                       ) -> tuple[str, ModelInputs, Callable[[], Iterable[torch.Tensor]] | None]:
+    """One KV cache for prompt + generated tokens, never two: the model's own where it keeps one
+    (a Hugging Face causal LM: its ``StaticCache`` of that length, passed as ``past_key_values``
+    and filled by the prefill, so no ``DynamicCache`` is made beside it), else a static one
+    allocated before the prefill (2 (K, V) are counted in ``kv_elements_per_token``). A model its
+    source knows to be no decoder (an encoder such as BERT) is refused.
+
+    Returns:
+        The report's note, the forward's inputs, and where the model keeps its own cache the
+        tensors it holds after the forward (to be marked as the KV cache), else None.
+    """
     generated = int(options.kv_cache or 0)
     module = resolved.module
     nbytes = kv_cache_bytes(module, inputs, options.precision, generated, model_name=resolved.name,
                             decoder=resolved.decoder)
-    tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True, label="synthetic: KV cache")
     per_token = kv_elements_per_token(module)
     batch, prompt = kv_prompt(inputs) or (0, 0)  # kv_cache_bytes refused inputs that are not token ids
     tokens = prompt + generated
-    return (f"KV cache for {tokens} tokens ({prompt} prompt + {options.kv_cache} generated) × batch {batch}: "
-            f"{per_token:,} elements per token across layers; the prefill forward is simulated")
+    sized = f"KV cache for {tokens} tokens ({prompt} prompt + {options.kv_cache} generated) × batch {batch}"
+    if resolved.static_cache is not None:
+        keywords, tensors = resolved.static_cache(module, tokens)
+        inputs = ModelInputs(inputs.args, {**inputs.kwargs, **keywords})
+        return (f"{sized}: the model's own StaticCache (max_cache_len {tokens}), passed to the forward and "
+                f"filled by the prefill, which is simulated; no other cache beside it", inputs, tensors)
+    tracer.synthetic(nbytes, Category.KV_CACHE, persistent=True, preexisting=True, label="synthetic: KV cache")
+    return (f"{sized}: {per_token:,} elements per token across layers; the prefill forward is simulated",
+            inputs, None)
 
 
 class _TimelineBuilder:
@@ -446,17 +463,18 @@ class _TimelineBuilder:
     timeline costs nothing until it is asked for (then it is built once and kept)."""
 
     def __init__(self, trace: StepTrace, program: Program, categories: list[Category], capacity: int | None,
-                 role: str, settings: AllocConf | None = None) -> None:
+                 role: str, settings: AllocConf | None = None, host: bool = False) -> None:
         self._args = (trace, program, categories)
         self._settings = settings
         self._capacity = capacity
         self._role = role
+        self._host = host
         self._timeline: Timeline | None = None
 
     def __call__(self) -> Timeline:
         if self._timeline is None:
             self._timeline = build_timeline(*self._args, capacity=self._capacity, role=self._role,
-                                            settings=self._settings)
+                                            settings=self._settings, host=self._host)
         return self._timeline
 
 
@@ -468,12 +486,12 @@ def _program_of(traced: TracedStep) -> Program:
         raise InternalError(exc, stage="building the program of the traced step") from exc
 
 
-def _replayed(program: Program, trace: StepTrace,
-              settings: AllocConf | None) -> allocator.AllocatorStats:
+def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None,
+              host: bool) -> allocator.AllocatorStats:
     """The program replayed through the allocator model; an impossible event (a free of a
     storage that is not live) is memcalc's bug, named by the op and module that made the storage."""
     try:
-        return allocator.replay(allocator_events(program, trace.nbytes), settings=settings)
+        return allocator.replay(allocator_events(program, trace.nbytes), settings=settings, host=host)
     except allocator.KeyStateError as exc:
         uid = program.storage(exc.key) if isinstance(exc.key, int) else -1
         if not 0 <= uid < trace.num_storages:
@@ -504,8 +522,9 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     mode = options.mode
     capacity = options.capacity
     settings = options.allocator_settings
+    host = not options.emulate_cuda  # the CPU target: what the CPU allocator counts, unrounded
     program = _program_of(traced)
-    stats = _replayed(program, trace, settings)
+    stats = _replayed(program, trace, settings, host)
     peak_index = max(stats.peak_index, 0)
     raw = category_totals_at(program, trace.nbytes, traced.categories, peak_index)
     breakdown = ByteBreakdown(
@@ -515,7 +534,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         peak_allocated=stats.peak_allocated,
     )
     first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[1]),
-                             settings=settings) if program.iterations > 1 else stats
+                             settings=settings, host=host) if program.iterations > 1 else stats
     spec = options.optimizer
     module = resolved.module
     training = mode is Mode.TRAIN
@@ -528,7 +547,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         input_bytes=_preexisting_bytes(trace, traced.categories, Category.INPUTS),
         frozen_parameter_bytes=_frozen_parameter_bytes(module) if training else 0,
     )
-    fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats, settings)
+    fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats, settings, host=host)
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
@@ -582,7 +601,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         alloc_conf=settings.describe() if settings is not None else "",
         alloc_conf_source=settings.source if settings is not None else "",
         notes=tuple(notes),
-        _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role, settings),
+        _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role, settings, host),
         _costs=None if traced.costs is None else traced.costs.step_costs(
             resolved.inputs, batch_size=resolved.batch_size, micro_batches=options.accum_steps,
             module_order=traced.module_order,  # a loop traced whole: its first iteration
@@ -597,7 +616,7 @@ def _main_backend(attention: dict[str, int]) -> str | None:
 
 
 def _fit_under(program: Program, nbytes: list[int], capacity: int | None, stats: allocator.AllocatorStats,
-               settings: AllocConf | None = None) -> tuple[bool | None, int | None]:
+               settings: AllocConf | None = None, *, host: bool = False) -> tuple[bool | None, int | None]:
     """Whether the step runs within ``capacity`` reserved bytes, and the peak reserved when it
     does so under that limit (the allocator frees cached segments under pressure)."""
     if capacity is None:
@@ -605,7 +624,7 @@ def _fit_under(program: Program, nbytes: list[int], capacity: int | None, stats:
     gc = settings is not None and settings.garbage_collection_threshold > 0.0  # collects below the capacity
     if stats.peak_reserved <= capacity and not gc:
         return True, stats.peak_reserved  # never under pressure: the same replay
-    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings)
+    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host)
     return limited.oom_at is None, limited.peak_reserved
 
 

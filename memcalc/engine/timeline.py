@@ -177,7 +177,8 @@ LARGEST_AT_PEAK = 10
 
 
 def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Category], *,
-                   capacity: int | None = None, role: str = "", settings: AllocConf | None = None) -> Timeline:
+                   capacity: int | None = None, role: str = "", settings: AllocConf | None = None,
+                   host: bool = False) -> Timeline:
     """The memory after every event of ``program``, replayed once more with the recording
     allocator model (:func:`memcalc.engine.allocator.replay_recorded`).
 
@@ -192,17 +193,18 @@ def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Cate
         categories: the final category of every storage (:func:`final_categories`).
         capacity: the bytes the allocator may reserve, when the report has a limit.
         role: the GPU role under a multi-GPU strategy ("" for one GPU).
+        host: the CPU target: replayed through the host allocator (no rounding, nothing cached).
 
     Returns:
         The :class:`~memcalc.core.timeline.Timeline`, one row per event of ``program``.
     """
     nbytes = trace.nbytes
-    recorded = allocator.replay_recorded(allocator_events(program, nbytes), settings=settings)
+    recorded = allocator.replay_recorded(allocator_events(program, nbytes), settings=settings, host=host)
     reserved = recorded.reserved
     collects = settings is not None and settings.garbage_collection_threshold > 0.0  # below the capacity too
     if capacity is not None and (recorded.stats.peak_reserved > capacity or collects):
         reserved = allocator.replay_recorded(allocator_events(program, nbytes), capacity=capacity,
-                                             settings=settings).reserved
+                                             settings=settings, host=host).reserved
     n = max(program.num_storages, 1)
     keys = np.asarray(program.events, dtype=np.int64)
     is_alloc = keys >= 0

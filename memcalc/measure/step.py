@@ -49,7 +49,7 @@ from memcalc.core.report import Measurement, MemoryReport
 from memcalc.engine.loops import run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.options import Step
-from memcalc.engine.prepare import kv_cache_bytes, prepare_step
+from memcalc.engine.prepare import kv_cache_bytes, kv_prompt, prepare_step
 from memcalc.engine.run import step_config
 from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.stacks.peft import finetune_module
@@ -76,8 +76,9 @@ def _resolve(step: Step) -> ResolvedModel:
 def _prepare(resolved: ResolvedModel, device: torch.device,
              options: Step) -> tuple[torch.nn.Module, ModelInputs, list[torch.Tensor]]:
     """The real model and inputs with the same transforms the estimate applies, and a KV
-    cache of the estimated size when one is asked for (the zoo's models have no cache of their
-    own: a buffer of the same size stands for it).
+    cache of the estimated size when one is asked for: a transformers model's own StaticCache
+    of that length, passed to its forward as the estimate passes it; for a model with no cache of
+    its own (the zoo's plain-torch ones) a buffer of the same size stands for it.
 
     The fine-tuning is the estimate's too (:func:`~memcalc.stacks.peft.finetune_module`,
     in the estimate's order: adapters and freezing before the precision cast, which keeps the
@@ -97,7 +98,12 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
     if options.kv_cache is not None:
         nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache, model_name=resolved.name,
                                 decoder=resolved.decoder)
-        keep.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+        if resolved.static_cache is not None:  # the model's own cache, filled by its forward, as estimated
+            _batch, prompt = kv_prompt(inputs) or (0, 0)
+            keywords, _tensors = resolved.static_cache(module, prompt + options.kv_cache)
+            inputs = ModelInputs(inputs.args, {**inputs.kwargs, **keywords})
+        else:
+            keep.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
     return module, inputs, keep
 
 
@@ -407,9 +413,10 @@ def attach_measurement(report: MemoryReport, step: Step, *, device: str | None =
     measured = measure(step, device=device, snapshot=snapshot, force=force)
     if measured.device.startswith("cuda"):
         compared = report.bytes.peak_allocated
-    else:
-        cpu_report = estimate_step(dataclasses.replace(step.on_cpu(), record_costs=False))
-        compared = cpu_report.peak_requested
+    else:  # the CPU target's report is already that estimate
+        cpu_report = report if report.gpu.is_cpu else estimate_step(dataclasses.replace(step.on_cpu(),
+                                                                                         record_costs=False))
+        compared = cpu_report.bytes.peak_allocated
         measured = dataclasses.replace(measured, note=cpu_comparison_note(cpu_report))
     return dataclasses.replace(report, measurement=dataclasses.replace(measured, compared_with=compared))
 

@@ -17,13 +17,22 @@ nearly did), and memcalc's estimate of the same step. This module says where the
 A real trace names no phase: it is read from the Python stack of each allocation. No Python
 frame means the autograd engine's thread (backward); ``torch/optim`` the optimizer; a loss
 function the loss; a module's ``forward`` the forward; anything else — building the model,
-the inputs, the cuBLAS warm-up — is setup. memcalc's own snapshot names the phase in its frame.
+the inputs, the cuBLAS warm-up — is setup. memcalc's own snapshot (``--snapshot``) names the
+phase in its one frame (``<memcalc>:0 forward layer1.0.conv1 aten.convolution.default``), and
+is read so, on either side.
+
+A snapshot of another model says so (:attr:`SnapshotComparison.mismatch`, one line): for
+memcalc's own snapshot, when most of its allocations come from frames (phase, module, op) the
+model's step never makes; for a real one, when its forward runs code (a ``forward`` frame outside
+torch) that is not the model's (``model_code``: where the ``forward`` of each of the model's
+classes lies): none of it, or a ``forward`` of the model's own files that none of its classes has
+(resnet18's ``BasicBlock`` beside resnet50's ``Bottleneck``).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,12 +40,20 @@ from memcalc.core.categories import Phase
 from memcalc.core.report import MemoryReport
 from memcalc.engine.allocator import round_size
 from memcalc.measure.snapshot import RealAllocation, RealSnapshot, read_snapshot, replay_snapshot
-from memcalc.report.snapshot import snapshot_dict
+from memcalc.report.snapshot import FRAME_FILENAME, snapshot_dict
 
-__all__ = ("BlockDifference", "PhaseRow", "SnapshotComparison", "compare_snapshot", "real_phase")
+__all__ = ("BlockDifference", "CodeSpan", "PhaseRow", "SnapshotComparison", "compare_snapshot", "is_memcalc_snapshot",
+           "real_phase")
 
 #: The block differences listed on each side, largest first.
 SHOWN = 10
+#: How a frame of memcalc's own snapshot begins (``"<memcalc>:0 phase module op"``).
+_MEMCALC_FRAME = f"{FRAME_FILENAME}:0 "
+#: The share of a memcalc snapshot's allocations from frames the model's step does not make above
+#: which the snapshot is said to be of another model (the same model at another batch: none).
+_FOREIGN_SHARE = 0.5
+#: Frames of torch's own code: a module's forward there is not the model's (``nn.Linear``'s).
+_TORCH_CODE = ("/torch/",)
 #: What marks a loss function in a frame: torch's loss modules and functions, memcalc's losses.
 _LOSS_MARKS = ("torch/nn/modules/loss.py", "memcalc/engine/losses.py", " cross_entropy", " mse_loss", " nll_loss")
 
@@ -83,6 +100,7 @@ class SnapshotComparison:
     extra: tuple[BlockDifference, ...]  # memcalc has them, the run does not
     missing_total: int  # bytes of every missing block (not only those listed)
     extra_total: int
+    mismatch: str | None = None  # one line when the snapshot is of another model (module docstring)
 
     @property
     def reserved_difference(self) -> int:
@@ -113,6 +131,8 @@ def real_phase(frames: Iterable[str]) -> str:
     frames = tuple(frames)
     if not frames:
         return Phase.BACKWARD.value  # the autograd engine's own thread runs no Python
+    if frames[0].startswith(_MEMCALC_FRAME):  # memcalc's own snapshot names its phase
+        return frames[0][len(_MEMCALC_FRAME):].split(" ", 1)[0] or Phase.SETUP.value
     text = "\n".join(frames)
     if "torch/optim/" in text:
         return Phase.ZERO_GRAD.value if " zero_grad" in text else Phase.OPTIMIZER.value
@@ -125,17 +145,23 @@ def real_phase(frames: Iterable[str]) -> str:
     return Phase.SETUP.value
 
 
+def is_memcalc_snapshot(snapshot: RealSnapshot) -> bool:
+    """Whether ``snapshot`` is memcalc's own (``--snapshot``): its frames are ``<memcalc>``'s."""
+    return any(a.frames and a.frames[0].startswith(_MEMCALC_FRAME) for a in snapshot.allocations)
+
+
 def _site(allocation: RealAllocation) -> str:
     """The innermost frame, as ``dir/file.py:line function``; the autograd engine without one."""
     if not allocation.frames:
         return "(autograd engine thread)"
+    if allocation.frames[0].startswith(_MEMCALC_FRAME):  # "phase module op": the module and op
+        return allocation.frames[0][len(_MEMCALC_FRAME):].partition(" ")[2]
     path, _, rest = allocation.frames[0].partition(":")
     return "/".join(path.split("/")[-2:]) + ":" + rest
 
 
 def _memcalc_phase(allocation: RealAllocation) -> str:
-    name = allocation.frames[0].split(" ", 1)[1] if allocation.frames else ""
-    return name.split(" ", 1)[0] or Phase.SETUP.value
+    return real_phase(allocation.frames) if allocation.frames else Phase.SETUP.value
 
 
 def _memcalc_frames(data: dict[str, Any]) -> dict[int, tuple[str, str]]:
@@ -157,13 +183,20 @@ def _matched_size(nbytes: int) -> int:
     return -(-nbytes // _LARGE_MATCH) * _LARGE_MATCH
 
 
-def compare_snapshot(real: RealSnapshot, report: MemoryReport) -> SnapshotComparison:
+#: Where a ``forward`` of the model lies: its source file and its first and last lines.
+CodeSpan = tuple[str, int, int]
+
+
+def compare_snapshot(real: RealSnapshot, report: MemoryReport,
+                     model_code: Collection[CodeSpan] = ()) -> SnapshotComparison:
     """Compare a real snapshot (:func:`~memcalc.measure.snapshot.load_snapshot`) with the
     estimate of the same configuration.
 
     Args:
         real: the run's snapshot, read.
         report: memcalc's estimate of the same step (its step is replayed for the comparison).
+        model_code: where the ``forward`` of each of the model's classes lies (torch's own left
+            out), to tell a real snapshot of another model (empty: only torch's modules).
 
     Returns:
         A :class:`SnapshotComparison`.
@@ -203,7 +236,45 @@ def compare_snapshot(real: RealSnapshot, report: MemoryReport) -> SnapshotCompar
         memcalc_peak_allocated=report.bytes.peak_allocated, memcalc_peak_reserved=report.peak_reserved,
         replayed_peak_reserved=replayed.stats.peak_reserved, phases=tuple(phases),
         missing=tuple(missing[:SHOWN]), extra=tuple(extra[:SHOWN]),
-        missing_total=sum(d.nbytes for d in missing), extra_total=sum(d.nbytes for d in extra))
+        missing_total=sum(d.nbytes for d in missing), extra_total=sum(d.nbytes for d in extra),
+        mismatch=_mismatch(real, simulated, report.model, model_code))
+
+
+def _mismatch(real: RealSnapshot, simulated: RealSnapshot, model: str,
+              model_code: Collection[CodeSpan]) -> str | None:
+    """One line when the snapshot's modules are not the model's (module docstring), else None."""
+    ours = [a for a in real.allocations if a.frames and a.frames[0].startswith(_MEMCALC_FRAME)]
+    if ours:
+        made = {a.frames[0] for a in simulated.allocations if a.frames}
+        foreign = [_site(a) for a in ours if a.frames[0] not in made]
+        if len(foreign) <= _FOREIGN_SHARE * len(ours):
+            return None
+        named = list(dict.fromkeys(site.split(" ", 1)[0] for site in foreign))[:3]
+        return (f"this memcalc snapshot is not of {model}'s step: {len(foreign)} of its {len(ours)} allocations "
+                f"come from modules and ops {model}'s step does not run ({', '.join(named)}, ...)")
+    forwards = {frame for a in real.allocations for frame in a.frames
+                if frame.endswith(" forward") and not any(mark in frame for mark in _TORCH_CODE)}
+    ours_at = [frame for frame in forwards if any(_within(frame, span) for span in model_code)]
+    files = {_short(span[0]) for span in model_code}
+    foreign = sorted(frame for frame in forwards if frame not in ours_at
+                     and (not ours_at or _short(frame.partition(":")[0]) in files))
+    if not forwards or not foreign:
+        return None
+    shown = ", ".join(_short(frame) for frame in foreign[:3])
+    return (f"this snapshot's forward runs code that is not {model}'s ({shown}): it looks like a snapshot of "
+            f"another model, so its differences say little about {model}")
+
+
+def _short(path: str) -> str:
+    """A path (or a frame) by its last two components (``models_zoo/resnet.py:75 forward``)."""
+    return "/".join(path.replace("\\", "/").split("/")[-2:])
+
+
+def _within(frame: str, span: CodeSpan) -> bool:
+    """Whether a frame (``path:line forward``) runs inside ``span``'s lines of the same file."""
+    path, _, rest = frame.partition(":")
+    line = rest.split(" ", 1)[0]
+    return (line.isdigit() and _short(path) == _short(span[0]) and span[1] <= int(line) <= span[2])
 
 
 def _largest_first(difference: BlockDifference) -> tuple[int, str, int]:

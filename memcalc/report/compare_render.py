@@ -31,7 +31,7 @@ def render_comparison(comparison: SnapshotComparison, *, fmt: str = "simple", un
          ["peak reserved", format_bytes(c.real_peak_reserved, unit), format_bytes(c.memcalc_peak_reserved, unit),
           _signed(c.reserved_difference, unit)]],
         headers=["", "the run (snapshot)", "memcalc", "memcalc − run"], tablefmt=fmt, disable_numparse=True)
-    lines = [peaks, "",
+    lines = [*([f"warning: {c.mismatch}", ""] if c.mismatch else []), peaks, "",
              f"reserved difference {_signed(c.reserved_difference, unit)}: the run's own allocations replayed "
              f"through memcalc's allocator model reserve {format_bytes(c.replayed_peak_reserved, unit)}, so "
              f"{_signed(c.stream_part, unit)} comes from memcalc's allocations (which tensors and workspaces) and "

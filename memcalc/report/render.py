@@ -91,7 +91,7 @@ def _header(report: MemoryReport) -> str:
             step += f", {report.accum_steps} accumulation steps"
         if report.checkpoint:
             step += ", checkpointing"
-    gpu = report.gpu.name if report.gpu_named else f"{report.gpu.key} CUDA GPU (no --gpu given)"
+    gpu = _device_text(report)
     lines = [
         f"memcalc: {report.model}, batch {report.batch_size}, {step}, {report.precision.value}",
         f"on {gpu}; input {report.input_description}; loss {report.loss}; {report.parameters:,} parameters",
@@ -107,6 +107,13 @@ def _header(report: MemoryReport) -> str:
         origin = f"from the environment's {given}" if given.isupper() else "as given"
         lines.append(f"allocator: {report.alloc_conf} ({origin}; reserved memory modelled under it)")
     return "\n".join(lines)
+
+
+def _device_text(report: MemoryReport) -> str:
+    """What the step was estimated for: a named GPU, the generic one, or the CPU target."""
+    if report.gpu.is_cpu:
+        return "the CPU (CPU target: what the CPU allocator counts, unrounded; no CUDA context)"
+    return report.gpu.name if report.gpu_named else f"{report.gpu.key} CUDA GPU (no --gpu given)"
 
 
 def _assumed_line(report: MemoryReport) -> str:
@@ -136,7 +143,9 @@ def _breakdown(report: MemoryReport, fmt: str, unit: Unit | str) -> str:
         detail = f"{report.parameters:,} params" if category is Category.PARAMETERS else ""
         rows.append([_category_label(category, report.mode), format_bytes(value, unit),
                      _share(value, b.peak_allocated), detail])
-    rows.append(["allocator block rounding", format_bytes(b.rounding, unit), _share(b.rounding, b.peak_allocated), ""])
+    if not report.gpu.is_cpu:  # the CPU allocator rounds nothing
+        rows.append(["allocator block rounding", format_bytes(b.rounding, unit), _share(b.rounding, b.peak_allocated),
+                     ""])
     rows.append(["peak allocated", format_bytes(b.peak_allocated, unit), "100.0%", report.peak_location])
     return tabulate(rows, headers=["at the peak", "memory (binary units)", "share", ""], tablefmt=fmt,
                     colalign=("left", "right", "right", "left"), disable_numparse=True)
@@ -184,6 +193,9 @@ def _reserved_line(report: MemoryReport, unit: Unit | str) -> str:
     """Peak reserved and what the device holds. Under a capacity the figure is the replay
     under it (the allocator frees its cached segments and retries before an OOM), so it
     agrees with the fits line; the unlimited replay's figure is named as such."""
+    if report.gpu.is_cpu:
+        return ("peak reserved: the same; the CPU allocator caches nothing (each tensor is its own malloc, "
+                "returned at its free) and there is no CUDA context")
     reserved = format_bytes(report.peak_reserved, unit)
     how = "measured" if report.gpu.context_measured else "assumed"
     context = (f"+ CUDA context {format_bytes(report.cuda_context, unit)} ({how} for {report.gpu.key}) "

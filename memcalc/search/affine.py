@@ -43,11 +43,12 @@ class SyntheticPoint(NamedTuple):
 
 
 def replay_under(program: Program, nbytes: Sequence[int], capacity: int, batch: int,
-                 settings: AllocConf | None = None) -> SyntheticPoint:
+                 settings: AllocConf | None = None, *, host: bool = False) -> SyntheticPoint:
     """One replay of ``program`` with storage sizes ``nbytes`` under ``capacity`` (the allocator
     frees its cache and retries before it gives up, as PyTorch does): whether it fits, under the
-    allocator's ``settings`` (``PYTORCH_CUDA_ALLOC_CONF``; None: the defaults)."""
-    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings)
+    allocator's ``settings`` (``PYTORCH_CUDA_ALLOC_CONF``; None: the defaults). ``host``: the CPU
+    target's allocator (no rounding, nothing cached)."""
+    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host)
     return SyntheticPoint(batch, stats.oom_at is None, stats.peak_allocated, stats.peak_reserved)
 
 
@@ -63,6 +64,8 @@ class AffineFamily:
     sized: tuple[tuple[int, SizeRule, tuple[int, ...], tuple[int, ...]], ...] = ()
     #: the traced step the family was built from: its structure, to compare other traces with
     reference: TracedStep | None = field(default=None, compare=False, repr=False)
+    #: the CPU target's step: replayed through the host allocator (:func:`replay_under`)
+    host: bool = False
 
     @classmethod
     def from_traces(cls, first: TracedStep, b1: int, second: TracedStep, b2: int) -> AffineFamily | None:
@@ -87,7 +90,8 @@ class AffineFamily:
         if line is None:
             return None
         intercepts, slopes = line
-        return cls(program=program, intercepts=intercepts, slopes=slopes, sized=tuple(sized), reference=first)
+        return cls(program=program, intercepts=intercepts, slopes=slopes, sized=tuple(sized), reference=first,
+                   host=not first.options.emulate_cuda)
 
     def nbytes(self, batch: int) -> list[int]:
         """Every storage's size at ``batch``, indexed by uid."""
@@ -98,7 +102,7 @@ class AffineFamily:
 
     def probe(self, batch: int, capacity: int, settings: AllocConf | None = None) -> SyntheticPoint:
         """Replay the step at ``batch`` through the allocator model under ``capacity`` (one replay)."""
-        return replay_under(self.program, self.nbytes(batch), capacity, batch, settings)
+        return replay_under(self.program, self.nbytes(batch), capacity, batch, settings, host=self.host)
 
     def matches(self, traced: TracedStep, batch: int) -> bool:
         """Whether ``traced`` (a real trace at ``batch``) is this family's step at ``batch``: the

@@ -14,6 +14,9 @@ may reserve (:func:`resolve_budget`):
   case the step is taken to run here and its context is already out of the free memory.
   ``gpu="auto"``, ``"cuda"`` or ``"cuda:N"`` names such a device too (as
   :func:`memcalc.estimate` reads it): one spelling for "this machine's GPU" across the API.
+* ``gpu="cpu"``: the CPU target (what this machine's CPU allocates, unrounded), under
+  ``budget`` when one is given too, else under this machine's available RAM (``MemAvailable``
+  of ``/proc/meminfo``: what the kernel says a new allocation can have without swapping).
 
 The context is the one of the software stack asked for (``stack``: its CUDA version and
 module loading, or ``context_mib``; :mod:`memcalc.targets.stack`), as the estimate's.
@@ -23,12 +26,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from memcalc.core.categories import Category, Mode
 from memcalc.core.errors import InvalidInputError, MemcalcError
-from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.gpu import CPU_PROFILE, GENERIC, GpuProfile
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
@@ -44,6 +47,7 @@ __all__ = (
     "DoesNotFitError",
     "FitResult",
     "Probe",
+    "available_ram",
     "batch_bytes",
     "check_margin",
     "format_margin",
@@ -281,6 +285,8 @@ def resolve_budget(
     the module docstring); a :class:`Budget` is returned as is. ``stack``: the software stack
     whose CUDA context is subtracted (None: the defaults). ``local_gpus`` replaces GPU
     discovery (tests)."""
+    if _names_cpu(gpu) and not isinstance(budget, Budget):
+        return _from_cpu(budget, device)
     given = [name for name, value in (("budget", budget), ("gpu", gpu), ("device", device)) if value is not None]
     if len(given) != 1:
         what = "none" if not given else " and ".join(given)
@@ -299,6 +305,35 @@ def resolve_budget(
         return _from_gpu(gpu, versions)
     assert device is not None
     return _from_device(device, local_gpus, versions)
+
+
+def _names_cpu(gpu: object) -> bool:
+    """Whether ``gpu`` is the CPU target: ``"cpu"`` or its profile."""
+    if isinstance(gpu, GpuProfile):
+        return gpu.is_cpu
+    return isinstance(gpu, str) and gpu.strip().lower() == CPU_PROFILE.key
+
+
+def _from_cpu(budget: str | int | None, device: str | None) -> Budget:
+    """The CPU target's budget: ``budget`` as given, else this machine's available RAM."""
+    if device is not None:
+        raise InvalidInputError(f"gpu='cpu' is this machine's CPU; device={device!r} names a GPU: give one of them")
+    if budget is not None:
+        return replace(_from_budget(budget), source="as given, on the CPU", gpu=CPU_PROFILE)
+    return Budget(available_ram(), "the CPU: this machine's available RAM (MemAvailable)", CPU_PROFILE)
+
+
+def available_ram(meminfo: str = "/proc/meminfo") -> int:
+    """Bytes the kernel says new allocations can have without swapping (``MemAvailable``)."""
+    try:
+        with open(meminfo, encoding="ascii") as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except OSError:
+        pass
+    raise InvalidInputError("this machine's available RAM cannot be read (no MemAvailable in /proc/meminfo)",
+                            hint="Give the CPU step's budget: --gpu cpu --budget 16GiB (gpu='cpu', budget=...).")
 
 
 def _from_budget(budget: str | int) -> Budget:

@@ -224,7 +224,8 @@ class _Estimates:
             return _Point(batch, True, peak, peak)
         traced = self.traces[batch]
         self.replays += 1
-        replayed = replay_under(traced.program(), traced.trace.nbytes, self.limit, batch, self.step.allocator_settings)
+        replayed = replay_under(traced.program(), traced.trace.nbytes, self.limit, batch,
+                                self.step.allocator_settings, host=not self.step.emulate_cuda)
         return _Point(batch, replayed.fits, report.bytes.peak_allocated, _needed(replayed))
 
     def synthetic(self, family: AffineFamily, batch: int, capacity: int, *, probe: bool = False) -> _Point:

@@ -56,6 +56,8 @@ from memcalc.core.units import format_bytes
 
 __all__ = (
     "ALLOCATED_UNDERESTIMATE",
+    "CPU_MARGIN",
+    "CPU_MARGIN_BASIS",
     "FAMILY_PREFIXES",
     "FLOOR",
     "MAX_MARGIN",
@@ -72,6 +74,12 @@ __all__ = (
 
 #: The least margin, whatever the data says (see the module docstring).
 FLOOR = 0.03
+#: The CPU target's margin (``gpu="cpu"``): the CPU estimate against real CPU steps under the
+#: profiler (README, "Accuracy", the CPU table: median 0.00%, worst 0.96%, memory inside oneDNN's
+#: convolutions), rounded up; no caching allocator, so nothing reserved to hold back for.
+CPU_MARGIN = 0.01
+CPU_MARGIN_BASIS = ("measured for the CPU target under torch.profiler: worst 0.96% (README \"Accuracy\"), "
+                    "rounded up; the CPU allocator reserves nothing beyond what it hands out")
 #: The most a measured margin holds back (see :func:`measured_margin`).
 MAX_MARGIN = 0.5
 #: Where the tables were measured.

@@ -58,7 +58,7 @@ from memcalc.sources.user_code import Example, load_from_file, load_from_module,
 from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
 from memcalc.stacks.transformers.checkpointing import hf_checkpointing, supports_checkpointing
 from memcalc.stacks.transformers.config_check import check_config, config_error
-from memcalc.stacks.transformers.generate import generate_on_meta
+from memcalc.stacks.transformers.generate import generate_on_meta, static_cache
 from memcalc.stacks.transformers.heads import (
     AUTO_CLASSES,
     Head,
@@ -519,7 +519,9 @@ def _hf_model(transformers: ModuleType, config: Any, name: str, attn: HfAttentio
     # passes them); LM cross-entropy is memcalc's stand-in for a causal LM whose loss is chosen
     resolved.loss = LossKind.LM_CROSS_ENTROPY if _is_causal_lm(resolved.module) else LossChoice.AUTO
     resolved.labels = labels_maker(resolved.module)
-    resolved.generate = generate_on_meta if head_of(resolved.module) is Head.CAUSAL_LM else None
+    causal_lm = head_of(resolved.module) is Head.CAUSAL_LM
+    resolved.generate = generate_on_meta if causal_lm else None
+    resolved.static_cache = static_cache if causal_lm else None
     resolved.reads = hf_reads
     resolved.notes += (attention_note(resolved.module, attn),)
     resolved.block_containers = hf_block_containers(resolved.module)

@@ -19,6 +19,7 @@ cache the output carries are marked as the KV cache.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from torch import nn
 
 from memcalc.engine.model import ModelInputs
 
-__all__ = ("cache_tensors", "generate_on_meta")
+__all__ = ("cache_tensors", "generate_on_meta", "static_cache")
 
 
 def cache_tensors(output: Any) -> Iterator[torch.Tensor]:
@@ -42,6 +43,25 @@ def cache_tensors(output: Any) -> Iterator[torch.Tensor]:
                 tensor = getattr(layer, name, None)
                 if isinstance(tensor, torch.Tensor):
                     yield tensor
+
+
+def static_cache(module: nn.Module, max_cache_len: int) -> tuple[dict[str, Any], Callable[[], Iterable[torch.Tensor]]]:
+    """The model's own static KV cache for ``max_cache_len`` tokens (``--kv-cache``): transformers'
+    ``StaticCache(config=module.config, max_cache_len=...)``, as a user passes it to the forward
+    (the forward's keywords: ``cache=`` since transformers 5.24, ``past_key_values=`` before it;
+    ``use_cache=True``), and its keys and values once the forward has filled it. Each
+    layer allocates its ``(B, kv_heads, max_cache_len, head_dim)`` keys and values itself at its
+    first update, during the prefill, in the dtype of its keys; a sliding-window layer (Gemma-2)
+    only its window, as the library sizes it."""
+    from transformers import StaticCache  # the hf extra: only a Hugging Face model gets here
+
+    cache = StaticCache(config=module.config, max_cache_len=max_cache_len)  # type: ignore[arg-type]
+    keyword = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+    def tensors() -> Iterator[torch.Tensor]:
+        return cache_tensors({keyword: cache})
+
+    return {keyword: cache, "use_cache": True}, tensors
 
 
 @contextmanager
