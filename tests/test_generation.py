@@ -82,7 +82,7 @@ def test_a_model_without_generate_is_refused_with_the_static_cache_as_the_way_ou
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(mode="generate"), InvalidInputError, "needs the number of tokens to generate"),
     (dict(mode="inference", new_tokens=4), InapplicableOptionError, "needs mode generate"),
-    (dict(mode="generate", new_tokens=0), InvalidInputError, "≥ 1"),
+    (dict(mode="generate", new_tokens=0), InvalidInputError, "at least 1; got 0"),
     (dict(mode="generate", new_tokens=4, kv_cache=4), InapplicableOptionError, "generate\\(\\) keeps itself"),
 ])
 def test_inconsistent_generation_options_are_refused(tmp_path: Path, kwargs: dict[str, object],
