@@ -112,12 +112,12 @@ def test_inference_with_kv_cache():
 
 
 def test_measure_on_cpu_puts_the_real_peak_beside_the_estimate():
-    # No GPU here: the real step runs on the CPU under torch.profiler, compared with the
-    # CPU-faithful simulation (an MLP agrees to the byte).
-    result = run("mlp", "--batch", "16", "--optim", "adam", "--measure", "--format", "json")
+    # The CPU target (--gpu cpu): the real step runs on the CPU under torch.profiler, on a GPU
+    # machine too, compared with the CPU-faithful simulation (an MLP agrees to the byte).
+    result = run("mlp", "--batch", "16", "--optim", "adam", "--gpu", "cpu", "--measure", "--format", "json")
     assert result.exit_code == 0, result.output
     measured = json.loads(result.output)["measured"]
     assert measured["device"] == "cpu (torch.profiler)" and measured["oom"] is False
     assert abs(measured["relative_error"]) < 0.005
-    text = run("mlp", "--batch", "16", "--measure", "--depth", "0").output
+    text = run("mlp", "--batch", "16", "--gpu", "cpu", "--measure", "--depth", "0").output
     assert "measured on cpu (torch.profiler)" in text and "error" in text

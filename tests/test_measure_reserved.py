@@ -200,3 +200,16 @@ def test_a_real_snapshot_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert refused.exit_code == 2 and "this machine has no CUDA GPU" in refused.output
     named = runner.invoke(main, ["mlp", "--measure-snapshot", "run.txt"])
     assert named.exit_code == 2 and "'.txt' is not a snapshot format" in named.output
+
+
+def test_the_cpu_target_is_measured_on_the_cpu_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # --gpu cpu estimates what the CPU allocator counts: its --measure runs the CPU step even
+    # where CUDA is available (it measured CUDA on the H200 machine, 2026-11-28), and a CUDA
+    # target still measures CUDA there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ran: list[str] = []
+    monkeypatch.setattr(measure, "measure_cuda", lambda step, **_: ran.append("cuda"))
+    monkeypatch.setattr(measure, "measure_cpu", lambda step: ran.append("cpu"))
+    measure.measure(build_step("mlp", batch_size=2, gpu="cpu"))
+    measure.measure(build_step("mlp", batch_size=2, gpu="h100-80gb"))
+    assert ran == ["cpu", "cuda"]

@@ -371,8 +371,10 @@ def measured_device() -> str | None:
 
 def measure(step: Step, *, device: str | None = None, snapshot: str | None = None,
             force: bool = False) -> Measurement:
-    """Measure the real step: on ``device`` (``"cuda:N"``) when given, else on CUDA when
-    available, else on the CPU (as this machine's CPU runs the step: :meth:`Step.on_cpu`).
+    """Measure the real step: on ``device`` (``"cuda:N"``) when given, else on the CPU for a step
+    estimated for the CPU target (``gpu="cpu"``: its figure is the CPU's, on a GPU machine too),
+    else on CUDA when available, else on the CPU (as this machine's CPU runs the step:
+    :meth:`Step.on_cpu`).
     ``snapshot``: on CUDA, also write the step's allocator history there (:func:`measure_cuda`),
     replacing an existing file only with ``force``; the path is checked before the step runs.
 
@@ -389,7 +391,8 @@ def measure(step: Step, *, device: str | None = None, snapshot: str | None = Non
                  "profiler (tests/hf_reference/test_generate.py does the latter).")
     if snapshot is not None:
         check_writable(Path(snapshot), "snapshot", force=force)
-    use_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
+    use_cuda = (device or "").startswith("cuda") or (
+        device is None and step.emulate_cuda and torch.cuda.is_available())
     if use_cuda:
         return measure_cuda(step, device=torch.device(device) if device else None, snapshot=snapshot, force=force)
     if snapshot is not None:
