@@ -54,7 +54,8 @@ def compare_command(snapshot: str, model: str, batch: int, optim: str, precision
         real = load_snapshot(snapshot)
     except (pickle.UnpicklingError, EOFError, ValueError, OverflowError, MemoryError, KeyError, IndexError, TypeError,
             AttributeError) as exc:  # what pickle and the reading of its dict raise on other bytes
-        raise InvalidInputError(f"{snapshot} is not a torch.cuda.memory._snapshot() pickle ({exc})",
+        reason = str(exc) or type(exc).__name__  # a MemoryError says nothing of itself
+        raise InvalidInputError(f"{snapshot} is not a torch.cuda.memory._snapshot() pickle ({reason})",
                                 hint="Write one with torch.cuda.memory._dump_snapshot(path) while "
                                      "torch.cuda.memory._record_memory_history() is on.") from None
     source = attn_model(model, options)

@@ -24,6 +24,8 @@ recovery would read the same, which is right, since the model releases the same 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import pickle
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -107,7 +109,10 @@ class SnapshotReplay:
 def load_snapshot(path: str | Path, device: int = 0) -> RealSnapshot:
     """Read a ``torch.cuda.memory._snapshot()`` pickle (as ``torch.cuda.memory._dump_snapshot``
     writes it) and return its trace for ``device``."""
-    with open(path, "rb") as handle:
+    # Bytes that are no pickle can make CPython's unpickler print to stderr on its way to the
+    # exception (a BYTEARRAY8 of exabytes: "SystemError: deallocated bytearray object has exported
+    # buffers", PyErr_Print in bytearray_dealloc); the exception alone is the answer.
+    with open(path, "rb") as handle, contextlib.redirect_stderr(io.StringIO()):
         data = pickle.load(handle)
     return read_snapshot(data, device)
 
