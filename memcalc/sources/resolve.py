@@ -68,7 +68,7 @@ from memcalc.stacks.transformers.heads import (
     settle_loss_type,
 )
 from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, config_from_values, import_hf, load_config
-from memcalc.stacks.transformers.reads import hf_reads
+from memcalc.stacks.transformers.reads import hf_reads, routing_notes
 from models_zoo.registry import TORCH_PREFIX, HfConfig, InputKind, ZooEntry
 
 __all__ = ("ModelLike", "ResolvedModel", "builds_transformers", "meta_twin", "resolve")
@@ -527,7 +527,7 @@ def _hf_model(transformers: ModuleType, config: Any, name: str, attn: HfAttentio
     resolved.labels = labels_maker(resolved.module)
     resolved.generate = generate_on_meta if head_of(resolved.module) is Head.CAUSAL_LM else None
     resolved.reads = hf_reads
-    resolved.notes += (attention_note(resolved.module, attn),)
+    resolved.notes += (attention_note(resolved.module, attn), *routing_notes(resolved.module))
     resolved.block_containers = hf_block_containers(resolved.module)
     resolved.checkpointing = hf_checkpointing if supports_checkpointing(resolved.module) else None
     return resolved
