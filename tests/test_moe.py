@@ -191,6 +191,12 @@ def test_moe_zoo_model_has_no_plain_torch_definition() -> None:
     assert models_zoo.plain_torch("mixtral-8x7b") == "mixtral-8x7b"
 
 
+def test_without_transformers_a_moe_zoo_name_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # find_spec → None, import → ImportError
+    with pytest.raises(memcalc.MemcalcError, match="the zoo model qwen3-30b-a3b needs the package 'transformers'"):
+        resolve("qwen3-30b-a3b", batch_size=1, seq_len=8)
+
+
 @pytest.mark.slow  # a 671B model traced on meta, in a fresh process for its own peak resident set
 @pytest.mark.parametrize("name, mode", [("deepseek-v3", "inference"), ("mixtral-8x7b", "train")])
 def test_full_size_moe_estimates_on_meta_within_1_5_gib(name: str, mode: str) -> None:
