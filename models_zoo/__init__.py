@@ -17,6 +17,7 @@ from . import (  # noqa: F401  (registration side effect)
     llama,
     mlp,
     mobilenet,
+    moe,
     registry,
     resnet,
     rnn,

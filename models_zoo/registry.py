@@ -91,12 +91,14 @@ class ZooEntry:
     ``builder(input_shape)`` receives the per-sample input shape actually used (so a ViT can
     size its position embeddings, a GPT its position table) and returns an ``nn.Module``;
     it must create tensors on the current default device only (never ``.to(...)``), so that
-    building under ``torch.device("meta")`` allocates nothing.
+    building under ``torch.device("meta")`` allocates nothing. None: the entry has no plain-torch
+    definition and is transformers' model of its :attr:`hf` config only (the mixture-of-experts
+    models, :mod:`models_zoo.moe`); its ``reference_parameters`` are then that model's.
     """
 
     name: str
     family: str
-    builder: Callable[[tuple[int, ...]], nn.Module]
+    builder: Callable[[tuple[int, ...]], nn.Module] | None
     input_kind: InputKind
     default_shape: tuple[int, ...]
     loss: LossKind
@@ -118,7 +120,16 @@ class ZooEntry:
     def build(self, input_shape: tuple[int, ...] | None = None) -> nn.Module:
         """The model for one sample of ``input_shape`` (default: :attr:`default_shape`), built
         on the current default device."""
+        if self.builder is None:
+            raise LookupError(f"{self.name} has no plain-torch definition: it is transformers' "
+                              f"{self.hf.architecture if self.hf else 'model'} only")
         return self.builder(tuple(input_shape or self.default_shape))
+
+    @property
+    def has_plain_torch(self) -> bool:
+        """Whether the zoo defines this model in plain torch (``torch:NAME``), not only by its
+        Hugging Face config."""
+        return self.builder is not None
 
     def example_inputs(
         self,
@@ -200,7 +211,8 @@ def plain_torch(name: str) -> str:
         ``torch:`` + the canonical name for a zoo language model, else ``name``.
     """
     entry = get(name)
-    return f"{TORCH_PREFIX}{entry.name}" if entry is not None and entry.hf is not None else name
+    return f"{TORCH_PREFIX}{entry.name}" if entry is not None and entry.hf is not None and entry.has_plain_torch \
+        else name
 
 
 def names() -> list[str]:

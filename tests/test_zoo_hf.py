@@ -27,7 +27,9 @@ from models_zoo.llama import LlamaForCausalLM
 transformers = pytest.importorskip("transformers")
 
 CONFIGS = Path(__file__).parent / "fixtures" / "hf_configs"
-HF_ENTRIES = [e for e in models_zoo.entries() if e.hf is not None]
+#: The language models with a plain-torch twin; the mixture-of-experts ones, transformers' only
+#: (``models_zoo.moe``), are tests/test_moe.py's.
+HF_ENTRIES = [e for e in models_zoo.entries() if e.hf is not None and e.has_plain_torch]
 
 
 def _count(module: torch.nn.Module) -> int:
@@ -38,6 +40,8 @@ def test_every_language_model_of_the_zoo_has_a_released_config() -> None:
     families = {e.family for e in HF_ENTRIES}
     assert families == {"llama", "mistral", "qwen2", "gemma2", "gpt2", "bert"}
     assert len(HF_ENTRIES) == 16
+    transformers_only = {e.family for e in models_zoo.entries() if e.hf is not None and not e.has_plain_torch}
+    assert transformers_only == {"mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"}
     # the others reproduce torchvision or papers, not a Hugging Face checkpoint
     assert models_zoo.get("resnet50").hf is None and models_zoo.get("vit_b_16").hf is None
 

@@ -290,7 +290,7 @@ def zoo_command(fmt: str, units: str, debug: bool) -> None:
 
 def _zoo_row(entry: models_zoo.ZooEntry) -> dict[str, Any]:
     """One entry of ``memcalc zoo``: the parameters of the model its name builds here."""
-    if entry.hf is not None and builds_transformers(entry):
+    if entry.hf is not None and (builds_transformers(entry) or not entry.has_plain_torch):
         return {"name": entry.name, "family": entry.family, "parameters": entry.hf_parameters,
                 "default_input": entry.default_input_text, "model": f"transformers {entry.hf.architecture}"}
     return {"name": entry.name, "family": entry.family, "parameters": entry.reference_parameters,

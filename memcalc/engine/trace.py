@@ -39,10 +39,13 @@ __all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle"
 Op: TypeAlias = "OpOverload[..., Any]"
 #: Called after every op with ``(func, args, kwargs, out)``.
 AfterOpHook: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any], Any], None]
-#: The value of a one-element tensor the code reads (None: not known without data).
+#: The value of a one-element tensor the code reads (None: not known without data); asked about
+#: ``nonzero``'s input, the number of its nonzero elements (the rows of the result).
 ReadOracle: TypeAlias = Callable[[torch.Tensor], "bool | int | float | None"]
 #: The op behind ``.item()``, ``bool()`` and ``if`` on a tensor.
 _READ_VALUE: Final = torch.ops.aten._local_scalar_dense.default
+#: The op behind ``nonzero``, ``argwhere`` and one-argument ``torch.where``: a row per nonzero element.
+_NONZERO: Final = torch.ops.aten.nonzero.default
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -154,6 +157,10 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 value = self.read_values(args[0])
                 if value is not None:  # a read the model's source answers for the estimated run
                     return value
+            if func is _NONZERO and self.read_values is not None:
+                rows = self.read_values(args[0])
+                if isinstance(rows, int) and not isinstance(rows, bool):  # the count the estimated run finds
+                    return torch.empty((rows, args[0].dim()), dtype=torch.long, device=args[0].device)
             raise symbolic_execution_error(str(func), self.modules.current, self.phase.value, exc) from exc
 
     def _see(self, out: Any) -> None:
@@ -308,7 +315,7 @@ class MetaKernelCache:
         self.device_type = device_type
         self._specs: dict[tuple[object, ...], _Spec] = {}
         # a value read (.item()) is never cached: its answer changes with the data it stands for
-        self._plans: dict[Op, _Plan | None] = {_READ_VALUE: None}
+        self._plans: dict[Op, _Plan | None] = {_READ_VALUE: None, _NONZERO: None}
         self.hits = 0
 
     def run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], compute: _Compute) -> Any:

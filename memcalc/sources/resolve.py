@@ -68,7 +68,7 @@ from memcalc.stacks.transformers.heads import (
     settle_loss_type,
 )
 from memcalc.stacks.transformers.hub import HfAttention, HuggingFace, config_from_values, import_hf, load_config
-from memcalc.stacks.transformers.reads import hf_reads
+from memcalc.stacks.transformers.reads import hf_reads, routing_notes
 from models_zoo.registry import TORCH_PREFIX, HfConfig, InputKind, ZooEntry
 
 __all__ = ("ModelLike", "ResolvedModel", "builds_transformers", "meta_twin", "resolve")
@@ -245,8 +245,8 @@ def _resolve_entry(entry: ZooEntry, batch_size: int, shape: _Shape | None, seq_l
     per_sample = _entry_shape(entry, shape, seq_len)
     if user_inputs is None:
         check_batch_fits(batch_size, per_sample, tokens=entry.input_kind is InputKind.TOKENS)
-    if entry.hf is not None and builds_transformers(entry):
-        return _resolve_zoo_hf(entry, entry.hf, batch_size, per_sample, user_inputs)
+    if entry.hf is not None and (builds_transformers(entry) or not entry.has_plain_torch):
+        return _resolve_zoo_hf(entry, entry.hf, batch_size, per_sample, user_inputs)  # import_hf says what is missing
     resolved = _resolve_zoo_torch(entry, batch_size, per_sample, user_inputs, entry.name)
     if entry.hf is not None:
         resolved.notes += (f"transformers is not installed: {entry.name} is memcalc's plain-torch definition of "
@@ -274,6 +274,10 @@ def _torch_zoo_source(name: str, batch_size: int, shape: _Shape | None, seq_len:
     entry = models_zoo.get(name)
     if entry is None:
         raise UnknownModelError(f"{TORCH_PREFIX}{name}", [f"{TORCH_PREFIX}{n}" for n in models_zoo.closest(name)])
+    if not entry.has_plain_torch:
+        raise InvalidInputError(f"{TORCH_PREFIX}{entry.name}: memcalc has no plain-torch definition of {entry.name}, "
+                                f"only transformers' model of its released config",
+                                hint=f"name it without {TORCH_PREFIX!r}: {entry.name}")
     per_sample = _entry_shape(entry, shape, seq_len)
     return _resolve_zoo_torch(entry, batch_size, per_sample, user_inputs, f"{TORCH_PREFIX}{entry.name}")
 
@@ -325,8 +329,10 @@ def _resolve_zoo_hf(entry: ZooEntry, hf: HfConfig, batch_size: int, per_sample: 
     resolved = _hf_model(transformers, config, entry.name, None, batch_size, length or _HF_DEFAULT_SEQ_LEN,
                          user_inputs)
     resolved.decoder = entry.decoder
+    plain = (f"{TORCH_PREFIX}{entry.name}: memcalc's plain-torch definition" if entry.has_plain_torch
+             else "memcalc has no plain-torch definition of it")
     built = (f"{entry.name} is transformers' {type(resolved.module).__name__}, built from the released config of "
-             f"{hf.repo} ({TORCH_PREFIX}{entry.name}: memcalc's plain-torch definition)")
+             f"{hf.repo} ({plain})")
     resolved.notes = (built, *resolved.notes,
                       *_context_notes(entry, per_sample, resolved.module, entry.hf_parameters))
     return resolved
@@ -523,7 +529,7 @@ def _hf_model(transformers: ModuleType, config: Any, name: str, attn: HfAttentio
     resolved.generate = generate_on_meta if causal_lm else None
     resolved.static_cache = static_cache if causal_lm else None
     resolved.reads = hf_reads
-    resolved.notes += (attention_note(resolved.module, attn),)
+    resolved.notes += (attention_note(resolved.module, attn), *routing_notes(resolved.module))
     resolved.block_containers = hf_block_containers(resolved.module)
     resolved.checkpointing = hf_checkpointing if supports_checkpointing(resolved.module) else None
     return resolved

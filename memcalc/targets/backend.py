@@ -23,8 +23,8 @@ version.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -41,12 +41,21 @@ from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernel
 from memcalc.targets.cuda.emulation import CudaEmulation
 from memcalc.targets.cuda.workspaces import WorkspaceModel
 from memcalc.targets.grad_scaler import EmulatedGradScaler
+from memcalc.targets.grouped_mm import grouped_mm_on_meta
 from memcalc.targets.stack import resolve_torch_version
 
 __all__ = ("CpuBackend", "CudaBackend", "trace_step")
 
 _RNN_NOTE = ("recurrent layers: on CUDA nn.LSTM/GRU/RNN run cuDNN's fused kernel with a reserve buffer "
              "that memcalc does not model; the estimate follows the step-by-step decomposition")
+
+
+@contextmanager
+def _emulating(emulation: CudaEmulation) -> Iterator[None]:
+    """The emulation mode, with the meta kernels the real devices' kernels need in place of torch's
+    (``_grouped_mm``'s dtypes and padding: :mod:`memcalc.targets.grouped_mm`)."""
+    with grouped_mm_on_meta(), emulation:
+        yield
 
 
 class _EmulatingBackend:
@@ -70,7 +79,7 @@ class _EmulatingBackend:
         accumulate_in_place(self.tracer, func, args, kwargs, out)
 
     def mode(self) -> AbstractContextManager[Any]:
-        return self.emulation
+        return _emulating(self.emulation)
 
     def autocast(self) -> AutocastRegion | None:
         return self.emulation.autocast if self.options.precision.is_amp else None

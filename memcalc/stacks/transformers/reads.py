@@ -18,6 +18,18 @@ In every step:
   whether the position ids hold several packed sequences — ``(packed_sequence_mask[:, -1] ==
   0).all()`` is True: they do not, the model made them ``0, 1, 2, ...`` itself.
 
+Mixture-of-experts routing, in every step (``MixtralExperts.forward`` and the experts of
+Qwen3-MoE, DeepSeek-V3 and gpt-oss, which copy it; only where ``experts_implementation="eager"``
+is asked: transformers' default, ``grouped_mm``, reads nothing, and its memory does not depend on
+how the tokens are split): **routing is balanced**, an assumption (the router's top-k is data).
+With ``P`` = tokens · top_k pairs and ``E`` experts:
+
+- ``expert_hit = ....nonzero()``: ``min(E, P)`` experts are hit;
+- ``if expert_idx == self.num_experts`` (the sentinel of expert parallelism): False; the loop
+  then works on expert ``i`` (in order), whose index it reads to pick its weights;
+- ``torch.where(expert_mask[expert_idx])``: expert ``i`` gets ``P // E`` pairs, one more for the
+  first ``P % E`` (:class:`BalancedRouting`).
+
 In ``generate()`` only (mode generate; an attention mask given to a training step still stops
 the estimate, with the advice to leave it out):
 
@@ -43,7 +55,7 @@ import torch
 from memcalc.core.categories import Mode
 from memcalc.engine.trace import ReadOracle
 
-__all__ = ("GENERATION_READS", "STEP_READS", "Read", "hf_reads")
+__all__ = ("GENERATION_READS", "STEP_READS", "BalancedRouting", "Read", "hf_reads", "routing_notes")
 
 
 @dataclass(frozen=True)
@@ -77,23 +89,59 @@ _STOP_CHECK = "StopCheck.__call__"
 _TRANSFORMERS = "/transformers/"
 
 
+#: The eager experts loop of transformers' MoE models: ``MixtralExperts.forward``, ``GptOssExperts.forward``, ...
+_EXPERTS_FORWARD = "Experts.forward"
+
+
+class BalancedRouting:
+    """The reads of transformers' eager experts loop, answered for a balanced routing (module
+    docstring): every expert gets its share of the ``P`` token-expert pairs of the forward."""
+
+    def __init__(self) -> None:
+        self.expert = -1  # the expert the loop works on (its index), -1 before the first
+
+    def answer(self, tensor: torch.Tensor, text: str, local: dict[str, object]) -> bool | int | None:
+        """The value of ``tensor`` read by the statement ``text`` of an experts forward whose locals
+        are ``local``: a count of rows for ``nonzero`` (a tensor of one or more dimensions), else
+        the scalar a 0-dim tensor holds."""
+        mask, module = local.get("expert_mask"), local.get("self")
+        experts = getattr(module, "num_experts", None)
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 3 or not isinstance(experts, int):
+            return None
+        pairs = mask.shape[1] * mask.shape[2]  # (classes, top_k, tokens)
+        if "expert_hit =" in text:
+            self.expert = -1
+            return min(experts, pairs)
+        if "expert_idx == self.num_experts" in text:  # once per expert, first in its iteration
+            self.expert += 1
+            return False
+        if tensor.dim() == 0:  # the expert's index, read to index its weights
+            return self.expert
+        if "torch.where(expert_mask[expert_idx])" in text:
+            return pairs // experts + (1 if self.expert % experts < pairs % experts else 0)
+        return None
+
+
 class _Oracle:
-    """Answers a read from its table; counts generate()'s stop checks."""
+    """Answers a read from its table; counts generate()'s stop checks; routes experts' tokens."""
 
     def __init__(self, reads: tuple[Read, ...], new_tokens: int | None) -> None:
         self.reads = reads
         self.new_tokens = new_tokens
         self.stop_checks = 0
+        self.routing = BalancedRouting()
 
-    def __call__(self, tensor: torch.Tensor) -> bool | None:
+    def __call__(self, tensor: torch.Tensor) -> bool | int | None:
         frame = _reading_frame()
         if frame is None:
             return None
-        function, filename, line = frame
+        function, filename, line = frame.qualname, frame.filename, frame.line
         if function == _STOP_CHECK and self.new_tokens is not None:
             self.stop_checks += 1
             return self.stop_checks >= self.new_tokens
         text = _statement(filename, line)
+        if function.endswith(_EXPERTS_FORWARD):
+            return self.routing.answer(tensor, text, frame.local)
         for read in self.reads:
             if read.function == function and read.fragment in text:
                 return read.value
@@ -107,14 +155,40 @@ def hf_reads(mode: Mode, new_tokens: int | None) -> ReadOracle:
     return _Oracle(STEP_READS, None)
 
 
-def _reading_frame() -> tuple[str, str, int] | None:
-    """``(qualname, file, line)`` of the innermost transformers frame on the stack: the code whose
-    statement turned a tensor into a Python value."""
+@dataclass(frozen=True)
+class _Frame:
+    qualname: str
+    filename: str
+    line: int
+    local: dict[str, object]
+
+
+def routing_notes(module: torch.nn.Module) -> tuple[str, ...]:
+    """The routing assumption of a mixture-of-experts ``module`` (none for a dense one): the
+    experts implementation its config runs, and what memcalc assumes of the router's split."""
+    experts = [m for m in module.modules() if isinstance(getattr(m, "num_experts", None), int)
+               and hasattr(m, "has_gate")]  # transformers' @use_experts_implementation classes
+    if not experts:
+        return ()
+    config = getattr(experts[0], "config", None)
+    implementation = getattr(config, "_experts_implementation", None) or "eager"
+    count = experts[0].num_experts
+    split = (f"transformers' {implementation} experts kernel takes all tokens · top_k rows at once, so its memory "
+             f"does not depend on the split" if implementation == "grouped_mm" else
+             f"transformers' {implementation} experts loop reads the split: answered as balanced")
+    return (f"mixture of experts: routing assumed balanced (each of the {count} experts gets tokens · top_k / "
+            f"{count}); {split}",)
+
+
+def _reading_frame() -> _Frame | None:
+    """The innermost transformers frame on the stack: the code whose statement turned a tensor
+    into a Python value (its function, file, line and local variables)."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
         if _TRANSFORMERS in code.co_filename:
-            return getattr(code, "co_qualname", code.co_name), code.co_filename, frame.f_lineno
+            return _Frame(getattr(code, "co_qualname", code.co_name), code.co_filename, frame.f_lineno,
+                          frame.f_locals)
         frame = frame.f_back
     return None
 
