@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 _RUN_COMMANDS = """
 import contextlib, io, json, sys
 from memcalc.cli import main
-HEAVY = ("torch", "transformers", "models_zoo", "sympy", "memcalc.engine", "memcalc.timing.flops")
+HEAVY = ("torch", "transformers", "peft", "models_zoo", "sympy", "memcalc.engine", "memcalc.timing.flops",
+         "torch.utils.flop_counter")
 seen = {}
 for args in json.loads(sys.argv[1]):
     with contextlib.redirect_stdout(io.StringIO()):
@@ -55,6 +56,20 @@ def test_help_version_zoo_and_gpus_import_no_torch():
         commands.append(["gpus"])
     seen = _heavy_modules_after(commands)
     assert seen == {" ".join(args): [] for args in commands}
+
+
+@pytest.mark.slow  # a fresh interpreter that imports torch and traces: seconds
+def test_an_estimate_imports_what_its_request_uses():
+    """A zoo model's plain-torch definition (``torch:llama-tiny``) without ``--time`` imports neither
+    transformers and PEFT (the model is memcalc's own) nor the FLOP recorder and torch's FLOP
+    formulas (no time asked); ``--time`` then imports the recorder, which shows the check sees it."""
+    plain = ["torch:llama-tiny", "--batch", "1", "--seq-len", "8"]
+    timed = ["mlp", "--batch", "1", "--time", "--gpu", "h100-80gb"]
+    seen = _heavy_modules_after([plain, timed])
+    untouched = {"transformers", "peft", "memcalc.timing.flops", "torch.utils.flop_counter"}
+    assert untouched.isdisjoint(seen[" ".join(plain)]), seen
+    assert {"torch", "memcalc.engine", "models_zoo"} <= set(seen[" ".join(plain)]), seen
+    assert {"memcalc.timing.flops", "torch.utils.flop_counter"} <= set(seen[" ".join(timed)]), seen
 
 
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
