@@ -14,6 +14,7 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
+from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.stacks.peft import apply_finetune, step_precision
@@ -25,6 +26,7 @@ __all__ = ("CostsOnRequest", "run_estimate")
 SINGLE = Distributed()
 
 
+@while_collector_paused
 def run_estimate(step: Step, distributed: Distributed = SINGLE,
                  on_trace: Callable[[TracedStep], None] | None = None) -> MemoryReport:
     """Estimate ``step``.
