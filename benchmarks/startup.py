@@ -78,31 +78,35 @@ def timed(argv: list[str], cwd: str) -> tuple[float, str]:
     return wall, lines[-1] if lines else ""
 
 
-def median_wall(argv: list[str], cwd: str, repeat: int) -> tuple[float, str]:
-    """Median wall seconds over ``repeat`` runs (after one warm-up), and the last run's output line."""
+def paired(argv: list[str], floor: list[str], cwd: str, repeat: int) -> tuple[float, float, float, str]:
+    """``argv`` and ``floor`` run in turn ``repeat`` times (after one warm-up of each): the median wall
+    seconds of each, the median of the pairwise ratios (robust to a machine whose load drifts), and
+    ``argv``'s last output line."""
     timed(argv, cwd)
-    runs = [timed(argv, cwd) for _ in range(repeat)]
-    return statistics.median(w for w, _ in runs), runs[-1][1]
+    timed(floor, cwd)
+    pairs = [(timed(floor, cwd)[0], timed(argv, cwd)) for _ in range(repeat)]
+    return (statistics.median(w for _, (w, _) in pairs), statistics.median(f for f, _ in pairs),
+            statistics.median(w / f for f, (w, _) in pairs), pairs[-1][1][1])
 
 
 def commands(root: str, repeat: int) -> None:
     """Figures 1 and 2."""
     py = sys.executable
-    floor, _ = median_wall([py, "-c", "import click, tabulate"], root, repeat)
-    torch_floor, _ = median_wall([py, "-c", "import torch"], root, repeat)
-    print(f"floor: python -c 'import click, tabulate'  {floor:6.2f} s;  python -c 'import torch'  {torch_floor:6.2f} s")
-    print("\n1. commands that need no torch (target: at most 2.0x the floor, torch not imported)")
+    light, heavy = [py, "-c", "import click, tabulate"], [py, "-c", "import torch"]
+    print("\n1. commands that need no torch (target: at most 2.0x python -c 'import click, tabulate', no torch)")
     for args in (["--help"], ["--version"], ["zoo"], ["gpus"]):
-        wall, loaded = median_wall([py, "-c", _RUN, *args], root, repeat)
-        print(f"   memcalc {' '.join(args):<10} {wall:6.2f} s  {wall / floor:5.1f}x the floor   imported: "
+        wall, floor, ratio, loaded = paired([py, "-c", _RUN, *args], light, root, repeat)
+        print(f"   memcalc {' '.join(args):<10} {wall:6.2f} s  floor {floor:5.2f} s  {ratio:5.1f}x the floor  "
+              f"imported: "
               f"{', '.join(json.loads(loaded)) or 'none of ' + '/'.join(HEAVY[:3])}")
     print("\n2. estimates (target: nothing imported that the request does not use)")
-    for args in (["mlp", "--batch", "2"], ["resnet50", "--batch", "8"], ["mlp", "--batch", "2", "--time"]):
-        wall, loaded = median_wall([py, "-c", _RUN, *args], root, repeat)
+    for args in (["mlp", "--batch", "2"], ["resnet50", "--batch", "8"],
+                 ["mlp", "--batch", "2", "--time", "--gpu", "h100-80gb"]):
+        wall, floor, ratio, loaded = paired([py, "-c", _RUN, *args], heavy, root, repeat)
         unused = sorted(set(json.loads(loaded)) & {"transformers", "peft"} |
                         (set(json.loads(loaded)) & {"memcalc.timing.flops", "torch.utils.flop_counter"}
                          if "--time" not in args else set()))
-        print(f"   memcalc {' '.join(args):<22} {wall:6.2f} s  {wall / torch_floor:4.1f}x 'import torch'   "
+        print(f"   memcalc {' '.join(args):<42} {wall:6.2f} s  'import torch' {floor:5.2f} s  {ratio:4.1f}x   "
               f"unused imports: {', '.join(unused) or 'none'}")
 
 
