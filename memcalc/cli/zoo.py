@@ -26,6 +26,7 @@ class ZooListed(NamedTuple):
     hf_parameters: int | None  # transformers' model's; None: no released config
     default_input: str
     hf_architecture: str | None  # the class the released config's ``architectures`` names
+    plain_torch: bool  # the zoo defines the model in plain torch (else transformers' model only)
 
 
 @click.command("zoo")
@@ -48,8 +49,9 @@ def zoo_command(fmt: str, units: str, debug: bool) -> None:
 def zoo_row(listed: ZooListed, *, transformers_installed: bool) -> dict[str, Any]:
     """One entry of ``memcalc zoo``: the parameters of the model its name builds here, which is
     transformers' where the entry has a released config and transformers is installed
-    (:func:`memcalc.sources.resolve.builds_transformers`, which tests/test_startup.py holds this to)."""
-    if listed.hf_architecture is not None and transformers_installed:
+    (:func:`memcalc.sources.resolve.builds_transformers`, which tests/test_startup.py holds this to),
+    or where the zoo has no plain-torch definition of it."""
+    if listed.hf_architecture is not None and (transformers_installed or not listed.plain_torch):
         return {"name": listed.name, "family": listed.family, "parameters": listed.hf_parameters,
                 "default_input": listed.default_input, "model": f"transformers {listed.hf_architecture}"}
     return {"name": listed.name, "family": listed.family, "parameters": listed.reference_parameters,
@@ -62,7 +64,8 @@ def listed_in_registry() -> list[ZooListed]:
     import models_zoo  # deferred: the point of the written listing is not to import it
 
     return [ZooListed(e.name, e.family, e.reference_parameters, e.hf_parameters, e.default_input_text,
-                      None if e.hf is None else e.hf.architecture) for e in models_zoo.entries()]
+                      None if e.hf is None else e.hf.architecture, e.builder is not None)
+            for e in models_zoo.entries()]
 
 
 def listing_source() -> str:
@@ -73,5 +76,5 @@ def listing_source() -> str:
             'do not edit; tests/test_startup.py checks it against the registry."""\n\n'
             "from __future__ import annotations\n\n"
             '__all__ = ("ZOO_LISTING",)\n\n'
-            "ZOO_LISTING: tuple[tuple[str, str, int | None, int | None, str, str | None], ...] = (\n"
+            "ZOO_LISTING: tuple[tuple[str, str, int | None, int | None, str, str | None, bool], ...] = (\n"
             f"{rows})\n")
