@@ -327,7 +327,8 @@ def no_module():
 
 
 def discover(text: str, env: dict[str, str], **overrides):
-    options = dict(runner=smi_runner(text), which=on_path, nvml=no_module, torch_cuda=no_module)
+    options = dict(runner=smi_runner(text), which=on_path, nvml=no_module, torch_cuda=no_module,
+                   driver_loaded=lambda: True)
     options.update(overrides)
     return list_local_gpus(env, **options)
 
@@ -487,8 +488,28 @@ def test_mig_visible_devices_go_straight_to_torch():
     mig = fake_torch_cuda([("NVIDIA A100-SXM4-40GB MIG 1g.5gb", 4_794_089_472, 4_700_000_000, "MIG-1234")])
     nvml = FakeNvml(sample("one_gpu.csv"))
     found = list_local_gpus({"CUDA_VISIBLE_DEVICES": "MIG-1234"}, runner=smi_runner(sample("one_gpu.csv")),
-                            which=on_path, nvml=lambda: nvml, torch_cuda=lambda: mig)
+                            which=on_path, nvml=lambda: nvml, torch_cuda=lambda: mig, driver_loaded=lambda: True)
     assert [(g.name, g.uuid, g.physical_index) for g in found] == [("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "MIG-1234", None)]
+
+
+def test_torch_is_not_asked_without_a_driver():
+    """No NVML, no nvidia-smi and no GPU driver loaded: torch.cuda could see nothing, so it is not
+    imported (seconds of `memcalc gpus`), and the answer is the same empty list."""
+    def forbidden_torch():
+        raise AssertionError("torch must not be imported without a GPU driver")
+
+    assert discover("", {}, which=not_on_path, torch_cuda=forbidden_torch, driver_loaded=lambda: False) == []
+
+
+def test_a_driver_shows_itself_on_linux(monkeypatch):
+    """``/proc/driver/nvidia`` (NVIDIA) or ``/dev/kfd`` (ROCm) present: torch is asked."""
+    monkeypatch.setattr(gpu_local.sys, "platform", "linux")
+    monkeypatch.setattr(gpu_local.os.path, "exists", lambda path: path == "/dev/kfd")
+    assert gpu_local.nvidia_driver_loaded()
+    monkeypatch.setattr(gpu_local.os.path, "exists", lambda path: False)
+    assert not gpu_local.nvidia_driver_loaded()
+    monkeypatch.setattr(gpu_local.sys, "platform", "win32")  # no /proc to read: torch decides
+    assert gpu_local.nvidia_driver_loaded()
 
 
 def test_torch_errors_give_empty_list():

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import memcalc
 from memcalc import api
-from memcalc.cli.app import main
+from memcalc.cli import main
 from memcalc.core.errors import OutputExistsError, PlotPathError
 from memcalc.core.output import check_writable, write_atomically
 

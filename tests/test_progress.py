@@ -15,7 +15,7 @@ from support import SMALL_LLAMA, hf_config_source
 
 import memcalc
 from memcalc.cli import progress as cli_progress
-from memcalc.cli.app import main
+from memcalc.cli import main
 from memcalc.cli.progress import BAR_WIDTH, TerminalProgress
 from memcalc.core.progress import progress_to, report_progress
 from memcalc.engine.generation import GENERATING

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from torch import nn
 
 import memcalc
-from memcalc.cli.app import main
+from memcalc.cli import main
 from memcalc.core.categories import Phase
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.throughput import DataLoaderSetup, DeviceRates, OpClass, StepFlops, StepTime

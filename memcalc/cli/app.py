@@ -1,8 +1,7 @@
-"""The ``memcalc`` command: options, a call into the library, rendering, and error mapping.
-
-``memcalc MODEL [options]`` estimates (the first positional argument is a model);
-subcommands (``memcalc zoo``, ...) sit beside it. Errors become a one-paragraph message and
-an exit code (2: bad input, 1: the model can't be estimated); ``--debug`` shows tracebacks.
+"""``memcalc estimate`` (``memcalc MODEL [options]``): options, a call into the library,
+rendering, and error mapping. The group that runs it, and its other subcommands, is
+:mod:`memcalc.cli.commands`. Errors become a one-paragraph message and an exit code (2: bad
+input, 1: the model can't be estimated); ``--debug`` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -11,13 +10,8 @@ import os
 from typing import Any
 
 import click
-from tabulate import tabulate
 
-import models_zoo
 from memcalc import api
-from memcalc.cli.compare import compare_command
-from memcalc.cli.fit import fit_command
-from memcalc.cli.gpus import gpus_command
 from memcalc.cli.hf import attn_model, attn_option
 from memcalc.cli.options import (
     force_option,
@@ -30,7 +24,6 @@ from memcalc.cli.options import (
 )
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
-from memcalc.cli.sweep import sweep_command
 from memcalc.core.finetune import FineTune
 from memcalc.core.output import check_output_path
 from memcalc.core.precision import Precision
@@ -42,68 +35,17 @@ from memcalc.measure.step import attach_measurement, measured_device
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
-from memcalc.sources.resolve import builds_transformers
 from memcalc.targets.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
 from memcalc.timing.performance import loader_advice
 from memcalc.timing.render import render_loader
 
-__all__ = ("main",)
+__all__ = ("estimate_command",)
 
 #: ``--snapshot``'s extensions: ``torch.cuda.memory._dump_snapshot`` writes a pickle.
 SNAPSHOT_FORMATS = ("pickle", "pkl")
 
 
-class ModelFirstGroup(click.Group):
-    """A group whose first positional argument may be a model instead of a subcommand:
-    ``memcalc resnet50 ...`` runs ``memcalc estimate resnet50 ...``."""
-
-    default_command = "estimate"
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        """Prepend ``estimate`` when the first positional argument is not a subcommand."""
-        first = next((a for a in args if not a.startswith("-")), None)
-        wants_group_help = not args or args[0] in ("--help", "-h", "--version")
-        if not wants_group_help and first is not None and first not in self.commands:
-            args = [self.default_command, *args]
-        return super().parse_args(ctx, args)
-
-    def invoke(self, ctx: click.Context) -> Any:
-        """Run the command; an unknown option that other tools spell for one of ours (``--json``)
-        is answered with ours (``--format json``), where click's close matches find none."""
-        try:
-            return super().invoke(ctx)
-        except click.NoSuchOption as exc:
-            ours = SPELLED_ELSEWHERE.get(exc.option_name)
-            if ours is None or exc.possibilities:
-                raise
-            raise click.NoSuchOption(exc.option_name, f"No such option {exc.option_name!r}. Did you mean {ours}?",
-                                     ctx=exc.ctx) from None
-
-
-#: Options other tools have, as memcalc spells them (click's close matches cannot find these).
-SPELLED_ELSEWHERE = {"--json": "--format json", "--csv": "--format tsv", "--markdown": "--format github"}
-
-
-@click.group(cls=ModelFirstGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="memcalc")
-def main() -> None:
-    """GPU memory of a PyTorch training step, estimated on a CPU.
-
-    \b
-    memcalc MODEL [options]      estimate one step (MODEL: a zoo name, file.py:factory, ...)
-                                 on a catalogue GPU (--gpu) or this machine's (--device)
-    memcalc zoo                  list the model zoo
-    memcalc fit MODEL --gpu G    the largest batch that fits a GPU (or --budget, --device)
-    memcalc sweep MODEL -b 1,64  memory over batch sizes, optimizers, precisions (--plot)
-    memcalc gpus                 list this machine's GPUs
-    memcalc compare RUN.pickle MODEL [options]
-                                 a real torch.cuda.memory._snapshot() beside the estimate
-
-    Example: memcalc resnet50 --batch 64 --optim adam
-    """
-
-
-@main.command("estimate")
+@click.command("estimate")
 @click.argument("model")
 @click.option("--batch", "-b", "batch", type=click.IntRange(min=1), default=1, show_default=True,
               help=FIELDS["batch_size"].help)
@@ -268,40 +210,3 @@ def _refuse_measured_quant(finetune: FineTune) -> None:
 def _measurement_dict(m: Measurement) -> dict[str, Any]:
     return {"device": m.device, "peak_allocated": m.peak_allocated, "peak_reserved": m.peak_reserved,
             "oom": m.oom, "compared_with": m.compared_with, "relative_error": m.relative_error()}
-
-
-@main.command("zoo")
-@output_options
-@handle_errors
-def zoo_command(fmt: str, units: str, debug: bool) -> None:
-    """List the model zoo: name, family, parameters, default input, and the model the name builds
-    (transformers' class from the released config, or memcalc's plain-torch definition)."""
-
-
-    rows = [_zoo_row(e) for e in models_zoo.entries()]
-    if fmt == "json":
-        click.echo(render_json(rows))
-        return
-    table = [[r["name"], r["family"], f"{r['parameters']:,}" if r["parameters"] else "-", r["default_input"],
-              r["model"]] for r in rows]
-    click.echo(tabulate(table, headers=["name", "family", "parameters", "default input", "model"], tablefmt=fmt,
-                        colalign=("left", "left", "right", "left", "left"), disable_numparse=True))
-
-
-def _zoo_row(entry: models_zoo.ZooEntry) -> dict[str, Any]:
-    """One entry of ``memcalc zoo``: the parameters of the model its name builds here."""
-    if entry.hf is not None and (builds_transformers(entry) or not entry.has_plain_torch):
-        return {"name": entry.name, "family": entry.family, "parameters": entry.hf_parameters,
-                "default_input": entry.default_input_text, "model": f"transformers {entry.hf.architecture}"}
-    return {"name": entry.name, "family": entry.family, "parameters": entry.reference_parameters,
-            "default_input": entry.default_input_text, "model": "plain torch"}
-
-
-main.add_command(fit_command)
-main.add_command(compare_command)
-main.add_command(sweep_command)
-main.add_command(gpus_command)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -10,7 +10,7 @@ from tabulate import tabulate
 
 from memcalc.cli.options import handle_errors, output_options
 from memcalc.core.units import format_bytes
-from memcalc.report.render import render_json
+from memcalc.report.formats import render_json
 from memcalc.targets.cuda.gpus import local as gpu_local
 
 __all__ = ("gpus_command",)

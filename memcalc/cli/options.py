@@ -1,7 +1,8 @@
 """What every ``memcalc`` command shares: error mapping, output options, the options that
-shape one step, and parameter types. The commands live in :mod:`memcalc.cli.app` (estimate,
-zoo), :mod:`memcalc.cli.fit`, :mod:`memcalc.cli.sweep` and :mod:`memcalc.cli.gpus`; all import
-from here, so none depends on another's import order."""
+shape one step, and parameter types. The commands live in :mod:`memcalc.cli.app` (estimate),
+:mod:`memcalc.cli.zoo`, :mod:`memcalc.cli.fit`, :mod:`memcalc.cli.sweep`, :mod:`memcalc.cli.gpus` and
+:mod:`memcalc.cli.compare`; all import from here, so none depends on another's import order. This
+module imports no torch (``--help``, ``zoo`` and ``gpus`` load it): the step's fields are deferred."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
@@ -20,9 +21,10 @@ from memcalc.cli.progress import progress_on_terminal
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InternalError, MemcalcError
 from memcalc.core.units import Unit
-from memcalc.engine.optimizers import Optimizer
-from memcalc.fields import FIELDS, Field
-from memcalc.report.render import TABLE_FORMATS
+from memcalc.report.formats import TABLE_FORMATS
+
+if TYPE_CHECKING:  # the step's fields import torch: loaded by the commands that estimate, not by --help
+    from memcalc.fields import Field
 
 __all__ = ("FORMATS", "ShapeType", "given", "handle_errors", "output_options", "quiet", "step_arguments",
            "step_options")
@@ -104,6 +106,8 @@ def step_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options that shape one step the same way in every command: each field of
     :data:`memcalc.fields.FIELDS` with a :class:`~memcalc.fields.Flag` (optimizer, precision and
     GPU each command takes in its own form: one value, a list, or a budget)."""
+    from memcalc.fields import FIELDS  # deferred: it imports torch, which --help, zoo and gpus never need
+
     for field in reversed([f for f in FIELDS.values() if f.cli is not None]):
         func = _option(field)(func)
     return func
@@ -142,6 +146,8 @@ def step_arguments(params: dict[str, Any]) -> dict[str, Any]:
     """Pop :func:`step_options`' values from a command's ``params`` and return them as
     :func:`memcalc.estimate` keywords (None: its default); a usage error for a training-only
     option given for an eval or inference step."""
+    from memcalc.fields import FIELDS  # deferred: it imports torch, which --help, zoo and gpus never need
+
     values = {field.name: params.pop(field.name, None) for field in FIELDS.values() if field.cli is not None}
     mode = values.get("mode")
     if mode is not None and mode != Mode.TRAIN.value:
@@ -155,6 +161,8 @@ _TRAINING_ONLY = (("optim", "--optim"), ("optims", "--optim"), ("loss", "--loss"
 
 
 def _refuse_training_options(mode: str) -> None:
+    from memcalc.engine.optimizers import Optimizer  # deferred, as FIELDS is
+
     ctx = click.get_current_context()
     for name, flag in _TRAINING_ONLY:
         if name not in ctx.params or not given(name):

@@ -14,11 +14,11 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
+from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.options import Step
-from memcalc.engine.run import TracedStep, build_report
+from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
-from memcalc.timing.flops import OpCostRecorder
 
 __all__ = ("CostsOnRequest", "run_estimate")
 
@@ -26,6 +26,7 @@ __all__ = ("CostsOnRequest", "run_estimate")
 SINGLE = Distributed()
 
 
+@while_collector_paused
 def run_estimate(step: Step, distributed: Distributed = SINGLE,
                  on_trace: Callable[[TracedStep], None] | None = None) -> MemoryReport:
     """Estimate ``step``.
@@ -41,7 +42,7 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
         The report; under a strategy, that of the busiest GPU with every role in ``roles``.
     """
     # every kernel's FLOPs and bytes, recorded only when a time is asked for (CostsOnRequest otherwise)
-    costs = OpCostRecorder if step.record_costs else None
+    costs = _cost_recorder() if step.record_costs else None
     if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
         report = estimate_per_rank(step, distributed, costs=costs)
     else:
@@ -79,3 +80,11 @@ class CostsOnRequest:
     def time(self, rates: DeviceRates) -> StepTime:
         """The step's time on the GPU of ``rates``."""
         return self._report().time_on(rates)
+
+
+def _cost_recorder() -> CostRecorderFactory:
+    """The FLOPs-and-bytes recorder, imported only for a timed step: it loads torch's FLOP formulas
+    (torch.utils.flop_counter), which an estimate of memory alone never reads."""
+    from memcalc.timing.flops import OpCostRecorder
+
+    return OpCostRecorder

@@ -80,6 +80,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from memcalc.core.alloc_conf import AllocConf
+from memcalc.engine.collector import while_collector_paused
 
 __all__ = (
     "ALLOC",
@@ -938,6 +939,7 @@ def _expandable_size(block: _Block) -> int:
     return block.size + (following.size if following is not None and not following.mapped else 0)
 
 
+@while_collector_paused
 def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
            settings: AllocConf | None = None, *, host: bool = False) -> AllocatorStats:
     """Run a recorded sequence through a fresh allocator (``host``: the CPU's) and return its stats.
@@ -1040,6 +1042,7 @@ class RecordedReplay:
     segments: list[tuple[int, int, list[tuple[int, int, bool]]]]
 
 
+@while_collector_paused
 def replay_recorded(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
                     settings: AllocConf | None = None, *, host: bool = False) -> RecordedReplay:
     """:func:`replay` with a :class:`RecordingAllocatorModel`: the same stats, and the history."""

@@ -36,6 +36,7 @@ from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
 from memcalc.engine.backend import AutocastRegion, PlainBackend, StepBackend
+from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.generation import decode_step_at, run_generation
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
@@ -235,6 +236,7 @@ def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastReg
 
 
 @torch.inference_mode(False)  # a caller's inference mode would make every tensor of the step an inference tensor
+@while_collector_paused
 def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | None = None, *,
                 hooks: RankHooks | None = None, traced_loop: bool | None = None,
                 costs: CostRecorderFactory | None = None) -> TracedStep:
@@ -504,6 +506,7 @@ def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None,
                             stage=f"replaying storage {uid}, made by") from exc
 
 
+@while_collector_paused
 def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, role: str = "") -> MemoryReport:
     """The report of a traced step: replay through the allocator model, breakdown at the peak,
     textbook comparison, per-module rows and, under ``capacity``, whether it fits.

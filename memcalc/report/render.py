@@ -3,22 +3,16 @@ this module only formats (and never changes tabulate's global settings)."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from tabulate import tabulate
 
 from memcalc.core.categories import Category, Mode
 from memcalc.core.report import MemoryReport, Textbook
 from memcalc.core.units import Unit, format_bytes
+from memcalc.report.formats import TABLE_FORMATS, render_json
 from memcalc.targets.stack import installed_torch_version
 from memcalc.timing.render import render_time
 
 __all__ = ("TABLE_FORMATS", "render_json", "render_report", "render_roles")
-
-# tabulate's formats that read well for a breakdown; "json" is handled separately.
-TABLE_FORMATS = ("simple", "plain", "github", "grid", "pipe", "rst", "orgtbl", "psql", "presto",
-                 "fancy_grid", "rounded_grid", "heavy_grid", "simple_grid", "html", "latex", "tsv")
 
 _CATEGORY_LABELS = {
     Category.PARAMETERS: "parameters",
@@ -38,11 +32,6 @@ _TRAINING_ONLY = (Category.GRADIENTS, Category.OPTIMIZER_STATE)
 
 def _category_label(category: Category, mode: Mode) -> str:
     return (_CATEGORY_LABELS if mode is Mode.TRAIN else _FORWARD_ONLY_LABELS)[category]
-
-
-def render_json(data: Any) -> str:
-    """``data`` as indented JSON (the ``--format json`` output)."""
-    return json.dumps(data, indent=2)
 
 
 def render_report(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str = Unit.AUTO,

@@ -17,8 +17,10 @@ What the default PyPI wheel of each release bundles (:data:`BUNDLED_CUDNN_VERSIO
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the version facts are plain data: the GPU catalogue and `memcalc gpus` read them without torch
+    import torch
 
 __all__ = (
     "BUNDLED_CUDNN_VERSION",
@@ -96,6 +98,8 @@ def cudnn_version_of(torch_version: tuple[int, int], cudnn_version: int | None) 
 
 def element_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
+    import torch  # deferred: a dtype comes from a loaded torch
+
     return torch.empty((), dtype=dtype).element_size()
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = (
     "find_local_gpu",
     "list_local_gpus",
     "names_local_gpu",
+    "nvidia_driver_loaded",
     "parse_cuda_visible_devices",
     "parse_nvidia_smi_csv",
     "resolve_device",
@@ -333,6 +335,20 @@ def _from_torch(cuda: Any, env: Mapping[str, str]) -> list[LocalGpu]:
         return []
 
 
+#: Where a loaded driver shows itself on Linux: NVIDIA's kernel module, and the AMD kernel driver
+#: that a ROCm build of torch reaches through ``torch.cuda`` too.
+_LINUX_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/kfd")
+
+
+def nvidia_driver_loaded() -> bool:
+    """Whether ``torch.cuda`` could see a GPU at all: on Linux, a GPU driver's kernel module is
+    loaded (``/proc/driver/nvidia``; ``/dev/kfd`` for ROCm); elsewhere, unknown, so True.
+    Without a driver, CUDA initialisation fails whatever torch is installed."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return any(os.path.exists(path) for path in _LINUX_DRIVER_PATHS)
+
+
 def list_local_gpus(
     env: Mapping[str, str] = os.environ,
     *,
@@ -340,6 +356,7 @@ def list_local_gpus(
     which: Callable[..., str | None] = shutil.which,
     nvml: Callable[[], Any | None] = _import_pynvml,
     torch_cuda: Callable[[], Any | None] = _import_torch_cuda,
+    driver_loaded: Callable[[], bool] = nvidia_driver_loaded,
 ) -> list[LocalGpu]:
     """The GPUs this process would see, in torch's numbering; ``[]`` when there are none.
 
@@ -347,8 +364,10 @@ def list_local_gpus(
     which see every physical GPU, so CUDA_VISIBLE_DEVICES is applied here the way CUDA does
     (:func:`visible_devices`); then ``torch.cuda``, which applies it itself but creates a CUDA
     context per GPU. A ``MIG-`` entry in CUDA_VISIBLE_DEVICES skips straight to torch, which
-    is the only source that reports a MIG slice's memory. Never raises for a missing driver,
-    tool or package. The keyword arguments exist so tests can replace every outside source.
+    is the only source that reports a MIG slice's memory. torch is asked only where a driver is
+    loaded (:func:`nvidia_driver_loaded`): importing it costs seconds and finds nothing without one.
+    Never raises for a missing driver, tool or package. The keyword arguments exist so tests can
+    replace every outside source.
     """
     if _MIG_PREFIX not in env.get("CUDA_VISIBLE_DEVICES", ""):
         module = nvml()
@@ -357,6 +376,8 @@ def list_local_gpus(
             physical = _from_nvidia_smi(env, runner, which)
         if physical is not None:
             return _apply_visibility(physical, env)
+    if not driver_loaded():
+        return []
     cuda = torch_cuda()
     return _from_torch(cuda, env) if cuda is not None else []
 
