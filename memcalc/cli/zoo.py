@@ -74,6 +74,7 @@ def listing_source() -> str:
     return ('"""The model zoo\'s entries as plain data, for ``memcalc zoo`` (:class:`memcalc.cli.zoo.ZooListed`\n'
             "fields, in registration order). Written by scripts/write_zoo_listing.py from models_zoo\'s registry:\n"
             'do not edit; tests/test_startup.py checks it against the registry."""\n\n'
+            "# ruff: noqa: E501  (one row per entry, as long as its names)\n\n"
             "from __future__ import annotations\n\n"
             '__all__ = ("ZOO_LISTING",)\n\n'
             "ZOO_LISTING: tuple[tuple[str, str, int | None, int | None, str, str | None, bool], ...] = (\n"

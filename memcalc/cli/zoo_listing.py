@@ -2,6 +2,8 @@
 fields, in registration order). Written by scripts/write_zoo_listing.py from models_zoo's registry:
 do not edit; tests/test_startup.py checks it against the registry."""
 
+# ruff: noqa: E501  (one row per entry, as long as its names)
+
 from __future__ import annotations
 
 __all__ = ("ZOO_LISTING",)
