@@ -283,3 +283,41 @@ def test_eager_tiny_mixtral_training_near_the_real_cpu_step(tmp_path: Path, rout
     torch.manual_seed(0)
     measured = measure_cpu(build_step(model, gpu="cpu", **kwargs)).peak_allocated
     assert measured <= estimate <= (1 + EAGER_TOLERANCE) * measured, f"estimated {estimate:,} B vs real {measured:,} B"
+
+
+def test_grouped_mm_kernel_leaves_torchs_registration_as_it_was():
+    # torch's own meta kernel is a Python registration; after memcalc's steps its key is still
+    # held (a later registration, torch's or a user's, sees what torch had), also once the
+    # library objects are collected
+    import gc
+
+    from memcalc.targets.grouped_mm import _META_KEY, grouped_mm_on_meta
+    before = _META_KEY in torch.library._impls
+    for _ in range(2):
+        with grouped_mm_on_meta():
+            pass
+    gc.collect()
+    assert (_META_KEY in torch.library._impls) == before
+
+
+def test_grouped_mm_kernel_replaces_torchs_where_library_takes_no_allow_override(monkeypatch):
+    # torch 2.11's Library.impl has no allow_override and refuses a key already held ("there's
+    # already a kernel registered from python"): every estimate failed there on the H200
+    # (2026-11-28) until the key was lifted for the registration
+    from memcalc.targets.grouped_mm import _META_KEY, grouped_mm_on_meta
+    real = torch.library.Library.impl
+
+    def impl_2_11(self, op_name, fn, dispatch_key="", *, with_keyset=False):
+        if f"{self.ns}/{op_name}/{dispatch_key}" in torch.library._impls:
+            raise RuntimeError("This is not allowed since there's already a kernel registered from python")
+        return real(self, op_name, fn, dispatch_key, with_keyset=with_keyset)
+
+    monkeypatch.setattr(torch.library.Library, "impl", impl_2_11)
+    torch.library._impls.add(_META_KEY)
+    with grouped_mm_on_meta():
+        a = torch.empty(6, 8, dtype=torch.float32, device="meta")
+        b = torch.empty(2, 8, 6, dtype=torch.float32, device="meta")
+        offs = torch.empty(2, dtype=torch.int32, device="meta")
+        out = torch.ops.aten._grouped_mm(a, b, offs)
+    assert out.shape == (6, 6) and out.dtype == torch.float32  # float32: memcalc's kernel, not torch's
+    assert _META_KEY in torch.library._impls

@@ -28,6 +28,7 @@ sizes it as the real kernels do, for the traced step only.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -62,13 +63,34 @@ def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tens
     return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
 
 
+#: The key ``torch.library`` keeps for a Python kernel of ``aten._grouped_mm`` on Meta: torch's own
+#: ``_meta_registrations`` holds it.
+_META_KEY = "aten/_grouped_mm/Meta"
+
+
 @contextmanager
 def grouped_mm_on_meta() -> Iterator[None]:
     """While active, ``aten._grouped_mm``'s meta kernel is :func:`grouped_mm_output` (module
-    docstring); torch's own is back on exit."""
+    docstring); torch's own is back on exit.
+
+    torch's meta kernel is itself registered from Python, and ``torch.library`` refuses a second
+    one unless told it overrides: torch 2.13 takes ``allow_override`` (and defaults it to True);
+    torch 2.11 has no such keyword and refuses ("there's already a kernel registered from python"),
+    so there the key is lifted from ``torch.library._impls`` for the registration. The dispatcher
+    itself stacks kernels: removing ours (``_destroy``) puts torch's back, and its key is restored."""
+    impls: set[str] = torch.library._impls  # private: the registered keys
+    held = _META_KEY in impls
     library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]  # untyped in torch
     try:
-        library.impl("_grouped_mm", grouped_mm_output, "Meta")  # type: ignore[no-untyped-call]  # untyped in torch
+        if "allow_override" in inspect.signature(library.impl).parameters:
+            library.impl("_grouped_mm", grouped_mm_output, "Meta", allow_override=True)  # type: ignore[no-untyped-call]
+        else:
+            impls.discard(_META_KEY)
+            library.impl("_grouped_mm", grouped_mm_output, "Meta")  # type: ignore[no-untyped-call]
         yield
     finally:
         library._destroy()  # type: ignore[no-untyped-call]  # untyped in torch: removes the kernel
+        # the library's finalizer takes its keys from _impls once more when it is collected
+        library._op_impls.clear()
+        if held:
+            impls.add(_META_KEY)
