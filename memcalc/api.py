@@ -255,7 +255,8 @@ def _margin(given: float | None, step: Step, budget: Budget) -> tuple[float, str
     """The margin given, or the one measured for the step's class, and its basis."""
     if given is not None:
         return given, ""
-    measured = measured_margin(step_class(step.model, step.precision, step.checkpoint, step.mode), budget.capacity)
+    kind = step_class(step.model, step.precision, bool(step.checkpoint), step.mode)
+    measured = measured_margin(kind, budget.capacity)
     return measured.fraction, measured.explain()
 
 
