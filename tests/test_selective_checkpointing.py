@@ -4,7 +4,7 @@ checked by hand-worked bytes and against real CPU steps under the profiler."""
 
 from __future__ import annotations
 
-import functools
+import json
 from typing import Any
 
 import pytest
@@ -44,7 +44,8 @@ def save_relu(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
 
 
 @pytest.mark.parametrize(("given", "expected"), [
-    (True, FULL), (False, OFF), ("full", FULL), ("off", OFF), (" Selective-Op ", Checkpointing(CheckpointKind.SELECTIVE_OP)),
+    (True, FULL), (False, OFF), ("full", FULL), ("off", OFF),
+    (" Selective-Op ", Checkpointing(CheckpointKind.SELECTIVE_OP)),
     ("every:2", Checkpointing(CheckpointKind.EVERY, 2)), ("every:1", FULL),
     (save_relu, Checkpointing(CheckpointKind.POLICY, policy=save_relu)),
 ])
@@ -141,7 +142,8 @@ LLAMA: dict[str, Any] = dict(batch_size=4, seq_len=256, optimizer="sgd")
 
 
 @pytest.mark.slow  # a real CPU step of llama-tiny under the profiler per setting (about a minute each)
-@pytest.mark.parametrize("setting", ["selective-op", "every:2", save_attention], ids=["selective-op", "every-2", "policy"])
+@pytest.mark.parametrize("setting", ["selective-op", "every:2", save_attention],
+                         ids=["selective-op", "every-2", "policy"])
 def test_llama_settings_match_a_real_cpu_step(setting: object) -> None:
     estimate = memcalc.estimate("llama-tiny", gpu="cpu", checkpoint=setting, **LLAMA)
     real = measure_cpu(build_step("llama-tiny", checkpoint=setting, **LLAMA)).peak_allocated
@@ -154,3 +156,26 @@ def test_settings_order_the_llama_peak() -> None:
     peaks = {str(setting): memcalc.estimate("llama-tiny", gpu="cpu", checkpoint=setting, **LLAMA).peak_requested
              for setting in (False, "every:2", "selective-op", True)}
     assert peaks["False"] > peaks["every:2"] > peaks["selective-op"] > peaks["True"]
+
+
+# --------------------------------------------------------------------------------------------
+# The command line: a bare --checkpoint is full; a value picks the setting
+# --------------------------------------------------------------------------------------------
+
+CLI_LLAMA = ["llama-tiny", "--batch", "4", "--seq-len", "256", "--optim", "sgd", "--gpu", "cpu"]
+
+
+def test_cli_selective_op(golden: Any) -> None:
+    result = CliRunner().invoke(main, [*CLI_LLAMA, "--checkpoint", "selective-op"])
+    assert result.exit_code == 0, result.output
+    golden(result.output)
+
+
+@pytest.mark.parametrize(("flags", "setting"), [(["--checkpoint"], True), (["--checkpoint", "every:2"], "every:2"),
+                                                (["--checkpoint=full"], True), ([], False)])
+def test_cli_checkpoint_flag_is_the_apis_setting(flags: list[str], setting: object) -> None:
+    result = CliRunner().invoke(main, [*CLI_LLAMA, *flags, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    api = memcalc.estimate("llama-tiny", gpu="cpu", checkpoint=setting, **LLAMA)
+    assert json.loads(result.output)["bytes"]["peak_allocated"] == api.bytes.peak_allocated
+
