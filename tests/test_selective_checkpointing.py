@@ -151,6 +151,7 @@ def test_llama_settings_match_a_real_cpu_step(setting: object) -> None:
     assert abs(estimate.peak_requested - real) <= 0.01 * real  # issue 34: within 1% (measured: under 0.01%)
 
 
+@pytest.mark.slow  # four estimates of llama-tiny
 def test_settings_order_the_llama_peak() -> None:
     # what each setting keeps decides the peak: eager > every:2 > selective-op > full
     peaks = {str(setting): memcalc.estimate("llama-tiny", gpu="cpu", checkpoint=setting, **LLAMA).peak_requested
@@ -171,8 +172,10 @@ def test_cli_selective_op(golden: Any) -> None:
     golden(result.output)
 
 
-@pytest.mark.parametrize(("flags", "setting"), [(["--checkpoint"], True), (["--checkpoint", "every:2"], "every:2"),
-                                                (["--checkpoint=full"], True), ([], False)])
+@pytest.mark.parametrize(("flags", "setting"), [
+    pytest.param(["--checkpoint"], True, id="bare"), pytest.param(["--checkpoint", "every:2"], "every:2", id="every-2"),
+    pytest.param(["--checkpoint=full"], True, id="full"), pytest.param([], False, id="none")])
+@pytest.mark.quick_cases("bare")
 def test_cli_checkpoint_flag_is_the_apis_setting(flags: list[str], setting: object) -> None:
     result = CliRunner().invoke(main, [*CLI_LLAMA, *flags, "--format", "json"])
     assert result.exit_code == 0, result.output
