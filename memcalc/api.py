@@ -15,6 +15,7 @@ from typing import Any
 
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
+from memcalc.core.checkpointing import Checkpointing, SacPolicy
 from memcalc.core.counts import as_integer
 from memcalc.core.errors import InvalidInputError, internal_errors_named
 from memcalc.core.finetune import FineTune
@@ -60,7 +61,7 @@ def estimate(
     precision: Precision | str = Precision.FP32,
     weight_dtype: WeightDtype | str | None = None,
     gpu: GpuLike = None,
-    checkpoint: bool = False,
+    checkpoint: bool | str | Checkpointing | SacPolicy = False,
     accum_steps: int = 1,
     kv_cache: int | None = None,
     new_tokens: int | None = None,
@@ -112,7 +113,12 @@ def estimate(
             generic one for a card the catalogue lacks) and, as capacity, its free memory less
             the CUDA context a new process creates (``max_batch_size(device=...)``'s budget);
             a note in the report names the GPU, the profile and the capacity.
-        checkpoint: activation checkpointing per block of a zoo model.
+        checkpoint: activation checkpointing of a zoo model's blocks (a Hugging Face model's
+            layers): ``True`` or ``"full"`` every block; ``"every:N"`` every Nth block
+            (torchtitan's per-layer rule); ``"selective-op"`` every block, saving the outputs of
+            torchtitan's op list (matmuls but every second one, attention, max) and recomputing
+            the rest; or a policy function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``,
+            given to ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
         accum_steps: micro-batches of ``batch_size`` per optimizer step.
         kv_cache: tokens to generate with a KV cache (``mode="inference"``, decoder LLMs).
         new_tokens: ``mode="generate"``: the tokens generated after the prompt (the peak is that of
@@ -257,7 +263,8 @@ def _margin(given: float | None, step: Step, budget: Budget) -> tuple[float, str
         return given, ""
     if step.gpu.is_cpu:
         return CPU_MARGIN, CPU_MARGIN_BASIS
-    measured = measured_margin(step_class(step.model, step.precision, step.checkpoint, step.mode), budget.capacity)
+    kind = step_class(step.model, step.precision, bool(step.checkpoint), step.mode)
+    measured = measured_margin(kind, budget.capacity)
     return measured.fraction, measured.explain()
 
 

@@ -27,6 +27,7 @@ import torch
 
 from memcalc.core.alloc_conf import AllocConf, alloc_conf_from_environment, parse_alloc_conf
 from memcalc.core.categories import Mode
+from memcalc.core.checkpointing import Checkpointing, parse_checkpointing
 from memcalc.core.choices import parse_choice
 from memcalc.core.counts import INT64_MAX, as_integer, fits_int64
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
@@ -58,12 +59,16 @@ CPU = "cpu"
 class Flag:
     """How every command that estimates (``memcalc MODEL``, ``fit``, ``sweep``) offers a field:
     ``choice`` (the values of the field's enum), ``int`` (at least ``minimum``), ``shape``
-    (``3,224,224``), ``switch`` (a flag without a value) or ``text`` (a string its converter reads)."""
+    (``3,224,224``), ``switch`` (a flag without a value) or ``text`` (a string its converter reads;
+    with ``bare``, the value may be left out)."""
 
     kind: Literal["choice", "int", "shape", "switch", "text"]
     minimum: int | None = None
     metavar: str | None = None
     show_default: bool = False
+    #: A ``text`` flag's value when it is given bare (``--checkpoint`` alone: ``full``); None: a
+    #: value is required.
+    bare: str | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,10 @@ def _switch(value: Any, field: Field) -> bool:
     if not isinstance(value, bool):
         raise InvalidInputError(f"{field.name} must be True or False, got {value!r}")
     return value
+
+
+def _checkpointing(value: Any, field: Field) -> Checkpointing:
+    return parse_checkpointing(value, field.name)
 
 
 def _choice(value: Any, field: Field) -> Any:
@@ -323,8 +332,12 @@ _FIELDS = (
     Field("gpu", _gpu, flag="--gpu", sets=("gpu", "gpu_named", "target"),
           help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
                "its CUDA context, and whether the step fits."),
-    Field("checkpoint", _switch, False, flag="--checkpoint", cli=Flag("switch"),
-          help="Activation checkpointing per block (zoo models with blocks)."),
+    Field("checkpoint", _checkpointing, False, flag="--checkpoint",
+          cli=Flag("text", metavar="[full|selective-op|every:N]", bare="full"),
+          help="Activation checkpointing of the blocks (zoo models with blocks, Hugging Face layers): full "
+               "(also --checkpoint alone) every block; selective-op every block, saving the outputs of "
+               "torchtitan's op list (matmuls but every second one, attention, max) and recomputing the "
+               "rest; every:N every Nth block."),
     Field("accum_steps", _count, 1, flag="--accum-steps", cli=Flag("int", minimum=1, show_default=True),
           help="Gradient accumulation: micro-batches of --batch per optimizer step."),
     Field("kv_cache", _tokens, flag="--kv-cache", cli=Flag("int", minimum=0, metavar="TOKENS"),

@@ -70,6 +70,8 @@ CLI_CASES: list[tuple[str, int]] = [
     ("mlp --format yaml", 2),
     ("mlp --units TB", 2),
     ("mlp --mode eval --checkpoint", 2),
+    ("llama-tiny --checkpoint sometimes", 2),
+    ("llama-tiny --checkpoint every:0", 2),
     ("mlp --mode eval --accum-steps 2", 2),
     ("gpt2 --seq-len 16 --mode eval --kv-cache 10", 2),
     ("mlp --mode inference --optim sgd", 2),

@@ -23,6 +23,7 @@ from torch import nn
 import memcalc
 from memcalc.cli import main
 from memcalc.core.categories import Mode, Phase
+from memcalc.core.checkpointing import FULL
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.loop import LoopPreset, OptimizerImpl
 from memcalc.core.precision import Precision
@@ -109,7 +110,7 @@ def test_the_users_arguments_set_the_step():
     args = _args(per_device_train_batch_size=3, gradient_accumulation_steps=2, bf16=True,
                  optim="sgd", optim_args="momentum=0.9", **{CHECKPOINTING: True})
     step = build_step("gpt2", seq_len=64, trainer_args=args)
-    assert (step.batch_size, step.accum_steps, step.precision, step.checkpoint) == (3, 2, Precision.AMP_BF16, True)
+    assert (step.batch_size, step.accum_steps, step.precision, step.checkpoint) == (3, 2, Precision.AMP_BF16, FULL)
     assert step.optimizer_key is Optimizer.SGD_MOMENTUM  # optim_args' momentum: a momentum buffer
     assert step.loop.preset is LoopPreset.TRAINER and step.loop.optimizer_impl is OptimizerImpl.AUTO
     assert step.target is Target.CPU  # use_cpu
@@ -129,7 +130,7 @@ def test_an_object_its_dict_and_its_json_and_yaml_files_are_one_step(tmp_path):
              for given in (args, as_dict, tmp_path / "args.json", str(tmp_path / "args.yaml"))]
     first = steps[0]
     assert (first.batch_size, first.precision, first.checkpoint, first.optimizer_key) == (
-        4, Precision.AMP_FP16, True, Optimizer.ADAMW)
+        4, Precision.AMP_FP16, FULL, Optimizer.ADAMW)
     for step in steps[1:]:
         assert dataclasses.replace(step, notes=(), trainer_args=None) == dataclasses.replace(
             first, notes=(), trainer_args=None)

@@ -129,6 +129,9 @@ def _option(field: Field) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         kind = click.STRING
     else:
         kind = click.IntRange(min=flag.minimum)
+    if flag.bare is not None:  # the value may be left out: the flag alone means ``bare``
+        return click.option(field.flag, field.name, type=kind, is_flag=False, flag_value=flag.bare, default=None,
+                            metavar=flag.metavar, help=field.help)
     default = field.default.value if isinstance(field.default, enum.Enum) else field.default
     return click.option(field.flag, field.name, type=kind, default=default, show_default=flag.show_default,
                         metavar=flag.metavar, help=field.help)

@@ -48,7 +48,7 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
     else:
         resolved = step.resolved()
         resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
-                                  checkpoint=step.checkpoint)
+                                  checkpoint=bool(step.checkpoint))
         step = replace(step, precision=step_precision(resolved, step.finetune, step.precision, step.mode))
         traced = trace_step(resolved, step, costs=costs)
         if on_trace is not None:

@@ -215,7 +215,7 @@ def _finetuned(resolved: ResolvedModel, strategy: Strategy, options: Step,
                trace_precision: Precision) -> ResolvedModel:
     """One role's model with the fine-tuning applied, ready for its program to wrap."""
     resolved = apply_finetune(resolved, options.finetune, precision=options.precision, mode=options.mode,
-                              checkpoint=options.checkpoint)
+                              checkpoint=bool(options.checkpoint))
     module = resolved.module
     if strategy is Strategy.DDP and not any(p.requires_grad for p in module.parameters()):
         # DistributedDataParallel.__init__ raises the same (_log_and_throw, RuntimeError)

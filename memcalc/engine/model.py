@@ -35,9 +35,10 @@ ModelResolver: TypeAlias = "Callable[..., ResolvedModel]"
 #: ``checkpoint(forward, *args, **kwargs)``: memcalc's non-reentrant checkpoint of one block
 #: (:func:`memcalc.engine.prepare.checkpointed`).
 CheckpointFn: TypeAlias = "Callable[..., Any]"
-#: A model's own way to checkpoint its blocks, given memcalc's checkpoint function; returns the
-#: number of blocks (a Hugging Face model's gradient checkpointing: :mod:`memcalc.stacks.transformers.checkpointing`).
-Checkpointer: TypeAlias = "Callable[[nn.Module, CheckpointFn], int]"
+#: A model's own way to checkpoint its blocks, given memcalc's checkpoint function and which blocks
+#: to checkpoint (their 0-based index in model order → whether); returns the number of blocks
+#: checkpointed (a Hugging Face model's gradient checkpointing: :mod:`memcalc.stacks.transformers.checkpointing`).
+Checkpointer: TypeAlias = "Callable[[nn.Module, CheckpointFn, Callable[[int], bool]], int]"
 #: The answers to a model's own reads of tensor values in a step of a mode (and a generation's
 #: new tokens, else None): a Hugging Face model's checks for padding and packing, generate()'s stop
 #: checks (:mod:`memcalc.stacks.transformers.reads`).

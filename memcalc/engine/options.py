@@ -18,6 +18,7 @@ import torch
 
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
+from memcalc.core.checkpointing import OFF, Checkpointing
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.gpu import CPU_PROFILE, GENERIC, GpuProfile
@@ -59,7 +60,8 @@ class Step:
         weight_dtype: the dtype the parameters are stored in (None: the precision's).
         gpu, gpu_named: the GPU's profile, and whether it was named (False: the generic one).
         target: CUDA, or this machine's CPU.
-        checkpoint: activation checkpointing per block.
+        checkpoint: activation checkpointing: off, every block, every Nth block, or a selective
+            policy (torchtitan's op list or the user's) inside every block.
         accum_steps: micro-batches per optimizer step.
         kv_cache: tokens generated with a static KV cache (inference only).
         capacity: bytes the caching allocator may reserve (None: no limit).
@@ -94,7 +96,7 @@ class Step:
     gpu: GpuProfile = GENERIC
     gpu_named: bool = False
     target: Target = Target.CUDA
-    checkpoint: bool = False
+    checkpoint: Checkpointing = OFF
     accum_steps: int = 1
     kv_cache: int | None = None
     capacity: int | None = None

@@ -13,18 +13,22 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memcalc.core.checkpointing import FULL, Checkpointing, CheckpointKind
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.engine.backend import current_autocast_region
-from memcalc.engine.model import Checkpointer, ModelInputs
+from memcalc.engine.model import Checkpointer, CheckpointFn, ModelInputs
 from memcalc.engine.options import Step
+from memcalc.engine.sac_policy import selective_context_fn
 
 __all__ = (
     "KEEP_DTYPE",
     "apply_checkpointing",
     "cast_inputs",
     "cast_parameters",
+    "checkpoint_function",
     "checkpointed",
+    "checkpointing_note",
     "kv_cache_bytes",
     "kv_elements_per_token",
     "kv_prompt",
@@ -66,44 +70,69 @@ def prepare_step(module: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor]
     and per-block checkpointing (the model's own, ``own_checkpointing``, when it has one).
     Returns the cast inputs and the number of blocks checkpointed."""
     cast_parameters(module, step.parameter_dtype)
-    blocks = apply_checkpointing(module, containers, model_name, own_checkpointing) if step.checkpoint else 0
+    blocks = (apply_checkpointing(module, containers, model_name, own_checkpointing, step.checkpoint)
+              if step.checkpoint else 0)
     return cast_inputs(inputs, step.precision), blocks
 
 
 def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name: str,
-                        own: Checkpointer | None = None) -> int:
+                        own: Checkpointer | None = None,
+                        checkpointing: Checkpointing = FULL) -> int:
     """Checkpoint the model's blocks, non-reentrant (PyTorch's recommendation), with
-    :func:`checkpointed`: through the model's own mechanism when it has one (``own``: a Hugging
-    Face model's gradient checkpointing, which also drops its KV cache in the checkpointed
-    layers), else by wrapping each block of the named containers — the block keeps its name and
-    hooks, its ``forward`` is replaced on this instance only. Returns the number of blocks."""
+    :func:`checkpoint_function` of ``checkpointing`` (every block, every Nth, or with a selective
+    policy): through the model's own mechanism when it has one (``own``: a Hugging Face model's
+    gradient checkpointing, which also drops its KV cache in the checkpointed layers), else by
+    wrapping the blocks of the named containers — a block keeps its name and hooks, its
+    ``forward`` is replaced on this instance only. Returns the number of blocks checkpointed."""
+    function = checkpoint_function(checkpointing)
     if own is not None:
-        return own(module, checkpointed)
+        return own(module, function, checkpointing.checkpoints_block)
     if not containers:
         raise InvalidInputError(
             f"{model_name} has no repeated blocks that memcalc knows how to checkpoint",
             hint="--checkpoint applies to zoo models with blocks (ResNet stages, transformer layers); "
                  "in your own model, call torch.utils.checkpoint.checkpoint in forward and memcalc simulates it.")
-    wrapped = 0
-    for path in containers:
-        container = module.get_submodule(path)
-        for block in container.children():
-            block.forward = functools.partial(checkpointed, block.forward)
-            wrapped += 1
-    return wrapped
+    blocks = [block for path in containers for block in module.get_submodule(path).children()]
+    chosen = [block for index, block in enumerate(blocks) if checkpointing.checkpoints_block(index)]
+    for block in chosen:
+        block.forward = functools.partial(function, block.forward)
+    return len(chosen)
 
 
-def checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+def checkpointing_note(checkpointing: Checkpointing, blocks: int, containers: Sequence[str]) -> str:
+    """The report's note on what was checkpointed: the setting, the blocks and their containers."""
+    where = f"{blocks} blocks ({', '.join(containers)})"
+    if checkpointing.kind is CheckpointKind.EVERY:
+        return f"activation checkpointing of one block in {checkpointing.every} ({checkpointing.label}): {where}"
+    if checkpointing.kind is CheckpointKind.SELECTIVE_OP:
+        return (f"selective activation checkpointing (selective-op: torchtitan's op list, saving matmul outputs but "
+                f"every second, attention and max, recomputing the rest) on {where}")
+    if checkpointing.kind is CheckpointKind.POLICY:
+        return f"selective activation checkpointing ({checkpointing.label}) on {where}"
+    return f"activation checkpointing on {where}"
+
+
+def checkpoint_function(checkpointing: Checkpointing) -> CheckpointFn:
+    """:func:`checkpointed` with the ``context_fn`` of ``checkpointing``'s selective policy
+    (torch's ``create_selective_checkpoint_contexts``), or as it is where none decides."""
+    made = selective_context_fn(checkpointing)
+    return checkpointed if made is None else functools.partial(checkpointed, context_fn=made)
+
+
+def checkpointed(forward: Any, *args: Any, context_fn: Any = None, **kwargs: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)``
     whose recomputation runs under the autocast region of the original forward, as checkpoint
-    does for ``torch.autocast`` (memcalc's emulated autocast is invisible to checkpoint itself)."""
+    does for ``torch.autocast`` (memcalc's emulated autocast is invisible to checkpoint itself);
+    ``context_fn``: checkpoint's, for a selective policy (None: the whole forward is recomputed)."""
     region = current_autocast_region()
 
     def run(*a: Any, **k: Any) -> Any:
         with region() if region is not None else nullcontext():
             return forward(*a, **k)
 
-    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+    if context_fn is None:
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+    return checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def kv_elements_per_token(module: nn.Module) -> int:

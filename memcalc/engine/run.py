@@ -44,7 +44,14 @@ from memcalc.engine.model import GenerateFn, ModelInputs, ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.optimizers_bnb import is_paged
 from memcalc.engine.options import Step
-from memcalc.engine.prepare import cast_inputs, kv_cache_bytes, kv_elements_per_token, kv_prompt, prepare_step
+from memcalc.engine.prepare import (
+    cast_inputs,
+    checkpointing_note,
+    kv_cache_bytes,
+    kv_elements_per_token,
+    kv_prompt,
+    prepare_step,
+)
 from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.engine.timeline import (
     Program,
@@ -269,7 +276,7 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
                                   options, containers=resolved.block_containers, model_name=resolved.name,
                                   own_checkpointing=resolved.checkpointing)
     if blocks:
-        notes.append(f"activation checkpointing on {blocks} blocks ({', '.join(resolved.block_containers)})")
+        notes.append(checkpointing_note(options.checkpoint, blocks, resolved.block_containers))
     if options.parameter_dtype is not options.precision.parameter_dtype:
         dtype = str(options.parameter_dtype).removeprefix("torch.")
         notes.append(f"parameters stored in {dtype} (weight_dtype) under {options.precision.value}: their "
@@ -590,7 +597,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         attention_backend=_main_backend(traced.attention),
         attention_calls=tuple(sorted(traced.attention.items())),
         accum_steps=options.accum_steps,
-        checkpoint=options.checkpoint,
+        checkpoint=bool(options.checkpoint),
         loop=options.loop.name,
         keep_grads=options.loop.keep_grads,
         optimizer_impl=traced.optimizer_impl,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from memcalc.core.checkpointing import FULL, OFF
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
@@ -121,7 +122,7 @@ def find_fastest(step: Step, budget: Budget, *, distributed: Distributed = SINGL
     left_out: list[str] = []
     failure: DoesNotFitError | None = None
     for checkpoint in (False, True):
-        base = replace(step, checkpoint=checkpoint, accum_steps=1)
+        base = replace(step, checkpoint=FULL if checkpoint else OFF, accum_steps=1)
         try:
             candidates += _candidates(base, distributed, budget, margin, target_batch, max_batch)
         except DoesNotFitError as exc:
@@ -164,7 +165,7 @@ def _timed(step: Step, distributed: Distributed, budget: Budget, margin: float, 
                     capacity=margin_capacity(budget.capacity, margin))
     report = run_estimate(timed, distributed)
     time = step_time(report)
-    return Candidate(checkpoint=step.checkpoint, micro_batch=micro_batch, accum_steps=accum_steps,
+    return Candidate(checkpoint=bool(step.checkpoint), micro_batch=micro_batch, accum_steps=accum_steps,
                      report=replace(report, time=time), seconds=_seconds(time, traced, accum_steps))
 
 

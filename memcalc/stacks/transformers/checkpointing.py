@@ -22,6 +22,7 @@ memcalc's function (:func:`memcalc.engine.prepare.checkpointed`) is the non-reen
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 from torch import nn
 
@@ -40,8 +41,11 @@ def supports_checkpointing(module: nn.Module) -> bool:
     return bool(getattr(module, "supports_gradient_checkpointing", False))
 
 
-def hf_checkpointing(module: nn.Module, checkpoint: CheckpointFn) -> int:
-    """Turn on ``module``'s gradient checkpointing with ``checkpoint`` as its function.
+def hf_checkpointing(module: nn.Module, checkpoint: CheckpointFn,
+                     chosen: Callable[[int], bool] = lambda index: True) -> int:
+    """Turn on ``module``'s gradient checkpointing with ``checkpoint`` as its function, in the
+    layers ``chosen`` by their index (every Nth: the others' ``gradient_checkpointing`` turned
+    back off, the flag each ``GradientCheckpointingLayer`` reads in its ``__call__``).
 
     Returns:
         The number of layers checkpointed (transformers' ``GradientCheckpointingLayer`` s).
@@ -60,10 +64,13 @@ def hf_checkpointing(module: nn.Module, checkpoint: CheckpointFn) -> int:
         # what the recipes write (model.config.use_cache = False), and what transformers forces in a
         # checkpointed training forward anyway; it spares the user transformers' warning that it does
         config.use_cache = False
-    layers = 0
+    layers = index = 0
     for sub in module.modules():
         if hasattr(sub, _FUNCTION):
             setattr(sub, _FUNCTION, checkpoint)
         if getattr(sub, "gradient_checkpointing", False) and any(c.__name__ == _LAYER_CLASS for c in type(sub).__mro__):
-            layers += 1
+            checkpointed = chosen(index)
+            setattr(sub, "gradient_checkpointing", checkpointed)  # noqa: B010  # Module's __setattr__ is typed for tensors
+            index += 1
+            layers += checkpointed
     return layers
