@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import memcalc
-from memcalc.cli.app import main
+from memcalc.cli import main
 from memcalc.core.categories import Category, Phase
 from memcalc.core.checkpointing import FULL, OFF, Checkpointing, CheckpointKind, parse_checkpointing
 from memcalc.engine.run import TracedStep, trace_model
