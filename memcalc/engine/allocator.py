@@ -763,15 +763,14 @@ class CachingAllocatorModel:
     def _release_block(self, block: _Block) -> None:
         """cudaFree the cached block ``block``, a whole segment (``release_block``)."""
         block.pool.remove(block)
-        del self._segments[block.addr]
-        if block.addr in self._own:
-            self._own.discard(block.addr)
-            self._release_address(block.addr, block.size)
-        self._reserved -= block.size
-        self._num_device_frees += 1
+        self._free_segment(block)
 
     def _return_to_host(self, block: _Block) -> None:
         """The host allocator's free: the block is its whole segment, given back at once."""
+        self._free_segment(block)
+
+    def _free_segment(self, block: _Block) -> None:
+        """The segment ``block`` spans, handed back (cudaFree, or the host's free)."""
         del self._segments[block.addr]
         if block.addr in self._own:
             self._own.discard(block.addr)
