@@ -63,7 +63,7 @@ def as_recorded(text: str) -> str:
     installed = installed_torch()
     if installed == GOLDEN_TORCH:
         return text
-    for said_by_memcalc in ("assumed: torch {},", "(traced with the installed torch {})", '"torch_version": "{}"'):
+    for said_by_memcalc in ("assumed: torch {},", "assumed: torch {} (CPU target)", "(traced with the installed torch {})", '"torch_version": "{}"'):
         text = text.replace(said_by_memcalc.format(installed), said_by_memcalc.format(GOLDEN_TORCH))
     return text
 
