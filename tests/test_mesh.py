@@ -1,7 +1,8 @@
 """The device mesh (memcalc.distributed.mesh) and the strategy objects behind it
 (memcalc.distributed.strategy): a mesh of one data-parallel dimension is the shorthand it
 stands for, to the byte; degrees are checked by name; dimensions not modelled yet are refused by
-name; the per-rank table and JSON say which dimension shards what."""
+name; HSDP holds per rank what its dp_shard group alone holds; the per-rank table and JSON say
+which dimension shards what."""
 
 from __future__ import annotations
 
@@ -191,9 +192,28 @@ def test_a_dimension_without_its_file_is_refused_by_name(dimension, what):
         memcalc.estimate("mlp", batch_size=2, distributed=distributed)
 
 
-def test_hsdp_is_refused_clearly():
-    with pytest.raises(InapplicableOptionError, match=r"dp_replicate=2 with dp_shard=2 \(HSDP.*not modelled yet"):
-        memcalc.estimate("mlp", batch_size=2, distributed=Distributed(dp_replicate=2, dp_shard=2))
+def test_hsdp_holds_per_rank_what_dp_shard_alone_holds(without_gloo_copies):
+    # HSDP (dp_replicate=2 × dp_shard=2): sharded over the two ranks of a row, the reduce-scatter
+    # output all-reduced across the rows in place (tests/test_gloo_runs.py checks it against a real
+    # 4-process run). Per rank, two_layers, Adam, fp32: parameters Ψ/2 × 4 B = 4 MiB, gradients
+    # 4 MiB, Adam 8 MiB: model states 16 B × Ψ / 2 = 16 MiB (dp_shard=4 would give 8 MiB)
+    hsdp = _two(Distributed(dp_replicate=2, dp_shard=2))
+    (role,) = hsdp.roles
+    assert role.model_states == 16 * PSI // 2 == 16 * MiB
+    assert role.bytes.parameters == 4 * MiB and role.ranks == (0, 1, 2, 3)
+    alone = _two(Distributed(dp_shard=2))
+    assert hsdp.peak_requested == alone.peak_requested and hsdp.bytes == alone.bytes
+    data = hsdp.to_dict()
+    assert (data["strategy"], data["world_size"], data["global_batch_size"]) == ("mesh", 4, 4)  # batch 1 per rank
+    assert data["roles"][0]["sharding"] == [
+        {"states": ["parameters", "gradients", "optimizer_state", "batch"], "dimension": "dp_shard", "degree": 2},
+        {"states": ["batch"], "dimension": "dp_replicate", "degree": 2}]
+    assert any(note.startswith("HSDP: 2 replicas") for note in hsdp.notes)
+
+
+def test_hsdp_refuses_ddps_bucket_options():
+    with pytest.raises(InapplicableOptionError, match="bucket_cap_mb and gradient_as_bucket_view are DDP's"):
+        memcalc.estimate("mlp", batch_size=2, distributed=Distributed(dp_replicate=2, dp_shard=2, bucket_cap_mb=5))
 
 
 # ============================================================================================
