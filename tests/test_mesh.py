@@ -265,27 +265,30 @@ def test_cli_mesh_dp_shard_is_the_fsdp_shorthand(golden):
     assert data["mesh"]["dp_shard"] == 4 and data["roles"][0]["sharding"][0]["dimension"] == "dp_shard"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--mesh", "dp=4"], "Invalid value for '--mesh': unknown mesh dimension 'dp'"),
-    (["--mesh", "tp=x"], "Invalid value for '--mesh': the mesh degree tp='x' is not a number of GPUs"),
-    (["--mesh", "dp_shard=4", "--strategy", "ddp"], "--strategy ddp is the mesh dimension dp_replicate"),
-    (["--mesh", "dp_shard=4", "--strategy", "zero1"], "--strategy zero1 is not a device mesh dimension"),
-    (["--mesh", "dp_shard=4", "--world-size", "2"], "--world-size 2 disagrees with the mesh dp_shard=4"),
-    (["--mesh", "dp_shard=4", "--bucket-cap-mb", "10"],
-     "--bucket-cap-mb applies only to --strategy ddp (the mesh dimension dp_replicate); with the mesh dp_shard=4 "
-     "it would be ignored"),
-    (["--mesh", "dp_shard=2", "--measure"], "it cannot measure --mesh dp_shard=2"),
+@pytest.mark.parametrize("args", [
+    pytest.param(["--mesh", "dp=4"], id="unknown_dimension"),
+    pytest.param(["--mesh", "tp=x"], id="degree_not_a_number"),
+    pytest.param(["--mesh", "dp_shard=2,dp_shard=2"], id="dimension_twice"),
+    pytest.param(["--mesh", "dp_shard=4", "--strategy", "ddp"], id="strategy_not_in_the_mesh"),
+    pytest.param(["--mesh", "dp_shard=4", "--strategy", "zero1"], id="strategy_not_a_mesh"),
+    pytest.param(["--mesh", "dp_shard=4", "--world-size", "2"], id="world_size_disagrees"),
+    pytest.param(["--mesh", "dp_shard=4", "--bucket-cap-mb", "10"], id="option_of_another_dimension"),
+    pytest.param(["--mesh", "dp_shard=2", "--measure"], id="measure_a_mesh"),
 ])
-def test_cli_mesh_usage_errors(args, message):
+def test_cli_mesh_usage_error(args, golden):
     result = CliRunner().invoke(main, ["mlp", *args])
     assert result.exit_code == 2, result.output
-    assert message in " ".join(result.output.split())
+    golden(result.output)
 
 
-def test_cli_mesh_with_its_own_strategy_and_an_unmodelled_dimension():
+def test_cli_mesh_with_its_own_strategy():
     ok = CliRunner().invoke(main, ["mlp", "--mesh", "dp_shard=2", "--strategy", "fsdp", "--fsdp-sharding",
                                    "shard_grad_op", "--format", "json"])
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.output)["strategy"] == "fsdp"
+
+
+def test_cli_mesh_unmodelled_dimension(golden):
     refused = CliRunner().invoke(main, ["mlp", "--mesh", "dp_shard=2,pp=2"])
-    assert refused.exit_code != 0 and "pp=2 (pipeline parallelism) is not modelled yet" in refused.output
+    assert refused.exit_code == InapplicableOptionError.exit_code, refused.output
+    golden(refused.output)  # pp=2 (pipeline parallelism) is not modelled yet, and what to do
