@@ -6,7 +6,9 @@ which dimension shards what."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 from dataclasses import replace
 from typing import ClassVar
 
@@ -19,7 +21,7 @@ from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.mesh import MAX_WORLD_SIZE, Mesh, parse_mesh
 from memcalc.distributed.options import Distributed, Strategy
-from memcalc.distributed.strategy.base import DIMENSIONS, Plan, RankStrategy, every_rank, register
+from memcalc.distributed.strategy.base import DIMENSIONS, SHORTHANDS, Plan, RankStrategy, every_rank, register
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.distributed.strategy.dp_shard import DpShard
 from memcalc.engine.options import Step
@@ -226,6 +228,16 @@ def test_every_dimension_file_registers_and_the_order_covers_every_dimension():
     assert sorted(APPLICATION_ORDER) == sorted(Mesh().degrees)
     with pytest.raises(ValueError, match="already DpShard"):
         register()(type("Again", (DpShard,), {}))
+
+
+def test_every_file_of_the_strategy_package_registers_a_strategy():
+    # the catalogue imports every module of the package: a new dimension is one file, found there
+    package = importlib.import_module("memcalc.distributed.strategy")
+    registered = {cls.__module__ for cls in (*SHORTHANDS.values(), *DIMENSIONS.values())}
+    files = {f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)} - {
+        f"{package.__name__}.base", f"{package.__name__}.catalogue"}
+    assert files == registered
+    assert set(SHORTHANDS) == {s for s in Strategy if s.is_shorthand and s is not Strategy.SINGLE}
 
 
 def test_a_registered_dimension_composes_with_dp_shard(monkeypatch):
