@@ -6,6 +6,7 @@ which dimension shards what."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import pkgutil
@@ -102,6 +103,16 @@ def test_shorthands_are_meshes_of_one_dimension():
     assert Distributed(dp_shard=1, tp=1) == Distributed()  # every degree 1: one GPU
     assert Distributed("fsdp", world_size=8, dp_shard=8) == Distributed(dp_shard=8)  # consistent: accepted
     assert Distributed("zero3", world_size=8).mesh is None and Distributed("dp", world_size=2).mesh is None
+
+
+@pytest.mark.parametrize("distributed", [
+    Distributed(), Distributed("ddp", world_size=1), Distributed("ddp", world_size=4, bucket_cap_mb=5),
+    Distributed("fsdp", world_size=2, sharding="shard_grad_op"), Distributed("dp", device_ids=[1, 3]),
+    Distributed("zero3", world_size=8, reduce_bucket_size=1024), Distributed(dp_shard=2, tp=2, pp=2),
+    Distributed(dp_replicate=2, dp_shard=4, batch_is_global=True),
+], ids=lambda d: f"{d.strategy.value}-{d.world_size}")
+def test_replace_gives_the_setting_back(distributed):
+    assert dataclasses.replace(distributed) == distributed
 
 
 def test_the_world_size_is_the_product_of_the_degrees():

@@ -187,6 +187,8 @@ def _on_mesh(strategy: Strategy, mesh: Mesh, world_size: int | None) -> tuple[St
             raise InvalidInputError(f"--strategy {strategy.value} is not a device mesh dimension; it takes "
                                     f"--world-size, not a mesh",
                                     hint=f"give --strategy {strategy.value} --world-size N, or the mesh alone")
+        if mesh.world_size == 1:  # the shorthand on one GPU (dataclasses.replace passes its mesh back)
+            return strategy, 1
         if mesh.degrees[dimension] < 2:
             raise InvalidInputError(f"--strategy {strategy.value} is the mesh dimension {dimension}, which the mesh "
                                     f"{mesh.describe()} does not use",
