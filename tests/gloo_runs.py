@@ -98,6 +98,8 @@ class GlooCase:
         gradient_as_bucket_view: DDP's argument.
         reshard_after_forward: ``fully_shard``'s argument on every block and on the root
             (None: its default, which leaves the root unsharded between forward and backward).
+        replicate: FSDP over a 2-D mesh of ``(replicate, world_size // replicate)`` ranks
+            (HSDP: sharded within a row, replicated across rows) when above 1.
     """
 
     name: str
@@ -105,10 +107,13 @@ class GlooCase:
     finetune: FineTune = field(default_factory=FineTune)
     gradient_as_bucket_view: bool = False
     reshard_after_forward: bool | None = None
+    replicate: int = 1
 
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "fsdp"):
             raise ValueError(f"a gloo run wraps the model in DDP or FSDP, not {self.strategy!r}")
+        if self.replicate > 1 and self.strategy != "fsdp":
+            raise ValueError("replicate (HSDP) goes with fsdp")
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,11 @@ def _wrap(case: GlooCase, model: nn.Module, world_size: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    if case.replicate > 1:  # HSDP: FSDP2 on a 2-D mesh
+        mesh = init_device_mesh("cpu", (case.replicate, world_size // case.replicate),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
     blocks = next(m for m in model.modules() if isinstance(m, nn.ModuleList))  # under PEFT's wrappers too
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=case.reshard_after_forward)

@@ -1,5 +1,5 @@
 """The multi-GPU options of ``memcalc MODEL`` (and of any command that estimates a step):
-``--strategy``, ``--world-size``, ``--device-ids``, ``--global-batch/--per-rank-batch``,
+``--strategy``, ``--mesh``, ``--world-size``, ``--device-ids``, ``--global-batch/--per-rank-batch``,
 ``--bucket-cap-mb``, ``--gradient-as-bucket-view``, ``--fsdp-sharding``,
 ``--reduce-bucket-size``. :func:`strategy_options` adds them to a click command;
 :func:`strategy_arguments` checks them (bad combinations are usage errors) and returns the
@@ -16,6 +16,7 @@ import click
 
 from memcalc.cli.options import given
 from memcalc.core.errors import InvalidInputError
+from memcalc.distributed.mesh import DIMENSION_NAMES, Mesh, parse_mesh
 from memcalc.distributed.options import (
     DEEPSPEED_REDUCE_BUCKET_SIZE,
     DEFAULT_BUCKET_CAP_MB,
@@ -25,7 +26,7 @@ from memcalc.distributed.options import (
     inapplicable_option,
 )
 
-__all__ = ("DeviceIdsType", "strategy_arguments", "strategy_options")
+__all__ = ("DeviceIdsType", "MeshType", "strategy_arguments", "strategy_options")
 
 
 class DeviceIdsType(click.ParamType[tuple[int, ...]]):
@@ -48,6 +49,22 @@ class DeviceIdsType(click.ParamType[tuple[int, ...]]):
         return ids
 
 
+class MeshType(click.ParamType[dict[str, int]]):
+    """``dp_shard=8,tp=4`` → ``{"dp_shard": 8, "tp": 4}`` (:func:`memcalc.distributed.mesh.parse_mesh`);
+    a usage error naming the dimension or the degree otherwise."""
+
+    name = "mesh"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> dict[str, int]:
+        """Parse ``value``; a dict is already a mesh."""
+        if isinstance(value, dict):
+            return value
+        try:
+            return parse_mesh(str(value))
+        except InvalidInputError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 def _at_least_one(_ctx: click.Context, _param: click.Parameter, value: int | None) -> int | None:
     if value is not None and value < 1:
         raise click.BadParameter(f"the world size is the number of GPUs and must be at least 1, got {value}")
@@ -57,11 +74,18 @@ def _at_least_one(_ctx: click.Context, _param: click.Parameter, value: int | Non
 def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Add the multi-GPU options (as keyword arguments named like the options)."""
     options = [
-        click.option("--strategy", type=click.Choice([s.value for s in Strategy]), default=Strategy.SINGLE.value,
+        click.option("--strategy", type=click.Choice([s.value for s in Strategy if s.is_shorthand]),
+                     default=Strategy.SINGLE.value,
                      show_default=True,
                      help="Multi-GPU training: dp (nn.DataParallel), ddp (DistributedDataParallel), fsdp "
                           "(FSDP2 fully_shard per block), zero1/zero2/zero3 (DeepSpeed ZeRO). The report has "
                           "one row per kind of GPU."),
+        click.option("--mesh", type=MeshType(), default=None, metavar="DIM=N,...",
+                     help="A device mesh by its degrees, torchtitan's names: "
+                          + ", ".join(f"{name} ({what})" for name, what in DIMENSION_NAMES.items())
+                          + "; e.g. dp_shard=8,tp=4,pp=2. The world size is their product. --strategy fsdp is "
+                            "dp_shard=N, ddp is dp_replicate=N, both together HSDP; tp, pp, cp, ep are not "
+                            "modelled yet."),
         click.option("--world-size", type=int, default=None, callback=_at_least_one, metavar="N",
                      help="Number of GPUs (ranks) for ddp, fsdp and zero*; for dp, devices 0..N-1."),
         click.option("--device-ids", type=DeviceIdsType(), default=None,
@@ -94,28 +118,39 @@ _STRATEGY_ONLY = {"bucket_cap_mb": "bucket_cap_mb", "gradient_as_bucket_view": "
 
 def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tuple[int, ...] | None,
                        global_batch: bool, bucket_cap_mb: float, gradient_as_bucket_view: bool,
-                       fsdp_sharding: str, reduce_bucket_size: int, measure: bool = False) -> dict[str, Any]:
+                       fsdp_sharding: str, reduce_bucket_size: int, mesh: dict[str, int] | None = None,
+                       measure: bool = False) -> dict[str, Any]:
     """The options as :func:`memcalc.estimate`'s ``distributed`` keyword (none for a single
-    GPU); a usage error for combinations that make no sense, and for an option given on the
-    command line that the strategy would ignore (``--bucket-cap-mb`` without ddp)."""
+    GPU); a usage error for combinations that make no sense (``--mesh`` with a ``--strategy``
+    that is none of its dimensions), and for an option given on the command line that the
+    strategy would ignore (``--bucket-cap-mb`` without ddp)."""
     # a flag's explicit False (--per-rank-batch, the default's own spelling) asks for nothing
     explicit = {argument for parameter, argument in _STRATEGY_ONLY.items()
                 if given(parameter) and click.get_current_context().params.get(parameter) is not False}
-    problem = inapplicable_option(Strategy(strategy), explicit, flags=True)
-    if problem is not None:
-        raise click.UsageError(problem)
+    kind, shape = Strategy(strategy), None
     try:
+        if mesh is not None:  # the strategy a mesh is, to name the options it reads
+            shaped = Distributed(strategy, world_size=world_size, mesh=mesh)
+            kind, shape = shaped.strategy, shaped.mesh
+        problem = inapplicable_option(kind, explicit, flags=True, mesh=shape if mesh is not None else None)
+        if problem is not None:
+            raise click.UsageError(problem)
         distributed = Distributed(strategy, world_size=world_size, device_ids=device_ids,
                                   batch_is_global=global_batch,
                                   bucket_cap_mb=bucket_cap_mb if "bucket_cap_mb" in explicit else None,
                                   gradient_as_bucket_view=gradient_as_bucket_view,
                                   sharding=fsdp_sharding if "sharding" in explicit else None,
-                                  reduce_bucket_size=reduce_bucket_size if "reduce_bucket_size" in explicit else None)
+                                  reduce_bucket_size=reduce_bucket_size if "reduce_bucket_size" in explicit else None,
+                                  mesh=mesh)
     except InvalidInputError as exc:
         raise click.UsageError(str(exc)) from None
-    if strategy == Strategy.SINGLE.value:
+    if distributed.is_single:
         return {}
     if measure:
-        raise click.UsageError("--measure runs the step on this machine's GPU (or CPU); it cannot measure "
-                               f"--strategy {strategy}")
+        what = f"--mesh {_described(shape)}" if mesh is not None else f"--strategy {strategy}"
+        raise click.UsageError(f"--measure runs the step on this machine's GPU (or CPU); it cannot measure {what}")
     return {"distributed": distributed}
+
+
+def _described(mesh: Mesh | None) -> str:
+    return "1" if mesh is None else mesh.describe()

@@ -18,6 +18,13 @@ the busiest GPU role and three keys are added (see :mod:`memcalc.distributed.str
                 "peak_phase", "peak_module", "fits", "model_states", "communication",
                 "bytes": {...the categories above...}}]}
 
+On a device mesh (``ddp``, ``fsdp`` or a ``Distributed(dp_shard=..., tp=...)``) the top level
+also has ``"mesh"`` (every dimension's degree, torchtitan's names); and where the GPUs are the
+ranks of a process group (every strategy but DataParallel's one process) each role has
+``"sharding"``: what each dimension divides for that rank, as
+``[{"states": ["parameters", "gradients", "optimizer_state", "batch"], "dimension": "dp_shard",
+"degree": 8}]`` (``ddp``: ``[{"states": ["batch"], "dimension": "dp_replicate", ...}]``).
+
 When a step time was computed (``memcalc.step_time``, ``--time``) a ``"time"`` key holds it
 (:meth:`memcalc.core.throughput.StepTime.to_dict`). A generation (``mode`` ``"generate"``) adds
 ``"new_tokens"`` and ``"peak_step"`` (the decode step of the peak, 0 for the prefill; its
@@ -49,7 +56,7 @@ from memcalc.core.precision import Precision
 from memcalc.core.throughput import CostSource, DeviceRates, StepFlops, StepTime
 from memcalc.core.timeline import Timeline
 
-__all__ = ("ByteBreakdown", "Measurement", "MemoryReport", "ModuleRow", "RoleReport", "Textbook")
+__all__ = ("ByteBreakdown", "Measurement", "MemoryReport", "ModuleRow", "RoleReport", "Shard", "Textbook")
 
 
 @dataclass(frozen=True)
@@ -208,6 +215,8 @@ class MemoryReport:
     world_size: int = 1
     global_batch_size: int | None = None  # samples per step over all GPUs (None: single GPU)
     roles: tuple[RoleReport, ...] = ()
+    #: The device mesh's degrees (torchtitan's names), when the strategy runs on one; None otherwise.
+    mesh: dict[str, int] | None = None
     # The loop and stack the step was estimated for (memcalc.core.loop, memcalc.core.stack).
     loop: str = "minimal"  # a preset's name, or the user's loop function's qualified name
     keep_grads: bool = False  # zero_grad(set_to_none=False): gradients allocated throughout
@@ -325,6 +334,8 @@ class MemoryReport:
         if self.roles:
             data |= {"strategy": self.strategy, "world_size": self.world_size,
                      "global_batch_size": self.global_batch_size, "roles": [r.to_dict() for r in self.roles]}
+            if self.mesh is not None:
+                data["mesh"] = dict(self.mesh)
         if self.time is not None:
             data["time"] = self.time.to_dict()
         if self.new_tokens is not None:
@@ -359,6 +370,29 @@ class MemoryReport:
         }
 
 
+#: The per-rank table's short names of what a mesh dimension divides.
+_SHORT_STATES = {"parameters": "params", "gradients": "grads", "optimizer_state": "optimizer"}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What one dimension of the mesh divides on a rank: ``states`` (``"parameters"``,
+    ``"gradients"``, ``"optimizer_state"``, ``"batch"``) each hold ``1/degree`` of the whole
+    there (``params /8 (dp_shard)``)."""
+
+    states: tuple[str, ...]
+    dimension: str
+    degree: int
+
+    def describe(self) -> str:
+        """``params, grads, optimizer /8 (dp_shard)``."""
+        return f"{', '.join(_SHORT_STATES.get(s, s) for s in self.states)} /{self.degree} ({self.dimension})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """An entry of a role's JSON ``sharding`` list."""
+        return {"states": list(self.states), "dimension": self.dimension, "degree": self.degree}
+
+
 @dataclass(frozen=True)
 class RoleReport:
     """One kind of GPU in a multi-GPU step: every rank of DDP/FSDP/ZeRO, or DataParallel's
@@ -377,6 +411,9 @@ class RoleReport:
     model_states: int
     communication: int
     report: MemoryReport
+    #: What each mesh dimension divides on this rank; None where the GPUs are not ranks of a
+    #: process group (DataParallel), and so the JSON has no ``sharding``.
+    sharding: tuple[Shard, ...] | None = None
 
     @property
     def bytes(self) -> ByteBreakdown:
@@ -395,4 +432,5 @@ class RoleReport:
                 "peak_allocated": r.bytes.peak_allocated, "peak_reserved": r.peak_reserved,
                 "peak_phase": r.peak_phase.value, "peak_module": r.peak_module, "fits": r.fits,
                 "model_states": self.model_states, "communication": self.communication,
-                "bytes": r.bytes.to_dict()}
+                "bytes": r.bytes.to_dict()} | ({} if self.sharding is None
+                                              else {"sharding": [s.to_dict() for s in self.sharding]})

@@ -1,18 +1,29 @@
-"""The multi-GPU vocabulary: :class:`Strategy`, :class:`FsdpSharding` and the validated
-setting :class:`Distributed` that :func:`memcalc.estimate` takes. What each strategy
-holds per GPU is described in :mod:`memcalc.distributed.strategies`."""
+"""The multi-GPU setting :class:`Distributed` that :func:`memcalc.estimate` takes, validated when
+it is made: a ``--strategy`` shorthand (``Distributed("fsdp", world_size=8)``) or a device mesh
+by its degrees (``Distributed(dp_shard=8, tp=4)``, torchtitan's names; :mod:`memcalc.distributed.mesh`).
+What each strategy reads, counts and holds per GPU is its object's
+(:mod:`memcalc.distributed.strategy`); the vocabulary is :mod:`memcalc.distributed.vocabulary`."""
 
 from __future__ import annotations
 
-import enum
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from memcalc.core.choices import parse_choice
 from memcalc.core.counts import INT64_MAX, as_integer
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.distributed.mesh import MAX_WORLD_SIZE, Mesh
+from memcalc.distributed.strategy.base import DIMENSIONS, SHORTHANDS
+from memcalc.distributed.strategy.catalogue import options_of, shorthand_class
+from memcalc.distributed.vocabulary import (
+    DEEPSPEED_REDUCE_BUCKET_SIZE,
+    DEFAULT_BUCKET_CAP_MB,
+    FsdpSharding,
+    Strategy,
+    dp_chunks,
+)
 
 __all__ = (
     "DEEPSPEED_REDUCE_BUCKET_SIZE",
@@ -24,38 +35,7 @@ __all__ = (
     "inapplicable_option",
 )
 
-#: torch.nn.parallel.DistributedDataParallel: ``bucket_cap_mb=None`` means 25 (MiB).
-DEFAULT_BUCKET_CAP_MB = 25.0
-#: deepspeed/runtime/zero/config.py: ``reduce_bucket_size`` default, in elements.
-DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
 _MIB = 1024 * 1024
-#: The most GPUs a setting may name: memcalc lists every rank (the largest clusters hold ~10**5 GPUs).
-MAX_WORLD_SIZE = 2**20
-
-
-class Strategy(str, enum.Enum):
-    """How the training step is spread over GPUs (``single``: one GPU, no strategy)."""
-
-    SINGLE = "single"
-    DP = "dp"
-    DDP = "ddp"
-    FSDP = "fsdp"
-    ZERO1 = "zero1"
-    ZERO2 = "zero2"
-    ZERO3 = "zero3"
-
-    @property
-    def zero_stage(self) -> int | None:
-        """DeepSpeed ZeRO's stage (1, 2 or 3); None for the other strategies."""
-        return {Strategy.ZERO1: 1, Strategy.ZERO2: 2, Strategy.ZERO3: 3}.get(self)
-
-
-class FsdpSharding(str, enum.Enum):
-    """FSDP's sharding: ``full_shard`` reshards after forward, ``shard_grad_op`` keeps the
-    parameters gathered until backward."""
-
-    FULL_SHARD = "full_shard"
-    SHARD_GRAD_OP = "shard_grad_op"
 
 
 @dataclass(frozen=True, init=False)
@@ -64,18 +44,31 @@ class Distributed:
 
     ``Distributed("ddp", world_size=4)``; ``Distributed("dp", device_ids=(0, 1))``;
     ``Distributed("fsdp", world_size=8, sharding="shard_grad_op")``;
-    ``Distributed("zero3", world_size=8, reduce_bucket_size=10**7)``.
+    ``Distributed("zero3", world_size=8, reduce_bucket_size=10**7)``; a device mesh by its
+    degrees: ``Distributed(dp_shard=8, tp=4, pp=2)`` (the world size is their product).
+
+    The shorthands are meshes of one dimension: ``"fsdp"`` is ``dp_shard=N`` and ``"ddp"`` is
+    ``dp_replicate=N`` (the two settings are equal); ``"dp"`` (DataParallel) and ``"zero1"`` to
+    ``"zero3"`` (DeepSpeed) are not device meshes.
 
     Args:
-        strategy: ``single``, ``dp``, ``ddp``, ``fsdp``, ``zero1``, ``zero2`` or ``zero3``.
-        world_size: the number of GPUs (ranks); ``dp``: or give ``device_ids``.
+        strategy: ``single``, ``dp``, ``ddp``, ``fsdp``, ``zero1``, ``zero2`` or ``zero3``; with
+            degrees: nothing, or the shorthand of one of the mesh's dimensions (``fsdp`` with
+            ``dp_shard``).
+        world_size: the number of GPUs (ranks); ``dp``: or give ``device_ids``; with degrees:
+            their product, if given.
         device_ids: ``dp`` only: the GPUs DataParallel uses (outputs gathered on the first).
         batch_is_global: the estimate's ``batch_size`` is the global batch, split over the
-            GPUs (default: each GPU's batch).
-        bucket_cap_mb: ``ddp``: gradient bucket size in MiB (PyTorch's 25 by default).
-        gradient_as_bucket_view: ``ddp``: gradients are views into the buckets.
-        sharding: ``fsdp``: ``full_shard`` (the default) or ``shard_grad_op``.
+            data-parallel GPUs (default: each GPU's batch).
+        bucket_cap_mb: ``ddp`` / ``dp_replicate``: gradient bucket size in MiB (PyTorch's 25).
+        gradient_as_bucket_view: ``ddp`` / ``dp_replicate``: gradients are views into the buckets.
+        sharding: ``fsdp`` / ``dp_shard``: ``full_shard`` (the default) or ``shard_grad_op``.
         reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
+        dp_replicate, dp_shard, tp, pp, cp, ep: the mesh's degrees (torchtitan's names; 1 or
+            None: not used). A dimension that is not modelled yet (tp, pp, cp, ep) is accepted
+            here and refused by the estimate, by name.
+        mesh: the same degrees as one mapping (``{"dp_shard": 8, "tp": 4}``) or a
+            :class:`~memcalc.distributed.mesh.Mesh`.
 
     An option of another strategy (``bucket_cap_mb`` with ``"zero3"``, ``batch_is_global``
     with one GPU) raises :class:`~memcalc.core.errors.InapplicableOptionError` rather than
@@ -90,11 +83,16 @@ class Distributed:
     gradient_as_bucket_view: bool
     sharding: FsdpSharding
     reduce_bucket_size: int
+    #: The device mesh (a single GPU's: every degree 1); None for ``dp`` and ``zero*``.
+    mesh: Mesh | None
 
     def __init__(self, strategy: Strategy | str = Strategy.SINGLE, *, world_size: int | None = None,
                  device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
                  bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
-                 sharding: FsdpSharding | str | None = None, reduce_bucket_size: int | None = None) -> None:
+                 sharding: FsdpSharding | str | None = None, reduce_bucket_size: int | None = None,
+                 dp_replicate: int | None = None, dp_shard: int | None = None, tp: int | None = None,
+                 pp: int | None = None, cp: int | None = None, ep: int | None = None,
+                 mesh: Mesh | Mapping[str, int] | None = None) -> None:
         strategy_ = parse_choice(Strategy, strategy, "strategy")
         sharding_ = FsdpSharding.FULL_SHARD if sharding is None else parse_choice(FsdpSharding, sharding,
                                                                                  "FSDP sharding")
@@ -103,20 +101,31 @@ class Distributed:
                               ("gradient_as_bucket_view", gradient_as_bucket_view)):
             if not isinstance(setting, bool):
                 raise InvalidInputError(f"{flag} must be True or False, got {setting!r}")
-        _refuse_inapplicable(strategy_, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
-                             sharding=sharding_, reduce_bucket_size=reduce_bucket_size,
-                             batch_is_global=batch_is_global)
+        degrees = {name: value for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard),
+                                                    ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))
+                   if value is not None}
+        mesh_ = _given_mesh(mesh, degrees)
+        world = 0
+        if mesh_ is not None:
+            strategy_, world = _on_mesh(strategy_, mesh_, world_size)
+        elif strategy_ is Strategy.MESH:
+            raise InvalidInputError("a mesh is given by its degrees, not by strategy='mesh'",
+                                    hint="e.g. Distributed(dp_shard=8, tp=4) (--mesh dp_shard=8,tp=4)")
+        _refuse_inapplicable(strategy_, mesh_, bucket_cap_mb=bucket_cap_mb,
+                             gradient_as_bucket_view=gradient_as_bucket_view, sharding=sharding_,
+                             reduce_bucket_size=reduce_bucket_size, batch_is_global=batch_is_global)
         ids = _device_ids(device_ids, strategy_)
-        world = _world_size(strategy_, world_size, ids)
+        if mesh_ is None:
+            world, mesh_ = _shorthand(strategy_, world_size, ids)
         cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else _checked_bucket_cap_mb(bucket_cap_mb)
         bucket = (DEEPSPEED_REDUCE_BUCKET_SIZE if reduce_bucket_size is None
                   else _checked_reduce_bucket_size(reduce_bucket_size))
-        if strategy_ is Strategy.DP and not ids:
+        if "device_ids" in options_of(strategy_, None) and not ids:
             ids = tuple(range(world))
         values = {"strategy": strategy_, "world_size": world, "device_ids": ids,
                   "batch_is_global": bool(batch_is_global), "bucket_cap_mb": cap,
                   "gradient_as_bucket_view": bool(gradient_as_bucket_view), "sharding": sharding_,
-                  "reduce_bucket_size": bucket}
+                  "reduce_bucket_size": bucket, "mesh": mesh_}
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -125,19 +134,86 @@ class Distributed:
         """One GPU, no strategy."""
         return self.strategy is Strategy.SINGLE
 
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks the global batch is split over: the mesh's ``dp_replicate × dp_shard``, or
+        every GPU of a strategy that is not a mesh."""
+        if self.mesh is None:
+            return self.world_size
+        return self.mesh.dp_replicate * self.mesh.dp_shard
+
     def per_rank_batch(self, batch: int) -> int:
-        """The batch one rank's model sees (DDP, FSDP, ZeRO)."""
+        """The batch one rank's model sees (DDP, FSDP, ZeRO, a mesh)."""
         if not self.batch_is_global:
             return batch
-        if batch % self.world_size:
+        n = self.data_parallel_size
+        if batch % n:
+            ranks = "ranks" if n == self.world_size else "data-parallel ranks (dp_replicate × dp_shard)"
             raise InvalidInputError(
-                f"a global batch of {batch} does not split evenly over {self.world_size} ranks",
-                hint=f"give a multiple of {self.world_size}, or the per-GPU batch (--per-rank-batch)")
-        return batch // self.world_size
+                f"a global batch of {batch} does not split evenly over {n} {ranks}",
+                hint=f"give a multiple of {n}, or the per-GPU batch (--per-rank-batch)")
+        return batch // n
 
     def global_batch(self, batch: int) -> int:
         """The samples per step over all GPUs when the estimate's batch is ``batch``."""
-        return batch if self.batch_is_global else batch * self.world_size
+        return batch if self.batch_is_global else batch * self.data_parallel_size
+
+
+def _given_mesh(mesh: Mesh | Mapping[str, int] | None, degrees: Mapping[str, object]) -> Mesh | None:
+    """The mesh of the degrees or of ``mesh=``; None when neither is given."""
+    if mesh is not None and degrees:
+        raise InvalidInputError("give the mesh's degrees either as keywords (dp_shard=8, tp=4) or as mesh=, not both")
+    if isinstance(mesh, Mesh):
+        return Mesh.of(mesh.degrees)  # checked again: a Mesh(...) made directly is not
+    if mesh is not None:
+        if not isinstance(mesh, Mapping):
+            raise InvalidInputError(f"mesh must map dimension names to degrees, got {mesh!r}",
+                                    hint='e.g. mesh={"dp_shard": 8, "tp": 4}')
+        return Mesh.of(mesh)
+    return Mesh.of(degrees) if degrees else None
+
+
+def _on_mesh(strategy: Strategy, mesh: Mesh, world_size: int | None) -> tuple[Strategy, int]:
+    """The strategy a mesh is (a shorthand where it has one dimension that has one) and its world
+    size; a shorthand given with it must be one of its dimensions."""
+    if world_size is not None and world_size != mesh.world_size:
+        raise InvalidInputError(f"--world-size {world_size} disagrees with the mesh {mesh.describe()} "
+                                f"({mesh.world_size:,} GPUs: the product of its degrees)",
+                                hint="leave out --world-size: the mesh counts the GPUs")
+    cls = shorthand_class(strategy)
+    if cls is not None:
+        dimension = cls.mesh_dimension
+        if dimension is None:
+            raise InvalidInputError(f"--strategy {strategy.value} is not a device mesh dimension; it takes "
+                                    f"--world-size, not a mesh",
+                                    hint=f"give --strategy {strategy.value} --world-size N, or the mesh alone")
+        if mesh.world_size == 1:  # the shorthand on one GPU (dataclasses.replace passes its mesh back)
+            return strategy, 1
+        if mesh.degrees[dimension] < 2:
+            raise InvalidInputError(f"--strategy {strategy.value} is the mesh dimension {dimension}, which the mesh "
+                                    f"{mesh.describe()} does not use",
+                                    hint=f"give {dimension}=N in the mesh, or leave out --strategy")
+    used = mesh.used
+    if not used:
+        return Strategy.SINGLE, 1
+    if len(used) == 1:
+        (name,) = used
+        shorthand = next((s for s, c in SHORTHANDS.items() if c.mesh_dimension == name), None)
+        if shorthand is not None:
+            return shorthand, mesh.world_size
+    return Strategy.MESH, mesh.world_size
+
+
+def _shorthand(strategy: Strategy, world_size: int | None, ids: tuple[int, ...]) -> tuple[int, Mesh | None]:
+    """A shorthand's world size and the mesh it stands for (one GPU: every degree 1)."""
+    cls = shorthand_class(strategy)
+    if cls is None:  # single
+        if world_size not in (None, 1):
+            raise InvalidInputError(f"--world-size {world_size} needs a multi-GPU strategy",
+                                    hint="add --strategy ddp (or dp, fsdp, zero1, zero2, zero3)")
+        return 1, Mesh()
+    world = cls.world_size(strategy, world_size, ids)
+    return world, cls.shorthand_mesh(world)
 
 
 def _device_ids(device_ids: Sequence[int] | None, strategy: Strategy) -> tuple[int, ...]:
@@ -147,9 +223,10 @@ def _device_ids(device_ids: Sequence[int] | None, strategy: Strategy) -> tuple[i
         raise InvalidInputError(f"device_ids must be a list of CUDA device numbers, got {device_ids!r}",
                                 hint="e.g. device_ids=[0, 1, 2, 3] (--device-ids 0,1,2,3)")
     ids = tuple(device_ids)
-    if not ids and strategy is not Strategy.DP:  # dataclasses.replace passes the normalised ()
+    takes_ids = "device_ids" in options_of(strategy, None)
+    if not ids and not takes_ids:  # dataclasses.replace passes the normalised ()
         return ()
-    if strategy is not Strategy.DP:
+    if not takes_ids:
         raise InvalidInputError(f"device ids go with --strategy dp (DataParallel, one process driving several "
                                 f"GPUs); {strategy.value} runs one process per GPU: give --world-size instead")
     if not ids:
@@ -163,49 +240,63 @@ def _device_ids(device_ids: Sequence[int] | None, strategy: Strategy) -> tuple[i
     return ids
 
 
-#: The options that apply to one family of strategies only: (argument, CLI flag, strategies, default).
-_STRATEGY_OPTIONS: tuple[tuple[str, str, tuple[Strategy, ...], object], ...] = (
-    ("bucket_cap_mb", "--bucket-cap-mb", (Strategy.DDP,), DEFAULT_BUCKET_CAP_MB),
-    ("gradient_as_bucket_view", "--gradient-as-bucket-view", (Strategy.DDP,), False),
-    ("sharding", "--fsdp-sharding", (Strategy.FSDP,), FsdpSharding.FULL_SHARD),
-    ("reduce_bucket_size", "--reduce-bucket-size", (Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3),
-     DEEPSPEED_REDUCE_BUCKET_SIZE),
-    ("batch_is_global", "--global-batch", tuple(s for s in Strategy if s is not Strategy.SINGLE), False),
-)
+#: The options that apply to some strategies only: argument → (CLI flag, default). Which
+#: strategies read each is their objects' ``options``; ``batch_is_global`` is every multi-GPU one's.
+_STRATEGY_OPTIONS: dict[str, tuple[str, object]] = {
+    "bucket_cap_mb": ("--bucket-cap-mb", DEFAULT_BUCKET_CAP_MB),
+    "gradient_as_bucket_view": ("--gradient-as-bucket-view", False),
+    "sharding": ("--fsdp-sharding", FsdpSharding.FULL_SHARD),
+    "reduce_bucket_size": ("--reduce-bucket-size", DEEPSPEED_REDUCE_BUCKET_SIZE),
+    "batch_is_global": ("--global-batch", False),
+}
 
 
-def inapplicable_option(strategy: Strategy, given: Iterable[str], *, flags: bool = False) -> str | None:
+def inapplicable_option(strategy: Strategy, given: Iterable[str], *, flags: bool = False,
+                        mesh: Mesh | None = None) -> str | None:
     """Why the first of ``given`` (:class:`Distributed` argument names) would be ignored
     under ``strategy``; None when every one applies.
 
     Args:
-        strategy: the strategy chosen.
+        strategy: the strategy chosen (``mesh``: the dimensions of ``mesh`` in use).
         given: the arguments the user set (the CLI: the flags given on the command line).
         flags: name the CLI flags (``--bucket-cap-mb``) rather than the arguments.
+        mesh: the device mesh, when the setting was given as one (the message then names it).
 
     Returns:
         A message naming the argument, the strategies it belongs to and what to do, or None.
     """
     chosen = set(given)
     strategy_word = "--strategy" if flags else "strategy"
-    for option, flag, applies, _default in _STRATEGY_OPTIONS:
-        if option in chosen and strategy not in applies:
-            name = flag if flags else f"{option} ({flag})"
-            names = [s.value for s in applies]
-            listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
-            where = (f"under a multi-GPU {strategy_word} ({listed})" if option == "batch_is_global"
-                     else f"to {strategy_word} {listed}")
-            return f"{name} applies only {where}; with {strategy_word} {strategy.value} it would be ignored"
+    used = None if mesh is None else mesh.used
+    multi_gpu = strategy is not Strategy.SINGLE
+    applies = options_of(strategy, used) | ({"batch_is_global"} if multi_gpu else set())
+    for option, (flag, _default) in _STRATEGY_OPTIONS.items():
+        if option not in chosen or option in applies:
+            continue
+        name = flag if flags else f"{option} ({flag})"
+        if option == "batch_is_global":
+            names = [s.value for s in SHORTHANDS]
+        else:
+            names = [s.value for s, cls in SHORTHANDS.items() if option in cls.options]
+        names = [s.value for s in Strategy if s.value in names]  # in the enum's order
+        listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+        where = (f"under a multi-GPU {strategy_word} ({listed})" if option == "batch_is_global"
+                 else f"to {strategy_word} {listed}")
+        dimensions = [d for d, cls in DIMENSIONS.items() if option in cls.options]
+        if mesh is not None and dimensions and option != "batch_is_global":
+            where += f" (the mesh dimension {' or '.join(dimensions)})"
+        current = f"{strategy_word} {strategy.value}" if mesh is None else f"the mesh {mesh.describe()}"
+        return f"{name} applies only {where}; with {current} it would be ignored"
     return None
 
 
-def _refuse_inapplicable(strategy: Strategy, **values: object) -> None:
+def _refuse_inapplicable(strategy: Strategy, mesh: Mesh | None, **values: object) -> None:
     """A value the strategy would ignore is refused: the user meant something by it. A value
     equal to the default is let through (``dataclasses.replace`` passes every field; the CLI
     tells an explicit flag from a default itself)."""
-    given = [option for option, _flag, _applies, default in _STRATEGY_OPTIONS
+    given = [option for option, (_flag, default) in _STRATEGY_OPTIONS.items()
              if values[option] is not None and values[option] != default]
-    message = inapplicable_option(strategy, given)
+    message = inapplicable_option(strategy, given, mesh=mesh)
     if message is not None:
         raise InapplicableOptionError(message)
 
@@ -246,34 +337,3 @@ def _checked_reduce_bucket_size(reduce_bucket_size: object) -> int:
         raise InvalidInputError(f"reduce_bucket_size is a number of elements, an integer from 1 to {INT64_MAX:,} "
                                 f"(2**63 - 1); got {reduce_bucket_size!r}")
     return number
-
-
-def _world_size(strategy: Strategy, world_size: int | None, ids: tuple[int, ...]) -> int:
-    if strategy is Strategy.SINGLE:
-        if world_size not in (None, 1):
-            raise InvalidInputError(f"--world-size {world_size} needs a multi-GPU strategy",
-                                    hint="add --strategy ddp (or dp, fsdp, zero1, zero2, zero3)")
-        return 1
-    if strategy is Strategy.DP:
-        if ids and world_size is not None and world_size != len(ids):
-            raise InvalidInputError(f"--world-size {world_size} disagrees with {len(ids)} device ids {list(ids)}")
-        if not ids and world_size is None:
-            raise InvalidInputError("--strategy dp needs the GPUs it spreads over",
-                                    hint="give --device-ids 0,1,2,3 (or --world-size 4 for devices 0..3)")
-        return len(ids) if ids else int(world_size or 1)
-    if world_size is None:
-        raise InvalidInputError(f"--strategy {strategy.value} needs the number of GPUs",
-                                hint=f"give --world-size N, e.g. --strategy {strategy.value} --world-size 8")
-    return world_size
-
-
-def dp_chunks(global_batch: int, world_size: int) -> list[int]:
-    """The batch of each replica as ``torch.chunk`` (DataParallel's scatter) splits it:
-    ``ceil(B/N)`` per chunk, fewer (or fewer chunks) at the end."""
-    size = math.ceil(global_batch / world_size)
-    chunks = []
-    left = global_batch
-    while left > 0:
-        chunks.append(min(size, left))
-        left -= size
-    return chunks

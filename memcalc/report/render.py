@@ -293,27 +293,36 @@ def _measurement_lines(report: MemoryReport, unit: Unit | str) -> str:
 
 def render_roles(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str = Unit.AUTO) -> str:
     """The per-GPU table of a multi-GPU estimate: one row per kind of GPU, each with its
-    breakdown at its own peak (empty for a single-GPU report)."""
+    breakdown at its own peak, and — where the GPUs are ranks of a process group — what each
+    dimension shards on it (empty for a single-GPU report)."""
     if not report.roles:
         return ""
-    title = (f"memcalc: {report.model} under {report.strategy}, {report.world_size} GPUs, "
+    setting = report.strategy
+    if report.strategy == "mesh" and report.mesh is not None:
+        setting = "the mesh " + ",".join(f"{k}={v}" for k, v in report.mesh.items() if v > 1)
+    title = (f"memcalc: {report.model} under {setting}, {report.world_size} GPUs, "
              f"global batch {report.global_batch_size} — memory per GPU at each GPU's peak (binary units)")
     shown = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE, Category.ACTIVATIONS)
     with_fit = any(r.report.fits is not None for r in report.roles)
-    headers = ["GPU role", "GPUs", "batch", *[_CATEGORY_LABELS[c].split(" (")[0] for c in shown], "other",
+    with_sharding = any(r.sharding is not None for r in report.roles)
+    headers = ["GPU role", "GPUs", "batch", *(["sharded"] if with_sharding else []),
+               *[_CATEGORY_LABELS[c].split(" (")[0] for c in shown], "other",
                "peak allocated", "peak reserved", "model states", "collective buffers",
                *(["fits"] if with_fit else [])]
     rows = []
     for role in report.roles:
         b = role.bytes
         values = [b.category(c) for c in shown]
-        rows.append([role.name, _ranks(role.ranks), str(role.batch_size), *[format_bytes(v, unit) for v in values],
+        sharded = "; ".join(s.describe() for s in role.sharding or ()) or "nothing"
+        rows.append([role.name, _ranks(role.ranks), str(role.batch_size), *([sharded] if with_sharding else []),
+                     *[format_bytes(v, unit) for v in values],
                      format_bytes(b.peak_allocated - sum(values), unit), format_bytes(b.peak_allocated, unit),
                      format_bytes(role.report.peak_reserved, unit), format_bytes(role.model_states, unit),
                      format_bytes(role.communication, unit),
                      *([{True: "yes", False: "NO", None: "-"}[role.report.fits]] if with_fit else [])])
     table = tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True,
-                     colalign=("left", "left", "right", *["right"] * 9, *(["left"] if with_fit else [])))
+                     colalign=("left", "left", "right", *(["left"] if with_sharding else []), *["right"] * 9,
+                               *(["left"] if with_fit else [])))
     busiest = report.busiest_role
     assert busiest is not None
     legend = ("other: inputs, buffers, temporaries, workspaces and allocator rounding. model states: parameters, "
@@ -321,6 +330,9 @@ def render_roles(report: MemoryReport, *, fmt: str = "simple", unit: Unit | str 
               "buffers: memory at the peak that exists only for communication (gathered parameters, "
               "all-gather / reduce-scatter / reduce buffers, DDP buckets that are not the gradients); it is "
               "counted in the columns before.")
+    if with_sharding:
+        legend += (" sharded: what each dimension divides on the GPU (/N: one N-th of the whole), and over "
+                   "which ranks (dp_shard: FSDP2, dp_replicate: DDP, zeroK: DeepSpeed ZeRO-K); the rest is whole.")
     return f"{title}\n\n{table}\n\n{legend}\nbusiest: {busiest.name} — its breakdown follows.\n"
 
 

@@ -1,0 +1,110 @@
+"""``zero1`` / ``zero2`` / ``zero3``: DeepSpeed ZeRO over its flat data-parallel group
+(:class:`~memcalc.distributed.zero.ZeroProgram`; ZeRO-3's gathered modules through
+:class:`~memcalc.distributed.fsdp.ShardedProgram` in DeepSpeed's style). Not a torch device
+mesh. The model runs in 16-bit under a 16-bit precision and the optimizer steps an fp32 master
+partition; the memory table is in docs/architecture.md, "Multi-GPU strategies"."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from memcalc.core.categories import Mode
+from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.finetune import FineTune
+from memcalc.core.precision import Precision
+from memcalc.core.report import Shard
+from memcalc.core.units import format_bytes
+from memcalc.distributed.fsdp import ShardedProgram, module_units
+from memcalc.distributed.program import RankProgram
+from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
+from memcalc.distributed.vocabulary import DEEPSPEED_REDUCE_BUCKET_SIZE, Strategy
+from memcalc.distributed.zero import ZeroProgram
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.options import Step
+from memcalc.engine.prepare import KEEP_DTYPE
+
+__all__ = ("DeepSpeedZero",)
+
+#: What each stage partitions over the ranks (the ZeRO paper's P_os, P_os+g, P_os+g+p).
+_PARTITIONED = {1: ("optimizer_state",), 2: ("gradients", "optimizer_state"),
+                3: ("parameters", "gradients", "optimizer_state")}
+
+
+@register(Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3)
+class DeepSpeedZero(RankStrategy):
+    """DeepSpeed ZeRO stage 1, 2 or 3."""
+
+    name = "zero"
+    options = frozenset({"reduce_bucket_size"})
+
+    @property
+    def stage(self) -> int:
+        """1, 2 or 3."""
+        stage = self.distributed.strategy.zero_stage
+        assert stage is not None
+        return stage
+
+    def trace_precision(self, precision: Precision) -> Precision:
+        """DeepSpeed runs the model itself in 16-bit (fp16 or bf16), keeping fp32 master weights."""
+        if precision is Precision.FP32:
+            return precision
+        return Precision.BF16 if precision.uses_bf16 else Precision.FP16
+
+    def refuse_finetune(self, finetune: FineTune) -> None:
+        if finetune.quant is None:
+            return
+        name = self.distributed.strategy.value
+        raise InapplicableOptionError(
+            f"--quant {finetune.quant.value} is not estimated under --strategy {name}: DeepSpeed's handling of a "
+            f"bitsandbytes base (its 16-bit cast of the model, ZeRO-3's partitioning through "
+            f"bnb_4bit_quant_storage) is not modelled",
+            hint=f"Use --strategy ddp for QLoRA on several GPUs, or leave out --quant (--strategy {name} with "
+                 f"--lora or --freeze is estimated).")
+
+    def prepare(self, resolved: ResolvedModel, trace_precision: Precision) -> ResolvedModel:
+        kept = [p for p in resolved.module.parameters() if hasattr(p, KEEP_DTYPE)]
+        if trace_precision.parameter_dtype is torch.float32 or not kept:
+            return resolved
+        # DeepSpeed's engine casts the whole module to 16-bit (_configure_distributed_model:
+        # module.half() / module.bfloat16()), PEFT's float32 adapters included
+        for p in kept:
+            delattr(p, KEEP_DTYPE)
+        note = f"DeepSpeed casts the whole model to {_dtype(trace_precision.parameter_dtype)}, the LoRA adapters too"
+        return replace(resolved, notes=(*resolved.notes, note))
+
+    def plan(self, plan: Plan, step: Step) -> Plan:
+        plan = every_rank(plan, self.distributed)
+        stage, n = self.stage, self.degree
+        bucket = self.distributed.reduce_bucket_size
+        precision = step.precision
+        sixteen = precision is not Precision.FP32
+        training = step.mode is Mode.TRAIN
+        notes = [f"DeepSpeed ZeRO-{stage} over {n} ranks"
+                 + (f": the model in {_dtype(precision.compute_dtype)}, fp32 master partition"
+                    if sixteen else ": fp32 model, fp32 master partition")]
+        if training:
+            notes.append(f"DeepSpeed's reduce bucket: {format_bytes(bucket * (2 if sixteen else 4))} "
+                         f"(reduce_bucket_size {bucket:,} elements; DeepSpeed's default is "
+                         f"{DEEPSPEED_REDUCE_BUCKET_SIZE:,})")
+        if stage == 3:
+            notes.append("ZeRO-3 gathers one module at a time and prefetches the next; stage3_prefetch_bucket_size, "
+                         "max_live_parameters, max_reuse_distance and param_persistence_threshold are not modelled")
+
+        def zero(resolved: ResolvedModel) -> RankProgram:
+            sharded = None
+            if stage == 3:
+                sharded = ShardedProgram(module_units(resolved.module), n, style="deepspeed",
+                                         reshard_after_forward=True, sharded_dtype=None, gather_dtype=None,
+                                         reduce_dtype=None, training=training, reduce_bucket_size=bucket)
+            return ZeroProgram(stage, n, bucket, training, sharded=sharded)
+
+        label = self.distributed.strategy.value
+        shard = Shard((*_PARTITIONED[stage], "batch"), label, n)
+        roles = tuple(replace(role, program=zero, sharding=sharding(role.sharding, shard)) for role in plan.roles)
+        return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,82 @@
+"""``dp_replicate`` (``--strategy ddp``): ``DistributedDataParallel``, one process per GPU, each
+with the whole model, its gradients and optimizer state, its share of the batch, and the
+gradient buckets (:class:`~memcalc.distributed.ddp.DdpProgram`). With ``dp_shard`` it is HSDP:
+FSDP2 ``fully_shard`` on a 2-D mesh, sharded within ``dp_shard`` and replicated across
+``dp_replicate`` (checked against a real 4-process gloo run, tests/test_gloo_runs.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.core.categories import Mode
+from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.precision import Precision
+from memcalc.core.report import Shard
+from memcalc.distributed.ddp import DdpProgram
+from memcalc.distributed.program import RankProgram
+from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
+from memcalc.distributed.vocabulary import DEFAULT_BUCKET_CAP_MB, Strategy
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.options import Step
+
+__all__ = ("DpReplicate",)
+
+_MIB = 1024 * 1024
+
+
+@register(Strategy.DDP)
+class DpReplicate(RankStrategy):
+    """Every rank a replica; gradients all-reduced through DDP's buckets."""
+
+    name = "dp_replicate"
+    mesh_dimension = "dp_replicate"
+    options = frozenset({"bucket_cap_mb", "gradient_as_bucket_view"})
+
+    def plan(self, plan: Plan, step: Step) -> Plan:
+        mesh = self.distributed.mesh
+        others = sorted(set(mesh.used) - {"dp_replicate", "dp_shard"}) if mesh is not None else []
+        if others:
+            raise InapplicableOptionError(
+                f"dp_replicate={self.degree} with {', '.join(others)} is not modelled yet",
+                hint="Estimate the mesh without dp_replicate (the per-rank memory of dp_shard with the others).")
+        plan = every_rank(plan, self.distributed)
+        batch = Shard(("batch",), self.name, self.degree)
+        if mesh is not None and mesh.dp_shard > 1:
+            return self._hsdp(plan, batch)
+        cap_mb = self.distributed.bucket_cap_mb
+        view = self.distributed.gradient_as_bucket_view
+        training = step.mode is Mode.TRAIN
+
+        def ddp(_resolved: ResolvedModel) -> RankProgram:
+            return DdpProgram(int(cap_mb * _MIB), view, training)
+
+        roles = tuple(replace(role, program=ddp, sharding=sharding(role.sharding, batch)) for role in plan.roles)
+        note = (f"DDP gradient buckets of {cap_mb:g} MiB, gradient_as_bucket_view={view}"
+                + ("" if view else ": the buckets are a second copy of the gradients"))
+        return replace(plan, roles=roles, notes=(*plan.notes, note))
+
+    def _hsdp(self, plan: Plan, batch: Shard) -> Plan:
+        """HSDP: FSDP2 on a 2-D mesh, which dp_shard's program already runs over its dp_shard
+        ranks. The replicas all-reduce each unit's reduce-scatter output in place
+        (``foreach_reduce``: ``dist.all_reduce(reduce_output, group=all_reduce_group)``), and the
+        buffer FSDP2 holds across units for it (``_all_reduce_state``) is that output, whose
+        views are the sharded gradients: no memory of its own on a rank."""
+        if self.distributed.bucket_cap_mb != DEFAULT_BUCKET_CAP_MB or self.distributed.gradient_as_bucket_view:
+            raise InapplicableOptionError(
+                "bucket_cap_mb and gradient_as_bucket_view are DDP's; under HSDP (dp_replicate with dp_shard) "
+                "FSDP2 all-reduces its own reduce-scatter outputs and would ignore them",
+                hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
+        assert all(role.program is not None for role in plan.roles), "dp_shard applies before dp_replicate"
+        roles = tuple(replace(role, sharding=sharding(role.sharding, batch)) for role in plan.roles)
+        note = (f"HSDP: {self.degree} replicas of the dp_shard group; each unit's sharded gradients are all-reduced "
+                f"across them in place")
+        return replace(plan, roles=roles, notes=(*plan.notes, note))
+
+    def prepare(self, resolved: ResolvedModel, trace_precision: Precision) -> ResolvedModel:
+        if not any(p.requires_grad for p in resolved.module.parameters()):
+            # DistributedDataParallel.__init__ raises the same (_log_and_throw, RuntimeError)
+            raise InapplicableOptionError(
+                "DistributedDataParallel refuses a module none of whose parameters requires a gradient: "
+                "nothing would train",
+                hint="Freeze fewer parameters, or estimate the step on one GPU (leave out --strategy).")
+        return resolved

@@ -1,0 +1,81 @@
+"""``dp_shard`` (``--strategy fsdp``): FSDP2 ``fully_shard`` on every block and on the root
+(:class:`~memcalc.distributed.fsdp.ShardedProgram`): each rank holds 1/N of the parameters,
+gradients and optimizer state, plus the all-gather and reduce-scatter buffers of the units in
+flight. Under ``amp-bf16`` / ``amp-fp16`` it is ``MixedPrecisionPolicy(param_dtype=16-bit,
+reduce_dtype=float32)``: the gathered parameters are 16-bit and the model computes in them
+without autocast."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from memcalc.core.categories import Mode
+from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.finetune import FineTune
+from memcalc.core.precision import Precision
+from memcalc.core.report import Shard
+from memcalc.distributed.fsdp import ShardedProgram, fsdp_units
+from memcalc.distributed.program import RankProgram
+from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, every_rank, register, sharding
+from memcalc.distributed.vocabulary import FsdpSharding, Strategy
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.options import Step
+
+__all__ = ("DpShard",)
+
+
+@register(Strategy.FSDP)
+class DpShard(RankStrategy):
+    """Parameters, gradients and optimizer state sharded over the ranks (FSDP2)."""
+
+    name = "dp_shard"
+    mesh_dimension = "dp_shard"
+    options = frozenset({"sharding"})
+
+    def trace_precision(self, precision: Precision) -> Precision:
+        """FSDP's mixed precision keeps the model's parameters (and inputs, buffers) as they are and
+        casts what it gathers (and the root's inputs): the program does that, without autocast."""
+        return Precision.FP32 if precision.is_amp else precision
+
+    def refuse_finetune(self, finetune: FineTune) -> None:
+        if finetune.quant is None:
+            return
+        raise InapplicableOptionError(
+            f"--quant {finetune.quant.value} is not estimated under --strategy fsdp: sharding a bitsandbytes base "
+            f"needs bnb_4bit_quant_storage (the packed weights stored in a float dtype so that fully_shard can split "
+            f"them, the quantization statistics left whole), which memcalc does not model",
+            hint="Use --strategy ddp for QLoRA on several GPUs, or leave out --quant (FSDP with --lora or --freeze "
+                 "is estimated).")
+
+    def plan(self, plan: Plan, step: Step) -> Plan:
+        plan = every_rank(plan, self.distributed)
+        n = self.degree
+        precision = step.precision
+        mixed = precision.is_amp
+        low = precision.compute_dtype
+        sharding_ = self.distributed.sharding
+        reshard = sharding_ is FsdpSharding.FULL_SHARD
+        training = step.mode is Mode.TRAIN
+        cpu = not step.emulate_cuda
+        notes = [f"FSDP2 {sharding_.value.upper()} over {n} ranks"
+                 + (f"; MixedPrecisionPolicy(param_dtype={_dtype(low)}, reduce_dtype=float32): the model "
+                    f"computes in {_dtype(low)} without autocast" if mixed else "")]
+        if precision is Precision.AMP_FP16:
+            notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
+
+        def fsdp(resolved: ResolvedModel) -> RankProgram:
+            units = fsdp_units(resolved.module, resolved.block_containers)
+            return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
+                                  sharded_dtype=torch.float32 if mixed else None,
+                                  gather_dtype=low if mixed else None,
+                                  reduce_dtype=torch.float32 if mixed else None, training=training, cpu=cpu)
+
+        shard = Shard((*MODEL_STATES, "batch"), self.name, n)
+        roles = tuple(replace(role, program=fsdp, sharding=sharding(role.sharding, shard)) for role in plan.roles)
+        return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

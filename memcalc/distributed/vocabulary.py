@@ -1,0 +1,60 @@
+"""The words of the multi-GPU settings, apart from the setting itself
+(:class:`memcalc.distributed.options.Distributed`), so that the strategy objects
+(:mod:`memcalc.distributed.strategy`) and the setting that looks them up can share them."""
+
+from __future__ import annotations
+
+import enum
+import math
+
+__all__ = ("DEEPSPEED_REDUCE_BUCKET_SIZE", "DEFAULT_BUCKET_CAP_MB", "FsdpSharding", "Strategy", "dp_chunks")
+
+#: torch.nn.parallel.DistributedDataParallel: ``bucket_cap_mb=None`` means 25 (MiB).
+DEFAULT_BUCKET_CAP_MB = 25.0
+#: deepspeed/runtime/zero/config.py: ``reduce_bucket_size`` default, in elements.
+DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
+
+
+class Strategy(str, enum.Enum):
+    """How the training step is spread over GPUs (``single``: one GPU, no strategy). ``mesh``
+    is not a shorthand: it is what a device mesh of several dimensions (or of one that has no
+    shorthand) is called, and it is given by its degrees."""
+
+    SINGLE = "single"
+    DP = "dp"
+    DDP = "ddp"
+    FSDP = "fsdp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    MESH = "mesh"
+
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed ZeRO's stage (1, 2 or 3); None for the other strategies."""
+        return {Strategy.ZERO1: 1, Strategy.ZERO2: 2, Strategy.ZERO3: 3}.get(self)
+
+    @property
+    def is_shorthand(self) -> bool:
+        """Whether ``--strategy`` offers it (every strategy but ``mesh``, which ``--mesh`` spells)."""
+        return self is not Strategy.MESH
+
+
+class FsdpSharding(str, enum.Enum):
+    """FSDP's sharding: ``full_shard`` reshards after forward, ``shard_grad_op`` keeps the
+    parameters gathered until backward."""
+
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+
+
+def dp_chunks(global_batch: int, world_size: int) -> list[int]:
+    """The batch of each replica as ``torch.chunk`` (DataParallel's scatter) splits it:
+    ``ceil(B/N)`` per chunk, fewer (or fewer chunks) at the end."""
+    size = math.ceil(global_batch / world_size)
+    chunks = []
+    left = global_batch
+    while left > 0:
+        chunks.append(min(size, left))
+        left -= size
+    return chunks
