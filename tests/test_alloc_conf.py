@@ -427,3 +427,54 @@ def test_measure_says_when_the_process_runs_other_settings(monkeypatch: pytest.M
                                                 "defaults), not the estimate's (expandable_segments:True)")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert allocator_settings_note(build_step("mlp")) is None
+
+
+# --- a step that fits only with expandable segments says so (issue 38, item 5) -------------------
+
+
+def test_an_estimate_out_of_memory_for_fragmentation_says_expandable_segments_fit() -> None:
+    # resnet18 b32 on an H100's rules, its capacity 32 MiB above its peak allocated: the default
+    # segments need more than that reserved (blocks partly in use cannot be freed), expandable
+    # segments (one growing segment, 20 MiB pages) do not
+    peak = memcalc.estimate("resnet18", batch_size=32, gpu="h100-80gb").bytes.peak_allocated
+    capacity = peak + 32 * MiB
+    report = memcalc.estimate("resnet18", batch_size=32, gpu="h100-80gb", capacity=capacity)
+    assert report.fits is False and report.bytes.peak_allocated <= capacity  # fragmentation alone
+    assert report.reserved_if_expandable is not None and 0 < report.reserved_if_expandable <= capacity
+    assert report.to_dict()["fits_with_expandable_segments"] is True
+    # the figure is the estimate under that setting, replayed under the same capacity
+    expanding = memcalc.estimate("resnet18", batch_size=32, gpu="h100-80gb", capacity=capacity,
+                                 alloc_conf="expandable_segments:True")
+    assert expanding.fits is True and expanding.peak_reserved == report.reserved_if_expandable
+    assert expanding.reserved_if_expandable is None and "fits_with_expandable_segments" not in expanding.to_dict()
+    # at the peak itself no segment layout fits: pages are whole, so it says so
+    tight = memcalc.estimate("resnet18", batch_size=32, gpu="h100-80gb", capacity=peak)
+    assert tight.reserved_if_expandable == -1 and tight.to_dict()["fits_with_expandable_segments"] is False
+    # a step that fits asks nothing
+    assert "fits_with_expandable_segments" not in memcalc.estimate("resnet18", batch_size=32, gpu="h100-80gb",
+                                                                  capacity=2 * peak).to_dict()
+
+
+def test_fits_line_names_expandable_segments() -> None:
+    from memcalc.report.render import render_report
+
+    peak = memcalc.estimate("resnet18", batch_size=32, gpu="h100-80gb").bytes.peak_allocated
+    report = memcalc.estimate("resnet18", batch_size=32, gpu="h100-80gb", capacity=peak + 32 * MiB)
+    line = next(line for line in render_report(report).splitlines() if line.startswith("fits in"))
+    assert line.endswith("(fragmentation); it fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                         f"({report.reserved_if_expandable / MiB:.2f} MiB reserved)")
+
+
+@pytest.mark.slow  # two searches, three estimates each
+def test_fit_names_the_larger_batch_expandable_segments_allow() -> None:
+    found = memcalc.max_batch_size("resnet18", budget="3GiB", margin=0)
+    expanding = memcalc.max_batch_size("resnet18", budget="3GiB", margin=0, alloc_conf="expandable_segments:True")
+    larger = found.batch_size_with_expandable_segments
+    assert larger is not None and larger > found.batch_size
+    assert larger == expanding.batch_size  # the replays' answer is the search's under that setting
+    assert found.to_dict()["batch_size_with_expandable_segments"] == larger
+    assert expanding.batch_size_with_expandable_segments is None  # already expanding
+    capacity = found.budget_bytes
+    assert memcalc.estimate("resnet18", batch_size=larger, capacity=capacity).fits is False
+    assert memcalc.estimate("resnet18", batch_size=larger, capacity=capacity,
+                            alloc_conf="expandable_segments:True").fits is True

@@ -148,6 +148,10 @@ def _render_fit(result: FitResult, fmt: str, unit: str) -> str:
         + f"); headroom {format_bytes(result.headroom, unit)} above its peak allocated; "
         f"about {format_bytes(result.bytes_per_sample, unit)} per sample near it; "
         f"found with {result.num_estimates} estimates" + (f" and {result.replays} replays" if result.replays else ""))
+    if result.batch_size_with_expandable_segments is not None:
+        lines.append(f"with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: batch "
+                     f"{result.batch_size_with_expandable_segments} fits (replayed: the next batch fails for "
+                     f"fragmentation, which expandable segments remove; torchtitan launches with them)")
     if result.failing_above:
         shown = ", ".join(str(b) for b in result.failing_above[:_FAILING_SHOWN])
         more = len(result.failing_above) - _FAILING_SHOWN

@@ -30,7 +30,9 @@ When a step time was computed (``memcalc.step_time``, ``--time``) a ``"time"`` k
 ``"new_tokens"`` and ``"peak_step"`` (the decode step of the peak, 0 for the prefill; its
 ``peak_phase`` is ``"prefill"`` or ``"decode"``). Allocator settings other than PyTorch's defaults
 (``PYTORCH_CUDA_ALLOC_CONF``, ``--alloc-conf``) add ``"alloc_conf"``: the settings modelled, in
-PyTorch's spelling (``"expandable_segments:True"``). Otherwise the JSON is exactly the above.
+PyTorch's spelling (``"expandable_segments:True"``). A step that does not fit for fragmentation
+alone, on segments that do not expand, adds ``"fits_with_expandable_segments"`` (the same step
+replayed with ``expandable_segments:True``). Otherwise the JSON is exactly the above.
 
 Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
 the CUDA caching allocator counts (each block rounded up to 512 B), so the categories plus
@@ -200,6 +202,10 @@ class MemoryReport:
     fits: bool | None = None  # replayed under ``capacity`` without an OOM (None: no capacity)
     reserved_within_capacity: int | None = None  # peak reserved in that replay (= peak_reserved)
     peak_reserved_unconstrained: int = 0  # peak reserved replayed with no limit
+    # A step that does not fit for fragmentation alone (peak allocated under the capacity), on
+    # segments that do not expand: the peak reserved under the capacity replayed again with
+    # expandable_segments:True when it then fits, -1 when it does not; None: not asked.
+    reserved_if_expandable: int | None = None
     unsupported_ops: tuple[tuple[str, int], ...] = ()  # ops whose CUDA memory is approximated
     measurement: Measurement | None = None
     notes: tuple[str, ...] = field(default=())
@@ -342,6 +348,8 @@ class MemoryReport:
             data |= {"new_tokens": self.new_tokens, "peak_step": self.peak_step}
         if self.alloc_conf:
             data["alloc_conf"] = self.alloc_conf
+        if self.reserved_if_expandable is not None:
+            data["fits_with_expandable_segments"] = self.reserved_if_expandable >= 0
         return data
 
     def _single_gpu_dict(self) -> dict[str, Any]:

@@ -558,6 +558,9 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         frozen_parameter_bytes=_frozen_parameter_bytes(module) if training else 0,
     )
     fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats, settings, host=host)
+    expandable = (_reserved_if_expandable(program, trace.nbytes, capacity, settings)
+                  if fits is False and not host and capacity is not None and stats.peak_allocated <= capacity
+                  else None)
     key = program.events[peak_index] if program.events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
@@ -591,6 +594,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         capacity=capacity,
         fits=fits,
         reserved_within_capacity=reserved_within,
+        reserved_if_expandable=expandable,
         precision=options.precision,
         gpu=options.gpu,
         gpu_named=options.gpu_named,
@@ -636,6 +640,20 @@ def _fit_under(program: Program, nbytes: list[int], capacity: int | None, stats:
         return True, stats.peak_reserved  # never under pressure: the same replay
     limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host)
     return limited.oom_at is None, limited.peak_reserved
+
+
+def _reserved_if_expandable(program: Program, nbytes: list[int], capacity: int,
+                            settings: AllocConf | None) -> int | None:
+    """A step that does not fit for fragmentation alone (its peak allocated is under the capacity),
+    replayed again with ``expandable_segments:True``: the peak reserved under the capacity when it
+    then fits, -1 when it does not fit either; None when the settings already expand their segments.
+    Expandable segments map pages into one growing segment, so the free space left between
+    partly used segments, the cause of this OOM, mostly disappears; torchtitan launches with them."""
+    if settings is not None and settings.expandable_segments:
+        return None
+    expanding = replace(settings or AllocConf(), expandable_segments=True)
+    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=expanding)
+    return limited.peak_reserved if limited.oom_at is None else -1
 
 
 def _preexisting_bytes(trace: StepTrace, categories: list[Category], category: Category) -> int:

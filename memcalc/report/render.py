@@ -209,9 +209,16 @@ def _fits_line(report: MemoryReport, capacity: int, unit: Unit | str) -> str:
         return head + f"yes, {format_bytes(headroom, unit)} headroom above the peak allocated"
     if headroom < 0:
         return head + f"NO — out of memory; the peak allocated is {format_bytes(-headroom, unit)} over"
-    return head + (f"NO — out of memory; the peak allocated is {format_bytes(headroom, unit)} under it, but it "
+    line = head + (f"NO — out of memory; the peak allocated is {format_bytes(headroom, unit)} under it, but it "
                    f"needs {format_bytes(report.peak_reserved, unit)} reserved: segments partly in use cannot be "
                    f"freed (fragmentation)")
+    expandable = report.reserved_if_expandable
+    if expandable is None:
+        return line
+    if expandable < 0:
+        return line + "; expandable_segments:True would not save it either"
+    return line + (f"; it fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                   f"({format_bytes(expandable, unit)} reserved)")
 
 
 # Why the simulated peak differs from the rule, by mode (the textbook line's last sentence).

@@ -133,7 +133,9 @@ class FitResult:
     allocator's fragmentation is not monotone in the batch). ``check_capped``: the check met its
     cost bound before its rule let it stop (the allocator fragments far under the boundary):
     batches under ``checked_from`` were not replayed. ``replays``: batch-affine replays made,
-    the check's included.
+    the check's included. ``batch_size_with_expandable_segments``: on segments that do not expand,
+    the largest batch that fits the margin budget with ``expandable_segments:True`` when that is
+    larger (replays of the batch-affine family; None otherwise, or without a family).
     """
 
     batch_size: int
@@ -150,6 +152,7 @@ class FitResult:
     check_capped: bool = False
     replays: int = 0
     margin_basis: str = ""  # how the margin was derived (memcalc.search.margins); "" when the caller gave it
+    batch_size_with_expandable_segments: int | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -172,7 +175,9 @@ class FitResult:
         return {"batch_size": self.batch_size, "budget_bytes": self.budget_bytes, "margin": self.margin,
                 "margin_basis": self.margin_basis, "margin_budget_bytes": self.margin_budget_bytes,
                 "raw_batch_size": self.raw_batch_size,
-                "checked_from": self.checked_from, "report": self.report.to_dict()}
+                "checked_from": self.checked_from, "report": self.report.to_dict()} | (
+                    {} if self.batch_size_with_expandable_segments is None
+                    else {"batch_size_with_expandable_segments": self.batch_size_with_expandable_segments})
 
 
 class DoesNotFitError(MemcalcError):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.estimate import SINGLE, run_estimate
@@ -117,6 +118,7 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
             raise BatchLimitError(max_batch, real.reports[max_batch], budget) from None
         found = _Found(best, best, best, ())
     best = found.best
+    expandable = _with_expandable_segments(found.family, best, limit, step, max_batch)
     report = real.report_under_budget(best)
     raw = _raw_boundary(real, found, first.batch_size, slope_hint, max_batch)
     probes = tuple(_as_probe(p) for p in real.order)
@@ -136,6 +138,7 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
         failing_above=found.failing,
         check_capped=found.capped,
         replays=real.replays,
+        batch_size_with_expandable_segments=expandable,
     )
 
 
@@ -306,6 +309,48 @@ def _affine_search(real: _Estimates, first: _Point, slope_hint: float | None, ma
     elif not family.matches(real.traces[best], best) or not real.points[best].fits:
         return None
     return _Found(best, top, check.checked_from, check.failing, family, check.capped)
+
+
+#: The replays the search for a larger batch under expandable segments may make: it gallops up
+#: and bisects, about 2·log2 of the distance, so 64 reaches far beyond any real batch.
+_MAX_EXPANDABLE_REPLAYS = 64
+
+
+def _with_expandable_segments(family: AffineFamily | None, best: int, limit: int, step: Step,
+                              max_batch: int) -> int | None:
+    """The largest batch that fits ``limit`` with ``expandable_segments:True`` when that is more
+    than ``best`` (found with segments that do not expand), or None: the answer's next batch
+    fails for fragmentation, which expandable segments mostly remove (one growing segment per
+    pool, mapped page by page). Found on the batch-affine ``family`` by replays alone (gallop
+    up, then bisect), so it costs no estimate; None without a family (a strategy, a step not
+    affine in the batch), on the CPU target, or when the settings already expand."""
+    settings = step.allocator_settings
+    if family is None or family.host or (settings is not None and settings.expandable_segments):
+        return None
+    expanding = replace(settings or AllocConf(), expandable_segments=True)
+    replays = 0
+
+    def fits(batch: int) -> bool:
+        nonlocal replays
+        replays += 1
+        return family.probe(batch, limit, expanding).fits
+
+    if best >= max_batch or not fits(best + 1):
+        return None
+    lo, hi, stride = best + 1, None, 1  # lo fits; hi (when known) does not
+    while hi is None and replays < _MAX_EXPANDABLE_REPLAYS:
+        stride *= 2
+        probe = min(lo + stride, max_batch)
+        if fits(probe):
+            lo = probe
+            if probe == max_batch:
+                return lo
+        else:
+            hi = probe
+    while hi is not None and hi - lo > 1 and replays < _MAX_EXPANDABLE_REPLAYS:
+        middle = (lo + hi) // 2
+        lo, hi = (middle, hi) if fits(middle) else (lo, middle)
+    return lo
 
 
 def _check_below(point: Callable[[int], _Point], top: int, limit: int, *, floor: int,
