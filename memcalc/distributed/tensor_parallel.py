@@ -1,0 +1,180 @@
+"""One rank of tensor (and sequence) parallelism, run by torch's own code: the meta model is
+parallelized with the real ``torch.distributed.tensor.parallel.parallelize_module`` over a fake
+process group, and the step is traced on that rank's DTensors.
+
+What the tracer sees: DTensor's ``__torch_dispatch__`` runs first (the tracer declines its ops,
+:attr:`~memcalc.engine.trace.StorageTracer.defer_to`), so every op reaches the tracer as the
+local op the rank runs — on its shards, on the replicated activations, and the functional
+collectives (``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``,
+``all_reduce``) that redistributing allocates, at their output's size. A parameter's storage
+is its local shard. DTensor's sharding propagation runs each op once more on global-shaped
+fake tensors to learn the output's metadata; that runs with the tracer set aside
+(:func:`_propagation_untraced`), since a real rank allocates nothing for it.
+
+Over a fake process group the collectives allocate their outputs and nothing else; gloo's own
+copies on the CPU are not modelled here (tests/test_gloo_tp.py measures what a real gloo run
+adds). A real rank's shards follow ``torch.chunk``: rank 0 holds the largest, so it is the
+default rank traced.
+
+The program leaves everything as it was: the model's parameters and hooks, the default process
+group (none before, none after), and DTensor's propagation caches (which hold the fake mesh).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.distributed.program import RankProgram
+from memcalc.distributed.tp_plans import TpPlan, resolve_plan
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.trace import StorageTracer
+
+__all__ = ("COLLECTIVE_OPS", "TensorParallel", "tensor_parallel")
+
+#: The namespace of the functional collectives DTensor's redistribution calls: their outputs
+#: are the rank's communication buffers.
+COLLECTIVE_OPS = "_c10d_functional."
+#: The hook dictionaries of ``nn.Module`` that ``distribute_module`` (under every ParallelStyle)
+#: and ``PrepareModuleInput`` add to.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+class TensorParallel(RankProgram):
+    """Rank ``rank`` of ``degree``-way tensor parallelism under ``plan``.
+
+    Args:
+        degree: the tensor-parallel degree (ranks of the ``tp`` mesh dimension).
+        plan: module-name pattern → transformers style string; None: the model's own plan
+            (:func:`memcalc.distributed.tp_plans.resolve_plan`).
+        rank: the rank traced (0: the one with the largest shards).
+        model_name: names the model in errors.
+    """
+
+    def __init__(self, degree: int, plan: Mapping[str, str] | None = None, *, rank: int = 0,
+                 model_name: str = "the model") -> None:
+        super().__init__()
+        if degree < 1:
+            raise InvalidInputError(f"the tensor-parallel degree must be at least 1, got {degree}")
+        if not 0 <= rank < degree:
+            raise InvalidInputError(f"rank {rank} is not one of the {degree} tensor-parallel ranks")
+        self.degree = degree
+        self.plan_strings = dict(plan) if plan is not None else None
+        self.rank = rank
+        self.model_name = model_name
+        self.plan: TpPlan | None = None
+
+    def install(self, tracer: StorageTracer, module: nn.Module) -> None:
+        super().install(tracer, module)
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        self.plan = plan = resolve_plan(module, self.plan_strings, self.model_name)
+        mesh = self._fake_mesh()
+        self._undo.append(functools.partial(_restore_modules, _snapshot(module)))
+        parallelize_module(module, mesh, dict(plan.styles), src_data_rank=None)
+        tracer.defer_to = (DTensor,)
+        self._undo.append(functools.partial(setattr, tracer, "defer_to", ()))
+        self._undo.append(_propagation_untraced())
+        self.notes.append(f"tensor parallel over {self.degree} ranks (torch's parallelize_module), rank {self.rank}'s "
+                          f"shards; plan: {plan.source}, {len(plan.styles)} entries")
+
+    def remove(self) -> None:
+        tracer = self.tracer
+        if tracer is not None:  # the collectives' outputs: the rank's communication buffers
+            ops = tracer.trace.op
+            self.communication.update(uid for uid, op in enumerate(ops) if op.startswith(COLLECTIVE_OPS))
+        super().remove()
+
+    def _fake_mesh(self) -> Any:
+        """A one-dimensional mesh over torch's fake process group, torn down by :meth:`remove`."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            raise InapplicableOptionError(
+                "tensor parallelism is estimated over a fake process group of memcalc's own, and this process has a "
+                "default process group already",
+                hint="Run the estimate in a process without torch.distributed initialized (before "
+                     "init_process_group, or after destroy_process_group).")
+        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.degree)
+        self._undo.append(_destroy_fake_group)
+        return DeviceMesh("cpu", torch.arange(self.degree), mesh_dim_names=("tp",))
+
+
+def tensor_parallel(degree: int, plan: Mapping[str, str] | None = None, *,
+                    rank: int = 0) -> Callable[[ResolvedModel], RankProgram]:
+    """The program factory a mesh's ``tp`` dimension gives a role: ``TensorParallel`` on each
+    role's resolved model."""
+
+    def program(resolved: ResolvedModel) -> RankProgram:
+        return TensorParallel(degree, plan, rank=rank, model_name=resolved.name)
+
+    return program
+
+
+def _destroy_fake_group() -> None:
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()  # type: ignore[no-untyped-call]  # its entries hold the fake mesh
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _propagation_untraced() -> Callable[[], None]:
+    """Run DTensor's sharding propagation (an op on global-shaped fake tensors, for the output's
+    metadata) with every dispatch mode set aside; returns the undo."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    @functools.wraps(original)
+    def untraced(self: ShardingPropagator, op_schema: Any) -> Any:
+        with _no_dispatch_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untraced  # type: ignore[method-assign]
+
+    def undo() -> None:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+    return undo
+
+
+@contextmanager
+def _no_dispatch_modes() -> Iterator[None]:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+_Snapshot = list[tuple[nn.Module, dict[str, Any], dict[str, tuple[int, ...]]]]
+
+
+def _snapshot(module: nn.Module) -> _Snapshot:
+    """Each submodule's parameters and the ids of its forward hooks, before parallelizing."""
+    return [(m, dict(m._parameters), {name: tuple(getattr(m, name)) for name in _HOOK_DICTS})
+            for m in module.modules()]
+
+
+def _restore_modules(snapshot: _Snapshot) -> None:
+    """Put back the parameters ``parallelize_module`` replaced by DTensors, and remove the hooks
+    it added."""
+    for module, parameters, hooks in snapshot:
+        module._parameters.clear()
+        module._parameters.update(parameters)
+        for name, kept in hooks.items():
+            table = getattr(module, name)
+            for key in [k for k in table if k not in kept]:
+                del table[key]
