@@ -11,13 +11,19 @@ is its local shard. DTensor's sharding propagation runs each op once more on glo
 fake tensors to learn the output's metadata; that runs with the tracer set aside
 (:func:`_propagation_untraced`), since a real rank allocates nothing for it.
 
-Over a fake process group the collectives allocate their outputs and nothing else; gloo's own
-copies on the CPU are not modelled here (tests/test_gloo_tp.py measures what a real gloo run
-adds). A real rank's shards follow ``torch.chunk``: rank 0 holds the largest, so it is the
-default rank traced.
+Over a fake process group the collectives allocate their outputs and nothing else, and so do
+gloo's on the CPU for these styles: real two-process gloo runs of the same plans agree with the
+per-rank estimate to the byte (tests/test_gloo_tp.py). A rank's shards follow ``torch.chunk``:
+rank 0 holds the largest, so it is the default rank traced.
+
+A plan that leaves some trainable parameters plain tensors beside DTensors cannot be stepped
+by torch's foreach or fused optimizers (``aten._foreach_*`` refuses mixed Tensor and DTensor
+arguments): given the optimizer implementation, the program refuses it by name, as the real
+run would fail.
 
 The program leaves everything as it was: the model's parameters and hooks, the default process
-group (none before, none after), and DTensor's propagation caches (which hold the fake mesh).
+group (none before, none after); DTensor's sharding caches are emptied before and after (they
+would hand one rank's local shapes to the next, :func:`_clear_dtensor_caches`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.loop import OptimizerImpl
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.tp_plans import TpPlan, resolve_plan
 from memcalc.engine.model import ResolvedModel
@@ -57,10 +64,13 @@ class TensorParallel(RankProgram):
             (:func:`memcalc.distributed.tp_plans.resolve_plan`).
         rank: the rank traced (0: the one with the largest shards).
         model_name: names the model in errors.
+        optimizer_impl: the optimizer's implementation, resolved for the target (None: not
+            checked): foreach and fused are refused when the plan leaves trainable
+            parameters plain tensors.
     """
 
     def __init__(self, degree: int, plan: Mapping[str, str] | None = None, *, rank: int = 0,
-                 model_name: str = "the model") -> None:
+                 model_name: str = "the model", optimizer_impl: OptimizerImpl | None = None) -> None:
         super().__init__()
         if degree < 1:
             raise InvalidInputError(f"the tensor-parallel degree must be at least 1, got {degree}")
@@ -70,17 +80,33 @@ class TensorParallel(RankProgram):
         self.plan_strings = dict(plan) if plan is not None else None
         self.rank = rank
         self.model_name = model_name
+        self.optimizer_impl = optimizer_impl
         self.plan: TpPlan | None = None
 
     def install(self, tracer: StorageTracer, module: nn.Module) -> None:
         super().install(tracer, module)
+        try:
+            self._parallelize(tracer, module)
+        except BaseException:
+            self.remove()  # the engine removes a program only once installed
+            raise
+
+    def _parallelize(self, tracer: StorageTracer, module: nn.Module) -> None:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import parallelize_module
 
         self.plan = plan = resolve_plan(module, self.plan_strings, self.model_name)
         mesh = self._fake_mesh()
         self._undo.append(functools.partial(_restore_modules, _snapshot(module)))
-        parallelize_module(module, mesh, dict(plan.styles), src_data_rank=None)
+        try:
+            parallelize_module(module, mesh, dict(plan.styles), src_data_rank=None)
+        except (NotImplementedError, ValueError, RuntimeError, AssertionError) as exc:  # a style on the wrong module
+            raise InvalidInputError(
+                f"torch's parallelize_module refused the tensor-parallel plan ({plan.source}) on {self.model_name}: "
+                f"{type(exc).__name__}: {exc}",
+                hint="colwise and rowwise styles apply to nn.Linear and nn.Embedding modules, sequence_parallel to "
+                     "norms; name those modules in the plan.") from exc
+        self._check_optimizer(module)
         tracer.defer_to = (DTensor,)
         self._undo.append(functools.partial(setattr, tracer, "defer_to", ()))
         self._undo.append(_propagation_untraced())
@@ -93,6 +119,22 @@ class TensorParallel(RankProgram):
             ops = tracer.trace.op
             self.communication.update(uid for uid, op in enumerate(ops) if op.startswith(COLLECTIVE_OPS))
         super().remove()
+
+    def _check_optimizer(self, module: nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if self.optimizer_impl not in (OptimizerImpl.FOREACH, OptimizerImpl.FUSED):
+            return
+        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        plain = [name for name, p in trainable if not isinstance(p, DTensor)]
+        if plain and len(plain) < len(trainable):
+            shown = ", ".join(plain[:4]) + (f" and {len(plain) - 4} more" if len(plain) > 4 else "")
+            raise InapplicableOptionError(
+                f"the tensor-parallel plan ({self.plan.source if self.plan else ''}) leaves {len(plain)} trainable "
+                f"parameters of {self.model_name} plain tensors beside DTensors ({shown}): torch's "
+                f"{self.optimizer_impl.value} optimizer refuses that mix (aten._foreach_* ops)",
+                hint="Give those modules a style in the plan (norms: 'sequence_parallel'), or step the optimizer "
+                     "one parameter at a time: Loop(optimizer_impl='for-loop').")
 
     def _fake_mesh(self) -> Any:
         """A one-dimensional mesh over torch's fake process group, torn down by :meth:`remove`."""
@@ -107,28 +149,39 @@ class TensorParallel(RankProgram):
                      "init_process_group, or after destroy_process_group).")
         dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.degree)
         self._undo.append(_destroy_fake_group)
+        _clear_dtensor_caches()
         return DeviceMesh("cpu", torch.arange(self.degree), mesh_dim_names=("tp",))
 
 
-def tensor_parallel(degree: int, plan: Mapping[str, str] | None = None, *,
-                    rank: int = 0) -> Callable[[ResolvedModel], RankProgram]:
+def tensor_parallel(degree: int, plan: Mapping[str, str] | None = None, *, rank: int = 0,
+                    optimizer_impl: OptimizerImpl | None = None) -> Callable[[ResolvedModel], RankProgram]:
     """The program factory a mesh's ``tp`` dimension gives a role: ``TensorParallel`` on each
     role's resolved model."""
 
     def program(resolved: ResolvedModel) -> RankProgram:
-        return TensorParallel(degree, plan, rank=rank, model_name=resolved.name)
+        return TensorParallel(degree, plan, rank=rank, model_name=resolved.name, optimizer_impl=optimizer_impl)
 
     return program
 
 
 def _destroy_fake_group() -> None:
-    from torch.distributed.tensor import DTensor
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()  # type: ignore[no-untyped-call]  # its entries hold the fake mesh
-    propagator._propagate_tensor_meta_cached.cache_clear()
+    _clear_dtensor_caches()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's sharding caches. Their keys compare meshes, not the rank a mesh was made
+    on: one process tracing rank 0 and then rank 3 of an uneven split would be handed rank 0's
+    local shapes (a real process is one rank for life). Their entries also hold the fake mesh."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()  # type: ignore[no-untyped-call]  # untyped in torch
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+    clear_redistribute_planner_cache()
 
 
 def _propagation_untraced() -> Callable[[], None]:
