@@ -12,6 +12,7 @@ trace is complete (:func:`gloo_runs._measured_step`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import time
@@ -26,6 +27,7 @@ import torch.multiprocessing as mp
 from gloo_runs import FEATURES, MAX_ATTEMPTS, BlockNet, GlooRunError, RankPeak, _net_bytes, _storages_before
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
+from torch.nn import functional as F
 
 from models_zoo.llama import LlamaConfig, LlamaForCausalLM
 
@@ -54,6 +56,11 @@ class TpCase:
     model: str
     plan: Mapping[str, str] | None = None
     foreach: bool = True
+    #: "mean" (of the output) or "lm-cross-entropy" (the Llama's next-token loss against
+    #: random targets that arrive with the batch, as memcalc's targets do)
+    loss: str = "mean"
+    #: torchtitan's plan keeping the logits sharded, the loss under torch's ``loss_parallel()``
+    loss_parallel: bool = False
 
     def build(self) -> nn.Module:
         return small_llama() if self.model == "llama" else BlockNet()
@@ -113,19 +120,22 @@ def _run_case(case: TpCase, world_size: int) -> RankPeak:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from memcalc.distributed.tp_plans import resolve_plan
+    from memcalc.measure.step import storage_bytes
 
     torch.manual_seed(0)
     model = case.build()
     x = case.batch()
+    targets = torch.randint(0, SMALL_LLAMA.vocab_size, x.shape) if case.loss == "lm-cross-entropy" else None
     mesh = init_device_mesh("cpu", (world_size,))
-    plan = resolve_plan(model, case.plan, case.name)  # the same torch styles as memcalc's estimate
+    # the same torch styles as memcalc's estimate
+    plan = resolve_plan(model, case.plan, case.name, loss_parallel=case.loss_parallel)
     parallelize_module(model, mesh, dict(plan.styles))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    _step(model, x, trainable, case.foreach)  # the warm-up
-    before = _storages_before(model, x)
+    _step(model, x, trainable, case, targets)  # the warm-up
+    before = _storages_before(model, x) + (storage_bytes([targets]) if targets is not None else 0)
     result = None
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        peak, complete = _measured_step(model, x, trainable, case.foreach)
+        peak, complete = _measured_step(model, x, trainable, case, targets)
         if complete and result is None:
             result = RankPeak(before + peak, 4 * len(trainable), attempt)
         missing = torch.tensor([0 if result is not None else 1])
@@ -137,14 +147,19 @@ def _run_case(case: TpCase, world_size: int) -> RankPeak:
     return result
 
 
-def _step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter], foreach: bool) -> None:
+def _step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter], case: TpCase,
+          targets: torch.Tensor | None) -> None:
     """tests/gloo_runs.py's step (two iterations of memcalc's default loop, a fresh Adam dropped
-    at the end) with Adam's ``foreach`` as the case says."""
-    optimizer = torch.optim.Adam(trainable, foreach=foreach)
+    at the end) with Adam's ``foreach`` and the loss as the case says."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    optimizer = torch.optim.Adam(trainable, foreach=case.foreach)
     for _ in range(2):
         out = model(x)
-        loss = out.mean()
-        loss.backward()
+        with loss_parallel() if case.loss_parallel else contextlib.nullcontext():
+            # the mean, or memcalc's lm-cross-entropy (memcalc.engine.losses.compute_loss)
+            loss = out.mean() if targets is None else F.cross_entropy(out.flatten(0, -2), targets.flatten())
+            loss.backward()
         del out, loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -152,8 +167,8 @@ def _step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter], fore
     gc.collect()
 
 
-def _measured_step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter],
-                   foreach: bool) -> tuple[int, bool]:
+def _measured_step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter], case: TpCase,
+                   targets: torch.Tensor | None) -> tuple[int, bool]:
     """The step's peak over the storages alive before it, and whether its trace is complete."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -161,5 +176,5 @@ def _measured_step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Paramet
 
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(model, x, trainable, foreach)
+        _step(model, x, trainable, case, targets)
     return _profiler_peak(prof), _net_bytes(prof) == 0

@@ -6,7 +6,8 @@ peak read from the profiler.
 Each rank's peak is compared less Adam's CPU step counters (4 B per trainable tensor), which a
 GPU would not hold and memcalc leaves out. The quick case is a BlockNet with a user plan (fc1
 colwise, fc2 rowwise); the slow ones a small Llama under torchtitan's plan (sequence parallel
-norms) and under transformers' strings.
+norms; the mean of the gathered logits, their cross-entropy, and the cross-entropy of the
+sharded logits under torch's ``loss_parallel()``) and under transformers' strings.
 """
 
 from __future__ import annotations
@@ -44,8 +45,24 @@ HF_LLAMA_PLAN = {
 }
 
 # the MLP's input and head layers, and the norms of transformers' plan, stay plain tensors: for-loop Adam
+#: Measured on torch 2.13 (2026-11-28): every rank's real peak 6,572,940 B, the estimate 6,455,808 B
+#: (-1.78%). A storage tracer on the real tensors of both runs shows why: over gloo, the outputs of
+#: the backward's collectives (reduce-scatter 32 KiB, all-gather 64 KiB, and the inputs they were
+#: given) are freed only after backward, when gloo's worker thread releases each work, not when the
+#: program drops them, as over a fake group and in memcalc; the sharded loss moves the real peak
+#: into backward, where those linger. The other cases peak where they have been released.
+LOSS_PARALLEL_GAP = ("gloo's works hold the backward's collective buffers until its worker thread releases them "
+                     "(-1.78%), which memcalc does not model")
 QUICK = [TpCase("tp-mlp", "mlp", MLP_PLAN, foreach=False)]
-SLOW = [TpCase("tp-llama-torchtitan", "llama"), TpCase("tp-llama-hf-strings", "llama", HF_LLAMA_PLAN, foreach=False)]
+LOSS_PARALLEL = TpCase("tp-llama-loss-parallel", "llama", loss="lm-cross-entropy", loss_parallel=True)
+SLOW = [
+    TpCase("tp-llama-torchtitan", "llama"),
+    TpCase("tp-llama-hf-strings", "llama", HF_LLAMA_PLAN, foreach=False),
+    TpCase("tp-llama-cross-entropy", "llama", loss="lm-cross-entropy"),
+    LOSS_PARALLEL,
+]
+SLOW_PARAMS = [pytest.param(case, id=case.name, marks=pytest.mark.xfail(strict=True, reason=LOSS_PARALLEL_GAP))
+               if case is LOSS_PARALLEL else pytest.param(case, id=case.name) for case in SLOW]
 
 
 def estimate_rank(case: TpCase, degree: int = WORLD, rank: int = 0) -> int:
@@ -53,12 +70,13 @@ def estimate_rank(case: TpCase, degree: int = WORLD, rank: int = 0) -> int:
     loop = FOREACH if case.foreach else FOR_LOOP
     if case.model == "llama":
         inputs = torch.zeros((LLAMA_BATCH, LLAMA_SEQ), dtype=torch.long)
-        step = build_step(case.factory(), inputs=inputs, optimizer="adam", loss="mean", gpu="cpu", loop=loop)
+        step = build_step(case.factory(), inputs=inputs, optimizer="adam", loss=case.loss, gpu="cpu", loop=loop)
     else:
         step = build_step(case.factory(), input_shape=(FEATURES,), batch_size=MLP_BATCH, optimizer="adam",
                           loss="mean", gpu="cpu", loop=loop)
     resolved = step.resolved(batch_size=None if case.model == "llama" else MLP_BATCH)
-    traced = trace_step(resolved, step, hooks=TensorParallel(degree, case.plan, rank=rank))
+    traced = trace_step(resolved, step, hooks=TensorParallel(degree, case.plan, rank=rank,
+                                                             loss_parallel=case.loss_parallel))
     return build_report(resolved, traced, step, role=f"tp rank {rank}").peak_requested
 
 
@@ -91,6 +109,6 @@ def slow_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankP
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW, ids=lambda case: case.name)
+@pytest.mark.parametrize("case", SLOW_PARAMS)
 def test_llama_tp_against_every_rank_of_a_real_gloo_run(slow_peaks, case):
     _check(case, slow_peaks[case.name])

@@ -15,7 +15,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.parallel import SequenceParallel
 
 import memcalc
-from memcalc.core.categories import Category
+from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.tensor_parallel import TensorParallel
 from memcalc.distributed.tp_plans import hf_plan, llama_plan, resolve_plan, user_plan
@@ -168,3 +168,35 @@ def test_a_process_group_already_there_is_refused(fake_process_group):
     with pytest.raises(InapplicableOptionError, match="default process group already"):
         _trace(pair, 2, PAIR_PLAN)
     assert dist.is_initialized()  # the caller's, left alone
+
+
+def test_loss_parallel_keeps_the_logits_sharded():
+    # gathered: every rank holds (2, 32, 1000) fp32 logits = 256,000 B; under loss_parallel its
+    # (2, 32, 500) shard only. The cross-entropy's own buffers differ too: compare the logits' op.
+    inputs = torch.zeros((2, 32), dtype=torch.long)
+    kw = {"inputs": inputs, "input_shape": None, "batch_size": None, "loss": "lm-cross-entropy"}
+    plan = llama_plan(small_llama(), loss_parallel=True)
+    assert plan is not None and plan.styles["lm_head"].output_layouts == (Shard(-1),)
+    gathered = _trace_lp(False, **kw)
+    sharded = _trace_lp(True, **kw)
+    assert max(_head_outputs(gathered)) == 2 * 32 * 1000 * 4
+    assert max(_head_outputs(sharded)) == 2 * 32 * 500 * 4
+    assert not dist.is_initialized()
+
+
+def _trace_lp(loss_parallel: bool, **kw):
+    step = build_step(small_llama, optimizer="adam", gpu="cpu", loop=FOREACH, **{
+        k: v for k, v in kw.items() if v is not None})
+    resolved = step.resolved(batch_size=None)
+    return trace_step(resolved, step, hooks=TensorParallel(2, None, loss_parallel=loss_parallel))
+
+
+def _head_outputs(traced) -> list[int]:
+    trace = traced.trace
+    return [trace.nbytes[u] for u in range(trace.num_storages) if trace.module[u] == "lm_head"
+            and trace.phase[u] is Phase.FORWARD]
+
+
+def test_loss_parallel_needs_torchtitans_plan():
+    with pytest.raises(InapplicableOptionError, match="loss_parallel"):
+        resolve_plan(pair(), PAIR_PLAN, "pair", loss_parallel=True)

@@ -67,10 +67,13 @@ class TensorParallel(RankProgram):
         optimizer_impl: the optimizer's implementation, resolved for the target (None: not
             checked): foreach and fused are refused when the plan leaves trainable
             parameters plain tensors.
+        loss_parallel: keep the logits sharded over the vocabulary and compute the
+            cross-entropy under torch's ``loss_parallel()`` (torchtitan's Llama plan only).
     """
 
     def __init__(self, degree: int, plan: Mapping[str, str] | None = None, *, rank: int = 0,
-                 model_name: str = "the model", optimizer_impl: OptimizerImpl | None = None) -> None:
+                 model_name: str = "the model", optimizer_impl: OptimizerImpl | None = None,
+                 loss_parallel: bool = False) -> None:
         super().__init__()
         if degree < 1:
             raise InvalidInputError(f"the tensor-parallel degree must be at least 1, got {degree}")
@@ -81,6 +84,7 @@ class TensorParallel(RankProgram):
         self.rank = rank
         self.model_name = model_name
         self.optimizer_impl = optimizer_impl
+        self.loss_parallel = loss_parallel
         self.plan: TpPlan | None = None
 
     def install(self, tracer: StorageTracer, module: nn.Module) -> None:
@@ -95,7 +99,7 @@ class TensorParallel(RankProgram):
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import parallelize_module
 
-        self.plan = plan = resolve_plan(module, self.plan_strings, self.model_name)
+        self.plan = plan = resolve_plan(module, self.plan_strings, self.model_name, loss_parallel=self.loss_parallel)
         mesh = self._fake_mesh()
         self._undo.append(functools.partial(_restore_modules, _snapshot(module)))
         try:
@@ -110,6 +114,12 @@ class TensorParallel(RankProgram):
         tracer.defer_to = (DTensor,)
         self._undo.append(functools.partial(setattr, tracer, "defer_to", ()))
         self._undo.append(_propagation_untraced())
+        if self.loss_parallel:  # its handlers act on DTensor's loss ops only: entered for the whole step
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            context = loss_parallel()
+            context.__enter__()
+            self._undo.append(functools.partial(context.__exit__, None, None, None))
         self.notes.append(f"tensor parallel over {self.degree} ranks (torch's parallelize_module), rank {self.rank}'s "
                           f"shards; plan: {plan.source}, {len(plan.styles)} entries")
 
@@ -154,12 +164,14 @@ class TensorParallel(RankProgram):
 
 
 def tensor_parallel(degree: int, plan: Mapping[str, str] | None = None, *, rank: int = 0,
-                    optimizer_impl: OptimizerImpl | None = None) -> Callable[[ResolvedModel], RankProgram]:
+                    optimizer_impl: OptimizerImpl | None = None,
+                    loss_parallel: bool = False) -> Callable[[ResolvedModel], RankProgram]:
     """The program factory a mesh's ``tp`` dimension gives a role: ``TensorParallel`` on each
     role's resolved model."""
 
     def program(resolved: ResolvedModel) -> RankProgram:
-        return TensorParallel(degree, plan, rank=rank, model_name=resolved.name, optimizer_impl=optimizer_impl)
+        return TensorParallel(degree, plan, rank=rank, model_name=resolved.name, optimizer_impl=optimizer_impl,
+                              loss_parallel=loss_parallel)
 
     return program
 

@@ -124,13 +124,15 @@ def hf_plan(module: nn.Module) -> TpPlan | None:
     return user_plan(plan, source=f"{type(module).__name__}'s own tp_plan (transformers)")
 
 
-def llama_plan(module: nn.Module) -> TpPlan | None:
+def llama_plan(module: nn.Module, *, loss_parallel: bool = False) -> TpPlan | None:
     """torchtitan's Llama plan on the zoo's Llama layout (HF names): None for another model.
+    ``loss_parallel``: the logits stay sharded over the vocabulary (a DTensor) for torch's
+    ``loss_parallel`` cross-entropy, else they are gathered.
 
     torchtitan's names → the zoo's: tok_embeddings → model.embed_tokens, attention_norm →
     input_layernorm, attention.wq/wk/wv/wo → self_attn.q/k/v/o_proj, ffn_norm →
     post_attention_layernorm, feed_forward.w1/w3/w2 → mlp.gate/up/down_proj, norm → model.norm,
-    output → lm_head (its logits gathered: torchtitan without loss_parallel).
+    output → lm_head.
     """
     names = {name for name, _ in module.named_modules()}
     if not names >= _LLAMA_LAYOUT or "model.layers.0.self_attn.q_proj" not in names:
@@ -139,7 +141,8 @@ def llama_plan(module: nn.Module) -> TpPlan | None:
     styles: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
         f"{layer}.input_layernorm": SequenceParallel(),
         # the zoo's attention takes (x, cos, sin, mask); torchtitan's (x, freqs_cis, masks)
         f"{layer}.self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
@@ -154,22 +157,34 @@ def llama_plan(module: nn.Module) -> TpPlan | None:
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
-    return TpPlan(styles, "torchtitan's Llama plan (sequence parallel norms, logits gathered)")
+    logits = "logits sharded for loss_parallel" if loss_parallel else "logits gathered"
+    return TpPlan(styles, f"torchtitan's Llama plan (sequence parallel norms, {logits})")
 
 
 #: The modules of the zoo's Llama layout (models_zoo/llama.py) that torchtitan's plan names.
 _LLAMA_LAYOUT: Final = frozenset({"model.embed_tokens", "model.layers", "model.norm", "lm_head"})
 
 
-def resolve_plan(module: nn.Module, strings: Mapping[str, str] | None, model_name: str) -> TpPlan:
+def resolve_plan(module: nn.Module, strings: Mapping[str, str] | None, model_name: str, *,
+                 loss_parallel: bool = False) -> TpPlan:
     """The plan for ``module``: the user's ``strings``, else the model's own, else torchtitan's
     for the zoo's Llama family; every pattern checked to name a module.
 
     Raises:
         InvalidInputError: a bad style string, or a pattern that names no module.
-        InapplicableOptionError: no plan given and the model has none.
+        InapplicableOptionError: no plan given and the model has none; ``loss_parallel``
+            with another plan than torchtitan's Llama plan.
     """
-    plan = user_plan(strings) if strings else (hf_plan(module) or llama_plan(module))
+    if loss_parallel:
+        plan = None if strings else llama_plan(module, loss_parallel=True)
+        if plan is None:
+            raise InapplicableOptionError(
+                f"loss_parallel is estimated with torchtitan's Llama plan only (its head keeps the logits sharded "
+                f"over the vocabulary as a DTensor); {model_name} "
+                f"{'has a plan of the user' if strings else 'is not of the zoo Llama family'}",
+                hint="Leave out loss_parallel: the logits are then gathered on every rank.")
+    else:
+        plan = user_plan(strings) if strings else (hf_plan(module) or llama_plan(module))
     if plan is None:
         raise InapplicableOptionError(
             f"{model_name} has no tensor-parallel plan of its own (no Hugging Face tp_plan, not the zoo's Llama "
