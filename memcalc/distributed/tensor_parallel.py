@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -117,9 +117,9 @@ class TensorParallel(RankProgram):
         if self.loss_parallel:  # its handlers act on DTensor's loss ops only: entered for the whole step
             from torch.distributed.tensor.parallel import loss_parallel
 
-            context = loss_parallel()
-            context.__enter__()
-            self._undo.append(functools.partial(context.__exit__, None, None, None))
+            stack = ExitStack()
+            stack.enter_context(loss_parallel())
+            self._undo.append(stack.close)
         self.notes.append(f"tensor parallel over {self.degree} ranks (torch's parallelize_module), rank {self.rank}'s "
                           f"shards; plan: {plan.source}, {len(plan.styles)} entries")
 
