@@ -99,9 +99,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # HF's hidden_shape (*input_shape, -1, head_dim): a tensor-parallel rank's local heads
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         out = sdpa_attention(q, k, v, self.num_heads // self.num_kv_heads, mask, enable_gqa=self.sdpa_enable_gqa)
         projected: Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -46,6 +46,11 @@ ReadOracle: TypeAlias = Callable[[torch.Tensor], "bool | int | float | None"]
 _READ_VALUE: Final = torch.ops.aten._local_scalar_dense.default
 #: The op behind ``nonzero``, ``argwhere`` and one-argument ``torch.where``: a row per nonzero element.
 _NONZERO: Final = torch.ops.aten.nonzero.default
+#: Ops whose real kernel hands back its argument's memory (the position given) but whose meta
+#: kernel allocates: the tracer runs them as a view. ``_c10d_functional::_wrap_tensor_autograd``
+#: wraps a collective's output in an AsyncCollectiveTensor; its fake kernel is ``empty_like``
+#: (torch/distributed/_functional_collectives.py).
+_SAME_MEMORY: Final[Mapping[str, int]] = {"_c10d_functional::_wrap_tensor_autograd": 0}
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -100,6 +105,11 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     Storages on other devices (the CPU step counters of ``torch.optim``, for example) are
     ignored: they would not be on the GPU either.
+
+    ``defer_to``: wrapper tensor subclasses (DTensor, under tensor parallelism) whose own
+    ``__torch_dispatch__`` runs first: the tracer declines their ops (``NotImplemented``) and so
+    sees the ops they run on their inner tensors — the allocations a rank makes — and a
+    storage of theirs is their inner tensor's (:meth:`storage_of`).
     """
 
     def __init__(self, device_type: str = "meta", after_op: AfterOpHook | None = None,
@@ -123,13 +133,22 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self._op = ""  # the aten op being dispatched ("" between ops): what made a new storage
         self.last_op: Op | None = None  # the aten op dispatched last: where an internal error happened
         self._op_names: dict[Op, str] = {}  # str(func) formats its schema name: once per op
+        self.defer_to: tuple[type[torch.Tensor], ...] = ()
+        self._same_memory: dict[Op, int] = {}  # per op: the argument whose memory it returns (_SAME_MEMORY), or -1
 
     # ---- the hot path -------------------------------------------------------------------
     def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
+        if self.defer_to and any(issubclass(t, self.defer_to) for t in types):
+            # the subclass's own dispatch runs next, with this mode still active: its inner ops come back here
+            return NotImplemented
         self.last_op = func
         try:
-            out = self._cache.run(func, args, kwargs or {}, self._run)
+            same = self._same_memory.get(func)
+            if same is None:
+                same = self._same_memory.setdefault(func, _SAME_MEMORY.get(func._schema.name, -1))
+            # a view where the real kernel allocates nothing
+            out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs or {}, self._run)
             self.trace.op_counts[func.__name__] += 1
             name = self._op_names.get(func)
             self._op = name if name is not None else self._op_names.setdefault(func, str(func))
@@ -172,9 +191,17 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 self._see(item)
 
     # ---- storage bookkeeping ------------------------------------------------------------
+    def storage_of(self, tensor: torch.Tensor) -> torch.UntypedStorage:
+        """The storage that holds ``tensor``'s memory: a deferred wrapper's (a DTensor's) is
+        its inner tensor's (the rank's local shard)."""
+        if self.defer_to and isinstance(tensor, self.defer_to):
+            attributes, _context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]  # a wrapper subclass
+            return self.storage_of(getattr(tensor, attributes[0]))
+        return tensor.untyped_storage()
+
     def track(self, tensor: torch.Tensor, category: Category | None = None) -> int:
         """The uid of ``tensor``'s storage, registering the storage as born now if new."""
-        storage = tensor.untyped_storage()
+        storage = self.storage_of(tensor)
         key = id(storage)
         uid = self._uid_by_key.get(key)
         if uid is not None:
@@ -282,7 +309,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def uid_of(self, tensor: torch.Tensor) -> int | None:
         """The uid of a live traced storage, or None if the tracer never saw it."""
-        return self._uid_by_key.get(id(tensor.untyped_storage()))
+        return self._uid_by_key.get(id(self.storage_of(tensor)))
 
     def set_phase(self, phase: Phase) -> None:
         """Enter ``phase``: storages born from now on belong to it."""

@@ -1,0 +1,180 @@
+"""Real tensor-parallel training steps on processes over gloo, each rank's peak read from the
+profiler: the reference for memcalc's per-rank tensor-parallel estimate on the CPU target
+(tests/test_gloo_tp.py).
+
+Each rank builds the same model (same seed), applies torch's own ``parallelize_module`` over a
+real gloo ``DeviceMesh`` with the case's plan — the same torch styles memcalc applies over its
+fake process group (:mod:`memcalc.distributed.tp_plans`) — and is measured as
+tests/gloo_runs.py measures DDP and FSDP2: a warm-up step, then two iterations of memcalc's
+default loop with a fresh ``Adam(foreach=True)`` under ``torch.profiler``, repeated until the
+trace is complete (:func:`gloo_runs._measured_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from gloo_runs import FEATURES, MAX_ATTEMPTS, BlockNet, GlooRunError, RankPeak, _net_bytes, _storages_before
+from torch import nn
+from torch.multiprocessing.spawn import ProcessException
+from torch.nn import functional as F
+
+from models_zoo.llama import LlamaConfig, LlamaForCausalLM
+
+#: A small Llama (the zoo's layout): 2 layers, grouped-query attention (4 heads, 2 KV heads).
+SMALL_LLAMA = LlamaConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=344,
+                          vocab_size=1000, max_position_embeddings=128)
+#: The Llama's batch and sequence length (the sequence divides by the ranks: sequence parallelism).
+LLAMA_BATCH, LLAMA_SEQ = 4, 32
+#: BlockNet's batch.
+MLP_BATCH = 16
+
+
+def small_llama() -> nn.Module:
+    return LlamaForCausalLM(SMALL_LLAMA)
+
+
+@dataclass(frozen=True)
+class TpCase:
+    """One real run: ``model`` ("llama": :func:`small_llama`; "mlp": tests/gloo_runs.py's
+    BlockNet) under ``plan`` (transformers' style strings; None: memcalc's default for the
+    model, torchtitan's for the Llama), stepped by ``Adam(foreach=foreach)``: a plan that leaves
+    some parameters plain tensors needs the for-loop Adam (torch's foreach kernels refuse a mix
+    of Tensors and DTensors)."""
+
+    name: str
+    model: str
+    plan: Mapping[str, str] | None = None
+    foreach: bool = True
+    #: "mean" (of the output) or "lm-cross-entropy" (the Llama's next-token loss against
+    #: random targets that arrive with the batch, as memcalc's targets do)
+    loss: str = "mean"
+    #: torchtitan's plan keeping the logits sharded, the loss under torch's ``loss_parallel()``
+    loss_parallel: bool = False
+
+    def build(self) -> nn.Module:
+        return small_llama() if self.model == "llama" else BlockNet()
+
+    def factory(self) -> Callable[[], nn.Module]:
+        return small_llama if self.model == "llama" else BlockNet
+
+    def batch(self) -> torch.Tensor:
+        if self.model == "llama":
+            return torch.randint(0, SMALL_LLAMA.vocab_size, (LLAMA_BATCH, LLAMA_SEQ))
+        return torch.randn(MLP_BATCH, FEATURES)
+
+
+def run_tp_cases(cases: Sequence[TpCase], work_dir: Path, *, world_size: int = 2,
+                 timeout_s: float = 300.0) -> dict[str, list[RankPeak]]:
+    """Run ``cases`` on ``world_size`` spawned processes over gloo; each case's peaks by rank.
+
+    Raises:
+        GlooRunError: a process failed or ran past ``timeout_s``.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    context = mp.start_processes(_worker, args=(world_size, store.port, list(cases), str(work_dir)),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise GlooRunError(f"the gloo runs took more than {timeout_s:.0f} s")
+    except ProcessException as error:
+        raise GlooRunError(f"a rank failed:\n{error}") from error
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
+    for rank in range(world_size):
+        measured = json.loads((work_dir / f"tp-rank{rank}.json").read_text())
+        for case in cases:
+            peaks[case.name].append(RankPeak(**measured[case.name]))
+    return peaks
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[TpCase], work_dir: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        results = {case.name: asdict(_run_case(case, world_size)) for case in cases}
+    finally:
+        dist.destroy_process_group()
+    (Path(work_dir) / f"tp-rank{rank}.json").write_text(json.dumps(results))
+
+
+def _run_case(case: TpCase, world_size: int) -> RankPeak:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from memcalc.distributed.tp_plans import resolve_plan
+    from memcalc.measure.step import storage_bytes
+
+    torch.manual_seed(0)
+    model = case.build()
+    x = case.batch()
+    targets = torch.randint(0, SMALL_LLAMA.vocab_size, x.shape) if case.loss == "lm-cross-entropy" else None
+    mesh = init_device_mesh("cpu", (world_size,))
+    # the same torch styles as memcalc's estimate
+    plan = resolve_plan(model, case.plan, case.name, loss_parallel=case.loss_parallel)
+    parallelize_module(model, mesh, dict(plan.styles))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    _step(model, x, trainable, case, targets)  # the warm-up
+    before = _storages_before(model, x) + (storage_bytes([targets]) if targets is not None else 0)
+    result = None
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        peak, complete = _measured_step(model, x, trainable, case, targets)
+        if complete and result is None:
+            result = RankPeak(before + peak, 4 * len(trainable), attempt)
+        missing = torch.tensor([0 if result is not None else 1])
+        dist.all_reduce(missing)
+        if int(missing) == 0:
+            break
+    if result is None:
+        raise GlooRunError(f"{case.name}: no complete trace in {MAX_ATTEMPTS} steps")
+    return result
+
+
+def _step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter], case: TpCase,
+          targets: torch.Tensor | None) -> None:
+    """tests/gloo_runs.py's step (two iterations of memcalc's default loop, a fresh Adam dropped
+    at the end) with Adam's ``foreach`` and the loss as the case says."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    optimizer = torch.optim.Adam(trainable, foreach=case.foreach)
+    for _ in range(2):
+        out = model(x)
+        with loss_parallel() if case.loss_parallel else contextlib.nullcontext():
+            # the mean, or memcalc's lm-cross-entropy (memcalc.engine.losses.compute_loss)
+            loss = out.mean() if targets is None else F.cross_entropy(out.flatten(0, -2), targets.flatten())
+            loss.backward()
+        del out, loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    del optimizer
+    gc.collect()
+
+
+def _measured_step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter], case: TpCase,
+                   targets: torch.Tensor | None) -> tuple[int, bool]:
+    """The step's peak over the storages alive before it, and whether its trace is complete."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from memcalc.measure.step import _profiler_peak
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(model, x, trainable, case, targets)
+    return _profiler_peak(prof), _net_bytes(prof) == 0
