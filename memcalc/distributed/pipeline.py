@@ -319,11 +319,11 @@ class _PipelineProgram:
         stages = []
         outputs: dict[int, Any] = {}
         for index, stage_module in zip(runner.stage_ids, runner.stages, strict=True):
-            example_in = self._example_input(index, device)
-            output = stage_module(*example_in)  # on meta, before the trace: its shapes, and which need grad
+            example = self._example_input(index, device)
+            output = example.call(stage_module)  # on meta, before the trace: its shapes, and which need grad
             outputs[index] = output
-            stages.append(PipelineStage(stage_module, index, pipeline.total_stages, device, input_args=example_in,
-                                        output_args=_as_tuple(output)))
+            stages.append(PipelineStage(stage_module, index, pipeline.total_stages, device,
+                                        input_args=tuple(example), output_args=_as_tuple(output)))
         last = pipeline.total_stages - 1
         target = self._target(outputs.get(last), device, m)
         runner.target = target
@@ -342,12 +342,12 @@ class _PipelineProgram:
             _phase_around(stage, "forward_one_chunk", tracer, Phase.FORWARD)
             _phase_around(stage, "backward_one_chunk", tracer, Phase.BACKWARD)
             _phase_around(stage, "backward_weight_one_chunk", tracer, Phase.BACKWARD)
-        first_input = self._example_input(0, device) if 0 in runner.stage_ids else ()
+        first = self._example_input(0, device) if 0 in runner.stage_ids else ModelInputs(())
         one_target = target[: target.shape[0] // m]
         if pipeline.schedule_kind.single_stage:
-            schedule._initialize_stage(first_input, {}, one_target)
+            schedule._initialize_stage(first.args, first.kwargs, one_target)
         else:
-            schedule._initialize_stages(first_input, {}, one_target)
+            schedule._initialize_stages(first.args, first.kwargs, one_target)
         runner.schedule = schedule
         for stage in stages:
             for infos in stage.args_recv_info.values():
@@ -373,12 +373,12 @@ class _PipelineProgram:
             self._undo()
             self._undo = None
 
-    def _example_input(self, index: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """One microbatch's input of stage ``index``: the model's inputs, or the activation."""
+    def _example_input(self, index: int, device: torch.device) -> ModelInputs:
+        """One microbatch's call of stage ``index``: the model's inputs, or the activation."""
         if index == 0:
-            return tuple(t for t in self.micro_inputs.args if isinstance(t, torch.Tensor))
+            return self.micro_inputs
         shape, dtype = self.layout.activation
-        return (torch.empty(shape, dtype=dtype, device=device, requires_grad=True),)
+        return ModelInputs((torch.empty(shape, dtype=dtype, device=device, requires_grad=True),))
 
     def _target(self, output: Any, device: torch.device, m: int) -> torch.Tensor:
         """The whole batch's target of the last stage's loss (the schedule splits it): memcalc's

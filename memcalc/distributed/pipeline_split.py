@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.engine.losses import primary_tensor
 from memcalc.engine.model import ModelInputs
 
 __all__ = ("ModelLayout", "StageModule", "block_containers_of", "layout_of", "stage_blocks")
@@ -234,11 +235,13 @@ class StageModule(nn.Module):
             device = self._activation.device
             call = self._input_layout.map(lambda t: torch.zeros((), dtype=t.dtype, device=device).expand(t.shape))
         try:
-            return call.call(self.model)
+            output = call.call(self.model)
         except _StageExit as exit_:
             return exit_.output
         finally:
             self._activation = None
+        # the pipeline's loss takes the last stage's tensors: a Hugging Face ModelOutput's logits
+        return output if isinstance(output, (torch.Tensor, tuple, list)) else primary_tensor(output)
 
     def _inject(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args:
