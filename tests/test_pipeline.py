@@ -113,11 +113,21 @@ def test_each_rank_holds_its_stage_parameters():
     assert first.report.bytes.parameters == 4 * (4160 + (BLOCKS // 2) * block)
     assert last.report.bytes.parameters == 4 * (585 + (BLOCKS // 2) * block)
     assert first.in_flight == (2,) and last.in_flight == (1,)
+    # Adam: parameters, gradients and two moments, all fp32
+    assert first.model_states == 4 * first.report.bytes.parameters
+    # the receive buffers, one per microbatch: the first rank's for its output's gradient, the
+    # last rank's for its input, each 8 samples × 64 positions × 64 wide, fp32
+    assert first.communication == last.communication == 4 * (8 * POSITIONS * WIDTH * 4)
+    report = estimate.as_report()
+    assert report.strategy == "pp" and report.world_size == 2
+    assert [role.ranks for role in report.roles] == [(0,), (1,)]
+    assert report.peak_requested == first.report.peak_requested
     # the busiest rank is the first: it keeps two microbatches' activations, the last one
     assert estimate.busiest.rank == 0
     assert estimate.to_dict()["busiest_rank"] == 0
 
 
+@pytest.mark.quick_cases("0")
 @pytest.mark.parametrize("rank", [0, 1])
 def test_gpipe_grows_by_one_microbatch_per_microbatch(rank):
     # GPipe keeps every microbatch until the backwards begin, and its peak is the first

@@ -42,7 +42,7 @@ from torch import nn
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.losses import LossChoice
-from memcalc.core.report import MemoryReport
+from memcalc.core.report import MemoryReport, RoleReport
 from memcalc.distributed.pipeline_schedules import (
     Action,
     PipelineSchedule,
@@ -54,7 +54,7 @@ from memcalc.distributed.pipeline_split import ModelLayout, StageModule, block_c
 from memcalc.engine.losses import compute_loss, make_targets, resolve_loss
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.options import Step
-from memcalc.engine.run import CostRecorderFactory, build_report
+from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.trace import StorageTracer
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
@@ -150,6 +150,21 @@ class RankEstimate:
     blocks: tuple[tuple[str, ...], ...]
     in_flight: tuple[int, ...]
     report: MemoryReport
+    #: parameters + gradients + optimizer state alive during the optimizer step.
+    model_states: int = 0
+    #: the stage's receive buffers (activations and gradients, one per microbatch), held for its life.
+    communication: int = 0
+
+    @property
+    def name(self) -> str:
+        """``pipeline rank 0: stage 0 (blocks.0..blocks.1)``."""
+        held = ", ".join(f"stage {s} ({b[0]}..{b[-1]})" for s, b in zip(self.stages, self.blocks, strict=True))
+        return f"pipeline rank {self.rank}: {held}"
+
+    def role(self) -> RoleReport:
+        """This rank as a GPU role of a multi-GPU report."""
+        return RoleReport(name=self.name, ranks=(self.rank,), batch_size=self.report.batch_size,
+                          model_states=self.model_states, communication=self.communication, report=self.report)
 
     @property
     def peak(self) -> int:
@@ -175,6 +190,15 @@ class PipelineEstimate:
     def busiest(self) -> RankEstimate:
         """The rank with the highest peak (the first of equals)."""
         return max(self.ranks, key=lambda r: (r.peak, -r.rank))
+
+    def as_report(self) -> MemoryReport:
+        """The multi-GPU report, as the other strategies make it: the busiest rank's report,
+        every pipeline rank a role."""
+        roles = tuple(r.role() for r in self.ranks)
+        busiest = replace(self.busiest.report, roles=roles).busiest_role
+        assert busiest is not None
+        return replace(busiest.report, strategy="pp", world_size=self.pipeline.stages,
+                       global_batch_size=self.ranks[0].report.batch_size, roles=roles)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -224,16 +248,16 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
     ranks = []
     for rank in range(pipeline.stages):
         stages = placement[rank]
-        report = _estimate_rank(step, pipeline, rank, stages, blocks, layout, micro.inputs, costs)
+        report, states, buffers = _estimate_rank(step, pipeline, rank, stages, blocks, layout, micro.inputs, costs)
         flight = in_flight(actions[rank])
         ranks.append(RankEstimate(rank, stages, tuple(blocks[s] for s in stages),
-                                  tuple(flight.get(s, 0) for s in stages), report))
+                                  tuple(flight.get(s, 0) for s in stages), report, states, buffers))
     return PipelineEstimate(pipeline, tuple(ranks), ASSUMPTIONS)
 
 
 def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[int],
                    blocks: Sequence[tuple[str, ...]], layout: ModelLayout, micro_inputs: ModelInputs,
-                   costs: CostRecorderFactory | None) -> MemoryReport:
+                   costs: CostRecorderFactory | None) -> tuple[MemoryReport, int, int]:
     resolved = step.resolved()
     resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                               checkpoint=bool(step.checkpoint))
@@ -256,7 +280,29 @@ def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[i
     with _fake_group(rank, pipeline.stages):
         traced = trace_step(rank_model, rank_step, hooks=program, costs=costs)
     traced.notes.extend(ASSUMPTIONS)
-    return build_report(rank_model, traced, rank_step, role=f"pipeline rank {rank}")
+    report = build_report(rank_model, traced, rank_step, role=f"pipeline rank {rank}")
+    buffers = sum(traced.trace.nbytes[uid] for uid in program.buffers)
+    return report, _model_states(traced), buffers
+
+
+_MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+
+
+def _model_states(traced: TracedStep) -> int:
+    """Parameters + gradients + optimizer state alive during the optimizer step: their largest
+    sum from ``step()`` to ``zero_grad()`` (the other strategies' roles count the same)."""
+    trace, categories = traced.trace, traced.categories
+    alive = sum(trace.nbytes[u] for u in trace.preexisting if categories[u] in _MODEL_STATES)
+    end = trace.phase_starts.get(Phase.ZERO_GRAD, len(trace.events))
+    start = trace.phase_starts.get(Phase.OPTIMIZER, end)
+    best = 0
+    for index, event in enumerate(trace.events[:end]):
+        if index >= start:
+            best = max(best, alive)
+        uid = event if event >= 0 else ~event
+        if categories[uid] in _MODEL_STATES:
+            alive += trace.nbytes[uid] if event >= 0 else -trace.nbytes[uid]
+    return max(best, alive)
 
 
 class _RankRunner(nn.Module):
@@ -307,6 +353,7 @@ class _PipelineProgram:
         self.layout = layout
         self.micro_inputs = micro_inputs
         self._undo: Callable[[], None] | None = None
+        self.buffers: list[int] = []  # uids of the stage's receive buffers
 
     def install(self, tracer: StorageTracer, module: nn.Module) -> None:
         from torch.distributed.pipelining import PipelineStage
@@ -353,7 +400,7 @@ class _PipelineProgram:
             for infos in stage.args_recv_info.values():
                 for info in infos:
                     if info.buffer is not None and not info.is_root_arg:
-                        tracer.preexisting(info.buffer, Category.ACTIVATIONS)
+                        self.buffers.append(tracer.preexisting(info.buffer, Category.ACTIVATIONS))
                         if info.tensor_meta is not None and info.tensor_meta.requires_grad:
                             # the gradient sent back last step: step() drops it (clear_runtime_states)
                             info.buffer.grad = torch.empty_like(info.buffer)
@@ -361,7 +408,7 @@ class _PipelineProgram:
             for infos in stage.grad_recv_info.values():
                 for info in infos:
                     if info.buffer is not None:
-                        tracer.preexisting(info.buffer, Category.WORKSPACE)
+                        self.buffers.append(tracer.preexisting(info.buffer, Category.WORKSPACE))
         if target.numel():
             tracer.preexisting(target, Category.INPUTS)
         self._undo = _works_keep_tensors()
