@@ -367,7 +367,11 @@ class _PipelineProgram:
         outputs: dict[int, Any] = {}
         for index, stage_module in zip(runner.stage_ids, runner.stages, strict=True):
             example = self._example_input(index, device)
-            output = example.call(stage_module)  # on meta, before the trace: its shapes, and which need grad
+            if index == pipeline.total_stages - 1:  # on meta, before the trace: the output's shapes
+                output = example.call(stage_module)
+            else:  # the activation the next stage receives
+                shape, dtype = self.layout.activation
+                output = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
             outputs[index] = output
             stages.append(PipelineStage(stage_module, index, pipeline.total_stages, device,
                                         input_args=tuple(example), output_args=_as_tuple(output)))

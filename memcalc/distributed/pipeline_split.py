@@ -204,18 +204,16 @@ class StageModule(nn.Module):
     def __init__(self, model: nn.Module, layout: ModelLayout, blocks: Sequence[str], *, first: bool, last: bool,
                  inputs: ModelInputs) -> None:
         super().__init__()
-        cut = copy.deepcopy(model)
         held = set(blocks)
-        for name in layout.blocks:
-            if name not in held:
-                _replace(cut, name, _PassThrough())
+        replaced: dict[str, nn.Module] = {name: _PassThrough() for name in layout.blocks if name not in held}
         if not first:
-            for name in layout.before:
-                shape, dtype = layout.stand_ins[name]
-                _replace(cut, name, _StandIn(shape, dtype))
+            replaced.update((name, _StandIn(*layout.stand_ins[name])) for name in layout.before)
         if not last:
-            for name in layout.after:
-                _replace(cut, name, nn.Identity())
+            replaced.update((name, nn.Identity()) for name in layout.after)
+        # deepcopy's memo hands back the replacement for each module left out: only what the
+        # stage keeps is copied (two of a 126-layer model's blocks, not all of them)
+        memo: dict[int, Any] = {id(model.get_submodule(name)): new for name, new in replaced.items()}
+        cut = copy.deepcopy(model, memo)
         self.model = cut
         self.first, self.last = first, last
         self.block_names = tuple(blocks)
@@ -252,12 +250,6 @@ class StageModule(nn.Module):
     @staticmethod
     def _exit(_module: nn.Module, _args: Any, output: Any) -> None:
         raise _StageExit(_first_tensor(output))
-
-
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, new)
 
 
 def _outer_modules(module: nn.Module, blocks: Sequence[str]) -> list[str]:
