@@ -157,3 +157,29 @@ def test_refused_steps():
         estimate_pipeline(_step(), Pipeline(2, "gpipe", microbatches=3))
     with pytest.raises(InapplicableOptionError, match="accumulates"):
         estimate_pipeline(_step(accum_steps=2), Pipeline(2))
+
+
+@pytest.mark.quick_cases("interleaved-1f1b")
+@pytest.mark.parametrize("schedule", [s.value for s in PipelineSchedule])
+def test_every_schedule_of_the_installed_torch_estimates_a_transformer(schedule):
+    # every parameter is on exactly one stage (the plain-torch Llama's head is not tied to its
+    # embedding), and each rank keeps the microbatches its schedule's order says
+    pipeline = Pipeline(2, schedule, microbatches=4)
+    step = build_step("torch:llama-tiny", batch_size=4, seq_len=32, optimizer="adamw")
+    estimate = estimate_pipeline(step, pipeline)
+    whole = memcalc.estimate("torch:llama-tiny", batch_size=4, seq_len=32, optimizer="adamw")
+    assert sum(r.report.bytes.parameters for r in estimate.ranks) == whole.bytes.parameters
+    actions = pipeline.actions()
+    for r in estimate.ranks:
+        flight = in_flight(actions[r.rank])
+        assert r.in_flight == tuple(flight[s] for s in r.stages)
+    assert estimate.busiest.peak == max(r.peak for r in estimate.ranks)
+
+
+def test_a_process_group_of_the_users_is_left_alone(monkeypatch):
+    # memcalc's fake group would replace the default group of a distributed job: refused instead
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(InapplicableOptionError, match="already initialised"):
+        estimate_pipeline(_step(), Pipeline(2))
