@@ -1,0 +1,519 @@
+"""Pipeline parallelism: every pipeline rank's peak under a schedule of
+``torch.distributed.pipelining``, estimated by running torch's own ``PipelineStage`` and
+schedule class on the meta model.
+
+For each pipeline rank, memcalc
+
+1. splits the model into stages (:mod:`memcalc.distributed.pipeline_split`: even blocks per
+   stage, or the user's split points; the first stage holds the embedding, the last the final
+   norm, the head and the loss), and gives the rank its stages (one; two or more for the
+   interleaved and V schedules, placed as torch places them);
+2. wraps them in torch's real ``PipelineStage`` and the real schedule class, over a fake
+   process group of ``stages`` ranks in which this process is the rank (sends and receives
+   do nothing; every buffer torch allocates for them is real);
+3. traces one optimizer step of that rank through memcalc's engine: ``schedule.step()``
+   forwards and backwards every microbatch in the schedule's order (gradients accumulate
+   across microbatches), ``scale_grads`` divides them, then the optimizer steps.
+
+What the trace holds, because torch's code allocates it: per microbatch the received
+activation buffers (non-first stages) and gradient buffers (non-last stages), kept by the
+stage for its life; the stage's output and inputs cached from each forward to its backward;
+the gradient of each received activation, which stays on the buffer's ``.grad`` until the next
+``step()`` clears it; the last stage's per-microbatch losses. The step starts as a steady-state
+step does: the previous step's input gradients are there and are released by ``step()``.
+
+Assumptions, stated in every report: balanced microbatches (the batch divides by
+``microbatches``); the schedule's compute order with sends and receives completing at once (no
+buffer waits for a slow peer); ``return_outputs=False`` (torchtitan's call: the last stage keeps
+no outputs for the caller); torch's metadata inference of the first step (a dry forward and
+backward) is not part of the steady-state step estimated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from memcalc.core.categories import Category, Phase
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.losses import LossChoice
+from memcalc.core.report import MemoryReport, RoleReport
+from memcalc.distributed.pipeline_schedules import (
+    Action,
+    PipelineSchedule,
+    in_flight,
+    rank_actions,
+    stage_of_rank,
+)
+from memcalc.distributed.pipeline_split import ModelLayout, StageModule, block_containers_of, layout_of, stage_blocks
+from memcalc.engine.losses import compute_loss, make_targets, resolve_loss
+from memcalc.engine.model import ModelInputs, ResolvedModel
+from memcalc.engine.options import Step
+from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
+from memcalc.engine.trace import StorageTracer
+from memcalc.stacks.peft import apply_finetune, step_precision
+from memcalc.targets.backend import trace_step
+
+__all__ = ("Pipeline", "PipelineEstimate", "RankEstimate", "estimate_pipeline")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The pipeline dimension of a mesh: ``Pipeline(stages=4, schedule="1f1b", microbatches=8)``.
+
+    Attributes:
+        stages: pipeline ranks (torchtitan's ``pp`` degree).
+        schedule: a :class:`PipelineSchedule` or its name (torchtitan's, or torch's class name).
+        microbatches: microbatches per step (None: as many as ``stages``); the rank's batch is
+            split into this many along dimension 0.
+        split_points: the block each stage after the first begins with (``("layers.4",
+            "layers.8")``), torch's ``SplitPoint.BEGINNING`` convention; None: even blocks.
+        stages_per_rank: stages a rank holds (None: 1 for GPipe and 1F1B, 2 for the
+            interleaved and V schedules).
+    """
+
+    stages: int
+    schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B
+    microbatches: int | None = None
+    split_points: tuple[str, ...] | None = None
+    stages_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 2:
+            raise InvalidInputError(f"pipeline stages (pp) must be an integer >= 2, got {self.stages!r}",
+                                    hint="pp=1 is no pipeline: leave it out.")
+        schedule = PipelineSchedule.parse(self.schedule)
+        object.__setattr__(self, "schedule", schedule)
+        microbatches = self.stages if self.microbatches is None else self.microbatches
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise InvalidInputError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        object.__setattr__(self, "microbatches", microbatches)
+        per_rank = (1 if schedule.single_stage else 2) if self.stages_per_rank is None else self.stages_per_rank
+        if not isinstance(per_rank, int) or per_rank < 1:
+            raise InvalidInputError(f"stages_per_rank must be a positive integer, got {self.stages_per_rank!r}")
+        if schedule.single_stage and per_rank != 1:
+            raise InvalidInputError(f"the {schedule.value} schedule runs one stage per rank, not {per_rank}",
+                                    hint="Use interleaved-1f1b, looped-bfs or a zero-bubble schedule for more.")
+        if not schedule.single_stage and per_rank < 2:
+            raise InvalidInputError(f"the {schedule.value} schedule runs two or more stages per rank")
+        if schedule.v_shaped and per_rank != 2:
+            raise InvalidInputError(f"the {schedule.value} schedule runs exactly two stages per rank (a V)")
+        object.__setattr__(self, "stages_per_rank", per_rank)
+        if self.split_points is not None:
+            object.__setattr__(self, "split_points", tuple(self.split_points))
+
+    @property
+    def schedule_kind(self) -> PipelineSchedule:
+        """The schedule, as the enum (``schedule`` after validation)."""
+        assert isinstance(self.schedule, PipelineSchedule)
+        return self.schedule
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step (``microbatches`` after validation)."""
+        assert self.microbatches is not None
+        return self.microbatches
+
+    @property
+    def per_rank(self) -> int:
+        """Stages per rank (``stages_per_rank`` after validation)."""
+        assert self.stages_per_rank is not None
+        return self.stages_per_rank
+
+    @property
+    def total_stages(self) -> int:
+        """Stages the model is split into."""
+        return self.stages * self.per_rank
+
+    def actions(self) -> dict[int, list[Action]]:
+        """Each rank's compute actions in the installed torch's order."""
+        return rank_actions(self.schedule_kind, self.stages, self.num_microbatches, self.per_rank)
+
+    def describe(self) -> str:
+        """``1f1b, 2 stages, 4 microbatches`` (and the stages per rank when more than one)."""
+        per = f", {self.per_rank} stages per rank" if self.per_rank > 1 else ""
+        return f"{self.schedule_kind.value}, {self.stages} pipeline ranks{per}, {self.num_microbatches} microbatches"
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """One pipeline rank: its stages, their blocks, the microbatches each keeps in flight at
+    most, and its full report (the busiest moment of its step)."""
+
+    rank: int
+    stages: tuple[int, ...]
+    blocks: tuple[tuple[str, ...], ...]
+    in_flight: tuple[int, ...]
+    report: MemoryReport
+    #: parameters + gradients + optimizer state alive during the optimizer step.
+    model_states: int = 0
+    #: the stage's receive buffers (activations and gradients, one per microbatch), held for its life.
+    communication: int = 0
+
+    @property
+    def name(self) -> str:
+        """``pipeline rank 0: stage 0 (blocks.0..blocks.1)``."""
+        held = ", ".join(f"stage {s} ({b[0]}..{b[-1]})" for s, b in zip(self.stages, self.blocks, strict=True))
+        return f"pipeline rank {self.rank}: {held}"
+
+    def role(self) -> RoleReport:
+        """This rank as a GPU role of a multi-GPU report."""
+        return RoleReport(name=self.name, ranks=(self.rank,), batch_size=self.report.batch_size,
+                          model_states=self.model_states, communication=self.communication, report=self.report)
+
+    @property
+    def peak(self) -> int:
+        """Peak allocated bytes (the allocator model's; on the CPU target, unrounded)."""
+        return self.report.bytes.peak_allocated
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {"rank": self.rank, "stages": list(self.stages), "blocks": [list(b) for b in self.blocks],
+                "in_flight": list(self.in_flight), "peak_allocated": self.peak,
+                "peak_requested": self.report.peak_requested, "report": self.report.to_dict()}
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """Every pipeline rank's estimate, and which is the busiest."""
+
+    pipeline: Pipeline
+    ranks: tuple[RankEstimate, ...]
+    assumptions: tuple[str, ...] = field(default=())
+
+    @property
+    def busiest(self) -> RankEstimate:
+        """The rank with the highest peak (the first of equals)."""
+        return max(self.ranks, key=lambda r: (r.peak, -r.rank))
+
+    def as_report(self) -> MemoryReport:
+        """The multi-GPU report, as the other strategies make it: the busiest rank's report,
+        every pipeline rank a role."""
+        roles = tuple(r.role() for r in self.ranks)
+        busiest = replace(self.busiest.report, roles=roles).busiest_role
+        assert busiest is not None
+        return replace(busiest.report, strategy="pp", world_size=self.pipeline.stages,
+                       global_batch_size=self.ranks[0].report.batch_size, roles=roles)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {"schedule": self.pipeline.schedule_kind.value, "stages": self.pipeline.stages,
+                "stages_per_rank": self.pipeline.per_rank, "microbatches": self.pipeline.num_microbatches,
+                "busiest_rank": self.busiest.rank, "ranks": [r.to_dict() for r in self.ranks],
+                "assumptions": list(self.assumptions)}
+
+
+ASSUMPTIONS = (
+    "pipeline: torch.distributed.pipelining's PipelineStage and schedule run on meta over a fake process group",
+    "pipeline: microbatches of equal size; sends and receives complete at once (no buffer waits on a peer)",
+    "pipeline: step(..., return_outputs=False), as torchtitan calls it; gradients scaled by the microbatch count",
+    "pipeline: the steady-state step (the first step's metadata inference is not estimated)",
+)
+
+
+def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFactory | None = None) -> PipelineEstimate:
+    """Estimate every pipeline rank of ``step`` under ``pipeline``.
+
+    ``step`` is one pipeline replica's step: its batch is what the first stage is fed per
+    optimizer step, split into ``pipeline.microbatches``.
+
+    Raises:
+        InvalidInputError: a batch that does not divide into the microbatches; a split the
+            model cannot take; a schedule torch refuses for these numbers.
+        InapplicableOptionError: not a training step, or a process group is already
+            initialised in this process (memcalc needs its own fake one).
+    """
+    if not step.mode.value == "train":
+        raise InapplicableOptionError(f"pipeline parallelism is estimated for training steps; the mode is "
+                                      f"{step.mode.value}")
+    if step.accum_steps != 1:
+        raise InapplicableOptionError("a pipeline step accumulates over its microbatches; accum_steps would be "
+                                      "a second accumulation", hint="Give the microbatches to the pipeline instead.")
+    m = pipeline.num_microbatches
+    actions = pipeline.actions()
+    probe = step.resolved()
+    if probe.batch_size % m:
+        raise InvalidInputError(f"the batch of {probe.batch_size} does not split into {m} equal microbatches",
+                                hint="Make the batch a multiple of the microbatches.")
+    micro = step.resolved(batch_size=probe.batch_size // m)
+    containers = block_containers_of(micro.module, micro.block_containers)
+    layout = layout_of(micro.module, micro.inputs, containers, micro.name)
+    blocks = stage_blocks(layout.blocks, pipeline.total_stages, pipeline.split_points)
+    placement = stage_of_rank(pipeline.schedule_kind, pipeline.stages, pipeline.per_rank)
+    ranks = []
+    for rank in range(pipeline.stages):
+        stages = placement[rank]
+        report, states, buffers = _estimate_rank(step, pipeline, rank, stages, blocks, layout, micro.inputs, costs)
+        flight = in_flight(actions[rank])
+        ranks.append(RankEstimate(rank, stages, tuple(blocks[s] for s in stages),
+                                  tuple(flight.get(s, 0) for s in stages), report, states, buffers))
+    return PipelineEstimate(pipeline, tuple(ranks), ASSUMPTIONS)
+
+
+def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[int],
+                   blocks: Sequence[tuple[str, ...]], layout: ModelLayout, micro_inputs: ModelInputs,
+                   costs: CostRecorderFactory | None) -> tuple[MemoryReport, int, int]:
+    resolved = step.resolved()
+    resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
+                              checkpoint=bool(step.checkpoint))
+    total = pipeline.total_stages
+    modules = [StageModule(resolved.module, layout, blocks[s], first=s == 0, last=s == total - 1,
+                           inputs=micro_inputs) for s in stages]
+    loss = step.loss if step.loss is not None else resolved.loss
+    runner = _RankRunner(modules, stages, pipeline, loss)
+    first = 0 in stages
+    containers = tuple(f"stages.{i}.model.{c}" for i in range(len(modules)) for c in layout.containers)
+    held = " + ".join(f"stage {s} ({blocks[s][0]}..{blocks[s][-1]})" for s in stages)
+    rank_model = ResolvedModel(
+        name=f"{resolved.name} pipeline rank {rank}", module=runner,
+        inputs=resolved.inputs if first else ModelInputs(()), loss=LossChoice.AUTO,
+        build_real=resolved.build_real, block_containers=containers,
+        notes=(*resolved.notes, f"pipeline rank {rank} of {pipeline.stages}: {held}; {pipeline.describe()}"))
+    rank_step = replace(step, loss=None, loss_fn=_RankRunner.done, accum_steps=1,
+                        precision=step_precision(resolved, step.finetune, step.precision, step.mode))
+    program = _PipelineProgram(runner, rank, layout, micro_inputs)
+    with _fake_group(rank, pipeline.stages):
+        traced = trace_step(rank_model, rank_step, hooks=program, costs=costs)
+    traced.notes.extend(ASSUMPTIONS)
+    report = build_report(rank_model, traced, rank_step, role=f"pipeline rank {rank}")
+    buffers = sum(traced.trace.nbytes[uid] for uid in program.buffers)
+    return report, _model_states(traced), buffers
+
+
+_MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+
+
+def _model_states(traced: TracedStep) -> int:
+    """Parameters + gradients + optimizer state alive during the optimizer step: their largest
+    sum from ``step()`` to ``zero_grad()`` (the other strategies' roles count the same)."""
+    trace, categories = traced.trace, traced.categories
+    alive = sum(trace.nbytes[u] for u in trace.preexisting if categories[u] in _MODEL_STATES)
+    end = trace.phase_starts.get(Phase.ZERO_GRAD, len(trace.events))
+    start = trace.phase_starts.get(Phase.OPTIMIZER, end)
+    best = 0
+    for index, event in enumerate(trace.events[:end]):
+        if index >= start:
+            best = max(best, alive)
+        uid = event if event >= 0 else ~event
+        if categories[uid] in _MODEL_STATES:
+            alive += trace.nbytes[uid] if event >= 0 else -trace.nbytes[uid]
+    return max(best, alive)
+
+
+class _RankRunner(nn.Module):
+    """What one pipeline rank runs in a step, as a module the engine can trace: its forward is
+    torch's ``schedule.step()`` (every microbatch's forward and backward, in the schedule's
+    order), and returns a scalar standing for the finished step, which the engine's loss
+    passes through (:meth:`done`) and whose backward computes nothing."""
+
+    def __init__(self, stage_modules: Sequence[StageModule], stage_ids: Sequence[int], pipeline: Pipeline,
+                 loss: Any) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stage_modules)
+        self.stage_ids = tuple(stage_ids)
+        self.pipeline = pipeline
+        self.loss_choice = loss
+        self.schedule: Any = None
+        self.target: torch.Tensor | None = None
+        self.first = 0 in stage_ids
+
+    def loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one microbatch, as memcalc computes the chosen loss."""
+        kind = resolve_loss(self.loss_choice, output)
+        targets = make_targets(kind, output) if target.numel() == 0 else (target,)
+        return compute_loss(kind, output, targets)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert self.schedule is not None, "_PipelineProgram.install() builds the schedule"
+        device = next(self.parameters()).device
+        self.schedule.step(*args, target=self.target, return_outputs=False, **kwargs)
+        return torch.zeros((), device=device, requires_grad=True)
+
+    @staticmethod
+    def done(output: torch.Tensor) -> torch.Tensor:
+        """The engine's loss of the step: the scalar :meth:`forward` returned."""
+        return output
+
+
+class _PipelineProgram:
+    """The rank's hooks on the engine's trace (:class:`memcalc.engine.run.RankHooks`): builds
+    torch's ``PipelineStage`` objects and schedule before the step (their shapes given, torch's
+    static mode: no vote, no metadata inference), runs the schedule's initialisation (it
+    allocates the receive buffers) and registers what a steady-state step finds: those buffers,
+    the previous step's gradients of the received activations, the last stage's targets."""
+
+    def __init__(self, runner: _RankRunner, rank: int, layout: ModelLayout, micro_inputs: ModelInputs) -> None:
+        self.runner = runner
+        self.rank = rank
+        self.layout = layout
+        self.micro_inputs = micro_inputs
+        self._undo: Callable[[], None] | None = None
+        self.buffers: list[int] = []  # uids of the stage's receive buffers
+
+    def install(self, tracer: StorageTracer, module: nn.Module) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.stage import InferenceMode  # type: ignore[attr-defined]
+
+        runner = self.runner
+        pipeline = runner.pipeline
+        m = pipeline.num_microbatches
+        device = next(runner.parameters()).device
+        stages = []
+        outputs: dict[int, Any] = {}
+        for index, stage_module in zip(runner.stage_ids, runner.stages, strict=True):
+            example = self._example_input(index, device)
+            if index == pipeline.total_stages - 1:  # on meta, before the trace: the output's shapes
+                output = example.call(stage_module)
+            else:  # the activation the next stage receives
+                shape, dtype = self.layout.activation
+                output = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
+            outputs[index] = output
+            stages.append(PipelineStage(stage_module, index, pipeline.total_stages, device,
+                                        input_args=tuple(example), output_args=_as_tuple(output)))
+        last = pipeline.total_stages - 1
+        target = self._target(outputs.get(last), device, m)
+        runner.target = target
+        schedule_cls = pipeline.schedule_kind.torch_class
+        if pipeline.schedule_kind.single_stage:
+            schedule = schedule_cls(stages[0], m, loss_fn=runner.loss_fn)
+        else:
+            schedule = schedule_cls(stages, m, loss_fn=runner.loss_fn)
+
+        def static_vote(voting: Sequence[Any], _has_backward: bool, _p2p_done: bool) -> None:
+            for stage in voting:
+                stage._inference_mode = InferenceMode.STATIC
+
+        schedule._warmup_p2p = static_vote
+        for stage in stages:  # the report's phases: the schedule's forwards and backwards
+            _phase_around(stage, "forward_one_chunk", tracer, Phase.FORWARD)
+            _phase_around(stage, "backward_one_chunk", tracer, Phase.BACKWARD)
+            _phase_around(stage, "backward_weight_one_chunk", tracer, Phase.BACKWARD)
+        first = self._example_input(0, device) if 0 in runner.stage_ids else ModelInputs(())
+        one_target = target[: target.shape[0] // m]
+        if pipeline.schedule_kind.single_stage:
+            schedule._initialize_stage(first.args, first.kwargs, one_target)
+        else:
+            schedule._initialize_stages(first.args, first.kwargs, one_target)
+        runner.schedule = schedule
+        for stage in stages:
+            for infos in stage.args_recv_info.values():
+                for info in infos:
+                    if info.buffer is not None and not info.is_root_arg:
+                        self.buffers.append(tracer.preexisting(info.buffer, Category.ACTIVATIONS))
+                        if info.tensor_meta is not None and info.tensor_meta.requires_grad:
+                            # the gradient sent back last step: step() drops it (clear_runtime_states)
+                            info.buffer.grad = torch.empty_like(info.buffer)
+                            tracer.preexisting(info.buffer.grad, Category.WORKSPACE)
+            for infos in stage.grad_recv_info.values():
+                for info in infos:
+                    if info.buffer is not None:
+                        self.buffers.append(tracer.preexisting(info.buffer, Category.WORKSPACE))
+        if target.numel():
+            tracer.preexisting(target, Category.INPUTS)
+        self._undo = _works_keep_tensors()
+
+    def remove(self) -> None:
+        self.runner.schedule = None
+        self.runner.target = None
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+    def _example_input(self, index: int, device: torch.device) -> ModelInputs:
+        """One microbatch's call of stage ``index``: the model's inputs, or the activation."""
+        if index == 0:
+            return self.micro_inputs
+        shape, dtype = self.layout.activation
+        return ModelInputs((torch.empty(shape, dtype=dtype, device=device, requires_grad=True),))
+
+    def _target(self, output: Any, device: torch.device, m: int) -> torch.Tensor:
+        """The whole batch's target of the last stage's loss (the schedule splits it): memcalc's
+        targets for the chosen loss, or an empty one for a loss that takes none (the schedule
+        always passes one). Not the last stage: an empty one."""
+        made = make_targets(resolve_loss(self.runner.loss_choice, output), output) if output is not None else ()
+        if not made:
+            return torch.empty(m, 0, device=device)
+        if len(made) > 1:
+            raise InapplicableOptionError(f"the loss takes {len(made)} targets; a pipeline's last stage is given one")
+        one = made[0]
+        return one.new_zeros((one.shape[0] * m, *one.shape[1:]))
+
+
+def _as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
+    """A stage's output as torch's static metadata takes it: detached tensors that keep whether
+    they need a gradient (a received activation's gradient buffer exists only then)."""
+    tensors = (value,) if isinstance(value, torch.Tensor) else tuple(t for t in value if isinstance(t, torch.Tensor))
+    return tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
+
+
+def _phase_around(stage: Any, method: str, tracer: StorageTracer, phase: Phase) -> None:
+    """Set the tracer's phase whenever ``stage.method`` runs (on this stage object only)."""
+    original = getattr(stage, method)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        tracer.set_phase(phase)
+        return original(*args, **kwargs)
+
+    setattr(stage, method, run)
+
+
+class _KeptWork:
+    """A fake process group's work that keeps its tensors, as a real one does: gloo's and
+    NCCL's ``Work`` hold the tensors of their send or receive until the work object dies, and
+    a schedule keeps its last send works in a variable (1F1B's ``send_work``) well after
+    waiting on them — on gloo, measured: the first rank's first forward output lived until the
+    1F1B steady state ended, 128 KiB above the peak the fake group's works gave."""
+
+    def __init__(self, work: Any, tensors: Sequence[torch.Tensor]) -> None:
+        self.work = work
+        self.tensors = tuple(tensors)
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+
+def _works_keep_tensors() -> Callable[[], None]:
+    """Replace the schedules' ``_batch_p2p`` for the trace: each send or receive is issued on its
+    own (a fake group has no order to keep, and coalescing would need a backend for the meta
+    device), and its work keeps its tensor (:class:`_KeptWork`). Returns the undo."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        works = []
+        for op in p2p_ops:
+            peer = {"group_dst": op.group_peer} if op.op is dist.isend else {"group_src": op.group_peer}
+            works.append(_KeptWork(op.op(op.tensor, group=op.group, tag=op.tag, **peer), (op.tensor,)))
+        return works
+
+    schedules._batch_p2p = batch_p2p
+
+    def undo() -> None:
+        schedules._batch_p2p = original
+
+    return undo
+
+
+@contextlib.contextmanager
+def _fake_group(rank: int, world: int) -> Iterator[None]:
+    """torch's fake process group as this process's default group, as rank ``rank`` of
+    ``world``, for the time of one rank's trace (its sends and receives do nothing)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise InapplicableOptionError(
+            "a torch.distributed process group is already initialised in this process; memcalc estimates a pipeline "
+            "over a fake process group of its own", hint="Estimate from a process without a process group.")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,182 @@
+"""Real pipeline-parallel training steps over gloo on the CPU: torch.distributed.pipelining's
+``PipelineStage`` and schedule classes on two processes, each rank's peak read from the
+profiler, the reference for memcalc's per-rank pipeline estimates
+(tests/test_gloo_pipeline.py).
+
+The stages are cut by hand, as the pipelining tutorial does (an ``nn.Sequential`` of the
+model's own modules: the input layer and the first half of the blocks, then the second half
+and the head), not by memcalc's splitter. Each stage is a ``PipelineStage`` in torch's
+default dynamic mode (its shapes found by the first step's metadata inference).
+
+How a rank's peak is measured follows tests/gloo_runs.py: one warm-up step (the metadata
+inference, the receive buffers), then the step under ``torch.profiler``: a fresh
+``Adam(foreach=True)`` and two iterations of ``schedule.step(...)``, ``optimizer.step()``,
+``zero_grad(set_to_none=True)``; the running sum of the ``[memory]`` events on top of the
+storages alive before it — the parameters, the input (first rank), and what the stage keeps
+between steps: its receive buffers for activations and gradients, and the previous step's
+gradients of the received activations, which ``step()`` drops when it begins.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from gloo_runs import MAX_ATTEMPTS, BlockNet, GlooRunError, RankPeak, _net_bytes
+from torch import nn
+from torch.multiprocessing.spawn import ProcessException
+
+#: The pipelined model: BlockNet at width 64 with 4 blocks, fed sequences of 64 positions of
+#: FEATURES features, so that the activations in flight, not the weights, decide the peak.
+WIDTH = 64
+BLOCKS = 4
+POSITIONS = 64
+BATCH = 32
+
+
+@dataclass(frozen=True)
+class PipelineCase:
+    """One real run: ``schedule`` (torch's name: "GPipe", "1F1B") over ``microbatches``."""
+
+    name: str
+    schedule: str
+    microbatches: int
+
+
+def pipeline_model() -> BlockNet:
+    """The model every rank builds (the same seed: the same weights)."""
+    return BlockNet(d=WIDTH, blocks=BLOCKS)
+
+
+def run_pipeline_cases(cases: Sequence[PipelineCase], work_dir: Path, *, world_size: int = 2,
+                       timeout_s: float = 300.0) -> dict[str, list[RankPeak]]:
+    """Run ``cases`` on ``world_size`` spawned processes (one pipeline stage each) over gloo.
+
+    Returns:
+        Each case's peaks, by rank.
+
+    Raises:
+        GlooRunError: a process failed or ran past ``timeout_s``.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    context = mp.start_processes(_worker, args=(world_size, store.port, list(cases), str(work_dir)),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise GlooRunError(f"the gloo pipeline runs took more than {timeout_s:.0f} s")
+    except ProcessException as error:
+        raise GlooRunError(f"a rank failed:\n{error}") from error
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
+    for rank in range(world_size):
+        measured = json.loads((work_dir / f"pp-rank{rank}.json").read_text())
+        for case in cases:
+            peaks[case.name].append(RankPeak(**measured[case.name]))
+    return peaks
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[PipelineCase], work_dir: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        results = {case.name: asdict(_run_case(case, rank, world_size)) for case in cases}
+    finally:
+        dist.destroy_process_group()
+    (Path(work_dir) / f"pp-rank{rank}.json").write_text(json.dumps(results))
+
+
+def _stage_module(model: BlockNet, rank: int, world_size: int) -> nn.Sequential:
+    """Rank ``rank``'s stage: its share of the blocks, the input layer first, the head last."""
+    per = BLOCKS // world_size
+    parts: list[nn.Module] = list(model.blocks)[rank * per:(rank + 1) * per]
+    if rank == 0:
+        parts.insert(0, model.inp)
+    if rank == world_size - 1:
+        parts.append(model.head)
+    return nn.Sequential(*parts)
+
+
+def _run_case(case: PipelineCase, rank: int, world_size: int) -> RankPeak:
+    from gloo_runs import FEATURES
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    torch.manual_seed(0)
+    stage_module = _stage_module(pipeline_model(), rank, world_size)
+    stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
+    schedule = get_schedule_class(case.schedule)(stage, case.microbatches, loss_fn=lambda out, _target: out.mean())
+    first, last = rank == 0, rank == world_size - 1
+    x = torch.randn(BATCH, POSITIONS, FEATURES) if first else None
+    target = torch.empty(BATCH, 0) if last else None  # the mean takes none; the schedule splits one
+    trainable = [p for p in stage_module.parameters() if p.requires_grad]
+
+    def step() -> None:
+        optimizer = torch.optim.Adam(trainable, foreach=True)
+        for _ in range(2):
+            if first:
+                schedule.step(x, return_outputs=False)
+            else:
+                schedule.step(target=target, return_outputs=False)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        del optimizer
+        gc.collect()
+
+    step()  # the warm-up: metadata inference, receive buffers
+    before = _storages_before(stage, stage_module, x)
+    result = None
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        peak, complete = _measured(step)
+        if complete and result is None:
+            result = RankPeak(before + peak, 4 * len(trainable), attempt)
+        missing = torch.tensor([0 if result is not None else 1])
+        dist.all_reduce(missing)
+        if int(missing) == 0:
+            break
+    if result is None:
+        raise GlooRunError(f"{case.name}: no complete trace in {MAX_ATTEMPTS} steps")
+    return result
+
+
+def _storages_before(stage: Any, module: nn.Module, x: torch.Tensor | None) -> int:
+    """Bytes alive when the step starts: parameters, the input, the stage's receive buffers and
+    the previous step's gradients on the activation buffers."""
+    from memcalc.measure.step import storage_bytes
+
+    kept: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
+    if x is not None:
+        kept.append(x)
+    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        for info in infos:
+            if info.buffer is not None and not info.is_root_arg:
+                kept.append(info.buffer)
+                if info.buffer.grad is not None:
+                    kept.append(info.buffer.grad)
+    return storage_bytes(kept)
+
+
+def _measured(step: Any) -> tuple[int, bool]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from memcalc.measure.step import _profiler_peak
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return _profiler_peak(prof), _net_bytes(prof) == 0

@@ -1,0 +1,63 @@
+"""memcalc's per-rank pipeline estimates on the CPU target against real pipeline-parallel steps
+on two processes over gloo (tests/gloo_pipeline.py): torch.distributed.pipelining's
+PipelineStage with ScheduleGPipe and Schedule1F1B, 2 stages, 4 microbatches, Adam, every
+rank's peak read from the profiler.
+
+Each rank's peak is compared less Adam's CPU step counters (4 B per trainable tensor), which a
+GPU would not hold and memcalc leaves out. On torch 2.13 all four ranks agree to the byte. One
+finding is held here: a real process group's send work keeps its tensor until the work object
+dies, and 1F1B keeps its last forward send work in a variable through the steady state, so the
+first rank holds its first microbatch's output 128 KiB longer than a fake group's works would
+(memcalc.distributed.pipeline._KeptWork); without it the first rank's 1F1B estimate was 1.56%
+under the real peak.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from gloo_pipeline import BATCH, POSITIONS, PipelineCase, pipeline_model, run_pipeline_cases
+from gloo_runs import FEATURES, RankPeak
+
+import memcalc
+from memcalc.distributed.pipeline import Pipeline, PipelineEstimate, estimate_pipeline
+from memcalc.fields import build_step
+
+pytestmark = pytest.mark.slow  # one spawn of two processes for both schedules: a minute or two
+
+#: The issue's bar is 1%; the runs agree to the byte, so 0.1% is held.
+TOLERANCE = 0.001
+WORLD = 2
+MICROBATCHES = 4
+CASES = [PipelineCase("gpipe", "GPipe", MICROBATCHES), PipelineCase("1f1b", "1F1B", MICROBATCHES)]
+
+
+@pytest.fixture(scope="module")
+def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankPeak]]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    work_dir: Path = tmp_path_factory.mktemp("gloo-pp")
+    return run_pipeline_cases(CASES, work_dir, world_size=WORLD)
+
+
+def _estimate(case: PipelineCase) -> PipelineEstimate:
+    step = build_step(pipeline_model, input_shape=(POSITIONS, FEATURES), batch_size=BATCH, optimizer="adam",
+                      loss="mean", gpu="cpu", loop=memcalc.Loop(optimizer_impl="foreach"))
+    return estimate_pipeline(step, Pipeline(WORLD, case.schedule, microbatches=case.microbatches))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_every_pipeline_rank_against_a_real_gloo_run(real_peaks, case):
+    estimate = _estimate(case)
+    assert [r.rank for r in estimate.ranks] == list(range(WORLD))
+    for rank, measured in enumerate(real_peaks[case.name]):
+        real = measured.step_peak
+        mine = estimate.ranks[rank].report.peak_requested
+        error = (mine - real) / real
+        print(f"{case.name} rank {rank}: real {real:,} B, estimate {mine:,} B, {error:+.3%}")
+        assert abs(error) <= TOLERANCE, f"rank {rank}: estimate {mine:,} B, real {real:,} B ({error:+.3%})"
+    # the busiest rank is named as the real runs rank them
+    real_busiest = max(range(WORLD), key=lambda r: real_peaks[case.name][r].step_peak)
+    assert estimate.busiest.rank == real_busiest

@@ -1,0 +1,185 @@
+"""Pipeline parallelism (memcalc.distributed.pipeline): the schedules' order as the installed
+torch runs it, worked out by hand; the split into stages; the per-rank estimate's arithmetic.
+The comparison with real gloo runs is tests/test_gloo_pipeline.py."""
+
+from __future__ import annotations
+
+import pytest
+from gloo_pipeline import BATCH, BLOCKS, POSITIONS, WIDTH, pipeline_model
+from gloo_runs import FEATURES
+
+import memcalc
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.distributed.pipeline import Pipeline, estimate_pipeline
+from memcalc.distributed.pipeline_schedules import Action, PipelineSchedule, in_flight, rank_actions, stage_of_rank
+from memcalc.distributed.pipeline_split import stage_blocks
+from memcalc.fields import build_step
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (4, 4), (4, 8), (3, 7)])
+def test_1f1b_keeps_p_minus_s_microbatches_in_flight(stages, microbatches):
+    # 1F1B: stage s of p runs p - s warm-up forwards before its first backward, then one
+    # forward for each backward: it holds min(p - s, m) microbatches at once
+    actions = rank_actions(PipelineSchedule.ONE_F_ONE_B, stages, microbatches)
+    for s in range(stages):
+        assert in_flight(actions[s]) == {s: min(stages - s, microbatches)}
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (4, 2), (4, 8)])
+def test_gpipe_keeps_every_microbatch_in_flight(stages, microbatches):
+    # GPipe: every forward, then every backward: m microbatches on every stage
+    actions = rank_actions(PipelineSchedule.GPIPE, stages, microbatches)
+    for s in range(stages):
+        assert in_flight(actions[s]) == {s: microbatches}
+        assert [a.kind for a in actions[s]] == ["F"] * microbatches + ["B"] * microbatches
+
+
+def test_1f1b_order_is_what_the_runtime_runs():
+    # the last rank forwards microbatches 0..m-1: torch 2.13's Schedule1F1B._get_pipeline_order
+    # names them 1..m there, its _step_microbatches (what a run executes) 0..m-1
+    last = rank_actions(PipelineSchedule.ONE_F_ONE_B, 2, 4)[1]
+    assert [str(a) for a in last] == ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
+    first = rank_actions(PipelineSchedule.ONE_F_ONE_B, 2, 4)[0]
+    assert [str(a) for a in first] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]
+
+
+def test_multi_stage_schedules_place_stages_as_torch_does():
+    # looped: rank r holds r, r + p; V: rank r holds r and 2p - 1 - r
+    assert stage_of_rank(PipelineSchedule.INTERLEAVED_1F1B, 2, 2) == {0: (0, 2), 1: (1, 3)}
+    assert stage_of_rank(PipelineSchedule.ZBV_ZERO_BUBBLE, 2, 2) == {0: (0, 3), 1: (1, 2)}
+    actions = rank_actions(PipelineSchedule.INTERLEAVED_1F1B, 2, 4, 2)
+    assert {a.stage for a in actions[0]} == {0, 2}
+    # every microbatch is forwarded and backwarded once per stage
+    for rank, acts in actions.items():
+        for stage in stage_of_rank(PipelineSchedule.INTERLEAVED_1F1B, 2, 2)[rank]:
+            assert sorted(a.microbatch for a in acts if a.stage == stage and a.kind == "F") == [0, 1, 2, 3]
+
+
+def test_zero_bubble_splits_the_backward():
+    acts = rank_actions(PipelineSchedule.ZBV_ZERO_BUBBLE, 2, 4, 2)[0]
+    assert {a.kind for a in acts} == {"F", "I", "W"}
+    assert Action(0, "W", 3) in acts
+
+
+def test_torch_refusals_are_memcalc_errors():
+    with pytest.raises(InvalidInputError, match="must be greater than or equal to the number of stages"):
+        rank_actions(PipelineSchedule.ONE_F_ONE_B, 4, 2)
+
+
+def test_even_split_and_split_points():
+    blocks = [f"layers.{i}" for i in range(10)]
+    assert [len(s) for s in stage_blocks(blocks, 4, None)] == [3, 3, 2, 2]
+    split = stage_blocks(blocks, 3, ("layers.2", "layers.7"))
+    assert split == [tuple(blocks[:2]), tuple(blocks[2:7]), tuple(blocks[7:])]
+    with pytest.raises(InvalidInputError, match="increasing"):
+        stage_blocks(blocks, 3, ("layers.7", "layers.2"))
+    with pytest.raises(InvalidInputError, match="not blocks"):
+        stage_blocks(blocks, 2, ("layer.3",))
+    with pytest.raises(InvalidInputError, match="take 2 split points"):
+        stage_blocks(blocks, 3, ("layers.3",))
+    with pytest.raises(InvalidInputError, match="at least 11 blocks"):
+        stage_blocks(blocks, 11, None)
+
+
+def test_pipeline_options_are_checked():
+    assert Pipeline(2).describe() == "1f1b, 2 pipeline ranks, 2 microbatches"
+    assert Pipeline(4, "Interleaved1F1B", microbatches=8).per_rank == 2
+    with pytest.raises(InvalidInputError, match=">= 2"):
+        Pipeline(1)
+    with pytest.raises(InvalidInputError):
+        Pipeline(2, "zigzag")
+    with pytest.raises(InvalidInputError, match="one stage per rank"):
+        Pipeline(2, "gpipe", stages_per_rank=2)
+    with pytest.raises(InvalidInputError, match="exactly two"):
+        Pipeline(2, "zbv-zero-bubble", stages_per_rank=3)
+
+
+def _step_at(batch, **values):
+    return build_step(pipeline_model, input_shape=(POSITIONS, FEATURES), batch_size=batch, optimizer="adam",
+                      loss="mean", gpu="cpu", loop=memcalc.Loop(optimizer_impl="foreach"), **values)
+
+
+def _step(**values):
+    return _step_at(BATCH, **values)
+
+
+def test_each_rank_holds_its_stage_parameters():
+    # BlockNet(d=64, 4 blocks): a block is LayerNorm 2·64 + fc1 64·256 + 256 + fc2 256·64 + 64 =
+    # 33,216 parameters; the input layer 64·64 + 64 = 4,160; the head 64·9 + 9 = 585; fp32
+    block = 2 * WIDTH + WIDTH * 4 * WIDTH + 4 * WIDTH + 4 * WIDTH * WIDTH + WIDTH
+    estimate = estimate_pipeline(_step(), Pipeline(2, "1f1b", microbatches=4))
+    first, last = estimate.ranks
+    assert first.blocks == (("blocks.0", "blocks.1"),) and last.blocks == (("blocks.2", "blocks.3"),)
+    assert first.report.bytes.parameters == 4 * (4160 + (BLOCKS // 2) * block)
+    assert last.report.bytes.parameters == 4 * (585 + (BLOCKS // 2) * block)
+    assert first.in_flight == (2,) and last.in_flight == (1,)
+    # Adam: parameters, gradients and two moments, all fp32
+    assert first.model_states == 4 * first.report.bytes.parameters
+    # the receive buffers, one per microbatch: the first rank's for its output's gradient, the
+    # last rank's for its input, each 8 samples × 64 positions × 64 wide, fp32
+    assert first.communication == last.communication == 4 * (8 * POSITIONS * WIDTH * 4)
+    report = estimate.as_report()
+    assert report.strategy == "pp" and report.world_size == 2
+    assert [role.ranks for role in report.roles] == [(0,), (1,)]
+    assert report.peak_requested == first.report.peak_requested
+    # the busiest rank is the first: it keeps two microbatches' activations, the last one
+    assert estimate.busiest.rank == 0
+    assert estimate.to_dict()["busiest_rank"] == 0
+
+
+@pytest.mark.quick_cases("0")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gpipe_grows_by_one_microbatch_per_microbatch(rank):
+    # GPipe keeps every microbatch until the backwards begin, and its peak is the first
+    # backward. At a fixed microbatch (8 samples × 64 positions = 512 rows), each more
+    # microbatch adds, fp32:
+    # * rank 0: the input layer's output (64 wide, LayerNorm's input), per block LayerNorm's
+    #   output (64), mean and rstd (1 + 1), fc1's and GELU's outputs (256 + 256), the residual
+    #   sum (64: the next LayerNorm's input, or the stage output in the forward cache); the
+    #   microbatch's share of the input batch (64 features); the receive buffer of its output's
+    #   gradient (64), which the stage keeps for its life;
+    # * rank 1: per block the same 578 + 64; the logits (9), kept in the forward cache for the
+    #   loss's backward; the receive buffer of its input activation (64); the loss (4 B).
+    rows = 8 * POSITIONS
+    block = WIDTH + 2 + 4 * WIDTH + 4 * WIDTH + WIDTH
+    per_microbatch = {
+        0: rows * 4 * (WIDTH + 2 * block + FEATURES + WIDTH),
+        1: rows * 4 * (2 * block + 9 + WIDTH) + 4,
+    }[rank]
+    peaks = [estimate_pipeline(_step_at(8 * m), Pipeline(2, "gpipe", microbatches=m)).ranks[rank].peak
+             for m in (2, 3, 4)]
+    assert peaks[1] - peaks[0] == per_microbatch
+    assert peaks[2] - peaks[1] == per_microbatch
+
+
+def test_refused_steps():
+    with pytest.raises(InvalidInputError, match="does not split into 3 equal microbatches"):
+        estimate_pipeline(_step(), Pipeline(2, "gpipe", microbatches=3))
+    with pytest.raises(InapplicableOptionError, match="accumulates"):
+        estimate_pipeline(_step(accum_steps=2), Pipeline(2))
+
+
+@pytest.mark.quick_cases("interleaved-1f1b")
+@pytest.mark.parametrize("schedule", [s.value for s in PipelineSchedule])
+def test_every_schedule_of_the_installed_torch_estimates_a_transformer(schedule):
+    # every parameter is on exactly one stage (the plain-torch Llama's head is not tied to its
+    # embedding), and each rank keeps the microbatches its schedule's order says
+    pipeline = Pipeline(2, schedule, microbatches=4)
+    step = build_step("torch:llama-tiny", batch_size=4, seq_len=32, optimizer="adamw")
+    estimate = estimate_pipeline(step, pipeline)
+    whole = memcalc.estimate("torch:llama-tiny", batch_size=4, seq_len=32, optimizer="adamw")
+    assert sum(r.report.bytes.parameters for r in estimate.ranks) == whole.bytes.parameters
+    actions = pipeline.actions()
+    for r in estimate.ranks:
+        flight = in_flight(actions[r.rank])
+        assert r.in_flight == tuple(flight[s] for s in r.stages)
+    assert estimate.busiest.peak == max(r.peak for r in estimate.ranks)
+
+
+def test_a_process_group_of_the_users_is_left_alone(monkeypatch):
+    # memcalc's fake group would replace the default group of a distributed job: refused instead
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(InapplicableOptionError, match="already initialised"):
+        estimate_pipeline(_step(), Pipeline(2))
