@@ -1,7 +1,7 @@
 """The multi-GPU options of ``memcalc MODEL`` (and of any command that estimates a step):
 ``--strategy``, ``--mesh``, ``--world-size``, ``--device-ids``, ``--global-batch/--per-rank-batch``,
-``--bucket-cap-mb``, ``--gradient-as-bucket-view``, ``--fsdp-sharding``,
-``--reduce-bucket-size``. :func:`strategy_options` adds them to a click command;
+``--bucket-cap-mb``, ``--gradient-as-bucket-view``, ``--fsdp-sharding``, ``--reduce-bucket-size``,
+``--pp-schedule``, ``--microbatches``, ``--pp-split``. :func:`strategy_options` adds them to a click command;
 :func:`strategy_arguments` checks them (bad combinations are usage errors) and returns the
 :class:`memcalc.Distributed` setting as :func:`memcalc.estimate`'s ``distributed`` keyword —
 so ``memcalc fit`` can take the same options and hand them to ``max_batch_size``.
@@ -25,6 +25,7 @@ from memcalc.distributed.options import (
     Strategy,
     inapplicable_option,
 )
+from memcalc.distributed.pipeline_schedules import PipelineSchedule
 
 __all__ = ("DeviceIdsType", "MeshType", "strategy_arguments", "strategy_options")
 
@@ -84,8 +85,8 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="A device mesh by its degrees, torchtitan's names: "
                           + ", ".join(f"{name} ({what})" for name, what in DIMENSION_NAMES.items())
                           + "; e.g. dp_shard=8,tp=4,pp=2. The world size is their product. --strategy fsdp is "
-                            "dp_shard=N, ddp is dp_replicate=N, both together HSDP; tp, pp, cp, ep are not "
-                            "modelled yet."),
+                            "dp_shard=N, ddp is dp_replicate=N, both together HSDP; pp runs torch's own pipeline "
+                            "schedule (alone on the mesh)."),
         click.option("--world-size", type=int, default=None, callback=_at_least_one, metavar="N",
                      help="Number of GPUs (ranks) for ddp, fsdp and zero*; for dp, devices 0..N-1."),
         click.option("--device-ids", type=DeviceIdsType(), default=None,
@@ -101,6 +102,15 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      default=FsdpSharding.FULL_SHARD.value, show_default=True,
                      help="fsdp: FULL_SHARD (reshard after forward) or SHARD_GRAD_OP (keep parameters gathered "
                           "until backward)."),
+        click.option("--pp-schedule", type=click.Choice([s.value for s in PipelineSchedule]), default=None,
+                     help="pp: the pipeline schedule, run from the installed torch.distributed.pipelining "
+                          "(default 1f1b)."),
+        click.option("--microbatches", type=click.IntRange(min=1), default=None, metavar="M",
+                     help="pp: microbatches per step; --batch (each pipeline's batch) splits into M "
+                          "(default: as many as the pipeline ranks)."),
+        click.option("--pp-split", type=str, default=None, metavar="MODULE,...",
+                     help="pp: the block each stage after the first begins with, e.g. model.layers.16 "
+                          "(default: even blocks per stage)."),
         click.option("--reduce-bucket-size", type=click.IntRange(min=1), default=DEEPSPEED_REDUCE_BUCKET_SIZE,
                      show_default=True, metavar="ELEMENTS",
                      help="zero*: DeepSpeed's reduce_bucket_size (elements of the gradient reduce bucket)."),
@@ -113,12 +123,14 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
 #: The options of one family of strategies: click parameter → :class:`Distributed` argument.
 _STRATEGY_ONLY = {"bucket_cap_mb": "bucket_cap_mb", "gradient_as_bucket_view": "gradient_as_bucket_view",
                   "fsdp_sharding": "sharding", "reduce_bucket_size": "reduce_bucket_size",
-                  "global_batch": "batch_is_global"}
+                  "global_batch": "batch_is_global", "pp_schedule": "pp_schedule", "microbatches": "microbatches",
+                  "pp_split": "pp_split"}
 
 
 def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tuple[int, ...] | None,
                        global_batch: bool, bucket_cap_mb: float, gradient_as_bucket_view: bool,
                        fsdp_sharding: str, reduce_bucket_size: int, mesh: dict[str, int] | None = None,
+                       pp_schedule: str | None = None, microbatches: int | None = None, pp_split: str | None = None,
                        measure: bool = False) -> dict[str, Any]:
     """The options as :func:`memcalc.estimate`'s ``distributed`` keyword (none for a single
     GPU); a usage error for combinations that make no sense (``--mesh`` with a ``--strategy``
@@ -141,7 +153,8 @@ def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tup
                                   gradient_as_bucket_view=gradient_as_bucket_view,
                                   sharding=fsdp_sharding if "sharding" in explicit else None,
                                   reduce_bucket_size=reduce_bucket_size if "reduce_bucket_size" in explicit else None,
-                                  mesh=mesh)
+                                  mesh=mesh, pp_schedule=pp_schedule, microbatches=microbatches,
+                                  pp_split=None if pp_split is None else [n for n in pp_split.split(",") if n.strip()])
     except InvalidInputError as exc:
         raise click.UsageError(str(exc)) from None
     if distributed.is_single:

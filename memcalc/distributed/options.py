@@ -15,6 +15,7 @@ from memcalc.core.choices import parse_choice
 from memcalc.core.counts import INT64_MAX, as_integer
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.mesh import MAX_WORLD_SIZE, Mesh
+from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.strategy.base import DIMENSIONS, SHORTHANDS
 from memcalc.distributed.strategy.catalogue import options_of, shorthand_class
 from memcalc.distributed.vocabulary import (
@@ -85,6 +86,11 @@ class Distributed:
     reduce_bucket_size: int
     #: The device mesh (a single GPU's: every degree 1); None for ``dp`` and ``zero*``.
     mesh: Mesh | None
+    #: ``pp``: the schedule's name (None: 1F1B, torchtitan's default), the microbatches per step
+    #: (None: as many as the pipeline ranks) and the block each stage after the first begins with.
+    pp_schedule: str | None
+    microbatches: int | None
+    pp_split: tuple[str, ...] | None
 
     def __init__(self, strategy: Strategy | str = Strategy.SINGLE, *, world_size: int | None = None,
                  device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
@@ -92,7 +98,8 @@ class Distributed:
                  sharding: FsdpSharding | str | None = None, reduce_bucket_size: int | None = None,
                  dp_replicate: int | None = None, dp_shard: int | None = None, tp: int | None = None,
                  pp: int | None = None, cp: int | None = None, ep: int | None = None,
-                 mesh: Mesh | Mapping[str, int] | None = None) -> None:
+                 mesh: Mesh | Mapping[str, int] | None = None, pp_schedule: str | None = None,
+                 microbatches: int | None = None, pp_split: Sequence[str] | None = None) -> None:
         strategy_ = parse_choice(Strategy, strategy, "strategy")
         sharding_ = FsdpSharding.FULL_SHARD if sharding is None else parse_choice(FsdpSharding, sharding,
                                                                                  "FSDP sharding")
@@ -113,7 +120,8 @@ class Distributed:
                                     hint="e.g. Distributed(dp_shard=8, tp=4) (--mesh dp_shard=8,tp=4)")
         _refuse_inapplicable(strategy_, mesh_, bucket_cap_mb=bucket_cap_mb,
                              gradient_as_bucket_view=gradient_as_bucket_view, sharding=sharding_,
-                             reduce_bucket_size=reduce_bucket_size, batch_is_global=batch_is_global)
+                             reduce_bucket_size=reduce_bucket_size, batch_is_global=batch_is_global,
+                             pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split)
         ids = _device_ids(device_ids, strategy_)
         if mesh_ is None:
             world, mesh_ = _shorthand(strategy_, world_size, ids)
@@ -125,7 +133,8 @@ class Distributed:
         values = {"strategy": strategy_, "world_size": world, "device_ids": ids,
                   "batch_is_global": bool(batch_is_global), "bucket_cap_mb": cap,
                   "gradient_as_bucket_view": bool(gradient_as_bucket_view), "sharding": sharding_,
-                  "reduce_bucket_size": bucket, "mesh": mesh_}
+                  "reduce_bucket_size": bucket, "mesh": mesh_, "pp_schedule": _checked_schedule(pp_schedule),
+                  "microbatches": _checked_microbatches(microbatches), "pp_split": _checked_split(pp_split)}
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -248,6 +257,9 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, object]] = {
     "sharding": ("--fsdp-sharding", FsdpSharding.FULL_SHARD),
     "reduce_bucket_size": ("--reduce-bucket-size", DEEPSPEED_REDUCE_BUCKET_SIZE),
     "batch_is_global": ("--global-batch", False),
+    "pp_schedule": ("--pp-schedule", None),
+    "microbatches": ("--microbatches", None),
+    "pp_split": ("--pp-split", None),
 }
 
 
@@ -279,12 +291,16 @@ def inapplicable_option(strategy: Strategy, given: Iterable[str], *, flags: bool
         else:
             names = [s.value for s, cls in SHORTHANDS.items() if option in cls.options]
         names = [s.value for s in Strategy if s.value in names]  # in the enum's order
-        listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
-        where = (f"under a multi-GPU {strategy_word} ({listed})" if option == "batch_is_global"
-                 else f"to {strategy_word} {listed}")
         dimensions = [d for d, cls in DIMENSIONS.items() if option in cls.options]
-        if mesh is not None and dimensions and option != "batch_is_global":
-            where += f" (the mesh dimension {' or '.join(dimensions)})"
+        if not names:  # a mesh dimension's own option (pp's schedule): no shorthand reads it
+            mesh_flag = "--mesh" if flags else "mesh"
+            where = f"to the mesh dimension {' or '.join(dimensions)} ({mesh_flag} {dimensions[0]}=N)"
+        else:
+            listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+            where = (f"under a multi-GPU {strategy_word} ({listed})" if option == "batch_is_global"
+                     else f"to {strategy_word} {listed}")
+            if mesh is not None and dimensions and option != "batch_is_global":
+                where += f" (the mesh dimension {' or '.join(dimensions)})"
         current = f"{strategy_word} {strategy.value}" if mesh is None else f"the mesh {mesh.describe()}"
         return f"{name} applies only {where}; with {current} it would be ignored"
     return None
@@ -316,6 +332,37 @@ def _checked_world_size(world_size: object) -> int | None:
             f"world_size is the number of GPUs: an integer, at least 1; got {world_size!r}{kind}",
             hint="e.g. world_size=4 (--world-size 4)")
     return number
+
+
+def _checked_schedule(schedule: object) -> str | None:
+    """A pipeline schedule's name as memcalc spells it (``1f1b``), or None."""
+    if schedule is None:
+        return None
+    if not isinstance(schedule, str):
+        raise InvalidInputError(f"pp_schedule is a schedule's name, got {schedule!r}",
+                                hint=f"one of {', '.join(s.value for s in PipelineSchedule)}")
+    return PipelineSchedule.parse(schedule).value
+
+
+def _checked_microbatches(microbatches: object) -> int | None:
+    """Microbatches per pipeline step: None or a positive integer."""
+    if microbatches is None:
+        return None
+    number = as_integer(microbatches)
+    if number is None or number < 1:
+        raise InvalidInputError(f"microbatches (--microbatches) is a positive integer, got {microbatches!r}")
+    return number
+
+
+def _checked_split(split: object) -> tuple[str, ...] | None:
+    """The pipeline's split points: module names, each a stage's first block (``layers.4``)."""
+    if split is None:
+        return None
+    names = (split,) if isinstance(split, str) else tuple(split) if isinstance(split, Sequence) else None
+    if names is None or not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise InvalidInputError(f"pp_split (--pp-split) is a list of module names, got {split!r}",
+                                hint="e.g. pp_split=('layers.4',) (--pp-split layers.4): stage 1 begins there")
+    return tuple(n.strip() for n in names)
 
 
 def _checked_bucket_cap_mb(bucket_cap_mb: object) -> float:

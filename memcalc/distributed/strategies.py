@@ -26,7 +26,7 @@ from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.report import MemoryReport, RoleReport
 from memcalc.distributed.options import Distributed
-from memcalc.distributed.strategy.base import Plan
+from memcalc.distributed.strategy.base import Plan, RankStrategy
 from memcalc.distributed.strategy.catalogue import strategies_for
 from memcalc.engine import allocator
 from memcalc.engine.optimizers import Optimizer, spec_for
@@ -71,6 +71,9 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         batch = 1 if step.batch_size is None else step.batch_size
         if batch < 1:
             raise InvalidInputError(f"batch size must be at least 1, got {batch}")
+    whole = [strategy for strategy in strategies if strategy.whole_step]
+    if whole:
+        return _whole_step(whole[0], strategies, step, distributed, batch, costs)
     plan = Plan(roles=(), batch=batch, global_batch=distributed.global_batch(batch))
     trace_precision = step.precision
     for strategy in strategies:
@@ -107,6 +110,23 @@ def estimate_per_rank(step: Step, distributed: Distributed,
 
 
 _MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+
+
+def _whole_step(strategy: RankStrategy, strategies: list[RankStrategy], step: Step, distributed: Distributed,
+                batch: int, costs: CostRecorderFactory | None) -> MemoryReport:
+    """The estimate of a dimension that runs the whole step itself (a pipeline), alone on the mesh."""
+    others = [s.name for s in strategies if s is not strategy]
+    if others:
+        assert distributed.mesh is not None
+        raise InapplicableOptionError(
+            f"the mesh {distributed.mesh.describe()}: {strategy.name} composed with {', '.join(others)} is not "
+            f"modelled yet (each pipeline rank is estimated with torch's own schedule on one GPU's model)",
+            hint=f"Estimate the pipeline alone (--mesh {strategy.name}={strategy.degree}): with data parallelism "
+                 f"over it each rank holds that, its parameters, gradients and optimizer state further sharded.")
+    report = strategy.estimate(step, distributed.per_rank_batch(batch), costs)
+    mesh = None if distributed.mesh is None else distributed.mesh.degrees
+    return replace(report, strategy=distributed.strategy.value, world_size=distributed.world_size,
+                   global_batch_size=distributed.global_batch(batch), mesh=mesh)
 
 
 def _model_states(traced: TracedStep, communication: set[int]) -> int:

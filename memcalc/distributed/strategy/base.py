@@ -28,12 +28,13 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.losses import LossFn
 from memcalc.core.precision import Precision
-from memcalc.core.report import Shard
+from memcalc.core.report import MemoryReport, Shard
 from memcalc.distributed.mesh import DIMENSION_NAMES, Mesh
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.vocabulary import FsdpSharding, Strategy
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
+from memcalc.engine.run import CostRecorderFactory
 
 __all__ = ("DIMENSIONS", "MODEL_STATES", "SHORTHANDS", "Plan", "RankStrategy", "Role", "Setting", "every_rank",
            "register", "sharding")
@@ -64,6 +65,12 @@ class Setting(Protocol):
     def sharding(self) -> FsdpSharding: ...
     @property
     def reduce_bucket_size(self) -> int: ...
+    @property
+    def pp_schedule(self) -> str | None: ...
+    @property
+    def microbatches(self) -> int | None: ...
+    @property
+    def pp_split(self) -> tuple[str, ...] | None: ...
     @property
     def data_parallel_size(self) -> int: ...
     def per_rank_batch(self, batch: int) -> int: ...
@@ -127,6 +134,10 @@ class RankStrategy(ABC):
     name: ClassVar[str]
     options: ClassVar[frozenset[str]] = frozenset()
     mesh_dimension: ClassVar[str | None] = None
+    #: True: the dimension estimates the whole step itself (:meth:`estimate`) instead of adding
+    #: to the roles: a pipeline rank runs a schedule over several microbatches, not one traced
+    #: step. Such a dimension composes with no other yet.
+    whole_step: ClassVar[bool] = False
 
     def __init__(self, distributed: Setting, degree: int) -> None:
         self.distributed = distributed
@@ -166,6 +177,11 @@ class RankStrategy(ABC):
     @abstractmethod
     def plan(self, plan: Plan, step: Step) -> Plan:
         """The roles with this strategy's part added: its program, its batch, its sharding, its notes."""
+
+    def estimate(self, step: Step, batch: int, costs: CostRecorderFactory | None) -> MemoryReport:
+        """A :attr:`whole_step` dimension's estimate of every rank at the user's ``batch`` (each
+        data-parallel replica's); the others never get here."""
+        raise NotImplementedError(f"{type(self).__name__} adds to the roles (whole_step is False)")
 
 
 S = TypeVar("S", bound=type[RankStrategy])
