@@ -21,7 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import memcalc
 from memcalc.cli import main
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.ring_attention import RingAttentionProgram, ring_backward_bytes, ring_forward_bytes
 from memcalc.measure.step import _profiler_peak
@@ -158,3 +158,14 @@ def test_cli_mesh_cp_without_seq_len():
     result = CliRunner().invoke(main, ["mlp", "--mesh", "cp=2"])
     assert result.exit_code == InvalidInputError.exit_code, result.output
     assert "--seq-len" in result.output
+
+
+@pytest.mark.slow
+def test_non_causal_attention_under_load_balancing_is_refused_and_sdpa_restored():
+    # torch: "Load balancing requires `is_causal=True`." — BERT's attention is bidirectional, and
+    # 2 x cp = 4 divides 128, so torch would balance the load and raise
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    result = CliRunner().invoke(main, ["bert-base", "--mesh", "cp=2", "--batch", "1", "--seq-len", "128"])
+    assert result.exit_code == InapplicableOptionError.exit_code, result.output
+    assert "not causal" in result.output
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # the patch undone

@@ -67,9 +67,10 @@ class RingAttentionProgram(RankProgram):
     ``F.scaled_dot_product_attention`` call, patched as ``context_parallel`` patches it
     (``_distribute_function`` on ``torch.nn.functional``) and restored on :meth:`remove`."""
 
-    def __init__(self, cp: int, inner: RankProgram) -> None:
+    def __init__(self, cp: int, inner: RankProgram, *, load_balanced: bool) -> None:
         super().__init__()
         self.cp = cp
+        self.load_balanced = load_balanced
         self.inner = inner
         self.communication = inner.communication  # one set: the report counts both programs' buffers
         self.notes = inner.notes
@@ -115,6 +116,14 @@ class RingAttentionProgram(RankProgram):
                 "context parallelism (torch's ring attention) runs causal attention without a mask: this model "
                 "passes attn_mask to scaled_dot_product_attention (a sliding window, padding or a custom mask)",
                 hint="Estimate it without cp, or with a model whose attention is plain causal.")
+        is_causal = args[2] if len(args) > 2 else kwargs.get("is_causal", False)
+        if not is_causal and self.load_balanced:
+            # _templated_ring_attention: "Load balancing requires `is_causal=True`."
+            raise InapplicableOptionError(
+                "context parallelism with load balancing (torch's default when 2 x cp divides the sequence) runs "
+                "causal attention only: this model's attention is not causal (is_causal=False)",
+                hint="Give a --seq-len that cp divides but 2 x cp does not (torch then shards without load "
+                     "balancing), or estimate without cp.")
         assert self.tracer is not None
         self.calls += 1
         itemsize = key.element_size()

@@ -12,7 +12,10 @@ model's compute, but torchtitan shards them with FSDP2 over ``dp_shard × cp`` (
 dimension wraps FSDP2 over that many ranks itself, and ``dp_shard`` only adds its batch share.
 
 Not run for real: torch's ring attention handles the CUDA SDPA ops only (no gloo run on the CPU),
-so tests/test_context_parallel.py checks the buffers by hand-worked arithmetic.
+so tests/test_context_parallel.py checks the ring's buffers against torch's ring attention run
+alone (a fake process group) and by hand-worked arithmetic. Not modelled: the full batch each rank
+loads before ``context_parallel`` shards it (``buffer.resize_(shard.shape)`` keeps the storage):
+``B x S`` token ids and labels.
 """
 
 from __future__ import annotations
@@ -48,12 +51,14 @@ class ContextParallel(DpShard):
         dp_shard = 1 if mesh is None else mesh.dp_shard
         fsdp, notes = fsdp_program(self.distributed.sharding, step, dp_shard * cp)
 
-        def ring(resolved: ResolvedModel) -> RankProgram:
-            return RingAttentionProgram(cp, fsdp(resolved))
-
         balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
-        notes = [*notes[:1], *(["(dp_shard x cp: torchtitan's dp_shard_cp mesh)"] if dp_shard > 1 else []),
-                 *notes[1:],
+
+        def ring(resolved: ResolvedModel) -> RankProgram:
+            return RingAttentionProgram(cp, fsdp(resolved), load_balanced=balanced)
+
+        if dp_shard > 1:
+            notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
+        notes = [*notes,
                  f"context parallelism over {cp} ranks: {seq_len} of {step.seq_len} tokens per sample per rank "
                  + ("(head-tail load balancing)" if balanced else "(contiguous chunks: no load balancing, as torch "
                                                                    "does when 2 x cp does not divide the sequence)")
