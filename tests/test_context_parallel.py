@@ -154,18 +154,18 @@ def test_cli_mesh_cp(golden):
     golden(result.output)
 
 
-def test_cli_mesh_cp_without_seq_len():
+def test_cli_mesh_cp_without_seq_len(golden):
     result = CliRunner().invoke(main, ["mlp", "--mesh", "cp=2"])
     assert result.exit_code == InvalidInputError.exit_code, result.output
-    assert "--seq-len" in result.output
+    golden(result.output)  # cp=2 splits the sequence: give its length
 
 
 @pytest.mark.slow
-def test_non_causal_attention_under_load_balancing_is_refused_and_sdpa_restored():
+def test_non_causal_attention_under_load_balancing_is_refused_and_sdpa_restored(golden):
     # torch: "Load balancing requires `is_causal=True`." — BERT's attention is bidirectional, and
     # 2 x cp = 4 divides 128, so torch would balance the load and raise
     sdpa = torch.nn.functional.scaled_dot_product_attention
     result = CliRunner().invoke(main, ["bert-base", "--mesh", "cp=2", "--batch", "1", "--seq-len", "128"])
     assert result.exit_code == InapplicableOptionError.exit_code, result.output
-    assert "not causal" in result.output
+    golden(result.output)
     assert torch.nn.functional.scaled_dot_product_attention is sdpa  # the patch undone
