@@ -3,9 +3,10 @@ buffers around every SDPA call, FSDP2 over dp_shard × cp (torchtitan's dp_shard
 
 What runs for real: torch's own ``_templated_ring_attention`` and its backward, on the CPU with
 the CPU flash op as the local attention and a fake process group (every rank of cp = 2 and 4,
-float32 and bfloat16), against memcalc's ring formulas. What cannot: a gloo step under
-``context_parallel``, whose handlers cover the CUDA SDPA ops only (checked below, so that the
-day torch adds the CPU op this test says so). The rest is worked out by hand.
+float32 and bfloat16), against memcalc's ring formulas; the ``context_parallel`` context manager
+itself, which shards the sequence and then fails on the CPU SDPA op. So no gloo step runs under
+it (checked below, so that the day torch adds the CPU op this test says so). The rest is worked
+out by hand.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from click.testing import CliRunner
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._context_parallel import _attention as ring_source
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -51,8 +54,21 @@ def _peak(fn) -> int:
     return _profiler_peak(prof)
 
 
-def test_torch_ring_attention_has_no_cpu_sdpa_handler():
-    # why no gloo run: context_parallel dispatches the CUDA SDPA ops only
+def test_torchs_context_parallel_shards_the_sequence_but_cannot_attend_on_the_cpu():
+    # the real context manager over a fake 2-rank group: the buffers shrink to S/cp in place; the
+    # CPU SDPA op then has no ring (custom_ops: the CUDA ops only), hence no gloo run of a cp step
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        q, k, v = (torch.randn(2, 8, 256, 64) for _ in range(3))
+        with (pytest.raises(NotImplementedError, match="_scaled_dot_product_flash_attention_for_cpu"),
+              context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2])):
+            assert q.shape == (2, 8, 128, 64)  # 256 tokens / cp=2
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        dist.destroy_process_group()
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # torch undid its patch
     assert aten._scaled_dot_product_flash_attention.default in ring_source.custom_ops
     assert aten._scaled_dot_product_flash_attention_for_cpu.default not in ring_source.custom_ops
     # memcalc models torch's defaults
