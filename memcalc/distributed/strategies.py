@@ -82,7 +82,8 @@ def estimate_per_rank(step: Step, distributed: Distributed,
     results: list[RoleReport] = []
     for role in plan.roles:
         assert role.program is not None, f"no strategy gave {role.name!r} a rank program"
-        resolved = step.resolved(batch_size=None if inputs is not None else role.batch)
+        role_step = step if role.seq_len is None else replace(step, seq_len=role.seq_len)
+        resolved = role_step.resolved(batch_size=None if inputs is not None else role.batch)
         resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                                   checkpoint=bool(step.checkpoint))
         for strategy in strategies:
@@ -90,7 +91,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         program = role.program(resolved)
         spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)
         precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
-        traced_options = replace(step, precision=precision, optimizer=program.optimizer_spec(spec),
+        traced_options = replace(role_step, precision=precision, optimizer=program.optimizer_spec(spec),
                                  loss_fn=role.loss_fn or step.loss_fn)
         traced = trace_step(resolved, traced_options, hooks=program, costs=costs)
         if role.loss_text is not None:

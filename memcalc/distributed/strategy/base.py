@@ -90,6 +90,8 @@ class Role:
         loss_fn, loss_text: the loss this GPU computes, where it is not the step's.
         sharding: what each mesh dimension divides on these ranks; None: the GPUs are not ranks
             of a process group (DataParallel's one process).
+        seq_len: the tokens per sample its model runs (context parallelism's share of the
+            sequence); None: the step's.
     """
 
     name: str
@@ -100,6 +102,7 @@ class Role:
     loss_fn: LossFn | None = None
     loss_text: str | None = None
     sharding: tuple[Shard, ...] | None = ()
+    seq_len: int | None = None
 
 
 @dataclass(frozen=True)

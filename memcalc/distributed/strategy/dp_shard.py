@@ -7,6 +7,7 @@ without autocast."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -23,7 +24,7 @@ from memcalc.distributed.vocabulary import FsdpSharding, Strategy
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
 
-__all__ = ("DpShard",)
+__all__ = ("DpShard", "fsdp_program")
 
 
 @register(Strategy.FSDP)
@@ -51,30 +52,41 @@ class DpShard(RankStrategy):
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         plan = every_rank(plan, self.distributed)
-        n = self.degree
-        precision = step.precision
-        mixed = precision.is_amp
-        low = precision.compute_dtype
-        sharding_ = self.distributed.sharding
-        reshard = sharding_ is FsdpSharding.FULL_SHARD
-        training = step.mode is Mode.TRAIN
-        cpu = not step.emulate_cuda
-        notes = [f"FSDP2 {sharding_.value.upper()} over {n} ranks"
-                 + (f"; MixedPrecisionPolicy(param_dtype={_dtype(low)}, reduce_dtype=float32): the model "
-                    f"computes in {_dtype(low)} without autocast" if mixed else "")]
-        if precision is Precision.AMP_FP16:
-            notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
-
-        def fsdp(resolved: ResolvedModel) -> RankProgram:
-            units = fsdp_units(resolved.module, resolved.block_containers)
-            return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
-                                  sharded_dtype=torch.float32 if mixed else None,
-                                  gather_dtype=low if mixed else None,
-                                  reduce_dtype=torch.float32 if mixed else None, training=training, cpu=cpu)
-
-        shard = Shard((*MODEL_STATES, "batch"), self.name, n)
+        shard = Shard((*MODEL_STATES, "batch"), self.name, self.degree)
+        mesh = self.distributed.mesh
+        if mesh is not None and mesh.cp > 1:
+            # cp applied first and wrapped FSDP2 over dp_shard x cp itself (torchtitan's dp_shard_cp mesh)
+            roles = tuple(replace(role, sharding=sharding(role.sharding, shard)) for role in plan.roles)
+            return replace(plan, roles=roles)
+        fsdp, notes = fsdp_program(self.distributed.sharding, step, self.degree)
         roles = tuple(replace(role, program=fsdp, sharding=sharding(role.sharding, shard)) for role in plan.roles)
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
+
+def fsdp_program(sharding_: FsdpSharding, step: Step,
+                 n: int) -> tuple[Callable[[ResolvedModel], RankProgram], list[str]]:
+    """The FSDP2 program over ``n`` ranks (a builder per role's model) and its notes: dp_shard's,
+    and context parallelism's, which shards the parameters over dp_shard x cp as torchtitan does."""
+    precision = step.precision
+    mixed = precision.is_amp
+    low = precision.compute_dtype
+    reshard = sharding_ is FsdpSharding.FULL_SHARD
+    training = step.mode is Mode.TRAIN
+    cpu = not step.emulate_cuda
+    notes = [f"FSDP2 {sharding_.value.upper()} over {n} ranks"
+             + (f"; MixedPrecisionPolicy(param_dtype={_dtype(low)}, reduce_dtype=float32): the model "
+                f"computes in {_dtype(low)} without autocast" if mixed else "")]
+    if precision is Precision.AMP_FP16:
+        notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
+
+    def fsdp(resolved: ResolvedModel) -> RankProgram:
+        units = fsdp_units(resolved.module, resolved.block_containers)
+        return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
+                              sharded_dtype=torch.float32 if mixed else None,
+                              gather_dtype=low if mixed else None,
+                              reduce_dtype=torch.float32 if mixed else None, training=training, cpu=cpu)
+
+    return fsdp, notes
 
 
 def _dtype(dtype: torch.dtype) -> str:

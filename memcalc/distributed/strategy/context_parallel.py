@@ -1,0 +1,90 @@
+"""``cp``: context parallelism as torchtitan runs it — ``context_parallel(mesh,
+buffers=[inputs, labels, freqs_cis], buffer_seq_dims=[1, 1, 0])`` around the step
+(torch 2.13 ``torch/distributed/tensor/experimental/_context_parallel/_attention.py``).
+
+Each rank holds ``S/cp`` tokens of every sample (the head-tail load balancer,
+``_HeadTailLoadBalancer``, when ``S`` divides by ``2·cp``: chunks ``r`` and ``2·cp-1-r``; plain
+chunks otherwise — the same bytes either way), so every activation is that of a ``S/cp``-token
+step, and ring attention (:mod:`memcalc.distributed.ring_attention`) adds its all-gathered K/V and
+merge buffers around each attention call. The parameters are replicated across ``cp`` for the
+model's compute, but torchtitan shards them with FSDP2 over ``dp_shard × cp`` (``parallel_dims``:
+``fsdp_enabled`` is ``dp_shard_enabled or cp_enabled``, the ``dp_shard_cp`` mesh), so this
+dimension wraps FSDP2 over that many ranks itself, and ``dp_shard`` only adds its batch share.
+
+Not run for real: torch's ring attention handles the CUDA SDPA ops only (no gloo run on the CPU),
+so tests/test_context_parallel.py checks the ring's buffers against torch's ring attention run
+alone (a fake process group) and by hand-worked arithmetic. Not modelled: the full batch each rank
+loads before ``context_parallel`` shards it (``buffer.resize_(shard.shape)`` keeps the storage):
+``B x S`` token ids and labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.report import Shard
+from memcalc.distributed.program import RankProgram
+from memcalc.distributed.ring_attention import RingAttentionProgram
+from memcalc.distributed.strategy.base import MODEL_STATES, Plan, every_rank, register, sharding
+from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.options import Step
+
+__all__ = ("ContextParallel",)
+
+
+@register()
+class ContextParallel(DpShard):
+    """The sequence split over the ranks, attention as a ring; FSDP2 over dp_shard × cp (so its
+    precision and its refusals are FSDP2's, inherited)."""
+
+    name = "cp"
+    mesh_dimension = "cp"
+    options = frozenset({"sharding"})
+
+    def plan(self, plan: Plan, step: Step) -> Plan:
+        cp = self.degree
+        seq_len = self._local_seq_len(step)
+        plan = every_rank(plan, self.distributed)
+        mesh = self.distributed.mesh
+        dp_shard = 1 if mesh is None else mesh.dp_shard
+        fsdp, notes = fsdp_program(self.distributed.sharding, step, dp_shard * cp)
+
+        balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
+
+        def ring(resolved: ResolvedModel) -> RankProgram:
+            return RingAttentionProgram(cp, fsdp(resolved), load_balanced=balanced)
+
+        if dp_shard > 1:
+            notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
+        notes = [*notes,
+                 f"context parallelism over {cp} ranks: {seq_len} of {step.seq_len} tokens per sample per rank "
+                 + ("(head-tail load balancing)" if balanced else "(contiguous chunks: no load balancing, as torch "
+                                                                   "does when 2 x cp does not divide the sequence)")
+                 + "; ring attention all-gathers K/V (rotate_method=allgather), merges in float32"]
+        shards = (Shard(MODEL_STATES, self.name, cp), Shard(("sequence",), self.name, cp))
+        roles = tuple(replace(role, program=ring, seq_len=seq_len, sharding=sharding(role.sharding, *shards))
+                      for role in plan.roles)
+        return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
+    def _local_seq_len(self, step: Step) -> int:
+        """``S/cp``: the tokens per sample of one rank.
+
+        Raises:
+            InvalidInputError: no ``--seq-len``, or one ``cp`` does not divide.
+            InapplicableOptionError: the user's own inputs (``inputs=``), which memcalc cannot shard.
+        """
+        cp = self.degree
+        if step.inputs is not None:
+            raise InapplicableOptionError(
+                f"cp={cp} shards the inputs along the sequence; memcalc shards the token batch it builds, not "
+                f"inputs= given", hint="Give batch_size and seq_len instead of inputs.")
+        if step.seq_len is None:
+            raise InvalidInputError(f"cp={cp} splits the sequence over {cp} ranks: give its length",
+                                    hint=f"e.g. --seq-len {8192}")
+        if step.seq_len % cp:
+            raise InvalidInputError(
+                f"cp={cp} does not divide the sequence of {step.seq_len} tokens: every rank holds an equal share",
+                hint=f"give a --seq-len that is a multiple of {2 * cp} (head-tail load balancing needs 2 x cp)")
+        return step.seq_len // cp

@@ -1,0 +1,187 @@
+"""Context parallelism (``cp``): each rank traces the step at S/cp tokens, ring attention's
+buffers around every SDPA call, FSDP2 over dp_shard × cp (torchtitan's dp_shard_cp).
+
+What runs for real: torch's own ``_templated_ring_attention`` and its backward, on the CPU with
+the CPU flash op as the local attention and a fake process group (every rank of cp = 2 and 4,
+float32 and bfloat16), against memcalc's ring formulas; the ``context_parallel`` context manager
+itself, which shards the sequence and then fails on the CPU SDPA op. So no gloo step runs under
+it (checked below, so that the day torch adds the CPU op this test says so). The rest is worked
+out by hand.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._context_parallel import _attention as ring_source
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import memcalc
+from memcalc.cli import main
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.distributed.options import Distributed
+from memcalc.distributed.ring_attention import RingAttentionProgram, ring_backward_bytes, ring_forward_bytes
+from memcalc.measure.step import _profiler_peak
+
+aten = torch.ops.aten
+MODEL = "torch:llama-tiny"  # hidden 512, 8 layers, 8 heads of 64 (K/V repeated to 8), vocab 32,000
+
+
+# ============================================================================================
+# Torch's ring attention, run for real
+# ============================================================================================
+
+
+def _local(q, k, v, is_causal=False, **_kwargs):
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)
+
+
+def _local_backward(grad_out, query, key, value, out, logsumexp, is_causal=False, **_kwargs):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp,
+                                                                      0.0, is_causal)
+
+
+def _peak(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+        del result
+    return _profiler_peak(prof)
+
+
+def test_torchs_context_parallel_shards_the_sequence_but_cannot_attend_on_the_cpu():
+    # the real context manager over a fake 2-rank group: the buffers shrink to S/cp in place; the
+    # CPU SDPA op then has no ring (custom_ops: the CUDA ops only), hence no gloo run of a cp step
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        q, k, v = (torch.randn(2, 8, 256, 64) for _ in range(3))
+        with (pytest.raises(NotImplementedError, match="_scaled_dot_product_flash_attention_for_cpu"),
+              context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2])):
+            assert q.shape == (2, 8, 128, 64)  # 256 tokens / cp=2
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        dist.destroy_process_group()
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # torch undid its patch
+    assert aten._scaled_dot_product_flash_attention.default in ring_source.custom_ops
+    assert aten._scaled_dot_product_flash_attention_for_cpu.default not in ring_source.custom_ops
+    # memcalc models torch's defaults
+    assert ring_source._cp_options.rotate_method is ring_source._RotateMethod.ALL_GATHER
+    assert ring_source._cp_options.convert_to_f32 and ring_source._cp_options.enable_load_balance
+
+
+@pytest.mark.quick_cases("2-float32")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_bytes_match_torchs_ring_on_its_busiest_rank(cp, dtype):
+    # B=2, H=8, S/cp=128, D=64: the real ring's profiler peak minus one local call's, every rank
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 128, 64, dtype=dtype) for _ in range(3))
+    out, lse = _local(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    local_forward = _peak(lambda: _local(q, k, v, is_causal=True))
+    local_backward = _peak(lambda: _local_backward(grad, q, k, v, out, lse, is_causal=True))
+    forward = backward = 0
+    for rank in range(cp):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+        try:
+            group = dist.group.WORLD
+            forward = max(forward, _peak(lambda group=group: ring_source._templated_ring_attention(
+                group, 2, _local, q, k, v, is_causal=True)) - local_forward)
+            backward = max(backward, _peak(lambda group=group: ring_source._templated_ring_attention_backward(
+                group, 2, _local_backward, grad, "grad_out", q, k, v, out, lse, is_causal=True)) - local_backward)
+        finally:
+            dist.destroy_process_group()
+    modelled_forward = ring_forward_bytes(q.shape, k.shape, q.element_size(), cp)
+    modelled_backward = ring_backward_bytes(q.shape, k.shape, q.element_size(), cp)
+    assert modelled_forward == pytest.approx(forward, rel=0.02), (modelled_forward, forward)
+    assert modelled_backward == pytest.approx(backward, rel=0.02), (modelled_backward, backward)
+
+
+def test_ring_bytes_by_hand():
+    # Nq = Nkv = 2·8·128·64 = 131,072 elements, fp32 (s = 4), cp = 2
+    shape = torch.Size((2, 8, 128, 64))
+    n = 131_072
+    # forward: gathered K/V cp·2·Nkv·4 + diff and product 2·Nq·4 + block output Nq·4
+    assert ring_forward_bytes(shape, shape, 4, 2) == 2 * 2 * n * 4 + 2 * n * 4 + n * 4 == 3_670_016
+    # bfloat16: gathered 2·2·Nkv·2 + 2·Nq·4 + Nq·2 + float32 copies (2·Nq·4 − Nq·2)
+    assert ring_forward_bytes(shape, shape, 2, 2) == 2 * 2 * n * 2 + 4 * n * 4 == 3_145_728
+    # backward: gathered 2·2·Nkv·4 + accumulators 3·n·4 + gradient ring 2·2·Nkv·4 + a step's grads 4·n·4
+    assert ring_backward_bytes(shape, shape, 4, 2) == (4 + 3 + 4 + 4) * n * 4 == 7_864_320
+
+
+# ============================================================================================
+# The rank's step
+# ============================================================================================
+
+
+def _estimate(seq_len: int, **mesh: int) -> memcalc.MemoryReport:
+    return memcalc.estimate(MODEL, batch_size=2, seq_len=seq_len, distributed=Distributed(**mesh))
+
+
+@pytest.mark.slow
+def test_a_cp_rank_is_the_step_at_s_over_cp_with_the_ring_around_attention(monkeypatch):
+    held: list[tuple[int, str]] = []
+    workspace = RingAttentionProgram._workspace
+
+    def spy(self, nbytes, label):
+        held.append((nbytes, label))
+        return workspace(self, nbytes, label)
+
+    monkeypatch.setattr(RingAttentionProgram, "_workspace", spy)
+    cp = _estimate(256, cp=2)
+    # every one of the 8 layers: forward 3,670,016 B and backward 7,864,320 B (test_ring_bytes_by_hand:
+    # B=2, 8 heads (K/V repeated), 128 tokens of 256, D=64, fp32)
+    assert Counter(nbytes for nbytes, _ in held) == {3_670_016: 8, 7_864_320: 8}
+    assert all("ring attention" in label for _, label in held)
+    held.clear()
+    # the same rank without the ring: FSDP2 over 2 ranks at 128 tokens; saved activations and model
+    # states are the same, and the peak (lm_head's backward, 2·128·32,000 logits) too
+    half = _estimate(128, dp_shard=2)
+    assert held == []
+    (role,), (half_role,) = cp.roles, half.roles
+    assert role.model_states == half_role.model_states
+    assert role.report.bytes.activations == half_role.report.bytes.activations
+    assert role.report.bytes.peak_allocated == half_role.report.bytes.peak_allocated
+    assert cp.global_batch_size == 2  # the cp ranks share their samples
+    # with dp_shard=2: parameters sharded over dp_shard × cp = 4, as dp_shard=4 at 128 tokens
+    both, four = _estimate(256, dp_shard=2, cp=2), _estimate(128, dp_shard=4)
+    assert both.roles[0].model_states == four.roles[0].model_states < role.model_states
+    assert both.global_batch_size == 4
+
+
+def test_cp_refuses_what_it_cannot_shard():
+    with pytest.raises(InvalidInputError, match="give its length"):
+        memcalc.estimate("mlp", batch_size=2, distributed=Distributed(cp=2))
+    with pytest.raises(InvalidInputError, match="does not divide the sequence of 255 tokens"):
+        memcalc.estimate(MODEL, batch_size=2, seq_len=255, distributed=Distributed(cp=2))
+
+
+def test_cli_mesh_cp(golden):
+    result = CliRunner().invoke(main, [MODEL, "--mesh", "cp=2", "--batch", "2", "--seq-len", "256"])
+    assert result.exit_code == 0, result.output
+    assert "sequence /2 (cp)" in result.output
+    golden(result.output)
+
+
+def test_cli_mesh_cp_without_seq_len(golden):
+    result = CliRunner().invoke(main, ["mlp", "--mesh", "cp=2"])
+    assert result.exit_code == InvalidInputError.exit_code, result.output
+    golden(result.output)  # cp=2 splits the sequence: give its length
+
+
+@pytest.mark.slow
+def test_non_causal_attention_under_load_balancing_is_refused_and_sdpa_restored(golden):
+    # torch: "Load balancing requires `is_causal=True`." — BERT's attention is bidirectional, and
+    # 2 x cp = 4 divides 128, so torch would balance the load and raise
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    result = CliRunner().invoke(main, ["bert-base", "--mesh", "cp=2", "--batch", "1", "--seq-len", "128"])
+    assert result.exit_code == InapplicableOptionError.exit_code, result.output
+    golden(result.output)
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # the patch undone
