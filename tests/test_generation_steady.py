@@ -93,3 +93,16 @@ def test_a_rule_sized_scratch_in_each_step_falls_back_to_the_full_trace(tmp_path
 def test_short_generations_are_traced_in_full():
     assert steady.traced_tokens(steady.EXTRAPOLATE_FROM - 1) is None
     assert steady.traced_tokens(1_000) == steady.TRACED_TOKENS
+
+
+def test_an_extrapolated_generation_tells_the_tokens_traced_then_all(tmp_path: Path):
+    from memcalc.core.progress import progress_to
+    from memcalc.engine.generation import GENERATING
+
+    told: list[tuple[str, int, int | None]] = []
+    with progress_to(lambda task, done, total: told.append((task, done, total))):
+        memcalc.estimate(hf_config_source(tmp_path), batch_size=1, seq_len=8, mode="generate", new_tokens=50,
+                         optimizer="none")
+    # 0 before the prefill, 1 .. 6 as the traced decode forwards begin, 50 once the rest is written out
+    traced = steady.TRACED_TOKENS
+    assert told == [(GENERATING, done, 50) for done in range(traced)] + [(GENERATING, 50, 50)]

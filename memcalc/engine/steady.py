@@ -314,8 +314,11 @@ def _write(trace: StepTrace, layout: _Layout, last: list[int], last_segment: lis
         coded = np.where(kinds == 0, rows, ~rows)  # a steady step frees only its own or the last step's
         step_numbers = np.arange(first_new, first_new + count, dtype=np.int64)
         sizes = layout.nbytes0[None, :] + step_numbers[:, None] * layout.slope[None, :]
+        at: dict[int, list[ShapeSized]] = {}
         for i, (zero, slope) in layout.sized.items():  # a rule's bytes are the rule's, not a line's
-            sizes[:, i] = [_bytes(_sized_at(zero, slope, s)) for s in step_numbers.tolist()]
+            at[i] = ([_sized_at(zero, slope, s) for s in step_numbers.tolist()] if any(slope)
+                     else [_sized_at(zero, slope, first_new)] * count)  # one shape: one object, one size
+            sizes[:, i] = [_bytes(rule) for rule in at[i]] if any(slope) else _bytes(at[i][0])
         length = len(layout.events)
         start = len(trace.events)
         trace.phase_log.extend((Phase.DECODE, start + k * length) for k in range(count))
@@ -325,9 +328,8 @@ def _write(trace: StepTrace, layout: _Layout, last: list[int], last_segment: lis
         trace.module.extend(layout.module * count)
         trace.category.extend(layout.category * count)  # type: ignore[arg-type]
         trace.op.extend(layout.op * count)
-        for k, s in enumerate(step_numbers.tolist()):
-            for i, (zero, slope) in layout.sized.items():
-                trace.sized[last_base + k * n + i] = _sized_at(zero, slope, s)
+        for i, rules in at.items():
+            trace.sized.update(zip(range(last_base + i, last_base + i + n * count, n), rules, strict=True))
     # the last step: the traced one, each storage on its steady storage's line at step N - 1
     base = last_base + n * count
     s = new_tokens - 1
