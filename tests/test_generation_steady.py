@@ -46,9 +46,10 @@ def _assert_identical(extrapolated: memcalc.MemoryReport, full: memcalc.MemoryRe
 
 
 @pytest.mark.parametrize("config, batch, prompt, tokens", [
-    pytest.param(SMALL_LLAMA, 1, 16, 40, id="llama-decode-peak"),
-    pytest.param(SMALL_LLAMA, 2, 128, 20, id="llama-prefill-peak"),
-    pytest.param(SMALL_GPT2, 3, 10, 33, id="gpt2"),
+    pytest.param(SMALL_LLAMA, 1, 8, 18, id="llama-quick"),
+    pytest.param(SMALL_LLAMA, 1, 16, 40, id="llama-decode-peak", marks=pytest.mark.slow),
+    pytest.param(SMALL_LLAMA, 2, 128, 20, id="llama-prefill-peak", marks=pytest.mark.slow),
+    pytest.param(SMALL_GPT2, 3, 10, 33, id="gpt2", marks=pytest.mark.slow),
 ])
 def test_extrapolated_generation_is_the_full_trace_byte_for_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    config: dict[str, object], batch: int,
@@ -68,6 +69,7 @@ def test_extrapolated_generation_in_bf16(tmp_path: Path, monkeypatch: pytest.Mon
     _assert_identical(extrapolated, full)
 
 
+@pytest.mark.slow
 def test_a_sliding_window_is_traced_token_by_token_and_says_so(tmp_path: Path):
     # the cache stops growing at the window: a few traced steps cannot show where
     config = {**SMALL_LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 24}
@@ -77,6 +79,7 @@ def test_a_sliding_window_is_traced_token_by_token_and_says_so(tmp_path: Path):
                for note in report.notes)
 
 
+@pytest.mark.slow
 def test_a_rule_sized_scratch_in_each_step_falls_back_to_the_full_trace(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch):
     # the CPU target's flash attention scratch is sized by memcalc's rule from the cache length:
