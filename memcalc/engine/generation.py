@@ -14,7 +14,9 @@ forward of the model starts a phase: the first :attr:`~memcalc.core.categories.P
 :func:`decode_step_at` counts them back from the trace.
 
 Each forward is one new token: the tokens done so far are told to the progress listener as
-:data:`GENERATING` (:mod:`memcalc.core.progress`), so that a long generation shows a bar.
+:data:`GENERATING` (:mod:`memcalc.core.progress`), so that a long generation shows a bar. A
+generation whose steady decode steps are extrapolated (:mod:`memcalc.engine.steady`) stops after
+the tokens traced (the model's reads answer its stop check then); its caller tells the last token.
 
 The cache's keys and values are marked :attr:`~memcalc.core.categories.Category.KV_CACHE`
 as the forward that made them returns; everything else generate() allocates is an activation
@@ -24,7 +26,7 @@ the sequences grown by one token).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -56,12 +58,17 @@ class GenerationObserver(Protocol):
 
 
 def run_generation(model: nn.Module, inputs: ModelInputs, config: StepConfig, generate: GenerateFn,
-                   new_tokens: int, observer: GenerationObserver) -> StepOutcome:
+                   new_tokens: int, observer: GenerationObserver, *,
+                   on_decode: Callable[[int], None] | None = None) -> StepOutcome:
     """Run ``generate(model, inputs, new_tokens, ...)`` with the model in eval mode, inside the
     step's autocast region (generate() runs under ``torch.no_grad()`` itself), a phase per forward.
 
+    Args:
+        on_decode: told ``k`` as decode step ``k`` begins (after its phase is set).
+
     Returns:
-        The outcome: no loss; the generated sequences' shape as the output's.
+        The outcome: no loss; the generated sequences' shape as the output's (stopped early by
+        the model's reads: the tokens made until then, and the last token is not told).
     """
     was_training = model.training
     forwards = 0
@@ -71,6 +78,8 @@ def run_generation(model: nn.Module, inputs: ModelInputs, config: StepConfig, ge
         observer.set_phase(Phase.PREFILL if forwards == 0 else Phase.DECODE)
         if 0 < forwards < new_tokens:  # forward k makes token k: the k - 1 before it are done
             report_progress(GENERATING, forwards, new_tokens)
+        if forwards and on_decode is not None:
+            on_decode(forwards)
         forwards += 1
 
     model.eval()
@@ -80,7 +89,8 @@ def run_generation(model: nn.Module, inputs: ModelInputs, config: StepConfig, ge
             observer.set_phase(Phase.PREFILL)  # generate()'s setup: the cache, the masks, the processors
             report_progress(GENERATING, 0, new_tokens)
             sequences = generate(model, inputs, new_tokens, observer.kv_cache)
-            report_progress(GENERATING, new_tokens, new_tokens)
+            if forwards == new_tokens:
+                report_progress(GENERATING, new_tokens, new_tokens)
             shape = tuple(sequences.shape)
             del sequences
     finally:

@@ -147,6 +147,10 @@ class ResolvedModel:
     generate: GenerateFn | None = None
     #: The model's own static KV cache (``kv_cache``); None: memcalc adds one beside the forward.
     static_cache: StaticCacheFn | None = None
+    #: Whether the decode steps of :attr:`generate` repeat over a cache one token longer (None) or
+    #: why not, from what the model's source knows of it (:mod:`memcalc.engine.steady`); None: it
+    #: knows nothing, and every decode step is traced.
+    steady_decoding: Callable[[nn.Module], str | None] | None = None
 
     def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
         """``inputs`` (this model's, on any device) as the step passes them: with the labels of

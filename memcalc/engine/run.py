@@ -13,11 +13,13 @@ FLOPs and bytes (:class:`CostRecorder`, made by the layer that decides to time t
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -31,13 +33,14 @@ from memcalc.core.errors import (
     MemcalcError,
     SymbolicExecutionError,
 )
+from memcalc.core.progress import report_progress
 from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
 from memcalc.engine.backend import AutocastRegion, PlainBackend, StepBackend
 from memcalc.engine.collector import while_collector_paused
-from memcalc.engine.generation import decode_step_at, run_generation
+from memcalc.engine.generation import GENERATING, decode_step_at, run_generation
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
 from memcalc.engine.model import GenerateFn, ModelInputs, ResolvedModel
@@ -52,6 +55,7 @@ from memcalc.engine.prepare import (
     kv_prompt,
     prepare_step,
 )
+from memcalc.engine.steady import RunCounts, extend, traced_tokens
 from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.engine.timeline import (
     Program,
@@ -246,7 +250,8 @@ def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastReg
 @while_collector_paused
 def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | None = None, *,
                 hooks: RankHooks | None = None, traced_loop: bool | None = None,
-                costs: CostRecorderFactory | None = None) -> TracedStep:
+                costs: CostRecorderFactory | None = None,
+                retrace: Callable[[], StepBackend] | None = None) -> TracedStep:
     """Run one step of ``resolved`` under the tracer (the engine, without the report).
 
     Args:
@@ -261,6 +266,9 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
         costs: makes the recorder of every kernel's FLOPs and bytes, when a step time is wanted
             (the layer that decides so passes :class:`memcalc.timing.flops.OpCostRecorder`);
             None: nothing is recorded, and an estimate that asks for no time pays nothing for it.
+        retrace: makes a fresh backend, for a generation whose steady decode steps are
+            extrapolated (:mod:`memcalc.engine.steady`) when the pattern is not confirmed and
+            the generation is traced again token by token; None: every decode step is traced.
 
     Returns:
         The trace with final categories, module data and the backend's notes.
@@ -285,7 +293,10 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
         notes.append(built)
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time
     recorder = costs(backend.after_op) if costs is not None else None
-    reads = resolved.reads(options.mode, options.new_tokens) if resolved.reads is not None else None
+    generate = _generation_of(resolved, options)
+    steady, unsteady = _steady_tokens(resolved, options, generate is not None and retrace is not None
+                                      and recorder is None and hooks is None)
+    reads = (resolved.reads(options.mode, steady or options.new_tokens) if resolved.reads is not None else None)
     tracer = StorageTracer("meta", after_op=recorder if recorder is not None else backend.after_op,
                            read_values=reads)
     if recorder is not None:
@@ -303,12 +314,19 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     tracer.modules.install(module)
     config = step_config(resolved, options, autocast=backend.autocast(), scaler=backend.grad_scaler,
                          cuda=options.emulate_cuda)
-    generate = _generation_of(resolved, options)
+    decoded: list[RunCounts] = []  # the run's counts as each decode step began (when extrapolating)
+
+    def counted() -> RunCounts:
+        return RunCounts(Counter(tracer.trace.op_counts), dict(backend.attention_backends()),
+                         tuple(backend.notes(module)), dict(tracer.modules.output_shapes),
+                         tuple(tracer.modules.order))
+
     try:
         with tracer, backend.mode():
             if generate is not None:
                 assert options.new_tokens is not None  # fields.build_step checked it
-                outcome = run_generation(module, inputs, config, generate, options.new_tokens, observer)
+                outcome = run_generation(module, inputs, config, generate, options.new_tokens, observer,
+                                         on_decode=(lambda _k: decoded.append(counted())) if steady else None)
             elif tracing is None:
                 outcome = run_step(module, inputs, config, observer)
                 if own_cache is not None:  # filled by the forward, as the model's own cache is
@@ -348,12 +366,27 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
             hooks.remove()
         tracer.modules.remove()
         trace = tracer.stop()
+    attention = dict(backend.attention_backends())
+    backend_notes = backend.notes(module)
+    if steady is not None:
+        assert options.new_tokens is not None and retrace is not None
+        extension = extend(trace, decoded, counted(), options.new_tokens)
+        if isinstance(extension, str):  # not confirmed: every decode step traced
+            traced = trace_model(resolved, options, retrace(), costs=costs)
+            traced.notes.append(f"generation traced token by token: its decode steps were not extrapolated "
+                                f"({extension})")
+            return traced
+        trace.op_counts = extension.op_counts
+        attention, backend_notes = extension.attention, extension.notes
+        report_progress(GENERATING, options.new_tokens, options.new_tokens)
+    elif unsteady is not None:
+        notes.append(f"generation traced token by token: {unsteady}")
     categories = final_categories(trace, observer.gradient_uids, observer.state_uids)
     loss_name = "custom loss_fn" if options.loss_fn is not None else MODEL_LOSS if outcome.model_loss else (
         outcome.loss_kind.value if outcome.loss_kind is not None else f"none ({options.mode.value})")
-    notes.extend(backend.notes(module))
+    notes.extend(backend_notes)
     has_step = options.mode is Mode.TRAIN and options.optimizer.factory is not None
-    traced = TracedStep(trace, categories, tracer, loss_name, options, dict(backend.attention_backends()), notes,
+    traced = TracedStep(trace, categories, tracer, loss_name, options, attention, notes,
                         config.optimizer_impl.value if has_step else "")
     traced.costs = recorder
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
@@ -398,6 +431,21 @@ def _generation_of(resolved: ResolvedModel, options: Step) -> GenerateFn | None:
             hint="Give its Hugging Face config (hf:ORG/NAME or hf:path/to/config.json), or estimate one forward with "
                  "a static KV cache: --mode inference --kv-cache TOKENS.")
     return resolved.generate
+
+
+def _steady_tokens(resolved: ResolvedModel, options: Step, possible: bool) -> tuple[int | None, str | None]:
+    """The tokens to trace before extrapolating a generation's steady decode steps
+    (:func:`~memcalc.engine.steady.traced_tokens`), or None; and, when the model's source says its
+    decode steps do not repeat, why (the report says so)."""
+    if not possible or options.new_tokens is None:
+        return None, None
+    tokens = traced_tokens(options.new_tokens)
+    if tokens is None or resolved.steady_decoding is None:
+        return None, None
+    why = resolved.steady_decoding(resolved.module)
+    if why is not None:
+        return None, f"its decode steps are not extrapolated, as {why}"
+    return tokens, None
 
 
 def _set_apart(trace: StepTrace, uids: set[int]) -> int:
@@ -704,9 +752,10 @@ def _forward_activations(traced: TracedStep) -> list[int]:
     """The storages a module row may count: activations born in the forward. Workspaces (the
     cuBLAS handle's, a conv's) are born there too but are not what a module keeps."""
     trace = traced.trace
-    return [uid for uid in range(len(trace.module))
-            if trace.phase[uid].runs_forward and trace.phase[uid] is not Phase.LOSS
-            and traced.categories[uid] is Category.ACTIVATIONS]
+    counted = {p for p in Phase if p.runs_forward and p is not Phase.LOSS}
+    activations = Category.ACTIVATIONS
+    return [uid for uid, (phase, category) in enumerate(zip(trace.phase, traced.categories, strict=True))
+            if phase in counted and category is activations]
 
 
 def _kept_for_backward(traced: TracedStep) -> dict[str, int]:
@@ -726,20 +775,36 @@ def _forward_high_water(traced: TracedStep) -> dict[str, int]:
     """Module → the most activation bytes born in its forward (its submodules included) alive at
     one moment. Without autograd each activation dies soon after its consumer runs, so the sum
     of everything a module allocated (mistral-7b, inference, 4,096 tokens: 44.48 GiB beside a
-    13.93 GiB peak) is not memory that was ever resident; this is, and no row can exceed the peak."""
+    13.93 GiB peak) is not memory that was ever resident; this is, and no row can exceed the peak.
+
+    Per module, the running sum of its subtree's births and deaths in event order, highest just
+    after a birth (a generation of thousands of tokens has millions of events: numpy, exact in int64).
+    """
     trace = traced.trace
-    counted = set(_forward_activations(traced))
-    alive: dict[str, int] = {}
+    counted = np.zeros(trace.num_storages, dtype=bool)
+    counted[_forward_activations(traced)] = True
+    events = np.asarray(trace.events, dtype=np.int64)
+    uids = np.where(events >= 0, events, ~events)
+    keep = counted[uids]
+    events, uids = events[keep], uids[keep]
+    nbytes = np.asarray(trace.nbytes, dtype=np.int64)[uids]
+    delta = np.where(events >= 0, nbytes, -nbytes)
+    births = events >= 0
+    ids: dict[str, int] = {}
+    module_of = np.fromiter((ids.setdefault(name, len(ids)) for name in trace.module), dtype=np.int64,
+                            count=trace.num_storages)[uids]
+    subtrees: dict[str, list[int]] = {}
+    for name in {trace.module[u] for u in np.unique(uids).tolist()}:
+        for ancestor in _self_and_ancestors(name):
+            subtrees.setdefault(ancestor, []).append(ids[name])
     high: dict[str, int] = {}
-    for event in trace.events:
-        uid = event if event >= 0 else ~event
-        if uid not in counted:
-            continue
-        sign = 1 if event >= 0 else -1
-        for ancestor in _self_and_ancestors(trace.module[uid]):
-            alive[ancestor] = alive.get(ancestor, 0) + sign * trace.nbytes[uid]
-            if sign > 0 and alive[ancestor] > high.get(ancestor, 0):
-                high[ancestor] = alive[ancestor]
+    for ancestor, members in subtrees.items():
+        member = np.zeros(len(ids), dtype=bool)
+        member[members] = True
+        mask = member[module_of]
+        sums = np.cumsum(delta[mask])[births[mask]]
+        if sums.size and (most := int(sums.max())) > 0:
+            high[ancestor] = most
     return high
 
 

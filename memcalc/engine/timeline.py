@@ -42,14 +42,9 @@ __all__ = (
 def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state: Iterable[int]) -> list[Category]:
     """One category per storage: explicit (parameters, buffers, inputs) first, then what the
     storage turned out to be (a ``.grad``, optimizer state), else by the phase of its birth."""
-    categories: list[Category] = []
-    for uid, explicit in enumerate(trace.category):
-        if explicit is not None:
-            categories.append(explicit)
-        elif trace.phase[uid].runs_forward:
-            categories.append(Category.ACTIVATIONS)
-        else:
-            categories.append(Category.WORKSPACE)
+    by_phase = {p: Category.ACTIVATIONS if p.runs_forward else Category.WORKSPACE for p in Phase}
+    categories = [explicit if explicit is not None else by_phase[phase]
+                  for explicit, phase in zip(trace.category, trace.phase, strict=True)]
     for uid in gradients:
         if trace.category[uid] is None:
             categories[uid] = Category.GRADIENTS
@@ -152,10 +147,17 @@ def category_totals_at(program: Program, nbytes: Sequence[int], categories: Sequ
                        index: int) -> dict[Category, int]:
     """Requested bytes per category alive just after ``program.events[index]``."""
     totals = {c: 0 for c in Category}
-    n = program.num_storages
-    for event in program.events[: index + 1]:
-        uid = (event if event >= 0 else ~event) % n
-        totals[categories[uid]] += nbytes[uid] if event >= 0 else -nbytes[uid]
+    events = np.asarray(program.events[: index + 1], dtype=np.int64)
+    if not events.size:
+        return totals
+    order = list(Category)
+    code = {c: i for i, c in enumerate(order)}
+    uids = np.where(events >= 0, events, ~events) % program.num_storages
+    sizes = np.asarray(nbytes, dtype=np.int64)[uids]
+    signed = np.where(events >= 0, sizes, -sizes)  # int64: exact
+    of = np.fromiter((code[c] for c in categories), dtype=np.int64, count=len(categories))[uids]
+    for i, category in enumerate(order):
+        totals[category] = int(signed[of == i].sum())
     return totals
 
 

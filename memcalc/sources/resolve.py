@@ -58,7 +58,7 @@ from memcalc.sources.user_code import Example, load_from_file, load_from_module,
 from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
 from memcalc.stacks.transformers.checkpointing import hf_checkpointing, supports_checkpointing
 from memcalc.stacks.transformers.config_check import check_config, config_error
-from memcalc.stacks.transformers.generate import generate_on_meta, static_cache
+from memcalc.stacks.transformers.generate import generate_on_meta, static_cache, steady_decoding
 from memcalc.stacks.transformers.heads import (
     AUTO_CLASSES,
     Head,
@@ -528,6 +528,7 @@ def _hf_model(transformers: ModuleType, config: Any, name: str, attn: HfAttentio
     causal_lm = head_of(resolved.module) is Head.CAUSAL_LM
     resolved.generate = generate_on_meta if causal_lm else None
     resolved.static_cache = static_cache if causal_lm else None
+    resolved.steady_decoding = steady_decoding if causal_lm else None
     resolved.reads = hf_reads
     resolved.notes += (attention_note(resolved.module, attn), *routing_notes(resolved.module))
     resolved.block_containers = hf_block_containers(resolved.module)

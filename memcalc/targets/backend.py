@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Mode
-from memcalc.engine.backend import AutocastRegion, GradScalerLike
+from memcalc.engine.backend import AutocastRegion, GradScalerLike, StepBackend
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, RankHooks, TracedStep, trace_model
@@ -163,5 +163,7 @@ def trace_step(resolved: ResolvedModel, options: Step, *, hooks: RankHooks | Non
     Returns:
         The traced step, ready for :func:`memcalc.engine.run.build_report`.
     """
-    backend = CudaBackend(options) if options.emulate_cuda else CpuBackend(options)
-    return trace_model(resolved, options, backend, hooks=hooks, costs=costs)
+    def backend() -> StepBackend:
+        return CudaBackend(options) if options.emulate_cuda else CpuBackend(options)
+
+    return trace_model(resolved, options, backend(), hooks=hooks, costs=costs, retrace=backend)

@@ -30,7 +30,7 @@ from torch import nn
 
 from memcalc.engine.model import ModelInputs
 
-__all__ = ("cache_tensors", "generate_on_meta", "static_cache")
+__all__ = ("cache_tensors", "generate_on_meta", "static_cache", "steady_decoding")
 
 
 def cache_tensors(output: Any) -> Iterator[torch.Tensor]:
@@ -106,3 +106,31 @@ def generate_on_meta(module: nn.Module, inputs: ModelInputs, new_tokens: int,
     finally:
         hook.remove()
     return sequences
+
+
+#: Config attributes by which a model's attention (and so its cache) stops growing with the
+#: tokens, or changes at some length: a sliding window, chunked attention, a cache of its own kind.
+_WINDOWED = ("sliding_window", "attention_chunk_size")
+
+
+def steady_decoding(module: nn.Module) -> str | None:
+    """Whether each decode step of ``module.generate()`` runs the step before it over a cache one
+    token longer (:mod:`memcalc.engine.steady` extrapolates such steps): None when it does — a full
+    attention over a ``DynamicCache`` (or a ``StaticCache``) — else why not: a config that bounds or
+    chunks the attention (``sliding_window``, ``attention_chunk_size``, layer types other than full
+    attention: the cache stops growing at the window, which a few traced steps cannot show), or a
+    generation config that names another cache class."""
+    config: Any = getattr(module, "config", None)
+    for name in _WINDOWED:
+        if name == "sliding_window" and getattr(config, "use_sliding_window", True) is False:
+            continue  # Qwen2's window, off
+        if getattr(config, name, None):
+            return f"its config sets {name}"
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
+    if kinds:
+        return f"its layers include {', '.join(sorted(kinds))}"
+    generation: Any = getattr(module, "generation_config", None)
+    cache = getattr(generation, "cache_implementation", None)
+    if cache not in (None, "dynamic", "static"):
+        return f"its generation config names cache_implementation={cache!r}"
+    return None

@@ -1,0 +1,98 @@
+"""``--mode generate`` in steady state (issue 36, item 5): the time of a generation of ``N`` new
+tokens against a prefill-only estimate of the same model and prompt (``--new-tokens 1``), with the
+steady decode steps extrapolated (:mod:`memcalc.engine.steady`: "after") and with every decode step
+traced ("before"), measured in one run, one process; and whether both give the same report, byte
+for byte (text and JSON). Target: after at most 2x the prefill-only estimate. Asserts nothing
+(machines are noisy; the ratios are taken within one run).
+
+Each figure is one estimate through the API after a warm-up estimate (the imports and the model's
+first build are not counted), split into its trace (``trace_model``, the extrapolation included)
+and its report (``build_report``: the allocator replay of every event, the module rows).
+
+Run: ``python benchmarks/generation.py [--model llama-2-7b] [--seq-len 512] [--new-tokens 1024]
+[--skip-full]``; ``--skip-full`` leaves out "before" (llama-2-7b, 1,024 tokens: minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import memcalc
+import memcalc.distributed.estimate as estimate_module
+import memcalc.targets.backend as backend_module
+from memcalc.engine import steady
+from memcalc.report.render import render_report
+
+_SPLIT: dict[str, float] = {}
+
+
+def _timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _SPLIT[name] = _SPLIT.get(name, 0.0) + time.perf_counter() - start
+    return run
+
+
+def _estimate(model: str, seq_len: int, tokens: int) -> tuple[memcalc.MemoryReport, float, dict[str, float]]:
+    _SPLIT.clear()
+    start = time.perf_counter()
+    report = memcalc.estimate(model, batch_size=1, seq_len=seq_len, mode="generate", new_tokens=tokens,
+                              optimizer="none")
+    return report, time.perf_counter() - start, dict(_SPLIT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama-2-7b")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--skip-full", action="store_true", help="leave out 'before' (every decode step traced)")
+    args = parser.parse_args()
+    backend_module.trace_model = _timed("trace", backend_module.trace_model)  # type: ignore[attr-defined]
+    estimate_module.build_report = _timed("report", estimate_module.build_report)  # type: ignore[attr-defined]
+
+    _estimate(args.model, args.seq_len, 2)  # warm-up: imports, the config, the first build
+    _, prefill, prefill_split = _estimate(args.model, args.seq_len, 1)
+    after, after_time, after_split = _estimate(args.model, args.seq_len, args.new_tokens)
+    rows = [("prefill only (--new-tokens 1)", prefill, prefill_split),
+            (f"after: {args.new_tokens} tokens, steady steps extrapolated", after_time, after_split)]
+    full = None
+    if not args.skip_full:
+        saved = steady.EXTRAPOLATE_FROM
+        steady.EXTRAPOLATE_FROM = 10**9
+        try:
+            full, full_time, full_split = _estimate(args.model, args.seq_len, args.new_tokens)
+        finally:
+            steady.EXTRAPOLATE_FROM = saved
+        rows.append((f"before: {args.new_tokens} tokens, every decode step traced", full_time, full_split))
+
+    print(f"{args.model}, prompt {args.seq_len}, mode generate (one process, after a warm-up estimate)")
+    print(f"{'estimate':<58} {'seconds':>8} {'trace':>7} {'report':>7} {'x prefill':>10}")
+    for name, seconds, split in rows:
+        print(f"{name:<58} {seconds:8.2f} {split.get('trace', 0):7.2f} {split.get('report', 0):7.2f} "
+              f"{seconds / prefill:9.1f}x")
+    print(f"target: after at most 2.0x prefill only; after is {after_time / prefill:.1f}x")
+    if full is not None:
+        same_json = json.dumps(after.to_dict()) == json.dumps(full.to_dict())
+        same_text = render_report(after) == render_report(full)
+        print(f"before / after: {rows[2][1] / after_time:.1f}x; same report: JSON {same_json}, text {same_text}")
+    print(f"peak allocated {after.bytes.peak_allocated:,} B, reserved {after.peak_reserved:,} B, at "
+          f"{after.peak_location}")
+    note = [n for n in after.notes if "token by token" in n]
+    if note:
+        print(f"not extrapolated: {note[0]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""A generation's decode steps in steady state: trace a few, write out the rest.
+
+After its first decode steps, each step of ``generate()`` runs the same code over a cache one
+token longer: the same ops, the same storages born and freed in the same order, each storage's
+size growing by a constant number of bytes per step (the cache's ``torch.cat`` outputs, the
+attention scores over it) or not at all. So :func:`extend` takes a trace of the prefill and
+:data:`TRACED_TOKENS` tokens and writes the trace of ``N`` tokens: the decode steps it did not
+run are copies of the last steady one, each storage's bytes on the line its traced steps draw,
+and the last step (with what generate() frees as it returns) is the traced last step moved to
+step ``N - 1``. The replay, the report and the JSON are then those of the full trace, event for
+event — tests/test_generation_steady.py compares both, byte for byte.
+
+It extrapolates only what it has confirmed, and says why not otherwise (the caller then traces
+every step): decode steps 2 to ``TRACED_TOKENS - 2`` must be congruent — the same events, each
+freeing a storage of its own step or of the step before (nothing that accumulates), the same
+op, module, phase and category per storage, sizes on one line per storage over four steps — and
+the last traced step must be such a step too, plus its tail. A storage sized by a kernel rule
+memcalc computes from the step's shapes (a workspace, an attention scratch) is a step function
+of the cache length, not a line: a decode step that holds one is not extrapolated, except a
+rule-sized one (:class:`~memcalc.engine.trace.ShapeSized`), whose arguments are extrapolated
+and its rule evaluated at each step. What the run counted (ops per name, attention calls, the
+numbers in the backend's notes) must be on a line per step too; output shapes and the module
+order must not change. What the model's own code decides from the cache length (a sliding
+window, chunked attention) is the model source's to rule out (``ResolvedModel.steady_decoding``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from memcalc.core.categories import Phase
+from memcalc.engine.trace import ShapeSized, StepTrace
+
+__all__ = ("EXTRAPOLATE_FROM", "TRACED_TOKENS", "Extension", "RunCounts", "extend", "traced_tokens")
+
+#: Tokens traced (the prefill's and six decode steps'): step 1 is the first over a cache the
+#: prefill made, 2–5 the steady steps compared, 6 the last with generate()'s return.
+TRACED_TOKENS = 7
+#: A generation of fewer new tokens is traced in full (extrapolating would save little).
+EXTRAPOLATE_FROM = 16
+#: The first steady decode step (step 1 frees the prefill's cache, step 2 step 1's).
+_FIRST = 2
+_NUMBER = re.compile(r"\d[\d,]*\d|\d")
+
+
+def traced_tokens(new_tokens: int) -> int | None:
+    """The tokens to trace before extrapolating to ``new_tokens``; None: trace them all."""
+    return TRACED_TOKENS if new_tokens >= max(EXTRAPOLATE_FROM, TRACED_TOKENS + 2) else None
+
+
+@dataclass(frozen=True)
+class RunCounts:
+    """What the run had counted when a decode forward started (or when the call ended)."""
+
+    op_counts: Counter[str]
+    attention: Mapping[str, int]
+    notes: tuple[str, ...]
+    output_shapes: Mapping[str, tuple[int, ...]]
+    order: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Extension:
+    """The run's counts at the end of the ``N``-token generation (the trace is extended in place)."""
+
+    op_counts: Counter[str]
+    attention: dict[str, int]
+    notes: list[str]
+
+
+class _NotSteady(Exception):
+    """The pattern is not confirmed: the message says what differs."""
+
+
+def extend(trace: StepTrace, counts: Sequence[RunCounts], end: RunCounts, new_tokens: int) -> Extension | str:
+    """Extend ``trace`` (of ``len(counts) + 1`` tokens, stopped early) to ``new_tokens`` tokens.
+
+    Args:
+        trace: the trace of the prefill and decode steps ``1 .. M - 1``; extended in place only
+            when the pattern is confirmed.
+        counts: the run's counts at the start of each decode step ``1 .. M - 1``.
+        end: the run's counts when the call returned.
+        new_tokens: ``N``, the tokens of the generation estimated.
+
+    Returns:
+        The run's counts after ``N`` tokens, or why the decode steps are not extrapolated.
+    """
+    try:
+        return _extend(trace, counts, end, new_tokens)
+    except _NotSteady as exc:
+        return str(exc)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One steady decode step: its storages (per birth) and its events."""
+
+    nbytes0: np.ndarray  # bytes of each birth at step 0 of the line
+    slope: np.ndarray  # bytes per step
+    phase: list[Phase]
+    module: list[str]
+    category: list[object]
+    op: list[str]
+    sized: dict[int, tuple[ShapeSized, tuple[int, ...]]]  # birth index -> (rule at step 0, slope of its arguments)
+    events: list[tuple[int, int]]  # (kind, value): 0 birth i, 1 death of birth value - d·n (rel.), 2 fixed uid
+
+
+def _extend(trace: StepTrace, counts: Sequence[RunCounts], end: RunCounts, new_tokens: int) -> Extension:
+    steps = len(counts) + 1  # M: the prefill's token and one per decode step
+    starts = [start for phase, start in trace.phase_log if phase is Phase.DECODE]
+    if len(starts) != steps - 1 or steps < _FIRST + 5:
+        raise _NotSteady(f"{len(starts)} decode steps were traced, not {steps - 1}")
+    if any(start >= starts[0] and phase is not Phase.DECODE for phase, start in trace.phase_log):
+        raise _NotSteady("a phase other than decode began among the decode steps")
+    bounds = [*starts, len(trace.events)]
+    segments = [trace.events[a:b] for a, b in itertools.pairwise(bounds)]  # steps 1 .. M-1
+    bases: list[tuple[int, int]] = []
+    for step, events in enumerate(segments, start=1):
+        births = [e for e in events if e >= 0]
+        base = births[0] if births else (bases[-1][0] + bases[-1][1] if bases else 0)
+        if births != list(range(base, base + len(births))) or (bases and base != bases[-1][0] + bases[-1][1]):
+            raise _NotSteady(f"the storages of decode step {step} are not numbered in birth order")
+        bases.append((base, len(births)))
+    if trace.num_storages != bases[-1][0] + bases[-1][1]:
+        raise _NotSteady("storages were recorded after the last decode step")
+    steady = list(range(_FIRST, steps - 1))  # decode steps 2 .. M-2
+    n = bases[_FIRST - 1][1]
+    if any(bases[s - 1][1] != n for s in steady):
+        raise _NotSteady("the decode steps do not make the same number of storages")
+    layout = _layout(trace, segments, bases, steady, n)
+    last = _last_step(trace, layout, bases[steps - 2], steps - 1)
+    counted = _counts(counts, end, steps, new_tokens)
+    _write(trace, layout, last, segments[-1], bases, steps, new_tokens, n, starts)
+    return counted
+
+
+def _layout(trace: StepTrace, segments: list[list[int]], bases: list[tuple[int, int]], steady: list[int],
+            n: int) -> _Layout:
+    """The steady step's storages and events, confirmed over the ``steady`` steps."""
+    first = bases[_FIRST - 1][0]
+    uids = [[bases[s - 1][0] + i for i in range(n)] for s in steady]
+    for field in ("phase", "module", "category", "op"):
+        column = getattr(trace, field)
+        rows = [[column[u] for u in row] for row in uids]
+        if any(row != rows[0] for row in rows[1:]):
+            raise _NotSteady(f"the storages' {field} differs between decode steps")
+    sizes = np.array([[trace.nbytes[u] for u in row] for row in uids], dtype=np.int64)
+    slope = sizes[1] - sizes[0]
+    if not (np.diff(sizes, axis=0) == slope).all():
+        raise _NotSteady("a storage's size does not grow by the same bytes at each decode step")
+    nbytes0 = sizes[0] - _FIRST * slope  # on the line: bytes at step s = nbytes0 + s · slope
+    sized = _sized(trace, bases, steady, n)
+    for i, op in enumerate(trace.op[first:first + n]):
+        if not op.startswith("aten.") and i not in sized:
+            raise _NotSteady(f"a decode step holds a storage sized by a rule of memcalc's ({op}), which may "
+                             f"change with the cache length")
+    events = [_events(segments[s - 1], bases[s - 1][0], bases[_FIRST - 1][0], n) for s in steady[1:]]
+    if any(row != events[0] for row in events[1:]):  # (step 2 may free step 1's storages)
+        raise _NotSteady("the decode steps' allocations and frees differ")
+    if any(kind == 2 for kind, _ in events[0]):
+        raise _NotSteady("a steady decode step frees a storage born before the steady steps")
+    return _Layout(nbytes0, slope, trace.phase[first:first + n], trace.module[first:first + n],
+                   list(trace.category[first:first + n]), trace.op[first:first + n], sized, events[0])
+
+
+def _last_step(trace: StepTrace, layout: _Layout, base_count: tuple[int, int], step: int) -> list[int]:
+    """Which steady storage each storage of the last decode step is (generate() stops before
+    the steady step's last allocations): matched in order by op, module, phase, category, bytes
+    on the line at ``step`` and rule; a storage matched two ways, or not at all, is not confirmed."""
+    base, count = base_count
+    n = len(layout.op)
+    at = layout.nbytes0 + step * layout.slope
+    keys = [(layout.op[i], layout.module[i], layout.phase[i], layout.category[i]) for i in range(n)]
+    matched: list[int] = []
+    i = 0
+    for uid in range(base, base + count):
+        key = (trace.op[uid], trace.module[uid], trace.phase[uid], trace.category[uid])
+        while i < n and (keys[i] != key or at[i] != trace.nbytes[uid] or not _same_rule(trace, uid, layout, i, step)):
+            i += 1
+        if i == n:
+            raise _NotSteady("a storage of the last decode step is not one of the steady steps'")
+        # the same storage, whichever of its look-alikes up to the next match: they must grow alike
+        matched.append(i)
+        i += 1
+    for j, i in enumerate(matched):
+        stop = matched[j + 1] if j + 1 < len(matched) else n
+        twins = [k for k in range(i, stop) if keys[k] == keys[i] and at[k] == at[i]]
+        if any(layout.slope[k] != layout.slope[i] or (k in layout.sized) != (i in layout.sized) for k in twins):
+            raise _NotSteady("a storage of the last decode step matches steady storages that grow differently")
+    return matched
+
+
+def _same_rule(trace: StepTrace, uid: int, layout: _Layout, i: int, step: int) -> bool:
+    if i not in layout.sized:
+        return uid not in trace.sized
+    zero, slope = layout.sized[i]
+    return trace.sized.get(uid) == _sized_at(zero, slope, step)
+
+
+def _sized(trace: StepTrace, bases: list[tuple[int, int]], steady: list[int],
+           n: int) -> dict[int, tuple[ShapeSized, tuple[int, ...]]]:
+    """Rule-sized storages of the steady step: their rule, arguments on a line per step."""
+    out: dict[int, tuple[ShapeSized, tuple[int, ...]]] = {}
+    for i in range(n):
+        rules = [trace.sized.get(bases[s - 1][0] + i) for s in steady]
+        if all(r is None for r in rules):
+            continue
+        present = [r for r in rules if r is not None]
+        if len(present) != len(rules) or any(r.rule != present[0].rule or len(r.arguments) != len(present[0].arguments)
+                                             for r in present):
+            raise _NotSteady("a rule-sized storage of the decode steps changes its rule")
+        args = np.array([r.arguments for r in present], dtype=np.int64)
+        slope = args[1] - args[0]
+        if not (np.diff(args, axis=0) == slope).all():
+            raise _NotSteady("a rule-sized storage's arguments do not grow by the same step")
+        zero = args[0] - _FIRST * slope
+        out[i] = (ShapeSized(present[0].rule, tuple(int(a) for a in zero)), tuple(int(a) for a in slope))
+    return out
+
+
+def _events(segment: list[int], base: int, oldest: int, n: int) -> list[tuple[int, int]]:
+    """A step's events relative to its own storages (numbered from ``base``): births by index,
+    frees of this step's or the step before's storages (of ``n``) by ``uid - base``, frees of
+    storages born before ``oldest`` (the first steady step's) by uid; nothing in between."""
+    out = []
+    for event in segment:
+        if event >= 0:
+            out.append((0, event - base))
+            continue
+        uid = ~event
+        if uid >= oldest:
+            if uid < base - n:
+                raise _NotSteady("a decode step frees a storage of an older step (something accumulates)")
+            out.append((1, uid - base))
+        else:
+            out.append((2, uid))
+    return out
+
+
+def _counts(counts: Sequence[RunCounts], end: RunCounts, steps: int, new_tokens: int) -> Extension:
+    """The run's counts after ``new_tokens`` tokens, on the line the steady steps draw."""
+    seen = counts[_FIRST - 1:]  # at the start of steady steps 2 .. M-1: what each steady step adds
+    if any(c.output_shapes != end.output_shapes for c in seen[1:]):
+        raise _NotSteady("a module's output shape changes between decode steps")
+    if any(c.order != end.order for c in seen):
+        raise _NotSteady("a module ran for the first time in a decode step")
+    extra = new_tokens - steps  # steady steps the full trace has more (the last step's counts are in ``end``)
+    names = set(end.op_counts)
+    op_counts = Counter(_line({name: [c.op_counts.get(name, 0) for c in seen] for name in names},
+                              dict(end.op_counts), extra, "ops"))
+    attention = _line({name: [c.attention.get(name, 0) for c in seen] for name in end.attention},
+                      dict(end.attention), extra, "attention calls")
+    notes = [_note([c.notes[k] if k < len(c.notes) else "" for c in seen], note, extra)
+             for k, note in enumerate(end.notes)]
+    return Extension(op_counts, attention, notes)
+
+
+def _line(values: Mapping[str, list[int]], end: Mapping[str, int], extra: int, what: str) -> dict[str, int]:
+    """Each count at the end plus ``extra`` steady steps' worth, a step's worth being constant."""
+    out = {}
+    for name, series in values.items():
+        steps = {b - a for a, b in itertools.pairwise(series)}
+        if len(steps) != 1:
+            raise _NotSteady(f"the {what} per decode step are not constant ({name})")
+        out[name] = end[name] + extra * steps.pop()
+    return out
+
+
+def _note(series: list[str], end: str, extra: int) -> str:
+    """The note ``end`` after ``extra`` more steady steps: its numbers on the line ``series`` (the
+    note at the start of each steady step) draws, written as the note writes them."""
+    texts = [_NUMBER.split(text) for text in (*series, end)]
+    if any(t != texts[0] for t in texts):
+        raise _NotSteady("a note's words change between decode steps")
+    numbers = [_NUMBER.findall(text) for text in series]
+    grown = []
+    for k, written in enumerate(_NUMBER.findall(end)):
+        values = [int(row[k].replace(",", "")) for row in numbers]
+        steps = {b - a for a, b in itertools.pairwise(values)}
+        if len(steps) != 1:
+            raise _NotSteady("a number in a note does not grow by the same at each decode step")
+        step = steps.pop()
+        value = int(written.replace(",", "")) + extra * step
+        commas = "," in written or any("," in row[k] for row in numbers)
+        if step and not commas and value >= 1000 > int(written.replace(",", "")):
+            raise _NotSteady("a number in a note would reach 1,000, written with or without commas")
+        grown.append(written if not step else (f"{value:,}" if commas else str(value)))
+    return "".join(p + (grown[k] if k < len(grown) else "") for k, p in enumerate(texts[-1]))
+
+
+def _write(trace: StepTrace, layout: _Layout, last: list[int], last_segment: list[int],
+           bases: list[tuple[int, int]], steps: int, new_tokens: int, n: int, starts: list[int]) -> None:
+    """Replace the traced last step by the steady steps ``M - 1 .. N - 2`` and the last one at ``N - 1``."""
+    last_base = bases[steps - 2][0]
+    last_events = _events(last_segment, last_base, bases[_FIRST - 1][0], n)
+    del trace.events[starts[-1]:]
+    for column in (trace.nbytes, trace.phase, trace.module, trace.category, trace.op):
+        del column[last_base:]
+    for uid in [u for u in trace.sized if u >= last_base]:
+        del trace.sized[uid]
+    trace.phase_log[:] = [(p, i) for p, i in trace.phase_log if i < starts[-1]]
+    first_new = steps - 1
+    count = new_tokens - steps  # steady steps written: M-1 .. N-2
+    if count:  # the steady steps, all at once
+        kinds = np.array([k for k, _ in layout.events], dtype=np.int64)
+        values = np.array([v for _, v in layout.events], dtype=np.int64)
+        rows = (last_base + n * np.arange(count, dtype=np.int64))[:, None] + values[None, :]
+        coded = np.where(kinds == 0, rows, ~rows)  # a steady step frees only its own or the last step's
+        step_numbers = np.arange(first_new, first_new + count, dtype=np.int64)
+        sizes = layout.nbytes0[None, :] + step_numbers[:, None] * layout.slope[None, :]
+        at: dict[int, list[ShapeSized]] = {}
+        for i, (zero, slope) in layout.sized.items():  # a rule's bytes are the rule's, not a line's
+            at[i] = ([_sized_at(zero, slope, s) for s in step_numbers.tolist()] if any(slope)
+                     else [_sized_at(zero, slope, first_new)] * count)  # one shape: one object, one size
+            sizes[:, i] = [_bytes(rule) for rule in at[i]] if any(slope) else _bytes(at[i][0])
+        length = len(layout.events)
+        start = len(trace.events)
+        trace.phase_log.extend((Phase.DECODE, start + k * length) for k in range(count))
+        trace.events.extend(coded.ravel().tolist())
+        trace.nbytes.extend(sizes.ravel().tolist())
+        trace.phase.extend(layout.phase * count)
+        trace.module.extend(layout.module * count)
+        trace.category.extend(layout.category * count)  # type: ignore[arg-type]
+        trace.op.extend(layout.op * count)
+        for i, rules in at.items():
+            trace.sized.update(zip(range(last_base + i, last_base + i + n * count, n), rules, strict=True))
+    # the last step: the traced one, each storage on its steady storage's line at step N - 1
+    base = last_base + n * count
+    s = new_tokens - 1
+    trace.phase_log.append((Phase.DECODE, len(trace.events)))
+    trace.events.extend(base + v if kind == 0 else ~(base + v) if kind == 1 else ~v for kind, v in last_events)
+    for j, i in enumerate(last):
+        if i in layout.sized:
+            zero, slope = layout.sized[i]
+            trace.sized[base + j] = rule = _sized_at(zero, slope, s)
+            trace.nbytes.append(_bytes(rule))
+        else:
+            trace.nbytes.append(int(layout.nbytes0[i] + s * layout.slope[i]))
+        trace.phase.append(layout.phase[i])
+        trace.module.append(layout.module[i])
+        trace.category.append(layout.category[i])  # type: ignore[arg-type]
+        trace.op.append(layout.op[i])
+
+
+def _bytes(sized: ShapeSized) -> int:
+    return int(sized.rule(sized.arguments))
+
+
+def _sized_at(zero: ShapeSized, slope: tuple[int, ...], step: int) -> ShapeSized:
+    arguments = tuple(a + step * d for a, d in zip(zero.arguments, slope, strict=True))
+    return ShapeSized(zero.rule, arguments)

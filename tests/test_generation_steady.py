@@ -1,0 +1,111 @@
+"""A generation's steady decode steps extrapolated (memcalc.engine.steady): the report of N tokens
+from a trace of the prefill and a few decode steps is the report of the full trace, byte for byte —
+its text, its JSON and its timeline. Where the pattern is not confirmed (or the model's source rules
+it out), every step is traced and the report says so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support import SMALL_LLAMA, hf_config_source
+
+import memcalc
+from memcalc.engine import steady
+from memcalc.report.render import render_report
+
+pytest.importorskip("transformers")
+
+SMALL_GPT2: dict[str, object] = {
+    "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4,
+    "vocab_size": 1000, "n_positions": 256}
+TOKEN_BY_TOKEN = "generation traced token by token"
+
+
+def _both(source: str, monkeypatch: pytest.MonkeyPatch, **kwargs: object
+          ) -> tuple[memcalc.MemoryReport, memcalc.MemoryReport]:
+    """The estimate with the steady steps extrapolated, and with every step traced."""
+    options = dict(mode="generate", optimizer="none", **kwargs)
+    extrapolated = memcalc.estimate(source, **options)  # type: ignore[arg-type]
+    with monkeypatch.context() as patch:
+        patch.setattr(steady, "EXTRAPOLATE_FROM", 10**9)
+        full = memcalc.estimate(source, **options)  # type: ignore[arg-type]
+    return extrapolated, full
+
+
+def _assert_identical(extrapolated: memcalc.MemoryReport, full: memcalc.MemoryReport) -> None:
+    assert json.dumps(extrapolated.to_dict()) == json.dumps(full.to_dict())
+    assert render_report(extrapolated) == render_report(full)
+    one, other = extrapolated.timeline(), full.timeline()
+    for name, value in vars(one).items():
+        theirs = getattr(other, name)
+        assert (value == theirs).all() if isinstance(value, np.ndarray) else value == theirs, name
+    assert not any(TOKEN_BY_TOKEN in note for note in extrapolated.notes)
+
+
+@pytest.mark.parametrize("config, batch, prompt, tokens", [
+    pytest.param(SMALL_LLAMA, 1, 8, 18, id="llama-quick"),
+    pytest.param(SMALL_LLAMA, 1, 16, 40, id="llama-decode-peak", marks=pytest.mark.slow),
+    pytest.param(SMALL_LLAMA, 2, 128, 20, id="llama-prefill-peak", marks=pytest.mark.slow),
+    pytest.param(SMALL_GPT2, 3, 10, 33, id="gpt2", marks=pytest.mark.slow),
+])
+def test_extrapolated_generation_is_the_full_trace_byte_for_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   config: dict[str, object], batch: int,
+                                                                   prompt: int, tokens: int):
+    extrapolated, full = _both(hf_config_source(tmp_path, config), monkeypatch, batch_size=batch, seq_len=prompt,
+                               new_tokens=tokens)
+    _assert_identical(extrapolated, full)
+    assert extrapolated.new_tokens == tokens
+
+
+@pytest.mark.slow
+def test_extrapolated_generation_in_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # bf16: the cache grows by 2 heads · 16 · 2 B = 64 B per layer, tensor and token, an eighth of the
+    # allocator's 512-B rounding, so the rounded sizes step every eighth token, not every token
+    extrapolated, full = _both(hf_config_source(tmp_path), monkeypatch, batch_size=1, seq_len=9, new_tokens=70,
+                               precision="bf16")
+    _assert_identical(extrapolated, full)
+
+
+@pytest.mark.slow
+def test_a_sliding_window_is_traced_token_by_token_and_says_so(tmp_path: Path):
+    # the cache stops growing at the window: a few traced steps cannot show where
+    config = {**SMALL_LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 24}
+    report = memcalc.estimate(hf_config_source(tmp_path, config), batch_size=1, seq_len=8, mode="generate",
+                              new_tokens=20, optimizer="none")
+    assert any(note == f"{TOKEN_BY_TOKEN}: its decode steps are not extrapolated, as its config sets sliding_window"
+               for note in report.notes)
+
+
+@pytest.mark.slow
+def test_a_rule_sized_scratch_in_each_step_falls_back_to_the_full_trace(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    # the CPU target's flash attention scratch is sized by memcalc's rule from the cache length:
+    # not extrapolated; the report is the full trace's, plus the note that says why
+    extrapolated, full = _both(hf_config_source(tmp_path), monkeypatch, batch_size=2, seq_len=8, new_tokens=20,
+                               gpu="cpu")
+    notes = [n for n in extrapolated.notes if TOKEN_BY_TOKEN in n]
+    assert len(notes) == 1 and "sized by a rule of memcalc's" in notes[0]
+    assert json.dumps(extrapolated.to_dict()) == json.dumps(full.to_dict())  # the JSON holds no notes
+    text = render_report(extrapolated).splitlines()
+    assert [line for line in text if TOKEN_BY_TOKEN not in line] == render_report(full).splitlines()
+
+
+def test_short_generations_are_traced_in_full():
+    assert steady.traced_tokens(steady.EXTRAPOLATE_FROM - 1) is None
+    assert steady.traced_tokens(1_000) == steady.TRACED_TOKENS
+
+
+def test_an_extrapolated_generation_tells_the_tokens_traced_then_all(tmp_path: Path):
+    from memcalc.core.progress import progress_to
+    from memcalc.engine.generation import GENERATING
+
+    told: list[tuple[str, int, int | None]] = []
+    with progress_to(lambda task, done, total: told.append((task, done, total))):
+        memcalc.estimate(hf_config_source(tmp_path), batch_size=1, seq_len=8, mode="generate", new_tokens=50,
+                         optimizer="none")
+    # 0 before the prefill, 1 .. 6 as the traced decode forwards begin, 50 once the rest is written out
+    traced = steady.TRACED_TOKENS
+    assert told == [(GENERATING, done, 50) for done in range(traced)] + [(GENERATING, 50, 50)]
