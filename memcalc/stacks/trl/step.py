@@ -1,0 +1,301 @@
+"""TRL's ``SFTTrainer`` and ``DPOTrainer`` steps on meta: their own ``compute_loss``, run as installed.
+
+A TRL trainer is ``transformers.Trainer`` with its own ``compute_loss`` (and collator): the loop,
+the training step, the optimizer and the clipping are the Trainer's, which memcalc's ``trainer``
+loop follows (:func:`memcalc.engine.loops.trainer`). :func:`trl_model` wraps the policy in a
+module whose forward *is* the installed trainer's ``compute_loss`` (``DPOTrainer.compute_loss``,
+``SFTTrainer.compute_loss``), called on a trainer object that holds what that method reads and
+nothing else (the trainer's ``__init__`` loads a tokenizer and prepares a dataset on the host;
+it is not run). What the ``__init__`` does to the models is done as it does it:
+
+* the policy gets TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, its chunked
+  log-probabilities: the ``(batch, seq, vocab)`` logits are never made), with the outputs the
+  trainer asks for (SFT: log-probs, entropy, top-1; DPO: log-probs, entropy, mean logits, top-1,
+  and ``log_sum_sq_probs`` under ``use_weighting``); the reference model, a bare head;
+* DPO's reference model: a frozen copy of the policy (``DPOTrainer`` loads the same checkpoint
+  again: ``create_model_from_path``), in eval mode; none with LoRA (PEFT's adapter-disabled
+  policy: ``use_adapter(model, None)``) or with ``precompute_ref_log_probs`` (the batch then
+  carries ``ref_chosen_logps`` and ``ref_rejected_logps``);
+* ``disable_dropout`` (both trainers' default for DPO): dropout set to 0.
+
+The batch is the collator's (``DataCollatorForPreference``: chosen and rejected rows concatenated,
+``2 × batch`` rows of ``seq_len`` tokens, an attention mask and a completion mask;
+``DataCollatorForLanguageModeling``: ids, attention mask, labels), with no padding: every row is
+``seq_len`` long, the prompt half of it (for DPO, and for SFT's ``completion_only_loss``).
+TRL's metrics read values (``.item()``, ``if total > 0``): those reads are answered 1 — a
+Python number for a log, with no tensor behind it.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memcalc.core.categories import Mode
+from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.trainer import TrlSettings
+from memcalc.engine.model import ModelInputs, ReadsFn, ResolvedModel
+from memcalc.engine.options import Step
+from memcalc.engine.trace import ReadOracle
+from memcalc.stacks.trl.config import import_trl
+
+__all__ = ("TrlStepModule", "trl_model")
+
+#: Where TRL's own code lives: a read whose innermost frame is there is one of its metrics'.
+_TRL_PATH = f"{'/'}trl{'/'}"
+
+
+class TrlStepModule(nn.Module):
+    """The policy (``policy``) and DPO's frozen reference (``reference``), whose forward is the
+    TRL trainer's ``compute_loss``; it returns ``{"loss": loss}`` as a model's own loss."""
+
+    def __init__(self, policy: nn.Module, reference: nn.Module | None, compute_loss: Callable[..., Any],
+                 autocast_dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.policy = policy
+        if reference is not None:
+            self.reference = reference
+        self._compute_loss = compute_loss
+        self._autocast_dtype = autocast_dtype
+
+    def forward(self, **inputs: Any) -> dict[str, torch.Tensor]:
+        with _meta_autocast(self._autocast_dtype), _BoolMaskIndex():
+            return {"loss": self._compute_loss(self.policy, dict(inputs))}
+
+
+class _BoolMaskIndex(TorchDispatchMode):
+    """``x[mask]`` as torch runs it, ``x[mask.nonzero().unbind(1)]``: TRL's metrics select the
+    completion tokens so (``chosen_mean_logits[chosen_mask.bool()].sum()``); the tracer then
+    asks how many rows the ``nonzero`` finds (:func:`_reads`) instead of giving up on a
+    boolean index, which meta tensors cannot run."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.index.Tensor and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            indices: list[Any] = []
+            for index in args[1]:
+                if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+                    indices.extend(torch.ops.aten.nonzero.default(index).unbind(1))
+                else:
+                    indices.append(index)
+            return func(args[0], indices)
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _meta_autocast(dtype: torch.dtype | None) -> Iterator[None]:
+    """``torch.is_autocast_enabled("meta")`` / ``torch.get_autocast_dtype("meta")`` answered as
+    on the device under the step's amp (memcalc emulates autocast; torch has none for meta and
+    raises). TRL's chunked log-prob kernel picks its tiles' dtype so (``compute_dtype``)."""
+    enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def is_enabled(*device: Any) -> bool:
+        return dtype is not None if device and device[0] == "meta" else enabled(*device)
+
+    def autocast_dtype(device: str) -> torch.dtype:
+        return dtype if device == "meta" and dtype is not None else get_dtype(device)
+
+    torch.is_autocast_enabled, torch.get_autocast_dtype = is_enabled, autocast_dtype  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, get_dtype  # type: ignore[assignment]
+
+    def train(self, mode: bool = True) -> TrlStepModule:
+        super().train(mode)
+        if hasattr(self, "reference"):
+            self.reference.eval()  # DPOTrainer prepares it with evaluation_mode=True
+        return self
+
+
+class _Accelerator:
+    """What ``compute_loss`` asks of accelerate on one process: gathers are the tensor itself,
+    the unwrapped model the model."""
+
+    parallelism_config = None
+    num_processes = 1
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def gather_for_metrics(self, value: Any) -> Any:
+        return value
+
+    def gather(self, value: Any) -> Any:
+        return value
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def autocast(self) -> Any:
+        return nullcontext()
+
+
+def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
+    """``resolved`` (fine-tuned already: PEFT's model when LoRA) as TRL's trainer runs it, with
+    the batch of its collator (module docstring)."""
+    record = step.trainer_args
+    assert record is not None and record.trl is not None  # fields.build_step read the config
+    settings = record.trl
+    trl = import_trl(f"loop {step.loop.name}")
+    policy = resolved.module
+    peft = _is_peft(policy)
+    base = policy.get_base_model() if peft else policy  # type: ignore[operator]
+    if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
+        raise InapplicableOptionError(f"loop {step.loop.name}: {resolved.name} has no language-model head "
+                                      f"(TRL's {settings.trainer.upper()}Trainer trains causal language models)",
+                                      hint="Give a causal language model (an hf: config of a *ForCausalLM).")
+    utils = sys.modules.get("trl.trainer.utils") or __import__("trl.trainer.utils", fromlist=["x"])
+    if settings.get("disable_dropout", settings.trainer == "dpo"):
+        utils.disable_dropout_in_model(policy)
+    reference = None
+    if settings.trainer == "dpo":
+        trainer_cls = trl.DPOTrainer
+        outputs: tuple[str, ...] = ("log_probs", "entropy", "mean_logits", "is_top1")
+        if settings.get("use_weighting"):
+            outputs += ("log_sum_sq_probs",)
+        if not peft and not settings.get("precompute_ref_log_probs"):
+            reference = copy.deepcopy(base)
+            reference.requires_grad_(False)
+            reference.eval()
+    else:
+        trainer_cls = trl.SFTTrainer
+        outputs = ("log_probs", "entropy", "is_top1")
+    utils.add_fused_lm_head(base, outputs=outputs)
+    if reference is not None:
+        utils.add_fused_lm_head(reference)
+    trainer = _trainer(trainer_cls, settings, policy, reference, step, _device(policy))
+    module = TrlStepModule(policy, reference, lambda model, inputs: trainer_cls.compute_loss(trainer, model, inputs),
+                           step.precision.compute_dtype if step.precision.is_amp else None)
+    inputs = _batch(resolved.inputs, settings, step)
+    notes = (*resolved.notes, _note(settings, peft, reference is not None, trl.__version__))
+    checkpointing = resolved.checkpointing
+    return replace(
+        resolved, module=module, inputs=inputs, labels=None, notes=notes,
+        checkpointing=(None if checkpointing is None
+                       else lambda m, fn, which: checkpointing(m.policy, fn, which)),  # type: ignore[union-attr]
+        reads=_reads(resolved.reads), build_real=_no_real(step.loop.name),
+        block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
+
+
+def _is_peft(module: nn.Module) -> bool:
+    return hasattr(module, "peft_config") and hasattr(module, "disable_adapter")
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("meta"))
+
+
+def _trainer(cls: type, settings: TrlSettings, policy: nn.Module, reference: nn.Module | None, step: Step,
+             device: torch.device) -> Any:
+    """An instance of the installed trainer class holding what its ``compute_loss`` reads (the
+    attributes ``DPOTrainer.__init__`` / ``SFTTrainer.__init__`` set from the config)."""
+    trainer = cls.__new__(cls)
+    values = dict(settings.values)
+    args = SimpleNamespace(**{"loss_type": "nll", **values}, gradient_checkpointing_kwargs={"use_reentrant": False},
+                           average_tokens_across_devices=False)
+    config = policy.config if hasattr(policy, "config") else None
+    coef = values.get("router_aux_loss_coef")
+    text = config.get_text_config() if config is not None else None
+    aux_coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+    state: dict[str, Any] = {
+        "args": args, "model": policy, "ref_model": reference, "accelerator": _Accelerator(device),
+        "_metrics": {"train": defaultdict(list), "eval": defaultdict(list)}, "_total_train_tokens": 0,
+        "_tp_size": 1, "maybe_activation_offload_context": nullcontext(), "router_aux_loss_coef": aux_coef,
+        "aux_loss_enabled": hasattr(text, "output_router_logits") and aux_coef != 0.0,
+        "compute_loss_func": None, "label_smoother": None, "current_gradient_accumulation_steps": step.accum_steps,
+    }
+    if settings.trainer == "dpo":
+        loss_types = values.get("loss_type") or ("sigmoid",)
+        loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types)
+        state.update(
+            beta=values.get("beta", 0.1), precompute_ref_logps=bool(values.get("precompute_ref_log_probs")),
+            loss_types=loss_types, loss_weights=list(values.get("loss_weights") or [1.0] * len(loss_types)),
+            ld_alpha=values.get("ld_alpha"), f_divergence_type=values.get("f_divergence_type", "reverse_kl"),
+            f_alpha_divergence_coef=values.get("f_alpha_divergence_coef", 0.5),
+            label_smoothing=values.get("label_smoothing", 0.0), use_weighting=bool(values.get("use_weighting")))
+    trainer.__dict__.update(state)
+    return trainer
+
+
+def _batch(inputs: ModelInputs, settings: TrlSettings, step: Step) -> ModelInputs:
+    """The collator's batch for the resolved model's ``input_ids`` (module docstring)."""
+    ids = inputs.kwargs.get("input_ids") if inputs.kwargs else (inputs.args[0] if inputs.args else None)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise InapplicableOptionError(f"loop {step.loop.name} needs token ids (batch, seq_len) as the model's input; "
+                                      f"got {inputs.description}", hint="Give --seq-len N.")
+    batch, length = ids.shape
+    max_length = settings.get("max_length")
+    if isinstance(max_length, int) and length > max_length:
+        raise InapplicableOptionError(f"seq_len {length} is longer than the config's max_length {max_length}: "
+                                      f"TRL truncates every sequence to it",
+                                      hint=f"Give --seq-len {max_length} or less, or raise max_length.")
+    device = ids.device
+    long = {"dtype": torch.long, "device": device}
+    if settings.trainer == "dpo":
+        rows = 2 * batch  # DataCollatorForPreference: the chosen rows, then the rejected ones
+        out = {"input_ids": torch.empty(rows, length, **long), "attention_mask": torch.empty(rows, length, **long),
+               "completion_mask": torch.empty(rows, length, **long)}
+        if settings.get("precompute_ref_log_probs"):
+            out["ref_chosen_logps"] = torch.empty(batch, dtype=torch.float32, device=device)
+            out["ref_rejected_logps"] = torch.empty(batch, dtype=torch.float32, device=device)
+        return ModelInputs((), out)
+    out = {"input_ids": torch.empty(batch, length, **long), "attention_mask": torch.empty(batch, length, **long),
+           "labels": torch.empty(batch, length, **long)}
+    return ModelInputs((), out)
+
+
+def _reads(model_reads: ReadsFn | None) -> ReadsFn:
+    """The model's own reads (transformers'), then TRL's metrics': any value read in TRL's code
+    is a number logged, answered 1."""
+    def reads(mode: Mode, new_tokens: int | None) -> ReadOracle:
+        inner = model_reads(mode, new_tokens) if model_reads is not None else None
+
+        def oracle(tensor: torch.Tensor) -> bool | int | float | None:
+            if _innermost_is_trl():
+                return 1 if not tensor.dtype.is_floating_point else 1.0
+            return inner(tensor) if inner is not None else None
+        return oracle
+    return reads
+
+
+def _innermost_is_trl() -> bool:
+    """Whether the innermost frame of a library (transformers, TRL) on the stack is TRL's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if _TRL_PATH in name:
+            return True
+        if "/transformers/" in name:
+            return False
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _no_real(loop: str) -> Callable[[torch.device], tuple[nn.Module, ModelInputs]]:
+    def build(device: torch.device) -> tuple[nn.Module, ModelInputs]:
+        raise InapplicableOptionError(f"--measure does not run loop {loop}: run TRL's trainer itself and read "
+                                      f"torch.cuda.max_memory_allocated()")
+    return build
+
+
+def _note(settings: TrlSettings, peft: bool, frozen_copy: bool, version: str) -> str:
+    if settings.trainer == "sft":
+        return f"TRL {version} SFTTrainer.compute_loss on meta: the fused LM head's chunked log-probabilities"
+    reference = ("a frozen copy of the policy" if frozen_copy else "precomputed log-probs in the batch"
+                 if settings.get("precompute_ref_log_probs") else "the policy with its adapters disabled (PEFT)")
+    _ = peft
+    return (f"TRL {version} DPOTrainer.compute_loss on meta: chosen and rejected rows in one forward, "
+            f"the reference: {reference}")
+
+
