@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from memcalc.core.trainer import TrlSettings
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
+from memcalc.core.trainer import TrlSettings
 from memcalc.stacks.transformers.hub import import_hf
 from memcalc.stacks.transformers.training_args import TrainerSetup, load_training_args, read_training_args
 
@@ -110,7 +110,7 @@ def read_trl_config(loop: str, args: Any = None) -> TrainerSetup:
         given = dict(from_file)
     elif isinstance(args, Mapping):
         given = dict(args)
-    elif dataclasses.is_dataclass(args) and isinstance(args, getattr(trl.trainer, "base_config")._BaseConfig):
+    elif dataclasses.is_dataclass(args) and isinstance(args, trl.trainer.base_config._BaseConfig):
         if not isinstance(args, cls):
             raise InvalidInputError(f"loop {loop} reads a {CONFIGS[loop]}; got a {type(args).__name__}",
                                     hint="Give the loop of that config's trainer (trl-sft: SFTConfig, trl-dpo: "

@@ -31,10 +31,10 @@ from __future__ import annotations
 import copy
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from types import SimpleNamespace
+from types import FrameType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from memcalc.core.trainer import TrlSettings
 from memcalc.engine.model import ModelInputs, ReadsFn, ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.trace import ReadOracle
+from memcalc.stacks.peft import PEFT_MODEL
 from memcalc.stacks.trl.config import import_trl
 
 __all__ = ("TrlStepModule", "trl_model")
@@ -69,11 +70,17 @@ class TrlStepModule(nn.Module):
         self._autocast_dtype = autocast_dtype
 
     def forward(self, **inputs: Any) -> dict[str, torch.Tensor]:
-        with _meta_autocast(self._autocast_dtype), _BoolMaskIndex():
+        with _meta_autocast(self._autocast_dtype), _BoolMaskIndex():  # type: ignore[no-untyped-call]
             return {"loss": self._compute_loss(self.policy, dict(inputs))}
 
+    def train(self, mode: bool = True) -> TrlStepModule:
+        super().train(mode)
+        if isinstance(self.reference if hasattr(self, "reference") else None, nn.Module):
+            self.reference.eval()  # DPOTrainer prepares it with evaluation_mode=True
+        return self
 
-class _BoolMaskIndex(TorchDispatchMode):
+
+class _BoolMaskIndex(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """``x[mask]`` as torch runs it, ``x[mask.nonzero().unbind(1)]``: TRL's metrics select the
     completion tokens so (``chosen_mean_logits[chosen_mask.bool()].sum()``); the tracer then
     asks how many rows the ``nonzero`` finds (:func:`_reads`) instead of giving up on a
@@ -109,13 +116,7 @@ def _meta_autocast(dtype: torch.dtype | None) -> Iterator[None]:
     try:
         yield
     finally:
-        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, get_dtype  # type: ignore[assignment]
-
-    def train(self, mode: bool = True) -> TrlStepModule:
-        super().train(mode)
-        if hasattr(self, "reference"):
-            self.reference.eval()  # DPOTrainer prepares it with evaluation_mode=True
-        return self
+        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, get_dtype
 
 
 class _Accelerator:
@@ -148,9 +149,9 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
     assert record is not None and record.trl is not None  # fields.build_step read the config
     settings = record.trl
     trl = import_trl(f"loop {step.loop.name}")
-    policy = resolved.module
+    policy = resolved.module.__dict__.get(PEFT_MODEL, resolved.module)  # the PeftModel of --lora
     peft = _is_peft(policy)
-    base = policy.get_base_model() if peft else policy  # type: ignore[operator]
+    base: Any = policy.get_base_model() if peft else policy  # type: ignore[operator]
     if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
         raise InapplicableOptionError(f"loop {step.loop.name}: {resolved.name} has no language-model head "
                                       f"(TRL's {settings.trainer.upper()}Trainer trains causal language models)",
@@ -178,14 +179,19 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
     module = TrlStepModule(policy, reference, lambda model, inputs: trainer_cls.compute_loss(trainer, model, inputs),
                            step.precision.compute_dtype if step.precision.is_amp else None)
     inputs = _batch(resolved.inputs, settings, step)
-    notes = (*resolved.notes, _note(settings, peft, reference is not None, trl.__version__))
+    notes = (*resolved.notes, _note(settings, reference is not None, trl.__version__))
     checkpointing = resolved.checkpointing
     return replace(
         resolved, module=module, inputs=inputs, labels=None, notes=notes,
         checkpointing=(None if checkpointing is None
-                       else lambda m, fn, which: checkpointing(m.policy, fn, which)),  # type: ignore[union-attr]
+                       else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=_reads(resolved.reads), build_real=_no_real(step.loop.name),
         block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
+
+
+def _policy_of(module: nn.Module) -> nn.Module:
+    policy = module.get_submodule("policy")
+    return policy
 
 
 def _is_peft(module: nn.Module) -> bool:
@@ -200,11 +206,11 @@ def _trainer(cls: type, settings: TrlSettings, policy: nn.Module, reference: nn.
              device: torch.device) -> Any:
     """An instance of the installed trainer class holding what its ``compute_loss`` reads (the
     attributes ``DPOTrainer.__init__`` / ``SFTTrainer.__init__`` set from the config)."""
-    trainer = cls.__new__(cls)
+    trainer: Any = object.__new__(cls)
     values = dict(settings.values)
     args = SimpleNamespace(**{"loss_type": "nll", **values}, gradient_checkpointing_kwargs={"use_reentrant": False},
                            average_tokens_across_devices=False)
-    config = policy.config if hasattr(policy, "config") else None
+    config: Any = getattr(policy, "config", None)
     coef = values.get("router_aux_loss_coef")
     text = config.get_text_config() if config is not None else None
     aux_coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
@@ -241,17 +247,18 @@ def _batch(inputs: ModelInputs, settings: TrlSettings, step: Step) -> ModelInput
                                       f"TRL truncates every sequence to it",
                                       hint=f"Give --seq-len {max_length} or less, or raise max_length.")
     device = ids.device
-    long = {"dtype": torch.long, "device": device}
+
+    def long(rows: int) -> torch.Tensor:
+        return torch.empty(rows, length, dtype=torch.long, device=device)
+
     if settings.trainer == "dpo":
         rows = 2 * batch  # DataCollatorForPreference: the chosen rows, then the rejected ones
-        out = {"input_ids": torch.empty(rows, length, **long), "attention_mask": torch.empty(rows, length, **long),
-               "completion_mask": torch.empty(rows, length, **long)}
+        out = {"input_ids": long(rows), "attention_mask": long(rows), "completion_mask": long(rows)}
         if settings.get("precompute_ref_log_probs"):
             out["ref_chosen_logps"] = torch.empty(batch, dtype=torch.float32, device=device)
             out["ref_rejected_logps"] = torch.empty(batch, dtype=torch.float32, device=device)
         return ModelInputs((), out)
-    out = {"input_ids": torch.empty(batch, length, **long), "attention_mask": torch.empty(batch, length, **long),
-           "labels": torch.empty(batch, length, **long)}
+    out = {"input_ids": long(batch), "attention_mask": long(batch), "labels": long(batch)}
     return ModelInputs((), out)
 
 
@@ -271,14 +278,14 @@ def _reads(model_reads: ReadsFn | None) -> ReadsFn:
 
 def _innermost_is_trl() -> bool:
     """Whether the innermost frame of a library (transformers, TRL) on the stack is TRL's."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if _TRL_PATH in name:
             return True
         if "/transformers/" in name:
             return False
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return False
 
 
@@ -289,12 +296,11 @@ def _no_real(loop: str) -> Callable[[torch.device], tuple[nn.Module, ModelInputs
     return build
 
 
-def _note(settings: TrlSettings, peft: bool, frozen_copy: bool, version: str) -> str:
+def _note(settings: TrlSettings, frozen_copy: bool, version: str) -> str:
     if settings.trainer == "sft":
         return f"TRL {version} SFTTrainer.compute_loss on meta: the fused LM head's chunked log-probabilities"
     reference = ("a frozen copy of the policy" if frozen_copy else "precomputed log-probs in the batch"
                  if settings.get("precompute_ref_log_probs") else "the policy with its adapters disabled (PEFT)")
-    _ = peft
     return (f"TRL {version} DPOTrainer.compute_loss on meta: chosen and rejected rows in one forward, "
             f"the reference: {reference}")
 
