@@ -57,7 +57,7 @@ def _model(lora: int) -> torch.nn.Module:
 
 
 _COMMON = dict(use_cpu=True, max_steps=2, report_to="none", save_strategy="no", logging_strategy="no",
-               disable_tqdm=True, dataloader_num_workers=0, seed=0, bf16=False, gradient_checkpointing=False)
+               disable_tqdm=True, dataloader_num_workers=0, seed=0, bf16=False)
 
 
 def _dpo_peak(tmp_path: Path, batch: int, seq_len: int, lora: int, **config: Any) -> int:
@@ -67,6 +67,7 @@ def _dpo_peak(tmp_path: Path, batch: int, seq_len: int, lora: int, **config: Any
     completion = seq_len - prompt - 1  # the collator adds the end-of-sequence token to each completion
     rows = [{"prompt": _words(prompt, k), "chosen": " " + _words(completion, k + 1),
              "rejected": " " + _words(completion, k + 2)} for k in range(2 * batch)]
+    config = {"gradient_checkpointing": False, **config}
     args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch, **_COMMON, **config)
     model = _model(lora)
     reference = None if lora or config.get("precompute_ref_log_probs") else copy.deepcopy(model)
@@ -84,6 +85,7 @@ def _sft_peak(tmp_path: Path, batch: int, seq_len: int, **config: Any) -> int:
                 for k in range(2 * batch)]
     else:
         rows = [{"text": _words(seq_len - 1, k)} for k in range(2 * batch)]
+    config = {"gradient_checkpointing": False, **config}
     args = trl.SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch, **_COMMON, **config)
     model = _model(0)
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
@@ -112,6 +114,9 @@ DPO_CASES = {
     "DPO, precomputed reference log-probs": (0, {"precompute_ref_log_probs": True}),
     "DPO, LoRA (adapter-disabled reference)": (16, {}),
     "DPO, RPO (sigmoid + sft losses)": (0, {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}),
+    # DPOConfig's default: the policy checkpointed, the reference's no-grad forward run with it disabled
+    "DPO, gradient checkpointing": (0, {"gradient_checkpointing": True}),
+    "DPO, LoRA + gradient checkpointing": (16, {"gradient_checkpointing": True}),
 }
 
 

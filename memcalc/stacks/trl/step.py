@@ -29,6 +29,7 @@ Python number for a log, with no tensor behind it.
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -61,15 +62,17 @@ class TrlStepModule(nn.Module):
     TRL trainer's ``compute_loss``; it returns ``{"loss": loss}`` as a model's own loss."""
 
     def __init__(self, policy: nn.Module, reference: nn.Module | None, compute_loss: Callable[..., Any],
-                 autocast_dtype: torch.dtype | None) -> None:
+                 autocast_dtype: torch.dtype | None, cuda: bool) -> None:
         super().__init__()
         self.policy = policy
         if reference is not None:
             self.reference = reference
         self._compute_loss = compute_loss
         self._autocast_dtype = autocast_dtype
+        self._cuda = cuda
 
     def forward(self, **inputs: Any) -> dict[str, torch.Tensor]:
+        _TRITON_RULES["on"] = self._cuda  # for this step's forward and the backward that follows it
         with _meta_autocast(self._autocast_dtype), _BoolMaskIndex():  # type: ignore[no-untyped-call]
             return {"loss": self._compute_loss(self.policy, dict(inputs))}
 
@@ -97,6 +100,40 @@ class _BoolMaskIndex(TorchDispatchMode):  # type: ignore[no-untyped-call]  # tor
                     indices.append(index)
             return func(args[0], indices)
         return func(*args, **(kwargs or {}))
+
+
+#: Whether the step estimated is a CUDA one, where TRL's chunked log-prob kernel runs its Triton
+#: folds (set by each forward: estimates run one at a time).
+_TRITON_RULES = {"on": False}
+
+
+def _install_triton_rules(kernels: Any) -> None:
+    """On a CUDA target, ``trl.kernels.chunked_logprob`` folds each ``(tokens, vocab chunk)``
+    tile with Triton kernels (``_use_triton``: Triton installed and a CUDA device), which write
+    in place into the tile and the running statistics and allocate nothing; and accumulates the
+    gradient GEMMs with ``torch.addmm(..., out_dtype=float32, out=acc)`` (``_addmm_fp32``), with
+    no float32 copies of its operands. On meta ``_use_triton`` is False, so its torch folds
+    (``_forward_tile``, ``_backward_tile``: tile-sized float32 temporaries) and the copying
+    ``addmm_`` would run: for a CUDA target they are replaced by what the Triton path allocates
+    (nothing); for the CPU target they run as TRL wrote them. Installed once, idempotently."""
+    if getattr(kernels, "_memcalc_rules", False):
+        return
+    forward_tile, backward_tile, addmm = kernels._forward_tile, kernels._backward_tile, kernels._addmm_fp32
+
+    def fold_forward(tile: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if not (_TRITON_RULES["on"] and tile.is_meta):
+            forward_tile(tile, *args, **kwargs)
+
+    def fold_backward(tile: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if not (_TRITON_RULES["on"] and tile.is_meta):
+            backward_tile(tile, *args, **kwargs)
+
+    def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        if not (_TRITON_RULES["on"] and acc.is_meta):
+            addmm(acc, a, b)
+
+    kernels._forward_tile, kernels._backward_tile, kernels._addmm_fp32 = fold_forward, fold_backward, addmm_fp32
+    setattr(kernels, "_memcalc_rules", True)  # noqa: B010  # a module attribute of ours, in TRL's module
 
 
 @contextmanager
@@ -151,7 +188,7 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
     trl = import_trl(f"loop {step.loop.name}")
     policy = resolved.module.__dict__.get(PEFT_MODEL, resolved.module)  # the PeftModel of --lora
     peft = _is_peft(policy)
-    base: Any = policy.get_base_model() if peft else policy  # type: ignore[operator]
+    base: Any = policy.get_base_model() if peft else policy
     if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
         raise InapplicableOptionError(f"loop {step.loop.name}: {resolved.name} has no language-model head "
                                       f"(TRL's {settings.trainer.upper()}Trainer trains causal language models)",
@@ -177,7 +214,8 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
         utils.add_fused_lm_head(reference)
     trainer = _trainer(trainer_cls, settings, policy, reference, step, _device(policy))
     module = TrlStepModule(policy, reference, lambda model, inputs: trainer_cls.compute_loss(trainer, model, inputs),
-                           step.precision.compute_dtype if step.precision.is_amp else None)
+                           step.precision.compute_dtype if step.precision.is_amp else None, step.emulate_cuda)
+    _install_triton_rules(importlib.import_module("trl.kernels.chunked_logprob"))
     inputs = _batch(resolved.inputs, settings, step)
     notes = (*resolved.notes, _note(settings, reference is not None, trl.__version__))
     checkpointing = resolved.checkpointing
