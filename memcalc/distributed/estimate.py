@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.options import Distributed
@@ -17,7 +18,6 @@ from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
-from memcalc.core.errors import InapplicableOptionError
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step

@@ -32,8 +32,8 @@ from memcalc.stacks.bitsandbytes import quantize_linears
 from memcalc.stacks.kbit import kbit_precision, prepare_for_kbit_training, prepares_for_kbit
 from memcalc.stacks.transformers.hub import import_hf
 
-__all__ = ("PEFT_MODEL", "LoraResult", "add_lora", "apply_finetune", "finetune_module", "freeze_parameters", "linear_names",
-           "step_precision")
+__all__ = ("PEFT_MODEL", "LoraResult", "add_lora", "apply_finetune", "finetune_module", "freeze_parameters",
+           "linear_names", "step_precision")
 
 #: How many names an error lists.
 _SHOWN = 8

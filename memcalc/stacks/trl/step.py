@@ -217,7 +217,7 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
                            step.precision.compute_dtype if step.precision.is_amp else None, step.emulate_cuda)
     _install_triton_rules(importlib.import_module("trl.kernels.chunked_logprob"))
     inputs = _batch(resolved.inputs, settings, step)
-    notes = (*resolved.notes, _note(settings, reference is not None, trl.__version__))
+    notes = (*resolved.notes, _note(settings, reference is not None, trl.__version__, resolved.batch_size))
     checkpointing = resolved.checkpointing
     return replace(
         resolved, module=module, inputs=inputs, labels=None, notes=notes,
@@ -334,12 +334,12 @@ def _no_real(loop: str) -> Callable[[torch.device], tuple[nn.Module, ModelInputs
     return build
 
 
-def _note(settings: TrlSettings, frozen_copy: bool, version: str) -> str:
+def _note(settings: TrlSettings, frozen_copy: bool, version: str, batch: int) -> str:
     if settings.trainer == "sft":
         return f"TRL {version} SFTTrainer.compute_loss on meta: the fused LM head's chunked log-probabilities"
     reference = ("a frozen copy of the policy" if frozen_copy else "precomputed log-probs in the batch"
                  if settings.get("precompute_ref_log_probs") else "the policy with its adapters disabled (PEFT)")
-    return (f"TRL {version} DPOTrainer.compute_loss on meta: chosen and rejected rows in one forward, "
-            f"the reference: {reference}")
+    return (f"TRL {version} DPOTrainer.compute_loss on meta: chosen and rejected rows in one forward (the batch "
+            f"of {batch} pairs is {2 * batch} rows), the reference: {reference}")
 
 
