@@ -94,6 +94,14 @@ def test_sft_batch(model: str) -> None:
     assert report.bytes.inputs == 3 * (BATCH * SEQ * 8)
 
 
+def test_sft_padding_free_batch(model: str) -> None:
+    """Padding-free SFT: the B samples end to end in one row — input_ids, labels and position_ids
+    (int64), seq_idx (int32), 1·BL each, and cu_seq_lens_q/k, B+1 int32 each."""
+    report = _estimate(model, "trl-sft", padding_free=True)
+    tokens = BATCH * SEQ
+    assert report.bytes.inputs == 3 * tokens * 8 + tokens * 4 + 2 * (BATCH + 1) * 4
+
+
 def test_unknown_argument_named(model: str) -> None:
     with pytest.raises(InvalidInputError, match="'betaa'; did you mean 'beta'"):
         _estimate(model, "trl-dpo", betaa=0.2)
@@ -105,9 +113,9 @@ def test_rpo_alpha_names_its_replacement(model: str) -> None:
     assert "loss_type=['sigmoid', 'sft']" in (info.value.hint or "")
 
 
-@pytest.mark.parametrize("argument", ["packing", "padding_free", "activation_offloading"])
-def test_unmodelled_arguments_refused(model: str, argument: str) -> None:
-    loop = "trl-dpo" if argument == "padding_free" else "trl-sft"
+@pytest.mark.parametrize(("loop", "argument"), [("trl-sft", "packing"), ("trl-dpo", "padding_free"),
+                                                ("trl-sft", "activation_offloading")])
+def test_unmodelled_arguments_refused(model: str, loop: str, argument: str) -> None:
     with pytest.raises(InapplicableOptionError, match=argument):
         _estimate(model, loop, **{argument: True})
 

@@ -134,6 +134,13 @@ def test_sft_completion_only(tmp_path: Path) -> None:
     _check("SFT, completion-only loss", real, _estimate(tmp_path, "trl-sft", 2, 128, 0, completion_only_loss=True))
 
 
+@pytest.mark.slow
+def test_sft_padding_free(tmp_path: Path) -> None:
+    # without packing TRL enforces no max_length on a padding-free batch, and refuses one
+    real = _sft_peak(tmp_path, 4, 64, padding_free=True, max_length=None)
+    _check("SFT, padding-free", real, _estimate(tmp_path, "trl-sft", 4, 64, 0, padding_free=True, max_length=None))
+
+
 def test_sft_trainer(tmp_path: Path) -> None:
     """The quick suite's TRL case: SFT on plain text, batch 2 of 64 tokens."""
     real = _sft_peak(tmp_path, 2, 64)

@@ -11,8 +11,8 @@ which ``_BaseConfig.__post_init__`` turns into ``not fp16``: bf16 autocast) and
 * read (:data:`READ`): the ones TRL's ``compute_loss`` and its collators read on every step —
   ``beta``, ``loss_type``, ``loss_weights``, ``ld_alpha``, ``f_divergence_type``,
   ``f_alpha_divergence_coef``, ``label_smoothing``, ``use_weighting``, ``discopop_tau``,
-  ``precompute_ref_log_probs`` (DPO), ``completion_only_loss`` (SFT), ``max_length`` (a cap on
-  the sequence length), ``disable_dropout``;
+  ``precompute_ref_log_probs`` (DPO), ``completion_only_loss`` and ``padding_free`` (SFT),
+  ``max_length`` (a cap on the sequence length), ``disable_dropout``;
 * ignored (:data:`IGNORED`): the dataset's preparation on the host (``dataset_*``,
   ``truncation_mode``, ``eos_token``, ``pad_token``, ``chat_template_path``, ``shuffle_dataset``,
   ``pad_to_multiple_of``: memcalc's batch has no padding), ``precompute_ref_batch_size`` (the
@@ -47,7 +47,7 @@ CONFIGS: Mapping[str, str] = {"trl-sft": "SFTConfig", "trl-dpo": "DPOConfig"}
 READ = frozenset({
     "beta", "loss_type", "loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef",
     "label_smoothing", "use_weighting", "discopop_tau", "precompute_ref_log_probs", "completion_only_loss",
-    "max_length", "disable_dropout", "router_aux_loss_coef",
+    "max_length", "disable_dropout", "router_aux_loss_coef", "padding_free",
 })
 
 #: TRL's own arguments that change nothing a training step allocates on the device (module docstring).
@@ -68,8 +68,6 @@ def _on(value: Any) -> bool:
 REFUSED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "packing": (_on, "packing (with padding_free) concatenates the batch into one row with position_ids; memcalc's "
                      "reads of the model's packed-sequence checks answer 'not packed'"),
-    "padding_free": (_on, "padding-free batches are one row with position_ids and flash-attention keywords "
-                          "(cu_seq_lens), which memcalc does not build"),
     "assistant_only_loss": (_on, "the assistant mask comes from the chat template's generation markers"),
     "activation_offloading": (_on, "activation offloading moves the saved activations to host memory "
                                    "(get_act_offloading_ctx_manager)"),
@@ -124,6 +122,10 @@ def read_trl_config(loop: str, args: Any = None) -> TrainerSetup:
     if values.get("bf16") is None:  # _BaseConfig.__post_init__
         values["bf16"] = not values.get("fp16")
     _refuse_unmodelled(values, CONFIGS[loop], given)
+    if loop == "trl-dpo" and values.get("padding_free"):
+        raise InapplicableOptionError("memcalc does not model DPOConfig padding_free=True: DPOTrainer's padding-free "
+                                      "batch (the chosen and rejected rows end to end in one) is not built",
+                                      hint="Leave padding_free at False to estimate the padded batch.")
     transformers = import_hf("transformers", f"loop {loop}")
     base_fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     setup = read_training_args({k: v for k, v in values.items() if k in base_fields})

@@ -20,8 +20,9 @@ it is not run). What the ``__init__`` does to the models is done as it does it:
 
 The batch is the collator's (``DataCollatorForPreference``: chosen and rejected rows concatenated,
 ``2 × batch`` rows of ``seq_len`` tokens, an attention mask and a completion mask;
-``DataCollatorForLanguageModeling``: ids, attention mask, labels), with no padding: every row is
-``seq_len`` long, the prompt half of it (for DPO, and for SFT's ``completion_only_loss``).
+``DataCollatorForLanguageModeling``: ids, attention mask, labels; with ``padding_free`` one row of
+the samples end to end, ``position_ids`` and the sequences' bounds), with no padding: every
+sample is ``seq_len`` long, the prompt half of it (for DPO, and for SFT's ``completion_only_loss``).
 TRL's metrics read values (``.item()``, ``if total > 0``): those reads are answered 1 — a
 Python number for a log, with no tensor behind it.
 """
@@ -52,9 +53,6 @@ from memcalc.stacks.peft import PEFT_MODEL
 from memcalc.stacks.trl.config import import_trl
 
 __all__ = ("TrlStepModule", "trl_model")
-
-#: Where TRL's own code lives: a read whose innermost frame is there is one of its metrics'.
-_TRL_PATH = f"{'/'}trl{'/'}"
 
 
 class TrlStepModule(nn.Module):
@@ -223,7 +221,7 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
         resolved, module=module, inputs=inputs, labels=None, notes=notes,
         checkpointing=(None if checkpointing is None
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
-        reads=_reads(resolved.reads), build_real=_no_real(step.loop.name),
+        reads=_reads(resolved.reads, bool(settings.get("padding_free"))), build_real=_no_real(step.loop.name),
         block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
 
 
@@ -296,35 +294,51 @@ def _batch(inputs: ModelInputs, settings: TrlSettings, step: Step) -> ModelInput
             out["ref_chosen_logps"] = torch.empty(batch, dtype=torch.float32, device=device)
             out["ref_rejected_logps"] = torch.empty(batch, dtype=torch.float32, device=device)
         return ModelInputs((), out)
+    if settings.get("padding_free"):
+        # the collator's padding-free batch: the samples end to end in one row, positions restarting at
+        # each, the sequences' bounds for varlen kernels (cu_seq_lens, int32) and each token's sequence
+        tokens = batch * length
+        flat = {"input_ids": torch.empty(1, tokens, dtype=torch.long, device=device),
+                "labels": torch.empty(1, tokens, dtype=torch.long, device=device),
+                "position_ids": torch.empty(1, tokens, dtype=torch.long, device=device),
+                "cu_seq_lens_q": torch.empty(batch + 1, dtype=torch.int32, device=device),
+                "cu_seq_lens_k": torch.empty(batch + 1, dtype=torch.int32, device=device),
+                "max_length_q": length, "max_length_k": length,
+                "seq_idx": torch.empty(1, tokens, dtype=torch.int32, device=device)}
+        return ModelInputs((), flat)
     out = {"input_ids": long(batch), "attention_mask": long(batch), "labels": long(batch)}
     return ModelInputs((), out)
 
 
-def _reads(model_reads: ReadsFn | None) -> ReadsFn:
+def _reads(model_reads: ReadsFn | None, packed: bool) -> ReadsFn:
     """The model's own reads (transformers'), then TRL's metrics': any value read in TRL's code
-    is a number logged, answered 1."""
+    is a number logged, answered 1. A padding-free batch (``packed``) holds several sequences in
+    its row: transformers' ``find_packed_sequence_indices`` then finds them (``(mask[:, -1] ==
+    0).all()`` is False), where memcalc's ordinary batch answers True."""
     def reads(mode: Mode, new_tokens: int | None) -> ReadOracle:
         inner = model_reads(mode, new_tokens) if model_reads is not None else None
 
         def oracle(tensor: torch.Tensor) -> bool | int | float | None:
-            if _innermost_is_trl():
+            library, function = _innermost_library()
+            if library == "trl":
                 return 1 if not tensor.dtype.is_floating_point else 1.0
+            if packed and function == "find_packed_sequence_indices":
+                return False
             return inner(tensor) if inner is not None else None
         return oracle
     return reads
 
 
-def _innermost_is_trl() -> bool:
-    """Whether the innermost frame of a library (transformers, TRL) on the stack is TRL's."""
+def _innermost_library() -> tuple[str, str]:
+    """The innermost frame of a library (transformers or TRL) on the stack: which, and its function."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if _TRL_PATH in name:
-            return True
-        if "/transformers/" in name:
-            return False
+        for library in ("trl", "transformers"):
+            if f"/{library}/" in name:
+                return library, frame.f_code.co_name
         frame = frame.f_back
-    return False
+    return "", ""
 
 
 def _no_real(loop: str) -> Callable[[torch.device], tuple[nn.Module, ModelInputs]]:
