@@ -102,6 +102,22 @@ def test_sft_padding_free_batch(model: str) -> None:
     assert report.bytes.inputs == 3 * tokens * 8 + tokens * 4 + 2 * (BATCH + 1) * 4
 
 
+def test_reward_model(tmp_path: Path) -> None:
+    """The reward model: the embedding V·H, the layers, the final norm H and a one-label score head
+    H·1 (no bias), fp32; chosen and rejected rows, 2·B, of input_ids and attention_mask."""
+    path = tmp_path / "reward.json"
+    path.write_text(json.dumps({**CONFIG, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1}))
+    report = _estimate(f"hf:{path}", "trl-reward")
+    assert report.bytes.parameters == 4 * (VOCAB * HIDDEN + LAYERS * LAYER + HIDDEN + HIDDEN)
+    assert report.bytes.inputs == 2 * (2 * BATCH * SEQ * 8)
+    assert any("RewardTrainer.compute_loss" in note for note in report.notes)
+
+
+def test_reward_needs_a_classifier(model: str) -> None:
+    with pytest.raises(InapplicableOptionError, match="not a sequence classifier"):
+        _estimate(model, "trl-reward")
+
+
 def test_unknown_argument_named(model: str) -> None:
     with pytest.raises(InvalidInputError, match="'betaa'; did you mean 'beta'"):
         _estimate(model, "trl-dpo", betaa=0.2)

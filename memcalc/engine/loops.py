@@ -198,6 +198,7 @@ PRESETS: dict[LoopPreset, PresetFn] = {
     # in the model memcalc.stacks.trl wraps around the policy (its forward returns TRL's loss)
     LoopPreset.TRL_SFT: trainer,
     LoopPreset.TRL_DPO: trainer,
+    LoopPreset.TRL_REWARD: trainer,
 }
 
 

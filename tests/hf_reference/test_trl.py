@@ -141,6 +141,33 @@ def test_sft_padding_free(tmp_path: Path) -> None:
     _check("SFT, padding-free", real, _estimate(tmp_path, "trl-sft", 4, 64, 0, padding_free=True, max_length=None))
 
 
+@pytest.mark.slow
+def test_reward_trainer(tmp_path: Path) -> None:
+    import datasets
+    import transformers
+
+    batch, seq_len = 2, 128
+    config = {**llama_config(VOCAB, architecture="LlamaForSequenceClassification"), "num_labels": 1,
+              "pad_token_id": 0}
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification._from_config(
+        transformers.AutoConfig.for_model(**config), dtype=torch.float32)
+    prompt, completion = seq_len // 2, seq_len - seq_len // 2 - 1  # the end-of-sequence token closes each
+    rows = [{"prompt": _words(prompt, k), "chosen": " " + _words(completion, k + 1),
+             "rejected": " " + _words(completion, k + 2)} for k in range(2 * batch)]
+    args = trl.RewardConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch,
+                            gradient_checkpointing=False, **_COMMON)
+    trainer = trl.RewardTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                processing_class=_tokenizer())
+    real = profiled_peak(model_bytes(model), trainer.train)
+    arguments = tmp_path / "args.json"
+    arguments.write_text(json.dumps({"per_device_train_batch_size": batch, "bf16": False,
+                                     "gradient_checkpointing": False}))
+    report = memcalc.estimate(write_config(tmp_path, config), loop="trl-reward", trainer_args=str(arguments),
+                              seq_len=seq_len, gpu="cpu")
+    _check("Reward model", real, report.peak_requested)
+
+
 def test_sft_trainer(tmp_path: Path) -> None:
     """The quick suite's TRL case: SFT on plain text, batch 2 of 64 tokens."""
     real = _sft_peak(tmp_path, 2, 64)

@@ -38,16 +38,18 @@ from memcalc.core.trainer import TrlSettings
 from memcalc.stacks.transformers.hub import import_hf
 from memcalc.stacks.transformers.training_args import TrainerSetup, load_training_args, read_training_args
 
-__all__ = ("CONFIGS", "IGNORED", "READ", "REFUSED", "import_trl", "read_trl_config")
+__all__ = ("CONFIGS", "IGNORED", "READ", "REFUSED", "TRAINERS", "import_trl", "read_trl_config")
 
 #: The loop's name → TRL's config class.
-CONFIGS: Mapping[str, str] = {"trl-sft": "SFTConfig", "trl-dpo": "DPOConfig"}
+CONFIGS: Mapping[str, str] = {"trl-sft": "SFTConfig", "trl-dpo": "DPOConfig", "trl-reward": "RewardConfig"}
+#: The loop's name → the trainer (:class:`~memcalc.core.trainer.TrlSettings`).
+TRAINERS: Mapping[str, str] = {"trl-sft": "sft", "trl-dpo": "dpo", "trl-reward": "reward"}
 
 #: TRL's own arguments that decide the estimated step (module docstring).
 READ = frozenset({
     "beta", "loss_type", "loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef",
     "label_smoothing", "use_weighting", "discopop_tau", "precompute_ref_log_probs", "completion_only_loss",
-    "max_length", "disable_dropout", "router_aux_loss_coef", "padding_free",
+    "max_length", "disable_dropout", "router_aux_loss_coef", "padding_free", "center_rewards_coefficient",
 })
 
 #: TRL's own arguments that change nothing a training step allocates on the device (module docstring).
@@ -132,7 +134,7 @@ def read_trl_config(loop: str, args: Any = None) -> TrainerSetup:
     setup = dataclasses.replace(setup, record=dataclasses.replace(
         setup.record, source=f"{source} (trl {trl.__version__})", loop=loop,
         read=(*setup.record.read, *_read_own(values)),
-        trl=TrlSettings("dpo" if loop == "trl-dpo" else "sft",
+        trl=TrlSettings(TRAINERS[loop],
                         tuple(sorted((k, _hashable(v)) for k, v in values.items() if k in READ)))))
     return setup
 

@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` and ``DPOTrainer`` steps on meta: their own ``compute_loss``, run as installed.
+"""TRL's ``SFTTrainer``, ``DPOTrainer`` and ``RewardTrainer`` on meta: their own ``compute_loss``.
 
 A TRL trainer is ``transformers.Trainer`` with its own ``compute_loss`` (and collator): the loop,
 the training step, the optimizer and the clipping are the Trainer's, which memcalc's ``trainer``
@@ -16,7 +16,9 @@ it is not run). What the ``__init__`` does to the models is done as it does it:
   again: ``create_model_from_path``), in eval mode; none with LoRA (PEFT's adapter-disabled
   policy: ``use_adapter(model, None)``) or with ``precompute_ref_log_probs`` (the batch then
   carries ``ref_chosen_logps`` and ``ref_rejected_logps``);
-* ``disable_dropout`` (both trainers' default for DPO): dropout set to 0.
+* ``disable_dropout`` (DPOConfig's and RewardConfig's default): dropout set to 0;
+* the reward model (a sequence classifier with one label) gets the pad token's id, 0, when its
+  config has none (``RewardTrainer`` sets the tokenizer's: it finds each row's last token so).
 
 The batch is the collator's (``DataCollatorForPreference``: chosen and rejected rows concatenated,
 ``2 × batch`` rows of ``seq_len`` tokens, an attention mask and a completion mask;
@@ -187,15 +189,17 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
     policy = resolved.module.__dict__.get(PEFT_MODEL, resolved.module)  # the PeftModel of --lora
     peft = _is_peft(policy)
     base: Any = policy.get_base_model() if peft else policy
-    if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
-        raise InapplicableOptionError(f"loop {step.loop.name}: {resolved.name} has no language-model head "
-                                      f"(TRL's {settings.trainer.upper()}Trainer trains causal language models)",
-                                      hint="Give a causal language model (an hf: config of a *ForCausalLM).")
-    utils = sys.modules.get("trl.trainer.utils") or __import__("trl.trainer.utils", fromlist=["x"])
-    if settings.get("disable_dropout", settings.trainer == "dpo"):
+    _check_head(base, settings.trainer, resolved.name, step.loop.name)
+    utils = importlib.import_module("trl.trainer.utils")
+    if settings.get("disable_dropout", False):
         utils.disable_dropout_in_model(policy)
     reference = None
-    if settings.trainer == "dpo":
+    if settings.trainer == "reward":
+        trainer_cls = trl.RewardTrainer
+        text = base.config.get_text_config()
+        if text.pad_token_id is None:  # RewardTrainer sets it from the tokenizer's pad token (id 0 here)
+            text.pad_token_id = 0
+    elif settings.trainer == "dpo":
         trainer_cls = trl.DPOTrainer
         outputs: tuple[str, ...] = ("log_probs", "entropy", "mean_logits", "is_top1")
         if settings.get("use_weighting"):
@@ -207,7 +211,8 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
     else:
         trainer_cls = trl.SFTTrainer
         outputs = ("log_probs", "entropy", "is_top1")
-    utils.add_fused_lm_head(base, outputs=outputs)
+    if settings.trainer != "reward":
+        utils.add_fused_lm_head(base, outputs=outputs)
     if reference is not None:
         utils.add_fused_lm_head(reference)
     trainer = _trainer(trainer_cls, settings, policy, reference, step, _device(policy))
@@ -223,6 +228,22 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=_reads(resolved.reads, bool(settings.get("padding_free"))), build_real=_no_real(step.loop.name),
         block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
+
+
+def _check_head(base: Any, trainer: str, name: str, loop: str) -> None:
+    """SFT and DPO train a causal language model (TRL's fused head projects through its output
+    embeddings); the reward trainer a sequence classifier with one score (``num_labels=1``)."""
+    if trainer == "reward":
+        config = getattr(base, "config", None)
+        if not type(base).__name__.endswith("ForSequenceClassification") or getattr(config, "num_labels", 0) != 1:
+            raise InapplicableOptionError(f"loop {loop}: {name} is not a sequence classifier with one label "
+                                          f"(RewardTrainer scores each sequence with one number)",
+                                          hint="Give --task sequence-classification and a config with num_labels 1.")
+        return
+    if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
+        raise InapplicableOptionError(f"loop {loop}: {name} has no language-model head (TRL's "
+                                      f"{trainer.upper()}Trainer trains causal language models)",
+                                      hint="Give a causal language model (an hf: config of a *ForCausalLM).")
 
 
 def _policy_of(module: nn.Module) -> nn.Module:
@@ -287,6 +308,8 @@ def _batch(inputs: ModelInputs, settings: TrlSettings, step: Step) -> ModelInput
     def long(rows: int) -> torch.Tensor:
         return torch.empty(rows, length, dtype=torch.long, device=device)
 
+    if settings.trainer == "reward":  # reward_trainer.DataCollatorForPreference: chosen rows, then rejected
+        return ModelInputs((), {"input_ids": long(2 * batch), "attention_mask": long(2 * batch)})
     if settings.trainer == "dpo":
         rows = 2 * batch  # DataCollatorForPreference: the chosen rows, then the rejected ones
         out = {"input_ids": long(rows), "attention_mask": long(rows), "completion_mask": long(rows)}
@@ -351,6 +374,9 @@ def _no_real(loop: str) -> Callable[[torch.device], tuple[nn.Module, ModelInputs
 def _note(settings: TrlSettings, frozen_copy: bool, version: str, batch: int) -> str:
     if settings.trainer == "sft":
         return f"TRL {version} SFTTrainer.compute_loss on meta: the fused LM head's chunked log-probabilities"
+    if settings.trainer == "reward":
+        return (f"TRL {version} RewardTrainer.compute_loss on meta: chosen and rejected rows scored in one forward "
+                f"(the batch of {batch} pairs is {2 * batch} rows)")
     reference = ("a frozen copy of the policy" if frozen_copy else "precomputed log-probs in the batch"
                  if settings.get("precompute_ref_log_probs") else "the policy with its adapters disabled (PEFT)")
     return (f"TRL {version} DPOTrainer.compute_loss on meta: chosen and rejected rows in one forward (the batch "
