@@ -232,13 +232,12 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
 
 def _check_head(base: Any, trainer: str, name: str, loop: str) -> None:
     """SFT and DPO train a causal language model (TRL's fused head projects through its output
-    embeddings); the reward trainer a sequence classifier with one score (``num_labels=1``)."""
+    embeddings); the reward trainer a sequence classifier (one that ``RewardTrainer`` loads itself
+    has ``num_labels=1``; one given to it keeps its own, whose scores it splits the same way)."""
     if trainer == "reward":
-        config = getattr(base, "config", None)
-        if not type(base).__name__.endswith("ForSequenceClassification") or getattr(config, "num_labels", 0) != 1:
-            raise InapplicableOptionError(f"loop {loop}: {name} is not a sequence classifier with one label "
-                                          f"(RewardTrainer scores each sequence with one number)",
-                                          hint="Give --task sequence-classification and a config with num_labels 1.")
+        if not type(base).__name__.endswith("ForSequenceClassification"):
+            raise InapplicableOptionError(f"loop {loop}: {name} is not a sequence classifier (RewardTrainer scores "
+                                          f"each sequence)", hint="Give --task sequence-classification.")
         return
     if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
         raise InapplicableOptionError(f"loop {loop}: {name} has no language-model head (TRL's "
