@@ -118,6 +118,11 @@ def test_reward_needs_a_classifier(model: str) -> None:
         _estimate(model, "trl-reward")
 
 
+def test_packing_strategy_wrapped_refused(model: str) -> None:
+    with pytest.raises(InapplicableOptionError, match="packing_strategy='wrapped'"):
+        _estimate(model, "trl-sft", packing=True, packing_strategy="wrapped")
+
+
 def test_unknown_argument_named(model: str) -> None:
     with pytest.raises(InvalidInputError, match="'betaa'; did you mean 'beta'"):
         _estimate(model, "trl-dpo", betaa=0.2)
@@ -129,7 +134,7 @@ def test_rpo_alpha_names_its_replacement(model: str) -> None:
     assert "loss_type=['sigmoid', 'sft']" in (info.value.hint or "")
 
 
-@pytest.mark.parametrize(("loop", "argument"), [("trl-sft", "packing"), ("trl-dpo", "padding_free"),
+@pytest.mark.parametrize(("loop", "argument"), [("trl-sft", "assistant_only_loss"), ("trl-dpo", "padding_free"),
                                                 ("trl-sft", "activation_offloading")])
 def test_unmodelled_arguments_refused(model: str, loop: str, argument: str) -> None:
     with pytest.raises(InapplicableOptionError, match=argument):

@@ -80,7 +80,9 @@ def _dpo_peak(tmp_path: Path, batch: int, seq_len: int, lora: int, **config: Any
 def _sft_peak(tmp_path: Path, batch: int, seq_len: int, **config: Any) -> int:
     import datasets
 
-    if config.get("completion_only_loss"):
+    if config.get("packing"):  # documents of a quarter of a row each: BFD packs four to a row of max_length
+        rows = [{"text": _words(seq_len // 4 - 1, k)} for k in range(8 * batch)]
+    elif config.get("completion_only_loss"):
         rows = [{"prompt": _words(seq_len // 2, k), "completion": " " + _words(seq_len - seq_len // 2 - 1, k + 1)}
                 for k in range(2 * batch)]
     else:
@@ -139,6 +141,12 @@ def test_sft_padding_free(tmp_path: Path) -> None:
     # without packing TRL enforces no max_length on a padding-free batch, and refuses one
     real = _sft_peak(tmp_path, 4, 64, padding_free=True, max_length=None)
     _check("SFT, padding-free", real, _estimate(tmp_path, "trl-sft", 4, 64, 0, padding_free=True, max_length=None))
+
+
+@pytest.mark.slow
+def test_sft_packing(tmp_path: Path) -> None:
+    real = _sft_peak(tmp_path, 2, 64, packing=True, max_length=64)
+    _check("SFT, BFD packing", real, _estimate(tmp_path, "trl-sft", 2, 64, 0, packing=True, max_length=64))
 
 
 @pytest.mark.slow

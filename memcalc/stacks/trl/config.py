@@ -11,7 +11,8 @@ which ``_BaseConfig.__post_init__`` turns into ``not fp16``: bf16 autocast) and
 * read (:data:`READ`): the ones TRL's ``compute_loss`` and its collators read on every step —
   ``beta``, ``loss_type``, ``loss_weights``, ``ld_alpha``, ``f_divergence_type``,
   ``f_alpha_divergence_coef``, ``label_smoothing``, ``use_weighting``, ``discopop_tau``,
-  ``precompute_ref_log_probs`` (DPO), ``completion_only_loss`` and ``padding_free`` (SFT),
+  ``precompute_ref_log_probs`` (DPO), ``completion_only_loss``, ``padding_free`` and ``packing``
+  (SFT: BFD packing makes the batch padding-free, each packed row ``seq_len`` tokens),
   ``max_length`` (a cap on the sequence length), ``disable_dropout``;
 * ignored (:data:`IGNORED`): the dataset's preparation on the host (``dataset_*``,
   ``truncation_mode``, ``eos_token``, ``pad_token``, ``chat_template_path``, ``shuffle_dataset``,
@@ -50,6 +51,7 @@ READ = frozenset({
     "beta", "loss_type", "loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef",
     "label_smoothing", "use_weighting", "discopop_tau", "precompute_ref_log_probs", "completion_only_loss",
     "max_length", "disable_dropout", "router_aux_loss_coef", "padding_free", "center_rewards_coefficient",
+    "packing",
 })
 
 #: TRL's own arguments that change nothing a training step allocates on the device (module docstring).
@@ -68,8 +70,6 @@ def _on(value: Any) -> bool:
 #: TRL's arguments that change memory in ways memcalc does not follow: the test of a value that
 #: turns each on, and why.
 REFUSED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
-    "packing": (_on, "packing (with padding_free) concatenates the batch into one row with position_ids; memcalc's "
-                     "reads of the model's packed-sequence checks answer 'not packed'"),
     "assistant_only_loss": (_on, "the assistant mask comes from the chat template's generation markers"),
     "activation_offloading": (_on, "activation offloading moves the saved activations to host memory "
                                    "(get_act_offloading_ctx_manager)"),
@@ -124,6 +124,10 @@ def read_trl_config(loop: str, args: Any = None) -> TrainerSetup:
     if values.get("bf16") is None:  # _BaseConfig.__post_init__
         values["bf16"] = not values.get("fp16")
     _refuse_unmodelled(values, CONFIGS[loop], given)
+    if values.get("packing") and values.get("packing_strategy", "bfd") not in ("bfd", "bfd_split"):
+        raise InapplicableOptionError(f"memcalc does not model SFTConfig packing_strategy="
+                                      f"{values.get('packing_strategy')!r}: its batch keeps an attention mask",
+                                      hint="Use packing_strategy='bfd' (TRL's default).")
     if loop == "trl-dpo" and values.get("padding_free"):
         raise InapplicableOptionError("memcalc does not model DPOConfig padding_free=True: DPOTrainer's padding-free "
                                       "batch (the chosen and rejected rows end to end in one) is not built",

@@ -226,7 +226,8 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
         resolved, module=module, inputs=inputs, labels=None, notes=notes,
         checkpointing=(None if checkpointing is None
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
-        reads=_reads(resolved.reads, bool(settings.get("padding_free"))), build_real=_no_real(step.loop.name),
+        reads=_reads(resolved.reads, bool(settings.get("padding_free") or settings.get("packing"))),
+        build_real=_no_real(step.loop.name),
         block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
 
 
@@ -316,7 +317,7 @@ def _batch(inputs: ModelInputs, settings: TrlSettings, step: Step) -> ModelInput
             out["ref_chosen_logps"] = torch.empty(batch, dtype=torch.float32, device=device)
             out["ref_rejected_logps"] = torch.empty(batch, dtype=torch.float32, device=device)
         return ModelInputs((), out)
-    if settings.get("padding_free"):
+    if settings.get("padding_free") or settings.get("packing"):  # BFD packing is padding-free (SFTTrainer.__init__)
         # the collator's padding-free batch: the samples end to end in one row, positions restarting at
         # each, the sequences' bounds for varlen kernels (cu_seq_lens, int32) and each token's sequence
         tokens = batch * length
