@@ -44,6 +44,7 @@ from memcalc.engine.options import Step, Target
 from memcalc.search.budget import resolve_budget
 from memcalc.sources.resolve import resolve
 from memcalc.stacks.transformers.training_args import read_training_args
+from memcalc.stacks.trl.config import read_trl_config
 from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.targets.cuda.gpus.local import names_local_gpu
 from memcalc.targets.stack import resolve_stack
@@ -454,17 +455,18 @@ def _with_trainer_args(values: dict[str, Any]) -> dict[str, Any]:
     """
     args, loop_value = values.get("trainer_args"), values.get("loop")
     loop = Loop.of(loop_value)
-    if args is None and loop.preset is not LoopPreset.TRAINER:
+    if args is None and (loop.preset is None or not loop.preset.is_trainer):
         return values
-    if args is not None and loop_value is not None and loop.preset is not LoopPreset.TRAINER:
+    if args is not None and loop_value is not None and (loop.preset is None or not loop.preset.is_trainer):
         raise InapplicableOptionError(
             f"trainer_args (--training-args) describe Hugging Face Trainer's loop; the loop is {loop.name}",
-            hint="Leave the loop out (the Trainer's arguments imply loop trainer), or give loop "
-                 "memcalc.Loop('trainer', ...).")
+            hint="Leave the loop out (the Trainer's arguments imply loop trainer), give loop "
+                 "memcalc.Loop('trainer', ...), or a TRL trainer's loop (trl-sft, trl-dpo) for a TRL config.")
+    preset = loop.preset if loop.preset is not None and loop.preset.is_trl else LoopPreset.TRAINER
     try:
-        setup = read_training_args(args)
+        setup = read_trl_config(preset.value, args) if preset.is_trl else read_training_args(args)
     except MissingPackageError:
-        if args is not None:
+        if args is not None or preset.is_trl:
             raise
         # loop="trainer" alone, without transformers: the preset's loop (clipping, outputs
         # dropped) with memcalc's own options, as before the defaults were read from the class
@@ -489,7 +491,7 @@ def _with_trainer_args(values: dict[str, Any]) -> dict[str, Any]:
             loop = replace(loop, optimizer_impl=setup.optimizer_impl)
         elif loop.optimizer_impl is not setup.optimizer_impl:
             replaced.append("optimizer_impl")
-    out["loop"] = replace(loop, body=LoopPreset.TRAINER)
+    out["loop"] = replace(loop, body=preset)
     out["trainer_args"] = replace(setup.record, overridden=tuple(replaced))
     return out
 

@@ -34,7 +34,9 @@ def setup_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help=f"The training loop: a preset ({presets}; default minimal) or your own "
                           "fn(model, optimizer, batches) in a file or module (README, \"Which loop?\"). trainer: "
                           "Hugging Face Trainer's loop, with the optim (--optim and --optim-impl) and accumulation "
-                          "of the installed transformers' TrainingArguments defaults unless you give them."),
+                          "of the installed transformers' TrainingArguments defaults unless you give them. trl-sft, "
+                          "trl-dpo: TRL's SFTTrainer and DPOTrainer (their own compute_loss, on meta), "
+                          "--training-args read as their SFTConfig / DPOConfig."),
         click.option("--keep-grads", is_flag=True,
                      help="zero_grad(set_to_none=False): gradients stay allocated for the whole run."),
         click.option("--optim-impl", type=click.Choice([i.value for i in OptimizerImpl]), default=None,
@@ -42,7 +44,8 @@ def setup_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           "target's parameters)."),
         click.option("--training-args", type=click.Path(dir_okay=False), default=None, metavar="FILE",
                      help="Hugging Face TrainingArguments in a .json file (as TrainingArguments.to_json_string() "
-                          "writes it) or a .yaml one (needs PyYAML), with --loop trainer: they set --batch "
+                          "writes it) or a .yaml one (needs PyYAML), with --loop trainer (an SFTConfig or DPOConfig "
+                          "with --loop trl-sft|trl-dpo): they set --batch "
                           "(per_device_train_batch_size), --accum-steps, --precision (bf16/fp16: autocast over the "
                           "weights as loaded; add --weight-dtype bf16 for a model loaded in bf16), --checkpoint, "
                           "--optim and --optim-impl (optim), --gpu cpu (use_cpu). An option you give with a value "

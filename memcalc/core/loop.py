@@ -33,6 +33,19 @@ class LoopPreset(str, enum.Enum):
     TUTORIAL = "tutorial"  # PyTorch quickstart: pred and loss stay alive until rebound
     TRAINER = "trainer"  # Hugging Face Trainer: outputs dropped, clip_grad_norm_, step, zero_grad
     ZERO_GRAD_LATE = "zero-grad-late"  # zero_grad() between forward and backward
+    TRL_SFT = "trl-sft"  # TRL's SFTTrainer: the Trainer's loop around SFTTrainer.compute_loss
+    TRL_DPO = "trl-dpo"  # TRL's DPOTrainer: policy and reference forwards in DPOTrainer.compute_loss
+    TRL_REWARD = "trl-reward"  # TRL's RewardTrainer: chosen and rejected scored in one forward
+
+    @property
+    def is_trainer(self) -> bool:
+        """Whether the loop is Hugging Face Trainer's (its own, or a TRL trainer's, which inherit it)."""
+        return self is LoopPreset.TRAINER or self.is_trl
+
+    @property
+    def is_trl(self) -> bool:
+        """Whether the loop is a TRL trainer's (its compute_loss run on meta: :mod:`memcalc.stacks.trl`)."""
+        return self in (LoopPreset.TRL_SFT, LoopPreset.TRL_DPO, LoopPreset.TRL_REWARD)
 
 
 class OptimizerImpl(str, enum.Enum):

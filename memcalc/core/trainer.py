@@ -11,8 +11,9 @@ from. It is vocabulary only: it imports nothing of transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ("TrainerArguments",)
+__all__ = ("TrainerArguments", "TrlSettings")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class TrainerArguments:
             class has them but memcalc knows nothing of them (a newer transformers), or the class
             lacks them (a subclass's own, an older transformers').
         defaults_only: the installed class's defaults, for ``loop="trainer"`` given alone.
+        loop: the loop they describe: ``trainer``, or a TRL trainer's (``trl-sft``, ``trl-dpo``).
+        trl: a TRL config's own settings (None: the Trainer's arguments alone).
     """
 
     source: str
@@ -37,12 +40,28 @@ class TrainerArguments:
     overridden: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     defaults_only: bool = False
+    loop: str = "trainer"
+    trl: TrlSettings | None = None
 
     def describe(self) -> str:
         """One line for the report's notes."""
-        text = f"loop trainer with {self.source}: " + "; ".join(f"{name} {became}" for name, became in self.read)
+        text = f"loop {self.loop} with {self.source}: " + "; ".join(f"{name} {became}" for name, became in self.read)
         if self.overridden:
             text += f"; replaced by your options: {', '.join(self.overridden)}"
         if self.unknown:
             text += f"; not read (memcalc does not know them): {', '.join(self.unknown)}"
         return text
+
+
+@dataclass(frozen=True)
+class TrlSettings:
+    """What a TRL config decides beyond the Trainer's arguments (:mod:`memcalc.stacks.trl.config`
+    reads it): the trainer (``"sft"`` or ``"dpo"``) and the values of its own arguments, as
+    ``(name, value)`` pairs (hashable, as the frozen step is)."""
+
+    trainer: str
+    values: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The value of argument ``name`` (``default`` when the config has none)."""
+        return dict(self.values).get(name, default)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.options import Distributed
@@ -18,6 +19,7 @@ from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.stacks.peft import apply_finetune, step_precision
+from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
 
 __all__ = ("CostsOnRequest", "run_estimate")
@@ -43,6 +45,10 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
     """
     # every kernel's FLOPs and bytes, recorded only when a time is asked for (CostsOnRequest otherwise)
     costs = _cost_recorder() if step.record_costs else None
+    if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:
+        raise InapplicableOptionError(f"loop {step.loop.name} is estimated on one GPU; TRL's trainers under "
+                                      f"--strategy are not modelled",
+                                      hint="Leave out --strategy to estimate one GPU's step.")
     if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
         report = estimate_per_rank(step, distributed, costs=costs)
     else:
@@ -50,6 +56,8 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
         resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                                   checkpoint=bool(step.checkpoint))
         step = replace(step, precision=step_precision(resolved, step.finetune, step.precision, step.mode))
+        if step.loop.preset is not None and step.loop.preset.is_trl:
+            resolved = trl_model(resolved, step)
         traced = trace_step(resolved, step, costs=costs)
         if on_trace is not None:
             on_trace(traced)

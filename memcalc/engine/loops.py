@@ -194,6 +194,11 @@ PRESETS: dict[LoopPreset, PresetFn] = {
     LoopPreset.TUTORIAL: tutorial,
     LoopPreset.TRAINER: trainer,
     LoopPreset.ZERO_GRAD_LATE: zero_grad_late,
+    # TRL's trainers inherit Trainer's loop and training step; what is their own, compute_loss, runs
+    # in the model memcalc.stacks.trl wraps around the policy (its forward returns TRL's loss)
+    LoopPreset.TRL_SFT: trainer,
+    LoopPreset.TRL_DPO: trainer,
+    LoopPreset.TRL_REWARD: trainer,
 }
 
 

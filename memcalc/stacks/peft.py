@@ -32,12 +32,16 @@ from memcalc.stacks.bitsandbytes import quantize_linears
 from memcalc.stacks.kbit import kbit_precision, prepare_for_kbit_training, prepares_for_kbit
 from memcalc.stacks.transformers.hub import import_hf
 
-__all__ = ("LoraResult", "add_lora", "apply_finetune", "finetune_module", "freeze_parameters", "linear_names",
-           "step_precision")
+__all__ = ("PEFT_MODEL", "LoraResult", "add_lora", "apply_finetune", "finetune_module", "freeze_parameters",
+           "linear_names", "step_precision")
 
 #: How many names an error lists.
 _SHOWN = 8
 
+
+#: Attribute of a model :func:`add_lora` adapted: the ``PeftModel`` that ``get_peft_model``
+#: returned around it, for code that calls its methods (TRL's reference: ``disable_adapter()``).
+PEFT_MODEL = "memcalc_peft_model"
 
 def apply_finetune(resolved: ResolvedModel, finetune: FineTune, *, precision: Precision, mode: Mode,
                    checkpoint: bool = False) -> ResolvedModel:
@@ -205,6 +209,7 @@ def add_lora(module: nn.Module, lora: LoRA) -> LoraResult:
     chosen = tuple(sorted(used)) if isinstance(used, (set, list, tuple)) else (str(used),)
     # PEFT counts a bitsandbytes weight by its class (Params4bit); ours carry their own count
     total = parameter_count(module.parameters())
+    module.__dict__[PEFT_MODEL] = wrapped  # for TRL, which runs PeftModel.disable_adapter() (not a submodule)
     return LoraResult(module=wrapped.get_base_model(), rank=lora.rank, targets=chosen,
                       default_for=model_type if default is not None else None, trainable=trainable, total=total)
 

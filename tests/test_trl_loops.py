@@ -1,0 +1,162 @@
+"""``--loop trl-sft|trl-dpo``: TRL's configs as memcalc reads them (memcalc.stacks.trl.config), the
+step's model and batch worked out by hand (memcalc.stacks.trl.step), and the refusals. The real
+``SFTTrainer``/``DPOTrainer`` against these estimates is in tests/hf_reference/test_trl.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import memcalc
+from memcalc.cli import main
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.loop import LoopPreset
+from memcalc.core.precision import Precision
+from memcalc.fields import build_step
+
+pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+HIDDEN, VOCAB, LAYERS = 128, 8192, 2
+CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN,
+          "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 1024,
+          "tie_word_embeddings": False}
+# The Llama's parameters, fp32: embedding and LM head V·H each; per layer q, o H·H, k, v H·(H/2) (2 of 4 heads'
+# width), gate, up, down H·2H each, two norms H; the final norm H.
+LAYER = 2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN // 2 + 3 * HIDDEN * 2 * HIDDEN + 2 * HIDDEN
+P = 4 * (2 * VOCAB * HIDDEN + LAYERS * LAYER + HIDDEN)  # 9,570,816 B
+BATCH, SEQ = 2, 64
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return f"hf:{path}"
+
+
+def _estimate(model: str, loop: str, **config: Any) -> memcalc.MemoryReport:
+    args = {"per_device_train_batch_size": BATCH, "bf16": False, "gradient_checkpointing": False, **config}
+    return memcalc.estimate(model, loop=loop, trainer_args=args, seq_len=SEQ, gpu="cpu")
+
+
+def test_defaults_are_trls() -> None:
+    """``loop="trl-dpo"`` alone: DPOConfig's defaults, which are not TrainingArguments' — bf16 None
+    (``not fp16``: bf16 autocast) and gradient checkpointing on."""
+    step = build_step(lambda: None, loop="trl-dpo")
+    assert step.loop.body is LoopPreset.TRL_DPO
+    assert step.precision is Precision.AMP_BF16
+    assert step.checkpoint
+    assert step.trainer_args is not None and step.trainer_args.trl is not None
+    assert step.trainer_args.trl.trainer == "dpo"
+    assert step.trainer_args.trl.get("beta") == 0.1
+    assert step.trainer_args.describe().startswith("loop trl-dpo with the DPOConfig defaults of trl")
+
+
+def test_dpo_frozen_reference(model: str) -> None:
+    """The policy and its frozen copy: 2·P of parameters. The collator's batch: chosen and rejected
+    rows, 2·B, of input_ids, attention_mask and completion_mask, int64: 3 · 2B·L·8 bytes (the bytes
+    requested: the category counts them before the allocator's rounding)."""
+    report = _estimate(model, "trl-dpo")
+    assert report.bytes.parameters == 2 * P
+    assert report.trainable_parameters == P // 4
+    assert report.bytes.inputs == 3 * (2 * BATCH * SEQ * 8)  # 6,144 B
+
+
+def test_dpo_precomputed_reference(model: str) -> None:
+    """No reference model; the batch carries ref_chosen_logps and ref_rejected_logps, B float32 each."""
+    report = _estimate(model, "trl-dpo", precompute_ref_log_probs=True)
+    assert report.bytes.parameters == P
+    assert report.bytes.inputs == 3 * (2 * BATCH * SEQ * 8) + 2 * BATCH * 4  # 6,160 B
+
+
+def test_dpo_lora_reference_is_the_policy(model: str) -> None:
+    """With LoRA the reference is the adapter-disabled policy: no copy, P plus the adapters (r on
+    q_proj, v_proj: H·r + r·H and H·r + r·(H/2) per layer, fp32)."""
+    r = 8
+    args = {"per_device_train_batch_size": BATCH, "bf16": False, "gradient_checkpointing": False}
+    report = memcalc.estimate(model, loop="trl-dpo", trainer_args=args, seq_len=SEQ, gpu="cpu",
+                              finetune=memcalc.FineTune(lora=memcalc.LoRA(r)))
+    adapters = 4 * LAYERS * (2 * HIDDEN * r + HIDDEN * r + r * HIDDEN // 2)
+    assert report.bytes.parameters == P + adapters
+    assert any("adapters disabled" in note for note in report.notes)
+
+
+def test_sft_batch(model: str) -> None:
+    """SFT: one row a sample, input_ids, attention_mask and labels: 3 · B·L·8 bytes; no reference."""
+    report = _estimate(model, "trl-sft")
+    assert report.bytes.parameters == P
+    assert report.bytes.inputs == 3 * (BATCH * SEQ * 8)
+
+
+def test_sft_padding_free_batch(model: str) -> None:
+    """Padding-free SFT: the B samples end to end in one row — input_ids, labels and position_ids
+    (int64), seq_idx (int32), 1·BL each, and cu_seq_lens_q/k, B+1 int32 each."""
+    report = _estimate(model, "trl-sft", padding_free=True)
+    tokens = BATCH * SEQ
+    assert report.bytes.inputs == 3 * tokens * 8 + tokens * 4 + 2 * (BATCH + 1) * 4
+
+
+def test_reward_model(tmp_path: Path) -> None:
+    """The reward model: the embedding V·H, the layers, the final norm H and a one-label score head
+    H·1 (no bias), fp32; chosen and rejected rows, 2·B, of input_ids and attention_mask."""
+    path = tmp_path / "reward.json"
+    path.write_text(json.dumps({**CONFIG, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1}))
+    report = _estimate(f"hf:{path}", "trl-reward")
+    assert report.bytes.parameters == 4 * (VOCAB * HIDDEN + LAYERS * LAYER + HIDDEN + HIDDEN)
+    assert report.bytes.inputs == 2 * (2 * BATCH * SEQ * 8)
+    assert any("RewardTrainer.compute_loss" in note for note in report.notes)
+
+
+def test_reward_needs_a_classifier(model: str) -> None:
+    with pytest.raises(InapplicableOptionError, match="not a sequence classifier"):
+        _estimate(model, "trl-reward")
+
+
+def test_packing_strategy_wrapped_refused(model: str) -> None:
+    with pytest.raises(InapplicableOptionError, match="packing_strategy='wrapped'"):
+        _estimate(model, "trl-sft", packing=True, packing_strategy="wrapped")
+
+
+def test_unknown_argument_named(model: str) -> None:
+    with pytest.raises(InvalidInputError, match="'betaa'; did you mean 'beta'"):
+        _estimate(model, "trl-dpo", betaa=0.2)
+
+
+def test_rpo_alpha_names_its_replacement(model: str) -> None:
+    with pytest.raises(InvalidInputError, match="rpo_alpha") as info:
+        _estimate(model, "trl-dpo", rpo_alpha=0.5)
+    assert "loss_type=['sigmoid', 'sft']" in (info.value.hint or "")
+
+
+@pytest.mark.parametrize(("loop", "argument"), [("trl-sft", "assistant_only_loss"), ("trl-dpo", "padding_free"),
+                                                ("trl-sft", "activation_offloading")])
+def test_unmodelled_arguments_refused(model: str, loop: str, argument: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=argument):
+        _estimate(model, loop, **{argument: True})
+
+
+def test_sequence_longer_than_max_length(model: str) -> None:
+    with pytest.raises(InapplicableOptionError, match="max_length 32"):
+        _estimate(model, "trl-sft", max_length=32)
+
+
+def test_strategy_refused(model: str) -> None:
+    with pytest.raises(InapplicableOptionError, match="one GPU"):
+        memcalc.estimate(model, loop="trl-sft", seq_len=SEQ, gpu="cpu",
+                         distributed=memcalc.Distributed("ddp", world_size=2))
+
+
+def test_cli(model: str, tmp_path: Path) -> None:
+    args = tmp_path / "dpo.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": BATCH, "bf16": False, "gradient_checkpointing": False}))
+    result = CliRunner().invoke(main, [model, "--loop", "trl-dpo", "--training-args", str(args), "--seq-len",
+                                       str(SEQ), "--gpu", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "DPOTrainer.compute_loss on meta" in result.output
+    assert "loop trl-dpo with" in result.output
