@@ -35,6 +35,15 @@ import torch
 LLAMA3_VOCAB = 128_256
 QWEN2_VOCAB = 151_936
 MISTRAL_VOCAB = 32_000
+#: GPT-2's vocabulary, not a multiple of 8 (the logits' rows are then not 512-byte multiples).
+GPT2_VOCAB = 50_257
+#: The vocabularies of the bf16 recipes. A CPU without AVX512-BF16 (the 2-core CI machine: AVX2
+#: only) runs a bf16 GEMM about 7x slower than fp32: the (512 x 128) x (128 x 128,256) logits GEMM
+#: took 27 s there, and a Trainer case with Llama-3's vocabulary over 3 minutes. The bf16 cases use
+#: Mistral's and GPT-2's vocabularies instead: the logits still dominate the step (the LM head's
+#: (2, 256, 32,000) fp32 logits are 62.5 MiB beside 15.6 MiB of parameters), at a quarter of the GEMMs.
+BF16_VOCAB = MISTRAL_VOCAB
+BF16_ODD_VOCAB = GPT2_VOCAB
 
 
 def llama_config(vocab: int = LLAMA3_VOCAB, hidden: int = 128, layers: int = 2, *, tie: bool = False,

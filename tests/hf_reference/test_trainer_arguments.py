@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from hf_harness import (
+    BF16_VOCAB,
     LLAMA3_VOCAB,
     TOLERANCE,
     Recipe,
@@ -32,10 +33,10 @@ pytestmark = pytest.mark.slow  # 5–15 s a case on two CPU cores
 #: name: (the recipe's model and run, the TrainingArguments beyond the recipe's)
 CASES: dict[str, tuple[Recipe, dict[str, Any]]] = {
     # the defaults' optim: adamw_torch_fused (torch.optim.AdamW, fused=True)
-    "defaults, amp bf16": (Recipe(llama_config(LLAMA3_VOCAB), bf16=True), {}),
+    "defaults, amp bf16": (Recipe(llama_config(BF16_VOCAB), bf16=True), {}),
     # adamw_torch: AdamW with torch's choice, the for-loop on the CPU; the deprecated alias of checkpointing
     "adamw_torch, checkpointing, accumulation 2": (
-        Recipe(llama_config(LLAMA3_VOCAB), bf16=True, checkpointing=True, accumulation=2), {"optim": "adamw_torch"}),
+        Recipe(llama_config(BF16_VOCAB), bf16=True, checkpointing=True, accumulation=2), {"optim": "adamw_torch"}),
     # the gradient norm is taken at max_grad_norm 0 too (test_the_trainer_takes_the_norm_without_clipping)
     "max_grad_norm 0": (Recipe(llama_config(LLAMA3_VOCAB)), {"max_grad_norm": 0.0}),
     # optim_args read by the Trainer's own handler: SGD with a momentum buffer

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from hf_harness import (
-    LLAMA3_VOCAB,
+    BF16_ODD_VOCAB,
+    BF16_VOCAB,
     MISTRAL_VOCAB,
-    QWEN2_VOCAB,
     TOLERANCE,
     Recipe,
     check_trainer_recipe,
@@ -28,14 +28,14 @@ _LORA = memcalc.FineTune(lora=memcalc.LoRA(16))
 
 
 def test_lora_fp32_weights_amp_bf16(tmp_path: Path) -> None:
-    recipe = Recipe(llama_config(LLAMA3_VOCAB), bf16=True, lora=16,
+    recipe = Recipe(llama_config(BF16_VOCAB), bf16=True, lora=16,
                     estimate=dict(optimizer="adamw", precision="amp-bf16", loop=_TRAINER, finetune=_LORA))
     check_trainer_recipe(recipe, tmp_path, "LoRA, fp32 weights + amp bf16", TOLERANCE)
 
 
 def test_lora_bf16_weights(tmp_path: Path) -> None:
-    # before the model's own loss: -45.9% (its fp32 upcast of the (2, 256, 151936) logits was missing)
-    recipe = Recipe(llama_config(QWEN2_VOCAB), bf16=True, weights=torch.bfloat16, lora=16,
+    # before the model's own loss: -45.9% (its fp32 upcast of the (2, 256, 151936) logits of Qwen2's vocabulary was missing)
+    recipe = Recipe(llama_config(BF16_ODD_VOCAB), bf16=True, weights=torch.bfloat16, lora=16,
                     estimate=dict(optimizer="adamw", precision="bf16", loop=_TRAINER, finetune=_LORA))
     check_trainer_recipe(recipe, tmp_path, "LoRA, bf16 weights + amp bf16", TOLERANCE)
 
