@@ -49,6 +49,8 @@ def plan_command(model: str, gpus: int, gpu: str, global_batch: int, seq_len: in
     that fit --gpu, ranked by estimated step time (the roofline of the traced step plus a collective
     cost model with NVLink within a node and the network between nodes).
 
+    Exits 1 when nothing fits (what was pruned, and why, is printed).
+
     \b
     Example: memcalc plan llama-3-70b --gpus 64 --gpu h100-80gb --global-batch 64 --seq-len 8192
     """
@@ -59,5 +61,7 @@ def plan_command(model: str, gpus: int, gpu: str, global_batch: int, seq_len: in
     payload: Any = result.to_dict()
     if fmt == "json":
         click.echo(render_json(payload))
-        return
-    click.echo(render_plan(result, unit=Unit(units), fmt=fmt))
+    else:
+        click.echo(render_plan(result, unit=Unit(units), fmt=fmt))
+    if not result.best:  # nothing fits: exit 1, as memcalc fit does
+        raise SystemExit(1)
