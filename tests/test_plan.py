@@ -135,11 +135,14 @@ def test_plan_gpt2_on_8_gpus_cli(golden):
 
 def test_plan_cli_json_and_usage():
     runner = CliRunner()
-    result = runner.invoke(main, ["plan", "llama-tiny", "--gpus", "2", "--gpu", "h100-80gb", "--global-batch", "4",
-                                  "--seq-len", "64", "--top", "2", "--format", "json"])
+    # the zoo's mlp has no blocks to checkpoint: plan says so and searches without
+    result = runner.invoke(main, ["plan", "mlp", "--gpus", "2", "--gpu", "h100-80gb", "--global-batch", "4",
+                                  "--top", "2", "--format", "json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert 1 <= len(data["best"]) <= 2
+    assert len(data["best"]) == 2 and {row["checkpoint"] for row in data["best"]} == {"off"}
+    assert [p.split(":")[0] for p in data["pruned"]] == ["checkpointing full", "checkpointing selective-op"]
+    assert data["meshes"] == ["dp_shard=2", "dp_replicate=2"] or set(DIMENSIONS) != {"dp_replicate", "dp_shard"}
     missing = runner.invoke(main, ["plan", "llama-tiny", "--gpu", "h100-80gb", "--global-batch", "4"])
     assert missing.exit_code == 2 and "--gpus" in missing.output
     uneven = runner.invoke(main, ["plan", "llama-tiny", "--gpus", "4", "--gpu", "h100-80gb", "--global-batch", "3",

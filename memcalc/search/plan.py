@@ -282,7 +282,14 @@ def _family_candidates(search: _Search, members: list[Mesh], global_batch: int,
                                  f"checkpointing did not fit at micro-batch {limit}")
             smallest_failing[ckpt] = limit
             continue
-        fitting = _largest_fitting(search, rep, ckpt, tried, per_rank, on_estimate)
+        try:
+            fitting = _largest_fitting(search, rep, ckpt, tried, per_rank, on_estimate)
+        except InvalidInputError as exc:  # a model without blocks memcalc can checkpoint
+            if not CHECKPOINTS[ckpt]:
+                raise
+            search.pruned.append(f"checkpointing {label}: not applicable ({str(exc).splitlines()[0]})")
+            smallest_failing[ckpt] = per_rank + 1
+            continue
         failing = [m for m in tried if m > (fitting[0] if fitting else 0)]
         smallest_failing[ckpt] = min([*failing, limit])
         if fitting and failing:
