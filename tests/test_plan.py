@@ -160,3 +160,37 @@ def test_nothing_fits_exits_1_naming_what_was_pruned():
     assert "Nothing fits" in result.output
     assert "checkpointing full: not even micro-batch 1 fits" in result.output
     assert "checkpointing off: not estimated" in result.output
+
+
+def test_a_registered_dimension_is_searched_with_its_degrees():
+    # a stand-in tensor-parallel dimension, registered as tp's file will register it: plan then searches
+    # its degrees (here: the divisors of the heads and KV heads, 8, that are ≤ 4), and a mesh the
+    # strategies refuse (dp_replicate with tp, not modelled together) is named, not estimated
+    from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register
+    from memcalc.fields import build_step
+    from memcalc.search import plan as planning
+
+    assert "tp" not in DIMENSIONS or pytest.skip("tp is modelled: this stand-in would clash")
+
+    @register()
+    class StandInTp(RankStrategy):
+        name = "tp"
+        mesh_dimension = "tp"
+
+        @classmethod
+        def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
+            return tuple(d for d in (1, 2, 4) if gpus % d == 0 and facts.heads is not None and facts.heads % d == 0)
+
+        def plan(self, plan: Plan, step) -> Plan:
+            return every_rank(plan, self.distributed)
+
+    try:
+        meshes = meshes_over(8, FP32)
+        assert {m.tp for m in meshes} == {1, 2, 4}
+        assert Mesh(dp_shard=2, tp=4) in meshes and all(m.world_size == 8 for m in meshes)
+        step = build_step("mlp", batch_size=1)
+        why = planning._refusal(step, Mesh(dp_replicate=2, tp=4))
+        assert why is not None and "not modelled" in why
+        assert planning._refusal(step, Mesh(dp_shard=8)) is None
+    finally:
+        del DIMENSIONS["tp"]

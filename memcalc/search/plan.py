@@ -48,8 +48,8 @@ from memcalc.distributed.collectives import LAYOUT, Collective, ModelFacts, Netw
 from memcalc.distributed.estimate import run_estimate
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.options import Distributed
-from memcalc.distributed.strategy.base import DIMENSIONS
-from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER
+from memcalc.distributed.strategy.base import DIMENSIONS, Plan
+from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.engine.options import Step
 from memcalc.timing.performance import step_time
 
@@ -191,6 +191,20 @@ class _Search:
         return replace(report, time=step_time(report)) if timed else report
 
 
+def _refusal(step: Step, mesh: Mesh) -> str | None:
+    """Why the strategies refuse ``mesh`` (a combination of dimensions not modelled together, such
+    as ``dp_replicate`` with ``tp`` today), found by planning its roles without a trace; None: none."""
+    if mesh.world_size == 1:
+        return None
+    try:
+        plan = Plan(roles=(), batch=1, global_batch=mesh.dp_replicate * mesh.dp_shard)
+        for strategy in strategies_for(Distributed(mesh=mesh)):
+            plan = strategy.plan(plan, step)
+    except InvalidInputError as exc:
+        return f"not searched ({str(exc).splitlines()[0]})"
+    return None
+
+
 def _seconds(time: StepTime, traced: int, accum: int) -> float:
     """``accum`` micro-batches and one optimizer step, from an estimate of ``traced`` micro-batches."""
     once = sum(p.seconds for p in time.phases if p.phase in _ONCE_PER_STEP)
@@ -225,6 +239,9 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly",
                                 hint=f"give a global batch that is a multiple of {gpus}")
     search = _Search(step, facts, network)
+    refused = {m: _refusal(step, m) for m in meshes}
+    search.pruned += [f"{m.describe()}: {why}" for m, why in refused.items() if why is not None]
+    meshes = [m for m in meshes if refused[m] is None]
     families: dict[tuple[tuple[str, int], ...], list[Mesh]] = {}
     for mesh in meshes:
         families.setdefault(_family(mesh), []).append(mesh)
