@@ -194,3 +194,16 @@ def test_a_registered_dimension_is_searched_with_its_degrees():
         assert planning._refusal(step, Mesh(dp_shard=8)) is None
     finally:
         del DIMENSIONS["tp"]
+
+
+@pytest.mark.slow
+def test_the_most_sharded_compute_bounds_the_others_from_below():
+    # plan orders candidates by the most-sharded mesh's compute: a less sharded rank steps its optimizer
+    # over more parameters (and DDP autocasts its fp32 replica), so its traced time is never less
+    seconds = []
+    for mesh in ({"dp_shard": 4}, {"dp_replicate": 2, "dp_shard": 2}, {"dp_replicate": 4}):
+        report = memcalc.estimate("llama-tiny", batch_size=2, seq_len=128, precision="amp-bf16", gpu="h100-80gb",
+                                  distributed=memcalc.Distributed(**mesh), time=True)
+        assert report.time is not None
+        seconds.append(report.time.seconds)
+    assert seconds == sorted(seconds), seconds
