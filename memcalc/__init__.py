@@ -27,6 +27,7 @@ _PUBLIC: dict[str, str] = {
     "sweep": "memcalc.api",
     "iter_sweep": "memcalc.api",
     "fastest_setting": "memcalc.api",
+    "plan": "memcalc.api",
     "step_time": "memcalc.timing.performance",
     # the step it answers for
     "Step": "memcalc.engine.options",
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # the table above, for type checkers (``as``: re-exported und
     from memcalc.api import fastest_setting as fastest_setting
     from memcalc.api import iter_sweep as iter_sweep
     from memcalc.api import max_batch_size as max_batch_size
+    from memcalc.api import plan as plan
     from memcalc.api import sweep as sweep
     from memcalc.core.categories import Category as Category
     from memcalc.core.errors import InapplicableOptionError as InapplicableOptionError

@@ -9,7 +9,7 @@ GPU names to catalogue profiles, byte counts such as ``"16GiB"`` to integers.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +26,7 @@ from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
 from memcalc.core.units import format_bytes
+from memcalc.distributed.collectives import DEFAULT_NETWORK, Network
 from memcalc.distributed.estimate import run_estimate
 from memcalc.distributed.options import Distributed
 from memcalc.engine.model import InputsLike
@@ -35,12 +36,13 @@ from memcalc.fields import DISTRIBUTED, FIELDS, build_step, check_keywords, posi
 from memcalc.search.budget import Budget, FitResult, check_margin, resolve_budget
 from memcalc.search.fit import MAX_BATCH, find_max_batch
 from memcalc.search.margins import CPU_MARGIN, CPU_MARGIN_BASIS, measured_margin, step_class
+from memcalc.search.plan import PlanResult, find_plan, model_facts
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests
 from memcalc.search.throughput import ThroughputChoice, find_fastest
 from memcalc.targets.cuda.gpus.catalogue import catalogue
 from memcalc.timing.performance import check_timeable, check_timeable_mode, with_time
 
-__all__ = ("estimate", "estimate_step", "fastest_setting", "iter_sweep", "max_batch_size", "sweep")
+__all__ = ("estimate", "estimate_step", "fastest_setting", "iter_sweep", "max_batch_size", "plan", "sweep")
 
 GpuLike = str | GpuProfile | None
 LossLike = LossChoice | str | LossFn | None
@@ -431,3 +433,58 @@ def _note_beyond_every_gpu(report: MemoryReport) -> MemoryReport:
             f"sharding over more GPUs (--strategy fsdp or zero3, --world-size)")
     warnings.warn(note, stacklevel=3)
     return replace(report, notes=(*report.notes, note))
+
+
+@internal_errors_named("in plan")
+def plan(
+    model: Any,
+    *,
+    gpus: int,
+    gpu: str | GpuProfile,
+    global_batch: int,
+    seq_len: int | None = None,
+    input_shape: Sequence[int] | None = None,
+    optimizer: Optimizer | str | None = None,
+    precision: Precision | str = Precision.AMP_BF16,
+    gpus_per_node: int = DEFAULT_NETWORK.gpus_per_node,
+    intra_node_gbps: float = DEFAULT_NETWORK.intra_node_gbps,
+    inter_node_gbps: float = DEFAULT_NETWORK.inter_node_gbps,
+    top: int = 5,
+    on_estimate: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """The fastest ways to train ``model`` on ``gpus`` GPUs that fit: device meshes of the modelled
+    dimensions, micro-batches and activation checkpointing, ranked by estimated step time (the
+    roofline of the traced step plus a collective cost model); :mod:`memcalc.search.plan`.
+
+    Args:
+        model: as for :func:`estimate`.
+        gpus: the GPUs (the mesh's world size).
+        gpu: a catalogue GPU with figures (``"h100-80gb"``): its capacity decides what fits, its
+            peaks time the kernels.
+        global_batch: samples per optimizer step over every GPU (micro-batch × data-parallel size
+            × accumulation).
+        seq_len, input_shape, optimizer: as for :func:`estimate`.
+        precision: as for :func:`estimate` (default ``amp-bf16``, as large models are trained).
+        gpus_per_node, intra_node_gbps, inter_node_gbps: the network (GB/s per GPU, each way):
+            groups within a node use NVLink's bandwidth, others the network's.
+        top: how many configurations to return.
+        on_estimate: called with a description before each estimate (progress).
+
+    Returns:
+        A :class:`~memcalc.search.plan.PlanResult`: the best, fastest first (empty if nothing
+        fits), and what was searched and pruned.
+
+    Raises:
+        MemcalcError: a subclass naming what was wrong and what to do.
+    """
+    gpus = positive_int(gpus, "gpus", None)
+    global_batch = positive_int(global_batch, "global_batch", None)
+    top = positive_int(top, "top", None)
+    network = Network(gpus_per_node=positive_int(gpus_per_node, "gpus_per_node", None),
+                      intra_node_gbps=float(intra_node_gbps), inter_node_gbps=float(inter_node_gbps))
+    step = build_step(model, batch_size=1, seq_len=seq_len, input_shape=input_shape, optimizer=optimizer,
+                      precision=precision, gpu=gpu, time=True)
+    if step.capacity is None:
+        raise InvalidInputError("plan needs a GPU with a memory capacity", hint="give a catalogue GPU, e.g. h100-80gb")
+    _check_timeable(step)
+    return find_plan(step, gpus, global_batch, model_facts(step), network=network, top=top, on_estimate=on_estimate)

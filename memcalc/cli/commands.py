@@ -53,6 +53,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                           "peaks, the reserved difference, allocations by phase, and the blocks each side lacks."),
     "sweep": Subcommand("memcalc.cli.sweep:sweep_command",
                         "Estimate MODEL for every batch size × optimizer × precision: one row each."),
+    "plan": Subcommand("memcalc.cli.plan:plan_command",
+                       "The fastest meshes, micro-batches and activation checkpointing to train MODEL on --gpus GPUs "
+                       "that fit --gpu, ranked by estimated step time (the roofline of the traced step plus a "
+                       "collective cost model with NVLink within a node and the network between nodes)."),
     "gpus": Subcommand("memcalc.cli.gpus:gpus_command",
                        "List the GPUs this process can see (after CUDA_VISIBLE_DEVICES), in torch's order."),
 }
@@ -143,6 +147,8 @@ def main() -> None:
     memcalc zoo                  list the model zoo
     memcalc fit MODEL --gpu G    the largest batch that fits a GPU (or --budget, --device)
     memcalc sweep MODEL -b 1,64  memory over batch sizes, optimizers, precisions (--plot)
+    memcalc plan MODEL --gpus N --gpu G --global-batch B
+                                 which mesh, micro-batch and checkpointing on N GPUs
     memcalc gpus                 list this machine's GPUs
     memcalc compare RUN.pickle MODEL [options]
                                  a real torch.cuda.memory._snapshot() beside the estimate

@@ -29,6 +29,7 @@ from memcalc.core.finetune import FineTune
 from memcalc.core.losses import LossFn
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport, Shard
+from memcalc.distributed.collectives import Collective, ModelFacts
 from memcalc.distributed.mesh import DIMENSION_NAMES, Mesh
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.vocabulary import FsdpSharding, Strategy
@@ -141,6 +142,9 @@ class RankStrategy(ABC):
     #: to the roles: a pipeline rank runs a schedule over several microbatches, not one traced
     #: step. Such a dimension composes with no other yet.
     whole_step: ClassVar[bool] = False
+    #: False: ``memcalc plan`` does not search this dimension: its communication (or a pipeline's
+    #: bubble) is not in plan's cost model yet, and a dimension ranked as free would win unfairly.
+    planned: ClassVar[bool] = True
 
     def __init__(self, distributed: Setting, degree: int) -> None:
         self.distributed = distributed
@@ -161,6 +165,20 @@ class RankStrategy(ABC):
         if cls.mesh_dimension is None:
             return None
         return Mesh(**{cls.mesh_dimension: world_size})
+
+    # ---- declarations for ``memcalc plan`` (class methods: before any estimate) ----------------
+    @classmethod
+    def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
+        """The degrees ``memcalc plan`` tries for this dimension on ``gpus`` GPUs: by default every
+        divisor of ``gpus``. A dimension with constraints narrows it (tensor parallelism: divisors
+        of the attention and KV heads; a pipeline: at most the layers)."""
+        return tuple(d for d in range(1, gpus + 1) if gpus % d == 0)
+
+    @classmethod
+    def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
+        """What one rank of this dimension communicates per optimizer step of ``micro_batches``
+        micro-batches on ``mesh`` (:mod:`memcalc.distributed.collectives`); none by default."""
+        return ()
 
     # ---- behaviour in an estimate ---------------------------------------------------------
     def trace_precision(self, precision: Precision) -> Precision:

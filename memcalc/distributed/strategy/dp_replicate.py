@@ -12,7 +12,9 @@ from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
+from memcalc.distributed.collectives import Collective, ModelFacts, group_span, ring_bytes
 from memcalc.distributed.ddp import DdpProgram
+from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
 from memcalc.distributed.vocabulary import DEFAULT_BUCKET_CAP_MB, Strategy
@@ -31,6 +33,18 @@ class DpReplicate(RankStrategy):
     name = "dp_replicate"
     mesh_dimension = "dp_replicate"
     options = frozenset({"bucket_cap_mb", "gradient_as_bucket_view"})
+
+    @classmethod
+    def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
+        """An all-reduce (reduce-scatter then all-gather: twice a ring's bytes) of the gradients
+        every backward: DDP's whole gradients, or under HSDP each replica's shard of them (1 /
+        dp_shard). memcalc's loops do not use ``no_sync``, so it runs every micro-batch."""
+        r, span = mesh.dp_replicate, group_span(mesh, "dp_replicate")
+        if r == 1:
+            return ()
+        size = facts.trainable * facts.reduce_bytes / mesh.dp_shard
+        what = "all-reduce of gradients" + (" (HSDP: each replica's shard)" if mesh.dp_shard > 1 else "")
+        return (Collective(cls.name, what, 2 * ring_bytes(size, r) * micro_batches, span, micro_batches),)
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         mesh = self.distributed.mesh

@@ -17,7 +17,9 @@ from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
+from memcalc.distributed.collectives import Collective, ModelFacts, group_span, ring_bytes
 from memcalc.distributed.fsdp import ShardedProgram, fsdp_units
+from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, every_rank, register, sharding
 from memcalc.distributed.vocabulary import FsdpSharding, Strategy
@@ -34,6 +36,20 @@ class DpShard(RankStrategy):
     name = "dp_shard"
     mesh_dimension = "dp_shard"
     options = frozenset({"sharding"})
+
+    @classmethod
+    def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
+        """FULL_SHARD, per micro-batch (FSDP2 reshards after forward and reduce-scatters every
+        backward unless told not to): the parameters all-gathered in the forward and again in the
+        backward, the gradients reduce-scattered."""
+        n, span = mesh.dp_shard, group_span(mesh, "dp_shard")
+        if n == 1:
+            return ()
+        gather = ring_bytes(facts.parameters * facts.gather_bytes, n)
+        reduce = ring_bytes(facts.trainable * facts.reduce_bytes, n)
+        return (Collective(cls.name, "all-gather of parameters (forward and backward)",
+                           2 * gather * micro_batches, span, 2 * micro_batches),
+                Collective(cls.name, "reduce-scatter of gradients", reduce * micro_batches, span, micro_batches))
 
     def trace_precision(self, precision: Precision) -> Precision:
         """FSDP's mixed precision keeps the model's parameters (and inputs, buffers) as they are and

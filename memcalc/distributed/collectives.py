@@ -1,0 +1,132 @@
+"""What a step communicates, and how long that takes: the collective cost model of ``memcalc plan``.
+
+Each mesh dimension says which collectives one of its ranks runs per optimizer step
+(:meth:`~memcalc.distributed.strategy.base.RankStrategy.collectives`), as bytes *received* per
+rank by a ring algorithm (NCCL's, for a large message): an all-gather or a reduce-scatter of
+``S`` bytes over ``n`` ranks moves ``S × (n − 1) / n`` into each rank, an all-reduce twice that.
+A collective's seconds are those bytes over the bandwidth of its group's slowest link: NVLink
+when every rank of the group is in one node, the network otherwise (:class:`Network`). Ranks
+are laid out as torchtitan lays out its mesh (``pp, dp_replicate, dp_shard, cp, tp``, the
+last innermost: ``tp`` on neighbouring GPUs), so a group spans ``stride × degree`` consecutive
+GPUs, ``stride`` being the product of the inner dimensions' degrees.
+
+Latency (per-message start-up) is not modelled: at these sizes (MBs per block) bandwidth
+dominates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.core.errors import InvalidInputError
+from memcalc.distributed.mesh import Mesh
+
+__all__ = ("DEFAULT_NETWORK", "LAYOUT", "Collective", "ModelFacts", "Network", "group_span", "ring_bytes")
+
+#: The mesh's dimensions from outermost to innermost (torchtitan's ``ParallelDims._build_mesh``).
+LAYOUT = ("pp", "dp_replicate", "dp_shard", "cp", "ep", "tp")
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class Network:
+    """The links between GPUs, each in GB/s (10**9 bytes per second) received per GPU.
+
+    Defaults are H100-class (DGX H100 / HGX H100):
+
+    - ``intra_node_gbps``: NVLink 4, 900 GB/s per GPU in both directions, 450 GB/s each way
+      (NVIDIA H100 Tensor Core GPU datasheet, "NVLink: 900GB/s"). NCCL's measured bus bandwidth
+      within a node is lower (~360-400 GB/s); give that with ``--intra-node-gbps`` to be conservative.
+    - ``inter_node_gbps``: one ConnectX-7 400 Gb/s InfiniBand NIC per GPU, 50 GB/s each way
+      (NVIDIA DGX H100 datasheet: "8x single-port ConnectX-7, 400 Gb/s InfiniBand/Ethernet").
+    - ``gpus_per_node``: 8.
+    """
+
+    gpus_per_node: int = 8
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise InvalidInputError(f"the GPUs per node must be a positive integer, got {self.gpus_per_node!r}")
+        for name in ("intra_node_gbps", "inter_node_gbps"):
+            value = getattr(self, name)
+            if not value > 0:
+                flag = name.replace("_", "-")
+                raise InvalidInputError(f"the {flag} bandwidth must be positive (GB/s), got {value!r}")
+
+    def bandwidth(self, span: int) -> float:
+        """Bytes per second into a rank of a group spanning ``span`` consecutive GPUs."""
+        return (self.intra_node_gbps if span <= self.gpus_per_node else self.inter_node_gbps) * _GB
+
+    def describe(self) -> str:
+        return (f"{self.gpus_per_node} GPUs per node; NVLink {self.intra_node_gbps:g} GB/s within a node, "
+                f"{self.inter_node_gbps:g} GB/s between nodes (per GPU, each way)")
+
+    def to_dict(self) -> dict[str, float]:
+        return {"gpus_per_node": self.gpus_per_node, "intra_node_gbps": self.intra_node_gbps,
+                "inter_node_gbps": self.inter_node_gbps}
+
+
+DEFAULT_NETWORK = Network()
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a dimension needs to know of a model to say its valid degrees and its traffic.
+
+    Attributes:
+        parameters: the parameter count (tied weights once).
+        trainable: the trainable parameter count (whose gradients are reduced).
+        gather_bytes: bytes per parameter as gathered or replicated for compute (2 under FSDP's
+            bf16 ``param_dtype``, else the stored dtype's).
+        reduce_bytes: bytes per gradient element as reduced (FSDP's ``reduce_dtype``; DDP's: the
+            gradients' dtype).
+        layers, heads, kv_heads: the transformer's block count and attention heads; None when
+            the model is not one (a dimension that needs them then offers degree 1 only).
+    """
+
+    parameters: int
+    trainable: int
+    gather_bytes: int
+    reduce_bytes: int
+    layers: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a rank runs: ``count`` calls per optimizer step, ``received`` bytes
+    into the rank in all, over a group spanning ``span`` consecutive GPUs."""
+
+    dimension: str
+    what: str  # "all-gather of parameters (forward and backward)"
+    received: float
+    span: int
+    count: int = 1
+
+    def seconds(self, network: Network) -> float:
+        """The seconds of these bytes on the group's slowest link."""
+        return self.received / network.bandwidth(self.span)
+
+    def to_dict(self, network: Network) -> dict[str, object]:
+        return {"dimension": self.dimension, "what": self.what, "bytes_received": self.received,
+                "group_span": self.span, "intra_node": self.span <= network.gpus_per_node,
+                "seconds": self.seconds(network)}
+
+
+def ring_bytes(size: float, n: int) -> float:
+    """Bytes a rank receives in a ring all-gather or reduce-scatter of ``size`` bytes (the whole,
+    unsharded tensor) over ``n`` ranks: ``size × (n − 1) / n``."""
+    return size * (n - 1) / n
+
+
+def group_span(mesh: Mesh, dimension: str) -> int:
+    """Consecutive GPUs one group of ``dimension`` spans: its degree × the inner dimensions'."""
+    degrees = mesh.degrees
+    stride = 1
+    for inner in LAYOUT[LAYOUT.index(dimension) + 1:]:
+        stride *= degrees[inner]
+    return stride * degrees[dimension]

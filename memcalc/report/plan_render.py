@@ -1,0 +1,45 @@
+"""Text of ``memcalc plan`` (:func:`memcalc.api.plan`): the fastest configurations that fit, one
+row each, then the network, the search's extent, what it pruned and what it assumed.
+Formatting only."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from memcalc.core.units import Unit, format_bytes
+from memcalc.search.plan import PlanCandidate, PlanResult
+from memcalc.timing.render import format_seconds
+
+__all__ = ("render_plan",)
+
+
+def _row(rank: int, c: PlanCandidate, unit: Unit) -> list[str]:
+    report = c.report
+    tokens = c.tokens_per_second
+    headroom = report.headroom
+    return [str(rank), c.mesh.describe(), str(c.micro_batch), str(c.accum_steps), c.checkpoint.label,
+            format_bytes(report.bytes.peak_allocated, unit), "" if headroom is None else format_bytes(headroom, unit),
+            format_seconds(c.compute_seconds), format_seconds(c.comm_seconds), format_seconds(c.seconds),
+            "" if tokens is None else f"{tokens:,.0f}"]
+
+
+def render_plan(result: PlanResult, *, unit: Unit = Unit.AUTO, fmt: str = "simple") -> str:
+    """The plan as text: the table of the best, then what was searched, pruned and assumed."""
+    lines = [f"Plan: {result.gpus} GPUs, global batch {result.global_batch} per optimizer step"]
+    if result.best:
+        headers = ["#", "mesh", "micro-batch", "accum", "checkpointing", "peak/GPU", "headroom", "compute",
+                   "comm", "step", "tokens/s"]
+        lines += ["", tabulate([_row(i, c, unit) for i, c in enumerate(result.best, 1)], headers=headers,
+                               tablefmt=fmt, disable_numparse=True)]
+    else:
+        lines += ["", "Nothing fits: see what was pruned below."]
+    lines += ["", f"Network: {result.network.describe()}.",
+              f"Searched: {', '.join(result.searched)} ({len(result.meshes)} meshes: "
+              f"{'; '.join(m.describe() for m in result.meshes)}); not searched (not modelled, or not yet in "
+              f"plan's cost model): {', '.join(result.not_searched) or 'none'}.",
+              f"{result.configurations} configurations (mesh × micro-batch × checkpointing off/selective-op/full); "
+              f"{result.estimates} estimated, the rest pruned by memory's monotonicity or by time."]
+    if result.pruned:
+        lines += ["Pruned:", *(f"  - {p}" for p in result.pruned)]
+    lines += ["Assumed:", *(f"  - {a}" for a in result.assumptions)]
+    return "\n".join(lines)
