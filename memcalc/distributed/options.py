@@ -65,8 +65,13 @@ class Distributed:
         sharding: ``fsdp`` / ``dp_shard``: ``full_shard`` (the default) or ``shard_grad_op``.
         reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
         dp_replicate, dp_shard, tp, pp, cp, ep: the mesh's degrees (torchtitan's names; 1 or
-            None: not used). A dimension that is not modelled yet (tp, pp, cp, ep) is accepted
+            None: not used). A dimension that is not modelled yet (pp, cp, ep) is accepted
             here and refused by the estimate, by name.
+        tp_plan: ``tp``: the tensor-parallel plan, module-name pattern → transformers style string
+            (``{"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}``); None: the model's own
+            (a Hugging Face ``tp_plan``, or torchtitan's for the zoo's Llama family).
+        loss_parallel: ``tp``: keep the logits sharded over the vocabulary and compute the loss
+            under torch's ``loss_parallel()`` (torchtitan's Llama plan only).
         mesh: the same degrees as one mapping (``{"dp_shard": 8, "tp": 4}``) or a
             :class:`~memcalc.distributed.mesh.Mesh`.
 
@@ -85,6 +90,9 @@ class Distributed:
     reduce_bucket_size: int
     #: The device mesh (a single GPU's: every degree 1); None for ``dp`` and ``zero*``.
     mesh: Mesh | None
+    #: ``tp``'s plan as (pattern, style string) pairs, in the user's order; None: the model's own.
+    tp_plan: tuple[tuple[str, str], ...] | None
+    loss_parallel: bool
 
     def __init__(self, strategy: Strategy | str = Strategy.SINGLE, *, world_size: int | None = None,
                  device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
@@ -92,13 +100,15 @@ class Distributed:
                  sharding: FsdpSharding | str | None = None, reduce_bucket_size: int | None = None,
                  dp_replicate: int | None = None, dp_shard: int | None = None, tp: int | None = None,
                  pp: int | None = None, cp: int | None = None, ep: int | None = None,
-                 mesh: Mesh | Mapping[str, int] | None = None) -> None:
+                 mesh: Mesh | Mapping[str, int] | None = None,
+                 tp_plan: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+                 loss_parallel: bool = False) -> None:
         strategy_ = parse_choice(Strategy, strategy, "strategy")
         sharding_ = FsdpSharding.FULL_SHARD if sharding is None else parse_choice(FsdpSharding, sharding,
                                                                                  "FSDP sharding")
         world_size = _checked_world_size(world_size)
         for flag, setting in (("batch_is_global", batch_is_global),
-                              ("gradient_as_bucket_view", gradient_as_bucket_view)):
+                              ("gradient_as_bucket_view", gradient_as_bucket_view), ("loss_parallel", loss_parallel)):
             if not isinstance(setting, bool):
                 raise InvalidInputError(f"{flag} must be True or False, got {setting!r}")
         degrees = {name: value for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard),
@@ -113,7 +123,8 @@ class Distributed:
                                     hint="e.g. Distributed(dp_shard=8, tp=4) (--mesh dp_shard=8,tp=4)")
         _refuse_inapplicable(strategy_, mesh_, bucket_cap_mb=bucket_cap_mb,
                              gradient_as_bucket_view=gradient_as_bucket_view, sharding=sharding_,
-                             reduce_bucket_size=reduce_bucket_size, batch_is_global=batch_is_global)
+                             reduce_bucket_size=reduce_bucket_size, batch_is_global=batch_is_global,
+                             tp_plan=_checked_tp_plan(tp_plan), loss_parallel=loss_parallel)
         ids = _device_ids(device_ids, strategy_)
         if mesh_ is None:
             world, mesh_ = _shorthand(strategy_, world_size, ids)
@@ -125,7 +136,8 @@ class Distributed:
         values = {"strategy": strategy_, "world_size": world, "device_ids": ids,
                   "batch_is_global": bool(batch_is_global), "bucket_cap_mb": cap,
                   "gradient_as_bucket_view": bool(gradient_as_bucket_view), "sharding": sharding_,
-                  "reduce_bucket_size": bucket, "mesh": mesh_}
+                  "reduce_bucket_size": bucket, "mesh": mesh_, "tp_plan": _checked_tp_plan(tp_plan),
+                  "loss_parallel": bool(loss_parallel)}
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -248,6 +260,8 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, object]] = {
     "sharding": ("--fsdp-sharding", FsdpSharding.FULL_SHARD),
     "reduce_bucket_size": ("--reduce-bucket-size", DEEPSPEED_REDUCE_BUCKET_SIZE),
     "batch_is_global": ("--global-batch", False),
+    "tp_plan": ("--tp-plan", None),
+    "loss_parallel": ("--loss-parallel", False),
 }
 
 
@@ -279,12 +293,15 @@ def inapplicable_option(strategy: Strategy, given: Iterable[str], *, flags: bool
         else:
             names = [s.value for s, cls in SHORTHANDS.items() if option in cls.options]
         names = [s.value for s in Strategy if s.value in names]  # in the enum's order
-        listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
-        where = (f"under a multi-GPU {strategy_word} ({listed})" if option == "batch_is_global"
-                 else f"to {strategy_word} {listed}")
         dimensions = [d for d, cls in DIMENSIONS.items() if option in cls.options]
-        if mesh is not None and dimensions and option != "batch_is_global":
-            where += f" (the mesh dimension {' or '.join(dimensions)})"
+        if not names:  # an option of a mesh dimension that has no shorthand (tp)
+            where = f"to the mesh dimension {' or '.join(dimensions)} (--mesh {dimensions[0]}=N, N at least 2)"
+        else:
+            listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+            where = (f"under a multi-GPU {strategy_word} ({listed})" if option == "batch_is_global"
+                     else f"to {strategy_word} {listed}")
+            if mesh is not None and dimensions and option != "batch_is_global":
+                where += f" (the mesh dimension {' or '.join(dimensions)})"
         current = f"{strategy_word} {strategy.value}" if mesh is None else f"the mesh {mesh.describe()}"
         return f"{name} applies only {where}; with {current} it would be ignored"
     return None
@@ -299,6 +316,21 @@ def _refuse_inapplicable(strategy: Strategy, mesh: Mesh | None, **values: object
     message = inapplicable_option(strategy, given, mesh=mesh)
     if message is not None:
         raise InapplicableOptionError(message)
+
+
+def _checked_tp_plan(plan: object) -> tuple[tuple[str, str], ...] | None:
+    """The tensor-parallel plan as (pattern, style string) pairs; the strings are checked when
+    the plan is applied (:func:`memcalc.distributed.tp_plans.user_plan`), against the model."""
+    if plan is None:
+        return None
+    pairs = list(plan.items()) if isinstance(plan, Mapping) else plan
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or not pairs or any(
+            not isinstance(pair, tuple) or len(pair) != 2 or not all(isinstance(x, str) and x for x in pair)
+            for pair in pairs):
+        raise InvalidInputError(f"tp_plan maps module-name patterns to style strings, got {plan!r}",
+                                hint='e.g. tp_plan={"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"} '
+                                     '(--tp-plan mlp.up_proj=colwise,mlp.down_proj=rowwise)')
+    return tuple(pairs)
 
 
 def _checked_world_size(world_size: object) -> int | None:

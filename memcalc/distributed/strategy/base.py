@@ -14,7 +14,7 @@ A strategy object says, for its part of the step:
 
 Adding a dimension is one file in this package with one :func:`register`-ed subclass; the
 catalogue (:mod:`memcalc.distributed.strategy.catalogue`) imports every file here. A mesh
-dimension without a file is refused by name when estimated ("tp is not modelled yet").
+dimension without a file is refused by name when estimated ("pp is not modelled yet").
 """
 
 from __future__ import annotations
@@ -64,6 +64,10 @@ class Setting(Protocol):
     def sharding(self) -> FsdpSharding: ...
     @property
     def reduce_bucket_size(self) -> int: ...
+    @property
+    def tp_plan(self) -> tuple[tuple[str, str], ...] | None: ...
+    @property
+    def loss_parallel(self) -> bool: ...
     @property
     def data_parallel_size(self) -> int: ...
     def per_rank_batch(self, batch: int) -> int: ...
