@@ -7,8 +7,8 @@ runs is tests/test_gloo_tp.py (the same rank program)."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -131,7 +131,8 @@ def test_tp_with_another_dimension_is_refused_by_name():
 
 
 def test_cli_mesh_tp(golden):
-    args = ["mlp", "--batch", "8", "--gpu", "a100-40gb", "--mesh", "tp=2", "--tp-plan", "1=colwise,3=rowwise,5=colwise_rep"]
+    args = ["mlp", "--batch", "8", "--gpu", "a100-40gb", "--mesh", "tp=2", "--tp-plan",
+            "1=colwise,3=rowwise,5=colwise_rep"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     golden(result.output)  # the per-rank table: params, grads, optimizer /2 (tp)
