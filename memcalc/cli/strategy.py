@@ -1,7 +1,8 @@
 """The multi-GPU options of ``memcalc MODEL`` (and of any command that estimates a step):
 ``--strategy``, ``--mesh``, ``--world-size``, ``--device-ids``, ``--global-batch/--per-rank-batch``,
 ``--bucket-cap-mb``, ``--gradient-as-bucket-view``, ``--fsdp-sharding``, ``--reduce-bucket-size``,
-``--pp-schedule``, ``--microbatches``, ``--pp-split``. :func:`strategy_options` adds them to a click command;
+``--pp-schedule``, ``--microbatches``, ``--pp-split``, ``--tp-plan``, ``--loss-parallel``.
+:func:`strategy_options` adds them to a click command;
 :func:`strategy_arguments` checks them (bad combinations are usage errors) and returns the
 :class:`memcalc.Distributed` setting as :func:`memcalc.estimate`'s ``distributed`` keyword —
 so ``memcalc fit`` can take the same options and hand them to ``max_batch_size``.
@@ -27,7 +28,7 @@ from memcalc.distributed.options import (
 )
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 
-__all__ = ("DeviceIdsType", "MeshType", "strategy_arguments", "strategy_options")
+__all__ = ("DeviceIdsType", "MeshType", "TpPlanType", "strategy_arguments", "strategy_options")
 
 
 class DeviceIdsType(click.ParamType[tuple[int, ...]]):
@@ -66,6 +67,28 @@ class MeshType(click.ParamType[dict[str, int]]):
             self.fail(str(exc), param, ctx)
 
 
+class TpPlanType(click.ParamType[dict[str, str]]):
+    """``mlp.up_proj=colwise,mlp.down_proj=rowwise`` → ``{"mlp.up_proj": "colwise", ...}``: module-name
+    patterns (``*`` for one name) and transformers' style strings, checked against the model."""
+
+    name = "plan"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> dict[str, str]:
+        """Parse ``value``; a dict is already a plan."""
+        if isinstance(value, dict):
+            return value
+        plan: dict[str, str] = {}
+        for item in (part.strip() for part in str(value).split(",")):
+            pattern, equals, style = (x.strip() for x in item.partition("="))
+            if not equals or not pattern or not style:
+                self.fail(f"the tp plan item {item!r} is not PATTERN=STYLE; give e.g. "
+                          f"'layers.*.fc1=colwise,layers.*.fc2=rowwise'", param, ctx)
+            if pattern in plan:
+                self.fail(f"the tp plan names {pattern} twice; give each pattern once", param, ctx)
+            plan[pattern] = style
+        return plan
+
+
 def _at_least_one(_ctx: click.Context, _param: click.Parameter, value: int | None) -> int | None:
     if value is not None and value < 1:
         raise click.BadParameter(f"the world size is the number of GPUs and must be at least 1, got {value}")
@@ -85,8 +108,9 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="A device mesh by its degrees, torchtitan's names: "
                           + ", ".join(f"{name} ({what})" for name, what in DIMENSION_NAMES.items())
                           + "; e.g. dp_shard=8,tp=4,pp=2. The world size is their product. --strategy fsdp is "
-                            "dp_shard=N, ddp is dp_replicate=N, both together HSDP; pp runs torch's own pipeline "
-                            "schedule (alone on the mesh)."),
+                            "dp_shard=N, ddp is dp_replicate=N, both together HSDP; tp, cp and pp "
+                            "(torch's own pipeline schedule) are modelled alone or as the data-parallel "
+                            "dimensions allow; ep is not modelled yet."),
         click.option("--world-size", type=int, default=None, callback=_at_least_one, metavar="N",
                      help="Number of GPUs (ranks) for ddp, fsdp and zero*; for dp, devices 0..N-1."),
         click.option("--device-ids", type=DeviceIdsType(), default=None,
@@ -114,6 +138,14 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--reduce-bucket-size", type=click.IntRange(min=1), default=DEEPSPEED_REDUCE_BUCKET_SIZE,
                      show_default=True, metavar="ELEMENTS",
                      help="zero*: DeepSpeed's reduce_bucket_size (elements of the gradient reduce bucket)."),
+        click.option("--tp-plan", type=TpPlanType(), default=None, metavar="PATTERN=STYLE,...",
+                     help="tp: the tensor-parallel plan, module-name patterns and transformers' style strings "
+                          "(colwise, rowwise, sequence_parallel, ...), "
+                          "e.g. 'layers.*.fc1=colwise,layers.*.fc2=rowwise'. "
+                          "Default: the model's own tp_plan, or torchtitan's for the zoo's Llama family."),
+        click.option("--loss-parallel", is_flag=True,
+                     help="tp: keep the logits sharded over the vocabulary and compute the loss under torch's "
+                          "loss_parallel() (torchtitan's Llama plan only)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -124,13 +156,14 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
 _STRATEGY_ONLY = {"bucket_cap_mb": "bucket_cap_mb", "gradient_as_bucket_view": "gradient_as_bucket_view",
                   "fsdp_sharding": "sharding", "reduce_bucket_size": "reduce_bucket_size",
                   "global_batch": "batch_is_global", "pp_schedule": "pp_schedule", "microbatches": "microbatches",
-                  "pp_split": "pp_split"}
+                  "pp_split": "pp_split", "tp_plan": "tp_plan", "loss_parallel": "loss_parallel"}
 
 
 def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tuple[int, ...] | None,
                        global_batch: bool, bucket_cap_mb: float, gradient_as_bucket_view: bool,
                        fsdp_sharding: str, reduce_bucket_size: int, mesh: dict[str, int] | None = None,
                        pp_schedule: str | None = None, microbatches: int | None = None, pp_split: str | None = None,
+                       tp_plan: dict[str, str] | None = None, loss_parallel: bool = False,
                        measure: bool = False) -> dict[str, Any]:
     """The options as :func:`memcalc.estimate`'s ``distributed`` keyword (none for a single
     GPU); a usage error for combinations that make no sense (``--mesh`` with a ``--strategy``
@@ -154,7 +187,8 @@ def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tup
                                   sharding=fsdp_sharding if "sharding" in explicit else None,
                                   reduce_bucket_size=reduce_bucket_size if "reduce_bucket_size" in explicit else None,
                                   mesh=mesh, pp_schedule=pp_schedule, microbatches=microbatches,
-                                  pp_split=None if pp_split is None else [n for n in pp_split.split(",") if n.strip()])
+                                  pp_split=None if pp_split is None else [n for n in pp_split.split(",") if n.strip()],
+                                  tp_plan=tp_plan, loss_parallel=loss_parallel)
     except InvalidInputError as exc:
         raise click.UsageError(str(exc)) from None
     if distributed.is_single:

@@ -66,8 +66,13 @@ class Distributed:
         sharding: ``fsdp`` / ``dp_shard``: ``full_shard`` (the default) or ``shard_grad_op``.
         reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
         dp_replicate, dp_shard, tp, pp, cp, ep: the mesh's degrees (torchtitan's names; 1 or
-            None: not used). A dimension that is not modelled yet (tp, pp, cp, ep) is accepted
+            None: not used). A dimension that is not modelled yet (pp, cp, ep) is accepted
             here and refused by the estimate, by name.
+        tp_plan: ``tp``: the tensor-parallel plan, module-name pattern → transformers style string
+            (``{"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}``); None: the model's own
+            (a Hugging Face ``tp_plan``, or torchtitan's for the zoo's Llama family).
+        loss_parallel: ``tp``: keep the logits sharded over the vocabulary and compute the loss
+            under torch's ``loss_parallel()`` (torchtitan's Llama plan only).
         mesh: the same degrees as one mapping (``{"dp_shard": 8, "tp": 4}``) or a
             :class:`~memcalc.distributed.mesh.Mesh`.
 
@@ -91,6 +96,9 @@ class Distributed:
     pp_schedule: str | None
     microbatches: int | None
     pp_split: tuple[str, ...] | None
+    #: ``tp``'s plan as (pattern, style string) pairs, in the user's order; None: the model's own.
+    tp_plan: tuple[tuple[str, str], ...] | None
+    loss_parallel: bool
 
     def __init__(self, strategy: Strategy | str = Strategy.SINGLE, *, world_size: int | None = None,
                  device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
@@ -99,13 +107,15 @@ class Distributed:
                  dp_replicate: int | None = None, dp_shard: int | None = None, tp: int | None = None,
                  pp: int | None = None, cp: int | None = None, ep: int | None = None,
                  mesh: Mesh | Mapping[str, int] | None = None, pp_schedule: str | None = None,
-                 microbatches: int | None = None, pp_split: Sequence[str] | None = None) -> None:
+                 microbatches: int | None = None, pp_split: Sequence[str] | None = None,
+                 tp_plan: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+                 loss_parallel: bool = False) -> None:
         strategy_ = parse_choice(Strategy, strategy, "strategy")
         sharding_ = FsdpSharding.FULL_SHARD if sharding is None else parse_choice(FsdpSharding, sharding,
                                                                                  "FSDP sharding")
         world_size = _checked_world_size(world_size)
         for flag, setting in (("batch_is_global", batch_is_global),
-                              ("gradient_as_bucket_view", gradient_as_bucket_view)):
+                              ("gradient_as_bucket_view", gradient_as_bucket_view), ("loss_parallel", loss_parallel)):
             if not isinstance(setting, bool):
                 raise InvalidInputError(f"{flag} must be True or False, got {setting!r}")
         degrees = {name: value for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard),
@@ -121,7 +131,8 @@ class Distributed:
         _refuse_inapplicable(strategy_, mesh_, bucket_cap_mb=bucket_cap_mb,
                              gradient_as_bucket_view=gradient_as_bucket_view, sharding=sharding_,
                              reduce_bucket_size=reduce_bucket_size, batch_is_global=batch_is_global,
-                             pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split)
+                             pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split,
+                             tp_plan=_checked_tp_plan(tp_plan), loss_parallel=loss_parallel)
         ids = _device_ids(device_ids, strategy_)
         if mesh_ is None:
             world, mesh_ = _shorthand(strategy_, world_size, ids)
@@ -134,7 +145,8 @@ class Distributed:
                   "batch_is_global": bool(batch_is_global), "bucket_cap_mb": cap,
                   "gradient_as_bucket_view": bool(gradient_as_bucket_view), "sharding": sharding_,
                   "reduce_bucket_size": bucket, "mesh": mesh_, "pp_schedule": _checked_schedule(pp_schedule),
-                  "microbatches": _checked_microbatches(microbatches), "pp_split": _checked_split(pp_split)}
+                  "microbatches": _checked_microbatches(microbatches), "pp_split": _checked_split(pp_split),
+                  "tp_plan": _checked_tp_plan(tp_plan), "loss_parallel": bool(loss_parallel)}
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -260,6 +272,8 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, object]] = {
     "pp_schedule": ("--pp-schedule", None),
     "microbatches": ("--microbatches", None),
     "pp_split": ("--pp-split", None),
+    "tp_plan": ("--tp-plan", None),
+    "loss_parallel": ("--loss-parallel", False),
 }
 
 
@@ -292,9 +306,8 @@ def inapplicable_option(strategy: Strategy, given: Iterable[str], *, flags: bool
             names = [s.value for s, cls in SHORTHANDS.items() if option in cls.options]
         names = [s.value for s in Strategy if s.value in names]  # in the enum's order
         dimensions = [d for d, cls in DIMENSIONS.items() if option in cls.options]
-        if not names:  # a mesh dimension's own option (pp's schedule): no shorthand reads it
-            mesh_flag = "--mesh" if flags else "mesh"
-            where = f"to the mesh dimension {' or '.join(dimensions)} ({mesh_flag} {dimensions[0]}=N)"
+        if not names:  # an option of a mesh dimension that has no shorthand (tp, pp)
+            where = f"to the mesh dimension {' or '.join(dimensions)} (--mesh {dimensions[0]}=N, N at least 2)"
         else:
             listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
             where = (f"under a multi-GPU {strategy_word} ({listed})" if option == "batch_is_global"
@@ -315,6 +328,21 @@ def _refuse_inapplicable(strategy: Strategy, mesh: Mesh | None, **values: object
     message = inapplicable_option(strategy, given, mesh=mesh)
     if message is not None:
         raise InapplicableOptionError(message)
+
+
+def _checked_tp_plan(plan: object) -> tuple[tuple[str, str], ...] | None:
+    """The tensor-parallel plan as (pattern, style string) pairs; the strings are checked when
+    the plan is applied (:func:`memcalc.distributed.tp_plans.user_plan`), against the model."""
+    if plan is None:
+        return None
+    pairs = list(plan.items()) if isinstance(plan, Mapping) else plan
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or not pairs or any(
+            not isinstance(pair, tuple) or len(pair) != 2 or not all(isinstance(x, str) and x for x in pair)
+            for pair in pairs):
+        raise InvalidInputError(f"tp_plan maps module-name patterns to style strings, got {plan!r}",
+                                hint='e.g. tp_plan={"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"} '
+                                     '(--tp-plan mlp.up_proj=colwise,mlp.down_proj=rowwise)')
+    return tuple(pairs)
 
 
 def _checked_world_size(world_size: object) -> int | None:

@@ -23,6 +23,14 @@ by torch's foreach or fused optimizers (``aten._foreach_*`` refuses mixed Tensor
 arguments): given the optimizer implementation, the program refuses it by name, as the real
 run would fail.
 
+The optimizer steps each parameter's local shard (:meth:`TensorParallel.optimizer_spec`): a
+rank's optimizer state is ``zeros_like`` of its local shards and every update is elementwise, so
+DTensor's dispatch of each ``aten._foreach_*`` op runs the same local op on the same local
+tensors; doing so directly spares the sharding propagation of every foreach op over every
+parameter (most of a large model's estimate under foreach) and allocates the same, which the
+gloo runs check (tests/test_gloo_tp.py, foreach Adam to the byte). Where a gradient's placements
+differ from its parameter's (DTensor would redistribute it in each op) the DTensors are stepped.
+
 The program leaves everything as it was: the model's parameters and hooks, the default process
 group (none before, none after); DTensor's sharding caches are emptied before and after (they
 would hand one rank's local shapes to the next, :func:`_clear_dtensor_caches`).
@@ -33,6 +41,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,6 +53,7 @@ from memcalc.core.loop import OptimizerImpl
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.tp_plans import TpPlan, resolve_plan
 from memcalc.engine.model import ResolvedModel
+from memcalc.engine.optimizers import Factory, OptimizerSpec, Params
 from memcalc.engine.trace import StorageTracer
 
 __all__ = ("COLLECTIVE_OPS", "TensorParallel", "tensor_parallel")
@@ -75,7 +85,7 @@ class TensorParallel(RankProgram):
 
     def __init__(self, degree: int, plan: Mapping[str, str] | None = None, *, rank: int = 0,
                  model_name: str = "the model", optimizer_impl: OptimizerImpl | None = None,
-                 loss_parallel: bool = False) -> None:
+                 loss_parallel: bool = False, local_step: bool = True) -> None:
         super().__init__()
         if degree < 1:
             raise InvalidInputError(f"the tensor-parallel degree must be at least 1, got {degree}")
@@ -87,7 +97,20 @@ class TensorParallel(RankProgram):
         self.model_name = model_name
         self.optimizer_impl = optimizer_impl
         self.loss_parallel = loss_parallel
+        self.local_step = local_step
         self.plan: TpPlan | None = None
+
+    def optimizer_spec(self, spec: OptimizerSpec) -> OptimizerSpec:
+        """The user's optimizer over the local shards of the DTensor parameters (module
+        docstring); ``local_step=False``: over the DTensors, as the real run steps them."""
+        factory = spec.factory
+        if factory is None or not self.local_step:
+            return spec
+
+        def build(params: Params, impl: OptimizerImpl) -> torch.optim.Optimizer:
+            return _on_local_shards(factory, list(params), impl)
+
+        return replace(spec, factory=build)
 
     def install(self, tracer: StorageTracer, module: nn.Module) -> None:
         super().install(tracer, module)
@@ -163,6 +186,46 @@ class TensorParallel(RankProgram):
         self._undo.append(_destroy_fake_group)
         _clear_dtensor_caches()
         return DeviceMesh("cpu", torch.arange(self.degree), mesh_dim_names=("tp",))
+
+
+def _on_local_shards(factory: Factory, params: list[nn.Parameter], impl: OptimizerImpl) -> torch.optim.Optimizer:
+    """``factory``'s optimizer over each DTensor parameter's local tensor (a plain one as it is).
+
+    Before each step the local tensors get their DTensor gradient's local tensor — where every
+    gradient has its parameter's placements. Where one does not (DTensor would redistribute it
+    inside each foreach op), the step runs on the DTensors themselves, as the real one does.
+    ``zero_grad`` clears both, so that the DTensor gradients are freed when the real ones would be.
+    """
+    from torch.distributed.tensor import DTensor
+
+    pairs = [(p, p._local_tensor) for p in params if isinstance(p, DTensor)]
+    local = {id(p): p._local_tensor for p in params if isinstance(p, DTensor)}
+    optimizer = factory([local.get(id(p), p) for p in params], impl)  # type: ignore[misc]  # plain leaves
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    globals_ = [[next((p for p in params if local.get(id(p)) is q), q) for q in group] for group in groups]
+
+    def gradients(_optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        on_local = all(parameter.grad is None or (isinstance(parameter.grad, DTensor)
+                                                  and parameter.grad.placements == parameter.placements)
+                       for parameter, _ in pairs)
+        for group, shards, whole in zip(optimizer.param_groups, groups, globals_, strict=True):
+            group["params"] = shards if on_local else whole
+        for parameter, shard in pairs:
+            grad = parameter.grad
+            shard.grad = grad._local_tensor if on_local and isinstance(grad, DTensor) else None
+
+    optimizer.register_step_pre_hook(gradients)
+    base = type(optimizer)
+
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        base.zero_grad(self, set_to_none)
+        if set_to_none:
+            for parameter, shard in pairs:
+                parameter.grad = None
+                shard.grad = None
+
+    optimizer.__class__ = type(f"LocalShards{base.__name__}", (base,), {"zero_grad": zero_grad})
+    return optimizer
 
 
 def tensor_parallel(degree: int, plan: Mapping[str, str] | None = None, *, rank: int = 0,

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 
-__all__ = ("STYLES", "TpPlan", "hf_plan", "llama_plan", "resolve_plan", "user_plan")
+__all__ = ("STYLES", "TpPlan", "hf_plan", "llama_plan", "planned_modules", "resolve_plan", "user_plan")
 
 
 def _colwise() -> ParallelStyle:
@@ -199,6 +199,11 @@ def resolve_plan(module: nn.Module, strings: Mapping[str, str] | None, model_nam
                 hint="Patterns are module names as model.named_modules() gives them, '*' standing for one name "
                      "(layers.*.mlp.up_proj).")
     return plan
+
+
+def planned_modules(module: nn.Module, plan: TpPlan) -> list[nn.Module]:
+    """The submodules of ``module`` some pattern of ``plan`` names."""
+    return [m for name, m in module.named_modules() if name and any(_matches(p, name) for p in plan.styles)]
 
 
 def _matches(pattern: str, name: str) -> bool:
