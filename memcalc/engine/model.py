@@ -147,6 +147,9 @@ class ResolvedModel:
     generate: GenerateFn | None = None
     #: The model's own static KV cache (``kv_cache``); None: memcalc adds one beside the forward.
     static_cache: StaticCacheFn | None = None
+    #: The user passed a module they had compiled (``torch.compile(module)``): the step is
+    #: estimated compiled, as ``compile=True`` estimates it.
+    compiled: bool = False
 
     def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
         """``inputs`` (this model's, on any device) as the step passes them: with the labels of
