@@ -232,13 +232,35 @@ class CompiledForward:
     module: nn.Module
     backend: Any
     previous: Any  # the instance's own ``forward`` before (None: the class's)
+    undo: Callable[[], None] | None = None  # what compiling on meta changed in torch
 
     def restore(self) -> None:
-        """The module's ``forward`` as it was."""
+        """The module's ``forward`` as it was (and torch as it was)."""
         if self.previous is None:
             self.module.__dict__.pop("forward", None)
         else:
             self.module.forward = self.previous
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
+
+
+def _rng_state_on_meta() -> Callable[[], None]:
+    """A checkpointed region's random kernels (attention with its dropout) run in compiled code
+    as ``run_and_save_rng_state(op, ...)``, which picks the device's generator by the arguments'
+    device and knows no meta: on meta, the CPU's (the state, a CPU tensor of about 5 KB per
+    call, is outside the tracer: a CUDA step keeps it on the host too). Returns the undo."""
+    from torch._prims import rng_prims
+
+    device_of = rng_prims.get_device
+
+    def on_meta_as_cpu(args: Any, kwargs: Any) -> Any:
+        device = device_of(args, kwargs)  # type: ignore[no-untyped-call]  # untyped in torch
+        return "cpu" if device == "meta" else device
+
+    patch = mock.patch.object(rng_prims, "get_device", on_meta_as_cpu)
+    patch.start()
+    return patch.stop
 
 
 def compile_forward(module: nn.Module, backend: Any) -> CompiledForward:
@@ -256,7 +278,8 @@ def compile_forward(module: nn.Module, backend: Any) -> CompiledForward:
             return compiled(*args, **kwargs)
 
     module.forward = run
-    return CompiledForward(module, backend, previous)
+    return CompiledForward(module, backend, previous,
+                           undo=_rng_state_on_meta() if isinstance(backend, MetaInductor) else None)
 
 
 @contextmanager
