@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from memcalc.core.errors import InternalError
+from memcalc.engine.backend import outside_autocast_regions
 from memcalc.engine.model import ModelInputs
 from memcalc.engine.trace import StorageTracer, tensors_of
 
@@ -274,7 +275,7 @@ def compile_forward(module: nn.Module, backend: Any) -> CompiledForward:
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with _no_function_modes():
+        with _no_function_modes(), outside_autocast_regions():
             return compiled(*args, **kwargs)
 
     module.forward = run
@@ -285,9 +286,9 @@ def compile_forward(module: nn.Module, backend: Any) -> CompiledForward:
 @contextmanager
 def _no_function_modes() -> Iterator[None]:
     """The compiled graph runs outside the torch-function modes active around it (memcalc's
-    emulated kernel choices, :mod:`memcalc.targets`): Dynamo compiled it without them, and would
-    see them as a changed state to recompile for. They are back for the loss, backward and
-    optimizer."""
+    emulated kernel choices, :mod:`memcalc.targets`), and outside their autocast region, which
+    memcalc's checkpoint wrapper reads: Dynamo compiled it without them, and would see them as a
+    changed state to recompile for. They are back for the loss, backward and optimizer."""
     modes = []
     while torch._C._len_torch_function_stack() > 0:
         modes.append(torch._C._pop_torch_function_stack())
