@@ -89,11 +89,11 @@ class MetaInductor:
         self.runs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._functorch import config as functorch_config
         from torch._inductor.compile_fx import compile_fx
 
         _devices_to_cpu(gm)
         fakes = _cpu_fakes(example_inputs)
-        from torch._functorch import config as functorch_config
 
         # no compiled graph read from or written to AOTAutograd's cache: its kernels are stubs
         with functorch_config.patch(enable_autograd_cache=False), _kernels_unbuilt():
@@ -107,9 +107,9 @@ class MetaInductor:
         return run
 
     def check_ran(self, runs_before: int) -> None:
-        """The compiled graphs ran since ``runs_before``; else the step ran eagerly (a guard
-        failed inside the tracer, where Dynamo does not compile) and the trace is not the
-        compiled step's."""
+        """The compiled graphs ran since ``runs_before``; else the step ran eagerly (Dynamo
+        skipped the frame) and the trace is not the compiled step's. (A guard that fails inside
+        the tracer recompiles, with this backend, while the tracer is off.)"""
         if self.runs == runs_before:
             raise InternalError(RuntimeError("the compiled forward did not run while the step was traced "
                                              "(Dynamo's guards failed and it ran eagerly)"),
