@@ -62,6 +62,28 @@ class CompiledStepTracer(StorageTracer):  # type: ignore[no-untyped-call]  # tor
         return True
 
 
+def _random_kernels_traced() -> None:
+    """The compiled code of a checkpointed region runs its random kernels (attention, with its
+    dropout) through ``run_and_save_rng_state`` and, recomputing in backward,
+    ``run_with_rng_state``: higher-order ops that a dispatch mode must implement. Under the
+    tracer each runs its kernel, seen by the tracer; the generator state it saves is the CPU's,
+    a host tensor of about 5 KB the tracer does not count (a CUDA step keeps it on the host)."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    if CompiledStepTracer in run_and_save_rng_state.python_key_table:
+        return
+
+    @run_and_save_rng_state.py_impl(CompiledStepTracer)  # type: ignore[untyped-decorator]  # untyped in torch
+    def _save(mode: CompiledStepTracer, op: Any, *args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return torch.get_rng_state(), op(*args, **kwargs)
+
+    @run_with_rng_state.py_impl(CompiledStepTracer)  # type: ignore[untyped-decorator]  # untyped in torch
+    def _replay(mode: CompiledStepTracer, rng_state: torch.Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return op(*args, **kwargs)
+
+
 def is_compiled_module(model: object) -> bool:
     """Whether ``model`` is what ``torch.compile(module)`` returns (an ``OptimizedModule``)."""
     if not isinstance(model, nn.Module):
@@ -87,6 +109,7 @@ class MetaInductor:
     def __init__(self) -> None:
         self.graphs = 0
         self.runs = 0
+        _random_kernels_traced()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         from torch._functorch import config as functorch_config
