@@ -5,7 +5,7 @@ profiler, with and without checkpointing and under an activation memory budget.
 
 Every comparison compiles the model twice (on meta, and for real with a C++ build): tens of
 seconds each, so they are slow tests. Measured on torch 2.13 (CPU): each estimate equals the real
-compiled peak to the byte, where the eager estimate is 8-29% high.
+compiled peak to the byte, where the eager estimate is off by up to 29%.
 """
 
 from __future__ import annotations
