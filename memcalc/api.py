@@ -64,6 +64,7 @@ def estimate(
     weight_dtype: WeightDtype | str | None = None,
     gpu: GpuLike = None,
     checkpoint: bool | str | Checkpointing | SacPolicy = False,
+    compile: bool = False,
     accum_steps: int = 1,
     kv_cache: int | None = None,
     new_tokens: int | None = None,
@@ -121,6 +122,12 @@ def estimate(
             torchtitan's op list (matmuls but every second one, attention, max) and recomputing
             the rest; or a policy function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``,
             given to ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+        compile: the step as ``torch.compile(model)`` runs it with Inductor: torch's own Dynamo,
+            AOTAutograd partitioner (``min_cut_rematerialization_partition``, under
+            ``torch._functorch.config.activation_memory_budget``) and Inductor's wrapper code run
+            on meta, so the saved activations, fused kernels' buffers and their reuse are the
+            compiled step's. A module the user already compiled (an ``OptimizedModule``) is
+            estimated compiled without it. Training steps.
         accum_steps: micro-batches of ``batch_size`` per optimizer step.
         kv_cache: tokens to generate with a KV cache (``mode="inference"``, decoder LLMs).
         new_tokens: ``mode="generate"``: the tokens generated after the prompt (the peak is that of

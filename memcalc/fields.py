@@ -339,6 +339,11 @@ _FIELDS = (
                "(also --checkpoint alone) every block; selective-op every block, saving the outputs of "
                "torchtitan's op list (matmuls but every second one, attention, max) and recomputing the "
                "rest; every:N every Nth block."),
+    Field("compile", _switch, False, flag="--compile", cli=Flag("switch"),
+          help="The forward compiled by torch.compile (Inductor), as the real stack runs it: AOTAutograd's "
+               "min-cut partitioner decides what is saved for backward (under "
+               "torch._functorch.config.activation_memory_budget), Inductor's fused kernels and buffer reuse what "
+               "is allocated. Training steps."),
     Field("accum_steps", _count, 1, flag="--accum-steps", cli=Flag("int", minimum=1, show_default=True),
           help="Gradient accumulation: micro-batches of --batch per optimizer step."),
     Field("kv_cache", _tokens, flag="--kv-cache", cli=Flag("int", minimum=0, metavar="TOKENS"),
@@ -548,6 +553,15 @@ def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
         # eval runs the forward under no_grad without a cache: the tokens would be ignored
         raise InapplicableOptionError(f"kv_cache (--kv-cache) needs mode inference; the mode is {mode.value}",
                                       hint="e.g. --mode inference --kv-cache 256")
+    if step.compile and step.precision.is_amp:
+        raise InapplicableOptionError(
+            f"compile (--compile) with precision {step.precision.value}: memcalc compiles the step on meta tensors, "
+            f"which autocast ignores, so a compiled autocast step is not modelled yet",
+            hint="Give precision bf16 or fp16 (the whole model in that dtype) or fp32 with --compile, or leave out "
+                 "--compile to estimate the autocast step eager.")
+    if step.compile and mode is not Mode.TRAIN:
+        raise InapplicableOptionError(f"compile (--compile) is modelled for training steps (mode train); the mode "
+                                      f"is {mode.value}", hint="Leave out --compile, or give mode train.")
     if mode is Mode.TRAIN:
         return
     if step.trainer_args is not None and not step.trainer_args.defaults_only:

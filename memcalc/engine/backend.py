@@ -17,8 +17,8 @@ reads it (:func:`current_autocast_region`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +32,7 @@ __all__ = (
     "PlainBackend",
     "StepBackend",
     "current_autocast_region",
+    "outside_autocast_regions",
     "pop_autocast_region",
     "push_autocast_region",
 )
@@ -125,6 +126,18 @@ def pop_autocast_region(current: Callable[[], AutocastRegion | None]) -> None:
     """The backend's mode was left (innermost first)."""
     if _REGIONS.stack and _REGIONS.stack[-1] is current:
         _REGIONS.stack.pop()
+
+
+@contextmanager
+def outside_autocast_regions() -> Iterator[None]:
+    """No emulated autocast region in force on this thread while the block runs: a compiled
+    forward (:mod:`memcalc.engine.compiled`), which Dynamo captured without one, runs so."""
+    saved = list(_REGIONS.stack)
+    _REGIONS.stack.clear()
+    try:
+        yield
+    finally:
+        _REGIONS.stack[:] = saved
 
 
 def current_autocast_region() -> AutocastRegion | None:

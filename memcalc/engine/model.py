@@ -151,6 +151,9 @@ class ResolvedModel:
     #: why not, from what the model's source knows of it (:mod:`memcalc.engine.steady`); None: it
     #: knows nothing, and every decode step is traced.
     steady_decoding: Callable[[nn.Module], str | None] | None = None
+    #: The user passed a module they had compiled (``torch.compile(module)``): the step is
+    #: estimated compiled, as ``compile=True`` estimates it.
+    compiled: bool = False
 
     def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
         """``inputs`` (this model's, on any device) as the step passes them: with the labels of

@@ -63,6 +63,9 @@ class Step:
         checkpoint: activation checkpointing: off, every block, every Nth block, or a selective
             policy (torchtitan's op list or the user's) inside every block.
         accum_steps: micro-batches per optimizer step.
+        compile: the model's forward compiled by ``torch.compile`` (Inductor): AOTAutograd's
+            partitioner decides what is saved for backward, Inductor's fused kernels and memory
+            planning what is allocated (:mod:`memcalc.engine.compiled`).
         kv_cache: tokens generated with a static KV cache (inference only).
         capacity: bytes the caching allocator may reserve (None: no limit).
         loop, stack, finetune: the training loop, the torch/CUDA versions (resolved: concrete
@@ -97,6 +100,7 @@ class Step:
     gpu_named: bool = False
     target: Target = Target.CUDA
     checkpoint: Checkpointing = OFF
+    compile: bool = False
     accum_steps: int = 1
     kv_cache: int | None = None
     capacity: int | None = None

@@ -40,6 +40,14 @@ from memcalc.core.timeline import Timeline
 from memcalc.engine import allocator
 from memcalc.engine.backend import AutocastRegion, PlainBackend, StepBackend
 from memcalc.engine.collector import while_collector_paused
+from memcalc.engine.compiled import (
+    CompiledForward,
+    CompiledStepTracer,
+    MetaInductor,
+    budget_note,
+    compile_forward,
+    warm_up,
+)
 from memcalc.engine.generation import GENERATING, decode_step_at, run_generation
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
@@ -297,8 +305,9 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     steady, unsteady = _steady_tokens(resolved, options, generate is not None and retrace is not None
                                       and recorder is None and hooks is None)
     reads = (resolved.reads(options.mode, steady or options.new_tokens) if resolved.reads is not None else None)
-    tracer = StorageTracer("meta", after_op=recorder if recorder is not None else backend.after_op,
-                           read_values=reads)
+    compiled = _compiled(module, inputs, options, resolved, notes, multi_gpu=hooks is not None)
+    tracer = (StorageTracer if compiled is None else CompiledStepTracer)(
+        "meta", after_op=recorder if recorder is not None else backend.after_op, read_values=reads)
     if recorder is not None:
         recorder.attach(tracer)
     backend.attach(tracer)
@@ -311,7 +320,9 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     if options.kv_cache is not None:
         note, inputs, own_cache = _register_kv_cache(tracer, resolved, inputs, options)
         notes.append(note)
-    tracer.modules.install(module)
+    if compiled is None:  # a compiled forward runs fused kernels: no module of the model's own runs them
+        tracer.modules.install(module)
+    runs_before = compiled.backend.runs if compiled is not None else 0
     config = step_config(resolved, options, autocast=backend.autocast(), scaler=backend.grad_scaler,
                          cuda=options.emulate_cuda)
     decoded: list[RunCounts] = []  # the run's counts as each decode step began (when extrapolating)
@@ -366,6 +377,10 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
             hooks.remove()
         tracer.modules.remove()
         trace = tracer.stop()
+        if compiled is not None:
+            compiled.restore()
+    if compiled is not None:
+        compiled.backend.check_ran(runs_before)
     attention = dict(backend.attention_backends())
     backend_notes = backend.notes(module)
     if steady is not None:
@@ -399,6 +414,40 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
         if options.loop.preset is None:
             traced.loss = f"computed by the loop ({options.loop.name})"
     return traced
+
+
+def _compiled(module: nn.Module, inputs: ModelInputs, options: Step, resolved: ResolvedModel, notes: list[str], *,
+              multi_gpu: bool) -> CompiledForward | None:
+    """``module``'s forward compiled by torch's own stack on meta (:mod:`memcalc.engine.compiled`)
+    and warmed up outside the tracer, when the step is compiled (``compile=True`` or a module the
+    user compiled); the report's notes say how. None: an eager step."""
+    if not (options.compile or resolved.compiled):
+        return None
+    if multi_gpu:
+        raise InapplicableOptionError(
+            "a compiled step (compile, --compile, or a torch.compile'd module) is estimated on one GPU only: memcalc "
+            "does not model torch.compile over DDP's or FSDP's hooks yet",
+            hint="Leave out --compile (or pass the module uncompiled) to estimate the strategy eager.")
+    compiled = compile_forward(module, MetaInductor())
+    try:
+        warm_up(module, inputs, train=options.mode is Mode.TRAIN)
+    except MemcalcError:
+        compiled.restore()
+        raise
+    except Exception as exc:
+        compiled.restore()
+        raise InvalidInputError(f"torch.compile of {resolved.name} failed: {type(exc).__name__}: {exc}",
+                                hint="memcalc runs torch's own Dynamo, AOTAutograd and Inductor on meta tensors; "
+                                     "if the model compiles on real tensors, please report it (--debug shows the "
+                                     "traceback). Leave out --compile to estimate it eager.") from exc
+    given = "the model was compiled by torch.compile" if resolved.compiled else "compiled (torch.compile, Inductor)"
+    notes.append(f"{given}: saved activations from AOTAutograd's min-cut partitioner, buffers from Inductor's "
+                 f"fused kernels and memory planning ({compiled.backend.graphs} graph"
+                 f"{'s' if compiled.backend.graphs != 1 else ''}); Inductor's CPU code generation"
+                 + ("" if not options.emulate_cuda else ", standing for CUDA's (Triton's kernels not modelled)"))
+    if (budget := budget_note()) is not None:
+        notes.append(budget)
+    return compiled
 
 
 def _dtypes_as_built(module: nn.Module, options: Step) -> str | None:

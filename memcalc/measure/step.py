@@ -46,6 +46,7 @@ from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.output import check_writable, write_atomically
 from memcalc.core.report import Measurement, MemoryReport
+from memcalc.engine.compiled import compile_forward, warm_up
 from memcalc.engine.loops import run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.options import Step
@@ -94,6 +95,9 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
     inputs = resolved.step_inputs(inputs, own_loss=options.trains_own_loss)
     inputs, _ = prepare_step(module, inputs, options, containers=resolved.block_containers, model_name=resolved.name,
                              own_checkpointing=resolved.checkpointing)
+    if options.compile or resolved.compiled:  # the real stack, compiled (kernels built) before the step is measured
+        compile_forward(module, "inductor")
+        warm_up(module, inputs, train=options.mode is Mode.TRAIN)
     keep: list[torch.Tensor] = []
     if options.kv_cache is not None:
         nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache, model_name=resolved.name,

@@ -51,6 +51,7 @@ from memcalc.core.errors import (
     user_frame,
 )
 from memcalc.core.losses import LossChoice, LossKind
+from memcalc.engine.compiled import is_compiled_module, uncompiled
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
 from memcalc.sources.inputs import Asked, as_inputs, check_batch_fits, input_maker, requested_shape
 from memcalc.sources.twin import check_supported_modules, materialise_lazy, meta_twin, own_copy
@@ -190,6 +191,12 @@ def _resolve_any(model: object, batch_size: int, shape: _Shape | None, seq_len: 
     if isinstance(model, HuggingFace):
         return _hf_resolve(model, batch_size, shape, seq_len, user_inputs)
     asked = Asked(batch_size, shape, seq_len is not None, user_inputs)
+    if is_compiled_module(model):  # torch.compile(module): its module, estimated compiled
+        assert isinstance(model, nn.Module)
+        original = uncompiled(model)
+        resolved = _resolve_module(original, _display_name(original), asked)
+        resolved.compiled = True
+        return resolved
     if isinstance(model, nn.Module):
         return _resolve_module(model, _display_name(model), asked)
     if callable(model):
