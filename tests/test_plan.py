@@ -163,19 +163,20 @@ def test_nothing_fits_exits_1_naming_what_was_pruned():
 
 
 def test_a_registered_dimension_is_searched_with_its_degrees():
-    # a stand-in tensor-parallel dimension, registered as tp's file will register it: plan then searches
-    # its degrees (here: the divisors of the heads and KV heads, 8, that are ≤ 4), and a mesh the
-    # strategies refuse (dp_replicate with tp, not modelled together) is named, not estimated
+    # a stand-in dimension, registered as a new dimension's file registers it (ep: expert
+    # parallelism, the one dimension no file models yet): plan then searches its degrees (here:
+    # the divisors of the heads and KV heads, 8, that are ≤ 4), and a mesh the strategies refuse
+    # (dp_replicate with ep, not modelled together) is named, not estimated
     from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register
     from memcalc.fields import build_step
     from memcalc.search import plan as planning
 
-    assert "tp" not in DIMENSIONS or pytest.skip("tp is modelled: this stand-in would clash")
+    assert "ep" not in DIMENSIONS, "ep is modelled now: give this stand-in a dimension that is not"
 
     @register()
-    class StandInTp(RankStrategy):
-        name = "tp"
-        mesh_dimension = "tp"
+    class StandIn(RankStrategy):
+        name = "ep"
+        mesh_dimension = "ep"
 
         @classmethod
         def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
@@ -186,14 +187,14 @@ def test_a_registered_dimension_is_searched_with_its_degrees():
 
     try:
         meshes = meshes_over(8, FP32)
-        assert {m.tp for m in meshes} == {1, 2, 4}
-        assert Mesh(dp_shard=2, tp=4) in meshes and all(m.world_size == 8 for m in meshes)
+        assert {m.ep for m in meshes} == {1, 2, 4}
+        assert Mesh(dp_shard=2, ep=4) in meshes and all(m.world_size == 8 for m in meshes)
         step = build_step("mlp", batch_size=1)
-        why = planning._refusal(step, Mesh(dp_replicate=2, tp=4))
+        why = planning._refusal(step, Mesh(dp_replicate=2, ep=4))
         assert why is not None and "not modelled" in why
         assert planning._refusal(step, Mesh(dp_shard=8)) is None
     finally:
-        del DIMENSIONS["tp"]
+        del DIMENSIONS["ep"]
 
 
 @pytest.mark.slow
