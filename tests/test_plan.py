@@ -111,7 +111,11 @@ def test_plan_json_shape(tight_plan):
                         "capacity", "headroom", "step_seconds", "compute_seconds", "communication_seconds",
                         "exposed_communication_seconds", "tokens_per_second", "collectives"}
     assert row["headroom"] == row["capacity"] - row["peak_allocated"] > 0
-    assert set(data["dimensions_searched"]) == set(DIMENSIONS)
+    # every dimension whose communication is in plan's cost model (planned), and only those
+    assert set(data["dimensions_searched"]) == {name for name, cls in DIMENSIONS.items() if cls.planned}
+    assert {"dp_shard", "dp_replicate"} <= set(data["dimensions_searched"])
+    assert set(data["dimensions_not_searched"]) == {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"} - set(
+        data["dimensions_searched"])
 
 
 @pytest.mark.slow
