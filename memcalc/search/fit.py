@@ -118,7 +118,7 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
             raise BatchLimitError(max_batch, real.reports[max_batch], budget) from None
         found = _Found(best, best, best, ())
     best = found.best
-    expandable = _with_expandable_segments(found.family, best, limit, step, max_batch)
+    expandable = _with_expandable_segments(found.family, best, limit, step, max_batch, real.known(best + 1))
     report = real.report_under_budget(best)
     raw = _raw_boundary(real, found, first.batch_size, slope_hint, max_batch)
     probes = tuple(_as_probe(p) for p in real.order)
@@ -231,6 +231,11 @@ class _Estimates:
                                 self.step.allocator_settings, host=not self.step.emulate_cuda)
         return _Point(batch, replayed.fits, report.bytes.peak_allocated, _needed(replayed))
 
+    def known(self, batch: int) -> _Point | None:
+        """The search's judgement of ``batch`` under the margin budget, when it made one (a real
+        estimate or a replay of the family); None otherwise."""
+        return self.points.get(batch) or self._synthetic.get((batch, self.limit))
+
     def synthetic(self, family: AffineFamily, batch: int, capacity: int, *, probe: bool = False) -> _Point:
         """The family's replay at ``batch`` under ``capacity`` (a real estimate where there is
         one); ``probe``: a probe of the search, listed in ``order``."""
@@ -311,22 +316,27 @@ def _affine_search(real: _Estimates, first: _Point, slope_hint: float | None, ma
     return _Found(best, top, check.checked_from, check.failing, family, check.capped)
 
 
-#: The replays the search for a larger batch under expandable segments may make: it gallops up
-#: and bisects, about 2·log2 of the distance, so 64 reaches far beyond any real batch.
-_MAX_EXPANDABLE_REPLAYS = 64
+#: The replays the search for a larger batch under expandable segments may make (gallop up,
+#: then bisect). A replay of a large model's step costs about a second, and the gain is a few
+#: batches (fragmentation is a few percent of the peak), so the search is short: its answer is
+#: a batch that fits, the largest it found.
+_MAX_EXPANDABLE_REPLAYS = 8
 
 
 def _with_expandable_segments(family: AffineFamily | None, best: int, limit: int, step: Step,
-                              max_batch: int) -> int | None:
-    """The largest batch that fits ``limit`` with ``expandable_segments:True`` when that is more
-    than ``best`` (found with segments that do not expand), or None: the answer's next batch
-    fails for fragmentation, which expandable segments mostly remove (one growing segment per
-    pool, mapped page by page). Found on the batch-affine ``family`` by replays alone (gallop
-    up, then bisect), so it costs no estimate; None without a family (a strategy, a step not
-    affine in the batch), on the CPU target, or when the settings already expand."""
+                              max_batch: int, above: _Point | None) -> int | None:
+    """A batch larger than ``best`` (found with segments that do not expand) that fits ``limit``
+    with ``expandable_segments:True``, the largest found, or None. Asked only when the next
+    batch, ``above`` (as the search judged it), failed for fragmentation alone (its peak
+    allocated under the limit), which expandable segments mostly remove (one growing segment per
+    pool, mapped page by page). Found on the batch-affine ``family`` by replays alone, so it
+    costs no estimate; None without a family (a strategy, a step not affine in the batch), on the
+    CPU target, or when the settings already expand."""
     settings = step.allocator_settings
     if family is None or family.host or (settings is not None and settings.expandable_segments):
         return None
+    if above is None or above.fits or above.peak_allocated > limit:
+        return None  # not a fragmentation failure (or not judged): no segment layout saves it
     expanding = replace(settings or AllocConf(), expandable_segments=True)
     replays = 0
 
