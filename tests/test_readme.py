@@ -135,6 +135,12 @@ if REGEN:
     _regenerate()
 README_TEXT = README.read_text()
 COMMANDS = commands(README_TEXT)
+#: The files the README's commands read, with the contents its text gives them (TRL's configs).
+README_FILES = {
+    "sft.json": '{"per_device_train_batch_size": 4, "max_length": 2048, "completion_only_loss": true}',
+    "dpo.json": '{"per_device_train_batch_size": 2, "beta": 0.1}',
+    "reward.json": '{"per_device_train_batch_size": 2}',
+}
 PYTHON_BLOCKS = [b.body for b in blocks(README_TEXT) if b.lang == "python"]
 
 
@@ -157,6 +163,8 @@ def test_readme_command(command: Command, tmp_path: Path, monkeypatch: pytest.Mo
     if command.needs_gpu and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.chdir(tmp_path)  # --plot files and the like land here
+    for name, content in README_FILES.items():  # the files the README's commands read, as it describes them
+        (tmp_path / name).write_text(content)
     result = run(command)
     assert result.exit_code == command.exit_code, (
         f"`{command.line}` exited {result.exit_code}, the README says {command.exit_code}:\n{result.output}"
