@@ -315,3 +315,13 @@ def test_cli_mesh_unmodelled_dimension(golden):
     refused = CliRunner().invoke(main, ["mlp", "--mesh", "dp_shard=2,ep=2"])
     assert refused.exit_code == InapplicableOptionError.exit_code, refused.output
     golden(refused.output)  # ep=2 (expert parallelism) is not modelled yet, and what to do
+
+
+def test_an_older_torch_is_refused_by_name(monkeypatch):
+    # memcalc drives torch.distributed.pipelining's internals as torch 2.13 has them (its stages'
+    # shape vote, _initialize_stage's signature); torch 2.11's differ, so pp is refused there
+    from memcalc.distributed import pipeline
+
+    monkeypatch.setattr(pipeline, "_torch_release", lambda: (2, 11))
+    with pytest.raises(InapplicableOptionError, match="older PipelineStage"):
+        memcalc.estimate("torch:llama-tiny", batch_size=2, seq_len=32, gpu="cpu", distributed=Distributed(pp=2))

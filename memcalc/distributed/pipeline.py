@@ -216,6 +216,16 @@ ASSUMPTIONS = (
 )
 
 
+#: The first torch whose pipelining internals memcalc drives (torch 2.11's differ: no shape vote,
+#: another ``_initialize_stage`` signature).
+_PIPELINING_FROM = (2, 13)
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFactory | None = None) -> PipelineEstimate:
     """Estimate every pipeline rank of ``step`` under ``pipeline``.
 
@@ -228,6 +238,12 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
         InapplicableOptionError: not a training step, or a process group is already
             initialised in this process (memcalc needs its own fake one).
     """
+    if _torch_release() < _PIPELINING_FROM:
+        raise InapplicableOptionError(
+            f"pipeline parallelism is estimated with torch.distributed.pipelining as torch "
+            f"{_PIPELINING_FROM[0]}.{_PIPELINING_FROM[1]} runs it (its stages' shape vote and schedule "
+            f"set-up); the installed torch {torch.__version__} has an older PipelineStage",
+            hint="Install torch>=2.13 to estimate --mesh pp=N.")
     if not step.mode.value == "train":
         raise InapplicableOptionError(f"pipeline parallelism is estimated for training steps; the mode is "
                                       f"{step.mode.value}")
@@ -357,7 +373,11 @@ class _PipelineProgram:
 
     def install(self, tracer: StorageTracer, module: nn.Module) -> None:
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.stage import InferenceMode  # type: ignore[attr-defined]
+        from torch.distributed.pipelining import stage as stage_source
+
+        # torch 2.13's stages vote on static or dynamic shapes in a warm-up exchange; an older
+        # torch (2.11) has no vote: its stages take the example shapes given them as they are
+        inference_mode = getattr(stage_source, "InferenceMode", None)
 
         runner = self.runner
         pipeline = runner.pipeline
@@ -385,10 +405,12 @@ class _PipelineProgram:
             schedule = schedule_cls(stages, m, loss_fn=runner.loss_fn)
 
         def static_vote(voting: Sequence[Any], _has_backward: bool, _p2p_done: bool) -> None:
+            assert inference_mode is not None
             for stage in voting:
-                stage._inference_mode = InferenceMode.STATIC
+                stage._inference_mode = inference_mode.STATIC
 
-        schedule._warmup_p2p = static_vote
+        if inference_mode is not None:
+            schedule._warmup_p2p = static_vote
         for stage in stages:  # the report's phases: the schedule's forwards and backwards
             _phase_around(stage, "forward_one_chunk", tracer, Phase.FORWARD)
             _phase_around(stage, "backward_one_chunk", tracer, Phase.BACKWARD)
