@@ -51,10 +51,11 @@ from memcalc.distributed.pipeline_schedules import (
     stage_of_rank,
 )
 from memcalc.distributed.pipeline_split import ModelLayout, StageModule, block_containers_of, layout_of, stage_blocks
+from memcalc.distributed.program import model_states_at_step
 from memcalc.engine.losses import compute_loss, make_targets, resolve_loss
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.options import Step
-from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
+from memcalc.engine.run import CostRecorderFactory, build_report
 from memcalc.engine.trace import StorageTracer
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
@@ -298,27 +299,7 @@ def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[i
     traced.notes.extend(ASSUMPTIONS)
     report = build_report(rank_model, traced, rank_step, role=f"pipeline rank {rank}")
     buffers = sum(traced.trace.nbytes[uid] for uid in program.buffers)
-    return report, _model_states(traced), buffers
-
-
-_MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
-
-
-def _model_states(traced: TracedStep) -> int:
-    """Parameters + gradients + optimizer state alive during the optimizer step: their largest
-    sum from ``step()`` to ``zero_grad()`` (the other strategies' roles count the same)."""
-    trace, categories = traced.trace, traced.categories
-    alive = sum(trace.nbytes[u] for u in trace.preexisting if categories[u] in _MODEL_STATES)
-    end = trace.phase_starts.get(Phase.ZERO_GRAD, len(trace.events))
-    start = trace.phase_starts.get(Phase.OPTIMIZER, end)
-    best = 0
-    for index, event in enumerate(trace.events[:end]):
-        if index >= start:
-            best = max(best, alive)
-        uid = event if event >= 0 else ~event
-        if categories[uid] in _MODEL_STATES:
-            alive += trace.nbytes[uid] if event >= 0 else -trace.nbytes[uid]
-    return max(best, alive)
+    return report, model_states_at_step(traced), buffers
 
 
 class _RankRunner(nn.Module):

@@ -24,21 +24,26 @@ the sharded parameters of ZeRO-3) and :mod:`~memcalc.distributed.zero` (DeepSpee
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 import torch
 from torch import nn
 
-from memcalc.core.categories import Category
+from memcalc.core.categories import Category, Phase
 from memcalc.engine.optimizers import OptimizerSpec
+from memcalc.engine.run import TracedStep
 from memcalc.engine.trace import StorageTracer, tensors_of
 
 __all__ = (
     "RankProgram",
     "coalesced_chunks",
     "map_output",
+    "model_states_at_step",
 )
+
+#: The model states a role holds (parameters, gradients, optimizer state).
+_MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
 
 
 class RankProgram:
@@ -141,3 +146,26 @@ def map_output(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         except TypeError:
             return mapped
     return output
+
+
+def model_states_at_step(traced: TracedStep, communication: Set[int] = frozenset()) -> int:
+    """Parameters + gradients + optimizer state (not collective buffers) alive during the
+    optimizer step — their largest sum between ``step()`` starting and ``zero_grad()`` (or,
+    without an optimizer, at ``zero_grad()``; in eval, at the end)."""
+    trace = traced.trace
+    categories = traced.categories
+
+    def counted(uid: int) -> bool:
+        return categories[uid] in _MODEL_STATES and uid not in communication
+
+    alive = sum(trace.nbytes[u] for u in trace.preexisting if counted(u))
+    end = trace.phase_starts.get(Phase.ZERO_GRAD, len(trace.events))
+    start = trace.phase_starts.get(Phase.OPTIMIZER, end)
+    best = 0
+    for index, event in enumerate(trace.events[:end]):
+        if index >= start:
+            best = max(best, alive)
+        uid = event if event >= 0 else ~event
+        if counted(uid):
+            alive += trace.nbytes[uid] if event >= 0 else -trace.nbytes[uid]
+    return max(best, alive)

@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memcalc.core.alloc_conf import AllocConf
-from memcalc.core.categories import Category, Mode, Phase
+from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.report import MemoryReport, RoleReport
 from memcalc.distributed.options import Distributed
+from memcalc.distributed.program import model_states_at_step
 from memcalc.distributed.strategy.base import Plan, RankStrategy
 from memcalc.distributed.strategy.catalogue import strategies_for
 from memcalc.engine import allocator
@@ -100,7 +101,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         report = build_report(resolved, traced, step, role=role.name)  # its timeline names the role
         results.append(RoleReport(
             name=role.name, ranks=role.ranks, batch_size=resolved.batch_size,
-            model_states=_model_states(traced, program.communication),
+            model_states=model_states_at_step(traced, program.communication),
             communication=_alive_at_peak(traced, program.communication, step.allocator_settings), report=report,
             sharding=role.sharding))
     busiest = replace(results[0].report, roles=tuple(results)).busiest_role
@@ -110,7 +111,6 @@ def estimate_per_rank(step: Step, distributed: Distributed,
                    global_batch_size=plan.global_batch, roles=tuple(results), mesh=mesh)
 
 
-_MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
 
 
 def _whole_step(strategy: RankStrategy, strategies: list[RankStrategy], step: Step, distributed: Distributed,
@@ -128,29 +128,6 @@ def _whole_step(strategy: RankStrategy, strategies: list[RankStrategy], step: St
     mesh = None if distributed.mesh is None else distributed.mesh.degrees
     return replace(report, strategy=distributed.strategy.value, world_size=distributed.world_size,
                    global_batch_size=distributed.global_batch(batch), mesh=mesh)
-
-
-def _model_states(traced: TracedStep, communication: set[int]) -> int:
-    """Parameters + gradients + optimizer state (not collective buffers) alive during the
-    optimizer step — their largest sum between ``step()`` starting and ``zero_grad()`` (or,
-    without an optimizer, at ``zero_grad()``; in eval, at the end)."""
-    trace = traced.trace
-    categories = traced.categories
-
-    def counted(uid: int) -> bool:
-        return categories[uid] in _MODEL_STATES and uid not in communication
-
-    alive = sum(trace.nbytes[u] for u in trace.preexisting if counted(u))
-    end = trace.phase_starts.get(Phase.ZERO_GRAD, len(trace.events))
-    start = trace.phase_starts.get(Phase.OPTIMIZER, end)
-    best = 0
-    for index, event in enumerate(trace.events[:end]):
-        if index >= start:
-            best = max(best, alive)
-        uid = event if event >= 0 else ~event
-        if counted(uid):
-            alive += trace.nbytes[uid] if event >= 0 else -trace.nbytes[uid]
-    return max(best, alive)
 
 
 def _alive_at_peak(traced: TracedStep, uids: set[int], settings: AllocConf | None = None) -> int:
