@@ -1,6 +1,6 @@
 """Real tensor-parallel training steps on processes over gloo, each rank's peak read from the
 profiler: the reference for memcalc's per-rank tensor-parallel estimate on the CPU target
-(tests/test_gloo_tp.py).
+(tests/test_gloo_tp.py), alone and under FSDP2 (tests/test_gloo_fsdp_tp.py).
 
 Each rank builds the same model (same seed), applies torch's own ``parallelize_module`` over a
 real gloo ``DeviceMesh`` with the case's plan — the same torch styles memcalc applies over its
@@ -8,6 +8,12 @@ fake process group (:mod:`memcalc.distributed.tp_plans`) — and is measured as
 tests/gloo_runs.py measures DDP and FSDP2: a warm-up step, then two iterations of memcalc's
 default loop with a fresh ``Adam(foreach=True)`` under ``torch.profiler``, repeated until the
 trace is complete (:func:`gloo_runs._measured_step`).
+
+With ``dp_shard`` above 1 the run composes FSDP2 with tensor parallelism as torchtitan does
+(``torchtitan/models/llama3/infra/parallelize.py``): a 2-D ``DeviceMesh`` ``("dp_shard", "tp")``,
+``parallelize_module`` on its ``tp`` sub-mesh, then ``fully_shard`` on every block of the first
+``nn.ModuleList`` and on the root over its ``dp_shard`` sub-mesh (the same units as memcalc's
+:func:`~memcalc.distributed.fsdp.fsdp_units`), so that FSDP2 shards the tensor-parallel DTensors.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class TpCase:
     loss: str = "mean"
     #: torchtitan's plan keeping the logits sharded, the loss under torch's ``loss_parallel()``
     loss_parallel: bool = False
+    #: FSDP2 over this many ranks of a 2-D ``(dp_shard, tp)`` mesh (1: tensor parallelism alone)
+    dp_shard: int = 1
 
     def build(self) -> nn.Module:
         return small_llama() if self.model == "llama" else BlockNet()
@@ -126,10 +134,18 @@ def _run_case(case: TpCase, world_size: int) -> RankPeak:
     model = case.build()
     x = case.batch()
     targets = torch.randint(0, SMALL_LLAMA.vocab_size, x.shape) if case.loss == "lm-cross-entropy" else None
-    mesh = init_device_mesh("cpu", (world_size,))
+    tp = world_size // case.dp_shard
+    mesh = init_device_mesh("cpu", (case.dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))
     # the same torch styles as memcalc's estimate
     plan = resolve_plan(model, case.plan, case.name, loss_parallel=case.loss_parallel)
-    parallelize_module(model, mesh, dict(plan.styles))
+    parallelize_module(model, mesh["tp"], dict(plan.styles))
+    if case.dp_shard > 1:  # torchtitan's order: FSDP2 over the tensor-parallel DTensors
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = next(m for m in model.modules() if isinstance(m, nn.ModuleList))
+        for block in blocks:
+            fully_shard(block, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     _step(model, x, trainable, case, targets)  # the warm-up
     before = _storages_before(model, x) + (storage_bytes([targets]) if targets is not None else 0)

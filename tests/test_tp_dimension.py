@@ -125,9 +125,47 @@ def test_a_tp_plan_that_is_not_patterns_to_strings_is_refused(plan):
         memcalc.Distributed(tp=2, tp_plan=plan)
 
 
-def test_tp_with_another_dimension_is_refused_by_name():
-    with pytest.raises(InapplicableOptionError, match=r"tp=2 with dp_shard=2 is not modelled yet"):
-        _mlp(memcalc.Distributed(dp_shard=2, tp=2, tp_plan=MLP_PLAN))
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dp_replicate=2), r"tp=2 with dp_replicate=2 is not modelled yet"),  # DDP over DTensors
+    (dict(dp_shard=2, cp=2), r"tp=2 with cp=2 is not modelled yet"),
+])
+def test_tp_with_a_dimension_it_does_not_compose_with_is_refused_by_name(kwargs, message):
+    with pytest.raises(InapplicableOptionError, match=message):
+        _mlp(memcalc.Distributed(tp=2, tp_plan=MLP_PLAN, **kwargs))
+
+
+def test_a_2x2_mesh_shards_each_rank_s_parameters_worked_by_hand():
+    # FSDP2 over tensor parallelism (dp_shard=2, tp=2): FSDP2 chunks dim 0 of each rank's local tp
+    # shard over the 2 dp_shard ranks (padded: rank 0 holds the larger chunk, so it is the one traced)
+    report = _mlp(memcalc.Distributed(dp_shard=2, tp=2, tp_plan=MLP_PLAN))
+    (role,) = report.roles  # the same shapes on every rank: one trace for all four
+    assert role.ranks == (0, 1, 2, 3)
+    # colwise 1: weight 1024 × 784 → tp 512 rows → dp_shard 256 rows: 256 × 784 = 200,704; bias 1024 → 512 → 256
+    # rowwise 3: weight 1024 × 1024 → tp 512 columns → dp_shard 512 rows: 512 × 512 = 262,144; bias whole
+    #            under tp (Replicate) → dp_shard 512
+    # colwise_rep 5: weight 10 × 1024 → tp 5 rows → dp_shard ceil(5 / 2) = 3 rows: 3,072; bias 10 → 5 → 3
+    # Σ 466,691 elements × 4 B = 1,866,764 B (a quarter of the model would be 1,863,690 B: the rowwise bias is
+    # halved once only, and the odd rows are padded)
+    shard = (256 * 784 + 256 + 512 * 512 + 512 + 3 * 1024 + 3) * 4
+    assert shard == 1_866_764
+    # at the optimizer step every unit is resharded: the shards, their gradients, Adam's two moments
+    assert role.model_states == 4 * shard
+    assert role.report.bytes.optimizer_state == 2 * shard
+    assert [s.describe() for s in role.sharding] == ["params, grads, optimizer /2 (tp)",
+                                                      "params, grads, optimizer, batch /2 (dp_shard)"]
+    data = report.to_dict()
+    assert data["world_size"] == 4 and data["global_batch_size"] == 16  # two data-parallel groups of 8
+    assert [s["dimension"] for s in data["roles"][0]["sharding"]] == ["tp", "dp_shard"]
+
+
+def test_hsdp_over_tp_falls_out():
+    # dp_replicate around dp_shard x tp: the replicas all-reduce each unit's sharded gradients in place
+    # (no memory of its own), so a rank holds what it holds on the 2 x 2 mesh
+    hsdp = _mlp(memcalc.Distributed(dp_replicate=2, dp_shard=2, tp=2, tp_plan=MLP_PLAN))
+    mesh = _mlp(memcalc.Distributed(dp_shard=2, tp=2, tp_plan=MLP_PLAN))
+    (role,) = hsdp.roles
+    assert role.ranks == tuple(range(8)) and hsdp.to_dict()["global_batch_size"] == 32
+    assert role.report.peak_requested == mesh.roles[0].report.peak_requested
 
 
 def test_cli_mesh_tp(golden):
@@ -141,8 +179,18 @@ def test_cli_mesh_tp(golden):
         {"states": ["parameters", "gradients", "optimizer_state"], "dimension": "tp", "degree": 2}]
 
 
-def test_cli_mesh_dp_shard_tp_is_refused(golden):
-    result = CliRunner().invoke(main, ["mlp", "--batch", "8", "--mesh", "dp_shard=2,tp=2", "--tp-plan",
+def test_cli_mesh_dp_shard_tp(golden):
+    args = ["mlp", "--batch", "8", "--gpu", "a100-40gb", "--mesh", "dp_shard=2,tp=2", "--tp-plan",
+            "1=colwise,3=rowwise,5=colwise_rep"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    golden(result.output)  # the per-rank table: /2 (tp), /2 (dp_shard)
+    data = json.loads(CliRunner().invoke(main, [*args, "--format", "json"]).output)
+    assert [(s["dimension"], s["degree"]) for s in data["roles"][0]["sharding"]] == [("tp", 2), ("dp_shard", 2)]
+
+
+def test_cli_mesh_dp_replicate_tp_is_refused(golden):
+    result = CliRunner().invoke(main, ["mlp", "--batch", "8", "--mesh", "dp_replicate=2,tp=2", "--tp-plan",
                                        "1=colwise,3=rowwise,5=colwise_rep"])
     assert result.exit_code == InapplicableOptionError.exit_code, result.output
     golden(result.output)

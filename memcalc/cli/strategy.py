@@ -108,9 +108,9 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="A device mesh by its degrees, torchtitan's names: "
                           + ", ".join(f"{name} ({what})" for name, what in DIMENSION_NAMES.items())
                           + "; e.g. dp_shard=8,tp=4,pp=2. The world size is their product. --strategy fsdp is "
-                            "dp_shard=N, ddp is dp_replicate=N, both together HSDP; tp, cp and pp "
-                            "(torch's own pipeline schedule) are modelled alone or as the data-parallel "
-                            "dimensions allow; ep is not modelled yet."),
+                            "dp_shard=N, ddp is dp_replicate=N, both together HSDP; tp alone or under dp_shard "
+                            "(FSDP2 over its DTensors, torchtitan's composition), cp with the data-parallel "
+                            "dimensions, pp (torch's own pipeline schedule) alone; ep is not modelled yet."),
         click.option("--world-size", type=int, default=None, callback=_at_least_one, metavar="N",
                      help="Number of GPUs (ranks) for ddp, fsdp and zero*; for dp, devices 0..N-1."),
         click.option("--device-ids", type=DeviceIdsType(), default=None,

@@ -1,7 +1,12 @@
 """Sharded parameters: one rank of FSDP2 (``fully_shard``) or of DeepSpeed ZeRO-3, whose
 parameters are this rank's shards and are all-gathered unit by unit around each forward and
 backward, their gradients reduce-scattered back to shards. ZeRO-3's partitioned optimizer is
-:class:`~memcalc.distributed.zero.ZeroProgram`, which runs over this program."""
+:class:`~memcalc.distributed.zero.ZeroProgram`, which runs over this program.
+
+Over tensor parallelism (``--mesh dp_shard=N,tp=M``) the parameters are DTensors: FSDP2 shards,
+gathers and reduce-scatters each one's local tensor, and its sharded and unsharded parameters and
+sharded gradients are DTensors of the tp spec over those local tensors (:func:`_local`,
+:func:`_like`), as ``FSDPParam`` keeps them (``_from_local_no_grad`` with its ``_tp_spec``)."""
 
 from __future__ import annotations
 
@@ -237,13 +242,15 @@ class ShardedProgram(RankProgram):
     def _shard(self, original: nn.Parameter) -> _Param:
         n = self.world_size
         dtype = self.sharded_dtype or original.dtype
+        local = _local(original)  # a tensor-parallel DTensor: FSDP2 shards the rank's local shard
         if self.fsdp2:  # dim-0 chunks, padded (FSDPParam._init_sharded_param)
-            dim0 = original.shape[0] if original.dim() else 1
-            shape = (math.ceil(dim0 / n), *original.shape[1:])
+            dim0 = local.shape[0] if local.dim() else 1
+            shape = (math.ceil(dim0 / n), *local.shape[1:])
         else:  # a flat partition (ds_tensor)
-            shape = (math.ceil(original.numel() / n),)
-        sharded = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=original.requires_grad)
-        return _Param(original, sharded, sharded.numel(), n, self.gather_dtype or original.dtype)
+            shape = (math.ceil(local.numel() / n),)
+        shard = torch.empty(shape, dtype=dtype, device="meta")
+        sharded = nn.Parameter(_like(original, shard), requires_grad=original.requires_grad)
+        return _Param(original, sharded, shard.numel(), n, self.gather_dtype or original.dtype)
 
     @staticmethod
     def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -315,7 +322,8 @@ class ShardedProgram(RankProgram):
         tracer = self._tracer
         if p.unsharded is None:
             storage = torch.empty(p.padded_numel, dtype=p.gather_dtype, device="meta")
-            unsharded = nn.Parameter(storage.narrow(0, 0, p.original.numel()).view(p.original.shape),
+            local = _local(p.original)
+            unsharded = nn.Parameter(_like(p.original, storage.narrow(0, 0, local.numel()).view(local.shape)),
                                      requires_grad=p.original.requires_grad)
             self.communication.add(tracer.track(storage, Category.PARAMETERS))
             del storage
@@ -324,7 +332,7 @@ class ShardedProgram(RankProgram):
                     functools.partial(self._gradient_ready_hook, p)))
             p.unsharded = unsharded
         else:
-            self.communication.add(tracer.alloc_storage(p.unsharded, Category.PARAMETERS))
+            self.communication.add(tracer.alloc_storage(_local(p.unsharded), Category.PARAMETERS))
 
     def _reshard(self, state: _UnitState) -> None:
         if not state.gathered:
@@ -334,7 +342,7 @@ class ShardedProgram(RankProgram):
         for p in state.params:
             p.holders -= 1
             if p.holders == 0 and p.unsharded is not None:
-                self._tracer.free_storage(p.unsharded)
+                self._tracer.free_storage(_local(p.unsharded))
         state.gathered = False
 
     def _swap_in(self, state: _UnitState) -> None:
@@ -462,12 +470,12 @@ class ShardedProgram(RankProgram):
         del last
         offset = 0
         for p in params:
-            view = output.narrow(0, offset, p.shard_numel).view(p.sharded.shape)
+            view = output.narrow(0, offset, p.shard_numel).view(_local(p.sharded).shape)
             offset += p.shard_numel
             if p.sharded.grad is None:
-                p.sharded.grad = view
+                p.sharded.grad = _like(p.sharded, view)
             else:
-                p.sharded.grad.add_(view)  # accumulation over micro-batches
+                _local(p.sharded.grad).add_(view)  # accumulation over micro-batches
             del view
         del output
         self._reduce_scatter_inputs.append(rs_input)
@@ -486,7 +494,7 @@ class ShardedProgram(RankProgram):
         # zero-padded tensor, kept until the concatenation is done; cat_out then casts each
         # one through a temporary of its own dtype (TensorIterator's cast_common_dtype_to_outputs)
         padded = [self._buffer(p.padded_numel, grad_dtype, Category.WORKSPACE)
-                  for p in params if p.padded_numel != p.original.numel()]
+                  for p in params if p.padded_numel != _local(p.original).numel()]
         if grad_dtype != reduce_dtype:
             for p in params:
                 self._transient(p.padded_numel * grad_dtype.itemsize)
@@ -534,3 +542,25 @@ def _wrap_inputs(args: tuple[Any, ...], callback: Callable[[], None]) -> tuple[A
     for i, tensor in zip(positions, wrapped, strict=True):
         out[i] = tensor
     return tuple(out)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds ``tensor``'s memory on this rank: a tensor-parallel DTensor's local
+    shard (FSDP2 over tensor parallelism shards and gathers that), any other tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def _like(model: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``model`` holds its memory: a DTensor of ``model``'s mesh, placements and
+    global shape over ``local`` (FSDP2's ``_from_local_no_grad`` with the tensor-parallel spec:
+    its sharded and unsharded parameters, its sharded gradients), or ``local`` itself."""
+    if _local(model) is model:
+        return local
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = model._spec  # type: ignore[attr-defined]  # a DTensor
+    meta = TensorMeta(spec.shape, spec.stride, local.dtype)
+    spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]  # untyped in torch

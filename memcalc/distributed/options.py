@@ -66,8 +66,9 @@ class Distributed:
         sharding: ``fsdp`` / ``dp_shard``: ``full_shard`` (the default) or ``shard_grad_op``.
         reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
         dp_replicate, dp_shard, tp, pp, cp, ep: the mesh's degrees (torchtitan's names; 1 or
-            None: not used). A dimension that is not modelled yet (pp, cp, ep) is accepted
-            here and refused by the estimate, by name.
+            None: not used). A dimension that is not modelled yet (ep), or a composition that
+            is not (tp with anything but dp_shard), is accepted here and refused by the
+            estimate, by name.
         tp_plan: ``tp``: the tensor-parallel plan, module-name pattern → transformers style string
             (``{"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}``); None: the model's own
             (a Hugging Face ``tp_plan``, or torchtitan's for the zoo's Llama family).

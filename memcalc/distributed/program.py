@@ -37,6 +37,7 @@ from memcalc.engine.trace import StorageTracer, tensors_of
 
 __all__ = (
     "RankProgram",
+    "StackedProgram",
     "coalesced_chunks",
     "map_output",
     "model_states_at_step",
@@ -113,6 +114,42 @@ class RankProgram:
                 tensor.register_hook(on_output_grad)  # type: ignore[no-untyped-call]
 
         self._handles.append(module.register_forward_hook(forward_hook))
+
+
+class StackedProgram(RankProgram):
+    """Several programs on one rank's model, in the order they apply (torchtitan's: tensor
+    parallelism's ``parallelize_module``, then FSDP2 over its DTensor parameters): installed in
+    that order, removed in reverse, the optimizer built through each in turn; one set of
+    collective buffers and one list of notes for all of them."""
+
+    def __init__(self, *programs: RankProgram) -> None:
+        super().__init__()
+        self.programs = programs
+        for program in programs:
+            program.communication = self.communication
+            program.notes = self.notes
+
+    def install(self, tracer: StorageTracer, module: nn.Module) -> None:
+        super().install(tracer, module)
+        installed: list[RankProgram] = []
+        try:
+            for program in self.programs:
+                program.install(tracer, module)
+                installed.append(program)
+        except BaseException:
+            for program in reversed(installed):  # the engine removes a program only once installed
+                program.remove()
+            raise
+
+    def optimizer_spec(self, spec: OptimizerSpec) -> OptimizerSpec:
+        for program in self.programs:
+            spec = program.optimizer_spec(spec)
+        return spec
+
+    def remove(self) -> None:
+        for program in reversed(self.programs):
+            program.remove()
+        super().remove()
 
 
 def coalesced_chunks(tensors: Sequence[torch.Tensor], limit: int) -> list[int]:

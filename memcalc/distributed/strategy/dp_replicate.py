@@ -48,7 +48,8 @@ class DpReplicate(RankStrategy):
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         mesh = self.distributed.mesh
-        others = sorted(set(mesh.used) - {"dp_replicate", "dp_shard"}) if mesh is not None else []
+        # HSDP around FSDP2 over tensor parallelism (tp's own check refuses tp without dp_shard)
+        others = sorted(set(mesh.used) - {"dp_replicate", "dp_shard", "tp"}) if mesh is not None else []
         if others:
             raise InapplicableOptionError(
                 f"dp_replicate={self.degree} with {', '.join(others)} is not modelled yet",

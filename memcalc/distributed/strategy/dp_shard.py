@@ -3,7 +3,9 @@
 gradients and optimizer state, plus the all-gather and reduce-scatter buffers of the units in
 flight. Under ``amp-bf16`` / ``amp-fp16`` it is ``MixedPrecisionPolicy(param_dtype=16-bit,
 reduce_dtype=float32)``: the gathered parameters are 16-bit and the model computes in them
-without autocast."""
+without autocast. After tensor parallelism (``--mesh dp_shard=N,tp=M``) its program is stacked
+on tp's: FSDP2 shards each rank's local DTensor shard, as torchtitan's ``fully_shard`` over the
+dp_shard sub-mesh does."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from memcalc.core.report import Shard
 from memcalc.distributed.collectives import Collective, ModelFacts, group_span, ring_bytes
 from memcalc.distributed.fsdp import ShardedProgram, fsdp_units
 from memcalc.distributed.mesh import Mesh
-from memcalc.distributed.program import RankProgram
+from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, every_rank, register, sharding
 from memcalc.distributed.vocabulary import FsdpSharding, Strategy
 from memcalc.engine.model import ResolvedModel
@@ -75,7 +77,10 @@ class DpShard(RankStrategy):
             roles = tuple(replace(role, sharding=sharding(role.sharding, shard)) for role in plan.roles)
             return replace(plan, roles=roles)
         fsdp, notes = fsdp_program(self.distributed.sharding, step, self.degree)
-        roles = tuple(replace(role, program=fsdp, sharding=sharding(role.sharding, shard)) for role in plan.roles)
+        roles = tuple(replace(role, program=fsdp if role.program is None else _stacked(role.program, fsdp),
+                              sharding=sharding(role.sharding, shard)) for role in plan.roles)
+        if any(role.program is not None for role in plan.roles):
+            notes[0] += " of each rank's tensor-parallel DTensor shards (dim 0 of the local shard)"
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
 
@@ -103,6 +108,17 @@ def fsdp_program(sharding_: FsdpSharding, step: Step,
                               reduce_dtype=torch.float32 if mixed else None, training=training, cpu=cpu)
 
     return fsdp, notes
+
+
+def _stacked(inner: Callable[[ResolvedModel], RankProgram],
+             fsdp: Callable[[ResolvedModel], RankProgram]) -> Callable[[ResolvedModel], RankProgram]:
+    """FSDP2 over the program a dimension before it gave the role (tensor parallelism's
+    ``parallelize_module``), as torchtitan applies ``fully_shard`` after it."""
+
+    def program(resolved: ResolvedModel) -> RankProgram:
+        return StackedProgram(inner(resolved), fsdp(resolved))
+
+    return program
 
 
 def _dtype(dtype: torch.dtype) -> str:

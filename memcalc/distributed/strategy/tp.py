@@ -9,9 +9,13 @@ it is traced; when a planned dimension (or the sequence, under sequence parallel
 divide by the degree, the last rank holds less and is traced as a role of its own. The ranks
 between hold at most rank 0's shards (``torch.chunk``'s sizes never grow) and are counted with it.
 
-With another mesh dimension (FSDP2 over the tp sub-mesh's DTensors, torchtitan's 2-D
-composition) tp is refused by name: that composition is not modelled yet, and tracing one of
-them alone would be a silent wrong answer.
+With ``dp_shard`` (and HSDP's ``dp_replicate`` around it) tp composes as torchtitan composes it:
+``parallelize_module`` on the tp sub-mesh, then FSDP2 over the dp_shard sub-mesh of the resulting
+DTensor parameters (:class:`~memcalc.distributed.program.StackedProgram`; dp_shard's file stacks
+its program on this one): FSDP2 shards each rank's local tp shard on dim 0 and all-gathers it
+back, so a rank holds 1/(dp_shard·tp) of the planned parameters. Checked against real 4-process
+gloo runs on a 2×2 mesh (tests/test_gloo_fsdp_tp.py). With any other dimension (pp, cp, ep,
+dp_replicate alone) tp is refused by name: tracing one dimension alone would understate a rank.
 """
 
 from __future__ import annotations
@@ -41,21 +45,16 @@ class TensorParallelDimension(RankStrategy):
     options = frozenset({"tp_plan", "loss_parallel"})
 
     def plan(self, plan: Plan, step: Step) -> Plan:
-        mesh = self.distributed.mesh
-        others = sorted(set(mesh.used) - {"tp"}) if mesh is not None else []
-        if others:
-            listed = ", ".join(f"{name}={mesh.used[name]}" for name in others) if mesh is not None else ""
-            raise InapplicableOptionError(
-                f"tp={self.degree} with {listed} is not modelled yet: torchtitan's composition (FSDP2 fully_shard "
-                f"over the tp sub-mesh's DTensor parameters) is not traced by memcalc, and tracing one dimension "
-                f"alone would understate a rank",
-                hint=f"Estimate tp={self.degree} alone (--mesh tp={self.degree}), or the data-parallel dimensions "
-                     f"without tp.")
+        self._refuse_others()
         plan = every_rank(plan, self.distributed)
         n = self.degree
         strings = dict(self.distributed.tp_plan) if self.distributed.tp_plan is not None else None
         loss_parallel = self.distributed.loss_parallel
-        impl = resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
+        # under FSDP2 every parameter becomes a DTensor (the ones the plan leaves plain, on the dp_shard
+        # mesh): foreach and fused optimizers step them all, so nothing is refused
+        mesh = self.distributed.mesh
+        composed = mesh is not None and mesh.dp_shard > 1
+        impl = None if composed else resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
         shard = Shard(MODEL_STATES, self.name, n)
         roles: list[Role] = []
         notes: list[str] = []
@@ -73,6 +72,23 @@ class TensorParallelDimension(RankStrategy):
                 notes.append(f"an uneven tensor-parallel split: tp ranks 1 to {n - 2} hold at most rank 0's shards "
                              f"(torch.chunk) and are counted as rank 0")
         return replace(plan, roles=tuple(roles), notes=(*plan.notes, *notes))
+
+    def _refuse_others(self) -> None:
+        """Refuse the dimensions tp does not compose with yet: all but dp_shard, and HSDP's
+        dp_replicate around dp_shard."""
+        mesh = self.distributed.mesh
+        if mesh is None:
+            return
+        composes = {"tp", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp"}
+        others = sorted(set(mesh.used) - composes)
+        if not others:
+            return
+        listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
+        raise InapplicableOptionError(
+            f"tp={self.degree} with {listed} is not modelled yet: memcalc composes tensor parallelism with FSDP2 "
+            f"(dp_shard, and HSDP's dp_replicate around it) only, and tracing one dimension alone would understate "
+            f"a rank",
+            hint=f"Estimate tp={self.degree} alone or with dp_shard (--mesh dp_shard=N,tp={self.degree}).")
 
     def _uneven(self, step: Step, batch: int, strings: dict[str, str] | None, loss_parallel: bool) -> bool:
         """Whether the ranks' shards differ in shape: a dimension a planned style shards that does
