@@ -158,3 +158,25 @@ def test_cli_ep_routing(tiny: str) -> None:
     assert "worst-case routing" in result.output
     refused = CliRunner().invoke(main, ["mlp", "--capacity-factor", "1.25"])
     assert refused.exit_code == 2 and "--capacity-factor applies only to the mesh dimension ep" in refused.output
+
+
+# ---- the zoo's four MoE architectures -----------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.quick_cases("qwen3_moe")
+def test_every_moe_architecture_shards_its_experts(tmp_path: Path, arch: str) -> None:
+    # transformers' own ep_plan for each: the experts' weights (gpt-oss: and their biases) halved at
+    # ep=2, the rest (DeepSeek-V3's shared expert and dense first layer included) whole
+    from test_moe import TINY
+
+    from memcalc.sources.resolve import resolve
+
+    source = hf_config_source(tmp_path, TINY[arch])
+    module = resolve(source, batch_size=1, seq_len=8).module
+    total = sum(p.numel() for p in module.parameters())
+    experts = sum(p.numel() for name, p in module.named_parameters() if ".mlp.experts." in name)
+    assert 0 < experts < total
+    report = memcalc.estimate(source, batch_size=2, seq_len=16, optimizer="adamw", gpu="cpu",
+                              distributed=memcalc.Distributed(ep=2))
+    (role,) = report.roles
+    assert role.report.bytes.parameters == 4 * (total - experts // 2)
