@@ -151,11 +151,13 @@ def test_routing_without_ep_is_refused() -> None:
 
 # ---- the command line -------------------------------------------------------------------------------
 
-def test_cli_ep_routing(tiny: str) -> None:
-    result = CliRunner().invoke(main, [tiny, "--mesh", "ep=2", "--batch", "2", "--seq-len", "16", "--gpu", "cpu",
-                                       "--routing", "worst"])
+def test_cli_ep_routing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, golden: Any) -> None:
+    hf_config_source(tmp_path, TINY_MIXTRAL)
+    monkeypatch.chdir(tmp_path)  # the model's name, hf:config.json, the same on every run
+    result = CliRunner().invoke(main, ["hf:config.json", "--mesh", "ep=2", "--batch", "2", "--seq-len", "16",
+                                       "--gpu", "h100-80gb", "--routing", "worst", "--depth", "0"])
     assert result.exit_code == 0, result.output
-    assert "worst-case routing" in result.output
+    golden(result.output)  # the per-rank row (experts /2 (ep)), and the routing assumed, stated
     refused = CliRunner().invoke(main, ["mlp", "--capacity-factor", "1.25"])
     assert refused.exit_code == 2 and "--capacity-factor applies only to the mesh dimension ep" in refused.output
 

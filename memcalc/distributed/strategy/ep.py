@@ -37,6 +37,7 @@ from torch import nn
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.finetune import FineTune
+from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
@@ -45,6 +46,7 @@ from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.trace import StorageTracer
+from memcalc.stacks.transformers.reads import routing_notes
 
 __all__ = ("ExpertParallel", "ExpertParallelDimension", "dispatch_rows")
 
@@ -207,6 +209,14 @@ class ExpertParallelDimension(RankStrategy):
             "ep with --lora, --freeze or --quant is not estimated: transformers shards the experts' weights as "
             "DTensors, which memcalc models for full training only",
             hint="Estimate full training under ep, or the fine-tuning without ep.")
+
+    def prepare(self, resolved: ResolvedModel, trace_precision: Precision) -> ResolvedModel:
+        """The model's single-GPU routing note (balanced) left out where ep assumes another: the
+        plan's note states the routing of the step."""
+        if self.distributed.routing is Routing.BALANCED:
+            return resolved
+        stale = set(routing_notes(resolved.module))
+        return replace(resolved, notes=tuple(note for note in resolved.notes if note not in stale))
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         mesh = self.distributed.mesh
