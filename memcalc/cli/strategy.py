@@ -1,7 +1,8 @@
 """The multi-GPU options of ``memcalc MODEL`` (and of any command that estimates a step):
 ``--strategy``, ``--mesh``, ``--world-size``, ``--device-ids``, ``--global-batch/--per-rank-batch``,
 ``--bucket-cap-mb``, ``--gradient-as-bucket-view``, ``--fsdp-sharding``, ``--reduce-bucket-size``,
-``--pp-schedule``, ``--microbatches``, ``--pp-split``, ``--tp-plan``, ``--loss-parallel``.
+``--pp-schedule``, ``--microbatches``, ``--pp-split``, ``--tp-plan``, ``--loss-parallel``, ``--routing``,
+``--capacity-factor``.
 :func:`strategy_options` adds them to a click command;
 :func:`strategy_arguments` checks them (bad combinations are usage errors) and returns the
 :class:`memcalc.Distributed` setting as :func:`memcalc.estimate`'s ``distributed`` keyword —
@@ -23,6 +24,7 @@ from memcalc.distributed.options import (
     DEFAULT_BUCKET_CAP_MB,
     Distributed,
     FsdpSharding,
+    Routing,
     Strategy,
     inapplicable_option,
 )
@@ -146,6 +148,13 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--loss-parallel", is_flag=True,
                      help="tp: keep the logits sharded over the vocabulary and compute the loss under torch's "
                           "loss_parallel() (torchtitan's Llama plan only)."),
+        click.option("--routing", type=click.Choice([r.value for r in Routing if r is not Routing.CAPACITY]),
+                     default=Routing.BALANCED.value, show_default=True,
+                     help="ep: the tokens' split over the experts, which is data: balanced (every expert its "
+                          "share), or worst (every rank sends the traced rank's experts all it can)."),
+        click.option("--capacity-factor", type=click.FloatRange(min=1), default=None, metavar="F",
+                     help="ep: assume each expert receives F times its balanced share from every rank "
+                          "(GShard's capacity factor, e.g. 1.25)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -156,7 +165,8 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
 _STRATEGY_ONLY = {"bucket_cap_mb": "bucket_cap_mb", "gradient_as_bucket_view": "gradient_as_bucket_view",
                   "fsdp_sharding": "sharding", "reduce_bucket_size": "reduce_bucket_size",
                   "global_batch": "batch_is_global", "pp_schedule": "pp_schedule", "microbatches": "microbatches",
-                  "pp_split": "pp_split", "tp_plan": "tp_plan", "loss_parallel": "loss_parallel"}
+                  "pp_split": "pp_split", "tp_plan": "tp_plan", "loss_parallel": "loss_parallel",
+                  "routing": "routing", "capacity_factor": "capacity_factor"}
 
 
 def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tuple[int, ...] | None,
@@ -164,6 +174,7 @@ def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tup
                        fsdp_sharding: str, reduce_bucket_size: int, mesh: dict[str, int] | None = None,
                        pp_schedule: str | None = None, microbatches: int | None = None, pp_split: str | None = None,
                        tp_plan: dict[str, str] | None = None, loss_parallel: bool = False,
+                       routing: str = Routing.BALANCED.value, capacity_factor: float | None = None,
                        measure: bool = False) -> dict[str, Any]:
     """The options as :func:`memcalc.estimate`'s ``distributed`` keyword (none for a single
     GPU); a usage error for combinations that make no sense (``--mesh`` with a ``--strategy``
@@ -188,7 +199,8 @@ def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tup
                                   reduce_bucket_size=reduce_bucket_size if "reduce_bucket_size" in explicit else None,
                                   mesh=mesh, pp_schedule=pp_schedule, microbatches=microbatches,
                                   pp_split=None if pp_split is None else [n for n in pp_split.split(",") if n.strip()],
-                                  tp_plan=tp_plan, loss_parallel=loss_parallel)
+                                  tp_plan=tp_plan, loss_parallel=loss_parallel,
+                                  routing=routing if "routing" in explicit else None, capacity_factor=capacity_factor)
     except InvalidInputError as exc:
         raise click.UsageError(str(exc)) from None
     if distributed.is_single:

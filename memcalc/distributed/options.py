@@ -22,6 +22,7 @@ from memcalc.distributed.vocabulary import (
     DEEPSPEED_REDUCE_BUCKET_SIZE,
     DEFAULT_BUCKET_CAP_MB,
     FsdpSharding,
+    Routing,
     Strategy,
     dp_chunks,
 )
@@ -31,6 +32,7 @@ __all__ = (
     "DEFAULT_BUCKET_CAP_MB",
     "Distributed",
     "FsdpSharding",
+    "Routing",
     "Strategy",
     "dp_chunks",
     "inapplicable_option",
@@ -66,14 +68,19 @@ class Distributed:
         sharding: ``fsdp`` / ``dp_shard``: ``full_shard`` (the default) or ``shard_grad_op``.
         reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
         dp_replicate, dp_shard, tp, pp, cp, ep: the mesh's degrees (torchtitan's names; 1 or
-            None: not used). A dimension that is not modelled yet (ep), or a composition that
-            is not (tp with anything but dp_shard), is accepted here and refused by the
-            estimate, by name.
+            None: not used). A dimension without a strategy file, or a composition that is not
+            modelled (tp with anything but dp_shard; pp or ep with another dimension), is
+            accepted here and refused by the estimate, by name.
         tp_plan: ``tp``: the tensor-parallel plan, module-name pattern → transformers style string
             (``{"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}``); None: the model's own
             (a Hugging Face ``tp_plan``, or torchtitan's for the zoo's Llama family).
         loss_parallel: ``tp``: keep the logits sharded over the vocabulary and compute the loss
             under torch's ``loss_parallel()`` (torchtitan's Llama plan only).
+        routing: ``ep``: what the tokens' split over the experts is assumed to be, the router's
+            choice being data: ``balanced`` (the default), ``worst`` (every rank sends the traced
+            rank's experts all it can), or ``capacity`` (give ``capacity_factor``).
+        capacity_factor: ``ep``: each expert receives this many times its balanced share from
+            every rank (GShard's capacity factor, e.g. 1.25); implies ``routing="capacity"``.
         mesh: the same degrees as one mapping (``{"dp_shard": 8, "tp": 4}``) or a
             :class:`~memcalc.distributed.mesh.Mesh`.
 
@@ -100,6 +107,9 @@ class Distributed:
     #: ``tp``'s plan as (pattern, style string) pairs, in the user's order; None: the model's own.
     tp_plan: tuple[tuple[str, str], ...] | None
     loss_parallel: bool
+    #: ``ep``: the routing assumed, and the capacity factor under ``capacity`` (else None).
+    routing: Routing
+    capacity_factor: float | None
 
     def __init__(self, strategy: Strategy | str = Strategy.SINGLE, *, world_size: int | None = None,
                  device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
@@ -110,7 +120,8 @@ class Distributed:
                  mesh: Mesh | Mapping[str, int] | None = None, pp_schedule: str | None = None,
                  microbatches: int | None = None, pp_split: Sequence[str] | None = None,
                  tp_plan: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
-                 loss_parallel: bool = False) -> None:
+                 loss_parallel: bool = False, routing: Routing | str | None = None,
+                 capacity_factor: float | None = None) -> None:
         strategy_ = parse_choice(Strategy, strategy, "strategy")
         sharding_ = FsdpSharding.FULL_SHARD if sharding is None else parse_choice(FsdpSharding, sharding,
                                                                                  "FSDP sharding")
@@ -129,11 +140,13 @@ class Distributed:
         elif strategy_ is Strategy.MESH:
             raise InvalidInputError("a mesh is given by its degrees, not by strategy='mesh'",
                                     hint="e.g. Distributed(dp_shard=8, tp=4) (--mesh dp_shard=8,tp=4)")
+        routing_, factor = _checked_routing(routing, capacity_factor)
         _refuse_inapplicable(strategy_, mesh_, bucket_cap_mb=bucket_cap_mb,
                              gradient_as_bucket_view=gradient_as_bucket_view, sharding=sharding_,
                              reduce_bucket_size=reduce_bucket_size, batch_is_global=batch_is_global,
                              pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split,
-                             tp_plan=_checked_tp_plan(tp_plan), loss_parallel=loss_parallel)
+                             tp_plan=_checked_tp_plan(tp_plan), loss_parallel=loss_parallel,
+                             routing=routing_, capacity_factor=factor)
         ids = _device_ids(device_ids, strategy_)
         if mesh_ is None:
             world, mesh_ = _shorthand(strategy_, world_size, ids)
@@ -147,7 +160,8 @@ class Distributed:
                   "gradient_as_bucket_view": bool(gradient_as_bucket_view), "sharding": sharding_,
                   "reduce_bucket_size": bucket, "mesh": mesh_, "pp_schedule": _checked_schedule(pp_schedule),
                   "microbatches": _checked_microbatches(microbatches), "pp_split": _checked_split(pp_split),
-                  "tp_plan": _checked_tp_plan(tp_plan), "loss_parallel": bool(loss_parallel)}
+                  "tp_plan": _checked_tp_plan(tp_plan), "loss_parallel": bool(loss_parallel),
+                  "routing": routing_, "capacity_factor": factor}
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -158,11 +172,12 @@ class Distributed:
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks the global batch is split over: the mesh's ``dp_replicate × dp_shard``, or
-        every GPU of a strategy that is not a mesh."""
+        """The ranks the global batch is split over: the mesh's ``dp_replicate × dp_shard × ep``
+        (each expert-parallel rank runs a batch of its own), or every GPU of a strategy that is not
+        a mesh."""
         if self.mesh is None:
             return self.world_size
-        return self.mesh.dp_replicate * self.mesh.dp_shard
+        return self.mesh.dp_replicate * self.mesh.dp_shard * self.mesh.ep
 
     def per_rank_batch(self, batch: int) -> int:
         """The batch one rank's model sees (DDP, FSDP, ZeRO, a mesh)."""
@@ -170,7 +185,7 @@ class Distributed:
             return batch
         n = self.data_parallel_size
         if batch % n:
-            ranks = "ranks" if n == self.world_size else "data-parallel ranks (dp_replicate × dp_shard)"
+            ranks = "ranks" if n == self.world_size else "data-parallel ranks (dp_replicate × dp_shard × ep)"
             raise InvalidInputError(
                 f"a global batch of {batch} does not split evenly over {n} {ranks}",
                 hint=f"give a multiple of {n}, or the per-GPU batch (--per-rank-batch)")
@@ -275,6 +290,8 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, object]] = {
     "pp_split": ("--pp-split", None),
     "tp_plan": ("--tp-plan", None),
     "loss_parallel": ("--loss-parallel", False),
+    "routing": ("--routing", Routing.BALANCED),
+    "capacity_factor": ("--capacity-factor", None),
 }
 
 
@@ -329,6 +346,26 @@ def _refuse_inapplicable(strategy: Strategy, mesh: Mesh | None, **values: object
     message = inapplicable_option(strategy, given, mesh=mesh)
     if message is not None:
         raise InapplicableOptionError(message)
+
+
+def _checked_routing(routing: object, capacity_factor: object) -> tuple[Routing, float | None]:
+    """The routing assumption and its capacity factor (a finite number, at least 1): a factor
+    given means ``capacity``; ``capacity`` needs one; ``balanced`` or ``worst`` take none."""
+    routing_ = None if routing is None else parse_choice(Routing, routing, "routing")
+    if capacity_factor is None:
+        if routing_ is Routing.CAPACITY:
+            raise InvalidInputError("routing='capacity' needs its capacity factor",
+                                    hint="e.g. capacity_factor=1.25 (--capacity-factor 1.25)")
+        return routing_ or Routing.BALANCED, None
+    if routing_ not in (None, Routing.CAPACITY):
+        raise InvalidInputError(f"capacity_factor goes with routing='capacity', not {routing_.value!r}",
+                                hint="give one of them")
+    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
+            or not math.isfinite(float(capacity_factor)) or float(capacity_factor) < 1):
+        raise InvalidInputError(f"capacity_factor (--capacity-factor) is how many times its balanced share an "
+                                f"expert receives: a number, at least 1; got {capacity_factor!r}",
+                                hint="e.g. 1.25 (Switch Transformer's training value)")
+    return Routing.CAPACITY, float(capacity_factor)
 
 
 def _checked_tp_plan(plan: object) -> tuple[tuple[str, str], ...] | None:

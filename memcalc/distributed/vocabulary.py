@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import math
 
-__all__ = ("DEEPSPEED_REDUCE_BUCKET_SIZE", "DEFAULT_BUCKET_CAP_MB", "FsdpSharding", "Strategy", "dp_chunks")
+__all__ = ("DEEPSPEED_REDUCE_BUCKET_SIZE", "DEFAULT_BUCKET_CAP_MB", "FsdpSharding", "Routing", "Strategy", "dp_chunks")
 
 #: torch.nn.parallel.DistributedDataParallel: ``bucket_cap_mb=None`` means 25 (MiB).
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -46,6 +46,17 @@ class FsdpSharding(str, enum.Enum):
 
     FULL_SHARD = "full_shard"
     SHARD_GRAD_OP = "shard_grad_op"
+
+
+class Routing(str, enum.Enum):
+    """What expert parallelism assumes of the router's data-dependent split (the tokens each rank's
+    experts receive): ``balanced``, every expert an equal share; ``capacity``, the traced rank's
+    experts full to ``capacity_factor`` times their share from every rank; ``worst``, every rank
+    sends the traced rank's experts all the pairs it can (each token picks distinct experts)."""
+
+    BALANCED = "balanced"
+    CAPACITY = "capacity"
+    WORST = "worst"
 
 
 def dp_chunks(global_batch: int, world_size: int) -> list[int]:

@@ -40,17 +40,22 @@ Op: TypeAlias = "OpOverload[..., Any]"
 #: Called after every op with ``(func, args, kwargs, out)``.
 AfterOpHook: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any], Any], None]
 #: The value of a one-element tensor the code reads (None: not known without data); asked about
-#: ``nonzero``'s input, the number of its nonzero elements (the rows of the result).
-ReadOracle: TypeAlias = Callable[[torch.Tensor], "bool | int | float | None"]
+#: ``nonzero``'s input, the number of its nonzero elements (the rows of the result); asked about a
+#: copy to the host (``.tolist()``, ``.cpu()``), the host tensor the estimated run would copy.
+ReadOracle: TypeAlias = Callable[[torch.Tensor], "bool | int | float | torch.Tensor | None"]
 #: The op behind ``.item()``, ``bool()`` and ``if`` on a tensor.
 _READ_VALUE: Final = torch.ops.aten._local_scalar_dense.default
 #: The op behind ``nonzero``, ``argwhere`` and one-argument ``torch.where``: a row per nonzero element.
 _NONZERO: Final = torch.ops.aten.nonzero.default
+#: The op behind ``.tolist()`` and ``.cpu()``: a copy to the host, which a meta tensor cannot give.
+_TO_COPY: Final = torch.ops.aten._to_copy.default
 #: Ops whose real kernel hands back its argument's memory (the position given) but whose meta
 #: kernel allocates: the tracer runs them as a view. ``_c10d_functional::_wrap_tensor_autograd``
-#: wraps a collective's output in an AsyncCollectiveTensor; its fake kernel is ``empty_like``
-#: (torch/distributed/_functional_collectives.py).
-_SAME_MEMORY: Final[Mapping[str, int]] = {"_c10d_functional::_wrap_tensor_autograd": 0}
+#: wraps a collective's output in an AsyncCollectiveTensor, and ``_c10d_functional::wait_tensor``
+#: waits on it and returns it (the C++ kernel hands back its input); both fake kernels are
+#: ``empty_like`` (torch/distributed/_functional_collectives.py).
+_SAME_MEMORY: Final[Mapping[str, int]] = {"_c10d_functional::_wrap_tensor_autograd": 0,
+                                          "_c10d_functional::wait_tensor": 0}
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -180,6 +185,10 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 rows = self.read_values(args[0])
                 if isinstance(rows, int) and not isinstance(rows, bool):  # the count the estimated run finds
                     return torch.empty((rows, args[0].dim()), dtype=torch.long, device=args[0].device)
+            if func is _TO_COPY and self.read_values is not None and _to_host(kwargs):
+                host = self.read_values(args[0])
+                if isinstance(host, torch.Tensor):  # the values the estimated run copies to the host
+                    return host
             raise symbolic_execution_error(str(func), self.modules.current, self.phase.value, exc) from exc
 
     def _see(self, out: Any) -> None:
@@ -352,7 +361,7 @@ class MetaKernelCache:
             self.hits += 1
             return shortcut
         plan = self._plan(func)
-        if plan is None:
+        if plan is None or (func is _TO_COPY and _to_host(kwargs)):  # a copy to the host holds values
             return compute(func, args, kwargs)
         key = self._key(func, args, kwargs)
         if key is None:
@@ -686,3 +695,9 @@ def tensors_of(value: Any) -> Iterator[torch.Tensor]:
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
     return next(tensors_of(output), None)
+
+
+def _to_host(kwargs: dict[str, Any]) -> bool:
+    """Whether ``aten._to_copy``'s keywords move a tensor to the host (``.tolist()``, ``.cpu()``)."""
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "cpu"

@@ -32,7 +32,7 @@ from memcalc.core.report import MemoryReport, Shard
 from memcalc.distributed.collectives import Collective, ModelFacts
 from memcalc.distributed.mesh import DIMENSION_NAMES, Mesh
 from memcalc.distributed.program import RankProgram
-from memcalc.distributed.vocabulary import FsdpSharding, Strategy
+from memcalc.distributed.vocabulary import FsdpSharding, Routing, Strategy
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory
@@ -76,6 +76,10 @@ class Setting(Protocol):
     def tp_plan(self) -> tuple[tuple[str, str], ...] | None: ...
     @property
     def loss_parallel(self) -> bool: ...
+    @property
+    def routing(self) -> Routing: ...
+    @property
+    def capacity_factor(self) -> float | None: ...
     @property
     def data_parallel_size(self) -> int: ...
     def per_rank_batch(self, batch: int) -> int: ...

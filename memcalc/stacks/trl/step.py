@@ -341,7 +341,7 @@ def _reads(model_reads: ReadsFn | None, packed: bool) -> ReadsFn:
     def reads(mode: Mode, new_tokens: int | None) -> ReadOracle:
         inner = model_reads(mode, new_tokens) if model_reads is not None else None
 
-        def oracle(tensor: torch.Tensor) -> bool | int | float | None:
+        def oracle(tensor: torch.Tensor) -> bool | int | float | torch.Tensor | None:
             library, function = _innermost_library()
             if library == "trl":
                 return 1 if not tensor.dtype.is_floating_point else 1.0

@@ -1,0 +1,135 @@
+"""Real expert-parallel training steps on processes over gloo, each rank's peak read from the
+profiler: the reference for memcalc's per-rank ``ep`` estimate on the CPU target
+(tests/test_gloo_ep.py).
+
+Each rank builds the same tiny transformers MoE model with real weights (memcalc's own
+preparation of the step, :mod:`memcalc.measure.step`, as ``--measure`` runs it on the CPU), applies
+transformers' ``apply_expert_parallelism`` with its ``AllToAllEP`` over a real gloo
+``(ep, tp=1)`` device mesh — the code memcalc runs over its fake process group — and runs memcalc's
+step (two iterations, the model's own loss, Adam) under ``torch.profiler``, repeated until the
+trace is complete, as tests/gloo_runs.py measures DDP and FSDP2.
+
+The routing is made what memcalc assumes, for real: a forward hook on every router overwrites its
+top-k indices in place (no allocation; the pattern is made in the warm-up step) so that pair
+``p = token · k + slot`` goes to expert ``p mod spread``. ``spread = E`` sends every expert exactly
+its share when ``E`` divides ``tokens · k`` (a token's ``k`` experts distinct while ``k <= E``): the
+balanced routing; ``spread = E/ep`` sends every pair of every rank to rank 0's experts (while
+``k <= E/ep``): the worst case, for rank 0.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from gloo_runs import MAX_ATTEMPTS, GlooRunError, RankPeak, _net_bytes
+from torch import nn
+from torch.multiprocessing.spawn import ProcessException
+
+
+def run_ep(source: str, kwargs: dict[str, Any], work_dir: Path, *, world_size: int = 2, spread: int | None = None,
+           timeout_s: float = 300.0) -> list[RankPeak]:
+    """The step of ``memcalc.estimate(source, **kwargs)`` run for real on ``world_size`` ranks
+    with the experts split over them, pairs routed to ``spread`` experts (None: all; module
+    docstring); each rank's peak.
+
+    Raises:
+        GlooRunError: a process failed or ran past ``timeout_s``.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    context = mp.start_processes(_worker, args=(world_size, store.port, source, kwargs, spread, str(work_dir)),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise GlooRunError(f"the gloo runs took more than {timeout_s:.0f} s")
+    except ProcessException as error:
+        raise GlooRunError(f"a rank failed:\n{error}") from error
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    return [RankPeak(**json.loads((work_dir / f"ep-rank{rank}.json").read_text())) for rank in range(world_size)]
+
+
+def _worker(rank: int, world_size: int, port: int, source: str, kwargs: dict[str, Any], spread: int | None,
+            work_dir: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        result = _run(source, kwargs, world_size, spread)
+    finally:
+        dist.destroy_process_group()
+    (Path(work_dir) / f"ep-rank{rank}.json").write_text(json.dumps(result.__dict__))
+
+
+def route(model: nn.Module, spread: int | None = None) -> int:
+    """Make every router of ``model`` send pair ``token · k + slot`` to expert ``(token · k + slot) mod
+    spread`` (None: E; module docstring); returns the routers hooked."""
+    hooked = 0
+    for module in model.modules():
+        top_k, experts = getattr(module, "top_k", None), getattr(module, "num_experts", None)
+        if type(module).__name__.endswith("TopKRouter") and isinstance(top_k, int) and isinstance(experts, int):
+            patterns: dict[tuple[int, ...], torch.Tensor] = {}  # made in the warm-up step, not the measured one
+
+            def hook(_module: nn.Module, _args: Any, output: Any, experts: int = spread or experts,
+                     patterns: dict[tuple[int, ...], torch.Tensor] = patterns) -> None:
+                indices = output[-1]
+                shape = tuple(indices.shape)
+                if shape not in patterns:
+                    patterns[shape] = torch.arange(indices.numel()).remainder_(experts).view(shape)
+                # .data: topk's backward saved these indices; its version counter is left alone
+                indices.data.copy_(patterns[shape])
+
+            module.register_forward_hook(hook)
+            hooked += 1
+    return hooked
+
+
+def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | None) -> RankPeak:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    from memcalc.engine.step import run_step
+    from memcalc.fields import build_step
+    from memcalc.measure.step import _config, _prepare, _profiler_peak, _resolve, storage_bytes
+
+    torch.manual_seed(0)
+    step = build_step(source, gpu="cpu", **kwargs)
+    resolved = _resolve(step)
+    module, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("ep", "tp"))
+    plan = module._expand_parallel_plan(dict(module.ep_plan))
+    apply_expert_parallelism(module, mesh["ep"], mesh["tp"], plan, ep_implementation="all_to_all")
+    assert route(module, spread) > 0
+    config = _config(resolved, step, torch.device("cpu"))
+    run_step(module, inputs, config)  # the warm-up
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+    before = storage_bytes([*local, *module.buffers(), *inputs])
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    result = None
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run_step(module, inputs, config)
+            gc.collect()
+        if _net_bytes(prof) == 0 and result is None:
+            result = RankPeak(before + _profiler_peak(prof), 4 * len(trainable), attempt)
+        missing = torch.tensor([0 if result is not None else 1])
+        dist.all_reduce(missing)
+        if int(missing) == 0:
+            break
+    if result is None:
+        raise GlooRunError(f"no complete trace in {MAX_ATTEMPTS} steps")
+    return result

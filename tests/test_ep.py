@@ -1,0 +1,184 @@
+"""Expert parallelism (``ep``, issue 33 item 5): transformers' own ``apply_expert_parallelism`` with
+its ``AllToAllEP`` over a fake process group (:mod:`memcalc.distributed.strategy.ep`).
+
+Three layers: the routing's split sizes and a tiny Mixtral's per-rank model states and all-to-all
+buffers worked out by hand; the refusals and the CLI; a real two-process gloo run with the experts
+split over the ranks (tests/test_gloo_ep.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from support import hf_config_source
+
+import memcalc
+from memcalc.cli import main
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.distributed.strategy.ep import ExpertParallel, dispatch_rows
+from memcalc.distributed.vocabulary import Routing
+from memcalc.fields import build_step
+from memcalc.targets.backend import trace_step
+
+pytest.importorskip("transformers")
+
+#: A tiny Mixtral: 2 layers, d 64, 4 experts of SwiGLU 128, top-2 (tests/test_moe.py's).
+TINY_MIXTRAL: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 128}
+#: Its parameters: 254,784 (tests/test_moe.py works them out), of which experts 2 layers · 4 · (2·128·64 + 64·128).
+PARAMETERS = 254_784
+EXPERT = 2 * 128 * 64 + 64 * 128  # one expert's gate_up_proj and down_proj: 24,576
+EXPERTS = 2 * 4 * EXPERT  # 196,608
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> str:
+    return hf_config_source(tmp_path, TINY_MIXTRAL)
+
+
+# ---- the split sizes, by hand ---------------------------------------------------------------------
+
+def test_balanced_split_by_hand() -> None:
+    # 32 tokens · top-2 = 64 pairs over 4 experts: 16 each; ep=2 owns 2 experts per rank
+    assert dispatch_rows(32, 2, 4, 2, 0, Routing.BALANCED) == ([32, 32], [32, 32])
+    assert dispatch_rows(32, 2, 4, 4, 3, Routing.BALANCED) == ([16] * 4, [16] * 4)
+    # 5 tokens · 2 = 10 pairs: experts get 3, 3, 2, 2; rank 0 (experts 0, 1) receives 6 from each, rank 1 4
+    assert dispatch_rows(5, 2, 4, 2, 0, Routing.BALANCED) == ([6, 4], [6, 6])
+    assert dispatch_rows(5, 2, 4, 2, 1, Routing.BALANCED) == ([6, 4], [4, 4])
+
+
+def test_capacity_and_worst_split_by_hand() -> None:
+    # capacity 1.25: each expert ceil(1.25 · 64 / 4) = 20 pairs from every rank, 2 experts: 40; rank 0
+    # sends its own 40 to itself and the other 24 to rank 1
+    assert dispatch_rows(32, 2, 4, 2, 0, Routing.CAPACITY, 1.25) == ([40, 24], [40, 40])
+    # worst, ep=2: a token's 2 experts can both be rank 0's: every rank sends it all 64 pairs
+    assert dispatch_rows(32, 2, 4, 2, 0, Routing.WORST) == ([64, 0], [64, 64])
+    # worst, ep=4 (1 expert per rank): a token picks distinct experts, so at most 32 pairs to one rank;
+    # the other 32 of rank 0's pairs spread over ranks 1-3 as 11, 11, 10
+    assert dispatch_rows(32, 2, 4, 4, 0, Routing.WORST) == ([32, 11, 11, 10], [32] * 4)
+    # a capacity so large it is the worst case
+    assert dispatch_rows(32, 2, 4, 4, 0, Routing.CAPACITY, 8.0) == dispatch_rows(32, 2, 4, 4, 0, Routing.WORST)
+
+
+# ---- a tiny Mixtral per rank, by hand -------------------------------------------------------------
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_experts_model_states_per_rank_by_hand(tiny: str, ep: int) -> None:
+    # each rank holds 4/ep experts of each layer, the dense rest whole: fp32, Adam
+    # ep=2: 254,784 - 196,608 / 2 = 156,480 parameters; ep=4: 254,784 - 196,608 · 3/4 = 107,328
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu",
+                              distributed=memcalc.Distributed(ep=ep))
+    (role,) = report.roles
+    held = PARAMETERS - EXPERTS + EXPERTS // ep
+    assert held == {2: 156_480, 4: 107_328}[ep]
+    at_peak = role.report.bytes
+    assert (at_peak.parameters, at_peak.optimizer_state) == (4 * held, 8 * held)  # Adam: 2 moments
+    assert role.model_states == 16 * held  # at the optimizer step: weights, gradients, 2 moments
+    assert role.ranks == tuple(range(ep)) and report.global_batch_size == 2 * ep  # a batch of its own per rank
+    assert any("balanced routing" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("ep, routing, rows", [
+    # 2 · 16 = 32 tokens · top-2 = 64 pairs of d 64, fp32: 64 · 64 · 4 B = 16 KiB per all-to-all output;
+    # per layer the dispatch (rows received) and the combine (the rank's 64 rows back), and their two in
+    # backward: 2 layers · 4 = 8 outputs
+    (2, Routing.BALANCED, [64] * 8),
+    (4, Routing.BALANCED, [64] * 8),  # 16 pairs from each of 4 ranks: 64 received either way
+    # worst, ep=2: 2 · 64 = 128 rows received (forward dispatch, backward of the combine), 64 back
+    (2, Routing.WORST, [128, 64] * 4),
+])
+def test_all_to_all_buffers_by_hand(tiny: str, ep: int, routing: Routing, rows: list[int]) -> None:
+    step = build_step(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu")
+    resolved = step.resolved(batch_size=2)
+    traced = trace_step(resolved, step, hooks=ExpertParallel(ep, routing=routing))
+    trace = traced.trace
+    outputs = [trace.nbytes[uid] for uid, op in enumerate(trace.op) if op.startswith("_c10d_functional.")]
+    assert outputs == [r * 64 * 4 for r in rows]
+
+
+def test_worst_routing_holds_more_than_balanced(tiny: str) -> None:
+    kwargs: dict[str, Any] = dict(batch_size=4, seq_len=64, optimizer="sgd", gpu="cpu")
+    peaks = {routing: memcalc.estimate(tiny, distributed=memcalc.Distributed(ep=2, routing=routing),
+                                       **kwargs).roles[0].report.peak_requested for routing in ("balanced", "worst")}
+    capacity = memcalc.estimate(tiny, distributed=memcalc.Distributed(ep=2, capacity_factor=1.25), **kwargs)
+    assert peaks["balanced"] < capacity.roles[0].report.peak_requested < peaks["worst"]
+    assert any("capacity factor 1.25" in note for note in capacity.notes)
+
+
+# ---- refusals ---------------------------------------------------------------------------------------
+
+def test_ep_with_another_dimension_is_refused_by_name(tiny: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=r"ep=2 with dp_shard=2 is not modelled yet"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, dp_shard=2))
+
+
+def test_a_model_without_an_expert_plan_is_refused_by_name() -> None:
+    with pytest.raises(InapplicableOptionError, match="has no expert-parallel plan"):
+        memcalc.estimate("mlp", batch_size=2, distributed=memcalc.Distributed(ep=2))
+
+
+def test_experts_that_do_not_divide_are_refused(tiny: str) -> None:
+    with pytest.raises(InvalidInputError, match="Cannot evenly shard 4 experts across 3"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=3))
+
+
+def test_fine_tuning_under_ep_is_refused(tiny: str) -> None:
+    with pytest.raises(InapplicableOptionError, match="ep with --lora"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, finetune=memcalc.FineTune(lora=memcalc.LoRA(4)),
+                         distributed=memcalc.Distributed(ep=2))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(routing="capacity"), "needs its capacity factor"),
+    (dict(routing="worst", capacity_factor=1.5), "goes with routing='capacity'"),
+    (dict(capacity_factor=0.5), "at least 1"),
+    (dict(routing="skewed"), "routing"),
+])
+def test_routing_options_are_checked(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        memcalc.Distributed(ep=2, **kwargs)
+
+
+def test_routing_without_ep_is_refused() -> None:
+    with pytest.raises(InapplicableOptionError, match=r"routing \(--routing\) applies only to the mesh dimension ep"):
+        memcalc.Distributed(dp_shard=2, routing="worst")
+
+
+# ---- the command line -------------------------------------------------------------------------------
+
+def test_cli_ep_routing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, golden: Any) -> None:
+    hf_config_source(tmp_path, TINY_MIXTRAL)
+    monkeypatch.chdir(tmp_path)  # the model's name, hf:config.json, the same on every run
+    result = CliRunner().invoke(main, ["hf:config.json", "--mesh", "ep=2", "--batch", "2", "--seq-len", "16",
+                                       "--gpu", "h100-80gb", "--routing", "worst", "--depth", "0"])
+    assert result.exit_code == 0, result.output
+    golden(result.output)  # the per-rank row (experts /2 (ep)), and the routing assumed, stated
+    refused = CliRunner().invoke(main, ["mlp", "--capacity-factor", "1.25"])
+    assert refused.exit_code == 2 and "--capacity-factor applies only to the mesh dimension ep" in refused.output
+
+
+# ---- the zoo's four MoE architectures -----------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.quick_cases("qwen3_moe")
+def test_every_moe_architecture_shards_its_experts(tmp_path: Path, arch: str) -> None:
+    # transformers' own ep_plan for each: the experts' weights (gpt-oss: and their biases) halved at
+    # ep=2, the rest (DeepSeek-V3's shared expert and dense first layer included) whole
+    from test_moe import TINY
+
+    from memcalc.sources.resolve import resolve
+
+    source = hf_config_source(tmp_path, TINY[arch])
+    module = resolve(source, batch_size=1, seq_len=8).module
+    total = sum(p.numel() for p in module.parameters())
+    experts = sum(p.numel() for name, p in module.named_parameters() if ".mlp.experts." in name)
+    assert 0 < experts < total
+    report = memcalc.estimate(source, batch_size=2, seq_len=16, optimizer="adamw", gpu="cpu",
+                              distributed=memcalc.Distributed(ep=2))
+    (role,) = report.roles
+    assert role.report.bytes.parameters == 4 * (total - experts // 2)
