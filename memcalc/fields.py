@@ -339,11 +339,12 @@ _FIELDS = (
           help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
                "its CUDA context, and whether the step fits."),
     Field("checkpoint", _checkpointing, False, flag="--checkpoint",
-          cli=Flag("text", metavar="[full|selective-op|every:N]", bare="full"),
+          cli=Flag("text", metavar="[full|selective-op|every:N|auto]", bare="full"),
           help="Activation checkpointing of the blocks (zoo models with blocks, Hugging Face layers): full "
                "(also --checkpoint alone) every block; selective-op every block, saving the outputs of "
                "torchtitan's op list (matmuls but every second one, attention, max) and recomputing the "
-               "rest; every:N every Nth block."),
+               "rest; every:N every Nth block; auto the setting among those whose peak fits the budget (--gpu's "
+               "memory or --capacity) with the least recomputation."),
     Field("compile", _switch, False, flag="--compile", cli=Flag("switch"),
           help="The forward compiled by torch.compile (Inductor), as the real stack runs it: AOTAutograd's "
                "min-cut partitioner decides what is saved for backward (under "

@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from memcalc.core.checkpointing import CheckpointKind
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
+from memcalc.distributed.checkpoint_auto import choose_checkpointing
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.collector import while_collector_paused
@@ -44,6 +46,14 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
     Returns:
         The report; under a strategy, that of the busiest GPU with every role in ``roles``.
     """
+    if step.checkpoint.kind is CheckpointKind.AUTO:
+        if on_trace is not None:  # the batch search replays one setting's trace at other batches
+            raise InapplicableOptionError(
+                "checkpoint auto (--checkpoint auto) chooses a setting per step; memcalc fit on one GPU replays one "
+                "setting's trace at other batch sizes, so it does not choose per batch yet",
+                hint="Fit each setting (--checkpoint every:N, selective-op, full), or estimate one batch with "
+                     "--checkpoint auto.")
+        return choose_checkpointing(step, lambda trial: run_estimate(trial, distributed))
     # every kernel's FLOPs and bytes, recorded only when a time is asked for (CostsOnRequest otherwise)
     costs = _cost_recorder() if step.record_costs else None
     if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:

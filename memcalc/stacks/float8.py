@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import logging
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from torch import nn
 from memcalc.core.errors import InvalidInputError, MissingPackageError
 from memcalc.core.float8 import Float8
 from memcalc.engine.model import ResolvedModel
+from memcalc.stacks.transformers.hub import quiet_optional_kernels
 
 __all__ = ("FLOAT8_EXTRA_HINT", "apply_float8", "float8_module")
 
@@ -45,22 +45,15 @@ _SHOWN = 4
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """torchao's import logs the CUDA extensions it cannot load on a CPU-only torch, and torch warns
-    about an Enum it registers: nothing the user of memcalc acts on."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+    """torchao warns (``warnings``) of its deprecated options, ``force_recompute_fp8_weight_in_bwd``
+    among them, which the report's note covers."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _torchao_float8() -> ModuleType:
+    quiet_optional_kernels()
     try:
         with _quiet():
             return importlib.import_module("torchao.float8")
