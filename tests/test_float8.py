@@ -130,6 +130,18 @@ def test_emulated_float8_matches_a_real_cpu_step(recipe: str) -> None:
     assert abs(estimate - real) <= 0.01 * real  # measured: equal to the byte (15,335,436 B tensorwise)
 
 
+def test_force_recompute_fp8_weight_in_bwd_changes_nothing_in_torchao_0_18() -> None:
+    # deprecated in torchao 0.18 (config.py warns, pytorch/ao#2251): matmul_with_hp_or_float8_args
+    # always saves the bf16 weight and re-casts it in the backward, with or without the flag
+    options: dict[str, Any] = dict(batch_size=M, input_shape=(K,), precision="bf16", optimizer="sgd", loss="mean",
+                                   gpu="h100-80gb")
+    forced = dataclasses.replace(ao.Float8LinearConfig.from_recipe_name("tensorwise"),
+                                 force_recompute_fp8_weight_in_bwd=True)
+    default = memcalc.estimate(nn.Linear(K, N, bias=False), float8="tensorwise", **options)
+    assert memcalc.estimate(nn.Linear(K, N, bias=False), float8=forced, **options).peak_requested == \
+        default.peak_requested
+
+
 LLAMA: dict[str, Any] = dict(batch_size=2, seq_len=128, optimizer="sgd", precision="bf16")
 
 
