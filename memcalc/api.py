@@ -65,6 +65,7 @@ def estimate(
     gpu: GpuLike = None,
     checkpoint: bool | str | Checkpointing | SacPolicy = False,
     compile: bool = False,
+    float8: str | Any = None,
     accum_steps: int = 1,
     kv_cache: int | None = None,
     new_tokens: int | None = None,
@@ -128,6 +129,11 @@ def estimate(
             on meta, so the saved activations, fused kernels' buffers and their reuse are the
             compiled step's. A module the user already compiled (an ``OptimizedModule``) is
             estimated compiled without it. Training steps.
+        float8: float8 training of the ``nn.Linear`` layers by torchao's own
+            ``convert_to_float8_training`` (``pip install 'memcalc[float8]'``): ``"tensorwise"``
+            or ``"rowwise"`` (its recipes), or a ``torchao.float8.Float8LinearConfig``. The casts,
+            what is saved for backward and ``torch._scaled_mm`` are traced as torchao runs them
+            (eager). Needs an sm89+ ``gpu``; the CPU target only with ``emulate=True``.
         accum_steps: micro-batches of ``batch_size`` per optimizer step.
         kv_cache: tokens to generate with a KV cache (``mode="inference"``, decoder LLMs).
         new_tokens: ``mode="generate"``: the tokens generated after the prompt (the peak is that of

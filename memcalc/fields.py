@@ -32,6 +32,7 @@ from memcalc.core.choices import parse_choice
 from memcalc.core.counts import INT64_MAX, as_integer, fits_int64
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.finetune import FineTune
+from memcalc.core.float8 import RECIPES, Float8, parse_float8
 from memcalc.core.gpu import CPU_PROFILE, GENERIC, GpuProfile
 from memcalc.core.loop import Loop, LoopPreset, OptimizerImpl
 from memcalc.core.losses import LossChoice
@@ -194,6 +195,10 @@ def _checkpointing(value: Any, field: Field) -> Checkpointing:
     return parse_checkpointing(value, field.name)
 
 
+def _float8(value: Any, field: Field) -> Float8 | None:
+    return parse_float8(value, field.name)
+
+
 def _choice(value: Any, field: Field) -> Any:
     """A member of the field's enum; None stays None where None is the field's default (it has
     a meaning of its own there: the model's loss, the dtype the precision implies)."""
@@ -334,16 +339,21 @@ _FIELDS = (
           help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
                "its CUDA context, and whether the step fits."),
     Field("checkpoint", _checkpointing, False, flag="--checkpoint",
-          cli=Flag("text", metavar="[full|selective-op|every:N]", bare="full"),
+          cli=Flag("text", metavar="[full|selective-op|every:N|auto]", bare="full"),
           help="Activation checkpointing of the blocks (zoo models with blocks, Hugging Face layers): full "
                "(also --checkpoint alone) every block; selective-op every block, saving the outputs of "
                "torchtitan's op list (matmuls but every second one, attention, max) and recomputing the "
-               "rest; every:N every Nth block."),
+               "rest; every:N every Nth block; auto the setting among those whose peak fits the budget (--gpu's "
+               "memory or --capacity) with the least recomputation."),
     Field("compile", _switch, False, flag="--compile", cli=Flag("switch"),
           help="The forward compiled by torch.compile (Inductor), as the real stack runs it: AOTAutograd's "
                "min-cut partitioner decides what is saved for backward (under "
                "torch._functorch.config.activation_memory_budget), Inductor's fused kernels and buffer reuse what "
                "is allocated. Training steps."),
+    Field("float8", _float8, flag="--float8", cli=Flag("text", metavar="[" + "|".join(RECIPES) + "]"),
+          help="Float8 training of the nn.Linear layers by torchao's convert_to_float8_training (tensorwise: one "
+               "scale per tensor; rowwise: one per row), traced as torchao runs it: float8 casts of input, weight "
+               "and grad_output, torch._scaled_mm. Needs torchao and an sm89+ GPU (--gpu h100-80gb, l40s, ...)."),
     Field("accum_steps", _count, 1, flag="--accum-steps", cli=Flag("int", minimum=1, show_default=True),
           help="Gradient accumulation: micro-batches of --batch per optimizer step."),
     Field("kv_cache", _tokens, flag="--kv-cache", cli=Flag("int", minimum=0, metavar="TOKENS"),
@@ -559,6 +569,7 @@ def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
             f"which autocast ignores, so a compiled autocast step is not modelled yet",
             hint="Give precision bf16 or fp16 (the whole model in that dtype) or fp32 with --compile, or leave out "
                  "--compile to estimate the autocast step eager.")
+    _check_float8(step)
     if step.compile and mode is not Mode.TRAIN:
         raise InapplicableOptionError(f"compile (--compile) is modelled for training steps (mode train); the mode "
                                       f"is {mode.value}", hint="Leave out --compile, or give mode train.")
@@ -580,6 +591,34 @@ def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
     if not step.loop.is_default:
         raise InapplicableOptionError(f"a training loop (loop, --loop, --keep-grads) applies to mode train; "
                                       f"the mode is {mode.value}")
+
+
+def _check_float8(step: Step) -> None:
+    """Float8 matmuls need a GPU that has them: ``torch._scaled_mm`` runs on sm89 and newer
+    (Ada, Hopper, Blackwell). On the CPU, torch's ``_scaled_mm`` dequantizes both operands to
+    float32 (an emulation whose temporaries are the CPU's, not a GPU's), so the CPU target takes
+    only torchao's ``emulate=True``, whose plain matmuls run there as traced."""
+    float8 = step.float8
+    if float8 is None:
+        return
+    if step.compile:
+        raise InapplicableOptionError("float8 (--float8) with compile (--compile) is not modelled: memcalc traces "
+                                      "torchao's float8 casts eager",
+                                      hint="Leave out --compile to estimate the eager float8 step.")
+    if not step.emulate_cuda:
+        if not float8.emulated:
+            raise InapplicableOptionError(
+                "float8 (--float8) on the CPU target: the CPU runs no float8 matmul kernel (torch's CPU _scaled_mm "
+                "dequantizes both operands to float32, temporaries memcalc does not model)",
+                hint="Give an sm89+ GPU (--gpu h100-80gb), or from Python a torchao Float8LinearConfig(emulate=True), "
+                     "whose matmuls run in float32 on any device.")
+        return
+    major, minor = step.gpu.compute_capability
+    if (major, minor) < (8, 9) and not float8.emulated:
+        raise InapplicableOptionError(
+            f"float8 (--float8) needs float8 matmuls (torch._scaled_mm), which run on sm89 and newer GPUs (L4, L40S, "
+            f"H100, H200, B200); {step.gpu.name} is sm{major}{minor}",
+            hint="Give an sm89+ GPU with --gpu (memcalc gpus lists them), e.g. --gpu h100-80gb.")
 
 
 def _check_weight_dtype(step: Step) -> None:

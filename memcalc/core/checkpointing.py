@@ -17,14 +17,15 @@ from typing import Any
 
 from memcalc.core.errors import InvalidInputError
 
-__all__ = ("FULL", "OFF", "CheckpointKind", "Checkpointing", "SacPolicy", "parse_checkpointing")
+__all__ = ("AUTO", "FULL", "OFF", "CheckpointKind", "Checkpointing", "SacPolicy", "parse_checkpointing")
 
 #: A selective checkpointing policy, as ``create_selective_checkpoint_contexts`` calls it:
 #: ``(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy``.
 SacPolicy = Callable[..., Any]
 
 #: How the command line and the API spell the settings, for the error message.
-_SPELLINGS = "full, selective-op, every:N (N ≥ 1), off, True/False, or a policy function (ctx, op, *args, **kwargs)"
+_SPELLINGS = ("full, selective-op, every:N (N ≥ 1), auto, off, True/False, or a policy function "
+              "(ctx, op, *args, **kwargs)")
 
 
 class CheckpointKind(str, enum.Enum):
@@ -40,6 +41,9 @@ class CheckpointKind(str, enum.Enum):
     SELECTIVE_OP = "selective-op"
     #: Every block checkpointed, saving what the user's policy says.
     POLICY = "policy"
+    #: Chosen under the memory budget: the setting (off, every:N, selective-op, full) whose peak
+    #: fits with the least recomputation (:mod:`memcalc.distributed.checkpoint_auto`).
+    AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ class Checkpointing:
 OFF = Checkpointing()
 #: Every block checkpointed (``checkpoint=True``, a bare ``--checkpoint``).
 FULL = Checkpointing(CheckpointKind.FULL)
+#: Chosen under the budget (``--checkpoint auto``).
+AUTO = Checkpointing(CheckpointKind.AUTO)
 
 
 def parse_checkpointing(value: object, name: str = "checkpoint") -> Checkpointing:
@@ -110,6 +116,7 @@ def _parse_text(value: str, name: str) -> Checkpointing:
             raise InvalidInputError(f"{name} every:N needs a whole number of blocks N ≥ 1; got {value!r}",
                                     hint="e.g. every:2 checkpoints every second block")
         return FULL if every == 1 else Checkpointing(CheckpointKind.EVERY, every)
-    if text in (CheckpointKind.OFF.value, CheckpointKind.FULL.value, CheckpointKind.SELECTIVE_OP.value):
+    if text in (CheckpointKind.OFF.value, CheckpointKind.FULL.value, CheckpointKind.SELECTIVE_OP.value,
+                CheckpointKind.AUTO.value):
         return Checkpointing(CheckpointKind(text))
     raise InvalidInputError(f"unknown {name} {value!r}; choose one of: {_SPELLINGS}")

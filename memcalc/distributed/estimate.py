@@ -10,14 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from memcalc.core.checkpointing import CheckpointKind
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
+from memcalc.distributed.checkpoint_auto import choose_checkpointing
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
+from memcalc.stacks.float8 import apply_float8
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
@@ -43,18 +46,32 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
     Returns:
         The report; under a strategy, that of the busiest GPU with every role in ``roles``.
     """
+    if step.checkpoint.kind is CheckpointKind.AUTO:
+        if on_trace is not None:  # the batch search replays one setting's trace at other batches
+            raise InapplicableOptionError(
+                "checkpoint auto (--checkpoint auto) chooses a setting per step; memcalc fit on one GPU replays one "
+                "setting's trace at other batch sizes, so it does not choose per batch yet",
+                hint="Fit each setting (--checkpoint every:N, selective-op, full), or estimate one batch with "
+                     "--checkpoint auto.")
+        return choose_checkpointing(step, lambda trial: run_estimate(trial, distributed))
     # every kernel's FLOPs and bytes, recorded only when a time is asked for (CostsOnRequest otherwise)
     costs = _cost_recorder() if step.record_costs else None
     if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:
         raise InapplicableOptionError(f"loop {step.loop.name} is estimated on one GPU; TRL's trainers under "
                                       f"--strategy are not modelled",
                                       hint="Leave out --strategy to estimate one GPU's step.")
+    if not distributed.is_single and step.float8 is not None:
+        raise InapplicableOptionError(
+            "float8 (--float8) is estimated on one GPU; under --strategy, torchao's float8 Linear layers under "
+            "FSDP2 or tensor parallelism (and enable_fsdp_float8_all_gather's float8 all-gather) are not modelled",
+            hint="Leave out --strategy to estimate one GPU's float8 step.")
     if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
         report = estimate_per_rank(step, distributed, costs=costs)
     else:
         resolved = step.resolved()
         resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                                   checkpoint=bool(step.checkpoint))
+        resolved = apply_float8(resolved, step.float8)
         step = replace(step, precision=step_precision(resolved, step.finetune, step.precision, step.mode))
         if step.loop.preset is not None and step.loop.preset.is_trl:
             resolved = trl_model(resolved, step)

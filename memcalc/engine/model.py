@@ -154,6 +154,10 @@ class ResolvedModel:
     #: The user passed a module they had compiled (``torch.compile(module)``): the step is
     #: estimated compiled, as ``compile=True`` estimates it.
     compiled: bool = False
+    #: Wrapper tensor subclasses made by the model's libraries (torchao's ``Float8TrainingTensor``)
+    #: whose own dispatch the tracer lets run first, so that it sees the ops they run inside
+    #: (:attr:`memcalc.engine.trace.StorageTracer.defer_to`).
+    defer_to: tuple[type[torch.Tensor], ...] = ()
 
     def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
         """``inputs`` (this model's, on any device) as the step passes them: with the labels of

@@ -21,6 +21,7 @@ from memcalc.core.categories import Mode
 from memcalc.core.checkpointing import OFF, Checkpointing
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import FineTune
+from memcalc.core.float8 import Float8
 from memcalc.core.gpu import CPU_PROFILE, GENERIC, GpuProfile
 from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice, LossFn
@@ -66,6 +67,8 @@ class Step:
         compile: the model's forward compiled by ``torch.compile`` (Inductor): AOTAutograd's
             partitioner decides what is saved for backward, Inductor's fused kernels and memory
             planning what is allocated (:mod:`memcalc.engine.compiled`).
+        float8: torchao's float8 training of the Linear layers (a recipe, or the user's
+            ``Float8LinearConfig``; :mod:`memcalc.stacks.float8`); None: off.
         kv_cache: tokens generated with a static KV cache (inference only).
         capacity: bytes the caching allocator may reserve (None: no limit).
         loop, stack, finetune: the training loop, the torch/CUDA versions (resolved: concrete
@@ -101,6 +104,7 @@ class Step:
     target: Target = Target.CUDA
     checkpoint: Checkpointing = OFF
     compile: bool = False
+    float8: Float8 | None = None
     accum_steps: int = 1
     kv_cache: int | None = None
     capacity: int | None = None

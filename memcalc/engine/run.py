@@ -308,6 +308,7 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     compiled = _compiled(module, inputs, options, resolved, notes, multi_gpu=hooks is not None)
     tracer = (StorageTracer if compiled is None else CompiledStepTracer)(
         "meta", after_op=recorder if recorder is not None else backend.after_op, read_values=reads)
+    tracer.defer_to = resolved.defer_to
     if recorder is not None:
         recorder.attach(tracer)
     backend.attach(tracer)

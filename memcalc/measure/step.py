@@ -53,6 +53,7 @@ from memcalc.engine.options import Step
 from memcalc.engine.prepare import kv_cache_bytes, kv_prompt, prepare_step
 from memcalc.engine.run import step_config
 from memcalc.engine.step import Scaler, StepConfig, run_step
+from memcalc.stacks.float8 import float8_module
 from memcalc.stacks.peft import finetune_module
 from memcalc.targets.cpu.kernels import NOT_FOLLOWED
 
@@ -92,6 +93,8 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
     module, inputs = resolved.build_real(device)
     if not options.finetune.is_empty:
         module, _notes = finetune_module(module, options.finetune, precision=options.precision, mode=options.mode)
+    if options.float8 is not None:  # torchao's conversion, as the estimate applies it
+        module, _notes, _wrapper = float8_module(module, options.float8)
     inputs = resolved.step_inputs(inputs, own_loss=options.trains_own_loss)
     inputs, _ = prepare_step(module, inputs, options, containers=resolved.block_containers, model_name=resolved.name,
                              own_checkpointing=resolved.checkpointing)

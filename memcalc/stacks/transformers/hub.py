@@ -73,6 +73,7 @@ __all__ = (
     "download_config",
     "import_hf",
     "load_config",
+    "quiet_optional_kernels",
     "with_attention",
 )
 
@@ -202,7 +203,7 @@ def with_attention(model: str, attn: str | None, task: str | None = None) -> str
 def import_hf(package: str, purpose: str) -> ModuleType:
     """``transformers`` or ``huggingface_hub``, or a :class:`MissingPackageError` naming the
     ``hf`` extra that installs them both."""
-    _quiet_optional_kernels()
+    quiet_optional_kernels()
     try:
         with warnings.catch_warnings():
             # tqdm.auto, which transformers and peft import, warns in a notebook without ipywidgets that its
@@ -226,11 +227,28 @@ def _drops_optional_kernel_warning(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(_BNB_OPTIONAL_KERNEL)
 
 
-def _quiet_optional_kernels() -> None:
-    """Filter that one warning, and nothing else, out of bitsandbytes' CPU backend logger."""
+#: What torchao logs on import (transformers imports it whenever it is installed, for its torchao
+#: quantizer): each CUDA extension it cannot load on a CPU-only torch, and torch's deprecation of
+#: the Enums it registers with pytree. Logger → the start of the one message dropped from it.
+_TORCHAO_IMPORT_NOISE = {"torchao": "Failed to load ",
+                         "torch.utils._pytree": "%s is an Enum subclass and is now natively supported"}
+
+
+def _drops_torchao_import_noise(record: logging.LogRecord) -> bool:
+    start = _TORCHAO_IMPORT_NOISE.get(record.name)
+    return start is None or not str(record.msg).startswith(start)
+
+
+def quiet_optional_kernels() -> None:
+    """Filter those warnings, and nothing else, out of bitsandbytes' CPU backend logger and the
+    loggers torchao's import writes to."""
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if _drops_optional_kernel_warning not in logger.filters:
         logger.addFilter(_drops_optional_kernel_warning)
+    for name in _TORCHAO_IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if _drops_torchao_import_noise not in logger.filters:
+            logger.addFilter(_drops_torchao_import_noise)
 
 
 # ---- the config --------------------------------------------------------------------------------
