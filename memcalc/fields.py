@@ -386,6 +386,11 @@ FIELDS: Mapping[str, Field] = {f.name: f for f in _FIELDS}
 #: (:class:`memcalc.Distributed`): the searches pass it on beside the fields.
 DISTRIBUTED = "distributed"
 
+#: :func:`memcalc.estimate`'s keywords of a launch configuration (accelerate's config file, a
+#: DeepSpeed config, the world size of one that does not say it): read into ``distributed``
+#: and laid under the fields (:mod:`memcalc.distributed.launch`).
+LAUNCH = ("accelerate_config", "deepspeed", "world_size")
+
 
 # --------------------------------------------------------------------------------------------
 # Building the step
