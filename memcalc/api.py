@@ -67,6 +67,7 @@ def estimate(
     gpu: GpuLike = None,
     checkpoint: bool | str | Checkpointing | SacPolicy = False,
     compile: bool = False,
+    liger: bool = False,
     accum_steps: int = 1,
     kv_cache: int | None = None,
     new_tokens: int | None = None,
@@ -133,6 +134,10 @@ def estimate(
             on meta, so the saved activations, fused kernels' buffers and their reuse are the
             compiled step's. A module the user already compiled (an ``OptimizedModule``) is
             estimated compiled without it. Training steps.
+        liger: Liger kernels (``use_liger_kernel=True``) on a Hugging Face Llama, Mistral or Qwen2/3
+            causal LM: the fused linear cross-entropy (the logits made one chunk at a time, the
+            gradients computed in the forward), RMSNorm and SwiGLU, modelled from Liger-Kernel's
+            code (it runs on Triton only, so it is not traced). One GPU, training.
         accum_steps: micro-batches of ``batch_size`` per optimizer step.
         kv_cache: tokens to generate with a KV cache (``mode="inference"``, decoder LLMs).
         new_tokens: ``mode="generate"``: the tokens generated after the prompt (the peak is that of

@@ -344,6 +344,10 @@ _FIELDS = (
                "min-cut partitioner decides what is saved for backward (under "
                "torch._functorch.config.activation_memory_budget), Inductor's fused kernels and buffer reuse what "
                "is allocated. Training steps."),
+    Field("liger", _switch, False, flag="--liger", cli=Flag("switch"),
+          help="Liger kernels on a Hugging Face causal LM (use_liger_kernel=True): fused linear cross-entropy "
+               "(the logits made a chunk at a time), RMSNorm and SwiGLU, modelled from Liger-Kernel's code "
+               "(Triton only: not traced). Llama, Mistral, Qwen2/3; training."),
     Field("accum_steps", _count, 1, flag="--accum-steps", cli=Flag("int", minimum=1, show_default=True),
           help="Gradient accumulation: micro-batches of --batch per optimizer step."),
     Field("kv_cache", _tokens, flag="--kv-cache", cli=Flag("int", minimum=0, metavar="TOKENS"),

@@ -10,14 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.collector import while_collector_paused
+from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
+from memcalc.stacks.liger import apply_liger
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
@@ -49,6 +52,12 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
         raise InapplicableOptionError(f"loop {step.loop.name} is estimated on one GPU; TRL's trainers under "
                                       f"--strategy are not modelled",
                                       hint="Leave out --strategy to estimate one GPU's step.")
+    if step.liger and (not distributed.is_single or (step.loop.preset is not None and step.loop.preset.is_trl)):
+        raise InapplicableOptionError("liger (--liger) is estimated on one GPU with memcalc's or the Trainer's loop; "
+                                      "under --strategy or a TRL loop it is not modelled yet",
+                                      hint="Leave out --strategy (or the TRL loop) to estimate Liger's kernels.")
+    if step.liger and step.mode is not Mode.TRAIN:  # said before the model is built
+        raise InapplicableOptionError(f"liger (--liger) models Liger's training kernels; the mode is {step.mode.value}")
     if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
         report = estimate_per_rank(step, distributed, costs=costs)
     else:
@@ -56,6 +65,8 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
         resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                                   checkpoint=bool(step.checkpoint))
         step = replace(step, precision=step_precision(resolved, step.finetune, step.precision, step.mode))
+        if step.liger:
+            resolved = with_liger(resolved, step)
         if step.loop.preset is not None and step.loop.preset.is_trl:
             resolved = trl_model(resolved, step)
         traced = trace_step(resolved, step, costs=costs)
@@ -96,3 +107,12 @@ def _cost_recorder() -> CostRecorderFactory:
     from memcalc.timing.flops import OpCostRecorder
 
     return OpCostRecorder
+
+
+def with_liger(resolved: ResolvedModel, step: Step) -> ResolvedModel:
+    """``resolved`` with Liger's kernels patched in (:func:`memcalc.stacks.liger.apply_liger`), for
+    a training step; the note says they are modelled from Liger's code."""
+    cuda = step.emulate_cuda
+    note = apply_liger(resolved.module, sm_count=step.gpu.sm_count if cuda else 1,
+                       addmm_out_dtype=cuda and step.gpu.compute_capability[0] >= 8, name=resolved.name)
+    return replace(resolved, notes=(*resolved.notes, note))
