@@ -249,6 +249,8 @@ def test_conflicts_are_refused(tmp_path):
     (["--deepspeed", "missing.json"], "DeepSpeed config not found: missing.json"),
     (["--deepspeed", "bad.json"], "no key 'zero_optimisation'; did you mean 'zero_optimization'?"),
     (["--deepspeed", "ds.json", "--strategy", "ddp"], "--deepspeed sets the multi-GPU setting; leave out --strategy"),
+    (["--deepspeed", "ds.json", "--global-batch"], "leave out --global-batch"),
+    (["--deepspeed", "ds.json", "--world-size", "2"], "world size 2 disagrees with DeepSpeed config ds.json"),
     (["--accelerate-config", "fsdp.yaml", "--precision", "fp16"], "precision 'fp16' disagrees with accelerate "
                                                                   "config fsdp.yaml"),
 ])

@@ -178,8 +178,9 @@ def launch_arguments(*, accelerate_config: str | None = None, deepspeed: str | N
     if accelerate_config is None and deepspeed is None:
         return None
     flag = "--accelerate-config" if accelerate_config is not None else "--deepspeed"
+    params = click.get_current_context().params
     others = [f"--{name.replace('_', '-')}" for name in ("strategy", "mesh", "device_ids", *_STRATEGY_ONLY)
-              if given(name) and name != "global_batch"]
+              if given(name) and params.get(name) is not False]  # --per-rank-batch asks for nothing
     if others:  # memcalc's own errors, not click's: one line, exit 2, no usage banner
         raise InapplicableOptionError(f"{flag} sets the multi-GPU setting; leave out {', '.join(others)}")
     if measure:
