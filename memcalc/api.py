@@ -28,6 +28,8 @@ from memcalc.core.stack import Stack
 from memcalc.core.units import format_bytes
 from memcalc.distributed.collectives import DEFAULT_NETWORK, Network
 from memcalc.distributed.estimate import run_estimate
+from memcalc.distributed.launch.read import hidden_size_of, launch_distributed, read_launch
+from memcalc.distributed.launch.setup import LaunchSetup, merged
 from memcalc.distributed.options import Distributed
 from memcalc.engine.model import InputsLike
 from memcalc.engine.optimizers import Optimizer
@@ -66,6 +68,7 @@ def estimate(
     checkpoint: bool | str | Checkpointing | SacPolicy = False,
     compile: bool = False,
     float8: str | Any = None,
+    liger: bool = False,
     accum_steps: int = 1,
     kv_cache: int | None = None,
     new_tokens: int | None = None,
@@ -77,6 +80,9 @@ def estimate(
     trainer_args: Any = None,
     time: bool = False,
     alloc_conf: str | AllocConf | None = None,
+    accelerate_config: Any = None,
+    deepspeed: Any = None,
+    world_size: int | None = None,
 ) -> MemoryReport:
     """Estimate the GPU memory of one training (or eval / inference) step of ``model``.
 
@@ -134,6 +140,10 @@ def estimate(
             or ``"rowwise"`` (its recipes), or a ``torchao.float8.Float8LinearConfig``. The casts,
             what is saved for backward and ``torch._scaled_mm`` are traced as torchao runs them
             (eager). Needs an sm89+ ``gpu``; the CPU target only with ``emulate=True``.
+        liger: Liger kernels (``use_liger_kernel=True``) on a Hugging Face Llama, Mistral or Qwen2/3
+            causal LM: the fused linear cross-entropy (the logits made one chunk at a time, the
+            gradients computed in the forward), RMSNorm and SwiGLU, modelled from Liger-Kernel's
+            code (it runs on Triton only, so it is not traced). One GPU, training.
         accum_steps: micro-batches of ``batch_size`` per optimizer step.
         kv_cache: tokens to generate with a KV cache (``mode="inference"``, decoder LLMs).
         new_tokens: ``mode="generate"``: the tokens generated after the prompt (the peak is that of
@@ -168,6 +178,14 @@ def estimate(
         alloc_conf: the CUDA caching allocator's settings, as ``PYTORCH_CUDA_ALLOC_CONF`` spells
             them (``"expandable_segments:True,max_split_size_mb:512"``); None: the environment's
             ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, as the real job would read them.
+        accelerate_config: accelerate's config file (``.yaml``, as ``accelerate config`` writes it):
+            its ``distributed_type`` (DDP, FSDP2, DeepSpeed ZeRO), ``num_processes``,
+            ``mixed_precision`` and ``fsdp_config`` / ``deepspeed_config`` decide the multi-GPU
+            setting and the precision (docs/launch-configs.md). Not with ``distributed``.
+        deepspeed: a DeepSpeed config (a ``.json`` file or a dict): the ZeRO stage, buckets,
+            ``offload_optimizer``, the 16-bit precision, the batch and accumulation it fixes.
+        world_size: the number of GPUs of a DeepSpeed config that does not say it (its
+            ``train_batch_size`` is ``"auto"``).
 
     Returns:
         A :class:`MemoryReport`: the breakdown at the peak, where it happens, the textbook
@@ -180,7 +198,30 @@ def estimate(
     """
     # every keyword but the model and the strategy is a field of the step, converted by its converter
     fields = {name: value for name, value in locals().items() if name in FIELDS}
-    return estimate_step(build_step(model, **fields), _distributed(distributed))
+    launch = read_launch(accelerate_config, deepspeed, world_size)  # a bad file is said before the model is built
+    if launch is None:
+        return estimate_step(build_step(model, **fields), _distributed(distributed))
+    return estimate_step(*launched_step(model, launch, fields, distributed))
+
+
+def launched_step(model: Any, launch: LaunchSetup, fields: dict[str, Any], distributed: Any = None,
+                  given: Callable[[str], bool] | None = None) -> tuple[Step, Distributed]:
+    """The step and the multi-GPU setting of a launch configuration (:func:`read_launch`), its
+    options laid under ``fields`` (:func:`memcalc.distributed.launch.setup.merged`: an option
+    the user gave, ``given(name)``, that disagrees with the file is refused). DeepSpeed's
+    ``"auto"`` bucket is filled from the model's ``hidden_size``, as transformers fills it."""
+    given_ = given if given is not None else (lambda name: _given_option(fields, name))
+    step = build_step(model, **merged(launch, fields, distributed, given_))
+    if launch.auto_hidden:
+        launch = launch.with_hidden_size(hidden_size_of(step.resolved(1).module, launch.source))
+    return replace(step, notes=(*step.notes, launch.describe())), launch_distributed(launch)
+
+
+def _given_option(fields: dict[str, Any], name: str) -> bool:
+    """Whether the user gave option ``name`` a value other than its default."""
+    value, default = fields.get(name), FIELDS[name].default
+    return value is not None and (default is None or getattr(value, "value", value) != getattr(default, "value",
+                                                                                               default))
 
 
 @internal_errors_named("in estimate_step")

@@ -354,6 +354,10 @@ _FIELDS = (
           help="Float8 training of the nn.Linear layers by torchao's convert_to_float8_training (tensorwise: one "
                "scale per tensor; rowwise: one per row), traced as torchao runs it: float8 casts of input, weight "
                "and grad_output, torch._scaled_mm. Needs torchao and an sm89+ GPU (--gpu h100-80gb, l40s, ...)."),
+    Field("liger", _switch, False, flag="--liger", cli=Flag("switch"),
+          help="Liger kernels on a Hugging Face causal LM (use_liger_kernel=True): fused linear cross-entropy "
+               "(the logits made a chunk at a time), RMSNorm and SwiGLU, modelled from Liger-Kernel's code "
+               "(Triton only: not traced). Llama, Mistral, Qwen2/3; training."),
     Field("accum_steps", _count, 1, flag="--accum-steps", cli=Flag("int", minimum=1, show_default=True),
           help="Gradient accumulation: micro-batches of --batch per optimizer step."),
     Field("kv_cache", _tokens, flag="--kv-cache", cli=Flag("int", minimum=0, metavar="TOKENS"),
@@ -395,6 +399,11 @@ FIELDS: Mapping[str, Field] = {f.name: f for f in _FIELDS}
 #: :func:`memcalc.estimate`'s keyword for the multi-GPU setting, which is not one GPU's step
 #: (:class:`memcalc.Distributed`): the searches pass it on beside the fields.
 DISTRIBUTED = "distributed"
+
+#: :func:`memcalc.estimate`'s keywords of a launch configuration (accelerate's config file, a
+#: DeepSpeed config, the world size of one that does not say it): read into ``distributed``
+#: and laid under the fields (:mod:`memcalc.distributed.launch`).
+LAUNCH = ("accelerate_config", "deepspeed", "world_size")
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,12 +19,12 @@ from memcalc.core.losses import LossChoice
 from memcalc.core.precision import Precision
 from memcalc.engine.optimizers import Optimizer
 from memcalc.engine.options import Step, Target
-from memcalc.fields import DISTRIBUTED, FIELDS, build_step
+from memcalc.fields import DISTRIBUTED, FIELDS, LAUNCH, build_step
 
 
 def _estimate_keywords() -> dict[str, inspect.Parameter]:
     parameters = inspect.signature(memcalc.estimate).parameters
-    return {name: p for name, p in parameters.items() if name not in ("model", DISTRIBUTED)}
+    return {name: p for name, p in parameters.items() if name not in ("model", DISTRIBUTED, *LAUNCH)}
 
 
 def test_estimate_takes_every_field_and_nothing_else_with_the_tables_defaults():

@@ -140,6 +140,14 @@ README_FILES = {
     "sft.json": '{"per_device_train_batch_size": 4, "max_length": 2048, "completion_only_loss": true}',
     "dpo.json": '{"per_device_train_batch_size": 2, "beta": 0.1}',
     "reward.json": '{"per_device_train_batch_size": 2}',
+    "fsdp.yaml": "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: bf16\n"
+                 "num_machines: 1\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n"
+                 "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_reshard_after_forward: true\n"
+                 "  fsdp_activation_checkpointing: true\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n",
+    "ds_zero2.json": '{"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", '
+                     '"gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}, '
+                     '"zero_optimization": {"stage": 2, "overlap_comm": true, "contiguous_gradients": true, '
+                     '"reduce_bucket_size": "auto", "offload_optimizer": {"device": "cpu", "pin_memory": true}}}',
 }
 PYTHON_BLOCKS = [b.body for b in blocks(README_TEXT) if b.lang == "python"]
 

@@ -205,7 +205,7 @@ def test_every_argument_of_the_installed_class_is_judged():
 
 
 @pytest.mark.parametrize("argument, value", [
-    ("torch_compile", True), ("use_liger_kernel", True), ("neftune_noise_alpha", 5.0),
+    ("torch_compile", True), ("liger_kernel_config", {"rope": False}), ("neftune_noise_alpha", 5.0),
     ("auto_find_batch_size", True), ("eval_strategy", "steps"), ("label_smoothing_factor", 0.1),
     ("deepspeed", "ds_config.json"), ("fsdp", "full_shard"), ("full_determinism", True),
 ])

@@ -109,7 +109,8 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
     measure = measure or measure_snapshot is not None
     keywords = dict(optimizer=optim if given("optim") else None, precision=precision,
                     **step_arguments(options), **setup_arguments(options))
-    distributed = strategy_arguments(measure=measure, **options).get("distributed")  # what is left: multi-GPU
+    multi_gpu = strategy_arguments(measure=measure, **options)  # what is left: multi-GPU
+    distributed, launch = multi_gpu.get("distributed"), multi_gpu.get("launch")
     if measure and "finetune" in keywords:
         _refuse_measured_quant(keywords["finetune"])
     # the output files are checked before the estimate, not after it
@@ -129,7 +130,11 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         loader = DataLoaderSetup.parse(data_loader or "", sample_load_ms=sample_load_ms)
         timed = True  # the loader is judged against the step time (api.estimate refuses an untimeable GPU first)
     with quiet():  # the step is built once: the estimate and the measurement run the same one
-        step = build_step(source, batch_size=_batch(batch, keywords), time=timed, **keywords)
+        if launch is None:
+            step = build_step(source, batch_size=_batch(batch, keywords), time=timed, **keywords)
+        else:
+            step, distributed = api.launched_step(source, launch, {"batch_size": batch, "time": timed, **keywords},
+                                                  given=lambda name: given(_PARAMETER.get(name, name)))
         report = api.estimate_step(step, distributed)
     if measure:
         report = attach_measurement(report, step, device=None if local is None else local.device,
@@ -158,6 +163,10 @@ def estimate_command(model: str, batch: int, optim: str, precision: str, gpu: st
         click.echo(render_report(report, fmt=fmt, unit=units, module_depth=depth), nl=False)
         if advice is not None:
             click.echo(f"\n{render_loader(advice, unit=units)}")
+
+
+#: :func:`memcalc.estimate`'s keywords whose command-line parameter is named otherwise.
+_PARAMETER = {"batch_size": "batch", "optimizer": "optim"}
 
 
 def _batch(batch: int, keywords: dict[str, Any]) -> int | None:

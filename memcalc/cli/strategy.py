@@ -17,7 +17,9 @@ from typing import Any
 import click
 
 from memcalc.cli.options import given
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.distributed.launch.read import read_launch
+from memcalc.distributed.launch.setup import LaunchSetup
 from memcalc.distributed.mesh import DIMENSION_NAMES, Mesh, parse_mesh
 from memcalc.distributed.options import (
     DEEPSPEED_REDUCE_BUCKET_SIZE,
@@ -30,7 +32,7 @@ from memcalc.distributed.options import (
 )
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 
-__all__ = ("DeviceIdsType", "MeshType", "TpPlanType", "strategy_arguments", "strategy_options")
+__all__ = ("DeviceIdsType", "MeshType", "TpPlanType", "launch_arguments", "strategy_arguments", "strategy_options")
 
 
 class DeviceIdsType(click.ParamType[tuple[int, ...]]):
@@ -145,6 +147,15 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           "(colwise, rowwise, sequence_parallel, ...), "
                           "e.g. 'layers.*.fc1=colwise,layers.*.fc2=rowwise'. "
                           "Default: the model's own tp_plan, or torchtitan's for the zoo's Llama family."),
+        click.option("--accelerate-config", "accelerate_config", type=click.Path(dir_okay=False), default=None,
+                     metavar="FILE.yaml",
+                     help="accelerate's config file (accelerate launch --config_file): distributed_type, "
+                          "num_processes, mixed_precision, fsdp_config and deepspeed_config set the strategy, the "
+                          "GPUs and the precision. Not with the other multi-GPU options (--world-size aside)."),
+        click.option("--deepspeed", "deepspeed", type=click.Path(dir_okay=False), default=None, metavar="FILE.json",
+                     help="A DeepSpeed config: the ZeRO stage, reduce_bucket_size, overlap_comm, offload_optimizer, "
+                          "bf16/fp16, the micro-batch and accumulation. The GPUs: train_batch_size ÷ (micro-batch × "
+                          "accumulation), or --world-size."),
         click.option("--loss-parallel", is_flag=True,
                      help="tp: keep the logits sharded over the vocabulary and compute the loss under torch's "
                           "loss_parallel() (torchtitan's Llama plan only)."),
@@ -169,17 +180,42 @@ _STRATEGY_ONLY = {"bucket_cap_mb": "bucket_cap_mb", "gradient_as_bucket_view": "
                   "routing": "routing", "capacity_factor": "capacity_factor"}
 
 
+def launch_arguments(*, accelerate_config: str | None = None, deepspeed: str | None = None,
+                     world_size: int | None = None, measure: bool = False) -> LaunchSetup | None:
+    """``--accelerate-config`` / ``--deepspeed`` read (before the model is built), or None; a
+    usage error beside another multi-GPU option (``--world-size`` aside: it counts a DeepSpeed
+    config's GPUs) or ``--measure``."""
+    if accelerate_config is None and deepspeed is None:
+        return None
+    flag = "--accelerate-config" if accelerate_config is not None else "--deepspeed"
+    params = click.get_current_context().params
+    others = [f"--{name.replace('_', '-')}" for name in ("strategy", "mesh", "device_ids", *_STRATEGY_ONLY)
+              if given(name) and params.get(name) is not False]  # --per-rank-batch asks for nothing
+    if others:  # memcalc's own errors, not click's: one line, exit 2, no usage banner
+        raise InapplicableOptionError(f"{flag} sets the multi-GPU setting; leave out {', '.join(others)}")
+    if measure:
+        raise InapplicableOptionError(f"--measure runs the step on this machine's GPU (or CPU); it cannot measure "
+                                      f"{flag}")
+    return read_launch(accelerate_config, deepspeed, world_size)
+
+
 def strategy_arguments(*, strategy: str, world_size: int | None, device_ids: tuple[int, ...] | None,
                        global_batch: bool, bucket_cap_mb: float, gradient_as_bucket_view: bool,
                        fsdp_sharding: str, reduce_bucket_size: int, mesh: dict[str, int] | None = None,
                        pp_schedule: str | None = None, microbatches: int | None = None, pp_split: str | None = None,
                        tp_plan: dict[str, str] | None = None, loss_parallel: bool = False,
                        routing: str = Routing.BALANCED.value, capacity_factor: float | None = None,
-                       measure: bool = False) -> dict[str, Any]:
+                       measure: bool = False, accelerate_config: str | None = None,
+                       deepspeed: str | None = None) -> dict[str, Any]:
     """The options as :func:`memcalc.estimate`'s ``distributed`` keyword (none for a single
     GPU); a usage error for combinations that make no sense (``--mesh`` with a ``--strategy``
     that is none of its dimensions), and for an option given on the command line that the
-    strategy would ignore (``--bucket-cap-mb`` without ddp)."""
+    strategy would ignore (``--bucket-cap-mb`` without ddp). With a launch configuration
+    (:func:`launch_arguments`): ``{"launch": ...}``, its setting."""
+    launch = launch_arguments(accelerate_config=accelerate_config, deepspeed=deepspeed, world_size=world_size,
+                              measure=measure)
+    if launch is not None:
+        return {"launch": launch}
     # a flag's explicit False (--per-rank-batch, the default's own spelling) asks for nothing
     explicit = {argument for parameter, argument in _STRATEGY_ONLY.items()
                 if given(parameter) and click.get_current_context().params.get(parameter) is not False}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from memcalc.core.categories import Mode
 from memcalc.core.checkpointing import CheckpointKind
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport
@@ -18,9 +19,11 @@ from memcalc.distributed.checkpoint_auto import choose_checkpointing
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.engine.collector import while_collector_paused
+from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.stacks.float8 import apply_float8
+from memcalc.stacks.liger import apply_liger
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
@@ -65,6 +68,12 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
             "float8 (--float8) is estimated on one GPU; under --strategy, torchao's float8 Linear layers under "
             "FSDP2 or tensor parallelism (and enable_fsdp_float8_all_gather's float8 all-gather) are not modelled",
             hint="Leave out --strategy to estimate one GPU's float8 step.")
+    if step.liger and (not distributed.is_single or (step.loop.preset is not None and step.loop.preset.is_trl)):
+        raise InapplicableOptionError("liger (--liger) is estimated on one GPU with memcalc's or the Trainer's loop; "
+                                      "under --strategy or a TRL loop it is not modelled yet",
+                                      hint="Leave out --strategy (or the TRL loop) to estimate Liger's kernels.")
+    if step.liger and step.mode is not Mode.TRAIN:  # said before the model is built
+        raise InapplicableOptionError(f"liger (--liger) models Liger's training kernels; the mode is {step.mode.value}")
     if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
         report = estimate_per_rank(step, distributed, costs=costs)
     else:
@@ -73,6 +82,8 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
                                   checkpoint=bool(step.checkpoint))
         resolved = apply_float8(resolved, step.float8)
         step = replace(step, precision=step_precision(resolved, step.finetune, step.precision, step.mode))
+        if step.liger:
+            resolved = with_liger(resolved, step)
         if step.loop.preset is not None and step.loop.preset.is_trl:
             resolved = trl_model(resolved, step)
         traced = trace_step(resolved, step, costs=costs)
@@ -113,3 +124,12 @@ def _cost_recorder() -> CostRecorderFactory:
     from memcalc.timing.flops import OpCostRecorder
 
     return OpCostRecorder
+
+
+def with_liger(resolved: ResolvedModel, step: Step) -> ResolvedModel:
+    """``resolved`` with Liger's kernels patched in (:func:`memcalc.stacks.liger.apply_liger`), for
+    a training step; the note says they are modelled from Liger's code."""
+    cuda = step.emulate_cuda
+    note = apply_liger(resolved.module, sm_count=step.gpu.sm_count if cuda else 1,
+                       addmm_out_dtype=cuda and step.gpu.compute_capability[0] >= 8, name=resolved.name)
+    return replace(resolved, notes=(*resolved.notes, note))

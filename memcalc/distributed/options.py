@@ -67,6 +67,9 @@ class Distributed:
         gradient_as_bucket_view: ``ddp`` / ``dp_replicate``: gradients are views into the buckets.
         sharding: ``fsdp`` / ``dp_shard``: ``full_shard`` (the default) or ``shard_grad_op``.
         reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
+        overlap_comm: ``zero1`` / ``zero2``: DeepSpeed's ``overlap_comm`` (two reduce buckets).
+        offload_optimizer: ``zero1`` / ``zero2``: ``offload_optimizer.device: cpu`` (the fp32
+            master partition, the optimizer state and the gradient partition in host memory).
         dp_replicate, dp_shard, tp, pp, cp, ep: the mesh's degrees (torchtitan's names; 1 or
             None: not used). A dimension without a strategy file, or a composition that is not
             modelled (tp with anything but dp_shard; pp or ep with another dimension), is
@@ -97,6 +100,8 @@ class Distributed:
     gradient_as_bucket_view: bool
     sharding: FsdpSharding
     reduce_bucket_size: int
+    overlap_comm: bool
+    offload_optimizer: bool
     #: The device mesh (a single GPU's: every degree 1); None for ``dp`` and ``zero*``.
     mesh: Mesh | None
     #: ``pp``: the schedule's name (None: 1F1B, torchtitan's default), the microbatches per step
@@ -115,6 +120,7 @@ class Distributed:
                  device_ids: Sequence[int] | None = None, batch_is_global: bool = False,
                  bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
                  sharding: FsdpSharding | str | None = None, reduce_bucket_size: int | None = None,
+                 overlap_comm: bool = False, offload_optimizer: bool = False,
                  dp_replicate: int | None = None, dp_shard: int | None = None, tp: int | None = None,
                  pp: int | None = None, cp: int | None = None, ep: int | None = None,
                  mesh: Mesh | Mapping[str, int] | None = None, pp_schedule: str | None = None,
@@ -127,7 +133,8 @@ class Distributed:
                                                                                  "FSDP sharding")
         world_size = _checked_world_size(world_size)
         for flag, setting in (("batch_is_global", batch_is_global),
-                              ("gradient_as_bucket_view", gradient_as_bucket_view), ("loss_parallel", loss_parallel)):
+                              ("gradient_as_bucket_view", gradient_as_bucket_view), ("loss_parallel", loss_parallel),
+                              ("overlap_comm", overlap_comm), ("offload_optimizer", offload_optimizer)):
             if not isinstance(setting, bool):
                 raise InvalidInputError(f"{flag} must be True or False, got {setting!r}")
         degrees = {name: value for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard),
@@ -144,6 +151,7 @@ class Distributed:
         _refuse_inapplicable(strategy_, mesh_, bucket_cap_mb=bucket_cap_mb,
                              gradient_as_bucket_view=gradient_as_bucket_view, sharding=sharding_,
                              reduce_bucket_size=reduce_bucket_size, batch_is_global=batch_is_global,
+                             overlap_comm=overlap_comm, offload_optimizer=offload_optimizer,
                              pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split,
                              tp_plan=_checked_tp_plan(tp_plan), loss_parallel=loss_parallel,
                              routing=routing_, capacity_factor=factor)
@@ -158,7 +166,8 @@ class Distributed:
         values = {"strategy": strategy_, "world_size": world, "device_ids": ids,
                   "batch_is_global": bool(batch_is_global), "bucket_cap_mb": cap,
                   "gradient_as_bucket_view": bool(gradient_as_bucket_view), "sharding": sharding_,
-                  "reduce_bucket_size": bucket, "mesh": mesh_, "pp_schedule": _checked_schedule(pp_schedule),
+                  "reduce_bucket_size": bucket, "overlap_comm": overlap_comm,
+                  "offload_optimizer": offload_optimizer, "mesh": mesh_, "pp_schedule": _checked_schedule(pp_schedule),
                   "microbatches": _checked_microbatches(microbatches), "pp_split": _checked_split(pp_split),
                   "tp_plan": _checked_tp_plan(tp_plan), "loss_parallel": bool(loss_parallel),
                   "routing": routing_, "capacity_factor": factor}
@@ -284,6 +293,8 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, object]] = {
     "gradient_as_bucket_view": ("--gradient-as-bucket-view", False),
     "sharding": ("--fsdp-sharding", FsdpSharding.FULL_SHARD),
     "reduce_bucket_size": ("--reduce-bucket-size", DEEPSPEED_REDUCE_BUCKET_SIZE),
+    "overlap_comm": ("--deepspeed's overlap_comm", False),
+    "offload_optimizer": ("--deepspeed's offload_optimizer", False),
     "batch_is_global": ("--global-batch", False),
     "pp_schedule": ("--pp-schedule", None),
     "microbatches": ("--microbatches", None),

@@ -79,14 +79,27 @@ class ZeroProgram(RankProgram):
     bucket as autograd produces it and frees it, keeping only this rank's partition in a
     persistent 16-bit buffer (``grads_in_partition``).
 
+    ``overlap_comm`` doubles the bucket (``ipg_buffer`` gets ``buf_1`` "to avoid data access
+    conflict"). ``offload_optimizer`` (``offload_optimizer.device: cpu``) moves the fp32 master
+    partition, the optimizer state and the step to the host (DeepSpeedCPUAdam): stage 2 then
+    copies each reduced gradient to the host's fp32 partition (``copy_gradients_to_cpu``) and
+    allocates no ``grads_in_partition`` on the GPU, so the GPU keeps the 16-bit model, the
+    bucket(s) and the gradients in flight — DeepSpeed's own ``estimate_zero2_model_states_mem_needs``
+    with ``cpu_offload``: 2 bytes per parameter.
+
     For ZeRO-3 the same :class:`ZeroOptimizer` runs over the partitions of
     :class:`ShardedProgram` (``sharded=`` that program)."""
 
     def __init__(self, stage: int, world_size: int, reduce_bucket_size: int, training: bool,
-                 sharded: ShardedProgram | None = None):
+                 sharded: ShardedProgram | None = None, *, overlap_comm: bool = False,
+                 offload_optimizer: bool = False):
         super().__init__()
         if stage not in (1, 2, 3) or (stage == 3) != (sharded is not None):
             raise ValueError("stage 3 takes the ShardedProgram it partitions; stages 1 and 2 none")
+        if stage == 3 and (overlap_comm or offload_optimizer):
+            raise ValueError("overlap_comm and offload_optimizer are modelled for stages 1 and 2")
+        self.buckets = 2 if overlap_comm else 1
+        self.offload_optimizer = offload_optimizer
         self.stage = stage
         self.world_size = world_size
         self.reduce_bucket_size = reduce_bucket_size
@@ -94,7 +107,7 @@ class ZeroProgram(RankProgram):
         self.sharded = sharded
         self.master: torch.Tensor | None = None
         self.partition_numel = 0
-        self._bucket: torch.Tensor | None = None
+        self._bucket: list[torch.Tensor] = []
         self._dtype = torch.float32
         self._steps = True  # False when the step has no optimizer (nothing to partition)
 
@@ -113,13 +126,15 @@ class ZeroProgram(RankProgram):
             total = sum(p.numel() for p in params)
             alignment = 2 * self.world_size  # nccl_start_alignment_factor × world size
             self.partition_numel = math.ceil(total / alignment) * alignment // self.world_size
-        self.master = self._buffer(self.partition_numel, torch.float32, Category.OPTIMIZER_STATE,
-                                   preexisting=True, communication=False)
+        if not self.offload_optimizer:  # offloaded: the master partition lives on the host
+            self.master = self._buffer(self.partition_numel, torch.float32, Category.OPTIMIZER_STATE,
+                                       preexisting=True, communication=False)
         if self.sharded is not None:
             return
-        if self.stage == 2:
+        if self.stage == 2 and not self.offload_optimizer:
             self._buffer(self.partition_numel, self._dtype, Category.GRADIENTS, preexisting=True,
                          communication=False)
+        if self.stage == 2:
             for p in params:
                 hook = p.register_post_accumulate_grad_hook(self._drop_gradient)  # type: ignore[no-untyped-call]
                 self._handles.append(hook)
@@ -132,17 +147,24 @@ class ZeroProgram(RankProgram):
             param.grad = None
 
     def _allocate_bucket(self) -> None:
-        if self._bucket is None:
-            self._bucket = self._buffer(self.reduce_bucket_size, self._dtype, Category.WORKSPACE)
+        if not self._bucket:
+            self._bucket = [self._buffer(self.reduce_bucket_size, self._dtype, Category.WORKSPACE)
+                            for _ in range(self.buckets)]
 
     def _release_bucket(self) -> None:
-        self._bucket = None
+        self._bucket = []
 
     def optimizer_spec(self, spec: OptimizerSpec) -> OptimizerSpec:
         self._steps = spec.factory is not None
         if spec.factory is None:
             return spec
         inner_factory = spec.factory
+        if self.offload_optimizer:  # the host steps the host's partition: nothing on the GPU
+
+            def on_host(params: Any, impl: OptimizerImpl) -> Any:
+                return ZeroOptimizer(None, torch.empty(0, device="meta"), list(params), self._tracer, self._dtype)
+
+            return replace(spec, factory=on_host)
 
         def build(params: Any, impl: OptimizerImpl) -> Any:
             assert self.master is not None

@@ -64,6 +64,7 @@ class Step:
         checkpoint: activation checkpointing: off, every block, every Nth block, or a selective
             policy (torchtitan's op list or the user's) inside every block.
         accum_steps: micro-batches per optimizer step.
+        liger: Liger kernels on a Hugging Face causal LM (:mod:`memcalc.stacks.liger`).
         compile: the model's forward compiled by ``torch.compile`` (Inductor): AOTAutograd's
             partitioner decides what is saved for backward, Inductor's fused kernels and memory
             planning what is allocated (:mod:`memcalc.engine.compiled`).
@@ -105,6 +106,7 @@ class Step:
     checkpoint: Checkpointing = OFF
     compile: bool = False
     float8: Float8 | None = None
+    liger: bool = False
     accum_steps: int = 1
     kv_cache: int | None = None
     capacity: int | None = None

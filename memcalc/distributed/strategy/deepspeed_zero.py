@@ -37,7 +37,7 @@ class DeepSpeedZero(RankStrategy):
     """DeepSpeed ZeRO stage 1, 2 or 3."""
 
     name = "zero"
-    options = frozenset({"reduce_bucket_size"})
+    options = frozenset({"reduce_bucket_size", "overlap_comm", "offload_optimizer"})
 
     @property
     def stage(self) -> int:
@@ -78,16 +78,26 @@ class DeepSpeedZero(RankStrategy):
         plan = every_rank(plan, self.distributed)
         stage, n = self.stage, self.degree
         bucket = self.distributed.reduce_bucket_size
+        overlap, offload = self.distributed.overlap_comm, self.distributed.offload_optimizer
         precision = step.precision
         sixteen = precision is not Precision.FP32
         training = step.mode is Mode.TRAIN
+        if stage == 3 and (overlap or offload):
+            raise InapplicableOptionError(
+                f"{'overlap_comm' if overlap else 'offload_optimizer'} is modelled for ZeRO stages 1 and 2; ZeRO-3's "
+                f"(its gradient partitions and their host copies, its double buffers) is not modelled yet",
+                hint="Estimate ZeRO-3 without it, or stage 2 with it.")
+        master = "fp32 master partition" + (" on the host" if offload and training else "")
         notes = [f"DeepSpeed ZeRO-{stage} over {n} ranks"
-                 + (f": the model in {_dtype(precision.compute_dtype)}, fp32 master partition"
-                    if sixteen else ": fp32 model, fp32 master partition")]
+                 + (f": the model in {_dtype(precision.compute_dtype)}, {master}" if sixteen
+                    else f": fp32 model, {master}")]
         if training:
             notes.append(f"DeepSpeed's reduce bucket: {format_bytes(bucket * (2 if sixteen else 4))} "
                          f"(reduce_bucket_size {bucket:,} elements; DeepSpeed's default is "
-                         f"{DEEPSPEED_REDUCE_BUCKET_SIZE:,})")
+                         f"{DEEPSPEED_REDUCE_BUCKET_SIZE:,})" + (", twice: overlap_comm" if overlap else ""))
+        if training and offload:
+            notes.append("offload_optimizer to the CPU: the fp32 master partition, the optimizer state and the "
+                         "gradient partition are in host memory, and the optimizer steps there (not counted here)")
         if stage == 3:
             notes.append("ZeRO-3 gathers one module at a time and prefetches the next; stage3_prefetch_bucket_size, "
                          "max_live_parameters, max_reuse_distance and param_persistence_threshold are not modelled")
@@ -98,7 +108,8 @@ class DeepSpeedZero(RankStrategy):
                 sharded = ShardedProgram(module_units(resolved.module), n, style="deepspeed",
                                          reshard_after_forward=True, sharded_dtype=None, gather_dtype=None,
                                          reduce_dtype=None, training=training, reduce_bucket_size=bucket)
-            return ZeroProgram(stage, n, bucket, training, sharded=sharded)
+            return ZeroProgram(stage, n, bucket, training, sharded=sharded, overlap_comm=overlap,
+                               offload_optimizer=offload)
 
         label = self.distributed.strategy.value
         shard = Shard((*_PARTITIONED[stage], "batch"), label, n)

@@ -25,6 +25,7 @@ What each argument becomes:
                                                            ``Trainer.get_optimizer_cls_and_kwargs``
                                                            returns (:func:`optimizer_of`)
 ``use_cpu``                                                ``gpu="cpu"``: what a CPU run allocates
+``use_liger_kernel``                                       ``liger``: Liger's kernels (:mod:`memcalc.stacks.liger`)
 ``max_grad_norm``                                          nothing: transformers 5.24's Trainer computes
                                                            the gradient norm whether it clips or not
                                                            (``Trainer._get_grad_norm`` calls
@@ -54,8 +55,7 @@ device, and are ignored silently:
   ``DynamicLayer.update`` keeps references, and memcalc's trace, which runs the config's
   ``use_cache``, matches the Trainer's ``use_cache=False`` runs in tests/hf_reference);
   ``include_num_input_tokens_seen`` (a scalar); ``optim_target_modules`` (GaLore's and APOLLO's,
-  refused through ``optim``); ``liger_kernel_config`` and ``fsdp_config`` (``use_liger_kernel``'s
-  and ``fsdp``'s, both refused);
+  refused through ``optim``); ``fsdp_config`` (``fsdp``'s, refused);
   ``resume_from_checkpoint``, ``ignore_data_skip``, ``restore_callback_states_from_checkpoint``,
   ``enable_jit_checkpoint``; ``output_dir``, ``run_name``, ``project``, ``do_train``,
   ``do_eval``, ``do_predict``.
@@ -93,7 +93,7 @@ __all__ = ("IGNORED", "MAPPED", "REFUSED", "TrainerSetup", "load_training_args",
 MAPPED = frozenset({
     "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "activation_checkpointing",
     "activation_checkpointing_kwargs", "gradient_checkpointing", "gradient_checkpointing_kwargs", "optim",
-    "optim_args", "use_cpu", "max_grad_norm",
+    "optim_args", "use_cpu", "max_grad_norm", "use_liger_kernel",
 })
 
 #: The arguments that change nothing a step allocates on the device (module docstring).
@@ -120,7 +120,7 @@ IGNORED = frozenset({
     "average_tokens_across_devices", "accelerator_config", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
     "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout", "local_rank",
     # the rest
-    "tf32", "torch_empty_cache_steps", "use_cache", "liger_kernel_config", "fsdp_config", "resume_from_checkpoint",
+    "tf32", "torch_empty_cache_steps", "use_cache", "fsdp_config", "resume_from_checkpoint",
     "ignore_data_skip", "restore_callback_states_from_checkpoint",
 })
 
@@ -151,8 +151,8 @@ REFUSED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "torch_compile": (_on, _COMPILE),
     "torch_compile_backend": (_set, _COMPILE),
     "torch_compile_mode": (_set, _COMPILE),
-    "use_liger_kernel": (_on, "Liger's kernels replace the model's own (its fused linear cross-entropy never makes "
-                              "the whole logits)"),
+    "liger_kernel_config": (_on, "it chooses which of Liger's kernels are applied; memcalc models the default set "
+                                 "(fused linear cross-entropy, RMSNorm, SwiGLU; RoPE as transformers')"),
     "neftune_noise_alpha": (_set, "NEFTune adds noise to the embeddings' output in a forward hook"),
     "auto_find_batch_size": (_on, "the Trainer halves the batch after an out-of-memory error; `memcalc fit` "
                                   "(memcalc.max_batch_size) finds the largest batch that fits"),
@@ -162,7 +162,8 @@ REFUSED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
                                          "(LabelSmoother), not the model's own loss"),
     "fsdp": (_on, "FSDP shards the model over several GPUs: estimate it with --strategy fsdp "
                   "(distributed=memcalc.Distributed('fsdp', ...))"),
-    "deepspeed": (_on, "DeepSpeed partitions the model's states: estimate it with --strategy zero1|zero2|zero3"),
+    "deepspeed": (_on, "DeepSpeed partitions the model's states: give its config as --deepspeed FILE.json "
+                       "(deepspeed=...), or --strategy zero1|zero2|zero3"),
     "parallelism_config": (_set, "tensor, context and sequence parallelism split the model's tensors"),
     "full_determinism": (_on, "deterministic algorithms choose other kernels, and cuBLAS gets the :16:8 workspace "
                               "(CUBLAS_WORKSPACE_CONFIG)"),
@@ -231,6 +232,9 @@ def read_training_args(args: Any = None) -> TrainerSetup:
     optimizer, impl, said = _optimizer(transformers, args, values)
     options["optimizer"] = optimizer
     read.append(("optim", said))
+    if values.get("use_liger_kernel"):
+        options["liger"] = True
+        read.append(("use_liger_kernel", "→ liger"))
     if values.get("use_cpu"):
         options["gpu"] = "cpu"
         read.append(("use_cpu", "→ gpu cpu"))

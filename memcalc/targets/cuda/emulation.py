@@ -214,8 +214,10 @@ class CudaEmulation(TorchFunctionMode):
         if not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
             return tensor
         # the cache lives in an autocast region (a recomputation outside one casts per use)
+        # autocast_mode.cpp's cached_cast: ... && arg.is_leaf() && !arg.is_view() && ...; a view of a
+        # parameter made under no_grad (w.t() inside an autograd.Function) is a leaf that requires grad
         cacheable = (self._autocast_depth > 0 and tensor.is_leaf and tensor.requires_grad
-                     and tensor.dtype is torch.float32)
+                     and not tensor._is_view() and tensor.dtype is torch.float32)
         if cacheable:
             cached = self._cast_cache.get(id(tensor))
             if cached is not None:
