@@ -259,3 +259,38 @@ def test_fsdp2_streams_are_the_ones_real_fully_shard_allocates_on(fake_process_g
     expected = [(MiB // 2, AG)] * 4 + [(MiB, RS)] * 2 + [(2 * MiB, AG)] * 4 if mixed \
         else [(MiB, RS)] * 2 + [(4 * MiB, AG)] * 4
     assert real == estimated == expected
+
+
+def _two_stream_snapshot(side: int) -> dict:
+    """A ``torch.cuda.memory._snapshot()`` of the first test's requests, as a real allocator records
+    them: a 50 MiB block on stream ``side`` freed, a 50 MiB request on the default stream
+    (a cudaMalloc of its own), the side stream's request again (its cached block)."""
+    a, b = 0x7F0000000000, 0x7F0004000000
+    trace = [
+        {"action": "segment_alloc", "addr": a, "size": 50 * MiB, "stream": side},
+        {"action": "alloc", "addr": a, "size": 50 * MiB, "stream": side},
+        {"action": "free_requested", "addr": a, "size": 50 * MiB, "stream": side},
+        {"action": "free_completed", "addr": a, "size": 50 * MiB, "stream": side},
+        {"action": "segment_alloc", "addr": b, "size": 50 * MiB, "stream": 0},
+        {"action": "alloc", "addr": b, "size": 50 * MiB, "stream": 0},
+        {"action": "alloc", "addr": a, "size": 50 * MiB, "stream": side},
+    ]
+    segments = [{"device": 0, "address": base, "total_size": 50 * MiB, "stream": stream, "segment_type": "large",
+                 "blocks": [{"size": 50 * MiB, "requested_size": 50 * MiB, "state": "active_allocated"}]}
+                for base, stream in ((a, side), (b, 0))]
+    return {"segments": segments, "device_traces": [trace]}
+
+
+def test_a_real_snapshots_streams_are_replayed_in_their_pools():
+    from memcalc.measure.snapshot import read_snapshot, replay_snapshot
+
+    side = 0x55D0C0DE  # a cudaStream_t as the snapshot records it
+    snapshot = read_snapshot(_two_stream_snapshot(side))
+    assert snapshot.reserved == (50 * MiB, 50 * MiB, 100 * MiB, 100 * MiB)
+    assert dict(snapshot.streams) == {0: side, 2: side}
+    replayed = replay_snapshot(snapshot)
+    assert replayed.first_divergence is None and replayed.stats.peak_reserved == 100 * MiB
+    assert replayed.stats.peak_reserved_by_stream == ((0, 50 * MiB), (side, 50 * MiB))
+    # read as one stream, the default stream's request would take the freed block: 50 MiB, wrong
+    one_stream = read_snapshot(_two_stream_snapshot(0))
+    assert replay_snapshot(one_stream).first_divergence == 2
