@@ -967,7 +967,7 @@ class CachingAllocatorModel:
         self._mapped += mapped
         self._num_segments += 1  # one cuMemMap, counted as a device allocation ("num_device_alloc")
         self._grow(pool.stream, mapped)
-        self._on_map(begin, mapped)
+        self._on_map(begin, mapped, pool.stream)
 
     def _unmap_block(self, block: _Block) -> None:
         """``unmap_block``: unmap the pages wholly inside the free ``block``; the free bytes on
@@ -995,14 +995,14 @@ class CachingAllocatorModel:
         self._mapped -= end - begin
         self._shrink(pool.stream, end - begin)
         self._num_device_frees += 1
-        self._on_unmap(begin, end - begin)
+        self._on_unmap(begin, end - begin, pool.stream)
         if block.prev is None and block.next is None:
             del pool.unmapped[block.addr]
 
-    def _on_map(self, addr: int, size: int) -> None:
+    def _on_map(self, addr: int, size: int, stream: int) -> None:
         """Hook for :class:`RecordingAllocatorModel`: pages were mapped."""
 
-    def _on_unmap(self, addr: int, size: int) -> None:
+    def _on_unmap(self, addr: int, size: int, stream: int) -> None:
         """Hook for :class:`RecordingAllocatorModel`: pages were unmapped."""
 
 
@@ -1056,10 +1056,10 @@ def _drive(model: CachingAllocatorModel, events: Iterable[tuple[int, Hashable, i
 
 # --- Recording: what each event did, for the timeline and the snapshot export ------------------
 
-#: One action of the allocator: ``(action, address, size, event index, key, requested bytes)``;
-#: ``action`` is a ``TraceEntry`` name of ``CUDACachingAllocator.h`` (``alloc``,
+#: One action of the allocator: ``(action, address, size, event index, key, requested bytes,
+#: stream)``; ``action`` is a ``TraceEntry`` name of ``CUDACachingAllocator.h`` (``alloc``,
 #: ``free_completed``, ``segment_alloc``, ``segment_free``); key None for segments.
-Action = tuple[str, int, int, int, Hashable, int]
+Action = tuple[str, int, int, int, Hashable, int, int]
 
 
 class RecordingAllocatorModel(CachingAllocatorModel):
@@ -1079,7 +1079,7 @@ class RecordingAllocatorModel(CachingAllocatorModel):
         super().malloc(key, nbytes, stream)
         block = self._live.get(key)
         if block is not None:
-            self.actions.append(("alloc", block.addr, block.size, index, key, nbytes))
+            self.actions.append(("alloc", block.addr, block.size, index, key, nbytes, block.pool.stream))
         self.allocated_after.append(self._allocated)
         self.reserved_after.append(self._reserved)
 
@@ -1087,7 +1087,8 @@ class RecordingAllocatorModel(CachingAllocatorModel):
         index = self._events
         block = self._live.get(key)
         if block is not None:  # before free_block merges it with its neighbours (its address moves)
-            self.actions.append(("free_completed", block.addr, block.size, index, key, block.requested))
+            self.actions.append(("free_completed", block.addr, block.size, index, key, block.requested,
+                                 block.pool.stream))
         super().free(key)
         self.allocated_after.append(self._allocated)
         self.reserved_after.append(self._reserved)
@@ -1100,22 +1101,22 @@ class RecordingAllocatorModel(CachingAllocatorModel):
     def _alloc_block(self, pool: _Pool, alloc_size: int, force: bool = False, size: int = 0) -> _Block | None:
         block = super()._alloc_block(pool, alloc_size, force, size)
         if block is not None and block.segment is None:
-            self.actions.append(("segment_alloc", block.addr, alloc_size, self._events - 1, None, 0))
+            self.actions.append(("segment_alloc", block.addr, alloc_size, self._events - 1, None, 0, pool.stream))
         return block
 
     def _release_block(self, block: _Block) -> None:
-        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
+        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0, block.pool.stream))
         super()._release_block(block)
 
     def _return_to_host(self, block: _Block) -> None:
-        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
+        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0, block.pool.stream))
         super()._return_to_host(block)
 
-    def _on_map(self, addr: int, size: int) -> None:
-        self.actions.append(("segment_map", addr, size, self._events - 1, None, 0))
+    def _on_map(self, addr: int, size: int, stream: int) -> None:
+        self.actions.append(("segment_map", addr, size, self._events - 1, None, 0, stream))
 
-    def _on_unmap(self, addr: int, size: int) -> None:
-        self.actions.append(("segment_unmap", addr, size, self._events - 1, None, 0))
+    def _on_unmap(self, addr: int, size: int, stream: int) -> None:
+        self.actions.append(("segment_unmap", addr, size, self._events - 1, None, 0, stream))
 
 
 @dataclass(frozen=True)

@@ -242,8 +242,8 @@ def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Cate
         largest_at_peak=_largest_alive(trace, program, categories, peak_index)
         if recorded.stats.peak_allocated > 0 else (),
         allocator_events=tuple(
-            AllocatorEvent(action, address, size, event, key % n if isinstance(key, int) else -1, requested)
-            for action, address, size, event, key, requested in recorded.actions),
+            AllocatorEvent(action, address, size, event, key % n if isinstance(key, int) else -1, requested, stream)
+            for action, address, size, event, key, requested, stream in recorded.actions),
         role=role,
         category=tuple(categories[u] for u in storage),
     )

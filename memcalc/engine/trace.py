@@ -228,7 +228,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
     def on_stream(self, stream: int) -> Iterator[None]:
         """Storages born inside are allocated on ``stream`` (``with torch.cuda.stream(s):``):
         the allocator caches them in that stream's pools (:mod:`memcalc.core.streams`)."""
-        previous, self.stream = self.stream, stream
+        previous, self.stream = self.stream, int(stream)  # a plain int: traces and snapshots hold no enum
         try:
             yield
         finally:
