@@ -57,6 +57,7 @@ class AllocatorEvent:
     event: int
     storage: int  # the storage id of the program (-1 for segment events)
     requested: int = 0  # bytes the storage asked for (alloc and free events; ``size`` is its rounded block)
+    stream: int = 0  # the stream whose pool the block or segment belongs to (:class:`~memcalc.core.streams.Stream`)
 
 
 @dataclass(frozen=True)

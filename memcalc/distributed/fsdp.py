@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Category
+from memcalc.core.streams import Stream
 from memcalc.distributed.program import RankProgram, map_output
 from memcalc.engine.trace import StorageTracer, tensors_of
 
@@ -135,8 +136,13 @@ class ShardedProgram(RankProgram):
     sharded ``.grad``, cast to the shard's dtype if it differs). Frozen parameters
     (``requires_grad=False``: ``--freeze``, a LoRA base) are sharded and gathered like the
     others; they have no gradient to reduce, and a unit of frozen parameters only
-    reshards. On the CPU target the collectives are gloo's, which copy what they all-gather
-    and reduce-scatter (:meth:`_gloo_copy`). Against real ``fully_shard`` on the CPU this
+    reshards. The all-gather output and the cast inputs it is copied from are allocated on
+    FSDP2's all-gather copy-in stream, the reduce-scatter output (the sharded gradients) on its
+    reduce-scatter stream (:class:`~memcalc.core.streams.Stream`): the allocator caches them in
+    those streams' pools when they are freed, where the compute stream cannot reuse them (the
+    streams real ``fully_shard`` allocates them on: tests/test_allocator_streams.py). On the CPU
+    target the collectives are gloo's, which copy what they all-gather and reduce-scatter
+    (:meth:`_gloo_copy`). Against real ``fully_shard`` on the CPU this
     agrees to the byte (less Adam's CPU step counters) over a fake process group, without
     gloo's copies (tests/test_strategies.py, tests/test_strategies_finetune.py), and within
     0.02% on every rank of real two-process runs over gloo (tests/test_gloo_runs.py).
@@ -278,16 +284,19 @@ class ShardedProgram(RankProgram):
         del all_gather
 
     def _all_gather_output(self, params: Sequence[_Param]) -> torch.Tensor:
-        cast = None
-        casting = [p for p in params if p.sharded.dtype != p.gather_dtype]
-        if casting:  # mixed precision: the all-gather input of these is one flat cast copy
-            cast = self._buffer(sum(p.shard_numel for p in casting), casting[0].gather_dtype, Category.WORKSPACE)
-        dtypes = {p.gather_dtype for p in params}
-        if len(dtypes) == 1:
-            output = self._buffer(sum(p.padded_numel for p in params), dtypes.pop(), Category.WORKSPACE)
-        else:  # _get_all_gather_input_metadatas: inputs of several dtypes are all-gathered as bytes
-            nbytes = sum(p.padded_numel * p.gather_dtype.itemsize for p in params)
-            output = self._buffer(nbytes, torch.uint8, Category.WORKSPACE)
+        # foreach_all_gather allocates both on the all-gather copy-in stream (forward and
+        # pre-backward all-gathers, the only ones here: FSDPCommContext.get_all_gather_streams)
+        with self._tracer.on_stream(Stream.ALL_GATHER_COPY_IN):
+            cast = None
+            casting = [p for p in params if p.sharded.dtype != p.gather_dtype]
+            if casting:  # mixed precision: the all-gather input of these is one flat cast copy
+                cast = self._buffer(sum(p.shard_numel for p in casting), casting[0].gather_dtype, Category.WORKSPACE)
+            dtypes = {p.gather_dtype for p in params}
+            if len(dtypes) == 1:
+                output = self._buffer(sum(p.padded_numel for p in params), dtypes.pop(), Category.WORKSPACE)
+            else:  # _get_all_gather_input_metadatas: inputs of several dtypes are all-gathered as bytes
+                nbytes = sum(p.padded_numel * p.gather_dtype.itemsize for p in params)
+                output = self._buffer(nbytes, torch.uint8, Category.WORKSPACE)
         if self.gloo:
             self._gloo_copy(output)  # gloo's AsyncAllgatherWork gathers into a flat tensor of its own
         del cast  # all_gather_copy_in has copied it into the output
@@ -459,14 +468,18 @@ class ShardedProgram(RankProgram):
         # that one bound to a local until the function returns (a real run, torch 2.13, confirms it)
         last = grads[-1][1] if self.world_size > 1 else None
         grads.clear()
-        output = torch.empty(sum(p.shard_numel for p in params), dtype=reduce_dtype, device="meta")
-        self._tracer.track(output, Category.GRADIENTS)
-        if self.gloo:
-            self._gloo_copy(rs_input)  # gloo reduce-scatters by all-reducing a clone of the input
-        sharded_dtype = params[0].sharded.dtype
-        if sharded_dtype != reduce_dtype:
-            output = output.to(sharded_dtype)
+        # the output and its cast are allocated on the reduce-scatter stream (the post-reduce
+        # stream; under HSDP the cast would run on the all-reduce stream, but the parameters'
+        # dtype is the reduce dtype under every MixedPrecisionPolicy memcalc builds: no cast there)
+        with self._tracer.on_stream(Stream.REDUCE_SCATTER):
+            output = torch.empty(sum(p.shard_numel for p in params), dtype=reduce_dtype, device="meta")
             self._tracer.track(output, Category.GRADIENTS)
+            if self.gloo:
+                self._gloo_copy(rs_input)  # gloo reduce-scatters by all-reducing a clone of the input
+            sharded_dtype = params[0].sharded.dtype
+            if sharded_dtype != reduce_dtype:
+                output = output.to(sharded_dtype)
+                self._tracer.track(output, Category.GRADIENTS)
         del last
         offset = 0
         for p in params:

@@ -13,7 +13,16 @@ What is modelled (C++ names in brackets, all in ``DeviceCachingAllocator``):
 
 * request rounding to 512 B [``round_size``]; zero-byte requests allocate nothing
   [``NativeCachingAllocator::allocate`` only calls ``malloc`` for ``size != 0``];
-* two pools: small (≤ 1 MiB) and large [``get_pool``];
+* two pools: small (≤ 1 MiB) and large [``get_pool``], each split by stream: a block belongs
+  to the stream it was allocated on, goes back to that stream's part of its pool when freed, and
+  serves only requests on that stream [``BlockComparatorSize`` orders by stream first;
+  ``get_free_block`` gives up at another stream's block]. Reserved counts every stream's
+  segments; the empty-cache and out-of-memory releases and garbage collection take every
+  stream's cached blocks [``release_blocks``, ``garbage_collect_cached_blocks`` walk the whole
+  pool]. A free is immediate: FSDP2, the only program here that allocates off the compute
+  stream, makes the side streams wait on the compute stream's event before it drops a buffer
+  and calls no ``record_stream`` (torch 2.13), so no block waits on events [``free``:
+  ``free_block`` unless ``stream_uses``];
 * segment sizes on a cudaMalloc: 2 MiB, 20 MiB, or rounded up to 2 MiB
   [``get_allocation_size``];
 * best-fit reuse of cached free blocks, ordered by (size, address) [``get_free_block``,
@@ -40,7 +49,7 @@ What is modelled (C++ names in brackets, all in ``DeviceCachingAllocator``):
   blocks until reserved is under the threshold × the capacity [``garbage_collect_cached_blocks``,
   which PyTorch runs only under ``set_per_process_memory_fraction``, as the capacity here];
 * expandable segments [``ExpandableSegment``, ``try_allocate_expandable_block``,
-  ``find_expandable_block``, ``map_block``, ``unmap_block``]: one segment per pool (one stream),
+  ``find_expandable_block``, ``map_block``, ``unmap_block``]: one segment per stream and pool,
   its address space reserved once and physical pages mapped as needed, 2 MiB for the small pool
   and 20 MiB (``kLargeBuffer``, torch 2.11's ``large_segment_size``) for the large one; reserved
   is the pages mapped; any remainder of 512 B or more is split off; ``empty_cache`` and the
@@ -48,8 +57,9 @@ What is modelled (C++ names in brackets, all in ``DeviceCachingAllocator``):
   none;
 * ``torch.cuda.empty_cache()`` [``emptyCache`` → ``release_cached_blocks``].
 
-What is left out: multiple streams (blocks are per stream; ``recordStream`` and the
-cross-stream events that delay frees), CUDA graph private pools, ``large_segment_size_mb``,
+What is left out: ``recordStream`` and the cross-stream events that delay a free until the GPU
+has passed them [``insert_events``, ``process_events``: when they complete is GPU timing, which a
+replay does not have], CUDA graph private pools, ``large_segment_size_mb``,
 ``max_non_split_rounding_mb``, ``backend:cudaMallocAsync`` and ``FreeCudaMemoryCallbacks``.
 The addresses cudaMalloc returns matter only to the address tie-break between equal-sized cached blocks; segments here
 get them as the CUDA driver placed them in the real snapshots (:data:`VA_GRANULARITY`: each in
@@ -76,8 +86,9 @@ peaks reported for a run past its OOM are what the run would have needed without
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.engine.collector import while_collector_paused
@@ -226,6 +237,9 @@ class AllocatorStats:
     num_device_frees: int = 0  # segments cudaFree'd, by OOM recovery or empty_cache ("num_device_free")
     num_alloc_retries: int = 0  # cudaMallocs retried after releasing the cache ("num_alloc_retries")
     num_ooms: int = 0  # events that could not be satisfied under the capacity ("num_ooms")
+    #: ``(stream, bytes)`` of each stream's pools at peak_reserved, when more than one stream
+    #: allocated (empty: the compute stream's alone); they add up to peak_reserved
+    peak_reserved_by_stream: tuple[tuple[int, int], ...] = ()
 
 
 class _Block:
@@ -283,28 +297,43 @@ class _Expandable:
         return self.base + begin * self.page, self.base + max(begin, end) * self.page
 
 
-class _Pool:
-    """Cached free blocks of one pool (C++ ``BlockPool``), ordered as ``BlockComparatorSize``.
+class _Clock:
+    """``get_free_blocks_call_count`` of one C++ ``BlockPool``, which the streams' blocks of that
+    pool share: the clock garbage collection ages cached blocks by."""
 
-    ``entries`` is a sorted list of ``(size, address)``: with a single stream that is exactly
-    the C++ set's order, so ``bisect`` finds the block ``std::set::lower_bound`` would. The
-    unmapped ranges of expandable segments are kept apart, by address (``unmapped``,
-    ``BlockComparatorAddress``); ``calls`` counts ``get_free_block`` calls while garbage
-    collection is on (``get_free_blocks_call_count``).
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class _Pool:
+    """Cached free blocks of one pool (C++ ``BlockPool``) on one stream, ordered as
+    ``BlockComparatorSize``.
+
+    The C++ set holds every stream's blocks ordered by (stream, size, address), and
+    ``get_free_block`` takes the lower bound of (the request's stream, its size) and gives up when
+    that block is another stream's: a search never leaves its stream. So each stream's part of the
+    set is a pool here, and ``entries``, a sorted list of ``(size, address)``, is exactly that
+    part's order: ``bisect`` finds the block ``std::set::lower_bound`` would. The unmapped ranges
+    of expandable segments are kept apart, by address (``unmapped``, ``BlockComparatorAddress``,
+    which compares the stream first too); ``clock`` counts ``get_free_block`` calls on the C++
+    pool, all streams, while garbage collection is on (``get_free_blocks_call_count``).
     """
 
-    __slots__ = ("blocks", "calls", "entries", "is_small", "unmapped")
+    __slots__ = ("blocks", "clock", "entries", "is_small", "stream", "unmapped")
 
-    def __init__(self, is_small: bool) -> None:
+    def __init__(self, is_small: bool, stream: int = 0, clock: _Clock | None = None) -> None:
         self.is_small = is_small
+        self.stream = stream
         self.entries: list[tuple[int, int]] = []
         self.blocks: dict[int, _Block] = {}  # address -> cached block
         self.unmapped: dict[int, _Block] = {}  # address -> unmapped range of an expandable segment
-        self.calls = 0
+        self.clock = clock if clock is not None else _Clock()
 
     def insert(self, block: _Block) -> None:
         """``insert_into_blocks``: cache ``block``, stamping its age for garbage collection."""
-        block.gc_base = self.calls
+        block.gc_base = self.clock.calls
         bisect.insort(self.entries, (block.size, block.addr))
         self.blocks[block.addr] = block
 
@@ -355,6 +384,10 @@ class CachingAllocatorModel:
         self._given_addresses = iter(segment_addresses) if segment_addresses is not None else None
         self._small = _Pool(is_small=True)
         self._large = _Pool(is_small=False)
+        # stream -> its (small, large) pools; the compute stream, 0, is the one a single GPU uses
+        self._pools: dict[int, tuple[_Pool, _Pool]] = {0: (self._small, self._large)}
+        self._stream_reserved: dict[int, int] = {}  # stream -> bytes of its segments and mapped pages
+        self._peak_stream_reserved: dict[int, int] = {}  # the same at the peak of reserved
         self._live: dict[Hashable, _Block] = {}
         self._zero: set[Hashable] = set()  # keys of 0-byte allocations: nothing to free
         self._segments: dict[int, int] = {}  # base address -> size of every segment held
@@ -418,7 +451,15 @@ class CachingAllocatorModel:
             num_device_frees=self._num_device_frees,
             num_alloc_retries=self._num_alloc_retries,
             num_ooms=self._num_ooms,
+            peak_reserved_by_stream=self._reserved_by_stream_at_peak(),
         )
+
+    def _reserved_by_stream_at_peak(self) -> tuple[tuple[int, int], ...]:
+        if len(self._pools) == 1:
+            return ()
+        # no snapshot: the peak came before any other stream allocated, so it was the compute stream's
+        at_peak = self._peak_stream_reserved or {0: self._peak_reserved}
+        return tuple(sorted((stream, nbytes) for stream, nbytes in at_peak.items() if nbytes))
 
     def address_of(self, key: Hashable) -> int:
         """Fake device address of a live allocation (for tests and debugging)."""
@@ -433,7 +474,7 @@ class CachingAllocatorModel:
 
         O(number of blocks); meant for tests and debugging, like ``torch.cuda.memory_snapshot()``.
         """
-        every = list(self._live.values()) + list(self._small.blocks.values()) + list(self._large.blocks.values())
+        every = list(self._live.values()) + [b for pool in self._every_pool() for b in pool.blocks.values()]
         blocks = sorted((b for b in every if b.segment is None), key=lambda b: b.addr)
         result = []
         i = 0
@@ -464,7 +505,8 @@ class CachingAllocatorModel:
         live_total = sum(b.size for b in self._live.values())
         assert live_total == self._allocated, (live_total, self._allocated)
         assert sum(self._segments.values()) + self._mapped == self._reserved
-        for pool in (self._small, self._large):
+        assert sum(self._stream_reserved.values()) == self._reserved
+        for pool in self._every_pool():
             assert pool.entries == sorted(pool.entries)
             assert len(pool.entries) == len(pool.blocks)
             for size, addr in pool.entries:
@@ -483,8 +525,9 @@ class CachingAllocatorModel:
 
     # --- events -------------------------------------------------------------------------
 
-    def malloc(self, key: Hashable, nbytes: int) -> None:
-        """Allocate ``nbytes`` under ``key`` (``DeviceCachingAllocator::malloc``)."""
+    def malloc(self, key: Hashable, nbytes: int, stream: int = 0) -> None:
+        """Allocate ``nbytes`` under ``key`` on ``stream`` (``DeviceCachingAllocator::malloc``):
+        from that stream's pools only, and freed back into them (the host allocator has none)."""
         index = self._events
         self._events += 1
         if key in self._live or key in self._zero:
@@ -493,7 +536,8 @@ class CachingAllocatorModel:
         if size == 0:
             self._zero.add(key)
             return
-        pool = self._small if size <= K_SMALL_SIZE else self._large
+        small, large = self._pools_of(stream) if stream and not self.host else (self._small, self._large)
+        pool = small if size <= K_SMALL_SIZE else large
         block = None if self.host else self._get_free_block(pool, size)
         if block is None:
             block = self._new_block(pool, size, index)
@@ -563,7 +607,7 @@ class CachingAllocatorModel:
         with the ``max_split_size`` rules for oversize blocks. In an expandable segment a block
         counts as the size it can grow to (itself and the unmapped range after it)."""
         if self._gc_threshold > 0.0:
-            pool.calls += 1  # tracked only while garbage collection is on
+            pool.clock.calls += 1  # tracked only while garbage collection is on
         entries = pool.entries
         # (size,) sorts before every (size, address): the C++ search key has ptr == nullptr.
         i = bisect.bisect_left(entries, (size,))
@@ -654,10 +698,37 @@ class CachingAllocatorModel:
         base = self._segment_address(alloc_size)
         self._segments[base] = alloc_size
         self._num_segments += 1
-        self._reserved += alloc_size
+        self._grow(pool.stream, alloc_size)
+        return _Block(base, alloc_size, pool)
+
+    def _grow(self, stream: int, nbytes: int) -> None:
+        """Reserved grows by ``nbytes`` on ``stream`` (a segment, or pages mapped)."""
+        self._reserved += nbytes
+        self._stream_reserved[stream] = self._stream_reserved.get(stream, 0) + nbytes
         if self._reserved > self._peak_reserved:
             self._peak_reserved = self._reserved
-        return _Block(base, alloc_size, pool)
+            if len(self._pools) > 1:
+                self._peak_stream_reserved = dict(self._stream_reserved)
+
+    def _shrink(self, stream: int, nbytes: int) -> None:
+        """Reserved shrinks by ``nbytes`` on ``stream`` (a segment freed, or pages unmapped)."""
+        self._reserved -= nbytes
+        self._stream_reserved[stream] -= nbytes
+
+    def _pools_of(self, stream: int) -> tuple[_Pool, _Pool]:
+        """The (small, large) pools of ``stream``, made at its first allocation; a stream's pools
+        share the C++ pool's garbage-collection clock."""
+        pools = self._pools.get(stream)
+        if pools is None:
+            pools = self._pools[stream] = (_Pool(True, stream, self._small.clock),
+                                           _Pool(False, stream, self._large.clock))
+        return pools
+
+    def _every_pool(self) -> list[_Pool]:
+        """Every pool, in the order ``release_cached_blocks`` walks them: the large blocks of every
+        stream, then the small ones, each stream in ``BlockComparatorSize``'s order."""
+        streams = sorted(self._pools.items())
+        return [large for _, (_, large) in streams] + [small for _, (small, _) in streams]
 
     def _segment_address(self, size: int) -> int:
         """Where the next segment of ``size`` bytes lies: the next given address when it
@@ -697,18 +768,19 @@ class CachingAllocatorModel:
     def _overlaps(self, base: int, size: int) -> bool:
         return any(start < base + size and base < start + length for start, length in self._segments.items())
 
-    def seed_segment(self, base: int, size: int, small: bool, live: Iterable[tuple[int, Hashable, int, int]]) -> None:
+    def seed_segment(self, base: int, size: int, small: bool, live: Iterable[tuple[int, Hashable, int, int]],
+                     stream: int = 0) -> None:
         """Put a segment that was already held before the events begin, with its live blocks
-        ``(offset, key, block size, requested bytes)``; the gaps between them are cached free
-        blocks. For replaying a real snapshot whose trace starts mid-run (the cuBLAS
+        ``(offset, key, block size, requested bytes)``, on ``stream``; the gaps between them are
+        cached free blocks. For replaying a real snapshot whose trace starts mid-run (the cuBLAS
         workspaces and whatever else was allocated before recording began)."""
         if self._overlaps(base, size):
             raise ValueError(f"seeded segment at {base:#x} overlaps one already held")
-        pool = self._small if small else self._large
+        small_pool, large_pool = self._pools_of(stream)
+        pool = small_pool if small else large_pool
         self._segments[base] = size
         self._num_segments += 1
-        self._reserved += size
-        self._peak_reserved = max(self._peak_reserved, self._reserved)
+        self._grow(stream, size)
         self._next_address = min(self._next_address, base)
         previous: _Block | None = None
         cursor = base
@@ -751,7 +823,7 @@ class CachingAllocatorModel:
         with no page is released. Linear in the number of cached blocks, but it runs only on
         empty_cache or when a cudaMalloc would not fit.
         """
-        for pool in (self._large, self._small):  # release_blocks(large_blocks) first, as in C++
+        for pool in self._every_pool():  # release_blocks(large_blocks) first, as in C++
             blocks = list(pool.blocks.values())
             for block in blocks:
                 if block.segment is None and block.prev is None and block.next is None:
@@ -775,7 +847,7 @@ class CachingAllocatorModel:
         if block.addr in self._own:
             self._own.discard(block.addr)
             self._release_address(block.addr, block.size)
-        self._reserved -= block.size
+        self._shrink(block.pool.stream, block.size)
         self._num_device_frees += 1
 
     def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
@@ -812,23 +884,26 @@ class CachingAllocatorModel:
         if self._reserved <= threshold:
             return
         target = self._reserved - threshold
-        pool = self._large
-        whole = [b for b in pool.blocks.values() if b.prev is None and b.next is None and b.segment is None]
-        total_age = sum(pool.calls - b.gc_base for b in whole)
+        pools = [large for _, (_, large) in sorted(self._pools.items())]  # large_blocks: every stream's
+        clock = self._large.clock
+        whole = [b for pool in pools for b in pool.blocks.values()
+                 if b.prev is None and b.next is None and b.segment is None]
+        total_age = sum(clock.calls - b.gc_base for b in whole)
         count = len(whole)
         reclaimed, freed = 0, True
         while reclaimed < target and freed and count > 0:
             age_threshold = total_age / count
             freed = False
-            for _, addr in list(pool.entries):
-                block = pool.blocks[addr]
-                age = pool.calls - block.gc_base
-                if block.prev is None and block.next is None and block.segment is None and age >= age_threshold:
-                    freed = True
-                    reclaimed += block.size
-                    total_age -= age
-                    count -= 1
-                    self._release_block(block)
+            for pool in pools:
+                for _, addr in list(pool.entries):
+                    block = pool.blocks[addr]
+                    age = clock.calls - block.gc_base
+                    if block.prev is None and block.next is None and block.segment is None and age >= age_threshold:
+                        freed = True
+                        reclaimed += block.size
+                        total_age -= age
+                        count -= 1
+                        self._release_block(block)
 
     # --- expandable segments (``ExpandableSegment``) -------------------------------------
 
@@ -890,10 +965,9 @@ class CachingAllocatorModel:
         self._try_merge(block, block.next)
         pool.insert(block)
         self._mapped += mapped
-        self._reserved += mapped
         self._num_segments += 1  # one cuMemMap, counted as a device allocation ("num_device_alloc")
-        self._peak_reserved = max(self._peak_reserved, self._reserved)
-        self._on_map(begin, mapped)
+        self._grow(pool.stream, mapped)
+        self._on_map(begin, mapped, pool.stream)
 
     def _unmap_block(self, block: _Block) -> None:
         """``unmap_block``: unmap the pages wholly inside the free ``block``; the free bytes on
@@ -919,16 +993,16 @@ class CachingAllocatorModel:
         self._try_merge(block, block.next)
         pool.unmapped[block.addr] = block
         self._mapped -= end - begin
-        self._reserved -= end - begin
+        self._shrink(pool.stream, end - begin)
         self._num_device_frees += 1
-        self._on_unmap(begin, end - begin)
+        self._on_unmap(begin, end - begin, pool.stream)
         if block.prev is None and block.next is None:
             del pool.unmapped[block.addr]
 
-    def _on_map(self, addr: int, size: int) -> None:
+    def _on_map(self, addr: int, size: int, stream: int) -> None:
         """Hook for :class:`RecordingAllocatorModel`: pages were mapped."""
 
-    def _on_unmap(self, addr: int, size: int) -> None:
+    def _on_unmap(self, addr: int, size: int, stream: int) -> None:
         """Hook for :class:`RecordingAllocatorModel`: pages were unmapped."""
 
 
@@ -940,20 +1014,35 @@ def _expandable_size(block: _Block) -> int:
 
 @while_collector_paused
 def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
-           settings: AllocConf | None = None, *, host: bool = False) -> AllocatorStats:
+           settings: AllocConf | None = None, *, host: bool = False,
+           streams: Mapping[Any, int] | None = None) -> AllocatorStats:
     """Run a recorded sequence through a fresh allocator (``host``: the CPU's) and return its stats.
 
     Each event is ``(ALLOC, key, nbytes)`` (``ALLOC == +1``), ``(FREE, key, 0)``
     (``FREE == -1``) or ``(EMPTY_CACHE, None, 0)`` (``EMPTY_CACHE == 0``); indices in the
-    result (``oom_at``, ``peak_index``) are positions in ``events``.
+    result (``oom_at``, ``peak_index``) are positions in ``events``. ``streams``: the stream each
+    key is allocated on, where it is not the compute stream (0).
     """
     model = CachingAllocatorModel(capacity, settings=settings, host=host)
-    _drive(model, events)
+    _drive(model, events, streams)
     return model.stats()
 
 
-def _drive(model: CachingAllocatorModel, events: Iterable[tuple[int, Hashable, int]]) -> None:
+def _drive(model: CachingAllocatorModel, events: Iterable[tuple[int, Hashable, int]],
+           streams: Mapping[Any, int] | None = None) -> None:
     malloc, free, empty_cache = model.malloc, model.free, model.empty_cache
+    if streams:
+        stream_of = streams.get
+        for kind, key, nbytes in events:
+            if kind == ALLOC:
+                malloc(key, nbytes, stream_of(key, 0))
+            elif kind == FREE:
+                free(key)
+            elif kind == EMPTY_CACHE:
+                empty_cache()
+            else:
+                raise ValueError(f"unknown event kind {kind!r}; expected +1 (alloc), -1 (free) or 0 (empty_cache)")
+        return
     for kind, key, nbytes in events:
         if kind == ALLOC:
             malloc(key, nbytes)
@@ -967,10 +1056,10 @@ def _drive(model: CachingAllocatorModel, events: Iterable[tuple[int, Hashable, i
 
 # --- Recording: what each event did, for the timeline and the snapshot export ------------------
 
-#: One action of the allocator: ``(action, address, size, event index, key, requested bytes)``;
-#: ``action`` is a ``TraceEntry`` name of ``CUDACachingAllocator.h`` (``alloc``,
+#: One action of the allocator: ``(action, address, size, event index, key, requested bytes,
+#: stream)``; ``action`` is a ``TraceEntry`` name of ``CUDACachingAllocator.h`` (``alloc``,
 #: ``free_completed``, ``segment_alloc``, ``segment_free``); key None for segments.
-Action = tuple[str, int, int, int, Hashable, int]
+Action = tuple[str, int, int, int, Hashable, int, int]
 
 
 class RecordingAllocatorModel(CachingAllocatorModel):
@@ -985,12 +1074,12 @@ class RecordingAllocatorModel(CachingAllocatorModel):
         self.reserved_after: list[int] = []  # per event
         self.actions: list[Action] = []
 
-    def malloc(self, key: Hashable, nbytes: int) -> None:
+    def malloc(self, key: Hashable, nbytes: int, stream: int = 0) -> None:
         index = self._events
-        super().malloc(key, nbytes)
+        super().malloc(key, nbytes, stream)
         block = self._live.get(key)
         if block is not None:
-            self.actions.append(("alloc", block.addr, block.size, index, key, nbytes))
+            self.actions.append(("alloc", block.addr, block.size, index, key, nbytes, block.pool.stream))
         self.allocated_after.append(self._allocated)
         self.reserved_after.append(self._reserved)
 
@@ -998,7 +1087,8 @@ class RecordingAllocatorModel(CachingAllocatorModel):
         index = self._events
         block = self._live.get(key)
         if block is not None:  # before free_block merges it with its neighbours (its address moves)
-            self.actions.append(("free_completed", block.addr, block.size, index, key, block.requested))
+            self.actions.append(("free_completed", block.addr, block.size, index, key, block.requested,
+                                 block.pool.stream))
         super().free(key)
         self.allocated_after.append(self._allocated)
         self.reserved_after.append(self._reserved)
@@ -1011,22 +1101,22 @@ class RecordingAllocatorModel(CachingAllocatorModel):
     def _alloc_block(self, pool: _Pool, alloc_size: int, force: bool = False, size: int = 0) -> _Block | None:
         block = super()._alloc_block(pool, alloc_size, force, size)
         if block is not None and block.segment is None:
-            self.actions.append(("segment_alloc", block.addr, alloc_size, self._events - 1, None, 0))
+            self.actions.append(("segment_alloc", block.addr, alloc_size, self._events - 1, None, 0, pool.stream))
         return block
 
     def _release_block(self, block: _Block) -> None:
-        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
+        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0, block.pool.stream))
         super()._release_block(block)
 
     def _return_to_host(self, block: _Block) -> None:
-        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0))
+        self.actions.append(("segment_free", block.addr, block.size, self._events - 1, None, 0, block.pool.stream))
         super()._return_to_host(block)
 
-    def _on_map(self, addr: int, size: int) -> None:
-        self.actions.append(("segment_map", addr, size, self._events - 1, None, 0))
+    def _on_map(self, addr: int, size: int, stream: int) -> None:
+        self.actions.append(("segment_map", addr, size, self._events - 1, None, 0, stream))
 
-    def _on_unmap(self, addr: int, size: int) -> None:
-        self.actions.append(("segment_unmap", addr, size, self._events - 1, None, 0))
+    def _on_unmap(self, addr: int, size: int, stream: int) -> None:
+        self.actions.append(("segment_unmap", addr, size, self._events - 1, None, 0, stream))
 
 
 @dataclass(frozen=True)
@@ -1043,9 +1133,10 @@ class RecordedReplay:
 
 @while_collector_paused
 def replay_recorded(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
-                    settings: AllocConf | None = None, *, host: bool = False) -> RecordedReplay:
+                    settings: AllocConf | None = None, *, host: bool = False,
+                    streams: Mapping[Any, int] | None = None) -> RecordedReplay:
     """:func:`replay` with a :class:`RecordingAllocatorModel`: the same stats, and the history."""
     model = RecordingAllocatorModel(capacity, settings, host=host)
-    _drive(model, events)
+    _drive(model, events, streams)
     return RecordedReplay(model.stats(), model.allocated_after, model.reserved_after, model.actions,
                           model.segments())

@@ -35,8 +35,10 @@ from memcalc.core.errors import (
 )
 from memcalc.core.progress import report_progress
 from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
+from memcalc.core.streams import Stream
 from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
+from memcalc.core.units import format_bytes
 from memcalc.engine import allocator
 from memcalc.engine.backend import AutocastRegion, PlainBackend, StepBackend
 from memcalc.engine.collector import while_collector_paused
@@ -598,7 +600,8 @@ def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None,
     """The program replayed through the allocator model; an impossible event (a free of a
     storage that is not live) is memcalc's bug, named by the op and module that made the storage."""
     try:
-        return allocator.replay(allocator_events(program, trace.nbytes), settings=settings, host=host)
+        return allocator.replay(allocator_events(program, trace.nbytes), settings=settings, host=host,
+                                streams=program.streams)
     except allocator.KeyStateError as exc:
         uid = program.storage(exc.key) if isinstance(exc.key, int) else -1
         if not 0 <= uid < trace.num_storages:
@@ -642,7 +645,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         peak_allocated=stats.peak_allocated,
     )
     first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[1]),
-                             settings=settings, host=host) if program.iterations > 1 else stats
+                             settings=settings, host=host, streams=program.streams) if program.iterations > 1 else stats
     spec = options.optimizer
     module = resolved.module
     training = mode is Mode.TRAIN
@@ -665,6 +668,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     generating = mode is Mode.GENERATE
     peak_step = decode_step_at(trace, trace.events.index(uid)) if generating and uid in trace.events else None
     notes = [*options.notes, *traced.notes]
+    if stats.peak_reserved_by_stream:
+        notes.append(_streams_note(stats))
     if (warning := options.precision_warning()) is not None:
         notes.append(warning)
         warnings.warn(warning, stacklevel=3)
@@ -721,6 +726,15 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     )
 
 
+def _streams_note(stats: allocator.AllocatorStats) -> str:
+    """What each stream's pools hold at the peak reserved of a step that allocates on several
+    streams (FSDP2's collectives): the compute stream cannot reuse the others' cached blocks."""
+    parts = ", ".join(f"{Stream(stream).label} {format_bytes(nbytes)}"
+                      for stream, nbytes in stats.peak_reserved_by_stream)
+    return (f"streams: the peak reserved with no limit, {format_bytes(stats.peak_reserved)}, is held in the pools of "
+            f"{parts}; a block freed on one stream is cached for that stream's requests alone")
+
+
 def _main_backend(attention: dict[str, int]) -> str | None:
     if not attention:
         return None
@@ -736,7 +750,8 @@ def _fit_under(program: Program, nbytes: list[int], capacity: int | None, stats:
     gc = settings is not None and settings.garbage_collection_threshold > 0.0  # collects below the capacity
     if stats.peak_reserved <= capacity and not gc:
         return True, stats.peak_reserved  # never under pressure: the same replay
-    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host)
+    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host,
+                               streams=program.streams)
     return limited.oom_at is None, limited.peak_reserved
 
 
@@ -750,7 +765,8 @@ def _reserved_if_expandable(program: Program, nbytes: list[int], capacity: int,
     if settings is not None and settings.expandable_segments:
         return None
     expanding = replace(settings or AllocConf(), expandable_segments=True)
-    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=expanding)
+    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=expanding,
+                               streams=program.streams)
     return limited.peak_reserved if limited.oom_at is None else -1
 
 

@@ -16,8 +16,8 @@ on request, the whole curve (:func:`build_timeline`, behind ``MemoryReport.timel
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -99,6 +99,9 @@ class Program:
     iterations: int
     iteration_starts: tuple[int, ...]  # index in events where each iteration begins
     traced: bool = False  # every iteration is in the trace (none synthesised)
+    #: the stream each key is allocated on, where it is not the compute stream (0): what
+    #: :func:`memcalc.engine.allocator.replay` takes as ``streams``
+    streams: Mapping[int, int] = field(default_factory=dict)
 
     def storage(self, key: int) -> int:
         """The storage uid behind an event key."""
@@ -128,7 +131,7 @@ def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Seque
     if traced_starts is not None:
         starts.extend(starts[0] + start for start in traced_starts)
         return Program(events=events, num_storages=n, iterations=len(starts), iteration_starts=tuple(starts),
-                       traced=True)
+                       traced=True, streams=dict(trace.stream))
     if iterations >= 2:
         if freed := freed_preexisting(trace):
             raise ValueError(f"the step freed pre-existing storages {freed}: its second iteration must be traced, "
@@ -140,7 +143,11 @@ def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Seque
             if uid in persistent:
                 continue  # already alive from the first iteration (optimizer state)
             events.append(event + n if event >= 0 else ~(uid + n))
-    return Program(events=events, num_storages=n, iterations=min(iterations, 2), iteration_starts=tuple(starts))
+    # the second iteration's key of a storage is uid + n, on the same stream
+    streams = {**trace.stream, **{uid + n: stream for uid, stream in trace.stream.items()}} if len(starts) > 1 \
+        else dict(trace.stream)
+    return Program(events=events, num_storages=n, iterations=min(iterations, 2), iteration_starts=tuple(starts),
+                   streams=streams)
 
 
 def category_totals_at(program: Program, nbytes: Sequence[int], categories: Sequence[Category],
@@ -201,12 +208,13 @@ def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Cate
         The :class:`~memcalc.core.timeline.Timeline`, one row per event of ``program``.
     """
     nbytes = trace.nbytes
-    recorded = allocator.replay_recorded(allocator_events(program, nbytes), settings=settings, host=host)
+    recorded = allocator.replay_recorded(allocator_events(program, nbytes), settings=settings, host=host,
+                                         streams=program.streams)
     reserved = recorded.reserved
     collects = settings is not None and settings.garbage_collection_threshold > 0.0  # below the capacity too
     if capacity is not None and (recorded.stats.peak_reserved > capacity or collects):
         reserved = allocator.replay_recorded(allocator_events(program, nbytes), capacity=capacity,
-                                             settings=settings, host=host).reserved
+                                             settings=settings, host=host, streams=program.streams).reserved
     n = max(program.num_storages, 1)
     keys = np.asarray(program.events, dtype=np.int64)
     is_alloc = keys >= 0
@@ -234,8 +242,8 @@ def build_timeline(trace: StepTrace, program: Program, categories: Sequence[Cate
         largest_at_peak=_largest_alive(trace, program, categories, peak_index)
         if recorded.stats.peak_allocated > 0 else (),
         allocator_events=tuple(
-            AllocatorEvent(action, address, size, event, key % n if isinstance(key, int) else -1, requested)
-            for action, address, size, event, key, requested in recorded.actions),
+            AllocatorEvent(action, address, size, event, key % n if isinstance(key, int) else -1, requested, stream)
+            for action, address, size, event, key, requested, stream in recorded.actions),
         role=role,
         category=tuple(categories[u] for u in storage),
     )

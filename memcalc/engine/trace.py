@@ -98,6 +98,7 @@ class StepTrace:
     op: list[str] = field(default_factory=list)  # per storage: the op that made it ("" pre-existing)
     phase_log: list[tuple[Phase, int]] = field(default_factory=list)  # every set_phase: (phase, index into events)
     sized: dict[int, ShapeSized] = field(default_factory=dict)  # synthetic storages sized by a rule, by uid
+    stream: dict[int, int] = field(default_factory=dict)  # uid -> the stream it was allocated on, where not 0
 
     @property
     def num_storages(self) -> int:
@@ -140,6 +141,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self._op_names: dict[Op, str] = {}  # str(func) formats its schema name: once per op
         self.defer_to: tuple[type[torch.Tensor], ...] = ()
         self._same_memory: dict[Op, int] = {}  # per op: the argument whose memory it returns (_SAME_MEMORY), or -1
+        self.stream = 0  # the stream storages born now are allocated on (:meth:`on_stream`)
 
     # ---- the hot path -------------------------------------------------------------------
     def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
@@ -225,9 +227,21 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         trace.category.append(category)
         trace.op.append(self._op)
         trace.events.append(uid)
+        if self.stream:
+            trace.stream[uid] = self.stream
         self._uid_by_key[key] = uid
         self._refs[key] = weakref.ref(storage, lambda _ref: self._on_free(key, uid))
         return uid
+
+    @contextmanager
+    def on_stream(self, stream: int) -> Iterator[None]:
+        """Storages born inside are allocated on ``stream`` (``with torch.cuda.stream(s):``):
+        the allocator caches them in that stream's pools (:mod:`memcalc.core.streams`)."""
+        previous, self.stream = self.stream, int(stream)  # a plain int: traces and snapshots hold no enum
+        try:
+            yield
+        finally:
+            self.stream = previous
 
     def _on_free(self, key: int, uid: int) -> None:
         self._uid_by_key.pop(key, None)
@@ -278,6 +292,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             trace.preexisting.append(uid)
             trace.phase[uid] = Phase.SETUP
             trace.module[uid] = trace.op[uid] = ""
+            trace.stream.pop(uid, None)  # model states and inputs: the compute stream's
             with suppress(ValueError):
                 at = trace.events.index(uid)
                 del trace.events[at]
@@ -306,6 +321,8 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             trace.preexisting.append(uid)
         else:
             trace.events.append(uid)
+            if self.stream:
+                trace.stream[uid] = self.stream
             if not persistent:
                 trace.events.append(~uid)
         return uid

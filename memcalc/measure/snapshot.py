@@ -42,12 +42,13 @@ __all__ = ("RealAllocation", "RealSnapshot", "SeedSegment", "SnapshotReplay", "l
 @dataclass(frozen=True)
 class SeedSegment:
     """A segment held when the trace begins: base address, size, pool, and its live blocks as
-    ``(offset, key, block size, requested bytes)``."""
+    ``(offset, key, block size, requested bytes)``; the stream whose pool it belongs to."""
 
     base: int
     size: int
     small: bool
     live: tuple[tuple[int, int, int, int], ...]
+    stream: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class RealSnapshot:
     segment_addresses: tuple[int, ...]  # the real cudaMalloc addresses, in order
     allocations: tuple[RealAllocation, ...] = field(repr=False)
     start_reserved: int = 0  # reserved when the trace begins (the seed's segments)
+    #: the stream each allocation was made on, where it is not the default stream: the real
+    #: ``cudaStream_t`` values, which order the pools as the C++ comparator does
+    streams: Mapping[Hashable, int] = field(default_factory=dict, repr=False)
 
     @property
     def peak_reserved(self) -> int:
@@ -137,6 +141,7 @@ def read_snapshot(data: Mapping[str, Any], device: int = 0) -> RealSnapshot:
     start = sum(s.size for s in seed)
     events: list[tuple[int, Hashable, int]] = []
     index: list[int] = []
+    streams: dict[Hashable, int] = {}
     allocations: dict[int, dict[str, Any]] = {}
     in_release = False
     for i, event in enumerate(trace):
@@ -157,6 +162,8 @@ def read_snapshot(data: Mapping[str, Any], device: int = 0) -> RealSnapshot:
             # a real trace's size is the request; memcalc's gives the block's and the request beside it
             nbytes = int(event.get("requested_size", event["size"]))
             events.append((ALLOC, key, nbytes))
+            if event.get("stream", 0):  # FSDP2's collectives, any side stream: a pool of its own
+                streams[key] = int(event["stream"])
             allocations[key] = {"nbytes": nbytes, "alloc": i, "free": None, "frames": _frames(event)}
         elif action == "free_completed" and event["addr"] in addr_key:
             key = addr_key.pop(event["addr"])
@@ -173,7 +180,7 @@ def read_snapshot(data: Mapping[str, Any], device: int = 0) -> RealSnapshot:
         segment_addresses=tuple(e["addr"] for e in trace if e["action"] == "segment_alloc"),
         allocations=tuple(RealAllocation(key, a["nbytes"], a["alloc"], a["free"], a["frames"])
                           for key, a in sorted(allocations.items())),
-        start_reserved=start)
+        start_reserved=start, streams=streams)
 
 
 def _reserved_after(trace: Sequence[Mapping[str, Any]], index: Sequence[int], start: int) -> list[int]:
@@ -207,7 +214,7 @@ def _seed(trace: Sequence[Mapping[str, Any]], segments: Sequence[Mapping[str, An
     when it is held at the end and the trace never allocates one there. A block is older when
     the trace frees it before allocating it, or when it is live at the end and never allocated.
     """
-    old_segments: dict[int, tuple[int, bool]] = {}
+    old_segments: dict[int, tuple[int, bool, int]] = {}
     allocated_segments: set[int] = set()
     old_blocks: dict[int, tuple[int, int]] = {}  # address -> (block size, requested)
     seen_blocks: set[int] = set()
@@ -216,7 +223,8 @@ def _seed(trace: Sequence[Mapping[str, Any]], segments: Sequence[Mapping[str, An
         if action == "segment_alloc":
             allocated_segments.add(addr)
         elif action == "segment_free" and addr not in allocated_segments:
-            old_segments.setdefault(addr, (event["size"], event["size"] == allocator.K_SMALL_BUFFER))
+            old_segments.setdefault(addr, (event["size"], event["size"] == allocator.K_SMALL_BUFFER,
+                                           int(event.get("stream", 0))))
         elif action == "alloc":
             seen_blocks.add(addr)
         elif action == "free_completed" and addr not in seen_blocks:
@@ -226,7 +234,8 @@ def _seed(trace: Sequence[Mapping[str, Any]], segments: Sequence[Mapping[str, An
         base = segment["address"]
         if base in allocated_segments:
             continue
-        old_segments.setdefault(base, (segment["total_size"], segment.get("segment_type") == "small"))
+        old_segments.setdefault(base, (segment["total_size"], segment.get("segment_type") == "small",
+                                       int(segment.get("stream", 0))))
         cursor = base
         for block in segment.get("blocks", ()):
             if block.get("state") == "active_allocated" and cursor not in seen_blocks:
@@ -234,13 +243,13 @@ def _seed(trace: Sequence[Mapping[str, Any]], segments: Sequence[Mapping[str, An
             cursor += block["size"]
     seeded: list[SeedSegment] = []
     key = 0
-    for base, (size, small) in sorted(old_segments.items()):
+    for base, (size, small, stream) in sorted(old_segments.items()):
         live = []
         for addr, (block_size, requested) in sorted(old_blocks.items()):
             if base <= addr < base + size:
                 live.append((addr - base, key, min(block_size, base + size - addr), requested))
                 key += 1
-        seeded.append(SeedSegment(base, size, small, tuple(live)))
+        seeded.append(SeedSegment(base, size, small, tuple(live), stream))
     return tuple(seeded)
 
 
@@ -255,12 +264,13 @@ def replay_snapshot(snapshot: RealSnapshot, *, real_addresses: bool = True,
     if model is None:
         model = CachingAllocatorModel(segment_addresses=snapshot.segment_addresses if real_addresses else None)
     for segment in snapshot.seed:
-        model.seed_segment(segment.base, segment.size, segment.small, segment.live)
+        model.seed_segment(segment.base, segment.size, segment.small, segment.live, segment.stream)
     reserved: list[int] = []
     first: int | None = None
+    stream_of = snapshot.streams.get
     for n, (kind, key, nbytes) in enumerate(snapshot.events):
         if kind == ALLOC:
-            model.malloc(key, nbytes)
+            model.malloc(key, nbytes, stream_of(key, 0))
         elif kind == FREE:
             model.free(key)
         else:

@@ -4,10 +4,11 @@ viewers open (https://pytorch.org/memory_viz, ``python -m torch.cuda._memory_viz
 A real snapshot is what the CUDA caching allocator recorded with
 ``torch.cuda.memory._record_memory_history()``; this one is what memcalc's model of it
 (:mod:`memcalc.engine.allocator`) did while replaying the step, both iterations of a training
-step, on device 0 and stream 0:
+step, on device 0 and the streams the model allocated on (0: the compute stream; FSDP2's
+collective streams, :class:`~memcalc.core.streams.Stream`, under a strategy):
 
 * ``device_traces[0]``: every ``segment_alloc`` (cudaMalloc), ``alloc``, ``free_requested``
-  then ``free_completed`` (one stream: a block is free as soon as it is released) and
+  then ``free_completed`` (no ``record_stream``: a block is free as soon as it is released) and
   ``segment_free`` (cudaFree, when the allocator releases its cache under a limit), in order,
   each with the model's fake address, its size and one frame naming where it happened:
   ``{"filename": "<memcalc>", "line": 0, "name": "forward layer4.2.conv3 aten.convolution.default"}``
@@ -25,6 +26,7 @@ Addresses are the model's: increasing, never reused by a new segment (see the al
 
 from __future__ import annotations
 
+import bisect
 import os
 import pickle
 from pathlib import Path
@@ -64,12 +66,12 @@ def snapshot_dict(report: MemoryReport) -> dict[str, Any]:
     frames = _Frames(timeline)
     trace: list[dict[str, Any]] = []
     for event in timeline.allocator_events:
-        entry = {"action": event.action, "addr": event.address, "size": event.size, "stream": 0,
+        entry = {"action": event.action, "addr": event.address, "size": event.size, "stream": event.stream,
                  "frames": frames.of(event.event),
                  "category": frames.category(event.event) if event.storage >= 0 else _NO_CATEGORY}
         if event.action == "alloc":  # the request, as a real trace's ``size`` is (read_snapshot prefers it)
             entry["requested_size"] = event.requested
-        if event.action == "free_completed":  # one stream: the free is requested and completed at once
+        if event.action == "free_completed":  # no record_stream: the free is requested and completed at once
             trace.append(entry | {"action": "free_requested"})
         trace.append(entry)
     return {"segments": _segments_at_end(timeline.allocator_events, frames), "device_traces": [trace]}
@@ -151,21 +153,31 @@ def _segments_at_end(events: tuple[AllocatorEvent, ...], frames: _Frames) -> lis
     (``inactive``) block."""
     segments: dict[int, int] = {}
     mapped: dict[int, int] = {}  # the pages of expandable segments
+    streams: dict[int, int] = {}  # the stream of each segment
+    mapped_on: dict[int, int] = {}  # the stream of each range of pages mapped, by its address
     live: dict[int, AllocatorEvent] = {}
     for event in events:
         if event.action == "segment_alloc":
             segments[event.address] = event.size
+            streams[event.address] = event.stream
         elif event.action == "segment_free":
             del segments[event.address]
         elif event.action == "segment_map":
             mapped[event.address] = event.size
+            mapped_on[event.address] = event.stream
         elif event.action == "segment_unmap":
             _unmap(mapped, event.address, event.size)
         elif event.action == "alloc":
             live[event.address] = event
         elif event.action == "free_completed":
             del live[event.address]
-    segments |= _contiguous(mapped)
+    runs = _contiguous(mapped)
+    segments |= runs
+    # a run lies in one expandable segment, whose first pages were mapped at its base: the
+    # nearest mapping at or below the run is its segment's, and so is the stream
+    mapped_at = sorted(mapped_on)
+    for base in runs:
+        streams[base] = mapped_on[mapped_at[bisect.bisect_right(mapped_at, base) - 1]]
     blocks = sorted(live.values(), key=lambda e: e.address)
     result: list[dict[str, Any]] = []
     i = 0
@@ -186,7 +198,7 @@ def _segments_at_end(events: tuple[AllocatorEvent, ...], frames: _Frames) -> lis
         allocated = sum(p["size"] for p in parts if p["state"] == "active_allocated")
         result.append({
             "device": 0, "address": base, "total_size": size, "allocated_size": allocated, "active_size": allocated,
-            "requested_size": sum(p["requested_size"] for p in parts), "stream": 0,
+            "requested_size": sum(p["requested_size"] for p in parts), "stream": streams.get(base, 0),
             # a 2 MiB segment is the small pool's (kSmallBuffer); the large pool's are 20 MiB
             # or at least 10 MiB rounded up to 2 MiB (memcalc.engine.allocator.segment_size)
             "segment_type": "small" if size <= K_SMALL_BUFFER else "large",

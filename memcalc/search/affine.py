@@ -48,7 +48,8 @@ def replay_under(program: Program, nbytes: Sequence[int], capacity: int, batch: 
     frees its cache and retries before it gives up, as PyTorch does): whether it fits, under the
     allocator's ``settings`` (``PYTORCH_CUDA_ALLOC_CONF``; None: the defaults). ``host``: the CPU
     target's allocator (no rounding, nothing cached)."""
-    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host)
+    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host,
+                             streams=program.streams)
     return SyntheticPoint(batch, stats.oom_at is None, stats.peak_allocated, stats.peak_reserved)
 
 
@@ -137,4 +138,5 @@ def _integer_line(at1: Sequence[int], at2: Sequence[int], b1: int, b2: int,
 
 def _same_structure(first: TracedStep, second: TracedStep) -> bool:
     t1, t2 = first.trace, second.trace
-    return t1.events == t2.events and t1.preexisting == t2.preexisting and first.categories == second.categories
+    return (t1.events == t2.events and t1.preexisting == t2.preexisting and first.categories == second.categories
+            and t1.stream == t2.stream)

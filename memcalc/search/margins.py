@@ -27,7 +27,8 @@ model where the model itself was measured, on the H100 suite of 2026-11-25
   what a small budget must hold back whatever the batch. A budget smaller than the run β was
   measured on holds back β's share of that run instead (llama-tiny inference's 108 MiB of a
   578 MiB run: 18.7% of a smaller budget). A family without data takes the largest share.
-* **FLOOR**: what no measurement here can size — another CUDA stream's pool, a driver that
+* **FLOOR**: what no measurement here can size — the pool of a stream memcalc does not know (a
+  library's own, NCCL's; FSDP2's collective streams are replayed), a driver that
   moves the context, a library version's kernels — held at the 3% the estimate is held to on
   reserved memory (issue 25).
 
