@@ -8,6 +8,9 @@
   (``-m "not slow"``) keeps; every other case is marked slow (``pytest_collection_modifyitems``).
 * ``fake_process_group``: a fake process group for the distributed tests (and
   ``without_gloo_copies``, which it uses).
+* Under pytest-xdist's ``--dist loadgroup`` (``.ci/run``: ``-n 2``), the tests of a module that use
+  one of its module- or session-scoped fixtures run in one worker, so that a real run they
+  share (a gloo reference, a snapshot) is made once; every other test goes where a worker is free.
 """
 
 from __future__ import annotations
@@ -151,6 +154,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in members:
             if item.callspec.id not in keep:
                 item.add_marker(pytest.mark.slow)
+    for item in items:
+        if _shares_a_wide_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _shares_a_wide_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module- or session-scoped fixture: pytest-xdist's ``loadgroup``
+    then keeps it with its module's other users of it (a wide fixture is made once per worker)."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = item.nodeid.split("::")[0]
+    if info is None:
+        return False
+    # the module's own fixtures only: pytest's tmp_path_factory is session-scoped and cheap
+    return any(definitions[-1].scope in ("module", "session") and definitions[-1].baseid == module
+               for definitions in info.name2fixturedefs.values() if definitions)
 
 
 @pytest.fixture

@@ -162,7 +162,7 @@ def test_the_readme_documents_commands_to_run() -> None:
 def test_the_readme_starts_with_the_two_commands() -> None:
     first, second = blocks(README_TEXT)[:2]
     assert first.body.strip().endswith("memcalc resnet50 --batch 64 --optim adam")
-    assert 'pip install -e ".[test,plot,hf,quant,trl,float8]"' in second.body and second.body.strip().endswith("python -m pytest -q")
+    assert 'pip install -e ".[test,plot,hf,quant,trl,float8]"' in second.body and second.body.strip().endswith("python -m pytest -q -n 2 --dist loadgroup")
 
 
 @pytest.mark.slow

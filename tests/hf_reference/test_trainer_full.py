@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_harness import BF16_ODD_VOCAB, BF16_VOCAB, LLAMA3_VOCAB, TOLERANCE, Recipe, check_trainer_recipe, llama_config
+from hf_harness import BF16_VOCAB, LLAMA3_VOCAB, ODD_VOCAB, TOLERANCE, Recipe, check_trainer_recipe, llama_config
 
 import memcalc
 
@@ -28,7 +28,7 @@ RECIPES = {
     "amp bf16 + checkpointing": Recipe(llama_config(BF16_VOCAB), bf16=True, checkpointing=True,
                                        estimate=dict(optimizer="adamw", precision="amp-bf16", checkpoint=True,
                                                      loop=_TRAINER)),
-    "amp bf16 + accumulation 2": Recipe(llama_config(BF16_ODD_VOCAB), bf16=True, accumulation=2,
+    "amp bf16 + accumulation 2": Recipe(llama_config(ODD_VOCAB), bf16=True, accumulation=2,
                                         estimate=dict(optimizer="adamw", precision="amp-bf16", accum_steps=2,
                                                       loop=_TRAINER)),
 }
