@@ -390,7 +390,7 @@ def test_recorded_maps_and_unmaps_are_whole_pages() -> None:
 
     recorded = replay_recorded([(ALLOC, "a", 30 * MiB), (ALLOC, "b", 25 * MiB), (FREE, "a", 0),
                                 (EMPTY_CACHE, None, 0)], settings=EXPANDABLE)
-    pages = [(action, size) for action, _, size, _, _, _ in recorded.actions if action.startswith("segment")]
+    pages = [(action, size) for action, _, size, *_ in recorded.actions if action.startswith("segment")]
     assert pages == [("segment_map", 40 * MiB), ("segment_map", 20 * MiB), ("segment_unmap", 20 * MiB)]
     base = recorded.actions[0][1]
     assert [address - base for action, address, *_ in recorded.actions if action.startswith("segment")] == \
