@@ -148,29 +148,26 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             # the subclass's own dispatch runs next, with this mode still active: its inner ops come back here
             return NotImplemented
         self.last_op = func
+        kwargs = kwargs or {}
         try:
             with _NO_FUNCTION_MODES():
-                return self._dispatch(func, args, kwargs or {})
-        finally:
-            self._op = ""
-
-    def _dispatch(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        try:
-            facts = self._facts.get(id(func))
-            if facts is None:
-                facts = self._facts[id(func)] = _OpFacts(func)
-            same = facts.same_memory
-            # a view where the real kernel allocates nothing
-            out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs, self._run)
-            self.trace.op_counts[facts.short_name] += 1
-            self._op = facts.name
-            self._see(out)
-            if self.after_op is not None:
-                self.after_op(func, args, kwargs, out)
+                facts = self._facts.get(id(func))
+                if facts is None:
+                    facts = self._facts[id(func)] = _OpFacts(func)
+                same = facts.same_memory
+                # a view where the real kernel allocates nothing
+                out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs, self._run)
+                self.trace.op_counts[facts.short_name] += 1
+                self._op = facts.name
+                self._see(out)
+                if self.after_op is not None:
+                    self.after_op(func, args, kwargs, out)
         except MemcalcError:
             raise
         except Exception as exc:  # the op ran (_run maps its failures): what failed is memcalc's bookkeeping
             raise self.internal_error(exc) from exc
+        finally:
+            self._op = ""
         return out
 
     def internal_error(self, cause: BaseException) -> InternalError:
