@@ -106,3 +106,13 @@ def test_emulation_rules_are_keyed_by_the_functions_torch_function_sees() -> Non
         F.cross_entropy(torch.randn(3, 5), torch.tensor([1, 2, 3]))
     assert [func for func in seen if func in EMULATION_RULES] == [
         F.scaled_dot_product_attention, aten.scaled_dot_product_attention, F.dropout, F.cross_entropy]
+
+
+def test_get_follows_override_and_takes_any_callable() -> None:
+    # get() looks rules up by identity: a removed rule is gone from it too, and an unhashable
+    # callable (a method of an unhashable object) is simply without a rule
+    rules: RuleRegistry[Any] = RuleRegistry("test")
+    rules.register(aten.mm.default)(first)
+    rules.override(aten.mm.default, None)
+    assert rules.get(aten.mm.default) is None
+    assert rules.get([].append) is None

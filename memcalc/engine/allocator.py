@@ -376,6 +376,8 @@ class CachingAllocatorModel:
         self.settings = settings or AllocConf()
         self._max_split = self.settings.max_split_size or MAX_SPLIT_SIZE
         self._expandable = self.settings.expandable_segments
+        # round_size's settings: None without roundup_power2_divisions (no look-up per request then)
+        self._rounding = self.settings if any(self.settings.roundup_power2_divisions) else None
         # garbage_collect_cached_blocks runs only under set_per_process_memory_fraction, which the
         # capacity stands for (``set_fraction && garbage_collection_threshold() > 0``)
         self._gc_threshold = self.settings.garbage_collection_threshold if capacity is not None else 0.0
@@ -532,7 +534,7 @@ class CachingAllocatorModel:
         self._events += 1
         if key in self._live or key in self._zero:
             raise AlreadyLiveError(key, f"allocation key {key!r} is already live")
-        size = nbytes if self.host else round_size(nbytes, self.settings)
+        size = nbytes if self.host else round_size(nbytes, self._rounding)
         if size == 0:
             self._zero.add(key)
             return

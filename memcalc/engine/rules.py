@@ -45,6 +45,9 @@ class RuleRegistry(Generic[R]):
     def __init__(self, subject: str) -> None:
         self.subject = subject
         self._rules: dict[object, R] = {}
+        # the same rules by id(op), for get(): asked once per traced op, and an OpOverload hashes
+        # in Python (torch/_ops.py). An op with a rule is a key of _rules, alive: its id is its own.
+        self._by_id: dict[int, R] = {}
 
     def register(self, *ops: object) -> Callable[[R], R]:
         """Decorator: ``rule`` handles every op in ``ops``."""
@@ -59,6 +62,7 @@ class RuleRegistry(Generic[R]):
                         f"({getattr(self._rules[op], '__qualname__', self._rules[op])}); use override()")
             for op in ops:
                 self._rules[op] = rule
+                self._by_id[id(op)] = rule
             return rule
 
         return decorate
@@ -66,13 +70,16 @@ class RuleRegistry(Generic[R]):
     def override(self, op: object, rule: R | None) -> R | None:
         """Replace (or with ``None`` remove) the rule for ``op``; returns the previous one."""
         previous = self._rules.pop(op, None)
+        self._by_id.pop(id(op), None)
         if rule is not None:
             self._rules[op] = rule
+            self._by_id[id(op)] = rule
         return previous
 
     def get(self, op: object) -> R | None:
-        """The rule for ``op``, or None (most ops have none)."""
-        return self._rules.get(op)
+        """The rule for ``op``, or None (most ops have none). Looked up by identity: an op is
+        one object (an ``OpOverload``, a function), and any callable can be asked about."""
+        return self._by_id.get(id(op))
 
     def __contains__(self, op: object) -> bool:
         return op in self._rules

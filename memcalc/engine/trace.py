@@ -19,7 +19,7 @@ import enum
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias
 
@@ -56,6 +56,11 @@ _TO_COPY: Final = torch.ops.aten._to_copy.default
 #: ``empty_like`` (torch/distributed/_functional_collectives.py).
 _SAME_MEMORY: Final[Mapping[str, int]] = {"_c10d_functional::_wrap_tensor_autograd": 0,
                                           "_c10d_functional::wait_tensor": 0}
+#: Turns ``__torch_function__`` off (modes and subclasses) for the block: below autograd, in the
+#: tracer's own bookkeeping and the meta kernels it runs, a function mode above (the CUDA
+#: emulation) has nothing to do, and answering every ``.shape`` and ``untyped_storage()`` there
+#: cost it about five calls per aten op.
+_NO_FUNCTION_MODES: Final[Callable[[], AbstractContextManager[None]]] = torch._C.DisableTorchFunction
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -122,6 +127,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                  read_values: ReadOracle | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode.__init__ is untyped
         self.device_type = device_type
+        self._meta = device_type == "meta"  # Tensor.is_meta: a tenth of Tensor.device.type's cost, once per output
         # Called after every op with (func, args, kwargs, out): kernel workspace rules that
         # add synthetic allocations for memory the meta kernels do not show.
         self.after_op = after_op
@@ -138,10 +144,9 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self._recording = True
         self._op = ""  # the aten op being dispatched ("" between ops): what made a new storage
         self.last_op: Op | None = None  # the aten op dispatched last: where an internal error happened
-        self._op_names: dict[Op, str] = {}  # str(func) formats its schema name: once per op
         self.defer_to: tuple[type[torch.Tensor], ...] = ()
-        self._same_memory: dict[Op, int] = {}  # per op: the argument whose memory it returns (_SAME_MEMORY), or -1
         self.stream = 0  # the stream storages born now are allocated on (:meth:`on_stream`)
+        self._facts: dict[int, _OpFacts] = {}  # per op, by id (_OpFacts): what is looked up once
 
     # ---- the hot path -------------------------------------------------------------------
     def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
@@ -150,23 +155,26 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             # the subclass's own dispatch runs next, with this mode still active: its inner ops come back here
             return NotImplemented
         self.last_op = func
+        kwargs = kwargs or {}
         try:
-            same = self._same_memory.get(func)
-            if same is None:
-                same = self._same_memory.setdefault(func, _SAME_MEMORY.get(func._schema.name, -1))
-            # a view where the real kernel allocates nothing
-            out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs or {}, self._run)
-            self.trace.op_counts[func.__name__] += 1
-            name = self._op_names.get(func)
-            self._op = name if name is not None else self._op_names.setdefault(func, str(func))
-            self._see(out)
-            if self.after_op is not None:
-                self.after_op(func, args, kwargs or {}, out)
+            with _NO_FUNCTION_MODES():
+                facts = self._facts.get(id(func))
+                if facts is None:
+                    facts = self._facts[id(func)] = _OpFacts(func)
+                same = facts.same_memory
+                # a view where the real kernel allocates nothing
+                out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs, self._run)
+                self.trace.op_counts[facts.short_name] += 1
+                self._op = facts.name
+                self._see(out)
+                if self.after_op is not None:
+                    self.after_op(func, args, kwargs, out)
         except MemcalcError:
             raise
         except Exception as exc:  # the op ran (_run maps its failures): what failed is memcalc's bookkeeping
             raise self.internal_error(exc) from exc
-        self._op = ""
+        finally:
+            self._op = ""
         return out
 
     def internal_error(self, cause: BaseException) -> InternalError:
@@ -195,7 +203,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def _see(self, out: Any) -> None:
         if isinstance(out, torch.Tensor):
-            if out.device.type == self.device_type:
+            if out.is_meta if self._meta else out.device.type == self.device_type:
                 self.track(out)
         elif isinstance(out, (tuple, list)):
             for item in out:
@@ -349,6 +357,22 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         return self.trace
 
 
+class _OpFacts:
+    """What the tracer looks up about one op, once: its dispatch facts, kept by ``id(func)``
+    because an ``OpOverload`` hashes in Python (``torch/_ops.py``), and a dictionary keyed by it
+    pays that call on every look-up. It holds ``func``, so the id stays its own while the tracer
+    lives."""
+
+    __slots__ = ("func", "name", "same_memory", "short_name")
+
+    def __init__(self, func: Op) -> None:
+        self.func = func
+        self.name = str(func)  # formats its schema name
+        self.short_name = func.__name__  # the trace's op counts
+        # the argument whose memory it returns (_SAME_MEMORY), or -1
+        self.same_memory = _SAME_MEMORY.get(func._schema.name, -1)
+
+
 class MetaKernelCache:
     """Outputs of ops, by the metadata of their arguments.
 
@@ -367,17 +391,22 @@ class MetaKernelCache:
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
         self._specs: dict[tuple[object, ...], _Spec] = {}
-        # a value read (.item()) is never cached: its answer changes with the data it stands for
-        self._plans: dict[Op, _Plan | None] = {_READ_VALUE: None, _NONZERO: None}
+        # per op, by id (the op object held, as in _OpFacts): whether it is an elementwise
+        # foreach op (_foreach_shortcut), and its plan (_plan)
+        self._ops: dict[int, tuple[Op, bool, _Plan | None]] = {}
         self.hits = 0
 
     def run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], compute: _Compute) -> Any:
         """The output of ``func(*args, **kwargs)``: rebuilt from the cache, or ``compute``'s."""
-        shortcut = _foreach_shortcut(func, args, kwargs, self.device_type)
-        if shortcut is not _NO_SHORTCUT:
-            self.hits += 1
-            return shortcut
-        plan = self._plan(func)
+        facts = self._ops.get(id(func))
+        if facts is None:
+            facts = self._ops[id(func)] = (func, _is_foreach_elementwise(func), _plan_of(func))
+        _func, foreach, plan = facts
+        if foreach:
+            shortcut = _foreach_shortcut(func, args, kwargs, self.device_type)
+            if shortcut is not _NO_SHORTCUT:
+                self.hits += 1
+                return shortcut
         if plan is None or (func is _TO_COPY and _to_host(kwargs)):  # a copy to the host holds values
             return compute(func, args, kwargs)
         key = self._key(func, args, kwargs)
@@ -390,18 +419,10 @@ class MetaKernelCache:
         out = compute(func, args, kwargs)
         spec = _spec_with_plan(out, plan, args, kwargs)
         if spec is _ALIASING:
-            self._plans[func] = None  # aliases an input although its schema says otherwise
+            self._ops[id(func)] = (func, foreach, None)  # aliases an input although its schema says otherwise
         elif spec is not None:
             self._specs[key] = spec
         return out
-
-    def _plan(self, func: Op) -> _Plan | None:
-        """Per return: ("fresh",), ("fresh_list",) or ("arg", position, name) for a returned mutated
-        argument; None if the op is not cacheable."""
-        if func in self._plans:
-            return self._plans[func]
-        self._plans[func] = plan = _make_plan(func)
-        return plan
 
     def _key(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[object, ...] | None:
         # Which arguments share a storage is part of the key: some meta kernels decide on it
@@ -409,7 +430,7 @@ class MetaKernelCache:
         # are views of one storage).
         storages: dict[int, int] = {}
         try:
-            parts: list[object] = [func]
+            parts: list[object] = [id(func)]  # run() holds func: its id is its own while the cache lives
             for value in args:
                 parts.append(_arg_key(value, storages))
             for name in sorted(kwargs):
@@ -456,12 +477,16 @@ _FOREACH_ELEMENTWISE = frozenset({
 })
 
 
+def _is_foreach_elementwise(func: Op) -> bool:
+    name = func.__name__.split(".")[0]
+    return (name[:-1] if name.endswith("_") else name) in _FOREACH_ELEMENTWISE
+
+
 def _foreach_shortcut(func: Op, args: tuple[Any, ...], kwargs: dict[str, Any],
                       device_type: str) -> list[torch.Tensor] | Literal[_Sentinel.NO_SHORTCUT] | None:
-    name = func.__name__.split(".")[0]
-    inplace = name.endswith("_")
-    if (name[:-1] if inplace else name) not in _FOREACH_ELEMENTWISE or not args or not isinstance(args[0], list):
+    if not _is_foreach_elementwise(func) or not args or not isinstance(args[0], list):
         return _NO_SHORTCUT
+    inplace = func.__name__.split(".")[0].endswith("_")
     first = args[0]
     tensors = [t for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) for t in a
                if isinstance(t, torch.Tensor)] + [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -482,6 +507,13 @@ def _foreach_shortcut(func: Op, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 _METADATA_MUTATORS = ("resize", "set_", "as_strided", "swap", "_unsafe_set")
+
+
+def _plan_of(func: Op) -> _Plan | None:
+    """Per return: ("fresh",), ("fresh_list",) or ("arg", position, name) for a returned mutated
+    argument; None if the op is not cacheable."""
+    # a value read (.item()) is never cached: its answer changes with the data it stands for
+    return None if func is _READ_VALUE or func is _NONZERO else _make_plan(func)
 
 
 def _make_plan(func: Op) -> _Plan | None:
@@ -523,16 +555,28 @@ class _Uncacheable(Exception):
     pass
 
 
+#: Argument types that are their own key (exact types: the common case, tested first by ``type``).
+_ATOMS: Final = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                           torch.memory_format})
+
+
 def _arg_key(value: Any, storages: dict[int, int]) -> object:
+    # exact types first: isinstance against torch.Tensor goes through its metaclass, and the
+    # key is built for every argument of every cacheable op
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is list or kind is tuple:
+        return tuple([_arg_key(v, storages) for v in value])
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta":
+        if not value.is_meta:
             raise _Uncacheable  # a real (CPU) tensor: its values may matter
         alias = storages.setdefault(id(value.untyped_storage()), len(storages))
-        return ("T", tuple(value.shape), value.stride(), value.dtype, value.storage_offset(), alias)
+        # torch.Size is a tuple: equal to, and hashed as, the tuple of its sizes
+        return ("T", value.shape, value.stride(), value.dtype, value.storage_offset(), alias)
     if isinstance(value, (list, tuple)):
-        return tuple(_arg_key(v, storages) for v in value)
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
-                                           torch.memory_format)):
+        return tuple([_arg_key(v, storages) for v in value])
+    if isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return value
     raise _Uncacheable
 

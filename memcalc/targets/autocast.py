@@ -10,6 +10,7 @@ in whatever dtypes reach them. Source snapshots read: ``autocast_mode.h`` (insta
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -137,6 +138,7 @@ def _base_op_name(op_name: str) -> str:
     return _AUTOCAST_ALIASES.get(name, name)
 
 
+@functools.cache  # asked once per call that reaches the CUDA emulation; its answer is the lists' (frozen) data
 def autocast_policy(op_name: str, torch_version: str = TARGET_TORCH_VERSION) -> AutocastPolicy:
     """What CUDA autocast does with ``op_name`` ("none": the op is not registered and runs in
     whatever dtypes reach it).
@@ -218,6 +220,7 @@ def cpu_autocast_lists(torch_version: str | None = None) -> dict[AutocastPolicy,
     return {"lower": CPU_LOWER_PRECISION_OPS, "fp32": fp32, "promote": CPU_PROMOTE_OPS}
 
 
+@functools.cache  # asked once per call under CPU autocast; the lists are the installed torch's, fixed
 def cpu_autocast_policy(op_name: str) -> AutocastPolicy:
     """What ``torch.autocast("cpu")`` does with ``op_name`` ("none": it runs in whatever dtypes
     reach it — softmax and layer_norm among them, unlike on CUDA).

@@ -27,11 +27,13 @@ from torch._ops import OpOverload
 
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("accumulate_in_place", "reuse_memory", "sole_dense")
+__all__ = ("GRADIENT_SUM", "accumulate_in_place", "reuse_memory", "sole_dense")
 
 #: ``_storage_Use_Count`` of a storage held by one tensor, read through the Python storage
 #: object the check itself creates (the tensor's reference and that object's).
 _SOLE_STORAGE_USES = 2
+#: The op autograd's engine sums two gradients with (a backend asks about it after every traced op).
+GRADIENT_SUM = torch.ops.aten.add.Tensor
 
 
 def sole_dense(tensor: torch.Tensor) -> bool:
@@ -59,7 +61,7 @@ def accumulate_in_place(tracer: StorageTracer, func: OpOverload, args: tuple[Any
                         out: Any) -> bool:
     """Book autograd's in-place gradient accumulation after ``func`` (see the module docstring);
     True where it did."""
-    if func is not torch.ops.aten.add.Tensor or not tracer.modules.in_backward or torch.is_grad_enabled():
+    if func is not GRADIENT_SUM or not tracer.modules.in_backward or torch.is_grad_enabled():
         return False
     if len(args) != 2 or kwargs.get("alpha", 1) != 1:
         return False

@@ -36,7 +36,7 @@ from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, RankHooks, TracedStep, trace_model
 from memcalc.engine.trace import StorageTracer
-from memcalc.targets.autograd import accumulate_in_place
+from memcalc.targets.autograd import GRADIENT_SUM, accumulate_in_place
 from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels
 from memcalc.targets.cuda.emulation import CudaEmulation
 from memcalc.targets.cuda.workspaces import WorkspaceModel
@@ -108,7 +108,8 @@ class CudaBackend(_EmulatingBackend):
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self.workspaces is not None:  # emulating CUDA: the device's engine and its kernels
-            self.accumulate_gradients(func, args, kwargs, out)
+            if func is GRADIENT_SUM:  # asked once per traced op: the call is made only where it can apply
+                self.accumulate_gradients(func, args, kwargs, out)
             self.workspaces.after_op(func, args, kwargs, out)
 
     def attention_backends(self) -> Mapping[str, int]:
@@ -138,7 +139,8 @@ class CpuBackend(_EmulatingBackend):
         self.kernels.attach(tracer)
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        self.accumulate_gradients(func, args, kwargs, out)
+        if func is GRADIENT_SUM:
+            self.accumulate_gradients(func, args, kwargs, out)
         self.kernels.after_op(func, args, kwargs, out)
 
     def attention_backends(self) -> Mapping[str, int]:

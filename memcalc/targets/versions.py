@@ -97,10 +97,9 @@ def cudnn_version_of(torch_version: tuple[int, int], cudnn_version: int | None) 
 
 
 def element_size(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    import torch  # deferred: a dtype comes from a loaded torch
-
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of ``dtype`` (``torch.dtype.itemsize``: asked by rules run once per
+    kernel call and per replayed batch, where a tensor made to ask it cost more than the rule)."""
+    return int(dtype.itemsize)
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -270,6 +270,10 @@ class CpuEmulation(CudaEmulation):
             return rule(self, func, args, dict(kwargs or {}))
         return super().__torch_function__(func, types_, args, kwargs)
 
+    def autocast_policy_of(self, func: Callable[..., Any]) -> AutocastPolicy:
+        """What CPU autocast does with calls of ``func``."""
+        return cpu_autocast_policy(getattr(func, "__name__", ""))
+
     def dispatch(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Under autocast, AutocastCPU's lists: a listed op gets its inputs cast as
         ``torch.autocast("cpu")`` casts them (:func:`autocast_arguments`);
@@ -279,7 +283,7 @@ class CpuEmulation(CudaEmulation):
             return super().dispatch(func, args, kwargs)
         low = self.autocast_dtype
         assert low is not None
-        policy = cpu_autocast_policy(getattr(func, "__name__", ""))
+        policy = self.autocast_policy_of(func)
         if policy != "none":
             args, kwargs = autocast_arguments(policy, args, kwargs, low, self.cast)
         elif isinstance(func, types.FunctionType) and (func.__module__ == F.__name__ or func.__name__ == "backward"):

@@ -29,6 +29,7 @@ calls inside it.
 
 from __future__ import annotations
 
+import enum
 import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -83,6 +84,14 @@ def _floating(value: Any) -> list[torch.Tensor]:
     return [t for t in tensors_of(value) if t.is_floating_point()]
 
 
+class _Handling(enum.Enum):
+    """How :class:`CudaEmulation` handles the calls of one function."""
+
+    PLAIN = enum.auto()  # passed on as it is: no rule, no composite, in no autocast list
+    AUTOCAST = enum.auto()  # in an autocast list: passed on as it is outside autocast regions
+    EMULATED = enum.auto()  # a rule or a composite: always through dispatch
+
+
 class CudaEmulation(TorchFunctionMode):
     """See the module docstring. ``compute_capability`` drives the attention backend;
     ``torch_version`` (``"X.Y"``) picks the release's autocast lists and SDPA rules."""
@@ -104,6 +113,8 @@ class CudaEmulation(TorchFunctionMode):
         self.recomputing: Callable[[], bool] = lambda: False
         # One object, so that leaving the mode removes exactly what entering it announced.
         self._region_in_force: Callable[[], AutocastRegion | None] = self._current_region
+        # Per function reaching __torch_function__: how it is handled (_handling), decided once
+        self._handling: dict[Callable[..., Any], _Handling] = {}
 
     def __enter__(self) -> CudaEmulation:
         push_autocast_region(self._region_in_force)
@@ -139,21 +150,40 @@ class CudaEmulation(TorchFunctionMode):
     # ---- dispatch ---------------------------------------------------------------------------
     def __torch_function__(self, func: Callable[..., Any], types_: Iterable[type], args: tuple[Any, ...] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
-        kwargs_ = dict(kwargs or {})
         try:
-            rule = EMULATION_RULES.get(func)
+            handling = self._handling.get(func)
         except TypeError:  # an unhashable callable (a method bound to an unhashable object): no rule
-            rule = None
+            return self.dispatch(func, args, dict(kwargs or {}))
+        if handling is None:
+            handling = self._handling[func] = self._handling_of(func)
+        # most calls (a Tensor property, a method in no autocast list) are passed on as they are
+        if handling is _Handling.PLAIN or (handling is _Handling.AUTOCAST and not self.autocasting):
+            return func(*args, **(kwargs or {}))
+        kwargs_ = dict(kwargs or {})
+        rule = EMULATION_RULES.get(func)
         if rule is not None:
             return rule(self, func, args, kwargs_)
         return self.dispatch(func, args, kwargs_)
+
+    def _handling_of(self, func: Callable[..., Any]) -> _Handling:
+        """How calls of ``func`` are handled: each fact it rests on (a registered rule, a
+        composite of ``torch.nn.functional``, the op's autocast policy) is one of ``func``'s."""
+        name = _op_name(func)
+        if EMULATION_RULES.get(func) is not None or (isinstance(func, types.FunctionType) and (
+                func.__module__ == "torch.nn.functional" or name == "backward")):
+            return _Handling.EMULATED
+        return _Handling.PLAIN if self.autocast_policy_of(func) == "none" else _Handling.AUTOCAST
+
+    def autocast_policy_of(self, func: Callable[..., Any]) -> AutocastPolicy:
+        """What CUDA's autocast does with calls of ``func``."""
+        return autocast_policy(_op_name(func), self.torch_version)
 
     def dispatch(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call no rule rewrites (or a rule hands on): CUDA's autocast policy, else the call
         itself (a ``torch.nn.functional`` composite with this mode on inside it)."""
         name = _op_name(func)
         if self.autocasting:
-            policy = autocast_policy(name, self.torch_version)
+            policy = self.autocast_policy_of(func)
             if policy != "none":
                 return self._autocast_call(func, name, policy, args, kwargs)
         if isinstance(func, types.FunctionType) and (func.__module__ == "torch.nn.functional" or name == "backward"):
