@@ -74,6 +74,7 @@ from memcalc.engine.timeline import (
     category_totals_at,
     final_categories,
     freed_preexisting,
+    generation_peaks,
 )
 from memcalc.engine.trace import AfterOpHook, Op, StepTrace, StorageTracer
 
@@ -664,6 +665,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     generating = mode is Mode.GENERATE
     peak_step = decode_step_at(trace, trace.events.index(uid)) if generating and uid in trace.events else None
     notes = [*options.notes, *traced.notes]
+    split = generation_peaks(trace, program, settings=settings, host=host) if training else None
     if (warning := options.precision_warning()) is not None:
         notes.append(warning)
         warnings.warn(warning, stacklevel=3)
@@ -709,6 +711,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
         new_tokens=options.new_tokens,
         peak_step=peak_step if has_peak else None,
+        generation_peak=split[0] if split is not None else None,
+        training_peak=split[1] if split is not None else None,
         alloc_conf=settings.describe() if settings is not None else "",
         alloc_conf_source=settings.source if settings is not None else "",
         notes=tuple(notes),
