@@ -140,6 +140,8 @@ README_FILES = {
     "sft.json": '{"per_device_train_batch_size": 4, "max_length": 2048, "completion_only_loss": true}',
     "dpo.json": '{"per_device_train_batch_size": 2, "beta": 0.1}',
     "reward.json": '{"per_device_train_batch_size": 2}',
+    "grpo.json": ('{"per_device_train_batch_size": 8, "num_generations": 8, "max_completion_length": 64, '
+                  '"gradient_checkpointing": false}'),
 }
 PYTHON_BLOCKS = [b.body for b in blocks(README_TEXT) if b.lang == "python"]
 

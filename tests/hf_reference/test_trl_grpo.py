@@ -122,7 +122,7 @@ CASES: dict[str, tuple[dict[str, Any], int, int, int, dict[str, Any]]] = {
 }
 
 
-@pytest.mark.quick_cases("GRPO")
+@pytest.mark.slow  # 20 s to 2 minutes a case on two CPU cores (generation runs token by token)
 @pytest.mark.parametrize("name", list(CASES))
 def test_grpo_trainer(name: str, tmp_path: Path) -> None:
     config, batch, prompt, lora, grpo = CASES[name]

@@ -248,6 +248,15 @@ def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module
     reference with a bare one when ``beta != 0`` without LoRA) in :class:`GrpoStepModule`."""
     settings = step.trainer_args.trl  # type: ignore[union-attr]  # trl_model checked it
     assert settings is not None
+    if step.precision.is_amp and (step.checkpoint or peft):
+        # memcalc's autocast emulation is one region around the step, whose weight-cast cache would
+        # carry generate()'s no-grad casts into the training forward (TRL runs them in separate regions)
+        with_what = "gradient checkpointing" if step.checkpoint else "LoRA"
+        raise InapplicableOptionError(f"memcalc does not follow loop {step.loop.name} with {with_what} under "
+                                      f"{step.precision.value} yet (GRPOConfig's defaults are bf16 and "
+                                      f"gradient_checkpointing on)",
+                                      hint="Give gradient_checkpointing false and, with LoRA, bf16 false in "
+                                           "--training-args.")
     plan = grpo.grpo_plan(settings, resolved.batch_size, step.accum_steps)
     utils = importlib.import_module("trl.trainer.utils")
     if settings.get("disable_dropout", False):
