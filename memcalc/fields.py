@@ -485,7 +485,8 @@ def _with_trainer_args(values: dict[str, Any]) -> dict[str, Any]:
         raise InapplicableOptionError(
             f"trainer_args (--training-args) describe Hugging Face Trainer's loop; the loop is {loop.name}",
             hint="Leave the loop out (the Trainer's arguments imply loop trainer), give loop "
-                 "memcalc.Loop('trainer', ...), or a TRL trainer's loop (trl-sft, trl-dpo) for a TRL config.")
+                 "memcalc.Loop('trainer', ...), or a TRL trainer's loop (trl-sft, trl-dpo, trl-reward, trl-grpo) "
+                 "for a TRL config.")
     preset = loop.preset if loop.preset is not None and loop.preset.is_trl else LoopPreset.TRAINER
     try:
         setup = read_trl_config(preset.value, args) if preset.is_trl else read_training_args(args)

@@ -148,6 +148,8 @@ README_FILES = {
                      '"gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}, '
                      '"zero_optimization": {"stage": 2, "overlap_comm": true, "contiguous_gradients": true, '
                      '"reduce_bucket_size": "auto", "offload_optimizer": {"device": "cpu", "pin_memory": true}}}',
+    "grpo.json": ('{"per_device_train_batch_size": 8, "num_generations": 8, "max_completion_length": 64, '
+                  '"gradient_checkpointing": false}'),
 }
 PYTHON_BLOCKS = [b.body for b in blocks(README_TEXT) if b.lang == "python"]
 

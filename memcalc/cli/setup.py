@@ -35,8 +35,10 @@ def setup_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           "fn(model, optimizer, batches) in a file or module (README, \"Which loop?\"). trainer: "
                           "Hugging Face Trainer's loop, with the optim (--optim and --optim-impl) and accumulation "
                           "of the installed transformers' TrainingArguments defaults unless you give them. trl-sft, "
-                          "trl-dpo: TRL's SFTTrainer and DPOTrainer (their own compute_loss, on meta), "
-                          "--training-args read as their SFTConfig / DPOConfig."),
+                          "trl-dpo, trl-reward: TRL's SFTTrainer, DPOTrainer and RewardTrainer (their own "
+                          "compute_loss, on meta), --training-args read as their SFTConfig / DPOConfig / "
+                          "RewardConfig; trl-grpo: GRPOTrainer's generation (the model's generate()), scoring and "
+                          "compute_loss, --training-args a GRPOConfig, --seq-len the prompt length."),
         click.option("--keep-grads", is_flag=True,
                      help="zero_grad(set_to_none=False): gradients stay allocated for the whole run."),
         click.option("--optim-impl", type=click.Choice([i.value for i in OptimizerImpl]), default=None,

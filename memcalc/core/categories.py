@@ -33,11 +33,17 @@ class Phase(str, enum.Enum):
     ZERO_GRAD = "zero_grad"
     PREFILL = "prefill"  # generation: generate()'s setup and its forward over the prompt, the first token chosen
     DECODE = "decode"  # generation: the forward of one new token over the cache, the next token chosen
+    SCORING = "scoring"  # a GRPO step's no-grad log-prob forwards over the completions (old policy, reference)
+
+    @property
+    def generates(self) -> bool:
+        """The phase belongs to a generation (a GRPO step's: generate() and the scoring of its completions)."""
+        return self in (Phase.PREFILL, Phase.DECODE, Phase.SCORING)
 
     @property
     def runs_forward(self) -> bool:
         """The model's forward runs in this phase (what is born in it is an activation)."""
-        return self in (Phase.FORWARD, Phase.LOSS, Phase.PREFILL, Phase.DECODE)
+        return self in (Phase.FORWARD, Phase.LOSS, Phase.PREFILL, Phase.DECODE, Phase.SCORING)
 
 
 class Mode(str, enum.Enum):

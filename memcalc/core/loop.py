@@ -36,6 +36,7 @@ class LoopPreset(str, enum.Enum):
     TRL_SFT = "trl-sft"  # TRL's SFTTrainer: the Trainer's loop around SFTTrainer.compute_loss
     TRL_DPO = "trl-dpo"  # TRL's DPOTrainer: policy and reference forwards in DPOTrainer.compute_loss
     TRL_REWARD = "trl-reward"  # TRL's RewardTrainer: chosen and rejected scored in one forward
+    TRL_GRPO = "trl-grpo"  # TRL's GRPOTrainer: completions generated and scored, then GRPOTrainer.compute_loss
 
     @property
     def is_trainer(self) -> bool:
@@ -45,7 +46,7 @@ class LoopPreset(str, enum.Enum):
     @property
     def is_trl(self) -> bool:
         """Whether the loop is a TRL trainer's (its compute_loss run on meta: :mod:`memcalc.stacks.trl`)."""
-        return self in (LoopPreset.TRL_SFT, LoopPreset.TRL_DPO, LoopPreset.TRL_REWARD)
+        return self in (LoopPreset.TRL_SFT, LoopPreset.TRL_DPO, LoopPreset.TRL_REWARD, LoopPreset.TRL_GRPO)
 
 
 class OptimizerImpl(str, enum.Enum):

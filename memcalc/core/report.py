@@ -28,10 +28,12 @@ ranks of a process group (every strategy but DataParallel's one process) each ro
 When a step time was computed (``memcalc.step_time``, ``--time``) a ``"time"`` key holds it
 (:meth:`memcalc.core.throughput.StepTime.to_dict`). A generation (``mode`` ``"generate"``) adds
 ``"new_tokens"`` and ``"peak_step"`` (the decode step of the peak, 0 for the prefill; its
-``peak_phase`` is ``"prefill"`` or ``"decode"``). Allocator settings other than PyTorch's defaults
-(``PYTORCH_CUDA_ALLOC_CONF``, ``--alloc-conf``) add ``"alloc_conf"``: the settings modelled, in
-PyTorch's spelling (``"expandable_segments:True"``). A step that does not fit for fragmentation
-alone, on segments that do not expand, adds ``"fits_with_expandable_segments"`` (the same step
+``peak_phase`` is ``"prefill"`` or ``"decode"``). A training step that generates (loop
+``trl-grpo``) adds ``"phase_peaks"``: ``{"generation": bytes, "training": bytes, "peaks_in":
+"generation" | "training"}`` (its ``peak_phase`` may then be ``"scoring"``). Allocator settings
+other than PyTorch's defaults (``PYTORCH_CUDA_ALLOC_CONF``, ``--alloc-conf``) add ``"alloc_conf"``:
+the settings modelled, in PyTorch's spelling (``"expandable_segments:True"``). A step that does not
+fit for fragmentation alone, on segments that do not expand, adds ``"fits_with_expandable_segments"`` (the same step
 replayed with ``expandable_segments:True``). Otherwise the JSON is exactly the above.
 
 Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
@@ -233,6 +235,10 @@ class MemoryReport:
     paged_optimizer_state: int = 0  # optimizer state in unified memory (paged optimizers), not in the peak
     new_tokens: int | None = None  # mode generate: the tokens generate() makes after the prompt
     peak_step: int | None = None  # mode generate: the decode step of the peak (0: the prefill)
+    # A training step that generates (loop trl-grpo): the peak of its generation (generate() and the
+    # scoring of the completions) and of its training (forward, loss, backward, optimizer); None otherwise.
+    generation_peak: int | None = None
+    training_peak: int | None = None
     # The step's time on the report's GPU, when asked for (memcalc.step_time; JSON "time" only then).
     time: StepTime | None = None
     # The caching allocator's settings modelled (PYTORCH_CUDA_ALLOC_CONF, in PyTorch's spelling)
@@ -334,6 +340,14 @@ class MemoryReport:
             return f"decode step {self.peak_step} of {(self.new_tokens or 1) - 1}, {where}"
         return f"{self.peak_phase.value}, {where}"
 
+    @property
+    def peaks_in(self) -> str | None:
+        """``"generation"`` or ``"training"``: the part of a generating training step (loop
+        trl-grpo) whose peak is the step's; None for any other step."""
+        if self.generation_peak is None or self.training_peak is None:
+            return None
+        return "generation" if self.generation_peak > self.training_peak else "training"
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (see the module docstring); integers are bytes."""
         data = self._single_gpu_dict()
@@ -346,6 +360,9 @@ class MemoryReport:
             data["time"] = self.time.to_dict()
         if self.new_tokens is not None:
             data |= {"new_tokens": self.new_tokens, "peak_step": self.peak_step}
+        if self.generation_peak is not None:
+            data["phase_peaks"] = {"generation": self.generation_peak, "training": self.training_peak,
+                                   "peaks_in": self.peaks_in}
         if self.alloc_conf:
             data["alloc_conf"] = self.alloc_conf
         if self.reserved_if_expandable is not None:

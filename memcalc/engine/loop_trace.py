@@ -263,10 +263,12 @@ def _is_cuda(device: Any) -> bool:
 def _to_on_meta(tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     """``tensor.to(...)`` with any device left out: a meta tensor stands for the batch already on
     the GPU. A dtype or memory format still converts (``x.to(device, torch.bfloat16)``)."""
-    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    copy = bool(kwargs.get("copy", False))  # _parse_to does not take it (generate()'s `.to(copy=True, ...)`)
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(
+        *args, **{k: v for k, v in kwargs.items() if k != "copy"})
     if device is None or device.type == "meta":
         return tensor.to(*args, **kwargs)
-    options: dict[str, Any] = {"non_blocking": non_blocking, "copy": bool(kwargs.get("copy", False))}
+    options: dict[str, Any] = {"non_blocking": non_blocking, "copy": copy}
     if memory_format is not None:
         options["memory_format"] = memory_format
     return tensor.to(dtype if dtype is not None else tensor.dtype, **options)

@@ -199,6 +199,7 @@ PRESETS: dict[LoopPreset, PresetFn] = {
     LoopPreset.TRL_SFT: trainer,
     LoopPreset.TRL_DPO: trainer,
     LoopPreset.TRL_REWARD: trainer,
+    LoopPreset.TRL_GRPO: trainer,  # generation and scoring run in the forward too, as in training_step
 }
 
 

@@ -76,6 +76,7 @@ from memcalc.engine.timeline import (
     category_totals_at,
     final_categories,
     freed_preexisting,
+    generation_peaks,
 )
 from memcalc.engine.trace import AfterOpHook, Op, StepTrace, StorageTracer
 
@@ -670,6 +671,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     notes = [*options.notes, *traced.notes]
     if stats.peak_reserved_by_stream:
         notes.append(_streams_note(stats))
+    split = generation_peaks(trace, program, settings=settings, host=host) if training else None
     if (warning := options.precision_warning()) is not None:
         notes.append(warning)
         warnings.warn(warning, stacklevel=3)
@@ -715,6 +717,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
         new_tokens=options.new_tokens,
         peak_step=peak_step if has_peak else None,
+        generation_peak=split[0] if split is not None else None,
+        training_peak=split[1] if split is not None else None,
         alloc_conf=settings.describe() if settings is not None else "",
         alloc_conf_source=settings.source if settings is not None else "",
         notes=tuple(notes),

@@ -37,6 +37,7 @@ __all__ = (
     "category_totals_at",
     "final_categories",
     "freed_preexisting",
+    "generation_peaks",
 )
 
 def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state: Iterable[int]) -> list[Category]:
@@ -166,6 +167,29 @@ def category_totals_at(program: Program, nbytes: Sequence[int], categories: Sequ
     for i, category in enumerate(order):
         totals[category] = int(signed[of == i].sum())
     return totals
+
+
+def generation_peaks(trace: StepTrace, program: Program, *, settings: AllocConf | None = None,
+                     host: bool = False) -> tuple[int, int] | None:
+    """The peaks of a training loop that generates (TRL's GRPO step): the highest allocated bytes
+    after an event of a generating phase (:attr:`Phase.generates`: ``generate()`` and the scoring
+    of its completions), and after any other event (the training: forward, loss, backward,
+    optimizer). None when no phase generates, or the loop was not traced whole."""
+    if not program.traced or not any(phase.generates for phase, _ in trace.phase_log):
+        return None
+    allocated = allocator.replay_recorded(allocator_events(program, trace.nbytes), settings=settings,
+                                          host=host).allocated
+    generating = np.zeros(len(program.events), dtype=bool)
+    offset = program.iteration_starts[0]  # the pre-existing storages come first
+    log = trace.phase_log
+    for k, (phase, start) in enumerate(log):
+        end = log[k + 1][1] if k + 1 < len(log) else len(trace.events)
+        if phase.generates:
+            generating[offset + start:offset + end] = True
+    curve = np.asarray(allocated, dtype=np.int64)
+    generation = int(curve[generating].max()) if generating.any() else 0
+    training = int(curve[~generating].max()) if (~generating).any() else 0
+    return generation, training
 
 
 def allocator_events(program: Program, nbytes: Sequence[int],

@@ -150,6 +150,10 @@ def _peak_lines(report: MemoryReport, unit: Unit | str) -> str:
     if report.mode is Mode.TRAIN and report.peak_iteration == 2:
         lines.append(f"  reached in the second iteration ({_left_by_first_iteration(report)}); "
                      f"the first iteration peaks at {format_bytes(report.first_iteration_peak, unit)}")
+    if report.generation_peak is not None and report.training_peak is not None:
+        lines.append(f"  the step's peak is in its {report.peaks_in}: generation (generate() and the scoring of the "
+                     f"completions) peaks at {format_bytes(report.generation_peak, unit)}, training (forward, "
+                     f"backward, optimizer) at {format_bytes(report.training_peak, unit)}")
     lines.append(_reserved_line(report, unit))
     if report.paged_optimizer_state:
         lines.append(f"paged optimizer state: {format_bytes(report.paged_optimizer_state, unit)} in CUDA unified "

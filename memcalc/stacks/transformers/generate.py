@@ -30,7 +30,7 @@ from torch import nn
 
 from memcalc.engine.model import ModelInputs
 
-__all__ = ("cache_tensors", "generate_on_meta", "static_cache", "steady_decoding")
+__all__ = ("cache_tensors", "generate_on_meta", "quiet_generation", "static_cache", "steady_decoding")
 
 
 def cache_tensors(output: Any) -> Iterator[torch.Tensor]:
@@ -65,7 +65,7 @@ def static_cache(module: nn.Module, max_cache_len: int) -> tuple[dict[str, Any],
 
 
 @contextmanager
-def _quiet_generation() -> Iterator[None]:
+def quiet_generation() -> Iterator[None]:
     """transformers' generation logger (its notes on pad ids and attention masks): the user did not call it."""
     logger = logging.getLogger("transformers.generation.utils")
     level = logger.level
@@ -100,7 +100,7 @@ def generate_on_meta(module: nn.Module, inputs: ModelInputs, new_tokens: int,
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
     hook = module.register_forward_hook(lambda _m, _a, out: mark_cache(cache_tensors(out)))
     try:
-        with _quiet_generation():
+        with quiet_generation():
             sequences: torch.Tensor = module.generate(  # type: ignore[operator]  # GenerationMixin's
                 ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, **kwargs)
     finally:

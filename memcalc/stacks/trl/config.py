@@ -42,9 +42,10 @@ from memcalc.stacks.transformers.training_args import TrainerSetup, load_trainin
 __all__ = ("CONFIGS", "IGNORED", "READ", "REFUSED", "TRAINERS", "import_trl", "read_trl_config")
 
 #: The loop's name → TRL's config class.
-CONFIGS: Mapping[str, str] = {"trl-sft": "SFTConfig", "trl-dpo": "DPOConfig", "trl-reward": "RewardConfig"}
+CONFIGS: Mapping[str, str] = {"trl-sft": "SFTConfig", "trl-dpo": "DPOConfig", "trl-reward": "RewardConfig",
+                               "trl-grpo": "GRPOConfig"}
 #: The loop's name → the trainer (:class:`~memcalc.core.trainer.TrlSettings`).
-TRAINERS: Mapping[str, str] = {"trl-sft": "sft", "trl-dpo": "dpo", "trl-reward": "reward"}
+TRAINERS: Mapping[str, str] = {"trl-sft": "sft", "trl-dpo": "dpo", "trl-reward": "reward", "trl-grpo": "grpo"}
 
 #: TRL's own arguments that decide the estimated step (module docstring).
 READ = frozenset({
@@ -52,6 +53,13 @@ READ = frozenset({
     "label_smoothing", "use_weighting", "discopop_tau", "precompute_ref_log_probs", "completion_only_loss",
     "max_length", "disable_dropout", "router_aux_loss_coef", "padding_free", "center_rewards_coefficient",
     "packing",
+    # GRPOConfig's: the generation (memcalc.stacks.trl.grpo), its scoring and the loss
+    "num_generations", "max_completion_length", "generation_batch_size", "steps_per_generation", "temperature",
+    "top_p", "top_k", "min_p", "generation_kwargs", "repetition_penalty", "cache_implementation", "num_iterations",
+    "epsilon", "epsilon_high", "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
+    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level", "off_policy_mask_threshold",
+    "use_bias_correction_kl", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+    "entropy_coef_delta", "entropy_target", "top_entropy_quantile",
 })
 
 #: TRL's own arguments that change nothing a training step allocates on the device (module docstring).
@@ -60,6 +68,17 @@ IGNORED = frozenset({
     "chat_template_path", "shuffle_dataset", "pad_to_multiple_of", "precompute_ref_batch_size",
     "model_init_kwargs", "trust_remote_code", "eval_packing", "packing_strategy",
     "ref_model_mixup_alpha", "ref_model_sync_steps",  # sync_ref_model's, which is refused
+    # GRPO: the rewards are user functions on the host (their (rows, functions) float32 tensor is
+    # counted, nothing else); evaluation, logging, and vLLM's settings (use_vllm is refused)
+    "reward_weights", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
+    "num_generations_eval", "ds3_gather_for_generation", "chat_template_kwargs", "log_completions",
+    "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
+    "max_tool_calling_iterations", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
+    "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+    "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization", "vllm_max_model_length",
+    "vllm_tensor_parallel_size", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+    "transformers_continuous_batching_config",
 })
 
 
@@ -74,6 +93,14 @@ REFUSED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "activation_offloading": (_on, "activation offloading moves the saved activations to host memory "
                                    "(get_act_offloading_ctx_manager)"),
     "sync_ref_model": (_on, "TR-DPO's reference synchronisation runs a callback between steps"),
+    "use_vllm": (_on, "vLLM generates the completions in its own engine and memory (colocated: "
+                      "vllm_gpu_memory_utilization of the GPU), outside PyTorch's caching allocator"),
+    "use_transformers_continuous_batching": (_on, "continuous batching generates through transformers' paged "
+                                                  "cache (generate_batch), not generate()"),
+    "use_transformers_paged": (_on, "continuous batching generates through transformers' paged cache"),
+    "cast_lm_head_to_fp32": (_on, "GRPOTrainer replaces the LM head by a float32 copy"),
+    "top_entropy_quantile": (lambda value: value < 1.0, "the high-entropy token mask selects tokens by their "
+                                                        "values (a quantile over entropies[mask])"),
 }
 
 
@@ -128,6 +155,8 @@ def read_trl_config(loop: str, args: Any = None) -> TrainerSetup:
         raise InapplicableOptionError(f"memcalc does not model SFTConfig packing_strategy="
                                       f"{values.get('packing_strategy')!r}: its batch keeps an attention mask",
                                       hint="Use packing_strategy='bfd' (TRL's default).")
+    if loop == "trl-grpo":
+        _check_grpo(values)
     if loop == "trl-dpo" and values.get("padding_free"):
         raise InapplicableOptionError("memcalc does not model DPOConfig padding_free=True: DPOTrainer's padding-free "
                                       "batch (the chosen and rejected rows end to end in one) is not built",
@@ -143,8 +172,28 @@ def read_trl_config(loop: str, args: Any = None) -> TrainerSetup:
     return setup
 
 
+def _check_grpo(values: Mapping[str, Any]) -> None:
+    """What ``GRPOConfig.__post_init__`` refuses, and the padding memcalc does not follow."""
+    if isinstance(values.get("pad_to_multiple_of"), int):  # "auto" is None off Neuron devices
+        raise InapplicableOptionError("memcalc does not model GRPOConfig pad_to_multiple_of: the prompts and "
+                                      "completions padded to a multiple (memcalc's rows are not padded)",
+                                      hint="Leave pad_to_multiple_of at 'auto' (None on a GPU).")
+    generations = values.get("num_generations") or 0
+    if generations < 2:
+        raise InvalidInputError(f"GRPOConfig num_generations must be at least 2 (the advantages compare the "
+                                f"completions of one prompt); got {generations}")
+    if values.get("generation_batch_size") is not None and values.get("steps_per_generation") is not None:
+        raise InvalidInputError("GRPOConfig: generation_batch_size and steps_per_generation cannot both be given",
+                                hint="GRPOConfig(...) refuses it too.")
+    completion = values.get("max_completion_length")
+    if not isinstance(completion, int) or completion < 1:
+        raise InvalidInputError(f"GRPOConfig max_completion_length must be a positive number of tokens; got "
+                                f"{completion!r}")
+
+
 def _read_own(values: Mapping[str, Any]) -> list[tuple[str, str]]:
-    shown = ("beta", "loss_type", "precompute_ref_log_probs", "completion_only_loss", "max_length")
+    shown = ("beta", "loss_type", "precompute_ref_log_probs", "completion_only_loss", "max_length", "num_generations",
+             "max_completion_length", "num_iterations")
     return [(name, repr(values[name])) for name in shown if name in values]
 
 
@@ -195,7 +244,9 @@ def _refuse_unmodelled(values: Mapping[str, Any], name: str, given: Mapping[str,
                           and key not in _base_names()]
     if unknown_to_memcalc:
         raise InapplicableOptionError(f"{name} arguments memcalc does not know: {', '.join(unknown_to_memcalc)} "
-                                      f"(a newer trl)", hint="memcalc follows trl 1.16's SFTConfig and DPOConfig.")
+                                      f"(a newer trl)",
+                                      hint="memcalc follows trl 1.16's SFTConfig, DPOConfig, RewardConfig and "
+                                           "GRPOConfig.")
 
 
 def _base_names() -> frozenset[str]:

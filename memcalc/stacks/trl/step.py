@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -52,6 +53,8 @@ from memcalc.engine.model import ModelInputs, ReadsFn, ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.trace import ReadOracle
 from memcalc.stacks.peft import PEFT_MODEL
+from memcalc.stacks.transformers.reads import hf_reads
+from memcalc.stacks.trl import grpo
 from memcalc.stacks.trl.config import import_trl
 
 __all__ = ("TrlStepModule", "trl_model")
@@ -162,6 +165,9 @@ class _Accelerator:
 
     parallelism_config = None
     num_processes = 1
+    process_index = 0
+    is_main_process = True
+    sync_gradients = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -170,6 +176,9 @@ class _Accelerator:
         return value
 
     def gather(self, value: Any) -> Any:
+        return value
+
+    def reduce(self, value: Any, reduction: str = "sum") -> Any:
         return value
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
@@ -194,6 +203,8 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
     if settings.get("disable_dropout", False):
         utils.disable_dropout_in_model(policy)
     reference = None
+    if settings.trainer == "grpo":
+        return _grpo_model(resolved, step, trl, policy, base, peft)
     if settings.trainer == "reward":
         trainer_cls = trl.RewardTrainer
         text = base.config.get_text_config()
@@ -228,6 +239,64 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=_reads(resolved.reads, bool(settings.get("padding_free") or settings.get("packing"))),
         build_real=_no_real(step.loop.name),
+        block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
+
+
+def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module, base: Any,
+                peft: bool) -> ResolvedModel:
+    """``GRPOTrainer.__init__``'s models (the policy's fused head with log-probs and entropy; a frozen
+    reference with a bare one when ``beta != 0`` without LoRA) in :class:`GrpoStepModule`."""
+    settings = step.trainer_args.trl  # type: ignore[union-attr]  # trl_model checked it
+    assert settings is not None
+    if step.precision.is_amp and (step.checkpoint or peft):
+        # memcalc's autocast emulation is one region around the step, whose weight-cast cache would
+        # carry generate()'s no-grad casts into the training forward (TRL runs them in separate regions)
+        with_what = "gradient checkpointing" if step.checkpoint else "LoRA"
+        raise InapplicableOptionError(f"memcalc does not follow loop {step.loop.name} with {with_what} under "
+                                      f"{step.precision.value} yet (GRPOConfig's defaults are bf16 and "
+                                      f"gradient_checkpointing on)",
+                                      hint="Give gradient_checkpointing false and, with LoRA, bf16 false in "
+                                           "--training-args.")
+    plan = grpo.grpo_plan(settings, resolved.batch_size, step.accum_steps)
+    utils = importlib.import_module("trl.trainer.utils")
+    if settings.get("disable_dropout", False):
+        utils.disable_dropout_in_model(policy)
+    reference = None
+    if plan.reference and not peft:
+        reference = copy.deepcopy(base)  # GRPOTrainer loads the checkpoint again (create_model_from_path)
+        reference.requires_grad_(False)
+        reference.eval()
+    temperature = settings.get("temperature", 1.0)
+    utils.add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
+    if reference is not None:
+        utils.add_fused_lm_head(reference, temperature=temperature)
+    eos = grpo.eos_token_ids(base)
+    trainer = grpo.grpo_trainer(trl, settings, policy, reference, step, _Accelerator(_device(policy)), eos)
+    reads = grpo.Reads(plan.completion)
+    autocast_dtype = step.precision.compute_dtype if step.precision.is_amp else None
+    cuda = step.emulate_cuda
+
+    @contextmanager
+    def wrap() -> Iterator[None]:
+        _TRITON_RULES["on"] = cuda
+        with _meta_autocast(autocast_dtype), _BoolMaskIndex():  # type: ignore[no-untyped-call]
+            yield
+
+    module = grpo.GrpoStepModule(policy, reference, trainer, plan,
+                                 grpo.generation_config(base, settings, eos), reads, wrap)
+    _install_triton_rules(importlib.import_module("trl.kernels.chunked_logprob"))
+    prompt = int(resolved.inputs.kwargs["input_ids"].shape[1]) if "input_ids" in resolved.inputs.kwargs else 0
+    inputs = grpo.grpo_batch(resolved.inputs, plan, step.loop.name)
+    kind = ("none (beta = 0)" if not plan.reference else "the policy with its adapters disabled (PEFT)" if peft
+            else "a frozen copy of the policy")
+    notes = (*resolved.notes, grpo.grpo_note(plan, int(inputs.kwargs["input_ids"].shape[1]) or prompt,
+                                             trl.__version__, kind))
+    checkpointing = resolved.checkpointing
+    return replace(
+        resolved, module=module, inputs=inputs, labels=None, notes=notes,
+        checkpointing=(None if checkpointing is None
+                       else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
+        reads=grpo.grpo_reads(reads, _innermost_library), build_real=_no_real(step.loop.name),
         block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
 
 
@@ -337,9 +406,13 @@ def _reads(model_reads: ReadsFn | None, packed: bool) -> ReadsFn:
     """The model's own reads (transformers'), then TRL's metrics': any value read in TRL's code
     is a number logged, answered 1. A padding-free batch (``packed``) holds several sequences in
     its row: transformers' ``find_packed_sequence_indices`` then finds them (``(mask[:, -1] ==
-    0).all()`` is False), where memcalc's ordinary batch answers True."""
+    0).all()`` is False), where memcalc's ordinary batch answers True. The collator's attention
+    mask pads nothing (every row is ``seq_len`` tokens): transformers' reads of it are answered as
+    for an unpadded prompt (:data:`~memcalc.stacks.transformers.reads.GENERATION_READS`: the mask
+    all ones, no causal mask built for SDPA)."""
     def reads(mode: Mode, new_tokens: int | None) -> ReadOracle:
         inner = model_reads(mode, new_tokens) if model_reads is not None else None
+        unpadded = hf_reads(Mode.GENERATE, None)
 
         def oracle(tensor: torch.Tensor) -> bool | int | float | torch.Tensor | None:
             library, function = _innermost_library()
@@ -347,9 +420,14 @@ def _reads(model_reads: ReadsFn | None, packed: bool) -> ReadsFn:
                 return 1 if not tensor.dtype.is_floating_point else 1.0
             if packed and function == "find_packed_sequence_indices":
                 return False
-            return inner(tensor) if inner is not None else None
+            answer = inner(tensor) if inner is not None else None
+            return unpadded(tensor) if answer is None else answer
         return oracle
     return reads
+
+
+#: memcalc's source folder, as it appears in a frame's file name.
+_OWN = f"{os.sep}memcalc{os.sep}"
 
 
 def _innermost_library() -> tuple[str, str]:
@@ -357,6 +435,9 @@ def _innermost_library() -> tuple[str, str]:
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
+        if _OWN in name:  # memcalc's own frames (memcalc/stacks/trl/ would pass for TRL's)
+            frame = frame.f_back
+            continue
         for library in ("trl", "transformers"):
             if f"/{library}/" in name:
                 return library, frame.f_code.co_name
