@@ -360,7 +360,7 @@ def grpo_reads(holder: Reads, inner_library: Callable[[], tuple[str, str]]) -> R
     """The step's reads: TRL's own (its metrics' ``.item()``: a logged number) answered 1; the
     model's and generate()'s by the oracle of the step's current part."""
     def reads(_mode: Mode, _new_tokens: int | None) -> ReadOracle:
-        def oracle(tensor: torch.Tensor) -> bool | int | float | None:
+        def oracle(tensor: torch.Tensor) -> bool | int | float | torch.Tensor | None:
             library, _function = inner_library()
             if library == "trl":
                 return 1 if not tensor.dtype.is_floating_point else 1.0
