@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_runs import MAX_ATTEMPTS, BlockNet, GlooRunError, RankPeak, _net_bytes
+from gloo_runs import MAX_ATTEMPTS, Block, BlockNet, GlooRunError, RankPeak, _net_bytes
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
@@ -45,11 +45,15 @@ BATCH = 32
 
 @dataclass(frozen=True)
 class PipelineCase:
-    """One real run: ``schedule`` (torch's name: "GPipe", "1F1B") over ``microbatches``."""
+    """One real run: ``schedule`` (torch's name: "GPipe", "1F1B") over ``microbatches``;
+    ``dp_shard`` > 1: each stage ``fully_shard``-ed over that many ranks (a ``(pp, dp_shard)``
+    device mesh, pp outermost as torchtitan orders it; every block and the stage's root
+    wrapped, ``reshard_after_forward=False`` as torchtitan's default under a pipeline)."""
 
     name: str
     schedule: str
     microbatches: int
+    dp_shard: int = 1
 
 
 def pipeline_model() -> BlockNet:
@@ -95,7 +99,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[PipelineCase], wo
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        results = {case.name: asdict(_run_case(case, rank, world_size)) for case in cases}
+        results = {case.name: asdict(_run_case(case, rank, world_size // case.dp_shard)) for case in cases}
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"pp-rank{rank}.json").write_text(json.dumps(results))
@@ -112,14 +116,27 @@ def _stage_module(model: BlockNet, rank: int, world_size: int) -> nn.Sequential:
     return nn.Sequential(*parts)
 
 
-def _run_case(case: PipelineCase, rank: int, world_size: int) -> RankPeak:
+def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak:
+    """``world_size``: the pipeline ranks; the process's stage is its global rank // dp_shard."""
     from gloo_runs import FEATURES
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     torch.manual_seed(0)
+    rank = global_rank // case.dp_shard
     stage_module = _stage_module(pipeline_model(), rank, world_size)
-    stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
+    group = None
+    if case.dp_shard > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size, case.dp_shard), mesh_dim_names=("pp", "dp_shard"))
+        for block in stage_module:
+            if isinstance(block, Block):
+                fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=False)
+        fully_shard(stage_module, mesh=mesh["dp_shard"], reshard_after_forward=False)
+        group = mesh["pp"].get_group()
+    stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"), group=group)
     schedule = get_schedule_class(case.schedule)(stage, case.microbatches, loss_fn=lambda out, _target: out.mean())
     first, last = rank == 0, rank == world_size - 1
     x = torch.randn(BATCH, POSITIONS, FEATURES) if first else None
@@ -159,7 +176,8 @@ def _storages_before(stage: Any, module: nn.Module, x: torch.Tensor | None) -> i
     the previous step's gradients on the activation buffers."""
     from memcalc.measure.step import storage_bytes
 
-    kept: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]  # FSDP2's shards
+    kept: list[torch.Tensor] = [*local, *module.buffers()]
     if x is not None:
         kept.append(x)
     for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):

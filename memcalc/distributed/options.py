@@ -67,8 +67,9 @@ class Distributed:
         reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
         dp_replicate, dp_shard, tp, pp, cp, ep: the mesh's degrees (torchtitan's names; 1 or
             None: not used). A dimension that is not modelled yet (ep), or a composition that
-            is not (tp with anything but dp_shard), is accepted here and refused by the
-            estimate, by name.
+            is not (tp or pp with anything but dp_shard), is accepted here and refused by the
+            estimate, by name. ``sharding`` does not apply inside a pipeline: its stages keep
+            torchtitan's ``reshard_after_forward=False``.
         tp_plan: ``tp``: the tensor-parallel plan, module-name pattern → transformers style string
             (``{"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}``); None: the model's own
             (a Hugging Face ``tp_plan``, or torchtitan's for the zoo's Llama family).
