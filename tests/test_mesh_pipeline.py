@@ -99,3 +99,24 @@ def test_pp_with_dp_shard_shards_each_stage_by_hand() -> None:
         at_peak = role.report.bytes
         assert role.report.peak_phase.value == "backward"
         assert (at_peak.parameters, at_peak.gradients, at_peak.optimizer_state) == (gathered + shard, params, 2 * shard)
+
+
+@pytest.mark.slow  # a transformer's two pipeline ranks, each through 4 microbatches: about 30 s
+def test_pp_with_dp_shard_under_amp_sends_in_the_param_dtype() -> None:
+    """FSDP2's MixedPrecisionPolicy runs a stage in bf16 without autocast: what stage 0 sends, and
+    stage 1's stand-ins of the model's inputs, are bf16 (they were float32: llama-3-8b's stage 1
+    then failed, a float32 query beside a bf16 value, and llama-tiny's receive buffers were twice
+    what they are)."""
+    setting = memcalc.Distributed(pp=2, dp_shard=2, pp_schedule="1f1b", microbatches=4)
+    report = memcalc.estimate("torch:llama-tiny", batch_size=4, seq_len=32, gpu="h100-80gb", precision="amp-bf16",
+                              distributed=setting)
+    alone = memcalc.estimate("torch:llama-tiny", batch_size=4, seq_len=32, gpu="h100-80gb", precision="amp-bf16",
+                             distributed=memcalc.Distributed(pp=2, pp_schedule="1f1b", microbatches=4))
+    assert [r.ranks for r in report.roles] == [(0, 1), (2, 3)]
+    # the fp32 shards, their fp32 gradients and Adam's moments: half the pipeline alone's model
+    # states (its fp32 master weights and their state) on an even split of every parameter
+    for sharded, whole in zip(report.roles, alone.roles, strict=True):
+        assert sharded.model_states == pytest.approx(whole.model_states / 2, rel=1e-3)
+        # the receive buffers (activations and their gradients, per microbatch): bf16, where the
+        # pipeline alone under autocast sends the float32 residual stream
+        assert 2 * sharded.communication == whole.communication > 0

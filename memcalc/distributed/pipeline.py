@@ -266,6 +266,14 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
         raise InvalidInputError(f"the batch of {probe.batch_size} does not split into {m} equal microbatches",
                                 hint="Make the batch a multiple of the microbatches.")
     micro = step.resolved(batch_size=probe.batch_size // m)
+    if trace_precision is not None and step.precision.is_amp and not trace_precision.is_amp:
+        # FSDP2's mixed precision: the stages compute in param_dtype without autocast, so what a
+        # stage sends (and a later stage's stand-ins of the model's inputs) is in that dtype; its
+        # buffers stay as they are (fully_shard casts parameters only)
+        low = step.precision.compute_dtype
+        for param in micro.module.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(low)
     containers = block_containers_of(micro.module, micro.block_containers)
     layout = layout_of(micro.module, micro.inputs, containers, micro.name)
     blocks = stage_blocks(layout.blocks, pipeline.total_stages, pipeline.split_points)
