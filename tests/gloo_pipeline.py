@@ -54,6 +54,8 @@ class PipelineCase:
     schedule: str
     microbatches: int
     dp_shard: int = 1
+    #: stages per rank (2 for "Interleaved1F1B"): rank r holds stages r, r + pp, ... (torch's loop placement)
+    stages_per_rank: int = 1
 
 
 def pipeline_model() -> BlockNet:
@@ -106,7 +108,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[PipelineCase], wo
 
 
 def _stage_module(model: BlockNet, rank: int, world_size: int) -> nn.Sequential:
-    """Rank ``rank``'s stage: its share of the blocks, the input layer first, the head last."""
+    """Stage ``rank`` of ``world_size``: its share of the blocks, the input layer first, the head last."""
     per = BLOCKS // world_size
     parts: list[nn.Module] = list(model.blocks)[rank * per:(rank + 1) * per]
     if rank == 0:
@@ -124,21 +126,28 @@ def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak
 
     torch.manual_seed(0)
     rank = global_rank // case.dp_shard
-    stage_module = _stage_module(pipeline_model(), rank, world_size)
+    total = world_size * case.stages_per_rank
+    indices = [rank + k * world_size for k in range(case.stages_per_rank)]
+    model = pipeline_model()
+    modules = [_stage_module(model, index, total) for index in indices]
     group = None
     if case.dp_shard > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world_size, case.dp_shard), mesh_dim_names=("pp", "dp_shard"))
-        for block in stage_module:
-            if isinstance(block, Block):
-                fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=False)
-        fully_shard(stage_module, mesh=mesh["dp_shard"], reshard_after_forward=False)
+        for stage_module in modules:
+            for block in stage_module:
+                if isinstance(block, Block):
+                    fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=False)
+            fully_shard(stage_module, mesh=mesh["dp_shard"], reshard_after_forward=False)
         group = mesh["pp"].get_group()
-    stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"), group=group)
-    schedule = get_schedule_class(case.schedule)(stage, case.microbatches, loss_fn=lambda out, _target: out.mean())
-    first, last = rank == 0, rank == world_size - 1
+    stages = [PipelineStage(m, i, total, torch.device("cpu"), group=group) for m, i in zip(modules, indices)]
+    schedule_cls = get_schedule_class(case.schedule)
+    schedule = schedule_cls(stages[0] if case.stages_per_rank == 1 else stages, case.microbatches,
+                            loss_fn=lambda out, _target: out.mean())
+    first, last = 0 in indices, total - 1 in indices
+    stage_module = nn.ModuleList(modules)
     x = torch.randn(BATCH, POSITIONS, FEATURES) if first else None
     target = torch.empty(BATCH, 0) if last else None  # the mean takes none; the schedule splits one
     trainable = [p for p in stage_module.parameters() if p.requires_grad]
@@ -156,7 +165,7 @@ def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak
         gc.collect()
 
     step()  # the warm-up: metadata inference, receive buffers
-    before = _storages_before(stage, stage_module, x)
+    before = _storages_before(stages, stage_module, x)
     result = None
     for attempt in range(1, MAX_ATTEMPTS + 1):
         peak, complete = _measured(step)
@@ -171,7 +180,7 @@ def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak
     return result
 
 
-def _storages_before(stage: Any, module: nn.Module, x: torch.Tensor | None) -> int:
+def _storages_before(stages: Sequence[Any], module: nn.Module, x: torch.Tensor | None) -> int:
     """Bytes alive when the step starts: parameters, the input, the stage's receive buffers and
     the previous step's gradients on the activation buffers."""
     from memcalc.measure.step import storage_bytes
@@ -180,7 +189,8 @@ def _storages_before(stage: Any, module: nn.Module, x: torch.Tensor | None) -> i
     kept: list[torch.Tensor] = [*local, *module.buffers()]
     if x is not None:
         kept.append(x)
-    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+    for infos in (*(i for s in stages for i in s.args_recv_info.values()),
+                  *(i for s in stages for i in s.grad_recv_info.values())):
         for info in infos:
             if info.buffer is not None and not info.is_root_arg:
                 kept.append(info.buffer)

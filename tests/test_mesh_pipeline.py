@@ -64,8 +64,8 @@ def test_a_pipeline_composed_with_another_dimension_is_refused_by_name() -> None
         setting = memcalc.Distributed(pp=2, dp_shard=2, **degrees)
         with pytest.raises(InapplicableOptionError, match=f"pp composed with {name} is not modelled yet"):
             memcalc.estimate(pipeline_model, batch_size=BATCH, distributed=setting, **_OPTIONS)
-    setting = memcalc.Distributed(pp=2, dp_shard=2, pp_schedule="interleaved-1f1b")
-    with pytest.raises(InapplicableOptionError, match="interleaved-1f1b schedule is not modelled yet"):
+    setting = memcalc.Distributed(pp=2, dp_shard=2, pp_schedule="zbv-zero-bubble")
+    with pytest.raises(InapplicableOptionError, match="zbv-zero-bubble schedule is not modelled yet"):
         memcalc.estimate(pipeline_model, batch_size=BATCH, distributed=setting, **_OPTIONS)
 
 

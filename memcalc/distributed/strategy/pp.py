@@ -10,7 +10,8 @@ stage's module ``fully_shard``-ed over the dp_shard sub-mesh (every block and th
 ``reshard_after_forward=False`` (torchtitan's default under a pipeline), and torch's
 ``PipelineStage`` turning gradient sync and reshard-after-backward off for every microbatch's
 backward and syncing once in ``perform_reduce_grad``: a stage holds its unsharded parameters and
-gradients from its first forward to the end of its last backward. The dp_shard ranks of one
+gradients from its first forward to the end of its last backward (GPipe, 1F1B and
+Interleaved1F1B; the zero-bubble and V schedules with dp_shard are refused by name). The dp_shard ranks of one
 stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order).
 """
 
@@ -21,12 +22,16 @@ from dataclasses import replace
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport, Shard
 from memcalc.distributed.pipeline import Pipeline, estimate_pipeline
+from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, register
 from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory
 
 __all__ = ("PipelineParallel",)
+
+#: The schedules whose FSDP2 stages agree with real gloo runs (tests/test_gloo_pipeline.py).
+_WITH_DP_SHARD = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B)
 
 
 @register()
@@ -63,12 +68,13 @@ class PipelineParallel(RankStrategy):
         if dp_shard > 1:
             sharder = DpShard(self.distributed, dp_shard)
             sharder.refuse_finetune(step.finetune)
-            if not pipeline.schedule_kind.single_stage:
+            if pipeline.schedule_kind not in _WITH_DP_SHARD:
                 raise InapplicableOptionError(
                     f"--mesh pp={self.degree},dp_shard={dp_shard} under the {pipeline.schedule_kind.value} schedule is "
-                    f"not modelled yet: only GPipe and 1F1B (one stage per rank) sync FSDP2 gradients through "
-                    f"PipelineStage.perform_reduce_grad as memcalc follows it",
-                    hint="Use --pp-schedule 1f1b or gpipe with dp_shard.")
+                    f"not modelled yet: FSDP2 stages are checked against real runs under "
+                    f"{', '.join(s.value for s in _WITH_DP_SHARD)} only (the zero-bubble and V schedules split "
+                    f"each backward in two)",
+                    hint="Use --pp-schedule 1f1b, gpipe or interleaved-1f1b with dp_shard.")
             program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
             precision = sharder.trace_precision(step.precision)
             shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
