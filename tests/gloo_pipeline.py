@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_runs import MAX_ATTEMPTS, BlockNet, GlooRunError, RankPeak, _net_bytes
+from gloo_runs import MAX_ATTEMPTS, Block, BlockNet, GlooRunError, RankPeak, _net_bytes
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
@@ -45,11 +45,17 @@ BATCH = 32
 
 @dataclass(frozen=True)
 class PipelineCase:
-    """One real run: ``schedule`` (torch's name: "GPipe", "1F1B") over ``microbatches``."""
+    """One real run: ``schedule`` (torch's name: "GPipe", "1F1B") over ``microbatches``;
+    ``dp_shard`` > 1: each stage ``fully_shard``-ed over that many ranks (a ``(pp, dp_shard)``
+    device mesh, pp outermost as torchtitan orders it; every block and the stage's root
+    wrapped, ``reshard_after_forward=False`` as torchtitan's default under a pipeline)."""
 
     name: str
     schedule: str
     microbatches: int
+    dp_shard: int = 1
+    #: stages per rank (2 for "Interleaved1F1B"): rank r holds stages r, r + pp, ... (torch's loop placement)
+    stages_per_rank: int = 1
 
 
 def pipeline_model() -> BlockNet:
@@ -95,14 +101,14 @@ def _worker(rank: int, world_size: int, port: int, cases: list[PipelineCase], wo
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        results = {case.name: asdict(_run_case(case, rank, world_size)) for case in cases}
+        results = {case.name: asdict(_run_case(case, rank, world_size // case.dp_shard)) for case in cases}
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"pp-rank{rank}.json").write_text(json.dumps(results))
 
 
 def _stage_module(model: BlockNet, rank: int, world_size: int) -> nn.Sequential:
-    """Rank ``rank``'s stage: its share of the blocks, the input layer first, the head last."""
+    """Stage ``rank`` of ``world_size``: its share of the blocks, the input layer first, the head last."""
     per = BLOCKS // world_size
     parts: list[nn.Module] = list(model.blocks)[rank * per:(rank + 1) * per]
     if rank == 0:
@@ -112,16 +118,36 @@ def _stage_module(model: BlockNet, rank: int, world_size: int) -> nn.Sequential:
     return nn.Sequential(*parts)
 
 
-def _run_case(case: PipelineCase, rank: int, world_size: int) -> RankPeak:
+def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak:
+    """``world_size``: the pipeline ranks; the process's stage is its global rank // dp_shard."""
     from gloo_runs import FEATURES
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     torch.manual_seed(0)
-    stage_module = _stage_module(pipeline_model(), rank, world_size)
-    stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
-    schedule = get_schedule_class(case.schedule)(stage, case.microbatches, loss_fn=lambda out, _target: out.mean())
-    first, last = rank == 0, rank == world_size - 1
+    rank = global_rank // case.dp_shard
+    total = world_size * case.stages_per_rank
+    indices = [rank + k * world_size for k in range(case.stages_per_rank)]
+    model = pipeline_model()
+    modules = [_stage_module(model, index, total) for index in indices]
+    group = None
+    if case.dp_shard > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size, case.dp_shard), mesh_dim_names=("pp", "dp_shard"))
+        for stage_module in modules:
+            for block in stage_module:
+                if isinstance(block, Block):
+                    fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=False)
+            fully_shard(stage_module, mesh=mesh["dp_shard"], reshard_after_forward=False)
+        group = mesh["pp"].get_group()
+    stages = [PipelineStage(m, i, total, torch.device("cpu"), group=group) for m, i in zip(modules, indices)]
+    schedule_cls = get_schedule_class(case.schedule)
+    schedule = schedule_cls(stages[0] if case.stages_per_rank == 1 else stages, case.microbatches,
+                            loss_fn=lambda out, _target: out.mean())
+    first, last = 0 in indices, total - 1 in indices
+    stage_module = nn.ModuleList(modules)
     x = torch.randn(BATCH, POSITIONS, FEATURES) if first else None
     target = torch.empty(BATCH, 0) if last else None  # the mean takes none; the schedule splits one
     trainable = [p for p in stage_module.parameters() if p.requires_grad]
@@ -139,7 +165,7 @@ def _run_case(case: PipelineCase, rank: int, world_size: int) -> RankPeak:
         gc.collect()
 
     step()  # the warm-up: metadata inference, receive buffers
-    before = _storages_before(stage, stage_module, x)
+    before = _storages_before(stages, stage_module, x)
     result = None
     for attempt in range(1, MAX_ATTEMPTS + 1):
         peak, complete = _measured(step)
@@ -154,15 +180,17 @@ def _run_case(case: PipelineCase, rank: int, world_size: int) -> RankPeak:
     return result
 
 
-def _storages_before(stage: Any, module: nn.Module, x: torch.Tensor | None) -> int:
+def _storages_before(stages: Sequence[Any], module: nn.Module, x: torch.Tensor | None) -> int:
     """Bytes alive when the step starts: parameters, the input, the stage's receive buffers and
     the previous step's gradients on the activation buffers."""
     from memcalc.measure.step import storage_bytes
 
-    kept: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]  # FSDP2's shards
+    kept: list[torch.Tensor] = [*local, *module.buffers()]
     if x is not None:
         kept.append(x)
-    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+    for infos in (*(i for s in stages for i in s.args_recv_info.values()),
+                  *(i for s in stages for i in s.grad_recv_info.values())):
         for info in infos:
             if info.buffer is not None and not info.is_root_arg:
                 kept.append(info.buffer)

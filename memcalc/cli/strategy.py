@@ -114,7 +114,8 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           + "; e.g. dp_shard=8,tp=4,pp=2. The world size is their product. --strategy fsdp is "
                             "dp_shard=N, ddp is dp_replicate=N, both together HSDP; tp alone or under dp_shard "
                             "(FSDP2 over its DTensors, torchtitan's composition), cp with the data-parallel "
-                            "dimensions, pp (torch's own pipeline schedule) alone; ep is not modelled yet."),
+                            "dimensions, pp (torch's own pipeline schedule) alone or over dp_shard (each stage "
+                            "FSDP2-sharded: gpipe, 1f1b, interleaved-1f1b); ep is not modelled yet."),
         click.option("--world-size", type=int, default=None, callback=_at_least_one, metavar="N",
                      help="Number of GPUs (ranks) for ddp, fsdp and zero*; for dp, devices 0..N-1."),
         click.option("--device-ids", type=DeviceIdsType(), default=None,

@@ -92,6 +92,7 @@ class _Param:
     owner: _UnitState | None = None
     unsharded: nn.Parameter | None = None
     holders: int = 0
+    accumulated: torch.Tensor | None = None  # FSDPParam.unsharded_accumulated_grad (reduce_dtype)
 
     @property
     def padded_numel(self) -> int:
@@ -160,7 +161,7 @@ class ShardedProgram(RankProgram):
     def __init__(self, units: Sequence[Unit], world_size: int, *, style: str, reshard_after_forward: bool,
                  sharded_dtype: torch.dtype | None, gather_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, training: bool, reduce_bucket_size: int = 0,
-                 cpu: bool = False):
+                 cpu: bool = False, accumulate: bool = False):
         super().__init__()
         if style not in ("fsdp2", "deepspeed"):
             raise ValueError(style)
@@ -174,6 +175,10 @@ class ShardedProgram(RankProgram):
         self.training = training
         self.reduce_bucket_size = reduce_bucket_size
         self.cpu = cpu  # the CPU kernels (target="cpu"), to compare with a real CPU run
+        # under a pipeline schedule (torch's PipelineStage.backward_maybe_with_nosync): each
+        # microbatch's backward neither reshards nor reduce-scatters; reduce_accumulated() does both
+        self.accumulate = accumulate
+        self._reducing = False
         self.states: list[_UnitState] = []
         self.params: list[_Param] = []
         self.grad_partition: torch.Tensor | None = None
@@ -442,9 +447,15 @@ class ShardedProgram(RankProgram):
         if state.reduced:
             return
         state.reduced = True
+        if self.accumulate and not self._reducing:
+            self._accumulate(state)
+            return
         grads: list[tuple[_Param, torch.Tensor]] = []
         for p in state.owned:
-            if p.unsharded is not None and p.unsharded.grad is not None:
+            if p.accumulated is not None:  # a backward before left it in the reduce dtype
+                grads.append((p, p.accumulated))
+                p.accumulated = None
+            elif p.unsharded is not None and p.unsharded.grad is not None:
                 self._tracer.track(p.unsharded.grad, Category.GRADIENTS)
                 grads.append((p, p.unsharded.grad))
                 p.unsharded.grad = None
@@ -513,7 +524,50 @@ class ShardedProgram(RankProgram):
                 self._transient(p.padded_numel * grad_dtype.itemsize)
         padded.clear()
 
+    def _accumulate(self, state: _UnitState) -> None:
+        """``FSDPParamGroup.post_backward`` without gradient sync and without reshard after
+        backward (a pipeline's microbatch): the unsharded gradients stay, added up by autograd;
+        under a reduce dtype of their own they are kept in it (``accumulate_unsharded_grad_if_needed``,
+        ``to_accumulated_grad_if_needed``)."""
+        for p in state.owned:
+            grad = None if p.unsharded is None else p.unsharded.grad
+            if grad is None:
+                continue
+            if p.accumulated is not None:
+                p.accumulated += grad
+                assert p.unsharded is not None
+                p.unsharded.grad = None
+            elif self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
+                assert p.unsharded is not None
+                p.unsharded.grad = None
+                p.accumulated = grad.to(self.reduce_dtype)
+                self._tracer.track(p.accumulated, Category.GRADIENTS)
+            del grad
+
+    def reduce_accumulated(self) -> None:
+        """The end of a pipeline step's backwards (``PipelineStage.perform_reduce_grad``): every
+        unit's ``post_backward`` with gradient sync and reshard after backward — root first, then
+        the others in model order (``all_states``) — then the final callback."""
+        self._reducing = True
+        try:
+            for state in self.states:
+                state.reduced = False
+            self._end_of_backward()
+        finally:
+            self._reducing = False
+
     def _end_of_backward(self) -> None:
+        if self.accumulate and not self._reducing:
+            # the root's final callback of a microbatch: post_backward (no sync) where it did not run
+            for state in [self.states[-1], *self.states[:-1]]:
+                self._post_backward(state)
+            for state in self.states:
+                state.prefetched = None
+                state.backward_started = False
+                state.reduced = False
+            self._forward_order.clear()
+            self._in_backward = False
+            return
         # units whose input gradients never came (the root; a unit after frozen ones): FSDP2's
         # final callback visits the root, then the others in model order (all_states);
         # DeepSpeed's, the units in reverse

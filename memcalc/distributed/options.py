@@ -72,8 +72,9 @@ class Distributed:
             master partition, the optimizer state and the gradient partition in host memory).
         dp_replicate, dp_shard, tp, pp, cp, ep: the mesh's degrees (torchtitan's names; 1 or
             None: not used). A dimension without a strategy file, or a composition that is not
-            modelled (tp with anything but dp_shard; pp or ep with another dimension), is
-            accepted here and refused by the estimate, by name.
+            modelled (tp or pp with anything but dp_shard; ep with another dimension), is
+            accepted here and refused by the estimate, by name. ``sharding`` does not apply inside
+            a pipeline: its stages keep torchtitan's ``reshard_after_forward=False``.
         tp_plan: ``tp``: the tensor-parallel plan, module-name pattern → transformers style string
             (``{"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}``); None: the model's own
             (a Hugging Face ``tp_plan``, or torchtitan's for the zoo's Llama family).

@@ -42,6 +42,7 @@ from torch import nn
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.losses import LossChoice
+from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport, RoleReport
 from memcalc.distributed.pipeline_schedules import (
     Action,
@@ -51,7 +52,7 @@ from memcalc.distributed.pipeline_schedules import (
     stage_of_rank,
 )
 from memcalc.distributed.pipeline_split import ModelLayout, StageModule, block_containers_of, layout_of, stage_blocks
-from memcalc.distributed.program import model_states_at_step
+from memcalc.distributed.program import RankProgram, model_states_at_step
 from memcalc.engine.losses import compute_loss, make_targets, resolve_loss
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.options import Step
@@ -227,11 +228,18 @@ def _torch_release() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFactory | None = None) -> PipelineEstimate:
+def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFactory | None = None,
+                      stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
+                      trace_precision: Precision | None = None) -> PipelineEstimate:
     """Estimate every pipeline rank of ``step`` under ``pipeline``.
 
     ``step`` is one pipeline replica's step: its batch is what the first stage is fed per
-    optimizer step, split into ``pipeline.microbatches``.
+    optimizer step, split into ``pipeline.microbatches``. ``stage_program``: the program that
+    wraps each stage's module (given as a model whose ``module`` is the stage and whose
+    ``block_containers`` are its blocks'), as torchtitan ``fully_shard``-s every stage over the
+    dp_shard sub-mesh; its ``reduce_accumulated()`` runs where torch's
+    ``PipelineStage.perform_reduce_grad`` syncs an FSDP stage. ``trace_precision``: the precision the
+    stages trace at under that program (FSDP2's mixed precision runs without autocast).
 
     Raises:
         InvalidInputError: a batch that does not divide into the microbatches; a split the
@@ -258,6 +266,14 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
         raise InvalidInputError(f"the batch of {probe.batch_size} does not split into {m} equal microbatches",
                                 hint="Make the batch a multiple of the microbatches.")
     micro = step.resolved(batch_size=probe.batch_size // m)
+    if trace_precision is not None and step.precision.is_amp and not trace_precision.is_amp:
+        # FSDP2's mixed precision: the stages compute in param_dtype without autocast, so what a
+        # stage sends (and a later stage's stand-ins of the model's inputs) is in that dtype; its
+        # buffers stay as they are (fully_shard casts parameters only)
+        low = step.precision.compute_dtype
+        for param in micro.module.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(low)
     containers = block_containers_of(micro.module, micro.block_containers)
     layout = layout_of(micro.module, micro.inputs, containers, micro.name)
     blocks = stage_blocks(layout.blocks, pipeline.total_stages, pipeline.split_points)
@@ -265,7 +281,8 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
     ranks = []
     for rank in range(pipeline.stages):
         stages = placement[rank]
-        report, states, buffers = _estimate_rank(step, pipeline, rank, stages, blocks, layout, micro.inputs, costs)
+        report, states, buffers = _estimate_rank(step, pipeline, rank, stages, blocks, layout, micro.inputs, costs,
+                                                 stage_program, trace_precision)
         flight = in_flight(actions[rank])
         ranks.append(RankEstimate(rank, stages, tuple(blocks[s] for s in stages),
                                   tuple(flight.get(s, 0) for s in stages), report, states, buffers))
@@ -274,7 +291,9 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
 
 def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[int],
                    blocks: Sequence[tuple[str, ...]], layout: ModelLayout, micro_inputs: ModelInputs,
-                   costs: CostRecorderFactory | None) -> tuple[MemoryReport, int, int]:
+                   costs: CostRecorderFactory | None,
+                   stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
+                   trace_precision: Precision | None = None) -> tuple[MemoryReport, int, int]:
     resolved = step.resolved()
     resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                               checkpoint=bool(step.checkpoint))
@@ -291,15 +310,22 @@ def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[i
         inputs=resolved.inputs if first else ModelInputs(()), loss=LossChoice.AUTO,
         build_real=resolved.build_real, block_containers=containers,
         notes=(*resolved.notes, f"pipeline rank {rank} of {pipeline.stages}: {held}; {pipeline.describe()}"))
+    precision = step.precision if trace_precision is None else trace_precision
     rank_step = replace(step, loss=None, loss_fn=_RankRunner.done, accum_steps=1,
-                        precision=step_precision(resolved, step.finetune, step.precision, step.mode))
-    program = _PipelineProgram(runner, rank, layout, micro_inputs)
+                        precision=step_precision(resolved, step.finetune, precision, step.mode))
+    wrapped = [] if stage_program is None else [
+        stage_program(replace(rank_model, module=m, block_containers=tuple(f"model.{c}" for c in layout.containers)))
+        for m in modules]
+    program = _PipelineProgram(runner, rank, layout, micro_inputs, wrapped)
     with _fake_group(rank, pipeline.stages):
         traced = trace_step(rank_model, rank_step, hooks=program, costs=costs)
     traced.notes.extend(ASSUMPTIONS)
+    for stage_wrap in wrapped:
+        traced.notes.extend(stage_wrap.notes)
     report = build_report(rank_model, traced, rank_step, role=f"pipeline rank {rank}")
     buffers = sum(traced.trace.nbytes[uid] for uid in program.buffers)
-    return report, model_states_at_step(traced), buffers
+    collective = set().union(*(w.communication for w in wrapped))
+    return report, model_states_at_step(traced, collective), buffers
 
 
 class _RankRunner(nn.Module):
@@ -344,8 +370,10 @@ class _PipelineProgram:
     allocates the receive buffers) and registers what a steady-state step finds: those buffers,
     the previous step's gradients of the received activations, the last stage's targets."""
 
-    def __init__(self, runner: _RankRunner, rank: int, layout: ModelLayout, micro_inputs: ModelInputs) -> None:
+    def __init__(self, runner: _RankRunner, rank: int, layout: ModelLayout, micro_inputs: ModelInputs,
+                 wrapped: Sequence[RankProgram] = ()) -> None:
         self.runner = runner
+        self.wrapped = tuple(wrapped)  # each stage's data-parallel program (FSDP2), by stage
         self.rank = rank
         self.layout = layout
         self.micro_inputs = micro_inputs
@@ -419,8 +447,22 @@ class _PipelineProgram:
         if target.numel():
             tracer.preexisting(target, Category.INPUTS)
         self._undo = _works_keep_tensors()
+        installed: list[RankProgram] = []
+        try:
+            for stage, stage_module, wrap in zip(stages, runner.stages, self.wrapped, strict=False):
+                wrap.install(tracer, stage_module)
+                installed.append(wrap)
+                _reduce_at_end(stage, wrap)
+        except BaseException:
+            for wrap in reversed(installed):
+                wrap.remove()
+            self.remove(wrapped=False)
+            raise
 
-    def remove(self) -> None:
+    def remove(self, *, wrapped: bool = True) -> None:
+        if wrapped:
+            for wrap in reversed(self.wrapped):
+                wrap.remove()
         self.runner.schedule = None
         self.runner.target = None
         if self._undo is not None:
@@ -452,6 +494,19 @@ def _as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
     they need a gradient (a received activation's gradient buffer exists only then)."""
     tensors = (value,) if isinstance(value, torch.Tensor) else tuple(t for t in value if isinstance(t, torch.Tensor))
     return tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
+
+
+def _reduce_at_end(stage: Any, program: RankProgram) -> None:
+    """Run ``program.reduce_accumulated()`` where torch's ``perform_reduce_grad`` syncs an FSDP
+    stage's gradients (after the last microbatch's backward, before the gradients are scaled):
+    the stage's module is memcalc's meta model, not an ``FSDPModule``, so torch's own branch
+    does not run."""
+    original = stage.perform_reduce_grad
+    def perform_reduce_grad(grad_scale_factor: int) -> None:
+        program.reduce_accumulated()
+        original(grad_scale_factor)
+
+    stage.perform_reduce_grad = perform_reduce_grad
 
 
 def _phase_around(stage: Any, method: str, tracer: StorageTracer, phase: Phase) -> None:

@@ -65,6 +65,11 @@ class RankProgram:
         """The optimizer the rank runs (ZeRO wraps the user's in its partitioned one)."""
         return spec
 
+    def reduce_accumulated(self) -> None:
+        """A pipeline stage's program, at the end of the step's backwards (torch's
+        ``PipelineStage.perform_reduce_grad``): sync what the microbatches accumulated (none here)."""
+        return None
+
     def remove(self) -> None:
         for handle in reversed(self._handles):
             handle.remove()
@@ -145,6 +150,10 @@ class StackedProgram(RankProgram):
         for program in self.programs:
             spec = program.optimizer_spec(spec)
         return spec
+
+    def reduce_accumulated(self) -> None:
+        for program in self.programs:
+            program.reduce_accumulated()
 
     def remove(self) -> None:
         for program in reversed(self.programs):

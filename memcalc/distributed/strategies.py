@@ -116,14 +116,17 @@ def estimate_per_rank(step: Step, distributed: Distributed,
 def _whole_step(strategy: RankStrategy, strategies: list[RankStrategy], step: Step, distributed: Distributed,
                 batch: int, costs: CostRecorderFactory | None) -> MemoryReport:
     """The estimate of a dimension that runs the whole step itself (a pipeline), alone on the mesh."""
-    others = [s.name for s in strategies if s is not strategy]
+    others = [s.name for s in strategies if s is not strategy and s.name not in strategy.composes_with]
     if others:
         assert distributed.mesh is not None
         raise InapplicableOptionError(
             f"the mesh {distributed.mesh.describe()}: {strategy.name} composed with {', '.join(others)} is not "
-            f"modelled yet (each pipeline rank is estimated with torch's own schedule on one GPU's model)",
-            hint=f"Estimate the pipeline alone (--mesh {strategy.name}={strategy.degree}): with data parallelism "
-                 f"over it each rank holds that, its parameters, gradients and optimizer state further sharded.")
+            f"modelled yet (each pipeline rank is estimated with torch's own schedule"
+            + (f"; it composes with {', '.join(sorted(strategy.composes_with))} only)" if strategy.composes_with
+               else ")"),
+            hint=f"Estimate the pipeline alone (--mesh {strategy.name}={strategy.degree})"
+                 + "".join(f" or with {d} (--mesh {strategy.name}={strategy.degree},{d}=N)"
+                           for d in sorted(strategy.composes_with)) + ".")
     report = strategy.estimate(step, distributed.per_rank_batch(batch), costs)
     mesh = None if distributed.mesh is None else distributed.mesh.degrees
     return replace(report, strategy=distributed.strategy.value, world_size=distributed.world_size,

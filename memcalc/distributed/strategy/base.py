@@ -152,8 +152,10 @@ class RankStrategy(ABC):
     mesh_dimension: ClassVar[str | None] = None
     #: True: the dimension estimates the whole step itself (:meth:`estimate`) instead of adding
     #: to the roles: a pipeline rank runs a schedule over several microbatches, not one traced
-    #: step. Such a dimension composes with no other yet.
+    #: step. Such a dimension composes only with those of :attr:`composes_with`, which it applies itself.
     whole_step: ClassVar[bool] = False
+    #: A :attr:`whole_step` dimension's: the dimensions it composes with (reading their degrees).
+    composes_with: ClassVar[frozenset[str]] = frozenset()
     #: False: ``memcalc plan`` does not search this dimension: its communication (or a pipeline's
     #: bubble) is not in plan's cost model yet, and a dimension ranked as free would win unfairly.
     planned: ClassVar[bool] = True

@@ -84,17 +84,23 @@ class DpShard(RankStrategy):
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
 
-def fsdp_program(sharding_: FsdpSharding, step: Step,
-                 n: int) -> tuple[Callable[[ResolvedModel], RankProgram], list[str]]:
+def fsdp_program(sharding_: FsdpSharding, step: Step, n: int,
+                 pipelined: bool = False) -> tuple[Callable[[ResolvedModel], RankProgram], list[str]]:
     """The FSDP2 program over ``n`` ranks (a builder per role's model) and its notes: dp_shard's,
-    and context parallelism's, which shards the parameters over dp_shard x cp as torchtitan does."""
+    and context parallelism's, which shards the parameters over dp_shard x cp as torchtitan does.
+    ``pipelined``: each pipeline stage's, as torchtitan wraps it (``reshard_after_forward=False``,
+    its default under a pipeline) and torch's ``PipelineStage`` runs it (gradients accumulated
+    unsharded over the microbatches, synced once at the end)."""
     precision = step.precision
     mixed = precision.is_amp
     low = precision.compute_dtype
-    reshard = sharding_ is FsdpSharding.FULL_SHARD
+    reshard = sharding_ is FsdpSharding.FULL_SHARD and not pipelined
     training = step.mode is Mode.TRAIN
     cpu = not step.emulate_cuda
-    notes = [f"FSDP2 {sharding_.value.upper()} over {n} ranks"
+    shape = (f" of each pipeline stage over {n} ranks, reshard_after_forward=False (torchtitan's default under "
+             f"pp): its unsharded parameters and gradients kept over the microbatches, reduce-scattered after the "
+             f"last" if pipelined else f" {sharding_.value.upper()} over {n} ranks")
+    notes = [f"FSDP2{shape}"
              + (f"; MixedPrecisionPolicy(param_dtype={_dtype(low)}, reduce_dtype=float32): the model "
                 f"computes in {_dtype(low)} without autocast" if mixed else "")]
     if precision is Precision.AMP_FP16:
@@ -105,7 +111,8 @@ def fsdp_program(sharding_: FsdpSharding, step: Step,
         return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
                               sharded_dtype=torch.float32 if mixed else None,
                               gather_dtype=low if mixed else None,
-                              reduce_dtype=torch.float32 if mixed else None, training=training, cpu=cpu)
+                              reduce_dtype=torch.float32 if mixed else None, training=training, cpu=cpu,
+                              accumulate=pipelined)
 
     return fsdp, notes
 

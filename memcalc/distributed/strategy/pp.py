@@ -5,20 +5,33 @@ over the microbatches and the optimizer step after the last. Every pipeline rank
 (the first holds the embedding, the last the head and the loss), the busiest one reported.
 
 A pipeline rank does not run one traced step but a schedule, so this dimension estimates the
-whole step itself (``whole_step``) and composes with no other dimension yet.
+whole step itself (``whole_step``). It composes with ``dp_shard`` as torchtitan does: each
+stage's module ``fully_shard``-ed over the dp_shard sub-mesh (every block and the stage's root),
+``reshard_after_forward=False`` (torchtitan's default under a pipeline), and torch's
+``PipelineStage`` turning gradient sync and reshard-after-backward off for every microbatch's
+backward and syncing once in ``perform_reduce_grad``: a stage holds its unsharded parameters and
+gradients from its first forward to the end of its last backward (GPipe, 1F1B and
+Interleaved1F1B; the zero-bubble and V schedules with dp_shard are refused by name). The dp_shard ranks of one
+stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport, Shard
 from memcalc.distributed.pipeline import Pipeline, estimate_pipeline
-from memcalc.distributed.strategy.base import Plan, RankStrategy, register
+from memcalc.distributed.pipeline_schedules import PipelineSchedule
+from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, register
+from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory
 
 __all__ = ("PipelineParallel",)
+
+#: The schedules whose FSDP2 stages agree with real gloo runs (tests/test_gloo_pipeline.py).
+_WITH_DP_SHARD = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B)
 
 
 @register()
@@ -29,6 +42,7 @@ class PipelineParallel(RankStrategy):
     mesh_dimension = "pp"
     options = frozenset({"pp_schedule", "microbatches", "pp_split"})
     whole_step = True
+    composes_with = frozenset({"dp_shard"})
     planned = False  # the pipeline bubble and the stage sends are not in plan's cost model yet
 
     @property
@@ -45,11 +59,32 @@ class PipelineParallel(RankStrategy):
 
     def estimate(self, step: Step, batch: int, costs: CostRecorderFactory | None) -> MemoryReport:
         pipeline = self.pipeline
-        estimate = estimate_pipeline(replace(step, batch_size=batch), pipeline, costs=costs)
-        shard = (Shard(("blocks",), self.name, self.degree),)
+        mesh = self.distributed.mesh
+        dp_shard = 1 if mesh is None else mesh.dp_shard
+        program = None
+        precision = None
+        fsdp_notes: list[str] = []
+        shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
+        if dp_shard > 1:
+            sharder = DpShard(self.distributed, dp_shard)
+            sharder.refuse_finetune(step.finetune)
+            if pipeline.schedule_kind not in _WITH_DP_SHARD:
+                raise InapplicableOptionError(
+                    f"--mesh pp={self.degree},dp_shard={dp_shard} under the {pipeline.schedule_kind.value} schedule is "
+                    f"not modelled yet: FSDP2 stages are checked against real runs under "
+                    f"{', '.join(s.value for s in _WITH_DP_SHARD)} only (the zero-bubble and V schedules split "
+                    f"each backward in two)",
+                    hint="Use --pp-schedule 1f1b, gpipe or interleaved-1f1b with dp_shard.")
+            program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
+            precision = sharder.trace_precision(step.precision)
+            shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
+        estimate = estimate_pipeline(replace(step, batch_size=batch), pipeline, costs=costs,
+                                     stage_program=program, trace_precision=precision)
         report = estimate.as_report()
         # every pipeline rank runs the whole batch, microbatch by microbatch (a later stage's own
-        # report counts the microbatch its stand-in input was built at)
-        roles = tuple(replace(role, sharding=shard, batch_size=batch) for role in report.roles)
-        notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch")
+        # report counts the microbatch its stand-in input was built at); its dp_shard ranks share its trace
+        roles = tuple(replace(role, sharding=shard, batch_size=batch,
+                              ranks=tuple(r * dp_shard + d for r in role.ranks for d in range(dp_shard)))
+                      for role in report.roles)
+        notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch", *fsdp_notes)
         return replace(report, roles=roles, notes=notes, batch_size=batch)
