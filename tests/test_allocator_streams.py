@@ -201,8 +201,6 @@ class _StreamRecorder:
         return selected()
 
     def mode(self):
-        import weakref
-
         from torch.utils._python_dispatch import TorchDispatchMode
 
         recorder = self
@@ -214,7 +212,9 @@ class _StreamRecorder:
                     if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
                         storage = tensor.untyped_storage()
                         if id(storage) not in recorder._seen and storage.nbytes():
-                            recorder._seen[id(storage)] = weakref.ref(storage)
+                            # held, not weakly: a collected wrapper's id is reused by a later storage,
+                            # which would then pass for seen (a birth lost, as once under xdist)
+                            recorder._seen[id(storage)] = storage
                             current = recorder.current[-1] if recorder.current else None
                             recorder.births.append((storage.nbytes(), id(current) if current is not None else 0))
                 return out

@@ -120,3 +120,17 @@ def test_pp_with_dp_shard_under_amp_sends_in_the_param_dtype() -> None:
         # the receive buffers (activations and their gradients, per microbatch): bf16, where the
         # pipeline alone under autocast sends the float32 residual stream
         assert 2 * sharded.communication == whole.communication > 0
+
+
+@pytest.mark.slow  # a transformer's two pipeline ranks, each through 4 microbatches: about 30 s
+def test_cli_mesh_pp(golden) -> None:  # type: ignore[no-untyped-def]
+    result = CliRunner().invoke(main, ["torch:llama-tiny", "--batch", "4", "--seq-len", "32", "--gpu", "cpu",
+                                       "--mesh", "pp=2", "--pp-schedule", "gpipe", "--microbatches", "4"])
+    assert result.exit_code == 0, result.output
+    golden(result.output)
+
+
+def test_cli_refuses_pipeline_flags_without_pp() -> None:
+    result = CliRunner().invoke(main, ["mlp", "--strategy", "fsdp", "--world-size", "2", "--microbatches", "4"])
+    assert result.exit_code == 2
+    assert "--microbatches applies only" in result.output

@@ -118,8 +118,17 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
             raise BatchLimitError(max_batch, real.reports[max_batch], budget) from None
         found = _Found(best, best, best, ())
     best = found.best
-    expandable = _with_expandable_segments(found.family, best, limit, step, max_batch, real.known(best + 1))
     report = real.report_under_budget(best)
+    # The search judged each batch under the margin budget; the report is under the whole one. A
+    # caching allocator is not monotonic in its capacity (a larger one frees its cache later, and its
+    # streams' pools fragment otherwise), so a batch that fits under the margin can still run out
+    # under the whole budget: the answer steps down until its own report fits too.
+    while report.fits is False and best > 1:
+        best -= 1
+        report = real.report_under_budget(best)
+    if report.fits is False:
+        raise DoesNotFitError(report, budget, margin)
+    expandable = _with_expandable_segments(found.family, best, limit, step, max_batch, real.known(best + 1))
     raw = _raw_boundary(real, found, first.batch_size, slope_hint, max_batch)
     probes = tuple(_as_probe(p) for p in real.order)
     around = range(max(1, best - neighbours), best + neighbours + 1) if neighbours else range(0)
