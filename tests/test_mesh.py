@@ -325,3 +325,13 @@ def test_an_older_torch_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(pipeline, "_torch_release", lambda: (2, 11))
     with pytest.raises(InapplicableOptionError, match="older PipelineStage"):
         memcalc.estimate("torch:llama-tiny", batch_size=2, seq_len=32, gpu="cpu", distributed=Distributed(pp=2))
+
+
+def test_ep_without_transformers_expert_parallelism_is_refused_by_name(monkeypatch) -> None:
+    # ep runs transformers' own apply_expert_parallelism; where the installed transformers has none
+    # (5.17, the oldest matrix leg), the estimate says so by name before it builds anything
+    from memcalc.distributed.strategy import ep
+
+    monkeypatch.setattr(ep, "expert_parallelism_available", lambda: False)
+    with pytest.raises(InapplicableOptionError, match="transformers.distributed.expert_parallel"):
+        memcalc.estimate("mlp", batch_size=2, distributed=memcalc.Distributed(ep=2))

@@ -25,6 +25,7 @@ allocates what stepping the DTensors would (tests/test_gloo_ep.py, a real two-pr
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import sys
 from collections.abc import Callable
@@ -49,6 +50,15 @@ from memcalc.engine.trace import StorageTracer
 from memcalc.stacks.transformers.reads import routing_notes
 
 __all__ = ("ExpertParallel", "ExpertParallelDimension", "dispatch_rows")
+
+def expert_parallelism_available() -> bool:
+    """Whether the installed transformers has the expert parallelism ``ep`` runs
+    (``transformers.distributed.expert_parallel``, in 5.24; transformers 5.17 has none)."""
+    try:
+        return importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
+    except ImportError:  # transformers, or its distributed package, is not installed
+        return False
+
 
 #: The function of transformers' ``AllToAllEP`` that reads the split sizes to the host.
 _DISPATCH = "AllToAllEP._dispatch_tokens"
@@ -228,6 +238,11 @@ class ExpertParallelDimension(RankStrategy):
                 f"part with FSDP2 over the expert ranks too (efsdp / dp_shard_mod_ep), which memcalc does not trace",
                 hint=f"Estimate ep={self.degree} alone (--mesh ep={self.degree}): the experts sharded, the dense "
                      f"part whole on every rank.")
+        if not expert_parallelism_available():
+            raise InapplicableOptionError(
+                f"ep={self.degree} runs transformers' own expert parallelism (transformers.distributed."
+                f"expert_parallel), which the installed transformers {_transformers_version()} does not have",
+                hint="Install a transformers that has it (5.24 does), or estimate without ep.")
         plan = every_rank(plan, self.distributed)
         routing, factor = self.distributed.routing, self.distributed.capacity_factor
         n = self.degree
@@ -243,3 +258,12 @@ class ExpertParallelDimension(RankStrategy):
                  f"differ); the dense gradients' synchronisation over the ep ranks is not modelled",)
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
+
+
+def _transformers_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("transformers")
+    except Exception:  # not installed: the refusal says so
+        return "(not installed)"
