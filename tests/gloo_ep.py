@@ -21,17 +21,13 @@ from __future__ import annotations
 
 import gc
 import json
-import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo_runs import MAX_ATTEMPTS, GlooRunError, RankPeak, _net_bytes
+from gloo_runs import MAX_ATTEMPTS, GlooRunError, RankPeak, _net_bytes, spawn_ranks
 from torch import nn
-from torch.multiprocessing.spawn import ProcessException
 
 
 def run_ep(source: str, kwargs: dict[str, Any], work_dir: Path, *, world_size: int = 2, spread: int | None = None,
@@ -43,22 +39,7 @@ def run_ep(source: str, kwargs: dict[str, Any], work_dir: Path, *, world_size: i
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
-    context = mp.start_processes(_worker, args=(world_size, store.port, source, kwargs, spread, str(work_dir)),
-                                 nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise GlooRunError(f"the gloo runs took more than {timeout_s:.0f} s")
-    except ProcessException as error:
-        raise GlooRunError(f"a rank failed:\n{error}") from error
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join()
+    spawn_ranks(_worker, world_size, (source, kwargs, spread, str(work_dir)), timeout_s)
     return [RankPeak(**json.loads((work_dir / f"ep-rank{rank}.json").read_text())) for rank in range(world_size)]
 
 

@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import gc
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo_runs import MAX_ATTEMPTS, Block, BlockNet, GlooRunError, RankPeak, _net_bytes
+from gloo_runs import MAX_ATTEMPTS, Block, BlockNet, GlooRunError, RankPeak, _net_bytes, spawn_ranks
 from torch import nn
-from torch.multiprocessing.spawn import ProcessException
 
 #: The pipelined model: BlockNet at width 64 with 4 blocks, fed sequences of 64 positions of
 #: FEATURES features, so that the activations in flight, not the weights, decide the peak.
@@ -73,22 +69,7 @@ def run_pipeline_cases(cases: Sequence[PipelineCase], work_dir: Path, *, world_s
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
-    context = mp.start_processes(_worker, args=(world_size, store.port, list(cases), str(work_dir)),
-                                 nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise GlooRunError(f"the gloo pipeline runs took more than {timeout_s:.0f} s")
-    except ProcessException as error:
-        raise GlooRunError(f"a rank failed:\n{error}") from error
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join()
+    spawn_ranks(_worker, world_size, (list(cases), str(work_dir)), timeout_s, what="gloo pipeline runs")
     peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
     for rank in range(world_size):
         measured = json.loads((work_dir / f"pp-rank{rank}.json").read_text())

@@ -31,7 +31,7 @@ from __future__ import annotations
 import gc
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -141,6 +141,33 @@ class GlooRunError(RuntimeError):
     """The processes failed, hung, or could not get a complete trace."""
 
 
+def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, ...], timeout_s: float,
+                what: str = "gloo runs") -> None:
+    """Run ``worker(rank, world_size, port, *args)`` on ``world_size`` spawned processes, the
+    parent holding the rendezvous store's server (no port is picked and then lost to another
+    process), and wait for them all (every harness here: DDP/FSDP2, TP, PP, EP).
+
+    Raises:
+        GlooRunError: a process failed or ran past ``timeout_s``.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    context = mp.start_processes(worker, args=(world_size, store.port, *args), nprocs=world_size, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise GlooRunError(f"the {what} took more than {timeout_s:.0f} s")
+    except ProcessException as error:  # a rank raised, or died
+        raise GlooRunError(f"a rank failed:\n{error}") from error
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join()
+
+
 def run_cases(cases: Sequence[GlooCase], work_dir: Path, *, world_size: int = 2,
               timeout_s: float = 300.0) -> dict[str, list[RankPeak]]:
     """Run ``cases`` on ``world_size`` spawned processes over gloo.
@@ -154,23 +181,7 @@ def run_cases(cases: Sequence[GlooCase], work_dir: Path, *, world_size: int = 2,
     names = [case.name for case in cases]
     if len(set(names)) != len(names):
         raise ValueError(f"case names repeat: {names}")
-    # the parent holds the store's server: no port is picked and then lost to another process
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
-    context = mp.start_processes(_worker, args=(world_size, store.port, list(cases), str(work_dir)),
-                                 nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise GlooRunError(f"the gloo runs took more than {timeout_s:.0f} s")
-    except ProcessException as error:  # a rank raised, or died
-        raise GlooRunError(f"a rank failed:\n{error}") from error
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join()
+    spawn_ranks(_worker, world_size, (list(cases), str(work_dir)), timeout_s)
     peaks: dict[str, list[RankPeak]] = {name: [] for name in names}
     for rank in range(world_size):
         measured = json.loads((work_dir / f"rank{rank}.json").read_text())

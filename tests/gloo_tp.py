@@ -21,18 +21,23 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo_runs import FEATURES, MAX_ATTEMPTS, BlockNet, GlooRunError, RankPeak, _net_bytes, _storages_before
+from gloo_runs import (
+    FEATURES,
+    MAX_ATTEMPTS,
+    BlockNet,
+    GlooRunError,
+    RankPeak,
+    _net_bytes,
+    _storages_before,
+    spawn_ranks,
+)
 from torch import nn
-from torch.multiprocessing.spawn import ProcessException
 from torch.nn import functional as F
 
 from models_zoo.llama import LlamaConfig, LlamaForCausalLM
@@ -89,22 +94,7 @@ def run_tp_cases(cases: Sequence[TpCase], work_dir: Path, *, world_size: int = 2
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
-    context = mp.start_processes(_worker, args=(world_size, store.port, list(cases), str(work_dir)),
-                                 nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise GlooRunError(f"the gloo runs took more than {timeout_s:.0f} s")
-    except ProcessException as error:
-        raise GlooRunError(f"a rank failed:\n{error}") from error
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join()
+    spawn_ranks(_worker, world_size, (list(cases), str(work_dir)), timeout_s)
     peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
     for rank in range(world_size):
         measured = json.loads((work_dir / f"tp-rank{rank}.json").read_text())
