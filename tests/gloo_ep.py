@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gloo_runs import MAX_ATTEMPTS, GlooRunError, RankPeak, _net_bytes, spawn_ranks
+from gloo_runs import RankPeak, _net_bytes, spawn_ranks, until_complete
 from torch import nn
 
 
@@ -99,18 +99,12 @@ def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | Non
     local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
     before = storage_bytes([*local, *module.buffers(), *inputs])
     trainable = [p for p in module.parameters() if p.requires_grad]
-    result = None
-    for attempt in range(1, MAX_ATTEMPTS + 1):
+
+    def measured() -> tuple[int, bool]:
         gc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             run_step(module, inputs, config)
             gc.collect()
-        if _net_bytes(prof) == 0 and result is None:
-            result = RankPeak(before + _profiler_peak(prof), 4 * len(trainable), attempt)
-        missing = torch.tensor([0 if result is not None else 1])
-        dist.all_reduce(missing)
-        if int(missing) == 0:
-            break
-    if result is None:
-        raise GlooRunError(f"no complete trace in {MAX_ATTEMPTS} steps")
-    return result
+        return _profiler_peak(prof), _net_bytes(prof) == 0
+
+    return until_complete(measured, before, 4 * len(trainable), "")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gloo_runs import MAX_ATTEMPTS, Block, BlockNet, GlooRunError, RankPeak, _net_bytes, spawn_ranks
+from gloo_runs import Block, BlockNet, RankPeak, _net_bytes, spawn_ranks, until_complete
 from torch import nn
 
 #: The pipelined model: BlockNet at width 64 with 4 blocks, fed sequences of 64 positions of
@@ -147,18 +147,7 @@ def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak
 
     step()  # the warm-up: metadata inference, receive buffers
     before = _storages_before(stages, stage_module, x)
-    result = None
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        peak, complete = _measured(step)
-        if complete and result is None:
-            result = RankPeak(before + peak, 4 * len(trainable), attempt)
-        missing = torch.tensor([0 if result is not None else 1])
-        dist.all_reduce(missing)
-        if int(missing) == 0:
-            break
-    if result is None:
-        raise GlooRunError(f"{case.name}: no complete trace in {MAX_ATTEMPTS} steps")
-    return result
+    return until_complete(lambda: _measured(step), before, 4 * len(trainable), f"{case.name}: ")
 
 
 def _storages_before(stages: Sequence[Any], module: nn.Module, x: torch.Tensor | None) -> int:

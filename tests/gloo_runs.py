@@ -168,6 +168,25 @@ def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, .
                 process.join()
 
 
+def until_complete(measure: Callable[[], tuple[int, bool]], before: int, counters: int, name: str) -> RankPeak:
+    """Measure the step again until every rank has one complete trace (``measure`` gives the
+    profiler's peak and whether the trace saw every free): every step runs collectives, so the
+    ranks stop together, at most :data:`MAX_ATTEMPTS` steps. ``before``: the bytes alive when the
+    step starts; ``counters``: the bytes of Adam's CPU step counters (4 per trainable tensor)."""
+    result = None
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        peak, complete = measure()
+        if complete and result is None:
+            result = RankPeak(before + peak, counters, attempt)
+        missing = torch.tensor([0 if result is not None else 1])
+        dist.all_reduce(missing)
+        if int(missing) == 0:
+            break
+    if result is None:
+        raise GlooRunError(f"{name}no complete trace in {MAX_ATTEMPTS} steps")
+    return result
+
+
 def run_cases(cases: Sequence[GlooCase], work_dir: Path, *, world_size: int = 2,
               timeout_s: float = 300.0) -> dict[str, list[RankPeak]]:
     """Run ``cases`` on ``world_size`` spawned processes over gloo.
@@ -214,19 +233,8 @@ def _run_case(case: GlooCase, world_size: int) -> RankPeak:
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     _step(wrapped, x, trainable)  # the warm-up
     before = _storages_before(wrapped, x)
-    result = None
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        peak, complete = _measured_step(wrapped, x, trainable)
-        if complete and result is None:
-            result = RankPeak(before + peak, 4 * len(trainable), attempt)
-        # every step runs collectives: the ranks stop together, once each has a complete trace
-        missing = torch.tensor([0 if result is not None else 1])
-        dist.all_reduce(missing)
-        if int(missing) == 0:
-            break
-    if result is None:
-        raise GlooRunError(f"{case.name}: no complete trace in {MAX_ATTEMPTS} steps")
-    return result
+    return until_complete(lambda: _measured_step(wrapped, x, trainable), before, 4 * len(trainable),
+                          f"{case.name}: ")
 
 
 def _wrap(case: GlooCase, model: nn.Module, world_size: int) -> nn.Module:

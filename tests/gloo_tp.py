@@ -29,13 +29,12 @@ import torch
 import torch.distributed as dist
 from gloo_runs import (
     FEATURES,
-    MAX_ATTEMPTS,
     BlockNet,
-    GlooRunError,
     RankPeak,
     _net_bytes,
     _storages_before,
     spawn_ranks,
+    until_complete,
 )
 from torch import nn
 from torch.nn import functional as F
@@ -139,18 +138,8 @@ def _run_case(case: TpCase, world_size: int) -> RankPeak:
     trainable = [p for p in model.parameters() if p.requires_grad]
     _step(model, x, trainable, case, targets)  # the warm-up
     before = _storages_before(model, x) + (storage_bytes([targets]) if targets is not None else 0)
-    result = None
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        peak, complete = _measured_step(model, x, trainable, case, targets)
-        if complete and result is None:
-            result = RankPeak(before + peak, 4 * len(trainable), attempt)
-        missing = torch.tensor([0 if result is not None else 1])
-        dist.all_reduce(missing)
-        if int(missing) == 0:
-            break
-    if result is None:
-        raise GlooRunError(f"{case.name}: no complete trace in {MAX_ATTEMPTS} steps")
-    return result
+    return until_complete(lambda: _measured_step(model, x, trainable, case, targets), before, 4 * len(trainable),
+                          f"{case.name}: ")
 
 
 def _step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter], case: TpCase,
