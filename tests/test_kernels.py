@@ -436,6 +436,16 @@ class TestConvWorkspace:
         # a 3x3 RGB stem (VGG, U-Net) uses an engine without workspace
         assert self.ws((8, 3, 224, 224), (64, 3, 3, 3), (8, 64, 224, 224), "backward_filter") == 0
 
+    def test_shape_exceptions_are_table_rows_with_sources(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # the fp32 256 -> 512 downsample and the 64 -> 128 forward are rows of ENGINE_EXCEPTIONS, each citing
+        # the snapshots' report; without the rows both take their class's rule (copies of x and y; x, w and y)
+        assert all("2026-11-26-cudnn-workspaces/REPORT.md" in row.source for row in cudnn.ENGINE_EXCEPTIONS)
+        x, w, y = (8, 256, 56, 56), (512, 256, 1, 1), (8, 512, 28, 28)
+        x64, w64, y64 = (8, 64, 56, 56), (128, 64, 3, 3), (8, 128, 56, 56)
+        monkeypatch.setattr(cudnn, "ENGINE_EXCEPTIONS", ())
+        assert self.ws(x, w, y, "forward", torch.float32, stride=(2, 2)) == 25_690_112 + 12_845_056 + 16
+        assert self.ws(x64, w64, y64, "forward") == 3_211_264 + 147_456 + 6_422_528 + 16
+
     def test_channels_last_needs_no_transposes(self) -> None:
         assert self.ws(self.X3, self.W3, self.Y3, "forward", channels_last=True) == 0
         assert self.ws(self.X3, self.W3, self.Y3, "backward_filter", channels_last=True) == 14 * 589_824
