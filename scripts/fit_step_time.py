@@ -1,14 +1,14 @@
 """Fit memcalc's step-time model to a GPU's real kernels and write its coefficients.
 
-    python scripts/fit_step_time.py                  # writes memcalc/timing/fitted.py
+    python scripts/fit_step_time.py                  # writes memcalc/timing/fitted.json
     python scripts/fit_step_time.py --check          # fails if the committed module is stale
 
 Reads :data:`DATA`, ``tests/data/gpu/2026-11-26-h200-profile/`` (one run on a healthy NVIDIA
 H200, torch 2.11: ``profile.json``, the self CUDA time of every aten op of eight configs;
 ``times.jsonl``, the unprofiled real step of twelve configs), traces each config with memcalc on
 this checkout for the H200's datasheet peaks, fits per op class an efficiency and a fixed time
-per kernel, and a gap between kernels (:mod:`memcalc.timing.calibration`), and writes them as
-a Python module that :mod:`memcalc.timing.performance` reads. Every coefficient comes from
+per kernel, and a gap between kernels (:mod:`memcalc.timing.calibration`), and writes them, with
+their provenance, to a JSON data file that :mod:`memcalc.timing.fitted` reads. Every coefficient comes from
 these files: nothing is typed in. The other GPUs get the same fractions of their own datasheet
 peaks; :data:`RECHECK` (a healthy H100's eight steps) checks that scaling, and the ratios are
 written beside the coefficients. Those steps then fit the H100's own bandwidth factor
@@ -24,11 +24,14 @@ this from the files).
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import json
 import statistics
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import memcalc
 from memcalc.core.throughput import OpClass
@@ -52,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "gpu" / "2026-11-26-h200-profile"
 #: The catalogue key of the GPU :data:`DATA` was measured on: its datasheet peaks give ``ideal``.
 GPU = "h200"
-OUT = ROOT / "memcalc" / "timing" / "fitted.py"
+OUT = ROOT / "memcalc" / "timing" / "fitted.json"
 #: A healthy H100's eight steps (2026-11-26), not fitted: they check the datasheet scaling.
 RECHECK = ROOT / "tests" / "data" / "gpu" / "2026-11-26-steps"
 RECHECK_FILE = "h100-times.jsonl"
@@ -107,63 +110,54 @@ def measured_bandwidth(result: FitResult) -> tuple[BandwidthFit, tuple[float, ..
             leave_one_out_bandwidth(result, configs, recheck_features))
 
 
-def render(result: FitResult, configs: tuple[MeasuredConfig, ...], rechecked: list[float],
-           measured: tuple[BandwidthFit, tuple[float, ...]]) -> str:
-    """The coefficients module's text."""
-    import json
+def _g(value: float) -> float:
+    """Four significant figures: what the fit supports, and what the data file keeps."""
+    return float(f"{value:.4g}")
 
+
+def render(result: FitResult, configs: tuple[MeasuredConfig, ...], rechecked: list[float],
+           measured: tuple[BandwidthFit, tuple[float, ...]]) -> dict[str, Any]:
+    """The coefficients and their provenance, as :data:`OUT` holds them (without the date written)."""
     bandwidth, held_out = measured
     env = (DATA / "env.txt").read_text().splitlines()
     device = env[1].split(",")[0].strip()
     torch_version = env[2].split()[0]  # the line torch.__version__, CUDA, cuDNN
-    lines = [
-        f'"""The step-time model\'s coefficients, measured on an {device}: WRITTEN BY',
-        f"``scripts/fit_step_time.py`` from ``tests/data/gpu/{DATA.name}/`` (profile.json, times.jsonl);",
-        'do not edit, run the script (``--check`` tells whether this file is current)."""',
-        "",
-        "from memcalc.core.throughput import OpClass",
-        "",
-        f'GPU = "{GPU}"',
-        f"DEVICE = {json.dumps(device)}",
-        f"TORCH = {json.dumps(torch_version.split('+')[0])}",
-        "#: fraction of the binding datasheet peak a large kernel of each class reaches",
-        "EFFICIENCY: dict[OpClass, float] = {",
-        *(f"    OpClass.{c.name}: {e:.4g}," for c, e in result.efficiency),
-        "}",
-        "#: seconds each kernel of a class takes besides its roofline time",
-        "KERNEL_SECONDS: dict[OpClass, float] = {",
-        *(f"    OpClass.{c.name}: {s:.4g}," for c, s in result.kernel_seconds),
-        "}",
-        "#: seconds between kernels (launch and host-side dispatch), per kernel",
-        f"GAP_SECONDS = {result.gap_seconds:.4g}",
-        "#: the host's seconds per kernel (eager dispatch): a step is never shorter than its kernels × this",
-        f"HOST_SECONDS = {result.host_seconds:.4g}",
-        "#: the largest |measured / predicted - 1| on the timed steps below: predicted × (1 ± this) covers them",
-        f"SPREAD = {result.spread:.4g}",
-        "#: the timed steps the spread is measured on",
-        "TIMED: tuple[str, ...] = (",
-        *(f"    {json.dumps(c.name)}," for c in configs if c.step_seconds),
-        ")",
-        f"#: predicted / measured on a healthy H100's steps, not fitted ({RECHECK.name}/{RECHECK_FILE}),",
-        "#: timed with the H100's datasheet peaks: the check of the datasheet scaling",
-        f'RECHECK_GPU = "{RECHECK_GPU}"',
-        f"RECHECK_STEPS = {len(rechecked)}",
-        f"RECHECK_RATIO = {statistics.median(rechecked):.4g}" if rechecked else "RECHECK_RATIO = 1.0",
-        f"RECHECK_RANGE = ({min(rechecked):.4g}, {max(rechecked):.4g})" if rechecked else "RECHECK_RANGE = (1.0, 1.0)",
-        f"RECHECK_DATE = {json.dumps(RECHECK.name.split('-steps')[0])}",
-        "#: per catalogue key, the factor on the datasheet bandwidth fitted to that GPU's own steps above",
-        "#: (the H200's coefficients kept); its predicted / measured on them, and each left out of the fit",
-        f'MEASURED_BANDWIDTH: dict[str, float] = {{"{RECHECK_GPU}": {bandwidth.scale:.4g}}}',
-        f"MEASURED_STEPS = {len(bandwidth.ratios)}",
-        f"MEASURED_RANGE = ({min(bandwidth.ratios):.4g}, {max(bandwidth.ratios):.4g})",
-        f"MEASURED_HELD_OUT_RANGE = ({min(held_out):.4g}, {max(held_out):.4g})",
-        "#: the profiled steps the kernel coefficients are fitted to",
-        "PROFILED: tuple[str, ...] = (",
-        *(f"    {json.dumps(c.name)}," for c in configs if c.kernel_seconds),
-        ")",
-        "",
-    ]
-    return "\n".join(lines)
+    return {
+        "provenance": {
+            "script": "scripts/fit_step_time.py",
+            "inputs": [f"tests/data/gpu/{DATA.name}/profile.json", f"tests/data/gpu/{DATA.name}/times.jsonl",
+                       f"tests/data/gpu/{RECHECK.name}/{RECHECK_FILE}"],
+            "measured": DATA.name.split("-h200")[0],
+            "note": "do not edit: run the script (--check tells whether this file is current)",
+        },
+        "gpu": GPU,
+        "device": device,
+        "torch": torch_version.split("+")[0],
+        "efficiency": {c.name: _g(e) for c, e in result.efficiency},
+        "kernel_seconds": {c.name: _g(s) for c, s in result.kernel_seconds},
+        "gap_seconds": _g(result.gap_seconds),
+        "host_seconds": _g(result.host_seconds),
+        "spread": _g(result.spread),
+        "timed": [c.name for c in configs if c.step_seconds],
+        "recheck": {
+            "gpu": RECHECK_GPU,
+            "steps": len(rechecked),
+            "ratio": _g(statistics.median(rechecked)) if rechecked else 1.0,
+            "range": [_g(min(rechecked)), _g(max(rechecked))] if rechecked else [1.0, 1.0],
+            "date": RECHECK.name.split("-steps")[0],
+        },
+        "measured_bandwidth": {
+            "scale": {RECHECK_GPU: _g(bandwidth.scale)},
+            "steps": len(bandwidth.ratios),
+            "range": [_g(min(bandwidth.ratios)), _g(max(bandwidth.ratios))],
+            "held_out_range": [_g(min(held_out)), _g(max(held_out))],
+        },
+        "profiled": [c.name for c in configs if c.kernel_seconds],
+    }
+
+
+def _without_date(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "provenance": {k: v for k, v in data["provenance"].items() if k != "written"}}
 
 
 def main() -> int:
@@ -174,15 +168,16 @@ def main() -> int:
     result = fit(configs, features)
     rechecked = recheck(result)
     measured = measured_bandwidth(result)
-    text = render(result, configs, rechecked, measured)
+    data = render(result, configs, rechecked, measured)
     if args.check:
-        current = OUT.read_text() if OUT.exists() else ""
-        if current != text:
+        current = json.loads(OUT.read_text()) if OUT.exists() else {"provenance": {}}
+        if _without_date(current) != data:
             print(f"{OUT.relative_to(ROOT)} is stale: run python scripts/fit_step_time.py", file=sys.stderr)
             return 1
         print(f"{OUT.relative_to(ROOT)} is current")
         return 0
-    OUT.write_text(text)
+    data["provenance"]["written"] = datetime.date.today().isoformat()
+    OUT.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {OUT.relative_to(ROOT)}")
     for op_class in OpClass:
         print(f"  {op_class.value:18s} efficiency {result.efficiency_map()[op_class]:.3f}  "

@@ -17,12 +17,16 @@ import torch
 from memcalc.targets import autocast, versions
 from memcalc.targets.cuda import attention_memory, cublas, cudnn, sdpa, workspaces
 from memcalc.targets.cuda.attention_memory import Buffer
+from memcalc.targets.cuda.gpus.catalogue import get_gpu
 from memcalc.targets.cuda.sdpa import AttentionBackend as B
 from memcalc.targets.cuda.sdpa import SdpaCall
 
 H100 = (9, 0)
 A100 = (8, 0)
 A10 = (8, 6)
+#: multiProcessorCount, as the catalogue's records give it (h100-80gb, a10g): the fused kernels read it
+H100_SMS = get_gpu("h100-80gb").sm_count
+A10G_SMS = get_gpu("a10g").sm_count
 V100 = (7, 0)
 T4 = (7, 5)
 B200 = (10, 0)
@@ -149,7 +153,7 @@ class TestFlashTemporaries:
         #   softmax_d (B, H, round128(L)) fp32   = 2·16·2048·4     =    262,144 B (256 KiB)
         #   dq_accum  (B, round128(L), H, 64) fp32 = 2·2048·16·64·4 = 16,777,216 B (16 MiB)
         #   head_size_rounded = round(64, 32) = 64; no GQA → no dk/dv_expanded
-        buffers = attention_memory.backward_temporaries(call(), B.FLASH, H100)
+        buffers = attention_memory.backward_temporaries(call(), B.FLASH, H100, sm_count=H100_SMS)
         assert [(b.name, b.shape, b.dtype) for b in buffers] == [
             ("flash_softmax_d", (2, 16, 2048), torch.float32),
             ("flash_dq_accum", (2, 2048, 16, 64), torch.float32),
@@ -159,15 +163,18 @@ class TestFlashTemporaries:
     def test_backward_rounding(self) -> None:
         # L=1000 → seqlen_q_rounded 1024; D=80 → head_size 80, rounded to 32 → 96;
         # D=160 → 160 rounded to 64 → 192 (head_size > 128 rounds to 64)
-        buffers = attention_memory.backward_temporaries(call(seq_q=1000, seq_kv=1000, head_dim=80, head_dim_v=80), B.FLASH, H100)
+        buffers = attention_memory.backward_temporaries(call(seq_q=1000, seq_kv=1000, head_dim=80, head_dim_v=80), B.FLASH, H100,
+                                                        sm_count=H100_SMS)
         assert buffers[0].shape == (2, 16, 1024)
         assert buffers[1].shape == (2, 1024, 16, 96)
-        wide = attention_memory.backward_temporaries(call(head_dim=160, head_dim_v=160), B.FLASH, H100)
+        wide = attention_memory.backward_temporaries(call(head_dim=160, head_dim_v=160), B.FLASH, H100,
+                                                     sm_count=H100_SMS)
         assert wide[1].shape == (2, 2048, 16, 192)
 
     def test_backward_gqa_expands_dk_dv(self) -> None:
         # heads_q=32, heads_kv=8: dk/dv computed per query head, (B, Lk, 32, 64) fp16 each
-        buffers = attention_memory.backward_temporaries(call(heads_q=32, heads_kv=8, enable_gqa=True), B.FLASH, H100)
+        buffers = attention_memory.backward_temporaries(call(heads_q=32, heads_kv=8, enable_gqa=True), B.FLASH, H100,
+                                                        sm_count=H100_SMS)
         expanded = [b for b in buffers if "expanded" in b.name]
         assert [b.shape for b in expanded] == [(2, 2048, 32, 64)] * 2
         assert all(b.dtype == torch.float16 and b.nbytes == 2 * 2048 * 32 * 64 * 2 for b in expanded)
@@ -193,7 +200,8 @@ class TestFlashTemporaries:
         assert [b.shape for b in buffers] == [(2, 1, 8, 512), (2, 1, 8, 512, 64)]
         assert total(buffers) == 32 * 1024 + 2 * MiB
         # dropout turns split-KV off
-        assert attention_memory.forward_temporaries(dataclasses.replace(small, dropout_p=0.1), B.FLASH, H100) == []
+        assert attention_memory.forward_temporaries(dataclasses.replace(small, dropout_p=0.1), B.FLASH, H100,
+                                                    sm_count=H100_SMS) == []
 
 
 class TestMemEfficientTemporaries:
@@ -202,7 +210,7 @@ class TestMemEfficientTemporaries:
         #   delta (B, H, M) fp32 = 2·16·2048·4 = 262,144 B
         #   gQ per (b, h) = ceil(2048/64)·ceil(64/64)·(4 + 64·64) = 32·4100 = 131,200 floats
         #   workspace = 2·16·131,200·4 = 16,793,600 B
-        buffers = attention_memory.backward_temporaries(call(), B.EFFICIENT, H100)
+        buffers = attention_memory.backward_temporaries(call(), B.EFFICIENT, H100, sm_count=H100_SMS)
         assert [(b.name, b.nbytes) for b in buffers] == [("mem_eff_delta", 262_144),
                                                           ("mem_eff_workspace", 16_793_600)]
 
@@ -210,42 +218,44 @@ class TestMemEfficientTemporaries:
         d128 = call(head_dim=128, head_dim_v=128)
         # H100: 128x128 k128 fits → registers; gQ = 16·1·(4 + 16384) = 262,208 floats
         #   → 2·16·262,208·4 = 33,562,624 B
-        h100 = attention_memory.backward_temporaries(d128, B.EFFICIENT, H100)
+        h100 = attention_memory.backward_temporaries(d128, B.EFFICIENT, H100, sm_count=H100_SMS)
         assert h100[-1].nbytes == 33_562_624
         # A10 (~99 KB smem): 64x64 k128, dK/dV staged in gmem. splits = min(ceil(2048/64)=32,
         # 200 // 32 = 6) = 6; gK = gV = 6·64·128 = 49,152; gQ = 32·2·4100 = 262,400
         #   → (49,152·2 + 262,400)·4·32 = 46,170,112 B
-        a10 = attention_memory.backward_temporaries(d128, B.EFFICIENT, A10)
+        a10 = attention_memory.backward_temporaries(d128, B.EFFICIENT, A10, sm_count=A10G_SMS)
         assert a10[-1].nbytes == 46_170_112
 
     def test_backward_fp32_delta_is_computed_on_the_host(self) -> None:
         # fp32: (grad_out·out).sum(-1).transpose(-2,-1).contiguous() — product (B,M,H,Kv) and
         # sum (B,M,H) are statement temporaries alive with delta; then the workspace.
-        buffers = attention_memory.backward_temporaries(call(dtype=torch.float32), B.EFFICIENT, H100)
+        buffers = attention_memory.backward_temporaries(call(dtype=torch.float32), B.EFFICIENT, H100, sm_count=H100_SMS)
         assert [b.name for b in buffers] == ["mem_eff_delta_product", "mem_eff_delta_sum",
                                              "mem_eff_delta", "mem_eff_workspace"]
         # peak = 16,777,216 + 262,144 + 262,144 (statement) vs 262,144 + 16,793,600 (kernel)
         assert attention_memory.peak_bytes(buffers) == 17_301_504
 
     def test_forward_accumulator_only_for_large_half_head_dims(self) -> None:
-        assert attention_memory.forward_temporaries(call(head_dim=128, head_dim_v=128), B.EFFICIENT, H100) == []
-        big = attention_memory.forward_temporaries(call(head_dim=256, head_dim_v=256), B.EFFICIENT, H100)
+        assert attention_memory.forward_temporaries(call(head_dim=128, head_dim_v=128), B.EFFICIENT, H100,
+                                                    sm_count=H100_SMS) == []
+        big = attention_memory.forward_temporaries(call(head_dim=256, head_dim_v=256), B.EFFICIENT, H100,
+                                                   sm_count=H100_SMS)
         assert [(b.shape, b.dtype) for b in big] == [((2, 2048, 16, 256), torch.float32)]
         fp32 = call(dtype=torch.float32, head_dim=256, head_dim_v=256)
-        assert attention_memory.forward_temporaries(fp32, B.EFFICIENT, H100) == []
+        assert attention_memory.forward_temporaries(fp32, B.EFFICIENT, H100, sm_count=H100_SMS) == []
 
 
 class TestCudnnTemporaries:
     def test_backward_workspace(self) -> None:
         # dQ_accum b·h·s_q·d·4 = 2·16·2048·64·4 = 16,777,216; softmax_sum b·h·s_q·4 = 262,144
-        buffers = attention_memory.backward_temporaries(call(), B.CUDNN, H100)
+        buffers = attention_memory.backward_temporaries(call(), B.CUDNN, H100, sm_count=H100_SMS)
         assert total(buffers) == 17_039_360
 
     def test_forward_has_no_scratch(self) -> None:
-        assert attention_memory.forward_temporaries(call(), B.CUDNN, H100) == []
+        assert attention_memory.forward_temporaries(call(), B.CUDNN, H100, sm_count=H100_SMS) == []
 
     def test_math_has_no_kernel_scratch(self) -> None:
-        assert attention_memory.backward_temporaries(call(), B.MATH, H100) == []
+        assert attention_memory.backward_temporaries(call(), B.MATH, H100, sm_count=H100_SMS) == []
 
 
 class TestPrologueAndCorrections:
@@ -425,6 +435,16 @@ class TestConvWorkspace:
         assert wgrad == 51_380_224 + 50_176 + 205_520_896 + 120 * 50_176 + 16 == 262_972_432
         # a 3x3 RGB stem (VGG, U-Net) uses an engine without workspace
         assert self.ws((8, 3, 224, 224), (64, 3, 3, 3), (8, 64, 224, 224), "backward_filter") == 0
+
+    def test_shape_exceptions_are_table_rows_with_sources(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # the fp32 256 -> 512 downsample and the 64 -> 128 forward are rows of ENGINE_EXCEPTIONS, each citing
+        # the snapshots' report; without the rows both take their class's rule (copies of x and y; x, w and y)
+        assert all("2026-11-26-cudnn-workspaces/REPORT.md" in row.source for row in cudnn.ENGINE_EXCEPTIONS)
+        x, w, y = (8, 256, 56, 56), (512, 256, 1, 1), (8, 512, 28, 28)
+        x64, w64, y64 = (8, 64, 56, 56), (128, 64, 3, 3), (8, 128, 56, 56)
+        monkeypatch.setattr(cudnn, "ENGINE_EXCEPTIONS", ())
+        assert self.ws(x, w, y, "forward", torch.float32, stride=(2, 2)) == 25_690_112 + 12_845_056 + 16
+        assert self.ws(x64, w64, y64, "forward") == 3_211_264 + 147_456 + 6_422_528 + 16
 
     def test_channels_last_needs_no_transposes(self) -> None:
         assert self.ws(self.X3, self.W3, self.Y3, "forward", channels_last=True) == 0

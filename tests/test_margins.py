@@ -5,26 +5,26 @@ measured on 2026-11-26: tests/data/gpu/2026-11-26-fit-checks/)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
+from types import ModuleType
 
 import pytest
-from support import replay_suite
 
 import memcalc
-from memcalc.core.categories import Mode
-from memcalc.core.precision import Precision
 from memcalc.search.margins import (
     ALLOCATED_UNDERESTIMATE,
     FLOOR,
+    MEASURED_ON,
+    PROVENANCE,
     RESERVED_FIXED,
     RESERVED_SHARE,
     StepClass,
     measured_margin,
     model_family,
     model_name,
-    step_class,
 )
 from models_zoo import plain_torch
 
@@ -34,47 +34,26 @@ GiB = 1024**3
 H100_BUDGET = 85_028_896_768 - 726_663_168  # CUDA's total less the measured lazy context
 
 
-def _class_of(config: str) -> StepClass:
-    words = config.split()
-    precision = next((w.split("=")[1] for w in words if w.startswith("precision=")), "fp32")
-    mode = Mode(words[words.index(next(w for w in words if w in ("train", "eval", "inference")))])
-    return step_class(words[0], Precision(precision), "checkpoint=True" in words, mode)
-
-
-def derive_tables() -> tuple[dict[StepClass, tuple[float, str]], dict[str, tuple[float, str]],
-                            dict[str, tuple[int, int, str]]]:
-    """α per class, ρ per model and β per family, from today's estimates of every config against
-    the recorded measurements (not the estimates the suite recorded: fixes since have changed
-    some), as memcalc.search.margins documents them."""
-    _, replayed = replay_suite().replay(DATA / "suite-gpu.jsonl", "h100-80gb")
-    assert len(replayed) == 51
-    allocated: dict[StepClass, tuple[float, str]] = {}
-    largest: dict[str, tuple[int, float, str]] = {}  # model: (real peak reserved, ρ, config)
-    fixed: dict[str, tuple[int, int, str]] = {}
-    for config in replayed:
-        key, measured = _class_of(config.config), config.measured
-        large = measured["peak_allocated"] >= GiB
-        # α: under-estimates of peak allocated, on real peaks of at least 1 GiB
-        alpha = round(max(0.0, -config.error_allocated), 4) if large else 0.0
-        if key.kind not in allocated or alpha > allocated[key.kind][0]:
-            allocated[key.kind] = (alpha, config.config)
-        shortfall = max(0, measured["peak_reserved"] - config.peak_reserved)
-        if large:  # ρ: the share on the model's largest run
-            share = round(shortfall / measured["peak_reserved"], 4)
-            if key.model not in largest or measured["peak_reserved"] > largest[key.model][0]:
-                largest[key.model] = (measured["peak_reserved"], share, config.config)
-        elif key.family not in fixed or shortfall > fixed[key.family][0]:  # β: bytes on small runs
-            fixed[key.family] = (shortfall, measured["peak_reserved"], config.config)
-    shares = {model: (share, config) for model, (_, share, config) in largest.items()}
-    return allocated, shares, fixed
+def derive_margins() -> ModuleType:
+    """scripts/derive_margins.py, loaded by its path (scripts/ is not a package): the tables' author."""
+    spec = importlib.util.spec_from_file_location("derive_margins", ROOT / "scripts" / "derive_margins.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow  # re-estimates the suite's 51 configs: about 15 s
 def test_tables_are_the_suites_data() -> None:
-    allocated, shares, fixed = derive_tables()
+    script = derive_margins()
+    allocated, shares, fixed = script.derive_tables()
     assert allocated == ALLOCATED_UNDERESTIMATE
     assert shares == RESERVED_SHARE
     assert fixed == RESERVED_FIXED
+    # the data file is the script's output, whole: its provenance names the script and the suite
+    assert script.to_json((allocated, shares, fixed))["provenance"] == {
+        k: v for k, v in PROVENANCE.items() if k != "written"}
+    assert PROVENANCE["script"] == "scripts/derive_margins.py" and MEASURED_ON == script.MEASURED_ON
 
 
 def test_margin_arithmetic() -> None:

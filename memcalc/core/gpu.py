@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from memcalc.core.units import format_bytes
 
-__all__ = ("CPU_PROFILE", "CUBLAS_WORKSPACE_DEFAULT", "GENERIC", "GENERIC_CONTEXT", "GpuProfile")
+__all__ = ("CPU_PROFILE", "CUBLAS_WORKSPACE_DEFAULT", "GENERIC", "GENERIC_CONTEXT", "GpuPerformance", "GpuProfile")
 
 KiB = 1024
 MiB = 1024**2
@@ -74,6 +74,16 @@ class GpuProfile:
         total = "no capacity" if self.total_memory is None else format_bytes(self.total_memory, "GiB")
         return (f"{self.key}: {self.name}, {total}, sm{self.compute_capability[0]}{self.compute_capability[1]}, "
                 f"context ~{format_bytes(self.cuda_context, 'MiB')}")
+
+
+@dataclass(frozen=True)
+class GpuPerformance:
+    """How fast a GPU computes and moves bytes, for the step time: dense peak FLOP/s by math mode
+    (a mode the GPU lacks is absent), bandwidth in bytes/s, and the document they are read from."""
+
+    peaks: tuple[tuple[str, float], ...]
+    bandwidth: float
+    source: str
 
 
 #: The profile used when no GPU is named: an sm80-class card of unknown capacity. Its cuBLAS

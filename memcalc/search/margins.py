@@ -2,54 +2,37 @@
 
 A batch fits when its step, replayed through the allocator model, fits the budget *C* less a
 margin *m*·*C* (:mod:`memcalc.search.fit`). The margin holds back what the estimate is measured
-to miss, per class of step — model family, precision, checkpointing, training or not — and per
-model where the model itself was measured, on the H100 suite of 2026-11-25
-(``tests/data/gpu/2026-11-25-h100/suite-gpu.jsonl``, 51 configs):
+to miss, per class of step (model family, precision, checkpointing, training or not) and per
+model where the model itself was measured:
 
     m = max(FLOOR, α + ρ + β / C)
 
 * **α, relative**: the largest under-estimate of *peak allocated* among the class's configs
-  whose real peak is at least 1 GiB. It is the part that grows with the batch (activations,
-  their workspaces), so it is held back in proportion to the budget.
-* **ρ, relative**: the under-estimate of *peak reserved*, as a share of the real peak reserved,
-  on the model's largest run of at least 1 GiB — the run nearest a full card. Reserved memory is
-  what runs out: its shortfall beyond the allocated one is the allocator's fragmentation of the
-  estimate's stream, which differs from the real one where cuDNN's workspaces do (their rule is
-  read off H100 snapshots, :mod:`memcalc.targets.cuda.cudnn`, and misses some shapes) — and the
-  allocator model itself makes every real cudaMalloc when given a real stream
-  (``tests/test_real_snapshots.py``). It can grow with the batch (EfficientNet-B0: 7% at
-  batch 32, and a 24 GiB card ran out of memory where 3% would have allowed more) or stay
-  nearly flat (ResNet-50: 4.0% at batch 32, 3.8% at 128, under 3% at 939), so it is held back in
-  proportion, as measured on the largest run. A model not measured takes the worst ρ of its
-  family, a family not measured the worst of all.
-* **β, absolute**: the largest under-estimate of peak reserved, in bytes, among the family's
-  runs under 1 GiB, where fixed costs dominate (a workspace the estimate lacks, a segment more):
-  what a small budget must hold back whatever the batch. A budget smaller than the run β was
-  measured on holds back β's share of that run instead (llama-tiny inference's 108 MiB of a
-  578 MiB run: 18.7% of a smaller budget). A family without data takes the largest share.
-* **FLOOR**: what no measurement here can size — the pool of a stream memcalc does not know (a
-  library's own, NCCL's; FSDP2's collective streams are replayed), a driver that
-  moves the context, a library version's kernels — held at the 3% the estimate is held to on
-  reserved memory (issue 25).
+  whose real peak is at least 1 GiB: the part that grows with the batch.
+* **ρ, relative**: the under-estimate of *peak reserved*, as a share of the real one, on the
+  model's largest run of at least 1 GiB: the allocator's fragmentation of the estimate's stream
+  where it differs from the real one. A model not measured takes the worst ρ of its family, a
+  family not measured the worst of all.
+* **β, absolute**: the largest under-estimate of peak reserved, in bytes, among the family's runs
+  under 1 GiB, where fixed costs dominate. A budget smaller than the run β was measured on holds
+  back β's share of that run instead; a family without data takes the largest share.
+* **FLOOR**: what no measurement here can size (an unknown library's stream pool, a driver that
+  moves the context), held at the 3% the estimate is held to on reserved memory (issue 25).
 
-α and ρ overlap where a run's reserved shortfall is its allocated one; the sum is kept as the
-cautious side. Only an under-estimate counts: where memcalc over-estimates, a term is 0.
-
-The errors are *today's* estimates against the suite's recorded measurements, not the estimates
-the suite recorded: fixes since (the loss's log-probs under autocast, cuBLAS's workspace under
-inference_mode, the reductions' staging buffers, cuDNN's measured workspaces) changed them —
-GPT-2 under autocast went from 6.1% over to 0.05% under, checkpointed llama-tiny under autocast
-from 10.7% over to 0.09% under, ResNet-18 at batch 256 from 26% under on reserved to 0.7%.
-``benchmarks/replay_suite.py`` re-estimates every config for the H100 and the run's torch/CUDA,
-and ``tests/test_margins.py`` derives the tables below from it, failing when an estimate's
-change moves them; from ``fit-checks.jsonl`` (and the batches between its last run and first
-failure, measured on 2026-11-26) it checks that no answer passes the largest batch that ran.
+Only an under-estimate counts. The tables are data: ``margins.json`` beside this module,
+WRITTEN BY ``scripts/derive_margins.py`` from today's estimates of the H100 suite of 2026-11-25
+against its recorded measurements (its ``provenance`` says which); ``tests/test_margins.py``
+re-derives them and fails when an estimate's change moves them. docs/notes/margins.md keeps the
+reasoning behind each term and the history of the figures.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
+from importlib import resources
+from typing import Any
 
 from memcalc.core.categories import Mode
 from memcalc.core.precision import Precision
@@ -61,8 +44,10 @@ __all__ = (
     "CPU_MARGIN_BASIS",
     "FAMILY_PREFIXES",
     "FLOOR",
+    "MARGINS_FILE",
     "MAX_MARGIN",
     "MEASURED_ON",
+    "PROVENANCE",
     "RESERVED_FIXED",
     "RESERVED_SHARE",
     "MeasuredMargin",
@@ -83,8 +68,6 @@ CPU_MARGIN_BASIS = ("measured for the CPU target under torch.profiler: worst 0.9
                     "rounded up; the CPU allocator reserves nothing beyond what it hands out")
 #: The most a measured margin holds back (see :func:`measured_margin`).
 MAX_MARGIN = 0.5
-#: Where the tables were measured.
-MEASURED_ON = "H100 80GB, torch 2.11 + CUDA 13.0, 2026-11-25 (tests/data/gpu/2026-11-25-h100/suite-gpu.jsonl)"
 
 #: The zoo's spelling of its plain-torch models (``models_zoo.TORCH_PREFIX``; the search does not
 #: import the zoo): the suite's models, measured before the zoo's names built transformers' models.
@@ -123,50 +106,29 @@ class StepClass:
         return replace(self, model="")
 
 
+#: The data file, beside this module, that ``scripts/derive_margins.py`` writes.
+MARGINS_FILE = "margins.json"
+_DATA: dict[str, Any] = json.loads(resources.files(__package__).joinpath(MARGINS_FILE).read_text(encoding="utf-8"))
+#: Which script wrote the tables, from which inputs, when.
+PROVENANCE: dict[str, Any] = dict(_DATA["provenance"])
+#: Where the tables were measured.
+MEASURED_ON: str = str(_DATA["measured_on"])
 #: α per class: (under-estimate of peak allocated, the config it was measured on).
 ALLOCATED_UNDERESTIMATE: dict[StepClass, tuple[float, str]] = {
-    StepClass("cnn", "amp", False, True): (0.0004, "resnet50 b64 sgd-momentum train precision=amp-bf16"),
-    StepClass("cnn", "fp32", False, False): (0.0, "resnet50 b64 none eval"),
-    StepClass("cnn", "fp32", False, True): (0.0011, "densenet121 b32 sgd train"),
-    StepClass("cnn", "fp32", True, True): (0.0, "resnet50 b64 sgd train checkpoint=True"),
-    StepClass("cnn", "half", False, True): (0.0007, "resnet50 b64 sgd-momentum train precision=bf16"),
-    StepClass("transformer", "amp", False, True): (
-        0.0006, "gpt2 seq 1024 b4 adamw train precision=amp-bf16 accum_steps=4"),
-    StepClass("transformer", "amp", True, True): (
-        0.0009, "llama-tiny seq 512 b8 adamw train precision=amp-bf16 checkpoint=True"),
-    StepClass("transformer", "fp32", False, False): (0.0155, "gpt2 seq 1024 b8 none eval"),
-    StepClass("transformer", "fp32", False, True): (0.0003, "vit_b_16 b32 adam train"),
-    StepClass("transformer", "half", False, False): (0.0, "llama-tiny seq 512 b8 none inference precision=bf16"),
-    StepClass("transformer", "half", False, True): (0.0028, "vit_b_16 b32 adamw train precision=bf16"),
-    StepClass("unet", "fp32", False, True): (0.0184, "unet b2 sgd train"),
-}
-
+    StepClass(str(row["family"]), str(row["precision"]), bool(row["checkpoint"]), bool(row["training"])):
+        (float(row["alpha"]), str(row["config"]))
+    for row in _DATA["allocated_underestimate"]}
 #: ρ per model: (under-estimate of peak reserved as a share of the real one, on the model's
 #: largest run whose real peak allocated is at least 1 GiB; the config).
 RESERVED_SHARE: dict[str, tuple[float, str]] = {
-    "bert-base": (0.0217, "bert-base seq 512 b8 adamw train"),
-    "densenet121": (0.0033, "densenet121 b32 adam train"),
-    "efficientnet_b0": (0.0697, "efficientnet_b0 b32 adam train"),  # 3,502 MiB measured, 3,258 estimated
-    "gpt2": (0.0023, "gpt2 seq 1024 b8 sgd-momentum train"),
-    "gpt2-medium": (0.0011, "gpt2-medium seq 1024 b4 adamw train"),
-    "llama-tiny": (0.0073, "llama-tiny seq 512 b8 adamw train"),
-    "mobilenet_v2": (0.0029, "mobilenet_v2 b64 adam train"),
-    "resnet152": (0.0, "resnet152 b16 adam train"),
-    "resnet18": (0.0, "resnet18 b256 adam train"),
-    "resnet50": (0.0379, "resnet50 b128 adam train"),  # 13,826 MiB measured, 13,302 estimated
-    "unet": (0.0125, "unet b2 adam train"),
-    "vgg16": (0.0, "vgg16 b16 adam train"),
-    "vit_b_16": (0.0004, "vit_b_16 b32 adam train"),
-}
-
+    str(model): (float(row["rho"]), str(row["config"])) for model, row in _DATA["reserved_share"].items()}
 #: β per family: (under-estimate of peak reserved in bytes among its runs whose real peak
-#: allocated is under 1 GiB, the measured peak reserved of that run, the config).
+#: allocated is under 1 GiB, the measured peak reserved of that run, the config). Both are
+#: workspaces an earlier config's warm-up left allocated (tests/test_gpu_snapshots.py): the
+#: CNNs' 64 MiB, and 66 of llama-tiny inference's 108 MiB.
 RESERVED_FIXED: dict[str, tuple[int, int, str]] = {
-    # the 64 MiB of workspaces the suite's warm-up left allocated (tests/test_gpu_snapshots.py)
-    "cnn": (67_108_864, 1_094_713_344, "resnet50 b64 none eval"),
-    # 578 vs 470 MiB: the run held 66 MiB of an earlier config's workspaces (tests/test_gpu_snapshots.py)
-    "transformer": (113_246_208, 606_076_928, "llama-tiny seq 512 b8 none inference precision=bf16"),
-}
+    str(family): (int(row["shortfall"]), int(row["run"]), str(row["config"]))
+    for family, row in _DATA["reserved_fixed"].items()}
 
 
 @dataclass(frozen=True)

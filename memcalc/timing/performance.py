@@ -1,9 +1,10 @@
 """How fast each catalogue GPU computes and moves bytes, and the step time of a report on it.
 
-:data:`PERFORMANCE` holds, per catalogue key (:mod:`memcalc.targets.cuda.gpus.catalogue`), the dense
-peak FLOP/s of each math mode and the memory bandwidth, each entry naming the NVIDIA document
-it is read from. NVIDIA's datasheets print the tensor-core figures "with sparsity" (2:4
-structured sparsity, twice the dense rate); training runs dense, so those are halved here.
+:data:`PERFORMANCE` holds, per catalogue key, the dense peak FLOP/s of each math mode and the
+memory bandwidth, each naming the NVIDIA document it is read from: the ``performance`` of each
+GPU's record (``memcalc/targets/cuda/gpus/gpus.toml``). NVIDIA's datasheets print the
+tensor-core figures "with sparsity" (2:4 structured sparsity, twice the dense rate); training
+runs dense, so those are halved there.
 The GeForce figures are the "FP32 accumulate" column of the architecture whitepapers: PyTorch's
 half and bfloat16 GEMMs accumulate in float32 (``CUBLAS_COMPUTE_32F`` in
 aten/src/ATen/cuda/CUDABlas.cpp, ``gemm_internal_cublas<at::Half>``), which GeForce cards run at
@@ -22,14 +23,14 @@ bandwidths' ratio), and its real steps ran only 1.08-1.16x the H200's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError, internal_errors_named
-from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.gpu import GENERIC, GpuPerformance, GpuProfile
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DataLoaderSetup, DeviceRates, LoaderAdvice, OpClass, StepTime, advise_loader
-from memcalc.targets.cuda.gpus.catalogue import get_gpu
+from memcalc.targets.cuda.gpus.catalogue import get_gpu, records
 from memcalc.timing import fitted
 
 __all__ = (
@@ -50,56 +51,11 @@ __all__ = (
     "with_time",
 )
 
-TERA = 1e12
-GB_S = 1e9
 
-
-@dataclass(frozen=True)
-class GpuPerformance:
-    """Dense peak FLOP/s by math mode (a mode the GPU lacks is absent), bandwidth in bytes/s,
-    and where the figures come from."""
-
-    peaks: tuple[tuple[str, float], ...]
-    bandwidth: float
-    source: str
-
-
-def _tflops(**modes: float) -> tuple[tuple[str, float], ...]:
-    return tuple((mode, value * TERA) for mode, value in modes.items())
-
-
-# Dense TFLOPS (datasheet "with sparsity" figures halved) and GB/s, per catalogue key.
-_H100_SXM = "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (tensor figures with sparsity, halved)"
-_A100 = "NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5, TF32 156, BF16/FP16 312 dense)"
-_V100 = "NVIDIA Tesla V100 GPU datasheet, V100 SXM2 column (FP32 15.7, Tensor 125)"
+#: Per catalogue key, the GPU's peaks and bandwidth: a view of the catalogue's records
+#: (``memcalc/targets/cuda/gpus/gpus.toml``); a GPU whose record gives no figures is absent.
 PERFORMANCE: dict[str, GpuPerformance] = {
-    "h100-80gb": GpuPerformance(_tflops(fp32=67, tf32=494.5, bf16=989.5, fp16=989.5, fp8=1979), 3350 * GB_S,
-                                f"{_H100_SXM}: 3.35 TB/s"),
-    "h100-pcie": GpuPerformance(_tflops(fp32=51, tf32=378, bf16=756.5, fp16=756.5, fp8=1513), 2000 * GB_S,
-                                "NVIDIA H100 Tensor Core GPU datasheet (2022), H100 PCIe column (tensor figures with "
-                                "sparsity, halved): 2 TB/s"),
-    "h200": GpuPerformance(_tflops(fp32=67, tf32=494.5, bf16=989.5, fp16=989.5, fp8=1979), 4800 * GB_S,
-                           "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (tensor figures with sparsity, "
-                           "halved): 4.8 TB/s; the H200 NVL is clocked lower"),
-    "a100-40gb": GpuPerformance(_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312), 1555 * GB_S,
-                                f"{_A100}: A100 40GB, 1,555 GB/s"),
-    "a100-80gb": GpuPerformance(_tflops(fp32=19.5, tf32=156, bf16=312, fp16=312), 2039 * GB_S,
-                                f"{_A100}: A100 80GB SXM, 2,039 GB/s (the 80GB PCIe: 1,935 GB/s)"),
-    "v100-16gb": GpuPerformance(_tflops(fp32=15.7, fp16=125), 900 * GB_S, f"{_V100}: 900 GB/s"),
-    "v100-32gb": GpuPerformance(_tflops(fp32=15.7, fp16=125), 900 * GB_S, f"{_V100}: 900 GB/s"),
-    "l4": GpuPerformance(_tflops(fp32=30.3, tf32=60, bf16=121, fp16=121, fp8=242.5), 300 * GB_S,
-                         "NVIDIA L4 Tensor Core GPU datasheet (tensor figures with sparsity, halved): 300 GB/s"),
-    "t4": GpuPerformance(_tflops(fp32=8.1, fp16=65), 320 * GB_S,
-                         "NVIDIA T4 datasheet (FP32 8.1, mixed-precision FP16/FP32 65 TFLOPS): 320+ GB/s"),
-    "rtx-3090": GpuPerformance(_tflops(fp32=35.6, tf32=35.6, bf16=71, fp16=71), 936 * GB_S,
-                               "NVIDIA Ampere GA102 GPU Architecture whitepaper, Appendix A, GeForce RTX 3090 (dense, "
-                               "FP32 accumulate): 936 GB/s"),
-    "rtx-4090": GpuPerformance(_tflops(fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2, fp8=330.3), 1008 * GB_S,
-                               "NVIDIA Ada GPU Architecture whitepaper, GeForce RTX 4090 (dense, FP32 accumulate): "
-                               "1,008 GB/s"),
-    # a10g: no figures. It is AWS's variant of the A10, with no NVIDIA datasheet of its own; its tensor
-    # throughput differs from the A10's (which the A10 datasheet gives), so the A10's would be a guess.
-}
+    r.key: r.performance for r in records() if r.performance is not None}
 
 #: Efficiency per op class (fraction of the binding datasheet peak a large kernel reaches),
 #: fitted to the H200's kernels (:mod:`memcalc.timing.fitted`, written by

@@ -27,7 +27,6 @@ from memcalc.targets.versions import ceil_div, element_size, round_up
 
 __all__ = (
     "BACKWARD_TEMPORARIES",
-    "DEFAULT_SM_COUNT",
     "FORWARD_TEMPORARIES",
     "Buffer",
     "OutputCorrection",
@@ -97,27 +96,6 @@ def peak_bytes(buffers: Sequence[Buffer]) -> int:
     return peak
 
 
-#: SM counts used when the caller gives none (flash's split-KV and deterministic heuristics
-#: read ``multiProcessorCount``): A100 108, A10/A40-class 84, L40S/4090-class 128 (RTX 4090;
-#: L40S has 142), H100 SXM/H200 132, B200 148, RTX 5090 170. An assumption per family.
-DEFAULT_SM_COUNT: dict[tuple[int, int], int] = {
-    (7, 0): 80,
-    (7, 5): 40,
-    (8, 0): 108,
-    (8, 6): 84,
-    (8, 9): 128,
-    (9, 0): 132,
-    (10, 0): 148,
-    (12, 0): 170,
-}
-
-
-def _sm_count(compute_capability: tuple[int, int], sm_count: int | None) -> int:
-    if sm_count is not None:
-        return sm_count
-    return DEFAULT_SM_COUNT.get((compute_capability[0], compute_capability[1]), 108)
-
-
 # ---- flash (flash_attn/flash_api.cpp) --------------------------------------------------------
 def _flash_head_sizes(head_dim: int) -> tuple[int, int]:
     """mha_fwd/mha_bwd: ``head_size = round_multiple(head_size_og, 8)`` (SDPA already padded)
@@ -157,7 +135,7 @@ def _num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks:
     return 1
 
 
-def flash_num_splits(call: SdpaCall, compute_capability: tuple[int, int], sm_count: int | None = None) -> int:
+def flash_num_splits(call: SdpaCall, compute_capability: tuple[int, int], sm_count: int) -> int:
     """``set_params_splitkv`` with ``num_splits = 0``: how many KV splits mha_fwd runs (1: no
     split, no accumulators). SplitKV is off with dropout."""
     if call.dropout_p > 0.0:
@@ -166,11 +144,11 @@ def flash_num_splits(call: SdpaCall, compute_capability: tuple[int, int], sm_cou
     block_n = 256 if head_size <= 64 else (128 if head_size <= 128 else 64)
     num_n_blocks = ceil_div(call.seq_kv, block_n)
     num_m_blocks = ceil_div(call.seq_q, 64)
-    sms = _sm_count(compute_capability, sm_count) * FLASH_SPLITKV_SM_FACTOR
+    sms = sm_count * FLASH_SPLITKV_SM_FACTOR
     return _num_splits_heuristic(call.batch * call.heads_q * num_m_blocks, sms, num_n_blocks, FLASH_SPLITKV_MAX_SPLITS)
 
 
-def _flash_forward(call: SdpaCall, cc: tuple[int, int], sm_count: int | None, **_: object) -> list[Buffer]:
+def _flash_forward(call: SdpaCall, cc: tuple[int, int], sm_count: int, **_: object) -> list[Buffer]:
     """mha_fwd → set_params_splitkv: with ``num_splits > 1``,
     ``softmax_lse_accum = empty({S, B, H, Lq}, float)`` and
     ``out_accum = empty({S, B, H, Lq, head_size_rounded}, float)``; nothing else is scratch
@@ -189,7 +167,7 @@ def _flash_forward(call: SdpaCall, cc: tuple[int, int], sm_count: int | None, **
 def _flash_backward(
     call: SdpaCall,
     cc: tuple[int, int],
-    sm_count: int | None,
+    sm_count: int,
     grad_out_needs_copy: bool = False,
     deterministic: bool = False,
     **_: object,
@@ -214,7 +192,7 @@ def _flash_backward(
     buffers.append(Buffer("flash_softmax_d", (b, h, seq_q_rounded), torch.float32))
     accum: tuple[int, ...] = (b, seq_q_rounded, h, rounded)
     if deterministic:
-        nsplits = ceil_div(_sm_count(cc, sm_count), b * h)
+        nsplits = ceil_div(sm_count, b * h)
         accum = (nsplits, *accum)
     buffers.append(Buffer("flash_dq_accum", accum, torch.float32))
     if call.heads_kv != call.heads_q:
@@ -233,7 +211,7 @@ MEM_EFF_LSE_ALIGN = 32
 MEM_EFF_FWD_RF_MAX_K = 128
 
 
-def _mem_eff_forward(call: SdpaCall, cc: tuple[int, int], sm_count: int | None, **_: object) -> list[Buffer]:
+def _mem_eff_forward(call: SdpaCall, cc: tuple[int, int], sm_count: int, **_: object) -> list[Buffer]:
     """_efficient_attention_forward: ``output_accum = empty({B, M, H, Kv}, float)`` when the
     chosen kernel keeps the output outside registers and the output is not float."""
     if call.is_half and max(call.head_dim, call.head_dim_v) > MEM_EFF_FWD_RF_MAX_K:
@@ -346,7 +324,7 @@ def _mem_eff_workspace_bytes(call: SdpaCall, kernel: _BwdKernel) -> int:
 
 
 def _mem_eff_backward(
-    call: SdpaCall, cc: tuple[int, int], sm_count: int | None, grad_out_needs_copy: bool = False, **_: object
+    call: SdpaCall, cc: tuple[int, int], sm_count: int, grad_out_needs_copy: bool = False, **_: object
 ) -> list[Buffer]:
     """_efficient_attention_backward scratch, in allocation order:
 
@@ -382,7 +360,7 @@ def _mem_eff_backward(
 
 
 # ---- cuDNN (cudnn/MHA.cpp + cudnn-frontend SDPA nodes) ----------------------------------------
-def _cudnn_forward(call: SdpaCall, cc: tuple[int, int], sm_count: int | None, **_: object) -> list[Buffer]:
+def _cudnn_forward(call: SdpaCall, cc: tuple[int, int], sm_count: int, **_: object) -> list[Buffer]:
     """run_cudnn_SDP_fprop allocates ``mha_graph->get_workspace_size()`` through the caching
     allocator. The frontend part is 0 without ALiBi; the engine's own part is not public and is
     taken as 0 (the fprop kernels keep everything on chip)."""
@@ -390,7 +368,7 @@ def _cudnn_forward(call: SdpaCall, cc: tuple[int, int], sm_count: int | None, **
 
 
 def _cudnn_backward(
-    call: SdpaCall, cc: tuple[int, int], sm_count: int | None, grad_out_needs_copy: bool = False, **_: object
+    call: SdpaCall, cc: tuple[int, int], sm_count: int, grad_out_needs_copy: bool = False, **_: object
 ) -> list[Buffer]:
     """run_cudnn_SDP_bprop: one workspace allocation of ``get_workspace_size()``. With cuDNN ≥ 9
     and no dBias/determinism the frontend's SDPA-backward node puts in it
@@ -426,7 +404,7 @@ def forward_temporaries(
     backend: AttentionBackend,
     compute_capability: tuple[int, int],
     *,
-    sm_count: int | None = None,
+    sm_count: int,
 ) -> list[Buffer]:
     """Buffers the fused forward op allocates and frees inside the call (outputs excluded:
     the meta kernels already make those). Math has none (its tensors are ordinary ops)."""
@@ -439,7 +417,7 @@ def backward_temporaries(
     backend: AttentionBackend,
     compute_capability: tuple[int, int],
     *,
-    sm_count: int | None = None,
+    sm_count: int,
     grad_out_needs_copy: bool = False,
     deterministic: bool = False,
 ) -> list[Buffer]:

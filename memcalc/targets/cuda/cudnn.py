@@ -20,7 +20,7 @@ import torch
 
 from memcalc.targets.versions import element_size
 
-__all__ = ("ConvDirection", "ConvWorkspaceRule", "conv_workspace_bytes")
+__all__ = ("ENGINE_EXCEPTIONS", "ConvDirection", "ConvWorkspaceRule", "EngineException", "conv_workspace_bytes")
 
 #: The SM count the rule's split-K term was read on (H100 SXM); a GPU profile passes its own.
 MEASURED_SM_COUNT = 132
@@ -37,9 +37,6 @@ PER_IMAGE_GEMM_MIN_PIXELS = 196
 STEM_FP32_MAX_SPLITS = 120
 STEM_ROWS_PER_SPLIT = 348
 STEM_HALF_SPLITS = 8
-#: (C, K) of the one strided 1x1 whose fp32 forward copies x and w, not x and y: ResNet-50/101/152's
-#: layer2.0.downsample (56×56 → 28×28), at batches 32 and 64 alike; in fp16 it copies x and y.
-RESNET_WIDE_DOWNSAMPLE = (256, 512)
 
 
 class ConvDirection(str, enum.Enum):
@@ -62,6 +59,42 @@ class ConvDirection(str, enum.Enum):
         except ValueError:
             choices = ", ".join(d.value for d in cls)
             raise ValueError(f"unknown convolution direction {value!r}; expected one of {choices}") from None
+
+
+@dataclass(frozen=True)
+class EngineException:
+    """One convolution whose engine departs from its class's rule in the snapshots, and what it
+    copies instead. It matches on the channels (C, K), whether the filter is 1x1, the stride, the
+    direction and the element size (``None``: any); ``copies`` names the tensors copied: ``x``,
+    ``w``, ``y``, or ``C``, the one of x and y with C channels. ``source`` says where it was read."""
+
+    channels: tuple[int, int]
+    pointwise: bool
+    strided: bool | None
+    direction: ConvDirection
+    element_size: int | None
+    copies: tuple[str, ...]
+    source: str
+
+    def matches(self, c: int, k: int, pointwise: bool, strided: bool, direction: ConvDirection, size: int) -> bool:
+        return ((c, k) == self.channels and pointwise == self.pointwise and self.strided in (None, strided)
+                and direction is self.direction and self.element_size in (None, size))
+
+
+_REPORT = "benchmarks/results/2026-11-26-cudnn-workspaces/REPORT.md"
+#: The shapes whose engine copies other tensors than its class's (checked before the class rules).
+ENGINE_EXCEPTIONS: tuple[EngineException, ...] = (
+    EngineException((256, 512), pointwise=True, strided=True, direction=ConvDirection.FORWARD, element_size=4,
+                    copies=("x", "w"),
+                    source=f"fp32 C256 → K512 1x1 stride 2 at 56×56, ResNet-50/101/152's layer2.0.downsample, at "
+                           f"batches 32 and 64: X+W (2 of the 27 strided 1x1 shapes); in fp16 it copies x and y as "
+                           f"the others do ({_REPORT} §2, §4)"),
+    EngineException((64, 128), pointwise=False, strided=None, direction=ConvDirection.FORWARD, element_size=None,
+                    copies=("C", "w"),
+                    source=f"C64 → K128 3x3/2x2 forward at every batch, U-Net's transposed up4 among them (in "
+                           f"cuDNN's view): the 64-channel tensor and w, y written in NCHW by the engine "
+                           f"({_REPORT} §2)"),
+)
 
 
 def _uses_tensor_cores(dtype: torch.dtype, cc: tuple[int, int], allow_tf32: bool) -> bool:
@@ -113,15 +146,14 @@ def conv_workspace_bytes(
 
     * No tensor cores (fp32 without TF32, fp16 before Volta, fp64), or depthwise: 0.
     * The NHWC copies of x, w and y, plus :data:`WORKSPACE_TAIL` — the rule for 3x3 (and 2x2)
-      forward and backward-data, in 79 of 99 shapes. The C=64 → K=128 forward writes y in NCHW
-      itself: copies of the 64-channel tensor and w only.
+      forward and backward-data, in 79 of 99 shapes.
     * Weight gradients add fp32 split-K partial sums of dW: as many copies as fill the SMs with
       one per (K, C) 128-tile and filter tap, at most one tile per SM.
     * 1x1 stride 1 over ≥ :data:`PER_IMAGE_GEMM_MIN_PIXELS` pixels: one GEMM per image, no copies
       (0 B); its weight gradient keeps one fp32 dW per image (capped by the copies). Smaller
       images copy x and y (a 1x1 weight needs no copy: KCRS is KRSC).
-    * 1x1 strided (ResNet's downsample): copies of x and y; C ≤ 64 takes an engine without one,
-      and the fp32 forward of 256 → 512 channels copies x and w (:data:`RESNET_WIDE_DOWNSAMPLE`).
+    * 1x1 strided (ResNet's downsample): copies of x and y; C ≤ 64 takes an engine without one.
+    * :data:`ENGINE_EXCEPTIONS`: shapes whose engine copies other tensors (a row each, with its source).
     * RGB stems (C or K < 8): 3x3 stems and a 1x1 head's forward use no workspace; ResNet's 7x7
       stem pads C 3 → 4 and splits its weight gradient widely (the ``STEM_*`` constants).
 
@@ -168,6 +200,11 @@ def conv_workspace_bytes(
         rows = batch * math.prod(int(n) for n in output_shape[2:])
         splits = min(STEM_FP32_MAX_SPLITS, rows // STEM_ROWS_PER_SPLIT) if size == 4 else STEM_HALF_SPLITS
         return x4 + w4 + y_bytes + splits * dw4_fp32 + WORKSPACE_TAIL
+    for row in ENGINE_EXCEPTIONS:
+        if row.matches(c, k, pointwise, strided, which, size):
+            c_side = x_bytes if int(input_shape[1]) == c else y_bytes
+            copied = {"x": x_bytes, "w": w_bytes, "y": y_bytes, "C": c_side}
+            return sum(copied[name] for name in row.copies) + WORKSPACE_TAIL
     if pointwise and not strided:
         pixels = min(math.prod(int(n) for n in input_shape[2:]), math.prod(int(n) for n in output_shape[2:]))
         if pixels >= PER_IMAGE_GEMM_MIN_PIXELS:
@@ -176,13 +213,9 @@ def conv_workspace_bytes(
     if pointwise:
         if wgrad:
             return x_bytes + w_bytes + y_bytes + WORKSPACE_TAIL
-        if which is ConvDirection.FORWARD and size == 4 and (c, k) == RESNET_WIDE_DOWNSAMPLE:
-            return x_bytes + w_bytes + WORKSPACE_TAIL
         return 0 if c <= 64 else x_bytes + y_bytes + WORKSPACE_TAIL
     if wgrad:
         return x_bytes + w_bytes + y_bytes + split_k_partials() + WORKSPACE_TAIL
-    if which is ConvDirection.FORWARD and c == 64 and k == 128:
-        return (x_bytes if int(input_shape[1]) == c else y_bytes) + w_bytes + WORKSPACE_TAIL
     return x_bytes + w_bytes + y_bytes + WORKSPACE_TAIL
 
 

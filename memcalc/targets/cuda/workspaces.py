@@ -26,7 +26,7 @@ import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch._ops import OpOverload
@@ -78,7 +78,13 @@ _ATTENTION_BACKWARD: dict[OpOverload, AttentionBackend] = {
     aten._scaled_dot_product_cudnn_attention_backward.default: AttentionBackend.CUDNN,
 }
 
-_Temporaries = Callable[[SdpaCall, AttentionBackend, tuple[int, int]], list[Buffer]]
+
+
+class _Temporaries(Protocol):
+    """:func:`forward_temporaries` or :func:`backward_temporaries`: the GPU's own SM count is given."""
+
+    def __call__(self, call: SdpaCall, backend: AttentionBackend, compute_capability: tuple[int, int], *,
+                 sm_count: int) -> list[Buffer]: ...
 
 
 @dataclass(frozen=True)
@@ -232,7 +238,7 @@ class WorkspaceModel:
             seq_kv=int(k.shape[2]), head_dim=int(q.shape[3]), head_dim_v=int(v.shape[3]), dtype=q.dtype,
             has_mask=False, dropout_p=0.0, is_causal=False,
             requires_grad=bool(requires_grad) if requires_grad is not None else self.training)
-        for buffer in which(call, backend, self.gpu.compute_capability):
+        for buffer in which(call, backend, self.gpu.compute_capability, sm_count=self.gpu.sm_count):
             if buffer.nbytes:
                 self.add_temporary(buffer.nbytes, f"{backend.value} attention scratch")
 

@@ -1,11 +1,12 @@
-"""memcalc compare on every CNN snapshot with memcalc's conv workspace model and with the rule in
-rules.v2 (monkeypatched into memcalc.targets.cuda.workspaces; nothing under /work/main is edited)."""
+"""memcalc compare on every CNN snapshot with memcalc's conv workspace model, the proposed rule (since
+adopted: it is memcalc's own, memcalc.targets.cuda.cudnn) and the oracle (monkeypatched into
+memcalc.targets.cuda.workspaces; nothing under /work/main is edited)."""
 import sys, io, contextlib, re
 sys.path.insert(0, '/work/main'); sys.path.insert(0, '/tmp/cudnn_work')
 import memcalc.targets.cuda.workspaces as W
 import rules
 from memcalc.cli import main
-from cudnn_rule import conv_workspace_bytes as rule_fn
+from memcalc.targets.cuda.cudnn import conv_workspace_bytes as rule_fn
 import oracle
 ORIG = W.conv_workspace_bytes
 COMMON = ['--gpu', 'h100-80gb', '--torch-version', '2.11', '--cuda-version', '13.0']

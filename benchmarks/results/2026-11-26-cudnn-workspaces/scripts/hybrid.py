@@ -2,13 +2,14 @@ import sys, io, contextlib, re
 sys.path.insert(0, '/work/main'); sys.path.insert(0, '/tmp/cudnn_work')
 import memcalc.targets.cuda.workspaces as W
 from memcalc.cli import main
-import oracle, cudnn_rule
+import oracle
+from memcalc.targets.cuda.cudnn import conv_workspace_bytes as rule
 from compare_all import CFGS, COMMON, run
 def make(pred):
     def fn(x, w, y, dtype, stride, padding, dilation, groups, direction, cc, **kw):
         if pred(x, w, y, direction):
             return oracle.conv_workspace_bytes(x, w, y, dtype, stride, padding, dilation, groups, direction, cc)
-        return cudnn_rule.conv_workspace_bytes(x, w, y, dtype, stride, padding, dilation, groups, direction, cc)
+        return rule(x, w, y, dtype, stride, padding, dilation, groups, direction, cc)
     return fn
 preds = {
  'oracle-stem': lambda x, w, y, d: w[1] < 8,

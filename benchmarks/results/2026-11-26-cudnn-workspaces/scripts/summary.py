@@ -1,4 +1,5 @@
-"""Per-call error statistics (memcalc's model vs the rule in cudnn_rule.py) and table.csv."""
+"""Per-call error statistics (memcalc's model vs the proposed rule, since adopted as memcalc's
+memcalc.targets.cuda.cudnn.conv_workspace_bytes) and table.csv."""
 import csv, statistics, collections
 import rules
 from evaluate import rows, cview, DT, FIT

@@ -5,6 +5,10 @@ the memory that is spent before the first tensor: the CUDA context and cuBLAS wo
 :class:`~memcalc.core.gpu.GpuProfile` holds those numbers; :func:`get_gpu` finds one by a
 forgiving name. (The GPUs of *this* machine are found by :mod:`memcalc.targets.cuda.gpus.local`.)
 
+Each card is one row of ``gpus.toml`` beside this module (:class:`GpuRecord`): memory, SMs,
+threads per SM, measured context, datasheet peaks. Every consumer reads that row; a row missing
+a field is refused at import (docs/architecture.md, "Adding a GPU").
+
 Where the numbers come from
 ---------------------------
 ``total_memory`` is ``cudaDeviceProp::totalGlobalMem`` (what ``deviceQuery`` prints as
@@ -26,18 +30,30 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib import resources
+from typing import TypeVar
 
 from memcalc.core.errors import MemcalcError
-from memcalc.core.gpu import GENERIC, GpuProfile
+from memcalc.core.gpu import GENERIC, GpuPerformance, GpuProfile
 from memcalc.targets.cuda.cublas import default_cublas_workspace
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the backport pyproject names
+    import tomli as tomllib
 
 __all__ = (
     "EAGER_MODULE_LOADING_EXTRA",
+    "GPUS_FILE",
     "LAZY_LOADING_MIN_CUDA",
     "MEASURED_CONTEXTS",
+    "RECORD_FIELDS",
     "AmbiguousGpuError",
+    "GpuRecord",
+    "GpuRecordError",
     "MeasuredContext",
     "UnknownGpuError",
     "catalogue",
@@ -46,7 +62,13 @@ __all__ = (
     "get_gpu",
     "match_profile",
     "measured_context",
+    "read_record",
+    "read_records",
+    "record",
+    "records",
 )
+
+_T = TypeVar("_T")
 
 KiB = 1024
 MiB = 1024**2
@@ -69,23 +91,10 @@ MiB = 1024**2
 CONTEXT_BASE = 256 * MiB
 #: ``cudaLimitStackSize`` default: 1 KiB of local memory per resident thread.
 DEFAULT_STACK_PER_THREAD = 1 * KiB
-#: Max resident threads per SM, CUDA C++ Programming Guide, "Technical Specifications per
-#: Compute Capability" table.
-_MAX_THREADS_PER_SM: dict[tuple[int, int], int] = {
-    (7, 0): 2048,  # Volta
-    (7, 5): 1024,  # Turing
-    (8, 0): 2048,  # A100
-    (8, 6): 1536,  # GA10x
-    (8, 9): 1536,  # Ada
-    (9, 0): 2048,  # Hopper
-}
-
-
-def _context_bytes(compute_capability: tuple[int, int], sm_count: int) -> int:
+def _context_bytes(sm_count: int, max_threads_per_sm: int) -> int:
     """Assumed CUDA context + library footprint with lazy module loading:
-    ``256 MiB + SMs × threads/SM × 1 KiB``."""
-    threads = _MAX_THREADS_PER_SM.get((compute_capability[0], compute_capability[1]), 2048)
-    return CONTEXT_BASE + sm_count * threads * DEFAULT_STACK_PER_THREAD
+    ``256 MiB + SMs × threads/SM × 1 KiB``, both from the GPU's record (gpus.toml)."""
+    return CONTEXT_BASE + sm_count * max_threads_per_sm * DEFAULT_STACK_PER_THREAD
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,18 +149,10 @@ class MeasuredContext:
     where: str
 
 
-#: Measured CUDA contexts by catalogue key (every other figure is the assumption above).
-MEASURED_CONTEXTS: dict[str, MeasuredContext] = {
-    # ctx.json: LAZY context 726,663,168 B (693.0 MiB), EAGER 2,039,480,320 B (1,945.0 MiB)
-    "h100-80gb": MeasuredContext(
-        lazy=726_663_168, eager=2_039_480_320, cuda=(13, 0),
-        where="driver 580.159.04, torch 2.11+cu130, 2026-11-25 (tests/data/gpu/2026-11-25-h100/ctx.json)"),
-}
-
-
 def measured_context(profile: GpuProfile) -> MeasuredContext | None:
     """The measured context of ``profile``'s catalogue GPU, if one was measured."""
-    return MEASURED_CONTEXTS.get(profile.key)
+    found = _RECORDS.get(profile.key)
+    return None if found is None else found.measured_context
 
 
 def context_source(profile: GpuProfile, cuda_version: tuple[int, int]) -> str:
@@ -196,135 +197,161 @@ def cuda_context_bytes(profile: GpuProfile, cuda_version: tuple[int, int], *, la
 # --------------------------------------------------------------------------------------------
 
 
-def _profile(
-    key: str,
-    name: str,
-    total_memory: int | None,
-    cc: tuple[int, int],
-    arch: str,
-    sm_count: int,
-    aliases: tuple[str, ...],
-    smi_total_mib: int | None,
-) -> GpuProfile:
-    """Derive bf16, context and cuBLAS workspace from the compute capability, so the rules
-    live in one place (bf16 tensor-core support starts at sm80)."""
-    return GpuProfile(
+# --------------------------------------------------------------------------------------------
+# Catalogue: one record per GPU, read from gpus.toml (package data)
+# --------------------------------------------------------------------------------------------
+
+#: The data file, beside this module: every fact memcalc holds about each catalogue GPU.
+GPUS_FILE = "gpus.toml"
+_TERA = 1e12
+_GB_S = 1e9
+
+
+@dataclass(frozen=True)
+class GpuRecord:
+    """Everything memcalc knows about one catalogue GPU: one row of :data:`GPUS_FILE`.
+
+    Attributes:
+        profile: capacity, compute capability, SMs, context and cuBLAS workspace, as estimates use it.
+        max_threads_per_sm: resident threads per SM (the assumed context reserves a stack for each).
+        measured_context: the CUDA context measured on this card, or ``None`` (assumed).
+        performance: dense peaks and bandwidth for the step time, or ``None`` (no sourced figures).
+        no_performance: why ``performance`` is ``None`` (``""`` when it is not).
+        memory_source: where ``total_memory`` and ``smi_total_mib`` were read.
+    """
+
+    profile: GpuProfile
+    max_threads_per_sm: int
+    measured_context: MeasuredContext | None
+    performance: GpuPerformance | None
+    no_performance: str
+    memory_source: str
+
+    @property
+    def key(self) -> str:
+        return self.profile.key
+
+
+#: The fields every row of :data:`GPUS_FILE` must have, no more and no fewer.
+RECORD_FIELDS = frozenset({
+    "name", "aliases", "total_memory", "smi_total_mib", "memory_source", "compute_capability", "arch",
+    "sm_count", "max_threads_per_sm", "cuda_context", "performance",
+})
+_CONTEXT_FIELDS = frozenset({"lazy", "eager", "cuda", "where"})
+_PERFORMANCE_FIELDS = frozenset({"peaks_tflops", "bandwidth_gb_s", "source"})
+
+
+class GpuRecordError(ValueError):
+    """A row of :data:`GPUS_FILE` with a field missing, unknown or of the wrong kind."""
+
+
+def _exact_fields(where: str, row: Mapping[str, object], fields: frozenset[str]) -> None:
+    missing, unknown = fields - set(row), set(row) - fields
+    if missing or unknown:
+        raise GpuRecordError(f"{GPUS_FILE} [{where}]: " + "; ".join(
+            part for part in (f"missing {', '.join(sorted(missing))}" if missing else "",
+                              f"unknown {', '.join(sorted(unknown))}" if unknown else "") if part))
+
+
+def _typed(where: str, field: str, value: object, kind: type[_T]) -> _T:
+    # bool is an int in Python: a true/false where a number belongs is a typo, not a count
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise GpuRecordError(f"{GPUS_FILE} [{where}]: {field} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _pair(where: str, field: str, value: object) -> tuple[int, int]:
+    items = _typed(where, field, value, list)
+    if len(items) != 2:
+        raise GpuRecordError(f"{GPUS_FILE} [{where}]: {field} must be [major, minor], got {value!r}")
+    return _typed(where, field, items[0], int), _typed(where, field, items[1], int)
+
+
+def _context(where: str, value: object) -> MeasuredContext | None:
+    if value == "assumed":
+        return None
+    row = _typed(where, "cuda_context", value, dict)
+    _exact_fields(f"{where}.cuda_context", row, _CONTEXT_FIELDS)
+    return MeasuredContext(lazy=_typed(where, "cuda_context.lazy", row["lazy"], int),
+                           eager=_typed(where, "cuda_context.eager", row["eager"], int),
+                           cuda=_pair(where, "cuda_context.cuda", row["cuda"]),
+                           where=_typed(where, "cuda_context.where", row["where"], str))
+
+
+def _performance(where: str, value: object) -> tuple[GpuPerformance | None, str]:
+    """The figures, or ``None`` and why there are none."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise GpuRecordError(f"{GPUS_FILE} [{where}]: performance must say why a GPU has no figures")
+        return None, value
+    row = _typed(where, "performance", value, dict)
+    _exact_fields(f"{where}.performance", row, _PERFORMANCE_FIELDS)
+    peaks = _typed(where, "performance.peaks_tflops", row["peaks_tflops"], dict)
+    if not peaks:
+        raise GpuRecordError(f"{GPUS_FILE} [{where}]: performance.peaks_tflops is empty")
+    bandwidth = row["bandwidth_gb_s"]
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
+        raise GpuRecordError(f"{GPUS_FILE} [{where}]: performance.bandwidth_gb_s must be positive, got {bandwidth!r}")
+    for mode, tflops in peaks.items():
+        if isinstance(tflops, bool) or not isinstance(tflops, (int, float)) or not tflops > 0:
+            raise GpuRecordError(f"{GPUS_FILE} [{where}]: peaks_tflops.{mode} must be positive, got {tflops!r}")
+    return GpuPerformance(peaks=tuple((str(mode), tflops * _TERA) for mode, tflops in peaks.items()),
+                          bandwidth=bandwidth * _GB_S,
+                          source=_typed(where, "performance.source", row["source"], str)), ""
+
+
+def read_record(key: str, row: Mapping[str, object]) -> GpuRecord:
+    """One row of :data:`GPUS_FILE` as a record; bf16 support and the cuBLAS workspace follow from
+    the compute capability (bf16 tensor cores start at sm80), the context from the measurement or
+    :func:`_context_bytes`.
+
+    Raises:
+        GpuRecordError: a field missing, unknown or of the wrong kind.
+    """
+    _exact_fields(key, row, RECORD_FIELDS)
+    cc = _pair(key, "compute_capability", row["compute_capability"])
+    sm_count = _typed(key, "sm_count", row["sm_count"], int)
+    threads = _typed(key, "max_threads_per_sm", row["max_threads_per_sm"], int)
+    measured = _context(key, row["cuda_context"])
+    performance, no_performance = _performance(key, row["performance"])
+    profile = GpuProfile(
         key=key,
-        name=name,
-        total_memory=total_memory,
+        name=_typed(key, "name", row["name"], str),
+        total_memory=_typed(key, "total_memory", row["total_memory"], int),
         compute_capability=cc,
-        arch=arch,
+        arch=_typed(key, "arch", row["arch"], str),
         sm_count=sm_count,
         supports_bf16=cc >= (8, 0),
-        cuda_context=MEASURED_CONTEXTS[key].lazy if key in MEASURED_CONTEXTS else _context_bytes(cc, sm_count),
+        cuda_context=measured.lazy if measured is not None else _context_bytes(sm_count, threads),
         cublas_workspace=default_cublas_workspace(cc),
-        aliases=aliases,
-        smi_total_mib=smi_total_mib,
+        aliases=tuple(_typed(key, "aliases", alias, str) for alias in _typed(key, "aliases", row["aliases"], list)),
+        smi_total_mib=_typed(key, "smi_total_mib", row["smi_total_mib"], int),
     )
+    return GpuRecord(profile, threads, measured, performance, no_performance,
+                     _typed(key, "memory_source", row["memory_source"], str))
 
 
-# Sources for total_memory (CUDA-reported) and smi_total_mib (nvidia-smi memory.total):
-#   [dq]   deviceQuery "Total amount of global memory: N MBytes (B bytes)" — exact bytes;
-#   [pt]   torch.cuda.get_device_properties(): "total_memory=N MB" = floor(bytes / 2**20);
-#   [modal] modal-labs/modal-client PR #2797 (2025-01): nvidia-smi totals of H100 81559,
-#           A100 80GB 81920, A100 40GB 40960, A10 23028, L4 23034, T4 15360 MiB.
-_CATALOGUE: tuple[GpuProfile, ...] = (
-    _profile(
-        "h100-80gb", "NVIDIA H100 80GB HBM3",
-        # [dq] 85,028,896,768 B (81,090 MiB), driver 12.8; torch 2.7 prints 81089-81090 MB.
-        # nvidia-smi 81559 MiB: [modal], NVIDIA/nccl#1264.
-        85_028_896_768, (9, 0), "hopper", 132,
-        ("h100", "h100-sxm", "h100-sxm5", "h100-sxm-80gb", "h100-80gb-hbm3"),
-        81559,
-    ),
-    _profile(
-        "h100-pcie", "NVIDIA H100 PCIe",
-        # [pt] total_memory=81008MB, multi_processor_count=114 (older driver) → 81,008 MiB.
-        # nvidia-smi 81559 MiB: most public printouts (e.g. SkyPilot logs); one shows 81920.
-        81008 * MiB, (9, 0), "hopper", 114,
-        ("h100-pcie-80gb", "h100pcie"),
-        81559,
-    ),
-    _profile(
-        "h200", "NVIDIA H200",
-        # [pt] total_memory=143156MB, multi_processor_count=132 (Modal H200) → 143,156 MiB.
-        # nvidia-smi 143771 MiB: many public nvidia-smi printouts.
-        143156 * MiB, (9, 0), "hopper", 132,
-        ("h200-141gb", "h200-sxm", "h200-sxm-141gb", "h200-nvl"),
-        143771,
-    ),
-    _profile(
-        "a100-40gb", "NVIDIA A100-SXM4-40GB",
-        # [dq] 42,298,834,944 B (40,339 MiB), driver 12.2 (bottlerocket-os/bottlerocket#3873).
-        # nvidia-smi 40960 MiB: [modal].
-        42_298_834_944, (8, 0), "ampere", 108,
-        ("a100-sxm4-40gb", "a100-pcie-40gb", "a100-40g"),
-        40960,
-    ),
-    _profile(
-        "a100-80gb", "NVIDIA A100-SXM4-80GB",
-        # [dq] 85,100,068,864 B (81,158 MiB), driver 12.5; 84,987,740,160 B (81,051 MiB) on
-        # driver 12.2. nvidia-smi 81920 MiB: [modal].
-        85_100_068_864, (8, 0), "ampere", 108,
-        ("a100-sxm4-80gb", "a100-pcie-80gb", "a100-80gb-pcie", "a100-80g"),
-        81920,
-    ),
-    _profile(
-        "v100-16gb", "Tesla V100-SXM2-16GB",
-        # [dq] 16,928,342,016 B (16,144 MiB), driver 12.4 (16,128 MiB on driver 11.0).
-        # nvidia-smi 16384 MiB: public nvidia-smi printouts of V100-SXM2/PCIE-16GB.
-        16_928_342_016, (7, 0), "volta", 80,
-        ("v100-sxm2-16gb", "v100-pcie-16gb", "v100-16g"),
-        16384,
-    ),
-    _profile(
-        "v100-32gb", "Tesla V100-SXM2-32GB",
-        # [dq] 34,072,559,616 B (32,494 MiB), driver 12.9 (32,511 MiB on 11.6–13.0 drivers).
-        # nvidia-smi 32768 MiB: assumed (32 GiB board, no printout found).
-        34_072_559_616, (7, 0), "volta", 80,
-        ("v100-sxm2-32gb", "v100-pcie-32gb", "v100-32g"),
-        32768,
-    ),
-    _profile(
-        "l4", "NVIDIA L4",
-        # [dq] 23,612,293,120 B (22,518 MiB), driver 12.0. nvidia-smi 23034 MiB: [modal].
-        23_612_293_120, (8, 9), "ada", 58,
-        ("l4-24gb",),
-        23034,
-    ),
-    _profile(
-        "t4", "Tesla T4",
-        # [dq] 15,642,329,088 B (14,918 MiB), drivers 12.4 and 12.5 (15,102 MiB on 12.2/Colab).
-        # nvidia-smi 15360 MiB with ECC on: [modal]; 16384 MiB when ECC is off.
-        15_642_329_088, (7, 5), "turing", 40,
-        ("t4-16gb", "tesla-t4"),
-        15360,
-    ),
-    _profile(
-        "a10g", "NVIDIA A10G",
-        # [pt] total_memory=22587MB, multi_processor_count=80 (torch 2.15 dev, cu130) → 22,587
-        # MiB. nvidia-smi 23028 MiB: [modal] lists it for the A10; assumed equal for the A10G.
-        22587 * MiB, (8, 6), "ampere", 80,
-        ("a10g-24gb",),
-        23028,
-    ),
-    _profile(
-        "rtx-3090", "NVIDIA GeForce RTX 3090",
-        # [dq] 25,206,325,248 B (24,039 MiB), driver 12.4 (24,268 MiB on driver 11.8).
-        # nvidia-smi 24576 MiB: assumed from a public tuning guide's printout.
-        25_206_325_248, (8, 6), "ampere", 82,
-        ("3090", "rtx3090", "geforce-rtx-3090", "rtx-3090-24gb"),
-        24576,
-    ),
-    _profile(
-        "rtx-4090", "NVIDIA GeForce RTX 4090",
-        # [dq] 25,250,627,584 B (24,081 MiB), Linux driver 13.0 (24,210 MiB on 12.4; Windows
-        # WDDM shows ~23,028). nvidia-smi 24564 MiB: assumed (brief's figure, not confirmed).
-        25_250_627_584, (8, 9), "ada", 128,
-        ("4090", "rtx4090", "geforce-rtx-4090", "rtx-4090-24gb"),
-        24564,
-    ),
-)
+def read_records(text: str) -> tuple[GpuRecord, ...]:
+    """Every row of a ``gpus.toml`` text, in file order (:func:`read_record`)."""
+    return tuple(read_record(key, _typed(key, "row", row, dict)) for key, row in tomllib.loads(text).items())
+
+
+_RECORDS: dict[str, GpuRecord] = {
+    r.key: r for r in read_records(resources.files(__package__).joinpath(GPUS_FILE).read_text(encoding="utf-8"))}
+_CATALOGUE: tuple[GpuProfile, ...] = tuple(r.profile for r in _RECORDS.values())
+#: Measured CUDA contexts by catalogue key, from the records (every other context is assumed).
+MEASURED_CONTEXTS: dict[str, MeasuredContext] = {
+    key: r.measured_context for key, r in _RECORDS.items() if r.measured_context is not None}
+
+
+def records() -> tuple[GpuRecord, ...]:
+    """Every catalogue GPU's record, in display order."""
+    return tuple(_RECORDS.values())
+
+
+def record(gpu: GpuProfile) -> GpuRecord | None:
+    """The record of ``gpu``'s catalogue card (``None`` for :data:`GENERIC`, the CPU and a user's own profile)."""
+    return _RECORDS.get(gpu.key)
 
 # Vendor words dropped when matching, so "NVIDIA GeForce RTX 4090" == "rtx 4090".
 _VENDOR_WORDS = ("nvidia", "tesla", "geforce", "quadro")
