@@ -51,6 +51,9 @@ _PUBLIC: dict[str, str] = {
     "UnknownModelError": "memcalc.core.errors",
     "SymbolicExecutionError": "memcalc.core.errors",
     "DoesNotFitError": "memcalc.search.budget",
+    # how another package extends it
+    "register_optimizer": "memcalc.engine.optimizers",
+    "OptimizerSpec": "memcalc.engine.optimizers",
 }
 
 if TYPE_CHECKING:  # the table above, for type checkers (``as``: re-exported under mypy --strict)
@@ -73,6 +76,8 @@ if TYPE_CHECKING:  # the table above, for type checkers (``as``: re-exported und
     from memcalc.core.report import MemoryReport as MemoryReport
     from memcalc.core.stack import Stack as Stack
     from memcalc.distributed.options import Distributed as Distributed
+    from memcalc.engine.optimizers import OptimizerSpec as OptimizerSpec
+    from memcalc.engine.optimizers import register_optimizer as register_optimizer
     from memcalc.engine.options import Step as Step
     from memcalc.fields import CPU as CPU
     from memcalc.search.budget import DoesNotFitError as DoesNotFitError

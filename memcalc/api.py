@@ -32,7 +32,7 @@ from memcalc.distributed.launch.read import hidden_size_of, launch_distributed, 
 from memcalc.distributed.launch.setup import LaunchSetup, merged
 from memcalc.distributed.options import Distributed
 from memcalc.engine.model import InputsLike
-from memcalc.engine.optimizers import Optimizer
+from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from memcalc.engine.options import Step
 from memcalc.fields import DISTRIBUTED, FIELDS, build_step, check_keywords, positive_int
 from memcalc.search.budget import Budget, FitResult, check_margin, resolve_budget
@@ -100,9 +100,12 @@ def estimate(
             positional arguments, or a dict — keyword arguments (``model(**inputs)``) when its keys
             name the forward's parameters, else the forward's one argument (``model(inputs)``).
         seq_len: the sequence length of a token model.
-        optimizer: ``sgd``, ``sgd-momentum``, ``adam`` (None: the default), ``adamw``,
-            ``rmsprop``, ``adagrad`` or ``none``; its state comes from the real ``torch.optim``
-            class. Training only: an eval or inference step refuses one (``none`` aside).
+        optimizer: ``sgd``, ``sgd-momentum``, ``sgd-nesterov``, ``adam`` (None: the default),
+            ``adamw``, ``rmsprop``, ``adagrad``, ``adafactor``, ``adamw-8bit``,
+            ``paged-adamw-8bit``, ``paged-adamw-32bit`` (bitsandbytes', emulated), ``none``, or
+            one a package registered (:func:`memcalc.register_optimizer`); its state comes from
+            the real ``torch.optim`` class. Training only: an eval or inference step refuses one
+            (``none`` aside).
         mode: ``train``, ``eval`` (forward under ``no_grad``), ``inference`` or ``generate``
             (the model's own ``generate(prompt, max_new_tokens=new_tokens)``: a Hugging Face causal
             LM; ``seq_len`` is the prompt's length).
@@ -398,7 +401,7 @@ def iter_sweep(
     Returns:
         An iterator of :class:`SweepPoint`, series by series, batches ascending.
     """
-    configs = sweep_configurations(batch_sizes, (Optimizer.ADAM,) if optimizers is None else optimizers, precisions)
+    configs = sweep_configurations(batch_sizes, (DEFAULT_OPTIMIZER,) if optimizers is None else optimizers, precisions)
     check_keywords("iter_sweep", estimate_options, own=("gpu",))
     resolved = (resolve_budget(budget, gpu, device, stack=estimate_options.get("stack"))
                 if any(x is not None for x in (budget, gpu, device)) else None)

@@ -40,7 +40,7 @@ from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.stack import Stack
 from memcalc.core.trainer import TrainerArguments
 from memcalc.core.units import BYTES_FORMS, parse_bytes
-from memcalc.engine.optimizers import Optimizer, spec_for
+from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer, spec_for
 from memcalc.engine.options import Step, Target
 from memcalc.search.budget import resolve_budget
 from memcalc.sources.resolve import resolve
@@ -59,18 +59,28 @@ CPU = "cpu"
 
 @dataclass(frozen=True)
 class Flag:
-    """How every command that estimates (``memcalc MODEL``, ``fit``, ``sweep``) offers a field:
-    ``choice`` (the values of the field's enum), ``int`` (at least ``minimum``), ``shape``
-    (``3,224,224``), ``switch`` (a flag without a value) or ``text`` (a string its converter reads;
-    with ``bare``, the value may be left out)."""
+    """How the commands that estimate (``memcalc MODEL``, ``fit``, ``sweep``, ``compare``) offer a
+    field: ``choice`` (the values of the field's enum), ``optimizer`` (the registered optimizers),
+    ``int`` (at least ``minimum``), ``shape`` (``3,224,224``), ``switch`` (a flag without a value)
+    or ``text`` (a string its converter reads; with ``bare``, the value may be left out).
 
-    kind: Literal["choice", "int", "shape", "switch", "text"]
+    A ``per_command`` flag is added by each command in the form it takes
+    (:func:`memcalc.cli.options.field_option`: one value, or a comma-separated list for a sweep);
+    the others every estimating command adds alike (:func:`memcalc.cli.options.step_options`)."""
+
+    kind: Literal["choice", "optimizer", "int", "shape", "switch", "text"]
     minimum: int | None = None
-    metavar: str | None = None
+    metavar: str | None = None  # a value's name in --help (a per_command flag's: a text value's, a list item's)
     show_default: bool = False
     #: A ``text`` flag's value when it is given bare (``--checkpoint`` alone: ``full``); None: a
     #: value is required.
     bare: str | None = None
+    short: str | None = None  # a one-letter spelling (``-b``)
+    per_command: bool = False
+    #: The command line's default when the field's own is None (``--batch`` 1, ``--optim adam``).
+    default: Any = None
+    #: The list form's example (``1,16,64,256``); a choice lists its values instead.
+    example: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,8 +95,8 @@ class Field:
         default: the value when the option is not given (before conversion).
         flag: how the command line spells it (error messages name it too).
         help: what ``--help`` says of it.
-        cli: the option every estimating command adds; None: each command offers it in its own
-            form (one value, a list, a budget, a group of options), or none does.
+        cli: how the command line offers it (:class:`Flag`); None: a command offers it in a
+            form of its own (a budget, a group of options), or none does.
         choices: the enum of its values, for a ``choice`` flag and its converter.
         sets: the step attributes it fills, in the order ``convert`` returns them.
         searched: why a search (:func:`memcalc.max_batch_size`, :func:`memcalc.sweep`) does not
@@ -228,7 +238,7 @@ def _as_given(value: Any, field: Field) -> Any:
 
 def _optimizer(value: Any, field: Field) -> Any:
     try:
-        return spec_for(Optimizer.ADAM if value is None else value)
+        return spec_for(DEFAULT_OPTIMIZER if value is None else value)
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None
 
@@ -315,7 +325,9 @@ def _alloc_conf(value: Any, field: Field) -> AllocConf:
 
 _FIELDS = (
     Field("batch_size", _positive_int, flag="--batch", help="Batch size (samples per step).",
-          searched="the search sets the batch size"),
+          searched="the search sets the batch size",
+          cli=Flag("int", minimum=1, short="-b", show_default=True, per_command=True, default=1,
+                   metavar="N", example="1,16,64,256")),
     Field("input_shape", _shape, flag="--input-shape",
           help="Shape of one sample, without the batch dimension, e.g. 3,224,224.", cli=Flag("shape")),
     Field("seq_len", _positive_int, flag="--seq-len", help="Sequence length for token models.",
@@ -325,10 +337,13 @@ _FIELDS = (
           help="train: forward, loss, backward, optimizer step; eval: forward under no_grad; "
                "inference: forward under inference_mode; generate: the model's own generate() of "
                "--new-tokens tokens after a --seq-len prompt (Hugging Face causal LMs)."),
-    Field("optimizer", _optimizer, flag="--optim", choices=Optimizer, searched="give optimizers=[...]",
+    Field("optimizer", _optimizer, flag="--optim", searched="give optimizers=[...]",
+          cli=Flag("optimizer", show_default=True, per_command=True, default=DEFAULT_OPTIMIZER.value,
+                   metavar="OPTIM"),
           help="Optimizer (training only); its state is created by the real torch.optim class."),
     Field("precision", _choice, Precision.FP32, flag="--precision", choices=Precision,
-          searched="give precisions=[...]",
+          searched="give precisions=[...]", cli=Flag("choice", show_default=True, per_command=True,
+                                                       metavar="PRECISION"),
           help="fp32; amp-fp16/amp-bf16: CUDA autocast (fp32 master weights and optimizer state); "
                "fp16/bf16: the whole model in that dtype."),
     Field("weight_dtype", _choice, flag="--weight-dtype", choices=WeightDtype, cli=Flag("choice"),
@@ -336,6 +351,7 @@ _FIELDS = (
                "optimizer state follow it. bf16 with --precision amp-bf16: a model loaded in bf16 and trained "
                "under autocast (Hugging Face Trainer's bf16=True on a model loaded with dtype=torch.bfloat16)."),
     Field("gpu", _gpu, flag="--gpu", sets=("gpu", "gpu_named", "target"),
+          cli=Flag("text", metavar="NAME", per_command=True),
           help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
                "its CUDA context, and whether the step fits."),
     Field("checkpoint", _checkpointing, False, flag="--checkpoint",
@@ -588,7 +604,7 @@ def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
     if step.trainer_args is not None and not step.trainer_args.defaults_only:
         raise InapplicableOptionError(f"trainer_args (--training-args) describe a training run (mode train); "
                                       f"the mode is {mode.value}", hint="Leave them out, or give mode train.")
-    if optimizer_given and step.optimizer_key is not Optimizer.NONE:
+    if optimizer_given and step.optimizer_key != Optimizer.NONE:
         raise InapplicableOptionError(f"optimizer (--optim) applies to training (mode train); a mode "
                                       f"{mode.value} step runs no optimizer", hint="Leave the optimizer out.")
     if step.loss is not None or step.loss_fn is not None:

@@ -1,5 +1,5 @@
-"""Step-time costs of the bitsandbytes kernels memcalc emulates (memcalc.stacks.bitsandbytes's
-dequantization and int8 matmul, memcalc.engine.optimizers_bnb's update kernels): the bytes each
+"""Step-time costs of the bitsandbytes kernels memcalc emulates (memcalc.stacks.bitsandbytes.quantized_base's
+dequantization and int8 matmul, memcalc.stacks.bitsandbytes.adamw's update kernels): the bytes each
 kernel moves, worked out by hand, against what ``memcalc.step_time`` counts per op class and phase.
 
 A quantized layer is compared with the same layer unquantized: what the two steps share (the
@@ -18,9 +18,9 @@ from memcalc import FineTune, LoRA
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import ClassTime, OpClass, StepTime
 from memcalc.engine.kernels import KERNEL_COSTS, KernelCost
-from memcalc.engine.optimizers_bnb import UPDATE_KERNELS
 from memcalc.engine.rules import DuplicateRuleError
-from memcalc.stacks.bitsandbytes import KERNELS
+from memcalc.stacks.bitsandbytes.adamw import UPDATE_KERNELS
+from memcalc.stacks.bitsandbytes.quantized_base import KERNELS
 from memcalc.timing.performance import EFFICIENCY, KERNEL_SECONDS, LAUNCH_OVERHEAD, PERFORMANCE
 
 GPU = "a100-80gb"

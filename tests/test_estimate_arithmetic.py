@@ -156,12 +156,12 @@ def test_mlp_saved_activations_by_hand():
 
 
 def test_textbook_multipliers():
-    from memcalc.engine.optimizers import OPTIMIZERS, Optimizer
+    from memcalc.engine.optimizers import Optimizer, spec_for
 
-    assert OPTIMIZERS[Optimizer.SGD].textbook_multiplier == 2
-    assert OPTIMIZERS[Optimizer.SGD_MOMENTUM].textbook_multiplier == 3
-    assert OPTIMIZERS[Optimizer.ADAM].textbook_multiplier == 4
-    assert OPTIMIZERS[Optimizer.ADAMW].textbook_multiplier == 4
+    assert spec_for(Optimizer.SGD).textbook_multiplier == 2
+    assert spec_for(Optimizer.SGD_MOMENTUM).textbook_multiplier == 3
+    assert spec_for(Optimizer.ADAM).textbook_multiplier == 4
+    assert spec_for(Optimizer.ADAMW).textbook_multiplier == 4
 
 
 def test_peak_module_is_a_leaf_path():

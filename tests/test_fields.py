@@ -17,7 +17,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice
 from memcalc.core.precision import Precision
-from memcalc.engine.optimizers import Optimizer
+from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from memcalc.engine.options import Step, Target
 from memcalc.fields import DISTRIBUTED, FIELDS, LAUNCH, build_step
 
@@ -49,13 +49,40 @@ def test_every_attribute_of_the_step_comes_from_exactly_one_field():
 
 
 def test_the_cli_offers_every_shared_field_in_every_estimating_command():
-    shared = {name for name, field in FIELDS.items() if field.cli is not None}
+    shared = {name for name, field in FIELDS.items() if field.cli is not None and not field.cli.per_command}
     assert shared  # the table drives the shared options: none written out by hand
     for command in ("estimate", "fit", "sweep", "compare"):
         params = {p.name: p for p in main.commands[command].params}
         assert shared <= set(params), command
         for name in shared:
             assert isinstance(params[name], click.Option) and params[name].opts == [FIELDS[name].flag]
+
+
+#: Each command's form of the per-command fields: field → its parameter in the command.
+PER_COMMAND = {
+    "estimate": {"batch_size": "batch", "optimizer": "optim", "precision": "precision", "gpu": "gpu"},
+    "compare": {"batch_size": "batch", "optimizer": "optim", "precision": "precision", "gpu": "gpu"},
+    "fit": {"optimizer": "optim", "precision": "precision"},  # its --gpu is a budget: cli.params.budget_options
+    "sweep": {"batch_size": "batches", "optimizer": "optims", "precision": "precisions"},  # lists
+}
+
+
+@pytest.mark.parametrize("command", sorted(PER_COMMAND))
+def test_per_command_fields_are_made_from_the_table(command):
+    """The flag, its short form, its help and its default come from FIELDS: a command adds only
+    its form (a list, no default for a search) and a sentence of its own."""
+    params = {p.name: p for p in main.commands[command].params}
+    assert {n for n, f in FIELDS.items() if f.cli is not None and f.cli.per_command} == set(PER_COMMAND["estimate"])
+    for name, param in PER_COMMAND[command].items():
+        field, option = FIELDS[name], params[param]
+        assert isinstance(option, click.Option)
+        assert option.opts == [field.flag, *([field.cli.short] if field.cli.short else [])]
+        assert option.help.startswith(field.help)
+    assert params[PER_COMMAND[command]["optimizer"]].default == DEFAULT_OPTIMIZER.value  # one default, everywhere
+    precision = params["precision" if command != "sweep" else "precisions"].default
+    assert precision == ("fp32" if command in ("estimate", "compare") else None)  # a search keeps the step's own
+
+
 
 
 def test_a_searchs_unknown_keyword_is_judged_by_the_table():

@@ -2,7 +2,7 @@
 bitsandbytes stores and computes it (memcalc.stacks.peft, memcalc.stacks.bitsandbytes).
 
 Byte counts are worked out in the tests from bitsandbytes' formulas (cited in
-memcalc/stacks/bitsandbytes.py); parameter counts are compared with PEFT's own objects.
+memcalc/stacks/bitsandbytes/quantized_base.py); parameter counts are compared with PEFT's own objects.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from memcalc.distributed.estimate import run_estimate
 from memcalc.engine.run import TracedStep
 from memcalc.fields import build_step
 from memcalc.sources.resolve import resolve
-from memcalc.stacks.bitsandbytes import layout_4bit, layout_int8, modules_to_not_convert
+from memcalc.stacks.bitsandbytes.quantized_base import layout_4bit, layout_int8, modules_to_not_convert
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Optimizers and their implementations (memcalc.engine.optimizers, optimizers_bnb).
+"""Optimizers and their implementations (memcalc.engine.optimizers, memcalc.stacks.bitsandbytes.adamw).
 
 Three layers, as everywhere: what the installed torch really picks and allocates (real CPU
 steps under the profiler, torch's own dispatch), arithmetic worked out here from torch's and
@@ -22,11 +22,11 @@ from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.loop import OptimizerImpl
 from memcalc.engine.optimizers import OPTIMIZERS, Optimizer, resolve_impl, spec_for
-from memcalc.engine.optimizers_bnb import PAGED_MIN_NUMEL
 from memcalc.engine.step import StepConfig, run_step
 from memcalc.fields import build_step
 from memcalc.report.render import render_report
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.bitsandbytes.adamw import PAGED_MIN_NUMEL
 from memcalc.targets.backend import trace_step
 
 # The issue's bar for the real CPU step; on torch 2.13 these agree within 40 B (the for-loop's
@@ -265,7 +265,7 @@ def test_fused_is_refused_where_torch_has_none(optimizer):
     with pytest.raises(InapplicableOptionError, match="adam, adamw, adagrad") as info:
         memcalc.estimate("mlp", batch_size=2, optimizer=optimizer, loop=_impl("fused"))
     assert f"optimizer {optimizer} has no fused implementation" in str(info.value)
-    fused = {o.value for o, s in OPTIMIZERS.items() if OptimizerImpl.FUSED in s.impls and s.torch_class}
+    fused = {name for name, s in OPTIMIZERS.items() if OptimizerImpl.FUSED in s.impls and s.torch_class}
     assert fused == {"sgd", "sgd-momentum", "sgd-nesterov", "adam", "adamw", "adagrad"}
 
 
@@ -297,7 +297,7 @@ def test_sgd_nesterov_is_torchs_sgd_with_nesterov_momentum():
     optimizer = spec_for("sgd-nesterov").build([nn.Parameter(torch.zeros(2))])
     assert isinstance(optimizer, torch.optim.SGD)
     assert (optimizer.defaults["momentum"], optimizer.defaults["nesterov"]) == (0.9, True)
-    assert OPTIMIZERS[Optimizer.SGD_NESTEROV].textbook_multiplier == 3
+    assert spec_for(Optimizer.SGD_NESTEROV).textbook_multiplier == 3
 
 
 def test_adafactor_state_is_factored_by_hand_and_by_torch():

@@ -14,7 +14,7 @@ from torch import nn
 import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.core.report import Textbook
-from memcalc.engine.optimizers import OPTIMIZERS, Optimizer
+from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.report.render import render_report
 
 
@@ -67,7 +67,7 @@ def test_state_outside_the_multiplier_is_over_trainable_parameters_only():
 def test_textbook_state_bytes_skips_parameters_without_grad():
     model = _two_linears()
     model[0].requires_grad_(False)
-    spec = OPTIMIZERS[Optimizer.ADAMW_8BIT]  # two 1-byte moments per element
+    spec = spec_for(Optimizer.ADAMW_8BIT)  # two 1-byte moments per element
     assert spec.textbook_state_bytes(model.parameters()) == 2 * 110  # the trainable layer's 110 elements
 
 

@@ -14,6 +14,7 @@ import click
 from memcalc import api
 from memcalc.cli.hf import attn_model, attn_option
 from memcalc.cli.options import (
+    field_option,
     force_option,
     given,
     handle_errors,
@@ -26,11 +27,9 @@ from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.core.finetune import FineTune
 from memcalc.core.output import check_output_path
-from memcalc.core.precision import Precision
 from memcalc.core.report import Measurement
 from memcalc.core.throughput import DataLoaderSetup
-from memcalc.engine.optimizers import Optimizer
-from memcalc.fields import FIELDS, build_step
+from memcalc.fields import build_step
 from memcalc.measure.step import attach_measurement, measured_device
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.snapshot import write_snapshot
@@ -47,17 +46,12 @@ SNAPSHOT_FORMATS = ("pickle", "pkl")
 
 @click.command("estimate")
 @click.argument("model")
-@click.option("--batch", "-b", "batch", type=click.IntRange(min=1), default=1, show_default=True,
-              help=FIELDS["batch_size"].help)
-@click.option("--optim", "optim", type=click.Choice([o.value for o in Optimizer], case_sensitive=False),
-              default=Optimizer.ADAM.value, show_default=True, help=FIELDS["optimizer"].help)
+@field_option("batch_size", param="batch")
+@field_option("optimizer", param="optim")
 @step_options
-@click.option("--precision", type=click.Choice([p.value for p in Precision]), default=Precision.FP32.value,
-              show_default=True, help=FIELDS["precision"].help)
-@click.option("--gpu", default=None, metavar="NAME",
-              help="A GPU from the catalogue (h100-80gb, a100-40gb, t4, ...): kernel choices, workspaces, "
-                   "its CUDA context, and whether the step fits. Default: a generic sm80-class profile "
-                   "(with --measure on a CUDA machine: that GPU's, as --device).")
+@field_option("precision")
+@field_option("gpu", also="Default: a generic sm80-class profile (with --measure on a CUDA machine: that GPU's, "
+                          "as --device).")
 @click.option("--device", default=None, metavar="auto|cuda:N",
               help="A GPU of this machine instead of --gpu (auto: the one with the most free memory; memcalc gpus "
                    "lists them): its catalogue profile, and its free memory minus a new process's CUDA context "

@@ -10,11 +10,9 @@ import click
 
 from memcalc import api
 from memcalc.cli.hf import attn_model, attn_option
-from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.options import field_option, given, handle_errors, output_options, quiet, step_arguments, step_options
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.errors import InvalidInputError
-from memcalc.core.precision import Precision
-from memcalc.engine.optimizers import Optimizer
 from memcalc.measure.snapshot import load_snapshot
 from memcalc.report.compare import CodeSpan, compare_snapshot, is_memcalc_snapshot
 from memcalc.report.compare_render import render_comparison
@@ -27,15 +25,11 @@ __all__ = ("compare_command",)
 @click.command("compare")
 @click.argument("snapshot", type=click.Path(exists=True, dir_okay=False))
 @click.argument("model")
-@click.option("--batch", "-b", "batch", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Batch size of the run the snapshot recorded.")
-@click.option("--optim", "optim", type=click.Choice([o.value for o in Optimizer], case_sensitive=False),
-              default=Optimizer.ADAM.value, show_default=True, help="Optimizer of the run.")
+@field_option("batch_size", param="batch", also="That of the run the snapshot recorded.")
+@field_option("optimizer", param="optim")
 @step_options
-@click.option("--precision", type=click.Choice([p.value for p in Precision]), default=Precision.FP32.value,
-              show_default=True, help="Precision of the run (as for memcalc estimate).")
-@click.option("--gpu", default=None, metavar="NAME",
-              help="The GPU the snapshot was taken on, from the catalogue (its kernels and workspaces).")
+@field_option("precision")
+@field_option("gpu", also="The one the snapshot was taken on.")
 @setup_options
 @attn_option
 @output_options

@@ -12,12 +12,11 @@ from tabulate import tabulate
 
 from memcalc import api
 from memcalc.cli.hf import attn_model, attn_option
-from memcalc.cli.options import given, handle_errors, output_options, quiet, step_arguments, step_options
-from memcalc.cli.params import OPTIMIZERS, PRECISIONS, UnitCommand, budget_arguments, budget_options
+from memcalc.cli.options import field_option, given, handle_errors, output_options, quiet, step_arguments, step_options
+from memcalc.cli.params import UnitCommand, budget_arguments, budget_options
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.core.units import format_bytes
-from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.throughput_render import render_choice
 from memcalc.search.budget import FitResult, format_margin
@@ -51,10 +50,8 @@ class MarginType(click.ParamType[float]):
 @click.command("fit", cls=UnitCommand)
 @click.argument("model")
 @budget_options
-@click.option("--optim", type=click.Choice(OPTIMIZERS, case_sensitive=False), default=Optimizer.ADAM.value,
-              show_default=True, help="Optimizer.")
-@click.option("--precision", type=click.Choice(PRECISIONS, case_sensitive=False), default=None,
-              help="Numeric precision (default: the estimate's, fp32).")
+@field_option("optimizer", param="optim")
+@field_option("precision", default=None, also="Default: the step's own (fp32 unless --training-args set one).")
 @step_options
 @setup_options
 @attn_option

@@ -18,7 +18,6 @@ import click
 from click.core import ParameterSource
 
 from memcalc.cli.progress import progress_on_terminal
-from memcalc.core.categories import Mode
 from memcalc.core.errors import InternalError, MemcalcError
 from memcalc.core.units import Unit
 from memcalc.report.formats import TABLE_FORMATS
@@ -26,8 +25,8 @@ from memcalc.report.formats import TABLE_FORMATS
 if TYPE_CHECKING:  # the step's fields import torch: loaded by the commands that estimate, not by --help
     from memcalc.fields import Field
 
-__all__ = ("FORMATS", "ShapeType", "given", "handle_errors", "output_options", "quiet", "step_arguments",
-           "step_options")
+__all__ = ("FORMATS", "ShapeType", "field_option", "given", "handle_errors", "output_options", "quiet",
+           "step_arguments", "step_options")
 
 FORMATS = (*TABLE_FORMATS, "json")
 
@@ -102,15 +101,105 @@ def output_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+def _shared(field: Field) -> bool:
+    return field.cli is not None and not field.cli.per_command
+
+
 def step_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options that shape one step the same way in every command: each field of
-    :data:`memcalc.fields.FIELDS` with a :class:`~memcalc.fields.Flag` (optimizer, precision and
-    GPU each command takes in its own form: one value, a list, or a budget)."""
+    :data:`memcalc.fields.FIELDS` with a :class:`~memcalc.fields.Flag` that is not ``per_command``
+    (batch, optimizer, precision and GPU each command adds with :func:`field_option`)."""
     from memcalc.fields import FIELDS  # deferred: it imports torch, which --help, zoo and gpus never need
 
-    for field in reversed([f for f in FIELDS.values() if f.cli is not None]):
+    for field in reversed([f for f in FIELDS.values() if _shared(f)]):
         func = _option(field)(func)
     return func
+
+
+#: :func:`field_option`'s default: the field's (or its flag's) own.
+_FIELD_DEFAULT: Any = object()
+
+
+def field_option(name: str, *, param: str | None = None, many: bool = False, default: Any = _FIELD_DEFAULT,
+                 also: str = "", required: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The option of the field ``name`` (:data:`memcalc.fields.FIELDS`) in one command's form.
+
+    Args:
+        name: the field.
+        param: the command's parameter name (default: the field's).
+        many: a comma-separated list (``sweep``): each item converted as the single value is.
+        default: the command's default, where it differs from the field's (None: the step's own,
+            as a search takes it).
+        also: what the command adds to the field's help.
+        required: the command needs a value (``sweep --batch``).
+    """
+    from memcalc.fields import FIELDS  # deferred: it imports torch, which --help, zoo and gpus never need
+
+    field = FIELDS[name]
+    flag = field.cli
+    assert flag is not None and field.flag is not None
+    if default is _FIELD_DEFAULT:
+        default = field.default if field.default is not None else flag.default
+    default = default.value if isinstance(default, enum.Enum) else default
+    spelled = [field.flag, *([flag.short] if flag.short else []), param or field.name]
+    help_text = " ".join(part for part in (field.help, also) if part)
+    # a required option has no default at all: click (8.3) takes an explicit None for a value given
+    needed: dict[str, Any] = {"required": True} if required else {"default": default}
+    if many:
+        from memcalc.cli.params import ListType, choice_of  # deferred: they import torch
+
+        item: Callable[[str], Any]
+        if flag.kind == "int":
+            item, example = _count_item(field), flag.example
+        else:
+            names = _choices(field)
+            item, example = choice_of(names), ", ".join(names())
+        metavar = flag.metavar or field.name.upper()
+        return click.option(*spelled, type=ListType(item, metavar), show_default=default is not None, **needed,
+                            help=f"{help_text} Comma-separated, one estimate each: {example}.")
+    return click.option(*spelled, type=_kind(field), show_default=flag.show_default and default is not None, **needed,
+                        metavar=flag.metavar if flag.kind == "text" else None, help=help_text)
+
+
+def _count_item(field: Field) -> Callable[[str], int]:
+    """One item of a list of counts, judged as the API judges the field
+    (:func:`memcalc.fields.positive_int`: its error, a ``ValueError``, names the option)."""
+    from memcalc.fields import positive_int  # deferred: it imports torch
+
+    def convert(text: str) -> int:
+        number: object = int(text) if text.isascii() and text.isdigit() else text
+        return int(positive_int(number, field.name, field.flag))
+
+    return convert
+
+
+def _choices(field: Field) -> Callable[[], list[str]]:
+    """The values a choice or optimizer field takes, read when asked (a registry may grow)."""
+    if field.cli is not None and field.cli.kind == "optimizer":
+        from memcalc.engine.optimizers import optimizer_names  # deferred: it imports torch
+
+        return lambda: list(optimizer_names())
+    assert field.choices is not None
+    values = [str(c.value) for c in field.choices]
+    return lambda: values
+
+
+def _kind(field: Field) -> click.ParamType[Any]:
+    """The click parameter type of one value of ``field``."""
+    flag = field.cli
+    assert flag is not None
+    if flag.kind == "choice":
+        assert field.choices is not None
+        return click.Choice([c.value for c in field.choices], case_sensitive=False)  # as the API reads them
+    if flag.kind == "optimizer":
+        from memcalc.cli.params import OptimizerChoice  # deferred: it imports torch
+
+        return OptimizerChoice()
+    if flag.kind == "shape":
+        return ShapeType()
+    if flag.kind == "text":
+        return click.STRING
+    return click.IntRange(min=flag.minimum)
 
 
 def _option(field: Field) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -119,16 +208,7 @@ def _option(field: Field) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     assert flag is not None and field.flag is not None
     if flag.kind == "switch":
         return click.option(field.flag, field.name, is_flag=True, help=field.help)
-    kind: click.ParamType[Any]
-    if flag.kind == "choice":
-        assert field.choices is not None
-        kind = click.Choice([c.value for c in field.choices])
-    elif flag.kind == "shape":
-        kind = ShapeType()
-    elif flag.kind == "text":
-        kind = click.STRING
-    else:
-        kind = click.IntRange(min=flag.minimum)
+    kind = _kind(field)
     if flag.bare is not None:  # the value may be left out: the flag alone means ``bare``
         return click.option(field.flag, field.name, type=kind, is_flag=False, flag_value=flag.bare, default=None,
                             metavar=flag.metavar, help=field.help)
@@ -147,35 +227,12 @@ def given(name: str) -> bool:
 
 def step_arguments(params: dict[str, Any]) -> dict[str, Any]:
     """Pop :func:`step_options`' values from a command's ``params`` and return them as
-    :func:`memcalc.estimate` keywords (None: its default); a usage error for a training-only
-    option given for an eval or inference step."""
+    :func:`memcalc.estimate` keywords (None: its default). Their combinations (a loss for an eval
+    step) are judged once, by :func:`memcalc.fields.build_step`."""
     from memcalc.fields import FIELDS  # deferred: it imports torch, which --help, zoo and gpus never need
 
-    values = {field.name: params.pop(field.name, None) for field in FIELDS.values() if field.cli is not None}
-    mode = values.get("mode")
-    if mode is not None and mode != Mode.TRAIN.value:
-        _refuse_training_options(mode)
+    values = {field.name: params.pop(field.name, None) for field in FIELDS.values() if _shared(field)}
     return {name: value for name, value in values.items() if value is not None}
-
-
-#: Options that only a training step uses: (parameter name, flag); a value that means "no
-#: optimizer" is no contradiction.
-_TRAINING_ONLY = (("optim", "--optim"), ("optims", "--optim"), ("loss", "--loss"))
-
-
-def _refuse_training_options(mode: str) -> None:
-    from memcalc.engine.optimizers import Optimizer  # deferred, as FIELDS is
-
-    ctx = click.get_current_context()
-    for name, flag in _TRAINING_ONLY:
-        if name not in ctx.params or not given(name):
-            continue
-        value = ctx.params[name]
-        values = value if isinstance(value, list) else [value]
-        if name != "loss" and all(v == Optimizer.NONE.value for v in values):
-            continue
-        raise click.UsageError(f"{flag} applies to training (--mode train); --mode {mode} runs "
-                               f"{'no optimizer' if name != 'loss' else 'no loss computation'}: drop {flag}")
 
 
 @contextmanager

@@ -12,18 +12,19 @@ import click
 from memcalc.core.gpu import CPU_PROFILE
 from memcalc.core.precision import Precision
 from memcalc.core.units import BYTES_FORMS, parse_bytes
-from memcalc.engine.optimizers import Optimizer
+from memcalc.engine.optimizers import optimizer_names
+from memcalc.stacks import bitsandbytes as _bitsandbytes  # noqa: F401  # registers its optimizers: --optim lists them
 
 __all__ = (
     "OPTIMIZERS",
     "PRECISIONS",
     "BytesType",
     "ListType",
+    "OptimizerChoice",
     "UnitCommand",
     "budget_arguments",
     "budget_options",
     "choice_of",
-    "positive_int",
 )
 
 _T = TypeVar("_T")
@@ -73,23 +74,35 @@ class ListType(click.ParamType[list[_T]]):
         return converted
 
 
-def positive_int(text: str) -> int:
-    """``text`` as a batch size (digits only, at least 1); ``ValueError`` otherwise."""
-    if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
-        raise ValueError("not a positive integer batch size")
-    return int(text)
-
-
-def choice_of(values: Iterable[str]) -> Callable[[str], str]:
-    """A converter to one of ``values`` (case-insensitive, lower-cased); ``ValueError`` otherwise."""
-    allowed = list(values)
+def choice_of(values: Iterable[str] | Callable[[], Iterable[str]]) -> Callable[[str], str]:
+    """A converter to one of ``values`` (case-insensitive, lower-cased; a callable: read at each
+    conversion, as a registry is); ``ValueError`` otherwise."""
 
     def convert(text: str) -> str:
+        allowed = list(values() if callable(values) else values)
         if text.lower() not in allowed:
             raise ValueError(f"choose from {', '.join(allowed)}")
         return text.lower()
 
     return convert
+
+
+class OptimizerChoice(click.Choice[str]):
+    """``--optim``'s values: every optimizer registered when the command line is read
+    (:func:`memcalc.engine.optimizers.register_optimizer`), a package's included, whenever it
+    registered."""
+
+    def __init__(self) -> None:
+        super().__init__((), case_sensitive=False)
+
+    @property  # click.Choice stores a tuple; the registry is read instead
+    def choices(self) -> tuple[str, ...]:
+        """The registered optimizers' names."""
+        return optimizer_names()
+
+    @choices.setter
+    def choices(self, _value: Any) -> None:
+        """click.Choice's constructor sets its list; the registry is the list here."""
 
 
 class UnitCommand(click.Command):
@@ -172,6 +185,8 @@ def budget_arguments(gpu: str | None, budget: int | None, device: str | None, *,
 
 
 PRECISIONS = [p.value for p in Precision]
-OPTIMIZERS = [o.value for o in Optimizer]
+#: The optimizers registered when the CLI was imported (``plan``'s list); :class:`OptimizerChoice`
+#: reads the registry each time.
+OPTIMIZERS = list(optimizer_names())
 
 

@@ -12,6 +12,7 @@ from tabulate import tabulate
 from memcalc import api
 from memcalc.cli.hf import attn_model, attn_option
 from memcalc.cli.options import (
+    field_option,
     force_option,
     given,
     handle_errors,
@@ -20,20 +21,10 @@ from memcalc.cli.options import (
     step_arguments,
     step_options,
 )
-from memcalc.cli.params import (
-    OPTIMIZERS,
-    PRECISIONS,
-    ListType,
-    UnitCommand,
-    budget_arguments,
-    budget_options,
-    choice_of,
-    positive_int,
-)
+from memcalc.cli.params import UnitCommand, budget_arguments, budget_options
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.categories import Category
 from memcalc.core.units import format_bytes
-from memcalc.engine.optimizers import Optimizer
 from memcalc.report.render import render_json
 from memcalc.search.budget import Budget, resolve_budget
 from memcalc.search.sweep import SweepPoint
@@ -44,12 +35,9 @@ __all__ = ("sweep_command",)
 
 @click.command("sweep", cls=UnitCommand)
 @click.argument("model")
-@click.option("--batch", "-b", "batches", type=ListType(positive_int, "N"), required=True,
-              help="Batch sizes, comma-separated: 1,16,64,256.")
-@click.option("--optim", "optims", type=ListType(choice_of(OPTIMIZERS), "OPTIM"), default=Optimizer.ADAM.value,
-              show_default=True, help=f"Optimizers, comma-separated ({', '.join(OPTIMIZERS)}).")
-@click.option("--precision", "precisions", type=ListType(choice_of(PRECISIONS), "PRECISION"), default=None,
-              help=f"Precisions, comma-separated ({', '.join(PRECISIONS)}).")
+@field_option("batch_size", param="batches", many=True, default=None, required=True)
+@field_option("optimizer", param="optims", many=True)
+@field_option("precision", param="precisions", many=True, default=None)
 @budget_options
 @step_options
 @setup_options

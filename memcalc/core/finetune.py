@@ -2,7 +2,7 @@
 (:class:`FineTune`, :class:`LoRA`, :class:`Quant`).
 
 Vocabulary only: :mod:`memcalc.stacks.peft` freezes and wraps the model with PEFT, and
-:mod:`memcalc.stacks.bitsandbytes` stores the frozen Linear weights as bitsandbytes does.
+:mod:`memcalc.stacks.bitsandbytes.quantized_base` stores the frozen Linear weights as bitsandbytes does.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Other libraries' kernels as ``memcalc::`` operators, each with what one launch costs.
 
 memcalc emulates some libraries' CUDA kernels on meta tensors without importing the library:
-bitsandbytes' dequantization and int8 matmul (:mod:`memcalc.stacks.bitsandbytes`) and its optimizer
-updates (:mod:`memcalc.engine.optimizers_bnb`). :func:`define_kernels` gives each such kernel an
+bitsandbytes' dequantization and int8 matmul (:mod:`memcalc.stacks.bitsandbytes.quantized_base`) and its
+optimizer updates (:mod:`memcalc.stacks.bitsandbytes.adamw`). :func:`define_kernels` gives each such kernel an
 operator of its own, so that the tracer sees one launch where the library launches one, as it
 sees an aten op. Their schemas say too little for a step time — which arguments a kernel reads,
 which it writes through a pre-allocated ``out``, what arithmetic it does — so the module that

@@ -1,5 +1,10 @@
 """The optimizers memcalc knows, each built from the real ``torch.optim`` class (or, for
-bitsandbytes', an emulation of what it allocates: :mod:`memcalc.engine.optimizers_bnb`).
+bitsandbytes', an emulation of what it allocates: :mod:`memcalc.stacks.bitsandbytes.adamw`),
+and the registry they are found in: :func:`register_optimizer` adds an :class:`OptimizerSpec`
+(duplicates refused, as ``torch.utils.flop_counter.register_flop_formula`` refuses them), and
+:func:`spec_for` finds one by the name ``--optim`` and ``optimizer=`` take. The ``torch.optim``
+ones register below; bitsandbytes' in :mod:`memcalc.stacks.bitsandbytes.adamw`; another
+package registers its own the same way, on import.
 
 Optimizer state is never taken from a table: the real class runs its real ``step()`` on the
 symbolic parameters and whatever it keeps in ``optimizer.state`` is what we count. The
@@ -77,14 +82,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.loop import OptimizerImpl
-from memcalc.engine.optimizers_bnb import BnbAdamW
+from memcalc.engine.rules import DuplicateRuleError
 
-__all__ = ("META_KERNELS_ADDED", "OPTIMIZERS", "Factory", "Optimizer", "OptimizerSpec", "TorchOptim",
-           "fused_kernels_on_meta", "resolve_impl", "scalars_on_meta", "spec_for", "step_under")
+__all__ = ("DEFAULT_OPTIMIZER", "FUSED_ONLY", "LOOPS", "LOOPS_AND_FUSED", "META_KERNELS_ADDED", "OPTIMIZERS",
+           "Factory", "Optimizer", "OptimizerSpec", "TorchOptim", "fused_kernels_on_meta", "optimizer_names",
+           "register_optimizer", "resolve_impl", "scalars_on_meta", "spec_for", "step_under")
 
 
 class Optimizer(str, enum.Enum):
-    """The optimizers memcalc simulates, by their user-facing names."""
+    """The built-in optimizers' user-facing names (a registered one has its own name, a plain
+    string: :func:`optimizer_names` lists them all)."""
 
     SGD = "sgd"
     SGD_MOMENTUM = "sgd-momentum"
@@ -100,13 +107,18 @@ class Optimizer(str, enum.Enum):
     NONE = "none"  # forward + backward only
 
 
+#: The optimizer a training step has when none is named (``--optim``, ``optimizer=``).
+DEFAULT_OPTIMIZER = Optimizer.ADAM
+
 Params = Iterable[torch.nn.Parameter]
 #: Builds the optimizer over the parameters in one (concrete) implementation.
 Factory = Callable[[Params, OptimizerImpl], torch.optim.Optimizer]
 
-_LOOPS = frozenset({OptimizerImpl.FOR_LOOP, OptimizerImpl.FOREACH})
-_LOOPS_AND_FUSED = _LOOPS | {OptimizerImpl.FUSED}
-_FUSED_ONLY = frozenset({OptimizerImpl.FUSED})
+#: The implementation sets a spec's ``impls`` takes: torch's loops; the loops and fused; a
+#: library's own fused kernel only.
+LOOPS = frozenset({OptimizerImpl.FOR_LOOP, OptimizerImpl.FOREACH})
+LOOPS_AND_FUSED = LOOPS | {OptimizerImpl.FUSED}
+FUSED_ONLY = frozenset({OptimizerImpl.FUSED})
 
 
 @dataclass(frozen=True)
@@ -138,10 +150,16 @@ class TorchOptim:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """How to build one optimizer, which implementations it has, and its textbook line.
+    """How to build one optimizer, which implementations it has, its textbook line and the
+    advice that names a lighter one: what :func:`register_optimizer` takes.
+
+    The state it keeps is never read from here: the factory's optimizer runs its real ``step()``
+    on the symbolic parameters, and what it keeps in ``optimizer.state`` (each tensor with its
+    dtype) is what is counted. The textbook fields only explain the figure beside the peak.
 
     Attributes:
-        key, display: its name, and how the report writes it.
+        key, display: its name (``--optim``, ``optimizer=``; lower case), and how the report
+            writes it.
         factory: builds it (None for ``none``: no optimizer step).
         textbook_multiplier: × parameter bytes: weights + grads + state tensors per weight.
         textbook_terms: what the textbook line adds up.
@@ -151,19 +169,29 @@ class OptimizerSpec:
             1-byte moments of 8-bit Adam, Adafactor's factored moments), for the textbook line.
         torch_class: the ``torch.optim`` class it needs ("" for none and the emulations), and
             ``torch_since`` the torch version that added it.
+        lighter: optimizers with less state per parameter, as ``--optim`` spells them ("sgd" or
+            "sgd-momentum or sgd"), suggested when the model states fill the memory; "" for none.
+        only_impl: why it has no other implementation, when ``impls`` holds one (an error says it).
     """
 
-    key: Optimizer
+    key: str
     display: str
     factory: Factory | None
     textbook_multiplier: int
     textbook_terms: str
-    impls: frozenset[OptimizerImpl] = _LOOPS
+    impls: frozenset[OptimizerImpl] = LOOPS
     auto_cuda: OptimizerImpl = OptimizerImpl.FOREACH
     auto_cpu: OptimizerImpl = OptimizerImpl.FOR_LOOP
     textbook_state: Callable[[torch.Tensor], int] | None = None
     torch_class: str = ""
     torch_since: str = ""
+    lighter: str = ""
+    only_impl: str = ""
+
+    @property
+    def name(self) -> str:
+        """Its name as a plain string (``adam``), a built-in's enum member or not."""
+        return str(self.key.value if isinstance(self.key, enum.Enum) else self.key)
 
     def build(self, params: Params, impl: OptimizerImpl = OptimizerImpl.FOREACH) -> torch.optim.Optimizer | None:
         """The optimizer over ``params`` in implementation ``impl``; None for ``none``.
@@ -194,23 +222,50 @@ class OptimizerSpec:
         return 0 if rule is None else sum(rule(p) for p in params if p.requires_grad)
 
 
+#: Every registered optimizer by name, in the order registered (:func:`register_optimizer`).
+OPTIMIZERS: dict[str, OptimizerSpec] = {}
+
+
+def register_optimizer(spec: OptimizerSpec, *, override: bool = False) -> OptimizerSpec | None:
+    """Make ``spec`` an optimizer of every estimate: ``--optim NAME``, ``optimizer="NAME"``.
+
+    Args:
+        spec: the optimizer; its ``key`` is its name (lower case, no spaces).
+        override: replace a registered optimizer of that name on purpose.
+
+    Returns:
+        The spec it replaced (with ``override``), else None.
+
+    Raises:
+        DuplicateRuleError: the name is taken and ``override`` is not given.
+        ValueError: a name that ``--optim`` could not take, or an ``auto`` the spec does not have.
+    """
+    name = spec.name
+    if not name or name != name.strip().lower() or "," in name or " " in name:
+        raise ValueError(f"an optimizer's name is lower case, without spaces or commas: {name!r}")
+    if not {spec.auto_cuda, spec.auto_cpu} <= spec.impls:
+        raise ValueError(f"optimizer {name}: auto_cuda and auto_cpu must be among its impls")
+    previous = OPTIMIZERS.get(name)
+    if previous is not None and not override:
+        raise DuplicateRuleError(f"optimizer {name!r} is registered already (override=True replaces it)")
+    OPTIMIZERS[name] = spec
+    return previous
+
+
+def optimizer_names() -> tuple[str, ...]:
+    """Every registered optimizer's name, in the order registered, ``none`` last (it is no optimizer)."""
+    names = [name for name in OPTIMIZERS if name != Optimizer.NONE.value]
+    return (*names, *([Optimizer.NONE.value] if Optimizer.NONE.value in OPTIMIZERS else []))
+
+
 def _torch_spec(key: Optimizer, display: str, name: str, multiplier: int, terms: str, *, fused: bool = False,
                 auto_cuda: OptimizerImpl = OptimizerImpl.FOREACH, since: str = "", reads_scalars: bool = False,
-                textbook_state: Callable[[torch.Tensor], int] | None = None, **hyper: Any) -> OptimizerSpec:
+                textbook_state: Callable[[torch.Tensor], int] | None = None, lighter: str = "",
+                **hyper: Any) -> OptimizerSpec:
     factory = TorchOptim(name, tuple(hyper.items()), takes_fused=fused, reads_scalars=reads_scalars)
-    return OptimizerSpec(key, display, factory, multiplier, terms, impls=_LOOPS_AND_FUSED if fused else _LOOPS,
-                         auto_cuda=auto_cuda, textbook_state=textbook_state, torch_class=name, torch_since=since)
-
-
-def _bnb_spec(key: Optimizer, display: str, optim_bits: int, paged: bool, terms: str,
-              textbook_state: Callable[[torch.Tensor], int] | None) -> OptimizerSpec:
-    return OptimizerSpec(key, display, BnbAdamW(optim_bits, paged), 2, terms, impls=_FUSED_ONLY,
-                         auto_cuda=OptimizerImpl.FUSED, auto_cpu=OptimizerImpl.FUSED, textbook_state=textbook_state)
-
-
-def _one_byte_moments(p: torch.Tensor) -> int:
-    """Two 1-byte moments per element (8-bit Adam's rule of thumb)."""
-    return 2 * p.numel()
+    return OptimizerSpec(key, display, factory, multiplier, terms, impls=LOOPS_AND_FUSED if fused else LOOPS,
+                         auto_cuda=auto_cuda, textbook_state=textbook_state, torch_class=name, torch_since=since,
+                         lighter=lighter)
 
 
 def _factored_second_moment(p: torch.Tensor) -> int:
@@ -222,42 +277,35 @@ def _factored_second_moment(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-OPTIMIZERS: dict[Optimizer, OptimizerSpec] = {
-    spec.key: spec
-    for spec in (
-        _torch_spec(Optimizer.SGD, "SGD", "SGD", 2, "weights + grads", fused=True, lr=0.01),
-        _torch_spec(Optimizer.SGD_MOMENTUM, "SGD (momentum 0.9)", "SGD", 3, "weights + grads + momentum",
-                    fused=True, lr=0.01, momentum=0.9),
-        _torch_spec(Optimizer.SGD_NESTEROV, "SGD (Nesterov momentum 0.9)", "SGD", 3, "weights + grads + momentum",
-                    fused=True, lr=0.01, momentum=0.9, nesterov=True),
-        _torch_spec(Optimizer.ADAM, "Adam", "Adam", 4, "weights + grads + 2 moments", fused=True),
-        _torch_spec(Optimizer.ADAMW, "AdamW", "AdamW", 4, "weights + grads + 2 moments", fused=True),
-        _torch_spec(Optimizer.RMSPROP, "RMSprop", "RMSprop", 3, "weights + grads + square average"),
-        _torch_spec(Optimizer.ADAGRAD, "Adagrad", "Adagrad", 3, "weights + grads + sum of squares", fused=True),
-        _torch_spec(Optimizer.ADAFACTOR, "Adafactor", "Adafactor", 2,
-                    "weights + grads + factored second moments: a row and a column vector per matrix, "
-                    "not a full copy", auto_cuda=OptimizerImpl.FOR_LOOP, since="2.5", reads_scalars=True,
-                    textbook_state=_factored_second_moment),
-        _bnb_spec(Optimizer.ADAMW_8BIT, "AdamW 8-bit (bitsandbytes)", 8, False,
-                  "weights + grads + 2 × 1-byte moments", _one_byte_moments),
-        _bnb_spec(Optimizer.PAGED_ADAMW_8BIT, "paged AdamW 8-bit (bitsandbytes)", 8, True,
-                  "weights + grads; the 2 × 1-byte moments are paged: unified memory, not in the peak", None),
-        _bnb_spec(Optimizer.PAGED_ADAMW_32BIT, "paged AdamW 32-bit (bitsandbytes)", 32, True,
-                  "weights + grads; the 2 fp32 moments are paged: unified memory, not in the peak", None),
-        OptimizerSpec(Optimizer.NONE, "none (forward + backward)", None, 2, "weights + grads",
-                      impls=_LOOPS_AND_FUSED),
-    )
-}
+for _spec in (
+    _torch_spec(Optimizer.SGD, "SGD", "SGD", 2, "weights + grads", fused=True, lr=0.01),
+    _torch_spec(Optimizer.SGD_MOMENTUM, "SGD (momentum 0.9)", "SGD", 3, "weights + grads + momentum",
+                fused=True, lighter="sgd", lr=0.01, momentum=0.9),
+    _torch_spec(Optimizer.SGD_NESTEROV, "SGD (Nesterov momentum 0.9)", "SGD", 3, "weights + grads + momentum",
+                fused=True, lr=0.01, momentum=0.9, nesterov=True),
+    _torch_spec(Optimizer.ADAM, "Adam", "Adam", 4, "weights + grads + 2 moments", fused=True,
+                lighter="sgd-momentum or sgd"),
+    _torch_spec(Optimizer.ADAMW, "AdamW", "AdamW", 4, "weights + grads + 2 moments", fused=True,
+                lighter="sgd-momentum or sgd"),
+    _torch_spec(Optimizer.RMSPROP, "RMSprop", "RMSprop", 3, "weights + grads + square average", lighter="sgd"),
+    _torch_spec(Optimizer.ADAGRAD, "Adagrad", "Adagrad", 3, "weights + grads + sum of squares", fused=True,
+                lighter="sgd"),
+    _torch_spec(Optimizer.ADAFACTOR, "Adafactor", "Adafactor", 2,
+                "weights + grads + factored second moments: a row and a column vector per matrix, "
+                "not a full copy", auto_cuda=OptimizerImpl.FOR_LOOP, since="2.5", reads_scalars=True,
+                textbook_state=_factored_second_moment),
+    OptimizerSpec(Optimizer.NONE, "none (forward + backward)", None, 2, "weights + grads", impls=LOOPS_AND_FUSED),
+):
+    register_optimizer(_spec)
 
 
 def spec_for(optimizer: Optimizer | str) -> OptimizerSpec:
     """The spec for an optimizer name; ``ValueError`` listing the choices for anything else."""
-    try:
-        key = optimizer.value if isinstance(optimizer, Optimizer) else str(optimizer).strip().lower()
-        return OPTIMIZERS[Optimizer(key)]
-    except ValueError:
-        choices = ", ".join(o.value for o in Optimizer)
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of: {choices}") from None
+    key = optimizer.value if isinstance(optimizer, Optimizer) else str(optimizer).strip().lower()
+    spec = OPTIMIZERS.get(key)
+    if spec is None:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(optimizer_names())}")
+    return spec
 
 
 def resolve_impl(spec: OptimizerSpec, impl: OptimizerImpl, *, cuda: bool) -> OptimizerImpl:
@@ -285,17 +333,17 @@ def resolve_impl(spec: OptimizerSpec, impl: OptimizerImpl, *, cuda: bool) -> Opt
 def _check_available(spec: OptimizerSpec, impl: OptimizerImpl) -> None:
     if spec.torch_class and not hasattr(torch.optim, spec.torch_class):
         raise InapplicableOptionError(
-            f"optimizer {spec.key.value} needs torch.optim.{spec.torch_class}, added in torch {spec.torch_since}; "
+            f"optimizer {spec.name} needs torch.optim.{spec.torch_class}, added in torch {spec.torch_since}; "
             f"the installed torch is {torch.__version__}",
             hint=f"upgrade torch to {spec.torch_since} or later, or choose another --optim")
     if impl in spec.impls:
         return
     has = ", ".join(i.value for i in OptimizerImpl if i in spec.impls)
-    fused = ", ".join(s.key.value for s in OPTIMIZERS.values() if s.torch_class and OptimizerImpl.FUSED in s.impls)
-    why = ("bitsandbytes runs its own fused kernel per parameter" if spec.impls == _FUSED_ONLY
+    fused = ", ".join(s.name for s in OPTIMIZERS.values() if s.torch_class and OptimizerImpl.FUSED in s.impls)
+    why = (spec.only_impl if spec.only_impl and len(spec.impls) == 1
            else f"fused=True is offered by torch {torch.__version__} for: {fused}" if impl is OptimizerImpl.FUSED
            else f"its implementations: {has}")
-    raise InapplicableOptionError(f"optimizer {spec.key.value} has no {impl.value} implementation: {why}",
+    raise InapplicableOptionError(f"optimizer {spec.name} has no {impl.value} implementation: {why}",
                                   hint=f"choose optimizer_impl (--optim-impl) auto or one of: {has}")
 
 

@@ -29,7 +29,7 @@ from memcalc.core.precision import Precision, WeightDtype
 from memcalc.core.stack import Stack
 from memcalc.core.trainer import TrainerArguments
 from memcalc.engine.model import InputsLike, ModelResolver, ResolvedModel
-from memcalc.engine.optimizers import Optimizer, OptimizerSpec, spec_for
+from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, OptimizerSpec, spec_for
 
 __all__ = ("Step", "Target")
 
@@ -94,7 +94,7 @@ class Step:
     input_shape: tuple[int, ...] | None = None
     seq_len: int | None = None
     inputs: InputsLike | None = None
-    optimizer: OptimizerSpec = field(default_factory=lambda: spec_for(Optimizer.ADAM))
+    optimizer: OptimizerSpec = field(default_factory=lambda: spec_for(DEFAULT_OPTIMIZER))
     mode: Mode = Mode.TRAIN
     loss: LossChoice | None = None
     loss_fn: LossFn | None = None
@@ -122,8 +122,8 @@ class Step:
     resolver: ModelResolver | None = field(default=None, compare=False, repr=False)
 
     @property
-    def optimizer_key(self) -> Optimizer:
-        """The optimizer's name, as an enum."""
+    def optimizer_key(self) -> str:
+        """The optimizer's name (a built-in's :class:`~memcalc.engine.optimizers.Optimizer` member)."""
         return self.optimizer.key
 
     @property

@@ -55,7 +55,6 @@ from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
 from memcalc.engine.model import GenerateFn, ModelInputs, ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
-from memcalc.engine.optimizers_bnb import is_paged
 from memcalc.engine.options import Step
 from memcalc.engine.prepare import (
     cast_inputs,
@@ -81,12 +80,12 @@ from memcalc.engine.timeline import (
 from memcalc.engine.trace import AfterOpHook, Op, StepTrace, StorageTracer
 
 __all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "TracedStep",
-           "build_report", "parameter_count", "step_config", "trace_model")
+           "build_report", "is_paged", "parameter_count", "step_config", "trace_model")
 
 #: The report's loss when the step trained with the loss the model returned (``output.loss``).
 MODEL_LOSS = "the model's own (output.loss)"
 #: Attribute of a parameter that stores others' elements (a quantized weight, packed; its
-#: statistics: :mod:`memcalc.stacks.bitsandbytes`): the parameters it stands for, as PEFT and
+#: statistics: :mod:`memcalc.stacks.bitsandbytes.quantized_base`): the parameters it stands for, as PEFT and
 #: transformers count them. Without it a parameter counts its ``numel()``.
 LOGICAL_NUMEL = "memcalc_logical_numel"
 #: A dict batch's ``attention_mask`` is read by Hugging Face models (``masking_utils``: no causal
@@ -136,10 +135,17 @@ class CostRecorder(Protocol):
 CostRecorderFactory = Callable[[AfterOpHook], CostRecorder]
 
 
+def is_paged(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` stands for a buffer in CUDA unified memory: bitsandbytes' ``F.get_paged``
+    marks its tensors with ``is_paged = True``, and so does its emulation
+    (:mod:`memcalc.stacks.bitsandbytes.adamw`)."""
+    return bool(getattr(tensor, "is_paged", False))
+
+
 class _TracerObserver:
     """Adapts :class:`StorageTracer` to the step program's observer protocol. ``unified_memory``:
     the target is CUDA, where a paged optimizer's large states live in unified memory
-    (:func:`~memcalc.engine.optimizers_bnb.is_paged`), outside the caching allocator."""
+    (:func:`is_paged`), outside the caching allocator."""
 
     def __init__(self, tracer: StorageTracer, *, unified_memory: bool = False, model: nn.Module | None = None):
         self.tracer = tracer
@@ -678,7 +684,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     return MemoryReport(
         model=resolved.name,
         batch_size=resolved.batch_size,
-        optimizer=spec.key.value,
+        optimizer=spec.name,
         mode=mode,
         parameters=parameter_count(module.parameters()),
         peak_phase=trace.phase[uid] if has_peak else Phase.SETUP,

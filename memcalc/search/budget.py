@@ -36,6 +36,7 @@ from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
+from memcalc.engine.optimizers import OPTIMIZERS
 from memcalc.targets.cuda.gpus import catalogue as gpu_catalogue
 from memcalc.targets.cuda.gpus import local as gpu_local
 from memcalc.targets.stack import ResolvedStack, resolve_stack
@@ -240,16 +241,13 @@ def _share(part: int, whole: int) -> str:
     return f" ({100.0 * part / whole:.0f}%)" if whole else ""
 
 
-_LIGHTER_OPTIMIZER = {"adam": "sgd-momentum or sgd", "adamw": "sgd-momentum or sgd", "rmsprop": "sgd",
-                      "adagrad": "sgd", "sgd-momentum": "sgd"}
-
-
 def _suggestions(dominant: str, report: MemoryReport) -> str:
     """What would shrink the step, the dominant part's remedies first; only the remedies
     that apply to this step (no optimizer advice for eval, no precision the step has)."""
     training = report.mode is Mode.TRAIN
     precision = report.precision
-    lighter = _LIGHTER_OPTIMIZER.get(report.optimizer) if training else None
+    spec = OPTIMIZERS.get(report.optimizer) if training else None
+    lighter = spec.lighter if spec is not None else None  # the optimizer's own advice (OptimizerSpec.lighter)
     state_help = [
         f"a lighter optimizer (--optim {lighter}: less optimizer state per parameter)" if lighter else None,
         "lower precision (--precision bf16 or fp16 halves parameters and gradients)"

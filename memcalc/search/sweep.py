@@ -15,7 +15,7 @@ from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.estimate import SINGLE, run_estimate
 from memcalc.distributed.options import Distributed
-from memcalc.engine.optimizers import Optimizer, spec_for
+from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer, spec_for
 from memcalc.engine.options import Step
 
 __all__ = ("SWEEPING", "SweepPoint", "sweep_configurations", "sweep_requests")
@@ -51,7 +51,7 @@ class SweepPoint:
 
 def sweep_configurations(
     batch_sizes: Sequence[int],
-    optimizers: Sequence[Optimizer | str] = (Optimizer.ADAM,),
+    optimizers: Sequence[Optimizer | str] = (DEFAULT_OPTIMIZER,),
     precisions: Sequence[Precision | str | None] = (None,),
 ) -> list[tuple[int, str, str | None]]:
     """Every ``(batch, optimizer, precision)`` in sweep order (by series, then batch);
@@ -97,7 +97,10 @@ def _check_batch(value: object) -> int:
 
 
 def _check_optimizer(value: Optimizer | str) -> str:
-    return parse_choice(Optimizer, value, "optimizer").value
+    try:
+        return spec_for(value).name
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
 
 
 def _check_precision(value: Precision | str | None) -> str | None:

@@ -10,7 +10,7 @@ k-bit model) is::
     model = get_peft_model(model, LoraConfig(...))
     Trainer(model, TrainingArguments(bf16=True, ...)).train()
 
-memcalc's meta model follows it step by step: :func:`memcalc.stacks.bitsandbytes.quantize_linears`
+memcalc's meta model follows it step by step: :func:`memcalc.stacks.bitsandbytes.quantized_base.quantize_linears`
 stands for ``from_pretrained``'s quantization (``replace_with_bnb_linear``), the parameters are
 cast to the dtype the model is loaded in (``dtype=``: the precision's parameter dtype) and it is marked as
 transformers' bitsandbytes quantizer marks it (``is_loaded_in_4bit`` / ``is_loaded_in_8bit``,
@@ -94,7 +94,8 @@ def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Pre
     dtype and run PEFT's ``prepare_model_for_kbit_training`` on it, in place. Returns the report's note.
 
     Args:
-        module: a Hugging Face model on meta, quantized by :func:`memcalc.stacks.bitsandbytes.quantize_linears`.
+        module: a Hugging Face model on meta, quantized by
+            :func:`memcalc.stacks.bitsandbytes.quantized_base.quantize_linears`.
         quant: the quantization (which ``is_loaded_in_*`` transformers sets).
         precision: the user's precision: the dtype the model is loaded in (``from_pretrained(dtype=...)``).
         checkpoint: gradient checkpointing (PEFT's ``use_gradient_checkpointing``).

@@ -28,7 +28,7 @@ from memcalc.core.precision import Precision
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import parameter_count
-from memcalc.stacks.bitsandbytes import quantize_linears
+from memcalc.stacks.bitsandbytes.quantized_base import quantize_linears
 from memcalc.stacks.kbit import kbit_precision, prepare_for_kbit_training, prepares_for_kbit
 from memcalc.stacks.transformers.hub import import_hf
 

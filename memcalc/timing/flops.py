@@ -450,7 +450,7 @@ class OpCostRecorder:
         # autograd engine otherwise runs with grad mode off (torch/utils/checkpoint.py, both the
         # reentrant CheckpointFunction.backward and the non-reentrant recompute_fn). But the
         # forward of an autograd Function runs with grad mode off even then (bitsandbytes'
-        # MatMul4Bit, memcalc.stacks.bitsandbytes): there a module's forward is still on the tracker's
+        # MatMul4Bit, memcalc.stacks.bitsandbytes.quantized_base): there a module's forward is still on the tracker's
         # stack (ModuleTracker.recomputing). The seed gradient (ones_like) is made before any
         # module's gradient arrives (module "").
         recompute = modules.in_backward and bool(module) and (torch.is_grad_enabled() or modules.recomputing)

@@ -17,9 +17,9 @@ from hf_harness import MISTRAL_VOCAB, Recipe, llama_config, model_bytes, real_mo
 from memcalc.core.categories import Mode
 from memcalc.core.finetune import FineTune, LoRA
 from memcalc.core.precision import Precision
-from memcalc.stacks.peft import apply_finetune
-from memcalc.stacks.bitsandbytes import QuantizedLinear
 from memcalc.sources.resolve import resolve
+from memcalc.stacks.bitsandbytes.quantized_base import QuantizedLinear
+from memcalc.stacks.peft import apply_finetune
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -1,4 +1,6 @@
-"""bitsandbytes' 8-bit and paged AdamW, emulated on meta tensors without importing bitsandbytes.
+"""bitsandbytes' 8-bit and paged AdamW, emulated on meta tensors without importing bitsandbytes,
+and registered as memcalc's ``adamw-8bit``, ``paged-adamw-8bit`` and ``paged-adamw-32bit``
+(:func:`memcalc.engine.optimizers.register_optimizer`, as any package adds an optimizer).
 
 What is emulated is what bitsandbytes allocates, and where. Read from
 bitsandbytes-foundation/bitsandbytes at 95f9af3 (``__version__`` 0.50.2.dev0):
@@ -62,9 +64,10 @@ import torch
 from memcalc.core.loop import OptimizerImpl
 from memcalc.core.throughput import OpClass
 from memcalc.engine.kernels import KERNEL_COSTS, KernelCost, define_kernels, device_bytes
+from memcalc.engine.optimizers import FUSED_ONLY, Optimizer, OptimizerSpec, register_optimizer
 
 __all__ = ("BLOCKSIZE", "MIN_8BIT_SIZE", "PAGED_MIN_NUMEL", "QMAP_ENTRIES", "UPDATE_KERNELS", "BnbAdamW",
-           "EmulatedBnbAdamW", "eight_bit_state_bytes", "is_paged")
+           "EmulatedBnbAdamW", "eight_bit_state_bytes")
 
 #: ``Optimizer2State.init_state``: ``blocksize = 256`` for the block-wise absmax of 8-bit states.
 BLOCKSIZE = 256
@@ -143,12 +146,6 @@ def eight_bit_state_bytes(numel: int) -> int:
     return 2 * numel + 2 * 4 * math.ceil(numel / BLOCKSIZE)
 
 
-def is_paged(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` stands for a buffer in CUDA unified memory (``F.get_paged`` marks its
-    tensors with ``is_paged = True``, and so does the emulation)."""
-    return bool(getattr(tensor, "is_paged", False))
-
-
 class EmulatedBnbAdamW(torch.optim.Optimizer):
     """``bnb.optim.AdamW8bit`` / ``PagedAdamW8bit`` / ``PagedAdamW32bit`` as they allocate
     (see the module docstring). The learning-rate and beta hyper-parameters only fill the
@@ -210,7 +207,7 @@ class EmulatedBnbAdamW(torch.optim.Optimizer):
         is the memcalc CPU target's business: it does not count paged buffers apart)."""
         buffer = torch.zeros_like(p, dtype=dtype)
         if self.paged and p.device.type != "cpu" and p.numel() >= PAGED_MIN_NUMEL:
-            buffer.is_paged = True  # type: ignore[attr-defined]  # as F.get_paged marks its tensors
+            buffer.is_paged = True  # type: ignore[attr-defined]  # as F.get_paged marks its tensors (engine.run reads it)
         return buffer
 
     def _update(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
@@ -244,3 +241,26 @@ class BnbAdamW:
         if impl is not OptimizerImpl.FUSED:
             raise ValueError(f"bitsandbytes' optimizers run their own fused kernel, not {impl.value}")
         return EmulatedBnbAdamW(params, optim_bits=self.optim_bits, paged=self.paged)
+
+
+def _one_byte_moments(p: torch.Tensor) -> int:
+    """Two 1-byte moments per element (8-bit Adam's rule of thumb)."""
+    return 2 * p.numel()
+
+
+def _spec(key: Optimizer, display: str, optim_bits: int, paged: bool, terms: str,
+          textbook_state: Callable[[torch.Tensor], int] | None) -> OptimizerSpec:
+    return OptimizerSpec(key, display, BnbAdamW(optim_bits, paged), 2, terms, impls=FUSED_ONLY,
+                         auto_cuda=OptimizerImpl.FUSED, auto_cpu=OptimizerImpl.FUSED, textbook_state=textbook_state,
+                         only_impl="bitsandbytes runs its own fused kernel per parameter")
+
+
+for _registered in (
+    _spec(Optimizer.ADAMW_8BIT, "AdamW 8-bit (bitsandbytes)", 8, False,
+          "weights + grads + 2 × 1-byte moments", _one_byte_moments),
+    _spec(Optimizer.PAGED_ADAMW_8BIT, "paged AdamW 8-bit (bitsandbytes)", 8, True,
+          "weights + grads; the 2 × 1-byte moments are paged: unified memory, not in the peak", None),
+    _spec(Optimizer.PAGED_ADAMW_32BIT, "paged AdamW 32-bit (bitsandbytes)", 32, True,
+          "weights + grads; the 2 fp32 moments are paged: unified memory, not in the peak", None),
+):
+    register_optimizer(_registered)
