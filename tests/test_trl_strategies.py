@@ -6,9 +6,9 @@ Each rank traces TRL's own ``compute_loss`` (memcalc.stacks.trl.step) under its 
 checked by hand-worked bytes: DDP adds its gradient bucket to the one-GPU step; under FSDP2 the DPO
 reference is sharded on its root alone (TRL's ``prepare_fsdp``: ``fully_shard(ref_model)``), so its
 whole all-gather output (every reference parameter, once) is allocated in the forward and freed
-when the reference's forward ends, before the policy's backward. No real multi-process TRL run
-checks these yet (the rank programs themselves are checked against real gloo runs in
-tests/test_gloo_runs.py).
+when the reference's forward ends, before the policy's backward. That wrapping against real
+``fully_shard`` (a fake process group) is below; against real two-process gloo runs, DDP's and
+FSDP2's, in tests/test_trl_gloo.py.
 """
 
 from __future__ import annotations
