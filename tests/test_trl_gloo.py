@@ -110,7 +110,8 @@ def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
             if isinstance(model.policy, nn.parallel.DistributedDataParallel):
                 buckets = model.policy.reducer._get_zeros_like_grad_buckets()
                 before += sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)
-            peak = until_complete(lambda: _measured(model, x, trainable), before, 4 * len(trainable), f"{strategy}: ")
+            peak = until_complete(lambda m=model, x=x, t=trainable: _measured(m, x, t), before,  # type: ignore[misc]
+                                  4 * len(trainable), f"{strategy}: ")
             results[strategy] = {"peak": peak.peak, "step_counters": peak.step_counters, "attempts": peak.attempts}
     finally:
         dist.destroy_process_group()
