@@ -198,7 +198,8 @@ def _check_grpo(values: Mapping[str, Any]) -> None:
 def _read_own(values: Mapping[str, Any]) -> list[tuple[str, str]]:
     shown = ("beta", "loss_type", "precompute_ref_log_probs", "completion_only_loss", "max_length", "num_generations",
              "max_completion_length", "num_iterations")
-    return [(name, repr(values[name])) for name in shown if name in values]
+    return [(name, f"{values[name]!r} → seq_len" if name == "max_length" and isinstance(values[name], int)
+             else repr(values[name])) for name in shown if name in values]
 
 
 def _hashable(value: Any) -> Any:
