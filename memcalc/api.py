@@ -261,6 +261,9 @@ def max_batch_size(
     margin: float | None = None,
     neighbours: int = 0,
     max_batch: int = MAX_BATCH,
+    accelerate_config: Any = None,
+    deepspeed: Any = None,
+    world_size: int | None = None,
     **estimate_options: Any,
 ) -> FitResult:
     """The largest batch whose step fits a memory budget less a safety margin.
@@ -286,6 +289,9 @@ def max_batch_size(
             3%); ``FitResult.margin_basis`` says how it was derived. 0: the raw boundary.
         neighbours: also estimate the batches within this distance of the answer.
         max_batch: the largest batch tried.
+        accelerate_config, deepspeed, world_size: a launch configuration, as for :func:`estimate`
+            (it sets the multi-GPU setting and the step's options it decides; its batch, if it
+            names one, is what the search varies).
         **estimate_options: the other arguments of :func:`estimate` (``input_shape``,
             ``seq_len``, ``mode``, ``loss``, ``distributed``, ...), not ``batch_size``,
             ``capacity`` or ``inputs``.
@@ -307,9 +313,10 @@ def max_batch_size(
         raise InvalidInputError(f"neighbours must be an integer ≥ 0, got {neighbours!r}")
     neighbours = count
     check_keywords("max_batch_size", estimate_options, own=("gpu",))
+    launch = read_launch(accelerate_config, deepspeed, world_size)  # a bad file is said before the model is built
     resolved = resolve_budget(budget, gpu, device, stack=estimate_options.get("stack"))
     step, distributed = _search_step(model, resolved, optimizer=optimizer, precision=precision,
-                                     options=estimate_options)
+                                     options=estimate_options, launch=launch)
     chosen, basis = _margin(given, step, resolved)
     result = find_max_batch(step, resolved, distributed=distributed, margin=chosen, neighbours=neighbours,
                             max_batch=max_batch)
@@ -448,16 +455,24 @@ def sweep(
 
 
 def _search_step(model: Any, budget: Budget | None, *, optimizer: Optimizer | str | None,
-                 precision: Precision | str | None, options: Mapping[str, Any]) -> tuple[Step, Distributed]:
+                 precision: Precision | str | None, options: Mapping[str, Any],
+                 launch: LaunchSetup | None = None) -> tuple[Step, Distributed]:
     """The step a search varies — the user's options, the budget's GPU (its kernels and
-    workspaces) and the budget as capacity — and the multi-GPU setting."""
+    workspaces) and the budget as capacity — and the multi-GPU setting (``launch``'s, when a
+    launch configuration was given: :func:`launched_step`)."""
     given = {k: v for k, v in options.items() if v is not None}
-    distributed = _distributed(given.pop(DISTRIBUTED, None))
+    user_distributed = given.pop(DISTRIBUTED, None)
     if budget is not None and budget.gpu is not None:
         given["gpu"] = budget.gpu
     if precision is not None:
         given["precision"] = precision
-    step = build_step(model, optimizer=optimizer, **given)
+    if launch is not None:
+        # the search varies the batch: a micro-batch the file names is its starting point, not a fixed option
+        launch = replace(launch, values={k: v for k, v in launch.values.items() if k != "batch_size"})
+        step, distributed = launched_step(model, launch, {"optimizer": optimizer, **given}, user_distributed)
+    else:
+        distributed = _distributed(user_distributed)
+        step = build_step(model, optimizer=optimizer, **given)
     return replace(step, capacity=budget.capacity if budget is not None else None), distributed
 
 

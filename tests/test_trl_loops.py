@@ -147,9 +147,10 @@ def test_sequence_longer_than_max_length(model: str) -> None:
         _estimate(model, "trl-sft", max_length=32)
 
 
-def test_strategy_refused(model: str) -> None:
+def test_grpo_strategy_refused(model: str) -> None:
+    """SFT and DPO under --strategy: tests/test_trl_strategies.py; GRPO's generation under one is not modelled."""
     with pytest.raises(InapplicableOptionError, match="one GPU"):
-        memcalc.estimate(model, loop="trl-sft", seq_len=SEQ, gpu="cpu",
+        memcalc.estimate(model, loop="trl-grpo", seq_len=SEQ, gpu="cpu",
                          distributed=memcalc.Distributed("ddp", world_size=2))
 
 

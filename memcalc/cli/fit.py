@@ -89,9 +89,11 @@ def fit_command(model: str, gpu: str | None, budget: int | None, device: str | N
     where = budget_arguments(gpu, budget, device, required=True)
     step = step_arguments(options) | setup_arguments(options)
     distributed = strategy_arguments(**options)  # what is left: the multi-GPU options
-    if "launch" in distributed:
-        raise click.UsageError("memcalc fit does not read launch configurations yet: give the strategy as "
-                               "--strategy/--world-size (memcalc MODEL --accelerate-config/--deepspeed estimates one)")
+    if "launch" in distributed:  # read (and checked) once here; the search lays it under the step's options
+        if objective == "throughput":
+            raise click.UsageError("--objective throughput does not read launch configurations yet: give the "
+                                   "strategy as --strategy/--world-size")
+        distributed = {name: options.get(name) for name in ("accelerate_config", "deepspeed", "world_size")}
     if objective == "throughput":
         _fit_throughput(source, where, optim, precision, margin, target_batch, step | distributed, fmt, units)
         return

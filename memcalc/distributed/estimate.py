@@ -18,6 +18,7 @@ from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.checkpoint_auto import choose_checkpointing
 from memcalc.distributed.options import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
+from memcalc.distributed.vocabulary import Strategy
 from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
@@ -60,9 +61,7 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
     # every kernel's FLOPs and bytes, recorded only when a time is asked for (CostsOnRequest otherwise)
     costs = _cost_recorder() if step.record_costs else None
     if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:
-        raise InapplicableOptionError(f"loop {step.loop.name} is estimated on one GPU; TRL's trainers under "
-                                      f"--strategy are not modelled",
-                                      hint="Leave out --strategy to estimate one GPU's step.")
+        _check_trl_strategy(step, distributed)
     if not distributed.is_single and step.float8 is not None:
         raise InapplicableOptionError(
             "float8 (--float8) is estimated on one GPU; under --strategy, torchao's float8 Linear layers under "
@@ -91,6 +90,26 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
             on_trace(traced)
         report = build_report(resolved, traced, step)
     return report if step.record_costs else replace(report, _costs=CostsOnRequest(step, distributed))
+
+
+#: The strategies TRL's trainers are estimated under (accelerate's MULTI_GPU, FSDP and DEEPSPEED).
+_TRL_STRATEGIES = frozenset({Strategy.DDP, Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2})
+
+
+def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
+    """TRL's trainers run under accelerate's data parallelism: DDP, FSDP2 (the reference sharded on
+    its root alone, as ``prepare_fsdp`` does) and ZeRO; GRPO's generation under them (accelerate's
+    ``unwrap_model_for_generation`` gathering a sharded policy) and the other mesh dimensions are not
+    modelled."""
+    if step.loop.name == "trl-grpo":
+        raise InapplicableOptionError("loop trl-grpo is estimated on one GPU; its generation under --strategy "
+                                      "(unwrap_model_for_generation gathering the sharded policy) is not modelled",
+                                      hint="Leave out --strategy to estimate one GPU's GRPO step.")
+    if distributed.strategy not in _TRL_STRATEGIES:
+        raise InapplicableOptionError(f"loop {step.loop.name} under --strategy {distributed.strategy.value} is not "
+                                      f"modelled: TRL's trainers are estimated under ddp, fsdp, zero1, zero2 and zero3 "
+                                      f"(accelerate's MULTI_GPU, FSDP and DEEPSPEED)",
+                                      hint="Give --strategy ddp, fsdp or zero1/2/3.")
 
 
 class CostsOnRequest:

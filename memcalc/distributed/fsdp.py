@@ -40,13 +40,19 @@ class Unit:
     name: str
     module: nn.Module
     members: tuple[nn.Module, ...]  # modules whose own (recurse=False) parameters it gathers
+    #: A frozen model sharded on its own (``fully_shard`` on its root alone, as TRL's ``prepare_fsdp``
+    #: shards the reference), run outside the trained model's backward: its own FSDP root frees its
+    #: all-gather output after its forward, and the trained model's backward neither prefetches nor
+    #: visits it.
+    own_root: bool = False
 
 
-def fsdp_units(module: nn.Module, containers: Sequence[str]) -> list[Unit]:
+def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[str] = ()) -> list[Unit]:
     """``fully_shard`` on every block of ``containers`` (a zoo model's transformer layers or
     ResNet blocks) and on the root. Without containers: on the items of the model's
     outermost ``nn.ModuleList``s (how transformer layers are held), else on every direct
-    child that has parameters."""
+    child that has parameters. ``separate``: submodules sharded as models of their own, one unit
+    each (:attr:`Unit.own_root`)."""
     paths = list(containers) or _module_lists(module)
     blocks: list[tuple[str, nn.Module]] = []
     for path in paths:
@@ -57,7 +63,14 @@ def fsdp_units(module: nn.Module, containers: Sequence[str]) -> list[Unit]:
                   if next(child.parameters(), None) is not None]
     claimed: set[int] = set()
     units: list[Unit] = []
+    for path in separate:
+        model = module.get_submodule(path)
+        members = tuple(model.modules())
+        claimed.update(id(m) for m in members)
+        units.append(Unit(path, model, members, own_root=True))
     for name, block in blocks:
+        if id(block) in claimed:  # a block of a separate model, which is one unit
+            continue
         members = tuple(m for m in block.modules() if id(m) not in claimed)
         claimed.update(id(m) for m in members)
         units.append(Unit(name, block, members))
@@ -372,6 +385,8 @@ class ShardedProgram(RankProgram):
             return None
         if self.fsdp2 and state is self.states[-1] and self.gather_dtype is not None:
             args = map_output(args, self._cast_input)  # FSDP2's root casts forward inputs
+        if self.fsdp2 and state.unit.own_root:
+            self._trained_forward_over()
         self._gather(state, forward=True)
         if not self.fsdp2:  # DeepSpeed prefetches the next module in forward too
             following = self._next_in_forward(state)
@@ -381,6 +396,17 @@ class ShardedProgram(RankProgram):
         if self.training and torch.is_grad_enabled():
             return _wrap_inputs(args, lambda: self._post_backward(state)) or args
         return args
+
+    def _trained_forward_over(self) -> None:
+        """A separate model's forward runs after the trained model's (TRL's reference after the policy),
+        whose own FSDP root ends at the trained model's post-forward — memcalc's root unit is the wrapper
+        around both: the last all-gather output is freed there, and the root's parameters are resharded
+        (accelerate passes ``reshard_after_forward`` to ``fully_shard`` explicitly, and torch then reshards
+        a root after its forward too; the backward gathers them again)."""
+        self._pending_all_gather = None
+        root = self.states[-1]
+        if self.reshard_after_forward and root.gathered and not root.backward_started:
+            self._reshard(root)
 
     def _cast_input(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_floating_point() and self.gather_dtype is not None and tensor.dtype != self.gather_dtype:
@@ -394,7 +420,7 @@ class ShardedProgram(RankProgram):
     def _post_forward(self, state: _UnitState, output: Any) -> None:
         if self._in_backward:
             return
-        if state not in self._forward_order:
+        if state not in self._forward_order and not state.unit.own_root:
             self._forward_order.append(state)
         if self.training and torch.is_grad_enabled():
             for tensor in tensors_of(output):
@@ -402,7 +428,7 @@ class ShardedProgram(RankProgram):
                     tensor.register_hook(lambda _g, s=state: self._pre_backward(s))  # type: ignore[no-untyped-call]
         if state.reshard_after_forward:
             self._reshard(state)
-        if self.fsdp2 and state is self.states[-1]:
+        if self.fsdp2 and (state is self.states[-1] or state.unit.own_root):
             self._pending_all_gather = None  # FSDPState._post_forward of the root
 
     # ---- backward ---------------------------------------------------------------------------
@@ -572,10 +598,11 @@ class ShardedProgram(RankProgram):
         # final callback visits the root, then the others in model order (all_states);
         # DeepSpeed's, the units in reverse
         order = [self.states[-1], *self.states[:-1]] if self.fsdp2 else list(reversed(self.states))
-        for state in order:
+        for state in (s for s in order if not s.unit.own_root):  # another root's states are not visited
             self._post_backward(state)
         for state in self.states:
-            self._reshard(state)
+            if not state.unit.own_root:  # kept unsharded under reshard_after_forward=False, as its root keeps it
+                self._reshard(state)
             state.prefetched = None
             state.backward_started = False
             state.reduced = False

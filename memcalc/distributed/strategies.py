@@ -35,6 +35,7 @@ from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
 from memcalc.stacks.peft import apply_finetune, step_precision
+from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
 
 __all__ = ("estimate_per_rank",)
@@ -87,11 +88,13 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         resolved = role_step.resolved(batch_size=None if inputs is not None else role.batch)
         resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                                   checkpoint=bool(step.checkpoint))
+        precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
+        if step.loop.preset is not None and step.loop.preset.is_trl:  # TRL's trainer at the rank's precision
+            resolved = trl_model(resolved, replace(role_step, precision=precision))
         for strategy in strategies:
             resolved = strategy.prepare(resolved, trace_precision)
         program = role.program(resolved)
         spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)
-        precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
         traced_options = replace(role_step, precision=precision, optimizer=program.optimizer_spec(spec),
                                  loss_fn=role.loss_fn or step.loss_fn)
         traced = trace_step(resolved, traced_options, hooks=program, costs=costs)

@@ -6,12 +6,14 @@ partitioned optimizer of all three stages (stage 3 runs it over
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category
 from memcalc.core.loop import OptimizerImpl
@@ -41,6 +43,23 @@ class ZeroOptimizer:
         self.params = list(params)
         self.tracer = tracer
         self.gradient_dtype = gradient_dtype
+        # OrderedDicts, as torch.optim keeps its hooks: RemovableHandle holds them by weak reference
+        self._hooks: tuple[OrderedDict[int, Callable[..., None]], ...] = (OrderedDict(), OrderedDict())
+
+    def register_step_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """A hook called as ``hook(optimizer, args, kwargs)`` before each step, as
+        ``torch.optim.Optimizer``'s (a traced loop watches the step through it)."""
+        return self._register(self._hooks[0], hook)
+
+    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """A hook called after each step, as ``torch.optim.Optimizer``'s."""
+        return self._register(self._hooks[1], hook)
+
+    @staticmethod
+    def _register(hooks: OrderedDict[int, Callable[..., None]], hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
 
     @property
     def state(self) -> Any:
@@ -51,6 +70,13 @@ class ZeroOptimizer:
         return self.inner.param_groups if self.inner is not None else []
 
     def step(self) -> None:
+        for hook in list(self._hooks[0].values()):
+            hook(self, (), {})
+        self._step()
+        for hook in list(self._hooks[1].values()):
+            hook(self, (), {})
+
+    def _step(self) -> None:
         if self.inner is None:
             return
         flat = torch.empty(self.master.numel(), dtype=self.gradient_dtype, device="meta")  # flatten

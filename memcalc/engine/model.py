@@ -128,6 +128,9 @@ class ResolvedModel:
     build_real: Callable[[torch.device], tuple[nn.Module, ModelInputs]]
     #: Paths of the containers of repeated blocks (checkpointing, FSDP units): a zoo entry's, or ().
     block_containers: tuple[str, ...] = ()
+    #: Submodules a data-parallel strategy prepares as frozen models of their own, outside the trained
+    #: one (TRL's reference model: accelerate's ``prepare_fsdp`` shards it on its root alone); or ().
+    separate_models: tuple[str, ...] = ()
     #: What resolving decided that the report should say (where the inputs came from, a grown model).
     notes: tuple[str, ...] = ()
     #: Whether the model is a decoder language model (a KV cache applies); None: not known.

@@ -164,6 +164,10 @@ def read_trl_config(loop: str, args: Any = None) -> TrainerSetup:
     transformers = import_hf("transformers", f"loop {loop}")
     base_fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     setup = read_training_args({k: v for k, v in values.items() if k in base_fields})
+    max_length = values.get("max_length")
+    if loop != "trl-grpo" and isinstance(max_length, int) and not isinstance(max_length, bool):
+        # TRL truncates every sequence to max_length: without --seq-len, the longest it lets through
+        setup = dataclasses.replace(setup, values={**setup.values, "seq_len": max_length})
     setup = dataclasses.replace(setup, record=dataclasses.replace(
         setup.record, source=f"{source} (trl {trl.__version__})", loop=loop,
         read=(*setup.record.read, *_read_own(values)),
@@ -194,7 +198,8 @@ def _check_grpo(values: Mapping[str, Any]) -> None:
 def _read_own(values: Mapping[str, Any]) -> list[tuple[str, str]]:
     shown = ("beta", "loss_type", "precompute_ref_log_probs", "completion_only_loss", "max_length", "num_generations",
              "max_completion_length", "num_iterations")
-    return [(name, repr(values[name])) for name in shown if name in values]
+    return [(name, f"{values[name]!r} → seq_len" if name == "max_length" and isinstance(values[name], int)
+             else repr(values[name])) for name in shown if name in values]
 
 
 def _hashable(value: Any) -> Any:

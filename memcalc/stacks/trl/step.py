@@ -238,7 +238,7 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
         checkpointing=(None if checkpointing is None
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=_reads(resolved.reads, bool(settings.get("padding_free") or settings.get("packing"))),
-        build_real=_no_real(step.loop.name),
+        build_real=_no_real(step.loop.name), separate_models=("reference",) if reference is not None else (),
         block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
 
 

@@ -1,0 +1,248 @@
+"""TRL's trainers under data parallelism (``--loop trl-dpo --strategy ddp|fsdp|zero1|zero2``), the
+README's example config (``examples/trl/dpo.json``, issue 35's "Done when" command) and launch
+configurations in ``memcalc fit``.
+
+Each rank traces TRL's own ``compute_loss`` (memcalc.stacks.trl.step) under its rank program. What is
+checked by hand-worked bytes: DDP adds its gradient bucket to the one-GPU step; under FSDP2 the DPO
+reference is sharded on its root alone (TRL's ``prepare_fsdp``: ``fully_shard(ref_model)``), so its
+whole all-gather output (every reference parameter, once) is allocated in the forward and freed
+when the reference's forward ends, before the policy's backward. That wrapping against real
+``fully_shard`` (a fake process group) is below; against real two-process gloo runs, DDP's and
+FSDP2's, in tests/test_trl_gloo.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import memcalc
+from memcalc.cli import main
+from memcalc.core.categories import Category, Phase
+from memcalc.core.errors import InapplicableOptionError
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.options import Step
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+
+HIDDEN, VOCAB, LAYERS = 128, 8192, 2
+CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN,
+          "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 1024,
+          "tie_word_embeddings": False}
+# The Llama's parameters, fp32 (as tests/test_trl_loops.py): embedding and LM head V·H each; per layer q, o
+# H·H, k, v H·(H/2), gate, up, down H·2H each, two norms H; the final norm H.
+LAYER = 2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN // 2 + 3 * HIDDEN * 2 * HIDDEN + 2 * HIDDEN
+P = 4 * (2 * VOCAB * HIDDEN + LAYERS * LAYER + HIDDEN)  # 9,570,816 B
+SEQ = 64
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "trl"
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return f"hf:{path}"
+
+
+def _dpo(model: str, strategy: str | None, **config: Any) -> memcalc.MemoryReport:
+    args = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False, **config}
+    distributed = None if strategy is None else memcalc.Distributed(strategy, world_size=2)
+    return memcalc.estimate(model, loop="trl-dpo", trainer_args=args, seq_len=SEQ, gpu="cpu", distributed=distributed)
+
+
+def test_ddp_adds_its_gradient_bucket(model: str) -> None:
+    """DDP's rank is the one-GPU step plus the Reducer's bucket: every trainable parameter of the policy
+    (P bytes, under the 25 MiB bucket cap: one bucket); the reference is not wrapped in DDP
+    (``accelerator.prepare_model(ref_model, evaluation_mode=True)``) and has no bucket."""
+    one, ddp = _dpo(model, None), _dpo(model, "ddp")
+    assert P == 9_570_816 and P % 512 == 0
+    assert ddp.bytes.peak_allocated - one.bytes.peak_allocated == P
+    assert ddp.roles[0].report.peak_phase is one.peak_phase is Phase.BACKWARD
+
+
+def test_fsdp_shards_the_reference_on_its_own_root(model: str) -> None:
+    """The frozen reference costs P (a whole copy) at the one-GPU peak and P/2 (its shard) per rank under
+    FSDP2 over 2 ranks (every dim 0 divides by 2: no padding); its all-gather output, the whole
+    reference in fp32 (P bytes: one unit, ``fully_shard`` on its root alone) is made in the forward
+    and freed when the reference's forward ends, before the policy's backward."""
+    one = _dpo(model, None).bytes.peak_allocated - _dpo(model, None, precompute_ref_log_probs=True).bytes.peak_allocated
+    fsdp = _dpo(model, "fsdp")
+    sharded = fsdp.bytes.peak_allocated - _dpo(model, "fsdp", precompute_ref_log_probs=True).bytes.peak_allocated
+    assert one - sharded == P // 2
+    timeline = fsdp.timeline()
+    step = [i for i in range(1, timeline.num_events)
+            if timeline.category[i] is Category.WORKSPACE and timeline.phase[i] is Phase.FORWARD
+            and timeline.allocated[i] - timeline.allocated[i - 1] in (P, -P)]
+    # per iteration: the all-gather output (+P), gloo's staging copy of it (+P, −P), the output freed (−P)
+    assert [int(timeline.allocated[i] - timeline.allocated[i - 1]) for i in step] == [P, P, -P, -P] * 2
+    backward = next(s.start for s in timeline.spans if s.phase is Phase.BACKWARD)
+    assert step[3] < backward
+    assert any("FSDP2 FULL_SHARD over 2 ranks" in note for note in fsdp.notes)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_zero_model_states_by_hand(model: str, precompute: bool) -> None:
+    """ZeRO over 2 ranks, fp32: stage 1 keeps every gradient (P), stage 2 only this rank's partition
+    (P/2); the frozen reference is whole on every rank (TRL's ``prepare_deepspeed`` gives it ZeRO
+    stage 0 under stages 1 and 2): P more model states than with precomputed log-probs."""
+    def states(stage: str, **config: Any) -> int:
+        args = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False, **config}
+        report = memcalc.estimate(model, loop="trl-dpo", trainer_args=args, seq_len=SEQ, gpu="cpu",
+                                  distributed=memcalc.Distributed(stage, world_size=2, reduce_bucket_size=10**6))
+        return report.roles[0].model_states
+
+    one = states("zero1", precompute_ref_log_probs=precompute)
+    two = states("zero2", precompute_ref_log_probs=precompute)
+    assert one - two == P // 2
+    if precompute:
+        assert states("zero2") - two == P
+
+
+@pytest.mark.parametrize("loop, strategy, message", [
+    ("trl-grpo", "ddp", "loop trl-grpo is estimated on one GPU"),
+    ("trl-dpo", "zero3", "under --strategy zero3 is not modelled"),
+    ("trl-dpo", "dp", "under --strategy dp is not modelled"),
+])
+def test_unmodelled_strategies_refused(model: str, loop: str, strategy: str, message: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=message):
+        memcalc.estimate(model, loop=loop, seq_len=SEQ, gpu="cpu",
+                         trainer_args={"gradient_checkpointing": False, "bf16": False},
+                         distributed=memcalc.Distributed(strategy, world_size=2))
+
+
+def test_cli_trl_under_a_strategy(model: str, tmp_path: Path) -> None:
+    args = tmp_path / "sft.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False}))
+    result = CliRunner().invoke(main, [model, "--loop", "trl-sft", "--training-args", str(args), "--seq-len",
+                                       str(SEQ), "--strategy", "fsdp", "--world-size", "2", "--gpu", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "SFTTrainer.compute_loss on meta" in result.output
+    assert "under fsdp, 2 GPUs" in result.output
+
+
+def test_max_length_is_the_sequence_length_without_seq_len(model: str) -> None:
+    """TRL truncates every sequence to ``max_length`` (DPOConfig's default: 1024): without ``seq_len``
+    that is the sequence estimated, not the model's longest position."""
+    report = memcalc.estimate(model, loop="trl-dpo", gpu="cpu",
+                              trainer_args={"per_device_train_batch_size": 1, "max_length": 96, "bf16": False,
+                                            "gradient_checkpointing": False})
+    assert "(2, 96)" in report.input_description  # one pair: chosen and rejected rows
+
+
+@pytest.mark.slow
+def test_readme_dpo_example_answers() -> None:
+    """Issue 35's "Done when" command, with the README's example config."""
+    result = CliRunner().invoke(main, ["llama-3-8b", "--loop", "trl-dpo", "--lora", "16", "--training-args",
+                                       str(EXAMPLES / "dpo.json"), "--gpu", "h100-80gb"])
+    assert result.exit_code == 0, result.output
+    assert "input_ids=(4, 1024)" in result.output  # 2 pairs, max_length 1024
+    assert "adapters disabled (PEFT)" in result.output
+    assert "fits in" in result.output
+
+
+def test_fit_reads_a_deepspeed_config(model: str) -> None:
+    """``max_batch_size(deepspeed=...)`` finds what the same setting given by hand finds."""
+    config = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2, "reduce_bucket_size": 10**6}}
+    options: dict[str, Any] = {"seq_len": SEQ, "budget": "192MiB", "margin": 0, "max_batch": 64}
+    by_file = memcalc.max_batch_size(model, deepspeed=config, world_size=2, **options)
+    by_hand = memcalc.max_batch_size(model, distributed=memcalc.Distributed("zero2", world_size=2,
+                                                                            reduce_bucket_size=10**6), **options)
+    assert by_file.batch_size == by_hand.batch_size > 1
+    assert by_file.report.bytes.peak_allocated == by_hand.report.bytes.peak_allocated
+
+
+# ---- the reference's own FSDP2 root against real fully_shard ------------------------------------
+class _Block(nn.Module):
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class _Net(nn.Module):
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(3))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _PolicyAndReference(nn.Module):
+    """DPO's shape of step: the policy's forward, then the frozen reference's under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = _Net()
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.policy(x)
+        with torch.no_grad():
+            ref = self.reference(x)
+        return out - ref
+
+
+def test_reference_root_against_real_fully_shard(fake_process_group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's FSDP2 setting run for real on the CPU over a fake process group (no collective
+    allocates): the policy sharded per block and on its root (accelerate's ``fsdp2_prepare_model``),
+    the reference by ``fully_shard`` on its root alone with ``reshard_after_forward=True`` (TRL's
+    ``prepare_fsdp``, which passes accelerate's value explicitly: torch then reshards a root after its
+    forward); two Adam steps under the profiler. memcalc's rank program with the reference as a
+    separate model (what ``trl_model`` declares) agrees to the byte, less Adam's CPU step counters
+    (4 B per trained parameter tensor)."""
+    from test_strategies import _real_peak
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _PolicyAndReference()
+    mesh = init_device_mesh("cpu", (fake_process_group,))
+    for block in model.policy.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model.policy, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model.reference, mesh=mesh, reshard_after_forward=True)
+    real = _real_peak(model, torch.randn(16, 64), [p.to_local() for p in model.parameters()])
+    counters = 4 * len(list(model.policy.parameters()))
+
+    resolved = Step.resolved
+
+    def with_reference(self: Step, *args: Any, **kwargs: Any) -> ResolvedModel:
+        return replace(resolved(self, *args, **kwargs), separate_models=("reference",))
+
+    monkeypatch.setattr(Step, "resolved", with_reference)
+    estimate = memcalc.estimate(_PolicyAndReference, input_shape=(64,), batch_size=16, optimizer="adam", loss="mean",
+                                gpu="cpu", loop=memcalc.Loop(optimizer_impl="foreach"),
+                                distributed=memcalc.Distributed("fsdp", world_size=fake_process_group))
+    assert estimate.peak_requested == real - counters
+
+
+def test_cli_fit_reads_a_deepspeed_config(model: str, tmp_path: Path) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 10**6}}))
+    result = CliRunner().invoke(main, ["fit", model, "--deepspeed", str(config), "--world-size", "2", "--seq-len",
+                                       str(SEQ), "--budget", "192MiB", "--margin", "0", "--neighbours", "0"])
+    assert result.exit_code == 0, result.output
+    expected = memcalc.max_batch_size(model, deepspeed=json.loads(config.read_text()), world_size=2, seq_len=SEQ,
+                                      budget="192MiB", margin=0)
+    assert f"largest batch that fits: {expected.batch_size} " in result.output
+    assert "under zero2, 2 GPUs" in result.output
