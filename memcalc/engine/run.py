@@ -833,10 +833,12 @@ def _forward_activations(traced: TracedStep) -> list[int]:
     """The storages a module row may count: activations born in the forward. Workspaces (the
     cuBLAS handle's, a conv's) are born there too but are not what a module keeps."""
     trace = traced.trace
-    counted = {p for p in Phase if p.runs_forward and p is not Phase.LOSS}
-    activations = Category.ACTIVATIONS
-    return [uid for uid, (phase, category) in enumerate(zip(trace.phase, traced.categories, strict=True))
-            if phase in counted and category is activations]
+    counted = {p: p.runs_forward and p is not Phase.LOSS for p in Phase}
+    activations = {c: c is Category.ACTIVATIONS for c in Category}
+    # map with C-level look-ups: a long generation has millions of storages
+    born = np.fromiter(map(counted.__getitem__, trace.phase), dtype=bool, count=len(trace.phase))
+    kind = np.fromiter(map(activations.__getitem__, traced.categories), dtype=bool, count=len(traced.categories))
+    return [int(uid) for uid in np.flatnonzero(born & kind)]
 
 
 def _kept_for_backward(traced: TracedStep) -> dict[str, int]:
@@ -872,8 +874,9 @@ def _forward_high_water(traced: TracedStep) -> dict[str, int]:
     delta = np.where(events >= 0, nbytes, -nbytes)
     births = events >= 0
     ids: dict[str, int] = {}
-    module_of = np.fromiter((ids.setdefault(name, len(ids)) for name in trace.module), dtype=np.int64,
-                            count=trace.num_storages)[uids]
+    for name in dict.fromkeys(trace.module):
+        ids[name] = len(ids)
+    module_of = np.fromiter(map(ids.__getitem__, trace.module), dtype=np.int64, count=trace.num_storages)[uids]
     # each module's events, in event order: a subtree's are its members' merged (events x depth in all)
     order = np.argsort(module_of, kind="stable")
     bounds = np.searchsorted(module_of[order], np.arange(len(ids) + 1))
