@@ -76,3 +76,14 @@ def test_short_generations_and_capacities_replay_every_event(tmp_path: Path, mon
     fast, _, _, _ = _replays(monkeypatch, hf_config_source(tmp_path), batch_size=1, seq_len=8,
                              new_tokens=steady_replay.SKIP_FROM)  # SKIP_FROM - 1 decode steps
     assert fast is None
+
+
+def test_skipping_replay_tells_its_decode_steps(tmp_path: Path) -> None:
+    from memcalc.core.progress import progress_to
+
+    told: list[tuple[str, int, int | None]] = []
+    with progress_to(lambda task, done, total: told.append((task, done, total))):
+        memcalc.estimate(hf_config_source(tmp_path, WIDE_LLAMA), mode="generate", optimizer="none", batch_size=1,
+                         seq_len=300, new_tokens=40)
+    done = [d for task, d, total in told if task == steady_replay.REPLAYING and total == 39]  # 39 decode steps
+    assert done[0] == 0 and done[-1] == 39 and done == sorted(done) and len(done) < 39  # steps skipped: not told

@@ -66,7 +66,7 @@ from memcalc.engine.prepare import (
     prepare_step,
 )
 from memcalc.engine.steady import RunCounts, extend, traced_tokens
-from memcalc.engine.steady_replay import replay_generation
+from memcalc.engine.steady_replay import REPLAYING, replay_generation
 from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.engine.timeline import (
     Program,
@@ -597,8 +597,6 @@ def _program_of(traced: TracedStep) -> Program:
         raise InternalError(exc, stage="building the program of the traced step") from exc
 
 
-#: The progress task of the allocator's replay of a long step (a generation of thousands of tokens).
-REPLAYING = "replaying allocations"
 #: Events from which the replay tells its progress: about a second of replay.
 REPLAY_PROGRESS_FROM = 1 << 17
 

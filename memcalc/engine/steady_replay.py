@@ -31,11 +31,15 @@ import numpy as np
 
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Phase
+from memcalc.core.progress import report_progress
 from memcalc.engine import allocator
 from memcalc.engine.timeline import Program
 from memcalc.engine.trace import StepTrace
 
-__all__ = ("SKIP_FROM", "replay_generation")
+__all__ = ("REPLAYING", "SKIP_FROM", "replay_generation")
+
+#: The progress task of the allocator's replay of a long step (here: its decode steps).
+REPLAYING = "replaying allocations"
 
 #: Decode steps from which skipping is tried (fewer replay in a moment).
 SKIP_FROM = 32
@@ -85,6 +89,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     states: dict[int, _Signature] = {}
     j, count = 0, len(starts)
     while j < count:
+        report_progress(REPLAYING, j, count)
         state = states[j] = _small_state(model, first, bases[j])
         period = next((p for p in range(1, MAX_PERIOD + 1) if j + p <= count and states.get(j - p) == state
                        and all(request(j - p + i) == request(j + i) for i in range(p))), 0)
@@ -102,6 +107,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
             j += period
         if not _rename(model, first, shift):
             return None
+    report_progress(REPLAYING, count, count)
     sizes = rounded.copy()  # a small block is its request rounded (the small pool splits off any rest)
     sizes[np.fromiter(held, dtype=np.int64, count=len(held))] = np.fromiter(held.values(), dtype=np.int64,
                                                                            count=len(held))
