@@ -152,6 +152,8 @@ def _small_state(model: allocator.CachingAllocatorModel, first: int, base: int) 
         owner = key if isinstance(key, int) else -2  # the decode steps' keys are uids
         old = held and owner < first
         out.append((addr, size, held, owner if old or not held else owner - base, old))
+    for key in sorted(k for k in model._zero if isinstance(k, int)):  # 0-byte requests: no block, a key
+        out.append((-1, 0, True, key if key < first else key - base, key < first))
     return tuple(out)
 
 
@@ -162,8 +164,13 @@ def _rename(model: allocator.CachingAllocatorModel, first: int, shift: int) -> b
     moved: dict[Hashable, allocator._Block] = {}
     for key in [k for k, block in live.items() if block.pool is model._small and isinstance(k, int) and k >= first]:
         moved[key + shift] = live.pop(key)
-    if any(key in live for key in moved):
+    zero = model._zero  # the keys of 0-byte requests, which hold no block
+    renamed = {key for key in zero if isinstance(key, int) and key >= first}
+    zero -= renamed
+    shifted = {key + shift for key in renamed}
+    if any(key in live or key in zero for key in moved) or any(key in live or key in zero for key in shifted):
         return False
+    zero |= shifted
     live.update(moved)
     return True
 
