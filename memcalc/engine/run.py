@@ -836,7 +836,8 @@ def _forward_activations(traced: TracedStep) -> list[int]:
     # map with C-level look-ups: a long generation has millions of storages
     born = np.fromiter(map(counted.__getitem__, trace.phase), dtype=bool, count=len(trace.phase))
     kind = np.fromiter(map(activations.__getitem__, traced.categories), dtype=bool, count=len(traced.categories))
-    return [int(uid) for uid in np.flatnonzero(born & kind)]
+    uids: list[int] = np.flatnonzero(born & kind).tolist()  # Python ints, at C speed
+    return uids
 
 
 def _kept_for_backward(traced: TracedStep) -> dict[str, int]:
