@@ -13,6 +13,7 @@ import pytest
 from support import SMALL_LLAMA, hf_config_source
 
 import memcalc
+from memcalc.core.categories import Phase
 from memcalc.engine import steady
 from memcalc.report.render import render_report
 
@@ -70,6 +71,42 @@ def test_extrapolated_generation_in_bf16(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prompt, tokens, boundary", [
+    # the cache's keys (or values) per layer: batch 64 · 2 heads · 16 · 4 B = 8 KiB per token, so
+    # 128 tokens make 1 MiB (the small pool's largest request: above it the large pool's 20-MiB
+    # segments) and 1,280 make 10 MiB (above it a segment of its own, rounded to 2 MiB)
+    pytest.param(100, 60, 128, id="small-to-large-pool"),
+    pytest.param(1250, 60, 1280, id="20-MiB-segment-to-own-segment"),
+])
+def test_extrapolated_generation_across_an_allocator_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               prompt: int, tokens: int, boundary: int):
+    # the boundary is crossed in the steps written out, not in the ones traced
+    assert prompt + steady.TRACED_TOKENS < boundary < prompt + tokens
+    config = {**SMALL_LLAMA, "max_position_embeddings": 2048}
+    extrapolated, full = _both(hf_config_source(tmp_path, config), monkeypatch, batch_size=64, seq_len=prompt,
+                               new_tokens=tokens)
+    _assert_identical(extrapolated, full)
+    assert extrapolated.peak_reserved == full.peak_reserved  # exactly: the replay of the same events
+
+
+@pytest.mark.slow
+def test_extrapolated_generation_over_a_static_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # the config names transformers' StaticCache (GenerationConfig.from_model_config takes it): allocated
+    # once, for prompt + tokens - 1 positions (the last token is never fed back), full from the prefill on
+    options: dict[str, object] = dict(batch_size=1, seq_len=8, new_tokens=30)
+    static = hf_config_source(tmp_path, {**SMALL_LLAMA, "cache_implementation": "static"})
+    extrapolated, full = _both(static, monkeypatch, **options)
+    _assert_identical(extrapolated, full)
+    # 2 layers · (keys + values) · 2 heads · 37 positions · 16 · 4 B = 18,944 B, at a prefill peak
+    assert extrapolated.bytes.kv_cache == 2 * 2 * 2 * (8 + 30 - 1) * 16 * 4 == 18_944
+    assert extrapolated.peak_phase is Phase.PREFILL
+    (tmp_path / "dynamic").mkdir()
+    dynamic = memcalc.estimate(hf_config_source(tmp_path / "dynamic", SMALL_LLAMA), mode="generate",
+                               optimizer="none", **options)  # type: ignore[arg-type]
+    assert dynamic.peak_phase is Phase.DECODE  # over a DynamicCache: the last step's cat peaks
+
+
+@pytest.mark.slow
 def test_a_sliding_window_is_traced_token_by_token_and_says_so(tmp_path: Path):
     # the cache stops growing at the window: a few traced steps cannot show where
     config = {**SMALL_LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 24}
@@ -108,4 +145,6 @@ def test_an_extrapolated_generation_tells_the_tokens_traced_then_all(tmp_path: P
                          optimizer="none")
     # 0 before the prefill, 1 .. 6 as the traced decode forwards begin, 50 once the rest is written out
     traced = steady.TRACED_TOKENS
-    assert told == [(GENERATING, done, 50) for done in range(traced)] + [(GENERATING, 50, 50)]
+    generating = [t for t in told if t[0] == GENERATING]  # (the replay tells its own task after it)
+    assert generating == [(GENERATING, done, 50) for done in range(traced)] + [(GENERATING, 50, 50)]
+    assert told[:len(generating)] == generating

@@ -14,10 +14,11 @@ from click.testing import CliRunner
 from support import SMALL_LLAMA, hf_config_source
 
 import memcalc
-from memcalc.cli import progress as cli_progress
 from memcalc.cli import main
+from memcalc.cli import progress as cli_progress
 from memcalc.cli.progress import BAR_WIDTH, TerminalProgress
-from memcalc.core.progress import progress_to, report_progress
+from memcalc.core.progress import progress_to, report_progress, reported
+from memcalc.engine import run as engine_run
 from memcalc.engine.generation import GENERATING
 from memcalc.search.fit import FITTING
 from memcalc.search.sweep import SWEEPING
@@ -42,6 +43,27 @@ def test_a_generation_tells_every_new_token(tmp_path: Path) -> None:
     # 6 new tokens: 0 before the prefill, one more as each of the 5 decode forwards begins, 6 at the end
     assert told == [(GENERATING, done, 6) for done in range(7)]
     assert report.new_tokens == 6
+
+
+def test_a_long_replay_tells_its_events_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(engine_run, "REPLAY_PROGRESS_FROM", 1)  # every replay is long
+    told, listener = _listening()
+    with progress_to(listener):  # type: ignore[arg-type]
+        memcalc.estimate(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=8, mode="generate",
+                         new_tokens=6, gpu="cpu")
+    replay = [(done, total) for task, done, total in told if task == engine_run.REPLAYING]
+    events = replay[-1][1]
+    assert events > 0 and replay == [(0, events), (events, events)]  # fewer events than a chunk: two tellings
+    assert [task for task, _, _ in told].index(engine_run.REPLAYING) > 6  # after the generation's 7
+
+
+def test_reported_tells_once_per_chunk_and_ends_the_task() -> None:
+    told, listener = _listening()
+    with progress_to(listener):  # type: ignore[arg-type]
+        assert list(reported("t", iter(range(5)), 5, every=2)) == [0, 1, 2, 3, 4]
+        assert list(reported("u", [], 3)) == []  # fewer items than told: the task still ends
+    assert told == [("t", 0, 5), ("t", 2, 5), ("t", 4, 5), ("t", 5, 5), ("u", 0, 3), ("u", 3, 3)]
 
 
 def test_a_sweep_tells_every_configuration() -> None:

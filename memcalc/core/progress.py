@@ -19,12 +19,15 @@ when no one listens, :func:`report_progress` is one context-variable read then.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
-__all__ = ("ProgressListener", "progress_to", "report_progress")
+__all__ = ("ProgressListener", "progress_to", "report_progress", "reported")
+
+_T = TypeVar("_T")
 
 #: Told ``(task, done, total)`` as long work goes on (module docstring).
 ProgressListener: TypeAlias = Callable[[str, int, "int | None"], None]
@@ -48,3 +51,18 @@ def report_progress(task: str, done: int, total: int | None) -> None:
     listener = _LISTENER.get()
     if listener is not None:
         listener(task, done, total)
+
+
+def reported(task: str, items: Iterable[_T], total: int, *, every: int = 1 << 16) -> Iterator[_T]:
+    """``items`` (``total`` of them), telling the listener of ``task`` every ``every`` items: a
+    consumer of millions of cheap items (the allocator's replay of a long generation's events)
+    pays one check per chunk, not one per item."""
+    report_progress(task, 0, total)
+    source = iter(items)
+    done = 0
+    while chunk := list(itertools.islice(source, every)):
+        yield from chunk
+        done += len(chunk)
+        report_progress(task, min(done, total), total)
+    if done < total:  # fewer than promised: the task still ends
+        report_progress(task, total, total)

@@ -33,7 +33,7 @@ from memcalc.core.errors import (
     MemcalcError,
     SymbolicExecutionError,
 )
-from memcalc.core.progress import report_progress
+from memcalc.core.progress import report_progress, reported
 from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
 from memcalc.core.streams import Stream
 from memcalc.core.throughput import CostSource
@@ -65,6 +65,7 @@ from memcalc.engine.prepare import (
     prepare_step,
 )
 from memcalc.engine.steady import RunCounts, extend, traced_tokens
+from memcalc.engine.steady_replay import REPLAYING, replay_generation
 from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.engine.timeline import (
     Program,
@@ -602,13 +603,21 @@ def _program_of(traced: TracedStep) -> Program:
         raise InternalError(exc, stage="building the program of the traced step") from exc
 
 
+#: Events from which the replay tells its progress: about a second of replay.
+REPLAY_PROGRESS_FROM = 1 << 17
+
+
 def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None,
               host: bool) -> allocator.AllocatorStats:
     """The program replayed through the allocator model; an impossible event (a free of a
     storage that is not live) is memcalc's bug, named by the op and module that made the storage."""
     try:
-        return allocator.replay(allocator_events(program, trace.nbytes), settings=settings, host=host,
-                                streams=program.streams)
+        if (fast := replay_generation(program, trace, settings, host)) is not None:
+            return fast  # a long generation: its small pool's repeated decode steps skipped, exactly
+        events: Iterable[tuple[int, int, int]] = allocator_events(program, trace.nbytes)
+        if len(program.events) >= REPLAY_PROGRESS_FROM:  # seconds of replay: a bar (stderr, a terminal)
+            events = reported(REPLAYING, events, len(program.events))
+        return allocator.replay(events, settings=settings, host=host, streams=program.streams)
     except allocator.KeyStateError as exc:
         uid = program.storage(exc.key) if isinstance(exc.key, int) else -1
         if not 0 <= uid < trace.num_storages:
@@ -828,10 +837,13 @@ def _forward_activations(traced: TracedStep) -> list[int]:
     """The storages a module row may count: activations born in the forward. Workspaces (the
     cuBLAS handle's, a conv's) are born there too but are not what a module keeps."""
     trace = traced.trace
-    counted = {p for p in Phase if p.runs_forward and p is not Phase.LOSS}
-    activations = Category.ACTIVATIONS
-    return [uid for uid, (phase, category) in enumerate(zip(trace.phase, traced.categories, strict=True))
-            if phase in counted and category is activations]
+    counted = {p: p.runs_forward and p is not Phase.LOSS for p in Phase}
+    activations = {c: c is Category.ACTIVATIONS for c in Category}
+    # map with C-level look-ups: a long generation has millions of storages
+    born = np.fromiter(map(counted.__getitem__, trace.phase), dtype=bool, count=len(trace.phase))
+    kind = np.fromiter(map(activations.__getitem__, traced.categories), dtype=bool, count=len(traced.categories))
+    uids: list[int] = np.flatnonzero(born & kind).tolist()  # Python ints, at C speed
+    return uids
 
 
 def _kept_for_backward(traced: TracedStep) -> dict[str, int]:
@@ -867,18 +879,23 @@ def _forward_high_water(traced: TracedStep) -> dict[str, int]:
     delta = np.where(events >= 0, nbytes, -nbytes)
     births = events >= 0
     ids: dict[str, int] = {}
-    module_of = np.fromiter((ids.setdefault(name, len(ids)) for name in trace.module), dtype=np.int64,
-                            count=trace.num_storages)[uids]
+    for name in dict.fromkeys(trace.module):
+        ids[name] = len(ids)
+    module_of = np.fromiter(map(ids.__getitem__, trace.module), dtype=np.int64, count=trace.num_storages)[uids]
+    # each module's events, in event order: a subtree's are its members' merged (events x depth in all)
+    order = np.argsort(module_of, kind="stable")
+    bounds = np.searchsorted(module_of[order], np.arange(len(ids) + 1))
+    names = list(ids)
     subtrees: dict[str, list[int]] = {}
-    for name in {trace.module[u] for u in np.unique(uids).tolist()}:
-        for ancestor in _self_and_ancestors(name):
-            subtrees.setdefault(ancestor, []).append(ids[name])
+    for index in np.flatnonzero(np.diff(bounds)).tolist():
+        for ancestor in _self_and_ancestors(names[index]):
+            subtrees.setdefault(ancestor, []).append(index)
     high: dict[str, int] = {}
     for ancestor, members in subtrees.items():
-        member = np.zeros(len(ids), dtype=bool)
-        member[members] = True
-        mask = member[module_of]
-        sums = np.cumsum(delta[mask])[births[mask]]
+        at = np.concatenate([order[bounds[m]:bounds[m + 1]] for m in members])
+        if len(members) > 1:
+            at.sort()
+        sums = np.cumsum(delta[at])[births[at]]
         if sums.size and (most := int(sums.max())) > 0:
             high[ancestor] = most
     return high

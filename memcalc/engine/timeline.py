@@ -163,7 +163,7 @@ def category_totals_at(program: Program, nbytes: Sequence[int], categories: Sequ
     uids = np.where(events >= 0, events, ~events) % program.num_storages
     sizes = np.asarray(nbytes, dtype=np.int64)[uids]
     signed = np.where(events >= 0, sizes, -sizes)  # int64: exact
-    of = np.fromiter((code[c] for c in categories), dtype=np.int64, count=len(categories))[uids]
+    of = np.fromiter(map(code.__getitem__, categories), dtype=np.int64, count=len(categories))[uids]  # map: C speed
     for i, category in enumerate(order):
         totals[category] = int(signed[of == i].sum())
     return totals

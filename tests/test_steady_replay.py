@@ -1,0 +1,89 @@
+"""The replay of a long generation with its small pool's repeated decode steps skipped
+(memcalc.engine.steady_replay) gives the stats of the replay of every event: peak allocated and
+its index, peak requested, peak and final reserved, segments — on generations whose cache
+crosses the allocator's boundaries in the steps skipped, and on models whose small pool cycles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support import SMALL_LLAMA, hf_config_source
+
+import memcalc
+from memcalc.core.alloc_conf import AllocConf
+from memcalc.engine import allocator, run, steady_replay
+from memcalc.engine.timeline import Program, allocator_events
+from memcalc.engine.trace import StepTrace
+
+pytest.importorskip("transformers")
+
+# wide enough that the cache is the large pool's from the prompt on (1,024 · 4 B = 4 KiB of keys per
+# layer and token: 1 MiB, the small pool's largest request, at 256 tokens), so that the small pool
+# holds one token's activations, the same each step but for the sequences' growth (8 B per token)
+WIDE_LLAMA: dict[str, object] = {**SMALL_LLAMA, "hidden_size": 1024, "num_attention_heads": 8,
+                                 "num_key_value_heads": 8, "intermediate_size": 256, "max_position_embeddings": 4096}
+WIDE_GPT2: dict[str, object] = {
+    "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 1024, "n_layer": 2, "n_head": 8,
+    "vocab_size": 1000, "n_positions": 4096}
+
+
+def _replays(monkeypatch: pytest.MonkeyPatch, source: str, **options: object
+             ) -> tuple[allocator.AllocatorStats | None, allocator.AllocatorStats, int, int]:
+    """The skipping replay's stats and the full replay's, the events the skipping one fed the
+    allocator and all the events, of the generation ``options`` estimate."""
+    seen: list[tuple[Program, StepTrace]] = []
+    original = run._replayed
+
+    def spy(program: Program, trace: StepTrace, settings: AllocConf | None, host: bool) -> allocator.AllocatorStats:
+        seen.append((program, trace))
+        return original(program, trace, settings, host)
+
+    monkeypatch.setattr(run, "_replayed", spy)
+    memcalc.estimate(source, mode="generate", optimizer="none", **options)  # type: ignore[arg-type]
+    program, trace = seen[-1]
+    fed = [0]
+    feed = steady_replay._feed
+
+    def counted(model: allocator.CachingAllocatorModel, events: list[int], nbytes: list[int],
+                held: dict[int, int]) -> None:
+        fed[0] += len(events)
+        feed(model, events, nbytes, held)
+
+    monkeypatch.setattr(steady_replay, "_feed", counted)
+    fast = steady_replay.replay_generation(program, trace, None, False)
+    full = allocator.replay(allocator_events(program, trace.nbytes))
+    return fast, full, fed[0], len(program.events)
+
+
+@pytest.mark.parametrize("config, batch, prompt, tokens", [
+    pytest.param(WIDE_LLAMA, 1, 300, 200, id="llama"),
+    pytest.param(WIDE_GPT2, 1, 300, 200, id="gpt2"),
+    # the cache crosses from 1 MiB to 10 MiB (a 20-MiB segment's requests, then its own segment)
+    # at 2,560 tokens, and the sequences' rounding steps every 64 tokens, in the steps skipped
+    pytest.param(WIDE_LLAMA, 1, 2500, 120, id="llama-past-10-MiB", marks=pytest.mark.slow),
+])
+def test_skipping_replay_gives_the_full_replays_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       config: dict[str, object], batch: int, prompt: int,
+                                                       tokens: int) -> None:
+    fast, full, fed, events = _replays(monkeypatch, hf_config_source(tmp_path, config), batch_size=batch,
+                                       seq_len=prompt, new_tokens=tokens)
+    assert fast == full
+    assert fed < events  # something was skipped: the test compares the two paths
+
+
+def test_short_generations_and_capacities_replay_every_event(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fast, _, _, _ = _replays(monkeypatch, hf_config_source(tmp_path), batch_size=1, seq_len=8,
+                             new_tokens=steady_replay.SKIP_FROM)  # SKIP_FROM - 1 decode steps
+    assert fast is None
+
+
+def test_skipping_replay_tells_its_decode_steps(tmp_path: Path) -> None:
+    from memcalc.core.progress import progress_to
+
+    told: list[tuple[str, int, int | None]] = []
+    with progress_to(lambda task, done, total: told.append((task, done, total))):
+        memcalc.estimate(hf_config_source(tmp_path, WIDE_LLAMA), mode="generate", optimizer="none", batch_size=1,
+                         seq_len=300, new_tokens=40)
+    done = [d for task, d, total in told if task == steady_replay.REPLAYING and total == 39]  # 39 decode steps
+    assert done[0] == 0 and done[-1] == 39 and done == sorted(done) and len(done) < 39  # steps skipped: not told
