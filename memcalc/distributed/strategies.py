@@ -72,6 +72,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         batch = 1 if step.batch_size is None else step.batch_size
         if batch < 1:
             raise InvalidInputError(f"batch size must be at least 1, got {batch}")
+    _refuse_compile(step, strategies)
     whole = [strategy for strategy in strategies if strategy.whole_step]
     if whole:
         return _whole_step(whole[0], strategies, step, distributed, batch, costs)
@@ -111,6 +112,23 @@ def estimate_per_rank(step: Step, distributed: Distributed,
                    global_batch_size=plan.global_batch, roles=tuple(results), mesh=mesh)
 
 
+
+
+#: Dimensions whose rank program runs around blocks compiled one by one (DDP's ``replicate``
+#: and FSDP2's ``fully_shard`` hooks stay eager around them, as in torchtitan's apply_compile).
+_COMPILED_WITH = frozenset({"dp_replicate", "dp_shard"})
+
+
+def _refuse_compile(step: Step, strategies: list[RankStrategy]) -> None:
+    """A compiled step is modelled under DDP and FSDP2 only."""
+    if not step.compile:
+        return
+    others = [s.name for s in strategies if s.name not in _COMPILED_WITH]
+    if others:
+        raise InapplicableOptionError(
+            f"compile (--compile) under {', '.join(others)} is not modelled: memcalc compiles each block under "
+            f"DDP (dp_replicate) and FSDP2 (dp_shard) only",
+            hint="Leave out --compile to estimate the strategy eager, or use --strategy ddp or fsdp.")
 
 
 def _whole_step(strategy: RankStrategy, strategies: list[RankStrategy], step: Step, distributed: Distributed,
