@@ -252,7 +252,7 @@ DONE_WHEN = ["llama-3-8b", "--strategy", "fsdp", "--world-size", "8", "--batch",
              "--checkpoint", "selective-op", "--compile", "--precision", "amp-bf16", "--gpu", "h100-80gb"]
 
 
-@pytest.mark.slow  # Llama-3-8B's 32 blocks traced, one of them compiled on meta: about 100 s
+@pytest.mark.slow  # Llama-3-8B's 32 blocks traced, one of them compiled on meta: 30 to 100 s
 def test_issue_done_when_command(golden: Any) -> None:
     result = CliRunner().invoke(main, DONE_WHEN)
     assert result.exit_code == 0, result.output
