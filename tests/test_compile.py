@@ -232,6 +232,13 @@ def test_autocast_cnn_matches_the_real_compiled_step() -> None:
     assert _within(compiled, real), f"compiled estimate {compiled:,} B vs real compiled {real:,} B"
 
 
+@pytest.mark.parametrize("strategy", ["zero3", "dp"])
+def test_compile_under_other_strategies_is_refused(strategy: str) -> None:
+    # said before any model is traced: only DDP's and FSDP2's hooks run around compiled blocks
+    with pytest.raises(memcalc.InapplicableOptionError, match="compile .* is not modelled"):
+        memcalc.estimate("mlp", batch_size=8, compile=True, distributed=memcalc.Distributed(strategy, world_size=2))
+
+
 def test_compile_outside_training_is_refused() -> None:
     with pytest.raises(memcalc.InapplicableOptionError, match="mode train"):
         build_step("mlp", compile=True, mode="eval", optimizer="none")
