@@ -103,6 +103,8 @@ class GlooCase:
         compile: each block's forward compiled by ``torch.compile`` (Inductor) before the
             model is wrapped, as torchtitan's ``apply_compile`` does.
         batch: the samples of each rank's step.
+        float8: torchao's ``convert_to_float8_training`` with ``Float8LinearConfig(emulate=True)``
+            (float8 casts, fp32 matmuls: it runs on the CPU) before the model is wrapped.
     """
 
     name: str
@@ -113,6 +115,7 @@ class GlooCase:
     replicate: int = 1
     compile: bool = False
     batch: int = BATCH
+    float8: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "fsdp"):
@@ -233,6 +236,13 @@ def _run_case(case: GlooCase, world_size: int) -> RankPeak:
     model: nn.Module = BlockNet()
     if not case.finetune.is_empty:
         model, _notes = finetune_module(model, case.finetune, precision=Precision.FP32, mode=Mode.TRAIN)
+    if case.float8:  # memcalc's conversion is torchao's own convert_to_float8_training, with its layer filter
+        from torchao.float8 import Float8LinearConfig
+
+        from memcalc.core.float8 import Float8
+        from memcalc.stacks.float8 import float8_module
+
+        model, _notes, _wrapper = float8_module(model, Float8("config", Float8LinearConfig(emulate=True)))
     x = torch.randn(case.batch, FEATURES)
     wrapped = _wrap(case, model, world_size)
     trainable = [p for p in wrapped.parameters() if p.requires_grad]

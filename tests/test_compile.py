@@ -235,7 +235,7 @@ def test_autocast_cnn_matches_the_real_compiled_step() -> None:
 @pytest.mark.parametrize("strategy", ["zero3", "dp"])
 def test_compile_under_other_strategies_is_refused(strategy: str) -> None:
     # said before any model is traced: only DDP's and FSDP2's hooks run around compiled blocks
-    with pytest.raises(memcalc.InapplicableOptionError, match="compile .* is not modelled"):
+    with pytest.raises(memcalc.InapplicableOptionError, match=r"compile .* is not modelled"):
         memcalc.estimate("mlp", batch_size=8, compile=True, distributed=memcalc.Distributed(strategy, world_size=2))
 
 

@@ -34,6 +34,7 @@ from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
+from memcalc.stacks.float8 import apply_float8
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
 
@@ -88,6 +89,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         resolved = role_step.resolved(batch_size=None if inputs is not None else role.batch)
         resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                                   checkpoint=bool(step.checkpoint))
+        resolved = apply_float8(resolved, step.float8)
         for strategy in strategies:
             resolved = strategy.prepare(resolved, trace_precision)
         program = role.program(resolved)
@@ -120,15 +122,22 @@ _COMPILED_WITH = frozenset({"dp_replicate", "dp_shard"})
 
 
 def _refuse_compile(step: Step, strategies: list[RankStrategy]) -> None:
-    """A compiled step is modelled under DDP and FSDP2 only."""
-    if not step.compile:
-        return
+    """A compiled step, and torchao's float8 Linear layers, are modelled under DDP and FSDP2 only
+    (each block compiled on its own; float8 weights all-gathered in FSDP2's param_dtype and cast
+    by torchao in each forward, torchtitan's default)."""
     others = [s.name for s in strategies if s.name not in _COMPILED_WITH]
-    if others:
+    if not others:
+        return
+    if step.compile:
         raise InapplicableOptionError(
             f"compile (--compile) under {', '.join(others)} is not modelled: memcalc compiles each block under "
             f"DDP (dp_replicate) and FSDP2 (dp_shard) only",
             hint="Leave out --compile to estimate the strategy eager, or use --strategy ddp or fsdp.")
+    if step.float8 is not None:
+        raise InapplicableOptionError(
+            f"float8 (--float8) under {', '.join(others)} is not modelled: memcalc traces torchao's float8 Linear "
+            f"layers under DDP (dp_replicate) and FSDP2 (dp_shard) only",
+            hint="Leave out --float8, or use --strategy ddp or fsdp.")
 
 
 def _whole_step(strategy: RankStrategy, strategies: list[RankStrategy], step: Step, distributed: Distributed,
