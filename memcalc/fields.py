@@ -365,7 +365,8 @@ _FIELDS = (
           help="The forward compiled by torch.compile (Inductor), as the real stack runs it: AOTAutograd's "
                "min-cut partitioner decides what is saved for backward (under "
                "torch._functorch.config.activation_memory_budget), Inductor's fused kernels and buffer reuse what "
-               "is allocated. Training steps."),
+               "is allocated; under amp the autocast casts are in the graph; under ddp/fsdp each block is compiled "
+               "on its own (torchtitan's apply_compile). Training steps."),
     Field("float8", _float8, flag="--float8", cli=Flag("text", metavar="[" + "|".join(RECIPES) + "]"),
           help="Float8 training of the nn.Linear layers by torchao's convert_to_float8_training (tensorwise: one "
                "scale per tensor; rowwise: one per row), traced as torchao runs it: float8 casts of input, weight "
@@ -589,12 +590,6 @@ def _check_combinations(step: Step, *, optimizer_given: bool) -> None:
         # eval runs the forward under no_grad without a cache: the tokens would be ignored
         raise InapplicableOptionError(f"kv_cache (--kv-cache) needs mode inference; the mode is {mode.value}",
                                       hint="e.g. --mode inference --kv-cache 256")
-    if step.compile and step.precision.is_amp:
-        raise InapplicableOptionError(
-            f"compile (--compile) with precision {step.precision.value}: memcalc compiles the step on meta tensors, "
-            f"which autocast ignores, so a compiled autocast step is not modelled yet",
-            hint="Give precision bf16 or fp16 (the whole model in that dtype) or fp32 with --compile, or leave out "
-                 "--compile to estimate the autocast step eager.")
     _check_float8(step)
     if step.compile and mode is not Mode.TRAIN:
         raise InapplicableOptionError(f"compile (--compile) is modelled for training steps (mode train); the mode "

@@ -100,6 +100,11 @@ class GlooCase:
             (None: its default, which leaves the root unsharded between forward and backward).
         replicate: FSDP over a 2-D mesh of ``(replicate, world_size // replicate)`` ranks
             (HSDP: sharded within a row, replicated across rows) when above 1.
+        compile: each block's forward compiled by ``torch.compile`` (Inductor) before the
+            model is wrapped, as torchtitan's ``apply_compile`` does.
+        batch: the samples of each rank's step.
+        float8: torchao's ``convert_to_float8_training`` with ``Float8LinearConfig(emulate=True)``
+            (float8 casts, fp32 matmuls: it runs on the CPU) before the model is wrapped.
     """
 
     name: str
@@ -108,6 +113,9 @@ class GlooCase:
     gradient_as_bucket_view: bool = False
     reshard_after_forward: bool | None = None
     replicate: int = 1
+    compile: bool = False
+    batch: int = BATCH
+    float8: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "fsdp"):
@@ -228,7 +236,14 @@ def _run_case(case: GlooCase, world_size: int) -> RankPeak:
     model: nn.Module = BlockNet()
     if not case.finetune.is_empty:
         model, _notes = finetune_module(model, case.finetune, precision=Precision.FP32, mode=Mode.TRAIN)
-    x = torch.randn(BATCH, FEATURES)
+    if case.float8:  # memcalc's conversion is torchao's own convert_to_float8_training, with its layer filter
+        from torchao.float8 import Float8LinearConfig
+
+        from memcalc.core.float8 import Float8
+        from memcalc.stacks.float8 import float8_module
+
+        model, _notes, _wrapper = float8_module(model, Float8("config", Float8LinearConfig(emulate=True)))
+    x = torch.randn(case.batch, FEATURES)
     wrapped = _wrap(case, model, world_size)
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     _step(wrapped, x, trainable)  # the warm-up
@@ -238,6 +253,12 @@ def _run_case(case: GlooCase, world_size: int) -> RankPeak:
 
 
 def _wrap(case: GlooCase, model: nn.Module, world_size: int) -> nn.Module:
+    if case.compile:  # torchtitan's apply_compile: every block on its own, one code object for all
+        from memcalc.engine.compiled import compile_forward, fresh_forward
+
+        forward = fresh_forward(Block)
+        for block in next(m for m in model.modules() if isinstance(m, nn.ModuleList)):
+            compile_forward(block, "inductor", function=forward)
     if case.strategy == "ddp":
         return nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=case.gradient_as_bucket_view)
     from torch.distributed.device_mesh import init_device_mesh

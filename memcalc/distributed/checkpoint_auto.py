@@ -29,7 +29,7 @@ from memcalc.core.report import MemoryReport
 from memcalc.engine.options import Step
 from memcalc.timing.performance import check_timeable, step_time
 
-__all__ = ("Candidate", "candidates", "choose_checkpointing")
+__all__ = ("Candidate", "block_count", "candidates", "choose_checkpointing")
 
 #: Estimates one step (``run_estimate`` with the caller's multi-GPU setting).
 Estimator = Callable[[Step], MemoryReport]
@@ -66,7 +66,8 @@ def candidates(blocks: int) -> list[Checkpointing]:
     return ladder
 
 
-def _block_count(step: Step) -> int:
+def block_count(step: Step) -> int:
+    """The blocks ``--checkpoint`` wraps in ``step``'s model (its block containers' children)."""
     resolved = step.resolved()
     blocks = sum(len(list(resolved.module.get_submodule(path).children())) for path in resolved.block_containers)
     if blocks == 0:
@@ -108,7 +109,7 @@ def choose_checkpointing(step: Step, estimate: Estimator) -> MemoryReport:
         tried[setting] = (_judged(trial, report, capacity), report)
         return tried[setting][0]
 
-    for setting in candidates(_block_count(step)):
+    for setting in candidates(block_count(step)):
         if run(setting).fits:
             break
     if not tried[OFF][0].fits:  # selective-op lies between no checkpointing and full

@@ -215,6 +215,12 @@ class ShardedProgram(RankProgram):
         return self.fsdp2 and self.cpu and self.gloo_copies
 
     @property
+    def forward_parameter_dtype(self) -> torch.dtype | None:
+        """The dtype the blocks' unsharded parameters have in forward (FSDP2's
+        ``MixedPrecisionPolicy.param_dtype``): what a block compiled on its own sees."""
+        return self.gather_dtype if self.fsdp2 else None
+
+    @property
     def trainable_shard_numel(self) -> int:
         """Elements of this rank's shards of the parameters that train."""
         return sum(p.shard_numel for p in self.params if p.sharded.requires_grad)

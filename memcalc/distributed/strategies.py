@@ -34,6 +34,7 @@ from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.timeline import allocator_events
+from memcalc.stacks.float8 import apply_float8
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
@@ -73,6 +74,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         batch = 1 if step.batch_size is None else step.batch_size
         if batch < 1:
             raise InvalidInputError(f"batch size must be at least 1, got {batch}")
+    _refuse_compile(step, strategies)
     whole = [strategy for strategy in strategies if strategy.whole_step]
     if whole:
         return _whole_step(whole[0], strategies, step, distributed, batch, costs)
@@ -88,6 +90,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         resolved = role_step.resolved(batch_size=None if inputs is not None else role.batch)
         resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                                   checkpoint=bool(step.checkpoint))
+        resolved = apply_float8(resolved, step.float8)
         precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
         if step.loop.preset is not None and step.loop.preset.is_trl:  # TRL's trainer at the rank's precision
             resolved = trl_model(resolved, replace(role_step, precision=precision))
@@ -114,6 +117,30 @@ def estimate_per_rank(step: Step, distributed: Distributed,
                    global_batch_size=plan.global_batch, roles=tuple(results), mesh=mesh)
 
 
+
+
+#: Dimensions whose rank program runs around blocks compiled one by one (DDP's ``replicate``
+#: and FSDP2's ``fully_shard`` hooks stay eager around them, as in torchtitan's apply_compile).
+_COMPILED_WITH = frozenset({"dp_replicate", "dp_shard"})
+
+
+def _refuse_compile(step: Step, strategies: list[RankStrategy]) -> None:
+    """A compiled step, and torchao's float8 Linear layers, are modelled under DDP and FSDP2 only
+    (each block compiled on its own; float8 weights all-gathered in FSDP2's param_dtype and cast
+    by torchao in each forward, torchtitan's default)."""
+    others = [s.name for s in strategies if s.name not in _COMPILED_WITH]
+    if not others:
+        return
+    if step.compile:
+        raise InapplicableOptionError(
+            f"compile (--compile) under {', '.join(others)} is not modelled: memcalc compiles each block under "
+            f"DDP (dp_replicate) and FSDP2 (dp_shard) only",
+            hint="Leave out --compile to estimate the strategy eager, or use --strategy ddp or fsdp.")
+    if step.float8 is not None:
+        raise InapplicableOptionError(
+            f"float8 (--float8) under {', '.join(others)} is not modelled: memcalc traces torchao's float8 Linear "
+            f"layers under DDP (dp_replicate) and FSDP2 (dp_shard) only",
+            hint="Leave out --float8, or use --strategy ddp or fsdp.")
 
 
 def _whole_step(strategy: RankStrategy, strategies: list[RankStrategy], step: Step, distributed: Distributed,

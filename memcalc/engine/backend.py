@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +29,7 @@ from memcalc.engine.trace import StorageTracer
 __all__ = (
     "AfterOp",
     "AutocastRegion",
+    "CompiledAutocast",
     "GradScalerLike",
     "PlainBackend",
     "StepBackend",
@@ -41,6 +43,24 @@ __all__ = (
 AfterOp = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]
 #: A factory of context managers: each call opens one autocast region.
 AutocastRegion = Callable[[], AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class CompiledAutocast:
+    """How a compiled autocast step gets its casts. ``torch.compile`` under ``torch.autocast``
+    puts them in the graph: Dynamo guards on the ambient autocast state and AOTAutograd traces the
+    joint graph under it, so the dispatcher's autocast kernels record each cast (and the
+    partitioner decides which casts are saved or recomputed); the compiled code then runs with
+    autocast off (AOTAutograd's runtime wrapper, ``disable_amp``).
+
+    ``call``: a real ``torch.autocast`` entered around each call of the compiled forward, as a
+    user's loop enters it (the CPU target: AOTAutograd traces on fake CPU tensors, so CPU
+    autocast's own C++ kernels cast). ``trace``: an emulated policy in force only while
+    AOTAutograd traces (the CUDA target: CUDA's op lists as the eager emulation applies them,
+    since no CUDA autocast kernel runs on CPU tensors)."""
+
+    call: AutocastRegion | None = None
+    trace: AutocastRegion | None = None
 
 
 class GradScalerLike(Protocol):
@@ -80,6 +100,9 @@ class StepBackend(Protocol):
     def attention_backends(self) -> Mapping[str, int]:
         """Attention kernels chosen during the step, with their call counts."""
 
+    def compiled_autocast(self) -> CompiledAutocast | None:
+        """How a compiled step's autocast casts get into its graph; None: no autocast."""
+
     def notes(self, module: torch.nn.Module) -> list[str]:
         """Lines for the report about what the backend modelled."""
 
@@ -104,6 +127,9 @@ class PlainBackend:
 
     def attention_backends(self) -> Mapping[str, int]:
         return {}
+
+    def compiled_autocast(self) -> CompiledAutocast | None:
+        return None
 
     def notes(self, module: torch.nn.Module) -> list[str]:
         return []

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -38,12 +38,12 @@ import torch
 from torch import nn
 
 from memcalc.core.errors import InternalError
-from memcalc.engine.backend import outside_autocast_regions
+from memcalc.engine.backend import CompiledAutocast, outside_autocast_regions
 from memcalc.engine.model import ModelInputs
 from memcalc.engine.trace import StorageTracer, tensors_of
 
-__all__ = ("CompiledForward", "CompiledStepTracer", "MetaInductor", "budget_note", "compile_forward",
-           "is_compiled_module", "uncompiled", "warm_up")
+__all__ = ("CompiledForward", "CompiledForwards", "CompiledStepTracer", "MetaInductor", "budget_note",
+           "compile_forward", "fresh_forward", "is_compiled_module", "uncompiled", "warm_up")
 
 #: Dynamo's limit of compiled versions per code object (``recompile_limit``), raised while memcalc
 #: compiles: every estimate compiles a fresh copy of the forward, and a graph break's inner frames
@@ -104,11 +104,14 @@ def uncompiled(model: nn.Module) -> nn.Module:
 
 class MetaInductor:
     """A Dynamo backend: Inductor's ``compile_fx`` on the captured graph, whose generated wrapper
-    code then runs on meta tensors. Counts the graphs compiled and the runs of each."""
+    code then runs on meta tensors. Counts the graphs compiled and the runs of each.
+    ``autocast``: how an autocast step's casts get into the graph (its ``trace`` region is
+    entered while AOTAutograd traces, and left for Inductor's lowering)."""
 
-    def __init__(self) -> None:
+    def __init__(self, autocast: CompiledAutocast | None = None) -> None:
         self.graphs = 0
         self.runs = 0
+        self.autocast = autocast
         _random_kernels_traced()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -119,7 +122,9 @@ class MetaInductor:
         fakes = _cpu_fakes(example_inputs)
 
         # no compiled graph read from or written to AOTAutograd's cache: its kernels are stubs
-        with functorch_config.patch(enable_autograd_cache=False), _kernels_unbuilt():
+        trace: Callable[[], AbstractContextManager[Any]] = (
+            self.autocast.trace if self.autocast is not None and self.autocast.trace is not None else nullcontext)
+        with functorch_config.patch(enable_autograd_cache=False), _kernels_unbuilt(), trace():
             compiled: Callable[..., Any] = compile_fx(gm, fakes, inner_compile=_inner_on_meta)  # type: ignore[assignment]
         self.graphs += 1
 
@@ -144,7 +149,9 @@ def _inner_on_meta(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
     memory planning, wrapper code), its wrapper's allocations pointed at meta."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    with _kernels_unbuilt():  # the backward graph is compiled at the first backward, here too
+    # the backward graph is compiled at the first backward, here too; an emulated autocast policy
+    # (a function mode, MetaInductor.autocast) casts the joint graph's ops only, not Inductor's
+    with _kernels_unbuilt(), _no_function_modes():
         out = compile_fx_inner(gm, example_inputs, **kwargs)
     call = getattr(out, "current_callable", None)
     scope = _globals_of(call)
@@ -269,6 +276,19 @@ class CompiledForward:
             self.undo = None
 
 
+@dataclass
+class CompiledForwards:
+    """The modules compiled for one step (the model, or each of its blocks) by one backend."""
+
+    backend: Any
+    forwards: list[CompiledForward]
+
+    def restore(self) -> None:
+        """Every module's ``forward`` as it was (last compiled first)."""
+        for forward in reversed(self.forwards):
+            forward.restore()
+
+
 def _rng_state_on_meta() -> Callable[[], None]:
     """A checkpointed region's random kernels (attention with its dropout) run in compiled code
     as ``run_and_save_rng_state(op, ...)``, which picks the device's generator by the arguments'
@@ -287,23 +307,44 @@ def _rng_state_on_meta() -> Callable[[], None]:
     return patch.stop
 
 
-def compile_forward(module: nn.Module, backend: Any) -> CompiledForward:
+def compile_forward(module: nn.Module, backend: Any, *, function: Any = None) -> CompiledForward:
     """Compile ``module.forward`` on this instance with ``backend`` (a :class:`MetaInductor`, or
     ``"inductor"`` for a real run), as ``torch.compile(module)`` compiles it: hooks of the module
     itself run outside the graph, its submodules inside. The forward is a fresh copy of its
-    function, so that Dynamo's cache of it lives and dies with this compile."""
+    function (``function``: one made by :func:`fresh_forward` and shared by modules of one
+    class, whose graph Dynamo then compiles once for all of them, as for blocks compiled one by
+    one), so that Dynamo's cache of it lives and dies with this compile."""
     previous = module.__dict__.get("forward")
-    forward = previous if previous is not None else types.MethodType(_fresh(type(module).forward), module)
-    compiled = torch.compile(forward, backend=backend, dynamic=False)
+    if previous is not None:
+        forward = previous
+    else:
+        forward = types.MethodType(function if function is not None else fresh_forward(type(module)), module)
+    compiled: Callable[..., Any] = torch.compile(forward, backend=backend, dynamic=False)
+    autocast = getattr(backend, "autocast", None)
+    ambient: Callable[[], AbstractContextManager[Any]] = (
+        autocast.call if isinstance(autocast, CompiledAutocast) and autocast.call is not None else nullcontext)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with _no_function_modes(), outside_autocast_regions():
+        with _no_function_modes(), outside_autocast_regions(), ambient(), _side_effects_not_replayed():
             return compiled(*args, **kwargs)
 
     module.forward = run
     return CompiledForward(module, backend, previous,
                            undo=_rng_state_on_meta() if isinstance(backend, MetaInductor) else None)
+
+
+def _side_effects_not_replayed() -> AbstractContextManager[Any]:
+    """Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``: a checkpointed region that
+    sets a Python variable outside itself stays in the graph (the side effect not replayed when
+    backward recomputes). transformers' layers set one in each forward (the ``kernels`` hub's
+    ``_ACTIVE_KERNEL_FUNCS``, ``use_kernelized_func``), which would otherwise break every
+    checkpointed layer out of the compiled graph into eager code; it selects kernels only.
+    Estimated and real compiled steps (:mod:`memcalc.measure.step`) both run with it."""
+    from torch._dynamo import config as dynamo_config
+
+    patch: AbstractContextManager[Any] = dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    return patch
 
 
 @contextmanager
@@ -322,6 +363,11 @@ def _no_function_modes() -> Iterator[None]:
             torch._C._push_on_torch_function_stack(mode)
 
 
+def fresh_forward(cls: type[nn.Module]) -> Any:
+    """A fresh copy of ``cls.forward`` (:func:`compile_forward`)."""
+    return _fresh(cls.forward)
+
+
 def _fresh(function: Any) -> Any:
     """A copy of ``function`` with a code object of its own (Dynamo keys its cache on code)."""
     if not isinstance(function, types.FunctionType):
@@ -332,15 +378,19 @@ def _fresh(function: Any) -> Any:
     return functools.update_wrapper(copy, function)
 
 
-def warm_up(module: nn.Module, inputs: ModelInputs, *, train: bool) -> None:
+def warm_up(module: nn.Module, inputs: ModelInputs, *, train: bool, reads: Any = None) -> None:
     """One forward (and, training, one backward) of the compiled module, outside the tracer:
     Dynamo compiles the forward graph and AOTAutograd the backward one. The gradients it makes
-    are dropped (each parameter's ``.grad`` as it was)."""
+    are dropped (each parameter's ``.grad`` as it was). ``reads``: the model's read oracle
+    (:class:`~memcalc.engine.trace.StorageTracer`'s ``read_values``), for the code that runs
+    eagerly around blocks compiled one by one (a mask built from ``.item()``): the warm-up then
+    runs under a throwaway tracer that answers those reads."""
     from torch._dynamo import config as dynamo_config
 
     grads = {p: p.grad for p in module.parameters()}
     limits = dynamo_config.patch(recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT)
-    with limits, torch.enable_grad() if train else torch.no_grad():
+    answering = CompiledStepTracer("meta", read_values=reads) if reads is not None else nullcontext()
+    with limits, answering, torch.enable_grad() if train else torch.no_grad():
         out = module(*inputs.args, **inputs.kwargs)
         if train:
             outputs = [t for t in tensors_of(out) if t.requires_grad]

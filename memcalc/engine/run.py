@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -40,14 +40,15 @@ from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.core.units import format_bytes
 from memcalc.engine import allocator
-from memcalc.engine.backend import AutocastRegion, PlainBackend, StepBackend
+from memcalc.engine.backend import AutocastRegion, CompiledAutocast, PlainBackend, StepBackend
 from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.compiled import (
-    CompiledForward,
+    CompiledForwards,
     CompiledStepTracer,
     MetaInductor,
     budget_note,
     compile_forward,
+    fresh_forward,
     warm_up,
 )
 from memcalc.engine.generation import GENERATING, decode_step_at, run_generation
@@ -78,7 +79,7 @@ from memcalc.engine.timeline import (
     freed_preexisting,
     generation_peaks,
 )
-from memcalc.engine.trace import AfterOpHook, Op, StepTrace, StorageTracer
+from memcalc.engine.trace import AfterOpHook, Op, ReadOracle, StepTrace, StorageTracer
 
 __all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "TracedStep",
            "build_report", "is_paged", "parameter_count", "step_config", "trace_model")
@@ -315,7 +316,8 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     steady, unsteady = _steady_tokens(resolved, options, generate is not None and retrace is not None
                                       and recorder is None and hooks is None)
     reads = (resolved.reads(options.mode, steady or options.new_tokens) if resolved.reads is not None else None)
-    compiled = _compiled(module, inputs, options, resolved, notes, multi_gpu=hooks is not None)
+    compiled = _compiled(module, inputs, options, resolved, notes, hooks=hooks, autocast=backend.compiled_autocast(),
+                         reads=reads)
     tracer = (StorageTracer if compiled is None else CompiledStepTracer)(
         "meta", after_op=recorder if recorder is not None else backend.after_op, read_values=reads)
     tracer.defer_to = resolved.defer_to
@@ -428,20 +430,37 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
 
 
 def _compiled(module: nn.Module, inputs: ModelInputs, options: Step, resolved: ResolvedModel, notes: list[str], *,
-              multi_gpu: bool) -> CompiledForward | None:
+              hooks: RankHooks | None, autocast: CompiledAutocast | None,
+              reads: ReadOracle | None) -> CompiledForwards | None:
     """``module``'s forward compiled by torch's own stack on meta (:mod:`memcalc.engine.compiled`)
     and warmed up outside the tracer, when the step is compiled (``compile=True`` or a module the
-    user compiled); the report's notes say how. None: an eager step."""
+    user compiled); the report's notes say how. None: an eager step.
+
+    Under a rank program (DDP, FSDP2) each block is compiled on its own, as torchtitan's
+    ``apply_compile`` does before ``fully_shard``/``replicate``: the program's hooks on a block
+    (all-gather, reshard, reduce-scatter, gradient buckets) run eagerly around its compiled
+    forward, and the blocks of one class share one compiled graph. The warm-up runs with the
+    parameters in the dtype the program hands the blocks (FSDP2's ``param_dtype``), so that
+    Dynamo's guards hold in the traced step."""
     if not (options.compile or resolved.compiled):
         return None
-    if multi_gpu:
-        raise InapplicableOptionError(
-            "a compiled step (compile, --compile, or a torch.compile'd module) is estimated on one GPU only: memcalc "
-            "does not model torch.compile over DDP's or FSDP's hooks yet",
-            hint="Leave out --compile (or pass the module uncompiled) to estimate the strategy eager.")
-    compiled = compile_forward(module, MetaInductor())
+    backend = MetaInductor(autocast)
+    if hooks is None:
+        targets = [module]
+    else:
+        targets = _blocks(module, resolved)
+        if not targets:
+            raise InapplicableOptionError(
+                f"a compiled step under a multi-GPU strategy compiles each block on its own (torchtitan's "
+                f"apply_compile); {resolved.name} names no blocks", hint="Leave out --compile, or give a zoo model.")
+    functions: dict[type[nn.Module], Any] = {}
+    compiled = CompiledForwards(backend, [compile_forward(
+        block, backend, function=functions.setdefault(type(block), fresh_forward(type(block)))) for block in targets])
+    # the dtype a rank program gives the blocks' parameters in forward (FSDP2's MixedPrecisionPolicy)
+    dtype: torch.dtype | None = getattr(hooks, "forward_parameter_dtype", None)
     try:
-        warm_up(module, inputs, train=options.mode is Mode.TRAIN)
+        with _parameters_in(module, dtype):
+            warm_up(module, inputs, train=options.mode is Mode.TRAIN, reads=None if hooks is None else reads)
     except MemcalcError:
         compiled.restore()
         raise
@@ -452,13 +471,50 @@ def _compiled(module: nn.Module, inputs: ModelInputs, options: Step, resolved: R
                                      "if the model compiles on real tensors, please report it (--debug shows the "
                                      "traceback). Leave out --compile to estimate it eager.") from exc
     given = "the model was compiled by torch.compile" if resolved.compiled else "compiled (torch.compile, Inductor)"
-    notes.append(f"{given}: saved activations from AOTAutograd's min-cut partitioner, buffers from Inductor's "
-                 f"fused kernels and memory planning ({compiled.backend.graphs} graph"
-                 f"{'s' if compiled.backend.graphs != 1 else ''}); Inductor's CPU code generation"
+    per_block = "" if hooks is None else f", each of its {len(targets)} blocks on its own (torchtitan's apply_compile)"
+    notes.append(f"{given}{per_block}: saved activations from AOTAutograd's min-cut partitioner, buffers from "
+                 f"Inductor's fused kernels and memory planning ({backend.graphs} graph"
+                 f"{'s' if backend.graphs != 1 else ''}); Inductor's CPU code generation"
                  + ("" if not options.emulate_cuda else ", standing for CUDA's (Triton's kernels not modelled)"))
+    if autocast is not None:
+        notes.append("compiled under autocast: AOTAutograd traced the joint graph under "
+                     + ("the real torch.autocast('cpu')" if autocast.call is not None
+                        else "CUDA autocast's op lists (memcalc's emulation, aten/src/ATen/autocast_mode.cpp)")
+                     + ", so its casts are in the graph the partitioner and Inductor see")
     if (budget := budget_note()) is not None:
         notes.append(budget)
     return compiled
+
+
+def _blocks(module: nn.Module, resolved: ResolvedModel) -> list[nn.Module]:
+    """The blocks of ``resolved``'s block containers (a zoo model's transformer layers), else
+    the items of the model's outermost ``nn.ModuleList``s (how blocks are held; FSDP2's units)."""
+    paths = list(resolved.block_containers)
+    if not paths:
+        for name, child in module.named_modules():
+            if isinstance(child, nn.ModuleList) and not any(name.startswith(f"{p}.") for p in paths):
+                paths.append(name)
+    blocks: list[nn.Module] = []
+    for path in paths:
+        blocks.extend(module.get_submodule(path).children())
+    return blocks
+
+
+@contextmanager
+def _parameters_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """``module``'s floating parameters in ``dtype`` while the block runs (meta: no bytes), then
+    as they were. None: as they are."""
+    if dtype is None:
+        yield
+        return
+    saved = [(p, p.data) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype]
+    for p, data in saved:
+        p.data = data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
 
 
 def _dtypes_as_built(module: nn.Module, options: Step) -> str | None:

@@ -21,8 +21,10 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from memcalc.core.alloc_conf import AllocConf
+from memcalc.core.checkpointing import Checkpointing, CheckpointKind
 from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
+from memcalc.distributed.checkpoint_auto import block_count, candidates
 from memcalc.distributed.estimate import SINGLE, run_estimate
 from memcalc.distributed.options import Distributed
 from memcalc.engine.options import Step
@@ -94,6 +96,9 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
         DoesNotFitError: batch 1 does not fit the budget less the margin.
         BatchLimitError: ``max_batch`` still fits.
     """
+    if step.checkpoint.kind is CheckpointKind.AUTO and distributed.is_single:
+        return _fit_each_setting(step, budget, distributed=distributed, margin=margin, neighbours=neighbours,
+                                 max_batch=max_batch)
     capacity = budget.capacity
     limit = margin_capacity(capacity, margin)
     real = _Estimates(step, distributed, capacity, limit)
@@ -149,6 +154,48 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
         replays=real.replays,
         batch_size_with_expandable_segments=expandable,
     )
+
+
+def _fit_each_setting(step: Step, budget: Budget, *, distributed: Distributed, margin: float, neighbours: int,
+                      max_batch: int) -> FitResult:
+    """``--checkpoint auto`` on one GPU: the batch search replays one setting's trace at other
+    batches, so each of ``checkpoint auto``'s settings (torchtitan's every:N ladder, off to full,
+    and selective-op; :mod:`memcalc.distributed.checkpoint_auto`) is fitted on its own, and the
+    largest batch wins; on a tie, the setting that recomputes the fewest FLOPs at that batch
+    (the lower peak on a tie of those). Each answer is its setting's own fit, so the chosen one
+    fits the budget less the margin as any fit's does. The report's notes name the choice and
+    every setting's batch."""
+    settings = [*candidates(block_count(replace(step, batch_size=1))), Checkpointing(CheckpointKind.SELECTIVE_OP)]
+    fitted: dict[Checkpointing, FitResult] = {}
+    refused: DoesNotFitError | None = None
+    for setting in settings:
+        try:
+            fitted[setting] = find_max_batch(replace(step, checkpoint=setting), budget, distributed=distributed,
+                                             margin=margin, neighbours=neighbours, max_batch=max_batch)
+        except DoesNotFitError as exc:
+            refused = exc
+    if not fitted:
+        assert refused is not None
+        raise refused
+    best = max(result.batch_size for result in fitted.values())
+    tied = [setting for setting, result in fitted.items() if result.batch_size == best]
+
+    def cost(setting: Checkpointing) -> tuple[int, int]:
+        report = run_estimate(replace(step, checkpoint=setting, batch_size=best, capacity=budget.capacity,
+                                      record_costs=True), distributed)
+        return report.flops().phase("recompute"), report.bytes.peak_allocated
+
+    costs = {setting: cost(setting) for setting in tied} if len(tied) > 1 else {}
+    chosen = min(tied, key=lambda setting: costs.get(setting, (0, 0)))
+    result = fitted[chosen]
+    recompute = (f", recomputing the fewest FLOPs of those ({costs[chosen][0] / 1e9:,.2f} GFLOP per step)"
+                 if costs else "")
+    notes = (f"checkpoint auto chose {chosen.label}: the largest batch, {best}, of its settings, each fitted"
+             f"{recompute}",
+             "checkpoint auto fitted: " + "; ".join(
+                 f"{setting.label}: batch {fitted[setting].batch_size}" if setting in fitted
+                 else f"{setting.label}: batch 1 does not fit" for setting in settings))
+    return replace(result, report=replace(result.report, notes=(*notes, *result.report.notes)))
 
 
 class _Point(NamedTuple):

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Mode
-from memcalc.engine.backend import AutocastRegion, GradScalerLike, StepBackend
+from memcalc.engine.backend import AutocastRegion, CompiledAutocast, GradScalerLike, StepBackend
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, RankHooks, TracedStep, trace_model
@@ -89,6 +89,9 @@ class _EmulatingBackend:
             return None
         return EmulatedGradScaler(torch.device("meta"))
 
+    def compiled_autocast(self) -> CompiledAutocast | None:
+        return None
+
 
 class CudaBackend(_EmulatingBackend):
     """What a CUDA GPU does differently from meta tensors, for one step of ``options``."""
@@ -114,6 +117,23 @@ class CudaBackend(_EmulatingBackend):
 
     def attention_backends(self) -> Mapping[str, int]:
         return dict(self.emulation.attention_backends)
+
+    def compiled_autocast(self) -> CompiledAutocast | None:
+        """CUDA's autocast lists in force while AOTAutograd traces the compiled graph: a fresh
+        emulation (its own weight-cast cache, no kernel choices: the compiled graph's attention
+        and dropout are Inductor's), entered with its autocast region."""
+        if not self.options.precision.is_amp:
+            return None
+        precision, capability, version = (self.options.precision, self.options.gpu.compute_capability,
+                                          self.emulation.torch_version)
+
+        @contextmanager
+        def cuda_lists() -> Iterator[None]:
+            policy = CudaEmulation(precision, capability, emulate_kernels=False, torch_version=version)
+            with policy, policy.autocast():
+                yield
+
+        return CompiledAutocast(trace=cuda_lists)
 
     def notes(self, module: nn.Module) -> list[str]:
         notes = self.workspaces.notes() if self.workspaces is not None else []
@@ -145,6 +165,14 @@ class CpuBackend(_EmulatingBackend):
 
     def attention_backends(self) -> Mapping[str, int]:
         return {}  # the report's attention line speaks of CUDA's kernels; the notes name the CPU's
+
+    def compiled_autocast(self) -> CompiledAutocast | None:
+        """The real ``torch.autocast("cpu")`` around each compiled call: AOTAutograd traces on
+        fake CPU tensors, so CPU autocast's own kernels put the casts in the graph."""
+        dtype = self.options.precision.compute_dtype
+        if not self.options.precision.is_amp:
+            return None
+        return CompiledAutocast(call=lambda: torch.autocast("cpu", dtype=dtype))
 
     def notes(self, module: nn.Module) -> list[str]:
         return self.kernels.notes()
