@@ -89,14 +89,24 @@ class CheckpointedBlocks(nn.Module):
         return x
 
 
-def _compare(model: Any, **options: Any) -> tuple[int, int, int]:
-    """(eager estimate, compiled estimate, real compiled CPU peak) of one step of ``model``."""
-    eager = memcalc.estimate(model, gpu="cpu", **options).peak_requested
+def _compare(model: Any, **options: Any) -> tuple[memcalc.MemoryReport, int]:
+    """(compiled estimate, real compiled CPU peak) of one step of ``model``."""
     compiled = memcalc.estimate(model, gpu="cpu", compile=True, **options)
     assert any(note.startswith("compiled (torch.compile, Inductor)") for note in compiled.notes)
+    return compiled, _real(model, **options)
+
+
+def _real(model: Any, **options: Any) -> int:
+    """The real compiled CPU step's peak (Inductor's C++ kernels built and run)."""
     real = measure_cpu(build_step(model, compile=True, **options)).peak_allocated
     assert real is not None
-    return eager, compiled.peak_requested, real
+    return real
+
+
+def _eager(model: Any, **options: Any) -> int:
+    """The eager estimate of the same step: only the tests that compare it with the compiled one
+    pay for it (a Llama's eager trace is seconds of the slow set)."""
+    return memcalc.estimate(model, gpu="cpu", **options).peak_requested
 
 
 def _within(estimate: int, real: int) -> bool:
@@ -110,9 +120,17 @@ def _within(estimate: int, real: int) -> bool:
 MLP: dict[str, Any] = dict(batch_size=256, input_shape=(256,), optimizer="sgd")
 
 
+@pytest.fixture(scope="module")
+def compiled_mlp() -> memcalc.MemoryReport:
+    """The compiled estimate of :class:`SwiGLU`'s step with :data:`MLP`, which three tests compare
+    (with the real step, with a budget's, with the user's compiled module's): compiled on meta once."""
+    return memcalc.estimate(SwiGLU, gpu="cpu", compile=True, **MLP)
+
+
 @pytest.mark.slow  # two compiles, one of them with the C++ build (about 20 s on an idle 2-core machine)
-def test_fused_mlp_matches_the_real_compiled_step() -> None:
-    eager, compiled, real = _compare(SwiGLU, **MLP)
+def test_fused_mlp_matches_the_real_compiled_step(compiled_mlp: memcalc.MemoryReport) -> None:
+    assert any(note.startswith("compiled (torch.compile, Inductor)") for note in compiled_mlp.notes)
+    compiled, real, eager = compiled_mlp.peak_requested, _real(SwiGLU, **MLP), _eager(SwiGLU, **MLP)
     assert _within(compiled, real), f"compiled estimate {compiled:,} B vs real compiled {real:,} B"
     # measured: eager 11,047,000 B (+23%), compiled and real 8,949,848 B: the eager estimate keeps
     # silu's and the product's outputs, which Inductor computes inside one fused kernel
@@ -121,7 +139,9 @@ def test_fused_mlp_matches_the_real_compiled_step() -> None:
 
 @pytest.mark.slow  # a CNN: two compiles, one with the C++ build
 def test_cnn_matches_the_real_compiled_step() -> None:
-    eager, compiled, real = _compare(SmallCNN, batch_size=32, input_shape=(3, 32, 32), optimizer="sgd")
+    cnn: dict[str, Any] = dict(batch_size=32, input_shape=(3, 32, 32), optimizer="sgd")
+    report, real = _compare(SmallCNN, **cnn)
+    compiled, eager = report.peak_requested, _eager(SmallCNN, **cnn)
     assert _within(compiled, real), f"compiled estimate {compiled:,} B vs real compiled {real:,} B"
     assert eager > real * 1.2  # measured: +29% (eager 33.2 MB, compiled and real 25.7 MB)
 
@@ -131,20 +151,21 @@ def test_cnn_matches_the_real_compiled_step() -> None:
 def test_checkpointed_blocks_match_the_real_compiled_step(context_fn: Any) -> None:
     # torch.utils.checkpoint inside the compiled forward: Dynamo's checkpoint HOP, the
     # partitioner's recompute tags (a selective policy's must-save ops among them)
-    _eager, compiled, real = _compare(lambda: CheckpointedBlocks(context_fn), batch_size=256, input_shape=(256,),
-                                      optimizer="sgd", loss="mean")
+    report, real = _compare(lambda: CheckpointedBlocks(context_fn), batch_size=256, input_shape=(256,),
+                            optimizer="sgd", loss="mean")
+    compiled = report.peak_requested
     assert _within(compiled, real), f"compiled estimate {compiled:,} B vs real compiled {real:,} B"
 
 
 @pytest.mark.slow
-def test_activation_memory_budget_is_the_partitioners() -> None:
+def test_activation_memory_budget_is_the_partitioners(compiled_mlp: memcalc.MemoryReport) -> None:
     # under a budget the partitioner recomputes more: the estimate follows it, as the real step does
     with functorch_config.patch(activation_memory_budget=0.2):
-        _eager, compiled, real = _compare(SwiGLU, **MLP)
-        report = memcalc.estimate(SwiGLU, gpu="cpu", compile=True, **MLP)
+        report, real = _compare(SwiGLU, **MLP)  # the budgeted estimate, compiled once
+    compiled = report.peak_requested
     assert _within(compiled, real), f"compiled estimate {compiled:,} B vs real compiled {real:,} B"
     assert any("activation_memory_budget = 0.2" in note for note in report.notes)
-    unbudgeted = memcalc.estimate(SwiGLU, gpu="cpu", compile=True, **MLP).peak_requested
+    unbudgeted = compiled_mlp.peak_requested
     assert compiled != unbudgeted  # measured: 10,260,568 B against 8,949,848 B without a budget
 
 
@@ -175,7 +196,8 @@ def two_layer_llama(monkeypatch: pytest.MonkeyPatch) -> str:
 def test_llama_matches_the_real_compiled_step(setting: object, two_layer_llama: str) -> None:
     # memcalc's --checkpoint wrappers inside the compiled forward, as torch.compile over a
     # checkpointed model composes them
-    _eager, compiled, real = _compare(two_layer_llama, checkpoint=setting, **LLAMA)
+    report, real = _compare(two_layer_llama, checkpoint=setting, **LLAMA)
+    compiled = report.peak_requested
     assert _within(compiled, real), f"compiled estimate {compiled:,} B vs real compiled {real:,} B"
 
 
@@ -192,9 +214,9 @@ def test_a_compiled_module_is_recognised() -> None:
 
 
 @pytest.mark.slow  # two compiles on meta
-def test_a_compiled_module_is_estimated_compiled() -> None:
+def test_a_compiled_module_is_estimated_compiled(compiled_mlp: memcalc.MemoryReport) -> None:
     given = memcalc.estimate(torch.compile(SwiGLU()), gpu="cpu", **MLP)
-    asked = memcalc.estimate(SwiGLU(), gpu="cpu", compile=True, **MLP)
+    asked = compiled_mlp  # memcalc.estimate(SwiGLU, gpu="cpu", compile=True, **MLP)
     assert any(note.startswith("the model was compiled by torch.compile") for note in given.notes)
     assert given.peak_requested == asked.peak_requested
     assert given.peak_requested != memcalc.estimate(SwiGLU(), gpu="cpu", **MLP).peak_requested

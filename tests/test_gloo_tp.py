@@ -149,10 +149,25 @@ def estimate_mesh(case: TpCase, tp: int = WORLD) -> list[int]:
     return [by_rank[rank] for rank in sorted(by_rank)]
 
 
-@pytest.mark.quick_cases("fsdp-tp-mlp")
-@pytest.mark.parametrize("case", MESH_2X2, ids=[case.name for case in MESH_2X2])
-def test_fsdp_over_tp_on_a_2x2_mesh_against_every_rank_of_a_real_gloo_run(case, tmp_path_factory):
-    ranks = _runs([case], tmp_path_factory, world_size=case.dp_shard * WORLD)[case.name]
+@pytest.fixture(scope="module")
+def slow_mesh_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankPeak]]:
+    """The slow 2 × 2 cases in one spawn of four processes (each spawn of four costs every rank
+    an interpreter start and the imports: a fresh spawn per case did that twice more)."""
+    return _runs(MESH_2X2[1:], tmp_path_factory, world_size=MESH_2X2[1].dp_shard * WORLD)
+
+
+def test_fsdp_over_tp_on_a_2x2_mesh_against_every_rank_of_a_real_gloo_run(tmp_path_factory):
+    case = MESH_2X2[0]  # the quick loop's case, in a spawn of its own
+    _check_mesh(case, _runs([case], tmp_path_factory, world_size=case.dp_shard * WORLD)[case.name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MESH_2X2[1:], ids=[case.name for case in MESH_2X2[1:]])
+def test_fsdp_over_tp_on_a_2x2_mesh_slow_cases(slow_mesh_peaks, case):
+    _check_mesh(case, slow_mesh_peaks[case.name])
+
+
+def _check_mesh(case: TpCase, ranks: list[RankPeak]) -> None:
     estimates = estimate_mesh(case)
     assert len(ranks) == len(estimates) == 4
     for rank, (measured, estimate) in enumerate(zip(ranks, estimates, strict=True)):

@@ -19,6 +19,7 @@ from hf_harness import (
     Recipe,
     describe,
     llama_config,
+    memcalc_peak,
     relative_error,
     trainer_peak,
     training_args,
@@ -32,8 +33,11 @@ pytestmark = pytest.mark.slow  # 5–15 s a case on two CPU cores
 
 #: name: (the recipe's model and run, the TrainingArguments beyond the recipe's)
 CASES: dict[str, tuple[Recipe, dict[str, Any]]] = {
-    # the defaults' optim: adamw_torch_fused (torch.optim.AdamW, fused=True)
-    "defaults, amp bf16": (Recipe(llama_config(BF16_VOCAB), bf16=True), {}),
+    # the defaults' optim: adamw_torch_fused (torch.optim.AdamW, fused=True); its estimate also
+    # stated as memcalc's options: test_trainer_full.py's "fp32 weights + amp bf16" recipe
+    "defaults, amp bf16": (Recipe(llama_config(BF16_VOCAB), bf16=True,
+                                  estimate=dict(optimizer="adamw", precision="amp-bf16",
+                                                loop=memcalc.Loop("trainer", optimizer_impl="fused"))), {}),
     # adamw_torch: AdamW with torch's choice, the for-loop on the CPU; the deprecated alias of checkpointing
     "adamw_torch, checkpointing, accumulation 2": (
         Recipe(llama_config(BF16_VOCAB), bf16=True, checkpointing=True, accumulation=2), {"optim": "adamw_torch"}),
@@ -50,11 +54,17 @@ def test_the_same_training_arguments_on_both_sides(name: str, tmp_path: Path) ->
     recipe, more = CASES[name]
     args = training_args(recipe, tmp_path, **more)
     real = trainer_peak(recipe, tmp_path, args)
-    report = memcalc.estimate(write_config(tmp_path, recipe.config), seq_len=recipe.seq_len, trainer_args=args)
+    source = write_config(tmp_path, recipe.config)
+    report = memcalc.estimate(source, seq_len=recipe.seq_len, trainer_args=args)
     row = describe(f"trainer_args: {name}", real, report.peak_requested)
     print(row)
     assert report.loop == "trainer" and report.batch_size == recipe.batch
     assert abs(relative_error(report.peak_requested, real)) <= TOLERANCE, row
+    if recipe.estimate:  # the same real step, estimated from the options a user would spell out
+        explicit = memcalc_peak(source, recipe)
+        row = describe(name, real, explicit)
+        print(row)
+        assert abs(relative_error(explicit, real)) <= TOLERANCE, row
 
 
 def test_the_trainer_takes_the_norm_without_clipping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,9 +22,9 @@ _TRAINER = memcalc.Loop("trainer", optimizer_impl="fused")
 RECIPES = {
     # fp32 weights, no autocast: memcalc's own semantics
     "fp32": Recipe(llama_config(LLAMA3_VOCAB), estimate=dict(optimizer="adamw", loop=_TRAINER)),
-    # fp32 weights, Trainer(bf16=True): accelerate's bf16 autocast
-    "fp32 weights + amp bf16": Recipe(llama_config(BF16_VOCAB), bf16=True,
-                                      estimate=dict(optimizer="adamw", precision="amp-bf16", loop=_TRAINER)),
+    # fp32 weights, Trainer(bf16=True), accelerate's bf16 autocast: the real run of
+    # test_trainer_arguments.py's "defaults, amp bf16", which checks these options against it too
+    # (one bf16 Trainer run, not two of the same step)
     "amp bf16 + checkpointing": Recipe(llama_config(BF16_VOCAB), bf16=True, checkpointing=True,
                                        estimate=dict(optimizer="adamw", precision="amp-bf16", checkpoint=True,
                                                      loop=_TRAINER)),
