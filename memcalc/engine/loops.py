@@ -121,8 +121,9 @@ def trainer(model: nn.Module, optimizer: Optimizer, batches: Batches, step: Step
     optimizer steps and ``model.zero_grad()`` frees them.
 
     The norm is taken whatever ``max_grad_norm`` is: above 0 ``_clip_grad_norm`` clips to it,
-    at 0 ``_get_grad_norm`` calls the same ``clip_grad_norm_`` with ``max_norm=inf`` (the
-    clip's multiply then scales by 1, in place), so the step allocates the same either way."""
+    at 0 ``_get_grad_norm`` takes it with ``max_norm=inf``. accelerate before 1.16 calls
+    ``clip_grad_norm_`` both times (at inf the multiply scales by 1, in place); 1.16 calls
+    ``get_total_norm`` and skips ``clip_grads_with_norm_`` at inf, a few scalar tensors less."""
     epoch_iterator = iter(batches)
     tr_loss = torch.zeros((), device=_device(model))                  # self._tr_loss = torch.tensor(0.0)
     while batch_samples := _get_batch_samples(epoch_iterator, step.accum_steps):

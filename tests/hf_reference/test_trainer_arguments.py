@@ -68,21 +68,40 @@ def test_the_same_training_arguments_on_both_sides(name: str, tmp_path: Path) ->
 
 
 def test_the_trainer_takes_the_norm_without_clipping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Why max_grad_norm maps to nothing: at 0 the installed Trainer still calls clip_grad_norm_
-    # (Trainer._get_grad_norm, max_norm=inf), so its temporaries are there either way.
-    calls: list[float] = []
-    clip = torch.nn.utils.clip_grad_norm_
+    # Why max_grad_norm maps to nothing: at 0 the installed Trainer still takes the gradients' norm
+    # (Trainer._get_grad_norm), so its temporaries are there either way. accelerate before 1.16 takes
+    # it with clip_grad_norm_(..., max_norm=inf); 1.16 with get_total_norm, then clip_grads_with_norm_
+    # only for a finite max_norm (torch's clip_grad_norm_ is those two calls, so the bytes are the same).
+    norms: list[str] = []
+    clips: list[float] = []
+    utils = torch.nn.utils
+    clip_grad_norm, get_total_norm = utils.clip_grad_norm_, utils.get_total_norm
+    clip_with_norm = utils.clip_grads_with_norm_
 
-    def recording(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(float(max_norm))
-        return clip(parameters, max_norm, *args, **kwargs)
+    def recording_clip_grad_norm(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        norms.append("clip_grad_norm_")
+        if not math.isinf(max_norm):
+            clips.append(float(max_norm))
+        return clip_grad_norm(parameters, max_norm, *args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+    def recording_total_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
+        norms.append("get_total_norm")
+        return get_total_norm(*args, **kwargs)
+
+    def recording_clip_with_norm(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> None:
+        clips.append(float(max_norm))
+        clip_with_norm(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(utils, "clip_grad_norm_", recording_clip_grad_norm)
+    monkeypatch.setattr(utils, "get_total_norm", recording_total_norm)
+    monkeypatch.setattr(utils, "clip_grads_with_norm_", recording_clip_with_norm)
     recipe = Recipe(llama_config(1000, hidden=64, layers=1), batch=1, seq_len=16)
     for norm in (1.0, 0.0):
-        calls.clear()
+        norms.clear()
+        clips.clear()
         trainer_peak(recipe, tmp_path, training_args(recipe, tmp_path, max_grad_norm=norm))
-        assert calls == [norm if norm > 0 else math.inf] * 2  # once per optimizer step
+        assert len(norms) == 2, norms  # the norm is taken once per optimizer step, at either setting
+        assert clips == ([norm] * 2 if norm > 0 else []), clips  # and the gradients scaled only above 0
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -28,8 +28,8 @@ What each argument becomes:
 ``use_liger_kernel``                                       ``liger``: Liger's kernels (:mod:`memcalc.stacks.liger`)
 ``max_grad_norm``                                          nothing: transformers 5.24's Trainer computes
                                                            the gradient norm whether it clips or not
-                                                           (``Trainer._get_grad_norm`` calls
-                                                           ``clip_grad_norm_(..., inf)`` at 0), so the
+                                                           (``Trainer._get_grad_norm`` takes the
+                                                           norm with ``max_norm=inf`` at 0), so the
                                                            ``trainer`` loop's temporaries are the same
 =========================================================  ===========================================
 
