@@ -11,9 +11,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from memcalc.targets.cpu.kernels import CpuCapabilities
+from memcalc.targets.cpu.onednn import ONEDNN_BF16_MATMUL_ISA
 
 #: A small Llama (grouped-query attention): no network, a few MB; PEFT's default LoRA targets
 #: (q_proj, v_proj) give it 3,584 trainable parameters at r=8.
@@ -23,6 +27,15 @@ SMALL_LLAMA: dict[str, object] = {
     "max_position_embeddings": 256, "tie_word_embeddings": False}
 #: The world size of the fake process group.
 FAKE_WORLD = 4
+
+#: This CPU's kernels as memcalc's CPU target reads them (oneDNN's bf16 matmul and its ISA).
+CPU_HERE = CpuCapabilities.here()
+#: Real bf16 CPU comparisons hold where memcalc follows the bf16 matmul: ATen's own GEMM (no
+#: AVX512-BF16, as on the AVX2 machines) or oneDNN's avx512_core_bf16 scratchpad. AMX's brgemm
+#: buffers are not modelled (memcalc's report says so in a note).
+bf16_followed = pytest.mark.skipif(
+    CPU_HERE.onednn_bf16 and CPU_HERE.onednn_bf16_isa != ONEDNN_BF16_MATMUL_ISA,
+    reason=f"oneDNN's bf16 matmul runs {CPU_HERE.onednn_bf16_isa or 'another implementation'} here")
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import hf_config_source
+from support import bf16_followed, hf_config_source
 from torch import nn
 
 import memcalc
@@ -41,9 +41,6 @@ TOLERANCE = 0.005
 HERE = CpuCapabilities.here()
 #: This CPU runs bf16 GEMMs through a oneDNN matmul whose scratchpad is not modelled (AMX, say):
 #: the estimate says so in its notes and stays under the measurement.
-bf16_followed = pytest.mark.skipif(
-    HERE.onednn_bf16 and HERE.onednn_bf16_isa != ONEDNN_BF16_MATMUL_ISA,
-    reason=f"oneDNN's bf16 matmul runs {HERE.onednn_bf16_isa or 'another implementation'} here")
 fp16_followed = pytest.mark.skipif(HERE.onednn_fp16, reason="oneDNN's fp16 matmul (AVX512-FP16) is not modelled")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from support import hf_config_source
+from support import bf16_followed, hf_config_source
 from torch import nn
 
 import memcalc
@@ -25,14 +25,10 @@ from memcalc.measure.step import attach_measurement, measure_cpu
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import trace_step
 from memcalc.targets.cpu.kernels import CpuCapabilities
-from memcalc.targets.cpu.onednn import ONEDNN_BF16_MATMUL_ISA
 
 # tests/test_against_cpu.py's bar
 TOLERANCE = 0.005
 HERE = CpuCapabilities.here()
-bf16_followed = pytest.mark.skipif(
-    HERE.onednn_bf16 and HERE.onednn_bf16_isa != ONEDNN_BF16_MATMUL_ISA,
-    reason=f"oneDNN's bf16 matmul runs {HERE.onednn_bf16_isa or 'another implementation'} here")
 
 
 def _linear() -> nn.Module:
