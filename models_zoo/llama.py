@@ -245,6 +245,20 @@ _register("llama-3-70b", "llama", _llama_3(8192, 80, 64, 28672), 70_553_706_496,
           _llama_json("meta-llama/Meta-Llama-3-70B", hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
                       num_hidden_layers=80, **_LLAMA_3))
 
+# Llama 3.1 405B: a 131,072-token context by rope_scaling "llama3" (8,192 by default here). The
+# scaling changes the rotary frequencies' values, not their shapes: the plain-torch definition
+# (torch:llama-3.1-405b) keeps the default rope, memory for memory the same.
+_register("llama-3.1-405b", "llama",
+          LlamaConfig(16384, 126, 128, 8, 53248, vocab_size=128256, max_position_embeddings=131072,
+                      rope_theta=500000.0, sdpa_enable_gqa=True),
+          405_853_388_800, "HF LlamaForCausalLM (meta-llama/Llama-3.1-405B)",
+          _llama_json("meta-llama/Llama-3.1-405B", hidden_size=16384, intermediate_size=53248,
+                      num_attention_heads=128, num_hidden_layers=126, **{
+                          **_LLAMA_3, "max_position_embeddings": 131072, "mlp_bias": False,
+                          "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192, "rope_type": "llama3"}}),
+          default_seq_len=8192, extra=", rope_scaling llama3")
+
 # Mistral 7B v0.1: max_position_embeddings 32,768, but trained on 8,192 tokens (its paper's
 # context_len), which is the default here.
 _register("mistral-7b", "mistral",

@@ -60,7 +60,7 @@ def test_pipeline_options_are_checked_and_refused_where_ignored() -> None:
 
 
 def test_a_pipeline_composed_with_another_dimension_is_refused_by_name() -> None:
-    for degrees, name in ((dict(tp=2), "tp"), (dict(dp_replicate=2), "dp_replicate"), (dict(cp=2), "cp")):
+    for degrees, name in ((dict(dp_replicate=2), "dp_replicate"), (dict(cp=2), "cp")):
         setting = memcalc.Distributed(pp=2, dp_shard=2, **degrees)
         with pytest.raises(InapplicableOptionError, match=f"pp composed with {name} is not modelled yet"):
             memcalc.estimate(pipeline_model, batch_size=BATCH, distributed=setting, **_OPTIONS)

@@ -83,6 +83,12 @@ HF_CONFIGS = {
         hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama-3.1-405b": ("LlamaConfig", dict(
+        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"})),
     "mistral-7b": ("MistralConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=10000.0,

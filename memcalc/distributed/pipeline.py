@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -61,7 +62,25 @@ from memcalc.engine.trace import StorageTracer
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
 
-__all__ = ("Pipeline", "PipelineEstimate", "RankEstimate", "estimate_pipeline")
+__all__ = ("InnerParallel", "Pipeline", "PipelineEstimate", "RankEstimate", "estimate_pipeline", "stage_mesh")
+
+
+class InnerParallel(Protocol):
+    """A dimension inside every stage that changes the stage's module and shapes (tensor
+    parallelism, :class:`memcalc.distributed.tp_stages.StageTensorParallel`): ``degree`` ranks per
+    pipeline rank, innermost of the fake group's ``(pp, tp)`` mesh (:func:`stage_mesh`)."""
+
+    @property
+    def degree(self) -> int: ...
+
+    def resolve(self, model: nn.Module, inputs: ModelInputs, name: str) -> None:
+        """Learn its plan on the whole model, at one microbatch."""
+
+    def applied(self, module: nn.Module, prefix: str) -> AbstractContextManager[None]:
+        """``module`` (modules named as the model's under ``prefix``) as a rank runs it, for a dry run."""
+
+    def program(self, stage: ResolvedModel) -> RankProgram:
+        """The program of one stage's module."""
 
 
 @dataclass(frozen=True)
@@ -230,7 +249,7 @@ def _torch_release() -> tuple[int, int]:
 
 def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFactory | None = None,
                       stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
-                      trace_precision: Precision | None = None) -> PipelineEstimate:
+                      trace_precision: Precision | None = None, inner: InnerParallel | None = None) -> PipelineEstimate:
     """Estimate every pipeline rank of ``step`` under ``pipeline``.
 
     ``step`` is one pipeline replica's step: its batch is what the first stage is fed per
@@ -240,6 +259,9 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
     dp_shard sub-mesh; its ``reduce_accumulated()`` runs where torch's
     ``PipelineStage.perform_reduce_grad`` syncs an FSDP stage. ``trace_precision``: the precision the
     stages trace at under that program (FSDP2's mixed precision runs without autocast).
+    ``inner``: tensor parallelism inside each stage (its plan resolved on the whole model, the
+    layout's shapes from a dry run of the parallelized model, so that a stage sends what a real
+    rank sends); ``stage_program`` then includes its program.
 
     Raises:
         InvalidInputError: a batch that does not divide into the microbatches; a split the
@@ -275,14 +297,19 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
             if param.is_floating_point():
                 param.data = param.data.to(low)
     containers = block_containers_of(micro.module, micro.block_containers)
-    layout = layout_of(micro.module, micro.inputs, containers, micro.name)
+    if inner is None:
+        layout = layout_of(micro.module, micro.inputs, containers, micro.name)
+    else:
+        inner.resolve(micro.module, micro.inputs, micro.name)
+        with _fake_group(0, pipeline.stages, inner.degree), inner.applied(micro.module, ""):
+            layout = layout_of(micro.module, micro.inputs, containers, micro.name)
     blocks = stage_blocks(layout.blocks, pipeline.total_stages, pipeline.split_points)
     placement = stage_of_rank(pipeline.schedule_kind, pipeline.stages, pipeline.per_rank)
     ranks = []
     for rank in range(pipeline.stages):
         stages = placement[rank]
         report, states, buffers = _estimate_rank(step, pipeline, rank, stages, blocks, layout, micro.inputs, costs,
-                                                 stage_program, trace_precision)
+                                                 stage_program, trace_precision, inner)
         flight = in_flight(actions[rank])
         ranks.append(RankEstimate(rank, stages, tuple(blocks[s] for s in stages),
                                   tuple(flight.get(s, 0) for s in stages), report, states, buffers))
@@ -293,7 +320,8 @@ def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[i
                    blocks: Sequence[tuple[str, ...]], layout: ModelLayout, micro_inputs: ModelInputs,
                    costs: CostRecorderFactory | None,
                    stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
-                   trace_precision: Precision | None = None) -> tuple[MemoryReport, int, int]:
+                   trace_precision: Precision | None = None,
+                   inner: InnerParallel | None = None) -> tuple[MemoryReport, int, int]:
     resolved = step.resolved()
     resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
                               checkpoint=bool(step.checkpoint))
@@ -316,8 +344,10 @@ def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[i
     wrapped = [] if stage_program is None else [
         stage_program(replace(rank_model, module=m, block_containers=tuple(f"model.{c}" for c in layout.containers)))
         for m in modules]
-    program = _PipelineProgram(runner, rank, layout, micro_inputs, wrapped)
-    with _fake_group(rank, pipeline.stages):
+    if wrapped:  # tensor parallelism's optimizer steps the local shards of every stage's DTensors
+        rank_step = replace(rank_step, optimizer=wrapped[0].optimizer_spec(rank_step.optimizer))
+    program = _PipelineProgram(runner, rank, layout, micro_inputs, wrapped, inner)
+    with _fake_group(rank, pipeline.stages, 1 if inner is None else inner.degree):
         traced = trace_step(rank_model, rank_step, hooks=program, costs=costs)
     traced.notes.extend(ASSUMPTIONS)
     for stage_wrap in wrapped:
@@ -371,8 +401,9 @@ class _PipelineProgram:
     the previous step's gradients of the received activations, the last stage's targets."""
 
     def __init__(self, runner: _RankRunner, rank: int, layout: ModelLayout, micro_inputs: ModelInputs,
-                 wrapped: Sequence[RankProgram] = ()) -> None:
+                 wrapped: Sequence[RankProgram] = (), inner: InnerParallel | None = None) -> None:
         self.runner = runner
+        self.inner = inner
         self.wrapped = tuple(wrapped)  # each stage's data-parallel program (FSDP2), by stage
         self.rank = rank
         self.layout = layout
@@ -394,16 +425,20 @@ class _PipelineProgram:
         device = next(runner.parameters()).device
         stages = []
         outputs: dict[int, Any] = {}
+        inner = self.inner
+        # under tensor parallelism the stages talk over the pp sub-mesh's group (torchtitan's)
+        group = None if inner is None else stage_mesh("pp").get_group()
         for index, stage_module in zip(runner.stage_ids, runner.stages, strict=True):
             example = self._example_input(index, device)
             if index == pipeline.total_stages - 1:  # on meta, before the trace: the output's shapes
-                output = example.call(stage_module)
+                with contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model."):
+                    output = example.call(stage_module)
             else:  # the activation the next stage receives
                 shape, dtype = self.layout.activation
                 output = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
             outputs[index] = output
             stages.append(PipelineStage(stage_module, index, pipeline.total_stages, device,
-                                        input_args=tuple(example), output_args=_as_tuple(output)))
+                                        input_args=tuple(example), output_args=_as_tuple(output), group=group))
         last = pipeline.total_stages - 1
         target = self._target(outputs.get(last), device, m)
         runner.target = target
@@ -559,10 +594,22 @@ def _works_keep_tensors() -> Callable[[], None]:
     return undo
 
 
+#: The ``(pp, tp)`` device mesh of the fake group in use (:func:`stage_mesh`), while there is one.
+_MESHES: list[Any] = []
+
+
+def stage_mesh(dimension: str) -> Any:
+    """The ``dimension`` (``"pp"``, ``"tp"``) sub-mesh of the current pipeline rank's fake group."""
+    assert _MESHES, "only inside a pipeline rank's fake group with tensor parallelism"
+    return _MESHES[-1][dimension]
+
+
 @contextlib.contextmanager
-def _fake_group(rank: int, world: int) -> Iterator[None]:
+def _fake_group(rank: int, world: int, inner: int = 1) -> Iterator[None]:
     """torch's fake process group as this process's default group, as rank ``rank`` of
-    ``world``, for the time of one rank's trace (its sends and receives do nothing)."""
+    ``world``, for the time of one rank's trace (its sends and receives do nothing). ``inner`` >
+    1: each pipeline rank has that many tensor-parallel ranks, innermost (torchtitan's mesh
+    order); this process is pipeline rank ``rank``'s tp rank 0, on a ``(pp, tp)`` mesh."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -570,8 +617,15 @@ def _fake_group(rank: int, world: int) -> Iterator[None]:
         raise InapplicableOptionError(
             "a torch.distributed process group is already initialised in this process; memcalc estimates a pipeline "
             "over a fake process group of its own", hint="Estimate from a process without a process group.")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank * inner, world_size=world * inner)
     try:
+        if inner > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            _MESHES.append(DeviceMesh("cpu", torch.arange(world * inner).view(world, inner),
+                                      mesh_dim_names=("pp", "tp")))
         yield
     finally:
+        if inner > 1 and _MESHES:
+            _MESHES.pop()
         dist.destroy_process_group()

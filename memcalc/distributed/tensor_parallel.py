@@ -56,13 +56,15 @@ from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import Factory, OptimizerSpec, Params
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("COLLECTIVE_OPS", "TensorParallel", "tensor_parallel")
+__all__ = ("COLLECTIVE_OPS", "TensorParallel", "parallelized", "tensor_parallel")
 
 #: The namespace of the functional collectives DTensor's redistribution calls: their outputs
 #: are the rank's communication buffers.
 COLLECTIVE_OPS = "_c10d_functional."
 #: The hook dictionaries of ``nn.Module`` that ``distribute_module`` (under every ParallelStyle)
 #: and ``PrepareModuleInput`` add to.
+#: The attribute ``torch.distributed.tensor.distribute_module`` sets on a module it has run on.
+_DISTRIBUTED_MARK = "_distribute_module_applied"
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
@@ -81,18 +83,24 @@ class TensorParallel(RankProgram):
             parameters plain tensors.
         loss_parallel: keep the logits sharded over the vocabulary and compute the
             cross-entropy under torch's ``loss_parallel()`` (torchtitan's Llama plan only).
+        mesh: the tp sub-mesh of a process group someone else made (a pipeline's ``(pp, tp)``
+            mesh, :mod:`memcalc.distributed.tp_stages`), called at install; None: a fake group of
+            ``degree`` ranks of the program's own. A resolved :class:`TpPlan` is then taken as it is.
     """
 
-    def __init__(self, degree: int, plan: Mapping[str, str] | None = None, *, rank: int = 0,
+    def __init__(self, degree: int, plan: Mapping[str, str] | TpPlan | None = None, *, rank: int = 0,
                  model_name: str = "the model", optimizer_impl: OptimizerImpl | None = None,
-                 loss_parallel: bool = False, local_step: bool = True) -> None:
+                 loss_parallel: bool = False, local_step: bool = True,
+                 mesh: Callable[[], Any] | None = None) -> None:
         super().__init__()
         if degree < 1:
             raise InvalidInputError(f"the tensor-parallel degree must be at least 1, got {degree}")
         if not 0 <= rank < degree:
             raise InvalidInputError(f"rank {rank} is not one of the {degree} tensor-parallel ranks")
         self.degree = degree
-        self.plan_strings = dict(plan) if plan is not None else None
+        self.plan_strings = dict(plan) if plan is not None and not isinstance(plan, TpPlan) else None
+        self.fixed_plan = plan if isinstance(plan, TpPlan) else None
+        self.mesh = mesh
         self.rank = rank
         self.model_name = model_name
         self.optimizer_impl = optimizer_impl
@@ -124,8 +132,14 @@ class TensorParallel(RankProgram):
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import parallelize_module
 
-        self.plan = plan = resolve_plan(module, self.plan_strings, self.model_name, loss_parallel=self.loss_parallel)
-        mesh = self._fake_mesh()
+        self.plan = plan = self.fixed_plan or resolve_plan(module, self.plan_strings, self.model_name,
+                                                           loss_parallel=self.loss_parallel)
+        if self.mesh is None:
+            mesh = self._fake_mesh()
+        else:
+            _clear_dtensor_caches()
+            self._undo.append(_clear_dtensor_caches)
+            mesh = self.mesh()
         self._undo.append(functools.partial(_restore_modules, _snapshot(module)))
         try:
             parallelize_module(module, mesh, dict(plan.styles), src_data_rank=None)
@@ -241,6 +255,22 @@ def tensor_parallel(degree: int, plan: Mapping[str, str] | None = None, *, rank:
     return program
 
 
+@contextmanager
+def parallelized(module: nn.Module, mesh: Any, styles: Mapping[str, Any]) -> Iterator[None]:
+    """``module`` parallelized by torch's own ``parallelize_module`` over ``mesh`` for a dry run
+    (a pipeline stage's shapes as its rank sees them), then put back as it was."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    snapshot = _snapshot(module)
+    _clear_dtensor_caches()
+    try:
+        parallelize_module(module, mesh, dict(styles), src_data_rank=None)
+        yield
+    finally:
+        _restore_modules(snapshot)
+        _clear_dtensor_caches()
+
+
 def _destroy_fake_group() -> None:
     _clear_dtensor_caches()
     if dist.is_initialized():
@@ -308,3 +338,6 @@ def _restore_modules(snapshot: _Snapshot) -> None:
             table = getattr(module, name)
             for key in [k for k in table if k not in kept]:
                 del table[key]
+        # distribute_module marks a module it ran on and refuses it a second time (a pipeline stage
+        # parallelized for a dry run, then for its trace)
+        module.__dict__.pop(_DISTRIBUTED_MARK, None)

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 
-__all__ = ("STYLES", "TpPlan", "hf_plan", "llama_plan", "planned_modules", "resolve_plan", "user_plan")
+__all__ = ("STYLES", "TpPlan", "hf_plan", "llama_plan", "planned_modules", "resolve_plan", "stage_plan", "user_plan")
 
 
 def _colwise() -> ParallelStyle:
@@ -204,6 +204,24 @@ def resolve_plan(module: nn.Module, strings: Mapping[str, str] | None, model_nam
 def planned_modules(module: nn.Module, plan: TpPlan) -> list[nn.Module]:
     """The submodules of ``module`` some pattern of ``plan`` names."""
     return [m for name, m in module.named_modules() if name and any(_matches(p, name) for p in plan.styles)]
+
+
+def stage_plan(plan: TpPlan, module: nn.Module, prefix: str = "") -> TpPlan:
+    """``plan`` (resolved on the whole model) on a pipeline stage's ``module``, whose modules are
+    the model's under ``prefix``: each pattern's style on the modules it names that hold
+    parameters, by their full names. The blocks of other stages and the stand-ins of the first
+    and last stages' modules hold none (:mod:`memcalc.distributed.pipeline_split`), so they get
+    no style, as torchtitan's pruned stage models skip what they lost. The patterns' order is
+    kept (``parallelize_module`` applies them in order)."""
+    named = [(name[len(prefix):], name, m) for name, m in module.named_modules()
+             if name.startswith(prefix) and len(name) > len(prefix)]
+    holding = [(short, full) for short, full, m in named if next(m.parameters(), None) is not None]
+    styles: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.styles.items():
+        for short, full in holding:
+            if _matches(pattern, short):
+                styles.setdefault(full, style)
+    return TpPlan(styles, plan.source)
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -13,18 +13,28 @@ backward and syncing once in ``perform_reduce_grad``: a stage holds its unsharde
 gradients from its first forward to the end of its last backward (GPipe, 1F1B and
 Interleaved1F1B; the zero-bubble and V schedules with dp_shard are refused by name). The dp_shard ranks of one
 stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order).
+
+With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
+parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it
+(:mod:`memcalc.distributed.tp_stages`): a pipeline rank's tp and dp_shard ranks share its trace,
+numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport, Shard
-from memcalc.distributed.pipeline import Pipeline, estimate_pipeline
+from memcalc.distributed.pipeline import Pipeline, estimate_pipeline, stage_mesh
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
+from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, register
 from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
+from memcalc.distributed.tp_stages import StageTensorParallel
+from memcalc.engine.model import ResolvedModel
+from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory
 
@@ -42,7 +52,7 @@ class PipelineParallel(RankStrategy):
     mesh_dimension = "pp"
     options = frozenset({"pp_schedule", "microbatches", "pp_split"})
     whole_step = True
-    composes_with = frozenset({"dp_shard"})
+    composes_with = frozenset({"dp_shard", "tp"})
     planned = False  # the pipeline bubble and the stage sends are not in plan's cost model yet
 
     @property
@@ -61,6 +71,7 @@ class PipelineParallel(RankStrategy):
         pipeline = self.pipeline
         mesh = self.distributed.mesh
         dp_shard = 1 if mesh is None else mesh.dp_shard
+        tp = 1 if mesh is None else mesh.tp
         program = None
         precision = None
         fsdp_notes: list[str] = []
@@ -78,13 +89,44 @@ class PipelineParallel(RankStrategy):
             program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
             precision = sharder.trace_precision(step.precision)
             shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
+        inner = None
+        if tp > 1:
+            inner = self._tensor_parallel(step, tp, dp_shard)
+            program = _with_tp(inner, program)
+            shard = (*shard[:1], Shard(MODEL_STATES, "tp", tp), *shard[1:])
         estimate = estimate_pipeline(replace(step, batch_size=batch), pipeline, costs=costs,
-                                     stage_program=program, trace_precision=precision)
+                                     stage_program=program, trace_precision=precision, inner=inner)
         report = estimate.as_report()
         # every pipeline rank runs the whole batch, microbatch by microbatch (a later stage's own
         # report counts the microbatch its stand-in input was built at); its dp_shard ranks share its trace
         roles = tuple(replace(role, sharding=shard, batch_size=batch,
-                              ranks=tuple(r * dp_shard + d for r in role.ranks for d in range(dp_shard)))
+                              ranks=tuple((r * dp_shard + d) * tp + t for r in role.ranks for d in range(dp_shard)
+                                          for t in range(tp)))
                       for role in report.roles)
         notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch", *fsdp_notes)
         return replace(report, roles=roles, notes=notes, batch_size=batch)
+
+    def _tensor_parallel(self, step: Step, tp: int, dp_shard: int) -> StageTensorParallel:
+        """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there."""
+        setting = self.distributed
+        if setting.loss_parallel:
+            raise InapplicableOptionError(
+                f"loss_parallel with pp={self.degree} is not modelled yet: the last stage's loss over sharded "
+                f"logits is not traced inside a pipeline schedule",
+                hint="Leave out --loss-parallel: the last stage gathers the logits.")
+        # under FSDP2 every parameter is a DTensor: foreach and fused optimizers step them all
+        impl = None if dp_shard > 1 else resolve_impl(step.optimizer, step.loop.optimizer_impl,
+                                                       cuda=step.emulate_cuda)
+        strings = dict(setting.tp_plan) if setting.tp_plan is not None else None
+        return StageTensorParallel(tp, strings, lambda: stage_mesh("tp"), optimizer_impl=impl)
+
+
+def _with_tp(inner: StageTensorParallel,
+             fsdp: Callable[[ResolvedModel], RankProgram] | None) -> Callable[[ResolvedModel], RankProgram]:
+    """Each stage's program: tensor parallelism, then FSDP2 over its DTensors (torchtitan's order)."""
+
+    def program(stage: ResolvedModel) -> RankProgram:
+        tp = inner.program(stage)
+        return tp if fsdp is None else StackedProgram(tp, fsdp(stage))
+
+    return program

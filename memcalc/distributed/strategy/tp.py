@@ -14,8 +14,9 @@ With ``dp_shard`` (and HSDP's ``dp_replicate`` around it) tp composes as torchti
 DTensor parameters (:class:`~memcalc.distributed.program.StackedProgram`; dp_shard's file stacks
 its program on this one): FSDP2 shards each rank's local tp shard on dim 0 and all-gathers it
 back, so a rank holds 1/(dp_shard·tp) of the planned parameters. Checked against real 4-process
-gloo runs on a 2×2 mesh (tests/test_gloo_fsdp_tp.py). With any other dimension (pp, cp, ep,
-dp_replicate alone) tp is refused by name: tracing one dimension alone would understate a rank.
+gloo runs on a 2×2 mesh (tests/test_gloo_fsdp_tp.py). Inside pipeline stages (``pp``, which runs
+the whole step) the pipeline applies it (:mod:`memcalc.distributed.tp_stages`). With cp, ep or
+dp_replicate alone tp is refused by name: tracing one dimension alone would understate a rank.
 """
 
 from __future__ import annotations

@@ -1,0 +1,151 @@
+"""Real pipeline × tensor-parallel training steps over gloo on the CPU: four processes on a
+``(pp=2, tp=2)`` device mesh, the small Llama of tests/gloo_tp.py split into two stages, each
+stage parallelized by torch's own ``parallelize_module`` over the ``tp`` sub-mesh with
+torchtitan's Llama plan and wrapped in a ``PipelineStage`` over the ``pp`` sub-mesh's group, as
+torchtitan composes them; the reference for memcalc's pp × tp estimate
+(tests/test_gloo_pipeline_tp.py).
+
+The stages are cut as torchtitan cuts them: a copy of the model with the other stage's layers
+deleted and, outside the first stage, no embedding (outside the last, no final norm and head);
+``parallelize_module`` skips the plan entries of what is gone. The stage's forward is the zoo
+Llama's, minus the missing modules (the rotary tables for the whole sequence on every stage).
+Each rank is measured as tests/gloo_pipeline.py measures a stage: a warm-up step, then two
+iterations of ``schedule.step``, ``Adam(foreach=True).step()``, ``zero_grad`` under the profiler.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from gloo_pipeline import _measured, _storages_before
+from gloo_runs import RankPeak, spawn_ranks, until_complete
+from gloo_tp import LLAMA_SEQ, SMALL_LLAMA, small_llama
+from torch import nn
+
+#: The pipeline's batch (split into MICROBATCHES) and the mesh.
+BATCH = 8
+MICROBATCHES = 4
+PP, TP = 2, 2
+
+
+@dataclass(frozen=True)
+class PipelineTpCase:
+    """One real run: torch's schedule class name ("GPipe", "1F1B"); ``dp_shard`` > 1: the 3-D
+    mesh ``(pp, dp_shard, tp)``, each stage ``fully_shard``-ed over its dp_shard ranks after
+    tensor parallelism (every layer and the stage's root, ``reshard_after_forward=False``, as
+    torchtitan wraps a stage under a pipeline)."""
+
+    name: str
+    schedule: str
+    dp_shard: int = 1
+
+
+class LlamaStage(nn.Module):
+    """One stage of the zoo Llama, cut as torchtitan cuts it (what the stage does not hold is None
+    or deleted); its forward is the zoo's ``LlamaForCausalLM.forward`` without them."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int) -> None:
+        super().__init__()
+        cut = copy.deepcopy(model)
+        layers = list(cut.model.layers)
+        per = len(layers) // stages
+        cut.model.layers = nn.ModuleList(layers[index * per:(index + 1) * per])
+        if index > 0:
+            cut.model.embed_tokens = None
+        if index < stages - 1:
+            cut.model.norm = None
+            cut.lm_head = None
+        self.model = cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.model.model
+        h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
+        cos, sin = inner.rotary_emb(h, LLAMA_SEQ)
+        for layer in inner.layers:
+            h = layer(h, cos, sin, None)
+        if inner.norm is not None:
+            h = self.model.lm_head(inner.norm(h))
+        return h
+
+
+def run_cases(cases: Sequence[PipelineTpCase], work_dir: Path, *, timeout_s: float = 300.0,
+              dp_shard: int = 1) -> dict[str, list[RankPeak]]:
+    """Run ``cases`` (all of ``dp_shard``) on PP × dp_shard × TP spawned processes over gloo; each
+    case's peaks, by global rank.
+
+    Raises:
+        GlooRunError: a process failed or ran past ``timeout_s``.
+    """
+    world = PP * dp_shard * TP
+    spawn_ranks(_worker, world, (list(cases), str(work_dir)), timeout_s, what="gloo pp x tp runs")
+    peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
+    for rank in range(world):
+        measured = json.loads((work_dir / f"pptp-rank{rank}.json").read_text())
+        for case in cases:
+            peaks[case.name].append(RankPeak(**measured[case.name]))
+    return peaks
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[PipelineTpCase], work_dir: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        results = {case.name: asdict(_run_case(case)) for case in cases}
+    finally:
+        dist.destroy_process_group()
+    (Path(work_dir) / f"pptp-rank{rank}.json").write_text(json.dumps(results))
+
+
+def _run_case(case: PipelineTpCase) -> RankPeak:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from memcalc.distributed.tp_plans import resolve_plan
+
+    torch.manual_seed(0)
+    model = small_llama()
+    mesh = init_device_mesh("cpu", (PP, case.dp_shard, TP), mesh_dim_names=("pp", "dp_shard", "tp"))
+    index = mesh["pp"].get_local_rank()
+    plan = resolve_plan(model, None, "small llama")  # torchtitan's Llama plan, on the whole model
+    stage_module = LlamaStage(model, index, PP)
+    with warnings.catch_warnings():  # the entries of what the stage does not hold: skipped, as in torchtitan
+        warnings.simplefilter("ignore")
+        parallelize_module(stage_module.model, mesh["tp"], dict(plan.styles))
+    if case.dp_shard > 1:  # torchtitan's order: FSDP2 over the tensor-parallel DTensors
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in stage_module.model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"], reshard_after_forward=False)
+        fully_shard(stage_module, mesh=mesh["dp_shard"], reshard_after_forward=False)
+    stage = PipelineStage(stage_module, index, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = get_schedule_class(case.schedule)(stage, MICROBATCHES, loss_fn=lambda out, _target: out.mean())
+    first, last = index == 0, index == PP - 1
+    x = torch.randint(0, SMALL_LLAMA.vocab_size, (BATCH, LLAMA_SEQ)) if first else None
+    target = torch.empty(BATCH, 0) if last else None  # the mean takes none; the schedule splits one
+    trainable = [p for p in stage_module.parameters() if p.requires_grad]
+
+    def step() -> None:
+        optimizer = torch.optim.Adam(trainable, foreach=True)
+        for _ in range(2):
+            if first:
+                schedule.step(x, return_outputs=False)
+            else:
+                schedule.step(target=target, return_outputs=False)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        del optimizer
+        gc.collect()
+
+    step()  # the warm-up: metadata inference, receive buffers
+    before = _storages_before([stage], stage_module, x)
+    return until_complete(lambda: _measured(step), before, 4 * len(trainable), f"{case.name}: ")
