@@ -522,6 +522,7 @@ def plan(
     intra_node_gbps: float = DEFAULT_NETWORK.intra_node_gbps,
     inter_node_gbps: float = DEFAULT_NETWORK.inter_node_gbps,
     top: int = 5,
+    checkpoint: str = "search",
     on_estimate: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """The fastest ways to train ``model`` on ``gpus`` GPUs that fit: device meshes of the modelled
@@ -540,6 +541,9 @@ def plan(
         gpus_per_node, intra_node_gbps, inter_node_gbps: the network (GB/s per GPU, each way):
             groups within a node use NVLink's bandwidth, others the network's.
         top: how many configurations to return.
+        checkpoint: ``"search"`` (off, selective-op and full, each tried), ``"auto"`` (the
+            checkpointing ``--checkpoint auto`` chooses, per configuration), or one of ``"off"``,
+            ``"selective-op"``, ``"full"``.
         on_estimate: called with a description before each estimate (progress).
 
     Returns:
@@ -559,4 +563,5 @@ def plan(
     if step.capacity is None:
         raise InvalidInputError("plan needs a GPU with a memory capacity", hint="give a catalogue GPU, e.g. h100-80gb")
     _check_timeable(step)
-    return find_plan(step, gpus, global_batch, model_facts(step), network=network, top=top, on_estimate=on_estimate)
+    return find_plan(step, gpus, global_batch, model_facts(step), network=network, top=top, on_estimate=on_estimate,
+                     checkpoint=checkpoint)

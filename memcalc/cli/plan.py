@@ -30,6 +30,11 @@ __all__ = ("plan_command",)
               show_default=True, help="Numeric precision.")
 @click.option("--optim", type=click.Choice(OPTIMIZERS, case_sensitive=False), default="adam", show_default=True,
               help="Optimizer.")
+@click.option("--checkpoint", default="search",
+              type=click.Choice(("search", "auto", "off", "selective-op", "full"), case_sensitive=False),
+              show_default=True,
+              help="Activation checkpointing: search tries off, selective-op and full; auto lets memcalc's "
+                   "--checkpoint auto choose per configuration; or one setting.")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True,
               help="How many configurations to show.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=DEFAULT_NETWORK.gpus_per_node,
@@ -43,11 +48,12 @@ __all__ = ("plan_command",)
 @output_options
 @handle_errors
 def plan_command(model: str, gpus: int, gpu: str, global_batch: int, seq_len: int | None, precision: str,
-                 optim: str, top: int, gpus_per_node: int, intra_node_gbps: float, inter_node_gbps: float,
-                 fmt: str, units: str, debug: bool) -> None:
-    """The fastest meshes, micro-batches and activation checkpointing to train MODEL on --gpus GPUs
-    that fit --gpu, ranked by estimated step time (the roofline of the traced step plus a collective
-    cost model with NVLink within a node and the network between nodes).
+                 optim: str, checkpoint: str, top: int, gpus_per_node: int, intra_node_gbps: float,
+                 inter_node_gbps: float, fmt: str, units: str, debug: bool) -> None:
+    """The fastest meshes (dp_replicate, dp_shard, tp, pp), pipeline schedules, micro-batches and
+    activation checkpointing to train MODEL on --gpus GPUs that fit --gpu, ranked by estimated
+    step time (the roofline of the traced step, the pipeline bubble, and a collective cost model
+    with NVLink within a node and the network between nodes).
 
     Exits 1 when nothing fits (what was pruned, and why, is printed).
 
@@ -57,7 +63,8 @@ def plan_command(model: str, gpus: int, gpu: str, global_batch: int, seq_len: in
     with quiet():
         result = api.plan(model, gpus=gpus, gpu=gpu, global_batch=global_batch, seq_len=seq_len,
                           precision=precision, optimizer=optim, gpus_per_node=gpus_per_node,
-                          intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps, top=top)
+                          intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps, top=top,
+                          checkpoint=checkpoint.lower())
     payload: Any = result.to_dict()
     if fmt == "json":
         click.echo(render_json(payload))

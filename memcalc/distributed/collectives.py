@@ -11,7 +11,9 @@ last innermost: ``tp`` on neighbouring GPUs), so a group spans ``stride × degre
 GPUs, ``stride`` being the product of the inner dimensions' degrees.
 
 Latency (per-message start-up) is not modelled: at these sizes (MBs per block) bandwidth
-dominates.
+dominates. A collective is ``overlapped`` when it can run beside compute (FSDP's prefetched
+all-gathers, gradient reductions, a pipeline's sends in its steady state) and exposed otherwise
+(tensor parallelism's activation all-gathers and reduce-scatters, which each block waits on).
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ class ModelFacts:
             gradients' dtype).
         layers, heads, kv_heads: the transformer's block count and attention heads; None when
             the model is not one (a dimension that needs them then offers degree 1 only).
+        hidden, vocab, intermediate: the hidden size, the vocabulary and the MLP's width (None:
+            not a transformer, or not said), whose activations tensor and pipeline parallelism move.
+        activation_bytes: bytes per activation element as computed (2 under amp-bf16).
+        tokens, stages_per_rank, recompute: the candidate's, set by ``memcalc plan`` per
+            configuration: tokens of one micro-batch on one rank (micro-batch × sequence; 0:
+            activations' traffic not counted), pipeline stages per rank (interleaved: 2), and
+            whether the backward re-runs the forward's collectives (full checkpointing).
     """
 
     parameters: int
@@ -94,6 +103,13 @@ class ModelFacts:
     layers: int | None = None
     heads: int | None = None
     kv_heads: int | None = None
+    hidden: int | None = None
+    vocab: int | None = None
+    intermediate: int | None = None
+    activation_bytes: int = 2
+    tokens: int = 0
+    stages_per_rank: int = 1
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +122,7 @@ class Collective:
     received: float
     span: int
     count: int = 1
+    overlapped: bool = True
 
     def seconds(self, network: Network) -> float:
         """The seconds of these bytes on the group's slowest link."""
@@ -114,7 +131,7 @@ class Collective:
     def to_dict(self, network: Network) -> dict[str, object]:
         return {"dimension": self.dimension, "what": self.what, "bytes_received": self.received,
                 "group_span": self.span, "intra_node": self.span <= network.gpus_per_node,
-                "seconds": self.seconds(network)}
+                "overlapped": self.overlapped, "seconds": self.seconds(network)}
 
 
 def ring_bytes(size: float, n: int) -> float:

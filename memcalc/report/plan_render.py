@@ -1,5 +1,6 @@
 """Text of ``memcalc plan`` (:func:`memcalc.api.plan`): the fastest configurations that fit, one
-row each, then the network, the search's extent, what it pruned and what it assumed.
+row each (accum/mb: accumulation steps, or a pipeline's microbatches; the peak names the busiest
+rank where ranks differ), then the network, the search's extent, what it pruned and what it assumed.
 Formatting only."""
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ def _row(rank: int, c: PlanCandidate, unit: Unit) -> list[str]:
     report = c.report
     tokens = c.tokens_per_second
     headroom = report.headroom
-    return [str(rank), c.mesh.describe(), str(c.micro_batch), str(c.accum_steps), c.checkpoint.label,
-            format_bytes(report.bytes.peak_allocated, unit), "" if headroom is None else format_bytes(headroom, unit),
-            format_seconds(c.compute_seconds), format_seconds(c.comm_seconds), format_seconds(c.seconds),
+    busiest = report.busiest_role
+    peak = format_bytes(report.bytes.peak_allocated, unit)
+    if busiest is not None and len(report.roles) > 1:
+        peak += f" ({busiest.name})"
+    return [str(rank), c.mesh.describe(), "" if c.schedule is None else c.schedule.value, str(c.micro_batch),
+            str(c.accum_steps), c.label, peak, "" if headroom is None else format_bytes(headroom, unit),
+            format_seconds(c.compute_seconds), format_seconds(c.bubble_seconds) if c.schedule is not None else "",
+            format_seconds(c.comm_seconds), format_seconds(c.exposed_seconds), format_seconds(c.seconds),
             "" if tokens is None else f"{tokens:,.0f}"]
 
 
@@ -27,8 +33,8 @@ def render_plan(result: PlanResult, *, unit: Unit = Unit.AUTO, fmt: str = "simpl
     """The plan as text: the table of the best, then what was searched, pruned and assumed."""
     lines = [f"Plan: {result.gpus} GPUs, global batch {result.global_batch} per optimizer step"]
     if result.best:
-        headers = ["#", "mesh", "micro-batch", "accum", "checkpointing", "peak/GPU", "headroom", "compute",
-                   "comm", "step", "tokens/s"]
+        headers = ["#", "mesh", "schedule", "micro-batch", "accum/mb", "checkpointing", "peak/GPU (busiest)",
+                   "headroom", "compute", "bubble", "comm", "exposed", "step", "tokens/s"]
         lines += ["", tabulate([_row(i, c, unit) for i, c in enumerate(result.best, 1)], headers=headers,
                                tablefmt=fmt, disable_numparse=True)]
     else:
@@ -37,8 +43,10 @@ def render_plan(result: PlanResult, *, unit: Unit = Unit.AUTO, fmt: str = "simpl
               f"Searched: {', '.join(result.searched)} ({len(result.meshes)} meshes: "
               f"{'; '.join(m.describe() for m in result.meshes)}); not searched (not modelled, or not yet in "
               f"plan's cost model): {', '.join(result.not_searched) or 'none'}.",
-              f"{result.configurations} configurations (mesh × micro-batch × checkpointing off/selective-op/full); "
-              f"{result.estimates} estimated, the rest pruned by memory's monotonicity or by time."]
+              f"{result.unsupported} meshes skipped as not modelled together yet (named below).",
+              f"{result.configurations} configurations (mesh × schedule × micro-batch × checkpointing); "
+              f"{result.estimates} traced ({result.reused} more reused a trace of the same per-rank program), "
+              f"{result.bounded} pruned by their time bound, the rest by memory's monotonicity."]
     if result.pruned:
         lines += ["Pruned:", *(f"  - {p}" for p in result.pruned)]
     lines += ["Assumed:", *(f"  - {a}" for a in result.assumptions)]

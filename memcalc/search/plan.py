@@ -1,70 +1,69 @@
-"""``memcalc plan``: which device mesh, micro-batch and checkpointing to train a model with on N GPUs.
+"""``memcalc plan``: which device mesh, pipeline schedule, micro-batch and checkpointing to train
+a model with on N GPUs (README, "Many GPUs").
 
-The space: every mesh over N GPUs made of the *modelled* dimensions' degrees (the registry
-:data:`~memcalc.distributed.strategy.base.DIMENSIONS`, each dimension's
-:meth:`~memcalc.distributed.strategy.base.RankStrategy.plan_degrees`; a dimension without a file
-is not searched, and the result says which were), every micro-batch ``m`` with
-``global batch = m × data-parallel size × accumulation``, and checkpointing off, selective-op
-and full. A configuration fits when memcalc's estimate of its busiest rank fits the GPU
-(the allocator replayed under the GPU's capacity).
+The space: every mesh of the modelled, ``planned`` dimensions' degrees over N GPUs (tp within a
+node), less those :func:`refusal` — the one predicate — says memcalc cannot estimate yet (pp × tp
+today: counted, named, and searched the day its file accepts it); per mesh each checkpointing
+(off, selective-op, full; or ``auto``) and each micro-batch (``global batch = micro-batch ×
+data-parallel size × accumulation``), or under a pipeline each schedule (GPipe, 1F1B, interleaved
+1F1B) and ``pp`` to ``4 × pp`` microbatches.
 
-Its time: the rank's compute, memcalc's roofline of the traced kernels (:func:`step_time`), and
-its communication, the collective cost model (:mod:`memcalc.distributed.collectives`). Assumed
-(and printed): collectives overlap compute, so a step takes ``max(compute, communication)``
-plus the one collective that cannot overlap, the first all-gather (a block's share of it:
-``1 / (layers + 1)`` of the forward's all-gather), which is what FSDP's prefetching leaves.
+Its time (:func:`step_seconds`): the busiest rank's roofline (:func:`step_time` of its trace; a
+pipeline rank's runs its whole schedule) plus the bubble (``pp − 1`` microbatches over the stages
+per rank), and the collective cost model (:mod:`memcalc.distributed.collectives`): overlapped
+collectives hide behind compute, exposed ones (tensor parallelism's) add to it.
 
-Each estimate of a large model costs seconds, so the search prunes on memory facts:
-
-1. memory does not grow with checkpointing (off ≥ selective-op ≥ full) nor shrink with the
-   micro-batch (at the same accumulation or none), nor grow with ``dp_shard`` at the same
-   data-parallel size and other degrees;
-2. a configuration's compute is first traced on its most-sharded mesh, which bounds the others'
-   from below (the same forward and backward at the same batch; a less sharded rank steps its
-   optimizer over more parameters, and DDP autocasts its fp32 replicas: measured on gpt2, 26 ms
-   under dp_shard=8, 27 ms under HSDP 2 × 4, 37 ms under DDP 8), so with the collectives it
-   orders the candidates; each is then estimated (and timed) on its own mesh in that order until
-   no candidate left can beat the ``top`` found;
-3. a less-sharded mesh whose sharded model states alone (those of the traced estimate, scaled by
-   the shard degrees) plus the traced estimate's other bytes at its peak exceed the GPU is not
-   estimated: the states are held throughout, the rest is the same step;
-4. a micro-batch is timed only if it is one of the two largest that fit (the time per sample
-   falls as the batch grows).
+Pruning (:mod:`memcalc.search.plan_bounds`), before any trace: a configuration whose model states
+and kept activations (lower bounds) exceed the GPU is dropped; every other gets a lower bound on
+its seconds (matmul FLOPs at peak, the bubble, the collectives) and they are traced best bound
+first until the ``top`` found beat the next bound. Traces tighten the bounds of the rest: a
+traced compute bounds its kin's (same tp, pp, data-parallel size, schedule) with less sharding,
+more checkpointing or a smaller micro-batch; its seconds per matmul FLOP bound those with as much
+tp or more, as much sharding or less, as much checkpointing or more and a smaller micro-batch (a
+pipeline stage runs a share of the same kernels). What does not fit rules out its kin with less
+sharding, less checkpointing and a larger micro-batch. Meshes that differ only in the number of
+``dp_replicate`` replicas (two or more) run one per-rank program and share its trace.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from memcalc.core.checkpointing import FULL, OFF, Checkpointing, CheckpointKind
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.checkpointing import AUTO, FULL, OFF, Checkpointing, CheckpointKind
+from memcalc.core.errors import InvalidInputError, MemcalcError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
 from memcalc.distributed.collectives import LAYOUT, Collective, ModelFacts, Network
 from memcalc.distributed.estimate import run_estimate
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.options import Distributed
+from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.strategy.base import DIMENSIONS, Plan
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.engine.options import Step
+from memcalc.search.plan_bounds import activations_floor, compute_floor, peak_flops, states_floor
 from memcalc.timing.performance import step_time
 
-__all__ = ("CHECKPOINTS", "PlanCandidate", "PlanResult", "collectives_of", "find_plan", "meshes_over", "model_facts")
+__all__ = ("CHECKPOINTS", "SCHEDULES", "PlanCandidate", "PlanResult", "collectives_of", "find_plan", "meshes_over",
+           "model_facts", "refusal", "step_seconds")
 
 #: The checkpointing tried, from the most memory to the least (and the fastest to the slowest).
 CHECKPOINTS = (OFF, Checkpointing(CheckpointKind.SELECTIVE_OP), FULL)
+#: The pipeline schedules tried (those whose FSDP2 stages memcalc checks against real runs).
+SCHEDULES = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B)
 #: Phases that run once per optimizer step, whatever the accumulation.
 _ONCE_PER_STEP = ("optimizer", "zero_grad")
-_DATA_PARALLEL = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True)
 class PlanCandidate:
-    """One configuration, estimated: its mesh, micro-batch, accumulation and checkpointing, its
+    """One configuration, estimated: its mesh, pipeline schedule (None: no pipeline), micro-batch,
+    micro-batches per step (accumulation, or a pipeline's microbatches) and checkpointing, its
     busiest rank's report, and its time per optimizer step."""
 
     mesh: Mesh
@@ -78,21 +77,37 @@ class PlanCandidate:
     exposed_seconds: float
     seconds: float
     tokens_per_step: int | None
+    schedule: PipelineSchedule | None = None
+    bubble_seconds: float = 0.0
+    checkpoint_label: str = ""
+    once_seconds: float = 0.0  # the optimizer step's and zero_grad's part of compute_seconds
 
     @property
     def tokens_per_second(self) -> float | None:
         return None if self.tokens_per_step is None else self.tokens_per_step / self.seconds
 
+    @property
+    def label(self) -> str:
+        """The checkpointing as chosen (``auto → full``)."""
+        return self.checkpoint_label or self.checkpoint.label
+
     def to_dict(self, network: Network) -> dict[str, Any]:
         report = self.report
         return {"mesh": self.mesh.used or {"dp_shard": 1}, "micro_batch": self.micro_batch,
-                "accum_steps": self.accum_steps, "checkpoint": self.checkpoint.label,
+                "accum_steps": self.accum_steps, "pp_schedule": None if self.schedule is None else self.schedule.value,
+                "checkpoint": self.label,
                 "peak_allocated": report.bytes.peak_allocated, "peak_reserved": report.peak_reserved,
-                "capacity": report.capacity, "headroom": report.headroom, "step_seconds": self.seconds,
-                "compute_seconds": self.compute_seconds, "communication_seconds": self.comm_seconds,
+                "capacity": report.capacity, "headroom": report.headroom, "busiest_rank": _busiest(report),
+                "step_seconds": self.seconds, "compute_seconds": self.compute_seconds,
+                "bubble_seconds": self.bubble_seconds, "communication_seconds": self.comm_seconds,
                 "exposed_communication_seconds": self.exposed_seconds,
                 "tokens_per_second": self.tokens_per_second,
                 "collectives": [c.to_dict(network) for c in self.collectives]}
+
+
+def _busiest(report: MemoryReport) -> str | None:
+    role = report.busiest_role
+    return None if role is None else role.name
 
 
 @dataclass(frozen=True)
@@ -110,13 +125,18 @@ class PlanResult:
     estimates: int
     pruned: tuple[str, ...]
     assumptions: tuple[str, ...]
+    unsupported: int = 0
+    bounded: int = 0
+    reused: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``memcalc plan --format json`` contract."""
+        """The ``memcalc plan --format json`` contract (README, "Many GPUs")."""
         return {"gpus": self.gpus, "global_batch": self.global_batch, "network": self.network.to_dict(),
                 "dimensions_searched": list(self.searched), "dimensions_not_searched": list(self.not_searched),
-                "meshes": [m.describe() for m in self.meshes], "configurations": self.configurations,
-                "estimates": self.estimates, "pruned": list(self.pruned), "assumptions": list(self.assumptions),
+                "meshes": [m.describe() for m in self.meshes], "unsupported_meshes": self.unsupported,
+                "configurations": self.configurations, "estimates": self.estimates,
+                "pruned_by_bounds": self.bounded, "traces_reused": self.reused,
+                "pruned": list(self.pruned), "assumptions": list(self.assumptions),
                 "best": [c.to_dict(self.network) for c in self.best]}
 
 
@@ -144,7 +164,10 @@ def model_facts(step: Step) -> ModelFacts:
                       reduce_bytes=4 if precision.is_amp else stored_bytes,
                       layers=attribute("num_hidden_layers", "n_layer", "num_layers"),
                       heads=attribute("num_attention_heads", "n_head"),
-                      kv_heads=attribute("num_key_value_heads", "num_attention_heads", "n_head"))
+                      kv_heads=attribute("num_key_value_heads", "num_attention_heads", "n_head"),
+                      hidden=attribute("hidden_size", "n_embd", "d_model"), vocab=attribute("vocab_size"),
+                      intermediate=attribute("intermediate_size", "n_inner", "ffn_dim"),
+                      activation_bytes=precision.compute_dtype.itemsize)
 
 
 def meshes_over(gpus: int, facts: ModelFacts) -> list[Mesh]:
@@ -172,242 +195,335 @@ def collectives_of(mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[C
                  for c in DIMENSIONS[name].collectives(mesh, facts, micro_batches))
 
 
+def refusal(step: Step, mesh: Mesh) -> str | None:
+    """Why memcalc cannot estimate ``mesh`` (a composition not modelled yet, such as pp × tp
+    today), found without a trace: the setting's own checks, a whole-step dimension's
+    ``composes_with``, and the others' role planning. None: supported. The one predicate plan asks."""
+    if mesh.world_size == 1:
+        return None
+    try:
+        distributed = Distributed(mesh=mesh)
+        strategies = strategies_for(distributed)
+        whole = [s for s in strategies if s.whole_step]
+        if whole:
+            others = sorted(s.name for s in strategies if s is not whole[0] and s.name not in whole[0].composes_with)
+            if others:
+                return f"not modelled yet ({whole[0].name} with {', '.join(others)})"
+            return None
+        plan = Plan(roles=(), batch=1, global_batch=mesh.dp_replicate * mesh.dp_shard)
+        for strategy in strategies:
+            plan = strategy.plan(plan, step)
+    except MemcalcError as exc:
+        return f"not modelled yet ({str(exc).splitlines()[0]})"
+    return None
+
+
+def step_seconds(compute: float, bubble: float, collectives: tuple[Collective, ...], network: Network,
+                 layers: int | None) -> tuple[float, float, float]:
+    """The communication's seconds, the part not overlapped, and the step's seconds: overlapped
+    collectives hide behind ``compute + bubble``; exposed ones, and the first all-gather's share
+    of one block (``1 / (layers + 1)`` of one forward all-gather, which FSDP cannot prefetch), add."""
+    comm = sum(c.seconds(network) for c in collectives)
+    hidden = sum(c.seconds(network) for c in collectives if c.overlapped)
+    first = [c for c in collectives if c.what.startswith("all-gather of parameters")]
+    share = first[0].seconds(network) / first[0].count / ((layers or 0) + 1) if first else 0.0
+    exposed = comm - hidden + share
+    return comm, exposed, max(compute + bubble, hidden) + exposed
+
+
+@dataclass(frozen=True)
+class _Config:
+    mesh: Mesh
+    ckpt: int
+    micro: int
+    accum: int
+    schedule: PipelineSchedule | None
+    flops: float = 0.0  # the matmul FLOPs' seconds at the GPU's peak
+    floor: float = 0.0  # the compute's lower bound: ``flops``, or what traced configurations say
+    bubble: float = 0.0  # the bubble's lower bound (from the FLOPs)
+    hidden: float = 0.0  # seconds of overlapped collectives
+    exposed: float = 0.0  # seconds of exposed collectives
+    bound: float = 0.0
+
+    def with_compute(self, compute: float) -> float:
+        """The step's lower bound with ``compute`` as the compute's (:func:`step_seconds`)."""
+        return max(compute + self.bubble, self.hidden) + self.exposed
+
+    def kin(self) -> tuple[Any, ...]:
+        """Configurations that run the same kernels per sample, but for data parallelism's split
+        and the micro-batch and checkpointing (whose compute orders: module docstring)."""
+        mesh = self.mesh
+        return mesh.tp, mesh.pp, mesh.cp, mesh.ep, mesh.dp_replicate * mesh.dp_shard, self.schedule
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 1 if self.schedule is None or self.schedule.single_stage else 2
+
+    def family(self) -> tuple[Any, ...]:
+        """Configurations whose memory orders by sharding, checkpointing and micro-batch."""
+        return *self.kin(), self.accum > 1 and self.schedule is None
+
+    def describe(self, checkpoints: tuple[Checkpointing, ...]) -> str:
+        what = (f"{self.schedule.value}, {self.accum} microbatches of {self.micro}" if self.schedule is not None
+                else f"micro-batch {self.micro}, accumulation {self.accum}")
+        return f"{self.mesh.describe()}, {what}, checkpointing {checkpoints[self.ckpt].label}"
+
+
 @dataclass
 class _Search:
     step: Step
     facts: ModelFacts
     network: Network
+    checkpoints: tuple[Checkpointing, ...]
+    on_estimate: Callable[[str], None] | None
     estimates: int = 0
+    reused: int = 0
+    over: int = 0  # configurations whose memory bound exceeds the GPU
     pruned: list[str] = field(default_factory=list)
-    reports: dict[tuple[Mesh, int, int], MemoryReport | None] = field(default_factory=dict)
-    compute: dict[tuple[Mesh, int, int], float] = field(default_factory=dict)
+    reports: dict[tuple[Any, ...], MemoryReport] = field(default_factory=dict)
 
-    def estimate(self, mesh: Mesh, ckpt: int, micro: int, accum: int, timed: bool) -> MemoryReport:
-        step = replace(self.step, batch_size=micro, checkpoint=CHECKPOINTS[ckpt], accum_steps=min(accum, 2),
-                       record_costs=timed)
-        distributed = Distributed() if mesh.world_size == 1 else Distributed(mesh=mesh)
+    sequence: int = 1
+
+    def facts_for(self, config: _Config) -> ModelFacts:
+        tokens = config.micro * self.sequence
+        return replace(self.facts, tokens=tokens, stages_per_rank=config.stages_per_rank,
+                       recompute=self.checkpoints[config.ckpt].kind is CheckpointKind.FULL)
+
+    def report(self, config: _Config) -> MemoryReport:
+        """The busiest rank's timed estimate, one trace per distinct per-rank program."""
+        mesh = config.mesh
+        canonical = replace(mesh, dp_replicate=min(mesh.dp_replicate, 2))
+        key = (canonical, config.ckpt, config.micro, config.accum, config.schedule)
+        known = self.reports.get(key)
+        if known is not None:
+            self.reused += 1
+            return known
+        if self.on_estimate is not None:
+            self.on_estimate(config.describe(self.checkpoints))
+        pipelined = config.schedule is not None
+        step = replace(self.step, batch_size=config.micro * config.accum if pipelined else config.micro,
+                       checkpoint=self.checkpoints[config.ckpt], accum_steps=1 if pipelined else min(config.accum, 2),
+                       record_costs=True)
+        distributed = (Distributed() if mesh.world_size == 1 else
+                       Distributed(mesh=mesh, pp_schedule=config.schedule.value, microbatches=config.accum)
+                       if config.schedule is not None else Distributed(mesh=mesh))
         self.estimates += 1
         report = run_estimate(step, distributed)
-        return replace(report, time=step_time(report)) if timed else report
+        report = replace(report, time=step_time(report))
+        self.reports[key] = report
+        return report
 
 
-def _refusal(step: Step, mesh: Mesh) -> str | None:
-    """Why the strategies refuse ``mesh`` (a combination of dimensions not modelled together, such
-    as ``dp_replicate`` with ``tp`` today), found by planning its roles without a trace; None: none."""
-    if mesh.world_size == 1:
-        return None
-    try:
-        plan = Plan(roles=(), batch=1, global_batch=mesh.dp_replicate * mesh.dp_shard)
-        for strategy in strategies_for(Distributed(mesh=mesh)):
-            plan = strategy.plan(plan, step)
-    except InvalidInputError as exc:
-        return f"not searched ({str(exc).splitlines()[0]})"
-    return None
-
-
-def _seconds(time: StepTime, traced: int, accum: int) -> float:
-    """``accum`` micro-batches and one optimizer step, from an estimate of ``traced`` micro-batches."""
-    once = sum(p.seconds for p in time.phases if p.phase in _ONCE_PER_STEP)
-    return (time.seconds - once) / traced * accum + once
-
-
-def _family(mesh: Mesh) -> tuple[tuple[str, int], ...]:
-    """The degrees other than data parallel's, and the data-parallel size: meshes of one family
-    run the same kernels at the same micro-batch."""
-    degrees = mesh.degrees
-    return (*((n, d) for n, d in degrees.items() if n not in _DATA_PARALLEL),
-            ("dp", degrees["dp_replicate"] * degrees["dp_shard"]))
+def _sequence(step: Step) -> int:
+    """Tokens per sample: the sequence length of a token model, else 1."""
+    inputs = step.resolved(1).inputs
+    shapes = [t.shape for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point()]
+    return int(shapes[0][1]) if shapes else 1
 
 
 def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
 
+def _seconds(time: StepTime, traced: int, accum: int) -> tuple[float, float, float]:
+    """The step's compute for ``accum`` micro-batches and one optimizer step, from a trace of
+    ``traced`` micro-batches; one micro-batch's; the optimizer step's (and zero_grad's)."""
+    once = sum(p.seconds for p in time.phases if p.phase in _ONCE_PER_STEP)
+    per = (time.seconds - once) / traced
+    return per * accum + once, per, once
+
+
+def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float) -> list[_Config]:
+    """Every configuration of ``meshes``, each with the lower bound on its step's seconds."""
+    out: list[_Config] = []
+    sequence = search.sequence
+    layers = search.facts.layers or 1
+    for mesh in meshes:
+        per_rank = global_batch // (mesh.dp_replicate * mesh.dp_shard)
+        shapes: list[tuple[PipelineSchedule | None, int, int]] = []
+        if mesh.pp > 1:
+            for kind in SCHEDULES:
+                if not kind.single_stage and 2 * mesh.pp > layers:
+                    continue  # two stages per rank need two blocks per rank
+                shapes += [(kind, per_rank // m, m) for m in _divisors(per_rank) if mesh.pp <= m <= 4 * mesh.pp]
+        else:
+            shapes += [(None, micro, per_rank // micro) for micro in _divisors(per_rank)]
+        states = states_floor(search.step, search.facts, mesh)
+        for schedule, micro, accum in shapes:
+            in_flight = 1 if schedule is None else accum if schedule is PipelineSchedule.GPIPE else min(mesh.pp, accum)
+            for ckpt, checkpoint in enumerate(search.checkpoints):
+                config = _Config(mesh, ckpt, micro, accum, schedule)
+                held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, in_flight)
+                if search.step.capacity and held > search.step.capacity:
+                    search.over += 1
+                    continue
+                compute = compute_floor(search.facts, mesh, micro * accum * sequence, checkpoint, peak)
+                bubble = compute / accum * (mesh.pp - 1) / config.stages_per_rank
+                collectives = collectives_of(mesh, search.facts_for(config), accum)
+                hidden = sum(c.seconds(search.network) for c in collectives if c.overlapped)
+                exposed = step_seconds(0.0, 0.0, collectives, search.network, search.facts.layers)[1]
+                config = replace(config, flops=compute, floor=compute, bubble=bubble, hidden=hidden, exposed=exposed)
+                out.append(replace(config, bound=config.with_compute(compute)))
+    return out
+
+
 def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, network: Network,
-              top: int = 5, on_estimate: Callable[[str], None] | None = None) -> PlanResult:
+              top: int = 5, on_estimate: Callable[[str], None] | None = None,
+              checkpoint: str = "search") -> PlanResult:
     """The ``top`` fastest configurations of ``step`` on ``gpus`` GPUs that fit (see the module
     docstring). ``step`` names the GPU (its capacity and figures); its batch, checkpointing and
-    accumulation are replaced.
+    accumulation are replaced. ``checkpoint``: ``search`` (off, selective-op and full), ``auto``
+    (:mod:`memcalc.distributed.checkpoint_auto` chooses per configuration), or one setting's label.
 
     Raises:
         InvalidInputError: no mesh splits ``global_batch`` evenly.
-        DoesNotFitError-like: none; an empty ``best`` says nothing fits (``pruned`` says why).
     """
-    meshes = meshes_over(gpus, facts)
-    meshes = [m for m in meshes if global_batch % (m.dp_replicate * m.dp_shard) == 0]
+    checkpoints = _checkpoints(checkpoint)
+    meshes = [m for m in meshes_over(gpus, facts) if global_batch % (m.dp_replicate * m.dp_shard) == 0]
     if not meshes:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly",
                                 hint=f"give a global batch that is a multiple of {gpus}")
-    search = _Search(step, facts, network)
-    refused = {m: _refusal(step, m) for m in meshes}
-    search.pruned += [f"{m.describe()}: {why}" for m, why in refused.items() if why is not None]
+    search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(step))
+    wide = [m for m in meshes if m.tp > network.gpus_per_node]
+    if wide:
+        search.pruned.append(f"{len(wide)} meshes with tp beyond one node ({network.gpus_per_node} GPUs): not searched "
+                             f"(each block would wait on the network)")
+    meshes = [m for m in meshes if m.tp <= network.gpus_per_node]
+    refused = {m: refusal(step, m) for m in meshes}
+    unsupported = [m for m in meshes if refused[m] is not None]
+    search.pruned += [f"{m.describe()}: {refused[m]}" for m in unsupported]
     meshes = [m for m in meshes if refused[m] is None]
-    families: dict[tuple[tuple[str, int], ...], list[Mesh]] = {}
-    for mesh in meshes:
-        families.setdefault(_family(mesh), []).append(mesh)
-    configurations = sum(3 * len(_divisors(global_batch // (m.dp_replicate * m.dp_shard))) for m in meshes)
-    timed: list[tuple[float, Mesh, int, int, int]] = []  # (lower-bound seconds, mesh, ckpt, micro, accum)
-    for members in families.values():
-        members.sort(key=lambda m: -m.dp_shard)  # the most sharded first: the least memory
-        timed += _family_candidates(search, members, global_batch, on_estimate)
-    timed.sort(key=lambda t: (t[0], -t[1].dp_shard))
+    capacity = step.capacity or 0
+    heavy = [m for m in meshes if capacity and states_floor(step, facts, m) > capacity]
+    if heavy:
+        search.pruned.append(f"{len(heavy)} meshes whose model states alone exceed the GPU (at least "
+                             f"{_gib(min(states_floor(step, facts, m) for m in heavy))}): not estimated "
+                             f"({'; '.join(m.describe() for m in heavy[:6])}{'; …' if len(heavy) > 6 else ''})")
+    meshes = [m for m in meshes if m not in heavy]
+    configs = _configs(search, meshes, global_batch, peak_flops(step))
+    if not configs and not search.over:
+        raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly (into "
+                                f"data-parallel ranks and micro-batches, or a pipeline's {gpus} microbatches or more)",
+                                hint=f"give a global batch that is a multiple of {gpus}")
+    if search.over:
+        search.pruned.append(f"{search.over} configurations whose model states and kept activations (their lower "
+                             f"bounds) exceed the GPU: not estimated")
+    queue = [(c.bound, -c.mesh.dp_shard, c.mesh.dp_replicate, i) for i, c in enumerate(configs)]
+    heapq.heapify(queue)
+    failing: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}  # (dp_shard, ckpt, micro) that did not fit
+    traced: dict[tuple[Any, ...], list[tuple[int, int, int, float]]] = {}  # (dp_shard, ckpt, micro, compute)
+    ratios: list[tuple[int, int, int, int, float]] = []  # (tp, dp_shard, ckpt, micro, seconds per FLOP-second)
     best: list[PlanCandidate] = []
-    for bound, mesh, ckpt, micro, accum in timed:
-        if len(best) >= top and sorted(c.seconds for c in best)[top - 1] <= bound:
-            break  # every candidate left is at least this slow
-        candidate = _confirm(search, mesh, ckpt, micro, accum, on_estimate)
-        if candidate is not None:
-            best.append(candidate)
-    best = sorted(best, key=lambda c: c.seconds)[:top]
+    broken: set[tuple[bool, int]] = set()  # (pipelined, checkpointing) the model or memcalc refuses
+    bounded = 0
+    while queue:
+        bound, shard, replicas, index = heapq.heappop(queue)
+        config = configs[index]
+        if len(best) >= top and best[top - 1].seconds <= bound:
+            bounded = len(queue) + 1
+            break  # every configuration left is at least this slow
+        floor = max([compute for s, c, m, compute in traced.get(config.kin(), [])
+                     if config.mesh.dp_shard <= s and config.ckpt >= c and config.micro <= m]
+                    + [config.flops * r for tp, s, c, m, r in ratios
+                       if tp <= config.mesh.tp and s >= config.mesh.dp_shard and c <= config.ckpt
+                       and m >= config.micro], default=0.0)
+        if floor > config.floor:  # a traced sibling bounds it more tightly: back in the queue
+            configs[index] = config = replace(config, floor=floor, bound=config.with_compute(floor))
+            heapq.heappush(queue, (config.bound, shard, replicas, index))
+            continue
+        if any(shards >= config.mesh.dp_shard and ckpt >= config.ckpt and micro <= config.micro
+               for shards, ckpt, micro in failing.get(config.family(), [])):
+            continue  # more sharding, more checkpointing or a smaller micro-batch did not fit
+        pipelined = config.schedule is not None
+        if (pipelined, config.ckpt) in broken:
+            continue
+        try:
+            candidate = _confirm(search, config)
+        except MemcalcError as exc:  # a model without blocks to checkpoint, a batch a schedule refuses
+            why = str(exc).splitlines()[0]
+            where = "under a pipeline" if pipelined else "without a pipeline"
+            broken.add((pipelined, config.ckpt))
+            label = checkpoints[config.ckpt].label
+            search.pruned.append(f"checkpointing {label}: not applicable ({why})" if "checkpoint" in why.lower()
+                                 else f"checkpointing {label} {where}: not estimated, as "
+                                      f"{config.describe(checkpoints)} failed ({why})")
+            continue
+        if candidate is None:
+            failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
+            continue
+        traced.setdefault(config.kin(), []).append((config.mesh.dp_shard, config.ckpt, config.micro,
+                                                    candidate.compute_seconds))
+        if not pipelined and config.flops > 0:
+            ratios.append((config.mesh.tp, config.mesh.dp_shard, config.ckpt, config.micro,
+                           (candidate.compute_seconds - candidate.once_seconds) / config.flops))
+        best = sorted([*best, candidate], key=lambda c: c.seconds)
     searched = tuple(n for n in APPLICATION_ORDER if n in DIMENSIONS and DIMENSIONS[n].planned)
-    return PlanResult(best=tuple(best), gpus=gpus, global_batch=global_batch, network=network,
+    return PlanResult(best=tuple(best[:top]), gpus=gpus, global_batch=global_batch, network=network,
                       searched=searched, not_searched=tuple(n for n in APPLICATION_ORDER if n not in searched),
-                      meshes=tuple(meshes), configurations=configurations, estimates=search.estimates,
-                      pruned=tuple(search.pruned), assumptions=_ASSUMPTIONS)
+                      meshes=tuple(meshes), configurations=len(configs) + search.over, estimates=search.estimates,
+                      pruned=tuple(search.pruned), assumptions=_ASSUMPTIONS, unsupported=len(unsupported),
+                      bounded=bounded, reused=search.reused)
+
+
+def _checkpoints(checkpoint: str) -> tuple[Checkpointing, ...]:
+    if checkpoint == "search":
+        return CHECKPOINTS
+    if checkpoint == "auto":
+        return (AUTO,)
+    for option in CHECKPOINTS:
+        if option.label == checkpoint:
+            return (option,)
+    raise InvalidInputError(f"plan's checkpoint must be search, auto, off, selective-op or full, got {checkpoint!r}")
 
 
 _ASSUMPTIONS = (
-    "collectives overlap compute: a step takes max(compute, communication) plus the first all-gather's "
-    "share of one block (1 / (layers + 1) of a forward all-gather), which FSDP cannot prefetch",
+    "a step takes max(compute + pipeline bubble, overlapped collectives) + exposed collectives + the first "
+    "all-gather's share of one block (1 / (layers + 1) of a forward all-gather), which FSDP cannot prefetch",
+    "overlapped: FSDP's all-gathers and reduce-scatters, HSDP/DDP's all-reduces, a pipeline's sends; exposed: tensor "
+    "parallelism's activation collectives (no async tensor parallelism)",
     "ring collectives: a rank receives size × (n − 1) / n per all-gather or reduce-scatter, twice that per "
     "all-reduce; a group within one node runs at NVLink's bandwidth, else at the network's; latency not modelled",
-    "FSDP2 FULL_SHARD all-gathers in forward and backward and reduce-scatters every micro-batch; DDP/HSDP "
-    "all-reduce every micro-batch (no no_sync)",
-    "the most-sharded mesh's compute (the smallest optimizer step, no autocast casts) bounds the others' from "
-    "below: candidates are estimated in that order until the best are known",
+    "FSDP2 FULL_SHARD all-gathers in forward and backward and reduce-scatters every micro-batch (under a pipeline: "
+    "once per step, reshard_after_forward=False); DDP/HSDP all-reduce every micro-batch (no no_sync); a rank moves "
+    "1 / (tp × pp) of the parameters",
+    "tensor parallelism: torchtitan's Llama plan with sequence parallelism, 4 all-gathers and 4 reduce-scatters of a "
+    "block's activation per micro-batch (6 + 6 under full checkpointing), the logits all-gathered (no loss_parallel)",
+    "pipeline: bubble = (pp − 1) / stages per rank × one microbatch's compute of the busiest rank; each microbatch's "
+    "activation and its gradient cross every stage boundary at the slowest link of the pp group",
+    "pruning bounds (never above the truth): model states of a rank ≥ the textbook bytes over dp_shard × tp × pp; "
+    "compute ≥ the matmul FLOPs at the GPU's dense peak for the compute dtype",
     "compute: memcalc's roofline of the traced kernels (memcalc.step_time), ±24% on its calibration steps",
 )
 
 
-def _family_candidates(search: _Search, members: list[Mesh], global_batch: int,
-                       on_estimate: Callable[[str], None] | None) -> Iterator[tuple[float, Mesh, int, int, int]]:
-    """The configurations of one mesh family worth confirming, each with its time: the compute is
-    traced on the most-sharded mesh (whose fit is then known), from full checkpointing (the least
-    memory) to none, the largest micro-batches that fit first."""
-    rep = members[0]
-    dp = rep.dp_replicate * rep.dp_shard
-    per_rank = global_batch // dp
-    micro_batches = _divisors(per_rank)
-    smallest_failing: dict[int, int] = {}  # ckpt -> smallest micro-batch that does not fit at rep
-    for ckpt in reversed(range(len(CHECKPOINTS))):
-        label = CHECKPOINTS[ckpt].label
-        # less checkpointing needs at least as much memory: what failed under more fails here
-        limit = min([smallest_failing[c] for c in smallest_failing if c > ckpt], default=per_rank + 1)
-        tried = [m for m in micro_batches if m < limit]
-        if not tried:
-            search.pruned.append(f"{rep.describe()} with checkpointing {label}: not estimated, as more "
-                                 f"checkpointing did not fit at micro-batch {limit}")
-            smallest_failing[ckpt] = limit
-            continue
-        try:
-            fitting = _largest_fitting(search, rep, ckpt, tried, per_rank, on_estimate)
-        except InvalidInputError as exc:  # a model without blocks memcalc can checkpoint
-            if not CHECKPOINTS[ckpt]:
-                raise
-            search.pruned.append(f"checkpointing {label}: not applicable ({str(exc).splitlines()[0]})")
-            smallest_failing[ckpt] = per_rank + 1
-            continue
-        failing = [m for m in tried if m > (fitting[0] if fitting else 0)]
-        smallest_failing[ckpt] = min([*failing, limit])
-        if fitting and failing:
-            search.pruned.append(f"{rep.describe()} with checkpointing {label}: micro-batch {min(failing)} and "
-                                 f"larger do not fit (nor, then, on a less sharded mesh)")
-        if not fitting:
-            search.pruned.append(f"{rep.describe()} with checkpointing {label}: not even micro-batch "
-                                 f"{tried[0]} fits (nor, then, a less sharded mesh)")
-            continue
-        for micro in fitting:
-            accum = per_rank // micro
-            seconds = search.compute[(rep, ckpt, micro)]
-            for mesh in members:
-                yield _timing(search, mesh, seconds, accum)[3], mesh, ckpt, micro, accum
-    return
-
-
-def _largest_fitting(search: _Search, rep: Mesh, ckpt: int, tried: list[int], per_rank: int,
-                     on_estimate: Callable[[str], None] | None) -> list[int]:
-    """The two largest of ``tried`` that fit on ``rep`` (each timed). Memory grows with the
-    micro-batch, save that accumulating keeps the gradients alive: the micro-batch that does not
-    accumulate (the whole per-rank batch) is tried apart from those that do, which are bisected
-    (the largest first: on a small model everything fits)."""
-    def fits(micro: int) -> bool:
-        return _estimate(search, rep, ckpt, micro, per_rank // micro, True, on_estimate).fits is not False
-
-    found = [m for m in tried if m == per_rank and fits(m)]
-    parts = [m for m in tried if m != per_rank]
-    lo, hi = -1, len(parts)  # parts[lo] fits (or lo == -1), parts[hi] does not (or hi == len)
-    if parts:
-        if fits(parts[-1]):
-            lo = len(parts) - 1
-        else:
-            hi = len(parts) - 1
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(parts[mid]) else (lo, mid)
-    if lo >= 0:
-        found.append(parts[lo])
-        if len(found) < 2 and lo >= 1 and fits(parts[lo - 1]):
-            found.append(parts[lo - 1])
-    return sorted(found, reverse=True)[:2]
-
-
-def _estimate(search: _Search, mesh: Mesh, ckpt: int, micro: int, accum: int, timed: bool,
-              on_estimate: Callable[[str], None] | None) -> MemoryReport:
-    key = (mesh, ckpt, micro)
-    known = search.reports.get(key)
-    if known is not None and (not timed or known.time is not None):
-        return known
-    if on_estimate is not None:
-        on_estimate(f"{mesh.describe()}, micro-batch {micro}, accumulation {accum}, "
-                    f"checkpointing {CHECKPOINTS[ckpt].label}")
-    report = search.estimate(mesh, ckpt, micro, accum, timed)
-    search.reports[key] = report
-    if report.time is not None:
-        search.compute[key] = _seconds(report.time, min(accum, 2), accum)
-    return report
-
-
-def _timing(search: _Search, mesh: Mesh, compute: float,
-            accum: int) -> tuple[tuple[Collective, ...], float, float, float]:
-    """The collectives, their seconds, the part not overlapped, and the step's seconds."""
-    collectives = collectives_of(mesh, search.facts, accum)
-    comm = sum(c.seconds(search.network) for c in collectives)
-    blocks = (search.facts.layers or 0) + 1
-    first = [c for c in collectives if c.what.startswith("all-gather")]
-    exposed = first[0].seconds(search.network) / first[0].count / blocks if first else 0.0
-    return collectives, comm, exposed, max(compute, comm) + exposed
-
-
-def _confirm(search: _Search, mesh: Mesh, ckpt: int, micro: int, accum: int,
-             on_estimate: Callable[[str], None] | None) -> PlanCandidate | None:
-    """The candidate estimated on its own mesh, or None (pruned) when it does not fit."""
-    rep_key = max((k for k in search.compute if k[1] == ckpt and k[2] == micro and _family(k[0]) == _family(mesh)),
-                  key=lambda k: k[0].dp_shard)
-    rep_report = search.reports[rep_key]
-    assert rep_report is not None
-    label = f"{mesh.describe()}, micro-batch {micro}, checkpointing {CHECKPOINTS[ckpt].label}"
-    if mesh != rep_key[0]:
-        states = sum(getattr(rep_report.bytes, s) for s in ("parameters", "gradients", "optimizer_state"))
-        bound = rep_report.bytes.peak_allocated + states * (rep_key[0].dp_shard / mesh.dp_shard - 1)
-        if rep_report.capacity is not None and bound > rep_report.capacity:
-            held = _gib(states * rep_key[0].dp_shard / mesh.dp_shard)
-            search.pruned.append(f"{label}: its sharded model states ({held}) and the rest of the traced peak "
-                                 f"exceed the GPU (not estimated)")
-            return None
-    report = _estimate(search, mesh, ckpt, micro, accum, True, on_estimate)
+def _confirm(search: _Search, config: _Config) -> PlanCandidate | None:
+    """The configuration estimated and timed, or None (pruned) when it does not fit."""
+    report = search.report(config)
+    label = config.describe(search.checkpoints)
     if report.fits is False:
         search.pruned.append(f"{label}: does not fit ({_gib(report.bytes.peak_allocated)} allocated at its peak)")
         return None
-    compute = search.compute[(mesh, ckpt, micro)]
-    collectives, comm, exposed, seconds = _timing(search, mesh, compute, accum)
-    time = rep_report.time
-    tokens = None if time is None or time.tokens is None or not time.samples else (
-        time.tokens // time.samples * micro * accum * mesh.dp_replicate * mesh.dp_shard)
-    return PlanCandidate(mesh=mesh, checkpoint=CHECKPOINTS[ckpt], micro_batch=micro, accum_steps=accum,
-                         report=report, compute_seconds=compute, collectives=collectives, comm_seconds=comm,
-                         exposed_seconds=exposed, seconds=seconds, tokens_per_step=tokens)
+    time = report.time
+    assert time is not None
+    pipelined = config.schedule is not None
+    compute, per, once = _seconds(time, config.accum if pipelined else min(config.accum, 2),
+                                  1 if pipelined else config.accum)
+    if pipelined:
+        compute = time.seconds
+    bubble = per * (config.mesh.pp - 1) / config.stages_per_rank
+    collectives = collectives_of(config.mesh, search.facts_for(config), config.accum)
+    comm, exposed, seconds = step_seconds(compute, bubble, collectives, search.network, search.facts.layers)
+    mesh = config.mesh
+    tokens = None if time.tokens is None or not time.samples else (
+        time.tokens // time.samples * config.micro * config.accum * mesh.dp_replicate * mesh.dp_shard)
+    chosen = next((n.split("chose ", 1)[1].split(":", 1)[0] for n in report.notes
+                   if n.startswith("checkpoint auto chose ")), None)
+    return PlanCandidate(mesh=mesh, checkpoint=search.checkpoints[config.ckpt], micro_batch=config.micro,
+                         accum_steps=config.accum, report=report, compute_seconds=compute, collectives=collectives,
+                         comm_seconds=comm, exposed_seconds=exposed, seconds=seconds, tokens_per_step=tokens,
+                         schedule=config.schedule, bubble_seconds=bubble, once_seconds=once,
+                         checkpoint_label=f"auto → {chosen}" if chosen else "")
 
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
-

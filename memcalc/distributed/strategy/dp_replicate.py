@@ -38,11 +38,12 @@ class DpReplicate(RankStrategy):
     def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
         """An all-reduce (reduce-scatter then all-gather: twice a ring's bytes) of the gradients
         every backward: DDP's whole gradients, or under HSDP each replica's shard of them (1 /
-        dp_shard). memcalc's loops do not use ``no_sync``, so it runs every micro-batch."""
+        dp_shard), of a rank's tensor-parallel shard. memcalc's loops do not use ``no_sync``, so it
+        runs every micro-batch."""
         r, span = mesh.dp_replicate, group_span(mesh, "dp_replicate")
         if r == 1:
             return ()
-        size = facts.trainable * facts.reduce_bytes / mesh.dp_shard
+        size = facts.trainable * facts.reduce_bytes / (mesh.dp_shard * mesh.tp * mesh.pp)
         what = "all-reduce of gradients" + (" (HSDP: each replica's shard)" if mesh.dp_shard > 1 else "")
         return (Collective(cls.name, what, 2 * ring_bytes(size, r) * micro_batches, span, micro_batches),)
 

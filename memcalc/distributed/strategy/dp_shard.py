@@ -43,12 +43,18 @@ class DpShard(RankStrategy):
     def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
         """FULL_SHARD, per micro-batch (FSDP2 reshards after forward and reduce-scatters every
         backward unless told not to): the parameters all-gathered in the forward and again in the
-        backward, the gradients reduce-scattered."""
+        backward, the gradients reduce-scattered. A rank gathers its own tensor-parallel shard of
+        its own stage's parameters (1 / (tp × pp) of them); under a pipeline once per step
+        (``reshard_after_forward=False``, gradients reduced after the last microbatch)."""
         n, span = mesh.dp_shard, group_span(mesh, "dp_shard")
         if n == 1:
             return ()
-        gather = ring_bytes(facts.parameters * facts.gather_bytes, n)
-        reduce = ring_bytes(facts.trainable * facts.reduce_bytes, n)
+        owned = mesh.tp * mesh.pp
+        gather = ring_bytes(facts.parameters * facts.gather_bytes / owned, n)
+        reduce = ring_bytes(facts.trainable * facts.reduce_bytes / owned, n)
+        if mesh.pp > 1:
+            return (Collective(cls.name, "all-gather of parameters (once: kept over the microbatches)", gather, span),
+                    Collective(cls.name, "reduce-scatter of gradients (after the last microbatch)", reduce, span))
         return (Collective(cls.name, "all-gather of parameters (forward and backward)",
                            2 * gather * micro_batches, span, 2 * micro_batches),
                 Collective(cls.name, "reduce-scatter of gradients", reduce * micro_batches, span, micro_batches))

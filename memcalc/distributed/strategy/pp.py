@@ -27,6 +27,8 @@ from dataclasses import replace
 
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport, Shard
+from memcalc.distributed.collectives import Collective, ModelFacts, group_span
+from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import Pipeline, estimate_pipeline, stage_mesh
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.program import RankProgram, StackedProgram
@@ -53,7 +55,26 @@ class PipelineParallel(RankStrategy):
     options = frozenset({"pp_schedule", "microbatches", "pp_split"})
     whole_step = True
     composes_with = frozenset({"dp_shard", "tp"})
-    planned = False  # the pipeline bubble and the stage sends are not in plan's cost model yet
+
+    @classmethod
+    def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
+        """Divisors of ``gpus`` up to the blocks (each stage at least one block); 1 for a model
+        without blocks."""
+        layers = facts.layers or 1
+        return tuple(d for d in range(1, min(gpus, layers) + 1) if gpus % d == 0)
+
+    @classmethod
+    def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
+        """Each microbatch's activation ``tokens × hidden × activation_bytes`` received from the
+        previous stage in the forward and its gradient from the next in the backward, once per
+        stage a rank holds. The pipeline is as fast as its slowest link: the whole pp group's
+        span. Overlapped: a steady-state schedule sends one microbatch while computing another."""
+        if mesh.pp == 1 or facts.hidden is None or not facts.tokens:
+            return ()
+        size = facts.tokens * facts.hidden * facts.activation_bytes
+        count = 2 * micro_batches * facts.stages_per_rank
+        return (Collective(cls.name, "send/recv of stage activations and their gradients", size * count,
+                           group_span(mesh, "pp"), count),)
 
     @property
     def pipeline(self) -> Pipeline:

@@ -27,6 +27,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import Shard
+from memcalc.distributed.collectives import Collective, ModelFacts, group_span, ring_bytes
+from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, Role, every_rank, register, sharding
 from memcalc.distributed.tensor_parallel import tensor_parallel
 from memcalc.distributed.tp_plans import planned_modules, resolve_plan
@@ -42,8 +44,42 @@ class TensorParallelDimension(RankStrategy):
 
     name = "tp"
     mesh_dimension = "tp"
-    planned = False  # its activation collectives are not in plan's cost model yet
     options = frozenset({"tp_plan", "loss_parallel"})
+
+    @classmethod
+    def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
+        """Divisors of ``gpus`` that divide the attention and KV heads (each rank its whole heads)."""
+        if facts.heads is None or facts.kv_heads is None or facts.hidden is None:
+            return (1,)
+        return tuple(d for d in range(1, gpus + 1)
+                     if gpus % d == 0 and facts.heads % d == 0 and facts.kv_heads % d == 0)
+
+    @classmethod
+    def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
+        """torchtitan's Llama plan with sequence parallelism, per micro-batch of ``facts.tokens``
+        tokens (an activation ``A = tokens × hidden × activation_bytes``): each block all-gathers
+        ``A`` before attention and before the MLP and reduce-scatters ``A`` after each (forward:
+        2 + 2), and the backward does the same in reverse (2 + 2), the recomputed forward again
+        under full checkpointing; the embedding reduce-scatters ``A`` (its backward all-gathers it),
+        the final norm's output is all-gathered for the head (reduce-scattered back), and without
+        ``loss_parallel`` the logits ``tokens × vocab`` are all-gathered. Each a ring over ``tp``.
+        Exposed: every block waits on them (no async tensor parallelism)."""
+        n = mesh.tp
+        if n == 1 or facts.hidden is None or not facts.tokens:
+            return ()
+        span = group_span(mesh, "tp")
+        layers = -(-(facts.layers or 0) // mesh.pp)  # the busiest stage's blocks
+        activation = ring_bytes(facts.tokens * facts.hidden * facts.activation_bytes, n)
+        per_block = 8 + (4 if facts.recompute else 0)
+        out = [Collective(cls.name, "all-gather and reduce-scatter of block activations (sequence parallel)",
+                          per_block * layers * activation * micro_batches, span, per_block * layers * micro_batches,
+                          overlapped=False)]
+        if facts.vocab is not None:
+            logits = ring_bytes(facts.tokens * facts.vocab * facts.activation_bytes, n)
+            out.append(Collective(cls.name, "embedding, head input and logits (all-gather / reduce-scatter)",
+                                  (4 * activation + logits) * micro_batches, span, 5 * micro_batches,
+                                  overlapped=False))
+        return tuple(out)
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         self._refuse_others()

@@ -1,0 +1,45 @@
+"""How long does ``memcalc plan`` take on the question it is for? Issue 33's target: ``memcalc plan
+llama-3-70b --gpus 64 --gpu h100-80gb --global-batch 64 --seq-len 8192`` answers in under a
+minute. The target lives here, not in a timed test (a shared machine makes a wall-clock assertion
+flaky): the line gives the wall time, the process's CPU time (user + system: what the search
+costs whatever else runs on the machine) and each one's ratio to the target, and the number of
+traces the search ran.
+
+    python benchmarks/plan_speed.py
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+TARGET_SECONDS = 60.0
+COMMAND = ["plan", "llama-3-70b", "--gpus", "64", "--gpu", "h100-80gb", "--global-batch", "64", "--seq-len", "8192",
+           "--format", "json"]
+
+
+def main() -> None:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "memcalc", *COMMAND], capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if done.returncode not in (0, 1):
+        sys.exit(done.stderr or done.stdout)
+    data = json.loads(done.stdout)
+    best = data["best"][0] if data["best"] else None
+    print(f"memcalc {' '.join(COMMAND[:-2])}")
+    print(f"  wall {wall:.1f} s (ratio to the {TARGET_SECONDS:.0f} s target: {wall / TARGET_SECONDS:.2f}), "
+          f"CPU {cpu:.1f} s (ratio {cpu / TARGET_SECONDS:.2f}); {data['estimates']} traces, "
+          f"{data['traces_reused']} reused, {data['configurations']} configurations")
+    if best is not None:
+        print(f"  best: {best['mesh']} {best['pp_schedule'] or ''} micro-batch {best['micro_batch']} × "
+              f"{best['accum_steps']}, checkpointing {best['checkpoint']}, {best['step_seconds']:.2f} s per step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The cheap bounds ``memcalc plan`` prunes with before it traces anything.
+
+Both are lower bounds, so pruning on them never drops a configuration that would have won:
+
+- **memory**: the model states a rank holds whatever its activations (:func:`states_floor`):
+  each trainable parameter's stored bytes × the optimizer's textbook multiplier (weights,
+  gradients and state), each frozen one's stored bytes, over the shards that split them
+  (``dp_shard × tp × pp``; ``dp_replicate`` copies). A pipeline stage under FSDP2 also holds its
+  unsharded parameters (gathered dtype) and unsharded gradients (reduce dtype) over the
+  microbatches (``reshard_after_forward=False``). The busiest rank holds at least the average.
+  Beside them, the activations its backward keeps (:func:`activations_floor`), per token: every
+  block's input (any checkpointing keeps it); without checkpointing also the inputs of its linear
+  layers (the two norms' outputs, the attention's output: 3 × hidden) and two MLP-wide tensors
+  (the up-projection's output and the down-projection's input; 4 × hidden when the width is not
+  known); under checkpointing one block recomputed whole; the logits on the last stage (with one
+  microbatch in flight), the others' microbatches in flight on the first. In the
+  compute dtype, split by ``tp`` (sequence parallelism shards what tensor parallelism does not);
+  a pipeline rank keeps its blocks' share per microbatch in flight (GPipe: all; 1F1B: ``pp``).
+- **time**: the matmul FLOPs of the rank's share of the step (:func:`compute_floor`): forward
+  ``2 × params × tokens``, backward ``2 ×`` that for the inputs' gradients plus ``2 ×`` the
+  trainable parameters' for the weights' gradients, and the forward again under full
+  checkpointing, over the GPU's dense peak for the compute dtype (the roofline divides each
+  kernel's FLOPs by that peak times an efficiency ≤ 1, and adds memory-bound kernels). The
+  embedding (a gather, no matmul) is left out; attention's FLOPs are left out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memcalc.core.checkpointing import Checkpointing, CheckpointKind
+from memcalc.distributed.collectives import ModelFacts
+from memcalc.distributed.mesh import Mesh
+from memcalc.engine.options import Step
+from memcalc.timing.performance import device_rates
+
+__all__ = ("activations_floor", "compute_floor", "peak_flops", "states_floor")
+
+_MODES = {torch.bfloat16: ("bf16",), torch.float16: ("fp16",), torch.float32: ("fp32", "tf32")}
+
+
+def states_floor(step: Step, facts: ModelFacts, mesh: Mesh) -> float:
+    """Bytes of model states a rank of ``mesh`` holds at least (module docstring)."""
+    stored = step.precision.parameter_dtype.itemsize
+    multiplier = step.optimizer.textbook_multiplier
+    frozen = facts.parameters - facts.trainable
+    held = (facts.trainable * stored * multiplier + frozen * stored) / (mesh.dp_shard * mesh.tp * mesh.pp)
+    if mesh.pp > 1 and mesh.dp_shard > 1:
+        stage = 1 / (mesh.tp * mesh.pp)
+        # unsharded parameters and gradients replace the sharded gradients over the microbatches
+        held += (facts.parameters * facts.gather_bytes + facts.trainable * facts.reduce_bytes) * stage
+        held -= facts.trainable * stored / (mesh.dp_shard * mesh.tp * mesh.pp)
+    return held
+
+
+def peak_flops(step: Step) -> float:
+    """The GPU's dense peak FLOP/s for the step's compute dtype (fp32: tf32's where it has it)."""
+    peaks = dict(device_rates(step.gpu).peaks)
+    modes = _MODES.get(step.precision.compute_dtype, ("fp32",))
+    return max(peaks.get(m, 0.0) for m in modes) or max(peaks.values())
+
+
+def compute_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkpointing, peak: float) -> float:
+    """Seconds a rank's matmuls take at least for ``tokens`` tokens per optimizer step."""
+    embedding = facts.vocab * facts.hidden if facts.vocab is not None and facts.hidden is not None else 0
+    matmul = max(facts.parameters - embedding, 0)
+    trained = max(facts.trainable - embedding, 0)
+    flops = 4 * matmul + 2 * trained + (2 * matmul if checkpoint.kind is CheckpointKind.FULL else 0)
+    return tokens * flops / (mesh.tp * mesh.pp) / peak
+
+
+def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkpointing,
+                      in_flight: int) -> float:
+    """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``."""
+    if facts.hidden is None or facts.layers is None:
+        return 0.0
+    block = 4 * facts.hidden + 2 * (facts.intermediate or 2 * facts.hidden)  # one block's, whole
+    blocks = facts.layers // mesh.pp
+    per = blocks * (block if checkpoint.kind is CheckpointKind.OFF else facts.hidden)
+    recomputed = 0 if checkpoint.kind is CheckpointKind.OFF else block
+    # the first stage keeps every microbatch in flight; the last (or only) one, at least one, and the logits
+    kept = max(in_flight * per, per + (facts.vocab or 0)) + recomputed
+    return kept * tokens * facts.activation_bytes / mesh.tp
