@@ -274,8 +274,8 @@ def test_step_seconds_by_hand():
 
 
 def test_pruning_bounds_by_hand():
-    from memcalc.fields import build_step
     from memcalc.core.checkpointing import FULL, OFF
+    from memcalc.fields import build_step
     from memcalc.search.plan_bounds import activations_floor, compute_floor, peak_flops, states_floor
 
     step = build_step("llama-tiny", batch_size=1, seq_len=64, precision="amp-bf16", gpu="h100-80gb")
