@@ -45,6 +45,7 @@ from memcalc.distributed.options import Distributed
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.strategy.base import DIMENSIONS, Plan
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
+from memcalc.distributed.tp_plans import resolve_plan
 from memcalc.engine.options import Step
 from memcalc.search.plan_bounds import activations_floor, compute_floor, peak_flops, states_floor
 from memcalc.timing.performance import step_time
@@ -209,6 +210,9 @@ def refusal(step: Step, mesh: Mesh) -> str | None:
             others = sorted(s.name for s in strategies if s is not whole[0] and s.name not in whole[0].composes_with)
             if others:
                 return f"not modelled yet ({whole[0].name} with {', '.join(others)})"
+            if mesh.tp > 1:  # tensor parallelism inside the stages needs a plan of the model's own
+                resolved = step.resolved(batch_size=1)
+                resolve_plan(resolved.module, None, resolved.name)
             return None
         plan = Plan(roles=(), batch=1, global_batch=mesh.dp_replicate * mesh.dp_shard)
         for strategy in strategies:
@@ -401,7 +405,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                              f"({'; '.join(m.describe() for m in heavy[:6])}{'; …' if len(heavy) > 6 else ''})")
     meshes = [m for m in meshes if m not in heavy]
     configs = _configs(search, meshes, global_batch, peak_flops(step))
-    if not configs and not search.over:
+    if not configs and not search.over and not heavy:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly (into "
                                 f"data-parallel ranks and micro-batches, or a pipeline's {gpus} microbatches or more)",
                                 hint=f"give a global batch that is a multiple of {gpus}")
@@ -414,7 +418,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     traced: dict[tuple[Any, ...], list[tuple[int, int, int, float]]] = {}  # (dp_shard, ckpt, micro, compute)
     ratios: list[tuple[int, int, int, int, float]] = []  # (tp, dp_shard, ckpt, micro, seconds per FLOP-second)
     best: list[PlanCandidate] = []
-    broken: set[tuple[bool, int]] = set()  # (pipelined, checkpointing) the model or memcalc refuses
+    broken: set[tuple[Mesh, bool, int]] = set()  # (mesh, pipelined, checkpointing) memcalc refuses
     bounded = 0
     while queue:
         bound, shard, replicas, index = heapq.heappop(queue)
@@ -435,17 +439,17 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                for shards, ckpt, micro in failing.get(config.family(), [])):
             continue  # more sharding, more checkpointing or a smaller micro-batch did not fit
         pipelined = config.schedule is not None
-        if (pipelined, config.ckpt) in broken:
+        if (config.mesh, pipelined, config.ckpt) in broken:
             continue
         try:
             candidate = _confirm(search, config)
         except MemcalcError as exc:  # a model without blocks to checkpoint, a batch a schedule refuses
             why = str(exc).splitlines()[0]
             where = "under a pipeline" if pipelined else "without a pipeline"
-            broken.add((pipelined, config.ckpt))
+            broken.add((config.mesh, pipelined, config.ckpt))
             label = checkpoints[config.ckpt].label
             search.pruned.append(f"checkpointing {label}: not applicable ({why})" if "checkpoint" in why.lower()
-                                 else f"checkpointing {label} {where}: not estimated, as "
+                                 else f"{config.mesh.describe()}, checkpointing {label} {where}: not estimated, as "
                                       f"{config.describe(checkpoints)} failed ({why})")
             continue
         if candidate is None:
