@@ -39,7 +39,7 @@ def _count(module: torch.nn.Module) -> int:
 def test_every_language_model_of_the_zoo_has_a_released_config() -> None:
     families = {e.family for e in HF_ENTRIES}
     assert families == {"llama", "mistral", "qwen2", "gemma2", "gpt2", "bert"}
-    assert len(HF_ENTRIES) == 16
+    assert len(HF_ENTRIES) == 17  # llama-3.1-405b joined (issue 33)
     transformers_only = {e.family for e in models_zoo.entries() if e.hf is not None and not e.has_plain_torch}
     assert transformers_only == {"mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"}
     # the others reproduce torchvision or papers, not a Hugging Face checkpoint

@@ -27,6 +27,7 @@ ZOO_LISTING: tuple[tuple[str, str, int | None, int | None, str, str | None, bool
     ('llama-tiny', 'llama', 54927872, 54927872, 'seq 512, vocab 32000', 'LlamaForCausalLM', True),
     ('llama-3-8b', 'llama', 8030261248, 8030261248, 'seq 8192, vocab 128256', 'LlamaForCausalLM', True),
     ('llama-3-70b', 'llama', 70553706496, 70553706496, 'seq 8192, vocab 128256', 'LlamaForCausalLM', True),
+    ('llama-3.1-405b', 'llama', 405853388800, 405853388800, 'seq 8192, vocab 128256', 'LlamaForCausalLM', True),
     ('mistral-7b', 'mistral', 7241732096, 7241732096, 'seq 8192, vocab 32000', 'MistralForCausalLM', True),
     ('qwen2.5-7b', 'qwen2', 7615616512, 7615616512, 'seq 8192, vocab 152064', 'Qwen2ForCausalLM', True),
     ('mlp', 'mlp', 1863690, None, '784', None, True),
