@@ -128,15 +128,24 @@ def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak
     schedule = schedule_cls(stages[0] if case.stages_per_rank == 1 else stages, case.microbatches,
                             loss_fn=lambda out, _target: out.mean())
     first, last = 0 in indices, total - 1 in indices
-    stage_module = nn.ModuleList(modules)
     x = torch.randn(BATCH, POSITIONS, FEATURES) if first else None
-    target = torch.empty(BATCH, 0) if last else None  # the mean takes none; the schedule splits one
+    return measure_schedule(schedule, stages, nn.ModuleList(modules), x, last=last, batch=BATCH, name=case.name)
+
+
+def measure_schedule(schedule: Any, stages: Sequence[Any], stage_module: nn.Module, x: torch.Tensor | None, *,
+                     last: bool, batch: int, name: str) -> RankPeak:
+    """One rank's peak over two optimizer steps of ``schedule`` (each a fresh foreach Adam over
+    the rank's trainable parameters, dropped at the end), after a warm-up step (metadata
+    inference, receive buffers). ``x``: the batch on the first stage's rank, else None; the
+    last stage's rank passes an empty ``batch``-row target (the mean loss takes none; the schedule
+    splits one)."""
+    target = torch.empty(batch, 0) if last else None
     trainable = [p for p in stage_module.parameters() if p.requires_grad]
 
     def step() -> None:
         optimizer = torch.optim.Adam(trainable, foreach=True)
         for _ in range(2):
-            if first:
+            if x is not None:
                 schedule.step(x, return_outputs=False)
             else:
                 schedule.step(target=target, return_outputs=False)
@@ -145,9 +154,9 @@ def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak
         del optimizer
         gc.collect()
 
-    step()  # the warm-up: metadata inference, receive buffers
+    step()
     before = _storages_before(stages, stage_module, x)
-    return until_complete(lambda: _measured(step), before, 4 * len(trainable), f"{case.name}: ")
+    return until_complete(lambda: _measured(step), before, 4 * len(trainable), f"{name}: ")
 
 
 def _storages_before(stages: Sequence[Any], module: nn.Module, x: torch.Tensor | None) -> int:

@@ -16,7 +16,6 @@ iterations of ``schedule.step``, ``Adam(foreach=True).step()``, ``zero_grad`` un
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import warnings
 from collections.abc import Sequence
@@ -25,8 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gloo_pipeline import _measured, _storages_before
-from gloo_runs import RankPeak, spawn_ranks, until_complete
+from gloo_pipeline import measure_schedule
+from gloo_runs import RankPeak, spawn_ranks
 from gloo_tp import LLAMA_SEQ, SMALL_LLAMA, small_llama
 from torch import nn
 
@@ -129,23 +128,6 @@ def _run_case(case: PipelineTpCase) -> RankPeak:
         fully_shard(stage_module, mesh=mesh["dp_shard"], reshard_after_forward=False)
     stage = PipelineStage(stage_module, index, PP, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = get_schedule_class(case.schedule)(stage, MICROBATCHES, loss_fn=lambda out, _target: out.mean())
-    first, last = index == 0, index == PP - 1
-    x = torch.randint(0, SMALL_LLAMA.vocab_size, (BATCH, LLAMA_SEQ)) if first else None
-    target = torch.empty(BATCH, 0) if last else None  # the mean takes none; the schedule splits one
-    trainable = [p for p in stage_module.parameters() if p.requires_grad]
-
-    def step() -> None:
-        optimizer = torch.optim.Adam(trainable, foreach=True)
-        for _ in range(2):
-            if first:
-                schedule.step(x, return_outputs=False)
-            else:
-                schedule.step(target=target, return_outputs=False)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        del optimizer
-        gc.collect()
-
-    step()  # the warm-up: metadata inference, receive buffers
-    before = _storages_before([stage], stage_module, x)
-    return until_complete(lambda: _measured(step), before, 4 * len(trainable), f"{case.name}: ")
+    x = torch.randint(0, SMALL_LLAMA.vocab_size, (BATCH, LLAMA_SEQ)) if index == 0 else None
+    return measure_schedule(schedule, [stage], stage_module, x, last=index == PP - 1, batch=BATCH,
+                            name=case.name)
