@@ -23,7 +23,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_runs import BATCH, FEATURES, BlockNet, RankPeak, spawn_ranks, until_complete
+from gloo_runs import BATCH, FEATURES, BlockNet, RankPeak, _measured_step, _step, spawn_ranks, until_complete
 from torch import nn
 
 import memcalc
@@ -64,33 +64,6 @@ def _wrap(model: PolicyAndReference, strategy: str, world_size: int) -> None:
     fully_shard(model.reference, mesh=mesh, reshard_after_forward=True)
 
 
-def _step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter]) -> None:
-    optimizer = torch.optim.Adam(trainable, foreach=True)
-    for _ in range(2):
-        out = model(x)
-        loss = out.mean()
-        loss.backward()
-        del out, loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    del optimizer
-
-
-def _measured(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter]) -> tuple[int, bool]:
-    import gc
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from memcalc.measure.step import _profiler_peak
-
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(model, x, trainable)
-        gc.collect()
-    net = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    return _profiler_peak(prof), net == 0
-
-
 def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
     from memcalc.measure.step import storage_bytes
 
@@ -110,7 +83,7 @@ def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
             if isinstance(model.policy, nn.parallel.DistributedDataParallel):
                 buckets = model.policy.reducer._get_zeros_like_grad_buckets()
                 before += sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)
-            peak = until_complete(lambda m=model, x=x, t=trainable: _measured(m, x, t), before,  # type: ignore[misc]
+            peak = until_complete(lambda m=model, x=x, t=trainable: _measured_step(m, x, t), before,  # type: ignore[misc]
                                   4 * len(trainable), f"{strategy}: ")
             results[strategy] = {"peak": peak.peak, "step_counters": peak.step_counters, "attempts": peak.attempts}
     finally:
