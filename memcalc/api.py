@@ -27,13 +27,13 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
 from memcalc.core.units import format_bytes
 from memcalc.distributed.collectives import DEFAULT_NETWORK, Network
-from memcalc.distributed.estimate import run_estimate
 from memcalc.distributed.launch.read import hidden_size_of, launch_distributed, read_launch
 from memcalc.distributed.launch.setup import LaunchSetup, merged
 from memcalc.distributed.options import Distributed
 from memcalc.engine.model import InputsLike
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from memcalc.engine.options import Step
+from memcalc.estimation import run_estimate
 from memcalc.fields import DISTRIBUTED, FIELDS, build_step, check_keywords, positive_int
 from memcalc.search.budget import Budget, FitResult, check_margin, resolve_budget
 from memcalc.search.fit import MAX_BATCH, find_max_batch

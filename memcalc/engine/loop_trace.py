@@ -205,7 +205,7 @@ def check_loop(options: Step, *, multi_gpu: bool) -> None:
             gradients — a chosen loss, an amp precision or ``keep_grads``.
     """
     loop = options.loop
-    if multi_gpu and not (loop.preset is not None and loop.preset.is_trl):  # TRL's: distributed/estimate.py checks
+    if multi_gpu and not (loop.preset is not None and loop.preset.is_trl):  # TRL's: estimation.py checks
         raise InapplicableOptionError(
             f"the loop {loop.name} (loop, --loop, --keep-grads) is estimated on one GPU only for now; a multi-GPU "
             f"strategy runs memcalc's own loop", hint="Leave out the loop (and --keep-grads), or the strategy.")

@@ -7,7 +7,7 @@ phase, whether a checkpointed forward is being recomputed, the module, the op's 
 dtype it computes in, its FLOPs and the bytes it reads and writes. Views and allocations
 launch no kernel and are not recorded. The engine takes it as its cost recorder
 (:class:`~memcalc.engine.run.CostRecorder`) only when a time is asked for: the estimate decides
-(:func:`memcalc.distributed.estimate.run_estimate`, from ``Step.record_costs``: ``--time``,
+(:func:`memcalc.estimation.run_estimate`, from ``Step.record_costs``: ``--time``,
 ``estimate(time=True)``, ``fit --objective throughput``; :func:`memcalc.step_time` on a report
 made without it traces the step again), so an estimate that never asks for a time pays nothing
 for it; the roofline and the per-phase /
