@@ -35,12 +35,13 @@ from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from memcalc.engine.options import Step
 from memcalc.estimation import run_estimate
 from memcalc.fields import DISTRIBUTED, FIELDS, build_step, check_keywords, positive_int
-from memcalc.search.budget import Budget, FitResult, check_margin, resolve_budget
+from memcalc.search.budget import FitResult, check_margin
 from memcalc.search.fit import MAX_BATCH, find_max_batch
 from memcalc.search.margins import CPU_MARGIN, CPU_MARGIN_BASIS, measured_margin, step_class
 from memcalc.search.plan import PlanResult, find_plan, model_facts
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests
 from memcalc.search.throughput import ThroughputChoice, find_fastest
+from memcalc.targets.budget import Budget, resolve_budget
 from memcalc.targets.cuda.gpus.catalogue import catalogue
 from memcalc.timing.performance import check_timeable, check_timeable_mode, with_time
 

@@ -42,10 +42,10 @@ from memcalc.core.trainer import TrainerArguments
 from memcalc.core.units import BYTES_FORMS, parse_bytes
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer, spec_for
 from memcalc.engine.options import Step, Target
-from memcalc.search.budget import resolve_budget
 from memcalc.sources.resolve import resolve
 from memcalc.stacks.transformers.training_args import read_training_args
 from memcalc.stacks.trl.config import read_trl_config
+from memcalc.targets.budget import resolve_budget
 from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.targets.cuda.gpus.local import names_local_gpu
 from memcalc.targets.stack import resolve_stack
@@ -694,7 +694,7 @@ def _local_gpu(gpu: Any, capacity: Any, stack: Any) -> tuple[Any, Any, str | Non
     given — its free memory less a new process's CUDA context, with a note saying which GPU,
     profile and capacity were used. Any other ``gpu`` comes back unchanged, with no note.
 
-    The budget is :func:`~memcalc.search.budget.resolve_budget`'s for ``device=``, so that
+    The budget is :func:`~memcalc.targets.budget.resolve_budget`'s for ``device=``, so that
     ``estimate(gpu="cuda:0")`` and ``max_batch_size(device="cuda:0")`` see one GPU the same way.
     """
     if not names_local_gpu(gpu):

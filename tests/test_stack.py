@@ -17,8 +17,8 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GpuProfile
 from memcalc.core.stack import Stack
 from memcalc.report.render import render_report
-from memcalc.search.budget import resolve_budget
 from memcalc.targets import versions
+from memcalc.targets.budget import resolve_budget
 from memcalc.targets.cuda.gpus.catalogue import (
     EAGER_MODULE_LOADING_EXTRA,
     MEASURED_CONTEXTS,

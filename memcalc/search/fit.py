@@ -32,13 +32,13 @@ from memcalc.estimation import SINGLE, run_estimate
 from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_under
 from memcalc.search.budget import (
     BatchLimitError,
-    Budget,
     DoesNotFitError,
     FitResult,
     Probe,
     batch_bytes,
     margin_capacity,
 )
+from memcalc.targets.budget import Budget
 
 __all__ = ("FITTING", "MAX_BATCH", "find_max_batch")
 

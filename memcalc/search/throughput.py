@@ -26,8 +26,9 @@ from memcalc.core.throughput import StepTime
 from memcalc.distributed.options import Distributed
 from memcalc.engine.options import Step
 from memcalc.estimation import SINGLE, run_estimate
-from memcalc.search.budget import Budget, DoesNotFitError, margin_capacity
+from memcalc.search.budget import DoesNotFitError, margin_capacity
 from memcalc.search.fit import MAX_BATCH, find_max_batch
+from memcalc.targets.budget import Budget
 from memcalc.timing.performance import step_time
 
 __all__ = ("Candidate", "ThroughputChoice", "find_fastest")
