@@ -170,7 +170,7 @@ def _alive_at_peak(traced: TracedStep, uids: set[int], settings: AllocConf | Non
     program = traced.program()
     nbytes = traced.trace.nbytes
     stats = allocator.replay(allocator_events(program, nbytes), settings=settings,
-                             host=not traced.options.emulate_cuda, streams=program.streams)
+                             host=not traced.step.emulate_cuda, streams=program.streams)
     n = program.num_storages
     alive = 0
     for event in program.events[: max(stats.peak_index, 0) + 1]:
