@@ -30,7 +30,7 @@ _PUBLIC: dict[str, str] = {
     "plan": "memcalc.api",
     "step_time": "memcalc.timing.performance",
     # the step it answers for
-    "Step": "memcalc.engine.options",
+    "Step": "memcalc.engine.step_spec",
     "CPU": "memcalc.fields",
     "GpuProfile": "memcalc.core.gpu",
     "Distributed": "memcalc.distributed.options",
@@ -78,7 +78,7 @@ if TYPE_CHECKING:  # the table above, for type checkers (``as``: re-exported und
     from memcalc.distributed.options import Distributed as Distributed
     from memcalc.engine.optimizers import OptimizerSpec as OptimizerSpec
     from memcalc.engine.optimizers import register_optimizer as register_optimizer
-    from memcalc.engine.options import Step as Step
+    from memcalc.engine.step_spec import Step as Step
     from memcalc.fields import CPU as CPU
     from memcalc.search.budget import DoesNotFitError as DoesNotFitError
     from memcalc.search.budget import FitResult as FitResult

@@ -2,7 +2,7 @@
 :func:`iter_sweep`, :func:`fastest_setting`).
 
 A thin facade. Every user value is converted once, by the table of :mod:`memcalc.fields`,
-into the :class:`~memcalc.engine.options.Step` the layers below work with: strings to enums,
+into the :class:`~memcalc.engine.step_spec.Step` the layers below work with: strings to enums,
 GPU names to catalogue profiles, byte counts such as ``"16GiB"`` to integers.
 """
 
@@ -32,7 +32,7 @@ from memcalc.distributed.launch.setup import LaunchSetup, merged
 from memcalc.distributed.options import Distributed
 from memcalc.engine.model import InputsLike
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 from memcalc.estimation import run_estimate
 from memcalc.fields import DISTRIBUTED, FIELDS, build_step, check_keywords, positive_int
 from memcalc.search.budget import FitResult, check_margin

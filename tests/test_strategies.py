@@ -361,7 +361,7 @@ def test_fsdp_units_are_blocks_and_root():
 
 
 def test_sharded_program_puts_the_model_back():
-    from memcalc.engine.options import Step
+    from memcalc.engine.step_spec import Step
     from memcalc.sources.resolve import resolve
     from memcalc.targets.backend import trace_step
 

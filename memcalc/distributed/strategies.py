@@ -31,8 +31,8 @@ from memcalc.distributed.strategy.base import Plan, RankStrategy
 from memcalc.distributed.strategy.catalogue import strategies_for
 from memcalc.engine import allocator
 from memcalc.engine.optimizers import Optimizer, spec_for
-from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
+from memcalc.engine.step_spec import Step
 from memcalc.engine.timeline import allocator_events
 from memcalc.stacks.float8 import apply_float8
 from memcalc.stacks.peft import apply_finetune, step_precision

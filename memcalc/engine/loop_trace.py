@@ -35,8 +35,8 @@ from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import DataDependentError, InapplicableOptionError
-from memcalc.engine.options import Step
 from memcalc.engine.step import StepObserver
+from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 
 __all__ = ("BATCH_LABEL", "LoopTracing", "check_loop")

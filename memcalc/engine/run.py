@@ -56,7 +56,6 @@ from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
 from memcalc.engine.model import GenerateFn, ModelInputs, ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
-from memcalc.engine.options import Step
 from memcalc.engine.prepare import (
     cast_inputs,
     checkpointing_note,
@@ -68,6 +67,7 @@ from memcalc.engine.prepare import (
 from memcalc.engine.steady import RunCounts, extend, traced_tokens
 from memcalc.engine.steady_replay import REPLAYING, replay_generation
 from memcalc.engine.step import Scaler, StepConfig, run_step
+from memcalc.engine.step_spec import Step
 from memcalc.engine.timeline import (
     Program,
     alive_before,

@@ -49,10 +49,10 @@ from memcalc.core.report import Measurement, MemoryReport
 from memcalc.engine.compiled import compile_forward, warm_up
 from memcalc.engine.loops import run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
-from memcalc.engine.options import Step
 from memcalc.engine.prepare import kv_cache_bytes, kv_prompt, prepare_step
 from memcalc.engine.run import step_config
 from memcalc.engine.step import Scaler, StepConfig, run_step
+from memcalc.engine.step_spec import Step
 from memcalc.stacks.float8 import float8_module
 from memcalc.stacks.peft import finetune_module
 from memcalc.targets.cpu.kernels import NOT_FOLLOWED

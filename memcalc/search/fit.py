@@ -26,8 +26,8 @@ from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.checkpoint_auto import block_count, candidates
 from memcalc.distributed.options import Distributed
-from memcalc.engine.options import Step
 from memcalc.engine.run import TracedStep
+from memcalc.engine.step_spec import Step
 from memcalc.estimation import SINGLE, run_estimate
 from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_under
 from memcalc.search.budget import (

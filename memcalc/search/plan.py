@@ -45,7 +45,7 @@ from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.strategy.base import DIMENSIONS, Plan
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.distributed.tp_plans import resolve_plan
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 from memcalc.estimation import run_estimate
 from memcalc.search.plan_bounds import activations_floor, compute_floor, peak_flops, states_floor
 from memcalc.timing.performance import step_time

@@ -24,7 +24,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
 from memcalc.distributed.options import Distributed
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 from memcalc.estimation import SINGLE, run_estimate
 from memcalc.search.budget import DoesNotFitError, margin_capacity
 from memcalc.search.fit import MAX_BATCH, find_max_batch

@@ -34,8 +34,8 @@ from memcalc.distributed.mesh import DIMENSION_NAMES, Mesh
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.vocabulary import FsdpSharding, Routing, Strategy
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory
+from memcalc.engine.step_spec import Step
 
 __all__ = ("DIMENSIONS", "MODEL_STATES", "SHORTHANDS", "Plan", "RankStrategy", "Role", "Setting", "every_rank",
            "register", "sharding")
