@@ -33,7 +33,7 @@ _PUBLIC: dict[str, str] = {
     "Step": "memcalc.engine.step_spec",
     "CPU": "memcalc.fields",
     "GpuProfile": "memcalc.core.gpu",
-    "Distributed": "memcalc.distributed.options",
+    "Distributed": "memcalc.distributed.setting",
     "Loop": "memcalc.core.loop",
     "Stack": "memcalc.core.stack",
     "FineTune": "memcalc.core.finetune",
@@ -75,7 +75,7 @@ if TYPE_CHECKING:  # the table above, for type checkers (``as``: re-exported und
     from memcalc.core.loop import Loop as Loop
     from memcalc.core.report import MemoryReport as MemoryReport
     from memcalc.core.stack import Stack as Stack
-    from memcalc.distributed.options import Distributed as Distributed
+    from memcalc.distributed.setting import Distributed as Distributed
     from memcalc.engine.optimizers import OptimizerSpec as OptimizerSpec
     from memcalc.engine.optimizers import register_optimizer as register_optimizer
     from memcalc.engine.step_spec import Step as Step

@@ -29,7 +29,7 @@ from memcalc.core.units import format_bytes
 from memcalc.distributed.collectives import DEFAULT_NETWORK, Network
 from memcalc.distributed.launch.read import hidden_size_of, launch_distributed, read_launch
 from memcalc.distributed.launch.setup import LaunchSetup, merged
-from memcalc.distributed.options import Distributed
+from memcalc.distributed.setting import Distributed
 from memcalc.engine.model import InputsLike
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from memcalc.engine.step_spec import Step

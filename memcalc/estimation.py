@@ -16,7 +16,7 @@ from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.checkpoint_auto import choose_checkpointing
-from memcalc.distributed.options import Distributed
+from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.distributed.vocabulary import Strategy
 from memcalc.engine.collector import while_collector_paused

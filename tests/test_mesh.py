@@ -21,7 +21,7 @@ import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.mesh import MAX_WORLD_SIZE, Mesh, parse_mesh
-from memcalc.distributed.options import Distributed, Strategy
+from memcalc.distributed.setting import Distributed, Strategy
 from memcalc.distributed.strategy.base import DIMENSIONS, SHORTHANDS, Plan, RankStrategy, every_rank, register
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.distributed.strategy.dp_shard import DpShard

@@ -26,7 +26,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.distributed.ddp import DdpProgram
 from memcalc.distributed.fsdp import ShardedProgram, fsdp_units, module_units
-from memcalc.distributed.options import Distributed, dp_chunks
+from memcalc.distributed.setting import Distributed, dp_chunks
 
 MiB = 2**20
 # two_layers: two 1024×1024 weights without bias: Ψ = 2,097,152 parameters, each weight

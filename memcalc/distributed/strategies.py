@@ -25,8 +25,8 @@ from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.report import MemoryReport, RoleReport
-from memcalc.distributed.options import Distributed
 from memcalc.distributed.program import model_states_at_step
+from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import Plan, RankStrategy
 from memcalc.distributed.strategy.catalogue import strategies_for
 from memcalc.engine import allocator

@@ -25,7 +25,7 @@ from memcalc.core.checkpointing import Checkpointing, CheckpointKind
 from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.checkpoint_auto import block_count, candidates
-from memcalc.distributed.options import Distributed
+from memcalc.distributed.setting import Distributed
 from memcalc.engine.run import TracedStep
 from memcalc.engine.step_spec import Step
 from memcalc.estimation import SINGLE, run_estimate

@@ -40,8 +40,8 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
 from memcalc.distributed.collectives import LAYOUT, Collective, ModelFacts, Network
 from memcalc.distributed.mesh import Mesh
-from memcalc.distributed.options import Distributed
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
+from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import DIMENSIONS, Plan
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.distributed.tp_plans import resolve_plan

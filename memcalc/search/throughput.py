@@ -23,7 +23,7 @@ from memcalc.core.checkpointing import FULL, OFF
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
-from memcalc.distributed.options import Distributed
+from memcalc.distributed.setting import Distributed
 from memcalc.engine.step_spec import Step
 from memcalc.estimation import SINGLE, run_estimate
 from memcalc.search.budget import DoesNotFitError, margin_capacity

@@ -3,7 +3,7 @@ finds one by its shorthand (``--strategy ddp``) or by its mesh dimension (``dp_s
 
 A strategy object says, for its part of the step:
 
-- which options of :class:`~memcalc.distributed.options.Distributed` it reads (the others are
+- which options of :class:`~memcalc.distributed.setting.Distributed` it reads (the others are
   refused rather than ignored), and how a shorthand counts its GPUs;
 - its **roles**: which ranks hold what, at what batch, under which rank program
   (:mod:`memcalc.distributed.program`) — by refining the :class:`Plan` the dimensions before it
