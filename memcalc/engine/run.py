@@ -6,7 +6,7 @@ model on meta tensors under the storage tracer, with a device backend plugged in
 :class:`~memcalc.core.report.MemoryReport`. The data flow is drawn in docs/architecture.md.
 
 Two seams take what the engine does not know: the device's rules (a step backend,
-:mod:`memcalc.engine.backend`) and, when a step time is wanted, a recorder of every kernel's
+:mod:`memcalc.engine.step_backend`) and, when a step time is wanted, a recorder of every kernel's
 FLOPs and bytes (:class:`CostRecorder`, made by the layer that decides to time the step).
 """
 
@@ -40,7 +40,6 @@ from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.core.units import format_bytes
 from memcalc.engine import allocator
-from memcalc.engine.backend import AutocastRegion, CompiledAutocast, PlainBackend, StepBackend
 from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.compiled import (
     CompiledForwards,
@@ -67,6 +66,7 @@ from memcalc.engine.prepare import (
 from memcalc.engine.steady import RunCounts, extend, traced_tokens
 from memcalc.engine.steady_replay import REPLAYING, replay_generation
 from memcalc.engine.step import Scaler, StepConfig, run_step
+from memcalc.engine.step_backend import AutocastRegion, CompiledAutocast, PlainBackend, StepBackend
 from memcalc.engine.step_spec import Step
 from memcalc.engine.timeline import (
     Program,
@@ -276,7 +276,7 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
     Args:
         resolved: the model and its inputs, on meta.
         step: the step (optimizer, mode, precision, loss, accumulation, ...).
-        backend: what the device adds (:mod:`memcalc.engine.backend`); None: plain meta.
+        backend: what the device adds (:mod:`memcalc.engine.step_backend`); None: plain meta.
         hooks: a per-rank program of a multi-GPU strategy (:mod:`memcalc.distributed`),
             installed on the model before its storages are registered and removed afterwards.
         traced_loop: run ``step.loop`` as written (:mod:`memcalc.engine.loops`), every

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Mode
-from memcalc.engine.backend import AutocastRegion, CompiledAutocast, GradScalerLike, StepBackend
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.run import CostRecorderFactory, RankHooks, TracedStep, trace_model
+from memcalc.engine.step_backend import AutocastRegion, CompiledAutocast, GradScalerLike, StepBackend
 from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 from memcalc.targets.autograd import GRADIENT_SUM, accumulate_in_place
