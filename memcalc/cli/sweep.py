@@ -28,7 +28,7 @@ from memcalc.core.units import format_bytes
 from memcalc.report.render import render_json
 from memcalc.search.sweep import SweepPoint
 from memcalc.targets.budget import Budget, resolve_budget
-from memcalc.timing.render import format_seconds
+from memcalc.timing.time_render import format_seconds
 
 __all__ = ("sweep_command",)
 
