@@ -48,7 +48,7 @@ from memcalc.stacks.trl.config import read_trl_config
 from memcalc.targets.budget import resolve_budget
 from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.targets.cuda.gpus.local import names_local_gpu
-from memcalc.targets.stack import resolve_stack
+from memcalc.targets.resolved_stack import resolve_stack
 
 __all__ = ("CPU", "DISTRIBUTED", "FIELDS", "Field", "Flag", "build_step", "check_keywords", "positive_int")
 

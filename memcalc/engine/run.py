@@ -781,7 +781,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         loop=step.loop.name,
         keep_grads=step.loop.keep_grads,
         optimizer_impl=traced.optimizer_impl,
-        # the stack resolved at the API boundary (memcalc.targets.stack); no CUDA version on the CPU target
+        # the stack resolved at the API boundary (memcalc.targets.resolved_stack); no CUDA version on the CPU target
         torch_version=step.stack.torch or "",
         cuda_version=(step.stack.cuda or "") if step.emulate_cuda else "",
         paged_optimizer_state=traced.paged_optimizer_state,

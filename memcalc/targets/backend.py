@@ -15,7 +15,7 @@ softmax and layer_norm stay in the lower precision; :mod:`memcalc.targets.autoca
 the step's target: what every caller above this layer uses.
 
 Every kernel fact is taken for the PyTorch of the step's :class:`~memcalc.core.stack.Stack`
-(:func:`memcalc.targets.stack.resolve_torch_version`: the installed torch unless another is
+(:func:`memcalc.targets.resolved_stack.resolve_torch_version`: the installed torch unless another is
 asked for): SDPA's backend priority and constraints and autocast's op lists (the emulation),
 the cuBLAS workspaces per step (the workspace model), cuDNN through the release's bundled
 version.
@@ -42,7 +42,7 @@ from memcalc.targets.cuda.emulation import CudaEmulation
 from memcalc.targets.cuda.workspaces import WorkspaceModel
 from memcalc.targets.grad_scaler import EmulatedGradScaler
 from memcalc.targets.grouped_mm import grouped_mm_on_meta
-from memcalc.targets.stack import resolve_torch_version
+from memcalc.targets.resolved_stack import resolve_torch_version
 
 __all__ = ("CpuBackend", "CudaBackend", "trace_step")
 

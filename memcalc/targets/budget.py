@@ -20,7 +20,7 @@ may reserve (:func:`resolve_budget`):
   of ``/proc/meminfo``: what the kernel says a new allocation can have without swapping).
 
 The context is the one of the software stack asked for (``stack``: its CUDA version and
-module loading, or ``context_mib``; :mod:`memcalc.targets.stack`), as the estimate's.
+module loading, or ``context_mib``; :mod:`memcalc.targets.resolved_stack`), as the estimate's.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from memcalc.core.stack import Stack
 from memcalc.core.units import BYTES_FORMS, format_bytes, parse_bytes
 from memcalc.targets.cuda.gpus import catalogue as gpu_catalogue
 from memcalc.targets.cuda.gpus import local as gpu_local
-from memcalc.targets.stack import ResolvedStack, resolve_stack
+from memcalc.targets.resolved_stack import ResolvedStack, resolve_stack
 
 __all__ = ("Budget", "available_ram", "resolve_budget")
 
