@@ -35,8 +35,8 @@ from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from memcalc.engine.step_spec import Step
 from memcalc.estimation import run_estimate
 from memcalc.fields import DISTRIBUTED, FIELDS, build_step, check_keywords, positive_int
-from memcalc.search.budget import FitResult, check_margin
 from memcalc.search.fit import MAX_BATCH, find_max_batch
+from memcalc.search.fit_result import FitResult, check_margin
 from memcalc.search.margins import CPU_MARGIN, CPU_MARGIN_BASIS, measured_margin, step_class
 from memcalc.search.plan import PlanResult, find_plan, model_facts
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests

@@ -21,10 +21,10 @@ from memcalc.api import max_batch_size, sweep
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC
 from memcalc.fields import build_step
-from memcalc.search import budget as budgets
 from memcalc.search import fit as search
-from memcalc.search.budget import BatchLimitError, DoesNotFitError, Probe
+from memcalc.search import fit_result as budgets
 from memcalc.search.fit import MAX_BATCH, _Point, _search
+from memcalc.search.fit_result import BatchLimitError, DoesNotFitError, Probe
 from memcalc.search.sweep import sweep_configurations
 from memcalc.targets import budget as target_budget
 from memcalc.targets.budget import Budget, resolve_budget

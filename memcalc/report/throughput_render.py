@@ -8,7 +8,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from memcalc.core.units import Unit, format_bytes
-from memcalc.search.budget import format_margin
+from memcalc.search.fit_result import format_margin
 from memcalc.search.throughput import Candidate, ThroughputChoice
 from memcalc.timing.time_render import format_flops, format_seconds
 

@@ -30,7 +30,7 @@ from memcalc.engine.run import TracedStep
 from memcalc.engine.step_spec import Step
 from memcalc.estimation import SINGLE, run_estimate
 from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_under
-from memcalc.search.budget import (
+from memcalc.search.fit_result import (
     BatchLimitError,
     DoesNotFitError,
     FitResult,

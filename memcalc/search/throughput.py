@@ -26,8 +26,8 @@ from memcalc.core.throughput import StepTime
 from memcalc.distributed.setting import Distributed
 from memcalc.engine.step_spec import Step
 from memcalc.estimation import SINGLE, run_estimate
-from memcalc.search.budget import DoesNotFitError, margin_capacity
 from memcalc.search.fit import MAX_BATCH, find_max_batch
+from memcalc.search.fit_result import DoesNotFitError, margin_capacity
 from memcalc.targets.budget import Budget
 from memcalc.timing.performance import step_time
 
