@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import memcalc
-import memcalc.distributed.estimate as estimate_module
+import memcalc.estimation as estimate_module
 import memcalc.targets.backend as backend_module
 from memcalc.engine import steady, steady_replay
 from memcalc.report.render import render_report

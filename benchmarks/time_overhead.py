@@ -26,7 +26,7 @@ from typing import Any
 from tabulate import tabulate
 
 import memcalc
-from memcalc.distributed.estimate import run_estimate
+from memcalc.estimation import run_estimate
 from memcalc.fields import build_step
 from memcalc.timing.performance import step_time
 

@@ -30,10 +30,10 @@ _PUBLIC: dict[str, str] = {
     "plan": "memcalc.api",
     "step_time": "memcalc.timing.performance",
     # the step it answers for
-    "Step": "memcalc.engine.options",
+    "Step": "memcalc.engine.step_spec",
     "CPU": "memcalc.fields",
     "GpuProfile": "memcalc.core.gpu",
-    "Distributed": "memcalc.distributed.options",
+    "Distributed": "memcalc.distributed.setting",
     "Loop": "memcalc.core.loop",
     "Stack": "memcalc.core.stack",
     "FineTune": "memcalc.core.finetune",
@@ -42,7 +42,7 @@ _PUBLIC: dict[str, str] = {
     # what it returns
     "MemoryReport": "memcalc.core.report",
     "Category": "memcalc.core.categories",
-    "FitResult": "memcalc.search.budget",
+    "FitResult": "memcalc.search.fit_result",
     "SweepPoint": "memcalc.search.sweep",
     # what it raises: the base class, and the errors a caller catches
     "MemcalcError": "memcalc.core.errors",
@@ -50,7 +50,7 @@ _PUBLIC: dict[str, str] = {
     "InapplicableOptionError": "memcalc.core.errors",
     "UnknownModelError": "memcalc.core.errors",
     "SymbolicExecutionError": "memcalc.core.errors",
-    "DoesNotFitError": "memcalc.search.budget",
+    "DoesNotFitError": "memcalc.search.fit_result",
     # how another package extends it
     "register_optimizer": "memcalc.engine.optimizers",
     "OptimizerSpec": "memcalc.engine.optimizers",
@@ -75,13 +75,13 @@ if TYPE_CHECKING:  # the table above, for type checkers (``as``: re-exported und
     from memcalc.core.loop import Loop as Loop
     from memcalc.core.report import MemoryReport as MemoryReport
     from memcalc.core.stack import Stack as Stack
-    from memcalc.distributed.options import Distributed as Distributed
+    from memcalc.distributed.setting import Distributed as Distributed
     from memcalc.engine.optimizers import OptimizerSpec as OptimizerSpec
     from memcalc.engine.optimizers import register_optimizer as register_optimizer
-    from memcalc.engine.options import Step as Step
+    from memcalc.engine.step_spec import Step as Step
     from memcalc.fields import CPU as CPU
-    from memcalc.search.budget import DoesNotFitError as DoesNotFitError
-    from memcalc.search.budget import FitResult as FitResult
+    from memcalc.search.fit_result import DoesNotFitError as DoesNotFitError
+    from memcalc.search.fit_result import FitResult as FitResult
     from memcalc.search.sweep import SweepPoint as SweepPoint
     from memcalc.stacks.transformers.hub import HuggingFace as HuggingFace
     from memcalc.timing.performance import step_time as step_time

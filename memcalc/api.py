@@ -2,7 +2,7 @@
 :func:`iter_sweep`, :func:`fastest_setting`).
 
 A thin facade. Every user value is converted once, by the table of :mod:`memcalc.fields`,
-into the :class:`~memcalc.engine.options.Step` the layers below work with: strings to enums,
+into the :class:`~memcalc.engine.step_spec.Step` the layers below work with: strings to enums,
 GPU names to catalogue profiles, byte counts such as ``"16GiB"`` to integers.
 """
 
@@ -27,20 +27,21 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.stack import Stack
 from memcalc.core.units import format_bytes
 from memcalc.distributed.collectives import DEFAULT_NETWORK, Network
-from memcalc.distributed.estimate import run_estimate
 from memcalc.distributed.launch.read import hidden_size_of, launch_distributed, read_launch
 from memcalc.distributed.launch.setup import LaunchSetup, merged
-from memcalc.distributed.options import Distributed
+from memcalc.distributed.setting import Distributed
 from memcalc.engine.model import InputsLike
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
+from memcalc.estimation import run_estimate
 from memcalc.fields import DISTRIBUTED, FIELDS, build_step, check_keywords, positive_int
-from memcalc.search.budget import Budget, FitResult, check_margin, resolve_budget
 from memcalc.search.fit import MAX_BATCH, find_max_batch
+from memcalc.search.fit_result import FitResult, check_margin
 from memcalc.search.margins import CPU_MARGIN, CPU_MARGIN_BASIS, measured_margin, step_class
 from memcalc.search.plan import PlanResult, find_plan, model_facts
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests
 from memcalc.search.throughput import ThroughputChoice, find_fastest
+from memcalc.targets.budget import Budget, resolve_budget
 from memcalc.targets.cuda.gpus.catalogue import catalogue
 from memcalc.timing.performance import check_timeable, check_timeable_mode, with_time
 

@@ -1,5 +1,5 @@
 """The step's options, listed once: one table of fields from which a user's values become a
-:class:`~memcalc.engine.options.Step`.
+:class:`~memcalc.engine.step_spec.Step`.
 
 Each :class:`Field` says how one option is converted (its converter: a string from the command
 line or an object from Python in, the step's typed value out, or an error naming the option),
@@ -41,14 +41,14 @@ from memcalc.core.stack import Stack
 from memcalc.core.trainer import TrainerArguments
 from memcalc.core.units import BYTES_FORMS, parse_bytes
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer, spec_for
-from memcalc.engine.options import Step, Target
-from memcalc.search.budget import resolve_budget
+from memcalc.engine.step_spec import Step, Target
 from memcalc.sources.resolve import resolve
 from memcalc.stacks.transformers.training_args import read_training_args
 from memcalc.stacks.trl.config import read_trl_config
+from memcalc.targets.budget import resolve_budget
 from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.targets.cuda.gpus.local import names_local_gpu
-from memcalc.targets.stack import resolve_stack
+from memcalc.targets.resolved_stack import resolve_stack
 
 __all__ = ("CPU", "DISTRIBUTED", "FIELDS", "Field", "Flag", "build_step", "check_keywords", "positive_int")
 
@@ -89,7 +89,7 @@ class Field:
 
     Attributes:
         name: the keyword of :func:`memcalc.estimate` (and, unless ``sets`` says otherwise, the
-            :class:`~memcalc.engine.options.Step` attribute it fills).
+            :class:`~memcalc.engine.step_spec.Step` attribute it fills).
         convert: the user's value (as given, or the default) → the step's value; raises an
             error naming the option. Returns one value per name of ``sets``.
         default: the value when the option is not given (before conversion).
@@ -429,7 +429,7 @@ LAUNCH = ("accelerate_config", "deepspeed", "world_size")
 
 
 def build_step(model: Any = None, /, **values: Any) -> Step:
-    """The :class:`~memcalc.engine.options.Step` of ``model`` with ``values`` (the keywords of
+    """The :class:`~memcalc.engine.step_spec.Step` of ``model`` with ``values`` (the keywords of
     :func:`memcalc.estimate` but ``distributed``), each converted once by its field.
 
     ``gpu="auto"``, ``"cuda"`` or ``"cuda:N"`` is this machine's GPU: its catalogue profile
@@ -694,7 +694,7 @@ def _local_gpu(gpu: Any, capacity: Any, stack: Any) -> tuple[Any, Any, str | Non
     given — its free memory less a new process's CUDA context, with a note saying which GPU,
     profile and capacity were used. Any other ``gpu`` comes back unchanged, with no note.
 
-    The budget is :func:`~memcalc.search.budget.resolve_budget`'s for ``device=``, so that
+    The budget is :func:`~memcalc.targets.budget.resolve_budget`'s for ``device=``, so that
     ``estimate(gpu="cuda:0")`` and ``max_batch_size(device="cuda:0")`` see one GPU the same way.
     """
     if not names_local_gpu(gpu):

@@ -132,7 +132,7 @@ def _two_layers() -> nn.Module:
 
 def _fsdp_trace(mixed: bool = False):
     from memcalc.distributed.fsdp import ShardedProgram, fsdp_units
-    from memcalc.engine.options import Step
+    from memcalc.engine.step_spec import Step
     from memcalc.sources.resolve import resolve
     from memcalc.targets.backend import trace_step
 

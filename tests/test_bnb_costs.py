@@ -17,7 +17,7 @@ import memcalc
 from memcalc import FineTune, LoRA
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import ClassTime, OpClass, StepTime
-from memcalc.engine.kernels import KERNEL_COSTS, KernelCost
+from memcalc.engine.kernel_ops import KERNEL_COSTS, KernelCost
 from memcalc.engine.rules import DuplicateRuleError
 from memcalc.stacks.bitsandbytes.adamw import UPDATE_KERNELS
 from memcalc.stacks.bitsandbytes.quantized_base import KERNELS

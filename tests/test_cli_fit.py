@@ -15,7 +15,7 @@ import memcalc
 import memcalc.cli
 from memcalc import api
 from memcalc.cli import progress as cli_progress
-from memcalc.search import budget as budgets
+from memcalc.targets import budget as budgets
 from memcalc.targets.cuda.gpus import local as gpus
 from memcalc.targets.cuda.gpus.catalogue import get_gpu
 from memcalc.targets.cuda.gpus.local import LocalGpu

@@ -26,8 +26,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
-from memcalc.distributed.options import Distributed
 from memcalc.distributed.ring_attention import RingAttentionProgram, ring_backward_bytes, ring_forward_bytes
+from memcalc.distributed.setting import Distributed
 from memcalc.measure.step import _profiler_peak
 
 aten = torch.ops.aten

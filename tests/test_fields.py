@@ -18,7 +18,7 @@ from memcalc.core.loop import Loop
 from memcalc.core.losses import LossChoice
 from memcalc.core.precision import Precision
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
-from memcalc.engine.options import Step, Target
+from memcalc.engine.step_spec import Step, Target
 from memcalc.fields import DISTRIBUTED, FIELDS, LAUNCH, build_step
 
 

@@ -26,8 +26,8 @@ from memcalc.core.categories import Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError, RefusedStepError
 from memcalc.core.finetune import Quant
 from memcalc.core.precision import Precision
-from memcalc.distributed.estimate import run_estimate
 from memcalc.engine.run import TracedStep
+from memcalc.estimation import run_estimate
 from memcalc.fields import build_step
 from memcalc.sources.resolve import resolve
 from memcalc.stacks.bitsandbytes.quantized_base import layout_4bit, layout_int8, modules_to_not_convert

@@ -26,8 +26,8 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.fields import build_step
 from memcalc.search import fit as search
 from memcalc.search.affine import AffineFamily
-from memcalc.search.budget import DEFAULT_MARGIN, DoesNotFitError, margin_capacity
 from memcalc.search.fit import _check_below, _Point
+from memcalc.search.fit_result import DEFAULT_MARGIN, DoesNotFitError, margin_capacity
 from memcalc.search.margins import FLOOR, StepClass, measured_margin
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import trace_step

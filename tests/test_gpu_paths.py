@@ -27,10 +27,10 @@ import memcalc.cli
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC
 from memcalc.core.report import Measurement
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 from memcalc.measure import step as measure_module
-from memcalc.search import budget as budgets
-from memcalc.search.budget import resolve_budget
+from memcalc.targets import budget as budgets
+from memcalc.targets.budget import resolve_budget
 from memcalc.targets.cuda.gpus import local as gpu_local
 from memcalc.targets.cuda.gpus.catalogue import get_gpu
 

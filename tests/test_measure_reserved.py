@@ -26,8 +26,8 @@ from memcalc.cli import main
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.engine.optimizers import spec_for
-from memcalc.engine.options import Step
 from memcalc.engine.step import StepConfig
+from memcalc.engine.step_spec import Step
 from memcalc.fields import build_step
 from memcalc.measure import step as measure
 

@@ -23,7 +23,7 @@ from memcalc.core.categories import Category
 from memcalc.core.loop import OptimizerImpl
 from memcalc.engine.optimizers import LOOPS, OPTIMIZERS, Optimizer, optimizer_names, spec_for
 from memcalc.engine.rules import DuplicateRuleError
-from memcalc.search.budget import DoesNotFitError
+from memcalc.search.fit_result import DoesNotFitError
 
 LION = "lion-toy"
 

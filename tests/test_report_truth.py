@@ -16,7 +16,8 @@ from memcalc.cli import main
 from memcalc.cli.fit import _render_fit
 from memcalc.core.report import Textbook
 from memcalc.report.render import render_report
-from memcalc.search.budget import Budget, FitResult, Probe
+from memcalc.search.fit_result import FitResult, Probe
+from memcalc.targets.budget import Budget
 from memcalc.targets.cuda.gpus.catalogue import get_gpu
 
 KiB, MiB = 2**10, 2**20

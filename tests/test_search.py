@@ -21,11 +21,13 @@ from memcalc.api import max_batch_size, sweep
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GENERIC
 from memcalc.fields import build_step
-from memcalc.search import budget as budgets
 from memcalc.search import fit as search
-from memcalc.search.budget import BatchLimitError, Budget, DoesNotFitError, Probe, resolve_budget
+from memcalc.search import fit_result as budgets
 from memcalc.search.fit import MAX_BATCH, _Point, _search
+from memcalc.search.fit_result import BatchLimitError, DoesNotFitError, Probe
 from memcalc.search.sweep import sweep_configurations
+from memcalc.targets import budget as target_budget
+from memcalc.targets.budget import Budget, resolve_budget
 from memcalc.targets.cuda.gpus.catalogue import get_gpu
 from memcalc.targets.cuda.gpus.local import LocalGpu
 
@@ -342,14 +344,14 @@ def test_gpu_budget_is_total_minus_context():
 
 
 def test_device_budget_is_free_minus_a_new_process_context(monkeypatch):
-    monkeypatch.setattr(budgets, "_cuda_initialised", lambda: False)
+    monkeypatch.setattr(target_budget, "_cuda_initialised", lambda: False)
     a100 = resolve_budget(device="cuda:0", local_gpus=lambda: TWO_GPUS)
     assert a100.capacity == 30 * GiB - get_gpu("a100-40gb").cuda_context
     # "auto" takes the most free memory; an A40 is not in the catalogue: the generic context
     auto = resolve_budget(device="auto", local_gpus=lambda: TWO_GPUS)
     assert auto.capacity == 44 * GiB - GENERIC.cuda_context and auto.gpu is None
     # a process that already holds a CUDA context: its free memory is the budget
-    monkeypatch.setattr(budgets, "_cuda_initialised", lambda: True)
+    monkeypatch.setattr(target_budget, "_cuda_initialised", lambda: True)
     assert resolve_device_capacity("cuda:1") == 44 * GiB
 
 

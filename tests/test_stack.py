@@ -17,8 +17,8 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.gpu import GpuProfile
 from memcalc.core.stack import Stack
 from memcalc.report.render import render_report
-from memcalc.search.budget import resolve_budget
 from memcalc.targets import versions
+from memcalc.targets.budget import resolve_budget
 from memcalc.targets.cuda.gpus.catalogue import (
     EAGER_MODULE_LOADING_EXTRA,
     MEASURED_CONTEXTS,
@@ -27,7 +27,12 @@ from memcalc.targets.cuda.gpus.catalogue import (
     get_gpu,
 )
 from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall, choose_sdpa_backend
-from memcalc.targets.stack import installed_torch_version, lazy_module_loading, resolve_stack, supported_torch_versions
+from memcalc.targets.resolved_stack import (
+    installed_torch_version,
+    lazy_module_loading,
+    resolve_stack,
+    supported_torch_versions,
+)
 
 MiB = 2**20
 INSTALLED = "{}.{}".format(*versions.parse_torch_version(torch.__version__))

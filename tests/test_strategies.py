@@ -26,7 +26,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.distributed.ddp import DdpProgram
 from memcalc.distributed.fsdp import ShardedProgram, fsdp_units, module_units
-from memcalc.distributed.options import Distributed, dp_chunks
+from memcalc.distributed.setting import Distributed, dp_chunks
 
 MiB = 2**20
 # two_layers: two 1024×1024 weights without bias: Ψ = 2,097,152 parameters, each weight
@@ -361,7 +361,7 @@ def test_fsdp_units_are_blocks_and_root():
 
 
 def test_sharded_program_puts_the_model_back():
-    from memcalc.engine.options import Step
+    from memcalc.engine.step_spec import Step
     from memcalc.sources.resolve import resolve
     from memcalc.targets.backend import trace_step
 

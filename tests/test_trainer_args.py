@@ -28,7 +28,7 @@ from memcalc.core.errors import InapplicableOptionError, InvalidInputError, Miss
 from memcalc.core.loop import LoopPreset, OptimizerImpl
 from memcalc.core.precision import Precision
 from memcalc.engine.optimizers import Optimizer
-from memcalc.engine.options import Target
+from memcalc.engine.step_spec import Target
 from memcalc.fields import build_step
 from memcalc.stacks.transformers.training_args import IGNORED, MAPPED, REFUSED
 

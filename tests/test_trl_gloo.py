@@ -28,7 +28,7 @@ from torch import nn
 
 import memcalc
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 
 pytestmark = pytest.mark.slow  # one spawn of two processes: about a minute
 WORLD = 2

@@ -29,7 +29,7 @@ from memcalc.cli import main
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 
 pytest.importorskip("transformers")
 pytest.importorskip("trl")

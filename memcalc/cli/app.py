@@ -36,7 +36,7 @@ from memcalc.report.snapshot import write_snapshot
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
 from memcalc.targets.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
 from memcalc.timing.performance import loader_advice
-from memcalc.timing.render import render_loader
+from memcalc.timing.time_render import render_loader
 
 __all__ = ("estimate_command",)
 

@@ -19,7 +19,7 @@ from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.core.units import format_bytes
 from memcalc.report.render import render_json, render_report, render_roles
 from memcalc.report.throughput_render import render_choice
-from memcalc.search.budget import FitResult, format_margin
+from memcalc.search.fit_result import FitResult, format_margin
 from memcalc.timing.performance import check_timeable, with_time
 
 __all__ = ("fit_command",)

@@ -169,7 +169,7 @@ def budget_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def budget_arguments(gpu: str | None, budget: int | None, device: str | None, *, required: bool) -> dict[str, Any]:
-    """The one budget option given, as :func:`memcalc.search.budget.resolve_budget` keywords; a
+    """The one budget option given, as :func:`memcalc.targets.budget.resolve_budget` keywords; a
     usage error for more than one (or none, when ``required``)."""
     given = {name: value for name, value in (("gpu", gpu), ("budget", budget), ("device", device))
              if value is not None}

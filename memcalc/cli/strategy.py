@@ -21,7 +21,8 @@ from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.launch.read import read_launch
 from memcalc.distributed.launch.setup import LaunchSetup
 from memcalc.distributed.mesh import DIMENSION_NAMES, Mesh, parse_mesh
-from memcalc.distributed.options import (
+from memcalc.distributed.pipeline_schedules import PipelineSchedule
+from memcalc.distributed.setting import (
     DEEPSPEED_REDUCE_BUCKET_SIZE,
     DEFAULT_BUCKET_CAP_MB,
     Distributed,
@@ -30,7 +31,6 @@ from memcalc.distributed.options import (
     Strategy,
     inapplicable_option,
 )
-from memcalc.distributed.pipeline_schedules import PipelineSchedule
 
 __all__ = ("DeviceIdsType", "MeshType", "TpPlanType", "launch_arguments", "strategy_arguments", "strategy_options")
 

@@ -26,9 +26,9 @@ from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.categories import Category
 from memcalc.core.units import format_bytes
 from memcalc.report.render import render_json
-from memcalc.search.budget import Budget, resolve_budget
 from memcalc.search.sweep import SweepPoint
-from memcalc.timing.render import format_seconds
+from memcalc.targets.budget import Budget, resolve_budget
+from memcalc.timing.time_render import format_seconds
 
 __all__ = ("sweep_command",)
 

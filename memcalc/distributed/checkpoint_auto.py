@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from memcalc.core.checkpointing import FULL, OFF, Checkpointing, CheckpointKind
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MemcalcError
 from memcalc.core.report import MemoryReport
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 from memcalc.timing.performance import check_timeable, step_time
 
 __all__ = ("Candidate", "block_count", "candidates", "choose_checkpointing")

@@ -56,8 +56,8 @@ from memcalc.distributed.pipeline_split import ModelLayout, StageModule, block_c
 from memcalc.distributed.program import RankProgram, model_states_at_step
 from memcalc.engine.losses import compute_loss, make_targets, resolve_loss
 from memcalc.engine.model import ModelInputs, ResolvedModel
-from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, build_report
+from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step

@@ -25,14 +25,14 @@ from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.report import MemoryReport, RoleReport
-from memcalc.distributed.options import Distributed
 from memcalc.distributed.program import model_states_at_step
+from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import Plan, RankStrategy
 from memcalc.distributed.strategy.catalogue import strategies_for
 from memcalc.engine import allocator
 from memcalc.engine.optimizers import Optimizer, spec_for
-from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
+from memcalc.engine.step_spec import Step
 from memcalc.engine.timeline import allocator_events
 from memcalc.stacks.float8 import apply_float8
 from memcalc.stacks.peft import apply_finetune, step_precision
@@ -170,7 +170,7 @@ def _alive_at_peak(traced: TracedStep, uids: set[int], settings: AllocConf | Non
     program = traced.program()
     nbytes = traced.trace.nbytes
     stats = allocator.replay(allocator_events(program, nbytes), settings=settings,
-                             host=not traced.options.emulate_cuda, streams=program.streams)
+                             host=not traced.step.emulate_cuda, streams=program.streams)
     n = program.num_storages
     alive = 0
     for event in program.events[: max(stats.peak_index, 0) + 1]:

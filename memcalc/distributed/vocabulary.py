@@ -1,5 +1,5 @@
 """The words of the multi-GPU settings, apart from the setting itself
-(:class:`memcalc.distributed.options.Distributed`), so that the strategy objects
+(:class:`memcalc.distributed.setting.Distributed`), so that the strategy objects
 (:mod:`memcalc.distributed.strategy`) and the setting that looks them up can share them."""
 
 from __future__ import annotations

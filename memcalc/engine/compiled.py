@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from memcalc.core.errors import InternalError
-from memcalc.engine.backend import CompiledAutocast, outside_autocast_regions
 from memcalc.engine.model import ModelInputs
+from memcalc.engine.step_backend import CompiledAutocast, outside_autocast_regions
 from memcalc.engine.trace import StorageTracer, tensors_of
 
 __all__ = ("CompiledForward", "CompiledForwards", "CompiledStepTracer", "MetaInductor", "budget_note",

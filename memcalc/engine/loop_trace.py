@@ -35,8 +35,8 @@ from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import DataDependentError, InapplicableOptionError
-from memcalc.engine.options import Step
 from memcalc.engine.step import StepObserver
+from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 
 __all__ = ("BATCH_LABEL", "LoopTracing", "check_loop")
@@ -171,9 +171,9 @@ class LoopTracing:
         return result
 
     # ---- what the report says ----------------------------------------------------------------
-    def notes(self, options: Step, batches: int, has_optimizer: bool) -> list[str]:
+    def notes(self, step: Step, batches: int, has_optimizer: bool) -> list[str]:
         """What the report should say about the loop's run: whatever it did not do."""
-        name = options.loop.name
+        name = step.loop.name
         notes: list[str] = []
         if self.batches_drawn == 0:
             notes.append(f"the loop {name} drew no batch from `batches`: the model's inputs are not counted")
@@ -196,7 +196,7 @@ class LoopTracing:
             exc.read_by_loop(loop)
 
 
-def check_loop(options: Step, *, multi_gpu: bool) -> None:
+def check_loop(step: Step, *, multi_gpu: bool) -> None:
     """Refuse what a traced loop cannot honour, rather than ignore it.
 
     Raises:
@@ -204,26 +204,26 @@ def check_loop(options: Step, *, multi_gpu: bool) -> None:
             user's own loop, which computes its own loss, runs its own autocast and zeroes its own
             gradients — a chosen loss, an amp precision or ``keep_grads``.
     """
-    loop = options.loop
-    if multi_gpu and not (loop.preset is not None and loop.preset.is_trl):  # TRL's: distributed/estimate.py checks
+    loop = step.loop
+    if multi_gpu and not (loop.preset is not None and loop.preset.is_trl):  # TRL's: estimation.py checks
         raise InapplicableOptionError(
             f"the loop {loop.name} (loop, --loop, --keep-grads) is estimated on one GPU only for now; a multi-GPU "
             f"strategy runs memcalc's own loop", hint="Leave out the loop (and --keep-grads), or the strategy.")
-    if options.mode is not Mode.TRAIN:
-        raise InapplicableOptionError(f"a training loop applies to mode train; the mode is {options.mode.value}")
+    if step.mode is not Mode.TRAIN:
+        raise InapplicableOptionError(f"a training loop applies to mode train; the mode is {step.mode.value}")
     if loop.preset is not None:
         return
     if loop.keep_grads:
         raise InapplicableOptionError(
             f"your loop {loop.name} calls its own zero_grad: keep_grads (--keep-grads) would be ignored",
             hint="Call optimizer.zero_grad(set_to_none=False) in your loop instead.")
-    if options.loss is not None or options.loss_fn is not None:
+    if step.loss is not None or step.loss_fn is not None:
         raise InapplicableOptionError(
             f"your loop {loop.name} computes its own loss: the loss option (loss, --loss) would be ignored",
             hint="Leave out the loss, or use a preset loop (--loop minimal, tutorial, trainer, zero-grad-late).")
-    if options.precision.is_amp:
+    if step.precision.is_amp:
         raise InapplicableOptionError(
-            f"precision {options.precision.value} is memcalc's autocast, which it applies in its preset loops; "
+            f"precision {step.precision.value} is memcalc's autocast, which it applies in its preset loops; "
             f"your loop {loop.name} runs as written, and a torch.autocast inside it has no effect on meta tensors",
             hint="Estimate your loop at fp32, bf16 or fp16, or use a preset loop with the amp precision.")
 

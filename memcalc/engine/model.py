@@ -29,7 +29,7 @@ InputsLike: TypeAlias = "torch.Tensor | Sequence[Any] | Mapping[str, Any]"
 LabelsMaker: TypeAlias = "Callable[[ModelInputs], dict[str, torch.Tensor]]"
 #: Resolves what the user named into a :class:`ResolvedModel` on meta, at a batch:
 #: ``resolver(model, batch_size=, input_shape=, seq_len=, inputs=)``. The API hands it to the
-#: :class:`~memcalc.engine.options.Step` it builds (``memcalc.sources.resolve.resolve``), so the
+#: :class:`~memcalc.engine.step_spec.Step` it builds (``memcalc.sources.resolve.resolve``), so the
 #: layers below resolve a model through the step and never import the resolver.
 ModelResolver: TypeAlias = "Callable[..., ResolvedModel]"
 #: ``checkpoint(forward, *args, **kwargs)``: memcalc's non-reentrant checkpoint of one block

@@ -16,10 +16,10 @@ from torch.utils.checkpoint import checkpoint
 from memcalc.core.checkpointing import FULL, Checkpointing, CheckpointKind
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
-from memcalc.engine.backend import current_autocast_region
 from memcalc.engine.model import Checkpointer, CheckpointFn, ModelInputs
-from memcalc.engine.options import Step
 from memcalc.engine.sac_policy import selective_context_fn
+from memcalc.engine.step_backend import current_autocast_region
+from memcalc.engine.step_spec import Step
 
 __all__ = (
     "KEEP_DTYPE",

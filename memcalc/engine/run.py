@@ -6,7 +6,7 @@ model on meta tensors under the storage tracer, with a device backend plugged in
 :class:`~memcalc.core.report.MemoryReport`. The data flow is drawn in docs/architecture.md.
 
 Two seams take what the engine does not know: the device's rules (a step backend,
-:mod:`memcalc.engine.backend`) and, when a step time is wanted, a recorder of every kernel's
+:mod:`memcalc.engine.step_backend`) and, when a step time is wanted, a recorder of every kernel's
 FLOPs and bytes (:class:`CostRecorder`, made by the layer that decides to time the step).
 """
 
@@ -40,7 +40,6 @@ from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.core.units import format_bytes
 from memcalc.engine import allocator
-from memcalc.engine.backend import AutocastRegion, CompiledAutocast, PlainBackend, StepBackend
 from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.compiled import (
     CompiledForwards,
@@ -56,7 +55,6 @@ from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
 from memcalc.engine.model import GenerateFn, ModelInputs, ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
-from memcalc.engine.options import Step
 from memcalc.engine.prepare import (
     cast_inputs,
     checkpointing_note,
@@ -68,6 +66,8 @@ from memcalc.engine.prepare import (
 from memcalc.engine.steady import RunCounts, extend, traced_tokens
 from memcalc.engine.steady_replay import REPLAYING, replay_generation
 from memcalc.engine.step import Scaler, StepConfig, run_step
+from memcalc.engine.step_backend import AutocastRegion, CompiledAutocast, PlainBackend, StepBackend
+from memcalc.engine.step_spec import Step
 from memcalc.engine.timeline import (
     Program,
     alive_before,
@@ -215,14 +215,14 @@ class TracedStep:
     """The raw result of tracing one step: the trace, final categories, module data."""
 
     def __init__(self, trace: StepTrace, categories: list[Category], tracer: StorageTracer, loss: str,
-                 options: Step, attention: dict[str, int], notes: list[str], optimizer_impl: str = ""):
+                 step: Step, attention: dict[str, int], notes: list[str], optimizer_impl: str = ""):
         self.trace = trace
         self.categories = categories
         self.output_shapes = dict(tracer.modules.output_shapes)
         self.module_order = list(tracer.modules.order)
         self.loss = loss
-        self.options = options
-        self.mode = options.mode
+        self.step = step
+        self.mode = step.mode
         self.attention = attention
         self.notes = notes
         self.optimizer_impl = optimizer_impl  # as resolved for the target ("" without an optimizer step)
@@ -237,14 +237,14 @@ class TracedStep:
         return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1, traced_starts=self.iteration_starts)
 
 
-def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastRegion | None,
+def step_config(resolved: ResolvedModel, step: Step, *, autocast: AutocastRegion | None,
                 scaler: Callable[[], Scaler | None] | None, cuda: bool, iterations: int = 1) -> StepConfig:
-    """How the step program runs ``options`` — one configuration for the trace and for a real
+    """How the step program runs ``step`` — one configuration for the trace and for a real
     run of the same step (``--measure``), which differ only in what they run under.
 
     Args:
         resolved: the model (its own loss, when none was chosen).
-        options: the step.
+        step: the step.
         autocast: opens the autocast region of a mixed-precision step (the backend's emulated
             one, or ``torch.autocast``); None: none.
         scaler: makes the gradient scaler of an amp-fp16 step (emulated, or torch's); None: none.
@@ -256,18 +256,18 @@ def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastReg
         The step program's configuration.
     """
     return StepConfig(
-        mode=options.mode, optimizer=options.optimizer, iterations=iterations,
-        optimizer_impl=resolve_impl(options.optimizer, options.loop.optimizer_impl, cuda=cuda),
-        loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
-        accum_steps=options.accum_steps, autocast=autocast or nullcontext,
-        scaler_factory=scaler if options.mode is Mode.TRAIN else None,
-        model_loss=options.trains_own_loss, amp=options.precision.is_amp,
+        mode=step.mode, optimizer=step.optimizer, iterations=iterations,
+        optimizer_impl=resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=cuda),
+        loss=step.loss if step.loss is not None else resolved.loss, loss_fn=step.loss_fn,
+        accum_steps=step.accum_steps, autocast=autocast or nullcontext,
+        scaler_factory=scaler if step.mode is Mode.TRAIN else None,
+        model_loss=step.trains_own_loss, amp=step.precision.is_amp,
     )
 
 
 @torch.inference_mode(False)  # a caller's inference mode would make every tensor of the step an inference tensor
 @while_collector_paused
-def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | None = None, *,
+def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None = None, *,
                 hooks: RankHooks | None = None, traced_loop: bool | None = None,
                 costs: CostRecorderFactory | None = None,
                 retrace: Callable[[], StepBackend] | None = None) -> TracedStep:
@@ -275,11 +275,11 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
 
     Args:
         resolved: the model and its inputs, on meta.
-        options: the step (optimizer, mode, precision, loss, accumulation, ...).
-        backend: what the device adds (:mod:`memcalc.engine.backend`); None: plain meta.
+        step: the step (optimizer, mode, precision, loss, accumulation, ...).
+        backend: what the device adds (:mod:`memcalc.engine.step_backend`); None: plain meta.
         hooks: a per-rank program of a multi-GPU strategy (:mod:`memcalc.distributed`),
             installed on the model before its storages are registered and removed afterwards.
-        traced_loop: run ``options.loop`` as written (:mod:`memcalc.engine.loops`), every
+        traced_loop: run ``step.loop`` as written (:mod:`memcalc.engine.loops`), every
             iteration traced; None: unless it is the default loop, whose second iteration is
             synthesised from one traced step (the same peak, faster).
         costs: makes the recorder of every kernel's FLOPs and bytes, when a step time is wanted
@@ -296,27 +296,27 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     module = resolved.module
     notes = list(resolved.notes)  # what resolving decided (where the inputs came from, a grown model)
     if traced_loop is None:
-        traced_loop = not options.loop.is_default
+        traced_loop = not step.loop.is_default
     if traced_loop:
-        check_loop(options, multi_gpu=hooks is not None)
-    inputs, blocks = prepare_step(module, resolved.step_inputs(resolved.inputs, own_loss=options.trains_own_loss),
-                                  options, containers=resolved.block_containers, model_name=resolved.name,
+        check_loop(step, multi_gpu=hooks is not None)
+    inputs, blocks = prepare_step(module, resolved.step_inputs(resolved.inputs, own_loss=step.trains_own_loss),
+                                  step, containers=resolved.block_containers, model_name=resolved.name,
                                   own_checkpointing=resolved.checkpointing)
     if blocks:
-        notes.append(checkpointing_note(options.checkpoint, blocks, resolved.block_containers))
-    if options.parameter_dtype is not options.precision.parameter_dtype:
-        dtype = str(options.parameter_dtype).removeprefix("torch.")
-        notes.append(f"parameters stored in {dtype} (weight_dtype) under {options.precision.value}: their "
+        notes.append(checkpointing_note(step.checkpoint, blocks, resolved.block_containers))
+    if step.parameter_dtype is not step.precision.parameter_dtype:
+        dtype = str(step.parameter_dtype).removeprefix("torch.")
+        notes.append(f"parameters stored in {dtype} (weight_dtype) under {step.precision.value}: their "
                      f"gradients and optimizer state in {dtype} too")
-    if (built := _dtypes_as_built(module, options)) is not None:
+    if (built := _dtypes_as_built(module, step)) is not None:
         notes.append(built)
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time
     recorder = costs(backend.after_op) if costs is not None else None
-    generate = _generation_of(resolved, options)
-    steady, unsteady = _steady_tokens(resolved, options, generate is not None and retrace is not None
+    generate = _generation_of(resolved, step)
+    steady, unsteady = _steady_tokens(resolved, step, generate is not None and retrace is not None
                                       and recorder is None and hooks is None)
-    reads = (resolved.reads(options.mode, steady or options.new_tokens) if resolved.reads is not None else None)
-    compiled = _compiled(module, inputs, options, resolved, notes, hooks=hooks, autocast=backend.compiled_autocast(),
+    reads = (resolved.reads(step.mode, steady or step.new_tokens) if resolved.reads is not None else None)
+    compiled = _compiled(module, inputs, step, resolved, notes, hooks=hooks, autocast=backend.compiled_autocast(),
                          reads=reads)
     tracer = (StorageTracer if compiled is None else CompiledStepTracer)(
         "meta", after_op=recorder if recorder is not None else backend.after_op, read_values=reads)
@@ -324,20 +324,20 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     if recorder is not None:
         recorder.attach(tracer)
     backend.attach(tracer)
-    observer = _TracerObserver(tracer, unified_memory=options.emulate_cuda, model=module)
+    observer = _TracerObserver(tracer, unified_memory=step.emulate_cuda, model=module)
     tracing = LoopTracing(tracer, module, observer) if traced_loop else None
     if hooks is not None:
         hooks.install(tracer, module)
     buffers = _register_preexisting(tracer, module, inputs if tracing is None else ())  # a loop's batches: when drawn
     own_cache: Callable[[], Iterable[torch.Tensor]] | None = None
-    if options.kv_cache is not None:
-        note, inputs, own_cache = _register_kv_cache(tracer, resolved, inputs, options)
+    if step.kv_cache is not None:
+        note, inputs, own_cache = _register_kv_cache(tracer, resolved, inputs, step)
         notes.append(note)
     if compiled is None:  # a compiled forward runs fused kernels: no module of the model's own runs them
         tracer.modules.install(module)
     runs_before = compiled.backend.runs if compiled is not None else 0
-    config = step_config(resolved, options, autocast=backend.autocast(), scaler=backend.grad_scaler,
-                         cuda=options.emulate_cuda)
+    config = step_config(resolved, step, autocast=backend.autocast(), scaler=backend.grad_scaler,
+                         cuda=step.emulate_cuda)
     decoded: list[RunCounts] = []  # the run's counts as each decode step began (when extrapolating)
 
     def counted() -> RunCounts:
@@ -348,18 +348,18 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     try:
         with tracer, backend.mode():
             if generate is not None:
-                assert options.new_tokens is not None  # fields.build_step checked it
-                outcome = run_generation(module, inputs, config, generate, options.new_tokens, observer,
+                assert step.new_tokens is not None  # fields.build_step checked it
+                outcome = run_generation(module, inputs, config, generate, step.new_tokens, observer,
                                          on_decode=(lambda _k: decoded.append(counted())) if steady else None)
             elif tracing is None:
                 outcome = run_step(module, inputs, config, observer)
                 if own_cache is not None:  # filled by the forward, as the model's own cache is
                     observer.kv_cache(own_cache())
             else:
-                outcome = run_loop(module, inputs, config, options.loop, tracing)
+                outcome = run_loop(module, inputs, config, step.loop, tracing)
     except DataDependentError as exc:
         if tracing is not None:
-            tracing.explain(exc, options.loop.name)
+            tracing.explain(exc, step.loop.name)
         if isinstance(inputs.kwargs.get("attention_mask"), torch.Tensor):
             exc.hint = f"{_MASK_VALUES} {exc.hint or ''}".strip()
         raise
@@ -397,24 +397,24 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     attention = dict(backend.attention_backends())
     backend_notes = backend.notes(module)
     if steady is not None:
-        assert options.new_tokens is not None and retrace is not None
-        extension = extend(trace, decoded, counted(), options.new_tokens)
+        assert step.new_tokens is not None and retrace is not None
+        extension = extend(trace, decoded, counted(), step.new_tokens)
         if isinstance(extension, str):  # not confirmed: every decode step traced
-            traced = trace_model(resolved, options, retrace(), costs=costs)
+            traced = trace_model(resolved, step, retrace(), costs=costs)
             traced.notes.append(f"generation traced token by token: its decode steps were not extrapolated "
                                 f"({extension})")
             return traced
         trace.op_counts = extension.op_counts
         attention, backend_notes = extension.attention, extension.notes
-        report_progress(GENERATING, options.new_tokens, options.new_tokens)
+        report_progress(GENERATING, step.new_tokens, step.new_tokens)
     elif unsteady is not None:
         notes.append(f"generation traced token by token: {unsteady}")
     categories = final_categories(trace, observer.gradient_uids, observer.state_uids)
-    loss_name = "custom loss_fn" if options.loss_fn is not None else MODEL_LOSS if outcome.model_loss else (
-        outcome.loss_kind.value if outcome.loss_kind is not None else f"none ({options.mode.value})")
+    loss_name = "custom loss_fn" if step.loss_fn is not None else MODEL_LOSS if outcome.model_loss else (
+        outcome.loss_kind.value if outcome.loss_kind is not None else f"none ({step.mode.value})")
     notes.extend(backend_notes)
-    has_step = options.mode is Mode.TRAIN and options.optimizer.factory is not None
-    traced = TracedStep(trace, categories, tracer, loss_name, options, attention, notes,
+    has_step = step.mode is Mode.TRAIN and step.optimizer.factory is not None
+    traced = TracedStep(trace, categories, tracer, loss_name, step, attention, notes,
                         config.optimizer_impl.value if has_step else "")
     traced.costs = recorder
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
@@ -423,13 +423,13 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
         traced.notes.append(_rebound_note(trace, buffers))
     if tracing is not None:
         traced.iteration_starts = tracing.iteration_starts()
-        traced.notes.extend(tracing.notes(options, ITERATIONS * options.accum_steps, has_step))
-        if options.loop.preset is None:
-            traced.loss = f"computed by the loop ({options.loop.name})"
+        traced.notes.extend(tracing.notes(step, ITERATIONS * step.accum_steps, has_step))
+        if step.loop.preset is None:
+            traced.loss = f"computed by the loop ({step.loop.name})"
     return traced
 
 
-def _compiled(module: nn.Module, inputs: ModelInputs, options: Step, resolved: ResolvedModel, notes: list[str], *,
+def _compiled(module: nn.Module, inputs: ModelInputs, step: Step, resolved: ResolvedModel, notes: list[str], *,
               hooks: RankHooks | None, autocast: CompiledAutocast | None,
               reads: ReadOracle | None) -> CompiledForwards | None:
     """``module``'s forward compiled by torch's own stack on meta (:mod:`memcalc.engine.compiled`)
@@ -442,7 +442,7 @@ def _compiled(module: nn.Module, inputs: ModelInputs, options: Step, resolved: R
     forward, and the blocks of one class share one compiled graph. The warm-up runs with the
     parameters in the dtype the program hands the blocks (FSDP2's ``param_dtype``), so that
     Dynamo's guards hold in the traced step."""
-    if not (options.compile or resolved.compiled):
+    if not (step.compile or resolved.compiled):
         return None
     backend = MetaInductor(autocast)
     if hooks is None:
@@ -460,7 +460,7 @@ def _compiled(module: nn.Module, inputs: ModelInputs, options: Step, resolved: R
     dtype: torch.dtype | None = getattr(hooks, "forward_parameter_dtype", None)
     try:
         with _parameters_in(module, dtype):
-            warm_up(module, inputs, train=options.mode is Mode.TRAIN, reads=None if hooks is None else reads)
+            warm_up(module, inputs, train=step.mode is Mode.TRAIN, reads=None if hooks is None else reads)
     except MemcalcError:
         compiled.restore()
         raise
@@ -475,7 +475,7 @@ def _compiled(module: nn.Module, inputs: ModelInputs, options: Step, resolved: R
     notes.append(f"{given}{per_block}: saved activations from AOTAutograd's min-cut partitioner, buffers from "
                  f"Inductor's fused kernels and memory planning ({backend.graphs} graph"
                  f"{'s' if backend.graphs != 1 else ''}); Inductor's CPU code generation"
-                 + ("" if not options.emulate_cuda else ", standing for CUDA's (Triton's kernels not modelled)"))
+                 + ("" if not step.emulate_cuda else ", standing for CUDA's (Triton's kernels not modelled)"))
     if autocast is not None:
         notes.append("compiled under autocast: AOTAutograd traced the joint graph under "
                      + ("the real torch.autocast('cpu')" if autocast.call is not None
@@ -517,28 +517,28 @@ def _parameters_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[Non
             p.data = data
 
 
-def _dtypes_as_built(module: nn.Module, options: Step) -> str | None:
+def _dtypes_as_built(module: nn.Module, step: Step) -> str | None:
     """What the report says when the parameters keep a dtype the precision does not name: an
     fp32 step casts nothing (:func:`~memcalc.engine.prepare.cast_parameters`), so a module the
     user built in float64 or bf16 is estimated in its own dtype — what it would run in."""
-    if options.parameter_dtype is not torch.float32:
+    if step.parameter_dtype is not torch.float32:
         return None  # the step cast the parameters to its dtype
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()
                      if p.is_floating_point() and p.dtype is not torch.float32})
     if not dtypes:
         return None
     return (f"parameters stored in {', '.join(dtypes)}, as the model was built: precision "
-            f"{options.precision.value} casts no parameter, so the step (its gradients and optimizer state too) is "
+            f"{step.precision.value} casts no parameter, so the step (its gradients and optimizer state too) is "
             f"estimated in the model's own dtype")
 
 
-def _generation_of(resolved: ResolvedModel, options: Step) -> GenerateFn | None:
+def _generation_of(resolved: ResolvedModel, step: Step) -> GenerateFn | None:
     """The model's own generation in mode generate (None in the other modes).
 
     Raises:
         InapplicableOptionError: mode generate for a model without a generate() memcalc runs.
     """
-    if options.mode is not Mode.GENERATE:
+    if step.mode is not Mode.GENERATE:
         return None
     if resolved.generate is None:
         raise InapplicableOptionError(
@@ -549,13 +549,13 @@ def _generation_of(resolved: ResolvedModel, options: Step) -> GenerateFn | None:
     return resolved.generate
 
 
-def _steady_tokens(resolved: ResolvedModel, options: Step, possible: bool) -> tuple[int | None, str | None]:
+def _steady_tokens(resolved: ResolvedModel, step: Step, possible: bool) -> tuple[int | None, str | None]:
     """The tokens to trace before extrapolating a generation's steady decode steps
     (:func:`~memcalc.engine.steady.traced_tokens`), or None; and, when the model's source says its
     decode steps do not repeat, why (the report says so)."""
-    if not possible or options.new_tokens is None:
+    if not possible or step.new_tokens is None:
         return None, None
-    tokens = traced_tokens(options.new_tokens)
+    tokens = traced_tokens(step.new_tokens)
     if tokens is None or resolved.steady_decoding is None:
         return None, None
     why = resolved.steady_decoding(resolved.module)
@@ -601,7 +601,7 @@ def _rebound_note(trace: StepTrace, buffers: dict[int, str]) -> str:
             f"one there before the step): its second iteration was traced, not repeated from the first")
 
 
-def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs, options: Step
+def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: ModelInputs, step: Step
                        ) -> tuple[str, ModelInputs, Callable[[], Iterable[torch.Tensor]] | None]:
     """One KV cache for prompt + generated tokens, never two: the model's own where it keeps one
     (a Hugging Face causal LM: its ``StaticCache`` of that length, passed as ``past_key_values``
@@ -613,14 +613,14 @@ def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: M
         The report's note, the forward's inputs, and where the model keeps its own cache the
         tensors it holds after the forward (to be marked as the KV cache), else None.
     """
-    generated = int(options.kv_cache or 0)
+    generated = int(step.kv_cache or 0)
     module = resolved.module
-    nbytes = kv_cache_bytes(module, inputs, options.precision, generated, model_name=resolved.name,
+    nbytes = kv_cache_bytes(module, inputs, step.precision, generated, model_name=resolved.name,
                             decoder=resolved.decoder)
     per_token = kv_elements_per_token(module)
     batch, prompt = kv_prompt(inputs) or (0, 0)  # kv_cache_bytes refused inputs that are not token ids
     tokens = prompt + generated
-    sized = f"KV cache for {tokens} tokens ({prompt} prompt + {options.kv_cache} generated) × batch {batch}"
+    sized = f"KV cache for {tokens} tokens ({prompt} prompt + {step.kv_cache} generated) × batch {batch}"
     if resolved.static_cache is not None:
         keywords, tensors = resolved.static_cache(module, tokens)
         inputs = ModelInputs(inputs.args, {**inputs.kwargs, **keywords})
@@ -687,14 +687,14 @@ def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None,
 
 
 @while_collector_paused
-def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, role: str = "") -> MemoryReport:
+def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, role: str = "") -> MemoryReport:
     """The report of a traced step: replay through the allocator model, breakdown at the peak,
     textbook comparison, per-module rows and, under ``capacity``, whether it fits.
 
     Args:
         resolved: the model and its inputs.
         traced: the traced step (:func:`trace_model`).
-        options: the step; under its ``capacity`` (the bytes the allocator may reserve; None:
+        step: the step; under its ``capacity`` (the bytes the allocator may reserve; None:
             no limit, ``fits`` is None) it says whether the step fits.
         role: the GPU role this step is (multi-GPU strategies), carried into its timeline.
 
@@ -702,10 +702,10 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         The report; ``report.timeline()`` replays the step again when it is first called.
     """
     trace = traced.trace
-    mode = options.mode
-    capacity = options.capacity
-    settings = options.allocator_settings
-    host = not options.emulate_cuda  # the CPU target: what the CPU allocator counts, unrounded
+    mode = step.mode
+    capacity = step.capacity
+    settings = step.allocator_settings
+    host = not step.emulate_cuda  # the CPU target: what the CPU allocator counts, unrounded
     program = _program_of(traced)
     stats = _replayed(program, trace, settings, host)
     peak_index = max(stats.peak_index, 0)
@@ -718,7 +718,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     )
     first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[1]),
                              settings=settings, host=host, streams=program.streams) if program.iterations > 1 else stats
-    spec = options.optimizer
+    spec = step.optimizer
     module = resolved.module
     training = mode is Mode.TRAIN
     textbook = Textbook(
@@ -739,11 +739,11 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
     has_peak = stats.peak_allocated > 0
     generating = mode is Mode.GENERATE
     peak_step = decode_step_at(trace, trace.events.index(uid)) if generating and uid in trace.events else None
-    notes = [*options.notes, *traced.notes]
+    notes = [*step.notes, *traced.notes]
     if stats.peak_reserved_by_stream:
         notes.append(_streams_note(stats))
     split = generation_peaks(trace, program, settings=settings, host=host) if training else None
-    if (warning := options.precision_warning()) is not None:
+    if (warning := step.precision_warning()) is not None:
         notes.append(warning)
         warnings.warn(warning, stacklevel=3)
     return MemoryReport(
@@ -756,7 +756,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         peak_module=trace.module[uid] if has_peak else "",
         bytes=breakdown,
         peak_iteration=program.iteration_of(peak_index),
-        input_description=_cast_input_description(resolved, options),
+        input_description=_cast_input_description(resolved, step),
         loss=traced.loss,
         textbook=textbook,
         modules=_module_rows(module, traced),
@@ -766,27 +766,27 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         # judged by), so that the reserved bytes shown never contradict ``fits``
         peak_reserved=stats.peak_reserved if reserved_within is None else reserved_within,
         peak_reserved_unconstrained=stats.peak_reserved,
-        unsupported_ops=_approximated(trace, options),
+        unsupported_ops=_approximated(trace, step),
         capacity=capacity,
         fits=fits,
         reserved_within_capacity=reserved_within,
         reserved_if_expandable=expandable,
-        precision=options.precision,
-        gpu=options.gpu,
-        gpu_named=options.gpu_named,
+        precision=step.precision,
+        gpu=step.gpu,
+        gpu_named=step.gpu_named,
         attention_backend=_main_backend(traced.attention),
         attention_calls=tuple(sorted(traced.attention.items())),
-        accum_steps=options.accum_steps,
-        checkpoint=bool(options.checkpoint),
-        loop=options.loop.name,
-        keep_grads=options.loop.keep_grads,
+        accum_steps=step.accum_steps,
+        checkpoint=bool(step.checkpoint),
+        loop=step.loop.name,
+        keep_grads=step.loop.keep_grads,
         optimizer_impl=traced.optimizer_impl,
-        # the stack resolved at the API boundary (memcalc.targets.stack); no CUDA version on the CPU target
-        torch_version=options.stack.torch or "",
-        cuda_version=(options.stack.cuda or "") if options.emulate_cuda else "",
+        # the stack resolved at the API boundary (memcalc.targets.resolved_stack); no CUDA version on the CPU target
+        torch_version=step.stack.torch or "",
+        cuda_version=(step.stack.cuda or "") if step.emulate_cuda else "",
         paged_optimizer_state=traced.paged_optimizer_state,
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
-        new_tokens=options.new_tokens,
+        new_tokens=step.new_tokens,
         peak_step=peak_step if has_peak else None,
         generation_peak=split[0] if split is not None else None,
         training_peak=split[1] if split is not None else None,
@@ -795,7 +795,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, options: Step, *, 
         notes=tuple(notes),
         _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role, settings, host),
         _costs=None if traced.costs is None else traced.costs.step_costs(
-            resolved.inputs, batch_size=resolved.batch_size, micro_batches=options.accum_steps,
+            resolved.inputs, batch_size=resolved.batch_size, micro_batches=step.accum_steps,
             module_order=traced.module_order,  # a loop traced whole: its first iteration
             until=traced.iteration_starts[0] if traced.iteration_starts else None),
     )
@@ -858,11 +858,11 @@ def _frozen_parameter_bytes(module: nn.Module) -> int:
     return sum({id(storage): storage.nbytes() for storage in frozen}.values())
 
 
-def _cast_input_description(resolved: ResolvedModel, options: Step) -> str:
+def _cast_input_description(resolved: ResolvedModel, step: Step) -> str:
     """The inputs as the step sees them: under pure fp16/bf16 the floating inputs are cast
     (:func:`~memcalc.engine.prepare.cast_inputs`, on meta: free), and the breakdown counts
     them in that dtype, so the header must name it too."""
-    return replace(resolved, inputs=cast_inputs(resolved.inputs, options.precision)).input_description
+    return replace(resolved, inputs=cast_inputs(resolved.inputs, step.precision)).input_description
 
 
 def _saved_for_backward(trace: StepTrace, categories: list[Category]) -> int:
@@ -968,6 +968,6 @@ _APPROXIMATED_CUDA = {"convolution.default", "convolution_backward.default"}  # 
 _APPROXIMATED_CPU = {"convolution.default", "convolution_backward.default"}
 
 
-def _approximated(trace: StepTrace, options: Step) -> tuple[tuple[str, int], ...]:
-    names = _APPROXIMATED_CUDA if options.emulate_cuda else _APPROXIMATED_CPU
+def _approximated(trace: StepTrace, step: Step) -> tuple[tuple[str, int], ...]:
+    names = _APPROXIMATED_CUDA if step.emulate_cuda else _APPROXIMATED_CPU
     return tuple((op, count) for op, count in sorted(trace.op_counts.items()) if op in names)

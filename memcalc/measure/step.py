@@ -49,10 +49,10 @@ from memcalc.core.report import Measurement, MemoryReport
 from memcalc.engine.compiled import compile_forward, warm_up
 from memcalc.engine.loops import run_loop
 from memcalc.engine.model import ModelInputs, ResolvedModel
-from memcalc.engine.options import Step
 from memcalc.engine.prepare import kv_cache_bytes, kv_prompt, prepare_step
 from memcalc.engine.run import step_config
 from memcalc.engine.step import Scaler, StepConfig, run_step
+from memcalc.engine.step_spec import Step
 from memcalc.stacks.float8 import float8_module
 from memcalc.stacks.peft import finetune_module
 from memcalc.targets.cpu.kernels import NOT_FOLLOWED
@@ -76,7 +76,7 @@ def _resolve(step: Step) -> ResolvedModel:
 
 
 def _prepare(resolved: ResolvedModel, device: torch.device,
-             options: Step) -> tuple[torch.nn.Module, ModelInputs, list[torch.Tensor]]:
+             step: Step) -> tuple[torch.nn.Module, ModelInputs, list[torch.Tensor]]:
     """The real model and inputs with the same transforms the estimate applies, and a KV
     cache of the estimated size when one is asked for: a transformers model's own StaticCache
     of that length, passed to its forward as the estimate passes it; for a model with no cache of
@@ -91,49 +91,49 @@ def _prepare(resolved: ResolvedModel, device: torch.device,
             storage on meta tensors without running its kernels.
     """
     module, inputs = resolved.build_real(device)
-    if not options.finetune.is_empty:
-        module, _notes = finetune_module(module, options.finetune, precision=options.precision, mode=options.mode)
-    if options.float8 is not None:  # torchao's conversion, as the estimate applies it
-        module, _notes, _wrapper = float8_module(module, options.float8)
-    inputs = resolved.step_inputs(inputs, own_loss=options.trains_own_loss)
-    inputs, _ = prepare_step(module, inputs, options, containers=resolved.block_containers, model_name=resolved.name,
+    if not step.finetune.is_empty:
+        module, _notes = finetune_module(module, step.finetune, precision=step.precision, mode=step.mode)
+    if step.float8 is not None:  # torchao's conversion, as the estimate applies it
+        module, _notes, _wrapper = float8_module(module, step.float8)
+    inputs = resolved.step_inputs(inputs, own_loss=step.trains_own_loss)
+    inputs, _ = prepare_step(module, inputs, step, containers=resolved.block_containers, model_name=resolved.name,
                              own_checkpointing=resolved.checkpointing)
-    if options.compile or resolved.compiled:  # the real stack, compiled (kernels built) before the step is measured
+    if step.compile or resolved.compiled:  # the real stack, compiled (kernels built) before the step is measured
         compile_forward(module, "inductor")
-        warm_up(module, inputs, train=options.mode is Mode.TRAIN)
+        warm_up(module, inputs, train=step.mode is Mode.TRAIN)
     keep: list[torch.Tensor] = []
-    if options.kv_cache is not None:
-        nbytes = kv_cache_bytes(module, inputs, options.precision, options.kv_cache, model_name=resolved.name,
+    if step.kv_cache is not None:
+        nbytes = kv_cache_bytes(module, inputs, step.precision, step.kv_cache, model_name=resolved.name,
                                 decoder=resolved.decoder)
         if resolved.static_cache is not None:  # the model's own cache, filled by its forward, as estimated
             _batch, prompt = kv_prompt(inputs) or (0, 0)
-            keywords, _tensors = resolved.static_cache(module, prompt + options.kv_cache)
+            keywords, _tensors = resolved.static_cache(module, prompt + step.kv_cache)
             inputs = ModelInputs(inputs.args, {**inputs.kwargs, **keywords})
         else:
             keep.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
     return module, inputs, keep
 
 
-def _config(resolved: ResolvedModel, options: Step, device: torch.device) -> StepConfig:
+def _config(resolved: ResolvedModel, step: Step, device: torch.device) -> StepConfig:
     """The engine's configuration of the step (:func:`memcalc.engine.run.step_config`), run for
     real: under ``torch.autocast``, with torch's GradScaler (on CUDA), for the two iterations
     the estimate covers."""
     autocast: Callable[[], AbstractContextManager[Any]] | None = None
     scaler: Callable[[], Scaler] | None = None
-    if options.precision.is_amp:
-        dtype = options.precision.compute_dtype
+    if step.precision.is_amp:
+        dtype = step.precision.compute_dtype
         autocast = lambda: torch.autocast(device.type, dtype=dtype)
-        if options.precision.uses_grad_scaler and device.type == "cuda":
+        if step.precision.uses_grad_scaler and device.type == "cuda":
             scaler = lambda: torch.amp.GradScaler("cuda")
-    return step_config(resolved, options, autocast=autocast, scaler=scaler, cuda=device.type == "cuda", iterations=2)
+    return step_config(resolved, step, autocast=autocast, scaler=scaler, cuda=device.type == "cuda", iterations=2)
 
 
-def _run(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, options: Step,
+def _run(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, step: Step,
          traced_loop: bool) -> None:
     """The step the estimate traced: memcalc's loop (two iterations), or the chosen loop as
     written (:func:`memcalc.engine.loops.run_loop`), on real tensors."""
     if traced_loop:
-        run_loop(module, inputs, config, options.loop)
+        run_loop(module, inputs, config, step.loop)
     else:
         run_step(module, inputs, config)
 
@@ -304,7 +304,7 @@ def _write_snapshot(path: str, *, force: bool) -> None:
 SCALER_WARMUPS = 24
 
 
-def _steady_scaler(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, options: Step,
+def _steady_scaler(module: torch.nn.Module, inputs: ModelInputs, config: StepConfig, step: Step,
                    traced_loop: bool) -> tuple[StepConfig, int]:
     """The step's configuration with one GradScaler for all runs, settled by warm-up runs; and
     how many it took (0 without a scaler).
@@ -323,7 +323,7 @@ def _steady_scaler(module: torch.nn.Module, inputs: ModelInputs, config: StepCon
     runs = 0
     while runs < SCALER_WARMUPS:
         scale = scaler.get_scale()
-        _run(module, inputs, shared, options, traced_loop)
+        _run(module, inputs, shared, step, traced_loop)
         runs += 1
         for parameter in module.parameters():
             parameter.grad = None

@@ -1,11 +1,11 @@
-"""Text for :class:`~memcalc.report.compare.SnapshotComparison` (``memcalc compare``)."""
+"""Text for :class:`~memcalc.report.snapshot_compare.SnapshotComparison` (``memcalc compare``)."""
 
 from __future__ import annotations
 
 from tabulate import tabulate
 
 from memcalc.core.units import Unit, format_bytes
-from memcalc.report.compare import BlockDifference, SnapshotComparison
+from memcalc.report.snapshot_compare import BlockDifference, SnapshotComparison
 
 __all__ = ("render_comparison",)
 

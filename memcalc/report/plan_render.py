@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from memcalc.core.units import Unit, format_bytes
 from memcalc.search.plan import PlanCandidate, PlanResult
-from memcalc.timing.render import format_seconds
+from memcalc.timing.time_render import format_seconds
 
 __all__ = ("render_plan",)
 

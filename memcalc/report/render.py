@@ -9,8 +9,8 @@ from memcalc.core.categories import Category, Mode
 from memcalc.core.report import MemoryReport, Textbook
 from memcalc.core.units import Unit, format_bytes
 from memcalc.report.formats import TABLE_FORMATS, render_json
-from memcalc.targets.stack import installed_torch_version
-from memcalc.timing.render import render_time
+from memcalc.targets.resolved_stack import installed_torch_version
+from memcalc.timing.time_render import render_time
 
 __all__ = ("TABLE_FORMATS", "render_json", "render_report", "render_roles")
 

@@ -1,16 +1,16 @@
 """Text of ``memcalc fit --objective throughput`` (:func:`memcalc.api.fastest_setting`): the
 fastest setting that fits, why it wins, and every setting timed. It shows a search's result, so
 it lives beside the other reports rather than with the step time's own text
-(:mod:`memcalc.timing.render`), whose units and figures it uses. Formatting only."""
+(:mod:`memcalc.timing.time_render`), whose units and figures it uses. Formatting only."""
 
 from __future__ import annotations
 
 from tabulate import tabulate
 
 from memcalc.core.units import Unit, format_bytes
-from memcalc.search.budget import format_margin
+from memcalc.search.fit_result import format_margin
 from memcalc.search.throughput import Candidate, ThroughputChoice
-from memcalc.timing.render import format_flops, format_seconds
+from memcalc.timing.time_render import format_flops, format_seconds
 
 __all__ = ("render_choice",)
 

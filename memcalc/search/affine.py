@@ -92,7 +92,7 @@ class AffineFamily:
             return None
         intercepts, slopes = line
         return cls(program=program, intercepts=intercepts, slopes=slopes, sized=tuple(sized), reference=first,
-                   host=not first.options.emulate_cuda)
+                   host=not first.step.emulate_cuda)
 
     def nbytes(self, batch: int) -> list[int]:
         """Every storage's size at ``batch``, indexed by uid."""

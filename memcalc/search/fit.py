@@ -25,20 +25,20 @@ from memcalc.core.checkpointing import Checkpointing, CheckpointKind
 from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.checkpoint_auto import block_count, candidates
-from memcalc.distributed.estimate import SINGLE, run_estimate
-from memcalc.distributed.options import Distributed
-from memcalc.engine.options import Step
+from memcalc.distributed.setting import Distributed
 from memcalc.engine.run import TracedStep
+from memcalc.engine.step_spec import Step
+from memcalc.estimation import SINGLE, run_estimate
 from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_under
-from memcalc.search.budget import (
+from memcalc.search.fit_result import (
     BatchLimitError,
-    Budget,
     DoesNotFitError,
     FitResult,
     Probe,
     batch_bytes,
     margin_capacity,
 )
+from memcalc.targets.budget import Budget
 
 __all__ = ("FITTING", "MAX_BATCH", "find_max_batch")
 

@@ -39,14 +39,14 @@ from memcalc.core.errors import InvalidInputError, MemcalcError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
 from memcalc.distributed.collectives import LAYOUT, Collective, ModelFacts, Network
-from memcalc.distributed.estimate import run_estimate
 from memcalc.distributed.mesh import Mesh
-from memcalc.distributed.options import Distributed
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
+from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import DIMENSIONS, Plan
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.distributed.tp_plans import resolve_plan
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
+from memcalc.estimation import run_estimate
 from memcalc.search.plan_bounds import activations_floor, compute_floor, peak_flops, states_floor
 from memcalc.timing.performance import step_time
 

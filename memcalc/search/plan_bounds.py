@@ -31,7 +31,7 @@ import torch
 from memcalc.core.checkpointing import Checkpointing, CheckpointKind
 from memcalc.distributed.collectives import ModelFacts
 from memcalc.distributed.mesh import Mesh
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 from memcalc.timing.performance import device_rates
 
 __all__ = ("activations_floor", "compute_floor", "peak_flops", "states_floor")

@@ -13,10 +13,10 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
-from memcalc.distributed.estimate import SINGLE, run_estimate
-from memcalc.distributed.options import Distributed
+from memcalc.distributed.setting import Distributed
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer, spec_for
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
+from memcalc.estimation import SINGLE, run_estimate
 
 __all__ = ("SWEEPING", "SweepPoint", "sweep_configurations", "sweep_requests")
 

@@ -23,11 +23,12 @@ from memcalc.core.checkpointing import FULL, OFF
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
-from memcalc.distributed.estimate import SINGLE, run_estimate
-from memcalc.distributed.options import Distributed
-from memcalc.engine.options import Step
-from memcalc.search.budget import Budget, DoesNotFitError, margin_capacity
+from memcalc.distributed.setting import Distributed
+from memcalc.engine.step_spec import Step
+from memcalc.estimation import SINGLE, run_estimate
 from memcalc.search.fit import MAX_BATCH, find_max_batch
+from memcalc.search.fit_result import DoesNotFitError, margin_capacity
+from memcalc.targets.budget import Budget
 from memcalc.timing.performance import step_time
 
 __all__ = ("Candidate", "ThroughputChoice", "find_fastest")

@@ -12,10 +12,10 @@ precision follows CPU autocast's own op lists there (``AutocastCPU`` in autocast
 softmax and layer_norm stay in the lower precision; :mod:`memcalc.targets.autocast`).
 
 :func:`trace_step` is the engine's :func:`~memcalc.engine.run.trace_model` with the backend of
-the options' target: what every caller above this layer uses.
+the step's target: what every caller above this layer uses.
 
-Every kernel fact is taken for the PyTorch of the options' :class:`~memcalc.core.stack.Stack`
-(:func:`memcalc.targets.stack.resolve_torch_version`: the installed torch unless another is
+Every kernel fact is taken for the PyTorch of the step's :class:`~memcalc.core.stack.Stack`
+(:func:`memcalc.targets.resolved_stack.resolve_torch_version`: the installed torch unless another is
 asked for): SDPA's backend priority and constraints and autocast's op lists (the emulation),
 the cuBLAS workspaces per step (the workspace model), cuDNN through the release's bundled
 version.
@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Mode
-from memcalc.engine.backend import AutocastRegion, CompiledAutocast, GradScalerLike, StepBackend
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, RankHooks, TracedStep, trace_model
+from memcalc.engine.step_backend import AutocastRegion, CompiledAutocast, GradScalerLike, StepBackend
+from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 from memcalc.targets.autograd import GRADIENT_SUM, accumulate_in_place
 from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels
@@ -42,7 +42,7 @@ from memcalc.targets.cuda.emulation import CudaEmulation
 from memcalc.targets.cuda.workspaces import WorkspaceModel
 from memcalc.targets.grad_scaler import EmulatedGradScaler
 from memcalc.targets.grouped_mm import grouped_mm_on_meta
-from memcalc.targets.stack import resolve_torch_version
+from memcalc.targets.resolved_stack import resolve_torch_version
 
 __all__ = ("CpuBackend", "CudaBackend", "trace_step")
 
@@ -62,8 +62,8 @@ class _EmulatingBackend:
     """What both targets share: an emulation mode entered around the step, an autocast region
     for mixed precision (its op lists are the target's) and the emulated gradient scaler of fp16."""
 
-    def __init__(self, options: Step, emulation: CudaEmulation) -> None:
-        self.options = options
+    def __init__(self, step: Step, emulation: CudaEmulation) -> None:
+        self.step = step
         self.emulation = emulation
         self.tracer: StorageTracer | None = None
 
@@ -82,10 +82,10 @@ class _EmulatingBackend:
         return _emulating(self.emulation)
 
     def autocast(self) -> AutocastRegion | None:
-        return self.emulation.autocast if self.options.precision.is_amp else None
+        return self.emulation.autocast if self.step.precision.is_amp else None
 
     def grad_scaler(self) -> GradScalerLike | None:
-        if not self.options.precision.uses_grad_scaler:
+        if not self.step.precision.uses_grad_scaler:
             return None
         return EmulatedGradScaler(torch.device("meta"))
 
@@ -94,15 +94,15 @@ class _EmulatingBackend:
 
 
 class CudaBackend(_EmulatingBackend):
-    """What a CUDA GPU does differently from meta tensors, for one step of ``options``."""
+    """What a CUDA GPU does differently from meta tensors, for one step of ``step``."""
 
-    def __init__(self, options: Step) -> None:
-        torch_version = resolve_torch_version(options.stack.torch)
-        super().__init__(options, CudaEmulation(options.precision, options.gpu.compute_capability,
-                                                emulate_kernels=options.emulate_cuda, torch_version=torch_version))
-        self.workspaces = (WorkspaceModel(options.gpu, training=options.mode is Mode.TRAIN,
+    def __init__(self, step: Step) -> None:
+        torch_version = resolve_torch_version(step.stack.torch)
+        super().__init__(step, CudaEmulation(step.precision, step.gpu.compute_capability,
+                                                emulate_kernels=step.emulate_cuda, torch_version=torch_version))
+        self.workspaces = (WorkspaceModel(step.gpu, training=step.mode is Mode.TRAIN,
                                           torch_version=torch_version)
-                           if options.emulate_cuda else None)
+                           if step.emulate_cuda else None)
 
     def attach(self, tracer: StorageTracer) -> None:
         super().attach(tracer)
@@ -122,9 +122,9 @@ class CudaBackend(_EmulatingBackend):
         """CUDA's autocast lists in force while AOTAutograd traces the compiled graph: a fresh
         emulation (its own weight-cast cache, no kernel choices: the compiled graph's attention
         and dropout are Inductor's), entered with its autocast region."""
-        if not self.options.precision.is_amp:
+        if not self.step.precision.is_amp:
             return None
-        precision, capability, version = (self.options.precision, self.options.gpu.compute_capability,
+        precision, capability, version = (self.step.precision, self.step.gpu.compute_capability,
                                           self.emulation.torch_version)
 
         @contextmanager
@@ -137,21 +137,21 @@ class CudaBackend(_EmulatingBackend):
 
     def notes(self, module: nn.Module) -> list[str]:
         notes = self.workspaces.notes() if self.workspaces is not None else []
-        if self.options.emulate_cuda and any(isinstance(m, nn.RNNBase) for m in module.modules()):
+        if self.step.emulate_cuda and any(isinstance(m, nn.RNNBase) for m in module.modules()):
             notes.append(_RNN_NOTE)
         return notes
 
 
 class CpuBackend(_EmulatingBackend):
-    """What this machine's CPU runs for one step of ``options`` (the CPU target,
+    """What this machine's CPU runs for one step of ``step`` (the CPU target,
     :mod:`memcalc.targets.cpu.kernels`): its own kernel choices and their inner allocations."""
 
-    def __init__(self, options: Step, capabilities: CpuCapabilities | None = None) -> None:
+    def __init__(self, step: Step, capabilities: CpuCapabilities | None = None) -> None:
         kernels = CpuKernels(capabilities or CpuCapabilities.here())
-        emulation = CpuEmulation(options.precision, options.gpu.compute_capability, kernels)
+        emulation = CpuEmulation(step.precision, step.gpu.compute_capability, kernels)
         # the release whose kernel facts the shared emulation reads (CPU autocast's lists: CpuEmulation)
-        emulation.torch_version = resolve_torch_version(options.stack.torch)
-        super().__init__(options, emulation)
+        emulation.torch_version = resolve_torch_version(step.stack.torch)
+        super().__init__(step, emulation)
         self.kernels = kernels
 
     def attach(self, tracer: StorageTracer) -> None:
@@ -169,8 +169,8 @@ class CpuBackend(_EmulatingBackend):
     def compiled_autocast(self) -> CompiledAutocast | None:
         """The real ``torch.autocast("cpu")`` around each compiled call: AOTAutograd traces on
         fake CPU tensors, so CPU autocast's own kernels put the casts in the graph."""
-        dtype = self.options.precision.compute_dtype
-        if not self.options.precision.is_amp:
+        dtype = self.step.precision.compute_dtype
+        if not self.step.precision.is_amp:
             return None
         return CompiledAutocast(call=lambda: torch.autocast("cpu", dtype=dtype))
 
@@ -178,14 +178,14 @@ class CpuBackend(_EmulatingBackend):
         return self.kernels.notes()
 
 
-def trace_step(resolved: ResolvedModel, options: Step, *, hooks: RankHooks | None = None,
+def trace_step(resolved: ResolvedModel, step: Step, *, hooks: RankHooks | None = None,
                costs: CostRecorderFactory | None = None) -> TracedStep:
     """Trace one step of ``resolved`` as a CUDA GPU would run it (or, with ``target="cpu"``,
     as this machine's CPU does).
 
     Args:
         resolved: the model and its inputs, on meta.
-        options: the step (:func:`memcalc.fields.build_step` makes one from a user's values).
+        step: the step (:func:`memcalc.fields.build_step` makes one from a user's values).
         hooks: a multi-GPU program's hooks on this rank's model.
         costs: makes the recorder of every kernel's FLOPs and bytes, for a step time
             (:func:`~memcalc.engine.run.trace_model`); None: none recorded.
@@ -194,6 +194,6 @@ def trace_step(resolved: ResolvedModel, options: Step, *, hooks: RankHooks | Non
         The traced step, ready for :func:`memcalc.engine.run.build_report`.
     """
     def backend() -> StepBackend:
-        return CudaBackend(options) if options.emulate_cuda else CpuBackend(options)
+        return CudaBackend(step) if step.emulate_cuda else CpuBackend(step)
 
-    return trace_model(resolved, options, backend(), hooks=hooks, costs=costs, retrace=backend)
+    return trace_model(resolved, step, backend(), hooks=hooks, costs=costs, retrace=backend)

@@ -7,7 +7,7 @@ transcribed from the PyTorch sources (cited per rule) for the version the GPU ma
 **PyTorch 2.11** (``torch==2.11.0+cu130``, which pins ``nvidia-cudnn-cu13==9.19.0.56``), and
 checked there. Where 2.4–2.13 differ and the difference is known, a rule takes
 ``torch_version``; an estimate passes the version its :class:`~memcalc.core.stack.Stack`
-resolves to (:mod:`memcalc.targets.stack`: the installed torch by default).
+resolves to (:mod:`memcalc.targets.resolved_stack`: the installed torch by default).
 
 What the default PyPI wheel of each release bundles (:data:`BUNDLED_CUDNN_VERSION`,
 :data:`WHEEL_CUDA_VERSION`) was read from the wheels' ``Requires-Dist`` (``pip install

@@ -7,7 +7,7 @@ phase, whether a checkpointed forward is being recomputed, the module, the op's 
 dtype it computes in, its FLOPs and the bytes it reads and writes. Views and allocations
 launch no kernel and are not recorded. The engine takes it as its cost recorder
 (:class:`~memcalc.engine.run.CostRecorder`) only when a time is asked for: the estimate decides
-(:func:`memcalc.distributed.estimate.run_estimate`, from ``Step.record_costs``: ``--time``,
+(:func:`memcalc.estimation.run_estimate`, from ``Step.record_costs``: ``--time``,
 ``estimate(time=True)``, ``fit --objective throughput``; :func:`memcalc.step_time` on a report
 made without it traces the step again), so an estimate that never asks for a time pays nothing
 for it; the roofline and the per-phase /
@@ -32,10 +32,10 @@ causal attention here", ``sdpa_flop``). Every other op has no FLOP formula and i
 bytes it moves: on these GPUs an elementwise op is memory-bound by two orders of magnitude.
 
 Kernels of other libraries that memcalc emulates (bitsandbytes' dequantization, int8 matmul
-and optimizer updates: ``memcalc::`` ops, :mod:`memcalc.engine.kernels`) have schemas that say
+and optimizer updates: ``memcalc::`` ops, :mod:`memcalc.engine.kernel_ops`) have schemas that say
 too little — which arguments the kernel reads, which it writes through a pre-allocated ``out``,
 what arithmetic it does — so each declares its cost beside its definition, in
-:data:`~memcalc.engine.kernels.KERNEL_COSTS`, and the recorder takes it from there.
+:data:`~memcalc.engine.kernel_ops.KERNEL_COSTS`, and the recorder takes it from there.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from memcalc.core.categories import Phase
 from memcalc.core.throughput import PHASES, ClassTime, DeviceRates, OpClass, PhaseCost, StepFlops, StepTime
-from memcalc.engine.kernels import KERNEL_COSTS, KernelCostRule
+from memcalc.engine.kernel_ops import KERNEL_COSTS, KernelCostRule
 from memcalc.engine.model import ModelInputs
 from memcalc.engine.trace import AfterOpHook, Op, StorageTracer
 

@@ -11,7 +11,7 @@ from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.launch.accelerate_config import read_accelerate
 from memcalc.distributed.launch.deepspeed_config import read_deepspeed
 from memcalc.distributed.launch.setup import LaunchSetup
-from memcalc.distributed.options import Distributed
+from memcalc.distributed.setting import Distributed
 
 __all__ = ("hidden_size_of", "launch_distributed", "read_launch")
 

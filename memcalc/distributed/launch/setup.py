@@ -23,7 +23,7 @@ class LaunchSetup:
 
     Attributes:
         source: what was read (``accelerate config fsdp.yaml``), for messages and the note.
-        distributed: :class:`~memcalc.distributed.options.Distributed`'s keywords.
+        distributed: :class:`~memcalc.distributed.setting.Distributed`'s keywords.
         values: the step's options the file decides (``precision``, ``checkpoint``, ``batch_size``,
             ``accum_steps``, ``optimizer``).
         notes: what was read, ignored or approximated, for the report.

@@ -3,7 +3,7 @@ finds one by its shorthand (``--strategy ddp``) or by its mesh dimension (``dp_s
 
 A strategy object says, for its part of the step:
 
-- which options of :class:`~memcalc.distributed.options.Distributed` it reads (the others are
+- which options of :class:`~memcalc.distributed.setting.Distributed` it reads (the others are
   refused rather than ignored), and how a shorthand counts its GPUs;
 - its **roles**: which ranks hold what, at what batch, under which rank program
   (:mod:`memcalc.distributed.program`) — by refining the :class:`Plan` the dimensions before it
@@ -34,8 +34,8 @@ from memcalc.distributed.mesh import DIMENSION_NAMES, Mesh
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.vocabulary import FsdpSharding, Routing, Strategy
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory
+from memcalc.engine.step_spec import Step
 
 __all__ = ("DIMENSIONS", "MODEL_STATES", "SHORTHANDS", "Plan", "RankStrategy", "Role", "Setting", "every_rank",
            "register", "sharding")

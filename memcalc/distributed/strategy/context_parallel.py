@@ -29,7 +29,7 @@ from memcalc.distributed.ring_attention import RingAttentionProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, every_rank, register, sharding
 from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 
 __all__ = ("ContextParallel",)
 

@@ -18,7 +18,7 @@ from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, Role, register
 from memcalc.distributed.vocabulary import Strategy, dp_chunks
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 
 __all__ = ("DataParallel",)
 

@@ -22,8 +22,8 @@ from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, re
 from memcalc.distributed.vocabulary import DEEPSPEED_REDUCE_BUCKET_SIZE, Strategy
 from memcalc.distributed.zero import ZeroProgram
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
 from memcalc.engine.prepare import KEEP_DTYPE
+from memcalc.engine.step_spec import Step
 
 __all__ = ("DeepSpeedZero",)
 

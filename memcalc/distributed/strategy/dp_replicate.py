@@ -19,7 +19,7 @@ from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
 from memcalc.distributed.vocabulary import DEFAULT_BUCKET_CAP_MB, Strategy
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 
 __all__ = ("DpReplicate",)
 

@@ -26,7 +26,7 @@ from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, every_rank, register, sharding
 from memcalc.distributed.vocabulary import FsdpSharding, Strategy
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 
 __all__ = ("DpShard", "fsdp_program")
 

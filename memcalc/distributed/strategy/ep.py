@@ -45,7 +45,7 @@ from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, re
 from memcalc.distributed.tensor_parallel import TensorParallel, _propagation_untraced, _restore_modules, _snapshot
 from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 from memcalc.stacks.transformers.reads import routing_notes
 

@@ -37,8 +37,8 @@ from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
 from memcalc.distributed.tp_stages import StageTensorParallel
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
-from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory
+from memcalc.engine.step_spec import Step
 
 __all__ = ("PipelineParallel",)
 

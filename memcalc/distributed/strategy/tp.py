@@ -33,7 +33,7 @@ from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, 
 from memcalc.distributed.tensor_parallel import tensor_parallel
 from memcalc.distributed.tp_plans import planned_modules, resolve_plan
 from memcalc.engine.optimizers import resolve_impl
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 
 __all__ = ("TensorParallelDimension",)
 

@@ -45,7 +45,7 @@ bitsandbytes-foundation/bitsandbytes at 95f9af3 (``__version__`` 0.50.2.dev0):
 The update kernels are ``memcalc::`` operators with bitsandbytes' schemas
 (``bitsandbytes/_ops.py``: ``optimizer_update_8bit_blockwise``, ``optimizer_update_32bit``), so
 that the tracer sees one kernel per parameter, as bitsandbytes launches, and a rule in
-:data:`memcalc.engine.kernels.KERNEL_COSTS` gives the step-time roofline the bytes it moves
+:data:`memcalc.engine.kernel_ops.KERNEL_COSTS` gives the step-time roofline the bytes it moves
 (``kOptimizerStatic8bit2StateBlockwise`` / ``kOptimizer32bit2State`` in ``csrc/kernels.cu``). On
 meta tensors they do nothing and allocate nothing; on real tensors (a ``--measure`` run on the
 CPU) they rewrite ``p`` and the states in place with arithmetic that is not bitsandbytes' — only
@@ -63,7 +63,7 @@ import torch
 
 from memcalc.core.loop import OptimizerImpl
 from memcalc.core.throughput import OpClass
-from memcalc.engine.kernels import KERNEL_COSTS, KernelCost, define_kernels, device_bytes
+from memcalc.engine.kernel_ops import KERNEL_COSTS, KernelCost, define_kernels, device_bytes
 from memcalc.engine.optimizers import FUSED_ONLY, Optimizer, OptimizerSpec, register_optimizer
 
 __all__ = ("BLOCKSIZE", "MIN_8BIT_SIZE", "PAGED_MIN_NUMEL", "QMAP_ENTRIES", "UPDATE_KERNELS", "BnbAdamW",

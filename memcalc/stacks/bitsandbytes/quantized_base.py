@@ -76,7 +76,7 @@ The kernels (:data:`KERNELS`): those the step runs are ``memcalc::`` operators w
 bitsandbytes' schemas (``_ops.py``), ``.out`` overloads writing a buffer the emulation allocated
 as bitsandbytes allocates it; their meta kernels allocate nothing (no other device has one).
 The tracer sees them as it sees aten ops, and a rule per op in
-:data:`memcalc.engine.kernels.KERNEL_COSTS` gives the step-time roofline the bytes each kernel
+:data:`memcalc.engine.kernel_ops.KERNEL_COSTS` gives the step-time roofline the bytes each kernel
 reads and writes (``kDequantizeBlockwise``, ``cgemm_4bit_*``, ``kInt8VectorQuant``,
 ``cigemmlt_32``, ``kdequant_mm_int32_fp16`` in ``csrc/``). The int8 GEMM's FLOPs are reported
 as uncounted (the roofline knows no int8 tensor-core peak): it is timed by its bytes.
@@ -104,7 +104,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.finetune import Quant
 from memcalc.core.throughput import OpClass
 from memcalc.core.units import format_bytes
-from memcalc.engine.kernels import KERNEL_COSTS, KernelCost, define_kernels, device_bytes
+from memcalc.engine.kernel_ops import KERNEL_COSTS, KernelCost, define_kernels, device_bytes
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import LOGICAL_NUMEL
 

@@ -47,7 +47,7 @@ from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.trainer import TrlSettings
 from memcalc.engine.model import ModelInputs, ReadsFn
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import ReadOracle, StorageTracer
 from memcalc.stacks.transformers.generate import cache_tensors, quiet_generation
 from memcalc.stacks.transformers.reads import hf_reads

@@ -50,7 +50,7 @@ from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.trainer import TrlSettings
 from memcalc.engine.model import ModelInputs, ReadsFn, ResolvedModel
-from memcalc.engine.options import Step
+from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import ReadOracle
 from memcalc.stacks.peft import PEFT_MODEL
 from memcalc.stacks.transformers.reads import hf_reads

@@ -42,8 +42,8 @@ from torch.overrides import TorchFunctionMode
 
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.precision import Precision
-from memcalc.engine.backend import AutocastRegion, pop_autocast_region, push_autocast_region
 from memcalc.engine.rules import RuleRegistry
+from memcalc.engine.step_backend import AutocastRegion, pop_autocast_region, push_autocast_region
 from memcalc.engine.trace import tensors_of
 from memcalc.targets.autocast import AutocastPolicy, autocast_policy
 from memcalc.targets.cuda.sdpa import AttentionBackend, SdpaCall, choose_sdpa_backend

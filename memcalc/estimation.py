@@ -1,6 +1,6 @@
 """The estimate of one step, on one GPU or under a multi-GPU strategy.
 
-:func:`run_estimate` takes the :class:`~memcalc.engine.options.Step` the API built once; the
+:func:`run_estimate` takes the :class:`~memcalc.engine.step_spec.Step` the API built once; the
 batch search (:mod:`memcalc.search`) varies its batch size, capacity, optimizer and precision
 with :func:`dataclasses.replace` and calls it again.
 """
@@ -16,13 +16,13 @@ from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.checkpoint_auto import choose_checkpointing
-from memcalc.distributed.options import Distributed
+from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.distributed.vocabulary import Strategy
 from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.model import ResolvedModel
-from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
+from memcalc.engine.step_spec import Step
 from memcalc.stacks.float8 import apply_float8
 from memcalc.stacks.liger import apply_liger
 from memcalc.stacks.peft import apply_finetune, step_precision
