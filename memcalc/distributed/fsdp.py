@@ -120,7 +120,7 @@ class _Param:
     @property
     def all_gather_dtype(self) -> torch.dtype:
         """The dtype all-gathered: the float8 of torchao's extension, else the parameter dtype."""
-        return self.float8._dtype if self.float8 is not None else self.gather_dtype  # type: ignore[no-any-return]
+        return self.float8._dtype if self.float8 is not None else self.gather_dtype
 
 
 @dataclass(eq=False)
