@@ -172,6 +172,14 @@ class ShardedProgram(RankProgram):
     gloo's copies (tests/test_strategies.py, tests/test_strategies_finetune.py), and within
     0.02% on every rank of real two-process runs over gloo (tests/test_gloo_runs.py).
 
+    A weight with an all-gather extension of its own (torchao's ``WeightWithDynamicFloat8CastTensor``,
+    ``enable_fsdp_float8_all_gather``) is gathered as ``FSDPParam`` gathers it: torchao's
+    ``fsdp_pre_all_gather`` runs on the shard (its float8 cast, traced: no flat ``param_dtype`` copy for
+    it), the all-gather carries its float8 bytes (as bytes beside the unit's other dtypes), and
+    ``fsdp_post_all_gather`` wraps the gathered data in the ``Float8TrainingTensor`` that the module then
+    uses; resharding frees that data. Within 0.003% of every rank of a real gloo run
+    (tests/test_gloo_float8.py).
+
     DeepSpeed ZeRO-3 (``deepspeed/runtime/zero/stage3.py``, ``partition_parameters.py``):
     each parameter is a flat partition of ``ceil(numel / world_size)`` elements; gathering
     writes straight into the full parameter; the next unit is prefetched in forward and in
