@@ -69,6 +69,7 @@ def estimate(
     checkpoint: bool | str | Checkpointing | SacPolicy = False,
     compile: bool = False,
     float8: str | Any = None,
+    float8_all_gather: bool = False,
     liger: bool = False,
     accum_steps: int = 1,
     kv_cache: int | None = None,
@@ -144,6 +145,10 @@ def estimate(
             or ``"rowwise"`` (its recipes), or a ``torchao.float8.Float8LinearConfig``. The casts,
             what is saved for backward and ``torch._scaled_mm`` are traced as torchao runs them
             (eager). Needs an sm89+ ``gpu``; the CPU target only with ``emulate=True``.
+        float8_all_gather: with ``float8="tensorwise"`` (or a config) under ``strategy="fsdp"``: torchao's
+            ``enable_fsdp_float8_all_gather``, FSDP2 all-gathering the weights in float8 through
+            torchao's own ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``. A config with that flag
+            set needs no switch.
         liger: Liger kernels (``use_liger_kernel=True``) on a Hugging Face Llama, Mistral or Qwen2/3
             causal LM: the fused linear cross-entropy (the logits made one chunk at a time, the
             gradients computed in the forward), RMSNorm and SwiGLU, modelled from Liger-Kernel's

@@ -62,12 +62,10 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
     costs = _cost_recorder() if step.record_costs else None
     if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:
         _check_trl_strategy(step, distributed)
-    if not distributed.is_single and step.float8 is not None and step.float8.fsdp_all_gather:
-        raise InapplicableOptionError(
-            "float8 (--float8) with enable_fsdp_float8_all_gather: FSDP2's float8 all-gather (torchao's "
-            "WeightWithDynamicFloat8CastTensor, its fsdp_pre_all_gather / fsdp_post_all_gather) is not modelled yet",
-            hint="Give a Float8LinearConfig without enable_fsdp_float8_all_gather (torchtitan's default): FSDP2 then "
-                 "all-gathers the weights in its param_dtype and torchao casts them, as memcalc traces.")
+    if distributed.is_single and step.float8 is not None and step.float8.all_gather:
+        raise InapplicableOptionError("float8_all_gather (--float8-all-gather) is FSDP2's float8 all-gather; one GPU "
+                                      "all-gathers nothing",
+                                      hint="Add --strategy fsdp --world-size N, or leave out --float8-all-gather.")
     if step.liger and (not distributed.is_single or (step.loop.preset is not None and step.loop.preset.is_trl)):
         raise InapplicableOptionError("liger (--liger) is estimated on one GPU with memcalc's or the Trainer's loop; "
                                       "under --strategy or a TRL loop it is not modelled yet",

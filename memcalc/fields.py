@@ -371,6 +371,10 @@ _FIELDS = (
           help="Float8 training of the nn.Linear layers by torchao's convert_to_float8_training (tensorwise: one "
                "scale per tensor; rowwise: one per row), traced as torchao runs it: float8 casts of input, weight "
                "and grad_output, torch._scaled_mm. Needs torchao and an sm89+ GPU (--gpu h100-80gb, l40s, ...)."),
+    Field("float8_all_gather", _switch, False, flag="--float8-all-gather", cli=Flag("switch"),
+          help="With --float8 tensorwise under --strategy fsdp: FSDP2 all-gathers the float8 weights (torchao's "
+               "enable_fsdp_float8_all_gather, torchtitan's float8.enable_fsdp_float8_all_gather), 1 byte per "
+               "element, cast on each shard by torchao's fsdp_pre_all_gather."),
     Field("liger", _switch, False, flag="--liger", cli=Flag("switch"),
           help="Liger kernels on a Hugging Face causal LM (use_liger_kernel=True): fused linear cross-entropy "
                "(the logits made a chunk at a time), RMSNorm and SwiGLU, modelled from Liger-Kernel's code "
@@ -457,6 +461,8 @@ def build_step(model: Any = None, /, **values: Any) -> Step:
     notes = (*(() if note is None else (note,)), *(() if trainer is None else (trainer.describe(),)))
     step = Step(model=model, resolver=resolve, notes=notes, **converted)
     _check_combinations(step, optimizer_given=optimizer_given)
+    if step.float8_all_gather and step.float8 is not None:  # _check_float8 refused it without float8
+        step = replace(step, float8=step.float8.with_all_gather())
     # the stack, resolved once: concrete versions, and the GPU's context under them
     versions = resolve_stack(step.stack)
     step = replace(step, stack=versions.core, gpu=versions.apply(step.gpu) if step.emulate_cuda else step.gpu)
@@ -621,6 +627,10 @@ def _check_float8(step: Step) -> None:
     only torchao's ``emulate=True``, whose plain matmuls run there as traced."""
     float8 = step.float8
     if float8 is None:
+        if step.float8_all_gather:
+            raise InapplicableOptionError("float8_all_gather (--float8-all-gather) all-gathers float8 training's "
+                                          "weights; float8 (--float8) is off",
+                                          hint="e.g. --float8 tensorwise --float8-all-gather --strategy fsdp")
         return
     if step.compile:
         raise InapplicableOptionError("float8 (--float8) with compile (--compile) is not modelled: memcalc traces "

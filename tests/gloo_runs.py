@@ -105,6 +105,8 @@ class GlooCase:
         batch: the samples of each rank's step.
         float8: torchao's ``convert_to_float8_training`` with ``Float8LinearConfig(emulate=True)``
             (float8 casts, fp32 matmuls: it runs on the CPU) before the model is wrapped.
+        float8_all_gather: with ``enable_fsdp_float8_all_gather=True`` too (FSDP2 all-gathers the
+            converted weights in float8, torchao's ``WeightWithDynamicFloat8CastTensor``).
     """
 
     name: str
@@ -116,6 +118,7 @@ class GlooCase:
     compile: bool = False
     batch: int = BATCH
     float8: bool = False
+    float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "fsdp"):
@@ -242,7 +245,8 @@ def _run_case(case: GlooCase, world_size: int) -> RankPeak:
         from memcalc.core.float8 import Float8
         from memcalc.stacks.float8 import float8_module
 
-        model, _notes, _wrapper = float8_module(model, Float8("config", Float8LinearConfig(emulate=True)))
+        config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=case.float8_all_gather)
+        model, _notes, _wrapper = float8_module(model, Float8("config", config))
     x = torch.randn(case.batch, FEATURES)
     wrapped = _wrap(case, model, world_size)
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
@@ -282,6 +286,7 @@ def _storages_before(model: nn.Module, x: torch.Tensor) -> int:
     from memcalc.measure.step import storage_bytes
 
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    local = [getattr(t, "_tensor", t) for t in local]  # torchao's float8 all-gather wrapper holds its shard
     nbytes = storage_bytes([*local, *model.buffers(), x])
     if isinstance(model, nn.parallel.DistributedDataParallel):
         buckets = model.reducer._get_zeros_like_grad_buckets()  # zeros of each bucket's size

@@ -196,13 +196,31 @@ def test_float8_is_refused_where_it_is_not_modelled(options: dict[str, Any], mat
         memcalc.estimate("llama-tiny", batch_size=2, seq_len=64, precision="bf16", float8="rowwise", **options)
 
 
-def test_fsdp_float8_all_gather_is_refused() -> None:
-    # enable_fsdp_float8_all_gather swaps the weights for torchao's WeightWithDynamicFloat8CastTensor, whose
-    # fsdp_pre_all_gather casts each shard to float8 before FSDP2 gathers it: not modelled yet
-    config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    with pytest.raises(memcalc.InapplicableOptionError, match="enable_fsdp_float8_all_gather"):
-        memcalc.estimate("llama-tiny", batch_size=2, seq_len=64, precision="bf16", float8=config, gpu="h100-80gb",
-                         distributed=memcalc.Distributed("fsdp", world_size=2))
+@pytest.mark.parametrize(("options", "match"), [
+    (dict(float8="rowwise", distributed=memcalc.Distributed("fsdp", world_size=2)), "tensorwise scaling only"),
+    (dict(float8=None, distributed=memcalc.Distributed("fsdp", world_size=2)), "float8 .--float8. is off"),
+    (dict(float8="tensorwise"), "one GPU all-gathers nothing"),
+    (dict(float8="tensorwise", distributed=memcalc.Distributed("ddp", world_size=2)), "no dp_shard"),
+])
+def test_float8_all_gather_is_refused_where_fsdp2_does_not_gather(options: dict[str, Any], match: str) -> None:
+    # torchao's enable_fsdp_float8_all_gather: tensorwise scales only (Float8LinearConfig.__post_init__ asserts it),
+    # and FSDP2's all-gather extension alone uses it
+    with pytest.raises(memcalc.MemcalcError, match=match):
+        memcalc.estimate("llama-tiny", batch_size=2, seq_len=64, precision="bf16", gpu="h100-80gb",
+                         float8_all_gather=True, **options)
+
+
+def test_float8_all_gather_switch_is_torchaos_config_flag() -> None:
+    # --float8-all-gather on the tensorwise recipe is torchao's own enable_fsdp_float8_all_gather=True
+    fsdp = memcalc.Distributed("fsdp", world_size=2)
+    common: dict[str, Any] = dict(batch_size=2, seq_len=64, precision="amp-bf16", gpu="h100-80gb", distributed=fsdp)
+    switch = memcalc.estimate("llama-tiny", float8="tensorwise", float8_all_gather=True, **common)
+    config = ao.Float8LinearConfig.from_recipe_name("tensorwise")
+    flagged = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    given = memcalc.estimate("llama-tiny", float8=flagged, **common)
+    plain = memcalc.estimate("llama-tiny", float8="tensorwise", **common)
+    assert switch.peak_requested == given.peak_requested != plain.peak_requested
+    assert any("float8 all-gather" in note for note in switch.notes)
 
 
 def test_cli_float8_names_the_recipe_and_refuses_an_old_gpu() -> None:

@@ -5,7 +5,9 @@ matmuls cast their operands to float8 (scales from the amax of each tensor, or o
 run ``torch._scaled_mm``. memcalc applies torchao's own conversion to its meta model
 (:mod:`memcalc.stacks.float8`) and traces it; this module is the vocabulary only: a user's
 ``float8`` (``"tensorwise"``, ``"rowwise"``, or a ``Float8LinearConfig`` of their own) becomes one
-:class:`Float8` at the API boundary (:func:`parse_float8`).
+:class:`Float8` at the API boundary (:func:`parse_float8`). ``float8_all_gather``
+(``--float8-all-gather``, torchtitan's ``float8.enable_fsdp_float8_all_gather``) turns on torchao's
+``enable_fsdp_float8_all_gather`` in it (:meth:`Float8.with_all_gather`).
 """
 
 from __future__ import annotations
@@ -33,15 +35,18 @@ class Float8:
         recipe: ``tensorwise`` or ``rowwise`` (torchao's recipe names), or ``config`` for a
             user's own ``Float8LinearConfig``.
         config: the user's ``torchao.float8.Float8LinearConfig`` (``recipe`` ``config`` only).
+        all_gather: ``enable_fsdp_float8_all_gather`` asked for on top of the recipe or config.
     """
 
     recipe: str
     config: Any = None
+    all_gather: bool = False
 
     @property
     def label(self) -> str:
         """How the report names it."""
-        return f"{self.recipe} recipe" if self.config is None else "the given Float8LinearConfig"
+        name = f"{self.recipe} recipe" if self.config is None else "the given Float8LinearConfig"
+        return f"{name}, float8 all-gather" if self.fsdp_all_gather else name
 
     @property
     def emulated(self) -> bool:
@@ -52,7 +57,24 @@ class Float8:
     @property
     def fsdp_all_gather(self) -> bool:
         """torchao's ``enable_fsdp_float8_all_gather``: FSDP all-gathers the weights in float8."""
-        return bool(getattr(self.config, "enable_fsdp_float8_all_gather", False))
+        return self.all_gather or bool(getattr(self.config, "enable_fsdp_float8_all_gather", False))
+
+    def with_all_gather(self) -> Float8:
+        """This setting with torchao's ``enable_fsdp_float8_all_gather``, which torchao offers for one
+        scale per weight tensor only (``Float8LinearConfig.__post_init__`` asserts it).
+
+        Raises:
+            InvalidInputError: the rowwise recipe, or a config whose weights are not scaled per tensor.
+        """
+        granularity = None
+        if self.config is not None:
+            granularity = getattr(self.config.cast_config_weight.scaling_granularity, "value", None)
+        if self.recipe == "rowwise" or granularity not in (None, "tensorwise"):
+            raise InvalidInputError(
+                "float8_all_gather (--float8-all-gather) all-gathers weights scaled per tensor: torchao's "
+                "enable_fsdp_float8_all_gather supports tensorwise scaling only",
+                hint="Use --float8 tensorwise --float8-all-gather, or leave out --float8-all-gather.")
+        return Float8(self.recipe, self.config, all_gather=True)
 
 
 def parse_float8(value: object, name: str = "float8") -> Float8 | None:

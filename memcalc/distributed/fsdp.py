@@ -106,10 +106,21 @@ class _Param:
     unsharded: nn.Parameter | None = None
     holders: int = 0
     accumulated: torch.Tensor | None = None  # FSDPParam.unsharded_accumulated_grad (reduce_dtype)
+    #: torchao's ``WeightWithDynamicFloat8CastTensor`` (``enable_fsdp_float8_all_gather``): the
+    #: parameter's own all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``)
+    float8: Any = None
+    float8_inputs: tuple[torch.Tensor, ...] = ()  # what fsdp_pre_all_gather returned, until the copy-in
+    float8_scale: tuple[torch.Tensor, ...] = ()  # its metadata (the scale), until fsdp_post_all_gather
+    float8_data: torch.Tensor | None = None  # the unsharded float8 data (FSDPParam.all_gather_outputs)
 
     @property
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
+
+    @property
+    def all_gather_dtype(self) -> torch.dtype:
+        """The dtype all-gathered: the float8 of torchao's extension, else the parameter dtype."""
+        return self.float8._dtype if self.float8 is not None else self.gather_dtype
 
 
 @dataclass(eq=False)
@@ -160,6 +171,14 @@ class ShardedProgram(RankProgram):
     agrees to the byte (less Adam's CPU step counters) over a fake process group, without
     gloo's copies (tests/test_strategies.py, tests/test_strategies_finetune.py), and within
     0.02% on every rank of real two-process runs over gloo (tests/test_gloo_runs.py).
+
+    A weight with an all-gather extension of its own (torchao's ``WeightWithDynamicFloat8CastTensor``,
+    ``enable_fsdp_float8_all_gather``) is gathered as ``FSDPParam`` gathers it: torchao's
+    ``fsdp_pre_all_gather`` runs on the shard (its float8 cast, traced: no flat ``param_dtype`` copy for
+    it), the all-gather carries its float8 bytes (as bytes beside the unit's other dtypes), and
+    ``fsdp_post_all_gather`` wraps the gathered data in the ``Float8TrainingTensor`` that the module then
+    uses; resharding frees that data. Within 0.003% of every rank of a real gloo run
+    (tests/test_gloo_float8.py).
 
     DeepSpeed ZeRO-3 (``deepspeed/runtime/zero/stage3.py``, ``partition_parameters.py``):
     each parameter is a flat partition of ``ceil(numel / world_size)`` elements; gathering
@@ -280,7 +299,9 @@ class ShardedProgram(RankProgram):
             shape = (math.ceil(local.numel() / n),)
         shard = torch.empty(shape, dtype=dtype, device="meta")
         sharded = nn.Parameter(_like(original, shard), requires_grad=original.requires_grad)
-        return _Param(original, sharded, shard.numel(), n, self.gather_dtype or original.dtype)
+        # the shard stays a plain tensor (the optimizer's ops on torchao's wrapper are those on its inner tensor)
+        extension = local if self.fsdp2 and hasattr(local, "fsdp_pre_all_gather") else None
+        return _Param(original, sharded, shard.numel(), n, self.gather_dtype or original.dtype, float8=extension)
 
     @staticmethod
     def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -311,20 +332,43 @@ class ShardedProgram(RankProgram):
         # foreach_all_gather allocates both on the all-gather copy-in stream (forward and
         # pre-backward all-gathers, the only ones here: FSDPCommContext.get_all_gather_streams)
         with self._tracer.on_stream(Stream.ALL_GATHER_COPY_IN):
+            for p in params:  # _get_param_all_gather_inputs: the extensions first, in parameter order
+                if p.float8 is not None:
+                    self._float8_pre_all_gather(p)
             cast = None
-            casting = [p for p in params if p.sharded.dtype != p.gather_dtype]
+            casting = [p for p in params if p.float8 is None and p.sharded.dtype != p.gather_dtype]
             if casting:  # mixed precision: the all-gather input of these is one flat cast copy
                 cast = self._buffer(sum(p.shard_numel for p in casting), casting[0].gather_dtype, Category.WORKSPACE)
-            dtypes = {p.gather_dtype for p in params}
+            dtypes = {p.all_gather_dtype for p in params}
             if len(dtypes) == 1:
                 output = self._buffer(sum(p.padded_numel for p in params), dtypes.pop(), Category.WORKSPACE)
             else:  # _get_all_gather_input_metadatas: inputs of several dtypes are all-gathered as bytes
-                nbytes = sum(p.padded_numel * p.gather_dtype.itemsize for p in params)
+                nbytes = sum(p.padded_numel * p.all_gather_dtype.itemsize for p in params)
                 output = self._buffer(nbytes, torch.uint8, Category.WORKSPACE)
+            for p in params:  # foreach_all_gather drops the inputs once they are copied in
+                p.float8_inputs = ()
         if self.gloo:
             self._gloo_copy(output)  # gloo's AsyncAllgatherWork gathers into a flat tensor of its own
         del cast  # all_gather_copy_in has copied it into the output
         return output
+
+    def _float8_pre_all_gather(self, p: _Param) -> None:
+        """torchao's own ``fsdp_pre_all_gather`` on this rank's shard (FSDPParam.all_gather_inputs): the
+        dynamic float8 cast (``abs``, ``max``, the scale, ``x.to(float32) * scale``, ``clamp``, ``.to(float8)``)
+        of the sharded weight, traced op by op. Its amax all-reduce (``reduce_amax=True``, a 4-byte scalar)
+        runs only under an initialized process group, which memcalc's FSDP2 trace does not create."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from memcalc.core.errors import InapplicableOptionError
+
+            raise InapplicableOptionError(
+                "float8 (--float8) with enable_fsdp_float8_all_gather under a process group already initialized: "
+                "torchao's fsdp_pre_all_gather would all-reduce its amax over it",
+                hint="Estimate in a process without torch.distributed initialized.")
+        wrapper = type(p.float8)(p.sharded.detach(), p.float8._linear_mm_config, p.float8._dtype)
+        inputs, metadata = wrapper.fsdp_pre_all_gather(None)
+        p.float8_inputs, p.float8_scale = tuple(inputs), tuple(metadata)
 
     def _gloo_copy(self, tensor: torch.Tensor) -> None:
         """A copy of ``tensor``'s size that gloo makes for a collective and frees when it completes.
@@ -352,6 +396,9 @@ class ShardedProgram(RankProgram):
         self._transient(tensor.numel() * tensor.element_size())
 
     def _allocate_unsharded(self, p: _Param) -> None:
+        if p.float8 is not None:
+            self._float8_post_all_gather(p)
+            return
         tracer = self._tracer
         if p.unsharded is None:
             storage = torch.empty(p.padded_numel, dtype=p.gather_dtype, device="meta")
@@ -367,6 +414,27 @@ class ShardedProgram(RankProgram):
         else:
             self.communication.add(tracer.alloc_storage(_local(p.unsharded), Category.PARAMETERS))
 
+    def _float8_post_all_gather(self, p: _Param) -> None:
+        """The copy-out of a float8 weight into its own all-gather output (``init_all_gather_outputs``:
+        ``world_size × shard`` float8 elements), and torchao's ``fsdp_post_all_gather`` on it: the unsharded
+        parameter is a ``Float8TrainingTensor`` in the param dtype over that data, which ``Float8Linear``
+        multiplies without casting its weight again, in forward and in backward."""
+        tracer = self._tracer
+        local = _local(p.original)
+        if p.float8_data is None:
+            storage = torch.empty(p.padded_numel, dtype=p.all_gather_dtype, device="meta")
+            self.communication.add(tracer.track(storage, Category.PARAMETERS))
+            p.float8_data = storage.narrow(0, 0, local.numel()).view(local.shape)
+            del storage
+        else:
+            self.communication.add(tracer.alloc_storage(p.float8_data, Category.PARAMETERS))
+        if p.unsharded is None:
+            unsharded, _inner = p.float8.fsdp_post_all_gather((p.float8_data,), p.float8_scale, p.gather_dtype)
+            p.unsharded = nn.Parameter(unsharded, requires_grad=p.original.requires_grad)
+        else:  # init_unsharded_param after the first all-gather: the new scale into the same parameter
+            p.float8.fsdp_post_all_gather((p.float8_data,), p.float8_scale, p.gather_dtype, out=p.unsharded)
+        p.float8_scale = ()
+
     def _reshard(self, state: _UnitState) -> None:
         if not state.gathered:
             return
@@ -374,7 +442,9 @@ class ShardedProgram(RankProgram):
             self._set(module, name, p.sharded)
         for p in state.params:
             p.holders -= 1
-            if p.holders == 0 and p.unsharded is not None:
+            if p.holders == 0 and p.float8_data is not None:  # free_unsharded_param: its all-gather output
+                self._tracer.free_storage(p.float8_data)
+            elif p.holders == 0 and p.unsharded is not None:
                 self._tracer.free_storage(_local(p.unsharded))
         state.gathered = False
 

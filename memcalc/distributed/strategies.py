@@ -128,6 +128,11 @@ def _refuse_compile(step: Step, strategies: list[RankStrategy]) -> None:
     """A compiled step, and torchao's float8 Linear layers, are modelled under DDP and FSDP2 only
     (each block compiled on its own; float8 weights all-gathered in FSDP2's param_dtype and cast
     by torchao in each forward, torchtitan's default)."""
+    if step.float8 is not None and step.float8.fsdp_all_gather and not any(s.name == "dp_shard" for s in strategies):
+        raise InapplicableOptionError(
+            "float8 (--float8) with enable_fsdp_float8_all_gather (--float8-all-gather) is FSDP2's float8 all-gather; "
+            "the strategy shards no parameters (no dp_shard)",
+            hint="Use --strategy fsdp (or a mesh with dp_shard), or leave out the float8 all-gather.")
     others = [s.name for s in strategies if s.name not in _COMPILED_WITH]
     if not others:
         return

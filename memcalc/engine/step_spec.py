@@ -70,6 +70,8 @@ class Step:
             planning what is allocated (:mod:`memcalc.engine.compiled`).
         float8: torchao's float8 training of the Linear layers (a recipe, or the user's
             ``Float8LinearConfig``; :mod:`memcalc.stacks.float8`); None: off.
+        float8_all_gather: the user's switch for FSDP2's float8 all-gather, already folded into
+            ``float8`` (:meth:`~memcalc.core.float8.Float8.with_all_gather`).
         kv_cache: tokens generated with a static KV cache (inference only).
         capacity: bytes the caching allocator may reserve (None: no limit).
         loop, stack, finetune: the training loop, the torch/CUDA versions (resolved: concrete
@@ -106,6 +108,7 @@ class Step:
     checkpoint: Checkpointing = OFF
     compile: bool = False
     float8: Float8 | None = None
+    float8_all_gather: bool = False
     liger: bool = False
     accum_steps: int = 1
     kv_cache: int | None = None

@@ -77,6 +77,8 @@ def float8_module(module: nn.Module, float8: Float8) -> tuple[nn.Module, list[st
     """
     ao = _torchao_float8()
     config = float8.config if float8.config is not None else ao.Float8LinearConfig.from_recipe_name(float8.recipe)
+    if float8.all_gather and not config.enable_fsdp_float8_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     skipped: list[str] = []
 
     def eligible(layer: nn.Module, fqn: str) -> bool:
@@ -103,6 +105,13 @@ def float8_module(module: nn.Module, float8: Float8) -> tuple[nn.Module, list[st
             f"grad_output; they save their bf16 input for backward and re-cast it there. The casts run eager "
             f"(a float32 copy of each operand for a moment), as torchao's code does without torch.compile")
     notes = [note]
+    if float8.fsdp_all_gather:
+        notes.append("float8 all-gather (enable_fsdp_float8_all_gather): under FSDP2 the converted weights are "
+                     "torchao's WeightWithDynamicFloat8CastTensor; its fsdp_pre_all_gather casts each shard to float8 "
+                     "(the amax all-reduced), FSDP2 all-gathers 1 byte per element, and fsdp_post_all_gather makes the "
+                     "unsharded weight a Float8TrainingTensor that forward and backward use without casting it again. "
+                     "The scales are computed at each all-gather (precompute_float8_dynamic_scale_for_fsdp, a few "
+                     "scalars after the optimizer step, is not modelled)")
     if skipped:
         more = f" and {len(skipped) - _SHOWN} more" if len(skipped) > _SHOWN else ""
         notes.append(f"float8: {len(skipped)} nn.Linear layers stay in high precision (a dimension not a multiple "
