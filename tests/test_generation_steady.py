@@ -81,7 +81,7 @@ def test_extrapolated_generation_in_bf16(tmp_path: Path, monkeypatch: pytest.Mon
 def test_extrapolated_generation_across_an_allocator_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                prompt: int, tokens: int, boundary: int):
     # the boundary is crossed in the steps written out, not in the ones traced
-    assert prompt + steady.TRACED_TOKENS < boundary < prompt + tokens
+    assert prompt + max(steady.TRACED_TOKENS) < boundary < prompt + tokens
     config = {**SMALL_LLAMA, "max_position_embeddings": 2048}
     extrapolated, full = _both(hf_config_source(tmp_path, config), monkeypatch, batch_size=64, seq_len=prompt,
                                new_tokens=tokens)
@@ -132,7 +132,8 @@ def test_a_rule_sized_scratch_in_each_step_falls_back_to_the_full_trace(tmp_path
 
 def test_short_generations_are_traced_in_full():
     assert steady.traced_tokens(steady.EXTRAPOLATE_FROM - 1) is None
-    assert steady.traced_tokens(1_000) == steady.TRACED_TOKENS
+    assert steady.traced_tokens(1_000) == steady.TRACED_TOKENS[0]
+    assert steady.traced_tokens(1_000, len(steady.TRACED_TOKENS)) is None  # the tries are over: every step
 
 
 def test_an_extrapolated_generation_tells_the_tokens_traced_then_all(tmp_path: Path):
@@ -143,8 +144,8 @@ def test_an_extrapolated_generation_tells_the_tokens_traced_then_all(tmp_path: P
     with progress_to(lambda task, done, total: told.append((task, done, total))):
         memcalc.estimate(hf_config_source(tmp_path), batch_size=1, seq_len=8, mode="generate", new_tokens=50,
                          optimizer="none")
-    # 0 before the prefill, 1 .. 6 as the traced decode forwards begin, 50 once the rest is written out
-    traced = steady.TRACED_TOKENS
+    # 0 before the prefill, 1 .. 4 as the traced decode forwards begin, 50 once the rest is written out
+    traced = steady.TRACED_TOKENS[0]
     generating = [t for t in told if t[0] == GENERATING]  # (the replay tells its own task after it)
     assert generating == [(GENERATING, done, 50) for done in range(traced)] + [(GENERATING, 50, 50)]
     assert told[:len(generating)] == generating
