@@ -130,6 +130,29 @@ def test_a_rule_sized_scratch_in_each_step_falls_back_to_the_full_trace(tmp_path
     assert [line for line in text if TOKEN_BY_TOKEN not in line] == render_report(full).splitlines()
 
 
+def test_a_try_that_confirms_too_few_steps_is_traced_again_with_more(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    # three tokens' decode steps (1, 2 and the last) hold two steps before the last: too few to
+    # confirm; the next try traces five tokens (steps 1-3 steady) and extrapolates, exactly
+    from memcalc.core.progress import progress_to
+    from memcalc.engine.generation import GENERATING
+
+    monkeypatch.setattr(steady, "TRACED_TOKENS", (4, 5))
+    told: list[tuple[str, int, int | None]] = []
+    with progress_to(lambda task, done, total: told.append((task, done, total))):
+        extrapolated, full = _both(hf_config_source(tmp_path), monkeypatch, batch_size=2, seq_len=8, new_tokens=24)
+    _assert_identical(extrapolated, full)
+    generating = [done for task, done, _ in told if task == GENERATING]
+    assert generating[:10] == [0, 1, 2, 3, 0, 1, 2, 3, 4, 24]  # (then the full trace's, token by token)
+    monkeypatch.setattr(steady, "TRACED_TOKENS", (4,))  # no other try: every step traced, and why
+    again = memcalc.estimate(hf_config_source(tmp_path), batch_size=2, seq_len=8, new_tokens=24, mode="generate",
+                             optimizer="none")
+    notes = [n for n in again.notes if TOKEN_BY_TOKEN in n]
+    assert notes == [f"{TOKEN_BY_TOKEN}: its decode steps were not extrapolated (only decode steps 1 to 2 make the "
+                     f"same storages, fewer than 3 before the last)"]
+    assert json.dumps(again.to_dict()) == json.dumps(full.to_dict())
+
+
 def test_short_generations_are_traced_in_full():
     assert steady.traced_tokens(steady.EXTRAPOLATE_FROM - 1) is None
     assert steady.traced_tokens(1_000) == steady.TRACED_TOKENS[0]

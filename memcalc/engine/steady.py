@@ -11,14 +11,16 @@ step ``N - 1``. The replay, the report and the JSON are then those of the full t
 event — tests/test_generation_steady.py compares both, byte for byte.
 
 It extrapolates only what it has confirmed, and says why not otherwise (the caller then traces
-every step): decode steps 2 to ``TRACED_TOKENS - 2`` must be congruent — the same events, each
-freeing a storage of its own step or of the step before (nothing that accumulates), the same
-op, module, phase and category per storage, sizes on one line per storage over four steps — and
-the last traced step must be such a step too, plus its tail. A storage sized by a kernel rule
-memcalc computes from the step's shapes (a workspace, an attention scratch) is a step function
-of the cache length, not a line: a decode step that holds one is not extrapolated, except a
-rule-sized one (:class:`~memcalc.engine.trace.ShapeSized`), whose arguments are extrapolated
-and its rule evaluated at each step. What the run counted (ops per name, attention calls, the
+more decode steps, then every one): the decode steps before the last, as far back as they make
+the same storages (step 1 too, where it does: the prefill and four decode steps are traced
+first), must be :data:`STEADY_STEPS` or more, congruent — the same op, module, phase and category
+per storage, sizes on one line per storage, the same events in each step that frees only the
+step before's (nothing that accumulates) — and the last traced step must be such a step at its
+own point of the lines, plus its tail. A storage sized by a kernel rule memcalc computes from
+the step's shapes (a workspace, an attention scratch) is a step function of the cache length,
+not a line: a decode step that holds one is not extrapolated, except a rule-sized one
+(:class:`~memcalc.engine.trace.ShapeSized`), whose arguments are extrapolated and its rule
+evaluated at each step. What the run counted (ops per name, attention calls, the
 numbers in the backend's notes) must be on a line per step too; output shapes and the module
 order must not change. What the model's own code decides from the cache length (a sliding
 window, chunked attention) is the model source's to rule out (``ResolvedModel.steady_decoding``).
@@ -122,8 +124,8 @@ class _Layout:
 def _extend(trace: StepTrace, counts: Sequence[RunCounts], end: RunCounts, new_tokens: int) -> Extension:
     steps = len(counts) + 1  # M: the prefill's token and one per decode step
     starts = [start for phase, start in trace.phase_log if phase is Phase.DECODE]
-    if len(starts) != steps - 1 or steps < STEADY_STEPS + 2:
-        raise _NotSteady(f"{len(starts)} decode steps were traced, not {steps - 1}")
+    if len(starts) != steps - 1 or steps < 3:
+        raise _NotSteady(f"{len(starts)} decode steps were traced, not {steps - 1} (two or more)")
     if any(start >= starts[0] and phase is not Phase.DECODE for phase, start in trace.phase_log):
         raise _NotSteady("a phase other than decode began among the decode steps")
     bounds = [*starts, len(trace.events)]
@@ -143,7 +145,8 @@ def _extend(trace: StepTrace, counts: Sequence[RunCounts], end: RunCounts, new_t
     while first > 1 and _alike(trace, bases, first - 1, last_steady):
         first -= 1
     if last_steady - first + 1 < STEADY_STEPS:
-        raise _NotSteady(f"decode steps {first - 1} and {first} do not make the same storages")
+        raise _NotSteady(f"only decode steps {first} to {last_steady} make the same storages, fewer than "
+                         f"{STEADY_STEPS} before the last")
     layout = _layout(trace, segments, bases, list(range(first, last_steady + 1)), n)
     last = _last_step(trace, layout, bases[steps - 2], steps - 1)
     counted = _counts(counts, end, steps, new_tokens, first)
