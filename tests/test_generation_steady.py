@@ -6,6 +6,7 @@ it out), every step is traced and the report says so."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from support import SMALL_LLAMA, hf_config_source
 import memcalc
 from memcalc.core.categories import Phase
 from memcalc.engine import steady
+from memcalc.engine.trace import StepTrace
 from memcalc.report.render import render_report
 
 pytest.importorskip("transformers")
@@ -172,3 +174,53 @@ def test_an_extrapolated_generation_tells_the_tokens_traced_then_all(tmp_path: P
     generating = [t for t in told if t[0] == GENERATING]  # (the replay tells its own task after it)
     assert generating == [(GENERATING, done, 50) for done in range(traced)] + [(GENERATING, 50, 50)]
     assert told[:len(generating)] == generating
+
+
+def _synthetic(tokens: int, odd_first_step: bool) -> tuple[StepTrace, list[steady.RunCounts], steady.RunCounts]:
+    """The trace of a generation of ``tokens`` tokens, written out step by step: the cache's cat
+    one token longer each decode step (freeing the step before's), an activation, and one born
+    after the stop check; the last step frees its cache as generate() returns. With
+    ``odd_first_step``, decode step 1 makes the same storages as the others, its activation 512 B
+    larger (off the line the others draw)."""
+    trace = StepTrace()
+    counts: list[steady.RunCounts] = []
+
+    def born(nbytes: int, op: str, phase: Phase) -> int:
+        for column, value in ((trace.nbytes, nbytes), (trace.op, op), (trace.phase, phase),
+                              (trace.module, "model.layers.0"), (trace.category, None)):
+            column.append(value)  # type: ignore[attr-defined]
+        trace.events.append(len(trace.nbytes) - 1)
+        trace.op_counts[op] += 1
+        return len(trace.nbytes) - 1
+
+    trace.phase_log.append((Phase.PREFILL, 0))
+    cache = born(8192, "aten.cat.default", Phase.PREFILL)
+    trace.events.append(~born(4096, "aten.mm.default", Phase.PREFILL))
+    for step in range(1, tokens):
+        counts.append(steady.RunCounts(Counter(trace.op_counts), {}, (), {}, ()))
+        trace.phase_log.append((Phase.DECODE, len(trace.events)))
+        new = born(8192 + 512 * step, "aten.cat.default", Phase.DECODE)
+        trace.events.append(~cache)
+        cache = new
+        activation = born(4096 + (512 if odd_first_step and step == 1 else 0), "aten.mm.default", Phase.DECODE)
+        trace.events.append(~activation)
+        if step < tokens - 1:
+            trace.events.append(~born(1024, "aten.add.Tensor", Phase.DECODE))  # after the stop check
+        else:
+            trace.events.append(~cache)  # generate() returns
+    return trace, counts, steady.RunCounts(Counter(trace.op_counts), {}, (), {}, ())
+
+
+@pytest.mark.parametrize("odd_first_step", [False, True])
+def test_the_steady_steps_start_where_the_decode_steps_are_alike(odd_first_step: bool):
+    full, _, end = _synthetic(40, odd_first_step)
+    short, counts, short_end = _synthetic(steady.TRACED_TOKENS[0], odd_first_step)
+    extension = steady.extend(short, counts, short_end, 40)
+    if odd_first_step:  # steps 2 and 3 alone are too few: the next try's six decode steps confirm 2-5
+        assert extension == "a storage's size does not grow by the same bytes at each decode step"
+        short, counts, short_end = _synthetic(steady.TRACED_TOKENS[1], odd_first_step)
+        extension = steady.extend(short, counts, short_end, 40)
+    assert isinstance(extension, steady.Extension)
+    assert extension.op_counts == end.op_counts
+    for column in ("events", "nbytes", "op", "phase", "module", "category", "phase_log"):
+        assert getattr(short, column) == getattr(full, column), column

@@ -147,9 +147,16 @@ def _extend(trace: StepTrace, counts: Sequence[RunCounts], end: RunCounts, new_t
     if last_steady - first + 1 < STEADY_STEPS:
         raise _NotSteady(f"only decode steps {first} to {last_steady} make the same storages, fewer than "
                          f"{STEADY_STEPS} before the last")
-    layout = _layout(trace, segments, bases, list(range(first, last_steady + 1)), n)
-    last = _last_step(trace, layout, bases[steps - 2], steps - 1)
-    counted = _counts(counts, end, steps, new_tokens, first)
+    while True:  # a first step alike in its storages may differ in their sizes, frees or ops: then without it
+        try:
+            layout = _layout(trace, segments, bases, list(range(first, last_steady + 1)), n)
+            last = _last_step(trace, layout, bases[steps - 2], steps - 1)
+            counted = _counts(counts, end, steps, new_tokens, first)
+            break
+        except _NotSteady:
+            if last_steady - first + 1 == STEADY_STEPS:
+                raise
+            first += 1
     _write(trace, layout, last, segments[-1], bases, steps, new_tokens, n, starts)
     return counted
 
