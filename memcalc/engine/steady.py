@@ -3,8 +3,8 @@
 After its first decode steps, each step of ``generate()`` runs the same code over a cache one
 token longer: the same ops, the same storages born and freed in the same order, each storage's
 size growing by a constant number of bytes per step (the cache's ``torch.cat`` outputs, the
-attention scores over it) or not at all. So :func:`extend` takes a trace of the prefill and
-:data:`TRACED_TOKENS` tokens and writes the trace of ``N`` tokens: the decode steps it did not
+attention scores over it) or not at all. So :func:`extend` takes a trace of the prefill and a
+few decode steps (:data:`TRACED_TOKENS`) and writes the trace of ``N`` tokens: the steps it did not
 run are copies of the last steady one, each storage's bytes on the line its traced steps draw,
 and the last step (with what generate() frees as it returns) is the traced last step moved to
 step ``N - 1``. The replay, the report and the JSON are then those of the full trace, event for
