@@ -114,8 +114,22 @@ def test_a_sliding_window_is_traced_token_by_token_and_says_so(tmp_path: Path):
     config = {**SMALL_LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 24}
     report = memcalc.estimate(hf_config_source(tmp_path, config), batch_size=1, seq_len=8, mode="generate",
                               new_tokens=20, optimizer="none")
-    assert any(note == f"{TOKEN_BY_TOKEN}: its decode steps are not extrapolated, as its config sets sliding_window"
-               for note in report.notes)
+    assert any(note == f"{TOKEN_BY_TOKEN}: its decode steps are not extrapolated, as its config sets sliding_window "
+                       f"(24), which the prompt and the new tokens reach" for note in report.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mistral", "layer-types"])
+def test_a_sliding_window_the_generation_never_fills_is_extrapolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     kind: str):
+    # 8 + 40 positions, one fewer than the window: the last forward caches 47, the window would keep 48
+    window = {"sliding_window": 8 + 40 + 1}
+    config = ({**SMALL_LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"], **window}
+              if kind == "mistral" else {**SMALL_LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                                         "use_sliding_window": True, "max_window_layers": 0, **window,
+                                         "layer_types": ["sliding_attention", "full_attention"]})
+    extrapolated, full = _both(hf_config_source(tmp_path, config), monkeypatch, batch_size=2, seq_len=8, new_tokens=40)
+    _assert_identical(extrapolated, full)
 
 
 @pytest.mark.slow

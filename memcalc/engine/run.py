@@ -316,7 +316,7 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time
     recorder = costs(backend.after_op) if costs is not None else None
     generate = _generation_of(resolved, options)
-    steady, unsteady = _steady_tokens(resolved, options, generate is not None and retrace is not None
+    steady, unsteady = _steady_tokens(resolved, options, inputs, generate is not None and retrace is not None
                                       and recorder is None and hooks is None, steady_attempt)
     reads = (resolved.reads(options.mode, steady or options.new_tokens) if resolved.reads is not None else None)
     compiled = _compiled(module, inputs, options, resolved, notes, hooks=hooks, autocast=backend.compiled_autocast(),
@@ -555,7 +555,7 @@ def _generation_of(resolved: ResolvedModel, options: Step) -> GenerateFn | None:
     return resolved.generate
 
 
-def _steady_tokens(resolved: ResolvedModel, options: Step, possible: bool,
+def _steady_tokens(resolved: ResolvedModel, options: Step, inputs: ModelInputs, possible: bool,
                    attempt: int) -> tuple[int | None, str | None]:
     """The tokens to trace before extrapolating a generation's steady decode steps at the
     ``attempt``-th try (:func:`~memcalc.engine.steady.traced_tokens`), or None; and, when the
@@ -565,7 +565,7 @@ def _steady_tokens(resolved: ResolvedModel, options: Step, possible: bool,
     tokens = traced_tokens(options.new_tokens, attempt)
     if tokens is None or resolved.steady_decoding is None:
         return None, None
-    why = resolved.steady_decoding(resolved.module)
+    why = resolved.steady_decoding(resolved.module, inputs, options.new_tokens)
     if why is not None:
         return None, f"its decode steps are not extrapolated, as {why}"
     return tokens, None
