@@ -6,6 +6,7 @@ it out), every step is traced and the report says so."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from support import SMALL_LLAMA, hf_config_source
 import memcalc
 from memcalc.core.categories import Phase
 from memcalc.engine import steady
+from memcalc.engine.trace import StepTrace
 from memcalc.report.render import render_report
 
 pytest.importorskip("transformers")
@@ -81,7 +83,7 @@ def test_extrapolated_generation_in_bf16(tmp_path: Path, monkeypatch: pytest.Mon
 def test_extrapolated_generation_across_an_allocator_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                prompt: int, tokens: int, boundary: int):
     # the boundary is crossed in the steps written out, not in the ones traced
-    assert prompt + steady.TRACED_TOKENS < boundary < prompt + tokens
+    assert prompt + max(steady.TRACED_TOKENS) < boundary < prompt + tokens
     config = {**SMALL_LLAMA, "max_position_embeddings": 2048}
     extrapolated, full = _both(hf_config_source(tmp_path, config), monkeypatch, batch_size=64, seq_len=prompt,
                                new_tokens=tokens)
@@ -112,8 +114,22 @@ def test_a_sliding_window_is_traced_token_by_token_and_says_so(tmp_path: Path):
     config = {**SMALL_LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 24}
     report = memcalc.estimate(hf_config_source(tmp_path, config), batch_size=1, seq_len=8, mode="generate",
                               new_tokens=20, optimizer="none")
-    assert any(note == f"{TOKEN_BY_TOKEN}: its decode steps are not extrapolated, as its config sets sliding_window"
-               for note in report.notes)
+    assert any(note == f"{TOKEN_BY_TOKEN}: its decode steps are not extrapolated, as its config sets sliding_window "
+                       f"(24), which the prompt and the new tokens reach" for note in report.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mistral", "layer-types"])
+def test_a_sliding_window_the_generation_never_fills_is_extrapolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     kind: str):
+    # 8 + 40 positions, one fewer than the window: the last forward caches 47, the window would keep 48
+    window = {"sliding_window": 8 + 40 + 1}
+    config = ({**SMALL_LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"], **window}
+              if kind == "mistral" else {**SMALL_LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                                         "use_sliding_window": True, "max_window_layers": 0, **window,
+                                         "layer_types": ["sliding_attention", "full_attention"]})
+    extrapolated, full = _both(hf_config_source(tmp_path, config), monkeypatch, batch_size=2, seq_len=8, new_tokens=40)
+    _assert_identical(extrapolated, full)
 
 
 @pytest.mark.slow
@@ -130,9 +146,33 @@ def test_a_rule_sized_scratch_in_each_step_falls_back_to_the_full_trace(tmp_path
     assert [line for line in text if TOKEN_BY_TOKEN not in line] == render_report(full).splitlines()
 
 
+def test_a_try_that_confirms_too_few_steps_is_traced_again_with_more(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    # three tokens' decode steps (1, 2 and the last) hold two steps before the last: too few to
+    # confirm; the next try traces five tokens (steps 1-3 steady) and extrapolates, exactly
+    from memcalc.core.progress import progress_to
+    from memcalc.engine.generation import GENERATING
+
+    monkeypatch.setattr(steady, "TRACED_TOKENS", (4, 5))
+    told: list[tuple[str, int, int | None]] = []
+    with progress_to(lambda task, done, total: told.append((task, done, total))):
+        extrapolated, full = _both(hf_config_source(tmp_path), monkeypatch, batch_size=2, seq_len=8, new_tokens=24)
+    _assert_identical(extrapolated, full)
+    generating = [done for task, done, _ in told if task == GENERATING]
+    assert generating[:10] == [0, 1, 2, 3, 0, 1, 2, 3, 4, 24]  # (then the full trace's, token by token)
+    monkeypatch.setattr(steady, "TRACED_TOKENS", (4,))  # no other try: every step traced, and why
+    again = memcalc.estimate(hf_config_source(tmp_path), batch_size=2, seq_len=8, new_tokens=24, mode="generate",
+                             optimizer="none")
+    notes = [n for n in again.notes if TOKEN_BY_TOKEN in n]
+    assert notes == [f"{TOKEN_BY_TOKEN}: its decode steps were not extrapolated (only decode steps 1 to 2 make the "
+                     f"same storages, fewer than 3 before the last)"]
+    assert json.dumps(again.to_dict()) == json.dumps(full.to_dict())
+
+
 def test_short_generations_are_traced_in_full():
     assert steady.traced_tokens(steady.EXTRAPOLATE_FROM - 1) is None
-    assert steady.traced_tokens(1_000) == steady.TRACED_TOKENS
+    assert steady.traced_tokens(1_000) == steady.TRACED_TOKENS[0]
+    assert steady.traced_tokens(1_000, len(steady.TRACED_TOKENS)) is None  # the tries are over: every step
 
 
 def test_an_extrapolated_generation_tells_the_tokens_traced_then_all(tmp_path: Path):
@@ -143,8 +183,58 @@ def test_an_extrapolated_generation_tells_the_tokens_traced_then_all(tmp_path: P
     with progress_to(lambda task, done, total: told.append((task, done, total))):
         memcalc.estimate(hf_config_source(tmp_path), batch_size=1, seq_len=8, mode="generate", new_tokens=50,
                          optimizer="none")
-    # 0 before the prefill, 1 .. 6 as the traced decode forwards begin, 50 once the rest is written out
-    traced = steady.TRACED_TOKENS
+    # 0 before the prefill, 1 .. 4 as the traced decode forwards begin, 50 once the rest is written out
+    traced = steady.TRACED_TOKENS[0]
     generating = [t for t in told if t[0] == GENERATING]  # (the replay tells its own task after it)
     assert generating == [(GENERATING, done, 50) for done in range(traced)] + [(GENERATING, 50, 50)]
     assert told[:len(generating)] == generating
+
+
+def _synthetic(tokens: int, odd_first_step: bool) -> tuple[StepTrace, list[steady.RunCounts], steady.RunCounts]:
+    """The trace of a generation of ``tokens`` tokens, written out step by step: the cache's cat
+    one token longer each decode step (freeing the step before's), an activation, and one born
+    after the stop check; the last step frees its cache as generate() returns. With
+    ``odd_first_step``, decode step 1 makes the same storages as the others, its activation 512 B
+    larger (off the line the others draw)."""
+    trace = StepTrace()
+    counts: list[steady.RunCounts] = []
+
+    def born(nbytes: int, op: str, phase: Phase) -> int:
+        for column, value in ((trace.nbytes, nbytes), (trace.op, op), (trace.phase, phase),
+                              (trace.module, "model.layers.0"), (trace.category, None)):
+            column.append(value)  # type: ignore[attr-defined]
+        trace.events.append(len(trace.nbytes) - 1)
+        trace.op_counts[op] += 1
+        return len(trace.nbytes) - 1
+
+    trace.phase_log.append((Phase.PREFILL, 0))
+    cache = born(8192, "aten.cat.default", Phase.PREFILL)
+    trace.events.append(~born(4096, "aten.mm.default", Phase.PREFILL))
+    for step in range(1, tokens):
+        counts.append(steady.RunCounts(Counter(trace.op_counts), {}, (), {}, ()))
+        trace.phase_log.append((Phase.DECODE, len(trace.events)))
+        new = born(8192 + 512 * step, "aten.cat.default", Phase.DECODE)
+        trace.events.append(~cache)
+        cache = new
+        activation = born(4096 + (512 if odd_first_step and step == 1 else 0), "aten.mm.default", Phase.DECODE)
+        trace.events.append(~activation)
+        if step < tokens - 1:
+            trace.events.append(~born(1024, "aten.add.Tensor", Phase.DECODE))  # after the stop check
+        else:
+            trace.events.append(~cache)  # generate() returns
+    return trace, counts, steady.RunCounts(Counter(trace.op_counts), {}, (), {}, ())
+
+
+@pytest.mark.parametrize("odd_first_step", [False, True])
+def test_the_steady_steps_start_where_the_decode_steps_are_alike(odd_first_step: bool):
+    full, _, end = _synthetic(40, odd_first_step)
+    short, counts, short_end = _synthetic(steady.TRACED_TOKENS[0], odd_first_step)
+    extension = steady.extend(short, counts, short_end, 40)
+    if odd_first_step:  # steps 2 and 3 alone are too few: the next try's six decode steps confirm 2-5
+        assert extension == "a storage's size does not grow by the same bytes at each decode step"
+        short, counts, short_end = _synthetic(steady.TRACED_TOKENS[1], odd_first_step)
+        extension = steady.extend(short, counts, short_end, 40)
+    assert isinstance(extension, steady.Extension)
+    assert extension.op_counts == end.op_counts
+    for column in ("events", "nbytes", "op", "phase", "module", "category", "phase_log"):
+        assert getattr(short, column) == getattr(full, column), column

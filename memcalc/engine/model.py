@@ -150,10 +150,10 @@ class ResolvedModel:
     generate: GenerateFn | None = None
     #: The model's own static KV cache (``kv_cache``); None: memcalc adds one beside the forward.
     static_cache: StaticCacheFn | None = None
-    #: Whether the decode steps of :attr:`generate` repeat over a cache one token longer (None) or
-    #: why not, from what the model's source knows of it (:mod:`memcalc.engine.steady`); None: it
-    #: knows nothing, and every decode step is traced.
-    steady_decoding: Callable[[nn.Module], str | None] | None = None
+    #: Whether the decode steps of :attr:`generate` (of the prompt in these inputs and that many new
+    #: tokens) repeat over a cache one token longer (None) or why not, from what the model's source
+    #: knows of it (:mod:`memcalc.engine.steady`); None: it knows nothing, and every decode step is traced.
+    steady_decoding: Callable[[nn.Module, ModelInputs, int], str | None] | None = None
     #: The user passed a module they had compiled (``torch.compile(module)``): the step is
     #: estimated compiled, as ``compile=True`` estimates it.
     compiled: bool = False

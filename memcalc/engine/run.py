@@ -270,7 +270,7 @@ def step_config(resolved: ResolvedModel, step: Step, *, autocast: AutocastRegion
 def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None = None, *,
                 hooks: RankHooks | None = None, traced_loop: bool | None = None,
                 costs: CostRecorderFactory | None = None,
-                retrace: Callable[[], StepBackend] | None = None) -> TracedStep:
+                retrace: Callable[[], StepBackend] | None = None, steady_attempt: int = 0) -> TracedStep:
     """Run one step of ``resolved`` under the tracer (the engine, without the report).
 
     Args:
@@ -287,7 +287,10 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
             None: nothing is recorded, and an estimate that asks for no time pays nothing for it.
         retrace: makes a fresh backend, for a generation whose steady decode steps are
             extrapolated (:mod:`memcalc.engine.steady`) when the pattern is not confirmed and
-            the generation is traced again token by token; None: every decode step is traced.
+            the generation is traced again, with more decode steps (the next of
+            :data:`~memcalc.engine.steady.TRACED_TOKENS`), then token by token; None: every
+            decode step is traced.
+        steady_attempt: which of those tries this trace is.
 
     Returns:
         The trace with final categories, module data and the backend's notes.
@@ -313,8 +316,8 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
     # FLOPs and bytes per kernel, after the backend's rules: only for a step time
     recorder = costs(backend.after_op) if costs is not None else None
     generate = _generation_of(resolved, step)
-    steady, unsteady = _steady_tokens(resolved, step, generate is not None and retrace is not None
-                                      and recorder is None and hooks is None)
+    steady, unsteady = _steady_tokens(resolved, step, inputs, generate is not None and retrace is not None
+                                      and recorder is None and hooks is None, steady_attempt)
     reads = (resolved.reads(step.mode, steady or step.new_tokens) if resolved.reads is not None else None)
     compiled = _compiled(module, inputs, step, resolved, notes, hooks=hooks, autocast=backend.compiled_autocast(),
                          reads=reads)
@@ -399,7 +402,10 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
     if steady is not None:
         assert step.new_tokens is not None and retrace is not None
         extension = extend(trace, decoded, counted(), step.new_tokens)
-        if isinstance(extension, str):  # not confirmed: every decode step traced
+        if isinstance(extension, str):  # not confirmed: more decode steps traced, then every one
+            if traced_tokens(step.new_tokens, steady_attempt + 1) is not None:
+                return trace_model(resolved, step, retrace(), costs=costs, retrace=retrace,
+                                   steady_attempt=steady_attempt + 1)
             traced = trace_model(resolved, step, retrace(), costs=costs)
             traced.notes.append(f"generation traced token by token: its decode steps were not extrapolated "
                                 f"({extension})")
@@ -549,16 +555,17 @@ def _generation_of(resolved: ResolvedModel, step: Step) -> GenerateFn | None:
     return resolved.generate
 
 
-def _steady_tokens(resolved: ResolvedModel, step: Step, possible: bool) -> tuple[int | None, str | None]:
-    """The tokens to trace before extrapolating a generation's steady decode steps
-    (:func:`~memcalc.engine.steady.traced_tokens`), or None; and, when the model's source says its
-    decode steps do not repeat, why (the report says so)."""
+def _steady_tokens(resolved: ResolvedModel, step: Step, inputs: ModelInputs, possible: bool,
+                   attempt: int) -> tuple[int | None, str | None]:
+    """The tokens to trace before extrapolating a generation's steady decode steps at the
+    ``attempt``-th try (:func:`~memcalc.engine.steady.traced_tokens`), or None; and, when the
+    model's source says its decode steps do not repeat, why (the report says so)."""
     if not possible or step.new_tokens is None:
         return None, None
-    tokens = traced_tokens(step.new_tokens)
+    tokens = traced_tokens(step.new_tokens, attempt)
     if tokens is None or resolved.steady_decoding is None:
         return None, None
-    why = resolved.steady_decoding(resolved.module)
+    why = resolved.steady_decoding(resolved.module, inputs, step.new_tokens)
     if why is not None:
         return None, f"its decode steps are not extrapolated, as {why}"
     return tokens, None

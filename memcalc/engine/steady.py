@@ -3,22 +3,24 @@
 After its first decode steps, each step of ``generate()`` runs the same code over a cache one
 token longer: the same ops, the same storages born and freed in the same order, each storage's
 size growing by a constant number of bytes per step (the cache's ``torch.cat`` outputs, the
-attention scores over it) or not at all. So :func:`extend` takes a trace of the prefill and
-:data:`TRACED_TOKENS` tokens and writes the trace of ``N`` tokens: the decode steps it did not
+attention scores over it) or not at all. So :func:`extend` takes a trace of the prefill and a
+few decode steps (:data:`TRACED_TOKENS`) and writes the trace of ``N`` tokens: the steps it did not
 run are copies of the last steady one, each storage's bytes on the line its traced steps draw,
 and the last step (with what generate() frees as it returns) is the traced last step moved to
 step ``N - 1``. The replay, the report and the JSON are then those of the full trace, event for
 event — tests/test_generation_steady.py compares both, byte for byte.
 
 It extrapolates only what it has confirmed, and says why not otherwise (the caller then traces
-every step): decode steps 2 to ``TRACED_TOKENS - 2`` must be congruent — the same events, each
-freeing a storage of its own step or of the step before (nothing that accumulates), the same
-op, module, phase and category per storage, sizes on one line per storage over four steps — and
-the last traced step must be such a step too, plus its tail. A storage sized by a kernel rule
-memcalc computes from the step's shapes (a workspace, an attention scratch) is a step function
-of the cache length, not a line: a decode step that holds one is not extrapolated, except a
-rule-sized one (:class:`~memcalc.engine.trace.ShapeSized`), whose arguments are extrapolated
-and its rule evaluated at each step. What the run counted (ops per name, attention calls, the
+more decode steps, then every one): the decode steps before the last, as far back as they make
+the same storages (step 1 too, where it does: the prefill and four decode steps are traced
+first), must be :data:`STEADY_STEPS` or more, congruent — the same op, module, phase and category
+per storage, sizes on one line per storage, the same events in each step that frees only the
+step before's (nothing that accumulates) — and the last traced step must be such a step at its
+own point of the lines, plus its tail. A storage sized by a kernel rule memcalc computes from
+the step's shapes (a workspace, an attention scratch) is a step function of the cache length,
+not a line: a decode step that holds one is not extrapolated, except a rule-sized one
+(:class:`~memcalc.engine.trace.ShapeSized`), whose arguments are extrapolated and its rule
+evaluated at each step. What the run counted (ops per name, attention calls, the
 numbers in the backend's notes) must be on a line per step too; output shapes and the module
 order must not change. What the model's own code decides from the cache length (a sliding
 window, chunked attention) is the model source's to rule out (``ResolvedModel.steady_decoding``).
@@ -37,21 +39,28 @@ import numpy as np
 from memcalc.core.categories import Phase
 from memcalc.engine.trace import ShapeSized, StepTrace
 
-__all__ = ("EXTRAPOLATE_FROM", "TRACED_TOKENS", "Extension", "RunCounts", "extend", "traced_tokens")
+__all__ = ("EXTRAPOLATE_FROM", "STEADY_STEPS", "TRACED_TOKENS", "Extension", "RunCounts", "extend",
+           "traced_tokens")
 
-#: Tokens traced (the prefill's and six decode steps'): step 1 is the first over a cache the
-#: prefill made, 2–5 the steady steps compared, 6 the last with generate()'s return.
-TRACED_TOKENS = 7
+#: Tokens traced, tried in turn: the prefill's and four decode steps' (steps 1–3 the steady steps
+#: compared, 4 the last with generate()'s return), then, where step 1 is not congruent with the
+#: steps after it (it frees the prefill's cache; it may make storages of its own), six (2–5, 6).
+TRACED_TOKENS = (5, 7)
 #: A generation of fewer new tokens is traced in full (extrapolating would save little).
 EXTRAPOLATE_FROM = 16
-#: The first steady decode step (step 1 frees the prefill's cache, step 2 step 1's).
-_FIRST = 2
+#: Congruent decode steps needed before the last: sizes on a line checked at a third point, the
+#: events of two steps that each free the step before's compared.
+STEADY_STEPS = 3
 _NUMBER = re.compile(r"\d[\d,]*\d|\d")
 
 
-def traced_tokens(new_tokens: int) -> int | None:
-    """The tokens to trace before extrapolating to ``new_tokens``; None: trace them all."""
-    return TRACED_TOKENS if new_tokens >= max(EXTRAPOLATE_FROM, TRACED_TOKENS + 2) else None
+def traced_tokens(new_tokens: int, attempt: int = 0) -> int | None:
+    """The tokens to trace before extrapolating to ``new_tokens`` at the ``attempt``-th try
+    (:data:`TRACED_TOKENS`); None: trace them all."""
+    if attempt >= len(TRACED_TOKENS):
+        return None
+    tokens = TRACED_TOKENS[attempt]
+    return tokens if new_tokens >= max(EXTRAPOLATE_FROM, tokens + 2) else None
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,7 @@ def extend(trace: StepTrace, counts: Sequence[RunCounts], end: RunCounts, new_to
 class _Layout:
     """One steady decode step: its storages (per birth) and its events."""
 
+    first: int  # the first steady decode step
     nbytes0: np.ndarray  # bytes of each birth at step 0 of the line
     slope: np.ndarray  # bytes per step
     phase: list[Phase]
@@ -114,8 +124,8 @@ class _Layout:
 def _extend(trace: StepTrace, counts: Sequence[RunCounts], end: RunCounts, new_tokens: int) -> Extension:
     steps = len(counts) + 1  # M: the prefill's token and one per decode step
     starts = [start for phase, start in trace.phase_log if phase is Phase.DECODE]
-    if len(starts) != steps - 1 or steps < _FIRST + 5:
-        raise _NotSteady(f"{len(starts)} decode steps were traced, not {steps - 1}")
+    if len(starts) != steps - 1 or steps < 3:
+        raise _NotSteady(f"{len(starts)} decode steps were traced, not {steps - 1} (two or more)")
     if any(start >= starts[0] and phase is not Phase.DECODE for phase, start in trace.phase_log):
         raise _NotSteady("a phase other than decode began among the decode steps")
     bounds = [*starts, len(trace.events)]
@@ -129,21 +139,42 @@ def _extend(trace: StepTrace, counts: Sequence[RunCounts], end: RunCounts, new_t
         bases.append((base, len(births)))
     if trace.num_storages != bases[-1][0] + bases[-1][1]:
         raise _NotSteady("storages were recorded after the last decode step")
-    steady = list(range(_FIRST, steps - 1))  # decode steps 2 .. M-2
-    n = bases[_FIRST - 1][1]
-    if any(bases[s - 1][1] != n for s in steady):
-        raise _NotSteady("the decode steps do not make the same number of storages")
-    layout = _layout(trace, segments, bases, steady, n)
-    last = _last_step(trace, layout, bases[steps - 2], steps - 1)
-    counted = _counts(counts, end, steps, new_tokens)
+    last_steady = steps - 2  # the last decode step before the last one
+    n = bases[last_steady - 1][1]
+    first = last_steady  # the steady steps: as far back as their storages are made alike
+    while first > 1 and _alike(trace, bases, first - 1, last_steady):
+        first -= 1
+    if last_steady - first + 1 < STEADY_STEPS:
+        raise _NotSteady(f"only decode steps {first} to {last_steady} make the same storages, fewer than "
+                         f"{STEADY_STEPS} before the last")
+    while True:  # a first step alike in its storages may differ in their sizes, frees or ops: then without it
+        try:
+            layout = _layout(trace, segments, bases, list(range(first, last_steady + 1)), n)
+            last = _last_step(trace, layout, bases[steps - 2], steps - 1)
+            counted = _counts(counts, end, steps, new_tokens, first)
+            break
+        except _NotSteady:
+            if last_steady - first + 1 == STEADY_STEPS:
+                raise
+            first += 1
     _write(trace, layout, last, segments[-1], bases, steps, new_tokens, n, starts)
     return counted
 
 
+def _alike(trace: StepTrace, bases: list[tuple[int, int]], step: int, other: int) -> bool:
+    """Whether decode steps ``step`` and ``other`` make as many storages, by the same ops in
+    the same modules, phases and categories (their sizes and frees are compared later)."""
+    (one, count), (two, count2) = bases[step - 1], bases[other - 1]
+    return count == count2 and all(getattr(trace, field)[one:one + count] == getattr(trace, field)[two:two + count]
+                                   for field in ("op", "module", "phase", "category"))
+
+
 def _layout(trace: StepTrace, segments: list[list[int]], bases: list[tuple[int, int]], steady: list[int],
             n: int) -> _Layout:
-    """The steady step's storages and events, confirmed over the ``steady`` steps."""
-    first = bases[_FIRST - 1][0]
+    """The steady step's storages and events, confirmed over the ``steady`` steps: their sizes
+    on a line; the events of each that frees only the step before's (all but the first) alike."""
+    step = steady[0]
+    first = bases[step - 1][0]
     uids = [[bases[s - 1][0] + i for i in range(n)] for s in steady]
     for field in ("phase", "module", "category", "op"):
         column = getattr(trace, field)
@@ -154,18 +185,18 @@ def _layout(trace: StepTrace, segments: list[list[int]], bases: list[tuple[int, 
     slope = sizes[1] - sizes[0]
     if not (np.diff(sizes, axis=0) == slope).all():
         raise _NotSteady("a storage's size does not grow by the same bytes at each decode step")
-    nbytes0 = sizes[0] - _FIRST * slope  # on the line: bytes at step s = nbytes0 + s · slope
+    nbytes0 = sizes[0] - step * slope  # on the line: bytes at step s = nbytes0 + s · slope
     sized = _sized(trace, bases, steady, n)
     for i, op in enumerate(trace.op[first:first + n]):
         if not op.startswith("aten.") and i not in sized:
             raise _NotSteady(f"a decode step holds a storage sized by a rule of memcalc's ({op}), which may "
                              f"change with the cache length")
-    events = [_events(segments[s - 1], bases[s - 1][0], bases[_FIRST - 1][0], n) for s in steady[1:]]
-    if any(row != events[0] for row in events[1:]):  # (step 2 may free step 1's storages)
+    events = [_events(segments[s - 1], bases[s - 1][0], first, n) for s in steady[1:]]
+    if any(row != events[0] for row in events[1:]):  # (the first may free older storages)
         raise _NotSteady("the decode steps' allocations and frees differ")
     if any(kind == 2 for kind, _ in events[0]):
         raise _NotSteady("a steady decode step frees a storage born before the steady steps")
-    return _Layout(nbytes0, slope, trace.phase[first:first + n], trace.module[first:first + n],
+    return _Layout(step, nbytes0, slope, trace.phase[first:first + n], trace.module[first:first + n],
                    list(trace.category[first:first + n]), trace.op[first:first + n], sized, events[0])
 
 
@@ -219,7 +250,7 @@ def _sized(trace: StepTrace, bases: list[tuple[int, int]], steady: list[int],
         slope = args[1] - args[0]
         if not (np.diff(args, axis=0) == slope).all():
             raise _NotSteady("a rule-sized storage's arguments do not grow by the same step")
-        zero = args[0] - _FIRST * slope
+        zero = args[0] - steady[0] * slope
         out[i] = (ShapeSized(present[0].rule, tuple(int(a) for a in zero)), tuple(int(a) for a in slope))
     return out
 
@@ -243,9 +274,10 @@ def _events(segment: list[int], base: int, oldest: int, n: int) -> list[tuple[in
     return out
 
 
-def _counts(counts: Sequence[RunCounts], end: RunCounts, steps: int, new_tokens: int) -> Extension:
-    """The run's counts after ``new_tokens`` tokens, on the line the steady steps draw."""
-    seen = counts[_FIRST - 1:]  # at the start of steady steps 2 .. M-1: what each steady step adds
+def _counts(counts: Sequence[RunCounts], end: RunCounts, steps: int, new_tokens: int, first: int) -> Extension:
+    """The run's counts after ``new_tokens`` tokens, on the line the steady steps (from decode
+    step ``first``) draw."""
+    seen = counts[first - 1:]  # at the start of steady steps first .. M-1: what each steady step adds
     if any(c.output_shapes != end.output_shapes for c in seen[1:]):
         raise _NotSteady("a module's output shape changes between decode steps")
     if any(c.order != end.order for c in seen):
@@ -298,7 +330,7 @@ def _write(trace: StepTrace, layout: _Layout, last: list[int], last_segment: lis
            bases: list[tuple[int, int]], steps: int, new_tokens: int, n: int, starts: list[int]) -> None:
     """Replace the traced last step by the steady steps ``M - 1 .. N - 2`` and the last one at ``N - 1``."""
     last_base = bases[steps - 2][0]
-    last_events = _events(last_segment, last_base, bases[_FIRST - 1][0], n)
+    last_events = _events(last_segment, last_base, bases[layout.first - 1][0], n)
     del trace.events[starts[-1]:]
     for column in (trace.nbytes, trace.phase, trace.module, trace.category, trace.op):
         del column[last_base:]

@@ -113,20 +113,35 @@ def generate_on_meta(module: nn.Module, inputs: ModelInputs, new_tokens: int,
 _WINDOWED = ("sliding_window", "attention_chunk_size")
 
 
-def steady_decoding(module: nn.Module) -> str | None:
-    """Whether each decode step of ``module.generate()`` runs the step before it over a cache one
-    token longer (:mod:`memcalc.engine.steady` extrapolates such steps): None when it does — a full
-    attention over a ``DynamicCache`` (or a ``StaticCache``) — else why not: a config that bounds or
-    chunks the attention (``sliding_window``, ``attention_chunk_size``, layer types other than full
-    attention: the cache stops growing at the window, which a few traced steps cannot show), or a
-    generation config that names another cache class."""
+def steady_decoding(module: nn.Module, inputs: ModelInputs, new_tokens: int) -> str | None:
+    """Whether each decode step of ``module.generate()`` (the prompt of ``inputs``, ``new_tokens``
+    tokens) runs the step before it over a cache one token longer (:mod:`memcalc.engine.steady`
+    extrapolates such steps): None when it does — a full attention over a ``DynamicCache`` (or a
+    ``StaticCache``), or a sliding window the generation never fills — else why not: a config that
+    bounds or chunks the attention (``sliding_window`` where the prompt and the tokens reach it,
+    ``attention_chunk_size``, layer types other than full or sliding attention: the cache stops
+    growing at the window, which a few traced steps cannot show), or a generation config that names
+    another cache class.
+
+    A ``DynamicSlidingWindowLayer`` keeps the last ``window - 1`` positions and the mask counts a
+    full window once ``window`` are cached; the last forward caches ``prompt + new_tokens - 1``, so
+    below ``prompt + new_tokens < window`` every step is a full attention's."""
     config: Any = getattr(module, "config", None)
+    ids = inputs.kwargs.get("input_ids", inputs.args[0] if inputs.args else None)
+    positions = int(ids.shape[-1]) + new_tokens if isinstance(ids, torch.Tensor) else None
     for name in _WINDOWED:
         if name == "sliding_window" and getattr(config, "use_sliding_window", True) is False:
             continue  # Qwen2's window, off
-        if getattr(config, name, None):
-            return f"its config sets {name}"
+        window = getattr(config, name, None)
+        if name == "sliding_window" and isinstance(window, int) and positions is not None and positions < window:
+            continue  # never filled: the cache grows by one token each step, as a full attention's
+        if window:
+            return f"its config sets {name}" + (f" ({window}), which the prompt and the new tokens reach"
+                                                if name == "sliding_window" and positions is not None else "")
     kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
+    window = getattr(config, "sliding_window", None)
+    if kinds == {"sliding_attention"} and isinstance(window, int) and positions is not None and positions < window:
+        kinds = set()  # a window never filled (above)
     if kinds:
         return f"its layers include {', '.join(sorted(kinds))}"
     generation: Any = getattr(module, "generation_config", None)
