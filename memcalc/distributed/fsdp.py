@@ -91,10 +91,11 @@ def _module_lists(module: nn.Module) -> list[str]:
 
 
 def module_units(module: nn.Module) -> list[Unit]:
-    """DeepSpeed ZeRO-3's granularity: each module that owns parameters gathers them in its
-    forward pre-hook (``fetch_sub_module``) and releases them after."""
-    return [Unit(name or "(root)", m, (m,)) for name, m in module.named_modules()
-            if next(m.parameters(recurse=False), None) is not None]
+    """DeepSpeed ZeRO-3's granularity: each module gathers its own parameters in its forward
+    pre-hook (``fetch_sub_module``) and releases them after. Every module is hooked
+    (``_register_deepspeed_module``), those without parameters too: each fetch is a step of the
+    coordinator's trace and a chance to prefetch."""
+    return [Unit(name or "(root)", m, (m,)) for name, m in module.named_modules()]
 
 
 @dataclass(eq=False)
@@ -507,14 +508,15 @@ class ShardedProgram(RankProgram):
             return tensor.to(self.gather_dtype)
         return tensor
 
-    def _post_forward(self, state: _UnitState, output: Any) -> None:
+    def _post_forward(self, state: _UnitState, output: Any) -> Any:
         if self.coordinator is not None:  # DeepSpeed: release_sub_module (a recomputation too)
-            if not self._in_backward and self.training and torch.is_grad_enabled():
-                for tensor in tensors_of(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(lambda _g, s=state: self._pre_backward(s))  # type: ignore[no-untyped-call]
             self.coordinator.release(state, state.params, forward=True)
-            return
+            if self._in_backward or not (self.training and torch.is_grad_enabled()):
+                return None
+            # _pre_backward_module_hook: each output through an identity function whose backward
+            # fetches, so that an outer module's output (the same tensor) is fetched first
+            return map_output(output, lambda t: _PreBackward.apply(lambda: self._pre_backward(state), t)
+                              if t.requires_grad else t)
         if self._in_backward:
             return
         if state not in self._forward_order and not state.unit.own_root:
@@ -720,6 +722,21 @@ class ShardedProgram(RankProgram):
         self._reduce_scatter_inputs.clear()
         self._forward_order.clear()
         self._in_backward = False
+
+
+class _PreBackward(torch.autograd.Function):
+    """DeepSpeed's ``PreBackwardFunctionForModule``: an identity on a module's output whose
+    backward runs when the output's gradient arrives — the module's backward begins."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], tensor: torch.Tensor) -> torch.Tensor:
+        ctx.callback = callback
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
 
 
 class _PostBackward(torch.autograd.Function):
