@@ -178,11 +178,14 @@ def test_fsdp_on_the_cpu_target_adds_gloos_copies_by_hand():
     #   zero1: params 8 + full gradients 8 + master 2 + Adam 4 + bucket 4 = 26 MiB
     #   zero2: params 8 + gradient partition 2 + unit 1's gradient before it is dropped 4
     #          + master 2 + Adam 4 + bucket 4 = 24 MiB
-    #   zero3: shards 2 + two gathered weights 8 + partition 2 + a gradient 4 + master 2
-    #          + Adam 4 + bucket 4 = 26 MiB
+    #   zero3: the second step (DeepSpeed's coordinator has the module trace): the root's fetch
+    #          prefetches both weights in one coalesced all-gather, an 8 MiB flat output; module 0's
+    #          wait copies both weights out of it (8 MiB), and it is freed at module 1's wait.
+    #          Module 0's forward: shards 2 + flat 8 + weights 8 + partition 2 + master 2 + Adam 4
+    #          + bucket 4 = 30 MiB, with the input and module 0's output
     (1, 26 * MiB + INPUT + 2 * (INPUT + 4), 8 * MiB + 8 * MiB + 2 * MiB + 4 * MiB + 2 * MiB),
     (2, 24 * MiB + INPUT + 2 * (2 * INPUT + 4), 8 * MiB + 2 * MiB + 2 * MiB + 4 * MiB + 2 * MiB),
-    (3, 26 * MiB + INPUT + 2 * (2 * INPUT + 4), 2 * MiB + 2 * MiB + 2 * MiB + 4 * MiB + 2 * MiB),
+    (3, 30 * MiB + INPUT + INPUT, 2 * MiB + 2 * MiB + 2 * MiB + 4 * MiB + 2 * MiB),
 ])
 def test_zero_stages_by_hand(stage, peak, states):
     # model states = parameters + gradients + master + Adam + the fp32 gradient partition

@@ -153,7 +153,7 @@ class ZeroProgram(RankProgram):
             return
         self._dtype = params[0].dtype
         if self.sharded is not None:
-            self.partition_numel = sum(p.numel() for p in params)  # the shards themselves
+            self.partition_numel = self.sharded.trainable_shard_numel  # the partitions (on the host: offload_param)
         else:
             total = sum(p.numel() for p in params)
             alignment = 2 * self.world_size  # nccl_start_alignment_factor × world size
