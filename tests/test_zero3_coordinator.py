@@ -15,11 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from torch import nn
 
 import memcalc
-from memcalc.core.errors import InapplicableOptionError
 from memcalc.distributed.vocabulary import ZeroStage3
 from memcalc.distributed.zero import ZeroProgram
 from memcalc.distributed.zero3_coordinator import persistent_flags

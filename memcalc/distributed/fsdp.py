@@ -515,8 +515,8 @@ class ShardedProgram(RankProgram):
                 return None
             # _pre_backward_module_hook: each output through an identity function whose backward
             # fetches, so that an outer module's output (the same tensor) is fetched first
-            return map_output(output, lambda t: _PreBackward.apply(lambda: self._pre_backward(state), t)
-                              if t.requires_grad else t)
+            return map_output(output, lambda t: _PreBackward.apply(  # type: ignore[no-untyped-call]
+                lambda: self._pre_backward(state), t) if t.requires_grad else t)
         if self._in_backward:
             return
         if state not in self._forward_order and not state.unit.own_root:

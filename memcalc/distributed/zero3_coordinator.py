@@ -63,7 +63,8 @@ def persistent_flags(numels: Sequence[int], settings: ZeroStage3) -> list[bool]:
     total = 0
     flags = []
     for numel in numels:
-        persist = numel + total <= settings.model_persistence_threshold and numel <= settings.param_persistence_threshold
+        persist = (numel + total <= settings.model_persistence_threshold
+                   and numel <= settings.param_persistence_threshold)
         if persist:
             total += numel
         flags.append(persist)

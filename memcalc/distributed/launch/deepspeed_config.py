@@ -5,9 +5,9 @@ Every key is read, ignored with a reason, or refused by name (:data:`SECTIONS`);
 what Hugging Face's integration (``HfTrainerDeepSpeedConfig``) fills in: the batch, accumulation
 and precision from the other options, ``reduce_bucket_size`` from the model's ``hidden_size``
 (hidden_size²), ``stage3_prefetch_bucket_size`` (0.9 × hidden_size²) and
-``stage3_param_persistence_threshold`` (10 × hidden_size). DeepSpeed itself is not imported (it does not install on a CPU-only machine);
-the defaults are those of ``deepspeed/runtime/zero/config.py``. What each key becomes is the table
-in docs/launch-configs.md.
+``stage3_param_persistence_threshold`` (10 × hidden_size). DeepSpeed itself is not imported (not a
+dependency: it builds its ops for a GPU); the defaults are those of
+``deepspeed/runtime/zero/config.py``. What each key becomes is the table in docs/launch-configs.md.
 """
 
 from __future__ import annotations
@@ -103,6 +103,11 @@ def read_deepspeed(config: Any, *, source: str | None = None) -> LaunchSetup:
         raise InapplicableOptionError(f"{where}: offload_param applies to ZeRO stage 3 (its partitioned parameters); "
                                       f"this config's stage is {stage}",
                                       hint="Remove offload_param, or use stage 3.")
+    for key, default in (("zero_hpz_partition_size", 1), ("zero_quantized_weights", False),
+                         ("zero_quantized_gradients", False), ("mics_shard_size", -1)):
+        if zero.get(key, default) not in (default, None):  # ZeRO++ and MiCS partition and gather otherwise
+            raise InapplicableOptionError(f"{where}: zero_optimization.{key} {zero[key]!r} is not modelled",
+                                          hint=f"Leave {key} out to estimate plain ZeRO.")
     settings: dict[str, Any] = {}
     for key, field in _STAGE3.items():
         if key not in zero:
@@ -122,7 +127,8 @@ def read_deepspeed(config: Any, *, source: str | None = None) -> LaunchSetup:
         if offload_param:
             notes.append("offload_param cpu")
     elif any(key in zero for key in _STAGE3):
-        notes.append(f"{', '.join(k for k in _STAGE3 if k in zero)}: ZeRO-3's, ignored at stage {stage} (as DeepSpeed does)")
+        keys = ", ".join(k for k in _STAGE3 if k in zero)
+        notes.append(f"{keys}: ZeRO-3's, ignored at stage {stage} (as DeepSpeed does)")
     values = {**_precision(data, where), **_batch(data, where, distributed)}
     if "optimizer" in data:
         values["optimizer"] = _optimizer(data["optimizer"], where)
