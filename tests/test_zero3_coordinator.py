@@ -1,16 +1,18 @@
 """memcalc's ZeRO-3 against real DeepSpeed: which parameters are gathered when.
 
 tests/data/deepspeed_zero3_gathers.json was recorded from real DeepSpeed ZeRO-3 on the CPU (two
-ranks over gloo, tests/deepspeed_reference/zero3_gathers.py): after each module's forward pre-hook
-and post-hook, after backward and after each optimizer step, for three steps, under six
-``stage3_*`` settings (persistence threshold, prefetch bucket, live and reuse bounds). memcalc
-traces two steps of the same model under the same settings; the gathered parameters at every one
-of those points must be DeepSpeed's. Then the bytes those rules give, worked out by hand.
+ranks over gloo, tests/deepspeed_reference/zero3_gathers.py): which parameters are gathered (a
+bitmask over ``named_parameters``) after each module's forward pre-hook and post-hook, after
+backward and after each optimizer step, for three steps, under six ``stage3_*`` settings on a
+small MLP (persistence threshold, prefetch bucket, live and reuse bounds) and DeepSpeed's defaults
+scaled to a Llama-3-8B-shaped model at 1/4096. memcalc traces two steps of the same models under
+the same settings; the gathered parameters at every one of those points must be DeepSpeed's.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,9 @@ import memcalc
 from memcalc.distributed.vocabulary import ZeroStage3
 from memcalc.distributed.zero import ZeroProgram
 from memcalc.distributed.zero3_coordinator import persistent_flags
+
+sys.path.insert(0, str(Path(__file__).parent / "deepspeed_reference"))
+from zero3_gathers import LLAMA_CASES, LlamaShaped, mask_of  # the reference's own models
 
 DATA = Path(__file__).parent / "data" / "deepspeed_zero3_gathers.json"
 RECORDED = json.loads(DATA.read_text())
@@ -36,21 +41,22 @@ def model() -> nn.Module:
                          nn.LayerNorm(64), nn.Linear(64, 8))
 
 
-def _events(monkeypatch: pytest.MonkeyPatch, stage3: ZeroStage3) -> list[list[Any]]:
+def _events(monkeypatch: pytest.MonkeyPatch, stage3: ZeroStage3, llama: bool = False) -> list[list[Any]]:
     """memcalc's trace of two steps, with the gathered parameters read at DeepSpeed's points."""
     events: list[list[Any]] = []
     install = ZeroProgram.install
 
     def probe(self: ZeroProgram, tracer: Any, module: nn.Module) -> None:
         names = {id(p): n for n, p in module.named_parameters()}
+        mask = mask_of(list(names.values()))
         install(self, tracer, module)
         assert self.sharded is not None and self.sharded.coordinator is not None
         coordinator = self.sharded.coordinator
 
-        def gathered() -> list[str]:
-            return sorted(names[id(p.original)] for p in coordinator.params if coordinator.available(p))
+        def gathered() -> str:
+            return mask(names[id(p.original)] for p in coordinator.params if coordinator.available(p))
 
-        for index, child in enumerate(module):
+        for index, child in module.named_modules():
             if next(child.parameters(recurse=False), None) is None:
                 continue
             self._handles.append(child.register_forward_pre_hook(
@@ -73,7 +79,8 @@ def _events(monkeypatch: pytest.MonkeyPatch, stage3: ZeroStage3) -> list[list[An
         self._around = lambda: (before, after)  # type: ignore[method-assign]
 
     monkeypatch.setattr(ZeroProgram, "install", probe)
-    memcalc.estimate(model, input_shape=(64,), batch_size=4, loss="mean", gpu="cpu", loop=FOREACH, optimizer="adam",
+    memcalc.estimate(LlamaShaped if llama else model, input_shape=(2052 if llama else 64,), batch_size=4,
+                     loss="mean", gpu="cpu", loop=FOREACH, optimizer="adam",
                      distributed=memcalc.Distributed("zero3", world_size=2, stage3=stage3))
     return events
 
@@ -86,7 +93,7 @@ def test_gathered_parameters_are_deepspeeds(monkeypatch, case):
     per_step = len(real) // 3
     # DeepSpeed's third step is its second: the two steps memcalc traces are the steady state
     assert real[2 * per_step:] == [[e.replace(" 1", " 2"), g] for e, g in real[per_step:2 * per_step]]
-    assert _events(monkeypatch, settings) == real[:2 * per_step]
+    assert _events(monkeypatch, settings, case in LLAMA_CASES) == real[:2 * per_step]
 
 
 def test_the_recorded_cases_differ():
