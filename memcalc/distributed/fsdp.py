@@ -182,9 +182,10 @@ class ShardedProgram(RankProgram):
     0.02% on every rank of real two-process runs over gloo (tests/test_gloo_runs.py).
 
     DeepSpeed ZeRO-3 (``deepspeed/runtime/zero/stage3.py``, ``partition_parameters.py``):
-    each parameter is a flat partition of ``ceil(numel / world_size)`` elements; gathering
-    writes straight into the full parameter; the next unit is prefetched in forward and in
-    backward; each gradient is copied into the persistent reduce bucket as soon as autograd
+    each parameter is a flat partition of ``ceil(numel / world_size)`` elements; what is gathered,
+    prefetched and released when is DeepSpeed's coordinator's
+    (:class:`~memcalc.distributed.zero3_coordinator.ParamCoordinator`, every module a unit), the
+    all-gathers as :meth:`_ds_gather` says; each gradient is copied into the persistent reduce bucket as soon as autograd
     produces it and freed (``reduce_partition_and_remove_grads``), its partition landing in
     the persistent ``grad_partitions_flat_buffer`` (the trainable parameters' partitions:
     frozen ones are partitioned and gathered, never reduced); the step runs in
