@@ -185,8 +185,8 @@ class ShardedProgram(RankProgram):
     each parameter is a flat partition of ``ceil(numel / world_size)`` elements; what is gathered,
     prefetched and released when is DeepSpeed's coordinator's
     (:class:`~memcalc.distributed.zero3_coordinator.ParamCoordinator`, every module a unit), the
-    all-gathers as :meth:`_ds_gather` says; each gradient is copied into the persistent reduce bucket as soon as autograd
-    produces it and freed (``reduce_partition_and_remove_grads``), its partition landing in
+    all-gathers as :meth:`_ds_gather` says; each gradient is copied into the persistent reduce
+    bucket as soon as autograd produces it and freed (``reduce_partition_and_remove_grads``), its partition landing in
     the persistent ``grad_partitions_flat_buffer`` (the trainable parameters' partitions:
     frozen ones are partitioned and gathered, never reduced); the step runs in
     :class:`ZeroOptimizer`.
