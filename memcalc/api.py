@@ -192,7 +192,8 @@ def estimate(
             ``mixed_precision`` and ``fsdp_config`` / ``deepspeed_config`` decide the multi-GPU
             setting and the precision (docs/launch-configs.md). Not with ``distributed``.
         deepspeed: a DeepSpeed config (a ``.json`` file or a dict): the ZeRO stage, buckets,
-            ``offload_optimizer``, the 16-bit precision, the batch and accumulation it fixes.
+            ``offload_optimizer``, ``offload_param`` and ZeRO-3's ``stage3_*`` settings, the 16-bit
+            precision, the batch and accumulation it fixes.
         world_size: the number of GPUs of a DeepSpeed config that does not say it (its
             ``train_batch_size`` is ``"auto"``).
 

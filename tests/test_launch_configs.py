@@ -26,6 +26,7 @@ from memcalc.distributed import deepspeed_formulas as ds
 from memcalc.distributed.launch.accelerate_config import read_accelerate
 from memcalc.distributed.launch.deepspeed_config import read_deepspeed
 from memcalc.distributed.launch.read import hidden_size_of, read_launch
+from memcalc.distributed.vocabulary import ZeroStage3
 
 MiB = 2**20
 PSI = 2 * 1024 * 1024  # two_layers: two 1024×1024 weights, no bias
@@ -112,9 +113,12 @@ def test_deepspeed_auto_values_are_filled_as_transformers_fills_them():
                             "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
                                                   "stage3_prefetch_bucket_size": "auto"}})
     assert dict(setup.values) == {}  # auto: the other options' batch and precision
-    assert setup.auto_hidden == ("reduce_bucket_size",)
-    # trainer_config_finalize: reduce_bucket_size = hidden_size * hidden_size (GPT-2: 768² = 589,824)
-    assert setup.with_hidden_size(768).distributed["reduce_bucket_size"] == 589_824
+    assert setup.auto_hidden == ("reduce_bucket_size", "stage3_prefetch_bucket_size")
+    # trainer_config_finalize: reduce_bucket_size = hidden_size * hidden_size (GPT-2: 768² = 589,824),
+    # stage3_prefetch_bucket_size = int(0.9 * hidden_size²) (530,841), under ZeRO-3
+    filled = setup.with_hidden_size(768).distributed
+    assert filled["reduce_bucket_size"] == 589_824
+    assert filled["stage3"] == ZeroStage3(prefetch_bucket_size=530_841)
     assert hidden_size_of(SimpleNamespace(config=SimpleNamespace(hidden_size=768)), "x") == 768
     assert hidden_size_of(SimpleNamespace(config=SimpleNamespace(hidden_sizes=[64, 512, 256])), "x") == 512
     with pytest.raises(InvalidInputError, match="no config with one"):
@@ -169,6 +173,60 @@ def test_zero2_offload_optimizer_leaves_the_16_bit_model_on_the_gpu():
     assert on_gpu.model_states == ds.zero2_model_states(PSI, 4).gpu_bytes == 2 * PSI + 18 * PSI // 4
 
 
+def test_zero3_stage3_keys_and_offloads_by_hand():
+    # two_layers (two 1024×1024 weights, no bias: nothing persists), fp32, 4 ranks, bucket 2^20
+    # elements (4 MiB). As tests/test_strategies.py works it out: the second step's forward holds
+    # shards 2 + flat all-gather output 8 + the two weights 8 + gradient partition 2 + master 2
+    # + Adam 4 + bucket 4 = 30 MiB (with the input and module 0's output, 8 KiB)
+    zero = {"stage": 3, "reduce_bucket_size": 2**20}
+    base = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 4}
+
+    def peak(**keys):
+        return _two(deepspeed={**base, "zero_optimization": {**zero, **keys}}).peak_requested - 2 * 4096
+
+    assert peak() == 30 * MiB
+    # offload_param: the 16-bit partitions (the shards, 2 MiB) are in host memory
+    assert peak(offload_param={"device": "cpu"}) == 28 * MiB
+    # offload_optimizer: master 2, Adam 4 and the gradient partition 2 are in host memory
+    assert peak(offload_optimizer={"device": "cpu"}) == 22 * MiB
+    assert peak(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"}) == 20 * MiB
+    # no prefetch, nothing kept for reuse: each weight gathered alone, straight into its padded buffer
+    # (no flat output); the peak moves to backward: shards 2 + weight 4 + its gradient 4 + gradient
+    # partition 2 + master 2 + Adam 4 + bucket 4 = 22 MiB, with what backward holds beside
+    lean = peak(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+    assert 22 * MiB <= lean < 22 * MiB + 32 * 1024
+    # model states at the step (fp32, Ψ/4 = 2 MiB each): shards + gradient partition + master + Adam's
+    # two moments + the fp32 gradient copy = 12 MiB; offload_param leaves the shards; offload_optimizer
+    # leaves the shards alone
+
+    def states(**keys):
+        return _two(deepspeed={**base, "zero_optimization": {**zero, **keys}}).roles[0].model_states
+
+    assert states() == 6 * PSI  # Ψ/4 fp32 elements = Ψ bytes each
+    assert states(offload_param={"device": "cpu"}) == 5 * PSI
+    assert states(offload_optimizer={"device": "cpu"}) == PSI
+
+
+def test_zero3_keys_become_its_settings():
+    setup = read_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7,
+                                                  "stage3_param_persistence_threshold": 0,
+                                                  "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 0,
+                                                  "stage3_model_persistence_threshold": 10,
+                                                  "offload_param": {"device": "cpu", "pin_memory": True},
+                                                  "offload_optimizer": {"device": "cpu"}}})
+    assert setup.distributed["stage3"] == ZeroStage3(prefetch_bucket_size=50_000_000, max_live_parameters=10**9,
+                                                     max_reuse_distance=0, param_persistence_threshold=0,
+                                                     model_persistence_threshold=10, offload_param=True)
+    assert setup.distributed["offload_optimizer"] is True
+    # below stage 3 DeepSpeed reads and ignores them
+    two = read_deepspeed({"zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 0}})
+    assert "stage3" not in two.distributed and any("ignored at stage 2" in n for n in two.notes)
+    # --strategy zero3 is DeepSpeed with its defaults
+    assert memcalc.Distributed("zero3", world_size=2).stage3 == ZeroStage3()
+    with pytest.raises(InapplicableOptionError, match="applies to strategy zero3"):
+        memcalc.Distributed("zero2", world_size=2, stage3=ZeroStage3())
+
+
 def test_overlap_comm_adds_one_reduce_bucket():
     config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 4, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 2, "reduce_bucket_size": 2**20}}
@@ -197,11 +255,16 @@ def test_accelerate_fsdp_equals_the_setting_given_by_hand(tmp_path):
                                                              "'zero_optimization'"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket": 5}}, InvalidInputError, "did you mean 'reduce_bucket_size'"),
     ({"zero_optimization": {"stage": 0}}, InapplicableOptionError, "ZeRO stage 0"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, InapplicableOptionError,
-     "offload_param"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, InapplicableOptionError,
+     "offload_param applies to ZeRO stage 3"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, InapplicableOptionError, "nvme"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, InapplicableOptionError,
-     "ZeRO-3 is not modelled"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, InapplicableOptionError, "nvme"),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}}, InvalidInputError,
+     "stage3_max_live_parameters is \"auto\", which transformers does not fill"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": -1}}, InvalidInputError,
+     "stage3_prefetch_bucket_size must be a whole number"),
+    ({"zero_optimization": {"stage": 3, "stage3_param_persistence": 10}}, InvalidInputError,
+     "did you mean 'stage3_param_persistence_threshold'"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, InvalidInputError, "both enabled"),
     ({"optimizer": {"type": "Lamb"}}, InapplicableOptionError, "'Lamb' is not modelled"),
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, InvalidInputError, "4 × N"),

@@ -178,11 +178,14 @@ def test_fsdp_on_the_cpu_target_adds_gloos_copies_by_hand():
     #   zero1: params 8 + full gradients 8 + master 2 + Adam 4 + bucket 4 = 26 MiB
     #   zero2: params 8 + gradient partition 2 + unit 1's gradient before it is dropped 4
     #          + master 2 + Adam 4 + bucket 4 = 24 MiB
-    #   zero3: shards 2 + two gathered weights 8 + partition 2 + a gradient 4 + master 2
-    #          + Adam 4 + bucket 4 = 26 MiB
+    #   zero3: the second step (DeepSpeed's coordinator has the module trace): the root's fetch
+    #          prefetches both weights in one coalesced all-gather, an 8 MiB flat output; module 0's
+    #          wait copies both weights out of it (8 MiB), and it is freed at module 1's wait.
+    #          Module 0's forward: shards 2 + flat 8 + weights 8 + partition 2 + master 2 + Adam 4
+    #          + bucket 4 = 30 MiB, with the input and module 0's output
     (1, 26 * MiB + INPUT + 2 * (INPUT + 4), 8 * MiB + 8 * MiB + 2 * MiB + 4 * MiB + 2 * MiB),
     (2, 24 * MiB + INPUT + 2 * (2 * INPUT + 4), 8 * MiB + 2 * MiB + 2 * MiB + 4 * MiB + 2 * MiB),
-    (3, 26 * MiB + INPUT + 2 * (2 * INPUT + 4), 2 * MiB + 2 * MiB + 2 * MiB + 4 * MiB + 2 * MiB),
+    (3, 30 * MiB + INPUT + INPUT, 2 * MiB + 2 * MiB + 2 * MiB + 4 * MiB + 2 * MiB),
 ])
 def test_zero_stages_by_hand(stage, peak, states):
     # model states = parameters + gradients + master + Adam + the fp32 gradient partition
@@ -357,7 +360,10 @@ def test_fsdp_units_are_blocks_and_root():
     with torch.device("meta"):
         net = _BlockNet()
     assert [u.name for u in fsdp_units(net, ())] == ["blocks.0", "blocks.1", "blocks.2", "(root)"]
-    assert len(module_units(net)) == 2 + 3 * 3  # inp, head; norm, fc1, fc2 per block
+    # ZeRO-3 hooks every module (_register_deepspeed_module), those without parameters too
+    assert len(module_units(net)) == len(list(net.modules()))
+    assert len([u for u in module_units(net) if next(u.module.parameters(recurse=False), None) is not None]) \
+        == 2 + 3 * 3  # inp, head; norm, fc1, fc2 per block
 
 
 def test_sharded_program_puts_the_model_back():

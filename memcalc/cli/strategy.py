@@ -155,8 +155,8 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           "GPUs and the precision. Not with the other multi-GPU options (--world-size aside)."),
         click.option("--deepspeed", "deepspeed", type=click.Path(dir_okay=False), default=None, metavar="FILE.json",
                      help="A DeepSpeed config: the ZeRO stage, reduce_bucket_size, overlap_comm, offload_optimizer, "
-                          "bf16/fp16, the micro-batch and accumulation. The GPUs: train_batch_size ÷ (micro-batch × "
-                          "accumulation), or --world-size."),
+                          "offload_param and ZeRO-3's stage3_* keys, bf16/fp16, the micro-batch and accumulation. The "
+                          "GPUs: train_batch_size ÷ (micro-batch × accumulation), or --world-size."),
         click.option("--loss-parallel", is_flag=True,
                      help="tp: keep the logits sharded over the vocabulary and compute the loss under torch's "
                           "loss_parallel() (torchtitan's Llama plan only)."),

@@ -22,6 +22,8 @@ from torch import nn
 from memcalc.core.categories import Category
 from memcalc.core.streams import Stream
 from memcalc.distributed.program import RankProgram, map_output
+from memcalc.distributed.vocabulary import ZeroStage3
+from memcalc.distributed.zero3_coordinator import ParamCoordinator, persistent_flags
 from memcalc.engine.trace import StorageTracer, tensors_of
 
 __all__ = (
@@ -89,10 +91,11 @@ def _module_lists(module: nn.Module) -> list[str]:
 
 
 def module_units(module: nn.Module) -> list[Unit]:
-    """DeepSpeed ZeRO-3's granularity: each module that owns parameters gathers them in its
-    forward pre-hook (``fetch_sub_module``) and releases them after."""
-    return [Unit(name or "(root)", m, (m,)) for name, m in module.named_modules()
-            if next(m.parameters(recurse=False), None) is not None]
+    """DeepSpeed ZeRO-3's granularity: each module gathers its own parameters in its forward
+    pre-hook (``fetch_sub_module``) and releases them after. Every module is hooked
+    (``_register_deepspeed_module``), those without parameters too: each fetch is a step of the
+    coordinator's trace and a chance to prefetch."""
+    return [Unit(name or "(root)", m, (m,)) for name, m in module.named_modules()]
 
 
 @dataclass(eq=False)
@@ -112,6 +115,8 @@ class _Param:
     float8_inputs: tuple[torch.Tensor, ...] = ()  # what fsdp_pre_all_gather returned, until the copy-in
     float8_scale: tuple[torch.Tensor, ...] = ()  # its metadata (the scale), until fsdp_post_all_gather
     float8_data: torch.Tensor | None = None  # the unsharded float8 data (FSDPParam.all_gather_outputs)
+    persistent: bool = False  # ZeRO-3's ds_persist
+    gather: _Gather | None = None  # ZeRO-3: the coalesced all-gather it is in flight in
 
     @property
     def padded_numel(self) -> int:
@@ -121,6 +126,21 @@ class _Param:
     def all_gather_dtype(self) -> torch.dtype:
         """The dtype all-gathered: the float8 of torchao's extension, else the parameter dtype."""
         return self.float8._dtype if self.float8 is not None else self.gather_dtype
+
+    @property
+    def ds_numel(self) -> int:
+        return _local(self.original).numel()
+
+
+@dataclass(eq=False)
+class _Gather:
+    """One of ZeRO-3's coalesced all-gathers (``AllGatherCoalescedHandle``): its flat output lives
+    until every parameter in it has been waited on; the first wait copies them all out."""
+
+    flat: torch.Tensor | None
+    pending: set[int]
+    members: list[_Param]
+    copied: bool = False
 
 
 @dataclass(eq=False)
@@ -181,10 +201,11 @@ class ShardedProgram(RankProgram):
     (tests/test_gloo_float8.py).
 
     DeepSpeed ZeRO-3 (``deepspeed/runtime/zero/stage3.py``, ``partition_parameters.py``):
-    each parameter is a flat partition of ``ceil(numel / world_size)`` elements; gathering
-    writes straight into the full parameter; the next unit is prefetched in forward and in
-    backward; each gradient is copied into the persistent reduce bucket as soon as autograd
-    produces it and freed (``reduce_partition_and_remove_grads``), its partition landing in
+    each parameter is a flat partition of ``ceil(numel / world_size)`` elements; what is gathered,
+    prefetched and released when is DeepSpeed's coordinator's
+    (:class:`~memcalc.distributed.zero3_coordinator.ParamCoordinator`, every module a unit), the
+    all-gathers as :meth:`_ds_gather` says; each gradient is copied into the persistent reduce
+    bucket as soon as autograd produces it and freed (``reduce_partition_and_remove_grads``), its partition landing in
     the persistent ``grad_partitions_flat_buffer`` (the trainable parameters' partitions:
     frozen ones are partitioned and gathered, never reduced); the step runs in
     :class:`ZeroOptimizer`.
@@ -193,7 +214,8 @@ class ShardedProgram(RankProgram):
     def __init__(self, units: Sequence[Unit], world_size: int, *, style: str, reshard_after_forward: bool,
                  sharded_dtype: torch.dtype | None, gather_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, training: bool, reduce_bucket_size: int = 0,
-                 cpu: bool = False, accumulate: bool = False):
+                 cpu: bool = False, accumulate: bool = False, stage3: ZeroStage3 | None = None,
+                 host_gradients: bool = False):
         super().__init__()
         if style not in ("fsdp2", "deepspeed"):
             raise ValueError(style)
@@ -218,6 +240,11 @@ class ShardedProgram(RankProgram):
         self._reduce_scatter_inputs: list[torch.Tensor] = []
         self._forward_order: list[_UnitState] = []
         self._in_backward = False
+        #: ZeRO-3's settings and its parameter coordinator (made at install)
+        self.stage3 = stage3 or ZeroStage3()
+        self.host_gradients = host_gradients  # ZeRO-3 offload_optimizer: the gradient partitions on the host
+        self.coordinator: ParamCoordinator[_Param] | None = None
+        self._places: dict[int, list[tuple[nn.Module, str]]] = {}
 
     #: Whether the CPU target's collectives make gloo's copies (:meth:`_gloo_copy`): a real CPU
     #: process group is gloo's. torch's fake process group, over which tests/test_strategies.py
@@ -249,6 +276,11 @@ class ShardedProgram(RankProgram):
         super().install(tracer, module)
         by_param: dict[int, _Param] = {}
         root = self.units[-1].module if self.fsdp2 else module
+        persist: set[int] = set()
+        if not self.fsdp2:  # mark_persistent_parameters, in named_parameters order
+            named = [p for _name, p in module.named_parameters()]
+            persist = {id(p) for p, flag in zip(named, persistent_flags([p.numel() for p in named], self.stage3),
+                                                  strict=True) if flag}
         for unit in self.units:
             state = _UnitState(unit, [], [], [], self._unit_reshards(unit, root))
             for member in unit.members:
@@ -257,7 +289,7 @@ class ShardedProgram(RankProgram):
                         continue
                     param = by_param.get(id(original))
                     if param is None:
-                        param = by_param[id(original)] = self._shard(original)
+                        param = by_param[id(original)] = self._shard(original, id(original) in persist)
                         self.params.append(param)
                     if param.owner is None:
                         param.owner = state
@@ -265,9 +297,16 @@ class ShardedProgram(RankProgram):
                     if param not in state.params:
                         state.params.append(param)
                     state.locations.append((member, name, param))
+                    self._places.setdefault(id(param), []).append((member, name))
                     self._set(member, name, param.sharded)
                     self._undo.append(functools.partial(self._set, member, name, original))
             self.states.append(state)
+        if not self.fsdp2:
+            self.coordinator = ParamCoordinator(self.stage3, self.params, self._ds_gather, self._ds_wait,
+                                                self._ds_free)
+            coordinator = self.coordinator
+            self._handles.append(module.register_forward_pre_hook(lambda m, args: coordinator.reset_step(),
+                                                                  prepend=True))
         for state in self.states:
             self._handles.append(state.unit.module.register_forward_pre_hook(
                 lambda m, args, s=state: self._pre_forward(s, args)))
@@ -276,10 +315,12 @@ class ShardedProgram(RankProgram):
         trainable = [p for p in self.params if p.sharded.requires_grad]
         if self.training and not self.fsdp2 and trainable:
             dtype = trainable[0].sharded.dtype
-            # stage3.py __init__: grad_partitions_flat_buffer (this rank's gradient partitions) over
-            # fp16_groups, which _get_trainable_parameter_groups fills with the params that require grad
-            self.grad_partition = self._buffer(self.trainable_shard_numel, dtype, Category.GRADIENTS,
-                                               preexisting=True, communication=False)
+            # stage3.py _setup_for_real_optimizer: grad_partitions_flat_buffer (this rank's gradient
+            # partitions) over fp16_groups, which _get_trainable_parameter_groups fills with the params
+            # that require grad; on self.device, the host under offload_optimizer
+            if not self.host_gradients:
+                self.grad_partition = self._buffer(self.trainable_shard_numel, dtype, Category.GRADIENTS,
+                                                   preexisting=True, communication=False)
             # stage3.py __init__ (contiguous_gradients): __ipg_bucket_flat_buffer
             self._buffer(self.reduce_bucket_size, dtype, Category.WORKSPACE, preexisting=True)
 
@@ -288,7 +329,7 @@ class ShardedProgram(RankProgram):
             return False  # FSDP2's lazy init: the root is not resharded after forward
         return self.reshard_after_forward
 
-    def _shard(self, original: nn.Parameter) -> _Param:
+    def _shard(self, original: nn.Parameter, persistent: bool = False) -> _Param:
         n = self.world_size
         dtype = self.sharded_dtype or original.dtype
         local = _local(original)  # a tensor-parallel DTensor: FSDP2 shards the rank's local shard
@@ -297,11 +338,18 @@ class ShardedProgram(RankProgram):
             shape = (math.ceil(dim0 / n), *local.shape[1:])
         else:  # a flat partition (ds_tensor)
             shape = (math.ceil(local.numel() / n),)
+        numel = math.prod(shape)
+        if not self.fsdp2 and self.stage3.offload_param and (original.requires_grad or not persistent):
+            # offload_param: the partitions of the trained parameters are moved to a flat host buffer
+            # (stage3.py _create_fp16_partitions_with_defragmentation); a frozen one is partitioned on
+            # the host (Init's remote_device) unless it persists (_partition_param: local_device)
+            shape = (0,)
         shard = torch.empty(shape, dtype=dtype, device="meta")
         sharded = nn.Parameter(_like(original, shard), requires_grad=original.requires_grad)
         # the shard stays a plain tensor (the optimizer's ops on torchao's wrapper are those on its inner tensor)
         extension = local if self.fsdp2 and hasattr(local, "fsdp_pre_all_gather") else None
-        return _Param(original, sharded, shard.numel(), n, self.gather_dtype or original.dtype, float8=extension)
+        return _Param(original, sharded, numel, n, self.gather_dtype or original.dtype, float8=extension,
+                      persistent=persistent)
 
     @staticmethod
     def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -448,6 +496,47 @@ class ShardedProgram(RankProgram):
                 self._tracer.free_storage(_local(p.unsharded))
         state.gathered = False
 
+    # ---- DeepSpeed ZeRO-3's gathers (driven by its coordinator) ---------------------------
+    def _ds_gather(self, params: list[_Param]) -> None:
+        """``all_gather_coalesced``: one parameter is gathered straight into its padded buffer
+        (``_all_gather_sequential``); several, per dtype, into one flat output whose parameters
+        are copied out at the first wait (``AllGatherCoalescedHandle``) — copies of ``ds_numel``
+        elements, which memcalc keeps in each parameter's padded storage (less than ``world_size``
+        elements apart). Under ``offload_param`` the partitions are first copied to the GPU
+        (``ds_tensor.to(device)``), for the all-gather's input."""
+        if self.stage3.offload_param:
+            self._transient(sum(p.shard_numel * p.gather_dtype.itemsize for p in params))
+        if len(params) == 1:
+            self._allocate_unsharded(params[0])
+            return
+        by_dtype: dict[torch.dtype, list[_Param]] = {}
+        for p in params:
+            by_dtype.setdefault(p.gather_dtype, []).append(p)
+        for dtype, group in by_dtype.items():
+            flat = self._buffer(sum(p.padded_numel for p in group), dtype, Category.WORKSPACE)
+            gather = _Gather(flat, {id(p) for p in group}, group)
+            del flat
+            for p in group:
+                p.gather = gather
+
+    def _ds_wait(self, p: _Param) -> None:
+        gather, p.gather = p.gather, None
+        if gather is None:
+            return
+        if not gather.copied:
+            gather.copied = True
+            for q in gather.members:
+                self._allocate_unsharded(q)
+        gather.pending.discard(id(p))
+        if not gather.pending:
+            gather.flat = None  # the handle's last reference: the flat output is freed
+
+    def _ds_free(self, p: _Param) -> None:
+        assert p.unsharded is not None
+        self._tracer.free_storage(_local(p.unsharded))
+        for module, name in self._places[id(p)]:
+            self._set(module, name, p.sharded)
+
     def _swap_in(self, state: _UnitState) -> None:
         for module, name, p in state.locations:
             assert p.unsharded is not None, "gathered before use"
@@ -455,6 +544,12 @@ class ShardedProgram(RankProgram):
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, state: _UnitState, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self.coordinator is not None:  # DeepSpeed: fetch_sub_module (a recomputation too)
+            self.coordinator.fetch(state, state.params, forward=True)
+            self._swap_in(state)
+            if not self._in_backward and self.training and torch.is_grad_enabled():
+                return _wrap_inputs(args, lambda: self._post_backward(state)) or args
+            return None
         if self._in_backward:  # recomputation (activation checkpointing) inside backward
             self._gather(state, forward=False)
             self._swap_in(state)
@@ -464,10 +559,6 @@ class ShardedProgram(RankProgram):
         if self.fsdp2 and state.unit.own_root:
             self._trained_forward_over()
         self._gather(state, forward=True)
-        if not self.fsdp2:  # DeepSpeed prefetches the next module in forward too
-            following = self._next_in_forward(state)
-            if following is not None:
-                self._gather(following, forward=False)
         self._swap_in(state)
         if self.training and torch.is_grad_enabled():
             return _wrap_inputs(args, lambda: self._post_backward(state)) or args
@@ -489,11 +580,15 @@ class ShardedProgram(RankProgram):
             return tensor.to(self.gather_dtype)
         return tensor
 
-    def _next_in_forward(self, state: _UnitState) -> _UnitState | None:
-        index = self.states.index(state)
-        return self.states[index + 1] if index + 1 < len(self.states) else None
-
-    def _post_forward(self, state: _UnitState, output: Any) -> None:
+    def _post_forward(self, state: _UnitState, output: Any) -> Any:
+        if self.coordinator is not None:  # DeepSpeed: release_sub_module (a recomputation too)
+            self.coordinator.release(state, state.params, forward=True)
+            if self._in_backward or not (self.training and torch.is_grad_enabled()):
+                return None
+            # _pre_backward_module_hook: each output through an identity function whose backward
+            # fetches, so that an outer module's output (the same tensor) is fetched first
+            return map_output(output, lambda t: _PreBackward.apply(  # type: ignore[no-untyped-call]
+                lambda: self._pre_backward(state), t) if t.requires_grad else t)
         if self._in_backward:
             return
         if state not in self._forward_order and not state.unit.own_root:
@@ -515,6 +610,10 @@ class ShardedProgram(RankProgram):
         if state.backward_started:
             return
         state.backward_started = True
+        if self.coordinator is not None:  # DeepSpeed: fetch_sub_module, which prefetches
+            self.coordinator.fetch(state, state.params, forward=False)
+            self._swap_in(state)
+            return
         self._gather(state, forward=False)
         self._swap_in(state)
         following = self._next_in_backward(state)
@@ -549,6 +648,9 @@ class ShardedProgram(RankProgram):
         if state.reduced:
             return
         state.reduced = True
+        if self.coordinator is not None:  # DeepSpeed: the gradients went at once (_gradient_ready)
+            self.coordinator.release(state, state.params, forward=False)
+            return
         if self.accumulate and not self._reducing:
             self._accumulate(state)
             return
@@ -659,6 +761,13 @@ class ShardedProgram(RankProgram):
             self._reducing = False
 
     def _end_of_backward(self) -> None:
+        if self.coordinator is not None:  # DeepSpeed's backward_epilogue
+            self.coordinator.release_backward_leftovers()
+            for state in self.states:
+                state.backward_started = False
+                state.reduced = False
+            self._in_backward = False
+            return
         if self.accumulate and not self._reducing:
             # the root's final callback of a microbatch: post_backward (no sync) where it did not run
             for state in [self.states[-1], *self.states[:-1]]:
@@ -685,6 +794,21 @@ class ShardedProgram(RankProgram):
         self._reduce_scatter_inputs.clear()
         self._forward_order.clear()
         self._in_backward = False
+
+
+class _PreBackward(torch.autograd.Function):
+    """DeepSpeed's ``PreBackwardFunctionForModule``: an identity on a module's output whose
+    backward runs when the output's gradient arrives — the module's backward begins."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], tensor: torch.Tensor) -> torch.Tensor:
+        ctx.callback = callback
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
 
 
 class _PostBackward(torch.autograd.Function):

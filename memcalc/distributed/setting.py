@@ -24,6 +24,7 @@ from memcalc.distributed.vocabulary import (
     FsdpSharding,
     Routing,
     Strategy,
+    ZeroStage3,
     dp_chunks,
 )
 
@@ -68,8 +69,11 @@ class Distributed:
         sharding: ``fsdp`` / ``dp_shard``: ``full_shard`` (the default) or ``shard_grad_op``.
         reduce_bucket_size: ``zero*``: DeepSpeed's reduce bucket, in elements (5e8).
         overlap_comm: ``zero1`` / ``zero2``: DeepSpeed's ``overlap_comm`` (two reduce buckets).
-        offload_optimizer: ``zero1`` / ``zero2``: ``offload_optimizer.device: cpu`` (the fp32
-            master partition, the optimizer state and the gradient partition in host memory).
+        offload_optimizer: ``zero*``: ``offload_optimizer.device: cpu`` (the fp32 master
+            partition, the optimizer state and the gradient partition in host memory).
+        stage3: ``zero3``: its parameter settings (:class:`~memcalc.distributed.vocabulary.ZeroStage3`:
+            prefetch bucket, live and reuse bounds, persistence threshold, ``offload_param``);
+            None: DeepSpeed's defaults.
         dp_replicate, dp_shard, tp, pp, cp, ep: the mesh's degrees (torchtitan's names; 1 or
             None: not used). A dimension without a strategy file, or a composition that is not
             modelled (tp or pp with anything but dp_shard; ep with another dimension), is
@@ -103,6 +107,8 @@ class Distributed:
     reduce_bucket_size: int
     overlap_comm: bool
     offload_optimizer: bool
+    #: ``zero3``'s parameter settings (DeepSpeed's defaults unless a config says otherwise); None otherwise.
+    stage3: ZeroStage3 | None
     #: The device mesh (a single GPU's: every degree 1); None for ``dp`` and ``zero*``.
     mesh: Mesh | None
     #: ``pp``: the schedule's name (None: 1F1B, torchtitan's default), the microbatches per step
@@ -128,7 +134,7 @@ class Distributed:
                  microbatches: int | None = None, pp_split: Sequence[str] | None = None,
                  tp_plan: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
                  loss_parallel: bool = False, routing: Routing | str | None = None,
-                 capacity_factor: float | None = None) -> None:
+                 capacity_factor: float | None = None, stage3: ZeroStage3 | None = None) -> None:
         strategy_ = parse_choice(Strategy, strategy, "strategy")
         sharding_ = FsdpSharding.FULL_SHARD if sharding is None else parse_choice(FsdpSharding, sharding,
                                                                                  "FSDP sharding")
@@ -155,7 +161,12 @@ class Distributed:
                              overlap_comm=overlap_comm, offload_optimizer=offload_optimizer,
                              pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split,
                              tp_plan=_checked_tp_plan(tp_plan), loss_parallel=loss_parallel,
-                             routing=routing_, capacity_factor=factor)
+                             routing=routing_, capacity_factor=factor, stage3=stage3)
+        if stage3 is not None and not isinstance(stage3, ZeroStage3):
+            raise InvalidInputError(f"stage3 is a ZeroStage3, got {stage3!r}")
+        if stage3 is not None and strategy_ not in (Strategy.ZERO3, Strategy.SINGLE):
+            raise InapplicableOptionError(f"stage3 (DeepSpeed's stage3_* settings and offload_param) applies to "
+                                          f"strategy zero3, not {strategy_.value}")
         ids = _device_ids(device_ids, strategy_)
         if mesh_ is None:
             world, mesh_ = _shorthand(strategy_, world_size, ids)
@@ -171,7 +182,8 @@ class Distributed:
                   "offload_optimizer": offload_optimizer, "mesh": mesh_, "pp_schedule": _checked_schedule(pp_schedule),
                   "microbatches": _checked_microbatches(microbatches), "pp_split": _checked_split(pp_split),
                   "tp_plan": _checked_tp_plan(tp_plan), "loss_parallel": bool(loss_parallel),
-                  "routing": routing_, "capacity_factor": factor}
+                  "routing": routing_, "capacity_factor": factor,
+                  "stage3": (stage3 or ZeroStage3()) if strategy_ is Strategy.ZERO3 else None}
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -304,6 +316,7 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, object]] = {
     "loss_parallel": ("--loss-parallel", False),
     "routing": ("--routing", Routing.BALANCED),
     "capacity_factor": ("--capacity-factor", None),
+    "stage3": ("--deepspeed's stage3_* and offload_param", None),
 }
 
 

@@ -6,13 +6,42 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
+from dataclasses import dataclass
 
-__all__ = ("DEEPSPEED_REDUCE_BUCKET_SIZE", "DEFAULT_BUCKET_CAP_MB", "FsdpSharding", "Routing", "Strategy", "dp_chunks")
+__all__ = ("DEEPSPEED_REDUCE_BUCKET_SIZE", "DEFAULT_BUCKET_CAP_MB", "FsdpSharding", "Routing", "Strategy", "ZeroStage3",
+           "dp_chunks")
 
 #: torch.nn.parallel.DistributedDataParallel: ``bucket_cap_mb=None`` means 25 (MiB).
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: deepspeed/runtime/zero/config.py: ``reduce_bucket_size`` default, in elements.
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
+
+
+@dataclass(frozen=True)
+class ZeroStage3:
+    """DeepSpeed ZeRO-3's parameter settings (``zero_optimization``'s ``stage3_*`` keys and
+    ``offload_param``), in elements; the defaults are ``deepspeed/runtime/zero/config.py``'s,
+    which apply when a config leaves a key out — and to ``--strategy zero3``.
+
+    Attributes:
+        prefetch_bucket_size: ``stage3_prefetch_bucket_size``: elements all-gathered ahead of use.
+        max_live_parameters: ``stage3_max_live_parameters``: no prefetch beyond this many gathered.
+        max_reuse_distance: ``stage3_max_reuse_distance``: a parameter used again within this many
+            elements of the trace is not released.
+        param_persistence_threshold: ``stage3_param_persistence_threshold``: parameters of at most
+            this many elements stay whole on every rank (``ds_persist``).
+        model_persistence_threshold: ``stage3_model_persistence_threshold``: at most this many
+            persistent elements in all (taken in ``named_parameters`` order).
+        offload_param: ``offload_param.device: cpu``: the 16-bit partitions live in host memory.
+    """
+
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    model_persistence_threshold: int = sys.maxsize
+    offload_param: bool = False
 
 
 class Strategy(str, enum.Enum):

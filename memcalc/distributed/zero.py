@@ -37,7 +37,9 @@ class ZeroOptimizer:
     place and all-gathered in place (no memory)."""
 
     def __init__(self, inner: torch.optim.Optimizer | None, master: torch.Tensor, params: Sequence[nn.Parameter],
-                 tracer: StorageTracer, gradient_dtype: torch.dtype):
+                 tracer: StorageTracer, gradient_dtype: torch.dtype, *,
+                 around: tuple[Callable[[], None], Callable[[], None]] | None = None):
+        self.around = around  # ZeRO-3: release every gathered parameter before the step, regather after
         self.inner = inner
         self.master = master
         self.params = list(params)
@@ -72,7 +74,11 @@ class ZeroOptimizer:
     def step(self) -> None:
         for hook in list(self._hooks[0].values()):
             hook(self, (), {})
+        if self.around is not None:
+            self.around[0]()  # stage3.py step(): _partition_all_parameters
         self._step()
+        if self.around is not None:
+            self.around[1]()  # _post_step: the persistent parameters gathered again
         for hook in list(self._hooks[1].values()):
             hook(self, (), {})
 
@@ -122,8 +128,8 @@ class ZeroProgram(RankProgram):
         super().__init__()
         if stage not in (1, 2, 3) or (stage == 3) != (sharded is not None):
             raise ValueError("stage 3 takes the ShardedProgram it partitions; stages 1 and 2 none")
-        if stage == 3 and (overlap_comm or offload_optimizer):
-            raise ValueError("overlap_comm and offload_optimizer are modelled for stages 1 and 2")
+        if stage == 3 and overlap_comm:
+            raise ValueError("overlap_comm is modelled for stages 1 and 2")
         self.buckets = 2 if overlap_comm else 1
         self.offload_optimizer = offload_optimizer
         self.stage = stage
@@ -147,7 +153,7 @@ class ZeroProgram(RankProgram):
             return
         self._dtype = params[0].dtype
         if self.sharded is not None:
-            self.partition_numel = sum(p.numel() for p in params)  # the shards themselves
+            self.partition_numel = self.sharded.trainable_shard_numel  # the partitions (on the host: offload_param)
         else:
             total = sum(p.numel() for p in params)
             alignment = 2 * self.world_size  # nccl_start_alignment_factor × world size
@@ -188,16 +194,28 @@ class ZeroProgram(RankProgram):
         if self.offload_optimizer:  # the host steps the host's partition: nothing on the GPU
 
             def on_host(params: Any, impl: OptimizerImpl) -> Any:
-                return ZeroOptimizer(None, torch.empty(0, device="meta"), list(params), self._tracer, self._dtype)
+                return ZeroOptimizer(None, torch.empty(0, device="meta"), list(params), self._tracer, self._dtype,
+                                     around=self._around())
 
             return replace(spec, factory=on_host)
 
         def build(params: Any, impl: OptimizerImpl) -> Any:
             assert self.master is not None
             inner = inner_factory([self.master], impl)  # type: ignore[list-item]
-            return ZeroOptimizer(inner, self.master, list(params), self._tracer, self._dtype)
+            return ZeroOptimizer(inner, self.master, list(params), self._tracer, self._dtype, around=self._around())
 
         return replace(spec, factory=build)
+
+    def _around(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        coordinator = None if self.sharded is None else self.sharded.coordinator
+        return None if coordinator is None else (coordinator.release_and_reset_all, coordinator.gather_persistent)
+
+    @property
+    def iterations_differ(self) -> bool:
+        """ZeRO-3's first step records the module trace; the steps after it prefetch along it and
+        keep the persistent parameters whole: the engine traces the second step rather than repeat
+        the first."""
+        return self.sharded is not None and self.training
 
     def remove(self) -> None:
         super().remove()

@@ -103,7 +103,11 @@ class RankHooks(Protocol):
         """Hook the rank's model before its storages are registered."""
 
     def remove(self) -> None:
-        """Undo :meth:`install` (called in a ``finally``)."""
+        """Undo :meth:`install` (called in a ``finally``).
+
+        A program whose second step differs from its first (ZeRO-3's, which prefetches only once
+        its first step has recorded the module order) says so with ``iterations_differ = True``:
+        the second step is then traced, not repeated from the first."""
 
 
 class CostRecorder(Protocol):
@@ -149,8 +153,10 @@ class _TracerObserver:
     the target is CUDA, where a paged optimizer's large states live in unified memory
     (:func:`is_paged`), outside the caching allocator."""
 
-    def __init__(self, tracer: StorageTracer, *, unified_memory: bool = False, model: nn.Module | None = None):
+    def __init__(self, tracer: StorageTracer, *, unified_memory: bool = False, model: nn.Module | None = None,
+                 iterations_differ: bool = False):
         self.tracer = tracer
+        self.iterations_differ = iterations_differ  # a program whose second step is not its first
         self.model = model  # its buffers at the end of an iteration are buffers, wherever they were born
         self.unified_memory = unified_memory
         self.gradient_uids: set[int] = set()
@@ -186,7 +192,7 @@ class _TracerObserver:
     def run_again(self) -> bool:
         """Once, when the step freed a pre-existing storage (a rebound buffer): the second
         iteration is then traced (from ``second_iteration``) rather than synthesised."""
-        if self.second_iteration is not None or not freed_preexisting(self.tracer.trace):
+        if self.second_iteration is not None or not (self.iterations_differ or freed_preexisting(self.tracer.trace)):
             return False
         self.second_iteration = len(self.tracer.trace.events)
         self._buffers_bound()
@@ -327,7 +333,8 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
     if recorder is not None:
         recorder.attach(tracer)
     backend.attach(tracer)
-    observer = _TracerObserver(tracer, unified_memory=step.emulate_cuda, model=module)
+    observer = _TracerObserver(tracer, unified_memory=step.emulate_cuda, model=module,
+                               iterations_differ=bool(getattr(hooks, "iterations_differ", False)))
     tracing = LoopTracing(tracer, module, observer) if traced_loop else None
     if hooks is not None:
         hooks.install(tracer, module)
@@ -426,7 +433,8 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
     if observer.second_iteration is not None:
         traced.iteration_starts = [observer.second_iteration]
-        traced.notes.append(_rebound_note(trace, buffers))
+        if freed_preexisting(trace):
+            traced.notes.append(_rebound_note(trace, buffers))
     if tracing is not None:
         traced.iteration_starts = tracing.iteration_starts()
         traced.notes.extend(tracing.notes(step, ITERATIONS * step.accum_steps, has_step))

@@ -4,9 +4,10 @@ accelerate's ``deepspeed_config``) as memcalc's ZeRO setting: :func:`read_deepsp
 Every key is read, ignored with a reason, or refused by name (:data:`SECTIONS`); ``"auto"`` is
 what Hugging Face's integration (``HfTrainerDeepSpeedConfig``) fills in: the batch, accumulation
 and precision from the other options, ``reduce_bucket_size`` from the model's ``hidden_size``
-(hidden_size²). DeepSpeed itself is not imported (it does not install on a CPU-only machine);
-the defaults are those of ``deepspeed/runtime/zero/config.py``. What each key becomes is the table
-in docs/launch-configs.md.
+(hidden_size²), ``stage3_prefetch_bucket_size`` (0.9 × hidden_size²) and
+``stage3_param_persistence_threshold`` (10 × hidden_size). DeepSpeed itself is not imported (not a
+dependency: it builds its ops for a GPU); the defaults are those of
+``deepspeed/runtime/zero/config.py``. What each key becomes is the table in docs/launch-configs.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 from memcalc.core.counts import as_integer
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
-from memcalc.distributed.launch.setup import LaunchSetup, load_mapping, refuse_unknown
+from memcalc.distributed.launch.setup import AUTO_FROM_HIDDEN, LaunchSetup, load_mapping, refuse_unknown
+from memcalc.distributed.vocabulary import ZeroStage3
 
 __all__ = ("IGNORED", "TOP_LEVEL", "ZERO_KEYS", "read_deepspeed")
 
@@ -40,6 +42,7 @@ ZERO_KEYS = frozenset({
     "reduce_scatter", "allgather_partitions", "offload_optimizer", "offload_param", "cpu_offload",
     "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
     "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_model_persistence_threshold",
     "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save", "ignore_unused_parameters",
     "load_from_fp32_weights", "elastic_checkpoint", "zero_hpz_partition_size", "zero_quantized_weights",
     "zero_quantized_gradients", "mics_shard_size", "memory_efficient_linear",
@@ -47,8 +50,12 @@ ZERO_KEYS = frozenset({
 
 _OFFLOAD_KEYS = frozenset({"device", "pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu",
                            "fast_init", "ratio", "pipeline_read", "pipeline_write", "pipeline"})
-_STAGE3_APPROXIMATED = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                        "stage3_param_persistence_threshold")
+#: ``stage3_*`` keys → :class:`ZeroStage3`'s fields (deepspeed/runtime/zero/config.py's aliases).
+_STAGE3 = {"stage3_prefetch_bucket_size": "prefetch_bucket_size", "stage3_max_live_parameters": "max_live_parameters",
+           "stage3_max_reuse_distance": "max_reuse_distance",
+           "stage3_param_persistence_threshold": "param_persistence_threshold",
+           "stage3_model_persistence_threshold": "model_persistence_threshold"}
+
 _OPTIMIZERS = {"adam": "adam", "adamw": "adamw"}
 
 
@@ -89,21 +96,39 @@ def read_deepspeed(config: Any, *, source: str | None = None) -> LaunchSetup:
         raise InapplicableOptionError(f"{where}: zero_optimization.contiguous_gradients false is not modelled "
                                       f"(memcalc follows DeepSpeed's default, the contiguous gradient partition)")
     if _offload(zero, "offload_optimizer", where) or zero.get("cpu_offload") is True:
-        if stage == 3:
-            raise InapplicableOptionError(f"{where}: offload_optimizer under ZeRO-3 is not modelled yet (its "
-                                          f"gradient partitions' host copies)",
-                                          hint="Estimate stage 3 without it, or stage 2 with it.")
         distributed["offload_optimizer"] = True
         notes.append("offload_optimizer cpu")
-    if _offload(zero, "offload_param", where):
-        raise InapplicableOptionError(f"{where}: offload_param (ZeRO-3's 16-bit partitions in host memory) is not "
-                                      f"modelled yet", hint="Remove offload_param (or set its device to none).")
-    stage3 = [key for key in _STAGE3_APPROXIMATED if key in zero]
-    if stage == 3 and stage3:
-        for key in stage3:
-            if zero[key] != AUTO:
-                _count(zero[key], f"zero_optimization.{key}", where, zero_ok=True)
-        notes.append(f"{', '.join(stage3)} read but not followed: memcalc gathers one module and prefetches the next")
+    offload_param = _offload(zero, "offload_param", where)
+    if offload_param and stage < 3:
+        raise InapplicableOptionError(f"{where}: offload_param applies to ZeRO stage 3 (its partitioned parameters); "
+                                      f"this config's stage is {stage}",
+                                      hint="Remove offload_param, or use stage 3.")
+    for key, default in (("zero_hpz_partition_size", 1), ("zero_quantized_weights", False),
+                         ("zero_quantized_gradients", False), ("mics_shard_size", -1)):
+        if zero.get(key, default) not in (default, None):  # ZeRO++ and MiCS partition and gather otherwise
+            raise InapplicableOptionError(f"{where}: zero_optimization.{key} {zero[key]!r} is not modelled",
+                                          hint=f"Leave {key} out to estimate plain ZeRO.")
+    settings: dict[str, Any] = {}
+    for key, field in _STAGE3.items():
+        if key not in zero:
+            continue
+        if zero[key] == AUTO and key in AUTO_FROM_HIDDEN:
+            if stage == 3:  # trainer_config_finalize fills them for ZeRO-3 only
+                auto_hidden.append(key)
+        elif zero[key] == AUTO:
+            raise InvalidInputError(f"{where}: zero_optimization.{key} is \"auto\", which transformers does not fill",
+                                    hint="Give it a number of elements.")
+        else:
+            settings[field] = _count(zero[key], f"zero_optimization.{key}", where, zero_ok=True)
+    if stage == 3:
+        distributed["stage3"] = ZeroStage3(**settings, offload_param=offload_param)
+        if settings:
+            notes.append(", ".join(f"{key} {settings[field]:,}" for key, field in _STAGE3.items() if field in settings))
+        if offload_param:
+            notes.append("offload_param cpu")
+    elif any(key in zero for key in _STAGE3):
+        keys = ", ".join(k for k in _STAGE3 if k in zero)
+        notes.append(f"{keys}: ZeRO-3's, ignored at stage {stage} (as DeepSpeed does)")
     values = {**_precision(data, where), **_batch(data, where, distributed)}
     if "optimizer" in data:
         values["optimizer"] = _optimizer(data["optimizer"], where)

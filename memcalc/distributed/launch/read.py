@@ -60,9 +60,9 @@ def hidden_size_of(module: Any, source: str) -> int:
             return int(owner.hidden_size)
         if getattr(owner, "hidden_sizes", None):
             return int(max(owner.hidden_sizes))
-    raise InvalidInputError(f"{source}: reduce_bucket_size is \"auto\", which transformers fills from the model "
-                            f"config's hidden_size, and this model has no config with one",
-                            hint="Give reduce_bucket_size a number of elements.")
+    raise InvalidInputError(f"{source}: reduce_bucket_size (or a stage3_* key) is \"auto\", which transformers fills "
+                            f"from the model config's hidden_size, and this model has no config with one",
+                            hint="Give it a number of elements.")
 
 
 def launch_distributed(setup: LaunchSetup) -> Distributed:

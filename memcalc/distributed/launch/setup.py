@@ -5,6 +5,7 @@ file's is refused, not silently preferred, since the file is what the real job w
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from collections.abc import Callable, Iterable, Mapping
@@ -14,7 +15,15 @@ from typing import Any
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 
-__all__ = ("LaunchSetup", "load_mapping", "merged", "refuse_unknown")
+__all__ = ("AUTO_FROM_HIDDEN", "LaunchSetup", "load_mapping", "merged", "refuse_unknown")
+
+#: The ZeRO-3 keys transformers' ``trainer_config_finalize`` fills from the model's hidden size when
+#: ``"auto"`` (``reduce_bucket_size`` aside): → (:class:`~memcalc.distributed.vocabulary.ZeroStage3`
+#: field, value).
+AUTO_FROM_HIDDEN: dict[str, tuple[str, Callable[[int], int]]] = {
+    "stage3_prefetch_bucket_size": ("prefetch_bucket_size", lambda h: int(0.9 * h * h)),
+    "stage3_param_persistence_threshold": ("param_persistence_threshold", lambda h: 10 * h),
+}
 
 
 @dataclass(frozen=True)
@@ -44,12 +53,20 @@ class LaunchSetup:
     def with_hidden_size(self, hidden_size: int) -> LaunchSetup:
         """The ``"auto"`` keys filled as ``transformers.integrations.deepspeed.trainer_config_finalize``
         fills them: ``reduce_bucket_size = hidden_size * hidden_size``."""
-        if "reduce_bucket_size" not in self.auto_hidden:
+        if not self.auto_hidden:
             return self
-        bucket = hidden_size * hidden_size
-        note = f"reduce_bucket_size auto → hidden_size² = {bucket:,} elements (transformers' DeepSpeed integration)"
-        return LaunchSetup(self.source, {**self.distributed, "reduce_bucket_size": bucket}, self.values,
-                           (*self.notes, note), ())
+        distributed = dict(self.distributed)
+        notes = list(self.notes)
+        if "reduce_bucket_size" in self.auto_hidden:
+            distributed["reduce_bucket_size"] = bucket = hidden_size * hidden_size
+            notes.append(f"reduce_bucket_size auto → hidden_size² = {bucket:,} elements (transformers' DeepSpeed "
+                         f"integration)")
+        for key, (name, fill) in AUTO_FROM_HIDDEN.items():
+            if key in self.auto_hidden:
+                value = fill(hidden_size)
+                distributed["stage3"] = dataclasses.replace(distributed["stage3"], **{name: value})
+                notes.append(f"{key} auto → {value:,} elements from hidden_size {hidden_size:,} (transformers)")
+        return LaunchSetup(self.source, distributed, self.values, tuple(notes), ())
 
 
 def load_mapping(path: Any, what: str, suffixes: tuple[str, ...]) -> dict[str, Any]:

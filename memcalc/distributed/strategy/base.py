@@ -32,7 +32,7 @@ from memcalc.core.report import MemoryReport, Shard
 from memcalc.distributed.collectives import Collective, ModelFacts
 from memcalc.distributed.mesh import DIMENSION_NAMES, Mesh
 from memcalc.distributed.program import RankProgram
-from memcalc.distributed.vocabulary import FsdpSharding, Routing, Strategy
+from memcalc.distributed.vocabulary import FsdpSharding, Routing, Strategy, ZeroStage3
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.run import CostRecorderFactory
 from memcalc.engine.step_spec import Step
@@ -70,6 +70,8 @@ class Setting(Protocol):
     def overlap_comm(self) -> bool: ...
     @property
     def offload_optimizer(self) -> bool: ...
+    @property
+    def stage3(self) -> ZeroStage3 | None: ...
     @property
     def pp_schedule(self) -> str | None: ...
     @property

@@ -19,7 +19,7 @@ from memcalc.core.units import format_bytes
 from memcalc.distributed.fsdp import ShardedProgram, module_units
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
-from memcalc.distributed.vocabulary import DEEPSPEED_REDUCE_BUCKET_SIZE, Strategy
+from memcalc.distributed.vocabulary import DEEPSPEED_REDUCE_BUCKET_SIZE, Strategy, ZeroStage3
 from memcalc.distributed.zero import ZeroProgram
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.prepare import KEEP_DTYPE
@@ -37,7 +37,7 @@ class DeepSpeedZero(RankStrategy):
     """DeepSpeed ZeRO stage 1, 2 or 3."""
 
     name = "zero"
-    options = frozenset({"reduce_bucket_size", "overlap_comm", "offload_optimizer"})
+    options = frozenset({"reduce_bucket_size", "overlap_comm", "offload_optimizer", "stage3"})
 
     @property
     def stage(self) -> int:
@@ -82,11 +82,11 @@ class DeepSpeedZero(RankStrategy):
         precision = step.precision
         sixteen = precision is not Precision.FP32
         training = step.mode is Mode.TRAIN
-        if stage == 3 and (overlap or offload):
+        if stage == 3 and overlap:
             raise InapplicableOptionError(
-                f"{'overlap_comm' if overlap else 'offload_optimizer'} is modelled for ZeRO stages 1 and 2; ZeRO-3's "
-                f"(its gradient partitions and their host copies, its double buffers) is not modelled yet",
+                "overlap_comm is modelled for ZeRO stages 1 and 2; ZeRO-3's (its double buffers) is not modelled yet",
                 hint="Estimate ZeRO-3 without it, or stage 2 with it.")
+        stage3 = self.distributed.stage3
         master = "fp32 master partition" + (" on the host" if offload and training else "")
         notes = [f"DeepSpeed ZeRO-{stage} over {n} ranks"
                  + (f": the model in {_dtype(precision.compute_dtype)}, {master}" if sixteen
@@ -98,16 +98,16 @@ class DeepSpeedZero(RankStrategy):
         if training and offload:
             notes.append("offload_optimizer to the CPU: the fp32 master partition, the optimizer state and the "
                          "gradient partition are in host memory, and the optimizer steps there (not counted here)")
-        if stage == 3:
-            notes.append("ZeRO-3 gathers one module at a time and prefetches the next; stage3_prefetch_bucket_size, "
-                         "max_live_parameters, max_reuse_distance and param_persistence_threshold are not modelled")
+        if stage3 is not None:
+            notes.append(_stage3_note(stage3, training))
 
         def zero(resolved: ResolvedModel) -> RankProgram:
             sharded = None
             if stage == 3:
                 sharded = ShardedProgram(module_units(resolved.module), n, style="deepspeed",
                                          reshard_after_forward=True, sharded_dtype=None, gather_dtype=None,
-                                         reduce_dtype=None, training=training, reduce_bucket_size=bucket)
+                                         reduce_dtype=None, training=training, reduce_bucket_size=bucket,
+                                         stage3=stage3, host_gradients=offload)
             return ZeroProgram(stage, n, bucket, training, sharded=sharded, overlap_comm=overlap,
                                offload_optimizer=offload)
 
@@ -115,6 +115,21 @@ class DeepSpeedZero(RankStrategy):
         shard = Shard((*_PARTITIONED[stage], "batch"), label, n)
         roles = tuple(replace(role, program=zero, sharding=sharding(role.sharding, shard)) for role in plan.roles)
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
+
+def _stage3_note(stage3: ZeroStage3, training: bool) -> str:
+    """What ZeRO-3's parameter settings made of the step."""
+    parts = [f"ZeRO-3 gathers each module's parameters as DeepSpeed's coordinator does: parameters of at most "
+             f"{stage3.param_persistence_threshold:,} elements stay whole (stage3_param_persistence_threshold)"]
+    if stage3.model_persistence_threshold != ZeroStage3.model_persistence_threshold:
+        parts.append(f"{stage3.model_persistence_threshold:,} persistent elements at most")
+    parts.append(f"prefetch {stage3.prefetch_bucket_size:,} elements ahead, {stage3.max_live_parameters:,} live at "
+                 f"most, kept when reused within {stage3.max_reuse_distance:,}")
+    if training:
+        parts.append("the first step records the module order (no prefetch), the second is traced too")
+    if stage3.offload_param:
+        parts.append("offload_param: the 16-bit partitions are in host memory (not counted here)")
+    return "; ".join(parts)
 
 
 def _dtype(dtype: torch.dtype) -> str:

@@ -1,0 +1,245 @@
+"""When DeepSpeed ZeRO-3 gathers and releases each parameter: its ``PartitionedParameterCoordinator``
+(``deepspeed/runtime/zero/partitioned_param_coordinator.py``) and the persistence of small
+parameters (``parameter_offload.py``'s ``mark_persistent_parameters``), followed step by step so
+that :class:`~memcalc.distributed.fsdp.ShardedProgram` allocates and frees the gathered parameters
+where DeepSpeed does.
+
+- The first forward records nothing and the trace is recorded from the next forward on
+  (``reset_step``: INVALID → RECORD → COMPLETE): until the trace is complete there is no prefetch,
+  and every parameter of a module, persistent ones too, is released after the module.
+- Once complete, each fetch pops the module's parameters off the trace's queue and prefetches
+  what follows while fewer than ``min(max_live_parameters − available, prefetch_bucket_size)``
+  elements have been popped; a release keeps persistent parameters, parameters a prefetch has
+  already claimed for a later use, and parameters used again within ``max_reuse_distance`` elements
+  of the trace.
+- The optimizer step releases everything (``release_and_reset_all``) and gathers the persistent
+  parameters again after it (``_post_step``).
+
+A mismatch with the recorded trace invalidates it, as DeepSpeed does (``trace_prologue``).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Callable, Hashable, Sequence
+from typing import Generic, Protocol, TypeVar
+
+from memcalc.distributed.vocabulary import ZeroStage3
+
+__all__ = ("CoordinatedParam", "ParamCoordinator", "persistent_flags")
+
+
+class CoordinatedParam(Protocol):
+    """A parameter as the coordinator sees it: its element count (``ds_numel``) and whether it
+    persists (``ds_persist``)."""
+
+    @property
+    def ds_numel(self) -> int: ...
+
+    @property
+    def persistent(self) -> bool: ...
+
+
+P = TypeVar("P", bound=CoordinatedParam)
+
+
+class _Mode(enum.Enum):
+    INVALID = "invalid"
+    RECORD = "record"
+    COMPLETE = "complete"
+
+
+class _Status(enum.Enum):
+    NOT_AVAILABLE = "not available"
+    INFLIGHT = "inflight"  # all-gathered by a prefetch, not yet waited on by its module
+    AVAILABLE = "available"
+
+
+def persistent_flags(numels: Sequence[int], settings: ZeroStage3) -> list[bool]:
+    """``mark_persistent_parameters``: in ``named_parameters`` order, a parameter of at most
+    ``param_persistence_threshold`` elements persists while the persistent total stays within
+    ``model_persistence_threshold``."""
+    total = 0
+    flags = []
+    for numel in numels:
+        persist = (numel + total <= settings.model_persistence_threshold
+                   and numel <= settings.param_persistence_threshold)
+        if persist:
+            total += numel
+        flags.append(persist)
+    return flags
+
+
+class ParamCoordinator(Generic[P]):
+    """DeepSpeed's coordinator over ``params`` (in ``ds_id`` order). ``gather`` launches one
+    all-gather of the parameters it is given (``all_gather_coalesced``), ``wait`` completes one
+    of them (its handle's ``wait``), ``free`` frees one (``param.partition()``)."""
+
+    def __init__(self, settings: ZeroStage3, params: Sequence[P], gather: Callable[[list[P]], None],
+                 wait: Callable[[P], None], free: Callable[[P], None]):
+        self.settings = settings
+        self.params = list(params)
+        self._id = {id(p): i for i, p in enumerate(self.params)}
+        self._gather = gather
+        self._wait = wait
+        self._free = free
+        self.status: dict[int, _Status] = {id(p): _Status.NOT_AVAILABLE for p in self.params}
+        self._active: dict[int, set[Hashable]] = collections.defaultdict(set)
+        self._mode = _Mode.INVALID
+        self._order: list[tuple[Hashable, tuple[P, ...]]] = []  # the modules fetched, in trace order
+        self._param_order: list[tuple[P, int]] = []  # (parameter, step it is used at)
+        self._queue: collections.deque[tuple[P, int]] = collections.deque()
+        self._most_recent: dict[int, int] = {}
+        self._step_id = 0
+        self._n_available = 0
+        self._backward_active: dict[Hashable, tuple[P, ...]] = {}
+
+    @property
+    def complete(self) -> bool:
+        """Whether the trace is complete (prefetching, persistent parameters kept)."""
+        return self._mode is _Mode.COMPLETE
+
+    def available(self, p: P) -> bool:
+        return self.status[id(p)] is not _Status.NOT_AVAILABLE
+
+    # ---- the step's boundaries --------------------------------------------------------------
+    def reset_step(self) -> None:
+        """The model's forward begins (``_start_of_forward_hook``)."""
+        self._clean_inflight()
+        if self._mode is _Mode.RECORD:
+            self._param_order = [(p, step) for step, (_key, params) in enumerate(self._order)
+                                 for p in sorted(set(params), key=lambda q: self._id[id(q)])]
+            self._mode = _Mode.COMPLETE
+        elif self._mode is _Mode.INVALID:
+            self._mode = _Mode.RECORD
+        self._queue = collections.deque(self._param_order)
+        self._most_recent = {}
+        self._step_id = 0
+        self._n_available = 0
+
+    def release_and_reset_all(self) -> None:
+        """The optimizer step begins (``_partition_all_parameters``): every parameter, persistent
+        ones too, goes back to its partition."""
+        for p in self.params:
+            self._complete(p)
+            self._active[id(p)].clear()
+            self._release(p)
+
+    def gather_persistent(self) -> None:
+        """After the optimizer step (``_post_step``): the persistent parameters are all-gathered."""
+        missing = [p for p in self.params if p.persistent and not self.available(p)]
+        if missing:
+            self._gather(missing)  # not through the coordinator: not counted as available
+            for p in missing:
+                self.status[id(p)] = _Status.INFLIGHT
+                self._complete(p)
+
+    def release_backward_leftovers(self) -> None:
+        """The end of backward (``backward_epilogue``): modules whose post-backward never ran
+        (an input without gradient) release their non-persistent parameters."""
+        while self._backward_active:
+            key, params = self._backward_active.popitem()
+            for p in params:
+                self._active[id(p)].discard(key)
+                if not p.persistent:
+                    self._release(p)
+
+    # ---- a module ----------------------------------------------------------------------------
+    def fetch(self, key: Hashable, params: Sequence[P], *, forward: bool) -> None:
+        """``fetch_sub_module``: gather the module's parameters, then prefetch."""
+        if not forward:
+            self._backward_active[key] = tuple(params)
+        if self.complete:
+            step = self._step_id
+            if len(self._order) <= step or self._order[step][0] != key:
+                self._invalidate()
+        if self._mode is _Mode.RECORD:
+            self._order.append((key, tuple(params)))
+        missing = [p for p in dict.fromkeys(params) if self.status[id(p)] is _Status.NOT_AVAILABLE]
+        self._all_gather(missing)
+        for p in params:
+            self._active[id(p)].add(key)
+            self._complete(p)
+        if self.complete:
+            self._prefetch(params)
+        self._step_id += 1
+
+    def release(self, key: Hashable, params: Sequence[P], *, forward: bool) -> None:
+        """``release_sub_module`` after the module's forward or backward."""
+        to_release = ({id(p) for p in params} if not self.complete else self._params_to_release(params))
+        if not forward:
+            self._backward_active.pop(key, None)
+        for p in dict.fromkeys(params):
+            self._active[id(p)].discard(key)
+            if id(p) in to_release:
+                self._release(p)
+
+    # ---- DeepSpeed's rules -------------------------------------------------------------------
+    def _prefetch(self, params: Sequence[P]) -> None:
+        wanted = {id(p) for p in params if self._most_recent.get(id(p), -10**10) < self._step_id}
+        popped: set[int] = set()
+        while self._queue and len(popped) < len(wanted):
+            p, step = self._queue.popleft()
+            self._most_recent[id(p)] = step
+            popped.add(id(p))
+        if popped != wanted:  # DeepSpeed raises "tracing error at step ..." here
+            raise RuntimeError(f"ZeRO-3 parameter trace mismatch at step {self._step_id}")
+        bucket = self.settings.prefetch_bucket_size
+        if bucket <= 0:
+            return
+        limit = min(self.settings.max_live_parameters - self._n_available, bucket)
+        chosen: dict[int, P] = {}
+        numel = 0
+        while self._queue and numel < limit:
+            p, step = self._queue.popleft()
+            fetch = self.status[id(p)] is _Status.NOT_AVAILABLE and id(p) not in chosen
+            self._most_recent[id(p)] = max(self._most_recent.get(id(p), -10**10), step)
+            if fetch:
+                chosen[id(p)] = p
+                numel += p.ds_numel
+        self._all_gather(list(chosen.values()))
+
+    def _params_to_release(self, params: Sequence[P]) -> set[int]:
+        step = self._step_id
+        out = {id(p) for p in params if not p.persistent}
+        out -= {id(p) for p in params if self._most_recent.get(id(p), -10**10) > step}
+        traversed = 0
+        for _key, later in self._order[step:]:
+            if traversed >= self.settings.max_reuse_distance:
+                break
+            for p in later:
+                out.discard(id(p))
+                traversed += p.ds_numel
+        return out
+
+    def _all_gather(self, params: list[P]) -> None:
+        if params:
+            self._n_available += sum(p.ds_numel for p in params)
+            self._gather(params)
+            for p in params:
+                self.status[id(p)] = _Status.INFLIGHT
+
+    def _complete(self, p: P) -> None:
+        if self.status[id(p)] is _Status.INFLIGHT:
+            self._wait(p)
+            self.status[id(p)] = _Status.AVAILABLE
+
+    def _release(self, p: P) -> None:
+        if self.status[id(p)] is _Status.AVAILABLE and not self._active[id(p)]:
+            self._free(p)
+            self.status[id(p)] = _Status.NOT_AVAILABLE
+            self._n_available -= p.ds_numel
+
+    def _clean_inflight(self) -> None:
+        for p in self.params:
+            if self.status[id(p)] is _Status.INFLIGHT:
+                self._complete(p)
+                self._release(p)
+
+    def _invalidate(self) -> None:
+        self._mode = _Mode.INVALID
+        self._order = []
+        self._param_order = []
+        self._most_recent = {}
+        self._clean_inflight()

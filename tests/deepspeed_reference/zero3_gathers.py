@@ -1,0 +1,157 @@
+"""Real DeepSpeed ZeRO-3 on the CPU (``DS_ACCELERATOR=cpu``, two ranks over gloo): which parameters
+are gathered on a rank (a bitmask over ``named_parameters``) after each module's forward pre-hook
+and post-hook, after backward and after each optimizer step, for three steps, under a few
+``stage3_*`` settings (:data:`CASES`, :data:`LLAMA_CASES`). The reference for
+tests/test_zero3_coordinator.py, which replays memcalc's ZeRO-3 over the same model and compares.
+
+DeepSpeed is not one of memcalc's dependencies (it builds its ops for a GPU); it does install
+with ``DS_BUILD_OPS=0`` and its ZeRO-3 runs on the CPU accelerator. Run as::
+
+    DS_BUILD_OPS=0 pip install --target DIR deepspeed hjson py-cpuinfo msgpack einops ninja
+    PYTHONPATH=DIR:. python tests/deepspeed_reference/zero3_gathers.py tests/data/deepspeed_zero3_gathers.json
+
+(the output is committed: tests/data/deepspeed_zero3_gathers.json, with the DeepSpeed version).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+#: The settings run (the keys of zero_optimization besides the stage; defaults elsewhere).
+CASES: dict[str, dict[str, int]] = {
+    "defaults": {},
+    "threshold-300": {"stage3_param_persistence_threshold": 300, "stage3_max_reuse_distance": 0},
+    "no-prefetch": {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                    "stage3_max_reuse_distance": 0},
+    "bucket-20000": {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 20_000,
+                     "stage3_max_reuse_distance": 0},
+    "live-40000": {"stage3_param_persistence_threshold": 300, "stage3_prefetch_bucket_size": 100_000,
+                   "stage3_max_live_parameters": 40_000},
+    "reuse-70000": {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                    "stage3_max_reuse_distance": 70_000},
+}
+#: Llama-3-8B's shape at 1/4096 of its elements (a layer 53,248 elements, q/o 4,096, k/v 1,024,
+#: gate/up/down 14,336, the head 131,328, untied input projection the same) under DeepSpeed's defaults
+#: scaled alike: prefetch 5e7 → 12,207, live and reuse 1e9 → 244,140, threshold 1e5 → 24 (the norms,
+#: 64 elements, persist at 100).
+LLAMA_CASES: dict[str, dict[str, int]] = {
+    "llama-scaled-defaults": {"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 12_207,
+                              "stage3_max_live_parameters": 244_140, "stage3_max_reuse_distance": 244_140},
+}
+STEPS = 3
+
+
+def model() -> nn.Module:
+    """Modules of several sizes: weights of 16,384 to 65,536 elements, biases and a norm below 300."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64),
+                         nn.LayerNorm(64), nn.Linear(64, 8))
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(64), nn.LayerNorm(64)
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64, bias=False), nn.Linear(64, 16, bias=False),
+                                          nn.Linear(64, 16, bias=False), nn.Linear(64, 64, bias=False))
+        self.gate, self.up, self.down = (nn.Linear(64, 224, bias=False), nn.Linear(64, 224, bias=False),
+                                         nn.Linear(224, 64, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.n1(x)
+        a = self.q(h)[..., :16] * self.k(h) * self.v(h)
+        x = x + self.o(torch.cat([a, a, a, a], -1))
+        h = self.n2(x)
+        return x + self.down(torch.relu(self.gate(h)) * self.up(h))
+
+
+class LlamaShaped(nn.Module):
+    """Llama-3-8B's module order and relative sizes at 1/4096 (:data:`LLAMA_CASES`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(2052, 64, bias=False)
+        self.layers = nn.ModuleList(_Layer() for _ in range(32))
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 2052, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def llama_shaped() -> nn.Module:
+    torch.manual_seed(0)
+    return LlamaShaped()
+
+
+def mask_of(order: list[str]) -> Callable[[Iterable[str]], str]:
+    """The gathered parameters as a hex bitmask over ``named_parameters`` order (bit i: the i-th)."""
+    index = {name: i for i, name in enumerate(order)}
+    return lambda gathered: hex(sum(1 << index[name] for name in set(gathered)))
+
+
+def _run(name: str, extra: dict[str, int]) -> list[list[object]]:
+    import deepspeed
+
+    net = llama_shaped() if name in LLAMA_CASES else model()
+    names = {id(p): n for n, p in net.named_parameters()}
+    mask = mask_of(list(names.values()))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, **extra}}
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
+    events: list[list[object]] = []
+
+    def gathered() -> str:
+        return mask(names[id(p)] for p in net.parameters() if p.ds_status.name != "NOT_AVAILABLE")
+
+    for index, module in net.named_modules():
+        if next(module.parameters(recurse=False), None) is None:
+            continue
+        module.register_forward_pre_hook(lambda m, a, i=index: events.append([f"pre {i}", gathered()]))
+        module.register_forward_hook(lambda m, a, o, i=index: events.append([f"post {i}", gathered()]))
+    for step in range(STEPS):
+        x = torch.randn(4, 2052 if name in LLAMA_CASES else 64)
+        loss = engine(x).mean()
+        engine.backward(loss)
+        events.append([f"backward {step}", gathered()])
+        engine.step()
+        events.append([f"step {step}", gathered()])
+    return events
+
+
+def main() -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    out = {"deepspeed": deepspeed.__version__, "world_size": torch.distributed.get_world_size(), "cases": {}}
+    for name, extra in {**CASES, **LLAMA_CASES}.items():
+        out["cases"][name] = {"settings": extra, "events": _run(name, extra)}
+    if rank == 0:
+        with open(sys.argv[1], "w", encoding="utf-8") as file:
+            json.dump(out, file, indent=None)
+            file.write("\n")
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:  # launch two ranks
+        from torch.distributed.run import main as run
+
+        run(["--nproc_per_node", "2", "--master_port", os.environ.get("PORT", "29613"), __file__,
+             os.path.abspath(sys.argv[1])])
+    else:
+        with tempfile.TemporaryDirectory():
+            main()
