@@ -161,6 +161,10 @@ class ResolvedModel:
     #: whose own dispatch the tracer lets run first, so that it sees the ops they run inside
     #: (:attr:`memcalc.engine.trace.StorageTracer.defer_to`).
     defer_to: tuple[type[torch.Tensor], ...] = ()
+    #: The module's forward opens its own autocast regions (those of accelerate's prepared forwards
+    #: inside a TRL trainer's step), from :func:`memcalc.engine.backend.available_autocast_region`:
+    #: the loop then opens none around it.
+    opens_autocast: bool = False
 
     def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
         """``inputs`` (this model's, on any device) as the step passes them: with the labels of

@@ -259,7 +259,8 @@ def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastReg
         mode=options.mode, optimizer=options.optimizer, iterations=iterations,
         optimizer_impl=resolve_impl(options.optimizer, options.loop.optimizer_impl, cuda=cuda),
         loss=options.loss if options.loss is not None else resolved.loss, loss_fn=options.loss_fn,
-        accum_steps=options.accum_steps, autocast=autocast or nullcontext,
+        accum_steps=options.accum_steps, autocast=(autocast if autocast is not None and not resolved.opens_autocast
+                                                   else nullcontext),
         scaler_factory=scaler if options.mode is Mode.TRAIN else None,
         model_loss=options.trains_own_loss, amp=options.precision.is_amp,
     )
