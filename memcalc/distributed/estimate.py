@@ -99,13 +99,9 @@ _TRL_STRATEGIES = frozenset({Strategy.DDP, Strategy.FSDP, Strategy.ZERO1, Strate
 
 def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
     """TRL's trainers run under accelerate's data parallelism: DDP, FSDP2 (the reference sharded on
-    its root alone, as ``prepare_fsdp`` does) and ZeRO; GRPO's generation under them (accelerate's
-    ``unwrap_model_for_generation`` gathering a sharded policy) and the other mesh dimensions are not
-    modelled."""
-    if step.loop.name == "trl-grpo":
-        raise InapplicableOptionError("loop trl-grpo is estimated on one GPU; its generation under --strategy "
-                                      "(unwrap_model_for_generation gathering the sharded policy) is not modelled",
-                                      hint="Leave out --strategy to estimate one GPU's GRPO step.")
+    its root alone, as ``prepare_fsdp`` does; GRPO's generation through the model
+    ``unwrap_model_for_generation`` yields, under FSDP2 the sharded policy gathering its units per
+    forward) and ZeRO; the other mesh dimensions are not modelled."""
     if distributed.strategy not in _TRL_STRATEGIES:
         raise InapplicableOptionError(f"loop {step.loop.name} under --strategy {distributed.strategy.value} is not "
                                       f"modelled: TRL's trainers are estimated under ddp, fsdp, zero1, zero2 and zero3 "

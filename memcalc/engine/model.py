@@ -131,6 +131,10 @@ class ResolvedModel:
     #: Submodules a data-parallel strategy prepares as frozen models of their own, outside the trained
     #: one (TRL's reference model: accelerate's ``prepare_fsdp`` shards it on its root alone); or ().
     separate_models: tuple[str, ...] = ()
+    #: The submodule a data-parallel strategy shards as the trained model's root, as accelerate's
+    #: ``fully_shard(model, reshard_after_forward=True)`` does (TRL's GRPO policy, called several times
+    #: in one step); None: the module itself.
+    fsdp_root: str | None = None
     #: What resolving decided that the report should say (where the inputs came from, a grown model).
     notes: tuple[str, ...] = ()
     #: Whether the model is a decoder language model (a KV cache applies); None: not known.

@@ -298,7 +298,8 @@ def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module
         checkpointing=(None if checkpointing is None
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=grpo.grpo_reads(reads, _innermost_library), build_real=_no_real(step.loop.name),
-        block_containers=tuple(f"policy.{c}" for c in resolved.block_containers), opens_autocast=amp)
+        block_containers=tuple(f"policy.{c}" for c in resolved.block_containers), opens_autocast=amp,
+        separate_models=("reference",) if reference is not None else (), fsdp_root="policy")
 
 
 def _prepare_forward(model: nn.Module, accelerator: _Accelerator) -> None:
