@@ -32,6 +32,7 @@ Python number for a log, with no tensor behind it.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 import sys
@@ -313,6 +314,7 @@ def _prepare_forward(model: nn.Module, accelerator: _Accelerator) -> None:
     convert_outputs_to_fp32 = importlib.import_module("accelerate.utils").convert_outputs_to_fp32
     forward = model.forward
 
+    @functools.wraps(forward)  # as torch.autocast's decorator: generate() reads the forward's signature
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:
         with accelerator.autocast():
             return forward(*args, **kwargs)
