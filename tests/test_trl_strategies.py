@@ -150,6 +150,30 @@ def test_grpo_under_fsdp_gathers_the_reference_whole(model: str) -> None:
     assert fsdp.roles[0].report.generation_peak == fsdp.generation_peak
 
 
+def test_lora_policy_blocks_are_fsdp_units(model: str) -> None:
+    """With LoRA the policy is the PeftModel, whose base model's layers (``base_model.model.model.layers``)
+    are FSDP2's units: DPO with LoRA under fsdp answers, the frozen base sharded (its model states per
+    rank below DDP's, which replicates them)."""
+    lora = memcalc.FineTune(lora=memcalc.LoRA(8))
+    args = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False}
+
+    def states(strategy: str) -> int:
+        report = memcalc.estimate(model, loop="trl-dpo", trainer_args=args, seq_len=SEQ, gpu="cpu", finetune=lora,
+                                  distributed=memcalc.Distributed(strategy, world_size=2))
+        return report.roles[0].model_states
+
+    assert states("fsdp") < states("ddp")
+
+
+def test_grpo_lora_under_fsdp_refused(model: str) -> None:
+    args = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8, "bf16": False,
+            "gradient_checkpointing": False}
+    with pytest.raises(InapplicableOptionError, match=r"PeftModel\.generate"):
+        memcalc.estimate(model, loop="trl-grpo", trainer_args=args, seq_len=16, gpu="cpu",
+                         finetune=memcalc.FineTune(lora=memcalc.LoRA(8)),
+                         distributed=memcalc.Distributed("fsdp", world_size=2))
+
+
 def test_cli_trl_under_a_strategy(model: str, tmp_path: Path) -> None:
     args = tmp_path / "sft.json"
     args.write_text(json.dumps({"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False}))

@@ -243,7 +243,7 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=_reads(resolved.reads, bool(settings.get("padding_free") or settings.get("packing"))),
         build_real=_no_real(step.loop.name), separate_models=("reference",) if reference is not None else (),
-        block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
+        block_containers=_containers(policy, base, resolved.block_containers))
 
 
 def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module, base: Any,
@@ -299,7 +299,7 @@ def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module
         checkpointing=(None if checkpointing is None
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=grpo.grpo_reads(reads, _innermost_library), build_real=_no_real(step.loop.name),
-        block_containers=tuple(f"policy.{c}" for c in resolved.block_containers), opens_autocast=amp,
+        block_containers=_containers(policy, base, resolved.block_containers), opens_autocast=amp,
         separate_models=("reference",) if reference is not None else (), fsdp_root="policy")
 
 
@@ -335,6 +335,14 @@ def _check_head(base: Any, trainer: str, name: str, loop: str) -> None:
         raise InapplicableOptionError(f"loop {loop}: {name} has no language-model head (TRL's "
                                       f"{trainer.upper()}Trainer trains causal language models)",
                                       hint="Give a causal language model (an hf: config of a *ForCausalLM).")
+
+
+def _containers(policy: nn.Module, base: nn.Module, containers: tuple[str, ...]) -> tuple[str, ...]:
+    """The resolved model's block containers (paths in ``base``) as paths in the TRL module, whose
+    ``policy`` is ``base`` or, with LoRA, the ``PeftModel`` around it (``base_model.model``)."""
+    inner = next(name for name, module in policy.named_modules() if module is base)
+    prefix = f"policy.{inner}." if inner else "policy."
+    return tuple(prefix + c for c in containers)
 
 
 def _policy_of(module: nn.Module) -> nn.Module:
