@@ -97,13 +97,15 @@ _TRL_STRATEGIES = frozenset({Strategy.DDP, Strategy.FSDP, Strategy.ZERO1, Strate
 
 def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
     """TRL's trainers run under accelerate's data parallelism: DDP, FSDP2 (the reference sharded on
-    its root alone, as ``prepare_fsdp`` does) and ZeRO; GRPO's generation under them (accelerate's
-    ``unwrap_model_for_generation`` gathering a sharded policy) and the other mesh dimensions are not
-    modelled."""
-    if step.loop.name == "trl-grpo":
-        raise InapplicableOptionError("loop trl-grpo is estimated on one GPU; its generation under --strategy "
-                                      "(unwrap_model_for_generation gathering the sharded policy) is not modelled",
-                                      hint="Leave out --strategy to estimate one GPU's GRPO step.")
+    its root alone, as ``prepare_fsdp`` does; GRPO's generation through the model
+    ``unwrap_model_for_generation`` yields, under FSDP2 the sharded policy gathering its units per
+    forward) and ZeRO; the other mesh dimensions are not modelled."""
+    if (step.loop.name == "trl-grpo" and distributed.strategy is Strategy.FSDP and step.finetune is not None
+            and step.finetune.lora is not None):
+        raise InapplicableOptionError("loop trl-grpo with LoRA under --strategy fsdp is not modelled: "
+                                      "PeftModel.generate runs the base model's forward, outside the hooks of FSDP2's "
+                                      "root (the PeftModel), whose parameters are then sharded",
+                                      hint="Estimate it under ddp, zero1 or zero2, or without LoRA under fsdp.")
     if distributed.strategy not in _TRL_STRATEGIES:
         raise InapplicableOptionError(f"loop {step.loop.name} under --strategy {distributed.strategy.value} is not "
                                       f"modelled: TRL's trainers are estimated under ddp, fsdp, zero1, zero2 and zero3 "

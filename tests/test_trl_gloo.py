@@ -1,4 +1,4 @@
-"""TRL's DPO shape of step under DDP and FSDP2, run for real on two processes over gloo: the
+"""TRL's DPO and GRPO shapes of step under DDP and FSDP2, run for real on two processes over gloo: the
 policy trained, a frozen reference beside it run under ``no_grad`` after the policy's forward, each
 wrapped as TRL wraps it under accelerate — DDP around the policy alone, the reference a replica
 outside it (``prepare_model(evaluation_mode=True)``); FSDP2 per block and on the policy's root, the
@@ -50,6 +50,36 @@ class PolicyAndReference(nn.Module):
         return out - ref
 
 
+#: GRPO's generation steps in the plain-torch step (each a no-grad forward of the unwrapped policy).
+GENERATION_STEPS = 3
+#: Rows generated for each training row (GRPO's generation batch is steps_per_generation micro-batches).
+GENERATION_ROWS = 256
+
+
+class GenerateScoreTrain(PolicyAndReference):
+    """GRPO's step shape (``GRPOTrainer._prepare_inputs``, then ``compute_loss``): generation —
+    the policy as ``unwrap_model_for_generation`` yields it (DDP's inner module; under FSDP2 the
+    sharded model itself, whose hooks gather each unit per forward) run :data:`GENERATION_STEPS`
+    times under no_grad, every output kept until generation ends (as a KV cache grows) — then the
+    frozen reference's no-grad scoring, then the policy's training forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        policy = self.policy.module if isinstance(self.policy, nn.parallel.DistributedDataParallel) else self.policy
+        with torch.no_grad():
+            prompts = x.repeat(GENERATION_ROWS, 1)
+            cache = [policy(prompts) for _ in range(GENERATION_STEPS)]
+            del cache
+            ref = self.reference(x)
+        out = self.policy(x)
+        return out - ref
+
+
+#: name: (the step's module, strategy)
+RUNS: dict[str, tuple[type[PolicyAndReference], str]] = {
+    "ddp": (PolicyAndReference, "ddp"), "fsdp": (PolicyAndReference, "fsdp"),
+    "grpo-ddp": (GenerateScoreTrain, "ddp"), "grpo-fsdp": (GenerateScoreTrain, "fsdp")}
+
+
 def _wrap(model: PolicyAndReference, strategy: str, world_size: int) -> None:
     if strategy == "ddp":
         model.policy = nn.parallel.DistributedDataParallel(model.policy)
@@ -71,9 +101,9 @@ def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     results = {}
     try:
-        for strategy in ("ddp", "fsdp"):
+        for name, (model_class, strategy) in RUNS.items():
             torch.manual_seed(0)
-            model = PolicyAndReference()
+            model = model_class()
             _wrap(model, strategy, world_size)
             x = torch.randn(BATCH, FEATURES)
             trainable = [p for p in model.parameters() if p.requires_grad]
@@ -84,8 +114,8 @@ def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
                 buckets = model.policy.reducer._get_zeros_like_grad_buckets()
                 before += sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)
             peak = until_complete(lambda m=model, x=x, t=trainable: _measured_step(m, x, t), before,  # type: ignore[misc]
-                                  4 * len(trainable), f"{strategy}: ")
-            results[strategy] = {"peak": peak.peak, "step_counters": peak.step_counters, "attempts": peak.attempts}
+                                  4 * len(trainable), f"{name}: ")
+            results[name] = {"peak": peak.peak, "step_counters": peak.step_counters, "attempts": peak.attempts}
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"rank{rank}.json").write_text(json.dumps(results))
@@ -97,7 +127,7 @@ def peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankPeak]]
         pytest.skip("this torch has no gloo backend")
     work_dir = tmp_path_factory.mktemp("trl-gloo")
     spawn_ranks(_worker, WORLD, (str(work_dir),), 600.0, "TRL reference gloo runs")
-    out: dict[str, list[RankPeak]] = {"ddp": [], "fsdp": []}
+    out: dict[str, list[RankPeak]] = {name: [] for name in RUNS}
     for rank in range(WORLD):
         measured = json.loads((work_dir / f"rank{rank}.json").read_text())
         for name in out:
@@ -105,25 +135,29 @@ def peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankPeak]]
     return out
 
 
-def _estimate(strategy: str) -> int:
+def _estimate(name: str) -> int:
+    model_class, strategy = RUNS[name]
     resolved = Step.resolved
+    # what trl_model declares: the reference a model of its own; GRPO's policy, called several times
+    # in the step, the trained model's FSDP root (accelerate's fully_shard on the policy)
+    root = "policy" if model_class is GenerateScoreTrain else None
 
     def with_reference(self: Step, *args: Any, **kwargs: Any) -> ResolvedModel:
-        return replace(resolved(self, *args, **kwargs), separate_models=("reference",))
+        return replace(resolved(self, *args, **kwargs), separate_models=("reference",), fsdp_root=root)
 
     with mock.patch.object(Step, "resolved", with_reference):
-        report = memcalc.estimate(PolicyAndReference, input_shape=(FEATURES,), batch_size=BATCH, optimizer="adam",
+        report = memcalc.estimate(model_class, input_shape=(FEATURES,), batch_size=BATCH, optimizer="adam",
                                   loss="mean", gpu="cpu", loop=memcalc.Loop(optimizer_impl="foreach"),
                                   distributed=memcalc.Distributed(strategy, world_size=WORLD))
     return report.peak_requested
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_policy_and_reference_against_every_rank(peaks: dict[str, list[RankPeak]], strategy: str) -> None:
-    estimate = _estimate(strategy)
-    for rank, measured in enumerate(peaks[strategy]):
+@pytest.mark.parametrize("name", list(RUNS))
+def test_policy_and_reference_against_every_rank(peaks: dict[str, list[RankPeak]], name: str) -> None:
+    estimate = _estimate(name)
+    for rank, measured in enumerate(peaks[name]):
         real = measured.step_peak
         error = (estimate - real) / real
-        print(f"{strategy} rank {rank}: real {real:,} B, estimate {estimate:,} B, {error:+.4%} "
+        print(f"{name} rank {rank}: real {real:,} B, estimate {estimate:,} B, {error:+.4%} "
               f"({measured.attempts} step(s) for a complete trace)")
         assert abs(error) <= TOLERANCE, f"rank {rank}: estimate {estimate:,} B, real {real:,} B ({error:+.3%})"

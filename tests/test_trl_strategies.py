@@ -109,7 +109,6 @@ def test_zero_model_states_by_hand(model: str, precompute: bool) -> None:
 
 
 @pytest.mark.parametrize("loop, strategy, message", [
-    ("trl-grpo", "ddp", "loop trl-grpo is estimated on one GPU"),
     ("trl-dpo", "zero3", "under --strategy zero3 is not modelled"),
     ("trl-dpo", "dp", "under --strategy dp is not modelled"),
 ])
@@ -118,6 +117,61 @@ def test_unmodelled_strategies_refused(model: str, loop: str, strategy: str, mes
         memcalc.estimate(model, loop=loop, seq_len=SEQ, gpu="cpu",
                          trainer_args={"gradient_checkpointing": False, "bf16": False},
                          distributed=memcalc.Distributed(strategy, world_size=2))
+
+
+def _grpo(model: str, strategy: str | None) -> memcalc.MemoryReport:
+    args = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8, "bf16": False,
+            "gradient_checkpointing": False, "beta": 0.04}
+    distributed = None if strategy is None else memcalc.Distributed(strategy, world_size=2)
+    return memcalc.estimate(model, loop="trl-grpo", trainer_args=args, seq_len=16, gpu="cpu", distributed=distributed)
+
+
+def test_grpo_under_ddp_adds_its_gradient_bucket(model: str) -> None:
+    """GRPO under DDP: generation runs the unwrapped policy (``unwrap_model_for_generation``), which
+    allocates what it allocates on one GPU; DDP adds its one bucket of every trainable parameter (P
+    bytes), alive through the whole step: both phases' peaks grow by P."""
+    one, ddp = _grpo(model, None), _grpo(model, "ddp")
+    assert one.generation_peak is not None and ddp.generation_peak is not None
+    assert ddp.bytes.peak_allocated - one.bytes.peak_allocated == P
+    assert ddp.generation_peak - one.generation_peak == P
+
+
+def test_grpo_under_fsdp_gathers_the_reference_whole(model: str) -> None:
+    """GRPO under FSDP2: the policy is the trained model's root (accelerate's ``fully_shard(model)``),
+    called by every generate() step, the scoring and the training forward, each gathering its units
+    again; the frozen reference is sharded on its own root (``prepare_fsdp``), one unit. Its scoring
+    peaks the generation phase: the reference's whole all-gather output (P) beside the two models'
+    shards (P/2 each) is the one GPU's two whole models (2 P), with the same scoring tensors beside
+    them; the training step, where the policy's gradients and Adam's state are sharded, is lower."""
+    one, fsdp = _grpo(model, None), _grpo(model, "fsdp")
+    assert one.generation_peak is not None and fsdp.generation_peak is not None
+    assert fsdp.generation_peak == one.generation_peak
+    assert fsdp.bytes.peak_allocated < one.bytes.peak_allocated
+    assert fsdp.roles[0].report.generation_peak == fsdp.generation_peak
+
+
+def test_lora_policy_blocks_are_fsdp_units(model: str) -> None:
+    """With LoRA the policy is the PeftModel, whose base model's layers (``base_model.model.model.layers``)
+    are FSDP2's units: DPO with LoRA under fsdp answers, the frozen base sharded (its model states per
+    rank below DDP's, which replicates them)."""
+    lora = memcalc.FineTune(lora=memcalc.LoRA(8))
+    args = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False}
+
+    def states(strategy: str) -> int:
+        report = memcalc.estimate(model, loop="trl-dpo", trainer_args=args, seq_len=SEQ, gpu="cpu", finetune=lora,
+                                  distributed=memcalc.Distributed(strategy, world_size=2))
+        return report.roles[0].model_states
+
+    assert states("fsdp") < states("ddp")
+
+
+def test_grpo_lora_under_fsdp_refused(model: str) -> None:
+    args = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8, "bf16": False,
+            "gradient_checkpointing": False}
+    with pytest.raises(InapplicableOptionError, match=r"PeftModel\.generate"):
+        memcalc.estimate(model, loop="trl-grpo", trainer_args=args, seq_len=16, gpu="cpu",
+                         finetune=memcalc.FineTune(lora=memcalc.LoRA(8)),
+                         distributed=memcalc.Distributed("fsdp", world_size=2))
 
 
 def test_cli_trl_under_a_strategy(model: str, tmp_path: Path) -> None:

@@ -47,14 +47,22 @@ class Unit:
     #: all-gather output after its forward, and the trained model's backward neither prefetches nor
     #: visits it.
     own_root: bool = False
+    #: The trained model's root sharded with ``reshard_after_forward`` given explicitly (accelerate's
+    #: ``fully_shard(model, reshard_after_forward=True)``): torch then reshards it after each forward
+    #: too, where a root left to its default stays unsharded until backward.
+    reshards_as_given: bool = False
 
 
-def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[str] = ()) -> list[Unit]:
+def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[str] = (),
+               root: str | None = None) -> list[Unit]:
     """``fully_shard`` on every block of ``containers`` (a zoo model's transformer layers or
     ResNet blocks) and on the root. Without containers: on the items of the model's
     outermost ``nn.ModuleList``s (how transformer layers are held), else on every direct
     child that has parameters. ``separate``: submodules sharded as models of their own, one unit
-    each (:attr:`Unit.own_root`)."""
+    each (:attr:`Unit.own_root`). ``root``: the submodule that is the trained model's FSDP root,
+    sharded as accelerate shards it (:attr:`Unit.reshards_as_given`), for a module whose forward
+    calls it several times (TRL's GRPO step: every generate() step, the scoring and the training
+    forward); None: ``module`` itself."""
     paths = list(containers) or _module_lists(module)
     blocks: list[tuple[str, nn.Module]] = []
     for path in paths:
@@ -77,7 +85,10 @@ def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[
         claimed.update(id(m) for m in members)
         units.append(Unit(name, block, members))
     root_members = tuple(m for m in module.modules() if id(m) not in claimed)
-    units.append(Unit("(root)", module, root_members))
+    if root is not None:
+        units.append(Unit(root, module.get_submodule(root), root_members, reshards_as_given=True))
+    else:
+        units.append(Unit("(root)", module, root_members))
     return units
 
 
@@ -325,7 +336,7 @@ class ShardedProgram(RankProgram):
             self._buffer(self.reduce_bucket_size, dtype, Category.WORKSPACE, preexisting=True)
 
     def _unit_reshards(self, unit: Unit, root: nn.Module) -> bool:
-        if self.fsdp2 and unit.module is root:
+        if self.fsdp2 and unit.module is root and not unit.reshards_as_given:
             return False  # FSDP2's lazy init: the root is not resharded after forward
         return self.reshard_after_forward
 

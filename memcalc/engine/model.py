@@ -131,6 +131,10 @@ class ResolvedModel:
     #: Submodules a data-parallel strategy prepares as frozen models of their own, outside the trained
     #: one (TRL's reference model: accelerate's ``prepare_fsdp`` shards it on its root alone); or ().
     separate_models: tuple[str, ...] = ()
+    #: The submodule a data-parallel strategy shards as the trained model's root, as accelerate's
+    #: ``fully_shard(model, reshard_after_forward=True)`` does (TRL's GRPO policy, called several times
+    #: in one step); None: the module itself.
+    fsdp_root: str | None = None
     #: What resolving decided that the report should say (where the inputs came from, a grown model).
     notes: tuple[str, ...] = ()
     #: Whether the model is a decoder language model (a KV cache applies); None: not known.
@@ -161,6 +165,10 @@ class ResolvedModel:
     #: whose own dispatch the tracer lets run first, so that it sees the ops they run inside
     #: (:attr:`memcalc.engine.trace.StorageTracer.defer_to`).
     defer_to: tuple[type[torch.Tensor], ...] = ()
+    #: The module's forward opens its own autocast regions (those of accelerate's prepared forwards
+    #: inside a TRL trainer's step), from :func:`memcalc.engine.step_backend.available_autocast_region`:
+    #: the loop then opens none around it.
+    opens_autocast: bool = False
 
     def step_inputs(self, inputs: ModelInputs, *, own_loss: bool) -> ModelInputs:
         """``inputs`` (this model's, on any device) as the step passes them: with the labels of

@@ -265,7 +265,8 @@ def step_config(resolved: ResolvedModel, step: Step, *, autocast: AutocastRegion
         mode=step.mode, optimizer=step.optimizer, iterations=iterations,
         optimizer_impl=resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=cuda),
         loss=step.loss if step.loss is not None else resolved.loss, loss_fn=step.loss_fn,
-        accum_steps=step.accum_steps, autocast=autocast or nullcontext,
+        accum_steps=step.accum_steps, autocast=(autocast if autocast is not None and not resolved.opens_autocast
+                                                   else nullcontext),
         scaler_factory=scaler if step.mode is Mode.TRAIN else None,
         model_loss=step.trains_own_loss, amp=step.precision.is_amp,
     )

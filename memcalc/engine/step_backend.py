@@ -33,6 +33,7 @@ __all__ = (
     "GradScalerLike",
     "PlainBackend",
     "StepBackend",
+    "available_autocast_region",
     "current_autocast_region",
     "outside_autocast_regions",
     "pop_autocast_region",
@@ -138,34 +139,47 @@ class PlainBackend:
 class _Regions(threading.local):
     def __init__(self) -> None:
         self.stack: list[Callable[[], AutocastRegion | None]] = []
+        self.available: list[AutocastRegion | None] = []
 
 
 _REGIONS = _Regions()
 
 
-def push_autocast_region(current: Callable[[], AutocastRegion | None]) -> None:
-    """A backend's mode was entered: ``current()`` says which region is in force now."""
+def push_autocast_region(current: Callable[[], AutocastRegion | None], available: AutocastRegion | None = None) -> None:
+    """A backend's mode was entered: ``current()`` says which region is in force now, ``available``
+    opens one of its regions (None: the step has no autocast)."""
     _REGIONS.stack.append(current)
+    _REGIONS.available.append(available)
 
 
 def pop_autocast_region(current: Callable[[], AutocastRegion | None]) -> None:
     """The backend's mode was left (innermost first)."""
     if _REGIONS.stack and _REGIONS.stack[-1] is current:
         _REGIONS.stack.pop()
+        _REGIONS.available.pop()
 
 
 @contextmanager
 def outside_autocast_regions() -> Iterator[None]:
     """No emulated autocast region in force on this thread while the block runs: a compiled
     forward (:mod:`memcalc.engine.compiled`), which Dynamo captured without one, runs so."""
-    saved = list(_REGIONS.stack)
+    saved, available = list(_REGIONS.stack), list(_REGIONS.available)
     _REGIONS.stack.clear()
+    _REGIONS.available.clear()
     try:
         yield
     finally:
         _REGIONS.stack[:] = saved
+        _REGIONS.available[:] = available
 
 
 def current_autocast_region() -> AutocastRegion | None:
     """The emulated autocast region in force now on this thread, or None."""
     return _REGIONS.stack[-1]() if _REGIONS.stack else None
+
+
+def available_autocast_region() -> AutocastRegion | None:
+    """What opens one of the innermost backend's autocast regions, in force or not: for a model
+    that opens its own regions (:attr:`memcalc.engine.model.ResolvedModel.opens_autocast`), or None
+    when the step has no autocast."""
+    return _REGIONS.available[-1] if _REGIONS.available else None

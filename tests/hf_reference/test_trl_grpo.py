@@ -1,5 +1,6 @@
-"""TRL's real ``GRPOTrainer`` on the CPU (two optimizer steps, fp32) against memcalc's ``--loop
-trl-grpo`` on its CPU target: the step's peak, and the peak of its generation phase alone.
+"""TRL's real ``GRPOTrainer`` on the CPU (two optimizer steps, fp32; bf16 where memcalc follows this
+CPU's bf16 GEMM) against memcalc's ``--loop trl-grpo`` on its CPU target: the step's peak, and the
+peak of its generation phase alone.
 
 The policy is a tiny Llama saved to a folder, which ``GRPOTrainer`` loads itself (as it loads its
 reference model when ``beta != 0``); the prompts are tokenized by the word-level tokenizer of
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from hf_harness import describe, llama_config, model_bytes, relative_error, write_config
+from support import bf16_followed
 from test_trl import _COMMON, VOCAB, _tokenizer, _words
 
 import memcalc
@@ -69,8 +71,8 @@ def _real(tmp_path: Path, config: dict[str, Any], batch: int, prompt: int, lora:
     def reward(completions: list[str], **_: Any) -> list[float]:
         return [float(len(c)) for c in completions]
 
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch, **_COMMON,
-                          **_config(grpo))
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch,
+                          **{**_COMMON, **_config(grpo)})
     peft_config = None
     if lora:
         import peft
@@ -121,11 +123,24 @@ CASES: dict[str, tuple[dict[str, Any], int, int, int, dict[str, Any]]] = {
     "GRPO, LoRA, generation peaks (16 rows, wide layers)": (
         WIDE, 1, 32, 8, {"gradient_accumulation_steps": 16, "num_generations": 8, "max_completion_length": 32,
                          "beta": 0.04}),
+    # GRPOConfig's default: the policy checkpointed in training, not in generation (TRL disables it there)
+    "GRPO, gradient checkpointing": (llama_config(VOCAB), 4, 32, 0, {"gradient_checkpointing": True}),
+    "GRPO, LoRA + gradient checkpointing, adapter-disabled reference (beta 0.04)": (
+        llama_config(VOCAB), 4, 32, 16, {"gradient_checkpointing": True, "beta": 0.04}),
+    # bf16: accelerate's autocast around each call of the prepared model's forward (and TRL's own
+    # accelerator.autocast() around its scoring and training forwards); with LoRA generate() runs the
+    # base model's forward, outside any autocast region
+    "GRPO, bf16 + gradient checkpointing": (llama_config(VOCAB), 4, 32, 0, {"bf16": True,
+                                                                          "gradient_checkpointing": True}),
+    "GRPO, bf16, LoRA + gradient checkpointing, reference (beta 0.04)": (
+        llama_config(VOCAB), 4, 32, 16, {"bf16": True, "gradient_checkpointing": True, "beta": 0.04}),
 }
+#: Cases with bf16 matmuls: followed where memcalc follows this CPU's bf16 GEMM (tests/support.py).
+BF16 = frozenset(name for name, case in CASES.items() if case[4].get("bf16"))
 
 
 @pytest.mark.slow  # 20 s to 2 minutes a case on two CPU cores (generation runs token by token)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=bf16_followed) if n in BF16 else n for n in CASES])
 def test_grpo_trainer(name: str, tmp_path: Path) -> None:
     config, batch, prompt, lora, grpo = CASES[name]
     real, real_generation = _real(tmp_path, config, batch, prompt, lora, **grpo)

@@ -113,7 +113,8 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int,
         notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
 
     def fsdp(resolved: ResolvedModel) -> RankProgram:
-        units = fsdp_units(resolved.module, resolved.block_containers, resolved.separate_models)
+        units = fsdp_units(resolved.module, resolved.block_containers, resolved.separate_models,
+                           resolved.fsdp_root)
         return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
                               sharded_dtype=torch.float32 if mixed else None,
                               gather_dtype=low if mixed else None,

@@ -32,12 +32,13 @@ Python number for a log, with no tensor behind it.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from types import FrameType, SimpleNamespace
 from typing import Any
@@ -50,6 +51,7 @@ from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.trainer import TrlSettings
 from memcalc.engine.model import ModelInputs, ReadsFn, ResolvedModel
+from memcalc.engine.step_backend import available_autocast_region
 from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import ReadOracle
 from memcalc.stacks.peft import PEFT_MODEL
@@ -161,7 +163,8 @@ def _meta_autocast(dtype: torch.dtype | None) -> Iterator[None]:
 
 class _Accelerator:
     """What ``compute_loss`` asks of accelerate on one process: gathers are the tensor itself,
-    the unwrapped model the model."""
+    the unwrapped model the model; ``autocast()`` opens the step's emulated autocast region
+    (:attr:`region`: none unless a GRPO step under amp sets it, as its forward begins)."""
 
     parallelism_config = None
     num_processes = 1
@@ -171,6 +174,7 @@ class _Accelerator:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.region: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     def gather_for_metrics(self, value: Any) -> Any:
         return value
@@ -184,8 +188,8 @@ class _Accelerator:
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model
 
-    def autocast(self) -> Any:
-        return nullcontext()
+    def autocast(self) -> AbstractContextManager[Any]:
+        return self.region()
 
 
 def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
@@ -239,7 +243,7 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=_reads(resolved.reads, bool(settings.get("padding_free") or settings.get("packing"))),
         build_real=_no_real(step.loop.name), separate_models=("reference",) if reference is not None else (),
-        block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
+        block_containers=_containers(policy, base, resolved.block_containers))
 
 
 def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module, base: Any,
@@ -248,15 +252,6 @@ def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module
     reference with a bare one when ``beta != 0`` without LoRA) in :class:`GrpoStepModule`."""
     settings = step.trainer_args.trl  # type: ignore[union-attr]  # trl_model checked it
     assert settings is not None
-    if step.precision.is_amp and (step.checkpoint or peft):
-        # memcalc's autocast emulation is one region around the step, whose weight-cast cache would
-        # carry generate()'s no-grad casts into the training forward (TRL runs them in separate regions)
-        with_what = "gradient checkpointing" if step.checkpoint else "LoRA"
-        raise InapplicableOptionError(f"memcalc does not follow loop {step.loop.name} with {with_what} under "
-                                      f"{step.precision.value} yet (GRPOConfig's defaults are bf16 and "
-                                      f"gradient_checkpointing on)",
-                                      hint="Give gradient_checkpointing false and, with LoRA, bf16 false in "
-                                           "--training-args.")
     plan = grpo.grpo_plan(settings, resolved.batch_size, step.accum_steps)
     utils = importlib.import_module("trl.trainer.utils")
     if settings.get("disable_dropout", False):
@@ -271,14 +266,21 @@ def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module
     if reference is not None:
         utils.add_fused_lm_head(reference, temperature=temperature)
     eos = grpo.eos_token_ids(base)
-    trainer = grpo.grpo_trainer(trl, settings, policy, reference, step, _Accelerator(_device(policy)), eos)
+    accelerator = _Accelerator(_device(policy))
+    trainer = grpo.grpo_trainer(trl, settings, policy, reference, step, accelerator, eos)
     reads = grpo.Reads(plan.completion)
-    autocast_dtype = step.precision.compute_dtype if step.precision.is_amp else None
+    amp = step.precision.is_amp
+    autocast_dtype = step.precision.compute_dtype if amp else None
     cuda = step.emulate_cuda
+    if amp:
+        for prepared in (policy, reference):
+            if prepared is not None:
+                _prepare_forward(prepared, accelerator)
 
     @contextmanager
     def wrap() -> Iterator[None]:
         _TRITON_RULES["on"] = cuda
+        accelerator.region = available_autocast_region() or nullcontext
         with _meta_autocast(autocast_dtype), _BoolMaskIndex():  # type: ignore[no-untyped-call]
             yield
 
@@ -297,7 +299,27 @@ def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module
         checkpointing=(None if checkpointing is None
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=grpo.grpo_reads(reads, _innermost_library), build_real=_no_real(step.loop.name),
-        block_containers=tuple(f"policy.{c}" for c in resolved.block_containers))
+        block_containers=_containers(policy, base, resolved.block_containers), opens_autocast=amp,
+        separate_models=("reference",) if reference is not None else (), fsdp_root="policy")
+
+
+def _prepare_forward(model: nn.Module, accelerator: _Accelerator) -> None:
+    """What ``Accelerator.prepare_model`` does to a model's forward under mixed precision (the
+    policy's, and the reference's with ``evaluation_mode=True``): each call is one autocast region,
+    its 16-bit outputs copied to float32 (accelerate's own ``convert_outputs_to_fp32``). Only a
+    call of the prepared model's forward is so: with LoRA the prepared model is the ``PeftModel``,
+    whose ``generate`` runs the base model's forward, outside any region (``GRPOTrainer``'s
+    generation then runs in the weights' dtype), where TRL's scoring and training forwards open
+    ``accelerator.autocast()`` themselves."""
+    convert_outputs_to_fp32 = importlib.import_module("accelerate.utils").convert_outputs_to_fp32
+    forward = model.forward
+
+    @functools.wraps(forward)  # as torch.autocast's decorator: generate() reads the forward's signature
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = convert_outputs_to_fp32(autocast_forward)
 
 
 def _check_head(base: Any, trainer: str, name: str, loop: str) -> None:
@@ -313,6 +335,14 @@ def _check_head(base: Any, trainer: str, name: str, loop: str) -> None:
         raise InapplicableOptionError(f"loop {loop}: {name} has no language-model head (TRL's "
                                       f"{trainer.upper()}Trainer trains causal language models)",
                                       hint="Give a causal language model (an hf: config of a *ForCausalLM).")
+
+
+def _containers(policy: nn.Module, base: nn.Module, containers: tuple[str, ...]) -> tuple[str, ...]:
+    """The resolved model's block containers (paths in ``base``) as paths in the TRL module, whose
+    ``policy`` is ``base`` or, with LoRA, the ``PeftModel`` around it (``base_model.model``)."""
+    inner = next(name for name, module in policy.named_modules() if module is base)
+    prefix = f"policy.{inner}." if inner else "policy."
+    return tuple(prefix + c for c in containers)
 
 
 def _policy_of(module: nn.Module) -> nn.Module:

@@ -117,7 +117,7 @@ class CudaEmulation(TorchFunctionMode):
         self._handling: dict[Callable[..., Any], _Handling] = {}
 
     def __enter__(self) -> CudaEmulation:
-        push_autocast_region(self._region_in_force)
+        push_autocast_region(self._region_in_force, self.autocast if self.autocast_dtype is not None else None)
         super().__enter__()  # type: ignore[no-untyped-call]  # torch.overrides is unannotated
         return self
 
