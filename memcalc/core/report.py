@@ -1,6 +1,6 @@
 """The report an estimate returns: frozen dataclasses, and ``to_dict()`` for the JSON contract.
 
-The JSON contract (README, "JSON output") is exactly::
+The JSON contract (docs/json-output.md) is exactly::
 
     {"model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters",
      "peak_phase", "peak_module", "attention_backend", "fits", "loop", "keep_grads",

@@ -15,7 +15,7 @@ loop lets go of it. A user's loop runs on meta tensors: it cannot read a value
 ``precision`` (:func:`memcalc.engine.loop_trace.check_loop`). An exception from it is a
 :class:`~memcalc.core.errors.LoopFunctionError` naming the function and the line.
 
-The presets are the documentation of what each loop stands for (README, "Which loop?", quotes
+The presets are the documentation of what each loop stands for (docs/loops.md, "Which loop?", quotes
 them): ``step`` (:class:`~memcalc.engine.step.StepKit`) is what the options decide; the comment
 on each line is the plain PyTorch it stands for.
 
