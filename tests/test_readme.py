@@ -42,7 +42,7 @@ MOVED_DOCS = ("docs/options.md", "docs/loops.md", "docs/training-args.md", "docs
               "docs/compare.md", "docs/fit.md", "docs/exit-codes.md", "docs/checkpointing.md",
               "docs/torch-compile.md", "docs/float8.md", "docs/throughput.md", "docs/many-gpus.md",
               "docs/json-output.md", "docs/notebooks.md", "docs/how-it-works.md", "docs/accuracy.md",
-              "docs/speed.md", "docs/limitations.md")
+              "docs/speed.md", "docs/limitations.md", "docs/recipes.md")
 DOCUMENTS = (README, *(ROOT / doc for doc in MOVED_DOCS))
 REGEN = bool(os.environ.get("MEMCALC_REGEN_README"))
 
@@ -147,7 +147,8 @@ if REGEN:
         _regenerate(_document)
 README_TEXT = README.read_text()
 TEXTS = {document: document.read_text() for document in DOCUMENTS}
-COMMANDS = [command for text in TEXTS.values() for command in commands(text)]
+# the README's recipes repeat docs/recipes.md's commands, one each: the same command and output run once
+COMMANDS = list(dict.fromkeys(command for text in TEXTS.values() for command in commands(text)))
 #: The files the README's commands read, with the contents its text gives them (TRL's configs).
 README_FILES = {
     "sft.json": '{"per_device_train_batch_size": 4, "max_length": 2048, "completion_only_loss": true}',
