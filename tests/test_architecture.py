@@ -91,3 +91,28 @@ def test_the_public_api_is_one_table_and_the_type_checkers_see_the_same():
     assert len(table) <= 28
     for name, module in table.items():
         assert getattr(memcalc, name) is getattr(__import__(module, fromlist=[name]), name)
+
+
+# A module docstring says what the module does and why; research notes (sources, derivations,
+# measurements) live in docs/notes/, linked from it by path (STYLE.md, issue 37).
+MAX_MODULE_DOCSTRING_LINES = 30
+
+
+def test_every_module_docstring_is_at_most_30_lines_and_its_notes_exist():
+    import ast
+    import re
+
+    repo = PACKAGE.parent
+    files = sorted([*PACKAGE.rglob("*.py"), *(repo / "models_zoo").rglob("*.py")])
+    assert len(files) > 100
+    too_long: list[str] = []
+    for path in files:
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        if doc is None:
+            continue
+        lines = doc.count("\n") + 1
+        if lines > MAX_MODULE_DOCSTRING_LINES:
+            too_long.append(f"{path.relative_to(repo)}: {lines} lines")
+        for note in re.findall(r"docs/notes/[\w.-]+\.md", doc):
+            assert (repo / note).is_file(), f"{path.relative_to(repo)} links {note}, which does not exist"
+    assert not too_long, "module docstrings over 30 lines (move the detail to docs/notes/):\n" + "\n".join(too_long)

@@ -1,4 +1,6 @@
-"""The README cannot drift from the tool.
+"""The README cannot drift from the tool, nor can the docs its sections moved to (issue 37).
+
+The README and the documents in ``MOVED_DOCS`` are read alike:
 
 * Every line of a ``bash``/``sh``/``console`` code block that starts with ``memcalc `` (or
   ``$ memcalc ``) is run with click's CliRunner, in an empty working directory, and must
@@ -33,6 +35,15 @@ from click.testing import CliRunner
 from memcalc.cli import main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = README.parent
+#: The docs the README's sections moved to (issue 37): their commands, outputs, Python blocks and
+#: links are checked as the README's are. A doc with a ``memcalc`` command must be listed here.
+MOVED_DOCS = ("docs/options.md", "docs/loops.md", "docs/training-args.md", "docs/timeline.md",
+              "docs/compare.md", "docs/fit.md", "docs/exit-codes.md", "docs/checkpointing.md",
+              "docs/torch-compile.md", "docs/float8.md", "docs/throughput.md", "docs/many-gpus.md",
+              "docs/json-output.md", "docs/notebooks.md", "docs/how-it-works.md", "docs/accuracy.md",
+              "docs/speed.md", "docs/limitations.md", "docs/recipes.md")
+DOCUMENTS = (README, *(ROOT / doc for doc in MOVED_DOCS))
 REGEN = bool(os.environ.get("MEMCALC_REGEN_README"))
 
 _FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -109,9 +120,9 @@ def run(command: Command):
     return CliRunner().invoke(main, list(command.args), env=_ENV, catch_exceptions=True)
 
 
-def _regenerate() -> None:
+def _regenerate(document: Path) -> None:
     """Rewrite the output under every ``$ memcalc`` line of the console blocks."""
-    text = README.read_text()
+    text = document.read_text()
     for block in reversed(blocks(text)):
         if block.lang != "console":
             continue
@@ -127,14 +138,17 @@ def _regenerate() -> None:
             elif keep:
                 lines.append(raw)
         text = text[: block.start] + "\n".join(lines) + "\n" + text[block.end:]
-    README.write_text(text)
+    document.write_text(text)
 
 
 
 if REGEN:
-    _regenerate()
+    for _document in DOCUMENTS:
+        _regenerate(_document)
 README_TEXT = README.read_text()
-COMMANDS = commands(README_TEXT)
+TEXTS = {document: document.read_text() for document in DOCUMENTS}
+# the README's recipes repeat docs/recipes.md's commands, one each: the same command and output run once
+COMMANDS = list(dict.fromkeys(command for text in TEXTS.values() for command in commands(text)))
 #: The files the README's commands read, with the contents its text gives them (TRL's configs).
 README_FILES = {
     "sft.json": '{"per_device_train_batch_size": 4, "max_length": 2048, "completion_only_loss": true}',
@@ -151,7 +165,7 @@ README_FILES = {
     "grpo.json": ('{"per_device_train_batch_size": 8, "num_generations": 8, "max_completion_length": 64, '
                   '"gradient_checkpointing": false}'),
 }
-PYTHON_BLOCKS = [b.body for b in blocks(README_TEXT) if b.lang == "python"]
+PYTHON_BLOCKS = [b.body for text in TEXTS.values() for b in blocks(text) if b.lang == "python"]
 
 
 def test_the_readme_documents_commands_to_run() -> None:
@@ -193,11 +207,24 @@ def test_readme_python_block(source: str, tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_readme_links_to_files_that_exist() -> None:
-    # Figures (docs/figures/*.png, from scripts/make_figures.py), notebooks, scripts.
-    targets = re.findall(r"\]\(((?!https?:|#)[^)\s]+)\)", README_TEXT)
-    assert any(t.endswith(".png") for t in targets) and any(t.endswith(".ipynb") for t in targets)
-    missing = [t for t in targets if not (README.parent / t).exists()]
-    assert not missing, f"the README links to missing files: {missing}"
+    # Figures (docs/figures/*.png, from scripts/make_figures.py), notebooks, scripts; a moved doc's
+    # links are relative to docs/.
+    every: list[str] = []
+    for document, text in TEXTS.items():
+        targets = [t.split("#", 1)[0] for t in re.findall(r"\]\(((?!https?:|#)[^)\s]+)\)", text)]
+        every += targets
+        missing = [t for t in targets if not (document.parent / t).exists()]
+        assert not missing, f"{document.relative_to(ROOT)} links to missing files: {missing}"
+    assert any(t.endswith(".png") for t in every) and any(t.endswith(".ipynb") for t in every)
+    assert all(f"]({doc})" in README_TEXT for doc in MOVED_DOCS), "a moved doc the README does not link"
+
+
+def test_every_doc_with_a_command_is_checked() -> None:
+    # a new doc holding `memcalc` commands is run like the README, not left to drift
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        if path not in DOCUMENTS:
+            found = commands(path.read_text())
+            assert not found, f"{path.relative_to(ROOT)} has memcalc commands: add it to MOVED_DOCS"
 
 
 def _reference_synopses(text: str) -> dict[str, str]:

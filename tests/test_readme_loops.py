@@ -1,7 +1,7 @@
-"""The README's "Which loop?" section quotes the code of each loop preset; the quotes must be the
-presets' source (:mod:`memcalc.engine.loops`), less their docstrings, so that a reader can trust
-them. tests/test_readme.py skips ``py`` blocks (they run only inside memcalc); this file checks
-them instead."""
+"""The "Which loop?" section (docs/loops.md, moved there from the README) quotes the code of each
+loop preset; the quotes must be the presets' source (:mod:`memcalc.engine.loops`), less their
+docstrings, so that a reader can trust them. tests/test_readme.py skips ``py`` blocks (they run
+only inside memcalc); this file checks them instead."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import pytest
 
 from memcalc.engine import loops
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+LOOPS_DOC = Path(__file__).resolve().parent.parent / "docs" / "loops.md"
 _PY_BLOCK = re.compile(r"^```py\n(?P<body>.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 def _quoted_functions() -> dict[str, str]:
-    """Function name → its text, for every function defined in a ``py`` block of the README."""
+    """Function name → its text, for every function defined in a ``py`` block of docs/loops.md."""
     found: dict[str, str] = {}
-    for match in _PY_BLOCK.finditer(README.read_text()):
+    for match in _PY_BLOCK.finditer(LOOPS_DOC.read_text()):
         body = match.group("body")
         lines = body.splitlines()
         for node in ast.parse(body).body:
@@ -53,6 +53,6 @@ def test_every_preset_is_quoted() -> None:
 @pytest.mark.parametrize("name", sorted(QUOTED))
 def test_the_quote_is_the_source(name: str) -> None:
     function = getattr(loops, name, None)
-    assert function is not None, f"the README quotes {name}, which memcalc.engine.loops does not define"
+    assert function is not None, f"docs/loops.md quotes {name}, which memcalc.engine.loops does not define"
     source = _without_docstring(textwrap.dedent(inspect.getsource(function)))
-    assert QUOTED[name].strip() == source.strip(), f"README's {name} differs from memcalc/engine/loops.py"
+    assert QUOTED[name].strip() == source.strip(), f"docs/loops.md's {name} differs from memcalc/engine/loops.py"

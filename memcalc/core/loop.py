@@ -27,7 +27,7 @@ LoopFn = Callable[[Any, Any, Any], Any]
 
 
 class LoopPreset(str, enum.Enum):
-    """The loops people actually run (README, "Which loop?", shows the code of each)."""
+    """The loops people actually run (docs/loops.md, "Which loop?", shows the code of each)."""
 
     MINIMAL = "minimal"  # forward → loss → backward (output dropped) → step → zero_grad(set_to_none)
     TUTORIAL = "tutorial"  # PyTorch quickstart: pred and loss stay alive until rebound

@@ -1,6 +1,6 @@
 """The report an estimate returns: frozen dataclasses, and ``to_dict()`` for the JSON contract.
 
-The JSON contract (README, "JSON output") is exactly::
+The JSON contract (docs/json-output.md) is exactly::
 
     {"model", "batch_size", "optimizer", "mode", "precision", "gpu", "parameters",
      "peak_phase", "peak_module", "attention_backend", "fits", "loop", "keep_grads",
@@ -10,42 +10,18 @@ The JSON contract (README, "JSON output") is exactly::
                "activations", "workspace", "kv_cache", "peak_allocated", "peak_reserved",
                "peak_reserved_unconstrained", "cuda_context"}}
 
-With a multi-GPU strategy (``strategy`` other than ``"single"``) the same fields describe
-the busiest GPU role and three keys are added (see :mod:`memcalc.distributed.strategies`)::
-
-    {"strategy", "world_size", "global_batch_size",
-     "roles": [{"name", "ranks", "batch_size", "peak_allocated", "peak_reserved",
-                "peak_phase", "peak_module", "fits", "model_states", "communication",
-                "bytes": {...the categories above...}}]}
-
-On a device mesh (``ddp``, ``fsdp`` or a ``Distributed(dp_shard=..., tp=...)``) the top level
-also has ``"mesh"`` (every dimension's degree, torchtitan's names); and where the GPUs are the
-ranks of a process group (every strategy but DataParallel's one process) each role has
-``"sharding"``: what each dimension divides for that rank, as
-``[{"states": ["parameters", "gradients", "optimizer_state", "batch"], "dimension": "dp_shard",
-"degree": 8}]`` (``ddp``: ``[{"states": ["batch"], "dimension": "dp_replicate", ...}]``).
-
-When a step time was computed (``memcalc.step_time``, ``--time``) a ``"time"`` key holds it
-(:meth:`memcalc.core.throughput.StepTime.to_dict`). A generation (``mode`` ``"generate"``) adds
-``"new_tokens"`` and ``"peak_step"`` (the decode step of the peak, 0 for the prefill; its
-``peak_phase`` is ``"prefill"`` or ``"decode"``). A training step that generates (loop
-``trl-grpo``) adds ``"phase_peaks"``: ``{"generation": bytes, "training": bytes, "peaks_in":
-"generation" | "training"}`` (its ``peak_phase`` may then be ``"scoring"``). Allocator settings
-other than PyTorch's defaults (``PYTORCH_CUDA_ALLOC_CONF``, ``--alloc-conf``) add ``"alloc_conf"``:
-the settings modelled, in PyTorch's spelling (``"expandable_segments:True"``). A step that does not
-fit for fragmentation alone, on segments that do not expand, adds ``"fits_with_expandable_segments"`` (the same step
-replayed with ``expandable_segments:True``). Otherwise the JSON is exactly the above.
+A multi-GPU strategy describes the busiest GPU role in the same fields and adds ``strategy``,
+``world_size``, ``global_batch_size`` and ``roles`` (a mesh: ``mesh``, and each role's
+``sharding``). A step time adds ``time``; a generation ``new_tokens`` and ``peak_step``; a GRPO
+step ``phase_peaks``; allocator settings ``alloc_conf``; a step short for fragmentation alone
+``fits_with_expandable_segments``. Otherwise the JSON is exactly the above. Each added key with
+its shape: docs/notes/report-json.md.
 
 Category bytes are what the tensors alive at the peak asked for (``nbytes``); the peak is what
 the CUDA caching allocator counts (each block rounded up to 512 B), so the categories plus
-``rounding`` add up to ``peak_allocated``. Parameters and buffers are alive throughout.
-
-``peak_reserved`` is the caching allocator's segments at their peak *under the capacity* when
-there is one (a named GPU, a budget, ``memcalc fit``): the allocator frees its cached segments
-and retries before it gives up, so when ``fits`` is true it never exceeds the capacity; when
-``fits`` is false it is what the step would have needed under that limit (more than the
-capacity). ``peak_reserved_unconstrained`` is the same replay with no limit (what an
-unpressured allocator caches); without a capacity the two are equal.
+``rounding`` add up to ``peak_allocated``. ``peak_reserved`` is the allocator's segments at
+their peak under the capacity when there is one (above it when ``fits`` is false);
+``peak_reserved_unconstrained`` is the same replay with no limit.
 """
 
 from __future__ import annotations

@@ -4,38 +4,11 @@ These are *not* how memcalc estimates (it simulates the rank's step, see
 :mod:`memcalc.distributed.strategies`); they are the reference its ZeRO numbers are tested against.
 Pure functions of parameter counts; bytes out.
 
-Sources
--------
-* DeepSpeed ``deepspeed/runtime/zero/stage_1_and_2.py``,
-  ``estimate_zero2_model_states_mem_needs`` (microsoft/DeepSpeed at 38327e07, Feb 2025;
-  the 18-bytes form since PR #5099, June 2024 — before it the GPU term read
-  ``4 * total_params + int(16 * total_params / total_gpus)``)::
-
-      if cpu_offload:  gpu_mem = 2 * total_params
-                       cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
-      else:            # 2 = params_16bit,
-                       # 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit
-                       gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
-                       cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
-
-* DeepSpeed ``deepspeed/runtime/zero/stage3.py``, ``estimate_zero3_model_states_mem_needs``
-  (same commit)::
-
-      largest_layer_memory = 4 * largest_layer_params
-      offload optimizer and params:  gpu_mem = largest_layer_memory
-      offload optimizer only:        gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
-      no offload:                    gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
-      (cpu_mem: see zero3_model_states below)
-
-  ``largest_layer_params`` is the largest ``sum(p.numel() for p in m.parameters(recurse=False))``
-  over the model's modules (``model_to_params``): the layer ZeRO-3 gathers at once, in 16-bit,
-  with its 16-bit gradients (4 bytes per parameter).
-
-* ZeRO: Memory Optimizations Toward Training Trillion Parameter Models (Rajbhandari et al.,
-  SC'20, arXiv:1910.02054), Figure 1 / section 5.1, mixed-precision Adam, Ψ parameters,
-  N_d data-parallel ranks, K = 12 bytes of optimizer state per parameter (fp32 master
-  weights, momentum, variance): baseline (2 + 2 + K)Ψ; P_os 4Ψ + KΨ/N_d;
-  P_os+g 2Ψ + (2 + K)Ψ/N_d; P_os+g+p (2 + 2 + K)Ψ/N_d. DeepSpeed has no stage-1 estimator.
+Sources: DeepSpeed's ``estimate_zero2_model_states_mem_needs`` (``stage_1_and_2.py``) and
+``estimate_zero3_model_states_mem_needs`` (``stage3.py``), microsoft/DeepSpeed at 38327e07; the
+ZeRO paper (Rajbhandari et al., SC'20, arXiv:1910.02054), section 5.1. DeepSpeed has no stage-1
+estimator. The formulas as DeepSpeed writes them, and how they changed:
+docs/notes/deepspeed-formulas.md.
 
 The DeepSpeed functions count parameters once even when tied: ``model_to_params`` dedups by
 ``data_ptr()``; memcalc dedups by storage (on meta tensors every ``data_ptr()`` is 0).

@@ -3,37 +3,25 @@ parallelized with the real ``torch.distributed.tensor.parallel.parallelize_modul
 process group, and the step is traced on that rank's DTensors.
 
 What the tracer sees: DTensor's ``__torch_dispatch__`` runs first (the tracer declines its ops,
-:attr:`~memcalc.engine.trace.StorageTracer.defer_to`), so every op reaches the tracer as the
-local op the rank runs — on its shards, on the replicated activations, and the functional
-collectives (``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``,
-``all_reduce``) that redistributing allocates, at their output's size. A parameter's storage
-is its local shard. DTensor's sharding propagation runs each op once more on global-shaped
-fake tensors to learn the output's metadata; that runs with the tracer set aside
-(:func:`_propagation_untraced`), since a real rank allocates nothing for it.
+:attr:`~memcalc.engine.trace.StorageTracer.defer_to`), so every op reaches it as the local op
+the rank runs, collectives included, at their output's size. DTensor's sharding propagation
+runs with the tracer set aside (:func:`_propagation_untraced`): a real rank allocates nothing
+for it.
 
-Over a fake process group the collectives allocate their outputs and nothing else, and so do
-gloo's on the CPU for these styles: real two-process gloo runs of the same plans agree with the
-per-rank estimate to the byte (tests/test_gloo_tp.py). Under ``loss_parallel`` the real gloo peak
-is 1.8% higher: gloo's works keep the backward's collective buffers until its worker thread
-releases them, which is not modelled. A rank's shards follow ``torch.chunk``: rank 0 holds the
-largest, so it is the default rank traced.
+Real two-process gloo runs of the same plans agree with the per-rank estimate to the byte
+(tests/test_gloo_tp.py); under ``loss_parallel`` the real gloo peak is 1.8% higher (gloo keeps
+the backward's collective buffers until its worker thread releases them, not modelled). Rank 0
+holds the largest shards (``torch.chunk``), so it is the default rank traced.
 
-A plan that leaves some trainable parameters plain tensors beside DTensors cannot be stepped
-by torch's foreach or fused optimizers (``aten._foreach_*`` refuses mixed Tensor and DTensor
-arguments): given the optimizer implementation, the program refuses it by name, as the real
-run would fail.
-
-The optimizer steps each parameter's local shard (:meth:`TensorParallel.optimizer_spec`): a
-rank's optimizer state is ``zeros_like`` of its local shards and every update is elementwise, so
-DTensor's dispatch of each ``aten._foreach_*`` op runs the same local op on the same local
-tensors; doing so directly spares the sharding propagation of every foreach op over every
-parameter (most of a large model's estimate under foreach) and allocates the same, which the
-gloo runs check (tests/test_gloo_tp.py, foreach Adam to the byte). Where a gradient's placements
-differ from its parameter's (DTensor would redistribute it in each op) the DTensors are stepped.
+A plan that leaves some trainable parameters plain tensors beside DTensors is refused by name
+under foreach or fused optimizers, as the real run would fail. The optimizer steps each
+parameter's local shard directly (:meth:`TensorParallel.optimizer_spec`), which allocates the
+same as DTensor's dispatch without its cost.
 
 The program leaves everything as it was: the model's parameters and hooks, the default process
-group (none before, none after); DTensor's sharding caches are emptied before and after (they
-would hand one rank's local shapes to the next, :func:`_clear_dtensor_caches`).
+group; DTensor's sharding caches are emptied before and after (:func:`_clear_dtensor_caches`).
+
+The full account: docs/notes/tensor-parallel.md.
 """
 
 from __future__ import annotations

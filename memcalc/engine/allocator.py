@@ -9,78 +9,22 @@ those of ``PYTORCH_CUDA_ALLOC_CONF`` (:class:`~memcalc.core.alloc_conf.AllocConf
 reports the two numbers ``torch.cuda.memory_stats()`` would: peak ``allocated_bytes`` and
 peak ``reserved_bytes``.
 
-What is modelled (C++ names in brackets, all in ``DeviceCachingAllocator``):
+Modelled (``DeviceCachingAllocator``'s rules): 512 B rounding, small and large pools split by
+stream, segment sizes, best-fit reuse with the ``max_split_size`` rules,
+``roundup_power2_divisions``, splitting and coalescing, a capacity with the free-and-retry
+before an OOM, ``garbage_collection_threshold``, expandable segments and ``empty_cache``.
+Left out: ``recordStream`` and cross-stream events, CUDA graph pools, ``cudaMallocAsync``.
+Segments are placed as the CUDA driver placed them; the model makes every cudaMalloc of the
+fourteen real H100 snapshots in ``tests/data/gpu/`` (``tests/test_real_snapshots.py``).
 
-* request rounding to 512 B [``round_size``]; zero-byte requests allocate nothing
-  [``NativeCachingAllocator::allocate`` only calls ``malloc`` for ``size != 0``];
-* two pools: small (≤ 1 MiB) and large [``get_pool``], each split by stream: a block belongs
-  to the stream it was allocated on, goes back to that stream's part of its pool when freed, and
-  serves only requests on that stream [``BlockComparatorSize`` orders by stream first;
-  ``get_free_block`` gives up at another stream's block]. Reserved counts every stream's
-  segments; the empty-cache and out-of-memory releases and garbage collection take every
-  stream's cached blocks [``release_blocks``, ``garbage_collect_cached_blocks`` walk the whole
-  pool]. A free is immediate: FSDP2, the only program here that allocates off the compute
-  stream, makes the side streams wait on the compute stream's event before it drops a buffer
-  and calls no ``record_stream`` (torch 2.13), so no block waits on events [``free``:
-  ``free_block`` unless ``stream_uses``];
-* segment sizes on a cudaMalloc: 2 MiB, 20 MiB, or rounded up to 2 MiB
-  [``get_allocation_size``];
-* best-fit reuse of cached free blocks, ordered by (size, address) [``get_free_block``,
-  ``BlockComparatorSize``], including the ``max_split_size`` oversize rules: a block of
-  ``max_split_size_mb`` or more is never split, serves no smaller request, and serves a larger
-  one only within ``kLargeBuffer`` (20 MiB) of its size;
-* ``roundup_power2_divisions`` [``round_size``, ``roundup_power2_next_division``];
-* splitting a block, the allocation taking the front part [``should_split``,
-  ``alloc_found_block``];
-* ``allocated`` counts the *block's* size, which exceeds the rounded request whenever a
-  large-pool remainder is too small to split (≤ 1 MiB) [``alloc_found_block``:
-  ``increase_stat(stats.allocated_bytes, block->size)``];
-* freeing with coalescing of the adjacent prev/next free blocks of the same segment
-  [``free_block``, ``try_merge_blocks``];
-* a device capacity: when a new segment does not fit, all cached *unsplit* free segments
-  are cudaFree'd and the cudaMalloc retried once; if that still fails it is an OOM
-  [``malloc``, ``alloc_block``, ``release_cached_blocks``, ``release_blocks``]. The capacity
-  test ``reserved + segment > capacity`` is the one ``alloc_block`` applies under
-  ``set_per_process_memory_fraction``; with a plain device limit, pass the memory the
-  process may use (total minus the CUDA context and anything else on the GPU);
-* with a finite ``max_split_size_mb``, freeing only the oversize cached blocks a failed
-  cudaMalloc needs before freeing them all [``release_available_cached_blocks``];
-* ``garbage_collection_threshold``: before a cudaMalloc, freeing the oldest unsplit cached
-  blocks until reserved is under the threshold × the capacity [``garbage_collect_cached_blocks``,
-  which PyTorch runs only under ``set_per_process_memory_fraction``, as the capacity here];
-* expandable segments [``ExpandableSegment``, ``try_allocate_expandable_block``,
-  ``find_expandable_block``, ``map_block``, ``unmap_block``]: one segment per stream and pool,
-  its address space reserved once and physical pages mapped as needed, 2 MiB for the small pool
-  and 20 MiB (``kLargeBuffer``, torch 2.11's ``large_segment_size``) for the large one; reserved
-  is the pages mapped; any remainder of 512 B or more is split off; ``empty_cache`` and the
-  out-of-memory retry unmap every page no live block touches, and release a segment left with
-  none;
-* ``torch.cuda.empty_cache()`` [``emptyCache`` → ``release_cached_blocks``].
-
-What is left out: ``recordStream`` and the cross-stream events that delay a free until the GPU
-has passed them [``insert_events``, ``process_events``: when they complete is GPU timing, which a
-replay does not have], CUDA graph private pools, ``large_segment_size_mb``,
-``max_non_split_rounding_mb``, ``backend:cudaMallocAsync`` and ``FreeCudaMemoryCallbacks``.
-The addresses cudaMalloc returns matter only to the address tie-break between equal-sized cached blocks; segments here
-get them as the CUDA driver placed them in the real snapshots (:data:`VA_GRANULARITY`: each in
-the lowest free address range it fits, else at the top of a new 32-MiB-rounded range below the
-others), unless a real run's addresses are given (``segment_addresses``). Given them, and the
-segments a real trace began with (:meth:`CachingAllocatorModel.seed_segment`), the model makes
-every cudaMalloc of the fourteen real H100 snapshots in ``tests/data/gpu/``
-(``tests/test_real_snapshots.py``); with its own placement all fourteen come out exact too
-(with increasing addresses never reused, two were 3.4% and 3.6% short). Device memory the
-allocator does not see (CUDA's lazily loaded kernels) also takes address ranges: the placement
-is the driver's where nothing else intervenes.
-
-The CPU target replays the same events through the same class as **the host allocator**
-(``host=True``): c10's CPU allocator hands each request its own ``malloc`` of exactly the bytes
-asked for and returns it at the free — no 512 B rounding, no pools, nothing cached. Allocated
-and reserved are then both the bytes requested: what ``torch.profiler``'s ``[memory]`` events
-add up to on a real CPU step.
+With ``host=True`` the same class is c10's CPU allocator: one exact ``malloc`` per request,
+nothing cached — what ``torch.profiler``'s ``[memory]`` events add up to on a CPU step.
 
 After an OOM the real allocator raises. The model records the first failing event in
 ``oom_at`` and carries on as if the cudaMalloc had succeeded (it *over-commits*), so the
 peaks reported for a run past its OOM are what the run would have needed without a limit.
+
+Each rule with its C++ function, and the placement: docs/notes/caching-allocator.md.
 """
 
 from __future__ import annotations

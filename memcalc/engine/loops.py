@@ -8,37 +8,18 @@ meta tensors under the tracer that is the estimate (:mod:`memcalc.engine.loop_tr
 phases apart without the loop's help); on real tensors it is ``--measure`` and the tests' CPU
 runs — the same function both times.
 
-``batches`` hands out ``2 × accum_steps`` batches, one at a time as a DataLoader does: each a
-fresh copy of the model's inputs (a tuple of positional arguments, or a dict: of keyword
-arguments, or a forward's one argument), made when it is drawn, so the previous batch dies when the loop lets go of it.
-For a preset each batch is a pair ``(X, y)``: ``X`` the inputs (``model(*X.args,
-**X.kwargs)``), ``y`` memcalc's targets for the chosen loss.
+``batches`` hands out ``2 × accum_steps`` batches, one at a time as a DataLoader does, each a
+fresh copy of the model's inputs made when it is drawn, so the previous batch dies when the
+loop lets go of it. A user's loop runs on meta tensors: it cannot read a value
+(:class:`~memcalc.core.errors.DataDependentError`), and is refused with a ``loss`` or an amp
+``precision`` (:func:`memcalc.engine.loop_trace.check_loop`). An exception from it is a
+:class:`~memcalc.core.errors.LoopFunctionError` naming the function and the line.
 
-Your own loop, ``fn(model, optimizer, batches)``, runs as you wrote it, with:
+The presets are the documentation of what each loop stands for (docs/loops.md, "Which loop?", quotes
+them): ``step`` (:class:`~memcalc.engine.step.StepKit`) is what the options decide; the comment
+on each line is the plain PyTorch it stands for.
 
-* ``model`` in train mode; ``optimizer`` the real ``torch.optim`` class of the ``optimizer``
-  option in its resolved implementation (None for ``optimizer="none"``);
-* ``batches``: ``2 × accum_steps`` batches (``len(batches)``); every ``accum_steps``-th
-  batch drawn starts an iteration. Drawing more raises :class:`LoopFunctionError`.
-* meta tensors: make new tensors on the batch's device (``device=x.device``); moving a batch
-  to a device (``x.to(device)``) keeps it where it is (:mod:`memcalc.engine.loop_trace`);
-  reading a value (``loss.item()``, ``print(loss)``) is impossible
-  (:class:`~memcalc.core.errors.DataDependentError`).
-* its own loss and its own mixed precision. memcalc's autocast emulation (``precision="amp-*"``)
-  covers the presets only, and a ``torch.autocast`` region in your loop does nothing to meta
-  tensors — not even a CUDA one, which on a CPU-only torch disables itself: a known
-  limitation. So a loop function is refused with a ``loss`` or an amp ``precision``
-  (:func:`memcalc.engine.loop_trace.check_loop`), and a forward run inside ``torch.autocast``
-  is noted in the report as estimated without it.
-
-An exception from your loop is a :class:`~memcalc.core.errors.LoopFunctionError` naming the
-function, the exception and its line — unless it came from the model's forward (the model's
-input is then at fault) or is memcalc's own.
-
-The presets are the documentation of what each loop stands for (README, "Which loop?", quotes
-them): ``step`` (:class:`~memcalc.engine.step.StepKit`) is what the options decide — autocast
-under amp, the chosen loss divided by ``accum_steps``, the gradient scaler of amp-fp16, and
-``set_to_none=not keep_grads``; the comment on each line is the plain PyTorch it stands for.
+What a loop function is given and may do, in full: docs/notes/loops.md.
 """
 
 from __future__ import annotations

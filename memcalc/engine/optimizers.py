@@ -11,60 +11,16 @@ symbolic parameters and whatever it keeps in ``optimizer.state`` is what we coun
 textbook multiplier (SGD ×2, momentum ×3, Adam ×4 of parameter memory) is kept only as the
 explanation printed beside the simulated peak.
 
-**Implementations** (:class:`~memcalc.core.loop.OptimizerImpl`): the for-loop (one parameter at
-a time: a parameter-sized temporary at most), foreach (multi-tensor kernels: Adam's
-``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)`` in adam.py
-``_multi_tensor_adam`` holds a temporary for *every* parameter at once) and fused (one in-place
-kernel: no parameter-sized temporary). ``auto`` is what the installed torch picks when neither
-``foreach`` nor ``fused`` is given (torch 2.13):
+**Implementations** (:class:`~memcalc.core.loop.OptimizerImpl`): the for-loop, foreach (a
+temporary for every parameter at once) and fused (one in-place kernel). ``auto`` is what torch
+2.13 picks: foreach on CUDA, the for-loop on the CPU (Adafactor: the for-loop everywhere).
 
-* Adam, AdamW, SGD, RMSprop, Adagrad: their functional entry (adam.py ``adam``, sgd.py ``sgd``,
-  rmsprop.py ``rmsprop``, adagrad.py ``adagrad``) calls
-  ``torch.optim.optimizer._default_to_fused_or_foreach(params, differentiable, use_fused=False)``
-  — "we want to give the fused impl bake-in time before making it the default" — so none
-  defaults to fused; foreach is chosen when every parameter's device is in
-  ``torch.utils._foreach_utils._get_foreach_kernels_supported_devices()`` (cuda, xpu, mtia and
-  the private-use backend): **foreach on CUDA, the for-loop on the CPU**.
-* Adafactor (torch/optim/_adafactor.py ``adafactor``): ``foreach=None`` runs the for-loop on every
-  device ("Adafactor will default to the slower single tensor for-loop implementation unless
-  this flag is explicitly True").
-* ``fused=True`` exists for Adam, AdamW, SGD and Adagrad (their constructors take ``fused``;
-  ``_get_fused_kernels_supported_devices()`` includes cuda and cpu); on meta parameters it runs
-  through :func:`fused_kernels_on_meta` (below).
-* bitsandbytes' optimizers have one implementation, their own fused kernel per parameter.
+**On meta parameters** torch's real code needs two things meta lacks, each given only while a
+build or a step runs: :func:`fused_kernels_on_meta` lets the fused path run on meta (and
+registers allocate-nothing meta kernels for ``_fused_sgd_`` and ``_fused_adagrad_`` where torch
+has none); :func:`scalars_on_meta` answers ``.item()`` of a meta tensor with 1.
 
-The CPU target (``gpu="cpu"``) therefore steps with the for-loop, as a real CPU run does.
-
-**On meta parameters** ``torch.optim``'s real code needs two things meta lacks, each given only
-while a build or a step runs and undone as soon as it is done.
-
-**Fused implementations** (``fused=True``). torch refuses it for parameters on a device outside
-``torch.utils._foreach_utils._get_fused_kernels_supported_devices()`` (mps, cuda, xpu, hpu, cpu,
-mtia and the private-use backend in torch 2.13): ``torch.optim.optimizer._device_dtype_check_for_fused``
-raises when the optimizer first meets a parameter (Adam's and Adagrad's ``_init_group`` at the
-lazy state initialisation, SGD's ``_init_group`` once per optimizer). The check is about where
-a kernel exists, not about what the fused path allocates, so for the duration of a build or a
-step on meta parameters :func:`fused_kernels_on_meta` adds ``"meta"`` to that list — the
-floating-point check stays — and the optimizer takes exactly the code path it takes on CUDA:
-its ``step`` counters are float32 tensors on the parameter's device
-(``_get_scalar_dtype(is_fused=True)``, adam.py ``Adam._init_group``), its state is created by
-the same Python code, and its update is one in-place kernel call per device and dtype.
-
-The kernels on meta: ``aten._fused_adam_`` / ``aten._fused_adamw_`` have torch's own meta kernel
-(torch/_meta_registrations.py ``meta__fused_adam_``), which checks that its arguments are tensor
-lists and returns nothing — the op updates its arguments in place and allocates nothing, as the
-CUDA kernel does (aten/src/ATen/native/cuda/FusedAdamKernel.cu). ``aten._fused_sgd_`` and
-``aten._fused_adagrad_`` have none in torch 2.13 (their schemas in native_functions.yaml return
-``()`` and mark every list argument mutable, ``Tensor(a!)[]``); :func:`fused_kernels_on_meta`
-registers the same kind of kernel for them while it is active, through a
-``torch.library.Library`` it destroys on the way out, and only where torch has none of its own.
-
-**Scalars read during the step.** Adafactor reads two values per parameter to size its step
-(torch/optim/_adafactor.py ``_single_tensor_adafactor``: ``alpha = max(eps2,
-param.norm(2).item() / ...)`` and ``denom = max(1.0, update.norm(2).item() / ...)``; the foreach
-path the same): Python floats that scale the update and decide nothing about memory. Meta tensors
-have no values, so :func:`scalars_on_meta` answers ``.item()`` of a meta tensor with 1 (1.0,
-``True``) while the step runs.
+Where torch makes each choice: docs/notes/optimizers.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``memcalc plan``: which device mesh, pipeline schedule, micro-batch and checkpointing to train
-a model with on N GPUs (README, "Many GPUs").
+a model with on N GPUs (docs/many-gpus.md).
 
 The space: every mesh of the modelled, ``planned`` dimensions' degrees over N GPUs (tp within a
 node), less those :func:`refusal` — the one predicate — says memcalc cannot estimate yet (pp × tp
@@ -131,7 +131,7 @@ class PlanResult:
     reused: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``memcalc plan --format json`` contract (README, "Many GPUs")."""
+        """The ``memcalc plan --format json`` contract (docs/many-gpus.md)."""
         return {"gpus": self.gpus, "global_batch": self.global_batch, "network": self.network.to_dict(),
                 "dimensions_searched": list(self.searched), "dimensions_not_searched": list(self.not_searched),
                 "meshes": [m.describe() for m in self.meshes], "unsupported_meshes": self.unsupported,

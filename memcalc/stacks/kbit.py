@@ -1,52 +1,22 @@
 """QLoRA as the recipes run it: ``peft.prepare_model_for_kbit_training`` run for real on the
 meta model, between transformers' quantized load and ``peft.get_peft_model``.
 
-The recipe (PEFT's and transformers' QLoRA guides, TRL's ``SFTTrainer`` when it is given a
-k-bit model) is::
+The recipe loads the model quantized in bf16, runs ``prepare_model_for_kbit_training`` and
+``get_peft_model``, and trains with ``Trainer(bf16=True)``. memcalc's meta model follows it:
+:func:`memcalc.stacks.bitsandbytes.quantized_base.quantize_linears` stands for
+``from_pretrained``'s quantization, the parameters are cast to the load dtype and the model is
+marked as transformers' quantizer marks it, then PEFT's own ``prepare_model_for_kbit_training``
+runs on it: every parameter frozen, the unquantized 16-bit ones cast to float32 (marked
+:data:`~memcalc.engine.prepare.KEEP_DTYPE`), and with ``--checkpoint`` transformers' own
+gradient checkpointing, given memcalc's checkpoint function.
 
-    model = AutoModelForCausalLM.from_pretrained(name, quantization_config=BitsAndBytesConfig(...),
-                                                 dtype=torch.bfloat16)
-    model = prepare_model_for_kbit_training(model)
-    model = get_peft_model(model, LoraConfig(...))
-    Trainer(model, TrainingArguments(bf16=True, ...)).train()
+**The step's precision.** After preparation no parameter is in 16 bits, so a bf16 recipe runs
+float32 weights under bf16 autocast: :func:`kbit_precision` turns ``bf16`` into ``amp-bf16``
+and ``fp16`` into ``amp-fp16``.
 
-memcalc's meta model follows it step by step: :func:`memcalc.stacks.bitsandbytes.quantized_base.quantize_linears`
-stands for ``from_pretrained``'s quantization (``replace_with_bnb_linear``), the parameters are
-cast to the dtype the model is loaded in (``dtype=``: the precision's parameter dtype) and it is marked as
-transformers' bitsandbytes quantizer marks it (``is_loaded_in_4bit`` / ``is_loaded_in_8bit``,
-``_process_model_after_weight_loading``), then PEFT's own ``prepare_model_for_kbit_training``
-runs on it (peft/utils/other.py):
-
-- every parameter frozen;
-- every fp16/bf16 parameter that is not a ``Params4bit`` cast to float32: the embeddings, the
-  LM head, the norms, the biases — all that stays unquantized. memcalc's packed 4-bit and int8
-  weights are integer tensors and their statistics float32, so PEFT leaves them as it leaves
-  bitsandbytes'. The cast parameters are marked :data:`~memcalc.engine.prepare.KEEP_DTYPE`,
-  which the step's precision cast respects;
-- with gradient checkpointing (``use_gradient_checkpointing``: memcalc passes ``--checkpoint``,
-  where PEFT's default is True — the report says so when it is off),
-  ``model.enable_input_require_grads()`` — a forward hook that makes the input embeddings'
-  output require a gradient, so backward runs down to it — and
-  ``model.gradient_checkpointing_enable()``: transformers' own checkpointing of its decoder
-  layers, which drops their KV cache in training. The step keeps it and gives it memcalc's
-  checkpoint function, whose recomputation runs under the emulated autocast
-  (:mod:`memcalc.stacks.transformers.checkpointing`).
-
-**The step's precision.** After ``prepare_model_for_kbit_training`` no parameter is in 16 bits
-any more: a recipe that loads the model in bf16 (``--precision bf16``) and trains it with
-``TrainingArguments(bf16=True)`` runs float32 weights under bf16 autocast — memcalc's
-``amp-bf16`` —, the 4-bit matmuls in ``bnb_4bit_compute_dtype`` (bf16). So :func:`kbit_precision`
-turns ``bf16`` into ``amp-bf16`` and ``fp16`` into ``amp-fp16`` (``fp16=True``: autocast and
-GradScaler); ``fp32`` and the ``amp-*`` precisions are what they say already.
-
-Only Hugging Face models are prepared: PEFT's function "only works for transformers models"
-(its docstring), and the load it follows is transformers'. A plain-torch model with
-``--quant`` keeps the layout bitsandbytes gives its Linear layers and nothing else.
-
-Checked against the real libraries on the CPU (tests/hf_reference/test_trainer_peft.py: a
-bf16 checkpoint loaded with a 4-bit ``BitsAndBytesConfig``, ``prepare_model_for_kbit_training``,
-``get_peft_model`` and ``Trainer(bf16=True)`` for two steps; and the parameters' bytes after
-preparation, storage by storage).
+Only Hugging Face models are prepared (PEFT's function "only works for transformers models").
+Checked against the real libraries on the CPU (tests/hf_reference/test_trainer_peft.py).
+The recipe and each preparation step in full: docs/notes/kbit.md.
 """
 
 from __future__ import annotations

@@ -7,43 +7,22 @@ The model (:class:`~memcalc.core.throughput.DeviceRates`, timed by
     t = ideal / efficiency[k] + kernel_seconds[k] + gap
 
 and the step the sum of its kernels' ``t``, or ``host × kernels`` when that is longer (a
-host-bound step), where ``ideal`` is its roofline time at 100% of the GPU's datasheet peak (the larger of FLOPs ÷
-peak of its math mode and bytes ÷ bandwidth). ``efficiency[k]`` is what a large kernel of the
-class reaches; ``kernel_seconds[k]`` is the fixed time each kernel takes besides, so that a small
-kernel's efficiency, ``ideal / (ideal / efficiency + kernel_seconds)``, falls with its size;
-``gap`` is the idle time between kernels (launch latency and eager PyTorch's host-side
-dispatch). The dtype enters through the math mode's peak (bf16 tensor cores, TF32, fp32) and two
-classes the measurements separated: normalisations and GEMMs whose dimensions defeat cuBLAS's
-aligned kernels (:class:`~memcalc.core.throughput.OpClass`).
+host-bound step). ``ideal`` is the kernel's roofline time at the GPU's datasheet peak;
+``efficiency[k]`` is what a large kernel of the class reaches; ``kernel_seconds`` the fixed
+time of each kernel; ``gap`` the idle time between kernels.
 
-Fitting (:func:`fit`), from two files of one GPU run (``tests/data/gpu/2026-11-26-h200-profile/``):
-``profile.json`` gives, per config, the self CUDA time of every aten op, which
-:func:`~memcalc.timing.flops.op_class_of` sorts into classes. One efficiency per class and one
-fixed time per kernel, shared by all classes, are the non-negative least-squares solution of
-``measured[class] = Σ ideal / efficiency[class] + kernel_seconds × kernels[class]`` over every
-(profiled config, class) pair, each residual relative to its config's kernel time. (A fixed time
-per class was tried: with six to eight points a class, it traded efficiency for fixed time, a
-normalisation's 275 µs a kernel, and predicted resnet50 at batch 256 43% short.) ``times.jsonl``
-gives the real step; ``gap`` and ``host`` are then the least-squares fit of ``step = max(Σ kernel
-times + gap × kernels, host × kernels)``, each step's residual relative to it: eager PyTorch
-spends ``host`` seconds of Python and dispatch per kernel, and a step whose kernels are shorter
-than that waits on the host (the H200's resnet50 at batch 16 and gpt2 at batch 2 × 512 tokens,
-~25 µs per kernel, where its large steps' kernels add up to the step within 1-4%). The steps
-that are host-bound are chosen with the fit (:func:`_host_bound_candidates`). ``spread`` is the
-largest error left on the timed configs relative to the prediction (``|measured / predicted -
-1|``), so that the ± shown with every time covers each of them.
+Fitting (:func:`fit`): one H200 run's ``profile.json`` (self CUDA time of every aten op) and
+``times.jsonl`` (the real steps), in ``tests/data/gpu/2026-11-26-h200-profile/``, by
+non-negative least squares relative to each config. ``spread`` is the largest error left on the
+timed configs, so that the ± shown with every time covers each of them.
 
 The coefficients hold for the GPU they were measured on; :mod:`memcalc.timing.performance`
-applies them to the other GPUs of the catalogue with those GPUs' datasheet peaks (the same
-fraction of a different peak): an assumption, said so beside every time, with how it held on a
-healthy H100's steps (``tests/data/gpu/2026-11-26-steps/h100-times.jsonl``). It held to 7-27%
-pessimistic there: the H200's memory-bound kernels, timed by its 4.8 TB/s, run at fractions of it
-that the H100's 3.35 TB/s does not scale down in proportion. So for a GPU whose own steps were
-measured (no profile needed), :func:`fit_bandwidth` fits one factor on its datasheet bandwidth to
-them, everything else kept from the H200 (``scale``: least relative squared error, by golden
-section), and :func:`leave_one_out_bandwidth` says how it predicts a step it was not fitted to.
-The first fit's data, ``tests/data/gpu/2026-11-25-h100/``, is not used: that H100 ran its kernels
-at about half speed (``tests/test_step_time_calibration.py`` checks it from the files).
+applies them to the other GPUs with their datasheet peaks, an assumption said beside every
+time. For a GPU whose own steps were measured, :func:`fit_bandwidth` fits one factor on its
+datasheet bandwidth, and :func:`leave_one_out_bandwidth` says how it predicts a step it was not
+fitted to.
+
+The derivation, what was tried and how it held on an H100: docs/notes/step-time-calibration.md.
 """
 
 from __future__ import annotations

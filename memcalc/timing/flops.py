@@ -4,38 +4,22 @@ turns them into a step time on a GPU whose peaks are passed in (:class:`~memcalc
 :class:`OpCostRecorder` is an after-op hook of :class:`~memcalc.engine.trace.StorageTracer`
 (chained before the device backend's): for every op that launches a kernel it records the
 phase, whether a checkpointed forward is being recomputed, the module, the op's class, the
-dtype it computes in, its FLOPs and the bytes it reads and writes. Views and allocations
-launch no kernel and are not recorded. The engine takes it as its cost recorder
-(:class:`~memcalc.engine.run.CostRecorder`) only when a time is asked for: the estimate decides
-(:func:`memcalc.estimation.run_estimate`, from ``Step.record_costs``: ``--time``,
-``estimate(time=True)``, ``fit --objective throughput``; :func:`memcalc.step_time` on a report
-made without it traces the step again), so an estimate that never asks for a time pays nothing
-for it; the roofline and the per-phase /
-per-module totals are computed only when asked (:class:`StepCosts`).
+dtype it computes in, its FLOPs and the bytes it reads and writes. The engine takes it only
+when a time is asked for (``Step.record_costs``), so an estimate that never asks pays nothing
+for it; the roofline and the per-phase / per-module totals are computed only when asked
+(:class:`StepCosts`).
 
-A cost rule that raises on a call — torch's own formula of an older release (before 2.13,
-``sdpa_flop_count`` asserted on grouped-query attention), or a byte rule meeting an argument it
-does not know — costs that op's FLOPs, never the estimate: the op is kept with its bytes where
-they are known, its FLOPs counted as missing, and the first error per op is kept
-(:attr:`OpCostRecorder.failures`, reported as notes). Grouped-query attention is counted by
-broadcasting the key/value heads to the query's, as the kernels do, wherever the installed
-torch's formula refuses it.
+A cost rule that raises on a call costs that op's FLOPs, never the estimate: the op is kept
+with its bytes, its FLOPs counted as missing, and the first error per op is kept
+(:attr:`OpCostRecorder.failures`, reported as notes).
 
-FLOPs come from PyTorch's own formulas (``torch.utils.flop_counter.flop_registry``, keyed by
-op packet: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``, ``convolution`` and its
-backward, the SDPA kernels and their backwards), which read only shapes and so work on meta
-tensors. One deviation: a fused attention kernel called with a causal mask skips the masked
-blocks, so memcalc counts half of the formula's full product, as flash-attention's own
-benchmark does (``benchmarks/benchmark_flash_attention.py``, ``flops(..., causal)``: ``// (2
-if causal else 1)``); ``FlopCounterMode`` counts the full product ("We aren't accounting for
-causal attention here", ``sdpa_flop``). Every other op has no FLOP formula and is timed by the
-bytes it moves: on these GPUs an elementwise op is memory-bound by two orders of magnitude.
+FLOPs come from PyTorch's own formulas (``torch.utils.flop_counter.flop_registry``), which read
+only shapes and so work on meta tensors; a causal fused attention counts half of the full
+product, as flash-attention's benchmark does. Every other op is timed by the bytes it moves.
+Kernels memcalc emulates (``memcalc::`` ops) declare their cost in
+:data:`~memcalc.engine.kernel_ops.KERNEL_COSTS`.
 
-Kernels of other libraries that memcalc emulates (bitsandbytes' dequantization, int8 matmul
-and optimizer updates: ``memcalc::`` ops, :mod:`memcalc.engine.kernel_ops`) have schemas that say
-too little — which arguments the kernel reads, which it writes through a pre-allocated ``out``,
-what arithmetic it does — so each declares its cost beside its definition, in
-:data:`~memcalc.engine.kernel_ops.KERNEL_COSTS`, and the recorder takes it from there.
+The sources of each rule: docs/notes/flops.md.
 """
 
 from __future__ import annotations

@@ -2,54 +2,21 @@
 and registered as memcalc's ``adamw-8bit``, ``paged-adamw-8bit`` and ``paged-adamw-32bit``
 (:func:`memcalc.engine.optimizers.register_optimizer`, as any package adds an optimizer).
 
-What is emulated is what bitsandbytes allocates, and where. Read from
-bitsandbytes-foundation/bitsandbytes at 95f9af3 (``__version__`` 0.50.2.dev0):
+What is emulated is what bitsandbytes allocates, and where (bitsandbytes 0.50.2.dev0): 8-bit
+state is ``2n + 8·ceil(n/256)`` B for a parameter of ``n ≥ 4096`` elements, plus two 256-entry
+float32 qmaps per optimizer; 32-bit state (and 8-bit below 4096 elements) ``8n`` B. A paged
+optimizer's state buffers of ``1e5`` elements or more are CUDA unified memory
+(``cudaMallocManaged``), outside the caching allocator: memcalc reports them apart
+(``MemoryReport.paged_optimizer_state``) and leaves them out of the peak.
 
-* ``bitsandbytes/optim/adamw.py``: ``AdamW8bit``, ``PagedAdamW8bit`` and ``PagedAdamW32bit`` are
-  ``Optimizer2State("adam", params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-  optim_bits=8 | 32, min_8bit_size=4096, is_paged=False | True)``.
-* ``bitsandbytes/optim/optimizer.py``, ``Optimizer8bit.__init__``: with ``optim_bits == 8``,
-  ``fill_qmap()`` makes ``name2qmap["dynamic"] = F.create_dynamic_map(signed=True)`` and
-  ``name2qmap["udynamic"] = F.create_dynamic_map(signed=False)`` — host tensors of 256 float32
-  each (``functional.py`` ``create_dynamic_map``: ``assert len(data) == 2**total_bits``,
-  ``total_bits=8``), once per optimizer.
-* ``Optimizer2State.init_state``, at a parameter's first step: the state is uint8 when
-  ``optim_bits == 8`` and ``p.numel() >= min_8bit_size`` (4096), else float32;
-  ``state["step"] = 0`` is a Python int (no tensor). For a parameter of *n* elements:
+The update kernels are ``memcalc::`` operators with bitsandbytes' schemas, so that the tracer
+sees one kernel per parameter, as bitsandbytes launches, and a rule in
+:data:`memcalc.engine.kernel_ops.KERNEL_COSTS` gives the step-time roofline the bytes it moves.
+On meta tensors they do nothing and allocate nothing; on real tensors (a ``--measure`` run on
+the CPU) they rewrite ``p`` and the states in place with arithmetic that is not bitsandbytes' —
+only what is allocated, and when, is modelled, and what each kernel reads and writes.
 
-  - float32: ``state1``, ``state2`` = ``get_state_buffer(p, torch.float32)``: 4·n B each;
-  - uint8: both qmaps moved to the parameter's device (``name2qmap[...].to(p.device)``: one
-    copy per optimizer, every parameter's ``state["qmap1"]`` / ``["qmap2"]`` is that tensor),
-    ``state1``, ``state2`` = ``get_state_buffer(p, torch.uint8)``: n B each, and
-    ``blocksize = 256``, ``blocks = ceil(n / 256)``: ``absmax1``, ``absmax2`` =
-    ``torch.zeros((blocks,), float32)``: 4·ceil(n/256) B each.
-
-  So 8-bit state is 2n + 8·ceil(n/256) B per parameter, plus 2 × 256 × 4 B of qmaps per
-  optimizer; 32-bit state (and 8-bit for n < 4096) 8n B. ``max_unorm`` is 0 by default: no
-  ``unorm_vec``.
-* ``Optimizer8bit.get_state_buffer``: a CPU parameter, a non-paged optimizer, or
-  ``p.numel() < 1e5`` get ``torch.zeros_like(p, dtype=dtype)`` (PyTorch's caching allocator);
-  otherwise ``F.get_paged(*p.shape, dtype=dtype, device=p.device)`` (``functional.py``:
-  ``lib.cget_managed_ptr`` — ``cudaMallocManaged`` — wrapped by ``torch.frombuffer``, marked
-  ``out.is_paged = True``): CUDA unified memory outside the caching allocator. It is not in
-  ``max_memory_allocated`` and never makes the allocator run out of memory (the driver pages it
-  to the host under pressure), so memcalc reports it apart (``MemoryReport.paged_optimizer_state``)
-  and leaves it out of the peak. The absmax and qmap tensors are never paged.
-* ``Optimizer2State.update_step``: ``p.data = p.data.contiguous()``, ``p.grad =
-  p.grad.contiguous()`` (copies only for non-contiguous tensors), then
-  ``F.optimizer_update_8bit_blockwise`` / ``F.optimizer_update_32bit`` → one kernel launch per
-  parameter on the tensors' pointers (``backends/cuda/ops.py``
-  ``_optimizer_update_8bit_blockwise_impl``, ``_optimizer_update_32bit_impl``): ``p``, the states
-  and the absmax are updated in place, nothing is allocated.
-
-The update kernels are ``memcalc::`` operators with bitsandbytes' schemas
-(``bitsandbytes/_ops.py``: ``optimizer_update_8bit_blockwise``, ``optimizer_update_32bit``), so
-that the tracer sees one kernel per parameter, as bitsandbytes launches, and a rule in
-:data:`memcalc.engine.kernel_ops.KERNEL_COSTS` gives the step-time roofline the bytes it moves
-(``kOptimizerStatic8bit2StateBlockwise`` / ``kOptimizer32bit2State`` in ``csrc/kernels.cu``). On
-meta tensors they do nothing and allocate nothing; on real tensors (a ``--measure`` run on the
-CPU) they rewrite ``p`` and the states in place with arithmetic that is not bitsandbytes' — only
-what is allocated, and when, is modelled, and what each kernel reads and writes.
+Read from the source, function by function: docs/notes/bitsandbytes-adamw.md.
 """
 
 from __future__ import annotations

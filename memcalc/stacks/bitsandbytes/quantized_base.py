@@ -1,91 +1,26 @@
 """A quantized base (QLoRA): the frozen ``nn.Linear`` weights stored as bitsandbytes stores
 them, emulated on meta tensors without importing bitsandbytes.
 
-Transcribed from bitsandbytes 0.50.1 (``bitsandbytes-foundation/bitsandbytes``, tag 0.50.1);
-transformers' choice of layers from transformers 5 (``quantizers/base.py``,
-``integrations/bitsandbytes.py``, ``quantizers/quantizers_utils.py``).
+Why emulate: bitsandbytes needs a GPU; memcalc needs only what it allocates, and when.
+Transcribed from bitsandbytes 0.50.1, and transformers 5's choice of layers.
 
-Storage of one ``Linear(in, out)``, ``n = in·out`` (:func:`layout_4bit`, :func:`layout_int8`):
+- Storage (:func:`layout_4bit`, :func:`layout_int8`): 4-bit packs two values a byte, plus one
+  float32 absmax per block of 64 and a 16-entry code table; double quantization stores the
+  absmax as uint8 with a nested state; 8-bit keeps an int8 weight and one float32 scale per row.
+  Each buffer is a separate CUDA allocation, so each is its own frozen parameter here, carrying
+  :data:`~memcalc.engine.run.LOGICAL_NUMEL` and :data:`~memcalc.engine.prepare.KEEP_DTYPE`.
+- The step (:class:`_MatMul4Bit`, :class:`_MatMul8bitLt`): the weight dequantized whole in the
+  forward (beyond the fused kernel's few rows; memcalc assumes the fallback, the larger memory)
+  and again in the backward; no weight gradient, the base is frozen.
+- Which layers (:func:`modules_to_not_convert`): exactly ``nn.Linear`` (or GPT-2's ``Conv1D``)
+  but transformers' ``get_keys_to_not_convert`` (the LM head) and ``_keep_in_fp32_modules``.
+- The kernels (:data:`KERNELS`): ``memcalc::`` operators with bitsandbytes' schemas, whose meta
+  kernels allocate nothing; :data:`memcalc.engine.kernel_ops.KERNEL_COSTS` gives their bytes.
 
-- 4-bit (``nf4``/``fp4``, ``Linear4bit``): the weight is a ``Params4bit`` holding packed
-  data, two 4-bit values a byte: ``uint8`` of shape ``((n + 1) // 2, 1)``
-  (``backends/cuda/ops.py``, kernel ``bitsandbytes::quantize_4bit``:
-  ``torch.empty(((n + 1) // (quant_storage.itemsize * 2), 1), dtype=quant_storage)``; the
-  default ``quant_storage`` is uint8). Its ``QuantState`` (``functional.py``,
-  ``quantize_4bit``) holds one float32 absmax per block of 64 (``blocksize=None`` → 64 in
-  ``quantize_4bit`` and ``Params4bit.__new__``; ``absmax = torch.empty((blocks,), float32)``
-  with ``blocks = ceil(n / 64)`` in the quantize kernel) and the 16-entry float32 code table
-  of the 4-bit type (``get_4bit_type``: ``assert data.numel() == 16``).
-- double quantization (``compress_statistics=True``, transformers'
-  ``bnb_4bit_use_double_quant``; ``quantize_4bit``): ``offset = _absmax.mean()`` (a float32
-  scalar) and ``quantize_blockwise(_absmax - offset, blocksize=256)``, which stores the absmax
-  as ``uint8`` of the same length (``torch.empty_like(A, dtype=torch.uint8)`` in the
-  ``quantize_blockwise`` kernel) plus a nested ``QuantState`` holding float32 absmax of
-  ``ceil(blocks / 256)`` and a copy of the 256-entry float32 dynamic code table
-  (``code.to(A.device, copy=True)``; ``create_dynamic_map`` makes ``2**8`` values).
-- 8-bit (``int8``, ``Linear8bitLt`` / ``Int8Params._quantize``): ``int8_vectorwise_quant``
-  gives the int8 weight ``CB`` (``n`` bytes, it becomes ``weight.data``) and one float32 scale
-  per output row ``SCB`` (``row_stats = torch.empty(rows, float32)`` in the
-  ``int8_vectorwise_quant`` kernel).
+The emulated module subclasses ``nn.Linear``, so that PEFT's default LoRA dispatch wraps it.
 
-Each buffer is a separate CUDA allocation, so each is its own frozen parameter here: the
-breakdown counts them as parameters, the allocator model rounds each to 512 B. They carry
-:data:`~memcalc.engine.run.LOGICAL_NUMEL` (the packed weight stands for its ``n`` parameters,
-the statistics for none: PEFT's ``get_nb_trainable_parameters`` counts a ``Params4bit`` as
-``numel · 2`` and the ``QuantState`` not at all) and :data:`~memcalc.engine.prepare.KEEP_DTYPE`
-(a pure-bf16 model's ``.to(bfloat16)`` does not reach bitsandbytes' float32 statistics, which
-are no parameters there).
-
-The step (:class:`_MatMul4Bit`, :class:`_MatMul8bitLt`):
-
-- 4-bit forward, ``Linear4bit.forward``: the input cast to the compute dtype
-  (``bnb_4bit_compute_dtype``, here the precision's compute dtype) and ``matmul_4bit``
-  (``autograd/_functions.py``) → ``MatMul4Bit.forward`` → ``bitsandbytes::gemm_4bit``, whose
-  CUDA kernel (``backends/cuda/ops.py``) runs a fused kernel for ``M ≤ 4`` rows
-  (``_GEMM_4BIT_CUSTOM_FLOOR_M``) and ``_dequant_linear_fallback`` for ``M > 1536``
-  (``_gemm_4bit_custom_max_m``): the absmax rebuilt in float32 (``empty_like(absmax_8bit,
-  float32)``, then ``+ absmax_offset``: two temporaries, double quantization only), the whole
-  weight dequantized into ``B_dq = torch.empty(shapeB, dtype=A.dtype)``, and ``F.linear``.
-  Between 5 and 1536 rows the choice follows a per-GPU heuristic (``_gemm_4bit_use_custom_cuda``)
-  that is not transcribed: memcalc assumes the fallback (the larger memory). bitsandbytes
-  ≤ 0.49 dequantized in every case (``F.dequantize_4bit(B, quant_state).to(A.dtype)``).
-- 4-bit backward, ``MatMul4Bit.backward``: ``torch.matmul(grad_output,
-  F.dequantize_4bit(B, ctx.state).to(grad_output.dtype))`` (``functional.py``,
-  ``dequantize_4bit``: a float32 absmax from ``dequantize_blockwise`` when nested, then the
-  weight in ``quant_state.dtype``). No weight gradient: the base is frozen.
-- 8-bit forward, ``MatMul8bitLt.forward`` (the fast path: the weight needs no gradient): the
-  input reshaped to 2-D and cast to float16, ``int8_vectorwise_quant`` (int8 copy + float32
-  row scales; with a threshold, ``A.abs() >= threshold`` as a bool mask), the int8 matmul into
-  int32 (``int8_linear_matmul``), ``int8_mm_dequant`` into float16, then ``.to(A.dtype)``; the
-  input is kept for backward (``ctx.tensors = (CAt, subA, A)``). transformers' default
-  ``llm_int8_threshold`` is 6.0 (``BitsAndBytesConfig``); which columns hold outliers depends
-  on the values, which meta tensors do not have: memcalc takes none (each outlier column would
-  add ``M`` elements kept for backward and one more ``M × out`` output in ``addmm``).
-- 8-bit backward: ``state.CB.to(ctx.dtype_A, copy=True).mul_(state.SCB.unsqueeze(1).mul(1.0 /
-  127.0))`` — the whole weight dequantized in the input's dtype — then ``torch.matmul``.
-
-Which layers (:func:`modules_to_not_convert`): transformers' ``replace_with_bnb_linear``
-converts modules of type exactly ``nn.Linear`` (or GPT-2's ``Conv1D``) except those matched by
-``get_keys_to_not_convert`` (tied weights, the module of the last parameter, the output
-embeddings: the LM head stays unquantized) and ``_keep_in_fp32_modules``; embeddings are never
-``nn.Linear``. The modules are frozen whole (``new_module.requires_grad_(False)``), bias
-included. bitsandbytes casts a bias to the input's dtype in place on the first forward
-(``self.bias.data = self.bias.data.to(x.dtype)``); here the cast is a temporary.
-
-The kernels (:data:`KERNELS`): those the step runs are ``memcalc::`` operators with
-bitsandbytes' schemas (``_ops.py``), ``.out`` overloads writing a buffer the emulation allocated
-as bitsandbytes allocates it; their meta kernels allocate nothing (no other device has one).
-The tracer sees them as it sees aten ops, and a rule per op in
-:data:`memcalc.engine.kernel_ops.KERNEL_COSTS` gives the step-time roofline the bytes each kernel
-reads and writes (``kDequantizeBlockwise``, ``cgemm_4bit_*``, ``kInt8VectorQuant``,
-``cigemmlt_32``, ``kdequant_mm_int32_fp16`` in ``csrc/``). The int8 GEMM's FLOPs are reported
-as uncounted (the roofline knows no int8 tensor-core peak): it is timed by its bytes.
-
-The emulated module subclasses ``nn.Linear`` (with bitsandbytes' packed ``weight``, as
-``Linear4bit`` does), so that PEFT's default LoRA dispatch (``dispatch_default``:
-``isinstance(target, torch.nn.Linear)``) wraps it in ``lora.Linear``; PEFT's own
-``lora.bnb.Linear4bit`` differs from it only by a ``result.clone()`` of the base output (one
-transient ``M × out`` copy per adapted layer, not modelled).
+The sources buffer by buffer and kernel by kernel, and what is not modelled (int8 outlier
+columns, PEFT's ``lora.bnb`` clone): docs/notes/bitsandbytes-quantized-base.md.
 """
 
 from __future__ import annotations

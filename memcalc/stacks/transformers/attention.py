@@ -1,56 +1,24 @@
 """The attention code a Hugging Face model runs (``--attn``), and how memcalc models each.
 
 transformers models call attention through ``ALL_ATTENTION_FUNCTIONS`` under the name in
-``config._attn_implementation``. Facts checked in transformers 5.23 (site-packages):
+``config._attn_implementation`` (by default ``sdpa`` where the class supports it, else ``eager``):
 
-- The default. ``PreTrainedModel.__init__`` (``modeling_utils.py`` line 1258) sets the
-  implementation through ``_check_and_adjust_attn_implementation`` →
-  ``get_correct_attn_implementation`` (line 1845): none asked → ``"sdpa"``, kept when
-  ``_sdpa_can_dispatch`` agrees (the class sets ``_supports_sdpa``), else ``"eager"``. On meta
-  and CPU this is ``sdpa`` for Llama, GPT-2, BERT. ``from_config(config,
-  attn_implementation=...)`` writes the request onto the config (line 1420) — the *same* config
-  object, so every build says what it wants.
-- ``eager``: the model's own ``eager_attention_forward`` (``models/llama/modeling_llama.py``
-  line 180): ``softmax(QKᵀ·scale + mask)`` in float32, cast back, dropout, ``@ V`` — the
-  B·H·T² probabilities are real tensors, saved for backward. Nothing to emulate: memcalc runs it.
-- ``sdpa``: ``integrations/sdpa_attention.py`` calls ``F.scaled_dot_product_attention``
-  (``enable_gqa=True`` for grouped k/v without a mask, else ``repeat_kv``). memcalc's CUDA
-  emulation (:mod:`memcalc.targets.cuda.emulation`) replaces that call by the fused kernel CUDA would
-  choose (:mod:`memcalc.targets.cuda.sdpa`), with its scratch (:mod:`memcalc.targets.cuda.attention_memory`).
-- ``flash_attention_2``: ``integrations/flash_attention.py`` transposes q/k/v to (B, T, H, D),
-  casts float32 q/k/v to the autocast dtype (``get_target_dtype``) and calls flash-attn. flash-attn
-  is not installed here (and needs a GPU), and asking transformers for it would import it.
+- ``eager``: the model's own ``eager_attention_forward``; nothing to emulate, memcalc runs it.
+- ``sdpa``: ``F.scaled_dot_product_attention``, which memcalc's CUDA emulation
+  (:mod:`memcalc.targets.cuda.emulation`) replaces by the fused kernel CUDA would choose.
+- ``flash_attention_2``: flash-attn is not installed (it needs a GPU), and asking transformers
+  for it would import it. So :func:`flash_attention_2_forward` is registered with
+  ``AttentionInterface.register`` under :data:`MEMCALC_FA2` and calls PyTorch's flash SDPA op
+  (``aten._scaled_dot_product_flash_attention``), whose CUDA kernel is FlashAttention-2 itself
+  and which saves the same tensors for backward as flash-attn. float32 inputs and head dims
+  above 256 are refused, as flash-attn refuses them.
 
-How memcalc models flash-attn 2 without it: :func:`flash_attention_2_forward` is registered with
-``AttentionInterface.register`` under :data:`MEMCALC_FA2`, and the model is built with that name.
-It calls ``torch.ops.aten._scaled_dot_product_flash_attention`` — PyTorch's flash SDPA op, whose
-CUDA kernel is FlashAttention-2 itself (PyTorch vendors ``flash_api.cpp``) and whose meta kernel
-runs on this CPU-only torch (``torch/_meta_registrations.py`` line 6106). Both save the same
-tensors for backward: flash-attn's ``FlashAttnFunc.forward`` does
-``ctx.save_for_backward(q, k, v, out_padded, softmax_lse, rng_state)`` after
-``_flash_attn_forward`` returned ``out_padded, softmax_lse, S_dmask, rng_state`` with
-``softmax_lse`` of shape (B, H, T) in float32 (Dao-AILab/flash-attention,
-``flash_attn/flash_attn_interface.py`` at 0053002, ``_flash_attn_forward`` and its fake);
-PyTorch's op returns the output and a (B, H, T) float32 logsumexp and saves q, k, v, the output,
-the logsumexp and the philox seed/offset. Grouped k/v go in unrepeated (flash-attn takes fewer
-k/v heads; the meta kernel sizes dk/dv like k/v). memcalc's workspace rules then add the
-kernel's scratch (split-KV accumulators, ``softmax_d``, ``dq_accum``, expanded dk/dv for GQA),
-which is the same code in both. Under mixed precision the op is in CUDA autocast's lower-precision
-list (``autocast_mode.cpp``), so the emulation casts q/k/v to fp16/bf16 as transformers'
-``get_target_dtype`` would; float32 reaching the kernel is refused, as flash-attn refuses it
-(``csrc/flash_attn/flash_api.cpp``, ``mha_fwd``: "FlashAttention only support fp16 and bf16
-data type"), and so are head dims above 256 ("FlashAttention forward only supports head
-dimension at most 256"). Not modelled: the padding-free path for a 2-D padding mask
-(transformers unpads q/k/v into varlen calls; memcalc runs the padded batch, an upper bound),
-sliding windows and softcapping (they change the arithmetic, not what is saved).
+The name has no "flash" in it because transformers imports flash-attn for every name that
+contains "flash"; it is registered with transformers' ``flash_attention_mask`` so the function
+gets the mask flash-attn would. Registering adds a key to transformers' global mapping once.
 
-Why the name has no "flash" in it: transformers treats every implementation whose name contains
-"flash" as flash-attn (``utils/generic.py`` line 269, ``is_flash_attention_requested``) and
-imports the package for it (``modeling_utils.py`` lines 1827-1828). The name is also registered
-with ``AttentionMaskInterface`` (``masking_utils.py`` line 733) with transformers' own
-``flash_attention_mask`` (line 636), so the function gets what flash-attn would: no mask for a
-causal batch without padding; an unregistered name would get no mask at all (line 841).
-Registering adds a key to transformers' global mapping once; it changes nothing else.
+The facts checked in transformers and flash-attn, and what is not modelled (unpadding, sliding
+windows, softcapping): docs/notes/hf-attention.md.
 """
 
 from __future__ import annotations

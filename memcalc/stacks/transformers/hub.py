@@ -6,42 +6,20 @@ memcalc needs a model's *architecture*, never its weights: for a Hub id it fetch
 meta (:mod:`memcalc.sources.resolve`). ``generation_config.json`` is not needed: it holds
 decoding defaults, none of which changes a training or forward step.
 
-The Hub client does the fetching as it does for transformers, so it honours what users
-already set (checked in huggingface_hub 2.4, site-packages):
+The Hub client does the fetching as it does for transformers, so it honours ``HF_TOKEN``,
+``HF_HOME`` / ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE``. memcalc also reads ``HF_HUB_OFFLINE``
+itself at each call, so that setting it in a notebook after huggingface_hub was imported still
+keeps memcalc off the network.
 
-- ``HF_TOKEN`` (else the token saved by ``hf auth login`` / ``huggingface-cli login``): read at
-  each call by ``utils/_auth.py:get_token`` (``_get_token_from_environment``, line 147), so a
-  gated or private repository works once the user has access;
-- ``HF_HOME`` / ``HF_HUB_CACHE``: the cache folder, ``constants.py`` lines 160-183 — read *once,
-  when huggingface_hub is imported*; ``hf_hub_download`` takes ``constants.HF_HUB_CACHE`` at
-  each call (``file_download.py`` line 998);
-- ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``): ``constants.py`` line 194, also read at
-  import; ``constants.is_offline_mode()`` returns that constant and the HTTP layer refuses
-  every request while it is true (``utils/_http.py`` line 293). memcalc also reads the variable
-  itself at each call (and then asks for ``local_files_only``), so that setting it in a
-  notebook after huggingface_hub was imported still keeps memcalc off the network.
-
-Offline, ``hf_hub_download`` answers from the cache laid out as it writes it:
-``models--ORG--NAME/refs/<branch>`` holds a commit sha, ``snapshots/<sha>/config.json`` the
-file (``file_download.py`` lines 1099-1153: a commit sha is looked up in ``snapshots`` directly,
-a branch or tag through ``refs``).
-
-Without a network the client would retry before giving up: after its first request fails,
-``hf_hub_download`` asks again with ``retry_on_errors=True`` (``file_download.py``
-``_hf_hub_download_to_cache_dir``), five retries with 1, 2, 4, 8 and 8 s between them and up to
-60 s each (``_ETAG_RETRY_TIMEOUT``) — 25 s on a machine whose DNS fails, minutes where packets
-are dropped — and none of it can be configured per call. So memcalc first asks once itself
-(:func:`_unreachable`: one HEAD of the same URL through the client, no retry, a short timeout);
-a request that gets no answer means no network, and the config is then read from the cache
-alone (``local_files_only``), as offline. Any answer, even an error, leaves the rest to the
-client as before.
+Without a network the client retries for 25 s to minutes, which no call can configure. So
+memcalc first asks once itself (:func:`_unreachable`: one HEAD, no retry, a short timeout); no
+answer means no network, and the config is read from the cache alone (``local_files_only``).
 
 Every failure becomes one :class:`HubError` (a :class:`~memcalc.core.errors.ModelSourceError`)
 whose ``problem`` says which: gated, missing repository, missing revision, no config.json,
-not cached while offline, no network. The client's exceptions (``huggingface_hub/errors.py``:
-``GatedRepoError`` subclasses ``RepositoryNotFoundError``, so it is tested first;
-``LocalEntryNotFoundError`` means "not in the cache and the Hub could not be asked") map onto
-them in :func:`_hub_error`.
+not cached while offline, no network (:func:`_hub_error` maps the client's exceptions).
+
+How the client reads each variable, lays out its cache and retries: docs/notes/hf-hub.md.
 """
 
 from __future__ import annotations

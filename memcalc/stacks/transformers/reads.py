@@ -10,37 +10,12 @@ each answer the value of the estimated run — a batch of ordinary sequences, ne
 packed; a generation that produces all its new tokens. A read the table does not hold is not
 guessed: the tracer reports it as a data-dependent read, naming the op, the module and the phase.
 
-The table, from transformers 5.24 (``masking_utils.py``, ``generation/utils.py``):
+The table (transformers 5.24): packed-sequence detection (not packed); mixture-of-experts
+routing under ``experts_implementation="eager"`` (**balanced**, an assumption:
+:class:`BalancedRouting`); and in ``generate()`` only, the special-token, padding and stopping
+checks (no padding; stop at the ``N``-th token).
 
-In every step:
-
-- ``find_packed_sequence_indices`` (a forward without a cache, as under gradient checkpointing):
-  whether the position ids hold several packed sequences — ``(packed_sequence_mask[:, -1] ==
-  0).all()`` is True: they do not, the model made them ``0, 1, 2, ...`` itself.
-
-Mixture-of-experts routing, in every step (``MixtralExperts.forward`` and the experts of
-Qwen3-MoE, DeepSeek-V3 and gpt-oss, which copy it; only where ``experts_implementation="eager"``
-is asked: transformers' default, ``grouped_mm``, reads nothing, and its memory does not depend on
-how the tokens are split): **routing is balanced**, an assumption (the router's top-k is data).
-With ``P`` = tokens · top_k pairs and ``E`` experts:
-
-- ``expert_hit = ....nonzero()``: ``min(E, P)`` experts are hit;
-- ``if expert_idx == self.num_experts`` (the sentinel of expert parallelism): False; the loop
-  then works on expert ``i`` (in order), whose index it reads to pick its weights;
-- ``torch.where(expert_mask[expert_idx])``: expert ``i`` gets ``P // E`` pairs, one more for the
-  first ``P % E`` (:class:`BalancedRouting`).
-
-In ``generate()`` only (mode generate; an attention mask given to a training step still stops
-the estimate, with the advice to leave it out):
-
-- ``GenerationMixin._prepare_special_tokens``: whether the end-of-sequence id is the pad id, or
-  negative — warnings only: False;
-- ``GenerationMixin.generate``: right padding in the prompt (a warning): False; the attention
-  mask all ones: True, so generate drops it, as it does for a prompt without padding;
-- ``GenerationMixin._get_logits_processor``: dummy encoder ids below 0: False (token ids);
-- ``_ignore_causal_mask_sdpa`` (``fast_all(padding_mask)``): no padding: True;
-- ``StopCheck.__call__`` (``unfinished_sequences.max() == 0``, once per generated token): False
-  until the ``N``-th token, then True — ``MaxLengthCriteria``'s answer at ``max_length``.
+Each read, where it is and its answer: docs/notes/hf-reads.md.
 """
 
 from __future__ import annotations

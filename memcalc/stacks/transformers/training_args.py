@@ -9,60 +9,15 @@ instantiated: its ``__post_init__`` sets up accelerate's device state and refuse
 on a machine without a bf16 GPU) — and :func:`memcalc.fields.build_step` lays them under the
 options the user gave explicitly, which win.
 
-What each argument becomes:
-
-=========================================================  ===========================================
-``per_device_train_batch_size``                            ``batch_size``
-``gradient_accumulation_steps``                            ``accum_steps``
-``bf16`` / ``fp16``                                        ``precision`` ``amp-bf16`` / ``amp-fp16``:
-                                                           accelerate's autocast over the weights as
-                                                           loaded (``weight_dtype`` says how: bf16 for
-                                                           a model loaded with ``dtype=torch.bfloat16``)
-``activation_checkpointing`` (``gradient_checkpointing``)  ``checkpoint`` (non-reentrant, transformers'
-                                                           default; ``use_reentrant=False`` accepted)
-``optim`` (+ ``optim_args``)                               ``optimizer`` and its implementation, from the
-                                                           class and keywords the installed
-                                                           ``Trainer.get_optimizer_cls_and_kwargs``
-                                                           returns (:func:`optimizer_of`)
-``use_cpu``                                                ``gpu="cpu"``: what a CPU run allocates
-``use_liger_kernel``                                       ``liger``: Liger's kernels (:mod:`memcalc.stacks.liger`)
-``max_grad_norm``                                          nothing: transformers 5.24's Trainer computes
-                                                           the gradient norm whether it clips or not
-                                                           (``Trainer._get_grad_norm`` takes the
-                                                           norm with ``max_norm=inf`` at 0), so the
-                                                           ``trainer`` loop's temporaries are the same
-=========================================================  ===========================================
-
+The arguments read (:func:`optimizer_of` for ``optim``) become ``batch_size``,
+``accum_steps``, ``precision``, ``checkpoint``, ``optimizer``, ``gpu="cpu"`` and ``liger``.
 Arguments that change memory but that memcalc does not model are refused, naming each
 (:data:`REFUSED`). The arguments in :data:`IGNORED` change nothing a step allocates on the
-device, and are ignored silently:
+device (logging, saving, the schedule, the data pipeline, evaluation's own settings, settings
+of several processes) and are ignored silently. An argument set away from its default that
+memcalc does not know is named in the report's note as not read.
 
-* what is logged, saved, pushed or reported, and when (``logging_*``, ``save_*``, ``hub_*``,
-  ``report_to``, ...): host-side work between steps; ``skip_memory_metrics``, ``disable_tqdm``;
-* the schedule and the optimizer's numbers (``learning_rate``, ``lr_scheduler_*``,
-  ``warmup_steps``, ``weight_decay``, ``adam_*``, ``num_train_epochs``, ``max_steps``, seeds):
-  the same tensors, other values;
-* the data pipeline (``dataloader_*``, ``remove_unused_columns``, ``label_names``,
-  ``train_sampling_strategy``, ``length_column_name``): host memory and the batch's contents;
-* evaluation's own settings (``per_device_eval_batch_size``, ``eval_steps``, ``eval_delay``,
-  ``prediction_loss_only``, ``bf16_full_eval``, ...): evaluation during training is refused
-  (``eval_strategy``), so they never run;
-* what matters only with several processes (``ddp_*``, ``accelerator_config``, ``local_rank``,
-  ``average_tokens_across_devices``): one GPU's step is estimated (``distributed=`` for more);
-* ``tf32`` (the same bytes, other arithmetic); ``torch_empty_cache_steps`` (frees cached
-  segments between steps: every step without it reaches the same peaks); ``use_cache`` (in
-  training the cache holds the keys and values the backward saves anyway: transformers'
-  ``DynamicLayer.update`` keeps references, and memcalc's trace, which runs the config's
-  ``use_cache``, matches the Trainer's ``use_cache=False`` runs in tests/hf_reference);
-  ``include_num_input_tokens_seen`` (a scalar); ``optim_target_modules`` (GaLore's and APOLLO's,
-  refused through ``optim``); ``fsdp_config`` (``fsdp``'s, refused);
-  ``resume_from_checkpoint``, ``ignore_data_skip``, ``restore_callback_states_from_checkpoint``,
-  ``enable_jit_checkpoint``; ``output_dir``, ``run_name``, ``project``, ``do_train``,
-  ``do_eval``, ``do_predict``.
-
-An argument set away from its default that the installed class has but memcalc knows nothing
-of (a newer transformers), or that the class does not have (a subclass's, an older
-transformers'), is named in the report's note as not read.
+Each argument's mapping, and why each ignored one changes nothing: docs/notes/training-args.md.
 """
 
 from __future__ import annotations

@@ -8,69 +8,22 @@ the call above autograd (:data:`CPU_CALL_RULES`, keyed by the function ``__torch
 gets), so that autograd saves what the CPU's kernel saves; an after-op rule
 (:data:`CPU_KERNEL_RULES`, keyed by ``OpOverload``) adds what the kernel allocates inside:
 
-- ``scaled_dot_product_attention``: ``_fused_sdp_choice_cpp`` (``sdp_utils_cpp.cpp``,
-  :func:`cpu_flash_refusal`) picks ``_scaled_dot_product_flash_attention_for_cpu``, which keeps
-  the output and a logsumexp — not the attention matrix of meta's math path — plus per-thread
-  buffers (``cpu/FlashAttentionKernel.cpp``).
-- ``nn.LSTM``: ``at::lstm`` runs oneDNN when ``use_mkldnn`` (``native/RNN.cpp``) allows:
-  ``mkldnn_rnn`` (``native/mkldnn/RNN.cpp``) calls ``mkldnn_rnn_layer`` per layer and
-  direction; each keeps a oneDNN workspace for its backward and, inside, reorders the weights
-  and takes a scratchpad (sizes: :mod:`memcalc.targets.cpu.onednn`). GRU, plain RNN, LSTM with
-  projections and packed sequences run ``_rnn_impl``, which on a CPU tensor projects the
-  inputs of all steps at once — meta's never do (:func:`generic_rnn`, :func:`packed_rnn`). But
-  a packed LSTM whose batch sizes are all equal (every sequence as long as the longest) is
-  unwrapped into a time-major tensor and runs oneDNN in torch 2.13
-  (:func:`uniform_packed_mkldnn_rnn`, probed by :func:`uniform_packed_lstm_runs_onednn`).
-- Mixed precision: ``torch.autocast("cpu")`` casts by CPU autocast's own op lists
-  (:func:`~memcalc.targets.autocast.cpu_autocast_policy`), not CUDA's: softmax and layer_norm,
-  among others, run in the dtype that reaches them (:meth:`CpuEmulation.dispatch`,
-  :func:`autocast_arguments`).
-- In-place adds: while a dispatch mode is active (memcalc's tracer is one) every tensor is
-  "subclass-like", and ``at::linear``'s bias add goes out of place; a plain CPU run adds in
-  place, and so does the CPU target. (Autograd's gradient accumulation does the same on every
-  device: :mod:`memcalc.targets.autograd`, applied by both backends.)
-- bfloat16 GEMMs (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``addmv``): on a CPU that
-  ``mkldnn_bf16_device_check`` accepts they run oneDNN's matmul, and ideep takes its
-  scratchpad from the CPU allocator for the call (:mod:`memcalc.targets.cpu.onednn`);
-  float32 GEMMs (MKL) and float16 ones (cpublas, without AVX512-FP16) take nothing there.
-
-**Normalisation statistics** (:func:`follow_statistics`, an after-op rule).
-A meta kernel sizes the mean and inverse deviation a norm returns as CUDA does: float32 for a
-bfloat16 or float16 input (``acc_type``) in ``native_layer_norm`` and every batch norm, one
-value per channel even in evaluation, and the input's dtype in ``native_group_norm``. The CPU's
-kernels choose otherwise (torch 2.13): ``layer_norm_cpu`` (native/layer_norm.cpp),
-``native_group_norm`` (native/group_norm.cpp) and ``batch_norm_cpu`` (native/Normalization.cpp)
-allocate them in ``param_scalar_type(input, mixed_type)`` — float32 when the parameters are
-float32 and the input is not ("mixed", :func:`_mixed`), else the input's own dtype — and
-``batch_norm_cpu`` allocates none (zero elements) out of training. torch's own references say
-the same for ``device.type == "cpu"`` (``torch._refs.native_layer_norm``,
-``torch._decomp``'s ``native_batch_norm_helper``), a branch meta tensors never take.
-
-So in pure bfloat16 a CPU LayerNorm keeps 2 bytes per row and statistic where meta keeps 4,
-and under ``torch.autocast("cpu")`` (group_norm is in none of its lists) a GroupNorm fed
-bfloat16 with float32 weights keeps 4 where meta keeps 2. ``rms_norm`` needs no rule: its
-composite computes in float32 on both devices.
-
-**ATen's CPU composites, op for op**, where the CPU runs other ops than meta tensors do; the
-rules above call them on meta tensors:
-
-- :func:`autocast_arguments`: what ``torch.autocast("cpu")`` casts an op's inputs to, by CPU
-  autocast's own lists (:func:`memcalc.targets.autocast.cpu_autocast_policy`).
-- :func:`aten_linear`: ``at::linear`` adds the bias in place after a ``matmul``; under memcalc's
-  tracer (a dispatch mode makes every tensor "subclass-like") it would add out of place.
-- :func:`mkldnn_rnn`: ``nn.LSTM`` through oneDNN, one ``mkldnn_rnn_layer`` per layer and
-  direction (``native/mkldnn/RNN.cpp``).
-- :func:`generic_rnn`: ``at::lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` without oneDNN
-  (``native/RNN.cpp``): on a CPU tensor ``FullLayer`` projects the inputs of all steps at once
-  (``inputs.device().is_cpu()``), which meta tensors never do; :func:`packed_rnn` is the same
-  for a ``PackedSequence`` (``PackedLayer``, ``ReversedPackedLayer``), and
-  :func:`uniform_packed_mkldnn_rnn` the packed LSTM's detour to oneDNN on a uniform batch.
+- ``scaled_dot_product_attention``: the CPU's flash kernel (output, logsumexp and per-thread
+  buffers, not meta's attention matrix; :func:`cpu_flash_refusal`);
+- ``nn.LSTM`` through oneDNN (:func:`mkldnn_rnn`), other RNNs and packed sequences through
+  ``_rnn_impl`` (:func:`generic_rnn`, :func:`packed_rnn`, :func:`uniform_packed_mkldnn_rnn`);
+- mixed precision by CPU autocast's own op lists (:func:`autocast_arguments`);
+- ``at::linear``'s bias added in place (:func:`aten_linear`);
+- bfloat16 GEMMs' oneDNN scratchpad (:mod:`memcalc.targets.cpu.onednn`);
+- normalisation statistics in the CPU's dtypes (:func:`follow_statistics`).
 
 Sizes follow torch 2.13 with oneDNN v3.12 on x86-64 (float32, and bfloat16 GEMMs on
 AVX512-BF16 without AMX; checked against the CPU profiler). The per-thread buffers use this
 process's ``torch.get_num_threads()``. What a rule cannot follow is named in
 :meth:`CpuKernels.notes` (each line starts with :data:`NOT_FOLLOWED`), so a CPU measurement
 can say which op it is.
+
+Each rule with the ATen source it follows: docs/notes/cpu-kernels.md.
 """
 
 from __future__ import annotations
