@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from memcalc.engine.meta_shortcuts import batch_norm_outputs
+from memcalc.engine.meta_shortcuts import batch_norm_backward_outputs, batch_norm_outputs
 
 aten = torch.ops.aten
 CHANNELS = 3
@@ -68,3 +68,44 @@ def test_the_other_calls_run_the_kernel() -> None:
     assert batch_norm_outputs((x,), {"weight": None}) is None  # keywords
     odd = torch.empty_strided((4, CHANNELS, 1, 1), (CHANNELS, 1, 7, 7), device="meta")  # contiguous, odd strides
     assert odd.is_contiguous() and batch_norm_outputs((odd, None, None, None, None, True, 0.1, 1e-5), {}) is None
+
+
+BACKWARD_CASES = [(dim, layout, dtype, size_one, stats)
+                  for dim, layout, dtype, size_one, stats in itertools.product(
+                      SHAPES, ("contiguous", "channels_last"), (torch.float32, torch.float16, torch.bfloat16),
+                      (False, True), (False, True))
+                  if layout == "contiguous" or dim in (4, 5)]
+
+
+@pytest.mark.parametrize(("dim", "layout", "dtype", "size_one", "stats"), BACKWARD_CASES)
+def test_batch_norm_backward_outputs_are_the_kernels(dim: int, layout: str, dtype: torch.dtype, size_one: bool,
+                                                     stats: bool) -> None:
+    x = _input(dim, layout, dtype, size_one)
+    grad = torch.empty_like(x)
+    weight = torch.empty(CHANNELS, device="meta")
+    mean = torch.empty(CHANNELS, device="meta") if stats else None
+    var = torch.empty(CHANNELS, device="meta") if stats else None
+    saved = (torch.empty(CHANNELS, device="meta"), torch.empty(CHANNELS, device="meta"))
+    args = (grad, x, weight, mean, var, *saved, True, 1e-5, [True, True, True])
+    made = batch_norm_backward_outputs(args, {})
+    kernel = aten.native_batch_norm_backward.default(*args)
+    if made is None:  # only the ambiguous layout is left to the kernel
+        assert size_one and layout == "channels_last"
+        return
+    assert [_described(t) for t in made] == [_described(t) for t in kernel]
+    storages = {id(t.untyped_storage()) for t in (*made, *args[:7]) if isinstance(t, torch.Tensor)}
+    assert len(storages) == 3 + 5 + 2 * stats  # the three gradients' storages are their own
+
+
+def test_the_other_backward_calls_run_the_kernel() -> None:
+    x = _input(4, "contiguous", torch.float32, False)
+    c = (torch.empty(CHANNELS, device="meta"),) * 3
+    assert batch_norm_backward_outputs((x, x, c[0], None, None, c[1], c[2], True, 1e-5, [True, False, False]), {}) \
+        is None  # a gradient not asked for
+    assert batch_norm_backward_outputs((x, x, None, None, None, c[1], c[2], True, 1e-5, [True, True, True]), {}) \
+        is None  # no weight
+    assert batch_norm_backward_outputs((x, x, c[0], None, None, c[1], c[2], False, 1e-5, [True, True, True]), {}) \
+        is None  # eval
+    other = x.to(memory_format=torch.channels_last)
+    assert batch_norm_backward_outputs((other, x, c[0], None, None, c[1], c[2], True, 1e-5, [True, True, True]), {}) \
+        is None  # the gradient laid out otherwise
