@@ -11,8 +11,14 @@ fresh processes, and the ratios are taken within one run).
    and off, on a deep model: wall time, seconds spent in collections, and peak RSS (what the pause
    holds). Needs ``memcalc.engine.collector`` (skipped for a tree that predates it).
 
-Run: ``python benchmarks/startup.py [--repeat 5] [--root DIR]``; ``--root`` times the commands of
-another checkout (e.g. a worktree of an older commit: "before").
+With ``--all``, also issue 36's other figures, each from the script that measures it: the
+µs per aten op against a checkout of the commit before (item 3, ``benchmarks/per_op.py``, needs
+``--baseline DIR``), ``fit`` in units of one estimate (item 6, the same script) and a generation
+of 1,024 tokens against a prefill-only estimate (item 5, ``benchmarks/generation.py``); then one
+table of every figure beside its target. The quick suite's time (item 7) is printed by ``.ci/run``.
+
+Run: ``python benchmarks/startup.py [--repeat 5] [--root DIR] [--all [--baseline DIR]]``; ``--root``
+times the commands of another checkout (e.g. a worktree of an older commit: "before").
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -89,8 +96,13 @@ def paired(argv: list[str], floor: list[str], cwd: str, repeat: int) -> tuple[fl
             statistics.median(w / f for f, (w, _) in pairs), pairs[-1][1][1])
 
 
-def commands(root: str, repeat: int) -> None:
+#: One line of the closing table: (issue item, figure, target, met).
+Row = tuple[str, str, str, bool]
+
+
+def commands(root: str, repeat: int) -> list[Row]:
     """Figures 1 and 2."""
+    rows: list[Row] = []
     py = sys.executable
     light, heavy = [py, "-c", "import click, tabulate"], [py, "-c", "import torch"]
     print("\n1. commands that need no torch (target: at most 2.0x python -c 'import click, tabulate', no torch)")
@@ -99,6 +111,9 @@ def commands(root: str, repeat: int) -> None:
         print(f"   memcalc {' '.join(args):<10} {wall:6.2f} s  floor {floor:5.2f} s  {ratio:5.1f}x the floor  "
               f"imported: "
               f"{', '.join(json.loads(loaded)) or 'none of ' + '/'.join(HEAVY[:3])}")
+        torch_free = "torch" not in json.loads(loaded)
+        rows.append(("1", f"memcalc {' '.join(args)}: {ratio:.1f}x the floor, {'no torch' if torch_free else 'torch'}",
+                     "<= 2.0x, no torch", ratio <= 2.0 and torch_free))
     print("\n2. estimates (target: nothing imported that the request does not use)")
     for args in (["mlp", "--batch", "2"], ["resnet50", "--batch", "8"],
                  ["mlp", "--batch", "2", "--time", "--gpu", "h100-80gb"]):
@@ -108,13 +123,16 @@ def commands(root: str, repeat: int) -> None:
                          if "--time" not in args else set()))
         print(f"   memcalc {' '.join(args):<42} {wall:6.2f} s  'import torch' {floor:5.2f} s  {ratio:4.1f}x   "
               f"unused imports: {', '.join(unused) or 'none'}")
+        rows.append(("2", f"memcalc {' '.join(args)}: unused imports {', '.join(unused) or 'none'}", "none",
+                     not unused))
+    return rows
 
 
-def collector(root: str, repeat: int, model: str, batch: int, seq_len: int) -> None:
+def collector(root: str, repeat: int, model: str, batch: int, seq_len: int) -> list[Row]:
     """Figure 3."""
     if not os.path.exists(os.path.join(root, "memcalc", "engine", "collector.py")):
         print("\n3. (this tree has no memcalc.engine.collector: the collector runs throughout)")
-        return
+        return [("4", "the collector runs throughout the trace and replay", "paused, RSS cost stated", False)]
     print(f"\n3. {model}, batch {batch}, seq {seq_len}, AdamW: the collector paused during trace and replay, or not "
           f"(median of {repeat})")
     rows = {}
@@ -128,6 +146,54 @@ def collector(root: str, repeat: int, model: str, batch: int, seq_len: int) -> N
     run, pause = rows["running"], rows["paused"]
     extra = pause['maxrss_mib'] - run['maxrss_mib']
     print(f"   paused / running: time {pause['wall'] / run['wall']:.2f}x, peak RSS {extra:+.0f} MiB")
+    return [("4", f"{model}: collections {run['gc_s']:.2f} s -> {pause['gc_s']:.2f} s, estimate "
+                  f"{pause['wall'] / run['wall']:.2f}x, peak RSS {extra:+.0f} MiB", "paused, RSS cost stated",
+             pause["collections"] <= 1)]
+
+
+def others(baseline: str | None, repeat: int) -> list[Row]:
+    """Items 3, 5 and 6, each from its own script (run in this interpreter's environment)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import per_op  # benchmarks/per_op.py: the figures of items 3 and 6
+
+    root = os.path.dirname(here)
+    rows: list[Row] = []
+    print(f"\n4. per-op cost (item 3) and fit (item 6) (benchmarks/per_op.py, best of {repeat})")
+    if baseline is None:
+        print("   item 3 needs --baseline DIR (a checkout of the commit before): not measured")
+    else:
+        after, before = per_op.measure(root, "ops", repeat), per_op.measure(baseline, "ops", repeat)
+        for case, row in after.items():
+            if case in before:
+                ratio = row["us_per_op"] / before[case]["us_per_op"]
+                print(f"   {case:22s} {before[case]['us_per_op']:6.1f} -> {row['us_per_op']:6.1f} us per aten op "
+                      f"({ratio:.2f}x)")
+                rows.append(("3", f"{case}: {before[case]['us_per_op']:.1f} -> {row['us_per_op']:.1f} us/op "
+                                  f"({ratio:.2f}x)", f"<= {per_op.OPS_TARGET}x", ratio <= per_op.OPS_TARGET))
+    for case, row in per_op.measure(root, "fit", repeat).items():
+        ratio = row["fit"] / row["estimate"]
+        print(f"   fit {case:18s} {row['fit']:5.2f} s, one estimate {row['estimate']:5.2f} s: {ratio:.2f}x")
+        rows.append(("6", f"fit {case}: {ratio:.2f}x one estimate", f"<= {per_op.FIT_TARGET}x",
+                     ratio <= per_op.FIT_TARGET))
+    print("\n5. generation, item 5 (benchmarks/generation.py --skip-full: llama-2-7b, prompt 512, 1,024 new tokens)")
+    done = subprocess.run([sys.executable, os.path.join(here, "generation.py"), "--skip-full"], cwd=root,
+                          capture_output=True, text=True, timeout=1800, check=False)
+    found = re.search(r"after is ([0-9.]+)x", done.stdout)
+    print("   " + "\n   ".join(done.stdout.strip().splitlines()[-4:]) if done.returncode == 0 else
+          f"   failed:\n{done.stderr[-1500:]}")
+    if found:
+        rows.append(("5", f"llama-2-7b, 1,024 new tokens: {found.group(1)}x a prefill-only estimate", "<= 2.0x",
+                     float(found.group(1)) <= 2.0))
+    return rows
+
+
+def table(rows: list[Row]) -> None:
+    """Every figure beside its target."""
+    print("\nissue 36: every figure beside its target (item 7, the quick suite's time, is printed by .ci/run)")
+    width = max(len(figure) for _, figure, _, _ in rows)
+    for item, figure, target, met in rows:
+        print(f"   {item}  {figure:<{width}}  target {target:<24} {'met' if met else 'NOT met'}")
 
 
 def main() -> None:
@@ -139,14 +205,20 @@ def main() -> None:
     parser.add_argument("--model", default="torch:gpt2-xl", help="figure 3's model (default: 48 layers)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--only", choices=("commands", "collector"), default=None)
+    parser.add_argument("--only", choices=("commands", "collector", "others"), default=None)
+    parser.add_argument("--all", action="store_true", help="issue 36's other figures too, and the closing table")
+    parser.add_argument("--baseline", default=None, help="with --all: the checkout item 3 compares with")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
           f"root {args.root}")
-    if args.only != "collector":
-        commands(args.root, args.repeat)
-    if args.only != "commands":
-        collector(args.root, args.repeat, args.model, args.batch, args.seq_len)
+    rows: list[Row] = []
+    if args.only in (None, "commands"):
+        rows += commands(args.root, args.repeat)
+    if args.only in (None, "collector"):
+        rows += collector(args.root, args.repeat, args.model, args.batch, args.seq_len)
+    if args.all or args.only == "others":
+        rows += others(args.baseline, min(args.repeat, 3))
+    table(rows)
 
 
 if __name__ == "__main__":

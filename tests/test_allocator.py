@@ -23,6 +23,7 @@ from memcalc.engine.allocator import (
     AllocatorStats,
     CachingAllocatorModel,
     replay,
+    replay_with_prefix,
     round_size,
     segment_size,
 )
@@ -435,3 +436,28 @@ def test_host_allocator_rounds_and_caches_nothing():
     assert host.num_segments == 3 and host.num_device_frees == 1
     cuda = replay(events)
     assert (cuda.peak_allocated, cuda.peak_reserved) == (1_536, 2 * 1024**2)
+
+
+# --- one replay for a prefix and the whole ------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replay_with_prefix_is_two_replays_in_one(seed: int) -> None:
+    # build_report reads the first iteration's peak off the whole step's replay: the stats after a
+    # prefix must be those of the prefix replayed alone, and the whole's those of replay()
+    rng = random.Random(seed)
+    events: list[tuple[int, int, int]] = []
+    live: list[int] = []
+    for key in range(400):
+        events.append((ALLOC, key, rng.choice([rng.randrange(1, 4 * KiB), rng.randrange(1, 3 * MiB),
+                                                rng.randrange(MiB, 40 * MiB)])))
+        live.append(key)
+        while live and rng.random() < 0.45:
+            events.append((FREE, live.pop(rng.randrange(len(live))), 0))
+        if rng.random() < 0.01:
+            events.append((EMPTY_CACHE, -1, 0))  # no key: the replay empties the cache
+    streams = {key: 1 for key in range(0, 400, 7)} if seed % 2 else None
+    for prefix in (0, 1, len(events) // 3, len(events)):
+        first, whole = replay_with_prefix(iter(events), prefix, streams=streams)
+        assert first == replay(events[:prefix], streams=streams)
+        assert whole == replay(events, streams=streams)

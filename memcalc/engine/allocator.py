@@ -30,6 +30,7 @@ Each rule with its C++ function, and the placement: docs/notes/caching-allocator
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = (
     "RecordingAllocatorModel",
     "replay",
     "replay_recorded",
+    "replay_with_prefix",
     "round_size",
     "segment_size",
 )
@@ -972,6 +974,21 @@ def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = N
     model = CachingAllocatorModel(capacity, settings=settings, host=host)
     _drive(model, events, streams)
     return model.stats()
+
+
+@while_collector_paused
+def replay_with_prefix(events: Iterable[tuple[int, Hashable, int]], prefix: int,
+                       settings: AllocConf | None = None, *, host: bool = False,
+                       streams: Mapping[Any, int] | None = None) -> tuple[AllocatorStats, AllocatorStats]:
+    """:func:`replay` with no capacity, and the stats after its first ``prefix`` events too: one
+    replay where two were made (a step's first iteration and the whole step). The allocator is
+    deterministic, so the stats after a prefix are those of a replay of the prefix alone."""
+    model = CachingAllocatorModel(None, settings=settings, host=host)
+    stream = iter(events)
+    _drive(model, itertools.islice(stream, prefix), streams)
+    first = model.stats()
+    _drive(model, stream, streams)
+    return first, model.stats()
 
 
 def _drive(model: CachingAllocatorModel, events: Iterable[tuple[int, Hashable, int]],

@@ -680,16 +680,25 @@ REPLAY_PROGRESS_FROM = 1 << 17
 
 
 def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None,
-              host: bool) -> allocator.AllocatorStats:
-    """The program replayed through the allocator model; an impossible event (a free of a
-    storage that is not live) is memcalc's bug, named by the op and module that made the storage."""
+              host: bool) -> tuple[allocator.AllocatorStats, allocator.AllocatorStats]:
+    """The program replayed through the allocator model: the stats of its first iteration and of
+    the whole (the same object for a program of one iteration), from one replay. An impossible
+    event (a free of a storage that is not live) is memcalc's bug, named by the op and module
+    that made the storage."""
     try:
         if (fast := replay_generation(program, trace, settings, host)) is not None:
-            return fast  # a long generation: its small pool's repeated decode steps skipped, exactly
+            # a long generation: its small pool's repeated decode steps skipped, exactly
+            return (fast, fast) if program.iterations <= 1 else (allocator.replay(
+                allocator_events(program, trace.nbytes, until=program.iteration_starts[1]), settings=settings,
+                host=host, streams=program.streams), fast)
         events: Iterable[tuple[int, int, int]] = allocator_events(program, trace.nbytes)
         if len(program.events) >= REPLAY_PROGRESS_FROM:  # seconds of replay: a bar (stderr, a terminal)
             events = reported(REPLAYING, events, len(program.events))
-        return allocator.replay(events, settings=settings, host=host, streams=program.streams)
+        if program.iterations > 1:  # the first iteration's stats read off the same replay
+            return allocator.replay_with_prefix(events, program.iteration_starts[1], settings=settings, host=host,
+                                                streams=program.streams)
+        stats = allocator.replay(events, settings=settings, host=host, streams=program.streams)
+        return stats, stats
     except allocator.KeyStateError as exc:
         uid = program.storage(exc.key) if isinstance(exc.key, int) else -1
         if not 0 <= uid < trace.num_storages:
@@ -723,7 +732,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
     settings = step.allocator_settings
     host = not step.emulate_cuda  # the CPU target: what the CPU allocator counts, unrounded
     program = _program_of(traced)
-    stats = _replayed(program, trace, settings, host)
+    first, stats = _replayed(program, trace, settings, host)
     peak_index = max(stats.peak_index, 0)
     raw = category_totals_at(program, trace.nbytes, traced.categories, peak_index)
     breakdown = ByteBreakdown(
@@ -732,8 +741,6 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         activations=raw[Category.ACTIVATIONS], workspace=raw[Category.WORKSPACE], kv_cache=raw[Category.KV_CACHE],
         peak_allocated=stats.peak_allocated,
     )
-    first = allocator.replay(allocator_events(program, trace.nbytes, until=program.iteration_starts[1]),
-                             settings=settings, host=host, streams=program.streams) if program.iterations > 1 else stats
     spec = step.optimizer
     module = resolved.module
     training = mode is Mode.TRAIN

@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import InternalError, MemcalcError, symbolic_execution_error
+from memcalc.engine.meta_shortcuts import batch_norm_backward_outputs, batch_norm_outputs
 
 __all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle", "ShapeSized", "SizeRule",
            "StepTrace", "StorageTracer", "tensors_of")
@@ -49,6 +50,10 @@ _READ_VALUE: Final = torch.ops.aten._local_scalar_dense.default
 _NONZERO: Final = torch.ops.aten.nonzero.default
 #: The op behind ``.tolist()`` and ``.cpu()``: a copy to the host, which a meta tensor cannot give.
 _TO_COPY: Final = torch.ops.aten._to_copy.default
+#: Ops whose outputs are made without their meta kernel where known exactly, by id
+#: (:mod:`memcalc.engine.meta_shortcuts`; the ops are held by torch.ops, so their ids stay theirs).
+_SHORTCUTS: Final = {id(torch.ops.aten.native_batch_norm.default): batch_norm_outputs,
+                     id(torch.ops.aten.native_batch_norm_backward.default): batch_norm_backward_outputs}
 #: Ops whose real kernel hands back its argument's memory (the position given) but whose meta
 #: kernel allocates: the tracer runs them as a view. ``_c10d_functional::_wrap_tensor_autograd``
 #: wraps a collective's output in an AsyncCollectiveTensor, and ``_c10d_functional::wait_tensor``
@@ -184,6 +189,9 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                              module=self.modules.current, phase=self.phase.value, stage="while tracing")
 
     def _run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        shortcut = _SHORTCUTS.get(id(func))
+        if shortcut is not None and (outputs := shortcut(args, kwargs)) is not None:
+            return outputs  # its meta kernel is a slow Python decomposition (engine.meta_shortcuts)
         try:
             return func(*args, **kwargs)
         except Exception as exc:  # any failure of a meta kernel ends the estimate, named

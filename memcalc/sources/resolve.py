@@ -54,6 +54,7 @@ from memcalc.core.losses import LossChoice, LossKind
 from memcalc.engine.compiled import is_compiled_module, uncompiled
 from memcalc.engine.model import InputsLike, ModelInputs, ResolvedModel, bind_inputs
 from memcalc.sources.inputs import Asked, as_inputs, check_batch_fits, input_maker, requested_shape
+from memcalc.sources.meta_init import MetaRandomFillsSkipped
 from memcalc.sources.twin import check_supported_modules, materialise_lazy, meta_twin, own_copy
 from memcalc.sources.user_code import Example, load_from_file, load_from_module, name_the_factory
 from memcalc.stacks.transformers.attention import attention_note, check_supported, implementation_name
@@ -428,7 +429,8 @@ def _resolve_factory(factory: Callable[[], object], name: str, asked: Asked, exa
                 hint="A factory must return the model (an nn.Module instance).")
         return module
 
-    module = make(META)
+    with MetaRandomFillsSkipped():
+        module = make(META)
     check_supported_modules(module, name)
     if _has_real_storage(module):  # the factory chose a device itself: estimate on a twin
         module = meta_twin(module)
@@ -454,7 +456,8 @@ def _declared_decoder(module: nn.Module) -> bool | None:
 
 def _build_on_meta(build: _Builder, name: str) -> tuple[nn.Module, _Inputs]:
     try:
-        return build(META)
+        with MetaRandomFillsSkipped():
+            return build(META)
     except Exception as exc:
         raise ModelSourceError(f"building {name} failed: {type(exc).__name__}: {exc}") from exc
 

@@ -1,0 +1,91 @@
+"""Outputs of aten ops whose meta kernel is a slow Python reference, made directly where they are
+known exactly (batch norm forward and backward, in training).
+
+``native_batch_norm``'s meta kernel is torch's decomposition (``torch._decomp``'s
+``native_batch_norm_helper``: ``var_mean``, a rsqrt and four elementwise ops through
+``torch._refs``), about 1.8 ms a call: with its backward, a quarter of a resnet50 estimate. In
+training, on a dense input of a floating type the decomposition computes in float32, its outputs
+are the normalised input (the input's shape, strides and dtype: elementwise ops keep a dense
+operand's layout, then ``.to(input.dtype)``) and the batch mean and inverse standard deviation
+(``(C,)``, float32, each its own storage of C elements); the running statistics it updates in
+place make no storage. Those are made here with ``torch.empty_strided``; any other call (eval, a
+non-dense input, float64, keyword arguments) runs the kernel. The backward's gradients, asked
+all three with a weight, are the input's layout and two ``(C,)`` in the weight's float32, except
+where a channels-last input's strides also describe the standard layout (size-1 spatial
+dimensions): the kernel then answers standard strides, and runs. tests/test_meta_shortcuts.py
+compares both, storage for storage, over the dimensions, layouts, dtypes and affine settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
+
+__all__ = ("batch_norm_backward_outputs", "batch_norm_outputs")
+
+_BATCH_NORM_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+def batch_norm_outputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...] | None:
+    """``aten.native_batch_norm.default``'s outputs for ``args``, or None where the kernel must run."""
+    if kwargs or len(args) != 8:
+        return None
+    x, weight, bias, running_mean, running_var, training = args[:6]
+    if training is not True or not isinstance(x, torch.Tensor) or not x.is_meta or not 2 <= x.dim() <= 5:
+        return None
+    if x.dtype not in _BATCH_NORM_DTYPES or x.numel() == 0 or not _dense(x):
+        return None
+    channels = x.shape[1]
+    for extra in (weight, bias, running_mean, running_var):
+        if extra is not None and (not isinstance(extra, torch.Tensor) or not extra.is_meta or extra.dim() != 1
+                                  or extra.shape[0] != channels or extra.dtype not in _BATCH_NORM_DTYPES):
+            return None
+    output = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    mean = torch.empty((channels,), dtype=torch.float32, device=x.device)
+    invstd = torch.empty((channels,), dtype=torch.float32, device=x.device)
+    return output, mean, invstd
+
+
+def batch_norm_backward_outputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...] | None:
+    """``aten.native_batch_norm_backward.default``'s outputs for ``args`` (training, all three
+    gradients asked, a weight, a gradient laid out as the input, an unambiguous layout: the
+    input's gradient takes the input's strides, the weight's and bias's are ``(C,)`` in the
+    weight's dtype), or None where the kernel must run."""
+    if kwargs or len(args) != 10:
+        return None
+    grad, x, weight, _mean, _var, save_mean, save_invstd, training, _eps, mask = args
+    if training is not True or list(mask) != [True, True, True] or not isinstance(weight, torch.Tensor):
+        return None
+    if not isinstance(x, torch.Tensor) or not isinstance(grad, torch.Tensor) or not x.is_meta or not grad.is_meta:
+        return None
+    if not 2 <= x.dim() <= 5 or x.dtype not in _BATCH_NORM_DTYPES or grad.dtype != x.dtype or x.numel() == 0:
+        return None
+    shape, strides = tuple(x.shape), x.stride()
+    if tuple(grad.shape) != shape or grad.stride() != strides:
+        return None
+    contiguous = make_contiguous_strides_for(shape)
+    # a channels-last input whose strides also describe the standard layout (size-1 spatial
+    # dimensions) gets standard strides from the kernel: left to it
+    if strides != contiguous and not (x.dim() in (4, 5) and strides == make_channels_last_strides_for(shape)
+                                      and not x.is_contiguous()):
+        return None
+    channels = shape[1]
+    for extra in (weight, save_mean, save_invstd):
+        if not isinstance(extra, torch.Tensor) or not extra.is_meta or extra.dim() != 1 or extra.shape[0] != channels:
+            return None
+    if weight.dtype is not torch.float32 or save_mean.dtype is not torch.float32:
+        return None
+    grad_input = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
+    return (grad_input, torch.empty((channels,), dtype=weight.dtype, device=x.device),
+            torch.empty((channels,), dtype=weight.dtype, device=x.device))
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Strided exactly as a fresh tensor of the standard layout or a channels-last one (the layouts
+    the outputs keep; a size-1 dimension's stride, free in ``is_contiguous``, is checked too)."""
+    shape, strides = tuple(x.shape), x.stride()
+    if strides == make_contiguous_strides_for(shape):
+        return True
+    return x.dim() in (4, 5) and strides == make_channels_last_strides_for(shape)

@@ -1,0 +1,111 @@
+"""The outputs memcalc.engine.meta_shortcuts makes without a meta kernel are the kernel's own,
+storage for storage (issue 36, the per-op cost): compared with ``aten.native_batch_norm`` run on
+meta over dimensions, layouts (size-1 spatial dimensions, whose layouts are ambiguous, included),
+dtypes, affine and running-statistics settings; the calls it leaves to the kernel are left."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from memcalc.engine.meta_shortcuts import batch_norm_backward_outputs, batch_norm_outputs
+
+aten = torch.ops.aten
+CHANNELS = 3
+SHAPES = {2: (4, CHANNELS), 3: (4, CHANNELS, 5), 4: (4, CHANNELS, 5, 6), 5: (4, CHANNELS, 2, 5, 6)}
+
+
+def _input(dim: int, layout: str, dtype: torch.dtype, size_one: bool) -> torch.Tensor:
+    shape = tuple(1 if size_one and i >= 2 else n for i, n in enumerate(SHAPES[dim]))
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last if dim == 4 else torch.channels_last_3d)
+    return x
+
+
+def _described(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.storage_offset(), t.untyped_storage().nbytes())
+
+
+CASES = [(dim, layout, dtype, size_one, affine, stats)
+         for dim, layout, dtype, size_one, affine, stats in itertools.product(
+             SHAPES, ("contiguous", "channels_last"), (torch.float32, torch.float16, torch.bfloat16), (False, True),
+             (None, torch.float32, "input"), (False, True))
+         if layout == "contiguous" or dim in (4, 5)]
+
+
+@pytest.mark.parametrize(("dim", "layout", "dtype", "size_one", "affine", "stats"), CASES)
+def test_batch_norm_outputs_are_the_kernels(dim: int, layout: str, dtype: torch.dtype, size_one: bool,
+                                            affine: Any, stats: bool) -> None:
+    x = _input(dim, layout, dtype, size_one)
+    affine_dtype = dtype if affine == "input" else affine
+    weight = None if affine is None else torch.empty(CHANNELS, dtype=affine_dtype, device="meta")
+    bias = None if affine is None else torch.empty(CHANNELS, dtype=affine_dtype, device="meta")
+    mean = torch.empty(CHANNELS, device="meta") if stats else None
+    var = torch.empty(CHANNELS, device="meta") if stats else None
+    args = (x, weight, bias, mean, var, True, 0.1, 1e-5)
+    made = batch_norm_outputs(args, {})
+    assert made is not None
+    kernel = aten.native_batch_norm.default(*args)
+    assert [_described(t) for t in made] == [_described(t) for t in kernel]
+    # three storages of their own, as the kernel's (none aliases an input or another output)
+    inputs = {id(t.untyped_storage()) for t in args if isinstance(t, torch.Tensor)}
+    for outputs in (made, kernel):
+        storages = [t.untyped_storage() for t in outputs]
+        assert len({id(s) for s in storages}) == 3 and not inputs & {id(s) for s in storages}
+
+
+def test_the_other_calls_run_the_kernel() -> None:
+    x = _input(4, "contiguous", torch.float32, False)
+    stats = (torch.empty(CHANNELS, device="meta"), torch.empty(CHANNELS, device="meta"))
+    assert batch_norm_outputs((x, None, None, *stats, False, 0.1, 1e-5), {}) is None  # eval: outputs alias stats
+    assert batch_norm_outputs((x.double(), None, None, None, None, True, 0.1, 1e-5), {}) is None  # float64
+    assert batch_norm_outputs((x.transpose(2, 3), None, None, None, None, True, 0.1, 1e-5), {}) is None  # strided
+    assert batch_norm_outputs((x[:, :, ::2], None, None, None, None, True, 0.1, 1e-5), {}) is None  # a slice
+    assert batch_norm_outputs((x,), {"weight": None}) is None  # keywords
+    odd = torch.empty_strided((4, CHANNELS, 1, 1), (CHANNELS, 1, 7, 7), device="meta")  # contiguous, odd strides
+    assert odd.is_contiguous() and batch_norm_outputs((odd, None, None, None, None, True, 0.1, 1e-5), {}) is None
+
+
+BACKWARD_CASES = [(dim, layout, dtype, size_one, stats)
+                  for dim, layout, dtype, size_one, stats in itertools.product(
+                      SHAPES, ("contiguous", "channels_last"), (torch.float32, torch.float16, torch.bfloat16),
+                      (False, True), (False, True))
+                  if layout == "contiguous" or dim in (4, 5)]
+
+
+@pytest.mark.parametrize(("dim", "layout", "dtype", "size_one", "stats"), BACKWARD_CASES)
+def test_batch_norm_backward_outputs_are_the_kernels(dim: int, layout: str, dtype: torch.dtype, size_one: bool,
+                                                     stats: bool) -> None:
+    x = _input(dim, layout, dtype, size_one)
+    grad = torch.empty_like(x)
+    weight = torch.empty(CHANNELS, device="meta")
+    mean = torch.empty(CHANNELS, device="meta") if stats else None
+    var = torch.empty(CHANNELS, device="meta") if stats else None
+    saved = (torch.empty(CHANNELS, device="meta"), torch.empty(CHANNELS, device="meta"))
+    args = (grad, x, weight, mean, var, *saved, True, 1e-5, [True, True, True])
+    made = batch_norm_backward_outputs(args, {})
+    kernel = aten.native_batch_norm_backward.default(*args)
+    if made is None:  # only the ambiguous layout is left to the kernel
+        assert size_one and layout == "channels_last"
+        return
+    assert [_described(t) for t in made] == [_described(t) for t in kernel]
+    storages = {id(t.untyped_storage()) for t in (*made, *args[:7]) if isinstance(t, torch.Tensor)}
+    assert len(storages) == 3 + 5 + 2 * stats  # the three gradients' storages are their own
+
+
+def test_the_other_backward_calls_run_the_kernel() -> None:
+    x = _input(4, "contiguous", torch.float32, False)
+    c = (torch.empty(CHANNELS, device="meta"),) * 3
+    assert batch_norm_backward_outputs((x, x, c[0], None, None, c[1], c[2], True, 1e-5, [True, False, False]), {}) \
+        is None  # a gradient not asked for
+    assert batch_norm_backward_outputs((x, x, None, None, None, c[1], c[2], True, 1e-5, [True, True, True]), {}) \
+        is None  # no weight
+    assert batch_norm_backward_outputs((x, x, c[0], None, None, c[1], c[2], False, 1e-5, [True, True, True]), {}) \
+        is None  # eval
+    other = x.to(memory_format=torch.channels_last)
+    assert batch_norm_backward_outputs((other, x, c[0], None, None, c[1], c[2], True, 1e-5, [True, True, True]), {}) \
+        is None  # the gradient laid out otherwise
