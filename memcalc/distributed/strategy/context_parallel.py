@@ -20,11 +20,12 @@ loads before ``context_parallel`` shards it (``buffer.resize_(shard.shape)`` kee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.report import Shard
-from memcalc.distributed.program import RankProgram
+from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.ring_attention import RingAttentionProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, every_rank, register, sharding
 from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
@@ -54,8 +55,13 @@ class ContextParallel(DpShard):
 
         balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
 
-        def ring(resolved: ResolvedModel) -> RankProgram:
-            return RingAttentionProgram(cp, fsdp(resolved), load_balanced=balanced)
+        def ringed(inner: Callable[[ResolvedModel], RankProgram] | None) -> Callable[[ResolvedModel], RankProgram]:
+            def ring(resolved: ResolvedModel) -> RankProgram:
+                # after tp (torchtitan's order): FSDP2 over its DTensors, the ring around both
+                sharded = fsdp(resolved) if inner is None else StackedProgram(inner(resolved), fsdp(resolved))
+                return RingAttentionProgram(cp, sharded, load_balanced=balanced)
+
+            return ring
 
         if dp_shard > 1:
             notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
@@ -65,8 +71,10 @@ class ContextParallel(DpShard):
                                                                    "does when 2 x cp does not divide the sequence)")
                  + "; ring attention all-gathers K/V (rotate_method=allgather), merges in float32"]
         shards = (Shard(MODEL_STATES, self.name, cp), Shard(("sequence",), self.name, cp))
-        roles = tuple(replace(role, program=ring, seq_len=seq_len, sharding=sharding(role.sharding, *shards))
-                      for role in plan.roles)
+        roles = tuple(replace(role, program=ringed(role.program), seq_len=seq_len,
+                              sharding=sharding(role.sharding, *shards)) for role in plan.roles)
+        if any(role.program is not None for role in plan.roles):
+            notes[0] += " of each rank's tensor-parallel DTensor shards (dim 0 of the local shard)"
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
     def _local_seq_len(self, step: Step) -> int:
