@@ -10,6 +10,8 @@ merge buffers around each attention call. The parameters are replicated across `
 model's compute, but torchtitan shards them with FSDP2 over ``dp_shard × cp`` (``parallel_dims``:
 ``fsdp_enabled`` is ``dp_shard_enabled or cp_enabled``, the ``dp_shard_cp`` mesh), so this
 dimension wraps FSDP2 over that many ranks itself, and ``dp_shard`` only adds its batch share.
+After ``tp`` (torchtitan's order) FSDP2 is stacked on tp's program and the ring sees each tp rank's
+local ``H/tp`` heads.
 
 Not run for real: torch's ring attention handles the CUDA SDPA ops only (no gloo run on the CPU),
 so tests/test_context_parallel.py checks the ring's buffers against torch's ring attention run

@@ -15,11 +15,12 @@ the routing assumption (:func:`dispatch_rows`, stated in the report): balanced b
 capacity factor or the worst case on request.
 
 Every ep rank runs a batch of its own (the dense part is data parallel over them, as in
-transformers with ``tp_size=1``), so the global batch counts the ep ranks. Not modelled, and
-refused or stated by name: the dense gradients' synchronisation over the ep ranks (transformers
-composes EP with FSDP2 over the same ranks, ``efsdp``; torchtitan with ``dp_shard_mod_ep``), so
-``ep`` composes with no other dimension yet; the optimizer steps each DTensor's local shard, which
-allocates what stepping the DTensors would (tests/test_gloo_ep.py, a real two-process gloo run).
+transformers with ``tp_size=1``), so the global batch counts the ep ranks. With ``dp_shard``
+(torchtitan's MoE FSDP) dp_shard's FSDP2 is stacked on this program: each block's experts sharded
+over dp_shard (``dp_shard_mod_ep``), the dense part over dp_shard × ep (``dp_shard_cp``); a real
+four-process gloo run agrees to the byte. Alone, the dense gradients' synchronisation over the ep
+ranks is not modelled (stated); with other dimensions ep is refused by name. The optimizer steps
+each DTensor's local shard, which allocates what stepping the DTensors would (tests/test_gloo_ep.py).
 """
 
 from __future__ import annotations
@@ -264,6 +265,7 @@ class ExpertParallelDimension(RankStrategy):
         def program(resolved: ResolvedModel) -> RankProgram:
             return ExpertParallel(n, routing=routing, capacity_factor=factor, model_name=resolved.name)
 
+        shards: tuple[Shard, ...]
         if composed:  # dp_shard's FSDP2 shards the dense part over these ranks too
             shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
             dense = (f"the dense part sharded by FSDP2 over dp_shard x ep = {mesh.dp_shard * n} ranks (torchtitan's "

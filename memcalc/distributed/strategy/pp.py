@@ -12,7 +12,9 @@ stage's module ``fully_shard``-ed over the dp_shard sub-mesh (every block and th
 backward and syncing once in ``perform_reduce_grad``: a stage holds its unsharded parameters and
 gradients from its first forward to the end of its last backward (GPipe, 1F1B and
 Interleaved1F1B; the zero-bubble and V schedules with dp_shard are refused by name). The dp_shard ranks of one
-stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order).
+stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order). With
+``dp_replicate`` too the stages are HSDP (the replicas' all-reduce is in place); without dp_shard
+(DDP stages) it is refused by name.
 
 With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
 parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it

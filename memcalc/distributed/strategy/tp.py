@@ -15,8 +15,9 @@ DTensor parameters (:class:`~memcalc.distributed.program.StackedProgram`; dp_sha
 its program on this one): FSDP2 shards each rank's local tp shard on dim 0 and all-gathers it
 back, so a rank holds 1/(dp_shard·tp) of the planned parameters. Checked against real 4-process
 gloo runs on a 2×2 mesh (tests/test_gloo_fsdp_tp.py). Inside pipeline stages (``pp``, which runs
-the whole step) the pipeline applies it (:mod:`memcalc.distributed.tp_stages`). With cp, ep or
-dp_replicate alone tp is refused by name: tracing one dimension alone would understate a rank.
+the whole step) the pipeline applies it (:mod:`memcalc.distributed.tp_stages`). With ``cp`` the
+ring goes around this program and FSDP2 over dp_shard × cp (cp's file). With ep or dp_replicate
+alone tp is refused by name: tracing one dimension alone would understate a rank.
 """
 
 from __future__ import annotations
