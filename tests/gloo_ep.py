@@ -15,6 +15,13 @@ top-k indices in place (no allocation; the pattern is made in the warm-up step) 
 its share when ``E`` divides ``tokens · k`` (a token's ``k`` experts distinct while ``k <= E``): the
 balanced routing; ``spread = E/ep`` sends every pair of every rank to rank 0's experts (while
 ``k <= E/ep``): the worst case, for rank 0.
+
+With ``dp_shard`` above 1 the run composes FSDP2 with expert parallelism as torchtitan does for its
+MoE models (``torchtitan/models/llama4/infra/parallelize.py``, ``apply_fsdp``): a ``(dp_shard, ep,
+tp=1)`` mesh; the experts split over ``ep`` by transformers' ``apply_expert_parallelism`` and each
+block's experts module ``fully_shard``-ed over the ``dp_shard`` sub-mesh (torchtitan's
+``dp_shard_mod_ep``: the ranks that hold the same experts), then every block and the root over all
+``dp_shard × ep`` ranks (torchtitan's ``dp_shard_cp``): the same units as memcalc's.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from torch import nn
 
 
 def run_ep(source: str, kwargs: dict[str, Any], work_dir: Path, *, world_size: int = 2, spread: int | None = None,
-           timeout_s: float = 300.0) -> list[RankPeak]:
+           dp_shard: int = 1, timeout_s: float = 300.0) -> list[RankPeak]:
     """The step of ``memcalc.estimate(source, **kwargs)`` run for real on ``world_size`` ranks
     with the experts split over them, pairs routed to ``spread`` experts (None: all; module
     docstring); each rank's peak.
@@ -39,16 +46,16 @@ def run_ep(source: str, kwargs: dict[str, Any], work_dir: Path, *, world_size: i
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    spawn_ranks(_worker, world_size, (source, kwargs, spread, str(work_dir)), timeout_s)
+    spawn_ranks(_worker, world_size, (source, kwargs, spread, dp_shard, str(work_dir)), timeout_s)
     return [RankPeak(**json.loads((work_dir / f"ep-rank{rank}.json").read_text())) for rank in range(world_size)]
 
 
 def _worker(rank: int, world_size: int, port: int, source: str, kwargs: dict[str, Any], spread: int | None,
-            work_dir: str) -> None:
+            dp_shard: int, work_dir: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        result = _run(source, kwargs, world_size, spread)
+        result = _run(source, kwargs, world_size, spread, dp_shard)
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"ep-rank{rank}.json").write_text(json.dumps(result.__dict__))
@@ -77,7 +84,7 @@ def route(model: nn.Module, spread: int | None = None) -> int:
     return hooked
 
 
-def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | None) -> RankPeak:
+def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | None, dp_shard: int) -> RankPeak:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
     from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -90,9 +97,21 @@ def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | Non
     step = build_step(source, gpu="cpu", **kwargs)
     resolved = _resolve(step)
     module, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("ep", "tp"))
+    ep = world_size // dp_shard
+    mesh = init_device_mesh("cpu", (dp_shard, ep, 1), mesh_dim_names=("dp_shard", "ep", "tp"))
     plan = module._expand_parallel_plan(dict(module.ep_plan))
     apply_expert_parallelism(module, mesh["ep"], mesh["tp"], plan, ep_implementation="all_to_all")
+    if dp_shard > 1:  # torchtitan's apply_fsdp for MoE (module docstring)
+        from torch.distributed.fsdp import fully_shard
+
+        every = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
+        modules = dict(module.named_modules())
+        for name, style in plan.items():
+            if style == "ep_dispatch_experts":
+                fully_shard(modules[name], mesh=mesh["dp_shard"])
+        for block in modules[resolved.block_containers[0]]:
+            fully_shard(block, mesh=every)
+        fully_shard(module, mesh=every)
     assert route(module, spread) > 0
     config = _config(resolved, step, torch.device("cpu"))
     run_step(module, inputs, config)  # the warm-up

@@ -44,7 +44,10 @@ class PipelineCase:
     """One real run: ``schedule`` (torch's name: "GPipe", "1F1B") over ``microbatches``;
     ``dp_shard`` > 1: each stage ``fully_shard``-ed over that many ranks (a ``(pp, dp_shard)``
     device mesh, pp outermost as torchtitan orders it; every block and the stage's root
-    wrapped, ``reshard_after_forward=False`` as torchtitan's default under a pipeline)."""
+    wrapped, ``reshard_after_forward=False`` as torchtitan's default under a pipeline).
+    ``dp_replicate`` > 1 (with ``dp_shard``): HSDP stages, ``fully_shard`` over the 2-D
+    ``(dp_replicate, dp_shard)`` sub-mesh of a ``(pp, dp_replicate, dp_shard)`` mesh, as torchtitan
+    wraps them."""
 
     name: str
     schedule: str
@@ -52,6 +55,12 @@ class PipelineCase:
     dp_shard: int = 1
     #: stages per rank (2 for "Interleaved1F1B"): rank r holds stages r, r + pp, ... (torch's loop placement)
     stages_per_rank: int = 1
+    dp_replicate: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks that hold one stage."""
+        return self.dp_replicate * self.dp_shard
 
 
 def pipeline_model() -> BlockNet:
@@ -82,7 +91,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[PipelineCase], wo
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        results = {case.name: asdict(_run_case(case, rank, world_size // case.dp_shard)) for case in cases}
+        results = {case.name: asdict(_run_case(case, rank, world_size // case.data_parallel)) for case in cases}
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"pp-rank{rank}.json").write_text(json.dumps(results))
@@ -100,13 +109,14 @@ def _stage_module(model: BlockNet, rank: int, world_size: int) -> nn.Sequential:
 
 
 def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak:
-    """``world_size``: the pipeline ranks; the process's stage is its global rank // dp_shard."""
+    """``world_size``: the pipeline ranks; the process's stage is its global rank // (dp_replicate ·
+    dp_shard)."""
     from gloo_runs import FEATURES
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     torch.manual_seed(0)
-    rank = global_rank // case.dp_shard
+    rank = global_rank // case.data_parallel
     total = world_size * case.stages_per_rank
     indices = [rank + k * world_size for k in range(case.stages_per_rank)]
     model = pipeline_model()
@@ -116,12 +126,14 @@ def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world_size, case.dp_shard), mesh_dim_names=("pp", "dp_shard"))
+        mesh = init_device_mesh("cpu", (world_size, case.dp_replicate, case.dp_shard),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if case.dp_replicate > 1 else mesh["dp_shard"]  # HSDP: 2-D
         for stage_module in modules:
             for block in stage_module:
                 if isinstance(block, Block):
-                    fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=False)
-            fully_shard(stage_module, mesh=mesh["dp_shard"], reshard_after_forward=False)
+                    fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+            fully_shard(stage_module, mesh=dp_mesh, reshard_after_forward=False)
         group = mesh["pp"].get_group()
     stages = [PipelineStage(m, i, total, torch.device("cpu"), group=group) for m, i in zip(modules, indices)]
     schedule_cls = get_schedule_class(case.schedule)

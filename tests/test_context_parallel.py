@@ -26,6 +26,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.distributed import ring_attention as ring_module
 from memcalc.distributed.ring_attention import RingAttentionProgram, ring_backward_bytes, ring_forward_bytes
 from memcalc.distributed.setting import Distributed
 from memcalc.measure.step import _profiler_peak
@@ -190,3 +191,63 @@ def test_non_causal_attention_under_load_balancing_is_refused_and_sdpa_restored(
     assert result.exit_code == InapplicableOptionError.exit_code, result.output
     golden(result.output)
     assert torch.nn.functional.scaled_dot_product_attention is sdpa  # the patch undone
+
+
+# ============================================================================================
+# cp with tp: torchtitan's order (parallelize_module over tp, the ring over cp, FSDP2 over dp_shard x cp)
+# ============================================================================================
+
+
+def test_tp_x_cp_by_hand_the_ring_over_each_tp_ranks_heads(monkeypatch):
+    """No gloo run composes them: torch's ring has no CPU SDPA op (test above). What composes is
+    checked by hand and against tp x dp_shard at S/cp, which real 4-process gloo runs check
+    (tests/test_gloo_tp.py): a cp rank is that rank with the ring around its attention."""
+    from gloo_tp import LLAMA_SEQ, SMALL_LLAMA, small_llama
+
+    held: list[int] = []
+    workspace = RingAttentionProgram._workspace
+
+    def spy(self, nbytes, label):
+        held.append(nbytes)
+        return workspace(self, nbytes, label)
+
+    monkeypatch.setattr(RingAttentionProgram, "_workspace", spy)
+    options = dict(batch_size=4, optimizer="adam", loss="mean", gpu="cpu",
+                   loop=memcalc.Loop(optimizer_impl="foreach"))
+    both = memcalc.estimate(small_llama, seq_len=LLAMA_SEQ, distributed=Distributed(tp=2, cp=2), **options)
+    # each tp rank's attention: 4 heads / 2 = 2 of D 32, its 1 KV head repeated to 2; 32 / 2 = 16 tokens
+    # (cp), batch 4: Nq = Nkv = 4 · 2 · 16 · 32 = 4,096 elements, fp32
+    n = 4 * 2 * 16 * 32
+    forward = 2 * 2 * n * 4 + 2 * n * 4 + n * 4  # K/V of both cp ranks, the float32 merge
+    backward = 2 * 2 * n * 4 + 3 * n * 4 + 2 * 2 * n * 4 + 4 * n * 4  # K/V, accumulators, dkv ring, a step
+    shape = torch.Size((4, 2, 16, 32))
+    assert (forward, backward) == (ring_forward_bytes(shape, shape, 4, 2), ring_backward_bytes(shape, shape, 4, 2))
+    assert Counter(held) == {114_688: SMALL_LLAMA.num_layers, 245_760: SMALL_LLAMA.num_layers}
+    (role,) = both.roles
+    # torchtitan's Llama plan over tp (tests/test_mesh_3d.py's layer), then FSDP2 over the 2 cp ranks
+    v, d = SMALL_LLAMA.vocab_size, SMALL_LLAMA.hidden_size
+    kv, f = SMALL_LLAMA.num_kv_heads * SMALL_LLAMA.head_dim, SMALL_LLAMA.intermediate_size
+    layer = (d * d + 2 * kv * d + d * d + 3 * d * f) // 2 + 2 * d
+    assert role.report.textbook.parameter_bytes == 4 * (v * d // 2 + 2 * layer + d + v * d // 2) // 2 == 619_776
+    assert role.ranks == (0, 1, 2, 3) and both.global_batch_size == 4  # the cp and tp ranks share samples
+    assert [s.describe() for s in role.sharding] == [
+        "params, grads, optimizer /2 (tp)", "params, grads, optimizer /2 (cp)", "sequence /2 (cp)"]
+    # without the ring, the same rank is tp=2 x dp_shard=2 at 16 tokens (checked against real gloo runs)
+    held.clear()
+    half = memcalc.estimate(small_llama, seq_len=LLAMA_SEQ // 2, distributed=Distributed(tp=2, dp_shard=2),
+                            **options)
+    assert held == []
+    (half_role,) = half.roles
+    assert role.model_states == half_role.model_states
+    # the ring's buffers left out, the step is that step, to the byte
+    monkeypatch.setattr(ring_module, "ring_forward_bytes", lambda *_args: 0)
+    monkeypatch.setattr(ring_module, "ring_backward_bytes", lambda *_args: 0)
+    ringless = memcalc.estimate(small_llama, seq_len=LLAMA_SEQ, distributed=Distributed(tp=2, cp=2), **options)
+    assert ringless.roles[0].report.peak_requested == half_role.report.peak_requested
+    assert role.report.peak_requested > half_role.report.peak_requested
+    monkeypatch.undo()
+    # and dp_shard around both: FSDP2 over dp_shard x cp = 4 ranks
+    three = memcalc.estimate(small_llama, seq_len=LLAMA_SEQ, distributed=Distributed(dp_shard=2, tp=2, cp=2),
+                             **options)
+    assert three.roles[0].report.textbook.parameter_bytes == 619_776 // 2
+    assert three.roles[0].ranks == tuple(range(8)) and three.global_batch_size == 8

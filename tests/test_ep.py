@@ -86,6 +86,26 @@ def test_experts_model_states_per_rank_by_hand(tiny: str, ep: int) -> None:
     assert any("balanced routing" in note for note in report.notes)
 
 
+def test_ep_x_dp_shard_model_states_per_rank_by_hand(tiny: str) -> None:
+    # torchtitan's MoE FSDP: each block's experts over the 2 dp_shard ranks holding the same experts, the
+    # dense rest over all 2 x 2 ranks. Every dense dim 0 divides by 4 (embedding and head 256 rows; per
+    # layer q, o 64, k, v 32, the router 4, two norms 64; the final norm 64): no padding
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu",
+                              distributed=memcalc.Distributed(dp_shard=2, ep=2))
+    (role,) = report.roles
+    layer = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 4 * 64 + 2 * 64
+    dense = 2 * 256 * 64 + 64 + 2 * layer
+    assert dense == PARAMETERS - EXPERTS == 58_176
+    experts = 2 * (2 * 128 * 64 + 64 * 128) * 4 // 2 // 2  # 2 layers, 4 experts, /2 (ep), /2 (dp_shard)
+    held = dense // 4 + experts
+    assert held == 14_544 + 49_152 == 63_696
+    assert role.report.textbook.parameter_bytes == 4 * held
+    assert role.model_states == 16 * held  # Adam, at the optimizer step
+    assert role.ranks == (0, 1, 2, 3) and report.global_batch_size == 2 * 4  # a batch per rank
+    assert [s.describe() for s in role.sharding] == ["experts, dense model states, batch /2 (ep)",
+                                                     "params, grads, optimizer, batch /2 (dp_shard)"]
+
+
 @pytest.mark.parametrize("ep, routing, rows", [
     # 2 · 16 = 32 tokens · top-2 = 64 pairs of d 64, fp32: 64 · 64 · 4 B = 16 KiB per all-to-all output;
     # per layer the dispatch (rows received) and the combine (the rank's 64 rows back), and their two in
@@ -116,8 +136,16 @@ def test_worst_routing_holds_more_than_balanced(tiny: str) -> None:
 # ---- refusals ---------------------------------------------------------------------------------------
 
 def test_ep_with_another_dimension_is_refused_by_name(tiny: str) -> None:
-    with pytest.raises(InapplicableOptionError, match=r"ep=2 with dp_shard=2 is not modelled yet"):
-        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, dp_shard=2))
+    with pytest.raises(InapplicableOptionError, match=r"ep=2 with tp=2 is not modelled yet"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, tp=2))
+
+
+@pytest.mark.parametrize("ep, dp_shard", [(2, 4), (4, 2)])
+def test_more_dp_shard_ranks_than_local_experts_is_refused_by_name(tiny: str, ep: int, dp_shard: int) -> None:
+    # torchtitan shards the experts on dim 1 then (_experts_shard_placement_fn); memcalc shards dim 0 only
+    with pytest.raises(InapplicableOptionError, match=rf"dp_shard={dp_shard} with ep={ep}: each ep rank holds "
+                                                      rf"{4 // ep} experts"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=ep, dp_shard=dp_shard))
 
 
 def test_a_model_without_an_expert_plan_is_refused_by_name() -> None:

@@ -10,6 +10,11 @@ step peaks). Measured on torch 2.13 / transformers 5.24 (2026-11-28), to the byt
 ranks 5,762,392 B real and estimated; every pair to rank 0's experts (the worst case), rank 0
 8,257,112 B real and estimated (rank 1, which then receives nothing, 3,386,242 B). With Adam at
 batch 2 · 16, balanced: 2,767,436 B real less Adam's step counters, 2,767,424 B estimated.
+
+Composed with FSDP2 as torchtitan composes them (``Distributed(dp_shard=2, ep=2)``, four processes:
+the experts over ep, each block's experts ``fully_shard``-ed over dp_shard, the dense part over all
+four; tests/gloo_ep.py): the same case, every rank 5,573,272 B real and estimated; with Adam at batch
+2 · 16, every rank 1,990,236 B real less the step counters, 1,990,224 B estimated (2026-12-06).
 """
 
 from __future__ import annotations
@@ -56,3 +61,20 @@ def test_ep_matches_real_gloo_ranks(tmp_path: Path, routing: str, spread: int | 
         worst = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(ep=WORLD, routing="worst"),
                                  **KWARGS)
         assert worst.roles[0].report.peak_requested > (1 + TOLERANCE) * peaks[0].peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    KWARGS,  # every rank 5,573,272 B real and estimated
+    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 1,990,236 B real less the counters, 12 B over
+], ids=["sgd", "adam"])
+def test_ep_x_dp_shard_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    source = hf_config_source(tmp_path, TINY_MIXTRAL)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_shard=2, ep=2), **kwargs)
+    (role,) = report.roles
+    assert role.ranks == (0, 1, 2, 3)
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, kwargs, tmp_path, world_size=4, dp_shard=2)
+    for rank, peak in enumerate(peaks):
+        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
+        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"

@@ -105,3 +105,30 @@ def test_pipeline_with_dp_shard_against_a_real_gloo_run(sharded_real_peaks, case
         error = (mine - real) / real
         print(f"{case.name} rank {rank}: real {real:,} B, estimate {mine:,} B, {error:+.3%}")
         assert abs(error) <= TOLERANCE, f"rank {rank}: estimate {mine:,} B, real {real:,} B ({error:+.3%})"
+
+
+#: pp=2 x dp_replicate=2 x dp_shard=2 on eight processes: HSDP stages (tests/gloo_pipeline.py), ranks
+#: 0-3 the first stage, 4-7 the second (torchtitan's mesh order: pp, dp_replicate, dp_shard).
+HSDP_CASES = [PipelineCase("1f1b-hsdp", "1F1B", MICROBATCHES, DP_SHARD, dp_replicate=2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", HSDP_CASES, ids=lambda case: case.name)
+def test_pipeline_with_hsdp_stages_against_a_real_gloo_run(tmp_path: Path, case: PipelineCase) -> None:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    world = WORLD * case.data_parallel
+    peaks = run_pipeline_cases([case], tmp_path, world_size=world, timeout_s=600.0)[case.name]
+    setting = memcalc.Distributed(pp=WORLD, dp_replicate=case.dp_replicate, dp_shard=case.dp_shard,
+                                  pp_schedule=case.schedule, microbatches=case.microbatches)
+    report = memcalc.estimate(pipeline_model, input_shape=(POSITIONS, FEATURES), batch_size=BATCH, optimizer="adam",
+                              loss="mean", gpu="cpu", loop=memcalc.Loop(optimizer_impl="foreach"),
+                              distributed=setting)
+    by_rank = {rank: role for role in report.roles for rank in role.ranks}
+    assert sorted(by_rank) == list(range(world))
+    for rank, measured in enumerate(peaks):
+        real = measured.step_peak
+        mine = by_rank[rank].report.peak_requested
+        error = (mine - real) / real
+        print(f"{case.name} rank {rank}: real {real:,} B, estimate {mine:,} B, {error:+.3%}")
+        assert abs(error) <= TOLERANCE, f"rank {rank}: estimate {mine:,} B, real {real:,} B ({error:+.3%})"

@@ -60,7 +60,7 @@ def test_pipeline_options_are_checked_and_refused_where_ignored() -> None:
 
 
 def test_a_pipeline_composed_with_another_dimension_is_refused_by_name() -> None:
-    for degrees, name in ((dict(dp_replicate=2), "dp_replicate"), (dict(cp=2), "cp")):
+    for degrees, name in ((dict(ep=2), "ep"), (dict(cp=2), "cp")):
         setting = memcalc.Distributed(pp=2, dp_shard=2, **degrees)
         with pytest.raises(InapplicableOptionError, match=f"pp composed with {name} is not modelled yet"):
             memcalc.estimate(pipeline_model, batch_size=BATCH, distributed=setting, **_OPTIONS)
@@ -99,6 +99,34 @@ def test_pp_with_dp_shard_shards_each_stage_by_hand() -> None:
         at_peak = role.report.bytes
         assert role.report.peak_phase.value == "backward"
         assert (at_peak.parameters, at_peak.gradients, at_peak.optimizer_state) == (gathered + shard, params, 2 * shard)
+
+
+def test_pp_with_hsdp_stages_by_hand() -> None:
+    # dp_replicate around each stage's dp_shard group (HSDP, torchtitan's 2-D fully_shard): a rank holds
+    # what it holds under pp=2 x dp_shard=2 (the replicas' all-reduce is in place), runs a batch of its
+    # own, and is numbered pp, dp_replicate, dp_shard from the outside in
+    options = dict(batch_size=BATCH, **_OPTIONS)
+    hsdp = memcalc.estimate(pipeline_model, distributed=memcalc.Distributed(pp=2, dp_replicate=2, dp_shard=2,
+                                                                            microbatches=4), **options)
+    fsdp = memcalc.estimate(pipeline_model, distributed=memcalc.Distributed(pp=2, dp_shard=2, microbatches=4),
+                            **options)
+    assert hsdp.world_size == 8 and hsdp.global_batch_size == 4 * BATCH
+    assert [role.ranks for role in hsdp.roles] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [role.model_states for role in hsdp.roles] == [4 * b for b in STAGE_SHARDS]
+    assert [r.report.peak_requested for r in hsdp.roles] == [r.report.peak_requested for r in fsdp.roles]
+    assert [s.describe() for s in hsdp.roles[0].sharding] == [
+        "blocks /2 (pp)", "params, grads, optimizer, batch /2 (dp_shard)", "batch /2 (dp_replicate)"]
+    assert any(note.startswith("HSDP: 2 replicas") for note in hsdp.notes)
+
+
+def test_pp_with_dp_replicate_alone_is_refused_by_name() -> None:
+    # DDP stages: torch's PipelineStage runs them (no_sync until the last backward), torchtitan does not
+    setting = memcalc.Distributed(pp=2, dp_replicate=2)
+    with pytest.raises(InapplicableOptionError, match=r"pp=2 with dp_replicate=2 alone \(DDP stages\)"):
+        memcalc.estimate(pipeline_model, batch_size=BATCH, distributed=setting, **_OPTIONS)
+    setting = memcalc.Distributed(pp=2, dp_replicate=2, dp_shard=2, bucket_cap_mb=50)
+    with pytest.raises(InapplicableOptionError, match="bucket_cap_mb and gradient_as_bucket_view are DDP's"):
+        memcalc.estimate(pipeline_model, batch_size=BATCH, distributed=setting, **_OPTIONS)
 
 
 @pytest.mark.slow  # a transformer's two pipeline ranks, each through 4 microbatches: about 30 s

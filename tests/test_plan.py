@@ -305,6 +305,9 @@ def test_one_predicate_says_which_compositions_are_modelled(monkeypatch):
     step = build_step("llama-tiny", batch_size=1, seq_len=64)
     assert planning.refusal(step, Mesh(pp=2, dp_shard=2)) is None
     assert planning.refusal(step, Mesh(dp_shard=2, tp=2)) is None
+    assert planning.refusal(step, Mesh(pp=2, dp_replicate=2, dp_shard=2)) is None  # HSDP stages
+    why = planning.refusal(step, Mesh(pp=2, dp_replicate=2))
+    assert why is not None and "dp_replicate=2 alone (DDP stages)" in why
     pipeline = DIMENSIONS["pp"]
     if "tp" in pipeline.composes_with:
         return  # pp × tp has landed: nothing left to show

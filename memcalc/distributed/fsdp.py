@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,10 +51,14 @@ class Unit:
     #: ``fully_shard(model, reshard_after_forward=True)``): torch then reshards it after each forward
     #: too, where a root left to its default stays unsharded until backward.
     reshards_as_given: bool = False
+    #: The ranks this unit is sharded over; None: the program's. An expert-parallel model's experts
+    #: (``--mesh dp_shard=N,ep=E``) are sharded over the dp_shard ranks that hold the same experts,
+    #: the rest over all ``N × E`` (torchtitan's ``dp_shard_mod_ep`` and ``dp_shard_cp`` meshes).
+    world_size: int | None = None
 
 
 def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[str] = (),
-               root: str | None = None) -> list[Unit]:
+               root: str | None = None, inner: Mapping[str, int] | None = None) -> list[Unit]:
     """``fully_shard`` on every block of ``containers`` (a zoo model's transformer layers or
     ResNet blocks) and on the root. Without containers: on the items of the model's
     outermost ``nn.ModuleList``s (how transformer layers are held), else on every direct
@@ -62,7 +66,8 @@ def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[
     each (:attr:`Unit.own_root`). ``root``: the submodule that is the trained model's FSDP root,
     sharded as accelerate shards it (:attr:`Unit.reshards_as_given`), for a module whose forward
     calls it several times (TRL's GRPO step: every generate() step, the scoring and the training
-    forward); None: ``module`` itself."""
+    forward); None: ``module`` itself. ``inner``: submodules (a block's experts) ``fully_shard``-ed
+    before their block, each over the given number of ranks (:attr:`Unit.world_size`)."""
     paths = list(containers) or _module_lists(module)
     blocks: list[tuple[str, nn.Module]] = []
     for path in paths:
@@ -78,12 +83,20 @@ def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[
         members = tuple(model.modules())
         claimed.update(id(m) for m in members)
         units.append(Unit(path, model, members, own_root=True))
+    inner_left = dict(inner or {})
     for name, block in blocks:
         if id(block) in claimed:  # a block of a separate model, which is one unit
             continue
+        for path in [p for p in inner_left if p.startswith(f"{name}.")]:
+            sub = module.get_submodule(path)
+            members = tuple(m for m in sub.modules() if id(m) not in claimed)
+            claimed.update(id(m) for m in members)
+            units.append(Unit(path, sub, members, world_size=inner_left.pop(path)))
         members = tuple(m for m in block.modules() if id(m) not in claimed)
         claimed.update(id(m) for m in members)
         units.append(Unit(name, block, members))
+    if inner_left:
+        raise ValueError(f"inner units outside every block: {', '.join(inner_left)}")
     root_members = tuple(m for m in module.modules() if id(m) not in claimed)
     if root is not None:
         units.append(Unit(root, module.get_submodule(root), root_members, reshards_as_given=True))
@@ -300,7 +313,8 @@ class ShardedProgram(RankProgram):
                         continue
                     param = by_param.get(id(original))
                     if param is None:
-                        param = by_param[id(original)] = self._shard(original, id(original) in persist)
+                        param = by_param[id(original)] = self._shard(original, unit.world_size or self.world_size,
+                                                                     id(original) in persist)
                         self.params.append(param)
                     if param.owner is None:
                         param.owner = state
@@ -340,8 +354,7 @@ class ShardedProgram(RankProgram):
             return False  # FSDP2's lazy init: the root is not resharded after forward
         return self.reshard_after_forward
 
-    def _shard(self, original: nn.Parameter, persistent: bool = False) -> _Param:
-        n = self.world_size
+    def _shard(self, original: nn.Parameter, n: int, persistent: bool = False) -> _Param:
         dtype = self.sharded_dtype or original.dtype
         local = _local(original)  # a tensor-parallel DTensor: FSDP2 shards the rank's local shard
         if self.fsdp2:  # dim-0 chunks, padded (FSDPParam._init_sharded_param)
@@ -692,7 +705,7 @@ class ShardedProgram(RankProgram):
         # foreach_reduce frees the unsharded gradients once they are copied in (unsharded_grads.clear()),
         # all but the last: with more than one rank its loop over (fsdp_param, unsharded_grad) leaves
         # that one bound to a local until the function returns (a real run, torch 2.13, confirms it)
-        last = grads[-1][1] if self.world_size > 1 else None
+        last = grads[-1][1] if params[0].world_size > 1 else None
         grads.clear()
         # the output and its cast are allocated on the reduce-scatter stream (the post-reduce
         # stream; under HSDP the cast would run on the all-reduce stream, but the parameters'

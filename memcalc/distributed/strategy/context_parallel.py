@@ -10,6 +10,8 @@ merge buffers around each attention call. The parameters are replicated across `
 model's compute, but torchtitan shards them with FSDP2 over ``dp_shard × cp`` (``parallel_dims``:
 ``fsdp_enabled`` is ``dp_shard_enabled or cp_enabled``, the ``dp_shard_cp`` mesh), so this
 dimension wraps FSDP2 over that many ranks itself, and ``dp_shard`` only adds its batch share.
+After ``tp`` (torchtitan's order) FSDP2 is stacked on tp's program and the ring sees each tp rank's
+local ``H/tp`` heads.
 
 Not run for real: torch's ring attention handles the CUDA SDPA ops only (no gloo run on the CPU),
 so tests/test_context_parallel.py checks the ring's buffers against torch's ring attention run
@@ -20,11 +22,12 @@ loads before ``context_parallel`` shards it (``buffer.resize_(shard.shape)`` kee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.report import Shard
-from memcalc.distributed.program import RankProgram
+from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.ring_attention import RingAttentionProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, every_rank, register, sharding
 from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
@@ -54,8 +57,13 @@ class ContextParallel(DpShard):
 
         balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
 
-        def ring(resolved: ResolvedModel) -> RankProgram:
-            return RingAttentionProgram(cp, fsdp(resolved), load_balanced=balanced)
+        def ringed(inner: Callable[[ResolvedModel], RankProgram] | None) -> Callable[[ResolvedModel], RankProgram]:
+            def ring(resolved: ResolvedModel) -> RankProgram:
+                # after tp (torchtitan's order): FSDP2 over its DTensors, the ring around both
+                sharded = fsdp(resolved) if inner is None else StackedProgram(inner(resolved), fsdp(resolved))
+                return RingAttentionProgram(cp, sharded, load_balanced=balanced)
+
+            return ring
 
         if dp_shard > 1:
             notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
@@ -65,8 +73,10 @@ class ContextParallel(DpShard):
                                                                    "does when 2 x cp does not divide the sequence)")
                  + "; ring attention all-gathers K/V (rotate_method=allgather), merges in float32"]
         shards = (Shard(MODEL_STATES, self.name, cp), Shard(("sequence",), self.name, cp))
-        roles = tuple(replace(role, program=ring, seq_len=seq_len, sharding=sharding(role.sharding, *shards))
-                      for role in plan.roles)
+        roles = tuple(replace(role, program=ringed(role.program), seq_len=seq_len,
+                              sharding=sharding(role.sharding, *shards)) for role in plan.roles)
+        if any(role.program is not None for role in plan.roles):
+            notes[0] += " of each rank's tensor-parallel DTensor shards (dim 0 of the local shard)"
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
     def _local_seq_len(self, step: Step) -> int:

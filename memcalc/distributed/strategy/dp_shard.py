@@ -82,21 +82,27 @@ class DpShard(RankStrategy):
             # cp applied first and wrapped FSDP2 over dp_shard x cp itself (torchtitan's dp_shard_cp mesh)
             roles = tuple(replace(role, sharding=sharding(role.sharding, shard)) for role in plan.roles)
             return replace(plan, roles=roles)
-        fsdp, notes = fsdp_program(self.distributed.sharding, step, self.degree)
+        ep = 1 if mesh is None else mesh.ep
+        fsdp, notes = fsdp_program(self.distributed.sharding, step, self.degree * ep,
+                                   experts_degree=self.degree if ep > 1 else None, ep=ep)
         roles = tuple(replace(role, program=fsdp if role.program is None else _stacked(role.program, fsdp),
                               sharding=sharding(role.sharding, shard)) for role in plan.roles)
         if any(role.program is not None for role in plan.roles):
-            notes[0] += " of each rank's tensor-parallel DTensor shards (dim 0 of the local shard)"
+            shards = "expert-parallel" if ep > 1 else "tensor-parallel"
+            notes[0] += f" of each rank's {shards} DTensor shards (dim 0 of the local shard)"
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
 
-def fsdp_program(sharding_: FsdpSharding, step: Step, n: int,
-                 pipelined: bool = False) -> tuple[Callable[[ResolvedModel], RankProgram], list[str]]:
+def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = False,
+                 experts_degree: int | None = None,
+                 ep: int = 1) -> tuple[Callable[[ResolvedModel], RankProgram], list[str]]:
     """The FSDP2 program over ``n`` ranks (a builder per role's model) and its notes: dp_shard's,
     and context parallelism's, which shards the parameters over dp_shard x cp as torchtitan does.
     ``pipelined``: each pipeline stage's, as torchtitan wraps it (``reshard_after_forward=False``,
     its default under a pipeline) and torch's ``PipelineStage`` runs it (gradients accumulated
-    unsharded over the microbatches, synced once at the end)."""
+    unsharded over the microbatches, synced once at the end). ``experts_degree``: under expert
+    parallelism (``ep`` ways), each block's experts module a unit of its own sharded over that many
+    ranks (torchtitan's ``apply_fsdp`` for MoE: ``fully_shard(experts, mesh=dp_shard_mod_ep)``)."""
     precision = step.precision
     mixed = precision.is_amp
     low = precision.compute_dtype
@@ -113,8 +119,9 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int,
         notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
 
     def fsdp(resolved: ResolvedModel) -> RankProgram:
+        inner = None if experts_degree is None else _experts_units(resolved, experts_degree, ep)
         units = fsdp_units(resolved.module, resolved.block_containers, resolved.separate_models,
-                           resolved.fsdp_root)
+                           resolved.fsdp_root, inner)
         return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
                               sharded_dtype=torch.float32 if mixed else None,
                               gather_dtype=low if mixed else None,
@@ -122,6 +129,26 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int,
                               accumulate=pipelined)
 
     return fsdp, notes
+
+
+def _experts_units(resolved: ResolvedModel, degree: int, ep: int) -> dict[str, int]:
+    """Each expert-parallel experts module of ``resolved`` sharded over ``degree`` ranks.
+
+    Raises:
+        InapplicableOptionError: more ranks than local experts: torchtitan then shards the
+            experts on dim 1 (``_experts_shard_placement_fn``), which memcalc does not model.
+    """
+    from memcalc.distributed.strategy.ep import expert_modules
+
+    paths = expert_modules(resolved.module, ep, resolved.name)
+    for path in paths:
+        experts = getattr(resolved.module.get_submodule(path), "num_experts", None)
+        if isinstance(experts, int) and degree > experts // ep:
+            raise InapplicableOptionError(
+                f"dp_shard={degree} with ep={ep}: each ep rank holds {experts // ep} experts of {path}, fewer than the "
+                f"dp_shard ranks, and torchtitan then shards them on dim 1 (Shard(1)), which memcalc does not model",
+                hint=f"Give a dp_shard of at most {experts // ep} with ep={ep}, or a larger ep.")
+    return {path: degree for path in paths}
 
 
 def _stacked(inner: Callable[[ResolvedModel], RankProgram],

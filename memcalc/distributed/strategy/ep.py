@@ -15,11 +15,12 @@ the routing assumption (:func:`dispatch_rows`, stated in the report): balanced b
 capacity factor or the worst case on request.
 
 Every ep rank runs a batch of its own (the dense part is data parallel over them, as in
-transformers with ``tp_size=1``), so the global batch counts the ep ranks. Not modelled, and
-refused or stated by name: the dense gradients' synchronisation over the ep ranks (transformers
-composes EP with FSDP2 over the same ranks, ``efsdp``; torchtitan with ``dp_shard_mod_ep``), so
-``ep`` composes with no other dimension yet; the optimizer steps each DTensor's local shard, which
-allocates what stepping the DTensors would (tests/test_gloo_ep.py, a real two-process gloo run).
+transformers with ``tp_size=1``), so the global batch counts the ep ranks. With ``dp_shard``
+(torchtitan's MoE FSDP) dp_shard's FSDP2 is stacked on this program: each block's experts sharded
+over dp_shard (``dp_shard_mod_ep``), the dense part over dp_shard × ep (``dp_shard_cp``); a real
+four-process gloo run agrees to the byte. Alone, the dense gradients' synchronisation over the ep
+ranks is not modelled (stated); with other dimensions ep is refused by name. The optimizer steps
+each DTensor's local shard, which allocates what stepping the DTensors would (tests/test_gloo_ep.py).
 """
 
 from __future__ import annotations
@@ -154,21 +155,7 @@ class ExpertParallel(TensorParallel):
                           f"{local * self.degree} experts per MoE layer on rank {self.rank}")
 
     def _plan(self, module: nn.Module) -> dict[str, str]:
-        """The model's own expert-parallel plan, its ``*`` expanded to the layers (transformers'
-        ``_expand_parallel_plan``)."""
-        plan = getattr(module, "ep_plan", None)
-        expand = getattr(module, "_expand_parallel_plan", None)
-        if not isinstance(plan, dict) or not plan or expand is None:
-            raise InapplicableOptionError(
-                f"ep={self.degree}: {self.model_name} has no expert-parallel plan (a transformers model's "
-                f"config.base_model_ep_plan), so its experts cannot be sharded as transformers shards them",
-                hint="Expert parallelism is estimated for transformers' mixture-of-experts models (Mixtral, "
-                     "Qwen3-MoE, DeepSeek-V3, gpt-oss); estimate this model without ep.")
-        expanded: dict[str, str] = expand(dict(plan))
-        if "ep_dispatch_experts" not in expanded.values():
-            raise InapplicableOptionError(f"ep={self.degree}: the expert-parallel plan of {self.model_name} "
-                                          f"dispatches no tokens (no ep_dispatch_experts module)")
-        return expanded
+        return expert_plan(module, self.degree, self.model_name)
 
     def _read(self, previous: Callable[[torch.Tensor], Any] | None, tensor: torch.Tensor) -> Any:
         """The split sizes ``AllToAllEP`` copies to the host, from the routing assumption; any
@@ -182,6 +169,34 @@ class ExpertParallel(TensorParallel):
                                        self.capacity_factor)
             return torch.tensor([send, recv], dtype=tensor.dtype)
         return previous(tensor) if previous is not None else None
+
+
+def expert_plan(module: nn.Module, degree: int, model_name: str) -> dict[str, str]:
+    """The model's own expert-parallel plan, its ``*`` expanded to the layers (transformers'
+    ``_expand_parallel_plan``).
+
+    Raises:
+        InapplicableOptionError: the model has none, or it dispatches no tokens.
+    """
+    plan = getattr(module, "ep_plan", None)
+    expand = getattr(module, "_expand_parallel_plan", None)
+    if not isinstance(plan, dict) or not plan or expand is None:
+        raise InapplicableOptionError(
+            f"ep={degree}: {model_name} has no expert-parallel plan (a transformers model's "
+            f"config.base_model_ep_plan), so its experts cannot be sharded as transformers shards them",
+            hint="Expert parallelism is estimated for transformers' mixture-of-experts models (Mixtral, "
+                 "Qwen3-MoE, DeepSeek-V3, gpt-oss); estimate this model without ep.")
+    expanded: dict[str, str] = expand(dict(plan))
+    if "ep_dispatch_experts" not in expanded.values():
+        raise InapplicableOptionError(f"ep={degree}: the expert-parallel plan of {model_name} "
+                                      f"dispatches no tokens (no ep_dispatch_experts module)")
+    return expanded
+
+
+def expert_modules(module: nn.Module, degree: int, model_name: str) -> list[str]:
+    """The paths of the modules whose experts ``ep`` shards (``ep_dispatch_experts``)."""
+    return [name for name, style in expert_plan(module, degree, model_name).items()
+            if style == "ep_dispatch_experts"]
 
 
 def _restore_attributes(saved: list[tuple[nn.Module, dict[str, object]]]) -> None:
@@ -230,14 +245,14 @@ class ExpertParallelDimension(RankStrategy):
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         mesh = self.distributed.mesh
-        others = sorted(set(mesh.used) - {"ep"}) if mesh is not None else []
+        others = sorted(set(mesh.used) - {"ep", "dp_shard"}) if mesh is not None else []
         if others and mesh is not None:
             listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
             raise InapplicableOptionError(
-                f"ep={self.degree} with {listed} is not modelled yet: transformers and torchtitan shard the dense "
-                f"part with FSDP2 over the expert ranks too (efsdp / dp_shard_mod_ep), which memcalc does not trace",
-                hint=f"Estimate ep={self.degree} alone (--mesh ep={self.degree}): the experts sharded, the dense "
-                     f"part whole on every rank.")
+                f"ep={self.degree} with {listed} is not modelled yet: memcalc composes expert parallelism with "
+                f"FSDP2 (dp_shard) only, as torchtitan shards its MoE models",
+                hint=f"Estimate ep={self.degree} alone or with dp_shard (--mesh dp_shard=N,ep={self.degree}).")
+        composed = mesh is not None and mesh.dp_shard > 1
         if not expert_parallelism_available():
             raise InapplicableOptionError(
                 f"ep={self.degree} runs transformers' own expert parallelism (transformers.distributed."
@@ -250,12 +265,19 @@ class ExpertParallelDimension(RankStrategy):
         def program(resolved: ResolvedModel) -> RankProgram:
             return ExpertParallel(n, routing=routing, capacity_factor=factor, model_name=resolved.name)
 
-        shards = (Shard(("experts",), self.name, n), Shard(("batch",), self.name, n))
+        shards: tuple[Shard, ...]
+        if composed:  # dp_shard's FSDP2 shards the dense part over these ranks too
+            shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
+            dense = (f"the dense part sharded by FSDP2 over dp_shard x ep = {mesh.dp_shard * n} ranks (torchtitan's "
+                     f"dp_shard_cp mesh), each block's experts over the {mesh.dp_shard} dp_shard ranks that hold the "
+                     f"same experts (its dp_shard_mod_ep mesh)" if mesh is not None else "")
+        else:
+            shards = (Shard(("experts",), self.name, n), Shard(("batch",), self.name, n))
+            dense = "the dense part whole; the dense gradients' synchronisation over the ep ranks is not modelled"
         roles = tuple(replace(role, program=program, sharding=sharding(role.sharding, *shards)) for role in plan.roles)
         notes = (f"expert parallelism over {n} ranks: each holds 1/{n} of every MoE layer's experts (their "
-                 f"gradients and optimizer state), the dense part whole, and a batch of its own; tokens move by "
-                 f"all-to-all under {routing_text(routing, factor)}; rank 0 traced (it holds the most, if any "
-                 f"differ); the dense gradients' synchronisation over the ep ranks is not modelled",)
+                 f"gradients and optimizer state) and a batch of its own; tokens move by all-to-all under "
+                 f"{routing_text(routing, factor)}; rank 0 traced (it holds the most, if any differ); {dense}",)
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
 

@@ -12,7 +12,9 @@ stage's module ``fully_shard``-ed over the dp_shard sub-mesh (every block and th
 backward and syncing once in ``perform_reduce_grad``: a stage holds its unsharded parameters and
 gradients from its first forward to the end of its last backward (GPipe, 1F1B and
 Interleaved1F1B; the zero-bubble and V schedules with dp_shard are refused by name). The dp_shard ranks of one
-stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order).
+stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order). With
+``dp_replicate`` too the stages are HSDP (the replicas' all-reduce is in place); without dp_shard
+(DDP stages) it is refused by name.
 
 With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
 parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it
@@ -32,9 +34,10 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import Pipeline, estimate_pipeline, stage_mesh
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.program import RankProgram, StackedProgram
-from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, register
+from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, Setting, register
 from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
 from memcalc.distributed.tp_stages import StageTensorParallel
+from memcalc.distributed.vocabulary import DEFAULT_BUCKET_CAP_MB
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.run import CostRecorderFactory
@@ -54,7 +57,12 @@ class PipelineParallel(RankStrategy):
     mesh_dimension = "pp"
     options = frozenset({"pp_schedule", "microbatches", "pp_split"})
     whole_step = True
-    composes_with = frozenset({"dp_shard", "tp"})
+    composes_with = frozenset({"dp_shard", "tp", "dp_replicate"})
+
+    def __init__(self, distributed: Setting, degree: int) -> None:
+        super().__init__(distributed, degree)
+        mesh = distributed.mesh
+        self.replicas = self._replicas(1 if mesh is None else mesh.dp_shard)  # refused when made: plan asks
 
     @classmethod
     def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
@@ -93,6 +101,7 @@ class PipelineParallel(RankStrategy):
         mesh = self.distributed.mesh
         dp_shard = 1 if mesh is None else mesh.dp_shard
         tp = 1 if mesh is None else mesh.tp
+        replicas = self.replicas
         program = None
         precision = None
         fsdp_notes: list[str] = []
@@ -110,6 +119,11 @@ class PipelineParallel(RankStrategy):
             program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
             precision = sharder.trace_precision(step.precision)
             shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
+            if replicas > 1:
+                shard = (*shard, Shard(("batch",), "dp_replicate", replicas))
+                fsdp_notes.append(f"HSDP: {replicas} replicas of each stage's dp_shard group (fully_shard over the "
+                                  f"2-D (dp_replicate, dp_shard) mesh, as torchtitan wraps its stages); the sharded "
+                                  f"gradients all-reduced across them in place after the last microbatch")
         inner = None
         if tp > 1:
             inner = self._tensor_parallel(step, tp, dp_shard)
@@ -119,13 +133,41 @@ class PipelineParallel(RankStrategy):
                                      stage_program=program, trace_precision=precision, inner=inner)
         report = estimate.as_report()
         # every pipeline rank runs the whole batch, microbatch by microbatch (a later stage's own
-        # report counts the microbatch its stand-in input was built at); its dp_shard ranks share its trace
+        # report counts the microbatch its stand-in input was built at); its dp_replicate, dp_shard and
+        # tp ranks share its trace, numbered as torchtitan's mesh (pp, dp_replicate, dp_shard, tp)
         roles = tuple(replace(role, sharding=shard, batch_size=batch,
-                              ranks=tuple((r * dp_shard + d) * tp + t for r in role.ranks for d in range(dp_shard)
-                                          for t in range(tp)))
+                              ranks=tuple(((r * replicas + p) * dp_shard + d) * tp + t for r in role.ranks
+                                          for p in range(replicas) for d in range(dp_shard) for t in range(tp)))
                       for role in report.roles)
         notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch", *fsdp_notes)
         return replace(report, roles=roles, notes=notes, batch_size=batch)
+
+    def _replicas(self, dp_shard: int) -> int:
+        """The dp_replicate degree: HSDP around each stage's FSDP2, as torchtitan runs it.
+
+        Raises:
+            InapplicableOptionError: dp_replicate without dp_shard (DDP stages: torch's
+                ``PipelineStage`` runs them, torchtitan does not, memcalc does not model them), or
+                DDP's bucket options, which FSDP2 would ignore.
+        """
+        mesh = self.distributed.mesh
+        replicas = 1 if mesh is None else mesh.dp_replicate
+        if replicas == 1:
+            return 1
+        if dp_shard == 1:
+            raise InapplicableOptionError(
+                f"pp={self.degree} with dp_replicate={replicas} alone (DDP stages) is not modelled yet: torch's "
+                f"PipelineStage runs a DistributedDataParallel stage under no_sync until its last backward, which "
+                f"memcalc does not trace; torchtitan replicates pipeline stages only as HSDP (with dp_shard)",
+                hint=f"Give dp_shard too (--mesh pp={self.degree},dp_replicate={replicas},dp_shard=N: HSDP stages), "
+                     f"or estimate the pipeline without dp_replicate.")
+        setting = self.distributed
+        if setting.bucket_cap_mb != DEFAULT_BUCKET_CAP_MB or setting.gradient_as_bucket_view:
+            raise InapplicableOptionError(
+                "bucket_cap_mb and gradient_as_bucket_view are DDP's; under HSDP (dp_replicate with dp_shard) "
+                "FSDP2 all-reduces its own reduce-scatter outputs and would ignore them",
+                hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
+        return replicas
 
     def _tensor_parallel(self, step: Step, tp: int, dp_shard: int) -> StageTensorParallel:
         """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there."""

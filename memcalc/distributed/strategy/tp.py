@@ -15,8 +15,9 @@ DTensor parameters (:class:`~memcalc.distributed.program.StackedProgram`; dp_sha
 its program on this one): FSDP2 shards each rank's local tp shard on dim 0 and all-gathers it
 back, so a rank holds 1/(dp_shard·tp) of the planned parameters. Checked against real 4-process
 gloo runs on a 2×2 mesh (tests/test_gloo_fsdp_tp.py). Inside pipeline stages (``pp``, which runs
-the whole step) the pipeline applies it (:mod:`memcalc.distributed.tp_stages`). With cp, ep or
-dp_replicate alone tp is refused by name: tracing one dimension alone would understate a rank.
+the whole step) the pipeline applies it (:mod:`memcalc.distributed.tp_stages`). With ``cp`` the
+ring goes around this program and FSDP2 over dp_shard × cp (cp's file). With ep or dp_replicate
+alone tp is refused by name: tracing one dimension alone would understate a rank.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class TensorParallelDimension(RankStrategy):
         # under FSDP2 every parameter becomes a DTensor (the ones the plan leaves plain, on the dp_shard
         # mesh): foreach and fused optimizers step them all, so nothing is refused
         mesh = self.distributed.mesh
-        composed = mesh is not None and mesh.dp_shard > 1
+        composed = mesh is not None and (mesh.dp_shard > 1 or mesh.cp > 1)  # cp shards with FSDP2 too
         impl = None if composed else resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
         shard = Shard(MODEL_STATES, self.name, n)
         roles: list[Role] = []
@@ -116,21 +117,24 @@ class TensorParallelDimension(RankStrategy):
         mesh = self.distributed.mesh
         if mesh is None:
             return
-        composes = {"tp", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp"}
+        composes = {"tp", "cp", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp", "cp"}
         others = sorted(set(mesh.used) - composes)
         if not others:
             return
         listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
         raise InapplicableOptionError(
             f"tp={self.degree} with {listed} is not modelled yet: memcalc composes tensor parallelism with FSDP2 "
-            f"(dp_shard, and HSDP's dp_replicate around it) only, and tracing one dimension alone would understate "
-            f"a rank",
-            hint=f"Estimate tp={self.degree} alone or with dp_shard (--mesh dp_shard=N,tp={self.degree}).")
+            f"(dp_shard, and HSDP's dp_replicate around it) and context parallelism (cp) only, and tracing one "
+            f"dimension alone would understate a rank",
+            hint=f"Estimate tp={self.degree} alone or with dp_shard and cp (--mesh dp_shard=N,cp=C,tp={self.degree}).")
 
     def _uneven(self, step: Step, batch: int, strings: dict[str, str] | None, loss_parallel: bool) -> bool:
         """Whether the ranks' shards differ in shape: a dimension a planned style shards that does
         not divide by the degree (conservatively: any parameter dimension of a planned module),
         or the sequence under a style that shards it."""
+        mesh = self.distributed.mesh
+        if mesh is not None and mesh.cp > 1 and step.seq_len is not None and step.seq_len % mesh.cp == 0:
+            step = replace(step, seq_len=step.seq_len // mesh.cp)  # each rank's share of the sequence (cp)
         resolved = step.resolved(batch_size=batch)
         module = resolved.module
         tp_plan = resolve_plan(module, strings, resolved.name, loss_parallel=loss_parallel)
