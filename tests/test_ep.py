@@ -136,7 +136,7 @@ def test_worst_routing_holds_more_than_balanced(tiny: str) -> None:
 # ---- refusals ---------------------------------------------------------------------------------------
 
 def test_ep_with_another_dimension_is_refused_by_name(tiny: str) -> None:
-    with pytest.raises(InapplicableOptionError, match=r"ep=2 with tp=2 is not modelled yet"):
+    with pytest.raises(InapplicableOptionError, match=r"tp=2 with ep=2 is not modelled yet"):
         memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, tp=2))
 
 
