@@ -55,7 +55,7 @@ from memcalc.distributed.pipeline_schedules import (
 from memcalc.distributed.pipeline_split import ModelLayout, StageModule, block_containers_of, layout_of, stage_blocks
 from memcalc.distributed.program import RankProgram, model_states_at_step
 from memcalc.engine.losses import compute_loss, make_targets, resolve_loss
-from memcalc.engine.model import ModelInputs, ResolvedModel
+from memcalc.engine.model import Checkpointer, CheckpointFn, ModelInputs, ResolvedModel
 from memcalc.engine.options import Step
 from memcalc.engine.run import CostRecorderFactory, build_report
 from memcalc.engine.trace import StorageTracer
@@ -281,6 +281,15 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
     if step.accum_steps != 1:
         raise InapplicableOptionError("a pipeline step accumulates over its microbatches; accum_steps would be "
                                       "a second accumulation", hint="Give the microbatches to the pipeline instead.")
+    split_backward = (PipelineSchedule.INTERLEAVED_ZERO_BUBBLE, PipelineSchedule.ZBV_ZERO_BUBBLE,
+                      PipelineSchedule.DUAL_PIPE_V)
+    if step.checkpoint and pipeline.schedule_kind in split_backward:
+        # torch's split backward (inputs' gradients first, weights' later) unpacks a checkpointed
+        # block's saved tensors twice; memcalc's trace of it fails in torch's checkpoint
+        raise InapplicableOptionError(
+            f"activation checkpointing under the {pipeline.schedule_kind.value} schedule (a backward split into "
+            f"input and weight gradients) is not modelled",
+            hint="Use gpipe, 1f1b or interleaved-1f1b with --checkpoint, or leave checkpointing out.")
     m = pipeline.num_microbatches
     actions = pipeline.actions()
     probe = step.resolved()
@@ -337,6 +346,8 @@ def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[i
         name=f"{resolved.name} pipeline rank {rank}", module=runner,
         inputs=resolved.inputs if first else ModelInputs(()), loss=LossChoice.AUTO,
         build_real=resolved.build_real, block_containers=containers,
+        checkpointing=None if resolved.checkpointing is None else _stages_checkpointing(resolved.checkpointing, layout.blocks),
+        reads=resolved.reads,
         notes=(*resolved.notes, f"pipeline rank {rank} of {pipeline.stages}: {held}; {pipeline.describe()}"))
     precision = step.precision if trace_precision is None else trace_precision
     rank_step = replace(step, loss=None, loss_fn=_RankRunner.done, accum_steps=1,
@@ -356,6 +367,22 @@ def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[i
     buffers = sum(traced.trace.nbytes[uid] for uid in program.buffers)
     collective = set().union(*(w.communication for w in wrapped))
     return report, model_states_at_step(traced, collective), buffers
+
+
+def _stages_checkpointing(own: Checkpointer, blocks: Sequence[str]) -> Checkpointer:
+    """The model's own checkpointing (a Hugging Face model's: its layers drop the ``DynamicCache``
+    the model makes in training, ``config.use_cache`` off) applied to every stage's cut model, as
+    a real run turns it on before the model is split. Wrapping the stage's blocks from outside
+    instead lets each checkpointed layer write its keys and values into that cache, and write them
+    again when backward recomputes it: the recomputed attention then sees twice the keys and
+    slices them (``key[:, :, :q_length]``), an op the forward never ran, which torch's selective
+    checkpointing refuses (its cache has no entry for it)."""
+
+    def apply(runner: nn.Module, function: CheckpointFn, chosen: Callable[[int], bool]) -> int:
+        assert isinstance(runner, _RankRunner)
+        return sum(own(stage.model, function, chosen) for stage in runner.stages)
+
+    return apply
 
 
 class _RankRunner(nn.Module):
@@ -431,7 +458,12 @@ class _PipelineProgram:
         for index, stage_module in zip(runner.stage_ids, runner.stages, strict=True):
             example = self._example_input(index, device)
             if index == pipeline.total_stages - 1:  # on meta, before the trace: the output's shapes
-                with contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model."):
+                # the model's reads of tensor values answered as in the step (a Hugging Face model
+                # checkpointed from its own mechanism makes no cache, and checks its positions for
+                # packed sequences), by a throwaway tracer
+                answering = (StorageTracer("meta", read_values=tracer.read_values)
+                             if tracer.read_values is not None else contextlib.nullcontext())
+                with answering, contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model."):
                     output = example.call(stage_module)
             else:  # the activation the next stage receives
                 shape, dtype = self.layout.activation
