@@ -507,6 +507,11 @@ class _PipelineProgram:
                             # the gradient sent back last step: step() drops it (clear_runtime_states)
                             info.buffer.grad = torch.empty_like(info.buffer)
                             tracer.preexisting(info.buffer.grad, Category.WORKSPACE)
+                            if stage.stage_index - 1 not in runner.stage_ids:
+                                # ... and backward sets this step's, which the next step finds there
+                                # (not so where the previous stage is this rank's: a V schedule
+                                # hands its output over locally, in place of the buffer)
+                                tracer.replaced_by(info.buffer.grad, lambda buffer=info.buffer: buffer.grad)
             for infos in stage.grad_recv_info.values():
                 for info in infos:
                     if info.buffer is not None:

@@ -70,6 +70,7 @@ from memcalc.engine.steady_replay import REPLAYING, replay_generation
 from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.engine.timeline import (
     Program,
+    alive_at_end,
     alive_before,
     allocator_events,
     build_program,
@@ -157,6 +158,8 @@ class _TracerObserver:
         self.state_uids: set[int] = set()
         self.paged_uids: set[int] = set()
         self.second_iteration: int | None = None  # where in trace.events a traced second iteration begins
+        #: freed pre-existing storage -> the step's storage in its place (the second iteration synthesised)
+        self.successors: dict[int, int] = {}
 
     def set_phase(self, phase: Phase) -> None:
         self.tracer.set_phase(phase)
@@ -186,10 +189,33 @@ class _TracerObserver:
     def run_again(self) -> bool:
         """Once, when the step freed a pre-existing storage (a rebound buffer): the second
         iteration is then traced (from ``second_iteration``) rather than synthesised."""
-        if self.second_iteration is not None or not freed_preexisting(self.tracer.trace):
+        if self.second_iteration is not None or not (freed := freed_preexisting(self.tracer.trace)):
+            return False
+        if self._successors(freed):
             return False
         self.second_iteration = len(self.tracer.trace.events)
         self._buffers_bound()
+        return True
+
+    def _successors(self, freed: Sequence[int]) -> bool:
+        """Whether every freed pre-existing storage has a successor the step left in its place
+        (:meth:`StorageTracer.replaced_by`), born in the step and alive at its end: then the
+        second iteration is synthesised, and ``successors`` says which replaces which. Only when
+        nothing else the step made is alive at its end but the optimizer's state: a storage that
+        outlives the step otherwise (a schedule's stash of its last sends) is freed by the next
+        step, which a copy of the first would keep alive instead."""
+        alive = alive_at_end(self.tracer.trace)
+        found: dict[int, int] = {}
+        for uid in freed:
+            later = self.tracer.successors.get(uid)
+            tensor = later() if later is not None else None
+            successor = self.tracer.uid_of(tensor) if tensor is not None else None
+            if successor is None or successor not in alive:
+                return False
+            found[uid] = successor
+        if alive - self.state_uids - set(found.values()):
+            return False
+        self.successors = found
         return True
 
     def _buffers_bound(self) -> None:
@@ -231,10 +257,13 @@ class TracedStep:
         self.paged_optimizer_state = 0  # bytes in unified memory, set apart from the trace (_set_apart)
         #: A loop traced for all its iterations: where in ``trace.events`` the second, third, ... begin.
         self.iteration_starts: list[int] | None = None
+        #: pre-existing storages the step replaced, and by which of its own (:func:`build_program`)
+        self.successors: dict[int, int] = {}
 
     def program(self) -> Program:
         """The replayable program of this step (two iterations when training)."""
-        return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1, traced_starts=self.iteration_starts)
+        return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1, traced_starts=self.iteration_starts,
+                             successors=self.successors)
 
 
 def step_config(resolved: ResolvedModel, options: Step, *, autocast: AutocastRegion | None,
@@ -421,6 +450,12 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     if observer.second_iteration is not None:
         traced.iteration_starts = [observer.second_iteration]
         traced.notes.append(_rebound_note(trace, buffers))
+    elif observer.successors:
+        traced.successors = observer.successors
+        count = len(observer.successors)
+        traced.notes.append(f"the step replaces {count} pre-existing tensor{'s' if count > 1 else ''} with its own "
+                            f"(as the next step finds them): its second iteration repeats the first, the first's "
+                            f"freed in their place")
     if tracing is not None:
         traced.iteration_starts = tracing.iteration_starts()
         traced.notes.extend(tracing.notes(options, ITERATIONS * options.accum_steps, has_step))
