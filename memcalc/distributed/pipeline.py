@@ -461,8 +461,12 @@ class _PipelineProgram:
                 # the model's reads of tensor values answered as in the step (a Hugging Face model
                 # checkpointed from its own mechanism makes no cache, and checks its positions for
                 # packed sequences), by a throwaway tracer
-                answering = (StorageTracer("meta", read_values=tracer.read_values)
-                             if tracer.read_values is not None else contextlib.nullcontext())
+                answering: AbstractContextManager[Any] = contextlib.nullcontext()
+                if tracer.read_values is not None:
+                    from torch.distributed.tensor import DTensor
+
+                    answering = StorageTracer("meta", read_values=tracer.read_values)
+                    answering.defer_to = (DTensor,)  # DTensor's own dispatch first, as in the step
                 with answering, contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model."):
                     output = example.call(stage_module)
             else:  # the activation the next stage receives

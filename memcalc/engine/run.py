@@ -201,9 +201,10 @@ class _TracerObserver:
         """Whether every freed pre-existing storage has a successor the step left in its place
         (:meth:`StorageTracer.replaced_by`), born in the step and alive at its end: then the
         second iteration is synthesised, and ``successors`` says which replaces which. Only when
-        nothing else the step made is alive at its end but the optimizer's state: a storage that
-        outlives the step otherwise (a schedule's stash of its last sends) is freed by the next
-        step, which a copy of the first would keep alive instead."""
+        nothing else the step made is alive at its end but the optimizer's state and persistent
+        workspaces (a cuBLAS handle's): a storage that outlives the step otherwise (a schedule's
+        stash of its last sends) is freed by the next step, which a copy of the first would keep
+        alive instead."""
         alive = alive_at_end(self.tracer.trace)
         found: dict[int, int] = {}
         for uid in freed:
@@ -213,7 +214,7 @@ class _TracerObserver:
             if successor is None or successor not in alive:
                 return False
             found[uid] = successor
-        if alive - self.state_uids - set(found.values()):
+        if alive - self.state_uids - self.tracer.held - set(found.values()):
             return False
         self.successors = found
         return True

@@ -150,6 +150,8 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         #: pre-existing storages the step replaces with one of its own, by uid: where the tensor
         #: in their place will be when the step ends (:meth:`replaced_by`)
         self.successors: dict[int, Callable[[], torch.Tensor | None]] = {}
+        #: synthetic storages recorded ``persistent`` (a cuBLAS handle's workspace), by uid
+        self.held: set[int] = set()
 
     # ---- the hot path -------------------------------------------------------------------
     def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
@@ -346,6 +348,8 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 trace.stream[uid] = self.stream
             if not persistent:
                 trace.events.append(~uid)
+            else:
+                self.held.add(uid)
         return uid
 
     def release(self, uid: int) -> None:
