@@ -515,7 +515,7 @@ class _PipelineProgram:
                                 # ... and backward sets this step's, which the next step finds there
                                 # (not so where the previous stage is this rank's: a V schedule
                                 # hands its output over locally, in place of the buffer)
-                                tracer.replaced_by(info.buffer.grad, lambda buffer=info.buffer: buffer.grad)
+                                tracer.replaced_by(info.buffer.grad, lambda info=info: info.buffer.grad)
             for infos in stage.grad_recv_info.values():
                 for info in infos:
                     if info.buffer is not None:

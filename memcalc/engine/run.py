@@ -158,8 +158,9 @@ class _TracerObserver:
         self.state_uids: set[int] = set()
         self.paged_uids: set[int] = set()
         self.second_iteration: int | None = None  # where in trace.events a traced second iteration begins
-        #: freed pre-existing storage -> the step's storage in its place (the second iteration synthesised)
-        self.successors: dict[int, int] = {}
+        #: freed pre-existing storage -> the step's storage in its place, None: none (the second
+        #: iteration synthesised)
+        self.successors: dict[int, int | None] = {}
 
     def set_phase(self, phase: Phase) -> None:
         self.tracer.set_phase(phase)
@@ -199,22 +200,26 @@ class _TracerObserver:
 
     def _successors(self, freed: Sequence[int]) -> bool:
         """Whether every freed pre-existing storage has a successor the step left in its place
-        (:meth:`StorageTracer.replaced_by`), born in the step and alive at its end: then the
+        (:meth:`StorageTracer.replaced_by`), born in the step and alive at its end, or is known to
+        have none (the place empty: the next step frees nothing there): then the
         second iteration is synthesised, and ``successors`` says which replaces which. Only when
-        nothing else the step made is alive at its end but the optimizer's state and persistent
-        workspaces (a cuBLAS handle's): a storage that outlives the step otherwise (a schedule's
+        nothing else the step made is alive at its end but the optimizer's state, persistent
+        workspaces (a cuBLAS handle's) and empty storages: a storage that outlives the step otherwise (a schedule's
         stash of its last sends) is freed by the next step, which a copy of the first would keep
         alive instead."""
         alive = alive_at_end(self.tracer.trace)
-        found: dict[int, int] = {}
+        found: dict[int, int | None] = {}
         for uid in freed:
             later = self.tracer.successors.get(uid)
-            tensor = later() if later is not None else None
-            successor = self.tracer.uid_of(tensor) if tensor is not None else None
-            if successor is None or successor not in alive:
+            if later is None:
                 return False
-            found[uid] = successor
-        if alive - self.state_uids - self.tracer.held - set(found.values()):
+            tensor = later()
+            successor = self.tracer.uid_of(tensor) if tensor is not None else None
+            if tensor is not None and successor not in alive:
+                return False
+            found[uid] = successor  # None: nothing in its place, for the next step to free
+        nbytes = self.tracer.trace.nbytes
+        if any(nbytes[uid] for uid in alive - self.state_uids - self.tracer.held - set(found.values())):
             return False
         self.successors = found
         return True
@@ -258,8 +263,8 @@ class TracedStep:
         self.paged_optimizer_state = 0  # bytes in unified memory, set apart from the trace (_set_apart)
         #: A loop traced for all its iterations: where in ``trace.events`` the second, third, ... begin.
         self.iteration_starts: list[int] | None = None
-        #: pre-existing storages the step replaced, and by which of its own (:func:`build_program`)
-        self.successors: dict[int, int] = {}
+        #: pre-existing storages the step freed, and which of its own it left in their place (:func:`build_program`)
+        self.successors: dict[int, int | None] = {}
 
     def program(self) -> Program:
         """The replayable program of this step (two iterations when training)."""
@@ -454,9 +459,8 @@ def trace_model(resolved: ResolvedModel, options: Step, backend: StepBackend | N
     elif observer.successors:
         traced.successors = observer.successors
         count = len(observer.successors)
-        traced.notes.append(f"the step replaces {count} pre-existing tensor{'s' if count > 1 else ''} with its own "
-                            f"(as the next step finds them): its second iteration repeats the first, the first's "
-                            f"freed in their place")
+        traced.notes.append(f"the step frees {count} pre-existing tensor{'s' if count > 1 else ''} and leaves what "
+                            f"the next step frees in their place: its second iteration repeats the first, not traced")
     if tracing is not None:
         traced.iteration_starts = tracing.iteration_starts()
         traced.notes.extend(tracing.notes(options, ITERATIONS * options.accum_steps, has_step))

@@ -118,13 +118,14 @@ class Program:
 
 
 def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Sequence[int] | None = None,
-                  successors: Mapping[int, int] | None = None) -> Program:
+                  successors: Mapping[int, int | None] | None = None) -> Program:
     """Pre-existing storages, then ``iterations`` copies of the step (at most 2 are needed:
     the third iteration's events are the second's). A step that frees a pre-existing storage
     (:func:`freed_preexisting`) is not copied: its second iteration must be in the trace —
     unless ``successors`` names, for each such storage, the storage the step left in its place
-    (born in the step, alive at its end): the second iteration then frees that one where the
-    first freed the pre-existing one, and makes its own.
+    (born in the step, alive at its end), or None where it left none: the second iteration then
+    frees that one where the first freed the pre-existing one (or frees nothing there), and makes
+    its own.
 
     With ``traced_starts`` (indices into ``trace.events`` where the iterations after the first
     begin) the trace already holds every iteration: it is replayed as it ran, and
@@ -140,17 +141,19 @@ def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Seque
     if iterations >= 2:
         replaced = dict(successors or {})
         persistent = alive_at_end(trace)
-        if freed := [uid for uid in freed_preexisting(trace) if replaced.get(uid) not in persistent]:
+        if freed := [uid for uid in freed_preexisting(trace)
+                     if uid not in replaced or replaced[uid] is not None and replaced[uid] not in persistent]:
             raise ValueError(f"the step freed pre-existing storages {freed}: its second iteration must be traced, "
                              f"not synthesised")
-        persistent -= set(replaced.values())  # made again by the second iteration
+        persistent -= {uid for uid in replaced.values() if uid is not None}  # made again by the second iteration
         starts.append(len(events))
         for event in trace.events:
             uid = event if event >= 0 else ~event
             if uid in persistent:
                 continue  # already alive from the first iteration (optimizer state)
             if uid in replaced:  # the pre-existing storage's death: now its successor's, of the first iteration
-                events.append(~replaced[uid])
+                if (successor := replaced[uid]) is not None:
+                    events.append(~successor)
                 continue
             events.append(event + n if event >= 0 else ~(uid + n))
     # the second iteration's key of a storage is uid + n, on the same stream
