@@ -314,26 +314,26 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
             layout = layout_of(micro.module, micro.inputs, containers, micro.name)
     blocks = stage_blocks(layout.blocks, pipeline.total_stages, pipeline.split_points)
     placement = stage_of_rank(pipeline.schedule_kind, pipeline.stages, pipeline.per_rank)
+    # one model for every rank: each cuts a deep copy of the blocks it holds (StageModule)
+    whole = apply_finetune(probe, step.finetune, precision=step.precision, mode=step.mode,
+                           checkpoint=bool(step.checkpoint))
     ranks = []
     for rank in range(pipeline.stages):
         stages = placement[rank]
-        report, states, buffers = _estimate_rank(step, pipeline, rank, stages, blocks, layout, micro.inputs, costs,
-                                                 stage_program, trace_precision, inner)
+        report, states, buffers = _estimate_rank(step, whole, pipeline, rank, stages, blocks, layout, micro.inputs,
+                                                 costs, stage_program, trace_precision, inner)
         flight = in_flight(actions[rank])
         ranks.append(RankEstimate(rank, stages, tuple(blocks[s] for s in stages),
                                   tuple(flight.get(s, 0) for s in stages), report, states, buffers))
     return PipelineEstimate(pipeline, tuple(ranks), ASSUMPTIONS)
 
 
-def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[int],
+def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank: int, stages: Sequence[int],
                    blocks: Sequence[tuple[str, ...]], layout: ModelLayout, micro_inputs: ModelInputs,
                    costs: CostRecorderFactory | None,
                    stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
                    trace_precision: Precision | None = None,
                    inner: InnerParallel | None = None) -> tuple[MemoryReport, int, int]:
-    resolved = step.resolved()
-    resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
-                              checkpoint=bool(step.checkpoint))
     total = pipeline.total_stages
     modules = [StageModule(resolved.module, layout, blocks[s], first=s == 0, last=s == total - 1,
                            inputs=micro_inputs) for s in stages]
