@@ -32,6 +32,7 @@ backward) is not part of the steady-state step estimated.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -376,11 +377,21 @@ def _stages_checkpointing(own: Checkpointer, blocks: Sequence[str]) -> Checkpoin
     instead lets each checkpointed layer write its keys and values into that cache, and write them
     again when backward recomputes it: the recomputed attention then sees twice the keys and
     slices them (``key[:, :, :q_length]``), an op the forward never ran, which torch's selective
-    checkpointing refuses (its cache has no entry for it)."""
+    checkpointing refuses (its cache has no entry for it). A block's index (every Nth) is its
+    index in the whole model (``blocks``), as on one GPU."""
 
     def apply(runner: nn.Module, function: CheckpointFn, chosen: Callable[[int], bool]) -> int:
         assert isinstance(runner, _RankRunner)
-        return sum(own(stage.model, function, chosen) for stage in runner.stages)
+        total = 0
+        for stage in runner.stages:
+            assert isinstance(stage, StageModule)
+            offset = list(blocks).index(stage.block_names[0])
+
+            def shifted(index: int, offset: int = offset) -> bool:
+                return chosen(offset + index)
+
+            total += own(stage.model, function, shifted)
+        return total
 
     return apply
 
@@ -515,7 +526,7 @@ class _PipelineProgram:
                                 # ... and backward sets this step's, which the next step finds there
                                 # (not so where the previous stage is this rank's: a V schedule
                                 # hands its output over locally, in place of the buffer)
-                                tracer.replaced_by(info.buffer.grad, lambda info=info: info.buffer.grad)
+                                tracer.replaced_by(info.buffer.grad, functools.partial(_grad_of, info))
             for infos in stage.grad_recv_info.values():
                 for info in infos:
                     if info.buffer is not None:
@@ -563,6 +574,13 @@ class _PipelineProgram:
             raise InapplicableOptionError(f"the loss takes {len(made)} targets; a pipeline's last stage is given one")
         one = made[0]
         return one.new_zeros((one.shape[0] * m, *one.shape[1:]))
+
+
+def _grad_of(info: Any) -> torch.Tensor | None:
+    """The gradient on a received activation's buffer now (torch 2.13's ``stage_backward``
+    drops it as soon as it is sent: None at the end of a step)."""
+    buffer = info.buffer
+    return None if buffer is None else buffer.grad
 
 
 def _as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
