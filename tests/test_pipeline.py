@@ -240,7 +240,7 @@ def test_checkpointing_under_a_split_backward_schedule_is_refused_by_name():
     # torch's zero-bubble and V schedules split the backward (input gradients, then weights'):
     # a checkpointed block's recomputation failed there with an empty RuntimeError
     step = build_step("torch:llama-tiny", batch_size=4, seq_len=32, optimizer="adamw", checkpoint="selective-op")
-    with pytest.raises(InapplicableOptionError, match="zbv-zero-bubble schedule .* is not modelled"):
+    with pytest.raises(InapplicableOptionError, match=r"zbv-zero-bubble schedule .* is not modelled"):
         estimate_pipeline(step, Pipeline(2, "zbv-zero-bubble", microbatches=4))
 
 

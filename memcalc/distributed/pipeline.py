@@ -347,7 +347,8 @@ def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank
         name=f"{resolved.name} pipeline rank {rank}", module=runner,
         inputs=resolved.inputs if first else ModelInputs(()), loss=LossChoice.AUTO,
         build_real=resolved.build_real, block_containers=containers,
-        checkpointing=None if resolved.checkpointing is None else _stages_checkpointing(resolved.checkpointing, layout.blocks),
+        checkpointing=(None if resolved.checkpointing is None
+                       else _stages_checkpointing(resolved.checkpointing, layout.blocks)),
         reads=resolved.reads,
         notes=(*resolved.notes, f"pipeline rank {rank} of {pipeline.stages}: {held}; {pipeline.describe()}"))
     precision = step.precision if trace_precision is None else trace_precision

@@ -142,7 +142,7 @@ def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Seque
         replaced = dict(successors or {})
         persistent = alive_at_end(trace)
         if freed := [uid for uid in freed_preexisting(trace)
-                     if uid not in replaced or replaced[uid] is not None and replaced[uid] not in persistent]:
+                     if uid not in replaced or (replaced[uid] is not None and replaced[uid] not in persistent)]:
             raise ValueError(f"the step freed pre-existing storages {freed}: its second iteration must be traced, "
                              f"not synthesised")
         persistent -= {uid for uid in replaced.values() if uid is not None}  # made again by the second iteration
