@@ -32,6 +32,7 @@ backward) is not part of the steady-state step estimated.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -55,7 +56,7 @@ from memcalc.distributed.pipeline_schedules import (
 from memcalc.distributed.pipeline_split import ModelLayout, StageModule, block_containers_of, layout_of, stage_blocks
 from memcalc.distributed.program import RankProgram, model_states_at_step
 from memcalc.engine.losses import compute_loss, make_targets, resolve_loss
-from memcalc.engine.model import ModelInputs, ResolvedModel
+from memcalc.engine.model import Checkpointer, CheckpointFn, ModelInputs, ResolvedModel
 from memcalc.engine.run import CostRecorderFactory, build_report
 from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
@@ -281,6 +282,15 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
     if step.accum_steps != 1:
         raise InapplicableOptionError("a pipeline step accumulates over its microbatches; accum_steps would be "
                                       "a second accumulation", hint="Give the microbatches to the pipeline instead.")
+    split_backward = (PipelineSchedule.INTERLEAVED_ZERO_BUBBLE, PipelineSchedule.ZBV_ZERO_BUBBLE,
+                      PipelineSchedule.DUAL_PIPE_V)
+    if step.checkpoint and pipeline.schedule_kind in split_backward:
+        # torch's split backward (inputs' gradients first, weights' later) unpacks a checkpointed
+        # block's saved tensors twice; memcalc's trace of it fails in torch's checkpoint
+        raise InapplicableOptionError(
+            f"activation checkpointing under the {pipeline.schedule_kind.value} schedule (a backward split into "
+            f"input and weight gradients) is not modelled",
+            hint="Use gpipe, 1f1b or interleaved-1f1b with --checkpoint, or leave checkpointing out.")
     m = pipeline.num_microbatches
     actions = pipeline.actions()
     probe = step.resolved()
@@ -305,26 +315,26 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
             layout = layout_of(micro.module, micro.inputs, containers, micro.name)
     blocks = stage_blocks(layout.blocks, pipeline.total_stages, pipeline.split_points)
     placement = stage_of_rank(pipeline.schedule_kind, pipeline.stages, pipeline.per_rank)
+    # one model for every rank: each cuts a deep copy of the blocks it holds (StageModule)
+    whole = apply_finetune(probe, step.finetune, precision=step.precision, mode=step.mode,
+                           checkpoint=bool(step.checkpoint))
     ranks = []
     for rank in range(pipeline.stages):
         stages = placement[rank]
-        report, states, buffers = _estimate_rank(step, pipeline, rank, stages, blocks, layout, micro.inputs, costs,
-                                                 stage_program, trace_precision, inner)
+        report, states, buffers = _estimate_rank(step, whole, pipeline, rank, stages, blocks, layout, micro.inputs,
+                                                 costs, stage_program, trace_precision, inner)
         flight = in_flight(actions[rank])
         ranks.append(RankEstimate(rank, stages, tuple(blocks[s] for s in stages),
                                   tuple(flight.get(s, 0) for s in stages), report, states, buffers))
     return PipelineEstimate(pipeline, tuple(ranks), ASSUMPTIONS)
 
 
-def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[int],
+def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank: int, stages: Sequence[int],
                    blocks: Sequence[tuple[str, ...]], layout: ModelLayout, micro_inputs: ModelInputs,
                    costs: CostRecorderFactory | None,
                    stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
                    trace_precision: Precision | None = None,
                    inner: InnerParallel | None = None) -> tuple[MemoryReport, int, int]:
-    resolved = step.resolved()
-    resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
-                              checkpoint=bool(step.checkpoint))
     total = pipeline.total_stages
     modules = [StageModule(resolved.module, layout, blocks[s], first=s == 0, last=s == total - 1,
                            inputs=micro_inputs) for s in stages]
@@ -337,6 +347,9 @@ def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[i
         name=f"{resolved.name} pipeline rank {rank}", module=runner,
         inputs=resolved.inputs if first else ModelInputs(()), loss=LossChoice.AUTO,
         build_real=resolved.build_real, block_containers=containers,
+        checkpointing=(None if resolved.checkpointing is None
+                       else _stages_checkpointing(resolved.checkpointing, layout.blocks)),
+        reads=resolved.reads,
         notes=(*resolved.notes, f"pipeline rank {rank} of {pipeline.stages}: {held}; {pipeline.describe()}"))
     precision = step.precision if trace_precision is None else trace_precision
     rank_step = replace(step, loss=None, loss_fn=_RankRunner.done, accum_steps=1,
@@ -356,6 +369,32 @@ def _estimate_rank(step: Step, pipeline: Pipeline, rank: int, stages: Sequence[i
     buffers = sum(traced.trace.nbytes[uid] for uid in program.buffers)
     collective = set().union(*(w.communication for w in wrapped))
     return report, model_states_at_step(traced, collective), buffers
+
+
+def _stages_checkpointing(own: Checkpointer, blocks: Sequence[str]) -> Checkpointer:
+    """The model's own checkpointing (a Hugging Face model's: its layers drop the ``DynamicCache``
+    the model makes in training, ``config.use_cache`` off) applied to every stage's cut model, as
+    a real run turns it on before the model is split. Wrapping the stage's blocks from outside
+    instead lets each checkpointed layer write its keys and values into that cache, and write them
+    again when backward recomputes it: the recomputed attention then sees twice the keys and
+    slices them (``key[:, :, :q_length]``), an op the forward never ran, which torch's selective
+    checkpointing refuses (its cache has no entry for it). A block's index (every Nth) is its
+    index in the whole model (``blocks``), as on one GPU."""
+
+    def apply(runner: nn.Module, function: CheckpointFn, chosen: Callable[[int], bool]) -> int:
+        assert isinstance(runner, _RankRunner)
+        total = 0
+        for stage in runner.stages:
+            assert isinstance(stage, StageModule)
+            offset = list(blocks).index(stage.block_names[0])
+
+            def shifted(index: int, offset: int = offset) -> bool:
+                return chosen(offset + index)
+
+            total += own(stage.model, function, shifted)
+        return total
+
+    return apply
 
 
 class _RankRunner(nn.Module):
@@ -431,7 +470,16 @@ class _PipelineProgram:
         for index, stage_module in zip(runner.stage_ids, runner.stages, strict=True):
             example = self._example_input(index, device)
             if index == pipeline.total_stages - 1:  # on meta, before the trace: the output's shapes
-                with contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model."):
+                # the model's reads of tensor values answered as in the step (a Hugging Face model
+                # checkpointed from its own mechanism makes no cache, and checks its positions for
+                # packed sequences), by a throwaway tracer
+                answering: AbstractContextManager[Any] = contextlib.nullcontext()
+                if tracer.read_values is not None:
+                    from torch.distributed.tensor import DTensor
+
+                    answering = StorageTracer("meta", read_values=tracer.read_values)
+                    answering.defer_to = (DTensor,)  # DTensor's own dispatch first, as in the step
+                with answering, contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model."):
                     output = example.call(stage_module)
             else:  # the activation the next stage receives
                 shape, dtype = self.layout.activation
@@ -475,6 +523,11 @@ class _PipelineProgram:
                             # the gradient sent back last step: step() drops it (clear_runtime_states)
                             info.buffer.grad = torch.empty_like(info.buffer)
                             tracer.preexisting(info.buffer.grad, Category.WORKSPACE)
+                            if stage.stage_index - 1 not in runner.stage_ids:
+                                # ... and backward sets this step's, which the next step finds there
+                                # (not so where the previous stage is this rank's: a V schedule
+                                # hands its output over locally, in place of the buffer)
+                                tracer.replaced_by(info.buffer.grad, functools.partial(_grad_of, info))
             for infos in stage.grad_recv_info.values():
                 for info in infos:
                     if info.buffer is not None:
@@ -522,6 +575,13 @@ class _PipelineProgram:
             raise InapplicableOptionError(f"the loss takes {len(made)} targets; a pipeline's last stage is given one")
         one = made[0]
         return one.new_zeros((one.shape[0] * m, *one.shape[1:]))
+
+
+def _grad_of(info: Any) -> torch.Tensor | None:
+    """The gradient on a received activation's buffer now (torch 2.13's ``stage_backward``
+    drops it as soon as it is sent: None at the end of a step)."""
+    buffer = info.buffer
+    return None if buffer is None else buffer.grad
 
 
 def _as_tuple(value: Any) -> tuple[torch.Tensor, ...]:

@@ -70,6 +70,7 @@ from memcalc.engine.step_backend import AutocastRegion, CompiledAutocast, PlainB
 from memcalc.engine.step_spec import Step
 from memcalc.engine.timeline import (
     Program,
+    alive_at_end,
     alive_before,
     allocator_events,
     build_program,
@@ -163,6 +164,9 @@ class _TracerObserver:
         self.state_uids: set[int] = set()
         self.paged_uids: set[int] = set()
         self.second_iteration: int | None = None  # where in trace.events a traced second iteration begins
+        #: freed pre-existing storage -> the step's storage in its place, None: none (the second
+        #: iteration synthesised)
+        self.successors: dict[int, int | None] = {}
 
     def set_phase(self, phase: Phase) -> None:
         self.tracer.set_phase(phase)
@@ -192,10 +196,41 @@ class _TracerObserver:
     def run_again(self) -> bool:
         """Once, when the step freed a pre-existing storage (a rebound buffer): the second
         iteration is then traced (from ``second_iteration``) rather than synthesised."""
-        if self.second_iteration is not None or not (self.iterations_differ or freed_preexisting(self.tracer.trace)):
+        if self.second_iteration is not None:
+            return False
+        freed = freed_preexisting(self.tracer.trace)
+        if not (self.iterations_differ or freed):
+            return False
+        if not self.iterations_differ and self._successors(freed):
             return False
         self.second_iteration = len(self.tracer.trace.events)
         self._buffers_bound()
+        return True
+
+    def _successors(self, freed: Sequence[int]) -> bool:
+        """Whether every freed pre-existing storage has a successor the step left in its place
+        (:meth:`StorageTracer.replaced_by`), born in the step and alive at its end, or is known to
+        have none (the place empty: the next step frees nothing there): then the
+        second iteration is synthesised, and ``successors`` says which replaces which. Only when
+        nothing else the step made is alive at its end but the optimizer's state, persistent
+        workspaces (a cuBLAS handle's) and empty storages: a storage that outlives the step otherwise (a schedule's
+        stash of its last sends) is freed by the next step, which a copy of the first would keep
+        alive instead."""
+        alive = alive_at_end(self.tracer.trace)
+        found: dict[int, int | None] = {}
+        for uid in freed:
+            later = self.tracer.successors.get(uid)
+            if later is None:
+                return False
+            tensor = later()
+            successor = self.tracer.uid_of(tensor) if tensor is not None else None
+            if tensor is not None and successor not in alive:
+                return False
+            found[uid] = successor  # None: nothing in its place, for the next step to free
+        nbytes = self.tracer.trace.nbytes
+        if any(nbytes[uid] for uid in alive - self.state_uids - self.tracer.held - set(found.values())):
+            return False
+        self.successors = found
         return True
 
     def _buffers_bound(self) -> None:
@@ -237,10 +272,13 @@ class TracedStep:
         self.paged_optimizer_state = 0  # bytes in unified memory, set apart from the trace (_set_apart)
         #: A loop traced for all its iterations: where in ``trace.events`` the second, third, ... begin.
         self.iteration_starts: list[int] | None = None
+        #: pre-existing storages the step freed, and which of its own it left in their place (:func:`build_program`)
+        self.successors: dict[int, int | None] = {}
 
     def program(self) -> Program:
         """The replayable program of this step (two iterations when training)."""
-        return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1, traced_starts=self.iteration_starts)
+        return build_program(self.trace, 2 if self.mode is Mode.TRAIN else 1, traced_starts=self.iteration_starts,
+                             successors=self.successors)
 
 
 def step_config(resolved: ResolvedModel, step: Step, *, autocast: AutocastRegion | None,
@@ -436,6 +474,11 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
         traced.iteration_starts = [observer.second_iteration]
         if freed_preexisting(trace):
             traced.notes.append(_rebound_note(trace, buffers))
+    elif observer.successors:
+        traced.successors = observer.successors
+        count = len(observer.successors)
+        traced.notes.append(f"the step frees {count} pre-existing tensor{'s' if count > 1 else ''} and leaves what "
+                            f"the next step frees in their place: its second iteration repeats the first, not traced")
     if tracing is not None:
         traced.iteration_starts = tracing.iteration_starts()
         traced.notes.extend(tracing.notes(step, ITERATIONS * step.accum_steps, has_step))

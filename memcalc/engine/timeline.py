@@ -117,10 +117,15 @@ class Program:
         return iteration
 
 
-def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Sequence[int] | None = None) -> Program:
+def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Sequence[int] | None = None,
+                  successors: Mapping[int, int | None] | None = None) -> Program:
     """Pre-existing storages, then ``iterations`` copies of the step (at most 2 are needed:
     the third iteration's events are the second's). A step that frees a pre-existing storage
-    (:func:`freed_preexisting`) is not copied: its second iteration must be in the trace.
+    (:func:`freed_preexisting`) is not copied: its second iteration must be in the trace —
+    unless ``successors`` names, for each such storage, the storage the step left in its place
+    (born in the step, alive at its end), or None where it left none: the second iteration then
+    frees that one where the first freed the pre-existing one (or frees nothing there), and makes
+    its own.
 
     With ``traced_starts`` (indices into ``trace.events`` where the iterations after the first
     begin) the trace already holds every iteration: it is replayed as it ran, and
@@ -134,15 +139,22 @@ def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Seque
         return Program(events=events, num_storages=n, iterations=len(starts), iteration_starts=tuple(starts),
                        traced=True, streams=dict(trace.stream))
     if iterations >= 2:
-        if freed := freed_preexisting(trace):
+        replaced = dict(successors or {})
+        persistent = alive_at_end(trace)
+        if freed := [uid for uid in freed_preexisting(trace)
+                     if uid not in replaced or (replaced[uid] is not None and replaced[uid] not in persistent)]:
             raise ValueError(f"the step freed pre-existing storages {freed}: its second iteration must be traced, "
                              f"not synthesised")
-        persistent = alive_at_end(trace)
+        persistent -= {uid for uid in replaced.values() if uid is not None}  # made again by the second iteration
         starts.append(len(events))
         for event in trace.events:
             uid = event if event >= 0 else ~event
             if uid in persistent:
                 continue  # already alive from the first iteration (optimizer state)
+            if uid in replaced:  # the pre-existing storage's death: now its successor's, of the first iteration
+                if (successor := replaced[uid]) is not None:
+                    events.append(~successor)
+                continue
             events.append(event + n if event >= 0 else ~(uid + n))
     # the second iteration's key of a storage is uid + n, on the same stream
     streams = {**trace.stream, **{uid + n: stream for uid, stream in trace.stream.items()}} if len(starts) > 1 \

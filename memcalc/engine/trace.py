@@ -152,6 +152,11 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self.defer_to: tuple[type[torch.Tensor], ...] = ()
         self.stream = 0  # the stream storages born now are allocated on (:meth:`on_stream`)
         self._facts: dict[int, _OpFacts] = {}  # per op, by id (_OpFacts): what is looked up once
+        #: pre-existing storages the step replaces with one of its own, by uid: where the tensor
+        #: in their place will be when the step ends (:meth:`replaced_by`)
+        self.successors: dict[int, Callable[[], torch.Tensor | None]] = {}
+        #: synthetic storages recorded ``persistent`` (a cuBLAS handle's workspace), by uid
+        self.held: set[int] = set()
 
     # ---- the hot path -------------------------------------------------------------------
     def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
@@ -295,6 +300,16 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             return uid
         return self.track(tensor, category)
 
+    def replaced_by(self, tensor: torch.Tensor, later: Callable[[], torch.Tensor | None]) -> None:
+        """A pre-existing ``tensor`` that the step frees and replaces with one it makes, found by
+        ``later()`` when the step ends (a pipeline stage's received activation's ``.grad``, which
+        ``step()`` drops and backward sets again). The engine then synthesises the second
+        iteration from the first, the first's successor freed where the pre-existing one was,
+        instead of tracing it (:func:`memcalc.engine.timeline.build_program`)."""
+        uid = self.uid_of(tensor)
+        assert uid is not None and uid in self.trace.preexisting, "register the tensor as pre-existing first"
+        self.successors[uid] = later
+
     def preexisting(self, tensor: torch.Tensor, category: Category) -> int:
         """Register a storage that exists before the step (parameter, buffer, input, target).
 
@@ -341,6 +356,8 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 trace.stream[uid] = self.stream
             if not persistent:
                 trace.events.append(~uid)
+            else:
+                self.held.add(uid)
         return uid
 
     def release(self, uid: int) -> None:
