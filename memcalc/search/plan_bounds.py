@@ -12,8 +12,11 @@ Both are lower bounds, so pruning on them never drops a configuration that would
   block's input (any checkpointing keeps it); without checkpointing also the inputs of its linear
   layers (the two norms' outputs, the attention's output: 3 × hidden) and two MLP-wide tensors
   (the up-projection's output and the down-projection's input; 4 × hidden when the width is not
-  known); under checkpointing one block recomputed whole; the logits on the last stage (with one
-  microbatch in flight), the others' microbatches in flight on the first. In the
+  known); under selective-op checkpointing the block's input and the outputs torchtitan's op list
+  saves (:func:`selective_saved`: the 1st, 3rd, 5th and 7th ``mm`` and the attention's output of a
+  Llama-layout block; else the input only); under full checkpointing one block recomputed whole;
+  the logits on the last stage (with one microbatch in flight), the others' microbatches in flight
+  on the first. In the
   compute dtype, split by ``tp`` (sequence parallelism shards what tensor parallelism does not);
   a pipeline rank keeps its blocks' share per microbatch in flight (GPipe: all; 1F1B: ``pp``).
 - **time**: the matmul FLOPs of the rank's share of the step (:func:`compute_floor`): forward
@@ -34,7 +37,7 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.engine.options import Step
 from memcalc.timing.performance import device_rates
 
-__all__ = ("activations_floor", "compute_floor", "peak_flops", "states_floor")
+__all__ = ("activations_floor", "compute_floor", "peak_flops", "selective_saved", "states_floor")
 
 _MODES = {torch.bfloat16: ("bf16",), torch.float16: ("fp16",), torch.float32: ("fp32", "tf32")}
 
@@ -69,15 +72,46 @@ def compute_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkp
     return tokens * flops / (mesh.tp * mesh.pp) / peak
 
 
+def selective_saved(module: torch.nn.Module) -> int | None:
+    """Elements per token one block keeps under selective-op checkpointing
+    (:mod:`memcalc.engine.sac_policy`), when its layout says which ``mm`` is which: a Llama-layout
+    block (``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``, plain bias-free
+    ``nn.Linear``: seven ``aten.mm`` in that order) saves, beside its input, q, v, the attention's
+    output (o_proj's input), gate and down. None: another layout (a bias makes ``addmm``, a fused
+    projection shifts the count), where only the block's input is sure."""
+    for block in module.modules():
+        attention, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        if not isinstance(attention, torch.nn.Module) or not isinstance(mlp, torch.nn.Module):
+            continue
+        names = [(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        linears = [getattr(owner, name, None) for owner, name in names]
+        if not all(type(m) is torch.nn.Linear and m.bias is None for m in linears):
+            return None
+        q, _, v, o, gate, _, down = linears
+        assert isinstance(q, torch.nn.Linear) and isinstance(v, torch.nn.Linear) and isinstance(o, torch.nn.Linear)
+        assert isinstance(gate, torch.nn.Linear) and isinstance(down, torch.nn.Linear)
+        return q.out_features + v.out_features + o.in_features + gate.out_features + down.out_features
+    return None
+
+
 def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkpointing,
-                      in_flight: int) -> float:
-    """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``."""
+                      in_flight: int, selective: int | None = None) -> float:
+    """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``;
+    ``selective``: :func:`selective_saved` of the model (None: the block's input only)."""
     if facts.hidden is None or facts.layers is None:
         return 0.0
     block = 4 * facts.hidden + 2 * (facts.intermediate or 2 * facts.hidden)  # one block's, whole
     blocks = facts.layers // mesh.pp
-    per = blocks * (block if checkpoint.kind is CheckpointKind.OFF else facts.hidden)
-    recomputed = 0 if checkpoint.kind is CheckpointKind.OFF else block
+    kind = checkpoint.kind
+    if kind is CheckpointKind.OFF:
+        per, recomputed = blocks * block, 0
+    elif kind is CheckpointKind.FULL:
+        per, recomputed = blocks * facts.hidden, block
+    else:  # selective-op: what its recomputation adds beside the saved outputs is not bounded; every:N, a
+        # policy or auto (which may choose either): the blocks' inputs only
+        saved = selective if kind is CheckpointKind.SELECTIVE_OP and selective is not None else 0
+        per, recomputed = blocks * (facts.hidden + saved), 0
     # the first stage keeps every microbatch in flight; the last (or only) one, at least one, and the logits
     kept = max(in_flight * per, per + (facts.vocab or 0)) + recomputed
     return kept * tokens * facts.activation_bytes / mesh.tp
