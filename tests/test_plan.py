@@ -358,21 +358,23 @@ def test_memory_bound_never_exceeds_the_traced_peak(case):
     from memcalc.core.checkpointing import parse_checkpointing
     from memcalc.distributed.pipeline_schedules import PipelineSchedule
     from memcalc.fields import build_step
-    from memcalc.search.plan_bounds import activations_floor, selective_saved, states_floor
+    from memcalc.search.plan_bounds import activations_floor, off_saved, selective_saved, states_floor
 
     degrees, schedule_name, micro, accum, label = case
     mesh = Mesh(**degrees)
     step = build_step("llama-tiny", batch_size=1, seq_len=256, precision="amp-bf16", gpu="h100-80gb")
     facts = planning.model_facts(step)
-    selective = selective_saved(step.resolved(1).module)
-    assert selective is not None  # a Llama-layout block: the tight selective-op bound is the one checked
+    module = step.resolved(1).module
+    selective, off = selective_saved(module), off_saved(module)
+    assert selective is not None and off is not None  # a Llama-layout block: the tight bounds are the ones checked
     checkpoints = (parse_checkpointing(label),)
     schedule = None if schedule_name is None else PipelineSchedule(schedule_name)
-    search = planning._Search(step, facts, DEFAULT_NETWORK, checkpoints, None, sequence=256, selective=selective)
+    search = planning._Search(step, facts, DEFAULT_NETWORK, checkpoints, None, sequence=256, selective=selective,
+                              off=off)
     config = planning._Config(mesh, 0, micro, accum, schedule)
     in_flight = 1 if schedule is None else accum if schedule is PipelineSchedule.GPIPE else min(mesh.pp, accum)
     bound = states_floor(step, facts, mesh) + activations_floor(facts, mesh, micro * 256, checkpoints[0], in_flight,
-                                                                selective)
+                                                                selective, off)
     peak = search.report(config).bytes.peak_allocated
     assert 0 < bound <= peak, (bound, peak)
     if label != "full":  # the kept activations are most of the peak: the bound is not a token one

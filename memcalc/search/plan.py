@@ -47,7 +47,14 @@ from memcalc.distributed.strategy.base import DIMENSIONS, Plan
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.distributed.tp_plans import resolve_plan
 from memcalc.engine.options import Step
-from memcalc.search.plan_bounds import activations_floor, compute_floor, peak_flops, selective_saved, states_floor
+from memcalc.search.plan_bounds import (
+    activations_floor,
+    compute_floor,
+    off_saved,
+    peak_flops,
+    selective_saved,
+    states_floor,
+)
 from memcalc.timing.performance import step_time
 
 __all__ = ("CHECKPOINTS", "SCHEDULES", "PlanCandidate", "PlanResult", "collectives_of", "find_plan", "meshes_over",
@@ -288,6 +295,7 @@ class _Search:
 
     sequence: int = 1
     selective: int | None = None  # elements per token a block saves under selective-op (plan_bounds)
+    off: int | None = None  # and without checkpointing
 
     def facts_for(self, config: _Config) -> ModelFacts:
         tokens = config.micro * self.sequence
@@ -359,7 +367,7 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
             for ckpt, checkpoint in enumerate(search.checkpoints):
                 config = _Config(mesh, ckpt, micro, accum, schedule)
                 held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, in_flight,
-                                                  search.selective)
+                                                  search.selective, search.off)
                 if search.step.capacity and held > search.step.capacity:
                     search.over += 1
                     continue
@@ -389,8 +397,9 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     if not meshes:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly",
                                 hint=f"give a global batch that is a multiple of {gpus}")
+    module = step.resolved(1).module
     search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(step),
-                     selective=selective_saved(step.resolved(1).module))
+                     selective=selective_saved(module), off=off_saved(module))
     wide = [m for m in meshes if m.tp > network.gpus_per_node]
     if wide:
         search.pruned.append(f"{len(wide)} meshes with tp beyond one node ({network.gpus_per_node} GPUs): not searched "

@@ -37,7 +37,7 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.engine.options import Step
 from memcalc.timing.performance import device_rates
 
-__all__ = ("activations_floor", "compute_floor", "peak_flops", "selective_saved", "states_floor")
+__all__ = ("activations_floor", "compute_floor", "off_saved", "peak_flops", "selective_saved", "states_floor")
 
 _MODES = {torch.bfloat16: ("bf16",), torch.float16: ("fp16",), torch.float32: ("fp32", "tf32")}
 
@@ -72,13 +72,10 @@ def compute_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkp
     return tokens * flops / (mesh.tp * mesh.pp) / peak
 
 
-def selective_saved(module: torch.nn.Module) -> int | None:
-    """Elements per token one block keeps under selective-op checkpointing
-    (:mod:`memcalc.engine.sac_policy`), when its layout says which ``mm`` is which: a Llama-layout
-    block (``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``, plain bias-free
-    ``nn.Linear``: seven ``aten.mm`` in that order) saves, beside its input, q, v, the attention's
-    output (o_proj's input), gate and down. None: another layout (a bias makes ``addmm``, a fused
-    projection shifts the count), where only the block's input is sure."""
+def _llama_linears(module: torch.nn.Module) -> list[torch.nn.Linear] | None:
+    """q, k, v, o, gate, up and down of the first Llama-layout block (``self_attn.{q,k,v,o}_proj``,
+    ``mlp.{gate,up,down}_proj``, plain bias-free ``nn.Linear``: seven ``aten.mm`` in that order), or
+    None: another layout (a bias makes ``addmm``, a fused projection shifts the count)."""
     for block in module.modules():
         attention, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
         if not isinstance(attention, torch.nn.Module) or not isinstance(mlp, torch.nn.Module):
@@ -86,26 +83,52 @@ def selective_saved(module: torch.nn.Module) -> int | None:
         names = [(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
         linears = [getattr(owner, name, None) for owner, name in names]
-        if not all(type(m) is torch.nn.Linear and m.bias is None for m in linears):
-            return None
-        q, _, v, o, gate, _, down = linears
-        assert isinstance(q, torch.nn.Linear) and isinstance(v, torch.nn.Linear) and isinstance(o, torch.nn.Linear)
-        assert isinstance(gate, torch.nn.Linear) and isinstance(down, torch.nn.Linear)
-        return q.out_features + v.out_features + o.in_features + gate.out_features + down.out_features
+        if all(type(m) is torch.nn.Linear and m.bias is None for m in linears):
+            return [m for m in linears if isinstance(m, torch.nn.Linear)]
+        return None
     return None
 
 
+def selective_saved(module: torch.nn.Module) -> int | None:
+    """Elements per token one block keeps under selective-op checkpointing beside its input
+    (:mod:`memcalc.engine.sac_policy`), where the layout says which ``mm`` is which
+    (:func:`_llama_linears`): the 1st, 3rd, 5th and 7th ``mm``'s outputs (q, v, gate, down) and the
+    attention's (o_proj's input). None: only the block's input is sure."""
+    linears = _llama_linears(module)
+    if linears is None:
+        return None
+    q, _, v, o, gate, _, down = linears
+    return q.out_features + v.out_features + o.in_features + gate.out_features + down.out_features
+
+
+def off_saved(module: torch.nn.Module) -> int | None:
+    """Elements per token one Llama-layout block (:func:`_llama_linears`) keeps for its backward
+    without checkpointing, counting distinct tensors only: its input and the middle residual (each
+    norm's input); the inputs of q/k/v, o and gate/up (whose weights' gradients need them; each at
+    least once) and of down; the attention's q, k, v and output; gate's, up's and SiLU's outputs
+    (SiLU's and the product's gradients need them). None: another layout."""
+    linears = _llama_linears(module)
+    if linears is None:
+        return None
+    q, k, v, o, gate, up, down = linears
+    hidden = q.in_features
+    return (2 * hidden + q.in_features + o.in_features + gate.in_features + down.in_features
+            + q.out_features + k.out_features + v.out_features + o.in_features
+            + gate.out_features + up.out_features + gate.out_features)
+
+
 def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkpointing,
-                      in_flight: int, selective: int | None = None) -> float:
+                      in_flight: int, selective: int | None = None, off: int | None = None) -> float:
     """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``;
-    ``selective``: :func:`selective_saved` of the model (None: the block's input only)."""
+    ``selective`` and ``off``: :func:`selective_saved` and :func:`off_saved` of the model (None:
+    the block's input only; the generic count)."""
     if facts.hidden is None or facts.layers is None:
         return 0.0
     block = 4 * facts.hidden + 2 * (facts.intermediate or 2 * facts.hidden)  # one block's, whole
     blocks = facts.layers // mesh.pp
     kind = checkpoint.kind
     if kind is CheckpointKind.OFF:
-        per, recomputed = blocks * block, 0
+        per, recomputed = blocks * max(block, off or 0), 0
     elif kind is CheckpointKind.FULL:
         per, recomputed = blocks * facts.hidden, block
     else:  # selective-op: what its recomputation adds beside the saved outputs is not bounded; every:N, a
