@@ -304,6 +304,22 @@ def test_pruning_bounds_by_hand():
     assert full == (max(3 * 2 * H, 2 * H + V) + 10 * H) * T * 2 / 2 == 1_810_432
 
 
+def test_kept_activations_of_a_llama_block_by_hand():
+    from memcalc.fields import build_step
+    from memcalc.search.plan_bounds import off_saved, selective_saved
+
+    # llama-tiny: hidden 512, MLP 1,376, 8 heads of 64 and 2 key/value heads (kv width 128)
+    module = build_step("llama-tiny", batch_size=1, seq_len=64).resolved(1).module
+    # selective-op saves q (512), v (128), the attention's output (512), gate (1,376) and down (512)
+    assert selective_saved(module) == 512 + 128 + 512 + 1376 + 512 == 3040
+    # no checkpointing: input and middle residual, the inputs of q/k/v, o, gate/up and down, the attention's
+    # q, k, v and output, and gate's, up's and SiLU's outputs
+    assert off_saved(module) == 2 * 512 + 3 * 512 + 1376 + (512 + 128 + 128 + 512) + 3 * 1376 == 9344
+    # GPT-2's Conv1D projections run addmm, not mm: torchtitan's mm count says nothing there
+    gpt2 = build_step("gpt2", batch_size=1, seq_len=64).resolved(1).module
+    assert selective_saved(gpt2) is None and off_saved(gpt2) is None
+
+
 def test_one_predicate_says_which_compositions_are_modelled(monkeypatch):
     from memcalc.fields import build_step
 

@@ -16,8 +16,9 @@ collectives hide behind compute, exposed ones (tensor parallelism's) add to it.
 Pruning (:mod:`memcalc.search.plan_bounds`), before any trace: a configuration whose model states
 and kept activations (lower bounds) exceed the GPU is dropped; every other gets a lower bound on
 its seconds (matmul FLOPs at peak, the bubble, the collectives) and they are traced best bound
-first until the ``top`` found beat the next bound. Traces tighten the bounds of the rest: a
-traced compute bounds its kin's (same tp, pp, data-parallel size, schedule) with less sharding,
+first (those without a pipeline, whose traces are cheap, before the pipelines) until the ``top``
+found beat the next bound. Traces, fitting or not, tighten the bounds of the rest: a traced
+compute bounds its kin's (same tp, pp, data-parallel size, schedule) with less sharding,
 more checkpointing or a smaller micro-batch; its seconds per matmul FLOP bound those with as much
 tp or more, as much sharding or less, as much checkpointing or more and a smaller micro-batch (a
 pipeline stage runs a share of the same kernels). What does not fit rules out its kin with less

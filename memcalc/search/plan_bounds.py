@@ -12,12 +12,12 @@ Both are lower bounds, so pruning on them never drops a configuration that would
   block's input (any checkpointing keeps it); without checkpointing also the inputs of its linear
   layers (the two norms' outputs, the attention's output: 3 × hidden) and two MLP-wide tensors
   (the up-projection's output and the down-projection's input; 4 × hidden when the width is not
-  known); under selective-op checkpointing the block's input and the outputs torchtitan's op list
-  saves (:func:`selective_saved`: the 1st, 3rd, 5th and 7th ``mm`` and the attention's output of a
-  Llama-layout block; else the input only); under full checkpointing one block recomputed whole;
-  the logits on the last stage (with one microbatch in flight), the others' microbatches in flight
-  on the first. In the
-  compute dtype, split by ``tp`` (sequence parallelism shards what tensor parallelism does not);
+  known), or a Llama-layout block's distinct kept tensors where more (:func:`off_saved`); under
+  selective-op checkpointing the input and the outputs torchtitan's op list saves
+  (:func:`selective_saved`; else the input only); under full checkpointing one block recomputed
+  whole; the logits on the last stage (one microbatch in flight), the others' microbatches in
+  flight on the first. In the compute dtype, split by ``tp`` (sequence parallelism shards what
+  tensor parallelism does not);
   a pipeline rank keeps its blocks' share per microbatch in flight (GPipe: all; 1F1B: ``pp``).
 - **time**: the matmul FLOPs of the rank's share of the step (:func:`compute_floor`): forward
   ``2 × params × tokens``, backward ``2 ×`` that for the inputs' gradients plus ``2 ×`` the
