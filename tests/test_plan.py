@@ -299,9 +299,10 @@ def test_pruning_bounds_by_hand():
     facts = replace(LLAMA, intermediate=3 * H)
     off = activations_floor(facts, Mesh(pp=2, tp=2), T, OFF, 3)
     # (the first stage's 3 microbatches in flight, or the last's one and the logits: the larger)
-    assert off == max(3 * 2 * 10 * H, 2 * 10 * H + V) * T * 2 / 2 == 3_932_160
+    # (the logits whole on each tp rank: V × tp before the split by tp)
+    assert off == max(3 * 2 * 10 * H, 2 * 10 * H + V * 2) * T * 2 / 2 == 3_932_160
     full = activations_floor(facts, Mesh(pp=2, tp=2), T, FULL, 3)
-    assert full == (max(3 * 2 * H, 2 * H + V) + 10 * H) * T * 2 / 2 == 1_810_432
+    assert full == (max(3 * 2 * H, 2 * H + V * 2) + 10 * H) * T * 2 / 2 == 2_834_432
 
 
 def test_kept_activations_of_a_llama_block_by_hand():

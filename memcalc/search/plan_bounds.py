@@ -136,5 +136,6 @@ def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Ch
         saved = selective if kind is CheckpointKind.SELECTIVE_OP and selective is not None else 0
         per, recomputed = blocks * (facts.hidden + saved), 0
     # the first stage keeps every microbatch in flight; the last (or only) one, at least one, and the logits
-    kept = max(in_flight * per, per + (facts.vocab or 0)) + recomputed
+    # (the logits whole on every tensor-parallel rank: plan's tp gathers them, no loss_parallel)
+    kept = max(in_flight * per, per + (facts.vocab or 0) * mesh.tp) + recomputed
     return kept * tokens * facts.activation_bytes / mesh.tp
