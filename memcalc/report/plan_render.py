@@ -43,7 +43,8 @@ def render_plan(result: PlanResult, *, unit: Unit = Unit.AUTO, fmt: str = "simpl
               f"Searched: {', '.join(result.searched)} ({len(result.meshes)} meshes: "
               f"{'; '.join(m.describe() for m in result.meshes)}); not searched (not modelled, or not yet in "
               f"plan's cost model): {', '.join(result.not_searched) or 'none'}.",
-              f"{result.unsupported} meshes skipped as not modelled together yet (named below).",
+              *([f"{result.unsupported} meshes skipped as not modelled together yet (named below)."]
+                if result.unsupported else []),
               f"{result.configurations} configurations (mesh × schedule × micro-batch × checkpointing); "
               f"{result.estimates} traced ({result.reused} more reused a trace of the same per-rank program), "
               f"{result.bounded} pruned by their time bound, the rest by memory's monotonicity."]

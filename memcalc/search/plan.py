@@ -16,8 +16,9 @@ collectives hide behind compute, exposed ones (tensor parallelism's) add to it.
 Pruning (:mod:`memcalc.search.plan_bounds`), before any trace: a configuration whose model states
 and kept activations (lower bounds) exceed the GPU is dropped; every other gets a lower bound on
 its seconds (matmul FLOPs at peak, the bubble, the collectives) and they are traced best bound
-first until the ``top`` found beat the next bound. Traces tighten the bounds of the rest: a
-traced compute bounds its kin's (same tp, pp, data-parallel size, schedule) with less sharding,
+first (those without a pipeline, whose traces are cheap, before the pipelines) until the ``top``
+found beat the next bound. Traces, fitting or not, tighten the bounds of the rest: a traced
+compute bounds its kin's (same tp, pp, data-parallel size, schedule) with less sharding,
 more checkpointing or a smaller micro-batch; its seconds per matmul FLOP bound those with as much
 tp or more, as much sharding or less, as much checkpointing or more and a smaller micro-batch (a
 pipeline stage runs a share of the same kernels). What does not fit rules out its kin with less
@@ -47,7 +48,14 @@ from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies
 from memcalc.distributed.tp_plans import resolve_plan
 from memcalc.engine.step_spec import Step
 from memcalc.estimation import run_estimate
-from memcalc.search.plan_bounds import activations_floor, compute_floor, peak_flops, states_floor
+from memcalc.search.plan_bounds import (
+    activations_floor,
+    compute_floor,
+    off_saved,
+    peak_flops,
+    selective_saved,
+    states_floor,
+)
 from memcalc.timing.performance import step_time
 
 __all__ = ("CHECKPOINTS", "SCHEDULES", "PlanCandidate", "PlanResult", "collectives_of", "find_plan", "meshes_over",
@@ -287,6 +295,8 @@ class _Search:
     reports: dict[tuple[Any, ...], MemoryReport] = field(default_factory=dict)
 
     sequence: int = 1
+    selective: int | None = None  # elements per token a block saves under selective-op (plan_bounds)
+    off: int | None = None  # and without checkpointing
 
     def facts_for(self, config: _Config) -> ModelFacts:
         tokens = config.micro * self.sequence
@@ -357,7 +367,8 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
             in_flight = 1 if schedule is None else accum if schedule is PipelineSchedule.GPIPE else min(mesh.pp, accum)
             for ckpt, checkpoint in enumerate(search.checkpoints):
                 config = _Config(mesh, ckpt, micro, accum, schedule)
-                held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, in_flight)
+                held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, in_flight,
+                                                  search.selective, search.off)
                 if search.step.capacity and held > search.step.capacity:
                     search.over += 1
                     continue
@@ -387,7 +398,9 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     if not meshes:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly",
                                 hint=f"give a global batch that is a multiple of {gpus}")
-    search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(step))
+    module = step.resolved(1).module
+    search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(step),
+                     selective=selective_saved(module), off=off_saved(module))
     wide = [m for m in meshes if m.tp > network.gpus_per_node]
     if wide:
         search.pruned.append(f"{len(wide)} meshes with tp beyond one node ({network.gpus_per_node} GPUs): not searched "
@@ -412,7 +425,9 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     if search.over:
         search.pruned.append(f"{search.over} configurations whose model states and kept activations (their lower "
                              f"bounds) exceed the GPU: not estimated")
-    queue = [(c.bound, -c.mesh.dp_shard, c.mesh.dp_replicate, i) for i, c in enumerate(configs)]
+    # the cheap traces first: configurations without a pipeline (one micro-batch or two traced) before the
+    # pipelines (every microbatch of the schedule traced), each in order of its bound
+    queue = [(c.schedule is not None, c.bound, -c.mesh.dp_shard, c.mesh.dp_replicate, i) for i, c in enumerate(configs)]
     heapq.heapify(queue)
     failing: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}  # (dp_shard, ckpt, micro) that did not fit
     traced: dict[tuple[Any, ...], list[tuple[int, int, int, float]]] = {}  # (dp_shard, ckpt, micro, compute)
@@ -421,10 +436,16 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     broken: set[tuple[Mesh, bool, int]] = set()  # (mesh, pipelined, checkpointing) memcalc refuses
     bounded = 0
     while queue:
-        bound, shard, replicas, index = heapq.heappop(queue)
+        later, bound, shard, replicas, index = heapq.heappop(queue)
         config = configs[index]
         if len(best) >= top and best[top - 1].seconds <= bound:
-            bounded = len(queue) + 1
+            if not later:  # every configuration left without a pipeline is at least this slow: on to the pipelines
+                left = [entry for entry in queue if entry[0]]
+                bounded += len(queue) - len(left) + 1
+                queue = left
+                heapq.heapify(queue)
+                continue
+            bounded += len(queue) + 1
             break  # every configuration left is at least this slow
         floor = max([compute for s, c, m, compute in traced.get(config.kin(), [])
                      if config.mesh.dp_shard <= s and config.ckpt >= c and config.micro <= m]
@@ -433,7 +454,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                        and m >= config.micro], default=0.0)
         if floor > config.floor:  # a traced sibling bounds it more tightly: back in the queue
             configs[index] = config = replace(config, floor=floor, bound=config.with_compute(floor))
-            heapq.heappush(queue, (config.bound, shard, replicas, index))
+            heapq.heappush(queue, (later, config.bound, shard, replicas, index))
             continue
         if any(shards >= config.mesh.dp_shard and ckpt >= config.ckpt and micro <= config.micro
                for shards, ckpt, micro in failing.get(config.family(), [])):
@@ -442,7 +463,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
         if (config.mesh, pipelined, config.ckpt) in broken:
             continue
         try:
-            candidate = _confirm(search, config)
+            candidate, compute = _confirm(search, config)
         except MemcalcError as exc:  # a model without blocks to checkpoint, a batch a schedule refuses
             why = str(exc).splitlines()[0]
             where = "under a pipeline" if pipelined else "without a pipeline"
@@ -452,14 +473,14 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                                  else f"{config.mesh.describe()}, checkpointing {label} {where}: not estimated, as "
                                       f"{config.describe(checkpoints)} failed ({why})")
             continue
+        # a trace that does not fit still times its kernels: its compute bounds the others' as a fitting one's does
+        traced.setdefault(config.kin(), []).append((config.mesh.dp_shard, config.ckpt, config.micro, compute[0]))
+        if not pipelined and config.flops > 0:
+            ratios.append((config.mesh.tp, config.mesh.dp_shard, config.ckpt, config.micro,
+                           (compute[0] - compute[1]) / config.flops))
         if candidate is None:
             failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
             continue
-        traced.setdefault(config.kin(), []).append((config.mesh.dp_shard, config.ckpt, config.micro,
-                                                    candidate.compute_seconds))
-        if not pipelined and config.flops > 0:
-            ratios.append((config.mesh.tp, config.mesh.dp_shard, config.ckpt, config.micro,
-                           (candidate.compute_seconds - candidate.once_seconds) / config.flops))
         best = sorted([*best, candidate], key=lambda c: c.seconds)
     searched = tuple(n for n in APPLICATION_ORDER if n in DIMENSIONS and DIMENSIONS[n].planned)
     return PlanResult(best=tuple(best[:top]), gpus=gpus, global_batch=global_batch, network=network,
@@ -500,13 +521,11 @@ _ASSUMPTIONS = (
 )
 
 
-def _confirm(search: _Search, config: _Config) -> PlanCandidate | None:
-    """The configuration estimated and timed, or None (pruned) when it does not fit."""
+def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tuple[float, float]]:
+    """The configuration estimated and timed, or None (pruned) when it does not fit; beside it, its
+    compute seconds per optimizer step and the optimizer step's part of them, fitting or not."""
     report = search.report(config)
     label = config.describe(search.checkpoints)
-    if report.fits is False:
-        search.pruned.append(f"{label}: does not fit ({_gib(report.bytes.peak_allocated)} allocated at its peak)")
-        return None
     time = report.time
     assert time is not None
     pipelined = config.schedule is not None
@@ -514,6 +533,9 @@ def _confirm(search: _Search, config: _Config) -> PlanCandidate | None:
                                   1 if pipelined else config.accum)
     if pipelined:
         compute = time.seconds
+    if report.fits is False:
+        search.pruned.append(f"{label}: does not fit ({_gib(report.bytes.peak_allocated)} allocated at its peak)")
+        return None, (compute, once)
     bubble = per * (config.mesh.pp - 1) / config.stages_per_rank
     collectives = collectives_of(config.mesh, search.facts_for(config), config.accum)
     comm, exposed, seconds = step_seconds(compute, bubble, collectives, search.network, search.facts.layers)
@@ -522,11 +544,12 @@ def _confirm(search: _Search, config: _Config) -> PlanCandidate | None:
         time.tokens // time.samples * config.micro * config.accum * mesh.dp_replicate * mesh.dp_shard)
     chosen = next((n.split("chose ", 1)[1].split(":", 1)[0] for n in report.notes
                    if n.startswith("checkpoint auto chose ")), None)
-    return PlanCandidate(mesh=mesh, checkpoint=search.checkpoints[config.ckpt], micro_batch=config.micro,
-                         accum_steps=config.accum, report=report, compute_seconds=compute, collectives=collectives,
-                         comm_seconds=comm, exposed_seconds=exposed, seconds=seconds, tokens_per_step=tokens,
-                         schedule=config.schedule, bubble_seconds=bubble, once_seconds=once,
-                         checkpoint_label=f"auto → {chosen}" if chosen else "")
+    candidate = PlanCandidate(mesh=mesh, checkpoint=search.checkpoints[config.ckpt], micro_batch=config.micro,
+                              accum_steps=config.accum, report=report, compute_seconds=compute, collectives=collectives,
+                              comm_seconds=comm, exposed_seconds=exposed, seconds=seconds, tokens_per_step=tokens,
+                              schedule=config.schedule, bubble_seconds=bubble, once_seconds=once,
+                              checkpoint_label=f"auto → {chosen}" if chosen else "")
+    return candidate, (compute, once)
 
 
 def _gib(nbytes: float) -> str:

@@ -12,9 +12,12 @@ Both are lower bounds, so pruning on them never drops a configuration that would
   block's input (any checkpointing keeps it); without checkpointing also the inputs of its linear
   layers (the two norms' outputs, the attention's output: 3 × hidden) and two MLP-wide tensors
   (the up-projection's output and the down-projection's input; 4 × hidden when the width is not
-  known); under checkpointing one block recomputed whole; the logits on the last stage (with one
-  microbatch in flight), the others' microbatches in flight on the first. In the
-  compute dtype, split by ``tp`` (sequence parallelism shards what tensor parallelism does not);
+  known), or a Llama-layout block's distinct kept tensors where more (:func:`off_saved`); under
+  selective-op checkpointing the input and the outputs torchtitan's op list saves
+  (:func:`selective_saved`; else the input only); under full checkpointing one block recomputed
+  whole; the logits on the last stage (one microbatch in flight), the others' microbatches in
+  flight on the first. In the compute dtype, split by ``tp`` (sequence parallelism shards what
+  tensor parallelism does not);
   a pipeline rank keeps its blocks' share per microbatch in flight (GPipe: all; 1F1B: ``pp``).
 - **time**: the matmul FLOPs of the rank's share of the step (:func:`compute_floor`): forward
   ``2 × params × tokens``, backward ``2 ×`` that for the inputs' gradients plus ``2 ×`` the
@@ -34,7 +37,7 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.engine.step_spec import Step
 from memcalc.timing.performance import device_rates
 
-__all__ = ("activations_floor", "compute_floor", "peak_flops", "states_floor")
+__all__ = ("activations_floor", "compute_floor", "off_saved", "peak_flops", "selective_saved", "states_floor")
 
 _MODES = {torch.bfloat16: ("bf16",), torch.float16: ("fp16",), torch.float32: ("fp32", "tf32")}
 
@@ -69,15 +72,70 @@ def compute_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkp
     return tokens * flops / (mesh.tp * mesh.pp) / peak
 
 
+def _llama_linears(module: torch.nn.Module) -> list[torch.nn.Linear] | None:
+    """q, k, v, o, gate, up and down of the first Llama-layout block (``self_attn.{q,k,v,o}_proj``,
+    ``mlp.{gate,up,down}_proj``, plain bias-free ``nn.Linear``: seven ``aten.mm`` in that order), or
+    None: another layout (a bias makes ``addmm``, a fused projection shifts the count)."""
+    for block in module.modules():
+        attention, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        if not isinstance(attention, torch.nn.Module) or not isinstance(mlp, torch.nn.Module):
+            continue
+        names = [(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        linears = [getattr(owner, name, None) for owner, name in names]
+        if all(type(m) is torch.nn.Linear and m.bias is None for m in linears):
+            return [m for m in linears if isinstance(m, torch.nn.Linear)]
+        return None
+    return None
+
+
+def selective_saved(module: torch.nn.Module) -> int | None:
+    """Elements per token one block keeps under selective-op checkpointing beside its input
+    (:mod:`memcalc.engine.sac_policy`), where the layout says which ``mm`` is which
+    (:func:`_llama_linears`): the 1st, 3rd, 5th and 7th ``mm``'s outputs (q, v, gate, down) and the
+    attention's (o_proj's input). None: only the block's input is sure."""
+    linears = _llama_linears(module)
+    if linears is None:
+        return None
+    q, _, v, o, gate, _, down = linears
+    return q.out_features + v.out_features + o.in_features + gate.out_features + down.out_features
+
+
+def off_saved(module: torch.nn.Module) -> int | None:
+    """Elements per token one Llama-layout block (:func:`_llama_linears`) keeps for its backward
+    without checkpointing, counting distinct tensors only: its input and the middle residual (each
+    norm's input); the inputs of q/k/v, o and gate/up (whose weights' gradients need them; each at
+    least once) and of down; the attention's q, k, v and output; gate's, up's and SiLU's outputs
+    (SiLU's and the product's gradients need them). None: another layout."""
+    linears = _llama_linears(module)
+    if linears is None:
+        return None
+    q, k, v, o, gate, up, down = linears
+    hidden = q.in_features
+    return (2 * hidden + q.in_features + o.in_features + gate.in_features + down.in_features
+            + q.out_features + k.out_features + v.out_features + o.in_features
+            + gate.out_features + up.out_features + gate.out_features)
+
+
 def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkpointing,
-                      in_flight: int) -> float:
-    """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``."""
+                      in_flight: int, selective: int | None = None, off: int | None = None) -> float:
+    """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``;
+    ``selective`` and ``off``: :func:`selective_saved` and :func:`off_saved` of the model (None:
+    the block's input only; the generic count)."""
     if facts.hidden is None or facts.layers is None:
         return 0.0
     block = 4 * facts.hidden + 2 * (facts.intermediate or 2 * facts.hidden)  # one block's, whole
     blocks = facts.layers // mesh.pp
-    per = blocks * (block if checkpoint.kind is CheckpointKind.OFF else facts.hidden)
-    recomputed = 0 if checkpoint.kind is CheckpointKind.OFF else block
+    kind = checkpoint.kind
+    if kind is CheckpointKind.OFF:
+        per, recomputed = blocks * max(block, off or 0), 0
+    elif kind is CheckpointKind.FULL:
+        per, recomputed = blocks * facts.hidden, block
+    else:  # selective-op: what its recomputation adds beside the saved outputs is not bounded; every:N, a
+        # policy or auto (which may choose either): the blocks' inputs only
+        saved = selective if kind is CheckpointKind.SELECTIVE_OP and selective is not None else 0
+        per, recomputed = blocks * (facts.hidden + saved), 0
     # the first stage keeps every microbatch in flight; the last (or only) one, at least one, and the logits
-    kept = max(in_flight * per, per + (facts.vocab or 0)) + recomputed
+    # (the logits whole on every tensor-parallel rank: plan's tp gathers them, no loss_parallel)
+    kept = max(in_flight * per, per + (facts.vocab or 0) * mesh.tp) + recomputed
     return kept * tokens * facts.activation_bytes / mesh.tp
