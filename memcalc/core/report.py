@@ -255,7 +255,7 @@ class MemoryReport:
         """The memory of every event of the simulated step (both iterations of a training
         step): bytes per category, allocated and reserved after each event, phases, the
         largest storages at the peak, and the allocator's actions (for
-        :func:`memcalc.report.snapshot.write_snapshot`). Computed when first asked (one more
+        :func:`memcalc.measure.snapshot_export.write_snapshot`). Computed when first asked (one more
         replay of the step), then kept. Under a multi-GPU strategy: the busiest role's; each
         ``roles[i].report.timeline()`` is that role's.
 
