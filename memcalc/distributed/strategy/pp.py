@@ -125,7 +125,8 @@ class PipelineParallel(RankStrategy):
                                           for t in range(tp)))
                       for role in report.roles)
         notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch", *fsdp_notes)
-        return replace(report, roles=roles, notes=notes, batch_size=batch)
+        return replace(report, distribution=replace(report.distribution, roles=roles), notes=notes,
+                       step=replace(report.step, batch_size=batch))
 
     def _tensor_parallel(self, step: Step, tp: int, dp_shard: int) -> StageTensorParallel:
         """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there."""
