@@ -21,7 +21,7 @@ from typing import Any
 from tabulate import tabulate
 
 import memcalc
-from memcalc.report.snapshot import snapshot_dict
+from memcalc.measure.snapshot_export import snapshot_dict
 
 #: (model, estimate keyword arguments): the first is the case the target is set on.
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (

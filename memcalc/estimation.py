@@ -88,7 +88,7 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
         if on_trace is not None:
             on_trace(traced)
         report = build_report(resolved, traced, step)
-    return report if step.record_costs else replace(report, _costs=CostsOnRequest(step, distributed))
+    return report if step.record_costs else report.with_costs(CostsOnRequest(step, distributed))
 
 
 #: The strategies TRL's trainers are estimated under (accelerate's MULTI_GPU, FSDP and DEEPSPEED).

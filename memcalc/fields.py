@@ -50,7 +50,8 @@ from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.targets.cuda.gpus.local import names_local_gpu
 from memcalc.targets.resolved_stack import resolve_stack
 
-__all__ = ("CPU", "DISTRIBUTED", "FIELDS", "Field", "Flag", "build_step", "check_keywords", "positive_int")
+__all__ = ("BUDGET_FORMS", "CPU", "DISTRIBUTED", "FIELDS", "Field", "Flag", "build_step", "check_keywords",
+           "positive_int")
 
 #: ``gpu=memcalc.CPU``: estimate what a CPU run of the step allocates (no CUDA kernel choice,
 #: no CUDA workspaces) — the figure to compare with a real CPU run.
@@ -61,14 +62,15 @@ CPU = "cpu"
 class Flag:
     """How the commands that estimate (``memcalc MODEL``, ``fit``, ``sweep``, ``compare``) offer a
     field: ``choice`` (the values of the field's enum), ``optimizer`` (the registered optimizers),
-    ``int`` (at least ``minimum``), ``shape`` (``3,224,224``), ``switch`` (a flag without a value)
-    or ``text`` (a string its converter reads; with ``bare``, the value may be left out).
+    ``int`` (at least ``minimum``), ``shape`` (``3,224,224``), ``switch`` (a flag without a value),
+    ``text`` (a string its converter reads; with ``bare``, the value may be left out) or ``budget``
+    (a search's capacity: one of the flags of :data:`BUDGET_FORMS`).
 
     A ``per_command`` flag is added by each command in the form it takes
     (:func:`memcalc.cli.options.field_option`: one value, or a comma-separated list for a sweep);
     the others every estimating command adds alike (:func:`memcalc.cli.options.step_options`)."""
 
-    kind: Literal["choice", "optimizer", "int", "shape", "switch", "text"]
+    kind: Literal["choice", "optimizer", "int", "shape", "switch", "text", "budget"]
     minimum: int | None = None
     metavar: str | None = None  # a value's name in --help (a per_command flag's: a text value's, a list item's)
     show_default: bool = False
@@ -390,7 +392,7 @@ _FIELDS = (
     Field("loss", _loss, flag="--loss", choices=LossChoice, sets=("loss", "loss_fn"), cli=Flag("choice"),
           help="Loss to train with (training only; default: the zoo entry's, else auto: cross-entropy "
                "for (B, C) outputs, the output's mean otherwise)."),
-    Field("capacity", _capacity, searched="the budget is the capacity",
+    Field("capacity", _capacity, searched="the budget is the capacity", cli=Flag("budget", per_command=True),
           help="Bytes the caching allocator may reserve, overriding the GPU's."),
     # groups of options, each one object (memcalc.cli.setup offers each as several flags)
     Field("loop", _loop, help="The training loop around the model (--loop, --keep-grads, --optim-impl)."),
@@ -413,6 +415,16 @@ _FIELDS = (
           searched="time its answer with memcalc.step_time(result.report)",
           help="Also estimate the step time on --gpu: samples/s and tokens/s beside the memory."),
 )
+
+#: A ``budget`` flag's forms on a search's command line (``fit``, ``sweep``), one of them given:
+#: :func:`memcalc.targets.budget.resolve_budget`'s keyword → (flag, metavar, help; ``{bytes_forms}``
+#: is the command line's spelling of bytes).
+BUDGET_FORMS: Mapping[str, tuple[str, str | None, str]] = {
+    "gpu": ("--gpu", "NAME", "A GPU model (a100-40gb, h100-80gb, ...): its memory minus the CUDA context."),
+    "budget": ("--budget", None, "Bytes the step may use, nothing subtracted: {bytes_forms}."),
+    "device": ("--device", "auto|cuda:N", "A GPU of this machine: its free memory minus a new process's CUDA "
+                                          "context (auto: the one with the most free memory)."),
+}
 
 #: Every option of the step, by its keyword, in the order they are converted.
 FIELDS: Mapping[str, Field] = {f.name: f for f in _FIELDS}

@@ -404,7 +404,7 @@ def test_recorded_maps_and_unmaps_are_whole_pages() -> None:
 def test_snapshot_export_shows_the_mapped_pages() -> None:
     # memcalc --snapshot under expandable segments: each contiguous mapped range is one segment (as
     # torch.cuda.memory_snapshot() reports them), and they add up to the reserved bytes at the end
-    from memcalc.report.snapshot import snapshot_dict
+    from memcalc.measure.snapshot_export import snapshot_dict
 
     report = memcalc.estimate("mlp", batch_size=64, gpu="h100-80gb", alloc_conf="expandable_segments:True")
     segments = snapshot_dict(report)["segments"]

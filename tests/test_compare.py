@@ -12,8 +12,8 @@ from click.testing import CliRunner
 import memcalc
 from memcalc.cli import main
 from memcalc.measure.snapshot import load_snapshot, read_snapshot
-from memcalc.report.snapshot import snapshot_dict
-from memcalc.report.snapshot_compare import compare_snapshot, real_phase
+from memcalc.measure.snapshot_compare import compare_snapshot, real_phase
+from memcalc.measure.snapshot_export import snapshot_dict
 
 DATA = Path(__file__).parent / "data" / "gpu" / "2026-11-25-h100"
 STEM = "resnet18-b1-sgd"

@@ -12,6 +12,7 @@ import pytest
 
 import memcalc
 from memcalc.cli import main
+from memcalc.cli.params import CLI_BYTES_FORMS
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InvalidInputError
 from memcalc.core.loop import Loop
@@ -19,7 +20,7 @@ from memcalc.core.losses import LossChoice
 from memcalc.core.precision import Precision
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from memcalc.engine.step_spec import Step, Target
-from memcalc.fields import DISTRIBUTED, FIELDS, LAUNCH, build_step
+from memcalc.fields import BUDGET_FORMS, DISTRIBUTED, FIELDS, LAUNCH, build_step
 
 
 def _estimate_keywords() -> dict[str, inspect.Parameter]:
@@ -62,7 +63,7 @@ def test_the_cli_offers_every_shared_field_in_every_estimating_command():
 PER_COMMAND = {
     "estimate": {"batch_size": "batch", "optimizer": "optim", "precision": "precision", "gpu": "gpu"},
     "compare": {"batch_size": "batch", "optimizer": "optim", "precision": "precision", "gpu": "gpu"},
-    "fit": {"optimizer": "optim", "precision": "precision"},  # its --gpu is a budget: cli.params.budget_options
+    "fit": {"optimizer": "optim", "precision": "precision"},  # its --gpu is a budget's: BUDGET_FORMS
     "sweep": {"batch_size": "batches", "optimizer": "optims", "precision": "precisions"},  # lists
 }
 
@@ -72,7 +73,8 @@ def test_per_command_fields_are_made_from_the_table(command):
     """The flag, its short form, its help and its default come from FIELDS: a command adds only
     its form (a list, no default for a search) and a sentence of its own."""
     params = {p.name: p for p in main.commands[command].params}
-    assert {n for n, f in FIELDS.items() if f.cli is not None and f.cli.per_command} == set(PER_COMMAND["estimate"])
+    assert {n for n, f in FIELDS.items() if f.cli is not None and f.cli.per_command and f.cli.kind != "budget"} == set(
+        PER_COMMAND["estimate"])
     for name, param in PER_COMMAND[command].items():
         field, option = FIELDS[name], params[param]
         assert isinstance(option, click.Option)
@@ -83,6 +85,20 @@ def test_per_command_fields_are_made_from_the_table(command):
     assert precision == ("fp32" if command in ("estimate", "compare") else None)  # a search keeps the step's own
 
 
+
+
+@pytest.mark.parametrize("command", ["fit", "sweep"])
+def test_a_searchs_budget_flags_are_made_from_the_table(command):
+    """The capacity's ``budget`` flag is ``--gpu``, ``--budget`` and ``--device`` in each search, in
+    that order, each spelled and explained by BUDGET_FORMS; the estimate takes a GPU name instead."""
+    assert [n for n, f in FIELDS.items() if f.cli is not None and f.cli.kind == "budget"] == ["capacity"]
+    options = [p for p in main.commands[command].params if p.name in BUDGET_FORMS]
+    assert [p.name for p in options] == list(BUDGET_FORMS)
+    for option in options:
+        flag, metavar, help_text = BUDGET_FORMS[option.name]
+        assert isinstance(option, click.Option) and option.opts == [flag] and option.default is None
+        assert option.help == help_text.format(bytes_forms=CLI_BYTES_FORMS)
+        assert option.metavar == metavar
 
 
 def test_a_searchs_unknown_keyword_is_judged_by_the_table():

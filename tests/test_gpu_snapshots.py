@@ -26,8 +26,8 @@ from support import replay_suite
 from torch import nn
 
 import memcalc
-from memcalc.report.snapshot import snapshot_dict
-from memcalc.report.snapshot_compare import real_phase
+from memcalc.measure.snapshot_compare import real_phase
+from memcalc.measure.snapshot_export import snapshot_dict
 from memcalc.targets.cuda import workspaces
 from memcalc.targets.cuda.reduce import ReductionScratch, reduction_scratch
 from models_zoo import plain_torch

@@ -143,7 +143,7 @@ def _timeline(report: memcalc.MemoryReport, path: Path, force: bool) -> None:
 
 
 def _snapshot(report: memcalc.MemoryReport, path: Path, force: bool) -> None:
-    from memcalc.report.snapshot import write_snapshot
+    from memcalc.measure.snapshot_export import write_snapshot
 
     write_snapshot(report, path, force=force)
 

@@ -1,4 +1,4 @@
-"""The snapshot export (``memcalc.report.snapshot``): the simulated step as a
+"""The snapshot export (``memcalc.measure.snapshot_export``): the simulated step as a
 ``torch.cuda.memory._snapshot()`` pickle. PyTorch's own tool must open it, and the allocated
 memory replayed from its trace must peak at the report's ``peak_allocated`` to the byte — for a
 CNN, a transformer with activation checkpointing and an FSDP rank."""
@@ -16,7 +16,7 @@ from torch.cuda import _memory_viz
 
 import memcalc
 from memcalc.core.errors import PlotPathError
-from memcalc.report.snapshot import snapshot_dict, write_snapshot
+from memcalc.measure.snapshot_export import snapshot_dict, write_snapshot
 
 CASES = {
     "cnn": ("resnet18", {"batch_size": 2, "input_shape": (3, 64, 64), "optimizer": "adam"}),

@@ -267,6 +267,6 @@ def test_report_equality_repr_and_json_unchanged():
 
 
 def test_report_made_by_hand_has_no_timeline(resnet):
-    bare = dataclasses.replace(resnet, _timeline_builder=None)
+    bare = dataclasses.replace(resnet, on_request=dataclasses.replace(resnet.on_request, timeline=None))
     with pytest.raises(ValueError, match="no step to replay"):
         bare.timeline()

@@ -30,9 +30,9 @@ from memcalc.core.output import check_output_path
 from memcalc.core.report import Measurement
 from memcalc.core.throughput import DataLoaderSetup
 from memcalc.fields import build_step
+from memcalc.measure.snapshot_export import write_snapshot
 from memcalc.measure.step import attach_measurement, measured_device
 from memcalc.report.render import render_json, render_report, render_roles
-from memcalc.report.snapshot import write_snapshot
 from memcalc.report.timeline_plot import check_timeline_path, write_timeline
 from memcalc.targets.cuda.gpus.local import LocalGpu, find_local_gpu, names_local_gpu
 from memcalc.timing.performance import loader_advice

@@ -14,9 +14,9 @@ from memcalc.cli.options import field_option, given, handle_errors, output_optio
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.errors import InvalidInputError
 from memcalc.measure.snapshot import load_snapshot
+from memcalc.measure.snapshot_compare import CodeSpan, compare_snapshot, is_memcalc_snapshot
 from memcalc.report.compare_render import render_comparison
 from memcalc.report.render import render_json
-from memcalc.report.snapshot_compare import CodeSpan, compare_snapshot, is_memcalc_snapshot
 from memcalc.sources.resolve import resolve
 
 __all__ = ("compare_command",)

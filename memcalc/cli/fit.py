@@ -13,7 +13,7 @@ from tabulate import tabulate
 from memcalc import api
 from memcalc.cli.hf import attn_model, attn_option
 from memcalc.cli.options import field_option, given, handle_errors, output_options, quiet, step_arguments, step_options
-from memcalc.cli.params import UnitCommand, budget_arguments, budget_options
+from memcalc.cli.params import UnitCommand, budget_arguments
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.cli.strategy import strategy_arguments, strategy_options
 from memcalc.core.units import format_bytes
@@ -49,7 +49,7 @@ class MarginType(click.ParamType[float]):
 
 @click.command("fit", cls=UnitCommand)
 @click.argument("model")
-@budget_options
+@field_option("capacity")
 @field_option("optimizer", param="optim")
 @field_option("precision", default=None, also="Default: the step's own (fp32 unless --training-args set one).")
 @step_options

@@ -137,6 +137,8 @@ def field_option(name: str, *, param: str | None = None, many: bool = False, def
 
     field = FIELDS[name]
     flag = field.cli
+    if flag is not None and flag.kind == "budget":
+        return _budget_options
     assert flag is not None and field.flag is not None
     if default is _FIELD_DEFAULT:
         default = field.default if field.default is not None else flag.default
@@ -159,6 +161,19 @@ def field_option(name: str, *, param: str | None = None, many: bool = False, def
                             help=f"{help_text} Comma-separated, one estimate each: {example}.")
     return click.option(*spelled, type=_kind(field), show_default=flag.show_default and default is not None, **needed,
                         metavar=flag.metavar if flag.kind == "text" else None, help=help_text)
+
+
+def _budget_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``budget`` field's flags (:data:`memcalc.fields.BUDGET_FORMS`: ``--gpu``, ``--budget``,
+    ``--device``; keyword arguments ``gpu``, ``budget``, ``device``), in that order in ``--help``;
+    :func:`memcalc.cli.params.budget_arguments` takes the one given."""
+    from memcalc.cli.params import CLI_BYTES_FORMS, BytesType  # deferred: they import torch
+    from memcalc.fields import BUDGET_FORMS
+
+    for name, (spelled, metavar, help_text) in reversed(list(BUDGET_FORMS.items())):
+        func = click.option(spelled, name, type=BytesType() if name == "budget" else click.STRING, default=None,
+                            metavar=metavar, help=help_text.format(bytes_forms=CLI_BYTES_FORMS))(func)
+    return func
 
 
 def _count_item(field: Field) -> Callable[[str], int]:

@@ -23,7 +23,6 @@ __all__ = (
     "OptimizerChoice",
     "UnitCommand",
     "budget_arguments",
-    "budget_options",
     "choice_of",
 )
 
@@ -154,18 +153,6 @@ def _positional_indices(args: list[str], flags: set[str]) -> set[int]:
 # --------------------------------------------------------------------------------------------
 # Shared options
 # --------------------------------------------------------------------------------------------
-
-
-def budget_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Add ``--gpu``, ``--budget`` and ``--device`` (keyword arguments ``gpu``, ``budget``, ``device``)."""
-    func = click.option("--device", default=None, metavar="auto|cuda:N",
-                        help="A GPU of this machine: its free memory minus a new process's CUDA "
-                             "context (auto: the one with the most free memory).")(func)
-    func = click.option("--budget", type=BytesType(), default=None,
-                        help=f"Bytes the step may use, nothing subtracted: {CLI_BYTES_FORMS}.")(func)
-    func = click.option("--gpu", default=None, metavar="NAME",
-                        help="A GPU model (a100-40gb, h100-80gb, ...): its memory minus the CUDA context.")(func)
-    return func
 
 
 def budget_arguments(gpu: str | None, budget: int | None, device: str | None, *, required: bool) -> dict[str, Any]:

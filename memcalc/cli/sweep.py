@@ -21,7 +21,7 @@ from memcalc.cli.options import (
     step_arguments,
     step_options,
 )
-from memcalc.cli.params import UnitCommand, budget_arguments, budget_options
+from memcalc.cli.params import UnitCommand, budget_arguments
 from memcalc.cli.setup import setup_arguments, setup_options
 from memcalc.core.categories import Category
 from memcalc.core.units import format_bytes
@@ -38,7 +38,7 @@ __all__ = ("sweep_command",)
 @field_option("batch_size", param="batches", many=True, default=None, required=True)
 @field_option("optimizer", param="optims", many=True)
 @field_option("precision", param="precisions", many=True, default=None)
-@budget_options
+@field_option("capacity")
 @step_options
 @setup_options
 @attn_option

@@ -26,9 +26,8 @@ their peak under the capacity when there is one (above it when ``fits`` is false
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.gpu import GENERIC, GpuProfile
@@ -36,7 +35,8 @@ from memcalc.core.precision import Precision
 from memcalc.core.throughput import CostSource, DeviceRates, StepFlops, StepTime
 from memcalc.core.timeline import Timeline
 
-__all__ = ("ByteBreakdown", "Measurement", "MemoryReport", "ModuleRow", "RoleReport", "Shard", "Textbook")
+__all__ = ("ByteBreakdown", "Distribution", "Generation", "Measurement", "MemoryReport", "ModuleRow", "OnRequest",
+           "RoleReport", "Shard", "StepDescription", "Textbook", "TimelineSource", "busiest_role")
 
 
 @dataclass(frozen=True)
@@ -153,22 +153,133 @@ class Measurement:
         return (estimate - self.peak_allocated) / self.peak_allocated
 
 
+class TimelineSource(Protocol):
+    """What a report keeps to replay its step into a timeline when asked
+    (``memcalc.engine.run``'s builder: the trace, its program and the allocator settings)."""
+
+    def timeline(self) -> Timeline:
+        """The step's timeline: built on the first call (one more replay), then kept."""
+
+
 @dataclass(frozen=True)
-class MemoryReport:
-    """Everything an estimate found: the peak and its breakdown, where it happens, and the
-    step that was simulated (the JSON contract is in the module docstring)."""
+class OnRequest:
+    """What a report computes only when asked, each from the traced step it keeps: the timeline
+    (one more replay) and the FLOPs and bytes per kernel (the step time). None: the report was
+    built by hand, or from a step that recorded nothing. Kept out of equality and ``to_dict()``."""
+
+    timeline: TimelineSource | None = None
+    costs: CostSource | None = None
+
+
+@dataclass(frozen=True)
+class StepDescription:
+    """The step that was simulated, as resolved: the model, the batch, the optimizer and the
+    settings the estimate ran under (each as the JSON contract and the tables spell it)."""
 
     model: str
     batch_size: int
     optimizer: str
     mode: Mode
+    precision: Precision = Precision.FP32
+    gpu: GpuProfile = GENERIC
+    gpu_named: bool = False  # False: the generic default profile was assumed
+    capacity: int | None = None  # bytes the allocator may reserve, when a budget/GPU was given
+    input_description: str = ""
+    loss: str = ""
+    accum_steps: int = 1
+    checkpoint: bool = False
+    # The loop and stack the step was estimated for (memcalc.core.loop, memcalc.core.stack).
+    loop: str = "minimal"  # a preset's name, or the user's loop function's qualified name
+    keep_grads: bool = False  # zero_grad(set_to_none=False): gradients allocated throughout
+    optimizer_impl: str = ""  # for-loop, foreach or fused, as resolved ("" without an optimizer)
+    torch_version: str = ""  # the PyTorch whose kernel facts were used ("X.Y")
+    cuda_version: str = ""  # the CUDA runtime assumed for the context ("X.Y")
+    # The caching allocator's settings modelled (PYTORCH_CUDA_ALLOC_CONF, in PyTorch's spelling)
+    # and where they came from; "" for the defaults (JSON "alloc_conf" only then).
+    alloc_conf: str = ""
+    alloc_conf_source: str = ""
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """How the step is spread over GPUs (memcalc.distributed): the report's own fields describe
+    the busiest of ``roles``. A single GPU: ``strategy`` ``"single"``, no roles."""
+
+    strategy: str = "single"
+    world_size: int = 1
+    global_batch_size: int | None = None  # samples per step over all GPUs (None: single GPU)
+    roles: tuple[RoleReport, ...] = ()
+    #: The device mesh's degrees (torchtitan's names), when the strategy runs on one; None otherwise.
+    mesh: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a step that generates adds. Mode generate: the tokens ``generate()`` makes after the
+    prompt and the decode step of the peak (0: the prefill). A training step that generates (loop
+    trl-grpo): the peak of its generation (``generate()`` and the scoring of the completions) and
+    of its training (forward, loss, backward, optimizer). None where the step does neither."""
+
+    new_tokens: int | None = None
+    peak_step: int | None = None
+    generation_peak: int | None = None
+    training_peak: int | None = None
+
+    @property
+    def peaks_in(self) -> str | None:
+        """``"generation"`` or ``"training"``: the part of a generating training step whose peak
+        is the step's; None for any other step."""
+        if self.generation_peak is None or self.training_peak is None:
+            return None
+        return "generation" if self.generation_peak > self.training_peak else "training"
+
+
+_T = TypeVar("_T")
+
+
+class _Of(Generic[_T]):
+    """A read-only attribute of the report that is a field of one of its nested records
+    (``report.batch_size`` is ``report.step.batch_size``): the flat names the API has always had."""
+
+    def __init__(self, record: str) -> None:
+        self._record = record
+        self._name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+        self.__doc__ = f"``{self._record}.{name}``, read-only."
+
+    @overload
+    def __get__(self, report: None, owner: type) -> _Of[_T]: ...
+
+    @overload
+    def __get__(self, report: object, owner: type) -> _T: ...
+
+    def __get__(self, report: object | None, owner: type) -> _T | _Of[_T]:
+        if report is None:
+            return self
+        value: _T = getattr(getattr(report, self._record), self._name)
+        return value
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Everything an estimate found: the peak and its breakdown, where it happens, and the
+    step that was simulated (the JSON contract is in the module docstring).
+
+    What the estimate found is in the report's own fields; the step it describes is in ``step``
+    (:class:`StepDescription`), the GPUs it is spread over in ``distribution``, what a generating
+    step adds in ``generation``, and what is computed only when asked in ``on_request``. Each
+    field of those records is also a read-only attribute of the report (``report.batch_size``
+    is ``report.step.batch_size``). Renderers (:mod:`memcalc.report`) only read it.
+    """
+
+    step: StepDescription
     parameters: int  # count, tied weights once
     peak_phase: Phase
     peak_module: str  # "" when the peak happens outside any submodule (e.g. optimizer)
     bytes: ByteBreakdown
     peak_iteration: int = 1  # 2 when the steady state (optimizer state present) is higher
-    input_description: str = ""
-    loss: str = ""
     textbook: Textbook | None = None
     modules: tuple[ModuleRow, ...] = ()  # every submodule, at every depth (see modules_within)
     first_iteration_peak: int = 0
@@ -176,7 +287,6 @@ class MemoryReport:
     # Segments the caching allocator holds at its peak: under ``capacity`` when there is one
     # (the replay that decides ``fits``), else with no limit (see the module docstring).
     peak_reserved: int = 0
-    capacity: int | None = None  # bytes the allocator may reserve, when a budget/GPU was given
     fits: bool | None = None  # replayed under ``capacity`` without an OOM (None: no capacity)
     reserved_within_capacity: int | None = None  # peak reserved in that replay (= peak_reserved)
     peak_reserved_unconstrained: int = 0  # peak reserved replayed with no limit
@@ -187,51 +297,57 @@ class MemoryReport:
     unsupported_ops: tuple[tuple[str, int], ...] = ()  # ops whose CUDA memory is approximated
     measurement: Measurement | None = None
     notes: tuple[str, ...] = field(default=())
-    precision: Precision = Precision.FP32
-    gpu: GpuProfile = GENERIC
-    gpu_named: bool = False  # False: the generic default profile was assumed
     attention_backend: str | None = None  # the backend of most attention calls; None: no attention
     attention_calls: tuple[tuple[str, int], ...] = ()  # every backend used, with its call count
-    accum_steps: int = 1
-    checkpoint: bool = False
-    # Multi-GPU (memcalc.distributed): the fields above describe the busiest role in ``roles``.
-    strategy: str = "single"
-    world_size: int = 1
-    global_batch_size: int | None = None  # samples per step over all GPUs (None: single GPU)
-    roles: tuple[RoleReport, ...] = ()
-    #: The device mesh's degrees (torchtitan's names), when the strategy runs on one; None otherwise.
-    mesh: dict[str, int] | None = None
-    # The loop and stack the step was estimated for (memcalc.core.loop, memcalc.core.stack).
-    loop: str = "minimal"  # a preset's name, or the user's loop function's qualified name
-    keep_grads: bool = False  # zero_grad(set_to_none=False): gradients allocated throughout
-    optimizer_impl: str = ""  # for-loop, foreach or fused, as resolved ("" without an optimizer)
-    torch_version: str = ""  # the PyTorch whose kernel facts were used ("X.Y")
-    cuda_version: str = ""  # the CUDA runtime assumed for the context ("X.Y")
     trainable_parameters: int | None = None  # parameters with requires_grad (None: not training)
     paged_optimizer_state: int = 0  # optimizer state in unified memory (paged optimizers), not in the peak
-    new_tokens: int | None = None  # mode generate: the tokens generate() makes after the prompt
-    peak_step: int | None = None  # mode generate: the decode step of the peak (0: the prefill)
-    # A training step that generates (loop trl-grpo): the peak of its generation (generate() and the
-    # scoring of the completions) and of its training (forward, loss, backward, optimizer); None otherwise.
-    generation_peak: int | None = None
-    training_peak: int | None = None
     # The step's time on the report's GPU, when asked for (memcalc.step_time; JSON "time" only then).
     time: StepTime | None = None
-    # The caching allocator's settings modelled (PYTORCH_CUDA_ALLOC_CONF, in PyTorch's spelling)
-    # and where they came from; "" for the defaults (JSON "alloc_conf" only then).
-    alloc_conf: str = ""
-    alloc_conf_source: str = ""
-    # Builds the timeline on request (set by memcalc.engine.run.build_report): kept out of
-    # equality, repr and to_dict(), so that reports compare and serialise as before.
-    _timeline_builder: Callable[[], Timeline] | None = field(default=None, compare=False, repr=False)
-    # The step's FLOPs and bytes per kernel (memcalc.timing.flops.StepCosts), for flops() and step times.
-    _costs: CostSource | None = field(default=None, compare=False, repr=False)
+    distribution: Distribution = field(default_factory=Distribution)
+    generation: Generation = field(default_factory=Generation)
+    # The timeline and the step's costs, computed when asked (set by memcalc.engine.run.build_report
+    # and memcalc.estimation): kept out of equality and repr, so that reports compare as before.
+    on_request: OnRequest = field(default_factory=OnRequest, compare=False, repr=False)
+
+    # The flat names of the nested records' fields, read-only (see the class docstring).
+    model = _Of[str]("step")
+    batch_size = _Of[int]("step")
+    optimizer = _Of[str]("step")
+    mode = _Of[Mode]("step")
+    precision = _Of[Precision]("step")
+    gpu = _Of[GpuProfile]("step")
+    gpu_named = _Of[bool]("step")
+    capacity = _Of[int | None]("step")
+    input_description = _Of[str]("step")
+    loss = _Of[str]("step")
+    accum_steps = _Of[int]("step")
+    checkpoint = _Of[bool]("step")
+    loop = _Of[str]("step")
+    keep_grads = _Of[bool]("step")
+    optimizer_impl = _Of[str]("step")
+    torch_version = _Of[str]("step")
+    cuda_version = _Of[str]("step")
+    alloc_conf = _Of[str]("step")
+    alloc_conf_source = _Of[str]("step")
+    strategy = _Of[str]("distribution")
+    world_size = _Of[int]("distribution")
+    global_batch_size = _Of[int | None]("distribution")
+    roles = _Of["tuple[RoleReport, ...]"]("distribution")
+    mesh = _Of[dict[str, int] | None]("distribution")
+    new_tokens = _Of[int | None]("generation")
+    peak_step = _Of[int | None]("generation")
+    generation_peak = _Of[int | None]("generation")
+    training_peak = _Of[int | None]("generation")
+
+    def with_costs(self, costs: CostSource) -> MemoryReport:
+        """The same report, its FLOPs and step time computed from ``costs`` when asked."""
+        return replace(self, on_request=replace(self.on_request, costs=costs))
 
     def timeline(self) -> Timeline:
         """The memory of every event of the simulated step (both iterations of a training
         step): bytes per category, allocated and reserved after each event, phases, the
         largest storages at the peak, and the allocator's actions (for
-        :func:`memcalc.report.snapshot.write_snapshot`). Computed when first asked (one more
+        :func:`memcalc.measure.snapshot_export.write_snapshot`). Computed when first asked (one more
         replay of the step), then kept. Under a multi-GPU strategy: the busiest role's; each
         ``roles[i].report.timeline()`` is that role's.
 
@@ -242,9 +358,9 @@ class MemoryReport:
         Raises:
             ValueError: the report was not made by an estimate (built by hand).
         """
-        if self._timeline_builder is None:
+        if self.on_request.timeline is None:
             raise ValueError("this report has no step to replay: only reports made by an estimate have a timeline")
-        return self._timeline_builder()
+        return self.on_request.timeline.timeline()
 
     def flops(self) -> StepFlops:
         """The FLOPs of the simulated step, counted per aten op: per phase (backward's
@@ -254,9 +370,9 @@ class MemoryReport:
         Raises:
             ValueError: the report was not made by an estimate (built by hand).
         """
-        if self._costs is None:
+        if self.on_request.costs is None:
             raise ValueError("this report has no traced step: only reports made by an estimate count FLOPs")
-        return self._costs.flops()
+        return self.on_request.costs.flops()
 
     def time_on(self, rates: DeviceRates) -> StepTime:
         """The step's time on the GPU whose peaks are ``rates``, from a roofline per traced
@@ -265,9 +381,9 @@ class MemoryReport:
         Raises:
             ValueError: the report was not made by an estimate (built by hand).
         """
-        if self._costs is None:
+        if self.on_request.costs is None:
             raise ValueError("this report has no traced step: only reports made by an estimate have a step time")
-        return self._costs.time(rates)
+        return self.on_request.costs.time(rates)
 
     def modules_within(self, depth: int) -> tuple[ModuleRow, ...]:
         """The per-module rows down to ``depth`` (1: the model's direct children)."""
@@ -277,10 +393,7 @@ class MemoryReport:
     def busiest_role(self) -> RoleReport | None:
         """The GPU role that runs out of memory first (multi-GPU): one that does not fit,
         else the highest peak allocated (then reserved). None for a single GPU."""
-        if not self.roles:
-            return None
-        failing = [r for r in self.roles if r.report.fits is False]
-        return max(failing or self.roles, key=lambda r: (r.peak_allocated, r.report.peak_reserved))
+        return busiest_role(self.roles)
 
     @property
     def cuda_context(self) -> int:
@@ -320,9 +433,7 @@ class MemoryReport:
     def peaks_in(self) -> str | None:
         """``"generation"`` or ``"training"``: the part of a generating training step (loop
         trl-grpo) whose peak is the step's; None for any other step."""
-        if self.generation_peak is None or self.training_peak is None:
-            return None
-        return "generation" if self.generation_peak > self.training_peak else "training"
+        return self.generation.peaks_in
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (see the module docstring); integers are bytes."""
@@ -369,6 +480,15 @@ class MemoryReport:
                                              "peak_reserved_unconstrained": self.peak_reserved_unconstrained,
                                              "cuda_context": self.cuda_context},
         }
+
+
+def busiest_role(roles: tuple[RoleReport, ...]) -> RoleReport | None:
+    """The GPU role that runs out of memory first: one that does not fit, else the highest peak
+    allocated (then reserved). None without roles (a single GPU)."""
+    if not roles:
+        return None
+    failing = [r for r in roles if r.report.fits is False]
+    return max(failing or roles, key=lambda r: (r.peak_allocated, r.report.peak_reserved))
 
 
 #: The per-rank table's short names of what a mesh dimension divides.

@@ -45,7 +45,7 @@ from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.losses import LossChoice
 from memcalc.core.precision import Precision
-from memcalc.core.report import MemoryReport, RoleReport
+from memcalc.core.report import MemoryReport, RoleReport, busiest_role
 from memcalc.distributed.pipeline_schedules import (
     Action,
     PipelineSchedule,
@@ -217,10 +217,11 @@ class PipelineEstimate:
         """The multi-GPU report, as the other strategies make it: the busiest rank's report,
         every pipeline rank a role."""
         roles = tuple(r.role() for r in self.ranks)
-        busiest = replace(self.busiest.report, roles=roles).busiest_role
+        busiest = busiest_role(roles)
         assert busiest is not None
-        return replace(busiest.report, strategy="pp", world_size=self.pipeline.stages,
-                       global_batch_size=self.ranks[0].report.batch_size, roles=roles)
+        return replace(busiest.report, distribution=replace(
+            busiest.report.distribution, strategy="pp", world_size=self.pipeline.stages,
+            global_batch_size=self.ranks[0].report.batch_size, roles=roles))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""

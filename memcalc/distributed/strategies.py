@@ -24,7 +24,7 @@ from dataclasses import replace
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
-from memcalc.core.report import MemoryReport, RoleReport
+from memcalc.core.report import Distribution, MemoryReport, RoleReport, busiest_role
 from memcalc.distributed.program import model_states_at_step
 from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import Plan, RankStrategy
@@ -110,11 +110,12 @@ def estimate_per_rank(step: Step, distributed: Distributed,
             model_states=model_states_at_step(traced, program.communication),
             communication=_alive_at_peak(traced, program.communication, step.allocator_settings), report=report,
             sharding=role.sharding))
-    busiest = replace(results[0].report, roles=tuple(results)).busiest_role
+    busiest = busiest_role(tuple(results))
     assert busiest is not None
     mesh = None if distributed.mesh is None else distributed.mesh.degrees
-    return replace(busiest.report, strategy=distributed.strategy.value, world_size=distributed.world_size,
-                   global_batch_size=plan.global_batch, roles=tuple(results), mesh=mesh)
+    return replace(busiest.report, distribution=Distribution(
+        strategy=distributed.strategy.value, world_size=distributed.world_size,
+        global_batch_size=plan.global_batch, roles=tuple(results), mesh=mesh))
 
 
 
@@ -164,8 +165,9 @@ def _whole_step(strategy: RankStrategy, strategies: list[RankStrategy], step: St
                            for d in sorted(strategy.composes_with)) + ".")
     report = strategy.estimate(step, distributed.per_rank_batch(batch), costs)
     mesh = None if distributed.mesh is None else distributed.mesh.degrees
-    return replace(report, strategy=distributed.strategy.value, world_size=distributed.world_size,
-                   global_batch_size=distributed.global_batch(batch), mesh=mesh)
+    return replace(report, distribution=replace(
+        report.distribution, strategy=distributed.strategy.value, world_size=distributed.world_size,
+        global_batch_size=distributed.global_batch(batch), mesh=mesh))
 
 
 def _alive_at_peak(traced: TracedStep, uids: set[int], settings: AllocConf | None = None) -> int:

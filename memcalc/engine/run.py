@@ -34,7 +34,15 @@ from memcalc.core.errors import (
     SymbolicExecutionError,
 )
 from memcalc.core.progress import report_progress, reported
-from memcalc.core.report import ByteBreakdown, MemoryReport, ModuleRow, Textbook
+from memcalc.core.report import (
+    ByteBreakdown,
+    Generation,
+    MemoryReport,
+    ModuleRow,
+    OnRequest,
+    StepDescription,
+    Textbook,
+)
 from memcalc.core.streams import Stream
 from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
@@ -691,7 +699,8 @@ def _register_kv_cache(tracer: StorageTracer, resolved: ResolvedModel, inputs: M
 
 
 class _TimelineBuilder:
-    """``MemoryReport.timeline()`` behind the report: what the replay needs, kept so that the
+    """``MemoryReport.timeline()`` behind the report (its ``on_request.timeline``, a
+    :class:`~memcalc.core.report.TimelineSource`): what the replay needs, kept so that the
     timeline costs nothing until it is asked for (then it is built once and kept)."""
 
     def __init__(self, trace: StepTrace, program: Program, categories: list[Category], capacity: int | None,
@@ -703,7 +712,8 @@ class _TimelineBuilder:
         self._host = host
         self._timeline: Timeline | None = None
 
-    def __call__(self) -> Timeline:
+    def timeline(self) -> Timeline:
+        """The step's timeline: built on the first call (one more replay), then kept."""
         if self._timeline is None:
             self._timeline = build_timeline(*self._args, capacity=self._capacity, role=self._role,
                                             settings=self._settings, host=self._host)
@@ -813,17 +823,33 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         notes.append(warning)
         warnings.warn(warning, stacklevel=3)
     return MemoryReport(
-        model=resolved.name,
-        batch_size=resolved.batch_size,
-        optimizer=spec.name,
-        mode=mode,
+        step=StepDescription(
+            model=resolved.name,
+            batch_size=resolved.batch_size,
+            optimizer=spec.name,
+            mode=mode,
+            precision=step.precision,
+            gpu=step.gpu,
+            gpu_named=step.gpu_named,
+            capacity=capacity,
+            input_description=_cast_input_description(resolved, step),
+            loss=traced.loss,
+            accum_steps=step.accum_steps,
+            checkpoint=bool(step.checkpoint),
+            loop=step.loop.name,
+            keep_grads=step.loop.keep_grads,
+            optimizer_impl=traced.optimizer_impl,
+            # the stack resolved at the API boundary (memcalc.targets.resolved_stack); no CUDA version on the CPU target
+            torch_version=step.stack.torch or "",
+            cuda_version=(step.stack.cuda or "") if step.emulate_cuda else "",
+            alloc_conf=settings.describe() if settings is not None else "",
+            alloc_conf_source=settings.source if settings is not None else "",
+        ),
         parameters=parameter_count(module.parameters()),
         peak_phase=trace.phase[uid] if has_peak else Phase.SETUP,
         peak_module=trace.module[uid] if has_peak else "",
         bytes=breakdown,
         peak_iteration=program.iteration_of(peak_index),
-        input_description=_cast_input_description(resolved, step),
-        loss=traced.loss,
         textbook=textbook,
         modules=_module_rows(module, traced),
         first_iteration_peak=first.peak_allocated,
@@ -833,37 +859,27 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         peak_reserved=stats.peak_reserved if reserved_within is None else reserved_within,
         peak_reserved_unconstrained=stats.peak_reserved,
         unsupported_ops=_approximated(trace, step),
-        capacity=capacity,
         fits=fits,
         reserved_within_capacity=reserved_within,
         reserved_if_expandable=expandable,
-        precision=step.precision,
-        gpu=step.gpu,
-        gpu_named=step.gpu_named,
         attention_backend=_main_backend(traced.attention),
         attention_calls=tuple(sorted(traced.attention.items())),
-        accum_steps=step.accum_steps,
-        checkpoint=bool(step.checkpoint),
-        loop=step.loop.name,
-        keep_grads=step.loop.keep_grads,
-        optimizer_impl=traced.optimizer_impl,
-        # the stack resolved at the API boundary (memcalc.targets.resolved_stack); no CUDA version on the CPU target
-        torch_version=step.stack.torch or "",
-        cuda_version=(step.stack.cuda or "") if step.emulate_cuda else "",
         paged_optimizer_state=traced.paged_optimizer_state,
         trainable_parameters=parameter_count(p for p in module.parameters() if p.requires_grad) if training else None,
-        new_tokens=step.new_tokens,
-        peak_step=peak_step if has_peak else None,
-        generation_peak=split[0] if split is not None else None,
-        training_peak=split[1] if split is not None else None,
-        alloc_conf=settings.describe() if settings is not None else "",
-        alloc_conf_source=settings.source if settings is not None else "",
+        generation=Generation(
+            new_tokens=step.new_tokens,
+            peak_step=peak_step if has_peak else None,
+            generation_peak=split[0] if split is not None else None,
+            training_peak=split[1] if split is not None else None,
+        ),
         notes=tuple(notes),
-        _timeline_builder=_TimelineBuilder(trace, program, traced.categories, capacity, role, settings, host),
-        _costs=None if traced.costs is None else traced.costs.step_costs(
-            resolved.inputs, batch_size=resolved.batch_size, micro_batches=step.accum_steps,
-            module_order=traced.module_order,  # a loop traced whole: its first iteration
-            until=traced.iteration_starts[0] if traced.iteration_starts else None),
+        on_request=OnRequest(
+            timeline=_TimelineBuilder(trace, program, traced.categories, capacity, role, settings, host),
+            costs=None if traced.costs is None else traced.costs.step_costs(
+                resolved.inputs, batch_size=resolved.batch_size, micro_batches=step.accum_steps,
+                module_order=traced.module_order,  # a loop traced whole: its first iteration
+                until=traced.iteration_starts[0] if traced.iteration_starts else None),
+        ),
     )
 
 

@@ -1,11 +1,11 @@
-"""Text for :class:`~memcalc.report.snapshot_compare.SnapshotComparison` (``memcalc compare``)."""
+"""Text for :class:`~memcalc.core.snapshot_comparison.SnapshotComparison` (``memcalc compare``)."""
 
 from __future__ import annotations
 
 from tabulate import tabulate
 
+from memcalc.core.snapshot_comparison import BlockDifference, SnapshotComparison
 from memcalc.core.units import Unit, format_bytes
-from memcalc.report.snapshot_compare import BlockDifference, SnapshotComparison
 
 __all__ = ("render_comparison",)
 

@@ -140,7 +140,8 @@ class PipelineParallel(RankStrategy):
                                           for p in range(replicas) for d in range(dp_shard) for t in range(tp)))
                       for role in report.roles)
         notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch", *fsdp_notes)
-        return replace(report, roles=roles, notes=notes, batch_size=batch)
+        return replace(report, distribution=replace(report.distribution, roles=roles), notes=notes,
+                       step=replace(report.step, batch_size=batch))
 
     def _replicas(self, dp_shard: int) -> int:
         """The dp_replicate degree: HSDP around each stage's FSDP2, as torchtitan runs it.
