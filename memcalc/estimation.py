@@ -92,7 +92,7 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
 
 
 #: The strategies TRL's trainers are estimated under (accelerate's MULTI_GPU, FSDP and DEEPSPEED).
-_TRL_STRATEGIES = frozenset({Strategy.DDP, Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2})
+_TRL_STRATEGIES = frozenset({Strategy.DDP, Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3})
 
 
 def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
@@ -109,6 +109,13 @@ def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
                                       f"modelled: TRL's trainers are estimated under ddp, fsdp, zero1, zero2 and zero3 "
                                       f"(accelerate's MULTI_GPU, FSDP and DEEPSPEED)",
                                       hint="Give --strategy ddp, fsdp or zero1/2/3.")
+    if distributed.strategy is Strategy.ZERO3 and step.finetune.lora is not None and step.checkpoint:
+        # trl's trainers: "PEFT + DeepSpeed ZeRO-3 requires reentrant checkpointing" (use_reentrant forced True)
+        raise InapplicableOptionError(f"loop {step.loop.name} with LoRA and gradient checkpointing under --strategy "
+                                      f"zero3 is not modelled: TRL forces reentrant checkpointing there "
+                                      f"(use_reentrant=True), memcalc traces the non-reentrant one",
+                                      hint="Give gradient_checkpointing false in --training-args, or leave out "
+                                           "--lora, to estimate it under zero3.")
 
 
 class CostsOnRequest:
