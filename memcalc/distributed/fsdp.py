@@ -250,6 +250,7 @@ class ShardedProgram(RankProgram):
         self.engines = tuple(engines)
         self.coordinators: list[ParamCoordinator[_Param]] = []
         self._coordinator_of: dict[int, ParamCoordinator[_Param]] = {}  # id(_Param) -> its engine's
+        self._forward_stack: list[_UnitState] = []  # ZeRO-3: the modules whose forward runs (FWD_MODULE_STACK)
         self._places: dict[int, list[tuple[nn.Module, str]]] = {}
 
     #: Whether the CPU target's collectives make gloo's copies (:meth:`_gloo_copy`): a real CPU
@@ -559,15 +560,19 @@ class ShardedProgram(RankProgram):
 
     @contextmanager
     def gathered_parameters(self, tensors: Sequence[torch.Tensor | None]) -> Iterator[list[torch.Tensor | None]]:
-        """``deepspeed.zero.GatheredParameters`` over the parameters ``tensors`` are (their shards or their
-        gathered tensors), outside the coordinator: TRL's fused LM head reads ``lm_head.weight`` without
-        calling the module (``maybe_gather_lm_head_ctx``). Those not AVAILABLE are all-gathered, each into
-        its own padded buffer (``_allgather_params_sequential`` for one, ``_allgather_params_coalesced``'s
-        per-parameter ``flat_tensor`` for several), and partitioned again on exit; the coordinator's
-        status is left as it was (GatheredParameters does not go through it). Yields the gathered
-        tensors in place of ``tensors`` (memcalc's gathered parameter is a tensor apart from its shard;
-        DeepSpeed swaps ``param.data``); a tensor that is none of this program's parameters is yielded as
-        it was."""
+        """ZeRO-3's parameters read outside their module's forward: TRL's fused LM head reads
+        ``lm_head.weight`` in the model's forward without calling the head, and wraps its use in
+        ``maybe_gather_lm_head_ctx`` (``GatheredParameters`` over those not AVAILABLE).
+
+        In an engine's forward DeepSpeed sees the read first (``ZeROOrderedDict.__getitem__``): the
+        parameter is all-gathered at once, into its own padded buffer, and registered as an external
+        parameter of the module whose forward runs (``FWD_MODULE_STACK[-1]``), with whose fetches and
+        releases it goes from then on (real DeepSpeed 0.19.8 with TRL's head: tests/test_trl_zero3.py);
+        TRL's context then finds it AVAILABLE and gathers nothing. Outside a forward (a backward whose
+        module did not fetch it) ``GatheredParameters`` gathers it and partitions it again on exit.
+        Yields the gathered tensors in place of ``tensors`` (memcalc's gathered parameter is a tensor
+        apart from its shard; DeepSpeed swaps ``param.data``); a tensor that is none of this program's
+        parameters is yielded as it was."""
         found = [None if t is None else next((p for p in self.params if t is p.sharded or t is p.unsharded), None)
                  for t in tensors]
         missing = [p for p in dict.fromkeys(p for p in found if p is not None)
@@ -576,6 +581,12 @@ class ShardedProgram(RankProgram):
             self._transient(sum(p.shard_numel * p.gather_dtype.itemsize for p in missing))
         for p in missing:
             self._allocate_unsharded(p)
+        running = self._forward_stack[-1] if self._forward_stack and not self._in_backward else None
+        if running is not None:
+            for p in missing:
+                self._coordinator_of[id(p)].gathered_on_access(p)
+                running.params.append(p)
+            missing = []
         try:
             yield [t if p is None else p.unsharded for t, p in zip(tensors, found, strict=True)]
         finally:
@@ -591,6 +602,7 @@ class ShardedProgram(RankProgram):
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, state: _UnitState, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if self.coordinators:  # DeepSpeed: fetch_sub_module (a recomputation too)
+            self._forward_stack.append(state)
             self._coordinator(state).fetch(state, state.params, forward=True)
             self._swap_in(state)
             if not self._in_backward and self.training and torch.is_grad_enabled():
@@ -628,6 +640,8 @@ class ShardedProgram(RankProgram):
 
     def _post_forward(self, state: _UnitState, output: Any) -> Any:
         if self.coordinators:  # DeepSpeed: release_sub_module (a recomputation too)
+            if self._forward_stack and self._forward_stack[-1] is state:
+                self._forward_stack.pop()
             self._coordinator(state).release(state, state.params, forward=True)
             if self._in_backward or not (self.training and torch.is_grad_enabled()):
                 return None
