@@ -100,6 +100,11 @@ def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
     its root alone, as ``prepare_fsdp`` does) and ZeRO; GRPO's generation under them (accelerate's
     ``unwrap_model_for_generation`` gathering a sharded policy) and the other mesh dimensions are not
     modelled."""
+    if step.loop.name == "trl-grpo" and distributed.strategy is Strategy.ZERO3:
+        raise InapplicableOptionError("loop trl-grpo under --strategy zero3 is not modelled: its generation under "
+                                      "ZeRO-3 (unwrap_model_for_generation gathering every partitioned parameter, "
+                                      "ds3_gather_for_generation) and its reference engine are not followed",
+                                      hint="Estimate GRPO on one GPU (leave out --strategy).")
     if step.loop.name == "trl-grpo":
         raise InapplicableOptionError("loop trl-grpo is estimated on one GPU; its generation under --strategy "
                                       "(unwrap_model_for_generation gathering the sharded policy) is not modelled",

@@ -25,7 +25,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import nn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
