@@ -57,9 +57,10 @@ def _write(tmp_path: Path, config: dict[str, Any], name: str = "config.json") ->
 
 
 def _estimate(model: str, loop: str, stage3: ZeroStage3 = PLAIN, batch: int = 2, seq_len: int = SEQ,
-              **config: Any) -> memcalc.MemoryReport:
+              finetune: memcalc.FineTune | None = None, **config: Any) -> memcalc.MemoryReport:
     args = {"per_device_train_batch_size": batch, "bf16": False, "gradient_checkpointing": False, **config}
     return memcalc.estimate(model, loop=loop, trainer_args=args, seq_len=seq_len, gpu="cpu",
+                            finetune=finetune or memcalc.FineTune(),
                             distributed=memcalc.Distributed("zero3", world_size=2, reduce_bucket_size=10**6,
                                                             stage3=stage3))
 
@@ -120,20 +121,23 @@ def test_reward_under_zero3(tmp_path: Path) -> None:
     assert any("RewardTrainer.compute_loss" in note for note in report.notes)
 
 
-def _events(monkeypatch: pytest.MonkeyPatch, model: str, stage3: ZeroStage3) -> tuple[list[list[str]], Any]:
-    """memcalc's two steps of DPO, with the gathered parameters of both engines read at the recorded points."""
+def _events(monkeypatch: pytest.MonkeyPatch, model: str, stage3: ZeroStage3,
+            lora: int | None = None) -> tuple[list[list[str]], Any]:
+    """memcalc's two steps of DPO, with the gathered parameters of each engine (the policy's, and the
+    reference's unless ``lora``) read at the recorded points."""
+    keys = ("policy",) if lora else ("policy", "reference")
     events: list[list[str]] = []
     seen: dict[str, Any] = {}
     install = ZeroProgram.install
 
     def probe(self: ZeroProgram, tracer: Any, module: nn.Module) -> None:
-        models = {key: module.get_submodule(key) for key in ("policy", "reference")}
+        models = {key: module.get_submodule(key) for key in keys}
         names = {key: {id(p): n for n, p in m.named_parameters()} for key, m in models.items()}
         order = {key: {n: i for i, n in enumerate(v.values())} for key, v in names.items()}
         install(self, tracer, module)
         assert self.sharded is not None
-        coordinators = dict(zip(("policy", "reference"), self.sharded.coordinators, strict=True))
-        seen["settings"] = coordinators["reference"].settings
+        coordinators = dict(zip(keys, self.sharded.coordinators, strict=True))
+        seen["settings"] = coordinators[keys[-1]].settings
 
         def gathered() -> str:
             return " ".join(hex(sum(1 << order[key][names[key][id(p.original)]] for p in c.params if c.available(p)))
@@ -162,7 +166,8 @@ def _events(monkeypatch: pytest.MonkeyPatch, model: str, stage3: ZeroStage3) -> 
         self._around = lambda: (before, after)  # type: ignore[method-assign]
 
     monkeypatch.setattr(ZeroProgram, "install", probe)
-    _estimate(model, "trl-dpo", stage3, batch=RECORDED["batch"], seq_len=RECORDED["seq_len"])
+    finetune = memcalc.FineTune(lora=memcalc.LoRA(lora)) if lora else memcalc.FineTune()
+    _estimate(model, "trl-dpo", stage3, batch=RECORDED["batch"], seq_len=RECORDED["seq_len"], finetune=finetune)
     return events, seen["settings"]
 
 
@@ -178,13 +183,43 @@ def test_gathers_are_deepspeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     # DeepSpeed's third step is its second, but for the reference's persistent parameters: gathered in
     # the second step's reference forward (its trace complete from then on) and never released (its
     # engine has no step), they are whole from the third step's start. The policy's are its second's.
-    persistent = int(real[-1][1].split()[1], 16)
-    assert [[e.replace(" 1", " 2"), f"{g.split()[0]} {hex(int(g.split()[1], 16) | persistent)}"]
-            for e, g in real[per_step:2 * per_step]] == real[2 * per_step:]
-    assert (persistent != 0) == (recorded["settings"]["stage3_param_persistence_threshold"] > 0)
-    events, reference = _events(monkeypatch, _write(tmp_path, RECORDED["config"]), settings)
-    assert events == real[:2 * per_step]
-    assert {k: getattr(reference, k) for k in recorded["reference_engine"]} == recorded["reference_engine"]
+    lora = recorded.get("lora")
+    if lora is None:
+        persistent = int(real[-1][1].split()[1], 16)
+        assert [[e.replace(" 1", " 2"), f"{g.split()[0]} {hex(int(g.split()[1], 16) | persistent)}"]
+                for e, g in real[per_step:2 * per_step]] == real[2 * per_step:]
+        assert (persistent != 0) == (recorded["settings"]["stage3_param_persistence_threshold"] > 0)
+    else:
+        assert [[e.replace(" 1", " 2"), g] for e, g in real[per_step:2 * per_step]] == real[2 * per_step:]
+    events, reference = _events(monkeypatch, _write(tmp_path, RECORDED["config"]), settings, lora)
+    if lora is None:
+        assert events == real[:2 * per_step]
+        assert {k: getattr(reference, k) for k in recorded["reference_engine"]} == recorded["reference_engine"]
+        return
+    # LoRA: the reference pass (adapters disabled) breaks the recorded trace each step. memcalc then
+    # gathers a subset of what DeepSpeed gathers: DeepSpeed keeps some prefetched LoRA adapters and
+    # persistent norms gathered that memcalc releases (a known divergence, not yet explained; at most
+    # the adapters' and the persistent parameters' bytes). Everything else is DeepSpeed's.
+    names = _peft_names(RECORDED["config"], lora)
+    threshold = recorded["settings"]["stage3_param_persistence_threshold"]
+    assert [e for e, _ in events] == [e for e, _ in real[:2 * per_step]]
+    for (_, ours), (_, theirs) in zip(events, real, strict=False):
+        mine, real_mask = int(ours, 16), int(theirs, 16)
+        assert mine & ~real_mask == 0
+        assert all("lora_" in names[k][0] or names[k][1] <= threshold
+                   for k in range(len(names)) if (real_mask & ~mine) >> k & 1)
+
+
+def _peft_names(config: dict[str, Any], rank: int) -> list[tuple[str, int]]:
+    """The PeftModel's parameters (name, elements) in ``named_parameters`` order, built on meta."""
+    import peft
+    import torch
+    import transformers
+
+    llama = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(llama), peft.LoraConfig(r=rank))
+    return [(n, p.numel()) for n, p in model.named_parameters()]
 
 
 def test_recorded_cases_differ() -> None:

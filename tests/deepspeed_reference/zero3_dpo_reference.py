@@ -3,7 +3,8 @@ training engine (a torch Adam), the frozen reference in the second engine TRL bu
 (``trl.models.prepare_deepspeed``: the same stage-3 config, no optimizer, eval mode), both with
 TRL's fused LM head (``add_fused_lm_head``; ``maybe_gather_lm_head_ctx`` gathers the head for real:
 transformers' ``HfDeepSpeedConfig`` is registered). Each step is DPO's: the policy on the chosen
-and rejected rows, the reference on them under ``no_grad``, the sigmoid loss, backward, step.
+and rejected rows, the reference on them under ``no_grad``, the sigmoid loss, backward, step. A LoRA case
+(:data:`LORA_CASES`) has no reference engine: the policy runs again with its adapters disabled.
 
 Recorded, for three steps: which parameters of each model are gathered (a bitmask over its
 ``named_parameters``) after each module's forward pre-hook and post-hook, after backward and after
@@ -40,6 +41,10 @@ CASES: dict[str, dict[str, int]] = {
     "no-prefetch": {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
                     "stage3_max_reuse_distance": 0},
 }
+#: Cases run with LoRA (PEFT's default targets, r 8): the reference is the policy with its adapters
+#: disabled, called directly (``use_adapter(model, None)``; TRL's ``self.model``), no second engine.
+LORA_CASES = {"lora-prefetch": CASES["prefetch"]}
+LORA_RANK = 8
 BATCH, SEQ, STEPS = 2, 32, 3
 
 
@@ -48,7 +53,7 @@ def _mask(order: list[str], gathered: Any) -> str:
     return hex(sum(1 << index[name] for name in set(gathered)))
 
 
-def _run(extra: dict[str, int]) -> dict[str, Any]:
+def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
     import deepspeed
     import transformers
     from transformers.integrations import HfDeepSpeedConfig
@@ -66,12 +71,17 @@ def _run(extra: dict[str, int]) -> dict[str, Any]:
     reference.requires_grad_(False)
     add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     add_fused_lm_head(reference)
-    engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.Adam(policy.parameters(), lr=1e-3),
-                                      config=config)
+    if lora:  # as SFTTrainer/DPOTrainer do under ZeRO-3: adapters in the model's dtype
+        import peft
+
+        policy = peft.get_peft_model(policy, peft.LoraConfig(r=LORA_RANK, lora_dropout=0.0),
+                                     autocast_adapter_dtype=False)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.Adam(trained, lr=1e-3), config=config)
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
-    ref_engine = prepare_deepspeed(reference, accelerator)
+    ref_engine = None if lora else prepare_deepspeed(reference, accelerator)
     events: list[list[str]] = []
-    models = {"policy": policy, "reference": reference}
+    models = {"policy": policy} if lora else {"policy": policy, "reference": reference}
     names = {key: [n for n, _ in m.named_parameters()] for key, m in models.items()}
 
     def gathered() -> str:
@@ -91,7 +101,15 @@ def _run(extra: dict[str, int]) -> dict[str, Any]:
     for step in range(STEPS):
         out = engine(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True)
         with torch.no_grad():
-            ref = ref_engine(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True)
+            if ref_engine is None:
+                from trl.trainer.utils import use_adapter
+
+                with use_adapter(policy, None):
+                    ref = policy(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels,
+                                 fused_lm_head=True)
+            else:
+                ref = ref_engine(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels,
+                                 fused_lm_head=True)
         logps, ref_logps = out.log_probs.sum(1), ref.log_probs.sum(1)
         chosen, rejected = (logps - ref_logps).chunk(2)
         loss = -torch.nn.functional.logsigmoid(0.1 * (chosen - rejected)).mean()
@@ -99,11 +117,13 @@ def _run(extra: dict[str, int]) -> dict[str, Any]:
         events.append([f"backward {step}", gathered()])
         engine.step()
         events.append([f"step {step}", gathered()])
+    del keep
+    if ref_engine is None:
+        return {"settings": extra, "lora": LORA_RANK, "events": events}
     settings = {"param_persistence_threshold": ref_engine.zero_param_persistence_threshold(),
                 "prefetch_bucket_size": ref_engine.zero_prefetch_bucket_size(),
                 "max_live_parameters": ref_engine.zero_max_live_parameters(),
                 "max_reuse_distance": ref_engine.zero_max_reuse_distance()}
-    del keep
     return {"settings": extra, "reference_engine": settings, "events": events}
 
 
@@ -114,7 +134,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     out: dict[str, Any] = {"deepspeed": deepspeed.__version__, "trl": trl.__version__,
                            "world_size": torch.distributed.get_world_size(), "config": CONFIG, "batch": BATCH,
-                           "seq_len": SEQ, "cases": {name: _run(extra) for name, extra in CASES.items()}}
+                           "seq_len": SEQ, "cases": {**{name: _run(extra) for name, extra in CASES.items()},
+                                     **{name: _run(extra, lora=True) for name, extra in LORA_CASES.items()}}}
     if torch.distributed.get_rank() == 0:
         with open(sys.argv[1], "w", encoding="utf-8") as file:
             json.dump(out, file, indent=None)
