@@ -92,14 +92,19 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
 
 
 #: The strategies TRL's trainers are estimated under (accelerate's MULTI_GPU, FSDP and DEEPSPEED).
-_TRL_STRATEGIES = frozenset({Strategy.DDP, Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2})
+_TRL_STRATEGIES = frozenset({Strategy.DDP, Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3})
 
 
 def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
     """TRL's trainers run under accelerate's data parallelism: DDP, FSDP2 (the reference sharded on
     its root alone, as ``prepare_fsdp`` does; GRPO's generation through the model
     ``unwrap_model_for_generation`` yields, under FSDP2 the sharded policy gathering its units per
-    forward) and ZeRO; the other mesh dimensions are not modelled."""
+    forward) and ZeRO; GRPO under ZeRO-3 and the other mesh dimensions are not modelled."""
+    if step.loop.name == "trl-grpo" and distributed.strategy is Strategy.ZERO3:
+        raise InapplicableOptionError("loop trl-grpo under --strategy zero3 is not modelled: its generation under "
+                                      "ZeRO-3 (unwrap_model_for_generation gathering every partitioned parameter, "
+                                      "ds3_gather_for_generation) and its reference engine are not followed",
+                                      hint="Estimate GRPO under ddp, fsdp, zero1 or zero2, or on one GPU.")
     if (step.loop.name == "trl-grpo" and distributed.strategy is Strategy.FSDP and step.finetune is not None
             and step.finetune.lora is not None):
         raise InapplicableOptionError("loop trl-grpo with LoRA under --strategy fsdp is not modelled: "
@@ -111,6 +116,13 @@ def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
                                       f"modelled: TRL's trainers are estimated under ddp, fsdp, zero1, zero2 and zero3 "
                                       f"(accelerate's MULTI_GPU, FSDP and DEEPSPEED)",
                                       hint="Give --strategy ddp, fsdp or zero1/2/3.")
+    if distributed.strategy is Strategy.ZERO3 and step.finetune.lora is not None and step.checkpoint:
+        # trl's trainers: "PEFT + DeepSpeed ZeRO-3 requires reentrant checkpointing" (use_reentrant forced True)
+        raise InapplicableOptionError(f"loop {step.loop.name} with LoRA and gradient checkpointing under --strategy "
+                                      f"zero3 is not modelled: TRL forces reentrant checkpointing there "
+                                      f"(use_reentrant=True), memcalc traces the non-reentrant one",
+                                      hint="Give gradient_checkpointing false in --training-args, or leave out "
+                                           "--lora, to estimate it under zero3.")
 
 
 class CostsOnRequest:

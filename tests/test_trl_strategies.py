@@ -1,6 +1,6 @@
-"""TRL's trainers under data parallelism (``--loop trl-dpo --strategy ddp|fsdp|zero1|zero2``), the
-README's example config (``examples/trl/dpo.json``, issue 35's "Done when" command) and launch
-configurations in ``memcalc fit``.
+"""TRL's trainers under data parallelism (``--loop trl-dpo --strategy ddp|fsdp|zero1|zero2``; zero3 in
+tests/test_trl_zero3.py), the README's example config (``examples/trl/dpo.json``, issue 35's "Done
+when" command) and launch configurations in ``memcalc fit``.
 
 Each rank traces TRL's own ``compute_loss`` (memcalc.stacks.trl.step) under its rank program. What is
 checked by hand-worked bytes: DDP adds its gradient bucket to the one-GPU step; under FSDP2 the DPO
@@ -109,7 +109,7 @@ def test_zero_model_states_by_hand(model: str, precompute: bool) -> None:
 
 
 @pytest.mark.parametrize("loop, strategy, message", [
-    ("trl-dpo", "zero3", "under --strategy zero3 is not modelled"),
+    ("trl-grpo", "zero3", "loop trl-grpo under --strategy zero3 is not modelled"),
     ("trl-dpo", "dp", "under --strategy dp is not modelled"),
 ])
 def test_unmodelled_strategies_refused(model: str, loop: str, strategy: str, message: str) -> None:

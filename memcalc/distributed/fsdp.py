@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -114,12 +115,13 @@ def _module_lists(module: nn.Module) -> list[str]:
     return found
 
 
-def module_units(module: nn.Module) -> list[Unit]:
+def module_units(module: nn.Module, prefix: str = "") -> list[Unit]:
     """DeepSpeed ZeRO-3's granularity: each module gathers its own parameters in its forward
     pre-hook (``fetch_sub_module``) and releases them after. Every module is hooked
     (``_register_deepspeed_module``), those without parameters too: each fetch is a step of the
-    coordinator's trace and a chance to prefetch."""
-    return [Unit(name or "(root)", m, (m,)) for name, m in module.named_modules()]
+    coordinator's trace and a chance to prefetch. ``prefix``: the path of ``module`` in the traced
+    model, when it is one engine's module among several."""
+    return [Unit(".".join(n for n in (prefix, name) if n) or "(root)", m, (m,)) for name, m in module.named_modules()]
 
 
 @dataclass(eq=False)
@@ -239,7 +241,7 @@ class ShardedProgram(RankProgram):
                  sharded_dtype: torch.dtype | None, gather_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, training: bool, reduce_bucket_size: int = 0,
                  cpu: bool = False, accumulate: bool = False, stage3: ZeroStage3 | None = None,
-                 host_gradients: bool = False):
+                 host_gradients: bool = False, engines: Sequence[str] = ("",)):
         super().__init__()
         if style not in ("fsdp2", "deepspeed"):
             raise ValueError(style)
@@ -267,13 +269,26 @@ class ShardedProgram(RankProgram):
         #: ZeRO-3's settings and its parameter coordinator (made at install)
         self.stage3 = stage3 or ZeroStage3()
         self.host_gradients = host_gradients  # ZeRO-3 offload_optimizer: the gradient partitions on the host
-        self.coordinator: ParamCoordinator[_Param] | None = None
+        #: ZeRO-3: the paths of the modules that are each a DeepSpeed engine's, with a coordinator of its
+        #: own (TRL's DPO reference is a second engine: ``prepare_deepspeed``); the first is trained
+        self.engines = tuple(engines)
+        self.coordinators: list[ParamCoordinator[_Param]] = []
+        self._coordinator_of: dict[int, ParamCoordinator[_Param]] = {}  # id(_Param) -> its engine's
+        self._forward_stack: list[_UnitState] = []  # ZeRO-3: the modules whose forward runs (FWD_MODULE_STACK)
         self._places: dict[int, list[tuple[nn.Module, str]]] = {}
 
     #: Whether the CPU target's collectives make gloo's copies (:meth:`_gloo_copy`): a real CPU
     #: process group is gloo's. torch's fake process group, over which tests/test_strategies.py
     #: runs the real ``fully_shard``, allocates nothing; its tests turn this off.
     gloo_copies: ClassVar[bool] = True
+
+    @property
+    def coordinator(self) -> ParamCoordinator[_Param] | None:
+        """ZeRO-3: the trained engine's coordinator (the optimizer step releases its parameters)."""
+        return self.coordinators[0] if self.coordinators else None
+
+    def _coordinator(self, state: _UnitState) -> ParamCoordinator[_Param]:
+        return self._coordinator_of[id(state)]
 
     @property
     def fsdp2(self) -> bool:
@@ -301,10 +316,12 @@ class ShardedProgram(RankProgram):
         by_param: dict[int, _Param] = {}
         root = self.units[-1].module if self.fsdp2 else module
         persist: set[int] = set()
-        if not self.fsdp2:  # mark_persistent_parameters, in named_parameters order
-            named = [p for _name, p in module.named_parameters()]
-            persist = {id(p) for p, flag in zip(named, persistent_flags([p.numel() for p in named], self.stage3),
-                                                  strict=True) if flag}
+        engine_params: list[set[int]] = []  # each engine's parameters (before they are replaced by shards)
+        for path in () if self.fsdp2 else self.engines:  # each engine's mark_persistent_parameters
+            named = [p for _name, p in module.get_submodule(path).named_parameters()]
+            engine_params.append({id(p) for p in named})
+            persist |= {id(p) for p, flag in zip(named, persistent_flags([p.numel() for p in named], self.stage3),
+                                                   strict=True) if flag}
         for unit in self.units:
             state = _UnitState(unit, [], [], [], self._unit_reshards(unit, root))
             for member in unit.members:
@@ -326,12 +343,16 @@ class ShardedProgram(RankProgram):
                     self._set(member, name, param.sharded)
                     self._undo.append(functools.partial(self._set, member, name, original))
             self.states.append(state)
-        if not self.fsdp2:
-            self.coordinator = ParamCoordinator(self.stage3, self.params, self._ds_gather, self._ds_wait,
-                                                self._ds_free)
-            coordinator = self.coordinator
-            self._handles.append(module.register_forward_pre_hook(lambda m, args: coordinator.reset_step(),
-                                                                  prepend=True))
+        for path, ids in zip(() if self.fsdp2 else self.engines, engine_params, strict=True):
+            root_module = module.get_submodule(path)
+            params = [p for p in self.params if id(p.original) in ids]
+            coordinator = ParamCoordinator(self.stage3, params, self._ds_gather, self._ds_wait, self._ds_free)
+            self.coordinators.append(coordinator)
+            self._coordinator_of.update((id(p), coordinator) for p in params)
+            members = {id(m) for m in root_module.modules()}
+            self._coordinator_of.update((id(s), coordinator) for s in self.states if id(s.unit.module) in members)
+            self._handles.append(root_module.register_forward_pre_hook(
+                lambda m, args, c=coordinator: c.reset_step(), prepend=True))
         for state in self.states:
             self._handles.append(state.unit.module.register_forward_pre_hook(
                 lambda m, args, s=state: self._pre_forward(s, args)))
@@ -561,6 +582,42 @@ class ShardedProgram(RankProgram):
         for module, name in self._places[id(p)]:
             self._set(module, name, p.sharded)
 
+    @contextmanager
+    def gathered_parameters(self, tensors: Sequence[torch.Tensor | None]) -> Iterator[list[torch.Tensor | None]]:
+        """ZeRO-3's parameters read outside their module's forward: TRL's fused LM head reads
+        ``lm_head.weight`` in the model's forward without calling the head, and wraps its use in
+        ``maybe_gather_lm_head_ctx`` (``GatheredParameters`` over those not AVAILABLE).
+
+        In an engine's forward DeepSpeed sees the read first (``ZeROOrderedDict.__getitem__``): the
+        parameter is all-gathered at once, into its own padded buffer, and registered as an external
+        parameter of the module whose forward runs (``FWD_MODULE_STACK[-1]``), with whose fetches and
+        releases it goes from then on (real DeepSpeed 0.19.8 with TRL's head: tests/test_trl_zero3.py);
+        TRL's context then finds it AVAILABLE and gathers nothing. Outside a forward (a backward whose
+        module did not fetch it) ``GatheredParameters`` gathers it and partitions it again on exit.
+        Yields the gathered tensors in place of ``tensors`` (memcalc's gathered parameter is a tensor
+        apart from its shard; DeepSpeed swaps ``param.data``); a tensor that is none of this program's
+        parameters is yielded as it was."""
+        found = [None if t is None else next((p for p in self.params if t is p.sharded or t is p.unsharded), None)
+                 for t in tensors]
+        missing = [p for p in dict.fromkeys(p for p in found if p is not None)
+                   if not self._coordinator_of[id(p)].available(p)]
+        if self.stage3.offload_param and missing:  # the host partitions copied to the GPU first
+            self._transient(sum(p.shard_numel * p.gather_dtype.itemsize for p in missing))
+        for p in missing:
+            self._allocate_unsharded(p)
+        running = self._forward_stack[-1] if self._forward_stack and not self._in_backward else None
+        if running is not None:
+            for p in missing:
+                self._coordinator_of[id(p)].gathered_on_access(p)
+                running.params.append(p)
+            missing = []
+        try:
+            yield [t if p is None else p.unsharded for t, p in zip(tensors, found, strict=True)]
+        finally:
+            for p in missing:
+                assert p.unsharded is not None
+                self._tracer.free_storage(_local(p.unsharded))
+
     def _swap_in(self, state: _UnitState) -> None:
         for module, name, p in state.locations:
             assert p.unsharded is not None, "gathered before use"
@@ -568,8 +625,9 @@ class ShardedProgram(RankProgram):
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, state: _UnitState, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if self.coordinator is not None:  # DeepSpeed: fetch_sub_module (a recomputation too)
-            self.coordinator.fetch(state, state.params, forward=True)
+        if self.coordinators:  # DeepSpeed: fetch_sub_module (a recomputation too)
+            self._forward_stack.append(state)
+            self._coordinator(state).fetch(state, state.params, forward=True)
             self._swap_in(state)
             if not self._in_backward and self.training and torch.is_grad_enabled():
                 return _wrap_inputs(args, lambda: self._post_backward(state)) or args
@@ -605,8 +663,10 @@ class ShardedProgram(RankProgram):
         return tensor
 
     def _post_forward(self, state: _UnitState, output: Any) -> Any:
-        if self.coordinator is not None:  # DeepSpeed: release_sub_module (a recomputation too)
-            self.coordinator.release(state, state.params, forward=True)
+        if self.coordinators:  # DeepSpeed: release_sub_module (a recomputation too)
+            if self._forward_stack and self._forward_stack[-1] is state:
+                self._forward_stack.pop()
+            self._coordinator(state).release(state, state.params, forward=True)
             if self._in_backward or not (self.training and torch.is_grad_enabled()):
                 return None
             # _pre_backward_module_hook: each output through an identity function whose backward
@@ -634,8 +694,8 @@ class ShardedProgram(RankProgram):
         if state.backward_started:
             return
         state.backward_started = True
-        if self.coordinator is not None:  # DeepSpeed: fetch_sub_module, which prefetches
-            self.coordinator.fetch(state, state.params, forward=False)
+        if self.coordinators:  # DeepSpeed: fetch_sub_module, which prefetches
+            self._coordinator(state).fetch(state, state.params, forward=False)
             self._swap_in(state)
             return
         self._gather(state, forward=False)
@@ -672,8 +732,8 @@ class ShardedProgram(RankProgram):
         if state.reduced:
             return
         state.reduced = True
-        if self.coordinator is not None:  # DeepSpeed: the gradients went at once (_gradient_ready)
-            self.coordinator.release(state, state.params, forward=False)
+        if self.coordinators:  # DeepSpeed: the gradients went at once (_gradient_ready)
+            self._coordinator(state).release(state, state.params, forward=False)
             return
         if self.accumulate and not self._reducing:
             self._accumulate(state)
@@ -785,8 +845,9 @@ class ShardedProgram(RankProgram):
             self._reducing = False
 
     def _end_of_backward(self) -> None:
-        if self.coordinator is not None:  # DeepSpeed's backward_epilogue
-            self.coordinator.release_backward_leftovers()
+        if self.coordinators:  # DeepSpeed's backward_epilogue
+            for coordinator in self.coordinators:
+                coordinator.release_backward_leftovers()
             for state in self.states:
                 state.backward_started = False
                 state.reduced = False

@@ -87,7 +87,10 @@ class ParamCoordinator(Generic[P]):
         self.status: dict[int, _Status] = {id(p): _Status.NOT_AVAILABLE for p in self.params}
         self._active: dict[int, set[Hashable]] = collections.defaultdict(set)
         self._mode = _Mode.INVALID
-        self._order: list[tuple[Hashable, tuple[P, ...]]] = []  # the modules fetched, in trace order
+        #: the modules fetched, in trace order, with their parameter lists as the caller holds them: DeepSpeed
+        #: reads each module's parameters (``iter_params``, external ones registered since included) when
+        #: it builds the parameter trace
+        self._order: list[tuple[Hashable, Sequence[P]]] = []
         self._param_order: list[tuple[P, int]] = []  # (parameter, step it is used at)
         self._queue: collections.deque[tuple[P, int]] = collections.deque()
         self._most_recent: dict[int, int] = {}
@@ -126,6 +129,13 @@ class ParamCoordinator(Generic[P]):
             self._active[id(p)].clear()
             self._release(p)
 
+    def gathered_on_access(self, p: P) -> None:
+        """``ZeROOrderedDict.__getitem__``: a parameter read in an engine's forward outside its module is
+        all-gathered at once (``param.all_gather()``, not through the coordinator: not counted as
+        available) and registered as an external parameter of the module running; from then on it is
+        fetched and released with that module's."""
+        self.status[id(p)] = _Status.AVAILABLE
+
     def gather_persistent(self) -> None:
         """After the optimizer step (``_post_step``): the persistent parameters are all-gathered."""
         missing = [p for p in self.params if p.persistent and not self.available(p)]
@@ -155,7 +165,7 @@ class ParamCoordinator(Generic[P]):
             if len(self._order) <= step or self._order[step][0] != key:
                 self._invalidate()
         if self._mode is _Mode.RECORD:
-            self._order.append((key, tuple(params)))
+            self._order.append((key, params))
         missing = [p for p in dict.fromkeys(params) if self.status[id(p)] is _Status.NOT_AVAILABLE]
         self._all_gather(missing)
         for p in params:

@@ -24,6 +24,7 @@ from memcalc.distributed.zero import ZeroProgram
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.step_spec import Step
+from memcalc.stacks.trl.step import TrlStepModule
 
 __all__ = ("DeepSpeedZero",)
 
@@ -104,10 +105,14 @@ class DeepSpeedZero(RankStrategy):
         def zero(resolved: ResolvedModel) -> RankProgram:
             sharded = None
             if stage == 3:
-                sharded = ShardedProgram(module_units(resolved.module), n, style="deepspeed",
+                engines = _engines(resolved)
+                units = [u for path in engines for u in module_units(resolved.module.get_submodule(path), path)]
+                sharded = ShardedProgram(units, n, style="deepspeed",
                                          reshard_after_forward=True, sharded_dtype=None, gather_dtype=None,
                                          reduce_dtype=None, training=training, reduce_bucket_size=bucket,
-                                         stage3=stage3, host_gradients=offload)
+                                         stage3=stage3, host_gradients=offload, engines=engines)
+                if isinstance(resolved.module, TrlStepModule):  # TRL's fused LM head gathers the head itself
+                    resolved.module.zero3_gather = sharded.gathered_parameters
             return ZeroProgram(stage, n, bucket, training, sharded=sharded, overlap_comm=overlap,
                                offload_optimizer=offload)
 
@@ -115,6 +120,17 @@ class DeepSpeedZero(RankStrategy):
         shard = Shard((*_PARTITIONED[stage], "batch"), label, n)
         roles = tuple(replace(role, program=zero, sharding=sharding(role.sharding, shard)) for role in plan.roles)
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
+
+def _engines(resolved: ResolvedModel) -> tuple[str, ...]:
+    """The modules DeepSpeed wraps in an engine each: the model; under a TRL trainer the policy (the
+    trainer's engine) and the frozen reference, which TRL's ``prepare_deepspeed`` wraps in a second
+    engine of the same stage-3 config in eval mode, with no optimizer (``DeepSpeedZeRoOffload``: its own
+    coordinator, persistent parameters and prefetch; no gradient partition, no reduce bucket). The
+    wrapper whose forward is TRL's ``compute_loss`` is no module of DeepSpeed's."""
+    if isinstance(resolved.module, TrlStepModule):
+        return ("policy", *resolved.separate_models)
+    return ("",)
 
 
 def _stage3_note(stage3: ZeroStage3, training: bool) -> str:

@@ -37,7 +37,7 @@ import importlib
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from types import FrameType, SimpleNamespace
@@ -75,9 +75,14 @@ class TrlStepModule(nn.Module):
         self._compute_loss = compute_loss
         self._autocast_dtype = autocast_dtype
         self._cuda = cuda
+        #: Under ZeRO-3, DeepSpeed's ``GatheredParameters`` over given parameters, yielding their
+        #: gathered tensors (set by the rank program: memcalc.distributed.strategy.deepspeed_zero)
+        self.zero3_gather: Callable[[Sequence[torch.Tensor | None]],
+                                    AbstractContextManager[list[torch.Tensor | None]]] | None = None
 
     def forward(self, **inputs: Any) -> dict[str, torch.Tensor]:
         _TRITON_RULES["on"] = self._cuda  # for this step's forward and the backward that follows it
+        _ZERO3.gather = self.zero3_gather
         with _meta_autocast(self._autocast_dtype), _BoolMaskIndex():  # type: ignore[no-untyped-call]
             return {"loss": self._compute_loss(self.policy, dict(inputs))}
 
@@ -139,6 +144,59 @@ def _install_triton_rules(kernels: Any) -> None:
 
     kernels._forward_tile, kernels._backward_tile, kernels._addmm_fp32 = fold_forward, fold_backward, addmm_fp32
     setattr(kernels, "_memcalc_rules", True)  # noqa: B010  # a module attribute of ours, in TRL's module
+
+
+class _Zero3Head:
+    """Under ZeRO-3 (``_ZERO3.gather`` set by the step's forward), what TRL's fused LM head does there:
+    it reads ``lm_head.weight`` without calling the module, so no hook of DeepSpeed's gathers it, and
+    ``trl.trainer.utils.maybe_gather_lm_head_ctx`` wraps the chunked log-prob forward, and its
+    backward again, in ``deepspeed.zero.GatheredParameters`` over the head's weight and bias when they
+    are not AVAILABLE. On meta, transformers' ``is_deepspeed_zero3_enabled()`` is False (no DeepSpeed
+    config is registered) and DeepSpeed is not imported: that context is the rank program's
+    (``gather``), and the kernel is handed the gathered tensors (``swap``), which DeepSpeed gives it by
+    swapping ``param.data`` under the same parameter."""
+
+    def __init__(self) -> None:
+        self.gather: Callable[[Sequence[torch.Tensor | None]],
+                              AbstractContextManager[list[torch.Tensor | None]]] | None = None
+        self.swap: dict[int, torch.Tensor | None] = {}
+
+
+_ZERO3 = _Zero3Head()
+
+
+def _install_zero3_head(utils: Any) -> None:
+    """Route ``maybe_gather_lm_head_ctx`` and the fused head's ``_ChunkedLogProbFunction.apply`` (both
+    looked up in ``trl.trainer.utils`` at call time; the kernel's backward imports the context from
+    there) through :class:`_Zero3Head`; with no ZeRO-3 program they are TRL's. Installed once."""
+    if getattr(utils, "_memcalc_zero3", False):
+        return
+    original_ctx, function = utils.maybe_gather_lm_head_ctx, utils._ChunkedLogProbFunction
+
+    @contextmanager
+    def gathered(gather: Callable[[Sequence[torch.Tensor | None]], AbstractContextManager[list[Any]]],
+                 params: tuple[torch.Tensor | None, ...]) -> Iterator[None]:
+        with gather(params) as tensors:
+            previous = _ZERO3.swap
+            _ZERO3.swap = {id(p): t for p, t in zip(params, tensors, strict=True) if p is not None}
+            try:
+                yield
+            finally:
+                _ZERO3.swap = previous
+
+    def maybe_gather_lm_head_ctx(*params: torch.Tensor | None) -> AbstractContextManager[None]:
+        gather = _ZERO3.gather
+        return original_ctx(*params) if gather is None else gathered(gather, params)
+
+    class ChunkedLogProb:
+        @staticmethod
+        def apply(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args: Any) -> Any:
+            swap = _ZERO3.swap
+            return function.apply(hidden, swap.get(id(weight), weight),
+                                  None if bias is None else swap.get(id(bias), bias), *args)
+
+    utils.maybe_gather_lm_head_ctx, utils._ChunkedLogProbFunction = maybe_gather_lm_head_ctx, ChunkedLogProb
+    setattr(utils, "_memcalc_zero3", True)  # noqa: B010  # a module attribute of ours, in TRL's module
 
 
 @contextmanager
@@ -234,6 +292,7 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
     module = TrlStepModule(policy, reference, lambda model, inputs: trainer_cls.compute_loss(trainer, model, inputs),
                            step.precision.compute_dtype if step.precision.is_amp else None, step.emulate_cuda)
     _install_triton_rules(importlib.import_module("trl.kernels.chunked_logprob"))
+    _install_zero3_head(utils)
     inputs = _batch(resolved.inputs, settings, step)
     notes = (*resolved.notes, _note(settings, reference is not None, trl.__version__, resolved.batch_size))
     checkpointing = resolved.checkpointing
@@ -281,6 +340,7 @@ def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module
     def wrap() -> Iterator[None]:
         _TRITON_RULES["on"] = cuda
         accelerator.region = available_autocast_region() or nullcontext
+        _ZERO3.gather = None  # GRPO is not estimated under ZeRO-3
         with _meta_autocast(autocast_dtype), _BoolMaskIndex():  # type: ignore[no-untyped-call]
             yield
 
