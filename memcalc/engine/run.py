@@ -974,14 +974,20 @@ def _module_rows(module: nn.Module, traced: TracedStep) -> tuple[ModuleRow, ...]
 def _forward_activations(traced: TracedStep) -> list[int]:
     """The storages a module row may count: activations born in the forward. Workspaces (the
     cuBLAS handle's, a conv's) are born there too but are not what a module keeps."""
+    uids: list[int] = np.flatnonzero(_forward_activation_mask(traced)).tolist()  # Python ints, at C speed
+    return uids
+
+
+def _forward_activation_mask(traced: TracedStep) -> np.ndarray:
+    """:func:`_forward_activations` as a mask over the storages (a long generation: millions)."""
     trace = traced.trace
     counted = {p: p.runs_forward and p is not Phase.LOSS for p in Phase}
     activations = {c: c is Category.ACTIVATIONS for c in Category}
     # map with C-level look-ups: a long generation has millions of storages
     born = np.fromiter(map(counted.__getitem__, trace.phase), dtype=bool, count=len(trace.phase))
     kind = np.fromiter(map(activations.__getitem__, traced.categories), dtype=bool, count=len(traced.categories))
-    uids: list[int] = np.flatnonzero(born & kind).tolist()  # Python ints, at C speed
-    return uids
+    mask: np.ndarray = born & kind
+    return mask
 
 
 def _kept_for_backward(traced: TracedStep) -> dict[str, int]:
@@ -1007,8 +1013,7 @@ def _forward_high_water(traced: TracedStep) -> dict[str, int]:
     after a birth (a generation of thousands of tokens has millions of events: numpy, exact in int64).
     """
     trace = traced.trace
-    counted = np.zeros(trace.num_storages, dtype=bool)
-    counted[_forward_activations(traced)] = True
+    counted = _forward_activation_mask(traced)
     events = np.asarray(trace.events, dtype=np.int64)
     uids = np.where(events >= 0, events, ~events)
     keep = counted[uids]
@@ -1030,9 +1035,15 @@ def _forward_high_water(traced: TracedStep) -> dict[str, int]:
             subtrees.setdefault(ancestor, []).append(index)
     high: dict[str, int] = {}
     for ancestor, members in subtrees.items():
-        at = np.concatenate([order[bounds[m]:bounds[m + 1]] for m in members])
-        if len(members) > 1:
-            at.sort()
+        if len(members) > 1 and 8 * sum(int(bounds[m + 1] - bounds[m]) for m in members) > len(module_of):
+            # most events (the root, the layers' list): picked in order, not merged and sorted
+            table = np.zeros(len(ids), dtype=bool)
+            table[members] = True
+            at = np.flatnonzero(table[module_of])
+        else:
+            at = np.concatenate([order[bounds[m]:bounds[m + 1]] for m in members])
+            if len(members) > 1:
+                at.sort()
         sums = np.cumsum(delta[at])[births[at]]
         if sums.size and (most := int(sums.max())) > 0:
             high[ancestor] = most
