@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from trl_llama import CONFIG, HIDDEN, LAYER, LAYERS, VOCAB, P
 
 import memcalc
 from memcalc.cli import main
@@ -22,15 +23,6 @@ from memcalc.fields import build_step
 pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
-HIDDEN, VOCAB, LAYERS = 128, 8192, 2
-CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN,
-          "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 1024,
-          "tie_word_embeddings": False}
-# The Llama's parameters, fp32: embedding and LM head V·H each; per layer q, o H·H, k, v H·(H/2) (2 of 4 heads'
-# width), gate, up, down H·2H each, two norms H; the final norm H.
-LAYER = 2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN // 2 + 3 * HIDDEN * 2 * HIDDEN + 2 * HIDDEN
-P = 4 * (2 * VOCAB * HIDDEN + LAYERS * LAYER + HIDDEN)  # 9,570,816 B
 BATCH, SEQ = 2, 64
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from torch import nn
+from trl_llama import CONFIG, HIDDEN, LAYER, LAYERS, VOCAB, P
 
 import memcalc
 from memcalc.core.categories import Category, Phase
@@ -37,15 +38,6 @@ KEYS = {"stage3_param_persistence_threshold": "param_persistence_threshold",
 #: and releases them after itself.
 PLAIN = ZeroStage3(param_persistence_threshold=0, prefetch_bucket_size=0, max_reuse_distance=0)
 
-HIDDEN, VOCAB, LAYERS = 128, 8192, 2
-CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN,
-          "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 1024,
-          "tie_word_embeddings": False}
-# fp32 parameters (tests/test_trl_strategies.py): embedding and LM head V·H each; per layer q, o H·H, k, v
-# H·(H/2), gate, up, down H·2H, two norms H; the final norm H. Every count is even: a partition is half.
-LAYER = 2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN // 2 + 3 * HIDDEN * 2 * HIDDEN + 2 * HIDDEN
-P = 4 * (2 * VOCAB * HIDDEN + LAYERS * LAYER + HIDDEN)  # 9,570,816 B
 HEAD = 4 * VOCAB * HIDDEN  # the LM head's (and the embedding's) fp32 bytes: 4 MiB
 SEQ = 64
 
