@@ -97,8 +97,15 @@ class AffineFamily:
     def nbytes(self, batch: int) -> list[int]:
         """Every storage's size at ``batch``, indexed by uid."""
         sizes = [a + s * batch for a, s in zip(self.intercepts, self.slopes, strict=True)]
+        # a model repeats its layers, so many storages share a rule and its arguments: each pair is sized once
+        # (a rule is a function of its arguments alone)
+        sized: dict[tuple[SizeRule, tuple[int, ...]], int] = {}
         for uid, rule, intercepts, slopes in self.sized:
-            sizes[uid] = rule(tuple(a + s * batch for a, s in zip(intercepts, slopes, strict=True)))
+            key = (rule, tuple(a + s * batch for a, s in zip(intercepts, slopes, strict=True)))
+            size = sized.get(key)
+            if size is None:
+                size = sized[key] = rule(key[1])
+            sizes[uid] = size
         return sizes
 
     def probe(self, batch: int, capacity: int, settings: AllocConf | None = None) -> SyntheticPoint:
