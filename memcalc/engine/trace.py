@@ -66,6 +66,8 @@ _SAME_MEMORY: Final[Mapping[str, int]] = {"_c10d_functional::_wrap_tensor_autogr
 #: emulation) has nothing to do, and answering every ``.shape`` and ``untyped_storage()`` there
 #: cost it about five calls per aten op.
 _NO_FUNCTION_MODES: Final[Callable[[], AbstractContextManager[None]]] = torch._C.DisableTorchFunction
+#: Dynamo's frame callback, None unless it compiles or runs compiled code (a C function).
+_dynamo_callback: Final[Callable[[], object]] = torch._C._dynamo.eval_frame.get_eval_frame_callback
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -154,8 +156,17 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self._facts: dict[int, _OpFacts] = {}  # per op, by id (_OpFacts): what is looked up once
 
     # ---- the hot path -------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch would wrap ``__torch_dispatch__`` in ``torch._disable_dynamo``, five
+        Python calls per aten op that matter only while Dynamo's frame callback is set; the
+        method turns Dynamo off itself in that case (:func:`_dispatch_without_dynamo`)."""
+        return False
+
     def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
+        if _dynamo_callback() is not None:  # compiling or running compiled code: as torch's wrapper does
+            return _dispatch_without_dynamo(self, func, types, args, kwargs)
         if self.defer_to and any(issubclass(t, self.defer_to) for t in types):
             # the subclass's own dispatch runs next, with this mode still active: its inner ops come back here
             return NotImplemented
@@ -365,6 +376,11 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         return self.trace
 
 
+#: The dispatch with Dynamo's frame callback off (what ``TorchDispatchMode.__init_subclass__``
+#: wraps every ``__torch_dispatch__`` in): inside it the callback is None, so it runs the body.
+_dispatch_without_dynamo: Final = torch._disable_dynamo(StorageTracer.__torch_dispatch__, recursive=True)
+
+
 class _OpFacts:
     """What the tracer looks up about one op, once: its dispatch facts, kept by ``id(func)``
     because an ``OpOverload`` hashes in Python (``torch/_ops.py``), and a dictionary keyed by it
@@ -420,7 +436,10 @@ class MetaKernelCache:
         key = self._key(func, args, kwargs)
         if key is None:
             return compute(func, args, kwargs)
-        cached = self._specs.get(key)
+        try:
+            cached = self._specs.get(key)  # hashes the key once: an unhashable argument raises here
+        except TypeError:
+            return compute(func, args, kwargs)
         if cached is not None:
             self.hits += 1
             return _materialize(cached, self.device_type, args, kwargs)
@@ -435,21 +454,33 @@ class MetaKernelCache:
     def _key(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[object, ...] | None:
         # Which arguments share a storage is part of the key: some meta kernels decide on it
         # (memory-efficient attention's backward packs dq/dk/dv into one buffer when q, k, v
-        # are views of one storage).
+        # are views of one storage). Built for every cacheable op: a flat tuple, a tensor's
+        # metadata inline behind a marker, and atoms and tensors handled here without a call.
         storages: dict[int, int] = {}
+        parts: list[object] = [id(func)]  # run() holds func: its id is its own while the cache lives
+        append = parts.append
         try:
-            parts: list[object] = [id(func)]  # run() holds func: its id is its own while the cache lives
             for value in args:
-                parts.append(_arg_key(value, storages))
-            for name in sorted(kwargs):
-                parts.append((name, _arg_key(kwargs[name], storages)))
-            key = tuple(parts)
-            hash(key)
-            return key
+                kind = type(value)
+                if kind in _ATOMS:
+                    append(value)
+                elif kind is torch.Tensor or kind is nn.Parameter:
+                    if not value.is_meta:
+                        return None  # a real (CPU) tensor: its values may matter
+                    # torch.Size is a tuple: equal to, and hashed as, the tuple of its sizes
+                    parts += (_TENSOR, value.shape, value.stride(), value.dtype, value.storage_offset(),
+                              storages.setdefault(id(value.untyped_storage()), len(storages)))
+                else:
+                    append(_arg_key(value, storages))
+            for name in sorted(kwargs) if kwargs else ():
+                append((name, _arg_key(kwargs[name], storages)))
         except _Uncacheable:
             return None
-        except TypeError:
-            return None
+        return tuple(parts)
+
+
+#: Marks a tensor's metadata in a flat key (_key): no argument is this object.
+_TENSOR: Final = object()
 
 
 class _Sentinel(enum.Enum):
@@ -581,7 +612,7 @@ def _arg_key(value: Any, storages: dict[int, int]) -> object:
             raise _Uncacheable  # a real (CPU) tensor: its values may matter
         alias = storages.setdefault(id(value.untyped_storage()), len(storages))
         # torch.Size is a tuple: equal to, and hashed as, the tuple of its sizes
-        return ("T", value.shape, value.stride(), value.dtype, value.storage_offset(), alias)
+        return (_TENSOR, value.shape, value.stride(), value.dtype, value.storage_offset(), alias)
     if isinstance(value, (list, tuple)):
         return tuple([_arg_key(v, storages) for v in value])
     if isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
