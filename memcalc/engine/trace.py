@@ -25,6 +25,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import torch
 from torch import nn
+from torch._compile import _disable_dynamo
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
@@ -131,13 +132,15 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
     """
 
     def __init__(self, device_type: str = "meta", after_op: AfterOpHook | None = None,
-                 read_values: ReadOracle | None = None) -> None:
+                 read_values: ReadOracle | None = None, after_op_applies: Callable[[Op], bool] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode.__init__ is untyped
         self.device_type = device_type
         self._meta = device_type == "meta"  # Tensor.is_meta: a tenth of Tensor.device.type's cost, once per output
         # Called after every op with (func, args, kwargs, out): kernel workspace rules that
         # add synthetic allocations for memory the meta kernels do not show.
         self.after_op = after_op
+        # whether after_op does anything for an op (asked once per op; None: call it after every op)
+        self.after_op_applies = after_op_applies
         # Asked for the value of a tensor the code reads (.item(), bool(), an `if` on one), which
         # a meta tensor cannot give: the model's source knows some (memcalc.stacks.transformers.reads).
         self.read_values = read_values
@@ -176,15 +179,17 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             with _NO_FUNCTION_MODES():
                 facts = self._facts.get(id(func))
                 if facts is None:
-                    facts = self._facts[id(func)] = _OpFacts(func)
+                    facts = self._facts[id(func)] = _OpFacts(func, self.after_op is not None and (
+                        self.after_op_applies is None or self.after_op_applies(func)))
                 same = facts.same_memory
                 # a view where the real kernel allocates nothing
                 out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs, self._run)
                 self.trace.op_counts[facts.short_name] += 1
                 self._op = facts.name
                 self._see(out)
-                if self.after_op is not None:
-                    self.after_op(func, args, kwargs, out)
+                after_op = self.after_op
+                if facts.after_op and after_op is not None:
+                    after_op(func, args, kwargs, out)
         except MemcalcError:
             raise
         except Exception as exc:  # the op ran (_run maps its failures): what failed is memcalc's bookkeeping
@@ -239,7 +244,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def track(self, tensor: torch.Tensor, category: Category | None = None) -> int:
         """The uid of ``tensor``'s storage, registering the storage as born now if new."""
-        storage = self.storage_of(tensor)
+        storage = self.storage_of(tensor) if self.defer_to else tensor.untyped_storage()
         key = id(storage)
         uid = self._uid_by_key.get(key)
         if uid is not None:
@@ -378,7 +383,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
 #: The dispatch with Dynamo's frame callback off (what ``TorchDispatchMode.__init_subclass__``
 #: wraps every ``__torch_dispatch__`` in): inside it the callback is None, so it runs the body.
-_dispatch_without_dynamo: Final = torch._disable_dynamo(StorageTracer.__torch_dispatch__, recursive=True)
+_dispatch_without_dynamo: Final = _disable_dynamo(StorageTracer.__torch_dispatch__, recursive=True)
 
 
 class _OpFacts:
@@ -387,10 +392,11 @@ class _OpFacts:
     pays that call on every look-up. It holds ``func``, so the id stays its own while the tracer
     lives."""
 
-    __slots__ = ("func", "name", "same_memory", "short_name")
+    __slots__ = ("after_op", "func", "name", "same_memory", "short_name")
 
-    def __init__(self, func: Op) -> None:
+    def __init__(self, func: Op, after_op: bool) -> None:
         self.func = func
+        self.after_op = after_op  # whether the tracer's after-op hook is called after it
         self.name = str(func)  # formats its schema name
         self.short_name = func.__name__  # the trace's op counts
         # the argument whose memory it returns (_SAME_MEMORY), or -1
