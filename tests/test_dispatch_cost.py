@@ -29,3 +29,24 @@ def test_the_emulation_sees_about_one_call_per_aten_op(monkeypatch: pytest.Monke
     # the model's, autograd's and the optimizer's own Python calls remain (parameters, .grad, state):
     # 193 calls for 93 aten ops here, 600 when the bookkeeping went through the mode
     assert 0 < len(calls) < 3 * aten_ops, (len(calls), aten_ops)
+
+
+def test_the_after_op_hook_runs_only_for_ops_with_a_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's hook is asked about each op once and called only where a rule can apply
+    (the gradient sum, a workspace rule); the ops it declines would have found no rule."""
+    from memcalc.targets.autograd import GRADIENT_SUM
+    from memcalc.targets.backend import CudaBackend
+    from memcalc.targets.cuda.workspaces import WORKSPACE_RULES
+
+    called: list[Any] = []
+    hook = CudaBackend.after_op
+
+    def counted(self: CudaBackend, func: Any, *rest: Any) -> None:
+        called.append(func)
+        hook(self, func, *rest)
+
+    monkeypatch.setattr(CudaBackend, "after_op", counted)
+    traced = trace_step(resolve("mlp", batch_size=4), build_step(optimizer="adam", gpu="a100-40gb"))
+    assert called, "the matmuls' workspace rule runs"
+    assert all(func is GRADIENT_SUM or WORKSPACE_RULES.get(func) is not None for func in called)
+    assert len(called) < sum(traced.trace.op_counts.values())

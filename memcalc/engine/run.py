@@ -375,7 +375,8 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
     compiled = _compiled(module, inputs, step, resolved, notes, hooks=hooks, autocast=backend.compiled_autocast(),
                          reads=reads)
     tracer = (StorageTracer if compiled is None else CompiledStepTracer)(
-        "meta", after_op=recorder if recorder is not None else backend.after_op, read_values=reads)
+        "meta", after_op=recorder if recorder is not None else backend.after_op, read_values=reads,
+        after_op_applies=None if recorder is not None else backend.after_op_applies)
     tracer.defer_to = resolved.defer_to
     if recorder is not None:
         recorder.attach(tracer)

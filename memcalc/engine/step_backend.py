@@ -87,7 +87,11 @@ class StepBackend(Protocol):
         """Called once, before the step, with the tracer the backend may add storages to."""
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """Called after every aten op the tracer sees."""
+        """Called after every aten op the tracer sees for which :meth:`after_op_applies`."""
+
+    def after_op_applies(self, func: Any) -> bool:
+        """Whether :meth:`after_op` can do anything for ``func``: asked once per op and trace,
+        so that the ops without a rule (most) cost no call."""
 
     def mode(self) -> AbstractContextManager[Any]:
         """Entered around the whole step (outside the tracer's dispatch mode)."""
@@ -116,6 +120,9 @@ class PlainBackend:
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         return None
+
+    def after_op_applies(self, func: Any) -> bool:
+        return False
 
     def mode(self) -> AbstractContextManager[Any]:
         return nullcontext()

@@ -25,6 +25,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import torch
 from torch import nn
+from torch._compile import _disable_dynamo
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
@@ -66,6 +67,8 @@ _SAME_MEMORY: Final[Mapping[str, int]] = {"_c10d_functional::_wrap_tensor_autogr
 #: emulation) has nothing to do, and answering every ``.shape`` and ``untyped_storage()`` there
 #: cost it about five calls per aten op.
 _NO_FUNCTION_MODES: Final[Callable[[], AbstractContextManager[None]]] = torch._C.DisableTorchFunction
+#: Dynamo's frame callback, None unless it compiles or runs compiled code (a C function).
+_dynamo_callback: Final[Callable[[], object]] = torch._C._dynamo.eval_frame.get_eval_frame_callback
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -129,13 +132,15 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
     """
 
     def __init__(self, device_type: str = "meta", after_op: AfterOpHook | None = None,
-                 read_values: ReadOracle | None = None) -> None:
+                 read_values: ReadOracle | None = None, after_op_applies: Callable[[Op], bool] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode.__init__ is untyped
         self.device_type = device_type
         self._meta = device_type == "meta"  # Tensor.is_meta: a tenth of Tensor.device.type's cost, once per output
         # Called after every op with (func, args, kwargs, out): kernel workspace rules that
         # add synthetic allocations for memory the meta kernels do not show.
         self.after_op = after_op
+        # whether after_op does anything for an op (asked once per op; None: call it after every op)
+        self.after_op_applies = after_op_applies
         # Asked for the value of a tensor the code reads (.item(), bool(), an `if` on one), which
         # a meta tensor cannot give: the model's source knows some (memcalc.stacks.transformers.reads).
         self.read_values = read_values
@@ -159,8 +164,17 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self.held: set[int] = set()
 
     # ---- the hot path -------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch would wrap ``__torch_dispatch__`` in ``torch._disable_dynamo``, five
+        Python calls per aten op that matter only while Dynamo's frame callback is set; the
+        method turns Dynamo off itself in that case (:func:`_dispatch_without_dynamo`)."""
+        return False
+
     def __torch_dispatch__(self, func: Op, types: Sequence[type], args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
+        if _dynamo_callback() is not None:  # compiling or running compiled code: as torch's wrapper does
+            return _dispatch_without_dynamo(self, func, types, args, kwargs)
         if self.defer_to and any(issubclass(t, self.defer_to) for t in types):
             # the subclass's own dispatch runs next, with this mode still active: its inner ops come back here
             return NotImplemented
@@ -170,15 +184,17 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             with _NO_FUNCTION_MODES():
                 facts = self._facts.get(id(func))
                 if facts is None:
-                    facts = self._facts[id(func)] = _OpFacts(func)
+                    facts = self._facts[id(func)] = _OpFacts(func, self.after_op is not None and (
+                        self.after_op_applies is None or self.after_op_applies(func)))
                 same = facts.same_memory
                 # a view where the real kernel allocates nothing
                 out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs, self._run)
                 self.trace.op_counts[facts.short_name] += 1
                 self._op = facts.name
                 self._see(out)
-                if self.after_op is not None:
-                    self.after_op(func, args, kwargs, out)
+                after_op = self.after_op
+                if facts.after_op and after_op is not None:
+                    after_op(func, args, kwargs, out)
         except MemcalcError:
             raise
         except Exception as exc:  # the op ran (_run maps its failures): what failed is memcalc's bookkeeping
@@ -233,7 +249,7 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def track(self, tensor: torch.Tensor, category: Category | None = None) -> int:
         """The uid of ``tensor``'s storage, registering the storage as born now if new."""
-        storage = self.storage_of(tensor)
+        storage = self.storage_of(tensor) if self.defer_to else tensor.untyped_storage()
         key = id(storage)
         uid = self._uid_by_key.get(key)
         if uid is not None:
@@ -382,16 +398,22 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         return self.trace
 
 
+#: The dispatch with Dynamo's frame callback off (what ``TorchDispatchMode.__init_subclass__``
+#: wraps every ``__torch_dispatch__`` in): inside it the callback is None, so it runs the body.
+_dispatch_without_dynamo: Final = _disable_dynamo(StorageTracer.__torch_dispatch__, recursive=True)
+
+
 class _OpFacts:
     """What the tracer looks up about one op, once: its dispatch facts, kept by ``id(func)``
     because an ``OpOverload`` hashes in Python (``torch/_ops.py``), and a dictionary keyed by it
     pays that call on every look-up. It holds ``func``, so the id stays its own while the tracer
     lives."""
 
-    __slots__ = ("func", "name", "same_memory", "short_name")
+    __slots__ = ("after_op", "func", "name", "same_memory", "short_name")
 
-    def __init__(self, func: Op) -> None:
+    def __init__(self, func: Op, after_op: bool) -> None:
         self.func = func
+        self.after_op = after_op  # whether the tracer's after-op hook is called after it
         self.name = str(func)  # formats its schema name
         self.short_name = func.__name__  # the trace's op counts
         # the argument whose memory it returns (_SAME_MEMORY), or -1
@@ -437,7 +459,10 @@ class MetaKernelCache:
         key = self._key(func, args, kwargs)
         if key is None:
             return compute(func, args, kwargs)
-        cached = self._specs.get(key)
+        try:
+            cached = self._specs.get(key)  # hashes the key once: an unhashable argument raises here
+        except TypeError:
+            return compute(func, args, kwargs)
         if cached is not None:
             self.hits += 1
             return _materialize(cached, self.device_type, args, kwargs)
@@ -452,21 +477,33 @@ class MetaKernelCache:
     def _key(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[object, ...] | None:
         # Which arguments share a storage is part of the key: some meta kernels decide on it
         # (memory-efficient attention's backward packs dq/dk/dv into one buffer when q, k, v
-        # are views of one storage).
+        # are views of one storage). Built for every cacheable op: a flat tuple, a tensor's
+        # metadata inline behind a marker, and atoms and tensors handled here without a call.
         storages: dict[int, int] = {}
+        parts: list[object] = [id(func)]  # run() holds func: its id is its own while the cache lives
+        append = parts.append
         try:
-            parts: list[object] = [id(func)]  # run() holds func: its id is its own while the cache lives
             for value in args:
-                parts.append(_arg_key(value, storages))
-            for name in sorted(kwargs):
-                parts.append((name, _arg_key(kwargs[name], storages)))
-            key = tuple(parts)
-            hash(key)
-            return key
+                kind = type(value)
+                if kind in _ATOMS:
+                    append(value)
+                elif kind is torch.Tensor or kind is nn.Parameter:
+                    if not value.is_meta:
+                        return None  # a real (CPU) tensor: its values may matter
+                    # torch.Size is a tuple: equal to, and hashed as, the tuple of its sizes
+                    parts += (_TENSOR, value.shape, value.stride(), value.dtype, value.storage_offset(),
+                              storages.setdefault(id(value.untyped_storage()), len(storages)))
+                else:
+                    append(_arg_key(value, storages))
+            for name in sorted(kwargs) if kwargs else ():
+                append((name, _arg_key(kwargs[name], storages)))
         except _Uncacheable:
             return None
-        except TypeError:
-            return None
+        return tuple(parts)
+
+
+#: Marks a tensor's metadata in a flat key (_key): no argument is this object.
+_TENSOR: Final = object()
 
 
 class _Sentinel(enum.Enum):
@@ -598,7 +635,7 @@ def _arg_key(value: Any, storages: dict[int, int]) -> object:
             raise _Uncacheable  # a real (CPU) tensor: its values may matter
         alias = storages.setdefault(id(value.untyped_storage()), len(storages))
         # torch.Size is a tuple: equal to, and hashed as, the tuple of its sizes
-        return ("T", value.shape, value.stride(), value.dtype, value.storage_offset(), alias)
+        return (_TENSOR, value.shape, value.stride(), value.dtype, value.storage_offset(), alias)
     if isinstance(value, (list, tuple)):
         return tuple([_arg_key(v, storages) for v in value])
     if isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):

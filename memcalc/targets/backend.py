@@ -37,9 +37,9 @@ from memcalc.engine.step_backend import AutocastRegion, CompiledAutocast, GradSc
 from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 from memcalc.targets.autograd import GRADIENT_SUM, accumulate_in_place
-from memcalc.targets.cpu.kernels import CpuCapabilities, CpuEmulation, CpuKernels
+from memcalc.targets.cpu.kernels import CPU_KERNEL_RULES, CpuCapabilities, CpuEmulation, CpuKernels
 from memcalc.targets.cuda.emulation import CudaEmulation
-from memcalc.targets.cuda.workspaces import WorkspaceModel
+from memcalc.targets.cuda.workspaces import WORKSPACE_RULES, WorkspaceModel
 from memcalc.targets.grad_scaler import EmulatedGradScaler
 from memcalc.targets.grouped_mm import grouped_mm_on_meta
 from memcalc.targets.resolved_stack import resolve_torch_version
@@ -115,6 +115,9 @@ class CudaBackend(_EmulatingBackend):
                 self.accumulate_gradients(func, args, kwargs, out)
             self.workspaces.after_op(func, args, kwargs, out)
 
+    def after_op_applies(self, func: Any) -> bool:
+        return self.workspaces is not None and (func is GRADIENT_SUM or WORKSPACE_RULES.get(func) is not None)
+
     def attention_backends(self) -> Mapping[str, int]:
         return dict(self.emulation.attention_backends)
 
@@ -162,6 +165,9 @@ class CpuBackend(_EmulatingBackend):
         if func is GRADIENT_SUM:
             self.accumulate_gradients(func, args, kwargs, out)
         self.kernels.after_op(func, args, kwargs, out)
+
+    def after_op_applies(self, func: Any) -> bool:
+        return func is GRADIENT_SUM or CPU_KERNEL_RULES.get(func) is not None
 
     def attention_backends(self) -> Mapping[str, int]:
         return {}  # the report's attention line speaks of CUDA's kernels; the notes name the CPU's
