@@ -11,6 +11,8 @@
 * Under pytest-xdist's ``--dist loadgroup`` (``.ci/run``: ``-n 2``), the tests of a module that use
   one of its module- or session-scoped fixtures run in one worker, so that a real run they
   share (a gloo reference, a snapshot) is made once; every other test goes where a worker is free.
+* After collection, the collector freezes what collection made (``pytest_collection_finish``), so
+  that each real step's ``gc.collect()`` scans what the tests make, not every imported module.
 """
 
 from __future__ import annotations
