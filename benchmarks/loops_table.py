@@ -55,9 +55,9 @@ def timings() -> None:
     fast = memcalc.estimate("torch:gpt2", **spec)
     fast_s = time.perf_counter() - start
     start = time.perf_counter()
-    options = build_step("torch:gpt2", **spec)
+    step = build_step("torch:gpt2", **spec)
     resolved = resolve("torch:gpt2", **spec)
-    traced = build_report(resolved, trace_model(resolved, options, CudaBackend(options), traced_loop=True), options)
+    traced = build_report(resolved, trace_model(resolved, step, CudaBackend(step), traced_loop=True), step)
     traced_s = time.perf_counter() - start
     print(f"torch:gpt2 (batch 4, seq 512), Adam, generic GPU: fast path {fast_s:.2f} s "
           f"(peak {fast.bytes.peak_allocated:,} B); minimal loop traced as written {traced_s:.2f} s "

@@ -170,12 +170,12 @@ def test_another_onednn_isa_is_named_not_followed() -> None:
         return Product("plain")
 
     resolved = resolve(model, inputs=(torch.randn(64, 512),))
-    options = build_step(gpu="cpu", mode="eval", optimizer="none", precision="bf16")
+    step = build_step(gpu="cpu", mode="eval", optimizer="none", precision="bf16")
     amx = dataclasses.replace(HERE, onednn=True, onednn_bf16=True, onednn_bf16_isa="avx512_core_amx")
-    notes = trace_model(resolved, options, CpuBackend(options, amx)).notes
+    notes = trace_model(resolved, step, CpuBackend(step, amx)).notes
     assert (f"{NOT_FOLLOWED} aten.mm.default ×1 (bfloat16: oneDNN's matmul scratchpad is modelled for "
             f"{ONEDNN_BF16_MATMUL_ISA}, not avx512_core_amx)") in notes
     followed = dataclasses.replace(amx, onednn_bf16_isa=ONEDNN_BF16_MATMUL_ISA)
-    notes = trace_model(resolved, options, CpuBackend(options, followed)).notes
+    notes = trace_model(resolved, step, CpuBackend(step, followed)).notes
     assert not any(note.startswith(NOT_FOLLOWED) for note in notes)
     assert any("aten.mm.default ×1" in note for note in notes)

@@ -149,11 +149,11 @@ def batch_norms() -> nn.Module:
 
 
 def _statistics_bytes(model: Callable[[], nn.Module], x: torch.Tensor, op: str,
-                      **step: Any) -> tuple[Counter[int], list[str]]:
+                      **fields: Any) -> tuple[Counter[int], list[str]]:
     """The bytes of the storages ``op`` made in a traced CPU-target step, and its notes."""
-    loss = "mean" if step.get("mode", "train") == "train" else None  # an eval step computes no loss
-    options = build_step(gpu="cpu", loss=loss, **step)
-    traced = trace_model(resolve(model, inputs=(x,)), options, CpuBackend(options))
+    loss = "mean" if fields.get("mode", "train") == "train" else None  # an eval step computes no loss
+    step = build_step(gpu="cpu", loss=loss, **fields)
+    traced = trace_model(resolve(model, inputs=(x,)), step, CpuBackend(step))
     trace = traced.trace
     return Counter(n for uid, n in enumerate(trace.nbytes) if trace.op[uid] == op), traced.notes
 

@@ -98,9 +98,9 @@ def estimate_per_rank(step: Step, distributed: Distributed,
             resolved = strategy.prepare(resolved, trace_precision)
         program = role.program(resolved)
         spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)
-        traced_options = replace(role_step, precision=precision, optimizer=program.optimizer_spec(spec),
+        traced_step = replace(role_step, precision=precision, optimizer=program.optimizer_spec(spec),
                                  loss_fn=role.loss_fn or step.loss_fn)
-        traced = trace_step(resolved, traced_options, hooks=program, costs=costs)
+        traced = trace_step(resolved, traced_step, hooks=program, costs=costs)
         if role.loss_text is not None:
             traced.loss = role.loss_text
         traced.notes.extend([*plan.notes, *program.notes])
