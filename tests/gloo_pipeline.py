@@ -72,6 +72,25 @@ def pipeline_model() -> BlockNet:
     return BlockNet(d=WIDTH, blocks=BLOCKS)
 
 
+def check_every_rank(name: str, peaks: Sequence[RankPeak], estimated: Sequence[int], tolerance: float) -> None:
+    """Each rank's real step peak (``peaks[rank]``) against memcalc's (``estimated[rank]``), printed
+    (``-s``) and held within ``tolerance``: the comparison every pipeline gloo test makes."""
+    assert len(estimated) == len(peaks), f"{name}: {len(estimated)} estimated ranks, {len(peaks)} real ones"
+    for rank, (measured, mine) in enumerate(zip(peaks, estimated, strict=True)):
+        real = measured.step_peak
+        error = (mine - real) / real
+        print(f"{name} rank {rank}: real {real:,} B, estimate {mine:,} B, {error:+.3%}")
+        assert abs(error) <= tolerance, f"rank {rank}: estimate {mine:,} B, real {real:,} B ({error:+.3%})"
+
+
+def peaks_by_rank(report: Any, world: int) -> list[int]:
+    """Every rank's estimated step peak from a mesh estimate's per-role rows, in rank order; every
+    rank of the ``world`` is held by exactly one role."""
+    by_rank = {rank: role.report.peak_requested for role in report.roles for rank in role.ranks}
+    assert sorted(by_rank) == list(range(world))
+    return [by_rank[rank] for rank in range(world)]
+
+
 def run_pipeline_cases(cases: Sequence[PipelineCase], work_dir: Path, *, world_size: int = 2,
                        timeout_s: float = 300.0) -> dict[str, list[RankPeak]]:
     """Run ``cases`` on ``world_size`` spawned processes (one pipeline stage each) over gloo.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch as _torch
 import torch.distributed as dist
+from gloo_pipeline import check_every_rank, peaks_by_rank
 from gloo_pipeline_tp import BATCH, MICROBATCHES, PP, TP, PipelineTpCase, run_cases
 from gloo_runs import RankPeak
 from gloo_tp import LLAMA_SEQ, small_llama
@@ -46,14 +47,7 @@ def estimate(schedule: str) -> memcalc.MemoryReport:
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_every_rank_of_pp_x_tp_against_a_real_gloo_run(real_peaks, case):
     report = estimate(case.schedule)
-    by_rank = {rank: role for role in report.roles for rank in role.ranks}
-    assert sorted(by_rank) == list(range(PP * TP))
-    for rank, measured in enumerate(real_peaks[case.name]):
-        real = measured.step_peak
-        mine = by_rank[rank].report.peak_requested
-        error = (mine - real) / real
-        print(f"{case.name} rank {rank}: real {real:,} B, estimate {mine:,} B, {error:+.3%}")
-        assert abs(error) <= TOLERANCE, f"rank {rank}: estimate {mine:,} B, real {real:,} B ({error:+.3%})"
+    check_every_rank(case.name, real_peaks[case.name], peaks_by_rank(report, PP * TP), TOLERANCE)
 
 
 #: The 3-D mesh pp=2 × dp_shard=2 × tp=2 on eight processes (1F1B): ranks numbered
@@ -75,11 +69,4 @@ def test_every_rank_of_the_3d_mesh_against_a_real_gloo_run(real_peaks_3d, case):
                                   microbatches=MICROBATCHES)
     report = memcalc.estimate(small_llama, seq_len=LLAMA_SEQ, batch_size=BATCH, optimizer="adam", loss="mean",
                               gpu="cpu", loop=memcalc.Loop(optimizer_impl="foreach"), distributed=setting)
-    by_rank = {rank: role for role in report.roles for rank in role.ranks}
-    assert sorted(by_rank) == list(range(PP * DP_SHARD * TP))
-    for rank, measured in enumerate(real_peaks_3d[case.name]):
-        real = measured.step_peak
-        mine = by_rank[rank].report.peak_requested
-        error = (mine - real) / real
-        print(f"{case.name} rank {rank}: real {real:,} B, estimate {mine:,} B, {error:+.3%}")
-        assert abs(error) <= TOLERANCE, f"rank {rank}: estimate {mine:,} B, real {real:,} B ({error:+.3%})"
+    check_every_rank(case.name, real_peaks_3d[case.name], peaks_by_rank(report, PP * DP_SHARD * TP), TOLERANCE)
