@@ -10,19 +10,32 @@ prints the fit time, the median time of one estimate with the same options (warm
 same capacity; both medians of three runs), their ratio, the estimates and replays the fit made, the batch with and
 without the margin, the batches the check replayed, and the search's probes.
 
-    python benchmarks/speed_fit.py
+``--pieces`` splits one fit's CPU time (warm process, best of three) into its pieces, in units
+of one estimate, for issue 36 item 6's four cases on an A100 40 GB (resnet50, vit_b_16, gpt2 at
+256 tokens with the default margin; vgg16 with ``--margin 0``): the real estimates, and the
+replays of the batch-affine family by what asked for them — the search itself (the probes
+and the jump's judgement), the check below the boundary, the raw boundary, the batch with
+expandable segments. ``floor`` is what no search that traces its answer can drop: the real
+estimates, the search's replays and the check's.
+
+    python benchmarks/speed_fit.py [--pieces]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 import warnings
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
 
 from tabulate import tabulate
 
 import memcalc
 from memcalc.api import max_batch_size
+from memcalc.search import affine, fit
 
 CASES = (
     ("resnet50", {}),
@@ -70,5 +83,80 @@ def main() -> None:
                    disable_numparse=True))
 
 
+#: Issue 36 item 6's cases: (model, estimate options, fit options), on an A100 40 GB.
+ITEM_6: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
+    ("resnet50", {}, {}), ("vit_b_16", {}, {}), ("gpt2", {"seq_len": 256}, {}), ("vgg16", {}, {"margin": 0}))
+#: The fit's functions whose replays are counted apart, by piece.
+PIECES = {"_check_below": "check", "_raw_boundary": "raw", "_with_expandable_segments": "expandable"}
+
+
+def pieces() -> None:
+    """One fit per case, its CPU time split by piece (see the module docstring)."""
+    warnings.simplefilter("ignore")
+    seconds: defaultdict[str, float] = defaultdict(float)
+    counts: Counter[str] = Counter()
+    inside: list[str] = []
+
+    def timed(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                piece = name if name == "estimates" else (inside[-1] if inside else "search")
+                seconds[piece] += time.process_time() - start
+                counts[piece] += 1
+        return wrapper
+
+    def scoped(piece: str, func: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            inside.append(piece)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                inside.pop()
+        return wrapper
+
+    # the real estimates; the replays: the jump's judgement (replay_under) and the family's probes
+    timed_calls: tuple[tuple[object, str, str], ...] = (
+        (fit, "run_estimate", "estimates"), (fit, "replay_under", "replays"), (affine.AffineFamily, "probe", "replays"))
+    for owner, attribute, label in timed_calls:
+        setattr(owner, attribute, timed(label, getattr(owner, attribute)))
+    for name, piece in PIECES.items():
+        setattr(fit, name, scoped(piece, getattr(fit, name)))
+    rows = []
+    for model, options, fit_options in ITEM_6:
+        memcalc.estimate(model, batch_size=2, **options)  # warm-up
+        best: tuple[float, dict[str, float], Counter[str]] | None = None
+        for _ in range(FIT_REPEATS):
+            seconds.clear()
+            counts.clear()
+            start = time.process_time()
+            result = max_batch_size(model, gpu="a100-40gb", **options, **fit_options)
+            total = time.process_time() - start
+            if best is None or total < best[0]:
+                best = (total, dict(seconds), counts.copy())
+        estimates = []
+        for _ in range(BASELINE_REPEATS):
+            start = time.process_time()
+            memcalc.estimate(model, batch_size=result.batch_size, gpu="a100-40gb", capacity=result.budget_bytes,
+                             **options)
+            estimates.append(time.process_time() - start)
+        estimate = min(estimates)
+        assert best is not None
+        total, spent, made = best
+        units = {piece: spent.get(piece, 0.0) / estimate
+                 for piece in ("estimates", "search", "check", "raw", "expandable")}
+        rest = total / estimate - sum(units.values())
+        floor = units["estimates"] + units["search"] + units["check"]
+        rows.append([model + (" margin 0" if fit_options else ""), f"{estimate:.3f}", f"{total / estimate:.2f}",
+                     *(f"{units[piece]:.2f} ({made[piece]})" for piece in units), f"{rest:.2f}", f"{floor:.2f}"])
+    print(tabulate(rows, headers=["case", "1 estimate s", "fit / estimate", "estimates", "search replays",
+                                  "check replays", "raw replays", "expandable replays", "rest", "floor"],
+                   disable_numparse=True))
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pieces", action="store_true", help="issue 36 item 6: one fit's time by piece")
+    pieces() if parser.parse_args().pieces else main()

@@ -31,6 +31,7 @@ from memcalc.search.fit_result import DEFAULT_MARGIN, DoesNotFitError, margin_ca
 from memcalc.search.margins import FLOOR, StepClass, measured_margin
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import trace_step
+from memcalc.targets.budget import resolve_budget
 
 MiB = 1024**2
 GiB = 1024**3
@@ -280,3 +281,21 @@ def test_cli_margin_forms_and_zero():
 def test_cli_margin_out_of_range_is_a_usage_error(value):
     result = run("fit", "mlp", "--budget", "1GiB", "--margin", value)
     assert result.exit_code == 2 and "--margin" in result.output and "0.06 or 6%" in result.output
+
+
+def test_a_fit_without_extras_finds_the_same_batch_by_the_same_probes():
+    # the throughput search reads only the batch: it leaves out the raw boundary and the batch with
+    # expandable segments, which replay the family after the answer is found and change nothing before
+    budget = resolve_budget(gpu="t4")
+    step = build_step("mlp", gpu="t4", capacity=budget.capacity)
+    whole = search.find_max_batch(step, budget, margin=DEFAULT_MARGIN)
+    bare = search.find_max_batch(step, budget, margin=DEFAULT_MARGIN, extras=False)
+    assert whole.raw_batch_size is not None and whole.batch_size_with_expandable_segments is not None, \
+        "the case no longer has the extras this test needs"
+    assert (bare.batch_size, bare.probes, bare.checked_from, bare.failing_above, bare.report.bytes) == \
+        (whole.batch_size, whole.probes, whole.checked_from, whole.failing_above, whole.report.bytes)
+    assert bare.raw_batch_size is None and bare.batch_size_with_expandable_segments is None
+    assert bare.replays < whole.replays
+    # with no margin the raw boundary is the search's own, and costs nothing: it stays
+    assert search.find_max_batch(step, budget, extras=False).raw_batch_size == \
+        search.find_max_batch(step, budget).raw_batch_size

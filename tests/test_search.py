@@ -444,3 +444,24 @@ def test_affine_family_refuses_structurally_different_traces():
     two = trace_model(resolve("gpt2", batch_size=2, seq_len=32), build_step(optimizer="sgd"))
     # at batch 1 the position embedding's gradient broadcast needs no reduction: one storage fewer
     assert AffineFamily.from_traces(one, 1, two, 2) is None
+
+
+@pytest.mark.slow  # traces of resnet18 at three batches
+def test_affine_family_sizes_rule_sized_storages_exactly():
+    from memcalc.search.affine import AffineFamily
+    from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step as trace_model
+
+    step = build_step(optimizer="sgd", gpu="a100-40gb")
+
+    def traced(batch):
+        return trace_model(resolve("resnet18", batch_size=batch, input_shape=(3, 64, 64)), step)
+
+    family = AffineFamily.from_traces(traced(2), 2, traced(6), 6)
+    assert family is not None
+    # cuDNN's convolution workspaces are sized by a rule of their convolution's shape, not a line
+    # in the batch; many convolutions share one rule and its arguments' lines, sized once per batch
+    assert len(family.sized) > len({(rule, a, s) for _, rule, a, s in family.sized}) > 1
+    at_11 = traced(11)
+    assert family.nbytes(11) == at_11.trace.nbytes  # every storage's size, the rule-sized ones included
+    assert family.matches(at_11, 11)

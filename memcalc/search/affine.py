@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from memcalc.core.alloc_conf import AllocConf
@@ -97,16 +98,21 @@ class AffineFamily:
     def nbytes(self, batch: int) -> list[int]:
         """Every storage's size at ``batch``, indexed by uid."""
         sizes = [a + s * batch for a, s in zip(self.intercepts, self.slopes, strict=True)]
-        # a model repeats its layers, so many storages share a rule and its arguments: each pair is sized once
-        # (a rule is a function of its arguments alone)
-        sized: dict[tuple[SizeRule, tuple[int, ...]], int] = {}
-        for uid, rule, intercepts, slopes in self.sized:
-            key = (rule, tuple(a + s * batch for a, s in zip(intercepts, slopes, strict=True)))
-            size = sized.get(key)
-            if size is None:
-                size = sized[key] = rule(key[1])
-            sizes[uid] = size
+        # a model repeats its layers, so many storages share a rule and its arguments' lines: each
+        # group is sized once per batch (a rule is a function of its arguments alone)
+        for rule, intercepts, slopes, uids in self._sized_groups:
+            size = rule(tuple(a + s * batch for a, s in zip(intercepts, slopes, strict=True)))
+            for uid in uids:
+                sizes[uid] = size
         return sizes
+
+    @cached_property
+    def _sized_groups(self) -> tuple[tuple[SizeRule, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]:
+        """The rule-sized storages grouped by rule and argument lines: (rule, intercepts, slopes, uids)."""
+        groups: dict[tuple[SizeRule, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+        for uid, rule, intercepts, slopes in self.sized:
+            groups.setdefault((rule, intercepts, slopes), []).append(uid)
+        return tuple((*key, tuple(uids)) for key, uids in groups.items())
 
     def probe(self, batch: int, capacity: int, settings: AllocConf | None = None) -> SyntheticPoint:
         """Replay the step at ``batch`` through the allocator model under ``capacity`` (one replay)."""

@@ -76,7 +76,7 @@ _RAW_ESTIMATES = 4
 
 
 def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SINGLE, margin: float = 0.0,
-                   neighbours: int = 0, max_batch: int = MAX_BATCH) -> FitResult:
+                   neighbours: int = 0, max_batch: int = MAX_BATCH, extras: bool = True) -> FitResult:
     """The largest batch whose ``step`` fits ``budget`` less ``margin`` (see the module
     docstring and docs/architecture.md, "The batch search", for what is checked).
 
@@ -87,6 +87,9 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
         margin: the fraction of ``budget`` held back (0 ≤ margin < 1, checked by the caller).
         neighbours: also estimate the batches within this distance of the answer.
         max_batch: the largest batch tried.
+        extras: also search the raw boundary and the batch with expandable segments (replays of
+            the family, about half an estimate's time); a caller that reads only the batch (the
+            throughput search) leaves them out, and they are None.
 
     Returns:
         The batch, its report against the whole budget, the budget, the margin, the raw
@@ -98,7 +101,7 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
     """
     if step.checkpoint.kind is CheckpointKind.AUTO and distributed.is_single:
         return _fit_each_setting(step, budget, distributed=distributed, margin=margin, neighbours=neighbours,
-                                 max_batch=max_batch)
+                                 max_batch=max_batch, extras=extras)
     capacity = budget.capacity
     limit = margin_capacity(capacity, margin)
     real = _Estimates(step, distributed, capacity, limit)
@@ -133,8 +136,10 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
         report = real.report_under_budget(best)
     if report.fits is False:
         raise DoesNotFitError(report, budget, margin)
-    expandable = _with_expandable_segments(found.family, best, limit, step, max_batch, real.known(best + 1))
-    raw = _raw_boundary(real, found, first.batch_size, slope_hint, max_batch)
+    expandable = (_with_expandable_segments(found.family, best, limit, step, max_batch, real.known(best + 1))
+                  if extras else None)
+    raw = (_raw_boundary(real, found, first.batch_size, slope_hint, max_batch)
+           if extras or real.limit == real.capacity else None)  # with no margin it is the search's own boundary
     probes = tuple(_as_probe(p) for p in real.order)
     around = range(max(1, best - neighbours), best + neighbours + 1) if neighbours else range(0)
     return FitResult(
@@ -157,7 +162,7 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
 
 
 def _fit_each_setting(step: Step, budget: Budget, *, distributed: Distributed, margin: float, neighbours: int,
-                      max_batch: int) -> FitResult:
+                      max_batch: int, extras: bool) -> FitResult:
     """``--checkpoint auto`` on one GPU: the batch search replays one setting's trace at other
     batches, so each of ``checkpoint auto``'s settings (torchtitan's every:N ladder, off to full,
     and selective-op; :mod:`memcalc.distributed.checkpoint_auto`) is fitted on its own, and the
@@ -171,7 +176,7 @@ def _fit_each_setting(step: Step, budget: Budget, *, distributed: Distributed, m
     for setting in settings:
         try:
             fitted[setting] = find_max_batch(replace(step, checkpoint=setting), budget, distributed=distributed,
-                                             margin=margin, neighbours=neighbours, max_batch=max_batch)
+                                             margin=margin, neighbours=neighbours, max_batch=max_batch, extras=extras)
         except DoesNotFitError as exc:
             refused = exc
     if not fitted:

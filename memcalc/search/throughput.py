@@ -143,7 +143,9 @@ def find_fastest(step: Step, budget: Budget, *, distributed: Distributed = SINGL
 
 def _candidates(step: Step, distributed: Distributed, budget: Budget, margin: float, target_batch: int | None,
                 max_batch: int) -> list[Candidate]:
-    largest = find_max_batch(step, budget, distributed=distributed, margin=margin, max_batch=max_batch).batch_size
+    # only the batch is read: the raw boundary and the expandable-segments batch are not searched
+    largest = find_max_batch(step, budget, distributed=distributed, margin=margin, max_batch=max_batch,
+                             extras=False).batch_size
     if target_batch is None:
         settings = [(b, 1) for b in _halvings(largest)]
     elif target_batch <= largest:
@@ -151,7 +153,7 @@ def _candidates(step: Step, distributed: Distributed, budget: Budget, margin: fl
     else:  # accumulation: fit again with the gradients alive across micro-batches
         accumulating = replace(step, accum_steps=2)
         largest = find_max_batch(accumulating, budget, distributed=distributed, margin=margin,
-                                 max_batch=max_batch).batch_size
+                                 max_batch=max_batch, extras=False).batch_size
         settings = [(b, target_batch // b) for b in _divisors_up_to(target_batch, largest)]
     timed = [_timed(step, distributed, budget, margin, b, a) for b, a in settings[:CANDIDATES]]
     # a micro-batch under the fit's answer can still fail (fragmentation, or the gradients kept
