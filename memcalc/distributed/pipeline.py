@@ -412,7 +412,8 @@ def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank
     buffers = sum(traced.trace.nbytes[uid] for uid in program.buffers)
     collective = set().union(*(w.communication for w in wrapped))
     states = model_states_at_step(traced, collective)
-    return report, _TracedRank(rank, tuple(blocks[s] for s in stages), rank_model.notes[-1], traced, rank_step, states, buffers)
+    held = tuple(blocks[s] for s in stages)
+    return report, _TracedRank(rank, held, rank_model.notes[-1], traced, rank_step, states, buffers)
 
 
 def _stages_checkpointing(own: Checkpointer, blocks: Sequence[str]) -> Checkpointer:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
