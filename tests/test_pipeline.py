@@ -236,6 +236,97 @@ def test_the_second_iteration_copied_from_the_first_is_the_traced_one(monkeypatc
         assert repeated == twice
 
 
+_SHARED = "its trace shared with the modules renamed"
+
+
+def _same_timeline(mine, theirs) -> bool:
+    import numpy as np
+
+    a, b = mine.timeline(), theirs.timeline()
+    return vars(a).keys() == vars(b).keys() and all(
+        np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+        for x, y in ((getattr(a, f), getattr(b, f)) for f in vars(a)))
+
+
+@pytest.mark.quick_cases("gpipe-time")
+@pytest.mark.parametrize(("schedule", "mesh", "model", "options"), [
+    ("gpipe", {}, "torch:llama-tiny", {"time": True, "gpu": "h100-80gb"}),
+    ("looped-bfs", {}, "llama-tiny", {"checkpoint": "selective-op"}),
+    ("gpipe", {"dp_shard": 2, "tp": 2}, "torch:llama-tiny", {"precision": "amp-bf16", "checkpoint": "every:2"}),
+], ids=["gpipe-time", "looped-bfs-hf-sac", "gpipe-3d-every-2"])
+def test_a_middle_rank_sharing_a_trace_is_its_own_trace(monkeypatch, schedule, mesh, model, options):
+    # pp=4, 8 blocks: GPipe's ranks 1 and 2 hold two identical blocks each and run the same
+    # actions (every forward, then every backward); looped BFS's hold stages (1, 5) and (2, 6) of
+    # one block. every:2 checkpoints the second block of both (blocks 4 and 6, counted from 1).
+    # Rank 2's step is rank 1's with its modules renamed: every byte of its report (the JSON, every
+    # field, every module row), its timeline and its kernels' costs equal its own trace's.
+    import json
+    from dataclasses import replace
+
+    from memcalc.distributed import pipeline
+
+    setting = memcalc.Distributed(pp=4, pp_schedule=schedule, microbatches=4, **mesh)
+    kwargs = {"batch_size": 4, "seq_len": 32, "optimizer": "adamw", "distributed": setting, **options}
+    shared = memcalc.estimate(model, **kwargs)
+    monkeypatch.setattr(pipeline, "share_key", lambda *_args: None)
+    traced = memcalc.estimate(model, **kwargs)
+    assert [any(_SHARED in n for n in r.report.notes) for r in shared.roles] == [False, False, True, False]
+    for mine, theirs in zip(shared.roles, traced.roles, strict=True):
+        report = replace(mine.report, notes=tuple(n for n in mine.report.notes if _SHARED not in n))
+        assert replace(mine, report=report) == theirs  # the role's name, ranks and model states too
+        assert report == theirs.report  # every field (but on_request: below)
+        assert json.dumps(report.to_dict(), sort_keys=True) == json.dumps(theirs.report.to_dict(), sort_keys=True)
+        assert [m.name for m in report.modules] == [m.name for m in theirs.report.modules]
+        assert _same_timeline(mine.report, theirs.report)
+        if options.get("time"):
+            assert vars(mine.report.on_request.costs) == vars(theirs.report.on_request.costs)
+
+
+@pytest.mark.parametrize(("schedule", "options"), [
+    ("1f1b", {}), ("interleaved-1f1b", {}), ("gpipe", {"checkpoint": "every:4"})])
+def test_ranks_that_run_differently_are_traced_each(schedule, options):
+    # 1F1B: stage s warms up with 4 - s forwards, so each rank holds a different number of
+    # microbatches; interleaved 1F1B's warm-up too. every:4 checkpoints rank 1's second block
+    # (block 4, counted from 1), none of rank 2's (5, 6): every rank is traced
+    step = build_step("torch:llama-tiny", batch_size=4, seq_len=32, optimizer="adamw", **options)
+    estimate = estimate_pipeline(step, Pipeline(4, schedule, microbatches=4))
+    assert not any(_SHARED in n for r in estimate.ranks for n in r.report.notes)
+
+
+def test_blocks_that_differ_in_a_plain_attribute_do_not_share():
+    # a Hugging Face layer's sliding window is an attribute of its attention, not a shape: the
+    # key reads it (layer_idx, a cache slot, it leaves out)
+    from torch import nn
+
+    from memcalc.core.checkpointing import OFF
+    from memcalc.distributed.pipeline_share import share_key
+
+    class Attention(nn.Module):
+        def __init__(self, index: int, window: int | None) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.layer_idx = index
+            self.sliding_window = window
+
+    def key(windows):
+        model = nn.Module()
+        model.layers = nn.ModuleList(Attention(i, w) for i, w in enumerate(windows))
+        names = [f"layers.{i}" for i in range(len(windows))]
+        blocks = [(n,) for n in names]
+        actions = [Action(0, "F", 0), Action(0, "B", 0)]
+        return [share_key(model, names, (s,), blocks, len(names), [replace_stage(a, s) for a in actions], OFF)
+                for s in range(len(names))]
+
+    def replace_stage(action, stage):
+        return Action(stage, action.kind, action.microbatch)
+
+    first, one, two, last = key([None, None, None, None])
+    assert first is None and last is None  # the embedding's and the head's stages: traced
+    assert one == two
+    _, one, two, _ = key([None, 512, 1024, None])
+    assert one != two
+
+
 def test_checkpointing_under_a_split_backward_schedule_is_refused_by_name():
     # torch's zero-bubble and V schedules split the backward (input gradients, then weights'):
     # a checkpointed block's recomputation failed there with an empty RuntimeError

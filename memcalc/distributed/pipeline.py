@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -53,11 +53,12 @@ from memcalc.distributed.pipeline_schedules import (
     rank_actions,
     stage_of_rank,
 )
+from memcalc.distributed.pipeline_share import renamed_step, share_key
 from memcalc.distributed.pipeline_split import ModelLayout, StageModule, block_containers_of, layout_of, stage_blocks
 from memcalc.distributed.program import RankProgram, model_states_at_step
 from memcalc.engine.losses import compute_loss, make_targets, resolve_loss
 from memcalc.engine.model import Checkpointer, CheckpointFn, ModelInputs, ResolvedModel
-from memcalc.engine.run import CostRecorderFactory, build_report
+from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 from memcalc.stacks.peft import apply_finetune, step_precision
@@ -320,22 +321,51 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
     whole = apply_finetune(probe, step.finetune, precision=step.precision, mode=step.mode,
                            checkpoint=bool(step.checkpoint))
     ranks = []
+    sources: dict[Hashable, _TracedRank] = {}  # the first rank traced of each key (pipeline_share)
     for rank in range(pipeline.stages):
         stages = placement[rank]
-        report, states, buffers = _estimate_rank(step, whole, pipeline, rank, stages, blocks, layout, micro.inputs,
+        held = tuple(blocks[s] for s in stages)
+        key = share_key(whole.module, layout.blocks, stages, blocks, pipeline.total_stages, actions[rank],
+                        step.checkpoint)
+        source = sources.get(key) if key is not None else None
+        shared = None if source is None else renamed_step(source.traced, source.blocks, held, layout.blocks)
+        if source is not None and shared is not None:
+            rank_model, _ = _rank_model(step, whole, pipeline, rank, stages, blocks, layout, micro.inputs)
+            # the notes the model gave the trace: this rank's, not the source's
+            shared.notes[:] = [rank_model.notes[-1] if n == source.note else n for n in shared.notes]
+            shared.notes.append(f"pipeline rank {rank}: the step of pipeline rank {source.rank} (the same actions on "
+                                f"stages of identical blocks), its trace shared with the modules renamed")
+            report = build_report(rank_model, shared, source.rank_step, role=f"pipeline rank {rank}")
+            states, buffers = source.states, source.buffers
+        else:
+            report, traced_rank = _estimate_rank(step, whole, pipeline, rank, stages, blocks, layout, micro.inputs,
                                                  costs, stage_program, trace_precision, inner)
+            states, buffers = traced_rank.states, traced_rank.buffers
+            if key is not None:
+                sources.setdefault(key, traced_rank)
         flight = in_flight(actions[rank])
-        ranks.append(RankEstimate(rank, stages, tuple(blocks[s] for s in stages),
-                                  tuple(flight.get(s, 0) for s in stages), report, states, buffers))
+        ranks.append(RankEstimate(rank, stages, held, tuple(flight.get(s, 0) for s in stages), report, states,
+                                  buffers))
     return PipelineEstimate(pipeline, tuple(ranks), ASSUMPTIONS)
 
 
-def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank: int, stages: Sequence[int],
-                   blocks: Sequence[tuple[str, ...]], layout: ModelLayout, micro_inputs: ModelInputs,
-                   costs: CostRecorderFactory | None,
-                   stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
-                   trace_precision: Precision | None = None,
-                   inner: InnerParallel | None = None) -> tuple[MemoryReport, int, int]:
+@dataclass(frozen=True)
+class _TracedRank:
+    """A traced pipeline rank, kept for the ranks that share its trace (:mod:`pipeline_share`)."""
+
+    rank: int
+    blocks: tuple[tuple[str, ...], ...]  # of each stage it holds
+    note: str  # what its model said of it (its rank and stages), which the trace's notes carry
+    traced: TracedStep
+    rank_step: Step
+    states: int
+    buffers: int
+
+
+def _rank_model(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank: int, stages: Sequence[int],
+                blocks: Sequence[tuple[str, ...]], layout: ModelLayout,
+                micro_inputs: ModelInputs) -> tuple[ResolvedModel, list[StageModule]]:
+    """The model one pipeline rank traces: its runner (its stages' modules cut from ``resolved``)."""
     total = pipeline.total_stages
     modules = [StageModule(resolved.module, layout, blocks[s], first=s == 0, last=s == total - 1,
                            inputs=micro_inputs) for s in stages]
@@ -352,6 +382,18 @@ def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank
                        else _stages_checkpointing(resolved.checkpointing, layout.blocks)),
         reads=resolved.reads,
         notes=(*resolved.notes, f"pipeline rank {rank} of {pipeline.stages}: {held}; {pipeline.describe()}"))
+    return rank_model, modules
+
+
+def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank: int, stages: Sequence[int],
+                   blocks: Sequence[tuple[str, ...]], layout: ModelLayout, micro_inputs: ModelInputs,
+                   costs: CostRecorderFactory | None,
+                   stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
+                   trace_precision: Precision | None = None,
+                   inner: InnerParallel | None = None) -> tuple[MemoryReport, _TracedRank]:
+    rank_model, modules = _rank_model(step, resolved, pipeline, rank, stages, blocks, layout, micro_inputs)
+    runner = rank_model.module
+    assert isinstance(runner, _RankRunner)
     precision = step.precision if trace_precision is None else trace_precision
     rank_step = replace(step, loss=None, loss_fn=_RankRunner.done, accum_steps=1,
                         precision=step_precision(resolved, step.finetune, precision, step.mode))
@@ -369,7 +411,9 @@ def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank
     report = build_report(rank_model, traced, rank_step, role=f"pipeline rank {rank}")
     buffers = sum(traced.trace.nbytes[uid] for uid in program.buffers)
     collective = set().union(*(w.communication for w in wrapped))
-    return report, model_states_at_step(traced, collective), buffers
+    states = model_states_at_step(traced, collective)
+    held = tuple(blocks[s] for s in stages)
+    return report, _TracedRank(rank, held, rank_model.notes[-1], traced, rank_step, states, buffers)
 
 
 def _stages_checkpointing(own: Checkpointer, blocks: Sequence[str]) -> Checkpointer:
