@@ -29,6 +29,8 @@ pytest.importorskip("transformers")
 # holds one token's activations, the same each step but for the sequences' growth (8 B per token)
 WIDE_LLAMA: dict[str, object] = {**SMALL_LLAMA, "hidden_size": 1024, "num_attention_heads": 8,
                                  "num_key_value_heads": 8, "intermediate_size": 256, "max_position_embeddings": 4096}
+#: six layers: a decode step's layers repeat, and the replay skips those that repeat the ones before
+DEEP_LLAMA: dict[str, object] = {**WIDE_LLAMA, "num_hidden_layers": 6}
 WIDE_GPT2: dict[str, object] = {
     "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 1024, "n_layer": 2, "n_head": 8,
     "vocab_size": 1000, "n_positions": 4096}
@@ -52,9 +54,9 @@ def _replays(monkeypatch: pytest.MonkeyPatch, source: str, **options: object
     feed = steady_replay._feed
 
     def counted(model: allocator.CachingAllocatorModel, events: list[int], nbytes: list[int],
-                held: dict[int, int]) -> None:
+                rounded: list[int], held: dict[int, int]) -> None:
         fed[0] += len(events)
-        feed(model, events, nbytes, held)
+        feed(model, events, nbytes, rounded, held)
 
     monkeypatch.setattr(steady_replay, "_feed", counted)
     fast = steady_replay.replay_generation(program, trace, None, False)
@@ -65,6 +67,9 @@ def _replays(monkeypatch: pytest.MonkeyPatch, source: str, **options: object
 @pytest.mark.parametrize("config, batch, prompt, tokens", [
     pytest.param(WIDE_LLAMA, 1, 300, 200, id="llama"),
     pytest.param(WIDE_GPT2, 1, 300, 200, id="gpt2"),
+    # each layer's cache (4 KiB a token) crosses from the small pool to the large at 256 tokens
+    pytest.param({**WIDE_GPT2, "n_layer": 6}, 1, 200, 120, id="gpt2-6-layers-cache-leaves-small-pool"),
+    pytest.param(DEEP_LLAMA, 2, 100, 150, id="llama-6-layers-batch-2"),
     # the cache crosses from 1 MiB to 10 MiB (a 20-MiB segment's requests, then its own segment)
     # at 2,560 tokens, and the sequences' rounding steps every 64 tokens, in the steps skipped
     pytest.param(WIDE_LLAMA, 1, 2500, 120, id="llama-past-10-MiB", marks=pytest.mark.slow),
@@ -78,6 +83,22 @@ def test_skipping_replay_gives_the_full_replays_stats(tmp_path: Path, monkeypatc
     if fed == events and NO_LLAMA_CYCLE and config is WIDE_LLAMA:
         pytest.xfail(f"transformers {transformers.__version__}: no cycle found, every event replayed")
     assert fed < events  # something was skipped: the test compares the two paths
+
+
+@pytest.mark.parametrize("config, prompt, tokens", [
+    pytest.param(DEEP_LLAMA, 300, 200, id="llama"),
+    pytest.param({**WIDE_GPT2, "n_layer": 6}, 300, 130, id="gpt2"),
+])
+def test_skipping_repeated_layers_keeps_the_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  config: dict[str, object], prompt: int, tokens: int) -> None:
+    """The layers skipped within the decode steps replayed: fewer events fed than with whole
+    steps only, and the stats of the replay of every event."""
+    source = hf_config_source(tmp_path, config)
+    fast, full, fed, events = _replays(monkeypatch, source, batch_size=1, seq_len=prompt, new_tokens=tokens)
+    monkeypatch.setattr(steady_replay, "MAX_UNIT_PERIOD", 0)
+    steps_only, _, fed_steps_only, _ = _replays(monkeypatch, source, batch_size=1, seq_len=prompt, new_tokens=tokens)
+    assert fast == full == steps_only
+    assert fed < fed_steps_only < events
 
 
 def test_short_generations_and_capacities_replay_every_event(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

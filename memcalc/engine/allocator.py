@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -501,6 +501,108 @@ class CachingAllocatorModel:
             self._peak_index = index
         if self._requested > self._peak_requested:
             self._peak_requested = self._requested
+
+    def feed(self, events: Sequence[int], nbytes: Sequence[int], rounded: Sequence[int],
+             held: dict[int, int]) -> None:
+        """Replay ``events`` (a uid: its storage of ``nbytes[uid]`` is allocated; ``~uid``: freed) on
+        the compute stream, noting in ``held`` each block handed out larger than ``rounded[uid]``
+        (a large-pool block not worth splitting). ``rounded[uid]`` must be
+        ``round_size(nbytes[uid])``.
+
+        The same decisions as :meth:`malloc` and :meth:`free`, inlined for the case of most
+        replays — no capacity, no garbage collection, cudaMalloc'ed segments, 512-B rounding,
+        ``max_split_size`` unlimited — where best fit, split and merge are all there is; a request
+        no cached block fits (a new segment), and any other setting, goes through :meth:`malloc`.
+        A generation's replay feeds millions of events (:mod:`memcalc.engine.steady_replay`)."""
+        live, zero = self._live, self._zero
+        if (self.host or self.capacity is not None or self._expandable or self._rounding is not None
+                or self._max_split != MAX_SPLIT_SIZE or self._gc_threshold > 0.0):
+            for event in events:
+                if event >= 0:
+                    self.malloc(event, nbytes[event])
+                    block = live.get(event)
+                    if block is not None and block.size != rounded[event]:
+                        held[event] = block.size
+                else:
+                    self.free(~event)
+            return
+        small, large = self._small, self._large
+        bisect_left, insort = bisect.bisect_left, bisect.insort
+        for event in events:
+            if event >= 0:
+                size = rounded[event]
+                pool = small if size <= K_SMALL_SIZE else large
+                entries = pool.entries
+                i = bisect_left(entries, (size,))
+                if size == 0 or i == len(entries) or event in live or event in zero:
+                    self.malloc(event, nbytes[event])  # a 0-byte request, a new segment, an error
+                    block = live.get(event)
+                    if block is not None and block.size != size:
+                        held[event] = block.size
+                    continue
+                self._events += 1
+                addr = entries[i][1]
+                del entries[i]
+                block = pool.blocks.pop(addr)
+                remaining = block.size - size
+                if remaining >= K_MIN_BLOCK_SIZE if pool is small else remaining > K_SMALL_SIZE:  # _should_split
+                    front = _Block(addr, size, pool)  # _split
+                    before = block.prev
+                    front.prev = before
+                    if before is not None:
+                        before.next = front
+                    front.next = block
+                    block.prev = front
+                    block.addr = addr + size
+                    block.size = remaining
+                    block.gc_base = pool.clock.calls
+                    insort(entries, (remaining, addr + size))
+                    pool.blocks[addr + size] = block
+                    block = front
+                elif remaining:
+                    held[event] = block.size
+                requested = nbytes[event]
+                block.allocated = True
+                block.requested = requested
+                live[event] = block
+                self._allocated += block.size
+                self._requested += requested
+                if self._allocated > self._peak_allocated:
+                    self._peak_allocated = self._allocated
+                    self._peak_index = self._events - 1
+                if self._requested > self._peak_requested:
+                    self._peak_requested = self._requested
+                continue
+            key = ~event
+            block = live.pop(key, None)
+            if block is None:
+                self.free(key)  # a 0-byte request's key, or an error
+                continue
+            self._events += 1
+            self._allocated -= block.size
+            self._requested -= block.requested
+            block.allocated = False
+            block.requested = 0
+            pool = block.pool
+            entries, blocks = pool.entries, pool.blocks
+            for side in (block.prev, block.next):  # _free_block: _try_merge with each free neighbour
+                if side is None or side.allocated:
+                    continue
+                del entries[bisect_left(entries, (side.size, side.addr))]
+                del blocks[side.addr]
+                if side is block.prev:
+                    block.addr = side.addr
+                    block.prev = side.prev
+                    if side.prev is not None:
+                        side.prev.next = block
+                else:
+                    block.next = side.next
+                    if side.next is not None:
+                        side.next.prev = block
+                block.size += side.size
+            block.gc_base = pool.clock.calls
+            insort(entries, (block.size, block.addr))
+            blocks[block.addr] = block
 
     def _new_block(self, pool: _Pool, size: int, index: int) -> _Block:
         """A block from new memory when no cached block fits (``malloc``'s resorts, in order):

@@ -1,20 +1,24 @@
 """The allocator's replay of a long generation, its small pool's steady decode steps skipped.
 
 A generation of thousands of tokens is millions of events (:mod:`memcalc.engine.steady` writes
-them out), and replaying each through the allocator model costs seconds. Yet most of them (95%
-for llama-2-7b) are small-pool requests (≤ 1 MiB: one token's activations) whose rounded sizes
-do not change from one decode step to the next; only the cache's ``torch.cat`` outputs grow.
+them out). Most (95% for llama-2-7b) are small-pool requests (≤ 1 MiB: one token's activations)
+whose rounded sizes do not change from one decode step to the next; only the caches grow.
 
 The small pool is a machine of its own: a small request never touches a large-pool block, and
-it reaches the driver only for a new segment. So where the small pool's state before step *j*
-(every block's address, size, and owner — counted from the step's first storage for a storage
-of the decode steps, by uid for an older one) is the state before step *j − 1*, and step *j*'s
-small requests and frees are step *j − 1*'s (the same relative owners, the same rounded sizes),
-step *j* does to the small pool what step *j − 1* did: nothing but renaming, no new segment. So
-:func:`replay_generation` feeds such a step's large-pool events alone, renames the small pool's
-owners once the run of such steps ends, and replays in full every step that differs. Reserved
-memory changes only at a new segment, so the peak reserved is exact; allocated and requested
-are sums, taken over every event in numpy (exact, int64), as is the index of their peak.
+it reaches the driver only for a new segment. So where the small pool's state before a stretch
+of events (every block's address, size and owner — a recent owner named from the stretch's first
+storage, an older one by uid) is the state before the stretch *p* before it, and the stretch's
+small requests and frees are those of that one (the same relative owners, the same rounded
+sizes), the stretch does to the small pool what that one did: nothing but renaming, no new
+segment. :func:`replay_generation` finds such repetitions at two scales: whole decode steps
+(their owners named from the decode steps' first storage), and, within a step that changes (a
+sequence crossing a 512-B rounding step), its units — the events from one numbered module's
+first storage (``model.layers.3``) to the next one's, owners within a layer's storages named
+from the unit — whose layers repeat each other. It feeds a skipped stretch's large-pool events
+alone and renames the small pool's owners once the repetition ends. Reserved memory changes
+only at a new segment, so the peak reserved is exact; allocated and requested are sums over
+every event in numpy (exact, int64), as is the index of their peak. The events fed go through
+:meth:`~memcalc.engine.allocator.CachingAllocatorModel.feed`, the allocator's loop inlined.
 
 It applies to the report's unlimited replay on one stream with PyTorch's 512-B rounding and
 cudaMalloc'ed segments; anything else (a capacity, expandable segments, the CPU allocator,
@@ -25,6 +29,7 @@ tests/test_steady_replay.py compares the two replays' stats on generations of se
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -45,6 +50,9 @@ REPLAYING = "replaying allocations"
 SKIP_FROM = 32
 #: The longest cycle of decode steps looked for (llama-2-7b: 3 or 12 steps).
 MAX_PERIOD = 32
+#: The longest cycle of a decode step's units (its layers) looked for.
+MAX_UNIT_PERIOD = 4
+_NUMBERED = re.compile(r"(.*?\.\d+)(?:\.|$)")
 
 _Signature = tuple[tuple[int, int, bool, int, bool], ...]
 
@@ -73,8 +81,10 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         return None
     first = bases[0]  # storages from here on are named relative to their step's first
     held: dict[int, int] = {}
-    _feed(model, program.events[:starts[0]], trace.nbytes, held)
+    sized = rounded.tolist()
+    _feed(model, program.events[:starts[0]], trace.nbytes, sized, held)
     widths = [y - x for x, y in itertools.pairwise(bases)]
+    layers = _Layers(model, program.events, events, uids, small, rounded, sized, trace, held)
     requests: dict[int, bytes] = {}
 
     def request(j: int) -> bytes:  # step j's small requests and frees, named from its first storage
@@ -94,7 +104,11 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         period = next((p for p in range(1, MAX_PERIOD + 1) if j + p <= count and states.get(j - p) == state
                        and all(request(j - p + i) == request(j + i) for i in range(p))), 0)
         if not period:
-            _feed(model, program.events[bounds[j]:bounds[j + 1]], trace.nbytes, held)
+            try:
+                if not layers.feed(bounds[j], bounds[j + 1], bases[j + 1]):
+                    _feed(model, program.events[bounds[j]:bounds[j + 1]], trace.nbytes, sized, held)
+            except _Unsteady:
+                return None
             j += 1
             continue
         # steps j .. j + period - 1 repeat the period before them: their small pool, renamed
@@ -102,7 +116,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         while j + period <= count and all(request(j + i) == request(j - period + i) for i in range(period)):
             for k in range(j, j + period):
                 lo, hi = bounds[k], bounds[k + 1]
-                _feed(model, events[lo:hi][~small[lo:hi]].tolist(), trace.nbytes, held)
+                _feed(model, events[lo:hi][~small[lo:hi]].tolist(), trace.nbytes, sized, held)
                 shift += widths[k]
             j += period
         if not _rename(model, first, shift):
@@ -112,6 +126,102 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     sizes[np.fromiter(held, dtype=np.int64, count=len(held))] = np.fromiter(held.values(), dtype=np.int64,
                                                                            count=len(held))
     return _stats(model.stats(), events, uids, sizes, nbytes)
+
+
+class _Unsteady(Exception):
+    """A renamed owner is live already: not a repetition after all (the replay starts over)."""
+
+
+class _Layers:
+    """A decode step fed a unit at a time (a unit: the events from the birth of a storage of one
+    numbered module, ``model.layers.3``, to the next such module's), the units that repeat the
+    ones before them skipped as the decode steps are (module docstring): the same small requests
+    and the same small pool, renamed. Owners born within :attr:`horizon` storages before a unit
+    are named from its first storage, older ones by uid (the rotary tables, the sequences), so
+    that one layer's residual stream is the next layer's."""
+
+    def __init__(self, model: allocator.CachingAllocatorModel, listed: list[int], events: np.ndarray,
+                 uids: np.ndarray, small: np.ndarray, rounded: np.ndarray, sized: list[int], trace: StepTrace,
+                 held: dict[int, int]) -> None:
+        self.model, self.listed, self.events, self.uids, self.small = model, listed, events, uids, small
+        self.rounded, self.sized, self.trace, self.held = rounded, sized, trace, held
+        self.keys: dict[str, str] = {}
+        self.last: tuple[list[str], list[int], list[bool]] | None = None  # the step before's modules, units
+
+    def _key(self, module: str) -> str:
+        """A module's unit: its path up to its first number (``model.layers.3``), else "" (not a layer)."""
+        key = self.keys.get(module)
+        if key is None:
+            match = _NUMBERED.match(module)
+            key = self.keys[module] = match.group(1) if match else ""
+        return key
+
+    def _split(self, born: np.ndarray) -> tuple[list[int], list[bool]]:
+        """Where the units of a step begin (indices of ``born``, the storages it makes in order) and
+        which are layers; the step before's when its storages' modules are the same objects."""
+        first, last = int(born[0]), int(born[-1])
+        modules = self.trace.module[first:last + 1] if last - first + 1 == born.size else None
+        if modules is not None and self.last is not None and self.last[0] == modules:
+            return self.last[1], self.last[2]
+        keys = [self._key(self.trace.module[uid]) for uid in born.tolist()]
+        split = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
+        layer = [bool(keys[i]) for i in split]
+        self.last = (modules, split, layer) if modules is not None else None
+        return split, layer
+
+    def feed(self, lo: int, hi: int, end: int) -> bool:
+        """Feed the events ``lo .. hi`` (a decode step; ``end``: the first storage of the step after);
+        False, having fed nothing, where its storages are not born in order."""
+        births = np.flatnonzero(self.events[lo:hi] >= 0) + lo
+        born = self.events[births]
+        if not births.size or (np.diff(born) <= 0).any() or born[-1] >= end:
+            return False
+        split, layer = self._split(born)
+        starts = [lo, *births[split[1:]].tolist()]
+        bases = born[split].tolist()
+        bounds, count = [*starts, hi], len(starts)
+        widths = [y - x for x, y in itertools.pairwise([*bases, end])]
+        horizon = sorted(widths)[count // 2]  # a layer's storages
+        # every small event named: from its unit's first storage, or by uid when older than the horizon
+        unit = np.repeat(np.arange(count), np.diff(bounds))
+        base = np.asarray(bases, dtype=np.int64)[unit]
+        step = self.uids[lo:hi]
+        named = np.where(step >= base - horizon, step - base, step + (1 << 40))
+        mask = self.small[lo:hi]
+        requests: dict[int, bytes] = {}
+
+        def request(k: int) -> bytes:
+            if k not in requests:
+                a, b = bounds[k] - lo, bounds[k + 1] - lo
+                m = mask[a:b]
+                requests[k] = (np.int64(widths[k]).tobytes() + named[a:b][m].tobytes()
+                               + (self.events[lo + a:lo + b][m] >= 0).tobytes() + self.rounded[step[a:b][m]].tobytes())
+            return requests[k]
+
+        model, listed, nbytes, sized, held = self.model, self.listed, self.trace.nbytes, self.sized, self.held
+        states: dict[int, _Signature] = {}
+        near = range(-MAX_UNIT_PERIOD, MAX_UNIT_PERIOD + 1)
+        k = 0
+        while k < count:
+            if layer[k] and any(d and 0 <= k + d < count and request(k + d) == request(k) for d in near):
+                states[k] = _small_state(model, bases[k] - horizon, bases[k])  # a unit that may repeat
+            period = next((p for p in range(1, min(MAX_UNIT_PERIOD, k) + 1)
+                           if k + p <= count and k in states and states.get(k - p) == states[k]
+                           and all(request(k - p + i) == request(k + i) for i in range(p))), 0)
+            if not period:
+                _feed(model, listed[bounds[k]:bounds[k + 1]], nbytes, sized, held)
+                k += 1
+                continue
+            threshold, shift = bases[k] - horizon, 0
+            while k + period <= count and all(request(k + i) == request(k - period + i) for i in range(period)):
+                for u in range(k, k + period):
+                    a, b = bounds[u], bounds[u + 1]
+                    _feed(model, self.events[a:b][~self.small[a:b]].tolist(), nbytes, sized, held)
+                    shift += widths[u]
+                k += period
+            if not _rename(model, threshold, shift):
+                raise _Unsteady
+        return True
 
 
 def _bases(events: np.ndarray, bounds: Sequence[int]) -> list[int] | None:
@@ -128,18 +238,10 @@ def _bases(events: np.ndarray, bounds: Sequence[int]) -> list[int] | None:
 
 
 def _feed(model: allocator.CachingAllocatorModel, events: Sequence[int], nbytes: Sequence[int],
-          held: dict[int, int]) -> None:
-    """Replay ``events``, noting the block each birth was handed (``held``: uid -> bytes; a
-    large-pool block may be larger than the request rounded, when not worth splitting)."""
-    malloc, free, live = model.malloc, model.free, model._live
-    for event in events:
-        if event >= 0:
-            malloc(event, nbytes[event])
-            block = live.get(event)
-            if block is not None:
-                held[event] = block.size
-        else:
-            free(~event)
+          rounded: Sequence[int], held: dict[int, int]) -> None:
+    """Replay ``events``, noting each block handed out larger than its request rounded
+    (``held``: uid -> bytes; a large-pool block not worth splitting)."""
+    model.feed(events, nbytes, rounded, held)
 
 
 def _small_state(model: allocator.CachingAllocatorModel, first: int, base: int) -> _Signature:

@@ -1,0 +1,60 @@
+"""The report's replay of a long generation alone (:func:`memcalc.engine.steady_replay.replay_generation`),
+another checkout's against this one's on the same traced step, in one process: CPU seconds of each
+(twice) and whether their stats are equal. For a change of the replay on a loaded machine, where
+whole estimates in two processes are too noisy to compare. Asserts nothing.
+
+Run: ``python benchmarks/generation_replay.py --base /tmp/main-archive [--model llama-2-7b]
+[--seq-len 512] [--new-tokens 1024]``; ``--base``: a checkout (e.g. a ``git archive`` of main) whose
+``memcalc/engine/steady_replay.py`` is loaded beside this one (it imports this checkout's allocator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import memcalc
+from memcalc.engine import run, steady_replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", required=True, type=Path)
+    parser.add_argument("--model", default="llama-2-7b")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    args = parser.parse_args()
+    spec = importlib.util.spec_from_file_location("base_steady_replay",
+                                                  args.base / "memcalc" / "engine" / "steady_replay.py")
+    assert spec is not None and spec.loader is not None
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    seen: list[tuple[Any, ...]] = []
+    replayed = run._replayed
+
+    def spy(*call: Any) -> Any:
+        seen.append(call)
+        return replayed(*call)
+
+    run._replayed = spy  # type: ignore[assignment]
+    memcalc.estimate(args.model, batch_size=1, seq_len=args.seq_len, mode="generate", new_tokens=args.new_tokens,
+                     optimizer="none")
+    call = seen[-1]
+    for _ in range(2):
+        start = time.process_time()
+        before = base.replay_generation(*call)
+        middle = time.process_time()
+        after = steady_replay.replay_generation(*call)
+        end = time.process_time()
+        print(f"{args.model} {args.seq_len}+{args.new_tokens}: base {middle - start:.2f} s, this "
+              f"{end - middle:.2f} s ({(middle - start) / (end - middle):.1f}x); same stats {before == after}")
+
+
+if __name__ == "__main__":
+    main()
