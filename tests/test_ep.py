@@ -133,6 +133,30 @@ def test_worst_routing_holds_more_than_balanced(tiny: str) -> None:
     assert any("capacity factor 1.25" in note for note in capacity.notes)
 
 
+def test_pp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
+    # two stages of one layer each, every stage's experts over its 2 ep ranks (ranks pp_rank · 2 + ep_rank):
+    # stage 0 the embedding 256 · 64 and layer 0, stage 1 layer 1, the final norm 64 and the head 256 · 64;
+    # a layer's dense part 12,672 (q, o 64 · 64, k, v 32 · 64, the router 4 · 64, two norms 64), its experts
+    # 4 · 24,576 = 98,304, half of them per rank
+    setting = memcalc.Distributed(pp=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu", distributed=setting)
+    layer = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 4 * 64 + 2 * 64
+    held = {(0, 1): 256 * 64 + layer + 4 * EXPERT // 2, (2, 3): layer + 4 * EXPERT // 2 + 64 + 256 * 64}
+    assert held == {(0, 1): 78_208, (2, 3): 78_272}
+    assert {role.ranks: role.report.bytes.parameters for role in report.roles} == {
+        ranks: 4 * n for ranks, n in held.items()}
+    assert report.global_batch_size == 2 * 2  # every ep rank a batch of its own
+    assert any("expert parallelism over 2 ranks inside every stage" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("degrees", [dict(tp=2), dict(dp_shard=2)], ids=["tp", "dp_shard"])
+def test_pp_x_ep_with_a_third_dimension_is_refused_by_name(tiny: str, degrees: dict[str, int]) -> None:
+    (name, degree), = degrees.items()
+    with pytest.raises(InapplicableOptionError, match=rf"pp=2 with ep=2 and {name}={degree} is not modelled yet"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16,
+                         distributed=memcalc.Distributed(pp=2, ep=2, microbatches=2, **degrees))
+
+
 # ---- refusals ---------------------------------------------------------------------------------------
 
 def test_ep_with_another_dimension_is_refused_by_name(tiny: str) -> None:

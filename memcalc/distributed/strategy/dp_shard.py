@@ -138,7 +138,7 @@ def _experts_units(resolved: ResolvedModel, degree: int, ep: int) -> dict[str, i
         InapplicableOptionError: more ranks than local experts: torchtitan then shards the
             experts on dim 1 (``_experts_shard_placement_fn``), which memcalc does not model.
     """
-    from memcalc.distributed.strategy.ep import expert_modules
+    from memcalc.distributed.expert_parallel import expert_modules
 
     paths = expert_modules(resolved.module, ep, resolved.name)
     for path in paths:

@@ -30,8 +30,10 @@ from dataclasses import replace
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport, Shard
 from memcalc.distributed.collectives import Collective, ModelFacts, group_span
+from memcalc.distributed.ep_stages import StageExpertParallel
+from memcalc.distributed.expert_parallel import expert_notes, expert_parallelism_available
 from memcalc.distributed.mesh import Mesh
-from memcalc.distributed.pipeline import Pipeline, estimate_pipeline, stage_mesh
+from memcalc.distributed.pipeline import InnerParallel, Pipeline, estimate_pipeline, stage_mesh
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, Setting, register
@@ -57,7 +59,7 @@ class PipelineParallel(RankStrategy):
     mesh_dimension = "pp"
     options = frozenset({"pp_schedule", "microbatches", "pp_split"})
     whole_step = True
-    composes_with = frozenset({"dp_shard", "tp", "dp_replicate"})
+    composes_with = frozenset({"dp_shard", "tp", "dp_replicate", "ep"})
 
     def __init__(self, distributed: Setting, degree: int) -> None:
         super().__init__(distributed, degree)
@@ -124,20 +126,27 @@ class PipelineParallel(RankStrategy):
                 fsdp_notes.append(f"HSDP: {replicas} replicas of each stage's dp_shard group (fully_shard over the "
                                   f"2-D (dp_replicate, dp_shard) mesh, as torchtitan wraps its stages); the sharded "
                                   f"gradients all-reduced across them in place after the last microbatch")
-        inner = None
+        inner: InnerParallel | None = None
+        ep = 1 if mesh is None else mesh.ep
+        if ep > 1:
+            inner = self._expert_parallel(ep, tp, dp_shard)
+            program = _with_tp(inner, program)
+            shard = (*shard[:1], Shard(("experts",), "ep", ep), Shard(("batch",), "ep", ep), *shard[1:])
+            fsdp_notes.append(expert_notes(ep, inner.routing, inner.capacity_factor))
         if tp > 1:
             inner = self._tensor_parallel(step, tp, dp_shard)
             program = _with_tp(inner, program)
             shard = (*shard[:1], Shard(MODEL_STATES, "tp", tp), *shard[1:])
+        width = 1 if inner is None else inner.degree
         estimate = estimate_pipeline(replace(step, batch_size=batch), pipeline, costs=costs,
                                      stage_program=program, trace_precision=precision, inner=inner)
         report = estimate.as_report()
         # every pipeline rank runs the whole batch, microbatch by microbatch (a later stage's own
         # report counts the microbatch its stand-in input was built at); its dp_replicate, dp_shard and
-        # tp ranks share its trace, numbered as torchtitan's mesh (pp, dp_replicate, dp_shard, tp)
+        # tp (or ep) ranks share its trace, numbered as torchtitan's mesh (pp, dp_replicate, dp_shard, tp)
         roles = tuple(replace(role, sharding=shard, batch_size=batch,
-                              ranks=tuple(((r * replicas + p) * dp_shard + d) * tp + t for r in role.ranks
-                                          for p in range(replicas) for d in range(dp_shard) for t in range(tp)))
+                              ranks=tuple(((r * replicas + p) * dp_shard + d) * width + t for r in role.ranks
+                                          for p in range(replicas) for d in range(dp_shard) for t in range(width)))
                       for role in report.roles)
         notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch", *fsdp_notes)
         return replace(report, distribution=replace(report.distribution, roles=roles), notes=notes,
@@ -170,6 +179,23 @@ class PipelineParallel(RankStrategy):
                 hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
         return replicas
 
+    def _expert_parallel(self, ep: int, tp: int, dp_shard: int) -> StageExpertParallel:
+        """ep inside every stage (:mod:`memcalc.distributed.ep_stages`), refusing what is not modelled there."""
+        others = {name: degree for name, degree in (("tp", tp), ("dp_shard", dp_shard)) if degree > 1}
+        if others:
+            listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
+            raise InapplicableOptionError(
+                f"pp={self.degree} with ep={ep} and {listed} is not modelled yet: memcalc pipelines expert parallelism "
+                f"alone (each stage's experts over the ep ranks, checked against a real gloo run)",
+                hint=f"Estimate --mesh pp={self.degree},ep={ep}, or ep with dp_shard without pp.")
+        if not expert_parallelism_available():
+            raise InapplicableOptionError(
+                f"ep={ep} runs transformers' own expert parallelism (transformers.distributed.expert_parallel), "
+                f"which the installed transformers does not have",
+                hint="Install a transformers that has it (5.24 does), or estimate without ep.")
+        setting = self.distributed
+        return StageExpertParallel(ep, setting.routing, setting.capacity_factor)
+
     def _tensor_parallel(self, step: Step, tp: int, dp_shard: int) -> StageTensorParallel:
         """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there."""
         setting = self.distributed
@@ -185,7 +211,7 @@ class PipelineParallel(RankStrategy):
         return StageTensorParallel(tp, strings, lambda: stage_mesh("tp"), optimizer_impl=impl)
 
 
-def _with_tp(inner: StageTensorParallel,
+def _with_tp(inner: InnerParallel,
              fsdp: Callable[[ResolvedModel], RankProgram] | None) -> Callable[[ResolvedModel], RankProgram]:
     """Each stage's program: tensor parallelism, then FSDP2 over its DTensors (torchtitan's order)."""
 
