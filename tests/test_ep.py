@@ -133,6 +133,24 @@ def test_worst_routing_holds_more_than_balanced(tiny: str) -> None:
     assert any("capacity factor 1.25" in note for note in capacity.notes)
 
 
+def test_ep_x_hsdp_holds_what_ep_x_dp_shard_holds(tiny: str) -> None:
+    # HSDP's replicas all-reduce each unit's sharded gradients in place: a rank of dp_replicate=2 x dp_shard=2 x
+    # ep=2 holds what a rank of dp_shard=2 x ep=2 holds, on twice the ranks and twice the global batch
+    kwargs: dict[str, Any] = dict(batch_size=2, seq_len=16, optimizer="adam", gpu="cpu")
+    hsdp = memcalc.estimate(tiny, distributed=memcalc.Distributed(dp_replicate=2, dp_shard=2, ep=2), **kwargs)
+    fsdp = memcalc.estimate(tiny, distributed=memcalc.Distributed(dp_shard=2, ep=2), **kwargs)
+    (role,), (alone,) = hsdp.roles, fsdp.roles
+    assert role.ranks == tuple(range(8)) and hsdp.global_batch_size == 2 * fsdp.global_batch_size == 16
+    assert (role.model_states, role.report.peak_requested) == (alone.model_states, alone.report.peak_requested)
+    assert any("HSDP: 2 replicas" in note for note in hsdp.notes)
+
+
+def test_ep_x_dp_replicate_without_dp_shard_is_refused_by_name(tiny: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=r"ep=2 with dp_replicate=2 alone \(DDP around expert "
+                                                      r"parallelism\) is not modelled"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, dp_replicate=2))
+
+
 def test_pp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
     # two stages of one layer each, every stage's experts over its 2 ep ranks (ranks pp_rank · 2 + ep_rank):
     # stage 0 the embedding 256 · 64 and layer 0, stage 1 layer 1, the final norm 64 and the head 256 · 64;

@@ -82,7 +82,15 @@ class ExpertParallelDimension(RankStrategy):
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         mesh = self.distributed.mesh
-        others = sorted(set(mesh.used) - {"ep", "dp_shard"}) if mesh is not None else []  # pp applies ep itself
+        # pp applies ep itself; dp_replicate around dp_shard is HSDP over ep's FSDP2 (torchtitan's
+        # (dp_replicate, dp_shard_mod_ep) and (dp_replicate, dp_shard_cp) meshes)
+        allowed = {"ep", "dp_shard", "dp_replicate"} if mesh is not None and mesh.dp_shard > 1 else {"ep", "dp_shard"}
+        others = sorted(set(mesh.used) - allowed) if mesh is not None else []
+        if others == ["dp_replicate"] and mesh is not None:
+            raise InapplicableOptionError(
+                f"ep={self.degree} with dp_replicate={mesh.dp_replicate} alone (DDP around expert parallelism) is not "
+                f"modelled: torchtitan replicates MoE models only as HSDP, its ep ranks carved out of dp_shard",
+                hint=f"Give dp_shard too (--mesh dp_replicate={mesh.dp_replicate},dp_shard=N,ep={self.degree}: HSDP).")
         if others and mesh is not None:
             listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
             raise InapplicableOptionError(
