@@ -47,6 +47,10 @@ class PipelineEpCase:
     optimizer: str
     batch: int
     seq_len: int
+    #: > 1: the ``(pp, dp_shard, ep, tp=1)`` mesh, each stage FSDP2-wrapped as torchtitan wraps an MoE
+    #: stage (reshard_after_forward=False): each layer's experts over dp_shard (its ``dp_shard_mod_ep``),
+    #: every layer and the stage's root over dp_shard × ep (its ``dp_shard_cp``)
+    dp_shard: int = 1
 
 
 class MixtralStage(nn.Module):
@@ -77,15 +81,15 @@ class MixtralStage(nn.Module):
         return h
 
 
-def run_cases(source: str, cases: list[PipelineEpCase], work_dir: Path, *,
+def run_cases(source: str, cases: list[PipelineEpCase], work_dir: Path, *, dp_shard: int = 1,
               timeout_s: float = 600.0) -> dict[str, list[RankPeak]]:
-    """Run ``cases`` on PP × EP spawned processes over gloo; each case's peaks, by global rank
-    (``pp_rank × EP + ep_rank``).
+    """Run ``cases`` (all of ``dp_shard``) on PP × dp_shard × EP spawned processes over gloo; each
+    case's peaks, by global rank (``(pp_rank × dp_shard + dp_shard_rank) × EP + ep_rank``).
 
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    world = PP * EP
+    world = PP * dp_shard * EP
     spawn_ranks(_worker, world, (source, cases, str(work_dir)), timeout_s, what="gloo pp x ep runs")
     peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
     for rank in range(world):
@@ -118,7 +122,7 @@ def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
     step = build_step(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len)
     resolved = _resolve(step)
     model, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
-    mesh = init_device_mesh("cpu", (PP, EP, 1), mesh_dim_names=("pp", "ep", "tp"))
+    mesh = init_device_mesh("cpu", (PP, case.dp_shard, EP, 1), mesh_dim_names=("pp", "dp_shard", "ep", "tp"))
     index = mesh["pp"].get_local_rank()
     plan = model._expand_parallel_plan(dict(model.ep_plan))  # on the whole model
     stage_module = MixtralStage(model, index, PP)
@@ -128,6 +132,17 @@ def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
     held = {name: style for name, style in plan.items() if name in names}  # the stage's layers' entries
     apply_expert_parallelism(stage_module.model, mesh["ep"], mesh["tp"], held, ep_implementation="all_to_all")
     assert route(stage_module) > 0
+    if case.dp_shard > 1:  # torchtitan's apply_fsdp for MoE under a pipeline (PipelineEpCase.dp_shard)
+        from torch.distributed.fsdp import fully_shard
+
+        every = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
+        modules = dict(stage_module.model.named_modules())
+        for name, style in held.items():
+            if style == "ep_dispatch_experts":
+                fully_shard(modules[name], mesh=mesh["dp_shard"], reshard_after_forward=False)
+        for layer in stage_module.model.model.layers:
+            fully_shard(layer, mesh=every, reshard_after_forward=False)
+        fully_shard(stage_module, mesh=every, reshard_after_forward=False)
     stage = PipelineStage(stage_module, index, PP, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = get_schedule_class(case.schedule)(stage, case.microbatches, loss_fn=lambda out, _target: out.mean())
     x = inputs.args[0] if inputs.args else inputs.kwargs["input_ids"]

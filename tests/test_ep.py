@@ -167,12 +167,25 @@ def test_pp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
     assert any("expert parallelism over 2 ranks inside every stage" in note for note in report.notes)
 
 
-@pytest.mark.parametrize("degrees", [dict(tp=2), dict(dp_shard=2)], ids=["tp", "dp_shard"])
-def test_pp_x_ep_with_a_third_dimension_is_refused_by_name(tiny: str, degrees: dict[str, int]) -> None:
-    (name, degree), = degrees.items()
-    with pytest.raises(InapplicableOptionError, match=rf"pp=2 with ep=2 and {name}={degree} is not modelled yet"):
+@pytest.mark.parametrize("degrees, named", [(dict(tp=2), "tp=2"), (dict(dp_shard=2, dp_replicate=2), "dp_replicate=2")],
+                         ids=["tp", "hsdp"])
+def test_pp_x_ep_with_tp_or_hsdp_is_refused_by_name(tiny: str, degrees: dict[str, int], named: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=rf"pp=2 with ep=2 and {named} is not modelled yet"):
         memcalc.estimate(tiny, batch_size=2, seq_len=16,
                          distributed=memcalc.Distributed(pp=2, ep=2, microbatches=2, **degrees))
+
+
+def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
+    # each stage FSDP2-wrapped as torchtitan wraps an MoE stage: a layer's experts (4 of 24,576, 2 per ep rank)
+    # over the 2 dp_shard ranks, the rest of the stage over dp_shard x ep = 4; every dim 0 divides evenly.
+    # At the step (SGD, no state), a rank holds its shards and gradients of them: 2 x 4 B per element
+    setting = memcalc.Distributed(pp=2, dp_shard=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="sgd", gpu="cpu", distributed=setting)
+    layer = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 4 * 64 + 2 * 64
+    experts = 4 * EXPERT // 2 // 2
+    held = {(0, 1, 2, 3): (256 * 64 + layer) // 4 + experts, (4, 5, 6, 7): (layer + 64 + 256 * 64) // 4 + experts}
+    assert held == {(0, 1, 2, 3): 31_840, (4, 5, 6, 7): 31_856}
+    assert {role.ranks: role.model_states for role in report.roles} == {ranks: 8 * n for ranks, n in held.items()}
 
 
 # ---- refusals ---------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ on each stage to the experts modules the stage holds, over the ``ep`` ranks of t
 (innermost of the fake group's mesh, :func:`~memcalc.distributed.pipeline.stage_mesh`). The stage's
 dry runs (its shapes) run with the experts sharded and the split sizes answered from the routing
 assumption, as the traced step does. Each pipeline rank's ep rank 0 is traced (balanced routing: every
-ep rank alike; under the worst case, the one every pair goes to).
+ep rank alike; under the worst case, the one every pair goes to). With dp_shard, FSDP2 wraps each stage
+as :func:`~memcalc.distributed.strategy.dp_shard.fsdp_program` wraps an MoE model, its experts units
+named by :meth:`StageExpertParallel.experts_paths`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ class StageExpertParallel:
         assert self._plan is not None, "resolve() first"
         present = {name for name, _ in module.named_modules()} | {name for name, _ in module.named_parameters()}
         return {prefix + name: style for name, style in self._plan.items() if prefix + name in present}
+
+    def experts_paths(self, stage: ResolvedModel) -> list[str]:
+        """The experts modules a stage holds, by their paths in its module (under ``model.``):
+        the units FSDP2 shards over dp_shard under ``pp × dp_shard × ep``."""
+        return [path for path, style in self.stage_plan(stage.module, "model.").items()
+                if style == "ep_dispatch_experts"]
 
     def applied(self, module: nn.Module, prefix: str) -> AbstractContextManager[None]:
         """``module`` with its experts sharded and its split sizes answered, for a dry run."""

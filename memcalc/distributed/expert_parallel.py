@@ -92,12 +92,15 @@ def routing_text(routing: Routing, capacity_factor: float | None) -> str:
     return "balanced routing: every expert receives tokens · top_k / experts pairs from every rank"
 
 
-def expert_notes(degree: int, routing: Routing, capacity_factor: float | None) -> str:
-    """The report's note on ``degree``-way expert parallelism inside pipeline stages."""
+def expert_notes(degree: int, routing: Routing, capacity_factor: float | None, dp_shard: int = 1) -> str:
+    """The report's note on ``degree``-way expert parallelism inside pipeline stages (with
+    ``dp_shard``-way FSDP2 around it)."""
+    dense = ("the dense part whole, its gradients' synchronisation over the ep ranks not modelled" if dp_shard == 1
+             else f"FSDP2 of each stage as torchtitan shards MoE models: each block's experts over the {dp_shard} "
+                  f"dp_shard ranks that hold the same experts, the dense part over dp_shard x ep = {dp_shard * degree}")
     return (f"expert parallelism over {degree} ranks inside every stage: each holds 1/{degree} of the stage's MoE "
             f"layers' experts (their gradients and optimizer state) and a batch of its own; tokens move by "
-            f"all-to-all under {routing_text(routing, capacity_factor)}; ep rank 0 traced; the dense part whole, "
-            f"its gradients' synchronisation over the ep ranks not modelled")
+            f"all-to-all under {routing_text(routing, capacity_factor)}; ep rank 0 traced; {dense}")
 
 
 class ExpertParallel(TensorParallel):

@@ -16,6 +16,9 @@ stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order)
 ``dp_replicate`` too the stages are HSDP (the replicas' all-reduce is in place); without dp_shard
 (DDP stages) it is refused by name.
 
+With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages) each
+stage's experts are sharded over the ep ranks (:mod:`memcalc.distributed.ep_stages`), ep innermost.
+
 With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
 parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it
 (:mod:`memcalc.distributed.tp_stages`): a pipeline rank's tp and dp_shard ranks share its trace,
@@ -108,6 +111,8 @@ class PipelineParallel(RankStrategy):
         precision = None
         fsdp_notes: list[str] = []
         shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
+        ep = 1 if mesh is None else mesh.ep
+        experts = None if ep == 1 else self._expert_parallel(ep, tp, dp_shard, replicas)
         if dp_shard > 1:
             sharder = DpShard(self.distributed, dp_shard)
             sharder.refuse_finetune(step.finetune)
@@ -118,7 +123,11 @@ class PipelineParallel(RankStrategy):
                     f"{', '.join(s.value for s in _WITH_DP_SHARD)} only (the zero-bubble and V schedules split "
                     f"each backward in two)",
                     hint="Use --pp-schedule 1f1b, gpipe or interleaved-1f1b with dp_shard.")
-            program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
+            if experts is None:
+                program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
+            else:  # torchtitan's MoE FSDP per stage: the experts over dp_shard, the dense part over dp_shard x ep
+                program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * ep, pipelined=True,
+                                                   experts_degree=dp_shard, ep=ep, experts=experts.experts_paths)
             precision = sharder.trace_precision(step.precision)
             shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
             if replicas > 1:
@@ -127,12 +136,12 @@ class PipelineParallel(RankStrategy):
                                   f"2-D (dp_replicate, dp_shard) mesh, as torchtitan wraps its stages); the sharded "
                                   f"gradients all-reduced across them in place after the last microbatch")
         inner: InnerParallel | None = None
-        ep = 1 if mesh is None else mesh.ep
-        if ep > 1:
-            inner = self._expert_parallel(ep, tp, dp_shard)
-            program = _with_tp(inner, program)
-            shard = (*shard[:1], Shard(("experts",), "ep", ep), Shard(("batch",), "ep", ep), *shard[1:])
-            fsdp_notes.append(expert_notes(ep, inner.routing, inner.capacity_factor))
+        if experts is not None:
+            inner = experts
+            program = _with_tp(experts, program)
+            states = ("experts", "dense model states", "batch") if dp_shard > 1 else ("experts", "batch")
+            shard = (*shard[:1], Shard(states, "ep", ep), *shard[1:])
+            fsdp_notes.append(expert_notes(ep, experts.routing, experts.capacity_factor, dp_shard))
         if tp > 1:
             inner = self._tensor_parallel(step, tp, dp_shard)
             program = _with_tp(inner, program)
@@ -179,15 +188,15 @@ class PipelineParallel(RankStrategy):
                 hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
         return replicas
 
-    def _expert_parallel(self, ep: int, tp: int, dp_shard: int) -> StageExpertParallel:
+    def _expert_parallel(self, ep: int, tp: int, dp_shard: int, replicas: int) -> StageExpertParallel:
         """ep inside every stage (:mod:`memcalc.distributed.ep_stages`), refusing what is not modelled there."""
-        others = {name: degree for name, degree in (("tp", tp), ("dp_shard", dp_shard)) if degree > 1}
+        others = {name: degree for name, degree in (("tp", tp), ("dp_replicate", replicas)) if degree > 1}
         if others:
             listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
             raise InapplicableOptionError(
                 f"pp={self.degree} with ep={ep} and {listed} is not modelled yet: memcalc pipelines expert parallelism "
-                f"alone (each stage's experts over the ep ranks, checked against a real gloo run)",
-                hint=f"Estimate --mesh pp={self.degree},ep={ep}, or ep with dp_shard without pp.")
+                f"alone or with dp_shard (each stage's experts over the ep ranks, checked against real gloo runs)",
+                hint=f"Estimate --mesh pp={self.degree},ep={ep} (or with dp_shard=N).")
         if not expert_parallelism_available():
             raise InapplicableOptionError(
                 f"ep={ep} runs transformers' own expert parallelism (transformers.distributed.expert_parallel), "
