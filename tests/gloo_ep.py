@@ -21,7 +21,9 @@ MoE models (``torchtitan/models/llama4/infra/parallelize.py``, ``apply_fsdp``): 
 tp=1)`` mesh; the experts split over ``ep`` by transformers' ``apply_expert_parallelism`` and each
 block's experts module ``fully_shard``-ed over the ``dp_shard`` sub-mesh (torchtitan's
 ``dp_shard_mod_ep``: the ranks that hold the same experts), then every block and the root over all
-``dp_shard × ep`` ranks (torchtitan's ``dp_shard_cp``): the same units as memcalc's.
+``dp_shard × ep`` ranks (torchtitan's ``dp_shard_cp``): the same units as memcalc's. With
+``dp_replicate`` above 1 too, HSDP: the same units ``fully_shard``-ed over the 2-D meshes
+``(dp_replicate, dp_shard)`` and ``(dp_replicate, dp_shard × ep)``, as torchtitan wraps them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import nn
 
 
 def run_ep(source: str, kwargs: dict[str, Any], work_dir: Path, *, world_size: int = 2, spread: int | None = None,
-           dp_shard: int = 1, timeout_s: float = 300.0) -> list[RankPeak]:
+           dp_shard: int = 1, dp_replicate: int = 1, timeout_s: float = 300.0) -> list[RankPeak]:
     """The step of ``memcalc.estimate(source, **kwargs)`` run for real on ``world_size`` ranks
     with the experts split over them, pairs routed to ``spread`` experts (None: all; module
     docstring); each rank's peak.
@@ -46,16 +48,16 @@ def run_ep(source: str, kwargs: dict[str, Any], work_dir: Path, *, world_size: i
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    spawn_ranks(_worker, world_size, (source, kwargs, spread, dp_shard, str(work_dir)), timeout_s)
+    spawn_ranks(_worker, world_size, (source, kwargs, spread, dp_shard, dp_replicate, str(work_dir)), timeout_s)
     return [RankPeak(**json.loads((work_dir / f"ep-rank{rank}.json").read_text())) for rank in range(world_size)]
 
 
 def _worker(rank: int, world_size: int, port: int, source: str, kwargs: dict[str, Any], spread: int | None,
-            dp_shard: int, work_dir: str) -> None:
+            dp_shard: int, dp_replicate: int, work_dir: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        result = _run(source, kwargs, world_size, spread, dp_shard)
+        result = _run(source, kwargs, world_size, spread, dp_shard, dp_replicate)
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"ep-rank{rank}.json").write_text(json.dumps(result.__dict__))
@@ -84,7 +86,8 @@ def route(model: nn.Module, spread: int | None = None) -> int:
     return hooked
 
 
-def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | None, dp_shard: int) -> RankPeak:
+def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | None, dp_shard: int,
+         dp_replicate: int) -> RankPeak:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
     from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -97,18 +100,22 @@ def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | Non
     step = build_step(source, gpu="cpu", **kwargs)
     resolved = _resolve(step)
     module, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
-    ep = world_size // dp_shard
-    mesh = init_device_mesh("cpu", (dp_shard, ep, 1), mesh_dim_names=("dp_shard", "ep", "tp"))
+    ep = world_size // (dp_replicate * dp_shard)
+    mesh = init_device_mesh("cpu", (dp_replicate, dp_shard, ep, 1),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "ep", "tp"))
     plan = module._expand_parallel_plan(dict(module.ep_plan))
     apply_expert_parallelism(module, mesh["ep"], mesh["tp"], plan, ep_implementation="all_to_all")
     if dp_shard > 1:  # torchtitan's apply_fsdp for MoE (module docstring)
         from torch.distributed.fsdp import fully_shard
 
         every = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
+        experts_mesh = mesh["dp_shard"]
+        if dp_replicate > 1:  # HSDP: torchtitan's 2-D (dp_replicate, dp_shard_mod_ep) and (dp_replicate, dp_shard_cp)
+            experts_mesh, every = mesh["dp_replicate", "dp_shard"], mesh["dp_replicate", "dp_shard_ep"]
         modules = dict(module.named_modules())
         for name, style in plan.items():
             if style == "ep_dispatch_experts":
-                fully_shard(modules[name], mesh=mesh["dp_shard"])
+                fully_shard(modules[name], mesh=experts_mesh)
         for block in modules[resolved.block_containers[0]]:
             fully_shard(block, mesh=every)
         fully_shard(module, mesh=every)

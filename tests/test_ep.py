@@ -133,6 +133,61 @@ def test_worst_routing_holds_more_than_balanced(tiny: str) -> None:
     assert any("capacity factor 1.25" in note for note in capacity.notes)
 
 
+def test_ep_x_hsdp_holds_what_ep_x_dp_shard_holds(tiny: str) -> None:
+    # HSDP's replicas all-reduce each unit's sharded gradients in place: a rank of dp_replicate=2 x dp_shard=2 x
+    # ep=2 holds what a rank of dp_shard=2 x ep=2 holds, on twice the ranks and twice the global batch
+    kwargs: dict[str, Any] = dict(batch_size=2, seq_len=16, optimizer="adam", gpu="cpu")
+    hsdp = memcalc.estimate(tiny, distributed=memcalc.Distributed(dp_replicate=2, dp_shard=2, ep=2), **kwargs)
+    fsdp = memcalc.estimate(tiny, distributed=memcalc.Distributed(dp_shard=2, ep=2), **kwargs)
+    (role,), (alone,) = hsdp.roles, fsdp.roles
+    assert role.ranks == tuple(range(8)) and hsdp.global_batch_size == 2 * fsdp.global_batch_size == 16
+    assert (role.model_states, role.report.peak_requested) == (alone.model_states, alone.report.peak_requested)
+    assert any("HSDP: 2 replicas" in note for note in hsdp.notes)
+
+
+def test_ep_x_dp_replicate_without_dp_shard_is_refused_by_name(tiny: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=r"ep=2 with dp_replicate=2 alone \(DDP around expert "
+                                                      r"parallelism\) is not modelled"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, dp_replicate=2))
+
+
+def test_pp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
+    # two stages of one layer each, every stage's experts over its 2 ep ranks (ranks pp_rank · 2 + ep_rank):
+    # stage 0 the embedding 256 · 64 and layer 0, stage 1 layer 1, the final norm 64 and the head 256 · 64;
+    # a layer's dense part 12,672 (q, o 64 · 64, k, v 32 · 64, the router 4 · 64, two norms 64), its experts
+    # 4 · 24,576 = 98,304, half of them per rank
+    setting = memcalc.Distributed(pp=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu", distributed=setting)
+    layer = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 4 * 64 + 2 * 64
+    held = {(0, 1): 256 * 64 + layer + 4 * EXPERT // 2, (2, 3): layer + 4 * EXPERT // 2 + 64 + 256 * 64}
+    assert held == {(0, 1): 78_208, (2, 3): 78_272}
+    assert {role.ranks: role.report.bytes.parameters for role in report.roles} == {
+        ranks: 4 * n for ranks, n in held.items()}
+    assert report.global_batch_size == 2 * 2  # every ep rank a batch of its own
+    assert any("expert parallelism over 2 ranks inside every stage" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("degrees, named", [(dict(tp=2), "tp=2"), (dict(dp_shard=2, dp_replicate=2), "dp_replicate=2")],
+                         ids=["tp", "hsdp"])
+def test_pp_x_ep_with_tp_or_hsdp_is_refused_by_name(tiny: str, degrees: dict[str, int], named: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=rf"pp=2 with ep=2 and {named} is not modelled yet"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16,
+                         distributed=memcalc.Distributed(pp=2, ep=2, microbatches=2, **degrees))
+
+
+def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
+    # each stage FSDP2-wrapped as torchtitan wraps an MoE stage: a layer's experts (4 of 24,576, 2 per ep rank)
+    # over the 2 dp_shard ranks, the rest of the stage over dp_shard x ep = 4; every dim 0 divides evenly.
+    # At the step (SGD, no state), a rank holds its shards and gradients of them: 2 x 4 B per element
+    setting = memcalc.Distributed(pp=2, dp_shard=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="sgd", gpu="cpu", distributed=setting)
+    layer = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 4 * 64 + 2 * 64
+    experts = 4 * EXPERT // 2 // 2
+    held = {(0, 1, 2, 3): (256 * 64 + layer) // 4 + experts, (4, 5, 6, 7): (layer + 64 + 256 * 64) // 4 + experts}
+    assert held == {(0, 1, 2, 3): 31_840, (4, 5, 6, 7): 31_856}
+    assert {role.ranks: role.model_states for role in report.roles} == {ranks: 8 * n for ranks, n in held.items()}
+
+
 # ---- refusals ---------------------------------------------------------------------------------------
 
 def test_ep_with_another_dimension_is_refused_by_name(tiny: str) -> None:

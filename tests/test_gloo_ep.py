@@ -15,6 +15,8 @@ Composed with FSDP2 as torchtitan composes them (``Distributed(dp_shard=2, ep=2)
 the experts over ep, each block's experts ``fully_shard``-ed over dp_shard, the dense part over all
 four; tests/gloo_ep.py): the same case, every rank 5,573,272 B real and estimated; with Adam at batch
 2 · 16, every rank 1,990,236 B real less the step counters, 1,990,224 B estimated (2026-12-06).
+With HSDP around it (``Distributed(dp_replicate=2, dp_shard=2, ep=2)``, eight processes), the SGD case:
+every rank 5,573,272 B real and estimated (2026-12-06).
 """
 
 from __future__ import annotations
@@ -78,3 +80,21 @@ def test_ep_x_dp_shard_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwa
     for rank, peak in enumerate(peaks):
         real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
         assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+
+
+@pytest.mark.slow
+def test_ep_x_hsdp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) -> None:
+    # HSDP around torchtitan's MoE FSDP on eight processes: dp_replicate=2 x dp_shard=2 x ep=2, the experts
+    # fully_shard-ed over the 2-D (dp_replicate, dp_shard) mesh, the dense part over (dp_replicate, dp_shard x ep);
+    # the replicas' all-reduce runs in place, so every rank holds what it holds under dp_shard=2 x ep=2:
+    # every rank 5,573,272 B real and estimated
+    source = hf_config_source(tmp_path, TINY_MIXTRAL)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_replicate=2, dp_shard=2, ep=2),
+                              **KWARGS)
+    (role,) = report.roles
+    assert role.ranks == tuple(range(8)) and report.distribution.global_batch_size == 8 * KWARGS["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, KWARGS, tmp_path, world_size=8, dp_shard=2, dp_replicate=2, timeout_s=900.0)
+    for rank, peak in enumerate(peaks):
+        assert abs(estimate - peak.peak) <= TOLERANCE * peak.peak, (
+            f"rank {rank}: estimated {estimate:,} B vs real {peak.peak:,} B")

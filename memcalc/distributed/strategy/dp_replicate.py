@@ -49,8 +49,9 @@ class DpReplicate(RankStrategy):
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         mesh = self.distributed.mesh
-        # HSDP around FSDP2 over tensor parallelism (tp's own check refuses tp without dp_shard)
-        others = sorted(set(mesh.used) - {"dp_replicate", "dp_shard", "tp"}) if mesh is not None else []
+        # HSDP around FSDP2 over tensor or expert parallelism (tp's and ep's own checks refuse them
+        # without dp_shard)
+        others = sorted(set(mesh.used) - {"dp_replicate", "dp_shard", "tp", "ep"}) if mesh is not None else []
         if others:
             raise InapplicableOptionError(
                 f"dp_replicate={self.degree} with {', '.join(others)} is not modelled yet",

@@ -94,15 +94,18 @@ class DpShard(RankStrategy):
 
 
 def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = False,
-                 experts_degree: int | None = None,
-                 ep: int = 1) -> tuple[Callable[[ResolvedModel], RankProgram], list[str]]:
+                 experts_degree: int | None = None, ep: int = 1,
+                 experts: Callable[[ResolvedModel], list[str]] | None = None,
+                 ) -> tuple[Callable[[ResolvedModel], RankProgram], list[str]]:
     """The FSDP2 program over ``n`` ranks (a builder per role's model) and its notes: dp_shard's,
     and context parallelism's, which shards the parameters over dp_shard x cp as torchtitan does.
     ``pipelined``: each pipeline stage's, as torchtitan wraps it (``reshard_after_forward=False``,
     its default under a pipeline) and torch's ``PipelineStage`` runs it (gradients accumulated
     unsharded over the microbatches, synced once at the end). ``experts_degree``: under expert
     parallelism (``ep`` ways), each block's experts module a unit of its own sharded over that many
-    ranks (torchtitan's ``apply_fsdp`` for MoE: ``fully_shard(experts, mesh=dp_shard_mod_ep)``)."""
+    ranks (torchtitan's ``apply_fsdp`` for MoE: ``fully_shard(experts, mesh=dp_shard_mod_ep)``);
+    ``experts``: the paths of those modules in a role's model (None: from the model's own plan; a
+    pipeline stage's come from the plan resolved on the whole model)."""
     precision = step.precision
     mixed = precision.is_amp
     low = precision.compute_dtype
@@ -119,7 +122,7 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
         notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
 
     def fsdp(resolved: ResolvedModel) -> RankProgram:
-        inner = None if experts_degree is None else _experts_units(resolved, experts_degree, ep)
+        inner = None if experts_degree is None else _experts_units(resolved, experts_degree, ep, experts)
         units = fsdp_units(resolved.module, resolved.block_containers, resolved.separate_models,
                            resolved.fsdp_root, inner)
         return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
@@ -131,23 +134,24 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
     return fsdp, notes
 
 
-def _experts_units(resolved: ResolvedModel, degree: int, ep: int) -> dict[str, int]:
+def _experts_units(resolved: ResolvedModel, degree: int, ep: int,
+                   experts: Callable[[ResolvedModel], list[str]] | None = None) -> dict[str, int]:
     """Each expert-parallel experts module of ``resolved`` sharded over ``degree`` ranks.
 
     Raises:
         InapplicableOptionError: more ranks than local experts: torchtitan then shards the
             experts on dim 1 (``_experts_shard_placement_fn``), which memcalc does not model.
     """
-    from memcalc.distributed.strategy.ep import expert_modules
+    from memcalc.distributed.expert_parallel import expert_modules
 
-    paths = expert_modules(resolved.module, ep, resolved.name)
+    paths = expert_modules(resolved.module, ep, resolved.name) if experts is None else experts(resolved)
     for path in paths:
-        experts = getattr(resolved.module.get_submodule(path), "num_experts", None)
-        if isinstance(experts, int) and degree > experts // ep:
+        count = getattr(resolved.module.get_submodule(path), "num_experts", None)
+        if isinstance(count, int) and degree > count // ep:
             raise InapplicableOptionError(
-                f"dp_shard={degree} with ep={ep}: each ep rank holds {experts // ep} experts of {path}, fewer than the "
+                f"dp_shard={degree} with ep={ep}: each ep rank holds {count // ep} experts of {path}, fewer than the "
                 f"dp_shard ranks, and torchtitan then shards them on dim 1 (Shard(1)), which memcalc does not model",
-                hint=f"Give a dp_shard of at most {experts // ep} with ep={ep}, or a larger ep.")
+                hint=f"Give a dp_shard of at most {count // ep} with ep={ep}, or a larger ep.")
     return {path: degree for path in paths}
 
 

@@ -16,6 +16,9 @@ stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order)
 ``dp_replicate`` too the stages are HSDP (the replicas' all-reduce is in place); without dp_shard
 (DDP stages) it is refused by name.
 
+With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages) each
+stage's experts are sharded over the ep ranks (:mod:`memcalc.distributed.ep_stages`), ep innermost.
+
 With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
 parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it
 (:mod:`memcalc.distributed.tp_stages`): a pipeline rank's tp and dp_shard ranks share its trace,
@@ -30,8 +33,10 @@ from dataclasses import replace
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import MemoryReport, Shard
 from memcalc.distributed.collectives import Collective, ModelFacts, group_span
+from memcalc.distributed.ep_stages import StageExpertParallel
+from memcalc.distributed.expert_parallel import expert_notes, expert_parallelism_available
 from memcalc.distributed.mesh import Mesh
-from memcalc.distributed.pipeline import Pipeline, estimate_pipeline, stage_mesh
+from memcalc.distributed.pipeline import InnerParallel, Pipeline, estimate_pipeline, stage_mesh
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, Setting, register
@@ -57,7 +62,7 @@ class PipelineParallel(RankStrategy):
     mesh_dimension = "pp"
     options = frozenset({"pp_schedule", "microbatches", "pp_split"})
     whole_step = True
-    composes_with = frozenset({"dp_shard", "tp", "dp_replicate"})
+    composes_with = frozenset({"dp_shard", "tp", "dp_replicate", "ep"})
 
     def __init__(self, distributed: Setting, degree: int) -> None:
         super().__init__(distributed, degree)
@@ -106,6 +111,8 @@ class PipelineParallel(RankStrategy):
         precision = None
         fsdp_notes: list[str] = []
         shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
+        ep = 1 if mesh is None else mesh.ep
+        experts = None if ep == 1 else self._expert_parallel(ep, tp, dp_shard, replicas)
         if dp_shard > 1:
             sharder = DpShard(self.distributed, dp_shard)
             sharder.refuse_finetune(step.finetune)
@@ -116,7 +123,11 @@ class PipelineParallel(RankStrategy):
                     f"{', '.join(s.value for s in _WITH_DP_SHARD)} only (the zero-bubble and V schedules split "
                     f"each backward in two)",
                     hint="Use --pp-schedule 1f1b, gpipe or interleaved-1f1b with dp_shard.")
-            program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
+            if experts is None:
+                program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
+            else:  # torchtitan's MoE FSDP per stage: the experts over dp_shard, the dense part over dp_shard x ep
+                program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * ep, pipelined=True,
+                                                   experts_degree=dp_shard, ep=ep, experts=experts.experts_paths)
             precision = sharder.trace_precision(step.precision)
             shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
             if replicas > 1:
@@ -124,20 +135,27 @@ class PipelineParallel(RankStrategy):
                 fsdp_notes.append(f"HSDP: {replicas} replicas of each stage's dp_shard group (fully_shard over the "
                                   f"2-D (dp_replicate, dp_shard) mesh, as torchtitan wraps its stages); the sharded "
                                   f"gradients all-reduced across them in place after the last microbatch")
-        inner = None
+        inner: InnerParallel | None = None
+        if experts is not None:
+            inner = experts
+            program = _with_tp(experts, program)
+            states = ("experts", "dense model states", "batch") if dp_shard > 1 else ("experts", "batch")
+            shard = (*shard[:1], Shard(states, "ep", ep), *shard[1:])
+            fsdp_notes.append(expert_notes(ep, experts.routing, experts.capacity_factor, dp_shard))
         if tp > 1:
             inner = self._tensor_parallel(step, tp, dp_shard)
             program = _with_tp(inner, program)
             shard = (*shard[:1], Shard(MODEL_STATES, "tp", tp), *shard[1:])
+        width = 1 if inner is None else inner.degree
         estimate = estimate_pipeline(replace(step, batch_size=batch), pipeline, costs=costs,
                                      stage_program=program, trace_precision=precision, inner=inner)
         report = estimate.as_report()
         # every pipeline rank runs the whole batch, microbatch by microbatch (a later stage's own
         # report counts the microbatch its stand-in input was built at); its dp_replicate, dp_shard and
-        # tp ranks share its trace, numbered as torchtitan's mesh (pp, dp_replicate, dp_shard, tp)
+        # tp (or ep) ranks share its trace, numbered as torchtitan's mesh (pp, dp_replicate, dp_shard, tp)
         roles = tuple(replace(role, sharding=shard, batch_size=batch,
-                              ranks=tuple(((r * replicas + p) * dp_shard + d) * tp + t for r in role.ranks
-                                          for p in range(replicas) for d in range(dp_shard) for t in range(tp)))
+                              ranks=tuple(((r * replicas + p) * dp_shard + d) * width + t for r in role.ranks
+                                          for p in range(replicas) for d in range(dp_shard) for t in range(width)))
                       for role in report.roles)
         notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch", *fsdp_notes)
         return replace(report, distribution=replace(report.distribution, roles=roles), notes=notes,
@@ -170,6 +188,23 @@ class PipelineParallel(RankStrategy):
                 hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
         return replicas
 
+    def _expert_parallel(self, ep: int, tp: int, dp_shard: int, replicas: int) -> StageExpertParallel:
+        """ep inside every stage (:mod:`memcalc.distributed.ep_stages`), refusing what is not modelled there."""
+        others = {name: degree for name, degree in (("tp", tp), ("dp_replicate", replicas)) if degree > 1}
+        if others:
+            listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
+            raise InapplicableOptionError(
+                f"pp={self.degree} with ep={ep} and {listed} is not modelled yet: memcalc pipelines expert parallelism "
+                f"alone or with dp_shard (each stage's experts over the ep ranks, checked against real gloo runs)",
+                hint=f"Estimate --mesh pp={self.degree},ep={ep} (or with dp_shard=N).")
+        if not expert_parallelism_available():
+            raise InapplicableOptionError(
+                f"ep={ep} runs transformers' own expert parallelism (transformers.distributed.expert_parallel), "
+                f"which the installed transformers does not have",
+                hint="Install a transformers that has it (5.24 does), or estimate without ep.")
+        setting = self.distributed
+        return StageExpertParallel(ep, setting.routing, setting.capacity_factor)
+
     def _tensor_parallel(self, step: Step, tp: int, dp_shard: int) -> StageTensorParallel:
         """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there."""
         setting = self.distributed
@@ -185,7 +220,7 @@ class PipelineParallel(RankStrategy):
         return StageTensorParallel(tp, strings, lambda: stage_mesh("tp"), optimizer_impl=impl)
 
 
-def _with_tp(inner: StageTensorParallel,
+def _with_tp(inner: InnerParallel,
              fsdp: Callable[[ResolvedModel], RankProgram] | None) -> Callable[[ResolvedModel], RankProgram]:
     """Each stage's program: tensor parallelism, then FSDP2 over its DTensors (torchtitan's order)."""
 

@@ -1,0 +1,128 @@
+"""Expert parallelism inside every pipeline stage (``--mesh pp=P,ep=E``), as torchtitan composes
+them for its MoE models (``torchtitan/models/deepseek_v3/infra/parallelize.py``: the model is split
+into stages by ``pipeline_llm``, then each stage's module goes through the model's ``parallelize_fn``,
+whose ``apply_moe_ep_tp`` shards the experts of the blocks the stage holds over the ``ep`` sub-mesh;
+then each stage is wrapped in a ``PipelineStage`` over the ``pp`` sub-mesh's group).
+
+memcalc's expert parallelism is transformers' (``apply_expert_parallelism`` with its ``AllToAllEP``,
+:mod:`memcalc.distributed.expert_parallel`): its plan is expanded once on the whole model and applied
+on each stage to the experts modules the stage holds, over the ``ep`` ranks of the pipeline rank
+(innermost of the fake group's mesh, :func:`~memcalc.distributed.pipeline.stage_mesh`). The stage's
+dry runs (its shapes) run with the experts sharded and the split sizes answered from the routing
+assumption, as the traced step does. Each pipeline rank's ep rank 0 is traced (balanced routing: every
+ep rank alike; under the worst case, the one every pair goes to). With dp_shard, FSDP2 wraps each stage
+as :func:`~memcalc.distributed.strategy.dp_shard.fsdp_program` wraps an MoE model, its experts units
+named by :meth:`StageExpertParallel.experts_paths`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from memcalc.distributed.expert_parallel import ExpertParallel, expert_plan, split_sizes
+from memcalc.distributed.pipeline import stage_mesh
+from memcalc.distributed.program import RankProgram
+from memcalc.distributed.tensor_parallel import _clear_dtensor_caches, _restore_modules, _snapshot
+from memcalc.distributed.vocabulary import Routing
+from memcalc.engine.model import ModelInputs, ResolvedModel
+from memcalc.engine.trace import StorageTracer
+from memcalc.targets.grouped_mm import grouped_mm_on_meta
+
+__all__ = ("StageExpertParallel",)
+
+
+class StageExpertParallel:
+    """``degree``-way expert parallelism of every stage of a pipeline rank (its ep rank 0), the
+    split sizes answered by ``routing`` (and ``capacity_factor``)."""
+
+    def __init__(self, degree: int, routing: Routing = Routing.BALANCED, capacity_factor: float | None = None) -> None:
+        self.degree = degree
+        self.routing = routing
+        self.capacity_factor = capacity_factor
+        self._plan: dict[str, str] | None = None
+        self._name = "the model"
+
+    def resolve(self, model: nn.Module, inputs: ModelInputs, name: str) -> None:
+        """The model's expert-parallel plan, expanded on the whole model.
+
+        Raises:
+            InapplicableOptionError: the model has no expert-parallel plan.
+        """
+        self._plan = expert_plan(model, self.degree, name)
+        self._name = name
+
+    def stage_plan(self, module: nn.Module, prefix: str) -> dict[str, str]:
+        """The plan's entries for what ``module`` holds (its modules are the model's under ``prefix``)."""
+        assert self._plan is not None, "resolve() first"
+        present = {name for name, _ in module.named_modules()} | {name for name, _ in module.named_parameters()}
+        return {prefix + name: style for name, style in self._plan.items() if prefix + name in present}
+
+    def experts_paths(self, stage: ResolvedModel) -> list[str]:
+        """The experts modules a stage holds, by their paths in its module (under ``model.``):
+        the units FSDP2 shards over dp_shard under ``pp × dp_shard × ep``."""
+        return [path for path, style in self.stage_plan(stage.module, "model.").items()
+                if style == "ep_dispatch_experts"]
+
+    def applied(self, module: nn.Module, prefix: str) -> AbstractContextManager[None]:
+        """``module`` with its experts sharded and its split sizes answered, for a dry run."""
+        return self._applied(module, prefix)
+
+    @contextmanager
+    def _applied(self, module: nn.Module, prefix: str) -> Iterator[None]:
+        from torch.distributed.tensor import DTensor
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+        plan = self.stage_plan(module, prefix)
+        snapshot = _snapshot(module)
+        saved = {id(m): (m, dict(vars(m))) for m in module.modules()}
+        _clear_dtensor_caches()
+        previous = _reader_in_use()
+        answering = StorageTracer("meta", read_values=functools.partial(
+            split_sizes, degree=self.degree, rank=0, routing=self.routing, capacity_factor=self.capacity_factor,
+            previous=previous))
+        answering.defer_to = (DTensor,)
+        try:
+            with ExitStack() as stack:
+                ep_mesh, tp_mesh = expert_meshes()
+                apply_expert_parallelism(module, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
+                stack.enter_context(grouped_mm_on_meta())
+                stack.enter_context(answering)
+                yield
+        finally:
+            _restore_modules(snapshot)
+            for m, attributes in saved.values():  # the forwards and marks apply_expert_parallelism set
+                vars(m).clear()
+                vars(m).update(attributes)
+            _clear_dtensor_caches()
+
+    def program(self, stage: ResolvedModel) -> RankProgram:
+        """The program of one stage's module (the model under ``model.``)."""
+        return ExpertParallel(self.degree, routing=self.routing, capacity_factor=self.capacity_factor,
+                              model_name=stage.name, meshes=expert_meshes,
+                              plan=self.stage_plan(stage.module, "model."))
+
+
+def expert_meshes() -> tuple[Any, Any]:
+    """The ``(ep, tp=1)`` sub-meshes of the current pipeline rank's fake group: its ep ranks are the
+    inner dimension of the pipeline's ``(pp, inner)`` mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pp, ep = stage_mesh("pp").size(), stage_mesh("tp").size()
+    mesh = DeviceMesh("cpu", torch.arange(pp * ep).view(pp, ep, 1), mesh_dim_names=("pp", "ep", "tp"))
+    return mesh["ep"], mesh["tp"]
+
+
+def _reader_in_use() -> Callable[[torch.Tensor], Any] | None:
+    """The read oracle of the innermost storage tracer active, if any (the step's: the model's own reads)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, StorageTracer) and mode.read_values is not None:
+            return mode.read_values
+    return None

@@ -1,0 +1,169 @@
+"""Real pipeline × expert-parallel training steps over gloo on the CPU: four processes on a
+``(pp=2, ep=2, tp=1)`` device mesh, the tiny Mixtral of tests/test_ep.py split into two stages,
+each stage's experts sharded by transformers' ``apply_expert_parallelism`` (``AllToAllEP``) over the
+``ep`` sub-mesh and the stage wrapped in a ``PipelineStage`` over the ``pp`` sub-mesh's group, as
+torchtitan composes them for its MoE models (split first, then each stage's module parallelized);
+the reference for memcalc's pp × ep estimate (tests/test_gloo_pipeline_ep.py).
+
+The stages are cut as torchtitan cuts them: a copy of the model with the other stage's layers
+deleted and, outside the first stage, no embedding (outside the last, no final norm and head). The
+stage's forward is transformers' ``MixtralModel.forward`` written out without what is gone: the
+position ids and rotary tables for the whole sequence on every stage, no mask (sdpa's causal path,
+which transformers' ``create_causal_mask`` takes without padding). The routing is made balanced for
+real (tests/gloo_ep.py's ``route``). Each rank is measured as tests/gloo_pipeline.py measures a
+stage: a warm-up step, then two iterations of ``schedule.step``, the optimizer's step and
+``zero_grad`` under the profiler.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gloo_ep import route
+from gloo_pipeline import _measured, _storages_before
+from gloo_runs import RankPeak, spawn_ranks, until_complete
+from torch import nn
+
+#: The mesh.
+PP, EP = 2, 2
+
+
+@dataclass(frozen=True)
+class PipelineEpCase:
+    """One real run: torch's schedule class name ("GPipe", "1F1B"), the microbatches, the
+    optimizer ("sgd" or "adam", torch's default implementation on the CPU: for-loop), the batch and
+    sequence length of memcalc's ``estimate``."""
+
+    name: str
+    schedule: str
+    microbatches: int
+    optimizer: str
+    batch: int
+    seq_len: int
+    #: > 1: the ``(pp, dp_shard, ep, tp=1)`` mesh, each stage FSDP2-wrapped as torchtitan wraps an MoE
+    #: stage (reshard_after_forward=False): each layer's experts over dp_shard (its ``dp_shard_mod_ep``),
+    #: every layer and the stage's root over dp_shard × ep (its ``dp_shard_cp``)
+    dp_shard: int = 1
+
+
+class MixtralStage(nn.Module):
+    """One stage of a transformers Mixtral, cut as torchtitan cuts it."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int) -> None:
+        super().__init__()
+        cut = copy.deepcopy(model)
+        layers = list(cut.model.layers)
+        per = len(layers) // stages
+        cut.model.layers = nn.ModuleList(layers[index * per:(index + 1) * per])
+        if index > 0:
+            cut.model.embed_tokens = None
+        if index < stages - 1:
+            cut.model.norm = None
+            cut.lm_head = None
+        self.model = cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.model.model
+        h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
+        for layer in inner.layers:
+            h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+        if inner.norm is not None:
+            h = self.model.lm_head(inner.norm(h))
+        return h
+
+
+def run_cases(source: str, cases: list[PipelineEpCase], work_dir: Path, *, dp_shard: int = 1,
+              timeout_s: float = 600.0) -> dict[str, list[RankPeak]]:
+    """Run ``cases`` (all of ``dp_shard``) on PP × dp_shard × EP spawned processes over gloo; each
+    case's peaks, by global rank (``(pp_rank × dp_shard + dp_shard_rank) × EP + ep_rank``).
+
+    Raises:
+        GlooRunError: a process failed or ran past ``timeout_s``.
+    """
+    world = PP * dp_shard * EP
+    spawn_ranks(_worker, world, (source, cases, str(work_dir)), timeout_s, what="gloo pp x ep runs")
+    peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
+    for rank in range(world):
+        measured = json.loads((work_dir / f"ppep-rank{rank}.json").read_text())
+        for case in cases:
+            peaks[case.name].append(RankPeak(**measured[case.name]))
+    return peaks
+
+
+def _worker(rank: int, world_size: int, port: int, source: str, cases: list[PipelineEpCase], work_dir: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        results = {case.name: asdict(_run_case(source, case)) for case in cases}
+    finally:
+        dist.destroy_process_group()
+    (Path(work_dir) / f"ppep-rank{rank}.json").write_text(json.dumps(results))
+
+
+def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    from memcalc.fields import build_step
+    from memcalc.measure.step import _prepare, _resolve
+
+    torch.manual_seed(0)
+    step = build_step(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len)
+    resolved = _resolve(step)
+    model, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
+    mesh = init_device_mesh("cpu", (PP, case.dp_shard, EP, 1), mesh_dim_names=("pp", "dp_shard", "ep", "tp"))
+    index = mesh["pp"].get_local_rank()
+    plan = model._expand_parallel_plan(dict(model.ep_plan))  # on the whole model
+    stage_module = MixtralStage(model, index, PP)
+    del model
+    names = {name for name, _ in stage_module.model.named_modules()}
+    names |= {name for name, _ in stage_module.model.named_parameters()}
+    held = {name: style for name, style in plan.items() if name in names}  # the stage's layers' entries
+    apply_expert_parallelism(stage_module.model, mesh["ep"], mesh["tp"], held, ep_implementation="all_to_all")
+    assert route(stage_module) > 0
+    if case.dp_shard > 1:  # torchtitan's apply_fsdp for MoE under a pipeline (PipelineEpCase.dp_shard)
+        from torch.distributed.fsdp import fully_shard
+
+        every = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
+        modules = dict(stage_module.model.named_modules())
+        for name, style in held.items():
+            if style == "ep_dispatch_experts":
+                fully_shard(modules[name], mesh=mesh["dp_shard"], reshard_after_forward=False)
+        for layer in stage_module.model.model.layers:
+            fully_shard(layer, mesh=every, reshard_after_forward=False)
+        fully_shard(stage_module, mesh=every, reshard_after_forward=False)
+    stage = PipelineStage(stage_module, index, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = get_schedule_class(case.schedule)(stage, case.microbatches, loss_fn=lambda out, _target: out.mean())
+    x = inputs.args[0] if inputs.args else inputs.kwargs["input_ids"]
+    first, last = index == 0, index == PP - 1
+    target = torch.empty(case.batch, 0) if last else None
+    trainable = [p for p in stage_module.parameters() if p.requires_grad]
+    optimizer_class: Any = torch.optim.Adam if case.optimizer == "adam" else torch.optim.SGD
+
+    def one_step() -> None:
+        optimizer = optimizer_class(trainable, lr=1e-3)
+        for _ in range(2):
+            if first:
+                schedule.step(x, return_outputs=False)
+            else:
+                schedule.step(target=target, return_outputs=False)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        del optimizer
+        gc.collect()
+
+    one_step()  # the warm-up: metadata inference, receive buffers, the routing patterns
+    before = _storages_before([stage], stage_module, x if first else None)
+    counters = 4 * len(trainable) if case.optimizer == "adam" else 0
+    return until_complete(lambda: _measured(one_step), before, counters, f"{case.name}: ")

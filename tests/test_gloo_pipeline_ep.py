@@ -1,0 +1,82 @@
+"""memcalc's pp × ep estimate (``--mesh pp=2,ep=2``: each pipeline stage's experts sharded over the
+ep ranks by transformers' ``apply_expert_parallelism``, :mod:`memcalc.distributed.ep_stages`) on the
+CPU target against real four-process runs over gloo (tests/gloo_pipeline_ep.py): the tiny Mixtral of
+tests/test_ep.py (2 layers, 4 experts, top-2) in two stages of one layer, batch 4 · 64 tokens in 2
+microbatches, balanced routing made real, every rank's peak read from the profiler.
+
+Measured on torch 2.13 / transformers 5.24 (2026-12-06), every rank to the byte: 1F1B with SGD,
+ranks 0 and 1 (stage 0) 2,669,136 B, ranks 2 and 3 (stage 1) 2,128,724 B, real and estimated; GPipe
+with Adam, 3,294,800 B and 3,611,228 B real less Adam's CPU step counters, and estimated.
+
+The 3-D mesh pp=2 × dp_shard=2 × ep=2 on eight processes (1F1B, SGD), each stage FSDP2-wrapped as
+torchtitan wraps an MoE stage (each layer's experts over dp_shard, every layer and the stage's root
+over dp_shard × ep, ``reshard_after_forward=False``): ranks 0-3 2,796,496 B, ranks 4-7 2,256,148 B, real
+and estimated, to the byte.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch as _torch
+import torch.distributed as dist
+from gloo_pipeline import check_every_rank, peaks_by_rank
+from gloo_pipeline_ep import EP, PP, PipelineEpCase, run_cases
+from support import hf_config_source
+from test_ep import TINY_MIXTRAL
+
+import memcalc
+from memcalc.distributed.strategy.ep import expert_parallelism_available
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),
+                                 reason="pipeline parallelism needs torch >= 2.13's pipelining"),
+              pytest.mark.skipif(not expert_parallelism_available(),
+                                 reason="ep needs transformers' expert parallelism"),
+              pytest.mark.slow]  # two spawns of four processes: about two minutes each on 2 cores
+
+#: The issue's bar is 1%; the runs agree to the byte, so 0.1% is held.
+TOLERANCE = 0.001
+CASES = [PipelineEpCase("1f1b-sgd", "1F1B", 2, "sgd", 4, 64), PipelineEpCase("gpipe-adam", "GPipe", 2, "adam", 4, 64)]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return hf_config_source(tmp_path_factory.mktemp("tiny-mixtral"), TINY_MIXTRAL)
+
+
+@pytest.fixture(scope="module")
+def real_peaks(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    return run_cases(source, CASES, tmp_path_factory.mktemp("gloo-pp-ep"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_every_rank_of_pp_x_ep_against_a_real_gloo_run(source: str, real_peaks: dict[str, list],
+                                                       case: PipelineEpCase) -> None:
+    setting = memcalc.Distributed(pp=PP, ep=EP, pp_schedule=case.schedule.lower(), microbatches=case.microbatches)
+    report = memcalc.estimate(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len,
+                              optimizer=case.optimizer, loss="mean", distributed=setting)
+    check_every_rank(case.name, real_peaks[case.name], peaks_by_rank(report, PP * EP), TOLERANCE)
+
+
+#: The 3-D mesh (ranks numbered (pp_rank × dp_shard + dp_shard_rank) × ep + ep_rank, torchtitan's order).
+DP_SHARD = 2
+CASES_3D = [PipelineEpCase("1f1b-sgd-3d", "1F1B", 2, "sgd", 4, 64, dp_shard=DP_SHARD)]
+
+
+@pytest.fixture(scope="module")
+def real_peaks_3d(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    return run_cases(source, CASES_3D, tmp_path_factory.mktemp("gloo-pp-dp-ep"), dp_shard=DP_SHARD, timeout_s=1000.0)
+
+
+@pytest.mark.parametrize("case", CASES_3D, ids=lambda case: case.name)
+def test_every_rank_of_pp_x_dp_shard_x_ep_against_a_real_gloo_run(source: str, real_peaks_3d: dict[str, list],
+                                                                  case: PipelineEpCase) -> None:
+    setting = memcalc.Distributed(pp=PP, dp_shard=DP_SHARD, ep=EP, pp_schedule=case.schedule.lower(),
+                                  microbatches=case.microbatches)
+    report = memcalc.estimate(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len,
+                              optimizer=case.optimizer, loss="mean", distributed=setting)
+    check_every_rank(case.name, real_peaks_3d[case.name], peaks_by_rank(report, PP * DP_SHARD * EP), TOLERANCE)
