@@ -167,6 +167,18 @@ def test_pp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
     assert any("expert parallelism over 2 ranks inside every stage" in note for note in report.notes)
 
 
+def test_pp_alone_on_a_mixture_of_experts_by_hand(tiny: str) -> None:
+    # the pipeline's dry runs (the layout, the last stage's output) run the experts' grouped matmuls
+    # outside the step's backend: they failed on torch's meta kernel (bf16 operands only) before.
+    # Without ep every rank holds all 4 experts of its layer; parameters 4 B each (fp32)
+    setting = memcalc.Distributed(pp=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="sgd", gpu="cpu", distributed=setting)
+    layer = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 4 * 64 + 2 * 64
+    held = {(0,): 256 * 64 + layer + 4 * EXPERT, (1,): layer + 4 * EXPERT + 64 + 256 * 64}
+    assert {role.ranks: role.report.bytes.parameters for role in report.roles} == {
+        ranks: 4 * n for ranks, n in held.items()}
+
+
 @pytest.mark.parametrize("degrees, named", [(dict(tp=2), "tp=2"), (dict(dp_shard=2, dp_replicate=2), "dp_replicate=2")],
                          ids=["tp", "hsdp"])
 def test_pp_x_ep_with_tp_or_hsdp_is_refused_by_name(tiny: str, degrees: dict[str, int], named: str) -> None:
