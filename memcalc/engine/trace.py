@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import InternalError, MemcalcError, symbolic_execution_error
-from memcalc.engine.meta_shortcuts import batch_norm_backward_outputs, batch_norm_outputs
+from memcalc.engine.meta_shortcuts import SHORTCUTS
 
 __all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle", "ShapeSized", "SizeRule",
            "StepTrace", "StorageTracer", "tensors_of")
@@ -51,10 +51,9 @@ _READ_VALUE: Final = torch.ops.aten._local_scalar_dense.default
 _NONZERO: Final = torch.ops.aten.nonzero.default
 #: The op behind ``.tolist()`` and ``.cpu()``: a copy to the host, which a meta tensor cannot give.
 _TO_COPY: Final = torch.ops.aten._to_copy.default
-#: Ops whose outputs are made without their meta kernel where known exactly, by id
+#: Ops whose outputs are made without their meta kernel's binding where known exactly, by id
 #: (:mod:`memcalc.engine.meta_shortcuts`; the ops are held by torch.ops, so their ids stay theirs).
-_SHORTCUTS: Final = {id(torch.ops.aten.native_batch_norm.default): batch_norm_outputs,
-                     id(torch.ops.aten.native_batch_norm_backward.default): batch_norm_backward_outputs}
+_SHORTCUTS: Final = {id(op): shortcut for op, shortcut in SHORTCUTS.items()}
 #: Ops whose real kernel hands back its argument's memory (the position given) but whose meta
 #: kernel allocates: the tracer runs them as a view. ``_c10d_functional::_wrap_tensor_autograd``
 #: wraps a collective's output in an AsyncCollectiveTensor, and ``_c10d_functional::wait_tensor``
@@ -433,15 +432,24 @@ class MetaKernelCache:
     rebuild, storage offsets, oversized storages and unhashable arguments are not cached; an
     op whose output turns out to alias an input in a way its schema does not say
     (``_unsafe_view``) is never cached again.
+
+    The outputs learnt are the process's, as FakeTensor's cache is (a class attribute of
+    ``FakeTensorMode``): a meta kernel's output is a function of its arguments' metadata, so a
+    later trace (the next estimate, a fit's next batch) rebuilds what an earlier one ran. They
+    are kept per device type and default dtype (which a factory op without a dtype reads, as
+    FakeTensor's key does), at most :data:`_MAX_SPECS` of them (then forgotten all at once).
     """
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
-        self._specs: dict[tuple[object, ...], _Spec] = {}
-        # per op, by id (the op object held, as in _OpFacts): whether it is an elementwise
-        # foreach op (_foreach_shortcut), and its plan (_plan)
-        self._ops: dict[int, tuple[Op, bool, _Plan | None]] = {}
+        self._specs = _SPECS.setdefault((device_type, torch.get_default_dtype()), {})
+        self._ops = _OP_PLANS
         self.hits = 0
+
+    @staticmethod
+    def clear() -> None:
+        """Forget every output learnt (the next trace runs each meta kernel once again)."""
+        _SPECS.clear()
 
     def run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], compute: _Compute) -> Any:
         """The output of ``func(*args, **kwargs)``: rebuilt from the cache, or ``compute``'s."""
@@ -471,6 +479,8 @@ class MetaKernelCache:
         if spec is _ALIASING:
             self._ops[id(func)] = (func, foreach, None)  # aliases an input although its schema says otherwise
         elif spec is not None:
+            if len(self._specs) >= _MAX_SPECS:
+                self._specs.clear()
             self._specs[key] = spec
         return out
 
@@ -526,6 +536,15 @@ _ArgPart: TypeAlias = "tuple[Literal['A'], int, str]"
 _ListPart: TypeAlias = "tuple[Literal['L'], tuple[_TensorPart, ...]]"
 _Part: TypeAlias = "_TensorPart | _ConstPart | _ArgPart | _ListPart"
 _Spec: TypeAlias = "tuple[Literal['void'], tuple[()]] | tuple[Literal['tuple', 'one'], tuple[_Part, ...]]"
+
+#: The meta-kernel cache's outputs (:class:`MetaKernelCache`), by device type and default dtype.
+_SPECS: Final[dict[tuple[str, torch.dtype], dict[tuple[object, ...], _Spec]]] = {}
+#: Bounds the outputs kept per device type and dtype: a spec is a few small tuples (about 1 KiB),
+#: and a large model's trace learns a few thousand.
+_MAX_SPECS: Final = 200_000
+#: Per op, by id (the op object held, as in _OpFacts): the op, whether it is an elementwise
+#: foreach op (_foreach_shortcut), and its plan (_plan_of; None once it aliases unannounced).
+_OP_PLANS: Final[dict[int, tuple[Op, bool, _Plan | None]]] = {}
 
 # Elementwise foreach ops of torch.optim: out[i] has the shape, strides and dtype of the first
 # list's tensor i when every tensor of the call has that dtype. On meta their kernel is a
