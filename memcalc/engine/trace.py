@@ -190,7 +190,11 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs, self._run)
                 self.trace.op_counts[facts.short_name] += 1
                 self._op = facts.name
-                self._see(out)
+                if type(out) is torch.Tensor:  # most ops: one plain tensor (_see without its call)
+                    if out.is_meta if self._meta else out.device.type == self.device_type:
+                        self.track(out)
+                else:
+                    self._see(out)
                 after_op = self.after_op
                 if facts.after_op and after_op is not None:
                     after_op(func, args, kwargs, out)
@@ -442,6 +446,7 @@ class MetaKernelCache:
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
+        self._device = torch.device(device_type)  # a device object: a string is parsed at every empty_strided
         self._specs = _SPECS.setdefault((device_type, torch.get_default_dtype()), {})
         self._ops = _OP_PLANS
         self.hits = 0
@@ -473,7 +478,7 @@ class MetaKernelCache:
             return compute(func, args, kwargs)
         if cached is not None:
             self.hits += 1
-            return _materialize(cached, self.device_type, args, kwargs)
+            return _materialize(cached, self._device, args, kwargs)
         out = compute(func, args, kwargs)
         spec = _spec_with_plan(out, plan, args, kwargs)
         if spec is _ALIASING:
@@ -719,15 +724,15 @@ def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...],
     return ("tuple" if isinstance(out, tuple) else "one", tuple(parts))
 
 
-def _materialize(spec: _Spec, device_type: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _materialize(spec: _Spec, device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if spec[0] == "void":
         return None
     values: list[Any] = []
     for part in spec[1]:
         if part[0] == "T":
-            values.append(torch.empty_strided(part[1], part[2], dtype=part[3], device=device_type))
+            values.append(torch.empty_strided(part[1], part[2], dtype=part[3], device=device))
         elif part[0] == "L":
-            values.append([torch.empty_strided(p[1], p[2], dtype=p[3], device=device_type) for p in part[1]])
+            values.append([torch.empty_strided(p[1], p[2], dtype=p[3], device=device) for p in part[1]])
         elif part[0] == "A":
             values.append(_argument(args, kwargs, part[1], part[2]))
         else:
@@ -790,16 +795,24 @@ class ModuleTracker:
         return hook
 
     def _post_hook(self, name: str, is_leaf: bool) -> Callable[[nn.Module, Any, Any], None]:
+        grad_hook = self._grad_hook(name)  # one per module: every output of its calls shares it
+
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             if self._stack and self._stack[-1] == name:
                 self._stack.pop()
-            first = _first_tensor(output)
+            plain = type(output) is torch.Tensor  # most modules: one plain tensor (no walk through the output)
+            first = output if plain else _first_tensor(output)
             if first is not None:
                 self.output_shapes[name] = tuple(first.shape)
             if is_leaf and torch.is_grad_enabled():
-                for tensor in tensors_of(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._grad_hook(name))  # type: ignore[no-untyped-call]  # untyped in torch
+                for tensor in (output,) if plain else tensors_of(output):
+                    if not tensor.requires_grad:
+                        continue
+                    if type(tensor) is torch.Tensor:  # a function mode (the CUDA emulation) passes it on as it is
+                        with _NO_FUNCTION_MODES():
+                            tensor.register_hook(grad_hook)  # type: ignore[no-untyped-call]  # untyped in torch
+                    else:
+                        tensor.register_hook(grad_hook)
         return hook
 
     def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
