@@ -12,8 +12,10 @@ Prints figures beside their targets; asserts nothing (machines are noisy: CPU ti
 2. ``max_batch_size`` in units of one estimate (CPU time, warm process): resnet50, vit_b_16,
    gpt2 (256 tokens) and vgg16 with ``margin=0``, on an A100 40 GB. Target: at most 2.5x.
 
-Run: ``python benchmarks/per_op.py [--repeat 3] [--baseline DIR] [--only ops|fit]``; a baseline
-tree is made with ``git archive <commit> | tar -x -C DIR``.
+Run: ``python benchmarks/per_op.py [--repeat 3] [--baseline DIR] [--only ops|fit] [--cold]``; a
+baseline tree is made with ``git archive <commit> | tar -x -C DIR``. The meta-kernel cache outlives a
+trace (the process's): ``--cold`` empties it before each timed estimate, so that each trace runs
+every kernel it does not repeat itself, as a first estimate does.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ warnings.simplefilter("ignore")
 import memcalc
 from memcalc.api import max_batch_size
 from memcalc.engine import trace as T
-what, repeat = sys.argv[2], int(sys.argv[3])
+what, repeat, cold = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "cold"
+forget = getattr(T.MetaKernelCache, "clear", None)  # a tree whose cache outlives a trace (the process's)
 window = {"t": 0.0, "ops": 0, "start": None, "kernels": 0.0}
 enter, stop, run = T.StorageTracer.__enter__, T.StorageTracer.stop, T.StorageTracer._run
 def timed_enter(self):
@@ -69,6 +72,8 @@ if what == "ops":
         best = None
         for _ in range(repeat):
             window.update(t=0.0, ops=0, kernels=0.0)
+            if cold and forget is not None:
+                forget()
             memcalc.estimate(model, **options)
             row = (window["t"] / window["ops"] * 1e6, (window["t"] - window["kernels"]) / window["ops"] * 1e6,
                    window["ops"])
@@ -95,22 +100,23 @@ OPS_TARGET = 0.5
 FIT_TARGET = 2.5
 
 
-def measure(root: str, what: str, repeat: int) -> dict[str, dict[str, float]]:
-    """The child's rows for ``root``, by case."""
-    done = subprocess.run([sys.executable, "-c", _CHILD, root, what, str(repeat)], capture_output=True, text=True,
-                          timeout=3600, check=False)
+def measure(root: str, what: str, repeat: int, cold: bool = False) -> dict[str, dict[str, float]]:
+    """The child's rows for ``root``, by case (``cold``: the meta-kernel cache emptied before each
+    timed estimate, where it outlives a trace)."""
+    done = subprocess.run([sys.executable, "-c", _CHILD, root, what, str(repeat), "cold" if cold else "warm"],
+                          capture_output=True, text=True, timeout=3600, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{root} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {row["case"]: row for row in rows}
 
 
-def per_op(root: str, baseline: str | None, repeat: int) -> None:
+def per_op(root: str, baseline: str | None, repeat: int, cold: bool) -> None:
     """Figure 1."""
-    after = measure(root, "ops", repeat)
-    before = measure(baseline, "ops", repeat) if baseline else {}
+    after = measure(root, "ops", repeat, cold)
+    before = measure(baseline, "ops", repeat, cold) if baseline else {}
     print(f"\n1. µs per aten op in the traced step (CPU time, best of {repeat}; target: after / before "
-          f"<= {OPS_TARGET})")
+          f"<= {OPS_TARGET}){'; the meta-kernel cache emptied before each estimate' if cold else ''}")
     print(f"   {'case':22s} {'ops':>5s}  {'before':>7s} {'after':>7s} {'ratio':>6s}   outside meta kernels: "
           f"{'before':>7s} {'after':>7s} {'ratio':>6s}")
     for case, row in after.items():
@@ -142,11 +148,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", default=None, help="a checkout of the commit to compare with (before)")
     parser.add_argument("--only", choices=("ops", "fit"), default=None)
+    parser.add_argument("--cold", action="store_true",
+                        help="empty the meta-kernel cache before each timed estimate (it outlives a trace)")
     args = parser.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     if args.only != "fit":
-        per_op(root, args.baseline, args.repeat)
+        per_op(root, args.baseline, args.repeat, args.cold)
     if args.only != "ops":
         fit(root, args.baseline, args.repeat)
 

@@ -242,14 +242,14 @@ def synthesised_rebinding(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def failing_bookkeeping(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in the tracer's bookkeeping of one op: a bare KeyError after ``aten.addmm`` ran."""
-    see = StorageTracer._see
+    track = StorageTracer.track
 
-    def broken(self: StorageTracer, out: object) -> None:
+    def broken(self: StorageTracer, tensor: torch.Tensor, category: object = None) -> int:
         if self._op.startswith("aten.addmm"):
             raise KeyError(31)
-        see(self, out)
+        return track(self, tensor, category)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(StorageTracer, "_see", broken)
+    monkeypatch.setattr(StorageTracer, "track", broken)
 
 
 @pytest.mark.usefixtures("synthesised_rebinding")

@@ -31,8 +31,11 @@ def _trace(name, resolve_kwargs, options):
 def test_cache_changes_nothing(case, monkeypatch):
     name, resolve_kwargs, *rest = case
     options = rest[0] if rest else {}
-    cached = _trace(name, resolve_kwargs, options)
+    trace_module.MetaKernelCache.clear()
+    cached = _trace(name, resolve_kwargs, options)  # each output learnt in this trace, used from its repeats
+    warm = _trace(name, resolve_kwargs, options)  # every cacheable call rebuilt from the first trace's
     monkeypatch.setattr(trace_module.MetaKernelCache, "run",
                         lambda self, func, args, kwargs, compute: compute(func, args, kwargs))
     uncached = _trace(name, resolve_kwargs, options)
     assert cached == uncached
+    assert warm == uncached

@@ -1,7 +1,10 @@
 """The outputs memcalc.engine.meta_shortcuts makes without a meta kernel are the kernel's own,
 storage for storage (issue 36, the per-op cost): compared with ``aten.native_batch_norm`` run on
 meta over dimensions, layouts (size-1 spatial dimensions, whose layouts are ambiguous, included),
-dtypes, affine and running-statistics settings; the calls it leaves to the kernel are left."""
+dtypes, affine and running-statistics settings; the calls it leaves to the kernel are left. The
+ops called through their ``Tensor`` method (views, ``detach``, ``lift_fresh``, a host tensor's
+``.item()``) give the kernel's outputs over layouts, offsets and dtypes, the same storage
+included, and leave to the kernel every call it refuses."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from memcalc.engine.meta_shortcuts import batch_norm_backward_outputs, batch_norm_outputs
+from memcalc.engine.meta_shortcuts import BY_METHOD, SHORTCUTS, batch_norm_backward_outputs, batch_norm_outputs
 
 aten = torch.ops.aten
 CHANNELS = 3
@@ -109,3 +112,75 @@ def test_the_other_backward_calls_run_the_kernel() -> None:
     other = x.to(memory_format=torch.channels_last)
     assert batch_norm_backward_outputs((other, x, c[0], None, None, c[1], c[2], True, 1e-5, [True, True, True]), {}) \
         is None  # the gradient laid out otherwise
+
+
+def _sources() -> list[torch.Tensor]:
+    """Meta and host tensors in the layouts a trace hands views: standard, transposed,
+    channels-last, offset (a slice), expanded (zero strides), a parameter, float and integer."""
+    base = torch.empty(2, 3, 4, 6, device="meta")
+    return [base, base.transpose(1, 3), base.to(memory_format=torch.channels_last), base[:, 1:],
+            base[0, 0].expand(5, 4, 6), torch.nn.Parameter(torch.empty(4, 6, device="meta")),
+            torch.empty(4, 6, dtype=torch.bfloat16, device="meta"), torch.empty(4, 6, dtype=torch.int64),
+            torch.empty(6, device="meta"), torch.empty((), device="meta")]
+
+
+def _arguments(op: object, x: torch.Tensor) -> list[tuple[Any, ...]]:
+    """Calls of ``op`` on ``x``, each valid or refused by the kernel."""
+    dims = x.dim()
+    if op in (aten.view.default, aten._unsafe_view.default):
+        return [(x, [-1]), (x, [x.numel()]), (x, [1, *x.shape]), (x, [*x.shape[:-1], -1, 2][:max(dims, 1)])]
+    if op is aten.transpose.int:
+        return [(x, a, b) for a in range(-dims, dims) for b in range(dims)] + [(x, 0, 9)]
+    if op is aten.unsqueeze.default:
+        return [(x, d) for d in range(-dims - 1, dims + 1)] + [(x, 9)]
+    if op is aten.expand.default:
+        return [(x, [2, *x.shape]), (x, [-1] * dims), (x, [7] * dims)]
+    if op is aten.permute.default:
+        return [(x, list(reversed(range(dims)))), (x, list(range(dims))), (x, [0] * max(dims, 1))]
+    return [(x,)]  # detach, t (refused above 2 dimensions)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@pytest.mark.parametrize("op", list(BY_METHOD), ids=str)
+def test_methods_give_the_kernels_outputs(op: Any) -> None:
+    made_some = 0
+    for x in _sources():
+        for args in _arguments(op, x):
+            made = SHORTCUTS[op](args, {})
+            try:
+                kernel = op(*args)
+            except (RuntimeError, IndexError, TypeError):
+                assert made is None, (op, args)  # refused: left to the kernel, which raises it
+                continue
+            if made is None:  # a subclass or a refusal of the method's: the kernel runs
+                continue
+            made_some += 1
+            assert _described(made) == _described(kernel), (op, args)
+            assert type(made) is type(kernel) and _storage(made) == _storage(kernel) == _storage(x), (op, args)
+    assert made_some >= 5  # t: the five sources of at most two dimensions
+
+
+def test_methods_leave_keywords_and_subclasses_to_the_kernel() -> None:
+    x = torch.empty(4, 6, device="meta")
+    assert SHORTCUTS[aten.expand.default]((x, [2, 4, 6]), {"implicit": True}) is None
+    assert SHORTCUTS[aten.view.default]((x,), {"size": [24]}) is None
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    assert SHORTCUTS[aten.t.default]((x.as_subclass(Wrapped),), {}) is None
+
+
+def test_lift_fresh_and_host_item_are_the_kernels() -> None:
+    for value in (torch.tensor(3.5), torch.tensor(7), torch.tensor(True), torch.tensor([2.0]),
+                  torch.tensor(1.5, dtype=torch.bfloat16)):
+        assert SHORTCUTS[aten.lift_fresh.default]((value,), {}) is aten.lift_fresh.default(value) is value
+        item = SHORTCUTS[aten._local_scalar_dense.default]((value,), {})
+        kernel = aten._local_scalar_dense.default(value)
+        assert item == kernel and type(item) is type(kernel)
+    assert SHORTCUTS[aten._local_scalar_dense.default]((torch.empty((), device="meta"),), {}) is None  # the tracer's
+    # Tensor.item refuses two elements where the kernel reads the first: left to the kernel
+    assert SHORTCUTS[aten._local_scalar_dense.default]((torch.zeros(2),), {}) is None

@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memcalc.core.categories import Category, Phase
 from memcalc.core.errors import InternalError, MemcalcError, symbolic_execution_error
-from memcalc.engine.meta_shortcuts import batch_norm_backward_outputs, batch_norm_outputs
+from memcalc.engine.meta_shortcuts import SHORTCUTS
 
 __all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle", "ShapeSized", "SizeRule",
            "StepTrace", "StorageTracer", "tensors_of")
@@ -51,10 +51,9 @@ _READ_VALUE: Final = torch.ops.aten._local_scalar_dense.default
 _NONZERO: Final = torch.ops.aten.nonzero.default
 #: The op behind ``.tolist()`` and ``.cpu()``: a copy to the host, which a meta tensor cannot give.
 _TO_COPY: Final = torch.ops.aten._to_copy.default
-#: Ops whose outputs are made without their meta kernel where known exactly, by id
+#: Ops whose outputs are made without their meta kernel's binding where known exactly, by id
 #: (:mod:`memcalc.engine.meta_shortcuts`; the ops are held by torch.ops, so their ids stay theirs).
-_SHORTCUTS: Final = {id(torch.ops.aten.native_batch_norm.default): batch_norm_outputs,
-                     id(torch.ops.aten.native_batch_norm_backward.default): batch_norm_backward_outputs}
+_SHORTCUTS: Final = {id(op): shortcut for op, shortcut in SHORTCUTS.items()}
 #: Ops whose real kernel hands back its argument's memory (the position given) but whose meta
 #: kernel allocates: the tracer runs them as a view. ``_c10d_functional::_wrap_tensor_autograd``
 #: wraps a collective's output in an AsyncCollectiveTensor, and ``_c10d_functional::wait_tensor``
@@ -191,7 +190,11 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs, self._run)
                 self.trace.op_counts[facts.short_name] += 1
                 self._op = facts.name
-                self._see(out)
+                if type(out) is torch.Tensor:  # most ops: one plain tensor (_see without its call)
+                    if out.is_meta if self._meta else out.device.type == self.device_type:
+                        self.track(out)
+                else:
+                    self._see(out)
                 after_op = self.after_op
                 if facts.after_op and after_op is not None:
                     after_op(func, args, kwargs, out)
@@ -433,15 +436,25 @@ class MetaKernelCache:
     rebuild, storage offsets, oversized storages and unhashable arguments are not cached; an
     op whose output turns out to alias an input in a way its schema does not say
     (``_unsafe_view``) is never cached again.
+
+    The outputs learnt are the process's, as FakeTensor's cache is (a class attribute of
+    ``FakeTensorMode``): a meta kernel's output is a function of its arguments' metadata, so a
+    later trace (the next estimate, a fit's next batch) rebuilds what an earlier one ran. They
+    are kept per device type and default dtype (which a factory op without a dtype reads, as
+    FakeTensor's key does), at most :data:`_MAX_SPECS` of them (then forgotten all at once).
     """
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
-        self._specs: dict[tuple[object, ...], _Spec] = {}
-        # per op, by id (the op object held, as in _OpFacts): whether it is an elementwise
-        # foreach op (_foreach_shortcut), and its plan (_plan)
-        self._ops: dict[int, tuple[Op, bool, _Plan | None]] = {}
+        self._device = torch.device(device_type)  # a device object: a string is parsed at every empty_strided
+        self._specs = _SPECS.setdefault((device_type, torch.get_default_dtype()), {})
+        self._ops = _OP_PLANS
         self.hits = 0
+
+    @staticmethod
+    def clear() -> None:
+        """Forget every output learnt (the next trace runs each meta kernel once again)."""
+        _SPECS.clear()
 
     def run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], compute: _Compute) -> Any:
         """The output of ``func(*args, **kwargs)``: rebuilt from the cache, or ``compute``'s."""
@@ -465,12 +478,14 @@ class MetaKernelCache:
             return compute(func, args, kwargs)
         if cached is not None:
             self.hits += 1
-            return _materialize(cached, self.device_type, args, kwargs)
+            return _materialize(cached, self._device, args, kwargs)
         out = compute(func, args, kwargs)
         spec = _spec_with_plan(out, plan, args, kwargs)
         if spec is _ALIASING:
             self._ops[id(func)] = (func, foreach, None)  # aliases an input although its schema says otherwise
         elif spec is not None:
+            if len(self._specs) >= _MAX_SPECS:
+                self._specs.clear()
             self._specs[key] = spec
         return out
 
@@ -526,6 +541,15 @@ _ArgPart: TypeAlias = "tuple[Literal['A'], int, str]"
 _ListPart: TypeAlias = "tuple[Literal['L'], tuple[_TensorPart, ...]]"
 _Part: TypeAlias = "_TensorPart | _ConstPart | _ArgPart | _ListPart"
 _Spec: TypeAlias = "tuple[Literal['void'], tuple[()]] | tuple[Literal['tuple', 'one'], tuple[_Part, ...]]"
+
+#: The meta-kernel cache's outputs (:class:`MetaKernelCache`), by device type and default dtype.
+_SPECS: Final[dict[tuple[str, torch.dtype], dict[tuple[object, ...], _Spec]]] = {}
+#: Bounds the outputs kept per device type and dtype: a spec is a few small tuples (about 1 KiB),
+#: and a large model's trace learns a few thousand.
+_MAX_SPECS: Final = 200_000
+#: Per op, by id (the op object held, as in _OpFacts): the op, whether it is an elementwise
+#: foreach op (_foreach_shortcut), and its plan (_plan_of; None once it aliases unannounced).
+_OP_PLANS: Final[dict[int, tuple[Op, bool, _Plan | None]]] = {}
 
 # Elementwise foreach ops of torch.optim: out[i] has the shape, strides and dtype of the first
 # list's tensor i when every tensor of the call has that dtype. On meta their kernel is a
@@ -700,15 +724,15 @@ def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...],
     return ("tuple" if isinstance(out, tuple) else "one", tuple(parts))
 
 
-def _materialize(spec: _Spec, device_type: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _materialize(spec: _Spec, device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if spec[0] == "void":
         return None
     values: list[Any] = []
     for part in spec[1]:
         if part[0] == "T":
-            values.append(torch.empty_strided(part[1], part[2], dtype=part[3], device=device_type))
+            values.append(torch.empty_strided(part[1], part[2], dtype=part[3], device=device))
         elif part[0] == "L":
-            values.append([torch.empty_strided(p[1], p[2], dtype=p[3], device=device_type) for p in part[1]])
+            values.append([torch.empty_strided(p[1], p[2], dtype=p[3], device=device) for p in part[1]])
         elif part[0] == "A":
             values.append(_argument(args, kwargs, part[1], part[2]))
         else:
@@ -771,16 +795,24 @@ class ModuleTracker:
         return hook
 
     def _post_hook(self, name: str, is_leaf: bool) -> Callable[[nn.Module, Any, Any], None]:
+        grad_hook = self._grad_hook(name)  # one per module: every output of its calls shares it
+
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             if self._stack and self._stack[-1] == name:
                 self._stack.pop()
-            first = _first_tensor(output)
+            plain = type(output) is torch.Tensor  # most modules: one plain tensor (no walk through the output)
+            first = output if plain else _first_tensor(output)
             if first is not None:
                 self.output_shapes[name] = tuple(first.shape)
             if is_leaf and torch.is_grad_enabled():
-                for tensor in tensors_of(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._grad_hook(name))  # type: ignore[no-untyped-call]  # untyped in torch
+                for tensor in (output,) if plain else tensors_of(output):
+                    if not tensor.requires_grad:
+                        continue
+                    if type(tensor) is torch.Tensor:  # a function mode (the CUDA emulation) passes it on as it is
+                        with _NO_FUNCTION_MODES():
+                            tensor.register_hook(grad_hook)  # type: ignore[no-untyped-call]  # untyped in torch
+                    else:
+                        tensor.register_hook(grad_hook)
         return hook
 
     def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
