@@ -228,6 +228,27 @@ def test_hugging_face_models_with_their_cache_match_the_real_compiled_step(confi
     assert any("(1 graph)" in note for note in report.notes), report.notes
 
 
+def _attention_ops(report: memcalc.MemoryReport) -> set[str]:
+    assert report.time is not None
+    return {op for op, _ in report.time.flops.ops if "attention" in op}
+
+
+@pytest.mark.slow  # two compiles on meta (about 4 minutes on a loaded 2-core machine)
+@pytest.mark.parametrize("precision", ["amp-bf16", "fp32"])
+def test_a_compiled_step_on_a_gpu_runs_the_attention_kernel_cuda_chooses(precision: str, tmp_path: Path) -> None:
+    # GPT-2's attention has dropout in training: on the fake CPU tensors AOTAutograd traces, the
+    # scaled_dot_product_attention composite took the CPU's math path (keeping the probabilities);
+    # a CUDA compile keeps CUDA's fused kernel, the one the eager estimate runs (measured: cuDNN's
+    # in amp-bf16, the memory-efficient one in fp32, on the H100 target; before, none of them)
+    source = hf_config_source(tmp_path, HF_GPT2)
+    options: dict[str, Any] = dict(gpu="h100-80gb", time=True, batch_size=4, seq_len=128, optimizer="sgd",
+                                   precision=precision)
+    eager, compiled = memcalc.estimate(source, **options), memcalc.estimate(source, compile=True, **options)
+    assert _attention_ops(eager) and _attention_ops(compiled) == _attention_ops(eager)
+    assert compiled.time is not None
+    assert not any("bmm" in op for op, _ in compiled.time.flops.ops)  # the math path's two batched matmuls
+
+
 # --------------------------------------------------------------------------------------------
 # A module the user compiled
 # --------------------------------------------------------------------------------------------
