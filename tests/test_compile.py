@@ -235,7 +235,7 @@ def _attention_ops(report: memcalc.MemoryReport) -> set[str]:
 
 @pytest.mark.slow  # two compiles on meta (about 4 minutes on a loaded 2-core machine)
 @pytest.mark.parametrize("precision", ["amp-bf16", "fp32"])
-def test_a_compiled_step_on_a_gpu_runs_the_attention_kernel_cuda_chooses(precision: str, tmp_path: Path) -> None:
+def test_a_compiled_step_on_a_gpu_runs_cudas_attention_kernel_and_cublas(precision: str, tmp_path: Path) -> None:
     # GPT-2's attention has dropout in training: on the fake CPU tensors AOTAutograd traces, the
     # scaled_dot_product_attention composite took the CPU's math path (keeping the probabilities);
     # a CUDA compile keeps CUDA's fused kernel, the one the eager estimate runs (measured: cuDNN's
@@ -247,6 +247,10 @@ def test_a_compiled_step_on_a_gpu_runs_the_attention_kernel_cuda_chooses(precisi
     assert _attention_ops(eager) and _attention_ops(compiled) == _attention_ops(eager)
     assert compiled.time is not None
     assert not any("bmm" in op for op, _ in compiled.time.flops.ops)  # the math path's two batched matmuls
+    # Inductor's extern matmuls (mm.out, addmm.out) allocate cuBLAS's workspaces as eager ones do
+    # (before: none in the compiled step, 2 × 32 MiB in the eager one)
+    cublas = [note for note in eager.notes if note.startswith("cuBLAS workspace")]
+    assert cublas and [note for note in compiled.notes if note.startswith("cuBLAS workspace")] == cublas
 
 
 # --------------------------------------------------------------------------------------------
