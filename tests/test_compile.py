@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 from click.testing import CliRunner
+from support import hf_config_source
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -199,6 +201,56 @@ def test_llama_matches_the_real_compiled_step(setting: object, two_layer_llama: 
     report, real = _compare(two_layer_llama, checkpoint=setting, **LLAMA)
     compiled = report.peak_requested
     assert _within(compiled, real), f"compiled estimate {compiled:,} B vs real compiled {real:,} B"
+
+
+#: Hugging Face configs of two layers, ``use_cache`` left at its default (True): training without
+#: checkpointing, transformers makes a ``DynamicCache`` inside the compiled forward, whose first
+#: ``update`` creates its keys and values with ``torch.tensor([])`` and ``torch.cat`` (on meta
+#: Dynamo met that tensor unfaked until memcalc lifted it, issue 34)
+HF_GPT2: dict[str, object] = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64,
+                              "n_head": 4, "vocab_size": 1000, "n_positions": 256}
+HF_LLAMA: dict[str, object] = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256,
+                               "tie_word_embeddings": False}
+
+
+@pytest.mark.slow  # a compile on meta and a real one with the C++ build: about 2.5 minutes on a loaded 2-core machine
+@pytest.mark.parametrize("config", [HF_GPT2, HF_LLAMA], ids=["gpt2", "llama"])
+def test_hugging_face_models_with_their_cache_match_the_real_compiled_step(config: dict[str, object],
+                                                                          tmp_path: Path) -> None:
+    source = hf_config_source(tmp_path, config)
+    report, real = _compare(source, batch_size=4, seq_len=128, optimizer="sgd")
+    compiled = report.peak_requested
+    # measured: GPT-2 17,317,932 B compiled and real (eager estimate 23,754,760 B); Llama
+    # 10,929,516 B (eager 13,901,128 B); one graph each, no graph break at the cache
+    assert _within(compiled, real), f"compiled estimate {compiled:,} B vs real compiled {real:,} B"
+    assert any("(1 graph)" in note for note in report.notes), report.notes
+
+
+def _attention_ops(report: memcalc.MemoryReport) -> set[str]:
+    assert report.time is not None
+    return {op for op, _ in report.time.flops.ops if "attention" in op}
+
+
+@pytest.mark.slow  # two compiles on meta (about 4 minutes on a loaded 2-core machine)
+@pytest.mark.parametrize("precision", ["amp-bf16", "fp32"])
+def test_a_compiled_step_on_a_gpu_runs_cudas_attention_kernel_and_cublas(precision: str, tmp_path: Path) -> None:
+    # GPT-2's attention has dropout in training: on the fake CPU tensors AOTAutograd traces, the
+    # scaled_dot_product_attention composite took the CPU's math path (keeping the probabilities);
+    # a CUDA compile keeps CUDA's fused kernel, the one the eager estimate runs (measured: cuDNN's
+    # in amp-bf16, the memory-efficient one in fp32, on the H100 target; before, none of them)
+    source = hf_config_source(tmp_path, HF_GPT2)
+    options: dict[str, Any] = dict(gpu="h100-80gb", time=True, batch_size=4, seq_len=128, optimizer="sgd",
+                                   precision=precision)
+    eager, compiled = memcalc.estimate(source, **options), memcalc.estimate(source, compile=True, **options)
+    assert _attention_ops(eager) and _attention_ops(compiled) == _attention_ops(eager)
+    assert compiled.time is not None
+    assert not any("bmm" in op for op, _ in compiled.time.flops.ops)  # the math path's two batched matmuls
+    # Inductor's extern matmuls (mm.out, addmm.out) allocate cuBLAS's workspaces as eager ones do
+    # (before: none in the compiled step, 2 × 32 MiB in the eager one)
+    cublas = [note for note in eager.notes if note.startswith("cuBLAS workspace")]
+    assert cublas and [note for note in compiled.notes if note.startswith("cuBLAS workspace")] == cublas
 
 
 # --------------------------------------------------------------------------------------------

@@ -77,9 +77,11 @@ def test_workspace_rules_cover_cublas_cudnn_fused_attention_and_reductions() -> 
     reductions = {aten.sum.dim_IntList, aten.mean.dim}  # gpu_reduce_kernel's global scratch
     expected = {*CUBLAS_OPS, aten.convolution.default, aten.convolution_backward.default, *attention, *reductions}
     assert set(WORKSPACE_RULES) == expected
-    # 12 cuBLAS kernels, float8's _scaled_mm (cuBLASLt shares the workspace from torch 2.11), and
-    # linear / matmul, which reach the tracer whole under inference_mode
-    assert len(CUBLAS_OPS) == 15 and aten.addmm.default in CUBLAS_OPS and aten.bmm.default in CUBLAS_OPS
+    # 12 cuBLAS kernels, float8's _scaled_mm (cuBLASLt shares the workspace from torch 2.11),
+    # linear / matmul, which reach the tracer whole under inference_mode, and the four ``.out``
+    # overloads Inductor's extern kernels call in a compiled step
+    assert aten.mm.out in CUBLAS_OPS and aten.addmm.out in CUBLAS_OPS
+    assert len(CUBLAS_OPS) == 19 and aten.addmm.default in CUBLAS_OPS and aten.bmm.default in CUBLAS_OPS
     assert aten._scaled_mm.default in CUBLAS_OPS
     assert aten.linear.default in CUBLAS_OPS and aten.matmul.default in CUBLAS_OPS
     # one rule for all cuBLAS ops; the forward and backward attention ops share one each

@@ -307,6 +307,45 @@ def _rng_state_on_meta() -> Callable[[], None]:
     return patch.stop
 
 
+def _meta_tensor_literals_lifted() -> Callable[[], None]:
+    """``torch.tensor(data, device=...)`` in traced code is a node of the graph, which Dynamo
+    runs on fake tensors to learn its output. On a real device ``torch.tensor`` ends in
+    ``aten.lift_fresh``, which the fake mode turns into a fake tensor; on meta it returns early,
+    before that call (``internal_new_from_data``'s meta shortcut), and Dynamo then meets a plain
+    meta tensor among fake ones ("Please convert all Tensors to FakeTensors first").
+    transformers' ``DynamicCache`` makes one in each layer's first ``update`` (its empty keys and
+    values, then ``torch.cat``). So while Dynamo runs such a node on meta, its output is lifted as
+    a real device's would be: the graph is unchanged, a factory call Inductor then compiles.
+    Returns the undo."""
+    from torch._dynamo import utils as dynamo_utils
+
+    run_node = dynamo_utils.run_node
+
+    def lifted(tracer: Any, node: torch.fx.Node, args: Any, kwargs: Any, nnmodule: Any) -> Any:
+        out = run_node(tracer, node, args, kwargs, nnmodule)
+        if (node.op == "call_function" and node.target is torch.tensor and type(out) is torch.Tensor
+                and out.device.type == "meta"):
+            return torch.ops.aten.lift_fresh.default(out)  # under Dynamo's fake mode: a fake tensor
+        return out
+
+    patch = mock.patch.object(dynamo_utils, "run_node", lifted)
+    patch.start()
+    return patch.stop
+
+
+def _on_meta() -> Callable[[], None]:
+    """What compiling on meta changes in torch (:func:`_rng_state_on_meta`,
+    :func:`_meta_tensor_literals_lifted`); returns the undo of both."""
+    undo_rng = _rng_state_on_meta()
+    undo_literals = _meta_tensor_literals_lifted()
+
+    def undo() -> None:
+        undo_literals()
+        undo_rng()
+
+    return undo
+
+
 def compile_forward(module: nn.Module, backend: Any, *, function: Any = None) -> CompiledForward:
     """Compile ``module.forward`` on this instance with ``backend`` (a :class:`MetaInductor`, or
     ``"inductor"`` for a real run), as ``torch.compile(module)`` compiles it: hooks of the module
@@ -331,7 +370,7 @@ def compile_forward(module: nn.Module, backend: Any, *, function: Any = None) ->
 
     module.forward = run
     return CompiledForward(module, backend, previous,
-                           undo=_rng_state_on_meta() if isinstance(backend, MetaInductor) else None)
+                           undo=_on_meta() if isinstance(backend, MetaInductor) else None)
 
 
 def _side_effects_not_replayed() -> AbstractContextManager[Any]:

@@ -543,7 +543,7 @@ def _compiled(module: nn.Module, inputs: ModelInputs, step: Step, resolved: Reso
                  f"Inductor's fused kernels and memory planning ({backend.graphs} graph"
                  f"{'s' if backend.graphs != 1 else ''}); Inductor's CPU code generation"
                  + ("" if not step.emulate_cuda else ", standing for CUDA's (Triton's kernels not modelled)"))
-    if autocast is not None:
+    if autocast is not None and step.precision.is_amp:
         notes.append("compiled under autocast: AOTAutograd traced the joint graph under "
                      + ("the real torch.autocast('cpu')" if autocast.call is not None
                         else "CUDA autocast's op lists (memcalc's emulation, aten/src/ATen/autocast_mode.cpp)")

@@ -58,7 +58,8 @@ class CompiledAutocast:
     user's loop enters it (the CPU target: AOTAutograd traces on fake CPU tensors, so CPU
     autocast's own C++ kernels cast). ``trace``: an emulated policy in force only while
     AOTAutograd traces (the CUDA target: CUDA's op lists as the eager emulation applies them,
-    since no CUDA autocast kernel runs on CPU tensors)."""
+    since no CUDA autocast kernel runs on CPU tensors; the CUDA target's ``trace`` also picks
+    CUDA's attention kernel, at any precision)."""
 
     call: AutocastRegion | None = None
     trace: AutocastRegion | None = None

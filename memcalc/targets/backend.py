@@ -122,21 +122,24 @@ class CudaBackend(_EmulatingBackend):
         return dict(self.emulation.attention_backends)
 
     def compiled_autocast(self) -> CompiledAutocast | None:
-        """CUDA's autocast lists in force while AOTAutograd traces the compiled graph: a fresh
-        emulation (its own weight-cast cache, no kernel choices: the compiled graph's attention
-        and dropout are Inductor's), entered with its autocast region."""
-        if not self.step.precision.is_amp:
-            return None
+        """What CUDA decides while AOTAutograd traces the compiled graph (on fake CPU tensors): a
+        fresh emulation (its own weight-cast cache) with CUDA autocast's lists under amp, and
+        CUDA's attention kernel at any precision. Dynamo's graph calls
+        ``scaled_dot_product_attention``, a composite AOTAutograd decomposes by the tensors'
+        device: on CPU to the CPU's choice, the math path wherever ``dropout_p > 0`` (GPT-2's
+        attention in training), keeping the probabilities; a CUDA compile gets the fused kernel
+        CUDA picks, which Inductor keeps as an extern kernel. Dropout and the rest are Inductor's."""
         precision, capability, version = (self.step.precision, self.step.gpu.compute_capability,
                                           self.emulation.torch_version)
 
         @contextmanager
-        def cuda_lists() -> Iterator[None]:
-            policy = CudaEmulation(precision, capability, emulate_kernels=False, torch_version=version)
+        def cuda_choices() -> Iterator[None]:
+            policy = CudaEmulation(precision, capability, emulate_kernels=False, emulate_attention=True,
+                                   torch_version=version)
             with policy, policy.autocast():
                 yield
 
-        return CompiledAutocast(trace=cuda_lists)
+        return CompiledAutocast(trace=cuda_choices)
 
     def notes(self, module: nn.Module) -> list[str]:
         notes = self.workspaces.notes() if self.workspaces is not None else []

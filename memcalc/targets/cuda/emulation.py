@@ -97,11 +97,14 @@ class CudaEmulation(TorchFunctionMode):
     ``torch_version`` (``"X.Y"``) picks the release's autocast lists and SDPA rules."""
 
     def __init__(self, precision: Precision, compute_capability: tuple[int, int], *, emulate_kernels: bool = True,
-                 torch_version: str = TARGET_TORCH_VERSION):
+                 emulate_attention: bool | None = None, torch_version: str = TARGET_TORCH_VERSION):
         super().__init__()
         self.precision = precision
         self.compute_capability = compute_capability
         self.emulate_kernels = emulate_kernels
+        # the attention rule alone (None: as the other kernels): a compiled graph's attention is
+        # CUDA's fused kernel, its dropout Inductor's (memcalc.targets.backend.CudaBackend)
+        self.emulate_attention = emulate_kernels if emulate_attention is None else emulate_attention
         self.torch_version = torch_version
         self.autocast_dtype: torch.dtype | None = precision.compute_dtype if precision.is_amp else None
         self._autocast_depth = 0
@@ -270,7 +273,7 @@ class CudaEmulation(TorchFunctionMode):
 def attention(mode: CudaEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """SDPA: the backend CUDA would choose and its fused aten op, called directly (math, a
     3-D call or GQA run the call itself, q/k/v cast under autocast)."""
-    if not mode.emulate_kernels:
+    if not mode.emulate_attention:
         return mode.dispatch(func, args, kwargs)
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = dict(zip(names, args, strict=False))

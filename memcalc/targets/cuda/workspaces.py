@@ -59,12 +59,15 @@ WORKSPACE_RULES: RuleRegistry[WorkspaceRule] = RuleRegistry("kernel workspace")
 # mm / bmm through cuBLAS — an inference step's first matmul allocates the forward handle's
 # workspace as a training step's does. ``_scaled_mm`` (float8 matmuls, torchao's Float8Linear) runs
 # cuBLASLt (aten/src/ATen/native/cuda/Blas.cpp ``_scaled_mm_out_cuda`` → ``at::cuda::blas::scaled_gemm``),
-# whose workspace is the cuBLAS one since 2.11 (memcalc.targets.cuda.cublas).
+# whose workspace is the cuBLAS one since 2.11 (memcalc.targets.cuda.cublas). A compiled step's
+# matmuls are Inductor's extern kernels, which write into buffers its wrapper allocated
+# (``extern_kernels.mm(a, b, out=buf)``): the ``.out`` overloads, through the same cuBLAS calls.
 CUBLAS_OPS: tuple[OpOverload, ...] = (
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
     aten.addmv.default, aten.mv.default, aten.dot.default, aten.vdot.default, aten._addmm_activation.default,
     aten.addmm_.default, aten.baddbmm_.default, aten.linear.default, aten.matmul.default,
     aten._scaled_mm.default,
+    aten.mm.out, aten.addmm.out, aten.bmm.out, aten.baddbmm.out,
 )
 
 _ATTENTION_FORWARD: dict[OpOverload, AttentionBackend] = {
