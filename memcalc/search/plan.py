@@ -46,6 +46,7 @@ from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import DIMENSIONS, Plan
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.distributed.tp_plans import resolve_plan
+from memcalc.engine.model import ResolvedModel
 from memcalc.engine.step_spec import Step
 from memcalc.estimation import run_estimate
 from memcalc.search.plan_bounds import (
@@ -204,10 +205,12 @@ def collectives_of(mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[C
                  for c in DIMENSIONS[name].collectives(mesh, facts, micro_batches))
 
 
-def refusal(step: Step, mesh: Mesh) -> str | None:
+def refusal(step: Step, mesh: Mesh, resolved: ResolvedModel | None = None) -> str | None:
     """Why memcalc cannot estimate ``mesh`` (a composition not modelled yet, such as pp × tp
     today), found without a trace: the setting's own checks, a whole-step dimension's
-    ``composes_with``, and the others' role planning. None: supported. The one predicate plan asks."""
+    ``composes_with``, and the others' role planning. None: supported. The one predicate plan asks.
+    ``resolved``: the step's model already built (read only; else built here: a 70B meta model
+    takes seconds, and plan asks of every mesh)."""
     if mesh.world_size == 1:
         return None
     try:
@@ -219,7 +222,7 @@ def refusal(step: Step, mesh: Mesh) -> str | None:
             if others:
                 return f"not modelled yet ({whole[0].name} with {', '.join(others)})"
             if mesh.tp > 1:  # tensor parallelism inside the stages needs a plan of the model's own
-                resolved = step.resolved(batch_size=1)
+                resolved = resolved or step.resolved(batch_size=1)
                 resolve_plan(resolved.module, None, resolved.name)
             return None
         plan = Plan(roles=(), batch=1, global_batch=mesh.dp_replicate * mesh.dp_shard)
@@ -251,15 +254,19 @@ class _Config:
     accum: int
     schedule: PipelineSchedule | None
     flops: float = 0.0  # the matmul FLOPs' seconds at the GPU's peak
+    flops_at: tuple[float, ...] = ()  # and those under each checkpointing searched (by index)
     floor: float = 0.0  # the compute's lower bound: ``flops``, or what traced configurations say
     bubble: float = 0.0  # the bubble's lower bound (from the FLOPs)
     hidden: float = 0.0  # seconds of overlapped collectives
     exposed: float = 0.0  # seconds of exposed collectives
     bound: float = 0.0
 
-    def with_compute(self, compute: float) -> float:
-        """The step's lower bound with ``compute`` as the compute's (:func:`step_seconds`)."""
-        return max(compute + self.bubble, self.hidden) + self.exposed
+    def with_compute(self, compute: float, work: float = 0.0) -> float:
+        """The step's lower bound with ``compute`` as the compute's and ``work`` as its part
+        outside the optimizer step's (:func:`step_seconds`): the bubble is ``(pp − 1) / stages
+        per rank`` microbatches of that work (:func:`_confirm`), at least the FLOPs' bubble."""
+        bubble = max(self.bubble, work / self.accum * (self.mesh.pp - 1) / self.stages_per_rank)
+        return max(compute + bubble, self.hidden) + self.exposed
 
     def kin(self) -> tuple[Any, ...]:
         """Configurations that run the same kernels per sample, but for data parallelism's split
@@ -328,9 +335,9 @@ class _Search:
         return report
 
 
-def _sequence(step: Step) -> int:
+def _sequence(resolved: ResolvedModel) -> int:
     """Tokens per sample: the sequence length of a token model, else 1."""
-    inputs = step.resolved(1).inputs
+    inputs = resolved.inputs
     shapes = [t.shape for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point()]
     return int(shapes[0][1]) if shapes else 1
 
@@ -372,12 +379,15 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
                 if search.step.capacity and held > search.step.capacity:
                     search.over += 1
                     continue
-                compute = compute_floor(search.facts, mesh, micro * accum * sequence, checkpoint, peak)
+                flops_at = tuple(compute_floor(search.facts, mesh, micro * accum * sequence, c, peak)
+                                 for c in search.checkpoints)
+                compute = flops_at[ckpt]
                 bubble = compute / accum * (mesh.pp - 1) / config.stages_per_rank
                 collectives = collectives_of(mesh, search.facts_for(config), accum)
                 hidden = sum(c.seconds(search.network) for c in collectives if c.overlapped)
                 exposed = step_seconds(0.0, 0.0, collectives, search.network, search.facts.layers)[1]
-                config = replace(config, flops=compute, floor=compute, bubble=bubble, hidden=hidden, exposed=exposed)
+                config = replace(config, flops=compute, flops_at=flops_at, floor=compute, bubble=bubble, hidden=hidden,
+                                 exposed=exposed)
                 out.append(replace(config, bound=config.with_compute(compute)))
     return out
 
@@ -398,15 +408,16 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     if not meshes:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly",
                                 hint=f"give a global batch that is a multiple of {gpus}")
-    module = step.resolved(1).module
-    search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(step),
+    resolved = step.resolved(1)  # built once: read by the bounds and by refusal
+    module = resolved.module
+    search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(resolved),
                      selective=selective_saved(module), off=off_saved(module))
     wide = [m for m in meshes if m.tp > network.gpus_per_node]
     if wide:
         search.pruned.append(f"{len(wide)} meshes with tp beyond one node ({network.gpus_per_node} GPUs): not searched "
                              f"(each block would wait on the network)")
     meshes = [m for m in meshes if m.tp <= network.gpus_per_node]
-    refused = {m: refusal(step, m) for m in meshes}
+    refused = {m: refusal(step, m, resolved) for m in meshes}
     unsupported = [m for m in meshes if refused[m] is not None]
     search.pruned += [f"{m.describe()}: {refused[m]}" for m in unsupported]
     meshes = [m for m in meshes if refused[m] is None]
@@ -430,8 +441,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     queue = [(c.schedule is not None, c.bound, -c.mesh.dp_shard, c.mesh.dp_replicate, i) for i, c in enumerate(configs)]
     heapq.heapify(queue)
     failing: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}  # (dp_shard, ckpt, micro) that did not fit
-    traced: dict[tuple[Any, ...], list[tuple[int, int, int, float]]] = {}  # (dp_shard, ckpt, micro, compute)
-    ratios: list[tuple[int, int, int, int, float]] = []  # (tp, dp_shard, ckpt, micro, seconds per FLOP-second)
+    timings = _Timings()
     best: list[PlanCandidate] = []
     broken: set[tuple[Mesh, bool, int]] = set()  # (mesh, pipelined, checkpointing) memcalc refuses
     bounded = 0
@@ -447,13 +457,9 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                 continue
             bounded += len(queue) + 1
             break  # every configuration left is at least this slow
-        floor = max([compute for s, c, m, compute in traced.get(config.kin(), [])
-                     if config.mesh.dp_shard <= s and config.ckpt >= c and config.micro <= m]
-                    + [config.flops * r for tp, s, c, m, r in ratios
-                       if tp <= config.mesh.tp and s >= config.mesh.dp_shard and c <= config.ckpt
-                       and m >= config.micro], default=0.0)
-        if floor > config.floor:  # a traced sibling bounds it more tightly: back in the queue
-            configs[index] = config = replace(config, floor=floor, bound=config.with_compute(floor))
+        tighter = timings.bound(config)
+        if tighter.bound > config.bound:  # traced configurations bound it more tightly: back in the queue
+            configs[index] = config = tighter
             heapq.heappush(queue, (later, config.bound, shard, replicas, index))
             continue
         if any(shards >= config.mesh.dp_shard and ckpt >= config.ckpt and micro <= config.micro
@@ -474,10 +480,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                                       f"{config.describe(checkpoints)} failed ({why})")
             continue
         # a trace that does not fit still times its kernels: its compute bounds the others' as a fitting one's does
-        traced.setdefault(config.kin(), []).append((config.mesh.dp_shard, config.ckpt, config.micro, compute[0]))
-        if not pipelined and config.flops > 0:
-            ratios.append((config.mesh.tp, config.mesh.dp_shard, config.ckpt, config.micro,
-                           (compute[0] - compute[1]) / config.flops))
+        timings.record(config, *compute)
         if candidate is None:
             failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
             continue
@@ -488,6 +491,42 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                       meshes=tuple(meshes), configurations=len(configs) + search.over, estimates=search.estimates,
                       pruned=tuple(search.pruned), assumptions=_ASSUMPTIONS, unsupported=len(unsupported),
                       bounded=bounded, reused=search.reused)
+
+
+@dataclass
+class _Timings:
+    """What the traces so far say about the compute of the configurations not traced yet (module
+    docstring): a trace's compute and its part outside the optimizer step (``work``) bound its kin's
+    with less sharding, more checkpointing or a smaller micro-batch; a trace without a pipeline's
+    work per matmul FLOP-second, times the FLOPs under its checkpointing, bounds the work of those
+    with as much tp or more, as much sharding or less, as much checkpointing or more (each adds
+    recomputation; a ratio alone does not order, as the FLOPs count full's recomputation and not
+    selective-op's) and a smaller micro-batch, pipelined or not (a stage runs a share of the same
+    kernels). A pipeline's bubble is ``(pp − 1) / stages per rank`` microbatches of its work."""
+
+    # per kin: (dp_shard, ckpt, micro, compute, work)
+    traced: dict[tuple[Any, ...], list[tuple[int, int, int, float, float]]] = field(default_factory=dict)
+    ratios: list[tuple[int, int, int, int, float]] = field(default_factory=list)  # (tp, dp_shard, ckpt, micro, r)
+
+    def record(self, config: _Config, compute: float, once: float) -> None:
+        """A traced configuration's compute per optimizer step and its optimizer step's part."""
+        mesh = config.mesh
+        self.traced.setdefault(config.kin(), []).append((mesh.dp_shard, config.ckpt, config.micro, compute,
+                                                         compute - once))
+        if config.schedule is None and config.flops > 0:
+            self.ratios.append((mesh.tp, mesh.dp_shard, config.ckpt, config.micro, (compute - once) / config.flops))
+
+    def bound(self, config: _Config) -> _Config:
+        """``config`` with the tightest bound the traces give (its own, if they give none tighter)."""
+        mesh = config.mesh
+        kin = [(compute, work) for s, c, m, compute, work in self.traced.get(config.kin(), [])
+               if mesh.dp_shard <= s and config.ckpt >= c and config.micro <= m]
+        work = max([w for _, w in kin] + [config.flops_at[c] * r for tp, s, c, m, r in self.ratios
+                                          if tp <= mesh.tp and s >= mesh.dp_shard and c <= config.ckpt
+                                          and m >= config.micro], default=0.0)
+        floor = max([compute for compute, _ in kin] + [work, config.floor])
+        bound = config.with_compute(floor, work)
+        return replace(config, floor=floor, bound=bound) if bound > config.bound else config
 
 
 def _checkpoints(checkpoint: str) -> tuple[Checkpointing, ...]:
