@@ -302,7 +302,9 @@ class _Search:
     reports: dict[tuple[Any, ...], MemoryReport] = field(default_factory=dict)
 
     sequence: int = 1
+    peak: float = 1.0  # the GPU's dense peak FLOP/s for the compute dtype
     selective: int | None = None  # elements per token a block saves under selective-op (plan_bounds)
+    resolved: ResolvedModel | None = None  # the step's model, built once (read only)
     off: int | None = None  # and without checkpointing
 
     def facts_for(self, config: _Config) -> ModelFacts:
@@ -410,7 +412,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                                 hint=f"give a global batch that is a multiple of {gpus}")
     resolved = step.resolved(1)  # built once: read by the bounds and by refusal
     module = resolved.module
-    search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(resolved),
+    search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(resolved), resolved=resolved,
                      selective=selective_saved(module), off=off_saved(module))
     wide = [m for m in meshes if m.tp > network.gpus_per_node]
     if wide:
@@ -428,7 +430,8 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                              f"{_gib(min(states_floor(step, facts, m) for m in heavy))}): not estimated "
                              f"({'; '.join(m.describe() for m in heavy[:6])}{'; …' if len(heavy) > 6 else ''})")
     meshes = [m for m in meshes if m not in heavy]
-    configs = _configs(search, meshes, global_batch, peak_flops(step))
+    search.peak = peak_flops(step)
+    configs = _configs(search, meshes, global_batch, search.peak)
     if not configs and not search.over and not heavy:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly (into "
                                 f"data-parallel ranks and micro-batches, or a pipeline's {gpus} microbatches or more)",
@@ -442,6 +445,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     heapq.heapify(queue)
     failing: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}  # (dp_shard, ckpt, micro) that did not fit
     timings = _Timings()
+    probed: set[tuple[int, int, int]] = set()  # (tp, ckpt, micro) probed without a pipeline
     best: list[PlanCandidate] = []
     broken: set[tuple[Mesh, bool, int]] = set()  # (mesh, pipelined, checkpointing) memcalc refuses
     bounded = 0
@@ -467,6 +471,9 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
             continue  # more sharding, more checkpointing or a smaller micro-batch did not fit
         pipelined = config.schedule is not None
         if (config.mesh, pipelined, config.ckpt) in broken:
+            continue
+        if pipelined and len(best) >= top and _probe(search, config, gpus, global_batch, probed, timings):
+            heapq.heappush(queue, (later, config.bound, shard, replicas, index))  # its bound again, with the probe's
             continue
         try:
             candidate, compute = _confirm(search, config)
@@ -527,6 +534,36 @@ class _Timings:
         floor = max([compute for compute, _ in kin] + [work, config.floor])
         bound = config.with_compute(floor, work)
         return replace(config, floor=floor, bound=bound) if bound > config.bound else config
+
+
+def _probe(search: _Search, config: _Config, gpus: int, global_batch: int, probed: set[tuple[int, int, int]],
+           timings: _Timings) -> bool:
+    """Before a pipeline's trace (every microbatch of its schedule, on each stage): trace, once per
+    (tp, checkpointing, micro-batch), the same tp, checkpointing and micro-batch without a pipeline
+    over every GPU (``dp_shard = gpus / tp``: as much sharding as any pipeline of that tp has or
+    more), a trace of one or two micro-batches, fitting or not, whose compute per matmul FLOP bounds
+    the pipeline's (:class:`_Timings`). False: already probed, or no such mesh splits the batch."""
+    mesh = config.mesh
+    key = (mesh.tp, config.ckpt, config.micro)
+    width = gpus // mesh.tp
+    if key in probed or mesh.cp > 1 or mesh.ep > 1 or global_batch % (width * config.micro):
+        return False
+    probed.add(key)
+    flat = Mesh(dp_shard=width, tp=mesh.tp)
+    if mesh.tp > search.network.gpus_per_node or refusal(search.step, flat, search.resolved) is not None:
+        return False
+    accum = global_batch // (width * config.micro)
+    tokens = config.micro * accum * search.sequence
+    flops_at = tuple(compute_floor(search.facts, flat, tokens, c, search.peak) for c in search.checkpoints)
+    probe = _Config(flat, config.ckpt, config.micro, accum, None, flops=flops_at[config.ckpt], flops_at=flops_at)
+    try:
+        time = search.report(probe).time
+    except MemcalcError:
+        return False
+    assert time is not None
+    compute, _, once = _seconds(time, min(accum, 2), accum)
+    timings.record(probe, compute, once)
+    return True
 
 
 def _checkpoints(checkpoint: str) -> tuple[Checkpointing, ...]:
