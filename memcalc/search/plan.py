@@ -52,6 +52,7 @@ from memcalc.estimation import run_estimate
 from memcalc.search.plan_bounds import (
     activations_floor,
     compute_floor,
+    in_flight,
     off_saved,
     peak_flops,
     selective_saved,
@@ -373,10 +374,10 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
             shapes += [(None, micro, per_rank // micro) for micro in _divisors(per_rank)]
         states = states_floor(search.step, search.facts, mesh)
         for schedule, micro, accum in shapes:
-            in_flight = 1 if schedule is None else accum if schedule is PipelineSchedule.GPIPE else min(mesh.pp, accum)
+            kept = in_flight(schedule, mesh.pp, search.facts.layers, accum)
             for ckpt, checkpoint in enumerate(search.checkpoints):
                 config = _Config(mesh, ckpt, micro, accum, schedule)
-                held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, in_flight,
+                held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, kept,
                                                   search.selective, search.off)
                 if search.step.capacity and held > search.step.capacity:
                     search.over += 1
