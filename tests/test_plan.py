@@ -426,7 +426,7 @@ def test_time_bounds_from_traces_never_exceed_the_traced_times():
     checked = tightened = 0
     for config in (c for c in configs if c.schedule is not None and c.micro == 1):
         bounded = timings.bound(config)
-        candidate, (compute, once) = planning._confirm(search, config)
+        candidate, (compute, _) = planning._confirm(search, config)
         assert candidate is not None  # llama-tiny fits an H100 whatever the configuration
         assert bounded.floor <= compute * (1 + 1e-9), (config.describe(planning.CHECKPOINTS), bounded.floor, compute)
         assert bounded.bound <= candidate.seconds * (1 + 1e-9), (config.describe(planning.CHECKPOINTS),

@@ -17,13 +17,12 @@ Pruning (:mod:`memcalc.search.plan_bounds`), before any trace: a configuration w
 and kept activations (lower bounds) exceed the GPU is dropped; every other gets a lower bound on
 its seconds (matmul FLOPs at peak, the bubble, the collectives) and they are traced best bound
 first (those without a pipeline, whose traces are cheap, before the pipelines) until the ``top``
-found beat the next bound. Traces, fitting or not, tighten the bounds of the rest: a traced
-compute bounds its kin's (same tp, pp, data-parallel size, schedule) with less sharding,
-more checkpointing or a smaller micro-batch; its seconds per matmul FLOP bound those with as much
-tp or more, as much sharding or less, as much checkpointing or more and a smaller micro-batch (a
-pipeline stage runs a share of the same kernels). What does not fit rules out its kin with less
-sharding, less checkpointing and a larger micro-batch. Meshes that differ only in the number of
-``dp_replicate`` replicas (two or more) run one per-rank program and share its trace.
+found beat the next bound. Traces, fitting or not, tighten the bounds of the rest
+(:class:`_Timings`: its kin's compute; others' through the seconds per matmul FLOP, the bubble
+with them). Before a pipeline's trace, a probe: its tp, checkpointing and micro-batch traced
+without a pipeline over every GPU (:func:`_probe`), whose seconds per FLOP may rule it out. What
+does not fit rules out its kin with less sharding, less checkpointing and a larger micro-batch.
+Meshes that differ only in the number of ``dp_replicate`` replicas (two or more) share a trace.
 """
 
 from __future__ import annotations
