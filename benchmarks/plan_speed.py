@@ -6,8 +6,12 @@ costs whatever else runs on the machine) and each one's ratio to the target, and
 traces the search ran, then the rows it answers (the same configurations must come back whatever
 makes the search faster: the pruning is sound, tests/test_plan.py).
 
-Measured 2026-12-06 on 2 shared cores (load 10–36; CPU seconds are the comparable figure):
-before this round's bounds (main at e3afd87) BEFORE_LINE; after AFTER_LINE.
+Measured 2026-12-06 on 2 shared cores (CPU seconds are the comparable figure): before this
+round's bounds (main at e3afd87) 29 traces, 549 CPU-s, 30.6 min wall (as issue 33 last measured
+it; a rerun at load 12–36 was killed at 27 min, 18 traces and 218 CPU-s in, inside its first
+pipeline trace); after (the probes, the bubble bound, the interleaved memory bound) 23 traces,
+262.6 CPU-s, 395 s wall at load 4–9, the same five rows. 170 CPU-s of it is one pipeline that
+does not fit (dp_shard=2,tp=2,pp=16, interleaved 1F1B): the minute needs it ruled out untraced.
 
     python benchmarks/plan_speed.py
 """
