@@ -3,7 +3,15 @@ llama-3-70b --gpus 64 --gpu h100-80gb --global-batch 64 --seq-len 8192`` answers
 minute. The target lives here, not in a timed test (a shared machine makes a wall-clock assertion
 flaky): the line gives the wall time, the process's CPU time (user + system: what the search
 costs whatever else runs on the machine) and each one's ratio to the target, and the number of
-traces the search ran.
+traces the search ran, then the rows it answers (the same configurations must come back whatever
+makes the search faster: the pruning is sound, tests/test_plan.py).
+
+Measured 2026-12-06 on 2 shared cores (CPU seconds are the comparable figure): before this
+round's bounds (main at e3afd87) 29 traces, 549 CPU-s, 30.6 min wall (as issue 33 last measured
+it; a rerun at load 12–36 was killed at 27 min, 18 traces and 218 CPU-s in, inside its first
+pipeline trace); after (the probes, the bubble bound, the interleaved memory bound) 23 traces,
+262.6 CPU-s, 395 s wall at load 4–9, the same five rows. 170 CPU-s of it is one pipeline that
+does not fit (dp_shard=2,tp=2,pp=16, interleaved 1F1B): the minute needs it ruled out untraced.
 
     python benchmarks/plan_speed.py
 """
@@ -31,14 +39,14 @@ def main() -> None:
     if done.returncode not in (0, 1):
         sys.exit(done.stderr or done.stdout)
     data = json.loads(done.stdout)
-    best = data["best"][0] if data["best"] else None
     print(f"memcalc {' '.join(COMMAND[:-2])}")
     print(f"  wall {wall:.1f} s (ratio to the {TARGET_SECONDS:.0f} s target: {wall / TARGET_SECONDS:.2f}), "
           f"CPU {cpu:.1f} s (ratio {cpu / TARGET_SECONDS:.2f}); {data['estimates']} traces, "
           f"{data['traces_reused']} reused, {data['configurations']} configurations")
-    if best is not None:
-        print(f"  best: {best['mesh']} {best['pp_schedule'] or ''} micro-batch {best['micro_batch']} × "
-              f"{best['accum_steps']}, checkpointing {best['checkpoint']}, {best['step_seconds']:.2f} s per step")
+    for rank, row in enumerate(data["best"], 1):
+        print(f"  {rank}. {row['mesh']} {row['pp_schedule'] or ''} micro-batch {row['micro_batch']} × "
+              f"{row['accum_steps']}, checkpointing {row['checkpoint']}, {row['peak_allocated'] / 2**30:.2f} GiB, "
+              f"{row['step_seconds']:.2f} s per step")
 
 
 if __name__ == "__main__":

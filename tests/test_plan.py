@@ -361,6 +361,8 @@ _SOUND_CASES = [  # (mesh, schedule, micro-batch, micro-batches per step, checkp
     ({"dp_shard": 2, "tp": 2}, None, 2, 1, "selective-op"), ({"dp_shard": 2, "tp": 2}, None, 1, 2, "off"),
     ({"dp_shard": 2, "tp": 2}, None, 2, 1, "full"),
     ({"dp_shard": 2, "pp": 2}, "gpipe", 1, 2, "off"), ({"dp_shard": 2, "pp": 2}, "1f1b", 1, 4, "full"),
+    ({"dp_shard": 2, "pp": 2}, "interleaved-1f1b", 1, 4, "off"), ({"pp": 4}, "interleaved-1f1b", 1, 8, "selective-op"),
+    ({"pp": 4}, "interleaved-1f1b", 1, 8, "full"),
 ]
 
 
@@ -378,7 +380,7 @@ def test_memory_bound_never_exceeds_the_traced_peak(case):
     from memcalc.core.checkpointing import parse_checkpointing
     from memcalc.distributed.pipeline_schedules import PipelineSchedule
     from memcalc.fields import build_step
-    from memcalc.search.plan_bounds import activations_floor, off_saved, selective_saved, states_floor
+    from memcalc.search.plan_bounds import activations_floor, in_flight, off_saved, selective_saved, states_floor
 
     degrees, schedule_name, micro, accum, label = case
     mesh = Mesh(**degrees)
@@ -392,10 +394,73 @@ def test_memory_bound_never_exceeds_the_traced_peak(case):
     search = planning._Search(step, facts, DEFAULT_NETWORK, checkpoints, None, sequence=256, selective=selective,
                               off=off)
     config = planning._Config(mesh, 0, micro, accum, schedule)
-    in_flight = 1 if schedule is None else accum if schedule is PipelineSchedule.GPIPE else min(mesh.pp, accum)
-    bound = states_floor(step, facts, mesh) + activations_floor(facts, mesh, micro * 256, checkpoints[0], in_flight,
+    kept = in_flight(schedule, mesh.pp, facts.layers, accum)
+    bound = states_floor(step, facts, mesh) + activations_floor(facts, mesh, micro * 256, checkpoints[0], kept,
                                                                 selective, off)
     peak = search.report(config).bytes.peak_allocated
     assert 0 < bound <= peak, (bound, peak)
     if label != "full":  # the kept activations are most of the peak: the bound is not a token one
         assert bound >= 0.3 * peak, (bound, peak)
+
+
+@pytest.mark.slow
+def test_time_bounds_from_traces_never_exceed_the_traced_times():
+    """plan skips a configuration whose bound (from the traces so far: _Timings) cannot beat the
+    best found; sound only if the bound never exceeds the configuration's own traced seconds. Every
+    configuration over 4 GPUs without a pipeline and with dp_shard=2,pp=2 or pp=4 is traced and
+    recorded; each pipelined one's bound (its work, its bubble) is checked against its trace. A
+    ratio of the FLOPs under another checkpointing alone was not sound: selective-op's recomputation
+    is not in its FLOPs, full's is, and selective-op's ratio exceeded full's traced one."""
+    from memcalc.fields import build_step
+    from memcalc.search.plan_bounds import peak_flops
+
+    step = build_step("llama-tiny", batch_size=1, seq_len=256, precision="amp-bf16", gpu="h100-80gb", time=True)
+    facts = planning.model_facts(step)
+    search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=256)
+    flat = [Mesh(dp_shard=4), Mesh(dp_shard=2, tp=2)]
+    piped = [Mesh(dp_shard=2, pp=2), Mesh(pp=4)]
+    configs = planning._configs(search, flat + piped, 4, peak_flops(step))
+    timings = planning._Timings()
+    for config in (c for c in configs if c.schedule is None):
+        timings.record(config, *planning._confirm(search, config)[1])
+    checked = tightened = 0
+    for config in (c for c in configs if c.schedule is not None and c.micro == 1):
+        bounded = timings.bound(config)
+        candidate, (compute, _) = planning._confirm(search, config)
+        assert candidate is not None  # llama-tiny fits an H100 whatever the configuration
+        assert bounded.floor <= compute * (1 + 1e-9), (config.describe(planning.CHECKPOINTS), bounded.floor, compute)
+        assert bounded.bound <= candidate.seconds * (1 + 1e-9), (config.describe(planning.CHECKPOINTS),
+                                                                  bounded.bound, candidate.seconds)
+        checked += 1
+        tightened += bounded.bound > config.bound
+    assert checked >= 12 and tightened >= checked // 2, (checked, tightened)  # the traces do tighten the bounds
+
+
+@pytest.mark.slow
+def test_the_search_answers_as_tracing_every_configuration_would():
+    """Every configuration traced (none pruned by a time bound, only by the memory bound, itself
+    checked above) and ranked: plan's rows are the same configurations with the same seconds. On
+    llama-tiny over 2 GPUs, with and without a pipeline and tensor parallelism, each checkpointing."""
+    from memcalc.fields import build_step
+
+    step = build_step("llama-tiny", batch_size=1, seq_len=128, precision="amp-bf16", gpu="h100-80gb", time=True)
+    facts = planning.model_facts(step)
+    result = planning.find_plan(step, 2, 4, facts, network=DEFAULT_NETWORK, top=4)
+    search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=128)
+    every = []
+    for config in planning._configs(search, list(result.meshes), 4, 1e15):
+        try:
+            candidate = planning._confirm(search, config)[0]
+        except memcalc.MemcalcError:
+            continue  # refused (plan names it as pruned)
+        if candidate is not None:
+            every.append(candidate)
+    every.sort(key=lambda c: c.seconds)
+
+    def row(c: planning.PlanCandidate) -> tuple:
+        return c.mesh, c.schedule, c.micro_batch, c.accum_steps, c.checkpoint.label
+
+    assert result.estimates < len(every)  # it did prune
+    assert [c.seconds for c in result.best] == pytest.approx([c.seconds for c in every[:4]], rel=1e-12)
+    kth = every[3].seconds  # configurations tied with the last row may come in either order
+    assert {row(c) for c in result.best if c.seconds < kth} == {row(c) for c in every[:4] if c.seconds < kth}

@@ -17,13 +17,12 @@ Pruning (:mod:`memcalc.search.plan_bounds`), before any trace: a configuration w
 and kept activations (lower bounds) exceed the GPU is dropped; every other gets a lower bound on
 its seconds (matmul FLOPs at peak, the bubble, the collectives) and they are traced best bound
 first (those without a pipeline, whose traces are cheap, before the pipelines) until the ``top``
-found beat the next bound. Traces, fitting or not, tighten the bounds of the rest: a traced
-compute bounds its kin's (same tp, pp, data-parallel size, schedule) with less sharding,
-more checkpointing or a smaller micro-batch; its seconds per matmul FLOP bound those with as much
-tp or more, as much sharding or less, as much checkpointing or more and a smaller micro-batch (a
-pipeline stage runs a share of the same kernels). What does not fit rules out its kin with less
-sharding, less checkpointing and a larger micro-batch. Meshes that differ only in the number of
-``dp_replicate`` replicas (two or more) run one per-rank program and share its trace.
+found beat the next bound. Traces, fitting or not, tighten the bounds of the rest
+(:class:`_Timings`: its kin's compute; others' through the seconds per matmul FLOP, the bubble
+with them). Before a pipeline's trace, a probe: its tp, checkpointing and micro-batch traced
+without a pipeline over every GPU (:func:`_probe`), whose seconds per FLOP may rule it out. What
+does not fit rules out its kin with less sharding, less checkpointing and a larger micro-batch.
+Meshes that differ only in the number of ``dp_replicate`` replicas (two or more) share a trace.
 """
 
 from __future__ import annotations
@@ -46,11 +45,13 @@ from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import DIMENSIONS, Plan
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
 from memcalc.distributed.tp_plans import resolve_plan
+from memcalc.engine.model import ResolvedModel
 from memcalc.engine.step_spec import Step
 from memcalc.estimation import run_estimate
 from memcalc.search.plan_bounds import (
     activations_floor,
     compute_floor,
+    in_flight,
     off_saved,
     peak_flops,
     selective_saved,
@@ -204,10 +205,12 @@ def collectives_of(mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[C
                  for c in DIMENSIONS[name].collectives(mesh, facts, micro_batches))
 
 
-def refusal(step: Step, mesh: Mesh) -> str | None:
+def refusal(step: Step, mesh: Mesh, resolved: ResolvedModel | None = None) -> str | None:
     """Why memcalc cannot estimate ``mesh`` (a composition not modelled yet, such as pp × tp
     today), found without a trace: the setting's own checks, a whole-step dimension's
-    ``composes_with``, and the others' role planning. None: supported. The one predicate plan asks."""
+    ``composes_with``, and the others' role planning. None: supported. The one predicate plan asks.
+    ``resolved``: the step's model already built (read only; else built here: a 70B meta model
+    takes seconds, and plan asks of every mesh)."""
     if mesh.world_size == 1:
         return None
     try:
@@ -219,7 +222,7 @@ def refusal(step: Step, mesh: Mesh) -> str | None:
             if others:
                 return f"not modelled yet ({whole[0].name} with {', '.join(others)})"
             if mesh.tp > 1:  # tensor parallelism inside the stages needs a plan of the model's own
-                resolved = step.resolved(batch_size=1)
+                resolved = resolved or step.resolved(batch_size=1)
                 resolve_plan(resolved.module, None, resolved.name)
             return None
         plan = Plan(roles=(), batch=1, global_batch=mesh.dp_replicate * mesh.dp_shard)
@@ -251,15 +254,19 @@ class _Config:
     accum: int
     schedule: PipelineSchedule | None
     flops: float = 0.0  # the matmul FLOPs' seconds at the GPU's peak
+    flops_at: tuple[float, ...] = ()  # and those under each checkpointing searched (by index)
     floor: float = 0.0  # the compute's lower bound: ``flops``, or what traced configurations say
     bubble: float = 0.0  # the bubble's lower bound (from the FLOPs)
     hidden: float = 0.0  # seconds of overlapped collectives
     exposed: float = 0.0  # seconds of exposed collectives
     bound: float = 0.0
 
-    def with_compute(self, compute: float) -> float:
-        """The step's lower bound with ``compute`` as the compute's (:func:`step_seconds`)."""
-        return max(compute + self.bubble, self.hidden) + self.exposed
+    def with_compute(self, compute: float, work: float = 0.0) -> float:
+        """The step's lower bound with ``compute`` as the compute's and ``work`` as its part
+        outside the optimizer step's (:func:`step_seconds`): the bubble is ``(pp − 1) / stages
+        per rank`` microbatches of that work (:func:`_confirm`), at least the FLOPs' bubble."""
+        bubble = max(self.bubble, work / self.accum * (self.mesh.pp - 1) / self.stages_per_rank)
+        return max(compute + bubble, self.hidden) + self.exposed
 
     def kin(self) -> tuple[Any, ...]:
         """Configurations that run the same kernels per sample, but for data parallelism's split
@@ -295,7 +302,9 @@ class _Search:
     reports: dict[tuple[Any, ...], MemoryReport] = field(default_factory=dict)
 
     sequence: int = 1
+    peak: float = 1.0  # the GPU's dense peak FLOP/s for the compute dtype
     selective: int | None = None  # elements per token a block saves under selective-op (plan_bounds)
+    resolved: ResolvedModel | None = None  # the step's model, built once (read only)
     off: int | None = None  # and without checkpointing
 
     def facts_for(self, config: _Config) -> ModelFacts:
@@ -328,9 +337,9 @@ class _Search:
         return report
 
 
-def _sequence(step: Step) -> int:
+def _sequence(resolved: ResolvedModel) -> int:
     """Tokens per sample: the sequence length of a token model, else 1."""
-    inputs = step.resolved(1).inputs
+    inputs = resolved.inputs
     shapes = [t.shape for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point()]
     return int(shapes[0][1]) if shapes else 1
 
@@ -364,20 +373,23 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
             shapes += [(None, micro, per_rank // micro) for micro in _divisors(per_rank)]
         states = states_floor(search.step, search.facts, mesh)
         for schedule, micro, accum in shapes:
-            in_flight = 1 if schedule is None else accum if schedule is PipelineSchedule.GPIPE else min(mesh.pp, accum)
+            kept = in_flight(schedule, mesh.pp, search.facts.layers, accum)
             for ckpt, checkpoint in enumerate(search.checkpoints):
                 config = _Config(mesh, ckpt, micro, accum, schedule)
-                held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, in_flight,
+                held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, kept,
                                                   search.selective, search.off)
                 if search.step.capacity and held > search.step.capacity:
                     search.over += 1
                     continue
-                compute = compute_floor(search.facts, mesh, micro * accum * sequence, checkpoint, peak)
+                flops_at = tuple(compute_floor(search.facts, mesh, micro * accum * sequence, c, peak)
+                                 for c in search.checkpoints)
+                compute = flops_at[ckpt]
                 bubble = compute / accum * (mesh.pp - 1) / config.stages_per_rank
                 collectives = collectives_of(mesh, search.facts_for(config), accum)
                 hidden = sum(c.seconds(search.network) for c in collectives if c.overlapped)
                 exposed = step_seconds(0.0, 0.0, collectives, search.network, search.facts.layers)[1]
-                config = replace(config, flops=compute, floor=compute, bubble=bubble, hidden=hidden, exposed=exposed)
+                config = replace(config, flops=compute, flops_at=flops_at, floor=compute, bubble=bubble, hidden=hidden,
+                                 exposed=exposed)
                 out.append(replace(config, bound=config.with_compute(compute)))
     return out
 
@@ -398,15 +410,16 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     if not meshes:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly",
                                 hint=f"give a global batch that is a multiple of {gpus}")
-    module = step.resolved(1).module
-    search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(step),
+    resolved = step.resolved(1)  # built once: read by the bounds and by refusal
+    module = resolved.module
+    search = _Search(step, facts, network, checkpoints, on_estimate, sequence=_sequence(resolved), resolved=resolved,
                      selective=selective_saved(module), off=off_saved(module))
     wide = [m for m in meshes if m.tp > network.gpus_per_node]
     if wide:
         search.pruned.append(f"{len(wide)} meshes with tp beyond one node ({network.gpus_per_node} GPUs): not searched "
                              f"(each block would wait on the network)")
     meshes = [m for m in meshes if m.tp <= network.gpus_per_node]
-    refused = {m: refusal(step, m) for m in meshes}
+    refused = {m: refusal(step, m, resolved) for m in meshes}
     unsupported = [m for m in meshes if refused[m] is not None]
     search.pruned += [f"{m.describe()}: {refused[m]}" for m in unsupported]
     meshes = [m for m in meshes if refused[m] is None]
@@ -417,7 +430,8 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                              f"{_gib(min(states_floor(step, facts, m) for m in heavy))}): not estimated "
                              f"({'; '.join(m.describe() for m in heavy[:6])}{'; …' if len(heavy) > 6 else ''})")
     meshes = [m for m in meshes if m not in heavy]
-    configs = _configs(search, meshes, global_batch, peak_flops(step))
+    search.peak = peak_flops(step)
+    configs = _configs(search, meshes, global_batch, search.peak)
     if not configs and not search.over and not heavy:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly (into "
                                 f"data-parallel ranks and micro-batches, or a pipeline's {gpus} microbatches or more)",
@@ -430,8 +444,8 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     queue = [(c.schedule is not None, c.bound, -c.mesh.dp_shard, c.mesh.dp_replicate, i) for i, c in enumerate(configs)]
     heapq.heapify(queue)
     failing: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}  # (dp_shard, ckpt, micro) that did not fit
-    traced: dict[tuple[Any, ...], list[tuple[int, int, int, float]]] = {}  # (dp_shard, ckpt, micro, compute)
-    ratios: list[tuple[int, int, int, int, float]] = []  # (tp, dp_shard, ckpt, micro, seconds per FLOP-second)
+    timings = _Timings()
+    probed: set[tuple[int, int, int]] = set()  # (tp, ckpt, micro) probed without a pipeline
     best: list[PlanCandidate] = []
     broken: set[tuple[Mesh, bool, int]] = set()  # (mesh, pipelined, checkpointing) memcalc refuses
     bounded = 0
@@ -447,13 +461,9 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                 continue
             bounded += len(queue) + 1
             break  # every configuration left is at least this slow
-        floor = max([compute for s, c, m, compute in traced.get(config.kin(), [])
-                     if config.mesh.dp_shard <= s and config.ckpt >= c and config.micro <= m]
-                    + [config.flops * r for tp, s, c, m, r in ratios
-                       if tp <= config.mesh.tp and s >= config.mesh.dp_shard and c <= config.ckpt
-                       and m >= config.micro], default=0.0)
-        if floor > config.floor:  # a traced sibling bounds it more tightly: back in the queue
-            configs[index] = config = replace(config, floor=floor, bound=config.with_compute(floor))
+        tighter = timings.bound(config)
+        if tighter.bound > config.bound:  # traced configurations bound it more tightly: back in the queue
+            configs[index] = config = tighter
             heapq.heappush(queue, (later, config.bound, shard, replicas, index))
             continue
         if any(shards >= config.mesh.dp_shard and ckpt >= config.ckpt and micro <= config.micro
@@ -461,6 +471,9 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
             continue  # more sharding, more checkpointing or a smaller micro-batch did not fit
         pipelined = config.schedule is not None
         if (config.mesh, pipelined, config.ckpt) in broken:
+            continue
+        if pipelined and len(best) >= top and _probe(search, config, gpus, global_batch, probed, timings):
+            heapq.heappush(queue, (later, config.bound, shard, replicas, index))  # its bound again, with the probe's
             continue
         try:
             candidate, compute = _confirm(search, config)
@@ -474,10 +487,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                                       f"{config.describe(checkpoints)} failed ({why})")
             continue
         # a trace that does not fit still times its kernels: its compute bounds the others' as a fitting one's does
-        traced.setdefault(config.kin(), []).append((config.mesh.dp_shard, config.ckpt, config.micro, compute[0]))
-        if not pipelined and config.flops > 0:
-            ratios.append((config.mesh.tp, config.mesh.dp_shard, config.ckpt, config.micro,
-                           (compute[0] - compute[1]) / config.flops))
+        timings.record(config, *compute)
         if candidate is None:
             failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
             continue
@@ -488,6 +498,72 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                       meshes=tuple(meshes), configurations=len(configs) + search.over, estimates=search.estimates,
                       pruned=tuple(search.pruned), assumptions=_ASSUMPTIONS, unsupported=len(unsupported),
                       bounded=bounded, reused=search.reused)
+
+
+@dataclass
+class _Timings:
+    """What the traces so far say about the compute of the configurations not traced yet (module
+    docstring): a trace's compute and its part outside the optimizer step (``work``) bound its kin's
+    with less sharding, more checkpointing or a smaller micro-batch; a trace without a pipeline's
+    work per matmul FLOP-second, times the FLOPs under its checkpointing, bounds the work of those
+    with as much tp or more, as much sharding or less, as much checkpointing or more (each adds
+    recomputation; a ratio alone does not order, as the FLOPs count full's recomputation and not
+    selective-op's) and a smaller micro-batch, pipelined or not (a stage runs a share of the same
+    kernels). A pipeline's bubble is ``(pp − 1) / stages per rank`` microbatches of its work."""
+
+    # per kin: (dp_shard, ckpt, micro, compute, work)
+    traced: dict[tuple[Any, ...], list[tuple[int, int, int, float, float]]] = field(default_factory=dict)
+    ratios: list[tuple[int, int, int, int, float]] = field(default_factory=list)  # (tp, dp_shard, ckpt, micro, r)
+
+    def record(self, config: _Config, compute: float, once: float) -> None:
+        """A traced configuration's compute per optimizer step and its optimizer step's part."""
+        mesh = config.mesh
+        self.traced.setdefault(config.kin(), []).append((mesh.dp_shard, config.ckpt, config.micro, compute,
+                                                         compute - once))
+        if config.schedule is None and config.flops > 0:
+            self.ratios.append((mesh.tp, mesh.dp_shard, config.ckpt, config.micro, (compute - once) / config.flops))
+
+    def bound(self, config: _Config) -> _Config:
+        """``config`` with the tightest bound the traces give (its own, if they give none tighter)."""
+        mesh = config.mesh
+        kin = [(compute, work) for s, c, m, compute, work in self.traced.get(config.kin(), [])
+               if mesh.dp_shard <= s and config.ckpt >= c and config.micro <= m]
+        work = max([w for _, w in kin] + [config.flops_at[c] * r for tp, s, c, m, r in self.ratios
+                                          if tp <= mesh.tp and s >= mesh.dp_shard and c <= config.ckpt
+                                          and m >= config.micro], default=0.0)
+        floor = max([compute for compute, _ in kin] + [work, config.floor])
+        bound = config.with_compute(floor, work)
+        return replace(config, floor=floor, bound=bound) if bound > config.bound else config
+
+
+def _probe(search: _Search, config: _Config, gpus: int, global_batch: int, probed: set[tuple[int, int, int]],
+           timings: _Timings) -> bool:
+    """Before a pipeline's trace (every microbatch of its schedule, on each stage): trace, once per
+    (tp, checkpointing, micro-batch), the same tp, checkpointing and micro-batch without a pipeline
+    over every GPU (``dp_shard = gpus / tp``: as much sharding as any pipeline of that tp has or
+    more), a trace of one or two micro-batches, fitting or not, whose compute per matmul FLOP bounds
+    the pipeline's (:class:`_Timings`). False: already probed, or no such mesh splits the batch."""
+    mesh = config.mesh
+    key = (mesh.tp, config.ckpt, config.micro)
+    width = gpus // mesh.tp
+    if key in probed or mesh.cp > 1 or mesh.ep > 1 or global_batch % (width * config.micro):
+        return False
+    probed.add(key)
+    flat = Mesh(dp_shard=width, tp=mesh.tp)
+    if mesh.tp > search.network.gpus_per_node or refusal(search.step, flat, search.resolved) is not None:
+        return False
+    accum = global_batch // (width * config.micro)
+    tokens = config.micro * accum * search.sequence
+    flops_at = tuple(compute_floor(search.facts, flat, tokens, c, search.peak) for c in search.checkpoints)
+    probe = _Config(flat, config.ckpt, config.micro, accum, None, flops=flops_at[config.ckpt], flops_at=flops_at)
+    try:
+        time = search.report(probe).time
+    except MemcalcError:
+        return False
+    assert time is not None
+    compute, _, once = _seconds(time, min(accum, 2), accum)
+    timings.record(probe, compute, once)
+    return True
 
 
 def _checkpoints(checkpoint: str) -> tuple[Checkpointing, ...]:

@@ -18,7 +18,8 @@ Both are lower bounds, so pruning on them never drops a configuration that would
   whole; the logits on the last stage (one microbatch in flight), the others' microbatches in
   flight on the first. In the compute dtype, split by ``tp`` (sequence parallelism shards what
   tensor parallelism does not);
-  a pipeline rank keeps its blocks' share per microbatch in flight (GPipe: all; 1F1B: ``pp``).
+  a pipeline rank keeps its blocks' share per microbatch in flight (:func:`in_flight`: GPipe all;
+  1F1B ``pp``; interleaved 1F1B the forwards torch's schedule runs before the first backward).
 - **time**: the matmul FLOPs of the rank's share of the step (:func:`compute_floor`): forward
   ``2 × params × tokens``, backward ``2 ×`` that for the inputs' gradients plus ``2 ×`` the
   trainable parameters' for the weights' gradients, and the forward again under full
@@ -34,10 +35,12 @@ import torch
 from memcalc.core.checkpointing import Checkpointing, CheckpointKind
 from memcalc.distributed.collectives import ModelFacts
 from memcalc.distributed.mesh import Mesh
+from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.engine.step_spec import Step
 from memcalc.timing.performance import device_rates
 
-__all__ = ("activations_floor", "compute_floor", "off_saved", "peak_flops", "selective_saved", "states_floor")
+__all__ = ("activations_floor", "compute_floor", "in_flight", "off_saved", "peak_flops", "selective_saved",
+           "states_floor")
 
 _MODES = {torch.bfloat16: ("bf16",), torch.float16: ("fp16",), torch.float32: ("fp32", "tf32")}
 
@@ -117,8 +120,25 @@ def off_saved(module: torch.nn.Module) -> int | None:
             + gate.out_features + up.out_features + gate.out_features)
 
 
+def in_flight(schedule: PipelineSchedule | None, pp: int, layers: int | None, microbatches: int) -> float:
+    """Microbatches of a whole stage's blocks the first pipeline rank keeps at its peak, at least:
+    one without a pipeline; GPipe's every microbatch; 1F1B's ``pp``; interleaved 1F1B's (two
+    stages per rank) forwards before its first backward, each of one local stage's blocks
+    (``layers // (2 pp)``): torch's ``_get_warmup_ops``, ``min(per round + 2 (pp − 1),
+    2 × microbatches)`` with ``per round = microbatches // max(1, microbatches // pp)``."""
+    if schedule is None:
+        return 1
+    if schedule is PipelineSchedule.GPIPE:
+        return microbatches
+    if schedule is not PipelineSchedule.INTERLEAVED_1F1B or layers is None or layers < 2 * pp:
+        return min(pp, microbatches)
+    per_round = microbatches // max(1, microbatches // pp)
+    warmup = min(per_round + 2 * (pp - 1), 2 * microbatches)
+    return warmup * (layers // (2 * pp)) / (layers // pp)
+
+
 def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkpointing,
-                      in_flight: int, selective: int | None = None, off: int | None = None) -> float:
+                      in_flight: float, selective: int | None = None, off: int | None = None) -> float:
     """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``;
     ``selective`` and ``off``: :func:`selective_saved` and :func:`off_saved` of the model (None:
     the block's input only; the generic count)."""
