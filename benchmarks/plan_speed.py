@@ -11,7 +11,10 @@ round's bounds (main at e3afd87) 29 traces, 549 CPU-s, 30.6 min wall (as issue 3
 it; a rerun at load 12–36 was killed at 27 min, 18 traces and 218 CPU-s in, inside its first
 pipeline trace); after (the probes, the bubble bound, the interleaved memory bound) 23 traces,
 262.6 CPU-s, 395 s wall at load 4–9, the same five rows. 170 CPU-s of it is one pipeline that
-does not fit (dp_shard=2,tp=2,pp=16, interleaved 1F1B): the minute needs it ruled out untraced.
+does not fit (dp_shard=2,tp=2,pp=16, interleaved 1F1B). Plan then stopped a pipeline at its first
+rank that does not fit (rank 0 of that one): 23 traces, 142.4 CPU-s against 244.5 CPU-s without
+the stop (main at 4942e79), the two run side by side at load 4–7 (6.7 and 8.5 min wall), the same
+five rows (JSON equal). The minute needs that pipeline ruled out untraced, or cheaper traces.
 
     python benchmarks/plan_speed.py
 """

@@ -346,3 +346,46 @@ def test_selective_checkpointing_of_a_hugging_face_model_under_a_pipeline():
     for mine, theirs in zip(estimate.ranks, unchecked.ranks, strict=True):
         assert mine.peak <= theirs.peak  # (this small model peaks at its optimizer step)
         assert any("selective activation checkpointing" in n for n in mine.report.notes)
+
+
+@pytest.mark.parametrize(("schedule", "mesh"), [("gpipe", {}), ("interleaved-1f1b", {"dp_shard": 2, "tp": 2})],
+                         ids=["gpipe", "interleaved-3d"])
+def test_stopping_at_an_unfit_rank_traces_the_busiest_first_and_changes_no_report(schedule, mesh):
+    # under stop_at_unfit_rank the ranks are traced 0, 3, 1, 2 (GPipe's ranks 1 and 2 still share a
+    # trace): when every rank fits, every rank's report is byte for byte the one traced in rank order
+    import json
+
+    from memcalc.distributed.pipeline import stop_at_unfit_rank, trace_order
+
+    assert trace_order(4, True) == [0, 3, 1, 2] and trace_order(4, False) == [0, 1, 2, 3]
+    setting = memcalc.Distributed(pp=4, pp_schedule=schedule, microbatches=4, **mesh)
+    kwargs = {"batch_size": 4, "seq_len": 32, "optimizer": "adamw", "distributed": setting, "gpu": "h100-80gb"}
+    plain = memcalc.estimate("torch:llama-tiny", **kwargs)
+    with stop_at_unfit_rank():
+        stopping = memcalc.estimate("torch:llama-tiny", **kwargs)
+    assert plain.fits and [r.ranks for r in stopping.roles] == [r.ranks for r in plain.roles]
+    for mine, theirs in zip(stopping.roles, plain.roles, strict=True):
+        assert mine == theirs
+        assert json.dumps(mine.report.to_dict(), sort_keys=True) == json.dumps(theirs.report.to_dict(), sort_keys=True)
+        assert _same_timeline(mine.report, theirs.report)
+
+
+def test_an_unfit_rank_stops_the_pipeline_with_its_peak():
+    # a capacity between the ranks' peaks: the first rank in trace order that does not fit (as
+    # the full estimate judges each) stops the estimate, with its own peak
+    from memcalc.distributed.pipeline import PipelineOverCapacity, trace_order
+
+    kwargs = {"batch_size": 4, "seq_len": 32, "optimizer": "adamw", "gpu": "h100-80gb"}
+    pipeline = Pipeline(4, "1f1b", microbatches=4)
+    reserved = [r.report.peak_reserved for r in estimate_pipeline(build_step("torch:llama-tiny", **kwargs),
+                                                                  pipeline).ranks]
+    capacity = sorted(reserved)[-2]  # the busiest rank does not fit, the next does
+    full = estimate_pipeline(build_step("torch:llama-tiny", capacity=capacity, **kwargs), pipeline)
+    unfit = [r.rank for r in full.ranks if r.report.fits is False]
+    assert unfit and len(unfit) < 4
+    first = next(rank for rank in trace_order(4, True) if rank in unfit)
+    with pytest.raises(PipelineOverCapacity) as stop:
+        estimate_pipeline(build_step("torch:llama-tiny", capacity=capacity, **kwargs), pipeline, stop_unfit=True)
+    assert stop.value.rank == first and stop.value.peak_allocated == full.ranks[first].peak
+    assert estimate_pipeline(build_step("torch:llama-tiny", capacity=capacity, **kwargs), pipeline,
+                             stop_unfit=False).ranks == full.ranks

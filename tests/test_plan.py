@@ -464,3 +464,33 @@ def test_the_search_answers_as_tracing_every_configuration_would():
     assert [c.seconds for c in result.best] == pytest.approx([c.seconds for c in every[:4]], rel=1e-12)
     kth = every[3].seconds  # configurations tied with the last row may come in either order
     assert {row(c) for c in result.best if c.seconds < kth} == {row(c) for c in every[:4] if c.seconds < kth}
+
+
+@pytest.mark.slow
+def test_a_pipeline_stopped_at_an_unfit_rank_leaves_the_rows_as_they_were(tight_plan, monkeypatch):
+    # plan stops a pipeline's trace at its first rank that does not fit (stop_at_unfit_rank); with
+    # the stop off every rank is traced, as before: the same rows, each with the same figures, and
+    # the same configurations found not to fit
+    import contextlib
+
+    stopped = [p for p in tight_plan.pruned if "the other ranks not traced" in p]
+    assert stopped, tight_plan.pruned  # the case has a pipeline that does not fit
+    monkeypatch.setattr(planning, "stop_at_unfit_rank", contextlib.nullcontext)
+    full = memcalc.plan("llama-tiny", gpus=2, gpu="t4", global_batch=32, seq_len=2048, precision="fp32", top=20)
+    assert not any("the other ranks not traced" in p for p in full.pruned)
+    assert [json.dumps(c.to_dict(full.network), sort_keys=True) for c in tight_plan.best] == [
+        json.dumps(c.to_dict(full.network), sort_keys=True) for c in full.best]
+
+    def unfit(pruned: tuple[str, ...]) -> set[str]:
+        return {p.split(": does not fit")[0] for p in pruned if ": does not fit" in p}
+
+    assert unfit(tight_plan.pruned) == unfit(full.pruned)
+    # a stopped rank's peak is a lower bound of the busiest rank's the full trace names
+    for note in stopped:
+        label = note.split(": does not fit")[0]
+        known = next(p for p in full.pruned if p.startswith(f"{label}: does not fit"))
+        assert _gib_in(note) <= _gib_in(known)
+
+
+def _gib_in(note: str) -> float:
+    return float(note.split(" GiB allocated")[0].rsplit(" ", 1)[1].lstrip("("))

@@ -35,6 +35,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -65,7 +66,8 @@ from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
 from memcalc.targets.grouped_mm import grouped_mm_on_meta
 
-__all__ = ("InnerParallel", "Pipeline", "PipelineEstimate", "RankEstimate", "estimate_pipeline", "stage_mesh")
+__all__ = ("InnerParallel", "Pipeline", "PipelineEstimate", "PipelineOverCapacity", "RankEstimate", "estimate_pipeline",
+           "stage_mesh", "stop_at_unfit_rank", "trace_order")
 
 
 class InnerParallel(Protocol):
@@ -251,9 +253,48 @@ def _torch_release() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+class PipelineOverCapacity(Exception):  # a search's answer, not an error (no MemcalcError)
+    """A pipeline rank that does not fit its GPU, found before the other ranks were traced
+    (:func:`stop_at_unfit_rank`): the whole pipeline does not fit, as its report would say."""
+
+    def __init__(self, rank: int, peak_allocated: int) -> None:
+        super().__init__(f"pipeline rank {rank} does not fit ({peak_allocated} bytes allocated at its peak)")
+        self.rank = rank
+        self.peak_allocated = peak_allocated  # that rank's: a lower bound of the pipeline's busiest
+
+
+_STOP_UNFIT: ContextVar[bool] = ContextVar("memcalc_pipeline_stop_unfit", default=False)
+
+
+@contextlib.contextmanager
+def stop_at_unfit_rank() -> Iterator[None]:
+    """Inside it, :func:`estimate_pipeline` stops at the first rank that does not fit its GPU
+    (its report's ``fits`` is False, the criterion by which the whole pipeline's report does not
+    fit: its busiest role is one that does not fit) and raises :class:`PipelineOverCapacity`.
+    ``memcalc plan`` enters it: it needs only "does not fit" of such a configuration, and a
+    pipeline's ranks are its costliest traces (the run it sits in passes no option down to a
+    strategy, hence a context, not an argument)."""
+    token = _STOP_UNFIT.set(True)
+    try:
+        yield
+    finally:
+        _STOP_UNFIT.reset(token)
+
+
+def trace_order(stages: int, stop_unfit: bool) -> list[int]:
+    """The order the ranks are traced in: in rank order, or, to stop at an unfit rank early,
+    the likely busiest first: rank 0 (the most microbatches in flight, the embedding), the last
+    rank (the head and the loss), then the rest in rank order. The reports do not depend on it
+    (a rank sharing a trace gets its source's renamed: :mod:`pipeline_share`)."""
+    if not stop_unfit or stages < 2:
+        return list(range(stages))
+    return [0, stages - 1, *range(1, stages - 1)]
+
+
 def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFactory | None = None,
                       stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
-                      trace_precision: Precision | None = None, inner: InnerParallel | None = None) -> PipelineEstimate:
+                      trace_precision: Precision | None = None, inner: InnerParallel | None = None,
+                      stop_unfit: bool | None = None) -> PipelineEstimate:
     """Estimate every pipeline rank of ``step`` under ``pipeline``.
 
     ``step`` is one pipeline replica's step: its batch is what the first stage is fed per
@@ -265,9 +306,12 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
     stages trace at under that program (FSDP2's mixed precision runs without autocast).
     ``inner``: tensor parallelism inside each stage (its plan resolved on the whole model, the
     layout's shapes from a dry run of the parallelized model, so that a stage sends what a real
-    rank sends); ``stage_program`` then includes its program.
+    rank sends); ``stage_program`` then includes its program. ``stop_unfit``: trace the likely
+    busiest ranks first (:func:`trace_order`) and stop at the first that does not fit (None: as
+    :func:`stop_at_unfit_rank` says).
 
     Raises:
+        PipelineOverCapacity: under ``stop_unfit``, a rank that does not fit.
         InvalidInputError: a batch that does not divide into the microbatches; a split the
             model cannot take; a schedule torch refuses for these numbers.
         InapplicableOptionError: not a training step, or a process group is already
@@ -326,7 +370,8 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
                            checkpoint=bool(step.checkpoint))
     ranks = []
     sources: dict[Hashable, _TracedRank] = {}  # the first rank traced of each key (pipeline_share)
-    for rank in range(pipeline.stages):
+    stopping = _STOP_UNFIT.get() if stop_unfit is None else stop_unfit
+    for rank in trace_order(pipeline.stages, stopping):
         stages = placement[rank]
         held = tuple(blocks[s] for s in stages)
         key = share_key(whole.module, layout.blocks, stages, blocks, pipeline.total_stages, actions[rank],
@@ -350,7 +395,9 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
         flight = in_flight(actions[rank])
         ranks.append(RankEstimate(rank, stages, held, tuple(flight.get(s, 0) for s in stages), report, states,
                                   buffers))
-    return PipelineEstimate(pipeline, tuple(ranks), ASSUMPTIONS)
+        if stopping and report.fits is False:
+            raise PipelineOverCapacity(rank, report.bytes.peak_allocated)
+    return PipelineEstimate(pipeline, tuple(sorted(ranks, key=lambda r: r.rank)), ASSUMPTIONS)
 
 
 @dataclass(frozen=True)

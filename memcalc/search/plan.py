@@ -40,6 +40,7 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import StepTime
 from memcalc.distributed.collectives import LAYOUT, Collective, ModelFacts, Network
 from memcalc.distributed.mesh import Mesh
+from memcalc.distributed.pipeline import PipelineOverCapacity, stop_at_unfit_rank
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import DIMENSIONS, Plan
@@ -300,6 +301,7 @@ class _Search:
     over: int = 0  # configurations whose memory bound exceeds the GPU
     pruned: list[str] = field(default_factory=list)
     reports: dict[tuple[Any, ...], MemoryReport] = field(default_factory=dict)
+    unfit: dict[tuple[Any, ...], PipelineOverCapacity] = field(default_factory=dict)  # pipelines stopped early
 
     sequence: int = 1
     peak: float = 1.0  # the GPU's dense peak FLOP/s for the compute dtype
@@ -313,13 +315,22 @@ class _Search:
                        recompute=self.checkpoints[config.ckpt].kind is CheckpointKind.FULL)
 
     def report(self, config: _Config) -> MemoryReport:
-        """The busiest rank's timed estimate, one trace per distinct per-rank program."""
+        """The busiest rank's timed estimate, one trace per distinct per-rank program.
+
+        Raises:
+            PipelineOverCapacity: a pipeline with a rank that does not fit, its other ranks not
+                traced (:func:`stop_at_unfit_rank`): plan needs only that it does not fit.
+        """
         mesh = config.mesh
         canonical = replace(mesh, dp_replicate=min(mesh.dp_replicate, 2))
         key = (canonical, config.ckpt, config.micro, config.accum, config.schedule)
         known = self.reports.get(key)
-        if known is not None:
+        stopped = self.unfit.get(key)
+        if known is not None or stopped is not None:
             self.reused += 1
+            if stopped is not None:
+                raise stopped
+            assert known is not None
             return known
         if self.on_estimate is not None:
             self.on_estimate(config.describe(self.checkpoints))
@@ -331,7 +342,12 @@ class _Search:
                        Distributed(mesh=mesh, pp_schedule=config.schedule.value, microbatches=config.accum)
                        if config.schedule is not None else Distributed(mesh=mesh))
         self.estimates += 1
-        report = run_estimate(step, distributed)
+        try:
+            with stop_at_unfit_rank():
+                report = run_estimate(step, distributed)
+        except PipelineOverCapacity as stop:
+            self.unfit[key] = stop
+            raise
         report = replace(report, time=step_time(report))
         self.reports[key] = report
         return report
@@ -477,6 +493,11 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
             continue
         try:
             candidate, compute = _confirm(search, config)
+        except PipelineOverCapacity as stop:  # a rank does not fit: as a report that does not fit, untimed
+            search.pruned.append(f"{config.describe(checkpoints)}: does not fit (pipeline rank {stop.rank}: "
+                                 f"{_gib(stop.peak_allocated)} allocated at its peak; the other ranks not traced)")
+            failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
+            continue
         except MemcalcError as exc:  # a model without blocks to checkpoint, a batch a schedule refuses
             why = str(exc).splitlines()[0]
             where = "under a pipeline" if pipelined else "without a pipeline"
