@@ -15,6 +15,7 @@ another error, hence the ``try`` around each).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 
@@ -45,9 +46,7 @@ MODULES = (
 )
 
 for _name in MODULES:
-    try:
+    with contextlib.suppress(Exception):  # the rank imports it, or reports why not (module docstring)
         importlib.import_module(_name)
-    except Exception:  # noqa: BLE001 (the module docstring: the rank imports it, or reports why not)
-        pass
 gc.collect()
 gc.freeze()

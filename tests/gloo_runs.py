@@ -3,9 +3,10 @@ profiler: the reference for memcalc's DDP and FSDP2 estimates on the CPU target
 (tests/test_gloo_runs.py). Unlike the fake process group of tests/test_strategies.py, these
 runs allocate every buffer the real collectives allocate.
 
-:func:`run_cases` spawns ``world_size`` processes once for a list of :class:`GlooCase`s (a
-spawn costs seconds); each process joins a gloo group over a localhost TCP store, and runs
-the cases in order, each on a fresh model, wrapped as the case says.
+:func:`run_cases` starts ``world_size`` processes once for a list of :class:`GlooCase`s, forked
+from a forkserver that has imported what they need (:func:`spawn_ranks`); each process joins a
+gloo group over a localhost TCP store, and runs the cases in order, each on a fresh model,
+wrapped as the case says.
 
 How a rank's peak is measured: one warm-up step (FSDP's lazy init and DDP's bucket rebuild,
 which a steady-state step does not repeat), then the step under ``torch.profiler``
@@ -163,8 +164,9 @@ class GlooRunError(RuntimeError):
 def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, ...], timeout_s: float,
                 what: str = "gloo runs") -> None:
     """Run ``worker(rank, world_size, port, *args)`` on ``world_size`` processes forked from the
-    forkserver (:func:`start_forkserver`), the parent holding the rendezvous store's server (no port is picked and then lost to another
-    process), and wait for them all (every harness here: DDP/FSDP2, TP, PP, EP).
+    forkserver (:func:`start_forkserver`), the parent holding the rendezvous store's server (no
+    port is picked and then lost to another process), and wait for them all (every harness here:
+    DDP/FSDP2, TP, PP, EP).
 
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
