@@ -12,7 +12,8 @@
   one of its module- or session-scoped fixtures run in one worker, so that a real run they
   share (a gloo reference, a snapshot) is made once; the tests that run gloo ranks run in one
   worker, first (one forkserver for their ranks: tests/gloo_runs.py); every other test goes where
-  a worker is free.
+  a worker is free. (pytest 9.2 with pytest-xdist 3.8 ignores these groups: xdist appends the
+  group to ``item._nodeid``, which pytest 9.2 no longer reads; the gloo tests still run first.)
 * After collection, the collector freezes what collection made (``pytest_collection_finish``), so
   that each real step's ``gc.collect()`` scans what the tests make, not every imported module.
 """
