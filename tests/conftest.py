@@ -10,7 +10,10 @@
   ``without_gloo_copies``, which it uses).
 * Under pytest-xdist's ``--dist loadgroup`` (``.ci/run``: ``-n 2``), the tests of a module that use
   one of its module- or session-scoped fixtures run in one worker, so that a real run they
-  share (a gloo reference, a snapshot) is made once; every other test goes where a worker is free.
+  share (a gloo reference, a snapshot) is made once; the tests that run gloo ranks run in one
+  worker, first (one forkserver for their ranks: tests/gloo_runs.py); every other test goes where
+  a worker is free. (pytest 9.2 with pytest-xdist 3.8 ignores these groups: xdist appends the
+  group to ``item._nodeid``, which pytest 9.2 no longer reads; the gloo tests still run first.)
 * After collection, the collector freezes what collection made (``pytest_collection_finish``), so
   that each real step's ``gc.collect()`` scans what the tests make, not every imported module.
 """
@@ -159,8 +162,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if item.callspec.id not in keep:
                 item.add_marker(pytest.mark.slow)
     for item in items:
-        if _shares_a_wide_fixture(item):
+        if _spawns_gloo_ranks(item):
+            item.add_marker(pytest.mark.xdist_group(GLOO_GROUP))
+        elif _shares_a_wide_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    # the gloo runs first: the longest unit of work, started while the other worker takes the rest
+    # rather than left to the end of the run with one worker idle (a stable sort: order kept within)
+    items.sort(key=lambda item: not _spawns_gloo_ranks(item))
+
+
+#: The xdist group of every test that runs gloo ranks: one worker, so one forkserver imports what
+#: the ranks import (tests/gloo_preload.py) for all of them.
+GLOO_GROUP = "gloo-ranks"
+
+
+def _spawns_gloo_ranks(item: pytest.Item) -> bool:
+    """Whether ``item`` is in a module whose tests run real gloo ranks (``tests/test_gloo_*.py``,
+    ``tests/test_trl_gloo.py``)."""
+    name = item.path.name
+    return name.startswith("test_gloo_") or name == "test_trl_gloo.py"
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

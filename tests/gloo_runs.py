@@ -3,9 +3,10 @@ profiler: the reference for memcalc's DDP and FSDP2 estimates on the CPU target
 (tests/test_gloo_runs.py). Unlike the fake process group of tests/test_strategies.py, these
 runs allocate every buffer the real collectives allocate.
 
-:func:`run_cases` spawns ``world_size`` processes once for a list of :class:`GlooCase`s (a
-spawn costs seconds); each process joins a gloo group over a localhost TCP store, and runs
-the cases in order, each on a fresh model, wrapped as the case says.
+:func:`run_cases` starts ``world_size`` processes once for a list of :class:`GlooCase`s, forked
+from a forkserver that has imported what they need (:func:`spawn_ranks`); each process joins a
+gloo group over a localhost TCP store, and runs the cases in order, each on a fresh model,
+wrapped as the case says.
 
 How a rank's peak is measured: one warm-up step (FSDP's lazy init and DDP's bucket rebuild,
 which a steady-state step does not repeat), then the step under ``torch.profiler``
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,6 +53,13 @@ from memcalc.core.finetune import FineTune
 #: none in 40. Each repeat of these tiny steps takes a fraction of a second, and an idle run stops
 #: at its first complete trace, so the bound is generous: it only decides when a run gives up.
 MAX_ATTEMPTS = 150
+#: How the ranks start: forked from one server process per test process, which has imported what
+#: they import (:data:`PRELOAD`), instead of a fresh interpreter each (``spawn``) that imports torch
+#: again: seconds of CPU a rank. The forkserver, unlike ``fork``, forks from a process that has run
+#: no test (no threads, no process group, no profiler).
+START_METHOD = "forkserver"
+#: The forkserver's preload (tests/gloo_preload.py).
+PRELOAD = "gloo_preload"
 #: Input features, batch and model width of :class:`BlockNet`.
 FEATURES = 64
 BATCH = 16
@@ -154,17 +163,19 @@ class GlooRunError(RuntimeError):
 
 def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, ...], timeout_s: float,
                 what: str = "gloo runs") -> None:
-    """Run ``worker(rank, world_size, port, *args)`` on ``world_size`` spawned processes, the
-    parent holding the rendezvous store's server (no port is picked and then lost to another
-    process), and wait for them all (every harness here: DDP/FSDP2, TP, PP, EP).
+    """Run ``worker(rank, world_size, port, *args)`` on ``world_size`` processes forked from the
+    forkserver (:func:`start_forkserver`), the parent holding the rendezvous store's server (no
+    port is picked and then lost to another process), and wait for them all (every harness here:
+    DDP/FSDP2, TP, PP, EP).
 
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
+    start_forkserver()
     context = mp.start_processes(worker, args=(world_size, store.port, *args), nprocs=world_size, join=False,
-                                 start_method="spawn")
+                                 start_method=START_METHOD)
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=1.0):
@@ -177,6 +188,27 @@ def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, .
             if process.is_alive():
                 process.terminate()
                 process.join()
+
+
+def start_forkserver() -> None:
+    """Start this process's forkserver, if it is not running, with :data:`PRELOAD` imported.
+
+    The forkserver is a fresh interpreter, and Python 3.11's ignores the ``sys_path`` it is
+    given (later releases apply it): it finds ``tests/`` on ``PYTHONPATH``, set for its start
+    alone. A preload it cannot import is skipped silently, and every rank then imports for itself.
+    """
+    from multiprocessing import forkserver
+
+    mp.get_context(START_METHOD).set_forkserver_preload([PRELOAD])
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *([saved] if saved else [])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def until_complete(measure: Callable[[], tuple[int, bool]], before: int, counters: int, name: str) -> RankPeak:
