@@ -12,8 +12,8 @@
   one of its module- or session-scoped fixtures run in one worker, so that a real run they
   share (a gloo reference, a snapshot) is made once; the tests that run gloo ranks run in one
   worker, first (one forkserver for their ranks: tests/gloo_runs.py); every other test goes where
-  a worker is free. (pytest 9.2 with pytest-xdist 3.8 ignores these groups: xdist appends the
-  group to ``item._nodeid``, which pytest 9.2 no longer reads; the gloo tests still run first.)
+  a worker is free. (pytest-xdist 3.8 writes the group into ``item._nodeid``, which pytest 9.2 no
+  longer reads: ``_group_ids`` puts it in pytest 9.2's structured id.)
 * After collection, the collector freezes what collection made (``pytest_collection_finish``), so
   that each real step's ``gc.collect()`` scans what the tests make, not every imported module.
 """
@@ -166,9 +166,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(GLOO_GROUP))
         elif _shares_a_wide_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    if config.getoption("dist", None) == "loadgroup":
+        _group_ids(items)
     # the gloo runs first: the longest unit of work, started while the other worker takes the rest
     # rather than left to the end of the run with one worker idle (a stable sort: order kept within)
     items.sort(key=lambda item: not _spawns_gloo_ranks(item))
+
+
+def _group_ids(items: list[pytest.Item]) -> None:
+    """Put each item's ``xdist_group`` in its node id (``path::test@group``), as pytest-xdist's
+    ``loadgroup`` reads it, where pytest keeps the id as a structured ``NodeId`` (pytest 9.2):
+    xdist 3.8 writes the suffixed id to ``item._nodeid``, which that pytest no longer reads, so its
+    groups were ignored. An older pytest reads ``_nodeid``, and xdist's own hook serves it."""
+    try:
+        from _pytest.nodeid import NodeId  # private: pytest 9.2's structured node id
+    except ImportError:
+        return
+    for item in items:
+        names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                        for mark in item.iter_markers("xdist_group")})
+        if names and isinstance(getattr(item, "_id", None), NodeId):
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 #: The xdist group of every test that runs gloo ranks: one worker, so one forkserver imports what
