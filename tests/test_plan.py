@@ -64,6 +64,19 @@ def test_hsdp_all_reduces_each_replica_shard_across_nodes():
     assert got["dp_replicate"].seconds(network) == 750_000 / 40e9
 
 
+def test_hsdp_stages_all_reduce_once_per_step_under_a_pipeline():
+    # pp=2 × HSDP 2 × 2, 4 microbatches: a rank's stage holds P / 2 and its shard P / 2 / 2; torch's
+    # PipelineStage turns the FSDP2 stage's gradient sync off until the last microbatch, so the
+    # replicas all-reduce that shard (P × 4 B / 4) once, a ring of 2 receiving twice half of it:
+    # 2 × (P × 4 / 4) × 1/2 = P bytes, where every microbatch's all-reduce would be 4 × that
+    mesh = Mesh(pp=2, dp_replicate=2, dp_shard=2)
+    got = {c.dimension: c for c in collectives_of(mesh, FP32, 4)}
+    assert got["dp_replicate"].received == 2 * (P * 4 / 4) / 2 == 1_000_000
+    assert got["dp_replicate"].count == 1 and "after the last microbatch" in got["dp_replicate"].what
+    unpipelined = {c.dimension: c for c in collectives_of(Mesh(dp_replicate=2, dp_shard=4), FP32, 4)}
+    assert unpipelined["dp_replicate"].count == 4
+
+
 def test_bandwidth_follows_the_node():
     network = Network(gpus_per_node=8, intra_node_gbps=450, inter_node_gbps=50)
     assert network.bandwidth(8) == 450e9 and network.bandwidth(16) == 50e9

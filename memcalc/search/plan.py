@@ -606,7 +606,8 @@ _ASSUMPTIONS = (
     "ring collectives: a rank receives size × (n − 1) / n per all-gather or reduce-scatter, twice that per "
     "all-reduce; a group within one node runs at NVLink's bandwidth, else at the network's; latency not modelled",
     "FSDP2 FULL_SHARD all-gathers in forward and backward and reduce-scatters every micro-batch (under a pipeline: "
-    "once per step, reshard_after_forward=False); DDP/HSDP all-reduce every micro-batch (no no_sync); a rank moves "
+    "once per step, reshard_after_forward=False); DDP/HSDP all-reduce every micro-batch (no no_sync; under a pipeline "
+    "once per step, with the reduce-scatter); a rank moves "
     "1 / (tp × pp) of the parameters",
     "tensor parallelism: torchtitan's Llama plan with sequence parallelism, 4 all-gathers and 4 reduce-scatters of a "
     "block's activation per micro-batch (6 + 6 under full checkpointing), the logits all-gathered (no loss_parallel)",
