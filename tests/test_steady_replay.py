@@ -98,7 +98,10 @@ def test_skipping_repeated_layers_keeps_the_stats(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(steady_replay, "MAX_UNIT_PERIOD", 0)
     steps_only, _, fed_steps_only, _ = _replays(monkeypatch, source, batch_size=1, seq_len=prompt, new_tokens=tokens)
     assert fast == full == steps_only
-    assert fed < fed_steps_only < events
+    # on the oldest leg (transformers 5.17, NO_LLAMA_CYCLE above) the deep Llama's decode steps show
+    # no cycle, so whole steps skip nothing; its layers still repeat within the steps
+    assert fed < fed_steps_only <= events
+    assert fed_steps_only < events or (NO_LLAMA_CYCLE and config is DEEP_LLAMA)
 
 
 def test_short_generations_and_capacities_replay_every_event(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
