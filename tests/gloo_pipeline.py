@@ -19,10 +19,12 @@ gradients of the received activations, which ``step()`` drops when it begins.
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +177,6 @@ def _selective_blocks(model: BlockNet) -> None:
     ``preserve_rng_state=False``), before the split. With the RNG state preserved, each call in
     flight would hold a copy of the CPU generator's state (5,056 B; measured: rank 0 of GPipe
     held 7, 35,392 B above the estimate): host memory on a GPU, which memcalc does not count."""
-    from functools import partial
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -190,10 +191,33 @@ def _selective_blocks(model: BlockNet) -> None:
         model.blocks[index] = wrap(block)
 
 
+def cut_stage(model: nn.Module, index: int, stages: int) -> nn.Module:
+    """A copy of a causal LM (``model.model.layers``, ``embed_tokens``, ``norm``, ``lm_head``) cut
+    to stage ``index`` of ``stages`` as torchtitan cuts it: its share of the layers, and None for
+    the embedding (all but the first stage) and the norm and head (all but the last)."""
+    cut = copy.deepcopy(model)
+    layers = list(cut.model.layers)
+    per = len(layers) // stages
+    cut.model.layers = nn.ModuleList(layers[index * per:(index + 1) * per])
+    if index > 0:
+        cut.model.embed_tokens = None
+    if index < stages - 1:
+        cut.model.norm = None
+        cut.lm_head = None
+    return cut
+
+
+#: The pipeline runs' optimizer: a fresh foreach Adam per measured step.
+FOREACH_ADAM = partial(torch.optim.Adam, foreach=True)
+
+
 def measure_schedule(schedule: Any, stages: Sequence[Any], stage_module: nn.Module, x: torch.Tensor | None, *,
-                     last: bool, batch: int, name: str) -> RankPeak:
-    """One rank's peak over two optimizer steps of ``schedule`` (each a fresh foreach Adam over
-    the rank's trainable parameters, dropped at the end), after a warm-up step (metadata
+                     last: bool, batch: int, name: str,
+                     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = FOREACH_ADAM,
+                     counters_per_parameter: int = 4) -> RankPeak:
+    """One rank's peak over two optimizer steps of ``schedule`` (each a fresh ``optimizer`` over
+    the rank's trainable parameters, foreach Adam unless told, dropped at the end; its host step
+    counters, ``counters_per_parameter`` bytes a parameter, left out), after a warm-up step (metadata
     inference, receive buffers). ``x``: the batch on the first stage's rank, else None; the
     last stage's rank passes an empty ``batch``-row target (the mean loss takes none; the schedule
     splits one)."""
@@ -201,20 +225,20 @@ def measure_schedule(schedule: Any, stages: Sequence[Any], stage_module: nn.Modu
     trainable = [p for p in stage_module.parameters() if p.requires_grad]
 
     def step() -> None:
-        optimizer = torch.optim.Adam(trainable, foreach=True)
+        made = optimizer(trainable)
         for _ in range(2):
             if x is not None:
                 schedule.step(x, return_outputs=False)
             else:
                 schedule.step(target=target, return_outputs=False)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        del optimizer
+            made.step()
+            made.zero_grad(set_to_none=True)
+        del made
         gc.collect()
 
     step()
     before = _storages_before(stages, stage_module, x)
-    return until_complete(lambda: _measured(step), before, 4 * len(trainable), f"{name}: ")
+    return until_complete(lambda: _measured(step), before, counters_per_parameter * len(trainable), f"{name}: ")
 
 
 def _storages_before(stages: Sequence[Any], module: nn.Module, x: torch.Tensor | None) -> int:

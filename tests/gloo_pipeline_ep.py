@@ -17,18 +17,16 @@ stage: a warm-up step, then two iterations of ``schedule.step``, the optimizer's
 
 from __future__ import annotations
 
-import copy
-import gc
 import json
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from gloo_ep import route
-from gloo_pipeline import _measured, _storages_before
-from gloo_runs import RankPeak, spawn_ranks, until_complete
+from gloo_pipeline import cut_stage, measure_schedule
+from gloo_runs import RankPeak, spawn_ranks
 from torch import nn
 
 #: The mesh.
@@ -58,16 +56,7 @@ class MixtralStage(nn.Module):
 
     def __init__(self, model: nn.Module, index: int, stages: int) -> None:
         super().__init__()
-        cut = copy.deepcopy(model)
-        layers = list(cut.model.layers)
-        per = len(layers) // stages
-        cut.model.layers = nn.ModuleList(layers[index * per:(index + 1) * per])
-        if index > 0:
-            cut.model.embed_tokens = None
-        if index < stages - 1:
-            cut.model.norm = None
-            cut.lm_head = None
-        self.model = cut
+        self.model = cut_stage(model, index, stages)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner = self.model.model
@@ -146,24 +135,9 @@ def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
     stage = PipelineStage(stage_module, index, PP, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = get_schedule_class(case.schedule)(stage, case.microbatches, loss_fn=lambda out, _target: out.mean())
     x = inputs.args[0] if inputs.args else inputs.kwargs["input_ids"]
-    first, last = index == 0, index == PP - 1
-    target = torch.empty(case.batch, 0) if last else None
-    trainable = [p for p in stage_module.parameters() if p.requires_grad]
-    optimizer_class: Any = torch.optim.Adam if case.optimizer == "adam" else torch.optim.SGD
-
-    def one_step() -> None:
-        optimizer = optimizer_class(trainable, lr=1e-3)
-        for _ in range(2):
-            if first:
-                schedule.step(x, return_outputs=False)
-            else:
-                schedule.step(target=target, return_outputs=False)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        del optimizer
-        gc.collect()
-
-    one_step()  # the warm-up: metadata inference, receive buffers, the routing patterns
-    before = _storages_before([stage], stage_module, x if first else None)
-    counters = 4 * len(trainable) if case.optimizer == "adam" else 0
-    return until_complete(lambda: _measured(one_step), before, counters, f"{case.name}: ")
+    # the warm-up step also makes the routing patterns; Adam's step counters are left out
+    adam = case.optimizer == "adam"
+    return measure_schedule(schedule, [stage], stage_module, x if index == 0 else None, last=index == PP - 1,
+                            batch=case.batch, name=case.name,
+                            optimizer=partial(torch.optim.Adam if adam else torch.optim.SGD, lr=1e-3),
+                            counters_per_parameter=4 if adam else 0)

@@ -15,7 +15,6 @@ iterations of ``schedule.step``, ``Adam(foreach=True).step()``, ``zero_grad`` un
 
 from __future__ import annotations
 
-import copy
 import json
 import warnings
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gloo_pipeline import measure_schedule
+from gloo_pipeline import cut_stage, measure_schedule
 from gloo_runs import RankPeak, spawn_ranks
 from gloo_tp import LLAMA_SEQ, SMALL_LLAMA, small_llama
 from torch import nn
@@ -53,16 +52,7 @@ class LlamaStage(nn.Module):
 
     def __init__(self, model: nn.Module, index: int, stages: int) -> None:
         super().__init__()
-        cut = copy.deepcopy(model)
-        layers = list(cut.model.layers)
-        per = len(layers) // stages
-        cut.model.layers = nn.ModuleList(layers[index * per:(index + 1) * per])
-        if index > 0:
-            cut.model.embed_tokens = None
-        if index < stages - 1:
-            cut.model.norm = None
-            cut.lm_head = None
-        self.model = cut
+        self.model = cut_stage(model, index, stages)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner = self.model.model
