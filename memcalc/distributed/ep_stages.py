@@ -32,7 +32,6 @@ from memcalc.distributed.tensor_parallel import _clear_dtensor_caches, _restore_
 from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.trace import StorageTracer
-from memcalc.targets.grouped_mm import grouped_mm_on_meta
 
 __all__ = ("StageExpertParallel",)
 
@@ -91,7 +90,6 @@ class StageExpertParallel:
             with ExitStack() as stack:
                 ep_mesh, tp_mesh = expert_meshes()
                 apply_expert_parallelism(module, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
-                stack.enter_context(grouped_mm_on_meta())
                 stack.enter_context(answering)
                 yield
         finally:

@@ -64,7 +64,6 @@ from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
-from memcalc.targets.grouped_mm import grouped_mm_on_meta
 
 __all__ = ("InnerParallel", "Pipeline", "PipelineEstimate", "PipelineOverCapacity", "RankEstimate", "estimate_pipeline",
            "stage_mesh", "stop_at_unfit_rank", "trace_order")
@@ -354,14 +353,11 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
             if param.is_floating_point():
                 param.data = param.data.to(low)
     containers = block_containers_of(micro.module, micro.block_containers)
-    # the dry runs run outside the step's backend: a mixture of experts' grouped matmuls need its
-    # meta kernel there too (torch's own asks for bf16 operands, as CUDA's kernel does)
     if inner is None:
-        with grouped_mm_on_meta():
-            layout = layout_of(micro.module, micro.inputs, containers, micro.name)
+        layout = layout_of(micro.module, micro.inputs, containers, micro.name)
     else:
         inner.resolve(micro.module, micro.inputs, micro.name)
-        with _fake_group(0, pipeline.stages, inner.degree), inner.applied(micro.module, ""), grouped_mm_on_meta():
+        with _fake_group(0, pipeline.stages, inner.degree), inner.applied(micro.module, ""):
             layout = layout_of(micro.module, micro.inputs, containers, micro.name)
     blocks = stage_blocks(layout.blocks, pipeline.total_stages, pipeline.split_points)
     placement = stage_of_rank(pipeline.schedule_kind, pipeline.stages, pipeline.per_rank)
@@ -575,8 +571,7 @@ class _PipelineProgram:
 
                     answering = StorageTracer("meta", read_values=tracer.read_values)
                     answering.defer_to = (DTensor,)  # DTensor's own dispatch first, as in the step
-                with (answering, grouped_mm_on_meta(),
-                      contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model.")):
+                with answering, contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model."):
                     output = example.call(stage_module)
             else:  # the activation the next stage receives
                 shape, dtype = self.layout.activation

@@ -33,6 +33,7 @@ from torch import nn
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.engine.losses import primary_tensor
 from memcalc.engine.model import ModelInputs
+from memcalc.targets.grouped_mm import grouped_mm_on_meta
 
 __all__ = ("ModelLayout", "StageModule", "block_containers_of", "layout_of", "stage_blocks")
 
@@ -113,7 +114,9 @@ def layout_of(module: nn.Module, inputs: ModelInputs, containers: Sequence[str],
 
             handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(sub.register_forward_hook(post, with_kwargs=True))
-        with torch.no_grad():
+        # outside the step's backend: a mixture of experts' grouped matmuls need its meta kernel
+        # here too (torch's own asks for bf16 operands, as CUDA's kernel does)
+        with torch.no_grad(), grouped_mm_on_meta():
             inputs.call(module)
     finally:
         for handle in handles:
