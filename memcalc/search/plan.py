@@ -324,14 +324,12 @@ class _Search:
         mesh = config.mesh
         canonical = replace(mesh, dp_replicate=min(mesh.dp_replicate, 2))
         key = (canonical, config.ckpt, config.micro, config.accum, config.schedule)
-        known = self.reports.get(key)
-        stopped = self.unfit.get(key)
-        if known is not None or stopped is not None:
+        if key in self.unfit:
             self.reused += 1
-            if stopped is not None:
-                raise stopped
-            assert known is not None
-            return known
+            raise self.unfit[key]
+        if key in self.reports:
+            self.reused += 1
+            return self.reports[key]
         if self.on_estimate is not None:
             self.on_estimate(config.describe(self.checkpoints))
         pipelined = config.schedule is not None
