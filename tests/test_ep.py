@@ -226,12 +226,28 @@ def test_pp_alone_on_a_mixture_of_experts_by_hand(tiny: str) -> None:
         ranks: 4 * n for ranks, n in held.items()}
 
 
-@pytest.mark.parametrize("degrees, named", [(dict(tp=2), "tp=2"), (dict(dp_shard=2, dp_replicate=2), "dp_replicate=2")],
-                         ids=["tp", "hsdp"])
-def test_pp_x_ep_with_tp_or_hsdp_is_refused_by_name(tiny: str, degrees: dict[str, int], named: str) -> None:
-    with pytest.raises(InapplicableOptionError, match=rf"pp=2 with ep=2 and {named} is not modelled yet"):
+@pytest.mark.parametrize("degrees, named", [(dict(tp=2, dp_shard=2), "and tp=2 and dp_shard=2"),
+                                            (dict(dp_shard=2, dp_replicate=2), "and dp_replicate=2")],
+                         ids=["tp-dp_shard", "hsdp"])
+def test_pp_x_ep_with_tp_and_dp_shard_or_hsdp_is_refused_by_name(tiny: str, degrees: dict[str, int],
+                                                                 named: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=rf"pp=2 with ep=2 {named} is not modelled yet"):
         memcalc.estimate(tiny, batch_size=2, seq_len=16,
                          distributed=memcalc.Distributed(pp=2, ep=2, microbatches=2, **degrees))
+
+
+def test_pp_x_tp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
+    # two stages of one layer; in each, Mixtral's tp plan over the 2 tp ranks (the embedding's rows, the head's
+    # columns, q, k, v, o: halves) and the layer's 4 experts over the ep x tp = 4 ranks of the pipeline rank
+    setting = memcalc.Distributed(pp=2, tp=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu", distributed=setting)
+    layer = (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64) // 2 + 4 * 64 + 2 * 64 + 4 * EXPERT // 4
+    held = {(0, 1, 2, 3): 256 * 64 // 2 + layer, (4, 5, 6, 7): layer + 64 + 256 * 64 // 2}
+    assert held == {(0, 1, 2, 3): 39_296, (4, 5, 6, 7): 39_360}
+    assert {role.ranks: role.report.bytes.parameters for role in report.roles} == {
+        ranks: 4 * n for ranks, n in held.items()}
+    assert report.global_batch_size == 2 * 2  # a batch per tp group
+    assert any("each holds 1/4 of the stage's MoE layers' experts" in note for note in report.notes)
 
 
 def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:

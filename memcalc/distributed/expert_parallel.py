@@ -94,14 +94,19 @@ def routing_text(routing: Routing, capacity_factor: float | None) -> str:
     return "balanced routing: every expert receives tokens · top_k / experts pairs from every rank"
 
 
-def expert_notes(degree: int, routing: Routing, capacity_factor: float | None, dp_shard: int = 1) -> str:
+def expert_notes(degree: int, routing: Routing, capacity_factor: float | None, dp_shard: int = 1, tp: int = 1) -> str:
     """The report's note on ``degree``-way expert parallelism inside pipeline stages (with
-    ``dp_shard``-way FSDP2 around it)."""
+    ``dp_shard``-way FSDP2 around it, or ``tp``-way tensor parallelism beside it)."""
     dense = ("the dense part whole, its gradients' synchronisation over the ep ranks not modelled" if dp_shard == 1
              else f"FSDP2 of each stage as torchtitan shards MoE models: each block's experts over the {dp_shard} "
                   f"dp_shard ranks that hold the same experts, the dense part over dp_shard x ep = {dp_shard * degree}")
-    return (f"expert parallelism over {degree} ranks inside every stage: each holds 1/{degree} of the stage's MoE "
-            f"layers' experts (their gradients and optimizer state) and a batch of its own; tokens move by "
+    if tp > 1:
+        dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch, the experts over all ep x "
+                 f"tp = {degree * tp} ranks (transformers' ep_size = fsdp_size x tp_size, torchtitan's etp=1); the "
+                 f"dense gradients' synchronisation over the ep ranks not modelled; against a real gloo run the "
+                 f"first stage's peak was 1.5% under (one tokens x hidden buffer, not explained yet)")
+    return (f"expert parallelism over {degree} ranks inside every stage: each holds 1/{degree * tp} of the stage's "
+            f"MoE layers' experts (their gradients and optimizer state) and a batch of its own; tokens move by "
             f"all-to-all under {routing_text(routing, capacity_factor)}; ep rank 0 traced; {dense}")
 
 
