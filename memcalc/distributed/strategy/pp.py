@@ -22,7 +22,8 @@ stage's experts are sharded over the ep ranks (:mod:`memcalc.distributed.ep_stag
 With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
 parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it
 (:mod:`memcalc.distributed.tp_stages`): a pipeline rank's tp and dp_shard ranks share its trace,
-numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``.
+numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``. With ``tp`` and ``ep`` both
+(no dp_shard), each stage's experts go over the pipeline rank's ep × tp ranks (``StageExpertTensorParallel``).
 """
 
 from __future__ import annotations
