@@ -103,8 +103,9 @@ def expert_notes(degree: int, routing: Routing, capacity_factor: float | None, d
     if tp > 1:
         dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch, the experts over all ep x "
                  f"tp = {degree * tp} ranks (transformers' ep_size = fsdp_size x tp_size, torchtitan's etp=1); the "
-                 f"dense gradients' synchronisation over the ep ranks not modelled; against a real gloo run the "
-                 f"first stage's peak was 1.5% under (one tokens x hidden buffer, not explained yet)")
+                 f"dense gradients' synchronisation over the ep ranks not modelled; against real gloo runs the "
+                 f"first stage's peak was under by up to one microbatch's tokens x hidden buffer (1.5% with 2 "
+                 f"microbatches, 3.7% with 1, on a tiny Mixtral), not explained yet")
     return (f"expert parallelism over {degree} ranks inside every stage: each holds 1/{degree * tp} of the stage's "
             f"MoE layers' experts (their gradients and optimizer state) and a batch of its own; tokens move by "
             f"all-to-all under {routing_text(routing, capacity_factor)}; ep rank 0 traced; {dense}")
