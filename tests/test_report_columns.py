@@ -61,3 +61,16 @@ def test_columns_are_the_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
         for key, nbytes in alive.items():
             walked[traced.categories[program.storage(key)]] += nbytes
         assert shared == walked
+
+
+def test_category_totals_past_float64s_integers_are_exact() -> None:
+    """Past 2**53 bytes in all, the categories are summed in int64, not through float64's bincount."""
+    big = (1 << 53) + 1  # no float64 holds it
+    program = Program(events=[0, 1, 2, ~2], num_storages=3, iterations=1, iteration_starts=(0,))
+    nbytes = [big, big, 3]
+    categories = [Category.PARAMETERS, Category.PARAMETERS, Category.ACTIVATIONS]
+    totals = category_totals_at(program, nbytes, categories, 2)
+    assert totals[Category.PARAMETERS] == 2 * big != int(float(2 * big)) and totals[Category.ACTIVATIONS] == 3
+    assert category_totals_at(program, nbytes, categories, 3)[Category.ACTIVATIONS] == 0
+    small = category_totals_at(program, [5, 7, 3], categories, 2)  # the float64 path: exact too
+    assert small[Category.PARAMETERS] == 12 and small[Category.ACTIVATIONS] == 3

@@ -173,6 +173,10 @@ def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Seque
                    streams=streams)
 
 
+#: Integers up to 2**53 are exact in float64: a sum whose terms' magnitudes add up to less is exact.
+_EXACT_IN_FLOAT64 = 1 << 53
+
+
 def category_codes(categories: Sequence[Category]) -> np.ndarray:
     """Each storage's category as its index in ``list(Category)`` (int64; a long generation has
     millions of storages: one pass, shared by the report's readers)."""
@@ -192,6 +196,10 @@ def category_totals_at(program: Program, nbytes: Sequence[int] | np.ndarray, cat
     signed = np.asarray(nbytes, dtype=np.int64)[uids]
     signed[events < 0] *= -1  # int64: exact
     of = (codes if codes is not None else category_codes(categories))[uids]
+    # every partial sum an integer float64 holds exactly (the bound summed in float64, with room for its rounding)
+    if np.abs(signed).sum(dtype=np.float64) < _EXACT_IN_FLOAT64 / 2:
+        sums = np.bincount(of, weights=signed, minlength=len(totals)).tolist()
+        return {category: int(sums[i]) for i, category in enumerate(Category)}
     for i, category in enumerate(Category):
         totals[category] = int(signed[of == i].sum())
     return totals
