@@ -34,6 +34,7 @@ from typing import Any
 from tabulate import tabulate
 
 import memcalc
+from memcalc import estimation
 from memcalc.api import max_batch_size
 from memcalc.search import affine, fit
 
@@ -119,7 +120,9 @@ def pieces() -> None:
 
     # the real estimates; the replays: the jump's judgement (replay_under) and the family's probes
     timed_calls: tuple[tuple[object, str, str], ...] = (
-        (fit, "run_estimate", "estimates"), (fit, "replay_under", "replays"), (affine.AffineFamily, "probe", "replays"))
+        (fit, "run_estimate", "estimates"), (fit, "replay_under", "replays"), (affine.AffineFamily, "probe", "replays"),
+        *(((fit, "trace_estimate", "estimates"), (estimation.TracedEstimate, "report", "estimates"))
+          if hasattr(fit, "trace_estimate") else ()))
     for owner, attribute, label in timed_calls:
         setattr(owner, attribute, timed(label, getattr(owner, attribute)))
     for name, piece in PIECES.items():

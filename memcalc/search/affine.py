@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.engine import allocator
+from memcalc.engine.collector import while_collector_paused
 from memcalc.engine.run import TracedStep
 from memcalc.engine.timeline import Program, allocator_events
 from memcalc.engine.trace import SizeRule
@@ -43,15 +44,29 @@ class SyntheticPoint(NamedTuple):
     reserved_within_capacity: int
 
 
-def replay_under(program: Program, nbytes: Sequence[int], capacity: int, batch: int,
+def replay_under(program: Program, nbytes: Sequence[int], capacity: int | None, batch: int,
                  settings: AllocConf | None = None, *, host: bool = False) -> SyntheticPoint:
-    """One replay of ``program`` with storage sizes ``nbytes`` under ``capacity`` (the allocator
-    frees its cache and retries before it gives up, as PyTorch does): whether it fits, under the
-    allocator's ``settings`` (``PYTORCH_CUDA_ALLOC_CONF``; None: the defaults). ``host``: the CPU
-    target's allocator (no rounding, nothing cached)."""
-    stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host,
-                             streams=program.streams)
+    """One replay of ``program`` with storage sizes ``nbytes`` under ``capacity`` (None: no
+    limit; the allocator frees its cache and retries before it gives up, as PyTorch does):
+    whether it fits, under the allocator's ``settings`` (``PYTORCH_CUDA_ALLOC_CONF``; None: the
+    defaults). ``host``: the CPU target's allocator (no rounding, nothing cached)."""
+    if host or program.streams:
+        stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host,
+                                 streams=program.streams)
+    else:  # the allocator's inlined loop (the same decisions, two to three times as fast)
+        stats = _fed(program, nbytes, capacity, settings)
     return SyntheticPoint(batch, stats.oom_at is None, stats.peak_allocated, stats.peak_reserved)
+
+
+@while_collector_paused
+def _fed(program: Program, nbytes: Sequence[int], capacity: int | None,
+         settings: AllocConf | None) -> allocator.AllocatorStats:
+    """:func:`memcalc.engine.allocator.replay` of ``program`` on the compute stream, through
+    :meth:`~memcalc.engine.allocator.CachingAllocatorModel.feed`: its keys are ``uid`` and
+    ``uid + N`` (the second iteration), so each size is listed once per iteration."""
+    model = allocator.CachingAllocatorModel(capacity, settings=settings)
+    model.feed(program.events, list(nbytes) * 2, [allocator.round_size(size) for size in nbytes] * 2, {})
+    return model.stats()
 
 
 @dataclass(frozen=True)
