@@ -262,7 +262,7 @@ def test_activation_dominated_model_puts_checkpointing_first():
     with pytest.raises(DoesNotFitError) as caught:
         max_batch_size("gpt2", budget=one.bytes.peak_allocated - MiB, seq_len=1024, optimizer="sgd")
     error = caught.value
-    states = sum(error.report.bytes.category(c) for c in budgets._MODEL_STATES)
+    states = sum(error.report.bytes.category(c) for c in budgets.MODEL_STATES)
     assert states < error.report.bytes.peak_allocated - states
     assert error.dominant == "activations" and "activations dominate" in str(error)
     remedies = error.hint.split(":", 1)[1].split(";")
@@ -508,8 +508,10 @@ def test_a_batch_judged_off_its_trace_is_judged_as_off_its_report(margin):
     reported = search._Estimates(step, search.SINGLE, capacity, limit)
     judged = []
     for batch in (2, 160, 300, 330, 360, 400):
-        point = light.point(batch)
+        point, whole, per_sample = light.point(batch), light.whole(batch), light.per_sample(batch)
         assert batch not in light.reports  # judged without one
-        assert point == reported.point(batch, reported=True), batch
-        judged.append(point.fits)
-    assert True in judged and False in judged
+        report = reported.estimate(batch)
+        assert point == reported.point(batch) and whole == reported.whole(batch), batch
+        assert per_sample == budgets.batch_bytes(report) / batch
+        judged.append((point.fits, whole.fits))
+    assert {True, False} == {fits for fits, _ in judged} == {fits for _, fits in judged}

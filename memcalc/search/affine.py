@@ -29,7 +29,7 @@ from memcalc.engine.run import TracedStep
 from memcalc.engine.timeline import Program, allocator_events
 from memcalc.engine.trace import SizeRule
 
-__all__ = ("AffineFamily", "SyntheticPoint", "replay_under")
+__all__ = ("AffineFamily", "SyntheticPoint", "replay_stats", "replay_under")
 
 
 class SyntheticPoint(NamedTuple):
@@ -50,12 +50,19 @@ def replay_under(program: Program, nbytes: Sequence[int], capacity: int | None, 
     limit; the allocator frees its cache and retries before it gives up, as PyTorch does):
     whether it fits, under the allocator's ``settings`` (``PYTORCH_CUDA_ALLOC_CONF``; None: the
     defaults). ``host``: the CPU target's allocator (no rounding, nothing cached)."""
-    if host or program.streams:
-        stats = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host,
-                                 streams=program.streams)
-    else:  # the allocator's inlined loop (the same decisions, two to three times as fast)
-        stats = _fed(program, nbytes, capacity, settings)
+    stats = replay_stats(program, nbytes, capacity, settings, host=host)
     return SyntheticPoint(batch, stats.oom_at is None, stats.peak_allocated, stats.peak_reserved)
+
+
+def replay_stats(program: Program, nbytes: Sequence[int], capacity: int | None, settings: AllocConf | None = None,
+                 *, host: bool = False) -> allocator.AllocatorStats:
+    """:func:`memcalc.engine.allocator.replay` of ``program`` with sizes ``nbytes``: on the compute
+    stream alone, through the allocator's inlined loop (the same decisions, two to three times as
+    fast)."""
+    if host or program.streams:
+        return allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host,
+                                streams=program.streams)
+    return _fed(program, nbytes, capacity, settings)
 
 
 @while_collector_paused

@@ -27,11 +27,14 @@ from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.checkpoint_auto import block_count, candidates
 from memcalc.distributed.setting import Distributed
+from memcalc.engine.allocator import AllocatorStats
 from memcalc.engine.run import TracedStep
 from memcalc.engine.step_spec import Step
+from memcalc.engine.timeline import category_totals_at
 from memcalc.estimation import SINGLE, TracedEstimate, run_estimate, trace_estimate
-from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_under
+from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_stats, replay_under
 from memcalc.search.fit_result import (
+    MODEL_STATES,
     BatchLimitError,
     DoesNotFitError,
     FitResult,
@@ -109,12 +112,12 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
     # Batch 2 first: batch 1 is often a special case of the step (a batch dimension of 1
     # broadcasts without a reduction), which would keep the two-trace family from forming.
     start = min(2, max_batch)
-    first = real.point(start, reported=True)
+    first = real.point(start)
     if not first.fits:
-        if not real.point(1, reported=True).fits:
+        if not real.point(1).fits:
             raise DoesNotFitError(real.estimate(1), budget, margin)
         first = real.points[1]
-    slope_hint = _per_sample_guess(real.estimate(first.batch_size))
+    slope_hint = real.per_sample(first.batch_size)
     found: _Found | None = None
     if first.batch_size == 1 and start == 2:  # 1 fits, 2 does not
         found = _Found(1, 1, 1, ())
@@ -250,6 +253,7 @@ class _Estimates:
         self.reports: dict[int, MemoryReport] = {}
         self.traces: dict[int, TracedStep] = {}
         self._unreported: dict[int, TracedEstimate] = {}  # traced, the report not made yet
+        self._unlimited: dict[int, AllocatorStats] = {}  # replays without a limit, of traces not reported
         self.points: dict[int, _Point] = {}  # real estimates, judged under the margin budget
         self.order: list[_Point] = []  # the search's probes, real and synthetic, in order
         self.replays = 0
@@ -257,11 +261,8 @@ class _Estimates:
         self._synthetic: dict[tuple[int, int], _Point] = {}
         report_progress(FITTING, 0, None)
 
-    def point(self, batch: int, *, reported: bool = False) -> _Point:
-        """A real estimate, judged under the margin budget; ``reported``: its report is wanted
-        too (judged off it, not off a replay of its own)."""
-        if reported:
-            self.estimate(batch)
+    def point(self, batch: int) -> _Point:
+        """A real estimate, judged under the margin budget."""
         if batch not in self.points:
             self.adopt(self._judge(batch))
         return self.points[batch]
@@ -274,9 +275,33 @@ class _Estimates:
         self.order.append(real)
 
     def whole(self, batch: int) -> _Point:
-        """A real estimate, judged under the whole budget (one GPU, or no margin)."""
+        """A real estimate, judged under the whole budget (one GPU, or no margin), as its report
+        judges it."""
         self.point(batch)
-        return _point(self.estimate(batch), batch)
+        if not self._replayable(batch):
+            return _point(self.estimate(batch), batch)
+        return self._whole(batch)
+
+    def _whole(self, batch: int) -> _Point:
+        free = self._free(batch)
+        peak = free.peak_allocated
+        settings = self.step.allocator_settings
+        # engine.run._fit_under: a replay under the budget where the one without a limit exceeds it
+        if free.peak_reserved <= self.capacity and not (settings and settings.garbage_collection_threshold > 0.0):
+            return _Point(batch, True, peak, peak)
+        limited = self._replay(batch, self.capacity)
+        return _Point(batch, limited.fits, peak, peak if limited.fits else max(peak, limited.reserved_within_capacity))
+
+    def per_sample(self, batch: int) -> float:
+        """Bytes per sample guessed from ``batch``'s peak: what is not model state, over the batch
+        (:func:`batch_bytes`, read off the replay its report reads it off). Usually too high (it
+        counts batch-independent temporaries), so the first jump undershoots."""
+        if not self._replayable(batch):
+            return batch_bytes(self.estimate(batch)) / batch
+        traced = self.traces[batch]
+        totals = category_totals_at(traced.program(), traced.trace.nbytes, traced.categories,
+                                    max(self._free(batch).peak_index, 0))
+        return sum(nbytes for category, nbytes in totals.items() if category not in MODEL_STATES) / batch
 
     def trace(self, batch: int) -> None:
         """Trace ``batch`` for the whole budget (each batch at most once) and keep its trace; under
@@ -308,32 +333,40 @@ class _Estimates:
         self.made += 1
         report_progress(FITTING, self.made, None)  # how many the search takes is not known ahead
 
-    def _judge(self, batch: int) -> _Point:
-        if not self.single:
-            return _point(self.estimate(batch), batch)
+    def _replayable(self, batch: int) -> bool:
+        """Whether ``batch`` is judged off replays of its trace (one GPU, not yet reported; a
+        generation's report replays it faster than a plain replay), traced if it is."""
+        if not self.single or batch in self.reports or self.step.mode is Mode.GENERATE:
+            return False
         self.trace(batch)
-        if batch in self.reports or self.step.mode is Mode.GENERATE:  # a generation's report replays it faster
+        return batch not in self.reports
+
+    def _judge(self, batch: int) -> _Point:
+        if not self._replayable(batch):
             report = self.estimate(batch)
-            peak, reserved = report.bytes.peak_allocated, report.peak_reserved_unconstrained
-            if self.limit == self.capacity:
+            if not self.single or self.limit == self.capacity:
                 return _point(report, batch)
+            peak, reserved = report.bytes.peak_allocated, report.peak_reserved_unconstrained
+        elif self.limit == self.capacity:
+            return self._whole(batch)
         else:  # the replay the report reads its peak off, without the report
-            free = self._replay(batch, None)
-            peak, reserved = free.peak_allocated, free.reserved_within_capacity
-            if self.limit == self.capacity:  # judged as the report is (``engine.run._fit_under``)
-                settings = self.step.allocator_settings
-                if reserved <= self.capacity and not (settings and settings.garbage_collection_threshold > 0.0):
-                    return _Point(batch, True, peak, peak)
-                limited = self._replay(batch, self.capacity)
-                return _Point(batch, limited.fits, peak,
-                              peak if limited.fits else max(peak, limited.reserved_within_capacity))
+            free = self._free(batch)
+            peak, reserved = free.peak_allocated, free.peak_reserved
         if reserved <= self.limit:  # never meets the limit: no replay needed
             return _Point(batch, True, peak, peak)
         self.replays += 1
         replayed = self._replay(batch, self.limit)
         return _Point(batch, replayed.fits, peak, _needed(replayed))
 
-    def _replay(self, batch: int, capacity: int | None) -> SyntheticPoint:
+    def _free(self, batch: int) -> AllocatorStats:
+        """The replay of ``batch``'s trace without a limit: the one its report reads its peak off."""
+        if batch not in self._unlimited:
+            traced = self.traces[batch]
+            self._unlimited[batch] = replay_stats(traced.program(), traced.trace.nbytes, None,
+                                                  self.step.allocator_settings, host=not self.step.emulate_cuda)
+        return self._unlimited[batch]
+
+    def _replay(self, batch: int, capacity: int) -> SyntheticPoint:
         traced = self.traces[batch]
         return replay_under(traced.program(), traced.trace.nbytes, capacity, batch, self.step.allocator_settings,
                             host=not self.step.emulate_cuda)
@@ -542,7 +575,7 @@ def _raw_boundary(real: _Estimates, found: _Found, first: int, slope_hint: float
         measure, first = _limited(real, _RAW_ESTIMATES), found.best
     else:
         return None
-    start = real.whole(first)  # estimated for real: no replay
+    start = real.whole(first)  # estimated for real
     if not start.fits:
         return None
     try:
@@ -576,12 +609,6 @@ def _point(report: MemoryReport, batch: int) -> _Point:
     peak = report.bytes.peak_allocated
     reserved = report.reserved_within_capacity
     return _Point(batch, fits, peak, peak if fits or reserved is None else max(peak, reserved))
-
-
-def _per_sample_guess(report: MemoryReport) -> float:
-    """Bytes per sample guessed from one report: what is not model state, over the batch.
-    Usually too high (it counts batch-independent temporaries), so the first jump undershoots."""
-    return batch_bytes(report) / report.batch_size
 
 
 class _Unbounded(Exception):
