@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+import numpy as np
+import numpy.typing as npt
+
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.engine import allocator
 from memcalc.engine.collector import while_collector_paused
@@ -72,8 +75,15 @@ def _fed(program: Program, nbytes: Sequence[int], capacity: int | None,
     :meth:`~memcalc.engine.allocator.CachingAllocatorModel.feed`: its keys are ``uid`` and
     ``uid + N`` (the second iteration), so each size is listed once per iteration."""
     model = allocator.CachingAllocatorModel(capacity, settings=settings)
-    model.feed(program.events, list(nbytes) * 2, [allocator.round_size(size) for size in nbytes] * 2, {})
+    if settings is None or not any(settings.roundup_power2_divisions):  # round_size: up to a multiple of 512 B
+        rounded = ((np.asarray(nbytes, dtype=np.int64) + _ROUNDING - 1) // _ROUNDING * _ROUNDING).tolist()
+    else:
+        rounded = [allocator.round_size(size, settings) for size in nbytes]
+    model.feed(program.events, list(nbytes) * 2, rounded * 2, {})
     return model.stats()
+
+
+_ROUNDING = allocator.K_MIN_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -119,14 +129,17 @@ class AffineFamily:
 
     def nbytes(self, batch: int) -> list[int]:
         """Every storage's size at ``batch``, indexed by uid."""
-        sizes = [a + s * batch for a, s in zip(self.intercepts, self.slopes, strict=True)]
+        intercepts, slopes = self._lines
+        sizes = intercepts + slopes * batch  # int64: exact (a size is bytes)
         # a model repeats its layers, so many storages share a rule and its arguments' lines: each
         # group is sized once per batch (a rule is a function of its arguments alone)
-        for rule, intercepts, slopes, uids in self._sized_groups:
-            size = rule(tuple(a + s * batch for a, s in zip(intercepts, slopes, strict=True)))
-            for uid in uids:
-                sizes[uid] = size
-        return sizes
+        for rule, starts, steps, uids in self._sized_groups:
+            sizes[list(uids)] = rule(tuple(a + s * batch for a, s in zip(starts, steps, strict=True)))
+        return list(sizes.tolist())
+
+    @cached_property
+    def _lines(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        return np.asarray(self.intercepts, dtype=np.int64), np.asarray(self.slopes, dtype=np.int64)
 
     @cached_property
     def _sized_groups(self) -> tuple[tuple[SizeRule, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]:
