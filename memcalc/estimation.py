@@ -2,7 +2,8 @@
 
 :func:`run_estimate` takes the :class:`~memcalc.engine.step_spec.Step` the API built once; the
 batch search (:mod:`memcalc.search`) varies its batch size, capacity, optimizer and precision
-with :func:`dataclasses.replace` and calls it again.
+with :func:`dataclasses.replace` and calls it again; on one GPU, :func:`trace_estimate` stops
+at the trace, for the batches it judges by replays and does not report.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
 @dataclass(frozen=True)
 class TracedEstimate:
     """A one-GPU step traced and not yet reported: the batch search judges most of the batches
-    it traces by a replay of the trace alone and reports only the one it answers (the report's
-    breakdown, module rows and textbook cost about a third of an estimate)."""
+    it traces by a replay of the trace alone and reports only the one it answers (a report — its
+    replays, breakdown, module rows and textbook — is about a third of an estimate)."""
 
     resolved: ResolvedModel
     traced: TracedStep
