@@ -4,11 +4,12 @@ Prints figures beside their targets; asserts nothing (machines are noisy: CPU ti
 
 1. µs per aten op: the CPU time of the traced step (from the tracer's ``__enter__`` to its
    ``stop``) over the aten ops it saw, best of ``--repeat`` warm estimates, on resnet50, gpt2,
-   vit_b_16, a QLoRA step (llama-tiny, nf4, LoRA 16, bf16, checkpointing) and llama-tiny in
-   amp-bf16; beside it the same less the time inside meta kernels (``StorageTracer._run``: the
-   misses of the meta-kernel cache), the part memcalc's dispatch stack and the model's own code
-   make. Target: at most half of the baseline's (``--baseline DIR``, a checkout of an older
-   commit, run in its own process by the same script).
+   vit_b_16, a QLoRA step (llama-tiny, nf4, LoRA 16, bf16, checkpointing), llama-tiny in
+   amp-bf16 and resnet50's inference (no optimizer); beside it the same less the time inside
+   meta kernels (``StorageTracer._run``: the misses of the meta-kernel cache), the part
+   memcalc's dispatch stack and the model's own code make. Target: at most half of the
+   baseline's (``--baseline DIR``, a checkout of an older commit, run in its own process by the
+   same script).
 2. ``max_batch_size`` in units of one estimate (CPU time, warm process): resnet50, vit_b_16,
    gpt2 (256 tokens) and vgg16 with ``margin=0``, on an A100 40 GB. Target: at most 2.5x.
 
@@ -65,6 +66,7 @@ OPS = {
     "qlora": ("llama-tiny", dict(batch_size=2, seq_len=256, optimizer="adamw", precision="bf16", finetune=QLORA,
                                  checkpoint=True)),
     "llama-tiny amp-bf16": ("llama-tiny", dict(batch_size=2, seq_len=256, optimizer="adamw", precision="amp-bf16")),
+    "resnet50 inference": ("resnet50", dict(batch_size=8, mode="inference")),
 }
 FIT = {"resnet50": ({}, {}), "vit_b_16": ({}, {}), "gpt2": ({"seq_len": 256}, {}), "vgg16": ({}, {"margin": 0})}
 GPU = "a100-40gb"
@@ -106,7 +108,7 @@ else:
 '''
 
 #: The cases of figure 1, as the child names them.
-_CASES = ("resnet50", "gpt2", "vit_b_16", "qlora", "llama-tiny amp-bf16")
+_CASES = ("resnet50", "gpt2", "vit_b_16", "qlora", "llama-tiny amp-bf16", "resnet50 inference")
 #: Item 3: the per-op cost at most half the baseline's; item 6: a fit in at most 2.5 estimates.
 OPS_TARGET = 0.5
 FIT_TARGET = 2.5
