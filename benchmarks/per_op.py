@@ -4,18 +4,21 @@ Prints figures beside their targets; asserts nothing (machines are noisy: CPU ti
 
 1. µs per aten op: the CPU time of the traced step (from the tracer's ``__enter__`` to its
    ``stop``) over the aten ops it saw, best of ``--repeat`` warm estimates, on resnet50, gpt2,
-   vit_b_16, a QLoRA step (llama-tiny, nf4, LoRA 16, bf16, checkpointing) and llama-tiny in
-   amp-bf16; beside it the same less the time inside meta kernels (``StorageTracer._run``: the
-   misses of the meta-kernel cache), the part memcalc's dispatch stack and the model's own code
-   make. Target: at most half of the baseline's (``--baseline DIR``, a checkout of an older
-   commit, run in its own process by the same script).
+   vit_b_16, a QLoRA step (llama-tiny, nf4, LoRA 16, bf16, checkpointing), llama-tiny in
+   amp-bf16 and resnet50's inference (no optimizer); beside it the same less the time inside
+   meta kernels (``StorageTracer._run``: the misses of the meta-kernel cache), the part
+   memcalc's dispatch stack and the model's own code make. Target: at most half of the
+   baseline's (``--baseline DIR``, a checkout of an older commit, run in its own process by the
+   same script).
 2. ``max_batch_size`` in units of one estimate (CPU time, warm process): resnet50, vit_b_16,
    gpt2 (256 tokens) and vgg16 with ``margin=0``, on an A100 40 GB. Target: at most 2.5x.
 
-Run: ``python benchmarks/per_op.py [--repeat 3] [--baseline DIR] [--only ops|fit] [--cold]``; a
+Run: ``python benchmarks/per_op.py [--repeat 3] [--baseline DIR] [--only ops|fit] [--cold | --fresh]``; a
 baseline tree is made with ``git archive <commit> | tar -x -C DIR``. The meta-kernel cache outlives a
 trace (the process's): ``--cold`` empties it before each timed estimate, so that each trace runs
-every kernel it does not repeat itself, as a first estimate does.
+every kernel it does not repeat itself, as a first estimate does. ``--fresh`` times what a first
+estimate pays besides: each case's first estimate, each in its own fresh process (the imports and
+first calls made inside the trace included), the two trees' processes alternating.
 """
 
 from __future__ import annotations
@@ -63,10 +66,19 @@ OPS = {
     "qlora": ("llama-tiny", dict(batch_size=2, seq_len=256, optimizer="adamw", precision="bf16", finetune=QLORA,
                                  checkpoint=True)),
     "llama-tiny amp-bf16": ("llama-tiny", dict(batch_size=2, seq_len=256, optimizer="adamw", precision="amp-bf16")),
+    "resnet50 inference": ("resnet50", dict(batch_size=8, mode="inference")),
 }
 FIT = {"resnet50": ({}, {}), "vit_b_16": ({}, {}), "gpt2": ({"seq_len": 256}, {}), "vgg16": ({}, {"margin": 0})}
 GPU = "a100-40gb"
-if what == "ops":
+if what.startswith("fresh:"):  # this process's first estimate of one case: nothing run before it
+    case = what.partition(":")[2]
+    model, options = OPS[case]
+    start = time.process_time()
+    memcalc.estimate(model, **options)
+    print(json.dumps({"case": case, "us_per_op": window["t"] / window["ops"] * 1e6,
+                      "outside_kernels": (window["t"] - window["kernels"]) / window["ops"] * 1e6,
+                      "ops": window["ops"], "estimate": time.process_time() - start}), flush=True)
+elif what == "ops":
     for case, (model, options) in OPS.items():
         memcalc.estimate(model, **options)
         best = None
@@ -95,6 +107,8 @@ else:
                           "estimates": result.num_estimates, "replays": result.replays}), flush=True)
 '''
 
+#: The cases of figure 1, as the child names them.
+_CASES = ("resnet50", "gpt2", "vit_b_16", "qlora", "llama-tiny amp-bf16", "resnet50 inference")
 #: Item 3: the per-op cost at most half the baseline's; item 6: a fit in at most 2.5 estimates.
 OPS_TARGET = 0.5
 FIT_TARGET = 2.5
@@ -111,12 +125,32 @@ def measure(root: str, what: str, repeat: int, cold: bool = False) -> dict[str, 
     return {row["case"]: row for row in rows}
 
 
-def per_op(root: str, baseline: str | None, repeat: int, cold: bool) -> None:
+def first_estimates(root: str, baseline: str | None, repeat: int) -> tuple[dict[str, dict[str, float]], ...]:
+    """Each case's first estimate in a fresh process, best of ``repeat`` processes, the two trees'
+    processes alternating (so that a change of load falls on both)."""
+    rows: tuple[dict[str, dict[str, float]], ...] = ({}, {})
+    for _ in range(repeat):
+        for side, tree in enumerate((root, baseline)):
+            if tree is None:
+                continue
+            for case in _CASES:
+                row = measure(tree, f"fresh:{case}", 1)[case]
+                best = rows[side].get(case)
+                rows[side][case] = row if best is None or row["us_per_op"] < best["us_per_op"] else best
+    return rows
+
+
+def per_op(root: str, baseline: str | None, repeat: int, cold: bool, fresh: bool = False) -> None:
     """Figure 1."""
-    after = measure(root, "ops", repeat, cold)
-    before = measure(baseline, "ops", repeat, cold) if baseline else {}
+    if fresh:
+        after, before = first_estimates(root, baseline, repeat)
+    else:
+        after = measure(root, "ops", repeat, cold)
+        before = measure(baseline, "ops", repeat, cold) if baseline else {}
+    how = ("; the first estimate of a fresh process" if fresh
+           else "; the meta-kernel cache emptied before each estimate" if cold else "")
     print(f"\n1. µs per aten op in the traced step (CPU time, best of {repeat}; target: after / before "
-          f"<= {OPS_TARGET}){'; the meta-kernel cache emptied before each estimate' if cold else ''}")
+          f"<= {OPS_TARGET}){how}")
     print(f"   {'case':22s} {'ops':>5s}  {'before':>7s} {'after':>7s} {'ratio':>6s}   outside meta kernels: "
           f"{'before':>7s} {'after':>7s} {'ratio':>6s}")
     for case, row in after.items():
@@ -126,7 +160,11 @@ def per_op(root: str, baseline: str | None, repeat: int, cold: bool) -> None:
         outside = (f"{old['outside_kernels']:7.1f} {row['outside_kernels']:7.1f} "
                    f"{row['outside_kernels'] / old['outside_kernels']:6.2f}"
                    if old else f"{'':7s} {row['outside_kernels']:7.1f}")
-        print(f"   {case:22s} {row['ops']:5d}  {whole}   {'':21s}{outside}")
+        whole_estimate = ""
+        if "estimate" in row:  # --fresh: the whole first estimate (model building and imports included)
+            whole_estimate = (f"   estimate {old['estimate']:5.2f} -> {row['estimate']:5.2f} s" if old
+                              else f"   estimate {row['estimate']:5.2f} s")
+        print(f"   {case:22s} {row['ops']:5d}  {whole}   {'':21s}{outside}{whole_estimate}")
 
 
 def fit(root: str, baseline: str | None, repeat: int) -> None:
@@ -150,11 +188,13 @@ def main() -> None:
     parser.add_argument("--only", choices=("ops", "fit"), default=None)
     parser.add_argument("--cold", action="store_true",
                         help="empty the meta-kernel cache before each timed estimate (it outlives a trace)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="time each case's first estimate, each in a fresh process (what it pays once)")
     args = parser.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     if args.only != "fit":
-        per_op(root, args.baseline, args.repeat, args.cold)
+        per_op(root, args.baseline, args.repeat, args.cold, args.fresh)
     if args.only != "ops":
         fit(root, args.baseline, args.repeat)
 

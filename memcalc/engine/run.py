@@ -58,6 +58,7 @@ from memcalc.engine.compiled import (
     fresh_forward,
     warm_up,
 )
+from memcalc.engine.dynamo_deferred import while_dynamo_deferred
 from memcalc.engine.generation import GENERATING, decode_step_at, run_generation
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
@@ -321,6 +322,7 @@ def step_config(resolved: ResolvedModel, step: Step, *, autocast: AutocastRegion
 
 @torch.inference_mode(False)  # a caller's inference mode would make every tensor of the step an inference tensor
 @while_collector_paused
+@while_dynamo_deferred
 def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None = None, *,
                 hooks: RankHooks | None = None, traced_loop: bool | None = None,
                 costs: CostRecorderFactory | None = None,

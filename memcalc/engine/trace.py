@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias
@@ -469,7 +469,8 @@ class MetaKernelCache:
                 return shortcut
         if plan is None or (func is _TO_COPY and _to_host(kwargs)):  # a copy to the host holds values
             return compute(func, args, kwargs)
-        key = self._key(func, args, kwargs)
+        storages: dict[int, int] = {}  # the inputs' storages (by id), which _key collects
+        key = self._key(func, args, kwargs, storages)
         if key is None:
             return compute(func, args, kwargs)
         try:
@@ -480,7 +481,7 @@ class MetaKernelCache:
             self.hits += 1
             return _materialize(cached, self._device, args, kwargs)
         out = compute(func, args, kwargs)
-        spec = _spec_with_plan(out, plan, args, kwargs)
+        spec = _spec_with_plan(out, plan, args, kwargs, storages)
         if spec is _ALIASING:
             self._ops[id(func)] = (func, foreach, None)  # aliases an input although its schema says otherwise
         elif spec is not None:
@@ -489,12 +490,14 @@ class MetaKernelCache:
             self._specs[key] = spec
         return out
 
-    def _key(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[object, ...] | None:
+    def _key(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any],
+             storages: dict[int, int]) -> tuple[object, ...] | None:
         # Which arguments share a storage is part of the key: some meta kernels decide on it
         # (memory-efficient attention's backward packs dq/dk/dv into one buffer when q, k, v
         # are views of one storage). Built for every cacheable op: a flat tuple, a tensor's
         # metadata inline behind a marker, and atoms and tensors handled here without a call.
-        storages: dict[int, int] = {}
+        # ``storages`` gets every input tensor's storage (a key is None if any is not meta or
+        # sits in a container _arg_key refuses), which _spec_with_plan reads.
         parts: list[object] = [id(func)]  # run() holds func: its id is its own while the cache lives
         append = parts.append
         try:
@@ -667,35 +670,41 @@ def _arg_key(value: Any, storages: dict[int, int]) -> object:
     raise _Uncacheable
 
 
-def _storage_ids(value: Any, into: set[int]) -> set[int]:
-    into.update(id(t.untyped_storage()) for t in tensors_of(value))
-    return into
+def _strided_nbytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> int:
+    """The bytes ``torch.empty_strided(shape, stride)`` allocates (ATen's ``computeStorageNbytes``
+    at offset 0): the furthest element's offset plus one, times the item size; none if empty."""
+    if 0 in shape:
+        return 0
+    if any(step < 0 for step in stride):
+        return -1  # no storage empty_strided makes
+    return (1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))) * itemsize
 
 
-def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> _Spec | Literal[_Sentinel.ALIASING] | None:
+def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    inputs: Container[int]) -> _Spec | Literal[_Sentinel.ALIASING] | None:
     """How to rebuild ``out`` following ``plan``; None if it cannot be rebuilt exactly;
-    ``_ALIASING`` if a "fresh" output shares a storage with an input."""
+    ``_ALIASING`` if a "fresh" output shares a storage with an input (``inputs``: the ids of
+    the input tensors' storages, as :meth:`MetaKernelCache._key` collected them)."""
     if not plan:  # returns nothing (in-place foreach ops)
         return ("void", ()) if out is None else None
     outs = out if isinstance(out, tuple) else (out,)
     if len(outs) != len(plan):
         return None
-    inputs = _storage_ids(args, set()) | _storage_ids(kwargs, set())
     fresh_storages: set[int] = set()
 
     def fresh(value: Any) -> _TensorPart | _ConstPart | Literal[_Sentinel.ALIASING] | None:
         if isinstance(value, torch.Tensor):
-            storage = id(value.untyped_storage())
+            untyped = value.untyped_storage()
+            storage = id(untyped)
             if storage in inputs:
                 return _ALIASING
-            if storage in fresh_storages or value.device.type != "meta" or value.storage_offset() != 0:
+            if storage in fresh_storages or not value.is_meta or value.storage_offset() != 0:
                 return None
             fresh_storages.add(storage)
-            expected = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-            if expected.untyped_storage().nbytes() != value.untyped_storage().nbytes():
-                return None
-            return ("T", tuple(value.shape), value.stride(), value.dtype)
+            shape, stride = tuple(value.shape), value.stride()
+            if _strided_nbytes(shape, stride, value.dtype.itemsize) != untyped.nbytes():
+                return None  # a storage larger than its view needs: not what empty_strided makes
+            return ("T", shape, stride, value.dtype)
         if value is None or isinstance(value, (int, float, bool)):
             return ("C", value)
         return None
