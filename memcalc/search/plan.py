@@ -21,8 +21,10 @@ found beat the next bound. Traces, fitting or not, tighten the bounds of the res
 (:class:`_Timings`: its kin's compute; others' through the seconds per matmul FLOP, the bubble
 with them). Before a pipeline's trace, a probe: its tp, checkpointing and micro-batch traced
 without a pipeline over every GPU (:func:`_probe`), whose seconds per FLOP may rule it out. What
-does not fit rules out its kin with less sharding, less checkpointing and a larger micro-batch.
-Meshes that differ only in the number of ``dp_replicate`` replicas (two or more) share a trace.
+does not fit rules out its kin with less sharding, less checkpointing and a larger micro-batch:
+so the most sharded of a kin's meshes is traced first, and a traced peak, scaled down, rules out
+its family's smaller micro-batches (:mod:`memcalc.search.plan_peaks`). Meshes that differ only
+in the number of ``dp_replicate`` replicas (two or more) share a trace.
 """
 
 from __future__ import annotations
