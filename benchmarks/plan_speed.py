@@ -16,7 +16,8 @@ rank that does not fit (rank 0 of that one): 23 traces, 142.4 CPU-s against 244.
 the stop (main at 4942e79), the two run side by side at load 4–7 (6.7 and 8.5 min wall), the same
 five rows (JSON equal). The minute needs that pipeline ruled out untraced, or cheaper traces.
 Then (branch plansearch: the most sharded sibling traced first, scaled peaks) 23 → 19 traces,
-134.3 → 84.3 CPU-s under loads of 12–34 and 14–15 (/usr/bin/time -v on the CLI, back to back),
+134.3 → 84.3 CPU-s under loads of 12–34 and 14–15, main again 118.9 at 15–16 (/usr/bin/time -v
+on the CLI, back to back),
 the same five rows: docs/many-gpus.md says what is left.
 
     python benchmarks/plan_speed.py
