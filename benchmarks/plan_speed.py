@@ -15,6 +15,10 @@ does not fit (dp_shard=2,tp=2,pp=16, interleaved 1F1B). Plan then stopped a pipe
 rank that does not fit (rank 0 of that one): 23 traces, 142.4 CPU-s against 244.5 CPU-s without
 the stop (main at 4942e79), the two run side by side at load 4–7 (6.7 and 8.5 min wall), the same
 five rows (JSON equal). The minute needs that pipeline ruled out untraced, or cheaper traces.
+Then (branch plansearch: the most sharded sibling traced first, scaled peaks) 23 → 19 traces,
+134.3 → 84.3 CPU-s under loads of 12–34 and 14–15, main again 118.9 at 15–16 (/usr/bin/time -v
+on the CLI, back to back),
+the same five rows: docs/many-gpus.md says what is left.
 
     python benchmarks/plan_speed.py
 """

@@ -21,8 +21,10 @@ found beat the next bound. Traces, fitting or not, tighten the bounds of the res
 (:class:`_Timings`: its kin's compute; others' through the seconds per matmul FLOP, the bubble
 with them). Before a pipeline's trace, a probe: its tp, checkpointing and micro-batch traced
 without a pipeline over every GPU (:func:`_probe`), whose seconds per FLOP may rule it out. What
-does not fit rules out its kin with less sharding, less checkpointing and a larger micro-batch.
-Meshes that differ only in the number of ``dp_replicate`` replicas (two or more) share a trace.
+does not fit rules out its kin with less sharding, less checkpointing and a larger micro-batch:
+so the most sharded of a kin's meshes is traced first, and a traced peak, scaled down, rules out
+its family's smaller micro-batches (:mod:`memcalc.search.plan_peaks`). Meshes that differ only
+in the number of ``dp_replicate`` replicas (two or more) share a trace.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from memcalc.search.plan_bounds import (
     selective_saved,
     states_floor,
 )
+from memcalc.search.plan_peaks import Peaks
 from memcalc.timing.performance import step_time
 
 __all__ = ("CHECKPOINTS", "SCHEDULES", "PlanCandidate", "PlanResult", "collectives_of", "find_plan", "meshes_over",
@@ -314,6 +317,13 @@ class _Search:
         return replace(self.facts, tokens=tokens, stages_per_rank=config.stages_per_rank,
                        recompute=self.checkpoints[config.ckpt].kind is CheckpointKind.FULL)
 
+    @staticmethod
+    def key(config: _Config) -> tuple[Any, ...]:
+        """What names a distinct per-rank program (two or more replicas trace alike)."""
+        mesh = config.mesh
+        canonical = replace(mesh, dp_replicate=min(mesh.dp_replicate, 2))
+        return canonical, config.ckpt, config.micro, config.accum, config.schedule
+
     def report(self, config: _Config) -> MemoryReport:
         """The busiest rank's timed estimate, one trace per distinct per-rank program.
 
@@ -322,8 +332,7 @@ class _Search:
                 traced (:func:`stop_at_unfit_rank`): plan needs only that it does not fit.
         """
         mesh = config.mesh
-        canonical = replace(mesh, dp_replicate=min(mesh.dp_replicate, 2))
-        key = (canonical, config.ckpt, config.micro, config.accum, config.schedule)
+        key = self.key(config)
         if key in self.unfit:
             self.reused += 1
             raise self.unfit[key]
@@ -462,33 +471,63 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     probed: set[tuple[int, int, int]] = set()  # (tp, ckpt, micro) probed without a pipeline
     best: list[PlanCandidate] = []
     broken: set[tuple[Mesh, bool, int]] = set()  # (mesh, pipelined, checkpointing) memcalc refuses
+    peaks = Peaks()  # the traced peaks without a pipeline: a floor for their family's smaller micro-batches
+    siblings = _siblings(configs)
+    done: set[int] = set()  # traced, or ruled out, ahead of their turn (a more sharded sibling)
     bounded = 0
+
+    def ruled_out(config: _Config) -> bool:
+        """Whether what was traced says ``config`` does not fit, or memcalc refuses it (its note kept)."""
+        if any(shards >= config.mesh.dp_shard and ckpt >= config.ckpt and micro <= config.micro
+               for shards, ckpt, micro in failing.get(config.family(), [])):
+            return True  # more sharding, more checkpointing or a smaller micro-batch did not fit
+        if (config.mesh, config.schedule is not None, config.ckpt) in broken:
+            return True
+        floor, source = peaks.floor(config.family(), config.mesh.dp_shard, config.ckpt, config.micro)
+        if capacity and floor > capacity:
+            search.pruned.append(f"{config.describe(checkpoints)}: does not fit (at least {_gib(floor)} allocated at "
+                                 f"the peak of {source}, scaled to its micro-batch; not traced)")
+            failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
+            return True
+        return False
+
     while queue:
         later, bound, shard, replicas, index = heapq.heappop(queue)
+        if index in done:
+            continue
         config = configs[index]
         if len(best) >= top and best[top - 1].seconds <= bound:
             if not later:  # every configuration left without a pipeline is at least this slow: on to the pipelines
                 left = [entry for entry in queue if entry[0]]
-                bounded += len(queue) - len(left) + 1
+                bounded += sum(1 for entry in queue if not entry[0] and entry[4] not in done) + 1
                 queue = left
                 heapq.heapify(queue)
                 continue
-            bounded += len(queue) + 1
+            bounded += sum(1 for entry in queue if entry[4] not in done) + 1
             break  # every configuration left is at least this slow
         tighter = timings.bound(config)
         if tighter.bound > config.bound:  # traced configurations bound it more tightly: back in the queue
             configs[index] = config = tighter
             heapq.heappush(queue, (later, config.bound, shard, replicas, index))
             continue
-        if any(shards >= config.mesh.dp_shard and ckpt >= config.ckpt and micro <= config.micro
-               for shards, ckpt, micro in failing.get(config.family(), [])):
-            continue  # more sharding, more checkpointing or a smaller micro-batch did not fit
-        pipelined = config.schedule is not None
-        if (config.mesh, pipelined, config.ckpt) in broken:
+        if ruled_out(config):
             continue
+        pipelined = config.schedule is not None
+        # its most sharded sibling first (the same kin, checkpointing and micro-batch, more dp_shard for fewer
+        # replicas): one that does not fit rules this one out; one that fits is traced as it would have been
+        sibling = next((j for j in siblings.get(index, ()) if j not in done), None)
+        if sibling is not None:
+            other = configs[sibling] = timings.bound(configs[sibling])
+            if len(best) < top or other.bound < best[top - 1].seconds:
+                heapq.heappush(queue, (later, bound, shard, replicas, index))  # this one again, next
+                done.add(sibling)
+                if ruled_out(other):
+                    continue
+                index, config = sibling, other
         if pipelined and len(best) >= top and _probe(search, config, gpus, global_batch, probed, timings):
             heapq.heappush(queue, (later, config.bound, shard, replicas, index))  # its bound again, with the probe's
             continue
+        done.add(index)
         try:
             candidate, compute = _confirm(search, config)
         except PipelineOverCapacity as stop:  # a rank does not fit: as a report that does not fit, untimed
@@ -507,6 +546,9 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
             continue
         # a trace that does not fit still times its kernels: its compute bounds the others' as a fitting one's does
         timings.record(config, *compute)
+        if not pipelined:
+            peaks.record(config.family(), config.mesh.dp_shard, config.ckpt, config.micro,
+                         search.reports[search.key(config)].bytes, config.describe(checkpoints))
         if candidate is None:
             failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
             continue
@@ -583,6 +625,24 @@ def _probe(search: _Search, config: _Config, gpus: int, global_batch: int, probe
     compute, _, once = _seconds(time, min(accum, 2), accum)
     timings.record(probe, compute, once)
     return True
+
+
+def _siblings(configs: list[_Config]) -> dict[int, tuple[int, ...]]:
+    """Per configuration without a pipeline, those of its kin with the same checkpointing, micro-batch
+    and accumulation and more ``dp_shard`` (fewer replicas), the most sharded first."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for index, config in enumerate(configs):
+        if config.schedule is None:
+            groups.setdefault((config.kin(), config.ckpt, config.micro, config.accum), []).append(index)
+    out: dict[int, tuple[int, ...]] = {}
+    for members in groups.values():
+        members.sort(key=lambda i: -configs[i].mesh.dp_shard)
+        for index in members:
+            shards = configs[index].mesh.dp_shard
+            more = tuple(j for j in members if configs[j].mesh.dp_shard > shards)
+            if more:
+                out[index] = more
+    return out
 
 
 def _checkpoints(checkpoint: str) -> tuple[Checkpointing, ...]:
