@@ -16,7 +16,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -90,8 +90,8 @@ from memcalc.engine.timeline import (
 )
 from memcalc.engine.trace import AfterOpHook, Op, ReadOracle, StepTrace, StorageTracer
 
-__all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "TracedStep",
-           "build_report", "is_paged", "parameter_count", "step_config", "trace_model")
+__all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "Replayed", "TracedStep",
+           "build_report", "is_paged", "parameter_count", "replay_step", "step_config", "trace_model")
 
 #: The report's loss when the step trained with the loss the model returned (``output.loss``).
 MODEL_LOSS = "the model's own (output.loss)"
@@ -765,8 +765,27 @@ def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None,
                             stage=f"replaying storage {uid}, made by") from exc
 
 
+@dataclass(frozen=True)
+class Replayed:
+    """A traced step's program and its replay through the allocator model: the stats of its first
+    iteration and of the whole (:func:`replay_step`). A multi-GPU role's report and its
+    communication buffers at the peak read the same replay (the allocator is deterministic)."""
+
+    program: Program
+    first: allocator.AllocatorStats
+    whole: allocator.AllocatorStats
+
+
+def replay_step(traced: TracedStep, step: Step) -> Replayed:
+    """``traced``'s program replayed under ``step``'s allocator settings and target, once."""
+    program = _program_of(traced)
+    first, whole = _replayed(program, traced.trace, step.allocator_settings, not step.emulate_cuda)
+    return Replayed(program, first, whole)
+
+
 @while_collector_paused
-def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, role: str = "") -> MemoryReport:
+def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, role: str = "",
+                 replayed: Replayed | None = None) -> MemoryReport:
     """The report of a traced step: replay through the allocator model, breakdown at the peak,
     textbook comparison, per-module rows and, under ``capacity``, whether it fits.
 
@@ -776,6 +795,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         step: the step; under its ``capacity`` (the bytes the allocator may reserve; None:
             no limit, ``fits`` is None) it says whether the step fits.
         role: the GPU role this step is (multi-GPU strategies), carried into its timeline.
+        replayed: the step's replay (:func:`replay_step`) where the caller made it already;
+            None: replayed here.
 
     Returns:
         The report; ``report.timeline()`` replays the step again when it is first called.
@@ -785,8 +806,9 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
     capacity = step.capacity
     settings = step.allocator_settings
     host = not step.emulate_cuda  # the CPU target: what the CPU allocator counts, unrounded
-    program = _program_of(traced)
-    first, stats = _replayed(program, trace, settings, host)
+    if replayed is None:
+        replayed = replay_step(traced, step)
+    program, first, stats = replayed.program, replayed.first, replayed.whole
     peak_index = max(stats.peak_index, 0)
     raw = category_totals_at(program, trace.nbytes, traced.categories, peak_index)
     breakdown = ByteBreakdown(
