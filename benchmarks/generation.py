@@ -13,8 +13,10 @@ The report's replay skips the small pool's repeated decode steps (:mod:`memcalc.
 ``--replay-all`` replays every event instead, for the figure before it.
 
 Run: ``python benchmarks/generation.py [--model llama-2-7b] [--seq-len 512] [--new-tokens 1024]
-[--skip-full] [--replay-all] [--cpu-time]``; ``--skip-full`` leaves out "before" (llama-2-7b, 1,024 tokens:
-minutes). The issue's two: ``--model llama-2-7b`` (prompt 512, 1,024 tokens) and ``--model gpt2
+[--skip-full] [--replay-all] [--cpu-time] [--baseline DIR]``; ``--skip-full`` leaves out "before"
+(llama-2-7b, 1,024 tokens: minutes); ``--baseline DIR`` first runs DIR's copy of this script (a
+``git archive`` of another commit) with the same options in its own process, then this one: the
+two commits back to back. The issue's two: ``--model llama-2-7b`` (prompt 512, 1,024 tokens) and ``--model gpt2
 --seq-len 256 --new-tokens 768`` (its whole 1,024-position context).
 """
 
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -68,7 +72,15 @@ def main() -> None:
     parser.add_argument("--skip-full", action="store_true", help="leave out 'before' (every decode step traced)")
     parser.add_argument("--replay-all", action="store_true", help="replay every event (no skipped steps)")
     parser.add_argument("--cpu-time", action="store_true", help="time by this process's CPU time, not the wall clock")
+    parser.add_argument("--baseline", type=Path, help="a tree of another commit, run first with the same options")
     args = parser.parse_args()
+    if args.baseline is not None:
+        given = [a for i, a in enumerate(sys.argv[1:]) if a != "--baseline" and sys.argv[i] != "--baseline"
+                 and not a.startswith("--baseline=")]
+        print(f"== baseline: {args.baseline}", flush=True)
+        subprocess.run([sys.executable, str(args.baseline / "benchmarks" / "generation.py"), *given], check=True,
+                       cwd=args.baseline, env={**os.environ, "PYTHONPATH": str(args.baseline)})
+        print("== this tree", flush=True)
     if args.cpu_time:
         _CLOCK[0] = time.process_time
     if args.replay_all:

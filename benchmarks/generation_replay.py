@@ -38,9 +38,9 @@ def main() -> None:
     seen: list[tuple[Any, ...]] = []
     replayed = run._replayed
 
-    def spy(*call: Any) -> Any:
+    def spy(*call: Any, **given: Any) -> Any:
         seen.append(call)
-        return replayed(*call)
+        return replayed(*call, **given)
 
     run._replayed = spy  # type: ignore[assignment]
     memcalc.estimate(args.model, batch_size=1, seq_len=args.seq_len, mode="generate", new_tokens=args.new_tokens,

@@ -1,22 +1,24 @@
 """How long does ``memcalc.max_batch_size`` take, in units of one estimate?
 
 The target: a fit in at most four estimates' time (an estimate costs the same at any batch
-size: meta tensors). For a batch-affine step the search makes three real estimates (batch 2,
-one jump, the answer) and replays the batch-affine trace family through the allocator model
-for the rest: the search under the budget less the margin, the check that walks down from
-the boundary it finds, and the raw boundary under the whole budget. For resnet50 (224×224)
-and gpt2 (256 tokens), Adam, fp32, on a few catalogue GPUs, with the default margin, this
-prints the fit time, the median time of one estimate with the same options (warm, under the
-same capacity; both medians of three runs), their ratio, the estimates and replays the fit made, the batch with and
-without the margin, the batches the check replayed, and the search's probes.
+size: meta tensors). For a batch-affine step the search traces three batches (batch 2, one
+jump, the answer: only the answer is reported, the others are judged by replays of their
+trace) and replays the batch-affine trace family through the allocator model for the rest:
+the search under the budget less the margin, the check that walks down from the boundary it
+finds, and the raw boundary under the whole budget. For resnet50 (224×224) and gpt2 (256
+tokens), Adam, fp32, on a few catalogue GPUs, with the default margin, this prints the fit
+time, the median time of one estimate with the same options (warm, under the same capacity;
+both medians of three runs), their ratio, the estimates and replays the fit made, the batch
+with and without the margin, the batches the check replayed, and the search's probes.
 
 ``--pieces`` splits one fit's CPU time (warm process, best of three) into its pieces, in units
-of one estimate, for issue 36 item 6's four cases on an A100 40 GB (resnet50, vit_b_16, gpt2 at
-256 tokens with the default margin; vgg16 with ``--margin 0``): the real estimates, and the
-replays of the batch-affine family by what asked for them — the search itself (the probes
-and the jump's judgement), the check below the boundary, the raw boundary, the batch with
-expandable segments. ``floor`` is what no search that traces its answer can drop: the real
-estimates, the search's replays and the check's.
+of one estimate, for issue 36 item 6's four cases on an A100 40 GB (resnet50, vit_b_16, gpt2
+at 256 tokens with the default margin; vgg16 with ``--margin 0``): the real estimates (the
+traces and the answer's report, each counted in brackets), and the replays by what asked for
+them — the search itself (the family's probes and the judgement of the traced batches), the
+check below the boundary, the raw boundary, the batch with expandable segments. ``floor`` is
+what no search that traces its answer can drop: the real estimates, the search's replays and
+the check's.
 
     python benchmarks/speed_fit.py [--pieces]
 """
@@ -34,6 +36,7 @@ from typing import Any
 from tabulate import tabulate
 
 import memcalc
+from memcalc import estimation
 from memcalc.api import max_batch_size
 from memcalc.search import affine, fit
 
@@ -119,7 +122,11 @@ def pieces() -> None:
 
     # the real estimates; the replays: the jump's judgement (replay_under) and the family's probes
     timed_calls: tuple[tuple[object, str, str], ...] = (
-        (fit, "run_estimate", "estimates"), (fit, "replay_under", "replays"), (affine.AffineFamily, "probe", "replays"))
+        (fit, "run_estimate", "estimates"), (fit, "replay_under", "replays"), (affine.AffineFamily, "probe", "replays"),
+        # since the batches the search traces are judged off their traces: the traces, the answer's
+        # report, and the replays without a limit that judge the others
+        *(((fit, "trace_estimate", "estimates"), (estimation.TracedEstimate, "report", "estimates"),
+           (fit, "replay_stats", "replays")) if hasattr(fit, "trace_estimate") else ()))
     for owner, attribute, label in timed_calls:
         setattr(owner, attribute, timed(label, getattr(owner, attribute)))
     for name, piece in PIECES.items():

@@ -2,13 +2,14 @@
 
 :func:`run_estimate` takes the :class:`~memcalc.engine.step_spec.Step` the API built once; the
 batch search (:mod:`memcalc.search`) varies its batch size, capacity, optimizer and precision
-with :func:`dataclasses.replace` and calls it again.
+with :func:`dataclasses.replace` and calls it again; on one GPU, :func:`trace_estimate` stops
+at the trace, for the batches it judges by replays and does not report.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from memcalc.core.categories import Mode
 from memcalc.core.checkpointing import CheckpointKind
@@ -29,7 +30,7 @@ from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
 
-__all__ = ("CostsOnRequest", "run_estimate")
+__all__ = ("CostsOnRequest", "TracedEstimate", "run_estimate", "trace_estimate")
 
 #: One GPU, no strategy.
 SINGLE = Distributed()
@@ -52,14 +53,57 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
     """
     if step.checkpoint.kind is CheckpointKind.AUTO:
         if on_trace is not None:  # the batch search replays one setting's trace at other batches
-            raise InapplicableOptionError(
-                "checkpoint auto (--checkpoint auto) chooses a setting per step; memcalc fit on one GPU replays one "
-                "setting's trace at other batch sizes, so it does not choose per batch yet",
-                hint="Fit each setting (--checkpoint every:N, selective-op, full), or estimate one batch with "
-                     "--checkpoint auto.")
+            raise _auto_per_trace()
         return choose_checkpointing(step, lambda trial: run_estimate(trial, distributed))
+    _check(step, distributed)
     # every kernel's FLOPs and bytes, recorded only when a time is asked for (CostsOnRequest otherwise)
     costs = _cost_recorder() if step.record_costs else None
+    if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
+        report = estimate_per_rank(step, distributed, costs=costs)
+        return report if step.record_costs else report.with_costs(CostsOnRequest(step, distributed))
+    traced = _trace_single(step, costs)
+    if on_trace is not None:
+        on_trace(traced.traced)
+    return traced.report()
+
+
+@dataclass(frozen=True)
+class TracedEstimate:
+    """A one-GPU step traced and not yet reported: the batch search judges most of the batches
+    it traces by a replay of the trace alone and reports only the one it answers (a report — its
+    replays, breakdown, module rows and textbook — is about a third of an estimate)."""
+
+    resolved: ResolvedModel
+    traced: TracedStep
+    #: the step as traced (its precision resolved against the fine-tuning)
+    step: Step
+
+    def report(self) -> MemoryReport:
+        """The estimate's report, as :func:`run_estimate` returns it."""
+        report = build_report(self.resolved, self.traced, self.step)
+        return report if self.step.record_costs else report.with_costs(CostsOnRequest(self.step, SINGLE))
+
+
+@while_collector_paused
+def trace_estimate(step: Step) -> TracedEstimate:
+    """:func:`run_estimate` on one GPU up to its trace, its checks included (not ``checkpoint
+    auto``, which chooses among several traces); ``.report()`` finishes it."""
+    if step.checkpoint.kind is CheckpointKind.AUTO:
+        raise _auto_per_trace()
+    _check(step, SINGLE)
+    return _trace_single(step, _cost_recorder() if step.record_costs else None)
+
+
+def _auto_per_trace() -> InapplicableOptionError:
+    return InapplicableOptionError(
+        "checkpoint auto (--checkpoint auto) chooses a setting per step; memcalc fit on one GPU replays one "
+        "setting's trace at other batch sizes, so it does not choose per batch yet",
+        hint="Fit each setting (--checkpoint every:N, selective-op, full), or estimate one batch with "
+             "--checkpoint auto.")
+
+
+def _check(step: Step, distributed: Distributed) -> None:
+    """Refuse, by name, the options this setting does not model."""
     if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:
         _check_trl_strategy(step, distributed)
     if distributed.is_single and step.float8 is not None and step.float8.all_gather:
@@ -72,23 +116,19 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
                                       hint="Leave out --strategy (or the TRL loop) to estimate Liger's kernels.")
     if step.liger and step.mode is not Mode.TRAIN:  # said before the model is built
         raise InapplicableOptionError(f"liger (--liger) models Liger's training kernels; the mode is {step.mode.value}")
-    if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
-        report = estimate_per_rank(step, distributed, costs=costs)
-    else:
-        resolved = step.resolved()
-        resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
-                                  checkpoint=bool(step.checkpoint))
-        resolved = apply_float8(resolved, step.float8)
-        step = replace(step, precision=step_precision(resolved, step.finetune, step.precision, step.mode))
-        if step.liger:
-            resolved = with_liger(resolved, step)
-        if step.loop.preset is not None and step.loop.preset.is_trl:
-            resolved = trl_model(resolved, step)
-        traced = trace_step(resolved, step, costs=costs)
-        if on_trace is not None:
-            on_trace(traced)
-        report = build_report(resolved, traced, step)
-    return report if step.record_costs else report.with_costs(CostsOnRequest(step, distributed))
+
+
+def _trace_single(step: Step, costs: CostRecorderFactory | None) -> TracedEstimate:
+    resolved = step.resolved()
+    resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
+                              checkpoint=bool(step.checkpoint))
+    resolved = apply_float8(resolved, step.float8)
+    step = replace(step, precision=step_precision(resolved, step.finetune, step.precision, step.mode))
+    if step.liger:
+        resolved = with_liger(resolved, step)
+    if step.loop.preset is not None and step.loop.preset.is_trl:
+        resolved = trl_model(resolved, step)
+    return TracedEstimate(resolved, trace_step(resolved, step, costs=costs), step)
 
 
 #: The strategies TRL's trainers are estimated under (accelerate's MULTI_GPU, FSDP and DEEPSPEED).

@@ -24,6 +24,13 @@ block's experts module ``fully_shard``-ed over the ``dp_shard`` sub-mesh (torcht
 ``dp_shard × ep`` ranks (torchtitan's ``dp_shard_cp``): the same units as memcalc's. With
 ``dp_replicate`` above 1 too, HSDP: the same units ``fully_shard``-ed over the 2-D meshes
 ``(dp_replicate, dp_shard)`` and ``(dp_replicate, dp_shard × ep)``, as torchtitan wraps them.
+
+With ``tp`` above 1 (tp × ep, no dp_shard): a ``(ep, tp)`` mesh, the model's own tensor-parallel plan
+applied by torch's ``parallelize_module`` on the ``tp`` sub-mesh (as tests/gloo_tp.py does), then the
+experts split by ``apply_expert_parallelism`` over all ``ep × tp`` ranks (the flattened mesh) with the
+``tp`` sub-mesh as its batch-sharing group: transformers' ``ep_size = fsdp_size × tp_size``,
+torchtitan's ``etp=1``. Every rank builds the same batch (the same seed), so the ranks of one tp group
+hold one batch, as they must.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from torch import nn
 
 
 def run_ep(source: str, kwargs: dict[str, Any], work_dir: Path, *, world_size: int = 2, spread: int | None = None,
-           dp_shard: int = 1, dp_replicate: int = 1, timeout_s: float = 300.0) -> list[RankPeak]:
+           dp_shard: int = 1, dp_replicate: int = 1, tp: int = 1, timeout_s: float = 300.0) -> list[RankPeak]:
     """The step of ``memcalc.estimate(source, **kwargs)`` run for real on ``world_size`` ranks
     with the experts split over them, pairs routed to ``spread`` experts (None: all; module
     docstring); each rank's peak.
@@ -48,16 +55,16 @@ def run_ep(source: str, kwargs: dict[str, Any], work_dir: Path, *, world_size: i
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    spawn_ranks(_worker, world_size, (source, kwargs, spread, dp_shard, dp_replicate, str(work_dir)), timeout_s)
+    spawn_ranks(_worker, world_size, (source, kwargs, spread, dp_shard, dp_replicate, tp, str(work_dir)), timeout_s)
     return [RankPeak(**json.loads((work_dir / f"ep-rank{rank}.json").read_text())) for rank in range(world_size)]
 
 
 def _worker(rank: int, world_size: int, port: int, source: str, kwargs: dict[str, Any], spread: int | None,
-            dp_shard: int, dp_replicate: int, work_dir: str) -> None:
+            dp_shard: int, dp_replicate: int, tp: int, work_dir: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        result = _run(source, kwargs, world_size, spread, dp_shard, dp_replicate)
+        result = _run(source, kwargs, world_size, spread, dp_shard, dp_replicate, tp)
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"ep-rank{rank}.json").write_text(json.dumps(result.__dict__))
@@ -87,7 +94,7 @@ def route(model: nn.Module, spread: int | None = None) -> int:
 
 
 def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | None, dp_shard: int,
-         dp_replicate: int) -> RankPeak:
+         dp_replicate: int, tp: int = 1) -> RankPeak:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
     from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -100,11 +107,19 @@ def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | Non
     step = build_step(source, gpu="cpu", **kwargs)
     resolved = _resolve(step)
     module, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
-    ep = world_size // (dp_replicate * dp_shard)
-    mesh = init_device_mesh("cpu", (dp_replicate, dp_shard, ep, 1),
+    ep = world_size // (dp_replicate * dp_shard * tp)
+    mesh = init_device_mesh("cpu", (dp_replicate, dp_shard, ep, tp),
                             mesh_dim_names=("dp_replicate", "dp_shard", "ep", "tp"))
     plan = module._expand_parallel_plan(dict(module.ep_plan))
-    apply_expert_parallelism(module, mesh["ep"], mesh["tp"], plan, ep_implementation="all_to_all")
+    experts_mesh = mesh["ep"]
+    if tp > 1:  # the model's own tp plan on tp, then the experts over ep x tp (module docstring)
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from memcalc.distributed.tp_plans import resolve_plan
+
+        parallelize_module(module, mesh["tp"], dict(resolve_plan(module, None, resolved.name).styles))
+        experts_mesh = mesh["ep", "tp"]._flatten("ep_tp")
+    apply_expert_parallelism(module, experts_mesh, mesh["tp"], plan, ep_implementation="all_to_all")
     if dp_shard > 1:  # torchtitan's apply_fsdp for MoE (module docstring)
         from torch.distributed.fsdp import fully_shard
 

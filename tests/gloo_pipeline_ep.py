@@ -49,6 +49,10 @@ class PipelineEpCase:
     #: stage (reshard_after_forward=False): each layer's experts over dp_shard (its ``dp_shard_mod_ep``),
     #: every layer and the stage's root over dp_shard × ep (its ``dp_shard_cp``)
     dp_shard: int = 1
+    #: > 1: the ``(pp, dp_shard=1, ep, tp)`` mesh, each stage's dense part under Mixtral's own tp plan
+    #: (torch's ``parallelize_module`` on ``tp``) and its experts over the flattened ``ep × tp`` ranks with
+    #: ``tp`` as the batch-sharing group (transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's etp=1)
+    tp: int = 1
 
 
 class MixtralStage(nn.Module):
@@ -70,15 +74,16 @@ class MixtralStage(nn.Module):
         return h
 
 
-def run_cases(source: str, cases: list[PipelineEpCase], work_dir: Path, *, dp_shard: int = 1,
+def run_cases(source: str, cases: list[PipelineEpCase], work_dir: Path, *, dp_shard: int = 1, tp: int = 1,
               timeout_s: float = 600.0) -> dict[str, list[RankPeak]]:
-    """Run ``cases`` (all of ``dp_shard``) on PP × dp_shard × EP spawned processes over gloo; each
-    case's peaks, by global rank (``(pp_rank × dp_shard + dp_shard_rank) × EP + ep_rank``).
+    """Run ``cases`` (all of ``dp_shard`` and ``tp``) on PP × dp_shard × EP × tp spawned processes over
+    gloo; each case's peaks, by global rank (``((pp_rank × dp_shard + dp_shard_rank) × EP + ep_rank) × tp
+    + tp_rank``).
 
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    world = PP * dp_shard * EP
+    world = PP * dp_shard * EP * tp
     spawn_ranks(_worker, world, (source, cases, str(work_dir)), timeout_s, what="gloo pp x ep runs")
     peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
     for rank in range(world):
@@ -111,15 +116,25 @@ def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
     step = build_step(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len)
     resolved = _resolve(step)
     model, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
-    mesh = init_device_mesh("cpu", (PP, case.dp_shard, EP, 1), mesh_dim_names=("pp", "dp_shard", "ep", "tp"))
+    mesh = init_device_mesh("cpu", (PP, case.dp_shard, EP, case.tp), mesh_dim_names=("pp", "dp_shard", "ep", "tp"))
     index = mesh["pp"].get_local_rank()
     plan = model._expand_parallel_plan(dict(model.ep_plan))  # on the whole model
+    from memcalc.distributed.tp_plans import resolve_plan, stage_plan
+
+    tp_plan = resolve_plan(model, None, resolved.name) if case.tp > 1 else None  # on the whole model, as memcalc
     stage_module = MixtralStage(model, index, PP)
     del model
     names = {name for name, _ in stage_module.model.named_modules()}
     names |= {name for name, _ in stage_module.model.named_parameters()}
     held = {name: style for name, style in plan.items() if name in names}  # the stage's layers' entries
-    apply_expert_parallelism(stage_module.model, mesh["ep"], mesh["tp"], held, ep_implementation="all_to_all")
+    experts_mesh = mesh["ep"]
+    if tp_plan is not None:  # the model's own tp plan on the stage's modules, then the experts over ep x tp
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        styles = stage_plan(tp_plan, stage_module.model).styles
+        parallelize_module(stage_module.model, mesh["tp"], dict(styles))
+        experts_mesh = mesh["ep", "tp"]._flatten("ep_tp")
+    apply_expert_parallelism(stage_module.model, experts_mesh, mesh["tp"], held, ep_implementation="all_to_all")
     assert route(stage_module) > 0
     if case.dp_shard > 1:  # torchtitan's apply_fsdp for MoE under a pipeline (PipelineEpCase.dp_shard)
         from torch.distributed.fsdp import fully_shard

@@ -478,3 +478,12 @@ def test_fit_names_the_larger_batch_expandable_segments_allow() -> None:
     assert memcalc.estimate("resnet18", batch_size=larger, capacity=capacity).fits is False
     assert memcalc.estimate("resnet18", batch_size=larger, capacity=capacity,
                             alloc_conf="expandable_segments:True").fits is True
+
+
+def test_a_directly_built_max_split_size_under_pytorchs_minimum_is_refused() -> None:
+    from memcalc.core.alloc_conf import AllocConf
+    from memcalc.core.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="at least 20 MiB"):
+        AllocConf(max_split_size=4 * 1024**2)
+    assert AllocConf(max_split_size=20 * 1024**2).describe() == "max_split_size_mb:20"

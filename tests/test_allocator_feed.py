@@ -38,7 +38,7 @@ def _requests(seed: int, count: int) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("capacity, settings", [
     pytest.param(None, None, id="defaults"),
-    pytest.param(None, AllocConf(max_split_size=8 * MiB), id="max-split-size"),
+    pytest.param(None, AllocConf(max_split_size=20 * MiB), id="max-split-size"),
     pytest.param(200 * MiB, None, id="capacity"),
 ])
 def test_feed_makes_mallocs_and_frees_decisions(seed: int, capacity: int | None, settings: AllocConf | None) -> None:

@@ -2,8 +2,8 @@
 its ``AllToAllEP`` over a fake process group (:mod:`memcalc.distributed.strategy.ep`).
 
 Three layers: the routing's split sizes and a tiny Mixtral's per-rank model states and all-to-all
-buffers worked out by hand; the refusals and the CLI; a real two-process gloo run with the experts
-split over the ranks (tests/test_gloo_ep.py).
+buffers worked out by hand (ep alone, with dp_shard, with pp, with tp); the refusals and the CLI; real
+gloo runs with the experts split over the ranks (tests/test_gloo_ep.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ from support import hf_config_source
 import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
-from memcalc.distributed.strategy.ep import ExpertParallel, dispatch_rows, expert_parallelism_available
+from memcalc.distributed.strategy.ep import (
+    ExpertParallel,
+    dispatch_rows,
+    expert_parallelism_available,
+    expert_tensor_parallel,
+)
 from memcalc.distributed.vocabulary import Routing
 from memcalc.fields import build_step
 from memcalc.targets.backend import trace_step
@@ -145,6 +150,48 @@ def test_ep_x_hsdp_holds_what_ep_x_dp_shard_holds(tiny: str) -> None:
     assert any("HSDP: 2 replicas" in note for note in hsdp.notes)
 
 
+def test_tp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
+    # tp=2 x ep=2 (etp=1): Mixtral's own tp plan shards the embedding's 256 rows, the head's 256 columns and each
+    # layer's q, k, v (colwise) and o (rowwise) over the 2 tp ranks; the router and the norms stay whole; each
+    # layer's 4 experts go over all ep x tp = 4 ranks, one per rank. fp32, Adam
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu",
+                              distributed=memcalc.Distributed(tp=2, ep=2))
+    (role,) = report.roles
+    attention = (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64) // 2  # 6,144 per layer
+    layer = attention + 4 * 64 + 2 * 64 + 4 * EXPERT // 4
+    held = 256 * 64 // 2 + 256 * 64 // 2 + 2 * layer + 64
+    assert held == 16_384 + 2 * (6_144 + 384 + 24_576) + 64 == 78_656
+    at_peak = role.report.bytes
+    assert (at_peak.parameters, at_peak.optimizer_state) == (4 * held, 8 * held)  # Adam: 2 moments
+    assert role.report.textbook.parameter_bytes == 4 * held
+    assert role.ranks == (0, 1, 2, 3) and report.global_batch_size == 2 * 2  # a batch per tp group (ep)
+    assert [s.describe() for s in role.sharding] == ["params, grads, optimizer /2 (tp)", "experts /2 (ep)",
+                                                     "batch /2 (ep)"]
+    assert any("each holds 1/4 of every MoE layer's experts" in note and "etp=1" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("routing, rows", [
+    # 2 · 16 = 32 tokens per tp group; each tp rank dispatches its 16 (AllToAllEP's Replicate -> Shard(0)):
+    # 16 · top-2 = 32 pairs, 8 to each of the 4 ranks (one expert each), 8 back from each: 32 rows of d 64
+    # received, 32 returned; per layer the dispatch and the combine, and their two in backward
+    (Routing.BALANCED, [32] * 8),
+    # worst: a token's 2 experts are distinct, so at most 16 pairs of each of 4 ranks reach rank 0: 64 rows
+    (Routing.WORST, [64, 32] * 4),
+])
+def test_tp_x_ep_all_to_all_buffers_by_hand(tiny: str, routing: Routing, rows: list[int]) -> None:
+    step = build_step(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu")
+    resolved = step.resolved(batch_size=2)
+    program = expert_tensor_parallel(2, 2, None, routing=routing, capacity_factor=None, model_name="tiny")
+    trace = trace_step(resolved, step, hooks=program).trace
+    outputs = [trace.nbytes[uid] for uid, op in enumerate(trace.op) if op.startswith("_c10d_functional.all_to_all")]
+    assert outputs == [r * 64 * 4 for r in rows]
+    # the combine's all-gather of the 2 tp ranks' 16 rows each (forward), and the backward's of the rows'
+    # gradients (Shard(0) -> Replicate): 32 rows of d 64, two per layer
+    gathers = [trace.nbytes[uid] for uid, op in enumerate(trace.op)
+               if op.startswith("_c10d_functional.all_gather") and trace.nbytes[uid] == 32 * 64 * 4]
+    assert len(gathers) == 4
+
+
 def test_ep_x_dp_replicate_without_dp_shard_is_refused_by_name(tiny: str) -> None:
     with pytest.raises(InapplicableOptionError, match=r"ep=2 with dp_replicate=2 alone \(DDP around expert "
                                                       r"parallelism\) is not modelled"):
@@ -179,12 +226,28 @@ def test_pp_alone_on_a_mixture_of_experts_by_hand(tiny: str) -> None:
         ranks: 4 * n for ranks, n in held.items()}
 
 
-@pytest.mark.parametrize("degrees, named", [(dict(tp=2), "tp=2"), (dict(dp_shard=2, dp_replicate=2), "dp_replicate=2")],
-                         ids=["tp", "hsdp"])
-def test_pp_x_ep_with_tp_or_hsdp_is_refused_by_name(tiny: str, degrees: dict[str, int], named: str) -> None:
-    with pytest.raises(InapplicableOptionError, match=rf"pp=2 with ep=2 and {named} is not modelled yet"):
+@pytest.mark.parametrize("degrees, named", [(dict(tp=2, dp_shard=2), "and tp=2 and dp_shard=2"),
+                                            (dict(dp_shard=2, dp_replicate=2), "and dp_replicate=2")],
+                         ids=["tp-dp_shard", "hsdp"])
+def test_pp_x_ep_with_tp_and_dp_shard_or_hsdp_is_refused_by_name(tiny: str, degrees: dict[str, int],
+                                                                 named: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=rf"pp=2 with ep=2 {named} is not modelled yet"):
         memcalc.estimate(tiny, batch_size=2, seq_len=16,
                          distributed=memcalc.Distributed(pp=2, ep=2, microbatches=2, **degrees))
+
+
+def test_pp_x_tp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
+    # two stages of one layer; in each, Mixtral's tp plan over the 2 tp ranks (the embedding's rows, the head's
+    # columns, q, k, v, o: halves) and the layer's 4 experts over the ep x tp = 4 ranks of the pipeline rank
+    setting = memcalc.Distributed(pp=2, tp=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu", distributed=setting)
+    layer = (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64) // 2 + 4 * 64 + 2 * 64 + 4 * EXPERT // 4
+    held = {(0, 1, 2, 3): 256 * 64 // 2 + layer, (4, 5, 6, 7): layer + 64 + 256 * 64 // 2}
+    assert held == {(0, 1, 2, 3): 39_296, (4, 5, 6, 7): 39_360}
+    assert {role.ranks: role.report.bytes.parameters for role in report.roles} == {
+        ranks: 4 * n for ranks, n in held.items()}
+    assert report.global_batch_size == 2 * 2  # a batch per tp group
+    assert any("each holds 1/4 of the stage's MoE layers' experts" in note for note in report.notes)
 
 
 def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
@@ -202,9 +265,19 @@ def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
 
 # ---- refusals ---------------------------------------------------------------------------------------
 
-def test_ep_with_another_dimension_is_refused_by_name(tiny: str) -> None:
-    with pytest.raises(InapplicableOptionError, match=r"tp=2 with ep=2 is not modelled yet"):
-        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, tp=2))
+@pytest.mark.parametrize("degrees, message", [
+    (dict(cp=2), r"ep=2 with cp=2 is not modelled yet"),
+    (dict(tp=2, dp_shard=2), r"tp=2 with ep=2 and dp_shard=2 is not modelled yet"),  # tp's own check, first
+], ids=["cp", "tp-dp_shard"])
+def test_ep_with_another_dimension_is_refused_by_name(tiny: str, degrees: dict[str, int], message: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=message):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, **degrees))
+
+
+def test_tp_x_ep_experts_that_do_not_divide_over_ep_x_tp_are_refused(tiny: str) -> None:
+    # 4 experts over ep=4 x tp=2 = 8 ranks (etp=1: the experts go over the tp ranks too)
+    with pytest.raises(InvalidInputError, match=r"refused ep x tp = 8 ranks.*Cannot evenly shard 4 experts across 8"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=4, tp=2))
 
 
 @pytest.mark.parametrize("ep, dp_shard", [(2, 4), (4, 2)])

@@ -122,8 +122,8 @@ def test_a_batch_that_fails_under_one_that_fits_moves_the_answer_down():
 @pytest.mark.slow  # a fit of gpt2
 def test_a_batch_affine_fit_makes_three_estimates(monkeypatch):
     made = []
-    real = search.run_estimate
-    monkeypatch.setattr(search, "run_estimate",
+    real = search.trace_estimate  # one GPU: each batch traced once, reported only where asked
+    monkeypatch.setattr(search, "trace_estimate",
                         lambda step, *args, **kw: made.append(step.batch_size) or real(step, *args, **kw))
     # the plain-torch GPT-2, whose raw boundary (28) lies far enough above the answer (26) for a whole
     # window of replays on each side of it

@@ -17,6 +17,11 @@ four; tests/gloo_ep.py): the same case, every rank 5,573,272 B real and estimate
 2 · 16, every rank 1,990,236 B real less the step counters, 1,990,224 B estimated (2026-12-06).
 With HSDP around it (``Distributed(dp_replicate=2, dp_shard=2, ep=2)``, eight processes), the SGD case:
 every rank 5,573,272 B real and estimated (2026-12-06).
+
+Composed with tensor parallelism (``Distributed(tp=2, ep=2)``, four processes: Mixtral's own tp plan on
+each tp pair, the 4 experts of each layer over all 4 ranks, transformers' ``ep_size = fsdp_size ×
+tp_size``, torchtitan's ``etp=1``): the SGD case, every rank 3,918,672 B real and estimated; with Adam
+at batch 2 · 16, every rank 1,423,948 B real less the step counters, 1,423,936 B estimated (2026-12-06).
 """
 
 from __future__ import annotations
@@ -98,3 +103,22 @@ def test_ep_x_hsdp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) -> None
     for rank, peak in enumerate(peaks):
         assert abs(estimate - peak.peak) <= TOLERANCE * peak.peak, (
             f"rank {rank}: estimated {estimate:,} B vs real {peak.peak:,} B")
+
+
+@pytest.mark.parametrize("kwargs", [
+    KWARGS,  # every rank 3,918,672 B real and estimated
+    pytest.param(dict(batch_size=2, seq_len=16, optimizer="adam"), marks=pytest.mark.slow),  # 12 B under, as above
+], ids=["sgd", "adam"])
+def test_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    # tp=2 x ep=2 on four processes: Mixtral's own tp plan (embedding, head, attention) over each tp pair, the
+    # 4 experts of each layer over all 4 ranks (transformers' ep_size = fsdp_size x tp_size, torchtitan's etp=1),
+    # each tp rank dispatching half of its pair's tokens; balanced routing
+    source = hf_config_source(tmp_path, TINY_MIXTRAL)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(tp=2, ep=2), **kwargs)
+    (role,) = report.roles
+    assert role.ranks == (0, 1, 2, 3) and report.distribution.global_batch_size == 2 * kwargs["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, kwargs, tmp_path, world_size=4, tp=2)
+    for rank, peak in enumerate(peaks):
+        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
+        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"

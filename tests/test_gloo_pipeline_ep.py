@@ -80,3 +80,35 @@ def test_every_rank_of_pp_x_dp_shard_x_ep_against_a_real_gloo_run(source: str, r
     report = memcalc.estimate(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len,
                               optimizer=case.optimizer, loss="mean", distributed=setting)
     check_every_rank(case.name, real_peaks_3d[case.name], peaks_by_rank(report, PP * DP_SHARD * EP), TOLERANCE)
+
+
+#: pp × tp × ep (ranks numbered (pp_rank × ep + ep_rank) × tp + tp_rank): each stage's dense part under
+#: Mixtral's own tp plan, its experts over the 4 ep × tp ranks of its pipeline rank (etp=1). Measured
+#: (2026-12-06, 1F1B, SGD): ranks 4-7 (stage 1) 1,533,128 B real, 1,532,624 B estimated (504 B under);
+#: ranks 0-3 (stage 0) 1,632,072 B real, 1,608,008 B estimated: 24,064 B (1.47%) under, not explained yet.
+#: GPipe with one microbatch of 256 tokens: stage 0 exactly 65,536 B (256 tokens x d 64 x 4 B, 3.7%) under,
+#: memcalc's peak in layer 0's experts' forward; the same with the embedding left whole (a tp plan of the
+#: attention only); at 64 tokens per microbatch stage 0 agrees to the byte. pp x tp and pp x ep (GPipe, one
+#: microbatch of 256 tokens too) on the same model agree to the byte, so the gap is tp x ep's inside a stage
+#: (a tokens x d buffer the real first stage holds in the MoE forward): xfail until explained, strict so that
+#: a fix shows.
+TP = 2
+CASES_TP = [PipelineEpCase("1f1b-sgd-tp", "1F1B", 2, "sgd", 4, 64, tp=TP)]
+
+
+@pytest.fixture(scope="module")
+def real_peaks_tp(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    return run_cases(source, CASES_TP, tmp_path_factory.mktemp("gloo-pp-ep-tp"), tp=TP, timeout_s=1000.0)
+
+
+@pytest.mark.xfail(strict=True, reason="stage 0 is 1.47% under the real peak (module comment at CASES_TP)")
+@pytest.mark.parametrize("case", CASES_TP, ids=lambda case: case.name)
+def test_every_rank_of_pp_x_tp_x_ep_against_a_real_gloo_run(source: str, real_peaks_tp: dict[str, list],
+                                                           case: PipelineEpCase) -> None:
+    setting = memcalc.Distributed(pp=PP, tp=TP, ep=EP, pp_schedule=case.schedule.lower(),
+                                  microbatches=case.microbatches)
+    report = memcalc.estimate(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len,
+                              optimizer=case.optimizer, loss="mean", distributed=setting)
+    check_every_rank(case.name, real_peaks_tp[case.name], peaks_by_rank(report, PP * EP * TP), TOLERANCE)

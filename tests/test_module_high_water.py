@@ -46,8 +46,8 @@ def test_rows_are_the_high_water_walked_event_by_event(tmp_path: Path, monkeypat
     seen: list[tuple[run.TracedStep, dict[str, int]]] = []
     original = run._forward_high_water
 
-    def spy(traced: run.TracedStep) -> dict[str, int]:
-        seen.append((traced, original(traced)))
+    def spy(traced: run.TracedStep, columns: run._Columns) -> dict[str, int]:
+        seen.append((traced, original(traced, columns)))
         return seen[-1][1]
 
     monkeypatch.setattr(run, "_forward_high_water", spy)

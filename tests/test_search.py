@@ -141,10 +141,11 @@ def test_a_flat_curve_hits_the_batch_limit():
 
 
 class CountingEstimate:
-    """Wraps the search's estimate to count the simulations a fit performs."""
+    """Wraps the search's estimate (on one GPU its trace, reported or not) to count the
+    simulations a fit performs."""
 
-    def __init__(self):
-        self.real = search.run_estimate
+    def __init__(self, real):
+        self.real = real
         self.batches: list[int] = []
 
     def __call__(self, step, *args, **kwargs):
@@ -154,8 +155,8 @@ class CountingEstimate:
 
 @pytest.fixture
 def counted(monkeypatch):
-    counter = CountingEstimate()
-    monkeypatch.setattr(search, "run_estimate", counter)
+    counter = CountingEstimate(search.trace_estimate)
+    monkeypatch.setattr(search, "trace_estimate", counter)
     return counter
 
 
@@ -261,7 +262,7 @@ def test_activation_dominated_model_puts_checkpointing_first():
     with pytest.raises(DoesNotFitError) as caught:
         max_batch_size("gpt2", budget=one.bytes.peak_allocated - MiB, seq_len=1024, optimizer="sgd")
     error = caught.value
-    states = sum(error.report.bytes.category(c) for c in budgets._MODEL_STATES)
+    states = sum(error.report.bytes.category(c) for c in budgets.MODEL_STATES)
     assert states < error.report.bytes.peak_allocated - states
     assert error.dominant == "activations" and "activations dominate" in str(error)
     remedies = error.hint.split(":", 1)[1].split(";")
@@ -465,3 +466,52 @@ def test_affine_family_sizes_rule_sized_storages_exactly():
     at_11 = traced(11)
     assert family.nbytes(11) == at_11.trace.nbytes  # every storage's size, the rule-sized ones included
     assert family.matches(at_11, 11)
+
+
+@pytest.mark.parametrize("model, options", [("resnet18", {"input_shape": (3, 64, 64)}), ("gpt2", {"seq_len": 64})])
+def test_a_replay_under_a_capacity_through_the_inlined_loop_is_the_allocators(model, options):
+    # the batch search's replays (affine.replay_under) run the allocator's inlined loop
+    # (CachingAllocatorModel.feed) under a capacity: every stat equals a replay through malloc and
+    # free, from no limit to far under the peak (the step OOMs and goes on), with the settings the
+    # loop takes and those it hands back to malloc
+    from memcalc.core.alloc_conf import AllocConf
+    from memcalc.engine import allocator
+    from memcalc.engine.timeline import allocator_events
+    from memcalc.search.affine import _fed
+    from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step as trace_model
+
+    traced = trace_model(resolve(model, batch_size=6, **options), build_step(optimizer="adam", gpu="a100-40gb"))
+    program, nbytes = traced.program(), traced.trace.nbytes
+    unlimited = allocator.replay(allocator_events(program, nbytes))
+    settings = (None, AllocConf(max_split_size=64 * 1024**2), AllocConf(garbage_collection_threshold=0.7),
+                AllocConf(expandable_segments=True), AllocConf(roundup_power2_divisions=(4,) * 16))
+    ooms = 0
+    for fraction in (None, 1.1, 1.0, 0.95, 0.9, 0.8, 0.6):
+        capacity = None if fraction is None else int(unlimited.peak_reserved * fraction)
+        for setting in settings:
+            expected = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=setting)
+            assert _fed(program, nbytes, capacity, setting) == expected, (fraction, setting)
+            ooms += expected.oom_at is not None
+    assert ooms >= 5  # the OOM path (free the cache, retry, go on) is among those compared
+
+
+@pytest.mark.parametrize("margin", [0, 0.1])
+def test_a_batch_judged_off_its_trace_is_judged_as_off_its_report(margin):
+    # the search judges most batches by replays of their trace alone, without the report: the
+    # same fits, peak and bytes needed as judged off the report, for batches that fit without
+    # pressure, under it, and not at all (vgg11: its allocator fragments near the boundary)
+    step = build_step("vgg11", optimizer="sgd", input_shape=(3, 64, 64), gpu="t4")
+    capacity = 2 * 1024**3
+    limit = budgets.margin_capacity(capacity, margin)
+    light = search._Estimates(step, search.SINGLE, capacity, limit)
+    reported = search._Estimates(step, search.SINGLE, capacity, limit)
+    judged = []
+    for batch in (2, 160, 300, 330, 360, 400):
+        point, whole, per_sample = light.point(batch), light.whole(batch), light.per_sample(batch)
+        assert batch not in light.reports  # judged without one
+        report = reported.estimate(batch)
+        assert point == reported.point(batch) and whole == reported.whole(batch), batch
+        assert per_sample == budgets.batch_bytes(report) / batch
+        judged.append((point.fits, whole.fits))
+    assert {True, False} == {fits for fits, _ in judged} == {fits for _, fits in judged}

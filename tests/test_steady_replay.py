@@ -6,6 +6,7 @@ crosses the allocator's boundaries in the steps skipped, and on models whose sma
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import SMALL_LLAMA, hf_config_source
@@ -43,9 +44,10 @@ def _replays(monkeypatch: pytest.MonkeyPatch, source: str, **options: object
     seen: list[tuple[Program, StepTrace]] = []
     original = run._replayed
 
-    def spy(program: Program, trace: StepTrace, settings: AllocConf | None, host: bool) -> allocator.AllocatorStats:
+    def spy(program: Program, trace: StepTrace, settings: AllocConf | None, host: bool, **given: Any
+            ) -> tuple[allocator.AllocatorStats, allocator.AllocatorStats]:
         seen.append((program, trace))
-        return original(program, trace, settings, host)
+        return original(program, trace, settings, host, **given)
 
     monkeypatch.setattr(run, "_replayed", spy)
     memcalc.estimate(source, mode="generate", optimizer="none", **options)  # type: ignore[arg-type]

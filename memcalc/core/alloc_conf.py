@@ -81,6 +81,14 @@ class AllocConf:
     source: str = ""
     ignored: tuple[str, ...] = field(default=())
 
+    def __post_init__(self) -> None:
+        # PyTorch refuses a smaller max_split_size_mb when it parses the setting; the allocator model
+        # relies on it too (a 20 MiB segment is always splittable), so a directly built one is checked.
+        if self.max_split_size is not None and self.max_split_size < _MIN_MAX_SPLIT_MB * _MIB:
+            raise InvalidInputError(f"max_split_size must be at least {_MIN_MAX_SPLIT_MB} MiB "
+                                    f"({_MIN_MAX_SPLIT_MB * _MIB} bytes), as PyTorch requires; "
+                                    f"got {self.max_split_size} bytes")
+
     @property
     def is_default(self) -> bool:
         """Whether the modelled settings are PyTorch's defaults (the replay is then the default one)."""

@@ -12,7 +12,11 @@ dry runs (its shapes) run with the experts sharded and the split sizes answered 
 assumption, as the traced step does. Each pipeline rank's ep rank 0 is traced (balanced routing: every
 ep rank alike; under the worst case, the one every pair goes to). With dp_shard, FSDP2 wraps each stage
 as :func:`~memcalc.distributed.strategy.dp_shard.fsdp_program` wraps an MoE model, its experts units
-named by :meth:`StageExpertParallel.experts_paths`.
+named by :meth:`StageExpertParallel.experts_paths`. With tp too (``--mesh pp=P,tp=T,ep=E``),
+:class:`StageExpertTensorParallel`: each stage's dense part under tp's plan on the tp sub-mesh, its
+experts over all ``ep × tp`` ranks of the pipeline rank (transformers' ``ep_size = fsdp_size ×
+tp_size``, torchtitan's ``etp=1``), as :func:`~memcalc.distributed.expert_parallel.expert_tensor_parallel`
+composes them without a pipeline.
 """
 
 from __future__ import annotations
@@ -25,25 +29,32 @@ from typing import Any
 import torch
 from torch import nn
 
+from memcalc.core.loop import OptimizerImpl
 from memcalc.distributed.expert_parallel import ExpertParallel, expert_plan, split_sizes
 from memcalc.distributed.pipeline import stage_mesh
-from memcalc.distributed.program import RankProgram
-from memcalc.distributed.tensor_parallel import _clear_dtensor_caches, _restore_modules, _snapshot
+from memcalc.distributed.program import RankProgram, StackedProgram
+from memcalc.distributed.tensor_parallel import TensorParallel, _clear_dtensor_caches, _restore_modules, _snapshot
+from memcalc.distributed.tp_plans import stage_plan
+from memcalc.distributed.tp_stages import StageTensorParallel
 from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("StageExpertParallel",)
+__all__ = ("StageExpertParallel", "StageExpertTensorParallel")
 
 
 class StageExpertParallel:
     """``degree``-way expert parallelism of every stage of a pipeline rank (its ep rank 0), the
-    split sizes answered by ``routing`` (and ``capacity_factor``)."""
+    split sizes answered by ``routing`` (and ``capacity_factor``). ``tp``: that many of the
+    ``degree`` ranks are tensor-parallel ranks sharing a batch (innermost), the experts over all
+    ``degree`` (:class:`StageExpertTensorParallel`)."""
 
-    def __init__(self, degree: int, routing: Routing = Routing.BALANCED, capacity_factor: float | None = None) -> None:
+    def __init__(self, degree: int, routing: Routing = Routing.BALANCED, capacity_factor: float | None = None,
+                 tp: int = 1) -> None:
         self.degree = degree
         self.routing = routing
         self.capacity_factor = capacity_factor
+        self.tp = tp
         self._plan: dict[str, str] | None = None
         self._name = "the model"
 
@@ -88,7 +99,7 @@ class StageExpertParallel:
         answering.defer_to = (DTensor,)
         try:
             with ExitStack() as stack:
-                ep_mesh, tp_mesh = expert_meshes()
+                ep_mesh, tp_mesh = expert_meshes(self.tp)
                 apply_expert_parallelism(module, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
                 stack.enter_context(answering)
                 yield
@@ -102,18 +113,68 @@ class StageExpertParallel:
     def program(self, stage: ResolvedModel) -> RankProgram:
         """The program of one stage's module (the model under ``model.``)."""
         return ExpertParallel(self.degree, routing=self.routing, capacity_factor=self.capacity_factor,
-                              model_name=stage.name, meshes=expert_meshes,
-                              plan=self.stage_plan(stage.module, "model."))
+                              model_name=stage.name, meshes=functools.partial(expert_meshes, self.tp),
+                              plan=self.stage_plan(stage.module, "model."), tp=self.tp)
 
 
-def expert_meshes() -> tuple[Any, Any]:
-    """The ``(ep, tp=1)`` sub-meshes of the current pipeline rank's fake group: its ep ranks are the
-    inner dimension of the pipeline's ``(pp, inner)`` mesh."""
+class StageExpertTensorParallel:
+    """tp × ep inside every stage of a pipeline rank (its rank 0 of ``ep · tp``): tp's plan on the
+    dense part over the tp sub-mesh, the experts over all ``ep · tp`` ranks (``experts``, made with
+    ``tp``). The pipeline sees one inner dimension of ``ep · tp`` ranks."""
+
+    def __init__(self, experts: StageExpertParallel, strings: dict[str, str] | None, *,
+                 optimizer_impl: OptimizerImpl | None = None) -> None:
+        self.experts = experts
+        self.degree = experts.degree
+        self.routing = experts.routing
+        self.capacity_factor = experts.capacity_factor
+        self.tensor = StageTensorParallel(experts.tp, strings, functools.partial(_tp_mesh, experts.tp),
+                                          optimizer_impl=optimizer_impl)
+
+    def resolve(self, model: nn.Module, inputs: ModelInputs, name: str) -> None:
+        """Both plans on the whole model (tp's refuses an uneven split)."""
+        self.experts.resolve(model, inputs, name)
+        self.tensor.resolve(model, inputs, name)
+
+    def experts_paths(self, stage: ResolvedModel) -> list[str]:
+        return self.experts.experts_paths(stage)
+
+    def applied(self, module: nn.Module, prefix: str) -> AbstractContextManager[None]:
+        """``module`` with its experts sharded and tp's plan applied, for a dry run."""
+        return self._applied(module, prefix)
+
+    @contextmanager
+    def _applied(self, module: nn.Module, prefix: str) -> Iterator[None]:
+        with self.tensor.applied(module, prefix), self.experts.applied(module, prefix):
+            yield
+
+    def program(self, stage: ResolvedModel) -> RankProgram:
+        """Expert parallelism's program, then tp's on the same group (one optimizer wrapper: expert
+        parallelism's steps every DTensor's local shard)."""
+        tensor = TensorParallel(self.tensor.degree, stage_plan(self.tensor.plan, stage.module, "model."),
+                                model_name=stage.name, optimizer_impl=self.tensor.optimizer_impl, local_step=False,
+                                mesh=self.tensor.mesh)
+        return StackedProgram(self.experts.program(stage), tensor)
+
+
+def expert_meshes(tp: int = 1) -> tuple[Any, Any]:
+    """The expert-parallel and tp sub-meshes of the current pipeline rank's fake group: the inner
+    dimension of the pipeline's ``(pp, inner)`` mesh is ``(inner / tp, tp)``, the experts over all
+    of it (tp = 1: its ``(ep, tp=1)`` sub-meshes)."""
+    mesh = _stage_meshes(tp)
+    return (mesh["ep"] if tp == 1 else mesh["ep", "tp"]._flatten("ep_tp")), mesh["tp"]
+
+
+def _tp_mesh(tp: int) -> Any:
+    return _stage_meshes(tp)["tp"]
+
+
+def _stage_meshes(tp: int) -> Any:
+    """The ``(pp, ep, tp)`` mesh over the current pipeline rank's fake group."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    pp, ep = stage_mesh("pp").size(), stage_mesh("tp").size()
-    mesh = DeviceMesh("cpu", torch.arange(pp * ep).view(pp, ep, 1), mesh_dim_names=("pp", "ep", "tp"))
-    return mesh["ep"], mesh["tp"]
+    pp, inner = stage_mesh("pp").size(), stage_mesh("tp").size()
+    return DeviceMesh("cpu", torch.arange(pp * inner).view(pp, inner // tp, tp), mesh_dim_names=("pp", "ep", "tp"))
 
 
 def _reader_in_use() -> Callable[[torch.Tensor], Any] | None:

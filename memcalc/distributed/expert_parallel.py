@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.loop import OptimizerImpl
+from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.tensor_parallel import (
     TensorParallel,
     _clear_dtensor_caches,
@@ -30,7 +32,7 @@ from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.trace import StorageTracer
 
 __all__ = ("ExpertParallel", "dispatch_rows", "expert_modules", "expert_notes", "expert_parallelism_available",
-           "expert_plan", "routing_text", "split_sizes")
+           "expert_plan", "expert_tensor_parallel", "routing_text", "split_sizes")
 
 def expert_parallelism_available() -> bool:
     """Whether the installed transformers has the expert parallelism ``ep`` runs
@@ -92,14 +94,20 @@ def routing_text(routing: Routing, capacity_factor: float | None) -> str:
     return "balanced routing: every expert receives tokens · top_k / experts pairs from every rank"
 
 
-def expert_notes(degree: int, routing: Routing, capacity_factor: float | None, dp_shard: int = 1) -> str:
+def expert_notes(degree: int, routing: Routing, capacity_factor: float | None, dp_shard: int = 1, tp: int = 1) -> str:
     """The report's note on ``degree``-way expert parallelism inside pipeline stages (with
-    ``dp_shard``-way FSDP2 around it)."""
+    ``dp_shard``-way FSDP2 around it, or ``tp``-way tensor parallelism beside it)."""
     dense = ("the dense part whole, its gradients' synchronisation over the ep ranks not modelled" if dp_shard == 1
              else f"FSDP2 of each stage as torchtitan shards MoE models: each block's experts over the {dp_shard} "
                   f"dp_shard ranks that hold the same experts, the dense part over dp_shard x ep = {dp_shard * degree}")
-    return (f"expert parallelism over {degree} ranks inside every stage: each holds 1/{degree} of the stage's MoE "
-            f"layers' experts (their gradients and optimizer state) and a batch of its own; tokens move by "
+    if tp > 1:
+        dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch, the experts over all ep x "
+                 f"tp = {degree * tp} ranks (transformers' ep_size = fsdp_size x tp_size, torchtitan's etp=1); the "
+                 f"dense gradients' synchronisation over the ep ranks not modelled; against real gloo runs the "
+                 f"first stage's peak was under by up to one microbatch's tokens x hidden buffer (1.5% with 2 "
+                 f"microbatches, 3.7% with 1, on a tiny Mixtral), not explained yet")
+    return (f"expert parallelism over {degree} ranks inside every stage: each holds 1/{degree * tp} of the stage's "
+            f"MoE layers' experts (their gradients and optimizer state) and a batch of its own; tokens move by "
             f"all-to-all under {routing_text(routing, capacity_factor)}; ep rank 0 traced; {dense}")
 
 
@@ -113,16 +121,26 @@ class ExpertParallel(TensorParallel):
     ``meshes``: the ``(ep, tp)`` sub-meshes of a process group someone else made (a pipeline
     rank's, :mod:`memcalc.distributed.ep_stages`), called at install; None: a fake group of
     ``degree`` ranks of the program's own. ``plan``: the expanded plan to apply (a stage's part of
-    the model's); None: the model's own."""
+    the model's); None: the model's own.
+
+    ``tp``: the tensor-parallel ranks among the ``degree`` (the inner dimension of the fake group's
+    ``(dp, tp)`` mesh, each tp group sharing one batch): the expert-parallel group is all ``degree``
+    ranks, as transformers' ``AllToAllEP`` and torchtitan's ``etp=1`` borrow the tp ranks for the
+    experts, each tp rank dispatching its ``1/tp`` of the shared batch's tokens. The tp sub-mesh is
+    :attr:`tp_mesh` once installed (tensor parallelism's program runs its plan on it,
+    :func:`expert_tensor_parallel`)."""
 
     def __init__(self, degree: int, *, rank: int = 0, routing: Routing = Routing.BALANCED,
                  capacity_factor: float | None = None, model_name: str = "the model",
-                 meshes: Callable[[], tuple[Any, Any]] | None = None, plan: dict[str, str] | None = None) -> None:
+                 meshes: Callable[[], tuple[Any, Any]] | None = None, plan: dict[str, str] | None = None,
+                 tp: int = 1) -> None:
         super().__init__(degree, None, rank=rank, model_name=model_name)
         self.routing = routing
         self.capacity_factor = capacity_factor
         self.meshes = meshes
         self.expert_styles = plan
+        self.tp = tp
+        self.tp_mesh: Any = None
 
     def _parallelize(self, tracer: StorageTracer, module: nn.Module) -> None:
         from torch.distributed.device_mesh import DeviceMesh
@@ -132,12 +150,19 @@ class ExpertParallel(TensorParallel):
         plan = self._plan(module)
         if self.meshes is None:
             self._fake_mesh()  # the fake process group (and a one-dimensional mesh, unused)
-            mesh = DeviceMesh("cpu", torch.arange(self.degree).reshape(self.degree, 1), mesh_dim_names=("ep", "tp"))
-            ep_mesh, tp_mesh = mesh["ep"], mesh["tp"]
+            if self.tp == 1:
+                mesh = DeviceMesh("cpu", torch.arange(self.degree).reshape(self.degree, 1),
+                                  mesh_dim_names=("ep", "tp"))
+                ep_mesh, tp_mesh = mesh["ep"], mesh["tp"]
+            else:  # the dense view (dp, tp); the experts over all of it (transformers' ep = dp x tp)
+                mesh = DeviceMesh("cpu", torch.arange(self.degree).reshape(self.degree // self.tp, self.tp),
+                                  mesh_dim_names=("dp", "tp"))
+                ep_mesh, tp_mesh = mesh._flatten("ep"), mesh["tp"]
         else:
             _clear_dtensor_caches()
             self._undo.append(_clear_dtensor_caches)
             ep_mesh, tp_mesh = self.meshes()
+        self.tp_mesh = tp_mesh
         modules = dict(module.named_modules())
         experts = [modules[name] for name, style in plan.items() if style == "ep_dispatch_experts"]
         self._undo.append(functools.partial(_restore_modules, _snapshot(module)))
@@ -146,9 +171,9 @@ class ExpertParallel(TensorParallel):
         try:
             apply_expert_parallelism(module, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
         except ValueError as exc:  # "Cannot evenly shard 8 experts across 3 expert-parallel ranks"
-            raise InvalidInputError(f"transformers' expert parallelism refused ep={self.degree} on "
-                                    f"{self.model_name}: {exc}",
-                                    hint="give an ep degree that divides the number of experts") from exc
+            ranks = f"ep={self.degree}" if self.tp == 1 else f"ep x tp = {self.degree} ranks"
+            raise InvalidInputError(f"transformers' expert parallelism refused {ranks} on {self.model_name}: {exc}",
+                                    hint="give an ep degree (times tp) that divides the number of experts") from exc
         tracer.defer_to = (DTensor,)
         self._undo.append(functools.partial(setattr, tracer, "defer_to", ()))
         self._undo.append(_propagation_untraced())
@@ -168,6 +193,23 @@ class ExpertParallel(TensorParallel):
         """The split sizes ``AllToAllEP`` copies to the host, from the routing assumption; any
         other read to whoever answered it before."""
         return split_sizes(tensor, self.degree, self.rank, self.routing, self.capacity_factor, previous)
+
+
+def expert_tensor_parallel(ep: int, tp: int, plan: dict[str, str] | None, *, routing: Routing,
+                           capacity_factor: float | None, model_name: str,
+                           optimizer_impl: OptimizerImpl | None = None) -> RankProgram:
+    """Rank 0 of ``tp × ep`` (``ep · tp`` ranks): the dense part under the tensor-parallel ``plan``
+    (None: the model's own) on the tp sub-mesh, each tp group one batch, the ep groups batches of
+    their own; the experts over all ``ep · tp`` ranks (:class:`ExpertParallel` with ``tp``), as
+    transformers composes ``tp_size`` with ``ep_size = fsdp_size × tp_size`` and torchtitan with
+    ``etp=1``. Expert parallelism makes the fake group and the meshes, then ``parallelize_module``
+    runs on its tp sub-mesh; one optimizer wrapper (expert parallelism's) steps every DTensor's
+    local shard."""
+    experts = ExpertParallel(ep * tp, routing=routing, capacity_factor=capacity_factor, model_name=model_name,
+                             tp=tp)
+    dense = TensorParallel(tp, plan, model_name=model_name, optimizer_impl=optimizer_impl, local_step=False,
+                           mesh=lambda: experts.tp_mesh)
+    return StackedProgram(experts, dense)
 
 
 def split_sizes(tensor: torch.Tensor, degree: int, rank: int, routing: Routing, capacity_factor: float | None,

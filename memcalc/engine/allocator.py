@@ -510,12 +510,14 @@ class CachingAllocatorModel:
         ``round_size(nbytes[uid])``.
 
         The same decisions as :meth:`malloc` and :meth:`free`, inlined for the case of most
-        replays — no capacity, no garbage collection, cudaMalloc'ed segments, 512-B rounding,
-        ``max_split_size`` unlimited — where best fit, split and merge are all there is; a request
-        no cached block fits (a new segment), and any other setting, goes through :meth:`malloc`.
-        A generation's replay feeds millions of events (:mod:`memcalc.engine.steady_replay`)."""
+        replays — no garbage collection, cudaMalloc'ed segments, 512-B rounding, ``max_split_size``
+        unlimited — where best fit, split and merge are all there is; a request no cached block
+        fits (a new segment: the only place a capacity is met, freeing the cache and retrying), and
+        any other setting, goes through :meth:`malloc`. A generation's replay feeds millions of
+        events (:mod:`memcalc.engine.steady_replay`); the batch search's replays under a capacity
+        thousands (:func:`memcalc.search.affine.replay_under`)."""
         live, zero = self._live, self._zero
-        if (self.host or self.capacity is not None or self._expandable or self._rounding is not None
+        if (self.host or self._expandable or self._rounding is not None
                 or self._max_split != MAX_SPLIT_SIZE or self._gc_threshold > 0.0):
             for event in events:
                 if event >= 0:

@@ -58,9 +58,10 @@ _Signature = tuple[tuple[int, int, bool, int, bool], ...]
 
 
 def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | None,
-                      host: bool) -> allocator.AllocatorStats | None:
+                      host: bool, *, nbytes: np.ndarray | None = None) -> allocator.AllocatorStats | None:
     """The unlimited replay's stats of a generation's ``program``, its small pool's repeated
-    decode steps skipped (module docstring); None where that does not apply."""
+    decode steps skipped (module docstring); None where that does not apply. ``nbytes``:
+    ``trace.nbytes`` as int64, when the caller has it."""
     offset = program.iteration_starts[0]  # the pre-existing storages' births come first
     starts = [offset + start for phase, start in trace.phase_log if phase is Phase.DECODE]
     settings = settings or AllocConf()
@@ -68,9 +69,9 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
             or settings.expandable_segments or any(settings.roundup_power2_divisions)
             or len(program.events) != offset + len(trace.events)):
         return None
-    events = np.asarray(program.events, dtype=np.int64)
+    events = program.keys
     uids = np.where(events >= 0, events, ~events)
-    nbytes = np.asarray(trace.nbytes, dtype=np.int64)
+    nbytes = np.asarray(trace.nbytes, dtype=np.int64) if nbytes is None else nbytes
     rounded = np.where(nbytes == 0, 0, np.maximum(-(-nbytes // allocator.K_MIN_BLOCK_SIZE), 1)
                        * allocator.K_MIN_BLOCK_SIZE)
     small = (rounded <= allocator.K_SMALL_SIZE)[uids]
@@ -281,9 +282,13 @@ def _stats(stats: allocator.AllocatorStats, events: np.ndarray, uids: np.ndarray
            nbytes: np.ndarray) -> allocator.AllocatorStats:
     """``stats`` with allocated (the blocks' ``sizes``) and requested, which the skipped events
     changed on the way, summed over every event."""
-    births = events >= 0
-    allocated = np.cumsum(np.where(births, sizes[uids], -sizes[uids]))
-    requested = np.cumsum(np.where(births, nbytes[uids], -nbytes[uids]))
+    deaths = events < 0
+    allocated = sizes[uids]
+    allocated[deaths] *= -1
+    np.cumsum(allocated, out=allocated)  # int64: exact
+    requested = nbytes[uids]
+    requested[deaths] *= -1
+    np.cumsum(requested, out=requested)
     peak = int(allocated.max()) if allocated.size else 0
     return allocator.AllocatorStats(
         peak_allocated=max(peak, 0), peak_reserved=stats.peak_reserved,

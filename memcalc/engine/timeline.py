@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -34,6 +35,7 @@ __all__ = (
     "allocator_events",
     "build_program",
     "build_timeline",
+    "category_codes",
     "category_totals_at",
     "final_categories",
     "freed_preexisting",
@@ -104,6 +106,14 @@ class Program:
     #: :func:`memcalc.engine.allocator.replay` takes as ``streams``
     streams: Mapping[int, int] = field(default_factory=dict)
 
+    @cached_property
+    def keys(self) -> np.ndarray:
+        """``events`` as an int64 array, made once: a long generation's millions of events are
+        read by several of the report's passes (the replay, the categories at the peak)."""
+        keys = np.asarray(self.events, dtype=np.int64)
+        keys.flags.writeable = False  # shared by its readers
+        return keys
+
     def storage(self, key: int) -> int:
         """The storage uid behind an event key."""
         return key % self.num_storages
@@ -163,20 +173,34 @@ def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Seque
                    streams=streams)
 
 
-def category_totals_at(program: Program, nbytes: Sequence[int], categories: Sequence[Category],
-                       index: int) -> dict[Category, int]:
-    """Requested bytes per category alive just after ``program.events[index]``."""
+#: Integers up to 2**53 are exact in float64: a sum whose terms' magnitudes add up to less is exact.
+_EXACT_IN_FLOAT64 = 1 << 53
+
+
+def category_codes(categories: Sequence[Category]) -> np.ndarray:
+    """Each storage's category as its index in ``list(Category)`` (int64; a long generation has
+    millions of storages: one pass, shared by the report's readers)."""
+    code = {c: i for i, c in enumerate(Category)}
+    return np.fromiter(map(code.__getitem__, categories), dtype=np.int64, count=len(categories))  # map: C speed
+
+
+def category_totals_at(program: Program, nbytes: Sequence[int] | np.ndarray, categories: Sequence[Category],
+                       index: int, *, codes: np.ndarray | None = None) -> dict[Category, int]:
+    """Requested bytes per category alive just after ``program.events[index]`` (``codes``: the
+    categories' :func:`category_codes`, when the caller has them)."""
     totals = {c: 0 for c in Category}
-    events = np.asarray(program.events[: index + 1], dtype=np.int64)
+    events = program.keys[: index + 1]
     if not events.size:
         return totals
-    order = list(Category)
-    code = {c: i for i, c in enumerate(order)}
     uids = np.where(events >= 0, events, ~events) % program.num_storages
-    sizes = np.asarray(nbytes, dtype=np.int64)[uids]
-    signed = np.where(events >= 0, sizes, -sizes)  # int64: exact
-    of = np.fromiter(map(code.__getitem__, categories), dtype=np.int64, count=len(categories))[uids]  # map: C speed
-    for i, category in enumerate(order):
+    signed = np.asarray(nbytes, dtype=np.int64)[uids]
+    signed[events < 0] *= -1  # int64: exact
+    of = (codes if codes is not None else category_codes(categories))[uids]
+    # every partial sum an integer float64 holds exactly (the bound summed in float64, with room for its rounding)
+    if np.abs(signed).sum(dtype=np.float64) < _EXACT_IN_FLOAT64 / 2:
+        sums = np.bincount(of, weights=signed, minlength=len(totals)).tolist()
+        return {category: int(sums[i]) for i, category in enumerate(Category)}
+    for i, category in enumerate(Category):
         totals[category] = int(signed[of == i].sum())
     return totals
 

@@ -21,16 +21,20 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from memcalc.core.alloc_conf import AllocConf
+from memcalc.core.categories import Mode
 from memcalc.core.checkpointing import Checkpointing, CheckpointKind
 from memcalc.core.progress import report_progress
 from memcalc.core.report import MemoryReport
 from memcalc.distributed.checkpoint_auto import block_count, candidates
 from memcalc.distributed.setting import Distributed
+from memcalc.engine.allocator import AllocatorStats
 from memcalc.engine.run import TracedStep
 from memcalc.engine.step_spec import Step
-from memcalc.estimation import SINGLE, run_estimate
-from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_under
+from memcalc.engine.timeline import category_totals_at
+from memcalc.estimation import SINGLE, TracedEstimate, run_estimate, trace_estimate
+from memcalc.search.affine import AffineFamily, SyntheticPoint, replay_stats, replay_under
 from memcalc.search.fit_result import (
+    MODEL_STATES,
     BatchLimitError,
     DoesNotFitError,
     FitResult,
@@ -111,9 +115,9 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
     first = real.point(start)
     if not first.fits:
         if not real.point(1).fits:
-            raise DoesNotFitError(real.reports[1], budget, margin)
+            raise DoesNotFitError(real.estimate(1), budget, margin)
         first = real.points[1]
-    slope_hint = _per_sample_guess(real.reports[first.batch_size])
+    slope_hint = real.per_sample(first.batch_size)
     found: _Found | None = None
     if first.batch_size == 1 and start == 2:  # 1 fits, 2 does not
         found = _Found(1, 1, 1, ())
@@ -123,7 +127,7 @@ def find_max_batch(step: Step, budget: Budget, *, distributed: Distributed = SIN
         try:
             best, _ = _search(real.point, limit, first=first, slope_hint=slope_hint, max_batch=max_batch)
         except _Unbounded:
-            raise BatchLimitError(max_batch, real.reports[max_batch], budget) from None
+            raise BatchLimitError(max_batch, real.estimate(max_batch), budget) from None
         found = _Found(best, best, best, ())
     best = found.best
     report = real.report_under_budget(best)
@@ -230,11 +234,14 @@ class _Found:
 
 
 class _Estimates:
-    """The real estimates of one fit, each batch at most once, and the replays of the family.
+    """The real estimates of one fit, each batch traced at most once, and the replays of the family.
 
-    On one GPU a batch is estimated against the whole budget (its report is the one shown) and
-    its trace is kept; whether it fits the margin budget is one replay of that trace under it.
-    Under a multi-GPU strategy (no trace to replay) it is estimated under the margin budget.
+    On one GPU a batch is traced for the whole budget and judged by replays of its trace alone:
+    the replay without a limit that its report reads its peak off, and, when that one reserves
+    more than the margin budget, one under it. Only a batch whose report is asked for (batch 2,
+    whose breakdown gives the first jump, and the answer) is reported: the same report,
+    built from the same trace. Under a multi-GPU strategy (no trace to replay) a batch is
+    estimated under the margin budget.
     """
 
     def __init__(self, step: Step, distributed: Distributed, capacity: int, limit: int):
@@ -245,52 +252,124 @@ class _Estimates:
         self.single = distributed.is_single
         self.reports: dict[int, MemoryReport] = {}
         self.traces: dict[int, TracedStep] = {}
+        self._unreported: dict[int, TracedEstimate] = {}  # traced, the report not made yet
+        self._unlimited: dict[int, AllocatorStats] = {}  # replays without a limit, of traces not reported
         self.points: dict[int, _Point] = {}  # real estimates, judged under the margin budget
         self.order: list[_Point] = []  # the search's probes, real and synthetic, in order
         self.replays = 0
+        self.made = 0  # real estimates (traces, on one GPU) made
         self._synthetic: dict[tuple[int, int], _Point] = {}
         report_progress(FITTING, 0, None)
 
     def point(self, batch: int) -> _Point:
         """A real estimate, judged under the margin budget."""
         if batch not in self.points:
-            self.adopt(self._judge(batch, self.estimate(batch)))
+            self.adopt(self._judge(batch))
         return self.points[batch]
 
     def adopt(self, point: _Point) -> None:
-        """Record ``point`` as the real estimate of its batch (already made by :meth:`estimate`):
-        the family's replay at a batch whose trace is the family's is that estimate's own."""
+        """Record ``point`` as the real estimate of its batch (already traced): the family's
+        replay at a batch whose trace is the family's is that trace's own."""
         real = point._replace(synthetic=False)
         self.points[point.batch_size] = real
         self.order.append(real)
 
     def whole(self, batch: int) -> _Point:
-        """A real estimate, judged under the whole budget (one GPU, or no margin)."""
+        """A real estimate, judged under the whole budget (one GPU, or no margin), as its report
+        judges it."""
         self.point(batch)
-        return _point(self.reports[batch], batch)
+        if not self._replayable(batch):
+            return _point(self.estimate(batch), batch)
+        return self._whole(batch)
+
+    def _whole(self, batch: int) -> _Point:
+        free = self._free(batch)
+        peak = free.peak_allocated
+        settings = self.step.allocator_settings
+        # engine.run._fit_under: a replay under the budget where the one without a limit exceeds it
+        if free.peak_reserved <= self.capacity and not (settings and settings.garbage_collection_threshold > 0.0):
+            return _Point(batch, True, peak, peak)
+        limited = self._replay(batch, self.capacity)
+        return _Point(batch, limited.fits, peak, peak if limited.fits else max(peak, limited.reserved_within_capacity))
+
+    def per_sample(self, batch: int) -> float:
+        """Bytes per sample guessed from ``batch``'s peak: what is not model state, over the batch
+        (:func:`batch_bytes`, read off the replay its report reads it off). Usually too high (it
+        counts batch-independent temporaries), so the first jump undershoots."""
+        if not self._replayable(batch):
+            return batch_bytes(self.estimate(batch)) / batch
+        traced = self.traces[batch]
+        totals = category_totals_at(traced.program(), traced.trace.nbytes, traced.categories,
+                                    max(self._free(batch).peak_index, 0))
+        return sum(nbytes for category, nbytes in totals.items() if category not in MODEL_STATES) / batch
+
+    def trace(self, batch: int) -> None:
+        """Trace ``batch`` for the whole budget (each batch at most once) and keep its trace; under
+        a strategy, estimate it."""
+        if batch in self.traces or batch in self.reports:
+            return
+        if not self.single:
+            self.estimate(batch)
+            return
+        traced = trace_estimate(replace(self.step, batch_size=batch, capacity=self.capacity))
+        self.traces[batch] = traced.traced
+        self._unreported[batch] = traced
+        self._count()
 
     def estimate(self, batch: int) -> MemoryReport:
-        """The estimate at ``batch`` (each batch at most once), its trace kept on one GPU."""
+        """The report at ``batch`` (each batch traced at most once)."""
         if batch in self.reports:
             return self.reports[batch]
-        keep = (lambda traced: self.traces.__setitem__(batch, traced)) if self.single else None
-        capacity = self.capacity if self.single else self.limit
-        report = run_estimate(replace(self.step, batch_size=batch, capacity=capacity), self.distributed, on_trace=keep)
+        if self.single:
+            self.trace(batch)
+            report = self._unreported.pop(batch).report()
+        else:
+            report = run_estimate(replace(self.step, batch_size=batch, capacity=self.limit), self.distributed)
+            self._count()
         self.reports[batch] = report
-        report_progress(FITTING, len(self.reports), None)  # how many the search takes is not known ahead
         return report
 
-    def _judge(self, batch: int, report: MemoryReport) -> _Point:
-        if not self.single or self.limit == self.capacity:
-            return _point(report, batch)
-        if report.peak_reserved_unconstrained <= self.limit:  # never meets the limit: no replay needed
-            peak = report.bytes.peak_allocated
+    def _count(self) -> None:
+        self.made += 1
+        report_progress(FITTING, self.made, None)  # how many the search takes is not known ahead
+
+    def _replayable(self, batch: int) -> bool:
+        """Whether ``batch`` is judged off replays of its trace (one GPU, not yet reported; a
+        generation's report replays it faster than a plain replay), traced if it is."""
+        if not self.single or batch in self.reports or self.step.mode is Mode.GENERATE:
+            return False
+        self.trace(batch)
+        return batch not in self.reports
+
+    def _judge(self, batch: int) -> _Point:
+        if not self._replayable(batch):
+            report = self.estimate(batch)
+            if not self.single or self.limit == self.capacity:
+                return _point(report, batch)
+            peak, reserved = report.bytes.peak_allocated, report.peak_reserved_unconstrained
+        elif self.limit == self.capacity:
+            return self._whole(batch)
+        else:  # the replay the report reads its peak off, without the report
+            free = self._free(batch)
+            peak, reserved = free.peak_allocated, free.peak_reserved
+        if reserved <= self.limit:  # never meets the limit: no replay needed
             return _Point(batch, True, peak, peak)
-        traced = self.traces[batch]
         self.replays += 1
-        replayed = replay_under(traced.program(), traced.trace.nbytes, self.limit, batch,
-                                self.step.allocator_settings, host=not self.step.emulate_cuda)
-        return _Point(batch, replayed.fits, report.bytes.peak_allocated, _needed(replayed))
+        replayed = self._replay(batch, self.limit)
+        return _Point(batch, replayed.fits, peak, _needed(replayed))
+
+    def _free(self, batch: int) -> AllocatorStats:
+        """The replay of ``batch``'s trace without a limit: the one its report reads its peak off."""
+        if batch not in self._unlimited:
+            traced = self.traces[batch]
+            self._unlimited[batch] = replay_stats(traced.program(), traced.trace.nbytes, None,
+                                                  self.step.allocator_settings, host=not self.step.emulate_cuda)
+        return self._unlimited[batch]
+
+    def _replay(self, batch: int, capacity: int) -> SyntheticPoint:
+        traced = self.traces[batch]
+        return replay_under(traced.program(), traced.trace.nbytes, capacity, batch, self.step.allocator_settings,
+                            host=not self.step.emulate_cuda)
 
     def known(self, batch: int) -> _Point | None:
         """The search's judgement of ``batch`` under the margin budget, when it made one (a real
@@ -316,7 +395,7 @@ class _Estimates:
         one more estimate: the search's were made under the margin budget)."""
         self.point(batch)
         if self.single or self.limit == self.capacity:
-            return self.reports[batch]
+            return self.estimate(batch)
         return run_estimate(replace(self.step, batch_size=batch, capacity=self.capacity), self.distributed)
 
 
@@ -366,12 +445,12 @@ def _affine_search(real: _Estimates, first: _Point, slope_hint: float | None, ma
     best = check.answer
     # traced for real: it must be the family's step at that batch, whose replay is then its own
     if best not in real.points:
-        real.estimate(best)
+        real.trace(best)
         if not family.matches(real.traces[best], best):
             real.point(best)  # an estimate like the others: judged, and listed among the probes
             return None
         replayed = real.synthetic(affine, best, limit)
-        real.adopt(replayed._replace(peak_allocated=real.reports[best].bytes.peak_allocated))
+        real.adopt(replayed._replace(peak_allocated=real.estimate(best).bytes.peak_allocated))
     elif not family.matches(real.traces[best], best) or not real.points[best].fits:
         return None
     return _Found(best, top, check.checked_from, check.failing, family, check.capped)
@@ -496,7 +575,7 @@ def _raw_boundary(real: _Estimates, found: _Found, first: int, slope_hint: float
         measure, first = _limited(real, _RAW_ESTIMATES), found.best
     else:
         return None
-    start = real.whole(first)  # estimated for real: no replay
+    start = real.whole(first)  # estimated for real
     if not start.fits:
         return None
     try:
@@ -509,10 +588,10 @@ def _raw_boundary(real: _Estimates, found: _Found, first: int, slope_hint: float
 def _limited(real: _Estimates, estimates: int) -> Callable[[int], _Point]:
     """``real.whole`` that raises :class:`_Unbounded` rather than make more than ``estimates``
     new estimates."""
-    spent = len(real.reports)
+    spent = real.made
 
     def measure(batch: int) -> _Point:
-        if batch not in real.reports and len(real.reports) - spent >= estimates:
+        if batch not in real.traces and real.made - spent >= estimates:
             raise _Unbounded  # not worth more estimates: the caller leaves the answer unknown
         return real.whole(batch)
 
@@ -530,12 +609,6 @@ def _point(report: MemoryReport, batch: int) -> _Point:
     peak = report.bytes.peak_allocated
     reserved = report.reserved_within_capacity
     return _Point(batch, fits, peak, peak if fits or reserved is None else max(peak, reserved))
-
-
-def _per_sample_guess(report: MemoryReport) -> float:
-    """Bytes per sample guessed from one report: what is not model state, over the batch.
-    Usually too high (it counts batch-independent temporaries), so the first jump undershoots."""
-    return batch_bytes(report) / report.batch_size
 
 
 class _Unbounded(Exception):

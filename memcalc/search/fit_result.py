@@ -21,6 +21,7 @@ from memcalc.targets.budget import Budget
 
 __all__ = (
     "DEFAULT_MARGIN",
+    "MODEL_STATES",
     "BatchLimitError",
     "DoesNotFitError",
     "FitResult",
@@ -46,7 +47,8 @@ __all__ = (
 #: the CUDA context or the kernels' workspaces, and adds nothing to this figure.
 DEFAULT_MARGIN = 0.06
 
-_MODEL_STATES = (Category.PARAMETERS, Category.BUFFERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+#: The categories that do not grow with the batch: the model's states.
+MODEL_STATES = (Category.PARAMETERS, Category.BUFFERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
 
 
 class Probe(NamedTuple):
@@ -229,10 +231,10 @@ def _suggestions(dominant: str, report: MemoryReport) -> str:
 
 def model_state_bytes(report: MemoryReport) -> int:
     """Bytes at the peak in the model states: parameters, buffers, gradients, optimizer state."""
-    return sum(report.bytes.category(c) for c in _MODEL_STATES)
+    return sum(report.bytes.category(c) for c in MODEL_STATES)
 
 
 def batch_bytes(report: MemoryReport) -> int:
     """Bytes at the peak in the categories that are not model states (inputs, activations,
     temporaries, ...): the part that grows with the batch."""
-    return sum(report.bytes.category(c) for c in Category if c not in _MODEL_STATES)
+    return sum(report.bytes.category(c) for c in Category if c not in MODEL_STATES)

@@ -20,10 +20,12 @@ transformers with ``tp_size=1``), so the global batch counts the ep ranks. With 
 (torchtitan's MoE FSDP) dp_shard's FSDP2 is stacked on this program: each block's experts sharded
 over dp_shard (``dp_shard_mod_ep``), the dense part over dp_shard × ep (``dp_shard_cp``); a real
 four-process gloo run agrees to the byte. Under ``pp`` the pipeline applies it inside every stage
-(:mod:`memcalc.distributed.ep_stages`; a real four-process gloo run agrees to the byte). Alone, the
-dense gradients' synchronisation over the ep ranks is not modelled (stated); with tp, cp or
-dp_replicate ep is refused by name. The optimizer steps
-each DTensor's local shard, which allocates what stepping the DTensors would (tests/test_gloo_ep.py).
+(:mod:`memcalc.distributed.ep_stages`). With ``tp`` (``tp·ep`` ranks): tp's plan on each tp group
+(one batch per group), the experts over all ``ep·tp`` ranks, each tp rank dispatching ``1/tp`` of its
+group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's ``etp=1``
+(:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte). The dense gradients'
+synchronisation over the ep ranks is not modelled (stated); with cp, dp_replicate alone, or tp and
+more, ep is refused by name. The optimizer steps each DTensor's local shard (tests/test_gloo_ep.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from memcalc.distributed.expert_parallel import (
     expert_notes,
     expert_parallelism_available,
     expert_plan,
+    expert_tensor_parallel,
     routing_text,
     split_sizes,
 )
@@ -48,11 +51,12 @@ from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
 from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.model import ResolvedModel
+from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.step_spec import Step
 from memcalc.stacks.transformers.reads import routing_notes
 
 __all__ = ("ExpertParallel", "ExpertParallelDimension", "dispatch_rows", "expert_modules", "expert_notes",
-           "expert_parallelism_available", "expert_plan", "split_sizes")
+           "expert_parallelism_available", "expert_plan", "expert_tensor_parallel", "split_sizes")
 
 
 @register()
@@ -82,22 +86,7 @@ class ExpertParallelDimension(RankStrategy):
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         mesh = self.distributed.mesh
-        # pp applies ep itself; dp_replicate around dp_shard is HSDP over ep's FSDP2 (torchtitan's
-        # (dp_replicate, dp_shard_mod_ep) and (dp_replicate, dp_shard_cp) meshes)
-        allowed = {"ep", "dp_shard", "dp_replicate"} if mesh is not None and mesh.dp_shard > 1 else {"ep", "dp_shard"}
-        others = sorted(set(mesh.used) - allowed) if mesh is not None else []
-        if others == ["dp_replicate"] and mesh is not None:
-            raise InapplicableOptionError(
-                f"ep={self.degree} with dp_replicate={mesh.dp_replicate} alone (DDP around expert parallelism) is not "
-                f"modelled: torchtitan replicates MoE models only as HSDP, its ep ranks carved out of dp_shard",
-                hint=f"Give dp_shard too (--mesh dp_replicate={mesh.dp_replicate},dp_shard=N,ep={self.degree}: HSDP).")
-        if others and mesh is not None:
-            listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
-            raise InapplicableOptionError(
-                f"ep={self.degree} with {listed} is not modelled yet: memcalc composes expert parallelism with "
-                f"FSDP2 (dp_shard) and with pipeline stages (pp), as torchtitan shards its MoE models",
-                hint=f"Estimate ep={self.degree} alone, with dp_shard (--mesh dp_shard=N,ep={self.degree}) or with "
-                     f"pp (--mesh pp=N,ep={self.degree}).")
+        self._refuse_others()
         composed = mesh is not None and mesh.dp_shard > 1
         if not expert_parallelism_available():
             raise InapplicableOptionError(
@@ -107,12 +96,25 @@ class ExpertParallelDimension(RankStrategy):
         plan = every_rank(plan, self.distributed)
         routing, factor = self.distributed.routing, self.distributed.capacity_factor
         n = self.degree
+        tp = 1 if mesh is None else mesh.tp
+        strings = dict(self.distributed.tp_plan) if self.distributed.tp_plan is not None else None
+        impl = resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda) if tp > 1 else None
 
         def program(resolved: ResolvedModel) -> RankProgram:
+            if tp > 1:  # tp's plan on the dense part, the experts over ep x tp (etp=1)
+                return expert_tensor_parallel(n, tp, strings, routing=routing, capacity_factor=factor,
+                                              model_name=resolved.name, optimizer_impl=impl)
             return ExpertParallel(n, routing=routing, capacity_factor=factor, model_name=resolved.name)
 
         shards: tuple[Shard, ...]
-        if composed:  # dp_shard's FSDP2 shards the dense part over these ranks too
+        if tp > 1:
+            shards = (Shard(("experts",), self.name, n), Shard(("batch",), self.name, n))
+            dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch; each block's experts "
+                     f"over all ep x tp = {n * tp} ranks, as transformers "
+                     f"composes tp_size with ep_size = fsdp_size x tp_size and torchtitan with etp=1: each tp "
+                     f"rank dispatches 1/{tp} of its group's tokens and all-gathers the results over tp; the dense "
+                     f"gradients' synchronisation over the ep ranks is not modelled")
+        elif composed:  # dp_shard's FSDP2 shards the dense part over these ranks too
             shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
             dense = (f"the dense part sharded by FSDP2 over dp_shard x ep = {mesh.dp_shard * n} ranks (torchtitan's "
                      f"dp_shard_cp mesh), each block's experts over the {mesh.dp_shard} dp_shard ranks that hold the "
@@ -121,10 +123,36 @@ class ExpertParallelDimension(RankStrategy):
             shards = (Shard(("experts",), self.name, n), Shard(("batch",), self.name, n))
             dense = "the dense part whole; the dense gradients' synchronisation over the ep ranks is not modelled"
         roles = tuple(replace(role, program=program, sharding=sharding(role.sharding, *shards)) for role in plan.roles)
-        notes = (f"expert parallelism over {n} ranks: each holds 1/{n} of every MoE layer's experts (their "
+        notes = (f"expert parallelism over {n} ranks: each holds 1/{n * tp} of every MoE layer's experts (their "
                  f"gradients and optimizer state) and a batch of its own; tokens move by all-to-all under "
                  f"{routing_text(routing, factor)}; rank 0 traced (it holds the most, if any differ); {dense}",)
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
+    def _refuse_others(self) -> None:
+        """Refuse the dimensions ep does not compose with yet. pp applies ep itself; dp_replicate
+        around dp_shard is HSDP over ep's FSDP2 (torchtitan's (dp_replicate, dp_shard_mod_ep) and
+        (dp_replicate, dp_shard_cp) meshes); tp alone beside it is tp × ep (etp=1)."""
+        mesh = self.distributed.mesh
+        if mesh is None:
+            return
+        if mesh.tp > 1:
+            allowed = {"ep", "tp"}
+        else:
+            allowed = {"ep", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"ep", "dp_shard"}
+        others = sorted(set(mesh.used) - allowed)
+        if others == ["dp_replicate"]:
+            raise InapplicableOptionError(
+                f"ep={self.degree} with dp_replicate={mesh.dp_replicate} alone (DDP around expert parallelism) is not "
+                f"modelled: torchtitan replicates MoE models only as HSDP, its ep ranks carved out of dp_shard",
+                hint=f"Give dp_shard too (--mesh dp_replicate={mesh.dp_replicate},dp_shard=N,ep={self.degree}: HSDP).")
+        if others:
+            listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
+            raise InapplicableOptionError(
+                f"ep={self.degree} with {listed} is not modelled yet: memcalc composes expert parallelism with "
+                f"FSDP2 (dp_shard), with tensor parallelism (tp, alone) and with pipeline stages (pp), as "
+                f"torchtitan shards its MoE models",
+                hint=f"Estimate ep={self.degree} alone, with dp_shard (--mesh dp_shard=N,ep={self.degree}), with tp "
+                     f"(--mesh tp=T,ep={self.degree}) or with pp (--mesh pp=N,ep={self.degree}).")
 
 
 

@@ -22,7 +22,8 @@ stage's experts are sharded over the ep ranks (:mod:`memcalc.distributed.ep_stag
 With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
 parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it
 (:mod:`memcalc.distributed.tp_stages`): a pipeline rank's tp and dp_shard ranks share its trace,
-numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``.
+numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``. With ``tp`` and ``ep`` both
+(no dp_shard), each stage's experts go over the pipeline rank's ep × tp ranks (``StageExpertTensorParallel``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.loop import OptimizerImpl
 from memcalc.core.report import MemoryReport, Shard
 from memcalc.distributed.collectives import Collective, ModelFacts, group_span
-from memcalc.distributed.ep_stages import StageExpertParallel
+from memcalc.distributed.ep_stages import StageExpertParallel, StageExpertTensorParallel
 from memcalc.distributed.expert_parallel import expert_notes, expert_parallelism_available
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import InnerParallel, Pipeline, estimate_pipeline, stage_mesh
@@ -137,14 +139,16 @@ class PipelineParallel(RankStrategy):
                                   f"gradients all-reduced across them in place after the last microbatch")
         inner: InnerParallel | None = None
         if experts is not None:
-            inner = experts
-            program = _with_tp(experts, program)
+            inner = experts if tp == 1 else StageExpertTensorParallel(experts, self._tp_strings(),
+                                                                      optimizer_impl=self._tp_impl(step, dp_shard))
+            program = _with_tp(inner, program)
             states = ("experts", "dense model states", "batch") if dp_shard > 1 else ("experts", "batch")
             shard = (*shard[:1], Shard(states, "ep", ep), *shard[1:])
-            fsdp_notes.append(expert_notes(ep, experts.routing, experts.capacity_factor, dp_shard))
+            fsdp_notes.append(expert_notes(ep, experts.routing, experts.capacity_factor, dp_shard, tp))
         if tp > 1:
-            inner = self._tensor_parallel(step, tp, dp_shard)
-            program = _with_tp(inner, program)
+            if experts is None:
+                inner = self._tensor_parallel(step, tp, dp_shard)
+                program = _with_tp(inner, program)
             shard = (*shard[:1], Shard(MODEL_STATES, "tp", tp), *shard[1:])
         width = 1 if inner is None else inner.degree
         estimate = estimate_pipeline(replace(step, batch_size=batch), pipeline, costs=costs,
@@ -189,35 +193,49 @@ class PipelineParallel(RankStrategy):
         return replicas
 
     def _expert_parallel(self, ep: int, tp: int, dp_shard: int, replicas: int) -> StageExpertParallel:
-        """ep inside every stage (:mod:`memcalc.distributed.ep_stages`), refusing what is not modelled there."""
-        others = {name: degree for name, degree in (("tp", tp), ("dp_replicate", replicas)) if degree > 1}
+        """ep inside every stage (:mod:`memcalc.distributed.ep_stages`), with tp's ranks borrowed for
+        the experts (etp=1), refusing what is not modelled there."""
+        others = {name: degree for name, degree in (("dp_shard", dp_shard if tp > 1 else 1),
+                                                    ("dp_replicate", replicas)) if degree > 1}
         if others:
             listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
+            also = f" and tp={tp}" if tp > 1 else ""
             raise InapplicableOptionError(
-                f"pp={self.degree} with ep={ep} and {listed} is not modelled yet: memcalc pipelines expert parallelism "
-                f"alone or with dp_shard (each stage's experts over the ep ranks, checked against real gloo runs)",
-                hint=f"Estimate --mesh pp={self.degree},ep={ep} (or with dp_shard=N).")
+                f"pp={self.degree} with ep={ep}{also} and {listed} is not modelled yet: memcalc pipelines expert "
+                f"parallelism alone, with dp_shard or with tp (each stage's experts over the ep ranks, checked "
+                f"against real gloo runs)",
+                hint=f"Estimate --mesh pp={self.degree},ep={ep} (or with dp_shard=N, or with tp=T).")
         if not expert_parallelism_available():
             raise InapplicableOptionError(
                 f"ep={ep} runs transformers' own expert parallelism (transformers.distributed.expert_parallel), "
                 f"which the installed transformers does not have",
                 hint="Install a transformers that has it (5.24 does), or estimate without ep.")
         setting = self.distributed
-        return StageExpertParallel(ep, setting.routing, setting.capacity_factor)
+        if tp > 1:
+            self._refuse_loss_parallel()
+        return StageExpertParallel(ep * tp, setting.routing, setting.capacity_factor, tp=tp)
 
-    def _tensor_parallel(self, step: Step, tp: int, dp_shard: int) -> StageTensorParallel:
-        """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there."""
-        setting = self.distributed
-        if setting.loss_parallel:
+    def _tp_strings(self) -> dict[str, str] | None:
+        plan = self.distributed.tp_plan
+        return dict(plan) if plan is not None else None
+
+    def _tp_impl(self, step: Step, dp_shard: int) -> OptimizerImpl | None:
+        """The optimizer's implementation tp checks its plan against; None under FSDP2, where every
+        parameter is a DTensor and foreach and fused optimizers step them all."""
+        return None if dp_shard > 1 else resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
+
+    def _refuse_loss_parallel(self) -> None:
+        if self.distributed.loss_parallel:
             raise InapplicableOptionError(
                 f"loss_parallel with pp={self.degree} is not modelled yet: the last stage's loss over sharded "
                 f"logits is not traced inside a pipeline schedule",
                 hint="Leave out --loss-parallel: the last stage gathers the logits.")
-        # under FSDP2 every parameter is a DTensor: foreach and fused optimizers step them all
-        impl = None if dp_shard > 1 else resolve_impl(step.optimizer, step.loop.optimizer_impl,
-                                                       cuda=step.emulate_cuda)
-        strings = dict(setting.tp_plan) if setting.tp_plan is not None else None
-        return StageTensorParallel(tp, strings, lambda: stage_mesh("tp"), optimizer_impl=impl)
+
+    def _tensor_parallel(self, step: Step, tp: int, dp_shard: int) -> StageTensorParallel:
+        """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there."""
+        self._refuse_loss_parallel()
+        return StageTensorParallel(tp, self._tp_strings(), lambda: stage_mesh("tp"),
+                                   optimizer_impl=self._tp_impl(step, dp_shard))
 
 
 def _with_tp(inner: InnerParallel,

@@ -16,8 +16,9 @@ its program on this one): FSDP2 shards each rank's local tp shard on dim 0 and a
 back, so a rank holds 1/(dp_shard·tp) of the planned parameters. Checked against real 4-process
 gloo runs on a 2×2 mesh (tests/test_gloo_fsdp_tp.py). Inside pipeline stages (``pp``, which runs
 the whole step) the pipeline applies it (:mod:`memcalc.distributed.tp_stages`). With ``cp`` the
-ring goes around this program and FSDP2 over dp_shard × cp (cp's file). With ep or dp_replicate
-alone tp is refused by name: tracing one dimension alone would understate a rank.
+ring goes around this program and FSDP2 over dp_shard × cp (cp's file). With ep (alone) ep's
+program runs this plan on its tp sub-mesh (tp × ep, ep's file). With dp_replicate alone tp is
+refused by name: tracing one dimension alone would understate a rank.
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ class TensorParallelDimension(RankStrategy):
         notes: list[str] = []
         for role in plan.roles:
             uneven = self._uneven(step, role.batch, strings, loss_parallel)
+            if uneven and mesh is not None and mesh.ep > 1:
+                raise InapplicableOptionError(
+                    f"tp={n} with ep={mesh.ep}: the tensor-parallel split is uneven (a planned dimension or the "
+                    f"sequence does not divide by {n}), which memcalc traces on tp's own ranks only",
+                    hint=f"Give a tp degree that divides the planned dimensions and the sequence, or estimate tp={n} "
+                         f"without ep.")
             traced = (0, n - 1) if uneven else (0,)
             for rank in traced:
                 members = tuple(r for r in role.ranks if (r % n == n - 1) == (rank == n - 1)) if uneven else role.ranks
@@ -112,16 +119,25 @@ class TensorParallelDimension(RankStrategy):
         return replace(plan, roles=tuple(roles), notes=(*plan.notes, *notes))
 
     def _refuse_others(self) -> None:
-        """Refuse the dimensions tp does not compose with yet: all but dp_shard, and HSDP's
-        dp_replicate around dp_shard."""
+        """Refuse the dimensions tp does not compose with yet: all but dp_shard and cp, and HSDP's
+        dp_replicate around dp_shard; beside ep (tp × ep), all others."""
         mesh = self.distributed.mesh
         if mesh is None:
             return
-        composes = {"tp", "cp", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp", "cp"}
+        if mesh.ep > 1:  # tp x ep: ep's program runs this plan on its tp sub-mesh (ep's file)
+            composes = {"tp", "ep"}
+        else:
+            composes = {"tp", "cp", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp", "cp"}
         others = sorted(set(mesh.used) - composes)
         if not others:
             return
         listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
+        if mesh.ep > 1:
+            raise InapplicableOptionError(
+                f"tp={self.degree} with ep={mesh.ep} and {listed} is not modelled yet: memcalc composes tensor "
+                f"parallelism with expert parallelism alone (tp x ep, the experts over ep x tp ranks)",
+                hint=f"Estimate --mesh tp={self.degree},ep={mesh.ep}, or tp={self.degree} with dp_shard and cp "
+                     f"without ep.")
         raise InapplicableOptionError(
             f"tp={self.degree} with {listed} is not modelled yet: memcalc composes tensor parallelism with FSDP2 "
             f"(dp_shard, and HSDP's dp_replicate around it) and context parallelism (cp) only, and tracing one "
