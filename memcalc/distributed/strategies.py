@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.report import Distribution, MemoryReport, RoleReport, busiest_role
@@ -29,11 +28,9 @@ from memcalc.distributed.program import model_states_at_step
 from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import Plan, RankStrategy
 from memcalc.distributed.strategy.catalogue import strategies_for
-from memcalc.engine import allocator
 from memcalc.engine.optimizers import Optimizer, spec_for
-from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
+from memcalc.engine.run import CostRecorderFactory, Replayed, build_report, replay_step
 from memcalc.engine.step_spec import Step
-from memcalc.engine.timeline import allocator_events
 from memcalc.stacks.float8 import apply_float8
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
@@ -104,11 +101,12 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         if role.loss_text is not None:
             traced.loss = role.loss_text
         traced.notes.extend([*plan.notes, *program.notes])
-        report = build_report(resolved, traced, step, role=role.name)  # its timeline names the role
+        replayed = replay_step(traced, step)  # one replay: the report's, and the buffers alive at its peak
+        report = build_report(resolved, traced, step, role=role.name, replayed=replayed)  # its timeline names the role
         results.append(RoleReport(
             name=role.name, ranks=role.ranks, batch_size=resolved.batch_size,
             model_states=model_states_at_step(traced, program.communication),
-            communication=_alive_at_peak(traced, program.communication, step.allocator_settings), report=report,
+            communication=_alive_at_peak(replayed, traced.trace.nbytes, program.communication), report=report,
             sharding=role.sharding))
     busiest = busiest_role(tuple(results))
     assert busiest is not None
@@ -170,17 +168,14 @@ def _whole_step(strategy: RankStrategy, strategies: list[RankStrategy], step: St
         global_batch_size=distributed.global_batch(batch), mesh=mesh))
 
 
-def _alive_at_peak(traced: TracedStep, uids: set[int], settings: AllocConf | None = None) -> int:
+def _alive_at_peak(replayed: Replayed, nbytes: list[int], uids: set[int]) -> int:
     """Bytes of the storages ``uids`` alive at the replayed peak allocated."""
     if not uids:
         return 0
-    program = traced.program()
-    nbytes = traced.trace.nbytes
-    stats = allocator.replay(allocator_events(program, nbytes), settings=settings,
-                             host=not traced.step.emulate_cuda, streams=program.streams)
+    program = replayed.program
     n = program.num_storages
     alive = 0
-    for event in program.events[: max(stats.peak_index, 0) + 1]:
+    for event in program.events[: max(replayed.whole.peak_index, 0) + 1]:
         uid = (event if event >= 0 else ~event) % n
         if uid in uids:
             alive += nbytes[uid] if event >= 0 else -nbytes[uid]

@@ -204,7 +204,10 @@ def _on_local_shards(factory: Factory, params: list[nn.Parameter], impl: Optimiz
     local = {id(p): p._local_tensor for p in params if isinstance(p, DTensor)}
     optimizer = factory([local.get(id(p), p) for p in params], impl)  # type: ignore[misc]  # plain leaves
     groups = [list(group["params"]) for group in optimizer.param_groups]
-    globals_ = [[next((p for p in params if local.get(id(p)) is q), q) for q in group] for group in groups]
+    owners: dict[int, nn.Parameter] = {}  # a local tensor's DTensor parameter (the first, were one shared)
+    for parameter, shard in pairs:
+        owners.setdefault(id(shard), parameter)
+    globals_ = [[owners.get(id(q), q) for q in group] for group in groups]
 
     def gradients(_optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         on_local = all(parameter.grad is None or (isinstance(parameter.grad, DTensor)

@@ -92,8 +92,8 @@ from memcalc.engine.timeline import (
 )
 from memcalc.engine.trace import AfterOpHook, Op, ReadOracle, StepTrace, StorageTracer
 
-__all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "TracedStep",
-           "build_report", "is_paged", "parameter_count", "step_config", "trace_model")
+__all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "Replayed", "TracedStep",
+           "build_report", "is_paged", "parameter_count", "replay_step", "step_config", "trace_model")
 
 #: The report's loss when the step trained with the loss the model returned (``output.loss``).
 MODEL_LOSS = "the model's own (output.loss)"
@@ -786,8 +786,30 @@ class _Columns:
         return cls(events, np.asarray(trace.nbytes, dtype=np.int64), category_codes(traced.categories))
 
 
+@dataclass(frozen=True)
+class Replayed:
+    """A traced step's program and its replay through the allocator model: the stats of its first
+    iteration and of the whole (:func:`replay_step`). A multi-GPU role's report and its
+    communication buffers at the peak read the same replay (the allocator is deterministic)."""
+
+    program: Program
+    columns: _Columns
+    first: allocator.AllocatorStats
+    whole: allocator.AllocatorStats
+
+
+def replay_step(traced: TracedStep, step: Step) -> Replayed:
+    """``traced``'s program replayed under ``step``'s allocator settings and target, once."""
+    program = _program_of(traced)
+    columns = _Columns.of(traced, program)
+    first, whole = _replayed(program, traced.trace, step.allocator_settings, not step.emulate_cuda,
+                             nbytes=columns.nbytes)
+    return Replayed(program, columns, first, whole)
+
+
 @while_collector_paused
-def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, role: str = "") -> MemoryReport:
+def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, role: str = "",
+                 replayed: Replayed | None = None) -> MemoryReport:
     """The report of a traced step: replay through the allocator model, breakdown at the peak,
     textbook comparison, per-module rows and, under ``capacity``, whether it fits.
 
@@ -797,6 +819,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         step: the step; under its ``capacity`` (the bytes the allocator may reserve; None:
             no limit, ``fits`` is None) it says whether the step fits.
         role: the GPU role this step is (multi-GPU strategies), carried into its timeline.
+        replayed: the step's replay (:func:`replay_step`) where the caller made it already;
+            None: replayed here.
 
     Returns:
         The report; ``report.timeline()`` replays the step again when it is first called.
@@ -806,9 +830,9 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
     capacity = step.capacity
     settings = step.allocator_settings
     host = not step.emulate_cuda  # the CPU target: what the CPU allocator counts, unrounded
-    program = _program_of(traced)
-    columns = _Columns.of(traced, program)
-    first, stats = _replayed(program, trace, settings, host, nbytes=columns.nbytes)
+    if replayed is None:
+        replayed = replay_step(traced, step)
+    program, columns, first, stats = replayed.program, replayed.columns, replayed.first, replayed.whole
     peak_index = max(stats.peak_index, 0)
     raw = category_totals_at(program, columns.nbytes, traced.categories, peak_index, codes=columns.codes)
     breakdown = ByteBreakdown(

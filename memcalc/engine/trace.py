@@ -252,7 +252,9 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def track(self, tensor: torch.Tensor, category: Category | None = None) -> int:
         """The uid of ``tensor``'s storage, registering the storage as born now if new."""
-        storage = self.storage_of(tensor) if self.defer_to else tensor.untyped_storage()
+        # a plain tensor is no deferred wrapper: its storage directly, without storage_of's call
+        deferring = self.defer_to and type(tensor) is not torch.Tensor
+        storage = self.storage_of(tensor) if deferring else tensor.untyped_storage()
         key = id(storage)
         uid = self._uid_by_key.get(key)
         if uid is not None:
