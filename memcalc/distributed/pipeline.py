@@ -383,11 +383,13 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
             sources[key] = source
         shared = None
         if source is not None and source.recorder is not None:
-            calls = schedule_calls(pipeline.schedule_kind, rank, pipeline.stages, pipeline.num_microbatches)
-            composed = None if calls is None else composed_step(source.traced, source.recorder, calls, stages)
+            calls = schedule_calls(pipeline.schedule_kind, rank, pipeline.stages, pipeline.num_microbatches,
+                                   pipeline.per_rank)
+            composed = composed_step(source.traced, source.recorder, calls, stages)
             shared = None if composed is None else renamed_step(composed, source.blocks, held, layout.blocks)
-            how = (f"pipeline rank {rank}: its step composed from the calls of pipeline rank {source.rank}'s stages, "
-                   f"traced apart, in the order its schedule makes them")
+            whose = "its own stages'" if source.rank == rank else f"pipeline rank {source.rank}'s stages'"
+            how = (f"pipeline rank {rank}: its step composed from {whose} calls (traced once, the schedule holding "
+                   f"nothing), in the order its schedule makes them")
         elif source is not None:
             shared = renamed_step(source.traced, source.blocks, held, layout.blocks)
             how = (f"pipeline rank {rank}: the step of pipeline rank {source.rank} (the same actions on stages of "
@@ -417,7 +419,7 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
 
 #: The schedules whose middle ranks are composed from one's calls (:mod:`pipeline_compose`); the
 #: others' share a trace where they run the same actions in the same order (:mod:`pipeline_share`).
-_COMPOSED = frozenset({PipelineSchedule.ONE_F_ONE_B})
+_COMPOSED = frozenset({PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B})
 
 
 @dataclass(frozen=True)

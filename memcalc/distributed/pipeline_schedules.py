@@ -340,18 +340,22 @@ def _works_keep_held(log: list[Call]) -> Iterator[None]:
         schedules._batch_p2p = original
 
 
-def schedule_calls(schedule: PipelineSchedule, rank: int, ranks: int, microbatches: int) -> tuple[Call, ...] | None:
-    """What rank ``rank``'s stage sees of one ``_step_microbatches`` of the installed torch's
-    single-stage ``schedule``: its calls and the schedule's releases, in order — torch's own
-    code run against a stage that logs (a send op holds its tensor, as torch's ``P2POp`` does, and
-    a send's work keeps it, as the trace's fake group's do). None: a multi-stage schedule."""
-    if not schedule.single_stage:
-        return None
+def schedule_calls(schedule: PipelineSchedule, rank: int, ranks: int, microbatches: int,
+                   stages_per_rank: int = 1) -> tuple[Call, ...]:
+    """What rank ``rank``'s stages see of one ``_step_microbatches`` of the installed torch's
+    ``schedule``: their calls and the schedule's releases, in order — torch's own code run
+    against stages that log (a send op holds its tensor, as torch's ``P2POp`` does, and a send's
+    work keeps it, as the trace's fake group's do)."""
     log: list[Call] = []
-    stage = _LoggingStage(rank, ranks, log)
-    runner = schedule.torch_class(stage, microbatches)
+    held = stage_of_rank(schedule, ranks, stages_per_rank)[rank]
+    stages = [_LoggingStage(index, ranks * stages_per_rank, log) for index in held]
+    for stage in stages:
+        stage.group_rank, stage.group_size, stage.submod = rank, ranks, None
+    runner = schedule.torch_class(stages[0] if schedule.single_stage else stages, microbatches)
     runner._has_backward = True
+    runner._initialize_stages = lambda *_args, **_kwargs: None
     with _works_keep_held(log):
         runner._step_microbatches(return_outputs=False)
-        del stage.outputs
+        for stage in stages:
+            del stage.outputs
     return tuple(log)
