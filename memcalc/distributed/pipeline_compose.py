@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -152,7 +153,7 @@ def composed_step(traced: TracedStep, recorder: CallRecorder, calls: Sequence[Ca
     trace = traced.trace
     if recorder.unknown or not segments or traced.iteration_starts is not None:
         return None
-    for a, b in zip(segments, segments[1:]):
+    for a, b in itertools.pairwise(segments):
         if (a.end, a.log_end, a.record_end) != (b.start, b.log_start, b.record_start):
             return None  # something happened between two calls
     by_key = {s.key: s for s in segments}
@@ -166,8 +167,8 @@ def composed_step(traced: TracedStep, recorder: CallRecorder, calls: Sequence[Ca
         return None  # a forward's or backward's is the only phase set in a call
     holders: dict[int, set[Key]] = {}
     for key, uids in recorder.held.items():
-        for uid in uids:
-            holders.setdefault(uid, set()).add(key)
+        for held in uids:
+            holders.setdefault(held, set()).add(key)
     releases = {(local[c.stage], c.method, c.microbatch) for c in calls if c.release}
     if any(not keys <= releases for keys in holders.values()):
         return None
@@ -175,7 +176,7 @@ def composed_step(traced: TracedStep, recorder: CallRecorder, calls: Sequence[Ca
     renumber = dict(zip((e for k in order for e in events[by_key[k].start:by_key[k].end] if e >= 0), births,
                         strict=True))
 
-    def uid(old: int) -> int:
+    def new_uid(old: int) -> int:
         return renumber.get(old, old)
 
     first, last = segments[0], segments[-1]
@@ -190,7 +191,7 @@ def composed_step(traced: TracedStep, recorder: CallRecorder, calls: Sequence[Ca
         key = (local[call.stage], call.method, call.microbatch)
         if call.release:
             released.add(key)
-            for held in sorted(recorder.held.get(key, ()), key=uid):
+            for held in sorted(recorder.held.get(key, set()), key=new_uid):
                 if held in pending and holders[held] <= released:
                     pending.discard(held)
                     out.append(~held)
@@ -221,8 +222,7 @@ def composed_step(traced: TracedStep, recorder: CallRecorder, calls: Sequence[Ca
     log.extend(trace.phase_log[last.log_end:])
     if records is not None:
         new_records.extend(records[last.record_end:])
-    return _renumbered(traced, out, log, new_records if records is not None else None,
-                       uid)
+    return _renumbered(traced, out, log, new_records if records is not None else None, new_uid)
 
 
 def _records(traced: TracedStep) -> list[Any] | None:

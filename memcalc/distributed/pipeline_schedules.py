@@ -278,6 +278,9 @@ class _LoggingStage(_RecordingStage):
         super().__init__(index, stages)
         self.log = log
         self.outputs: dict[int, _Held] = {}
+        self.group_rank = 0  # a multi-stage schedule's rank and group size, set by its caller
+        self.group_size = stages
+        self.submod = None  # no FSDPModule: the runtime's unshard and reshard do nothing
 
     def _held(self, method: str, chunk: int) -> _Held:
         held = _Held((self.stage_index, method, chunk))
