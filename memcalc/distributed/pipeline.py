@@ -50,6 +50,7 @@ from memcalc.core.report import MemoryReport, RoleReport, busiest_role
 from memcalc.distributed.pipeline_compose import CallRecorder, composed_step
 from memcalc.distributed.pipeline_schedules import (
     Action,
+    Call,
     PipelineSchedule,
     in_flight,
     rank_actions,
@@ -383,9 +384,8 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
             sources[key] = source
         shared = None
         if source is not None and source.recorder is not None:
-            calls = schedule_calls(pipeline.schedule_kind, rank, pipeline.stages, pipeline.num_microbatches,
-                                   pipeline.per_rank)
-            composed = composed_step(source.traced, source.recorder, calls, stages)
+            calls = _schedule_calls(pipeline, rank)
+            composed = None if calls is None else composed_step(source.traced, source.recorder, calls, stages)
             shared = None if composed is None else renamed_step(composed, source.blocks, held, layout.blocks)
             whose = "its own stages'" if source.rank == rank else f"pipeline rank {source.rank}'s stages'"
             how = (f"pipeline rank {rank}: its step composed from {whose} calls (traced once, the schedule holding "
@@ -420,6 +420,16 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
 #: The schedules whose middle ranks are composed from one's calls (:mod:`pipeline_compose`); the
 #: others' share a trace where they run the same actions in the same order (:mod:`pipeline_share`).
 _COMPOSED = frozenset({PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B})
+
+
+def _schedule_calls(pipeline: Pipeline, rank: int) -> tuple[Call, ...] | None:
+    """:func:`schedule_calls` of ``rank``; None where the installed torch's schedule code asks its
+    logging stages for something they lack (the rank is then traced)."""
+    try:
+        return schedule_calls(pipeline.schedule_kind, rank, pipeline.stages, pipeline.num_microbatches,
+                              pipeline.per_rank)
+    except (AttributeError, TypeError, KeyError, ValueError, AssertionError):
+        return None
 
 
 @dataclass(frozen=True)
