@@ -72,7 +72,7 @@ def main() -> None:
                 pipeline.share_key = share_key
     shared = sum(any(_shared(n) for n in r.report.notes) for r in reports["shared"].roles)
     print(f"{args.model}, {args.schedule}, {mesh}, {args.microbatches} microbatches of "
-          f"{args.seq_len} positions: {shared} of {args.pp} ranks shared a trace")
+          f"{args.seq_len} positions: {shared} of {args.pp} ranks shared a trace or were composed")
     print(f"CPU seconds (best of {REPEATS}): shared {best['shared']:.1f}, every rank traced {best['traced']:.1f}, "
           f"ratio {best['shared'] / best['traced']:.2f}; load average {os.getloadavg()[0]:.1f}")
     print(f"every rank's report the same both ways: {_rows(reports['shared']) == _rows(reports['traced'])}")

@@ -210,7 +210,7 @@ def composed_step(traced: TracedStep, recorder: CallRecorder, calls: Sequence[Ca
             else:
                 out.append(event)
         at[segment.end] = len(out)
-        log.extend((phase, at[index]) for phase, index in trace.phase_log[segment.log_start:segment.log_end])
+        log.extend((entered, at[index]) for entered, index in trace.phase_log[segment.log_start:segment.log_end])
         if records is not None:
             new_records.extend(r._replace(event=at[r.event], phase=r.phase if compute else phase)
                                for r in records[segment.record_start:segment.record_end])
