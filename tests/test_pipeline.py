@@ -286,11 +286,78 @@ def test_a_middle_rank_sharing_a_trace_is_its_own_trace(monkeypatch, schedule, m
     ("1f1b", {}), ("interleaved-1f1b", {}), ("gpipe", {"checkpoint": "every:4"})])
 def test_ranks_that_run_differently_are_traced_each(schedule, options):
     # 1F1B: stage s warms up with 4 - s forwards, so each rank holds a different number of
-    # microbatches; interleaved 1F1B's warm-up too. every:4 checkpoints rank 1's second block
-    # (block 4, counted from 1), none of rank 2's (5, 6): every rank is traced
+    # microbatches; interleaved 1F1B's warm-up too: no trace is shared renamed (the middle ranks
+    # are composed from one's calls instead: below). every:4 checkpoints rank 1's second block
+    # (block 4, counted from 1), none of rank 2's (5, 6): every GPipe rank is traced
     step = build_step("torch:llama-tiny", batch_size=4, seq_len=32, optimizer="adamw", **options)
     estimate = estimate_pipeline(step, Pipeline(4, schedule, microbatches=4))
     assert not any(_SHARED in n for r in estimate.ranks for n in r.report.notes)
+    composed = [any(_COMPOSED in n for n in r.report.notes) for r in estimate.ranks]
+    assert composed == ([False] * 4 if schedule == "gpipe" else [False, True, True, False])
+
+
+_COMPOSED = "its step composed from"
+
+
+@pytest.mark.quick_cases("1f1b-time")
+@pytest.mark.parametrize(("schedule", "stages", "microbatches", "mesh", "model", "options"), [
+    ("1f1b", 4, 4, {}, "torch:llama-tiny", {"time": True, "gpu": "h100-80gb"}),
+    ("1f1b", 4, 6, {}, "llama-tiny", {"checkpoint": "selective-op"}),
+    ("1f1b", 8, 12, {}, "torch:llama-tiny", {"checkpoint": "full"}),
+    ("1f1b", 4, 4, {"dp_shard": 2, "tp": 2}, "torch:llama-tiny", {"precision": "amp-bf16", "checkpoint": "every:2"}),
+    ("interleaved-1f1b", 4, 8, {}, "llama-tiny", {"checkpoint": "selective-op"}),
+    ("interleaved-1f1b", 4, 4, {"dp_shard": 2, "tp": 2}, "torch:llama-tiny", {"precision": "amp-bf16"}),
+    ("interleaved-1f1b", 8, 8, {}, "torch:llama-2-7b",
+     {"checkpoint": "full", "precision": "amp-bf16", "time": True, "gpu": "h100-80gb"}),
+], ids=["1f1b-time", "1f1b-hf-sac-6mb", "1f1b-pp8-full-12mb", "1f1b-3d-every-2", "interleaved-hf-sac-8mb",
+        "interleaved-3d", "interleaved-pp8-7b-time"])
+def test_a_composed_middle_rank_is_its_own_trace(monkeypatch, schedule, stages, microbatches, mesh, model, options):
+    # Under 1F1B and interleaved 1F1B each middle rank runs its forwards and backwards in its own
+    # order (its warm-up is as deep as its stage is far from the last), and torch's schedule code
+    # holds what they give it for its own times (1F1B's send_work keeps rank 2's first output
+    # until the cooldown; the interleaved runtime keeps every send until step() ends). One middle
+    # rank is traced with its calls cut out, and each middle rank's step composed from them in its
+    # schedule's order: every byte of its report (the JSON, every field, every module row), its
+    # timeline and its kernels' costs equal its own full trace's, with no trace shared at all.
+    import json
+    from dataclasses import replace
+
+    from memcalc.distributed import pipeline
+
+    setting = memcalc.Distributed(pp=stages, pp_schedule=schedule, microbatches=microbatches, **mesh)
+    kwargs = {"batch_size": microbatches, "seq_len": 32, "optimizer": "adamw", "distributed": setting, **options}
+    composed = memcalc.estimate(model, **kwargs)
+    monkeypatch.setattr(pipeline, "share_key", lambda *_args: None)
+    traced = memcalc.estimate(model, **kwargs)
+    assert [any(_COMPOSED in n for n in r.report.notes) for r in composed.roles] == [
+        0 < rank < stages - 1 for rank in range(stages)]
+    for mine, theirs in zip(composed.roles, traced.roles, strict=True):
+        report = replace(mine.report, notes=tuple(n for n in mine.report.notes if _COMPOSED not in n))
+        assert replace(mine, report=report) == theirs  # the role's name, ranks and model states too
+        assert report == theirs.report
+        assert json.dumps(report.to_dict(), sort_keys=True) == json.dumps(theirs.report.to_dict(), sort_keys=True)
+        assert [m.name for m in report.modules] == [m.name for m in theirs.report.modules]
+        assert _same_timeline(mine.report, theirs.report)
+        if options.get("time"):
+            assert vars(mine.report.on_request.costs) == vars(theirs.report.on_request.costs)
+
+
+def test_the_schedules_hold_what_torchs_code_holds():
+    # torch's own _step_microbatches run against logging stages: 1F1B's rank 2 of 4 (two warm-up
+    # forwards) fires its first forward's send and keeps the work in send_work through the steady
+    # state, until the cooldown's first send replaces it; the interleaved runtime keeps every
+    # send's work in send_ops until the step ends
+    from memcalc.distributed.pipeline_schedules import Call, schedule_calls
+
+    calls = schedule_calls(PipelineSchedule.ONE_F_ONE_B, 2, 4, 4)
+    release = calls.index(Call(2, "F", 0, release=True))
+    assert calls[release - 1] == Call(2, "p2p_send_B", 2)  # the cooldown's first send, fired after B2
+    assert calls.index(Call(2, "B", 2)) < release < calls.index(Call(2, "B", 3))
+    assert [c for c in calls if not c.release and c.method in "FB"] == [
+        Call(2, k, m) for k, m in (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3))]
+    calls = schedule_calls(PipelineSchedule.INTERLEAVED_1F1B, 1, 4, 4, 2)
+    last = max(i for i, c in enumerate(calls) if not c.release)
+    assert all(c.release for c in calls[last + 1:]) and len(calls[last + 1:]) == 16  # 8 forwards', 8 sends'
 
 
 def test_blocks_that_differ_in_a_plain_attribute_do_not_share():

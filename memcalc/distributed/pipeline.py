@@ -47,11 +47,14 @@ from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.losses import LossChoice
 from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport, RoleReport, busiest_role
+from memcalc.distributed.pipeline_compose import CallRecorder, composed_step
 from memcalc.distributed.pipeline_schedules import (
     Action,
+    Call,
     PipelineSchedule,
     in_flight,
     rank_actions,
+    schedule_calls,
     stage_of_rank,
 )
 from memcalc.distributed.pipeline_share import renamed_step, share_key
@@ -367,26 +370,44 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
     ranks = []
     sources: dict[Hashable, _TracedRank] = {}  # the first rank traced of each key (pipeline_share)
     stopping = _STOP_UNFIT.get() if stop_unfit is None else stop_unfit
+    composing = pipeline.schedule_kind in _COMPOSED
     for rank in trace_order(pipeline.stages, stopping):
         stages = placement[rank]
         held = tuple(blocks[s] for s in stages)
-        key = share_key(whole.module, layout.blocks, stages, blocks, pipeline.total_stages, actions[rank],
-                        step.checkpoint)
+        # composing: the same calls in any order (pipeline_compose); else the same order (pipeline_share)
+        mine = sorted(actions[rank], key=lambda a: (a.stage, a.kind, a.microbatch)) if composing else actions[rank]
+        key = share_key(whole.module, layout.blocks, stages, blocks, pipeline.total_stages, mine, step.checkpoint)
         source = sources.get(key) if key is not None else None
-        shared = None if source is None else renamed_step(source.traced, source.blocks, held, layout.blocks)
+        if composing and key is not None and source is None:
+            _, source = _estimate_rank(step, whole, pipeline, rank, stages, blocks, layout, micro.inputs, costs,
+                                       stage_program, trace_precision, inner, compose=True)
+            sources[key] = source
+        shared = None
+        if source is not None and source.recorder is not None:
+            calls = _schedule_calls(pipeline, rank)
+            composed = None if calls is None else composed_step(source.traced, source.recorder, calls, stages)
+            shared = None if composed is None else renamed_step(composed, source.blocks, held, layout.blocks)
+            whose = "its own stages'" if source.rank == rank else f"pipeline rank {source.rank}'s stages'"
+            how = (f"pipeline rank {rank}: its step composed from {whose} calls (traced once, the schedule holding "
+                   f"nothing), in the order its schedule makes them")
+        elif source is not None:
+            shared = renamed_step(source.traced, source.blocks, held, layout.blocks)
+            how = (f"pipeline rank {rank}: the step of pipeline rank {source.rank} (the same actions on stages of "
+                   f"identical blocks), its trace shared with the modules renamed")
         if source is not None and shared is not None:
             rank_model, _ = _rank_model(step, whole, pipeline, rank, stages, blocks, layout, micro.inputs)
             # the notes the model gave the trace: this rank's, not the source's
             shared.notes[:] = [rank_model.notes[-1] if n == source.note else n for n in shared.notes]
-            shared.notes.append(f"pipeline rank {rank}: the step of pipeline rank {source.rank} (the same actions on "
-                                f"stages of identical blocks), its trace shared with the modules renamed")
+            shared.notes.append(how)
             report = build_report(rank_model, shared, source.rank_step, role=f"pipeline rank {rank}")
             states, buffers = source.states, source.buffers
         else:
-            report, traced_rank = _estimate_rank(step, whole, pipeline, rank, stages, blocks, layout, micro.inputs,
-                                                 costs, stage_program, trace_precision, inner)
+            report_or_none, traced_rank = _estimate_rank(step, whole, pipeline, rank, stages, blocks, layout,
+                                                         micro.inputs, costs, stage_program, trace_precision, inner)
+            assert report_or_none is not None
+            report = report_or_none
             states, buffers = traced_rank.states, traced_rank.buffers
-            if key is not None:
+            if key is not None and not composing:
                 sources.setdefault(key, traced_rank)
         flight = in_flight(actions[rank])
         ranks.append(RankEstimate(rank, stages, held, tuple(flight.get(s, 0) for s in stages), report, states,
@@ -394,6 +415,21 @@ def estimate_pipeline(step: Step, pipeline: Pipeline, *, costs: CostRecorderFact
         if stopping and report.fits is False:
             raise PipelineOverCapacity(rank, report.bytes.peak_allocated)
     return PipelineEstimate(pipeline, tuple(sorted(ranks, key=lambda r: r.rank)), ASSUMPTIONS)
+
+
+#: The schedules whose middle ranks are composed from one's calls (:mod:`pipeline_compose`); the
+#: others' share a trace where they run the same actions in the same order (:mod:`pipeline_share`).
+_COMPOSED = frozenset({PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B})
+
+
+def _schedule_calls(pipeline: Pipeline, rank: int) -> tuple[Call, ...] | None:
+    """:func:`schedule_calls` of ``rank``; None where the installed torch's schedule code asks its
+    logging stages for something they lack (the rank is then traced)."""
+    try:
+        return schedule_calls(pipeline.schedule_kind, rank, pipeline.stages, pipeline.num_microbatches,
+                              pipeline.per_rank)
+    except (AttributeError, TypeError, KeyError, ValueError, AssertionError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -407,6 +443,8 @@ class _TracedRank:
     rank_step: Step
     states: int
     buffers: int
+    #: traced to be composed (pipeline_compose): its calls, the schedule holding nothing
+    recorder: CallRecorder | None = None
 
 
 def _rank_model(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank: int, stages: Sequence[int],
@@ -437,7 +475,10 @@ def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank
                    costs: CostRecorderFactory | None,
                    stage_program: Callable[[ResolvedModel], RankProgram] | None = None,
                    trace_precision: Precision | None = None,
-                   inner: InnerParallel | None = None) -> tuple[MemoryReport, _TracedRank]:
+                   inner: InnerParallel | None = None, *,
+                   compose: bool = False) -> tuple[MemoryReport | None, _TracedRank]:
+    """Trace one rank; its report (None under ``compose``: its step, traced with its calls
+    recorded and the schedule holding nothing, is only the source of composed ones)."""
     rank_model, modules = _rank_model(step, resolved, pipeline, rank, stages, blocks, layout, micro_inputs)
     runner = rank_model.module
     assert isinstance(runner, _RankRunner)
@@ -449,18 +490,19 @@ def _estimate_rank(step: Step, resolved: ResolvedModel, pipeline: Pipeline, rank
         for m in modules]
     if wrapped:  # tensor parallelism's optimizer steps the local shards of every stage's DTensors
         rank_step = replace(rank_step, optimizer=wrapped[0].optimizer_spec(rank_step.optimizer))
-    program = _PipelineProgram(runner, rank, layout, micro_inputs, wrapped, inner)
+    program = _PipelineProgram(runner, rank, layout, micro_inputs, wrapped, inner, compose=compose)
     with _fake_group(rank, pipeline.stages, 1 if inner is None else inner.degree):
         traced = trace_step(rank_model, rank_step, hooks=program, costs=costs)
     traced.notes.extend(ASSUMPTIONS)
     for stage_wrap in wrapped:
         traced.notes.extend(stage_wrap.notes)
-    report = build_report(rank_model, traced, rank_step, role=f"pipeline rank {rank}")
+    report = None if compose else build_report(rank_model, traced, rank_step, role=f"pipeline rank {rank}")
     buffers = sum(traced.trace.nbytes[uid] for uid in program.buffers)
     collective = set().union(*(w.communication for w in wrapped))
     states = model_states_at_step(traced, collective)
     held = tuple(blocks[s] for s in stages)
-    return report, _TracedRank(rank, held, rank_model.notes[-1], traced, rank_step, states, buffers)
+    return report, _TracedRank(rank, held, rank_model.notes[-1], traced, rank_step, states, buffers,
+                               program.recorder)
 
 
 def _stages_checkpointing(own: Checkpointer, blocks: Sequence[str]) -> Checkpointer:
@@ -532,8 +574,11 @@ class _PipelineProgram:
     the previous step's gradients of the received activations, the last stage's targets."""
 
     def __init__(self, runner: _RankRunner, rank: int, layout: ModelLayout, micro_inputs: ModelInputs,
-                 wrapped: Sequence[RankProgram] = (), inner: InnerParallel | None = None) -> None:
+                 wrapped: Sequence[RankProgram] = (), inner: InnerParallel | None = None, *,
+                 compose: bool = False) -> None:
         self.runner = runner
+        self.compose = compose
+        self.recorder: CallRecorder | None = None  # under compose: the stages' calls (pipeline_compose)
         self.inner = inner
         self.wrapped = tuple(wrapped)  # each stage's data-parallel program (FSDP2), by stage
         self.rank = rank
@@ -626,7 +671,9 @@ class _PipelineProgram:
                         self.buffers.append(tracer.preexisting(info.buffer, Category.WORKSPACE))
         if target.numel():
             tracer.preexisting(target, Category.INPUTS)
-        self._undo = _works_keep_tensors()
+        if self.compose:
+            self.recorder = CallRecorder(tracer, _issue)
+        self._undo = _works_keep_tensors(self.recorder)
         installed: list[RankProgram] = []
         try:
             for stage, stage_module, wrap in zip(stages, runner.stages, self.wrapped, strict=False):
@@ -638,6 +685,9 @@ class _PipelineProgram:
                 wrap.remove()
             self.remove(wrapped=False)
             raise
+        if self.recorder is not None:
+            for local, stage in enumerate(stages):
+                self.recorder.wrap(stage, local)
 
     def remove(self, *, wrapped: bool = True) -> None:
         if wrapped:
@@ -722,11 +772,19 @@ class _KeptWork:
         return self.work.wait(*args, **kwargs)
 
 
-def _works_keep_tensors() -> Callable[[], None]:
+def _issue(op: Any) -> Any:
+    """Issue one send or receive on the fake group: its work."""
+    import torch.distributed as dist
+
+    peer = {"group_dst": op.group_peer} if op.op is dist.isend else {"group_src": op.group_peer}
+    return op.op(op.tensor, group=op.group, tag=op.tag, **peer)
+
+
+def _works_keep_tensors(recorder: CallRecorder | None = None) -> Callable[[], None]:
     """Replace the schedules' ``_batch_p2p`` for the trace: each send or receive is issued on its
     own (a fake group has no order to keep, and coalescing would need a backend for the meta
-    device), and its work keeps its tensor (:class:`_KeptWork`). Returns the undo."""
-    import torch.distributed as dist
+    device), and its work keeps its tensor (:class:`_KeptWork`); ``recorder`` cuts out each one's
+    kernels (:mod:`pipeline_compose`). Returns the undo."""
     from torch.distributed.pipelining import schedules
 
     original = schedules._batch_p2p
@@ -734,8 +792,8 @@ def _works_keep_tensors() -> Callable[[], None]:
     def batch_p2p(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
         works = []
         for op in p2p_ops:
-            peer = {"group_dst": op.group_peer} if op.op is dist.isend else {"group_src": op.group_peer}
-            works.append(_KeptWork(op.op(op.tensor, group=op.group, tag=op.tag, **peer), (op.tensor,)))
+            with contextlib.nullcontext() if recorder is None else recorder.issuing(op):
+                works.append(_KeptWork(_issue(op), (op.tensor,)))
         return works
 
     schedules._batch_p2p = batch_p2p

@@ -18,15 +18,17 @@ actions here serve the report (microbatches in flight per stage) and the tests.
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 
-__all__ = ("Action", "PipelineSchedule", "in_flight", "rank_actions", "stage_of_rank")
+__all__ = ("Action", "Call", "PipelineSchedule", "in_flight", "rank_actions", "schedule_calls", "stage_of_rank")
 
 
 class PipelineSchedule(str, enum.Enum):
@@ -218,3 +220,145 @@ def _flatten(op: Any) -> list[Action]:
         return []
     assert op.microbatch_index is not None
     return [Action(op.stage_index, str(op.computation_type.value), op.microbatch_index)]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One step of a rank's ``_step_microbatches`` as its stages see it: a call of a stage's
+    method (``release`` False), or the moment the schedule's code drops the last reference it
+    holds to what a call gave it (``release`` True: the output of forward ``F``, the input
+    gradients sent by ``send_B``, the activations sent by ``send_F``, counted as ``F``'s).
+
+    ``method``: ``F``, ``B``, ``W`` (``forward_one_chunk``, ``backward_one_chunk``,
+    ``backward_weight_one_chunk``), ``send_F``, ``send_B`` (``get_fwd_send_ops``,
+    ``get_bwd_send_ops``), ``reduce`` (``perform_reduce_grad``); ``microbatch`` -1 for ``reduce``;
+    ``p2p_send_F``, ``p2p_send_B``, ``p2p_recv_F``, ``p2p_recv_B``: the schedule issues the op of
+    that send, or of the receive ``get_fwd_recv_ops`` or ``get_bwd_recv_ops`` gave it.
+    """
+
+    stage: int
+    method: str
+    microbatch: int
+    release: bool = False
+
+
+class _Held:
+    """What a logging stage hands the schedule in place of a tensor: its death is logged."""
+
+    __slots__ = ("__weakref__", "key")
+
+    def __init__(self, key: tuple[int, str, int]) -> None:
+        self.key = key
+
+
+class _Op:
+    """A send or receive op of a logging stage (torch's ``P2POp`` holds its tensor: a send's holds
+    a :class:`_Held`), and the call that made it."""
+
+    def __init__(self, tensor: _Held | None, origin: Call) -> None:
+        self.tensor = tensor
+        self.origin = origin
+
+
+class _Work:
+    """A fake group's work keeps its tensors, as memcalc's trace's do (``pipeline._KeptWork``)."""
+
+    def __init__(self, tensors: tuple[_Held, ...]) -> None:
+        self.tensors = tensors
+
+    def wait(self, *_args: Any, **_kwargs: Any) -> None:
+        return None
+
+
+class _LoggingStage(_RecordingStage):
+    """A recording stage that also logs what the schedule holds: each forward returns, and each
+    send op holds, a :class:`_Held` whose death is logged as a release."""
+
+    def __init__(self, index: int, stages: int, log: list[Call]) -> None:
+        super().__init__(index, stages)
+        self.log = log
+        self.outputs: dict[int, _Held] = {}
+        self.group_rank = 0  # a multi-stage schedule's rank and group size, set by its caller
+        self.group_size = stages
+        self.submod = None  # no FSDPModule: the runtime's unshard and reshard do nothing
+
+    def _held(self, method: str, chunk: int) -> _Held:
+        held = _Held((self.stage_index, method, chunk))
+        weakref.finalize(held, self.log.append, Call(self.stage_index, method, chunk, True))
+        return held
+
+    def forward_one_chunk(self, chunk: int, *_args: Any, **_kwargs: Any) -> Any:
+        super().forward_one_chunk(chunk)
+        self.log.append(Call(self.stage_index, "F", chunk))
+        output = self._held("F", chunk)
+        self.outputs[chunk] = output
+        return output
+
+    def backward_one_chunk(self, chunk: int, *_args: Any, **_kwargs: Any) -> None:
+        super().backward_one_chunk(chunk)
+        self.log.append(Call(self.stage_index, "B", chunk))
+
+    def _call(self, method: str, chunk: int) -> Call:
+        call = Call(self.stage_index, method, chunk)
+        self.log.append(call)
+        return call
+
+    def get_fwd_send_ops(self, chunk: int, *_args: Any, **_kwargs: Any) -> list[Any]:
+        call = self._call("send_F", chunk)
+        return [] if self.is_last else [_Op(self.outputs.pop(chunk), call)]
+
+    def get_bwd_send_ops(self, chunk: int, *_args: Any, **_kwargs: Any) -> list[Any]:
+        call = self._call("send_B", chunk)
+        return [] if self.is_first else [_Op(self._held("send_B", chunk), call)]
+
+    def get_fwd_recv_ops(self, chunk: int, *_args: Any, **_kwargs: Any) -> list[Any]:
+        call = self._call("recv_F", chunk)
+        return [] if self.is_first else [_Op(None, call)]
+
+    def get_bwd_recv_ops(self, chunk: int, *_args: Any, **_kwargs: Any) -> list[Any]:
+        call = self._call("recv_B", chunk)
+        return [] if self.is_last else [_Op(None, call)]
+
+    def perform_reduce_grad(self, *_args: Any) -> None:
+        self.log.append(Call(self.stage_index, "reduce", -1))
+
+
+@contextlib.contextmanager
+def _works_keep_held(log: list[Call]) -> Iterator[None]:
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        works = []
+        for op in p2p_ops:
+            log.append(Call(op.origin.stage, "p2p_" + op.origin.method, op.origin.microbatch))
+            works.append(_Work((op.tensor,)))
+        return works
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
+
+
+def schedule_calls(schedule: PipelineSchedule, rank: int, ranks: int, microbatches: int,
+                   stages_per_rank: int = 1) -> tuple[Call, ...]:
+    """What rank ``rank``'s stages see of one ``_step_microbatches`` of the installed torch's
+    ``schedule``: their calls and the schedule's releases, in order — torch's own code run
+    against stages that log (a send op holds its tensor, as torch's ``P2POp`` does, and a send's
+    work keeps it, as the trace's fake group's do)."""
+    log: list[Call] = []
+    held = stage_of_rank(schedule, ranks, stages_per_rank)[rank]
+    stages = [_LoggingStage(index, ranks * stages_per_rank, log) for index in held]
+    for stage in stages:
+        stage.group_rank, stage.group_size, stage.submod = rank, ranks, None
+    runner = schedule.torch_class(stages[0] if schedule.single_stage else stages, microbatches)
+    runner._has_backward = True
+    runner._initialize_stages = lambda *_args, **_kwargs: None
+    with _works_keep_held(log):
+        runner._step_microbatches(return_outputs=False)
+        for stage in stages:
+            del stage.outputs
+    return tuple(log)

@@ -4,7 +4,8 @@ A middle pipeline rank (none of its stages holds the embedding or the head) trac
 storage for storage, as another middle rank when both hold stages of identical blocks at the same
 offsets from their first stage, run the same compute actions in the same order (stage-relative:
 GPipe's and looped BFS's middle ranks do; 1F1B's and the interleaved schedules' do not, their
-warm-up depth grows with the rank), and checkpoint the same blocks of their stages. Such a rank's
+warm-up depth grows with the rank: :mod:`pipeline_compose` composes theirs from one rank's calls),
+and checkpoint the same blocks of their stages. Such a rank's
 traced step is the other's with the names of its modules changed (:func:`renamed_step`): its held
 blocks' names, and the pass-throughs its forward runs before its first block (the other stages'
 blocks) in place of the other's. Its report is then built from that step as from its own trace.
