@@ -166,11 +166,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(GLOO_GROUP))
         elif _shares_a_wide_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    if config.getoption("dist", None) == "loadgroup":
+    if _distributing_by_group(config):
         _group_ids(items)
     # the gloo runs first: the longest unit of work, started while the other worker takes the rest
     # rather than left to the end of the run with one worker idle (a stable sort: order kept within)
     items.sort(key=lambda item: not _spawns_gloo_ranks(item))
+
+
+def _distributing_by_group(config: pytest.Config) -> bool:
+    """Whether this process collects for ``--dist loadgroup``. In an xdist worker, the process
+    that collects, xdist sets ``dist`` to ``"no"`` and keeps the choice in ``loadgroup``
+    (xdist/remote.py's ``setup_config``); the controller, which does not collect, has ``dist``."""
+    return bool(getattr(config.option, "loadgroup", False)) or config.getoption("dist", None) == "loadgroup"
 
 
 def _group_ids(items: list[pytest.Item]) -> None:

@@ -5,6 +5,8 @@
   belongs to a test that still exists.
 * ``quick_cases``: the named cases stay in the quick run, the others are slow, and a name that
   matches no case is an error.
+* ``--dist loadgroup``: a worker, configured by xdist's own code, puts a module fixture's users
+  in one group.
 """
 
 from __future__ import annotations
@@ -108,3 +110,42 @@ def test_quick_cases_naming_no_case_is_an_error(pytester: pytest.Pytester) -> No
     result = pytester.runpytest("-m", "not slow", "-p", "no:cacheprovider", plugins=[conftest])
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*test_family: quick_cases names no case ?'four'?; its cases:*"])
+
+
+WIDE_FIXTURE_TEST = """
+import pytest
+
+@pytest.fixture(scope="module")
+def shared():
+    return 1
+
+def test_shares(shared):
+    assert shared == 1
+
+def test_alone():
+    pass
+"""
+
+
+class _AsAnXdistWorker:
+    """Configures the run as pytest-xdist configures a worker, the process that collects under
+    ``-n``: xdist's own ``setup_config`` sets ``dist`` to ``"no"`` and keeps ``--dist loadgroup``
+    in ``option.loadgroup``."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_configure(self, config: pytest.Config) -> None:
+        remote = pytest.importorskip("xdist.remote")
+        remote.setup_config(config, None)
+
+
+def test_a_worker_collecting_for_loadgroup_groups_a_module_fixtures_users(pytester: pytest.Pytester) -> None:
+    # the groups were lost in the workers, whose dist is "no": the gloo group and the module-fixture
+    # groups split over both workers, test_gloo_pipeline.py's real runs made in each
+    pytester.makepyfile(test_wide=WIDE_FIXTURE_TEST)
+    worker = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", "--dist", "loadgroup",
+                                plugins=[conftest, _AsAnXdistWorker()])
+    worker.stdout.fnmatch_lines(["test_wide.py::test_shares@test_wide.py", "test_wide.py::test_alone"])
+    assert "test_alone@" not in worker.stdout.str()
+    # without loadgroup (-n with --dist load, or no xdist) no id changes
+    plain = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", plugins=[conftest])
+    assert "@" not in plain.stdout.str()
