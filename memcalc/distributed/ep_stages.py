@@ -47,14 +47,16 @@ class StageExpertParallel:
     """``degree``-way expert parallelism of every stage of a pipeline rank (its ep rank 0), the
     split sizes answered by ``routing`` (and ``capacity_factor``). ``tp``: that many of the
     ``degree`` ranks are tensor-parallel ranks sharing a batch (innermost), the experts over all
-    ``degree`` (:class:`StageExpertTensorParallel`)."""
+    ``degree`` (:class:`StageExpertTensorParallel`). ``gloo``: the CPU target (gloo's all-gather
+    staging, :class:`~memcalc.distributed.expert_parallel.ExpertParallel`)."""
 
     def __init__(self, degree: int, routing: Routing = Routing.BALANCED, capacity_factor: float | None = None,
-                 tp: int = 1) -> None:
+                 tp: int = 1, gloo: bool = False) -> None:
         self.degree = degree
         self.routing = routing
         self.capacity_factor = capacity_factor
         self.tp = tp
+        self.gloo = gloo
         self._plan: dict[str, str] | None = None
         self._name = "the model"
 
@@ -114,7 +116,7 @@ class StageExpertParallel:
         """The program of one stage's module (the model under ``model.``)."""
         return ExpertParallel(self.degree, routing=self.routing, capacity_factor=self.capacity_factor,
                               model_name=stage.name, meshes=functools.partial(expert_meshes, self.tp),
-                              plan=self.stage_plan(stage.module, "model."), tp=self.tp)
+                              plan=self.stage_plan(stage.module, "model."), tp=self.tp, gloo=self.gloo)
 
 
 class StageExpertTensorParallel:
