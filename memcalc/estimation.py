@@ -20,7 +20,7 @@ from memcalc.distributed.checkpoint_auto import choose_checkpointing
 from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategies import estimate_per_rank
 from memcalc.distributed.vocabulary import Strategy
-from memcalc.engine.collector import while_collector_paused
+from memcalc.engine.collector import collector_paused
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.step_spec import Step
@@ -36,7 +36,7 @@ __all__ = ("CostsOnRequest", "TracedEstimate", "run_estimate", "trace_estimate")
 SINGLE = Distributed()
 
 
-@while_collector_paused
+@collector_paused()
 def run_estimate(step: Step, distributed: Distributed = SINGLE,
                  on_trace: Callable[[TracedStep], None] | None = None) -> MemoryReport:
     """Estimate ``step``.
@@ -84,7 +84,7 @@ class TracedEstimate:
         return report if self.step.record_costs else report.with_costs(CostsOnRequest(self.step, SINGLE))
 
 
-@while_collector_paused
+@collector_paused()
 def trace_estimate(step: Step) -> TracedEstimate:
     """:func:`run_estimate` on one GPU up to its trace, its checks included (not ``checkpoint
     auto``, which chooses among several traces); ``.report()`` finishes it."""

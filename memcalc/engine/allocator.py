@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memcalc.core.alloc_conf import AllocConf
-from memcalc.engine.collector import while_collector_paused
+from memcalc.engine.collector import collector_paused
 
 __all__ = (
     "ALLOC",
@@ -1064,7 +1064,7 @@ def _expandable_size(block: _Block) -> int:
     return block.size + (following.size if following is not None and not following.mapped else 0)
 
 
-@while_collector_paused
+@collector_paused()
 def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
            settings: AllocConf | None = None, *, host: bool = False,
            streams: Mapping[Any, int] | None = None) -> AllocatorStats:
@@ -1080,7 +1080,7 @@ def replay(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = N
     return model.stats()
 
 
-@while_collector_paused
+@collector_paused()
 def replay_with_prefix(events: Iterable[tuple[int, Hashable, int]], prefix: int,
                        settings: AllocConf | None = None, *, host: bool = False,
                        streams: Mapping[Any, int] | None = None) -> tuple[AllocatorStats, AllocatorStats]:
@@ -1198,7 +1198,7 @@ class RecordedReplay:
     segments: list[tuple[int, int, list[tuple[int, int, bool]]]]
 
 
-@while_collector_paused
+@collector_paused()
 def replay_recorded(events: Iterable[tuple[int, Hashable, int]], capacity: int | None = None,
                     settings: AllocConf | None = None, *, host: bool = False,
                     streams: Mapping[Any, int] | None = None) -> RecordedReplay:

@@ -12,19 +12,14 @@ collector the user had disabled stays disabled, and one enabled is enabled again
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-from collections.abc import Callable, Iterator
-from typing import ParamSpec, TypeVar
+from collections.abc import Iterator
 
-__all__ = ("PAUSE_COLLECTOR", "collector_paused", "while_collector_paused")
+__all__ = ("PAUSE_COLLECTOR", "collector_paused")
 
 #: Whether the collector is paused during traces and replays: benchmarks/startup.py sets it to
 #: False to measure what the pause saves and what it holds; nothing else changes it.
 PAUSE_COLLECTOR = True
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 
 @contextlib.contextmanager
@@ -40,13 +35,3 @@ def collector_paused() -> Iterator[None]:
         if was_enabled:
             gc.enable()
 
-
-def while_collector_paused(func: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``func`` run inside :func:`collector_paused`."""
-
-    @functools.wraps(func)
-    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with collector_paused():
-            return func(*args, **kwargs)
-
-    return paused

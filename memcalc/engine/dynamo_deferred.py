@@ -21,16 +21,15 @@ nowhere there still imports Dynamo at its first call, as without this module.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 import torch._compile
 
-__all__ = ("dynamo_deferred", "while_dynamo_deferred")
+__all__ = ("dynamo_deferred",)
 
 _DYNAMO = "torch._dynamo"
 _ATTRIBUTE = "__dynamo_disable"
@@ -40,8 +39,6 @@ _INNER_CODE = torch._compile._disable_dynamo(lambda: None).__code__
 _MODULES = ("torch._refs", "torch._refs.nn.functional", "torch._refs.special", "torch._refs.linalg",
             "torch._refs.fft", "torch._decomp.decompositions", "torch.optim.optimizer", "torch.utils.checkpoint")
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 _found: list[tuple[Any, bool]] | None = None
 _depth = 0
@@ -126,13 +123,3 @@ def dynamo_deferred() -> Iterator[None]:
                     delattr(fn, _ATTRIBUTE)
             _placed.clear()
 
-
-def while_dynamo_deferred(func: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``func`` run inside :func:`dynamo_deferred`."""
-
-    @functools.wraps(func)
-    def deferred(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with dynamo_deferred():
-            return func(*args, **kwargs)
-
-    return deferred

@@ -48,7 +48,7 @@ from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.core.units import format_bytes
 from memcalc.engine import allocator
-from memcalc.engine.collector import while_collector_paused
+from memcalc.engine.collector import collector_paused
 from memcalc.engine.compiled import (
     CompiledForwards,
     CompiledStepTracer,
@@ -58,7 +58,7 @@ from memcalc.engine.compiled import (
     fresh_forward,
     warm_up,
 )
-from memcalc.engine.dynamo_deferred import while_dynamo_deferred
+from memcalc.engine.dynamo_deferred import dynamo_deferred
 from memcalc.engine.generation import GENERATING, decode_step_at, run_generation
 from memcalc.engine.loop_trace import LoopTracing, check_loop
 from memcalc.engine.loops import ITERATIONS, run_loop
@@ -321,8 +321,8 @@ def step_config(resolved: ResolvedModel, step: Step, *, autocast: AutocastRegion
 
 
 @torch.inference_mode(False)  # a caller's inference mode would make every tensor of the step an inference tensor
-@while_collector_paused
-@while_dynamo_deferred
+@collector_paused()
+@dynamo_deferred()
 def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None = None, *,
                 hooks: RankHooks | None = None, traced_loop: bool | None = None,
                 costs: CostRecorderFactory | None = None,
@@ -807,7 +807,7 @@ def replay_step(traced: TracedStep, step: Step) -> Replayed:
     return Replayed(program, columns, first, whole)
 
 
-@while_collector_paused
+@collector_paused()
 def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, role: str = "",
                  replayed: Replayed | None = None) -> MemoryReport:
     """The report of a traced step: replay through the allocator model, breakdown at the peak,

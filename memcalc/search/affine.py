@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.engine import allocator
-from memcalc.engine.collector import while_collector_paused
+from memcalc.engine.collector import collector_paused
 from memcalc.engine.run import TracedStep
 from memcalc.engine.timeline import Program, allocator_events
 from memcalc.engine.trace import SizeRule
@@ -68,7 +68,7 @@ def replay_stats(program: Program, nbytes: Sequence[int], capacity: int | None, 
     return _fed(program, nbytes, capacity, settings)
 
 
-@while_collector_paused
+@collector_paused()
 def _fed(program: Program, nbytes: Sequence[int], capacity: int | None,
          settings: AllocConf | None) -> allocator.AllocatorStats:
     """:func:`memcalc.engine.allocator.replay` of ``program`` on the compute stream, through
