@@ -19,6 +19,9 @@ estimated, ranks 4-7 1,533,128 B real, 1,532,624 B estimated (the comment at CAS
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch as _torch
 import torch.distributed as dist
@@ -47,20 +50,32 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> str:
     return hf_config_source(tmp_path_factory.mktemp("tiny-mixtral"), TINY_MIXTRAL)
 
 
-@pytest.fixture(scope="module")
-def real_peaks(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+def _real(source: str, cases: list[PipelineEpCase], work_dir: Path, **degrees: int) -> dict[str, list]:
+    """The real runs of ``cases`` over gloo on the mesh ``pp × ep`` × ``degrees`` (dp_shard, tp)."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("this torch has no gloo backend")
-    return run_cases(source, CASES, tmp_path_factory.mktemp("gloo-pp-ep"))
+    return run_cases(source, cases, work_dir, timeout_s=1000.0, **degrees)
+
+
+def _check(source: str, real: dict[str, list], case: PipelineEpCase, **degrees: int) -> None:
+    """Every rank of memcalc's estimate of ``case`` on ``pp × ep`` × ``degrees`` against its real peak."""
+    setting = memcalc.Distributed(pp=PP, ep=EP, pp_schedule=case.schedule.lower(), microbatches=case.microbatches,
+                                  **degrees)
+    report = memcalc.estimate(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len,
+                              optimizer=case.optimizer, loss="mean", distributed=setting)
+    world = PP * EP * math.prod(degrees.values())
+    check_every_rank(case.name, real[case.name], peaks_by_rank(report, world), TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def real_peaks(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    return _real(source, CASES, tmp_path_factory.mktemp("gloo-pp-ep"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_every_rank_of_pp_x_ep_against_a_real_gloo_run(source: str, real_peaks: dict[str, list],
                                                        case: PipelineEpCase) -> None:
-    setting = memcalc.Distributed(pp=PP, ep=EP, pp_schedule=case.schedule.lower(), microbatches=case.microbatches)
-    report = memcalc.estimate(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len,
-                              optimizer=case.optimizer, loss="mean", distributed=setting)
-    check_every_rank(case.name, real_peaks[case.name], peaks_by_rank(report, PP * EP), TOLERANCE)
+    _check(source, real_peaks, case)
 
 
 #: The 3-D mesh (ranks numbered (pp_rank × dp_shard + dp_shard_rank) × ep + ep_rank, torchtitan's order).
@@ -70,19 +85,13 @@ CASES_3D = [PipelineEpCase("1f1b-sgd-3d", "1F1B", 2, "sgd", 4, 64, dp_shard=DP_S
 
 @pytest.fixture(scope="module")
 def real_peaks_3d(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    return run_cases(source, CASES_3D, tmp_path_factory.mktemp("gloo-pp-dp-ep"), dp_shard=DP_SHARD, timeout_s=1000.0)
+    return _real(source, CASES_3D, tmp_path_factory.mktemp("gloo-pp-dp-ep"), dp_shard=DP_SHARD)
 
 
 @pytest.mark.parametrize("case", CASES_3D, ids=lambda case: case.name)
 def test_every_rank_of_pp_x_dp_shard_x_ep_against_a_real_gloo_run(source: str, real_peaks_3d: dict[str, list],
                                                                   case: PipelineEpCase) -> None:
-    setting = memcalc.Distributed(pp=PP, dp_shard=DP_SHARD, ep=EP, pp_schedule=case.schedule.lower(),
-                                  microbatches=case.microbatches)
-    report = memcalc.estimate(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len,
-                              optimizer=case.optimizer, loss="mean", distributed=setting)
-    check_every_rank(case.name, real_peaks_3d[case.name], peaks_by_rank(report, PP * DP_SHARD * EP), TOLERANCE)
+    _check(source, real_peaks_3d, case, dp_shard=DP_SHARD)
 
 
 #: pp × tp × ep (ranks numbered (pp_rank × ep + ep_rank) × tp + tp_rank): each stage's dense part under
@@ -104,16 +113,10 @@ CASES_TP = [PipelineEpCase("1f1b-sgd-tp", "1F1B", 2, "sgd", 4, 64, tp=TP)]
 
 @pytest.fixture(scope="module")
 def real_peaks_tp(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    return run_cases(source, CASES_TP, tmp_path_factory.mktemp("gloo-pp-ep-tp"), tp=TP, timeout_s=1000.0)
+    return _real(source, CASES_TP, tmp_path_factory.mktemp("gloo-pp-ep-tp"), tp=TP)
 
 
 @pytest.mark.parametrize("case", CASES_TP, ids=lambda case: case.name)
 def test_every_rank_of_pp_x_tp_x_ep_against_a_real_gloo_run(source: str, real_peaks_tp: dict[str, list],
                                                            case: PipelineEpCase) -> None:
-    setting = memcalc.Distributed(pp=PP, tp=TP, ep=EP, pp_schedule=case.schedule.lower(),
-                                  microbatches=case.microbatches)
-    report = memcalc.estimate(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len,
-                              optimizer=case.optimizer, loss="mean", distributed=setting)
-    check_every_rank(case.name, real_peaks_tp[case.name], peaks_by_rank(report, PP * EP * TP), TOLERANCE)
+    _check(source, real_peaks_tp, case, tp=TP)
