@@ -56,6 +56,7 @@ from memcalc.search.plan_bounds import (
     activations_floor,
     compute_floor,
     in_flight,
+    logits_bytes,
     off_saved,
     peak_flops,
     selective_saved,
@@ -405,7 +406,7 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
             for ckpt, checkpoint in enumerate(search.checkpoints):
                 config = _Config(mesh, ckpt, micro, accum, schedule)
                 held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, kept,
-                                                  search.selective, search.off)
+                                                  search.selective, search.off, logits_bytes(search.step.precision))
                 if search.step.capacity and held > search.step.capacity:
                     search.over += 1
                     continue
