@@ -393,7 +393,14 @@ def test_memory_bound_never_exceeds_the_traced_peak(case):
     from memcalc.core.checkpointing import parse_checkpointing
     from memcalc.distributed.pipeline_schedules import PipelineSchedule
     from memcalc.fields import build_step
-    from memcalc.search.plan_bounds import activations_floor, in_flight, off_saved, selective_saved, states_floor
+    from memcalc.search.plan_bounds import (
+        activations_floor,
+        in_flight,
+        logits_bytes,
+        off_saved,
+        selective_saved,
+        states_floor,
+    )
 
     degrees, schedule_name, micro, accum, label = case
     mesh = Mesh(**degrees)
@@ -409,11 +416,47 @@ def test_memory_bound_never_exceeds_the_traced_peak(case):
     config = planning._Config(mesh, 0, micro, accum, schedule)
     kept = in_flight(schedule, mesh.pp, facts.layers, accum)
     bound = states_floor(step, facts, mesh) + activations_floor(facts, mesh, micro * 256, checkpoints[0], kept,
-                                                                selective, off)
+                                                                selective, off, logits_bytes(step.precision))
     peak = search.report(config).bytes.peak_allocated
     assert 0 < bound <= peak, (bound, peak)
     if label != "full":  # the kept activations are most of the peak: the bound is not a token one
         assert bound >= 0.3 * peak, (bound, peak)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "precision", "gpus", "seq_len"),
+                         [("llama-tiny", "amp-bf16", 4, 256), ("gpt2", "fp32", 4, 256), ("llama-tiny", "bf16", 2, 512)])
+def test_every_traced_configuration_of_a_plan_peaks_above_its_memory_bound(model, precision, gpus, seq_len,
+                                                                             monkeypatch):
+    """The memory bound with the loss's logits (plan_bounds.logits_bytes: the logits and the
+    log-softmax's output, float32 under autocast and fp32) never exceeds the traced peak of any
+    configuration a plan traces, pipelines and probes included, at each precision's rule."""
+    from memcalc.search.plan_bounds import activations_floor, in_flight, logits_bytes, states_floor
+
+    seen: list[tuple[planning._Search, planning._Config, int]] = []
+    report = planning._Search.report
+
+    def recording(self: planning._Search, config: planning._Config):
+        out = report(self, config)
+        seen.append((self, config, out.bytes.peak_allocated))
+        return out
+
+    monkeypatch.setattr(planning._Search, "report", recording)
+    memcalc.plan(model, gpus=gpus, gpu="h100-80gb", global_batch=8, seq_len=seq_len, precision=precision, top=20)
+    assert len(seen) >= 8, len(seen)
+    tight = 0
+    for search, config, peak in seen:
+        step, facts, mesh = search.step, search.facts, config.mesh
+        kept = in_flight(config.schedule, mesh.pp, facts.layers, config.accum)
+        checkpoint = search.checkpoints[config.ckpt]
+        bound = states_floor(step, facts, mesh) + activations_floor(
+            facts, mesh, config.micro * seq_len, checkpoint, kept, search.selective, search.off,
+            logits_bytes(step.precision))
+        assert bound <= peak, (config.describe(search.checkpoints), bound, peak)
+        old = states_floor(step, facts, mesh) + activations_floor(
+            facts, mesh, config.micro * seq_len, checkpoint, kept, search.selective, search.off)
+        tight += bound > old
+    assert tight >= len(seen) // 2, (tight, len(seen))  # the logits do raise the bound
 
 
 @pytest.mark.slow

@@ -68,8 +68,9 @@ def test_a_traced_peak_scaled_to_a_smaller_micro_batch_never_exceeds_the_trace(m
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("logits", [False, True], ids=["peaks", "logits-bound"])
 @pytest.mark.parametrize("gib", [2, 4])
-def test_the_search_answers_as_tracing_every_configuration_would_where_peaks_rule_some_out(gib):
+def test_the_search_answers_as_tracing_every_configuration_would_where_peaks_rule_some_out(gib, logits, monkeypatch):
     """llama-tiny over 2 GPUs at 2,048 tokens in fp32, on a GPU of 2 or 4 GiB (many configurations do
     not fit): the search rules some out by a traced peak scaled down, and its rows are those of
     every configuration traced, with the same figures; those it names as not fitting do not fit."""
@@ -80,9 +81,15 @@ def test_the_search_answers_as_tracing_every_configuration_would_where_peaks_rul
     step = build_step("llama-tiny", batch_size=1, seq_len=2048, precision="fp32", gpu="t4", time=True)
     step = replace(step, capacity=gib * 2**30)
     facts = planning.model_facts(step)
+    if not logits:  # the memory bound without the loss's logits (plan_bounds.logits_bytes), which rules out
+        # before any trace what the scaled peaks rule out here: the peaks' check stays not vacuous
+        monkeypatch.setattr(planning, "logits_bytes", lambda precision: None)
     result = planning.find_plan(step, 2, 32, facts, network=DEFAULT_NETWORK, top=5)
     ruled = [p for p in result.pruned if "scaled to its micro-batch; not traced" in p]
-    assert ruled, result.pruned  # the bound did rule some out: the check below is not vacuous
+    assert ruled or logits, result.pruned  # the bound did rule some out: the check below is not vacuous
+    # every configuration the bound without the logits leaves, traced: what the logits bound rules out among them
+    # does not fit, or the rows would differ
+    monkeypatch.setattr(planning, "logits_bytes", lambda precision: None)
     search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=2048)
     every: list[planning.PlanCandidate] = []
     unfit: set[str] = set()

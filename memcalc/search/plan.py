@@ -2,9 +2,10 @@
 a model with on N GPUs (docs/many-gpus.md).
 
 The space: every mesh of the modelled, ``planned`` dimensions' degrees over N GPUs (tp within a
-node), less those :func:`refusal` — the one predicate — says memcalc cannot estimate yet (pp × tp
-today: counted, named, and searched the day its file accepts it); per mesh each checkpointing
-(off, selective-op, full; or ``auto``) and each micro-batch (``global batch = micro-batch ×
+node), less those :func:`refusal` — the one predicate — says memcalc cannot estimate (counted,
+named, and searched the day a dimension's file accepts it; pp × tp without dp_shard under a
+foreach or fused optimizer, which torch refuses: :mod:`memcalc.search.plan_refusals`); per mesh
+each checkpointing (off, selective-op, full; or ``auto``) and each micro-batch (``global batch = micro-batch ×
 data-parallel size × accumulation``), or under a pipeline each schedule (GPipe, 1F1B, interleaved
 1F1B) and ``pp`` to ``4 × pp`` microbatches.
 
@@ -55,12 +56,14 @@ from memcalc.search.plan_bounds import (
     activations_floor,
     compute_floor,
     in_flight,
+    logits_bytes,
     off_saved,
     peak_flops,
     selective_saved,
     states_floor,
 )
 from memcalc.search.plan_peaks import Peaks
+from memcalc.search.plan_refusals import plain_beside_dtensors
 from memcalc.timing.performance import step_time
 
 __all__ = ("CHECKPOINTS", "SCHEDULES", "PlanCandidate", "PlanResult", "collectives_of", "find_plan", "meshes_over",
@@ -228,6 +231,9 @@ def refusal(step: Step, mesh: Mesh, resolved: ResolvedModel | None = None) -> st
             if mesh.tp > 1:  # tensor parallelism inside the stages needs a plan of the model's own
                 resolved = resolved or step.resolved(batch_size=1)
                 resolve_plan(resolved.module, None, resolved.name)
+                mixed = plain_beside_dtensors(step, mesh, resolved)
+                if mixed is not None:
+                    return f"refused ({mixed})"
             return None
         plan = Plan(roles=(), batch=1, global_batch=mesh.dp_replicate * mesh.dp_shard)
         for strategy in strategies:
@@ -400,7 +406,7 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
             for ckpt, checkpoint in enumerate(search.checkpoints):
                 config = _Config(mesh, ckpt, micro, accum, schedule)
                 held = states + activations_floor(search.facts, mesh, micro * sequence, checkpoint, kept,
-                                                  search.selective, search.off)
+                                                  search.selective, search.off, logits_bytes(search.step.precision))
                 if search.step.capacity and held > search.step.capacity:
                     search.over += 1
                     continue
@@ -445,6 +451,8 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     refused = {m: refusal(step, m, resolved) for m in meshes}
     unsupported = [m for m in meshes if refused[m] is not None]
     search.pruned += [f"{m.describe()}: {refused[m]}" for m in unsupported]
+    # counted as not modelled: not those torch itself would refuse (named in pruned all the same)
+    unmodelled = [m for m in unsupported if str(refused[m]).startswith("not modelled")]
     meshes = [m for m in meshes if refused[m] is None]
     capacity = step.capacity or 0
     heavy = [m for m in meshes if capacity and states_floor(step, facts, m) > capacity]
@@ -557,7 +565,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     return PlanResult(best=tuple(best[:top]), gpus=gpus, global_batch=global_batch, network=network,
                       searched=searched, not_searched=tuple(n for n in APPLICATION_ORDER if n not in searched),
                       meshes=tuple(meshes), configurations=len(configs) + search.over, estimates=search.estimates,
-                      pruned=tuple(search.pruned), assumptions=_ASSUMPTIONS, unsupported=len(unsupported),
+                      pruned=tuple(search.pruned), assumptions=_ASSUMPTIONS, unsupported=len(unmodelled),
                       bounded=bounded, reused=search.reused)
 
 

@@ -15,9 +15,10 @@ Both are lower bounds, so pruning on them never drops a configuration that would
   known), or a Llama-layout block's distinct kept tensors where more (:func:`off_saved`); under
   selective-op checkpointing the input and the outputs torchtitan's op list saves
   (:func:`selective_saved`; else the input only); under full checkpointing one block recomputed
-  whole; the logits on the last stage (one microbatch in flight), the others' microbatches in
-  flight on the first. In the compute dtype, split by ``tp`` (sequence parallelism shards what
-  tensor parallelism does not);
+  whole; the others' microbatches in flight on the first stage. In the compute dtype, split by
+  ``tp`` (sequence parallelism shards what tensor parallelism does not). Or, on the last stage
+  (one microbatch's blocks), the moment the loss's log-softmax output is allocated: the logits
+  and that output, whole on every tp rank (gathered, no loss_parallel), :func:`logits_bytes`;
   a pipeline rank keeps its blocks' share per microbatch in flight (:func:`in_flight`: GPipe all;
   1F1B ``pp``; interleaved 1F1B the forwards torch's schedule runs before the first backward).
 - **time**: the matmul FLOPs of the rank's share of the step (:func:`compute_floor`): forward
@@ -33,14 +34,15 @@ from __future__ import annotations
 import torch
 
 from memcalc.core.checkpointing import Checkpointing, CheckpointKind
+from memcalc.core.precision import Precision
 from memcalc.distributed.collectives import ModelFacts
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.engine.step_spec import Step
 from memcalc.timing.performance import device_rates
 
-__all__ = ("activations_floor", "compute_floor", "in_flight", "off_saved", "peak_flops", "selective_saved",
-           "states_floor")
+__all__ = ("activations_floor", "compute_floor", "in_flight", "logits_bytes", "off_saved", "peak_flops",
+           "selective_saved", "states_floor")
 
 _MODES = {torch.bfloat16: ("bf16",), torch.float16: ("fp16",), torch.float32: ("fp32", "tf32")}
 
@@ -120,6 +122,18 @@ def off_saved(module: torch.nn.Module) -> int | None:
             + gate.out_features + up.out_features + gate.out_features)
 
 
+def logits_bytes(precision: Precision) -> int:
+    """Bytes per logit alive at least when the cross-entropy's log-softmax output is allocated:
+    the logits (its input) and that output. fp32: 4 + 4. Autocast: the head's logits in the
+    compute dtype and the log-softmax's output in float32 (an op autocast runs in float32; CUDA's
+    ``_log_softmax(half_to_float=True)`` makes no float32 copy of its input). Pure half precision:
+    two tensors of the compute dtype (a plain-torch loss does not upcast; transformers' does, more)."""
+    compute = precision.compute_dtype.itemsize
+    if compute == 4:
+        return 8
+    return compute + 4 if precision.is_amp else 2 * compute
+
+
 def in_flight(schedule: PipelineSchedule | None, pp: int, layers: int | None, microbatches: int) -> float:
     """Microbatches of a whole stage's blocks the first pipeline rank keeps at its peak, at least:
     one without a pipeline; GPipe's every microbatch; 1F1B's ``pp``; interleaved 1F1B's (two
@@ -138,10 +152,12 @@ def in_flight(schedule: PipelineSchedule | None, pp: int, layers: int | None, mi
 
 
 def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkpointing,
-                      in_flight: float, selective: int | None = None, off: int | None = None) -> float:
+                      in_flight: float, selective: int | None = None, off: int | None = None,
+                      logits: int | None = None) -> float:
     """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``;
     ``selective`` and ``off``: :func:`selective_saved` and :func:`off_saved` of the model (None:
-    the block's input only; the generic count)."""
+    the block's input only; the generic count); ``logits``: :func:`logits_bytes` (None: one
+    tensor of the compute dtype)."""
     if facts.hidden is None or facts.layers is None:
         return 0.0
     block = 4 * facts.hidden + 2 * (facts.intermediate or 2 * facts.hidden)  # one block's, whole
@@ -155,7 +171,10 @@ def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Ch
         # policy or auto (which may choose either): the blocks' inputs only
         saved = selective if kind is CheckpointKind.SELECTIVE_OP and selective is not None else 0
         per, recomputed = blocks * (facts.hidden + saved), 0
-    # the first stage keeps every microbatch in flight; the last (or only) one, at least one, and the logits
-    # (the logits whole on every tensor-parallel rank: plan's tp gathers them, no loss_parallel)
-    kept = max(in_flight * per, per + (facts.vocab or 0) * mesh.tp) + recomputed
-    return kept * tokens * facts.activation_bytes / mesh.tp
+    # the first stage keeps every microbatch in flight, and a recomputed block under full checkpointing;
+    # the last (or only) one, at least one, and at its loss the logits (whole on every tensor-parallel rank:
+    # plan's tp gathers them, no loss_parallel) and the log-softmax's output
+    unit = tokens * facts.activation_bytes / mesh.tp
+    if logits is None:
+        return (max(in_flight * per, per + (facts.vocab or 0) * mesh.tp) + recomputed) * unit
+    return max((in_flight * per + recomputed) * unit, per * unit + tokens * (facts.vocab or 0) * logits)
