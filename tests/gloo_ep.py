@@ -117,7 +117,8 @@ def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | Non
 
         from memcalc.distributed.tp_plans import resolve_plan
 
-        parallelize_module(module, mesh["tp"], dict(resolve_plan(module, None, resolved.name).styles))
+        tp_plan = resolve_plan(module, None, resolved.name, expert_parallel=True)  # ep rules take precedence
+        parallelize_module(module, mesh["tp"], dict(tp_plan.styles))
         experts_mesh = mesh["ep", "tp"]._flatten("ep_tp")
     apply_expert_parallelism(module, experts_mesh, mesh["tp"], plan, ep_implementation="all_to_all")
     if dp_shard > 1:  # torchtitan's apply_fsdp for MoE (module docstring)

@@ -121,7 +121,8 @@ def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
     plan = model._expand_parallel_plan(dict(model.ep_plan))  # on the whole model
     from memcalc.distributed.tp_plans import resolve_plan, stage_plan
 
-    tp_plan = resolve_plan(model, None, resolved.name) if case.tp > 1 else None  # on the whole model, as memcalc
+    # on the whole model, as memcalc; ep rules take precedence (transformers drops tp rules on ep modules)
+    tp_plan = resolve_plan(model, None, resolved.name, expert_parallel=True) if case.tp > 1 else None
     stage_module = MixtralStage(model, index, PP)
     del model
     names = {name for name, _ in stage_module.model.named_modules()}

@@ -353,3 +353,21 @@ def test_every_moe_architecture_shards_its_experts(tmp_path: Path, arch: str) ->
                               distributed=memcalc.Distributed(ep=2))
     (role,) = report.roles
     assert role.report.bytes.parameters == 4 * (total - experts // 2)
+
+
+def test_tp_rules_on_the_modules_ep_shards_are_dropped_under_ep() -> None:
+    """transformers' ``_resolve_parallel_plans``: a module with an EP rule, and its children, keep
+    no TP rule (5.24's Mixtral plan has packed_colwise/moe_tp_experts rules on the experts)."""
+    from torch import nn
+
+    from memcalc.distributed.tp_plans import without_expert_rules
+
+    module = nn.Module()
+    module.ep_plan = {"model.layers.*.mlp.experts": "ep_dispatch_experts",  # type: ignore[assignment]
+                      "model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm"}
+    plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.mlp.experts": "moe_tp_experts",
+            "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+            "model.layers.*.mlp.experts.down_proj": "rowwise", "model.layers.*.mlp.experts_gate": "colwise"}
+    assert without_expert_rules(plan, module) == {"model.layers.*.self_attn.q_proj": "colwise",
+                                                  "model.layers.*.mlp.experts_gate": "colwise"}
+    assert without_expert_rules(plan, nn.Module()) == plan  # no ep plan: nothing dropped

@@ -131,7 +131,7 @@ class StageExpertTensorParallel:
         self.routing = experts.routing
         self.capacity_factor = experts.capacity_factor
         self.tensor = StageTensorParallel(experts.tp, strings, functools.partial(_tp_mesh, experts.tp),
-                                          optimizer_impl=optimizer_impl)
+                                          optimizer_impl=optimizer_impl, expert_parallel=True)
 
     def resolve(self, model: nn.Module, inputs: ModelInputs, name: str) -> None:
         """Both plans on the whole model (tp's refuses an uneven split)."""

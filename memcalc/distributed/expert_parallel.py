@@ -236,7 +236,7 @@ def expert_tensor_parallel(ep: int, tp: int, plan: dict[str, str] | None, *, rou
     experts = ExpertParallel(ep * tp, routing=routing, capacity_factor=capacity_factor, model_name=model_name,
                              tp=tp, gloo=gloo)
     dense = TensorParallel(tp, plan, model_name=model_name, optimizer_impl=optimizer_impl, local_step=False,
-                           mesh=lambda: experts.tp_mesh)
+                           mesh=lambda: experts.tp_mesh, expert_parallel=True)
     return StackedProgram(experts, dense)
 
 

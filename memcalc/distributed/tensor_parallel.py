@@ -74,12 +74,14 @@ class TensorParallel(RankProgram):
         mesh: the tp sub-mesh of a process group someone else made (a pipeline's ``(pp, tp)``
             mesh, :mod:`memcalc.distributed.tp_stages`), called at install; None: a fake group of
             ``degree`` ranks of the program's own. A resolved :class:`TpPlan` is then taken as it is.
+        expert_parallel: tp beside ep (tp × ep): the modules the ep plan shards keep no tp rule
+            (:func:`memcalc.distributed.tp_plans.without_expert_rules`).
     """
 
     def __init__(self, degree: int, plan: Mapping[str, str] | TpPlan | None = None, *, rank: int = 0,
                  model_name: str = "the model", optimizer_impl: OptimizerImpl | None = None,
                  loss_parallel: bool = False, local_step: bool = True,
-                 mesh: Callable[[], Any] | None = None) -> None:
+                 mesh: Callable[[], Any] | None = None, expert_parallel: bool = False) -> None:
         super().__init__()
         if degree < 1:
             raise InvalidInputError(f"the tensor-parallel degree must be at least 1, got {degree}")
@@ -87,6 +89,7 @@ class TensorParallel(RankProgram):
             raise InvalidInputError(f"rank {rank} is not one of the {degree} tensor-parallel ranks")
         self.degree = degree
         self.plan_strings = dict(plan) if plan is not None and not isinstance(plan, TpPlan) else None
+        self.expert_parallel = expert_parallel
         self.fixed_plan = plan if isinstance(plan, TpPlan) else None
         self.mesh = mesh
         self.rank = rank
@@ -121,7 +124,8 @@ class TensorParallel(RankProgram):
         from torch.distributed.tensor.parallel import parallelize_module
 
         self.plan = plan = self.fixed_plan or resolve_plan(module, self.plan_strings, self.model_name,
-                                                           loss_parallel=self.loss_parallel)
+                                                           loss_parallel=self.loss_parallel,
+                                                           expert_parallel=self.expert_parallel)
         if self.mesh is None:
             mesh = self._fake_mesh()
         else:

@@ -19,6 +19,7 @@ is refused by name.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -36,7 +37,8 @@ from torch.distributed.tensor.parallel import (
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 
-__all__ = ("STYLES", "TpPlan", "hf_plan", "llama_plan", "planned_modules", "resolve_plan", "stage_plan", "user_plan")
+__all__ = ("STYLES", "TpPlan", "hf_plan", "llama_plan", "planned_modules", "resolve_plan", "stage_plan", "user_plan",
+           "without_expert_rules")
 
 
 def _colwise() -> ParallelStyle:
@@ -110,18 +112,40 @@ def user_plan(strings: Mapping[str, str], source: str = "the user's tp_plan") ->
     return TpPlan(styles, source)
 
 
-def hf_plan(module: nn.Module) -> TpPlan | None:
-    """A Hugging Face model's own plan (None: it has none)."""
-    plan = getattr(module, "tp_plan", None)
-    if not isinstance(plan, Mapping) or not plan:
-        config = getattr(module, "config", None)
-        base = getattr(config, "base_model_tp_plan", None)
-        if not isinstance(base, Mapping) or not base:
-            return None
-        prefix = getattr(module, "base_model_prefix", "")
-        inner = prefix if prefix and isinstance(getattr(module, prefix, None), nn.Module) else ""
-        plan = {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
+def hf_plan(module: nn.Module, *, expert_parallel: bool = False) -> TpPlan | None:
+    """A Hugging Face model's own plan (None: it has none); ``expert_parallel``: without the rules
+    on the modules its ep plan shards (:func:`without_expert_rules`)."""
+    plan = _hf_strings(module)
+    if plan is None:
+        return None
+    if expert_parallel:
+        plan = without_expert_rules(plan, module)
     return user_plan(plan, source=f"{type(module).__name__}'s own tp_plan (transformers)")
+
+
+def _hf_strings(module: nn.Module) -> dict[str, str] | None:
+    plan = getattr(module, "tp_plan", None)
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    config = getattr(module, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if not isinstance(base, Mapping) or not base:
+        return None
+    prefix = getattr(module, "base_model_prefix", "")
+    inner = prefix if prefix and isinstance(getattr(module, prefix, None), nn.Module) else ""
+    return {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
+
+
+def without_expert_rules(strings: Mapping[str, str], module: nn.Module) -> dict[str, str]:
+    """``strings`` less the rules on the modules ``module``'s ep plan names and on their children:
+    under ep, transformers' ``_resolve_parallel_plans`` gives EP rules precedence this way
+    ("a module that has an EP rule keeps no TP rule"). transformers 5.24's Mixtral plan has
+    ``packed_colwise``/``moe_tp_experts`` rules on the experts (ETP = tp), which tp × ep drops."""
+    ep_plan = getattr(module, "ep_plan", None)
+    if not isinstance(ep_plan, Mapping) or not ep_plan:
+        return dict(strings)
+    is_expert = re.compile(rf"(?:{'|'.join(map(re.escape, ep_plan))})(?:\..+)?").fullmatch
+    return {pattern: style for pattern, style in strings.items() if not is_expert(pattern)}
 
 
 def llama_plan(module: nn.Module, *, loss_parallel: bool = False) -> TpPlan | None:
@@ -166,9 +190,10 @@ _LLAMA_LAYOUT: Final = frozenset({"model.embed_tokens", "model.layers", "model.n
 
 
 def resolve_plan(module: nn.Module, strings: Mapping[str, str] | None, model_name: str, *,
-                 loss_parallel: bool = False) -> TpPlan:
+                 loss_parallel: bool = False, expert_parallel: bool = False) -> TpPlan:
     """The plan for ``module``: the user's ``strings``, else the model's own, else torchtitan's
-    for the zoo's Llama family; every pattern checked to name a module.
+    for the zoo's Llama family; every pattern checked to name a module. ``expert_parallel``
+    (tp × ep): without the rules on the modules the ep plan shards (:func:`without_expert_rules`).
 
     Raises:
         InvalidInputError: a bad style string, or a pattern that names no module.
@@ -184,7 +209,10 @@ def resolve_plan(module: nn.Module, strings: Mapping[str, str] | None, model_nam
                 f"{'has a plan of the user' if strings else 'is not of the zoo Llama family'}",
                 hint="Leave out loss_parallel: the logits are then gathered on every rank.")
     else:
-        plan = user_plan(strings) if strings else (hf_plan(module) or llama_plan(module))
+        if strings:
+            plan = user_plan(without_expert_rules(strings, module) if expert_parallel else strings)
+        else:
+            plan = hf_plan(module, expert_parallel=expert_parallel) or llama_plan(module)
     if plan is None:
         raise InapplicableOptionError(
             f"{model_name} has no tensor-parallel plan of its own (no Hugging Face tp_plan, not the zoo's Llama "

@@ -44,11 +44,13 @@ class StageTensorParallel:
             stage is parallelized.
         optimizer_impl: the optimizer's implementation (foreach and fused refuse a plan that
             leaves trainable parameters plain beside DTensors); None: not checked (under FSDP2).
+        expert_parallel: under ep (tp × ep), the ep plan's modules keep no tp rule.
     """
 
     def __init__(self, degree: int, strings: Mapping[str, str] | None, mesh: Callable[[], Any], *,
-                 optimizer_impl: OptimizerImpl | None = None) -> None:
+                 optimizer_impl: OptimizerImpl | None = None, expert_parallel: bool = False) -> None:
         self.degree = degree
+        self.expert_parallel = expert_parallel
         self.strings = dict(strings) if strings is not None else None
         self.mesh = mesh
         self.optimizer_impl = optimizer_impl
@@ -66,7 +68,7 @@ class StageTensorParallel:
         Raises:
             InapplicableOptionError: a split the traced tp rank 0 would not stand for.
         """
-        self._plan = plan = resolve_plan(model, self.strings, name)
+        self._plan = plan = resolve_plan(model, self.strings, name, expert_parallel=self.expert_parallel)
         n = self.degree
         uneven: list[object] = [p for m in planned_modules(model, plan) for p in m.parameters(recurse=False)
                   if any(size % n for size in p.shape[:2])]

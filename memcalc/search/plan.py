@@ -230,7 +230,7 @@ def refusal(step: Step, mesh: Mesh, resolved: ResolvedModel | None = None) -> st
                 return f"not modelled yet ({whole[0].name} with {', '.join(others)})"
             if mesh.tp > 1:  # tensor parallelism inside the stages needs a plan of the model's own
                 resolved = resolved or step.resolved(batch_size=1)
-                resolve_plan(resolved.module, None, resolved.name)
+                resolve_plan(resolved.module, None, resolved.name, expert_parallel=mesh.ep > 1)
                 mixed = plain_beside_dtensors(step, mesh, resolved)
                 if mixed is not None:
                     return f"refused ({mixed})"

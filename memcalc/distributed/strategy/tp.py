@@ -153,7 +153,8 @@ class TensorParallelDimension(RankStrategy):
             step = replace(step, seq_len=step.seq_len // mesh.cp)  # each rank's share of the sequence (cp)
         resolved = step.resolved(batch_size=batch)
         module = resolved.module
-        tp_plan = resolve_plan(module, strings, resolved.name, loss_parallel=loss_parallel)
+        tp_plan = resolve_plan(module, strings, resolved.name, loss_parallel=loss_parallel,
+                               expert_parallel=mesh is not None and mesh.ep > 1)
         n = self.degree
         for m in planned_modules(module, tp_plan):
             for parameter in m.parameters(recurse=False):
