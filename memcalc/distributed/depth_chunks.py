@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from memcalc.core.categories import Category
 from memcalc.engine.trace import StepTrace
 
-__all__ = ("DepthChunks", "Run", "depth_chunks")
+__all__ = ("DepthChunks", "Run", "depth_chunks", "index_of", "pattern_of", "tokens_of")
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,14 @@ class DepthChunks:
     """How a deeper trace is the shallower one with blocks added."""
 
     runs: tuple[Run, ...]
-    #: added storages that exist before the step (a layer's parameters): their positions in the
-    #: deeper trace's ``preexisting``
-    added_preexisting: tuple[int, ...]
+    #: the same over the deeper trace's ``preexisting`` (positions in that list): the added runs
+    #: are a layer's parameters
+    preexisting_runs: tuple[Run, ...]
+
+    @property
+    def added_preexisting(self) -> tuple[int, ...]:
+        """Positions in the deeper trace's ``preexisting`` of the storages one more layer adds."""
+        return tuple(n for run in self.preexisting_runs if run.added for n in range(run.start, run.stop))
 
     @property
     def added_events(self) -> int:
@@ -63,7 +68,8 @@ class DepthChunks:
         return sum(run.stop - run.start for run in self.runs if run.added)
 
 
-def _pattern(containers: Sequence[str]) -> re.Pattern[str]:
+def pattern_of(containers: Sequence[str]) -> re.Pattern[str]:
+    """Finds a block's index in a module name: ``model.layers.7.mlp`` → ``model.layers``, ``7``."""
     return re.compile("(" + "|".join(re.escape(c) for c in containers) + r")\.(\d+)")
 
 
@@ -71,12 +77,13 @@ def _blank(pattern: re.Pattern[str], name: str) -> str:
     return pattern.sub(r"\1.*", name)
 
 
-def _index(pattern: re.Pattern[str], name: str) -> int | None:
+def index_of(pattern: re.Pattern[str], name: str) -> int | None:
     found = pattern.search(name)
     return None if found is None else int(found.group(2))
 
 
-def _tokens(trace: StepTrace, categories: Sequence[Category], pattern: re.Pattern[str]) -> list[Hashable]:
+def tokens_of(trace: StepTrace, categories: Sequence[Category], pattern: re.Pattern[str]) -> list[Hashable]:
+    """One token per event, equal for the same event in another block (its block index blanked)."""
     tokens: list[Hashable] = []
     for event in trace.events:
         uid = event if event >= 0 else ~event
@@ -91,9 +98,23 @@ def depth_chunks(shallow: StepTrace, shallow_categories: Sequence[Category], dee
     """The runs of ``deep`` (the step traced with one more block in each of ``containers``) against
     ``shallow``; None: ``deep`` is not ``shallow`` with events added (an event changed, or one was
     taken away), or the block indices of an aligned run do not move by one amount."""
-    pattern = _pattern(containers)
-    matcher = difflib.SequenceMatcher(None, _tokens(shallow, shallow_categories, pattern),
-                                      _tokens(deep, deep_categories, pattern), autojunk=False)
+    pattern = pattern_of(containers)
+    matcher = difflib.SequenceMatcher(None, tokens_of(shallow, shallow_categories, pattern),
+                                      tokens_of(deep, deep_categories, pattern), autojunk=False)
+    runs = _runs(matcher, shallow.events, deep.events, shallow, deep, pattern)
+    old: list[Hashable] = [(shallow.nbytes[u], _blank(pattern, shallow.module[u]), shallow_categories[u])
+                           for u in shallow.preexisting]
+    new: list[Hashable] = [(deep.nbytes[u], _blank(pattern, deep.module[u]), deep_categories[u]) for u in deep.preexisting]
+    pre = _runs(difflib.SequenceMatcher(None, old, new, autojunk=False), [~u for u in shallow.preexisting],
+                [~u for u in deep.preexisting], shallow, deep, pattern)
+    if runs is None or pre is None:
+        return None
+    return DepthChunks(runs=tuple(runs), preexisting_runs=tuple(pre))
+
+
+def _runs(matcher: difflib.SequenceMatcher[Hashable], old: Sequence[int], new: Sequence[int], shallow: StepTrace,
+          deep: StepTrace, pattern: re.Pattern[str]) -> list[Run] | None:
+    """The runs of ``new`` (storages as events: a uid or its complement) against ``old``."""
     runs: list[Run] = []
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "insert":
@@ -103,9 +124,9 @@ def depth_chunks(shallow: StepTrace, shallow_categories: Sequence[Category], dee
             return None
         shifts = set()
         for k in range(i2 - i1):
-            a, b = shallow.events[i1 + k], deep.events[j1 + k]
-            before = _index(pattern, shallow.module[a if a >= 0 else ~a])
-            after = _index(pattern, deep.module[b if b >= 0 else ~b])
+            a, b = old[i1 + k], new[j1 + k]
+            before = index_of(pattern, shallow.module[a if a >= 0 else ~a])
+            after = index_of(pattern, deep.module[b if b >= 0 else ~b])
             if (before is None) != (after is None):
                 return None
             if before is not None and after is not None:
@@ -113,14 +134,4 @@ def depth_chunks(shallow: StepTrace, shallow_categories: Sequence[Category], dee
         if len(shifts) > 1 or not shifts <= {0, 1}:
             return None
         runs.append(Run(j1, j2, added=False, other=i1, shift=next(iter(shifts), 0)))
-    old: list[Hashable] = [(shallow.nbytes[u], _blank(pattern, shallow.module[u]), shallow_categories[u])
-              for u in shallow.preexisting]
-    new: list[Hashable] = [(deep.nbytes[u], _blank(pattern, deep.module[u]), deep_categories[u]) for u in deep.preexisting]
-    pre = difflib.SequenceMatcher(None, old, new, autojunk=False)
-    added: list[int] = []
-    for tag, _i1, _i2, j1, j2 in pre.get_opcodes():
-        if tag == "insert":
-            added.extend(range(j1, j2))
-        elif tag != "equal":
-            return None
-    return DepthChunks(runs=tuple(runs), added_preexisting=tuple(added))
+    return runs
