@@ -104,7 +104,8 @@ def depth_chunks(shallow: StepTrace, shallow_categories: Sequence[Category], dee
     runs = _runs(matcher, shallow.events, deep.events, shallow, deep, pattern)
     old: list[Hashable] = [(shallow.nbytes[u], _blank(pattern, shallow.module[u]), shallow_categories[u])
                            for u in shallow.preexisting]
-    new: list[Hashable] = [(deep.nbytes[u], _blank(pattern, deep.module[u]), deep_categories[u]) for u in deep.preexisting]
+    new: list[Hashable] = [(deep.nbytes[u], _blank(pattern, deep.module[u]), deep_categories[u])
+                           for u in deep.preexisting]
     pre = _runs(difflib.SequenceMatcher(None, old, new, autojunk=False), [~u for u in shallow.preexisting],
                 [~u for u in deep.preexisting], shallow, deep, pattern)
     if runs is None or pre is None:

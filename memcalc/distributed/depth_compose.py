@@ -128,7 +128,8 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
             return None
         out_events.append(~key_uid[found])
     start_of[len(events)] = len(out_events)
-    if any(p not in start_of for _, p in deep.phase_log) or any(p not in start_of for p in deep.phase_starts.values()):
+    boundaries = [p for _, p in deep.phase_log] + list(deep.phase_starts.values())
+    if any(p not in start_of for p in boundaries):
         return None  # a phase boundary inside an added block
     return _build(deep, deep_categories, deep_communication, shallow, extra, pattern, keys, out_events, start_of,
                   len(deep.preexisting) + len(chunks.added_preexisting) * extra)
@@ -151,7 +152,8 @@ def _emission(runs: Sequence[Run], extra: int, events: Sequence[int], birth_at: 
         before = next((r.shift for r in reversed(runs[:k]) if not r.added), 0)
         after = next((r.shift for r in runs[k + 1:] if not r.added), 0)
         descending[k] = before == 1 and after == 0
-        if before == after and not any(named[run.start:run.stop]) and run.start > 0 and events[run.start] < 0 and events[run.start - 1] < 0:
+        frees = run.start > 0 and events[run.start] < 0 and events[run.start - 1] < 0
+        if before == after and frees and not any(named[run.start:run.stop]):
             # no block index to read: frees run down the layers where the one before the block
             # frees a storage born after the block's first's (a foreach optimizer's temporaries)
             earlier, first = birth_at.get(~events[run.start - 1]), birth_at.get(~events[run.start])
@@ -174,7 +176,8 @@ def _preexisting(chunks: DepthChunks, deep: StepTrace, extra: int) -> list[tuple
     return keys
 
 
-def _neighbours(runs: Sequence[Run], descending: dict[int, bool], tokens: Sequence[Hashable]) -> dict[int, tuple[int, int]]:
+def _neighbours(runs: Sequence[Run], descending: dict[int, bool],
+                tokens: Sequence[Hashable]) -> dict[int, tuple[int, int]]:
     """For an event in the period before or after an added block, the event of the block that
     plays its part one block on: (its position, the blocks between them), read from an alignment
     of the block with its neighbourhood (the first layer's one-off events, a handle's workspace
