@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from memcalc.core.categories import Category
 from memcalc.engine.trace import StepTrace
@@ -46,6 +47,13 @@ class Run:
     added: bool
     other: int = -1
     shift: int = 0
+    #: the events of an aligned run whose block index moved otherwise than ``shift`` (by position:
+    #: FSDP2's reduce-scatter of the block after, run inside a block's backward), and how much
+    moved: Mapping[int, int] = field(default_factory=dict)
+
+    def shift_at(self, position: int) -> int:
+        """How far the block index of the event at ``position`` moved."""
+        return self.moved.get(position, self.shift)
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,7 @@ def _runs(matcher: difflib.SequenceMatcher[Hashable], old: Sequence[int], new: S
             continue
         if tag != "equal":
             return None
-        shifts = set()
+        moved: dict[int, int] = {}
         for k in range(i2 - i1):
             a, b = old[i1 + k], new[j1 + k]
             before = index_of(pattern, shallow.module[a if a >= 0 else ~a])
@@ -131,8 +139,11 @@ def _runs(matcher: difflib.SequenceMatcher[Hashable], old: Sequence[int], new: S
             if (before is None) != (after is None):
                 return None
             if before is not None and after is not None:
-                shifts.add(after - before)
-        if len(shifts) > 1 or not shifts <= {0, 1}:
-            return None
-        runs.append(Run(j1, j2, added=False, other=i1, shift=next(iter(shifts), 0)))
+                if after - before not in (0, 1):
+                    return None
+                moved[j1 + k] = after - before
+        counts = Counter(moved.values())
+        shift = counts.most_common(1)[0][0] if counts else 0
+        runs.append(Run(j1, j2, added=False, other=i1, shift=shift,
+                        moved={p: m for p, m in moved.items() if m != shift}))
     return runs

@@ -65,7 +65,7 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
 
     def valid(uid: int, shift: int) -> bool:
         run = chunks.runs[run_of[birth_at[uid]]]
-        return 0 <= shift <= extra if run.added else shift == run.shift * extra
+        return 0 <= shift <= extra if run.added else shift == run.shift_at(birth_at[uid]) * extra
 
     neighbours = _neighbours(chunks.runs, plan.descending, tokens_of(deep, deep_categories, pattern))
     by_name: dict[tuple[object, ...], list[int]] = {}
@@ -94,7 +94,7 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
             return None
         home = chunks.runs[run_of[birth_at[uid]]]
         if not home.added and not copied:  # no block index to follow: born once, freed once
-            return uid, home.shift * extra
+            return uid, home.shift_at(birth_at[uid]) * extra
         found = neighbours.get(birth_at[uid])
         if found is None:
             return None
@@ -105,7 +105,22 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
         return twin, shift - step
 
     # the composed storages: pre-existing ones first, then births in order
-    keys: list[tuple[int, int]] = [*_preexisting(chunks, deep, extra)]
+    # the composed storages in the order the tracer numbers them: the pre-existing ones registered
+    # before the step first, then births, each followed by a pre-existing storage registered just
+    # after it (a persistent synthetic one made mid-step)
+    pre_keys = _preexisting(chunks, deep, extra)
+    first_birth = min(birth_at, default=len(deep.nbytes))
+    later: dict[int, list[tuple[int, int]]] = {}
+    for key in pre_keys:
+        if key[0] > first_birth:
+            anchor = key[0] - 1
+            if anchor not in birth_at or chunks.runs[run_of[birth_at[anchor]]].added:
+                return None
+            later.setdefault(anchor, []).append(key)
+    keys: list[tuple[int, int]] = [key for key in pre_keys if key[0] < first_birth]
+    front = [u for u in deep.preexisting if u < first_birth]
+    if front != sorted(front):
+        return None  # numbered otherwise than listed: not followed
     key_uid: dict[tuple[int, int], int] = {key: n for n, key in enumerate(keys)}
     out_events: list[int] = []
     start_of: dict[int, int] = {}
@@ -119,6 +134,9 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
             key_uid[key] = len(keys)
             keys.append(key)
             out_events.append(key_uid[key])
+            for pre in later.get(event, ()):
+                key_uid[pre] = len(keys)
+                keys.append(pre)
             continue
         uid = ~event
         if uid in preexisting:
@@ -132,7 +150,7 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
     if any(p not in start_of for p in boundaries):
         return None  # a phase boundary inside an added block
     return _build(deep, deep_categories, deep_communication, shallow, extra, pattern, keys, out_events, start_of,
-                  len(deep.preexisting) + len(chunks.added_preexisting) * extra)
+                  [key_uid[key] for key in pre_keys])
 
 
 @dataclass(frozen=True)
@@ -147,10 +165,10 @@ def _emission(runs: Sequence[Run], extra: int, events: Sequence[int], birth_at: 
     descending: dict[int, bool] = {}
     for k, run in enumerate(runs):
         if not run.added:
-            order.extend((p, run.shift * extra) for p in range(run.start, run.stop))
+            order.extend((p, run.shift_at(p) * extra) for p in range(run.start, run.stop))
             continue
-        before = next((r.shift for r in reversed(runs[:k]) if not r.added), 0)
-        after = next((r.shift for r in runs[k + 1:] if not r.added), 0)
+        before = next((r.shift_at(r.stop - 1) for r in reversed(runs[:k]) if not r.added), 0)
+        after = next((r.shift_at(r.start) for r in runs[k + 1:] if not r.added), 0)
         descending[k] = before == 1 and after == 0
         frees = run.start > 0 and events[run.start] < 0 and events[run.start - 1] < 0
         if before == after and frees and not any(named[run.start:run.stop]):
@@ -159,8 +177,27 @@ def _emission(runs: Sequence[Run], extra: int, events: Sequence[int], birth_at: 
             earlier, first = birth_at.get(~events[run.start - 1]), birth_at.get(~events[run.start])
             descending[k] = earlier is not None and first is not None and earlier > first
         shifts = range(extra, -1, -1) if descending[k] else range(extra + 1)
+        middle = _nested(events, run)
+        if middle is not None:  # made, then freed in reverse: every copy's made before any is freed
+            order.extend((p, s) for s in range(extra + 1) for p in range(run.start, middle))
+            order.extend((p, s) for s in range(extra, -1, -1) for p in range(middle, run.stop))
+            continue
         order.extend((p, s) for s in shifts for p in range(run.start, run.stop))
     return _Plan(order, descending)
+
+
+def _nested(events: Sequence[int], run: Run) -> int | None:
+    """Where an added block that makes storages and then frees them in reverse order (a stack:
+    tensor parallelism's all-reduces of the replicated parameters' gradients) turns from making
+    to freeing; None: the block is not such."""
+    block = events[run.start:run.stop]
+    half = len(block) // 2
+    if len(block) % 2 or not half:
+        return None
+    made, freed = block[:half], block[half:]
+    if all(e >= 0 for e in made) and [~e for e in freed] == made[::-1]:
+        return run.start + half
+    return None
 
 
 def _preexisting(chunks: DepthChunks, deep: StepTrace, extra: int) -> list[tuple[int, int]]:
@@ -172,7 +209,7 @@ def _preexisting(chunks: DepthChunks, deep: StepTrace, extra: int) -> list[tuple
         if run.added:
             keys.extend((u, s) for s in range(extra + 1) for u in uids)
         else:
-            keys.extend((u, run.shift * extra) for u in uids)
+            keys.extend((u, run.shift_at(n) * extra) for n, u in zip(range(run.start, run.stop), uids, strict=True))
     return keys
 
 
@@ -220,7 +257,7 @@ def _shifted(pattern: re.Pattern[str], name: str, shift: int) -> str:
 
 def _build(deep: StepTrace, deep_categories: Sequence[Category], communication: set[int], shallow: StepTrace,
            extra: int, pattern: re.Pattern[str], keys: list[tuple[int, int]], events: list[int],
-           start_of: dict[int, int], num_preexisting: int) -> Composed:
+           start_of: dict[int, int], preexisting: list[int]) -> Composed:
     names: dict[tuple[str, int], str] = {}
 
     def name(uid: int, shift: int) -> str:
@@ -233,7 +270,7 @@ def _build(deep: StepTrace, deep_categories: Sequence[Category], communication: 
     trace = StepTrace(
         nbytes=[deep.nbytes[u] for u, _ in keys], phase=[deep.phase[u] for u, _ in keys],
         module=[name(u, s) for u, s in keys], category=[deep.category[u] for u, _ in keys], events=events,
-        preexisting=list(range(num_preexisting)),
+        preexisting=preexisting,
         phase_starts={phase: start_of[p] for phase, p in deep.phase_starts.items()},
         op_counts=Counter({op: n + extra * (n - shallow.op_counts.get(op, 0)) for op, n in deep.op_counts.items()}),
         op=[deep.op[u] for u, _ in keys], phase_log=[(phase, start_of[p]) for phase, p in deep.phase_log],
