@@ -127,14 +127,17 @@ def estimate_per_rank(step: Step, distributed: Distributed,
 
 
 
-#: Mesh dimensions whose rank programs a deep model's step is composed under from shallow ones
-#: (:mod:`memcalc.distributed.depth_step`): FSDP2 and tensor parallelism, alone or together.
-_BY_DEPTH = frozenset({"dp_shard", "tp"})
+#: Meshes whose rank programs a deep model's step is composed under from shallow ones
+#: (:mod:`memcalc.distributed.depth_step`): FSDP2, alone or over tensor parallelism. Tensor
+#: parallelism alone is left out: its optimizer all-reduces the replicated parameters' Partial
+#: gradients in nested groups the composition does not place, and its check would decline after
+#: three shallow traces.
+_BY_DEPTH = (frozenset({"dp_shard"}), frozenset({"dp_shard", "tp"}))
 
 
 def _by_depth(distributed: Distributed) -> bool:
     mesh = distributed.mesh
-    return mesh is not None and bool(mesh.used) and set(mesh.used) <= _BY_DEPTH
+    return mesh is not None and frozenset(mesh.used) in _BY_DEPTH
 
 
 def _role_model(role: Role, role_step: Step, step: Step, inputs: object, strategies: list[RankStrategy],
