@@ -1,25 +1,20 @@
-"""Depth extrapolation, first part (work in progress): how a step traced at depth ``n + 1`` differs
-from the same step traced at depth ``n``.
+"""Depth extrapolation, first part: how a step traced at depth ``n + 1`` differs from the same
+step traced at depth ``n``.
 
 A deep decoder's step repeats one block: tracing 80 identical layers through DTensor and FSDP2
 costs most of a distributed estimate. If the traced event stream is affine in the depth, the
-80-layer stream can be composed from two shallow traces. This module finds the structure that
-composition needs and checks it; it composes nothing yet, and no estimate uses it.
+80-layer stream can be composed from shallow traces (:mod:`depth_compose`, :mod:`depth_step`).
 
 :func:`depth_chunks` aligns the two streams event by event (a token per event: birth or death,
 bytes, phase, op, category, stream, and the module with its block index blanked) and accepts only
 insertions: the deeper stream is the shallower one with blocks of events added (measured on
 ``llama-3-70b --mesh dp_shard=32,tp=2 --checkpoint --precision amp-bf16`` at 2, 3 and 4 layers: six
 blocks of 115, 288, 18, 9, 9 and 1 events — the forward period, the backward period, three runs of
-per-parameter optimizer ops and one zero_grad free). For every aligned run it also reads how the
-block indices in module names moved (``shift``: 0 before a forward insertion, 1 after it; the
-reverse in the backward), which composing uses to name the added layers.
-
-What composing still needs (why no estimate uses this yet): a death in an added block may free a
-storage born one period earlier (a layer's output freed by the next layer) or born in another
-block (a checkpointed layer's input saved in the forward, freed in its backward); each composed
-death must be linked to the right copy's birth, and the self-check must compare a composed depth
-with a traced one before an estimate may trust it.
+per-parameter optimizer ops and one zero_grad free). For every aligned event it also reads how
+far the block index in its module name moved (``shift``: 0 before a forward insertion, 1 after
+it, the reverse in the backward; FSDP2's reduce-scatter of the next block, run inside a block's
+backward, moves where its neighbours do not), which composing uses to name the added layers. The
+pre-existing storages are aligned the same way (an added layer's parameter shards).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Depth extrapolation, second part (work in progress): the trace of a step at depth ``L`` composed
+"""Depth extrapolation, second part: the trace of a step at depth ``L`` composed
 from the same step traced at depths ``c - 1`` and ``c`` (:mod:`depth_chunks` finds the blocks of
-events one more layer adds).
+events one more layer adds; :mod:`depth_step` checks and uses it).
 
 Every event of the composed stream is an event of the depth-``c`` trace with a *shift*: the amount
 added to the block index of its module name. An aligned run keeps its events once, shifted by
