@@ -16,6 +16,7 @@ storage freed) gives None, and the caller traces the whole model.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections import Counter
@@ -50,6 +51,7 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
         return None
     extra = depth - deep_depth
     pattern = pattern_of(containers)
+    chunks = _slid(chunks, deep, tokens_of(deep, deep_categories, pattern), pattern)
     events = deep.events
     birth_at = {event: p for p, event in enumerate(events) if event >= 0}
     named = [index_of(pattern, deep.module[e if e >= 0 else ~e]) is not None for e in events]
@@ -184,6 +186,42 @@ def _emission(runs: Sequence[Run], extra: int, events: Sequence[int], birth_at: 
             continue
         order.extend((p, s) for s in shifts for p in range(run.start, run.stop))
     return _Plan(order, descending)
+
+
+def _slid(chunks: DepthChunks, deep: StepTrace, tokens: Sequence[Hashable], pattern: re.Pattern[str]) -> DepthChunks:
+    """``chunks`` with an added block of births moved back by whole periods where the tokens
+    allow it and an added block of frees frees what was made there: a run of per-parameter
+    temporaries (a foreach optimizer's) is the same token for every layer, so the alignment may
+    take any layer's for the added one, but the frees name which one it is."""
+    events = deep.events
+    birth_at = {event: p for p, event in enumerate(events) if event >= 0}
+    runs = list(chunks.runs)
+    for frees in [r for r in runs if r.added]:
+        first = events[frees.start]
+        if first >= 0 or ~first not in birth_at:
+            continue
+        made_at = birth_at[~first]
+        for k, makes in enumerate(runs):
+            period = makes.stop - makes.start
+            if not makes.added or period != frees.stop - frees.start or made_at >= makes.start:
+                continue
+            start = makes.start - -(-(makes.start - made_at) // period) * period
+            if start < 0 or not start <= made_at < start + period:
+                continue
+            span = range(start, makes.stop)
+            if any(events[p] < 0 or index_of(pattern, deep.module[events[p]]) is not None for p in span) or any(
+                    tokens[p] != tokens[makes.start + (p - start) % period] for p in span):
+                continue
+            before = next(j for j, r in enumerate(runs) if r.start <= start < r.stop)
+            if runs[before].added or before != k - 1:
+                continue
+            left = runs[before]
+            runs[before:k + 1] = [r for r in (
+                dataclasses.replace(left, stop=start),
+                Run(start, start + period, added=True),
+                dataclasses.replace(left, start=start + period, stop=makes.stop)) if r.stop > r.start]
+            break
+    return dataclasses.replace(chunks, runs=tuple(runs))
 
 
 def _nested(events: Sequence[int], run: Run) -> int | None:
