@@ -32,7 +32,7 @@ from memcalc.core.checkpointing import Checkpointing, CheckpointKind
 from memcalc.distributed.pipeline_schedules import Action
 from memcalc.engine.run import LOGICAL_NUMEL, TracedStep
 
-__all__ = ("renamed_step", "share_key")
+__all__ = ("block_fingerprint", "renamed_step", "share_key")
 
 #: A module attribute that differs from block to block without changing what a block runs in a
 #: training step: Hugging Face's ``layer_idx`` (the layer's slot in a key-value cache).
@@ -66,12 +66,12 @@ def share_key(model: nn.Module, all_blocks: Sequence[str], stages: Sequence[int]
     return (
         tuple(s - stages[0] for s in stages),
         tuple((local[a.stage], a.kind, a.microbatch) for a in actions),
-        tuple(tuple(_fingerprint(model.get_submodule(b)) for b in blocks[s]) for s in stages),
+        tuple(tuple(block_fingerprint(model.get_submodule(b)) for b in blocks[s]) for s in stages),
         tuple(tuple(checkpoint.checkpoints_block(index[b]) for b in blocks[s]) for s in stages),
     )
 
 
-def _fingerprint(block: nn.Module) -> Hashable:
+def block_fingerprint(block: nn.Module) -> Hashable:
     """Everything of ``block`` that shapes what it runs: its module tree, their types, parameters,
     buffers and plain attributes (less :data:`_PER_BLOCK`)."""
     rows = []

@@ -23,11 +23,14 @@ from dataclasses import replace
 
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+from memcalc.core.precision import Precision
 from memcalc.core.report import Distribution, MemoryReport, RoleReport, busiest_role
+from memcalc.distributed.depth_step import RoleTrace, cut_blocks, extrapolated_depth, traced_by_depth
 from memcalc.distributed.program import model_states_at_step
 from memcalc.distributed.setting import Distributed
-from memcalc.distributed.strategy.base import Plan, RankStrategy
+from memcalc.distributed.strategy.base import Plan, RankStrategy, Role
 from memcalc.distributed.strategy.catalogue import strategies_for
+from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.run import CostRecorderFactory, Replayed, build_report, replay_step
 from memcalc.engine.step_spec import Step
@@ -84,29 +87,35 @@ def estimate_per_rank(step: Step, distributed: Distributed,
     for role in plan.roles:
         assert role.program is not None, f"no strategy gave {role.name!r} a rank program"
         role_step = step if role.seq_len is None else replace(step, seq_len=role.seq_len)
-        resolved = role_step.resolved(batch_size=None if inputs is not None else role.batch)
-        resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
-                                  checkpoint=bool(step.checkpoint))
-        resolved = apply_float8(resolved, step.float8)
-        precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
-        if step.loop.preset is not None and step.loop.preset.is_trl:  # TRL's trainer at the rank's precision
-            resolved = trl_model(resolved, replace(role_step, precision=precision))
-        for strategy in strategies:
-            resolved = strategy.prepare(resolved, trace_precision)
-        program = role.program(resolved)
-        spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)
-        traced_step = replace(role_step, precision=precision, optimizer=program.optimizer_spec(spec),
-                                 loss_fn=role.loss_fn or step.loss_fn)
-        traced = trace_step(resolved, traced_step, hooks=program, costs=costs)
-        if role.loss_text is not None:
-            traced.loss = role.loss_text
-        traced.notes.extend([*plan.notes, *program.notes])
+
+        def trace_with(resolved: ResolvedModel, role: Role = role, role_step: Step = role_step) -> RoleTrace:
+            """The role's traced step on ``resolved``."""
+            assert role.program is not None
+            program = role.program(resolved)
+            spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)
+            precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
+            traced_step = replace(role_step, precision=precision, optimizer=program.optimizer_spec(spec),
+                                  loss_fn=role.loss_fn or step.loss_fn)
+            traced = trace_step(resolved, traced_step, hooks=program, costs=costs)
+            if role.loss_text is not None:
+                traced.loss = role.loss_text
+            traced.notes.extend([*plan.notes, *program.notes])
+            return RoleTrace(traced, frozenset(program.communication))
+
+        def model_at(depth: int | None, role: Role = role, role_step: Step = role_step) -> ResolvedModel:
+            return _role_model(role, role_step, step, inputs, strategies, trace_precision, depth)
+
+        resolved = model_at(None)
+        depth = extrapolated_depth(resolved, step) if costs is None and _by_depth(distributed) else None
+        composed = None if depth is None else traced_by_depth(lambda n: trace_with(model_at(n)), depth,
+                                                               resolved.block_containers)
+        traced, communication = composed if composed is not None else trace_with(resolved)
         replayed = replay_step(traced, step)  # one replay: the report's, and the buffers alive at its peak
         report = build_report(resolved, traced, step, role=role.name, replayed=replayed)  # its timeline names the role
         results.append(RoleReport(
             name=role.name, ranks=role.ranks, batch_size=resolved.batch_size,
-            model_states=model_states_at_step(traced, program.communication),
-            communication=_alive_at_peak(replayed, traced.trace.nbytes, program.communication), report=report,
+            model_states=model_states_at_step(traced, communication),
+            communication=_alive_at_peak(replayed, traced.trace.nbytes, communication), report=report,
             sharding=role.sharding))
     busiest = busiest_role(tuple(results))
     assert busiest is not None
@@ -116,6 +125,36 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         global_batch_size=plan.global_batch, roles=tuple(results), mesh=mesh))
 
 
+
+
+#: Meshes whose rank programs a deep model's step is composed under from shallow ones
+#: (:mod:`memcalc.distributed.depth_step`): FSDP2, alone or over tensor parallelism. Tensor
+#: parallelism alone is left out: its optimizer all-reduces the replicated parameters' Partial
+#: gradients in nested groups the composition does not place, and its check would decline after
+#: three shallow traces.
+_BY_DEPTH = (frozenset({"dp_shard"}), frozenset({"dp_shard", "tp"}))
+
+
+def _by_depth(distributed: Distributed) -> bool:
+    mesh = distributed.mesh
+    return mesh is not None and frozenset(mesh.used) in _BY_DEPTH
+
+
+def _role_model(role: Role, role_step: Step, step: Step, inputs: object, strategies: list[RankStrategy],
+                trace_precision: Precision, depth: int | None) -> ResolvedModel:
+    """The role's model as its rank program wraps it; ``depth``: cut to that many blocks per container."""
+    resolved = role_step.resolved(batch_size=None if inputs is not None else role.batch)
+    if depth is not None:
+        cut_blocks(resolved, depth)
+    resolved = apply_finetune(resolved, step.finetune, precision=step.precision, mode=step.mode,
+                              checkpoint=bool(step.checkpoint))
+    resolved = apply_float8(resolved, step.float8)
+    precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
+    if step.loop.preset is not None and step.loop.preset.is_trl:  # TRL's trainer at the rank's precision
+        resolved = trl_model(resolved, replace(role_step, precision=precision))
+    for strategy in strategies:
+        resolved = strategy.prepare(resolved, trace_precision)
+    return resolved
 
 
 #: Dimensions whose rank program runs around blocks compiled one by one (DDP's ``replicate``
