@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch as _torch
 
 import memcalc
 from memcalc.core.errors import InapplicableOptionError
@@ -15,6 +16,9 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.setting import Distributed
 from memcalc.fields import build_step
 from memcalc.search import plan as planning
+
+pytestmark = pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),
+                                reason="pipeline parallelism needs torch >= 2.13's pipelining")
 
 
 def test_refused_exactly_when_the_trace_refuses():
