@@ -9,7 +9,8 @@ The stages are cut as torchtitan cuts them: a copy of the model with the other s
 deleted and, outside the first stage, no embedding (outside the last, no final norm and head). The
 stage's forward is transformers' ``MixtralModel.forward`` written out without what is gone: the
 position ids and rotary tables for the whole sequence on every stage, no mask (sdpa's causal path,
-which transformers' ``create_causal_mask`` takes without padding). The routing is made balanced for
+which transformers' ``create_causal_mask`` takes without padding); the last stage's head runs once it has
+returned, as ``MixtralForCausalLM.forward`` runs it (the position ids freed before it). The routing is made balanced for
 real (tests/gloo_ep.py's ``route``). Each rank is measured as tests/gloo_pipeline.py measures a
 stage: a warm-up step, then two iterations of ``schedule.step``, the optimizer's step and
 ``zero_grad`` under the profiler.
@@ -63,15 +64,19 @@ class MixtralStage(nn.Module):
         self.model = cut_stage(model, index, stages)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._model_forward(x)
+        # MixtralForCausalLM's head, after MixtralModel.forward has returned (its position ids freed)
+        return self.model.lm_head(h) if self.model.lm_head is not None else h
+
+    def _model_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``MixtralModel.forward`` without what the stage lacks, final norm included."""
         inner = self.model.model
         h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
         for layer in inner.layers:
             h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
-        if inner.norm is not None:
-            h = self.model.lm_head(inner.norm(h))
-        return h
+        return inner.norm(h) if inner.norm is not None else h
 
 
 def run_cases(source: str, cases: list[PipelineEpCase], work_dir: Path, *, dp_shard: int = 1, tp: int = 1,

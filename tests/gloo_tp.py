@@ -19,10 +19,11 @@ With ``dp_shard`` above 1 the run composes FSDP2 with tensor parallelism as torc
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -60,7 +61,8 @@ class TpCase:
     BlockNet) under ``plan`` (transformers' style strings; None: memcalc's default for the
     model, torchtitan's for the Llama), stepped by ``Adam(foreach=foreach)``: a plan that leaves
     some parameters plain tensors needs the for-loop Adam (torch's foreach kernels refuse a mix
-    of Tensors and DTensors)."""
+    of Tensors and DTensors), or by SGD (``optimizer``: no state, so the step peaks in forward or
+    backward, where the collectives are)."""
 
     name: str
     model: str
@@ -73,16 +75,26 @@ class TpCase:
     loss_parallel: bool = False
     #: FSDP2 over this many ranks of a 2-D ``(dp_shard, tp)`` mesh (1: tensor parallelism alone)
     dp_shard: int = 1
+    #: "adam" (``Adam(foreach=foreach)``) or "sgd" (``SGD(lr=1e-3, foreach=foreach)``)
+    optimizer: str = "adam"
+    #: the Llama's vocabulary (None: :data:`SMALL_LLAMA`'s), batch and sequence length
+    vocab_size: int | None = None
+    batch_size: int = LLAMA_BATCH
+    seq_len: int = LLAMA_SEQ
+
+    @property
+    def config(self) -> LlamaConfig:
+        return replace(SMALL_LLAMA, vocab_size=self.vocab_size or SMALL_LLAMA.vocab_size)
 
     def build(self) -> nn.Module:
-        return small_llama() if self.model == "llama" else BlockNet()
+        return self.factory()()
 
     def factory(self) -> Callable[[], nn.Module]:
-        return small_llama if self.model == "llama" else BlockNet
+        return functools.partial(LlamaForCausalLM, self.config) if self.model == "llama" else BlockNet
 
     def batch(self) -> torch.Tensor:
         if self.model == "llama":
-            return torch.randint(0, SMALL_LLAMA.vocab_size, (LLAMA_BATCH, LLAMA_SEQ))
+            return torch.randint(0, self.config.vocab_size, (self.batch_size, self.seq_len))
         return torch.randn(MLP_BATCH, FEATURES)
 
 
@@ -122,7 +134,7 @@ def _run_case(case: TpCase, world_size: int) -> RankPeak:
     torch.manual_seed(0)
     model = case.build()
     x = case.batch()
-    targets = torch.randint(0, SMALL_LLAMA.vocab_size, x.shape) if case.loss == "lm-cross-entropy" else None
+    targets = torch.randint(0, case.config.vocab_size, x.shape) if case.loss == "lm-cross-entropy" else None
     tp = world_size // case.dp_shard
     mesh = init_device_mesh("cpu", (case.dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))
     # the same torch styles as memcalc's estimate
@@ -138,17 +150,19 @@ def _run_case(case: TpCase, world_size: int) -> RankPeak:
     trainable = [p for p in model.parameters() if p.requires_grad]
     _step(model, x, trainable, case, targets)  # the warm-up
     before = _storages_before(model, x) + (storage_bytes([targets]) if targets is not None else 0)
-    return until_complete(lambda: _measured_step(model, x, trainable, case, targets), before, 4 * len(trainable),
+    counters = 4 * len(trainable) if case.optimizer == "adam" else 0  # Adam's step counters
+    return until_complete(lambda: _measured_step(model, x, trainable, case, targets), before, counters,
                           f"{case.name}: ")
 
 
 def _step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter], case: TpCase,
           targets: torch.Tensor | None) -> None:
-    """tests/gloo_runs.py's step (two iterations of memcalc's default loop, a fresh Adam dropped
-    at the end) with Adam's ``foreach`` and the loss as the case says."""
+    """tests/gloo_runs.py's step (two iterations of memcalc's default loop, a fresh optimizer
+    dropped at the end) with the case's optimizer, its ``foreach`` and the loss as the case says."""
     from torch.distributed.tensor.parallel import loss_parallel
 
-    optimizer = torch.optim.Adam(trainable, foreach=case.foreach)
+    optimizer = (torch.optim.Adam(trainable, foreach=case.foreach) if case.optimizer == "adam"
+                 else torch.optim.SGD(trainable, lr=1e-3, foreach=case.foreach))
     for _ in range(2):
         out = model(x)
         with loss_parallel() if case.loss_parallel else contextlib.nullcontext():

@@ -13,8 +13,8 @@ torchtitan wraps an MoE stage (each layer's experts over dp_shard, every layer a
 over dp_shard × ep, ``reshard_after_forward=False``): ranks 0-3 2,796,496 B, ranks 4-7 2,256,148 B, real
 and estimated, to the byte.
 
-pp × tp × ep (``--mesh pp=2,tp=2,ep=2``, eight processes, 1F1B, SGD): ranks 0-3 1,632,072 B real and
-estimated, ranks 4-7 1,533,128 B real, 1,532,624 B estimated (the comment at CASES_TP).
+pp × tp × ep (``--mesh pp=2,tp=2,ep=2``, eight processes, 1F1B, SGD): ranks 0-3 1,632,072 B, ranks 4-7
+1,532,616 B, real and estimated, to the byte (the comment at CASES_TP).
 """
 
 from __future__ import annotations
@@ -96,17 +96,20 @@ def test_every_rank_of_pp_x_dp_shard_x_ep_against_a_real_gloo_run(source: str, r
 
 #: pp × tp × ep (ranks numbered (pp_rank × ep + ep_rank) × tp + tp_rank): each stage's dense part under
 #: Mixtral's own tp plan, its experts over the 4 ep × tp ranks of its pipeline rank (etp=1). Measured
-#: (2026-12-06, 1F1B, SGD): ranks 0-3 (stage 0) 1,632,072 B real and estimated; ranks 4-7 (stage 1)
-#: 1,533,128 B real, 1,532,624 B estimated (504 B, 0.03% under). Stage 0's peak is gloo's all-gather
+#: (2026-12-07, 1F1B, SGD): ranks 0-3 (stage 0) 1,632,072 B, ranks 4-7 (stage 1) 1,532,616 B, real and
+#: estimated. Stage 0's peak is gloo's all-gather
 #: staging: ``AllToAllEP._combine_tokens`` gathers the experts' output over tp (``full_tensor``), and
 #: gloo's worker (``gloo:all_gather``: ``aten::empty``) gathers into a flat output-sized buffer of its own
 #: while the caller's input and output are alive: one microbatch's tokens x hidden (65,536 B with one
 #: microbatch of 256 tokens under GPipe; 32,768 B with two of 128, which lifts stage 0's peak 24,064 B).
-#: memcalc models it on the CPU target (``ExpertParallel``'s ``gloo``); before, stage 0 was 1.47% under.
-#: Stage 1's peak is the head's all-gather staging (256 tokens x vocab 256 x 4 B with one microbatch), real
-#: and estimated; the real rank still holds a 512 B block there (freed after the head: likely the
-#: harness's stage forward's position ids, 64 int64, kept to its end) that memcalc's traced stage frees
-#: before the head (a 512 B ``aten.add`` of ``model.model``); the other 8 B not traced down.
+#: memcalc models it on the CPU target (memcalc.targets.cpu.gloo); before, stage 0 was 1.47% under.
+#: Stage 1's peak is the head's all-gather staging. It was 504 B under (1,533,128 B real, 1,532,624 B
+#: estimated) until the live blocks at both peaks were compared from the real rank's profiler stacks:
+#: the real rank alone held the position ids (``torch.arange``, 64 int64, 512 B), as the harness's stage
+#: forward kept them through the head where ``MixtralForCausalLM`` runs the head after
+#: ``MixtralModel.forward`` has returned (the harness now does too), and memcalc alone held an 8 B
+#: ``input_ids`` stand-in that a real later stage never allocates (now made untraced,
+#: memcalc.distributed.pipeline_split).
 TP = 2
 CASES_TP = [PipelineEpCase("1f1b-sgd-tp", "1F1B", 2, "sgd", 4, 64, tp=TP)]
 

@@ -5,9 +5,10 @@ GPipe and 1F1B over 4 microbatches, Adam, every rank's peak read from the profil
 less Adam's CPU step counters (which memcalc leaves out, as a GPU keeps them on the host); and
 the 3-D mesh pp=2 × dp_shard=2 × tp=2 on eight processes (FSDP2 over each stage's DTensors).
 
-On torch 2.13 every rank agrees to the byte but the last stage's under 1F1B, 8 B over (0.0002%):
-GPipe 4,142,592 B (first stage) and 5,024,788 B (last); 1F1B 3,760,896 B and 3,889,036 B real
-against 3,889,044 B; the 3-D mesh 3,451,136 B and 3,579,020 B real against 3,579,028 B.
+On torch 2.13 every rank agrees to the byte: GPipe 4,142,592 B (first stage) and 5,024,788 B (last);
+1F1B 3,760,896 B and 3,889,036 B; the 3-D mesh 3,451,136 B and 3,579,020 B. (The last stage under 1F1B
+was 8 B over until 2026-12-07: memcalc's traced stage held an 8 B stand-in of the model's input ids,
+which a real later stage never allocates; memcalc.distributed.pipeline_split now makes it untraced.)
 """
 
 from __future__ import annotations

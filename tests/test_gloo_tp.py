@@ -7,7 +7,8 @@ Each rank's peak is compared less Adam's CPU step counters (4 B per trainable te
 GPU would not hold and memcalc leaves out. The quick case is a BlockNet with a user plan (fc1
 colwise, fc2 rowwise); the slow ones a small Llama under torchtitan's plan (sequence parallel
 norms; the mean of the gathered logits, their cross-entropy, and the cross-entropy of the
-sharded logits under torch's ``loss_parallel()``) and under transformers' strings.
+sharded logits under torch's ``loss_parallel()``) and under transformers' strings; with SGD at 2 × 128
+tokens, where gloo's staging copy in a reduce-scatter is the peak (SEQUENCE_PARALLEL_SGD).
 
 FSDP2 over tensor parallelism on a 2 × 2 mesh (``Distributed(dp_shard=2, tp=2)``) is checked the
 same way against four processes composing them as torchtitan does (tests/gloo_tp.py: ``fully_shard``
@@ -64,11 +65,21 @@ LOSS_PARALLEL_GAP = ("gloo's works hold the backward's collective buffers until 
                      "(-1.78%), which memcalc does not model")
 QUICK = [TpCase("tp-mlp", "mlp", MLP_PLAN, foreach=False)]
 LOSS_PARALLEL = TpCase("tp-llama-loss-parallel", "llama", loss="lm-cross-entropy", loss_parallel=True)
+#: Sequence parallelism where gloo's staging is the peak: SGD (no optimizer state), 2 x 128 tokens, a
+#: vocabulary of 64, so the peak is a reduce-scatter of the forward (a rowwise projection's partial
+#: sums to sequence shards), where gloo clones the whole input (memcalc.targets.cpu.gloo). Measured on
+#: torch 2.13 (2026-12-07): both ranks 4,324,360 B real and estimated; 4,240,392 B (-1.94%) without the
+#: staging. (The all-gathers' staging never raises these peaks: DTensor gathers a Shard(1) or Shard(-1)
+#: tensor along dim 0 and then cats the chunks, an output-sized block alive beside the gathered one,
+#: as the staging is.)
+SEQUENCE_PARALLEL_SGD = TpCase("tp-llama-sgd-seq128", "llama", optimizer="sgd", foreach=False, vocab_size=64,
+                               batch_size=2, seq_len=128)
 SLOW = [
     TpCase("tp-llama-torchtitan", "llama"),
     TpCase("tp-llama-hf-strings", "llama", HF_LLAMA_PLAN, foreach=False),
     TpCase("tp-llama-cross-entropy", "llama", loss="lm-cross-entropy"),
     LOSS_PARALLEL,
+    SEQUENCE_PARALLEL_SGD,
 ]
 SLOW_PARAMS = [pytest.param(case, id=case.name, marks=pytest.mark.xfail(strict=True, reason=LOSS_PARALLEL_GAP))
                if case is LOSS_PARALLEL else pytest.param(case, id=case.name) for case in SLOW]
@@ -78,8 +89,9 @@ def estimate_rank(case: TpCase, degree: int = WORLD, rank: int = 0) -> int:
     """memcalc's peak for one rank of ``case`` (bytes requested, the CPU target)."""
     loop = FOREACH if case.foreach else FOR_LOOP
     if case.model == "llama":
-        inputs = torch.zeros((LLAMA_BATCH, LLAMA_SEQ), dtype=torch.long)
-        step = build_step(case.factory(), inputs=inputs, optimizer="adam", loss=case.loss, gpu="cpu", loop=loop)
+        inputs = torch.zeros((case.batch_size, case.seq_len), dtype=torch.long)
+        step = build_step(case.factory(), inputs=inputs, optimizer=case.optimizer, loss=case.loss, gpu="cpu",
+                          loop=loop)
     else:
         step = build_step(case.factory(), input_shape=(FEATURES,), batch_size=MLP_BATCH, optimizer="adam",
                           loss="mean", gpu="cpu", loop=loop)

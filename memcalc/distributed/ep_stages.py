@@ -47,16 +47,14 @@ class StageExpertParallel:
     """``degree``-way expert parallelism of every stage of a pipeline rank (its ep rank 0), the
     split sizes answered by ``routing`` (and ``capacity_factor``). ``tp``: that many of the
     ``degree`` ranks are tensor-parallel ranks sharing a batch (innermost), the experts over all
-    ``degree`` (:class:`StageExpertTensorParallel`). ``gloo``: the CPU target (gloo's all-gather
-    staging, :class:`~memcalc.distributed.expert_parallel.ExpertParallel`)."""
+    ``degree`` (:class:`StageExpertTensorParallel`)."""
 
     def __init__(self, degree: int, routing: Routing = Routing.BALANCED, capacity_factor: float | None = None,
-                 tp: int = 1, gloo: bool = False) -> None:
+                 tp: int = 1) -> None:
         self.degree = degree
         self.routing = routing
         self.capacity_factor = capacity_factor
         self.tp = tp
-        self.gloo = gloo
         self._plan: dict[str, str] | None = None
         self._name = "the model"
 
@@ -116,7 +114,7 @@ class StageExpertParallel:
         """The program of one stage's module (the model under ``model.``)."""
         return ExpertParallel(self.degree, routing=self.routing, capacity_factor=self.capacity_factor,
                               model_name=stage.name, meshes=functools.partial(expert_meshes, self.tp),
-                              plan=self.stage_plan(stage.module, "model."), tp=self.tp, gloo=self.gloo)
+                              plan=self.stage_plan(stage.module, "model."), tp=self.tp)
 
 
 class StageExpertTensorParallel:

@@ -126,22 +126,13 @@ class ExpertParallel(TensorParallel):
     ranks, as transformers' ``AllToAllEP`` and torchtitan's ``etp=1`` borrow the tp ranks for the
     experts, each tp rank dispatching its ``1/tp`` of the shared batch's tokens. The tp sub-mesh is
     :attr:`tp_mesh` once installed (tensor parallelism's program runs its plan on it,
-    :func:`expert_tensor_parallel`).
-
-    ``gloo``: the process group is gloo's (the CPU target), whose all-gather stages its result in
-    a flat buffer of its own (``ProcessGroupGloo``'s ``AsyncAllgatherWork``: ``newLikeFlat``, on
-    its worker thread) while the caller's input and output are alive: each functional
-    ``all_gather_into_tensor`` of the step (``AllToAllEP._combine_tokens``' ``full_tensor`` of the
-    experts' output under tp, a tokens x hidden block; tp's own gathers) gets a transient block of
-    its output's size. Found in the profiler of a real pp x tp x ep run (the ``gloo:all_gather``
-    event's ``aten::empty`` was its first stage's peak, tests/test_gloo_pipeline_ep.py)."""
+    :func:`expert_tensor_parallel`)."""
 
     def __init__(self, degree: int, *, rank: int = 0, routing: Routing = Routing.BALANCED,
                  capacity_factor: float | None = None, model_name: str = "the model",
                  meshes: Callable[[], tuple[Any, Any]] | None = None, plan: dict[str, str] | None = None,
-                 tp: int = 1, gloo: bool = False) -> None:
+                 tp: int = 1) -> None:
         super().__init__(degree, None, rank=rank, model_name=model_name)
-        self.gloo = gloo
         self.routing = routing
         self.capacity_factor = capacity_factor
         self.meshes = meshes
@@ -187,30 +178,9 @@ class ExpertParallel(TensorParallel):
         previous = tracer.read_values
         tracer.read_values = functools.partial(self._read, previous)
         self._undo.append(functools.partial(setattr, tracer, "read_values", previous))
-        if self.gloo and self.tp > 1:  # without tp, no all-gather
-            self._stage_all_gathers(tracer)
         local = experts[0].num_experts if experts else 0
         self.notes.append(f"expert parallel by transformers' apply_expert_parallelism (AllToAllEP): {local} of "
                           f"{local * self.degree} experts per MoE layer on rank {self.rank}")
-
-    def _stage_all_gathers(self, tracer: StorageTracer) -> None:
-        """gloo's staging of every functional all-gather (the class's ``gloo``), after the op's output."""
-        gather = torch.ops._c10d_functional.all_gather_into_tensor.default
-        hook, applies = tracer.after_op, tracer.after_op_applies
-
-        def hooked(func: Any) -> bool:  # what the hook there before does something for
-            return hook is not None and (applies is None or applies(func))
-
-        def after_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-            if func is gather and isinstance(out, torch.Tensor):
-                self._transient(out.numel() * out.element_size())
-            if hook is not None and hooked(func):
-                hook(func, args, kwargs, out)
-
-        tracer.after_op = after_op
-        tracer.after_op_applies = lambda func: func is gather or hooked(func)
-        self._undo.append(functools.partial(setattr, tracer, "after_op", hook))
-        self._undo.append(functools.partial(setattr, tracer, "after_op_applies", applies))
 
     def _plan(self, module: nn.Module) -> dict[str, str]:
         if self.expert_styles is not None:
@@ -225,16 +195,16 @@ class ExpertParallel(TensorParallel):
 
 def expert_tensor_parallel(ep: int, tp: int, plan: dict[str, str] | None, *, routing: Routing,
                            capacity_factor: float | None, model_name: str,
-                           optimizer_impl: OptimizerImpl | None = None, gloo: bool = False) -> RankProgram:
+                           optimizer_impl: OptimizerImpl | None = None) -> RankProgram:
     """Rank 0 of ``tp × ep`` (``ep · tp`` ranks): the dense part under the tensor-parallel ``plan``
     (None: the model's own) on the tp sub-mesh, each tp group one batch, the ep groups batches of
     their own; the experts over all ``ep · tp`` ranks (:class:`ExpertParallel` with ``tp``), as
     transformers composes ``tp_size`` with ``ep_size = fsdp_size × tp_size`` and torchtitan with
     ``etp=1``. Expert parallelism makes the fake group and the meshes, then ``parallelize_module``
     runs on its tp sub-mesh; one optimizer wrapper (expert parallelism's) steps every DTensor's
-    local shard. ``gloo``: the CPU target (:class:`ExpertParallel`)."""
+    local shard."""
     experts = ExpertParallel(ep * tp, routing=routing, capacity_factor=capacity_factor, model_name=model_name,
-                             tp=tp, gloo=gloo)
+                             tp=tp)
     dense = TensorParallel(tp, plan, model_name=model_name, optimizer_impl=optimizer_impl, local_step=False,
                            mesh=lambda: experts.tp_mesh, expert_parallel=True)
     return StackedProgram(experts, dense)

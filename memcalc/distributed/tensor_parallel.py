@@ -43,8 +43,10 @@ from memcalc.distributed.tp_plans import TpPlan, resolve_plan
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import Factory, OptimizerSpec, Params
 from memcalc.engine.trace import StorageTracer
+from memcalc.targets.cpu.gloo import GLOO_STAGING
 
-__all__ = ("COLLECTIVE_OPS", "TensorParallel", "parallelized", "tensor_parallel")
+__all__ = ("COLLECTIVE_OPS", "TensorParallel", "mix_refused_by", "parallelized", "refused_mix",
+           "tensor_parallel")
 
 #: The namespace of the functional collectives DTensor's redistribution calls: their outputs
 #: are the rank's communication buffers.
@@ -156,24 +158,24 @@ class TensorParallel(RankProgram):
 
     def remove(self) -> None:
         tracer = self.tracer
-        if tracer is not None:  # the collectives' outputs: the rank's communication buffers
+        if tracer is not None:  # the collectives' outputs (and gloo's staging): the rank's communication buffers
             ops = tracer.trace.op
-            self.communication.update(uid for uid, op in enumerate(ops) if op.startswith(COLLECTIVE_OPS))
+            buffers = (COLLECTIVE_OPS, GLOO_STAGING)
+            self.communication.update(uid for uid, op in enumerate(ops) if op.startswith(buffers))
         super().remove()
 
     def _check_optimizer(self, module: nn.Module) -> None:
         from torch.distributed.tensor import DTensor
 
-        if self.optimizer_impl not in (OptimizerImpl.FOREACH, OptimizerImpl.FUSED):
-            return
-        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        plain = [name for name, p in trainable if not isinstance(p, DTensor)]
-        if plain and len(plain) < len(trainable):
+        trainable = {name: isinstance(p, DTensor) for name, p in module.named_parameters() if p.requires_grad}
+        impl = self.optimizer_impl
+        plain = refused_mix(impl, trainable)
+        if plain and impl is not None:
             shown = ", ".join(plain[:4]) + (f" and {len(plain) - 4} more" if len(plain) > 4 else "")
             raise InapplicableOptionError(
                 f"the tensor-parallel plan ({self.plan.source if self.plan else ''}) leaves {len(plain)} trainable "
                 f"parameters of {self.model_name} plain tensors beside DTensors ({shown}): torch's "
-                f"{self.optimizer_impl.value} optimizer refuses that mix (aten._foreach_* ops)",
+                f"{impl.value} optimizer refuses that mix (aten._foreach_* ops)",
                 hint="Give those modules a style in the plan (norms: 'sequence_parallel'), or step the optimizer "
                      "one parameter at a time: Loop(optimizer_impl='for-loop').")
 
@@ -192,6 +194,26 @@ class TensorParallel(RankProgram):
         self._undo.append(_destroy_fake_group)
         _clear_dtensor_caches()
         return DeviceMesh("cpu", torch.arange(self.degree), mesh_dim_names=("tp",))
+
+
+def mix_refused_by(impl: OptimizerImpl | None) -> bool:
+    """Whether torch's optimizer of implementation ``impl`` refuses plain tensors beside DTensors
+    (:func:`refused_mix`): foreach and fused do."""
+    return impl in (OptimizerImpl.FOREACH, OptimizerImpl.FUSED)
+
+
+def refused_mix(impl: OptimizerImpl | None, trainable: Mapping[str, bool]) -> list[str]:
+    """The trainable parameters (name → whether it is a DTensor) that torch's optimizer of
+    implementation ``impl`` refuses as plain tensors beside DTensors, all of them; [] when it steps
+    them. foreach and fused step lists of tensors with ``aten._foreach_*`` ops, which refuse the mix
+    of a plan that distributes some parameters and leaves others plain (a Hugging Face plan's norms);
+    the for-loop steps one at a time. The one rule of :meth:`TensorParallel._check_optimizer` (on the
+    parallelized module) and of :func:`memcalc.search.plan_refusals.plain_beside_dtensors` (foreseen
+    from the plan's styles, before any trace)."""
+    if not mix_refused_by(impl):
+        return []
+    plain = [name for name, distributed in trainable.items() if not distributed]
+    return plain if len(plain) < len(trainable) else []
 
 
 def _on_local_shards(factory: Factory, params: list[nn.Parameter], impl: OptimizerImpl) -> torch.optim.Optimizer:

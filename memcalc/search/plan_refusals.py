@@ -4,7 +4,9 @@ found before any trace (:func:`memcalc.search.plan.refusal` asks it).
 Without FSDP2 a stage's parameters that the tensor-parallel plan gives no distributing style
 (a Hugging Face plan's norms) stay plain tensors beside the DTensors, and a foreach or fused
 optimizer refuses that mix: each stage's :class:`~memcalc.distributed.tensor_parallel.TensorParallel`
-raises it when installed, after ``plan`` has spent a probe (seconds on a 70B model) on it.
+raises it when installed, after ``plan`` has spent a probe (seconds on a 70B model) on it. Both ask
+one rule, :func:`~memcalc.distributed.tensor_parallel.refused_mix`: the trace of the parallelized
+stage's parameters, this module of each block's as the plan's styles will distribute them.
 
 Said here only where the trace would certainly say it: the optimizer's implementation (resolved
 as the pipeline resolves it) is foreach or fused, the whole model is trained (no adapters, nothing
@@ -30,9 +32,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from memcalc.core.finetune import FineTune
-from memcalc.core.loop import OptimizerImpl
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline_split import block_containers_of
+from memcalc.distributed.tensor_parallel import mix_refused_by, refused_mix
 from memcalc.distributed.tp_plans import TpPlan, planned_modules, resolve_plan
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
@@ -51,7 +53,7 @@ def plain_beside_dtensors(step: Step, mesh: Mesh, resolved: ResolvedModel) -> st
     if mesh.pp == 1 or mesh.tp == 1 or mesh.dp_shard > 1 or mesh.ep > 1 or step.finetune != FineTune():
         return None
     impl = resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
-    if impl not in (OptimizerImpl.FOREACH, OptimizerImpl.FUSED):
+    if not mix_refused_by(impl):
         return None
     module = resolved.module
     plan = resolve_plan(module, None, resolved.name)
@@ -68,12 +70,12 @@ def plain_beside_dtensors(step: Step, mesh: Mesh, resolved: ResolvedModel) -> st
     if not blocks:
         return None
     plain: list[str] = []
-    for block in blocks:
+    for block in blocks:  # each stage holds whole blocks: refused if each block alone would be
         names = [name for name, _ in parameters if name.startswith(block + ".")]
-        inside = [name for name in names if any(name.startswith(root + ".") for root in roots)]
-        if not inside or len(inside) == len(names):
+        refused = refused_mix(impl, {name: any(name.startswith(root + ".") for root in roots) for name in names})
+        if not refused:
             return None  # a block of one kind only: a stage of such blocks may run
-        plain += [name for name in names if name not in inside]
+        plain += refused
     shown = ", ".join(plain[:2]) + (f" and {len(plain) - 2} more" if len(plain) > 2 else "")
     return (f"pp={mesh.pp} with tp={mesh.tp} and no dp_shard: the tensor-parallel plan ({plan.source}) leaves "
             f"trainable parameters of every block plain tensors beside DTensors ({shown}), which torch's "

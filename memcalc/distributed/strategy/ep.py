@@ -99,12 +99,11 @@ class ExpertParallelDimension(RankStrategy):
         tp = 1 if mesh is None else mesh.tp
         strings = dict(self.distributed.tp_plan) if self.distributed.tp_plan is not None else None
         impl = resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda) if tp > 1 else None
-        gloo = not step.emulate_cuda  # the CPU target's process group: gloo's all-gathers stage their output
 
         def program(resolved: ResolvedModel) -> RankProgram:
             if tp > 1:  # tp's plan on the dense part, the experts over ep x tp (etp=1)
                 return expert_tensor_parallel(n, tp, strings, routing=routing, capacity_factor=factor,
-                                              model_name=resolved.name, optimizer_impl=impl, gloo=gloo)
+                                              model_name=resolved.name, optimizer_impl=impl)
             return ExpertParallel(n, routing=routing, capacity_factor=factor, model_name=resolved.name)
 
         shards: tuple[Shard, ...]

@@ -114,7 +114,7 @@ class PipelineParallel(RankStrategy):
         fsdp_notes: list[str] = []
         shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
         ep = 1 if mesh is None else mesh.ep
-        experts = None if ep == 1 else self._expert_parallel(ep, tp, dp_shard, replicas, gloo=not step.emulate_cuda)
+        experts = None if ep == 1 else self._expert_parallel(ep, tp, dp_shard, replicas)
         if dp_shard > 1:
             sharder = DpShard(self.distributed, dp_shard)
             sharder.refuse_finetune(step.finetune)
@@ -192,11 +192,9 @@ class PipelineParallel(RankStrategy):
                 hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
         return replicas
 
-    def _expert_parallel(self, ep: int, tp: int, dp_shard: int, replicas: int, *,
-                         gloo: bool = False) -> StageExpertParallel:
+    def _expert_parallel(self, ep: int, tp: int, dp_shard: int, replicas: int) -> StageExpertParallel:
         """ep inside every stage (:mod:`memcalc.distributed.ep_stages`), with tp's ranks borrowed for
-        the experts (etp=1), refusing what is not modelled there. ``gloo``: the CPU target, whose
-        process group is gloo's (its all-gathers' staging, :class:`ExpertParallel`)."""
+        the experts (etp=1), refusing what is not modelled there."""
         others = {name: degree for name, degree in (("dp_shard", dp_shard if tp > 1 else 1),
                                                     ("dp_replicate", replicas)) if degree > 1}
         if others:
@@ -215,7 +213,7 @@ class PipelineParallel(RankStrategy):
         setting = self.distributed
         if tp > 1:
             self._refuse_loss_parallel()
-        return StageExpertParallel(ep * tp, setting.routing, setting.capacity_factor, tp=tp, gloo=gloo)
+        return StageExpertParallel(ep * tp, setting.routing, setting.capacity_factor, tp=tp)
 
     def _tp_strings(self) -> dict[str, str] | None:
         plan = self.distributed.tp_plan

@@ -15,6 +15,7 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
 - mixed precision by CPU autocast's own op lists (:func:`autocast_arguments`);
 - ``at::linear``'s bias added in place (:func:`aten_linear`);
 - bfloat16 GEMMs' oneDNN scratchpad (:mod:`memcalc.targets.cpu.onednn`);
+- gloo's staging in the functional all-gather and reduce-scatter (:mod:`memcalc.targets.cpu.gloo`);
 - normalisation statistics in the CPU's dtypes (:func:`follow_statistics`).
 
 Sizes follow torch 2.13 with oneDNN v3.12 on x86-64 (float32, and bfloat16 GEMMs on
@@ -46,7 +47,7 @@ from memcalc.core.precision import Precision
 from memcalc.engine.rules import RuleRegistry, op_name
 from memcalc.engine.trace import StorageTracer
 from memcalc.targets.autocast import AutocastPolicy, cpu_autocast_policy
-from memcalc.targets.cpu import onednn
+from memcalc.targets.cpu import gloo, onednn
 from memcalc.targets.cpu.onednn import (
     ONEDNN_BF16_MATMUL_ISA,
     onednn_bf16_matmul_isa,
@@ -169,11 +170,12 @@ class CpuKernels:
         if rule is not None:
             rule(self, func, args, kwargs, out)
 
-    def add_temporary(self, nbytes: int) -> None:
-        """Memory the kernel takes through the CPU allocator and frees before it returns."""
+    def add_temporary(self, nbytes: int, label: str | None = None) -> None:
+        """Memory the kernel takes through the CPU allocator and frees before it returns
+        (``label``: its name in the trace; by default the category and the op)."""
         assert self.tracer is not None
         if nbytes > 0:
-            self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False)
+            self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False, label=label)
 
     def resize_output(self, tensor: torch.Tensor, nbytes: int) -> None:
         """An output meta sizes otherwise (oneDNN's empty workspace, a norm's statistics): it lives
@@ -520,6 +522,11 @@ def bf16_matmul(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwar
     a_transposed = not a.is_contiguous() and _onednn_layout(a)
     kernels.add_temporary(copies + onednn_bf16_matmul_scratchpad(
         m, n, k, threads=kernels.capabilities.threads, batch=batch, a_transposed=a_transposed))
+
+# ---- gloo's functional collectives (memcalc.targets.cpu.gloo) ----------------------------------
+CPU_KERNEL_RULES.register(gloo.ALL_GATHER)(gloo.all_gather_staging)
+CPU_KERNEL_RULES.register(gloo.REDUCE_SCATTER)(gloo.reduce_scatter_staging)
+
 
 # ---- LSTM: oneDNN ------------------------------------------------------------------------------
 def _lstm_layer_followed(kernels: CpuKernels, op: OpOverload, x: torch.Tensor, mode: int) -> bool:
