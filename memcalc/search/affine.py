@@ -149,6 +149,26 @@ class AffineFamily:
             groups.setdefault((rule, intercepts, slopes), []).append(uid)
         return tuple((*key, tuple(uids)) for key, uids in groups.items())
 
+    def least_peak(self, batch: int) -> int:
+        """A floor under the peak allocated of every replay at ``batch``, whatever the allocator's
+        settings: the most bytes live at once, each storage rounded to 512 B (the CUDA
+        allocator's least rounding, ``kMinBlockSize``; none on the CPU target). A block handed out
+        is at least its request rounded so, and a replay that fits never reserves more than its
+        capacity, so a batch whose floor is over a capacity does not fit it — known without a
+        replay, in numpy over the events (0.1 ms where a replay takes 1–8)."""
+        sizes = np.asarray(self.nbytes(batch), dtype=np.int64)
+        if not self.host:
+            sizes = (sizes + _ROUNDING - 1) // _ROUNDING * _ROUNDING
+        storages, signs = self._event_storages
+        return int(np.cumsum(signs * sizes[storages]).max(initial=0))
+
+    @cached_property
+    def _event_storages(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Each event's storage and its sign (+1: allocated, −1: freed), for :meth:`least_peak`."""
+        keys = self.program.keys
+        allocated = keys >= 0
+        return np.where(allocated, keys, ~keys) % self.program.num_storages, np.where(allocated, 1, -1)
+
     def probe(self, batch: int, capacity: int, settings: AllocConf | None = None) -> SyntheticPoint:
         """Replay the step at ``batch`` through the allocator model under ``capacity`` (one replay)."""
         return replay_under(self.program, self.nbytes(batch), capacity, batch, settings, host=self.host)
