@@ -574,3 +574,26 @@ def test_the_expandable_segments_search_finds_the_same_batch_with_the_floor(monk
     assert with_floor.batch_size_with_expandable_segments == without.batch_size_with_expandable_segments
     assert with_floor.batch_size == without.batch_size and with_floor.probes == without.probes
     assert skipped  # a batch above the answer was ruled out by its floor
+
+
+def test_two_traces_that_agree_do_not_prove_a_third():
+    # why a fit traces its answer rather than synthesise it from the family (issue 36 item 6):
+    # a model padding its batch to a multiple of 64 gives two traces, at 2 and 130 (padded to 64
+    # and 192), of one structure whose every size is an integer line in the batch — a family —
+    # which is wrong at 100 (padded to 128, not 162): the same ops, events and categories there, so
+    # no structural check on the two traces can tell; the answer's own sizes are what show it
+    from memcalc.search.affine import AffineFamily, _same_structure
+    from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step as trace_model
+
+    step = build_step(optimizer="sgd", gpu="a100-40gb")
+
+    def traced(batch):
+        return trace_model(resolve(PaddedToMultipleOf64(), batch_size=batch, input_shape=(2048,)), step)
+
+    family = AffineFamily.from_traces(traced(2), 2, traced(130), 130)
+    assert family is not None
+    at_100 = traced(100)
+    assert family.reference is not None and _same_structure(family.reference, at_100)  # a structural check passes
+    assert not family.matches(at_100, 100)
+    assert sum(family.nbytes(100)) > sum(at_100.trace.nbytes)  # 162 padded rows synthesised, 128 traced
