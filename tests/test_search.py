@@ -515,3 +515,85 @@ def test_a_batch_judged_off_its_trace_is_judged_as_off_its_report(margin):
         assert per_sample == budgets.batch_bytes(report) / batch
         judged.append((point.fits, whole.fits))
     assert {True, False} == {fits for fits, _ in judged} == {fits for _, fits in judged}
+
+
+@pytest.mark.parametrize("model, options, precision", [("resnet18", {"input_shape": (3, 64, 64)}, "fp32"),
+                                                       ("gpt2", {"seq_len": 64}, "amp-bf16")])
+def test_the_floor_under_a_replays_peak_allocated_holds_under_every_setting(model, options, precision):
+    # AffineFamily.least_peak: the most bytes live at once, each storage rounded to 512 B, is at
+    # most the peak allocated of a replay at that batch under any settings and capacity, so a
+    # batch whose floor is over a capacity does not fit it (the expandable-segments search skips
+    # its replay); worked the other way too: the floor is within the 2 MiB large-pool and
+    # unsplit-block slack of the peak allocated of the replay without a limit
+    from memcalc.core.alloc_conf import AllocConf
+    from memcalc.search.affine import AffineFamily
+    from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step as trace_model
+
+    step = build_step(optimizer="adam", gpu="a100-40gb", precision=precision)
+
+    def traced(batch):
+        return trace_model(resolve(model, batch_size=batch, **options), step)
+
+    family = AffineFamily.from_traces(traced(2), 2, traced(6), 6)
+    assert family is not None
+    settings = (None, AllocConf(expandable_segments=True), AllocConf(roundup_power2_divisions=(4,) * 16),
+                AllocConf(max_split_size=64 * 1024**2))
+    ruled_out = 0
+    for batch in (3, 7, 16, 41):
+        floor = family.least_peak(batch)
+        unlimited = family.probe(batch, 2**50)
+        assert unlimited.peak_allocated * 0.9 <= floor <= unlimited.peak_allocated, batch
+        for fraction in (1.2, 1.0, 0.99, 0.9, 0.7):
+            capacity = int(floor * fraction)
+            for setting in settings:
+                replayed = family.probe(batch, capacity, setting)
+                assert replayed.peak_allocated >= floor or not replayed.fits, (batch, fraction, setting)
+                if floor > capacity:
+                    ruled_out += 1
+                    assert not replayed.fits, (batch, fraction, setting)
+    assert ruled_out == 4 * 3 * len(settings)
+
+
+def test_the_expandable_segments_search_finds_the_same_batch_with_the_floor(monkeypatch):
+    # the floor only stands in for replays that would not fit: the search's path, and its answer,
+    # are those of a search that replays every batch
+    from memcalc.search.affine import AffineFamily
+
+    def fit():
+        return max_batch_size("resnet18", gpu="t4", optimizer="adam", input_shape=(3, 96, 96), margin=0)
+
+    floors: list[int] = []
+    least_peak = AffineFamily.least_peak
+    monkeypatch.setattr(AffineFamily, "least_peak", lambda self, batch: floors.append(batch) or least_peak(self, batch))
+    with_floor = fit()
+    skipped = [b for b in floors if b > (with_floor.batch_size_with_expandable_segments or 0)]
+    monkeypatch.setattr(AffineFamily, "least_peak", lambda self, batch: 0)
+    without = fit()
+    assert floors and with_floor.batch_size_with_expandable_segments is not None
+    assert with_floor.batch_size_with_expandable_segments == without.batch_size_with_expandable_segments
+    assert with_floor.batch_size == without.batch_size and with_floor.probes == without.probes
+    assert skipped  # a batch above the answer was ruled out by its floor
+
+
+def test_two_traces_that_agree_do_not_prove_a_third():
+    # why a fit traces its answer rather than synthesise it from the family (issue 36 item 6):
+    # a model padding its batch to a multiple of 64 gives two traces, at 2 and 130 (padded to 64
+    # and 192), of one structure whose every size is an integer line in the batch — a family —
+    # which is wrong at 100 (padded to 128, not 162): the same ops, events and categories there, so
+    # no structural check on the two traces can tell; the answer's own sizes are what show it
+    from memcalc.search.affine import AffineFamily, _same_structure
+    from memcalc.sources.resolve import resolve
+    from memcalc.targets.backend import trace_step as trace_model
+
+    step = build_step(optimizer="sgd", gpu="a100-40gb")
+
+    def traced(batch):
+        return trace_model(resolve(PaddedToMultipleOf64(), batch_size=batch, input_shape=(2048,)), step)
+
+    family = AffineFamily.from_traces(traced(2), 2, traced(130), 130)
+    assert family is not None
+    at_100 = traced(100)
+    assert family.reference is not None and _same_structure(family.reference, at_100)  # a structural check passes
+    assert not family.matches(at_100, 100)
+    assert sum(family.nbytes(100)) > sum(at_100.trace.nbytes)  # 162 padded rows synthesised, 128 traced

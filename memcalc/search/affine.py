@@ -129,13 +129,27 @@ class AffineFamily:
 
     def nbytes(self, batch: int) -> list[int]:
         """Every storage's size at ``batch``, indexed by uid."""
-        intercepts, slopes = self._lines
-        sizes = intercepts + slopes * batch  # int64: exact (a size is bytes)
-        # a model repeats its layers, so many storages share a rule and its arguments' lines: each
-        # group is sized once per batch (a rule is a function of its arguments alone)
-        for rule, starts, steps, uids in self._sized_groups:
-            sizes[list(uids)] = rule(tuple(a + s * batch for a, s in zip(starts, steps, strict=True)))
-        return list(sizes.tolist())
+        return list(self._sizes(batch).tolist())
+
+    def _sizes(self, batch: int) -> npt.NDArray[np.int64]:
+        """:meth:`nbytes` as an array, the last batch's kept: :meth:`least_peak` and then
+        :meth:`probe` at one batch size it once."""
+        last = self._last_sizes
+        if batch not in last:
+            intercepts, slopes = self._lines
+            sizes = intercepts + slopes * batch  # int64: exact (a size is bytes)
+            # a model repeats its layers, so many storages share a rule and its arguments' lines: each
+            # group is sized once per batch (a rule is a function of its arguments alone)
+            for rule, starts, steps, uids in self._sized_groups:
+                sizes[list(uids)] = rule(tuple(a + s * batch for a, s in zip(starts, steps, strict=True)))
+            sizes.flags.writeable = False  # shared by the next call at this batch
+            last.clear()
+            last[batch] = sizes
+        return last[batch]
+
+    @cached_property
+    def _last_sizes(self) -> dict[int, npt.NDArray[np.int64]]:
+        return {}
 
     @cached_property
     def _lines(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -148,6 +162,26 @@ class AffineFamily:
         for uid, rule, intercepts, slopes in self.sized:
             groups.setdefault((rule, intercepts, slopes), []).append(uid)
         return tuple((*key, tuple(uids)) for key, uids in groups.items())
+
+    def least_peak(self, batch: int) -> int:
+        """A floor under the peak allocated of every replay at ``batch``, whatever the allocator's
+        settings: the most bytes live at once, each storage rounded to 512 B (the CUDA
+        allocator's least rounding, ``kMinBlockSize``; none on the CPU target). A block handed out
+        is at least its request rounded so, and a replay that fits never reserves more than its
+        capacity, so a batch whose floor is over a capacity does not fit it — known without a
+        replay, in numpy over the events (0.1 ms where a replay takes 1–8)."""
+        sizes = self._sizes(batch)
+        if not self.host:
+            sizes = (sizes + _ROUNDING - 1) // _ROUNDING * _ROUNDING
+        storages, signs = self._event_storages
+        return int(np.cumsum(signs * sizes[storages]).max(initial=0))
+
+    @cached_property
+    def _event_storages(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Each event's storage and its sign (+1: allocated, −1: freed), for :meth:`least_peak`."""
+        keys = self.program.keys
+        allocated = keys >= 0
+        return np.where(allocated, keys, ~keys) % self.program.num_storages, np.where(allocated, 1, -1)
 
     def probe(self, batch: int, capacity: int, settings: AllocConf | None = None) -> SyntheticPoint:
         """Replay the step at ``batch`` through the allocator model under ``capacity`` (one replay)."""

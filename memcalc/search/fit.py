@@ -482,8 +482,8 @@ def _with_expandable_segments(family: AffineFamily | None, best: int, limit: int
 
     def fits(batch: int) -> bool:
         nonlocal replays
-        replays += 1
-        return family.probe(batch, limit, expanding).fits
+        replays += 1  # a batch the floor rules out counts as a replay: the search's path stays the same
+        return family.least_peak(batch) <= limit and family.probe(batch, limit, expanding).fits
 
     if best >= max_batch or not fits(best + 1):
         return None
