@@ -14,8 +14,10 @@
   worker, first (one forkserver for their ranks: tests/gloo_runs.py); every other test goes where
   a worker is free. (pytest-xdist 3.8 writes the group into ``item._nodeid``, which pytest 9.2 no
   longer reads: ``_group_ids`` puts it in pytest 9.2's structured id.)
-* After collection, the collector freezes what collection made (``pytest_collection_finish``), so
-  that each real step's ``gc.collect()`` scans what the tests make, not every imported module.
+* The cyclic collector is off from this file's import to the end of collection, then frozen with
+  what collection made (``pytest_collection_finish``): collection's full passes would scan torch's
+  and transformers' objects again and again, and each real step's ``gc.collect()`` then scans what
+  the tests make, not every imported module.
 """
 
 from __future__ import annotations
@@ -27,11 +29,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-from support import FAKE_WORLD
 
-from memcalc.distributed.fsdp import ShardedProgram
+# Off until collection ends (pytest_collection_finish, pytest_runtestloop): importing torch,
+# transformers and PEFT and rewriting the asserts of every test module make millions of objects,
+# and each of the collector's full passes over them while they are made costs a worker about
+# 3.5 of its 11 CPU-s of start (issue 36 item 7); one pass at the end (gc.collect) finds the same.
+gc.disable()
+
+# torch, support and memcalc are imported where they are used, not here: pytest-xdist's controller
+# loads this file too but runs no test, and importing torch and torch._dynamo (support's CPU
+# capabilities) there cost it about 2 CPU-s of the run's (issue 36 item 7). The workers import
+# them with the test modules anyway.
 
 TESTS = Path(__file__).parent
 GOLDEN = TESTS / "golden"
@@ -61,6 +69,7 @@ def overwriting_golden(config: pytest.Config) -> bool:
 def installed_torch() -> str:
     """The installed torch's ``"major.minor"`` (``"2.13"`` for ``2.13.0+cpu``), read here rather
     than from memcalc so that the normalisation does not trust the code it checks."""
+    import torch
     return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 
@@ -213,9 +222,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     items): it lives to the end of the session, and the real steps' ``gc.collect()`` calls
     (memcalc/measure/step.py, the gloo helpers) then scan only what the tests make, not the
     interpreter's whole heap again each time (issue 36, item 7: about a third of a second per call
-    in a worker that has imported the suite). Runs in each xdist worker, which collects for itself."""
+    in a worker that has imported the suite). Runs in each xdist worker, which collects for itself.
+    The collector, off since this file's import, is switched on again here."""
     gc.collect()
     gc.freeze()
+    gc.enable()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """The collector on for the run in every process, including pytest-xdist's controller, which
+    collects nothing (so ``pytest_collection_finish`` never runs there)."""
+    gc.enable()
 
 
 def _shares_a_wide_fixture(item: pytest.Item) -> bool:
@@ -234,6 +252,7 @@ def _shares_a_wide_fixture(item: pytest.Item) -> bool:
 def without_gloo_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Estimates on the CPU target without the copies gloo makes in FSDP's collectives
     (:meth:`memcalc.distributed.fsdp.ShardedProgram._gloo_copy`): FSDP's own buffers alone."""
+    from memcalc.distributed.fsdp import ShardedProgram
     monkeypatch.setattr(ShardedProgram, "gloo_copies", False)
 
 
@@ -243,6 +262,8 @@ def fake_process_group(without_gloo_copies: None) -> Iterator[int]:
     collectives do nothing (``torch.testing``'s fake backend); yields the world size. Its
     collectives allocate nothing, so the estimates compared with its runs leave gloo's copies
     out (tests/test_gloo_runs.py compares them with real gloo runs)."""
+    import torch.distributed as dist
+    from support import FAKE_WORLD
     fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
     dist.init_process_group("fake", rank=0, world_size=FAKE_WORLD, store=fake_pg.FakeStore())
     try:

@@ -7,6 +7,7 @@
   matches no case is an error.
 * ``--dist loadgroup``: a worker, configured by xdist's own code, puts a module fixture's users
   in one group.
+* The collector, off while conftest.py imports and pytest collects, is on for the tests.
 """
 
 from __future__ import annotations
@@ -149,3 +150,16 @@ def test_a_worker_collecting_for_loadgroup_groups_a_module_fixtures_users(pytest
     # without loadgroup (-n with --dist load, or no xdist) no id changes
     plain = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", plugins=[conftest])
     assert "@" not in plain.stdout.str()
+
+
+def test_the_collector_is_on_and_what_collection_made_is_frozen() -> None:
+    """conftest.py switches the cyclic collector off while the suite is imported and collected:
+    it must be on again for the tests (memcalc.engine.collector pauses and restores it; a test of
+    a leak needs it), with collection's objects frozen out of its passes."""
+    import gc
+    assert gc.isenabled()
+    # this function was made when collection imported this file: frozen, it is in none of the
+    # collector's generations (gc.get_objects lists those, not the permanent one)
+    this = test_the_collector_is_on_and_what_collection_made_is_frozen
+    assert gc.is_tracked(this) and gc.get_freeze_count() > 0
+    assert not any(tracked is this for tracked in gc.get_objects())
