@@ -31,6 +31,11 @@ experts split by ``apply_expert_parallelism`` over all ``ep × tp`` ranks (the f
 ``tp`` sub-mesh as its batch-sharing group: transformers' ``ep_size = fsdp_size × tp_size``,
 torchtitan's ``etp=1``. Every rank builds the same batch (the same seed), so the ranks of one tp group
 hold one batch, as they must.
+
+With ``dp_shard`` and ``tp`` both (dp_shard × tp × ep): the tp plan and the experts as just said, then FSDP2 as
+above: each block's experts over ``dp_shard`` (torchtitan's ``dp_shard_mod_ep``), the rest over the flattened
+``(dp_shard, ep)`` (its ``dp_shard_cp``), torchtitan's etp=1 layout (``ParallelDims``: its ``ep`` mesh the
+flattened ``(dp_shard_in_ep, tp)``).
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ TINY_MIXTRAL: dict[str, Any] = {
     "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "num_local_experts": 4,
     "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 128}
+#: The same with 8 experts: under dp_shard x tp x ep (etp=1) each of the ep x tp = 4 ranks holds 2 experts of a
+#: layer, which FSDP2 can split over dp_shard=2 on dim 0 (4 experts would leave 1: torchtitan's Shard(1), refused).
+TINY_MIXTRAL_8: dict[str, Any] = {**TINY_MIXTRAL, "num_local_experts": 8}
 #: Its parameters: 254,784 (tests/test_moe.py works them out), of which experts 2 layers · 4 · (2·128·64 + 64·128).
 PARAMETERS = 254_784
 EXPERT = 2 * 128 * 64 + 64 * 128  # one expert's gate_up_proj and down_proj: 24,576
@@ -170,6 +173,31 @@ def test_tp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
     assert any("each holds 1/4 of every MoE layer's experts" in note and "etp=1" in note for note in report.notes)
 
 
+def test_dp_shard_x_tp_x_ep_model_states_per_rank_by_hand(tmp_path: Path) -> None:
+    # dp_shard=2 x tp=2 x ep=2 (torchtitan's etp=1 MoE layout, 8 ranks) on the 8-expert Mixtral. tp's plan halves
+    # the embedding's and the head's 256 rows, q, k, v (colwise, dim 0) and o (rowwise, dim 1); FSDP2 then splits
+    # every dense local tensor on dim 0 over dp_shard x ep = 4: embedding and head 128 rows -> 32 (2,048 each);
+    # q 32 x 64 -> 8 x 64, k and v 16 x 64 -> 4 x 64, o 64 x 32 -> 16 x 32 (1,536 a layer); the router's 8 x 64
+    # -> 2 x 64 (128), the two norms 64 -> 16 each, the final norm 64 -> 16. Each layer's 8 experts go over the
+    # ep x tp = 4 ranks (2 each), FSDP2 splits those 2 over the 2 dp_shard ranks holding them: 1 expert (24,576).
+    # Every dim divides: no padding. fp32, Adam
+    source = hf_config_source(tmp_path, TINY_MIXTRAL_8)
+    report = memcalc.estimate(source, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu",
+                              distributed=memcalc.Distributed(dp_shard=2, tp=2, ep=2))
+    (role,) = report.roles
+    layer = (8 * 64 + 4 * 64 + 4 * 64 + 16 * 32) + 2 * 64 + 2 * 16 + EXPERT
+    held = 2 * (32 * 64) + 2 * layer + 16
+    assert held == 4_096 + 2 * (1_536 + 160 + 24_576) + 16 == 56_656
+    assert role.report.textbook.parameter_bytes == 4 * held
+    assert role.model_states == 16 * held  # Adam, at the optimizer step: weights, gradients, 2 moments
+    assert role.ranks == tuple(range(8)) and report.global_batch_size == 2 * 4  # a batch per (dp_shard, ep) pair
+    assert [s.describe() for s in role.sharding] == ["params, grads, optimizer /2 (tp)",
+                                                     "experts, dense model states, batch /2 (ep)",
+                                                     "params, grads, optimizer, batch /2 (dp_shard)"]
+    assert any("each holds 1/4 of every MoE layer's experts" in note and "dp_shard_mod_ep" in note
+               and "etp=1" in note for note in report.notes)
+
+
 @pytest.mark.parametrize("routing, rows", [
     # 2 · 16 = 32 tokens per tp group; each tp rank dispatches its 16 (AllToAllEP's Replicate -> Shard(0)):
     # 16 · top-2 = 32 pairs, 8 to each of the 4 ranks (one expert each), 8 back from each: 32 rows of d 64
@@ -267,8 +295,9 @@ def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
 
 @pytest.mark.parametrize("degrees, message", [
     (dict(cp=2), r"ep=2 with cp=2 is not modelled yet"),
-    (dict(tp=2, dp_shard=2), r"tp=2 with ep=2 and dp_shard=2 is not modelled yet"),  # tp's own check, first
-], ids=["cp", "tp-dp_shard"])
+    (dict(tp=2, cp=2), r"tp=2 with ep=2 and cp=2 is not modelled yet"),  # tp's own check, first
+    (dict(tp=2, dp_shard=2, dp_replicate=2), r"tp=2 with ep=2 and dp_replicate=2 is not modelled yet"),  # HSDP
+], ids=["cp", "tp-cp", "tp-hsdp"])
 def test_ep_with_another_dimension_is_refused_by_name(tiny: str, degrees: dict[str, int], message: str) -> None:
     with pytest.raises(InapplicableOptionError, match=message):
         memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, **degrees))
@@ -286,6 +315,13 @@ def test_more_dp_shard_ranks_than_local_experts_is_refused_by_name(tiny: str, ep
     with pytest.raises(InapplicableOptionError, match=rf"dp_shard={dp_shard} with ep={ep}: each ep rank holds "
                                                       rf"{4 // ep} experts"):
         memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=ep, dp_shard=dp_shard))
+
+
+def test_dp_shard_x_tp_x_ep_with_fewer_local_experts_than_dp_shard_is_refused_by_name(tiny: str) -> None:
+    # 4 experts over ep x tp = 4 ranks leave 1 each, fewer than dp_shard=2: torchtitan would shard dim 1
+    with pytest.raises(InapplicableOptionError, match=r"dp_shard=2 with ep x tp = 4 ranks: each ep rank holds 1 "
+                                                      r"experts"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(dp_shard=2, tp=2, ep=2))
 
 
 def test_a_model_without_an_expert_plan_is_refused_by_name() -> None:

@@ -22,6 +22,13 @@ Composed with tensor parallelism (``Distributed(tp=2, ep=2)``, four processes: M
 each tp pair, the 4 experts of each layer over all 4 ranks, transformers' ``ep_size = fsdp_size ×
 tp_size``, torchtitan's ``etp=1``): the SGD case, every rank 3,918,672 B real and estimated; with Adam
 at batch 2 · 16, every rank 1,423,948 B real less the step counters, 1,423,936 B estimated (2026-12-06).
+
+With FSDP2 around both (``Distributed(dp_shard=2, tp=2, ep=2)``, eight processes, torchtitan's MoE layout
+with etp=1: its dp_shard of 4 = dp_shard_mod_ep 2 × dp_shard_in_ep 2, its ep of 4 = dp_shard_in_ep × tp),
+on a tiny Mixtral of 8 experts (4 would leave one per ep x tp rank, fewer than the dp_shard ranks: refused):
+the tp plan on each tp pair, the experts over the 4 ranks of (ep, tp), each rank's 2 ``fully_shard``-ed over
+dp_shard, the dense part over dp_shard × ep. The SGD case: every rank 3,931,800 B real and estimated; Adam at
+batch 2 · 16: every rank 1,653,052 B real less the step counters, 1,653,040 B estimated (2026-12-07).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any
 import pytest
 from gloo_ep import run_ep
 from support import hf_config_source
-from test_ep import TINY_MIXTRAL
+from test_ep import TINY_MIXTRAL, TINY_MIXTRAL_8
 
 import memcalc
 from memcalc.distributed.strategy.ep import expert_parallelism_available
@@ -119,6 +126,25 @@ def test_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: d
     assert role.ranks == (0, 1, 2, 3) and report.distribution.global_batch_size == 2 * kwargs["batch_size"]
     estimate = role.report.peak_requested
     peaks = run_ep(source, kwargs, tmp_path, world_size=4, tp=2)
+    for rank, peak in enumerate(peaks):
+        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
+        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    KWARGS,  # every rank 3,931,800 B real and estimated
+    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 1,653,052 B real less the counters, 12 B over
+], ids=["sgd", "adam"])
+def test_dp_shard_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    # dp_shard=2 x tp=2 x ep=2 on eight processes (module docstring): a (dp_shard, ep, tp) mesh, the experts over
+    # the flattened (ep, tp), fully_shard over dp_shard (torchtitan's dp_shard_mod_ep), the rest over (dp_shard, ep)
+    source = hf_config_source(tmp_path, TINY_MIXTRAL_8)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_shard=2, tp=2, ep=2), **kwargs)
+    (role,) = report.roles
+    assert role.ranks == tuple(range(8)) and report.distribution.global_batch_size == 4 * kwargs["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, kwargs, tmp_path, world_size=8, dp_shard=2, tp=2, timeout_s=900.0)
     for rank, peak in enumerate(peaks):
         real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
         assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"

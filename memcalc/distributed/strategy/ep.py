@@ -98,7 +98,9 @@ class ExpertParallelDimension(RankStrategy):
         n = self.degree
         tp = 1 if mesh is None else mesh.tp
         strings = dict(self.distributed.tp_plan) if self.distributed.tp_plan is not None else None
-        impl = resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda) if tp > 1 else None
+        # under FSDP2 every parameter becomes a DTensor: foreach and fused optimizers step them all (tp's file)
+        impl = (resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
+                if tp > 1 and not composed else None)
         gloo = not step.emulate_cuda  # the CPU target's process group: gloo's all-gathers stage their output
 
         def program(resolved: ResolvedModel) -> RankProgram:
@@ -108,7 +110,14 @@ class ExpertParallelDimension(RankStrategy):
             return ExpertParallel(n, routing=routing, capacity_factor=factor, model_name=resolved.name)
 
         shards: tuple[Shard, ...]
-        if tp > 1:
+        if tp > 1 and composed and mesh is not None:  # FSDP2 around tp x ep (torchtitan's etp=1 MoE layout)
+            shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
+            dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch and sharded by FSDP2 "
+                     f"over dp_shard x ep = {mesh.dp_shard * n} ranks (torchtitan's dp_shard_cp mesh); each block's "
+                     f"experts over all ep x tp = {n * tp} ranks (etp=1: torchtitan's ep of {n * tp} borrows tp and "
+                     f"{n} of its dp_shard of {mesh.dp_shard * n}), each rank's share sharded by FSDP2 over the "
+                     f"{mesh.dp_shard} dp_shard ranks that hold the same experts (its dp_shard_mod_ep mesh)")
+        elif tp > 1:
             shards = (Shard(("experts",), self.name, n), Shard(("batch",), self.name, n))
             dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch; each block's experts "
                      f"over all ep x tp = {n * tp} ranks, as transformers "
@@ -132,12 +141,13 @@ class ExpertParallelDimension(RankStrategy):
     def _refuse_others(self) -> None:
         """Refuse the dimensions ep does not compose with yet. pp applies ep itself; dp_replicate
         around dp_shard is HSDP over ep's FSDP2 (torchtitan's (dp_replicate, dp_shard_mod_ep) and
-        (dp_replicate, dp_shard_cp) meshes); tp alone beside it is tp × ep (etp=1)."""
+        (dp_replicate, dp_shard_cp) meshes); tp beside it is tp × ep (etp=1), with dp_shard's FSDP2 around
+        both or alone."""
         mesh = self.distributed.mesh
         if mesh is None:
             return
         if mesh.tp > 1:
-            allowed = {"ep", "tp"}
+            allowed = {"ep", "tp", "dp_shard"}
         else:
             allowed = {"ep", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"ep", "dp_shard"}
         others = sorted(set(mesh.used) - allowed)
@@ -150,10 +160,11 @@ class ExpertParallelDimension(RankStrategy):
             listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
             raise InapplicableOptionError(
                 f"ep={self.degree} with {listed} is not modelled yet: memcalc composes expert parallelism with "
-                f"FSDP2 (dp_shard), with tensor parallelism (tp, alone) and with pipeline stages (pp), as "
-                f"torchtitan shards its MoE models",
+                f"FSDP2 (dp_shard), with tensor parallelism (tp, and FSDP2 around both) and with pipeline stages "
+                f"(pp), as torchtitan shards its MoE models",
                 hint=f"Estimate ep={self.degree} alone, with dp_shard (--mesh dp_shard=N,ep={self.degree}), with tp "
-                     f"(--mesh tp=T,ep={self.degree}) or with pp (--mesh pp=N,ep={self.degree}).")
+                     f"(--mesh tp=T,ep={self.degree} or dp_shard=N,tp=T,ep={self.degree}) or with pp "
+                     f"(--mesh pp=N,ep={self.degree}).")
 
 
 
