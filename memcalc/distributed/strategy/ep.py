@@ -23,9 +23,10 @@ four-process gloo run agrees to the byte. Under ``pp`` the pipeline applies it i
 (:mod:`memcalc.distributed.ep_stages`). With ``tp`` (``tp·ep`` ranks): tp's plan on each tp group
 (one batch per group), the experts over all ``ep·tp`` ranks, each tp rank dispatching ``1/tp`` of its
 group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's ``etp=1``
-(:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte). The dense gradients'
-synchronisation over the ep ranks is not modelled (stated); with cp, dp_replicate alone, or tp and
-more, ep is refused by name. The optimizer steps each DTensor's local shard (tests/test_gloo_ep.py).
+(:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte), and with dp_shard
+too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; eight processes, to the byte). The dense
+gradients' synchronisation over ep is not modelled without dp_shard (stated); with cp, dp_replicate
+alone, or tp and dp_replicate, ep is refused by name. The optimizer steps each DTensor's local shard.
 """
 
 from __future__ import annotations
