@@ -13,6 +13,9 @@ torchtitan wraps an MoE stage (each layer's experts over dp_shard, every layer a
 over dp_shard × ep, ``reshard_after_forward=False``): ranks 0-3 2,796,496 B, ranks 4-7 2,256,148 B, real
 and estimated, to the byte.
 
+HSDP stages with experts (``--mesh pp=2,dp_replicate=2,dp_shard=2,ep=2``, sixteen processes, 1F1B, SGD):
+ranks 0-7 2,796,496 B, ranks 8-15 2,256,148 B, real and estimated, to the byte (2026-12-07).
+
 pp × tp × ep (``--mesh pp=2,tp=2,ep=2``, eight processes, 1F1B, SGD): ranks 0-3 1,632,072 B real and
 estimated, ranks 4-7 1,533,128 B real, 1,532,624 B estimated (the comment at CASES_TP).
 """
@@ -120,3 +123,22 @@ def real_peaks_tp(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict
 def test_every_rank_of_pp_x_tp_x_ep_against_a_real_gloo_run(source: str, real_peaks_tp: dict[str, list],
                                                            case: PipelineEpCase) -> None:
     _check(source, real_peaks_tp, case, tp=TP)
+
+
+#: HSDP stages with experts (pp=2 x dp_replicate=2 x dp_shard=2 x ep=2, sixteen processes; ranks numbered
+#: ((pp_rank x dp_replicate + replica) x dp_shard + dp_shard_rank) x ep + ep_rank): each stage's units
+#: fully_shard-ed over the 2-D (dp_replicate, dp_shard) mesh (experts) and (dp_replicate, dp_shard x ep) (the
+#: rest), as torchtitan wraps them; the replicas' all-reduce is in place, so every rank holds what it holds
+#: under pp x dp_shard x ep.
+CASES_HSDP = [PipelineEpCase("1f1b-sgd-hsdp", "1F1B", 2, "sgd", 4, 64, dp_shard=DP_SHARD, dp_replicate=2)]
+
+
+@pytest.fixture(scope="module")
+def real_peaks_hsdp(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    return _real(source, CASES_HSDP, tmp_path_factory.mktemp("gloo-pp-hsdp-ep"), dp_shard=DP_SHARD, dp_replicate=2)
+
+
+@pytest.mark.parametrize("case", CASES_HSDP, ids=lambda case: case.name)
+def test_every_rank_of_pp_x_hsdp_x_ep_against_a_real_gloo_run(source: str, real_peaks_hsdp: dict[str, list],
+                                                              case: PipelineEpCase) -> None:
+    _check(source, real_peaks_hsdp, case, dp_replicate=2, dp_shard=DP_SHARD)
