@@ -234,10 +234,28 @@ def test_pp_x_hsdp_x_ep_holds_what_pp_x_dp_shard_x_ep_holds(tiny: str) -> None:
     assert any("HSDP: 2 replicas" in note and "(dp_replicate, dp_shard x ep)" in note for note in hsdp.notes)
 
 
-def test_ep_x_dp_replicate_without_dp_shard_is_refused_by_name(tiny: str) -> None:
-    with pytest.raises(InapplicableOptionError, match=r"ep=2 with dp_replicate=2 alone \(DDP around expert "
-                                                      r"parallelism\) is not modelled"):
-        memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, dp_replicate=2))
+def test_ep_x_dp_replicate_model_states_per_rank_by_hand(tiny: str) -> None:
+    # dp_replicate=2 x ep=2 without dp_shard, as torchtitan runs it (its dp_shard=2 borrowed by ep=2:
+    # dp_shard_mod_ep = 1, and apply_fsdp wraps every MoE model with ep): the dense part FSDP2-sharded over the
+    # 2 ep ranks (every dense dim 0 divides by 2), each layer's 4 experts over ep (2 a rank), their fully_shard
+    # over a one-rank shard group holding them whole; replicated across dp_replicate. fp32, Adam
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="adam", gpu="cpu",
+                              distributed=memcalc.Distributed(dp_replicate=2, ep=2))
+    (role,) = report.roles
+    held = (PARAMETERS - EXPERTS) // 2 + EXPERTS // 2
+    assert held == 29_088 + 98_304 == 127_392
+    assert role.report.textbook.parameter_bytes == 4 * held
+    assert role.model_states == 16 * held  # at the optimizer step: weights, gradients, 2 moments
+    assert role.ranks == (0, 1, 2, 3) and report.global_batch_size == 2 * 4  # a batch per rank
+    assert [s.describe() for s in role.sharding] == ["experts, dense model states, batch /2 (ep)",
+                                                     "batch /2 (dp_replicate)"]
+    assert any("dp_shard_mod_ep = 1" in note and "2 replicas" in note for note in report.notes)
+
+
+def test_ep_x_dp_replicate_refuses_ddp_bucket_options(tiny: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=r"bucket_cap_mb and gradient_as_bucket_view are DDP's"):
+        memcalc.estimate(tiny, batch_size=2, seq_len=16,
+                         distributed=memcalc.Distributed(ep=2, dp_replicate=2, gradient_as_bucket_view=True))
 
 
 def test_pp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:

@@ -23,6 +23,12 @@ each tp pair, the 4 experts of each layer over all 4 ranks, transformers' ``ep_s
 tp_size``, torchtitan's ``etp=1``): the SGD case, every rank 3,918,672 B real and estimated; with Adam
 at batch 2 · 16, every rank 1,423,948 B real less the step counters, 1,423,936 B estimated (2026-12-06).
 
+HSDP without dp_shard (``Distributed(dp_replicate=2, ep=2)``, four processes), as torchtitan runs that mesh
+(its dp_shard=2 borrowed by ep=2, ``dp_shard_mod_ep`` of 1: every block and the root ``fully_shard``-ed over
+(dp_replicate, ep), each block's experts over (dp_replicate, a one-rank shard group), where FSDP2 runs no
+collective): the SGD case, every rank 5,828,056 B real and estimated; Adam at batch 2 · 16, every rank
+2,681,944 B real less the step counters and estimated, to the byte (2026-12-07).
+
 With FSDP2 around both (``Distributed(dp_shard=2, tp=2, ep=2)``, eight processes, torchtitan's MoE layout
 with etp=1: its dp_shard of 4 = dp_shard_mod_ep 2 × dp_shard_in_ep 2, its ep of 4 = dp_shard_in_ep × tp),
 on a tiny Mixtral of 8 experts (4 would leave one per ep x tp rank, fewer than the dp_shard ranks: refused):
@@ -110,6 +116,24 @@ def test_ep_x_hsdp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) -> None
     for rank, peak in enumerate(peaks):
         assert abs(estimate - peak.peak) <= TOLERANCE * peak.peak, (
             f"rank {rank}: estimated {estimate:,} B vs real {peak.peak:,} B")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    KWARGS,  # every rank 5,828,056 B real and estimated
+    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 2,681,944 B real less the counters and estimated
+], ids=["sgd", "adam"])
+def test_ep_x_dp_replicate_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    # dp_replicate=2 x ep=2 on four processes, torchtitan's HSDP with dp_shard_mod_ep = 1 (module docstring)
+    source = hf_config_source(tmp_path, TINY_MIXTRAL)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_replicate=2, ep=2), **kwargs)
+    (role,) = report.roles
+    assert role.ranks == (0, 1, 2, 3) and report.distribution.global_batch_size == 4 * kwargs["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, kwargs, tmp_path, world_size=4, dp_replicate=2)
+    for rank, peak in enumerate(peaks):
+        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
+        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
 
 
 @pytest.mark.parametrize("kwargs", [

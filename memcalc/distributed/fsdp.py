@@ -106,6 +106,11 @@ def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[
     return units
 
 
+def _alone(params: Sequence[_Param]) -> bool:
+    """Whether ``params`` (one unit's) are sharded over one rank, where FSDP2 runs no collective."""
+    return params[0].world_size == 1
+
+
 def _module_lists(module: nn.Module) -> list[str]:
     found: list[str] = []
     for name, sub in module.named_modules():
@@ -407,7 +412,13 @@ class ShardedProgram(RankProgram):
             return
         missing = [p for p in state.params if p.holders == 0]
         all_gather = None
-        if self.fsdp2 and missing:
+        if self.fsdp2 and missing and _alone(missing):
+            # FSDPParamGroup.unshard over a one-rank shard group (ep's HSDP, dp_shard_mod_ep = 1) all-gathers
+            # nothing; wait_for_unshard copies each shard into its unsharded parameter, and in forward first
+            # frees the previous unit's all-gather output (its implicit-prefetch branch)
+            if forward:
+                self._pending_all_gather = None
+        elif self.fsdp2 and missing:
             all_gather = state.prefetched if state.prefetched is not None else self._all_gather_output(missing)
             state.prefetched = None
         for p in state.params:  # the copy-out into the unsharded parameters
@@ -704,7 +715,7 @@ class ShardedProgram(RankProgram):
         if following is not None and not following.gathered and following.prefetched is None:
             if self.fsdp2:
                 missing = [p for p in following.params if p.holders == 0]
-                if missing:
+                if missing and not _alone(missing):
                     following.prefetched = self._all_gather_output(missing)
             else:
                 self._gather(following, forward=False)
@@ -773,7 +784,7 @@ class ShardedProgram(RankProgram):
         with self._tracer.on_stream(Stream.REDUCE_SCATTER):
             output = torch.empty(sum(p.shard_numel for p in params), dtype=reduce_dtype, device="meta")
             self._tracer.track(output, Category.GRADIENTS)
-            if self.gloo:
+            if self.gloo and not _alone(params):  # one rank: foreach_reduce copies, no collective
                 self._gloo_copy(rs_input)  # gloo reduce-scatters by all-reducing a clone of the input
             sharded_dtype = params[0].sharded.dtype
             if sharded_dtype != reduce_dtype:

@@ -28,7 +28,7 @@ from memcalc.distributed.vocabulary import FsdpSharding, Strategy
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.step_spec import Step
 
-__all__ = ("DpShard", "fsdp_program")
+__all__ = ("DpShard", "fsdp_program", "stacked")
 
 
 @register(Strategy.FSDP)
@@ -87,7 +87,7 @@ class DpShard(RankStrategy):
         owners = ep * (mesh.tp if mesh is not None and ep > 1 else 1)
         fsdp, notes = fsdp_program(self.distributed.sharding, step, self.degree * ep,
                                    experts_degree=self.degree if ep > 1 else None, ep=ep, owners=owners)
-        roles = tuple(replace(role, program=fsdp if role.program is None else _stacked(role.program, fsdp),
+        roles = tuple(replace(role, program=fsdp if role.program is None else stacked(role.program, fsdp),
                               sharding=sharding(role.sharding, shard)) for role in plan.roles)
         if any(role.program is not None for role in plan.roles):
             shards = "expert-parallel" if ep > 1 else "tensor-parallel"
@@ -164,7 +164,7 @@ def _experts_units(resolved: ResolvedModel, degree: int, ep: int,
     return {path: degree for path in paths}
 
 
-def _stacked(inner: Callable[[ResolvedModel], RankProgram],
+def stacked(inner: Callable[[ResolvedModel], RankProgram],
              fsdp: Callable[[ResolvedModel], RankProgram]) -> Callable[[ResolvedModel], RankProgram]:
     """FSDP2 over the program a dimension before it gave the role (tensor parallelism's
     ``parallelize_module``), as torchtitan applies ``fully_shard`` after it."""

@@ -25,8 +25,8 @@ four-process gloo run agrees to the byte. Under ``pp`` the pipeline applies it i
 group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's ``etp=1``
 (:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte), and with dp_shard
 too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; eight processes, to the byte). The dense
-gradients' synchronisation over ep is not modelled without dp_shard (stated); with cp, dp_replicate
-alone, or tp and dp_replicate, ep is refused by name. The optimizer steps each DTensor's local shard.
+gradients' synchronisation over ep is not modelled without FSDP2 (stated). With dp_replicate alone,
+torchtitan's HSDP (dp_replicate's file). With cp, or tp and dp_replicate, ep is refused by name.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class ExpertParallelDimension(RankStrategy):
         mesh = self.distributed.mesh
         self._refuse_others()
         composed = mesh is not None and mesh.dp_shard > 1
+        hsdp = mesh is not None and mesh.dp_shard == 1 and mesh.dp_replicate > 1  # FSDP2 over ep (dp_replicate's)
         if not expert_parallelism_available():
             raise InapplicableOptionError(
                 f"ep={self.degree} runs transformers' own expert parallelism (transformers.distributed."
@@ -125,6 +126,9 @@ class ExpertParallelDimension(RankStrategy):
                      f"composes tp_size with ep_size = fsdp_size x tp_size and torchtitan with etp=1: each tp "
                      f"rank dispatches 1/{tp} of its group's tokens and all-gathers the results over tp; the dense "
                      f"gradients' synchronisation over the ep ranks is not modelled")
+        elif hsdp:  # dp_replicate's FSDP2 shards the dense part over the ep ranks (its file)
+            shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
+            dense = "the dense part sharded by FSDP2 over the ep ranks (dp_replicate's HSDP, as torchtitan runs it)"
         elif composed:  # dp_shard's FSDP2 shards the dense part over these ranks too
             shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
             dense = (f"the dense part sharded by FSDP2 over dp_shard x ep = {mesh.dp_shard * n} ranks (torchtitan's "
@@ -141,22 +145,15 @@ class ExpertParallelDimension(RankStrategy):
 
     def _refuse_others(self) -> None:
         """Refuse the dimensions ep does not compose with yet. pp applies ep itself; dp_replicate
-        around dp_shard is HSDP over ep's FSDP2 (torchtitan's (dp_replicate, dp_shard_mod_ep) and
+        alone is torchtitan's HSDP with a one-rank experts shard group (dp_replicate's file); around
+        dp_shard it is HSDP over ep's FSDP2 (torchtitan's (dp_replicate, dp_shard_mod_ep) and
         (dp_replicate, dp_shard_cp) meshes); tp beside it is tp × ep (etp=1), with dp_shard's FSDP2 around
         both or alone."""
         mesh = self.distributed.mesh
         if mesh is None:
             return
-        if mesh.tp > 1:
-            allowed = {"ep", "tp", "dp_shard"}
-        else:
-            allowed = {"ep", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"ep", "dp_shard"}
+        allowed = {"ep", "tp", "dp_shard"} if mesh.tp > 1 else {"ep", "dp_shard", "dp_replicate"}
         others = sorted(set(mesh.used) - allowed)
-        if others == ["dp_replicate"]:
-            raise InapplicableOptionError(
-                f"ep={self.degree} with dp_replicate={mesh.dp_replicate} alone (DDP around expert parallelism) is not "
-                f"modelled: torchtitan replicates MoE models only as HSDP, its ep ranks carved out of dp_shard",
-                hint=f"Give dp_shard too (--mesh dp_replicate={mesh.dp_replicate},dp_shard=N,ep={self.degree}: HSDP).")
         if others:
             listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
             raise InapplicableOptionError(
