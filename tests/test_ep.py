@@ -198,6 +198,19 @@ def test_dp_shard_x_tp_x_ep_model_states_per_rank_by_hand(tmp_path: Path) -> Non
                and "etp=1" in note for note in report.notes)
 
 
+def test_hsdp_x_tp_x_ep_holds_what_dp_shard_x_tp_x_ep_holds(tmp_path: Path) -> None:
+    # HSDP around torchtitan's etp=1 layout: the replicas all-reduce each unit's sharded gradients in place, so a
+    # rank of dp_replicate=2 x dp_shard=2 x tp=2 x ep=2 holds what a rank of dp_shard=2 x tp=2 x ep=2 holds
+    source = hf_config_source(tmp_path, TINY_MIXTRAL_8)
+    kwargs: dict[str, Any] = dict(batch_size=2, seq_len=16, optimizer="adam", gpu="cpu")
+    hsdp = memcalc.estimate(source, distributed=memcalc.Distributed(dp_replicate=2, dp_shard=2, tp=2, ep=2), **kwargs)
+    fsdp = memcalc.estimate(source, distributed=memcalc.Distributed(dp_shard=2, tp=2, ep=2), **kwargs)
+    (role,), (alone,) = hsdp.roles, fsdp.roles
+    assert role.ranks == tuple(range(16)) and hsdp.global_batch_size == 2 * fsdp.global_batch_size == 16
+    assert (role.model_states, role.report.peak_requested) == (alone.model_states, alone.report.peak_requested)
+    assert any("HSDP: 2 replicas" in note for note in hsdp.notes)
+
+
 @pytest.mark.parametrize("routing, rows", [
     # 2 · 16 = 32 tokens per tp group; each tp rank dispatches its 16 (AllToAllEP's Replicate -> Shard(0)):
     # 16 · top-2 = 32 pairs, 8 to each of the 4 ranks (one expert each), 8 back from each: 32 rows of d 64
@@ -332,8 +345,8 @@ def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
 @pytest.mark.parametrize("degrees, message", [
     (dict(cp=2), r"ep=2 with cp=2 is not modelled yet"),
     (dict(tp=2, cp=2), r"tp=2 with ep=2 and cp=2 is not modelled yet"),  # tp's own check, first
-    (dict(tp=2, dp_shard=2, dp_replicate=2), r"tp=2 with ep=2 and dp_replicate=2 is not modelled yet"),  # HSDP
-], ids=["cp", "tp-cp", "tp-hsdp"])
+    (dict(tp=2, dp_replicate=2), r"tp=2 with ep=2 and dp_replicate=2 is not modelled yet"),  # no dp_shard
+], ids=["cp", "tp-cp", "tp-dp_replicate"])
 def test_ep_with_another_dimension_is_refused_by_name(tiny: str, degrees: dict[str, int], message: str) -> None:
     with pytest.raises(InapplicableOptionError, match=message):
         memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, **degrees))

@@ -35,6 +35,8 @@ on a tiny Mixtral of 8 experts (4 would leave one per ep x tp rank, fewer than t
 the tp plan on each tp pair, the experts over the 4 ranks of (ep, tp), each rank's 2 ``fully_shard``-ed over
 dp_shard, the dense part over dp_shard × ep. The SGD case: every rank 3,931,800 B real and estimated; Adam at
 batch 2 · 16: every rank 1,653,052 B real less the step counters, 1,653,040 B estimated (2026-12-07).
+With HSDP around it (``Distributed(dp_replicate=2, dp_shard=2, tp=2, ep=2)``, sixteen processes), the SGD
+case: every rank 3,931,800 B real and estimated (2026-12-07).
 """
 
 from __future__ import annotations
@@ -172,3 +174,19 @@ def test_dp_shard_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path
     for rank, peak in enumerate(peaks):
         real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
         assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+
+
+@pytest.mark.slow
+def test_hsdp_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) -> None:
+    # HSDP around dp_shard=2 x tp=2 x ep=2 on sixteen processes: the same units fully_shard-ed over the 2-D
+    # (dp_replicate, dp_shard) and (dp_replicate, dp_shard x ep) meshes; every rank 3,931,800 B real and estimated
+    source = hf_config_source(tmp_path, TINY_MIXTRAL_8)
+    report = memcalc.estimate(source, gpu="cpu",
+                              distributed=memcalc.Distributed(dp_replicate=2, dp_shard=2, tp=2, ep=2), **KWARGS)
+    (role,) = report.roles
+    assert role.ranks == tuple(range(16)) and report.distribution.global_batch_size == 8 * KWARGS["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, KWARGS, tmp_path, world_size=16, dp_shard=2, dp_replicate=2, tp=2, timeout_s=1500.0)
+    for rank, peak in enumerate(peaks):
+        assert abs(estimate - peak.peak) <= TOLERANCE * peak.peak, (
+            f"rank {rank}: estimated {estimate:,} B vs real {peak.peak:,} B")

@@ -24,10 +24,10 @@ four-process gloo run agrees to the byte. Under ``pp`` the pipeline applies it i
 (one batch per group), the experts over all ``ep·tp`` ranks, each tp rank dispatching ``1/tp`` of its
 group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's ``etp=1``
 (:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte), and with dp_shard
-too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; eight processes, to the byte). The dense
-gradients' synchronisation over ep is not modelled without FSDP2 (stated). With dp_replicate alone,
-torchtitan's HSDP (dp_replicate's file). With cp, or tp and dp_replicate, ep is refused by name.
-"""
+too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; 8 and, with HSDP, 16 processes, to the
+byte). The dense gradients' synchronisation over ep is not modelled without FSDP2 (stated). With
+dp_replicate alone, torchtitan's HSDP (dp_replicate's file). With cp, or tp and dp_replicate without
+dp_shard, ep is refused by name."""
 
 from __future__ import annotations
 
@@ -152,7 +152,10 @@ class ExpertParallelDimension(RankStrategy):
         mesh = self.distributed.mesh
         if mesh is None:
             return
-        allowed = {"ep", "tp", "dp_shard"} if mesh.tp > 1 else {"ep", "dp_shard", "dp_replicate"}
+        if mesh.dp_shard > 1:
+            allowed = {"ep", "tp", "dp_shard", "dp_replicate"}
+        else:  # tp x ep alone; without tp, dp_replicate's HSDP with a one-rank experts shard group
+            allowed = {"ep", "tp"} if mesh.tp > 1 else {"ep", "dp_replicate"}
         others = sorted(set(mesh.used) - allowed)
         if others:
             listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
