@@ -412,7 +412,8 @@ class ShardedProgram(RankProgram):
             return
         missing = [p for p in state.params if p.holders == 0]
         all_gather = None
-        if self.fsdp2 and missing and _alone(missing):
+        alone = self.fsdp2 and bool(missing) and _alone(missing)
+        if alone:
             # FSDPParamGroup.unshard over a one-rank shard group (ep's HSDP, dp_shard_mod_ep = 1) all-gathers
             # nothing; wait_for_unshard copies each shard into its unsharded parameter, and in forward first
             # frees the previous unit's all-gather output (its implicit-prefetch branch)
@@ -421,10 +422,17 @@ class ShardedProgram(RankProgram):
         elif self.fsdp2 and missing:
             all_gather = state.prefetched if state.prefetched is not None else self._all_gather_output(missing)
             state.prefetched = None
+        cast = None
         for p in state.params:  # the copy-out into the unsharded parameters
             if p.holders == 0:
+                if alone and p.float8 is None and p.sharded.dtype != p.gather_dtype:
+                    # one rank, mixed precision: wait_for_unshard's all_gather_inputs[0] is the shard cast to
+                    # param_dtype, bound until the next parameter's replaces it (from torch 2.13's source; the
+                    # gloo runs are fp32)
+                    cast = self._buffer(p.shard_numel, p.gather_dtype, Category.WORKSPACE)
                 self._allocate_unsharded(p)
             p.holders += 1
+        del cast
         state.gathered = True
         if forward and all_gather is not None:
             # wait_for_unshard drops the previous unit's output, but its local reference

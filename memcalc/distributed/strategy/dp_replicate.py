@@ -109,11 +109,11 @@ class DpReplicate(RankStrategy):
         roles = tuple(replace(role, program=stacked(role.program, fsdp), sharding=sharding(role.sharding, batch))
                       for role in plan.roles if role.program is not None)
         note = (f"HSDP around expert parallelism, as torchtitan runs it without dp_shard (its ep borrows its "
-                f"dp_shard: dp_shard_mod_ep = 1): {notes[0]} (the dense part; torchtitan's (dp_replicate, "
-                f"dp_shard_cp) mesh) of each rank's expert-parallel DTensor shards, each block's experts over a "
-                f"one-rank shard group (its (dp_replicate, dp_shard_mod_ep) mesh); {self.degree} replicas, each "
+                f"dp_shard: dp_shard_mod_ep = 1): every block and the root FSDP2-sharded over the {ep} ep ranks "
+                f"(torchtitan's (dp_replicate, dp_shard_cp) mesh), each block's experts over a one-rank shard "
+                f"group (its (dp_replicate, dp_shard_mod_ep) mesh: no collective); {self.degree} replicas, each "
                 f"unit's sharded gradients all-reduced across them in place")
-        return replace(plan, roles=roles, notes=(*plan.notes, note, *notes[1:]))
+        return replace(plan, roles=roles, notes=(*plan.notes, note, *notes))
 
     def _refuse_bucket_options(self) -> None:
         if self.distributed.bucket_cap_mb != DEFAULT_BUCKET_CAP_MB or self.distributed.gradient_as_bucket_view:
