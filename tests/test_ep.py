@@ -300,12 +300,13 @@ def test_pp_alone_on_a_mixture_of_experts_by_hand(tiny: str) -> None:
 
 
 @pytest.mark.parametrize("degrees, message", [
-    (dict(tp=2, dp_shard=2), r"pp=2 with ep=2 and tp=2 and dp_shard=2 is not modelled yet"),
-    # HSDP stages with experts are modelled (tests/test_gloo_pipeline_ep.py); with tp too, not yet
-    (dict(tp=2, dp_shard=2, dp_replicate=2), r"pp=2 with ep=2 and tp=2 and dp_shard=2, dp_replicate=2 is not "
-                                             r"modelled yet"),
+    # HSDP stages with experts, and dp_shard with tp x ep, are modelled (tests/test_gloo_pipeline_ep.py); all of
+    # them together, not yet
+    (dict(tp=2, dp_shard=2, dp_replicate=2), r"pp=2 with ep=2 and tp=2 and dp_replicate=2 is not modelled yet"),
     (dict(dp_replicate=2), r"pp=2 with dp_replicate=2 alone \(DDP stages\) is not modelled yet"),  # pp's own rule
-], ids=["tp-dp_shard", "tp-hsdp", "ddp"])
+    # 4 experts over ep x tp = 4 ranks: 1 a rank, fewer than dp_shard=2 (torchtitan's Shard(1))
+    (dict(tp=2, dp_shard=2), r"dp_shard=2 with ep x tp = 4 ranks: each ep rank holds 1 experts"),
+], ids=["tp-hsdp", "ddp", "tp-dp_shard-too-few-experts"])
 def test_pp_x_ep_with_tp_and_dp_shard_or_ddp_is_refused_by_name(tiny: str, degrees: dict[str, int],
                                                                 message: str) -> None:
     with pytest.raises(InapplicableOptionError, match=message):
@@ -325,6 +326,23 @@ def test_pp_x_tp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
         ranks: 4 * n for ranks, n in held.items()}
     assert report.global_batch_size == 2 * 2  # a batch per tp group
     assert any("each holds 1/4 of the stage's MoE layers' experts" in note for note in report.notes)
+
+
+def test_pp_x_dp_shard_x_tp_x_ep_parameters_per_rank_by_hand(tmp_path: Path) -> None:
+    # torchtitan's 4-D MoE layout (pp=2 x dp_shard=2 x tp=2 x ep=2, etp=1) on the 8-expert Mixtral: two stages of
+    # one layer; in each, the tp plan halves the embedding, head, q, k, v, o, then FSDP2 splits every dense local
+    # tensor over dp_shard x ep = 4 (a layer's dense part: 1,536 + router 128 + norms 32, as in
+    # test_dp_shard_x_tp_x_ep_model_states_per_rank_by_hand), the layer's 8 experts over ep x tp = 4 (2 a rank)
+    # and FSDP2 over dp_shard: 1 (24,576). Embedding and head 256 x 64 -> 128 -> 32 rows (2,048); final norm 16
+    source = hf_config_source(tmp_path, TINY_MIXTRAL_8)
+    setting = memcalc.Distributed(pp=2, dp_shard=2, tp=2, ep=2, microbatches=2)
+    report = memcalc.estimate(source, batch_size=2, seq_len=16, optimizer="sgd", gpu="cpu", distributed=setting)
+    layer = 1_536 + 128 + 2 * 16 + EXPERT
+    held = {tuple(range(8)): 2_048 + layer, tuple(range(8, 16)): layer + 16 + 2_048}
+    assert held == {tuple(range(8)): 28_320, tuple(range(8, 16)): 28_336}
+    assert {role.ranks: role.report.textbook.parameter_bytes for role in report.roles} == {
+        ranks: 4 * n for ranks, n in held.items()}
+    assert report.global_batch_size == 2 * 4  # a batch per (dp_shard, ep) pair, shared by its tp pair
 
 
 def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:

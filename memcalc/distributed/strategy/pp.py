@@ -23,8 +23,9 @@ dp_replicate around that) each stage's experts are sharded over the ep ranks
 With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
 parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it
 (:mod:`memcalc.distributed.tp_stages`): a pipeline rank's tp and dp_shard ranks share its trace,
-numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``. With ``tp`` and ``ep`` both
-(no dp_shard), each stage's experts go over the pipeline rank's ep × tp ranks (``StageExpertTensorParallel``).
+numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``. With ``tp`` and ``ep`` both,
+each stage's experts go over the pipeline rank's ep × tp ranks (``StageExpertTensorParallel``), and
+with dp_shard FSDP2 wraps the stage around that (torchtitan's 4-D MoE layout, etp=1).
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ class PipelineParallel(RankStrategy):
                 program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
             else:  # torchtitan's MoE FSDP per stage: the experts over dp_shard, the dense part over dp_shard x ep
                 program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * ep, pipelined=True,
-                                                   experts_degree=dp_shard, ep=ep, experts=experts.experts_paths)
+                                                   experts_degree=dp_shard, ep=ep, experts=experts.experts_paths,
+                                                   owners=ep * tp)
             precision = sharder.trace_precision(step.precision)
             shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
             if replicas > 1:
@@ -202,16 +204,15 @@ class PipelineParallel(RankStrategy):
         the experts (etp=1), refusing what is not modelled there. ``gloo``: the CPU target, whose
         process group is gloo's (its all-gathers' staging, :class:`ExpertParallel`)."""
         # HSDP around each stage's MoE FSDP2 (replicas need dp_shard: _replicas) holds what dp_shard alone
-        # holds, as without ep; with tp, dp_shard is not modelled yet
-        others = {name: degree for name, degree in (("dp_shard", dp_shard if tp > 1 else 1),
-                                                    ("dp_replicate", replicas if tp > 1 else 1)) if degree > 1}
+        # holds, as without ep; with tp x ep, not checked yet
+        others = {name: degree for name, degree in (("dp_replicate", replicas if tp > 1 else 1),) if degree > 1}
         if others:
             listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
             also = f" and tp={tp}" if tp > 1 else ""
             raise InapplicableOptionError(
                 f"pp={self.degree} with ep={ep}{also} and {listed} is not modelled yet: memcalc pipelines expert "
-                f"parallelism alone, with dp_shard (and HSDP's dp_replicate around it) or with tp (each stage's "
-                f"experts over the ep ranks, checked against real gloo runs)",
+                f"parallelism alone, with dp_shard (and HSDP's dp_replicate around it), with tp, or with tp and "
+                f"dp_shard (each stage's experts over the ep ranks, checked against real gloo runs)",
                 hint=f"Estimate --mesh pp={self.degree},ep={ep} (or with dp_shard=N, or with tp=T).")
         if not expert_parallelism_available():
             raise InapplicableOptionError(
