@@ -198,6 +198,22 @@ def test_dp_shard_x_tp_x_ep_model_states_per_rank_by_hand(tmp_path: Path) -> Non
                and "etp=1" in note for note in report.notes)
 
 
+def test_dp_replicate_x_tp_x_ep_parameters_per_rank_by_hand(tiny: str) -> None:
+    # tp=2 x ep=2 x dp_replicate=2 without dp_shard, torchtitan's HSDP with a one-rank experts shard group (its
+    # dp_shard=2 borrowed by ep=4 = 2 x tp): the tp plan halves the embedding, head, q, k, v, o, FSDP2 halves every
+    # dense local tensor again over the 2 ep ranks (router 4 x 64 and the norms only that once); each layer's 4
+    # experts over ep x tp = 4 ranks, 1 a rank, whole (FSDP2 over one rank)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="sgd", gpu="cpu",
+                              distributed=memcalc.Distributed(dp_replicate=2, tp=2, ep=2))
+    (role,) = report.roles
+    layer = 12_288 // 4 + 4 * 64 // 2 + 2 * 64 // 2 + EXPERT
+    held = 2 * 256 * 64 // 4 + 2 * layer + 64 // 2
+    assert held == 8_192 + 2 * (3_072 + 128 + 64 + 24_576) + 32 == 63_904
+    assert role.report.textbook.parameter_bytes == 4 * held
+    assert role.ranks == tuple(range(8)) and report.global_batch_size == 2 * 4  # a batch per (replica, ep) pair
+    assert any("dp_shard_mod_ep = 1" in note for note in report.notes)
+
+
 def test_hsdp_x_tp_x_ep_holds_what_dp_shard_x_tp_x_ep_holds(tmp_path: Path) -> None:
     # HSDP around torchtitan's etp=1 layout: the replicas all-reduce each unit's sharded gradients in place, so a
     # rank of dp_replicate=2 x dp_shard=2 x tp=2 x ep=2 holds what a rank of dp_shard=2 x tp=2 x ep=2 holds
@@ -363,8 +379,7 @@ def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
 @pytest.mark.parametrize("degrees, message", [
     (dict(cp=2), r"ep=2 with cp=2 is not modelled yet"),
     (dict(tp=2, cp=2), r"tp=2 with ep=2 and cp=2 is not modelled yet"),  # tp's own check, first
-    (dict(tp=2, dp_replicate=2), r"tp=2 with ep=2 and dp_replicate=2 is not modelled yet"),  # no dp_shard
-], ids=["cp", "tp-cp", "tp-dp_replicate"])
+], ids=["cp", "tp-cp"])
 def test_ep_with_another_dimension_is_refused_by_name(tiny: str, degrees: dict[str, int], message: str) -> None:
     with pytest.raises(InapplicableOptionError, match=message):
         memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, **degrees))

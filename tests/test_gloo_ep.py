@@ -36,7 +36,10 @@ the tp plan on each tp pair, the experts over the 4 ranks of (ep, tp), each rank
 dp_shard, the dense part over dp_shard × ep. The SGD case: every rank 3,931,800 B real and estimated; Adam at
 batch 2 · 16: every rank 1,653,052 B real less the step counters, 1,653,040 B estimated (2026-12-07).
 With HSDP around it (``Distributed(dp_replicate=2, dp_shard=2, tp=2, ep=2)``, sixteen processes), the SGD
-case: every rank 3,931,800 B real and estimated (2026-12-07).
+case: every rank 3,931,800 B real and estimated (2026-12-07). tp × ep with dp_replicate and no dp_shard
+(``Distributed(dp_replicate=2, tp=2, ep=2)``, eight processes, the 4-expert Mixtral: torchtitan's HSDP with a
+one-rank experts shard group, as for ep × dp_replicate): SGD, every rank 3,951,568 B real and estimated;
+Adam at batch 2 · 16, 1,417,872 B real less the step counters and estimated (2026-12-07).
 """
 
 from __future__ import annotations
@@ -190,3 +193,23 @@ def test_hsdp_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) ->
     for rank, peak in enumerate(peaks):
         assert abs(estimate - peak.peak) <= TOLERANCE * peak.peak, (
             f"rank {rank}: estimated {estimate:,} B vs real {peak.peak:,} B")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    KWARGS,  # every rank 3,951,568 B real and estimated
+    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 1,417,872 B real less the counters and estimated
+], ids=["sgd", "adam"])
+def test_dp_replicate_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    # dp_replicate=2 x tp=2 x ep=2 on eight processes (module docstring): the tp plan, the experts over (ep, tp),
+    # fully_shard of the experts over (dp_replicate, dp_shard of 1) and of the rest over (dp_replicate, ep)
+    source = hf_config_source(tmp_path, TINY_MIXTRAL)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_replicate=2, tp=2, ep=2),
+                              **kwargs)
+    (role,) = report.roles
+    assert role.ranks == tuple(range(8)) and report.distribution.global_batch_size == 4 * kwargs["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, kwargs, tmp_path, world_size=8, dp_replicate=2, tp=2, timeout_s=900.0)
+    for rank, peak in enumerate(peaks):
+        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
+        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"

@@ -4,7 +4,7 @@ gradient buckets (:class:`~memcalc.distributed.ddp.DdpProgram`). With ``dp_shard
 FSDP2 ``fully_shard`` on a 2-D mesh, sharded within ``dp_shard`` and replicated across
 ``dp_replicate`` (checked against a real 4-process gloo run, tests/test_gloo_runs.py).
 
-With ``ep`` and no ``dp_shard`` it is HSDP too, as torchtitan runs that mesh: its ep borrows its
+With ``ep`` (and ``tp``) but no ``dp_shard`` it is HSDP too, as torchtitan runs that mesh: its ep borrows its
 dp_shard (``dp_shard_mod_ep`` = 1) and it ``fully_shard``-s every MoE model with ep, so the dense part
 is sharded over the ep ranks and each block's experts over a one-rank shard group, replicated across
 ``dp_replicate`` (:meth:`DpReplicate._moe_hsdp`; a real 4-process gloo run, tests/test_gloo_ep.py)."""
@@ -103,8 +103,10 @@ class DpReplicate(RankStrategy):
         one-rank shard group (``(dp_replicate, dp_shard_mod_ep)``), stacked on ep's program; the
         replicas' all-reduce in place (:meth:`_hsdp`)."""
         self._refuse_bucket_options()
-        ep = self.distributed.mesh.ep if self.distributed.mesh is not None else 1
-        fsdp, notes = fsdp_program(self.distributed.sharding, step, ep, experts_degree=1, ep=ep)
+        mesh = self.distributed.mesh
+        ep, tp = (mesh.ep, mesh.tp) if mesh is not None else (1, 1)
+        # under tp x ep (etp=1) the experts are split over ep x tp ranks before FSDP2
+        fsdp, notes = fsdp_program(self.distributed.sharding, step, ep, experts_degree=1, ep=ep, owners=ep * tp)
         assert all(role.program is not None for role in plan.roles), "ep applies before dp_replicate"
         roles = tuple(replace(role, program=stacked(role.program, fsdp), sharding=sharding(role.sharding, batch))
                       for role in plan.roles if role.program is not None)

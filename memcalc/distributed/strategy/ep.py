@@ -26,8 +26,8 @@ group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's `
 (:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte), and with dp_shard
 too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; 8 and, with HSDP, 16 processes, to the
 byte). The dense gradients' synchronisation over ep is not modelled without FSDP2 (stated). With
-dp_replicate alone, torchtitan's HSDP (dp_replicate's file). With cp, or tp and dp_replicate without
-dp_shard, ep is refused by name."""
+dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp, ep is
+refused by name."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ class ExpertParallelDimension(RankStrategy):
         strings = dict(self.distributed.tp_plan) if self.distributed.tp_plan is not None else None
         # under FSDP2 every parameter becomes a DTensor: foreach and fused optimizers step them all (tp's file)
         impl = (resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
-                if tp > 1 and not composed else None)
+                if tp > 1 and not (composed or hsdp) else None)
         gloo = not step.emulate_cuda  # the CPU target's process group: gloo's all-gathers stage their output
 
         def program(resolved: ResolvedModel) -> RankProgram:
@@ -112,7 +112,7 @@ class ExpertParallelDimension(RankStrategy):
             return ExpertParallel(n, routing=routing, capacity_factor=factor, model_name=resolved.name)
 
         shards: tuple[Shard, ...]
-        if tp > 1 and composed and mesh is not None:  # FSDP2 around tp x ep (torchtitan's etp=1 MoE layout)
+        if tp > 1 and (composed or hsdp) and mesh is not None:  # FSDP2 around tp x ep (torchtitan's etp=1 layout)
             shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
             dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch and sharded by FSDP2 "
                      f"over dp_shard x ep = {mesh.dp_shard * n} ranks (torchtitan's dp_shard_cp mesh); each block's "
@@ -152,10 +152,8 @@ class ExpertParallelDimension(RankStrategy):
         mesh = self.distributed.mesh
         if mesh is None:
             return
-        if mesh.dp_shard > 1:
-            allowed = {"ep", "tp", "dp_shard", "dp_replicate"}
-        else:  # tp x ep alone; without tp, dp_replicate's HSDP with a one-rank experts shard group
-            allowed = {"ep", "tp"} if mesh.tp > 1 else {"ep", "dp_replicate"}
+        # without dp_shard, dp_replicate is HSDP with a one-rank experts shard group (dp_replicate's file)
+        allowed = {"ep", "tp", "dp_shard", "dp_replicate"}
         others = sorted(set(mesh.used) - allowed)
         if others:
             listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)

@@ -126,7 +126,7 @@ class TensorParallelDimension(RankStrategy):
         if mesh is None:
             return
         if mesh.ep > 1:  # tp x ep: ep's program runs this plan on its tp sub-mesh (ep's file); FSDP2 over it
-            composes = {"tp", "ep", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp", "ep"}
+            composes = {"tp", "ep", "dp_shard", "dp_replicate"}
         else:
             composes = {"tp", "cp", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp", "cp"}
         others = sorted(set(mesh.used) - composes)
@@ -136,8 +136,8 @@ class TensorParallelDimension(RankStrategy):
         if mesh.ep > 1:
             raise InapplicableOptionError(
                 f"tp={self.degree} with ep={mesh.ep} and {listed} is not modelled yet: memcalc composes tensor "
-                f"parallelism with expert parallelism (tp x ep, the experts over ep x tp ranks) and FSDP2 around "
-                f"them (dp_shard, and HSDP's dp_replicate around that) only",
+                f"parallelism with expert parallelism (tp x ep, the experts over ep x tp ranks) and FSDP2 or HSDP "
+                f"around them (dp_shard, dp_replicate) only",
                 hint=f"Estimate --mesh tp={self.degree},ep={mesh.ep} or dp_shard=N,tp={self.degree},ep={mesh.ep}, or "
                      f"tp={self.degree} with dp_shard and cp without ep.")
         raise InapplicableOptionError(
