@@ -23,7 +23,9 @@ block's experts module ``fully_shard``-ed over the ``dp_shard`` sub-mesh (torcht
 ``dp_shard_mod_ep``: the ranks that hold the same experts), then every block and the root over all
 ``dp_shard × ep`` ranks (torchtitan's ``dp_shard_cp``): the same units as memcalc's. With
 ``dp_replicate`` above 1 too, HSDP: the same units ``fully_shard``-ed over the 2-D meshes
-``(dp_replicate, dp_shard)`` and ``(dp_replicate, dp_shard × ep)``, as torchtitan wraps them.
+``(dp_replicate, dp_shard)`` and ``(dp_replicate, dp_shard × ep)``, as torchtitan wraps them; with
+``dp_replicate`` and no ``dp_shard`` the same, dp_shard's mesh dimension of size 1 (torchtitan's
+``dp_shard_mod_ep`` of 1: it wraps every MoE model with ep in FSDP2).
 
 With ``tp`` above 1 (tp × ep, no dp_shard): a ``(ep, tp)`` mesh, the model's own tensor-parallel plan
 applied by torch's ``parallelize_module`` on the ``tp`` sub-mesh (as tests/gloo_tp.py does), then the
@@ -31,6 +33,11 @@ experts split by ``apply_expert_parallelism`` over all ``ep × tp`` ranks (the f
 ``tp`` sub-mesh as its batch-sharing group: transformers' ``ep_size = fsdp_size × tp_size``,
 torchtitan's ``etp=1``. Every rank builds the same batch (the same seed), so the ranks of one tp group
 hold one batch, as they must.
+
+With ``dp_shard`` and ``tp`` both (dp_shard × tp × ep): the tp plan and the experts as just said, then FSDP2 as
+above: each block's experts over ``dp_shard`` (torchtitan's ``dp_shard_mod_ep``), the rest over the flattened
+``(dp_shard, ep)`` (its ``dp_shard_cp``), torchtitan's etp=1 layout (``ParallelDims``: its ``ep`` mesh the
+flattened ``(dp_shard_in_ep, tp)``).
 """
 
 from __future__ import annotations
@@ -121,7 +128,7 @@ def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | Non
         parallelize_module(module, mesh["tp"], dict(tp_plan.styles))
         experts_mesh = mesh["ep", "tp"]._flatten("ep_tp")
     apply_expert_parallelism(module, experts_mesh, mesh["tp"], plan, ep_implementation="all_to_all")
-    if dp_shard > 1:  # torchtitan's apply_fsdp for MoE (module docstring)
+    if dp_shard > 1 or dp_replicate > 1:  # torchtitan's apply_fsdp for MoE (module docstring)
         from torch.distributed.fsdp import fully_shard
 
         every = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")

@@ -54,6 +54,11 @@ class PipelineEpCase:
     #: (torch's ``parallelize_module`` on ``tp``) and its experts over the flattened ``ep × tp`` ranks with
     #: ``tp`` as the batch-sharing group (transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's etp=1)
     tp: int = 1
+    #: > 1 (with dp_shard): HSDP stages, the ``(pp, dp_replicate, dp_shard, ep, tp=1)`` mesh, the same units
+    #: ``fully_shard``-ed over the 2-D ``(dp_replicate, dp_shard)`` and ``(dp_replicate, dp_shard × ep)``
+    #: meshes, as torchtitan wraps them (its ``(dp_replicate, dp_shard_mod_ep)`` and ``(dp_replicate,
+    #: dp_shard_cp)``)
+    dp_replicate: int = 1
 
 
 class MixtralStage(nn.Module):
@@ -80,15 +85,15 @@ class MixtralStage(nn.Module):
 
 
 def run_cases(source: str, cases: list[PipelineEpCase], work_dir: Path, *, dp_shard: int = 1, tp: int = 1,
-              timeout_s: float = 600.0) -> dict[str, list[RankPeak]]:
-    """Run ``cases`` (all of ``dp_shard`` and ``tp``) on PP × dp_shard × EP × tp spawned processes over
-    gloo; each case's peaks, by global rank (``((pp_rank × dp_shard + dp_shard_rank) × EP + ep_rank) × tp
-    + tp_rank``).
+              dp_replicate: int = 1, timeout_s: float = 600.0) -> dict[str, list[RankPeak]]:
+    """Run ``cases`` (all of ``dp_replicate``, ``dp_shard`` and ``tp``) on PP × dp_replicate × dp_shard × EP ×
+    tp spawned processes over gloo; each case's peaks, by global rank (``(((pp_rank × dp_replicate +
+    dp_replicate_rank) × dp_shard + dp_shard_rank) × EP + ep_rank) × tp + tp_rank``).
 
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    world = PP * dp_shard * EP * tp
+    world = PP * dp_replicate * dp_shard * EP * tp
     spawn_ranks(_worker, world, (source, cases, str(work_dir)), timeout_s, what="gloo pp x ep runs")
     peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
     for rank in range(world):
@@ -121,7 +126,8 @@ def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
     step = build_step(source, gpu="cpu", batch_size=case.batch, seq_len=case.seq_len)
     resolved = _resolve(step)
     model, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
-    mesh = init_device_mesh("cpu", (PP, case.dp_shard, EP, case.tp), mesh_dim_names=("pp", "dp_shard", "ep", "tp"))
+    mesh = init_device_mesh("cpu", (PP, case.dp_replicate, case.dp_shard, EP, case.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "ep", "tp"))
     index = mesh["pp"].get_local_rank()
     plan = model._expand_parallel_plan(dict(model.ep_plan))  # on the whole model
     from memcalc.distributed.tp_plans import resolve_plan, stage_plan
@@ -146,10 +152,13 @@ def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
         from torch.distributed.fsdp import fully_shard
 
         every = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")
+        experts_fsdp = mesh["dp_shard"]
+        if case.dp_replicate > 1:  # HSDP (PipelineEpCase.dp_replicate)
+            experts_fsdp, every = mesh["dp_replicate", "dp_shard"], mesh["dp_replicate", "dp_shard_ep"]
         modules = dict(stage_module.model.named_modules())
         for name, style in held.items():
             if style == "ep_dispatch_experts":
-                fully_shard(modules[name], mesh=mesh["dp_shard"], reshard_after_forward=False)
+                fully_shard(modules[name], mesh=experts_fsdp, reshard_after_forward=False)
         for layer in stage_module.model.model.layers:
             fully_shard(layer, mesh=every, reshard_after_forward=False)
         fully_shard(stage_module, mesh=every, reshard_after_forward=False)

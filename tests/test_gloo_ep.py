@@ -22,6 +22,24 @@ Composed with tensor parallelism (``Distributed(tp=2, ep=2)``, four processes: M
 each tp pair, the 4 experts of each layer over all 4 ranks, transformers' ``ep_size = fsdp_size ×
 tp_size``, torchtitan's ``etp=1``): the SGD case, every rank 3,918,672 B real and estimated; with Adam
 at batch 2 · 16, every rank 1,423,948 B real less the step counters, 1,423,936 B estimated (2026-12-06).
+
+HSDP without dp_shard (``Distributed(dp_replicate=2, ep=2)``, four processes), as torchtitan runs that mesh
+(its dp_shard=2 borrowed by ep=2, ``dp_shard_mod_ep`` of 1: every block and the root ``fully_shard``-ed over
+(dp_replicate, ep), each block's experts over (dp_replicate, a one-rank shard group), where FSDP2 runs no
+collective): the SGD case, every rank 5,828,056 B real and estimated; Adam at batch 2 · 16, every rank
+2,681,944 B real less the step counters and estimated, to the byte (2026-12-07).
+
+With FSDP2 around both (``Distributed(dp_shard=2, tp=2, ep=2)``, eight processes, torchtitan's MoE layout
+with etp=1: its dp_shard of 4 = dp_shard_mod_ep 2 × dp_shard_in_ep 2, its ep of 4 = dp_shard_in_ep × tp),
+on a tiny Mixtral of 8 experts (4 would leave one per ep x tp rank, fewer than the dp_shard ranks: refused):
+the tp plan on each tp pair, the experts over the 4 ranks of (ep, tp), each rank's 2 ``fully_shard``-ed over
+dp_shard, the dense part over dp_shard × ep. The SGD case: every rank 3,931,800 B real and estimated; Adam at
+batch 2 · 16: every rank 1,653,052 B real less the step counters, 1,653,040 B estimated (2026-12-07).
+With HSDP around it (``Distributed(dp_replicate=2, dp_shard=2, tp=2, ep=2)``, sixteen processes), the SGD
+case: every rank 3,931,800 B real and estimated (2026-12-07). tp × ep with dp_replicate and no dp_shard
+(``Distributed(dp_replicate=2, tp=2, ep=2)``, eight processes, the 4-expert Mixtral: torchtitan's HSDP with a
+one-rank experts shard group, as for ep × dp_replicate): SGD, every rank 3,951,568 B real and estimated;
+Adam at batch 2 · 16, 1,417,872 B real less the step counters and estimated (2026-12-07).
 """
 
 from __future__ import annotations
@@ -32,7 +50,7 @@ from typing import Any
 import pytest
 from gloo_ep import run_ep
 from support import hf_config_source
-from test_ep import TINY_MIXTRAL
+from test_ep import TINY_MIXTRAL, TINY_MIXTRAL_8
 
 import memcalc
 from memcalc.distributed.strategy.ep import expert_parallelism_available
@@ -105,6 +123,24 @@ def test_ep_x_hsdp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) -> None
             f"rank {rank}: estimated {estimate:,} B vs real {peak.peak:,} B")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    KWARGS,  # every rank 5,828,056 B real and estimated
+    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 2,681,944 B real less the counters and estimated
+], ids=["sgd", "adam"])
+def test_ep_x_dp_replicate_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    # dp_replicate=2 x ep=2 on four processes, torchtitan's HSDP with dp_shard_mod_ep = 1 (module docstring)
+    source = hf_config_source(tmp_path, TINY_MIXTRAL)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_replicate=2, ep=2), **kwargs)
+    (role,) = report.roles
+    assert role.ranks == (0, 1, 2, 3) and report.distribution.global_batch_size == 4 * kwargs["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, kwargs, tmp_path, world_size=4, dp_replicate=2)
+    for rank, peak in enumerate(peaks):
+        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
+        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+
+
 @pytest.mark.parametrize("kwargs", [
     KWARGS,  # every rank 3,918,672 B real and estimated
     pytest.param(dict(batch_size=2, seq_len=16, optimizer="adam"), marks=pytest.mark.slow),  # 12 B under, as above
@@ -119,6 +155,61 @@ def test_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: d
     assert role.ranks == (0, 1, 2, 3) and report.distribution.global_batch_size == 2 * kwargs["batch_size"]
     estimate = role.report.peak_requested
     peaks = run_ep(source, kwargs, tmp_path, world_size=4, tp=2)
+    for rank, peak in enumerate(peaks):
+        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
+        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    KWARGS,  # every rank 3,931,800 B real and estimated
+    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 1,653,052 B real less the counters, 12 B over
+], ids=["sgd", "adam"])
+def test_dp_shard_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    # dp_shard=2 x tp=2 x ep=2 on eight processes (module docstring): a (dp_shard, ep, tp) mesh, the experts over
+    # the flattened (ep, tp), fully_shard over dp_shard (torchtitan's dp_shard_mod_ep), the rest over (dp_shard, ep)
+    source = hf_config_source(tmp_path, TINY_MIXTRAL_8)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_shard=2, tp=2, ep=2), **kwargs)
+    (role,) = report.roles
+    assert role.ranks == tuple(range(8)) and report.distribution.global_batch_size == 4 * kwargs["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, kwargs, tmp_path, world_size=8, dp_shard=2, tp=2, timeout_s=900.0)
+    for rank, peak in enumerate(peaks):
+        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
+        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+
+
+@pytest.mark.slow
+def test_hsdp_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) -> None:
+    # HSDP around dp_shard=2 x tp=2 x ep=2 on sixteen processes: the same units fully_shard-ed over the 2-D
+    # (dp_replicate, dp_shard) and (dp_replicate, dp_shard x ep) meshes; every rank 3,931,800 B real and estimated
+    source = hf_config_source(tmp_path, TINY_MIXTRAL_8)
+    report = memcalc.estimate(source, gpu="cpu",
+                              distributed=memcalc.Distributed(dp_replicate=2, dp_shard=2, tp=2, ep=2), **KWARGS)
+    (role,) = report.roles
+    assert role.ranks == tuple(range(16)) and report.distribution.global_batch_size == 8 * KWARGS["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, KWARGS, tmp_path, world_size=16, dp_shard=2, dp_replicate=2, tp=2, timeout_s=1500.0)
+    for rank, peak in enumerate(peaks):
+        assert abs(estimate - peak.peak) <= TOLERANCE * peak.peak, (
+            f"rank {rank}: estimated {estimate:,} B vs real {peak.peak:,} B")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    KWARGS,  # every rank 3,951,568 B real and estimated
+    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 1,417,872 B real less the counters and estimated
+], ids=["sgd", "adam"])
+def test_dp_replicate_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    # dp_replicate=2 x tp=2 x ep=2 on eight processes (module docstring): the tp plan, the experts over (ep, tp),
+    # fully_shard of the experts over (dp_replicate, dp_shard of 1) and of the rest over (dp_replicate, ep)
+    source = hf_config_source(tmp_path, TINY_MIXTRAL)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_replicate=2, tp=2, ep=2),
+                              **kwargs)
+    (role,) = report.roles
+    assert role.ranks == tuple(range(8)) and report.distribution.global_batch_size == 4 * kwargs["batch_size"]
+    estimate = role.report.peak_requested
+    peaks = run_ep(source, kwargs, tmp_path, world_size=8, dp_replicate=2, tp=2, timeout_s=900.0)
     for rank, peak in enumerate(peaks):
         real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
         assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"

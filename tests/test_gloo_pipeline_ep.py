@@ -13,6 +13,13 @@ torchtitan wraps an MoE stage (each layer's experts over dp_shard, every layer a
 over dp_shard × ep, ``reshard_after_forward=False``): ranks 0-3 2,796,496 B, ranks 4-7 2,256,148 B, real
 and estimated, to the byte.
 
+torchtitan's 4-D MoE layout, pp × dp_shard × tp × ep (``--mesh pp=2,dp_shard=2,tp=2,ep=2``, etp=1, sixteen
+processes, 1F1B, SGD, the 8-expert Mixtral): ranks 0-7 1,857,488 B real and estimated; ranks 8-15 1,846,668 B real and
+estimated, to the byte (2026-12-07; 1,847,180 B real and 1,846,676 estimated before the harness and stand-in fix).
+
+HSDP stages with experts (``--mesh pp=2,dp_replicate=2,dp_shard=2,ep=2``, sixteen processes, 1F1B, SGD):
+ranks 0-7 2,796,496 B, ranks 8-15 2,256,148 B, real and estimated, to the byte (2026-12-07).
+
 pp × tp × ep (``--mesh pp=2,tp=2,ep=2``, eight processes, 1F1B, SGD): ranks 0-3 1,632,072 B, ranks 4-7
 1,532,616 B, real and estimated, to the byte (the comment at CASES_TP).
 """
@@ -28,7 +35,7 @@ import torch.distributed as dist
 from gloo_pipeline import check_every_rank, peaks_by_rank
 from gloo_pipeline_ep import EP, PP, PipelineEpCase, run_cases
 from support import hf_config_source
-from test_ep import TINY_MIXTRAL
+from test_ep import TINY_MIXTRAL, TINY_MIXTRAL_8
 
 import memcalc
 from memcalc.distributed.strategy.ep import expert_parallelism_available
@@ -123,3 +130,46 @@ def real_peaks_tp(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict
 def test_every_rank_of_pp_x_tp_x_ep_against_a_real_gloo_run(source: str, real_peaks_tp: dict[str, list],
                                                            case: PipelineEpCase) -> None:
     _check(source, real_peaks_tp, case, tp=TP)
+
+
+#: HSDP stages with experts (pp=2 x dp_replicate=2 x dp_shard=2 x ep=2, sixteen processes; ranks numbered
+#: ((pp_rank x dp_replicate + replica) x dp_shard + dp_shard_rank) x ep + ep_rank): each stage's units
+#: fully_shard-ed over the 2-D (dp_replicate, dp_shard) mesh (experts) and (dp_replicate, dp_shard x ep) (the
+#: rest), as torchtitan wraps them; the replicas' all-reduce is in place, so every rank holds what it holds
+#: under pp x dp_shard x ep.
+CASES_HSDP = [PipelineEpCase("1f1b-sgd-hsdp", "1F1B", 2, "sgd", 4, 64, dp_shard=DP_SHARD, dp_replicate=2)]
+
+
+@pytest.fixture(scope="module")
+def real_peaks_hsdp(source: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    return _real(source, CASES_HSDP, tmp_path_factory.mktemp("gloo-pp-hsdp-ep"), dp_shard=DP_SHARD, dp_replicate=2)
+
+
+@pytest.mark.parametrize("case", CASES_HSDP, ids=lambda case: case.name)
+def test_every_rank_of_pp_x_hsdp_x_ep_against_a_real_gloo_run(source: str, real_peaks_hsdp: dict[str, list],
+                                                              case: PipelineEpCase) -> None:
+    _check(source, real_peaks_hsdp, case, dp_replicate=2, dp_shard=DP_SHARD)
+
+
+#: pp x dp_shard x tp x ep (torchtitan's 4-D MoE layout, etp=1; ranks ((pp_rank x dp_shard + dp_shard_rank) x ep
+#: + ep_rank) x tp + tp_rank), on the 8-expert Mixtral (4 experts would leave 1 per ep x tp rank, fewer than
+#: dp_shard: refused): each stage's dense part under the tp plan, its experts over ep x tp, then FSDP2 as for
+#: pp x dp_shard x ep. Measured (2026-12-07): ranks 0-7 1,857,488 B real and estimated; ranks 8-15 1,846,668 B real
+#: and estimated, to the byte (1,847,180 real and 1,846,676 estimated before the fix at CASES_TP's comment).
+CASES_4D = [PipelineEpCase("1f1b-sgd-4d", "1F1B", 2, "sgd", 4, 64, dp_shard=DP_SHARD, tp=TP)]
+
+
+@pytest.fixture(scope="module")
+def source_8(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return hf_config_source(tmp_path_factory.mktemp("tiny-mixtral-8"), TINY_MIXTRAL_8)
+
+
+@pytest.fixture(scope="module")
+def real_peaks_4d(source_8: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    return _real(source_8, CASES_4D, tmp_path_factory.mktemp("gloo-pp-dp-tp-ep"), dp_shard=DP_SHARD, tp=TP)
+
+
+@pytest.mark.parametrize("case", CASES_4D, ids=lambda case: case.name)
+def test_every_rank_of_pp_x_dp_shard_x_tp_x_ep_against_a_real_gloo_run(source_8: str, real_peaks_4d: dict[str, list],
+                                                                       case: PipelineEpCase) -> None:
+    _check(source_8, real_peaks_4d, case, dp_shard=DP_SHARD, tp=TP)

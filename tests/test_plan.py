@@ -194,7 +194,7 @@ def test_a_registered_dimension_is_searched_with_its_degrees():
     # a stand-in dimension, registered as a new dimension's file registers it (ep: expert
     # parallelism): plan then searches its degrees (here:
     # the divisors of the heads and KV heads, 8, that are ≤ 4), and a mesh the strategies refuse
-    # (tp with ep and dp_shard: tp's own check, whatever file models ep) is named, not estimated
+    # (tp with ep and cp: tp's own check, whatever file models ep) is named, not estimated
     from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register
     from memcalc.fields import build_step
     from memcalc.search import plan as planning
@@ -220,8 +220,8 @@ def test_a_registered_dimension_is_searched_with_its_degrees():
         assert {m.ep for m in meshes} == {1, 2, 4}
         assert Mesh(dp_shard=2, ep=4) in meshes and all(m.world_size == 8 for m in meshes)
         step = build_step("mlp", batch_size=1)
-        why = planning.refusal(step, Mesh(tp=2, dp_shard=2, ep=2))
-        assert why is not None and "not modelled" in why
+        why = planning.refusal(step, Mesh(tp=2, cp=2, ep=2))
+        assert why is not None and "tp=2 with ep=2 and cp=2 is not modelled" in why
         assert planning.refusal(step, Mesh(dp_shard=8)) is None
     finally:
         del DIMENSIONS["ep"]

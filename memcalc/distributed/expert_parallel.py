@@ -101,9 +101,12 @@ def expert_notes(degree: int, routing: Routing, capacity_factor: float | None, d
              else f"FSDP2 of each stage as torchtitan shards MoE models: each block's experts over the {dp_shard} "
                   f"dp_shard ranks that hold the same experts, the dense part over dp_shard x ep = {dp_shard * degree}")
     if tp > 1:
+        synced = ("the dense gradients' synchronisation over the ep ranks not modelled" if dp_shard == 1 else
+                  f"then FSDP2 of each stage: each block's experts over the {dp_shard} dp_shard ranks that hold the "
+                  f"same experts, the dense part over dp_shard x ep = {dp_shard * degree}")
         dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch, the experts over all ep x "
-                 f"tp = {degree * tp} ranks (transformers' ep_size = fsdp_size x tp_size, torchtitan's etp=1); the "
-                 f"dense gradients' synchronisation over the ep ranks not modelled")
+                 f"tp = {degree * tp} ranks (transformers' ep_size = fsdp_size x tp_size, torchtitan's etp=1); "
+                 f"{synced}")
     return (f"expert parallelism over {degree} ranks inside every stage: each holds 1/{degree * tp} of the stage's "
             f"MoE layers' experts (their gradients and optimizer state) and a batch of its own; tokens move by "
             f"all-to-all under {routing_text(routing, capacity_factor)}; ep rank 0 traced; {dense}")

@@ -106,6 +106,11 @@ def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[
     return units
 
 
+def _alone(params: Sequence[_Param]) -> bool:
+    """Whether ``params`` (one unit's) are sharded over one rank, where FSDP2 runs no collective."""
+    return params[0].world_size == 1
+
+
 def _module_lists(module: nn.Module) -> list[str]:
     found: list[str] = []
     for name, sub in module.named_modules():
@@ -407,13 +412,27 @@ class ShardedProgram(RankProgram):
             return
         missing = [p for p in state.params if p.holders == 0]
         all_gather = None
-        if self.fsdp2 and missing:
+        alone = self.fsdp2 and bool(missing) and _alone(missing)
+        if alone:
+            # FSDPParamGroup.unshard over a one-rank shard group (ep's HSDP, dp_shard_mod_ep = 1) all-gathers
+            # nothing; wait_for_unshard copies each shard into its unsharded parameter, and in forward first
+            # frees the previous unit's all-gather output (its implicit-prefetch branch)
+            if forward:
+                self._pending_all_gather = None
+        elif self.fsdp2 and missing:
             all_gather = state.prefetched if state.prefetched is not None else self._all_gather_output(missing)
             state.prefetched = None
+        cast = None
         for p in state.params:  # the copy-out into the unsharded parameters
             if p.holders == 0:
+                if alone and p.float8 is None and p.sharded.dtype != p.gather_dtype:
+                    # one rank, mixed precision: wait_for_unshard's all_gather_inputs[0] is the shard cast to
+                    # param_dtype, bound until the next parameter's replaces it (from torch 2.13's source; the
+                    # gloo runs are fp32)
+                    cast = self._buffer(p.shard_numel, p.gather_dtype, Category.WORKSPACE)
                 self._allocate_unsharded(p)
             p.holders += 1
+        del cast
         state.gathered = True
         if forward and all_gather is not None:
             # wait_for_unshard drops the previous unit's output, but its local reference
@@ -704,7 +723,7 @@ class ShardedProgram(RankProgram):
         if following is not None and not following.gathered and following.prefetched is None:
             if self.fsdp2:
                 missing = [p for p in following.params if p.holders == 0]
-                if missing:
+                if missing and not _alone(missing):
                     following.prefetched = self._all_gather_output(missing)
             else:
                 self._gather(following, forward=False)
@@ -773,7 +792,7 @@ class ShardedProgram(RankProgram):
         with self._tracer.on_stream(Stream.REDUCE_SCATTER):
             output = torch.empty(sum(p.shard_numel for p in params), dtype=reduce_dtype, device="meta")
             self._tracer.track(output, Category.GRADIENTS)
-            if self.gloo:
+            if self.gloo and not _alone(params):  # one rank: foreach_reduce copies, no collective
                 self._gloo_copy(rs_input)  # gloo reduce-scatters by all-reducing a clone of the input
             sharded_dtype = params[0].sharded.dtype
             if sharded_dtype != reduce_dtype:

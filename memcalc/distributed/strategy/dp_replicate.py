@@ -2,7 +2,12 @@
 with the whole model, its gradients and optimizer state, its share of the batch, and the
 gradient buckets (:class:`~memcalc.distributed.ddp.DdpProgram`). With ``dp_shard`` it is HSDP:
 FSDP2 ``fully_shard`` on a 2-D mesh, sharded within ``dp_shard`` and replicated across
-``dp_replicate`` (checked against a real 4-process gloo run, tests/test_gloo_runs.py)."""
+``dp_replicate`` (checked against a real 4-process gloo run, tests/test_gloo_runs.py).
+
+With ``ep`` (and ``tp``) but no ``dp_shard`` it is HSDP too, as torchtitan runs that mesh: its ep borrows its
+dp_shard (``dp_shard_mod_ep`` = 1) and it ``fully_shard``-s every MoE model with ep, so the dense part
+is sharded over the ep ranks and each block's experts over a one-rank shard group, replicated across
+``dp_replicate`` (:meth:`DpReplicate._moe_hsdp`; a real 4-process gloo run, tests/test_gloo_ep.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from memcalc.distributed.ddp import DdpProgram
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
+from memcalc.distributed.strategy.dp_shard import fsdp_program, stacked
 from memcalc.distributed.vocabulary import DEFAULT_BUCKET_CAP_MB, Strategy
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.step_spec import Step
@@ -64,6 +70,8 @@ class DpReplicate(RankStrategy):
         batch = Shard(("batch",), self.name, self.degree)
         if mesh is not None and mesh.dp_shard > 1:
             return self._hsdp(plan, batch)
+        if self._moe_fsdp:
+            return self._moe_hsdp(plan, batch, step)
         cap_mb = self.distributed.bucket_cap_mb
         view = self.distributed.gradient_as_bucket_view
         training = step.mode is Mode.TRAIN
@@ -76,17 +84,53 @@ class DpReplicate(RankStrategy):
                 + ("" if view else ": the buckets are a second copy of the gradients"))
         return replace(plan, roles=roles, notes=(*plan.notes, note))
 
+    @property
+    def _moe_fsdp(self) -> bool:
+        """Whether this is ep's HSDP without dp_shard (the module docstring), whose FSDP2 program
+        this strategy adds itself."""
+        mesh = self.distributed.mesh
+        return mesh is not None and mesh.ep > 1 and mesh.dp_shard == 1
+
+    def trace_precision(self, precision: Precision) -> Precision:
+        """FSDP2's mixed precision under ep's HSDP (as dp_shard's); DDP's autocast otherwise."""
+        return Precision.FP32 if self._moe_fsdp and precision.is_amp else precision
+
+    def _moe_hsdp(self, plan: Plan, batch: Shard, step: Step) -> Plan:
+        """HSDP around expert parallelism without dp_shard, as torchtitan runs ``--mesh
+        dp_replicate=R,ep=E`` (its ``dp_replicate=R, dp_shard=E, ep=E``: ``dp_shard_mod_ep`` is 1,
+        and ``apply_fsdp`` wraps MoE models whenever ep is on): FSDP2 over the ``E`` ep ranks for
+        every block and the root (``(dp_replicate, dp_shard_cp)``), each block's experts over a
+        one-rank shard group (``(dp_replicate, dp_shard_mod_ep)``), stacked on ep's program; the
+        replicas' all-reduce in place (:meth:`_hsdp`)."""
+        self._refuse_bucket_options()
+        mesh = self.distributed.mesh
+        ep, tp = (mesh.ep, mesh.tp) if mesh is not None else (1, 1)
+        # under tp x ep (etp=1) the experts are split over ep x tp ranks before FSDP2
+        fsdp, notes = fsdp_program(self.distributed.sharding, step, ep, experts_degree=1, ep=ep, owners=ep * tp)
+        assert all(role.program is not None for role in plan.roles), "ep applies before dp_replicate"
+        roles = tuple(replace(role, program=stacked(role.program, fsdp), sharding=sharding(role.sharding, batch))
+                      for role in plan.roles if role.program is not None)
+        note = (f"HSDP around expert parallelism, as torchtitan runs it without dp_shard (its ep borrows its "
+                f"dp_shard: dp_shard_mod_ep = 1): every block and the root FSDP2-sharded over the {ep} ep ranks "
+                f"(torchtitan's (dp_replicate, dp_shard_cp) mesh), each block's experts over a one-rank shard "
+                f"group (its (dp_replicate, dp_shard_mod_ep) mesh: no collective); {self.degree} replicas, each "
+                f"unit's sharded gradients all-reduced across them in place")
+        return replace(plan, roles=roles, notes=(*plan.notes, note, *notes))
+
+    def _refuse_bucket_options(self) -> None:
+        if self.distributed.bucket_cap_mb != DEFAULT_BUCKET_CAP_MB or self.distributed.gradient_as_bucket_view:
+            raise InapplicableOptionError(
+                "bucket_cap_mb and gradient_as_bucket_view are DDP's; under HSDP (dp_replicate with dp_shard, or "
+                "with ep) FSDP2 all-reduces its own reduce-scatter outputs and would ignore them",
+                hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
+
     def _hsdp(self, plan: Plan, batch: Shard) -> Plan:
         """HSDP: FSDP2 on a 2-D mesh, which dp_shard's program already runs over its dp_shard
         ranks. The replicas all-reduce each unit's reduce-scatter output in place
         (``foreach_reduce``: ``dist.all_reduce(reduce_output, group=all_reduce_group)``), and the
         buffer FSDP2 holds across units for it (``_all_reduce_state``) is that output, whose
         views are the sharded gradients: no memory of its own on a rank."""
-        if self.distributed.bucket_cap_mb != DEFAULT_BUCKET_CAP_MB or self.distributed.gradient_as_bucket_view:
-            raise InapplicableOptionError(
-                "bucket_cap_mb and gradient_as_bucket_view are DDP's; under HSDP (dp_replicate with dp_shard) "
-                "FSDP2 all-reduces its own reduce-scatter outputs and would ignore them",
-                hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
+        self._refuse_bucket_options()
         assert all(role.program is not None for role in plan.roles), "dp_shard applies before dp_replicate"
         roles = tuple(replace(role, sharding=sharding(role.sharding, batch)) for role in plan.roles)
         note = (f"HSDP: {self.degree} replicas of the dp_shard group; each unit's sharded gradients are all-reduced "

@@ -28,7 +28,7 @@ from memcalc.distributed.vocabulary import FsdpSharding, Strategy
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.step_spec import Step
 
-__all__ = ("DpShard", "fsdp_program")
+__all__ = ("DpShard", "fsdp_program", "stacked")
 
 
 @register(Strategy.FSDP)
@@ -83,9 +83,11 @@ class DpShard(RankStrategy):
             roles = tuple(replace(role, sharding=sharding(role.sharding, shard)) for role in plan.roles)
             return replace(plan, roles=roles)
         ep = 1 if mesh is None else mesh.ep
+        # under tp x ep the experts go over ep x tp ranks (etp=1): each holds 1/(ep·tp) of them
+        owners = ep * (mesh.tp if mesh is not None and ep > 1 else 1)
         fsdp, notes = fsdp_program(self.distributed.sharding, step, self.degree * ep,
-                                   experts_degree=self.degree if ep > 1 else None, ep=ep)
-        roles = tuple(replace(role, program=fsdp if role.program is None else _stacked(role.program, fsdp),
+                                   experts_degree=self.degree if ep > 1 else None, ep=ep, owners=owners)
+        roles = tuple(replace(role, program=fsdp if role.program is None else stacked(role.program, fsdp),
                               sharding=sharding(role.sharding, shard)) for role in plan.roles)
         if any(role.program is not None for role in plan.roles):
             shards = "expert-parallel" if ep > 1 else "tensor-parallel"
@@ -95,7 +97,7 @@ class DpShard(RankStrategy):
 
 def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = False,
                  experts_degree: int | None = None, ep: int = 1,
-                 experts: Callable[[ResolvedModel], list[str]] | None = None,
+                 experts: Callable[[ResolvedModel], list[str]] | None = None, owners: int | None = None,
                  ) -> tuple[Callable[[ResolvedModel], RankProgram], list[str]]:
     """The FSDP2 program over ``n`` ranks (a builder per role's model) and its notes: dp_shard's,
     and context parallelism's, which shards the parameters over dp_shard x cp as torchtitan does.
@@ -105,7 +107,8 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
     parallelism (``ep`` ways), each block's experts module a unit of its own sharded over that many
     ranks (torchtitan's ``apply_fsdp`` for MoE: ``fully_shard(experts, mesh=dp_shard_mod_ep)``);
     ``experts``: the paths of those modules in a role's model (None: from the model's own plan; a
-    pipeline stage's come from the plan resolved on the whole model)."""
+    pipeline stage's come from the plan resolved on the whole model); ``owners``: the ranks the
+    experts are split over before FSDP2 (None: ``ep``; ``ep × tp`` under etp=1)."""
     precision = step.precision
     mixed = precision.is_amp
     low = precision.compute_dtype
@@ -122,7 +125,8 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
         notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
 
     def fsdp(resolved: ResolvedModel) -> RankProgram:
-        inner = None if experts_degree is None else _experts_units(resolved, experts_degree, ep, experts)
+        inner = (None if experts_degree is None
+                 else _experts_units(resolved, experts_degree, ep, experts, owners or ep))
         units = fsdp_units(resolved.module, resolved.block_containers, resolved.separate_models,
                            resolved.fsdp_root, inner)
         return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
@@ -135,8 +139,10 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
 
 
 def _experts_units(resolved: ResolvedModel, degree: int, ep: int,
-                   experts: Callable[[ResolvedModel], list[str]] | None = None) -> dict[str, int]:
-    """Each expert-parallel experts module of ``resolved`` sharded over ``degree`` ranks.
+                   experts: Callable[[ResolvedModel], list[str]] | None = None, owners: int | None = None,
+                   ) -> dict[str, int]:
+    """Each expert-parallel experts module of ``resolved`` sharded over ``degree`` ranks, the
+    experts split over ``owners`` ranks before (None: ``ep``).
 
     Raises:
         InapplicableOptionError: more ranks than local experts: torchtitan then shards the
@@ -145,17 +151,20 @@ def _experts_units(resolved: ResolvedModel, degree: int, ep: int,
     from memcalc.distributed.expert_parallel import expert_modules
 
     paths = expert_modules(resolved.module, ep, resolved.name) if experts is None else experts(resolved)
+    split = owners or ep
+    ranks = f"ep={ep}" if split == ep else f"ep x tp = {split} ranks"
     for path in paths:
         count = getattr(resolved.module.get_submodule(path), "num_experts", None)
-        if isinstance(count, int) and degree > count // ep:
+        if isinstance(count, int) and degree > count // split:
             raise InapplicableOptionError(
-                f"dp_shard={degree} with ep={ep}: each ep rank holds {count // ep} experts of {path}, fewer than the "
-                f"dp_shard ranks, and torchtitan then shards them on dim 1 (Shard(1)), which memcalc does not model",
-                hint=f"Give a dp_shard of at most {count // ep} with ep={ep}, or a larger ep.")
+                f"dp_shard={degree} with {ranks}: each ep rank holds {count // split} experts of {path}, fewer than "
+                f"the dp_shard ranks, and torchtitan then shards them on dim 1 (Shard(1)), which memcalc does not "
+                f"model",
+                hint=f"Give a dp_shard of at most {count // split} with {ranks}, or a larger ep.")
     return {path: degree for path in paths}
 
 
-def _stacked(inner: Callable[[ResolvedModel], RankProgram],
+def stacked(inner: Callable[[ResolvedModel], RankProgram],
              fsdp: Callable[[ResolvedModel], RankProgram]) -> Callable[[ResolvedModel], RankProgram]:
     """FSDP2 over the program a dimension before it gave the role (tensor parallelism's
     ``parallelize_module``), as torchtitan applies ``fully_shard`` after it."""

@@ -23,10 +23,11 @@ four-process gloo run agrees to the byte. Under ``pp`` the pipeline applies it i
 (:mod:`memcalc.distributed.ep_stages`). With ``tp`` (``tp·ep`` ranks): tp's plan on each tp group
 (one batch per group), the experts over all ``ep·tp`` ranks, each tp rank dispatching ``1/tp`` of its
 group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's ``etp=1``
-(:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte). The dense gradients'
-synchronisation over the ep ranks is not modelled (stated); with cp, dp_replicate alone, or tp and
-more, ep is refused by name. The optimizer steps each DTensor's local shard (tests/test_gloo_ep.py).
-"""
+(:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte), and with dp_shard
+too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; 8 and, with HSDP, 16 processes, to the
+byte). The dense gradients' synchronisation over ep is not modelled without FSDP2 (stated). With
+dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp, ep is
+refused by name."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class ExpertParallelDimension(RankStrategy):
         mesh = self.distributed.mesh
         self._refuse_others()
         composed = mesh is not None and mesh.dp_shard > 1
+        hsdp = mesh is not None and mesh.dp_shard == 1 and mesh.dp_replicate > 1  # FSDP2 over ep (dp_replicate's)
         if not expert_parallelism_available():
             raise InapplicableOptionError(
                 f"ep={self.degree} runs transformers' own expert parallelism (transformers.distributed."
@@ -98,7 +100,9 @@ class ExpertParallelDimension(RankStrategy):
         n = self.degree
         tp = 1 if mesh is None else mesh.tp
         strings = dict(self.distributed.tp_plan) if self.distributed.tp_plan is not None else None
-        impl = resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda) if tp > 1 else None
+        # under FSDP2 every parameter becomes a DTensor: foreach and fused optimizers step them all (tp's file)
+        impl = (resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
+                if tp > 1 and not (composed or hsdp) else None)
 
         def program(resolved: ResolvedModel) -> RankProgram:
             if tp > 1:  # tp's plan on the dense part, the experts over ep x tp (etp=1)
@@ -107,13 +111,23 @@ class ExpertParallelDimension(RankStrategy):
             return ExpertParallel(n, routing=routing, capacity_factor=factor, model_name=resolved.name)
 
         shards: tuple[Shard, ...]
-        if tp > 1:
+        if tp > 1 and (composed or hsdp) and mesh is not None:  # FSDP2 around tp x ep (torchtitan's etp=1 layout)
+            shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
+            dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch and sharded by FSDP2 "
+                     f"over dp_shard x ep = {mesh.dp_shard * n} ranks (torchtitan's dp_shard_cp mesh); each block's "
+                     f"experts over all ep x tp = {n * tp} ranks (etp=1: torchtitan's ep of {n * tp} borrows tp and "
+                     f"{n} of its dp_shard of {mesh.dp_shard * n}), each rank's share sharded by FSDP2 over the "
+                     f"{mesh.dp_shard} dp_shard ranks that hold the same experts (its dp_shard_mod_ep mesh)")
+        elif tp > 1:
             shards = (Shard(("experts",), self.name, n), Shard(("batch",), self.name, n))
             dense = (f"the dense part under tp's plan over the {tp} tp ranks that share a batch; each block's experts "
                      f"over all ep x tp = {n * tp} ranks, as transformers "
                      f"composes tp_size with ep_size = fsdp_size x tp_size and torchtitan with etp=1: each tp "
                      f"rank dispatches 1/{tp} of its group's tokens and all-gathers the results over tp; the dense "
                      f"gradients' synchronisation over the ep ranks is not modelled")
+        elif hsdp:  # dp_replicate's FSDP2 shards the dense part over the ep ranks (its file)
+            shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
+            dense = "the dense part sharded by FSDP2 over the ep ranks (dp_replicate's HSDP, as torchtitan runs it)"
         elif composed:  # dp_shard's FSDP2 shards the dense part over these ranks too
             shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
             dense = (f"the dense part sharded by FSDP2 over dp_shard x ep = {mesh.dp_shard * n} ranks (torchtitan's "
@@ -130,29 +144,25 @@ class ExpertParallelDimension(RankStrategy):
 
     def _refuse_others(self) -> None:
         """Refuse the dimensions ep does not compose with yet. pp applies ep itself; dp_replicate
-        around dp_shard is HSDP over ep's FSDP2 (torchtitan's (dp_replicate, dp_shard_mod_ep) and
-        (dp_replicate, dp_shard_cp) meshes); tp alone beside it is tp × ep (etp=1)."""
+        alone is torchtitan's HSDP with a one-rank experts shard group (dp_replicate's file); around
+        dp_shard it is HSDP over ep's FSDP2 (torchtitan's (dp_replicate, dp_shard_mod_ep) and
+        (dp_replicate, dp_shard_cp) meshes); tp beside it is tp × ep (etp=1), with dp_shard's FSDP2 around
+        both or alone."""
         mesh = self.distributed.mesh
         if mesh is None:
             return
-        if mesh.tp > 1:
-            allowed = {"ep", "tp"}
-        else:
-            allowed = {"ep", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"ep", "dp_shard"}
+        # without dp_shard, dp_replicate is HSDP with a one-rank experts shard group (dp_replicate's file)
+        allowed = {"ep", "tp", "dp_shard", "dp_replicate"}
         others = sorted(set(mesh.used) - allowed)
-        if others == ["dp_replicate"]:
-            raise InapplicableOptionError(
-                f"ep={self.degree} with dp_replicate={mesh.dp_replicate} alone (DDP around expert parallelism) is not "
-                f"modelled: torchtitan replicates MoE models only as HSDP, its ep ranks carved out of dp_shard",
-                hint=f"Give dp_shard too (--mesh dp_replicate={mesh.dp_replicate},dp_shard=N,ep={self.degree}: HSDP).")
         if others:
             listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
             raise InapplicableOptionError(
                 f"ep={self.degree} with {listed} is not modelled yet: memcalc composes expert parallelism with "
-                f"FSDP2 (dp_shard), with tensor parallelism (tp, alone) and with pipeline stages (pp), as "
-                f"torchtitan shards its MoE models",
+                f"FSDP2 (dp_shard), with tensor parallelism (tp, and FSDP2 around both) and with pipeline stages "
+                f"(pp), as torchtitan shards its MoE models",
                 hint=f"Estimate ep={self.degree} alone, with dp_shard (--mesh dp_shard=N,ep={self.degree}), with tp "
-                     f"(--mesh tp=T,ep={self.degree}) or with pp (--mesh pp=N,ep={self.degree}).")
+                     f"(--mesh tp=T,ep={self.degree} or dp_shard=N,tp=T,ep={self.degree}) or with pp "
+                     f"(--mesh pp=N,ep={self.degree}).")
 
 
 

@@ -16,14 +16,16 @@ stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order)
 ``dp_replicate`` too the stages are HSDP (the replicas' all-reduce is in place); without dp_shard
 (DDP stages) it is refused by name.
 
-With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages) each
-stage's experts are sharded over the ep ranks (:mod:`memcalc.distributed.ep_stages`), ep innermost.
+With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages, HSDP's
+dp_replicate around that) each stage's experts are sharded over the ep ranks
+(:mod:`memcalc.distributed.ep_stages`), ep innermost.
 
 With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
 parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it
 (:mod:`memcalc.distributed.tp_stages`): a pipeline rank's tp and dp_shard ranks share its trace,
-numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``. With ``tp`` and ``ep`` both
-(no dp_shard), each stage's experts go over the pipeline rank's ep × tp ranks (``StageExpertTensorParallel``).
+numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``. With ``tp`` and ``ep`` both,
+each stage's experts go over the pipeline rank's ep × tp ranks (``StageExpertTensorParallel``), and
+with dp_shard FSDP2 wraps the stage around that (torchtitan's 4-D MoE layout, etp=1).
 """
 
 from __future__ import annotations
@@ -129,14 +131,18 @@ class PipelineParallel(RankStrategy):
                 program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
             else:  # torchtitan's MoE FSDP per stage: the experts over dp_shard, the dense part over dp_shard x ep
                 program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * ep, pipelined=True,
-                                                   experts_degree=dp_shard, ep=ep, experts=experts.experts_paths)
+                                                   experts_degree=dp_shard, ep=ep, experts=experts.experts_paths,
+                                                   owners=ep * tp)
             precision = sharder.trace_precision(step.precision)
             shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
             if replicas > 1:
                 shard = (*shard, Shard(("batch",), "dp_replicate", replicas))
-                fsdp_notes.append(f"HSDP: {replicas} replicas of each stage's dp_shard group (fully_shard over the "
-                                  f"2-D (dp_replicate, dp_shard) mesh, as torchtitan wraps its stages); the sharded "
-                                  f"gradients all-reduced across them in place after the last microbatch")
+                meshes = ("the 2-D (dp_replicate, dp_shard) mesh" if experts is None else
+                          "the 2-D (dp_replicate, dp_shard) mesh for the experts and (dp_replicate, dp_shard x ep) "
+                          "for the rest")
+                fsdp_notes.append(f"HSDP: {replicas} replicas of each stage's dp_shard group (fully_shard over "
+                                  f"{meshes}, as torchtitan wraps its stages); the sharded gradients all-reduced "
+                                  f"across them in place after the last microbatch")
         inner: InnerParallel | None = None
         if experts is not None:
             inner = experts if tp == 1 else StageExpertTensorParallel(experts, self._tp_strings(),
@@ -195,15 +201,16 @@ class PipelineParallel(RankStrategy):
     def _expert_parallel(self, ep: int, tp: int, dp_shard: int, replicas: int) -> StageExpertParallel:
         """ep inside every stage (:mod:`memcalc.distributed.ep_stages`), with tp's ranks borrowed for
         the experts (etp=1), refusing what is not modelled there."""
-        others = {name: degree for name, degree in (("dp_shard", dp_shard if tp > 1 else 1),
-                                                    ("dp_replicate", replicas)) if degree > 1}
+        # HSDP around each stage's MoE FSDP2 (replicas need dp_shard: _replicas) holds what dp_shard alone
+        # holds, as without ep; with tp x ep, not checked yet
+        others = {name: degree for name, degree in (("dp_replicate", replicas if tp > 1 else 1),) if degree > 1}
         if others:
             listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
             also = f" and tp={tp}" if tp > 1 else ""
             raise InapplicableOptionError(
                 f"pp={self.degree} with ep={ep}{also} and {listed} is not modelled yet: memcalc pipelines expert "
-                f"parallelism alone, with dp_shard or with tp (each stage's experts over the ep ranks, checked "
-                f"against real gloo runs)",
+                f"parallelism alone, with dp_shard (and HSDP's dp_replicate around it), with tp, or with tp and "
+                f"dp_shard (each stage's experts over the ep ranks, checked against real gloo runs)",
                 hint=f"Estimate --mesh pp={self.degree},ep={ep} (or with dp_shard=N, or with tp=T).")
         if not expert_parallelism_available():
             raise InapplicableOptionError(

@@ -17,7 +17,8 @@ back, so a rank holds 1/(dp_shard·tp) of the planned parameters. Checked agains
 gloo runs on a 2×2 mesh (tests/test_gloo_fsdp_tp.py). Inside pipeline stages (``pp``, which runs
 the whole step) the pipeline applies it (:mod:`memcalc.distributed.tp_stages`). With ``cp`` the
 ring goes around this program and FSDP2 over dp_shard × cp (cp's file). With ep (alone) ep's
-program runs this plan on its tp sub-mesh (tp × ep, ep's file). With dp_replicate alone tp is
+program runs this plan on its tp sub-mesh (tp × ep, ep's file), and with dp_shard too FSDP2 over
+that (dp_shard × tp × ep, torchtitan's etp=1 MoE layout; HSDP around it). With dp_replicate alone tp is
 refused by name: tracing one dimension alone would understate a rank.
 """
 
@@ -124,8 +125,8 @@ class TensorParallelDimension(RankStrategy):
         mesh = self.distributed.mesh
         if mesh is None:
             return
-        if mesh.ep > 1:  # tp x ep: ep's program runs this plan on its tp sub-mesh (ep's file)
-            composes = {"tp", "ep"}
+        if mesh.ep > 1:  # tp x ep: ep's program runs this plan on its tp sub-mesh (ep's file); FSDP2 over it
+            composes = {"tp", "ep", "dp_shard", "dp_replicate"}
         else:
             composes = {"tp", "cp", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp", "cp"}
         others = sorted(set(mesh.used) - composes)
@@ -135,9 +136,10 @@ class TensorParallelDimension(RankStrategy):
         if mesh.ep > 1:
             raise InapplicableOptionError(
                 f"tp={self.degree} with ep={mesh.ep} and {listed} is not modelled yet: memcalc composes tensor "
-                f"parallelism with expert parallelism alone (tp x ep, the experts over ep x tp ranks)",
-                hint=f"Estimate --mesh tp={self.degree},ep={mesh.ep}, or tp={self.degree} with dp_shard and cp "
-                     f"without ep.")
+                f"parallelism with expert parallelism (tp x ep, the experts over ep x tp ranks) and FSDP2 or HSDP "
+                f"around them (dp_shard, dp_replicate) only",
+                hint=f"Estimate --mesh tp={self.degree},ep={mesh.ep} or dp_shard=N,tp={self.degree},ep={mesh.ep}, or "
+                     f"tp={self.degree} with dp_shard and cp without ep.")
         raise InapplicableOptionError(
             f"tp={self.degree} with {listed} is not modelled yet: memcalc composes tensor parallelism with FSDP2 "
             f"(dp_shard, and HSDP's dp_replicate around it) and context parallelism (cp) only, and tracing one "
