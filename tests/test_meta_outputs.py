@@ -313,3 +313,45 @@ def test_every_rule_is_a_shortcut_and_tested() -> None:
     assert set(OUTPUT_RULES) == tested
     rules: dict[Any, Callable[..., Any]] = dict(OUTPUT_RULES)
     assert all(SHORTCUTS[op] is rule for op, rule in rules.items())
+
+
+def _traced(model: str, rules: bool, **options: Any) -> tuple[Any, ...]:
+    """The report and every trace of one estimate, the meta-kernel cache emptied first, with the
+    output rules or without them (the kernels then run)."""
+    import memcalc
+    from memcalc.engine import trace
+
+    traces: list[tuple[Any, ...]] = []
+    stop = trace.StorageTracer.stop
+
+    def kept(self: trace.StorageTracer) -> trace.StepTrace:
+        out = stop(self)
+        t = self.trace
+        traces.append((list(t.nbytes), list(t.events), list(t.op), list(t.module), list(t.phase), dict(t.op_counts)))
+        return out
+
+    table = dict(trace._SHORTCUTS)
+    if not rules:
+        for op in OUTPUT_RULES:
+            trace._SHORTCUTS.pop(id(op))
+    trace.StorageTracer.stop = kept  # type: ignore[method-assign]
+    try:
+        trace.MetaKernelCache.clear()
+        report = memcalc.estimate(model, **options)
+    finally:
+        trace.StorageTracer.stop = stop  # type: ignore[method-assign]
+        trace._SHORTCUTS.clear()
+        trace._SHORTCUTS.update(table)
+        trace.MetaKernelCache.clear()
+    return report.to_dict(), traces
+
+
+@pytest.mark.parametrize(("model", "options"), [
+    ("resnet50", {"batch_size": 2, "optimizer": "adam"}),
+    pytest.param("gpt2", {"batch_size": 1, "seq_len": 32, "optimizer": "adamw", "precision": "amp-bf16"},
+                 marks=pytest.mark.slow),
+], ids=["resnet50", "gpt2-amp-bf16"])
+def test_a_step_traces_the_same_with_the_rules(model: str, options: dict[str, Any]) -> None:
+    """A whole step, cold, with and without the rules: the same storages, sizes, ops, modules,
+    phases and op counts, event for event, and the same report."""
+    assert _traced(model, True, **options) == _traced(model, False, **options)

@@ -39,6 +39,8 @@ _PLAIN: Final = frozenset({torch.Tensor, torch.nn.Parameter})
 #: Scalar types that leave a floating tensor's dtype as it is (type promotion: a Python number of
 #: the same or a lower category never raises a tensor's dtype).
 _REAL_SCALARS: Final = frozenset({int, float, bool})
+#: The device of every output (a device object: a string is parsed at every ``torch.empty``).
+_META: Final = torch.device("meta")
 #: Half dtypes whose layer-norm statistics the decomposition keeps in float32.
 _HALF: Final = frozenset({torch.float16, torch.bfloat16})
 
@@ -61,7 +63,7 @@ def _dense(value: Any) -> bool:
 
 
 def _fresh(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.empty(shape, dtype=dtype, device=_META)
 
 
 def _elementwise(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
