@@ -13,7 +13,8 @@ Prints figures beside their targets; asserts nothing (machines are noisy: CPU ti
 2. ``max_batch_size`` in units of one estimate (CPU time, warm process): resnet50, vit_b_16,
    gpt2 (256 tokens) and vgg16 with ``margin=0``, on an A100 40 GB. Target: at most 2.5x.
 
-Run: ``python benchmarks/per_op.py [--repeat 3] [--baseline DIR] [--only ops|fit] [--cold | --fresh]``; a
+Run: ``python benchmarks/per_op.py [--repeat 3] [--baseline DIR] [--only ops|fit] [--cold | --fresh]
+[--rounds N] [--cases resnet50,gpt2]`` (``--rounds``: N child processes per tree, the trees' taking turns); a
 baseline tree is made with ``git archive <commit> | tar -x -C DIR``. The meta-kernel cache outlives a
 trace (the process's): ``--cold`` empties it before each timed estimate, so that each trace runs
 every kernel it does not repeat itself, as a first estimate does. ``--fresh`` times what a first
@@ -79,7 +80,8 @@ if what.startswith("fresh:"):  # this process's first estimate of one case: noth
                       "outside_kernels": (window["t"] - window["kernels"]) / window["ops"] * 1e6,
                       "ops": window["ops"], "estimate": time.process_time() - start}), flush=True)
 elif what == "ops":
-    for case, (model, options) in OPS.items():
+    chosen = sys.argv[5].split(",") if len(sys.argv) > 5 else list(OPS)
+    for case, (model, options) in ((case, OPS[case]) for case in chosen):
         memcalc.estimate(model, **options)
         best = None
         for _ in range(repeat):
@@ -114,11 +116,12 @@ OPS_TARGET = 0.5
 FIT_TARGET = 2.5
 
 
-def measure(root: str, what: str, repeat: int, cold: bool = False) -> dict[str, dict[str, float]]:
+def measure(root: str, what: str, repeat: int, cold: bool = False,
+            cases: tuple[str, ...] = _CASES) -> dict[str, dict[str, float]]:
     """The child's rows for ``root``, by case (``cold``: the meta-kernel cache emptied before each
     timed estimate, where it outlives a trace)."""
-    done = subprocess.run([sys.executable, "-c", _CHILD, root, what, str(repeat), "cold" if cold else "warm"],
-                          capture_output=True, text=True, timeout=3600, check=False)
+    done = subprocess.run([sys.executable, "-c", _CHILD, root, what, str(repeat), "cold" if cold else "warm",
+                           ",".join(cases)], capture_output=True, text=True, timeout=3600, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{root} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -140,13 +143,27 @@ def first_estimates(root: str, baseline: str | None, repeat: int) -> tuple[dict[
     return rows
 
 
-def per_op(root: str, baseline: str | None, repeat: int, cold: bool, fresh: bool = False) -> None:
+def alternating(trees: list[str], repeat: int, cold: bool, rounds: int,
+                cases: tuple[str, ...]) -> list[dict[str, dict[str, float]]]:
+    """Each tree's rows, best of ``rounds`` child processes per tree, the trees' processes taking
+    turns (so that a change of load falls on all of them)."""
+    rows: list[dict[str, dict[str, float]]] = [{} for _ in trees]
+    for _ in range(rounds):
+        for side, tree in enumerate(trees):
+            for case, row in measure(tree, "ops", repeat, cold, cases).items():
+                best = rows[side].get(case)
+                rows[side][case] = row if best is None or row["us_per_op"] < best["us_per_op"] else best
+    return rows
+
+
+def per_op(root: str, baseline: str | None, repeat: int, cold: bool, fresh: bool = False, rounds: int = 1,
+           cases: tuple[str, ...] = _CASES) -> None:
     """Figure 1."""
     if fresh:
         after, before = first_estimates(root, baseline, repeat)
     else:
-        after = measure(root, "ops", repeat, cold)
-        before = measure(baseline, "ops", repeat, cold) if baseline else {}
+        after, *others = alternating([root, *([baseline] if baseline else [])], repeat, cold, rounds, cases)
+        before = others[0] if others else {}
     how = ("; the first estimate of a fresh process" if fresh
            else "; the meta-kernel cache emptied before each estimate" if cold else "")
     print(f"\n1. µs per aten op in the traced step (CPU time, best of {repeat}; target: after / before "
@@ -190,11 +207,14 @@ def main() -> None:
                         help="empty the meta-kernel cache before each timed estimate (it outlives a trace)")
     parser.add_argument("--fresh", action="store_true",
                         help="time each case's first estimate, each in a fresh process (what it pays once)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="child processes per tree, taking turns with the baseline's (best of them)")
+    parser.add_argument("--cases", default=",".join(_CASES), help="figure 1's cases, comma-separated")
     args = parser.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     if args.only != "fit":
-        per_op(root, args.baseline, args.repeat, args.cold, args.fresh)
+        per_op(root, args.baseline, args.repeat, args.cold, args.fresh, args.rounds, tuple(args.cases.split(",")))
     if args.only != "ops":
         fit(root, args.baseline, args.repeat)
 

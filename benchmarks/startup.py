@@ -34,7 +34,7 @@ import time
 
 #: Modules that only some requests use, reported when a command imported them.
 HEAVY = ("torch", "transformers", "peft", "sympy", "torch._dynamo", "memcalc.timing.flops",
-         "torch.utils.flop_counter")
+         "torch.utils.flop_counter", "torch.distributed.tensor")
 
 #: Runs one ``memcalc`` command line in this interpreter, then prints the heavy modules it imported.
 _RUN = """
@@ -116,9 +116,14 @@ def commands(root: str, repeat: int) -> list[Row]:
                      "<= 2.0x, no torch", ratio <= 2.0 and torch_free))
     print("\n2. estimates (target: nothing imported that the request does not use)")
     for args in (["mlp", "--batch", "2"], ["resnet50", "--batch", "8"],
-                 ["mlp", "--batch", "2", "--time", "--gpu", "h100-80gb"]):
+                 ["mlp", "--batch", "2", "--time", "--gpu", "h100-80gb"],
+                 ["mlp", "--batch", "2", "--mode", "inference"], ["resnet50", "--batch", "8", "--mode", "inference"]):
         wall, floor, ratio, loaded = paired([py, "-c", _RUN, *args], heavy, root, repeat)
-        unused = sorted(set(json.loads(loaded)) & {"transformers", "peft"} |
+        # an inference step needs neither DTensor nor Dynamo (a training step's optimizer imports Dynamo,
+        # which imports DTensor: torch's doing)
+        needless = {"transformers", "peft"} | ({"torch.distributed.tensor", "torch._dynamo"}
+                                               if "inference" in args else set())
+        unused = sorted(set(json.loads(loaded)) & needless |
                         (set(json.loads(loaded)) & {"memcalc.timing.flops", "torch.utils.flop_counter"}
                          if "--time" not in args else set()))
         print(f"   memcalc {' '.join(args):<42} {wall:6.2f} s  'import torch' {floor:5.2f} s  {ratio:4.1f}x   "

@@ -72,6 +72,45 @@ def test_an_estimate_imports_what_its_request_uses():
     assert {"memcalc.timing.flops", "torch.utils.flop_counter"} <= set(seen[" ".join(timed)]), seen
 
 
+#: In a fresh interpreter: the modules of ``NOT_IMPORTED`` loaded after importing ``memcalc.api``,
+#: after inference estimates of mlp and resnet50, and after a tensor-parallel plan is made.
+_RUN_INFERENCE = """
+import json, sys
+NOT_IMPORTED = json.loads(sys.argv[1])
+loaded = lambda: sorted(m for m in NOT_IMPORTED if m in sys.modules)
+seen = {}
+import memcalc.api
+seen["import"] = loaded()
+memcalc.api.estimate("mlp", batch_size=2, mode="inference")
+memcalc.api.estimate("resnet50", batch_size=2, mode="inference")
+seen["inference"] = loaded()
+from memcalc.distributed.tp_plans import user_plan
+user_plan({"fc": "colwise"})
+seen["tp plan"] = loaded()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter that imports torch and traces: seconds
+def test_an_inference_estimate_imports_no_distributed_tensor():
+    """``memcalc.api`` imports the strategy catalogue (to read launch configurations), whose
+    tensor-parallel files make torch's ``ParallelStyle``s; ``torch.distributed.tensor`` (and sympy
+    under it) is imported where a plan is made, so an inference estimate of a plain model imports
+    neither it nor transformers, PEFT or the FLOP recorder. sympy is held off only until the
+    trace: torch's own Python meta kernels call ``torch._check``, which imports
+    ``torch.fx.experimental.symbolic_shapes`` (and sympy). Making a plan then imports DTensor,
+    which shows the check sees it."""
+    not_imported = ["torch.distributed.tensor", "torch.distributed.tensor.parallel", "sympy", "transformers",
+                    "peft", "memcalc.timing.flops", "torch.utils.flop_counter", "torch._dynamo"]
+    done = subprocess.run([sys.executable, "-c", _RUN_INFERENCE, json.dumps(not_imported)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["import"] == [], seen
+    assert seen["inference"] == ["sympy"], seen  # torch._check's import, inside torch's meta kernels
+    assert {"torch.distributed.tensor", "torch.distributed.tensor.parallel"} <= set(seen["tp plan"]), seen
+
+
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
 def test_help_summaries_are_the_commands_own(name):
     """``memcalc --help`` shows each command's summary from the group's table, without loading the

@@ -23,41 +23,45 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
+
+if TYPE_CHECKING:  # torch.distributed.tensor (and sympy under it) is imported where a plan is made
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ("STYLES", "TpPlan", "hf_plan", "llama_plan", "planned_modules", "resolve_plan", "stage_plan", "user_plan",
            "without_expert_rules")
 
 
 def _colwise() -> ParallelStyle:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
     return ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))
 
 
 def _colwise_gather() -> ParallelStyle:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
     return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
 
 
 def _rowwise() -> ParallelStyle:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
     return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
 
 
 def _rowwise_replicated_input() -> ParallelStyle:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
     return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
 
 
 def _sequence_parallel() -> ParallelStyle:
+    from torch.distributed.tensor.parallel import SequenceParallel
     return SequenceParallel(use_local_output=True)
 
 
@@ -161,6 +165,13 @@ def llama_plan(module: nn.Module, *, loss_parallel: bool = False) -> TpPlan | No
     names = {name for name, _ in module.named_modules()}
     if not names >= _LLAMA_LAYOUT or "model.layers.0.self_attn.q_proj" not in names:
         return None
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
     layer = "model.layers.*"
     styles: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),

@@ -21,7 +21,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.loop import OptimizerImpl
@@ -68,6 +67,7 @@ class StageTensorParallel:
         Raises:
             InapplicableOptionError: a split the traced tp rank 0 would not stand for.
         """
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
         self._plan = plan = resolve_plan(model, self.strings, name, expert_parallel=self.expert_parallel)
         n = self.degree
         uneven: list[object] = [p for m in planned_modules(model, plan) for p in m.parameters(recurse=False)

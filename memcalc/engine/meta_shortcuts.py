@@ -30,6 +30,8 @@ from typing import Any, Final
 import torch
 from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 
+from memcalc.engine.meta_outputs import OUTPUT_RULES
+
 __all__ = ("BY_METHOD", "SHORTCUTS", "batch_norm_backward_outputs", "batch_norm_outputs")
 
 _BATCH_NORM_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -145,11 +147,19 @@ def _local_scalar_dense(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return None  # not one element: the kernel raises it
 
 
-#: Every op with a shortcut.
-SHORTCUTS: Final[Mapping[object, Shortcut]] = {
-    _aten.native_batch_norm.default: batch_norm_outputs,
-    _aten.native_batch_norm_backward.default: batch_norm_backward_outputs,
-    _aten.lift_fresh.default: _lift_fresh,
-    _aten._local_scalar_dense.default: _local_scalar_dense,
-    **{op: _by_method(method, arity) for op, (method, arity) in BY_METHOD.items()},
-}
+def _every_shortcut() -> dict[object, Shortcut]:
+    shortcuts: dict[object, Shortcut] = {
+        _aten.native_batch_norm.default: batch_norm_outputs,
+        _aten.native_batch_norm_backward.default: batch_norm_backward_outputs,
+        _aten.lift_fresh.default: _lift_fresh,
+        _aten._local_scalar_dense.default: _local_scalar_dense,
+        **{op: _by_method(method, arity) for op, (method, arity) in BY_METHOD.items()},
+    }
+    twice = shortcuts.keys() & OUTPUT_RULES.keys()
+    assert not twice, f"ops with two shortcuts: {twice}"
+    return {**shortcuts, **OUTPUT_RULES}
+
+
+#: Every op with a shortcut: those here and the dense calls' output rules
+#: (:mod:`memcalc.engine.meta_outputs`).
+SHORTCUTS: Final[Mapping[object, Shortcut]] = _every_shortcut()

@@ -22,14 +22,6 @@ tests/test_plan_refusals.py checks the answer against the real trace's refusal.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 
 from memcalc.core.finetune import FineTune
 from memcalc.distributed.mesh import Mesh
@@ -42,8 +34,6 @@ from memcalc.engine.step_spec import Step
 
 __all__ = ("plain_beside_dtensors",)
 
-_DISTRIBUTING = (ColwiseParallel, RowwiseParallel, SequenceParallel)
-_HOOKS_ONLY = (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
 
 
 def plain_beside_dtensors(step: Step, mesh: Mesh, resolved: ResolvedModel) -> str | None:
@@ -55,11 +45,21 @@ def plain_beside_dtensors(step: Step, mesh: Mesh, resolved: ResolvedModel) -> st
     impl = resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
     if not mix_refused_by(impl):
         return None
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+    distributing_styles = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+    hooks_only = (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
     module = resolved.module
     plan = resolve_plan(module, None, resolved.name)
-    if any(not isinstance(style, _DISTRIBUTING + _HOOKS_ONLY) for style in plan.styles.values()):
+    if any(not isinstance(style, distributing_styles + hooks_only) for style in plan.styles.values()):
         return None
-    distributing = TpPlan({p: s for p, s in plan.styles.items() if isinstance(s, _DISTRIBUTING)}, plan.source)
+    distributing = TpPlan({p: s for p, s in plan.styles.items() if isinstance(s, distributing_styles)}, plan.source)
     styled = {id(m) for m in planned_modules(module, distributing)}
     roots = [name for name, m in module.named_modules() if id(m) in styled]
     parameters = list(module.named_parameters())

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.report import Shard
 from memcalc.distributed.collectives import Collective, ModelFacts, group_span, ring_bytes
@@ -155,6 +153,7 @@ class TensorParallelDimension(RankStrategy):
             step = replace(step, seq_len=step.seq_len // mesh.cp)  # each rank's share of the sequence (cp)
         resolved = step.resolved(batch_size=batch)
         module = resolved.module
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
         tp_plan = resolve_plan(module, strings, resolved.name, loss_parallel=loss_parallel,
                                expert_parallel=mesh is not None and mesh.ep > 1)
         n = self.degree
