@@ -106,7 +106,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
             return _role_model(role, role_step, step, inputs, strategies, trace_precision, depth)
 
         resolved = model_at(None)
-        depth = extrapolated_depth(resolved, step) if costs is None and _by_depth(distributed) else None
+        depth = extrapolated_depth(resolved, step) if _by_depth(distributed) else None
         composed = None if depth is None else traced_by_depth(lambda n: trace_with(model_at(n)), depth,
                                                                resolved.block_containers)
         traced, communication = composed if composed is not None else trace_with(resolved)
