@@ -11,7 +11,9 @@ whose module names are those of the traced one moved by the death's own shift: t
 or its analog one period before or after the added block next to its birth (a layer's output freed
 by the next layer, a checkpointed layer's input freed in its backward). Anything that does not fit
 (a death whose storage has no such analog, a phase boundary inside an added block, a pre-existing
-storage freed) gives None, and the caller traces the whole model.
+storage freed) gives None, and the caller traces the whole model. A kernel's cost record (a step
+time's) moves with the event before it; one whose sums run over every block (a foreach optimizer
+kernel's bytes and launches) grows with the depth (:func:`_trailing`).
 """
 
 from __future__ import annotations

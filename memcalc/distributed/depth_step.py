@@ -4,11 +4,10 @@ Tracing 80 identical decoder layers through DTensor and FSDP2 is most of a distr
 a deep model. :func:`traced_by_depth` traces the step with 2, 3 and 4 blocks instead, composes the
 4-block step from the 2- and 3-block ones (:mod:`depth_compose`) and compares it with the traced
 one, field by field (every event, storage, name, category, communication buffer, note, module
-row); only if they are equal does it compose the full depth from the 3- and 4-block steps.
-Its kernels' cost records (a step time's) move with their events and are checked too. Anything
-it cannot follow (a loop traced whole, a pre-existing
-storage freed, notes that change with the depth otherwise than by naming it) makes it decline,
-and the caller traces the whole model. tests/test_depth_step.py compares whole reports, byte for
+row, kernel cost record); only if they are equal does it compose the full depth from the 3- and
+4-block steps. Anything it cannot follow (a loop traced whole, a pre-existing storage freed, notes
+that change with the depth otherwise than by naming it) makes it decline, and the caller traces
+the whole model. tests/test_depth_step.py compares whole reports, byte for
 byte, with the full trace.
 """
 
