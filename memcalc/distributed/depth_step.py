@@ -7,8 +7,8 @@ one, field by field (every event, storage, name, category, communication buffer,
 row, kernel cost record); only if they are equal does it compose the full depth from the 3- and
 4-block steps. Anything it cannot follow (a loop traced whole, a pre-existing storage freed, notes
 that change with the depth otherwise than by naming it) makes it decline, and the caller traces
-the whole model. tests/test_depth_step.py compares whole reports, byte for
-byte, with the full trace.
+the whole model. tests/test_depth_step.py compares whole reports, byte for byte, with the full
+trace.
 """
 
 from __future__ import annotations
