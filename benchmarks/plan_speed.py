@@ -21,7 +21,8 @@ on the CLI, back to back),
 the same five rows: docs/many-gpus.md says what is left. Then (branch planmin: depth
 extrapolation composes the cost records and HSDP's meshes, every trace without a pipeline
 composed) 15 traces, 99.0 → 53.7 CPU-s, main then the branch at load 14–20 and 11–14, and
-94.8 → 49.1 CPU-s, the branch first (load 8–14, main then at 4–8), JSON equal.
+94.8 → 49.1 CPU-s, the branch first (load 8–14, main then at 4–8), and 59.4 → 30.9 CPU-s
+(59.7 → 31.0 s wall) at load 1.8, JSON equal.
 
     python benchmarks/plan_speed.py
 """
