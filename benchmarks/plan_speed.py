@@ -18,7 +18,11 @@ five rows (JSON equal). The minute needs that pipeline ruled out untraced, or ch
 Then (branch plansearch: the most sharded sibling traced first, scaled peaks) 23 → 19 traces,
 134.3 → 84.3 CPU-s under loads of 12–34 and 14–15, main again 118.9 at 15–16 (/usr/bin/time -v
 on the CLI, back to back),
-the same five rows: docs/many-gpus.md says what is left.
+the same five rows: docs/many-gpus.md says what is left. Then (branch planmin: depth
+extrapolation composes the cost records and HSDP's meshes, every trace without a pipeline
+composed) 15 traces, 99.0 → 53.7 CPU-s, main then the branch at load 14–20 and 11–14, and
+94.8 → 49.1 CPU-s, the branch first (load 8–14, main then at 4–8), and 59.4 → 30.9 CPU-s
+(59.7 → 31.0 s wall) at load 1.8, JSON equal.
 
     python benchmarks/plan_speed.py
 """

@@ -2,8 +2,9 @@
 tensor parallelism composed from the same step traced at 2, 3 and 4 blocks gives the report of
 the step traced whole, byte for byte: the JSON, the module rows, the timeline (every event, its
 storage's module, op, phase and category, the allocator's curve). Where the composition declines
-(``every:2`` checkpointing, a step time's per-kernel records, tensor parallelism alone) the
-estimate traces the whole model and is checked the same way."""
+(``every:2`` checkpointing, tensor parallelism alone) the estimate traces the whole model and is
+checked the same way. Under ``time`` the kernels' cost records are composed too, and must equal the
+whole trace's, record by record (each op's phase, module, FLOPs, bytes and event)."""
 
 from __future__ import annotations
 
@@ -57,13 +58,22 @@ CASES = {
     "fsdp-tp-llama-selective": ("torch:llama-tiny", {"dp_shard": 2, "tp": 2}, {"checkpoint": "selective-op"}),
     "fsdp-hf-llama-amp": ("llama-tiny", {"dp_shard": 4}, {"precision": "amp-bf16", "checkpoint": True}),
     "fsdp-gpt2": ("gpt2", {"dp_shard": 2}, {"seq_len": 128, "precision": "amp-bf16"}),
+    "fsdp-llama-time": ("torch:llama-tiny", {"dp_shard": 2}, {"time": True, "gpu": "h100-80gb"}),
+    "fsdp-tp-hf-llama-time": ("llama-tiny", {"dp_shard": 2, "tp": 2},
+                              {"time": True, "gpu": "h100-80gb", "precision": "amp-bf16", "checkpoint": True}),
+    "hsdp-tp-hf-llama-time": ("llama-tiny", {"dp_replicate": 2, "dp_shard": 2, "tp": 2},
+                              {"time": True, "gpu": "h100-80gb", "precision": "amp-bf16", "checkpoint": True}),
+    "hsdp-llama-accumulation": ("torch:llama-tiny", {"dp_replicate": 2, "dp_shard": 2},
+                                {"time": True, "gpu": "h100-80gb", "accum_steps": 2}),
+    "fsdp-tp-hf-llama-selective-time": ("llama-tiny", {"dp_shard": 2, "tp": 2},
+                                        {"time": True, "gpu": "h100-80gb", "precision": "amp-bf16",
+                                         "checkpoint": "selective-op"}),
 }
 DECLINED = {
     # tensor parallelism alone: the optimizer all-reduces the replicated (norm) parameters' Partial
     # gradients in nested groups whose frees the composition does not place (its check declines)
     "tp-llama-checkpoint": ("torch:llama-tiny", {"tp": 2}, {"checkpoint": True}),
     "fsdp-llama-every-2": ("torch:llama-tiny", {"dp_shard": 2}, {"checkpoint": "every:2"}),
-    "fsdp-llama-time": ("torch:llama-tiny", {"dp_shard": 2}, {"time": True, "gpu": "h100-80gb"}),
 }
 
 
@@ -78,3 +88,7 @@ def test_a_composed_step_reports_what_the_whole_trace_reports(monkeypatch: pytes
     assert json.dumps(composed.to_dict(), sort_keys=True) == json.dumps(whole.to_dict(), sort_keys=True)
     assert _comparable(composed.modules) == _comparable(whole.modules)
     assert _comparable(composed.timeline()) == _comparable(whole.timeline())
+    if "time" in options:  # the traced step's own records (without, costs are traced when asked)
+        costs, whole_costs = composed.on_request.costs, whole.on_request.costs
+        assert costs.records and costs.records == whole_costs.records  # type: ignore[union-attr]
+        assert costs.module_order == whole_costs.module_order  # type: ignore[union-attr]

@@ -19,7 +19,7 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.core.throughput import DataLoaderSetup, DeviceRates, OpClass, StepFlops, StepTime
 from memcalc.targets.cuda.gpus.catalogue import catalogue, get_gpu
 from memcalc.timing import fitted
-from memcalc.timing.flops import OpCost, StepCosts
+from memcalc.timing.flops import OpCost, StepCosts, multi_tensor_launches
 from memcalc.timing.performance import (
     EFFICIENCY,
     HOST_SECONDS,
@@ -354,3 +354,25 @@ def test_loader_advice_defaults_to_the_input_bytes() -> None:
     advice = loader_advice(report)
     assert advice.sample_bytes == 256 * 4 + 8
     assert advice.gpu_samples_per_second == pytest.approx(step_time(report).samples_per_second)
+
+
+def test_a_foreach_kernels_record_grows_with_the_depth_as_its_tensor_lists_do() -> None:
+    """Depth composition (memcalc.distributed.depth_compose) extends a kernel's record over every
+    block, one layer's difference at a time: a foreach kernel over the parameters of ``n`` layers
+    (each a 100-chunk weight and a bias) and two others, 4 tensor lists (at most 36 tensors a
+    launch, 320 chunks). Its launches are not affine in ``n`` (ceilings), its tensors and chunks are:
+    53 layers give 108 tensors (3 launches' worth) and 3 + 101 × 53 = 5,356 chunks, 17 launches
+    (⌈5356 / 320⌉), as multi_tensor_launches counts the 53-layer list itself."""
+    base, layer = [1000, 70000], [65536 * 100, 10]
+
+    def record(layers: int) -> OpCost:
+        numels = base + layer * layers
+        tensors, chunks = sum(1 for n in numels if n), sum(-(-n // 65536) for n in numels)
+        return OpCost(Phase.OPTIMIZER, False, "", "_foreach_add_.List", OpClass.MULTI_TENSOR, "", 0,
+                      sum(numels) * 2 * 3, multi_tensor_launches(numels, 4), False, tensors=tensors, chunks=chunks,
+                      lists=4)
+
+    grown = record(3).extended(record(2), 50)
+    assert grown == record(53)
+    assert grown is not None and (grown.tensors, grown.chunks, grown.launches) == (108, 5356, 17)
+    assert record(3)._replace(op="_foreach_mul_.List").extended(record(2), 50) is None  # another kernel

@@ -11,7 +11,9 @@ whose module names are those of the traced one moved by the death's own shift: t
 or its analog one period before or after the added block next to its birth (a layer's output freed
 by the next layer, a checkpointed layer's input freed in its backward). Anything that does not fit
 (a death whose storage has no such analog, a phase boundary inside an added block, a pre-existing
-storage freed) gives None, and the caller traces the whole model.
+storage freed) gives None, and the caller traces the whole model. A kernel's cost record (a step
+time's) moves with the event before it; one whose sums run over every block (a foreach optimizer
+kernel's bytes and launches) grows with the depth (:func:`_trailing`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from memcalc.core.categories import Category
 from memcalc.distributed.depth_chunks import DepthChunks, Run, depth_chunks, index_of, pattern_of, tokens_of
 from memcalc.engine.trace import StepTrace
+from memcalc.timing.flops import OpCost
 
 __all__ = ("Composed", "compose_depth")
 
@@ -37,13 +40,17 @@ class Composed:
     trace: StepTrace
     categories: list[Category]
     communication: set[int]
+    #: the kernels' cost records, moved as their events are (:func:`_trailing`); None: none were given
+    records: list[OpCost] | None = None
 
 
 def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], deep: StepTrace,
                   deep_categories: Sequence[Category], deep_communication: set[int], deep_depth: int,
-                  depth: int, containers: Sequence[str]) -> Composed | None:
+                  depth: int, containers: Sequence[str],
+                  records: tuple[Sequence[OpCost], Sequence[OpCost]] | None = None) -> Composed | None:
     """The trace at ``depth`` blocks per container from the traces at ``deep_depth - 1`` (``shallow``)
-    and ``deep_depth`` (``deep``); None where the two do not differ by added blocks that compose."""
+    and ``deep_depth`` (``deep``), with their kernels' cost ``records`` (shallow's, deep's) where
+    given; None where the two do not differ by added blocks that compose."""
     if depth < deep_depth:
         return None
     chunks = depth_chunks(shallow, shallow_categories, deep, deep_categories, containers)
@@ -51,6 +58,7 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
         return None
     extra = depth - deep_depth
     pattern = pattern_of(containers)
+    trailing = _trailing(chunks, records, (len(shallow.events), len(deep.events)), extra, pattern)
     chunks = _slid(chunks, deep, tokens_of(deep, deep_categories, pattern), pattern)
     events = deep.events
     birth_at = {event: p for p, event in enumerate(events) if event >= 0}
@@ -126,7 +134,9 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
     key_uid: dict[tuple[int, int], int] = {key: n for n, key in enumerate(keys)}
     out_events: list[int] = []
     start_of: dict[int, int] = {}
+    out_records = trailing.emit(-1, 0, 0)
     for p, shift in plan.order:
+        out_records.extend(trailing.emit(p, shift, len(out_events) + 1))
         start_of.setdefault(p, len(out_events))
         event = events[p]
         if event >= 0:
@@ -151,8 +161,60 @@ def compose_depth(shallow: StepTrace, shallow_categories: Sequence[Category], de
     boundaries = [p for _, p in deep.phase_log] + list(deep.phase_starts.values())
     if any(p not in start_of for p in boundaries):
         return None  # a phase boundary inside an added block
-    return _build(deep, deep_categories, deep_communication, shallow, extra, pattern, keys, out_events, start_of,
-                  [key_uid[key] for key in pre_keys])
+    composed = _build(deep, deep_categories, deep_communication, shallow, extra, pattern, keys, out_events, start_of,
+                      [key_uid[key] for key in pre_keys])
+    return composed if records is None else dataclasses.replace(composed, records=out_records)
+
+
+@dataclass(frozen=True)
+class _Trailing:
+    """The cost records by the event each follows (-1: before the first), to be emitted with it."""
+
+    after: dict[int, list[OpCost]]
+    pattern: re.Pattern[str]
+    names: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
+
+    def emit(self, position: int, shift: int, event: int) -> list[OpCost]:
+        """The records after the event at ``position``, their block indices moved by ``shift``,
+        each numbered as following the composed stream's first ``event`` events."""
+        return [r._replace(module=self._name(r.module, shift), event=event) for r in self.after.get(position, ())]
+
+    def _name(self, module: str, shift: int) -> str:
+        found = self.names.get((module, shift))
+        if found is None:
+            found = self.names[(module, shift)] = _shifted(self.pattern, module, shift)
+        return found
+
+
+def _following(records: Sequence[OpCost], events: int) -> dict[int, list[OpCost]]:
+    after: dict[int, list[OpCost]] = {}
+    for record in records:
+        after.setdefault(min(record.event, events) - 1, []).append(record)
+    return after
+
+
+def _trailing(chunks: DepthChunks, records: tuple[Sequence[OpCost], Sequence[OpCost]] | None,
+              events: tuple[int, int], extra: int, pattern: re.Pattern[str]) -> _Trailing:
+    """A kernel's record follows the last event before it (``event``: how many came before it): the
+    birth of its output, which the tracer records before the cost hook runs, or, for a kernel that
+    allocates nothing (an in-place one), the event of the kernel before it in the same block. Where
+    an aligned event's records differ from the shallower trace's only in their sums over the blocks
+    (a foreach optimizer kernel's bytes), they are extended to the composed depth
+    (:meth:`OpCost.extended`). A record at an added block's edge may belong to the block or to its
+    neighbour: a wrong guess composes a stream the check against the traced one refuses."""
+    if records is None:
+        return _Trailing({}, pattern)
+    shallow, deep = _following(records[0], events[0]), _following(records[1], events[1])
+    pairs = [(-1, -1)] + [(p, run.other + p - run.start) for run in chunks.runs if not run.added
+                          for p in range(run.start, run.stop)]
+    for p, q in pairs:
+        mine, theirs = deep.get(p, []), shallow.get(q, [])
+        if len(mine) != len(theirs) or mine == theirs:
+            continue
+        grown = [d.extended(s, extra) if d != s else d for d, s in zip(mine, theirs, strict=True)]
+        if all(g is not None for g in grown):
+            deep[p] = [g for g in grown if g is not None]
+    return _Trailing(deep, pattern)
 
 
 @dataclass(frozen=True)
@@ -305,14 +367,9 @@ def _build(deep: StepTrace, deep_categories: Sequence[Category], communication: 
             found = names[key] = _shifted(pattern, deep.module[uid], shift)
         return found
 
-    trace = StepTrace(
-        nbytes=[deep.nbytes[u] for u, _ in keys], phase=[deep.phase[u] for u, _ in keys],
-        module=[name(u, s) for u, s in keys], category=[deep.category[u] for u, _ in keys], events=events,
-        preexisting=preexisting,
-        phase_starts={phase: start_of[p] for phase, p in deep.phase_starts.items()},
-        op_counts=Counter({op: n + extra * (n - shallow.op_counts.get(op, 0)) for op, n in deep.op_counts.items()}),
-        op=[deep.op[u] for u, _ in keys], phase_log=[(phase, start_of[p]) for phase, p in deep.phase_log],
-        sized={n: deep.sized[u] for n, (u, _) in enumerate(keys) if u in deep.sized},
-        stream={n: deep.stream[u] for n, (u, _) in enumerate(keys) if u in deep.stream})
+    trace = deep.rebuilt(
+        [u for u, _ in keys], events, preexisting, [(phase, start_of[p]) for phase, p in deep.phase_log],
+        {phase: start_of[p] for phase, p in deep.phase_starts.items()}, module=[name(u, s) for u, s in keys],
+        op_counts=Counter({op: n + extra * (n - shallow.op_counts.get(op, 0)) for op, n in deep.op_counts.items()}))
     return Composed(trace, [deep_categories[u] for u, _ in keys],
                     {n for n, (u, _) in enumerate(keys) if u in communication})

@@ -4,11 +4,11 @@ Tracing 80 identical decoder layers through DTensor and FSDP2 is most of a distr
 a deep model. :func:`traced_by_depth` traces the step with 2, 3 and 4 blocks instead, composes the
 4-block step from the 2- and 3-block ones (:mod:`depth_compose`) and compares it with the traced
 one, field by field (every event, storage, name, category, communication buffer, note, module
-row); only if they are equal does it compose the full depth from the 3- and 4-block steps.
-Anything it cannot follow (a step time's per-kernel records, a loop traced whole, a pre-existing
-storage freed, notes that change with the depth otherwise than by naming it) makes it decline,
-and the caller traces the whole model. tests/test_depth_step.py compares whole reports, byte for
-byte, with the full trace.
+row, kernel cost record); only if they are equal does it compose the full depth from the 3- and
+4-block steps. Anything it cannot follow (a loop traced whole, a pre-existing storage freed, notes
+that change with the depth otherwise than by naming it) makes it decline, and the caller traces
+the whole model. tests/test_depth_step.py compares whole reports, byte for byte, with the full
+trace.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from memcalc.distributed.pipeline_share import block_fingerprint
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.run import TracedStep
 from memcalc.engine.step_spec import Step
+from memcalc.timing.flops import OpCost
 
 __all__ = ("RoleTrace", "cut_blocks", "extrapolated_depth", "traced_by_depth")
 
@@ -106,8 +107,19 @@ def traced_by_depth(trace_at: Callable[[int], RoleTrace], depth: int, containers
 
 
 def _composable(traced: TracedStep) -> bool:
-    return (traced.costs is None and traced.iteration_starts is None and not traced.successors
+    return (_records(traced) is not None and traced.iteration_starts is None and not traced.successors
             and traced.paged_optimizer_state == 0)
+
+
+def _records(traced: TracedStep) -> list[OpCost] | None:
+    """The step's kernel cost records ([] where none were recorded); None: costs kept otherwise
+    than as :class:`OpCost` records (not followed)."""
+    if traced.costs is None:
+        return []
+    records = getattr(traced.costs, "records", None)
+    if not isinstance(records, list) or not all(isinstance(r, OpCost) for r in records):
+        return None
+    return records
 
 
 def _compose(shallow: RoleTrace, deep: RoleTrace, deep_depth: int, depth: int,
@@ -116,7 +128,7 @@ def _compose(shallow: RoleTrace, deep: RoleTrace, deep_depth: int, depth: int,
     if not (_composable(s) and _composable(d)):
         return None
     composed = compose_depth(s.trace, s.categories, d.trace, d.categories, set(deep.communication), deep_depth,
-                             depth, containers)
+                             depth, containers, None if d.costs is None else (_records(s) or [], _records(d) or []))
     if composed is None:
         return None
     order = _module_order(s.module_order, d.module_order, depth - deep_depth, pattern_of(containers))
@@ -132,6 +144,9 @@ def _compose(shallow: RoleTrace, deep: RoleTrace, deep_depth: int, depth: int,
     traced.notes = notes
     traced.attention = dict(_affine(Counter(s.attention), Counter(d.attention), extra))
     traced.successors = {}
+    if composed.records is not None:
+        traced.costs = copy.copy(d.costs)
+        traced.costs.records = composed.records  # type: ignore[union-attr]
     return RoleTrace(traced, frozenset(composed.communication))
 
 
@@ -199,4 +214,5 @@ def _same(composed: RoleTrace, traced: RoleTrace) -> bool:
     return (all(getattr(x.trace, f) == getattr(y.trace, f) for f in fields)
             and x.categories == y.categories and composed.communication == traced.communication
             and x.module_order == y.module_order and x.output_shapes == y.output_shapes and x.notes == y.notes
-            and x.attention == y.attention and x.loss == y.loss and x.optimizer_impl == y.optimizer_impl)
+            and x.attention == y.attention and x.loss == y.loss and x.optimizer_impl == y.optimizer_impl
+            and _records(x) == _records(y) and getattr(x.costs, "failures", None) == getattr(y.costs, "failures", None))

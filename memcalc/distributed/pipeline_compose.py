@@ -26,7 +26,7 @@ import contextlib
 import copy
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -238,22 +238,14 @@ def _renumbered(traced: TracedStep, events: list[int], log: list[Any], records: 
     moved = [0] * n
     for old in range(n):
         moved[uid(old)] = old
-
-    def permuted(values: list[Any]) -> list[Any]:
-        return [values[moved[new]] for new in range(n)]
-
     starts: dict[Any, int] = {}
     for phase, index in log:
         starts.setdefault(phase, index)
-    new_trace = replace(
-        trace, nbytes=permuted(trace.nbytes), phase=permuted(trace.phase), module=permuted(trace.module),
-        category=permuted(trace.category), op=permuted(trace.op),
-        events=[uid(e) if e >= 0 else ~uid(~e) for e in events], preexisting=[uid(u) for u in trace.preexisting],
-        phase_starts=starts, phase_log=log, sized={uid(u): s for u, s in trace.sized.items()},
-        stream={uid(u): s for u, s in trace.stream.items()})
+    new_trace = trace.rebuilt(moved, [uid(e) if e >= 0 else ~uid(~e) for e in events],
+                              [uid(u) for u in trace.preexisting], log, starts)
     composed = copy.copy(traced)
     composed.trace = new_trace
-    composed.categories = permuted(traced.categories)
+    composed.categories = [traced.categories[old] for old in moved]
     composed.successors = {uid(k): None if v is None else uid(v) for k, v in traced.successors.items()}
     composed.notes = list(traced.notes)
     if records is not None:

@@ -106,7 +106,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
             return _role_model(role, role_step, step, inputs, strategies, trace_precision, depth)
 
         resolved = model_at(None)
-        depth = extrapolated_depth(resolved, step) if costs is None and _by_depth(distributed) else None
+        depth = extrapolated_depth(resolved, step) if _by_depth(distributed) else None
         composed = None if depth is None else traced_by_depth(lambda n: trace_with(model_at(n)), depth,
                                                                resolved.block_containers)
         traced, communication = composed if composed is not None else trace_with(resolved)
@@ -128,11 +128,12 @@ def estimate_per_rank(step: Step, distributed: Distributed,
 
 
 #: Meshes whose rank programs a deep model's step is composed under from shallow ones
-#: (:mod:`memcalc.distributed.depth_step`): FSDP2, alone or over tensor parallelism. Tensor
-#: parallelism alone is left out: its optimizer all-reduces the replicated parameters' Partial
-#: gradients in nested groups the composition does not place, and its check would decline after
-#: three shallow traces.
-_BY_DEPTH = (frozenset({"dp_shard"}), frozenset({"dp_shard", "tp"}))
+#: (:mod:`memcalc.distributed.depth_step`): FSDP2 or HSDP (FSDP2 replicated over ``dp_replicate``),
+#: alone or over tensor parallelism. Tensor parallelism alone is left out: its optimizer
+#: all-reduces the replicated parameters' Partial gradients in nested groups the composition does
+#: not place, and its check would decline after three shallow traces.
+_BY_DEPTH = tuple(frozenset(dims) | replicate for dims in ({"dp_shard"}, {"dp_shard", "tp"})
+                  for replicate in (frozenset(), frozenset({"dp_replicate"})))
 
 
 def _by_depth(distributed: Distributed) -> bool:

@@ -117,6 +117,25 @@ class StepTrace:
         """How many storages the trace knows (births, pre-existing and synthetic)."""
         return len(self.nbytes)
 
+    def rebuilt(self, sources: Sequence[int], events: list[int], preexisting: list[int],
+                phase_log: list[tuple[Phase, int]], phase_starts: dict[Phase, int], *,
+                module: list[str] | None = None, op_counts: Counter[str] | None = None) -> StepTrace:
+        """A trace of the same kind of step whose storage ``n`` is this one's ``sources[n]`` (a
+        storage may be the source of several: a composed step's copies of a block), with its own
+        event stream and phase boundaries (storages numbered by them); ``module``: the new
+        storages' module names, where they are not their sources' (a block's copies renamed);
+        ``op_counts``: where the new step ran other ops. The one place that knows every field, for
+        the steps composed from traced ones (:mod:`memcalc.distributed.pipeline_compose`,
+        :mod:`memcalc.distributed.depth_compose`)."""
+        return StepTrace(
+            nbytes=[self.nbytes[u] for u in sources], phase=[self.phase[u] for u in sources],
+            module=[self.module[u] for u in sources] if module is None else module,
+            category=[self.category[u] for u in sources], events=events, preexisting=preexisting,
+            phase_starts=phase_starts, op_counts=Counter(self.op_counts) if op_counts is None else op_counts,
+            op=[self.op[u] for u in sources], phase_log=phase_log,
+            sized={n: self.sized[u] for n, u in enumerate(sources) if u in self.sized},
+            stream={n: self.stream[u] for n, u in enumerate(sources) if u in self.stream})
+
 
 class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """Dispatch mode recording storage births and deaths on one device type (``meta``).

@@ -186,6 +186,32 @@ class OpCost(NamedTuple):
     first_step_only: bool  # creates optimizer state: not part of a steady-state step
     uncounted: bool = False  # a GEMM-like op without a FLOP formula: its FLOPs are missing
     event: int = 0  # events the trace held after the op (where it is in the alloc/free order)
+    #: a multi-tensor kernel's non-empty tensors, 65,536-element chunks and tensor lists: what its
+    #: launches are worked out from (:func:`multi_tensor_launches`); zeros for any other kernel
+    tensors: int = 0
+    chunks: int = 0
+    lists: int = 0
+
+    def extended(self, shallow: OpCost, extra: int) -> OpCost | None:
+        """This record of a step of repeated blocks at ``extra`` more blocks, ``shallow`` being the
+        same kernel's record with one block fewer: its sums over the blocks (FLOPs, bytes, a
+        multi-tensor kernel's tensors and chunks, hence its launches) grow by their difference
+        ``extra`` times (a foreach optimizer kernel's, over every parameter). None: the two differ
+        otherwise (a module and an event aside, which the caller places)."""
+
+        def grown(a: int, b: int) -> int:
+            return b + extra * (b - a)
+
+        sums = ("flops", "bytes_moved", "launches", "tensors", "chunks", "module", "event")
+        if self._replace(**{f: getattr(shallow, f) for f in sums}) != shallow:
+            return None
+        tensors, chunks = grown(shallow.tensors, self.tensors), grown(shallow.chunks, self.chunks)
+        launches = _launches(tensors, chunks, self.lists) if self.lists else self.launches
+        if not self.lists and self.launches != shallow.launches:
+            return None
+        return self._replace(flops=grown(shallow.flops, self.flops),
+                             bytes_moved=grown(shallow.bytes_moved, self.bytes_moved), launches=launches,
+                             tensors=tensors, chunks=chunks)
 
 
 @dataclass(frozen=True)
@@ -290,10 +316,16 @@ def multi_tensor_launches(numels: Sequence[int], depth: int) -> int:
     """Kernels ``multi_tensor_apply`` launches for tensors of ``numels`` elements and ``depth``
     tensor lists: a launch takes at most ``depth_to_max_tensors[depth]`` tensors and 320 blocks
     of 65,536 elements (MultiTensorApply.cuh); the larger of the two bounds."""
-    tensors = sum(1 for n in numels if n)
+    return _launches(*_tensors_and_chunks(numels), depth)
+
+
+def _tensors_and_chunks(numels: Sequence[int]) -> tuple[int, int]:
+    return sum(1 for n in numels if n), sum(-(-n // _CHUNK) for n in numels)
+
+
+def _launches(tensors: int, chunks: int, depth: int) -> int:
     if not tensors:
         return 0
-    chunks = sum(-(-n // _CHUNK) for n in numels)
     return max(-(-tensors // _MAX_TENSORS.get(depth, 30)), -(-chunks // _MAX_BLOCKS))
 
 
@@ -414,19 +446,23 @@ class OpCostRecorder:
                 self._fail(rule.name, exc)
                 flops = -1
         uncounted = rule.uncounted or flops < 0
-        launches = multi_tensor_launches(numels, max(rule.tensor_lists, 1)) if op_class is OpClass.MULTI_TENSOR else 1
+        tensors, chunks, lists = 0, 0, 0
+        if op_class is OpClass.MULTI_TENSOR:
+            (tensors, chunks), lists = _tensors_and_chunks(numels), max(rule.tensor_lists, 1)
+        launches = _launches(tensors, chunks, lists) if lists else 1
         if op_class is OpClass.MATMUL and not _gemm_aligned(args, out):
             op_class = OpClass.MATMUL_UNALIGNED
         self._append(tracer, rule, op_class, dtype if op_class in _DTYPED else "", max(flops, 0), read + written,
-                     launches, uncounted)
+                     launches, uncounted, (tensors, chunks, lists))
 
     def _fail(self, op: str, exc: Exception) -> None:
         """Remember the first error of ``op``'s cost rules (one note per op, not per call)."""
         self.failures.setdefault(op, f"{type(exc).__name__}: {exc}")
 
     def _append(self, tracer: StorageTracer, rule: _Rule, op_class: OpClass, dtype: str, flops: int,
-                bytes_moved: int, launches: int, uncounted: bool) -> None:
-        """Record one op at the tracer's phase and module."""
+                bytes_moved: int, launches: int, uncounted: bool, multi: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """Record one op at the tracer's phase and module (``multi``: a multi-tensor kernel's
+        :attr:`OpCost.tensors`, ``chunks`` and ``lists``)."""
         phase = tracer.phase
         modules = tracer.modules
         module = modules.current
@@ -439,7 +475,8 @@ class OpCostRecorder:
         # module's gradient arrives (module "").
         recompute = modules.in_backward and bool(module) and (torch.is_grad_enabled() or modules.recomputing)
         self.records.append(OpCost(phase, recompute, module, rule.name, op_class, dtype, flops, bytes_moved, launches,
-                                   rule.state_init and phase is Phase.OPTIMIZER, uncounted, len(tracer.trace.events)))
+                                   rule.state_init and phase is Phase.OPTIMIZER, uncounted, len(tracer.trace.events),
+                                   *multi))
 
     def _flops(self, func: Op, rule: _Rule, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
         """The op's FLOPs by torch's formula, kept by shapes: blocks repeat the same calls."""
