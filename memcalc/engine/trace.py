@@ -233,8 +233,13 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def _run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         shortcut = _SHORTCUTS.get(id(func))
-        if shortcut is not None and (outputs := shortcut(args, kwargs)) is not None:
-            return outputs  # its meta kernel is a slow Python decomposition (engine.meta_shortcuts)
+        if shortcut is not None:
+            try:
+                outputs = shortcut(args, kwargs)
+            except Exception:  # e.g. sizes past int64: torch's kernel below fails as the user should see it
+                outputs = None
+            if outputs is not None:
+                return outputs  # its meta kernel is a slow Python decomposition (engine.meta_shortcuts)
         try:
             return func(*args, **kwargs)
         except Exception as exc:  # any failure of a meta kernel ends the estimate, named
