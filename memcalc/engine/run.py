@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -776,14 +777,20 @@ class _Columns:
 
     events: np.ndarray  # trace.events
     nbytes: np.ndarray  # trace.nbytes
-    codes: np.ndarray  # traced.categories (timeline.category_codes)
+    categories: list[Category]  # traced.categories
+
+    @cached_property
+    def codes(self) -> np.ndarray:
+        """The categories' :func:`~memcalc.engine.timeline.category_codes`: made where a pass reads
+        every event (a long generation's steady sums read a few steps' storages instead)."""
+        return category_codes(self.categories)
 
     @classmethod
     def of(cls, traced: TracedStep, program: Program) -> _Columns:
         trace = traced.trace
         offset = program.iteration_starts[0]  # build_program: the pre-existing births, then trace.events as is
         events = program.keys[offset:offset + len(trace.events)]
-        return cls(events, np.asarray(trace.nbytes, dtype=np.int64), category_codes(traced.categories))
+        return cls(events, np.asarray(trace.nbytes, dtype=np.int64), traced.categories)
 
 
 @dataclass(frozen=True)
