@@ -6,9 +6,11 @@ extrapolated trace. (tests/test_generation_steady.py compares it with the trace 
 from __future__ import annotations
 
 import json
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from support import SMALL_LLAMA, hf_config_source
 
@@ -120,21 +122,40 @@ def _trace(count: int, accumulates: bool = False) -> tuple[StepTrace, list[Categ
     return trace, [Category.ACTIVATIONS] * n
 
 
-def test_a_run_that_is_not_affine_or_short_is_read_event_by_event():
+def _applies(trace: StepTrace, categories: list[Category]) -> SteadyRun | None:
+    return steady_sums.applies(trace, categories, np.asarray(trace.events, dtype=np.int64),
+                               np.asarray(trace.nbytes, dtype=np.int64))
+
+
+def test_a_run_that_is_not_affine_or_short_or_changed_is_read_event_by_event():
     trace, categories = _trace(8, accumulates=True)
-    assert steady_sums.applies(trace, categories) is None  # affine False
+    assert _applies(trace, categories) is None  # affine False
     trace, categories = _trace(8)
-    assert steady_sums.applies(trace, categories) is not None
+    assert _applies(trace, categories) is not None
     categories[-3] = Category.WORKSPACE  # the last written step's storage is not the first's
-    assert steady_sums.applies(trace, categories) is None
+    assert _applies(trace, categories) is None
     trace, categories = _trace(3)
-    assert steady_sums.applies(trace, categories) is None  # too few written steps to pay
+    assert _applies(trace, categories) is None  # too few written steps to pay
+    trace, categories = _trace(8)
+    assert trace.steady is not None
+    trace.nbytes[trace.steady.base + 2 * trace.steady.storages] = 0  # a written storage resized (set apart)
+    assert _applies(trace, categories) is None
+    trace, categories = _trace(8)
+    trace.events[trace.steady.start + 2 * trace.steady.length + 1] += 1  # a written step's event renamed
+    assert _applies(trace, categories) is None
+    trace, categories = _trace(8)
+    assert trace.steady is not None
+    trace.steady = SteadyRun(*astuple(trace.steady)[:5], affine=True)
+    step = trace.steady.start
+    for k in range(trace.steady.count):  # each written step's kept storage no longer freed by the next
+        trace.events[step + k * trace.steady.length] = trace.events[step + k * trace.steady.length + 2]
+    assert _applies(trace, categories) is None
 
 
 def test_the_stream_sums_are_every_events_sums():
     # the hand-made trace's running sums at every event, against the stream's
     trace, categories = _trace(12)
-    run = steady_sums.applies(trace, categories)
+    run = _applies(trace, categories)
     assert run is not None
     signed = [trace.nbytes[e] if e >= 0 else -trace.nbytes[~e] for e in trace.events]
     running = [sum(signed[:i + 1]) for i in range(len(signed))]

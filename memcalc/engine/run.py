@@ -91,7 +91,7 @@ from memcalc.engine.timeline import (
     freed_preexisting,
     generation_peaks,
 )
-from memcalc.engine.trace import AfterOpHook, Op, ReadOracle, StepTrace, StorageTracer
+from memcalc.engine.trace import AfterOpHook, Op, ReadOracle, SteadyRun, StepTrace, StorageTracer
 
 __all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "Replayed", "TracedStep",
            "build_report", "is_paged", "parameter_count", "replay_step", "step_config", "trace_model")
@@ -778,6 +778,13 @@ class _Columns:
     events: np.ndarray  # trace.events
     nbytes: np.ndarray  # trace.nbytes
     categories: list[Category]  # traced.categories
+    trace: StepTrace
+
+    @cached_property
+    def steady(self) -> SteadyRun | None:
+        """A long generation's written decode steps, checked (:func:`~memcalc.engine.steady_sums.applies`)
+        once for the report's passes that may read a few of them instead of every event."""
+        return steady_sums.applies(self.trace, self.categories, self.events, self.nbytes)
 
     @cached_property
     def codes(self) -> np.ndarray:
@@ -790,7 +797,7 @@ class _Columns:
         trace = traced.trace
         offset = program.iteration_starts[0]  # build_program: the pre-existing births, then trace.events as is
         events = program.keys[offset:offset + len(trace.events)]
-        return cls(events, np.asarray(trace.nbytes, dtype=np.int64), traced.categories)
+        return cls(events, np.asarray(trace.nbytes, dtype=np.int64), traced.categories, trace)
 
 
 @dataclass(frozen=True)
@@ -941,9 +948,9 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
 def _totals_at_peak(traced: TracedStep, program: Program, columns: _Columns, peak_index: int) -> dict[Category, int]:
     """Requested bytes per category alive just after the peak's event; in a long generation's
     written decode steps, read off a few steps' events (:mod:`memcalc.engine.steady_sums`)."""
-    run = steady_sums.applies(traced.trace, traced.categories) if program.iterations == 1 else None
     offset = program.iteration_starts[0]
-    if run is not None and peak_index >= offset + run.start + 2 * run.length:
+    run = (columns.steady if program.iterations == 1 and len(program.events) == offset + columns.events.size else None)
+    if run is not None and peak_index >= offset + run.start + 3 * run.length:
         return steady_sums.totals_at(run, program.keys, offset, columns.nbytes, traced.categories, peak_index)
     return category_totals_at(program, columns.nbytes, traced.categories, peak_index, codes=columns.codes)
 
@@ -1078,7 +1085,7 @@ def _forward_high_water(traced: TracedStep, columns: _Columns) -> dict[str, int]
     after a birth (a generation of thousands of tokens has millions of events: numpy, exact in int64).
     """
     trace = traced.trace
-    run = steady_sums.applies(trace, traced.categories)
+    run = columns.steady
     events = columns.events
     if run is None:  # every event read
         counted = _forward_activation_mask(traced, columns.codes)
