@@ -1,5 +1,6 @@
 """A long generation's report read off a few of its written decode steps (memcalc.engine.steady_sums):
-the module rows' high water and the categories at the peak equal those read off every event, so
+the module rows' high water, the categories at the peak and the peak requested equal those read off
+every event, so
 the report — its text at depth 9, its JSON, to_dict() — is the same, byte for byte, on the same
 extrapolated trace. (tests/test_generation_steady.py compares it with the trace of every step.)"""
 
@@ -16,7 +17,7 @@ from support import SMALL_LLAMA, hf_config_source
 
 import memcalc
 from memcalc.core.categories import Category, Phase
-from memcalc.engine import steady_sums
+from memcalc.engine import steady_replay, steady_sums
 from memcalc.engine.trace import SteadyRun, StepTrace
 from memcalc.report.render import render_report
 
@@ -34,14 +35,23 @@ def _both(source: str, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> tuple[
     categories at the peak)."""
     options = dict(mode="generate", optimizer="none", **kwargs)
     calls: set[str] = set()
-    stream = steady_sums.stream
+    stream, requested = steady_sums.stream, steady_replay._peak_requested
+    reading: list[str] = []  # "requested" while the replay reads its peak requested
 
     def counted(*args: Any, **kw: Any) -> steady_sums.Stream:
-        calls.add("peak" if len(args) + len(kw) == 3 else "rows")
+        calls.add(reading[-1] if reading else "peak" if len(args) + len(kw) == 3 else "rows")
         return stream(*args, **kw)
+
+    def read(*args: Any) -> int:
+        reading.append("requested")
+        try:
+            return requested(*args)
+        finally:
+            reading.pop()
 
     with monkeypatch.context() as patch:
         patch.setattr(steady_sums, "stream", counted)
+        patch.setattr(steady_replay, "_peak_requested", read)
         compact = memcalc.estimate(source, **options)
     with monkeypatch.context() as patch:
         patch.setattr(steady_sums, "SKIP_FROM", 10**9)
@@ -54,6 +64,7 @@ def _assert_identical(compact: memcalc.MemoryReport, full: memcalc.MemoryReport)
     for depth in (1, 9):
         assert render_report(compact, module_depth=depth) == render_report(full, module_depth=depth)
     assert compact.modules == full.modules
+    assert compact.peak_requested == full.peak_requested  # read off a few steps too; not in to_dict()
     assert not any("token by token" in note for note in compact.notes)
 
 
@@ -73,8 +84,10 @@ def test_the_sums_off_a_few_steps_are_those_off_every_event(tmp_path: Path, monk
     compact, full, calls = _both(hf_config_source(tmp_path, config), monkeypatch, **options)
     _assert_identical(compact, full)
     assert compact.peak_phase is peak
-    # the module rows read off a few steps; the categories too where the peak is in the last steps
-    assert calls == ({"rows", "peak"} if peak is Phase.DECODE else {"rows"})
+    # the module rows read off a few steps; the categories too where the peak is in the last steps, the
+    # peak requested where the replay skips steps (from steady_replay.SKIP_FROM decode steps on)
+    skips = options["new_tokens"] - 1 >= steady_replay.SKIP_FROM
+    assert calls == {"rows"} | ({"peak"} if peak is Phase.DECODE else set()) | ({"requested"} if skips else set())
 
 
 @pytest.mark.slow

@@ -738,13 +738,14 @@ REPLAY_PROGRESS_FROM = 1 << 17
 
 
 def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None, host: bool, *,
-              nbytes: np.ndarray | None = None) -> tuple[allocator.AllocatorStats, allocator.AllocatorStats]:
+              nbytes: np.ndarray | None = None,
+              steady: SteadyRun | None = None) -> tuple[allocator.AllocatorStats, allocator.AllocatorStats]:
     """The program replayed through the allocator model: the stats of its first iteration and of
     the whole (the same object for a program of one iteration), from one replay. An impossible
     event (a free of a storage that is not live) is memcalc's bug, named by the op and module
     that made the storage."""
     try:
-        if (fast := replay_generation(program, trace, settings, host, nbytes=nbytes)) is not None:
+        if (fast := replay_generation(program, trace, settings, host, nbytes=nbytes, steady=steady)) is not None:
             # a long generation: its small pool's repeated decode steps skipped, exactly
             return (fast, fast) if program.iterations <= 1 else (allocator.replay(
                 allocator_events(program, trace.nbytes, until=program.iteration_starts[1]), settings=settings,
@@ -817,7 +818,7 @@ def replay_step(traced: TracedStep, step: Step) -> Replayed:
     program = _program_of(traced)
     columns = _Columns.of(traced, program)
     first, whole = _replayed(program, traced.trace, step.allocator_settings, not step.emulate_cuda,
-                             nbytes=columns.nbytes)
+                             nbytes=columns.nbytes, steady=columns.steady if program.iterations == 1 else None)
     return Replayed(program, columns, first, whole)
 
 
