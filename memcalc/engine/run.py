@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,7 +48,7 @@ from memcalc.core.streams import Stream
 from memcalc.core.throughput import CostSource
 from memcalc.core.timeline import Timeline
 from memcalc.core.units import format_bytes
-from memcalc.engine import allocator
+from memcalc.engine import allocator, steady_sums
 from memcalc.engine.collector import collector_paused
 from memcalc.engine.compiled import (
     CompiledForwards,
@@ -90,7 +91,7 @@ from memcalc.engine.timeline import (
     freed_preexisting,
     generation_peaks,
 )
-from memcalc.engine.trace import AfterOpHook, Op, ReadOracle, StepTrace, StorageTracer
+from memcalc.engine.trace import AfterOpHook, Op, ReadOracle, SteadyRun, StepTrace, StorageTracer
 
 __all__ = ("LOGICAL_NUMEL", "MODEL_LOSS", "CostRecorder", "CostRecorderFactory", "RankHooks", "Replayed", "TracedStep",
            "build_report", "is_paged", "parameter_count", "replay_step", "step_config", "trace_model")
@@ -737,13 +738,14 @@ REPLAY_PROGRESS_FROM = 1 << 17
 
 
 def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None, host: bool, *,
-              nbytes: np.ndarray | None = None) -> tuple[allocator.AllocatorStats, allocator.AllocatorStats]:
+              nbytes: np.ndarray | None = None,
+              steady: SteadyRun | None = None) -> tuple[allocator.AllocatorStats, allocator.AllocatorStats]:
     """The program replayed through the allocator model: the stats of its first iteration and of
     the whole (the same object for a program of one iteration), from one replay. An impossible
     event (a free of a storage that is not live) is memcalc's bug, named by the op and module
     that made the storage."""
     try:
-        if (fast := replay_generation(program, trace, settings, host, nbytes=nbytes)) is not None:
+        if (fast := replay_generation(program, trace, settings, host, nbytes=nbytes, steady=steady)) is not None:
             # a long generation: its small pool's repeated decode steps skipped, exactly
             return (fast, fast) if program.iterations <= 1 else (allocator.replay(
                 allocator_events(program, trace.nbytes, until=program.iteration_starts[1]), settings=settings,
@@ -776,14 +778,27 @@ class _Columns:
 
     events: np.ndarray  # trace.events
     nbytes: np.ndarray  # trace.nbytes
-    codes: np.ndarray  # traced.categories (timeline.category_codes)
+    categories: list[Category]  # traced.categories
+    trace: StepTrace
+
+    @cached_property
+    def steady(self) -> SteadyRun | None:
+        """A long generation's written decode steps, checked (:func:`~memcalc.engine.steady_sums.applies`)
+        once for the report's passes that may read a few of them instead of every event."""
+        return steady_sums.applies(self.trace, self.categories, self.events, self.nbytes)
+
+    @cached_property
+    def codes(self) -> np.ndarray:
+        """The categories' :func:`~memcalc.engine.timeline.category_codes`: made where a pass reads
+        every event (a long generation's steady sums read a few steps' storages instead)."""
+        return category_codes(self.categories)
 
     @classmethod
     def of(cls, traced: TracedStep, program: Program) -> _Columns:
         trace = traced.trace
         offset = program.iteration_starts[0]  # build_program: the pre-existing births, then trace.events as is
         events = program.keys[offset:offset + len(trace.events)]
-        return cls(events, np.asarray(trace.nbytes, dtype=np.int64), category_codes(traced.categories))
+        return cls(events, np.asarray(trace.nbytes, dtype=np.int64), traced.categories, trace)
 
 
 @dataclass(frozen=True)
@@ -803,7 +818,7 @@ def replay_step(traced: TracedStep, step: Step) -> Replayed:
     program = _program_of(traced)
     columns = _Columns.of(traced, program)
     first, whole = _replayed(program, traced.trace, step.allocator_settings, not step.emulate_cuda,
-                             nbytes=columns.nbytes)
+                             nbytes=columns.nbytes, steady=columns.steady if program.iterations == 1 else None)
     return Replayed(program, columns, first, whole)
 
 
@@ -834,7 +849,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         replayed = replay_step(traced, step)
     program, columns, first, stats = replayed.program, replayed.columns, replayed.first, replayed.whole
     peak_index = max(stats.peak_index, 0)
-    raw = category_totals_at(program, columns.nbytes, traced.categories, peak_index, codes=columns.codes)
+    raw = _totals_at_peak(traced, program, columns, peak_index)
     breakdown = ByteBreakdown(
         parameters=raw[Category.PARAMETERS], buffers=raw[Category.BUFFERS], inputs=raw[Category.INPUTS],
         gradients=raw[Category.GRADIENTS], optimizer_state=raw[Category.OPTIMIZER_STATE],
@@ -929,6 +944,16 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
                 until=traced.iteration_starts[0] if traced.iteration_starts else None),
         ),
     )
+
+
+def _totals_at_peak(traced: TracedStep, program: Program, columns: _Columns, peak_index: int) -> dict[Category, int]:
+    """Requested bytes per category alive just after the peak's event; in a long generation's
+    written decode steps, read off a few steps' events (:mod:`memcalc.engine.steady_sums`)."""
+    offset = program.iteration_starts[0]
+    run = (columns.steady if program.iterations == 1 and len(program.events) == offset + columns.events.size else None)
+    if run is not None and peak_index >= offset + run.start + 3 * run.length:
+        return steady_sums.totals_at(run, program.keys, offset, columns.nbytes, traced.categories, peak_index)
+    return category_totals_at(program, columns.nbytes, traced.categories, peak_index, codes=columns.codes)
 
 
 def _streams_note(stats: allocator.AllocatorStats) -> str:
@@ -1061,20 +1086,36 @@ def _forward_high_water(traced: TracedStep, columns: _Columns) -> dict[str, int]
     after a birth (a generation of thousands of tokens has millions of events: numpy, exact in int64).
     """
     trace = traced.trace
-    counted = _forward_activation_mask(traced, columns.codes)
+    run = columns.steady
     events = columns.events
-    uids = np.where(events >= 0, events, ~events)
-    keep = counted[uids]
-    events, uids = events[keep], uids[keep]
-    births = events >= 0
-    delta = columns.nbytes[uids]
-    delta[~births] *= -1
-    ids: dict[str, int] = {}
-    for name in dict.fromkeys(trace.module):
-        ids[name] = len(ids)
-    # int16 where the modules fit: numpy's stable sort of 16-bit keys is a radix sort (2.9M events: 5x faster)
-    narrow = np.int16 if len(ids) < np.iinfo(np.int16).max else np.int64
-    module_of = np.fromiter(map(ids.__getitem__, trace.module), dtype=narrow, count=trace.num_storages)[uids]
+    if run is None:  # every event read
+        counted = _forward_activation_mask(traced, columns.codes)
+        uids = np.where(events >= 0, events, ~events)
+        keep = counted[uids]
+        events, uids = events[keep], uids[keep]
+        births = events >= 0
+        delta = columns.nbytes[uids]
+        ids: dict[str, int] = {name: i for i, name in enumerate(dict.fromkeys(trace.module))}
+        # int16 where the modules fit: numpy's stable sort of 16-bit keys is a radix sort (2.9M events: 5x faster)
+        narrow = np.int16 if len(ids) < np.iinfo(np.int16).max else np.int64
+        module_of = np.fromiter(map(ids.__getitem__, trace.module), dtype=narrow, count=trace.num_storages)[uids]
+    else:  # a long generation: the prefix, its first and last written steps, their net bytes between
+        at, weights, read = steady_sums.stream(run, events.size)
+        events = events[at]
+        uids = np.where(events >= 0, events, ~events)
+        unique, inverse = np.unique(uids, return_inverse=True)
+        listed = unique.tolist()
+        activation = Category.ACTIVATIONS
+        counted = np.fromiter((trace.phase[u].runs_forward and trace.phase[u] is not Phase.LOSS
+                               and traced.categories[u] is activation for u in listed), dtype=bool, count=len(listed))
+        keep = counted[inverse]
+        events, uids, weights, read, inverse = events[keep], uids[keep], weights[keep], read[keep], inverse[keep]
+        births = (events >= 0) & read
+        delta = columns.nbytes[uids] * weights
+        ids = {name: i for i, name in enumerate(dict.fromkeys(trace.module[u] for u in listed))}
+        narrow = np.int16 if len(ids) < np.iinfo(np.int16).max else np.int64
+        module_of = np.fromiter((ids[trace.module[u]] for u in listed), dtype=narrow, count=len(listed))[inverse]
+    delta[events < 0] *= -1
     # each module's events, in event order: a subtree's are its members' merged (events x depth in all)
     order = np.argsort(module_of, kind="stable")
     bounds = np.concatenate([[0], np.cumsum(np.bincount(module_of, minlength=len(ids)))])

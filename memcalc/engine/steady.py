@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memcalc.core.categories import Phase
-from memcalc.engine.trace import ShapeSized, StepTrace
+from memcalc.engine.trace import ShapeSized, SteadyRun, StepTrace
 
 __all__ = ("EXTRAPOLATE_FROM", "STEADY_STEPS", "TRACED_TOKENS", "Extension", "RunCounts", "extend",
            "traced_tokens")
@@ -362,6 +362,7 @@ def _write(trace: StepTrace, layout: _Layout, last: list[int], last_segment: lis
         trace.op.extend(layout.op * count)
         for i, rules in at.items():
             trace.sized.update(zip(range(last_base + i, last_base + i + n * count, n), rules, strict=True))
+        trace.steady = SteadyRun(start, length, count, n, last_base, _affine(layout, n))
     # the last step: the traced one, each storage on its steady storage's line at step N - 1
     base = last_base + n * count
     s = new_tokens - 1
@@ -378,6 +379,18 @@ def _write(trace: StepTrace, layout: _Layout, last: list[int], last_segment: lis
         trace.module.append(layout.module[i])
         trace.category.append(layout.category[i])  # type: ignore[arg-type]
         trace.op.append(layout.op[i])
+
+
+def _affine(layout: _Layout, n: int) -> bool:
+    """Whether the bytes alive at each point of a steady step are affine in the step: every
+    storage's bytes on a line (a rule-sized one whose arguments grow is a step function) and
+    every storage freed in its own step or the next, so that the storages alive as a step begins
+    are the same ones of the step before (nothing accumulates)."""
+    if any(any(slope) for _, slope in layout.sized.values()):
+        return False
+    born = {value for kind, value in layout.events if kind == 0}
+    freed = {value if value >= 0 else value + n for kind, value in layout.events if kind == 1}
+    return born <= freed
 
 
 def _bytes(sized: ShapeSized) -> int:

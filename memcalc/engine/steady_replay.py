@@ -37,9 +37,9 @@ import numpy as np
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Phase
 from memcalc.core.progress import report_progress
-from memcalc.engine import allocator
+from memcalc.engine import allocator, steady_sums
 from memcalc.engine.timeline import Program
-from memcalc.engine.trace import StepTrace
+from memcalc.engine.trace import SteadyRun, StepTrace
 
 __all__ = ("REPLAYING", "SKIP_FROM", "replay_generation")
 
@@ -58,10 +58,12 @@ _Signature = tuple[tuple[int, int, bool, int, bool], ...]
 
 
 def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | None,
-                      host: bool, *, nbytes: np.ndarray | None = None) -> allocator.AllocatorStats | None:
+                      host: bool, *, nbytes: np.ndarray | None = None,
+                      steady: SteadyRun | None = None) -> allocator.AllocatorStats | None:
     """The unlimited replay's stats of a generation's ``program``, its small pool's repeated
     decode steps skipped (module docstring); None where that does not apply. ``nbytes``:
-    ``trace.nbytes`` as int64, when the caller has it."""
+    ``trace.nbytes`` as int64, when the caller has it; ``steady``: its written decode steps, checked
+    (:func:`memcalc.engine.steady_sums.applies`): the peak requested is read off a few of them."""
     offset = program.iteration_starts[0]  # the pre-existing storages' births come first
     starts = [offset + start for phase, start in trace.phase_log if phase is Phase.DECODE]
     settings = settings or AllocConf()
@@ -126,7 +128,8 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     sizes = rounded.copy()  # a small block is its request rounded (the small pool splits off any rest)
     sizes[np.fromiter(held, dtype=np.int64, count=len(held))] = np.fromiter(held.values(), dtype=np.int64,
                                                                            count=len(held))
-    return _stats(model.stats(), events, uids, sizes, nbytes)
+    requested = None if steady is None else _peak_requested(steady, events, offset, nbytes)
+    return _stats(model.stats(), events, uids, sizes, nbytes, requested)
 
 
 class _Unsteady(Exception):
@@ -278,23 +281,39 @@ def _rename(model: allocator.CachingAllocatorModel, first: int, shift: int) -> b
     return True
 
 
+def _peak_requested(steady: SteadyRun, events: np.ndarray, offset: int, nbytes: np.ndarray) -> int:
+    """The most requested bytes alive after any event, read off the pre-existing births and a few of
+    the written decode steps (:func:`memcalc.engine.steady_sums.stream`: requested bytes are affine
+    in the step, so their maximum lies in the steps read)."""
+    index, weights, read = steady_sums.stream(steady, events.size - offset)
+    keys = np.concatenate([events[:offset], events[offset:][index]])
+    signed = np.concatenate([np.ones(offset, dtype=np.int64), weights])
+    signed *= nbytes[np.where(keys >= 0, keys, ~keys)]  # int64: exact
+    signed[keys < 0] *= -1
+    sums = np.cumsum(signed)[np.concatenate([np.ones(offset, dtype=bool), read])]
+    return int(sums.max()) if sums.size else 0
+
+
 def _stats(stats: allocator.AllocatorStats, events: np.ndarray, uids: np.ndarray, sizes: np.ndarray,
-           nbytes: np.ndarray) -> allocator.AllocatorStats:
+           nbytes: np.ndarray, peak_requested: int | None = None) -> allocator.AllocatorStats:
     """``stats`` with allocated (the blocks' ``sizes``) and requested, which the skipped events
-    changed on the way, summed over every event."""
+    changed on the way, summed over every event (the peak requested: ``peak_requested`` where the
+    caller read it off a few steps)."""
     deaths = events < 0
     allocated = sizes[uids]
     allocated[deaths] *= -1
     np.cumsum(allocated, out=allocated)  # int64: exact
-    requested = nbytes[uids]
-    requested[deaths] *= -1
-    np.cumsum(requested, out=requested)
+    if peak_requested is None:
+        requested = nbytes[uids]
+        requested[deaths] *= -1
+        np.cumsum(requested, out=requested)
+        peak_requested = int(requested.max()) if requested.size else 0
     peak = int(allocated.max()) if allocated.size else 0
     return allocator.AllocatorStats(
         peak_allocated=max(peak, 0), peak_reserved=stats.peak_reserved,
         final_allocated=int(allocated[-1]) if allocated.size else 0, final_reserved=stats.final_reserved,
         num_segments=stats.num_segments, num_mallocs=stats.num_mallocs, oom_at=None,
         peak_index=int(np.argmax(allocated)) if peak > 0 else -1,
-        peak_requested=max(int(requested.max()) if requested.size else 0, 0),
+        peak_requested=max(peak_requested, 0),
         final_segments=stats.final_segments, num_device_frees=stats.num_device_frees,
         num_alloc_retries=stats.num_alloc_retries, num_ooms=stats.num_ooms)

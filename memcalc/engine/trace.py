@@ -35,7 +35,7 @@ from memcalc.core.errors import InternalError, MemcalcError, symbolic_execution_
 from memcalc.engine.meta_shortcuts import SHORTCUTS
 
 __all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle", "ShapeSized", "SizeRule",
-           "StepTrace", "StorageTracer", "tensors_of")
+           "SteadyRun", "StepTrace", "StorageTracer", "tensors_of")
 
 #: An aten operator overload, as a dispatch mode receives it (``aten.add.Tensor``).
 Op: TypeAlias = "OpOverload[..., Any]"
@@ -90,6 +90,22 @@ class ShapeSized:
     arguments: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class SteadyRun:
+    """Decode steps ``engine.steady`` wrote as copies of one steady step: ``count`` steps of
+    ``length`` events each from event ``start``, each making ``storages`` storages (the first from
+    uid ``base``); the last decode step follows them. ``affine``: every storage's bytes are on a
+    line (no rule-sized one grows) and each is freed in its step or the next, so the bytes alive
+    at each point of a step are affine in the step (:mod:`memcalc.engine.steady_sums`)."""
+
+    start: int
+    length: int
+    count: int
+    storages: int
+    base: int
+    affine: bool
+
+
 @dataclass
 class StepTrace:
     """What the tracer saw. Storage ``uid`` indexes the per-storage lists.
@@ -111,6 +127,7 @@ class StepTrace:
     phase_log: list[tuple[Phase, int]] = field(default_factory=list)  # every set_phase: (phase, index into events)
     sized: dict[int, ShapeSized] = field(default_factory=dict)  # synthetic storages sized by a rule, by uid
     stream: dict[int, int] = field(default_factory=dict)  # uid -> the stream it was allocated on, where not 0
+    steady: SteadyRun | None = None  # a generation's decode steps written as copies (engine.steady)
 
     @property
     def num_storages(self) -> int:
