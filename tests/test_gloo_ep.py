@@ -44,6 +44,7 @@ Adam at batch 2 · 16, 1,417,872 B real less the step counters and estimated (20
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -88,21 +89,35 @@ def test_ep_matches_real_gloo_ranks(tmp_path: Path, routing: str, spread: int | 
         assert worst.roles[0].report.peak_requested > (1 + TOLERANCE) * peaks[0].peak
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kwargs", [
-    KWARGS,  # every rank 5,573,272 B real and estimated
-    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 1,990,236 B real less the counters, 12 B over
-], ids=["sgd", "adam"])
-def test_ep_x_dp_shard_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
-    source = hf_config_source(tmp_path, TINY_MIXTRAL)
-    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_shard=2, ep=2), **kwargs)
+def _every_rank(tmp_path: Path, config: dict[str, Any], kwargs: dict[str, Any], *, timeout_s: float = 300.0,
+                **degrees: int) -> None:
+    """memcalc's estimate on the mesh ``ep`` × ``degrees`` (one role: every rank holds the same) against
+    every rank of a real gloo run, Adam's CPU step counters taken off the real peak."""
+    source = hf_config_source(tmp_path, config)
+    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(**degrees), **kwargs)
     (role,) = report.roles
-    assert role.ranks == (0, 1, 2, 3)
+    world = math.prod(degrees.values())
+    # each tp group shares one batch; every other rank reads its own
+    assert role.ranks == tuple(range(world))
+    assert report.distribution.global_batch_size == world // degrees.get("tp", 1) * kwargs["batch_size"]
     estimate = role.report.peak_requested
-    peaks = run_ep(source, kwargs, tmp_path, world_size=4, dp_shard=2)
+    others = {name: degree for name, degree in degrees.items() if name != "ep"}
+    peaks = run_ep(source, kwargs, tmp_path, world_size=world, timeout_s=timeout_s, **others)
     for rank, peak in enumerate(peaks):
         real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
         assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+
+
+ADAM: dict[str, Any] = dict(batch_size=2, seq_len=16, optimizer="adam")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    KWARGS,  # every rank 5,573,272 B real and estimated
+    ADAM,  # every rank 1,990,236 B real less the counters, 12 B over
+], ids=["sgd", "adam"])
+def test_ep_x_dp_shard_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    _every_rank(tmp_path, TINY_MIXTRAL, kwargs, dp_shard=2, ep=2)
 
 
 @pytest.mark.slow
@@ -111,34 +126,17 @@ def test_ep_x_hsdp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) -> None
     # fully_shard-ed over the 2-D (dp_replicate, dp_shard) mesh, the dense part over (dp_replicate, dp_shard x ep);
     # the replicas' all-reduce runs in place, so every rank holds what it holds under dp_shard=2 x ep=2:
     # every rank 5,573,272 B real and estimated
-    source = hf_config_source(tmp_path, TINY_MIXTRAL)
-    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_replicate=2, dp_shard=2, ep=2),
-                              **KWARGS)
-    (role,) = report.roles
-    assert role.ranks == tuple(range(8)) and report.distribution.global_batch_size == 8 * KWARGS["batch_size"]
-    estimate = role.report.peak_requested
-    peaks = run_ep(source, KWARGS, tmp_path, world_size=8, dp_shard=2, dp_replicate=2, timeout_s=900.0)
-    for rank, peak in enumerate(peaks):
-        assert abs(estimate - peak.peak) <= TOLERANCE * peak.peak, (
-            f"rank {rank}: estimated {estimate:,} B vs real {peak.peak:,} B")
+    _every_rank(tmp_path, TINY_MIXTRAL, KWARGS, timeout_s=900.0, dp_replicate=2, dp_shard=2, ep=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [
     KWARGS,  # every rank 5,828,056 B real and estimated
-    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 2,681,944 B real less the counters and estimated
+    ADAM,  # every rank 2,681,944 B real less the counters and estimated
 ], ids=["sgd", "adam"])
 def test_ep_x_dp_replicate_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
     # dp_replicate=2 x ep=2 on four processes, torchtitan's HSDP with dp_shard_mod_ep = 1 (module docstring)
-    source = hf_config_source(tmp_path, TINY_MIXTRAL)
-    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_replicate=2, ep=2), **kwargs)
-    (role,) = report.roles
-    assert role.ranks == (0, 1, 2, 3) and report.distribution.global_batch_size == 4 * kwargs["batch_size"]
-    estimate = role.report.peak_requested
-    peaks = run_ep(source, kwargs, tmp_path, world_size=4, dp_replicate=2)
-    for rank, peak in enumerate(peaks):
-        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
-        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+    _every_rank(tmp_path, TINY_MIXTRAL, kwargs, dp_replicate=2, ep=2)
 
 
 # Slow since 2026-12-07 (15 CPU-s of the quick suite's 60 s target): the quick suite keeps ep's own gloo
@@ -146,73 +144,39 @@ def test_ep_x_dp_replicate_matches_every_rank_of_a_real_gloo_run(tmp_path: Path,
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [
     KWARGS,  # every rank 3,918,672 B real and estimated
-    dict(batch_size=2, seq_len=16, optimizer="adam"),  # 12 B under, as above
+    ADAM,  # 12 B under, as above
 ], ids=["sgd", "adam"])
 def test_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
     # tp=2 x ep=2 on four processes: Mixtral's own tp plan (embedding, head, attention) over each tp pair, the
     # 4 experts of each layer over all 4 ranks (transformers' ep_size = fsdp_size x tp_size, torchtitan's etp=1),
     # each tp rank dispatching half of its pair's tokens; balanced routing
-    source = hf_config_source(tmp_path, TINY_MIXTRAL)
-    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(tp=2, ep=2), **kwargs)
-    (role,) = report.roles
-    assert role.ranks == (0, 1, 2, 3) and report.distribution.global_batch_size == 2 * kwargs["batch_size"]
-    estimate = role.report.peak_requested
-    peaks = run_ep(source, kwargs, tmp_path, world_size=4, tp=2)
-    for rank, peak in enumerate(peaks):
-        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
-        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+    _every_rank(tmp_path, TINY_MIXTRAL, kwargs, tp=2, ep=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [
     KWARGS,  # every rank 3,931,800 B real and estimated
-    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 1,653,052 B real less the counters, 12 B over
+    ADAM,  # every rank 1,653,052 B real less the counters, 12 B over
 ], ids=["sgd", "adam"])
 def test_dp_shard_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
     # dp_shard=2 x tp=2 x ep=2 on eight processes (module docstring): a (dp_shard, ep, tp) mesh, the experts over
     # the flattened (ep, tp), fully_shard over dp_shard (torchtitan's dp_shard_mod_ep), the rest over (dp_shard, ep)
-    source = hf_config_source(tmp_path, TINY_MIXTRAL_8)
-    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_shard=2, tp=2, ep=2), **kwargs)
-    (role,) = report.roles
-    assert role.ranks == tuple(range(8)) and report.distribution.global_batch_size == 4 * kwargs["batch_size"]
-    estimate = role.report.peak_requested
-    peaks = run_ep(source, kwargs, tmp_path, world_size=8, dp_shard=2, tp=2, timeout_s=900.0)
-    for rank, peak in enumerate(peaks):
-        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
-        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+    _every_rank(tmp_path, TINY_MIXTRAL_8, kwargs, timeout_s=900.0, dp_shard=2, tp=2, ep=2)
 
 
 @pytest.mark.slow
 def test_hsdp_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) -> None:
     # HSDP around dp_shard=2 x tp=2 x ep=2 on sixteen processes: the same units fully_shard-ed over the 2-D
     # (dp_replicate, dp_shard) and (dp_replicate, dp_shard x ep) meshes; every rank 3,931,800 B real and estimated
-    source = hf_config_source(tmp_path, TINY_MIXTRAL_8)
-    report = memcalc.estimate(source, gpu="cpu",
-                              distributed=memcalc.Distributed(dp_replicate=2, dp_shard=2, tp=2, ep=2), **KWARGS)
-    (role,) = report.roles
-    assert role.ranks == tuple(range(16)) and report.distribution.global_batch_size == 8 * KWARGS["batch_size"]
-    estimate = role.report.peak_requested
-    peaks = run_ep(source, KWARGS, tmp_path, world_size=16, dp_shard=2, dp_replicate=2, tp=2, timeout_s=1500.0)
-    for rank, peak in enumerate(peaks):
-        assert abs(estimate - peak.peak) <= TOLERANCE * peak.peak, (
-            f"rank {rank}: estimated {estimate:,} B vs real {peak.peak:,} B")
+    _every_rank(tmp_path, TINY_MIXTRAL_8, KWARGS, timeout_s=1500.0, dp_replicate=2, dp_shard=2, tp=2, ep=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [
     KWARGS,  # every rank 3,951,568 B real and estimated
-    dict(batch_size=2, seq_len=16, optimizer="adam"),  # every rank 1,417,872 B real less the counters and estimated
+    ADAM,  # every rank 1,417,872 B real less the counters and estimated
 ], ids=["sgd", "adam"])
 def test_dp_replicate_x_tp_x_ep_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
     # dp_replicate=2 x tp=2 x ep=2 on eight processes (module docstring): the tp plan, the experts over (ep, tp),
     # fully_shard of the experts over (dp_replicate, dp_shard of 1) and of the rest over (dp_replicate, ep)
-    source = hf_config_source(tmp_path, TINY_MIXTRAL)
-    report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(dp_replicate=2, tp=2, ep=2),
-                              **kwargs)
-    (role,) = report.roles
-    assert role.ranks == tuple(range(8)) and report.distribution.global_batch_size == 4 * kwargs["batch_size"]
-    estimate = role.report.peak_requested
-    peaks = run_ep(source, kwargs, tmp_path, world_size=8, dp_replicate=2, tp=2, timeout_s=900.0)
-    for rank, peak in enumerate(peaks):
-        real = peak.step_peak if kwargs["optimizer"] == "adam" else peak.peak  # less Adam's CPU step counters
-        assert abs(estimate - real) <= TOLERANCE * real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
+    _every_rank(tmp_path, TINY_MIXTRAL, kwargs, timeout_s=900.0, dp_replicate=2, tp=2, ep=2)
