@@ -417,6 +417,9 @@ def test_selective_checkpointing_of_a_hugging_face_model_under_a_pipeline():
 
 @pytest.mark.parametrize(("schedule", "mesh"), [("gpipe", {}), ("interleaved-1f1b", {"dp_shard": 2, "tp": 2})],
                          ids=["gpipe", "interleaved-3d"])
+# the interleaved 3-D case (2.9 CPU-s under load, 2026-12-07) runs in the full suite; GPipe's (0.7) keeps
+# the trace order and the unchanged reports in the quick one (issue 36 item 7)
+@pytest.mark.quick_cases("gpipe")
 def test_stopping_at_an_unfit_rank_traces_the_busiest_first_and_changes_no_report(schedule, mesh):
     # under stop_at_unfit_rank the ranks are traced 0, 3, 1, 2 (GPipe's ranks 1 and 2 still share a
     # trace): when every rank fits, every rank's report is byte for byte the one traced in rank order
