@@ -6,11 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch as _torch
-
-#: memcalc drives torch.distributed.pipelining's internals as torch 2.13 has them; an older torch
-#: is refused by name (test_an_older_torch_is_refused_by_name)
-pytestmark = pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),
-                                reason="pipeline parallelism needs torch >= 2.13's pipelining")
 from gloo_pipeline import BATCH, BLOCKS, POSITIONS, WIDTH, pipeline_model
 from gloo_runs import FEATURES
 
@@ -20,6 +15,11 @@ from memcalc.distributed.pipeline import Pipeline, estimate_pipeline
 from memcalc.distributed.pipeline_schedules import Action, PipelineSchedule, in_flight, rank_actions, stage_of_rank
 from memcalc.distributed.pipeline_split import stage_blocks
 from memcalc.fields import build_step
+
+#: memcalc drives torch.distributed.pipelining's internals as torch 2.13 has them; an older torch
+#: is refused by name (test_an_older_torch_is_refused_by_name)
+pytestmark = pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),
+                                reason="pipeline parallelism needs torch >= 2.13's pipelining")
 
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (4, 4), (4, 8), (3, 7)])
