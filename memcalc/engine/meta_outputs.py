@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ("OUTPUT_RULES", "contiguous_strides")
+__all__ = ("OUTPUT_RULES", "broadcast_output_strides", "contiguous_strides")
 
 #: ``(args, kwargs) → outputs``, or None where the op's kernel must run.
 Rule = Callable[[tuple[Any, ...], dict[str, Any]], Any]
@@ -66,22 +66,161 @@ def _fresh(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=_META)
 
 
+def _broadcast_strides(shape: tuple[int, ...], out: tuple[int, ...]) -> tuple[int, ...]:
+    """A standard-layout operand of ``shape`` broadcast to ``out`` as the reference broadcasts it
+    (``prims.broadcast_in_dim``): a broadcast or new dimension of size past 1 strides 0, a new one
+    of size 1 strides as the next dimension's extent, a kept one as before."""
+    own = contiguous_strides(shape)
+    lead = len(out) - len(shape)
+    strides = []
+    for idx, size in enumerate(out):
+        orig = idx - lead
+        if orig >= 0:
+            strides.append(own[orig] if shape[orig] == size else 0)
+        elif size != 1:
+            strides.append(0)
+        else:
+            strides.append(own[0] * shape[0] if shape else 1)
+    return tuple(strides)
+
+
+def _nested(shape: tuple[int, ...], strides: tuple[int, ...], order: Sequence[int]) -> bool:
+    """Strides nested in ``order`` (innermost first), size-1 dimensions skipped
+    (``is_contiguous`` and ``is_channels_last_contiguous``)."""
+    expected = 1
+    for idx in order:
+        if shape[idx] != 1:
+            if strides[idx] != expected:
+                return False
+            expected *= shape[idx]
+    return True
+
+
+def _swap(shape: tuple[int, ...], operands: list[tuple[int, ...]], a: int, b: int) -> int:
+    """``should_swap`` of ``compute_elementwise_output_logical_to_physical_perm`` for positive
+    sizes: the first operand whose strides in ``a`` and ``b`` are both set decides."""
+    for strides in operands:
+        stride_a, stride_b = strides[a], strides[b]
+        if stride_a == 0 or stride_b == 0:
+            continue
+        if stride_a == stride_b:
+            if shape[b] >= shape[a]:
+                continue
+            return 1
+        return -1 if stride_b > stride_a else 1
+    return 0
+
+
+def broadcast_output_strides(shape: tuple[int, ...], operands: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The strides the elementwise reference gives its output of ``shape`` (no size 0) from its
+    broadcast operands' strides (``compute_elementwise_output_strides``): contiguous where every
+    operand is and not every one channels-last, the reverse, else the dimensions ordered by the
+    operands' strides (an insertion sort, innermost first)."""
+    ndim = len(shape)
+    if ndim < 2:
+        return () if ndim == 0 else (1,)
+    if len(operands) == 1:
+        return operands[0]
+    inner = tuple(reversed(range(ndim)))
+    contiguous = all(_nested(shape, strides, inner) for strides in operands) or _numel(shape) < 2
+    last = ndim == 4 and all(_nested(shape, strides, (1, 3, 2, 0)) for strides in operands)
+    if contiguous and not last:
+        return contiguous_strides(shape)
+    if last and not contiguous:
+        perm = [0, 2, 3, 1]
+    else:
+        order = list(inner)
+        for i in range(1, ndim):
+            right = i
+            for left in reversed(range(i)):
+                comparison = _swap(shape, operands, order[left], order[right])
+                if comparison > 0:
+                    order[left], order[right] = order[right], order[left]
+                    right = left
+                elif comparison < 0:
+                    break
+        perm = order[::-1]
+    physical = contiguous_strides([shape[p] for p in perm])
+    strides = [0] * ndim
+    for i, p in enumerate(perm):
+        strides[p] = physical[i]
+    return tuple(strides)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _broadcast_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape broadcasting gives, or None where the shapes do not broadcast."""
+    ndim = max(len(s) for s in shapes)
+    out = [1] * ndim
+    for s in shapes:
+        for i, size in enumerate(s, ndim - len(s)):
+            if size != out[i]:
+                if out[i] == 1:
+                    out[i] = size
+                elif size != 1:
+                    return None
+    return tuple(out)
+
+
 def _elementwise(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """One output of the tensor operands' shape and dtype: every operand dense, of one shape and
     dtype; the other arguments real scalars, strings or None (``alpha``, ``approximate``,
-    ``threshold``, an exponent)."""
-    first: torch.Tensor | None = None
+    ``threshold``, an exponent). Operands of other shapes go to :func:`_broadcasting`."""
+    tensors: list[torch.Tensor] = []
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             if not _dense(value):
                 return None
-            if first is None:
-                first = value
-            elif value.shape != first.shape or value.dtype != first.dtype:
-                return None
+            tensors.append(value)
         elif value is not None and type(value) not in _REAL_SCALARS and type(value) is not str:
             return None
-    return None if first is None else _fresh(first.shape, first.dtype)
+    if not tensors:
+        return None
+    first = tensors[0]
+    if all(t.shape == first.shape and t.dtype == first.dtype for t in tensors):
+        return _fresh(first.shape, first.dtype)
+    return _broadcasting(tensors, promote=False)
+
+
+def _arithmetic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``add``, ``sub``, ``mul``, ``div`` of two tensors: as :func:`_elementwise`, and floating
+    operands of different dtypes promoted (``torch.result_type``: a dimensioned operand's dtype
+    outranks a 0-dim one's of the same category)."""
+    if len(args) != 2 or any(name != "alpha" or type(v) not in _REAL_SCALARS for name, v in kwargs.items()):
+        return None
+    a, b = args
+    if not isinstance(b, torch.Tensor):
+        return _elementwise(args, kwargs)
+    if not (isinstance(a, torch.Tensor) and _dense(a) and _dense(b)):
+        return None
+    if a.shape == b.shape and a.dtype == b.dtype:
+        return _fresh(a.shape, a.dtype)
+    return _broadcasting([a, b], promote=True)
+
+
+def _broadcasting(tensors: list[torch.Tensor], promote: bool) -> torch.Tensor | None:
+    """The output of dense operands of different shapes (or, ``promote``, dtypes): the broadcast
+    shape, the strides :func:`broadcast_output_strides` picks; an empty output runs the kernel."""
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype for t in tensors):
+        if not promote:
+            return None
+        ranked = [t for t in tensors if t.dim() > 0] or tensors
+        dtype = ranked[0].dtype
+        for t in ranked[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+    shapes = [tuple(t.shape) for t in tensors]
+    shape = _broadcast_shape(shapes)
+    if shape is None or 0 in shape:
+        return None
+    strides = broadcast_output_strides(shape, [_broadcast_strides(s, shape) for s in shapes])
+    return torch.empty_strided(shape, strides, dtype=dtype, device=_META)
 
 
 def _like(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -294,7 +433,7 @@ def _cat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
 
 #: Elementwise ops whose output takes its operands' shape and dtype (when they share them).
 _ELEMENTWISE: Final = (
-    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.mul.Scalar, _aten.div.Scalar,
+    _aten.mul.Scalar, _aten.div.Scalar,
     _aten.add.Scalar, _aten.pow.Tensor_Scalar, _aten.neg.default, _aten.rsqrt.default, _aten.sqrt.default,
     _aten.exp.default, _aten.tanh.default, _aten.sigmoid.default, _aten.relu.default, _aten.gelu.default,
     _aten.silu.default, _aten.sin.default, _aten.cos.default, _aten.threshold_backward.default,
@@ -302,9 +441,13 @@ _ELEMENTWISE: Final = (
     _aten.sigmoid_backward.default,
 )
 
+#: Binary arithmetic, whose operands also broadcast and promote.
+_ARITHMETIC: Final = (_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor)
+
 #: Every op with a rule.
 OUTPUT_RULES: Final[Mapping[object, Rule]] = {
     **dict.fromkeys(_ELEMENTWISE, _elementwise),
+    **dict.fromkeys(_ARITHMETIC, _arithmetic),
     _aten.zeros_like.default: _like,
     _aten.ones_like.default: _like,
     _aten.mm.default: _matmul,
