@@ -10,9 +10,13 @@ with the meta-kernel cache emptied) spends a fifth of its time in them. On a den
 kernels answer fresh tensors of the standard layout whose shapes and dtypes follow from the
 arguments' by the rules below (elementwise: the operands' shape and dtype; a matrix product
 ``(m, n)``; a reduction its kept dimensions; layer norm's statistics in float32 for a half
-input, as the decomposition computes them), made here with ``torch.empty``. Any other call (a
-strided or channels-last operand, broadcasting, mixed dtypes, a complex or integer tensor, an
-unknown keyword) runs the kernel, which also raises what it would.
+input, as the decomposition computes them), made here with ``torch.empty``. Elementwise operands
+of other shapes broadcast, and ``add``/``sub``/``mul``/``div``'s floating ones of other dtypes
+promote: the output's strides are those ``compute_elementwise_output_strides`` (the reference's
+copy of TensorIterator's rules) gives, computed on shape and stride tuples
+(:func:`broadcast_output_strides`). Any other call (a strided or channels-last operand, an empty
+output, a complex or integer tensor, an unknown keyword) runs the kernel, which also raises
+what it would.
 
 tests/test_meta_outputs.py compares every rule with the kernel, storage for storage, over shapes
 (empty, 0-dim, size-1 dimensions), dtypes, layouts, scalars and keywords, and checks that the
