@@ -374,6 +374,43 @@ def test_cat(every: bool) -> None:
     assert _enough(answered, 100, every)
 
 
+CONV_SHAPES = (((2, 4, 9, 9), (6, 4, 3, 3), 1), ((2, 4, 9, 9), (6, 2, 3, 3), 2), ((1, 3, 8, 8), (5, 3, 1, 1), 1),
+               ((2, 4, 1, 1), (6, 4, 1, 1), 1), ((2, 1, 7, 7), (3, 1, 3, 3), 1), ((2, 4, 9), (6, 4, 3), 1),
+               ((2, 4, 5, 6, 7), (6, 4, 3, 3, 3), 1), ((2, 4, 2, 2), (6, 4, 3, 3), 1),
+               ((0, 4, 9, 9), (6, 4, 3, 3), 1), ((2, 4, 9, 9), (6, 3, 3, 3), 1), ((2, 4, 9, 9), (6, 4, 3, 3), 4),
+               ((4, 9, 9), (6, 4, 3, 3), 1))
+
+
+@EVERY
+def test_convolution_and_its_backward(every: bool) -> None:
+    """Input, weight and gradient shapes (grouped, 1x1, 1-D, 3-D, too small, empty, unbatched, of
+    channels that do not match), layouts (channels-last ones included) and stride/padding/dilation."""
+    answered = []
+    for (xs, ws, groups), dtype, x_layout, w_layout, (stride, pad, dilation), bias in _sampled(itertools.product(
+            CONV_SHAPES, (torch.float32, torch.bfloat16, torch.int64), ("contiguous", "channels_last", "transposed",
+                                                                        "offset"),
+            ("contiguous", "channels_last"), ((1, 0, 1), (2, 1, 1), (1, 2, 2), (3, 0, 2)), (False, True)), every):
+        x, w = _tensor(xs, dtype, x_layout), _tensor(ws, dtype, w_layout)
+        if x is None or w is None:
+            continue
+        k = len(xs) - 2
+        b = torch.empty(ws[0], dtype=dtype, device="meta") if bias else None
+        args = (x, w, b, [stride] * k, [pad] * k, [dilation] * k, False, [0] * k, groups)
+        answered.append(_compare(aten.convolution.default, args))
+        try:
+            out = aten.convolution.default(*args)
+        except Exception:
+            continue
+        for grad_layout, mask in itertools.product(("contiguous", "channels_last"),
+                                                   ((True, True, True), (False, True, True), (True, False, False))):
+            grad = _tensor(tuple(out.shape), dtype, grad_layout)
+            if grad is not None:
+                answered.append(_compare(aten.convolution_backward.default, (
+                    grad, x, w, [ws[0]] if bias else None, [stride] * k, [pad] * k, [dilation] * k, False, [0] * k,
+                    groups, list(mask))))
+    assert _enough(answered, 2000, every)
+
+
 def test_contiguous_strides_are_torchs() -> None:
     for shape in (*SHAPES, (3, 0, 1, 5), (1, 1, 1), (7, 1, 3, 1)):
         assert contiguous_strides(shape) == make_contiguous_strides_for(shape)
@@ -386,7 +423,8 @@ def test_every_rule_is_a_shortcut_and_tested() -> None:
                         aten.native_layer_norm_backward.default, aten._log_softmax.default, aten._softmax.default,
                         aten._log_softmax_backward_data.default, aten._softmax_backward_data.default,
                         aten.nll_loss_forward.default, aten.nll_loss_backward.default, aten.native_dropout.default,
-                        aten.native_dropout_backward.default, aten.sum.dim_IntList, aten.mean.dim, aten.cat.default}
+                        aten.native_dropout_backward.default, aten.sum.dim_IntList, aten.mean.dim, aten.cat.default,
+                        aten.convolution.default, aten.convolution_backward.default}
     assert set(OUTPUT_RULES) == tested
     rules: dict[Any, Callable[..., Any]] = dict(OUTPUT_RULES)
     assert all(SHORTCUTS[op] is rule for op, rule in rules.items())

@@ -14,7 +14,9 @@ input, as the decomposition computes them), made here with ``torch.empty``. Elem
 of other shapes broadcast, and ``add``/``sub``/``mul``/``div``'s floating ones of other dtypes
 promote: the output's strides are those ``compute_elementwise_output_strides`` (the reference's
 copy of TensorIterator's rules) gives, computed on shape and stride tuples
-(:func:`broadcast_output_strides`). Any other call (a strided or channels-last operand, an empty
+(:func:`broadcast_output_strides`). A plain convolution's output is fresh and standard
+(``meta_conv`` leaves the format to the backend), its gradients too where input and weight
+suggest the contiguous format. Any other call (a strided or channels-last operand, an empty
 output, a complex or integer tensor, an unknown keyword) runs the kernel, which also raises
 what it would.
 
@@ -29,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 __all__ = ("OUTPUT_RULES", "broadcast_output_strides", "contiguous_strides")
 
@@ -435,6 +438,77 @@ def _cat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     return _fresh(shape, first.dtype)
 
 
+def _ints(value: Any, count: int, least: int) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == count
+            and all(type(v) is int and v >= least for v in value))
+
+
+def _conv_operands(x: Any, weight: Any, stride: Any, padding: Any, dilation: Any, transposed: Any,
+                   groups: Any) -> list[int] | None:
+    """The output shape of a plain (not transposed) batched convolution: plain meta operands of one
+    floating dtype and no empty dimension, ``stride``/``padding``/``dilation`` one int a spatial
+    dimension, channels that ``groups`` divide, every output size at least 1
+    (``calc_conv_nd_return_shape``: ``(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1``)."""
+    if transposed is not False or type(groups) is not int or groups < 1:
+        return None
+    for t in (x, weight):
+        if type(t) not in _PLAIN or not t.is_meta or t.dtype not in _FLOATING or 0 in t.shape:
+            return None
+    spatial = x.dim() - 2
+    if not 1 <= spatial <= 3 or weight.dim() != x.dim() or weight.dtype != x.dtype:
+        return None
+    if not (_ints(stride, spatial, 1) and _ints(padding, spatial, 0) and _ints(dilation, spatial, 1)):
+        return None
+    if x.shape[1] != weight.shape[1] * groups or weight.shape[0] % groups:
+        return None
+    shape = [x.shape[0], weight.shape[0]]
+    for i in range(spatial):
+        size = (x.shape[2 + i] + 2 * padding[i] - dilation[i] * (weight.shape[2 + i] - 1) - 1) // stride[i] + 1
+        if size < 1:
+            return None
+        shape.append(size)
+    return shape
+
+
+def _convolution(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding,
+    groups)``: a fresh standard-layout output in ``x``'s dtype, whatever the operands' layouts
+    (``meta_conv`` leaves the memory format to the backend), for a bias of ``(C_out,)`` or none."""
+    if kwargs or len(args) != 9:
+        return None
+    x, weight, bias, stride, padding, dilation, transposed, _output_padding, groups = args
+    shape = _conv_operands(x, weight, stride, padding, dilation, transposed, groups)
+    if shape is None:
+        return None
+    if bias is not None and (type(bias) not in _PLAIN or not bias.is_meta or bias.dtype != x.dtype
+                             or tuple(bias.shape) != (weight.shape[0],)):
+        return None
+    return _fresh(shape, x.dtype)
+
+
+def _convolution_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, ...] | None:
+    """``convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed,
+    output_padding, groups, mask)``: the gradients asked, fresh in ``grad``'s dtype, shaped as
+    ``x``, ``weight`` and ``bias_sizes``, where both ``x`` and ``weight`` suggest the contiguous
+    format (the kernel's format for both; a channels-last one runs it)."""
+    if kwargs or len(args) != 11:
+        return None
+    grad, x, weight, bias_sizes, stride, padding, dilation, transposed, _output_padding, groups, mask = args
+    shape = _conv_operands(x, weight, stride, padding, dilation, transposed, groups)
+    if shape is None or type(grad) not in _PLAIN or not grad.is_meta or grad.dtype != x.dtype \
+            or list(grad.shape) != shape:
+        return None
+    if not isinstance(mask, (list, tuple)) or len(mask) != 3 or any(type(m) is not bool for m in mask):
+        return None
+    if mask[2] and not _ints(bias_sizes, 1, 0):
+        return None
+    if suggest_memory_format(x) is not torch.contiguous_format \
+            or suggest_memory_format(weight) is not torch.contiguous_format:
+        return None
+    return (_fresh(x.shape, grad.dtype) if mask[0] else None, _fresh(weight.shape, grad.dtype) if mask[1] else None,
+            _fresh(bias_sizes, grad.dtype) if mask[2] else None)
+
+
 #: Elementwise ops whose output takes its operands' shape and dtype (when they share them).
 _ELEMENTWISE: Final = (
     _aten.mul.Scalar, _aten.div.Scalar,
@@ -469,4 +543,6 @@ OUTPUT_RULES: Final[Mapping[object, Rule]] = {
     _aten.sum.dim_IntList: _reduction,
     _aten.mean.dim: _reduction,
     _aten.cat.default: _cat,
+    _aten.convolution.default: _convolution,
+    _aten.convolution_backward.default: _convolution_backward,
 }
