@@ -10,7 +10,7 @@ comparison is not empty)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -86,6 +86,21 @@ def _compare(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = Non
     return True
 
 
+#: The quick suite's sample: every SAMPLE-th case of each product (the full suite runs them all).
+SAMPLE = 7
+EVERY = pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sample", "every"])
+
+
+def _sampled(cases: Iterable[Any], every: bool, step: int = SAMPLE) -> Iterable[Any]:
+    """``cases``, or (the quick suite) every ``step``-th of them."""
+    return cases if every else itertools.islice(cases, 0, None, step)
+
+
+def _enough(answered: list[bool], least: int, every: bool) -> bool:
+    """At least ``least`` answered of the whole product, a proportionate share of a sample."""
+    return sum(answered) >= (least if every else max(1, least // (2 * SAMPLE)))
+
+
 def _operands(arity: int, dtypes: tuple[torch.dtype, ...] = DTYPES) -> Iterator[tuple[torch.Tensor, ...]]:
     """Tensors of every shape, dtype and layout; binary ones also broadcast, of mixed dtypes and
     of mixed layouts."""
@@ -112,45 +127,99 @@ BINARY = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, at
           aten.tanh_backward.default, aten.sigmoid_backward.default)
 
 
+@EVERY
 @pytest.mark.parametrize("op", UNARY, ids=str)
-def test_unary_elementwise(op: Any) -> None:
-    answered = [_compare(op, x) for x in _operands(1)]
-    answered += [_compare(aten.gelu.default, x, {"approximate": "tanh"}) for x in _operands(1, FLOATS)]
-    assert sum(answered) >= 4 * len(SHAPES) - 4
+def test_unary_elementwise(op: Any, every: bool) -> None:
+    answered = [_compare(op, x) for x in _sampled(_operands(1), every)]
+    answered += [_compare(aten.gelu.default, x, {"approximate": "tanh"}) for x in _sampled(_operands(1, FLOATS), every)]
+    assert _enough(answered, 4 * len(SHAPES) - 4, every)
 
 
+@EVERY
 @pytest.mark.parametrize("op", BINARY, ids=str)
-def test_binary_elementwise(op: Any) -> None:
-    answered = [_compare(op, pair) for pair in _operands(2)]
+def test_binary_elementwise(op: Any, every: bool) -> None:
+    answered = [_compare(op, pair) for pair in _sampled(_operands(2), every)]
     if op in (aten.add.Tensor, aten.sub.Tensor):
-        answered += [_compare(op, pair, {"alpha": alpha}) for pair in _operands(2, FLOATS) for alpha in (2, 0.5)]
-    assert sum(answered) >= 4 * len(SHAPES) - 4
+        answered += [_compare(op, pair, {"alpha": alpha}) for pair in _sampled(_operands(2, FLOATS), every)
+                     for alpha in (2, 0.5)]
+    assert _enough(answered, 4 * len(SHAPES) - 4, every)
+
+
+#: Shapes that broadcast against each other in every way: new and size-1 dimensions, leading and
+#: trailing, and 4-D ones whose standard strides are also channels-last ones (the reference's
+#: output strides then come from its sort, not its short cuts).
+BROADCAST_SHAPES = ((), (1,), (4,), (1, 4), (3, 1), (3, 4), (2, 1, 4), (1, 3, 1), (2, 3, 4), (2, 1, 1, 4),
+                    (1, 3, 1, 1), (2, 3, 4, 5), (2, 1, 4, 1), (1, 1, 4, 5), (2, 3, 1, 1), (1, 1, 1, 1),
+                    (2, 3, 4, 1), (1, 3, 4, 5), (2, 1, 3, 1, 5))
+#: Operand dtypes: one, two floating ones (promoted by arithmetic, refused by the others) and an
+#: integer one (left to the kernel).
+#: The quick suite's share of the broadcasting product (about 250 of its 10,830 cases an op).
+BROADCAST_SAMPLE = 43
+DTYPE_PAIRS = ((torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
+               (torch.bfloat16, torch.float16), (torch.int64, torch.float32))
+
+
+@EVERY
+@pytest.mark.parametrize("op", (*BINARY, aten.threshold_backward.default, aten.gelu_backward.default), ids=str)
+def test_broadcasting_and_promoting_operands(op: Any, every: bool) -> None:
+    """Every pair of broadcasting shapes, both ways round, the first operand in every layout: the
+    output's shape, strides (the reference's permutation rules) and dtype are the kernel's."""
+    extra = (0.5,) if op is aten.threshold_backward.default else ()
+    answered = []
+    for (sa, sb), (da, db), layout in _sampled(itertools.product(
+            itertools.product(BROADCAST_SHAPES, BROADCAST_SHAPES), DTYPE_PAIRS, LAYOUTS), every, BROADCAST_SAMPLE):
+        a = _tensor(sa, da, layout)
+        if a is None:
+            continue
+        b = torch.empty(sb, dtype=db, device="meta")
+        for pair in ((a, b), (b, a)):
+            answered.append(_compare(op, (*pair, *extra)))
+            if op is aten.add.Tensor:
+                answered.append(_compare(op, pair, {"alpha": 2}))
+    assert sum(answered) >= (2 * len(BROADCAST_SHAPES) ** 2 if every else 2)
+
+
+def test_broadcast_strides_follow_the_reference() -> None:
+    """Worked cases: a (2, 1, 4) and a (3, 1) operand make a contiguous (2, 3, 4); a (1, 3, 1, 1)
+    bias on a (2, 1, 4, 5) input makes standard strides; but a (2, 3, 1, 1) and a (1, 1, 4, 5) operand,
+    both channels-last as well as contiguous, leave the sort to order the dimensions."""
+    a = torch.empty(2, 1, 4, device="meta")
+    b = torch.empty(3, 1, device="meta")
+    assert OUTPUT_RULES[aten.add.Tensor]((a, b), {}).stride() == (12, 4, 1)
+    bias, x = torch.empty(1, 3, 1, 1, device="meta"), torch.empty(2, 1, 4, 5, device="meta")
+    assert OUTPUT_RULES[aten.add.Tensor]((x, bias), {}).stride() == (60, 20, 5, 1)
+    x, y = torch.empty(2, 3, 1, 1, device="meta"), torch.empty(1, 1, 4, 5, device="meta")
+    assert OUTPUT_RULES[aten.mul.Tensor]((x, y), {}).stride() == aten.mul.Tensor(x, y).stride()
 
 
 @pytest.mark.parametrize("op", (aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.pow.Tensor_Scalar), ids=str)
-def test_tensor_and_scalar(op: Any) -> None:
-    answered = [_compare(op, (*x, scalar)) for x in _operands(1) for scalar in (2, 0.5, True, -3)]
-    assert sum(answered) >= 4 * 4 * len(SHAPES) - 16
+@EVERY
+def test_tensor_and_scalar(op: Any, every: bool) -> None:
+    answered = [_compare(op, (*x, scalar)) for x in _sampled(_operands(1), every) for scalar in (2, 0.5, True, -3)]
+    assert _enough(answered, 4 * 4 * len(SHAPES) - 16, every)
 
 
 @pytest.mark.parametrize("op", (aten.threshold_backward.default, aten.gelu_backward.default), ids=str)
-def test_backward_with_a_scalar_or_string(op: Any) -> None:
+@EVERY
+def test_backward_with_a_scalar_or_string(op: Any, every: bool) -> None:
+    pairs = _sampled(_operands(2), every)
     if op is aten.threshold_backward.default:
-        answered = [_compare(op, (*pair, threshold)) for pair in _operands(2) for threshold in (0, 0.5)]
+        answered = [_compare(op, (*pair, threshold)) for pair in pairs for threshold in (0, 0.5)]
     else:
-        answered = [_compare(op, pair, {"approximate": a}) for pair in _operands(2) for a in ("none", "tanh")]
-    assert sum(answered) >= 2 * 4 * len(SHAPES) - 8
+        answered = [_compare(op, pair, {"approximate": a}) for pair in pairs for a in ("none", "tanh")]
+    assert _enough(answered, 2 * 4 * len(SHAPES) - 8, every)
 
 
 @pytest.mark.parametrize("op", (aten.zeros_like.default, aten.ones_like.default), ids=str)
-def test_like(op: Any) -> None:
+@EVERY
+def test_like(op: Any, every: bool) -> None:
     keywords: list[dict[str, Any]] = [{}, {"dtype": torch.float16}, {"dtype": torch.int64},
                                       {"memory_format": torch.preserve_format},
                                       {"memory_format": torch.contiguous_format},
                                       {"memory_format": torch.channels_last}, {"pin_memory": False},
                                       {"device": torch.device("meta"), "layout": torch.strided}]
-    answered = [_compare(op, x, kw) for x in _operands(1) for kw in keywords]
-    assert sum(answered) >= 6 * 4 * len(SHAPES)
+    answered = [_compare(op, x, kw) for x in _sampled(_operands(1), every) for kw in keywords]
+    assert _enough(answered, 6 * 4 * len(SHAPES), every)
 
 
 def _matrices() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -165,14 +234,16 @@ def _matrices() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     yield torch.empty(2, 5, 3, device="meta"), torch.empty(3, 8, device="meta")
 
 
-def test_mm() -> None:
-    answered = [_compare(aten.mm.default, pair) for pair in _matrices()]
-    assert sum(answered) >= 100
+@EVERY
+def test_mm(every: bool) -> None:
+    answered = [_compare(aten.mm.default, pair) for pair in _sampled(_matrices(), every)]
+    assert _enough(answered, 100, every)
 
 
-def test_addmm() -> None:
+@EVERY
+def test_addmm(every: bool) -> None:
     answered = []
-    for a, b in _matrices():
+    for a, b in _sampled(_matrices(), every):
         m, n = a.shape[0], b.shape[-1]
         for bias_shape, layout in itertools.product(((n,), (m, n), (1, n), (m, 1), ()), ("contiguous", "expanded",
                                                                                          "transposed")):
@@ -181,17 +252,18 @@ def test_addmm() -> None:
                 answered.append(_compare(aten.addmm.default, (bias, a, b)))
                 if layout == "contiguous":
                     answered.append(_compare(aten.addmm.default, (bias, a, b), {"beta": 0.5, "alpha": 2}))
-    assert sum(answered) >= 200
+    assert _enough(answered, 200, every)
 
 
 LAYER_NORM_SHAPES = (((2, 5, 8), [8]), ((2, 5, 8), [5, 8]), ((4, 8), [8]), ((8,), [8]), ((2, 1, 8), [8]),
                      ((2, 5, 1), [1]), ((2, 0, 8), [8]), ((2, 5, 8), [4]), ((2, 5, 8), []))
 
 
-def test_layer_norm_and_its_backward() -> None:
+@EVERY
+def test_layer_norm_and_its_backward(every: bool) -> None:
     answered = []
-    for (shape, normalized), dtype, layout, affine in itertools.product(
-            LAYER_NORM_SHAPES, (*FLOATS, torch.int64), LAYOUTS, ("both", "weight", "none", "float32")):
+    for (shape, normalized), dtype, layout, affine in _sampled(itertools.product(
+            LAYER_NORM_SHAPES, (*FLOATS, torch.int64), LAYOUTS, ("both", "weight", "none", "float32")), every):
         x = _tensor(shape, dtype, layout)
         if x is None:
             continue
@@ -213,27 +285,29 @@ def test_layer_norm_and_its_backward() -> None:
             if grad is not None:
                 answered.append(_compare(aten.native_layer_norm_backward.default,
                                          (grad, x, normalized, mean, rstd, weight, bias, list(mask))))
-    assert sum(answered) >= 100
+    assert _enough(answered, 100, every)
 
 
+@EVERY
 @pytest.mark.parametrize("name", ("_log_softmax", "_softmax"))
-def test_softmax_and_its_backward(name: str) -> None:
+def test_softmax_and_its_backward(name: str, every: bool) -> None:
     forward, backward = getattr(aten, name).default, getattr(aten, f"{name}_backward_data").default
     answered = []
-    for x in _operands(1):
+    for x in _sampled(_operands(1), every):
         (x,) = x
         for dim, half_to_float in itertools.product((0, -1, 1, 3, -5), (False, True)):
             answered.append(_compare(forward, (x, dim, half_to_float)))
         for dim, dtype in itertools.product((0, -1, 2), (x.dtype, torch.float32)):
             answered.append(_compare(backward, (x, torch.empty_like(x), dim, dtype)))
-    assert sum(answered) >= 100
+    assert _enough(answered, 100, every)
 
 
-def test_nll_loss_and_its_backward() -> None:
+@EVERY
+def test_nll_loss_and_its_backward(every: bool) -> None:
     answered = []
-    for (n, c), dtype, layout, reduction, target_dtype, weight in itertools.product(
+    for (n, c), dtype, layout, reduction, target_dtype, weight in _sampled(itertools.product(
             ((6, 10), (1, 10), (6, 1), (0, 10)), (*FLOATS, torch.int64), ("contiguous", "transposed", "offset"),
-            (0, 1, 2), (torch.int64, torch.int32), (False, True)):
+            (0, 1, 2), (torch.int64, torch.int32), (False, True)), every):
         x = _tensor((n, c), dtype, layout)
         if x is None:
             continue
@@ -251,12 +325,13 @@ def test_nll_loss_and_its_backward() -> None:
     answered.append(_compare(aten.nll_loss_forward.default, (torch.empty(10, device="meta"),
                                                              torch.empty((), dtype=torch.int64, device="meta"),
                                                              None, 1, -100)))
-    assert sum(answered) >= 60
+    assert _enough(answered, 60, every)
 
 
-def test_dropout_and_its_backward() -> None:
+@EVERY
+def test_dropout_and_its_backward(every: bool) -> None:
     answered = []
-    for x in _operands(1):
+    for x in _sampled(_operands(1), every):
         (x,) = x
         for p, train in itertools.product((0.1, 0.0, 1.0), (True, False)):
             answered.append(_compare(aten.native_dropout.default, (x, p, train)))
@@ -264,24 +339,26 @@ def test_dropout_and_its_backward() -> None:
             answered.append(_compare(aten.native_dropout_backward.default,
                                      (x, torch.empty_strided(x.shape, x.stride(), dtype=mask_dtype, device="meta"),
                                       scale)))
-    assert sum(answered) >= 100
+    assert _enough(answered, 100, every)
 
 
 @pytest.mark.parametrize("op", (aten.sum.dim_IntList, aten.mean.dim), ids=str)
-def test_reductions(op: Any) -> None:
+@EVERY
+def test_reductions(op: Any, every: bool) -> None:
     answered = []
-    for x in _operands(1):
+    for x in _sampled(_operands(1), every):
         (x,) = x
         for dims, keepdim, dtype in itertools.product(([0], [-1], [1, 2], [0, -1], [], [1, 1], [5]), (False, True),
                                                       (None, torch.float64)):
             answered.append(_compare(op, (x, dims, keepdim), {"dtype": dtype}))
             answered.append(_compare(op, (x, dims), {}))
-    assert sum(answered) >= 200
+    assert _enough(answered, 200, every)
 
 
-def test_cat() -> None:
+@EVERY
+def test_cat(every: bool) -> None:
     answered = []
-    for shape, dtype, layout, dim in itertools.product(SHAPES, DTYPES, LAYOUTS, (0, 1, -1)):
+    for shape, dtype, layout, dim in _sampled(itertools.product(SHAPES, DTYPES, LAYOUTS, (0, 1, -1)), every):
         x = _tensor(shape, dtype, layout)
         if x is None:
             continue
@@ -294,7 +371,44 @@ def test_cat() -> None:
             longer = torch.empty((shape[0] + 2, *shape[1:]), dtype=dtype, device="meta")
             answered.append(_compare(aten.cat.default, ([same, longer, same], 0)))
             answered.append(_compare(aten.cat.default, ([same, longer], -1)))
-    assert sum(answered) >= 100
+    assert _enough(answered, 100, every)
+
+
+CONV_SHAPES = (((2, 4, 9, 9), (6, 4, 3, 3), 1), ((2, 4, 9, 9), (6, 2, 3, 3), 2), ((1, 3, 8, 8), (5, 3, 1, 1), 1),
+               ((2, 4, 1, 1), (6, 4, 1, 1), 1), ((2, 1, 7, 7), (3, 1, 3, 3), 1), ((2, 4, 9), (6, 4, 3), 1),
+               ((2, 4, 5, 6, 7), (6, 4, 3, 3, 3), 1), ((2, 4, 2, 2), (6, 4, 3, 3), 1),
+               ((0, 4, 9, 9), (6, 4, 3, 3), 1), ((2, 4, 9, 9), (6, 3, 3, 3), 1), ((2, 4, 9, 9), (6, 4, 3, 3), 4),
+               ((4, 9, 9), (6, 4, 3, 3), 1))
+
+
+@EVERY
+def test_convolution_and_its_backward(every: bool) -> None:
+    """Input, weight and gradient shapes (grouped, 1x1, 1-D, 3-D, too small, empty, unbatched, of
+    channels that do not match), layouts (channels-last ones included) and stride/padding/dilation."""
+    answered = []
+    for (xs, ws, groups), dtype, x_layout, w_layout, (stride, pad, dilation), bias in _sampled(itertools.product(
+            CONV_SHAPES, (torch.float32, torch.bfloat16, torch.int64), ("contiguous", "channels_last", "transposed",
+                                                                        "offset"),
+            ("contiguous", "channels_last"), ((1, 0, 1), (2, 1, 1), (1, 2, 2), (3, 0, 2)), (False, True)), every):
+        x, w = _tensor(xs, dtype, x_layout), _tensor(ws, dtype, w_layout)
+        if x is None or w is None:
+            continue
+        k = len(xs) - 2
+        b = torch.empty(ws[0], dtype=dtype, device="meta") if bias else None
+        args = (x, w, b, [stride] * k, [pad] * k, [dilation] * k, False, [0] * k, groups)
+        answered.append(_compare(aten.convolution.default, args))
+        try:
+            out = aten.convolution.default(*args)
+        except Exception:
+            continue
+        for grad_layout, mask in itertools.product(("contiguous", "channels_last"),
+                                                   ((True, True, True), (False, True, True), (True, False, False))):
+            grad = _tensor(tuple(out.shape), dtype, grad_layout)
+            if grad is not None:
+                answered.append(_compare(aten.convolution_backward.default, (
+                    grad, x, w, [ws[0]] if bias else None, [stride] * k, [pad] * k, [dilation] * k, False, [0] * k,
+                    groups, list(mask))))
+    assert _enough(answered, 2000, every)
 
 
 def test_contiguous_strides_are_torchs() -> None:
@@ -309,7 +423,8 @@ def test_every_rule_is_a_shortcut_and_tested() -> None:
                         aten.native_layer_norm_backward.default, aten._log_softmax.default, aten._softmax.default,
                         aten._log_softmax_backward_data.default, aten._softmax_backward_data.default,
                         aten.nll_loss_forward.default, aten.nll_loss_backward.default, aten.native_dropout.default,
-                        aten.native_dropout_backward.default, aten.sum.dim_IntList, aten.mean.dim, aten.cat.default}
+                        aten.native_dropout_backward.default, aten.sum.dim_IntList, aten.mean.dim, aten.cat.default,
+                        aten.convolution.default, aten.convolution_backward.default}
     assert set(OUTPUT_RULES) == tested
     rules: dict[Any, Callable[..., Any]] = dict(OUTPUT_RULES)
     assert all(SHORTCUTS[op] is rule for op, rule in rules.items())
