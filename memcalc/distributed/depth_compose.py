@@ -24,11 +24,14 @@ import re
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from memcalc.core.categories import Category
 from memcalc.distributed.depth_chunks import DepthChunks, Run, depth_chunks, index_of, pattern_of, tokens_of
 from memcalc.engine.trace import StepTrace
-from memcalc.timing.flops import OpCost
+
+if TYPE_CHECKING:  # the FLOP recorder is imported only where --time asks for it (tests/test_startup.py)
+    from memcalc.timing.flops import OpCost
 
 __all__ = ("Composed", "compose_depth")
 

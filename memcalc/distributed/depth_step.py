@@ -19,7 +19,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -32,7 +32,9 @@ from memcalc.distributed.pipeline_share import block_fingerprint
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.run import TracedStep
 from memcalc.engine.step_spec import Step
-from memcalc.timing.flops import OpCost
+
+if TYPE_CHECKING:  # the FLOP recorder is imported only where --time asks for it (tests/test_startup.py)
+    from memcalc.timing.flops import OpCost
 
 __all__ = ("RoleTrace", "cut_blocks", "extrapolated_depth", "traced_by_depth")
 
@@ -116,8 +118,10 @@ def _records(traced: TracedStep) -> list[OpCost] | None:
     than as :class:`OpCost` records (not followed)."""
     if traced.costs is None:
         return []
+    from memcalc.timing.flops import OpCost as Recorded  # costs were recorded: the recorder is loaded already
+
     records = getattr(traced.costs, "records", None)
-    if not isinstance(records, list) or not all(isinstance(r, OpCost) for r in records):
+    if not isinstance(records, list) or not all(isinstance(r, Recorded) for r in records):
         return None
     return records
 
