@@ -489,8 +489,8 @@ def _convolution(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor 
 def _convolution_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, ...] | None:
     """``convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed,
     output_padding, groups, mask)``: the gradients asked, fresh in ``grad``'s dtype, shaped as
-    ``x``, ``weight`` and ``bias_sizes``, where both ``x`` and ``weight`` suggest the contiguous
-    format (the kernel's format for both; a channels-last one runs it)."""
+    ``x``, ``weight`` and ``bias_sizes``, where ``grad``, ``x`` and ``weight`` all suggest the
+    contiguous format (the kernel's format for all; a channels-last one runs it)."""
     if kwargs or len(args) != 11:
         return None
     grad, x, weight, bias_sizes, stride, padding, dilation, transposed, _output_padding, groups, mask = args
@@ -502,8 +502,8 @@ def _convolution_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
         return None
     if mask[2] and not _ints(bias_sizes, 1, 0):
         return None
-    if suggest_memory_format(x) is not torch.contiguous_format \
-            or suggest_memory_format(weight) is not torch.contiguous_format:
+    # all three: torch 2.11's kernel also follows a channels-last grad (2.13's does not)
+    if any(suggest_memory_format(t) is not torch.contiguous_format for t in (grad, x, weight)):
         return None
     return (_fresh(x.shape, grad.dtype) if mask[0] else None, _fresh(weight.shape, grad.dtype) if mask[1] else None,
             _fresh(bias_sizes, grad.dtype) if mask[2] else None)
