@@ -27,6 +27,7 @@ calls refused here are refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -129,7 +130,7 @@ def broadcast_output_strides(shape: tuple[int, ...], operands: list[tuple[int, .
     if len(operands) == 1:
         return operands[0]
     inner = tuple(reversed(range(ndim)))
-    contiguous = all(_nested(shape, strides, inner) for strides in operands) or _numel(shape) < 2
+    contiguous = all(_nested(shape, strides, inner) for strides in operands) or math.prod(shape) < 2
     last = ndim == 4 and all(_nested(shape, strides, (1, 3, 2, 0)) for strides in operands)
     if contiguous and not last:
         return contiguous_strides(shape)
@@ -152,13 +153,6 @@ def broadcast_output_strides(shape: tuple[int, ...], operands: list[tuple[int, .
     for i, p in enumerate(perm):
         strides[p] = physical[i]
     return tuple(strides)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _broadcast_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
