@@ -9,6 +9,8 @@
 #    GPU_RUN_TESTS=0 leaves it out, for a session whose device time fits the two scripts only.
 # Then, as a second call (each call of the device tool is limited to 10 minutes):
 #   bash benchmarks/gpu_snapshots.sh OUTDIR
+# and issue 34's compiled, selective and Float8 steps (a third call; torchao carried as a wheel):
+#   bash benchmarks/gpu_issue34.sh OUTDIR
 # Runs from the repository root, without installing memcalc (PYTHONPATH).
 set -uo pipefail
 out=${1:?usage: gpu_run.sh OUTDIR}
