@@ -36,6 +36,7 @@ replay the floor could skip has its floor over the limit.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 import warnings
@@ -252,7 +253,7 @@ def decisions() -> None:
         floor = max(family.least_peak(batch) for batch in range(result.checked_from, result.batch_size + 1))
         for capacity, label in ((None, "none"), (limit, "the search's")):
             logs = [_decisions(family, batch, capacity) for batch in batches]
-            pairs = list(zip(logs, logs[1:], strict=False))
+            pairs = list(itertools.pairwise(logs))
             same = sum(one == other for one, other in pairs)
             first = sorted(next((i for i, (a, b) in enumerate(zip(one, other, strict=False)) if a != b),
                                 min(len(one), len(other))) / max(len(one), 1) for one, other in pairs)
