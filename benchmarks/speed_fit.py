@@ -30,7 +30,13 @@ same decisions and where, as a fraction of the log, their first difference lies.
 the largest floor (``AffineFamily.least_peak``) over the checked range against the limit: a
 replay the floor could skip has its floor over the limit.
 
-    python benchmarks/speed_fit.py [--pieces | --decisions]
+``--symbolic`` weighs idea (d), one trace with a symbolic batch: resnet50's and vgg16's forward
+and backward at batch 64 under torch's ``FakeTensorMode``, once with every size concrete and once
+with the batch a symbol of a ``ShapeEnv`` (the parameters static), both warm (the second of two
+runs), against one warm ``memcalc.estimate`` of the same model and batch; it prints the storages
+whose bytes are symbolic and the guards the trace left on the batch (where its sizes hold).
+
+    python benchmarks/speed_fit.py [--pieces | --decisions | --symbolic]
 """
 
 from __future__ import annotations
@@ -265,10 +271,77 @@ def decisions() -> None:
                                   "first difference", "floor / limit"], disable_numparse=True))
 
 
+def _fake_step_seconds(name: str, batch: int, symbolic: bool) -> tuple[float, int, int, list[str]]:
+    """One forward and backward of zoo model ``name`` under ``FakeTensorMode``: CPU seconds, the
+    outputs' storages, how many of them have symbolic bytes, and the shape environment's guards."""
+    import torch
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import models_zoo
+
+    entry = models_zoo.get(name)
+    assert entry is not None and entry.builder is not None
+    with torch.device("meta"):
+        model = entry.builder(entry.default_shape)
+    env = ShapeEnv() if symbolic else None
+    mode = FakeTensorMode(shape_env=env)
+
+    def fake(tensor: torch.Tensor, source: str, dynamic: bool = False) -> torch.Tensor:
+        if env is None:
+            return mode.from_tensor(tensor)
+        sizes = [DimDynamic.DYNAMIC if dynamic and i == 0 else DimDynamic.STATIC for i in range(tensor.dim())]
+        return mode.from_tensor(tensor, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes),
+                                source=ConstantSource(source))
+
+    state = {n: torch.nn.Parameter(fake(torch.empty(p.shape), n)) for n, p in model.named_parameters()}
+    state |= {n: fake(torch.zeros(b.shape, dtype=b.dtype), n) for n, b in model.named_buffers()}
+    inputs = fake(torch.empty(batch, *entry.default_shape), "batch", dynamic=True)
+    outputs: list[object] = []
+
+    class Storages(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            outputs.extend(t.untyped_storage().nbytes() for t in (out if isinstance(out, (tuple, list)) else (out,))
+                           if isinstance(t, torch.Tensor))
+            return out
+
+    start = time.process_time()
+    with mode, Storages():
+        torch.func.functional_call(model, state, (inputs,)).sum().backward()
+    seconds = time.process_time() - start
+    guards = [str(guard.expr) for guard in env.guards] if env is not None else []
+    return seconds, len(outputs), sum(not isinstance(n, int) for n in outputs), guards
+
+
+def symbolic() -> None:
+    """Idea (d) weighed: a symbolic-batch trace's cost (see the module docstring)."""
+    warnings.simplefilter("ignore")
+    rows = []
+    for name in ("resnet50", "vgg16"):
+        batch = 64
+        memcalc.estimate(name, batch_size=batch, gpu="a100-40gb")
+        start = time.process_time()
+        memcalc.estimate(name, batch_size=batch, gpu="a100-40gb")
+        estimate = time.process_time() - start
+        for is_symbolic in (False, True):
+            _fake_step_seconds(name, batch, is_symbolic)  # warm-up: FakeTensor's dispatch cache
+            seconds, storages, symbols, guards = _fake_step_seconds(name, batch, is_symbolic)
+            rows.append([name, "symbolic" if is_symbolic else "concrete", f"{seconds:.3f}", f"{estimate:.3f}",
+                         f"{seconds / estimate:.1f}", f"{symbols}/{storages}", "; ".join(guards) or "-"])
+    print(tabulate(rows, headers=["model", "batch", "fake fwd+bwd s", "1 estimate s", "/ estimate",
+                                  "symbolic storages", "guards"], disable_numparse=True))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pieces", action="store_true", help="issue 36 item 6: one fit's time by piece")
     parser.add_argument("--decisions", action="store_true",
                         help="issue 36 item 6: do replays at neighbouring batches make the same decisions?")
+    parser.add_argument("--symbolic", action="store_true",
+                        help="issue 36 item 6: what one trace with a symbolic batch costs")
     arguments = parser.parse_args()
-    pieces() if arguments.pieces else decisions() if arguments.decisions else main()
+    (pieces if arguments.pieces else decisions if arguments.decisions else symbolic if arguments.symbolic
+     else main)()
