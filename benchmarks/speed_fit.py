@@ -20,21 +20,8 @@ check below the boundary, the raw boundary, the batch with expandable segments. 
 what no search that traces its answer can drop: the real estimates, the search's replays and
 the check's.
 
-``--decisions`` asks whether replays at nearby batches could share their work (issue 36 item 6,
-ideas (b) and (c)): for each case (and vgg16 SGD amp-bf16 in 24 GiB with ``--margin 0``, the
-169-replay fit) it replays the family at every batch of the checked range and a few above,
-without a limit and under the search's, logging each allocator decision — the cached block a
-request takes (blocks numbered as they are made), whether it is split, a new segment and whether
-the capacity allowed it, a segment released — and prints how many neighbouring batches make the
-same decisions and where, as a fraction of the log, their first difference lies. It also prints
-the largest floor (``AffineFamily.least_peak``) over the checked range against the limit: a
-replay the floor could skip has its floor over the limit.
-
-``--symbolic`` weighs idea (d), one trace with a symbolic batch: resnet50's and vgg16's forward
-and backward at batch 64 under torch's ``FakeTensorMode``, once with every size concrete and once
-with the batch a symbol of a ``ShapeEnv`` (the parameters static), both warm (the second of two
-runs), against one warm ``memcalc.estimate`` of the same model and batch; it prints the storages
-whose bytes are symbolic and the guards the trace left on the batch (where its sizes hold).
+``--decisions`` and ``--symbolic`` weigh two routes to issue 36 item 6 (:func:`decisions`,
+:func:`symbolic`; docs/speed.md gives what they found).
 
     python benchmarks/speed_fit.py [--pieces | --decisions | --symbolic]
 """
@@ -234,8 +221,13 @@ def _decisions(family: affine.AffineFamily, batch: int, capacity: int | None) ->
 
 
 def decisions() -> None:
-    """Whether replays at neighbouring batches make the same allocator decisions (see the module
-    docstring)."""
+    """Whether replays at neighbouring batches could share their work (ideas (b) and (c)): for each
+    case (and vgg16 SGD amp-bf16 in 24 GiB with ``--margin 0``, the 169-replay fit) the family is
+    replayed at every batch of the checked range and a few above, without a limit and under the
+    search's, each allocator decision logged (:class:`_Deciding`); printed: how many neighbouring
+    batches make the same decisions, where (as a fraction of the log) their first difference lies,
+    and the largest floor (``AffineFamily.least_peak``) over the checked range against the limit —
+    a replay the floor could skip has its floor over the limit."""
     warnings.simplefilter("ignore")
     families: list[affine.AffineFamily] = []
     from_traces = affine.AffineFamily.from_traces.__func__  # type: ignore[attr-defined]
@@ -317,7 +309,11 @@ def _fake_step_seconds(name: str, batch: int, symbolic: bool) -> tuple[float, in
 
 
 def symbolic() -> None:
-    """Idea (d) weighed: a symbolic-batch trace's cost (see the module docstring)."""
+    """Idea (d), one trace with a symbolic batch: resnet50's and vgg16's forward and backward at
+    batch 64 under torch's ``FakeTensorMode``, once with every size concrete and once with the batch
+    a ``ShapeEnv`` symbol (the parameters static), both warm (the second of two runs), against one
+    warm ``memcalc.estimate`` of the same model and batch; with the storages whose bytes are symbolic
+    and the guards the trace left on the batch (where its sizes hold)."""
     warnings.simplefilter("ignore")
     rows = []
     for name in ("resnet50", "vgg16"):
