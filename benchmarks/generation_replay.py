@@ -4,7 +4,7 @@ another checkout's against this one's on the same traced step, in one process: C
 whole estimates in two processes are too noisy to compare. Asserts nothing.
 
 Run: ``python benchmarks/generation_replay.py --base /tmp/main-archive [--model llama-2-7b]
-[--seq-len 512] [--new-tokens 1024]``; ``--base``: a checkout (e.g. a ``git archive`` of main) whose
+[--seq-len 512] [--new-tokens 1024] [--repeat 2]``; ``--base``: a checkout (e.g. a ``git archive`` of main) whose
 ``memcalc/engine/steady_replay.py`` is loaded beside this one (it imports this checkout's allocator).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=2, help="pairs of replays, alternating (medians printed)")
     args = parser.parse_args()
     spec = importlib.util.spec_from_file_location("base_steady_replay",
                                                   args.base / "memcalc" / "engine" / "steady_replay.py")
@@ -46,15 +48,20 @@ def main() -> None:
     memcalc.estimate(args.model, batch_size=1, seq_len=args.seq_len, mode="generate", new_tokens=args.new_tokens,
                      optimizer="none")
     call = seen[-1]
-    for _ in range(2):
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(args.repeat):
         start = time.process_time()
         before = base.replay_generation(*call)
         middle = time.process_time()
         after = steady_replay.replay_generation(*call)
         end = time.process_time()
+        times[0].append(middle - start)
+        times[1].append(end - middle)
         print(f"{args.model} {args.seq_len}+{args.new_tokens}: base {middle - start:.2f} s, this "
               f"{end - middle:.2f} s ({(middle - start) / (end - middle):.1f}x); same stats {before == after}")
-
+    medians = [sorted(t)[len(t) // 2] for t in times]
+    print(f"medians of {args.repeat}: base {medians[0]:.3f} s, this {medians[1]:.3f} s "
+          f"({medians[0] / medians[1]:.2f}x); load average {os.getloadavg()[0]:.1f}")
 
 if __name__ == "__main__":
     main()
