@@ -5,6 +5,10 @@ traced ("before"), measured in one run, one process; and whether both give the s
 for byte (text and JSON). Target: after at most 2x the prefill-only estimate. Asserts nothing
 (machines are noisy; the ratios are taken within one run).
 
+The "floor" row is a generation of as many tokens as the extrapolation traces (the prefill and
+four decode steps), traced in full and reported: what the extrapolated estimate costs at least
+before it writes, replays and sums the steps it did not trace.
+
 Each figure is one estimate through the API after a warm-up estimate (the imports and the model's
 first build are not counted), split into its trace (``trace_model``, the extrapolation included)
 and its report (``build_report``: the allocator replay of every event, the module rows).
@@ -91,7 +95,10 @@ def main() -> None:
     _estimate(args.model, args.seq_len, 2)  # warm-up: imports, the config, the first build
     _, prefill, prefill_split = _estimate(args.model, args.seq_len, 1)
     after, after_time, after_split = _estimate(args.model, args.seq_len, args.new_tokens)
+    floor_tokens = max(steady.TRACED_TOKENS[0], 2)
+    _, floor, floor_split = _estimate(args.model, args.seq_len, floor_tokens)  # under EXTRAPOLATE_FROM: in full
     rows = [("prefill only (--new-tokens 1)", prefill, prefill_split),
+            (f"floor: {floor_tokens} tokens traced in full (what is traced)", floor, floor_split),
             (f"after: {args.new_tokens} tokens, steady steps extrapolated", after_time, after_split)]
     full = None
     if not args.skip_full:
@@ -114,7 +121,7 @@ def main() -> None:
     if full is not None:
         same_json = json.dumps(after.to_dict()) == json.dumps(full.to_dict())
         same_text = render_report(after) == render_report(full)
-        print(f"before / after: {rows[2][1] / after_time:.1f}x; same report: JSON {same_json}, text {same_text}")
+        print(f"before / after: {rows[3][1] / after_time:.1f}x; same report: JSON {same_json}, text {same_text}")
     print(f"peak allocated {after.bytes.peak_allocated:,} B, reserved {after.peak_reserved:,} B, at "
           f"{after.peak_location}")
     note = [n for n in after.notes if "token by token" in n]

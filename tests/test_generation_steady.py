@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from support import SMALL_LLAMA, hf_config_source
 
 import memcalc
 from memcalc.core.categories import Phase
-from memcalc.engine import steady
+from memcalc.engine import allocator, run, steady, steady_replay
+from memcalc.engine.timeline import Program
 from memcalc.engine.trace import StepTrace
 from memcalc.report.render import render_report
 
@@ -238,3 +240,68 @@ def test_the_steady_steps_start_where_the_decode_steps_are_alike(odd_first_step:
     assert extension.op_counts == end.op_counts
     for column in ("events", "nbytes", "op", "phase", "module", "category", "phase_log"):
         assert getattr(short, column) == getattr(full, column), column
+
+
+#: wide enough that each layer's cache is a large-pool block from the prompt on (1,024 · 4 B = 4 KiB of
+#: keys per layer and token), so that the skipping replay skips decode steps (the small pool holds one
+#: token's activations); six layers, so that it skips layers within the steps it feeds too
+WIDE_LLAMA: dict[str, object] = {**SMALL_LLAMA, "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,
+                                 "intermediate_size": 256, "max_position_embeddings": 4096, "num_hidden_layers": 6}
+
+
+def _allocator_stats(source: str, monkeypatch: pytest.MonkeyPatch, *, short: bool, **options: object
+                     ) -> tuple[allocator.AllocatorStats, bool, bool]:
+    """The allocator's stats of the estimate's replay; whether its trace had written steady decode
+    steps (``StepTrace.steady``), and whether the skipping replay answered. ``short``: as an estimate
+    runs (a few decode steps traced, the small pool's repeated steps skipped); else every decode step
+    traced and every event replayed."""
+    seen: list[tuple[allocator.AllocatorStats, bool, bool]] = []
+    replayed, skipping = run._replayed, run.replay_generation
+    answered = [False]
+
+    def spy(program: Program, trace: StepTrace, *args: Any, **given: Any
+            ) -> tuple[allocator.AllocatorStats, allocator.AllocatorStats]:
+        answered[0] = False
+        first, whole = replayed(program, trace, *args, **given)
+        seen.append((whole, trace.steady is not None, answered[0]))
+        return first, whole
+
+    def told(*args: Any, **given: Any) -> allocator.AllocatorStats | None:
+        stats = skipping(*args, **given)
+        answered[0] = stats is not None
+        return stats
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run, "_replayed", spy)
+        patch.setattr(run, "replay_generation", told)
+        if not short:
+            patch.setattr(steady, "EXTRAPOLATE_FROM", 10**9)
+            patch.setattr(steady_replay, "SKIP_FROM", 10**9)
+        memcalc.estimate(source, mode="generate", optimizer="none", **options)  # type: ignore[arg-type]
+    return seen[-1]
+
+
+@pytest.mark.parametrize("config, batch, prompt, tokens", [
+    pytest.param(WIDE_LLAMA, 1, 300, 70, id="llama"),
+    # batch 64: the cache crosses from the small pool into the large pool's 20-MiB segments at 128 tokens
+    pytest.param({**SMALL_LLAMA, "max_position_embeddings": 2048}, 64, 100, 60, id="small-to-large-pool",
+                 marks=pytest.mark.slow),
+    pytest.param({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 1024, "n_layer": 4,
+                  "n_head": 8, "vocab_size": 1000, "n_positions": 4096}, 2, 200, 60, id="gpt2-batch-2",
+                 marks=pytest.mark.slow),
+])
+def test_the_short_path_has_the_full_paths_allocator_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            config: dict[str, object], batch: int, prompt: int,
+                                                            tokens: int):
+    """A few decode steps traced and the rest written (engine.steady), replayed with the small pool's
+    repeated steps skipped (engine.steady_replay), against every decode step traced and every event
+    replayed: the same peak allocated (and its event), peak requested, peak and final reserved, and
+    the same segments (cudaMallocs), which no report shows."""
+    source = hf_config_source(tmp_path, config)
+    options: dict[str, object] = dict(batch_size=batch, seq_len=prompt, new_tokens=tokens)
+    short, written, skipped = _allocator_stats(source, monkeypatch, short=True, **options)
+    full, written_full, skipped_full = _allocator_stats(source, monkeypatch, short=False, **options)
+    assert written and skipped  # the short path took both short cuts
+    assert not written_full and not skipped_full
+    assert short == full
+    assert short.num_segments == short.num_mallocs > 1 and short.peak_reserved >= short.peak_allocated > 0

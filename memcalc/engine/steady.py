@@ -356,10 +356,10 @@ def _write(trace: StepTrace, layout: _Layout, last: list[int], last_segment: lis
         trace.phase_log.extend((Phase.DECODE, start + k * length) for k in range(count))
         trace.events.extend(coded.ravel().tolist())
         trace.nbytes.extend(sizes.ravel().tolist())
-        trace.phase.extend(layout.phase * count)
-        trace.module.extend(layout.module * count)
-        trace.category.extend(layout.category * count)  # type: ignore[arg-type]
-        trace.op.extend(layout.op * count)
+        for column, one in ((trace.phase, layout.phase), (trace.module, layout.module),
+                            (trace.category, layout.category), (trace.op, layout.op)):
+            for _ in range(count):  # a step's column at a time: no list of every step made to be copied
+                column.extend(one)  # type: ignore[arg-type]
         for i, rules in at.items():
             trace.sized.update(zip(range(last_base + i, last_base + i + n * count, n), rules, strict=True))
         trace.steady = SteadyRun(start, length, count, n, last_base, _affine(layout, n))

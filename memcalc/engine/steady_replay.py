@@ -114,14 +114,14 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
                 return None
             j += 1
             continue
-        # steps j .. j + period - 1 repeat the period before them: their small pool, renamed
-        shift = 0
-        while j + period <= count and all(request(j + i) == request(j - period + i) for i in range(period)):
-            for k in range(j, j + period):
-                lo, hi = bounds[k], bounds[k + 1]
-                _feed(model, events[lo:hi][~small[lo:hi]].tolist(), trace.nbytes, sized, held)
-                shift += widths[k]
-            j += period
+        # steps j .. j + period - 1 repeat the period before them: their small pool, renamed; the
+        # periods that repeat in turn found first (their requests), then their large-pool events fed at once
+        end = j
+        while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
+            end += period
+        lo, hi = bounds[j], bounds[end]
+        _feed(model, events[lo:hi][~small[lo:hi]].tolist(), trace.nbytes, sized, held)
+        shift, j = bases[end] - bases[j], end  # the storages of steps j .. end - 1
         if not _rename(model, first, shift):
             return None
     report_progress(REPLAYING, count, count)
@@ -216,13 +216,13 @@ class _Layers:
                 _feed(model, listed[bounds[k]:bounds[k + 1]], nbytes, sized, held)
                 k += 1
                 continue
-            threshold, shift = bases[k] - horizon, 0
-            while k + period <= count and all(request(k + i) == request(k - period + i) for i in range(period)):
-                for u in range(k, k + period):
-                    a, b = bounds[u], bounds[u + 1]
-                    _feed(model, self.events[a:b][~self.small[a:b]].tolist(), nbytes, sized, held)
-                    shift += widths[u]
-                k += period
+            end = k  # the units that repeat in turn, then their large-pool events fed at once
+            while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
+                end += period
+            a, b = bounds[k], bounds[end]
+            _feed(model, self.events[a:b][~self.small[a:b]].tolist(), nbytes, sized, held)
+            threshold, shift = bases[k] - horizon, sum(widths[k:end])
+            k = end
             if not _rename(model, threshold, shift):
                 raise _Unsteady
         return True
