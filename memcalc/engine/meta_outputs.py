@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import torch
-from torch._prims_common import compute_elementwise_output_strides
 
 __all__ = ("OUTPUT_RULES", "contiguous_strides")
 
@@ -44,6 +43,8 @@ _PLAIN: Final = frozenset({torch.Tensor, torch.nn.Parameter})
 _REAL_SCALARS: Final = frozenset({int, float, bool})
 #: The device of every output (a device object: a string is parsed at every ``torch.empty``).
 _META: Final = torch.device("meta")
+#: GELU's approximations (any other string: the kernel raises).
+_APPROXIMATIONS: Final = ("none", "tanh")
 #: Half dtypes whose layer-norm statistics the decomposition keeps in float32.
 _HALF: Final = frozenset({torch.float16, torch.bfloat16})
 
@@ -72,45 +73,22 @@ def _fresh(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 def _elementwise(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """One output of the tensor operands' shape and dtype: every operand dense, of one shape and
-    dtype; the other arguments real scalars, strings or None (``alpha``, ``approximate``,
-    ``threshold``, an exponent). Operands of other shapes go to :func:`_broadcast`."""
-    tensors: list[torch.Tensor] = []
-    for value in (*args, *kwargs.values()):
+    dtype; the other arguments real scalars or None (``alpha``, ``threshold``, an exponent), or
+    GELU's ``approximate``. Operands that broadcast or promote run the kernel."""
+    first: torch.Tensor | None = None
+    for value in (*args, *(v for name, v in kwargs.items() if name != "approximate")):
         if isinstance(value, torch.Tensor):
             if not _dense(value):
                 return None
-            tensors.append(value)
-        elif value is not None and type(value) not in _REAL_SCALARS and type(value) is not str:
+            if first is None:
+                first = value
+            elif value.shape != first.shape or value.dtype != first.dtype:
+                return None
+        elif value is not None and type(value) not in _REAL_SCALARS:
             return None
-    if not tensors:
+    if kwargs.get("approximate", "none") not in _APPROXIMATIONS:
         return None
-    first = tensors[0]
-    if all(t.shape == first.shape and t.dtype == first.dtype for t in tensors):
-        return _fresh(first.shape, first.dtype)
-    return _broadcast(tensors, first.dtype) if all(t.dtype == first.dtype for t in tensors) else None
-
-
-def _arithmetic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """``add``, ``sub``, ``mul``, ``div``: as :func:`_elementwise`, and two dense floating operands
-    of different dtypes promoted as ``torch.result_type`` promotes them."""
-    if len(args) != 2 or any(name != "alpha" or type(v) not in _REAL_SCALARS for name, v in kwargs.items()):
-        return None
-    a, b = args
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
-        return _broadcast([a, b], torch.result_type(a, b)) if _dense(a) and _dense(b) else None
-    return _elementwise(args, kwargs)
-
-
-def _broadcast(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
-    """Dense operands of other shapes (or dtypes): the shape ``torch.broadcast_shapes`` gives, the
-    strides torch's reference computes for them (``compute_elementwise_output_strides``, on the
-    operands broadcast), a fresh output of ``dtype``."""
-    try:
-        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
-    except RuntimeError:
-        return None  # they do not broadcast: the kernel raises it
-    strides = compute_elementwise_output_strides(*(t.expand(shape) for t in tensors))
-    return torch.empty_strided(shape, strides, dtype=dtype, device=_META)
+    return None if first is None else _fresh(first.shape, first.dtype)
 
 
 def _like(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -323,7 +301,7 @@ def _cat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
 
 #: Elementwise ops whose output takes its operands' shape and dtype (when they share them).
 _ELEMENTWISE: Final = (
-    _aten.mul.Scalar, _aten.div.Scalar,
+    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.mul.Scalar, _aten.div.Scalar,
     _aten.add.Scalar, _aten.pow.Tensor_Scalar, _aten.neg.default, _aten.rsqrt.default, _aten.sqrt.default,
     _aten.exp.default, _aten.tanh.default, _aten.sigmoid.default, _aten.relu.default, _aten.gelu.default,
     _aten.silu.default, _aten.sin.default, _aten.cos.default, _aten.threshold_backward.default,
@@ -331,13 +309,9 @@ _ELEMENTWISE: Final = (
     _aten.sigmoid_backward.default,
 )
 
-#: Binary arithmetic, whose floating operands also promote.
-_ARITHMETIC: Final = (_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor)
-
 #: Every op with a rule.
 OUTPUT_RULES: Final[Mapping[object, Rule]] = {
     **dict.fromkeys(_ELEMENTWISE, _elementwise),
-    **dict.fromkeys(_ARITHMETIC, _arithmetic),
     _aten.zeros_like.default: _like,
     _aten.ones_like.default: _like,
     _aten.mm.default: _matmul,
