@@ -131,7 +131,8 @@ BINARY = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, at
 @pytest.mark.parametrize("op", UNARY, ids=str)
 def test_unary_elementwise(op: Any, every: bool) -> None:
     answered = [_compare(op, x) for x in _sampled(_operands(1), every)]
-    answered += [_compare(aten.gelu.default, x, {"approximate": "tanh"}) for x in _sampled(_operands(1, FLOATS), every)]
+    answered += [_compare(aten.gelu.default, x, {"approximate": approximate})
+                 for x in _sampled(_operands(1, FLOATS), every) for approximate in ("tanh", "bogus")]
     assert _enough(answered, 4 * len(SHAPES) - 4, every)
 
 
@@ -145,57 +146,10 @@ def test_binary_elementwise(op: Any, every: bool) -> None:
     assert _enough(answered, 4 * len(SHAPES) - 4, every)
 
 
-#: Shapes that broadcast against each other in every way: new and size-1 dimensions, leading and
-#: trailing, and 4-D ones whose standard strides are also channels-last ones (the reference's
-#: output strides then come from its sort, not its short cuts).
-BROADCAST_SHAPES = ((), (1,), (4,), (1, 4), (3, 1), (3, 4), (2, 1, 4), (1, 3, 1), (2, 3, 4), (2, 1, 1, 4),
-                    (1, 3, 1, 1), (2, 3, 4, 5), (2, 1, 4, 1), (1, 1, 4, 5), (2, 3, 1, 1), (1, 1, 1, 1),
-                    (2, 3, 4, 1), (1, 3, 4, 5), (2, 1, 3, 1, 5))
-#: Operand dtypes: one, two floating ones (promoted by arithmetic, refused by the others) and an
-#: integer one (left to the kernel).
-#: The quick suite's share of the broadcasting product (about 250 of its 10,830 cases an op).
-BROADCAST_SAMPLE = 43
-DTYPE_PAIRS = ((torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
-               (torch.bfloat16, torch.float16), (torch.int64, torch.float32))
-
-
-@EVERY
-@pytest.mark.parametrize("op", (*BINARY, aten.threshold_backward.default, aten.gelu_backward.default), ids=str)
-def test_broadcasting_and_promoting_operands(op: Any, every: bool) -> None:
-    """Every pair of broadcasting shapes, both ways round, the first operand in every layout: the
-    output's shape, strides (the reference's permutation rules) and dtype are the kernel's."""
-    extra = (0.5,) if op is aten.threshold_backward.default else ()
-    answered = []
-    for (sa, sb), (da, db), layout in _sampled(itertools.product(
-            itertools.product(BROADCAST_SHAPES, BROADCAST_SHAPES), DTYPE_PAIRS, LAYOUTS), every, BROADCAST_SAMPLE):
-        a = _tensor(sa, da, layout)
-        if a is None:
-            continue
-        b = torch.empty(sb, dtype=db, device="meta")
-        for pair in ((a, b), (b, a)):
-            answered.append(_compare(op, (*pair, *extra)))
-            if op is aten.add.Tensor:
-                answered.append(_compare(op, pair, {"alpha": 2}))
-    assert sum(answered) >= (2 * len(BROADCAST_SHAPES) ** 2 if every else 2)
-
-
-def test_broadcast_strides_follow_the_reference() -> None:
-    """Worked cases: a (2, 1, 4) and a (3, 1) operand make a contiguous (2, 3, 4); a (1, 3, 1, 1)
-    bias on a (2, 1, 4, 5) input makes standard strides; but a (2, 3, 1, 1) and a (1, 1, 4, 5) operand,
-    both channels-last as well as contiguous, leave the sort to order the dimensions."""
-    a = torch.empty(2, 1, 4, device="meta")
-    b = torch.empty(3, 1, device="meta")
-    assert OUTPUT_RULES[aten.add.Tensor]((a, b), {}).stride() == (12, 4, 1)
-    bias, x = torch.empty(1, 3, 1, 1, device="meta"), torch.empty(2, 1, 4, 5, device="meta")
-    assert OUTPUT_RULES[aten.add.Tensor]((x, bias), {}).stride() == (60, 20, 5, 1)
-    x, y = torch.empty(2, 3, 1, 1, device="meta"), torch.empty(1, 1, 4, 5, device="meta")
-    assert OUTPUT_RULES[aten.mul.Tensor]((x, y), {}).stride() == aten.mul.Tensor(x, y).stride()
-
-
 @pytest.mark.parametrize("op", (aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.pow.Tensor_Scalar), ids=str)
 @EVERY
 def test_tensor_and_scalar(op: Any, every: bool) -> None:
-    answered = [_compare(op, (*x, scalar)) for x in _sampled(_operands(1), every) for scalar in (2, 0.5, True, -3)]
+    answered = [_compare(op, (*x, scalar)) for x in _sampled(_operands(1), every) for scalar in (2, 0.5, True, -3, "2")]
     assert _enough(answered, 4 * 4 * len(SHAPES) - 16, every)
 
 
@@ -206,7 +160,7 @@ def test_backward_with_a_scalar_or_string(op: Any, every: bool) -> None:
     if op is aten.threshold_backward.default:
         answered = [_compare(op, (*pair, threshold)) for pair in pairs for threshold in (0, 0.5)]
     else:
-        answered = [_compare(op, pair, {"approximate": a}) for pair in pairs for a in ("none", "tanh")]
+        answered = [_compare(op, pair, {"approximate": a}) for pair in pairs for a in ("none", "tanh", "bogus")]
     assert _enough(answered, 2 * 4 * len(SHAPES) - 8, every)
 
 
@@ -374,44 +328,6 @@ def test_cat(every: bool) -> None:
     assert _enough(answered, 100, every)
 
 
-CONV_SHAPES = (((2, 4, 9, 9), (6, 4, 3, 3), 1), ((2, 4, 9, 9), (6, 2, 3, 3), 2), ((1, 3, 8, 8), (5, 3, 1, 1), 1),
-               ((2, 4, 1, 1), (6, 4, 1, 1), 1), ((2, 1, 7, 7), (3, 1, 3, 3), 1), ((2, 4, 9), (6, 4, 3), 1),
-               ((2, 4, 5, 6, 7), (6, 4, 3, 3, 3), 1), ((2, 4, 2, 2), (6, 4, 3, 3), 1),
-               ((0, 4, 9, 9), (6, 4, 3, 3), 1), ((2, 4, 9, 9), (6, 3, 3, 3), 1), ((2, 4, 9, 9), (6, 4, 3, 3), 4),
-               ((4, 9, 9), (6, 4, 3, 3), 1))
-
-
-@EVERY
-def test_convolution_and_its_backward(every: bool) -> None:
-    """Input, weight and gradient shapes (grouped, 1x1, 1-D, 3-D, too small, empty, unbatched, of
-    channels that do not match), layouts (channels-last ones included) and stride/padding/dilation."""
-    answered = []
-    for (xs, ws, groups), dtype, x_layout, w_layout, (stride, pad, dilation), bias in _sampled(itertools.product(
-            CONV_SHAPES, (torch.float32, torch.bfloat16, torch.int64), ("contiguous", "channels_last", "transposed",
-                                                                        "offset"),
-            ("contiguous", "channels_last"), ((1, 0, 1), (2, 1, 1), (1, 2, 2), (3, 0, 2)), (False, True)), every):
-        x, w = _tensor(xs, dtype, x_layout), _tensor(ws, dtype, w_layout)
-        if x is None or w is None:
-            continue
-        k = len(xs) - 2
-        b = torch.empty(ws[0], dtype=dtype, device="meta") if bias else None
-        args = (x, w, b, [stride] * k, [pad] * k, [dilation] * k, False, [0] * k, groups)
-        answered.append(_compare(aten.convolution.default, args))
-        try:
-            out = aten.convolution.default(*args)
-        except Exception:
-            continue
-        for grad_layout, mask in itertools.product(("contiguous", "channels_last"),
-                                                   ((True, True, True), (False, True, True), (True, False, False))):
-            grad = _tensor(tuple(out.shape), dtype, grad_layout)
-            if grad is not None:
-                answered.append(_compare(aten.convolution_backward.default, (
-                    grad, x, w, [ws[0]] if bias else None, [stride] * k, [pad] * k, [dilation] * k, False, [0] * k,
-                    groups, list(mask))))
-    # 1,520 of the 9,936 calls answered on torch 2.13 (a channels-last grad goes to the kernel: torch 2.11's follows it)
-    assert _enough(answered, 1500, every)
-
-
 def test_contiguous_strides_are_torchs() -> None:
     for shape in (*SHAPES, (3, 0, 1, 5), (1, 1, 1), (7, 1, 3, 1)):
         assert contiguous_strides(shape) == make_contiguous_strides_for(shape)
@@ -424,8 +340,7 @@ def test_every_rule_is_a_shortcut_and_tested() -> None:
                         aten.native_layer_norm_backward.default, aten._log_softmax.default, aten._softmax.default,
                         aten._log_softmax_backward_data.default, aten._softmax_backward_data.default,
                         aten.nll_loss_forward.default, aten.nll_loss_backward.default, aten.native_dropout.default,
-                        aten.native_dropout_backward.default, aten.sum.dim_IntList, aten.mean.dim, aten.cat.default,
-                        aten.convolution.default, aten.convolution_backward.default}
+                        aten.native_dropout_backward.default, aten.sum.dim_IntList, aten.mean.dim, aten.cat.default}
     assert set(OUTPUT_RULES) == tested
     rules: dict[Any, Callable[..., Any]] = dict(OUTPUT_RULES)
     assert all(SHORTCUTS[op] is rule for op, rule in rules.items())

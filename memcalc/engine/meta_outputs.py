@@ -10,15 +10,11 @@ with the meta-kernel cache emptied) spends a fifth of its time in them. On a den
 kernels answer fresh tensors of the standard layout whose shapes and dtypes follow from the
 arguments' by the rules below (elementwise: the operands' shape and dtype; a matrix product
 ``(m, n)``; a reduction its kept dimensions; layer norm's statistics in float32 for a half
-input, as the decomposition computes them), made here with ``torch.empty``. Elementwise operands
-of other shapes broadcast, and ``add``/``sub``/``mul``/``div``'s floating ones of other dtypes
-promote: the output's strides are those ``compute_elementwise_output_strides`` (the reference's
-copy of TensorIterator's rules) gives, computed on shape and stride tuples
-(:func:`broadcast_output_strides`). A plain convolution's output is fresh and standard
-(``meta_conv`` leaves the format to the backend), its gradients too where input and weight
-suggest the contiguous format. Any other call (a strided or channels-last operand, an empty
-output, a complex or integer tensor, an unknown keyword) runs the kernel, which also raises
-what it would.
+input, as the decomposition computes them), made here with ``torch.empty``. Any other call (a
+strided or channels-last operand, broadcasting, mixed dtypes, a complex or integer tensor, an
+unknown keyword) runs the kernel, which also raises what it would. Rules for broadcasting and
+promoting operands and for convolutions were tried and dropped: they re-implemented torch's
+stride rules, which drift between releases, and gained nothing measurable (docs/speed.md).
 
 tests/test_meta_outputs.py compares every rule with the kernel, storage for storage, over shapes
 (empty, 0-dim, size-1 dimensions), dtypes, layouts, scalars and keywords, and checks that the
@@ -27,14 +23,12 @@ calls refused here are refused.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import torch
-from torch._prims_common import suggest_memory_format
 
-__all__ = ("OUTPUT_RULES", "broadcast_output_strides", "contiguous_strides")
+__all__ = ("OUTPUT_RULES", "contiguous_strides")
 
 #: ``(args, kwargs) → outputs``, or None where the op's kernel must run.
 Rule = Callable[[tuple[Any, ...], dict[str, Any]], Any]
@@ -49,13 +43,16 @@ _PLAIN: Final = frozenset({torch.Tensor, torch.nn.Parameter})
 _REAL_SCALARS: Final = frozenset({int, float, bool})
 #: The device of every output (a device object: a string is parsed at every ``torch.empty``).
 _META: Final = torch.device("meta")
+#: GELU's approximations (any other string: the kernel raises).
+_APPROXIMATIONS: Final = ("none", "tanh")
 #: Half dtypes whose layer-norm statistics the decomposition keeps in float32.
 _HALF: Final = frozenset({torch.float16, torch.bfloat16})
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides ``torch.empty(shape)`` gives (``make_contiguous_strides_for``, without its
-    checks): a size-0 or size-1 dimension counts as 1 in the product."""
+    """The strides ``torch.empty(shape)`` gives: a size-0 or size-1 dimension counts as 1 in the
+    product (``make_contiguous_strides_for``, whose symbolic-shape checks cost 50 µs a call, 27
+    times this, and it runs on every operand of every rule)."""
     strides = []
     step = 1
     for size in reversed(shape):
@@ -74,154 +71,24 @@ def _fresh(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=_META)
 
 
-def _broadcast_strides(shape: tuple[int, ...], out: tuple[int, ...]) -> tuple[int, ...]:
-    """A standard-layout operand of ``shape`` broadcast to ``out`` as the reference broadcasts it
-    (``prims.broadcast_in_dim``): a broadcast or new dimension of size past 1 strides 0, a new one
-    of size 1 strides as the next dimension's extent, a kept one as before."""
-    own = contiguous_strides(shape)
-    lead = len(out) - len(shape)
-    strides = []
-    for idx, size in enumerate(out):
-        orig = idx - lead
-        if orig >= 0:
-            strides.append(own[orig] if shape[orig] == size else 0)
-        elif size != 1:
-            strides.append(0)
-        else:
-            strides.append(own[0] * shape[0] if shape else 1)
-    return tuple(strides)
-
-
-def _nested(shape: tuple[int, ...], strides: tuple[int, ...], order: Sequence[int]) -> bool:
-    """Strides nested in ``order`` (innermost first), size-1 dimensions skipped
-    (``is_contiguous`` and ``is_channels_last_contiguous``)."""
-    expected = 1
-    for idx in order:
-        if shape[idx] != 1:
-            if strides[idx] != expected:
-                return False
-            expected *= shape[idx]
-    return True
-
-
-def _swap(shape: tuple[int, ...], operands: list[tuple[int, ...]], a: int, b: int) -> int:
-    """``should_swap`` of ``compute_elementwise_output_logical_to_physical_perm`` for positive
-    sizes: the first operand whose strides in ``a`` and ``b`` are both set decides."""
-    for strides in operands:
-        stride_a, stride_b = strides[a], strides[b]
-        if stride_a == 0 or stride_b == 0:
-            continue
-        if stride_a == stride_b:
-            if shape[b] >= shape[a]:
-                continue
-            return 1
-        return -1 if stride_b > stride_a else 1
-    return 0
-
-
-def broadcast_output_strides(shape: tuple[int, ...], operands: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """The strides the elementwise reference gives its output of ``shape`` (no size 0) from its
-    broadcast operands' strides (``compute_elementwise_output_strides``): contiguous where every
-    operand is and not every one channels-last, the reverse, else the dimensions ordered by the
-    operands' strides (an insertion sort, innermost first)."""
-    ndim = len(shape)
-    if ndim < 2:
-        return () if ndim == 0 else (1,)
-    if len(operands) == 1:
-        return operands[0]
-    inner = tuple(reversed(range(ndim)))
-    contiguous = all(_nested(shape, strides, inner) for strides in operands) or math.prod(shape) < 2
-    last = ndim == 4 and all(_nested(shape, strides, (1, 3, 2, 0)) for strides in operands)
-    if contiguous and not last:
-        return contiguous_strides(shape)
-    if last and not contiguous:
-        perm = [0, 2, 3, 1]
-    else:
-        order = list(inner)
-        for i in range(1, ndim):
-            right = i
-            for left in reversed(range(i)):
-                comparison = _swap(shape, operands, order[left], order[right])
-                if comparison > 0:
-                    order[left], order[right] = order[right], order[left]
-                    right = left
-                elif comparison < 0:
-                    break
-        perm = order[::-1]
-    physical = contiguous_strides([shape[p] for p in perm])
-    strides = [0] * ndim
-    for i, p in enumerate(perm):
-        strides[p] = physical[i]
-    return tuple(strides)
-
-
-def _broadcast_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
-    """The shape broadcasting gives, or None where the shapes do not broadcast."""
-    ndim = max(len(s) for s in shapes)
-    out = [1] * ndim
-    for s in shapes:
-        for i, size in enumerate(s, ndim - len(s)):
-            if size != out[i]:
-                if out[i] == 1:
-                    out[i] = size
-                elif size != 1:
-                    return None
-    return tuple(out)
-
-
 def _elementwise(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """One output of the tensor operands' shape and dtype: every operand dense, of one shape and
-    dtype; the other arguments real scalars, strings or None (``alpha``, ``approximate``,
-    ``threshold``, an exponent). Operands of other shapes go to :func:`_broadcasting`."""
-    tensors: list[torch.Tensor] = []
-    for value in (*args, *kwargs.values()):
+    dtype; the other arguments real scalars or None (``alpha``, ``threshold``, an exponent), or
+    GELU's ``approximate``. Operands that broadcast or promote run the kernel."""
+    first: torch.Tensor | None = None
+    for value in (*args, *(v for name, v in kwargs.items() if name != "approximate")):
         if isinstance(value, torch.Tensor):
             if not _dense(value):
                 return None
-            tensors.append(value)
-        elif value is not None and type(value) not in _REAL_SCALARS and type(value) is not str:
+            if first is None:
+                first = value
+            elif value.shape != first.shape or value.dtype != first.dtype:
+                return None
+        elif value is not None and type(value) not in _REAL_SCALARS:
             return None
-    if not tensors:
+    if kwargs.get("approximate", "none") not in _APPROXIMATIONS:
         return None
-    first = tensors[0]
-    if all(t.shape == first.shape and t.dtype == first.dtype for t in tensors):
-        return _fresh(first.shape, first.dtype)
-    return _broadcasting(tensors, promote=False)
-
-
-def _arithmetic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """``add``, ``sub``, ``mul``, ``div`` of two tensors: as :func:`_elementwise`, and floating
-    operands of different dtypes promoted (``torch.result_type``: a dimensioned operand's dtype
-    outranks a 0-dim one's of the same category)."""
-    if len(args) != 2 or any(name != "alpha" or type(v) not in _REAL_SCALARS for name, v in kwargs.items()):
-        return None
-    a, b = args
-    if not isinstance(b, torch.Tensor):
-        return _elementwise(args, kwargs)
-    if not (isinstance(a, torch.Tensor) and _dense(a) and _dense(b)):
-        return None
-    if a.shape == b.shape and a.dtype == b.dtype:
-        return _fresh(a.shape, a.dtype)
-    return _broadcasting([a, b], promote=True)
-
-
-def _broadcasting(tensors: list[torch.Tensor], promote: bool) -> torch.Tensor | None:
-    """The output of dense operands of different shapes (or, ``promote``, dtypes): the broadcast
-    shape, the strides :func:`broadcast_output_strides` picks; an empty output runs the kernel."""
-    dtype = tensors[0].dtype
-    if any(t.dtype != dtype for t in tensors):
-        if not promote:
-            return None
-        ranked = [t for t in tensors if t.dim() > 0] or tensors
-        dtype = ranked[0].dtype
-        for t in ranked[1:]:
-            dtype = torch.promote_types(dtype, t.dtype)
-    shapes = [tuple(t.shape) for t in tensors]
-    shape = _broadcast_shape(shapes)
-    if shape is None or 0 in shape:
-        return None
-    strides = broadcast_output_strides(shape, [_broadcast_strides(s, shape) for s in shapes])
-    return torch.empty_strided(shape, strides, dtype=dtype, device=_META)
+    return None if first is None else _fresh(first.shape, first.dtype)
 
 
 def _like(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -432,80 +299,9 @@ def _cat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     return _fresh(shape, first.dtype)
 
 
-def _ints(value: Any, count: int, least: int) -> bool:
-    return (isinstance(value, (list, tuple)) and len(value) == count
-            and all(type(v) is int and v >= least for v in value))
-
-
-def _conv_operands(x: Any, weight: Any, stride: Any, padding: Any, dilation: Any, transposed: Any,
-                   groups: Any) -> list[int] | None:
-    """The output shape of a plain (not transposed) batched convolution: plain meta operands of one
-    floating dtype and no empty dimension, ``stride``/``padding``/``dilation`` one int a spatial
-    dimension, channels that ``groups`` divide, every output size at least 1
-    (``calc_conv_nd_return_shape``: ``(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1``)."""
-    if transposed is not False or type(groups) is not int or groups < 1:
-        return None
-    for t in (x, weight):
-        if type(t) not in _PLAIN or not t.is_meta or t.dtype not in _FLOATING or 0 in t.shape:
-            return None
-    spatial = x.dim() - 2
-    if not 1 <= spatial <= 3 or weight.dim() != x.dim() or weight.dtype != x.dtype:
-        return None
-    if not (_ints(stride, spatial, 1) and _ints(padding, spatial, 0) and _ints(dilation, spatial, 1)):
-        return None
-    if x.shape[1] != weight.shape[1] * groups or weight.shape[0] % groups:
-        return None
-    shape = [x.shape[0], weight.shape[0]]
-    for i in range(spatial):
-        size = (x.shape[2 + i] + 2 * padding[i] - dilation[i] * (weight.shape[2 + i] - 1) - 1) // stride[i] + 1
-        if size < 1:
-            return None
-        shape.append(size)
-    return shape
-
-
-def _convolution(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """``convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding,
-    groups)``: a fresh standard-layout output in ``x``'s dtype, whatever the operands' layouts
-    (``meta_conv`` leaves the memory format to the backend), for a bias of ``(C_out,)`` or none."""
-    if kwargs or len(args) != 9:
-        return None
-    x, weight, bias, stride, padding, dilation, transposed, _output_padding, groups = args
-    shape = _conv_operands(x, weight, stride, padding, dilation, transposed, groups)
-    if shape is None:
-        return None
-    if bias is not None and (type(bias) not in _PLAIN or not bias.is_meta or bias.dtype != x.dtype
-                             or tuple(bias.shape) != (weight.shape[0],)):
-        return None
-    return _fresh(shape, x.dtype)
-
-
-def _convolution_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, ...] | None:
-    """``convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed,
-    output_padding, groups, mask)``: the gradients asked, fresh in ``grad``'s dtype, shaped as
-    ``x``, ``weight`` and ``bias_sizes``, where ``grad``, ``x`` and ``weight`` all suggest the
-    contiguous format (the kernel's format for all; a channels-last one runs it)."""
-    if kwargs or len(args) != 11:
-        return None
-    grad, x, weight, bias_sizes, stride, padding, dilation, transposed, _output_padding, groups, mask = args
-    shape = _conv_operands(x, weight, stride, padding, dilation, transposed, groups)
-    if shape is None or type(grad) not in _PLAIN or not grad.is_meta or grad.dtype != x.dtype \
-            or list(grad.shape) != shape:
-        return None
-    if not isinstance(mask, (list, tuple)) or len(mask) != 3 or any(type(m) is not bool for m in mask):
-        return None
-    if mask[2] and not _ints(bias_sizes, 1, 0):
-        return None
-    # all three: torch 2.11's kernel also follows a channels-last grad (2.13's does not)
-    if any(suggest_memory_format(t) is not torch.contiguous_format for t in (grad, x, weight)):
-        return None
-    return (_fresh(x.shape, grad.dtype) if mask[0] else None, _fresh(weight.shape, grad.dtype) if mask[1] else None,
-            _fresh(bias_sizes, grad.dtype) if mask[2] else None)
-
-
 #: Elementwise ops whose output takes its operands' shape and dtype (when they share them).
 _ELEMENTWISE: Final = (
-    _aten.mul.Scalar, _aten.div.Scalar,
+    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.mul.Scalar, _aten.div.Scalar,
     _aten.add.Scalar, _aten.pow.Tensor_Scalar, _aten.neg.default, _aten.rsqrt.default, _aten.sqrt.default,
     _aten.exp.default, _aten.tanh.default, _aten.sigmoid.default, _aten.relu.default, _aten.gelu.default,
     _aten.silu.default, _aten.sin.default, _aten.cos.default, _aten.threshold_backward.default,
@@ -513,13 +309,9 @@ _ELEMENTWISE: Final = (
     _aten.sigmoid_backward.default,
 )
 
-#: Binary arithmetic, whose operands also broadcast and promote.
-_ARITHMETIC: Final = (_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor)
-
 #: Every op with a rule.
 OUTPUT_RULES: Final[Mapping[object, Rule]] = {
     **dict.fromkeys(_ELEMENTWISE, _elementwise),
-    **dict.fromkeys(_ARITHMETIC, _arithmetic),
     _aten.zeros_like.default: _like,
     _aten.ones_like.default: _like,
     _aten.mm.default: _matmul,
@@ -537,6 +329,4 @@ OUTPUT_RULES: Final[Mapping[object, Rule]] = {
     _aten.sum.dim_IntList: _reduction,
     _aten.mean.dim: _reduction,
     _aten.cat.default: _cat,
-    _aten.convolution.default: _convolution,
-    _aten.convolution_backward.default: _convolution_backward,
 }
