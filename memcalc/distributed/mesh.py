@@ -5,6 +5,10 @@ names for the degrees (``torchtitan/distributed/parallel_dims.py``: ``dp_replica
 :class:`Mesh` is the validated degrees; :func:`parse_mesh` reads the command line's spelling
 (``--mesh dp_shard=8,tp=4,pp=2``). What each dimension does to a rank is the business of its
 strategy object (:mod:`memcalc.distributed.strategy`); a mesh only counts.
+
+``etp`` (torchtitan's ``expert_tensor_parallel_degree``) is read here but is no dimension: it says
+how ``ep`` × ``tp`` lay out the experts. 1 (the default, modelled) is dropped; etp = tp is refused by
+name (:func:`refuse_expert_tensor_parallel`), any other value as torchtitan refused it.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from memcalc.core.counts import as_integer
-from memcalc.core.errors import InvalidInputError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 
-__all__ = ("DIMENSION_NAMES", "MAX_WORLD_SIZE", "Mesh", "check_degree", "parse_mesh")
+__all__ = ("DIMENSION_NAMES", "ETP", "MAX_WORLD_SIZE", "Mesh", "check_degree", "parse_mesh",
+           "refuse_expert_tensor_parallel")
 
 #: The most GPUs a setting may name: memcalc lists every rank (the largest clusters hold ~10**5 GPUs).
 MAX_WORLD_SIZE = 2**20
@@ -31,6 +36,10 @@ DIMENSION_NAMES: Mapping[str, str] = {
     "cp": "context parallelism",
     "ep": "expert parallelism",
 }
+
+#: torchtitan's expert tensor-parallel degree (``ParallelismConfig.expert_tensor_parallel_degree``,
+#: ``ParallelDims.etp``; removed from torchtitan by its PR #3167, 2026-04-30): a mesh key, not a dimension.
+ETP = "etp"
 
 
 @dataclass(frozen=True)
@@ -50,8 +59,11 @@ class Mesh:
 
         Raises:
             InvalidInputError: an unknown dimension, a degree that is not a positive integer, or
-                a product over :data:`MAX_WORLD_SIZE`; each naming the dimension.
+                a product over :data:`MAX_WORLD_SIZE`; each naming the dimension; an ``etp``
+                other than 1 or tp (as torchtitan refused it).
+            InapplicableOptionError: etp = tp (:func:`refuse_expert_tensor_parallel`).
         """
+        degrees = refuse_expert_tensor_parallel(degrees)
         for name in degrees:
             _check_name(name)
         mesh = cls(**{name: check_degree(name, value) for name, value in degrees.items()})
@@ -111,7 +123,8 @@ def parse_mesh(text: str) -> dict[str, int]:
         if not equals or not name:
             raise InvalidInputError(f"the mesh item {item!r} is not DIMENSION=DEGREE",
                                     hint=f"e.g. --mesh dp_shard=8,tp=4; the dimensions: {', '.join(DIMENSION_NAMES)}")
-        _check_name(name)
+        if name != ETP:  # read with the degrees it depends on (Mesh.of)
+            _check_name(name)
         if name in degrees:
             raise InvalidInputError(f"the mesh names {name} twice ({text})", hint="give each dimension once")
         if not (value.isascii() and value.isdigit()):
@@ -119,6 +132,41 @@ def parse_mesh(text: str) -> dict[str, int]:
                                     f"at least 1", hint=f"e.g. {name}=2 (1: the dimension is not used)")
         degrees[name] = check_degree(name, int(value))
     return degrees
+
+
+def refuse_expert_tensor_parallel(degrees: Mapping[str, object]) -> Mapping[str, object]:
+    """``degrees`` without ``etp``, which torchtitan allowed as 1 or tp under ep
+    (``ParallelDims._validate``: "Currently we only support ETP=TP or ETP=1").
+
+    etp=1 is the layout memcalc models (the experts whole, over ep ranks that borrow tp). etp = tp
+    (``ExpertTensorParallel``: each expert's w1/w3 split by columns and w2 by rows over tp, tokens
+    moved over ep alone) is not modelled: torchtitan removed it (PR #3167, 2026-04-30) and
+    transformers deprecates its ``moe_tp_experts`` style, so no library left runs it (the design, for
+    whoever adds it: docs/many-gpus.md).
+
+    Raises:
+        InvalidInputError: etp not 1 or tp, or above 1 without ep.
+        InapplicableOptionError: etp = tp > 1 under ep.
+    """
+    if ETP not in degrees:
+        return degrees
+    rest = {name: value for name, value in degrees.items() if name != ETP}
+    etp = check_degree(ETP, degrees[ETP])
+    if etp == 1:
+        return rest
+    tp, ep = (check_degree(name, rest.get(name, 1)) for name in ("tp", "ep"))
+    if ep == 1:
+        raise InvalidInputError(f"etp={etp} without ep: the expert tensor-parallel degree only lays out ep's experts",
+                                hint=f"add ep (e.g. tp={etp},ep=2,etp={etp}) or drop etp")
+    if etp != tp:
+        raise InvalidInputError(f"etp={etp} with tp={tp}: torchtitan's expert_tensor_parallel_degree is 1 or tp",
+                                hint="etp=1: the experts whole over ep ranks that borrow tp (modelled)")
+    raise InapplicableOptionError(
+        f"etp=tp={tp} (expert tensor parallelism: each expert's w1/w3 column-sharded and w2 row-sharded over "
+        f"the {tp} tp ranks, tokens moved over ep={ep} alone) is not modelled: torchtitan removed it "
+        f"(ExpertTensorParallel, PR #3167) and transformers deprecates moe_tp_experts",
+        hint=f"Estimate etp=1 (the default: the experts whole over ep ranks that borrow tp; drop etp={etp}); "
+             f"docs/many-gpus.md gives etp=tp's per-rank arithmetic.")
 
 
 def _check_name(name: object) -> None:
