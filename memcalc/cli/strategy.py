@@ -115,7 +115,10 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                             "dp_shard=N, ddp is dp_replicate=N, both together HSDP; tp alone or under dp_shard "
                             "(FSDP2 over its DTensors, torchtitan's composition), cp with the data-parallel "
                             "dimensions, pp (torch's own pipeline schedule) alone or over dp_shard (each stage "
-                            "FSDP2-sharded: gpipe, 1f1b, interleaved-1f1b); ep is not modelled yet."),
+                            "FSDP2-sharded: gpipe, 1f1b, interleaved-1f1b), ep (an MoE model's experts over ep ranks; "
+                            "with tp torchtitan's etp=1 layout; with dp_shard or dp_replicate the dense part "
+                            "FSDP2-sharded over the ep ranks too; in a pipeline stage). etp=1 is accepted, etp=tp "
+                            "refused (docs/many-gpus.md)."),
         click.option("--world-size", type=int, default=None, callback=_at_least_one, metavar="N",
                      help="Number of GPUs (ranks) for ddp, fsdp and zero*; for dp, devices 0..N-1."),
         click.option("--device-ids", type=DeviceIdsType(), default=None,
