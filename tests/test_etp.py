@@ -100,3 +100,10 @@ def test_etp_tp_expert_parameters_per_rank_by_hand() -> None:
         pytest.skip("this process has a default process group already")
     for rank in range(4):
         assert _local_numel(gate_up, (0, 1), rank) + _local_numel(down, (0, 2), rank) == by_hand
+
+
+def test_the_keyword_is_the_mesh_key() -> None:
+    """``Distributed(etp=...)`` is ``mesh={..., "etp": ...}``: 1 is dropped, tp refused by name."""
+    assert memcalc.Distributed(dp_shard=2, tp=2, ep=2, etp=1).mesh == memcalc.Distributed(dp_shard=2, tp=2, ep=2).mesh
+    with pytest.raises(InapplicableOptionError, match="etp=tp=2"):
+        memcalc.Distributed(dp_shard=2, tp=2, ep=2, etp=2)

@@ -79,6 +79,9 @@ class Distributed:
             modelled (tp or pp with anything but dp_shard; ep with another dimension), is
             accepted here and refused by the estimate, by name. ``sharding`` does not apply inside
             a pipeline: its stages keep torchtitan's ``reshard_after_forward=False``.
+        etp: torchtitan's expert tensor-parallel degree under ``ep``: 1 (the layout modelled: the
+            experts whole over ep ranks that borrow tp) or None; tp is refused by name (not modelled:
+            torchtitan removed ``ExpertTensorParallel``), any other value as torchtitan refused it.
         tp_plan: ``tp``: the tensor-parallel plan, module-name pattern → transformers style string
             (``{"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}``); None: the model's own
             (a Hugging Face ``tp_plan``, or torchtitan's for the zoo's Llama family).
@@ -130,7 +133,7 @@ class Distributed:
                  overlap_comm: bool = False, offload_optimizer: bool = False,
                  dp_replicate: int | None = None, dp_shard: int | None = None, tp: int | None = None,
                  pp: int | None = None, cp: int | None = None, ep: int | None = None,
-                 mesh: Mesh | Mapping[str, int] | None = None, pp_schedule: str | None = None,
+                 etp: int | None = None, mesh: Mesh | Mapping[str, int] | None = None, pp_schedule: str | None = None,
                  microbatches: int | None = None, pp_split: Sequence[str] | None = None,
                  tp_plan: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
                  loss_parallel: bool = False, routing: Routing | str | None = None,
@@ -145,7 +148,8 @@ class Distributed:
             if not isinstance(setting, bool):
                 raise InvalidInputError(f"{flag} must be True or False, got {setting!r}")
         degrees = {name: value for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard),
-                                                    ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))
+                                                    ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep),
+                                                    ("etp", etp))
                    if value is not None}
         mesh_ = _given_mesh(mesh, degrees)
         world = 0
