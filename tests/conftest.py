@@ -204,18 +204,19 @@ def cpu_threads(item: pytest.Item) -> int | None:
     return QUICK_TEST_THREADS
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)  # the old-style wrapper: pyproject admits pytest 7
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Run ``item`` (its fixtures' setup and teardown included) on :func:`cpu_threads`'s count,
     then give the process its own count back."""
     threads = cpu_threads(item)
     if threads is None:
-        return (yield)
+        yield
+        return
     import torch
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return (yield)
+        yield
     finally:
         torch.set_num_threads(saved)
 
