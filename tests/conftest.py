@@ -14,6 +14,9 @@
   worker, first (one forkserver for their ranks: tests/gloo_runs.py); every other test goes where
   a worker is free. (pytest-xdist 3.8 writes the group into ``item._nodeid``, which pytest 9.2 no
   longer reads: ``_group_ids`` puts it in pytest 9.2's structured id.)
+* A quick test (not ``slow``) runs on one CPU thread (:data:`QUICK_TEST_THREADS`), and the gloo
+  ranks it starts on as many as it has (tests/gloo_runs.py): two workers on two cores, a second
+  OpenMP thread per process only spun. Slow tests and golden outputs keep the process's own count.
 * The cyclic collector is off from this file's import to the end of collection, then frozen with
   what collection made (``pytest_collection_finish``): collection's full passes would scan torch's
   and transformers' objects again and again, and each real step's ``gc.collect()`` then scans what
@@ -180,6 +183,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # the gloo runs first: the longest unit of work, started while the other worker takes the rest
     # rather than left to the end of the run with one worker idle (a stable sort: order kept within)
     items.sort(key=lambda item: not _spawns_gloo_ranks(item))
+
+
+#: The CPU threads (``torch.set_num_threads``) of a quick test, its real steps and its estimates
+#: alike (the CPU target sizes the flash kernels' per-thread buffers by the same count). With two
+#: xdist workers on two cores, and two to four gloo ranks, a process's second OpenMP thread found
+#: no free core and spun at every parallel region's barrier: on 2026-12-07 (load 7-11) the quick
+#: suite took 162.1 → 129.1 CPU-s of tests under ``OMP_NUM_THREADS=1``, the GPipe/1F1B gloo ranks
+#: 3.9 → 0.4 CPU-s each (issue 36 item 7). The slow tests keep the process's count, so that the
+#: full suite still checks the per-thread buffers against real steps at the machine's count, and
+#: so do tests of golden output, recorded with it.
+QUICK_TEST_THREADS = 1
+
+
+def cpu_threads(item: pytest.Item) -> int | None:
+    """The CPU threads ``item`` runs on: :data:`QUICK_TEST_THREADS` for a quick test, None (the
+    process's own count) for a slow one or one that compares golden output."""
+    if item.get_closest_marker("slow") is not None or "golden" in getattr(item, "fixturenames", ()):
+        return None
+    return QUICK_TEST_THREADS
+
+
+@pytest.hookimpl(hookwrapper=True)  # the old-style wrapper: pyproject admits pytest 7
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Run ``item`` (its fixtures' setup and teardown included) on :func:`cpu_threads`'s count,
+    then give the process its own count back."""
+    threads = cpu_threads(item)
+    if threads is None:
+        yield
+        return
+    import torch
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _distributing_by_group(config: pytest.Config) -> bool:

@@ -166,7 +166,7 @@ def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, .
     """Run ``worker(rank, world_size, port, *args)`` on ``world_size`` processes forked from the
     forkserver (:func:`start_forkserver`), the parent holding the rendezvous store's server (no
     port is picked and then lost to another process), and wait for them all (every harness here:
-    DDP/FSDP2, TP, PP, EP).
+    DDP/FSDP2, TP, PP, EP). Each rank runs on this process's CPU threads (:func:`_rank`).
 
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
@@ -174,8 +174,8 @@ def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, .
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     start_forkserver()
-    context = mp.start_processes(worker, args=(world_size, store.port, *args), nprocs=world_size, join=False,
-                                 start_method=START_METHOD)
+    context = mp.start_processes(_rank, args=(torch.get_num_threads(), worker, world_size, store.port, *args),
+                                 nprocs=world_size, join=False, start_method=START_METHOD)
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=1.0):
@@ -188,6 +188,15 @@ def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, .
             if process.is_alive():
                 process.terminate()
                 process.join()
+
+
+def _rank(rank: int, threads: int, worker: Callable[..., None], *args: Any) -> None:
+    """One rank: ``worker(rank, *args)`` on ``threads`` CPU threads, the count of the test process
+    that compares its estimate with the ranks (tests/conftest.py's ``cpu_threads``): the CPU
+    target sizes the flash kernels' per-thread buffers by that process's count. The forkserver's
+    own is the machine's (it reads no test's setting)."""
+    torch.set_num_threads(threads)
+    worker(rank, *args)
 
 
 def start_forkserver() -> None:

@@ -8,6 +8,8 @@
 * ``--dist loadgroup``: a worker, configured by xdist's own code, puts a module fixture's users
   in one group.
 * The collector, off while conftest.py imports and pytest collects, is on for the tests.
+* A quick test runs on one CPU thread, a slow one or one of golden output on the process's own
+  count, and the gloo ranks on their test's.
 """
 
 from __future__ import annotations
@@ -163,3 +165,60 @@ def test_the_collector_is_on_and_what_collection_made_is_frozen() -> None:
     this = test_the_collector_is_on_and_what_collection_made_is_frozen
     assert gc.is_tracked(this) and gc.get_freeze_count() > 0
     assert not any(tracked is this for tracked in gc.get_objects())
+
+
+THREADS_TEST = """
+import pytest
+import torch
+
+def test_quick():
+    assert torch.get_num_threads() == 1
+
+@pytest.mark.slow
+def test_slow():
+    assert torch.get_num_threads() == 3
+
+def test_golden_output(golden):
+    assert torch.get_num_threads() == 3
+
+def test_quick_again():
+    assert torch.get_num_threads() == 1
+
+@pytest.mark.slow
+def test_given_back():
+    assert torch.get_num_threads() == 3
+"""
+
+
+def test_a_quick_test_runs_on_one_thread_and_gives_the_process_its_count_back(pytester: pytest.Pytester) -> None:
+    import torch
+
+    # this test is quick itself: the count it was given, then 3 for the run (a count no default gives)
+    assert torch.get_num_threads() == conftest.QUICK_TEST_THREADS == 1
+    pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n")
+    pytester.makepyfile(test_threads=THREADS_TEST)
+    torch.set_num_threads(3)
+    try:
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider", plugins=[conftest])
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(conftest.QUICK_TEST_THREADS)
+    result.assert_outcomes(passed=5)
+    assert after == 3
+
+
+def test_a_gloo_rank_runs_on_the_threads_its_test_gave_it() -> None:
+    import torch
+    from gloo_runs import _rank
+
+    seen: list[tuple[int, int, str]] = []
+
+    def worker(rank: int, word: str) -> None:
+        seen.append((rank, torch.get_num_threads(), word))
+
+    saved = torch.get_num_threads()
+    try:
+        _rank(1, 3, worker, "args")  # in this process, as a forked rank would run it
+    finally:
+        torch.set_num_threads(saved)
+    assert seen == [(1, 3, "args")]
