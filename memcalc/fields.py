@@ -175,26 +175,24 @@ def _count(value: Any, field: Field) -> int:
     return number
 
 
-def _tokens(value: Any, field: Field) -> int | None:
-    """None, or a number of tokens ≥ 0."""
+def _token_count(value: Any, field: Field, minimum: int, hint: str) -> int | None:
+    """None, or a number of tokens ≥ ``minimum``; the error's hint shows the flag in use."""
     if value is None:
         return None
-    number = _integer(value, 0)
+    number = _integer(value, minimum)
     if number is None:
-        raise _not_a_count(value, field.name, field.flag, 0, "a number of tokens to generate",
-                           hint="e.g. --mode inference --kv-cache 256")
+        raise _not_a_count(value, field.name, field.flag, minimum, "a number of tokens to generate", hint=hint)
     return number
+
+
+def _tokens(value: Any, field: Field) -> int | None:
+    """None, or a number of tokens ≥ 0 (0: a KV cache for the prompt alone)."""
+    return _token_count(value, field, 0, "e.g. --mode inference --kv-cache 256")
 
 
 def _new_tokens(value: Any, field: Field) -> int | None:
     """None, or a number of tokens ≥ 1 (a generation makes at least one)."""
-    if value is None:
-        return None
-    number = _integer(value, 1)
-    if number is None:
-        raise _not_a_count(value, field.name, field.flag, 1, "a number of tokens to generate",
-                           hint="e.g. --mode generate --seq-len 512 --new-tokens 128")
-    return number
+    return _token_count(value, field, 1, "e.g. --mode generate --seq-len 512 --new-tokens 128")
 
 
 def _switch(value: Any, field: Field) -> bool:

@@ -18,7 +18,7 @@ from support import hf_config_source
 import memcalc
 from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
-from memcalc.distributed.strategy.ep import (
+from memcalc.distributed.expert_parallel import (
     ExpertParallel,
     dispatch_rows,
     expert_parallelism_available,

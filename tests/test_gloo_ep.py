@@ -54,7 +54,7 @@ from support import hf_config_source
 from test_ep import TINY_MIXTRAL, TINY_MIXTRAL_8
 
 import memcalc
-from memcalc.distributed.strategy.ep import expert_parallelism_available
+from memcalc.distributed.expert_parallel import expert_parallelism_available
 
 pytest.importorskip("transformers")
 if not expert_parallelism_available():  # transformers 5.17 (the oldest matrix leg)

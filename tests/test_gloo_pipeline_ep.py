@@ -38,7 +38,7 @@ from support import hf_config_source
 from test_ep import TINY_MIXTRAL, TINY_MIXTRAL_8
 
 import memcalc
-from memcalc.distributed.strategy.ep import expert_parallelism_available
+from memcalc.distributed.expert_parallel import expert_parallelism_available
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),

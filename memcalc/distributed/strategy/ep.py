@@ -39,14 +39,9 @@ from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
 from memcalc.distributed.expert_parallel import (
     ExpertParallel,
-    dispatch_rows,
-    expert_modules,
-    expert_notes,
     expert_parallelism_available,
-    expert_plan,
     expert_tensor_parallel,
     routing_text,
-    split_sizes,
 )
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
@@ -56,8 +51,7 @@ from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.step_spec import Step
 from memcalc.stacks.transformers.reads import routing_notes
 
-__all__ = ("ExpertParallel", "ExpertParallelDimension", "dispatch_rows", "expert_modules", "expert_notes",
-           "expert_parallelism_available", "expert_plan", "expert_tensor_parallel", "split_sizes")
+__all__ = ("ExpertParallelDimension",)
 
 
 @register()

@@ -901,19 +901,32 @@ def _bidirectional_layer(kind: RnnKind, x: torch.Tensor, hidden: tuple[Hidden, H
     return torch.cat([fw_output, rev_output], fw_output.dim() - 1), (fw_final, rev_final)
 
 
+def _unpack(hx: torch.Tensor | Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+            has_biases: bool) -> tuple[list[Hidden], list[_CellParams]]:
+    """unpack_hidden and gather_params, shared by the dense and the packed ``_rnn_impl``: each
+    layer and direction's initial hidden state (an LSTM's ``(h, c)``) and weights."""
+    if isinstance(hx, torch.Tensor):
+        return list(hx.unbind(0)), _gather_params(params, has_biases, False)
+    has_projections = hx[0].shape[2] != hx[1].shape[2]  # an LSTM with proj_size: h narrower than c
+    return list(zip(hx[0].unbind(0), hx[1].unbind(0), strict=True)), _gather_params(params, has_biases,
+                                                                                    has_projections)
+
+
+def _pack(kind: RnnKind, output: torch.Tensor, finals: list[Hidden]) -> tuple[torch.Tensor, ...]:
+    """pack_hidden after the output: the final hidden states stacked over layers and directions,
+    an LSTM's ``h_n`` and ``c_n`` apart (what ``at::lstm`` / ``at::gru`` / ``at::rnn_*`` return)."""
+    if kind.is_lstm:
+        pairs = [f for f in finals if isinstance(f, tuple)]
+        return output, torch.stack([h for h, _ in pairs], 0), torch.stack([c for _, c in pairs], 0)
+    return output, torch.stack([f for f in finals if isinstance(f, torch.Tensor)], 0)
+
+
 def generic_rnn(kind: RnnKind, x: torch.Tensor, hx: torch.Tensor | Sequence[torch.Tensor],
                 params: Sequence[torch.Tensor], has_biases: bool, num_layers: int, dropout_p: float, train: bool,
                 bidirectional: bool, batch_first: bool) -> tuple[torch.Tensor, ...]:
     """``_rnn_impl`` with FullLayer / FullBidirectionalLayer as a CPU tensor runs it; returns
     what ``at::lstm`` (output, h_n, c_n) or ``at::gru`` / ``at::rnn_*`` (output, h_n) return."""
-    hiddens: list[Hidden]
-    if isinstance(hx, torch.Tensor):
-        hiddens = list(hx.unbind(0))
-        has_projections = False
-    else:
-        hiddens = list(zip(hx[0].unbind(0), hx[1].unbind(0), strict=True))
-        has_projections = hx[0].shape[2] != hx[1].shape[2]
-    cells = _gather_params(params, has_biases, has_projections)
+    hiddens, cells = _unpack(hx, params, has_biases)
     layer_input = x.transpose(0, 1) if batch_first else x
     directions = 2 if bidirectional else 1
     finals: list[Hidden] = []
@@ -928,11 +941,7 @@ def generic_rnn(kind: RnnKind, x: torch.Tensor, hx: torch.Tensor | Sequence[torc
             finals.append(final)
         if dropout_p != 0 and train and layer < num_layers - 1:
             layer_input = torch.dropout(layer_input, dropout_p, True)
-    output = layer_input.transpose(0, 1) if batch_first else layer_input
-    if kind.is_lstm:
-        pairs = [f for f in finals if isinstance(f, tuple)]
-        return output, torch.stack([h for h, _ in pairs], 0), torch.stack([c for _, c in pairs], 0)
-    return output, torch.stack([f for f in finals if isinstance(f, torch.Tensor)], 0)
+    return _pack(kind, layer_input.transpose(0, 1) if batch_first else layer_input, finals)
 
 
 def _slice(hidden: Hidden, start: int, end: int) -> Hidden:
@@ -997,14 +1006,7 @@ def packed_rnn(kind: RnnKind, data: torch.Tensor, batch_sizes: torch.Tensor,
     """``_rnn_impl`` with PackedLayer / PackedBidirectionalLayer as a CPU tensor runs it (the
     packed overloads of ``at::lstm`` / ``gru`` / ``rnn_*``, which never use oneDNN)."""
     sizes = [int(b) for b in batch_sizes.tolist()]
-    hiddens: list[Hidden]
-    if isinstance(hx, torch.Tensor):
-        hiddens = list(hx.unbind(0))
-        has_projections = False
-    else:
-        hiddens = list(zip(hx[0].unbind(0), hx[1].unbind(0), strict=True))
-        has_projections = hx[0].shape[2] != hx[1].shape[2]  # an LSTM with proj_size
-    cells = _gather_params(params, has_biases, has_projections)
+    hiddens, cells = _unpack(hx, params, has_biases)
     directions = 2 if bidirectional else 1
     layer_input = data
     finals: list[Hidden] = []
@@ -1019,7 +1021,4 @@ def packed_rnn(kind: RnnKind, data: torch.Tensor, batch_sizes: torch.Tensor,
         layer_input = output
         if dropout_p != 0 and train and layer < num_layers - 1:
             layer_input = torch.dropout(layer_input, dropout_p, True)
-    if kind.is_lstm:
-        pairs = [f for f in finals if isinstance(f, tuple)]
-        return layer_input, torch.stack([h for h, _ in pairs], 0), torch.stack([c for _, c in pairs], 0)
-    return layer_input, torch.stack([f for f in finals if isinstance(f, torch.Tensor)], 0)
+    return _pack(kind, layer_input, finals)
