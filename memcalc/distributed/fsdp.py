@@ -281,6 +281,7 @@ class ShardedProgram(RankProgram):
         self._coordinator_of: dict[int, ParamCoordinator[_Param]] = {}  # id(_Param) -> its engine's
         self._forward_stack: list[_UnitState] = []  # ZeRO-3: the modules whose forward runs (FWD_MODULE_STACK)
         self._places: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._unhooked: set[int] = set()  # ZeRO-3: the coordinators whose engine's module hooks are off
 
     #: Whether the CPU target's collectives make gloo's copies (:meth:`_gloo_copy`): a real CPU
     #: process group is gloo's. torch's fake process group, over which tests/test_strategies.py
@@ -637,6 +638,35 @@ class ShardedProgram(RankProgram):
                 assert p.unsharded is not None
                 self._tracer.free_storage(_local(p.unsharded))
 
+    @contextmanager
+    def gathered_for_generation(self, path: str) -> Iterator[None]:
+        """TRL's ``unwrap_model_for_generation`` under ZeRO-3 with ``ds3_gather_for_generation`` (its
+        default), around ``generate()``: ``GatheredParameters(model.parameters())`` all-gathers every
+        parameter of the engine at ``path`` not yet whole, each into its own padded buffer
+        (``_allgather_params_coalesced``); ``remove_hooks`` takes the engine's module hooks off, so the
+        forwards of ``generate()`` fetch and release nothing (the root's ``_start_of_forward_hook``
+        stays: each forward still resets the coordinator's step); ``add_hooks`` invalidates the trace;
+        the context's exit partitions every parameter, persistent ones too. The next forward records
+        the trace again: nothing prefetched, nothing kept, until the one after."""
+        coordinator = self.coordinators[self.engines.index(path)]
+        for p in coordinator.gathered_whole():
+            self._allocate_unsharded(p)
+        for p in coordinator.params:
+            for module, name in self._places[id(p)]:
+                assert p.unsharded is not None
+                self._set(module, name, p.unsharded)
+        self._unhooked.add(id(coordinator))
+        try:
+            yield
+        finally:
+            self._unhooked.discard(id(coordinator))
+            coordinator.invalidate()
+            coordinator.release_and_reset_all()
+
+    def _hooked(self, state: _UnitState) -> bool:
+        """Whether DeepSpeed's module hooks of the state's engine are on (:meth:`gathered_for_generation`)."""
+        return id(self._coordinator(state)) not in self._unhooked
+
     def _swap_in(self, state: _UnitState) -> None:
         for module, name, p in state.locations:
             assert p.unsharded is not None, "gathered before use"
@@ -644,6 +674,8 @@ class ShardedProgram(RankProgram):
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, state: _UnitState, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self.coordinators and not self._hooked(state):
+            return None
         if self.coordinators:  # DeepSpeed: fetch_sub_module (a recomputation too)
             self._forward_stack.append(state)
             self._coordinator(state).fetch(state, state.params, forward=True)
@@ -682,6 +714,8 @@ class ShardedProgram(RankProgram):
         return tensor
 
     def _post_forward(self, state: _UnitState, output: Any) -> Any:
+        if self.coordinators and not self._hooked(state):
+            return None
         if self.coordinators:  # DeepSpeed: release_sub_module (a recomputation too)
             if self._forward_stack and self._forward_stack[-1] is state:
                 self._forward_stack.pop()

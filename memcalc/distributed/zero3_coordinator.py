@@ -136,6 +136,24 @@ class ParamCoordinator(Generic[P]):
         fetched and released with that module's."""
         self.status[id(p)] = _Status.AVAILABLE
 
+    def gathered_whole(self) -> list[P]:
+        """``GatheredParameters(model.parameters())`` (TRL's generation under ``ds3_gather_for_generation``):
+        what is in flight is waited on; the parameters NOT_AVAILABLE are returned, for the caller to
+        all-gather at once (a blocking all-gather, not through the coordinator: not counted as
+        available), and are AVAILABLE from then on."""
+        for p in self.params:
+            self._complete(p)
+        missing = [p for p in self.params if self.status[id(p)] is _Status.NOT_AVAILABLE]
+        for p in missing:
+            self.status[id(p)] = _Status.AVAILABLE
+        return missing
+
+    def invalidate(self) -> None:
+        """TRL's ``add_hooks`` after a generation with DeepSpeed's module hooks taken off: the trace
+        is invalidated unless it is already (``_invalidate_trace``), to be recorded again."""
+        if self._mode is not _Mode.INVALID:
+            self._invalidate()
+
     def gather_persistent(self) -> None:
         """After the optimizer step (``_post_step``): the persistent parameters are all-gathered."""
         missing = [p for p in self.params if p.persistent and not self.available(p)]

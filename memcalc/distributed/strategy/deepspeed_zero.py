@@ -6,6 +6,7 @@ partition; the memory table is in docs/architecture.md, "Multi-GPU strategies"."
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -24,6 +25,7 @@ from memcalc.distributed.zero import ZeroProgram
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.step_spec import Step
+from memcalc.stacks.trl.grpo import GrpoStepModule
 from memcalc.stacks.trl.step import TrlStepModule
 
 __all__ = ("DeepSpeedZero",)
@@ -111,8 +113,10 @@ class DeepSpeedZero(RankStrategy):
                                          reshard_after_forward=True, sharded_dtype=None, gather_dtype=None,
                                          reduce_dtype=None, training=training, reduce_bucket_size=bucket,
                                          stage3=stage3, host_gradients=offload, engines=engines)
-                if isinstance(resolved.module, TrlStepModule):  # TRL's fused LM head gathers the head itself
-                    resolved.module.zero3_gather = sharded.gathered_parameters
+                if isinstance(resolved.module, (TrlStepModule, GrpoStepModule)):  # TRL's fused LM head gathers
+                    resolved.module.zero3_gather = sharded.gathered_parameters  # the head itself
+                if isinstance(resolved.module, GrpoStepModule):  # unwrap_model_for_generation's gathering
+                    resolved.module.zero3_generation = functools.partial(sharded.gathered_for_generation, "policy")
             return ZeroProgram(stage, n, bucket, training, sharded=sharded, overlap_comm=overlap,
                                offload_optimizer=offload)
 
@@ -128,7 +132,7 @@ def _engines(resolved: ResolvedModel) -> tuple[str, ...]:
     engine of the same stage-3 config in eval mode, with no optimizer (``DeepSpeedZeRoOffload``: its own
     coordinator, persistent parameters and prefetch; no gradient partition, no reduce bucket). The
     wrapper whose forward is TRL's ``compute_loss`` is no module of DeepSpeed's."""
-    if isinstance(resolved.module, TrlStepModule):
+    if isinstance(resolved.module, (TrlStepModule, GrpoStepModule)):
         return ("policy", *resolved.separate_models)
     return ("",)
 
