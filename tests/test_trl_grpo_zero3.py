@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 from torch import nn
-from trl_llama import CONFIG, HIDDEN, LAYER, LAYERS, VOCAB
+from trl_llama import CONFIG, HIDDEN, LAYERS, VOCAB, P
 
 import memcalc
 from memcalc.core.categories import Category, Phase
+from memcalc.core.errors import InapplicableOptionError
 from memcalc.distributed.vocabulary import ZeroStage3
 from memcalc.distributed.zero import ZeroProgram
 from memcalc.stacks.trl.grpo import GrpoStepModule
@@ -123,10 +124,51 @@ def test_gathers_are_deepspeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     recorded = RECORDED["cases"][case]
     settings = ZeroStage3(**{KEYS[k]: v for k, v in recorded["settings"].items()})
     real = recorded["events"]
+    model, gather, beta = _write(tmp_path, RECORDED["config"]), recorded["ds3_gather_for_generation"], recorded["beta"]
+    if "error" in recorded:  # the real run failed: memcalc refuses the setting, naming DeepSpeed's error
+        assert not gather and settings.prefetch_bucket_size > 0
+        assert [e for e, _ in real if not e.startswith(("pre", "post"))] == ["generated 0"]  # in the first forward
+        with pytest.raises(InapplicableOptionError, match=recorded["error"]):
+            _estimate(model, settings, gather=gather, beta=beta)
+        return
     per_step = len(real) // 3
-    events = _events(monkeypatch, _write(tmp_path, RECORDED["config"]), settings,
-                     recorded["ds3_gather_for_generation"], recorded["beta"])
-    assert events == real[:2 * per_step]
+    # DeepSpeed's third step repeats its second (two traced steps are the whole story), but for the
+    # reference's persistent parameters: whole from its trace's completion on, never released (no step)
+    persistent = int(real[-1][1].split()[1], 16) if beta else 0
+    assert [[e.replace(" 1", " 2"), " ".join([*g.split()[:1], *(hex(int(r, 16) | persistent) for r in g.split()[1:])])]
+            for e, g in real[per_step:2 * per_step]] == real[2 * per_step:]
+    assert _events(monkeypatch, model, settings, gather, beta) == real[:2 * per_step]
+
+
+def test_generation_gathers_the_whole_policy(tmp_path: Path) -> None:
+    """``ds3_gather_for_generation`` (the default), no persistence, no prefetch: in each traced step the
+    generation first all-gathers every one of the policy's 21 parameters into its own buffer, P bytes in
+    all (fp32; the tiny Llama's P = 9,570,816 B, every count even: no padding over 2 ranks), frees none
+    of them while generate() runs (DeepSpeed's module hooks are off), and partitions all 21 at the end.
+    Without it, generate() gathers module by module: never more than the embedding and the LM head
+    (2·V·H·4 B), the head kept by the root as the real run keeps it."""
+    def generation(gather: bool) -> list[list[int]]:
+        t = _estimate(_write(tmp_path, CONFIG), gather=gather).timeline()
+        steps: list[list[int]] = []
+        previous = None
+        for i in range(1, t.num_events):
+            inside = t.phase[i] in (Phase.PREFILL, Phase.DECODE)
+            if inside and previous is not True:
+                steps.append([])
+            previous = inside
+            if inside and t.category[i] is Category.PARAMETERS and t.allocated[i] != t.allocated[i - 1]:
+                steps[-1].append(int(t.allocated[i] - t.allocated[i - 1]))
+        return [deltas for deltas in steps if deltas]
+
+    params = 2 + LAYERS * 9 + 1  # embedding and head; q, k, v, o, gate, up, down and two norms a layer; the norm
+    whole = generation(True)
+    assert len(whole) == 2
+    for deltas in whole:
+        assert len(deltas) == 2 * params and all(d > 0 for d in deltas[:params]) and all(d < 0 for d in deltas[params:])
+        assert sum(deltas[:params]) == -sum(deltas[params:]) == P == 9_570_816
+    for deltas in generation(False):
+        live = [sum(deltas[:i + 1]) for i in range(len(deltas))]
+        assert max(live) <= 2 * 4 * VOCAB * HIDDEN < P
 
 
 def test_recorded_cases_differ() -> None:

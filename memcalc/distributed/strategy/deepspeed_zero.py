@@ -90,6 +90,8 @@ class DeepSpeedZero(RankStrategy):
                 "overlap_comm is modelled for ZeRO stages 1 and 2; ZeRO-3's (its double buffers) is not modelled yet",
                 hint="Estimate ZeRO-3 without it, or stage 2 with it.")
         stage3 = self.distributed.stage3
+        if stage == 3:
+            _check_grpo_generation(step, stage3 or ZeroStage3())
         master = "fp32 master partition" + (" on the host" if offload and training else "")
         notes = [f"DeepSpeed ZeRO-{stage} over {n} ranks"
                  + (f": the model in {_dtype(precision.compute_dtype)}, {master}" if sixteen
@@ -135,6 +137,26 @@ def _engines(resolved: ResolvedModel) -> tuple[str, ...]:
     if isinstance(resolved.module, (TrlStepModule, GrpoStepModule)):
         return ("policy", *resolved.separate_models)
     return ("",)
+
+
+def _check_grpo_generation(step: Step, stage3: ZeroStage3) -> None:
+    """GRPO's generation without ``ds3_gather_for_generation`` records the generation's module order as
+    the trace (DeepSpeed's per-module gathers; the LM head a module there). The training forward follows
+    it and, prefetching, all-gathers the head asynchronously (INFLIGHT) just before TRL's fused head reads
+    its weight; ``maybe_gather_lm_head_ctx`` takes INFLIGHT for not gathered and its ``GatheredParameters``
+    then fails on exit: "Cannot partition a param in flight" (real DeepSpeed 0.19.8 and TRL 1.16 on the
+    CPU, in the first step: tests/data/deepspeed_zero3_grpo.json). Refused, naming both ways out."""
+    record = step.trainer_args
+    settings = record.trl if record is not None else None
+    if (settings is None or settings.trainer != "grpo" or settings.get("ds3_gather_for_generation", True)
+            or stage3.prefetch_bucket_size <= 0):
+        return
+    raise InapplicableOptionError(
+        "loop trl-grpo with ds3_gather_for_generation=False under ZeRO-3 with prefetching "
+        f"(stage3_prefetch_bucket_size {stage3.prefetch_bucket_size:,}) fails in real DeepSpeed 0.19.8 with TRL 1.16: "
+        "the training forward prefetches the LM head that generate() called as a module, and TRL's fused head "
+        "then partitions it in flight (AssertionError: Cannot partition a param in flight)",
+        hint="Leave ds3_gather_for_generation at its default (True), or set stage3_prefetch_bucket_size 0.")
 
 
 def _stage3_note(stage3: ZeroStage3, training: bool) -> str:
