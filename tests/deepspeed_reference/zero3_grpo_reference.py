@@ -38,15 +38,22 @@ PREFETCH = {"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_s
             "stage3_max_live_parameters": 60_000, "stage3_max_reuse_distance": 0}
 NO_PREFETCH = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
                "stage3_max_reuse_distance": 0}
-#: name: (the stage-3 settings, ds3_gather_for_generation, beta)
-CASES: dict[str, tuple[dict[str, int], bool, float]] = {
-    "gather-prefetch-beta": (PREFETCH, True, 0.04),
-    "gather-no-prefetch": (NO_PREFETCH, True, 0.0),
-    "layerwise-prefetch-beta": (PREFETCH, False, 0.04),
-    "layerwise-no-prefetch": (NO_PREFETCH, False, 0.0),
+#: name: (the stage-3 settings, ds3_gather_for_generation, beta, steps_per_generation, LoRA). With
+#: steps_per_generation 2 (gradient_accumulation_steps 1) the old policy's log-probs are computed too; with
+#: LoRA (PEFT's default targets, r 8, adapters in the model's dtype as TRL makes them under ZeRO-3) the
+#: reference is the policy with its adapters disabled. Both call the policy itself (TRL's ``self.model``),
+#: not its engine.
+CASES: dict[str, tuple[dict[str, int], bool, float, int, bool]] = {
+    "gather-prefetch-beta": (PREFETCH, True, 0.04, 1, False),
+    "gather-no-prefetch": (NO_PREFETCH, True, 0.0, 1, False),
+    "layerwise-prefetch-beta": (PREFETCH, False, 0.04, 1, False),
+    "layerwise-no-prefetch": (NO_PREFETCH, False, 0.0, 1, False),
+    "gather-old-logps-beta": (PREFETCH, True, 0.04, 2, False),
+    "lora-gather-beta": (PREFETCH, True, 0.04, 1, True),
+    "lora-layerwise-no-prefetch-beta": (NO_PREFETCH, False, 0.04, 1, True),
 }
-#: per_device_train_batch_size (= the generation batch: steps_per_generation 1), num_generations, the
-#: prompt's tokens, max_completion_length
+LORA_RANK = 8
+#: per_device_train_batch_size, num_generations, the prompt's tokens, max_completion_length
 BATCH, GENERATIONS, PROMPT, COMPLETION, STEPS = 4, 2, 8, 3, 3
 
 
@@ -55,7 +62,8 @@ def _mask(order: list[str], gathered: Any) -> str:
     return hex(sum(1 << index[name] for name in set(gathered)))
 
 
-def _run(name: str, extra: dict[str, int], gather: bool, beta: float) -> dict[str, Any]:
+def _run(name: str, extra: dict[str, int], gather: bool, beta: float, per_generation: int,
+         lora: bool) -> dict[str, Any]:
     print(name, file=sys.stderr, flush=True)
     import deepspeed
     import transformers
@@ -71,13 +79,18 @@ def _run(name: str, extra: dict[str, int], gather: bool, beta: float) -> dict[st
     policy = transformers.LlamaForCausalLM(llama)
     add_fused_lm_head(policy, outputs=("log_probs", "entropy"))
     reference = None
-    if beta:
+    if beta and not lora:
         reference = transformers.LlamaForCausalLM(llama)
         reference.load_state_dict(policy.state_dict())
         reference.requires_grad_(False)
         add_fused_lm_head(reference)
-    engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.Adam(policy.parameters(), lr=1e-3),
-                                      config=config)
+    if lora:  # as GRPOTrainer does under ZeRO-3: adapters in the model's dtype
+        import peft
+
+        policy = peft.get_peft_model(policy, peft.LoraConfig(r=LORA_RANK, lora_dropout=0.0),
+                                     autocast_adapter_dtype=False)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.Adam(trained, lr=1e-3), config=config)
     state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config, zero_stage=3))
     accelerator = SimpleNamespace(state=state, unwrap_model=lambda model: model.module)
     ref_engine = None if reference is None else prepare_deepspeed(reference, accelerator)
@@ -107,46 +120,68 @@ def _run(name: str, extra: dict[str, int], gather: bool, beta: float) -> dict[st
                     lambda m, a, o, k=key, i=index: events.append([f"post {k}.{i}", gathered()])))
 
     probe()
+    case = {"settings": extra, "ds3_gather_for_generation": gather, "beta": beta,
+            "steps_per_generation": per_generation, "lora": LORA_RANK if lora else None, "events": events}
     try:
-        _steps(engine, ref_engine, accelerator, gather, beta, events, gathered, probe)
+        _steps(engine, ref_engine, accelerator, gather, beta, per_generation, events, gathered, probe)
     except AssertionError as error:  # DeepSpeed's own check failed: recorded, with the events before it
-        return {"settings": extra, "ds3_gather_for_generation": gather, "beta": beta, "events": events,
-                "error": str(error).rsplit(")", 1)[-1].strip()}
+        return {**case, "error": str(error).rsplit(")", 1)[-1].strip()}
     finally:
         del keep
-    return {"settings": extra, "ds3_gather_for_generation": gather, "beta": beta, "events": events}
+    return case
 
 
-def _steps(engine: Any, ref_engine: Any, accelerator: Any, gather: bool, beta: float, events: list[list[str]],
-           gathered: Any, probe: Any) -> None:
+def _steps(engine: Any, ref_engine: Any, accelerator: Any, gather: bool, beta: float, per_generation: int,
+           events: list[list[str]], gathered: Any, probe: Any) -> None:
+    """GRPOTrainer's schedule (gradient_accumulation_steps 1): every ``per_generation`` steps a generation of
+    ``per_generation × BATCH`` rows, scored in chunks of ``BATCH`` rows by the old policy (when
+    ``per_generation`` > 1) and the reference (``beta``); each step trains on its slice."""
     import transformers
     from trl.models import unwrap_model_for_generation
+    from trl.trainer.utils import use_adapter
 
     generation = transformers.GenerationConfig(max_new_tokens=COMPLETION, min_new_tokens=COMPLETION, do_sample=True,
                                                eos_token_id=2, pad_token_id=2)
     torch.manual_seed(1)
-    prompts = torch.randint(3, CONFIG["vocab_size"], (BATCH, PROMPT))
+    prompts = torch.randint(3, CONFIG["vocab_size"], (BATCH * per_generation, PROMPT))
+    policy = engine.module
     for step in range(STEPS):
         print(f"step {step}", file=sys.stderr, flush=True)
-        with unwrap_model_for_generation(engine, accelerator, gather_deepspeed3_params=gather) as unwrapped, \
-                torch.no_grad():
-            ids = unwrapped.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                                     generation_config=generation)
-        events.append([f"generated {step}", gathered()])
-        probe()
-        labels = ids.clone()
-        labels[:, :-COMPLETION] = -100  # only the completion tokens are scored
-        mask = torch.ones_like(ids)
-        if ref_engine is not None:
+        if step % per_generation == 0:
+            with unwrap_model_for_generation(engine, accelerator, gather_deepspeed3_params=gather) as unwrapped, \
+                    torch.no_grad():
+                ids = unwrapped.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                                         generation_config=generation)
+            events.append([f"generated {step}", gathered()])
+            probe()
+            labels = ids.clone()
+            labels[:, :-COMPLETION] = -100  # only the completion tokens are scored
+            chunks = list(zip(ids.split(BATCH), labels.split(BATCH), strict=True))
+            ref_logps = []
             with torch.no_grad():
-                ref = ref_engine(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-            ref_logps = ref.log_probs[:, -COMPLETION:]
-        out = engine(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+                if per_generation > 1:  # the old policy's log-probs: self.model, the policy itself
+                    for chunk, chunk_labels in chunks:
+                        policy(input_ids=chunk, attention_mask=torch.ones_like(chunk), labels=chunk_labels,
+                               fused_lm_head=True)
+                for chunk, chunk_labels in chunks:
+                    if ref_engine is not None:
+                        ref = ref_engine(input_ids=chunk, attention_mask=torch.ones_like(chunk), labels=chunk_labels,
+                                         fused_lm_head=True)
+                    elif beta:  # LoRA: self.model with its adapters disabled
+                        with use_adapter(policy, adapter_name=None):
+                            ref = policy(input_ids=chunk, attention_mask=torch.ones_like(chunk), labels=chunk_labels,
+                                         fused_lm_head=True)
+                    else:
+                        continue
+                    ref_logps.append(ref.log_probs[:, -COMPLETION:])
+        index = step % per_generation
+        chunk, chunk_labels = chunks[index]
+        out = engine(input_ids=chunk, attention_mask=torch.ones_like(chunk), labels=chunk_labels, fused_lm_head=True)
         logps = out.log_probs[:, -COMPLETION:]
         advantages = torch.randn(BATCH, 1)
         loss = -(torch.exp(logps - logps.detach()) * advantages).mean()  # GRPO's on-policy ratio
-        if ref_engine is not None:
-            delta = ref_logps - logps
+        if ref_logps:
+            delta = ref_logps[index] - logps
             loss = loss + beta * (torch.exp(delta) - delta - 1).mean()
         engine.backward(loss)
         events.append([f"backward {step}", gathered()])
