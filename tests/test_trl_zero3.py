@@ -190,7 +190,8 @@ def test_gathers_are_deepspeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         return
     # LoRA: the reference pass (adapters disabled) breaks the recorded trace each step. memcalc then
     # gathers a subset of what DeepSpeed gathers: DeepSpeed keeps some prefetched LoRA adapters and
-    # persistent norms gathered that memcalc releases (a known divergence, not yet explained; at most
+    # persistent norms gathered that memcalc releases (PEFT reads lora_A.weight in the LoRA layer's forward, and
+    # DeepSpeed registers it with the layer: docs/launch-configs.md, "GRPO under ZeRO-3"; at most
     # the adapters' and the persistent parameters' bytes). Everything else is DeepSpeed's.
     names = _peft_names(RECORDED["config"], lora)
     threshold = recorded["settings"]["stage3_param_persistence_threshold"]
