@@ -90,8 +90,7 @@ class DeepSpeedZero(RankStrategy):
                 "overlap_comm is modelled for ZeRO stages 1 and 2; ZeRO-3's (its double buffers) is not modelled yet",
                 hint="Estimate ZeRO-3 without it, or stage 2 with it.")
         stage3 = self.distributed.stage3
-        if stage == 3:
-            _check_grpo_generation(step, stage3 or ZeroStage3())
+        generation = _grpo_generation(step, stage3 or ZeroStage3()) if stage == 3 else None
         master = "fp32 master partition" + (" on the host" if offload and training else "")
         notes = [f"DeepSpeed ZeRO-{stage} over {n} ranks"
                  + (f": the model in {_dtype(precision.compute_dtype)}, {master}" if sixteen
@@ -105,6 +104,8 @@ class DeepSpeedZero(RankStrategy):
                          "gradient partition are in host memory, and the optimizer steps there (not counted here)")
         if stage3 is not None:
             notes.append(_stage3_note(stage3, training))
+        if generation is not None:
+            notes.append(generation)
 
         def zero(resolved: ResolvedModel) -> RankProgram:
             sharded = None
@@ -139,18 +140,23 @@ def _engines(resolved: ResolvedModel) -> tuple[str, ...]:
     return ("",)
 
 
-def _check_grpo_generation(step: Step, stage3: ZeroStage3) -> None:
+def _grpo_generation(step: Step, stage3: ZeroStage3) -> str | None:
     """GRPO's generation without ``ds3_gather_for_generation`` records the generation's module order as
     the trace (DeepSpeed's per-module gathers; the LM head a module there). The training forward follows
     it and, prefetching, all-gathers the head asynchronously (INFLIGHT) just before TRL's fused head reads
     its weight; ``maybe_gather_lm_head_ctx`` takes INFLIGHT for not gathered and its ``GatheredParameters``
     then fails on exit: "Cannot partition a param in flight" (real DeepSpeed 0.19.8 and TRL 1.16 on the
-    CPU, in the first step: tests/data/deepspeed_zero3_grpo.json). Refused, naming both ways out."""
+    CPU, in the first step: tests/data/deepspeed_zero3_grpo.json). Refused, naming both ways out; else
+    the note that says how generate() gathers (None: no GRPO step)."""
     record = step.trainer_args
     settings = record.trl if record is not None else None
-    if (settings is None or settings.trainer != "grpo" or settings.get("ds3_gather_for_generation", True)
-            or stage3.prefetch_bucket_size <= 0):
-        return
+    if settings is None or settings.trainer != "grpo":
+        return None
+    if settings.get("ds3_gather_for_generation", True):
+        return ("GRPO's generate() runs with every parameter of the policy gathered (ds3_gather_for_generation), "
+                "and the trace is recorded again after it")
+    if stage3.prefetch_bucket_size <= 0:
+        return "GRPO's generate() gathers module by module (ds3_gather_for_generation false)"
     raise InapplicableOptionError(
         "loop trl-grpo with ds3_gather_for_generation=False under ZeRO-3 with prefetching "
         f"(stage3_prefetch_bucket_size {stage3.prefetch_bucket_size:,}) fails in real DeepSpeed 0.19.8 with TRL 1.16: "
