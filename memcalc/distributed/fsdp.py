@@ -282,6 +282,8 @@ class ShardedProgram(RankProgram):
         self._forward_stack: list[_UnitState] = []  # ZeRO-3: the modules whose forward runs (FWD_MODULE_STACK)
         self._places: dict[int, list[tuple[nn.Module, str]]] = {}
         self._unhooked: set[int] = set()  # ZeRO-3: the coordinators whose engine's module hooks are off
+        self._by_sharded: dict[int, _Param] = {}  # ZeRO-3: id(partition) -> its parameter (_read)
+        self._in_forward: set[int] = set()  # ZeRO-3: the coordinators whose engine's root forward runs
 
     #: Whether the CPU target's collectives make gloo's copies (:meth:`_gloo_copy`): a real CPU
     #: process group is gloo's. torch's fake process group, over which tests/test_strategies.py
@@ -328,6 +330,9 @@ class ShardedProgram(RankProgram):
             engine_params.append({id(p) for p in named})
             persist |= {id(p) for p, flag in zip(named, persistent_flags([p.numel() for p in named], self.stage3),
                                                    strict=True) if flag}
+        if not self.fsdp2:  # DeepSpeed's ZeROOrderedDict on every module's _parameters (restored last)
+            for member in dict.fromkeys(m for unit in self.units for m in unit.members):
+                self._watch_reads(member)
         for unit in self.units:
             state = _UnitState(unit, [], [], [], self._unit_reshards(unit, root))
             for member in unit.members:
@@ -339,6 +344,7 @@ class ShardedProgram(RankProgram):
                         param = by_param[id(original)] = self._shard(original, unit.world_size or self.world_size,
                                                                      id(original) in persist)
                         self.params.append(param)
+                        self._by_sharded[id(param.sharded)] = param
                     if param.owner is None:
                         param.owner = state
                         state.owned.append(param)
@@ -359,6 +365,12 @@ class ShardedProgram(RankProgram):
             self._coordinator_of.update((id(s), coordinator) for s in self.states if id(s.unit.module) in members)
             self._handles.append(root_module.register_forward_pre_hook(
                 lambda m, args, c=coordinator: c.reset_step(), prepend=True))
+            # the engine's _forward_prologue / _forward_epilogue, hooks of its root module: while they bracket
+            # a forward, ZeROOrderedDict gathers and registers a parameter read outside its module (_read)
+            self._handles.append(root_module.register_forward_pre_hook(
+                lambda m, args, c=coordinator: self._in_forward.add(id(c))))
+            self._handles.append(root_module.register_forward_hook(
+                lambda m, args, out, c=coordinator: self._in_forward.discard(id(c))))
         for state in self.states:
             self._handles.append(state.unit.module.register_forward_pre_hook(
                 lambda m, args, s=state: self._pre_forward(s, args)))
@@ -625,12 +637,14 @@ class ShardedProgram(RankProgram):
             self._transient(sum(p.shard_numel * p.gather_dtype.itemsize for p in missing))
         for p in missing:
             self._allocate_unsharded(p)
-        running = self._forward_stack[-1] if self._forward_stack and not self._in_backward else None
-        if running is not None:
-            for p in missing:
+        registered = []
+        for p in missing:  # DeepSpeed's ZeROOrderedDict saw the read first (_read), in the engine's forward
+            running = self._running(self._coordinator_of[id(p)])
+            if running is not None:
                 self._coordinator_of[id(p)].gathered_on_access(p)
                 running.params.append(p)
-            missing = []
+                registered.append(p)
+        missing = [p for p in missing if p not in registered]
         try:
             yield [t if p is None else p.unsharded for t, p in zip(tensors, found, strict=True)]
         finally:
@@ -662,6 +676,47 @@ class ShardedProgram(RankProgram):
             self._unhooked.discard(id(coordinator))
             coordinator.invalidate()
             coordinator.release_and_reset_all()
+
+    def _watch_reads(self, member: nn.Module) -> None:
+        """``member._parameters`` as DeepSpeed's ``ZeROOrderedDict`` (:class:`_ZeroParameters`); restored,
+        with what the other undos wrote into it, after them."""
+        original = member._parameters
+        member._parameters = _ZeroParameters(self, original)
+
+        def restore() -> None:
+            original.clear()
+            original.update(dict.items(member._parameters))
+            member._parameters = original
+        self._undo.append(restore)
+
+    def _read(self, value: Any) -> Any:
+        """A parameter read from a module's ``_parameters`` (``ZeROOrderedDict.__getitem__``): one not
+        gathered, read in a forward outside its own module's (PEFT's LoRA layer reads ``lora_A.weight.dtype``;
+        TRL's fused head ``lm_head.weight``), is all-gathered at once into its own buffer and registered as an
+        external parameter of the module whose forward runs, fetched and released with it from then on (real
+        DeepSpeed 0.19.8: tests/test_trl_grpo_zero3.py). A gathered one reads as its gathered tensor."""
+        p = self._by_sharded.get(id(value))
+        if p is None:
+            return value
+        coordinator = self._coordinator_of[id(p)]
+        if not coordinator.available(p):
+            running = self._running(coordinator)
+            if running is None:
+                return value
+            self._allocate_unsharded(p)
+            coordinator.gathered_on_access(p)
+            running.params.append(p)
+        return p.unsharded if coordinator.whole(p) and p.unsharded is not None else value
+
+    def _running(self, coordinator: ParamCoordinator[_Param]) -> _UnitState | None:
+        """The module whose forward runs (DeepSpeed's ``FWD_MODULE_STACK[-1]``), when a parameter of
+        ``coordinator``'s engine read now is discovered as external: inside that engine's root forward
+        (``_in_forward``: a call of the root, through the engine or not; ``PeftModel.generate`` calls the
+        base model and is not one), outside backward, with the engine's hooks on."""
+        if id(coordinator) not in self._in_forward or not self._forward_stack or self._in_backward:
+            return None
+        running = self._forward_stack[-1]
+        return running if self._hooked(running) else None
 
     def _hooked(self, state: _UnitState) -> bool:
         """Whether DeepSpeed's module hooks of the state's engine are on (:meth:`gathered_for_generation`)."""
@@ -932,6 +987,18 @@ class ShardedProgram(RankProgram):
         self._reduce_scatter_inputs.clear()
         self._forward_order.clear()
         self._in_backward = False
+
+
+class _ZeroParameters(dict[str, Any]):
+    """A module's ``_parameters`` under ZeRO-3 whose reads go through :meth:`ShardedProgram._read`, as
+    DeepSpeed's ``ZeROOrderedDict`` (``parameter_offload.py``) makes every module's."""
+
+    def __init__(self, program: ShardedProgram, items: Mapping[str, Any]) -> None:
+        super().__init__(items)
+        self._program = program
+
+    def __getitem__(self, name: str) -> Any:
+        return self._program._read(super().__getitem__(name))
 
 
 class _PreBackward(torch.autograd.Function):

@@ -109,6 +109,10 @@ class ParamCoordinator(Generic[P]):
     def available(self, p: P) -> bool:
         return self.status[id(p)] is not _Status.NOT_AVAILABLE
 
+    def whole(self, p: P) -> bool:
+        """AVAILABLE: gathered and waited on (not in flight)."""
+        return self.status[id(p)] is _Status.AVAILABLE
+
     # ---- the step's boundaries --------------------------------------------------------------
     def reset_step(self) -> None:
         """The model's forward begins (``_start_of_forward_hook``)."""
