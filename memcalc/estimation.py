@@ -139,12 +139,8 @@ def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
     """TRL's trainers run under accelerate's data parallelism: DDP, FSDP2 (the reference sharded on
     its root alone, as ``prepare_fsdp`` does; GRPO's generation through the model
     ``unwrap_model_for_generation`` yields, under FSDP2 the sharded policy gathering its units per
-    forward) and ZeRO; GRPO under ZeRO-3 and the other mesh dimensions are not modelled."""
-    if step.loop.name == "trl-grpo" and distributed.strategy is Strategy.ZERO3:
-        raise InapplicableOptionError("loop trl-grpo under --strategy zero3 is not modelled: its generation under "
-                                      "ZeRO-3 (unwrap_model_for_generation gathering every partitioned parameter, "
-                                      "ds3_gather_for_generation) and its reference engine are not followed",
-                                      hint="Estimate GRPO under ddp, fsdp, zero1 or zero2, or on one GPU.")
+    forward) and ZeRO (GRPO's generation under ZeRO-3 as ``ds3_gather_for_generation`` says); the other
+    mesh dimensions are not modelled."""
     if (step.loop.name == "trl-grpo" and distributed.strategy is Strategy.FSDP and step.finetune is not None
             and step.finetune.lora is not None):
         raise InapplicableOptionError("loop trl-grpo with LoRA under --strategy fsdp is not modelled: "

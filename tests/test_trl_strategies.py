@@ -101,7 +101,7 @@ def test_zero_model_states_by_hand(model: str, precompute: bool) -> None:
 
 
 @pytest.mark.parametrize("loop, strategy, message", [
-    ("trl-grpo", "zero3", "loop trl-grpo under --strategy zero3 is not modelled"),
+    ("trl-grpo", "dp", "under --strategy dp is not modelled"),
     ("trl-dpo", "dp", "under --strategy dp is not modelled"),
 ])
 def test_unmodelled_strategies_refused(model: str, loop: str, strategy: str, message: str) -> None:

@@ -188,18 +188,19 @@ def test_gathers_are_deepspeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         assert events == real[:2 * per_step]
         assert {k: getattr(reference, k) for k in recorded["reference_engine"]} == recorded["reference_engine"]
         return
-    # LoRA: the reference pass (adapters disabled) breaks the recorded trace each step. memcalc then
-    # gathers a subset of what DeepSpeed gathers: DeepSpeed keeps some prefetched LoRA adapters and
-    # persistent norms gathered that memcalc releases (a known divergence, not yet explained; at most
-    # the adapters' and the persistent parameters' bytes). Everything else is DeepSpeed's.
+    # LoRA: the reference pass (adapters disabled) breaks the recorded trace each step. PEFT's LoRA layer
+    # reads lora_A.weight in its own forward, which DeepSpeed's ZeROOrderedDict gathers and registers with
+    # the layer (memcalc follows it: docs/launch-configs.md, "GRPO under ZeRO-3"). What remains: after each
+    # backward DeepSpeed still holds some persistent norms that memcalc has released (not yet explained; at
+    # most the persistent parameters' bytes). Everything else is DeepSpeed's, at every other point exactly.
     names = _peft_names(RECORDED["config"], lora)
     threshold = recorded["settings"]["stage3_param_persistence_threshold"]
     assert [e for e, _ in events] == [e for e, _ in real[:2 * per_step]]
-    for (_, ours), (_, theirs) in zip(events, real, strict=False):
+    for (event, ours), (_, theirs) in zip(events, real, strict=False):
         mine, real_mask = int(ours, 16), int(theirs, 16)
+        assert mine == real_mask or event.startswith("backward")
         assert mine & ~real_mask == 0
-        assert all("lora_" in names[k][0] or names[k][1] <= threshold
-                   for k in range(len(names)) if (real_mask & ~mine) >> k & 1)
+        assert all(names[k][1] <= threshold for k in range(len(names)) if (real_mask & ~mine) >> k & 1)
 
 
 def _peft_names(config: dict[str, Any], rank: int) -> list[tuple[str, int]]:

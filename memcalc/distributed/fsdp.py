@@ -281,6 +281,9 @@ class ShardedProgram(RankProgram):
         self._coordinator_of: dict[int, ParamCoordinator[_Param]] = {}  # id(_Param) -> its engine's
         self._forward_stack: list[_UnitState] = []  # ZeRO-3: the modules whose forward runs (FWD_MODULE_STACK)
         self._places: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._unhooked: set[int] = set()  # ZeRO-3: the coordinators whose engine's module hooks are off
+        self._by_sharded: dict[int, _Param] = {}  # ZeRO-3: id(partition) -> its parameter (_read)
+        self._in_forward: set[int] = set()  # ZeRO-3: the coordinators whose engine's root forward runs
 
     #: Whether the CPU target's collectives make gloo's copies (:meth:`_gloo_copy`): a real CPU
     #: process group is gloo's. torch's fake process group, over which tests/test_strategies.py
@@ -327,6 +330,9 @@ class ShardedProgram(RankProgram):
             engine_params.append({id(p) for p in named})
             persist |= {id(p) for p, flag in zip(named, persistent_flags([p.numel() for p in named], self.stage3),
                                                    strict=True) if flag}
+        if not self.fsdp2:  # DeepSpeed's ZeROOrderedDict on every module's _parameters (restored last)
+            for member in dict.fromkeys(m for unit in self.units for m in unit.members):
+                self._watch_reads(member)
         for unit in self.units:
             state = _UnitState(unit, [], [], [], self._unit_reshards(unit, root))
             for member in unit.members:
@@ -338,6 +344,7 @@ class ShardedProgram(RankProgram):
                         param = by_param[id(original)] = self._shard(original, unit.world_size or self.world_size,
                                                                      id(original) in persist)
                         self.params.append(param)
+                        self._by_sharded[id(param.sharded)] = param
                     if param.owner is None:
                         param.owner = state
                         state.owned.append(param)
@@ -358,6 +365,12 @@ class ShardedProgram(RankProgram):
             self._coordinator_of.update((id(s), coordinator) for s in self.states if id(s.unit.module) in members)
             self._handles.append(root_module.register_forward_pre_hook(
                 lambda m, args, c=coordinator: c.reset_step(), prepend=True))
+            # the engine's _forward_prologue / _forward_epilogue, hooks of its root module: while they bracket
+            # a forward, ZeROOrderedDict gathers and registers a parameter read outside its module (_read)
+            self._handles.append(root_module.register_forward_pre_hook(
+                lambda m, args, c=coordinator: self._in_forward.add(id(c))))
+            self._handles.append(root_module.register_forward_hook(
+                lambda m, args, out, c=coordinator: self._in_forward.discard(id(c))))
         for state in self.states:
             self._handles.append(state.unit.module.register_forward_pre_hook(
                 lambda m, args, s=state: self._pre_forward(s, args)))
@@ -624,18 +637,90 @@ class ShardedProgram(RankProgram):
             self._transient(sum(p.shard_numel * p.gather_dtype.itemsize for p in missing))
         for p in missing:
             self._allocate_unsharded(p)
-        running = self._forward_stack[-1] if self._forward_stack and not self._in_backward else None
-        if running is not None:
-            for p in missing:
+        registered = []
+        for p in missing:  # DeepSpeed's ZeROOrderedDict saw the read first (_read), in the engine's forward
+            running = self._running(self._coordinator_of[id(p)])
+            if running is not None:
                 self._coordinator_of[id(p)].gathered_on_access(p)
                 running.params.append(p)
-            missing = []
+                registered.append(p)
+        missing = [p for p in missing if p not in registered]
         try:
             yield [t if p is None else p.unsharded for t, p in zip(tensors, found, strict=True)]
         finally:
             for p in missing:
                 assert p.unsharded is not None
                 self._tracer.free_storage(_local(p.unsharded))
+
+    @contextmanager
+    def gathered_for_generation(self, path: str) -> Iterator[None]:
+        """TRL's ``unwrap_model_for_generation`` under ZeRO-3 with ``ds3_gather_for_generation`` (its
+        default), around ``generate()``: ``GatheredParameters(model.parameters())`` all-gathers every
+        parameter of the engine at ``path`` not yet whole, each into its own padded buffer
+        (``_allgather_params_coalesced``); ``remove_hooks`` takes the engine's module hooks off, so the
+        forwards of ``generate()`` fetch and release nothing (the root's ``_start_of_forward_hook``
+        stays: each forward still resets the coordinator's step); ``add_hooks`` invalidates the trace;
+        the context's exit partitions every parameter, persistent ones too. The next forward records
+        the trace again: nothing prefetched, nothing kept, until the one after."""
+        coordinator = self.coordinators[self.engines.index(path)]
+        for p in coordinator.gathered_whole():
+            self._allocate_unsharded(p)
+        for p in coordinator.params:
+            for module, name in self._places[id(p)]:
+                assert p.unsharded is not None
+                self._set(module, name, p.unsharded)
+        self._unhooked.add(id(coordinator))
+        try:
+            yield
+        finally:
+            self._unhooked.discard(id(coordinator))
+            coordinator.invalidate()
+            coordinator.release_and_reset_all()
+
+    def _watch_reads(self, member: nn.Module) -> None:
+        """``member._parameters`` as DeepSpeed's ``ZeROOrderedDict`` (:class:`_ZeroParameters`); restored,
+        with what the other undos wrote into it, after them."""
+        original = member._parameters
+        member._parameters = _ZeroParameters(self, original)
+
+        def restore() -> None:
+            original.clear()
+            original.update(dict.items(member._parameters))
+            member._parameters = original
+        self._undo.append(restore)
+
+    def _read(self, value: Any) -> Any:
+        """A parameter read from a module's ``_parameters`` (``ZeROOrderedDict.__getitem__``): one not
+        gathered, read in a forward outside its own module's (PEFT's LoRA layer reads ``lora_A.weight.dtype``;
+        TRL's fused head ``lm_head.weight``), is all-gathered at once into its own buffer and registered as an
+        external parameter of the module whose forward runs, fetched and released with it from then on (real
+        DeepSpeed 0.19.8: tests/test_trl_grpo_zero3.py). A gathered one reads as its gathered tensor."""
+        p = self._by_sharded.get(id(value))
+        if p is None:
+            return value
+        coordinator = self._coordinator_of[id(p)]
+        if not coordinator.available(p):
+            running = self._running(coordinator)
+            if running is None:
+                return value
+            self._allocate_unsharded(p)
+            coordinator.gathered_on_access(p)
+            running.params.append(p)
+        return p.unsharded if coordinator.whole(p) and p.unsharded is not None else value
+
+    def _running(self, coordinator: ParamCoordinator[_Param]) -> _UnitState | None:
+        """The module whose forward runs (DeepSpeed's ``FWD_MODULE_STACK[-1]``), when a parameter of
+        ``coordinator``'s engine read now is discovered as external: inside that engine's root forward
+        (``_in_forward``: a call of the root, through the engine or not; ``PeftModel.generate`` calls the
+        base model and is not one), outside backward, with the engine's hooks on."""
+        if id(coordinator) not in self._in_forward or not self._forward_stack or self._in_backward:
+            return None
+        running = self._forward_stack[-1]
+        return running if self._hooked(running) else None
+
+    def _hooked(self, state: _UnitState) -> bool:
+        """Whether DeepSpeed's module hooks of the state's engine are on (:meth:`gathered_for_generation`)."""
+        return id(self._coordinator(state)) not in self._unhooked
 
     def _swap_in(self, state: _UnitState) -> None:
         for module, name, p in state.locations:
@@ -644,6 +729,8 @@ class ShardedProgram(RankProgram):
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, state: _UnitState, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self.coordinators and not self._hooked(state):
+            return None
         if self.coordinators:  # DeepSpeed: fetch_sub_module (a recomputation too)
             self._forward_stack.append(state)
             self._coordinator(state).fetch(state, state.params, forward=True)
@@ -682,6 +769,8 @@ class ShardedProgram(RankProgram):
         return tensor
 
     def _post_forward(self, state: _UnitState, output: Any) -> Any:
+        if self.coordinators and not self._hooked(state):
+            return None
         if self.coordinators:  # DeepSpeed: release_sub_module (a recomputation too)
             if self._forward_stack and self._forward_stack[-1] is state:
                 self._forward_stack.pop()
@@ -898,6 +987,18 @@ class ShardedProgram(RankProgram):
         self._reduce_scatter_inputs.clear()
         self._forward_order.clear()
         self._in_backward = False
+
+
+class _ZeroParameters(dict[str, Any]):
+    """A module's ``_parameters`` under ZeRO-3 whose reads go through :meth:`ShardedProgram._read`, as
+    DeepSpeed's ``ZeROOrderedDict`` (``parameter_offload.py``) makes every module's."""
+
+    def __init__(self, program: ShardedProgram, items: Mapping[str, Any]) -> None:
+        super().__init__(items)
+        self._program = program
+
+    def __getitem__(self, name: str) -> Any:
+        return self._program._read(super().__getitem__(name))
 
 
 class _PreBackward(torch.autograd.Function):

@@ -15,7 +15,8 @@ where DeepSpeed does.
 - The optimizer step releases everything (``release_and_reset_all``) and gathers the persistent
   parameters again after it (``_post_step``).
 
-A mismatch with the recorded trace invalidates it, as DeepSpeed does (``trace_prologue``).
+A mismatch with the recorded trace invalidates it, as DeepSpeed does (``trace_prologue``). Which
+parameters a module releases at a step id is decided once per coordinator (DeepSpeed memoizes it).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class ParamCoordinator(Generic[P]):
         self._step_id = 0
         self._n_available = 0
         self._backward_active: dict[Hashable, tuple[P, ...]] = {}
+        #: ``__params_to_release``'s memo: (module, step id) -> the parameters it released, never cleared
+        self._release_cache: dict[tuple[Hashable, int], frozenset[int]] = {}
 
     @property
     def complete(self) -> bool:
@@ -105,6 +108,10 @@ class ParamCoordinator(Generic[P]):
 
     def available(self, p: P) -> bool:
         return self.status[id(p)] is not _Status.NOT_AVAILABLE
+
+    def whole(self, p: P) -> bool:
+        """AVAILABLE: gathered and waited on (not in flight)."""
+        return self.status[id(p)] is _Status.AVAILABLE
 
     # ---- the step's boundaries --------------------------------------------------------------
     def reset_step(self) -> None:
@@ -135,6 +142,24 @@ class ParamCoordinator(Generic[P]):
         available) and registered as an external parameter of the module running; from then on it is
         fetched and released with that module's."""
         self.status[id(p)] = _Status.AVAILABLE
+
+    def gathered_whole(self) -> list[P]:
+        """``GatheredParameters(model.parameters())`` (TRL's generation under ``ds3_gather_for_generation``):
+        what is in flight is waited on; the parameters NOT_AVAILABLE are returned, for the caller to
+        all-gather at once (a blocking all-gather, not through the coordinator: not counted as
+        available), and are AVAILABLE from then on."""
+        for p in self.params:
+            self._complete(p)
+        missing = [p for p in self.params if self.status[id(p)] is _Status.NOT_AVAILABLE]
+        for p in missing:
+            self.status[id(p)] = _Status.AVAILABLE
+        return missing
+
+    def invalidate(self) -> None:
+        """TRL's ``add_hooks`` after a generation with DeepSpeed's module hooks taken off: the trace
+        is invalidated unless it is already (``_invalidate_trace``), to be recorded again."""
+        if self._mode is not _Mode.INVALID:
+            self._invalidate()
 
     def gather_persistent(self) -> None:
         """After the optimizer step (``_post_step``): the persistent parameters are all-gathered."""
@@ -177,7 +202,7 @@ class ParamCoordinator(Generic[P]):
 
     def release(self, key: Hashable, params: Sequence[P], *, forward: bool) -> None:
         """``release_sub_module`` after the module's forward or backward."""
-        to_release = ({id(p) for p in params} if not self.complete else self._params_to_release(params))
+        to_release = ({id(p) for p in params} if not self.complete else self._params_to_release(key, params))
         if not forward:
             self._backward_active.pop(key, None)
         for p in dict.fromkeys(params):
@@ -210,7 +235,18 @@ class ParamCoordinator(Generic[P]):
                 numel += p.ds_numel
         self._all_gather(list(chosen.values()))
 
-    def _params_to_release(self, params: Sequence[P]) -> set[int]:
+    def _params_to_release(self, key: Hashable, params: Sequence[P]) -> set[int]:
+        """``__params_to_release``, which DeepSpeed memoizes (``functools.lru_cache``) on the module and the
+        step id for the coordinator's life: a module released again at a step id it was released at before
+        keeps the first answer, even when the trace has been recorded again since or the module has gained an
+        external parameter (real DeepSpeed 0.19.8: GRPO's generation without ``ds3_gather_for_generation``
+        keeps the LM head gathered after it from the second step on, tests/test_trl_grpo_zero3.py)."""
+        cached = self._release_cache.get((key, self._step_id))
+        if cached is None:
+            cached = self._release_cache[(key, self._step_id)] = frozenset(self._released_now(params))
+        return set(cached)
+
+    def _released_now(self, params: Sequence[P]) -> set[int]:
         step = self._step_id
         out = {id(p) for p in params if not p.persistent}
         out -= {id(p) for p in params if self._most_recent.get(id(p), -10**10) > step}

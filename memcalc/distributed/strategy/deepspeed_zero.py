@@ -6,6 +6,7 @@ partition; the memory table is in docs/architecture.md, "Multi-GPU strategies"."
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -24,6 +25,7 @@ from memcalc.distributed.zero import ZeroProgram
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.step_spec import Step
+from memcalc.stacks.trl.grpo import GrpoStepModule
 from memcalc.stacks.trl.step import TrlStepModule
 
 __all__ = ("DeepSpeedZero",)
@@ -88,6 +90,7 @@ class DeepSpeedZero(RankStrategy):
                 "overlap_comm is modelled for ZeRO stages 1 and 2; ZeRO-3's (its double buffers) is not modelled yet",
                 hint="Estimate ZeRO-3 without it, or stage 2 with it.")
         stage3 = self.distributed.stage3
+        generation = _grpo_generation(step, stage3 or ZeroStage3()) if stage == 3 else None
         master = "fp32 master partition" + (" on the host" if offload and training else "")
         notes = [f"DeepSpeed ZeRO-{stage} over {n} ranks"
                  + (f": the model in {_dtype(precision.compute_dtype)}, {master}" if sixteen
@@ -101,6 +104,8 @@ class DeepSpeedZero(RankStrategy):
                          "gradient partition are in host memory, and the optimizer steps there (not counted here)")
         if stage3 is not None:
             notes.append(_stage3_note(stage3, training))
+        if generation is not None:
+            notes.append(generation)
 
         def zero(resolved: ResolvedModel) -> RankProgram:
             sharded = None
@@ -111,8 +116,10 @@ class DeepSpeedZero(RankStrategy):
                                          reshard_after_forward=True, sharded_dtype=None, gather_dtype=None,
                                          reduce_dtype=None, training=training, reduce_bucket_size=bucket,
                                          stage3=stage3, host_gradients=offload, engines=engines)
-                if isinstance(resolved.module, TrlStepModule):  # TRL's fused LM head gathers the head itself
-                    resolved.module.zero3_gather = sharded.gathered_parameters
+                if isinstance(resolved.module, (TrlStepModule, GrpoStepModule)):  # TRL's fused LM head gathers
+                    resolved.module.zero3_gather = sharded.gathered_parameters  # the head itself
+                if isinstance(resolved.module, GrpoStepModule):  # unwrap_model_for_generation's gathering
+                    resolved.module.zero3_generation = functools.partial(sharded.gathered_for_generation, "policy")
             return ZeroProgram(stage, n, bucket, training, sharded=sharded, overlap_comm=overlap,
                                offload_optimizer=offload)
 
@@ -128,9 +135,34 @@ def _engines(resolved: ResolvedModel) -> tuple[str, ...]:
     engine of the same stage-3 config in eval mode, with no optimizer (``DeepSpeedZeRoOffload``: its own
     coordinator, persistent parameters and prefetch; no gradient partition, no reduce bucket). The
     wrapper whose forward is TRL's ``compute_loss`` is no module of DeepSpeed's."""
-    if isinstance(resolved.module, TrlStepModule):
+    if isinstance(resolved.module, (TrlStepModule, GrpoStepModule)):
         return ("policy", *resolved.separate_models)
     return ("",)
+
+
+def _grpo_generation(step: Step, stage3: ZeroStage3) -> str | None:
+    """GRPO's generation without ``ds3_gather_for_generation`` records the generation's module order as
+    the trace (DeepSpeed's per-module gathers; the LM head a module there). The training forward follows
+    it and, prefetching, all-gathers the head asynchronously (INFLIGHT) just before TRL's fused head reads
+    its weight; ``maybe_gather_lm_head_ctx`` takes INFLIGHT for not gathered and its ``GatheredParameters``
+    then fails on exit: "Cannot partition a param in flight" (real DeepSpeed 0.19.8 and TRL 1.16 on the
+    CPU, in the first step: tests/data/deepspeed_zero3_grpo.json). Refused, naming both ways out; else
+    the note that says how generate() gathers (None: no GRPO step)."""
+    record = step.trainer_args
+    settings = record.trl if record is not None else None
+    if settings is None or settings.trainer != "grpo":
+        return None
+    if settings.get("ds3_gather_for_generation", True):
+        return ("GRPO's generate() runs with every parameter of the policy gathered (ds3_gather_for_generation), "
+                "and the trace is recorded again after it")
+    if stage3.prefetch_bucket_size <= 0:
+        return "GRPO's generate() gathers module by module (ds3_gather_for_generation false)"
+    raise InapplicableOptionError(
+        "loop trl-grpo with ds3_gather_for_generation=False under ZeRO-3 with prefetching "
+        f"(stage3_prefetch_bucket_size {stage3.prefetch_bucket_size:,}) fails in real DeepSpeed 0.19.8 with TRL 1.16: "
+        "the training forward prefetches the LM head that generate() called as a module, and TRL's fused head "
+        "then partitions it in flight (AssertionError: Cannot partition a param in flight)",
+        hint="Leave ds3_gather_for_generation at its default (True), or set stage3_prefetch_bucket_size 0.")
 
 
 def _stage3_note(stage3: ZeroStage3, training: bool) -> str:

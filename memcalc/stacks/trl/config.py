@@ -59,7 +59,7 @@ READ = frozenset({
     "epsilon", "epsilon_high", "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level", "off_policy_mask_threshold",
     "use_bias_correction_kl", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
-    "entropy_coef_delta", "entropy_target", "top_entropy_quantile",
+    "entropy_coef_delta", "entropy_target", "top_entropy_quantile", "ds3_gather_for_generation",
 })
 
 #: TRL's own arguments that change nothing a training step allocates on the device (module docstring).
@@ -71,7 +71,7 @@ IGNORED = frozenset({
     # GRPO: the rewards are user functions on the host (their (rows, functions) float32 tensor is
     # counted, nothing else); evaluation, logging, and vLLM's settings (use_vllm is refused)
     "reward_weights", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
-    "num_generations_eval", "ds3_gather_for_generation", "chat_template_kwargs", "log_completions",
+    "num_generations_eval", "chat_template_kwargs", "log_completions",
     "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
     "max_tool_calling_iterations", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
     "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",

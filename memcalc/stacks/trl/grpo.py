@@ -33,8 +33,8 @@ on the device); one is drawn every micro-batch, as TRL's dataloader draws the pr
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -133,7 +133,8 @@ class GrpoStepModule(nn.Module):
     (module docstring); it returns ``{"loss": loss}`` as a model's own loss."""
 
     def __init__(self, policy: nn.Module, reference: nn.Module | None, trainer: Any, plan: GrpoPlan,
-                 generation_config: Any, reads: Reads, wrap: Callable[[], Any]) -> None:
+                 generation_config: Any, reads: Reads, wrap: Callable[[GrpoStepModule], Any],
+                 gather_for_generation: bool = True) -> None:
         super().__init__()
         self.policy = policy
         if reference is not None:
@@ -145,10 +146,18 @@ class GrpoStepModule(nn.Module):
         self._wrap = wrap  # the contexts TRL's code runs in on meta (memcalc.stacks.trl.step)
         self._step = 0
         self._buffered: list[dict[str, Any]] | None = None
+        #: ``ds3_gather_for_generation``: under ZeRO-3, generate() with every parameter gathered
+        self.gather_for_generation = gather_for_generation
+        #: Under ZeRO-3 (set by the rank program: memcalc.distributed.strategy.deepspeed_zero), DeepSpeed's
+        #: ``GatheredParameters`` over given parameters, yielding their gathered tensors (TRL's fused head)
+        self.zero3_gather: Callable[[Sequence[torch.Tensor | None]],
+                                    AbstractContextManager[list[torch.Tensor | None]]] | None = None
+        #: Under ZeRO-3, ``unwrap_model_for_generation``'s gathering of the policy's engine for generate()
+        self.zero3_generation: Callable[[], AbstractContextManager[None]] | None = None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         trl_utils = importlib.import_module("trl.trainer.utils")
-        with self._wrap():
+        with self._wrap(self):
             plan = self._plan
             if self._step % plan.generate_every == 0 or self._buffered is None:
                 batch = self._generate_and_score(input_ids, attention_mask)
@@ -175,7 +184,8 @@ class GrpoStepModule(nn.Module):
         """``_generate_single_turn`` and ``_generate_and_score_completions``'s tensors (module docstring)."""
         plan, trainer, device = self._plan, self._trainer, ids.device
         rows, prompt = ids.shape
-        with self._generating(), torch.no_grad():
+        whole = self.zero3_generation if self.gather_for_generation and self.zero3_generation is not None else None
+        with self._generating(), whole() if whole is not None else nullcontext(), torch.no_grad():
             sequences = self.policy.generate(input_ids=ids, attention_mask=mask,  # type: ignore[operator]
                                              generation_config=self._generation_config)
         _set_phase(Phase.SCORING)

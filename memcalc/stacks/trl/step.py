@@ -337,16 +337,18 @@ def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module
                 _prepare_forward(prepared, accelerator)
 
     @contextmanager
-    def wrap() -> Iterator[None]:
+    def wrap(module: grpo.GrpoStepModule) -> Iterator[None]:
         _TRITON_RULES["on"] = cuda
         accelerator.region = available_autocast_region() or nullcontext
-        _ZERO3.gather = None  # GRPO is not estimated under ZeRO-3
+        _ZERO3.gather = module.zero3_gather
         with _meta_autocast(autocast_dtype), _BoolMaskIndex():  # type: ignore[no-untyped-call]
             yield
 
-    module = grpo.GrpoStepModule(policy, reference, trainer, plan,
-                                 grpo.generation_config(base, settings, eos), reads, wrap)
+    module = grpo.GrpoStepModule(policy, reference, trainer, plan, grpo.generation_config(base, settings, eos),
+                                 reads, wrap, gather_for_generation=bool(settings.get("ds3_gather_for_generation",
+                                                                                      True)))
     _install_triton_rules(importlib.import_module("trl.kernels.chunked_logprob"))
+    _install_zero3_head(utils)
     prompt = int(resolved.inputs.kwargs["input_ids"].shape[1]) if "input_ids" in resolved.inputs.kwargs else 0
     inputs = grpo.grpo_batch(resolved.inputs, plan, step.loop.name)
     kind = ("none (beta = 0)" if not plan.reference else "the policy with its adapters disabled (PEFT)" if peft
