@@ -7,6 +7,11 @@ when the call returns; no meta kernel shows it. What PyTorch does around it is r
 read off 1,133 real calls (593 per step, 305 distinct shapes) in seven H100 memory snapshots
 (torch 2.11 + CUDA 13.0, cuDNN 9.19; ``benchmarks/results/2026-11-26-cudnn-workspaces/``,
 whose ``REPORT.md`` gives the per-call table and the rule's error by class of call).
+
+The rule is written once, as :func:`conv_workspace_line`: a call site's bytes at every batch of
+a line of shapes (:class:`WorkspaceLine`), which a fit's trace family builds once and sizes each
+replayed batch with (``ConvWorkspaceRule.along``); :func:`conv_workspace_bytes` is that line with
+no slope. It reads the call's shapes and the GPU alone, no allocator state.
 """
 
 from __future__ import annotations
