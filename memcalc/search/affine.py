@@ -17,10 +17,10 @@ the rule at each batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,22 @@ from memcalc.engine.timeline import Program, allocator_events
 from memcalc.engine.trace import SizeRule
 
 __all__ = ("AffineFamily", "SyntheticPoint", "replay_stats", "replay_under")
+
+
+#: Storages sized by one rule on the same lines of arguments: (rule, intercepts, slopes, uids).
+_RuleGroup: TypeAlias = tuple[SizeRule, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+class _Line(Protocol):
+    def at(self, batch: int) -> int: ...
+
+
+@runtime_checkable
+class _AlongLines(Protocol):
+    """A size rule that says its bytes at every batch of its arguments' lines at once
+    (:meth:`memcalc.targets.cuda.cudnn.ConvWorkspaceRule.along`), or None where it cannot."""
+
+    def along(self, intercepts: tuple[int, ...], slopes: tuple[int, ...]) -> _Line | None: ...
 
 
 class SyntheticPoint(NamedTuple):
@@ -142,6 +158,9 @@ class AffineFamily:
             # group is sized once per batch (a rule is a function of its arguments alone)
             for rule, starts, steps, uids in self._sized_groups:
                 sizes[list(uids)] = rule(tuple(a + s * batch for a, s in zip(starts, steps, strict=True)))
+            lines, lined, group_of = self._lined_groups
+            if lines:
+                sizes[lined] = np.fromiter((line(batch) for line in lines), np.int64, len(lines))[group_of]
             sizes.flags.writeable = False  # shared by the next call at this batch
             last.clear()
             last[batch] = sizes
@@ -156,8 +175,39 @@ class AffineFamily:
         return np.asarray(self.intercepts, dtype=np.int64), np.asarray(self.slopes, dtype=np.int64)
 
     @cached_property
-    def _sized_groups(self) -> tuple[tuple[SizeRule, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]:
-        """The rule-sized storages grouped by rule and argument lines: (rule, intercepts, slopes, uids)."""
+    def _sized_groups(self) -> tuple[_RuleGroup, ...]:
+        """The rule-sized storages grouped by rule and argument lines, (rule, intercepts, slopes,
+        uids), less those :attr:`_lined_groups` sizes."""
+        return tuple(group for group, line in self._group_lines if line is None)
+
+    @cached_property
+    def _lined_groups(self) -> tuple[tuple[Callable[[int], int], ...], npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+        """The groups whose rule gives its bytes at every batch of their lines at once
+        (:class:`_AlongLines`, the cuDNN convolutions'), built once per family where the rule
+        would re-read every shape at every replayed batch: (each group's bytes at a batch, the
+        storages' uids, each uid's group)."""
+        lines: list[Callable[[int], int]] = []
+        uids: list[int] = []
+        group_of: list[int] = []
+        for group, line in self._group_lines:
+            if line is not None:
+                uids.extend(group[3])
+                group_of.extend([len(lines)] * len(group[3]))
+                lines.append(line)
+        return tuple(lines), np.asarray(uids, dtype=np.intp), np.asarray(group_of, dtype=np.intp)
+
+    @cached_property
+    def _group_lines(self) -> tuple[tuple[_RuleGroup, Callable[[int], int] | None], ...]:
+        """Each group with its bytes along its lines, where its rule gives them (None: it does not)."""
+        out = []
+        for group in self._rule_groups:
+            rule: object = group[0]
+            line = rule.along(group[1], group[2]) if isinstance(rule, _AlongLines) else None
+            out.append((group, None if line is None else line.at))
+        return tuple(out)
+
+    @cached_property
+    def _rule_groups(self) -> tuple[_RuleGroup, ...]:
         groups: dict[tuple[SizeRule, tuple[int, ...], tuple[int, ...]], list[int]] = {}
         for uid, rule, intercepts, slopes in self.sized:
             groups.setdefault((rule, intercepts, slopes), []).append(uid)

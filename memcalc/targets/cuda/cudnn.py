@@ -7,20 +7,28 @@ when the call returns; no meta kernel shows it. What PyTorch does around it is r
 read off 1,133 real calls (593 per step, 305 distinct shapes) in seven H100 memory snapshots
 (torch 2.11 + CUDA 13.0, cuDNN 9.19; ``benchmarks/results/2026-11-26-cudnn-workspaces/``,
 whose ``REPORT.md`` gives the per-call table and the rule's error by class of call).
+
+The rule is written once, as :func:`conv_workspace_line`: a call site's bytes at every batch of
+a line of shapes (:class:`WorkspaceLine`), which a fit's trace family builds once and sizes each
+replayed batch with (``ConvWorkspaceRule.along``); :func:`conv_workspace_bytes` is that line with
+no slope. It reads the call's shapes and the GPU alone, no allocator state.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, TypeAlias
 
 import torch
 
 from memcalc.targets.versions import element_size
 
-__all__ = ("ENGINE_EXCEPTIONS", "ConvDirection", "ConvWorkspaceRule", "EngineException", "conv_workspace_bytes")
+__all__ = ("ENGINE_EXCEPTIONS", "ConvDirection", "ConvWorkspaceRule", "EngineException", "WorkspaceLine",
+           "conv_workspace_bytes", "conv_workspace_line")
 
 #: The SM count the rule's split-K term was read on (H100 SXM); a GPU profile passes its own.
 MEASURED_SM_COUNT = 132
@@ -113,6 +121,38 @@ def _is_depthwise(input_shape: Sequence[int], weight_shape: Sequence[int], group
     return groups > 1 and groups == input_shape[1] and weight_shape[1] == 1
 
 
+#: The second term of a :class:`WorkspaceLine` that bounds nothing: more bytes than any GPU holds.
+_UNBOUNDED = 1 << 62
+
+
+class WorkspaceLine(NamedTuple):
+    """One call site's workspace at every batch ``B`` of a line of shapes (only the batch dimension
+    of x and y grows): ``min(a + b·B, bound_a + bound_b·B) + per_split·min(max_splits, (rows_a +
+    rows_b·B) // rows_per_split)``. The engine cuDNN picks is the same all along the line (the
+    channels, filter and image size decide it); only the bytes of what it holds move, and a 1x1
+    weight gradient's per-image dW (the bound) and the 7x7 stem's split count are the two terms
+    that are not affine. Built once per trace family, it sizes a replay's batch in one
+    expression where the rule re-read every shape (``search.affine``)."""
+
+    a: int
+    b: int
+    bound_a: int = _UNBOUNDED
+    bound_b: int = 0
+    per_split: int = 0
+    max_splits: int = 0
+    rows_a: int = 0
+    rows_b: int = 0
+    rows_per_split: int = 1
+
+    def at(self, batch: int) -> int:
+        """The workspace's bytes at ``batch``."""
+        least = min(self.a + self.b * batch, self.bound_a + self.bound_b * batch)
+        return least + self.per_split * min(self.max_splits, (self.rows_a + self.rows_b * batch) // self.rows_per_split)
+
+
+_NONE = WorkspaceLine(0, 0)
+
+
 def conv_workspace_bytes(
     input_shape: Sequence[int],
     weight_shape: Sequence[int],
@@ -167,56 +207,108 @@ def conv_workspace_bytes(
     is assumed copy-free, with the same dW partials).
     """
     del padding, dilation  # accepted for the call signature; the engines seen do not depend on them
+    line = conv_workspace_line(input_shape, weight_shape, output_shape, dtype, stride, groups, direction,
+                               compute_capability, channels_last=channels_last, allow_tf32=allow_tf32,
+                               sm_count=sm_count)
+    assert line is not None, "a line without slopes is always one"
+    return line.at(0)
+
+
+#: ``a + b·B`` bytes: a term of :func:`conv_workspace_line`.
+_Line: TypeAlias = tuple[int, int]
+
+
+def _sum(*lines: _Line, fixed: int = 0) -> WorkspaceLine:
+    a, b = fixed, 0
+    for line in lines:
+        a, b = a + line[0], b + line[1]
+    return WorkspaceLine(a, b)
+
+
+def conv_workspace_line(
+    input_shape: Sequence[int],
+    weight_shape: Sequence[int],
+    output_shape: Sequence[int],
+    dtype: torch.dtype,
+    stride: Sequence[int],
+    groups: int,
+    direction: str | ConvDirection,
+    compute_capability: tuple[int, int],
+    *,
+    batch_slopes: tuple[int, int] = (0, 0),
+    channels_last: bool = False,
+    allow_tf32: bool = True,
+    sm_count: int = MEASURED_SM_COUNT,
+) -> WorkspaceLine | None:
+    """:func:`conv_workspace_bytes` (whose rule this is: it is this at ``batch_slopes`` (0, 0)) at
+    every batch ``B`` where x's batch dimension is ``input_shape[0] + batch_slopes[0]·B`` and y's
+    ``output_shape[0] + batch_slopes[1]·B``; None where a term is not exact along the line (a
+    padded stem copy whose bytes per batch step do not divide by C)."""
     which = ConvDirection.parse(direction)
     cc = (int(compute_capability[0]), int(compute_capability[1]))
     if not _uses_tensor_cores(dtype, cc, allow_tf32) or _is_depthwise(input_shape, weight_shape, groups):
-        return 0
+        return _NONE
     size = element_size(dtype)
-    k, c = int(weight_shape[0]), int(weight_shape[1]) * int(groups)
-    taps = math.prod(int(n) for n in weight_shape[2:])
-    x_bytes, w_bytes, y_bytes = (math.prod(int(n) for n in shape) * size
-                                 for shape in (input_shape, weight_shape, output_shape))
-    dw_fp32 = math.prod(int(n) for n in weight_shape) * 4
+    xs, ws, ys = tuple(map(int, input_shape)), tuple(map(int, weight_shape)), tuple(map(int, output_shape))
+    k, c = ws[0], ws[1] * int(groups)
+    taps = math.prod(ws[2:])
+    x_step, y_step = int(batch_slopes[0]), int(batch_slopes[1])
+    x_image = math.prod(xs[1:]) * size  # the bytes of one image of x
+    y_pixels = math.prod(ys[2:])
+    y_image = ys[1] * y_pixels * size
+    batch: _Line = (xs[0], x_step)
+    x: _Line = (xs[0] * x_image, x_step * x_image)
+    y: _Line = (ys[0] * y_image, y_step * y_image)
+    weights = math.prod(ws)
+    w: _Line = (weights * size, 0)
+    dw_fp32 = weights * 4
     wgrad = which is ConvDirection.BACKWARD_FILTER
     pointwise = taps == 1
     strided = any(int(s) > 1 for s in stride)
-    batch = int(input_shape[0])
 
     def split_k_partials() -> int:
         tiles = math.ceil(k / SPLIT_K_TILE) * math.ceil(c / SPLIT_K_TILE) * taps
         return min(max(1, sm_count // tiles) * dw_fp32, sm_count * SPLIT_K_TILE * SPLIT_K_TILE * 4)
 
     if channels_last:
-        return split_k_partials() if wgrad else 0
+        return WorkspaceLine(split_k_partials(), 0) if wgrad else _NONE
     if c < 8 or k < 8:
         if (pointwise and not wgrad) or (not pointwise and taps <= 9):
-            return 0
+            return _NONE
         if pointwise or c >= 8:  # a K < 8 head's weight gradient: plain copies
-            return x_bytes + w_bytes + y_bytes + WORKSPACE_TAIL
+            return _sum(x, w, y, fixed=WORKSPACE_TAIL)
         padded = max(c, 4)  # the 7x7 stem: C padded to 4 in the NHWC copies (fp32 forward does not)
-        x4, w4, dw4_fp32 = x_bytes // c * padded, w_bytes // c * padded, dw_fp32 // c * padded
+        if x[1] % c:
+            return None  # x's bytes // C is not on a line
+        x4: _Line = (x[0] // c * padded, x[1] // c * padded)
+        w4: _Line = (w[0] // c * padded, 0)
+        dw4_fp32 = dw_fp32 // c * padded
         if which is ConvDirection.FORWARD:
-            return (x_bytes + w_bytes if size == 4 else x4 + w4) + y_bytes + WORKSPACE_TAIL
-        rows = batch * math.prod(int(n) for n in output_shape[2:])
-        splits = min(STEM_FP32_MAX_SPLITS, rows // STEM_ROWS_PER_SPLIT) if size == 4 else STEM_HALF_SPLITS
-        return x4 + w4 + y_bytes + splits * dw4_fp32 + WORKSPACE_TAIL
+            return _sum(*((x, w) if size == 4 else (x4, w4)), y, fixed=WORKSPACE_TAIL)
+        copies = _sum(x4, w4, y, fixed=WORKSPACE_TAIL)
+        if size != 4:
+            return copies._replace(a=copies.a + STEM_HALF_SPLITS * dw4_fp32)
+        return copies._replace(per_split=dw4_fp32, max_splits=STEM_FP32_MAX_SPLITS, rows_a=batch[0] * y_pixels,
+                               rows_b=batch[1] * y_pixels, rows_per_split=STEM_ROWS_PER_SPLIT)
     for row in ENGINE_EXCEPTIONS:
         if row.matches(c, k, pointwise, strided, which, size):
-            c_side = x_bytes if int(input_shape[1]) == c else y_bytes
-            copied = {"x": x_bytes, "w": w_bytes, "y": y_bytes, "C": c_side}
-            return sum(copied[name] for name in row.copies) + WORKSPACE_TAIL
+            copied = {"x": x, "w": w, "y": y, "C": x if xs[1] == c else y}
+            return _sum(*(copied[name] for name in row.copies), fixed=WORKSPACE_TAIL)
     if pointwise and not strided:
-        pixels = min(math.prod(int(n) for n in input_shape[2:]), math.prod(int(n) for n in output_shape[2:]))
+        pixels = min(math.prod(xs[2:]), y_pixels)
         if pixels >= PER_IMAGE_GEMM_MIN_PIXELS:
-            return min(batch * dw_fp32, x_bytes + w_bytes + y_bytes) if wgrad else 0
-        return x_bytes + y_bytes + WORKSPACE_TAIL
+            if not wgrad:
+                return _NONE
+            copies = _sum(x, w, y)  # one fp32 dW per image, capped by the copies
+            return WorkspaceLine(batch[0] * dw_fp32, batch[1] * dw_fp32, copies.a, copies.b)
+        return _sum(x, y, fixed=WORKSPACE_TAIL)
     if pointwise:
         if wgrad:
-            return x_bytes + w_bytes + y_bytes + WORKSPACE_TAIL
-        return 0 if c <= 64 else x_bytes + y_bytes + WORKSPACE_TAIL
+            return _sum(x, w, y, fixed=WORKSPACE_TAIL)
+        return _NONE if c <= 64 else _sum(x, y, fixed=WORKSPACE_TAIL)
     if wgrad:
-        return x_bytes + w_bytes + y_bytes + split_k_partials() + WORKSPACE_TAIL
-    return x_bytes + w_bytes + y_bytes + WORKSPACE_TAIL
+        return _sum(x, w, y, fixed=split_k_partials() + WORKSPACE_TAIL)
+    return _sum(x, w, y, fixed=WORKSPACE_TAIL)
 
 
 @dataclass(frozen=True)
@@ -235,7 +327,26 @@ class ConvWorkspaceRule:
     sm_count: int
 
     def __call__(self, arguments: tuple[int, ...]) -> int:
+        return _rule_bytes(self, arguments)
+
+    def along(self, intercepts: tuple[int, ...], slopes: tuple[int, ...]) -> WorkspaceLine | None:
+        """The rule at every batch ``B`` of the arguments ``intercepts + slopes·B`` (``()``: none),
+        as one :class:`WorkspaceLine`: what a trace family (``search.affine``) builds once and
+        sizes each replay's batch with. None when a slope is not a batch dimension's (x's or y's
+        first) or a term is not exact on the line: the family then applies the rule per batch."""
         n = self.ndim
-        return conv_workspace_bytes(arguments[:n], arguments[n:2 * n], arguments[2 * n:], self.dtype, self.stride,
-                                    (), (), self.groups, self.direction, self.compute_capability,
-                                    sm_count=self.sm_count)
+        if slopes and any(slope for i, slope in enumerate(slopes) if i not in (0, 2 * n)):
+            return None
+        return conv_workspace_line(intercepts[:n], intercepts[n:2 * n], intercepts[2 * n:], self.dtype, self.stride,
+                                   self.groups, self.direction, self.compute_capability,
+                                   batch_slopes=(slopes[0], slopes[2 * n]) if slopes else (0, 0),
+                                   sm_count=self.sm_count)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _rule_bytes(rule: ConvWorkspaceRule, arguments: tuple[int, ...]) -> int:
+    """A call site's bytes, remembered: the tracer checks each call's (``StorageTracer.synthetic``),
+    and a network repeats its layers' shapes within a step and across the traces of one fit."""
+    line = rule.along(arguments, ())
+    assert line is not None, "a line without slopes is always one"
+    return line.at(0)
