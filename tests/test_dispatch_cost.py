@@ -54,29 +54,29 @@ def test_the_after_op_hook_runs_only_for_ops_with_a_rule(monkeypatch: pytest.Mon
 
 def test_torch_optimizers_call_nothing_the_emulation_rewrites() -> None:
     """What lets the step take the emulation off around torch's optimizers and ``zero_grad``
-    (``memcalc.engine.step_backend.idle_modes_off``): every function their steps call, for each
-    registered torch optimizer in its loop implementations, passes through the mode as it came
-    outside autocast (no rule, no ``torch.nn.functional`` composite)."""
+    (``memcalc.engine.step_backend.idle_modes_off``): every function their construction and steps
+    call, for each registered torch optimizer in its loop implementations, passes through the mode
+    as it came outside autocast (no rule, no ``torch.nn.functional`` composite)."""
     import torch
 
     from memcalc.core.loop import OptimizerImpl
     from memcalc.core.precision import Precision
-    from memcalc.engine.optimizers import OPTIMIZERS
+    from memcalc.engine.optimizers import OPTIMIZERS, TorchOptim
     from memcalc.engine.step import _torch_optimizer
     from memcalc.targets.cuda.emulation import _Handling
 
     checked = 0
     for spec in OPTIMIZERS.values():
-        if not spec.torch_class:
+        if not isinstance(spec.factory, TorchOptim):
             continue
         for impl in sorted(spec.impls & {OptimizerImpl.FOREACH, OptimizerImpl.FOR_LOOP}, key=str):
             params = [torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in ((8, 4), (4,))]
-            optimizer = spec.build(params, impl)
-            assert optimizer is not None and _torch_optimizer(optimizer)
-            for p in params:
-                p.grad = torch.empty_like(p)
             emulation = CudaEmulation(Precision("fp32"), (8, 0))
             with emulation:
+                optimizer = spec.build(params, impl)
+                assert optimizer is not None and _torch_optimizer(optimizer)
+                for p in params:
+                    p.grad = torch.empty_like(p)
                 optimizer.step()
                 optimizer.zero_grad()
             seen = dict(emulation._handling)

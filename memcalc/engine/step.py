@@ -43,7 +43,7 @@ from memcalc.core.loop import OptimizerImpl
 from memcalc.core.losses import LossChoice, LossFn, LossKind
 from memcalc.engine.losses import compute_loss, make_targets, primary_tensor, resolve_loss
 from memcalc.engine.model import ModelInputs
-from memcalc.engine.optimizers import OptimizerSpec
+from memcalc.engine.optimizers import OptimizerSpec, TorchOptim
 from memcalc.engine.step_backend import idle_modes_off
 from memcalc.engine.trainable import build_optimizer, check_loss_trains
 
@@ -325,11 +325,11 @@ def _forward_only(model: nn.Module, inputs: ModelInputs, config: StepConfig,
 
 def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepObserver) -> StepOutcome:
     model.train()
-    with idle_modes_off():
+    # torch's optimizers (built, stepped) and zero_grad call nothing a device's function mode rewrites: it
+    # is taken off around them (and the bookkeeping beside them) where it passes their calls through anyway
+    with idle_modes_off() if isinstance(config.optimizer.factory, TorchOptim) else nullcontext():
         params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(model, config.optimizer, config.optimizer_impl)
-    # torch's optimizers and zero_grad call nothing a device's function mode rewrites: it is taken off
-    # around them (and the bookkeeping beside them) where it passes their calls through anyway
+        opt = build_optimizer(model, config.optimizer, config.optimizer_impl)
     plain = idle_modes_off if opt is None or _torch_optimizer(opt) else nullcontext
     step = StepKit(config, obs)
     iteration = 0
