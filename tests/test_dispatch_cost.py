@@ -26,9 +26,9 @@ def test_the_emulation_sees_about_one_call_per_aten_op(monkeypatch: pytest.Monke
     monkeypatch.setattr(CudaEmulation, "__torch_function__", counted)
     traced = trace_step(resolve("mlp", batch_size=4), build_step(optimizer="adam", gpu="a100-40gb"))
     aten_ops = sum(traced.trace.op_counts.values())
-    # the model's, autograd's and the optimizer's own Python calls remain (parameters, .grad, state):
-    # 193 calls for 93 aten ops here, 600 when the bookkeeping went through the mode
-    assert 0 < len(calls) < 3 * aten_ops, (len(calls), aten_ops)
+    # the model's own Python calls remain: 30 calls for 93 aten ops here; 193 while the optimizer, zero_grad
+    # and the module tracker's reads of each output went through the mode, 600 when the bookkeeping did too
+    assert 0 < len(calls) < aten_ops / 2, (len(calls), aten_ops)
 
 
 def test_the_after_op_hook_runs_only_for_ops_with_a_rule(monkeypatch: pytest.MonkeyPatch) -> None:

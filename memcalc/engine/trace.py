@@ -850,19 +850,26 @@ class ModuleTracker:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             if self._stack and self._stack[-1] == name:
                 self._stack.pop()
-            plain = type(output) is torch.Tensor  # most modules: one plain tensor (no walk through the output)
-            first = output if plain else _first_tensor(output)
+            if type(output) is torch.Tensor:  # most modules: one plain tensor (no walk through the output)
+                # read with no function mode: the CUDA emulation would hand back the same shape and flag,
+                # one torch-function call each
+                with _NO_FUNCTION_MODES():
+                    self.output_shapes[name] = tuple(output.shape)
+                    if is_leaf and torch.is_grad_enabled() and output.requires_grad:
+                        output.register_hook(grad_hook)  # type: ignore[no-untyped-call]  # untyped in torch
+                return
+            first = _first_tensor(output)
             if first is not None:
                 self.output_shapes[name] = tuple(first.shape)
             if is_leaf and torch.is_grad_enabled():
-                for tensor in (output,) if plain else tensors_of(output):
+                for tensor in tensors_of(output):
                     if not tensor.requires_grad:
                         continue
                     if type(tensor) is torch.Tensor:  # a function mode (the CUDA emulation) passes it on as it is
                         with _NO_FUNCTION_MODES():
                             tensor.register_hook(grad_hook)  # type: ignore[no-untyped-call]  # untyped in torch
                     else:
-                        tensor.register_hook(grad_hook)
+                        tensor.register_hook(grad_hook)  # type: ignore[no-untyped-call]  # untyped in torch
         return hook
 
     def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
