@@ -430,6 +430,9 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def uid_of(self, tensor: torch.Tensor) -> int | None:
         """The uid of a live traced storage, or None if the tracer never saw it."""
+        if type(tensor) is torch.Tensor:  # a plain tensor's storage, read with no function mode (one call less)
+            with _NO_FUNCTION_MODES():
+                return self._uid_by_key.get(id(tensor.untyped_storage()))
         return self._uid_by_key.get(id(self.storage_of(tensor)))
 
     def set_phase(self, phase: Phase) -> None:
