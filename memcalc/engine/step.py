@@ -325,8 +325,9 @@ def _forward_only(model: nn.Module, inputs: ModelInputs, config: StepConfig,
 
 def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepObserver) -> StepOutcome:
     model.train()
-    # torch's optimizers (built, stepped) and zero_grad call nothing a device's function mode rewrites: it
-    # is taken off around them (and the bookkeeping beside them) where it passes their calls through anyway
+    # torch's optimizers (built, stepped), zero_grad and amp-fp16's scaler call nothing a device's function
+    # mode rewrites: it is taken off around them (and the observer's bookkeeping beside them) where it passes
+    # their calls through anyway, a torch-function call saved for each .grad, state tensor and storage read
     with idle_modes_off() if isinstance(config.optimizer.factory, TorchOptim) else nullcontext():
         params = [p for p in model.parameters() if p.requires_grad]
         opt = build_optimizer(model, config.optimizer, config.optimizer_impl)
