@@ -43,10 +43,16 @@ from memcalc.core.loop import OptimizerImpl
 from memcalc.core.losses import LossChoice, LossFn, LossKind
 from memcalc.engine.losses import compute_loss, make_targets, primary_tensor, resolve_loss
 from memcalc.engine.model import ModelInputs
-from memcalc.engine.optimizers import OptimizerSpec
+from memcalc.engine.optimizers import OptimizerSpec, TorchOptim
+from memcalc.engine.step_backend import idle_modes_off
 from memcalc.engine.trainable import build_optimizer, check_loss_trains
 
 __all__ = ("NullObserver", "Scaler", "StepConfig", "StepKit", "StepObserver", "StepOutcome", "Targets", "run_step")
+
+#: The package of torch's own optimizers (``torch.optim.adam.Adam``, ``torch.optim.Adafactor``): their
+#: step and ``zero_grad`` call no ``torch.nn.functional`` function, attention, dropout or loss
+#: (tests/test_dispatch_cost.py).
+_TORCH_OPTIM = "torch.optim"
 
 
 class StepObserver(Protocol):
@@ -319,8 +325,13 @@ def _forward_only(model: nn.Module, inputs: ModelInputs, config: StepConfig,
 
 def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepObserver) -> StepOutcome:
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(model, config.optimizer, config.optimizer_impl)
+    # torch's optimizers (built, stepped), zero_grad and amp-fp16's scaler call nothing a device's function
+    # mode rewrites: it is taken off around them (and the observer's bookkeeping beside them) where it passes
+    # their calls through anyway, a torch-function call saved for each .grad, state tensor and storage read
+    with idle_modes_off() if isinstance(config.optimizer.factory, TorchOptim) else nullcontext():
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = build_optimizer(model, config.optimizer, config.optimizer_impl)
+    plain = idle_modes_off if opt is None or _torch_optimizer(opt) else nullcontext
     step = StepKit(config, obs)
     iteration = 0
     while iteration < config.iterations or obs.run_again():
@@ -335,15 +346,22 @@ def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepO
             with obs.backward_context():
                 step.backward(loss)
             del output, loss
-        obs.gradients_ready(params)
-        if opt is not None:
-            obs.set_phase(Phase.OPTIMIZER)
-            step.optimizer_step(opt)
-            obs.optimizer_stepped(opt)
-        obs.set_phase(Phase.ZERO_GRAD)
-        step.zero_grad(model, opt)
+        with plain():
+            obs.gradients_ready(params)
+            if opt is not None:
+                obs.set_phase(Phase.OPTIMIZER)
+                step.optimizer_step(opt)
+                obs.optimizer_stepped(opt)
+            obs.set_phase(Phase.ZERO_GRAD)
+            step.zero_grad(model, opt)
     obs.finished()  # the optimizer (and its state) is still alive here, as in a real loop
     return step.outcome()
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's own (not a registered emulation's or a user's)."""
+    module = type(optimizer).__module__
+    return module == _TORCH_OPTIM or module.startswith(_TORCH_OPTIM + ".")
 
 
 def _user_loss(loss_fn: LossFn, output: Any) -> torch.Tensor:

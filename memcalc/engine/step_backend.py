@@ -35,6 +35,7 @@ __all__ = (
     "StepBackend",
     "available_autocast_region",
     "current_autocast_region",
+    "idle_modes_off",
     "outside_autocast_regions",
     "pop_autocast_region",
     "push_autocast_region",
@@ -179,6 +180,31 @@ def outside_autocast_regions() -> Iterator[None]:
     finally:
         _REGIONS.stack[:] = saved
         _REGIONS.available[:] = available
+
+
+@contextmanager
+def idle_modes_off() -> Iterator[None]:
+    """The torch-function modes on top of the stack that would pass every call of the block
+    through as it came taken off while it runs, and put back after: a mode's Python handler
+    costs about 3 µs a call (torch's, for the handler that does nothing), and torch.optim's step,
+    ``zero_grad`` and memcalc's bookkeeping around them make about two such calls per aten op
+    (each ``p.grad``, ``untyped_storage()`` and ``torch.zeros_like``), which the device's mode
+    (:mod:`memcalc.targets.cuda.emulation`) passes on unchanged. A mode is taken off only where
+    it says so, ``passes_through()`` (no autocast region in force); the first that does not,
+    or has no such method (a ``torch.device`` context, which moves factory calls), stays with
+    every mode below it. The caller vouches that the block calls no function the mode rewrites
+    (:func:`memcalc.engine.step.run_step`: torch's own optimizers)."""
+    popped: list[Any] = []
+    try:
+        while (depth := torch._C._len_torch_function_stack()) > 0:
+            passes_through = getattr(torch._C._get_function_stack_at(depth - 1), "passes_through", None)
+            if passes_through is None or not passes_through():
+                break
+            popped.append(torch._C._pop_torch_function_stack())
+        yield
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def current_autocast_region() -> AutocastRegion | None:

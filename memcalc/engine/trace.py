@@ -430,6 +430,9 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def uid_of(self, tensor: torch.Tensor) -> int | None:
         """The uid of a live traced storage, or None if the tracer never saw it."""
+        if type(tensor) is torch.Tensor:  # a plain tensor's storage, read with no function mode (one call less)
+            with _NO_FUNCTION_MODES():
+                return self._uid_by_key.get(id(tensor.untyped_storage()))
         return self._uid_by_key.get(id(self.storage_of(tensor)))
 
     def set_phase(self, phase: Phase) -> None:
@@ -512,16 +515,43 @@ class MetaKernelCache:
                 return shortcut
         if plan is None or (func is _TO_COPY and _to_host(kwargs)):  # a copy to the host holds values
             return compute(func, args, kwargs)
-        storages: dict[int, int] = {}  # the inputs' storages (by id), which _key collects
-        key = self._key(func, args, kwargs, storages)
-        if key is None:
+        # The key: which arguments share a storage is part of it, as some meta kernels decide on it
+        # (memory-efficient attention's backward packs dq/dk/dv into one buffer when q, k, v are
+        # views of one storage). Built for every cacheable op, here without a call: a flat tuple, a
+        # tensor's metadata inline behind a marker (torch.Size is a tuple: equal to, and hashed as,
+        # the tuple of its sizes). ``storages`` gets every input tensor's storage, which
+        # _spec_with_plan reads; no key if a tensor is not meta or sits in a container _arg_key refuses.
+        storages: dict[int, int] = {}
+        parts: list[object] = [id(func)]  # run() holds func: its id is its own while the cache lives
+        append = parts.append
+        try:
+            for value in args:
+                kind = type(value)
+                if kind in _ATOMS:
+                    append(value)
+                elif kind is torch.Tensor or kind is nn.Parameter:
+                    if not value.is_meta:
+                        return compute(func, args, kwargs)  # a real (CPU) tensor: its values may matter
+                    parts += (_TENSOR, value.shape, value.stride(), value.dtype, value.storage_offset(),
+                              storages.setdefault(id(value.untyped_storage()), len(storages)))
+                else:
+                    append(_arg_key(value, storages))
+            if kwargs:
+                for name in sorted(kwargs):
+                    append((name, _arg_key(kwargs[name], storages)))
+        except _Uncacheable:
             return compute(func, args, kwargs)
+        key = tuple(parts)
         try:
             cached = self._specs.get(key)  # hashes the key once: an unhashable argument raises here
         except TypeError:
             return compute(func, args, kwargs)
         if cached is not None:
             self.hits += 1
+            if cached[0] == "one":
+                part = cached[1][0]
+                if part[0] == "T":  # most ops: one fresh tensor (_materialize without its call)
+                    return torch.empty_strided(part[1], part[2], dtype=part[3], device=self._device)
             return _materialize(cached, self._device, args, kwargs)
         out = compute(func, args, kwargs)
         spec = _spec_with_plan(out, plan, args, kwargs, storages)
@@ -533,37 +563,8 @@ class MetaKernelCache:
             self._specs[key] = spec
         return out
 
-    def _key(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any],
-             storages: dict[int, int]) -> tuple[object, ...] | None:
-        # Which arguments share a storage is part of the key: some meta kernels decide on it
-        # (memory-efficient attention's backward packs dq/dk/dv into one buffer when q, k, v
-        # are views of one storage). Built for every cacheable op: a flat tuple, a tensor's
-        # metadata inline behind a marker, and atoms and tensors handled here without a call.
-        # ``storages`` gets every input tensor's storage (a key is None if any is not meta or
-        # sits in a container _arg_key refuses), which _spec_with_plan reads.
-        parts: list[object] = [id(func)]  # run() holds func: its id is its own while the cache lives
-        append = parts.append
-        try:
-            for value in args:
-                kind = type(value)
-                if kind in _ATOMS:
-                    append(value)
-                elif kind is torch.Tensor or kind is nn.Parameter:
-                    if not value.is_meta:
-                        return None  # a real (CPU) tensor: its values may matter
-                    # torch.Size is a tuple: equal to, and hashed as, the tuple of its sizes
-                    parts += (_TENSOR, value.shape, value.stride(), value.dtype, value.storage_offset(),
-                              storages.setdefault(id(value.untyped_storage()), len(storages)))
-                else:
-                    append(_arg_key(value, storages))
-            for name in sorted(kwargs) if kwargs else ():
-                append((name, _arg_key(kwargs[name], storages)))
-        except _Uncacheable:
-            return None
-        return tuple(parts)
 
-
-#: Marks a tensor's metadata in a flat key (_key): no argument is this object.
+#: Marks a tensor's metadata in a flat key (MetaKernelCache.run): no argument is this object.
 _TENSOR: Final = object()
 
 
@@ -727,7 +728,7 @@ def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...], kwargs: dict[s
                     inputs: Container[int]) -> _Spec | Literal[_Sentinel.ALIASING] | None:
     """How to rebuild ``out`` following ``plan``; None if it cannot be rebuilt exactly;
     ``_ALIASING`` if a "fresh" output shares a storage with an input (``inputs``: the ids of
-    the input tensors' storages, as :meth:`MetaKernelCache._key` collected them)."""
+    the input tensors' storages, as :meth:`MetaKernelCache.run` collected them)."""
     if not plan:  # returns nothing (in-place foreach ops)
         return ("void", ()) if out is None else None
     outs = out if isinstance(out, tuple) else (out,)
@@ -852,19 +853,26 @@ class ModuleTracker:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             if self._stack and self._stack[-1] == name:
                 self._stack.pop()
-            plain = type(output) is torch.Tensor  # most modules: one plain tensor (no walk through the output)
-            first = output if plain else _first_tensor(output)
+            if type(output) is torch.Tensor:  # most modules: one plain tensor (no walk through the output)
+                # read with no function mode: the CUDA emulation would hand back the same shape and flag,
+                # one torch-function call each
+                with _NO_FUNCTION_MODES():
+                    self.output_shapes[name] = tuple(output.shape)
+                    if is_leaf and torch.is_grad_enabled() and output.requires_grad:
+                        output.register_hook(grad_hook)  # type: ignore[no-untyped-call]  # untyped in torch
+                return
+            first = _first_tensor(output)
             if first is not None:
                 self.output_shapes[name] = tuple(first.shape)
             if is_leaf and torch.is_grad_enabled():
-                for tensor in (output,) if plain else tensors_of(output):
+                for tensor in tensors_of(output):
                     if not tensor.requires_grad:
                         continue
                     if type(tensor) is torch.Tensor:  # a function mode (the CUDA emulation) passes it on as it is
                         with _NO_FUNCTION_MODES():
                             tensor.register_hook(grad_hook)  # type: ignore[no-untyped-call]  # untyped in torch
                     else:
-                        tensor.register_hook(grad_hook)
+                        tensor.register_hook(grad_hook)  # type: ignore[no-untyped-call]  # untyped in torch
         return hook
 
     def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:

@@ -150,6 +150,13 @@ class CudaEmulation(TorchFunctionMode):
     def autocasting(self) -> bool:
         return self.autocast_dtype is not None and (self._autocast_depth > 0 or self.recomputing())
 
+    def passes_through(self) -> bool:
+        """Whether a call of a function with no rule and outside ``torch.nn.functional`` passes
+        through this mode as it came: outside an autocast region (recomputation included), so
+        that the step may take the mode off around torch's optimizers, which call no other
+        (:func:`memcalc.engine.step_backend.idle_modes_off`)."""
+        return not self.autocasting
+
     # ---- dispatch ---------------------------------------------------------------------------
     def __torch_function__(self, func: Callable[..., Any], types_: Iterable[type], args: tuple[Any, ...] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
