@@ -163,13 +163,17 @@ def test_fsdp_shard_grad_op_keeps_parameters_gathered_until_backward(without_glo
 def test_fsdp_on_the_cpu_target_adds_gloos_copies_by_hand():
     # The CPU target's process group is gloo's (tests/test_gloo_runs.py runs it), which
     # reduce-scatters by all-reducing a clone of the reduce-scatter input: the FULL_SHARD peak
-    # worked out above (unit 1's reduce-scatter) + that clone, 4 MiB. gloo's copy of an
-    # all-gather output (4 MiB) comes while less is alive: the peak stays where it was.
+    # worked out above (unit 1's reduce-scatter) + that clone, 4 MiB, which gloo divides in place
+    # for FSDP2's ReduceOp.AVG: the group's size wrapped as a CPU tensor (8 B) and cast to
+    # float32 (4 B) beside it. gloo's copy of an all-gather output (4 MiB) comes while less is
+    # alive: the peak stays where it was.
     r = _two("fsdp", world_size=4)
     role = _only_role(r)
-    assert r.peak_requested == 19_935_240 + 4 * MiB
-    assert role.bytes.workspace == 8 * MiB + 4 * MiB + INPUT + 4
-    assert role.communication == 4 * MiB * 3  # all-gather output, reduce-scatter input, its clone
+    divisor = 8 + 4
+    assert r.peak_requested == 19_935_240 + 4 * MiB + divisor
+    assert role.bytes.workspace == 8 * MiB + 4 * MiB + INPUT + 4 + divisor
+    # all-gather output, reduce-scatter input, its clone (and its divisor)
+    assert role.communication == 4 * MiB * 3 + divisor
 
 
 @pytest.mark.parametrize("stage, peak, states", [
