@@ -37,8 +37,26 @@ CALLS: dict[Any, Callable[[torch.Tensor, Any], torch.Tensor]] = {
     aten.div.Tensor: lambda x, n: x / n, aten.div_.Tensor: lambda x, n: x.div_(n),
     aten.rsub.Scalar: lambda x, n: n - x,
 }
+def _foreach(name: str, overload: str) -> Callable[[torch.Tensor, Any], Any]:
+    """``torch._foreach_<name>(list, number)`` (or ``[number, number]``) on the tensor listed twice;
+    returns the outputs, or the list itself in place."""
+    function = getattr(torch, f"_foreach_{name}")
+
+    def call(x: torch.Tensor, number: Any) -> Any:
+        tensors = [x, x]
+        out = function(tensors, [number, number] if overload == "ScalarList" else number)
+        return tensors if out is None else list(out)
+    return call
+
+
+for _name in ("add", "sub", "mul", "div"):
+    for _suffix in ("", "_"):
+        for _overload in ("Scalar", "ScalarList"):
+            _op = getattr(getattr(aten, f"_foreach_{_name}{_suffix}"), _overload)
+            CALLS[_op] = _foreach(f"{_name}{_suffix}", _overload)
+_IN_PLACE_DIVISIONS = (aten.div_.Tensor, aten._foreach_div_.Scalar, aten._foreach_div_.ScalarList)
 CASES = [(op, dtype, number) for op, dtype, number in itertools.product(scalars.WRAPPING_OPS, DTYPES, NUMBERS)
-         if not (dtype == torch.int64 and (isinstance(number, float) or op in (aten.div_.Tensor,)))]
+         if not (dtype == torch.int64 and (isinstance(number, float) or op in _IN_PLACE_DIVISIONS))]
 
 
 def _real_beyond_output(call: Callable[[torch.Tensor, Any], torch.Tensor], x: torch.Tensor, number: Any) -> int:
@@ -47,19 +65,20 @@ def _real_beyond_output(call: Callable[[torch.Tensor, Any], torch.Tensor], x: to
     source = x.clone()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = call(source, number)
-    output = 0 if out is source else out.numel() * out.element_size()
-    return _profiler_peak(prof) - output
+    outputs = out if isinstance(out, list) else [out]
+    made = [t for t in outputs if t.untyped_storage() is not source.untyped_storage()]
+    return _profiler_peak(prof) - sum(t.numel() * t.element_size() for t in made)
 
 
 def _rule_bytes(op: Any, x: torch.Tensor, number: Any) -> int:
     out = CALLS[op](x.to("meta"), number)
-    return scalars.wrapped_number_bytes(number, out.dtype)
+    return scalars.wrapped_number_bytes(number, (out[-1] if isinstance(out, list) else out).dtype)
 
 
 @pytest.mark.parametrize("op, dtype, number", CASES, ids=[f"{op}-{d}-{type(n).__name__}" for op, d, n in CASES])
 def test_the_rule_takes_what_the_cpu_kernel_takes(op: Any, dtype: torch.dtype, number: Any) -> None:
     x = torch.ones(1000, dtype=dtype)
-    if op in (aten.div.Tensor,) and dtype == torch.int64:
+    if op in (aten.div.Tensor, aten._foreach_div.Scalar, aten._foreach_div.ScalarList) and dtype == torch.int64:
         pytest.skip("true division of an int64 tensor also casts the tensor itself: not a wrapped number")
     real = _real_beyond_output(CALLS[op], x, number)
     assert real == _rule_bytes(op, x, number) > 0

@@ -11,7 +11,8 @@ host scalars, so the CPU target adds them as one transient block after the op
 
 They matter where such an op is a step's peak: the for-loop Adam's ``exp_avg_sq.sqrt() /
 bias_correction2_sqrt`` on the largest parameter (the tiny Mixtral's expert-parallel runs over
-gloo: 12 B under before). On a GPU the number stays a CPU scalar that the kernel reads by value:
+gloo: 12 B under before), the foreach Adam's ``_foreach_div_`` by the same list of floats (DDP's
+gloo runs: 12 B under before). On a GPU the number stays a CPU scalar that the kernel reads by value:
 the CUDA target has no such rule. Checked op by op against the real CPU kernels
 (tests/test_cpu_scalars.py).
 """
@@ -31,9 +32,13 @@ aten = torch.ops.aten
 WRAPPED_NUMBER = "synthetic: a Python number wrapped as a CPU tensor in"
 
 #: The ops that wrap a Python number in their second argument (``other``), each checked on the CPU.
+#: The CPU runs a foreach op with a scalar (or a list of them) tensor by tensor (its slow path:
+#: ``t.div_(scalar)``), each wrapping its number while it runs: one wrapped number at a time.
 WRAPPING_OPS: tuple[OpOverload, ...] = (
     aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.mul.Tensor, aten.mul_.Tensor,
     aten.div.Tensor, aten.div_.Tensor, aten.rsub.Scalar,
+    *(getattr(getattr(aten, f"_foreach_{name}{suffix}"), overload)
+      for name in ("add", "sub", "mul", "div") for suffix in ("", "_") for overload in ("Scalar", "ScalarList")),
 )
 
 #: The dtype a Python number is wrapped as (``scalar_to_tensor``: double for a float, long for an int).
@@ -58,8 +63,12 @@ def wrapped_number_bytes(number: object, common: torch.dtype) -> int:
 def wrapped_number(kernels: _Kernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                    out: Any) -> None:
     """The wrapped number and its cast, alive beside the output (module docstring)."""
-    number = args[1] if len(args) > 1 else kwargs.get("other")
-    if isinstance(out, torch.Tensor):
-        nbytes = wrapped_number_bytes(number, out.dtype)
+    number = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("scalar", kwargs.get("scalars")))
+    tensor = out if isinstance(out, torch.Tensor) else args[0]
+    if isinstance(tensor, (list, tuple)):  # a foreach op: the last tensor's number, the one alive at its end
+        tensor = tensor[-1] if tensor else None
+        number = number[-1] if isinstance(number, (list, tuple)) and number else number
+    if isinstance(tensor, torch.Tensor):
+        nbytes = wrapped_number_bytes(number, tensor.dtype)
         if nbytes:
             kernels.add_temporary(nbytes, f"{WRAPPED_NUMBER} {op}")
