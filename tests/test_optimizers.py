@@ -17,7 +17,6 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import memcalc
-from memcalc.targets.cpu.scalars import WRAPPED_NUMBER
 from memcalc.cli import main
 from memcalc.core.categories import Category, Mode, Phase
 from memcalc.core.errors import InapplicableOptionError
@@ -29,6 +28,7 @@ from memcalc.report.render import render_report
 from memcalc.sources.resolve import resolve
 from memcalc.stacks.bitsandbytes.adamw import PAGED_MIN_NUMEL
 from memcalc.targets.backend import trace_step
+from memcalc.targets.cpu.scalars import WRAPPED_NUMBER
 
 # The bar for the real CPU step; on torch 2.13 these agree within 40 B (the for-loop's
 # and foreach's CPU step counters, 4 B per parameter, which the estimate leaves out).
