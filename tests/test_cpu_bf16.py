@@ -106,6 +106,12 @@ def test_onednn_bf16_isa_from_cpu_flags() -> None:
     assert onednn_bf16_matmul_isa(amx, {}) == "avx512_core_amx"
     assert onednn_bf16_matmul_isa({**avx512_bf16, "avx512_bf16": False}, {}) == ""
     assert onednn_bf16_matmul_isa(avx512_bf16, {"ONEDNN_MAX_CPU_ISA": "AVX2"}) == "ONEDNN_MAX_CPU_ISA=AVX2"
+    # a cap at avx512_core_bf16 keeps an AMX CPU's bf16 matmul there; a cap allowing AMX changes nothing
+    assert onednn_bf16_matmul_isa(amx, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}) == ONEDNN_BF16_MATMUL_ISA
+    assert onednn_bf16_matmul_isa(amx, {"DNNL_MAX_CPU_ISA": "avx512_core_bf16"}) == ONEDNN_BF16_MATMUL_ISA
+    assert onednn_bf16_matmul_isa(amx, {"ONEDNN_MAX_CPU_ISA": "ALL"}) == "avx512_core_amx"
+    assert (onednn_bf16_matmul_isa({**avx512_bf16, "avx512_bf16": False}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})
+            == "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16")
 
 
 # ---- each op's path against the profiler ------------------------------------------------------

@@ -28,6 +28,7 @@ from memcalc.report.render import render_report
 from memcalc.sources.resolve import resolve
 from memcalc.stacks.bitsandbytes.adamw import PAGED_MIN_NUMEL
 from memcalc.targets.backend import trace_step
+from memcalc.targets.cpu.scalars import WRAPPED_NUMBER
 
 # The bar for the real CPU step; on torch 2.13 these agree within 40 B (the for-loop's
 # and foreach's CPU step counters, 4 B per parameter, which the estimate leaves out).
@@ -201,27 +202,33 @@ def test_step_temporaries_by_hand():
     # In the optimizer step the input (2·1024·4 B), parameters P, gradients P and both moments
     # 2P are alive; what each implementation adds (torch/optim/adam.py, torch 2.13):
     #   for-loop, _single_tensor_adam: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`
-    #     — sqrt() and its quotient are alive together for the weight: 2W;
+    #     — sqrt() and its quotient are alive together for the weight: 2W, and beside them the
+    #     CPU's wrapped float (8 B) and its float32 cast (4 B) (memcalc.targets.cpu.scalars);
     #   foreach, _multi_tensor_adam: `exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)`,
-    #     then _foreach_div_, _foreach_add_, _foreach_addcdiv_ in place: P, every parameter at once;
+    #     then _foreach_div_, _foreach_add_, _foreach_addcdiv_ in place: P, every parameter at once,
+    #     and the CPU's wrapped float of _foreach_div_ (tensor by tensor) beside them;
     #   fused, _fused_adam: one in-place torch._fused_adam_: nothing.
     # So for a single large layer foreach holds *less* than the for-loop (P < 2W); with many
     # layers of similar size it holds more (all parameters against the two largest copies).
     base = 2 * 1024 * 4 + 4 * P
     for_loop, foreach = _linear_adam("for-loop"), _linear_adam("foreach")
     assert for_loop.peak_phase is foreach.peak_phase is Phase.OPTIMIZER
-    assert for_loop.peak_requested == base + 2 * W == 25_190_400
-    assert foreach.peak_requested == base + P == 21_000_192
+    wrapped = 8 + 4
+    assert for_loop.peak_requested == base + 2 * W + wrapped == 25_190_412
+    assert foreach.peak_requested == base + P + wrapped == 21_000_204
     assert foreach.peak_requested - for_loop.peak_requested == P - 2 * W
-    assert (for_loop.bytes.workspace, foreach.bytes.workspace) == (2 * W, P)
+    assert (for_loop.bytes.workspace, foreach.bytes.workspace) == (2 * W + wrapped, P + wrapped)
 
 
 def test_fused_step_has_no_temporaries():
     traced = trace_step(resolve(lambda: nn.Linear(1024, 1024), batch_size=2, input_shape=(1024,)),
                         build_step(optimizer="adam", gpu="cpu", loss="mean", loop=_impl("fused")))
-    born_in_step = {c for u, c in enumerate(traced.categories)
+    born_in_step = {(c, traced.trace.op[u] if c is Category.WORKSPACE else "") for u, c in enumerate(traced.categories)
                     if traced.trace.phase[u] is Phase.OPTIMIZER and traced.trace.nbytes[u]}
-    assert born_in_step == {Category.OPTIMIZER_STATE}  # the moments and the step counters only
+    # the moments and the step counters, and the int the counters are incremented by
+    # (torch._foreach_add_(device_state_steps, 1)), which the CPU wraps as a tensor (8 + 4 B)
+    assert born_in_step == {(Category.OPTIMIZER_STATE, ""),
+                            (Category.WORKSPACE, f"{WRAPPED_NUMBER} aten._foreach_add_.Scalar")}
     # the step holds input + 4P + two 4-byte counters = 16,801,800 B, no longer the peak: the
     # second iteration's backward (the moments alive, the gradients being made) is above it
     fused = _linear_adam("fused")

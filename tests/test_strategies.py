@@ -48,6 +48,11 @@ _DISTRIBUTED = ("world_size", "device_ids", "batch_is_global", "bucket_cap_mb", 
 FOREACH = memcalc.Loop(optimizer_impl="foreach")
 
 
+#: A Python float wrapped as a CPU tensor (8 B) and cast to float32 (4 B) while foreach Adam's
+#: _foreach_div_ runs on the CPU (memcalc.targets.cpu.scalars).
+WRAPPED = 8 + 4
+
+
 def _two(strategy: str, **kw):
     # gpu="cpu": no cuBLAS workspace, so every byte below is the model's. The step is the one a
     # GPU runs, foreach (the CPU's own default is the for-loop), as in _real_peak below.
@@ -75,10 +80,11 @@ def _only_role(report):
 
 def test_single_gpu_baseline_by_hand():
     # Peak in optimizer.step(): parameters 8 MiB + gradients 8 MiB + Adam's two moments
-    # 16 MiB + foreach Adam's sqrt(exp_avg_sq) for all parameters 8 MiB + the input 4 KiB.
+    # 16 MiB + foreach Adam's sqrt(exp_avg_sq) for all parameters 8 MiB + the input 4 KiB, while
+    # _foreach_div_ divides them by a list of floats: the CPU wraps each (WRAPPED).
     r = _two("single")
     assert r.roles == () and r.strategy == "single"
-    assert r.peak_requested == 8 * MiB + 8 * MiB + 16 * MiB + 8 * MiB + INPUT == 41_947_136
+    assert r.peak_requested == 8 * MiB + 8 * MiB + 16 * MiB + 8 * MiB + INPUT + WRAPPED == 41_947_148
 
 
 def test_ddp_adds_one_copy_of_the_gradients_in_buckets():
@@ -86,8 +92,8 @@ def test_ddp_adds_one_copy_of_the_gradients_in_buckets():
     r = _two("ddp", world_size=4)
     role = _only_role(r)
     assert role.name == "every rank" and role.ranks == (0, 1, 2, 3) and role.batch_size == 1
-    assert r.peak_requested == 41_947_136 + 8 * MiB
-    assert role.bytes.workspace == 8 * MiB + 8 * MiB  # the Adam temporary + the buckets
+    assert r.peak_requested == 41_947_148 + 8 * MiB
+    assert role.bytes.workspace == 8 * MiB + 8 * MiB + WRAPPED  # the Adam temporaries + the buckets
     assert role.communication == 8 * MiB
     assert role.model_states == 8 * MiB + 8 * MiB + 16 * MiB  # params + grads + Adam
 
@@ -96,7 +102,7 @@ def test_ddp_gradient_as_bucket_view_costs_nothing_extra():
     # The gradients are views into the buckets: the same bytes as one GPU, no collective buffer.
     r = _two("ddp", world_size=4, gradient_as_bucket_view=True)
     role = _only_role(r)
-    assert r.peak_requested == 41_947_136
+    assert r.peak_requested == 41_947_148
     assert role.communication == 0
     assert role.bytes.gradients == 8 * MiB
 
@@ -163,13 +169,17 @@ def test_fsdp_shard_grad_op_keeps_parameters_gathered_until_backward(without_glo
 def test_fsdp_on_the_cpu_target_adds_gloos_copies_by_hand():
     # The CPU target's process group is gloo's (tests/test_gloo_runs.py runs it), which
     # reduce-scatters by all-reducing a clone of the reduce-scatter input: the FULL_SHARD peak
-    # worked out above (unit 1's reduce-scatter) + that clone, 4 MiB. gloo's copy of an
-    # all-gather output (4 MiB) comes while less is alive: the peak stays where it was.
+    # worked out above (unit 1's reduce-scatter) + that clone, 4 MiB, which gloo divides in place
+    # for FSDP2's ReduceOp.AVG: the group's size wrapped as a CPU tensor (8 B) and cast to
+    # float32 (4 B) beside it. gloo's copy of an all-gather output (4 MiB) comes while less is
+    # alive: the peak stays where it was.
     r = _two("fsdp", world_size=4)
     role = _only_role(r)
-    assert r.peak_requested == 19_935_240 + 4 * MiB
-    assert role.bytes.workspace == 8 * MiB + 4 * MiB + INPUT + 4
-    assert role.communication == 4 * MiB * 3  # all-gather output, reduce-scatter input, its clone
+    divisor = 8 + 4
+    assert r.peak_requested == 19_935_240 + 4 * MiB + divisor
+    assert role.bytes.workspace == 8 * MiB + 4 * MiB + INPUT + 4 + divisor
+    # all-gather output, reduce-scatter input, its clone (and its divisor)
+    assert role.communication == 4 * MiB * 3 + divisor
 
 
 @pytest.mark.parametrize("stage, peak, states", [

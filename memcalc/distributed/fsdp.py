@@ -26,6 +26,13 @@ from memcalc.distributed.program import RankProgram, map_output
 from memcalc.distributed.vocabulary import ZeroStage3
 from memcalc.distributed.zero3_coordinator import ParamCoordinator, persistent_flags
 from memcalc.engine.trace import StorageTracer, tensors_of
+from memcalc.targets.cpu.scalars import wrapped_number_bytes
+
+#: The reduce dtypes for which FSDP2 reduce-scatters with ``ReduceOp.AVG`` (no overflow risk:
+#: ``_get_gradient_divide_factors``, torch 2.13); float16 pre- and post-divides around a sum.
+_AVERAGED_DTYPES = (torch.float32, torch.bfloat16)
+#: What gloo divides an average by: the group's size, a Python int (its value does not matter here).
+_GROUP_SIZE = 2
 
 __all__ = (
     "ShardedProgram",
@@ -495,8 +502,13 @@ class ShardedProgram(RankProgram):
         inputs, metadata = wrapper.fsdp_pre_all_gather(None)
         p.float8_inputs, p.float8_scale = tuple(inputs), tuple(metadata)
 
-    def _gloo_copy(self, tensor: torch.Tensor) -> None:
+    def _gloo_copy(self, tensor: torch.Tensor, *, average: bool = False) -> None:
         """A copy of ``tensor``'s size that gloo makes for a collective and frees when it completes.
+        ``average``: the reduce-scatter's ``ReduceOp.AVG``, which FSDP2 asks for a float32 or bfloat16
+        reduce dtype (``_get_gradient_divide_factors``) and gloo computes as a sum divided by the
+        group's size in place, on its worker thread, while the clone is alive: that size wrapped
+        as a CPU tensor and cast to the dtype (:func:`~memcalc.targets.cpu.scalars.wrapped_number_bytes`,
+        12 B for float32; a real four-rank run's peak, torch 2.13).
 
         ``ProcessGroupGloo`` (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp) all-gathers into
         a flat output of its own (``AsyncAllgatherWork``: ``newLikeFlat(outputs[0])``, on its
@@ -518,7 +530,8 @@ class ShardedProgram(RankProgram):
         when the other rank arrives late, over a backward prefetch even while this unit's
         backward runs; a real run's peak can then be one unit's all-gather output higher than
         the estimate on that rank, by timing alone (not seen in the tests' runs)."""
-        self._transient(tensor.numel() * tensor.element_size())
+        divisor = wrapped_number_bytes(_GROUP_SIZE, tensor.dtype) if average else 0
+        self._transient(tensor.numel() * tensor.element_size() + divisor)
 
     def _allocate_unsharded(self, p: _Param) -> None:
         if p.float8 is not None:
@@ -882,7 +895,8 @@ class ShardedProgram(RankProgram):
             output = torch.empty(sum(p.shard_numel for p in params), dtype=reduce_dtype, device="meta")
             self._tracer.track(output, Category.GRADIENTS)
             if self.gloo and not _alone(params):  # one rank: foreach_reduce copies, no collective
-                self._gloo_copy(rs_input)  # gloo reduce-scatters by all-reducing a clone of the input
+                # gloo reduce-scatters by all-reducing a clone of the input, which it then divides
+                self._gloo_copy(rs_input, average=reduce_dtype in _AVERAGED_DTYPES)
             sharded_dtype = params[0].sharded.dtype
             if sharded_dtype != reduce_dtype:
                 output = output.to(sharded_dtype)

@@ -9,8 +9,8 @@ runs with the tracer set aside (:func:`_propagation_untraced`): a real rank allo
 for it.
 
 Real two-process gloo runs of the same plans agree with the per-rank estimate to the byte
-(tests/test_gloo_tp.py); under ``loss_parallel`` the real gloo peak is 1.8% higher (gloo keeps
-the backward's collective buffers until its worker thread releases them, not modelled). Rank 0
+(tests/test_gloo_tp.py), ``loss_parallel`` included (its handler's sum in backward is no in-place
+gradient sum: :func:`memcalc.targets.autograd.called_by_the_engine`). Rank 0
 holds the largest shards (``torch.chunk``), so it is the default rank traced.
 
 A plan that leaves some trainable parameters plain tensors beside DTensors is refused by name

@@ -15,11 +15,16 @@ first gradient's memory.
 :func:`accumulate_in_place` puts that back: an ``add.Tensor`` in backward, outside grad mode, of
 two gradients of the output's shape and dtype whose first is the sole, dense user of its storage,
 is booked as the first gradient's memory freed just before the sum takes the same amount (the
-caching allocator hands the same block back).
+caching allocator hands the same block back). Only the engine's own sum is: one that a backward
+function's Python code computes (DTensor's ``loss_parallel`` handler of ``nll_loss_backward``,
+``(grad_input + torch.exp(x)) * grad_output``, which keeps ``grad_input`` until it returns) is a
+plain ``add`` with new memory, as on the device (:func:`called_by_the_engine`).
 """
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -27,13 +32,20 @@ from torch._ops import OpOverload
 
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("GRADIENT_SUM", "accumulate_in_place", "reuse_memory", "sole_dense")
+__all__ = ("GRADIENT_SUM", "accumulate_in_place", "called_by_the_engine", "reuse_memory", "sole_dense")
 
 #: ``_storage_Use_Count`` of a storage held by one tensor, read through the Python storage
 #: object the check itself creates (the tensor's reference and that object's).
 _SOLE_STORAGE_USES = 2
 #: The op autograd's engine sums two gradients with (a backend asks about it after every traced op).
 GRADIENT_SUM = torch.ops.aten.add.Tensor
+#: The tracer's dispatch of an op: the frame below it is the op's caller.
+_DISPATCH_CODE = StorageTracer.__torch_dispatch__.__code__
+#: Modules whose frames are the dispatch itself: the tracer's, and Dynamo's wrapper that turns its
+#: frame callback off around a dispatch (``_dispatch_without_dynamo``).
+_DISPATCH_MODULES = ("memcalc.engine.trace", "torch._dynamo")
+#: Where the engine's run starts in Python (``_engine_run_backward``, under ``backward`` and ``grad``).
+_ENGINE_MODULE = "torch.autograd"
 
 
 def sole_dense(tensor: torch.Tensor) -> bool:
@@ -57,6 +69,25 @@ def reuse_memory(tracer: StorageTracer, old: torch.Tensor, out: torch.Tensor) ->
     return True
 
 
+def called_by_the_engine() -> bool:
+    """Whether the op being dispatched was called by autograd's engine (its C++ accumulation of two
+    gradients) rather than by Python code: the op's caller, the first frame below the tracer's
+    dispatch, is where the engine's run starts (or no Python frame at all: an engine thread).
+    DTensor dispatches in C++, so a backward handler of its own (``loss_parallel``'s) is the
+    caller of the ops it runs. Where no tracer's dispatch is on the stack (a direct call), True."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code is not _DISPATCH_CODE:
+        frame = frame.f_back
+    while frame is not None and (frame.f_code is _DISPATCH_CODE or _module_of(frame).startswith(_DISPATCH_MODULES)):
+        frame = frame.f_back
+    return frame is None or _module_of(frame).startswith(_ENGINE_MODULE)
+
+
+def _module_of(frame: FrameType) -> str:
+    name = frame.f_globals.get("__name__", "")
+    return name if isinstance(name, str) else ""
+
+
 def accumulate_in_place(tracer: StorageTracer, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                         out: Any) -> bool:
     """Book autograd's in-place gradient accumulation after ``func`` (see the module docstring);
@@ -69,5 +100,7 @@ def accumulate_in_place(tracer: StorageTracer, func: OpOverload, args: tuple[Any
     if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and isinstance(out, torch.Tensor)):
         return False
     if old.shape != out.shape or new.shape != out.shape or old.dtype != out.dtype or not sole_dense(old):
+        return False
+    if not called_by_the_engine():  # a backward function's own sum (its Python code holds ``old``)
         return False
     return reuse_memory(tracer, old, out)

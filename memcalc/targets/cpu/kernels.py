@@ -16,6 +16,7 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
 - ``at::linear``'s bias added in place (:func:`aten_linear`);
 - bfloat16 GEMMs' oneDNN scratchpad (:mod:`memcalc.targets.cpu.onednn`);
 - gloo's staging in the functional all-gather and reduce-scatter (:mod:`memcalc.targets.cpu.gloo`);
+- Python numbers in arithmetic, wrapped as CPU tensors (:mod:`memcalc.targets.cpu.scalars`);
 - normalisation statistics in the CPU's dtypes (:func:`follow_statistics`).
 
 Sizes follow torch 2.13 with oneDNN v3.12 on x86-64 (float32, and bfloat16 GEMMs on
@@ -47,7 +48,7 @@ from memcalc.core.precision import Precision
 from memcalc.engine.rules import RuleRegistry, op_name
 from memcalc.engine.trace import StorageTracer
 from memcalc.targets.autocast import AutocastPolicy, cpu_autocast_policy
-from memcalc.targets.cpu import gloo, onednn
+from memcalc.targets.cpu import gloo, onednn, scalars
 from memcalc.targets.cpu.onednn import (
     ONEDNN_BF16_MATMUL_ISA,
     onednn_bf16_matmul_isa,
@@ -526,6 +527,7 @@ def bf16_matmul(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwar
 # ---- gloo's functional collectives (memcalc.targets.cpu.gloo) ----------------------------------
 CPU_KERNEL_RULES.register(gloo.ALL_GATHER)(gloo.all_gather_staging)
 CPU_KERNEL_RULES.register(gloo.REDUCE_SCATTER)(gloo.reduce_scatter_staging)
+CPU_KERNEL_RULES.register(*scalars.WRAPPING_OPS)(scalars.wrapped_number)
 
 
 # ---- LSTM: oneDNN ------------------------------------------------------------------------------

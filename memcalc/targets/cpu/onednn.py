@@ -147,6 +147,12 @@ def lstm_weight_reorder_bytes(input_size: int, hidden: int, *, forward: bool) ->
 ONEDNN_BF16_MATMUL_ISA = "avx512_core_bf16"
 #: The variables that cap oneDNN's ISA (dnnl_set_max_cpu_isa's environment twin).
 _ONEDNN_ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+#: Caps (``dnnl_cpu_isa_t`` names, as the variables take them) that leave AMX allowed: the ISA is
+#: the CPU's own. ``ALL`` and ``DEFAULT`` cap nothing.
+_CAPS_WITH_AMX = frozenset({"ALL", "DEFAULT", "AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16",
+                            "AVX10_1_512_AMX_FP16", "AVX10_2_512_AMX_2"})
+#: Caps that allow avx512_core_bf16 but not AMX (``AVX512_CORE_FP16`` is ``AVX10_1_512``).
+_CAPS_AT_AVX512_CORE_BF16 = frozenset({"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX10_2_512"})
 #: cpu_isa_traits.hpp ``mayiuse``: avx512_core_vnni plus AVX512-BF16; AMX adds amx_int8/amx_bf16
 #: (and avx512_core_fp16); avx2_vnni_2 is avx2_vnni plus AVX-VNNI-INT8 and AVX-NE-CONVERT.
 _AVX512_CORE_BF16_FLAGS = ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni", "avx512_bf16")
@@ -186,10 +192,17 @@ def onednn_bf16_matmul_isa(flags: Mapping[str, object], environ: Mapping[str, st
     """The ISA oneDNN's matmul runs a bfloat16 GEMM with: the first of its bf16 ISAs
     (``check_isa_with_datatype``: avx512_core_amx, avx512_core_bf16, avx2_vnni_2) the CPU's
     ``flags`` (``torch._C._cpu._get_cpu_capability()``) allow; "" for none of them (oneDNN then
-    runs another implementation), the cap's setting when ``environ`` caps the ISA."""
+    runs another implementation). Where ``environ`` caps the ISA: the CPU's own under a cap that
+    allows AMX, avx512_core_bf16 under a cap at that level (AMX excluded: ``ONEDNN_MAX_CPU_ISA=
+    AVX512_CORE_BF16`` on an AMX CPU, checked by ``ONEDNN_VERBOSE``: ``brg_matmul:avx512_core_bf16``)
+    where the CPU has it; under any other cap, the cap's setting (an ISA not followed)."""
     for variable in _ONEDNN_ISA_CAPS:
-        if environ.get(variable):
-            return f"{variable}={environ[variable]}"
+        cap = environ.get(variable, "").upper()
+        if not cap or cap in _CAPS_WITH_AMX:
+            continue
+        if cap in _CAPS_AT_AVX512_CORE_BF16 and all(flags.get(flag) for flag in _AVX512_CORE_BF16_FLAGS):
+            return ONEDNN_BF16_MATMUL_ISA
+        return f"{variable}={environ[variable]}"
     if all(flags.get(flag) for flag in _AVX512_CORE_BF16_FLAGS):
         return "avx512_core_amx" if all(flags.get(flag) for flag in _AMX_BF16_FLAGS) else ONEDNN_BF16_MATMUL_ISA
     return "avx2_vnni_2" if all(flags.get(flag) for flag in _AVX2_VNNI_2_FLAGS) else ""
