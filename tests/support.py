@@ -38,6 +38,17 @@ bf16_followed = pytest.mark.skipif(
     reason=f"oneDNN's bf16 matmul runs {CPU_HERE.onednn_bf16_isa or 'another implementation'} here")
 
 
+def skip_module_without(*packages: str) -> None:
+    """Skip the calling test module where one of ``packages`` is not installed, as a module-level
+    ``pytest.importorskip`` would, without importing them: the import is the test's, when it runs.
+    Collection imports every test module in each xdist worker, and PEFT with bitsandbytes costs
+    about 2 CPU-s there, for a worker that may run none of the tests needing it (issue 36 item 7)."""
+    caller = Path(sys._getframe(1).f_code.co_filename).name  # the skip report names this line, not the module
+    for name in packages:
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"{caller}: could not import {name!r}: No module named {name!r}", allow_module_level=True)
+
+
 @functools.cache
 def replay_suite() -> ModuleType:
     """benchmarks/replay_suite.py, loaded by its path (benchmarks/ is not a package)."""

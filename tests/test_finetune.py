@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from support import SMALL_LLAMA, hf_config_source
+from support import SMALL_LLAMA, hf_config_source, skip_module_without
 from torch import nn
 
 import memcalc
@@ -32,8 +32,8 @@ from memcalc.fields import build_step
 from memcalc.sources.resolve import resolve
 from memcalc.stacks.bitsandbytes.quantized_base import layout_4bit, layout_int8, modules_to_not_convert
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+# PEFT and transformers are imported by the tests that use them (support.skip_module_without)
+skip_module_without("peft", "transformers")
 
 #: Meta-Llama-3-8B's dimensions (its config.json).
 LLAMA_3_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
@@ -44,6 +44,8 @@ K, N = 4096, 4096  # the hand-computed layer: Linear(4096, 4096)
 
 
 def _peft_counts(model: nn.Module, config: object) -> tuple[int, int]:
+    import peft
+
     with torch.device("meta"):
         wrapped = peft.get_peft_model(model, config)
     trainable, total = wrapped.get_nb_trainable_parameters()
@@ -98,6 +100,9 @@ def test_lora_counts_equal_peft_on_a_hugging_face_llama(tmp_path: Path, quant: s
     # statistics not at all, which gives the unquantized model's count
     report = memcalc.estimate(hf_config_source(tmp_path, SMALL_LLAMA), batch_size=1, seq_len=16,
                               finetune=FineTune(lora=LoRA(8), quant=quant))
+    import peft
+    import transformers
+
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_LLAMA))
     trainable, total = _peft_counts(model, peft.LoraConfig(r=8))
@@ -115,6 +120,7 @@ def test_lora_counts_on_zoo_llama_tiny_with_explicit_targets():
     base = resolve("llama-tiny", batch_size=1, seq_len=16).module
     by_hand = sum(4 * (m.in_features + m.out_features) for name, m in base.named_modules()
                   if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+    import peft
     trainable, total = _peft_counts(base, peft.LoraConfig(r=4, target_modules=list(targets)))
     assert report.trainable_parameters == trainable == by_hand
     assert report.parameters == total
@@ -210,6 +216,7 @@ def test_quantized_parameter_bytes_in_an_estimate(quant: str, double: bool, laye
 
 
 def test_lm_head_and_embeddings_stay_unquantized_as_transformers_leaves_them(tmp_path: Path):
+    import transformers
     from transformers.quantizers.base import get_keys_to_not_convert
 
     for tied in (False, True):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from support import hf_config_source
+from support import hf_config_source, skip_module_without
 from torch import nn
 
 import memcalc
@@ -24,8 +24,8 @@ from memcalc.core.errors import InvalidInputError
 from memcalc.fields import build_step
 from memcalc.measure.step import attach_measurement, measure, measure_cpu
 
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
+# imported by the steps that use them (support.skip_module_without)
+skip_module_without("peft", "transformers")
 
 # The bar of tests/test_against_cpu.py (0.5 %). On torch 2.13 these cases agree within 72 B
 # (0.003 %): the optimizers' CPU step counters, which the estimate for this CPU leaves out.

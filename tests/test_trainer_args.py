@@ -10,6 +10,7 @@ Linear layer through the trainer loop, and the CLI's output and messages. The re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import sys
@@ -96,19 +97,24 @@ def test_the_users_options_win_over_the_defaults():
 # ============================================================================================
 
 
-#: The installed transformers' name of the checkpointing argument: 5.24 has
-#: ``activation_checkpointing`` (and still reads ``gradient_checkpointing``); 5.17, the floor CI
-#: runs, has ``gradient_checkpointing`` only.
-CHECKPOINTING = ("activation_checkpointing"
-                 if "activation_checkpointing" in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-                 else "gradient_checkpointing")
+@functools.cache
+def checkpointing_argument() -> str:
+    """The installed transformers' name of the checkpointing argument: 5.24 has
+    ``activation_checkpointing`` (and still reads ``gradient_checkpointing``); 5.17, the floor CI
+    runs, has ``gradient_checkpointing`` only. Read when a test asks, not at collection:
+    ``transformers.TrainingArguments`` imports PEFT, with bitsandbytes, about 2 CPU-s in every
+    xdist worker (issue 36 item 7)."""
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 #: Arguments memcalc judges that only some of the releases CI runs have.
 NOT_IN_EVERY_RELEASE = {"activation_checkpointing", "activation_checkpointing_kwargs"}
 
 
 def test_the_users_arguments_set_the_step():
     args = _args(per_device_train_batch_size=3, gradient_accumulation_steps=2, bf16=True,
-                 optim="sgd", optim_args="momentum=0.9", **{CHECKPOINTING: True})
+                 optim="sgd", optim_args="momentum=0.9", **{checkpointing_argument(): True})
     step = build_step("gpt2", seq_len=64, trainer_args=args)
     assert (step.batch_size, step.accum_steps, step.precision, step.checkpoint) == (3, 2, Precision.AMP_BF16, FULL)
     assert step.optimizer_key is Optimizer.SGD_MOMENTUM  # optim_args' momentum: a momentum buffer
@@ -240,10 +246,11 @@ def test_checkpointing_it_cannot_follow_is_refused(kwargs, says):
 
 def test_checkpointing_kwargs_it_follows_and_kwargs_without_checkpointing():
     accepted = {"use_reentrant": False, "preserve_rng_state": True}
-    step = build_step("gpt2", seq_len=32, trainer_args={CHECKPOINTING: True, f"{CHECKPOINTING}_kwargs": accepted})
+    checkpointing = checkpointing_argument()
+    step = build_step("gpt2", seq_len=32, trainer_args={checkpointing: True, f"{checkpointing}_kwargs": accepted})
     assert step.checkpoint
     # the Trainer reads the kwargs only when it checkpoints
-    off = build_step("gpt2", seq_len=32, trainer_args={f"{CHECKPOINTING}_kwargs": {"use_reentrant": True}})
+    off = build_step("gpt2", seq_len=32, trainer_args={f"{checkpointing}_kwargs": {"use_reentrant": True}})
     assert not off.checkpoint
 
 
@@ -286,15 +293,15 @@ def test_invalid_values_are_named():
         build_step("mlp", trainer_args=42)
 
 
-@dataclasses.dataclass
-class _SftLikeArguments(transformers.TrainingArguments):
-    """A subclass with arguments of its own, as TRL's SFTConfig has."""
-
-    max_length: int = 1024
-    packing: bool = False
-
-
 def test_a_subclass_arguments_it_does_not_know_are_named_as_not_read():
+    # defined here, not at collection: transformers.TrainingArguments imports PEFT (checkpointing_argument)
+    @dataclasses.dataclass
+    class _SftLikeArguments(transformers.TrainingArguments):
+        """A subclass with arguments of its own, as TRL's SFTConfig has."""
+
+        max_length: int = 1024
+        packing: bool = False
+
     config = _SftLikeArguments(output_dir="unused", use_cpu=True, report_to="none", per_device_train_batch_size=2,
                                max_length=512, packing=True)
     step = build_step("mlp", trainer_args=config)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_harness import MISTRAL_VOCAB, Recipe, llama_config, model_bytes, real_model, storage_bytes, write_config
+from support import skip_module_without
 
 from memcalc.core.categories import Mode
 from memcalc.core.finetune import FineTune, LoRA
@@ -22,8 +23,7 @@ from memcalc.stacks.bitsandbytes.quantized_base import QuantizedLinear
 from memcalc.stacks.peft import apply_finetune
 
 pytest.importorskip("transformers")
-pytest.importorskip("peft")
-pytest.importorskip("bitsandbytes")
+skip_module_without("peft", "bitsandbytes")  # imported by the tests, not at collection (every xdist worker)
 pytestmark = pytest.mark.slow  # a checkpoint saved and loaded back: 2–3 s a case
 
 _CONFIG = llama_config(MISTRAL_VOCAB, hidden=256)

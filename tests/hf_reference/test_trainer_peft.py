@@ -16,11 +16,12 @@ from hf_harness import (
     check_trainer_recipe,
     llama_config,
 )
+from support import skip_module_without
 
 import memcalc
 
 pytest.importorskip("transformers")
-pytest.importorskip("peft")
+skip_module_without("peft")  # imported by the tests, not at collection (every xdist worker)
 pytestmark = pytest.mark.slow  # 4–8 s a case on two CPU cores
 
 _TRAINER = memcalc.Loop("trainer", optimizer_impl="fused")
