@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from torch import nn
 from trl_llama import CONFIG, HIDDEN, LAYERS, VOCAB, P
+from zero3_probe import hook_gathers, record_steps
 
 import memcalc
 from memcalc.core.categories import Category, Phase
@@ -69,25 +70,7 @@ def _events(monkeypatch: pytest.MonkeyPatch, model: str, stage3: ZeroStage3,
 
     def probe(self: ZeroProgram, tracer: Any, module: nn.Module) -> None:
         assert isinstance(module, GrpoStepModule)
-        models = {key: module.get_submodule(key) for key in keys}
-        names = {key: {id(p): n for n, p in m.named_parameters()} for key, m in models.items()}
-        order = {key: {n: i for i, n in enumerate(v.values())} for key, v in names.items()}
-        install(self, tracer, module)
-        assert self.sharded is not None
-        coordinators = dict(zip(keys, self.sharded.coordinators, strict=True))
-
-        def gathered() -> str:
-            return " ".join(hex(sum(1 << order[key][names[key][id(p.original)]] for p in c.params if c.available(p)))
-                            for key, c in coordinators.items())
-
-        for key, net in models.items():
-            for index, child in net.named_modules():
-                if next(child.parameters(recurse=False), None) is None:
-                    continue
-                self._handles.append(child.register_forward_pre_hook(
-                    lambda m, a, k=key, i=index: events.append([f"pre {k}.{i}", gathered()])))
-                self._handles.append(child.register_forward_hook(
-                    lambda m, a, o, k=key, i=index: events.append([f"post {k}.{i}", gathered()])))
+        _coordinators, gathered = hook_gathers(self, tracer, module, keys, events, install)
         generating = module._generating
 
         def generating_then_record() -> Any:
@@ -101,18 +84,7 @@ def _events(monkeypatch: pytest.MonkeyPatch, model: str, stage3: ZeroStage3,
             return context()
 
         module._generating = generating_then_record  # type: ignore[method-assign]
-        around = self._around()
-        assert around is not None
-
-        def before() -> None:
-            events.append([f"backward {sum(e[0].startswith('step') for e in events)}", gathered()])
-            around[0]()
-
-        def after() -> None:
-            around[1]()
-            events.append([f"step {sum(e[0].startswith('backward') for e in events) - 1}", gathered()])
-
-        self._around = lambda: (before, after)  # type: ignore[method-assign]
+        record_steps(self, events, gathered, lambda: f"backward {sum(e[0].startswith('step') for e in events)}")
 
     monkeypatch.setattr(ZeroProgram, "install", probe)
     _estimate(model, stage3, gather=gather, beta=beta, batch=RECORDED["batch"],
