@@ -18,16 +18,14 @@ installed with ``DS_BUILD_OPS=0`` into DIR)::
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import tempfile
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from two_ranks import run_on_two_ranks, write_record
 
 #: A small Llama: embedding and head 512·64 = 32,768 elements, q and o 4,096, k and v 2,048, the MLP's
 #: 8,192 each, norms 64.
@@ -136,18 +134,8 @@ def main() -> None:
                            "world_size": torch.distributed.get_world_size(), "config": CONFIG, "batch": BATCH,
                            "seq_len": SEQ, "cases": {**{name: _run(extra) for name, extra in CASES.items()},
                                      **{name: _run(extra, lora=True) for name, extra in LORA_CASES.items()}}}
-    if torch.distributed.get_rank() == 0:
-        with open(sys.argv[1], "w", encoding="utf-8") as file:
-            json.dump(out, file, indent=None)
-            file.write("\n")
+    write_record(out)
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:  # launch two ranks
-        from torch.distributed.run import main as run
-
-        run(["--nproc_per_node", "2", "--master_port", os.environ.get("PORT", "29623"), __file__,
-             os.path.abspath(sys.argv[1])])
-    else:
-        with tempfile.TemporaryDirectory():
-            main()
+    run_on_two_ranks(__file__, main, "29623")

@@ -15,14 +15,12 @@ with ``DS_BUILD_OPS=0`` and its ZeRO-3 runs on the CPU accelerator. Run as::
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import tempfile
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from two_ranks import run_on_two_ranks, write_record
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -136,22 +134,11 @@ def main() -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
     out = {"deepspeed": deepspeed.__version__, "world_size": torch.distributed.get_world_size(), "cases": {}}
     for name, extra in {**CASES, **LLAMA_CASES}.items():
         out["cases"][name] = {"settings": extra, "events": _run(name, extra)}
-    if rank == 0:
-        with open(sys.argv[1], "w", encoding="utf-8") as file:
-            json.dump(out, file, indent=None)
-            file.write("\n")
+    write_record(out)
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:  # launch two ranks
-        from torch.distributed.run import main as run
-
-        run(["--nproc_per_node", "2", "--master_port", os.environ.get("PORT", "29613"), __file__,
-             os.path.abspath(sys.argv[1])])
-    else:
-        with tempfile.TemporaryDirectory():
-            main()
+    run_on_two_ranks(__file__, main, "29613")

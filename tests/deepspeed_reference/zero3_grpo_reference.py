@@ -19,16 +19,15 @@ tests/deepspeed_reference/zero3_gathers.py says (DeepSpeed installed with ``DS_B
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from two_ranks import run_on_two_ranks, write_record
 
 #: A small Llama (as tests/deepspeed_reference/zero3_dpo_reference.py's).
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
@@ -198,18 +197,8 @@ def main() -> None:
                            "world_size": torch.distributed.get_world_size(), "config": CONFIG, "batch": BATCH,
                            "num_generations": GENERATIONS, "prompt": PROMPT, "completion": COMPLETION,
                            "cases": {name: _run(name, *case) for name, case in CASES.items()}}
-    if torch.distributed.get_rank() == 0:
-        with open(sys.argv[1], "w", encoding="utf-8") as file:
-            json.dump(out, file, indent=None)
-            file.write("\n")
+    write_record(out)
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:  # launch two ranks
-        from torch.distributed.run import main as run
-
-        run(["--nproc_per_node", "2", "--master_port", os.environ.get("PORT", "29627"), __file__,
-             os.path.abspath(sys.argv[1])])
-    else:
-        with tempfile.TemporaryDirectory():
-            main()
+    run_on_two_ranks(__file__, main, "29627")
