@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from torch import nn
 from trl_llama import CONFIG, HIDDEN, LAYERS, VOCAB, P
-from zero3_probe import hook_gathers, record_steps
+from zero3_probe import KEYS, PLAIN, hook_gathers, record_steps
 
 import memcalc
 from memcalc.core.categories import Category, Phase
@@ -35,10 +35,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "deepspeed_zero3_grpo.json").read_text())
-KEYS = {"stage3_param_persistence_threshold": "param_persistence_threshold",
-        "stage3_prefetch_bucket_size": "prefetch_bucket_size", "stage3_max_live_parameters": "max_live_parameters",
-        "stage3_max_reuse_distance": "max_reuse_distance"}
-PLAIN = ZeroStage3(param_persistence_threshold=0, prefetch_bucket_size=0, max_reuse_distance=0)
 
 
 def _write(tmp_path: Path, config: dict[str, Any]) -> str:

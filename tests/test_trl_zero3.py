@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from torch import nn
 from trl_llama import CONFIG, HIDDEN, LAYER, LAYERS, VOCAB, P
-from zero3_probe import hook_gathers, record_steps
+from zero3_probe import KEYS, PLAIN, hook_gathers, record_steps
 
 import memcalc
 from memcalc.core.categories import Category, Phase
@@ -32,12 +32,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "deepspeed_zero3_dpo.json").read_text())
-KEYS = {"stage3_param_persistence_threshold": "param_persistence_threshold",
-        "stage3_prefetch_bucket_size": "prefetch_bucket_size", "stage3_max_live_parameters": "max_live_parameters",
-        "stage3_max_reuse_distance": "max_reuse_distance"}
-#: No prefetch, no persistent parameter, nothing kept for reuse: each module gathers its own parameters
-#: and releases them after itself.
-PLAIN = ZeroStage3(param_persistence_threshold=0, prefetch_bucket_size=0, max_reuse_distance=0)
 
 HEAD = 4 * VOCAB * HIDDEN  # the LM head's (and the embedding's) fp32 bytes: 4 MiB
 SEQ = 64

@@ -10,7 +10,16 @@ from typing import Any
 
 from torch import nn
 
+from memcalc.distributed.vocabulary import ZeroStage3
 from memcalc.distributed.zero import ZeroProgram
+
+#: The recorded DeepSpeed config keys, by ZeroStage3's names for them.
+KEYS = {"stage3_param_persistence_threshold": "param_persistence_threshold",
+        "stage3_prefetch_bucket_size": "prefetch_bucket_size", "stage3_max_live_parameters": "max_live_parameters",
+        "stage3_max_reuse_distance": "max_reuse_distance"}
+#: No prefetch, no persistent parameter, nothing kept for reuse: each module gathers its own parameters
+#: and releases them after itself.
+PLAIN = ZeroStage3(param_persistence_threshold=0, prefetch_bucket_size=0, max_reuse_distance=0)
 
 
 def hook_gathers(program: ZeroProgram, tracer: Any, module: nn.Module, keys: Sequence[str],
