@@ -30,10 +30,11 @@ import torch
 from torch import nn
 
 from memcalc.core.loop import OptimizerImpl
+from memcalc.distributed.dtensor_upkeep import clear_dtensor_caches, restore_modules, snapshot_modules
 from memcalc.distributed.expert_parallel import ExpertParallel, expert_plan, split_sizes
 from memcalc.distributed.pipeline import stage_mesh
 from memcalc.distributed.program import RankProgram, StackedProgram
-from memcalc.distributed.tensor_parallel import TensorParallel, _clear_dtensor_caches, _restore_modules, _snapshot
+from memcalc.distributed.tensor_parallel import TensorParallel
 from memcalc.distributed.tp_plans import stage_plan
 from memcalc.distributed.tp_stages import StageTensorParallel
 from memcalc.distributed.vocabulary import Routing
@@ -89,9 +90,9 @@ class StageExpertParallel:
         from transformers.distributed.expert_parallel import apply_expert_parallelism
 
         plan = self.stage_plan(module, prefix)
-        snapshot = _snapshot(module)
+        snapshot = snapshot_modules(module)
         saved = {id(m): (m, dict(vars(m))) for m in module.modules()}
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
         previous = _reader_in_use()
         answering = StorageTracer("meta", read_values=functools.partial(
             split_sizes, degree=self.degree, rank=0, routing=self.routing, capacity_factor=self.capacity_factor,
@@ -104,11 +105,11 @@ class StageExpertParallel:
                 stack.enter_context(answering)
                 yield
         finally:
-            _restore_modules(snapshot)
+            restore_modules(snapshot)
             for m, attributes in saved.values():  # the forwards and marks apply_expert_parallelism set
                 vars(m).clear()
                 vars(m).update(attributes)
-            _clear_dtensor_caches()
+            clear_dtensor_caches()
 
     def program(self, stage: ResolvedModel) -> RankProgram:
         """The program of one stage's module (the model under ``model.``)."""
