@@ -316,14 +316,15 @@ def test_pp_alone_on_a_mixture_of_experts_by_hand(tiny: str) -> None:
 
 
 @pytest.mark.parametrize("degrees, message", [
-    # HSDP stages with experts (with dp_shard or not), and dp_shard with tp x ep, are modelled
-    # (tests/test_gloo_pipeline_ep.py, tests/test_gloo_pipeline_ep_replicate.py); tp x ep with dp_replicate, not
-    # yet (sixteen processes at the least to check), with dp_shard or without
-    (dict(tp=2, dp_shard=2, dp_replicate=2), r"pp=2 with ep=2 and tp=2 and dp_replicate=2 is not modelled yet"),
-    (dict(tp=2, dp_replicate=2), r"pp=2 with ep=2 and tp=2 and dp_replicate=2 is not modelled yet: .* sixteen "),
+    # HSDP stages with experts (with dp_shard or not), dp_shard with tp x ep and dp_replicate with tp x ep are
+    # modelled (tests/test_gloo_pipeline_ep.py, tests/test_gloo_pipeline_ep_replicate.py,
+    # tests/test_gloo_pipeline_ep_tp_replicate.py); tp x ep with dp_replicate and dp_shard both, not yet (thirty-two
+    # processes at the least to check)
+    (dict(tp=2, dp_shard=2, dp_replicate=2),
+     r"pp=2 with ep=2 and tp=2 and dp_replicate=2 and dp_shard=2 is not modelled yet: .* thirty-two processes"),
     # 4 experts over ep x tp = 4 ranks: 1 a rank, fewer than dp_shard=2 (torchtitan's Shard(1))
     (dict(tp=2, dp_shard=2), r"dp_shard=2 with ep x tp = 4 ranks: each ep rank holds 1 experts"),
-], ids=["tp-hsdp", "tp-dp_replicate", "tp-dp_shard-too-few-experts"])
+], ids=["tp-hsdp", "tp-dp_shard-too-few-experts"])
 def test_pp_x_ep_with_tp_and_dp_shard_or_dp_replicate_is_refused_by_name(tiny: str, degrees: dict[str, int],
                                                                 message: str) -> None:
     with pytest.raises(InapplicableOptionError, match=message):
@@ -347,6 +348,30 @@ def test_pp_x_dp_replicate_x_ep_parameters_per_rank_by_hand(tiny: str) -> None:
         ranks: 4 * n for ranks, n in held.items()}
     assert report.global_batch_size == 2 * 2 * 2  # a batch per ep rank and replica
     assert any("each block's experts over a one-rank shard group" in note for note in report.notes)
+
+
+def test_pp_x_dp_replicate_x_tp_x_ep_parameters_per_rank_by_hand(tiny: str) -> None:
+    # pp=2 x dp_replicate=2 x tp=2 x ep=2 (etp=1) on the 4-expert Mixtral: two stages of one layer; in each, the tp
+    # plan halves the embedding, head, q, k, v, o, then FSDP2 as torchtitan wraps an MoE stage under dp_replicate
+    # without dp_shard halves every dense local tensor again over the 2 ep ranks (a layer's q, k, v, o 12,288 -> 3,072,
+    # router 256 -> 128, norms 128 -> 64; the embedding and head 16,384 -> 4,096; the final norm 64 -> 32), and each
+    # layer's 4 experts over ep x tp = 4 ranks, 1 a rank (24,576), whole: FSDP2 over a one-rank shard group
+    setting = memcalc.Distributed(pp=2, dp_replicate=2, tp=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="sgd", gpu="cpu", distributed=setting)
+    layer = 12_288 // 4 + 256 // 2 + 128 // 2 + EXPERT
+    head = 256 * 64 // 4  # the embedding or the head
+    sharded = {tuple(range(8)): head + layer, tuple(range(8, 16)): layer + 64 // 2 + head}
+    assert sharded == {tuple(range(8)): 31_936, tuple(range(8, 16)): 31_968}
+    assert {role.ranks: role.report.textbook.parameter_bytes for role in report.roles} == {
+        ranks: 4 * n for ranks, n in sharded.items()}
+    # reshard_after_forward=False under the pipeline: at the peak a rank also holds the tp-local tensors FSDP2
+    # gathered (dense: twice its shard; the experts' one-rank gather: a copy of its 24,576)
+    gathered = {ranks: n + (n - EXPERT) * 2 + EXPERT for ranks, n in sharded.items()}
+    assert gathered == {tuple(range(8)): 71_232, tuple(range(8, 16)): 71_328}
+    assert {role.ranks: role.report.bytes.parameters for role in report.roles} == {
+        ranks: 4 * n for ranks, n in gathered.items()}
+    assert report.global_batch_size == 2 * 2 * 2  # a batch per (replica, ep) pair, shared by its tp pair
+    assert any("dp_shard_mod_ep = 1" in note and "2 replicas" in note for note in report.notes)
 
 
 def test_pp_x_tp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:

@@ -10,8 +10,7 @@ microbatches, 1F1B with SGD and GPipe with Adam, balanced routing made real, eve
 
 Measured on torch 2.13 / transformers 5.24 (2026-12-07): the figures at CASES, to the byte.
 
-``pp × tp × ep`` with dp_replicate stays refused (strategy/pp.py): its smallest real run is sixteen
-processes (pp=2 × dp_replicate=2 × tp=2 × ep=2), beyond the eight this machine's checks allow.
+With tp too (``pp=2,dp_replicate=2,tp=2,ep=2``, sixteen processes): tests/test_gloo_pipeline_ep_tp_replicate.py.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before F
 (:mod:`memcalc.distributed.tp_stages`): a pipeline rank's tp and dp_shard ranks share its trace,
 numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``. With ``tp`` and ``ep`` both,
 each stage's experts go over the pipeline rank's ep × tp ranks (``StageExpertTensorParallel``), and
-with dp_shard FSDP2 wraps the stage around that (torchtitan's 4-D MoE layout, etp=1); with dp_replicate
-it is refused (never checked: sixteen processes at the least).
+with dp_shard FSDP2 wraps the stage around that (torchtitan's 4-D MoE layout, etp=1), with dp_replicate
+alone HSDP around it (checked on sixteen processes); with both it is refused (never checked: thirty-two).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class PipelineParallel(RankStrategy):
         fsdp_notes: list[str] = []
         shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
         ep = 1 if mesh is None else mesh.ep
-        experts = None if ep == 1 else self._expert_parallel(ep, tp, replicas)
+        experts = None if ep == 1 else self._expert_parallel(ep, tp, replicas, dp_shard)
         # FSDP2 wraps each stage under dp_shard, and under ep with dp_replicate alone: torchtitan's ep borrows
         # its dp_shard (dp_shard_mod_ep = 1) and wraps every MoE stage, HSDP over the replicas
         fsdp_stages = dp_shard > 1 or (experts is not None and replicas > 1)
@@ -212,23 +212,26 @@ class PipelineParallel(RankStrategy):
                 hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
         return replicas
 
-    def _expert_parallel(self, ep: int, tp: int, replicas: int) -> StageExpertParallel:
+    def _expert_parallel(self, ep: int, tp: int, replicas: int, dp_shard: int) -> StageExpertParallel:
         """ep inside every stage (:mod:`memcalc.distributed.ep_stages`), with tp's ranks borrowed for
-        the experts (etp=1), refusing what is not modelled there: tp × ep with dp_replicate, whose
-        smallest real check is sixteen processes (pp, dp_replicate, tp and ep of 2), never run.
+        the experts (etp=1), refusing what is not modelled there: tp × ep with dp_replicate and dp_shard
+        both, whose smallest real check is thirty-two processes (pp, dp_replicate, dp_shard, tp and ep of
+        2), never run. Without dp_shard it is checked (sixteen processes:
+        tests/test_gloo_pipeline_ep_tp_replicate.py).
 
         Raises:
             InapplicableOptionError: that mesh, or a transformers without expert parallelism.
         """
-        if tp > 1 and replicas > 1:
+        if tp > 1 and replicas > 1 and dp_shard > 1:
             raise InapplicableOptionError(
-                f"pp={self.degree} with ep={ep} and tp={tp} and dp_replicate={replicas} is not modelled yet: each "
-                f"stage would be pp x tp x ep's program with HSDP's FSDP2 around it, as torchtitan runs it, but "
-                f"memcalc checks every pipelined mesh against a real gloo run and this one's smallest (pp=2 x "
-                f"dp_replicate=2 x tp=2 x ep=2) takes sixteen processes, not run yet",
-                hint=f"Estimate --mesh pp={self.degree},tp={tp},ep={ep} (with dp_shard=N for FSDP2 stages; "
-                     f"dp_replicate's all-reduce is in place around them), or pp={self.degree},"
-                     f"dp_replicate={replicas},ep={ep} without tp.")
+                f"pp={self.degree} with ep={ep} and tp={tp} and dp_replicate={replicas} and dp_shard={dp_shard} is "
+                f"not modelled yet: each stage would be pp x dp_shard x tp x ep's program with HSDP around it, as "
+                f"torchtitan runs it, but memcalc checks every pipelined mesh against a real gloo run and this "
+                f"one's smallest (pp=2 x dp_replicate=2 x dp_shard=2 x tp=2 x ep=2) takes thirty-two processes, "
+                f"not run; without dp_shard (sixteen) it is checked",
+                hint=f"Estimate --mesh pp={self.degree},dp_shard={dp_shard},tp={tp},ep={ep} (dp_replicate's "
+                     f"all-reduce is in place around it), or pp={self.degree},dp_replicate={replicas},tp={tp},"
+                     f"ep={ep} without dp_shard.")
         if not expert_parallelism_available():
             raise InapplicableOptionError(
                 f"ep={ep} runs transformers' own expert parallelism (transformers.distributed.expert_parallel), "
