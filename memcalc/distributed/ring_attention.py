@@ -131,6 +131,11 @@ class RingAttentionProgram(RankProgram):
                                   "ring attention: K/V all-gather and float32 merge (cp)")
         out: torch.Tensor = original(query, key, value, *args, **kwargs)
         self.tracer.release(forward)
+        if self.load_balanced and self.cp > 1 and not out.is_contiguous():
+            # _SDPAMerger's partial updates (every rank but the last) return torch.cat's contiguous
+            # (B, H, S/cp, D) output, not the kernel's (B, S/cp, H, D) layout: the model's
+            # transpose(1, 2).contiguous() then copies it (module docstring)
+            out = out.contiguous()
         if out.requires_grad and query.requires_grad:
             self._around_backward(out, query, ring_backward_bytes(query.shape, key.shape, itemsize, self.cp))
         return out
