@@ -147,14 +147,17 @@ def test_a_cp_rank_is_the_step_at_s_over_cp_with_the_ring_around_attention(monke
     assert Counter(nbytes for nbytes, _ in held) == {3_670_016: 8, 7_864_320: 8}
     assert all("ring attention" in label for _, label in held)
     held.clear()
-    # the same rank without the ring: FSDP2 over 2 ranks at 128 tokens; saved activations and model
-    # states are the same, and the peak (lm_head's backward, 2·128·32,000 logits) too
+    # the same rank without the ring: FSDP2 over 2 ranks at 128 tokens; model states are the same, and
+    # the saved activations and the peak (lm_head's backward, 2·128·32,000 logits) are those plus, on
+    # cp rank 0, the copy the model makes of each layer's partially merged ring output (merged_output,
+    # B·H·S/cp·D fp32; tests/test_gloo_cp.py measures it)
     half = _estimate(128, dp_shard=2)
     assert held == []
     (role,), (half_role,) = cp.roles, half.roles
+    copies = 8 * 2 * 8 * 128 * 64 * 4
     assert role.model_states == half_role.model_states
-    assert role.report.bytes.activations == half_role.report.bytes.activations
-    assert role.report.bytes.peak_allocated == half_role.report.bytes.peak_allocated
+    assert role.report.bytes.activations == half_role.report.bytes.activations + copies
+    assert role.report.bytes.peak_allocated == half_role.report.bytes.peak_allocated + copies
     assert cp.global_batch_size == 2  # the cp ranks share their samples
     # with dp_shard=2: parameters sharded over dp_shard × cp = 4, as dp_shard=4 at 128 tokens
     both, four = _estimate(256, dp_shard=2, cp=2), _estimate(128, dp_shard=4)
@@ -239,9 +242,11 @@ def test_tp_x_cp_by_hand_the_ring_over_each_tp_ranks_heads(monkeypatch):
     assert held == []
     (half_role,) = half.roles
     assert role.model_states == half_role.model_states
-    # the ring's buffers left out, the step is that step, to the byte
+    # the ring's buffers and its merged output's layout (merged_output) left out, the step is that step,
+    # to the byte
     monkeypatch.setattr(ring_module, "ring_forward_bytes", lambda *_args: 0)
     monkeypatch.setattr(ring_module, "ring_backward_bytes", lambda *_args: 0)
+    monkeypatch.setattr(ring_module, "merged_output", lambda out: out)
     ringless = memcalc.estimate(small_llama, seq_len=LLAMA_SEQ, distributed=Distributed(tp=2, cp=2), **options)
     assert ringless.roles[0].report.peak_requested == half_role.report.peak_requested
     assert role.report.peak_requested > half_role.report.peak_requested

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
 from memcalc.distributed.expert_parallel import (
     ExpertParallel,
+    expert_modules,
     expert_parallelism_available,
     expert_tensor_parallel,
     routing_text,
@@ -156,6 +157,7 @@ class ExpertParallelDimension(RankStrategy):
         balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
 
         def program(resolved: ResolvedModel) -> RankProgram:
+            _refuse_uneven_experts(resolved, n, cp, dp_shard)
             experts = ExpertParallel(owners, routing=routing, capacity_factor=factor, model_name=resolved.name)
             return RingAttentionProgram(cp, StackedProgram(experts, fsdp(resolved)), load_balanced=balanced)
 
@@ -216,6 +218,28 @@ class ExpertParallelDimension(RankStrategy):
             f"ep={self.degree} with cp={mesh.cp} and {listed} is not modelled yet: memcalc composes expert parallelism "
             f"with context parallelism and FSDP2 (dp_shard) only, as torchtitan lays them out; {why}",
             hint=f"Estimate --mesh cp={mesh.cp},ep={self.degree} or dp_shard=N,cp={mesh.cp},ep={self.degree}.")
+
+
+def _refuse_uneven_experts(resolved: ResolvedModel, ep: int, cp: int, dp_shard: int) -> None:
+    """Refuse ep × cp ranks that do not divide every MoE layer's experts (transformers' own check),
+    and more dp_shard ranks than each holds (FSDP2's ``Shard(1)``, dp_shard's check), both named in
+    memcalc's terms: torchtitan's ep of ``ep · cp`` ranks borrows cp."""
+    owners = ep * cp
+    for path in expert_modules(resolved.module, owners, resolved.name):
+        count = getattr(resolved.module.get_submodule(path), "num_experts", None)
+        if not isinstance(count, int):
+            continue
+        if count % owners:
+            raise InvalidInputError(
+                f"ep={ep} with cp={cp} splits the experts over ep x cp = {owners} ranks (torchtitan's ep borrows "
+                f"cp), which do not divide the {count} experts of {path} in {resolved.name}",
+                hint="give an ep whose product with cp divides the number of experts")
+        if dp_shard > count // owners:
+            raise InapplicableOptionError(
+                f"dp_shard={dp_shard} with ep={ep} and cp={cp}: each of the ep x cp = {owners} ranks holds "
+                f"{count // owners} experts of {path}, fewer than the dp_shard ranks, and torchtitan then shards "
+                f"them on dim 1 (Shard(1)), which memcalc does not model",
+                hint=f"Give a dp_shard of at most {count // owners}, or an ep x cp that leaves each rank more experts.")
 
 
 def _transformers_version() -> str:
