@@ -149,7 +149,7 @@ def _run(source: str, kwargs: dict[str, Any], cp: int, ep: int, dp_shard: int) -
     balancer = ring._create_default_load_balancer(int(tensors[0].shape[1]), cp, torch.device("cpu"))
     shards = [shard.clone() for shard in ring._context_parallel_buffers(cp_mesh, tensors, [1] * len(tensors),
                                                                           balancer)]
-    inputs = ModelInputs(shards[:len(inputs.args)], dict(zip(inputs.kwargs, shards[len(inputs.args):])))
+    inputs = ModelInputs(shards[:len(inputs.args)], dict(zip(inputs.kwargs, shards[len(inputs.args):], strict=True)))
     del tensors, shards
 
     ring.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = cpu_ring_handler
@@ -169,9 +169,6 @@ def _run(source: str, kwargs: dict[str, Any], cp: int, ep: int, dp_shard: int) -
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             run_step(module, inputs, config)
             gc.collect()
-        import os
-        if os.environ.get("CP_DEBUG"):
-            _debug(prof, dist.get_rank())
         return _profiler_peak(prof), _net_bytes(prof) == 0
 
     try:
@@ -179,17 +176,3 @@ def _run(source: str, kwargs: dict[str, Any], cp: int, ep: int, dp_shard: int) -
     finally:
         ring._disable_context_parallel_dispatcher_impl()
 
-
-def _debug(prof: Any, rank: int) -> None:
-    events = prof.profiler.kineto_results.events()
-    mem = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"))
-    current = peak = 0
-    at = 0
-    for t, d in mem:
-        current += d
-        if current > peak:
-            peak, at = current, t
-    ops = [e for e in events if e.name() != "[memory]" and e.start_ns() <= at <= e.start_ns() + e.duration_ns()]
-    ops.sort(key=lambda e: e.start_ns())
-    with open(f"/tmp/epcp/debug{rank}.txt", "a") as f:
-        f.write(f"peak {peak} at {at}: " + " > ".join(e.name() for e in ops) + "\n")

@@ -3,9 +3,9 @@
 ``torch.distributed.tensor.experimental.context_parallel`` (torch 2.13,
 ``_context_parallel/_attention.py``) patches ``F.scaled_dot_product_attention`` and runs each
 call as ``_templated_ring_attention``: the rank's queries (``S/cp`` tokens) against every
-rank's keys and values, ``cp`` local SDPA calls merged by ``_SDPAMerger``. It does not run in a
-gloo step: its handlers cover the CUDA SDPA ops only (``custom_ops``: flash, efficient, cuDNN;
-not ``_scaled_dot_product_flash_attention_for_cpu``). So this program traces the rank's model at
+rank's keys and values, ``cp`` local SDPA calls merged by ``_SDPAMerger`` (its handlers cover the
+CUDA SDPA ops only; tests/gloo_cp.py adds the CPU flash op for real gloo steps, and the partial
+merge's output layout it found is :func:`merged_output`'s). This program traces the rank's model at
 ``S/cp`` tokens (its local SDPA is one of the ring's calls; what autograd saves — q, k, v, the
 merged output and logsumexp — is the ring's too) and holds, around each SDPA call and its
 backward, the bytes the ring holds beyond one local call. With ``Nq`` = B·H·(S/cp)·D query

@@ -13,11 +13,11 @@ dimension wraps FSDP2 over that many ranks itself, and ``dp_shard`` only adds it
 After ``tp`` (torchtitan's order) FSDP2 is stacked on tp's program and the ring sees each tp rank's
 local ``H/tp`` heads.
 
-Not run for real: torch's ring attention handles the CUDA SDPA ops only (no gloo run on the CPU),
-so tests/test_context_parallel.py checks the ring's buffers against torch's ring attention run
-alone (a fake process group) and by hand-worked arithmetic. Not modelled: the full batch each rank
-loads before ``context_parallel`` shards it (``buffer.resize_(shard.shape)`` keeps the storage):
-``B x S`` token ids and labels.
+With ``ep`` (ep × cp) ep builds the program (torchtitan's ep borrows cp; ep's file); this
+dimension gives each role its ``S/cp`` tokens and its shards. Checked against real gloo steps
+(tests/test_gloo_cp.py: torch's ring with the CPU flash op added to its handlers) and torch's ring
+run alone (tests/test_context_parallel.py). Not modelled: the full batch each rank loads before
+``context_parallel`` shards it (``buffer.resize_(shard.shape)`` keeps the storage).
 """
 
 from __future__ import annotations

@@ -8,12 +8,10 @@ What a rank holds: ``E/ep`` of the ``E`` experts of every MoE layer (``MoEParamS
 DTensors), their gradients and optimizer state; the dense rest (attention, router, norms,
 embeddings) whole. What it allocates to move tokens, per MoE layer (``AllToAllEP``, ``T`` tokens,
 top-``k``): the ``T·k`` rows it sends (``hidden_states[order // k]``), the rows it receives
-(``all_to_all_single_autograd``, ``sum(recv_sizes)`` rows of ``d``), its experts' activations on
-those rows, the ``T·k`` result rows coming back, and the same again in backward. The receiving side
-is data: the split sizes are read to the host (``.tolist()``), and memcalc answers that read from
-the routing assumption (:func:`dispatch_rows`, stated in the report): balanced by default; a
-capacity factor or the worst case on request. The rank program is
-:mod:`memcalc.distributed.expert_parallel`'s.
+(``all_to_all_single_autograd``), its experts' activations on those rows, the ``T·k`` result rows
+coming back, and the same again in backward. The split sizes are read to the host (``.tolist()``):
+memcalc answers from the routing assumption (:func:`dispatch_rows`, stated in the report): balanced
+by default; a capacity factor or the worst case on request (:mod:`memcalc.distributed.expert_parallel`).
 
 Every ep rank runs a batch of its own (the dense part is data parallel over them, as in
 transformers with ``tp_size=1``), so the global batch counts the ep ranks. With ``dp_shard``
@@ -26,8 +24,10 @@ group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's `
 (:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte), and with dp_shard
 too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; 8 and, with HSDP, 16 processes, to the
 byte). The dense gradients' synchronisation over ep is not modelled without FSDP2 (stated). With
-dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp, ep is
-refused by name."""
+dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp (and
+dp_shard) torchtitan's ep borrows cp: the experts over ep x cp ranks, each dispatching its own S/cp
+tokens, FSDP2 as with dp_shard over dp_shard x ep x cp, the ring around both (real 4- and 8-process
+gloo runs agree to the byte, tests/test_gloo_cp.py); tp, dp_replicate or pp beside it refused by name."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ class ExpertParallelDimension(RankStrategy):
                                               model_name=resolved.name, optimizer_impl=impl)
             return ExpertParallel(n, routing=routing, capacity_factor=factor, model_name=resolved.name)
 
-        if mesh is not None and mesh.cp > 1:  # ep x cp: the ring around ep's program and FSDP2 (torchtitan's ep borrows cp)
+        if mesh is not None and mesh.cp > 1:  # ep x cp: torchtitan's ep borrows cp
             return self._with_context_parallel(plan, step, mesh)
         shards: tuple[Shard, ...]
         if tp > 1 and (composed or hsdp) and mesh is not None:  # FSDP2 around tp x ep (torchtitan's etp=1 layout)
