@@ -18,7 +18,9 @@ attention layer, :mod:`memcalc.distributed.ring_attention`), the last cp rank 65
 
 Not to the byte: cp=2 × ep=2 with Adam at batch 2 · 16, whose peak is in the last layer's ring backward:
 1,498,940 B real less the step counters, 1,498,448 B estimated (492 B, 0.03%, under; memcalc's peak lands in
-the experts' backward just before). tests/test_context_parallel.py bounds the ring's own formulas at 2%.
+the experts' backward just before). The real ring backward peaks 1,616 B above ring_backward_bytes: at the
+partial step the CPU flash backward copies the half chunks of grad_out (2,048 B) and logsumexp (128 B), with a
+560 B smaller workspace (docs/many-gpus.md); tests/test_context_parallel.py bounds the formula at 2%.
 """
 
 from __future__ import annotations
