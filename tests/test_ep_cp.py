@@ -35,7 +35,7 @@ def test_ep_x_cp_by_hand(tiny: str) -> None:  # noqa: F811
         "params, grads, optimizer /2 (cp)", "sequence /2 (cp)", "experts, dense model states, batch /2 (ep)"]
     notes = " ".join(report.notes)
     assert "8 of 16 tokens per sample per rank" in notes
-    assert "expert parallelism over ep x cp = 4 ranks" in notes and "dp_shard x ep x cp = 1 x 2 x 2" in notes
+    assert "expert parallelism over ep x cp = 4 ranks" in notes and "dp_shard x ep x cp = 1 x 2 x 2 ranks" in notes
 
 
 def test_ep_x_cp_traces_each_ranks_share_of_the_sequence(tiny: str) -> None:  # noqa: F811

@@ -163,9 +163,10 @@ class ExpertParallelDimension(RankStrategy):
 
         shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
         roles = tuple(replace(role, program=program, sharding=sharding(role.sharding, *shards)) for role in plan.roles)
-        fsdp_notes[0] += (f" of each rank's expert-parallel DTensor shards (dp_shard x ep x cp = {dp_shard} x {n} x "
-                          f"{cp}: torchtitan's dp_shard_cp mesh); each block's experts over the {dp_shard} dp_shard "
-                          f"rank(s) that hold the same experts (its dp_shard_mod_ep mesh)")
+        fsdp_notes.insert(1, f"FSDP2 of each rank's expert-parallel DTensor shards: the dense part over dp_shard x "
+                             f"ep x cp = {dp_shard} x {n} x {cp} ranks (torchtitan's dp_shard_cp mesh), each block's "
+                             f"experts over the {dp_shard} dp_shard rank(s) that hold the same experts (its "
+                             f"dp_shard_mod_ep mesh)")
         notes = (f"expert parallelism over ep x cp = {owners} ranks (torchtitan's ep of {owners} borrows cp={cp} and "
                  f"ep={n} of its dp_shard): each holds 1/{owners} of every MoE layer's experts (their gradients and "
                  f"optimizer state) and dispatches its own {step.seq_len // cp if step.seq_len else '?'} tokens per "
