@@ -4,9 +4,9 @@ buffers around every SDPA call, FSDP2 over dp_shard × cp (torchtitan's dp_shard
 What runs for real: torch's own ``_templated_ring_attention`` and its backward, on the CPU with
 the CPU flash op as the local attention and a fake process group (every rank of cp = 2 and 4,
 float32 and bfloat16), against memcalc's ring formulas; the ``context_parallel`` context manager
-itself, which shards the sequence and then fails on the CPU SDPA op. So no gloo step runs under
-it (checked below, so that the day torch adds the CPU op this test says so). The rest is worked
-out by hand.
+itself, which shards the sequence and then fails on the CPU SDPA op (checked below, so that the
+day torch adds the CPU op this test says so): whole gloo steps add it to torch's handlers
+themselves (tests/test_gloo_cp.py). The rest is worked out by hand.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def test_non_causal_attention_under_load_balancing_is_refused_and_sdpa_restored(
 
 
 def test_tp_x_cp_by_hand_the_ring_over_each_tp_ranks_heads(monkeypatch):
-    """No gloo run composes them: torch's ring has no CPU SDPA op (test above). What composes is
+    """No gloo run composes them yet (tests/gloo_cp.py runs cp with ep and dp_shard). What composes is
     checked by hand and against tp x dp_shard at S/cp, which real 4-process gloo runs check
     (tests/test_gloo_tp.py): a cp rank is that rank with the ring around its attention."""
     from gloo_tp import LLAMA_SEQ, SMALL_LLAMA, small_llama
