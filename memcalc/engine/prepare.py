@@ -101,8 +101,11 @@ def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name
 
 
 def checkpointing_note(checkpointing: Checkpointing, blocks: int, containers: Sequence[str]) -> str:
-    """The report's note on what was checkpointed: the setting, the blocks and their containers."""
+    """The report's note on what was checkpointed: the setting, the blocks and their containers
+    (and reentrance, where the setting has it)."""
     where = f"{blocks} blocks ({', '.join(containers)})"
+    if checkpointing.reentrant:
+        where += " (reentrant: torch's CheckpointFunction, use_reentrant=True)"
     if checkpointing.kind is CheckpointKind.EVERY:
         return f"activation checkpointing of one block in {checkpointing.every} ({checkpointing.label}): {where}"
     if checkpointing.kind is CheckpointKind.SELECTIVE_OP:
