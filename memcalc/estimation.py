@@ -168,7 +168,11 @@ def _trl_checkpointing(step: Step, distributed: Distributed) -> Step:
                                       f"reentrance (TRL forces use_reentrant=True there), which takes no selective "
                                       f"policy; checkpoint {step.checkpoint.label} is one",
                                       hint="Give --checkpoint full (or every:N), or leave out --lora.")
-    return replace(step, checkpoint=replace(step.checkpoint, reentrant=True))
+    if step.checkpoint.reentrant:
+        return step
+    return replace(step, checkpoint=replace(step.checkpoint, reentrant=True),
+                   notes=(*step.notes, f"loop {step.loop.name}: TRL checkpoints a PEFT model with reentrance under "
+                                       f"DeepSpeed ZeRO-3 (use_reentrant=True forced over the config's)"))
 
 
 class CostsOnRequest:

@@ -114,6 +114,7 @@ def test_trl_forces_reentrance_under_zero3(tmp_path: Path) -> None:
     model = _write(tmp_path, RECORDED["config"])
     report = _estimate(model, ZeroStage3(), True)
     assert any("reentrant: torch's CheckpointFunction" in note for note in report.notes)
+    assert any("TRL checkpoints a PEFT model with reentrance" in note for note in report.notes)
     with pytest.raises(InapplicableOptionError, match="TRL forces use_reentrant=True there"):
         _estimate(model, ZeroStage3(), True, checkpoint="selective-op")
     # without LoRA, TRL keeps the user's (non-reentrant) checkpointing
