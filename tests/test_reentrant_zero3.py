@@ -124,3 +124,17 @@ def test_trl_forces_reentrance_under_zero3(tmp_path: Path) -> None:
     assert not any("reentrant" in note for note in full.notes)
     with pytest.raises(InvalidInputError, match="takes no selective policy"):
         Checkpointing(CheckpointKind.POLICY, policy=print, reentrant=True)
+
+
+def test_the_command_line_recipe_is_estimated(tmp_path: Path) -> None:
+    """``--loop trl-sft --lora 8 --strategy zero3`` with SFTConfig's defaults (gradient checkpointing on):
+    refused before, estimated now, the notes saying why the checkpoint is reentrant."""
+    from click.testing import CliRunner
+
+    from memcalc.cli import main
+
+    model = _write(tmp_path, RECORDED["config"])
+    result = CliRunner().invoke(main, [model, "--loop", "trl-sft", "--lora", "8", "--strategy", "zero3",
+                                       "--world-size", "2", "--seq-len", "32", "--gpu", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "note: loop trl-sft: TRL checkpoints a PEFT model with reentrance under DeepSpeed ZeRO-3" in result.output
