@@ -107,6 +107,12 @@ def _check(step: Step, distributed: Distributed) -> None:
     """Refuse, by name, the options this setting does not model."""
     if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:
         _check_trl_strategy(step, distributed)
+    if step.checkpoint.reentrant and not distributed.is_single and distributed.strategy is not Strategy.ZERO3:
+        raise InapplicableOptionError(f"reentrant checkpointing (use_reentrant=True) under --strategy "
+                                      f"{distributed.strategy.value} is not modelled: it is checked on one GPU and "
+                                      f"under DeepSpeed ZeRO-3 only",
+                                      hint="Use the non-reentrant checkpoint there (use_reentrant=False, "
+                                           "--checkpoint full), or estimate one GPU or zero3.")
     if distributed.is_single and step.float8 is not None and step.float8.all_gather:
         raise InapplicableOptionError("float8_all_gather (--float8-all-gather) is FSDP2's float8 all-gather; one GPU "
                                       "all-gathers nothing",

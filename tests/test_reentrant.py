@@ -100,6 +100,14 @@ def test_a_selective_policy_cannot_be_reentrant() -> None:
     assert Checkpointing(CheckpointKind.EVERY, 2, reentrant=True).label == "every:2, reentrant"
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_reentrance_under_an_unchecked_strategy_is_refused(strategy: str) -> None:
+    with pytest.raises(memcalc.InapplicableOptionError, match="checked on one GPU and under DeepSpeed ZeRO-3 only"):
+        memcalc.estimate("llama-tiny", batch_size=2, seq_len=32, checkpoint=Checkpointing(CheckpointKind.FULL,
+                                                                                          reentrant=True),
+                         distributed=memcalc.Distributed(strategy, world_size=2))
+
+
 def test_the_trainers_use_reentrant_sets_the_step() -> None:
     step = build_step("gpt2", seq_len=32, trainer_args={"gradient_checkpointing": True,
                                                        "gradient_checkpointing_kwargs": {"use_reentrant": True}})
