@@ -75,8 +75,9 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     sign = events >> 63  # -1 for a free, 0 for a birth (int64: one pass where np.where takes three)
     uids = events ^ sign  # ~event for a free
     nbytes = trace.nbytes_array() if nbytes is None else nbytes
-    rounded = np.where(nbytes == 0, 0, np.maximum(-(-nbytes // allocator.K_MIN_BLOCK_SIZE), 1)
-                       * allocator.K_MIN_BLOCK_SIZE)
+    # round_size: up to a multiple of 512 B (a power of two: shifts, not a division's pass), 0 stays 0
+    bits = allocator.K_MIN_BLOCK_SIZE.bit_length() - 1
+    rounded = ((nbytes + (allocator.K_MIN_BLOCK_SIZE - 1)) >> bits) << bits
     small = (rounded <= allocator.K_SMALL_SIZE)[uids]
     model = allocator.CachingAllocatorModel(settings=settings)
     bounds = [*starts, len(events)]
