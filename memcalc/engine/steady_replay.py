@@ -195,14 +195,17 @@ class _Layers:
         step = self.uids[lo:hi]
         named = np.where(step >= base - horizon, step - base, step + (1 << 40))
         mask = self.small[lo:hi]
+        # the step's small events once, each unit's a slice of them (where they start: the small events before)
+        small_named, small_born = named[mask], self.events[lo:hi][mask] >= 0
+        small_rounded = self.rounded[step[mask]]
+        at = np.concatenate([[0], np.cumsum(mask)])[np.asarray(bounds, dtype=np.int64) - lo].tolist()
         requests: dict[int, bytes] = {}
 
         def request(k: int) -> bytes:
             if k not in requests:
-                a, b = bounds[k] - lo, bounds[k + 1] - lo
-                m = mask[a:b]
-                requests[k] = (np.int64(widths[k]).tobytes() + named[a:b][m].tobytes()
-                               + (self.events[lo + a:lo + b][m] >= 0).tobytes() + self.rounded[step[a:b][m]].tobytes())
+                a, b = at[k], at[k + 1]
+                requests[k] = (np.int64(widths[k]).tobytes() + small_named[a:b].tobytes()
+                               + small_born[a:b].tobytes() + small_rounded[a:b].tobytes())
             return requests[k]
 
         model, events, nbytes, sized, held = self.model, self.events, self.requested, self.sized, self.held
