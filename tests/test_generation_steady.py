@@ -339,3 +339,26 @@ def test_the_short_path_has_the_full_paths_allocator_stats(tmp_path: Path, monke
     assert not written_full and not skipped_full
     assert short == full
     assert short.num_segments == short.num_mallocs > 1 and short.peak_reserved >= short.peak_allocated > 0
+
+
+def test_a_replay_under_a_capacity_reads_the_held_steps_written_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A capacity the unlimited replay exceeds is replayed again under it, every event listed: the
+    steps the extrapolation held unwritten are written out for it (trace.UnwrittenSteps), and the
+    report is the full trace's."""
+    source = hf_config_source(tmp_path, WIDE_LLAMA)
+    options: dict[str, Any] = dict(batch_size=1, seq_len=300, new_tokens=70)
+    unlimited = memcalc.estimate(source, mode="generate", optimizer="none", **options)
+    limits: list[int | None] = []
+    replay = allocator.replay
+
+    def spy(*args: Any, **given: Any) -> allocator.AllocatorStats:
+        limits.append(given.get("capacity"))
+        return replay(*args, **given)
+
+    monkeypatch.setattr(allocator, "replay", spy)
+    capacity = unlimited.peak_reserved - (1 << 20)
+    extrapolated, full = _both(source, monkeypatch, capacity=capacity, **options)
+    # each estimate replayed under the capacity (and again with expandable segments where it does not fit)
+    assert limits.count(capacity) == (2 if extrapolated.fits else 4)
+    _assert_identical(extrapolated, full)
+    assert extrapolated.fits == full.fits is not None
