@@ -17,11 +17,14 @@ The report's replay skips the small pool's repeated decode steps (:mod:`memcalc.
 ``--replay-all`` replays every event instead, for the figure before it.
 
 Run: ``python benchmarks/generation.py [--model llama-2-7b] [--seq-len 512] [--new-tokens 1024]
-[--skip-full] [--replay-all] [--cpu-time] [--baseline DIR]``; ``--skip-full`` leaves out "before"
-(llama-2-7b, 1,024 tokens: minutes); ``--baseline DIR`` first runs DIR's copy of this script (a
-``git archive`` of another commit) with the same options in its own process, then this one: the
-two commits back to back. The issue's two: ``--model llama-2-7b`` (prompt 512, 1,024 tokens) and ``--model gpt2
---seq-len 256 --new-tokens 768`` (its whole 1,024-position context).
+[--skip-full] [--replay-all] [--cpu-time] [--repeat K] [--baseline DIR]``; ``--skip-full`` leaves out
+"before" (llama-2-7b, 1,024 tokens: minutes); ``--repeat K`` times the prefill-only estimate and
+"after" K times each, taking turns, and prints their medians (a collection of Python's older
+generations, 0.14 s when it falls in one estimate, moves a single figure by more than the change
+measured); ``--baseline DIR`` first runs this script on DIR's tree (a ``git archive`` of another
+commit: its ``memcalc``, this measuring code) with the same options in its own process, then on
+this one: the two commits back to back. The issue's two: ``--model llama-2-7b`` (prompt 512, 1,024
+tokens) and ``--model gpt2 --seq-len 256 --new-tokens 768`` (its whole 1,024-position context).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# the tree measured: this script's own, or ``--tree DIR`` (how ``--baseline`` runs another commit)
+sys.path.insert(0, sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv
+                else str(Path(__file__).resolve().parent.parent))
 
 import memcalc
 import memcalc.estimation as estimate_module
@@ -77,14 +82,16 @@ def main() -> None:
     parser.add_argument("--replay-all", action="store_true", help="replay every event (no skipped steps)")
     parser.add_argument("--cpu-time", action="store_true", help="time by this process's CPU time, not the wall clock")
     parser.add_argument("--baseline", type=Path, help="a tree of another commit, run first with the same options")
+    parser.add_argument("--tree", type=Path, help="the tree whose memcalc is measured (default: this script's)")
+    parser.add_argument("--repeat", type=int, default=1, help="time prefill-only and after this many times each")
     args = parser.parse_args()
     if args.baseline is not None:
         given = [a for i, a in enumerate(sys.argv[1:]) if a != "--baseline" and sys.argv[i] != "--baseline"
                  and not a.startswith("--baseline=")]
         print(f"== baseline: {args.baseline}", flush=True)
-        subprocess.run([sys.executable, str(args.baseline / "benchmarks" / "generation.py"), *given], check=True,
-                       cwd=args.baseline, env={**os.environ, "PYTHONPATH": str(args.baseline)})
-        print("== this tree", flush=True)
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), *given, "--tree", str(args.baseline)],
+                       check=True, cwd=args.baseline, env={**os.environ, "PYTHONPATH": str(args.baseline)})
+        print(f"== this tree: {sys.path[0]}", flush=True)
     if args.cpu_time:
         _CLOCK[0] = time.process_time
     if args.replay_all:
@@ -93,8 +100,15 @@ def main() -> None:
     estimate_module.build_report = _timed("report", estimate_module.build_report)  # type: ignore[attr-defined]
 
     _estimate(args.model, args.seq_len, 2)  # warm-up: imports, the config, the first build
-    _, prefill, prefill_split = _estimate(args.model, args.seq_len, 1)
-    after, after_time, after_split = _estimate(args.model, args.seq_len, args.new_tokens)
+    prefills, afters = [], []
+    for _ in range(max(args.repeat, 1)):  # taking turns: each its median
+        prefills.append(_estimate(args.model, args.seq_len, 1))
+        afters.append(_estimate(args.model, args.seq_len, args.new_tokens))
+    _, prefill, prefill_split = sorted(prefills, key=lambda row: row[1])[len(prefills) // 2]
+    after, after_time, after_split = sorted(afters, key=lambda row: row[1])[len(afters) // 2]
+    if len(afters) > 1:
+        print(f"prefill only: {', '.join(f'{row[1]:.3f}' for row in prefills)} s; after: "
+              f"{', '.join(f'{row[1]:.3f}' for row in afters)} s (medians below)")
     floor_tokens = max(steady.TRACED_TOKENS[0], 2)
     _, floor, floor_split = _estimate(args.model, args.seq_len, floor_tokens)  # under EXTRAPOLATE_FROM: in full
     rows = [("prefill only (--new-tokens 1)", prefill, prefill_split),

@@ -15,6 +15,7 @@ import pytest
 from support import SMALL_LLAMA, hf_config_source
 
 import memcalc
+import memcalc.estimation as estimation
 from memcalc.core.categories import Phase
 from memcalc.engine import allocator, run, steady, steady_replay
 from memcalc.engine.timeline import Program
@@ -238,8 +239,32 @@ def test_the_steady_steps_start_where_the_decode_steps_are_alike(odd_first_step:
         extension = steady.extend(short, counts, short_end, 40)
     assert isinstance(extension, steady.Extension)
     assert extension.op_counts == end.op_counts
+    _assert_unwritten_reads_as(short, full)
     for column in ("events", "nbytes", "op", "phase", "module", "category", "phase_log"):
         assert getattr(short, column) == getattr(full, column), column
+    assert short.unwritten is None  # the first read of a list wrote the steps out
+
+
+def _assert_unwritten_reads_as(short: StepTrace, full: StepTrace) -> None:
+    """The extrapolated steps held unwritten (trace.UnwrittenSteps) read, through the accessors that
+    leave them so, as the trace written step by step: every storage's columns, ranges within a step,
+    across steps and across the prefix, the last step, the events and bytes as arrays."""
+    assert short.unwritten is not None and short.steady is not None and short.unwritten.run is short.steady
+    n, uids = short.steady.storages, full.num_storages
+    assert (short.num_storages, short.num_events) == (uids, len(full.events))
+    assert short.events_array().tolist() == full.events and short.nbytes_array().tolist() == full.nbytes
+    for column in ("nbytes", "phase", "module", "category", "op"):
+        expected = getattr(full, column)
+        assert [short.column_at(column, uid) for uid in range(uids)] == expected, column
+    base = short.steady.base
+    ranges = ((0, uids), (base, base + n), (base + 1, base + 2), (base - 1, base + 2 * n + 1), (uids - n - 1, uids))
+    for column in ("nbytes", "phase", "module", "category", "op"):
+        expected = getattr(full, column)
+        for lo, hi in ranges:
+            assert short.column_range(column, lo, hi) == expected[lo:hi], (column, lo, hi)
+        if column != "nbytes":
+            assert [value for piece, times in short.parts(column) for _ in range(times) for value in piece] == expected
+    assert short.unwritten is not None  # none of those wrote them out
 
 
 #: wide enough that each layer's cache is a large-pool block from the prompt on (1,024 · 4 B = 4 KiB of
@@ -256,15 +281,23 @@ def _allocator_stats(source: str, monkeypatch: pytest.MonkeyPatch, *, short: boo
     runs (a few decode steps traced, the small pool's repeated steps skipped); else every decode step
     traced and every event replayed."""
     seen: list[tuple[allocator.AllocatorStats, bool, bool]] = []
-    replayed, skipping = run._replayed, run.replay_generation
+    replayed, skipping, report = run._replayed, run.replay_generation, estimation.build_report
     answered = [False]
 
     def spy(program: Program, trace: StepTrace, *args: Any, **given: Any
             ) -> tuple[allocator.AllocatorStats, allocator.AllocatorStats]:
         answered[0] = False
+        unwritten = trace.unwritten is not None
         first, whole = replayed(program, trace, *args, **given)
         seen.append((whole, trace.steady is not None, answered[0]))
+        assert unwritten == short  # the short path's replay reads the extrapolated steps held unwritten
         return first, whole
+
+    def reported(resolved: Any, traced: run.TracedStep, *args: Any, **given: Any) -> memcalc.MemoryReport:
+        made = report(resolved, traced, *args, **given)
+        # nothing the report shows wrote the extrapolated steps out (its timeline, asked for, does)
+        assert (traced.trace.unwritten is not None) == short
+        return made
 
     def told(*args: Any, **given: Any) -> allocator.AllocatorStats | None:
         stats = skipping(*args, **given)
@@ -274,6 +307,7 @@ def _allocator_stats(source: str, monkeypatch: pytest.MonkeyPatch, *, short: boo
     with monkeypatch.context() as patch:
         patch.setattr(run, "_replayed", spy)
         patch.setattr(run, "replay_generation", told)
+        patch.setattr(estimation, "build_report", reported)
         if not short:
             patch.setattr(steady, "EXTRAPOLATE_FROM", 10**9)
             patch.setattr(steady_replay, "SKIP_FROM", 10**9)
@@ -305,3 +339,26 @@ def test_the_short_path_has_the_full_paths_allocator_stats(tmp_path: Path, monke
     assert not written_full and not skipped_full
     assert short == full
     assert short.num_segments == short.num_mallocs > 1 and short.peak_reserved >= short.peak_allocated > 0
+
+
+def test_a_replay_under_a_capacity_reads_the_held_steps_written_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A capacity the unlimited replay exceeds is replayed again under it, every event listed: the
+    steps the extrapolation held unwritten are written out for it (trace.UnwrittenSteps), and the
+    report is the full trace's."""
+    source = hf_config_source(tmp_path, WIDE_LLAMA)
+    options: dict[str, Any] = dict(batch_size=1, seq_len=300, new_tokens=70)
+    unlimited = memcalc.estimate(source, mode="generate", optimizer="none", **options)
+    limits: list[int | None] = []
+    replay = allocator.replay
+
+    def spy(*args: Any, **given: Any) -> allocator.AllocatorStats:
+        limits.append(given.get("capacity"))
+        return replay(*args, **given)
+
+    monkeypatch.setattr(allocator, "replay", spy)
+    capacity = unlimited.peak_reserved - (1 << 20)
+    extrapolated, full = _both(source, monkeypatch, capacity=capacity, **options)
+    # each estimate replayed under the capacity (and again with expandable segments where it does not fit)
+    assert limits.count(capacity) == (2 if extrapolated.fits else 4)
+    _assert_identical(extrapolated, full)
+    assert extrapolated.fits == full.fits is not None

@@ -502,12 +502,12 @@ class CachingAllocatorModel:
         if self._requested > self._peak_requested:
             self._peak_requested = self._requested
 
-    def feed(self, events: Sequence[int], nbytes: Sequence[int], rounded: Sequence[int],
-             held: dict[int, int]) -> None:
+    def feed(self, events: Sequence[int], nbytes: Sequence[int] | Mapping[int, int],
+             rounded: Sequence[int] | Mapping[int, int], held: dict[int, int]) -> None:
         """Replay ``events`` (a uid: its storage of ``nbytes[uid]`` is allocated; ``~uid``: freed) on
         the compute stream, noting in ``held`` each block handed out larger than ``rounded[uid]``
         (a large-pool block not worth splitting). ``rounded[uid]`` must be
-        ``round_size(nbytes[uid])``.
+        ``round_size(nbytes[uid])``; both are read for the uids born only (a list by uid, or a dict).
 
         The same decisions as :meth:`malloc` and :meth:`free`, inlined for the case of most
         replays — no garbage collection, cudaMalloc'ed segments, 512-B rounding, ``max_split_size``

@@ -797,8 +797,8 @@ class _Columns:
     def of(cls, traced: TracedStep, program: Program) -> _Columns:
         trace = traced.trace
         offset = program.iteration_starts[0]  # build_program: the pre-existing births, then trace.events as is
-        events = program.keys[offset:offset + len(trace.events)]
-        return cls(events, np.asarray(trace.nbytes, dtype=np.int64), traced.categories, trace)
+        events = program.keys[offset:offset + trace.num_events]
+        return cls(events, trace.nbytes_array(), traced.categories, trace)  # unwritten decode steps: not written
 
 
 @dataclass(frozen=True)
@@ -868,11 +868,11 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         input_bytes=_preexisting_bytes(trace, traced.categories, Category.INPUTS),
         frozen_parameter_bytes=_frozen_parameter_bytes(module) if training else 0,
     )
-    fits, reserved_within = _fit_under(program, trace.nbytes, capacity, stats, settings, host=host)
+    fits, reserved_within = _fit_under(program, trace, capacity, stats, settings, host=host)
     expandable = (_reserved_if_expandable(program, trace.nbytes, capacity, settings)
                   if fits is False and not host and capacity is not None and stats.peak_allocated <= capacity
                   else None)
-    key = program.events[peak_index] if program.events else 0
+    key = int(program.keys[peak_index]) if program.num_events else 0
     uid = program.storage(key) if key >= 0 else 0
     has_peak = stats.peak_allocated > 0
     generating = mode is Mode.GENERATE
@@ -909,8 +909,8 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
             alloc_conf_source=settings.source if settings is not None else "",
         ),
         parameters=parameter_count(module.parameters()),
-        peak_phase=trace.phase[uid] if has_peak else Phase.SETUP,
-        peak_module=trace.module[uid] if has_peak else "",
+        peak_phase=trace.column_at("phase", uid) if has_peak else Phase.SETUP,
+        peak_module=trace.column_at("module", uid) if has_peak else "",
         bytes=breakdown,
         peak_iteration=program.iteration_of(peak_index),
         textbook=textbook,
@@ -950,7 +950,7 @@ def _totals_at_peak(traced: TracedStep, program: Program, columns: _Columns, pea
     """Requested bytes per category alive just after the peak's event; in a long generation's
     written decode steps, read off a few steps' events (:mod:`memcalc.engine.steady_sums`)."""
     offset = program.iteration_starts[0]
-    run = (columns.steady if program.iterations == 1 and len(program.events) == offset + columns.events.size else None)
+    run = (columns.steady if program.iterations == 1 and program.num_events == offset + columns.events.size else None)
     if run is not None and peak_index >= offset + run.start + 3 * run.length:
         return steady_sums.totals_at(run, program.keys, offset, columns.nbytes, traced.categories, peak_index)
     return category_totals_at(program, columns.nbytes, traced.categories, peak_index, codes=columns.codes)
@@ -971,7 +971,7 @@ def _main_backend(attention: dict[str, int]) -> str | None:
     return max(attention.items(), key=lambda item: item[1])[0]
 
 
-def _fit_under(program: Program, nbytes: list[int], capacity: int | None, stats: allocator.AllocatorStats,
+def _fit_under(program: Program, trace: StepTrace, capacity: int | None, stats: allocator.AllocatorStats,
                settings: AllocConf | None = None, *, host: bool = False) -> tuple[bool | None, int | None]:
     """Whether the step runs within ``capacity`` reserved bytes, and the peak reserved when it
     does so under that limit (the allocator frees cached segments under pressure)."""
@@ -980,7 +980,7 @@ def _fit_under(program: Program, nbytes: list[int], capacity: int | None, stats:
     gc = settings is not None and settings.garbage_collection_threshold > 0.0  # collects below the capacity
     if stats.peak_reserved <= capacity and not gc:
         return True, stats.peak_reserved  # never under pressure: the same replay
-    limited = allocator.replay(allocator_events(program, nbytes), capacity=capacity, settings=settings, host=host,
+    limited = allocator.replay(allocator_events(program, trace.nbytes), capacity=capacity, settings=settings, host=host,
                                streams=program.streams)
     return limited.oom_at is None, limited.peak_reserved
 
@@ -1003,7 +1003,7 @@ def _reserved_if_expandable(program: Program, nbytes: list[int], capacity: int,
 def _preexisting_bytes(trace: StepTrace, categories: list[Category], category: Category) -> int:
     """Bytes of the storages that exist before the step in ``category`` (parameters, the
     input batch and its targets)."""
-    return sum(trace.nbytes[u] for u in trace.preexisting if categories[u] is category)
+    return sum(trace.column_at("nbytes", u) for u in trace.preexisting if categories[u] is category)
 
 
 def _frozen_parameter_bytes(module: nn.Module) -> int:
@@ -1106,15 +1106,17 @@ def _forward_high_water(traced: TracedStep, columns: _Columns) -> dict[str, int]
         unique, inverse = np.unique(uids, return_inverse=True)
         listed = unique.tolist()
         activation = Category.ACTIVATIONS
-        counted = np.fromiter((trace.phase[u].runs_forward and trace.phase[u] is not Phase.LOSS
-                               and traced.categories[u] is activation for u in listed), dtype=bool, count=len(listed))
+        phases = [trace.column_at("phase", u) for u in listed]  # a few steps' storages: none written out
+        counted = np.fromiter((phase.runs_forward and phase is not Phase.LOSS and traced.categories[u] is activation
+                               for phase, u in zip(phases, listed, strict=True)), dtype=bool, count=len(listed))
         keep = counted[inverse]
         events, uids, weights, read, inverse = events[keep], uids[keep], weights[keep], read[keep], inverse[keep]
         births = (events >= 0) & read
         delta = columns.nbytes[uids] * weights
-        ids = {name: i for i, name in enumerate(dict.fromkeys(trace.module[u] for u in listed))}
+        modules = [trace.column_at("module", u) for u in listed]
+        ids = {name: i for i, name in enumerate(dict.fromkeys(modules))}
         narrow = np.int16 if len(ids) < np.iinfo(np.int16).max else np.int64
-        module_of = np.fromiter((ids[trace.module[u]] for u in listed), dtype=narrow, count=len(listed))[inverse]
+        module_of = np.fromiter((ids[module] for module in modules), dtype=narrow, count=len(listed))[inverse]
     delta[events < 0] *= -1
     # each module's events, in event order: a subtree's are its members' merged (events x depth in all)
     order = np.argsort(module_of, kind="stable")

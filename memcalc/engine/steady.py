@@ -8,7 +8,10 @@ few decode steps (:data:`TRACED_TOKENS`) and writes the trace of ``N`` tokens: t
 run are copies of the last steady one, each storage's bytes on the line its traced steps draw,
 and the last step (with what generate() frees as it returns) is the traced last step moved to
 step ``N - 1``. The replay, the report and the JSON are then those of the full trace, event for
-event — tests/test_generation_steady.py compares both, byte for byte.
+event — tests/test_generation_steady.py compares both, byte for byte. The steps written are held as
+the copies they are (:class:`~memcalc.engine.trace.UnwrittenSteps`: one step's columns, the events
+and bytes as arrays), which the report reads as arrays or a few steps at a time; the first reader of
+a trace's lists writes them out (llama-2-7b, 1,024 tokens: 2.9M events, 1.45M storages).
 
 It extrapolates only what it has confirmed, and says why not otherwise (the caller then traces
 more decode steps, then every one): the decode steps before the last, as far back as they make
@@ -33,11 +36,12 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from memcalc.core.categories import Phase
-from memcalc.engine.trace import ShapeSized, SteadyRun, StepTrace
+from memcalc.engine.trace import ShapeSized, SteadyRun, StepTrace, UnwrittenSteps
 
 __all__ = ("EXTRAPOLATE_FROM", "STEADY_STEPS", "TRACED_TOKENS", "Extension", "RunCounts", "extend",
            "traced_tokens")
@@ -328,7 +332,8 @@ def _note(series: list[str], end: str, extra: int) -> str:
 
 def _write(trace: StepTrace, layout: _Layout, last: list[int], last_segment: list[int],
            bases: list[tuple[int, int]], steps: int, new_tokens: int, n: int, starts: list[int]) -> None:
-    """Replace the traced last step by the steady steps ``M - 1 .. N - 2`` and the last one at ``N - 1``."""
+    """Replace the traced last step by the steady steps ``M - 1 .. N - 2`` and the last one at ``N - 1``,
+    held unwritten (:meth:`~memcalc.engine.trace.StepTrace.hold`)."""
     last_base = bases[steps - 2][0]
     last_events = _events(last_segment, last_base, bases[layout.first - 1][0], n)
     del trace.events[starts[-1]:]
@@ -339,46 +344,45 @@ def _write(trace: StepTrace, layout: _Layout, last: list[int], last_segment: lis
     trace.phase_log[:] = [(p, i) for p, i in trace.phase_log if i < starts[-1]]
     first_new = steps - 1
     count = new_tokens - steps  # steady steps written: M-1 .. N-2
-    if count:  # the steady steps, all at once
-        kinds = np.array([k for k, _ in layout.events], dtype=np.int64)
-        values = np.array([v for _, v in layout.events], dtype=np.int64)
-        rows = (last_base + n * np.arange(count, dtype=np.int64))[:, None] + values[None, :]
-        coded = np.where(kinds == 0, rows, ~rows)  # a steady step frees only its own or the last step's
-        step_numbers = np.arange(first_new, first_new + count, dtype=np.int64)
-        sizes = layout.nbytes0[None, :] + step_numbers[:, None] * layout.slope[None, :]
-        at: dict[int, list[ShapeSized]] = {}
-        for i, (zero, slope) in layout.sized.items():  # a rule's bytes are the rule's, not a line's
-            at[i] = ([_sized_at(zero, slope, s) for s in step_numbers.tolist()] if any(slope)
-                     else [_sized_at(zero, slope, first_new)] * count)  # one shape: one object, one size
-            sizes[:, i] = [_bytes(rule) for rule in at[i]] if any(slope) else _bytes(at[i][0])
-        length = len(layout.events)
-        start = len(trace.events)
-        trace.phase_log.extend((Phase.DECODE, start + k * length) for k in range(count))
-        trace.events.extend(coded.ravel().tolist())
-        trace.nbytes.extend(sizes.ravel().tolist())
-        for column, one in ((trace.phase, layout.phase), (trace.module, layout.module),
-                            (trace.category, layout.category), (trace.op, layout.op)):
-            for _ in range(count):  # a step's column at a time: no list of every step made to be copied
-                column.extend(one)  # type: ignore[arg-type]
-        for i, rules in at.items():
-            trace.sized.update(zip(range(last_base + i, last_base + i + n * count, n), rules, strict=True))
+    length = len(layout.events)
+    start = len(trace.events)
+    kinds = np.array([k for k, _ in layout.events], dtype=np.int64)
+    values = np.array([v for _, v in layout.events], dtype=np.int64)
+    rows = (last_base + n * np.arange(count, dtype=np.int64))[:, None] + values[None, :]
+    coded = np.where(kinds == 0, rows, ~rows)  # a steady step frees only its own or the last step's
+    step_numbers = np.arange(first_new, first_new + count, dtype=np.int64)
+    sizes = layout.nbytes0[None, :] + step_numbers[:, None] * layout.slope[None, :]
+    at: dict[int, list[ShapeSized]] = {}
+    for i, (zero, slope) in layout.sized.items():  # a rule's bytes are the rule's, not a line's
+        at[i] = ([_sized_at(zero, slope, s) for s in step_numbers.tolist()] if any(slope)
+                 else [_sized_at(zero, slope, first_new)] * count)  # one shape: one object, one size
+        sizes[:, i] = [_bytes(rule) for rule in at[i]] if any(slope) else _bytes(at[i][0])
+    trace.phase_log.extend((Phase.DECODE, start + k * length) for k in range(count))
+    for i, rules in at.items():
+        trace.sized.update(zip(range(last_base + i, last_base + i + n * count, n), rules, strict=True))
+    if count:
         trace.steady = SteadyRun(start, length, count, n, last_base, _affine(layout, n))
     # the last step: the traced one, each storage on its steady storage's line at step N - 1
     base = last_base + n * count
     s = new_tokens - 1
-    trace.phase_log.append((Phase.DECODE, len(trace.events)))
-    trace.events.extend(base + v if kind == 0 else ~(base + v) if kind == 1 else ~v for kind, v in last_events)
+    trace.phase_log.append((Phase.DECODE, start + count * length))
+    tail: dict[str, list[Any]] = {"nbytes": [], "phase": [], "module": [], "category": [], "op": []}
     for j, i in enumerate(last):
         if i in layout.sized:
             zero, slope = layout.sized[i]
             trace.sized[base + j] = rule = _sized_at(zero, slope, s)
-            trace.nbytes.append(_bytes(rule))
+            tail["nbytes"].append(_bytes(rule))
         else:
-            trace.nbytes.append(int(layout.nbytes0[i] + s * layout.slope[i]))
-        trace.phase.append(layout.phase[i])
-        trace.module.append(layout.module[i])
-        trace.category.append(layout.category[i])  # type: ignore[arg-type]
-        trace.op.append(layout.op[i])
+            tail["nbytes"].append(int(layout.nbytes0[i] + s * layout.slope[i]))
+        for name in ("phase", "module", "category", "op"):
+            tail[name].append(getattr(layout, name)[i])
+    tail_events = [base + v if kind == 0 else ~(base + v) if kind == 1 else ~v for kind, v in last_events]
+    events, nbytes = coded.ravel(), sizes.ravel()
+    events.flags.writeable = nbytes.flags.writeable = False  # the copies as extrapolated: read, never changed
+    columns: dict[str, list[Any]] = {"phase": layout.phase, "module": layout.module, "category": layout.category,
+                                     "op": layout.op}
+    # held as copies, not written: the first reader of a list writes them out (trace.UnwrittenSteps)
+    trace.hold(UnwrittenSteps(events, nbytes, columns, count, tail_events, tail, trace.steady if count else None))
 
 
 def _affine(layout: _Layout, n: int) -> bool:

@@ -69,13 +69,15 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     settings = settings or AllocConf()
     if (host or program.streams or program.iterations != 1 or len(starts) < SKIP_FROM
             or settings.expandable_segments or any(settings.roundup_power2_divisions)
-            or len(program.events) != offset + len(trace.events)):
+            or program.num_events != offset + trace.num_events):
         return None
     events = program.keys
-    uids = np.where(events >= 0, events, ~events)
-    nbytes = np.asarray(trace.nbytes, dtype=np.int64) if nbytes is None else nbytes
-    rounded = np.where(nbytes == 0, 0, np.maximum(-(-nbytes // allocator.K_MIN_BLOCK_SIZE), 1)
-                       * allocator.K_MIN_BLOCK_SIZE)
+    sign = events >> 63  # -1 for a free, 0 for a birth (int64: one pass where np.where takes three)
+    uids = events ^ sign  # ~event for a free
+    nbytes = trace.nbytes_array() if nbytes is None else nbytes
+    # round_size: up to a multiple of 512 B (a power of two: shifts, not a division's pass), 0 stays 0
+    bits = allocator.K_MIN_BLOCK_SIZE.bit_length() - 1
+    rounded = ((nbytes + (allocator.K_MIN_BLOCK_SIZE - 1)) >> bits) << bits
     small = (rounded <= allocator.K_SMALL_SIZE)[uids]
     model = allocator.CachingAllocatorModel(settings=settings)
     bounds = [*starts, len(events)]
@@ -84,10 +86,9 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         return None
     first = bases[0]  # storages from here on are named relative to their step's first
     held: dict[int, int] = {}
-    sized = rounded.tolist()
-    _feed(model, program.events[:starts[0]], trace.nbytes, sized, held)
+    _feed(model, events[:starts[0]], nbytes, rounded, held)
     widths = [y - x for x, y in itertools.pairwise(bases)]
-    layers = _Layers(model, program.events, events, uids, small, rounded, sized, trace, held)
+    layers = _Layers(model, events, uids, small, rounded, nbytes, trace, held)
     requests: dict[int, bytes] = {}
 
     def request(j: int) -> bytes:  # step j's small requests and frees, named from its first storage
@@ -109,7 +110,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         if not period:
             try:
                 if not layers.feed(bounds[j], bounds[j + 1], bases[j + 1]):
-                    _feed(model, program.events[bounds[j]:bounds[j + 1]], trace.nbytes, sized, held)
+                    _feed(model, events[bounds[j]:bounds[j + 1]], nbytes, rounded, held)
             except _Unsteady:
                 return None
             j += 1
@@ -120,7 +121,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
             end += period
         lo, hi = bounds[j], bounds[end]
-        _feed(model, events[lo:hi][~small[lo:hi]].tolist(), trace.nbytes, sized, held)
+        _feed(model, events[lo:hi][~small[lo:hi]], nbytes, rounded, held)
         shift, j = bases[end] - bases[j], end  # the storages of steps j .. end - 1
         if not _rename(model, first, shift):
             return None
@@ -128,8 +129,8 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     sizes = rounded.copy()  # a small block is its request rounded (the small pool splits off any rest)
     sizes[np.fromiter(held, dtype=np.int64, count=len(held))] = np.fromiter(held.values(), dtype=np.int64,
                                                                            count=len(held))
-    requested = None if steady is None else _peak_requested(steady, events, offset, nbytes)
-    return _stats(model.stats(), events, uids, sizes, nbytes, requested)
+    peak_requested = None if steady is None else _peak_requested(steady, events, offset, nbytes)
+    return _stats(model.stats(), sign, uids, sizes, nbytes, peak_requested)
 
 
 class _Unsteady(Exception):
@@ -144,11 +145,11 @@ class _Layers:
     are named from its first storage, older ones by uid (the rotary tables, the sequences), so
     that one layer's residual stream is the next layer's."""
 
-    def __init__(self, model: allocator.CachingAllocatorModel, listed: list[int], events: np.ndarray,
-                 uids: np.ndarray, small: np.ndarray, rounded: np.ndarray, sized: list[int], trace: StepTrace,
+    def __init__(self, model: allocator.CachingAllocatorModel, events: np.ndarray, uids: np.ndarray,
+                 small: np.ndarray, rounded: np.ndarray, nbytes: np.ndarray, trace: StepTrace,
                  held: dict[int, int]) -> None:
-        self.model, self.listed, self.events, self.uids, self.small = model, listed, events, uids, small
-        self.rounded, self.sized, self.trace, self.held = rounded, sized, trace, held
+        self.model, self.events, self.uids, self.small = model, events, uids, small
+        self.rounded, self.nbytes, self.trace, self.held = rounded, nbytes, trace, held
         self.keys: dict[str, str] = {}
         self.last: tuple[list[str], list[int], list[bool]] | None = None  # the step before's modules, units
 
@@ -164,10 +165,10 @@ class _Layers:
         """Where the units of a step begin (indices of ``born``, the storages it makes in order) and
         which are layers; the step before's when its storages' modules are the same objects."""
         first, last = int(born[0]), int(born[-1])
-        modules = self.trace.module[first:last + 1] if last - first + 1 == born.size else None
+        modules = self.trace.column_range("module", first, last + 1) if last - first + 1 == born.size else None
         if modules is not None and self.last is not None and self.last[0] == modules:
             return self.last[1], self.last[2]
-        keys = [self._key(self.trace.module[uid]) for uid in born.tolist()]
+        keys = [self._key(self.trace.column_at("module", uid)) for uid in born.tolist()]
         split = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
         layer = [bool(keys[i]) for i in split]
         self.last = (modules, split, layer) if modules is not None else None
@@ -192,17 +193,20 @@ class _Layers:
         step = self.uids[lo:hi]
         named = np.where(step >= base - horizon, step - base, step + (1 << 40))
         mask = self.small[lo:hi]
+        # the step's small events once, each unit's a slice of them (where they start: the small events before)
+        small_named, small_born = named[mask], self.events[lo:hi][mask] >= 0
+        small_rounded = self.rounded[step[mask]]
+        at = np.concatenate([[0], np.cumsum(mask)])[np.asarray(bounds, dtype=np.int64) - lo].tolist()
         requests: dict[int, bytes] = {}
 
         def request(k: int) -> bytes:
             if k not in requests:
-                a, b = bounds[k] - lo, bounds[k + 1] - lo
-                m = mask[a:b]
-                requests[k] = (np.int64(widths[k]).tobytes() + named[a:b][m].tobytes()
-                               + (self.events[lo + a:lo + b][m] >= 0).tobytes() + self.rounded[step[a:b][m]].tobytes())
+                a, b = at[k], at[k + 1]
+                requests[k] = (np.int64(widths[k]).tobytes() + small_named[a:b].tobytes()
+                               + small_born[a:b].tobytes() + small_rounded[a:b].tobytes())
             return requests[k]
 
-        model, listed, nbytes, sized, held = self.model, self.listed, self.trace.nbytes, self.sized, self.held
+        model, events, nbytes, rounded, held = self.model, self.events, self.nbytes, self.rounded, self.held
         states: dict[int, _Signature] = {}
         near = range(-MAX_UNIT_PERIOD, MAX_UNIT_PERIOD + 1)
         k = 0
@@ -213,14 +217,14 @@ class _Layers:
                            if k + p <= count and k in states and states.get(k - p) == states[k]
                            and all(request(k - p + i) == request(k + i) for i in range(p))), 0)
             if not period:
-                _feed(model, listed[bounds[k]:bounds[k + 1]], nbytes, sized, held)
+                _feed(model, events[bounds[k]:bounds[k + 1]], nbytes, rounded, held)
                 k += 1
                 continue
             end = k  # the units that repeat in turn, then their large-pool events fed at once
             while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
                 end += period
             a, b = bounds[k], bounds[end]
-            _feed(model, self.events[a:b][~self.small[a:b]].tolist(), nbytes, sized, held)
+            _feed(model, self.events[a:b][~self.small[a:b]], nbytes, rounded, held)
             threshold, shift = bases[k] - horizon, sum(widths[k:end])
             k = end
             if not _rename(model, threshold, shift):
@@ -241,11 +245,16 @@ def _bases(events: np.ndarray, bounds: Sequence[int]) -> list[int] | None:
     return out if all(x < y for x, y in itertools.pairwise(out)) else None
 
 
-def _feed(model: allocator.CachingAllocatorModel, events: Sequence[int], nbytes: Sequence[int],
-          rounded: Sequence[int], held: dict[int, int]) -> None:
-    """Replay ``events``, noting each block handed out larger than its request rounded
-    (``held``: uid -> bytes; a large-pool block not worth splitting)."""
-    model.feed(events, nbytes, rounded, held)
+def _feed(model: allocator.CachingAllocatorModel, events: np.ndarray, nbytes: np.ndarray, rounded: np.ndarray,
+          held: dict[int, int]) -> None:
+    """Replay ``events`` (int64 keys), noting each block handed out larger than its request rounded
+    (``held``: uid -> bytes; a large-pool block not worth splitting). The allocator's loop reads the
+    bytes and rounded bytes of the storages born here by uid: a dict of those, not a list of every
+    storage's (millions in a long generation, where the events fed are a tenth of them)."""
+    births = events[events >= 0]
+    born = births.tolist()
+    model.feed(events.tolist(), dict(zip(born, nbytes[births].tolist(), strict=True)),
+               dict(zip(born, rounded[births].tolist(), strict=True)), held)
 
 
 def _small_state(model: allocator.CachingAllocatorModel, first: int, base: int) -> _Signature:
@@ -294,18 +303,20 @@ def _peak_requested(steady: SteadyRun, events: np.ndarray, offset: int, nbytes: 
     return int(sums.max()) if sums.size else 0
 
 
-def _stats(stats: allocator.AllocatorStats, events: np.ndarray, uids: np.ndarray, sizes: np.ndarray,
+def _stats(stats: allocator.AllocatorStats, sign: np.ndarray, uids: np.ndarray, sizes: np.ndarray,
            nbytes: np.ndarray, peak_requested: int | None = None) -> allocator.AllocatorStats:
     """``stats`` with allocated (the blocks' ``sizes``) and requested, which the skipped events
     changed on the way, summed over every event (the peak requested: ``peak_requested`` where the
-    caller read it off a few steps)."""
-    deaths = events < 0
+    caller read it off a few steps). ``sign``: -1 at a free, 0 at a birth (``x ^ -1 - -1 == -x``:
+    negated where freed without a masked pass)."""
     allocated = sizes[uids]
-    allocated[deaths] *= -1
+    allocated ^= sign
+    allocated -= sign
     np.cumsum(allocated, out=allocated)  # int64: exact
     if peak_requested is None:
         requested = nbytes[uids]
-        requested[deaths] *= -1
+        requested ^= sign
+        requested -= sign
         np.cumsum(requested, out=requested)
         peak_requested = int(requested.max()) if requested.size else 0
     peak = int(allocated.max()) if allocated.size else 0

@@ -42,7 +42,9 @@ def applies(trace: StepTrace, categories: list[Category], events: np.ndarray, nb
     (``events``, ``nbytes``: its events and storages' bytes, int64): long enough, its written steps
     copies of the first (the same events, renamed a step's storages on), their bytes on the lines the
     first two draw, each storage freed in its step or the next, and the first and last steps'
-    storages alike (the same modules, phases and final categories)."""
+    storages alike (the same modules, phases and final categories). Steps the trace holds unwritten
+    (:class:`~memcalc.engine.trace.UnwrittenSteps`) are those copies as extrapolated, which
+    ``engine.steady`` checked affine: only their modules, phases and categories are compared."""
     run = trace.steady
     if run is None or not run.affine or run.count < SKIP_FROM:
         return None
@@ -50,10 +52,13 @@ def applies(trace: StepTrace, categories: list[Category], events: np.ndarray, nb
     last = base + (count - 1) * n
     if a + count * length > events.size or last + n > nbytes.size:
         return None
-    one, other = slice(base, base + n), slice(last, last + n)
-    if (trace.module[one] != trace.module[other] or trace.phase[one] != trace.phase[other]
-            or categories[one] != categories[other]):
+    for name in ("module", "phase"):
+        if trace.column_range(name, base, base + n) != trace.column_range(name, last, last + n):
+            return None
+    if categories[base:base + n] != categories[last:last + n]:
         return None
+    if trace.unwritten is not None and trace.unwritten.run is run:  # held as engine.steady made them: copies
+        return run
     sizes = nbytes[base:base + count * n].reshape(count, n)
     steps = np.arange(count, dtype=np.int64)[:, None]
     if not (sizes == sizes[0] + steps * (sizes[1] - sizes[0])).all():

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import cast
 
 import numpy as np
 
@@ -46,13 +47,18 @@ def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state
     """One category per storage: explicit (parameters, buffers, inputs) first, then what the
     storage turned out to be (a ``.grad``, optimizer state), else by the phase of its birth."""
     by_phase = {p: Category.ACTIVATIONS if p.runs_forward else Category.WORKSPACE for p in Phase}
-    categories = [explicit if explicit is not None else by_phase[phase]
-                  for explicit, phase in zip(trace.category, trace.phase, strict=True)]
+    categories: list[Category] = []
+    # piece by piece: a generation's unwritten decode steps are one step's columns many times (trace.parts)
+    for (given, times), (phases, _) in zip(trace.parts("category"), trace.parts("phase"), strict=True):
+        piece = [explicit if explicit is not None else by_phase[phase]
+                 for explicit, phase in zip(given, phases, strict=True)]
+        for _ in range(times):
+            categories.extend(piece)
     for uid in gradients:
-        if trace.category[uid] is None:
+        if trace.column_at("category", uid) is None:
             categories[uid] = Category.GRADIENTS
     for uid in optimizer_state:
-        if trace.category[uid] is None:
+        if trace.column_at("category", uid) is None:
             categories[uid] = Category.OPTIMIZER_STATE
     return categories
 
@@ -114,6 +120,23 @@ class Program:
         keys.flags.writeable = False  # shared by its readers
         return keys
 
+    @property
+    def num_events(self) -> int:
+        """``len(events)``, without making the list of a program made from its keys."""
+        events: list[int] | None = self.__dict__["events"]
+        return len(events) if events is not None else int(self.keys.size)
+
+    @classmethod
+    def of_keys(cls, keys: np.ndarray, num_storages: int, iteration_starts: tuple[int, ...],
+                streams: Mapping[int, int]) -> Program:
+        """A program of one iteration made from its events as int64 ``keys`` (a generation whose
+        decode steps the trace holds unwritten: millions of events): its ``events`` list is made
+        only if something reads it."""
+        program = cls(cast("list[int]", None), num_storages, 1, iteration_starts, streams=streams)
+        keys.flags.writeable = False
+        program.__dict__["keys"] = keys  # the cached property, given
+        return program
+
     def storage(self, key: int) -> int:
         """The storage uid behind an event key."""
         return key % self.num_storages
@@ -125,6 +148,21 @@ class Program:
             if index >= start:
                 iteration = i + 1
         return iteration
+
+
+def _program_events(program: Program) -> list[int]:
+    events: list[int] | None = program.__dict__["events"]
+    if events is None:  # a program made from its keys: the list made once, by its first reader
+        events = program.__dict__["events"] = program.keys.tolist()
+    return events
+
+
+def _set_program_events(program: Program, events: list[int] | None) -> None:
+    program.__dict__["events"] = events
+
+
+Program.events = property(_program_events, _set_program_events,  # type: ignore[assignment]
+                          doc="The events, made from the keys on first read where the program was made from them.")
 
 
 def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Sequence[int] | None = None,
@@ -141,6 +179,10 @@ def build_program(trace: StepTrace, iterations: int = 1, *, traced_starts: Seque
     begin) the trace already holds every iteration: it is replayed as it ran, and
     ``iterations`` is ignored."""
     n = trace.num_storages
+    if trace.unwritten is not None and iterations == 1 and traced_starts is None:
+        # a generation's unwritten decode steps: its keys straight from their arrays, no list of every event
+        keys = np.concatenate([np.asarray(trace.preexisting, dtype=np.int64), trace.events_array()])
+        return Program.of_keys(keys, n, (len(trace.preexisting),), dict(trace.stream))
     events: list[int] = list(trace.preexisting)
     starts = [len(events)]
     events.extend(trace.events)

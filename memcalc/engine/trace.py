@@ -23,6 +23,7 @@ from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias
 
+import numpy as np
 import torch
 from torch import nn
 from torch._compile import _disable_dynamo
@@ -35,7 +36,7 @@ from memcalc.core.errors import InternalError, MemcalcError, symbolic_execution_
 from memcalc.engine.meta_shortcuts import SHORTCUTS
 
 __all__ = ("AfterOpHook", "MetaKernelCache", "ModuleTracker", "Op", "ReadOracle", "ShapeSized", "SizeRule",
-           "SteadyRun", "StepTrace", "StorageTracer", "tensors_of")
+           "SteadyRun", "StepTrace", "StorageTracer", "UnwrittenSteps", "tensors_of")
 
 #: An aten operator overload, as a dispatch mode receives it (``aten.add.Tensor``).
 Op: TypeAlias = "OpOverload[..., Any]"
@@ -128,11 +129,75 @@ class StepTrace:
     sized: dict[int, ShapeSized] = field(default_factory=dict)  # synthetic storages sized by a rule, by uid
     stream: dict[int, int] = field(default_factory=dict)  # uid -> the stream it was allocated on, where not 0
     steady: SteadyRun | None = None  # a generation's decode steps written as copies (engine.steady)
+    #: the decode steps engine.steady extrapolated, not yet in the lists above (:class:`UnwrittenSteps`)
+    unwritten: UnwrittenSteps | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_storages(self) -> int:
         """How many storages the trace knows (births, pre-existing and synthetic)."""
-        return len(self.nbytes)
+        nbytes: list[int] = self.__dict__["nbytes"]  # not the property: the unwritten steps stay so
+        return len(nbytes) + (self.unwritten.storages if self.unwritten is not None else 0)
+
+    @property
+    def num_events(self) -> int:
+        """How many events the trace holds (``len(events)``, the unwritten steps' not written out)."""
+        events: list[int] = self.__dict__["events"]
+        return len(events) + (self.unwritten.num_events if self.unwritten is not None else 0)
+
+    def hold(self, unwritten: UnwrittenSteps) -> None:
+        """Append ``unwritten`` to the trace without writing it into the lists: until one of them is
+        read (:meth:`write_out`), the trace is a :class:`_HoldingTrace`, whose lists write them out
+        first; a trace that holds none keeps its lists as plain attributes (the tracer's hot path)."""
+        self.unwritten = unwritten
+        self.__class__ = _HoldingTrace
+
+    def write_out(self) -> None:
+        """Write the unwritten decode steps into the lists (done by the first reader of one)."""
+        unwritten = self.unwritten
+        if unwritten is not None:
+            self.__class__ = StepTrace
+            self.unwritten = None
+            unwritten.write_into(self.__dict__)
+
+    def parts(self, name: str) -> list[tuple[list[Any], int]]:
+        """Column ``name`` (``phase``, ``module``, ``category``, ``op``) as (list, times) pieces,
+        the unwritten steps' one step's list ``count`` times, without writing them out."""
+        column: list[Any] = self.__dict__[name]
+        if self.unwritten is None:
+            return [(column, 1)]
+        return [(column, 1), (self.unwritten.columns[name], self.unwritten.count), (self.unwritten.tail[name], 1)]
+
+    def column_at(self, name: str, uid: int) -> Any:
+        """``getattr(self, name)[uid]`` for a per-storage column, without writing the steps out."""
+        column: list[Any] = self.__dict__[name]
+        if self.unwritten is None or uid < len(column):
+            return column[uid]
+        return self.unwritten.at(name, uid - len(column))
+
+    def column_range(self, name: str, lo: int, hi: int) -> list[Any]:
+        """``getattr(self, name)[lo:hi]`` for a per-storage column, without writing the steps out
+        (a range within one unwritten step is that step's list itself, or its slice)."""
+        column: list[Any] = self.__dict__[name]
+        if self.unwritten is None or hi <= len(column):
+            return column[lo:hi]
+        return [self.column_at(name, uid) for uid in range(lo, hi)] if lo < len(column) else \
+            self.unwritten.range(name, lo - len(column), hi - len(column))
+
+    def events_array(self) -> np.ndarray:
+        """``events`` as int64, the unwritten steps' straight from their array."""
+        events: list[int] = self.__dict__["events"]
+        if self.unwritten is None:
+            return np.asarray(events, dtype=np.int64)
+        return np.concatenate([np.asarray(events, dtype=np.int64), self.unwritten.events,
+                               np.asarray(self.unwritten.tail_events, dtype=np.int64)])
+
+    def nbytes_array(self) -> np.ndarray:
+        """``nbytes`` as int64, the unwritten steps' straight from their array."""
+        nbytes: list[int] = self.__dict__["nbytes"]
+        if self.unwritten is None:
+            return np.asarray(nbytes, dtype=np.int64)
+        return np.concatenate([np.asarray(nbytes, dtype=np.int64), self.unwritten.nbytes,
+                               np.asarray(self.unwritten.tail["nbytes"], dtype=np.int64)])
 
     def rebuilt(self, sources: Sequence[int], events: list[int], preexisting: list[int],
                 phase_log: list[tuple[Phase, int]], phase_starts: dict[Phase, int], *,
@@ -152,6 +217,102 @@ class StepTrace:
             op=[self.op[u] for u in sources], phase_log=phase_log,
             sized={n: self.sized[u] for n, u in enumerate(sources) if u in self.sized},
             stream={n: self.stream[u] for n, u in enumerate(sources) if u in self.stream})
+
+
+
+
+#: The per-storage and per-event lists of a trace that wait for :class:`UnwrittenSteps`.
+_WAITING = ("nbytes", "phase", "module", "category", "events", "op")
+
+
+def _written_column(name: str) -> property:
+    """A :class:`_HoldingTrace` list that writes the unwritten decode steps out before it is read
+    (or replaced), so that every reader of the list sees the whole trace."""
+
+    def get(trace: StepTrace) -> Any:
+        trace.write_out()
+        return trace.__dict__[name]
+
+    def put(trace: StepTrace, value: Any) -> None:
+        trace.write_out()
+        trace.__dict__[name] = value
+
+    return property(get, put, doc=f"The trace's ``{name}``, the unwritten decode steps written out first.")
+
+
+class _HoldingTrace(StepTrace):
+    """A :class:`StepTrace` that holds :class:`UnwrittenSteps` (:meth:`StepTrace.hold`): each of its
+    lists writes them out before it is read or replaced, and the trace is a plain one again."""
+
+    def __eq__(self, other: object) -> bool:
+        self.write_out()
+        if isinstance(other, StepTrace):
+            other.write_out()
+        return self == other
+
+
+for _name in _WAITING:
+    setattr(_HoldingTrace, _name, _written_column(_name))
+
+
+@dataclass(frozen=True)
+class UnwrittenSteps:
+    """A generation's extrapolated decode steps (:mod:`memcalc.engine.steady`) held as the copies
+    they are, not yet written into the trace's lists: a long generation's millions of events and
+    storages cost a pass each to write, to read back as arrays and for Python's collector to walk,
+    where the report reads them as arrays (:meth:`StepTrace.events_array`) or a few steps
+    (:meth:`StepTrace.column_at`). The first reader of a list writes them out
+    (:meth:`StepTrace.write_out`), so every other reader sees the whole trace as it was.
+
+    They follow the trace's lists: ``count`` copies of one step (``events``, ``nbytes``: every
+    copy's, int64; ``columns``: one step's ``phase``, ``module``, ``category``, ``op``), then the
+    last step (``tail_events``; ``tail``: its storages' ``nbytes`` and the four columns); ``run``
+    describes the copies as the trace's :attr:`StepTrace.steady` does (the same object)."""
+
+    events: np.ndarray
+    nbytes: np.ndarray
+    columns: Mapping[str, list[Any]]
+    count: int
+    tail_events: list[int]
+    tail: Mapping[str, list[Any]]
+    run: SteadyRun | None  # the trace's ``steady`` they are (None: no step copied, the last step alone)
+
+    @property
+    def storages(self) -> int:
+        """The storages they make."""
+        return int(self.nbytes.size) + len(self.tail["nbytes"])
+
+    @property
+    def num_events(self) -> int:
+        """Their events."""
+        return int(self.events.size) + len(self.tail_events)
+
+    def at(self, name: str, index: int) -> Any:
+        """Column ``name`` of their ``index``-th storage."""
+        written = int(self.nbytes.size)
+        if index >= written:
+            return self.tail[name][index - written]
+        return int(self.nbytes[index]) if name == "nbytes" else self.columns[name][index % len(self.columns[name])]
+
+    def range(self, name: str, lo: int, hi: int) -> list[Any]:
+        """Column ``name`` of their storages ``lo .. hi - 1``."""
+        n, written = len(self.columns["op"]), int(self.nbytes.size)
+        if name != "nbytes" and hi <= written and n and lo // n == (hi - 1) // n:  # within one step
+            one = self.columns[name]
+            return one if hi - lo == n else one[lo % n:lo % n + hi - lo]
+        return [self.at(name, index) for index in range(lo, hi)]
+
+    def write_into(self, lists: dict[str, Any]) -> None:
+        """Extend the trace's lists (``lists``: its ``__dict__``) with these steps."""
+        lists["events"].extend(self.events.tolist())
+        lists["events"].extend(self.tail_events)
+        lists["nbytes"].extend(self.nbytes.tolist())
+        lists["nbytes"].extend(self.tail["nbytes"])
+        for name in ("phase", "module", "category", "op"):
+            column, one = lists[name], self.columns[name]
+            for _ in range(self.count):  # a step's column at a time: no list of every step made to be copied
+                column.extend(one)
+            column.extend(self.tail[name])
 
 
 class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
