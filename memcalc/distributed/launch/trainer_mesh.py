@@ -85,7 +85,7 @@ def check_plan_source(step: Step, distributed: Distributed, where: str) -> None:
     tp = 1 if distributed.mesh is None else distributed.mesh.tp
     if tp < 2 or distributed.tp_plan is not None:
         return
-    module = step.resolved().module
+    module = step.resolved(1).module  # the plan depends on the modules, not the batch
     if hf_plan(module) is None:
         raise InapplicableOptionError(f"{where} tp_size={tp}: accelerate tensor-parallelises the model "
                                       f"from_pretrained(tp_plan='auto', ...) loaded, with its own Hugging Face "

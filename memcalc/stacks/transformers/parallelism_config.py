@@ -156,6 +156,6 @@ def _accelerate_config(sizes: Mapping[str, int], fields: Mapping[str, Any], stra
                    else None)
         return accelerate.ParallelismConfig(**sizes, cp_backend=fields.get("cp_backend") or "torch",
                                             sp_backend=fields.get("sp_backend") or "deepspeed", cp_handler=handler)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, KeyError) as exc:
         raise InvalidInputError(f"{where}: accelerate's ParallelismConfig refuses it: "
                                 f"{str(exc).strip().splitlines()[0]}") from None
