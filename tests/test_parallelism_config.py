@@ -197,3 +197,27 @@ def test_tp_needs_the_models_own_plan(tmp_path: Path) -> None:
     path.write_text(ACCELERATE_MESH)
     with pytest.raises(InapplicableOptionError, match=r"tp_size=2: accelerate tensor-parallelises .* has none"):
         memcalc.estimate("torch:llama-tiny", seq_len=SEQ, gpu="cpu", accelerate_config=str(path))
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_accelerates_real_mesh_has_memcalcs_sub_meshes(rank: int) -> None:
+    """accelerate's own ``build_device_mesh`` over a fake 8-rank group (dp_shard 2, cp 2, tp 2): tp is the
+    innermost dimension (a rank's tp peers are consecutive, memcalc's ``rank = outer × tp + tp rank``), and FSDP2's
+    mesh (``fsdp_dim_names``: the flattened ``dp_shard_cp``) holds the dp_shard × cp = 4 ranks of one tp rank, the
+    group memcalc's FSDP2 over dp_shard × cp shards across."""
+    import torch.distributed as dist
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    dist.init_process_group("fake", rank=rank, world_size=8, store=fake_pg.FakeStore())
+    try:
+        config = ParallelismConfig(dp_shard_size=2, cp_size=2, tp_size=2)
+        mesh = config.build_device_mesh("cpu")
+        tp_rank = rank % 2
+        assert mesh.mesh_dim_names == ("dp_shard", "cp", "tp")
+        assert dist.get_process_group_ranks(mesh["tp"].get_group()) == [rank - tp_rank, rank - tp_rank + 1]
+        fsdp = mesh[tuple(config.fsdp_dim_names)]
+        assert fsdp.size() == 4
+        assert dist.get_process_group_ranks(fsdp.get_group()) == [tp_rank + 2 * i for i in range(4)]
+        assert dist.get_process_group_ranks(mesh["cp"].get_group()) == [r for r in range(8)
+                                                                         if r // 4 == rank // 4 and r % 2 == tp_rank]
+    finally:
+        dist.destroy_process_group()
