@@ -484,6 +484,7 @@ def _search_step(model: Any, budget: Budget | None, *, optimizer: Optimizer | st
     else:
         distributed = _distributed(user_distributed)
         step = build_step(model, optimizer=optimizer, **given)
+    distributed = with_trainer_mesh(step, distributed)  # the Trainer arguments' parallelism_config, as estimate's
     return replace(step, capacity=budget.capacity if budget is not None else None), distributed
 
 

@@ -221,3 +221,17 @@ def test_accelerates_real_mesh_has_memcalcs_sub_meshes(rank: int) -> None:
                                                                          if r // 4 == rank // 4 and r % 2 == tp_rank]
     finally:
         dist.destroy_process_group()
+
+
+def test_fit_reads_the_mesh_too(model: str) -> None:
+    """``max_batch_size`` (``memcalc fit``) lays the parallelism_config's mesh over the search as the estimate
+    does: the same answer as ``Distributed(dp_shard=2)``, not the one-GPU one (FSDP2 frees 1/2 of the model
+    states per rank, so the batch that fits differs)."""
+    base = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False}
+    common: dict[str, Any] = {"loop": "trl-sft", "seq_len": SEQ, "gpu": "cpu", "budget": "2GiB"}
+    theirs = memcalc.max_batch_size(model, trainer_args={**base, "parallelism_config": {"dp_shard_size": 2}},
+                                    **common)
+    mine = memcalc.max_batch_size(model, trainer_args=base, distributed=memcalc.Distributed(dp_shard=2), **common)
+    one = memcalc.max_batch_size(model, trainer_args=base, **common)
+    assert theirs.batch_size == mine.batch_size != one.batch_size
+    assert theirs.report.bytes.peak_allocated == mine.report.bytes.peak_allocated
