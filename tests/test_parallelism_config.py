@@ -174,11 +174,14 @@ def test_trainers_own_loop_under_a_mesh_refused(model: str) -> None:
         memcalc.estimate(model, trainer_args=args, seq_len=SEQ, gpu="cpu")
 
 
-def test_trl_under_tp_refused(model: str) -> None:
+@pytest.mark.parametrize(("sizes", "said"), [({"dp_shard_size": 2, "tp_size": 2}, "dp_shard_size=2, tp_size=2"),
+                                            ({"dp_replicate_size": 2, "dp_shard_size": 2},
+                                             "dp_replicate_size=2, dp_shard_size=2")])
+def test_trl_under_hsdp_tp_refused(model: str, sizes: dict[str, int], said: str) -> None:
     args = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False,
-            "parallelism_config": {"dp_shard_size": 2, "tp_size": 2}}
-    with pytest.raises(InapplicableOptionError, match=r"loop trl-sft with its config's parallelism_config "
-                                                      r"\(dp_shard_size=2, tp_size=2\) is not modelled"):
+            "parallelism_config": sizes}
+    with pytest.raises(InapplicableOptionError, match=rf"loop trl-sft with its config's parallelism_config "
+                                                      rf"\({said}\) is not modelled: .* not HSDP, tensor"):
         memcalc.estimate(model, loop="trl-sft", trainer_args=args, seq_len=SEQ, gpu="cpu")
 
 
