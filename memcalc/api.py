@@ -29,6 +29,7 @@ from memcalc.core.units import format_bytes
 from memcalc.distributed.collectives import DEFAULT_NETWORK, Network
 from memcalc.distributed.launch.read import hidden_size_of, launch_distributed, read_launch
 from memcalc.distributed.launch.setup import LaunchSetup, merged
+from memcalc.distributed.launch.trainer_mesh import check_plan_source, with_trainer_mesh
 from memcalc.distributed.setting import Distributed
 from memcalc.engine.model import InputsLike
 from memcalc.engine.optimizers import DEFAULT_OPTIMIZER, Optimizer
@@ -224,7 +225,9 @@ def launched_step(model: Any, launch: LaunchSetup, fields: dict[str, Any], distr
     step = build_step(model, **merged(launch, fields, distributed, given_))
     if launch.auto_hidden:
         launch = launch.with_hidden_size(hidden_size_of(step.resolved(1).module, launch.source))
-    return replace(step, notes=(*step.notes, launch.describe())), launch_distributed(launch)
+    distributed_ = launch_distributed(launch)
+    check_plan_source(step, distributed_, f"{launch.source} parallelism_config")  # tp comes from that section only
+    return replace(step, notes=(*step.notes, launch.describe())), distributed_
 
 
 def _given_option(fields: dict[str, Any], name: str) -> bool:
@@ -242,7 +245,8 @@ def estimate_step(step: Step, distributed: Distributed | None = None) -> MemoryR
 
     Args:
         step: the step; ``record_costs`` (``time=True``) also times it on its GPU.
-        distributed: the multi-GPU setting; None: one GPU.
+        distributed: the multi-GPU setting; None: one GPU. The mesh of the step's Trainer
+            arguments (``parallelism_config``) is laid over it (:func:`with_trainer_mesh`).
 
     Returns:
         The report, as :func:`estimate` returns it.
@@ -252,7 +256,7 @@ def estimate_step(step: Step, distributed: Distributed | None = None) -> MemoryR
     """
     if step.record_costs:
         _check_timeable(step)
-    report = _note_beyond_every_gpu(run_estimate(step, distributed or Distributed()))
+    report = _note_beyond_every_gpu(run_estimate(step, with_trainer_mesh(step, distributed)))
     return with_time(report) if step.record_costs else report
 
 
@@ -480,6 +484,7 @@ def _search_step(model: Any, budget: Budget | None, *, optimizer: Optimizer | st
     else:
         distributed = _distributed(user_distributed)
         step = build_step(model, optimizer=optimizer, **given)
+    distributed = with_trainer_mesh(step, distributed)  # the Trainer arguments' parallelism_config, as estimate's
     return replace(step, capacity=budget.capacity if budget is not None else None), distributed
 
 

@@ -154,6 +154,13 @@ def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
                                       "PeftModel.generate runs the base model's forward, outside the hooks of FSDP2's "
                                       "root (the PeftModel), whose parameters are then sharded",
                                       hint="Estimate it under ddp, zero1 or zero2, or without LoRA under fsdp.")
+    mesh = dict(step.trainer_args.mesh) if step.trainer_args is not None else {}
+    if distributed.strategy not in _TRL_STRATEGIES and mesh:
+        raise InapplicableOptionError(f"loop {step.loop.name} with its config's parallelism_config "
+                                      f"({', '.join(f'{k}_size={v}' for k, v in mesh.items())}) is not modelled: "
+                                      f"TRL's trainers are estimated under accelerate's DDP, FSDP2 over one "
+                                      f"dimension and ZeRO, not HSDP, tensor or context parallelism",
+                                      hint="Give dp_shard_size alone (FSDP2) or dp_replicate_size alone (DDP).")
     if distributed.strategy not in _TRL_STRATEGIES:
         raise InapplicableOptionError(f"loop {step.loop.name} under --strategy {distributed.strategy.value} is not "
                                       f"modelled: TRL's trainers are estimated under ddp, fsdp, zero1, zero2 and zero3 "

@@ -50,7 +50,9 @@ def setup_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           "with --loop trl-sft|trl-dpo): they set --batch "
                           "(per_device_train_batch_size), --accum-steps, --precision (bf16/fp16: autocast over the "
                           "weights as loaded; add --weight-dtype bf16 for a model loaded in bf16), --checkpoint, "
-                          "--optim and --optim-impl (optim), --gpu cpu (use_cpu). An option you give with a value "
+                          "--optim and --optim-impl (optim), --gpu cpu (use_cpu); parallelism_config (accelerate's "
+                          "ParallelismConfig) the mesh, as --mesh (TRL loops: dp_shard/dp_replicate only; "
+                          "docs/launch-configs.md). An option you give with a value "
                           "other than its default replaces the file's. Arguments that change memory in ways memcalc "
                           "does not model (torch_compile, deepspeed, fsdp, evaluation, ...) are refused."),
         click.option("--torch-version", default=None, metavar="X.Y",

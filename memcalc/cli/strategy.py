@@ -156,7 +156,8 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      metavar="FILE.yaml",
                      help="accelerate's config file (accelerate launch --config_file): distributed_type, "
                           "num_processes, mixed_precision, fsdp_config and deepspeed_config set the strategy, the "
-                          "GPUs and the precision. Not with the other multi-GPU options (--world-size aside)."),
+                          "GPUs and the precision; with FSDP2, parallelism_config (dp_replicate/dp_shard/tp/cp "
+                          "sizes) the mesh, as --mesh. Not with the other multi-GPU options (--world-size aside)."),
         click.option("--deepspeed", "deepspeed", type=click.Path(dir_okay=False), default=None, metavar="FILE.json",
                      help="A DeepSpeed config: the ZeRO stage, reduce_bucket_size, overlap_comm, offload_optimizer, "
                           "offload_param and ZeRO-3's stage3_* keys, bf16/fp16, the micro-batch and accumulation. The "

@@ -33,6 +33,9 @@ class TrainerArguments:
         defaults_only: the installed class's defaults, for ``loop="trainer"`` given alone.
         loop: the loop they describe: ``trainer``, or a TRL trainer's (``trl-sft``, ``trl-dpo``).
         trl: a TRL config's own settings (None: the Trainer's arguments alone).
+        mesh: the device mesh of their ``parallelism_config`` (accelerate's ``ParallelismConfig``),
+            as ``(dimension, degree)`` pairs of the degrees above 1; empty without one. The
+            estimate runs on it (:func:`memcalc.estimate_step`), exactly as under ``--mesh``.
     """
 
     source: str
@@ -42,6 +45,7 @@ class TrainerArguments:
     defaults_only: bool = False
     loop: str = "trainer"
     trl: TrlSettings | None = None
+    mesh: tuple[tuple[str, int], ...] = ()
 
     def describe(self) -> str:
         """One line for the report's notes."""

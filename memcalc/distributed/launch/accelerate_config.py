@@ -9,7 +9,9 @@ through :func:`~memcalc.distributed.launch.deepspeed_config.read_deepspeed` on t
 accelerate's ``DeepSpeedPlugin`` builds, or on its ``deepspeed_config_file``), ``num_processes``
 (the total over the machines: ``accelerate launch`` runs ``num_processes // num_machines`` per
 machine) the world size, ``mixed_precision`` the precision (``amp-bf16`` / ``amp-fp16``: the
-Accelerator's autocast). What each ``fsdp_config`` key becomes is docs/launch-configs.md.
+Accelerator's autocast). What each ``fsdp_config`` key becomes is docs/launch-configs.md. A
+``parallelism_config`` section (with FSDP2 only, as ``accelerate launch`` asks) makes the device
+mesh (:mod:`memcalc.stacks.transformers.parallelism_config`): FSDP2 over its ``dp_shard × cp``, with tp and cp.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.launch.deepspeed_config import read_deepspeed
 from memcalc.distributed.launch.setup import LaunchSetup, load_mapping, refuse_unknown
 from memcalc.stacks.transformers.hub import import_hf
+from memcalc.stacks.transformers.parallelism_config import read_parallelism_config
 
 __all__ = ("FSDP_KEYS", "read_accelerate")
 
@@ -30,8 +33,6 @@ _PRECISION = {"no": "fp32", "fp16": "amp-fp16", "bf16": "amp-bf16"}
 #: Top-level keys that matter only with a value set: what they turn on is not modelled.
 _REFUSED_WHEN_SET = {
     "fp8_config": "FP8 training (TransformerEngine / torchao) is not modelled",
-    "parallelism_config": "accelerate's ParallelismConfig (tensor, context parallelism) is not read; give "
-                          "--mesh instead",
     "megatron_lm_config": "Megatron-LM is not modelled",
 }
 
@@ -94,6 +95,8 @@ def read_accelerate(path: Any) -> LaunchSetup:
         distributed, checkpoint, said = _fsdp(config.fsdp_config or {}, where)
         distributed["world_size"] = world
         notes += said
+        distributed, said = _on_mesh(distributed, data.get("parallelism_config"), world, where)
+        notes += said
         if checkpoint:
             values["checkpoint"] = True
     elif kind == "DEEPSPEED":
@@ -108,7 +111,28 @@ def read_accelerate(path: Any) -> LaunchSetup:
     return LaunchSetup(where, distributed, values, tuple(notes))
 
 
+def _on_mesh(distributed: dict[str, Any], section: Any, world: int,
+             where: str) -> tuple[dict[str, Any], list[str]]:
+    """FSDP2 over the mesh of the ``parallelism_config`` section (accelerate's ``ParallelismConfig``:
+    :mod:`memcalc.stacks.transformers.parallelism_config`), its FSDP2 settings kept; unchanged without one."""
+    mesh = read_parallelism_config(section, where)
+    if mesh is None or not mesh.degrees:  # every size 1: accelerate sets dp_replicate to num_processes
+        return distributed, []
+    if mesh.world_size != world:
+        raise InvalidInputError(f"{where}: parallelism_config's total_size {mesh.world_size} (mesh "
+                                f"{mesh.describe()}) is not num_processes {world}; accelerate refuses it",
+                                hint="Make the product of its sizes the number of processes.")
+    if "dp_shard" not in mesh.as_dict() and "cp" not in mesh.as_dict():
+        raise InapplicableOptionError(f"{where}: parallelism_config (mesh {mesh.describe()}) leaves FSDP no dimension "
+                                      f"to shard across (dp_shard_size and cp_size 1); accelerate refuses it")
+    return {**mesh.as_dict(), "sharding": distributed["sharding"]}, list(mesh.notes)
+
+
 def _refuse_set(data: Mapping[str, Any], where: str) -> None:
+    if data.get("parallelism_config") and str(data.get("distributed_type")).split(".")[-1].upper() != "FSDP":
+        raise InapplicableOptionError(f"{where}: parallelism_config goes with distributed_type FSDP and fsdp_version "
+                                      f"2 (accelerate launch refuses --use_parallelism_config without them)",
+                                      hint="Set distributed_type: FSDP and fsdp_config.fsdp_version: 2.")
     for key, why in _REFUSED_WHEN_SET.items():
         if data.get(key):
             raise InapplicableOptionError(f"{where}: {key}: {why}")

@@ -10,7 +10,8 @@ on a machine without a bf16 GPU) — and :func:`memcalc.fields.build_step` lays 
 options the user gave explicitly, which win.
 
 The arguments read (:func:`optimizer_of` for ``optim``) become ``batch_size``,
-``accum_steps``, ``precision``, ``checkpoint``, ``optimizer``, ``gpu="cpu"`` and ``liger``.
+``accum_steps``, ``precision``, ``checkpoint``, ``optimizer``, ``gpu="cpu"`` and ``liger``;
+``parallelism_config`` (accelerate's) the device mesh (:mod:`memcalc.stacks.transformers.parallelism_config`).
 Arguments that change memory but that memcalc does not model are refused, naming each
 (:data:`REFUSED`). The arguments in :data:`IGNORED` change nothing a step allocates on the
 device (logging, saving, the schedule, the data pipeline, evaluation's own settings, settings
@@ -41,6 +42,7 @@ from memcalc.core.loop import OptimizerImpl
 from memcalc.core.trainer import TrainerArguments
 from memcalc.engine.optimizers import Optimizer
 from memcalc.stacks.transformers.hub import import_hf
+from memcalc.stacks.transformers.parallelism_config import read_parallelism_config
 
 __all__ = ("IGNORED", "MAPPED", "REFUSED", "TrainerSetup", "load_training_args", "optimizer_of",
            "read_training_args")
@@ -49,7 +51,7 @@ __all__ = ("IGNORED", "MAPPED", "REFUSED", "TrainerSetup", "load_training_args",
 MAPPED = frozenset({
     "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "activation_checkpointing",
     "activation_checkpointing_kwargs", "gradient_checkpointing", "gradient_checkpointing_kwargs", "optim",
-    "optim_args", "use_cpu", "max_grad_norm", "use_liger_kernel",
+    "optim_args", "use_cpu", "max_grad_norm", "use_liger_kernel", "parallelism_config",
 })
 
 #: The arguments that change nothing a step allocates on the device (module docstring).
@@ -120,7 +122,6 @@ REFUSED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
                   "(distributed=memcalc.Distributed('fsdp', ...))"),
     "deepspeed": (_on, "DeepSpeed partitions the model's states: give its config as --deepspeed FILE.json "
                        "(deepspeed=...), or --strategy zero1|zero2|zero3"),
-    "parallelism_config": (_set, "tensor, context and sequence parallelism split the model's tensors"),
     "full_determinism": (_on, "deterministic algorithms choose other kernels, and cuBLAS gets the :16:8 workspace "
                               "(CUBLAS_WORKSPACE_CONFIG)"),
     "debug": (_on, "debug options run hooks on every module (underflow_overflow) or collect metrics"),
@@ -197,8 +198,11 @@ def read_training_args(args: Any = None) -> TrainerSetup:
         options["gpu"] = "cpu"
         read.append(("use_cpu", "→ gpu cpu"))
     unread = _unread(given, defaults, own_defaults)
+    # the mesh is not a line of `read`: the estimate is then the --mesh one's, byte for byte
+    mesh = read_parallelism_config(values.get("parallelism_config"), "TrainingArguments")
     return TrainerSetup(options, impl, TrainerArguments(source=f"{source} (transformers {version})",
-                                                         read=tuple(read), unknown=unread))
+                                                         read=tuple(read), unknown=unread,
+                                                         mesh=() if mesh is None else mesh.degrees))
 
 
 def _defaults_setup(transformers: ModuleType, defaults: dict[str, Any], source: str) -> TrainerSetup:
