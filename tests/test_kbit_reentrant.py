@@ -22,7 +22,16 @@ from memcalc.fields import build_step
 from memcalc.stacks.kbit import set_up_reentrant
 
 sys.path.insert(0, str(Path(__file__).parent / "hf_reference"))
-from hf_harness import TOLERANCE, Recipe, llama_config, model_bytes, profiled_peak, real_model, write_config
+from hf_harness import (
+    TOLERANCE,
+    Recipe,
+    llama_config,
+    model_bytes,
+    profiled_peak,
+    real_model,
+    training_args,
+    write_config,
+)
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -103,3 +112,26 @@ def test_the_real_own_loop_keeps_the_kind_peft_set_up(tmp_path: Path) -> None:
     assert abs(estimate.peak_requested - real) <= TOLERANCE * real, row
     assert abs(estimate.peak_requested - other) > TOLERANCE * real, row
     assert any("set up is reentrant" in note for note in estimate.notes) is reentrant, estimate.notes
+
+
+@pytest.mark.slow  # one real Trainer step on the 4-bit model: ~15 s on two CPU cores
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_the_real_trainer_replaces_pefts_kind(tmp_path: Path) -> None:
+    """Which kind wins in the Trainer, read off the real objects: PEFT leaves the reentrant
+    function (torch 2.13), and ``Trainer.train()`` with ``activation_checkpointing`` and no kwargs
+    replaces it by transformers' non-reentrant one, the kind memcalc's Trainer loop runs."""
+    pytest.importorskip("bitsandbytes")
+    import transformers
+
+    recipe = Recipe(CONFIG, batch=1, seq_len=32, bf16=True, weights=torch.bfloat16, qlora=True, lora=RANK,
+                    checkpointing=True)
+    model = real_model(recipe)
+    peft_kind = set_up_reentrant(model)  # torch's default: reentrant under 2.13 (the own-loop test's subject)
+    ids = torch.randint(0, int(CONFIG["vocab_size"]), (recipe.seq_len,))  # type: ignore[call-overload]
+    trainer = transformers.Trainer(model=model, args=training_args(recipe, tmp_path),
+                                   train_dataset=[{"input_ids": ids, "labels": ids}] * 2)
+    trainer.train()
+    assert not set_up_reentrant(model), peft_kind
+    step = build_step(write_config(tmp_path, CONFIG), seq_len=recipe.seq_len, finetune=QLORA,
+                      trainer_args={"gradient_checkpointing": True})
+    assert step.checkpoint == FULL and not step.checkpoint.reentrant
