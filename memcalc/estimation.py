@@ -25,6 +25,7 @@ from memcalc.engine.model import ResolvedModel
 from memcalc.engine.run import CostRecorderFactory, TracedStep, build_report
 from memcalc.engine.step_spec import Step
 from memcalc.stacks.float8 import apply_float8
+from memcalc.stacks.kbit import kbit_checkpointing
 from memcalc.stacks.liger import apply_liger
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
@@ -131,6 +132,7 @@ def _trace_single(step: Step, costs: CostRecorderFactory | None) -> TracedEstima
                               checkpoint=bool(step.checkpoint))
     resolved = apply_float8(resolved, step.float8)
     step = replace(step, precision=step_precision(resolved, step.finetune, step.precision, step.mode))
+    step = kbit_checkpointing(resolved.module, step)  # the kind PEFT set up for QLoRA, where the loop keeps it
     if step.liger:
         resolved = with_liger(resolved, step)
     if step.loop.preset is not None and step.loop.preset.is_trl:

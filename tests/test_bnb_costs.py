@@ -15,6 +15,7 @@ from torch import nn
 
 import memcalc
 from memcalc import FineTune, LoRA
+from memcalc.core.checkpointing import Checkpointing, CheckpointKind
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import ClassTime, OpClass, StepTime
 from memcalc.engine.kernel_ops import KERNEL_COSTS, KernelCost
@@ -194,9 +195,14 @@ def test_recomputation_inside_quantized_layers_is_booked_as_recompute() -> None:
     # Checkpointing recomputes each block's forward in backward under enable_grad, but
     # MatMul4Bit.forward (an autograd Function) runs with grad mode off: its F.linear on the
     # dequantized weight must still count as recomputation, not backward. The base's FLOPs are the
-    # same quantized or not, so every phase's FLOPs must be too.
+    # same quantized or not, so every phase's FLOPs must be too. Both reentrant: the kind QLoRA's own
+    # loop takes from prepare_model_for_kbit_training (tests/test_kbit_reentrant.py), which recomputes
+    # the whole block where the non-reentrant checkpoint stops early.
+    reentrant = Checkpointing(CheckpointKind.FULL, reentrant=True)
+
     def flops(quant: str | None) -> dict[str, int]:
-        report = memcalc.estimate("llama-tiny", batch_size=1, seq_len=128, precision="bf16", gpu=GPU, checkpoint=True,
+        report = memcalc.estimate("llama-tiny", batch_size=1, seq_len=128, precision="bf16", gpu=GPU,
+                                  checkpoint=reentrant,
                                   finetune=FineTune(lora=LoRA(8, targets=("q_proj", "v_proj")), quant=quant),
                                   time=True)
         assert report.time is not None

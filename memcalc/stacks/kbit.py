@@ -10,6 +10,12 @@ runs on it: every parameter frozen, the unquantized 16-bit ones cast to float32 
 :data:`~memcalc.engine.prepare.KEEP_DTYPE`), and with ``--checkpoint`` transformers' own
 gradient checkpointing, given memcalc's checkpoint function.
 
+**The checkpoint's kind.** PEFT enables transformers' checkpointing with empty
+``gradient_checkpointing_kwargs``, so torch's ``checkpoint`` gets no ``use_reentrant``: torch 2.13
+runs that reentrant. :func:`kbit_checkpointing` reads the kind off the function transformers set
+up (one probe call) and a step on memcalc's or the user's loop follows it; the Trainer (TRL's
+trainers too) re-enables checkpointing with its own kwargs, whose kind wins (docs/notes/kbit.md).
+
 **The step's precision.** After preparation no parameter is in 16 bits, so a bf16 recipe runs
 float32 weights under bf16 autocast: :func:`kbit_precision` turns ``bf16`` into ``amp-bf16``
 and ``fp16`` into ``amp-fp16``.
@@ -22,21 +28,29 @@ The recipe and each preparation step in full: docs/notes/kbit.md.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from memcalc.core.categories import Mode
+from memcalc.core.checkpointing import CheckpointKind
 from memcalc.core.finetune import FineTune, Quant
 from memcalc.core.precision import Precision
 from memcalc.core.units import format_bytes
 from memcalc.engine.prepare import KEEP_DTYPE
+from memcalc.engine.step_spec import Step
 from memcalc.stacks.transformers.hub import import_hf
 
-__all__ = ("is_transformers_model", "kbit_precision", "prepare_for_kbit_training", "prepares_for_kbit")
+__all__ = ("is_transformers_model", "kbit_checkpointing", "kbit_precision", "prepare_for_kbit_training",
+           "prepares_for_kbit", "set_up_reentrant")
 
 #: The dtypes ``prepare_model_for_kbit_training`` casts to float32.
 _HALF = (torch.float16, torch.bfloat16)
+#: The autograd node of torch's reentrant checkpoint (``CheckpointFunction.apply``'s output).
+_REENTRANT_NODE = "CheckpointFunctionBackward"
+#: The attribute transformers keeps a checkpointable layer's checkpoint function in.
+_FUNCTION = "_gradient_checkpointing_func"
 
 
 def is_transformers_model(module: nn.Module) -> bool:
@@ -99,6 +113,47 @@ def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Pre
         note += ("; without gradient checkpointing (prepare_model_for_kbit_training turns it on by default: "
                  "add --checkpoint if the recipe keeps that default)")
     return note
+
+
+def kbit_checkpointing(module: nn.Module, step: Step) -> Step:
+    """``step`` with the checkpoint kind ``prepare_model_for_kbit_training`` left on ``module``
+    (after :func:`prepare_for_kbit_training`, before the step is traced), where the loop keeps it.
+
+    The Trainer's loop (and TRL's, which inherit it) calls ``activation_checkpointing_enable`` again
+    in ``train()`` with ``TrainingArguments``' kwargs (transformers' ``use_reentrant=False`` when
+    none): that kind wins and ``step`` already carries it. Any other loop (memcalc's, a user's
+    function) runs what PEFT set up: made reentrant where :func:`set_up_reentrant` finds it so. A
+    selective policy is memcalc's own setting, not PEFT's, and stays as it is.
+    """
+    preset = step.loop.preset
+    if (not step.checkpoint or step.checkpoint.reentrant or not prepares_for_kbit(module, step.finetune, step.mode)
+            or (preset is not None and preset.is_trainer)
+            or step.checkpoint.kind not in (CheckpointKind.FULL, CheckpointKind.EVERY)
+            or not set_up_reentrant(module)):
+        return step
+    note = (f"the checkpoint prepare_model_for_kbit_training set up is reentrant: PEFT passes transformers no "
+            f"use_reentrant, and torch {torch.__version__.split('+')[0]}'s checkpoint without it runs "
+            f"CheckpointFunction; loop {step.loop.name} keeps it (the Trainer's loop would re-enable "
+            f"checkpointing with its own kwargs, use_reentrant=False by default)")
+    return replace(step, checkpoint=replace(step.checkpoint, reentrant=True), notes=(*step.notes, note))
+
+
+def set_up_reentrant(module: nn.Module) -> bool:
+    """Whether the checkpoint function transformers gave ``module``'s layers runs torch's
+    reentrant ``CheckpointFunction``: the function itself is called once on a one-element CPU
+    tensor and its output's autograd node read, so the answer is the installed torch's (and
+    transformers') own, whatever their defaults become. False where no layer has one."""
+    function = next((getattr(sub, _FUNCTION) for sub in module.modules()
+                     if getattr(sub, "gradient_checkpointing", False) and callable(getattr(sub, _FUNCTION, None))),
+                    None)
+    if function is None:
+        return False
+    probe = torch.zeros(1, requires_grad=True)
+    with warnings.catch_warnings(), torch.enable_grad():
+        # torch's warning that use_reentrant was not passed: the probe's, not the user's concern
+        warnings.simplefilter("ignore")
+        out = function(lambda t: t * 2, probe)
+    return type(out.grad_fn).__name__ == _REENTRANT_NODE
 
 
 def _load_in(module: nn.Module, dtype: torch.dtype) -> None:

@@ -18,7 +18,8 @@ memcalc's function (:func:`memcalc.engine.prepare.checkpointed`) is
 ``torch.utils.checkpoint.checkpoint`` with the recomputation under memcalc's emulated autocast
 region: non-reentrant, as transformers 5 does by default (``{"use_reentrant": False}``), or
 reentrant where the step asks (``gradient_checkpointing_kwargs={"use_reentrant": True}``; TRL's
-PEFT + ZeRO-3), with the same ``use_reentrant`` handed to transformers' enable. The input
+PEFT + ZeRO-3; QLoRA's own loop, where PEFT left torch's reentrant default: :mod:`memcalc.stacks.kbit`),
+with the same ``use_reentrant`` handed to transformers' enable. The input
 embeddings' ``requires_grad`` hook that reentrance needs (a reentrant block whose inputs need no
 gradient gives its parameters none) is transformers' own, set for every token model.
 """
