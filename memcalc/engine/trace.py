@@ -68,6 +68,9 @@ _SAME_MEMORY: Final[Mapping[str, int]] = {"_c10d_functional::_wrap_tensor_autogr
 _NO_FUNCTION_MODES: Final[Callable[[], AbstractContextManager[None]]] = torch._C.DisableTorchFunction
 #: Dynamo's frame callback, None unless it compiles or runs compiled code (a C function).
 _dynamo_callback: Final[Callable[[], object]] = torch._C._dynamo.eval_frame.get_eval_frame_callback
+#: Tensor types whose reads (``.grad``, ``untyped_storage()``) no ``__torch_function__`` of their
+#: own changes (a parameter's only disables itself).
+_PLAIN: Final = frozenset({torch.Tensor, nn.Parameter})
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -438,6 +441,29 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 return self._uid_by_key.get(id(tensor.untyped_storage()))
         return self._uid_by_key.get(id(self.storage_of(tensor)))
 
+    def uids_of(self, tensors: Sequence[torch.Tensor]) -> list[int | None]:
+        """:meth:`uid_of` of each tensor, the plain tensors' and parameters' storages read with no
+        function mode, turned off once for all (the optimizer's state after a step: a few tensors
+        per parameter, whose reads the CUDA emulation would pass on as they are, a call each)."""
+        get = self._uid_by_key.get
+        with _NO_FUNCTION_MODES():
+            uids = [get(id(t.untyped_storage())) if type(t) in _PLAIN else None for t in tensors]
+        for at, tensor in enumerate(tensors):
+            if type(tensor) not in _PLAIN:  # a subclass's own torch-function handling stays on
+                uids[at] = self.uid_of(tensor)
+        return uids
+
+    def gradient_uids(self, params: Sequence[torch.Tensor]) -> list[int]:
+        """The uids of the traced storages of ``params``' gradients (those that have one), the
+        plain parameters' ``.grad`` read with no function mode, as :meth:`uids_of` reads."""
+        with _NO_FUNCTION_MODES():
+            grads = [p.grad if type(p) in _PLAIN else None for p in params]
+        for at, param in enumerate(params):
+            if type(param) not in _PLAIN:
+                grads[at] = param.grad
+        uids = self.uids_of([grad for grad in grads if grad is not None])
+        return [uid for uid in uids if uid is not None]
+
     def set_phase(self, phase: Phase) -> None:
         """Enter ``phase``: storages born from now on belong to it."""
         self.phase = phase
@@ -649,7 +675,7 @@ def _foreach_shortcut(func: Op, args: tuple[Any, ...], kwargs: dict[str, Any],
     type, every other tensor of more than 0 dimensions too and of one dtype with them, the other
     lists of tensors matching the first's shapes. One pass over the tensors: the optimizer's step
     calls these ops on every parameter."""
-    if not _is_foreach_elementwise(func) or not args or not isinstance(args[0], list):
+    if not args or not isinstance(args[0], list):  # the caller asks only for an elementwise foreach op
         return _NO_SHORTCUT
     first = args[0]
     if not first:
@@ -762,9 +788,16 @@ def _strided_nbytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) 
     at offset 0): the furthest element's offset plus one, times the item size; none if empty."""
     if 0 in shape:
         return 0
-    if any(step < 0 for step in stride):
-        return -1  # no storage empty_strided makes
-    return (1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))) * itemsize
+    furthest = 0
+    for size, step in zip(shape, stride, strict=True):
+        if step < 0:
+            return -1  # no storage empty_strided makes
+        furthest += (size - 1) * step
+    return (1 + furthest) * itemsize
+
+
+#: The plan of an op that returns one fresh tensor (most ops).
+_ONE_FRESH: Final[_Plan] = (("fresh",),)
 
 
 def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -774,6 +807,16 @@ def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...], kwargs: dict[s
     the input tensors' storages, as :meth:`MetaKernelCache.run` collected them)."""
     if not plan:  # returns nothing (in-place foreach ops)
         return ("void", ()) if out is None else None
+    if type(out) is torch.Tensor and plan == _ONE_FRESH:  # most ops: one fresh tensor (fresh() below, inline)
+        untyped = out.untyped_storage()
+        if id(untyped) in inputs:
+            return _ALIASING
+        if not out.is_meta or out.storage_offset() != 0:
+            return None
+        shape, stride = tuple(out.shape), out.stride()
+        if _strided_nbytes(shape, stride, out.dtype.itemsize) != untyped.nbytes():
+            return None  # a storage larger than its view needs: not what empty_strided makes
+        return ("one", (("T", shape, stride, out.dtype),))
     outs = out if isinstance(out, tuple) else (out,)
     if len(outs) != len(plan):
         return None
