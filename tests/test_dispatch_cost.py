@@ -1,7 +1,9 @@
 """The tracer's own work below autograd reaches no function mode above it (issue 36 item 3): the
 CUDA emulation, which stays on through the backward pass and inside ``torch.nn.functional``
 composites, once answered every ``.shape``, ``.stride()`` and ``untyped_storage()`` of the
-tracer's bookkeeping and of the meta kernels, about five calls per aten op. Counted, not timed."""
+tracer's bookkeeping and of the meta kernels, about five calls per aten op. Counted, not timed.
+The shortcuts on that path (the optimizer state's uids read in one go, the foreach ops' outputs made
+without their kernels) are checked against what they stand for."""
 
 from __future__ import annotations
 
@@ -180,3 +182,86 @@ def test_idle_modes_off_takes_off_only_modes_that_pass_through() -> None:
         with pytest.raises(RuntimeError), idle_modes_off():
             raise RuntimeError
         assert stack() == before
+
+
+def test_uids_of_and_gradient_uids_are_uid_of_with_no_function_mode_call() -> None:
+    """The optimizer state's and the gradients' uids, read in one go with the function modes off,
+    are ``uid_of``'s for each tensor (a parameter, a plain tensor, a view sharing its storage, one
+    the tracer never saw); the counting mode above sees none of the reads."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from memcalc.core.categories import Category
+    from memcalc.engine.trace import StorageTracer
+
+    class Counting(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[object] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            self.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    tracer = StorageTracer()
+    weight = torch.nn.Parameter(torch.empty(4, 3, device="meta"))
+    bare = torch.nn.Parameter(torch.empty(2, device="meta"))  # no gradient
+    with tracer:
+        tracer.preexisting(weight, Category.PARAMETERS)
+        weight.grad = torch.empty(4, 3, device="meta") * 2
+        state = torch.zeros(4, 3, device="meta") + 1
+    unseen = torch.empty(5, device="meta")
+    tensors = [weight, state, state.view(12), weight.grad, unseen]
+    counting = Counting()
+    with counting:
+        uids = tracer.uids_of(tensors)
+        gradients = tracer.gradient_uids([weight, bare])
+    assert counting.calls == []
+    assert uids == [tracer.uid_of(t) for t in tensors]
+    assert uids[1] == uids[2] is not None and uids[4] is None  # a view is its storage's; unseen: None
+    assert gradients == [tracer.uid_of(weight.grad)] and gradients[0] is not None
+
+
+@pytest.mark.parametrize("case", ["add", "add_", "mul_scalar", "mixed_dtypes", "lengths", "shapes", "cpu_scalars",
+                                  "cpu_scalar", "sqrt", "copy_", "empty"])
+def test_the_foreach_shortcut_answers_as_the_kernel_or_not_at_all(case: str) -> None:
+    """An elementwise foreach op's outputs, made without its kernel (a Python loop of per-tensor meta
+    kernels on meta), have the kernel's shapes, strides and dtypes; in-place ones return nothing; a
+    call it cannot answer exactly (type promotion, lists of other lengths or shapes) is the
+    kernel's, which raises what it raises."""
+    import torch
+
+    from memcalc.engine import trace
+
+    aten = torch.ops.aten
+    meta = torch.device("meta")
+
+    def tensors(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        return [torch.empty_strided(s, torch.empty(s).stride(), dtype=dtype, device=meta) for s in shapes]
+
+    first = tensors((4, 3), (7,), (2, 5, 1))
+    calls: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any], bool]] = {  # op, args, kwargs, answered
+        "add": (aten._foreach_add.List, (first, tensors((4, 3), (7,), (2, 5, 1))), {"alpha": 2}, True),
+        "add_": (aten._foreach_add_.List, (first, tensors((4, 3), (7,), (2, 5, 1))), {}, True),
+        "mul_scalar": (aten._foreach_mul.Scalar, (first, 0.5), {}, True),
+        "mixed_dtypes": (aten._foreach_add.List, (first, tensors((4, 3), (7,), (2, 5, 1), dtype=torch.bfloat16)), {},
+                         False),
+        "lengths": (aten._foreach_add.List, (first, tensors((4, 3), (7,))), {}, False),
+        "shapes": (aten._foreach_mul.List, (first, tensors((4, 3), (7,), (2, 5, 5))), {}, False),
+        "cpu_scalars": (aten._foreach_mul.List, (first, [torch.tensor(2.0)] * 3), {}, False),  # shapes differ
+        "cpu_scalar": (aten._foreach_mul.Tensor, (first, torch.tensor(2.0, dtype=torch.float64)), {}, True),
+        "sqrt": (aten._foreach_sqrt.default, (tensors((3, 2), (1,), dtype=torch.float16),), {}, True),
+        "copy_": (aten._foreach_copy_.default, (first, tensors((4, 3), (7,), (2, 5, 1))), {}, True),
+        "empty": (aten._foreach_neg.default, ([],), {}, False),
+    }
+    func, args, kwargs, answered = calls[case]
+    shortcut = trace._foreach_shortcut(func, args, kwargs, meta)
+    assert (shortcut is not trace._NO_SHORTCUT) == answered
+    if not answered:
+        return
+    out = func(*args, **kwargs)
+    if shortcut is None:
+        assert out is None and func.__name__.split(".")[0].endswith("_")
+        return
+    assert [(t.shape, t.stride(), t.dtype, t.device) for t in shortcut] == [
+        (t.shape, t.stride(), t.dtype, t.device) for t in out]

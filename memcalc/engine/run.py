@@ -192,17 +192,16 @@ class _TracerObserver:
         return self.tracer.modules.backward()
 
     def gradients_ready(self, params: Sequence[nn.Parameter]) -> None:
-        for p in params:
-            if p.grad is not None and (uid := self.tracer.uid_of(p.grad)) is not None:
-                self.gradient_uids.add(uid)
+        self.gradient_uids.update(self.tracer.gradient_uids(params))
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and (uid := self.tracer.uid_of(value)) is not None:
-                    self.state_uids.add(uid)
-                    if self.unified_memory and is_paged(value):
-                        self.paged_uids.add(uid)
+        values = [value for state in optimizer.state.values() for value in state.values()
+                  if isinstance(value, torch.Tensor)]
+        for value, uid in zip(values, self.tracer.uids_of(values), strict=True):
+            if uid is not None:
+                self.state_uids.add(uid)
+                if self.unified_memory and is_paged(value):
+                    self.paged_uids.add(uid)
 
     def run_again(self) -> bool:
         """Once, when the step freed a pre-existing storage (a rebound buffer): the second

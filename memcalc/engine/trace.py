@@ -69,6 +69,9 @@ _SAME_MEMORY: Final[Mapping[str, int]] = {"_c10d_functional::_wrap_tensor_autogr
 _NO_FUNCTION_MODES: Final[Callable[[], AbstractContextManager[None]]] = torch._C.DisableTorchFunction
 #: Dynamo's frame callback, None unless it compiles or runs compiled code (a C function).
 _dynamo_callback: Final[Callable[[], object]] = torch._C._dynamo.eval_frame.get_eval_frame_callback
+#: Tensor types whose reads (``.grad``, ``untyped_storage()``) no ``__torch_function__`` of their
+#: own changes (a parameter's only disables itself).
+_PLAIN: Final = frozenset({torch.Tensor, nn.Parameter})
 #: Runs an op: ``(func, args, kwargs) -> out``.
 _Compute: TypeAlias = Callable[[Op, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -382,9 +385,12 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 if facts is None:
                     facts = self._facts[id(func)] = _OpFacts(func, self.after_op is not None and (
                         self.after_op_applies is None or self.after_op_applies(func)))
-                same = facts.same_memory
-                # a view where the real kernel allocates nothing
-                out = args[same].view_as(args[same]) if same >= 0 else self._cache.run(func, args, kwargs, self._run)
+                if facts.uncached:  # views and the like: the kernel (or its shortcut), as the cache would
+                    out = self._run(func, args, kwargs)
+                elif facts.same_memory >= 0:  # a view where the real kernel allocates nothing
+                    out = args[facts.same_memory].view_as(args[facts.same_memory])
+                else:
+                    out = self._cache.run(func, args, kwargs, self._run)
                 self.trace.op_counts[facts.short_name] += 1
                 self._op = facts.name
                 if type(out) is torch.Tensor:  # most ops: one plain tensor (_see without its call)
@@ -596,6 +602,29 @@ class StorageTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                 return self._uid_by_key.get(id(tensor.untyped_storage()))
         return self._uid_by_key.get(id(self.storage_of(tensor)))
 
+    def uids_of(self, tensors: Sequence[torch.Tensor]) -> list[int | None]:
+        """:meth:`uid_of` of each tensor, the plain tensors' and parameters' storages read with no
+        function mode, turned off once for all (the optimizer's state after a step: a few tensors
+        per parameter, whose reads the CUDA emulation would pass on as they are, a call each)."""
+        get = self._uid_by_key.get
+        with _NO_FUNCTION_MODES():
+            uids = [get(id(t.untyped_storage())) if type(t) in _PLAIN else None for t in tensors]
+        for at, tensor in enumerate(tensors):
+            if type(tensor) not in _PLAIN:  # a subclass's own torch-function handling stays on
+                uids[at] = self.uid_of(tensor)
+        return uids
+
+    def gradient_uids(self, params: Sequence[torch.Tensor]) -> list[int]:
+        """The uids of the traced storages of ``params``' gradients (those that have one), the
+        plain parameters' ``.grad`` read with no function mode, as :meth:`uids_of` reads."""
+        with _NO_FUNCTION_MODES():
+            grads = [p.grad if type(p) in _PLAIN else None for p in params]
+        for at, param in enumerate(params):
+            if type(param) not in _PLAIN:
+                grads[at] = param.grad
+        uids = self.uids_of([grad for grad in grads if grad is not None])
+        return [uid for uid in uids if uid is not None]
+
     def set_phase(self, phase: Phase) -> None:
         """Enter ``phase``: storages born from now on belong to it."""
         self.phase = phase
@@ -617,17 +646,41 @@ class _OpFacts:
     """What the tracer looks up about one op, once: its dispatch facts, kept by ``id(func)``
     because an ``OpOverload`` hashes in Python (``torch/_ops.py``), and a dictionary keyed by it
     pays that call on every look-up. It holds ``func``, so the id stays its own while the tracer
-    lives."""
+    lives. The facts that are the op's alone (its names, its cache plan) are the process's
+    (:func:`_op_facts`): a trace does not format each op's schema name again."""
 
-    __slots__ = ("after_op", "func", "name", "same_memory", "short_name")
+    __slots__ = ("after_op", "func", "name", "same_memory", "short_name", "uncached")
 
     def __init__(self, func: Op, after_op: bool) -> None:
         self.func = func
         self.after_op = after_op  # whether the tracer's after-op hook is called after it
-        self.name = str(func)  # formats its schema name
-        self.short_name = func.__name__  # the trace's op counts
-        # the argument whose memory it returns (_SAME_MEMORY), or -1
-        self.same_memory = _SAME_MEMORY.get(func._schema.name, -1)
+        self.name, self.short_name, self.same_memory, plan = _op_facts(func)
+        # never cached (a view, a value read): run without the cache's look-ups. An op the cache
+        # stops caching later (an unannounced alias) still goes through it and is refused there.
+        self.uncached = self.same_memory < 0 and plan[2] is None and not plan[1]
+
+
+#: Per op, by id (the op object held last, so the id stays its own): its schema name (what made
+#: a storage), its name in the trace's op counts and the argument whose memory it returns
+#: (_SAME_MEMORY) or -1.
+_OP_FACTS: Final[dict[int, tuple[str, str, int, Op]]] = {}
+
+
+def _op_facts(func: Op) -> tuple[str, str, int, tuple[Op, bool, _Plan | None]]:
+    """``func``'s names, the argument whose memory it returns and its cache plan (now: an op the
+    cache stopped caching has none)."""
+    facts = _OP_FACTS.get(id(func))
+    if facts is None:
+        facts = _OP_FACTS[id(func)] = (str(func), func.__name__, _SAME_MEMORY.get(func._schema.name, -1), func)
+    return facts[0], facts[1], facts[2], _op_plan(func)
+
+
+def _op_plan(func: Op) -> tuple[Op, bool, _Plan | None]:
+    """The cache's entry for ``func`` (_OP_PLANS), made on first use."""
+    plan = _OP_PLANS.get(id(func))
+    if plan is None:
+        plan = _OP_PLANS[id(func)] = (func, _is_foreach_elementwise(func), _plan_of(func))
+    return plan
 
 
 class MetaKernelCache:
@@ -667,10 +720,10 @@ class MetaKernelCache:
         """The output of ``func(*args, **kwargs)``: rebuilt from the cache, or ``compute``'s."""
         facts = self._ops.get(id(func))
         if facts is None:
-            facts = self._ops[id(func)] = (func, _is_foreach_elementwise(func), _plan_of(func))
+            facts = _op_plan(func)
         _func, foreach, plan = facts
         if foreach:
-            shortcut = _foreach_shortcut(func, args, kwargs, self.device_type)
+            shortcut = _foreach_shortcut(func, args, kwargs, self._device)
             if shortcut is not _NO_SHORTCUT:
                 self.hits += 1
                 return shortcut
@@ -777,27 +830,43 @@ def _is_foreach_elementwise(func: Op) -> bool:
 
 
 def _foreach_shortcut(func: Op, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      device_type: str) -> list[torch.Tensor] | Literal[_Sentinel.NO_SHORTCUT] | None:
-    if not _is_foreach_elementwise(func) or not args or not isinstance(args[0], list):
+                      device: torch.device) -> list[torch.Tensor] | Literal[_Sentinel.NO_SHORTCUT] | None:
+    """The outputs of an elementwise foreach op (None: an in-place one, which returns nothing),
+    or ``_NO_SHORTCUT`` where its kernel must decide: the first list's tensors all on ``device``'s
+    type, every other tensor of more than 0 dimensions too and of one dtype with them, the other
+    lists of tensors matching the first's shapes. One pass over the tensors: the optimizer's step
+    calls these ops on every parameter."""
+    if not args or not isinstance(args[0], list):  # the caller asks only for an elementwise foreach op
         return _NO_SHORTCUT
-    inplace = func.__name__.split(".")[0].endswith("_")
     first = args[0]
-    tensors = [t for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) for t in a
-               if isinstance(t, torch.Tensor)] + [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if not first or not all(isinstance(t, torch.Tensor) and t.device.type == device_type for t in first):
+    if not first:
         return _NO_SHORTCUT
-    if any(t.device.type != device_type and t.dim() > 0 for t in tensors):
+    device_type = device.type
+    meta = device_type == "meta"  # Tensor.is_meta: a tenth of Tensor.device.type's cost
+    tensor = torch.Tensor
+    for t in first:
+        if not isinstance(t, tensor) or not (t.is_meta if meta else t.device.type == device_type):
+            return _NO_SHORTCUT
+    dtype: torch.dtype | None = None
+    for value in (*args, *kwargs.values()):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if not isinstance(t, tensor) or t.dim() == 0:
+                continue  # a 0-dim tensor (a step count, a scalar) may be elsewhere and of any dtype
+            if not (t.is_meta if meta else t.device.type == device_type):
+                return _NO_SHORTCUT
+            if dtype is None:
+                dtype = t.dtype
+            elif t.dtype != dtype:
+                return _NO_SHORTCUT  # type promotion: let the real kernel decide
+    if dtype is None:
         return _NO_SHORTCUT
-    dtypes = {t.dtype for t in tensors if t.dim() > 0}
-    if len(dtypes) != 1:
-        return _NO_SHORTCUT  # type promotion: let the real kernel decide
     for other in args[1:]:
-        if isinstance(other, list) and other and isinstance(other[0], torch.Tensor) and (
+        if isinstance(other, list) and other and isinstance(other[0], tensor) and (
                 len(other) != len(first) or any(o.shape != f.shape for o, f in zip(other, first, strict=True))):
             return _NO_SHORTCUT
-    if inplace:
+    if func.__name__.split(".")[0].endswith("_"):  # in place
         return None
-    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device_type) for t in first]
+    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in first]
 
 
 _METADATA_MUTATORS = ("resize", "set_", "as_strided", "swap", "_unsafe_set")
@@ -880,9 +949,16 @@ def _strided_nbytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) 
     at offset 0): the furthest element's offset plus one, times the item size; none if empty."""
     if 0 in shape:
         return 0
-    if any(step < 0 for step in stride):
-        return -1  # no storage empty_strided makes
-    return (1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))) * itemsize
+    furthest = 0
+    for size, step in zip(shape, stride, strict=True):
+        if step < 0:
+            return -1  # no storage empty_strided makes
+        furthest += (size - 1) * step
+    return (1 + furthest) * itemsize
+
+
+#: The plan of an op that returns one fresh tensor (most ops).
+_ONE_FRESH: Final[_Plan] = (("fresh",),)
 
 
 def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -892,6 +968,16 @@ def _spec_with_plan(out: Any, plan: _Plan, args: tuple[Any, ...], kwargs: dict[s
     the input tensors' storages, as :meth:`MetaKernelCache.run` collected them)."""
     if not plan:  # returns nothing (in-place foreach ops)
         return ("void", ()) if out is None else None
+    if type(out) is torch.Tensor and plan == _ONE_FRESH:  # most ops: one fresh tensor (fresh() below, inline)
+        untyped = out.untyped_storage()
+        if id(untyped) in inputs:
+            return _ALIASING
+        if not out.is_meta or out.storage_offset() != 0:
+            return None
+        shape, stride = tuple(out.shape), out.stride()
+        if _strided_nbytes(shape, stride, out.dtype.itemsize) != untyped.nbytes():
+            return None  # a storage larger than its view needs: not what empty_strided makes
+        return ("one", (("T", shape, stride, out.dtype),))
     outs = out if isinstance(out, tuple) else (out,)
     if len(outs) != len(plan):
         return None

@@ -30,6 +30,7 @@ calls inside it.
 from __future__ import annotations
 
 import enum
+import functools
 import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -276,6 +277,13 @@ class CudaEmulation(TorchFunctionMode):
 # ``.default`` overload is named "scaled_dot_product_attention.default" and was never matched).
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def _backend_for(call: SdpaCall, compute_capability: tuple[int, int], torch_version: str) -> AttentionBackend:
+    """:func:`choose_sdpa_backend`, remembered: a function of the call's facts, the GPU and the
+    release, asked once per attention layer (about 50 µs: every backend's checks)."""
+    return choose_sdpa_backend(call, compute_capability, torch_version=torch_version)
+
+
 @EMULATION_RULES.register(F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
 def attention(mode: CudaEmulation, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """SDPA: the backend CUDA would choose and its fused aten op, called directly (math, a
@@ -301,7 +309,7 @@ def attention(mode: CudaEmulation, func: Callable[..., Any], args: tuple[Any, ..
         dtype=q.dtype, has_mask=mask is not None, dropout_p=dropout_p, is_causal=is_causal,
         requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         enable_gqa=enable_gqa)
-    backend = choose_sdpa_backend(call, mode.compute_capability, torch_version=mode.torch_version)
+    backend = _backend_for(call, tuple(mode.compute_capability), mode.torch_version)
     mode.attention_backends[backend.value] += 1
     aten = torch.ops.aten
     # grouped K/V heads (enable_gqa): the flash and cuDNN kernels take K/V unrepeated

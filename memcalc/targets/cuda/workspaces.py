@@ -89,6 +89,8 @@ class _Temporaries(Protocol):
     def __call__(self, call: SdpaCall, backend: AttentionBackend, compute_capability: tuple[int, int], *,
                  sm_count: int) -> list[Buffer]: ...
 
+    def __hash__(self) -> int: ...  # a module's function: a key of _scratch_bytes
+
 
 @dataclass(frozen=True)
 class ReductionScratchRule:
@@ -112,6 +114,23 @@ class ReductionScratchRule:
 #: :func:`~memcalc.targets.cuda.reduce.reduction_scratch`, remembered: both parts of a launch, the
 #: tracer's check of each and every replay of a batch-affine family ask for the same launches.
 _reduction_scratch = functools.lru_cache(maxsize=1 << 16)(reduction_scratch)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _reduction_rules(ndim: int, dims: tuple[int, ...], dtype: torch.dtype, compute_capability: tuple[int, int],
+                     sm_count: int) -> tuple[ReductionScratchRule, ReductionScratchRule]:
+    """A reduction launch's two rules (staging, then semaphores), made once per launch site: the
+    backward of every linear layer reduces its bias gradient the same way."""
+    return (ReductionScratchRule(ndim, dims, dtype, compute_capability, sm_count, "staging"),
+            ReductionScratchRule(ndim, dims, dtype, compute_capability, sm_count, "semaphores"))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _scratch_bytes(which: _Temporaries, call: SdpaCall, backend: AttentionBackend, compute_capability: tuple[int, int],
+                   sm_count: int) -> tuple[int, ...]:
+    """The bytes of each buffer of a fused attention call's scratch, remembered: a function of the
+    call's shapes and the GPU, asked once per layer and again by every estimate of a search."""
+    return tuple(buffer.nbytes for buffer in which(call, backend, compute_capability, sm_count=sm_count))
 
 
 #: The bytes of workspaces a warm-up left allocated in the process (:func:`warm_process`).
@@ -220,11 +239,10 @@ class WorkspaceModel:
         assert self.tracer is not None
         arguments = (*(int(n) for n in x.shape), *(int(n) for n in x.stride()))
         uids = []
-        for part in ("staging", "semaphores"):
-            rule = ReductionScratchRule(x.dim(), tuple(int(d) for d in dims), x.dtype, self.gpu.compute_capability,
-                                        self.gpu.sm_count, part)
+        for rule in _reduction_rules(x.dim(), tuple(int(d) for d in dims), x.dtype, self.gpu.compute_capability,
+                                     self.gpu.sm_count):
             uids.append(self.tracer.synthetic(rule(arguments), Category.WORKSPACE, persistent=True,
-                                              label=f"synthetic: reduction {part} (gpu_reduce_kernel)",
+                                              label=f"synthetic: reduction {rule.part} (gpu_reduce_kernel)",
                                               sized=ShapeSized(rule, arguments)))
         for uid in reversed(uids):
             self.tracer.release(uid)
@@ -241,9 +259,9 @@ class WorkspaceModel:
             seq_kv=int(k.shape[2]), head_dim=int(q.shape[3]), head_dim_v=int(v.shape[3]), dtype=q.dtype,
             has_mask=False, dropout_p=0.0, is_causal=False,
             requires_grad=bool(requires_grad) if requires_grad is not None else self.training)
-        for buffer in which(call, backend, self.gpu.compute_capability, sm_count=self.gpu.sm_count):
-            if buffer.nbytes:
-                self.add_temporary(buffer.nbytes, f"{backend.value} attention scratch")
+        for nbytes in _scratch_bytes(which, call, backend, tuple(self.gpu.compute_capability), self.gpu.sm_count):
+            if nbytes:
+                self.add_temporary(nbytes, f"{backend.value} attention scratch")
 
     def notes(self) -> list[str]:
         lines = []
