@@ -18,20 +18,25 @@ installed with ``DS_BUILD_OPS=0`` into DIR)::
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from two_ranks import (
+    LLAMA,
+    LORA_RANK,
+    backward_and_step,
+    frozen_copy,
+    gathered_masks,
+    record_forward_hooks,
+    run_on_two_ranks,
+    small_llama,
+    stage3_config,
+    start,
+    with_lora,
+    write_record,
+)
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-from two_ranks import run_on_two_ranks, write_record
-
-#: A small Llama: embedding and head 512·64 = 32,768 elements, q and o 4,096, k and v 2,048, the MLP's
-#: 8,192 each, norms 64.
-CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "vocab_size": 512, "max_position_embeddings": 256, "tie_word_embeddings": False}
 #: The stage-3 settings run (the norms persist; prefetch and the live bound act at this size).
 CASES: dict[str, dict[str, int]] = {
     "prefetch": {"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 10_000,
@@ -42,58 +47,33 @@ CASES: dict[str, dict[str, int]] = {
 #: Cases run with LoRA (PEFT's default targets, r 8): the reference is the policy with its adapters
 #: disabled, called directly (``use_adapter(model, None)``; TRL's ``self.model``), no second engine.
 LORA_CASES = {"lora-prefetch": CASES["prefetch"]}
-LORA_RANK = 8
 BATCH, SEQ, STEPS = 2, 32, 3
-
-
-def _mask(order: list[str], gathered: Any) -> str:
-    index = {name: i for i, name in enumerate(order)}
-    return hex(sum(1 << index[name] for name in set(gathered)))
 
 
 def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
     import deepspeed
-    import transformers
     from transformers.integrations import HfDeepSpeedConfig
     from trl.models import prepare_deepspeed
     from trl.trainer.utils import add_fused_lm_head
 
-    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, **extra}}
+    config = stage3_config(BATCH, extra)
     keep = HfDeepSpeedConfig(config)  # is_deepspeed_zero3_enabled(): TRL's head gathers for real
-    torch.manual_seed(0)
-    llama = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")})
-    policy = transformers.LlamaForCausalLM(llama)
-    reference = transformers.LlamaForCausalLM(llama)
-    reference.load_state_dict(policy.state_dict())
-    reference.requires_grad_(False)
+    policy = small_llama()
+    reference = frozen_copy(policy)
     add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     add_fused_lm_head(reference)
     if lora:  # as SFTTrainer/DPOTrainer do under ZeRO-3: adapters in the model's dtype
-        import peft
-
-        policy = peft.get_peft_model(policy, peft.LoraConfig(r=LORA_RANK, lora_dropout=0.0),
-                                     autocast_adapter_dtype=False)
+        policy = with_lora(policy)
     trained = [p for p in policy.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.Adam(trained, lr=1e-3), config=config)
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
     ref_engine = None if lora else prepare_deepspeed(reference, accelerator)
     events: list[list[str]] = []
     models = {"policy": policy} if lora else {"policy": policy, "reference": reference}
-    names = {key: [n for n, _ in m.named_parameters()] for key, m in models.items()}
-
-    def gathered() -> str:
-        return " ".join(_mask(names[key], (n for n, p in m.named_parameters()
-                                           if p.ds_status.name != "NOT_AVAILABLE")) for key, m in models.items())
-
-    for key, net in models.items():
-        for index, module in net.named_modules():
-            if next(module.parameters(recurse=False), None) is None:
-                continue
-            module.register_forward_pre_hook(lambda m, a, k=key, i=index: events.append([f"pre {k}.{i}", gathered()]))
-            module.register_forward_hook(lambda m, a, o, k=key, i=index: events.append([f"post {k}.{i}", gathered()]))
+    gathered = gathered_masks(models)
+    record_forward_hooks(models, events, gathered)
     torch.manual_seed(1)
-    ids = torch.randint(0, CONFIG["vocab_size"], (2 * BATCH, SEQ))
+    ids = torch.randint(0, LLAMA["vocab_size"], (2 * BATCH, SEQ))
     labels = ids.clone()
     labels[:, : SEQ // 2] = -100  # the prompt half
     for step in range(STEPS):
@@ -111,10 +91,7 @@ def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
         logps, ref_logps = out.log_probs.sum(1), ref.log_probs.sum(1)
         chosen, rejected = (logps - ref_logps).chunk(2)
         loss = -torch.nn.functional.logsigmoid(0.1 * (chosen - rejected)).mean()
-        engine.backward(loss)
-        events.append([f"backward {step}", gathered()])
-        engine.step()
-        events.append([f"step {step}", gathered()])
+        backward_and_step(engine, loss, step, events, gathered)
     del keep
     if ref_engine is None:
         return {"settings": extra, "lora": LORA_RANK, "events": events}
@@ -126,13 +103,8 @@ def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
 
 
 def main() -> None:
-    import deepspeed
-    import trl
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    out: dict[str, Any] = {"deepspeed": deepspeed.__version__, "trl": trl.__version__,
-                           "world_size": torch.distributed.get_world_size(), "config": CONFIG, "batch": BATCH,
-                           "seq_len": SEQ, "cases": {**{name: _run(extra) for name, extra in CASES.items()},
+    out: dict[str, Any] = {**start(trl=True), "config": LLAMA, "batch": BATCH, "seq_len": SEQ,
+                           "cases": {**{name: _run(extra) for name, extra in CASES.items()},
                                      **{name: _run(extra, lora=True) for name, extra in LORA_CASES.items()}}}
     write_record(out)
 
