@@ -7,11 +7,12 @@ and rejected rows, the reference on them under ``no_grad``, the sigmoid loss, ba
 (:data:`LORA_CASES`) has no reference engine: the policy runs again with its adapters disabled.
 
 Recorded, for three steps: which parameters of each model are gathered (a bitmask over its
-``named_parameters``) after each module's forward pre-hook and post-hook, after backward and after
-each step; and the stage-3 settings the reference engine runs with (TRL's ``config_kwargs.update``
-of dotted ``zero_optimization.*`` keys does not reach DeepSpeed's config). The reference for
-tests/test_trl_zero3.py. Run as tests/deepspeed_reference/zero3_gathers.py says (DeepSpeed
-installed with ``DS_BUILD_OPS=0`` into DIR)::
+``named_parameters``) after each module's forward pre-hook and post-hook, at the end of backward
+before ``release_backward_leftovers`` (``leftovers``), after backward and after each step; and the
+stage-3 settings the reference engine runs with (TRL's ``config_kwargs.update`` of dotted
+``zero_optimization.*`` keys does not reach DeepSpeed's config). The reference for tests/test_trl_zero3.py.
+Run as tests/deepspeed_reference/zero3_gathers.py says (DeepSpeed installed with ``DS_BUILD_OPS=0`` into
+DIR)::
 
     PYTHONPATH=DIR:. python tests/deepspeed_reference/zero3_dpo_reference.py tests/data/deepspeed_zero3_dpo.json
 """
@@ -72,6 +73,14 @@ def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
     models = {"policy": policy} if lora else {"policy": policy, "reference": reference}
     gathered = gathered_masks(models)
     record_forward_hooks(models, events, gathered)
+    offload = engine.optimizer.parameter_offload
+    leftovers = offload.release_backward_leftovers
+
+    def release_backward_leftovers() -> None:  # backward_epilogue: what backward left gathered, before its release
+        events.append([f"leftovers {sum(e.startswith('backward') for e, _ in events)}", gathered()])
+        leftovers()
+
+    offload.release_backward_leftovers = release_backward_leftovers
     torch.manual_seed(1)
     ids = torch.randint(0, LLAMA["vocab_size"], (2 * BATCH, SEQ))
     labels = ids.clone()
