@@ -23,20 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from two_ranks import (
-    LLAMA,
-    LORA_RANK,
-    backward_and_step,
-    frozen_copy,
-    gathered_masks,
-    record_forward_hooks,
-    run_on_two_ranks,
-    small_llama,
-    stage3_config,
-    start,
-    with_lora,
-    write_record,
-)
+import two_ranks as shared
 
 #: The stage-3 settings run (the norms persist; prefetch and the live bound act at this size).
 CASES: dict[str, dict[str, int]] = {
@@ -57,22 +44,22 @@ def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
     from trl.models import prepare_deepspeed
     from trl.trainer.utils import add_fused_lm_head
 
-    config = stage3_config(BATCH, extra)
+    config = shared.stage3_config(BATCH, extra)
     keep = HfDeepSpeedConfig(config)  # is_deepspeed_zero3_enabled(): TRL's head gathers for real
-    policy = small_llama()
-    reference = frozen_copy(policy)
+    policy = shared.small_llama()
+    reference = shared.frozen_copy(policy)
     add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     add_fused_lm_head(reference)
     if lora:  # as SFTTrainer/DPOTrainer do under ZeRO-3: adapters in the model's dtype
-        policy = with_lora(policy)
+        policy = shared.with_lora(policy)
     trained = [p for p in policy.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.Adam(trained, lr=1e-3), config=config)
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
     ref_engine = None if lora else prepare_deepspeed(reference, accelerator)
     events: list[list[str]] = []
     models = {"policy": policy} if lora else {"policy": policy, "reference": reference}
-    gathered = gathered_masks(models)
-    record_forward_hooks(models, events, gathered)
+    gathered = shared.gathered_masks(models)
+    shared.record_forward_hooks(models, events, gathered)
     offload = engine.optimizer.parameter_offload
     leftovers = offload.release_backward_leftovers
 
@@ -82,7 +69,7 @@ def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
 
     offload.release_backward_leftovers = release_backward_leftovers
     torch.manual_seed(1)
-    ids = torch.randint(0, LLAMA["vocab_size"], (2 * BATCH, SEQ))
+    ids = torch.randint(0, shared.LLAMA["vocab_size"], (2 * BATCH, SEQ))
     labels = ids.clone()
     labels[:, : SEQ // 2] = -100  # the prompt half
     for step in range(STEPS):
@@ -100,10 +87,10 @@ def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
         logps, ref_logps = out.log_probs.sum(1), ref.log_probs.sum(1)
         chosen, rejected = (logps - ref_logps).chunk(2)
         loss = -torch.nn.functional.logsigmoid(0.1 * (chosen - rejected)).mean()
-        backward_and_step(engine, loss, step, events, gathered)
+        shared.backward_and_step(engine, loss, step, events, gathered)
     del keep
     if ref_engine is None:
-        return {"settings": extra, "lora": LORA_RANK, "events": events}
+        return {"settings": extra, "lora": shared.LORA_RANK, "events": events}
     settings = {"param_persistence_threshold": ref_engine.zero_param_persistence_threshold(),
                 "prefetch_bucket_size": ref_engine.zero_prefetch_bucket_size(),
                 "max_live_parameters": ref_engine.zero_max_live_parameters(),
@@ -112,11 +99,11 @@ def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
 
 
 def main() -> None:
-    out: dict[str, Any] = {**start(trl=True), "config": LLAMA, "batch": BATCH, "seq_len": SEQ,
+    out: dict[str, Any] = {**shared.start(trl=True), "config": shared.LLAMA, "batch": BATCH, "seq_len": SEQ,
                            "cases": {**{name: _run(extra) for name, extra in CASES.items()},
                                      **{name: _run(extra, lora=True) for name, extra in LORA_CASES.items()}}}
-    write_record(out)
+    shared.write_record(out)
 
 
 if __name__ == "__main__":
-    run_on_two_ranks(__file__, main, "29623")
+    shared.run_on_two_ranks(__file__, main, "29623")

@@ -24,20 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from two_ranks import (
-    LLAMA,
-    LORA_RANK,
-    backward_and_step,
-    frozen_copy,
-    gathered_masks,
-    record_forward_hooks,
-    run_on_two_ranks,
-    small_llama,
-    stage3_config,
-    start,
-    with_lora,
-    write_record,
-)
+import two_ranks as shared
 
 PREFETCH = {"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 10_000,
             "stage3_max_live_parameters": 60_000, "stage3_max_reuse_distance": 0}
@@ -69,16 +56,16 @@ def _run(name: str, extra: dict[str, int], gather: bool, beta: float, per_genera
     from trl.models import prepare_deepspeed
     from trl.trainer.utils import add_fused_lm_head
 
-    config = stage3_config(BATCH, extra)
+    config = shared.stage3_config(BATCH, extra)
     keep = HfDeepSpeedConfig(config)  # is_deepspeed_zero3_enabled(): TRL's head gathers for real
-    policy = small_llama()
+    policy = shared.small_llama()
     add_fused_lm_head(policy, outputs=("log_probs", "entropy"))
     reference = None
     if beta and not lora:
-        reference = frozen_copy(policy)
+        reference = shared.frozen_copy(policy)
         add_fused_lm_head(reference)
     if lora:  # as GRPOTrainer does under ZeRO-3: adapters in the model's dtype
-        policy = with_lora(policy)
+        policy = shared.with_lora(policy)
     trained = [p for p in policy.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.Adam(trained, lr=1e-3), config=config)
     state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config, zero_stage=3))
@@ -86,7 +73,7 @@ def _run(name: str, extra: dict[str, int], gather: bool, beta: float, per_genera
     ref_engine = None if reference is None else prepare_deepspeed(reference, accelerator)
     events: list[list[str]] = []
     models = {"policy": policy} if reference is None else {"policy": policy, "reference": reference}
-    gathered = gathered_masks(models)
+    gathered = shared.gathered_masks(models)
     handles: list[Any] = []
 
     def probe() -> None:
@@ -94,11 +81,11 @@ def _run(name: str, extra: dict[str, int], gather: bool, beta: float, per_genera
         registers DeepSpeed's anew (which would then run after these)."""
         for handle in handles:
             handle.remove()
-        handles[:] = record_forward_hooks(models, events, gathered)
+        handles[:] = shared.record_forward_hooks(models, events, gathered)
 
     probe()
     case = {"settings": extra, "ds3_gather_for_generation": gather, "beta": beta,
-            "steps_per_generation": per_generation, "lora": LORA_RANK if lora else None, "events": events}
+            "steps_per_generation": per_generation, "lora": shared.LORA_RANK if lora else None, "events": events}
     try:
         _steps(engine, ref_engine, accelerator, gather, beta, per_generation, events, gathered, probe)
     except AssertionError as error:  # DeepSpeed's own check failed: recorded, with the events before it
@@ -120,7 +107,7 @@ def _steps(engine: Any, ref_engine: Any, accelerator: Any, gather: bool, beta: f
     generation = transformers.GenerationConfig(max_new_tokens=COMPLETION, min_new_tokens=COMPLETION, do_sample=True,
                                                eos_token_id=2, pad_token_id=2)
     torch.manual_seed(1)
-    prompts = torch.randint(3, LLAMA["vocab_size"], (BATCH * per_generation, PROMPT))
+    prompts = torch.randint(3, shared.LLAMA["vocab_size"], (BATCH * per_generation, PROMPT))
     policy = engine.module
     for step in range(STEPS):
         print(f"step {step}", file=sys.stderr, flush=True)
@@ -160,15 +147,15 @@ def _steps(engine: Any, ref_engine: Any, accelerator: Any, gather: bool, beta: f
         if ref_logps:
             delta = ref_logps[index] - logps
             loss = loss + beta * (torch.exp(delta) - delta - 1).mean()
-        backward_and_step(engine, loss, step, events, gathered)
+        shared.backward_and_step(engine, loss, step, events, gathered)
 
 
 def main() -> None:
-    out: dict[str, Any] = {**start(trl=True), "config": LLAMA, "batch": BATCH, "num_generations": GENERATIONS,
-                           "prompt": PROMPT, "completion": COMPLETION,
+    out: dict[str, Any] = {**shared.start(trl=True), "config": shared.LLAMA, "batch": BATCH,
+                           "num_generations": GENERATIONS, "prompt": PROMPT, "completion": COMPLETION,
                            "cases": {name: _run(name, *case) for name, case in CASES.items()}}
-    write_record(out)
+    shared.write_record(out)
 
 
 if __name__ == "__main__":
-    run_on_two_ranks(__file__, main, "29627")
+    shared.run_on_two_ranks(__file__, main, "29627")
