@@ -82,11 +82,13 @@ class SavedNumbers:
     @staticmethod
     def saves(op: OpOverload, args: tuple[Any, ...]) -> bool:
         """Whether autograd saves ``op``'s wrapped ``other`` now: ``self`` requires grad under grad
-        mode, and no saved-tensor hooks (a checkpointed region's pack hook drops it at once, and its
-        recomputation in backward is followed as before: transient)."""
+        mode, outside a backward and without saved-tensor hooks. A checkpointed region's pack hook drops
+        the number at once; a recomputation in backward keeps it until its use (the non-reentrant
+        checkpoint's holder, the reentrant one's graph) and is followed as before: transient."""
         tensor = args[0] if args else None
         return (op in SAVING_OPS and isinstance(tensor, torch.Tensor) and tensor.requires_grad
-                and torch.is_grad_enabled() and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+                and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
 
     def save(self, uid: int) -> None:
         """``uid`` is held by the node autograd made for the op now dispatched: the last one numbered
