@@ -203,9 +203,10 @@ def test_ddp_frozen_layers_against_real_distributed_data_parallel(fake_process_g
 
 @pytest.mark.slow
 def test_ddp_lora_against_real_distributed_data_parallel(fake_process_group, peft):
-    # What DDP adds to one GPU's LoRA step, real against estimated: the step itself has CPU-only
-    # scalars of its own beside the step counters (8 B per adapted layer on torch 2.13), which
-    # the single-GPU run below carries too
+    # What DDP adds to one GPU's LoRA step, real against estimated, both to the byte (less Adam's step
+    # counters). PEFT's ``lora_B(...) * scaling`` wraps the float as an 8 B CPU tensor that MulBackward0
+    # keeps until its backward (memcalc.targets.cpu.scalars.SavedNumbers): both runs were 128 B over
+    # the estimates before (16 adapted layers, torch 2.13, 2026-12-07)
     model, args, kwargs = _real_llama(LLAMA_LORA, Precision.FP32)
     ddp, _ = _real_peak(model, args, kwargs, construct=_ddp())
     model, args, kwargs = _real_llama(LLAMA_LORA, Precision.FP32)
@@ -214,8 +215,8 @@ def test_ddp_lora_against_real_distributed_data_parallel(fake_process_group, pef
     one_gpu = _llama_estimate(LLAMA_LORA, "single")
     assert estimate.trainable_parameters == one_gpu.trainable_parameters == LLAMA_ADAPTERS
     assert estimate.roles[0].communication == 4 * estimate.trainable_parameters  # the adapters' bucket
-    assert 0 <= (ddp - estimate.peak_requested) - (single - one_gpu.peak_requested) <= 16
-    assert abs(ddp - 4 * tensors - estimate.peak_requested) / ddp < 1e-5
+    assert ddp - 4 * tensors == estimate.peak_requested
+    assert single - 4 * tensors == one_gpu.peak_requested
 
 
 # ============================================================================================

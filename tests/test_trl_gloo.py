@@ -161,3 +161,12 @@ def test_policy_and_reference_against_every_rank(peaks: dict[str, list[RankPeak]
         print(f"{name} rank {rank}: real {real:,} B, estimate {estimate:,} B, {error:+.4%} "
               f"({measured.attempts} step(s) for a complete trace)")
         assert abs(error) <= TOLERANCE, f"rank {rank}: estimate {estimate:,} B, real {real:,} B ({error:+.3%})"
+    # to the byte (torch 2.13, 2026-12-07: DPO's shape 44,725,512 B under DDP, 26,219,616 B under FSDP2;
+    # GRPO's 71,040,180 B and 56,161,400 B): every DDP rank, FSDP2's rank 0, whose shards are the largest.
+    # FSDP2's rank 1 holds a row of the head's Adam moments less (9 rows over 2 ranks: 256 weights and
+    # a bias element, twice, at 4 B), as tests/test_gloo_runs.py measures for plain FSDP2
+    ranks = [measured.step_peak for measured in peaks[name]]
+    if RUNS[name][1] == "ddp":
+        assert ranks == [estimate] * WORLD
+    else:
+        assert ranks == [estimate, estimate - 2 * 4 * (256 + 1)]

@@ -196,6 +196,7 @@ class _UnitState:
     prefetched: torch.Tensor | None = None  # an all-gather output issued by a prefetch
     backward_started: bool = False
     reduced: bool = False
+    grads_remaining: int = 0  # DeepSpeed's ds_grads_remaining (ShardedProgram._deepspeed_post_backward)
 
 
 class ShardedProgram(RankProgram):
@@ -754,8 +755,15 @@ class ShardedProgram(RankProgram):
             self._coordinator(state).fetch(state, state.params, forward=True,
                                            recomputing=torch._C._current_graph_task_id() != -1)
             self._swap_in(state)
-            if not self._in_backward and self.training and torch.is_grad_enabled():
-                return _wrap_inputs(args, lambda: self._post_backward(state)) or args
+            if self._in_backward:
+                return None
+            # _post_backward_module_hook: every forward, under no_grad too, sets ds_grads_remaining to 0,
+            # then counts this call's inputs that require grad
+            state.grads_remaining = 0
+            if self.training and torch.is_grad_enabled():
+                count = sum(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+                state.grads_remaining = count
+                return _wrap_inputs(args, lambda: self._deepspeed_post_backward(state, count)) or args
             return None
         if self._in_backward:  # recomputation (activation checkpointing) inside backward
             self._gather(state, forward=False)
@@ -854,6 +862,17 @@ class ShardedProgram(RankProgram):
         # DeepSpeed: copied into the reduce bucket, reduce-scattered into the partition buffer
         self._tracer.track(p.unsharded.grad, Category.GRADIENTS)
         p.unsharded.grad = None
+
+    def _deepspeed_post_backward(self, state: _UnitState, count: int) -> None:
+        """DeepSpeed's ``PostBackwardFunctionModule``, one per input: each backward takes one off the
+        module's ``ds_grads_remaining`` and releases the module where that reaches 0. A forward of the
+        module after this one (TRL's DPO reference under LoRA: the policy with its adapters disabled,
+        under no_grad) set it to 0 again, so it only goes below: nothing is released then, until
+        ``release_backward_leftovers`` releases the non-persistent parameters at the end of backward."""
+        before = state.grads_remaining
+        state.grads_remaining -= count
+        if 1 <= before <= count:
+            self._post_backward(state)
 
     def _post_backward(self, state: _UnitState) -> None:
         if state.reduced:

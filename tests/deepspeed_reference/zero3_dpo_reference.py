@@ -7,31 +7,24 @@ and rejected rows, the reference on them under ``no_grad``, the sigmoid loss, ba
 (:data:`LORA_CASES`) has no reference engine: the policy runs again with its adapters disabled.
 
 Recorded, for three steps: which parameters of each model are gathered (a bitmask over its
-``named_parameters``) after each module's forward pre-hook and post-hook, after backward and after
-each step; and the stage-3 settings the reference engine runs with (TRL's ``config_kwargs.update``
-of dotted ``zero_optimization.*`` keys does not reach DeepSpeed's config). The reference for
-tests/test_trl_zero3.py. Run as tests/deepspeed_reference/zero3_gathers.py says (DeepSpeed
-installed with ``DS_BUILD_OPS=0`` into DIR)::
+``named_parameters``) after each module's forward pre-hook and post-hook, at the end of backward
+before ``release_backward_leftovers`` (``leftovers``), after backward and after each step; and the
+stage-3 settings the reference engine runs with (TRL's ``config_kwargs.update`` of dotted
+``zero_optimization.*`` keys does not reach DeepSpeed's config). The reference for tests/test_trl_zero3.py.
+Run as tests/deepspeed_reference/zero3_gathers.py says (DeepSpeed installed with ``DS_BUILD_OPS=0`` into
+DIR)::
 
     PYTHONPATH=DIR:. python tests/deepspeed_reference/zero3_dpo_reference.py tests/data/deepspeed_zero3_dpo.json
 """
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+import two_ranks as shared
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-from two_ranks import run_on_two_ranks, write_record
-
-#: A small Llama: embedding and head 512·64 = 32,768 elements, q and o 4,096, k and v 2,048, the MLP's
-#: 8,192 each, norms 64.
-CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "vocab_size": 512, "max_position_embeddings": 256, "tie_word_embeddings": False}
 #: The stage-3 settings run (the norms persist; prefetch and the live bound act at this size).
 CASES: dict[str, dict[str, int]] = {
     "prefetch": {"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 10_000,
@@ -42,58 +35,41 @@ CASES: dict[str, dict[str, int]] = {
 #: Cases run with LoRA (PEFT's default targets, r 8): the reference is the policy with its adapters
 #: disabled, called directly (``use_adapter(model, None)``; TRL's ``self.model``), no second engine.
 LORA_CASES = {"lora-prefetch": CASES["prefetch"]}
-LORA_RANK = 8
 BATCH, SEQ, STEPS = 2, 32, 3
-
-
-def _mask(order: list[str], gathered: Any) -> str:
-    index = {name: i for i, name in enumerate(order)}
-    return hex(sum(1 << index[name] for name in set(gathered)))
 
 
 def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
     import deepspeed
-    import transformers
     from transformers.integrations import HfDeepSpeedConfig
     from trl.models import prepare_deepspeed
     from trl.trainer.utils import add_fused_lm_head
 
-    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, **extra}}
+    config = shared.stage3_config(BATCH, extra)
     keep = HfDeepSpeedConfig(config)  # is_deepspeed_zero3_enabled(): TRL's head gathers for real
-    torch.manual_seed(0)
-    llama = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")})
-    policy = transformers.LlamaForCausalLM(llama)
-    reference = transformers.LlamaForCausalLM(llama)
-    reference.load_state_dict(policy.state_dict())
-    reference.requires_grad_(False)
+    policy = shared.small_llama()
+    reference = shared.frozen_copy(policy)
     add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     add_fused_lm_head(reference)
     if lora:  # as SFTTrainer/DPOTrainer do under ZeRO-3: adapters in the model's dtype
-        import peft
-
-        policy = peft.get_peft_model(policy, peft.LoraConfig(r=LORA_RANK, lora_dropout=0.0),
-                                     autocast_adapter_dtype=False)
+        policy = shared.with_lora(policy)
     trained = [p for p in policy.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.Adam(trained, lr=1e-3), config=config)
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
     ref_engine = None if lora else prepare_deepspeed(reference, accelerator)
     events: list[list[str]] = []
     models = {"policy": policy} if lora else {"policy": policy, "reference": reference}
-    names = {key: [n for n, _ in m.named_parameters()] for key, m in models.items()}
+    gathered = shared.gathered_masks(models)
+    shared.record_forward_hooks(models, events, gathered)
+    offload = engine.optimizer.parameter_offload
+    leftovers = offload.release_backward_leftovers
 
-    def gathered() -> str:
-        return " ".join(_mask(names[key], (n for n, p in m.named_parameters()
-                                           if p.ds_status.name != "NOT_AVAILABLE")) for key, m in models.items())
+    def release_backward_leftovers() -> None:  # backward_epilogue: what backward left gathered, before its release
+        events.append([f"leftovers {sum(e.startswith('backward') for e, _ in events)}", gathered()])
+        leftovers()
 
-    for key, net in models.items():
-        for index, module in net.named_modules():
-            if next(module.parameters(recurse=False), None) is None:
-                continue
-            module.register_forward_pre_hook(lambda m, a, k=key, i=index: events.append([f"pre {k}.{i}", gathered()]))
-            module.register_forward_hook(lambda m, a, o, k=key, i=index: events.append([f"post {k}.{i}", gathered()]))
+    offload.release_backward_leftovers = release_backward_leftovers
     torch.manual_seed(1)
-    ids = torch.randint(0, CONFIG["vocab_size"], (2 * BATCH, SEQ))
+    ids = torch.randint(0, shared.LLAMA["vocab_size"], (2 * BATCH, SEQ))
     labels = ids.clone()
     labels[:, : SEQ // 2] = -100  # the prompt half
     for step in range(STEPS):
@@ -111,13 +87,10 @@ def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
         logps, ref_logps = out.log_probs.sum(1), ref.log_probs.sum(1)
         chosen, rejected = (logps - ref_logps).chunk(2)
         loss = -torch.nn.functional.logsigmoid(0.1 * (chosen - rejected)).mean()
-        engine.backward(loss)
-        events.append([f"backward {step}", gathered()])
-        engine.step()
-        events.append([f"step {step}", gathered()])
+        shared.backward_and_step(engine, loss, step, events, gathered)
     del keep
     if ref_engine is None:
-        return {"settings": extra, "lora": LORA_RANK, "events": events}
+        return {"settings": extra, "lora": shared.LORA_RANK, "events": events}
     settings = {"param_persistence_threshold": ref_engine.zero_param_persistence_threshold(),
                 "prefetch_bucket_size": ref_engine.zero_prefetch_bucket_size(),
                 "max_live_parameters": ref_engine.zero_max_live_parameters(),
@@ -126,16 +99,11 @@ def _run(extra: dict[str, int], lora: bool = False) -> dict[str, Any]:
 
 
 def main() -> None:
-    import deepspeed
-    import trl
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    out: dict[str, Any] = {"deepspeed": deepspeed.__version__, "trl": trl.__version__,
-                           "world_size": torch.distributed.get_world_size(), "config": CONFIG, "batch": BATCH,
-                           "seq_len": SEQ, "cases": {**{name: _run(extra) for name, extra in CASES.items()},
+    out: dict[str, Any] = {**shared.start(trl=True), "config": shared.LLAMA, "batch": BATCH, "seq_len": SEQ,
+                           "cases": {**{name: _run(extra) for name, extra in CASES.items()},
                                      **{name: _run(extra, lora=True) for name, extra in LORA_CASES.items()}}}
-    write_record(out)
+    shared.write_record(out)
 
 
 if __name__ == "__main__":
-    run_on_two_ranks(__file__, main, "29623")
+    shared.run_on_two_ranks(__file__, main, "29623")

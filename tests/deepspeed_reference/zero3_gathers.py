@@ -15,14 +15,20 @@ with ``DS_BUILD_OPS=0`` and its ZeRO-3 runs on the CPU accelerator. Run as::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from two_ranks import run_on_two_ranks, write_record
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from two_ranks import (
+    backward_and_step,
+    bitmask,
+    gathered_masks,
+    record_forward_hooks,
+    run_on_two_ranks,
+    stage3_config,
+    start,
+    write_record,
+)
 
 #: The settings run (the keys of zero_optimization besides the stage; defaults elsewhere).
 CASES: dict[str, dict[str, int]] = {
@@ -96,47 +102,29 @@ def llama_shaped() -> nn.Module:
 
 def mask_of(order: list[str]) -> Callable[[Iterable[str]], str]:
     """The gathered parameters as a hex bitmask over ``named_parameters`` order (bit i: the i-th)."""
-    index = {name: i for i, name in enumerate(order)}
-    return lambda gathered: hex(sum(1 << index[name] for name in set(gathered)))
+    return lambda gathered: bitmask(order, gathered)
 
 
-def _run(name: str, extra: dict[str, int]) -> list[list[object]]:
+def _run(name: str, extra: dict[str, int]) -> list[list[str]]:
     import deepspeed
 
     net = llama_shaped() if name in LLAMA_CASES else model()
-    names = {id(p): n for n, p in net.named_parameters()}
-    mask = mask_of(list(names.values()))
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, **extra}}
+    config = stage3_config(4, extra)
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
-    events: list[list[object]] = []
-
-    def gathered() -> str:
-        return mask(names[id(p)] for p in net.parameters() if p.ds_status.name != "NOT_AVAILABLE")
-
-    for index, module in net.named_modules():
-        if next(module.parameters(recurse=False), None) is None:
-            continue
-        module.register_forward_pre_hook(lambda m, a, i=index: events.append([f"pre {i}", gathered()]))
-        module.register_forward_hook(lambda m, a, o, i=index: events.append([f"post {i}", gathered()]))
+    events: list[list[str]] = []
+    gathered = gathered_masks({"": net})  # one model: its mask alone, its modules' events unprefixed
+    record_forward_hooks({"": net}, events, gathered)
     for step in range(STEPS):
         x = torch.randn(4, 2052 if name in LLAMA_CASES else 64)
         loss = engine(x).mean()
-        engine.backward(loss)
-        events.append([f"backward {step}", gathered()])
-        engine.step()
-        events.append([f"step {step}", gathered()])
+        backward_and_step(engine, loss, step, events, gathered)
     return events
 
 
 def main() -> None:
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    out = {"deepspeed": deepspeed.__version__, "world_size": torch.distributed.get_world_size(), "cases": {}}
-    for name, extra in {**CASES, **LLAMA_CASES}.items():
-        out["cases"][name] = {"settings": extra, "events": _run(name, extra)}
+    out = {**start(), "cases": {name: {"settings": extra, "events": _run(name, extra)}
+                                for name, extra in {**CASES, **LLAMA_CASES}.items()}}
     write_record(out)
 
 

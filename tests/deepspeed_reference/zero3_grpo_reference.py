@@ -19,20 +19,13 @@ tests/deepspeed_reference/zero3_gathers.py says (DeepSpeed installed with ``DS_B
 
 from __future__ import annotations
 
-import os
 import sys
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+import two_ranks as shared
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-from two_ranks import run_on_two_ranks, write_record
-
-#: A small Llama (as tests/deepspeed_reference/zero3_dpo_reference.py's).
-CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "vocab_size": 512, "max_position_embeddings": 256, "tie_word_embeddings": False}
 PREFETCH = {"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 10_000,
             "stage3_max_live_parameters": 60_000, "stage3_max_reuse_distance": 0}
 NO_PREFETCH = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
@@ -51,43 +44,28 @@ CASES: dict[str, tuple[dict[str, int], bool, float, int, bool]] = {
     "lora-gather-beta": (PREFETCH, True, 0.04, 1, True),
     "lora-layerwise-no-prefetch-beta": (NO_PREFETCH, False, 0.04, 1, True),
 }
-LORA_RANK = 8
 #: per_device_train_batch_size, num_generations, the prompt's tokens, max_completion_length
 BATCH, GENERATIONS, PROMPT, COMPLETION, STEPS = 4, 2, 8, 3, 3
-
-
-def _mask(order: list[str], gathered: Any) -> str:
-    index = {name: i for i, name in enumerate(order)}
-    return hex(sum(1 << index[name] for name in set(gathered)))
 
 
 def _run(name: str, extra: dict[str, int], gather: bool, beta: float, per_generation: int,
          lora: bool) -> dict[str, Any]:
     print(name, file=sys.stderr, flush=True)
     import deepspeed
-    import transformers
     from transformers.integrations import HfDeepSpeedConfig
     from trl.models import prepare_deepspeed
     from trl.trainer.utils import add_fused_lm_head
 
-    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, **extra}}
+    config = shared.stage3_config(BATCH, extra)
     keep = HfDeepSpeedConfig(config)  # is_deepspeed_zero3_enabled(): TRL's head gathers for real
-    torch.manual_seed(0)
-    llama = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")})
-    policy = transformers.LlamaForCausalLM(llama)
+    policy = shared.small_llama()
     add_fused_lm_head(policy, outputs=("log_probs", "entropy"))
     reference = None
     if beta and not lora:
-        reference = transformers.LlamaForCausalLM(llama)
-        reference.load_state_dict(policy.state_dict())
-        reference.requires_grad_(False)
+        reference = shared.frozen_copy(policy)
         add_fused_lm_head(reference)
     if lora:  # as GRPOTrainer does under ZeRO-3: adapters in the model's dtype
-        import peft
-
-        policy = peft.get_peft_model(policy, peft.LoraConfig(r=LORA_RANK, lora_dropout=0.0),
-                                     autocast_adapter_dtype=False)
+        policy = shared.with_lora(policy)
     trained = [p for p in policy.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.Adam(trained, lr=1e-3), config=config)
     state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config, zero_stage=3))
@@ -95,12 +73,7 @@ def _run(name: str, extra: dict[str, int], gather: bool, beta: float, per_genera
     ref_engine = None if reference is None else prepare_deepspeed(reference, accelerator)
     events: list[list[str]] = []
     models = {"policy": policy} if reference is None else {"policy": policy, "reference": reference}
-    names = {key: [n for n, _ in m.named_parameters()] for key, m in models.items()}
-
-    def gathered() -> str:
-        return " ".join(_mask(names[key], (n for n, p in m.named_parameters()
-                                           if p.ds_status.name != "NOT_AVAILABLE")) for key, m in models.items())
-
+    gathered = shared.gathered_masks(models)
     handles: list[Any] = []
 
     def probe() -> None:
@@ -108,19 +81,11 @@ def _run(name: str, extra: dict[str, int], gather: bool, beta: float, per_genera
         registers DeepSpeed's anew (which would then run after these)."""
         for handle in handles:
             handle.remove()
-        handles.clear()
-        for key, net in models.items():
-            for index, module in net.named_modules():
-                if next(module.parameters(recurse=False), None) is None:
-                    continue
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, a, k=key, i=index: events.append([f"pre {k}.{i}", gathered()])))
-                handles.append(module.register_forward_hook(
-                    lambda m, a, o, k=key, i=index: events.append([f"post {k}.{i}", gathered()])))
+        handles[:] = shared.record_forward_hooks(models, events, gathered)
 
     probe()
     case = {"settings": extra, "ds3_gather_for_generation": gather, "beta": beta,
-            "steps_per_generation": per_generation, "lora": LORA_RANK if lora else None, "events": events}
+            "steps_per_generation": per_generation, "lora": shared.LORA_RANK if lora else None, "events": events}
     try:
         _steps(engine, ref_engine, accelerator, gather, beta, per_generation, events, gathered, probe)
     except AssertionError as error:  # DeepSpeed's own check failed: recorded, with the events before it
@@ -142,7 +107,7 @@ def _steps(engine: Any, ref_engine: Any, accelerator: Any, gather: bool, beta: f
     generation = transformers.GenerationConfig(max_new_tokens=COMPLETION, min_new_tokens=COMPLETION, do_sample=True,
                                                eos_token_id=2, pad_token_id=2)
     torch.manual_seed(1)
-    prompts = torch.randint(3, CONFIG["vocab_size"], (BATCH * per_generation, PROMPT))
+    prompts = torch.randint(3, shared.LLAMA["vocab_size"], (BATCH * per_generation, PROMPT))
     policy = engine.module
     for step in range(STEPS):
         print(f"step {step}", file=sys.stderr, flush=True)
@@ -182,23 +147,15 @@ def _steps(engine: Any, ref_engine: Any, accelerator: Any, gather: bool, beta: f
         if ref_logps:
             delta = ref_logps[index] - logps
             loss = loss + beta * (torch.exp(delta) - delta - 1).mean()
-        engine.backward(loss)
-        events.append([f"backward {step}", gathered()])
-        engine.step()
-        events.append([f"step {step}", gathered()])
+        shared.backward_and_step(engine, loss, step, events, gathered)
 
 
 def main() -> None:
-    import deepspeed
-    import trl
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    out: dict[str, Any] = {"deepspeed": deepspeed.__version__, "trl": trl.__version__,
-                           "world_size": torch.distributed.get_world_size(), "config": CONFIG, "batch": BATCH,
+    out: dict[str, Any] = {**shared.start(trl=True), "config": shared.LLAMA, "batch": BATCH,
                            "num_generations": GENERATIONS, "prompt": PROMPT, "completion": COMPLETION,
                            "cases": {name: _run(name, *case) for name, case in CASES.items()}}
-    write_record(out)
+    shared.write_record(out)
 
 
 if __name__ == "__main__":
-    run_on_two_ranks(__file__, main, "29627")
+    shared.run_on_two_ranks(__file__, main, "29627")

@@ -162,6 +162,7 @@ class CpuKernels:
         self.tracer: StorageTracer | None = None
         self.followed: Counter[str] = Counter()
         self.unfollowed: dict[str, tuple[int, str]] = {}  # op name → (calls, why)
+        self.saved_numbers = scalars.SavedNumbers()  # Python numbers autograd holds (scalars module)
 
     def attach(self, tracer: StorageTracer) -> None:
         self.tracer = tracer
@@ -177,6 +178,16 @@ class CpuKernels:
         assert self.tracer is not None
         if nbytes > 0:
             self.tracer.synthetic(nbytes, Category.WORKSPACE, persistent=False, label=label)
+
+    def hold(self, nbytes: int, label: str) -> int:
+        """Memory taken now and held past the op, until :meth:`release` (a number autograd saved)."""
+        assert self.tracer is not None
+        return self.tracer.synthetic(nbytes, Category.ACTIVATIONS, persistent=True, label=label)
+
+    def release(self, uid: int) -> None:
+        """Return what :meth:`hold` took."""
+        assert self.tracer is not None
+        self.tracer.release(uid)
 
     def resize_output(self, tensor: torch.Tensor, nbytes: int) -> None:
         """An output meta sizes otherwise (oneDNN's empty workspace, a norm's statistics): it lives
