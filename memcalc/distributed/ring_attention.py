@@ -10,24 +10,29 @@ merge's output layout it found is :func:`merged_output`'s). This program traces 
 merged output and logsumexp — is the ring's too) and holds, around each SDPA call and its
 backward, the bytes the ring holds beyond one local call. With ``Nq`` = B·H·(S/cp)·D query
 elements, ``Nkv`` = B·H_kv·(S/cp)·D key elements (after any ``repeat_kv``), ``s`` their itemsize,
-and torch's defaults (``rotate_method=ALL_GATHER``, ``convert_to_f32=True``), on the busiest rank:
+and torch's defaults (``rotate_method=ALL_GATHER``, ``convert_to_f32=True``):
 
 - forward: the all-gathered K/V of every rank (``_AllGatherRotater``: cp·2·Nkv·s) and the
-  float32 merge (``_SDPAMerger._merge_one``: the block output, ``out - block_out`` and the
-  product, 2·Nq·4 + Nq·s; for 16-bit inputs also the float32 copies, 2·Nq·4 − Nq·s);
-- backward (``_templated_ring_attention_backward``): the all-gathered K/V again, the float32
-  accumulators ``grad_query/key/value`` ((Nq + 2·Nkv)·4), the gradient ring's float32 send and
-  receive (``dkv_rotater``: 2·2·Nkv·4), and one more step's gradients ((Nq + 3·Nkv)·s).
+  float32 merge (``_SDPAMerger._merge_one``: 2·Nq·4 + Nq·s; for 16-bit inputs the float32 copies,
+  2·Nq·4 − Nq·s): :func:`ring_forward_bytes`;
+- backward: :func:`ring_backward_peak` runs ``_templated_ring_attention_backward`` line by line on
+  the traced layouts of q, k, v and the output gradient (which variable holds which buffer at
+  each step: the float32 accumulators, the contiguous K/V copies, the gathered K/V, the gradient
+  ring's sends and receipts, the load balancer's half chunks and ``_partial_update`` copies), each
+  local call with its own temporaries on the CPU target (the CPU flash backward's, by that call's
+  shapes: the partial step copies the second half of the output gradient) and gloo's staging.
 
-These figures are torch's own: tests/test_context_parallel.py runs the real
-``_templated_ring_attention`` and its backward on the CPU (the CPU flash op as the local op, a
-fake process group, every rank of cp = 2 and 4, float32 and bfloat16) and compares the profiler's
-peak beyond one local call with them. On the fake group a collective completes at once; NCCL keeps
-the K/V send buffer (2·Nkv·s) until the next step's wait, before the merge's peak.
+tests/test_context_parallel.py runs the real ``_templated_ring_attention`` and its backward on the
+CPU (fake process group, every rank of cp = 2 and 4, both layouts) against these; the backward
+agrees to the byte. On CUDA each call is taken to need the traced call's workspace (memcalc's CUDA
+rule for it), and NCCL keeps the K/V send buffer (2·Nkv·s) until the next step's wait.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,7 +45,8 @@ from memcalc.distributed.program import RankProgram
 from memcalc.engine.optimizers import OptimizerSpec
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("RingAttentionProgram", "merged_output", "ring_backward_bytes", "ring_forward_bytes")
+__all__ = ("CallTemporaries", "Layout", "RingAttentionProgram", "cpu_call_temporaries", "merged_output",
+           "ring_backward_bytes", "ring_backward_peak", "ring_forward_bytes")
 
 #: ``_ContextParallelOptions.convert_to_f32``: the merge and the gradient accumulators in float32.
 _ACCUMULATOR_ITEMSIZE = 4
@@ -55,11 +61,237 @@ def ring_forward_bytes(query: torch.Size, key: torch.Size, itemsize: int, cp: in
     return cp * 2 * nkv * itemsize + 2 * nq * f32 + nq * itemsize + upcast
 
 
-def ring_backward_bytes(query: torch.Size, key: torch.Size, itemsize: int, cp: int) -> int:
-    """Bytes the ring's backward holds beyond one local SDPA backward on its busiest rank."""
-    nq, nkv = query.numel(), key.numel()
-    f32 = _ACCUMULATOR_ITEMSIZE
-    return cp * 2 * nkv * itemsize + (nq + 2 * nkv) * f32 + 2 * 2 * nkv * f32 + (nq + 3 * nkv) * itemsize
+class _Held:
+    """Storages by name and the variables that hold them: a storage is freed when its last
+    holder lets go, as CPython frees a tensor when its last reference goes."""
+
+    def __init__(self) -> None:
+        self.nbytes: dict[str, int] = {}
+        self.holders: dict[str, set[str]] = {}
+        self.bound: dict[str, str] = {}  # variable -> storage
+        self.live = self.peak = 0
+        self._fresh = 0
+
+    def alloc(self, nbytes: int) -> str:
+        self._fresh += 1
+        storage = f"#{self._fresh}"
+        self.nbytes[storage], self.holders[storage] = nbytes, set()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        return storage
+
+    def transient(self, nbytes: int) -> None:
+        """A block taken and given back inside one call (a kernel's temporaries)."""
+        self.peak = max(self.peak, self.live + nbytes)
+
+    def bind(self, variable: str, storage: str | None) -> None:
+        """``variable = <a tensor of storage>`` (None: of a storage held elsewhere, not ours)."""
+        old = self.bound.pop(variable, None)
+        if storage is not None:
+            self.bound[variable] = storage
+            self.holders[storage].add(variable)
+        if old is not None:
+            self.holders[old].discard(variable)
+            if not self.holders[old]:
+                self.live -= self.nbytes.pop(old)
+                del self.holders[old]
+
+    def of(self, variable: str) -> str | None:
+        return self.bound.get(variable)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor's shape, strides and itemsize: what the ring's step model reads of q, k, v and
+    the output gradient (plain numbers, so that no tensor is made inside the trace)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    itemsize: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Layout:
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
+
+    @classmethod
+    def contiguous_of(cls, shape: tuple[int, ...], itemsize: int, order: tuple[int, ...] | None = None) -> Layout:
+        """Contiguous in ``order`` (the dims from outermost; None: as the shape)."""
+        order = order or tuple(range(len(shape)))
+        stride = [0] * len(shape)
+        step = 1
+        for dim in reversed(order):
+            stride[dim], step = step, step * shape[dim]
+        return cls(shape, tuple(stride), itemsize)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def is_contiguous(self) -> bool:
+        """``Tensor.is_contiguous()``: dims of size 1 are skipped."""
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def is_dense(self) -> bool:
+        """Non-overlapping and dense (``is_non_overlapping_and_dense``): some order of the dims is
+        contiguous, so ``zeros_like`` keeps these strides (an expanded K/V is not: its are fresh)."""
+        expected = 1
+        for stride, size in sorted((st, n) for n, st in zip(self.shape, self.stride, strict=True) if n != 1):
+            if stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def second_half(self, dim: int) -> Layout:
+        """``chunk(2, dim)[1]`` (even sizes): the same strides."""
+        return replace(self, shape=tuple(n // 2 if d == dim else n for d, n in enumerate(self.shape)))
+
+    def retyped(self, itemsize: int) -> Layout:
+        return replace(self, itemsize=itemsize)
+
+    def transposed(self, a: int, b: int) -> Layout:
+        shape, stride = list(self.shape), list(self.stride)
+        shape[a], shape[b], stride[a], stride[b] = shape[b], shape[a], stride[b], stride[a]
+        return Layout(tuple(shape), tuple(stride), self.itemsize)
+
+
+#: A local backward call's temporaries: (grad_out, q, k) as the ring passes them → bytes.
+CallTemporaries = Callable[[Layout, Layout, Layout], int]
+
+
+def cpu_call_temporaries(threads: int) -> CallTemporaries:
+    """The CPU flash backward's temporaries per call (:mod:`memcalc.targets.cpu.kernels`): its
+    copy of an output gradient not laid out as (B, L, H, E) — the partial step's second half of
+    the gradient is not, for B > 1 — and its buffers, sized by that call's query length."""
+    from memcalc.targets.cpu.kernels import flash_backward_workspace
+
+    def temporaries(grad_out: Layout, q: Layout, k: Layout) -> int:
+        copy = 0 if grad_out.transposed(1, 2).is_contiguous() else grad_out.nbytes
+        dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[q.itemsize]
+        return copy + flash_backward_workspace(q.shape, k.shape[2], dtype, threads)
+
+    return temporaries
+
+
+def _no_temporaries(grad_out: Layout, q: Layout, k: Layout) -> int:
+    return 0
+
+
+def ring_backward_bytes(grad_out: Layout, query: Layout, key: Layout, value: Layout, cp: int, *, rank: int = 0,
+                        load_balanced: bool = True, temporaries: CallTemporaries | None = None,
+                        gloo: bool = False, lse_order: tuple[int, ...] = (0, 2, 1)) -> int:
+    """Bytes the ring's backward holds at its peak beyond one local SDPA backward (its three
+    gradients and ``temporaries`` of the whole call) on ``rank``: :func:`ring_backward_peak` less
+    that call. ``temporaries``: each local call's (None: none, the CUDA target's rule, see
+    :class:`RingAttentionProgram`); ``gloo``: the all-gather's staging (:mod:`memcalc.targets.cpu.gloo`);
+    ``lse_order``: the logsumexp's memory order ((B, L, H): the CPU flash kernel's)."""
+    temporaries = temporaries or _no_temporaries
+    local = query.nbytes + key.nbytes + value.nbytes + temporaries(grad_out, query, key)
+    return ring_backward_peak(grad_out, query, key, value, cp, rank=rank, load_balanced=load_balanced,
+                              temporaries=temporaries, gloo=gloo, lse_order=lse_order) - local
+
+
+def ring_backward_peak(grad_out: Layout, query: Layout, key: Layout, value: Layout, cp: int, *, rank: int,
+                       load_balanced: bool, temporaries: CallTemporaries, gloo: bool,
+                       lse_order: tuple[int, ...]) -> int:
+    """The peak of ``_templated_ring_attention_backward`` (torch 2.13) on ``rank`` beyond what its
+    caller holds, step by step as torch runs it with its defaults (K/V all-gathered once, the K/V
+    gradients rotated by all-to-all, float32 accumulators), each line of its code in order; a
+    collective completes when it is called (a fake group; gloo's too, on the CPU, for what is
+    alive)."""
+    acc = _ACCUMULATOR_ITEMSIZE
+    h = _Held()
+    nq, nkv = query.numel, key.numel + value.numel
+    # grad_query/key/value = torch.zeros_like(x, dtype=accum_dtype): x's layout, float32
+    h.bind("grad_query", h.alloc(query.numel * acc))
+    # the layout zeros_like keeps (a dense one's; else contiguous): flatten() copies it when not contiguous
+    grad_key_flat = key.is_contiguous() or not key.is_dense()
+    grad_value_flat = value.is_contiguous() or not value.is_dense()
+    h.bind("grad_key", h.alloc(key.numel * acc))
+    h.bind("grad_value", h.alloc(value.numel * acc))
+    # key = key.contiguous(); value = value.contiguous()
+    if not key.is_contiguous():
+        h.bind("key", h.alloc(key.nbytes))
+    if not value.is_contiguous():
+        h.bind("value", h.alloc(value.nbytes))
+    kv_bytes = key.nbytes + value.nbytes
+    lse = Layout.contiguous_of((query.shape[0], query.shape[1], query.shape[2]), 4, lse_order)
+    seq = 2
+    for i in range(cp):
+        if i > 0:  # key, value = views of the all-gathered buffer (kv_rotater.next_buffer())
+            h.bind("key", h.of("kv_rotater"))
+            h.bind("value", h.of("kv_rotater"))
+        if i != cp - 1:  # next_kv = torch.cat([key.flatten(), value.flatten()]); exchange_buffers
+            h.bind("next_kv", h.alloc(kv_bytes))
+            if h.of("kv_rotater") is None:  # _AllGatherRotater gathers once
+                h.bind("kv_rotater", h.alloc(cp * kv_bytes))
+                if gloo:  # the flat staging of the gathered size, freed when the op returns
+                    h.transient(cp * kv_bytes)
+        behaviour = _causal_behaviour(rank, cp, i, load_balanced)
+        partial = False
+        if behaviour is not None:  # not SKIP: the local backward
+            q, k, dout = query, key, grad_out
+            if i > 0 and load_balanced and i <= rank:
+                k = key.second_half(seq)  # chunk(2)[0]: the first half of k, v
+            elif i > 0 and load_balanced:
+                q, dout, partial = query.second_half(seq), grad_out.second_half(seq), True
+            # the tuple (q, k, v, out_, dout, lse): the half logsumexp made contiguous, then the old bound
+            lse_copy = h.alloc(lse.second_half(seq).nbytes) if partial and not lse.second_half(seq).is_contiguous() \
+                else None
+            h.bind("k", h.of("key"))
+            h.bind("v", h.of("value"))
+            h.bind("lse", lse_copy)
+            v_bytes = value.nbytes // 2 if k is not key else value.nbytes
+            outputs = [h.alloc(q.nbytes), h.alloc(k.nbytes), h.alloc(v_bytes)]
+            h.transient(temporaries(dout, q, k))
+            for name, storage in zip(("grad_query_", "grad_key_", "grad_value_"), outputs, strict=True):
+                h.bind(name, storage)
+        else:  # SKIP: zeros_like(query / key / value, dtype=accum_dtype)
+            for name, numel in (("grad_query_", nq), ("grad_key_", key.numel), ("grad_value_", value.numel)):
+                h.bind(name, h.alloc(numel * acc))
+        if i > 0:  # next_grad_kv = dkv_rotater.next_buffer(); grad_key, grad_value: views of it
+            received = h.of("dkv_rotater")
+            for name in ("next_grad_kv", "grad_key", "grad_value"):
+                h.bind(name, received)
+            grad_key_flat = grad_value_flat = True
+            if i <= rank and load_balanced:  # _partial_update: chunks[0] += new, then torch.cat
+                h.bind("grad_key", h.alloc(key.numel * acc))
+                h.bind("grad_value", h.alloc(value.numel * acc))
+        # next_grad_kv = torch.cat([grad_key.flatten(), grad_value.flatten()]): flatten copies what is
+        # not contiguous, freed after the cat
+        copies = [h.alloc(n * acc) for n, flat in ((key.numel, grad_key_flat), (value.numel, grad_value_flat))
+                  if not flat]
+        for j, storage in enumerate(copies):
+            h.bind(f"flatten{j}", storage)
+        cat = h.alloc(nkv * acc)
+        for j in range(len(copies)):
+            h.bind(f"flatten{j}", None)
+        h.bind("next_grad_kv", cat)
+        h.bind("dkv_rotater", h.alloc(nkv * acc))  # permute_tensor's output replaces the buffer it held
+        if load_balanced and i > rank:  # grad_query = _partial_update(...): torch.cat
+            h.bind("grad_query", h.alloc(nq * acc))
+    if query.itemsize != acc:  # grad_query.to(query.dtype)
+        h.bind("grad_query", h.alloc(query.nbytes))
+    received = h.of("dkv_rotater")
+    h.bind("next_grad_kv", h.alloc(kv_bytes) if key.itemsize != acc else received)  # .to(key.dtype)
+    return h.peak
+
+
+def _causal_behaviour(rank: int, cp: int, i: int, load_balanced: bool) -> bool | None:
+    """``_is_causal_behavior`` for causal attention: is_causal, or None for SKIP."""
+    if i == 0:
+        return True
+    if (rank - i) % cp < rank or load_balanced:
+        return False
+    return None
 
 
 def merged_output(out: torch.Tensor) -> torch.Tensor:
@@ -76,10 +308,14 @@ class RingAttentionProgram(RankProgram):
     ``F.scaled_dot_product_attention`` call, patched as ``context_parallel`` patches it
     (``_distribute_function`` on ``torch.nn.functional``) and restored on :meth:`remove`."""
 
-    def __init__(self, cp: int, inner: RankProgram, *, load_balanced: bool) -> None:
+    def __init__(self, cp: int, inner: RankProgram, *, load_balanced: bool, cpu: bool = False) -> None:
         super().__init__()
         self.cp = cp
         self.load_balanced = load_balanced
+        #: the CPU target: each local call's own temporaries (the CPU flash backward's) and gloo's
+        #: staging; on CUDA every call is taken to need the traced call's workspace (memcalc's CUDA rule)
+        self.cpu = cpu
+        self._temporaries = cpu_call_temporaries(torch.get_num_threads()) if cpu else None
         self.inner = inner
         self.communication = inner.communication  # one set: the report counts both programs' buffers
         self.notes = inner.notes
@@ -143,15 +379,19 @@ class RingAttentionProgram(RankProgram):
         if self.load_balanced:
             out = merged_output(out)  # a module-level lookup: tests leave it out with the ring's bytes
         if out.requires_grad and query.requires_grad:
-            self._around_backward(out, query, ring_backward_bytes(query.shape, key.shape, itemsize, self.cp))
+            self._around_backward(out, query, (Layout.of(query), Layout.of(key), Layout.of(value)))
         return out
 
-    def _around_backward(self, out: torch.Tensor, query: torch.Tensor, nbytes: int) -> None:
-        """Hold ``nbytes`` from the output's gradient (the SDPA backward starts) to the query's
-        (it has ended)."""
+    def _around_backward(self, out: torch.Tensor, query: torch.Tensor, qkv: tuple[Layout, Layout, Layout]) -> None:
+        """Hold the ring backward's bytes beyond the local call (:func:`ring_backward_bytes`, for the
+        output gradient as it comes) from the output's gradient (the SDPA backward starts) to the
+        query's (it has ended)."""
         held: list[int] = []
 
         def start(grad: torch.Tensor) -> None:
+            nbytes = ring_backward_bytes(Layout.of(grad), *qkv, self.cp, load_balanced=self.load_balanced,
+                                         temporaries=self._temporaries, gloo=self.cpu,
+                                         lse_order=(0, 2, 1) if self.cpu else (0, 1, 2))
             held.append(self._workspace(nbytes, "ring attention backward: K/V and gradient rings (cp)"))
 
         def end(grad: torch.Tensor) -> None:
