@@ -8,24 +8,24 @@ CUDA SDPA ops only; tests/gloo_cp.py adds the CPU flash op for real gloo steps, 
 merge's output layout it found is :func:`merged_output`'s). This program traces the rank's model at
 ``S/cp`` tokens (its local SDPA is one of the ring's calls; what autograd saves — q, k, v, the
 merged output and logsumexp — is the ring's too) and holds, around each SDPA call and its
-backward, the bytes the ring holds beyond one local call. With ``Nq`` = B·H·(S/cp)·D query
-elements, ``Nkv`` = B·H_kv·(S/cp)·D key elements (after any ``repeat_kv``), ``s`` their itemsize,
-and torch's defaults (``rotate_method=ALL_GATHER``, ``convert_to_f32=True``):
+backward, the bytes the ring holds at its peak beyond one local call: :func:`ring_forward_peak`
+and :func:`ring_backward_peak` run ``_templated_ring_attention`` and its backward line by line
+(torch's defaults: ``rotate_method=ALL_GATHER``, ``convert_to_f32=True``) on the traced layouts
+of q, k, v and the output gradient — which variable holds which buffer at each step: the
+``.contiguous()`` K/V copies, the gathered K/V, the float32 merge's temporaries and
+``_partial_update``'s ``torch.cat`` wholes, the float32 gradient accumulators (laid out as
+``zeros_like`` keeps them, so ``flatten()`` may copy), the gradient ring's sends and receipts, the
+load balancer's half chunks (the contiguous half of logsumexp) — each local call with its own
+gradients and outputs at that step's shapes.
 
-- forward: the all-gathered K/V of every rank (``_AllGatherRotater``: cp·2·Nkv·s) and the
-  float32 merge (``_SDPAMerger._merge_one``: 2·Nq·4 + Nq·s; for 16-bit inputs the float32 copies,
-  2·Nq·4 − Nq·s): :func:`ring_forward_bytes`;
-- backward: :func:`ring_backward_peak` runs ``_templated_ring_attention_backward`` line by line on
-  the traced layouts of q, k, v and the output gradient (which variable holds which buffer at
-  each step: the float32 accumulators, the contiguous K/V copies, the gathered K/V, the gradient
-  ring's sends and receipts, the load balancer's half chunks and ``_partial_update`` copies), each
-  local call with its own temporaries on the CPU target (the CPU flash backward's, by that call's
-  shapes: the partial step copies the second half of the output gradient) and gloo's staging.
-
-tests/test_context_parallel.py runs the real ``_templated_ring_attention`` and its backward on the
-CPU (fake process group, every rank of cp = 2 and 4, both layouts) against these; the backward
-agrees to the byte. On CUDA each call is taken to need the traced call's workspace (memcalc's CUDA
-rule for it), and NCCL keeps the K/V send buffer (2·Nkv·s) until the next step's wait.
+Per target (:class:`RingTarget`): on the CPU each call has the CPU flash kernels' own temporaries
+(the partial step copies the second half of the output gradient into (B, L, H, E), its blocks
+are smaller), gloo stages the all-gather, ``log_sigmoid_forward`` takes a buffer, logsumexp is
+(B, L, H); on CUDA each call is taken to need the traced call's workspace (memcalc's CUDA rule
+for that kernel), NCCL stages nothing, the buffer is empty, logsumexp (B, H, L).
+tests/test_context_parallel.py runs the real ring and its backward on the CPU (fake process group,
+every rank of cp = 2 and 4, three layouts, balanced or not): both agree to the byte. A collective
+completes when called; NCCL's keeps its input (the K/V cat, 2·Nkv·s) to its wait: not modelled.
 """
 
 from __future__ import annotations
@@ -45,20 +45,14 @@ from memcalc.distributed.program import RankProgram
 from memcalc.engine.optimizers import OptimizerSpec
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("CallTemporaries", "Layout", "RingAttentionProgram", "cpu_call_temporaries", "merged_output",
-           "ring_backward_bytes", "ring_backward_peak", "ring_forward_bytes")
+__all__ = ("CUDA_RING", "CallTemporaries", "ForwardTemporaries", "Layout", "RingAttentionProgram", "RingTarget",
+           "cpu_call_temporaries", "cpu_ring", "merged_output", "ring_backward_bytes", "ring_backward_peak",
+           "ring_forward_bytes", "ring_forward_peak")
 
 #: ``_ContextParallelOptions.convert_to_f32``: the merge and the gradient accumulators in float32.
 _ACCUMULATOR_ITEMSIZE = 4
-
-
-def ring_forward_bytes(query: torch.Size, key: torch.Size, itemsize: int, cp: int) -> int:
-    """Bytes the ring's forward holds beyond one local SDPA call on its busiest rank (see the
-    module docstring). ``query`` and ``key`` are the local (B, H, S/cp, D) shapes."""
-    nq, nkv = query.numel(), key.numel()
-    f32 = _ACCUMULATOR_ITEMSIZE
-    upcast = 2 * nq * f32 - nq * itemsize if itemsize != f32 else 0
-    return cp * 2 * nkv * itemsize + 2 * nq * f32 + nq * itemsize + upcast
+#: The CPU flash kernels' dtypes by itemsize (float16 runs as bfloat16 does in their buffers).
+_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
 class _Held:
@@ -165,6 +159,38 @@ class Layout:
 
 #: A local backward call's temporaries: (grad_out, q, k) as the ring passes them → bytes.
 CallTemporaries = Callable[[Layout, Layout, Layout], int]
+#: A local forward call's temporaries: (q, k) → bytes.
+ForwardTemporaries = Callable[[Layout, Layout], int]
+
+
+@dataclass(frozen=True)
+class RingTarget:
+    """What the ring's step models take from the target: each local call's temporaries (None:
+    none, every call taken to need the traced call's, memcalc's rule for it adds that), gloo's
+    staging of the all-gather, log_sigmoid's input-sized buffer, the logsumexp's memory order."""
+
+    forward: ForwardTemporaries | None = None
+    backward: CallTemporaries | None = None
+    gloo: bool = False
+    log_sigmoid_buffer: bool = False
+    lse_order: tuple[int, ...] = (0, 1, 2)
+
+
+#: CUDA: torch's Python code only (NCCL collectives in the caller's buffers, log_sigmoid_forward's
+#: buffer empty, the flash kernels' logsumexp (B, H, L)).
+CUDA_RING = RingTarget()
+
+
+def cpu_ring(threads: int) -> RingTarget:
+    """The CPU target's (:mod:`memcalc.targets.cpu`): the CPU flash kernels' temporaries per
+    call, gloo's staging, the CPU ``log_sigmoid_forward``'s buffer, logsumexp laid out (B, L, H)."""
+    from memcalc.targets.cpu.kernels import flash_forward_workspace
+
+    def forward(q: Layout, k: Layout) -> int:
+        return flash_forward_workspace(q.shape, k.shape[2], _DTYPES[q.itemsize], threads)
+
+    return RingTarget(forward, cpu_call_temporaries(threads), gloo=True, log_sigmoid_buffer=True,
+                      lse_order=(0, 2, 1))
 
 
 def cpu_call_temporaries(threads: int) -> CallTemporaries:
@@ -175,8 +201,7 @@ def cpu_call_temporaries(threads: int) -> CallTemporaries:
 
     def temporaries(grad_out: Layout, q: Layout, k: Layout) -> int:
         copy = 0 if grad_out.transposed(1, 2).is_contiguous() else grad_out.nbytes
-        dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[q.itemsize]
-        return copy + flash_backward_workspace(q.shape, k.shape[2], dtype, threads)
+        return copy + flash_backward_workspace(q.shape, k.shape[2], _DTYPES[q.itemsize], threads)
 
     return temporaries
 
@@ -185,18 +210,28 @@ def _no_temporaries(grad_out: Layout, q: Layout, k: Layout) -> int:
     return 0
 
 
+def _no_forward_temporaries(q: Layout, k: Layout) -> int:
+    return 0
+
+
+def ring_forward_bytes(query: Layout, key: Layout, value: Layout, cp: int, *, rank: int = 0,
+                       load_balanced: bool = True, target: RingTarget = CUDA_RING) -> int:
+    """Bytes the ring's forward holds at its peak beyond one local SDPA call (its output, logsumexp
+    and the whole call's temporaries) on ``rank``: :func:`ring_forward_peak` less that call."""
+    temporaries = target.forward or _no_forward_temporaries
+    local = query.nbytes + query.numel // query.shape[3] * _ACCUMULATOR_ITEMSIZE + temporaries(query, key)
+    return ring_forward_peak(query, key, value, cp, rank=rank, load_balanced=load_balanced, temporaries=temporaries,
+                             gloo=target.gloo, log_sigmoid_buffer=target.log_sigmoid_buffer) - local
+
+
 def ring_backward_bytes(grad_out: Layout, query: Layout, key: Layout, value: Layout, cp: int, *, rank: int = 0,
-                        load_balanced: bool = True, temporaries: CallTemporaries | None = None,
-                        gloo: bool = False, lse_order: tuple[int, ...] = (0, 2, 1)) -> int:
+                        load_balanced: bool = True, target: RingTarget = CUDA_RING) -> int:
     """Bytes the ring's backward holds at its peak beyond one local SDPA backward (its three
-    gradients and ``temporaries`` of the whole call) on ``rank``: :func:`ring_backward_peak` less
-    that call. ``temporaries``: each local call's (None: none, the CUDA target's rule, see
-    :class:`RingAttentionProgram`); ``gloo``: the all-gather's staging (:mod:`memcalc.targets.cpu.gloo`);
-    ``lse_order``: the logsumexp's memory order ((B, L, H): the CPU flash kernel's)."""
-    temporaries = temporaries or _no_temporaries
+    gradients and the whole call's temporaries) on ``rank``: :func:`ring_backward_peak` less that call."""
+    temporaries = target.backward or _no_temporaries
     local = query.nbytes + key.nbytes + value.nbytes + temporaries(grad_out, query, key)
     return ring_backward_peak(grad_out, query, key, value, cp, rank=rank, load_balanced=load_balanced,
-                              temporaries=temporaries, gloo=gloo, lse_order=lse_order) - local
+                              temporaries=temporaries, gloo=target.gloo, lse_order=target.lse_order) - local
 
 
 def ring_backward_peak(grad_out: Layout, query: Layout, key: Layout, value: Layout, cp: int, *, rank: int,
@@ -312,10 +347,9 @@ class RingAttentionProgram(RankProgram):
         super().__init__()
         self.cp = cp
         self.load_balanced = load_balanced
-        #: the CPU target: each local call's own temporaries (the CPU flash backward's) and gloo's
+        #: the CPU target: each local call's own temporaries (the CPU flash kernels') and gloo's
         #: staging; on CUDA every call is taken to need the traced call's workspace (memcalc's CUDA rule)
-        self.cpu = cpu
-        self._temporaries = cpu_call_temporaries(torch.get_num_threads()) if cpu else None
+        self.target = cpu_ring(torch.get_num_threads()) if cpu else CUDA_RING
         self.inner = inner
         self.communication = inner.communication  # one set: the report counts both programs' buffers
         self.notes = inner.notes
@@ -371,15 +405,16 @@ class RingAttentionProgram(RankProgram):
                      "balancing), or estimate without cp.")
         assert self.tracer is not None
         self.calls += 1
-        itemsize = key.element_size()
-        forward = self._workspace(ring_forward_bytes(query.shape, key.shape, itemsize, self.cp),
+        qkv = (Layout.of(query), Layout.of(key), Layout.of(value))
+        forward = self._workspace(ring_forward_bytes(*qkv, self.cp, load_balanced=self.load_balanced,
+                                                     target=self.target),
                                   "ring attention: K/V all-gather and float32 merge (cp)")
         out: torch.Tensor = original(query, key, value, *args, **kwargs)
         self.tracer.release(forward)
         if self.load_balanced:
             out = merged_output(out)  # a module-level lookup: tests leave it out with the ring's bytes
         if out.requires_grad and query.requires_grad:
-            self._around_backward(out, query, (Layout.of(query), Layout.of(key), Layout.of(value)))
+            self._around_backward(out, query, qkv)
         return out
 
     def _around_backward(self, out: torch.Tensor, query: torch.Tensor, qkv: tuple[Layout, Layout, Layout]) -> None:
@@ -390,8 +425,7 @@ class RingAttentionProgram(RankProgram):
 
         def start(grad: torch.Tensor) -> None:
             nbytes = ring_backward_bytes(Layout.of(grad), *qkv, self.cp, load_balanced=self.load_balanced,
-                                         temporaries=self._temporaries, gloo=self.cpu,
-                                         lse_order=(0, 2, 1) if self.cpu else (0, 1, 2))
+                                         target=self.target)
             held.append(self._workspace(nbytes, "ring attention backward: K/V and gradient rings (cp)"))
 
         def end(grad: torch.Tensor) -> None:
@@ -401,3 +435,82 @@ class RingAttentionProgram(RankProgram):
 
         out.register_hook(start)  # type: ignore[no-untyped-call]
         query.register_hook(end)  # type: ignore[no-untyped-call]
+
+
+def ring_forward_peak(query: Layout, key: Layout, value: Layout, cp: int, *, rank: int, load_balanced: bool,
+                      temporaries: Callable[[Layout, Layout], int], gloo: bool, log_sigmoid_buffer: bool) -> int:
+    """The peak of ``_templated_ring_attention`` (torch 2.13) on ``rank`` beyond what its caller
+    holds, step by step as :func:`ring_backward_peak`; ``log_sigmoid_buffer``: the merge's
+    ``log_sigmoid_forward`` takes an input-sized buffer (the CPU kernel's ``empty_like``)."""
+    acc = _ACCUMULATOR_ITEMSIZE
+    h = _Held()
+    if not key.is_contiguous():  # key = key.contiguous(); value = value.contiguous()
+        h.bind("key", h.alloc(key.nbytes))
+    if not value.is_contiguous():
+        h.bind("value", h.alloc(value.nbytes))
+    kv_bytes, seq = key.nbytes + value.nbytes, 2
+    for i in range(cp):
+        if i > 0:  # next_kv = rotater.next_buffer(); key, value: views of the gathered K/V
+            for name in ("next_kv", "key", "value"):
+                h.bind(name, h.of("rotater"))
+        if i < cp - 1:  # next_kv = torch.cat(...); next_kv = rotater.exchange_buffers(next_kv) (None)
+            h.bind("next_kv", h.alloc(kv_bytes))
+            if h.of("rotater") is None:
+                h.bind("rotater", h.alloc(cp * kv_bytes))
+                if gloo:
+                    h.transient(cp * kv_bytes)
+            h.bind("next_kv", None)
+        behaviour = _causal_behaviour(rank, cp, i, load_balanced)
+        if behaviour is None:
+            continue
+        q, k, partial = query, key, False
+        if i > 0 and load_balanced and i <= rank:
+            k = key.second_half(seq)
+        elif i > 0 and load_balanced:
+            q, partial = query.second_half(seq), True
+        h.bind("k", h.of("key"))
+        h.bind("v", h.of("value"))
+        out_bytes, lse_bytes = q.numel * query.itemsize, q.numel // q.shape[3] * acc
+        block_out, block_lse = h.alloc(out_bytes), h.alloc(lse_bytes)  # the local call's out, logsumexp
+        h.transient(temporaries(q, k))
+        h.bind("out", block_out)
+        h.bind("logsumexp", block_lse)
+        # _SDPAMerger.step: the float32 copy of a 16-bit block output (the step's own)
+        f32_out = h.alloc(q.numel * acc) if query.itemsize != acc else block_out
+        h.bind("step_out", f32_out)
+        if h.of("merged_out") is None:  # the first block: kept as it is
+            h.bind("merged_out", f32_out)
+            h.bind("merged_lse", block_lse)
+            h.bind("step_out", None)
+            continue
+        # out = out - F.sigmoid(block_lse - lse) * (out - block_out)
+        n_out, n_lse = q.numel * acc, lse_bytes
+        t1 = h.alloc(n_lse)
+        h.bind("t1", t1)
+        h.bind("t2", h.alloc(n_lse))
+        h.bind("t1", None)
+        h.bind("t3", h.alloc(n_out))
+        h.bind("t4", h.alloc(n_out))
+        h.bind("t2", None)
+        h.bind("t3", None)
+        h.bind("new_out", h.alloc(n_out))
+        h.bind("t4", None)
+        # lse = lse - F.logsigmoid(lse - block_lse): log_sigmoid_forward's buffer (empty_like on the CPU)
+        h.bind("u1", h.alloc(n_lse))
+        h.bind("u2", h.alloc(n_lse))
+        if log_sigmoid_buffer:
+            h.transient(n_lse)
+        h.bind("u1", None)
+        h.bind("new_lse", h.alloc(n_lse))
+        h.bind("u2", None)
+        if partial:  # _partial_update: torch.cat of the chunks, a new whole
+            h.bind("merged_lse", h.alloc(query.numel // query.shape[3] * acc))
+            h.bind("merged_out", h.alloc(query.numel * acc))
+        else:
+            h.bind("merged_lse", h.of("new_lse"))
+            h.bind("merged_out", h.of("new_out"))
+        for name in ("new_out", "new_lse", "step_out"):
+            h.bind(name, None)
+    if query.itemsize != acc:  # results(): self._out.to(out_dtype)
+        h.bind("result", h.alloc(query.nbytes))
+    return h.peak

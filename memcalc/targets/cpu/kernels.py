@@ -72,6 +72,7 @@ __all__ = (
     "flash_backward_temporaries",
     "flash_backward_workspace",
     "flash_forward_temporaries",
+    "flash_forward_workspace",
     "follow_statistics",
     "generic_rnn",
     "linear",
@@ -350,12 +351,17 @@ def flash_forward_temporaries(q: torch.Tensor, k: torch.Tensor, threads: int) ->
     """Bytes ``cpu_flash_attention`` takes while it runs: per thread, ``buf`` (the q·kᵀ block,
     running max and sum, the output block, in the accumulate type) and for bf16/fp16
     ``buf_reduced`` (the block in the input type). q, k as SDPA gets them: (B, H, L, E)."""
-    q_split, kv_split = _flash_splits(int(q.shape[2]), int(k.shape[2]))
-    head = int(q.shape[3])
+    return flash_forward_workspace(tuple(q.shape), int(k.shape[2]), q.dtype, threads)
+
+
+def flash_forward_workspace(q_shape: Sequence[int], kv_len: int, dtype: torch.dtype, threads: int) -> int:
+    """:func:`flash_forward_temporaries` by shape: a (B, H, L, E) query of ``dtype`` against ``kv_len`` keys."""
+    q_split, kv_split = _flash_splits(int(q_shape[2]), kv_len)
+    head = int(q_shape[3])
     per_thread = q_split * kv_split + 2 * q_split + q_split * head
-    reduced = q.dtype in (torch.bfloat16, torch.float16)
-    buf_reduced = threads * q_split * kv_split * q.element_size() if reduced else 0
-    return threads * per_thread * _accumulate_itemsize(q.dtype) + buf_reduced
+    reduced = dtype in (torch.bfloat16, torch.float16)
+    buf_reduced = threads * q_split * kv_split * dtype.itemsize if reduced else 0
+    return threads * per_thread * _accumulate_itemsize(dtype) + buf_reduced
 
 
 def flash_backward_temporaries(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, threads: int) -> int:
