@@ -366,10 +366,28 @@ def test_cpu_flash_attention_buffers() -> None:
     # 64·256 (q·kᵀ) + 2·64 (max, sum) + 64·64 (output block) floats, two threads
     assert flash_forward_temporaries(q, q, threads=2) == 2 * (64 * 256 + 2 * 64 + 64 * 64) * 4 == 164_864
     grad = torch.empty(8, 256, 4, 64, device="meta").transpose(1, 2)  # (B, L, H, E) underneath: no copy
-    # per thread 2·64·256 floats (attention and its gradient), and each thread's 64-float dsum
-    assert flash_backward_temporaries(grad, q, q, threads=2) == 2 * 2 * 64 * 256 * 4 + 2 * 64 * 4
+    # per thread 2·64·256 floats (attention and its gradient), and the calling thread's 64-float dsum
+    # (the one the profiler records: test_cpu_flash_backward_temporaries_are_what_the_profiler_records)
+    assert flash_backward_temporaries(grad, q, q, threads=2) == 2 * 2 * 64 * 256 * 4 + 64 * 4
     contiguous = torch.empty(8, 4, 256, 64, device="meta")  # copied into (B, L, H, E) first
-    assert flash_backward_temporaries(contiguous, q, q, threads=2) == 262_656 + 8 * 4 * 256 * 64 * 4
+    assert flash_backward_temporaries(contiguous, q, q, threads=2) == 262_400 + 8 * 4 * 256 * 64 * 4
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 8, 16), (8, 4, 256, 64)])
+def test_cpu_flash_backward_temporaries_are_what_the_profiler_records(shape: tuple[int, int, int, int]) -> None:
+    # the real backward's peak beyond its three gradients, one thread's dsum however many threads work
+    from memcalc.measure.step import _profiler_peak
+
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, s, h, d).transpose(1, 2) for _ in range(3))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[:2]
+    for grad in (torch.randn_like(out), torch.randn(b, h, s, d)):  # (B, L, H, E) underneath, and copied into it
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, k, v, out, lse, 0.0, True)
+            del grads
+        threads = torch.get_num_threads()
+        assert _profiler_peak(prof) == 3 * q.numel() * 4 + flash_backward_temporaries(grad, q, k, threads)
 
 
 class _Ops(TorchDispatchMode):

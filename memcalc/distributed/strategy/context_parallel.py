@@ -63,7 +63,7 @@ class ContextParallel(DpShard):
             def ring(resolved: ResolvedModel) -> RankProgram:
                 # after tp (torchtitan's order): FSDP2 over its DTensors, the ring around both
                 sharded = fsdp(resolved) if inner is None else StackedProgram(inner(resolved), fsdp(resolved))
-                return RingAttentionProgram(cp, sharded, load_balanced=balanced)
+                return RingAttentionProgram(cp, sharded, load_balanced=balanced, cpu=not step.emulate_cuda)
 
             return ring
 

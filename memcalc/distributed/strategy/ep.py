@@ -159,7 +159,8 @@ class ExpertParallelDimension(RankStrategy):
         def program(resolved: ResolvedModel) -> RankProgram:
             _refuse_uneven_experts(resolved, n, cp, dp_shard)
             experts = ExpertParallel(owners, routing=routing, capacity_factor=factor, model_name=resolved.name)
-            return RingAttentionProgram(cp, StackedProgram(experts, fsdp(resolved)), load_balanced=balanced)
+            return RingAttentionProgram(cp, StackedProgram(experts, fsdp(resolved)), load_balanced=balanced,
+                                        cpu=not step.emulate_cuda)
 
         shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
         roles = tuple(replace(role, program=program, sharding=sharding(role.sharding, *shards)) for role in plan.roles)

@@ -70,7 +70,9 @@ __all__ = (
     "autocast_arguments",
     "cpu_flash_refusal",
     "flash_backward_temporaries",
+    "flash_backward_workspace",
     "flash_forward_temporaries",
+    "flash_forward_workspace",
     "follow_statistics",
     "generic_rnn",
     "linear",
@@ -360,27 +362,38 @@ def flash_forward_temporaries(q: torch.Tensor, k: torch.Tensor, threads: int) ->
     """Bytes ``cpu_flash_attention`` takes while it runs: per thread, ``buf`` (the q·kᵀ block,
     running max and sum, the output block, in the accumulate type) and for bf16/fp16
     ``buf_reduced`` (the block in the input type). q, k as SDPA gets them: (B, H, L, E)."""
-    q_split, kv_split = _flash_splits(int(q.shape[2]), int(k.shape[2]))
-    head = int(q.shape[3])
+    return flash_forward_workspace(tuple(q.shape), int(k.shape[2]), q.dtype, threads)
+
+
+def flash_forward_workspace(q_shape: Sequence[int], kv_len: int, dtype: torch.dtype, threads: int) -> int:
+    """:func:`flash_forward_temporaries` by shape: a (B, H, L, E) query of ``dtype`` against ``kv_len`` keys."""
+    q_split, kv_split = _flash_splits(int(q_shape[2]), kv_len)
+    head = int(q_shape[3])
     per_thread = q_split * kv_split + 2 * q_split + q_split * head
-    reduced = q.dtype in (torch.bfloat16, torch.float16)
-    buf_reduced = threads * q_split * kv_split * q.element_size() if reduced else 0
-    return threads * per_thread * _accumulate_itemsize(q.dtype) + buf_reduced
+    reduced = dtype in (torch.bfloat16, torch.float16)
+    buf_reduced = threads * q_split * kv_split * dtype.itemsize if reduced else 0
+    return threads * per_thread * _accumulate_itemsize(dtype) + buf_reduced
 
 
 def flash_backward_temporaries(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, threads: int) -> int:
     """Bytes ``cpu_flash_attention_backward`` takes: a contiguous copy of the output gradient
-    in (B, L, H, E) when it is not, ``buf`` (attention and its gradient blocks) and for
-    bf16/fp16 ``buf_reduced`` per thread, and each working thread's ``dsum`` row."""
-    q_split, kv_split = _flash_splits(int(q.shape[2]), int(k.shape[2]))
-    accumulate = _accumulate_itemsize(q.dtype)
+    in (B, L, H, E) when it is not, and :func:`flash_backward_workspace`."""
     grad_copy = 0 if grad_out.transpose(1, 2).is_contiguous() else grad_out.numel() * grad_out.element_size()
+    return grad_copy + flash_backward_workspace(tuple(q.shape), int(k.shape[2]), q.dtype, threads)
+
+
+def flash_backward_workspace(q_shape: Sequence[int], kv_len: int, dtype: torch.dtype, threads: int) -> int:
+    """The backward's buffers for a (B, H, L, E) query of ``dtype`` against ``kv_len`` keys:
+    ``buf`` (attention and its gradient blocks) and for bf16/fp16 ``buf_reduced`` per thread,
+    and the ``dsum`` row of the calling thread. at::parallel_for's other threads take theirs
+    too, but the CPU profiler, memcalc's reference here, records only the calling thread's
+    allocations (one ``dsum`` event per call at 2 threads, any B·H)."""
+    q_split, kv_split = _flash_splits(int(q_shape[2]), kv_len)
+    accumulate = _accumulate_itemsize(dtype)
     buf = threads * 2 * q_split * kv_split * accumulate
-    reduced = q.dtype in (torch.bfloat16, torch.float16)
-    buf_reduced = threads * 2 * q_split * kv_split * q.element_size() if reduced else 0
-    # at::parallel_for over B·H with grain 1: min(threads, B·H) threads each allocate dsum
-    working = min(threads, int(q.shape[0]) * int(q.shape[1]))
-    return grad_copy + buf + buf_reduced + working * q_split * accumulate
+    reduced = dtype in (torch.bfloat16, torch.float16)
+    buf_reduced = threads * 2 * q_split * kv_split * dtype.itemsize if reduced else 0
+    return buf + buf_reduced + q_split * accumulate
 
 
 @CPU_KERNEL_RULES.register(aten._scaled_dot_product_flash_attention_for_cpu.default)
