@@ -56,6 +56,7 @@ def run_estimate(step: Step, distributed: Distributed = SINGLE,
             raise _auto_per_trace()
         return choose_checkpointing(step, lambda trial: run_estimate(trial, distributed))
     _check(step, distributed)
+    step = _trl_checkpointing(step, distributed)
     # every kernel's FLOPs and bytes, recorded only when a time is asked for (CostsOnRequest otherwise)
     costs = _cost_recorder() if step.record_costs else None
     if not distributed.is_single:  # each role's model is fine-tuned there, before its program wraps it
@@ -106,6 +107,12 @@ def _check(step: Step, distributed: Distributed) -> None:
     """Refuse, by name, the options this setting does not model."""
     if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:
         _check_trl_strategy(step, distributed)
+    if step.checkpoint.reentrant and not distributed.is_single and distributed.strategy is not Strategy.ZERO3:
+        raise InapplicableOptionError(f"reentrant checkpointing (use_reentrant=True) under --strategy "
+                                      f"{distributed.strategy.value} is not modelled: it is checked on one GPU and "
+                                      f"under DeepSpeed ZeRO-3 only",
+                                      hint="Use the non-reentrant checkpoint there (use_reentrant=False, "
+                                           "--checkpoint full), or estimate one GPU or zero3.")
     if distributed.is_single and step.float8 is not None and step.float8.all_gather:
         raise InapplicableOptionError("float8_all_gather (--float8-all-gather) is FSDP2's float8 all-gather; one GPU "
                                       "all-gathers nothing",
@@ -152,13 +159,26 @@ def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
                                       f"modelled: TRL's trainers are estimated under ddp, fsdp, zero1, zero2 and zero3 "
                                       f"(accelerate's MULTI_GPU, FSDP and DEEPSPEED)",
                                       hint="Give --strategy ddp, fsdp or zero1/2/3.")
-    if distributed.strategy is Strategy.ZERO3 and step.finetune.lora is not None and step.checkpoint:
-        # trl's trainers: "PEFT + DeepSpeed ZeRO-3 requires reentrant checkpointing" (use_reentrant forced True)
-        raise InapplicableOptionError(f"loop {step.loop.name} with LoRA and gradient checkpointing under --strategy "
-                                      f"zero3 is not modelled: TRL forces reentrant checkpointing there "
-                                      f"(use_reentrant=True), memcalc traces the non-reentrant one",
-                                      hint="Give gradient_checkpointing false in --training-args, or leave out "
-                                           "--lora, to estimate it under zero3.")
+
+
+def _trl_checkpointing(step: Step, distributed: Distributed) -> Step:
+    """``step`` with the checkpointing TRL's trainers run: reentrant for a PEFT model with gradient
+    checkpointing under DeepSpeed ZeRO-3 (``SFTTrainer``, ``DPOTrainer``, ``RewardTrainer`` and
+    ``GRPOTrainer`` set ``use_reentrant=True`` there, over the user's value: "PEFT + DeepSpeed ZeRO-3
+    requires reentrant checkpointing", trl#2514), refusing a selective policy as TRL does."""
+    if not (step.loop.preset is not None and step.loop.preset.is_trl and distributed.strategy is Strategy.ZERO3
+            and step.finetune is not None and step.finetune.lora is not None and step.checkpoint):
+        return step
+    if step.checkpoint.kind not in (CheckpointKind.FULL, CheckpointKind.EVERY):
+        raise InapplicableOptionError(f"loop {step.loop.name} with LoRA under --strategy zero3 checkpoints with "
+                                      f"reentrance (TRL forces use_reentrant=True there), which takes no selective "
+                                      f"policy; checkpoint {step.checkpoint.label} is one",
+                                      hint="Give --checkpoint full (or every:N), or leave out --lora.")
+    if step.checkpoint.reentrant:
+        return step
+    return replace(step, checkpoint=replace(step.checkpoint, reentrant=True),
+                   notes=(*step.notes, f"loop {step.loop.name}: TRL checkpoints a PEFT model with reentrance under "
+                                       f"DeepSpeed ZeRO-3 (use_reentrant=True forced over the config's)"))
 
 
 class CostsOnRequest:

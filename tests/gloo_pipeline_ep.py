@@ -54,10 +54,11 @@ class PipelineEpCase:
     #: (torch's ``parallelize_module`` on ``tp``) and its experts over the flattened ``ep × tp`` ranks with
     #: ``tp`` as the batch-sharing group (transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's etp=1)
     tp: int = 1
-    #: > 1 (with dp_shard): HSDP stages, the ``(pp, dp_replicate, dp_shard, ep, tp=1)`` mesh, the same units
-    #: ``fully_shard``-ed over the 2-D ``(dp_replicate, dp_shard)`` and ``(dp_replicate, dp_shard × ep)``
-    #: meshes, as torchtitan wraps them (its ``(dp_replicate, dp_shard_mod_ep)`` and ``(dp_replicate,
-    #: dp_shard_cp)``)
+    #: > 1: HSDP stages, the ``(pp, dp_replicate, dp_shard, ep, tp)`` mesh, the same units ``fully_shard``-ed
+    #: over the 2-D ``(dp_replicate, dp_shard)`` and ``(dp_replicate, dp_shard × ep)`` meshes, as torchtitan
+    #: wraps them (its ``(dp_replicate, dp_shard_mod_ep)`` and ``(dp_replicate, dp_shard_cp)``); without
+    #: dp_shard the same with a dp_shard dimension of 1 (torchtitan's ep borrows its dp_shard:
+    #: ``dp_shard_mod_ep`` = 1, and it wraps every MoE stage)
     dp_replicate: int = 1
 
 
@@ -148,7 +149,8 @@ def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
         experts_mesh = mesh["ep", "tp"]._flatten("ep_tp")
     apply_expert_parallelism(stage_module.model, experts_mesh, mesh["tp"], held, ep_implementation="all_to_all")
     assert route(stage_module) > 0
-    if case.dp_shard > 1:  # torchtitan's apply_fsdp for MoE under a pipeline (PipelineEpCase.dp_shard)
+    if case.dp_shard > 1 or case.dp_replicate > 1:  # torchtitan's apply_fsdp for MoE under a pipeline
+        # (PipelineEpCase.dp_shard; with dp_replicate alone its ep borrows its dp_shard: a dp_shard dimension of 1)
         from torch.distributed.fsdp import fully_shard
 
         every = mesh["dp_shard", "ep"]._flatten("dp_shard_ep")

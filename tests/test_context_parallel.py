@@ -4,9 +4,9 @@ buffers around every SDPA call, FSDP2 over dp_shard × cp (torchtitan's dp_shard
 What runs for real: torch's own ``_templated_ring_attention`` and its backward, on the CPU with
 the CPU flash op as the local attention and a fake process group (every rank of cp = 2 and 4,
 float32 and bfloat16), against memcalc's ring formulas; the ``context_parallel`` context manager
-itself, which shards the sequence and then fails on the CPU SDPA op. So no gloo step runs under
-it (checked below, so that the day torch adds the CPU op this test says so). The rest is worked
-out by hand.
+itself, which shards the sequence and then fails on the CPU SDPA op (checked below, so that the
+day torch adds the CPU op this test says so): whole gloo steps add it to torch's handlers
+themselves (tests/test_gloo_cp.py). The rest is worked out by hand.
 """
 
 from __future__ import annotations
@@ -147,14 +147,17 @@ def test_a_cp_rank_is_the_step_at_s_over_cp_with_the_ring_around_attention(monke
     assert Counter(nbytes for nbytes, _ in held) == {3_670_016: 8, 7_864_320: 8}
     assert all("ring attention" in label for _, label in held)
     held.clear()
-    # the same rank without the ring: FSDP2 over 2 ranks at 128 tokens; saved activations and model
-    # states are the same, and the peak (lm_head's backward, 2·128·32,000 logits) too
+    # the same rank without the ring: FSDP2 over 2 ranks at 128 tokens; model states are the same, and
+    # the saved activations and the peak (lm_head's backward, 2·128·32,000 logits) are those plus, on
+    # cp rank 0, the copy the model makes of each layer's partially merged ring output (merged_output,
+    # B·H·S/cp·D fp32; tests/test_gloo_cp.py measures it)
     half = _estimate(128, dp_shard=2)
     assert held == []
     (role,), (half_role,) = cp.roles, half.roles
+    copies = 8 * 2 * 8 * 128 * 64 * 4
     assert role.model_states == half_role.model_states
-    assert role.report.bytes.activations == half_role.report.bytes.activations
-    assert role.report.bytes.peak_allocated == half_role.report.bytes.peak_allocated
+    assert role.report.bytes.activations == half_role.report.bytes.activations + copies
+    assert role.report.bytes.peak_allocated == half_role.report.bytes.peak_allocated + copies
     assert cp.global_batch_size == 2  # the cp ranks share their samples
     # with dp_shard=2: parameters sharded over dp_shard × cp = 4, as dp_shard=4 at 128 tokens
     both, four = _estimate(256, dp_shard=2, cp=2), _estimate(128, dp_shard=4)
@@ -199,7 +202,7 @@ def test_non_causal_attention_under_load_balancing_is_refused_and_sdpa_restored(
 
 
 def test_tp_x_cp_by_hand_the_ring_over_each_tp_ranks_heads(monkeypatch):
-    """No gloo run composes them: torch's ring has no CPU SDPA op (test above). What composes is
+    """No gloo run composes them yet (tests/gloo_cp.py runs cp with ep and dp_shard). What composes is
     checked by hand and against tp x dp_shard at S/cp, which real 4-process gloo runs check
     (tests/test_gloo_tp.py): a cp rank is that rank with the ring around its attention."""
     from gloo_tp import LLAMA_SEQ, SMALL_LLAMA, small_llama
@@ -239,9 +242,11 @@ def test_tp_x_cp_by_hand_the_ring_over_each_tp_ranks_heads(monkeypatch):
     assert held == []
     (half_role,) = half.roles
     assert role.model_states == half_role.model_states
-    # the ring's buffers left out, the step is that step, to the byte
+    # the ring's buffers and its merged output's layout (merged_output) left out, the step is that step,
+    # to the byte
     monkeypatch.setattr(ring_module, "ring_forward_bytes", lambda *_args: 0)
     monkeypatch.setattr(ring_module, "ring_backward_bytes", lambda *_args: 0)
+    monkeypatch.setattr(ring_module, "merged_output", lambda out: out)
     ringless = memcalc.estimate(small_llama, seq_len=LLAMA_SEQ, distributed=Distributed(tp=2, cp=2), **options)
     assert ringless.roles[0].report.peak_requested == half_role.report.peak_requested
     assert role.report.peak_requested > half_role.report.peak_requested

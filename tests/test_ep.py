@@ -316,18 +316,62 @@ def test_pp_alone_on_a_mixture_of_experts_by_hand(tiny: str) -> None:
 
 
 @pytest.mark.parametrize("degrees, message", [
-    # HSDP stages with experts, and dp_shard with tp x ep, are modelled (tests/test_gloo_pipeline_ep.py); all of
-    # them together, not yet
-    (dict(tp=2, dp_shard=2, dp_replicate=2), r"pp=2 with ep=2 and tp=2 and dp_replicate=2 is not modelled yet"),
-    (dict(dp_replicate=2), r"pp=2 with dp_replicate=2 alone \(DDP stages\) is not modelled yet"),  # pp's own rule
+    # HSDP stages with experts (with dp_shard or not), dp_shard with tp x ep and dp_replicate with tp x ep are
+    # modelled (tests/test_gloo_pipeline_ep.py, tests/test_gloo_pipeline_ep_replicate.py,
+    # tests/test_gloo_pipeline_ep_tp_replicate.py); tp x ep with dp_replicate and dp_shard both, not yet (thirty-two
+    # processes at the least to check)
+    (dict(tp=2, dp_shard=2, dp_replicate=2),
+     r"pp=2 with ep=2 and tp=2 and dp_replicate=2 and dp_shard=2 is not modelled yet: .* thirty-two processes"),
     # 4 experts over ep x tp = 4 ranks: 1 a rank, fewer than dp_shard=2 (torchtitan's Shard(1))
     (dict(tp=2, dp_shard=2), r"dp_shard=2 with ep x tp = 4 ranks: each ep rank holds 1 experts"),
-], ids=["tp-hsdp", "ddp", "tp-dp_shard-too-few-experts"])
-def test_pp_x_ep_with_tp_and_dp_shard_or_ddp_is_refused_by_name(tiny: str, degrees: dict[str, int],
+], ids=["tp-hsdp", "tp-dp_shard-too-few-experts"])
+def test_pp_x_ep_with_tp_and_dp_shard_or_dp_replicate_is_refused_by_name(tiny: str, degrees: dict[str, int],
                                                                 message: str) -> None:
     with pytest.raises(InapplicableOptionError, match=message):
         memcalc.estimate(tiny, batch_size=2, seq_len=16,
                          distributed=memcalc.Distributed(pp=2, ep=2, microbatches=2, **degrees))
+
+
+def test_pp_x_dp_replicate_x_ep_parameters_per_rank_by_hand(tiny: str) -> None:
+    # two stages of one layer; each stage's layer's 4 experts over the 2 ep ranks (2 each), then FSDP2 as torchtitan
+    # wraps an MoE stage under dp_replicate without dp_shard: the experts a unit over a one-rank shard group, the
+    # rest over the 2 ep ranks (dim 0 halved), HSDP over the 2 replicas. reshard_after_forward=False under the
+    # pipeline: at the peak a rank holds its sharded parameters and the unsharded ones FSDP2 gathered (the experts'
+    # one-rank gather too), 4 B each (fp32)
+    setting = memcalc.Distributed(pp=2, dp_replicate=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="sgd", gpu="cpu", distributed=setting)
+    layer = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 4 * 64 + 2 * 64  # q, k, v, o, the router, two norms
+    dense = {(0, 1, 2, 3): 256 * 64 + layer, (4, 5, 6, 7): layer + 64 + 256 * 64}  # the embedding; final norm, head
+    held = {ranks: n // 2 + 2 * EXPERT + n + 2 * EXPERT for ranks, n in dense.items()}  # sharded, then gathered
+    assert held == {(0, 1, 2, 3): 141_888, (4, 5, 6, 7): 141_984}
+    assert {role.ranks: role.report.bytes.parameters for role in report.roles} == {
+        ranks: 4 * n for ranks, n in held.items()}
+    assert report.global_batch_size == 2 * 2 * 2  # a batch per ep rank and replica
+    assert any("each block's experts over a one-rank shard group" in note for note in report.notes)
+
+
+def test_pp_x_dp_replicate_x_tp_x_ep_parameters_per_rank_by_hand(tiny: str) -> None:
+    # pp=2 x dp_replicate=2 x tp=2 x ep=2 (etp=1) on the 4-expert Mixtral: two stages of one layer; in each, the tp
+    # plan halves the embedding, head, q, k, v, o, then FSDP2 as torchtitan wraps an MoE stage under dp_replicate
+    # without dp_shard halves every dense local tensor again over the 2 ep ranks (a layer's q, k, v, o 12,288 -> 3,072,
+    # router 256 -> 128, norms 128 -> 64; the embedding and head 16,384 -> 4,096; the final norm 64 -> 32), and each
+    # layer's 4 experts over ep x tp = 4 ranks, 1 a rank (24,576), whole: FSDP2 over a one-rank shard group
+    setting = memcalc.Distributed(pp=2, dp_replicate=2, tp=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="sgd", gpu="cpu", distributed=setting)
+    layer = 12_288 // 4 + 256 // 2 + 128 // 2 + EXPERT
+    head = 256 * 64 // 4  # the embedding or the head
+    sharded = {tuple(range(8)): head + layer, tuple(range(8, 16)): layer + 64 // 2 + head}
+    assert sharded == {tuple(range(8)): 31_936, tuple(range(8, 16)): 31_968}
+    assert {role.ranks: role.report.textbook.parameter_bytes for role in report.roles} == {
+        ranks: 4 * n for ranks, n in sharded.items()}
+    # reshard_after_forward=False under the pipeline: at the peak a rank also holds the tp-local tensors FSDP2
+    # gathered (dense: twice its shard; the experts' one-rank gather: a copy of its 24,576)
+    gathered = {ranks: n + (n - EXPERT) * 2 + EXPERT for ranks, n in sharded.items()}
+    assert gathered == {tuple(range(8)): 71_232, tuple(range(8, 16)): 71_328}
+    assert {role.ranks: role.report.bytes.parameters for role in report.roles} == {
+        ranks: 4 * n for ranks, n in gathered.items()}
+    assert report.global_batch_size == 2 * 2 * 2  # a batch per (replica, ep) pair, shared by its tp pair
+    assert any("dp_shard_mod_ep = 1" in note and "2 replicas" in note for note in report.notes)
 
 
 def test_pp_x_tp_x_ep_model_states_per_rank_by_hand(tiny: str) -> None:
@@ -377,9 +421,9 @@ def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
 # ---- refusals ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("degrees, message", [
-    (dict(cp=2), r"ep=2 with cp=2 is not modelled yet"),
+    (dict(cp=2, dp_replicate=2), r"ep=2 with cp=2 and dp_replicate=2 is not modelled yet"),  # ep x cp: tests/test_ep_cp.py
     (dict(tp=2, cp=2), r"tp=2 with ep=2 and cp=2 is not modelled yet"),  # tp's own check, first
-], ids=["cp", "tp-cp"])
+], ids=["cp-dp_replicate", "tp-cp"])
 def test_ep_with_another_dimension_is_refused_by_name(tiny: str, degrees: dict[str, int], message: str) -> None:
     with pytest.raises(InapplicableOptionError, match=message):
         memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, **degrees))

@@ -231,7 +231,6 @@ def test_several_refusals_are_named_at_once():
 
 
 @pytest.mark.parametrize("kwargs, says", [
-    ({"use_reentrant": True}, "use_reentrant=True: memcalc checkpoints without reentrance"),
     ({"every_n_layers": 2}, "every_n_layers=2: memcalc checkpoints every layer"),
     ({"offload": True}, "offload=True: the saved activations held in host memory"),
     ({"context_fn": "x"}, "context_fn: not a keyword memcalc knows"),

@@ -24,7 +24,6 @@ from zero3_probe import KEYS, PLAIN, hook_gathers, record_steps
 
 import memcalc
 from memcalc.core.categories import Category, Phase
-from memcalc.core.errors import InapplicableOptionError
 from memcalc.distributed.vocabulary import ZeroStage3
 from memcalc.distributed.zero import ZeroProgram
 
@@ -186,12 +185,3 @@ def _peft_names(config: dict[str, Any], rank: int) -> list[tuple[str, int]]:
 def test_recorded_cases_differ() -> None:
     runs = {json.dumps(case["events"]) for case in RECORDED["cases"].values()}
     assert len(runs) == len(RECORDED["cases"]) and RECORDED["world_size"] == 2
-
-
-def test_lora_with_checkpointing_refused(tmp_path: Path) -> None:
-    """TRL forces reentrant checkpointing for PEFT under ZeRO-3; memcalc traces the non-reentrant one."""
-    with pytest.raises(InapplicableOptionError, match="TRL forces reentrant checkpointing"):
-        memcalc.estimate(_write(tmp_path, CONFIG), loop="trl-dpo", seq_len=SEQ, gpu="cpu",
-                         trainer_args={"gradient_checkpointing": True, "bf16": False},
-                         finetune=memcalc.FineTune(lora=memcalc.LoRA(8)),
-                         distributed=memcalc.Distributed("zero3", world_size=2))

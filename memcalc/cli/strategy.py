@@ -117,7 +117,8 @@ def strategy_options(func: Callable[..., Any]) -> Callable[..., Any]:
                             "dimensions, pp (torch's own pipeline schedule) alone or over dp_shard (each stage "
                             "FSDP2-sharded: gpipe, 1f1b, interleaved-1f1b), ep (an MoE model's experts over ep ranks; "
                             "with tp torchtitan's etp=1 layout; with dp_shard or dp_replicate the dense part "
-                            "FSDP2-sharded over the ep ranks too; in a pipeline stage). etp=1 is accepted, etp=tp "
+                            "FSDP2-sharded over the ep ranks too; with cp the experts over ep x cp ranks, torchtitan's "
+                            "layout, dp_shard=N,cp=C,ep=E; in a pipeline stage). etp=1 is accepted, etp=tp "
                             "refused (docs/many-gpus.md)."),
         click.option("--world-size", type=int, default=None, callback=_at_least_one, metavar="N",
                      help="Number of GPUs (ranks) for ddp, fsdp and zero*; for dp, devices 0..N-1."),

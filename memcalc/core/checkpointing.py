@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memcalc.core.errors import InvalidInputError
@@ -55,11 +55,23 @@ class Checkpointing:
         every: N of ``every:N``: blocks N, 2N, … (counted from 1) are checkpointed, as
             torchtitan's per-layer checkpointing counts them; 1 for the other kinds.
         policy: the user's policy function (``kind`` POLICY only).
+        reentrant: ``use_reentrant=True``: torch's ``CheckpointFunction`` (the forward under
+            ``no_grad``, the recomputation and an inner backward in the block's backward), as
+            ``gradient_checkpointing_kwargs={"use_reentrant": True}`` and TRL's PEFT + ZeRO-3 ask;
+            False: the non-reentrant checkpoint, PyTorch's recommendation and transformers' default.
     """
 
     kind: CheckpointKind = CheckpointKind.OFF
     every: int = 1
     policy: SacPolicy | None = None
+    reentrant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reentrant and self.kind in (CheckpointKind.SELECTIVE_OP, CheckpointKind.POLICY, CheckpointKind.AUTO):
+            # torch.utils.checkpoint: "Passing context_fn or debug is only supported when use_reentrant=False"
+            raise InvalidInputError(f"checkpoint {self.kind.value} with reentrant checkpointing: torch's reentrant "
+                                    "checkpoint takes no selective policy (context_fn needs use_reentrant=False)",
+                                    hint="Use full or every:N with use_reentrant=True, or use_reentrant=False.")
 
     def __bool__(self) -> bool:
         """Whether anything is checkpointed (``if step.checkpoint:`` reads as before)."""
@@ -67,7 +79,10 @@ class Checkpointing:
 
     @property
     def label(self) -> str:
-        """How the command line spells it (``every:2``), or ``policy NAME`` for a function."""
+        """How the command line spells it (``every:2``), or ``policy NAME`` for a function; a
+        reentrant one says so (``full, reentrant``)."""
+        if self.reentrant:
+            return f"{replace(self, reentrant=False).label}, reentrant"
         if self.kind is CheckpointKind.EVERY:
             return f"every:{self.every}"
         if self.kind is CheckpointKind.POLICY:

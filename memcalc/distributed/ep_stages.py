@@ -30,17 +30,18 @@ import torch
 from torch import nn
 
 from memcalc.core.loop import OptimizerImpl
-from memcalc.distributed.expert_parallel import ExpertParallel, expert_plan, split_sizes
+from memcalc.distributed.dtensor_upkeep import clear_dtensor_caches, restore_modules, snapshot_modules
+from memcalc.distributed.expert_parallel import ExpertParallel, expert_plan, routing_text, split_sizes
 from memcalc.distributed.pipeline import stage_mesh
 from memcalc.distributed.program import RankProgram, StackedProgram
-from memcalc.distributed.tensor_parallel import TensorParallel, _clear_dtensor_caches, _restore_modules, _snapshot
+from memcalc.distributed.tensor_parallel import TensorParallel
 from memcalc.distributed.tp_plans import stage_plan
 from memcalc.distributed.tp_stages import StageTensorParallel
 from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.model import ModelInputs, ResolvedModel
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("StageExpertParallel", "StageExpertTensorParallel")
+__all__ = ("StageExpertParallel", "StageExpertTensorParallel", "replicated_expert_notes")
 
 
 class StageExpertParallel:
@@ -89,9 +90,9 @@ class StageExpertParallel:
         from transformers.distributed.expert_parallel import apply_expert_parallelism
 
         plan = self.stage_plan(module, prefix)
-        snapshot = _snapshot(module)
+        snapshot = snapshot_modules(module)
         saved = {id(m): (m, dict(vars(m))) for m in module.modules()}
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
         previous = _reader_in_use()
         answering = StorageTracer("meta", read_values=functools.partial(
             split_sizes, degree=self.degree, rank=0, routing=self.routing, capacity_factor=self.capacity_factor,
@@ -104,11 +105,11 @@ class StageExpertParallel:
                 stack.enter_context(answering)
                 yield
         finally:
-            _restore_modules(snapshot)
+            restore_modules(snapshot)
             for m, attributes in saved.values():  # the forwards and marks apply_expert_parallelism set
                 vars(m).clear()
                 vars(m).update(attributes)
-            _clear_dtensor_caches()
+            clear_dtensor_caches()
 
     def program(self, stage: ResolvedModel) -> RankProgram:
         """The program of one stage's module (the model under ``model.``)."""
@@ -155,6 +156,21 @@ class StageExpertTensorParallel:
                                 model_name=stage.name, optimizer_impl=self.tensor.optimizer_impl, local_step=False,
                                 mesh=self.tensor.mesh)
         return StackedProgram(self.experts.program(stage), tensor)
+
+
+def replicated_expert_notes(degree: int, routing: Routing, capacity_factor: float | None, tp: int = 1) -> str:
+    """The report's note on ``degree``-way expert parallelism inside pipeline stages under HSDP's
+    dp_replicate without dp_shard (``tp``-way tensor parallelism beside it): torchtitan's ep borrows
+    its dp_shard (``dp_shard_mod_ep`` = 1) and ``apply_fsdp`` wraps every MoE stage, so each block's
+    experts are FSDP2 units over a one-rank shard group and the rest over the ep ranks."""
+    experts = (f"each block's experts over all ep x tp = {degree * tp} ranks (etp=1), the dense part under tp's plan "
+               f"over the {tp} tp ranks that share a batch; " if tp > 1 else "")
+    return (f"expert parallelism over {degree} ranks inside every stage: each holds 1/{degree * tp} of the stage's "
+            f"MoE layers' experts (their gradients and optimizer state) and a batch of its own; tokens move by "
+            f"all-to-all under {routing_text(routing, capacity_factor)}; ep rank 0 traced; {experts}FSDP2 of each "
+            f"stage as torchtitan shards MoE models under dp_replicate without dp_shard (its ep borrows its dp_shard: "
+            f"dp_shard_mod_ep = 1): each block's experts over a one-rank shard group (no collective), the rest over "
+            f"the {degree} ep ranks")
 
 
 def expert_meshes(tp: int = 1) -> tuple[Any, Any]:

@@ -20,14 +20,14 @@ from torch import nn
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.loop import OptimizerImpl
-from memcalc.distributed.program import RankProgram, StackedProgram
-from memcalc.distributed.tensor_parallel import (
-    TensorParallel,
-    _clear_dtensor_caches,
-    _propagation_untraced,
-    _restore_modules,
-    _snapshot,
+from memcalc.distributed.dtensor_upkeep import (
+    clear_dtensor_caches,
+    propagation_untraced,
+    restore_modules,
+    snapshot_modules,
 )
+from memcalc.distributed.program import RankProgram, StackedProgram
+from memcalc.distributed.tensor_parallel import TensorParallel
 from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.trace import StorageTracer
 
@@ -160,13 +160,13 @@ class ExpertParallel(TensorParallel):
                                   mesh_dim_names=("dp", "tp"))
                 ep_mesh, tp_mesh = mesh._flatten("ep"), mesh["tp"]
         else:
-            _clear_dtensor_caches()
-            self._undo.append(_clear_dtensor_caches)
+            clear_dtensor_caches()
+            self._undo.append(clear_dtensor_caches)
             ep_mesh, tp_mesh = self.meshes()
         self.tp_mesh = tp_mesh
         modules = dict(module.named_modules())
         experts = [modules[name] for name, style in plan.items() if style == "ep_dispatch_experts"]
-        self._undo.append(functools.partial(_restore_modules, _snapshot(module)))
+        self._undo.append(functools.partial(restore_modules, snapshot_modules(module)))
         saved = [(m, {a: vars(m).get(a, _MISSING) for a in _EXPERTS_ATTRIBUTES}) for m in experts]
         self._undo.append(functools.partial(_restore_attributes, saved))
         try:
@@ -177,7 +177,7 @@ class ExpertParallel(TensorParallel):
                                     hint="give an ep degree (times tp) that divides the number of experts") from exc
         tracer.defer_to = (DTensor,)
         self._undo.append(functools.partial(setattr, tracer, "defer_to", ()))
-        self._undo.append(_propagation_untraced())
+        self._undo.append(propagation_untraced())
         previous = tracer.read_values
         tracer.read_values = functools.partial(self._read, previous)
         self._undo.append(functools.partial(setattr, tracer, "read_values", previous))

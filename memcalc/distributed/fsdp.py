@@ -169,6 +169,10 @@ class _Param:
     def ds_numel(self) -> int:
         return _local(self.original).numel()
 
+    @property
+    def requires_grad(self) -> bool:
+        return self.original.requires_grad
+
 
 @dataclass(eq=False)
 class _Gather:
@@ -746,7 +750,9 @@ class ShardedProgram(RankProgram):
             return None
         if self.coordinators:  # DeepSpeed: fetch_sub_module (a recomputation too)
             self._forward_stack.append(state)
-            self._coordinator(state).fetch(state, state.params, forward=True)
+            # a forward inside a backward (the autograd engine's graph task running) is a recomputation
+            self._coordinator(state).fetch(state, state.params, forward=True,
+                                           recomputing=torch._C._current_graph_task_id() != -1)
             self._swap_in(state)
             if not self._in_backward and self.training and torch.is_grad_enabled():
                 return _wrap_inputs(args, lambda: self._post_backward(state)) or args

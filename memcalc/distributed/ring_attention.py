@@ -3,9 +3,9 @@
 ``torch.distributed.tensor.experimental.context_parallel`` (torch 2.13,
 ``_context_parallel/_attention.py``) patches ``F.scaled_dot_product_attention`` and runs each
 call as ``_templated_ring_attention``: the rank's queries (``S/cp`` tokens) against every
-rank's keys and values, ``cp`` local SDPA calls merged by ``_SDPAMerger``. It does not run in a
-gloo step: its handlers cover the CUDA SDPA ops only (``custom_ops``: flash, efficient, cuDNN;
-not ``_scaled_dot_product_flash_attention_for_cpu``). So this program traces the rank's model at
+rank's keys and values, ``cp`` local SDPA calls merged by ``_SDPAMerger`` (its handlers cover the
+CUDA SDPA ops only; tests/gloo_cp.py adds the CPU flash op for real gloo steps, and the partial
+merge's output layout it found is :func:`merged_output`'s). This program traces the rank's model at
 ``S/cp`` tokens (its local SDPA is one of the ring's calls; what autograd saves — q, k, v, the
 merged output and logsumexp — is the ring's too) and holds, around each SDPA call and its
 backward, the bytes the ring holds beyond one local call. With ``Nq`` = B·H·(S/cp)·D query
@@ -40,7 +40,7 @@ from memcalc.distributed.program import RankProgram
 from memcalc.engine.optimizers import OptimizerSpec
 from memcalc.engine.trace import StorageTracer
 
-__all__ = ("RingAttentionProgram", "ring_backward_bytes", "ring_forward_bytes")
+__all__ = ("RingAttentionProgram", "merged_output", "ring_backward_bytes", "ring_forward_bytes")
 
 #: ``_ContextParallelOptions.convert_to_f32``: the merge and the gradient accumulators in float32.
 _ACCUMULATOR_ITEMSIZE = 4
@@ -60,6 +60,15 @@ def ring_backward_bytes(query: torch.Size, key: torch.Size, itemsize: int, cp: i
     nq, nkv = query.numel(), key.numel()
     f32 = _ACCUMULATOR_ITEMSIZE
     return cp * 2 * nkv * itemsize + (nq + 2 * nkv) * f32 + 2 * 2 * nkv * f32 + (nq + 3 * nkv) * itemsize
+
+
+def merged_output(out: torch.Tensor) -> torch.Tensor:
+    """The ring's output on a load-balanced rank that merges partially (every rank but the last;
+    rank 0 is traced): ``_SDPAMerger._partial_update``'s ``torch.cat``, contiguous in (B, H, S/cp, D),
+    where the local kernel's keeps (B, S/cp, H, D) in memory. The model's ``transpose(1, 2)`` and
+    reshape then copy it, and that copy (o_proj's saved input) lives to the backward: ``Nq·s`` more
+    per attention layer than the last rank holds (65,536 B on tests/test_gloo_cp.py's cp rank 0)."""
+    return out if out.is_contiguous() else out.contiguous()
 
 
 class RingAttentionProgram(RankProgram):
@@ -131,6 +140,8 @@ class RingAttentionProgram(RankProgram):
                                   "ring attention: K/V all-gather and float32 merge (cp)")
         out: torch.Tensor = original(query, key, value, *args, **kwargs)
         self.tracer.release(forward)
+        if self.load_balanced:
+            out = merged_output(out)  # a module-level lookup: tests leave it out with the ring's bytes
         if out.requires_grad and query.requires_grad:
             self._around_backward(out, query, ring_backward_bytes(query.shape, key.shape, itemsize, self.cp))
         return out

@@ -5,8 +5,9 @@ process group, and the step is traced on that rank's DTensors.
 What the tracer sees: DTensor's ``__torch_dispatch__`` runs first (the tracer declines its ops,
 :attr:`~memcalc.engine.trace.StorageTracer.defer_to`), so every op reaches it as the local op
 the rank runs, collectives included, at their output's size. DTensor's sharding propagation
-runs with the tracer set aside (:func:`_propagation_untraced`): a real rank allocates nothing
-for it.
+runs with the tracer set aside
+(:func:`~memcalc.distributed.dtensor_upkeep.propagation_untraced`): a real rank allocates
+nothing for it.
 
 Real two-process gloo runs of the same plans agree with the per-rank estimate to the byte
 (tests/test_gloo_tp.py), ``loss_parallel`` included (its handler's sum in backward is no in-place
@@ -19,7 +20,8 @@ parameter's local shard directly (:meth:`TensorParallel.optimizer_spec`), which 
 same as DTensor's dispatch without its cost.
 
 The program leaves everything as it was: the model's parameters and hooks, the default process
-group; DTensor's sharding caches are emptied before and after (:func:`_clear_dtensor_caches`).
+group; DTensor's sharding caches are emptied before and after
+(:func:`~memcalc.distributed.dtensor_upkeep.clear_dtensor_caches`).
 
 The full account: docs/notes/tensor-parallel.md.
 """
@@ -38,6 +40,12 @@ from torch import nn
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.loop import OptimizerImpl
+from memcalc.distributed.dtensor_upkeep import (
+    clear_dtensor_caches,
+    propagation_untraced,
+    restore_modules,
+    snapshot_modules,
+)
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.tp_plans import TpPlan, resolve_plan
 from memcalc.engine.model import ResolvedModel
@@ -51,12 +59,6 @@ __all__ = ("COLLECTIVE_OPS", "TensorParallel", "mix_refused_by", "parallelized",
 #: The namespace of the functional collectives DTensor's redistribution calls: their outputs
 #: are the rank's communication buffers.
 COLLECTIVE_OPS = "_c10d_functional."
-#: The hook dictionaries of ``nn.Module`` that ``distribute_module`` (under every ParallelStyle)
-#: and ``PrepareModuleInput`` add to.
-#: The attribute ``torch.distributed.tensor.distribute_module`` sets on a module it has run on.
-_DISTRIBUTED_MARK = "_distribute_module_applied"
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 class TensorParallel(RankProgram):
@@ -131,10 +133,10 @@ class TensorParallel(RankProgram):
         if self.mesh is None:
             mesh = self._fake_mesh()
         else:
-            _clear_dtensor_caches()
-            self._undo.append(_clear_dtensor_caches)
+            clear_dtensor_caches()
+            self._undo.append(clear_dtensor_caches)
             mesh = self.mesh()
-        self._undo.append(functools.partial(_restore_modules, _snapshot(module)))
+        self._undo.append(functools.partial(restore_modules, snapshot_modules(module)))
         try:
             parallelize_module(module, mesh, dict(plan.styles), src_data_rank=None)
         except (NotImplementedError, ValueError, RuntimeError, AssertionError) as exc:  # a style on the wrong module
@@ -146,7 +148,7 @@ class TensorParallel(RankProgram):
         self._check_optimizer(module)
         tracer.defer_to = (DTensor,)
         self._undo.append(functools.partial(setattr, tracer, "defer_to", ()))
-        self._undo.append(_propagation_untraced())
+        self._undo.append(propagation_untraced())
         if self.loss_parallel:  # its handlers act on DTensor's loss ops only: entered for the whole step
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -192,7 +194,7 @@ class TensorParallel(RankProgram):
                      "init_process_group, or after destroy_process_group).")
         dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.degree)
         self._undo.append(_destroy_fake_group)
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
         return DeviceMesh("cpu", torch.arange(self.degree), mesh_dim_names=("tp",))
 
 
@@ -278,83 +280,17 @@ def parallelized(module: nn.Module, mesh: Any, styles: Mapping[str, Any]) -> Ite
     (a pipeline stage's shapes as its rank sees them), then put back as it was."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    snapshot = _snapshot(module)
-    _clear_dtensor_caches()
+    snapshot = snapshot_modules(module)
+    clear_dtensor_caches()
     try:
         parallelize_module(module, mesh, dict(styles), src_data_rank=None)
         yield
     finally:
-        _restore_modules(snapshot)
-        _clear_dtensor_caches()
+        restore_modules(snapshot)
+        clear_dtensor_caches()
 
 
 def _destroy_fake_group() -> None:
-    _clear_dtensor_caches()
+    clear_dtensor_caches()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _clear_dtensor_caches() -> None:
-    """Empty DTensor's sharding caches. Their keys compare meshes, not the rank a mesh was made
-    on: one process tracing rank 0 and then rank 3 of an uneven split would be handed rank 0's
-    local shapes (a real process is one rank for life). Their entries also hold the fake mesh."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()  # type: ignore[no-untyped-call]  # untyped in torch
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
-    clear_redistribute_planner_cache()
-
-
-def _propagation_untraced() -> Callable[[], None]:
-    """Run DTensor's sharding propagation (an op on global-shaped fake tensors, for the output's
-    metadata) with every dispatch mode set aside; returns the undo."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    @functools.wraps(original)
-    def untraced(self: ShardingPropagator, op_schema: Any) -> Any:
-        with _no_dispatch_modes():
-            return original(self, op_schema)
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = untraced  # type: ignore[method-assign]
-
-    def undo() -> None:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
-
-    return undo
-
-
-@contextmanager
-def _no_dispatch_modes() -> Iterator[None]:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        yield
-
-
-_Snapshot = list[tuple[nn.Module, dict[str, Any], dict[str, tuple[int, ...]]]]
-
-
-def _snapshot(module: nn.Module) -> _Snapshot:
-    """Each submodule's parameters and the ids of its forward hooks, before parallelizing."""
-    return [(m, dict(m._parameters), {name: tuple(getattr(m, name)) for name in _HOOK_DICTS})
-            for m in module.modules()]
-
-
-def _restore_modules(snapshot: _Snapshot) -> None:
-    """Put back the parameters ``parallelize_module`` replaced by DTensors, and remove the hooks
-    it added."""
-    for module, parameters, hooks in snapshot:
-        module._parameters.clear()
-        module._parameters.update(parameters)
-        for name, kept in hooks.items():
-            table = getattr(module, name)
-            for key in [k for k in table if k not in kept]:
-                del table[key]
-        # distribute_module marks a module it ran on and refuses it a second time (a pipeline stage
-        # parallelized for a dry run, then for its trace)
-        module.__dict__.pop(_DISTRIBUTED_MARK, None)

@@ -32,14 +32,17 @@ __all__ = ("CoordinatedParam", "ParamCoordinator", "persistent_flags")
 
 
 class CoordinatedParam(Protocol):
-    """A parameter as the coordinator sees it: its element count (``ds_numel``) and whether it
-    persists (``ds_persist``)."""
+    """A parameter as the coordinator sees it: its element count (``ds_numel``), whether it
+    persists (``ds_persist``) and whether it is trained (``requires_grad``)."""
 
     @property
     def ds_numel(self) -> int: ...
 
     @property
     def persistent(self) -> bool: ...
+
+    @property
+    def requires_grad(self) -> bool: ...
 
 
 P = TypeVar("P", bound=CoordinatedParam)
@@ -98,6 +101,9 @@ class ParamCoordinator(Generic[P]):
         self._step_id = 0
         self._n_available = 0
         self._backward_active: dict[Hashable, tuple[P, ...]] = {}
+        #: ``ds_recompute_parameters``: the frozen parameters a checkpoint's recomputation fetched, kept
+        #: for the module whose backward was the latest to start then, released with its backward
+        self._recompute: dict[Hashable, dict[int, P]] = collections.defaultdict(dict)
         #: ``__params_to_release``'s memo: (module, step id) -> the parameters it released, never cleared
         self._release_cache: dict[tuple[Hashable, int], frozenset[int]] = {}
 
@@ -175,14 +181,20 @@ class ParamCoordinator(Generic[P]):
         (an input without gradient) release their non-persistent parameters."""
         while self._backward_active:
             key, params = self._backward_active.popitem()
-            for p in params:
+            for p in (*params, *self._recompute.pop(key, {}).values()):
                 self._active[id(p)].discard(key)
                 if not p.persistent:
                     self._release(p)
 
     # ---- a module ----------------------------------------------------------------------------
-    def fetch(self, key: Hashable, params: Sequence[P], *, forward: bool) -> None:
-        """``fetch_sub_module``: gather the module's parameters, then prefetch."""
+    def fetch(self, key: Hashable, params: Sequence[P], *, forward: bool, recomputing: bool = False) -> None:
+        """``fetch_sub_module``: gather the module's parameters, then prefetch.
+
+        ``recomputing``: a forward inside a backward (``torch._C._current_graph_task_id() != -1``:
+        an activation checkpoint's recomputation). DeepSpeed 0.19.8 attributes the frozen parameters
+        it fetches then to the module whose backward started last (``update_recompute_parameters``),
+        so the recomputed module's own release keeps them, and that module's backward releases them;
+        trained ones are released by their own module's backward."""
         if not forward:
             self._backward_active[key] = tuple(params)
         if self.complete:
@@ -193,8 +205,12 @@ class ParamCoordinator(Generic[P]):
             self._order.append((key, params))
         missing = [p for p in dict.fromkeys(params) if self.status[id(p)] is _Status.NOT_AVAILABLE]
         self._all_gather(missing)
+        owner = next(reversed(self._backward_active), None) if forward and recomputing else None
         for p in params:
             self._active[id(p)].add(key)
+            if owner is not None and not p.requires_grad:
+                self._recompute[owner][id(p)] = p
+                self._active[id(p)].add(owner)
             self._complete(p)
         if self.complete:
             self._prefetch(params)
@@ -203,9 +219,14 @@ class ParamCoordinator(Generic[P]):
     def release(self, key: Hashable, params: Sequence[P], *, forward: bool) -> None:
         """``release_sub_module`` after the module's forward or backward."""
         to_release = ({id(p) for p in params} if not self.complete else self._params_to_release(key, params))
+        members = list(dict.fromkeys(params))
         if not forward:
             self._backward_active.pop(key, None)
-        for p in dict.fromkeys(params):
+            recomputed = self._recompute.pop(key, {})
+            to_release |= {i for i, p in recomputed.items() if not p.persistent}
+            held = {id(p) for p in members}
+            members += [p for i, p in recomputed.items() if i not in held]
+        for p in members:
             self._active[id(p)].discard(key)
             if id(p) in to_release:
                 self._release(p)

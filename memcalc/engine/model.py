@@ -32,8 +32,8 @@ LabelsMaker: TypeAlias = "Callable[[ModelInputs], dict[str, torch.Tensor]]"
 #: :class:`~memcalc.engine.step_spec.Step` it builds (``memcalc.sources.resolve.resolve``), so the
 #: layers below resolve a model through the step and never import the resolver.
 ModelResolver: TypeAlias = "Callable[..., ResolvedModel]"
-#: ``checkpoint(forward, *args, **kwargs)``: memcalc's non-reentrant checkpoint of one block
-#: (:func:`memcalc.engine.prepare.checkpointed`).
+#: ``checkpoint(forward, *args, **kwargs)``: memcalc's checkpoint of one block, non-reentrant unless
+#: the step says reentrant (:func:`memcalc.engine.prepare.checkpointed`).
 CheckpointFn: TypeAlias = "Callable[..., Any]"
 #: A model's own way to checkpoint its blocks, given memcalc's checkpoint function and which blocks
 #: to checkpoint (their 0-based index in model order → whether); returns the number of blocks

@@ -29,6 +29,7 @@ __all__ = (
     "checkpoint_function",
     "checkpointed",
     "checkpointing_note",
+    "is_reentrant",
     "kv_cache_bytes",
     "kv_elements_per_token",
     "kv_prompt",
@@ -78,9 +79,9 @@ def prepare_step(module: nn.Module, inputs: ModelInputs | Sequence[torch.Tensor]
 def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name: str,
                         own: Checkpointer | None = None,
                         checkpointing: Checkpointing = FULL) -> int:
-    """Checkpoint the model's blocks, non-reentrant (PyTorch's recommendation), with
-    :func:`checkpoint_function` of ``checkpointing`` (every block, every Nth, or with a selective
-    policy): through the model's own mechanism when it has one (``own``: a Hugging Face model's
+    """Checkpoint the model's blocks with :func:`checkpoint_function` of ``checkpointing`` (every
+    block, every Nth, or with a selective policy; non-reentrant, PyTorch's recommendation, unless it
+    says reentrant): through the model's own mechanism when it has one (``own``: a Hugging Face model's
     gradient checkpointing, which also drops its KV cache in the checkpointed layers), else by
     wrapping the blocks of the named containers — a block keeps its name and hooks, its
     ``forward`` is replaced on this instance only. Returns the number of blocks checkpointed."""
@@ -100,8 +101,11 @@ def apply_checkpointing(module: nn.Module, containers: Sequence[str], model_name
 
 
 def checkpointing_note(checkpointing: Checkpointing, blocks: int, containers: Sequence[str]) -> str:
-    """The report's note on what was checkpointed: the setting, the blocks and their containers."""
+    """The report's note on what was checkpointed: the setting, the blocks and their containers
+    (and reentrance, where the setting has it)."""
     where = f"{blocks} blocks ({', '.join(containers)})"
+    if checkpointing.reentrant:
+        where += " (reentrant: torch's CheckpointFunction, use_reentrant=True)"
     if checkpointing.kind is CheckpointKind.EVERY:
         return f"activation checkpointing of one block in {checkpointing.every} ({checkpointing.label}): {where}"
     if checkpointing.kind is CheckpointKind.SELECTIVE_OP:
@@ -114,22 +118,39 @@ def checkpointing_note(checkpointing: Checkpointing, blocks: int, containers: Se
 
 def checkpoint_function(checkpointing: Checkpointing) -> CheckpointFn:
     """:func:`checkpointed` with the ``context_fn`` of ``checkpointing``'s selective policy
-    (torch's ``create_selective_checkpoint_contexts``), or as it is where none decides."""
+    (torch's ``create_selective_checkpoint_contexts``), reentrant where ``checkpointing`` is, or as
+    it is where neither is asked."""
+    if checkpointing.reentrant:
+        return functools.partial(checkpointed, reentrant=True)
     made = selective_context_fn(checkpointing)
     return checkpointed if made is None else functools.partial(checkpointed, context_fn=made)
 
 
-def checkpointed(forward: Any, *args: Any, context_fn: Any = None, **kwargs: Any) -> Any:
-    """``torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)``
+def is_reentrant(function: CheckpointFn) -> bool:
+    """Whether ``function`` (from :func:`checkpoint_function`) checkpoints with reentrance: a
+    model's own checkpointing passes it on (transformers' ``use_reentrant`` keyword)."""
+    return bool(isinstance(function, functools.partial) and function.keywords.get("reentrant", False))
+
+
+def checkpointed(forward: Any, *args: Any, context_fn: Any = None, reentrant: bool = False, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=reentrant, **kwargs)``
     whose recomputation runs under the autocast region of the original forward, as checkpoint
     does for ``torch.autocast`` (memcalc's emulated autocast is invisible to checkpoint itself);
-    ``context_fn``: checkpoint's, for a selective policy (None: the whole forward is recomputed)."""
+    ``context_fn``: checkpoint's, for a selective policy (None: the whole forward is recomputed).
+
+    ``reentrant``: torch's ``CheckpointFunction`` itself — the forward under ``no_grad``, the
+    positional inputs saved, and in the block's backward the recomputation and an inner
+    ``torch.autograd.backward`` — so what it keeps alive is PyTorch's. It takes no keyword
+    arguments, so the block's are bound to the function (as transformers' layers bind theirs,
+    ``partial(super().__call__, **kwargs)``)."""
     region = current_autocast_region()
 
     def run(*a: Any, **k: Any) -> Any:
         with region() if region is not None else nullcontext():
             return forward(*a, **k)
 
+    if reentrant:
+        return checkpoint(functools.partial(run, **kwargs) if kwargs else run, *args, use_reentrant=True)
     if context_fn is None:
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
     return checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

@@ -13,11 +13,11 @@ dimension wraps FSDP2 over that many ranks itself, and ``dp_shard`` only adds it
 After ``tp`` (torchtitan's order) FSDP2 is stacked on tp's program and the ring sees each tp rank's
 local ``H/tp`` heads.
 
-Not run for real: torch's ring attention handles the CUDA SDPA ops only (no gloo run on the CPU),
-so tests/test_context_parallel.py checks the ring's buffers against torch's ring attention run
-alone (a fake process group) and by hand-worked arithmetic. Not modelled: the full batch each rank
-loads before ``context_parallel`` shards it (``buffer.resize_(shard.shape)`` keeps the storage):
-``B x S`` token ids and labels.
+With ``ep`` (ep × cp) ep builds the program (torchtitan's ep borrows cp; ep's file); this
+dimension gives each role its ``S/cp`` tokens and its shards. Checked against real gloo steps
+(tests/test_gloo_cp.py: torch's ring with the CPU flash op added to its handlers) and torch's ring
+run alone (tests/test_context_parallel.py). Not modelled: the full batch each rank loads before
+``context_parallel`` shards it (``buffer.resize_(shard.shape)`` keeps the storage).
 """
 
 from __future__ import annotations
@@ -53,9 +53,11 @@ class ContextParallel(DpShard):
         plan = every_rank(plan, self.distributed)
         mesh = self.distributed.mesh
         dp_shard = 1 if mesh is None else mesh.dp_shard
+        balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
+        if mesh is not None and mesh.ep > 1:  # ep x cp: ep builds the rank's program, the ring around it (ep's file)
+            return self._beside_experts(plan, seq_len, balanced, step)
         fsdp, notes = fsdp_program(self.distributed.sharding, step, dp_shard * cp)
 
-        balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
 
         def ringed(inner: Callable[[ResolvedModel], RankProgram] | None) -> Callable[[ResolvedModel], RankProgram]:
             def ring(resolved: ResolvedModel) -> RankProgram:
@@ -67,17 +69,27 @@ class ContextParallel(DpShard):
 
         if dp_shard > 1:
             notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
-        notes = [*notes,
-                 f"context parallelism over {cp} ranks: {seq_len} of {step.seq_len} tokens per sample per rank "
-                 + ("(head-tail load balancing)" if balanced else "(contiguous chunks: no load balancing, as torch "
-                                                                   "does when 2 x cp does not divide the sequence)")
-                 + "; ring attention all-gathers K/V (rotate_method=allgather), merges in float32"]
+        notes = [*notes, self._note(seq_len, balanced, step)]
         shards = (Shard(MODEL_STATES, self.name, cp), Shard(("sequence",), self.name, cp))
         roles = tuple(replace(role, program=ringed(role.program), seq_len=seq_len,
                               sharding=sharding(role.sharding, *shards)) for role in plan.roles)
         if any(role.program is not None for role in plan.roles):
             notes[0] += " of each rank's tensor-parallel DTensor shards (dim 0 of the local shard)"
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
+    def _note(self, seq_len: int, balanced: bool, step: Step) -> str:
+        return (f"context parallelism over {self.degree} ranks: {seq_len} of {step.seq_len} tokens per sample per "
+                f"rank " + ("(head-tail load balancing)" if balanced else "(contiguous chunks: no load balancing, "
+                                                                          "as torch does when 2 x cp does not divide "
+                                                                          "the sequence)")
+                + "; ring attention all-gathers K/V (rotate_method=allgather), merges in float32")
+
+    def _beside_experts(self, plan: Plan, seq_len: int, balanced: bool, step: Step) -> Plan:
+        """ep × cp: each rank's share of the sequence and cp's shards; the program (the ring around
+        expert parallelism and FSDP2) is ep's, which applies next (torchtitan's ep borrows cp)."""
+        shards = (Shard(MODEL_STATES, self.name, self.degree), Shard(("sequence",), self.name, self.degree))
+        roles = tuple(replace(role, seq_len=seq_len, sharding=sharding(role.sharding, *shards)) for role in plan.roles)
+        return replace(plan, roles=roles, notes=(*plan.notes, self._note(seq_len, balanced, step)))
 
     def _local_seq_len(self, step: Step) -> int:
         """``S/cp``: the tokens per sample of one rank.

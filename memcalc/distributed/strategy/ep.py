@@ -8,12 +8,10 @@ What a rank holds: ``E/ep`` of the ``E`` experts of every MoE layer (``MoEParamS
 DTensors), their gradients and optimizer state; the dense rest (attention, router, norms,
 embeddings) whole. What it allocates to move tokens, per MoE layer (``AllToAllEP``, ``T`` tokens,
 top-``k``): the ``T·k`` rows it sends (``hidden_states[order // k]``), the rows it receives
-(``all_to_all_single_autograd``, ``sum(recv_sizes)`` rows of ``d``), its experts' activations on
-those rows, the ``T·k`` result rows coming back, and the same again in backward. The receiving side
-is data: the split sizes are read to the host (``.tolist()``), and memcalc answers that read from
-the routing assumption (:func:`dispatch_rows`, stated in the report): balanced by default; a
-capacity factor or the worst case on request. The rank program is
-:mod:`memcalc.distributed.expert_parallel`'s.
+(``all_to_all_single_autograd``), its experts' activations on those rows, the ``T·k`` result rows
+coming back, and the same again in backward. The split sizes are read to the host (``.tolist()``):
+memcalc answers from the routing assumption (:func:`dispatch_rows`, stated in the report): balanced
+by default; a capacity factor or the worst case on request (:mod:`memcalc.distributed.expert_parallel`).
 
 Every ep rank runs a batch of its own (the dense part is data parallel over them, as in
 transformers with ``tp_size=1``), so the global batch counts the ep ranks. With ``dp_shard``
@@ -26,25 +24,31 @@ group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's `
 (:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte), and with dp_shard
 too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; 8 and, with HSDP, 16 processes, to the
 byte). The dense gradients' synchronisation over ep is not modelled without FSDP2 (stated). With
-dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp, ep is
-refused by name."""
+dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp (and
+dp_shard) torchtitan's ep borrows cp: the experts over ep x cp ranks, each dispatching its own S/cp
+tokens, FSDP2 as with dp_shard over dp_shard x ep x cp, the ring around both (real 4- and 8-process
+gloo runs agree to the byte, tests/test_gloo_cp.py); tp, dp_replicate or pp beside it refused by name."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
 from memcalc.distributed.expert_parallel import (
     ExpertParallel,
+    expert_modules,
     expert_parallelism_available,
     expert_tensor_parallel,
     routing_text,
 )
-from memcalc.distributed.program import RankProgram
+from memcalc.distributed.mesh import Mesh
+from memcalc.distributed.program import RankProgram, StackedProgram
+from memcalc.distributed.ring_attention import RingAttentionProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
+from memcalc.distributed.strategy.dp_shard import fsdp_program
 from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
@@ -104,6 +108,8 @@ class ExpertParallelDimension(RankStrategy):
                                               model_name=resolved.name, optimizer_impl=impl)
             return ExpertParallel(n, routing=routing, capacity_factor=factor, model_name=resolved.name)
 
+        if mesh is not None and mesh.cp > 1:  # ep x cp: torchtitan's ep borrows cp
+            return self._with_context_parallel(plan, step, mesh)
         shards: tuple[Shard, ...]
         if tp > 1 and (composed or hsdp) and mesh is not None:  # FSDP2 around tp x ep (torchtitan's etp=1 layout)
             shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
@@ -136,6 +142,38 @@ class ExpertParallelDimension(RankStrategy):
                  f"{routing_text(routing, factor)}; rank 0 traced (it holds the most, if any differ); {dense}",)
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
+    def _with_context_parallel(self, plan: Plan, step: Step, mesh: Mesh) -> Plan:
+        """ep × cp (cp's file set each role's ``S/cp`` tokens and its shards): torchtitan's MoE layout
+        with cp (``ParallelDims._build_mesh_with_ep``): its ep of ``ep · cp`` ranks borrows cp (memcalc's
+        ep is its ``dp_shard_in_ep``), so each block's experts go over all ``ep · cp`` ranks, each rank
+        dispatching its own ``B · S/cp`` tokens; FSDP2 shards each block's experts over the dp_shard ranks
+        that hold the same experts (``dp_shard_mod_ep``) and the rest over ``dp_shard · ep · cp``
+        (``dp_shard_cp``); the ring goes around both, on the rank's sequence shard."""
+        n, cp, dp_shard = self.degree, mesh.cp, mesh.dp_shard
+        owners = n * cp
+        routing, factor = self.distributed.routing, self.distributed.capacity_factor
+        fsdp, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * owners, experts_degree=dp_shard,
+                                        ep=owners, owners=owners)
+        balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
+
+        def program(resolved: ResolvedModel) -> RankProgram:
+            _refuse_uneven_experts(resolved, n, cp, dp_shard)
+            experts = ExpertParallel(owners, routing=routing, capacity_factor=factor, model_name=resolved.name)
+            return RingAttentionProgram(cp, StackedProgram(experts, fsdp(resolved)), load_balanced=balanced)
+
+        shards = (Shard(("experts", "dense model states", "batch"), self.name, n),)
+        roles = tuple(replace(role, program=program, sharding=sharding(role.sharding, *shards)) for role in plan.roles)
+        fsdp_notes.insert(1, f"FSDP2 of each rank's expert-parallel DTensor shards: the dense part over dp_shard x "
+                             f"ep x cp = {dp_shard} x {n} x {cp} ranks (torchtitan's dp_shard_cp mesh), each block's "
+                             f"experts over the {dp_shard} dp_shard rank(s) that hold the same experts (its "
+                             f"dp_shard_mod_ep mesh)")
+        notes = (f"expert parallelism over ep x cp = {owners} ranks (torchtitan's ep of {owners} borrows cp={cp} and "
+                 f"ep={n} of its dp_shard): each holds 1/{owners} of every MoE layer's experts (their gradients and "
+                 f"optimizer state) and dispatches its own {step.seq_len // cp if step.seq_len else '?'} tokens per "
+                 f"sample by all-to-all under {routing_text(routing, factor)}; the {cp} cp ranks share a batch, "
+                 f"each ep rank has its own; rank 0 traced (it holds the most, if any differ)", *fsdp_notes)
+        return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
     def _refuse_others(self) -> None:
         """Refuse the dimensions ep does not compose with yet. pp applies ep itself; dp_replicate
         alone is torchtitan's HSDP with a one-rank experts shard group (dp_replicate's file); around
@@ -144,6 +182,9 @@ class ExpertParallelDimension(RankStrategy):
         both or alone."""
         mesh = self.distributed.mesh
         if mesh is None:
+            return
+        if mesh.cp > 1:
+            self._refuse_beside_context_parallel(mesh)
             return
         # without dp_shard, dp_replicate is HSDP with a one-rank experts shard group (dp_replicate's file)
         allowed = {"ep", "tp", "dp_shard", "dp_replicate"}
@@ -158,6 +199,48 @@ class ExpertParallelDimension(RankStrategy):
                      f"(--mesh tp=T,ep={self.degree} or dp_shard=N,tp=T,ep={self.degree}) or with pp "
                      f"(--mesh pp=N,ep={self.degree}).")
 
+
+    def _refuse_beside_context_parallel(self, mesh: Mesh) -> None:
+        """ep × cp composes with dp_shard only (checked against a real gloo run, tests/test_gloo_cp.py):
+        tp would put the experts over ep x cp x tp ranks (torchtitan's etp=1) with the ring over each tp
+        rank's heads, dp_replicate would add HSDP's replicas around both FSDP2 meshes, and pp would run all
+        of it inside each stage; none of these layouts has been run for real here, so each is refused by name."""
+        others = {name: degree for name, degree in mesh.used.items() if name not in ("ep", "cp", "dp_shard")}
+        if not others:
+            return
+        reasons = {"tp": "tp would split the experts over ep x cp x tp ranks (torchtitan's etp=1) and the ring over "
+                         "each tp rank's heads, a layout not checked against a real run",
+                   "dp_replicate": "dp_replicate would put HSDP's replicas around both of its FSDP2 meshes "
+                                   "(dp_shard_mod_ep and dp_shard_cp), not checked against a real run",
+                   "pp": "pp would run the ring and the experts' all-to-all inside every pipeline stage, not modelled"}
+        listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
+        why = "; ".join(reasons.get(name, f"{name} is not modelled with it") for name in others)
+        raise InapplicableOptionError(
+            f"ep={self.degree} with cp={mesh.cp} and {listed} is not modelled yet: memcalc composes expert parallelism "
+            f"with context parallelism and FSDP2 (dp_shard) only, as torchtitan lays them out; {why}",
+            hint=f"Estimate --mesh cp={mesh.cp},ep={self.degree} or dp_shard=N,cp={mesh.cp},ep={self.degree}.")
+
+
+def _refuse_uneven_experts(resolved: ResolvedModel, ep: int, cp: int, dp_shard: int) -> None:
+    """Refuse ep × cp ranks that do not divide every MoE layer's experts (transformers' own check),
+    and more dp_shard ranks than each holds (FSDP2's ``Shard(1)``, dp_shard's check), both named in
+    memcalc's terms: torchtitan's ep of ``ep · cp`` ranks borrows cp."""
+    owners = ep * cp
+    for path in expert_modules(resolved.module, owners, resolved.name):
+        count = getattr(resolved.module.get_submodule(path), "num_experts", None)
+        if not isinstance(count, int):
+            continue
+        if count % owners:
+            raise InvalidInputError(
+                f"ep={ep} with cp={cp} splits the experts over ep x cp = {owners} ranks (torchtitan's ep borrows "
+                f"cp), which do not divide the {count} experts of {path} in {resolved.name}",
+                hint="give an ep whose product with cp divides the number of experts")
+        if dp_shard > count // owners:
+            raise InapplicableOptionError(
+                f"dp_shard={dp_shard} with ep={ep} and cp={cp}: each of the ep x cp = {owners} ranks holds "
+                f"{count // owners} experts of {path}, fewer than the dp_shard ranks, and torchtitan then shards "
+                f"them on dim 1 (Shard(1)), which memcalc does not model",
+                hint=f"Give a dp_shard of at most {count // owners}, or an ep x cp that leaves each rank more experts.")
 
 
 def _transformers_version() -> str:

@@ -14,18 +14,19 @@ gradients from its first forward to the end of its last backward (GPipe, 1F1B an
 Interleaved1F1B; the zero-bubble and V schedules with dp_shard are refused by name). The dp_shard ranks of one
 stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order). With
 ``dp_replicate`` too the stages are HSDP (the replicas' all-reduce is in place); without dp_shard
-(DDP stages) it is refused by name.
+or ep (DDP stages) it is refused by name.
 
 With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages, HSDP's
-dp_replicate around that) each stage's experts are sharded over the ep ranks
-(:mod:`memcalc.distributed.ep_stages`), ep innermost.
+dp_replicate around that; dp_replicate alone is HSDP over the ep ranks, torchtitan's ep borrowing its
+dp_shard) each stage's experts are sharded over the ep ranks (:mod:`memcalc.distributed.ep_stages`).
 
 With ``tp`` (``--mesh pp=P,tp=T``, and dp_shard around it: the 3-D mesh) each stage's module is
 parallelized by torch's own ``parallelize_module`` over the tp sub-mesh before FSDP2 wraps it
 (:mod:`memcalc.distributed.tp_stages`): a pipeline rank's tp and dp_shard ranks share its trace,
 numbered ``rank = (pp_rank × dp_shard + dp_shard_rank) × tp + tp_rank``. With ``tp`` and ``ep`` both,
 each stage's experts go over the pipeline rank's ep × tp ranks (``StageExpertTensorParallel``), and
-with dp_shard FSDP2 wraps the stage around that (torchtitan's 4-D MoE layout, etp=1).
+with dp_shard FSDP2 wraps the stage around that (torchtitan's 4-D MoE layout, etp=1), with dp_replicate
+alone HSDP around it (checked on sixteen processes); with both it is refused (never checked: thirty-two).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.loop import OptimizerImpl
 from memcalc.core.report import MemoryReport, Shard
 from memcalc.distributed.collectives import Collective, ModelFacts, group_span
-from memcalc.distributed.ep_stages import StageExpertParallel, StageExpertTensorParallel
+from memcalc.distributed.ep_stages import StageExpertParallel, StageExpertTensorParallel, replicated_expert_notes
 from memcalc.distributed.expert_parallel import expert_notes, expert_parallelism_available
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import InnerParallel, Pipeline, estimate_pipeline, stage_mesh
@@ -71,7 +72,8 @@ class PipelineParallel(RankStrategy):
     def __init__(self, distributed: Setting, degree: int) -> None:
         super().__init__(distributed, degree)
         mesh = distributed.mesh
-        self.replicas = self._replicas(1 if mesh is None else mesh.dp_shard)  # refused when made: plan asks
+        self.replicas = self._replicas(1 if mesh is None else mesh.dp_shard,
+                                       1 if mesh is None else mesh.ep)  # refused when made: plan asks
 
     @classmethod
     def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
@@ -116,13 +118,18 @@ class PipelineParallel(RankStrategy):
         fsdp_notes: list[str] = []
         shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
         ep = 1 if mesh is None else mesh.ep
-        experts = None if ep == 1 else self._expert_parallel(ep, tp, dp_shard, replicas)
-        if dp_shard > 1:
+        experts = None if ep == 1 else self._expert_parallel(ep, tp, replicas, dp_shard)
+        # FSDP2 wraps each stage under dp_shard, and under ep with dp_replicate alone: torchtitan's ep borrows
+        # its dp_shard (dp_shard_mod_ep = 1) and wraps every MoE stage, HSDP over the replicas
+        fsdp_stages = dp_shard > 1 or (experts is not None and replicas > 1)
+        if fsdp_stages:
             sharder = DpShard(self.distributed, dp_shard)
             sharder.refuse_finetune(step.finetune)
             if pipeline.schedule_kind not in _WITH_DP_SHARD:
+                fsdp_mesh = (f"pp={self.degree},dp_shard={dp_shard}" if dp_shard > 1
+                             else f"pp={self.degree},dp_replicate={replicas},ep={ep}")
                 raise InapplicableOptionError(
-                    f"--mesh pp={self.degree},dp_shard={dp_shard} under the {pipeline.schedule_kind.value} schedule is "
+                    f"--mesh {fsdp_mesh} under the {pipeline.schedule_kind.value} schedule is "
                     f"not modelled yet: FSDP2 stages are checked against real runs under "
                     f"{', '.join(s.value for s in _WITH_DP_SHARD)} only (the zero-bubble and V schedules split "
                     f"each backward in two)",
@@ -134,23 +141,29 @@ class PipelineParallel(RankStrategy):
                                                    experts_degree=dp_shard, ep=ep, experts=experts.experts_paths,
                                                    owners=ep * tp)
             precision = sharder.trace_precision(step.precision)
-            shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
+            if dp_shard > 1:
+                shard = (*shard, Shard((*MODEL_STATES, "batch"), "dp_shard", dp_shard))
             if replicas > 1:
                 shard = (*shard, Shard(("batch",), "dp_replicate", replicas))
+                group = "dp_shard" if dp_shard > 1 else "ep"
                 meshes = ("the 2-D (dp_replicate, dp_shard) mesh" if experts is None else
                           "the 2-D (dp_replicate, dp_shard) mesh for the experts and (dp_replicate, dp_shard x ep) "
-                          "for the rest")
-                fsdp_notes.append(f"HSDP: {replicas} replicas of each stage's dp_shard group (fully_shard over "
+                          "for the rest" if dp_shard > 1 else
+                          "(dp_replicate, a one-rank shard group) for the experts and (dp_replicate, ep) for the "
+                          "rest: torchtitan's (dp_replicate, dp_shard_mod_ep = 1) and (dp_replicate, dp_shard_cp)")
+                fsdp_notes.append(f"HSDP: {replicas} replicas of each stage's {group} group (fully_shard over "
                                   f"{meshes}, as torchtitan wraps its stages); the sharded gradients all-reduced "
                                   f"across them in place after the last microbatch")
         inner: InnerParallel | None = None
         if experts is not None:
             inner = experts if tp == 1 else StageExpertTensorParallel(experts, self._tp_strings(),
-                                                                      optimizer_impl=self._tp_impl(step, dp_shard))
+                                                                      optimizer_impl=self._tp_impl(step, fsdp_stages))
             program = _with_tp(inner, program)
-            states = ("experts", "dense model states", "batch") if dp_shard > 1 else ("experts", "batch")
+            states = ("experts", "dense model states", "batch") if fsdp_stages else ("experts", "batch")
             shard = (*shard[:1], Shard(states, "ep", ep), *shard[1:])
-            fsdp_notes.append(expert_notes(ep, experts.routing, experts.capacity_factor, dp_shard, tp))
+            fsdp_notes.append(expert_notes(ep, experts.routing, experts.capacity_factor, dp_shard, tp)
+                              if dp_shard > 1 or not fsdp_stages else
+                              replicated_expert_notes(ep, experts.routing, experts.capacity_factor, tp))
         if tp > 1:
             if experts is None:
                 inner = self._tensor_parallel(step, tp, dp_shard)
@@ -171,11 +184,12 @@ class PipelineParallel(RankStrategy):
         return replace(report, distribution=replace(report.distribution, roles=roles), notes=notes,
                        step=replace(report.step, batch_size=batch))
 
-    def _replicas(self, dp_shard: int) -> int:
-        """The dp_replicate degree: HSDP around each stage's FSDP2, as torchtitan runs it.
+    def _replicas(self, dp_shard: int, ep: int) -> int:
+        """The dp_replicate degree: HSDP around each stage's FSDP2, as torchtitan runs it (with ep
+        and no dp_shard, FSDP2 over the ep ranks: torchtitan's ep borrows its dp_shard).
 
         Raises:
-            InapplicableOptionError: dp_replicate without dp_shard (DDP stages: torch's
+            InapplicableOptionError: dp_replicate without dp_shard or ep (DDP stages: torch's
                 ``PipelineStage`` runs them, torchtitan does not, memcalc does not model them), or
                 DDP's bucket options, which FSDP2 would ignore.
         """
@@ -183,7 +197,7 @@ class PipelineParallel(RankStrategy):
         replicas = 1 if mesh is None else mesh.dp_replicate
         if replicas == 1:
             return 1
-        if dp_shard == 1:
+        if dp_shard == 1 and ep == 1:
             raise InapplicableOptionError(
                 f"pp={self.degree} with dp_replicate={replicas} alone (DDP stages) is not modelled yet: torch's "
                 f"PipelineStage runs a DistributedDataParallel stage under no_sync until its last backward, which "
@@ -193,25 +207,31 @@ class PipelineParallel(RankStrategy):
         setting = self.distributed
         if setting.bucket_cap_mb != DEFAULT_BUCKET_CAP_MB or setting.gradient_as_bucket_view:
             raise InapplicableOptionError(
-                "bucket_cap_mb and gradient_as_bucket_view are DDP's; under HSDP (dp_replicate with dp_shard) "
+                "bucket_cap_mb and gradient_as_bucket_view are DDP's; under HSDP (dp_replicate with dp_shard or ep) "
                 "FSDP2 all-reduces its own reduce-scatter outputs and would ignore them",
                 hint="Leave them out (--bucket-cap-mb, --gradient-as-bucket-view).")
         return replicas
 
-    def _expert_parallel(self, ep: int, tp: int, dp_shard: int, replicas: int) -> StageExpertParallel:
+    def _expert_parallel(self, ep: int, tp: int, replicas: int, dp_shard: int) -> StageExpertParallel:
         """ep inside every stage (:mod:`memcalc.distributed.ep_stages`), with tp's ranks borrowed for
-        the experts (etp=1), refusing what is not modelled there."""
-        # HSDP around each stage's MoE FSDP2 (replicas need dp_shard: _replicas) holds what dp_shard alone
-        # holds, as without ep; with tp x ep, not checked yet
-        others = {name: degree for name, degree in (("dp_replicate", replicas if tp > 1 else 1),) if degree > 1}
-        if others:
-            listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
-            also = f" and tp={tp}" if tp > 1 else ""
+        the experts (etp=1), refusing what is not modelled there: tp × ep with dp_replicate and dp_shard
+        both, whose smallest real check is thirty-two processes (pp, dp_replicate, dp_shard, tp and ep of
+        2), never run. Without dp_shard it is checked (sixteen processes:
+        tests/test_gloo_pipeline_ep_tp_replicate.py).
+
+        Raises:
+            InapplicableOptionError: that mesh, or a transformers without expert parallelism.
+        """
+        if tp > 1 and replicas > 1 and dp_shard > 1:
             raise InapplicableOptionError(
-                f"pp={self.degree} with ep={ep}{also} and {listed} is not modelled yet: memcalc pipelines expert "
-                f"parallelism alone, with dp_shard (and HSDP's dp_replicate around it), with tp, or with tp and "
-                f"dp_shard (each stage's experts over the ep ranks, checked against real gloo runs)",
-                hint=f"Estimate --mesh pp={self.degree},ep={ep} (or with dp_shard=N, or with tp=T).")
+                f"pp={self.degree} with ep={ep} and tp={tp} and dp_replicate={replicas} and dp_shard={dp_shard} is "
+                f"not modelled yet: each stage would be pp x dp_shard x tp x ep's program with HSDP around it, as "
+                f"torchtitan runs it, but memcalc checks every pipelined mesh against a real gloo run and this "
+                f"one's smallest (pp=2 x dp_replicate=2 x dp_shard=2 x tp=2 x ep=2) takes thirty-two processes, "
+                f"not run; without dp_shard (sixteen) it is checked",
+                hint=f"Estimate --mesh pp={self.degree},dp_shard={dp_shard},tp={tp},ep={ep} (dp_replicate's "
+                     f"all-reduce is in place around it), or pp={self.degree},dp_replicate={replicas},tp={tp},"
+                     f"ep={ep} without dp_shard.")
         if not expert_parallelism_available():
             raise InapplicableOptionError(
                 f"ep={ep} runs transformers' own expert parallelism (transformers.distributed.expert_parallel), "
@@ -226,10 +246,10 @@ class PipelineParallel(RankStrategy):
         plan = self.distributed.tp_plan
         return dict(plan) if plan is not None else None
 
-    def _tp_impl(self, step: Step, dp_shard: int) -> OptimizerImpl | None:
-        """The optimizer's implementation tp checks its plan against; None under FSDP2, where every
-        parameter is a DTensor and foreach and fused optimizers step them all."""
-        return None if dp_shard > 1 else resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
+    def _tp_impl(self, step: Step, fsdp: bool) -> OptimizerImpl | None:
+        """The optimizer's implementation tp checks its plan against; None under FSDP2 (``fsdp``), where
+        every parameter is a DTensor and foreach and fused optimizers step them all."""
+        return None if fsdp else resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
 
     def _refuse_loss_parallel(self) -> None:
         if self.distributed.loss_parallel:
@@ -242,7 +262,7 @@ class PipelineParallel(RankStrategy):
         """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there."""
         self._refuse_loss_parallel()
         return StageTensorParallel(tp, self._tp_strings(), lambda: stage_mesh("tp"),
-                                   optimizer_impl=self._tp_impl(step, dp_shard))
+                                   optimizer_impl=self._tp_impl(step, dp_shard > 1))
 
 
 def _with_tp(inner: InnerParallel,

@@ -14,9 +14,13 @@ What running transformers' code brings, beyond wrapping the decoder layers (tran
 - ``enable_input_require_grads()`` for a token model: the input embeddings' output requires a
   gradient, so backward runs down to it.
 
-memcalc's function (:func:`memcalc.engine.prepare.checkpointed`) is the non-reentrant
-``torch.utils.checkpoint.checkpoint`` that transformers 5 uses by default
-(``{"use_reentrant": False}``), with the recomputation under memcalc's emulated autocast region.
+memcalc's function (:func:`memcalc.engine.prepare.checkpointed`) is
+``torch.utils.checkpoint.checkpoint`` with the recomputation under memcalc's emulated autocast
+region: non-reentrant, as transformers 5 does by default (``{"use_reentrant": False}``), or
+reentrant where the step asks (``gradient_checkpointing_kwargs={"use_reentrant": True}``; TRL's
+PEFT + ZeRO-3), with the same ``use_reentrant`` handed to transformers' enable. The input
+embeddings' ``requires_grad`` hook that reentrance needs (a reentrant block whose inputs need no
+gradient gives its parameters none) is transformers' own, set for every token model.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from torch import nn
 
 from memcalc.engine.model import CheckpointFn
+from memcalc.engine.prepare import is_reentrant
 
 __all__ = ("hf_checkpointing", "supports_checkpointing")
 
@@ -51,14 +56,15 @@ def hf_checkpointing(module: nn.Module, checkpoint: CheckpointFn,
         The number of layers checkpointed (transformers' ``GradientCheckpointingLayer`` s).
     """
     enable = getattr(module, "activation_checkpointing_enable", None)
+    kwargs = {"use_reentrant": is_reentrant(checkpoint)}
     with warnings.catch_warnings():
         # transformers' deprecation notices of its own older names, reached from its code: not the user's concern
         warnings.filterwarnings("ignore", category=FutureWarning)
         if callable(enable):
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable(activation_checkpointing_kwargs=kwargs)
         else:
             module.gradient_checkpointing_enable(  # type: ignore[operator]  # PreTrainedModel's
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+                gradient_checkpointing_kwargs=kwargs)
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         # what the recipes write (model.config.use_cache = False), and what transformers forces in a

@@ -28,13 +28,14 @@ import enum
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
 
+from memcalc.core.checkpointing import FULL, OFF, Checkpointing
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.loop import OptimizerImpl
 from memcalc.core.trainer import TrainerArguments
@@ -183,7 +184,9 @@ def read_training_args(args: Any = None) -> TrainerSetup:
     read.append(("gradient_accumulation_steps", f"{options['accum_steps']} → accum_steps {options['accum_steps']}"))
     half = next((name for name in ("bf16", "fp16") if values.get(name)), None)
     read.append((half or "bf16/fp16", f"→ precision {options['precision']}" if half else "off → precision fp32"))
-    read.append(("activation_checkpointing", "→ checkpoint" if options["checkpoint"] else "off"))
+    checkpointing = options["checkpoint"]
+    read.append(("activation_checkpointing", "off" if not checkpointing else "→ checkpoint"
+                 + (" (reentrant: use_reentrant=True)" if checkpointing.reentrant else "")))
     optimizer, impl, said = _optimizer(transformers, args, values)
     options["optimizer"] = optimizer
     read.append(("optim", said))
@@ -370,11 +373,12 @@ def _either(values: Mapping[str, Any], name: str, alias: str) -> Any:
     return values.get(alias) if value is None else value
 
 
-def _checkpointing(values: Mapping[str, Any]) -> bool:
-    """Whether the Trainer checkpoints (``activation_checkpointing_enable`` with its kwargs),
-    refusing what memcalc's per-block, non-reentrant checkpointing cannot follow."""
+def _checkpointing(values: Mapping[str, Any]) -> Checkpointing:
+    """The Trainer's checkpointing (``activation_checkpointing_enable`` with its kwargs): every
+    layer, reentrant where ``use_reentrant=True`` asks (torch's ``CheckpointFunction``, traced as
+    it runs); refusing what memcalc's per-block checkpointing cannot follow."""
     if not _either(values, "activation_checkpointing", "gradient_checkpointing"):
-        return False
+        return OFF
     kwargs = _either(values, "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") or {}
     if isinstance(kwargs, str):  # a JSON string, as TrainingArguments.__post_init__ parses it
         try:
@@ -385,9 +389,6 @@ def _checkpointing(values: Mapping[str, Any]) -> bool:
     if not isinstance(kwargs, Mapping):
         raise InvalidInputError(f"TrainingArguments activation_checkpointing_kwargs must be a dict, got {kwargs!r}")
     why = []
-    if kwargs.get("use_reentrant", False):
-        why.append("use_reentrant=True: memcalc checkpoints without reentrance (transformers' default, "
-                   "use_reentrant=False)")
     if kwargs.get("every_n_layers", 1) != 1:
         why.append(f"every_n_layers={kwargs['every_n_layers']}: memcalc checkpoints every layer")
     if kwargs.get("offload", False):
@@ -396,9 +397,9 @@ def _checkpointing(values: Mapping[str, Any]) -> bool:
     why += [f"{key}: not a keyword memcalc knows" for key in other]
     if why:
         raise InapplicableOptionError(f"memcalc cannot follow these activation_checkpointing_kwargs: {'; '.join(why)}",
-                                      hint="Leave them out (or use_reentrant=False) to estimate transformers' "
-                                           "default checkpointing.")
-    return True
+                                      hint="Leave them out to estimate transformers' checkpointing of every layer "
+                                           "(use_reentrant True or False).")
+    return replace(FULL, reentrant=bool(kwargs.get("use_reentrant", False)))
 
 
 def _optimizer(transformers: ModuleType, args: Any, values: Mapping[str, Any]) -> tuple[Optimizer, OptimizerImpl, str]:

@@ -327,7 +327,7 @@ def grpo_trainer(trl: Any, settings: TrlSettings, policy: nn.Module, reference: 
     entropy_coef = values.get("entropy_coef", 0.0)
     trainer.__dict__.update(
         args=SimpleNamespace(**{**values, "steps_per_generation": plan_steps, "report_to": []},
-                             gradient_checkpointing_kwargs={"use_reentrant": False}),
+                             gradient_checkpointing_kwargs={"use_reentrant": step.checkpoint.reentrant}),
         model=policy, ref_model=reference, accelerator=accelerator, beta=values.get("beta", 0.0),
         loss_type=values.get("loss_type", "dapo"), epsilon_low=epsilon,
         epsilon_high=values.get("epsilon_high") if values.get("epsilon_high") is not None else epsilon,

@@ -426,7 +426,8 @@ def _trainer(cls: type, settings: TrlSettings, policy: nn.Module, reference: nn.
     attributes ``DPOTrainer.__init__`` / ``SFTTrainer.__init__`` set from the config)."""
     trainer: Any = object.__new__(cls)
     values = dict(settings.values)
-    args = SimpleNamespace(**{"loss_type": "nll", **values}, gradient_checkpointing_kwargs={"use_reentrant": False},
+    args = SimpleNamespace(**{"loss_type": "nll", **values},
+                           gradient_checkpointing_kwargs={"use_reentrant": step.checkpoint.reentrant},
                            average_tokens_across_devices=False)
     config: Any = getattr(policy, "config", None)
     coef = values.get("router_aux_loss_coef")

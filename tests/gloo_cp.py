@@ -1,0 +1,178 @@
+"""Real context-parallel training steps (``cp``, with ``ep`` and ``dp_shard`` around it) on processes
+over gloo, each rank's peak read from the profiler: the reference for memcalc's per-rank cp and
+ep × cp estimates on the CPU target (tests/test_gloo_cp.py).
+
+Each rank builds the same tiny transformers MoE model with real weights (memcalc's own preparation of
+the step, :mod:`memcalc.measure.step`), on torchtitan's mesh for MoE with cp (``ParallelDims``,
+``_build_mesh_with_ep``): ``(dp_shard_mod_ep, dp_shard_in_ep, cp)``, which memcalc spells
+``(dp_shard, ep, cp)``; torchtitan's ep is the flattened ``(dp_shard_in_ep, cp)``. The experts are
+split over that ep by transformers' ``apply_expert_parallelism`` (its ``AllToAllEP``, as
+tests/gloo_ep.py), each block's experts ``fully_shard``-ed over ``dp_shard_mod_ep`` and every block and
+the root over the flattened ``(dp_shard_mod_ep, dp_shard_in_ep, cp)`` (torchtitan's ``dp_shard_cp``;
+its ``apply_fsdp`` for MoE). Without ep, every block and the root over ``(dp_shard, cp)``.
+
+The sequence: torch's own ``_context_parallel_buffers`` shards the token ids and labels with its
+head-tail load balancer (as ``context_parallel`` does before it resizes the buffers in place; here
+each rank's shard is a tensor of its own, the loaded full batch not kept: memcalc does not model it),
+then torch's own dispatcher (``_enable_context_parallel_dispatcher_impl``, what ``context_parallel``
+enters) patches ``F.scaled_dot_product_attention`` for every step. The one addition: torch's handlers
+cover the CUDA SDPA ops only, so the CPU flash op and its backward are added to ``custom_ops``
+(:func:`cpu_ring_handler`), run by torch's own ``_templated_ring_attention`` and
+``_templated_ring_attention_backward`` over the real gloo cp group, as its flash handler runs the
+CUDA op. The routing is made balanced for real (tests/gloo_ep.py's ``route``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gloo_ep import route
+from gloo_runs import RankPeak, _net_bytes, spawn_ranks, until_complete
+
+aten = torch.ops.aten
+
+
+def run_cp(source: str, kwargs: dict[str, Any], work_dir: Path, *, cp: int, ep: int = 1, dp_shard: int = 1,
+           timeout_s: float = 300.0) -> list[RankPeak]:
+    """The step of ``memcalc.estimate(source, **kwargs)`` run for real on ``dp_shard · ep · cp`` ranks
+    (module docstring); each rank's peak.
+
+    Raises:
+        GlooRunError: a process failed or ran past ``timeout_s``.
+    """
+    world = dp_shard * ep * cp
+    spawn_ranks(_worker, world, (source, kwargs, cp, ep, dp_shard, str(work_dir)), timeout_s)
+    return [RankPeak(**json.loads((work_dir / f"cp-rank{rank}.json").read_text())) for rank in range(world)]
+
+
+def _worker(rank: int, world_size: int, port: int, source: str, kwargs: dict[str, Any], cp: int, ep: int,
+            dp_shard: int, work_dir: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        result = _run(source, kwargs, cp, ep, dp_shard)
+    finally:
+        dist.destroy_process_group()
+    (Path(work_dir) / f"cp-rank{rank}.json").write_text(json.dumps(result.__dict__))
+
+
+def _cpu_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
+               dropout_p: float = 0.0, scale: float | None = None, **_kwargs: Any) -> tuple[torch.Tensor, ...]:
+    result: tuple[torch.Tensor, ...] = aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, scale=scale)
+    return result
+
+
+def _cpu_flash_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        out: torch.Tensor, logsumexp: torch.Tensor, is_causal: bool = False, dropout_p: float = 0.0,
+                        scale: float | None = None, **_kwargs: Any) -> tuple[torch.Tensor, ...]:
+    result: tuple[torch.Tensor, ...] = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+    return result
+
+
+def cpu_ring_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    """torch's ``_sdpa_handler`` for the CPU flash op and its backward: the local tensors through torch's
+    ring (``_templated_ring_attention`` / ``_backward``, seq dim 2) over the cp mesh's group, every
+    output sharded on the sequence like the inputs (``Shard(2)``, the CP sharding rule of the CUDA ops)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    tensors = [a for a in args if isinstance(a, DTensor)]
+    mesh = tensors[0].device_mesh
+    local = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
+    cp = mesh.size()
+    group = mesh.get_group()
+    scale = kwargs.get("scale")
+    if op_call == aten._scaled_dot_product_flash_attention_for_cpu.default:
+        query, key, value, *rest = local
+        dropout_p = rest[0] if rest else 0.0
+        is_causal = rest[1] if len(rest) > 1 else False
+        results = ring._templated_ring_attention(group, 2, _cpu_flash, query, key, value, is_causal=is_causal,
+                                                 dropout_p=dropout_p, scale=scale)
+    else:
+        grad_out, query, key, value, out, logsumexp, dropout_p, is_causal = local[:8]
+        results = ring._templated_ring_attention_backward(
+            group, 2, _cpu_flash_backward, grad_out, "grad_out", query, key, value, out, logsumexp,
+            is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+
+    def spec(tensor: torch.Tensor) -> DTensorSpec:
+        shape = list(tensor.shape)
+        shape[2] *= cp
+        return DTensorSpec(mesh, (Shard(2),), TensorMeta(torch.Size(shape), tensor.stride(), tensor.dtype))
+
+    return DTensor._op_dispatcher.wrap(tuple(results), tuple(spec(t) for t in results))
+
+
+def _run(source: str, kwargs: dict[str, Any], cp: int, ep: int, dp_shard: int) -> RankPeak:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+    from torch.profiler import ProfilerActivity, profile
+
+    from memcalc.engine.model import ModelInputs
+    from memcalc.engine.step import run_step
+    from memcalc.fields import build_step
+    from memcalc.measure.step import _config, _prepare, _resolve, storage_bytes
+
+    torch.manual_seed(0)
+    step = build_step(source, gpu="cpu", **kwargs)
+    resolved = _resolve(step)
+    module, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
+    mesh = init_device_mesh("cpu", (dp_shard, ep, cp, 1), mesh_dim_names=("dp_shard", "ep", "cp", "tp"))
+    modules = dict(module.named_modules())
+    every = mesh["dp_shard", "ep", "cp"]._flatten("dp_shard_cp")
+    if ep > 1:  # the experts over torchtitan's ep = (dp_shard_in_ep, cp), then its apply_fsdp for MoE
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+        plan = module._expand_parallel_plan(dict(module.ep_plan))
+        apply_expert_parallelism(module, mesh["ep", "cp"]._flatten("ep_cp"), mesh["tp"], plan,
+                                 ep_implementation="all_to_all")
+        for name, style in plan.items():
+            if style == "ep_dispatch_experts":
+                fully_shard(modules[name], mesh=mesh["dp_shard"])
+        assert route(module) > 0
+    for block in modules[resolved.block_containers[0]]:
+        fully_shard(block, mesh=every)
+    fully_shard(module, mesh=every)
+
+    # the sequence shards of torch's own load balancer, each a tensor of its own (module docstring)
+    cp_mesh = mesh["cp"]
+    tensors = [*inputs.args, *inputs.kwargs.values()]
+    assert all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in tensors), "token ids and labels: (B, S)"
+    balancer = ring._create_default_load_balancer(int(tensors[0].shape[1]), cp, torch.device("cpu"))
+    shards = [shard.clone() for shard in ring._context_parallel_buffers(cp_mesh, tensors, [1] * len(tensors),
+                                                                          balancer)]
+    inputs = ModelInputs(shards[:len(inputs.args)], dict(zip(inputs.kwargs, shards[len(inputs.args):], strict=True)))
+    del tensors, shards
+
+    ring.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = cpu_ring_handler
+    ring.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = cpu_ring_handler
+    ring._cp_options.enable_load_balance = balancer is not None
+    ring._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=cp_mesh)
+    config = _config(resolved, step, torch.device("cpu"))
+    run_step(module, inputs, config)  # the warm-up
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+    before = storage_bytes([*local, *module.buffers(), *inputs])
+    trainable = [p for p in module.parameters() if p.requires_grad]
+
+    def measured() -> tuple[int, bool]:
+        from memcalc.measure.step import _profiler_peak
+
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run_step(module, inputs, config)
+            gc.collect()
+        return _profiler_peak(prof), _net_bytes(prof) == 0
+
+    try:
+        return until_complete(measured, before, 4 * len(trainable), "")
+    finally:
+        ring._disable_context_parallel_dispatcher_impl()
+
