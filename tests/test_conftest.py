@@ -115,6 +115,17 @@ def test_quick_cases_naming_no_case_is_an_error(pytester: pytest.Pytester) -> No
     result.stderr.fnmatch_lines(["*test_family: quick_cases names no case ?'four'?; its cases:*"])
 
 
+def test_quick_cases_run_by_id_need_not_name_a_kept_case(pytester: pytest.Pytester) -> None:
+    # the full suite's cases of a family, named on the command line (as a failing run lists them)
+    _family(pytester, '"two"')
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_quick_cases_run_by_id_need_not_name_a_kept_case.py"
+                                "::test_family[one]", "test_quick_cases_run_by_id_need_not_name_a_kept_case.py"
+                                "::test_family[three]", plugins=[conftest])
+    result.assert_outcomes(passed=2)
+    renamed = pytester.runpytest("-p", "no:cacheprovider", "-m", "not slow", plugins=[conftest])
+    renamed.assert_outcomes(passed=1, deselected=2)  # the whole family collected: still checked
+
+
 WIDE_FIXTURE_TEST = """
 import pytest
 

@@ -66,6 +66,8 @@ def _replays(monkeypatch: pytest.MonkeyPatch, source: str, **options: object
     return fast, full, fed[0], len(program.events)
 
 
+# quick: llama's cycle, and gpt2's cache leaving the small pool in the steps skipped
+@pytest.mark.quick_cases("llama", "gpt2-6-layers-cache-leaves-small-pool")
 @pytest.mark.parametrize("config, batch, prompt, tokens", [
     pytest.param(WIDE_LLAMA, 1, 300, 200, id="llama"),
     pytest.param(WIDE_GPT2, 1, 300, 200, id="gpt2"),
@@ -87,6 +89,7 @@ def test_skipping_replay_gives_the_full_replays_stats(tmp_path: Path, monkeypatc
     assert fed < events  # something was skipped: the test compares the two paths
 
 
+@pytest.mark.quick_cases("gpt2")  # llama's layers skipped in the full suite (its cycle: the test above)
 @pytest.mark.parametrize("config, prompt, tokens", [
     pytest.param(DEEP_LLAMA, 300, 200, id="llama"),
     pytest.param({**WIDE_GPT2, "n_layer": 6}, 300, 130, id="gpt2"),

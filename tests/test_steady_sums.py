@@ -68,6 +68,8 @@ def _assert_identical(compact: memcalc.MemoryReport, full: memcalc.MemoryReport)
     assert not any("token by token" in note for note in compact.notes)
 
 
+# quick: a decode peak (llama), a prefill peak on the other architecture (gpt2), and amp
+@pytest.mark.quick_cases("llama-decode-peak", "gpt2", "amp-bf16")
 @pytest.mark.parametrize("config, options, peak", [
     pytest.param(SMALL_LLAMA, dict(batch_size=1, seq_len=8, new_tokens=40), Phase.DECODE, id="llama-decode-peak"),
     pytest.param(SMALL_LLAMA, dict(batch_size=2, seq_len=128, new_tokens=24), Phase.PREFILL, id="llama-prefill-peak"),

@@ -89,6 +89,9 @@ def _events(monkeypatch: pytest.MonkeyPatch, model: str, stage3: ZeroStage3,
     return events
 
 
+# quick: generation gathering the whole policy with prefetch, persistence, the reference engine and
+# two steps per generation; per-module gathers with LoRA; the refused setting. The full suite runs all.
+@pytest.mark.quick_cases("gather-old-logps-beta", "lora-layerwise-no-prefetch-beta", "layerwise-prefetch-beta")
 @pytest.mark.parametrize("case", sorted(RECORDED["cases"]))
 def test_gathers_are_deepspeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str) -> None:
     """Real DeepSpeed's engines under TRL's generation context (both ``ds3_gather_for_generation``

@@ -237,6 +237,8 @@ def test_grpo_cli(model: str, tmp_path: Path) -> None:
     assert "GRPOTrainer on meta" in result.output
 
 
+# quick: checkpointing alone, and LoRA with checkpointing and the reference (LoRA alone: the full suite)
+@pytest.mark.quick_cases("config0", "config2")
 @pytest.mark.parametrize("config", [{"bf16": True, "gradient_checkpointing": True}, {"bf16": True, "lora": 8},
                                     {"bf16": True, "lora": 8, "gradient_checkpointing": True, "beta": 0.04}])
 def test_grpo_amp_with_checkpointing_or_lora(model: str, config: dict[str, Any]) -> None:

@@ -136,6 +136,8 @@ def _events(monkeypatch: pytest.MonkeyPatch, model: str, stage3: ZeroStage3,
     return events, seen["settings"]
 
 
+# quick: without prefetch, and with it and LoRA (prefetch alone runs in the full suite)
+@pytest.mark.quick_cases("no-prefetch", "lora-prefetch")
 @pytest.mark.parametrize("case", sorted(RECORDED["cases"]))
 def test_gathers_are_deepspeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: str) -> None:
     """Real DeepSpeed's policy and reference engines, TRL's models and TRL's prepare_deepspeed: memcalc

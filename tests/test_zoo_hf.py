@@ -30,6 +30,10 @@ CONFIGS = Path(__file__).parent / "fixtures" / "hf_configs"
 #: The language models with a plain-torch twin; the mixture-of-experts ones, transformers' only
 #: (``models_zoo.moe``), are tests/test_moe.py's.
 HF_ENTRIES = [e for e in models_zoo.entries() if e.hf is not None and e.has_plain_torch]
+#: The entries whose per-entry checks run in the quick loop: the smallest of each family (one
+#: architecture class and config layout each; a test checks that they cover every family). The
+#: other sizes differ in their numbers only, and run in the full suite (issue 36 item 7).
+QUICK_ENTRIES = ("gpt2", "llama-tiny", "mistral-7b", "qwen2.5-7b", "gemma-2-2b", "bert-base")
 
 
 def _count(module: torch.nn.Module) -> int:
@@ -40,12 +44,14 @@ def test_every_language_model_of_the_zoo_has_a_released_config() -> None:
     families = {e.family for e in HF_ENTRIES}
     assert families == {"llama", "mistral", "qwen2", "gemma2", "gpt2", "bert"}
     assert len(HF_ENTRIES) == 17  # llama-3.1-405b joined (issue 33)
+    assert {models_zoo.get(name).family for name in QUICK_ENTRIES} == families  # the quick loop's, one each
     transformers_only = {e.family for e in models_zoo.entries() if e.hf is not None and not e.has_plain_torch}
     assert transformers_only == {"mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"}
     # the others reproduce torchvision or papers, not a Hugging Face checkpoint
     assert models_zoo.get("resnet50").hf is None and models_zoo.get("vit_b_16").hf is None
 
 
+@pytest.mark.quick_cases(*QUICK_ENTRIES)
 @pytest.mark.parametrize("entry", HF_ENTRIES, ids=lambda e: e.name)
 def test_the_zoo_name_builds_transformers_model_with_the_released_count(entry: models_zoo.ZooEntry) -> None:
     assert entry.hf is not None
@@ -76,6 +82,7 @@ def test_the_zoo_name_builds_transformers_model_with_the_released_count(entry: m
     assert _count(plain.module) == entry.reference_parameters
 
 
+@pytest.mark.quick_cases(*QUICK_ENTRIES)
 @pytest.mark.parametrize("entry", HF_ENTRIES, ids=lambda e: e.name)
 def test_the_released_config_runs_what_an_hf_config_file_runs(entry: models_zoo.ZooEntry, tmp_path: Path) -> None:
     # the same values written as a config.json: the same class, attention and parameters as hf:FILE

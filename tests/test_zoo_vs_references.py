@@ -116,6 +116,8 @@ def _hf_config(transformers, name, **overrides):
     return getattr(transformers, class_name)(**fields, **overrides)
 
 
+# quick: one per config class (the larger sizes of a class differ in numbers only: the full suite)
+@pytest.mark.quick_cases("llama-3-8b", "mistral-7b", "qwen2.5-7b", "gemma-2-2b")
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_new_llm_parameter_counts_equal_transformers(transformers, name):
     import torch
