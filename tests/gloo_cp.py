@@ -24,7 +24,6 @@ CUDA op. The routing is made balanced for real (tests/gloo_ep.py's ``route``).
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gloo_ep import route
-from gloo_runs import RankPeak, _net_bytes, spawn_ranks, until_complete
+from gloo_runs import RankPeak, measure_model_step, spawn_ranks
 
 aten = torch.ops.aten
 
@@ -114,12 +113,10 @@ def _run(source: str, kwargs: dict[str, Any], cp: int, ep: int, dp_shard: int) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
-    from torch.profiler import ProfilerActivity, profile
 
     from memcalc.engine.model import ModelInputs
-    from memcalc.engine.step import run_step
     from memcalc.fields import build_step
-    from memcalc.measure.step import _config, _prepare, _resolve, storage_bytes
+    from memcalc.measure.step import _config, _prepare, _resolve
 
     torch.manual_seed(0)
     step = build_step(source, gpu="cpu", **kwargs)
@@ -156,23 +153,8 @@ def _run(source: str, kwargs: dict[str, Any], cp: int, ep: int, dp_shard: int) -
     ring.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = cpu_ring_handler
     ring._cp_options.enable_load_balance = balancer is not None
     ring._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=cp_mesh)
-    config = _config(resolved, step, torch.device("cpu"))
-    run_step(module, inputs, config)  # the warm-up
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
-    before = storage_bytes([*local, *module.buffers(), *inputs])
-    trainable = [p for p in module.parameters() if p.requires_grad]
-
-    def measured() -> tuple[int, bool]:
-        from memcalc.measure.step import _profiler_peak
-
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run_step(module, inputs, config)
-            gc.collect()
-        return _profiler_peak(prof), _net_bytes(prof) == 0
-
     try:
-        return until_complete(measured, before, 4 * len(trainable), "")
+        return measure_model_step(module, inputs, _config(resolved, step, torch.device("cpu")))
     finally:
         ring._disable_context_parallel_dispatcher_impl()
 

@@ -42,14 +42,13 @@ flattened ``(dp_shard_in_ep, tp)``).
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from gloo_runs import RankPeak, _net_bytes, spawn_ranks, until_complete
+from gloo_runs import RankPeak, measure_model_step, spawn_ranks
 from torch import nn
 
 
@@ -103,12 +102,10 @@ def route(model: nn.Module, spread: int | None = None) -> int:
 def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | None, dp_shard: int,
          dp_replicate: int, tp: int = 1) -> RankPeak:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.profiler import ProfilerActivity, profile
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    from memcalc.engine.step import run_step
     from memcalc.fields import build_step
-    from memcalc.measure.step import _config, _prepare, _profiler_peak, _resolve, storage_bytes
+    from memcalc.measure.step import _config, _prepare, _resolve
 
     torch.manual_seed(0)
     step = build_step(source, gpu="cpu", **kwargs)
@@ -143,17 +140,4 @@ def _run(source: str, kwargs: dict[str, Any], world_size: int, spread: int | Non
             fully_shard(block, mesh=every)
         fully_shard(module, mesh=every)
     assert route(module, spread) > 0
-    config = _config(resolved, step, torch.device("cpu"))
-    run_step(module, inputs, config)  # the warm-up
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
-    before = storage_bytes([*local, *module.buffers(), *inputs])
-    trainable = [p for p in module.parameters() if p.requires_grad]
-
-    def measured() -> tuple[int, bool]:
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run_step(module, inputs, config)
-            gc.collect()
-        return _profiler_peak(prof), _net_bytes(prof) == 0
-
-    return until_complete(measured, before, 4 * len(trainable), "")
+    return measure_model_step(module, inputs, _config(resolved, step, torch.device("cpu")))

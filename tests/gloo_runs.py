@@ -239,6 +239,30 @@ def until_complete(measure: Callable[[], tuple[int, bool]], before: int, counter
     return result
 
 
+def measure_model_step(module: nn.Module, inputs: Any, config: Any) -> RankPeak:
+    """One rank's real peak of memcalc's own step (``memcalc.engine.step.run_step``) on a module
+    already laid out over its meshes: a warm-up step, then profiled steps until every rank has a
+    complete trace; the bytes alive before the step are the local shards, buffers and inputs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from memcalc.engine.step import run_step
+    from memcalc.measure.step import _profiler_peak, storage_bytes
+
+    run_step(module, inputs, config)  # the warm-up
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+    before = storage_bytes([*local, *module.buffers(), *inputs])
+    trainable = [p for p in module.parameters() if p.requires_grad]
+
+    def measured() -> tuple[int, bool]:
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run_step(module, inputs, config)
+            gc.collect()
+        return _profiler_peak(prof), _net_bytes(prof) == 0
+
+    return until_complete(measured, before, 4 * len(trainable), "")
+
+
 def run_cases(cases: Sequence[GlooCase], work_dir: Path, *, world_size: int = 2,
               timeout_s: float = 300.0) -> dict[str, list[RankPeak]]:
     """Run ``cases`` on ``world_size`` spawned processes over gloo.

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from torch import nn
-from zero3_probe import KEYS, hook_gathers, record_steps
+from zero3_probe import KEYS, hook_gathers, record_steps, write_hf_config
 
 import memcalc
 from memcalc.core.checkpointing import Checkpointing, CheckpointKind
@@ -32,11 +32,6 @@ pytest.importorskip("trl")
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "deepspeed_zero3_reentrant.json").read_text())
 
-
-def _write(tmp_path: Path, config: dict[str, Any]) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return f"hf:{path}"
 
 
 def _estimate(model: str, stage3: ZeroStage3, checkpointing: bool, trl_step: bool = True,
@@ -82,7 +77,7 @@ def test_gathers_are_deepspeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     real = recorded["events"]
     per_step = len(real) // 3
     assert [[e.replace(" 1", " 2"), g] for e, g in real[per_step:2 * per_step]] == real[2 * per_step:]
-    events = _events(monkeypatch, _write(tmp_path, RECORDED["config"]), settings, recorded["checkpointing"],
+    events = _events(monkeypatch, write_hf_config(tmp_path, RECORDED["config"]), settings, recorded["checkpointing"],
                      recorded["trl_step"])
     assert [e for e, _ in events] == [e for e, _ in real[:2 * per_step]]
     assert events == real[:2 * per_step]
@@ -111,7 +106,7 @@ def test_the_recomputation_runs_the_forward_hooks_again() -> None:
 def test_trl_forces_reentrance_under_zero3(tmp_path: Path) -> None:
     """``--loop trl-sft --lora R --strategy zero3`` with SFTConfig's default checkpointing: reentrant, as
     SFTTrainer sets it (the report says so); a selective policy, which reentrance cannot take, is refused."""
-    model = _write(tmp_path, RECORDED["config"])
+    model = write_hf_config(tmp_path, RECORDED["config"])
     report = _estimate(model, ZeroStage3(), True)
     assert any("reentrant: torch's CheckpointFunction" in note for note in report.notes)
     assert any("TRL checkpoints a PEFT model with reentrance" in note for note in report.notes)
@@ -133,7 +128,7 @@ def test_the_command_line_recipe_is_estimated(tmp_path: Path) -> None:
 
     from memcalc.cli import main
 
-    model = _write(tmp_path, RECORDED["config"])
+    model = write_hf_config(tmp_path, RECORDED["config"])
     result = CliRunner().invoke(main, [model, "--loop", "trl-sft", "--lora", "8", "--strategy", "zero3",
                                        "--world-size", "2", "--seq-len", "32", "--gpu", "cpu"])
     assert result.exit_code == 0, result.output

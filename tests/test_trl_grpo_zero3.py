@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from torch import nn
 from trl_llama import CONFIG, HIDDEN, LAYERS, VOCAB, P
-from zero3_probe import KEYS, PLAIN, hook_gathers, record_steps
+from zero3_probe import KEYS, PLAIN, hook_gathers, record_steps, write_hf_config
 
 import memcalc
 from memcalc.core.categories import Category, Phase
@@ -36,11 +36,6 @@ pytest.importorskip("trl")
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "deepspeed_zero3_grpo.json").read_text())
 
-
-def _write(tmp_path: Path, config: dict[str, Any]) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return f"hf:{path}"
 
 
 def _estimate(model: str, stage3: ZeroStage3 = PLAIN, *, gather: bool = True, beta: float = 0.0, batch: int = 4,
@@ -100,7 +95,7 @@ def test_gathers_are_deepspeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     recorded = RECORDED["cases"][case]
     settings = ZeroStage3(**{KEYS[k]: v for k, v in recorded["settings"].items()})
     real = recorded["events"]
-    model, gather = _write(tmp_path, RECORDED["config"]), recorded["ds3_gather_for_generation"]
+    model, gather = write_hf_config(tmp_path, RECORDED["config"]), recorded["ds3_gather_for_generation"]
     if "error" in recorded:  # the real run failed: memcalc refuses the setting, naming DeepSpeed's error
         assert not gather and settings.prefetch_bucket_size > 0
         assert [e for e, _ in real if not e.startswith(("pre", "post"))] == ["generated 0"]  # in the first forward
@@ -127,7 +122,7 @@ def test_generation_gathers_the_whole_policy(tmp_path: Path) -> None:
     Without it, generate() gathers module by module: never more than the embedding and the LM head
     (2·V·H·4 B), the head kept by the root as the real run keeps it."""
     def generation(gather: bool) -> list[list[int]]:
-        t = _estimate(_write(tmp_path, CONFIG), gather=gather).timeline()
+        t = _estimate(write_hf_config(tmp_path, CONFIG), gather=gather).timeline()
         steps: list[list[int]] = []
         previous = None
         for i in range(1, t.num_events):

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from torch import nn
 from trl_llama import CONFIG, HIDDEN, LAYER, LAYERS, VOCAB, P
-from zero3_probe import KEYS, PLAIN, hook_gathers, record_steps
+from zero3_probe import KEYS, PLAIN, hook_gathers, record_steps, write_hf_config
 
 import memcalc
 from memcalc.core.categories import Category, Phase
@@ -35,11 +35,6 @@ RECORDED = json.loads((Path(__file__).parent / "data" / "deepspeed_zero3_dpo.jso
 HEAD = 4 * VOCAB * HIDDEN  # the LM head's (and the embedding's) fp32 bytes: 4 MiB
 SEQ = 64
 
-
-def _write(tmp_path: Path, config: dict[str, Any], name: str = "config.json") -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(config))
-    return f"hf:{path}"
 
 
 def _estimate(model: str, loop: str, stage3: ZeroStage3 = PLAIN, batch: int = 2, seq_len: int = SEQ,
@@ -67,7 +62,7 @@ def test_sft_holds_the_head_with_the_model(tmp_path: Path) -> None:
     then the embedding (+, −), and releases the root last (−). The second forward fetches the root, the
     head with it, first: the head is whole through the whole forward and the whole backward."""
     assert HEAD == 4_194_304 and HEAD % 512 == 0
-    report = _estimate(_write(tmp_path, CONFIG), "trl-sft")
+    report = _estimate(write_hf_config(tmp_path, CONFIG), "trl-sft")
     F, B = Phase.FORWARD, Phase.BACKWARD
     backward = [(B, HEAD), (B, HEAD), (B, -HEAD), (B, -HEAD)]
     first = [(F, HEAD), (F, -HEAD), (F, HEAD), (F, -HEAD), *backward]
@@ -84,7 +79,7 @@ def test_dpo_reference_is_an_engine_of_its_own(tmp_path: Path) -> None:
     in the forward, its embedding's and head's gathers after the policy's, as the policy's are (the
     head registered with the reference's root, its own coordinator's); the backward gathers the
     policy's alone."""
-    model = _write(tmp_path, CONFIG)
+    model = write_hf_config(tmp_path, CONFIG)
     dpo, precomputed = _estimate(model, "trl-dpo"), _estimate(model, "trl-dpo", precompute_ref_log_probs=True)
     assert dpo.roles[0].model_states - precomputed.roles[0].model_states == P // 2
     F, B = Phase.FORWARD, Phase.BACKWARD
@@ -101,7 +96,7 @@ def test_reward_under_zero3(tmp_path: Path) -> None:
     """The reward model (no fused head: its score head is a module DeepSpeed hooks) runs as a plain
     ZeRO-3 step: every parameter partitioned, P_r/2 per rank, six times over at the step (as SFT's)."""
     config = {**CONFIG, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
-    report = _estimate(_write(tmp_path, config), "trl-reward")
+    report = _estimate(write_hf_config(tmp_path, config), "trl-reward")
     reward = 4 * (VOCAB * HIDDEN + LAYERS * LAYER + HIDDEN + HIDDEN)
     assert report.roles[0].model_states == 6 * reward // 2 + 4
     assert any("RewardTrainer.compute_loss" in note for note in report.notes)
@@ -158,7 +153,7 @@ def test_gathers_are_deepspeeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         assert (persistent != 0) == (recorded["settings"]["stage3_param_persistence_threshold"] > 0)
     else:
         assert [[e.replace(" 1", " 2"), g] for e, g in real[per_step:2 * per_step]] == real[2 * per_step:]
-    events, reference = _events(monkeypatch, _write(tmp_path, RECORDED["config"]), settings, lora)
+    events, reference = _events(monkeypatch, write_hf_config(tmp_path, RECORDED["config"]), settings, lora)
     # LoRA: the reference pass (adapters disabled, under no_grad) breaks the recorded trace each step, and
     # its forward pre-hooks set every module's ds_grads_remaining to 0 again, so no post-backward release
     # runs: the modules fetched in backward stay gathered until release_backward_leftovers, which keeps

@@ -5,7 +5,9 @@ whose recorded events are bitmasks over each engine's ``named_parameters``."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -66,3 +68,11 @@ def record_steps(program: ZeroProgram, events: list[list[str]], gathered: Callab
         events.append([f"step {sum(e[0].startswith('backward') for e in events) - 1}", gathered()])
 
     program._around = lambda: (before, after)  # type: ignore[method-assign]
+
+
+def write_hf_config(tmp_path: Path, config: dict[str, Any], name: str = "config.json") -> str:
+    """``config`` written as a Hugging Face config file, as the ``hf:`` model source that names it
+    (the comparisons build the references' tiny models from the same dicts)."""
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return f"hf:{path}"
