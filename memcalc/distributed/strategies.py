@@ -109,8 +109,6 @@ def estimate_per_rank(step: Step, distributed: Distributed,
             return _role_model(role, role_step, step, inputs, strategies, trace_precision, depth)
 
         resolved = model_at(None)
-        if step.checkpoint.reentrant:
-            _refuse_reentrant_own_checkpointing(resolved, distributed)
         depth = extrapolated_depth(resolved, step) if _by_depth(distributed) else None
         composed = None if depth is None else traced_by_depth(lambda n: trace_with(model_at(n)), depth,
                                                                resolved.block_containers)
@@ -133,8 +131,9 @@ def estimate_per_rank(step: Step, distributed: Distributed,
 
 
 #: The strategies whose rank programs follow torch's reentrant checkpoint (``use_reentrant=True``),
-#: each checked against the real thing: DDP and FSDP2 against two-process gloo runs
-#: (tests/test_reentrant_ddp.py), ZeRO-3 against DeepSpeed's own hooks (tests/test_reentrant_zero3.py).
+#: each checked against the real thing: DDP and FSDP2 against two-process gloo runs, with the
+#: checkpoint inside the block's hooks (transformers' layers) and outside them (memcalc's wrapped
+#: blocks) (tests/test_reentrant_ddp.py); ZeRO-3 against DeepSpeed's own hooks (tests/test_reentrant_zero3.py).
 _REENTRANT_CHECKED = (Strategy.DDP, Strategy.FSDP, Strategy.ZERO3)
 
 
@@ -151,24 +150,6 @@ def refuse_reentrant(distributed: Distributed) -> None:
                                   f"under {checked} only",
                                   hint="Use the non-reentrant checkpoint there (use_reentrant=False, "
                                        f"--checkpoint full), or estimate one GPU or {checked}.")
-
-
-def _refuse_reentrant_own_checkpointing(resolved: ResolvedModel, distributed: Distributed) -> None:
-    """FSDP2 was checked with the checkpoint inside the block's hooks' reach only from outside:
-    memcalc wraps a block's ``forward``, so ``fully_shard``'s hooks run around the checkpoint and
-    its pre-backward hook gathers the block before ``CheckpointFunctionBackward`` recomputes. A
-    model that checkpoints itself (transformers' ``GradientCheckpointingLayer`` checkpoints
-    ``super().__call__``) runs FSDP2's hooks inside the checkpoint instead: under ``no_grad`` in
-    forward (no pre-backward hook registered), and again in the recomputation (a second gather and
-    post-forward reshard), which no real run here has compared."""
-    if distributed.strategy is Strategy.FSDP and resolved.checkpointing is not None:
-        raise InapplicableOptionError(
-            f"reentrant checkpointing (use_reentrant=True) under --strategy fsdp of {resolved.name}, which "
-            f"checkpoints through its own mechanism (FSDP2's hooks then run inside the reentrant checkpoint, "
-            f"under no_grad in forward and again in the recomputation), is not modelled: FSDP2 is checked with "
-            f"memcalc's wrapped blocks (a zoo model's, torch:NAME) only",
-            hint="Use the non-reentrant checkpoint (use_reentrant=False), --strategy ddp, or the zoo's "
-                 "plain-torch model (torch:NAME).")
 
 
 def _kbit_checkpointing(resolved: ResolvedModel, step: Step, distributed: Distributed) -> Step:
