@@ -18,7 +18,7 @@ from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.checkpoint_auto import choose_checkpointing
 from memcalc.distributed.setting import Distributed
-from memcalc.distributed.strategies import estimate_per_rank
+from memcalc.distributed.strategies import estimate_per_rank, refuse_reentrant
 from memcalc.distributed.vocabulary import Strategy
 from memcalc.engine.collector import collector_paused
 from memcalc.engine.model import ResolvedModel
@@ -108,12 +108,8 @@ def _check(step: Step, distributed: Distributed) -> None:
     """Refuse, by name, the options this setting does not model."""
     if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:
         _check_trl_strategy(step, distributed)
-    if step.checkpoint.reentrant and not distributed.is_single and distributed.strategy is not Strategy.ZERO3:
-        raise InapplicableOptionError(f"reentrant checkpointing (use_reentrant=True) under --strategy "
-                                      f"{distributed.strategy.value} is not modelled: it is checked on one GPU and "
-                                      f"under DeepSpeed ZeRO-3 only",
-                                      hint="Use the non-reentrant checkpoint there (use_reentrant=False, "
-                                           "--checkpoint full), or estimate one GPU or zero3.")
+    if step.checkpoint.reentrant and not distributed.is_single:
+        refuse_reentrant(distributed)  # the strategies it is checked under: memcalc.distributed.strategies
     if distributed.is_single and step.float8 is not None and step.float8.all_gather:
         raise InapplicableOptionError("float8_all_gather (--float8-all-gather) is FSDP2's float8 all-gather; one GPU "
                                       "all-gathers nothing",

@@ -30,16 +30,18 @@ from memcalc.distributed.program import model_states_at_step
 from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import Plan, RankStrategy, Role
 from memcalc.distributed.strategy.catalogue import strategies_for
+from memcalc.distributed.vocabulary import Strategy
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.run import CostRecorderFactory, Replayed, build_report, replay_step
 from memcalc.engine.step_spec import Step
 from memcalc.stacks.float8 import apply_float8
+from memcalc.stacks.kbit import kbit_checkpointing
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
 
-__all__ = ("estimate_per_rank",)
+__all__ = ("estimate_per_rank", "refuse_reentrant")
 
 
 # ============================================================================================
@@ -94,12 +96,13 @@ def estimate_per_rank(step: Step, distributed: Distributed,
             program = role.program(resolved)
             spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)
             precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
-            traced_step = replace(role_step, precision=precision, optimizer=program.optimizer_spec(spec),
+            kbit_step = _kbit_checkpointing(resolved, role_step, distributed)
+            traced_step = replace(kbit_step, precision=precision, optimizer=program.optimizer_spec(spec),
                                   loss_fn=role.loss_fn or step.loss_fn)
             traced = trace_step(resolved, traced_step, hooks=program, costs=costs)
             if role.loss_text is not None:
                 traced.loss = role.loss_text
-            traced.notes.extend([*plan.notes, *program.notes])
+            traced.notes.extend([*plan.notes, *program.notes, *kbit_step.notes[len(role_step.notes):]])
             return RoleTrace(traced, frozenset(program.communication))
 
         def model_at(depth: int | None, role: Role = role, role_step: Step = role_step) -> ResolvedModel:
@@ -125,6 +128,38 @@ def estimate_per_rank(step: Step, distributed: Distributed,
         global_batch_size=plan.global_batch, roles=tuple(results), mesh=mesh))
 
 
+
+
+#: The strategies whose rank programs follow torch's reentrant checkpoint (``use_reentrant=True``),
+#: each checked against the real thing: DDP and FSDP2 against two-process gloo runs, with the
+#: checkpoint inside the block's hooks (transformers' layers) and outside them (memcalc's wrapped
+#: blocks) (tests/test_reentrant_ddp.py); ZeRO-3 against DeepSpeed's own hooks (tests/test_reentrant_zero3.py).
+_REENTRANT_CHECKED = (Strategy.DDP, Strategy.FSDP, Strategy.ZERO3)
+
+
+def refuse_reentrant(distributed: Distributed) -> None:
+    """Refuse reentrant checkpointing under a strategy it was not checked under: the others run
+    collectives or schedules (tensor, context, expert parallelism, pipelines, ZeRO-1/2's
+    partitioned gradients, HSDP's mesh) whose interplay with the checkpoint's inner backward no real
+    run here has compared."""
+    if distributed.strategy in _REENTRANT_CHECKED:
+        return
+    checked = ", ".join(s.value for s in _REENTRANT_CHECKED)
+    raise InapplicableOptionError(f"reentrant checkpointing (use_reentrant=True) under --strategy "
+                                  f"{distributed.strategy.value} is not modelled: it is checked on one GPU and "
+                                  f"under {checked} only",
+                                  hint="Use the non-reentrant checkpoint there (use_reentrant=False, "
+                                       f"--checkpoint full), or estimate one GPU or {checked}.")
+
+
+def _kbit_checkpointing(resolved: ResolvedModel, step: Step, distributed: Distributed) -> Step:
+    """``step`` with the checkpoint kind PEFT's ``prepare_model_for_kbit_training`` set up on the
+    role's model (:func:`memcalc.stacks.kbit.kbit_checkpointing`: reentrant in QLoRA's own loop), as on
+    one GPU; refused where reentrance is not checked."""
+    made = kbit_checkpointing(resolved.module, step)
+    if made.checkpoint.reentrant and not step.checkpoint.reentrant:
+        refuse_reentrant(distributed)
+    return made
 
 
 #: Meshes whose rank programs a deep model's step is composed under from shallow ones
