@@ -28,9 +28,11 @@ tests/test_steady_replay.py compares the two replays' stats on generations of se
 
 from __future__ import annotations
 
+import array
 import itertools
 import re
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -54,7 +56,10 @@ MAX_PERIOD = 32
 MAX_UNIT_PERIOD = 4
 _NUMBERED = re.compile(r"(.*?\.\d+)(?:\.|$)")
 
-_Signature = tuple[tuple[int, int, bool, int, bool], ...]
+#: A small pool's state (:func:`_small_state`), as int64 words.
+_Signature = bytes
+#: Above every key: a free's place in the search for a step's first birth.
+_NO_BIRTH = np.iinfo(np.int64).max
 
 
 def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | None,
@@ -234,14 +239,17 @@ class _Layers:
 
 def _bases(events: np.ndarray, bounds: Sequence[int]) -> list[int] | None:
     """The first storage born in each decode step, and the one after the last; None when a
-    step is born nothing or its storages are not numbered after the step before's."""
-    out = []
-    for a, b in itertools.pairwise(bounds):
-        births = events[a:b][events[a:b] >= 0]
-        if not births.size:
-            return None
-        out.append(int(births.min()))
-    out.append(int(events.max()) + 1)
+    step is born nothing or its storages are not numbered after the step before's. (Each step's
+    least birth in one reduction over the decode events, a free counted as the largest key.)"""
+    starts = np.asarray(bounds[:-1], dtype=np.int64)
+    if (np.diff(np.asarray(bounds, dtype=np.int64)) <= 0).any():
+        return None  # a step with no events
+    decode = events[starts[0]:]
+    keys = np.where(decode >= 0, decode, _NO_BIRTH)
+    firsts = np.minimum.reduceat(keys, starts - starts[0])
+    if (firsts == _NO_BIRTH).any():
+        return None
+    out = [*firsts.tolist(), int(events.max()) + 1]
     return out if all(x < y for x, y in itertools.pairwise(out)) else None
 
 
@@ -258,18 +266,22 @@ def _feed(model: allocator.CachingAllocatorModel, events: np.ndarray, nbytes: np
 
 
 def _small_state(model: allocator.CachingAllocatorModel, first: int, base: int) -> _Signature:
-    """Every block of the small pool by address: its size, whether handed out, its owner (from
-    ``base`` for a storage of the decode steps, else by uid, flagged)."""
-    blocks = [(block.addr, block.size, True, key) for key, block in model._live.items() if block.pool is model._small]
-    blocks += [(block.addr, block.size, False, -1) for block in model._small.blocks.values()]
-    out: list[tuple[int, int, bool, int, bool]] = []
-    for addr, size, held, key in sorted(blocks, key=lambda block: block[0]):
-        owner = key if isinstance(key, int) else -2  # the decode steps' keys are uids
-        old = held and owner < first
-        out.append((addr, size, held, owner if old or not held else owner - base, old))
-    for key in sorted(k for k in model._zero if isinstance(k, int)):  # 0-byte requests: no block, a key
-        out.append((-1, 0, True, key if key < first else key - base, key < first))
-    return tuple(out)
+    """The small pool as a value to compare: its cached blocks (size, address: the pool's own
+    ordered list), its blocks handed out by address with their size and owner (from ``base`` for
+    a storage of the decode steps, else by uid, flagged), and the keys of its 0-byte requests
+    (named alike), each part after its length. Two states are equal exactly when every block and
+    owner is the same. Bytes, not a tuple of tuples: compared at once, and nothing for Python's
+    collector to walk (a tuple per block, held for every step, set off its older generations)."""
+    small = model._small
+    live = cast("dict[int, allocator._Block]", model._live)  # this replay's keys are uids (:func:`_feed`)
+    held = sorted([(block.addr, block.size, key - base, 0) if key >= first else (block.addr, block.size, key, 1)
+                   for key, block in live.items() if block.pool is small])
+    zero = sorted([(key - base, 0) if key >= first else (key, 1) for key in cast("set[int]", model._zero)])
+    words = array.array("q", (len(small.entries), len(held), len(zero)))
+    words.extend(itertools.chain.from_iterable(small.entries))
+    words.extend(itertools.chain.from_iterable(held))
+    words.extend(itertools.chain.from_iterable(zero))
+    return words.tobytes()
 
 
 def _rename(model: allocator.CachingAllocatorModel, first: int, shift: int) -> bool:
@@ -319,12 +331,13 @@ def _stats(stats: allocator.AllocatorStats, sign: np.ndarray, uids: np.ndarray, 
         requested -= sign
         np.cumsum(requested, out=requested)
         peak_requested = int(requested.max()) if requested.size else 0
-    peak = int(allocated.max()) if allocated.size else 0
+    at = int(np.argmax(allocated)) if allocated.size else -1  # the first maximum: one pass, not a max and an argmax
+    peak = int(allocated[at]) if allocated.size else 0
     return allocator.AllocatorStats(
         peak_allocated=max(peak, 0), peak_reserved=stats.peak_reserved,
         final_allocated=int(allocated[-1]) if allocated.size else 0, final_reserved=stats.final_reserved,
         num_segments=stats.num_segments, num_mallocs=stats.num_mallocs, oom_at=None,
-        peak_index=int(np.argmax(allocated)) if peak > 0 else -1,
+        peak_index=at if peak > 0 else -1,
         peak_requested=max(peak_requested, 0),
         final_segments=stats.final_segments, num_device_frees=stats.num_device_frees,
         num_alloc_retries=stats.num_alloc_retries, num_ooms=stats.num_ooms)
