@@ -91,9 +91,9 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         return None
     first = bases[0]  # storages from here on are named relative to their step's first
     held: dict[int, int] = {}
-    _feed(model, events[:starts[0]], nbytes, rounded, held)
+    _feed(model, events[:starts[0]], rounded, held)
     widths = [y - x for x, y in itertools.pairwise(bases)]
-    layers = _Layers(model, events, uids, small, rounded, nbytes, trace, held)
+    layers = _Layers(model, events, uids, small, rounded, trace, held)
     requests: dict[int, bytes] = {}
 
     def request(j: int) -> bytes:  # step j's small requests and frees, named from its first storage
@@ -115,7 +115,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         if not period:
             try:
                 if not layers.feed(bounds[j], bounds[j + 1], bases[j + 1]):
-                    _feed(model, events[bounds[j]:bounds[j + 1]], nbytes, rounded, held)
+                    _feed(model, events[bounds[j]:bounds[j + 1]], rounded, held)
             except _Unsteady:
                 return None
             j += 1
@@ -126,7 +126,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
             end += period
         lo, hi = bounds[j], bounds[end]
-        _feed(model, events[lo:hi][~small[lo:hi]], nbytes, rounded, held)
+        _feed(model, events[lo:hi][~small[lo:hi]], rounded, held)
         shift, j = bases[end] - bases[j], end  # the storages of steps j .. end - 1
         if not _rename(model, first, shift):
             return None
@@ -151,10 +151,10 @@ class _Layers:
     that one layer's residual stream is the next layer's."""
 
     def __init__(self, model: allocator.CachingAllocatorModel, events: np.ndarray, uids: np.ndarray,
-                 small: np.ndarray, rounded: np.ndarray, nbytes: np.ndarray, trace: StepTrace,
+                 small: np.ndarray, rounded: np.ndarray, trace: StepTrace,
                  held: dict[int, int]) -> None:
         self.model, self.events, self.uids, self.small = model, events, uids, small
-        self.rounded, self.nbytes, self.trace, self.held = rounded, nbytes, trace, held
+        self.rounded, self.trace, self.held = rounded, trace, held
         self.keys: dict[str, str] = {}
         self.last: tuple[list[str], list[int], list[bool]] | None = None  # the step before's modules, units
 
@@ -211,7 +211,7 @@ class _Layers:
                                + small_born[a:b].tobytes() + small_rounded[a:b].tobytes())
             return requests[k]
 
-        model, events, nbytes, rounded, held = self.model, self.events, self.nbytes, self.rounded, self.held
+        model, events, rounded, held = self.model, self.events, self.rounded, self.held
         states: dict[int, _Signature] = {}
         near = range(-MAX_UNIT_PERIOD, MAX_UNIT_PERIOD + 1)
         k = 0
@@ -222,14 +222,14 @@ class _Layers:
                            if k + p <= count and k in states and states.get(k - p) == states[k]
                            and all(request(k - p + i) == request(k + i) for i in range(p))), 0)
             if not period:
-                _feed(model, events[bounds[k]:bounds[k + 1]], nbytes, rounded, held)
+                _feed(model, events[bounds[k]:bounds[k + 1]], rounded, held)
                 k += 1
                 continue
             end = k  # the units that repeat in turn, then their large-pool events fed at once
             while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
                 end += period
             a, b = bounds[k], bounds[end]
-            _feed(model, self.events[a:b][~self.small[a:b]], nbytes, rounded, held)
+            _feed(model, self.events[a:b][~self.small[a:b]], rounded, held)
             threshold, shift = bases[k] - horizon, sum(widths[k:end])
             k = end
             if not _rename(model, threshold, shift):
@@ -253,16 +253,17 @@ def _bases(events: np.ndarray, bounds: Sequence[int]) -> list[int] | None:
     return out if all(x < y for x, y in itertools.pairwise(out)) else None
 
 
-def _feed(model: allocator.CachingAllocatorModel, events: np.ndarray, nbytes: np.ndarray, rounded: np.ndarray,
+def _feed(model: allocator.CachingAllocatorModel, events: np.ndarray, rounded: np.ndarray,
           held: dict[int, int]) -> None:
     """Replay ``events`` (int64 keys), noting each block handed out larger than its request rounded
     (``held``: uid -> bytes; a large-pool block not worth splitting). The allocator's loop reads the
-    bytes and rounded bytes of the storages born here by uid: a dict of those, not a list of every
-    storage's (millions in a long generation, where the events fed are a tenth of them)."""
+    rounded bytes of the storages born here by uid: a dict of those, not a list of every storage's
+    (millions in a long generation, where the events fed are a tenth of them). It reads them as the
+    requested bytes too: the allocator's choices never depend on those, and :func:`_stats` sums the
+    requested bytes over every event itself, so the model's own count is never read."""
     births = events[events >= 0]
-    born = births.tolist()
-    model.feed(events.tolist(), dict(zip(born, nbytes[births].tolist(), strict=True)),
-               dict(zip(born, rounded[births].tolist(), strict=True)), held)
+    sized = dict(zip(births.tolist(), rounded[births].tolist(), strict=True))
+    model.feed(events.tolist(), sized, sized, held)
 
 
 def _small_state(model: allocator.CachingAllocatorModel, first: int, base: int) -> _Signature:
