@@ -28,7 +28,6 @@ tests/test_steady_replay.py compares the two replays' stats on generations of se
 
 from __future__ import annotations
 
-import array
 import itertools
 import re
 from collections.abc import Hashable, Sequence
@@ -56,8 +55,8 @@ MAX_PERIOD = 32
 MAX_UNIT_PERIOD = 4
 _NUMBERED = re.compile(r"(.*?\.\d+)(?:\.|$)")
 
-#: A small pool's state (:func:`_small_state`), as int64 words.
-_Signature = bytes
+#: A small pool's state (:func:`_small_state`): its blocks' and owners' numbers, flat.
+_Signature = tuple[int, ...]
 #: Above every key: a free's place in the search for a step's first birth.
 _NO_BIRTH = np.iinfo(np.int64).max
 
@@ -270,19 +269,16 @@ def _small_state(model: allocator.CachingAllocatorModel, first: int, base: int) 
     """The small pool as a value to compare: its cached blocks (size, address: the pool's own
     ordered list), its blocks handed out by address with their size and owner (from ``base`` for
     a storage of the decode steps, else by uid, flagged), and the keys of its 0-byte requests
-    (named alike), each part after its length. Two states are equal exactly when every block and
-    owner is the same. Bytes, not a tuple of tuples: compared at once, and nothing for Python's
-    collector to walk (a tuple per block, held for every step, set off its older generations)."""
+    (named alike), each part's count first. Two states are equal exactly when every block and
+    owner is the same. One flat tuple, not a tuple per block: kept for every step, those tuples
+    set off Python's collector, its older generations too, several times a replay."""
     small = model._small
     live = cast("dict[int, allocator._Block]", model._live)  # this replay's keys are uids (:func:`_feed`)
     held = sorted([(block.addr, block.size, key - base, 0) if key >= first else (block.addr, block.size, key, 1)
                    for key, block in live.items() if block.pool is small])
     zero = sorted([(key - base, 0) if key >= first else (key, 1) for key in cast("set[int]", model._zero)])
-    words = array.array("q", (len(small.entries), len(held), len(zero)))
-    words.extend(itertools.chain.from_iterable(small.entries))
-    words.extend(itertools.chain.from_iterable(held))
-    words.extend(itertools.chain.from_iterable(zero))
-    return words.tobytes()
+    chain = itertools.chain.from_iterable
+    return (len(small.entries), len(held), len(zero), *chain(small.entries), *chain(held), *chain(zero))
 
 
 def _rename(model: allocator.CachingAllocatorModel, first: int, shift: int) -> bool:
