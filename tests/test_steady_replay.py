@@ -5,9 +5,11 @@ crosses the allocator's boundaries in the steps skipped, and on models whose sma
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from support import SMALL_LLAMA, hf_config_source
 
@@ -55,10 +57,10 @@ def _replays(monkeypatch: pytest.MonkeyPatch, source: str, **options: object
     fed = [0]
     feed = steady_replay._feed
 
-    def counted(model: allocator.CachingAllocatorModel, events: list[int], nbytes: list[int],
-                rounded: list[int], held: dict[int, int]) -> None:
+    def counted(model: allocator.CachingAllocatorModel, events: np.ndarray, rounded: np.ndarray,
+                held: dict[int, int]) -> None:
         fed[0] += len(events)
-        feed(model, events, nbytes, rounded, held)
+        feed(model, events, rounded, held)
 
     monkeypatch.setattr(steady_replay, "_feed", counted)
     fast = steady_replay.replay_generation(program, trace, None, False)
@@ -127,3 +129,60 @@ def test_skipping_replay_tells_its_decode_steps(tmp_path: Path) -> None:
     if len(done) == 40 and NO_LLAMA_CYCLE:
         pytest.xfail(f"transformers {transformers.__version__}: no cycle found, every decode step replayed")
     assert len(done) < 39  # steps skipped: not told
+
+
+def _pool(keys: list[int], sizes: list[int], frees: list[int]) -> allocator.CachingAllocatorModel:
+    """An allocator that made ``keys`` (of ``sizes`` bytes) in order and then freed ``frees``."""
+    model = allocator.CachingAllocatorModel()
+    for key, size in zip(keys, sizes, strict=True):
+        model.malloc(key, size)
+    for key in frees:
+        model.free(key)
+    return model
+
+
+def test_small_state_names_the_same_pool_alike_and_tells_each_difference() -> None:
+    """The state compared before a stretch is skipped: the same blocks with owners named from
+    ``base`` compare equal, whatever their uids; a block's owner, a block freed, an older owner
+    (named by uid, below ``first``) and a 0-byte request each make it differ."""
+    sizes = [512, 4096, 0, 1536, 20_000, 2 << 20]  # the last a large-pool block: not the small pool's
+    state = steady_replay._small_state
+    one = state(_pool([100, 101, 102, 103, 104, 105], sizes, [101]), 100, 100)
+    assert one == state(_pool([700, 701, 702, 703, 704, 705], sizes, [701]), 700, 700)  # renamed
+    assert one == state(_pool([100, 101, 102, 103, 104, 905], sizes, [101]), 100, 100)  # a large block's owner
+    assert one != state(_pool([100, 101, 102, 104, 103, 105], sizes, [101]), 100, 100)  # owners swapped
+    assert one != state(_pool([100, 101, 102, 103, 104, 105], sizes, [101, 103]), 100, 100)  # one more freed
+    assert one != state(_pool([100, 101, 102, 103, 104, 105], sizes, [101]), 101, 100)  # 100: older, by uid
+    assert one != state(_pool([100, 101, 112, 103, 104, 105], sizes, [101]), 100, 100)  # the 0-byte key
+    assert one != state(_pool([100, 101, 102, 103, 104, 105], sizes, [101, 102]), 100, 100)  # ... freed
+    assert one != state(_pool([100, 101, 102, 103, 104, 105], [1024, *sizes[1:]], [101]), 100, 100)  # a size
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bases_are_each_steps_first_birth(seed: int) -> None:
+    """Each decode step's first storage, from one reduction, as a step-by-step search finds it
+    (the least uid born in the step, then the one after every key); None where a step is born
+    nothing or a step's first storage is not above the step before's."""
+    rng = np.random.default_rng(seed)
+    events = rng.integers(0, 5000, size=3000)
+    events[rng.random(events.size) < 0.4] ^= -1  # frees: ~uid
+    bounds = [*sorted({0, *rng.integers(1, events.size, size=20).tolist()}), events.size]
+
+    def searched(events: np.ndarray, bounds: list[int]) -> list[int] | None:
+        out = []
+        for a, b in itertools.pairwise(bounds):
+            births = events[a:b][events[a:b] >= 0]
+            if not births.size:
+                return None
+            out.append(int(births.min()))
+        out.append(int(events.max()) + 1)
+        return out if all(x < y for x, y in itertools.pairwise(out)) else None
+
+    ordered = np.sort(events[events >= 0])  # births in order: every step's first above the one before
+    ordered_bounds = [*range(0, ordered.size, 150), ordered.size]
+    for stream, cut in ((events, bounds), (ordered, ordered_bounds)):
+        assert steady_replay._bases(stream, cut) == searched(stream, cut)
+    assert steady_replay._bases(ordered, ordered_bounds) is not None
+    frees = ordered.copy()
+    frees[150:300] ^= -1  # the second step frees only: born nothing
+    assert steady_replay._bases(frees, ordered_bounds) is None is searched(frees, ordered_bounds)

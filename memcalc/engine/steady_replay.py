@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -54,7 +55,10 @@ MAX_PERIOD = 32
 MAX_UNIT_PERIOD = 4
 _NUMBERED = re.compile(r"(.*?\.\d+)(?:\.|$)")
 
-_Signature = tuple[tuple[int, int, bool, int, bool], ...]
+#: A small pool's state (:func:`_small_state`): its blocks' and owners' numbers, flat.
+_Signature = tuple[int, ...]
+#: Above every key: a free's place in the search for a step's first birth.
+_NO_BIRTH = np.iinfo(np.int64).max
 
 
 def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | None,
@@ -86,9 +90,9 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         return None
     first = bases[0]  # storages from here on are named relative to their step's first
     held: dict[int, int] = {}
-    _feed(model, events[:starts[0]], nbytes, rounded, held)
+    _feed(model, events[:starts[0]], rounded, held)
     widths = [y - x for x, y in itertools.pairwise(bases)]
-    layers = _Layers(model, events, uids, small, rounded, nbytes, trace, held)
+    layers = _Layers(model, events, uids, small, rounded, trace, held)
     requests: dict[int, bytes] = {}
 
     def request(j: int) -> bytes:  # step j's small requests and frees, named from its first storage
@@ -110,7 +114,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         if not period:
             try:
                 if not layers.feed(bounds[j], bounds[j + 1], bases[j + 1]):
-                    _feed(model, events[bounds[j]:bounds[j + 1]], nbytes, rounded, held)
+                    _feed(model, events[bounds[j]:bounds[j + 1]], rounded, held)
             except _Unsteady:
                 return None
             j += 1
@@ -121,7 +125,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
         while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
             end += period
         lo, hi = bounds[j], bounds[end]
-        _feed(model, events[lo:hi][~small[lo:hi]], nbytes, rounded, held)
+        _feed(model, events[lo:hi][~small[lo:hi]], rounded, held)
         shift, j = bases[end] - bases[j], end  # the storages of steps j .. end - 1
         if not _rename(model, first, shift):
             return None
@@ -146,10 +150,10 @@ class _Layers:
     that one layer's residual stream is the next layer's."""
 
     def __init__(self, model: allocator.CachingAllocatorModel, events: np.ndarray, uids: np.ndarray,
-                 small: np.ndarray, rounded: np.ndarray, nbytes: np.ndarray, trace: StepTrace,
+                 small: np.ndarray, rounded: np.ndarray, trace: StepTrace,
                  held: dict[int, int]) -> None:
         self.model, self.events, self.uids, self.small = model, events, uids, small
-        self.rounded, self.nbytes, self.trace, self.held = rounded, nbytes, trace, held
+        self.rounded, self.trace, self.held = rounded, trace, held
         self.keys: dict[str, str] = {}
         self.last: tuple[list[str], list[int], list[bool]] | None = None  # the step before's modules, units
 
@@ -206,7 +210,7 @@ class _Layers:
                                + small_born[a:b].tobytes() + small_rounded[a:b].tobytes())
             return requests[k]
 
-        model, events, nbytes, rounded, held = self.model, self.events, self.nbytes, self.rounded, self.held
+        model, events, rounded, held = self.model, self.events, self.rounded, self.held
         states: dict[int, _Signature] = {}
         near = range(-MAX_UNIT_PERIOD, MAX_UNIT_PERIOD + 1)
         k = 0
@@ -217,14 +221,14 @@ class _Layers:
                            if k + p <= count and k in states and states.get(k - p) == states[k]
                            and all(request(k - p + i) == request(k + i) for i in range(p))), 0)
             if not period:
-                _feed(model, events[bounds[k]:bounds[k + 1]], nbytes, rounded, held)
+                _feed(model, events[bounds[k]:bounds[k + 1]], rounded, held)
                 k += 1
                 continue
             end = k  # the units that repeat in turn, then their large-pool events fed at once
             while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
                 end += period
             a, b = bounds[k], bounds[end]
-            _feed(model, self.events[a:b][~self.small[a:b]], nbytes, rounded, held)
+            _feed(model, self.events[a:b][~self.small[a:b]], rounded, held)
             threshold, shift = bases[k] - horizon, sum(widths[k:end])
             k = end
             if not _rename(model, threshold, shift):
@@ -234,42 +238,47 @@ class _Layers:
 
 def _bases(events: np.ndarray, bounds: Sequence[int]) -> list[int] | None:
     """The first storage born in each decode step, and the one after the last; None when a
-    step is born nothing or its storages are not numbered after the step before's."""
-    out = []
-    for a, b in itertools.pairwise(bounds):
-        births = events[a:b][events[a:b] >= 0]
-        if not births.size:
-            return None
-        out.append(int(births.min()))
-    out.append(int(events.max()) + 1)
+    step is born nothing or its storages are not numbered after the step before's. (Each step's
+    least birth in one reduction over the decode events, a free counted as the largest key.)"""
+    starts = np.asarray(bounds[:-1], dtype=np.int64)
+    if (np.diff(np.asarray(bounds, dtype=np.int64)) <= 0).any():
+        return None  # a step with no events
+    decode = events[starts[0]:]
+    keys = np.where(decode >= 0, decode, _NO_BIRTH)
+    firsts = np.minimum.reduceat(keys, starts - starts[0])
+    if (firsts == _NO_BIRTH).any():
+        return None
+    out = [*firsts.tolist(), int(events.max()) + 1]
     return out if all(x < y for x, y in itertools.pairwise(out)) else None
 
 
-def _feed(model: allocator.CachingAllocatorModel, events: np.ndarray, nbytes: np.ndarray, rounded: np.ndarray,
+def _feed(model: allocator.CachingAllocatorModel, events: np.ndarray, rounded: np.ndarray,
           held: dict[int, int]) -> None:
     """Replay ``events`` (int64 keys), noting each block handed out larger than its request rounded
     (``held``: uid -> bytes; a large-pool block not worth splitting). The allocator's loop reads the
-    bytes and rounded bytes of the storages born here by uid: a dict of those, not a list of every
-    storage's (millions in a long generation, where the events fed are a tenth of them)."""
+    rounded bytes of the storages born here by uid: a dict of those, not a list of every storage's
+    (millions in a long generation, where the events fed are a tenth of them). It reads them as the
+    requested bytes too: the allocator's choices never depend on those, and :func:`_stats` sums the
+    requested bytes over every event itself, so the model's own count is never read."""
     births = events[events >= 0]
-    born = births.tolist()
-    model.feed(events.tolist(), dict(zip(born, nbytes[births].tolist(), strict=True)),
-               dict(zip(born, rounded[births].tolist(), strict=True)), held)
+    sized = dict(zip(births.tolist(), rounded[births].tolist(), strict=True))
+    model.feed(events.tolist(), sized, sized, held)
 
 
 def _small_state(model: allocator.CachingAllocatorModel, first: int, base: int) -> _Signature:
-    """Every block of the small pool by address: its size, whether handed out, its owner (from
-    ``base`` for a storage of the decode steps, else by uid, flagged)."""
-    blocks = [(block.addr, block.size, True, key) for key, block in model._live.items() if block.pool is model._small]
-    blocks += [(block.addr, block.size, False, -1) for block in model._small.blocks.values()]
-    out: list[tuple[int, int, bool, int, bool]] = []
-    for addr, size, held, key in sorted(blocks, key=lambda block: block[0]):
-        owner = key if isinstance(key, int) else -2  # the decode steps' keys are uids
-        old = held and owner < first
-        out.append((addr, size, held, owner if old or not held else owner - base, old))
-    for key in sorted(k for k in model._zero if isinstance(k, int)):  # 0-byte requests: no block, a key
-        out.append((-1, 0, True, key if key < first else key - base, key < first))
-    return tuple(out)
+    """The small pool as a value to compare: its cached blocks (size, address: the pool's own
+    ordered list), its blocks handed out by address with their size and owner (from ``base`` for
+    a storage of the decode steps, else by uid, flagged), and the keys of its 0-byte requests
+    (named alike), each part's count first. Two states are equal exactly when every block and
+    owner is the same. One flat tuple, not a tuple per block: kept for every step, those tuples
+    set off Python's collector, its older generations too, several times a replay."""
+    small = model._small
+    live = cast("dict[int, allocator._Block]", model._live)  # this replay's keys are uids (:func:`_feed`)
+    held = sorted([(block.addr, block.size, key - base, 0) if key >= first else (block.addr, block.size, key, 1)
+                   for key, block in live.items() if block.pool is small])
+    zero = sorted([(key - base, 0) if key >= first else (key, 1) for key in cast("set[int]", model._zero)])
+    chain = itertools.chain.from_iterable
+    return (len(small.entries), len(held), len(zero), *chain(small.entries), *chain(held), *chain(zero))
 
 
 def _rename(model: allocator.CachingAllocatorModel, first: int, shift: int) -> bool:
@@ -319,12 +328,13 @@ def _stats(stats: allocator.AllocatorStats, sign: np.ndarray, uids: np.ndarray, 
         requested -= sign
         np.cumsum(requested, out=requested)
         peak_requested = int(requested.max()) if requested.size else 0
-    peak = int(allocated.max()) if allocated.size else 0
+    at = int(np.argmax(allocated)) if allocated.size else -1  # the first maximum: one pass, not a max and an argmax
+    peak = int(allocated[at]) if allocated.size else 0
     return allocator.AllocatorStats(
         peak_allocated=max(peak, 0), peak_reserved=stats.peak_reserved,
         final_allocated=int(allocated[-1]) if allocated.size else 0, final_reserved=stats.final_reserved,
         num_segments=stats.num_segments, num_mallocs=stats.num_mallocs, oom_at=None,
-        peak_index=int(np.argmax(allocated)) if peak > 0 else -1,
+        peak_index=at if peak > 0 else -1,
         peak_requested=max(peak_requested, 0),
         final_segments=stats.final_segments, num_device_frees=stats.num_device_frees,
         num_alloc_retries=stats.num_alloc_retries, num_ooms=stats.num_ooms)
