@@ -40,7 +40,34 @@ CASES = [(dim, layout, dtype, size_one, affine, stats)
          if layout == "contiguous" or dim in (4, 5)]
 
 
-@pytest.mark.parametrize(("dim", "layout", "dtype", "size_one", "affine", "stats"), CASES)
+def _case_id(case: tuple[Any, ...]) -> str:
+    """``4d-channels_last-bfloat16-size_one-affine_input-stats``: what the case varies, by name."""
+    dim, layout, dtype, size_one, *rest = case
+    words = [f"{dim}d", layout, str(dtype).removeprefix("torch."), "size_one" if size_one else "sized"]
+    if len(rest) == 2:
+        affine = rest[0]
+        words.append("no_affine" if affine is None else f"affine_{str(affine).removeprefix('torch.')}")
+    return "-".join([*words, "stats" if rest[-1] else "no_stats"])
+
+
+def _quick(cases: list[tuple[Any, ...]]) -> tuple[str, ...]:
+    """The quick suite's cases of a grid (issue 36 item 7; the full suite runs all): every (dimension,
+    layout, size-1 spatial dimensions) — the layouts whose strides the outputs take, the ambiguous ones
+    included — once, the i-th of them with the i-th (dtype, affine) pair and running statistics or not
+    in turn, so that every dtype meets every affine setting and both statistics settings."""
+    shapes = list(dict.fromkeys((dim, layout, size_one) for dim, layout, _, size_one, *_ in cases))
+    dtypes, affines = (torch.float32, torch.float16, torch.bfloat16), (None, torch.float32, "input")
+    kept = []
+    for i, (dim, layout, size_one) in enumerate(shapes):
+        dtype, affine, stats = dtypes[i % 3], affines[(i // 3) % 3], bool(i % 2)
+        kept.append((dim, layout, dtype, size_one, affine, stats) if len(cases[0]) == 6
+                    else (dim, layout, dtype, size_one, stats))
+    assert set(kept) <= set(cases)
+    return tuple(_case_id(case) for case in kept)
+
+
+@pytest.mark.quick_cases(*_quick(CASES))
+@pytest.mark.parametrize(("dim", "layout", "dtype", "size_one", "affine", "stats"), CASES, ids=map(_case_id, CASES))
 def test_batch_norm_outputs_are_the_kernels(dim: int, layout: str, dtype: torch.dtype, size_one: bool,
                                             affine: Any, stats: bool) -> None:
     x = _input(dim, layout, dtype, size_one)
@@ -80,7 +107,9 @@ BACKWARD_CASES = [(dim, layout, dtype, size_one, stats)
                   if layout == "contiguous" or dim in (4, 5)]
 
 
-@pytest.mark.parametrize(("dim", "layout", "dtype", "size_one", "stats"), BACKWARD_CASES)
+@pytest.mark.quick_cases(*_quick(BACKWARD_CASES))
+@pytest.mark.parametrize(("dim", "layout", "dtype", "size_one", "stats"), BACKWARD_CASES,
+                         ids=map(_case_id, BACKWARD_CASES))
 def test_batch_norm_backward_outputs_are_the_kernels(dim: int, layout: str, dtype: torch.dtype, size_one: bool,
                                                      stats: bool) -> None:
     x = _input(dim, layout, dtype, size_one)

@@ -282,6 +282,9 @@ def test_a_middle_rank_sharing_a_trace_is_its_own_trace(monkeypatch, schedule, m
             assert vars(mine.report.on_request.costs) == vars(theirs.report.on_request.costs)
 
 
+# the quick suite keeps interleaved 1F1B (ranks of several stages) and GPipe (blocks that differ): a 1F1B
+# middle rank composed, not shared, is test_a_composed_middle_rank_is_its_own_trace[1f1b-time]'s, quick too
+@pytest.mark.quick_cases("interleaved-1f1b-options1", "gpipe-options2")
 @pytest.mark.parametrize(("schedule", "options"), [
     ("1f1b", {}), ("interleaved-1f1b", {}), ("gpipe", {"checkpoint": "every:4"})])
 def test_ranks_that_run_differently_are_traced_each(schedule, options):

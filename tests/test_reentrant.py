@@ -77,6 +77,10 @@ def test_a_users_reentrant_blocks_are_torchs_to_the_byte() -> None:
     assert reentrant_real - plain_real == 2 * BATCH * WIDTH * 4 == 131_072
 
 
+# a real Llama step, 2.3-2.8 CPU-s: the quick suite has torch's reentrant checkpoint against the real step to
+# the byte (the user's blocks above) and memcalc's reentrant checkpointing of a transformers model against real
+# DeepSpeed's recorded gathers (tests/test_reentrant_zero3.py)
+@pytest.mark.slow
 def test_memcalcs_own_reentrant_checkpointing_of_a_zoo_model_is_a_real_steps() -> None:
     """``checkpoint=Checkpointing(FULL, reentrant=True)`` on a zoo Llama: memcalc wraps its blocks in
     torch's reentrant checkpoint; the same step run for real on the CPU (torch's own

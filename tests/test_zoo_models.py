@@ -191,6 +191,15 @@ def test_block_containers_resolve_to_module_lists():
             assert len(list(container.children())) > 1, (entry.name, path)
 
 
+# the quick suite: one name per builder and architecture (issue 36 item 7); the full suite runs all
+@pytest.mark.quick_cases(
+    "vgg16-classifier.6", "mobilenet_v2-features.17.conv.2", "mobilenet_v3_large-features.4.block.2.fc1",
+    "efficientnet_b0-features.3.0.stochastic_depth", "densenet121-features.denseblock3.denselayer24.conv2",
+    "vit_b_16-encoder.layers.encoder_layer_11.self_attention.out_proj",
+    "bert-base-encoder.layer.11.attention.self.query",
+    "gpt2-transformer.h.11.mlp.c_proj", "llama-2-70b-model.layers.79.self_attn.k_proj",
+    "mistral-7b-model.layers.31.self_attn.v_proj", "qwen2.5-7b-model.layers.27.self_attn.q_proj",
+    "gemma-2-2b-model.layers.25.pre_feedforward_layernorm", "unet-up4.conv.double_conv.3")
 @pytest.mark.parametrize(
     "name, path",
     [
