@@ -243,10 +243,8 @@ def measure_model_step(module: nn.Module, inputs: Any, config: Any) -> RankPeak:
     """One rank's real peak of memcalc's own step (``memcalc.engine.step.run_step``) on a module
     already laid out over its meshes: a warm-up step, then profiled steps until every rank has a
     complete trace; the bytes alive before the step are the local shards, buffers and inputs."""
-    from torch.profiler import ProfilerActivity, profile
-
     from memcalc.engine.step import run_step
-    from memcalc.measure.step import _profiler_peak, storage_bytes
+    from memcalc.measure.step import storage_bytes
 
     run_step(module, inputs, config)  # the warm-up
     local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
@@ -254,11 +252,7 @@ def measure_model_step(module: nn.Module, inputs: Any, config: Any) -> RankPeak:
     trainable = [p for p in module.parameters() if p.requires_grad]
 
     def measured() -> tuple[int, bool]:
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run_step(module, inputs, config)
-            gc.collect()
-        return _profiler_peak(prof), _net_bytes(prof) == 0
+        return profiled(lambda: run_step(module, inputs, config))
 
     return until_complete(measured, before, 4 * len(trainable), "")
 
@@ -377,13 +371,20 @@ def _step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter]) -> N
 def _measured_step(model: nn.Module, x: torch.Tensor, trainable: list[nn.Parameter]) -> tuple[int, bool]:
     """The step's peak over the storages alive before it, and whether its trace is complete
     (every byte it allocated seen freed)."""
+    return profiled(lambda: _step(model, x, trainable))
+
+
+def profiled(step: Callable[[], None]) -> tuple[int, bool]:
+    """``step`` run once under torch's CPU profiler: its peak over the bytes alive before it, and
+    whether its trace is complete (every byte it allocated seen freed), as
+    :func:`until_complete` takes them."""
     from torch.profiler import ProfilerActivity, profile
 
     from memcalc.measure.step import _profiler_peak
 
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(model, x, trainable)
+        step()
     return _profiler_peak(prof), _net_bytes(prof) == 0
 
 

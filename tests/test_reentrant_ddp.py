@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_runs import _storages_before, spawn_ranks, until_complete
+from gloo_runs import _storages_before, profiled, spawn_ranks, until_complete
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -98,19 +98,6 @@ def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], train
     gc.collect()
 
 
-def _measured(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-              trainable: list[nn.Parameter]) -> tuple[int, bool]:
-    from torch.profiler import ProfilerActivity, profile
-
-    from memcalc.measure.step import _profiler_peak
-
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(model, args, kwargs, trainable)
-    net = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    return _profiler_peak(prof), net == 0
-
-
 def _rank_peak(strategy: str, reentrant: bool) -> int:
     """This rank's peak: the storages alive before the step plus the profiler's peak over it (SGD
     keeps no state, so there are no step counters to take off)."""
@@ -118,7 +105,7 @@ def _rank_peak(strategy: str, reentrant: bool) -> int:
     trainable = [p for p in model.parameters() if p.requires_grad]
     _step(model, args, kwargs, trainable)  # the warm-up (FSDP's lazy init, DDP's bucket rebuild)
     before = _storages_before(model, args[0])
-    return until_complete(lambda: _measured(model, args, kwargs, trainable), before, 0,
+    return until_complete(lambda: profiled(lambda: _step(model, args, kwargs, trainable)), before, 0,
                           f"{_name(strategy, reentrant)}: ").peak
 
 
@@ -240,20 +227,9 @@ def _real_hf(strategy: str, reentrant: bool) -> int:
         del optimizer
         gc.collect()
 
-    def measured() -> tuple[int, bool]:
-        from torch.profiler import ProfilerActivity, profile
-
-        from memcalc.measure.step import _profiler_peak
-
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-        net = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-        return _profiler_peak(prof), net == 0
-
     step()
     before = _storages_before(wrapped, ids)
-    return until_complete(measured, before, 0, f"hf {strategy} {reentrant}: ").peak
+    return until_complete(lambda: profiled(step), before, 0, f"hf {strategy} {reentrant}: ").peak
 
 
 def _hf_worker(rank: int, world_size: int, port: int, work_dir: str) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_runs import spawn_ranks, until_complete
+from gloo_runs import profiled, spawn_ranks, until_complete
 from torch import nn
 
 import memcalc
@@ -93,21 +93,10 @@ def _real_ddp_rank(model: nn.Module) -> int:
         del optimizer
         gc.collect()
 
-    def measured() -> tuple[int, bool]:
-        from torch.profiler import ProfilerActivity, profile
-
-        from memcalc.measure.step import _profiler_peak
-
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-        net = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-        return _profiler_peak(prof), net == 0
-
     step()  # the warm-up
     buckets = sum(b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets())
     before = model_bytes(model, ids) + buckets
-    return until_complete(measured, before, 0, "qlora ddp: ").peak
+    return until_complete(lambda: profiled(step), before, 0, "qlora ddp: ").peak
 
 
 def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
