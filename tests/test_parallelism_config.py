@@ -9,6 +9,7 @@ composition differs from memcalc's is refused by name.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from memcalc.stacks.transformers.parallelism_config import read_parallelism_conf
 
 accelerate = pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
+#: TRL's trainers read the config (the ``trl`` extra, which the version legs of .ci/run leave out).
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the trl extra is not installed")
 ParallelismConfig = accelerate.ParallelismConfig
 
 SEQ = 64
@@ -112,6 +115,7 @@ def _json(args: list[str]) -> str:
     return result.output
 
 
+@needs_trl
 def test_cli_training_args_parallelism_config_is_the_mesh_form(model: str, tmp_path: Path) -> None:
     """TRL's SFTTrainer with ``parallelism_config: {dp_shard_size: 2}`` in its config is accelerate's FSDP2 over
     two ranks: the JSON equals ``--mesh dp_shard=2`` beside the same config without it, byte for byte."""
@@ -174,6 +178,7 @@ def test_trainers_own_loop_under_a_mesh_refused(model: str) -> None:
         memcalc.estimate(model, trainer_args=args, seq_len=SEQ, gpu="cpu")
 
 
+@needs_trl
 @pytest.mark.parametrize(("sizes", "said"), [({"dp_shard_size": 2, "tp_size": 2}, "dp_shard_size=2, tp_size=2"),
                                             ({"dp_replicate_size": 2, "dp_shard_size": 2},
                                              "dp_replicate_size=2, dp_shard_size=2")])
@@ -185,6 +190,7 @@ def test_trl_under_hsdp_tp_refused(model: str, sizes: dict[str, int], said: str)
         memcalc.estimate(model, loop="trl-sft", trainer_args=args, seq_len=SEQ, gpu="cpu")
 
 
+@needs_trl
 def test_disagreeing_mesh_refused(model: str) -> None:
     args = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False,
             "parallelism_config": {"dp_shard_size": 2}}
@@ -226,6 +232,7 @@ def test_accelerates_real_mesh_has_memcalcs_sub_meshes(rank: int) -> None:
         dist.destroy_process_group()
 
 
+@needs_trl
 def test_fit_reads_the_mesh_too(model: str) -> None:
     """``max_batch_size`` (``memcalc fit``) lays the parallelism_config's mesh over the search as the estimate
     does: the same answer as ``Distributed(dp_shard=2)``, not the one-GPU one (FSDP2 frees 1/2 of the model
