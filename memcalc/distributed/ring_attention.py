@@ -373,6 +373,10 @@ class RingAttentionProgram(RankProgram):
     def optimizer_spec(self, spec: OptimizerSpec) -> OptimizerSpec:
         return self.inner.optimizer_spec(spec)
 
+    def reduce_accumulated(self) -> None:
+        """A pipeline stage's (pp × cp): its FSDP2's gradient sync after the last microbatch."""
+        self.inner.reduce_accumulated()
+
     def remove(self) -> None:
         if self._original is not None:
             F.scaled_dot_product_attention = self._original

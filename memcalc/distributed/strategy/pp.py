@@ -44,7 +44,9 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import InnerParallel, Pipeline, estimate_pipeline, stage_mesh
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.program import RankProgram, StackedProgram
+from memcalc.distributed.ring_attention import RingAttentionProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, Setting, register
+from memcalc.distributed.strategy.context_parallel import ContextParallel
 from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
 from memcalc.distributed.tp_stages import StageTensorParallel
 from memcalc.distributed.vocabulary import DEFAULT_BUCKET_CAP_MB
@@ -67,7 +69,7 @@ class PipelineParallel(RankStrategy):
     mesh_dimension = "pp"
     options = frozenset({"pp_schedule", "microbatches", "pp_split"})
     whole_step = True
-    composes_with = frozenset({"dp_shard", "tp", "dp_replicate", "ep"})
+    composes_with = frozenset({"dp_shard", "tp", "dp_replicate", "ep", "cp"})
 
     def __init__(self, distributed: Setting, degree: int) -> None:
         super().__init__(distributed, degree)
@@ -119,14 +121,18 @@ class PipelineParallel(RankStrategy):
         shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
         ep = 1 if mesh is None else mesh.ep
         experts = None if ep == 1 else self._expert_parallel(ep, tp, replicas, dp_shard)
-        # FSDP2 wraps each stage under dp_shard, and under ep with dp_replicate alone: torchtitan's ep borrows
-        # its dp_shard (dp_shard_mod_ep = 1) and wraps every MoE stage, HSDP over the replicas
-        fsdp_stages = dp_shard > 1 or (experts is not None and replicas > 1)
+        cp = 1 if mesh is None else mesh.cp
+        ring = None if cp == 1 else self._context_parallel(cp, tp, ep, replicas, pipeline)
+        # FSDP2 wraps each stage under dp_shard (or cp: torchtitan's dp_shard_cp), and under ep with dp_replicate
+        # alone: torchtitan's ep borrows its dp_shard (dp_shard_mod_ep = 1) and wraps every MoE stage, HSDP over the
+        # replicas
+        fsdp_stages = dp_shard > 1 or cp > 1 or (experts is not None and replicas > 1)
         if fsdp_stages:
             sharder = DpShard(self.distributed, dp_shard)
             sharder.refuse_finetune(step.finetune)
             if pipeline.schedule_kind not in _WITH_DP_SHARD:
                 fsdp_mesh = (f"pp={self.degree},dp_shard={dp_shard}" if dp_shard > 1
+                             else f"pp={self.degree},cp={cp}" if cp > 1
                              else f"pp={self.degree},dp_replicate={replicas},ep={ep}")
                 raise InapplicableOptionError(
                     f"--mesh {fsdp_mesh} under the {pipeline.schedule_kind.value} schedule is "
@@ -134,8 +140,8 @@ class PipelineParallel(RankStrategy):
                     f"{', '.join(s.value for s in _WITH_DP_SHARD)} only (the zero-bubble and V schedules split "
                     f"each backward in two)",
                     hint="Use --pp-schedule 1f1b, gpipe or interleaved-1f1b with dp_shard.")
-            if experts is None:
-                program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
+            if experts is None:  # under cp over dp_shard x cp (torchtitan's dp_shard_cp)
+                program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * cp, pipelined=True)
             else:  # torchtitan's MoE FSDP per stage: the experts over dp_shard, the dense part over dp_shard x ep
                 program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * ep, pipelined=True,
                                                    experts_degree=dp_shard, ep=ep, experts=experts.experts_paths,
@@ -170,15 +176,23 @@ class PipelineParallel(RankStrategy):
                 program = _with_tp(inner, program)
             shard = (*shard[:1], Shard(MODEL_STATES, "tp", tp), *shard[1:])
         width = 1 if inner is None else inner.degree
-        estimate = estimate_pipeline(replace(step, batch_size=batch), pipeline, costs=costs,
+        stage_step = replace(step, batch_size=batch)
+        if ring is not None:  # each stage's program: the ring around FSDP2 over dp_shard x cp, at S/cp tokens
+            assert program is not None
+            program, stage_step = _ringed(ring, program, step), replace(stage_step, seq_len=ring.local_seq_len(step))
+            shard = (*shard[:1], Shard(MODEL_STATES, "cp", cp), Shard(("sequence",), "cp", cp), *shard[1:])
+            fsdp_notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
+            fsdp_notes.append(ring.note(stage_step.seq_len or 0, _balanced(step, cp), step))
+        estimate = estimate_pipeline(stage_step, pipeline, costs=costs,
                                      stage_program=program, trace_precision=precision, inner=inner)
         report = estimate.as_report()
-        # every pipeline rank runs the whole batch, microbatch by microbatch (a later stage's own
-        # report counts the microbatch its stand-in input was built at); its dp_replicate, dp_shard and
-        # tp (or ep) ranks share its trace, numbered as torchtitan's mesh (pp, dp_replicate, dp_shard, tp)
+        # every pipeline rank runs the whole batch, microbatch by microbatch (a later stage's own report counts the
+        # microbatch its stand-in input was built at); its dp_replicate, dp_shard, cp and tp (or ep) ranks share its
+        # trace, numbered as torchtitan's mesh (pp, dp_replicate, dp_shard, cp, tp)
         roles = tuple(replace(role, sharding=shard, batch_size=batch,
-                              ranks=tuple(((r * replicas + p) * dp_shard + d) * width + t for r in role.ranks
-                                          for p in range(replicas) for d in range(dp_shard) for t in range(width)))
+                              ranks=tuple((((r * replicas + p) * dp_shard + d) * cp + c) * width + t for r in role.ranks
+                                          for p in range(replicas) for d in range(dp_shard) for c in range(cp)
+                                          for t in range(width)))
                       for role in report.roles)
         notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch", *fsdp_notes)
         return replace(report, distribution=replace(report.distribution, roles=roles), notes=notes,
@@ -242,6 +256,32 @@ class PipelineParallel(RankStrategy):
             self._refuse_loss_parallel()
         return StageExpertParallel(ep * tp, setting.routing, setting.capacity_factor, tp=tp)
 
+    def _context_parallel(self, cp: int, tp: int, ep: int, replicas: int, pipeline: Pipeline) -> ContextParallel:
+        """cp inside every stage, as torchtitan runs it: each stage's attention a ring over the cp
+        group, the microbatch's sequence sharded over it, FSDP2 over dp_shard x cp. Checked against
+        real gloo runs (tests/test_gloo_pipeline_cp.py) with one stage per rank and no tp, ep or
+        dp_replicate; the rest refused by name.
+
+        Raises:
+            InapplicableOptionError: cp with tp, ep or dp_replicate, or a schedule of several stages a rank.
+        """
+        others = {"tp": tp, "ep": ep, "dp_replicate": replicas}
+        listed = ", ".join(f"{name}={degree}" for name, degree in others.items() if degree > 1)
+        if listed:
+            raise InapplicableOptionError(
+                f"pp={self.degree} with cp={cp} and {listed} is not modelled yet: memcalc composes context "
+                f"parallelism inside pipeline stages with dp_shard only (checked against real gloo runs of "
+                f"torch's schedules with its ring attention: pp x cp and pp x dp_shard x cp)",
+                hint=f"Estimate --mesh pp={self.degree},cp={cp} (dp_shard=N around it), or pp={self.degree},"
+                     f"{listed.replace(', ', ',')} without cp.")
+        if pipeline.per_rank > 1 or not pipeline.schedule_kind.single_stage:
+            raise InapplicableOptionError(
+                f"pp={self.degree} with cp={cp} under the {pipeline.schedule_kind.value} schedule is not modelled "
+                f"yet: context parallelism patches scaled_dot_product_attention once per process, and memcalc "
+                f"checks its ring inside a pipeline against real runs of one stage a rank only",
+                hint="Use --pp-schedule 1f1b or gpipe with cp.")
+        return ContextParallel(self.distributed, cp)
+
     def _tp_strings(self) -> dict[str, str] | None:
         plan = self.distributed.tp_plan
         return dict(plan) if plan is not None else None
@@ -263,6 +303,23 @@ class PipelineParallel(RankStrategy):
         self._refuse_loss_parallel()
         return StageTensorParallel(tp, self._tp_strings(), lambda: stage_mesh("tp"),
                                    optimizer_impl=self._tp_impl(step, dp_shard > 1))
+
+
+def _balanced(step: Step, cp: int) -> bool:
+    """torch's head-tail load balancing: on when ``2·cp`` divides the sequence."""
+    return step.seq_len is not None and step.seq_len % (2 * cp) == 0
+
+
+def _ringed(ring: ContextParallel, fsdp: Callable[[ResolvedModel], RankProgram],
+            step: Step) -> Callable[[ResolvedModel], RankProgram]:
+    """Each stage's program: FSDP2 over dp_shard x cp, ring attention around it (the ring's patch
+    of ``F.scaled_dot_product_attention`` is the process's: one stage a rank, so one patch)."""
+
+    def program(stage: ResolvedModel) -> RankProgram:
+        return RingAttentionProgram(ring.degree, fsdp(stage), load_balanced=_balanced(step, ring.degree),
+                                    cpu=not step.emulate_cuda)
+
+    return program
 
 
 def _with_tp(inner: InnerParallel,
