@@ -5,7 +5,15 @@ rank), FSDP2 over the cp ranks, GPipe and 1F1B over 4 microbatches, Adam, every 
 from the profiler and compared less Adam's CPU step counters (which memcalc leaves out, as a GPU
 keeps them on the host); and pp=2 × dp_shard=2 × cp=2 on eight processes (FSDP2 over dp_shard × cp).
 
-RESULTS
+On torch 2.13 (2026-12-07) every rank agrees to the byte, real (less Adam's step counters) and estimated:
+GPipe 5,768,960 B (stage 0, cp rank 0) and 6,639,508 B (stage 1); 1F1B 5,391,360 B and 5,595,284 B;
+pp × dp_shard × cp 4,462,848 B and 4,666,388 B. The last cp rank holds whole copies of one microbatch's
+partially merged ring output (16,384 B) fewer than cp rank 0 (GPipe 3 on either stage; 1F1B 2 on stage 0,
+1 on stage 1): the ring's last step on that rank merges without a partial update, so the model's
+``transpose(1, 2).contiguous()`` makes no copy for o_proj to save. memcalc traces cp rank 0; with the
+partial merge's layout left out (:func:`~memcalc.distributed.ring_attention.merged_output` as the
+identity) its estimate is the last cp rank's real peak to the byte (GPipe 5,719,808 B and 6,590,356 B;
+1F1B 5,358,592 B and 5,578,900 B; the 8-process mesh 4,430,080 B and 4,650,004 B).
 """
 
 from __future__ import annotations
@@ -72,6 +80,9 @@ PARTIAL_MERGE_COPY = 2 * 4 * 16 * 32 * 4
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_every_rank_of_pp_x_cp_against_a_real_gloo_run(real_peaks, case, monkeypatch):
+    report = estimate(case.schedule)
+    assert [role.ranks for role in report.roles] == [(0, 1), (2, 3)]  # pp outermost, cp innermost (torchtitan)
+    assert [(s.dimension, s.degree) for s in report.roles[0].sharding] == [("pp", 2), ("cp", 2), ("cp", 2)]
     check_cp_ranks(case.name, real_peaks[case.name], lambda: estimate(case.schedule), monkeypatch, PP * CP)
 
 

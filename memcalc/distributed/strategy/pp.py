@@ -8,13 +8,14 @@ A pipeline rank does not run one traced step but a schedule, so this dimension e
 whole step itself (``whole_step``). It composes with ``dp_shard`` as torchtitan does: each
 stage's module ``fully_shard``-ed over the dp_shard sub-mesh (every block and the stage's root),
 ``reshard_after_forward=False`` (torchtitan's default under a pipeline), and torch's
-``PipelineStage`` turning gradient sync and reshard-after-backward off for every microbatch's
-backward and syncing once in ``perform_reduce_grad``: a stage holds its unsharded parameters and
-gradients from its first forward to the end of its last backward (GPipe, 1F1B and
-Interleaved1F1B; the zero-bubble and V schedules with dp_shard are refused by name). The dp_shard ranks of one
-stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order). With
-``dp_replicate`` too the stages are HSDP (the replicas' all-reduce is in place); without dp_shard
-or ep (DDP stages) it is refused by name.
+``PipelineStage`` syncing once in ``perform_reduce_grad``: a stage holds its unsharded parameters and
+gradients from its first forward to its last backward (GPipe, 1F1B, Interleaved1F1B; the zero-bubble
+and V schedules with dp_shard refused by name). A stage's dp_shard ranks share one trace, numbered
+pp outermost (torchtitan's mesh order). With ``dp_replicate`` too the stages are HSDP (the
+replicas' all-reduce in place); without dp_shard, ep or cp (DDP stages) it is refused by name.
+
+With ``cp`` (``pp=P,cp=C``, dp_shard around it; GPipe and 1F1B) each stage runs at ``S/cp`` tokens, its
+attention torch's ring over the cp ranks (``RingAttentionProgram``), FSDP2 over dp_shard × cp.
 
 With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages, HSDP's
 dp_replicate around that; dp_replicate alone is HSDP over the ep ranks, torchtitan's ep borrowing its
@@ -74,8 +75,8 @@ class PipelineParallel(RankStrategy):
     def __init__(self, distributed: Setting, degree: int) -> None:
         super().__init__(distributed, degree)
         mesh = distributed.mesh
-        self.replicas = self._replicas(1 if mesh is None else mesh.dp_shard,
-                                       1 if mesh is None else mesh.ep)  # refused when made: plan asks
+        self.replicas = self._replicas(1 if mesh is None else mesh.dp_shard, 1 if mesh is None else mesh.ep,
+                                       1 if mesh is None else mesh.cp)  # refused when made: plan asks
 
     @classmethod
     def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
@@ -198,7 +199,7 @@ class PipelineParallel(RankStrategy):
         return replace(report, distribution=replace(report.distribution, roles=roles), notes=notes,
                        step=replace(report.step, batch_size=batch))
 
-    def _replicas(self, dp_shard: int, ep: int) -> int:
+    def _replicas(self, dp_shard: int, ep: int, cp: int) -> int:
         """The dp_replicate degree: HSDP around each stage's FSDP2, as torchtitan runs it (with ep
         and no dp_shard, FSDP2 over the ep ranks: torchtitan's ep borrows its dp_shard).
 
@@ -211,7 +212,7 @@ class PipelineParallel(RankStrategy):
         replicas = 1 if mesh is None else mesh.dp_replicate
         if replicas == 1:
             return 1
-        if dp_shard == 1 and ep == 1:
+        if dp_shard == 1 and ep == 1 and cp == 1:  # (with cp: refused in estimate, by name)
             raise InapplicableOptionError(
                 f"pp={self.degree} with dp_replicate={replicas} alone (DDP stages) is not modelled yet: torch's "
                 f"PipelineStage runs a DistributedDataParallel stage under no_sync until its last backward, which "
