@@ -121,9 +121,9 @@ class PipelineParallel(RankStrategy):
         fsdp_notes: list[str] = []
         shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
         ep = 1 if mesh is None else mesh.ep
-        experts = None if ep == 1 else self._expert_parallel(ep, tp, replicas, dp_shard)
         cp = 1 if mesh is None else mesh.cp
         ring = None if cp == 1 else self._context_parallel(cp, tp, ep, replicas, pipeline)
+        experts = None if ep == 1 else self._expert_parallel(ep, tp, replicas, dp_shard)
         # FSDP2 wraps each stage under dp_shard (or cp: torchtitan's dp_shard_cp), and under ep with dp_replicate
         # alone: torchtitan's ep borrows its dp_shard (dp_shard_mod_ep = 1) and wraps every MoE stage, HSDP over the
         # replicas
@@ -269,12 +269,14 @@ class PipelineParallel(RankStrategy):
         others = {"tp": tp, "ep": ep, "dp_replicate": replicas}
         listed = ", ".join(f"{name}={degree}" for name, degree in others.items() if degree > 1)
         if listed:
+            # without cp: dp_replicate needs dp_shard (or ep) beside it in a pipeline (HSDP stages)
+            alone = listed.replace(", ", ",") + (",dp_shard=N" if replicas > 1 and ep == 1 else "")
             raise InapplicableOptionError(
                 f"pp={self.degree} with cp={cp} and {listed} is not modelled yet: memcalc composes context "
                 f"parallelism inside pipeline stages with dp_shard only (checked against real gloo runs of "
                 f"torch's schedules with its ring attention: pp x cp and pp x dp_shard x cp)",
                 hint=f"Estimate --mesh pp={self.degree},cp={cp} (dp_shard=N around it), or pp={self.degree},"
-                     f"{listed.replace(', ', ',')} without cp.")
+                     f"{alone} without cp.")
         if pipeline.per_rank > 1 or not pipeline.schedule_kind.single_stage:
             raise InapplicableOptionError(
                 f"pp={self.degree} with cp={cp} under the {pipeline.schedule_kind.value} schedule is not modelled "
