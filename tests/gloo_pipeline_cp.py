@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,9 @@ from gloo_pipeline import measure_schedule
 from gloo_pipeline_tp import LlamaStage
 from gloo_runs import RankPeak, spawn_ranks
 from gloo_tp import LLAMA_SEQ, SMALL_LLAMA, small_llama
+from torch import nn
+
+from models_zoo.llama import LlamaForCausalLM
 
 aten = torch.ops.aten
 
@@ -39,14 +42,24 @@ MICROBATCHES = 4
 PP, CP = 2, 2
 
 
+#: The interleaved schedule's Llama: SMALL_LLAMA with 4 layers, one a stage (rank r holds stages r and r + PP).
+DEEP_LLAMA = replace(SMALL_LLAMA, num_layers=4)
+
+
+def deep_llama() -> nn.Module:
+    return LlamaForCausalLM(DEEP_LLAMA)
+
+
 @dataclass(frozen=True)
 class PipelineCpCase:
-    """One real run: torch's schedule class name ("GPipe", "1F1B"); ``dp_shard`` > 1: the mesh
-    ``(pp, dp_shard, cp)``, FSDP2 over the flattened ``(dp_shard, cp)`` (torchtitan's ``dp_shard_cp``)."""
+    """One real run: torch's schedule class name ("GPipe", "1F1B", "Interleaved1F1B": two stages a rank,
+    of :func:`deep_llama`, torch's loop placement); ``dp_shard`` > 1: the mesh ``(pp, dp_shard, cp)``,
+    FSDP2 over the flattened ``(dp_shard, cp)`` (torchtitan's ``dp_shard_cp``)."""
 
     name: str
     schedule: str
     dp_shard: int = 1
+    stages_per_rank: int = 1
 
 
 class LlamaCpStage(LlamaStage):
@@ -99,21 +112,27 @@ def _run_case(case: PipelineCpCase) -> RankPeak:
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
     torch.manual_seed(0)
-    model = small_llama()
+    model = small_llama() if case.stages_per_rank == 1 else deep_llama()
     mesh = init_device_mesh("cpu", (PP, case.dp_shard, CP), mesh_dim_names=("pp", "dp_shard", "cp"))
-    index = mesh["pp"].get_local_rank()
-    stage_module = LlamaCpStage(model, index, PP)
+    rank = mesh["pp"].get_local_rank()
+    total = PP * case.stages_per_rank
+    indices = [rank + k * PP for k in range(case.stages_per_rank)]
+    modules = [LlamaCpStage(model, index, total) for index in indices]
     every = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    for layer in stage_module.model.model.layers:
-        fully_shard(layer, mesh=every, reshard_after_forward=False)
-    fully_shard(stage_module, mesh=every, reshard_after_forward=False)
-    stage = PipelineStage(stage_module, index, PP, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = get_schedule_class(case.schedule)(stage, MICROBATCHES, loss_fn=lambda out, _target: out.mean())
+    for stage_module in modules:
+        for layer in stage_module.model.model.layers:
+            fully_shard(layer, mesh=every, reshard_after_forward=False)
+        fully_shard(stage_module, mesh=every, reshard_after_forward=False)
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(m, i, total, torch.device("cpu"), group=group)
+              for m, i in zip(modules, indices, strict=True)]
+    schedule = get_schedule_class(case.schedule)(stages[0] if case.stages_per_rank == 1 else stages, MICROBATCHES,
+                                                 loss_fn=lambda out, _target: out.mean())
 
     cp_mesh = mesh["cp"]
     balancer = ring._create_default_load_balancer(LLAMA_SEQ, CP, torch.device("cpu"))
     x = None
-    if index == 0:  # the first stage's shard of the token ids, a tensor of its own (module docstring)
+    if 0 in indices:  # the first stage's shard of the token ids, a tensor of its own (module docstring)
         tokens = torch.randint(0, SMALL_LLAMA.vocab_size, (BATCH, LLAMA_SEQ))
         (shard,) = ring._context_parallel_buffers(cp_mesh, [tokens], [1], balancer)
         x = shard.clone()
@@ -123,7 +142,7 @@ def _run_case(case: PipelineCpCase) -> RankPeak:
     ring._cp_options.enable_load_balance = balancer is not None
     ring._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=cp_mesh)
     try:
-        return measure_schedule(schedule, [stage], stage_module, x, last=index == PP - 1, batch=BATCH,
+        return measure_schedule(schedule, stages, nn.ModuleList(modules), x, last=total - 1 in indices, batch=BATCH,
                                 name=case.name)
     finally:
         ring._disable_context_parallel_dispatcher_impl()

@@ -74,12 +74,12 @@ def test_a_pipeline_composed_with_another_dimension_is_refused_by_name() -> None
     (dict(cp=2, dp_replicate=2), {}, InapplicableOptionError,
      r"pp=2 with cp=2 and dp_replicate=2 is not modelled yet: memcalc composes context parallelism inside pipeline "
      r"stages with dp_shard only"),
-    (dict(cp=2), dict(pp_schedule="interleaved-1f1b"), InapplicableOptionError,
-     r"pp=2 with cp=2 under the interleaved-1f1b schedule is not modelled yet"),
+    (dict(cp=2), dict(pp_schedule="interleaved-zero-bubble"), InapplicableOptionError,
+     r"pp=2 with cp=2 under the interleaved-zero-bubble schedule is not modelled yet: each stage is FSDP2"),
     (dict(cp=2), dict(pp_schedule="zbv-zero-bubble"), InapplicableOptionError,
      r"pp=2 with cp=2 under the zbv-zero-bubble schedule"),
     (dict(cp=2), {}, InvalidInputError, r"cp=2 splits the sequence over 2 ranks: give its length"),
-], ids=["dp_replicate", "interleaved", "zbv", "no-seq-len"])
+], ids=["dp_replicate", "interleaved-zero-bubble", "zbv", "no-seq-len"])
 def test_what_pp_x_cp_refuses_is_named_before_any_trace(degrees, options, error, match) -> None:
     # refused before the model is traced (a quick check; the composition itself: tests/test_gloo_pipeline_cp.py)
     setting = memcalc.Distributed(pp=2, **degrees, **options)

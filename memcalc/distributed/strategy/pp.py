@@ -14,8 +14,8 @@ and V schedules with dp_shard refused by name). A stage's dp_shard ranks share o
 pp outermost (torchtitan's mesh order). With ``dp_replicate`` too the stages are HSDP (the
 replicas' all-reduce in place); without dp_shard, ep or cp (DDP stages) it is refused by name.
 
-With ``cp`` (``pp=P,cp=C``, dp_shard around it; GPipe and 1F1B) each stage runs at ``S/cp`` tokens, its
-attention torch's ring over the cp ranks (``RingAttentionProgram``), FSDP2 over dp_shard × cp.
+With ``cp`` (``pp=P,cp=C``, dp_shard around it; GPipe, 1F1B, Interleaved1F1B) each stage runs at ``S/cp``
+tokens, its attention torch's ring over the cp ranks (``RingAttentionProgram``), FSDP2 over dp_shard × cp.
 
 With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages, HSDP's
 dp_replicate around that; dp_replicate alone is HSDP over the ep ranks, torchtitan's ep borrowing its
@@ -260,11 +260,11 @@ class PipelineParallel(RankStrategy):
     def _context_parallel(self, cp: int, tp: int, ep: int, replicas: int, pipeline: Pipeline) -> ContextParallel:
         """cp inside every stage, as torchtitan runs it: each stage's attention a ring over the cp
         group, the microbatch's sequence sharded over it, FSDP2 over dp_shard x cp. Checked against
-        real gloo runs (tests/test_gloo_pipeline_cp.py) with one stage per rank and no tp, ep or
-        dp_replicate; the rest refused by name.
+        real gloo runs (tests/test_gloo_pipeline_cp.py) under GPipe, 1F1B and Interleaved1F1B, without
+        tp, ep or dp_replicate; the rest refused by name.
 
         Raises:
-            InapplicableOptionError: cp with tp, ep or dp_replicate, or a schedule of several stages a rank.
+            InapplicableOptionError: cp with tp, ep or dp_replicate, or a zero-bubble or V schedule.
         """
         others = {"tp": tp, "ep": ep, "dp_replicate": replicas}
         listed = ", ".join(f"{name}={degree}" for name, degree in others.items() if degree > 1)
@@ -277,12 +277,13 @@ class PipelineParallel(RankStrategy):
                 f"torch's schedules with its ring attention: pp x cp and pp x dp_shard x cp)",
                 hint=f"Estimate --mesh pp={self.degree},cp={cp} (dp_shard=N around it), or pp={self.degree},"
                      f"{alone} without cp.")
-        if pipeline.per_rank > 1 or not pipeline.schedule_kind.single_stage:
+        if pipeline.schedule_kind not in _WITH_DP_SHARD:
             raise InapplicableOptionError(
                 f"pp={self.degree} with cp={cp} under the {pipeline.schedule_kind.value} schedule is not modelled "
-                f"yet: context parallelism patches scaled_dot_product_attention once per process, and memcalc "
-                f"checks its ring inside a pipeline against real runs of one stage a rank only",
-                hint="Use --pp-schedule 1f1b or gpipe with cp.")
+                f"yet: each stage is FSDP2 over dp_shard x cp, whose stages are checked against real runs under "
+                f"{', '.join(s.value for s in _WITH_DP_SHARD)} only (the zero-bubble and V schedules split each "
+                f"backward in two)",
+                hint=f"Use --pp-schedule {', '.join(s.value for s in _WITH_DP_SHARD)} with cp.")
         return ContextParallel(self.distributed, cp)
 
     def _tp_strings(self) -> dict[str, str] | None:
@@ -316,7 +317,8 @@ def _balanced(step: Step, cp: int) -> bool:
 def _ringed(ring: ContextParallel, fsdp: Callable[[ResolvedModel], RankProgram],
             step: Step) -> Callable[[ResolvedModel], RankProgram]:
     """Each stage's program: FSDP2 over dp_shard x cp, ring attention around it (the ring's patch
-    of ``F.scaled_dot_product_attention`` is the process's: one stage a rank, so one patch)."""
+    of ``F.scaled_dot_product_attention`` is the process's: a rank's first stage makes it, and it
+    rings the calls of every stage the rank holds)."""
 
     def program(stage: ResolvedModel) -> RankProgram:
         return RingAttentionProgram(ring.degree, fsdp(stage), load_balanced=_balanced(step, ring.degree),
