@@ -134,6 +134,66 @@ def _expected(cell: tuple[bool, Any, KbitCheckpointing]) -> str:
     return {KbitCheckpointing.OFF: "off", KbitCheckpointing.NON_REENTRANT: "non-reentrant"}.get(kbit, "reentrant")
 
 
+def test_the_trainer_without_checkpointing_keeps_pefts(tmp_path: Path) -> None:
+    """The cheap representative of the table: ``gradient_checkpointing=False`` on a model PEFT
+    prepared with its defaults runs PEFT's checkpoint, reentrant on torch 2.13 (measured below);
+    memcalc's reading before this (no checkpointing) is ``kbit_checkpointing="off"``."""
+    from memcalc.fields import build_step
+    from memcalc.stacks.kbit import kbit_checkpointing
+    from memcalc.stacks.peft import apply_finetune
+
+    finetune = memcalc.FineTune(lora=memcalc.LoRA(RANK), quant="nf4", kbit_checkpointing="on")
+    step = build_step(write_config(tmp_path, TINY), seq_len=16, finetune=finetune,
+                      trainer_args={"gradient_checkpointing": False})
+    assert not step.checkpoint
+    resolved = apply_finetune(step.resolved(), finetune, precision=step.precision, mode=step.mode, checkpoint=False)
+    made = kbit_checkpointing(resolved.module, step)  # the estimate's reading (the full estimate: the slow table)
+    assert made.checkpoint.kind.value == "full" and made.checkpoint.reentrant
+    assert _expected((False, None, KbitCheckpointing.ON)) == "reentrant"
+    assert "it stays on in loop trainer" in made.notes[-1]
+
+
+def test_kbit_checkpointing_goes_with_the_qlora_recipe() -> None:
+    with pytest.raises(memcalc.InvalidInputError, match="goes with a quantized base and LoRA"):
+        memcalc.FineTune(lora=memcalc.LoRA(RANK), kbit_checkpointing="on")
+    with pytest.raises(memcalc.InvalidInputError, match="kbit_checkpointing"):
+        memcalc.FineTune(lora=memcalc.LoRA(RANK), quant="nf4", kbit_checkpointing="sometimes")
+    assert KbitCheckpointing("non-reentrant").kwargs == {"use_reentrant": False}
+    assert KbitCheckpointing.ON.kwargs == {}
+
+
+def test_the_trainers_ddp_with_unused_parameters_and_reentrance_is_refused(tmp_path: Path) -> None:
+    """A PeftModel is not a ``PreTrainedModel``, so the Trainer (TRL's too) passes DDP
+    ``find_unused_parameters=True`` unless ``ddp_find_unused_parameters`` says otherwise (read off
+    the real Trainer: test_the_real_trainer_picks_find_unused), and the real reentrant step then
+    fails (tests/test_reentrant_gloo_options.py): refused, naming the way out."""
+    pytest.importorskip("trl")
+    args = {"per_device_train_batch_size": 1, "gradient_checkpointing": True, "max_length": 16,
+            "gradient_checkpointing_kwargs": {"use_reentrant": True}, "use_cpu": True}
+    with pytest.raises(memcalc.InapplicableOptionError, match="Expected to mark a variable ready only once"):
+        memcalc.estimate(write_config(tmp_path, TINY), seq_len=16, loop="trl-sft", trainer_args=args,
+                         finetune=memcalc.FineTune(lora=memcalc.LoRA(RANK)),
+                         distributed=memcalc.Distributed("ddp", world_size=2))
+
+
+@pytest.mark.parametrize(("lora", "gc_on", "given", "expected"), [
+    (True, True, None, True), (True, True, False, False), (False, True, None, False), (False, False, None, True)])
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_the_real_trainer_picks_find_unused(tmp_path: Path, lora: bool, gc_on: bool, given: bool | None,
+                                            expected: bool) -> None:
+    """What the installed Trainer hands DDP (``accelerator.ddp_handler``), read off the real object:
+    the rule memcalc's refusal follows (memcalc.distributed.strategies.refuse_unused_reentrant)."""
+    import peft
+    import transformers
+
+    model: Any = transformers.LlamaForCausalLM._from_config(transformers.AutoConfig.for_model(**TINY))
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, task_type="CAUSAL_LM"))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing=gc_on,
+                                          ddp_find_unused_parameters=given, report_to="none")
+    assert transformers.Trainer(model=model, args=args).accelerator.ddp_handler.find_unused_parameters is expected
+
+
 @pytest.fixture(scope="module")
 def tiny_4bit(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("bitsandbytes")
