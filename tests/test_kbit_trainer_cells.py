@@ -176,6 +176,18 @@ def test_the_trainers_ddp_with_unused_parameters_and_reentrance_is_refused(tmp_p
                          distributed=memcalc.Distributed("ddp", world_size=2))
 
 
+@pytest.mark.parametrize("loop", ["trl-dpo", "trl-grpo"])
+def test_trl_loops_that_reenable_checkpointing_are_refused_in_the_peft_cells(tmp_path: Path, loop: str) -> None:
+    """TRL 1.16's DPO reference and GRPO generation run under ``disable_gradient_checkpointing``,
+    which enables PEFT's checkpointing again with the config's kwargs: the kind changes mid-run."""
+    pytest.importorskip("trl")
+    finetune = memcalc.FineTune(lora=memcalc.LoRA(RANK), quant="nf4", kbit_checkpointing="on")
+    with pytest.raises(memcalc.InapplicableOptionError, match="changes kind in the middle of the run"):
+        memcalc.estimate(write_config(tmp_path, TINY), seq_len=16, loop=loop, finetune=finetune,
+                         trainer_args={"per_device_train_batch_size": 2, "gradient_checkpointing": False,
+                                       "use_cpu": True})
+
+
 @pytest.mark.parametrize(("lora", "gc_on", "given", "expected"), [
     (True, True, None, True), (True, True, False, False), (False, True, None, False), (False, False, None, True)])
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

@@ -37,7 +37,9 @@ from torch import nn
 
 from memcalc.core.categories import Mode
 from memcalc.core.checkpointing import FULL, CheckpointKind
+from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.finetune import FineTune, KbitCheckpointing, Quant
+from memcalc.core.loop import LoopPreset
 from memcalc.core.precision import Precision
 from memcalc.core.units import format_bytes
 from memcalc.engine.prepare import KEEP_DTYPE
@@ -53,6 +55,11 @@ _HALF = (torch.float16, torch.bfloat16)
 _REENTRANT_NODE = "CheckpointFunctionBackward"
 #: The attribute transformers keeps a checkpointable layer's checkpoint function in.
 _FUNCTION = "_gradient_checkpointing_func"
+
+
+#: TRL loops whose scoring forward re-enables checkpointing with the config's kwargs (TRL 1.16's
+#: ``disable_gradient_checkpointing`` around DPO's reference and GRPO's generation and scoring).
+_REENABLING = (LoopPreset.TRL_DPO, LoopPreset.TRL_GRPO)
 
 
 def is_transformers_model(module: nn.Module) -> bool:
@@ -161,6 +168,15 @@ def kbit_checkpointing(module: nn.Module, step: Step) -> Step:
                 f"keeps it (the Trainer's loop would re-enable checkpointing with its own kwargs, "
                 f"use_reentrant=False by default)")
         return replace(step, checkpoint=replace(step.checkpoint, reentrant=True), notes=(*step.notes, note))
+    if preset in _REENABLING:
+        # trl.models.utils.disable_gradient_checkpointing: was_enabled (PEFT's) → enabled again with the config's kwargs
+        raise InapplicableOptionError(
+            f"loop {step.loop.name} with gradient_checkpointing off in its config and the checkpointing "
+            f"prepare_model_for_kbit_training turned on is not modelled: TRL's reference or generation forward "
+            f"disables it and enables it again with the config's gradient_checkpointing_kwargs (use_reentrant=False "
+            f"when none), so the step changes kind in the middle of the run",
+            hint="Give gradient_checkpointing=True with the kwargs you want (their kind then runs throughout), or "
+                 "--kbit-checkpointing off.")
     keeps = ("the Trainer enables its own only with gradient_checkpointing=True" if preset is not None
              and preset.is_trainer else "nothing enables another")
     note = (f"prepare_model_for_kbit_training turned on gradient checkpointing (use_gradient_checkpointing=True) "
