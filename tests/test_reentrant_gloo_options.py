@@ -15,7 +15,9 @@ two-process gloo runs (the harness of tests/gloo_runs.py, as tests/test_reentran
   as the error the real run raises.
 
 memcalc models no DDP option: the measured peaks say the options change nothing on this step
-(the test asserts every rank equal to plain DDP's), so memcalc's DDP estimate holds for them.
+(the test asserts every rank equal to plain DDP's), so memcalc's DDP estimate holds for them; the
+failing combination is refused where the Trainer would pass it
+(memcalc.distributed.strategies.refuse_unused_reentrant, tests/test_kbit_trainer_cells.py).
 """
 
 from __future__ import annotations
