@@ -1,7 +1,7 @@
 """The options that describe the user's setup rather than the step's shape: the training loop
 (``--loop``, ``--keep-grads``, ``--optim-impl``, ``--training-args``), the software stack (``--torch-version``,
 ``--cuda-version``, ``--context-mib``) and fine-tuning (``--freeze``, ``--lora*``,
-``--quant``, ``--double-quant``). Each group becomes one object of the API
+``--quant``, ``--double-quant``, ``--kbit-checkpointing``). Each group becomes one object of the API
 (:class:`memcalc.Loop`, :class:`memcalc.Stack`, :class:`memcalc.FineTune`); ``--training-args``
 is :func:`memcalc.estimate`'s ``trainer_args``."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from memcalc.core.finetune import FineTune, LoRA, Quant
+from memcalc.core.finetune import FineTune, KbitCheckpointing, LoRA, Quant
 from memcalc.core.loop import Loop, LoopPreset, OptimizerImpl
 from memcalc.core.stack import Stack
 from memcalc.sources.user_code import load_function
@@ -22,7 +22,7 @@ __all__ = ("SETUP_PARAMETERS", "setup_arguments", "setup_options")
 #: The command parameters :func:`setup_options` adds (popped by :func:`setup_arguments`).
 SETUP_PARAMETERS = ("loop", "keep_grads", "optim_impl", "training_args", "torch_version", "cuda_version",
                     "context_mib", "freeze", "lora", "lora_alpha", "lora_dropout", "lora_targets", "quant",
-                    "double_quant")
+                    "double_quant", "kbit_checkpointing")
 
 
 def setup_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,6 +74,12 @@ def setup_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--quant", type=click.Choice([q.value for q in Quant]), default=None,
                      help="Store the frozen Linear weights quantized as bitsandbytes does (QLoRA: nf4)."),
         click.option("--double-quant", is_flag=True, help="With --quant nf4|fp4: quantize the absmax too."),
+        click.option("--kbit-checkpointing", type=click.Choice([k.value for k in KbitCheckpointing]), default=None,
+                     help="With --quant and --lora: how the recipe called prepare_model_for_kbit_training: "
+                          "use_gradient_checkpointing off, on (PEFT's default: no kwargs, torch's default kind), or "
+                          "on with use_reentrant True (reentrant) or False (non-reentrant). Its checkpointing stays "
+                          "on where the loop enables none (the Trainer with gradient_checkpointing=False). Default: "
+                          "on with --checkpoint, off without."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -106,7 +112,9 @@ def setup_arguments(params: dict[str, Any]) -> dict[str, Any]:
                     targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None)
     elif values["lora_alpha"] is not None or values["lora_targets"] is not None or values["lora_dropout"]:
         raise click.UsageError("--lora-alpha, --lora-dropout and --lora-targets go with --lora RANK")
-    if values["freeze"] or lora is not None or values["quant"] is not None or values["double_quant"]:
+    if (values["freeze"] or lora is not None or values["quant"] is not None or values["double_quant"]
+            or values["kbit_checkpointing"] is not None):
         out["finetune"] = FineTune(freeze=tuple(values["freeze"] or ()), lora=lora, quant=values["quant"],
-                                   double_quant=bool(values["double_quant"]))
+                                   double_quant=bool(values["double_quant"]),
+                                   kbit_checkpointing=values["kbit_checkpointing"])
     return out

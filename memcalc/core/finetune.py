@@ -1,5 +1,5 @@
 """Fine-tuning choices: which parameters train, adapters and a quantized base
-(:class:`FineTune`, :class:`LoRA`, :class:`Quant`).
+(:class:`FineTune`, :class:`LoRA`, :class:`Quant`, :class:`KbitCheckpointing`).
 
 Vocabulary only: :mod:`memcalc.stacks.peft` freezes and wraps the model with PEFT, and
 :mod:`memcalc.stacks.bitsandbytes.quantized_base` stores the frozen Linear weights as bitsandbytes does.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from memcalc.core.choices import parse_choice
 from memcalc.core.errors import InvalidInputError
 
-__all__ = ("FineTune", "LoRA", "Quant")
+__all__ = ("FineTune", "KbitCheckpointing", "LoRA", "Quant")
 
 
 class Quant(str, enum.Enum):
@@ -22,6 +22,32 @@ class Quant(str, enum.Enum):
     NF4 = "nf4"
     FP4 = "fp4"
     INT8 = "int8"
+
+
+class KbitCheckpointing(str, enum.Enum):
+    """How the recipe called ``peft.prepare_model_for_kbit_training``: its
+    ``use_gradient_checkpointing`` (True by default) and ``gradient_checkpointing_kwargs``.
+
+    The checkpointing it turns on stays on where the loop does not enable its own (the Trainer
+    with ``gradient_checkpointing=False``, a user's loop): docs/checkpointing.md, "QLoRA"."""
+
+    #: ``use_gradient_checkpointing=False``.
+    OFF = "off"
+    #: ``use_gradient_checkpointing=True`` with no kwargs (PEFT's default call): torch's own
+    #: default kind, read off the function transformers installs (reentrant on torch 2.13).
+    ON = "on"
+    #: ``gradient_checkpointing_kwargs={"use_reentrant": True}``.
+    REENTRANT = "reentrant"
+    #: ``gradient_checkpointing_kwargs={"use_reentrant": False}``.
+    NON_REENTRANT = "non-reentrant"
+
+    @property
+    def kwargs(self) -> dict[str, bool]:
+        """PEFT's ``gradient_checkpointing_kwargs`` for this call."""
+        return {"use_reentrant": self is KbitCheckpointing.REENTRANT} if self in _GIVEN else {}
+
+
+_GIVEN = (KbitCheckpointing.REENTRANT, KbitCheckpointing.NON_REENTRANT)
 
 
 @dataclass(frozen=True)
@@ -66,12 +92,16 @@ class FineTune:
             as bitsandbytes stores them; embeddings and the LM head stay unquantized.
         double_quant: 4-bit only: the per-block absmax quantized again (bnb's
             ``compress_statistics``, QLoRA's double quantization).
+        kbit_checkpointing: how the QLoRA recipe called ``prepare_model_for_kbit_training``
+            (:class:`KbitCheckpointing` or its name); None: as the step's checkpointing says (on,
+            without kwargs, with ``checkpoint``; off without).
     """
 
     freeze: tuple[str, ...] = ()
     lora: LoRA | None = None
     quant: Quant | None = None
     double_quant: bool = False
+    kbit_checkpointing: KbitCheckpointing | None = None
 
     def __post_init__(self) -> None:
         given: object = self.freeze  # a str is accepted for one pattern
@@ -87,6 +117,13 @@ class FineTune:
             raise InvalidInputError(f"double_quant must be True or False, got {self.double_quant!r}")
         if self.double_quant and self.quant not in (Quant.NF4, Quant.FP4):
             raise InvalidInputError("double quantization (--double-quant) applies to 4-bit weights (--quant nf4|fp4)")
+        if self.kbit_checkpointing is not None:
+            object.__setattr__(self, "kbit_checkpointing",
+                               parse_choice(KbitCheckpointing, self.kbit_checkpointing, "kbit_checkpointing"))
+            if self.quant is None or self.lora is None:
+                raise InvalidInputError("kbit_checkpointing (--kbit-checkpointing) describes "
+                                        "prepare_model_for_kbit_training, which the QLoRA recipe runs: it goes with "
+                                        "a quantized base and LoRA (--quant and --lora)")
 
     @property
     def is_empty(self) -> bool:

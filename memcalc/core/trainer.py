@@ -36,6 +36,8 @@ class TrainerArguments:
         mesh: the device mesh of their ``parallelism_config`` (accelerate's ``ParallelismConfig``),
             as ``(dimension, degree)`` pairs of the degrees above 1; empty without one. The
             estimate runs on it (:func:`memcalc.estimate_step`), exactly as under ``--mesh``.
+        ddp_find_unused_parameters: their ``ddp_find_unused_parameters`` (None: unset, the
+            Trainer then decides from the model: :func:`memcalc.distributed.strategies.refuse_unused_reentrant`).
     """
 
     source: str
@@ -46,6 +48,7 @@ class TrainerArguments:
     loop: str = "trainer"
     trl: TrlSettings | None = None
     mesh: tuple[tuple[str, int], ...] = ()
+    ddp_find_unused_parameters: bool | None = None
 
     def describe(self) -> str:
         """One line for the report's notes."""

@@ -36,12 +36,12 @@ from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.run import CostRecorderFactory, Replayed, build_report, replay_step
 from memcalc.engine.step_spec import Step
 from memcalc.stacks.float8 import apply_float8
-from memcalc.stacks.kbit import kbit_checkpointing
+from memcalc.stacks.kbit import is_transformers_model, kbit_checkpointing
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
 
-__all__ = ("estimate_per_rank", "refuse_reentrant")
+__all__ = ("estimate_per_rank", "refuse_reentrant", "refuse_unused_reentrant")
 
 
 # ============================================================================================
@@ -97,6 +97,7 @@ def estimate_per_rank(step: Step, distributed: Distributed,
             spec = step.optimizer if role.optimizer else spec_for(Optimizer.NONE)
             precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
             kbit_step = _kbit_checkpointing(resolved, role_step, distributed)
+            refuse_unused_reentrant(resolved, kbit_step, distributed)
             traced_step = replace(kbit_step, precision=precision, optimizer=program.optimizer_spec(spec),
                                   loss_fn=role.loss_fn or step.loss_fn)
             traced = trace_step(resolved, traced_step, hooks=program, costs=costs)
@@ -160,6 +161,34 @@ def _kbit_checkpointing(resolved: ResolvedModel, step: Step, distributed: Distri
     if made.checkpoint.reentrant and not step.checkpoint.reentrant:
         refuse_reentrant(distributed)
     return made
+
+
+def refuse_unused_reentrant(resolved: ResolvedModel, step: Step, distributed: Distributed) -> None:
+    """Refuse the Trainer's DDP with ``find_unused_parameters=True`` around the reentrant checkpoint:
+    the real run fails there. The Trainer (transformers 5.25, ``_build_accelerator_args``) passes
+    ``ddp_find_unused_parameters``, or when unset True for a model that is not a ``PreTrainedModel``
+    (a ``PeftModel`` among them: LoRA) and ``not is_activation_checkpointing`` for one that is. The
+    parameters a reentrant block uses are unreachable from the output (its forward ran under
+    ``no_grad``), so DDP marks them unused, then sees their gradients in the recomputation: "Expected
+    to mark a variable ready only once" (two gloo ranks, tests/test_reentrant_gloo_options.py, where
+    ``find_unused_parameters`` and ``static_graph`` otherwise change no byte)."""
+    preset = step.loop.preset
+    if not (distributed.strategy is Strategy.DDP and step.checkpoint.reentrant and preset is not None
+            and preset.is_trainer and step.trainer_args is not None):
+        return
+    given = step.trainer_args.ddp_find_unused_parameters
+    peft = step.finetune.lora is not None  # the Trainer is handed the PeftModel
+    if given is False or (given is None and not peft and is_transformers_model(resolved.module)):
+        return
+    why = ("ddp_find_unused_parameters=True" if given else
+           "ddp_find_unused_parameters is unset, so the Trainer passes find_unused_parameters=True for a model "
+           f"that is not a PreTrainedModel ({'a PeftModel' if peft else 'a plain torch module'})")
+    raise InapplicableOptionError(f"loop {step.loop.name} under --strategy ddp with reentrant checkpointing fails in "
+                                  f"the real run: {why}, and DistributedDataParallel(find_unused_parameters=True) "
+                                  f"marks the reentrant blocks' parameters unused, then sees their gradients "
+                                  f"(torch: 'Expected to mark a variable ready only once')",
+                                  hint="Set ddp_find_unused_parameters=False in the TrainingArguments (torch's notes "
+                                       "ask for it with the reentrant checkpoint), or use_reentrant=False.")
 
 
 #: Meshes whose rank programs a deep model's step is composed under from shallow ones

@@ -14,7 +14,9 @@ gradient checkpointing, given memcalc's checkpoint function.
 ``gradient_checkpointing_kwargs``, so torch's ``checkpoint`` gets no ``use_reentrant``: torch 2.13
 runs that reentrant. :func:`kbit_checkpointing` reads the kind off the function transformers set
 up (one probe call) and a step on memcalc's or the user's loop follows it; the Trainer (TRL's
-trainers too) re-enables checkpointing with its own kwargs, whose kind wins (docs/notes/kbit.md).
+trainers too) re-enables checkpointing with its own kwargs only with ``gradient_checkpointing=True``,
+whose kind then wins; without it PEFT's stays on (docs/notes/kbit.md; the recipe's call:
+:class:`~memcalc.core.finetune.KbitCheckpointing`).
 
 **The step's precision.** After preparation no parameter is in 16 bits, so a bf16 recipe runs
 float32 weights under bf16 autocast: :func:`kbit_precision` turns ``bf16`` into ``amp-bf16``
@@ -34,16 +36,18 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Mode
-from memcalc.core.checkpointing import CheckpointKind
-from memcalc.core.finetune import FineTune, Quant
+from memcalc.core.checkpointing import FULL, CheckpointKind
+from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.finetune import FineTune, KbitCheckpointing, Quant
+from memcalc.core.loop import LoopPreset
 from memcalc.core.precision import Precision
 from memcalc.core.units import format_bytes
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.step_spec import Step
 from memcalc.stacks.transformers.hub import import_hf
 
-__all__ = ("is_transformers_model", "kbit_checkpointing", "kbit_precision", "prepare_for_kbit_training",
-           "prepares_for_kbit", "set_up_reentrant")
+__all__ = ("is_transformers_model", "kbit_checkpointing", "kbit_precision", "prepare_checkpointing",
+           "prepare_for_kbit_training", "prepares_for_kbit", "set_up_reentrant")
 
 #: The dtypes ``prepare_model_for_kbit_training`` casts to float32.
 _HALF = (torch.float16, torch.bfloat16)
@@ -51,6 +55,11 @@ _HALF = (torch.float16, torch.bfloat16)
 _REENTRANT_NODE = "CheckpointFunctionBackward"
 #: The attribute transformers keeps a checkpointable layer's checkpoint function in.
 _FUNCTION = "_gradient_checkpointing_func"
+
+
+#: TRL loops whose scoring forward re-enables checkpointing with the config's kwargs (TRL 1.16's
+#: ``disable_gradient_checkpointing`` around DPO's reference and GRPO's generation and scoring).
+_REENABLING = (LoopPreset.TRL_DPO, LoopPreset.TRL_GRPO)
 
 
 def is_transformers_model(module: nn.Module) -> bool:
@@ -73,7 +82,16 @@ def kbit_precision(precision: Precision) -> Precision:
     return {Precision.BF16: Precision.AMP_BF16, Precision.FP16: Precision.AMP_FP16}.get(precision, precision)
 
 
-def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Precision, checkpoint: bool) -> str:
+def prepare_checkpointing(finetune: FineTune, checkpoint: bool) -> KbitCheckpointing:
+    """How ``prepare_model_for_kbit_training`` is called: as ``finetune`` says, else on (PEFT's
+    default call, no kwargs) when the step checkpoints and off when it does not."""
+    if finetune.kbit_checkpointing is not None:
+        return finetune.kbit_checkpointing
+    return KbitCheckpointing.ON if checkpoint else KbitCheckpointing.OFF
+
+
+def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Precision,
+                              checkpointing: KbitCheckpointing) -> str:
     """Load ``module`` (its Linear layers already quantized, on meta) in the precision's parameter
     dtype and run PEFT's ``prepare_model_for_kbit_training`` on it, in place. Returns the report's note.
 
@@ -82,7 +100,7 @@ def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Pre
             :func:`memcalc.stacks.bitsandbytes.quantized_base.quantize_linears`.
         quant: the quantization (which ``is_loaded_in_*`` transformers sets).
         precision: the user's precision: the dtype the model is loaded in (``from_pretrained(dtype=...)``).
-        checkpoint: gradient checkpointing (PEFT's ``use_gradient_checkpointing``).
+        checkpointing: PEFT's ``use_gradient_checkpointing`` and ``gradient_checkpointing_kwargs``.
     """
     peft = import_hf("peft", "QLoRA (--lora with --quant)")
     _load_in(module, precision.parameter_dtype)
@@ -92,7 +110,9 @@ def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Pre
     with warnings.catch_warnings():
         # transformers' deprecation of gradient_checkpointing_enable, reached through PEFT: not the user's concern
         warnings.filterwarnings("ignore", category=FutureWarning)
-        peft.prepare_model_for_kbit_training(module, use_gradient_checkpointing=checkpoint)
+        peft.prepare_model_for_kbit_training(module,
+                                             use_gradient_checkpointing=checkpointing is not KbitCheckpointing.OFF,
+                                             gradient_checkpointing_kwargs=checkpointing.kwargs or None)
     cast = [p for p in module.parameters() if id(p) in half and p.dtype is torch.float32]
     for p in module.parameters():
         if p.is_floating_point():
@@ -109,33 +129,59 @@ def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Pre
         note += (f"; the step runs as {kbit_precision(precision).value}: float32 weights under "
                  f"{_name(precision.compute_dtype)} autocast, as TrainingArguments({_name(precision.compute_dtype)}"
                  f"=True) trains them")
-    if not checkpoint:
+    if checkpointing is KbitCheckpointing.OFF:
         note += ("; without gradient checkpointing (prepare_model_for_kbit_training turns it on by default: "
-                 "add --checkpoint if the recipe keeps that default)")
+                 "add --checkpoint, or --kbit-checkpointing on where the loop does not enable its own, if the "
+                 "recipe keeps that default)")
     return note
 
 
 def kbit_checkpointing(module: nn.Module, step: Step) -> Step:
-    """``step`` with the checkpoint kind ``prepare_model_for_kbit_training`` left on ``module``
+    """``step`` with the checkpointing ``prepare_model_for_kbit_training`` left on ``module``
     (after :func:`prepare_for_kbit_training`, before the step is traced), where the loop keeps it.
 
     The Trainer's loop (and TRL's, which inherit it) calls ``activation_checkpointing_enable`` again
-    in ``train()`` with ``TrainingArguments``' kwargs (transformers' ``use_reentrant=False`` when
-    none): that kind wins and ``step`` already carries it. Any other loop (memcalc's, a user's
-    function) runs what PEFT set up: made reentrant where :func:`set_up_reentrant` finds it so. A
-    selective policy is memcalc's own setting, not PEFT's, and stays as it is.
+    in ``train()`` only with ``gradient_checkpointing=True``, with ``TrainingArguments``' kwargs
+    (transformers' ``use_reentrant=False`` when none): that kind wins and ``step`` already carries
+    it. With ``gradient_checkpointing=False`` the Trainer leaves the model as PEFT left it, and so
+    does any other loop (memcalc's, a user's function): PEFT's checkpointing then runs, of the kind
+    :func:`set_up_reentrant` reads off the function transformers installed, even where the step
+    asked for none. A selective policy is memcalc's own setting, not PEFT's, and stays as it is.
     """
-    preset = step.loop.preset
-    if (not step.checkpoint or step.checkpoint.reentrant or not prepares_for_kbit(module, step.finetune, step.mode)
-            or (preset is not None and preset.is_trainer)
-            or step.checkpoint.kind not in (CheckpointKind.FULL, CheckpointKind.EVERY)
-            or not set_up_reentrant(module)):
+    if not prepares_for_kbit(module, step.finetune, step.mode):
         return step
-    note = (f"the checkpoint prepare_model_for_kbit_training set up is reentrant: PEFT passes transformers no "
-            f"use_reentrant, and torch {torch.__version__.split('+')[0]}'s checkpoint without it runs "
-            f"CheckpointFunction; loop {step.loop.name} keeps it (the Trainer's loop would re-enable "
-            f"checkpointing with its own kwargs, use_reentrant=False by default)")
-    return replace(step, checkpoint=replace(step.checkpoint, reentrant=True), notes=(*step.notes, note))
+    called = prepare_checkpointing(step.finetune, bool(step.checkpoint))
+    preset = step.loop.preset
+    if called is KbitCheckpointing.OFF or (step.checkpoint and (
+            (preset is not None and preset.is_trainer) or step.checkpoint.reentrant
+            or step.checkpoint.kind not in (CheckpointKind.FULL, CheckpointKind.EVERY))):
+        return step
+    reentrant = set_up_reentrant(module)
+    kind = "reentrant" if reentrant else "non-reentrant"
+    how = ("PEFT passes transformers no use_reentrant, and torch "
+           f"{torch.__version__.split('+')[0]}'s checkpoint without it runs {'' if reentrant else 'no '}"
+           "CheckpointFunction" if not called.kwargs else f"gradient_checkpointing_kwargs={called.kwargs}")
+    if step.checkpoint:
+        if not reentrant:
+            return step
+        note = (f"the checkpoint prepare_model_for_kbit_training set up is reentrant: {how}; loop {step.loop.name} "
+                f"keeps it (the Trainer's loop would re-enable checkpointing with its own kwargs, "
+                f"use_reentrant=False by default)")
+        return replace(step, checkpoint=replace(step.checkpoint, reentrant=True), notes=(*step.notes, note))
+    if preset in _REENABLING:
+        # trl.models.utils.disable_gradient_checkpointing: was_enabled (PEFT's) → enabled again with the config's kwargs
+        raise InapplicableOptionError(
+            f"loop {step.loop.name} with gradient_checkpointing off in its config and the checkpointing "
+            f"prepare_model_for_kbit_training turned on is not modelled: TRL's reference or generation forward "
+            f"disables it and enables it again with the config's gradient_checkpointing_kwargs (use_reentrant=False "
+            f"when none), so the step changes kind in the middle of the run",
+            hint="Give gradient_checkpointing=True with the kwargs you want (their kind then runs throughout), or "
+                 "--kbit-checkpointing off.")
+    keeps = ("the Trainer enables its own only with gradient_checkpointing=True" if preset is not None
+             and preset.is_trainer else "nothing enables another")
+    note = (f"prepare_model_for_kbit_training turned on gradient checkpointing (use_gradient_checkpointing=True) "
+            f"and it stays on in loop {step.loop.name} ({keeps}): every layer, {kind} ({how})")
+    return replace(step, checkpoint=replace(FULL, reentrant=reentrant), notes=(*step.notes, note))
 
 
 def set_up_reentrant(module: nn.Module) -> bool:

@@ -29,7 +29,7 @@ from memcalc.engine.model import ResolvedModel
 from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.run import parameter_count
 from memcalc.stacks.bitsandbytes.quantized_base import quantize_linears
-from memcalc.stacks.kbit import kbit_precision, prepare_for_kbit_training, prepares_for_kbit
+from memcalc.stacks.kbit import kbit_precision, prepare_checkpointing, prepare_for_kbit_training, prepares_for_kbit
 from memcalc.stacks.transformers.hub import import_hf
 
 __all__ = ("PEFT_MODEL", "LoraResult", "add_lora", "apply_finetune", "finetune_module", "freeze_parameters",
@@ -58,8 +58,8 @@ def apply_finetune(resolved: ResolvedModel, finetune: FineTune, *, precision: Pr
         precision: gives the compute dtype of a quantized base, and the dtype it is loaded in.
         mode: in training, only frozen layers are quantized (bitsandbytes' weights cannot train):
             every eligible one with LoRA, those the freeze patterns name without it.
-        checkpoint: the step checkpoints its blocks (QLoRA's preparation then makes the input
-            embeddings' output require a gradient).
+        checkpoint: the step checkpoints its blocks (QLoRA's preparation then turns on transformers'
+            checkpointing, unless ``finetune.kbit_checkpointing`` says how the recipe called it).
 
     Returns:
         The same model, changed, with the notes added.
@@ -103,7 +103,8 @@ def finetune_module(module: nn.Module, finetune: FineTune, *, precision: Precisi
                                    compute_dtype=precision.compute_dtype, select=frozen)
         notes.append(summary.note)
         if prepares_for_kbit(module, finetune, mode):
-            notes.append(prepare_for_kbit_training(module, finetune.quant, precision=precision, checkpoint=checkpoint))
+            called = prepare_checkpointing(finetune, checkpoint)
+            notes.append(prepare_for_kbit_training(module, finetune.quant, precision=precision, checkpointing=called))
     if finetune.lora is not None:
         lora = add_lora(module, finetune.lora)
         module = lora.module

@@ -202,7 +202,14 @@ def read_training_args(args: Any = None) -> TrainerSetup:
     mesh = read_parallelism_config(values.get("parallelism_config"), "TrainingArguments")
     return TrainerSetup(options, impl, TrainerArguments(source=f"{source} (transformers {version})",
                                                          read=tuple(read), unknown=unread,
-                                                         mesh=() if mesh is None else mesh.degrees))
+                                                         mesh=() if mesh is None else mesh.degrees,
+                                                         ddp_find_unused_parameters=_find_unused(values)))
+
+
+def _find_unused(values: Mapping[str, Any]) -> bool | None:
+    """``ddp_find_unused_parameters`` as given (None: unset)."""
+    value = values.get("ddp_find_unused_parameters")
+    return None if value is None else bool(value)
 
 
 def _defaults_setup(transformers: ModuleType, defaults: dict[str, Any], source: str) -> TrainerSetup:
