@@ -49,21 +49,26 @@ def _compare(tmp_path: Path, config: dict[str, Any], kwargs: dict[str, Any], tim
     source = hf_config_source(tmp_path, config)
     report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(**degrees), **kwargs)
     (role,) = report.roles
-    cp, ep, dp_shard = degrees["cp"], degrees.get("ep", 1), degrees.get("dp_shard", 1)
-    assert role.ranks == tuple(range(cp * ep * dp_shard))
-    assert report.global_batch_size == dp_shard * ep * kwargs["batch_size"]  # the cp ranks share a batch
+    cp, ep, tp = degrees["cp"], degrees.get("ep", 1), degrees.get("tp", 1)
+    data = degrees.get("dp_shard", 1) * degrees.get("dp_replicate", 1)
+    assert role.ranks == tuple(range(cp * ep * tp * data))
+    assert report.global_batch_size == data * ep * kwargs["batch_size"]  # the cp (and tp) ranks share a batch
     estimate = role.report.peak_requested
-    peaks = run_cp(source, kwargs, tmp_path, cp=cp, ep=ep, dp_shard=dp_shard, timeout_s=timeout_s)
+    peaks = run_cp(source, kwargs, tmp_path, cp=cp, ep=ep, dp_shard=degrees.get("dp_shard", 1),
+                   dp_replicate=degrees.get("dp_replicate", 1), tp=tp, timeout_s=timeout_s)
     adam = kwargs["optimizer"] == "adam"
     for rank, peak in enumerate(peaks):
         real = peak.step_peak if adam else peak.peak  # less Adam's CPU step counters
-        if rank % cp == 0:  # cp rank 0 (the cp ranks are innermost): the rank memcalc traces
+        cp_rank = rank // tp % cp  # tp innermost, then cp
+        if cp_rank == 0:  # cp rank 0: the rank memcalc traces
             assert estimate == real, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
         elif kwargs["seq_len"] % (2 * cp):  # no load balancing: no partial merge, every rank alike
             assert real == estimate, f"rank {rank}: estimated {estimate:,} B vs real {real:,} B"
-        elif kwargs == SGD:  # the last cp rank merges without partial updates: no copy of the ring's output
-            # (at batch 2 · 16 the peak is in the ring's backward, whose steps differ by rank: cp rank 0 only)
-            assert real == peaks[rank - rank % cp].peak - LAST_CP_RANK_LESS, f"rank {rank}: {real:,} B"
+        elif kwargs == SGD:  # the last cp rank merges without partial updates: no copy of the ring's output, of
+            # its tp rank's heads (at batch 2 · 16 the peak is in the ring's backward, whose steps differ by rank:
+            # cp rank 0 only)
+            busiest = peaks[rank - cp_rank * tp].peak
+            assert real == busiest - LAST_CP_RANK_LESS // tp, f"rank {rank}: {real:,} B"
 
 
 @pytest.mark.parametrize("kwargs", [SGD, ADAM], ids=["sgd", "adam"])
@@ -97,3 +102,19 @@ def test_ep_x_cp_at_16_tokens_matches_the_busiest_rank_of_a_real_gloo_run(tmp_pa
 @pytest.mark.slow
 def test_dp_shard_x_ep_x_cp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path) -> None:
     _compare(tmp_path, TINY_MIXTRAL_8, SGD, timeout_s=900.0, dp_shard=2, cp=2, ep=2)
+
+
+@needs_ep
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [SGD, ADAM], ids=["sgd", "adam"])
+def test_dp_replicate_x_ep_x_cp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    # torchtitan's HSDP: FSDP2 over (dp_replicate, dp_shard_cp) and (dp_replicate, dp_shard_mod_ep), 8 processes
+    _compare(tmp_path, TINY_MIXTRAL, kwargs, timeout_s=900.0, dp_replicate=2, cp=2, ep=2)
+
+
+@needs_ep
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [SGD, ADAM], ids=["sgd", "adam"])
+def test_ep_x_cp_x_tp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    # tp's plan on attention and the dense part, the 8 experts over ep x cp x tp = 8 ranks (one each), 8 processes
+    _compare(tmp_path, TINY_MIXTRAL_8, kwargs, timeout_s=900.0, tp=2, cp=2, ep=2)

@@ -149,16 +149,22 @@ class ExpertParallelDimension(RankStrategy):
         dispatching its own ``B · S/cp`` tokens; FSDP2 shards each block's experts over the dp_shard ranks
         that hold the same experts (``dp_shard_mod_ep``) and the rest over ``dp_shard · ep · cp``
         (``dp_shard_cp``); the ring goes around both, on the rank's sequence shard."""
-        n, cp, dp_shard = self.degree, mesh.cp, mesh.dp_shard
+        n, cp, dp_shard, tp = self.degree, mesh.cp, mesh.dp_shard, mesh.tp
         owners = n * cp
         routing, factor = self.distributed.routing, self.distributed.capacity_factor
         fsdp, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * owners, experts_degree=dp_shard,
-                                        ep=owners, owners=owners)
+                                        ep=owners, owners=owners * tp)
         balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
+        strings = dict(self.distributed.tp_plan) if self.distributed.tp_plan is not None else None
 
         def program(resolved: ResolvedModel) -> RankProgram:
-            _refuse_uneven_experts(resolved, n, cp, dp_shard)
-            experts = ExpertParallel(owners, routing=routing, capacity_factor=factor, model_name=resolved.name)
+            _refuse_uneven_experts(resolved, n, cp, dp_shard, tp)
+            experts: RankProgram
+            if tp > 1:  # tp's plan on the dense part, the experts over ep x cp x tp (torchtitan's etp=1)
+                experts = expert_tensor_parallel(owners, tp, strings, routing=routing, capacity_factor=factor,
+                                                 model_name=resolved.name)
+            else:
+                experts = ExpertParallel(owners, routing=routing, capacity_factor=factor, model_name=resolved.name)
             return RingAttentionProgram(cp, StackedProgram(experts, fsdp(resolved)), load_balanced=balanced,
                                         cpu=not step.emulate_cuda)
 
@@ -206,7 +212,8 @@ class ExpertParallelDimension(RankStrategy):
         tp would put the experts over ep x cp x tp ranks (torchtitan's etp=1) with the ring over each tp
         rank's heads, dp_replicate would add HSDP's replicas around both FSDP2 meshes, and pp would run all
         of it inside each stage; none of these layouts has been run for real here, so each is refused by name."""
-        others = {name: degree for name, degree in mesh.used.items() if name not in ("ep", "cp", "dp_shard")}
+        others = {name: degree for name, degree in mesh.used.items()
+                  if name not in ("ep", "cp", "dp_shard", "dp_replicate", "tp")}
         if not others:
             return
         reasons = {"tp": "tp would split the experts over ep x cp x tp ranks (torchtitan's etp=1) and the ring over "
@@ -222,25 +229,27 @@ class ExpertParallelDimension(RankStrategy):
             hint=f"Estimate --mesh cp={mesh.cp},ep={self.degree} or dp_shard=N,cp={mesh.cp},ep={self.degree}.")
 
 
-def _refuse_uneven_experts(resolved: ResolvedModel, ep: int, cp: int, dp_shard: int) -> None:
-    """Refuse ep × cp ranks that do not divide every MoE layer's experts (transformers' own check),
-    and more dp_shard ranks than each holds (FSDP2's ``Shard(1)``, dp_shard's check), both named in
-    memcalc's terms: torchtitan's ep of ``ep · cp`` ranks borrows cp."""
-    owners = ep * cp
+def _refuse_uneven_experts(resolved: ResolvedModel, ep: int, cp: int, dp_shard: int, tp: int = 1) -> None:
+    """Refuse ep × cp (× tp) ranks that do not divide every MoE layer's experts (transformers' own
+    check), and more dp_shard ranks than each holds (FSDP2's ``Shard(1)``, dp_shard's check), both named
+    in memcalc's terms: torchtitan's ep of ``ep · cp`` ranks borrows cp (and tp, under its etp=1)."""
+    owners = ep * cp * tp
+    ranks = f"ep x cp = {owners}" if tp == 1 else f"ep x cp x tp = {owners}"
     for path in expert_modules(resolved.module, owners, resolved.name):
         count = getattr(resolved.module.get_submodule(path), "num_experts", None)
         if not isinstance(count, int):
             continue
         if count % owners:
             raise InvalidInputError(
-                f"ep={ep} with cp={cp} splits the experts over ep x cp = {owners} ranks (torchtitan's ep borrows "
-                f"cp), which do not divide the {count} experts of {path} in {resolved.name}",
-                hint="give an ep whose product with cp divides the number of experts")
+                f"ep={ep} with cp={cp}{f' and tp={tp}' if tp > 1 else ''} splits the experts over {ranks} ranks "
+                f"(torchtitan's ep borrows cp{' and tp' if tp > 1 else ''}), which do not divide the {count} "
+                f"experts of {path} in {resolved.name}",
+                hint=f"give an ep whose product with cp{' and tp' if tp > 1 else ''} divides the number of experts")
         if dp_shard > count // owners:
             raise InapplicableOptionError(
-                f"dp_shard={dp_shard} with ep={ep} and cp={cp}: each of the ep x cp = {owners} ranks holds "
-                f"{count // owners} experts of {path}, fewer than the dp_shard ranks, and torchtitan then shards "
-                f"them on dim 1 (Shard(1)), which memcalc does not model",
+                f"dp_shard={dp_shard} with ep={ep} and cp={cp}{f' and tp={tp}' if tp > 1 else ''}: each of the "
+                f"{ranks} ranks holds {count // owners} experts of {path}, fewer than the dp_shard ranks, and "
+                f"torchtitan then shards them on dim 1 (Shard(1)), which memcalc does not model",
                 hint=f"Give a dp_shard of at most {count // owners}, or an ep x cp that leaves each rank more experts.")
 
 

@@ -124,7 +124,7 @@ class TensorParallelDimension(RankStrategy):
         if mesh is None:
             return
         if mesh.ep > 1:  # tp x ep: ep's program runs this plan on its tp sub-mesh (ep's file); FSDP2 over it
-            composes = {"tp", "ep", "dp_shard", "dp_replicate"}
+            composes = {"tp", "ep", "cp", "dp_shard", "dp_replicate"}
         else:
             composes = {"tp", "cp", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp", "cp"}
         others = sorted(set(mesh.used) - composes)
