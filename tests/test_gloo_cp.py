@@ -30,9 +30,10 @@ from typing import Any
 import pytest
 from gloo_cp import run_cp
 from support import hf_config_source
-from test_ep import TINY_MIXTRAL, TINY_MIXTRAL_8
+from test_ep import EXPERT, TINY_MIXTRAL, TINY_MIXTRAL_8
 
 import memcalc
+from memcalc.core.report import RoleReport
 from memcalc.distributed.expert_parallel import expert_parallelism_available
 
 pytest.importorskip("transformers")
@@ -45,7 +46,7 @@ LAST_CP_RANK_LESS = 2 * (4 * 4 * 32 * 16 * 4)
 
 
 def _compare(tmp_path: Path, config: dict[str, Any], kwargs: dict[str, Any], timeout_s: float = 300.0,
-             **degrees: int) -> None:
+             **degrees: int) -> RoleReport:
     source = hf_config_source(tmp_path, config)
     report = memcalc.estimate(source, gpu="cpu", distributed=memcalc.Distributed(**degrees), **kwargs)
     (role,) = report.roles
@@ -69,6 +70,7 @@ def _compare(tmp_path: Path, config: dict[str, Any], kwargs: dict[str, Any], tim
             # cp rank 0 only)
             busiest = peaks[rank - cp_rank * tp].peak
             assert real == busiest - LAST_CP_RANK_LESS // tp, f"rank {rank}: {real:,} B"
+    return role
 
 
 @pytest.mark.parametrize("kwargs", [SGD, ADAM], ids=["sgd", "adam"])
@@ -117,4 +119,10 @@ def test_dp_replicate_x_ep_x_cp_matches_every_rank_of_a_real_gloo_run(tmp_path: 
 @pytest.mark.parametrize("kwargs", [SGD, ADAM], ids=["sgd", "adam"])
 def test_ep_x_cp_x_tp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwargs: dict[str, Any]) -> None:
     # tp's plan on attention and the dense part, the 8 experts over ep x cp x tp = 8 ranks (one each), 8 processes
-    _compare(tmp_path, TINY_MIXTRAL_8, kwargs, timeout_s=900.0, tp=2, cp=2, ep=2)
+    role = _compare(tmp_path, TINY_MIXTRAL_8, kwargs, timeout_s=900.0, tp=2, cp=2, ep=2)
+    # what a rank holds, by hand: as under dp_shard=2 x tp=2 x ep=2 (tests/test_ep.py), one expert per layer (8 over
+    # 8 ranks here, 2 over 4 there halved by dp_shard's FSDP2) and the dense part's tp shards over 4 FSDP2 ranks
+    # (dp_shard x ep x cp = 1 x 2 x 2 here, dp_shard x ep = 2 x 2 there)
+    layer = (8 * 64 + 4 * 64 + 4 * 64 + 16 * 32) + 2 * 64 + 2 * 16 + EXPERT
+    held = 2 * (32 * 64) + 2 * layer + 16
+    assert held == 56_656 and role.report.textbook.parameter_bytes == 4 * held

@@ -127,14 +127,17 @@ class DpReplicate(RankStrategy):
 
     def _hsdp(self, plan: Plan, batch: Shard) -> Plan:
         """HSDP: FSDP2 on a 2-D mesh, which dp_shard's program already runs over its dp_shard
-        ranks (under ep x cp, ep's over dp_shard x ep x cp, with or without dp_shard). The replicas all-reduce each unit's reduce-scatter output in place
-        (``foreach_reduce``: ``dist.all_reduce(reduce_output, group=all_reduce_group)``), and the
-        buffer FSDP2 holds across units for it (``_all_reduce_state``) is that output, whose
-        views are the sharded gradients: no memory of its own on a rank."""
+        ranks (under ep x cp, ep's over dp_shard x ep x cp, with or without dp_shard). The replicas
+        all-reduce each unit's reduce-scatter output in place (``foreach_reduce``:
+        ``dist.all_reduce(reduce_output, group=all_reduce_group)``), and the buffer FSDP2 holds across
+        units for it (``_all_reduce_state``) is that output, whose views are the sharded gradients:
+        no memory of its own on a rank."""
         self._refuse_bucket_options()
         assert all(role.program is not None for role in plan.roles), "dp_shard applies before dp_replicate"
         roles = tuple(replace(role, sharding=sharding(role.sharding, batch)) for role in plan.roles)
-        note = (f"HSDP: {self.degree} replicas of the dp_shard group; each unit's sharded gradients are all-reduced "
+        mesh = self.distributed.mesh
+        group = "dp_shard x ep x cp" if mesh is not None and mesh.ep > 1 and mesh.cp > 1 else "dp_shard"
+        note = (f"HSDP: {self.degree} replicas of the {group} group; each unit's sharded gradients are all-reduced "
                 f"across them in place")
         return replace(plan, roles=roles, notes=(*plan.notes, note))
 

@@ -31,6 +31,7 @@ gloo runs agree to the byte, tests/test_gloo_cp.py); tp, dp_replicate or pp besi
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
@@ -174,11 +175,21 @@ class ExpertParallelDimension(RankStrategy):
                              f"ep x cp = {dp_shard} x {n} x {cp} ranks (torchtitan's dp_shard_cp mesh), each block's "
                              f"experts over the {dp_shard} dp_shard rank(s) that hold the same experts (its "
                              f"dp_shard_mod_ep mesh)")
-        notes = (f"expert parallelism over ep x cp = {owners} ranks (torchtitan's ep of {owners} borrows cp={cp} and "
-                 f"ep={n} of its dp_shard): each holds 1/{owners} of every MoE layer's experts (their gradients and "
-                 f"optimizer state) and dispatches its own {step.seq_len // cp if step.seq_len else '?'} tokens per "
-                 f"sample by all-to-all under {routing_text(routing, factor)}; the {cp} cp ranks share a batch, "
-                 f"each ep rank has its own; rank 0 traced (it holds the most, if any differ)", *fsdp_notes)
+        tokens = step.seq_len // cp if step.seq_len else "?"
+        if tp > 1:
+            split = (f"ep x cp x tp = {owners * tp} ranks (torchtitan's ep of {owners * tp} borrows cp={cp}, tp={tp} "
+                     f"(its etp=1 rule) and ep={n} of its dp_shard)")
+            sent = f"1/{tp} of its tp group's {tokens} tokens per sample"
+            dense = (f"; the dense part under tp's plan over the {tp} tp ranks, which share a batch and a sequence "
+                     f"shard, the ring over each tp rank's heads")
+        else:
+            split = f"ep x cp = {owners} ranks (torchtitan's ep of {owners} borrows cp={cp} and ep={n} of its dp_shard)"
+            sent, dense = f"its own {tokens} tokens per sample", ""
+        sharers = f"{cp} cp ranks" if tp == 1 else f"cp x tp = {cp * tp} ranks"
+        notes = (f"expert parallelism over {split}: each holds 1/{owners * tp} of every MoE layer's experts (their "
+                 f"gradients and optimizer state) and dispatches {sent} by all-to-all under "
+                 f"{routing_text(routing, factor)}; the {sharers} share a batch, each ep rank has its own; rank 0 "
+                 f"traced (it holds the most, if any differ){dense}", *fsdp_notes)
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
     def _refuse_others(self) -> None:
@@ -208,25 +219,27 @@ class ExpertParallelDimension(RankStrategy):
 
 
     def _refuse_beside_context_parallel(self, mesh: Mesh) -> None:
-        """ep × cp composes with dp_shard only (checked against a real gloo run, tests/test_gloo_cp.py):
-        tp would put the experts over ep x cp x tp ranks (torchtitan's etp=1) with the ring over each tp
-        rank's heads, dp_replicate would add HSDP's replicas around both FSDP2 meshes, and pp would run all
-        of it inside each stage; none of these layouts has been run for real here, so each is refused by name."""
+        """ep × cp composes with one of dp_shard, dp_replicate (torchtitan's HSDP around both FSDP2
+        meshes) or tp (the experts over ep x cp x tp ranks, torchtitan's etp=1 rule) at a time, each
+        checked against a real 4- or 8-process gloo run (tests/test_gloo_cp.py); two of them together
+        (16 processes, not run here) and pp (all of it inside each stage) are refused by name."""
+        beside: dict[str, int] = {name: mesh.used[name] for name in ("dp_shard", "dp_replicate", "tp")
+                                  if name in mesh.used}
         others = {name: degree for name, degree in mesh.used.items()
                   if name not in ("ep", "cp", "dp_shard", "dp_replicate", "tp")}
-        if not others:
+        if not others and len(beside) <= 1:
             return
-        reasons = {"tp": "tp would split the experts over ep x cp x tp ranks (torchtitan's etp=1) and the ring over "
-                         "each tp rank's heads, a layout not checked against a real run",
-                   "dp_replicate": "dp_replicate would put HSDP's replicas around both of its FSDP2 meshes "
-                                   "(dp_shard_mod_ep and dp_shard_cp), not checked against a real run",
-                   "pp": "pp would run the ring and the experts' all-to-all inside every pipeline stage, not modelled"}
-        listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
-        why = "; ".join(reasons.get(name, f"{name} is not modelled with it") for name in others)
+        listed = ", ".join(f"{name}={degree}" for name, degree in {**beside, **others}.items())
+        reasons = [f"{name} would run the ring and the experts' all-to-all inside every pipeline stage, not modelled"
+                   if name == "pp" else f"{name} is not modelled with it" for name in others]
+        if len(beside) > 1:
+            reasons.append(f"{' and '.join(beside)} together under ep x cp make a layout of "
+                           f"{mesh.ep * mesh.cp * math.prod(beside.values())} ranks not checked against a real run")
         raise InapplicableOptionError(
             f"ep={self.degree} with cp={mesh.cp} and {listed} is not modelled yet: memcalc composes expert parallelism "
-            f"with context parallelism and FSDP2 (dp_shard) only, as torchtitan lays them out; {why}",
-            hint=f"Estimate --mesh cp={mesh.cp},ep={self.degree} or dp_shard=N,cp={mesh.cp},ep={self.degree}.")
+            f"with context parallelism and one of dp_shard (FSDP2), dp_replicate (HSDP) or tp at a time, as "
+            f"torchtitan lays them out; {'; '.join(reasons)}",
+            hint=f"Estimate --mesh cp={mesh.cp},ep={self.degree} with one of dp_shard=N, dp_replicate=N or tp=T.")
 
 
 def _refuse_uneven_experts(resolved: ResolvedModel, ep: int, cp: int, dp_shard: int, tp: int = 1) -> None:
