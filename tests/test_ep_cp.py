@@ -55,7 +55,7 @@ def test_ep_x_cp_traces_each_ranks_share_of_the_sequence(tiny: str) -> None:  # 
     (dict(tp=2, cp=2, ep=2), InvalidInputError,
      r"ep=2 with cp=2 and tp=2 splits the experts over ep x cp x tp = 8 ranks.*4 experts"),
     (dict(dp_shard=2, tp=2, cp=2, ep=2), InapplicableOptionError,
-     r"ep=2 with cp=2 and dp_shard=2, tp=2 is not modelled yet.*16 ranks not checked against a real run"),
+     r"tp=2 with ep=2, cp=2 and dp_shard=2 is not modelled yet.*16 processes"),  # tp's own check, first
     (dict(dp_replicate=2, dp_shard=2, cp=2, ep=2), InapplicableOptionError,
      r"ep=2 with cp=2 and dp_shard=2, dp_replicate=2 is not modelled yet"),
     (dict(pp=2, cp=2, ep=2), InapplicableOptionError, r"pp composed with cp is not modelled yet"),
