@@ -19,8 +19,8 @@ the whole step) the pipeline applies it (:mod:`memcalc.distributed.tp_stages`). 
 ring goes around this program and FSDP2 over dp_shard × cp (cp's file). With ep (alone) ep's
 program runs this plan on its tp sub-mesh (tp × ep, ep's file), and with dp_shard too FSDP2 over
 that (dp_shard × tp × ep, torchtitan's etp=1 MoE layout; HSDP around it); with ep × cp (and neither
-dp_shard nor dp_replicate) the experts go over ep × cp × tp ranks and the ring around it all. With dp_replicate alone tp is
-refused by name: tracing one dimension alone would understate a rank.
+dp_shard nor dp_replicate) the experts go over ep × cp × tp ranks and the ring around it all. With
+dp_replicate alone tp is refused by name: tracing one dimension alone would understate a rank.
 """
 
 from __future__ import annotations
