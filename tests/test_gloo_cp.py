@@ -126,3 +126,20 @@ def test_ep_x_cp_x_tp_matches_every_rank_of_a_real_gloo_run(tmp_path: Path, kwar
     layer = (8 * 64 + 4 * 64 + 4 * 64 + 16 * 32) + 2 * 64 + 2 * 16 + EXPERT
     held = 2 * (32 * 64) + 2 * layer + 16
     assert held == 56_656 and role.report.textbook.parameter_bytes == 4 * held
+
+
+#: 16 experts: under dp_shard x tp x cp x ep each of the ep x cp x tp = 8 ranks holds 2 experts of a layer, which
+#: FSDP2 splits over dp_shard=2 on dim 0.
+TINY_MIXTRAL_16: dict[str, Any] = {**TINY_MIXTRAL_8, "num_local_experts": 16}
+
+
+@needs_ep
+@pytest.mark.slow
+@pytest.mark.parametrize("config, degrees", [
+    (TINY_MIXTRAL_8, dict(dp_replicate=2, tp=2)), (TINY_MIXTRAL_16, dict(dp_shard=2, tp=2)),
+    (TINY_MIXTRAL_8, dict(dp_replicate=2, dp_shard=2)),
+], ids=["dp_replicate-tp", "dp_shard-tp", "dp_replicate-dp_shard"])
+def test_ep_x_cp_with_two_more_dimensions_matches_every_rank_of_a_real_gloo_run(
+        tmp_path: Path, config: dict[str, Any], degrees: dict[str, int]) -> None:
+    # 16 processes each (the smallest meshes of these layouts): two of dp_shard, dp_replicate and tp beside ep x cp
+    _compare(tmp_path, config, SGD, timeout_s=1200.0, cp=2, ep=2, **degrees)

@@ -24,10 +24,10 @@ group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's `
 (:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte), and with dp_shard
 too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; 8 and, with HSDP, 16 processes, to the
 byte). The dense gradients' synchronisation over ep is not modelled without FSDP2 (stated). With
-dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp (and
-dp_shard) torchtitan's ep borrows cp: the experts over ep x cp ranks, each dispatching its own S/cp
-tokens, FSDP2 as with dp_shard over dp_shard x ep x cp, the ring around both (real 4- and 8-process
-gloo runs agree to the byte, tests/test_gloo_cp.py); tp, dp_replicate or pp beside it refused by name."""
+dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp, torchtitan's
+ep borrows cp (and tp): the experts over ep x cp (x tp) ranks, each dispatching its S/cp tokens (1/tp
+under tp), FSDP2 over dp_shard x ep x cp (HSDP with dp_replicate), the ring around it all; with up to two
+of dp_shard, dp_replicate, tp real 4- to 16-process gloo runs agree to the byte; all three, or pp, refused."""
 
 from __future__ import annotations
 
@@ -219,27 +219,29 @@ class ExpertParallelDimension(RankStrategy):
 
 
     def _refuse_beside_context_parallel(self, mesh: Mesh) -> None:
-        """ep × cp composes with one of dp_shard, dp_replicate (torchtitan's HSDP around both FSDP2
-        meshes) or tp (the experts over ep x cp x tp ranks, torchtitan's etp=1 rule) at a time, each
-        checked against a real 4- or 8-process gloo run (tests/test_gloo_cp.py); two of them together
-        (16 processes, not run here) and pp (all of it inside each stage) are refused by name."""
+        """ep × cp composes with dp_shard, dp_replicate (torchtitan's HSDP around both FSDP2 meshes)
+        and tp (the experts over ep x cp x tp ranks, torchtitan's etp=1 rule), any two of them at
+        once, each layout checked against a real 4- to 16-process gloo run (tests/test_gloo_cp.py); all
+        three together (32 processes, not run here) and pp (all of it inside each stage) are refused by
+        name (tp's own check refuses the first before this one runs)."""
         beside: dict[str, int] = {name: mesh.used[name] for name in ("dp_shard", "dp_replicate", "tp")
                                   if name in mesh.used}
         others = {name: degree for name, degree in mesh.used.items()
                   if name not in ("ep", "cp", "dp_shard", "dp_replicate", "tp")}
-        if not others and len(beside) <= 1:
+        if not others and len(beside) <= 2:
             return
         listed = ", ".join(f"{name}={degree}" for name, degree in {**beside, **others}.items())
         reasons = [f"{name} would run the ring and the experts' all-to-all inside every pipeline stage, not modelled"
                    if name == "pp" else f"{name} is not modelled with it" for name in others]
-        if len(beside) > 1:
-            reasons.append(f"{' and '.join(beside)} together under ep x cp make a layout of "
+        if len(beside) > 2:
+            reasons.append(f"{', '.join(beside)} all together under ep x cp make a layout of "
                            f"{mesh.ep * mesh.cp * math.prod(beside.values())} ranks not checked against a real run")
         raise InapplicableOptionError(
             f"ep={self.degree} with cp={mesh.cp} and {listed} is not modelled yet: memcalc composes expert parallelism "
-            f"with context parallelism and one of dp_shard (FSDP2), dp_replicate (HSDP) or tp at a time, as "
+            f"with context parallelism and at most two of dp_shard (FSDP2), dp_replicate (HSDP) and tp, as "
             f"torchtitan lays them out; {'; '.join(reasons)}",
-            hint=f"Estimate --mesh cp={mesh.cp},ep={self.degree} with one of dp_shard=N, dp_replicate=N or tp=T.")
+            hint=f"Estimate --mesh cp={mesh.cp},ep={self.degree} with at most two of dp_shard=N, dp_replicate=N and "
+                 f"tp=T.")
 
 
 def _refuse_uneven_experts(resolved: ResolvedModel, ep: int, cp: int, dp_shard: int, tp: int = 1) -> None:
