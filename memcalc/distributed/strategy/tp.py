@@ -120,7 +120,8 @@ class TensorParallelDimension(RankStrategy):
 
     def _refuse_others(self) -> None:
         """Refuse the dimensions tp does not compose with yet: all but dp_shard and cp, and HSDP's
-        dp_replicate around dp_shard; beside ep (tp × ep), all others, and beside ep × cp, all others and dp_shard with dp_replicate."""
+        dp_replicate around dp_shard; beside ep (tp × ep), all others, and beside ep × cp, all others
+        and dp_shard with dp_replicate."""
         mesh = self.distributed.mesh
         if mesh is None:
             return
