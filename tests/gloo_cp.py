@@ -1,4 +1,4 @@
-"""Real context-parallel training steps (``cp``, with ``ep`` and ``dp_shard`` around it) on processes
+"""Real context-parallel training steps (``cp``, with ``ep``, ``dp_shard``, ``dp_replicate`` and ``tp``) on processes
 over gloo, each rank's peak read from the profiler: the reference for memcalc's per-rank cp and
 ep × cp estimates on the CPU target (tests/test_gloo_cp.py).
 
@@ -9,7 +9,12 @@ the step, :mod:`memcalc.measure.step`), on torchtitan's mesh for MoE with cp (``
 split over that ep by transformers' ``apply_expert_parallelism`` (its ``AllToAllEP``, as
 tests/gloo_ep.py), each block's experts ``fully_shard``-ed over ``dp_shard_mod_ep`` and every block and
 the root over the flattened ``(dp_shard_mod_ep, dp_shard_in_ep, cp)`` (torchtitan's ``dp_shard_cp``;
-its ``apply_fsdp`` for MoE). Without ep, every block and the root over ``(dp_shard, cp)``.
+its ``apply_fsdp`` for MoE). Without ep, every block and the root over ``(dp_shard, cp)``. With
+``dp_replicate`` (HSDP) the same units over the 2-D ``(dp_replicate, dp_shard_cp)`` and ``(dp_replicate,
+dp_shard_mod_ep)`` meshes. With ``tp`` (innermost) the model's own tp plan first, by torch's
+``parallelize_module`` on the tp sub-mesh (as tests/gloo_ep.py), and the experts over the flattened
+``(ep, cp, tp)`` with tp as their batch-sharing group: torchtitan's rule ``ep = dp_shard_in_ep × cp × tp``
+(its etp=1); every rank builds the same batch, so the tp ranks share one, as they must.
 
 The sequence: torch's own ``_context_parallel_buffers`` shards the token ids and labels with its
 head-tail load balancer (as ``context_parallel`` does before it resizes the buffers in place; here

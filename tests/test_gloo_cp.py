@@ -16,6 +16,12 @@ attention layer, :mod:`memcalc.distributed.ring_attention`), the last cp rank 65
   estimated; cp rank 1 3,005,072 B. At 66 tokens (2 · cp does not divide them: no load balancing, no
   partial merge) every rank 3,085,328 B real and estimated.
 - dp_shard=2 × cp=2 × ep=2 (8 processes): 3,158,776 B real (cp rank 0) and estimated; cp rank 1 3,093,240 B.
+- dp_replicate=2 × cp=2 × ep=2 (8 processes, HSDP): as cp=2 × ep=2, SGD and Adam (2 · 16), to the byte on cp rank 0.
+- tp=2 × cp=2 × ep=2 (8 processes, 8 experts one per rank): 2,158,480 B real (cp rank 0, both tp ranks) and
+  estimated, cp rank 1 2,125,712 B (the ring-output copy of its tp rank's heads: LAST_CP_RANK_LESS / tp); Adam
+  at 2 · 16 1,217,436 B real less the step counters and estimated.
+- 16 processes, two of dp_shard, dp_replicate, tp beside cp=2 × ep=2 (SGD), to the byte on cp rank 0:
+  dp_replicate × tp 2,158,480 B; dp_shard × tp (16 experts) 2,154,232 B; dp_replicate × dp_shard 3,158,776 B.
 - cp=2 × ep=2 at batch 2 · 16 (SGD and Adam), whose peak is in the last layer's ring backward at its partial
   step: to the byte since the ring backward is modelled step by step (the CPU flash backward's copy of the half
   chunk of grad_out, the contiguous half of logsumexp, the call's smaller blocks): Adam 1,498,940 B real less
