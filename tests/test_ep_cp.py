@@ -56,7 +56,7 @@ def test_ep_x_cp_traces_each_ranks_share_of_the_sequence(tiny: str) -> None:  # 
      r"ep=2 with cp=2 and tp=2 splits the experts over ep x cp x tp = 8 ranks.*4 experts"),
     (dict(dp_replicate=2, dp_shard=2, tp=2, cp=2, ep=2), InapplicableOptionError,
      r"tp=2 with ep=2, cp=2 and dp_replicate=2, dp_shard=2 is not modelled yet.*32 processes"),  # tp's, first
-    (dict(pp=2, cp=2, ep=2), InapplicableOptionError, r"pp composed with cp is not modelled yet"),
+    (dict(pp=2, cp=2, ep=2), InapplicableOptionError, r"pp=2 with cp=2 and ep=2 is not modelled yet"),
 ], ids=["uneven", "dp_shard-over-experts", "uneven-with-tp", "all-three", "pp"])
 def test_what_ep_x_cp_refuses_is_named(tiny: str, degrees: dict[str, int], error: type[Exception],  # noqa: F811
                                        message: str) -> None:

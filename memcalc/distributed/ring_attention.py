@@ -51,6 +51,9 @@ __all__ = ("CUDA_RING", "CallTemporaries", "ForwardTemporaries", "Layout", "Ring
 
 #: ``_ContextParallelOptions.convert_to_f32``: the merge and the gradient accumulators in float32.
 _ACCUMULATOR_ITEMSIZE = 4
+#: The attribute that marks memcalc's ring patch of ``F.scaled_dot_product_attention``: ``context_parallel``
+#: patches it once per process, however many pipeline stages a rank holds.
+_RING_MARK = "_memcalc_ring_attention"
 #: The CPU flash kernels' dtypes by itemsize (float16 runs as bfloat16 does in their buffers).
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
@@ -360,6 +363,8 @@ class RingAttentionProgram(RankProgram):
     def install(self, tracer: StorageTracer, module: nn.Module) -> None:
         self.inner.install(tracer, module)
         self.tracer = tracer
+        if getattr(F.scaled_dot_product_attention, _RING_MARK, False):
+            return  # a rank's later pipeline stage: the process's one patch (its first stage's) rings it already
         self._original = F.scaled_dot_product_attention
         original = self._original
         program = self
@@ -368,10 +373,15 @@ class RingAttentionProgram(RankProgram):
                       **kwargs: Any) -> torch.Tensor:
             return program._ring(original, query, key, value, *args, **kwargs)
 
+        setattr(ring_sdpa, _RING_MARK, True)
         F.scaled_dot_product_attention = ring_sdpa
 
     def optimizer_spec(self, spec: OptimizerSpec) -> OptimizerSpec:
         return self.inner.optimizer_spec(spec)
+
+    def reduce_accumulated(self) -> None:
+        """A pipeline stage's (pp × cp): its FSDP2's gradient sync after the last microbatch."""
+        self.inner.reduce_accumulated()
 
     def remove(self) -> None:
         if self._original is not None:

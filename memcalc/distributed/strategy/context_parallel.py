@@ -49,7 +49,7 @@ class ContextParallel(DpShard):
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         cp = self.degree
-        seq_len = self._local_seq_len(step)
+        seq_len = self.local_seq_len(step)
         plan = every_rank(plan, self.distributed)
         mesh = self.distributed.mesh
         dp_shard = 1 if mesh is None else mesh.dp_shard
@@ -69,7 +69,7 @@ class ContextParallel(DpShard):
 
         if dp_shard > 1:
             notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
-        notes = [*notes, self._note(seq_len, balanced, step)]
+        notes = [*notes, self.note(seq_len, balanced, step)]
         shards = (Shard(MODEL_STATES, self.name, cp), Shard(("sequence",), self.name, cp))
         roles = tuple(replace(role, program=ringed(role.program), seq_len=seq_len,
                               sharding=sharding(role.sharding, *shards)) for role in plan.roles)
@@ -77,7 +77,8 @@ class ContextParallel(DpShard):
             notes[0] += " of each rank's tensor-parallel DTensor shards (dim 0 of the local shard)"
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
-    def _note(self, seq_len: int, balanced: bool, step: Step) -> str:
+    def note(self, seq_len: int, balanced: bool, step: Step) -> str:
+        """What a report says of the ring: each rank's tokens, the balancer, the K/V all-gather."""
         return (f"context parallelism over {self.degree} ranks: {seq_len} of {step.seq_len} tokens per sample per "
                 f"rank " + ("(head-tail load balancing)" if balanced else "(contiguous chunks: no load balancing, "
                                                                           "as torch does when 2 x cp does not divide "
@@ -89,9 +90,9 @@ class ContextParallel(DpShard):
         expert parallelism and FSDP2) is ep's, which applies next (torchtitan's ep borrows cp)."""
         shards = (Shard(MODEL_STATES, self.name, self.degree), Shard(("sequence",), self.name, self.degree))
         roles = tuple(replace(role, seq_len=seq_len, sharding=sharding(role.sharding, *shards)) for role in plan.roles)
-        return replace(plan, roles=roles, notes=(*plan.notes, self._note(seq_len, balanced, step)))
+        return replace(plan, roles=roles, notes=(*plan.notes, self.note(seq_len, balanced, step)))
 
-    def _local_seq_len(self, step: Step) -> int:
+    def local_seq_len(self, step: Step) -> int:
         """``S/cp``: the tokens per sample of one rank.
 
         Raises:

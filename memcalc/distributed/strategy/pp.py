@@ -8,13 +8,14 @@ A pipeline rank does not run one traced step but a schedule, so this dimension e
 whole step itself (``whole_step``). It composes with ``dp_shard`` as torchtitan does: each
 stage's module ``fully_shard``-ed over the dp_shard sub-mesh (every block and the stage's root),
 ``reshard_after_forward=False`` (torchtitan's default under a pipeline), and torch's
-``PipelineStage`` turning gradient sync and reshard-after-backward off for every microbatch's
-backward and syncing once in ``perform_reduce_grad``: a stage holds its unsharded parameters and
-gradients from its first forward to the end of its last backward (GPipe, 1F1B and
-Interleaved1F1B; the zero-bubble and V schedules with dp_shard are refused by name). The dp_shard ranks of one
-stage share one trace; ranks are numbered pp outermost (torchtitan's mesh order). With
-``dp_replicate`` too the stages are HSDP (the replicas' all-reduce is in place); without dp_shard
-or ep (DDP stages) it is refused by name.
+``PipelineStage`` syncing once in ``perform_reduce_grad``: a stage holds its unsharded parameters and
+gradients from its first forward to its last backward (GPipe, 1F1B, Interleaved1F1B; the zero-bubble
+and V schedules with dp_shard refused by name). A stage's dp_shard ranks share one trace, numbered
+pp outermost (torchtitan's mesh order). With ``dp_replicate`` too the stages are HSDP (the
+replicas' all-reduce in place); without dp_shard, ep or cp (DDP stages) it is refused by name.
+
+With ``cp`` (``pp=P,cp=C``, dp_shard around it; GPipe, 1F1B, Interleaved1F1B) each stage runs at ``S/cp``
+tokens, its attention torch's ring over the cp ranks (``RingAttentionProgram``), FSDP2 over dp_shard × cp.
 
 With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages, HSDP's
 dp_replicate around that; dp_replicate alone is HSDP over the ep ranks, torchtitan's ep borrowing its
@@ -44,7 +45,9 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import InnerParallel, Pipeline, estimate_pipeline, stage_mesh
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.program import RankProgram, StackedProgram
+from memcalc.distributed.ring_attention import RingAttentionProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, Setting, register
+from memcalc.distributed.strategy.context_parallel import ContextParallel
 from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
 from memcalc.distributed.tp_stages import StageTensorParallel
 from memcalc.distributed.vocabulary import DEFAULT_BUCKET_CAP_MB
@@ -67,13 +70,13 @@ class PipelineParallel(RankStrategy):
     mesh_dimension = "pp"
     options = frozenset({"pp_schedule", "microbatches", "pp_split"})
     whole_step = True
-    composes_with = frozenset({"dp_shard", "tp", "dp_replicate", "ep"})
+    composes_with = frozenset({"dp_shard", "tp", "dp_replicate", "ep", "cp"})
 
     def __init__(self, distributed: Setting, degree: int) -> None:
         super().__init__(distributed, degree)
         mesh = distributed.mesh
-        self.replicas = self._replicas(1 if mesh is None else mesh.dp_shard,
-                                       1 if mesh is None else mesh.ep)  # refused when made: plan asks
+        self.replicas = self._replicas(1 if mesh is None else mesh.dp_shard, 1 if mesh is None else mesh.ep,
+                                       1 if mesh is None else mesh.cp)  # refused when made: plan asks
 
     @classmethod
     def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
@@ -118,15 +121,19 @@ class PipelineParallel(RankStrategy):
         fsdp_notes: list[str] = []
         shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
         ep = 1 if mesh is None else mesh.ep
+        cp = 1 if mesh is None else mesh.cp
+        ring = None if cp == 1 else self._context_parallel(cp, tp, ep, replicas, pipeline)
         experts = None if ep == 1 else self._expert_parallel(ep, tp, replicas, dp_shard)
-        # FSDP2 wraps each stage under dp_shard, and under ep with dp_replicate alone: torchtitan's ep borrows
-        # its dp_shard (dp_shard_mod_ep = 1) and wraps every MoE stage, HSDP over the replicas
-        fsdp_stages = dp_shard > 1 or (experts is not None and replicas > 1)
+        # FSDP2 wraps each stage under dp_shard (or cp: torchtitan's dp_shard_cp), and under ep with dp_replicate
+        # alone: torchtitan's ep borrows its dp_shard (dp_shard_mod_ep = 1) and wraps every MoE stage, HSDP over the
+        # replicas
+        fsdp_stages = dp_shard > 1 or cp > 1 or (experts is not None and replicas > 1)
         if fsdp_stages:
             sharder = DpShard(self.distributed, dp_shard)
             sharder.refuse_finetune(step.finetune)
             if pipeline.schedule_kind not in _WITH_DP_SHARD:
                 fsdp_mesh = (f"pp={self.degree},dp_shard={dp_shard}" if dp_shard > 1
+                             else f"pp={self.degree},cp={cp}" if cp > 1
                              else f"pp={self.degree},dp_replicate={replicas},ep={ep}")
                 raise InapplicableOptionError(
                     f"--mesh {fsdp_mesh} under the {pipeline.schedule_kind.value} schedule is "
@@ -134,8 +141,8 @@ class PipelineParallel(RankStrategy):
                     f"{', '.join(s.value for s in _WITH_DP_SHARD)} only (the zero-bubble and V schedules split "
                     f"each backward in two)",
                     hint="Use --pp-schedule 1f1b, gpipe or interleaved-1f1b with dp_shard.")
-            if experts is None:
-                program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard, pipelined=True)
+            if experts is None:  # under cp over dp_shard x cp (torchtitan's dp_shard_cp)
+                program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * cp, pipelined=True)
             else:  # torchtitan's MoE FSDP per stage: the experts over dp_shard, the dense part over dp_shard x ep
                 program, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * ep, pipelined=True,
                                                    experts_degree=dp_shard, ep=ep, experts=experts.experts_paths,
@@ -170,21 +177,29 @@ class PipelineParallel(RankStrategy):
                 program = _with_tp(inner, program)
             shard = (*shard[:1], Shard(MODEL_STATES, "tp", tp), *shard[1:])
         width = 1 if inner is None else inner.degree
-        estimate = estimate_pipeline(replace(step, batch_size=batch), pipeline, costs=costs,
+        stage_step = replace(step, batch_size=batch)
+        if ring is not None:  # each stage's program: the ring around FSDP2 over dp_shard x cp, at S/cp tokens
+            assert program is not None
+            program, stage_step = _ringed(ring, program, step), replace(stage_step, seq_len=ring.local_seq_len(step))
+            shard = (*shard[:1], Shard(MODEL_STATES, "cp", cp), Shard(("sequence",), "cp", cp), *shard[1:])
+            fsdp_notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
+            fsdp_notes.append(ring.note(stage_step.seq_len or 0, _balanced(step, cp), step))
+        estimate = estimate_pipeline(stage_step, pipeline, costs=costs,
                                      stage_program=program, trace_precision=precision, inner=inner)
         report = estimate.as_report()
-        # every pipeline rank runs the whole batch, microbatch by microbatch (a later stage's own
-        # report counts the microbatch its stand-in input was built at); its dp_replicate, dp_shard and
-        # tp (or ep) ranks share its trace, numbered as torchtitan's mesh (pp, dp_replicate, dp_shard, tp)
+        # every pipeline rank runs the whole batch, microbatch by microbatch (a later stage's own report counts the
+        # microbatch its stand-in input was built at); its dp_replicate, dp_shard, cp and tp (or ep) ranks share its
+        # trace, numbered as torchtitan's mesh (pp, dp_replicate, dp_shard, cp, tp)
         roles = tuple(replace(role, sharding=shard, batch_size=batch,
-                              ranks=tuple(((r * replicas + p) * dp_shard + d) * width + t for r in role.ranks
-                                          for p in range(replicas) for d in range(dp_shard) for t in range(width)))
+                              ranks=tuple((((r * replicas + p) * dp_shard + d) * cp + c) * width + t for r in role.ranks
+                                          for p in range(replicas) for d in range(dp_shard) for c in range(cp)
+                                          for t in range(width)))
                       for role in report.roles)
         notes = (*report.notes, f"pipeline: {pipeline.describe()}, schedule from the installed torch", *fsdp_notes)
         return replace(report, distribution=replace(report.distribution, roles=roles), notes=notes,
                        step=replace(report.step, batch_size=batch))
 
-    def _replicas(self, dp_shard: int, ep: int) -> int:
+    def _replicas(self, dp_shard: int, ep: int, cp: int) -> int:
         """The dp_replicate degree: HSDP around each stage's FSDP2, as torchtitan runs it (with ep
         and no dp_shard, FSDP2 over the ep ranks: torchtitan's ep borrows its dp_shard).
 
@@ -197,7 +212,7 @@ class PipelineParallel(RankStrategy):
         replicas = 1 if mesh is None else mesh.dp_replicate
         if replicas == 1:
             return 1
-        if dp_shard == 1 and ep == 1:
+        if dp_shard == 1 and ep == 1 and cp == 1:  # (with cp: refused in estimate, by name)
             raise InapplicableOptionError(
                 f"pp={self.degree} with dp_replicate={replicas} alone (DDP stages) is not modelled yet: torch's "
                 f"PipelineStage runs a DistributedDataParallel stage under no_sync until its last backward, which "
@@ -242,6 +257,35 @@ class PipelineParallel(RankStrategy):
             self._refuse_loss_parallel()
         return StageExpertParallel(ep * tp, setting.routing, setting.capacity_factor, tp=tp)
 
+    def _context_parallel(self, cp: int, tp: int, ep: int, replicas: int, pipeline: Pipeline) -> ContextParallel:
+        """cp inside every stage, as torchtitan runs it: each stage's attention a ring over the cp
+        group, the microbatch's sequence sharded over it, FSDP2 over dp_shard x cp. Checked against
+        real gloo runs (tests/test_gloo_pipeline_cp.py) under GPipe, 1F1B and Interleaved1F1B, without
+        tp, ep or dp_replicate; the rest refused by name.
+
+        Raises:
+            InapplicableOptionError: cp with tp, ep or dp_replicate, or a zero-bubble or V schedule.
+        """
+        others = {"tp": tp, "ep": ep, "dp_replicate": replicas}
+        listed = ", ".join(f"{name}={degree}" for name, degree in others.items() if degree > 1)
+        if listed:
+            # without cp: dp_replicate needs dp_shard (or ep) beside it in a pipeline (HSDP stages)
+            alone = listed.replace(", ", ",") + (",dp_shard=N" if replicas > 1 and ep == 1 else "")
+            raise InapplicableOptionError(
+                f"pp={self.degree} with cp={cp} and {listed} is not modelled yet: memcalc composes context "
+                f"parallelism inside pipeline stages with dp_shard only (checked against real gloo runs of "
+                f"torch's schedules with its ring attention: pp x cp and pp x dp_shard x cp)",
+                hint=f"Estimate --mesh pp={self.degree},cp={cp} (dp_shard=N around it), or pp={self.degree},"
+                     f"{alone} without cp.")
+        if pipeline.schedule_kind not in _WITH_DP_SHARD:
+            raise InapplicableOptionError(
+                f"pp={self.degree} with cp={cp} under the {pipeline.schedule_kind.value} schedule is not modelled "
+                f"yet: each stage is FSDP2 over dp_shard x cp, whose stages are checked against real runs under "
+                f"{', '.join(s.value for s in _WITH_DP_SHARD)} only (the zero-bubble and V schedules split each "
+                f"backward in two)",
+                hint=f"Use --pp-schedule {', '.join(s.value for s in _WITH_DP_SHARD)} with cp.")
+        return ContextParallel(self.distributed, cp)
+
     def _tp_strings(self) -> dict[str, str] | None:
         plan = self.distributed.tp_plan
         return dict(plan) if plan is not None else None
@@ -263,6 +307,24 @@ class PipelineParallel(RankStrategy):
         self._refuse_loss_parallel()
         return StageTensorParallel(tp, self._tp_strings(), lambda: stage_mesh("tp"),
                                    optimizer_impl=self._tp_impl(step, dp_shard > 1))
+
+
+def _balanced(step: Step, cp: int) -> bool:
+    """torch's head-tail load balancing: on when ``2·cp`` divides the sequence."""
+    return step.seq_len is not None and step.seq_len % (2 * cp) == 0
+
+
+def _ringed(ring: ContextParallel, fsdp: Callable[[ResolvedModel], RankProgram],
+            step: Step) -> Callable[[ResolvedModel], RankProgram]:
+    """Each stage's program: FSDP2 over dp_shard x cp, ring attention around it (the ring's patch
+    of ``F.scaled_dot_product_attention`` is the process's: a rank's first stage makes it, and it
+    rings the calls of every stage the rank holds)."""
+
+    def program(stage: ResolvedModel) -> RankProgram:
+        return RingAttentionProgram(ring.degree, fsdp(stage), load_balanced=_balanced(step, ring.degree),
+                                    cpu=not step.emulate_cuda)
+
+    return program
 
 
 def _with_tp(inner: InnerParallel,
