@@ -1,4 +1,4 @@
-"""Real context-parallel training steps (``cp``, with ``ep`` and ``dp_shard`` around it) on processes
+"""Real context-parallel training steps (``cp``, with ``ep``, ``dp_shard``, ``dp_replicate`` and ``tp``) on processes
 over gloo, each rank's peak read from the profiler: the reference for memcalc's per-rank cp and
 ep × cp estimates on the CPU target (tests/test_gloo_cp.py).
 
@@ -9,7 +9,12 @@ the step, :mod:`memcalc.measure.step`), on torchtitan's mesh for MoE with cp (``
 split over that ep by transformers' ``apply_expert_parallelism`` (its ``AllToAllEP``, as
 tests/gloo_ep.py), each block's experts ``fully_shard``-ed over ``dp_shard_mod_ep`` and every block and
 the root over the flattened ``(dp_shard_mod_ep, dp_shard_in_ep, cp)`` (torchtitan's ``dp_shard_cp``;
-its ``apply_fsdp`` for MoE). Without ep, every block and the root over ``(dp_shard, cp)``.
+its ``apply_fsdp`` for MoE). Without ep, every block and the root over ``(dp_shard, cp)``. With
+``dp_replicate`` (HSDP) the same units over the 2-D ``(dp_replicate, dp_shard_cp)`` and ``(dp_replicate,
+dp_shard_mod_ep)`` meshes. With ``tp`` (innermost) the model's own tp plan first, by torch's
+``parallelize_module`` on the tp sub-mesh (as tests/gloo_ep.py), and the experts over the flattened
+``(ep, cp, tp)`` with tp as their batch-sharing group: torchtitan's rule ``ep = dp_shard_in_ep × cp × tp``
+(its etp=1); every rank builds the same batch, so the tp ranks share one, as they must.
 
 The sequence: torch's own ``_context_parallel_buffers`` shards the token ids and labels with its
 head-tail load balancer (as ``context_parallel`` does before it resizes the buffers in place; here
@@ -37,24 +42,24 @@ aten = torch.ops.aten
 
 
 def run_cp(source: str, kwargs: dict[str, Any], work_dir: Path, *, cp: int, ep: int = 1, dp_shard: int = 1,
-           timeout_s: float = 300.0) -> list[RankPeak]:
-    """The step of ``memcalc.estimate(source, **kwargs)`` run for real on ``dp_shard · ep · cp`` ranks
-    (module docstring); each rank's peak.
+           dp_replicate: int = 1, tp: int = 1, timeout_s: float = 300.0) -> list[RankPeak]:
+    """The step of ``memcalc.estimate(source, **kwargs)`` run for real on ``dp_replicate · dp_shard · ep ·
+    cp · tp`` ranks (module docstring; tp innermost, then cp); each rank's peak.
 
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    world = dp_shard * ep * cp
-    spawn_ranks(_worker, world, (source, kwargs, cp, ep, dp_shard, str(work_dir)), timeout_s)
+    world = dp_replicate * dp_shard * ep * cp * tp
+    spawn_ranks(_worker, world, (source, kwargs, (dp_replicate, dp_shard, ep, cp, tp), str(work_dir)), timeout_s)
     return [RankPeak(**json.loads((work_dir / f"cp-rank{rank}.json").read_text())) for rank in range(world)]
 
 
-def _worker(rank: int, world_size: int, port: int, source: str, kwargs: dict[str, Any], cp: int, ep: int,
-            dp_shard: int, work_dir: str) -> None:
+def _worker(rank: int, world_size: int, port: int, source: str, kwargs: dict[str, Any],
+            degrees: tuple[int, int, int, int, int], work_dir: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        result = _run(source, kwargs, cp, ep, dp_shard)
+        result = _run(source, kwargs, *degrees)
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"cp-rank{rank}.json").write_text(json.dumps(result.__dict__))
@@ -109,7 +114,8 @@ def cpu_ring_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return DTensor._op_dispatcher.wrap(tuple(results), tuple(spec(t) for t in results))
 
 
-def _run(source: str, kwargs: dict[str, Any], cp: int, ep: int, dp_shard: int) -> RankPeak:
+def _run(source: str, kwargs: dict[str, Any], dp_replicate: int, dp_shard: int, ep: int, cp: int,
+         tp: int) -> RankPeak:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
@@ -122,18 +128,29 @@ def _run(source: str, kwargs: dict[str, Any], cp: int, ep: int, dp_shard: int) -
     step = build_step(source, gpu="cpu", **kwargs)
     resolved = _resolve(step)
     module, inputs, _keep = _prepare(resolved, torch.device("cpu"), step)
-    mesh = init_device_mesh("cpu", (dp_shard, ep, cp, 1), mesh_dim_names=("dp_shard", "ep", "cp", "tp"))
+    mesh = init_device_mesh("cpu", (dp_replicate, dp_shard, ep, cp, tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "ep", "cp", "tp"))
     modules = dict(module.named_modules())
-    every = mesh["dp_shard", "ep", "cp"]._flatten("dp_shard_cp")
-    if ep > 1:  # the experts over torchtitan's ep = (dp_shard_in_ep, cp), then its apply_fsdp for MoE
+    mesh["dp_shard", "ep", "cp"]._flatten("dp_shard_cp")
+    # HSDP: torchtitan's 2-D (dp_replicate, dp_shard_cp) and (dp_replicate, dp_shard_mod_ep) meshes
+    every = mesh["dp_replicate", "dp_shard_cp"] if dp_replicate > 1 else mesh["dp_shard_cp"]
+    experts_mesh = mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
+    if tp > 1:  # the model's own tp plan on tp (ep rules first), as tests/gloo_ep.py
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from memcalc.distributed.tp_plans import resolve_plan
+
+        tp_plan = resolve_plan(module, None, resolved.name, expert_parallel=ep > 1)
+        parallelize_module(module, mesh["tp"], dict(tp_plan.styles))
+    if ep > 1:  # the experts over torchtitan's ep = (dp_shard_in_ep, cp, tp) (etp=1), then its apply_fsdp for MoE
         from transformers.distributed.expert_parallel import apply_expert_parallelism
 
         plan = module._expand_parallel_plan(dict(module.ep_plan))
-        apply_expert_parallelism(module, mesh["ep", "cp"]._flatten("ep_cp"), mesh["tp"], plan,
+        apply_expert_parallelism(module, mesh["ep", "cp", "tp"]._flatten("ep_cp_tp"), mesh["tp"], plan,
                                  ep_implementation="all_to_all")
         for name, style in plan.items():
             if style == "ep_dispatch_experts":
-                fully_shard(modules[name], mesh=mesh["dp_shard"])
+                fully_shard(modules[name], mesh=experts_mesh)
         assert route(module) > 0
     for block in modules[resolved.block_containers[0]]:
         fully_shard(block, mesh=every)

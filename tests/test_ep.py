@@ -421,9 +421,10 @@ def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
 # ---- refusals ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("degrees, message", [
-    (dict(cp=2, dp_replicate=2), r"ep=2 with cp=2 and dp_replicate=2 is not modelled yet"),  # ep x cp: tests/test_ep_cp.py
-    (dict(tp=2, cp=2), r"tp=2 with ep=2 and cp=2 is not modelled yet"),  # tp's own check, first
-], ids=["cp-dp_replicate", "tp-cp"])
+    # ep x cp with up to two of dp_shard, dp_replicate, tp composes (tests/test_ep_cp.py); all three do not
+    (dict(cp=2, dp_shard=2, dp_replicate=2, tp=2),
+     r"tp=2 with ep=2, cp=2 and dp_replicate=2, dp_shard=2 is not modelled yet"),  # tp's own check, first
+], ids=["cp-and-all-three"])
 def test_ep_with_another_dimension_is_refused_by_name(tiny: str, degrees: dict[str, int], message: str) -> None:
     with pytest.raises(InapplicableOptionError, match=message):
         memcalc.estimate(tiny, batch_size=2, seq_len=16, distributed=memcalc.Distributed(ep=2, **degrees))

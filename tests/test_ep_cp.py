@@ -1,6 +1,7 @@
-"""Expert parallelism with context parallelism (``--mesh dp_shard=N,cp=C,ep=E``), as torchtitan lays out
-MoE models with cp (``ParallelDims._build_mesh_with_ep``: its ep of ``E·C`` ranks borrows cp): what a rank
-holds, worked out by hand, and what stays refused, by name. The real multi-process runs: tests/test_gloo_cp.py.
+"""Expert parallelism with context parallelism (``--mesh dp_shard=N,cp=C,ep=E``, or with dp_replicate or tp
+instead of dp_shard), as torchtitan lays out MoE models with cp (``ParallelDims._build_mesh_with_ep``: its ep of
+``E·C`` ranks borrows cp, and tp under its etp=1 rule): what a rank holds, worked out by hand, and what stays
+refused, by name. The real multi-process runs: tests/test_gloo_cp.py.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ def test_ep_x_cp_traces_each_ranks_share_of_the_sequence(tiny: str) -> None:  # 
     (dict(cp=2, ep=4), InvalidInputError, r"ep=4 with cp=2 splits the experts over ep x cp = 8 ranks.*4 experts"),
     (dict(dp_shard=2, cp=2, ep=2), InapplicableOptionError,
      r"dp_shard=2 with ep=2 and cp=2: each of the ep x cp = 4 ranks holds 1 experts"),
-    (dict(dp_replicate=2, cp=2, ep=2), InapplicableOptionError,
-     r"ep=2 with cp=2 and dp_replicate=2 is not modelled yet.*HSDP"),
-    (dict(tp=2, cp=2, ep=2), InapplicableOptionError, r"tp=2 with ep=2 and cp=2 is not modelled yet"),
+    (dict(tp=2, cp=2, ep=2), InvalidInputError,
+     r"ep=2 with cp=2 and tp=2 splits the experts over ep x cp x tp = 8 ranks.*4 experts"),
+    (dict(dp_replicate=2, dp_shard=2, tp=2, cp=2, ep=2), InapplicableOptionError,
+     r"tp=2 with ep=2, cp=2 and dp_replicate=2, dp_shard=2 is not modelled yet.*32 processes"),  # tp's, first
     (dict(pp=2, cp=2, ep=2), InapplicableOptionError, r"pp=2 with cp=2 and ep=2 is not modelled yet"),
-], ids=["uneven", "dp_shard-over-experts", "dp_replicate", "tp", "pp"])
+], ids=["uneven", "dp_shard-over-experts", "uneven-with-tp", "all-three", "pp"])
 def test_what_ep_x_cp_refuses_is_named(tiny: str, degrees: dict[str, int], error: type[Exception],  # noqa: F811
                                        message: str) -> None:
     with pytest.raises(error, match=message):

@@ -312,9 +312,9 @@ def test_cli_mesh_with_its_own_strategy():
 
 
 def test_cli_mesh_unmodelled_dimension(golden):
-    refused = CliRunner().invoke(main, ["mlp", "--mesh", "tp=2,cp=2,ep=2"])
+    refused = CliRunner().invoke(main, ["mlp", "--mesh", "dp_replicate=2,dp_shard=2,tp=2,cp=2,ep=2"])
     assert refused.exit_code == InapplicableOptionError.exit_code, refused.output
-    golden(refused.output)  # tp=2 with ep=2 and cp=2 is not modelled yet, and what to do
+    golden(refused.output)  # tp=2 with ep=2, cp=2 and dp_replicate=2, dp_shard=2 is not modelled yet, and what to do
 
 
 def test_an_older_torch_is_refused_by_name(monkeypatch):

@@ -220,8 +220,8 @@ def test_a_registered_dimension_is_searched_with_its_degrees():
         assert {m.ep for m in meshes} == {1, 2, 4}
         assert Mesh(dp_shard=2, ep=4) in meshes and all(m.world_size == 8 for m in meshes)
         step = build_step("mlp", batch_size=1)
-        why = planning.refusal(step, Mesh(tp=2, cp=2, ep=2))
-        assert why is not None and "tp=2 with ep=2 and cp=2 is not modelled" in why
+        why = planning.refusal(step, Mesh(dp_replicate=2, dp_shard=2, tp=2, cp=2, ep=2))
+        assert why is not None and "tp=2 with ep=2, cp=2 and dp_replicate=2, dp_shard=2 is not modelled" in why
         assert planning.refusal(step, Mesh(dp_shard=8)) is None
     finally:
         del DIMENSIONS["ep"]

@@ -127,7 +127,9 @@ def test_a_tp_plan_that_is_not_patterns_to_strings_is_refused(plan):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dp_replicate=2), r"tp=2 with dp_replicate=2 is not modelled yet"),  # DDP over DTensors
-    (dict(cp=2, ep=2), r"tp=2 with ep=2 and cp=2 is not modelled yet"),  # tp x ep composes with FSDP2 and HSDP
+    # tp x ep (x cp) composes with FSDP2 and HSDP, tp x ep x cp with one of dp_shard and dp_replicate
+    (dict(dp_replicate=2, dp_shard=2, cp=2, ep=2),
+     r"tp=2 with ep=2, cp=2 and dp_replicate=2, dp_shard=2 is not modelled yet"),
 ])
 def test_tp_with_a_dimension_it_does_not_compose_with_is_refused_by_name(kwargs, message):
     with pytest.raises(InapplicableOptionError, match=message):

@@ -61,15 +61,16 @@ class DpReplicate(RankStrategy):
         mesh = self.distributed.mesh
         # HSDP around FSDP2 over tensor or expert parallelism (tp's and ep's own checks refuse them
         # without dp_shard)
-        others = sorted(set(mesh.used) - {"dp_replicate", "dp_shard", "tp", "ep"}) if mesh is not None else []
+        composes = {"dp_replicate", "dp_shard", "tp", "ep"} | ({"cp"} if mesh is not None and mesh.ep > 1 else set())
+        others = sorted(set(mesh.used) - composes) if mesh is not None else []
         if others:
             raise InapplicableOptionError(
                 f"dp_replicate={self.degree} with {', '.join(others)} is not modelled yet",
                 hint="Estimate the mesh without dp_replicate (the per-rank memory of dp_shard with the others).")
         plan = every_rank(plan, self.distributed)
         batch = Shard(("batch",), self.name, self.degree)
-        if mesh is not None and mesh.dp_shard > 1:
-            return self._hsdp(plan, batch)
+        if mesh is not None and (mesh.dp_shard > 1 or (mesh.ep > 1 and mesh.cp > 1)):
+            return self._hsdp(plan, batch)  # under ep x cp, ep's program holds FSDP2 over dp_shard x ep x cp
         if self._moe_fsdp:
             return self._moe_hsdp(plan, batch, step)
         cap_mb = self.distributed.bucket_cap_mb
@@ -86,10 +87,10 @@ class DpReplicate(RankStrategy):
 
     @property
     def _moe_fsdp(self) -> bool:
-        """Whether this is ep's HSDP without dp_shard (the module docstring), whose FSDP2 program
-        this strategy adds itself."""
+        """Whether this is ep's HSDP without dp_shard or cp (the module docstring), whose FSDP2 program
+        this strategy adds itself (under ep x cp, ep's program holds it: torchtitan's FSDP2 is on with cp)."""
         mesh = self.distributed.mesh
-        return mesh is not None and mesh.ep > 1 and mesh.dp_shard == 1
+        return mesh is not None and mesh.ep > 1 and mesh.dp_shard == 1 and mesh.cp == 1
 
     def trace_precision(self, precision: Precision) -> Precision:
         """FSDP2's mixed precision under ep's HSDP (as dp_shard's); DDP's autocast otherwise."""
@@ -126,14 +127,17 @@ class DpReplicate(RankStrategy):
 
     def _hsdp(self, plan: Plan, batch: Shard) -> Plan:
         """HSDP: FSDP2 on a 2-D mesh, which dp_shard's program already runs over its dp_shard
-        ranks. The replicas all-reduce each unit's reduce-scatter output in place
-        (``foreach_reduce``: ``dist.all_reduce(reduce_output, group=all_reduce_group)``), and the
-        buffer FSDP2 holds across units for it (``_all_reduce_state``) is that output, whose
-        views are the sharded gradients: no memory of its own on a rank."""
+        ranks (under ep x cp, ep's over dp_shard x ep x cp, with or without dp_shard). The replicas
+        all-reduce each unit's reduce-scatter output in place (``foreach_reduce``:
+        ``dist.all_reduce(reduce_output, group=all_reduce_group)``), and the buffer FSDP2 holds across
+        units for it (``_all_reduce_state``) is that output, whose views are the sharded gradients:
+        no memory of its own on a rank."""
         self._refuse_bucket_options()
         assert all(role.program is not None for role in plan.roles), "dp_shard applies before dp_replicate"
         roles = tuple(replace(role, sharding=sharding(role.sharding, batch)) for role in plan.roles)
-        note = (f"HSDP: {self.degree} replicas of the dp_shard group; each unit's sharded gradients are all-reduced "
+        mesh = self.distributed.mesh
+        group = "dp_shard x ep x cp" if mesh is not None and mesh.ep > 1 and mesh.cp > 1 else "dp_shard"
+        note = (f"HSDP: {self.degree} replicas of the {group} group; each unit's sharded gradients are all-reduced "
                 f"across them in place")
         return replace(plan, roles=roles, notes=(*plan.notes, note))
 

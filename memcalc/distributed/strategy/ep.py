@@ -24,13 +24,14 @@ group's tokens: transformers' ``ep_size = fsdp_size × tp_size``, torchtitan's `
 (:func:`expert_tensor_parallel`; real four-process gloo runs agree to the byte), and with dp_shard
 too dp_shard's FSDP2 around both (torchtitan's etp=1 layout; 8 and, with HSDP, 16 processes, to the
 byte). The dense gradients' synchronisation over ep is not modelled without FSDP2 (stated). With
-dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp (and
-dp_shard) torchtitan's ep borrows cp: the experts over ep x cp ranks, each dispatching its own S/cp
-tokens, FSDP2 as with dp_shard over dp_shard x ep x cp, the ring around both (real 4- and 8-process
-gloo runs agree to the byte, tests/test_gloo_cp.py); tp, dp_replicate or pp beside it refused by name."""
+dp_replicate and no dp_shard (tp or not), torchtitan's HSDP (dp_replicate's file). With cp, torchtitan's
+ep borrows cp (and tp): the experts over ep x cp (x tp) ranks, each dispatching its S/cp tokens (1/tp
+under tp), FSDP2 over dp_shard x ep x cp (HSDP with dp_replicate), the ring around it all; with up to two
+of dp_shard, dp_replicate, tp real 4- to 16-process gloo runs agree to the byte; all three, or pp, refused."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
@@ -149,16 +150,22 @@ class ExpertParallelDimension(RankStrategy):
         dispatching its own ``B · S/cp`` tokens; FSDP2 shards each block's experts over the dp_shard ranks
         that hold the same experts (``dp_shard_mod_ep``) and the rest over ``dp_shard · ep · cp``
         (``dp_shard_cp``); the ring goes around both, on the rank's sequence shard."""
-        n, cp, dp_shard = self.degree, mesh.cp, mesh.dp_shard
+        n, cp, dp_shard, tp = self.degree, mesh.cp, mesh.dp_shard, mesh.tp
         owners = n * cp
         routing, factor = self.distributed.routing, self.distributed.capacity_factor
         fsdp, fsdp_notes = fsdp_program(self.distributed.sharding, step, dp_shard * owners, experts_degree=dp_shard,
-                                        ep=owners, owners=owners)
+                                        ep=owners, owners=owners * tp)
         balanced = step.seq_len is not None and step.seq_len % (2 * cp) == 0
+        strings = dict(self.distributed.tp_plan) if self.distributed.tp_plan is not None else None
 
         def program(resolved: ResolvedModel) -> RankProgram:
-            _refuse_uneven_experts(resolved, n, cp, dp_shard)
-            experts = ExpertParallel(owners, routing=routing, capacity_factor=factor, model_name=resolved.name)
+            _refuse_uneven_experts(resolved, n, cp, dp_shard, tp)
+            experts: RankProgram
+            if tp > 1:  # tp's plan on the dense part, the experts over ep x cp x tp (torchtitan's etp=1)
+                experts = expert_tensor_parallel(owners, tp, strings, routing=routing, capacity_factor=factor,
+                                                 model_name=resolved.name)
+            else:
+                experts = ExpertParallel(owners, routing=routing, capacity_factor=factor, model_name=resolved.name)
             return RingAttentionProgram(cp, StackedProgram(experts, fsdp(resolved)), load_balanced=balanced,
                                         cpu=not step.emulate_cuda)
 
@@ -168,11 +175,21 @@ class ExpertParallelDimension(RankStrategy):
                              f"ep x cp = {dp_shard} x {n} x {cp} ranks (torchtitan's dp_shard_cp mesh), each block's "
                              f"experts over the {dp_shard} dp_shard rank(s) that hold the same experts (its "
                              f"dp_shard_mod_ep mesh)")
-        notes = (f"expert parallelism over ep x cp = {owners} ranks (torchtitan's ep of {owners} borrows cp={cp} and "
-                 f"ep={n} of its dp_shard): each holds 1/{owners} of every MoE layer's experts (their gradients and "
-                 f"optimizer state) and dispatches its own {step.seq_len // cp if step.seq_len else '?'} tokens per "
-                 f"sample by all-to-all under {routing_text(routing, factor)}; the {cp} cp ranks share a batch, "
-                 f"each ep rank has its own; rank 0 traced (it holds the most, if any differ)", *fsdp_notes)
+        tokens = step.seq_len // cp if step.seq_len else "?"
+        if tp > 1:
+            split = (f"ep x cp x tp = {owners * tp} ranks (torchtitan's ep of {owners * tp} borrows cp={cp}, tp={tp} "
+                     f"(its etp=1 rule) and ep={n} of its dp_shard)")
+            sent = f"1/{tp} of its tp group's {tokens} tokens per sample"
+            dense = (f"; the dense part under tp's plan over the {tp} tp ranks, which share a batch and a sequence "
+                     f"shard, the ring over each tp rank's heads")
+        else:
+            split = f"ep x cp = {owners} ranks (torchtitan's ep of {owners} borrows cp={cp} and ep={n} of its dp_shard)"
+            sent, dense = f"its own {tokens} tokens per sample", ""
+        sharers = f"{cp} cp ranks" if tp == 1 else f"cp x tp = {cp * tp} ranks"
+        notes = (f"expert parallelism over {split}: each holds 1/{owners * tp} of every MoE layer's experts (their "
+                 f"gradients and optimizer state) and dispatches {sent} by all-to-all under "
+                 f"{routing_text(routing, factor)}; the {sharers} share a batch, each ep rank has its own; rank 0 "
+                 f"traced (it holds the most, if any differ){dense}", *fsdp_notes)
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
 
     def _refuse_others(self) -> None:
@@ -202,45 +219,52 @@ class ExpertParallelDimension(RankStrategy):
 
 
     def _refuse_beside_context_parallel(self, mesh: Mesh) -> None:
-        """ep × cp composes with dp_shard only (checked against a real gloo run, tests/test_gloo_cp.py):
-        tp would put the experts over ep x cp x tp ranks (torchtitan's etp=1) with the ring over each tp
-        rank's heads, dp_replicate would add HSDP's replicas around both FSDP2 meshes, and pp would run all
-        of it inside each stage; none of these layouts has been run for real here, so each is refused by name."""
-        others = {name: degree for name, degree in mesh.used.items() if name not in ("ep", "cp", "dp_shard")}
-        if not others:
+        """ep × cp composes with dp_shard, dp_replicate (torchtitan's HSDP around both FSDP2 meshes)
+        and tp (the experts over ep x cp x tp ranks, torchtitan's etp=1 rule), any two of them at
+        once, each layout checked against a real 4- to 16-process gloo run (tests/test_gloo_cp.py); all
+        three together (32 processes, not run here) and pp (all of it inside each stage) are refused by
+        name (tp's own check refuses the first before this one runs)."""
+        beside: dict[str, int] = {name: mesh.used[name] for name in ("dp_shard", "dp_replicate", "tp")
+                                  if name in mesh.used}
+        others = {name: degree for name, degree in mesh.used.items()
+                  if name not in ("ep", "cp", "dp_shard", "dp_replicate", "tp")}
+        if not others and len(beside) <= 2:
             return
-        reasons = {"tp": "tp would split the experts over ep x cp x tp ranks (torchtitan's etp=1) and the ring over "
-                         "each tp rank's heads, a layout not checked against a real run",
-                   "dp_replicate": "dp_replicate would put HSDP's replicas around both of its FSDP2 meshes "
-                                   "(dp_shard_mod_ep and dp_shard_cp), not checked against a real run",
-                   "pp": "pp would run the ring and the experts' all-to-all inside every pipeline stage, not modelled"}
-        listed = ", ".join(f"{name}={degree}" for name, degree in others.items())
-        why = "; ".join(reasons.get(name, f"{name} is not modelled with it") for name in others)
+        listed = ", ".join(f"{name}={degree}" for name, degree in {**beside, **others}.items())
+        reasons = [f"{name} would run the ring and the experts' all-to-all inside every pipeline stage, not modelled"
+                   if name == "pp" else f"{name} is not modelled with it" for name in others]
+        if len(beside) > 2:
+            reasons.append(f"{', '.join(beside)} all together under ep x cp make a layout of "
+                           f"{mesh.ep * mesh.cp * math.prod(beside.values())} ranks not checked against a real run")
         raise InapplicableOptionError(
             f"ep={self.degree} with cp={mesh.cp} and {listed} is not modelled yet: memcalc composes expert parallelism "
-            f"with context parallelism and FSDP2 (dp_shard) only, as torchtitan lays them out; {why}",
-            hint=f"Estimate --mesh cp={mesh.cp},ep={self.degree} or dp_shard=N,cp={mesh.cp},ep={self.degree}.")
+            f"with context parallelism and at most two of dp_shard (FSDP2), dp_replicate (HSDP) and tp, as "
+            f"torchtitan lays them out; {'; '.join(reasons)}",
+            hint=f"Estimate --mesh cp={mesh.cp},ep={self.degree} with at most two of dp_shard=N, dp_replicate=N and "
+                 f"tp=T.")
 
 
-def _refuse_uneven_experts(resolved: ResolvedModel, ep: int, cp: int, dp_shard: int) -> None:
-    """Refuse ep × cp ranks that do not divide every MoE layer's experts (transformers' own check),
-    and more dp_shard ranks than each holds (FSDP2's ``Shard(1)``, dp_shard's check), both named in
-    memcalc's terms: torchtitan's ep of ``ep · cp`` ranks borrows cp."""
-    owners = ep * cp
+def _refuse_uneven_experts(resolved: ResolvedModel, ep: int, cp: int, dp_shard: int, tp: int = 1) -> None:
+    """Refuse ep × cp (× tp) ranks that do not divide every MoE layer's experts (transformers' own
+    check), and more dp_shard ranks than each holds (FSDP2's ``Shard(1)``, dp_shard's check), both named
+    in memcalc's terms: torchtitan's ep of ``ep · cp`` ranks borrows cp (and tp, under its etp=1)."""
+    owners = ep * cp * tp
+    ranks = f"ep x cp = {owners}" if tp == 1 else f"ep x cp x tp = {owners}"
     for path in expert_modules(resolved.module, owners, resolved.name):
         count = getattr(resolved.module.get_submodule(path), "num_experts", None)
         if not isinstance(count, int):
             continue
         if count % owners:
             raise InvalidInputError(
-                f"ep={ep} with cp={cp} splits the experts over ep x cp = {owners} ranks (torchtitan's ep borrows "
-                f"cp), which do not divide the {count} experts of {path} in {resolved.name}",
-                hint="give an ep whose product with cp divides the number of experts")
+                f"ep={ep} with cp={cp}{f' and tp={tp}' if tp > 1 else ''} splits the experts over {ranks} ranks "
+                f"(torchtitan's ep borrows cp{' and tp' if tp > 1 else ''}), which do not divide the {count} "
+                f"experts of {path} in {resolved.name}",
+                hint=f"give an ep whose product with cp{' and tp' if tp > 1 else ''} divides the number of experts")
         if dp_shard > count // owners:
             raise InapplicableOptionError(
-                f"dp_shard={dp_shard} with ep={ep} and cp={cp}: each of the ep x cp = {owners} ranks holds "
-                f"{count // owners} experts of {path}, fewer than the dp_shard ranks, and torchtitan then shards "
-                f"them on dim 1 (Shard(1)), which memcalc does not model",
+                f"dp_shard={dp_shard} with ep={ep} and cp={cp}{f' and tp={tp}' if tp > 1 else ''}: each of the "
+                f"{ranks} ranks holds {count // owners} experts of {path}, fewer than the dp_shard ranks, and "
+                f"torchtitan then shards them on dim 1 (Shard(1)), which memcalc does not model",
                 hint=f"Give a dp_shard of at most {count // owners}, or an ep x cp that leaves each rank more experts.")
 
 

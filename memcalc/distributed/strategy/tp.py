@@ -18,8 +18,9 @@ gloo runs on a 2×2 mesh (tests/test_gloo_fsdp_tp.py). Inside pipeline stages (`
 the whole step) the pipeline applies it (:mod:`memcalc.distributed.tp_stages`). With ``cp`` the
 ring goes around this program and FSDP2 over dp_shard × cp (cp's file). With ep (alone) ep's
 program runs this plan on its tp sub-mesh (tp × ep, ep's file), and with dp_shard too FSDP2 over
-that (dp_shard × tp × ep, torchtitan's etp=1 MoE layout; HSDP around it). With dp_replicate alone tp is
-refused by name: tracing one dimension alone would understate a rank.
+that (dp_shard × tp × ep, torchtitan's etp=1 MoE layout; HSDP around it); with ep × cp (and one of
+dp_shard or dp_replicate, or neither) the experts go over ep × cp × tp ranks and the ring around it all. With
+dp_replicate alone tp is refused by name: tracing one dimension alone would understate a rank.
 """
 
 from __future__ import annotations
@@ -119,18 +120,29 @@ class TensorParallelDimension(RankStrategy):
 
     def _refuse_others(self) -> None:
         """Refuse the dimensions tp does not compose with yet: all but dp_shard and cp, and HSDP's
-        dp_replicate around dp_shard; beside ep (tp × ep), all others."""
+        dp_replicate around dp_shard; beside ep (tp × ep), all others, and beside ep × cp, all others
+        and dp_shard with dp_replicate."""
         mesh = self.distributed.mesh
         if mesh is None:
             return
         if mesh.ep > 1:  # tp x ep: ep's program runs this plan on its tp sub-mesh (ep's file); FSDP2 over it
-            composes = {"tp", "ep", "dp_shard", "dp_replicate"}
+            composes = {"tp", "ep", "dp_shard", "dp_replicate"} | ({"cp"} if mesh.cp > 1 else set())
+            if mesh.cp > 1 and mesh.dp_shard > 1 and mesh.dp_replicate > 1:  # 32 processes at the smallest, not run
+                composes -= {"dp_shard", "dp_replicate"}
         else:
             composes = {"tp", "cp", "dp_shard", "dp_replicate"} if mesh.dp_shard > 1 else {"tp", "cp"}
         others = sorted(set(mesh.used) - composes)
         if not others:
             return
         listed = ", ".join(f"{name}={mesh.used[name]}" for name in others)
+        if mesh.ep > 1 and mesh.cp > 1:
+            raise InapplicableOptionError(
+                f"tp={self.degree} with ep={mesh.ep}, cp={mesh.cp} and {listed} is not modelled yet: memcalc composes "
+                f"tensor parallelism with ep x cp (the experts over ep x cp x tp ranks) and one of dp_shard or "
+                f"dp_replicate (each checked on 16 processes); with both the layout (32 processes at the smallest) "
+                f"has not been checked against a real run",
+                hint=f"Estimate --mesh dp_shard=N,tp={self.degree},cp={mesh.cp},ep={mesh.ep} or "
+                     f"dp_replicate=N,tp={self.degree},cp={mesh.cp},ep={mesh.ep}.")
         if mesh.ep > 1:
             raise InapplicableOptionError(
                 f"tp={self.degree} with ep={mesh.ep} and {listed} is not modelled yet: memcalc composes tensor "
