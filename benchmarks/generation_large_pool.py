@@ -28,9 +28,10 @@ from memcalc.core.categories import Phase
 from memcalc.engine import allocator, run
 
 
-def _structure(model: allocator.CachingAllocatorModel, base: int) -> tuple[Any, ...]:
+def _structure(model: allocator.CachingAllocatorModel, first: int, base: int) -> tuple[Any, ...]:
     """The large pool's segments by address, each its blocks in order: free (None) or the owner,
-    named from ``base`` (a decode step's first storage) when it is a decode step's, else by uid."""
+    named from ``base`` (a decode step's first storage) when it is a decode step's (born from
+    ``first`` on), else by uid."""
     large = model._large
     owner = {id(block): key for key, block in model._live.items() if block.pool is large}
     heads: dict[int, Any] = {}
@@ -43,7 +44,7 @@ def _structure(model: allocator.CachingAllocatorModel, base: int) -> tuple[Any, 
         chain, block = [], heads[addr]
         while block is not None:
             key = owner.get(id(block))
-            chain.append(None if key is None else ("step", key - base) if key >= base - 10**6 else ("uid", key))
+            chain.append(None if key is None else ("step", key - base) if key >= first else ("uid", key))
             block = block.next
         out.append(tuple(chain))
     return tuple(out)
@@ -82,9 +83,10 @@ def main() -> None:
     bounds = [*starts, keys.size]
     structures: list[tuple[Any, ...]] = []
     segments = []
+    bases = [int(step[step >= 0].min()) for step in (keys[a:b] for a, b in zip(bounds, bounds[1:], strict=False))]
     for j in range(len(starts)):
         step = keys[bounds[j]:bounds[j + 1]]
-        structures.append(_structure(model, int(step[step >= 0].min())))
+        structures.append(_structure(model, bases[0], bases[j]))
         segments.append(model._num_segments)
         feed(step)
     same = sum(a == b for a, b in zip(structures, structures[1:], strict=False))
