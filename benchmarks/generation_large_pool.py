@@ -15,6 +15,7 @@ Run: ``python benchmarks/generation_large_pool.py [--model llama-2-7b] [--seq-le
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,13 +84,13 @@ def main() -> None:
     bounds = [*starts, keys.size]
     structures: list[tuple[Any, ...]] = []
     segments = []
-    bases = [int(step[step >= 0].min()) for step in (keys[a:b] for a, b in zip(bounds, bounds[1:], strict=False))]
+    bases = [int(step[step >= 0].min()) for step in (keys[a:b] for a, b in itertools.pairwise(bounds))]
     for j in range(len(starts)):
         step = keys[bounds[j]:bounds[j + 1]]
         structures.append(_structure(model, bases[0], bases[j]))
         segments.append(model._num_segments)
         feed(step)
-    same = sum(a == b for a, b in zip(structures, structures[1:], strict=False))
+    same = sum(a == b for a, b in itertools.pairwise(structures))
     earlier = sum(any(structures[j] == structures[j - lag] for lag in range(1, min(args.lags, j) + 1))
                   for j in range(1, len(structures)))
     print(f"{args.model} {args.seq_len}+{args.new_tokens}: {len(starts)} decode steps, the large pool's "
