@@ -186,3 +186,19 @@ def test_bases_are_each_steps_first_birth(seed: int) -> None:
     frees = ordered.copy()
     frees[150:300] ^= -1  # the second step frees only: born nothing
     assert steady_replay._bases(frees, ordered_bounds) is None is searched(frees, ordered_bounds)
+
+
+def test_values_by_event_are_each_storages_signed_at_its_free() -> None:
+    """One gather from the values and their mirror (a free's key ``~uid`` indexes from the end)
+    reads, at each event, the value of its storage, negated at a free where asked: as a loop does."""
+    rng = np.random.default_rng(7)
+    values = rng.integers(0, 1 << 40, size=500)
+    events = rng.integers(0, values.size, size=2000)
+    events[rng.random(events.size) < 0.5] ^= -1  # frees: ~uid
+    uids = [e if e >= 0 else ~e for e in events.tolist()]
+    assert steady_replay._uids(events).tolist() == uids
+    assert steady_replay._by_event(values, events).tolist() == [int(values[u]) for u in uids]
+    signed = [int(values[u]) * (1 if e >= 0 else -1) for u, e in zip(uids, events.tolist(), strict=True)]
+    assert steady_replay._by_event(values, events, signed=True).tolist() == signed
+    flags = values % 3 == 0  # a boolean table, as the small pool's mask
+    assert steady_replay._by_event(flags, events).tolist() == [bool(flags[u]) for u in uids]

@@ -57,8 +57,10 @@ _NUMBERED = re.compile(r"(.*?\.\d+)(?:\.|$)")
 
 #: A small pool's state (:func:`_small_state`): its blocks' and owners' numbers, flat.
 _Signature = tuple[int, ...]
-#: Above every key: a free's place in the search for a step's first birth.
+#: The int64 mask that moves a free's key (``~uid``, negative) above every birth's (a uid), to at
+#: least :data:`_FREES_FROM`: the search for a step's first birth.
 _NO_BIRTH = np.iinfo(np.int64).max
+_FREES_FROM = 1 << 62
 
 
 def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | None,
@@ -76,13 +78,11 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
             or program.num_events != offset + trace.num_events):
         return None
     events = program.keys
-    sign = events >> 63  # -1 for a free, 0 for a birth (int64: one pass where np.where takes three)
-    uids = events ^ sign  # ~event for a free
     nbytes = trace.nbytes_array() if nbytes is None else nbytes
     # round_size: up to a multiple of 512 B (a power of two: shifts, not a division's pass), 0 stays 0
     bits = allocator.K_MIN_BLOCK_SIZE.bit_length() - 1
     rounded = ((nbytes + (allocator.K_MIN_BLOCK_SIZE - 1)) >> bits) << bits
-    small = (rounded <= allocator.K_SMALL_SIZE)[uids]
+    small = _by_event(rounded <= allocator.K_SMALL_SIZE, events)
     model = allocator.CachingAllocatorModel(settings=settings)
     bounds = [*starts, len(events)]
     bases = _bases(events, bounds)
@@ -92,13 +92,13 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     held: dict[int, int] = {}
     _feed(model, events[:starts[0]], rounded, held)
     widths = [y - x for x, y in itertools.pairwise(bases)]
-    layers = _Layers(model, events, uids, small, rounded, trace, held)
+    layers = _Layers(model, events, small, rounded, trace, held)
     requests: dict[int, bytes] = {}
 
     def request(j: int) -> bytes:  # step j's small requests and frees, named from its first storage
         if j not in requests:
             lo, hi = bounds[j], bounds[j + 1]
-            mask, step = small[lo:hi], uids[lo:hi][small[lo:hi]]
+            mask, step = small[lo:hi], _uids(events[lo:hi][small[lo:hi]])
             relative = np.where(step >= first, step - bases[j], step + (1 << 40))
             requests[j] = (np.int64(widths[j]).tobytes() + relative.tobytes()
                            + (events[lo:hi][mask] >= 0).tobytes() + rounded[step].tobytes())
@@ -134,7 +134,7 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     sizes[np.fromiter(held, dtype=np.int64, count=len(held))] = np.fromiter(held.values(), dtype=np.int64,
                                                                            count=len(held))
     peak_requested = None if steady is None else _peak_requested(steady, events, offset, nbytes)
-    return _stats(model.stats(), sign, uids, sizes, nbytes, peak_requested)
+    return _stats(model.stats(), events, sizes, nbytes, peak_requested)
 
 
 class _Unsteady(Exception):
@@ -149,10 +149,9 @@ class _Layers:
     are named from its first storage, older ones by uid (the rotary tables, the sequences), so
     that one layer's residual stream is the next layer's."""
 
-    def __init__(self, model: allocator.CachingAllocatorModel, events: np.ndarray, uids: np.ndarray,
-                 small: np.ndarray, rounded: np.ndarray, trace: StepTrace,
-                 held: dict[int, int]) -> None:
-        self.model, self.events, self.uids, self.small = model, events, uids, small
+    def __init__(self, model: allocator.CachingAllocatorModel, events: np.ndarray, small: np.ndarray,
+                 rounded: np.ndarray, trace: StepTrace, held: dict[int, int]) -> None:
+        self.model, self.events, self.small = model, events, small
         self.rounded, self.trace, self.held = rounded, trace, held
         self.keys: dict[str, str] = {}
         self.last: tuple[list[str], list[int], list[bool]] | None = None  # the step before's modules, units
@@ -194,7 +193,7 @@ class _Layers:
         # every small event named: from its unit's first storage, or by uid when older than the horizon
         unit = np.repeat(np.arange(count), np.diff(bounds))
         base = np.asarray(bases, dtype=np.int64)[unit]
-        step = self.uids[lo:hi]
+        step = _uids(self.events[lo:hi])
         named = np.where(step >= base - horizon, step - base, step + (1 << 40))
         mask = self.small[lo:hi]
         # the step's small events once, each unit's a slice of them (where they start: the small events before)
@@ -243,10 +242,9 @@ def _bases(events: np.ndarray, bounds: Sequence[int]) -> list[int] | None:
     starts = np.asarray(bounds[:-1], dtype=np.int64)
     if (np.diff(np.asarray(bounds, dtype=np.int64)) <= 0).any():
         return None  # a step with no events
-    decode = events[starts[0]:]
-    keys = np.where(decode >= 0, decode, _NO_BIRTH)
-    firsts = np.minimum.reduceat(keys, starts - starts[0])
-    if (firsts == _NO_BIRTH).any():
+    # a free's key ~uid, negative, masked to 2**63 + ~uid: above every uid (< 2**62) in one pass
+    firsts = np.minimum.reduceat(events[starts[0]:] & _NO_BIRTH, starts - starts[0])
+    if (firsts >= _FREES_FROM).any():
         return None
     out = [*firsts.tolist(), int(events.max()) + 1]
     return out if all(x < y for x, y in itertools.pairwise(out)) else None
@@ -312,20 +310,15 @@ def _peak_requested(steady: SteadyRun, events: np.ndarray, offset: int, nbytes: 
     return int(sums.max()) if sums.size else 0
 
 
-def _stats(stats: allocator.AllocatorStats, sign: np.ndarray, uids: np.ndarray, sizes: np.ndarray,
+def _stats(stats: allocator.AllocatorStats, events: np.ndarray, sizes: np.ndarray,
            nbytes: np.ndarray, peak_requested: int | None = None) -> allocator.AllocatorStats:
     """``stats`` with allocated (the blocks' ``sizes``) and requested, which the skipped events
     changed on the way, summed over every event (the peak requested: ``peak_requested`` where the
-    caller read it off a few steps). ``sign``: -1 at a free, 0 at a birth (``x ^ -1 - -1 == -x``:
-    negated where freed without a masked pass)."""
-    allocated = sizes[uids]
-    allocated ^= sign
-    allocated -= sign
+    caller read it off a few steps); each event's signed bytes one gather (:func:`_by_event`)."""
+    allocated = _by_event(sizes, events, signed=True)
     np.cumsum(allocated, out=allocated)  # int64: exact
     if peak_requested is None:
-        requested = nbytes[uids]
-        requested ^= sign
-        requested -= sign
+        requested = _by_event(nbytes, events, signed=True)
         np.cumsum(requested, out=requested)
         peak_requested = int(requested.max()) if requested.size else 0
     at = int(np.argmax(allocated)) if allocated.size else -1  # the first maximum: one pass, not a max and an argmax
@@ -338,3 +331,18 @@ def _stats(stats: allocator.AllocatorStats, sign: np.ndarray, uids: np.ndarray, 
         peak_requested=max(peak_requested, 0),
         final_segments=stats.final_segments, num_device_frees=stats.num_device_frees,
         num_alloc_retries=stats.num_alloc_retries, num_ooms=stats.num_ooms)
+
+
+def _by_event(values: np.ndarray, events: np.ndarray, *, signed: bool = False) -> np.ndarray:
+    """``values[uid]`` at each event (a birth ``uid``, a free ``~uid``), negated at a free when
+    ``signed``: one gather from ``values`` and its reverse after it, where a free's key ``~uid ==
+    -uid - 1`` indexes from the end to ``uid``'s mirror — no array of uids or signs made first."""
+    table = np.concatenate([values, -values[::-1] if signed else values[::-1]])
+    gathered: np.ndarray = table[events]  # (indexing, not ``take``: 1.5x faster on 2.9M events)
+    return gathered
+
+
+def _uids(events: np.ndarray) -> np.ndarray:
+    """The storage of each event: ``uid`` for a birth, ``~key`` for a free (``key >> 63``: -1 or 0)."""
+    uids: np.ndarray = events ^ (events >> 63)
+    return uids
