@@ -11,13 +11,24 @@ fresh processes, and the ratios are taken within one run).
    and off, on a deep model: wall time, seconds spent in collections, and peak RSS (what the pause
    holds). Needs ``memcalc.engine.collector`` (skipped for a tree that predates it).
 
+4. Whole commands, as a user waits for them (``--only whole``, and with ``--all``): ``resnet50
+   --batch 64 --optim adam``, ``gpt2 --batch 8``, ``llama-3-70b --batch 1`` and the README's QLoRA
+   recipe, each in a fresh process: wall and CPU seconds, and the CPU split into torch's import,
+   the Hugging Face libraries' imports (transformers, PEFT, TRL, accelerate, bitsandbytes,
+   datasets, torchao: each whole subtree), memcalc's own imports (its modules, the zoo's, and what
+   they import themselves: click, tabulate), torch's later imports (torch modules first imported
+   after ``import torch``: Dynamo in ``Optimizer.step``, sympy under ``torch._check``...) and the
+   rest (the estimate, the interpreter's start). With ``--before DIR`` (e.g. a ``git archive`` of
+   main), DIR's commands run in turn with ``--root``'s and each figure is printed before → after.
+
 With ``--all``, also issue 36's other figures, each from the script that measures it: the
 µs per aten op against a checkout of the commit before (item 3, ``benchmarks/per_op.py``, needs
 ``--baseline DIR``), ``fit`` in units of one estimate (item 6, the same script) and a generation
 of 1,024 tokens against a prefill-only estimate (item 5, ``benchmarks/generation.py``); then one
 table of every figure beside its target. The quick suite's time (item 7) is printed by ``.ci/run``.
 
-Run: ``python benchmarks/startup.py [--repeat 5] [--root DIR] [--all [--baseline DIR]]``; ``--root``
+Run: ``python benchmarks/startup.py [--repeat 5] [--root DIR] [--only whole --before DIR] [--all [--baseline DIR]]``;
+``--root``
 times the commands of another checkout (e.g. a worktree of an older commit: "before").
 """
 
@@ -72,6 +83,68 @@ wall = time.perf_counter() - t0
 print(json.dumps({"wall": wall, "gc_s": spent[0], "collections": spent[1],
                   "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
+
+
+#: Runs one ``memcalc`` command line in this interpreter with every module load timed (CPU seconds,
+#: ``_frozen_importlib._load_unlocked`` wrapped: the loads' nesting gives each its own time) and
+#: prints the split of figure 4 as JSON. A module's time counts to the category of the package that
+#: started its subtree, except below memcalc's own modules, whose imports are classed by their name.
+_SPLIT_RUN = """
+import contextlib, io, json, resource, sys, time
+import _frozen_importlib as bootstrap
+sys.path.insert(0, ".")
+cpu = time.process_time
+HF = {hf!r}
+spent = {"torch": 0.0, "hf": 0.0, "memcalc": 0.0, "torch_later": 0.0}
+stack = []
+torch_done = [False]
+load = bootstrap._load_unlocked
+def category(name):
+    if stack and stack[-1][0] != "memcalc":
+        return stack[-1][0]
+    top = name.partition(".")[0]
+    if top in HF:
+        return "hf"
+    if top in ("torch", "torchgen", "functorch"):
+        return "torch_later" if torch_done[0] else "torch"
+    return "memcalc"
+def timed_load(spec):
+    frame = [category(spec.name), cpu(), 0.0]
+    stack.append(frame)
+    try:
+        return load(spec)
+    finally:
+        stack.pop()
+        elapsed = cpu() - frame[1]
+        spent[frame[0]] += elapsed - frame[2]
+        if stack:
+            stack[-1][2] += elapsed
+        if spec.name == "torch":
+            torch_done[0] = True
+bootstrap._load_unlocked = timed_load
+from memcalc.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        main(sys.argv[1:], prog_name="memcalc")
+    except SystemExit as exc:
+        assert not exc.code, exc.code
+usage = resource.getrusage(resource.RUSAGE_SELF)
+total = usage.ru_utime + usage.ru_stime
+print(json.dumps({**spent, "rest": total - sum(spent.values()), "cpu": total}))
+""".replace("{hf!r}", repr(("transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "huggingface_hub",
+                            "tokenizers", "safetensors", "torchao", "pandas", "pyarrow")))
+
+#: Figure 4's commands: the issue's three and the README's QLoRA recipe.
+WHOLE_COMMANDS = (
+    ("resnet50", "resnet50 --batch 64 --optim adam"),
+    ("gpt2", "gpt2 --batch 8"),
+    ("llama-3-70b", "llama-3-70b --batch 1"),
+    ("QLoRA", "llama-3-8b --lora 16 --quant nf4 --double-quant --precision bf16 --checkpoint --loop trainer "
+              "--optim paged-adamw-8bit --seq-len 2048 --batch 1 --gpu rtx-4090"),
+)
+#: Figure 4's columns: (key, heading).
+_SPLIT = (("wall", "wall"), ("cpu", "CPU"), ("torch", "torch import"), ("hf", "HF imports"),
+          ("memcalc", "memcalc's imports"), ("torch_later", "torch's later imports"), ("rest", "rest"))
 
 
 def timed(argv: list[str], cwd: str) -> tuple[float, str]:
@@ -193,6 +266,41 @@ def others(baseline: str | None, repeat: int) -> list[Row]:
     return rows
 
 
+def whole(root: str, before: str | None, repeat: int) -> list[Row]:
+    """Figure 4: each command in a fresh process, ``before``'s and ``root``'s in turn (after one
+    warm-up of each), the medians of ``repeat``."""
+    print(f"\n4. whole commands (CPU seconds split by who imported what; median of {repeat}"
+          + (f"; before: {before}, in turn with the after tree)" if before else ")"))
+    trees = [("before", before)] if before else []
+    trees.append(("after", root))
+    rows: list[Row] = []
+    for label, command in WHOLE_COMMANDS:
+        argv = [sys.executable, "-c", _SPLIT_RUN, *command.split()]
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
+        for round_ in range(repeat + 1):
+            for name, tree in trees:
+                wall, line = timed(argv, tree)
+                if round_:  # the first round warms the file cache of both trees
+                    runs[name].append({"wall": wall, **json.loads(line)})
+        medians = {name: {key: statistics.median(r[key] for r in got) for key, _ in _SPLIT}
+                   for name, got in runs.items()}
+        print(f"   {label}: memcalc {command}")
+        for key, heading in _SPLIT:
+            after = medians["after"][key]
+            if before:
+                was = medians["before"][key]
+                ratio = f"({after / was:.2f}x)" if was >= 0.005 else ""
+                print(f"      {heading:<24} {was:6.2f} s -> {after:6.2f} s  {ratio}")
+            else:
+                print(f"      {heading:<24} {after:6.2f} s")
+        if before:  # each the median of the pairwise ratios (robust to a load that drifts)
+            pairs = list(zip(runs["after"], runs["before"], strict=True))
+            own, whole_ = (statistics.median(a[key] / b[key] for a, b in pairs) for key in ("memcalc", "cpu"))
+            rows.append(("2", f"memcalc {label}: memcalc's imports {own:.2f}x, the whole command {whole_:.2f}x "
+                              f"before's CPU", "memcalc's imports < before's", own < 1.0))
+    return rows
+
+
 def table(rows: list[Row]) -> None:
     """Every figure beside its target."""
     print("\nissue 36: every figure beside its target (item 7, the quick suite's time, is printed by .ci/run)")
@@ -210,7 +318,8 @@ def main() -> None:
     parser.add_argument("--model", default="torch:gpt2-xl", help="figure 3's model (default: 48 layers)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--only", choices=("commands", "collector", "others"), default=None)
+    parser.add_argument("--only", choices=("commands", "collector", "whole", "others"), default=None)
+    parser.add_argument("--before", default=None, help="figure 4: the checkout the whole commands are compared with")
     parser.add_argument("--all", action="store_true", help="issue 36's other figures too, and the closing table")
     parser.add_argument("--baseline", default=None, help="with --all: the checkout item 3 compares with")
     args = parser.parse_args()
@@ -221,6 +330,8 @@ def main() -> None:
         rows += commands(args.root, args.repeat)
     if args.only in (None, "collector"):
         rows += collector(args.root, args.repeat, args.model, args.batch, args.seq_len)
+    if args.all or args.only == "whole":
+        rows += whole(args.root, args.before, args.repeat)
     if args.all or args.only == "others":
         rows += others(args.baseline, min(args.repeat, 3))
     table(rows)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memcalc.core.alloc_conf import AllocConf
 from memcalc.core.categories import Mode
@@ -39,12 +39,14 @@ from memcalc.fields import DISTRIBUTED, FIELDS, build_step, check_keywords, posi
 from memcalc.search.fit import MAX_BATCH, find_max_batch
 from memcalc.search.fit_result import FitResult, check_margin
 from memcalc.search.margins import CPU_MARGIN, CPU_MARGIN_BASIS, measured_margin, step_class
-from memcalc.search.plan import PlanResult, find_plan, model_facts
 from memcalc.search.sweep import SweepPoint, sweep_configurations, sweep_requests
 from memcalc.search.throughput import ThroughputChoice, find_fastest
 from memcalc.targets.budget import Budget, resolve_budget
 from memcalc.targets.cuda.gpus.catalogue import catalogue
 from memcalc.timing.performance import check_timeable, check_timeable_mode, with_time
+
+if TYPE_CHECKING:
+    from memcalc.search.plan import PlanResult
 
 __all__ = ("estimate", "estimate_step", "fastest_setting", "iter_sweep", "max_batch_size", "plan", "sweep")
 
@@ -575,5 +577,9 @@ def plan(
     if step.capacity is None:
         raise InvalidInputError("plan needs a GPU with a memory capacity", hint="give a catalogue GPU, e.g. h100-80gb")
     _check_timeable(step)
+    # the search imports on first use: it imports the pipeline's and tensor parallelism's modules,
+    # which no other request reads (issue 36)
+    from memcalc.search.plan import find_plan, model_facts
+
     return find_plan(step, gpus, global_batch, model_facts(step), network=network, top=top, on_estimate=on_estimate,
                      checkpoint=checkpoint)

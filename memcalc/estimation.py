@@ -28,7 +28,6 @@ from memcalc.stacks.float8 import apply_float8
 from memcalc.stacks.kbit import kbit_checkpointing
 from memcalc.stacks.liger import apply_liger
 from memcalc.stacks.peft import apply_finetune, step_precision
-from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
 
 __all__ = ("CostsOnRequest", "TracedEstimate", "run_estimate", "trace_estimate")
@@ -132,6 +131,8 @@ def _trace_single(step: Step, costs: CostRecorderFactory | None) -> TracedEstima
     if step.liger:
         resolved = with_liger(resolved, step)
     if step.loop.preset is not None and step.loop.preset.is_trl:
+        from memcalc.stacks.trl.step import trl_model  # TRL's stack only for its loops (issue 36)
+
         resolved = trl_model(resolved, step)
     return TracedEstimate(resolved, trace_step(resolved, step, costs=costs), step)
 

@@ -22,8 +22,8 @@ from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.mesh import MAX_WORLD_SIZE, Mesh, parse_mesh
 from memcalc.distributed.setting import Distributed, Strategy
-from memcalc.distributed.strategy.base import DIMENSIONS, SHORTHANDS, Plan, RankStrategy, every_rank, register
-from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
+from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register
+from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, dimensions, shorthands, strategies_for
 from memcalc.distributed.strategy.dp_shard import DpShard
 from memcalc.engine.step_spec import Step
 
@@ -31,6 +31,8 @@ MiB = 2**20
 # two Linear(1024, 1024, bias=False): Ψ = 2,097,152 parameters, 8 MiB in fp32; batch 1 of 1024 features
 PSI = 2 * 1024 * 1024
 INPUT = 1024 * 4
+#: The registries, every strategy file imported (the dicts themselves: tests change them).
+DIMENSIONS, SHORTHANDS = dimensions(), shorthands()
 
 
 def two_layers() -> nn.Module:

@@ -14,9 +14,12 @@ import memcalc
 from memcalc.cli.commands import main
 from memcalc.distributed.collectives import DEFAULT_NETWORK, Collective, ModelFacts, Network, group_span
 from memcalc.distributed.mesh import Mesh
-from memcalc.distributed.strategy.base import DIMENSIONS
+from memcalc.distributed.strategy.catalogue import dimensions
 from memcalc.search import plan as planning
 from memcalc.search.plan import PlanResult, collectives_of, meshes_over
+
+#: The modelled mesh dimensions, every strategy file imported (the registry itself: tests change it).
+DIMENSIONS = dimensions()
 
 P = 1_000_000  # parameters of a hand-worked model
 FP32 = ModelFacts(parameters=P, trainable=P, gather_bytes=4, reduce_bytes=4, layers=4, heads=8, kv_heads=8)

@@ -111,6 +111,60 @@ def test_an_inference_estimate_imports_no_distributed_tensor():
     assert {"torch.distributed.tensor", "torch.distributed.tensor.parallel"} <= set(seen["tp plan"]), seen
 
 
+#: Runs each command line of argv[2] (JSON) through the CLI in one interpreter and prints, per
+#: command, which of the modules listed in argv[1] (JSON) are loaded so far.
+_RUN_WATCHING = """
+import contextlib, io, json, sys
+from memcalc.cli import main
+watched = json.loads(sys.argv[1])
+seen = {}
+for args in json.loads(sys.argv[2]):
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(args, prog_name="memcalc")
+        except SystemExit as exc:
+            assert not exc.code, (args, exc.code)
+    seen[" ".join(args)] = sorted(m for m in watched if m in sys.modules)
+print(json.dumps(seen))
+"""
+
+#: What only a multi-GPU request, a launch configuration, ``plan`` or a TRL loop reads (issue 36):
+#: every strategy file (the catalogue imports them on first read) and what they alone import, the
+#: launch readers (imported by ``read_launch`` when a file is given), the plan search (by
+#: ``memcalc.api.plan``) and memcalc's TRL step (where a TRL loop is estimated).
+_MULTI_GPU_ONLY = ["memcalc.distributed.strategy.dp_shard", "memcalc.distributed.strategy.dp_replicate",
+                   "memcalc.distributed.strategy.pp", "memcalc.distributed.strategy.tp",
+                   "memcalc.distributed.strategy.ep", "memcalc.distributed.strategy.context_parallel",
+                   "memcalc.distributed.strategy.deepspeed_zero", "memcalc.distributed.strategy.data_parallel",
+                   "memcalc.distributed.fsdp", "memcalc.distributed.zero", "memcalc.distributed.ep_stages",
+                   "memcalc.distributed.expert_parallel", "memcalc.distributed.ring_attention",
+                   "memcalc.distributed.launch.accelerate_config", "memcalc.distributed.launch.deepspeed_config",
+                   "memcalc.search.plan", "memcalc.distributed.pipeline", "memcalc.stacks.trl.step"]
+
+
+@pytest.mark.slow  # a fresh interpreter that imports torch and traces three steps: seconds
+def test_a_single_gpu_request_imports_no_strategy_or_launch_reader(tmp_path):
+    """A single-GPU training estimate of a plain-torch CNN (``resnet50``, no ``--strategy``,
+    ``--mesh`` or launch file) imports none of the strategy files, launch readers, the plan search
+    or the TRL step; a DDP estimate
+    then imports the strategy files, and a DeepSpeed file its reader, which shows the check sees
+    them (and that the catalogue still finds every strategy when asked)."""
+    deepspeed = tmp_path / "ds.json"
+    deepspeed.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                                     "train_batch_size": 2, "zero_optimization": {"stage": 1}}))
+    single = ["resnet50", "--batch", "2", "--optim", "adam"]
+    ddp = ["mlp", "--batch", "2", "--strategy", "ddp", "--world-size", "2"]
+    launched = ["mlp", "--batch", "1", "--deepspeed", str(deepspeed)]
+    done = subprocess.run([sys.executable, "-c", _RUN_WATCHING, json.dumps(_MULTI_GPU_ONLY),
+                           json.dumps([single, ddp, launched])], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen[" ".join(single)] == [], seen
+    strategies = {m for m in _MULTI_GPU_ONLY if ".strategy." in m}
+    assert strategies <= set(seen[" ".join(ddp)]), seen
+    assert "memcalc.distributed.launch.deepspeed_config" in seen[" ".join(launched)], seen
+
+
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
 def test_help_summaries_are_the_commands_own(name):
     """``memcalc --help`` shows each command's summary from the group's table, without loading the

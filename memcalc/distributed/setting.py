@@ -16,8 +16,7 @@ from memcalc.core.counts import INT64_MAX, as_integer
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.mesh import MAX_WORLD_SIZE, Mesh
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
-from memcalc.distributed.strategy.base import DIMENSIONS, SHORTHANDS
-from memcalc.distributed.strategy.catalogue import options_of, shorthand_class
+from memcalc.distributed.strategy.catalogue import dimensions, options_of, shorthand_class, shorthands
 from memcalc.distributed.vocabulary import (
     DEEPSPEED_REDUCE_BUCKET_SIZE,
     DEFAULT_BUCKET_CAP_MB,
@@ -261,7 +260,7 @@ def _on_mesh(strategy: Strategy, mesh: Mesh, world_size: int | None) -> tuple[St
         return Strategy.SINGLE, 1
     if len(used) == 1:
         (name,) = used
-        shorthand = next((s for s, c in SHORTHANDS.items() if c.mesh_dimension == name), None)
+        shorthand = next((s for s, c in shorthands().items() if c.mesh_dimension == name), None)
         if shorthand is not None:
             return shorthand, mesh.world_size
     return Strategy.MESH, mesh.world_size
@@ -348,19 +347,19 @@ def inapplicable_option(strategy: Strategy, given: Iterable[str], *, flags: bool
             continue
         name = flag if flags else f"{option} ({flag})"
         if option == "batch_is_global":
-            names = [s.value for s in SHORTHANDS]
+            names = [s.value for s in shorthands()]
         else:
-            names = [s.value for s, cls in SHORTHANDS.items() if option in cls.options]
+            names = [s.value for s, cls in shorthands().items() if option in cls.options]
         names = [s.value for s in Strategy if s.value in names]  # in the enum's order
-        dimensions = [d for d, cls in DIMENSIONS.items() if option in cls.options]
+        modelled = [d for d, cls in dimensions().items() if option in cls.options]
         if not names:  # an option of a mesh dimension that has no shorthand (tp, pp)
-            where = f"to the mesh dimension {' or '.join(dimensions)} (--mesh {dimensions[0]}=N, N at least 2)"
+            where = f"to the mesh dimension {' or '.join(modelled)} (--mesh {modelled[0]}=N, N at least 2)"
         else:
             listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
             where = (f"under a multi-GPU {strategy_word} ({listed})" if option == "batch_is_global"
                      else f"to {strategy_word} {listed}")
-            if mesh is not None and dimensions and option != "batch_is_global":
-                where += f" (the mesh dimension {' or '.join(dimensions)})"
+            if mesh is not None and modelled and option != "batch_is_global":
+                where += f" (the mesh dimension {' or '.join(modelled)})"
         current = f"{strategy_word} {strategy.value}" if mesh is None else f"the mesh {mesh.describe()}"
         return f"{name} applies only {where}; with {current} it would be ignored"
     return None

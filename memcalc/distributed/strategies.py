@@ -38,7 +38,6 @@ from memcalc.engine.step_spec import Step
 from memcalc.stacks.float8 import apply_float8
 from memcalc.stacks.kbit import is_transformers_model, kbit_checkpointing
 from memcalc.stacks.peft import apply_finetune, step_precision
-from memcalc.stacks.trl.step import trl_model
 from memcalc.targets.backend import trace_step
 
 __all__ = ("estimate_per_rank", "refuse_reentrant", "refuse_unused_reentrant")
@@ -216,6 +215,8 @@ def _role_model(role: Role, role_step: Step, step: Step, inputs: object, strateg
     resolved = apply_float8(resolved, step.float8)
     precision = step_precision(resolved, step.finetune, trace_precision, step.mode)  # a QLoRA recipe's
     if step.loop.preset is not None and step.loop.preset.is_trl:  # TRL's trainer at the rank's precision
+        from memcalc.stacks.trl.step import trl_model  # TRL's stack only for its loops (issue 36)
+
         resolved = trl_model(resolved, replace(role_step, precision=precision))
     for strategy in strategies:
         resolved = strategy.prepare(resolved, trace_precision)

@@ -46,8 +46,8 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import PipelineOverCapacity, stop_at_unfit_rank
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
 from memcalc.distributed.setting import Distributed
-from memcalc.distributed.strategy.base import DIMENSIONS, Plan
-from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, strategies_for
+from memcalc.distributed.strategy.base import Plan
+from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, dimensions, strategies_for
 from memcalc.distributed.tp_plans import resolve_plan
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.step_spec import Step
@@ -189,8 +189,9 @@ def model_facts(step: Step) -> ModelFacts:
 
 def meshes_over(gpus: int, facts: ModelFacts) -> list[Mesh]:
     """Every mesh of the modelled dimensions' offered degrees whose world size is ``gpus``."""
-    names = [name for name in LAYOUT if name in DIMENSIONS and DIMENSIONS[name].planned]
-    options = [DIMENSIONS[name].plan_degrees(facts, gpus) for name in names]
+    known = dimensions()
+    names = [name for name in LAYOUT if name in known and known[name].planned]
+    options = [known[name].plan_degrees(facts, gpus) for name in names]
     out: list[Mesh] = []
 
     def walk(index: int, left: int, chosen: dict[str, int]) -> None:
@@ -208,8 +209,9 @@ def meshes_over(gpus: int, facts: ModelFacts) -> list[Mesh]:
 
 def collectives_of(mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
     """Every collective one rank runs per optimizer step, dimension by dimension."""
-    return tuple(c for name in APPLICATION_ORDER if name in DIMENSIONS and mesh.degrees[name] > 1
-                 for c in DIMENSIONS[name].collectives(mesh, facts, micro_batches))
+    known = dimensions()
+    return tuple(c for name in APPLICATION_ORDER if name in known and mesh.degrees[name] > 1
+                 for c in known[name].collectives(mesh, facts, micro_batches))
 
 
 def refusal(step: Step, mesh: Mesh, resolved: ResolvedModel | None = None) -> str | None:
@@ -561,7 +563,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
             failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
             continue
         best = sorted([*best, candidate], key=lambda c: c.seconds)
-    searched = tuple(n for n in APPLICATION_ORDER if n in DIMENSIONS and DIMENSIONS[n].planned)
+    searched = tuple(n for n in APPLICATION_ORDER if n in dimensions() and dimensions()[n].planned)
     return PlanResult(best=tuple(best[:top]), gpus=gpus, global_batch=global_batch, network=network,
                       searched=searched, not_searched=tuple(n for n in APPLICATION_ORDER if n not in searched),
                       meshes=tuple(meshes), configurations=len(configs) + search.over, estimates=search.estimates,

@@ -8,8 +8,6 @@ from typing import Any
 
 from memcalc.core.counts import as_integer
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
-from memcalc.distributed.launch.accelerate_config import read_accelerate
-from memcalc.distributed.launch.deepspeed_config import read_deepspeed
 from memcalc.distributed.launch.setup import LaunchSetup
 from memcalc.distributed.setting import Distributed
 
@@ -32,6 +30,11 @@ def read_launch(accelerate_config: Any = None, deepspeed: Any = None, world_size
             raise InapplicableOptionError("world_size alone goes with a launch configuration (deepspeed=, "
                                           "accelerate_config=)", hint="Give distributed=memcalc.Distributed(...).")
         return None
+    # the readers import on first use: accelerate's imports memcalc's transformers stack (its
+    # parallelism_config), which a request without a launch configuration never reads (issue 36)
+    from memcalc.distributed.launch.accelerate_config import read_accelerate
+    from memcalc.distributed.launch.deepspeed_config import read_deepspeed
+
     setup = read_accelerate(accelerate_config) if accelerate_config is not None else read_deepspeed(deepspeed)
     theirs = setup.distributed.get("world_size")
     if world_size is not None:
