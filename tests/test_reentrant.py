@@ -79,6 +79,7 @@ def test_a_users_reentrant_blocks_are_torchs_to_the_byte() -> None:
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.quick_cases("non-reentrant")  # two real CPU steps a case (about 0.3 CPU-s)
 def test_the_cpu_generator_states_the_checkpoint_keeps(reentrant: bool) -> None:
     """``preserve_rng_state=True`` (torch's default): each checkpointed block saves
     ``torch.get_rng_state()`` (5,056 B on torch 2.13), which the CPU target holds while the real
