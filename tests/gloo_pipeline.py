@@ -176,7 +176,8 @@ def _selective_blocks(model: BlockNet) -> None:
     a block (``checkpoint_wrapper`` with a fresh torchtitan policy per call,
     ``preserve_rng_state=False``), before the split. With the RNG state preserved, each call in
     flight would hold a copy of the CPU generator's state (5,056 B; measured: rank 0 of GPipe
-    held 7, 35,392 B above the estimate): host memory on a GPU, which memcalc does not count."""
+    held 7, 35,392 B above the estimate then): host memory on a GPU, which the CPU target now counts
+    (memcalc.targets.cpu.generator) and the CUDA target does not."""
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts

@@ -37,6 +37,7 @@ from memcalc.engine.step_backend import AutocastRegion, CompiledAutocast, GradSc
 from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 from memcalc.targets.autograd import GRADIENT_SUM, accumulate_in_place
+from memcalc.targets.cpu.generator import generator_states
 from memcalc.targets.cpu.kernels import CPU_KERNEL_RULES, CpuCapabilities, CpuEmulation, CpuKernels
 from memcalc.targets.cuda.emulation import CudaEmulation
 from memcalc.targets.cuda.workspaces import WORKSPACE_RULES, WorkspaceModel
@@ -171,6 +172,16 @@ class CpuBackend(_EmulatingBackend):
 
     def after_op_applies(self, func: Any) -> bool:
         return func is GRADIENT_SUM or CPU_KERNEL_RULES.get(func) is not None
+
+    @contextmanager
+    def _mode(self) -> Iterator[None]:
+        with _emulating(self.emulation), generator_states(self.kernels):
+            yield
+
+    def mode(self) -> AbstractContextManager[Any]:
+        """The emulation, and the CPU generator states torch's checkpoint saves
+        (:mod:`memcalc.targets.cpu.generator`)."""
+        return self._mode()
 
     def attention_backends(self) -> Mapping[str, int]:
         return {}  # the report's attention line speaks of CUDA's kernels; the notes name the CPU's
