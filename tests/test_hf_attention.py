@@ -108,6 +108,11 @@ def test_flash_attention_2_refuses_float32(tiny_mha: Path) -> None:
     assert "--precision amp-bf16" in (caught.value.hint or "")
 
 
+# quick: every implementation on the tiny Llama, and the 8B checkpoint's config under one (the
+# implementation is chosen the same way for both configs; the 8B one builds 32 layers); the full
+# suite runs all eight
+@pytest.mark.quick_cases("tiny-llama.json-None", "tiny-llama.json-eager", "tiny-llama.json-sdpa",
+                         "tiny-llama.json-flash_attention_2", "meta-llama-3-8b.json-sdpa")
 @pytest.mark.parametrize("attn", [None, "eager", "sdpa", "flash_attention_2"])
 @pytest.mark.parametrize("config", ["tiny-llama.json", "meta-llama-3-8b.json"])
 def test_parameters_equal_transformers_own_model(config: str, attn: str | None) -> None:

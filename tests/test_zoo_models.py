@@ -281,6 +281,10 @@ def test_llama_3_mistral_qwen_shapes():
     assert build_meta("qwen2.5-7b").model.sliding_window is None  # use_sliding_window: false
 
 
+# quick: one Llama 3 entry (llama-3-70b differs from llama-3-8b in its numbers only, and builds 80
+# layers), the Llama 2 entry with grouped heads and every other family; the full suite runs all
+@pytest.mark.quick_cases("llama-3-8b-True", "mistral-7b-True", "qwen2.5-7b-True", "llama-2-70b-False",
+                         "llama-tiny-False")
 @pytest.mark.parametrize("name, gqa", [("llama-3-8b", True), ("llama-3-70b", True), ("mistral-7b", True),
                                        ("qwen2.5-7b", True), ("llama-2-70b", False), ("llama-tiny", False)])
 def test_grouped_query_attention_follows_its_transformers_version(name, gqa):
