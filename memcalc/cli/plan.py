@@ -50,7 +50,7 @@ __all__ = ("plan_command",)
 def plan_command(model: str, gpus: int, gpu: str, global_batch: int, seq_len: int | None, precision: str,
                  optim: str, checkpoint: str, top: int, gpus_per_node: int, intra_node_gbps: float,
                  inter_node_gbps: float, fmt: str, units: str, debug: bool) -> None:
-    """The fastest meshes (dp_replicate, dp_shard, tp, pp), pipeline schedules, micro-batches and
+    """The fastest meshes (dp_replicate, dp_shard, tp, pp, cp), pipeline schedules, micro-batches and
     activation checkpointing to train MODEL on --gpus GPUs that fit --gpu, ranked by estimated
     step time (the roofline of the traced step, the pipeline bubble, and a collective cost model
     with NVLink within a node and the network between nodes).

@@ -2,7 +2,8 @@
 a model with on N GPUs (docs/many-gpus.md).
 
 The space: every mesh of the modelled, ``planned`` dimensions' degrees over N GPUs (tp within a
-node), less those :func:`refusal` — the one predicate — says memcalc cannot estimate (counted,
+node; cp where ``2 × cp`` divides the sequence, as torch's load balancer needs), less those
+:func:`refusal` — the one predicate — says memcalc cannot estimate (counted,
 named, and searched the day a dimension's file accepts it; pp × tp without dp_shard under a
 foreach or fused optimizer, which torch refuses: :mod:`memcalc.search.plan_refusals`); per mesh
 each checkpointing (off, selective-op, full; or ``auto``) and each micro-batch (``global batch = micro-batch ×
@@ -11,8 +12,8 @@ data-parallel size × accumulation``), or under a pipeline each schedule (GPipe,
 
 Its time (:func:`step_seconds`): the busiest rank's roofline (:func:`step_time` of its trace; a
 pipeline rank's runs its whole schedule) plus the bubble (``pp − 1`` microbatches over the stages
-per rank), and the collective cost model (:mod:`memcalc.distributed.collectives`): overlapped
-collectives hide behind compute, exposed ones (tensor parallelism's) add to it.
+per rank) and the collective cost model (:mod:`memcalc.distributed.collectives`): overlapped
+collectives hide behind compute, exposed ones (tensor parallelism's, the ring's beyond each call) add.
 
 Pruning (:mod:`memcalc.search.plan_bounds`), before any trace: a configuration whose model states
 and kept activations (lower bounds) exceed the GPU is dropped; every other gets a lower bound on
@@ -40,7 +41,7 @@ import torch
 from memcalc.core.checkpointing import AUTO, FULL, OFF, Checkpointing, CheckpointKind
 from memcalc.core.errors import InvalidInputError, MemcalcError
 from memcalc.core.report import MemoryReport
-from memcalc.core.throughput import StepTime
+from memcalc.core.throughput import OpClass, StepTime
 from memcalc.distributed.collectives import LAYOUT, Collective, ModelFacts, Network
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import PipelineOverCapacity, stop_at_unfit_rank
@@ -249,10 +250,11 @@ def step_seconds(compute: float, bubble: float, collectives: tuple[Collective, .
     collectives hide behind ``compute + bubble``; exposed ones, and the first all-gather's share
     of one block (``1 / (layers + 1)`` of one forward all-gather, which FSDP cannot prefetch), add."""
     comm = sum(c.seconds(network) for c in collectives)
-    hidden = sum(c.seconds(network) for c in collectives if c.overlapped)
+    alone = sum(c.exposed_seconds(network) for c in collectives)
+    hidden = comm - alone
     first = [c for c in collectives if c.what.startswith("all-gather of parameters")]
     share = first[0].seconds(network) / first[0].count / ((layers or 0) + 1) if first else 0.0
-    exposed = comm - hidden + share
+    exposed = alone + share
     return comm, exposed, max(compute + bubble, hidden) + exposed
 
 
@@ -319,8 +321,10 @@ class _Search:
     off: int | None = None  # and without checkpointing
 
     def facts_for(self, config: _Config) -> ModelFacts:
-        tokens = config.micro * self.sequence
-        return replace(self.facts, tokens=tokens, stages_per_rank=config.stages_per_rank,
+        """The facts with ``config``'s: one rank's tokens of a micro-batch (``S / cp`` per sample)."""
+        seq_len = self.sequence // config.mesh.cp
+        return replace(self.facts, tokens=config.micro * seq_len, seq_len=seq_len,
+                       stages_per_rank=config.stages_per_rank, attention_flops_per_second=self.peak,
                        recompute=self.checkpoints[config.ckpt].kind is CheckpointKind.FULL)
 
     @staticmethod
@@ -373,16 +377,37 @@ def _sequence(resolved: ResolvedModel) -> int:
     return int(shapes[0][1]) if shapes else 1
 
 
+def _balanced_rings(search: _Search, meshes: list[Mesh]) -> list[Mesh]:
+    """``meshes`` less those whose ``2 × cp`` does not divide the sequence, named in the pruned:
+    torch's head-tail load balancer splits each sample into ``2 × cp`` chunks for causal attention
+    (without it the last rank computes every ring step whole; plan's ring traffic assumes it)."""
+    sequence = search.sequence
+    unsplit = sorted({m.cp for m in meshes if m.cp > 1 and sequence % (2 * m.cp)})
+    for cp in unsplit:
+        count = sum(1 for m in meshes if m.cp == cp)
+        search.pruned.append(f"{count} meshes with cp={cp}: not searched (2 x cp = {2 * cp} does not divide the "
+                             f"sequence of {sequence} tokens: torch's load balancer splits it into 2 x cp chunks)")
+    return [m for m in meshes if m.cp not in unsplit]
+
+
 def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
 
-def _seconds(time: StepTime, traced: int, accum: int) -> tuple[float, float, float]:
+def _seconds(time: StepTime, traced: int, accum: int, cp: int = 1) -> tuple[float, float, float]:
     """The step's compute for ``accum`` micro-batches and one optimizer step, from a trace of
-    ``traced`` micro-batches; one micro-batch's; the optimizer step's (and zero_grad's)."""
+    ``traced`` micro-batches; one micro-batch's; the optimizer step's (and zero_grad's). Under
+    ``cp`` the trace ran one of each attention call's ``cp`` ring steps (the causal diagonal):
+    the other ``cp − 1`` (the balancer's half chunks: as many FLOPs each) are added at its time."""
     once = sum(p.seconds for p in time.phases if p.phase in _ONCE_PER_STEP)
-    per = (time.seconds - once) / traced
+    per = (time.seconds + _ring_steps(time, cp) - once) / traced
     return per * accum + once, per, once
+
+
+def _ring_steps(time: StepTime, cp: int) -> float:
+    """Seconds of the ``cp − 1`` ring steps a trace under ``cp`` did not run: as many again as its
+    fused attention kernels' (forward, backward, recompute), each."""
+    return (cp - 1) * sum(c.seconds for c in time.classes if c.op_class is OpClass.ATTENTION)
 
 
 def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float) -> list[_Config]:
@@ -415,7 +440,7 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
                 compute = flops_at[ckpt]
                 bubble = compute / accum * (mesh.pp - 1) / config.stages_per_rank
                 collectives = collectives_of(mesh, search.facts_for(config), accum)
-                hidden = sum(c.seconds(search.network) for c in collectives if c.overlapped)
+                hidden = sum(c.seconds(search.network) - c.exposed_seconds(search.network) for c in collectives)
                 exposed = step_seconds(0.0, 0.0, collectives, search.network, search.facts.layers)[1]
                 config = replace(config, flops=compute, flops_at=flops_at, floor=compute, bubble=bubble, hidden=hidden,
                                  exposed=exposed)
@@ -448,6 +473,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
         search.pruned.append(f"{len(wide)} meshes with tp beyond one node ({network.gpus_per_node} GPUs): not searched "
                              f"(each block would wait on the network)")
     meshes = [m for m in meshes if m.tp <= network.gpus_per_node]
+    meshes = _balanced_rings(search, meshes)
     refused = {m: refusal(step, m, resolved) for m in meshes}
     unsupported = [m for m in meshes if refused[m] is not None]
     search.pruned += [f"{m.describe()}: {refused[m]}" for m in unsupported]
@@ -578,11 +604,13 @@ class _Timings:
     with as much tp or more, as much sharding or less, as much checkpointing or more (each adds
     recomputation; a ratio alone does not order, as the FLOPs count full's recomputation and not
     selective-op's) and a smaller micro-batch, pipelined or not (a stage runs a share of the same
-    kernels). A pipeline's bubble is ``(pp − 1) / stages per rank`` microbatches of its work."""
+    kernels), with the same cp (a ring's rank runs shorter sequences: its attention per matmul FLOP
+    differs). A pipeline's bubble is ``(pp − 1) / stages per rank`` microbatches of its work."""
 
     # per kin: (dp_shard, ckpt, micro, compute, work)
     traced: dict[tuple[Any, ...], list[tuple[int, int, int, float, float]]] = field(default_factory=dict)
-    ratios: list[tuple[int, int, int, int, float]] = field(default_factory=list)  # (tp, dp_shard, ckpt, micro, r)
+    # (tp, cp, dp_shard, ckpt, micro, r)
+    ratios: list[tuple[int, int, int, int, int, float]] = field(default_factory=list)
 
     def record(self, config: _Config, compute: float, once: float) -> None:
         """A traced configuration's compute per optimizer step and its optimizer step's part."""
@@ -590,16 +618,17 @@ class _Timings:
         self.traced.setdefault(config.kin(), []).append((mesh.dp_shard, config.ckpt, config.micro, compute,
                                                          compute - once))
         if config.schedule is None and config.flops > 0:
-            self.ratios.append((mesh.tp, mesh.dp_shard, config.ckpt, config.micro, (compute - once) / config.flops))
+            self.ratios.append((mesh.tp, mesh.cp, mesh.dp_shard, config.ckpt, config.micro,
+                                (compute - once) / config.flops))
 
     def bound(self, config: _Config) -> _Config:
         """``config`` with the tightest bound the traces give (its own, if they give none tighter)."""
         mesh = config.mesh
         kin = [(compute, work) for s, c, m, compute, work in self.traced.get(config.kin(), [])
                if mesh.dp_shard <= s and config.ckpt >= c and config.micro <= m]
-        work = max([w for _, w in kin] + [config.flops_at[c] * r for tp, s, c, m, r in self.ratios
-                                          if tp <= mesh.tp and s >= mesh.dp_shard and c <= config.ckpt
-                                          and m >= config.micro], default=0.0)
+        work = max([w for _, w in kin] + [config.flops_at[c] * r for tp, cp, s, c, m, r in self.ratios
+                                          if tp <= mesh.tp and cp == mesh.cp and s >= mesh.dp_shard
+                                          and c <= config.ckpt and m >= config.micro], default=0.0)
         floor = max([compute for compute, _ in kin] + [work, config.floor])
         bound = config.with_compute(floor, work)
         return replace(config, floor=floor, bound=bound) if bound > config.bound else config
@@ -669,18 +698,23 @@ _ASSUMPTIONS = (
     "all-gather's share of one block (1 / (layers + 1) of a forward all-gather), which FSDP cannot prefetch",
     "overlapped: FSDP's all-gathers and reduce-scatters, HSDP/DDP's all-reduces, a pipeline's sends; exposed: tensor "
     "parallelism's activation collectives (no async tensor parallelism)",
+    "context parallelism: torch's ring (rotate_method=allgather) per attention call all-gathers K and V in forward "
+    "and backward beside the call's first step, sends float32 dK/dV after each backward step beside the next (the "
+    "last exposed); a step's attention taken at the GPU's dense peak, 2 x tokens x S/cp x heads/tp x head_dim FLOPs "
+    "(backward 2.5 x), so only what exceeds it is exposed; the trace's attention kernels counted cp times (it ran "
+    "one of the ring's cp steps); FSDP2 over dp_shard x cp; cp only where 2 x cp divides the sequence",
     "ring collectives: a rank receives size × (n − 1) / n per all-gather or reduce-scatter, twice that per "
     "all-reduce; a group within one node runs at NVLink's bandwidth, else at the network's; latency not modelled",
     "FSDP2 FULL_SHARD all-gathers in forward and backward and reduce-scatters every micro-batch (under a pipeline: "
     "once per step, reshard_after_forward=False); DDP/HSDP all-reduce every micro-batch (no no_sync; under a pipeline "
     "once per step, with the reduce-scatter); a rank moves "
-    "1 / (tp × pp) of the parameters",
+    "1 / (tp × pp) of the parameters (FSDP2's group: dp_shard × cp)",
     "tensor parallelism: torchtitan's Llama plan with sequence parallelism, 4 all-gathers and 4 reduce-scatters of a "
     "block's activation per micro-batch (6 + 6 under full checkpointing), the logits all-gathered (no loss_parallel)",
     "pipeline: bubble = (pp − 1) / stages per rank × one microbatch's compute of the busiest rank; each microbatch's "
     "activation and its gradient cross every stage boundary at the slowest link of the pp group",
-    "pruning bounds (never above the truth): model states of a rank ≥ the textbook bytes over dp_shard × tp × pp; "
-    "compute ≥ the matmul FLOPs at the GPU's dense peak for the compute dtype",
+    "pruning bounds (never above the truth): model states of a rank ≥ the textbook bytes over dp_shard × cp × tp × "
+    "pp; compute ≥ the matmul FLOPs (of S / cp tokens per sample) at the GPU's dense peak for the compute dtype",
     "compute: memcalc's roofline of the traced kernels (memcalc.step_time), ±24% on its calibration steps",
 )
 
@@ -693,10 +727,11 @@ def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tu
     time = report.time
     assert time is not None
     pipelined = config.schedule is not None
+    cp = config.mesh.cp
     compute, per, once = _seconds(time, config.accum if pipelined else min(config.accum, 2),
-                                  1 if pipelined else config.accum)
+                                  1 if pipelined else config.accum, cp)
     if pipelined:
-        compute = time.seconds
+        compute = time.seconds + _ring_steps(time, cp)
     if report.fits is False:
         search.pruned.append(f"{label}: does not fit ({_gib(report.bytes.peak_allocated)} allocated at its peak)")
         return None, (compute, once)
@@ -705,7 +740,7 @@ def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tu
     comm, exposed, seconds = step_seconds(compute, bubble, collectives, search.network, search.facts.layers)
     mesh = config.mesh
     tokens = None if time.tokens is None or not time.samples else (
-        time.tokens // time.samples * config.micro * config.accum * mesh.dp_replicate * mesh.dp_shard)
+        time.tokens // time.samples * mesh.cp * config.micro * config.accum * mesh.dp_replicate * mesh.dp_shard)
     chosen = next((n.split("chose ", 1)[1].split(":", 1)[0] for n in report.notes
                    if n.startswith("checkpoint auto chose ")), None)
     candidate = PlanCandidate(mesh=mesh, checkpoint=search.checkpoints[config.ckpt], micro_batch=config.micro,
