@@ -376,6 +376,10 @@ _SOUND_CASES = [  # (mesh, schedule, micro-batch, micro-batches per step, checkp
     ({"dp_shard": 2, "pp": 2}, "gpipe", 1, 2, "off"), ({"dp_shard": 2, "pp": 2}, "1f1b", 1, 4, "full"),
     ({"dp_shard": 2, "pp": 2}, "interleaved-1f1b", 1, 4, "off"), ({"pp": 4}, "interleaved-1f1b", 1, 8, "selective-op"),
     ({"pp": 4}, "interleaved-1f1b", 1, 8, "full"),
+    # context parallelism: FSDP2 over dp_shard × cp, S / cp tokens a rank, with tp and under a pipeline
+    ({"cp": 4}, None, 1, 2, "off"), ({"dp_shard": 2, "cp": 2}, None, 2, 1, "selective-op"),
+    ({"cp": 2, "tp": 2}, None, 2, 1, "full"), ({"cp": 2, "pp": 2}, "1f1b", 1, 4, "off"),
+    ({"dp_shard": 2, "cp": 2}, "gpipe", 1, 2, "selective-op"),
 ]
 
 
@@ -472,9 +476,10 @@ def test_time_bounds_from_traces_never_exceed_the_traced_times():
 
     step = build_step("llama-tiny", batch_size=1, seq_len=256, precision="amp-bf16", gpu="h100-80gb", time=True)
     facts = planning.model_facts(step)
-    search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=256)
-    flat = [Mesh(dp_shard=4), Mesh(dp_shard=2, tp=2)]
-    piped = [Mesh(dp_shard=2, pp=2), Mesh(pp=4)]
+    search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=256,
+                              peak=peak_flops(step))  # the ring's attention rate (facts_for), as find_plan sets it
+    flat = [Mesh(dp_shard=4), Mesh(dp_shard=2, tp=2), Mesh(cp=4), Mesh(dp_shard=2, cp=2), Mesh(cp=2, tp=2)]
+    piped = [Mesh(dp_shard=2, pp=2), Mesh(pp=4), Mesh(cp=2, pp=2)]
     configs = planning._configs(search, flat + piped, 4, peak_flops(step))
     timings = planning._Timings()
     for config in (c for c in configs if c.schedule is None):
@@ -550,3 +555,84 @@ def test_a_pipeline_stopped_at_an_unfit_rank_leaves_the_rows_as_they_were(tight_
 
 def _gib_in(note: str) -> float:
     return float(note.split(" GiB allocated")[0].rsplit(" ", 1)[1].lstrip("("))
+
+
+# ---- context parallelism: the ring's traffic, plan's answer and its bounds ----------------------------------------
+def test_ring_bytes_and_exposed_seconds_of_one_layer_by_hand():
+    """One attention layer, one micro-batch of 4,096 tokens over cp = 4 (1,024 a rank), 8 heads and
+    2 KV heads of 64, bf16, attention at 10**15 FLOP/s, NVLink 450 GB/s (torch's ring, allgather)."""
+    seq, cp = 4096, 4
+    tokens = seq // cp  # 1,024 tokens of the sample on each rank
+    facts = replace(AMP, layers=1, heads=8, kv_heads=2, hidden=512, tokens=tokens, seq_len=tokens,
+                    attention_flops_per_second=1e15)
+    ring = _by_what(collectives_of(Mesh(cp=cp), facts, 1))
+    kv = 2 * tokens * 2 * 64  # K and V: tokens × KV heads × head_dim each = 262,144 elements
+    step = 2 * tokens * tokens * 8 * 64 / 1e15  # one ring step's attention: 1,073,741,824 FLOPs = 1.07 µs
+    link = 450e9
+    forward = ring["ring: all-gather of K and V (forward, beside each call's first step)"]
+    assert forward.received == 3 * kv * 2 == 1_572_864 and forward.count == 1 and forward.span == 4
+    # the 3 shards arrive in 3.50 µs, beside step 0's 1.07 µs: 2.42 µs exposed
+    assert forward.exposed_seconds(DEFAULT_NETWORK) == pytest.approx(1_572_864 / link - step)
+    assert forward.exposed_seconds(DEFAULT_NETWORK) == pytest.approx(2.4216e-6, rel=1e-4)
+    backward = ring["ring: all-gather of K and V (backward, beside each call's first step)"]
+    assert backward.received == 1_572_864  # the same shards again, beside a backward step: 2.5 × 1.07 µs
+    assert backward.exposed_seconds(DEFAULT_NETWORK) == pytest.approx(1_572_864 / link - 2.5 * step)
+    onward = ring["ring: float32 dK and dV to the next rank (backward, beside the next step)"]
+    # cp − 1 = 3 sends of the float32 dK/dV (1 MiB each, 2.33 µs) each beside a 2.68 µs step: hidden
+    assert onward.received == 3 * kv * 4 == 3_145_728 and onward.count == 3
+    assert onward.exposed_seconds(DEFAULT_NETWORK) == 0.0
+    home = ring["ring: float32 dK and dV home (backward, after the last step: waited at once)"]
+    assert home.received == kv * 4 == 1_048_576 and not home.overlapped
+    assert home.exposed_seconds(DEFAULT_NETWORK) == pytest.approx(1_048_576 / link)
+    # and FSDP2 over the 4 cp ranks (dp_shard = 1: cp's file counts it): 2 P bytes gathered twice, 4 P reduced
+    fsdp = ring["all-gather of parameters (forward and backward)"]
+    assert fsdp.dimension == "cp" and fsdp.received == 2 * 2 * P * 3 / 4
+    # the step: 1 s of compute hides every overlapped byte; the exposed ring adds 2.42 + 0.81 + 0 + 2.33 µs
+    # (and the first all-gather's share of one block: one forward gather over layers + 1 = 2)
+    comm, exposed, seconds = planning.step_seconds(1.0, 0.0, tuple(ring.values()), DEFAULT_NETWORK, layers=1)
+    ring_exposed = (1_572_864 / link - step) + (1_572_864 / link - 2.5 * step) + 1_048_576 / link
+    share = fsdp.seconds(DEFAULT_NETWORK) / fsdp.count / 2
+    assert exposed == pytest.approx(ring_exposed + share) and seconds == pytest.approx(1.0 + exposed)
+
+
+def test_ring_scales_with_layers_microbatches_recompute_and_tp():
+    facts = replace(AMP, layers=4, heads=8, kv_heads=2, hidden=512, tokens=1024, seq_len=1024,
+                    attention_flops_per_second=1e15, recompute=True)
+    mesh = Mesh(dp_shard=2, cp=2, tp=2)
+    out = collectives_of(mesh, facts, 3)
+    ring = _by_what(tuple(c for c in out if c.dimension == "cp"))
+    forward = ring["ring: all-gather of K and V (forward, beside each call's first step)"]
+    # 4 layers × 3 micro-batches × 2 forwards (full checkpointing re-runs the ring); 1 KV head per tp rank
+    assert forward.count == 24 and forward.received == 24 * 1 * (2 * 1024 * 1 * 64) * 2
+    assert forward.span == 4  # cp × tp consecutive GPUs
+    assert ring["ring: float32 dK and dV home (backward, after the last step: waited at once)"].count == 12
+    # FSDP2's group is dp_shard × cp = 4, counted once, by dp_shard's file
+    gathers = [c for c in out if c.what.startswith("all-gather of parameters")]
+    assert [c.dimension for c in gathers] == ["dp_shard"]
+    assert gathers[0].received == 2 * 3 * 2 * P / 2 * 3 / 4 and gathers[0].span == 8
+
+
+def test_cp_bounds_split_by_cp_by_hand():
+    from memcalc.core.checkpointing import OFF
+    from memcalc.fields import build_step
+    from memcalc.search.plan_bounds import activations_floor, compute_floor, states_floor
+
+    step = build_step("llama-tiny", batch_size=1, seq_len=64, precision="amp-bf16", gpu="h100-80gb")
+    # FSDP2 over dp_shard × cp = 4: Adam's 16 bytes per parameter over 4
+    assert states_floor(step, LLAMA, Mesh(dp_shard=2, cp=2)) == states_floor(step, LLAMA, Mesh(dp_shard=4))
+    assert compute_floor(LLAMA, Mesh(cp=4), 4096, OFF, 1e12) == compute_floor(LLAMA, Mesh(), 1024, OFF, 1e12)
+    assert activations_floor(LLAMA, Mesh(cp=4), 4096, OFF, 1) == activations_floor(LLAMA, Mesh(), 1024, OFF, 1)
+
+
+def test_cp_meshes_the_sequence_cannot_split_are_named():
+    from memcalc.fields import build_step
+
+    step = build_step("llama-tiny", batch_size=1, seq_len=12, precision="amp-bf16", gpu="h100-80gb")
+    facts = planning.model_facts(step)
+    search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=12)
+    meshes = meshes_over(8, facts)
+    assert {m.cp for m in meshes} == {1, 2, 4, 8}
+    kept = planning._balanced_rings(search, meshes)
+    assert {m.cp for m in kept} == {1, 2}  # 2 × 2 divides 12; 2 × 4 and 2 × 8 do not
+    assert any(p.startswith("meshes with cp=4", p.index(" ") + 1) for p in search.pruned), search.pruned
+    assert any("2 x cp = 16 does not divide the sequence of 12 tokens" in p for p in search.pruned), search.pruned
