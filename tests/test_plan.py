@@ -636,3 +636,22 @@ def test_cp_meshes_the_sequence_cannot_split_are_named():
     assert {m.cp for m in kept} == {1, 2}  # 2 × 2 divides 12; 2 × 4 and 2 × 8 do not
     assert any(p.startswith("meshes with cp=4", p.index(" ") + 1) for p in search.pruned), search.pruned
     assert any("2 x cp = 16 does not divide the sequence of 12 tokens" in p for p in search.pruned), search.pruned
+
+
+@pytest.mark.slow
+def test_plan_answers_cp_where_only_the_ring_fits():
+    """llama-tiny at 49,152 tokens on two L4s (22 GiB), global batch 2, no checkpointing: one rank with
+    a whole sample (dp_shard=2, DDP, each pipeline schedule) does not fit; cp=2 (24,576 tokens a rank,
+    two micro-batches accumulated) does, and its peak is `memcalc --mesh cp=2`'s to the byte."""
+    result = memcalc.plan("llama-tiny", gpus=2, gpu="l4", global_batch=2, seq_len=49152, checkpoint="off", top=5)
+    assert [(c.mesh, c.micro_batch, c.accum_steps, c.schedule) for c in result.best] == [(Mesh(cp=2), 1, 2, None)]
+    assert "cp" in result.to_dict()["dimensions_searched"]
+    unfit = {p.split(",")[0] for p in result.pruned if "does not fit" in p}
+    assert {"dp_shard=2", "pp=2"} <= unfit, result.pruned
+    best = result.best[0]
+    ring = [c for c in best.collectives if c.what.startswith("ring:")]
+    assert len(ring) == 4 and best.comm_seconds > sum(c.seconds(result.network) for c in ring) > 0
+    cli = CliRunner().invoke(main, ["llama-tiny", "--mesh", "cp=2", "--batch", "1", "--accum-steps", "2", "--seq-len",
+                                    "49152", "--gpu", "l4", "--precision", "amp-bf16", "--format", "json"])
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.output)["bytes"]["peak_allocated"] == best.report.bytes.peak_allocated
