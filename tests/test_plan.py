@@ -127,13 +127,13 @@ def test_plan_json_shape(tight_plan):
                         "peak_reserved", "capacity", "headroom", "busiest_rank", "step_seconds", "compute_seconds",
                         "bubble_seconds", "communication_seconds", "exposed_communication_seconds",
                         "tokens_per_second", "collectives"}
-    assert all(set(c) == {"dimension", "what", "bytes_received", "group_span", "intra_node", "overlapped", "seconds"}
-               for r in data["best"] for c in r["collectives"])
+    assert all(set(c) == {"dimension", "what", "bytes_received", "group_span", "intra_node", "overlapped", "seconds",
+                          "exposed_seconds"} for r in data["best"] for c in r["collectives"])
     assert data["unsupported_meshes"] == sum("not modelled yet" in p for p in data["pruned"])
     assert row["headroom"] == row["capacity"] - row["peak_allocated"] > 0
     # every dimension whose communication is in plan's cost model (planned), and only those
     assert set(data["dimensions_searched"]) == {name for name, cls in DIMENSIONS.items() if cls.planned}
-    assert {"dp_shard", "dp_replicate"} <= set(data["dimensions_searched"])
+    assert {"dp_shard", "dp_replicate", "cp"} <= set(data["dimensions_searched"])
     assert set(data["dimensions_not_searched"]) == {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"} - set(
         data["dimensions_searched"])
 
@@ -476,8 +476,7 @@ def test_time_bounds_from_traces_never_exceed_the_traced_times():
 
     step = build_step("llama-tiny", batch_size=1, seq_len=256, precision="amp-bf16", gpu="h100-80gb", time=True)
     facts = planning.model_facts(step)
-    search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=256,
-                              peak=peak_flops(step))  # the ring's attention rate (facts_for), as find_plan sets it
+    search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=256)
     flat = [Mesh(dp_shard=4), Mesh(dp_shard=2, tp=2), Mesh(cp=4), Mesh(dp_shard=2, cp=2), Mesh(cp=2, tp=2)]
     piped = [Mesh(dp_shard=2, pp=2), Mesh(pp=4), Mesh(cp=2, pp=2)]
     configs = planning._configs(search, flat + piped, 4, peak_flops(step))
@@ -593,6 +592,7 @@ def test_ring_bytes_and_exposed_seconds_of_one_layer_by_hand():
     ring_exposed = (1_572_864 / link - step) + (1_572_864 / link - 2.5 * step) + 1_048_576 / link
     share = fsdp.seconds(DEFAULT_NETWORK) / fsdp.count / 2
     assert exposed == pytest.approx(ring_exposed + share) and seconds == pytest.approx(1.0 + exposed)
+    assert comm == pytest.approx(sum(c.seconds(DEFAULT_NETWORK) for c in ring.values()))
 
 
 def test_ring_scales_with_layers_microbatches_recompute_and_tp():

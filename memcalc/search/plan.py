@@ -315,16 +315,22 @@ class _Search:
     unfit: dict[tuple[Any, ...], PipelineOverCapacity] = field(default_factory=dict)  # pipelines stopped early
 
     sequence: int = 1
-    peak: float = 1.0  # the GPU's dense peak FLOP/s for the compute dtype
+    peak: float = 0.0  # the GPU's dense peak FLOP/s for the compute dtype (0: the step's GPU's, read when needed)
     selective: int | None = None  # elements per token a block saves under selective-op (plan_bounds)
     resolved: ResolvedModel | None = None  # the step's model, built once (read only)
     off: int | None = None  # and without checkpointing
+
+    def flops_rate(self) -> float:
+        """:attr:`peak`, read from the step's GPU the first time it is needed."""
+        if not self.peak:
+            self.peak = peak_flops(self.step)
+        return self.peak
 
     def facts_for(self, config: _Config) -> ModelFacts:
         """The facts with ``config``'s: one rank's tokens of a micro-batch (``S / cp`` per sample)."""
         seq_len = self.sequence // config.mesh.cp
         return replace(self.facts, tokens=config.micro * seq_len, seq_len=seq_len,
-                       stages_per_rank=config.stages_per_rank, attention_flops_per_second=self.peak,
+                       stages_per_rank=config.stages_per_rank, attention_flops_per_second=self.flops_rate(),
                        recompute=self.checkpoints[config.ckpt].kind is CheckpointKind.FULL)
 
     @staticmethod
@@ -487,8 +493,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                              f"{_gib(min(states_floor(step, facts, m) for m in heavy))}): not estimated "
                              f"({'; '.join(m.describe() for m in heavy[:6])}{'; …' if len(heavy) > 6 else ''})")
     meshes = [m for m in meshes if m not in heavy]
-    search.peak = peak_flops(step)
-    configs = _configs(search, meshes, global_batch, search.peak)
+    configs = _configs(search, meshes, global_batch, search.flops_rate())
     if not configs and not search.over and not heavy:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly (into "
                                 f"data-parallel ranks and micro-batches, or a pipeline's {gpus} microbatches or more)",
@@ -652,7 +657,7 @@ def _probe(search: _Search, config: _Config, gpus: int, global_batch: int, probe
         return False
     accum = global_batch // (width * config.micro)
     tokens = config.micro * accum * search.sequence
-    flops_at = tuple(compute_floor(search.facts, flat, tokens, c, search.peak) for c in search.checkpoints)
+    flops_at = tuple(compute_floor(search.facts, flat, tokens, c, search.flops_rate()) for c in search.checkpoints)
     probe = _Config(flat, config.ckpt, config.micro, accum, None, flops=flops_at[config.ckpt], flops_at=flops_at)
     try:
         time = search.report(probe).time
