@@ -316,6 +316,11 @@ def test_pruning_bounds_by_hand():
     assert off == max(3 * 2 * 10 * H, 2 * 10 * H + V * 2) * T * 2 / 2 == 3_932_160
     full = activations_floor(facts, Mesh(pp=2, tp=2), T, FULL, 3)
     assert full == (max(3 * 2 * H, 2 * H + V * 2) + 10 * H) * T * 2 / 2 == 2_834_432
+    # context parallelism: FSDP2 over dp_shard × cp; a rank's matmuls and activations at S / cp tokens a sample
+    assert states_floor(step, LLAMA, Mesh(dp_shard=2, cp=2)) == 16 * P / 4
+    assert states_floor(step, LLAMA, Mesh(pp=4, cp=2)) == 16 * P / 8 + 6 * P / 4 - 4 * P / 8
+    assert compute_floor(LLAMA, Mesh(tp=2, cp=4), 4 * 2048, OFF, 1e12) == pytest.approx(flops / 1e12)
+    assert activations_floor(facts, Mesh(pp=2, tp=2, cp=4), 4 * T, FULL, 3) == 2_834_432
 
 
 def test_kept_activations_of_a_llama_block_by_hand():
@@ -379,7 +384,7 @@ _SOUND_CASES = [  # (mesh, schedule, micro-batch, micro-batches per step, checkp
     # context parallelism: FSDP2 over dp_shard × cp, S / cp tokens a rank, with tp and under a pipeline
     ({"cp": 4}, None, 1, 2, "off"), ({"dp_shard": 2, "cp": 2}, None, 2, 1, "selective-op"),
     ({"cp": 2, "tp": 2}, None, 2, 1, "full"), ({"cp": 2, "pp": 2}, "1f1b", 1, 4, "off"),
-    ({"dp_shard": 2, "cp": 2}, "gpipe", 1, 2, "selective-op"),
+    ({"dp_shard": 2, "cp": 2, "pp": 2}, "gpipe", 1, 2, "selective-op"),
 ]
 
 
@@ -612,30 +617,16 @@ def test_ring_scales_with_layers_microbatches_recompute_and_tp():
     assert gathers[0].received == 2 * 3 * 2 * P / 2 * 3 / 4 and gathers[0].span == 8
 
 
-def test_cp_bounds_split_by_cp_by_hand():
-    from memcalc.core.checkpointing import OFF
-    from memcalc.fields import build_step
-    from memcalc.search.plan_bounds import activations_floor, compute_floor, states_floor
-
-    step = build_step("llama-tiny", batch_size=1, seq_len=64, precision="amp-bf16", gpu="h100-80gb")
-    # FSDP2 over dp_shard × cp = 4: Adam's 16 bytes per parameter over 4
-    assert states_floor(step, LLAMA, Mesh(dp_shard=2, cp=2)) == states_floor(step, LLAMA, Mesh(dp_shard=4))
-    assert compute_floor(LLAMA, Mesh(cp=4), 4096, OFF, 1e12) == compute_floor(LLAMA, Mesh(), 1024, OFF, 1e12)
-    assert activations_floor(LLAMA, Mesh(cp=4), 4096, OFF, 1) == activations_floor(LLAMA, Mesh(), 1024, OFF, 1)
-
-
 def test_cp_meshes_the_sequence_cannot_split_are_named():
-    from memcalc.fields import build_step
-
-    step = build_step("llama-tiny", batch_size=1, seq_len=12, precision="amp-bf16", gpu="h100-80gb")
-    facts = planning.model_facts(step)
-    search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=12)
-    meshes = meshes_over(8, facts)
+    meshes = meshes_over(8, LLAMA)
     assert {m.cp for m in meshes} == {1, 2, 4, 8}
-    kept = planning._balanced_rings(search, meshes)
-    assert {m.cp for m in kept} == {1, 2}  # 2 × 2 divides 12; 2 × 4 and 2 × 8 do not
-    assert any(p.startswith("meshes with cp=4", p.index(" ") + 1) for p in search.pruned), search.pruned
-    assert any("2 x cp = 16 does not divide the sequence of 12 tokens" in p for p in search.pruned), search.pruned
+    kept, notes = planning._balanced_rings(meshes, 12)
+    assert {m.cp for m in kept} == {1, 2}  # 2 × 2 divides 12 tokens; 2 × 4 and 2 × 8 do not
+    assert kept == [m for m in meshes if m.cp <= 2]
+    count = sum(1 for m in meshes if m.cp == 8)
+    assert notes[1] == (f"{count} meshes with cp=8: not searched (2 x cp = 16 does not divide the sequence of 12 "
+                        f"tokens: torch's load balancer splits it into 2 x cp chunks)")
+    assert planning._balanced_rings(meshes, 32) == (meshes, [])
 
 
 @pytest.mark.slow

@@ -383,17 +383,15 @@ def _sequence(resolved: ResolvedModel) -> int:
     return int(shapes[0][1]) if shapes else 1
 
 
-def _balanced_rings(search: _Search, meshes: list[Mesh]) -> list[Mesh]:
-    """``meshes`` less those whose ``2 × cp`` does not divide the sequence, named in the pruned:
+def _balanced_rings(meshes: list[Mesh], sequence: int) -> tuple[list[Mesh], list[str]]:
+    """``meshes`` less those whose ``2 × cp`` does not divide the sequence, and a note per such cp:
     torch's head-tail load balancer splits each sample into ``2 × cp`` chunks for causal attention
     (without it the last rank computes every ring step whole; plan's ring traffic assumes it)."""
-    sequence = search.sequence
     unsplit = sorted({m.cp for m in meshes if m.cp > 1 and sequence % (2 * m.cp)})
-    for cp in unsplit:
-        count = sum(1 for m in meshes if m.cp == cp)
-        search.pruned.append(f"{count} meshes with cp={cp}: not searched (2 x cp = {2 * cp} does not divide the "
-                             f"sequence of {sequence} tokens: torch's load balancer splits it into 2 x cp chunks)")
-    return [m for m in meshes if m.cp not in unsplit]
+    notes = [f"{sum(1 for m in meshes if m.cp == cp)} meshes with cp={cp}: not searched (2 x cp = {2 * cp} does "
+             f"not divide the sequence of {sequence} tokens: torch's load balancer splits it into 2 x cp chunks)"
+             for cp in unsplit]
+    return [m for m in meshes if m.cp not in unsplit], notes
 
 
 def _divisors(number: int) -> list[int]:
@@ -479,7 +477,8 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
         search.pruned.append(f"{len(wide)} meshes with tp beyond one node ({network.gpus_per_node} GPUs): not searched "
                              f"(each block would wait on the network)")
     meshes = [m for m in meshes if m.tp <= network.gpus_per_node]
-    meshes = _balanced_rings(search, meshes)
+    meshes, unsplit = _balanced_rings(meshes, search.sequence)
+    search.pruned += unsplit
     refused = {m: refusal(step, m, resolved) for m in meshes}
     unsupported = [m for m in meshes if refused[m] is not None]
     search.pruned += [f"{m.describe()}: {refused[m]}" for m in unsupported]
