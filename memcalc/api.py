@@ -536,6 +536,7 @@ def plan(
     top: int = 5,
     checkpoint: str = "search",
     on_estimate: Callable[[str], None] | None = None,
+    context_parallel: bool | None = None,
 ) -> PlanResult:
     """The fastest ways to train ``model`` on ``gpus`` GPUs that fit: device meshes of the modelled
     dimensions, micro-batches and activation checkpointing, ranked by estimated step time (the
@@ -557,6 +558,9 @@ def plan(
             checkpointing ``--checkpoint auto`` chooses, per configuration), or one of ``"off"``,
             ``"selective-op"``, ``"full"``.
         on_estimate: called with a description before each estimate (progress).
+        context_parallel: search context-parallel meshes (True) or not (False); None (the
+            default) searches them from 16,384 tokens a sample, where a ring pays for itself and
+            below which its meshes multiply the traces (``memcalc.search.plan.LONG_CONTEXT``).
 
     Returns:
         A :class:`~memcalc.search.plan.PlanResult`: the best, fastest first (empty if nothing
@@ -576,4 +580,4 @@ def plan(
         raise InvalidInputError("plan needs a GPU with a memory capacity", hint="give a catalogue GPU, e.g. h100-80gb")
     _check_timeable(step)
     return find_plan(step, gpus, global_batch, model_facts(step), network=network, top=top, on_estimate=on_estimate,
-                     checkpoint=checkpoint)
+                     checkpoint=checkpoint, context_parallel=context_parallel)

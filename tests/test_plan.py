@@ -100,7 +100,8 @@ def test_bad_network_is_refused():
 @pytest.fixture(scope="module")
 def tight_plan() -> PlanResult:
     """llama-tiny on two T4s at 2,048 tokens: some configurations do not fit."""
-    return memcalc.plan("llama-tiny", gpus=2, gpu="t4", global_batch=32, seq_len=2048, precision="fp32", top=20)
+    return memcalc.plan("llama-tiny", gpus=2, gpu="t4", global_batch=32, seq_len=2048, precision="fp32", top=20,
+                        context_parallel=True)
 
 
 @pytest.mark.slow
@@ -451,7 +452,8 @@ def test_every_traced_configuration_of_a_plan_peaks_above_its_memory_bound(model
         return out
 
     monkeypatch.setattr(planning._Search, "report", recording)
-    memcalc.plan(model, gpus=gpus, gpu="h100-80gb", global_batch=8, seq_len=seq_len, precision=precision, top=20)
+    memcalc.plan(model, gpus=gpus, gpu="h100-80gb", global_batch=8, seq_len=seq_len, precision=precision, top=20,
+                 context_parallel=True)
     assert len(seen) >= 8, len(seen)
     tight = 0
     for search, config, peak in seen:
@@ -649,3 +651,21 @@ def test_plan_answers_cp_where_only_the_ring_fits():
                                     "49152", "--gpu", "l4", "--precision", "amp-bf16", "--format", "json"])
     assert cli.exit_code == 0, cli.output
     assert json.loads(cli.output)["bytes"]["peak_allocated"] == best.report.bytes.peak_allocated
+
+
+@pytest.mark.parametrize(("asked", "sequence", "searched"), [
+    (None, 2048, False), (None, 16_383, False), (None, 16_384, True), (None, 49_152, True),
+    (True, 64, True), (False, 49_152, False)])
+def test_plan_searches_cp_from_long_context_or_when_asked(asked, sequence, searched):
+    """cp's meshes multiply a plan's traces (the 70B question: 72 traces and 5.1 GiB against 668 MiB),
+    so by default they are searched from 16,384 tokens a sample; ``--cp``/``--no-cp`` decide."""
+    assert planning._searches_cp(asked, sequence) is searched
+
+
+@pytest.mark.slow
+def test_a_short_sequence_plan_names_cp_as_not_searched():
+    result = memcalc.plan("llama-tiny", gpus=2, gpu="h100-80gb", global_batch=4, seq_len=128, top=2)
+    data = result.to_dict()
+    assert "cp" not in data["dimensions_searched"] and "cp" in data["dimensions_not_searched"]
+    assert any("meshes with cp: not searched" in p and "--cp searches them" in p for p in data["pruned"])
+    assert all(c.mesh.cp == 1 for c in result.best)

@@ -383,6 +383,18 @@ def _sequence(resolved: ResolvedModel) -> int:
     return int(shapes[0][1]) if shapes else 1
 
 
+#: From this many tokens a sample, plan searches context parallelism unless told not to. Below it a
+#: ring only adds traffic to what FSDP2 and tp already fit (torchtitan's recipes turn cp on for long
+#: context), and its meshes multiply a plan's traces: the 70B question at 8,192 tokens took 72 traces,
+#: 507 CPU-s and 5.1 GiB with cp searched, against 70–98 CPU-s and 668 MiB without (docs/many-gpus.md).
+LONG_CONTEXT = 16_384
+
+
+def _searches_cp(asked: bool | None, sequence: int) -> bool:
+    """Whether plan searches cp meshes: as asked, else from :data:`LONG_CONTEXT` tokens a sample."""
+    return asked if asked is not None else sequence >= LONG_CONTEXT
+
+
 def _balanced_rings(meshes: list[Mesh], sequence: int) -> tuple[list[Mesh], list[str]]:
     """``meshes`` less those whose ``2 × cp`` does not divide the sequence, and a note per such cp:
     torch's head-tail load balancer splits each sample into ``2 × cp`` chunks for causal attention
@@ -454,11 +466,13 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
 
 def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, network: Network,
               top: int = 5, on_estimate: Callable[[str], None] | None = None,
-              checkpoint: str = "search") -> PlanResult:
+              checkpoint: str = "search", context_parallel: bool | None = None) -> PlanResult:
     """The ``top`` fastest configurations of ``step`` on ``gpus`` GPUs that fit (see the module
     docstring). ``step`` names the GPU (its capacity and figures); its batch, checkpointing and
     accumulation are replaced. ``checkpoint``: ``search`` (off, selective-op and full), ``auto``
     (:mod:`memcalc.distributed.checkpoint_auto` chooses per configuration), or one setting's label.
+    ``context_parallel``: search cp meshes (True), or not (False); None searches them from
+    :data:`LONG_CONTEXT` tokens a sample on (:func:`_searches_cp`).
 
     Raises:
         InvalidInputError: no mesh splits ``global_batch`` evenly.
@@ -477,6 +491,14 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
         search.pruned.append(f"{len(wide)} meshes with tp beyond one node ({network.gpus_per_node} GPUs): not searched "
                              f"(each block would wait on the network)")
     meshes = [m for m in meshes if m.tp <= network.gpus_per_node]
+    searches_cp = _searches_cp(context_parallel, search.sequence)
+    if not searches_cp:
+        ringed = [m for m in meshes if m.cp > 1]
+        if ringed:
+            why = ("--no-cp" if context_parallel is False else
+                   f"the sequence, {search.sequence:,} tokens, is under {LONG_CONTEXT:,}: --cp searches them")
+            search.pruned.append(f"{len(ringed)} meshes with cp: not searched ({why})")
+        meshes = [m for m in meshes if m.cp == 1]
     meshes, unsplit = _balanced_rings(meshes, search.sequence)
     search.pruned += unsplit
     refused = {m: refusal(step, m, resolved) for m in meshes}
@@ -591,7 +613,8 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
             failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
             continue
         best = sorted([*best, candidate], key=lambda c: c.seconds)
-    searched = tuple(n for n in APPLICATION_ORDER if n in DIMENSIONS and DIMENSIONS[n].planned)
+    searched = tuple(n for n in APPLICATION_ORDER
+                     if n in DIMENSIONS and DIMENSIONS[n].planned and (n != "cp" or searches_cp))
     return PlanResult(best=tuple(best[:top]), gpus=gpus, global_batch=global_batch, network=network,
                       searched=searched, not_searched=tuple(n for n in APPLICATION_ORDER if n not in searched),
                       meshes=tuple(meshes), configurations=len(configs) + search.over, estimates=search.estimates,
