@@ -538,6 +538,7 @@ def plan(
     top: int = 5,
     checkpoint: str = "search",
     on_estimate: Callable[[str], None] | None = None,
+    context_parallel: bool | None = None,
 ) -> PlanResult:
     """The fastest ways to train ``model`` on ``gpus`` GPUs that fit: device meshes of the modelled
     dimensions, micro-batches and activation checkpointing, ranked by estimated step time (the
@@ -559,6 +560,9 @@ def plan(
             checkpointing ``--checkpoint auto`` chooses, per configuration), or one of ``"off"``,
             ``"selective-op"``, ``"full"``.
         on_estimate: called with a description before each estimate (progress).
+        context_parallel: search context-parallel meshes (True) or not (False); None (the
+            default) searches them from 16,384 tokens a sample, where a ring pays for itself and
+            below which its meshes multiply the traces (``memcalc.search.plan.LONG_CONTEXT``).
 
     Returns:
         A :class:`~memcalc.search.plan.PlanResult`: the best, fastest first (empty if nothing
@@ -582,4 +586,4 @@ def plan(
     from memcalc.search.plan import find_plan, model_facts
 
     return find_plan(step, gpus, global_batch, model_facts(step), network=network, top=top, on_estimate=on_estimate,
-                     checkpoint=checkpoint)
+                     checkpoint=checkpoint, context_parallel=context_parallel)

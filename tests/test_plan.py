@@ -103,7 +103,8 @@ def test_bad_network_is_refused():
 @pytest.fixture(scope="module")
 def tight_plan() -> PlanResult:
     """llama-tiny on two T4s at 2,048 tokens: some configurations do not fit."""
-    return memcalc.plan("llama-tiny", gpus=2, gpu="t4", global_batch=32, seq_len=2048, precision="fp32", top=20)
+    return memcalc.plan("llama-tiny", gpus=2, gpu="t4", global_batch=32, seq_len=2048, precision="fp32", top=20,
+                        context_parallel=True)
 
 
 @pytest.mark.slow
@@ -130,13 +131,13 @@ def test_plan_json_shape(tight_plan):
                         "peak_reserved", "capacity", "headroom", "busiest_rank", "step_seconds", "compute_seconds",
                         "bubble_seconds", "communication_seconds", "exposed_communication_seconds",
                         "tokens_per_second", "collectives"}
-    assert all(set(c) == {"dimension", "what", "bytes_received", "group_span", "intra_node", "overlapped", "seconds"}
-               for r in data["best"] for c in r["collectives"])
+    assert all(set(c) == {"dimension", "what", "bytes_received", "group_span", "intra_node", "overlapped", "seconds",
+                          "exposed_seconds"} for r in data["best"] for c in r["collectives"])
     assert data["unsupported_meshes"] == sum("not modelled yet" in p for p in data["pruned"])
     assert row["headroom"] == row["capacity"] - row["peak_allocated"] > 0
     # every dimension whose communication is in plan's cost model (planned), and only those
     assert set(data["dimensions_searched"]) == {name for name, cls in DIMENSIONS.items() if cls.planned}
-    assert {"dp_shard", "dp_replicate"} <= set(data["dimensions_searched"])
+    assert {"dp_shard", "dp_replicate", "cp"} <= set(data["dimensions_searched"])
     assert set(data["dimensions_not_searched"]) == {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"} - set(
         data["dimensions_searched"])
 
@@ -319,6 +320,11 @@ def test_pruning_bounds_by_hand():
     assert off == max(3 * 2 * 10 * H, 2 * 10 * H + V * 2) * T * 2 / 2 == 3_932_160
     full = activations_floor(facts, Mesh(pp=2, tp=2), T, FULL, 3)
     assert full == (max(3 * 2 * H, 2 * H + V * 2) + 10 * H) * T * 2 / 2 == 2_834_432
+    # context parallelism: FSDP2 over dp_shard × cp; a rank's matmuls and activations at S / cp tokens a sample
+    assert states_floor(step, LLAMA, Mesh(dp_shard=2, cp=2)) == 16 * P / 4
+    assert states_floor(step, LLAMA, Mesh(pp=4, cp=2)) == 16 * P / 8 + 6 * P / 4 - 4 * P / 8
+    assert compute_floor(LLAMA, Mesh(tp=2, cp=4), 4 * 2048, OFF, 1e12) == pytest.approx(flops / 1e12)
+    assert activations_floor(facts, Mesh(pp=2, tp=2, cp=4), 4 * T, FULL, 3) == 2_834_432
 
 
 def test_kept_activations_of_a_llama_block_by_hand():
@@ -379,6 +385,10 @@ _SOUND_CASES = [  # (mesh, schedule, micro-batch, micro-batches per step, checkp
     ({"dp_shard": 2, "pp": 2}, "gpipe", 1, 2, "off"), ({"dp_shard": 2, "pp": 2}, "1f1b", 1, 4, "full"),
     ({"dp_shard": 2, "pp": 2}, "interleaved-1f1b", 1, 4, "off"), ({"pp": 4}, "interleaved-1f1b", 1, 8, "selective-op"),
     ({"pp": 4}, "interleaved-1f1b", 1, 8, "full"),
+    # context parallelism: FSDP2 over dp_shard × cp, S / cp tokens a rank, with tp and under a pipeline
+    ({"cp": 4}, None, 1, 2, "off"), ({"dp_shard": 2, "cp": 2}, None, 2, 1, "selective-op"),
+    ({"cp": 2, "tp": 2}, None, 2, 1, "full"), ({"cp": 2, "pp": 2}, "1f1b", 1, 4, "off"),
+    ({"dp_shard": 2, "cp": 2, "pp": 2}, "gpipe", 1, 2, "selective-op"),
 ]
 
 
@@ -445,7 +455,8 @@ def test_every_traced_configuration_of_a_plan_peaks_above_its_memory_bound(model
         return out
 
     monkeypatch.setattr(planning._Search, "report", recording)
-    memcalc.plan(model, gpus=gpus, gpu="h100-80gb", global_batch=8, seq_len=seq_len, precision=precision, top=20)
+    memcalc.plan(model, gpus=gpus, gpu="h100-80gb", global_batch=8, seq_len=seq_len, precision=precision, top=20,
+                 context_parallel=True)
     assert len(seen) >= 8, len(seen)
     tight = 0
     for search, config, peak in seen:
@@ -476,8 +487,8 @@ def test_time_bounds_from_traces_never_exceed_the_traced_times():
     step = build_step("llama-tiny", batch_size=1, seq_len=256, precision="amp-bf16", gpu="h100-80gb", time=True)
     facts = planning.model_facts(step)
     search = planning._Search(step, facts, DEFAULT_NETWORK, planning.CHECKPOINTS, None, sequence=256)
-    flat = [Mesh(dp_shard=4), Mesh(dp_shard=2, tp=2)]
-    piped = [Mesh(dp_shard=2, pp=2), Mesh(pp=4)]
+    flat = [Mesh(dp_shard=4), Mesh(dp_shard=2, tp=2), Mesh(cp=4), Mesh(dp_shard=2, cp=2), Mesh(cp=2, tp=2)]
+    piped = [Mesh(dp_shard=2, pp=2), Mesh(pp=4), Mesh(cp=2, pp=2)]
     configs = planning._configs(search, flat + piped, 4, peak_flops(step))
     timings = planning._Timings()
     for config in (c for c in configs if c.schedule is None):
@@ -526,12 +537,15 @@ def test_the_search_answers_as_tracing_every_configuration_would():
 
 
 @pytest.mark.slow
-def test_a_pipeline_stopped_at_an_unfit_rank_leaves_the_rows_as_they_were(tight_plan, monkeypatch):
+def test_a_pipeline_stopped_at_an_unfit_rank_leaves_the_rows_as_they_were(monkeypatch):
     # plan stops a pipeline's trace at its first rank that does not fit (stop_at_unfit_rank); with
     # the stop off every rank is traced, as before: the same rows, each with the same figures, and
-    # the same configurations found not to fit
+    # the same configurations found not to fit. Without cp: its meshes (faster here) would leave the
+    # pipeline that does not fit pruned by its time bound, untraced
     import contextlib
 
+    monkeypatch.setattr(DIMENSIONS["cp"], "planned", False)
+    tight_plan = memcalc.plan("llama-tiny", gpus=2, gpu="t4", global_batch=32, seq_len=2048, precision="fp32", top=20)
     stopped = [p for p in tight_plan.pruned if "the other ranks not traced" in p]
     assert stopped, tight_plan.pruned  # the case has a pipeline that does not fit
     monkeypatch.setattr(planning, "stop_at_unfit_rank", contextlib.nullcontext)
@@ -553,3 +567,108 @@ def test_a_pipeline_stopped_at_an_unfit_rank_leaves_the_rows_as_they_were(tight_
 
 def _gib_in(note: str) -> float:
     return float(note.split(" GiB allocated")[0].rsplit(" ", 1)[1].lstrip("("))
+
+
+# ---- context parallelism: the ring's traffic, plan's answer and its bounds ----------------------------------------
+def test_ring_bytes_and_exposed_seconds_of_one_layer_by_hand():
+    """One attention layer, one micro-batch of 4,096 tokens over cp = 4 (1,024 a rank), 8 heads and
+    2 KV heads of 64, bf16, attention at 10**15 FLOP/s, NVLink 450 GB/s (torch's ring, allgather)."""
+    seq, cp = 4096, 4
+    tokens = seq // cp  # 1,024 tokens of the sample on each rank
+    facts = replace(AMP, layers=1, heads=8, kv_heads=2, hidden=512, tokens=tokens, seq_len=tokens,
+                    attention_flops_per_second=1e15)
+    ring = _by_what(collectives_of(Mesh(cp=cp), facts, 1))
+    kv = 2 * tokens * 2 * 64  # K and V: tokens × KV heads × head_dim each = 262,144 elements
+    step = 2 * tokens * tokens * 8 * 64 / 1e15  # one ring step's attention: 1,073,741,824 FLOPs = 1.07 µs
+    link = 450e9
+    forward = ring["ring: all-gather of K and V (forward, beside each call's first step)"]
+    assert forward.received == 3 * kv * 2 == 1_572_864 and forward.count == 1 and forward.span == 4
+    # the 3 shards arrive in 3.50 µs, beside step 0's 1.07 µs: 2.42 µs exposed
+    assert forward.exposed_seconds(DEFAULT_NETWORK) == pytest.approx(1_572_864 / link - step)
+    assert forward.exposed_seconds(DEFAULT_NETWORK) == pytest.approx(2.4216e-6, rel=1e-4)
+    backward = ring["ring: all-gather of K and V (backward, beside each call's first step)"]
+    assert backward.received == 1_572_864  # the same shards again, beside a backward step: 2.5 × 1.07 µs
+    assert backward.exposed_seconds(DEFAULT_NETWORK) == pytest.approx(1_572_864 / link - 2.5 * step)
+    onward = ring["ring: float32 dK and dV to the next rank (backward, beside the next step)"]
+    # cp − 1 = 3 sends of the float32 dK/dV (1 MiB each, 2.33 µs) each beside a 2.68 µs step: hidden
+    assert onward.received == 3 * kv * 4 == 3_145_728 and onward.count == 3
+    assert onward.exposed_seconds(DEFAULT_NETWORK) == 0.0
+    home = ring["ring: float32 dK and dV home (backward, after the last step: waited at once)"]
+    assert home.received == kv * 4 == 1_048_576 and not home.overlapped
+    assert home.exposed_seconds(DEFAULT_NETWORK) == pytest.approx(1_048_576 / link)
+    # and FSDP2 over the 4 cp ranks (dp_shard = 1: cp's file counts it): 2 P bytes gathered twice, 4 P reduced
+    fsdp = ring["all-gather of parameters (forward and backward)"]
+    assert fsdp.dimension == "cp" and fsdp.received == 2 * 2 * P * 3 / 4
+    # the step: 1 s of compute hides every overlapped byte; the exposed ring adds 2.42 + 0.81 + 0 + 2.33 µs
+    # (and the first all-gather's share of one block: one forward gather over layers + 1 = 2)
+    comm, exposed, seconds = planning.step_seconds(1.0, 0.0, tuple(ring.values()), DEFAULT_NETWORK, layers=1)
+    ring_exposed = (1_572_864 / link - step) + (1_572_864 / link - 2.5 * step) + 1_048_576 / link
+    share = fsdp.seconds(DEFAULT_NETWORK) / fsdp.count / 2
+    assert exposed == pytest.approx(ring_exposed + share) and seconds == pytest.approx(1.0 + exposed)
+    assert comm == pytest.approx(sum(c.seconds(DEFAULT_NETWORK) for c in ring.values()))
+
+
+def test_ring_scales_with_layers_microbatches_recompute_and_tp():
+    facts = replace(AMP, layers=4, heads=8, kv_heads=2, hidden=512, tokens=1024, seq_len=1024,
+                    attention_flops_per_second=1e15, recompute=True)
+    mesh = Mesh(dp_shard=2, cp=2, tp=2)
+    out = collectives_of(mesh, facts, 3)
+    ring = _by_what(tuple(c for c in out if c.dimension == "cp"))
+    forward = ring["ring: all-gather of K and V (forward, beside each call's first step)"]
+    # 4 layers × 3 micro-batches × 2 forwards (full checkpointing re-runs the ring); 1 KV head per tp rank
+    assert forward.count == 24 and forward.received == 24 * 1 * (2 * 1024 * 1 * 64) * 2
+    assert forward.span == 4  # cp × tp consecutive GPUs
+    assert ring["ring: float32 dK and dV home (backward, after the last step: waited at once)"].count == 12
+    # FSDP2's group is dp_shard × cp = 4, counted once, by dp_shard's file
+    gathers = [c for c in out if c.what.startswith("all-gather of parameters")]
+    assert [c.dimension for c in gathers] == ["dp_shard"]
+    assert gathers[0].received == 2 * 3 * 2 * P / 2 * 3 / 4 and gathers[0].span == 8
+
+
+def test_cp_meshes_the_sequence_cannot_split_are_named():
+    meshes = meshes_over(8, LLAMA)
+    assert {m.cp for m in meshes} == {1, 2, 4, 8}
+    kept, notes = planning._balanced_rings(meshes, 12)
+    assert {m.cp for m in kept} == {1, 2}  # 2 × 2 divides 12 tokens; 2 × 4 and 2 × 8 do not
+    assert kept == [m for m in meshes if m.cp <= 2]
+    count = sum(1 for m in meshes if m.cp == 8)
+    assert notes[1] == (f"{count} meshes with cp=8: not searched (2 x cp = 16 does not divide the sequence of 12 "
+                        f"tokens: torch's load balancer splits it into 2 x cp chunks)")
+    assert planning._balanced_rings(meshes, 32) == (meshes, [])
+
+
+@pytest.mark.slow
+def test_plan_answers_cp_where_only_the_ring_fits():
+    """llama-tiny at 49,152 tokens on two L4s (22 GiB), global batch 2, no checkpointing: one rank with
+    a whole sample (dp_shard=2, DDP, each pipeline schedule) does not fit; cp=2 (24,576 tokens a rank,
+    two micro-batches accumulated) does, and its peak is `memcalc --mesh cp=2`'s to the byte."""
+    result = memcalc.plan("llama-tiny", gpus=2, gpu="l4", global_batch=2, seq_len=49152, checkpoint="off", top=5)
+    assert [(c.mesh, c.micro_batch, c.accum_steps, c.schedule) for c in result.best] == [(Mesh(cp=2), 1, 2, None)]
+    assert "cp" in result.to_dict()["dimensions_searched"]
+    unfit = {p.split(",")[0] for p in result.pruned if "does not fit" in p}
+    assert {"dp_shard=2", "pp=2"} <= unfit, result.pruned
+    best = result.best[0]
+    ring = [c for c in best.collectives if c.what.startswith("ring:")]
+    assert len(ring) == 4 and best.comm_seconds > sum(c.seconds(result.network) for c in ring) > 0
+    cli = CliRunner().invoke(main, ["llama-tiny", "--mesh", "cp=2", "--batch", "1", "--accum-steps", "2", "--seq-len",
+                                    "49152", "--gpu", "l4", "--precision", "amp-bf16", "--format", "json"])
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.output)["bytes"]["peak_allocated"] == best.report.bytes.peak_allocated
+
+
+@pytest.mark.parametrize(("asked", "sequence", "searched"), [
+    (None, 2048, False), (None, 16_383, False), (None, 16_384, True), (None, 49_152, True),
+    (True, 64, True), (False, 49_152, False)])
+def test_plan_searches_cp_from_long_context_or_when_asked(asked, sequence, searched):
+    """cp's meshes multiply a plan's traces (the 70B question: 72 traces and 5.1 GiB against 668 MiB),
+    so by default they are searched from 16,384 tokens a sample; ``--cp``/``--no-cp`` decide."""
+    assert planning._searches_cp(asked, sequence) is searched
+
+
+@pytest.mark.slow
+def test_a_short_sequence_plan_names_cp_as_not_searched():
+    result = memcalc.plan("llama-tiny", gpus=2, gpu="h100-80gb", global_batch=4, seq_len=128, top=2)
+    data = result.to_dict()
+    assert "cp" not in data["dimensions_searched"] and "cp" in data["dimensions_not_searched"]
+    assert any("meshes with cp: not searched" in p and "--cp searches them" in p for p in data["pruned"])
+    assert all(c.mesh.cp == 1 for c in result.best)

@@ -45,12 +45,14 @@ __all__ = ("plan_command",)
 @click.option("--inter-node-gbps", type=click.FloatRange(min=0, min_open=True),
               default=DEFAULT_NETWORK.inter_node_gbps, show_default=True,
               help="GB/s into each GPU between nodes (one 400 Gb/s NIC per GPU: 50).")
+@click.option("--cp/--no-cp", "context_parallel", default=None,
+              help="Search context-parallel meshes (--cp) or not (--no-cp); by default from 16,384 tokens a sample.")
 @output_options
 @handle_errors
 def plan_command(model: str, gpus: int, gpu: str, global_batch: int, seq_len: int | None, precision: str,
                  optim: str, checkpoint: str, top: int, gpus_per_node: int, intra_node_gbps: float,
-                 inter_node_gbps: float, fmt: str, units: str, debug: bool) -> None:
-    """The fastest meshes (dp_replicate, dp_shard, tp, pp), pipeline schedules, micro-batches and
+                 inter_node_gbps: float, context_parallel: bool | None, fmt: str, units: str, debug: bool) -> None:
+    """The fastest meshes (dp_replicate, dp_shard, tp, pp, cp), pipeline schedules, micro-batches and
     activation checkpointing to train MODEL on --gpus GPUs that fit --gpu, ranked by estimated
     step time (the roofline of the traced step, the pipeline bubble, and a collective cost model
     with NVLink within a node and the network between nodes).
@@ -64,7 +66,7 @@ def plan_command(model: str, gpus: int, gpu: str, global_batch: int, seq_len: in
         result = api.plan(model, gpus=gpus, gpu=gpu, global_batch=global_batch, seq_len=seq_len,
                           precision=precision, optimizer=optim, gpus_per_node=gpus_per_node,
                           intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps, top=top,
-                          checkpoint=checkpoint.lower())
+                          checkpoint=checkpoint.lower(), context_parallel=context_parallel)
     payload: Any = result.to_dict()
     if fmt == "json":
         click.echo(render_json(payload))

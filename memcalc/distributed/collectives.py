@@ -13,7 +13,9 @@ GPUs, ``stride`` being the product of the inner dimensions' degrees.
 Latency (per-message start-up) is not modelled: at these sizes (MBs per block) bandwidth
 dominates. A collective is ``overlapped`` when it can run beside compute (FSDP's prefetched
 all-gathers, gradient reductions, a pipeline's sends in its steady state) and exposed otherwise
-(tensor parallelism's activation all-gathers and reduce-scatters, which each block waits on).
+(tensor parallelism's activation all-gathers and reduce-scatters, which each block waits on);
+or partly, beside a known compute per call (``beside``: context parallelism's ring, each exchange
+beside one local attention call), each call exposed by what exceeds it.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class ModelFacts:
             configuration: tokens of one micro-batch on one rank (micro-batch × sequence; 0:
             activations' traffic not counted), pipeline stages per rank (interleaved: 2), and
             whether the backward re-runs the forward's collectives (full checkpointing).
+        seq_len, attention_flops_per_second: the candidate's tokens per sample on one rank
+            (``S / cp``) and the rate its attention calls are taken to run at (the GPU's dense
+            peak: the least time a call can take, so the ring's exposed share is not understated;
+            0: the ring hides behind nothing).
     """
 
     parameters: int
@@ -110,6 +116,8 @@ class ModelFacts:
     tokens: int = 0
     stages_per_rank: int = 1
     recompute: bool = False
+    seq_len: int = 0
+    attention_flops_per_second: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -123,15 +131,25 @@ class Collective:
     span: int
     count: int = 1
     overlapped: bool = True
+    beside: float | None = None  # seconds of compute each call runs beside; None: ``overlapped`` says all
 
     def seconds(self, network: Network) -> float:
         """The seconds of these bytes on the group's slowest link."""
         return self.received / network.bandwidth(self.span)
 
+    def exposed_seconds(self, network: Network) -> float:
+        """The seconds no compute hides: none if overlapped, all if not; with ``beside``, each
+        call's excess over the compute it runs beside (``count × max(0, per call − beside)``)."""
+        seconds = self.seconds(network)
+        if self.beside is None:
+            return 0.0 if self.overlapped else seconds
+        return self.count * max(0.0, seconds / self.count - self.beside)
+
     def to_dict(self, network: Network) -> dict[str, object]:
         return {"dimension": self.dimension, "what": self.what, "bytes_received": self.received,
                 "group_span": self.span, "intra_node": self.span <= network.gpus_per_node,
-                "overlapped": self.overlapped, "seconds": self.seconds(network)}
+                "overlapped": self.overlapped, "seconds": self.seconds(network),
+                "exposed_seconds": self.exposed_seconds(network)}
 
 
 def ring_bytes(size: float, n: int) -> float:

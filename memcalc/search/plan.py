@@ -2,7 +2,8 @@
 a model with on N GPUs (docs/many-gpus.md).
 
 The space: every mesh of the modelled, ``planned`` dimensions' degrees over N GPUs (tp within a
-node), less those :func:`refusal` — the one predicate — says memcalc cannot estimate (counted,
+node; cp where ``2 × cp`` divides the sequence, as torch's load balancer needs), less those
+:func:`refusal` — the one predicate — says memcalc cannot estimate (counted,
 named, and searched the day a dimension's file accepts it; pp × tp without dp_shard under a
 foreach or fused optimizer, which torch refuses: :mod:`memcalc.search.plan_refusals`); per mesh
 each checkpointing (off, selective-op, full; or ``auto``) and each micro-batch (``global batch = micro-batch ×
@@ -11,8 +12,8 @@ data-parallel size × accumulation``), or under a pipeline each schedule (GPipe,
 
 Its time (:func:`step_seconds`): the busiest rank's roofline (:func:`step_time` of its trace; a
 pipeline rank's runs its whole schedule) plus the bubble (``pp − 1`` microbatches over the stages
-per rank), and the collective cost model (:mod:`memcalc.distributed.collectives`): overlapped
-collectives hide behind compute, exposed ones (tensor parallelism's) add to it.
+per rank) and the collective cost model (:mod:`memcalc.distributed.collectives`): overlapped
+collectives hide behind compute, exposed ones (tensor parallelism's, the ring's beyond each call) add.
 
 Pruning (:mod:`memcalc.search.plan_bounds`), before any trace: a configuration whose model states
 and kept activations (lower bounds) exceed the GPU is dropped; every other gets a lower bound on
@@ -40,7 +41,7 @@ import torch
 from memcalc.core.checkpointing import AUTO, FULL, OFF, Checkpointing, CheckpointKind
 from memcalc.core.errors import InvalidInputError, MemcalcError
 from memcalc.core.report import MemoryReport
-from memcalc.core.throughput import StepTime
+from memcalc.core.throughput import OpClass, StepTime
 from memcalc.distributed.collectives import LAYOUT, Collective, ModelFacts, Network
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import PipelineOverCapacity, stop_at_unfit_rank
@@ -251,10 +252,11 @@ def step_seconds(compute: float, bubble: float, collectives: tuple[Collective, .
     collectives hide behind ``compute + bubble``; exposed ones, and the first all-gather's share
     of one block (``1 / (layers + 1)`` of one forward all-gather, which FSDP cannot prefetch), add."""
     comm = sum(c.seconds(network) for c in collectives)
-    hidden = sum(c.seconds(network) for c in collectives if c.overlapped)
+    alone = sum(c.exposed_seconds(network) for c in collectives)
+    hidden = comm - alone
     first = [c for c in collectives if c.what.startswith("all-gather of parameters")]
     share = first[0].seconds(network) / first[0].count / ((layers or 0) + 1) if first else 0.0
-    exposed = comm - hidden + share
+    exposed = alone + share
     return comm, exposed, max(compute + bubble, hidden) + exposed
 
 
@@ -315,14 +317,22 @@ class _Search:
     unfit: dict[tuple[Any, ...], PipelineOverCapacity] = field(default_factory=dict)  # pipelines stopped early
 
     sequence: int = 1
-    peak: float = 1.0  # the GPU's dense peak FLOP/s for the compute dtype
+    peak: float = 0.0  # the GPU's dense peak FLOP/s for the compute dtype (0: the step's GPU's, read when needed)
     selective: int | None = None  # elements per token a block saves under selective-op (plan_bounds)
     resolved: ResolvedModel | None = None  # the step's model, built once (read only)
     off: int | None = None  # and without checkpointing
 
+    def flops_rate(self) -> float:
+        """:attr:`peak`, read from the step's GPU the first time it is needed."""
+        if not self.peak:
+            self.peak = peak_flops(self.step)
+        return self.peak
+
     def facts_for(self, config: _Config) -> ModelFacts:
-        tokens = config.micro * self.sequence
-        return replace(self.facts, tokens=tokens, stages_per_rank=config.stages_per_rank,
+        """The facts with ``config``'s: one rank's tokens of a micro-batch (``S / cp`` per sample)."""
+        seq_len = self.sequence // config.mesh.cp
+        return replace(self.facts, tokens=config.micro * seq_len, seq_len=seq_len,
+                       stages_per_rank=config.stages_per_rank, attention_flops_per_second=self.flops_rate(),
                        recompute=self.checkpoints[config.ckpt].kind is CheckpointKind.FULL)
 
     @staticmethod
@@ -375,16 +385,47 @@ def _sequence(resolved: ResolvedModel) -> int:
     return int(shapes[0][1]) if shapes else 1
 
 
+#: From this many tokens a sample, plan searches context parallelism unless told not to. Below it a
+#: ring only adds traffic to what FSDP2 and tp already fit (torchtitan's recipes turn cp on for long
+#: context), and its meshes multiply a plan's traces: the 70B question at 8,192 tokens took 72 traces,
+#: 507 CPU-s and 5.1 GiB with cp searched, against 70–98 CPU-s and 668 MiB without (docs/many-gpus.md).
+LONG_CONTEXT = 16_384
+
+
+def _searches_cp(asked: bool | None, sequence: int) -> bool:
+    """Whether plan searches cp meshes: as asked, else from :data:`LONG_CONTEXT` tokens a sample."""
+    return asked if asked is not None else sequence >= LONG_CONTEXT
+
+
+def _balanced_rings(meshes: list[Mesh], sequence: int) -> tuple[list[Mesh], list[str]]:
+    """``meshes`` less those whose ``2 × cp`` does not divide the sequence, and a note per such cp:
+    torch's head-tail load balancer splits each sample into ``2 × cp`` chunks for causal attention
+    (without it the last rank computes every ring step whole; plan's ring traffic assumes it)."""
+    unsplit = sorted({m.cp for m in meshes if m.cp > 1 and sequence % (2 * m.cp)})
+    notes = [f"{sum(1 for m in meshes if m.cp == cp)} meshes with cp={cp}: not searched (2 x cp = {2 * cp} does "
+             f"not divide the sequence of {sequence} tokens: torch's load balancer splits it into 2 x cp chunks)"
+             for cp in unsplit]
+    return [m for m in meshes if m.cp not in unsplit], notes
+
+
 def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
 
-def _seconds(time: StepTime, traced: int, accum: int) -> tuple[float, float, float]:
+def _seconds(time: StepTime, traced: int, accum: int, cp: int = 1) -> tuple[float, float, float]:
     """The step's compute for ``accum`` micro-batches and one optimizer step, from a trace of
-    ``traced`` micro-batches; one micro-batch's; the optimizer step's (and zero_grad's)."""
+    ``traced`` micro-batches; one micro-batch's; the optimizer step's (and zero_grad's). Under
+    ``cp`` the trace ran one of each attention call's ``cp`` ring steps (the causal diagonal):
+    the other ``cp − 1`` (the balancer's half chunks: as many FLOPs each) are added at its time."""
     once = sum(p.seconds for p in time.phases if p.phase in _ONCE_PER_STEP)
-    per = (time.seconds - once) / traced
+    per = (time.seconds + _ring_steps(time, cp) - once) / traced
     return per * accum + once, per, once
+
+
+def _ring_steps(time: StepTime, cp: int) -> float:
+    """Seconds of the ``cp − 1`` ring steps a trace under ``cp`` did not run: as many again as its
+    fused attention kernels' (forward, backward, recompute), each."""
+    return (cp - 1) * sum(c.seconds for c in time.classes if c.op_class is OpClass.ATTENTION)
 
 
 def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float) -> list[_Config]:
@@ -417,7 +458,7 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
                 compute = flops_at[ckpt]
                 bubble = compute / accum * (mesh.pp - 1) / config.stages_per_rank
                 collectives = collectives_of(mesh, search.facts_for(config), accum)
-                hidden = sum(c.seconds(search.network) for c in collectives if c.overlapped)
+                hidden = sum(c.seconds(search.network) - c.exposed_seconds(search.network) for c in collectives)
                 exposed = step_seconds(0.0, 0.0, collectives, search.network, search.facts.layers)[1]
                 config = replace(config, flops=compute, flops_at=flops_at, floor=compute, bubble=bubble, hidden=hidden,
                                  exposed=exposed)
@@ -427,11 +468,13 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
 
 def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, network: Network,
               top: int = 5, on_estimate: Callable[[str], None] | None = None,
-              checkpoint: str = "search") -> PlanResult:
+              checkpoint: str = "search", context_parallel: bool | None = None) -> PlanResult:
     """The ``top`` fastest configurations of ``step`` on ``gpus`` GPUs that fit (see the module
     docstring). ``step`` names the GPU (its capacity and figures); its batch, checkpointing and
     accumulation are replaced. ``checkpoint``: ``search`` (off, selective-op and full), ``auto``
     (:mod:`memcalc.distributed.checkpoint_auto` chooses per configuration), or one setting's label.
+    ``context_parallel``: search cp meshes (True), or not (False); None searches them from
+    :data:`LONG_CONTEXT` tokens a sample on (:func:`_searches_cp`).
 
     Raises:
         InvalidInputError: no mesh splits ``global_batch`` evenly.
@@ -450,6 +493,16 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
         search.pruned.append(f"{len(wide)} meshes with tp beyond one node ({network.gpus_per_node} GPUs): not searched "
                              f"(each block would wait on the network)")
     meshes = [m for m in meshes if m.tp <= network.gpus_per_node]
+    searches_cp = _searches_cp(context_parallel, search.sequence)
+    if not searches_cp:
+        ringed = [m for m in meshes if m.cp > 1]
+        if ringed:
+            why = ("--no-cp" if context_parallel is False else
+                   f"the sequence, {search.sequence:,} tokens, is under {LONG_CONTEXT:,}: --cp searches them")
+            search.pruned.append(f"{len(ringed)} meshes with cp: not searched ({why})")
+        meshes = [m for m in meshes if m.cp == 1]
+    meshes, unsplit = _balanced_rings(meshes, search.sequence)
+    search.pruned += unsplit
     refused = {m: refusal(step, m, resolved) for m in meshes}
     unsupported = [m for m in meshes if refused[m] is not None]
     search.pruned += [f"{m.describe()}: {refused[m]}" for m in unsupported]
@@ -463,8 +516,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
                              f"{_gib(min(states_floor(step, facts, m) for m in heavy))}): not estimated "
                              f"({'; '.join(m.describe() for m in heavy[:6])}{'; …' if len(heavy) > 6 else ''})")
     meshes = [m for m in meshes if m not in heavy]
-    search.peak = peak_flops(step)
-    configs = _configs(search, meshes, global_batch, search.peak)
+    configs = _configs(search, meshes, global_batch, search.flops_rate())
     if not configs and not search.over and not heavy:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly (into "
                                 f"data-parallel ranks and micro-batches, or a pipeline's {gpus} microbatches or more)",
@@ -563,7 +615,8 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
             failing.setdefault(config.family(), []).append((config.mesh.dp_shard, config.ckpt, config.micro))
             continue
         best = sorted([*best, candidate], key=lambda c: c.seconds)
-    searched = tuple(n for n in APPLICATION_ORDER if n in dimensions() and dimensions()[n].planned)
+    known = dimensions()
+    searched = tuple(n for n in APPLICATION_ORDER if n in known and known[n].planned and (n != "cp" or searches_cp))
     return PlanResult(best=tuple(best[:top]), gpus=gpus, global_batch=global_batch, network=network,
                       searched=searched, not_searched=tuple(n for n in APPLICATION_ORDER if n not in searched),
                       meshes=tuple(meshes), configurations=len(configs) + search.over, estimates=search.estimates,
@@ -580,11 +633,13 @@ class _Timings:
     with as much tp or more, as much sharding or less, as much checkpointing or more (each adds
     recomputation; a ratio alone does not order, as the FLOPs count full's recomputation and not
     selective-op's) and a smaller micro-batch, pipelined or not (a stage runs a share of the same
-    kernels). A pipeline's bubble is ``(pp − 1) / stages per rank`` microbatches of its work."""
+    kernels), with the same cp (a ring's rank runs shorter sequences: its attention per matmul FLOP
+    differs). A pipeline's bubble is ``(pp − 1) / stages per rank`` microbatches of its work."""
 
     # per kin: (dp_shard, ckpt, micro, compute, work)
     traced: dict[tuple[Any, ...], list[tuple[int, int, int, float, float]]] = field(default_factory=dict)
-    ratios: list[tuple[int, int, int, int, float]] = field(default_factory=list)  # (tp, dp_shard, ckpt, micro, r)
+    # (tp, cp, dp_shard, ckpt, micro, r)
+    ratios: list[tuple[int, int, int, int, int, float]] = field(default_factory=list)
 
     def record(self, config: _Config, compute: float, once: float) -> None:
         """A traced configuration's compute per optimizer step and its optimizer step's part."""
@@ -592,16 +647,17 @@ class _Timings:
         self.traced.setdefault(config.kin(), []).append((mesh.dp_shard, config.ckpt, config.micro, compute,
                                                          compute - once))
         if config.schedule is None and config.flops > 0:
-            self.ratios.append((mesh.tp, mesh.dp_shard, config.ckpt, config.micro, (compute - once) / config.flops))
+            self.ratios.append((mesh.tp, mesh.cp, mesh.dp_shard, config.ckpt, config.micro,
+                                (compute - once) / config.flops))
 
     def bound(self, config: _Config) -> _Config:
         """``config`` with the tightest bound the traces give (its own, if they give none tighter)."""
         mesh = config.mesh
         kin = [(compute, work) for s, c, m, compute, work in self.traced.get(config.kin(), [])
                if mesh.dp_shard <= s and config.ckpt >= c and config.micro <= m]
-        work = max([w for _, w in kin] + [config.flops_at[c] * r for tp, s, c, m, r in self.ratios
-                                          if tp <= mesh.tp and s >= mesh.dp_shard and c <= config.ckpt
-                                          and m >= config.micro], default=0.0)
+        work = max([w for _, w in kin] + [config.flops_at[c] * r for tp, cp, s, c, m, r in self.ratios
+                                          if tp <= mesh.tp and cp == mesh.cp and s >= mesh.dp_shard
+                                          and c <= config.ckpt and m >= config.micro], default=0.0)
         floor = max([compute for compute, _ in kin] + [work, config.floor])
         bound = config.with_compute(floor, work)
         return replace(config, floor=floor, bound=bound) if bound > config.bound else config
@@ -625,7 +681,7 @@ def _probe(search: _Search, config: _Config, gpus: int, global_batch: int, probe
         return False
     accum = global_batch // (width * config.micro)
     tokens = config.micro * accum * search.sequence
-    flops_at = tuple(compute_floor(search.facts, flat, tokens, c, search.peak) for c in search.checkpoints)
+    flops_at = tuple(compute_floor(search.facts, flat, tokens, c, search.flops_rate()) for c in search.checkpoints)
     probe = _Config(flat, config.ckpt, config.micro, accum, None, flops=flops_at[config.ckpt], flops_at=flops_at)
     try:
         time = search.report(probe).time
@@ -671,18 +727,23 @@ _ASSUMPTIONS = (
     "all-gather's share of one block (1 / (layers + 1) of a forward all-gather), which FSDP cannot prefetch",
     "overlapped: FSDP's all-gathers and reduce-scatters, HSDP/DDP's all-reduces, a pipeline's sends; exposed: tensor "
     "parallelism's activation collectives (no async tensor parallelism)",
+    "context parallelism: torch's ring (rotate_method=allgather) per attention call all-gathers K and V in forward "
+    "and backward beside the call's first step, sends float32 dK/dV after each backward step beside the next (the "
+    "last exposed); a step's attention taken at the GPU's dense peak, 2 x tokens x S/cp x heads/tp x head_dim FLOPs "
+    "(backward 2.5 x), so only what exceeds it is exposed; the trace's attention kernels counted cp times (it ran "
+    "one of the ring's cp steps); FSDP2 over dp_shard x cp; cp only where 2 x cp divides the sequence",
     "ring collectives: a rank receives size × (n − 1) / n per all-gather or reduce-scatter, twice that per "
     "all-reduce; a group within one node runs at NVLink's bandwidth, else at the network's; latency not modelled",
     "FSDP2 FULL_SHARD all-gathers in forward and backward and reduce-scatters every micro-batch (under a pipeline: "
     "once per step, reshard_after_forward=False); DDP/HSDP all-reduce every micro-batch (no no_sync; under a pipeline "
     "once per step, with the reduce-scatter); a rank moves "
-    "1 / (tp × pp) of the parameters",
+    "1 / (tp × pp) of the parameters (FSDP2's group: dp_shard × cp)",
     "tensor parallelism: torchtitan's Llama plan with sequence parallelism, 4 all-gathers and 4 reduce-scatters of a "
     "block's activation per micro-batch (6 + 6 under full checkpointing), the logits all-gathered (no loss_parallel)",
     "pipeline: bubble = (pp − 1) / stages per rank × one microbatch's compute of the busiest rank; each microbatch's "
     "activation and its gradient cross every stage boundary at the slowest link of the pp group",
-    "pruning bounds (never above the truth): model states of a rank ≥ the textbook bytes over dp_shard × tp × pp; "
-    "compute ≥ the matmul FLOPs at the GPU's dense peak for the compute dtype",
+    "pruning bounds (never above the truth): model states of a rank ≥ the textbook bytes over dp_shard × cp × tp × "
+    "pp; compute ≥ the matmul FLOPs (of S / cp tokens per sample) at the GPU's dense peak for the compute dtype",
     "compute: memcalc's roofline of the traced kernels (memcalc.step_time), ±24% on its calibration steps",
 )
 
@@ -695,10 +756,11 @@ def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tu
     time = report.time
     assert time is not None
     pipelined = config.schedule is not None
+    cp = config.mesh.cp
     compute, per, once = _seconds(time, config.accum if pipelined else min(config.accum, 2),
-                                  1 if pipelined else config.accum)
+                                  1 if pipelined else config.accum, cp)
     if pipelined:
-        compute = time.seconds
+        compute = time.seconds + _ring_steps(time, cp)
     if report.fits is False:
         search.pruned.append(f"{label}: does not fit ({_gib(report.bytes.peak_allocated)} allocated at its peak)")
         return None, (compute, once)
@@ -707,7 +769,7 @@ def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tu
     comm, exposed, seconds = step_seconds(compute, bubble, collectives, search.network, search.facts.layers)
     mesh = config.mesh
     tokens = None if time.tokens is None or not time.samples else (
-        time.tokens // time.samples * config.micro * config.accum * mesh.dp_replicate * mesh.dp_shard)
+        time.tokens // time.samples * mesh.cp * config.micro * config.accum * mesh.dp_replicate * mesh.dp_shard)
     chosen = next((n.split("chose ", 1)[1].split(":", 1)[0] for n in report.notes
                    if n.startswith("checkpoint auto chose ")), None)
     candidate = PlanCandidate(mesh=mesh, checkpoint=search.checkpoints[config.ckpt], micro_batch=config.micro,

@@ -5,30 +5,30 @@ Both are lower bounds, so pruning on them never drops a configuration that would
 - **memory**: the model states a rank holds whatever its activations (:func:`states_floor`):
   each trainable parameter's stored bytes × the optimizer's textbook multiplier (weights,
   gradients and state), each frozen one's stored bytes, over the shards that split them
-  (``dp_shard × tp × pp``; ``dp_replicate`` copies). A pipeline stage under FSDP2 also holds its
-  unsharded parameters (gathered dtype) and unsharded gradients (reduce dtype) over the
-  microbatches (``reshard_after_forward=False``). The busiest rank holds at least the average.
-  Beside them, the activations its backward keeps (:func:`activations_floor`), per token: every
-  block's input (any checkpointing keeps it); without checkpointing also the inputs of its linear
-  layers (the two norms' outputs, the attention's output: 3 × hidden) and two MLP-wide tensors
-  (the up-projection's output and the down-projection's input; 4 × hidden when the width is not
-  known), or a Llama-layout block's distinct kept tensors where more (:func:`off_saved`); under
-  selective-op checkpointing the input and the outputs torchtitan's op list saves
-  (:func:`selective_saved`; else the input only); under full checkpointing one block recomputed
-  whole; the others' microbatches in flight on the first stage. In the compute dtype, split by
-  ``tp`` (sequence parallelism shards what tensor parallelism does not). Or, on the last stage
-  (one microbatch's blocks), the moment the loss's log-softmax output is allocated: the logits
-  and that output, whole on every tp rank (gathered, no loss_parallel), :func:`logits_bytes`;
-  a pipeline rank keeps its blocks' share per microbatch in flight (:func:`in_flight`: GPipe all;
-  1F1B ``pp``; interleaved 1F1B the forwards torch's schedule runs before the first backward).
+  (``dp_shard × cp × tp × pp``: FSDP2 runs over dp_shard × cp; ``dp_replicate`` copies). A
+  pipeline stage under FSDP2 also holds its unsharded parameters (gathered dtype) and unsharded
+  gradients (reduce dtype) over the microbatches (``reshard_after_forward=False``). The busiest
+  rank holds at least the average. Beside them, the activations its backward keeps
+  (:func:`activations_floor`), per token: every block's input (any checkpointing keeps it);
+  without checkpointing also the inputs of its linear layers (the two norms' outputs, the
+  attention's output: 3 × hidden) and two MLP-wide tensors (the up-projection's output and the
+  down-projection's input; 4 × hidden when the width is not known), or a Llama-layout block's
+  distinct kept tensors where more (:func:`off_saved`); under selective-op checkpointing the input
+  and the outputs torchtitan's op list saves (:func:`selective_saved`; else the input only); under
+  full checkpointing one block recomputed whole; the others' microbatches in flight on the first
+  stage. In the compute dtype, split by ``tp`` (sequence parallelism shards what tensor
+  parallelism does not) and ``cp`` (``S / cp`` tokens a sample). Or, on the last stage (one
+  microbatch's blocks), the moment the loss's log-softmax output is allocated: the logits and that
+  output, whole on every tp rank (gathered, no loss_parallel), :func:`logits_bytes`; a pipeline
+  rank keeps its blocks' share per microbatch in flight (:func:`in_flight`: GPipe all; 1F1B
+  ``pp``; interleaved 1F1B the forwards torch's schedule runs before the first backward).
 - **time**: the matmul FLOPs of the rank's share of the step (:func:`compute_floor`): forward
   ``2 × params × tokens``, backward ``2 ×`` that for the inputs' gradients plus ``2 ×`` the
   trainable parameters' for the weights' gradients, and the forward again under full
-  checkpointing, over the GPU's dense peak for the compute dtype (the roofline divides each
-  kernel's FLOPs by that peak times an efficiency ≤ 1, and adds memory-bound kernels). The
-  embedding (a gather, no matmul) is left out; attention's FLOPs are left out.
+  checkpointing, split by ``tp × pp × cp``, over the GPU's dense peak for the compute dtype (the
+  roofline divides each kernel's FLOPs by that peak times an efficiency ≤ 1, and adds memory-bound
+  kernels). The embedding (a gather, no matmul) is left out; attention's FLOPs are left out.
 """
-
 from __future__ import annotations
 
 import torch
@@ -52,12 +52,13 @@ def states_floor(step: Step, facts: ModelFacts, mesh: Mesh) -> float:
     stored = step.precision.parameter_dtype.itemsize
     multiplier = step.optimizer.textbook_multiplier
     frozen = facts.parameters - facts.trainable
-    held = (facts.trainable * stored * multiplier + frozen * stored) / (mesh.dp_shard * mesh.tp * mesh.pp)
-    if mesh.pp > 1 and mesh.dp_shard > 1:
+    fsdp = mesh.dp_shard * mesh.cp  # torchtitan's dp_shard_cp group
+    held = (facts.trainable * stored * multiplier + frozen * stored) / (fsdp * mesh.tp * mesh.pp)
+    if mesh.pp > 1 and fsdp > 1:
         stage = 1 / (mesh.tp * mesh.pp)
         # unsharded parameters and gradients replace the sharded gradients over the microbatches
         held += (facts.parameters * facts.gather_bytes + facts.trainable * facts.reduce_bytes) * stage
-        held -= facts.trainable * stored / (mesh.dp_shard * mesh.tp * mesh.pp)
+        held -= facts.trainable * stored / (fsdp * mesh.tp * mesh.pp)
     return held
 
 
@@ -69,12 +70,13 @@ def peak_flops(step: Step) -> float:
 
 
 def compute_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkpointing, peak: float) -> float:
-    """Seconds a rank's matmuls take at least for ``tokens`` tokens per optimizer step."""
+    """Seconds a rank's matmuls take at least for ``tokens`` tokens per optimizer step (of the
+    whole sequences: a cp rank computes ``1 / cp`` of them)."""
     embedding = facts.vocab * facts.hidden if facts.vocab is not None and facts.hidden is not None else 0
     matmul = max(facts.parameters - embedding, 0)
     trained = max(facts.trainable - embedding, 0)
     flops = 4 * matmul + 2 * trained + (2 * matmul if checkpoint.kind is CheckpointKind.FULL else 0)
-    return tokens * flops / (mesh.tp * mesh.pp) / peak
+    return tokens * flops / (mesh.tp * mesh.pp * mesh.cp) / peak
 
 
 def _llama_linears(module: torch.nn.Module) -> list[torch.nn.Linear] | None:
@@ -154,7 +156,8 @@ def in_flight(schedule: PipelineSchedule | None, pp: int, layers: int | None, mi
 def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkpointing,
                       in_flight: float, selective: int | None = None, off: int | None = None,
                       logits: int | None = None) -> float:
-    """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``;
+    """Bytes of activations a rank keeps at least for ``in_flight`` micro-batches of ``tokens``
+    (whole sequences: a cp rank holds ``1 / cp`` of them);
     ``selective`` and ``off``: :func:`selective_saved` and :func:`off_saved` of the model (None:
     the block's input only; the generic count); ``logits``: :func:`logits_bytes` (None: one
     tensor of the compute dtype)."""
@@ -162,6 +165,7 @@ def activations_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Ch
         return 0.0
     block = 4 * facts.hidden + 2 * (facts.intermediate or 2 * facts.hidden)  # one block's, whole
     blocks = facts.layers // mesh.pp
+    tokens //= mesh.cp
     kind = checkpoint.kind
     if kind is CheckpointKind.OFF:
         per, recomputed = blocks * max(block, off or 0), 0

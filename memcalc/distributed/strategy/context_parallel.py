@@ -18,6 +18,9 @@ dimension gives each role its ``S/cp`` tokens and its shards. Checked against re
 (tests/test_gloo_cp.py: torch's ring with the CPU flash op added to its handlers) and torch's ring
 run alone (tests/test_context_parallel.py). Not modelled: the full batch each rank loads before
 ``context_parallel`` shards it (``buffer.resize_(shard.shape)`` keeps the storage).
+``memcalc plan`` searches it: :meth:`ContextParallel.collectives` is the ring's traffic as torch
+exchanges it (each attention call's K/V all-gathered in forward and again in backward, the float32
+dK/dV sent on after every backward step) beside FSDP2 over ``dp_shard × cp``.
 """
 
 from __future__ import annotations
@@ -27,14 +30,22 @@ from dataclasses import replace
 
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.report import Shard
+from memcalc.distributed.collectives import Collective, ModelFacts, group_span
+from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.ring_attention import RingAttentionProgram
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, every_rank, register, sharding
-from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_program
+from memcalc.distributed.strategy.dp_shard import DpShard, fsdp_collectives, fsdp_program
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.step_spec import Step
 
-__all__ = ("ContextParallel",)
+__all__ = ("BACKWARD_PER_FORWARD", "ContextParallel")
+
+#: FLOPs of a flash attention backward per forward FLOP: 5 matmuls (QKᵀ recomputed, dV, dP, dQ, dK) to
+#: the forward's 2 (torch/utils/flop_counter.py, ``sdpa_backward_flop_count``).
+BACKWARD_PER_FORWARD = 2.5
+#: ``_ContextParallelOptions.convert_to_f32``: the dK/dV accumulators, and so their sends, in float32.
+_GRAD_KV_ITEMSIZE = 4
 
 
 @register()
@@ -44,8 +55,52 @@ class ContextParallel(DpShard):
 
     name = "cp"
     mesh_dimension = "cp"
-    planned = False  # the ring's K/V all-gathers are not in plan's cost model yet
     options = frozenset({"sharding"})
+
+    @classmethod
+    def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
+        """Divisors of ``gpus`` for a transformer (its ring's traffic needs the heads); 1 otherwise.
+        ``memcalc plan`` skips, by name, those whose ``2 × cp`` does not divide the sequence."""
+        if facts.heads is None or facts.kv_heads is None or facts.hidden is None or facts.layers is None:
+            return (1,)
+        return super().plan_degrees(facts, gpus)
+
+    @classmethod
+    def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
+        """Per attention call (``layers / pp`` per micro-batch, the forward twice under full
+        checkpointing), torch's ring (``_templated_ring_attention`` and its backward, torch's
+        default ``rotate_method=ALL_GATHER``) moves, with ``KV = 2 × tokens × kv_heads / tp ×
+        head_dim`` elements of one rank's K and V: in forward, one all-gather of the K/V shards
+        (``(cp − 1) × KV`` received), issued at step 0 and waited at step 1, so beside step 0's
+        attention; in backward the same all-gather again, and after each of the ``cp`` steps the
+        float32 dK/dV (``KV × 4`` bytes) sent to the next rank (``_AllToAllRotater``), waited after
+        the next step's attention (the last one, after the loop, at once: exposed). One step's
+        attention: ``2 × tokens × S/cp × heads / tp × head_dim`` FLOPs (the causal diagonal, or
+        the balancer's half chunks: the same), its backward 2.5 ×, at ``attention_flops_per_second``.
+        Beside them FSDP2 over ``dp_shard × cp`` (dp_shard's file counts it when dp_shard > 1)."""
+        fsdp = fsdp_collectives(cls.name, mesh, facts, micro_batches) if mesh.dp_shard == 1 else ()
+        cp = mesh.cp
+        if (cp == 1 or not facts.tokens or facts.hidden is None or facts.heads is None or facts.kv_heads is None
+                or facts.layers is None):
+            return fsdp
+        head_dim = facts.hidden / facts.heads
+        kv = 2 * facts.tokens * facts.kv_heads / mesh.tp * head_dim
+        calls = -(-facts.layers // mesh.pp) * micro_batches  # the busiest stage's attention calls
+        forwards = 2 * calls if facts.recompute else calls
+        rate = facts.attention_flops_per_second
+        step = 2 * facts.tokens * facts.seq_len * facts.heads / mesh.tp * head_dim / rate if rate else 0.0
+        span = group_span(mesh, "cp")
+        gathered = (cp - 1) * kv * facts.activation_bytes
+        grads = kv * _GRAD_KV_ITEMSIZE
+        return (*fsdp,
+                Collective(cls.name, "ring: all-gather of K and V (forward, beside each call's first step)",
+                           gathered * forwards, span, forwards, beside=step),
+                Collective(cls.name, "ring: all-gather of K and V (backward, beside each call's first step)",
+                           gathered * calls, span, calls, beside=BACKWARD_PER_FORWARD * step),
+                Collective(cls.name, "ring: float32 dK and dV to the next rank (backward, beside the next step)",
+                           (cp - 1) * grads * calls, span, (cp - 1) * calls, beside=BACKWARD_PER_FORWARD * step),
+                Collective(cls.name, "ring: float32 dK and dV home (backward, after the last step: waited at once)",
+                           grads * calls, span, calls, overlapped=False))
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         cp = self.degree

@@ -28,7 +28,7 @@ from memcalc.distributed.vocabulary import FsdpSharding, Strategy
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.step_spec import Step
 
-__all__ = ("DpShard", "fsdp_program", "stacked")
+__all__ = ("DpShard", "fsdp_collectives", "fsdp_program", "stacked")
 
 
 @register(Strategy.FSDP)
@@ -45,19 +45,9 @@ class DpShard(RankStrategy):
         backward unless told not to): the parameters all-gathered in the forward and again in the
         backward, the gradients reduce-scattered. A rank gathers its own tensor-parallel shard of
         its own stage's parameters (1 / (tp × pp) of them); under a pipeline once per step
-        (``reshard_after_forward=False``, gradients reduced after the last microbatch)."""
-        n, span = mesh.dp_shard, group_span(mesh, "dp_shard")
-        if n == 1:
-            return ()
-        owned = mesh.tp * mesh.pp
-        gather = ring_bytes(facts.parameters * facts.gather_bytes / owned, n)
-        reduce = ring_bytes(facts.trainable * facts.reduce_bytes / owned, n)
-        if mesh.pp > 1:
-            return (Collective(cls.name, "all-gather of parameters (once: kept over the microbatches)", gather, span),
-                    Collective(cls.name, "reduce-scatter of gradients (after the last microbatch)", reduce, span))
-        return (Collective(cls.name, "all-gather of parameters (forward and backward)",
-                           2 * gather * micro_batches, span, 2 * micro_batches),
-                Collective(cls.name, "reduce-scatter of gradients", reduce * micro_batches, span, micro_batches))
+        (``reshard_after_forward=False``, gradients reduced after the last microbatch). With
+        ``cp`` the group is ``dp_shard × cp`` (torchtitan's dp_shard_cp mesh: FSDP2 over both)."""
+        return fsdp_collectives(cls.name, mesh, facts, micro_batches)
 
     def trace_precision(self, precision: Precision) -> Precision:
         """FSDP's mixed precision keeps the model's parameters (and inputs, buffers) as they are and
@@ -93,6 +83,23 @@ class DpShard(RankStrategy):
             shards = "expert-parallel" if ep > 1 else "tensor-parallel"
             notes[0] += f" of each rank's {shards} DTensor shards (dim 0 of the local shard)"
         return replace(plan, roles=roles, notes=(*plan.notes, *notes))
+
+
+def fsdp_collectives(name: str, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
+    """FSDP2's collectives over ``dp_shard × cp`` ranks (:meth:`DpShard.collectives`), named
+    ``name`` (the dimension that wraps FSDP2: cp's file does without dp_shard)."""
+    n, span = mesh.dp_shard * mesh.cp, group_span(mesh, "dp_shard")  # dp_shard's span counts the inner cp
+    if n == 1:
+        return ()
+    owned = mesh.tp * mesh.pp
+    gather = ring_bytes(facts.parameters * facts.gather_bytes / owned, n)
+    reduce = ring_bytes(facts.trainable * facts.reduce_bytes / owned, n)
+    if mesh.pp > 1:
+        return (Collective(name, "all-gather of parameters (once: kept over the microbatches)", gather, span),
+                Collective(name, "reduce-scatter of gradients (after the last microbatch)", reduce, span))
+    return (Collective(name, "all-gather of parameters (forward and backward)",
+                       2 * gather * micro_batches, span, 2 * micro_batches),
+            Collective(name, "reduce-scatter of gradients", reduce * micro_batches, span, micro_batches))
 
 
 def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = False,
