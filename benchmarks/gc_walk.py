@@ -5,8 +5,8 @@ taking turns over resnet50 (training, batch 8), gpt2 (training, 2 x 256), llama-
 gpt2 (A100 40 GB). The collector is paused inside each estimate (:mod:`memcalc.engine.collector`);
 what is measured is every collection Python makes *between and after* them (``gc.callbacks``,
 per generation: how many, their seconds), then ``gc.collect(0)``, ``(1)``, ``(2)`` timed once the
-reports are all kept, and the containers the reports keep with the most entries (walked from each
-report: how many, whether the collector tracks them).
+reports are all kept, and the containers of 10,000 entries or more the reports keep (walked from each
+report), those the collector tracks (and walks entry by entry) first.
 
 ``--baseline DIR`` first runs this script on DIR's tree (a ``git archive`` of another commit) in
 its own process with the same options, then on this one; ``--rounds R`` alternates the two R
@@ -77,7 +77,7 @@ def _big_containers(roots: list[Any], least: int) -> list[tuple[int, str, bool]]
             stack.append(next(iter(obj.items() if isinstance(obj, dict) else obj), None))
             continue
         stack.extend(gc.get_referents(obj))
-    return sorted(found, reverse=True)
+    return sorted(found, key=lambda f: (f[2], f[0]), reverse=True)  # what the collector walks first
 
 
 def measure(estimates: int) -> dict[str, Any]:
@@ -108,7 +108,7 @@ def measure(estimates: int) -> dict[str, Any]:
         "collect_after_s": after,
         "full_collect_before_s": before,
         "tracked_objects": len(gc.get_objects()),
-        "kept_containers": _big_containers(kept, 10_000)[:16],
+        "kept_containers": _big_containers(kept, 10_000)[:12],
     }
 
 
