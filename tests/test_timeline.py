@@ -6,6 +6,7 @@ largest storages are alive at the peak), capacities, multi-GPU roles, and lazine
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 
 import numpy as np
@@ -270,3 +271,26 @@ def test_report_made_by_hand_has_no_timeline(resnet):
     bare = dataclasses.replace(resnet, on_request=dataclasses.replace(resnet.on_request, timeline=None))
     with pytest.raises(ValueError, match="no step to replay"):
         bare.timeline()
+
+
+def test_the_categories_a_report_keeps_are_the_traced_steps_codes(monkeypatch):
+    """A report keeps its storages' categories as int64 codes (``CategoryColumn``, untracked by
+    Python's collector), made with the list by ``final_categories`` piece by piece: read back,
+    they are the list, its gradients and optimizer state (set after the pieces) included."""
+    from memcalc.engine.timeline import CategoryColumn, category_codes, final_categories
+
+    made: list[tuple[list[Category], np.ndarray]] = []
+
+    def recording(*args):
+        made.append(final_categories(*args))
+        return made[-1]
+
+    monkeypatch.setattr(engine_run, "final_categories", recording)
+    r = memcalc.estimate("fc-32-16", batch_size=10, optimizer="adam", gpu="cpu")
+    (categories, codes), = made
+    kept = r.on_request.timeline._args[2]
+    assert isinstance(kept, CategoryColumn) and kept.codes is codes and not gc.is_tracked(codes)
+    assert {Category.GRADIENTS, Category.OPTIMIZER_STATE, Category.PARAMETERS} <= set(categories)
+    assert np.array_equal(codes, category_codes(categories)) and category_codes(kept) is codes
+    assert list(kept) == categories and len(kept) == len(categories)
+    assert [kept[u] for u in range(len(kept))] == categories and kept[2:7] == categories[2:7]

@@ -79,6 +79,7 @@ from memcalc.engine.step import Scaler, StepConfig, run_step
 from memcalc.engine.step_backend import AutocastRegion, CompiledAutocast, PlainBackend, StepBackend
 from memcalc.engine.step_spec import Step
 from memcalc.engine.timeline import (
+    CategoryColumn,
     Program,
     alive_at_end,
     alive_before,
@@ -266,9 +267,11 @@ class TracedStep:
     """The raw result of tracing one step: the trace, final categories, module data."""
 
     def __init__(self, trace: StepTrace, categories: list[Category], tracer: StorageTracer, loss: str,
-                 step: Step, attention: dict[str, int], notes: list[str], optimizer_impl: str = ""):
+                 step: Step, attention: dict[str, int], notes: list[str], optimizer_impl: str = "", *,
+                 codes: np.ndarray | None = None):
         self.trace = trace
         self.categories = categories
+        self._codes = codes  # after the categories' setter, which forgets them
         self.output_shapes = dict(tracer.modules.output_shapes)
         self.module_order = list(tracer.modules.order)
         self.loss = loss
@@ -284,6 +287,23 @@ class TracedStep:
         self.iteration_starts: list[int] | None = None
         #: pre-existing storages the step freed, and which of its own it left in their place (:func:`build_program`)
         self.successors: dict[int, int | None] = {}
+
+    @property
+    def categories(self) -> list[Category]:
+        """Each storage's final category (:func:`~memcalc.engine.timeline.final_categories`)."""
+        return self._categories
+
+    @categories.setter
+    def categories(self, categories: list[Category]) -> None:
+        self._categories = categories
+        self._codes = None  # a composed step's new categories: their codes made when asked for
+
+    def category_codes(self) -> np.ndarray:
+        """The categories' :func:`~memcalc.engine.timeline.category_codes`: made with them by
+        :func:`trace_model`, else once when first asked for."""
+        if self._codes is None:
+            self._codes = category_codes(self._categories)
+        return self._codes
 
     def program(self) -> Program:
         """The replayable program of this step (two iterations when training)."""
@@ -473,13 +493,13 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
         report_progress(GENERATING, step.new_tokens, step.new_tokens)
     elif unsteady is not None:
         notes.append(f"generation traced token by token: {unsteady}")
-    categories = final_categories(trace, observer.gradient_uids, observer.state_uids)
+    categories, codes = final_categories(trace, observer.gradient_uids, observer.state_uids)
     loss_name = "custom loss_fn" if step.loss_fn is not None else MODEL_LOSS if outcome.model_loss else (
         outcome.loss_kind.value if outcome.loss_kind is not None else f"none ({step.mode.value})")
     notes.extend(backend_notes)
     has_step = step.mode is Mode.TRAIN and step.optimizer.factory is not None
     traced = TracedStep(trace, categories, tracer, loss_name, step, attention, notes,
-                        config.optimizer_impl.value if has_step else "")
+                        config.optimizer_impl.value if has_step else "", codes=codes)
     traced.costs = recorder
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
     if observer.second_iteration is not None:
@@ -707,7 +727,7 @@ class _TimelineBuilder:
     :class:`~memcalc.core.report.TimelineSource`): what the replay needs, kept so that the
     timeline costs nothing until it is asked for (then it is built once and kept)."""
 
-    def __init__(self, trace: StepTrace, program: Program, categories: list[Category], capacity: int | None,
+    def __init__(self, trace: StepTrace, program: Program, categories: Sequence[Category], capacity: int | None,
                  role: str, settings: AllocConf | None = None, host: bool = False) -> None:
         self._args = (trace, program, categories)
         self._settings = settings
@@ -779,6 +799,7 @@ class _Columns:
     nbytes: np.ndarray  # trace.nbytes
     categories: list[Category]  # traced.categories
     trace: StepTrace
+    traced: TracedStep
 
     @cached_property
     def steady(self) -> SteadyRun | None:
@@ -790,14 +811,15 @@ class _Columns:
     def codes(self) -> np.ndarray:
         """The categories' :func:`~memcalc.engine.timeline.category_codes`: made where a pass reads
         every event (a long generation's steady sums read a few steps' storages instead)."""
-        return category_codes(self.categories)
+        return self.traced.category_codes()
 
     @classmethod
     def of(cls, traced: TracedStep, program: Program) -> _Columns:
         trace = traced.trace
         offset = program.iteration_starts[0]  # build_program: the pre-existing births, then trace.events as is
         events = program.keys[offset:offset + trace.num_events]
-        return cls(events, trace.nbytes_array(), traced.categories, trace)  # unwritten decode steps: not written
+        # unwritten decode steps: not written
+        return cls(events, trace.nbytes_array(), traced.categories, trace, traced)
 
 
 @dataclass(frozen=True)
@@ -936,7 +958,10 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         ),
         notes=tuple(notes),
         on_request=OnRequest(
-            timeline=_TimelineBuilder(trace, program, traced.categories, capacity, role, settings, host),
+            # the codes, not the list: a list of a generation's millions of categories is walked
+            # by Python's collector for as long as the report is kept (benchmarks/gc_walk.py)
+            timeline=_TimelineBuilder(trace, program, CategoryColumn(traced.category_codes()), capacity, role,
+                                      settings, host),
             costs=None if traced.costs is None else traced.costs.step_costs(
                 resolved.inputs, batch_size=resolved.batch_size, micro_batches=step.accum_steps,
                 module_order=traced.module_order,  # a loop traced whole: its first iteration

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import cast
+from typing import cast, overload
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from memcalc.engine import allocator
 from memcalc.engine.trace import StepTrace
 
 __all__ = (
+    "CategoryColumn",
     "Program",
     "alive_at_end",
     "alive_before",
@@ -43,24 +44,65 @@ __all__ = (
     "generation_peaks",
 )
 
-def final_categories(trace: StepTrace, gradients: Iterable[int], optimizer_state: Iterable[int]) -> list[Category]:
+def final_categories(trace: StepTrace, gradients: Iterable[int],
+                     optimizer_state: Iterable[int]) -> tuple[list[Category], np.ndarray]:
     """One category per storage: explicit (parameters, buffers, inputs) first, then what the
-    storage turned out to be (a ``.grad``, optimizer state), else by the phase of its birth."""
+    storage turned out to be (a ``.grad``, optimizer state), else by the phase of its birth; as a
+    list (the passes of the estimate) and as their :func:`category_codes` (what a report keeps:
+    :class:`CategoryColumn`), both made piece by piece."""
     by_phase = {p: Category.ACTIVATIONS if p.runs_forward else Category.WORKSPACE for p in Phase}
+    code = {c: i for i, c in enumerate(Category)}
     categories: list[Category] = []
+    codes: list[np.ndarray] = []
     # piece by piece: a generation's unwritten decode steps are one step's columns many times (trace.parts)
     for (given, times), (phases, _) in zip(trace.parts("category"), trace.parts("phase"), strict=True):
         piece = [explicit if explicit is not None else by_phase[phase]
                  for explicit, phase in zip(given, phases, strict=True)]
+        piece_codes = np.fromiter(map(code.__getitem__, piece), dtype=np.int64, count=len(piece))
+        codes.append(piece_codes if times == 1 else np.tile(piece_codes, times))
         for _ in range(times):
             categories.extend(piece)
-    for uid in gradients:
-        if trace.column_at("category", uid) is None:
-            categories[uid] = Category.GRADIENTS
-    for uid in optimizer_state:
-        if trace.column_at("category", uid) is None:
-            categories[uid] = Category.OPTIMIZER_STATE
-    return categories
+    column = np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64)
+    for uids, category in ((gradients, Category.GRADIENTS), (optimizer_state, Category.OPTIMIZER_STATE)):
+        for uid in uids:
+            if trace.column_at("category", uid) is None:
+                categories[uid] = category
+                column[uid] = code[category]
+    return categories, column
+
+
+class CategoryColumn(Sequence[Category]):
+    """The storages' final categories as :func:`category_codes` (an int64 array), read as a
+    sequence of :class:`Category`: what a report keeps for its timeline. A list of millions of
+    enum members (a long generation's) is a container Python's cyclic collector walks entry by
+    entry at every collection that reaches it; an array is not tracked at all
+    (``benchmarks/gc_walk.py``)."""
+
+    __slots__ = ("codes",)
+
+    def __init__(self, codes: np.ndarray) -> None:
+        self.codes = codes
+
+    def __len__(self) -> int:
+        return int(self.codes.size)
+
+    @overload
+    def __getitem__(self, index: int) -> Category: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Category]: ...
+
+    def __getitem__(self, index: int | slice) -> Category | list[Category]:
+        if isinstance(index, slice):
+            return [_BY_CODE[c] for c in self.codes[index].tolist()]
+        return _BY_CODE[int(self.codes[index])]
+
+    def __iter__(self) -> Iterator[Category]:
+        return map(_BY_CODE.__getitem__, self.codes.tolist())
+
+
+#: ``list(Category)``: a code's category (:func:`category_codes`)
+_BY_CODE: tuple[Category, ...] = tuple(Category)
 
 
 def alive_before(trace: StepTrace, index: int) -> set[int]:
@@ -222,6 +264,8 @@ _EXACT_IN_FLOAT64 = 1 << 53
 def category_codes(categories: Sequence[Category]) -> np.ndarray:
     """Each storage's category as its index in ``list(Category)`` (int64; a long generation has
     millions of storages: one pass, shared by the report's readers)."""
+    if isinstance(categories, CategoryColumn):
+        return categories.codes
     code = {c: i for i, c in enumerate(Category)}
     return np.fromiter(map(code.__getitem__, categories), dtype=np.int64, count=len(categories))  # map: C speed
 
