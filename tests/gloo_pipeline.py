@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from gloo_runs import Block, BlockNet, RankPeak, _net_bytes, spawn_ranks, until_complete
+from gloo_runs import Block, BlockNet, RankPeak, _net_bytes, run_on_ranks, until_complete
 from torch import nn
 
 #: The pipelined model: BlockNet at width 64 with 4 blocks, fed sequences of 64 positions of
@@ -103,23 +101,11 @@ def run_pipeline_cases(cases: Sequence[PipelineCase], work_dir: Path, *, world_s
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    spawn_ranks(_worker, world_size, (list(cases), str(work_dir)), timeout_s, what="gloo pipeline runs")
-    peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
-    for rank in range(world_size):
-        measured = json.loads((work_dir / f"pp-rank{rank}.json").read_text())
-        for case in cases:
-            peaks[case.name].append(RankPeak(**measured[case.name]))
-    return peaks
+    return run_on_ranks(_case_on_rank, cases, work_dir, world_size, timeout_s, what="gloo pipeline runs")
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[PipelineCase], work_dir: str) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        results = {case.name: asdict(_run_case(case, rank, world_size // case.data_parallel)) for case in cases}
-    finally:
-        dist.destroy_process_group()
-    (Path(work_dir) / f"pp-rank{rank}.json").write_text(json.dumps(results))
+def _case_on_rank(case: PipelineCase, rank: int, world_size: int) -> RankPeak:
+    return _run_case(case, rank, world_size // case.data_parallel)
 
 
 def _stage_module(model: BlockNet, rank: int, world_size: int) -> nn.Sequential:

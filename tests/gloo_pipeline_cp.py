@@ -18,17 +18,15 @@ the same bytes). Each rank is measured as tests/gloo_pipeline.py measures a stag
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from gloo_cp import cpu_ring_handler
 from gloo_pipeline import measure_schedule
 from gloo_pipeline_tp import LlamaStage
-from gloo_runs import RankPeak, spawn_ranks
+from gloo_runs import RankPeak, run_on_ranks
 from gloo_tp import LLAMA_SEQ, SMALL_LLAMA, small_llama
 from torch import nn
 
@@ -85,26 +83,10 @@ def run_cases(cases: Sequence[PipelineCpCase], work_dir: Path, *, timeout_s: flo
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
     world = PP * dp_shard * CP
-    spawn_ranks(_worker, world, (list(cases), str(work_dir)), timeout_s, what="gloo pp x cp runs")
-    peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
-    for rank in range(world):
-        measured = json.loads((work_dir / f"ppcp-rank{rank}.json").read_text())
-        for case in cases:
-            peaks[case.name].append(RankPeak(**measured[case.name]))
-    return peaks
+    return run_on_ranks(_run_case, cases, work_dir, world, timeout_s, what="gloo pp x cp runs")
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[PipelineCpCase], work_dir: str) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        results = {case.name: asdict(_run_case(case)) for case in cases}
-    finally:
-        dist.destroy_process_group()
-    (Path(work_dir) / f"ppcp-rank{rank}.json").write_text(json.dumps(results))
-
-
-def _run_case(case: PipelineCpCase) -> RankPeak:
+def _run_case(case: PipelineCpCase, _rank: int, _world_size: int) -> RankPeak:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage

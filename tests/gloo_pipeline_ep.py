@@ -18,16 +18,14 @@ stage: a warm-up step, then two iterations of ``schedule.step``, the optimizer's
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from gloo_ep import route
 from gloo_pipeline import cut_stage, measure_schedule
-from gloo_runs import RankPeak, spawn_ranks
+from gloo_runs import RankPeak, run_on_ranks
 from torch import nn
 
 #: The mesh.
@@ -95,26 +93,11 @@ def run_cases(source: str, cases: list[PipelineEpCase], work_dir: Path, *, dp_sh
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
     world = PP * dp_replicate * dp_shard * EP * tp
-    spawn_ranks(_worker, world, (source, cases, str(work_dir)), timeout_s, what="gloo pp x ep runs")
-    peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
-    for rank in range(world):
-        measured = json.loads((work_dir / f"ppep-rank{rank}.json").read_text())
-        for case in cases:
-            peaks[case.name].append(RankPeak(**measured[case.name]))
-    return peaks
+    return run_on_ranks(partial(_run_case, source), cases, work_dir, world, timeout_s,
+                        what="gloo pp x ep runs")
 
 
-def _worker(rank: int, world_size: int, port: int, source: str, cases: list[PipelineEpCase], work_dir: str) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        results = {case.name: asdict(_run_case(source, case)) for case in cases}
-    finally:
-        dist.destroy_process_group()
-    (Path(work_dir) / f"ppep-rank{rank}.json").write_text(json.dumps(results))
-
-
-def _run_case(source: str, case: PipelineEpCase) -> RankPeak:
+def _run_case(source: str, case: PipelineEpCase, _rank: int, _world_size: int) -> RankPeak:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class

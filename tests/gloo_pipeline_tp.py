@@ -15,16 +15,14 @@ iterations of ``schedule.step``, ``Adam(foreach=True).step()``, ``zero_grad`` un
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from gloo_pipeline import cut_stage, measure_schedule
-from gloo_runs import RankPeak, spawn_ranks
+from gloo_runs import RankPeak, run_on_ranks
 from gloo_tp import LLAMA_SEQ, SMALL_LLAMA, small_llama
 from torch import nn
 
@@ -74,26 +72,10 @@ def run_cases(cases: Sequence[PipelineTpCase], work_dir: Path, *, timeout_s: flo
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
     world = PP * dp_shard * TP
-    spawn_ranks(_worker, world, (list(cases), str(work_dir)), timeout_s, what="gloo pp x tp runs")
-    peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
-    for rank in range(world):
-        measured = json.loads((work_dir / f"pptp-rank{rank}.json").read_text())
-        for case in cases:
-            peaks[case.name].append(RankPeak(**measured[case.name]))
-    return peaks
+    return run_on_ranks(_run_case, cases, work_dir, world, timeout_s, what="gloo pp x tp runs")
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[PipelineTpCase], work_dir: str) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        results = {case.name: asdict(_run_case(case)) for case in cases}
-    finally:
-        dist.destroy_process_group()
-    (Path(work_dir) / f"pptp-rank{rank}.json").write_text(json.dumps(results))
-
-
-def _run_case(case: PipelineTpCase) -> RankPeak:
+def _run_case(case: PipelineTpCase, _rank: int, _world_size: int) -> RankPeak:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class

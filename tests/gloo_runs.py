@@ -267,10 +267,23 @@ def run_cases(cases: Sequence[GlooCase], work_dir: Path, *, world_size: int = 2,
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
+    return run_on_ranks(_run_case, cases, work_dir, world_size, timeout_s)
+
+
+def run_on_ranks(run_case: Callable[[Any, int, int], RankPeak], cases: Sequence[Any], work_dir: Path,
+                 world_size: int, timeout_s: float, what: str = "gloo runs") -> dict[str, list[RankPeak]]:
+    """Every case (anything with a unique ``name``) run by ``run_case(case, rank, world_size)`` on each
+    of ``world_size`` gloo processes in one spawn, in order (every per-case harness here: DDP/FSDP2,
+    TP and the pipelines; ``run_case`` a module-level function or a partial of one, so the forkserver's
+    ranks can unpickle it); each case's peaks by rank.
+
+    Raises:
+        GlooRunError: a process failed or ran past ``timeout_s``.
+    """
     names = [case.name for case in cases]
     if len(set(names)) != len(names):
         raise ValueError(f"case names repeat: {names}")
-    spawn_ranks(_worker, world_size, (list(cases), str(work_dir)), timeout_s)
+    spawn_ranks(_cases_worker, world_size, (run_case, list(cases), str(work_dir)), timeout_s, what=what)
     peaks: dict[str, list[RankPeak]] = {name: [] for name in names}
     for rank in range(world_size):
         measured = json.loads((work_dir / f"rank{rank}.json").read_text())
@@ -279,17 +292,18 @@ def run_cases(cases: Sequence[GlooCase], work_dir: Path, *, world_size: int = 2,
     return peaks
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[GlooCase], work_dir: str) -> None:
+def _cases_worker(rank: int, world_size: int, port: int, run_case: Callable[[Any, int, int], RankPeak],
+                  cases: list[Any], work_dir: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        results = {case.name: asdict(_run_case(case, world_size)) for case in cases}
+        results = {case.name: asdict(run_case(case, rank, world_size)) for case in cases}
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _run_case(case: GlooCase, world_size: int) -> RankPeak:
+def _run_case(case: GlooCase, rank: int, world_size: int) -> RankPeak:
     from memcalc.core.categories import Mode
     from memcalc.core.precision import Precision
     from memcalc.stacks.peft import finetune_module

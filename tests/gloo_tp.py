@@ -21,20 +21,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from gloo_runs import (
     FEATURES,
     BlockNet,
     RankPeak,
     _net_bytes,
     _storages_before,
-    spawn_ranks,
+    run_on_ranks,
     until_complete,
 )
 from torch import nn
@@ -105,26 +103,10 @@ def run_tp_cases(cases: Sequence[TpCase], work_dir: Path, *, world_size: int = 2
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    spawn_ranks(_worker, world_size, (list(cases), str(work_dir)), timeout_s)
-    peaks: dict[str, list[RankPeak]] = {case.name: [] for case in cases}
-    for rank in range(world_size):
-        measured = json.loads((work_dir / f"tp-rank{rank}.json").read_text())
-        for case in cases:
-            peaks[case.name].append(RankPeak(**measured[case.name]))
-    return peaks
+    return run_on_ranks(_run_case, cases, work_dir, world_size, timeout_s)
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[TpCase], work_dir: str) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        results = {case.name: asdict(_run_case(case, world_size)) for case in cases}
-    finally:
-        dist.destroy_process_group()
-    (Path(work_dir) / f"tp-rank{rank}.json").write_text(json.dumps(results))
-
-
-def _run_case(case: TpCase, world_size: int) -> RankPeak:
+def _run_case(case: TpCase, rank: int, world_size: int) -> RankPeak:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
