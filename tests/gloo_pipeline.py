@@ -159,10 +159,10 @@ def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak
 
 def _selective_blocks(model: BlockNet) -> None:
     """Op-level selective checkpointing of every block, as torchtitan's ``_apply_op_sac`` wraps
-    a block (``checkpoint_wrapper`` with a fresh torchtitan policy per call,
-    ``preserve_rng_state=False``), before the split. With the RNG state preserved, each call in
-    flight would hold a copy of the CPU generator's state (5,056 B; measured: rank 0 of GPipe
-    held 7, 35,392 B above the estimate then): host memory on a GPU, which the CPU target now counts
+    a block (``checkpoint_wrapper`` with a fresh torchtitan policy per call), before the split, with
+    torch's default ``preserve_rng_state=True`` as memcalc's checkpoint has it (torchtitan passes
+    False): each call in flight holds a copy of the CPU generator's state (5,056 B; rank 0 of GPipe
+    holds 7, 35,392 B), host memory on a GPU, which the CPU target counts
     (memcalc.targets.cpu.generator) and the CUDA target does not."""
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -173,7 +173,7 @@ def _selective_blocks(model: BlockNet) -> None:
     def context_fn() -> Any:
         return create_selective_checkpoint_contexts(torchtitan_policy())
 
-    wrap = partial(checkpoint_wrapper, context_fn=context_fn, preserve_rng_state=False)
+    wrap = partial(checkpoint_wrapper, context_fn=context_fn)
     for index, block in enumerate(model.blocks):
         model.blocks[index] = wrap(block)
 
