@@ -23,10 +23,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
+from generation_replay import replay_call
 
-import memcalc
 from memcalc.core.categories import Phase
-from memcalc.engine import allocator, run
+from memcalc.engine import allocator
 
 
 def _structure(model: allocator.CachingAllocatorModel, first: int, base: int) -> tuple[Any, ...]:
@@ -58,17 +58,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--lags", type=int, default=40)
     args = parser.parse_args()
-    seen: list[tuple[Any, ...]] = []
-    replayed = run._replayed
-
-    def spy(*call: Any, **given: Any) -> Any:
-        seen.append(call)
-        return replayed(*call, **given)
-
-    run._replayed = spy  # type: ignore[assignment]
-    memcalc.estimate(args.model, batch_size=1, seq_len=args.seq_len, mode="generate", new_tokens=args.new_tokens,
-                     optimizer="none")
-    program, trace = seen[-1][:2]
+    program, trace = replay_call(args.model, args.seq_len, args.new_tokens)[:2]
     offset = program.iteration_starts[0]
     starts = [offset + start for phase, start in trace.phase_log if phase is Phase.DECODE]
     keys, nbytes = program.keys, trace.nbytes_array()

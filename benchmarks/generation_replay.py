@@ -32,6 +32,25 @@ from memcalc.engine.timeline import Program
 from memcalc.engine.trace import StepTrace
 
 
+def replay_call(model: str, seq_len: int, new_tokens: int) -> tuple[Any, ...]:
+    """The positional arguments of the report's ``run._replayed`` call (program, trace, ...) in an
+    estimate of ``model`` generating ``new_tokens`` after ``seq_len``, caught by a spy around it."""
+    seen: list[tuple[Any, ...]] = []
+    replayed = run._replayed
+
+    def spy(*call: Any, **given: Any) -> Any:
+        seen.append(call)
+        return replayed(*call, **given)
+
+    run._replayed = spy  # type: ignore[assignment]
+    try:
+        memcalc.estimate(model, batch_size=1, seq_len=seq_len, mode="generate", new_tokens=new_tokens,
+                         optimizer="none")
+    finally:
+        run._replayed = replayed  # type: ignore[method-assign]
+    return seen[-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, type=Path)
@@ -45,17 +64,7 @@ def main() -> None:
     assert spec is not None and spec.loader is not None
     base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(base)
-    seen: list[tuple[Any, ...]] = []
-    replayed = run._replayed
-
-    def spy(*call: Any, **given: Any) -> Any:
-        seen.append(call)
-        return replayed(*call, **given)
-
-    run._replayed = spy  # type: ignore[assignment]
-    memcalc.estimate(args.model, batch_size=1, seq_len=args.seq_len, mode="generate", new_tokens=args.new_tokens,
-                     optimizer="none")
-    call = seen[-1]
+    call = replay_call(args.model, args.seq_len, args.new_tokens)
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(args.repeat):
         start = time.process_time()
