@@ -44,7 +44,7 @@ from memcalc.engine.optimizers import Optimizer
 from memcalc.stacks.transformers.hub import import_hf
 from memcalc.stacks.transformers.parallelism_config import read_parallelism_config
 
-__all__ = ("IGNORED", "MAPPED", "REFUSED", "TrainerSetup", "load_training_args", "optimizer_of",
+__all__ = ("IGNORED", "MAPPED", "REFUSED", "TrainerSetup", "class_defaults", "load_training_args", "optimizer_of",
            "read_training_args")
 
 #: The arguments that become the step's options (module docstring).
@@ -164,7 +164,7 @@ def read_training_args(args: Any = None) -> TrainerSetup:
     from_file = load_training_args(args) if isinstance(args, (str, os.PathLike)) else None
     transformers = import_hf("transformers", "loop trainer (the Trainer's TrainingArguments)")
     version = transformers.__version__
-    defaults = _class_defaults(transformers.TrainingArguments)
+    defaults = class_defaults(transformers.TrainingArguments)
     if args is None:
         return _defaults_setup(transformers, defaults, f"the TrainingArguments defaults of transformers {version}")
     given, source, own_defaults = ((from_file, str(args), {}) if from_file is not None
@@ -282,7 +282,7 @@ def _given_values(transformers: ModuleType, args: Any) -> tuple[dict[str, Any], 
     if isinstance(args, transformers.TrainingArguments):
         fields = dataclasses.fields(args)
         name = type(args).__name__
-        return {f.name: getattr(args, f.name) for f in fields}, f"your {name}", _class_defaults(type(args))
+        return {f.name: getattr(args, f.name) for f in fields}, f"your {name}", class_defaults(type(args))
     raise InvalidInputError(f"trainer_args must be a transformers.TrainingArguments, a dict of its arguments or the "
                             f"path of a .json or .yaml file of them; got {type(args).__name__}",
                             hint="e.g. trainer_args=TrainingArguments(per_device_train_batch_size=8, bf16=True)")
@@ -306,8 +306,9 @@ def _refuse_unknown(given: Mapping[str, Any], defaults: Mapping[str, Any], sourc
              "max_length, packing) are read from the object itself: trainer_args=config in Python.")
 
 
-def _class_defaults(cls: type) -> dict[str, Any]:
-    """The defaults of a dataclass's fields, as declared (no instance is made)."""
+def class_defaults(cls: type) -> dict[str, Any]:
+    """The defaults of a dataclass's fields, as declared (no instance is made): what TrainingArguments and
+    TRL's configs hold for an argument the user did not give."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:

@@ -37,7 +37,12 @@ from typing import Any
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.trainer import TrlSettings
 from memcalc.stacks.transformers.hub import import_hf
-from memcalc.stacks.transformers.training_args import TrainerSetup, load_training_args, read_training_args
+from memcalc.stacks.transformers.training_args import (
+    TrainerSetup,
+    class_defaults,
+    load_training_args,
+    read_training_args,
+)
 
 __all__ = ("CONFIGS", "IGNORED", "READ", "REFUSED", "TRAINERS", "import_trl", "read_trl_config")
 
@@ -128,7 +133,7 @@ def read_trl_config(loop: str, args: Any = None) -> TrainerSetup:
     from_file = load_training_args(args) if isinstance(args, (str, os.PathLike)) else None
     trl = import_trl(f"loop {loop} (TRL's {CONFIGS[loop]})")
     cls = getattr(trl, CONFIGS[loop])
-    defaults = _class_defaults(cls)
+    defaults = class_defaults(cls)
     source = f"{args}" if from_file is not None else f"your {CONFIGS[loop]}"
     if args is None:
         given: dict[str, Any] = {}
@@ -208,18 +213,6 @@ def _hashable(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple(sorted(value.items()))
     return value
-
-
-def _class_defaults(cls: type) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-        else:
-            out[f.name] = None
-    return out
 
 
 def _refuse_unknown(given: Mapping[str, Any], defaults: Mapping[str, Any], name: str, source: str) -> None:
