@@ -161,6 +161,26 @@ class GlooRunError(RuntimeError):
     """The processes failed, hung, or could not get a complete trace."""
 
 
+#: What each harness's ``timeout_s`` is multiplied by (``MEMCALC_GLOO_TIMEOUT_SCALE`` overrides it). The
+#: timeouts were set at two to three times a run's time on the 2-core Intel host of the earlier sessions;
+#: on 2026-12-07 a clean-clone `.ci/run` on a 2-core AMD EPYC host about 2.4 times slower (``import torch``
+#: 2.9 CPU-s against 1.2), at a load average of 25, errored in the gloo fixtures of the compiled and the
+#: float8 runs with their rank files unwritten, while the float8 run alone passed in 121 s. A hang is
+#: still caught, only later.
+HANG_GUARD_SCALE = 4.0
+
+
+def hang_guard_scale() -> float:
+    """:data:`HANG_GUARD_SCALE`, or ``MEMCALC_GLOO_TIMEOUT_SCALE`` where it is set (a positive number)."""
+    given = os.environ.get("MEMCALC_GLOO_TIMEOUT_SCALE")
+    if given is None:
+        return HANG_GUARD_SCALE
+    scale = float(given)
+    if not scale > 0:
+        raise ValueError(f"MEMCALC_GLOO_TIMEOUT_SCALE={given!r}: a positive number, please")
+    return scale
+
+
 def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, ...], timeout_s: float,
                 what: str = "gloo runs") -> None:
     """Run ``worker(rank, world_size, port, *args)`` on ``world_size`` processes forked from the
@@ -168,9 +188,13 @@ def spawn_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, .
     port is picked and then lost to another process), and wait for them all (every harness here:
     DDP/FSDP2, TP, PP, EP). Each rank runs on this process's CPU threads (:func:`_rank`).
 
+    ``timeout_s`` is a hang guard, sized on an idle fast host: it is stretched by
+    :func:`hang_guard_scale` so that a slower host under CI's load does not read as a hang.
+
     Raises:
-        GlooRunError: a process failed or ran past ``timeout_s``.
+        GlooRunError: a process failed or ran past ``timeout_s`` × :func:`hang_guard_scale`.
     """
+    timeout_s *= hang_guard_scale()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     start_forkserver()
