@@ -14,11 +14,8 @@ and V schedules with dp_shard refused by name). A stage's dp_shard ranks share o
 pp outermost (torchtitan's mesh order). With ``dp_replicate`` too the stages are HSDP (the
 replicas' all-reduce in place); without dp_shard, ep or cp (DDP stages) it is refused by name.
 
-With ``cp`` (``pp=P,cp=C``, dp_shard around it; GPipe, 1F1B, Interleaved1F1B) each stage runs at ``S/cp``
-tokens, its attention torch's ring over the cp ranks (``RingAttentionProgram``), FSDP2 over dp_shard × cp.
-With ``tp`` too (torchtitan's long-context ``dp_shard × cp × tp × pp``) tp's plan goes on each stage first,
-FSDP2 over its DTensors, the ring around both over each tp rank's local heads, ranks numbered
-``((pp_rank × dp_shard + dp_shard_rank) × cp + cp_rank) × tp + tp_rank``; with ep or dp_replicate refused.
+With ``cp`` (``pp=P,cp=C``, and dp_shard, tp or both: torchtitan's long-context layout) each stage runs at ``S/cp``
+tokens: tp's plan, FSDP2 over dp_shard × cp, torch's ring around its attention (``RingAttentionProgram``).
 
 With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages, HSDP's
 dp_replicate around that; dp_replicate alone is HSDP over the ep ranks, torchtitan's ep borrowing its
