@@ -14,10 +14,17 @@ own: the loaded full batch is not kept), and torch's own dispatcher
 group, the CPU flash op added to its handlers (:func:`gloo_cp.cpu_ring_handler`). A stage's rotary
 tables are made for its ``S/cp`` local positions (torchtitan shards ``freqs_cis`` with the inputs:
 the same bytes). Each rank is measured as tests/gloo_pipeline.py measures a stage.
+
+With ``tp`` (eight processes on ``(pp=2, cp=2, tp=2)``, torchtitan's 4-D order with dp_shard of one) each
+stage is first parallelized by torch's own ``parallelize_module`` over the ``tp`` sub-mesh with torchtitan's
+Llama plan, as tests/gloo_pipeline_tp.py does, then ``fully_shard``-ed over ``dp_shard_cp``: the ring sees
+each tp rank's local heads, and under sequence parallelism a stage sends its ``(b, S/(cp·tp), d)`` local
+shard. Every tp rank of a cp rank builds the same token ids (one seed), so they share the cp shard.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,21 +59,24 @@ def deep_llama() -> nn.Module:
 class PipelineCpCase:
     """One real run: torch's schedule class name ("GPipe", "1F1B", "Interleaved1F1B": two stages a rank,
     of :func:`deep_llama`, torch's loop placement); ``dp_shard`` > 1: the mesh ``(pp, dp_shard, cp)``,
-    FSDP2 over the flattened ``(dp_shard, cp)`` (torchtitan's ``dp_shard_cp``)."""
+    FSDP2 over the flattened ``(dp_shard, cp)`` (torchtitan's ``dp_shard_cp``); ``tp`` > 1: the mesh
+    ``(pp, dp_shard, cp, tp)``, torchtitan's Llama plan on each stage before FSDP2 (module docstring)."""
 
     name: str
     schedule: str
     dp_shard: int = 1
     stages_per_rank: int = 1
+    tp: int = 1
 
 
 class LlamaCpStage(LlamaStage):
-    """A stage whose rotary tables cover the rank's ``S/cp`` positions (module docstring)."""
+    """A stage whose rotary tables cover the rank's ``S/cp`` positions (module docstring; not ``h``'s
+    length, which sequence parallelism splits again over tp)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner = self.model.model
         h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
-        cos, sin = inner.rotary_emb(h, h.shape[1])
+        cos, sin = inner.rotary_emb(h, LLAMA_SEQ // CP)
         for layer in inner.layers:
             h = layer(h, cos, sin, None)
         if inner.norm is not None:
@@ -75,14 +85,15 @@ class LlamaCpStage(LlamaStage):
 
 
 def run_cases(cases: Sequence[PipelineCpCase], work_dir: Path, *, timeout_s: float = 300.0,
-              dp_shard: int = 1) -> dict[str, list[RankPeak]]:
-    """Run ``cases`` (all of ``dp_shard``) on PP × dp_shard × CP spawned processes over gloo; each
-    case's peaks, by global rank (torchtitan's order: pp outermost, cp innermost).
+              dp_shard: int = 1, tp: int = 1) -> dict[str, list[RankPeak]]:
+    """Run ``cases`` (all of ``dp_shard`` and ``tp``) on PP × dp_shard × CP × tp spawned processes over
+    gloo; each case's peaks, by global rank (torchtitan's order: pp outermost, then dp_shard, cp, tp).
 
     Raises:
         GlooRunError: a process failed or ran past ``timeout_s``.
     """
-    world = PP * dp_shard * CP
+    assert all(case.dp_shard == dp_shard and case.tp == tp for case in cases), "one mesh per spawn"
+    world = PP * dp_shard * CP * tp
     return run_on_ranks(_run_case, cases, work_dir, world, timeout_s, what="gloo pp x cp runs")
 
 
@@ -95,11 +106,21 @@ def _run_case(case: PipelineCpCase, _rank: int, _world_size: int) -> RankPeak:
 
     torch.manual_seed(0)
     model = small_llama() if case.stages_per_rank == 1 else deep_llama()
-    mesh = init_device_mesh("cpu", (PP, case.dp_shard, CP), mesh_dim_names=("pp", "dp_shard", "cp"))
+    mesh = init_device_mesh("cpu", (PP, case.dp_shard, CP, case.tp), mesh_dim_names=("pp", "dp_shard", "cp", "tp"))
     rank = mesh["pp"].get_local_rank()
     total = PP * case.stages_per_rank
     indices = [rank + k * PP for k in range(case.stages_per_rank)]
     modules = [LlamaCpStage(model, index, total) for index in indices]
+    if case.tp > 1:  # torchtitan's order: tp's plan on each stage, then FSDP2 over its DTensors
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from memcalc.distributed.tp_plans import resolve_plan
+
+        plan = resolve_plan(model, None, "small llama")  # torchtitan's Llama plan, on the whole (uncut) model
+        for stage_module in modules:
+            with warnings.catch_warnings():  # the entries of what the stage does not hold: skipped, as in torchtitan
+                warnings.simplefilter("ignore")
+                parallelize_module(stage_module.model, mesh["tp"], dict(plan.styles))
     every = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     for stage_module in modules:
         for layer in stage_module.model.model.layers:

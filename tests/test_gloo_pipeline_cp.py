@@ -18,6 +18,13 @@ the partial merge's layout left out (:func:`~memcalc.distributed.ring_attention.
 identity) its estimate is the last cp rank's real peak to the byte (GPipe 5,719,808 B and 6,590,356 B; 1F1B
 5,358,592 B and 5,578,900 B; interleaved 9,147,136 B and 9,038,996 B; the 8-process mesh 4,430,080 B and
 4,650,004 B).
+
+With tp (torchtitan's long-context layout; tests/gloo_pipeline_cp.py's docstring) every rank agrees to the byte
+too (2026-12-07): pp=2 × cp=2 × tp=2 on eight processes, cp rank 0 (both tp ranks) GPipe 3,400,960 B and
+3,577,940 B, 1F1B 3,201,920 B and 2,890,964 B, Interleaved1F1B 5,153,280 B and 4,659,668 B; the last cp rank
+GPipe 3,384,576 B and 3,553,364 B, 1F1B 3,193,728 B and 2,882,772 B, interleaved 5,120,512 B and 4,635,092 B;
+pp=2 × dp_shard=2 × cp=2 × tp=2 on sixteen (1F1B) 2,737,280 B and 2,425,940 B, the last cp rank 2,729,088 B
+and 2,417,748 B.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from memcalc.distributed import ring_attention as ring_module
 
 pytestmark = [pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),
                                  reason="pipeline parallelism needs torch >= 2.13's pipelining"),
-              pytest.mark.slow]  # spawns of four and eight processes: minutes each on 2 cores
+              pytest.mark.slow]  # spawns of four, eight and sixteen processes: minutes each on 2 cores
 
 #: Every rank agrees to the byte (module docstring).
 TOLERANCE = 0.0
@@ -53,7 +60,7 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankP
 
 
 def estimate(case: PipelineCpCase) -> memcalc.MemoryReport:
-    setting = memcalc.Distributed(pp=PP, dp_shard=case.dp_shard, cp=CP, pp_schedule=case.schedule,
+    setting = memcalc.Distributed(pp=PP, dp_shard=case.dp_shard, cp=CP, tp=case.tp, pp_schedule=case.schedule,
                                   microbatches=MICROBATCHES, batch_is_global=False)
     model = small_llama if case.stages_per_rank == 1 else deep_llama
     return memcalc.estimate(model, seq_len=LLAMA_SEQ, batch_size=BATCH, optimizer="adam", loss="mean",
@@ -61,26 +68,29 @@ def estimate(case: PipelineCpCase) -> memcalc.MemoryReport:
 
 
 def check_cp_ranks(name: str, peaks: list[RankPeak], estimate_of: Callable[[], memcalc.MemoryReport],
-                   monkeypatch: pytest.MonkeyPatch, world: int) -> None:
+                   monkeypatch: pytest.MonkeyPatch, world: int, tp: int = 1) -> None:
     """Every rank's real step peak against memcalc's, to the byte: cp rank 0 of each stage against the
     estimate (memcalc traces that rank); the last cp rank against the estimate with the partial merge's
     output layout left out (``merged_output`` as the identity), for the last cp rank merges its ring's
     steps without a partial update, so the model's transpose(1, 2).contiguous() of the attention output
-    is a view there, not a copy that o_proj saves (tests/test_gloo_cp.py; ring_attention's docstring)."""
+    is a view there, not a copy that o_proj saves (tests/test_gloo_cp.py; ring_attention's docstring).
+    Ranks in torchtitan's order, tp innermost: a rank's cp rank is ``rank // tp % CP``."""
     estimated = peaks_by_rank(estimate_of(), world)
     with monkeypatch.context() as patch:
         patch.setattr(ring_module, "merged_output", lambda out: out)
         last = peaks_by_rank(estimate_of(), world)
-    mixed = [last[rank] if rank % CP == CP - 1 else estimated[rank] for rank in range(world)]
+    on_last = [rank // tp % CP == CP - 1 for rank in range(world)]
+    mixed = [last[rank] if on_last[rank] else estimated[rank] for rank in range(world)]
     for rank in range(world):
-        if rank % CP == CP - 1:
-            copies = (estimated[rank] - peaks[rank].step_peak) / PARTIAL_MERGE_COPY
+        if on_last[rank]:  # a copy of the tp rank's H/tp heads
+            copies = (estimated[rank] - peaks[rank].step_peak) / (PARTIAL_MERGE_COPY // tp)
             print(f"{name} rank {rank}: {copies} partial-merge copies below cp rank 0's estimate")
     check_every_rank(name, peaks, mixed, TOLERANCE)
 
 
 #: One copy of a stage's partially merged ring output (its one layer, a microbatch): 2 samples · 4 heads ·
-#: 16 tokens · 32 dims · 4 B. The last cp rank holds whole copies fewer than cp rank 0 at its peak.
+#: 16 tokens · 32 dims · 4 B (under tp, of the rank's 4/tp heads). The last cp rank holds whole copies fewer
+#: than cp rank 0 at its peak.
 PARTIAL_MERGE_COPY = 2 * 4 * 16 * 32 * 4
 
 
@@ -109,3 +119,47 @@ def real_peaks_3d(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Ra
 def test_every_rank_of_pp_x_dp_shard_x_cp_against_a_real_gloo_run(real_peaks_3d, case, monkeypatch):
     check_cp_ranks(case.name, real_peaks_3d[case.name], lambda: estimate(case), monkeypatch,
                    PP * DP_SHARD * CP)
+
+
+#: pp=2 × cp=2 × tp=2 on eight processes (torchtitan's long-context 4-D mesh with dp_shard of one): torchtitan's
+#: Llama plan on each stage's tp ranks, FSDP2 over its cp ranks, the ring over each tp rank's local heads; ranks
+#: numbered (pp_rank × cp + cp_rank) × tp + tp_rank. The three schedules pp × cp is checked under, one spawn.
+TP = 2
+CASES_TP = [PipelineCpCase("gpipe-tp", "GPipe", tp=TP), PipelineCpCase("1f1b-tp", "1F1B", tp=TP),
+            PipelineCpCase("interleaved-1f1b-tp", "Interleaved1F1B", stages_per_rank=2, tp=TP)]
+
+
+@pytest.fixture(scope="module")
+def real_peaks_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankPeak]]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    return run_cases(CASES_TP, tmp_path_factory.mktemp("gloo-pp-cp-tp"), tp=TP, timeout_s=1200.0)
+
+
+@pytest.mark.parametrize("case", CASES_TP, ids=lambda case: case.name)
+def test_every_rank_of_pp_x_cp_x_tp_against_a_real_gloo_run(real_peaks_tp, case, monkeypatch):
+    report = estimate(case)
+    assert [role.ranks for role in report.roles] == [(0, 1, 2, 3), (4, 5, 6, 7)]  # pp outermost, tp innermost
+    check_cp_ranks(case.name, real_peaks_tp[case.name], lambda: estimate(case), monkeypatch, PP * CP * TP, tp=TP)
+
+
+#: pp=2 × dp_shard=2 × cp=2 × tp=2 on sixteen processes (1F1B): torchtitan's 4-D long-context mesh, FSDP2 over
+#: each stage's dp_shard × cp ranks of its tp shards; ranks ((pp_rank × dp_shard + dp_shard_rank) × cp + cp_rank)
+#: × tp + tp_rank.
+CASES_4D = [PipelineCpCase("1f1b-dp-cp-tp", "1F1B", DP_SHARD, tp=TP)]
+
+
+@pytest.fixture(scope="module")
+def real_peaks_4d(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankPeak]]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    return run_cases(CASES_4D, tmp_path_factory.mktemp("gloo-pp-dp-cp-tp"), dp_shard=DP_SHARD, tp=TP,
+                     timeout_s=1800.0)
+
+
+@pytest.mark.parametrize("case", CASES_4D, ids=lambda case: case.name)
+def test_every_rank_of_pp_x_dp_shard_x_cp_x_tp_against_a_real_gloo_run(real_peaks_4d, case, monkeypatch):
+    report = estimate(case)
+    assert [role.ranks for role in report.roles] == [tuple(range(8)), tuple(range(8, 16))]
+    check_cp_ranks(case.name, real_peaks_4d[case.name], lambda: estimate(case), monkeypatch, PP * DP_SHARD * CP * TP,
+                   tp=TP)

@@ -1,6 +1,7 @@
 """The 3-D mesh: tensor parallelism inside pipeline stages (``--mesh pp=2,tp=2``, and
 ``dp_shard`` around it), checked here by hand-worked bytes and refusals; the real four- and
-eight-process gloo runs are tests/test_gloo_pipeline_tp.py (slow)."""
+eight-process gloo runs are tests/test_gloo_pipeline_tp.py (slow). With context parallelism too
+(``pp=2,cp=2,tp=2``, torchtitan's long-context layout) the real runs are tests/test_gloo_pipeline_cp.py."""
 
 from __future__ import annotations
 
@@ -63,3 +64,25 @@ def test_what_pp_x_tp_does_not_model_is_refused_by_name():
     # 344 (SwiGLU) over 8 ranks: 43 each, but 1000 (the vocabulary) over 8 is 125: even; the KV 64 over 3 is not
     with pytest.raises(InapplicableOptionError, match="splits .* unevenly"):
         memcalc.estimate(small_llama, distributed=memcalc.Distributed(pp=2, tp=3, microbatches=4), **_OPTIONS)
+
+
+def test_pp_x_cp_x_tp_shards_each_stages_tp_shards_over_cp_by_hand():
+    # torchtitan's long-context 4-D layout (dp_shard of one): tp's plan on each stage, FSDP2 over the cp ranks
+    # (dp_shard_cp), the ring around each stage's attention; the real eight-process run:
+    # tests/test_gloo_pipeline_cp.py (slow)
+    setting = memcalc.Distributed(pp=2, cp=2, tp=2, microbatches=2)  # the smallest step: 2 microbatches of 1
+    report = memcalc.estimate(small_llama, distributed=setting, **{**_OPTIONS, "batch_size": 2})
+    first, last = report.roles
+    v, d = SMALL_LLAMA.vocab_size, SMALL_LLAMA.hidden_size
+    # FSDP2 over cp halves dim 0 of every local tp shard, as dp_shard does in the 3-D mesh (every dimension even)
+    assert first.report.textbook.parameter_bytes == 4 * (v * d // 2 + _layer_elements(2)) // 2 == 309_760
+    assert last.report.textbook.parameter_bytes == 4 * (_layer_elements(2) + d + v * d // 2) // 2 == 310_016
+    assert last.model_states == 4 * last.report.textbook.parameter_bytes  # Adam: weights, grads, two moments
+    # rank = (pp_rank × cp + cp_rank) × tp + tp_rank: torchtitan's (pp, dp_shard, cp, tp), tp innermost
+    assert (first.ranks, last.ranks) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert [s.describe() for s in first.sharding] == [
+        "blocks /2 (pp)", "params, grads, optimizer /2 (cp)", "sequence /2 (cp)", "params, grads, optimizer /2 (tp)"]
+    # the cp and tp ranks of a pipeline rank share its batch, each holding S/cp = 16 of the 32 tokens
+    assert report.world_size == 8 and report.global_batch_size == 2
+    assert f"context parallelism over 2 ranks: {LLAMA_SEQ // 2} of {LLAMA_SEQ} tokens" in " ".join(report.notes)
+

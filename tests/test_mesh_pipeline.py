@@ -61,7 +61,7 @@ def test_pipeline_options_are_checked_and_refused_where_ignored() -> None:
 
 def test_a_pipeline_composed_with_another_dimension_is_refused_by_name() -> None:
     for degrees, match in ((dict(ep=2), "ep=2: .* has no expert-parallel plan"),
-                           (dict(cp=2, tp=2), "pp=2 with cp=2 and tp=2 is not modelled yet")):
+                           (dict(cp=2, ep=2), "pp=2 with cp=2 and ep=2 is not modelled yet")):
         setting = memcalc.Distributed(pp=2, dp_shard=2, **degrees)
         with pytest.raises(InapplicableOptionError, match=match):
             memcalc.estimate(pipeline_model, batch_size=BATCH, distributed=setting, **_OPTIONS)
@@ -73,7 +73,7 @@ def test_a_pipeline_composed_with_another_dimension_is_refused_by_name() -> None
 @pytest.mark.parametrize("degrees, options, error, match", [
     (dict(cp=2, dp_replicate=2), {}, InapplicableOptionError,
      r"pp=2 with cp=2 and dp_replicate=2 is not modelled yet: memcalc composes context parallelism inside pipeline "
-     r"stages with dp_shard only"),
+     r"stages with dp_shard or tp only"),
     (dict(cp=2), dict(pp_schedule="interleaved-zero-bubble"), InapplicableOptionError,
      r"pp=2 with cp=2 under the interleaved-zero-bubble schedule is not modelled yet: each stage is FSDP2"),
     (dict(cp=2), dict(pp_schedule="zbv-zero-bubble"), InapplicableOptionError,

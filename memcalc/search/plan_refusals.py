@@ -1,4 +1,4 @@
-"""A pipeline with tensor parallelism and no ``dp_shard`` that memcalc refuses at trace time,
+"""A pipeline with tensor parallelism and no ``dp_shard`` (nor ``cp``) that memcalc refuses at trace time,
 found before any trace (:func:`memcalc.search.plan.refusal` asks it).
 
 Without FSDP2 a stage's parameters that the tensor-parallel plan gives no distributing style
@@ -37,10 +37,12 @@ __all__ = ("plain_beside_dtensors",)
 
 
 def plain_beside_dtensors(step: Step, mesh: Mesh, resolved: ResolvedModel) -> str | None:
-    """Why ``mesh`` (pp × tp without dp_shard) would be refused at trace time for mixing plain
+    """Why ``mesh`` (pp × tp without dp_shard or cp) would be refused at trace time for mixing plain
     and DTensor parameters under a foreach or fused optimizer (module docstring); None: not
-    certain, left to the trace."""
-    if mesh.pp == 1 or mesh.tp == 1 or mesh.dp_shard > 1 or mesh.ep > 1 or step.finetune != FineTune():
+    certain, left to the trace. With cp FSDP2 wraps each stage over dp_shard × cp, as with dp_shard:
+    every parameter a DTensor, nothing refused."""
+    if (mesh.pp == 1 or mesh.tp == 1 or mesh.dp_shard > 1 or mesh.cp > 1 or mesh.ep > 1
+            or step.finetune != FineTune()):
         return None
     impl = resolve_impl(step.optimizer, step.loop.optimizer_impl, cuda=step.emulate_cuda)
     if not mix_refused_by(impl):

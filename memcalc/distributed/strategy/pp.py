@@ -14,8 +14,8 @@ and V schedules with dp_shard refused by name). A stage's dp_shard ranks share o
 pp outermost (torchtitan's mesh order). With ``dp_replicate`` too the stages are HSDP (the
 replicas' all-reduce in place); without dp_shard, ep or cp (DDP stages) it is refused by name.
 
-With ``cp`` (``pp=P,cp=C``, dp_shard around it; GPipe, 1F1B, Interleaved1F1B) each stage runs at ``S/cp``
-tokens, its attention torch's ring over the cp ranks (``RingAttentionProgram``), FSDP2 over dp_shard × cp.
+With ``cp`` (``pp=P,cp=C``, and dp_shard, tp or both: torchtitan's long-context layout) each stage runs at ``S/cp``
+tokens: tp's plan, FSDP2 over dp_shard × cp, torch's ring around its attention (``RingAttentionProgram``).
 
 With ``ep`` (``--mesh pp=P,ep=E``, and dp_shard around it as torchtitan shards MoE stages, HSDP's
 dp_replicate around that; dp_replicate alone is HSDP over the ep ranks, torchtitan's ep borrowing its
@@ -77,6 +77,8 @@ class PipelineParallel(RankStrategy):
         mesh = distributed.mesh
         self.replicas = self._replicas(1 if mesh is None else mesh.dp_shard, 1 if mesh is None else mesh.ep,
                                        1 if mesh is None else mesh.cp)  # refused when made: plan asks
+        if mesh is not None and mesh.cp > 1:
+            self._refuse_beside_context_parallel(mesh)  # refused when made too, so plan's refusal finds it
 
     @classmethod
     def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
@@ -122,7 +124,7 @@ class PipelineParallel(RankStrategy):
         shard: tuple[Shard, ...] = (Shard(("blocks",), self.name, self.degree),)
         ep = 1 if mesh is None else mesh.ep
         cp = 1 if mesh is None else mesh.cp
-        ring = None if cp == 1 else self._context_parallel(cp, tp, ep, replicas, pipeline)
+        ring = None if cp == 1 else self._context_parallel(cp, pipeline)
         experts = None if ep == 1 else self._expert_parallel(ep, tp, replicas, dp_shard)
         # FSDP2 wraps each stage under dp_shard (or cp: torchtitan's dp_shard_cp), and under ep with dp_replicate
         # alone: torchtitan's ep borrows its dp_shard (dp_shard_mod_ep = 1) and wraps every MoE stage, HSDP over the
@@ -173,7 +175,7 @@ class PipelineParallel(RankStrategy):
                               replicated_expert_notes(ep, experts.routing, experts.capacity_factor, tp))
         if tp > 1:
             if experts is None:
-                inner = self._tensor_parallel(step, tp, dp_shard)
+                inner = self._tensor_parallel(step, tp, fsdp_stages)
                 program = _with_tp(inner, program)
             shard = (*shard[:1], Shard(MODEL_STATES, "tp", tp), *shard[1:])
         width = 1 if inner is None else inner.degree
@@ -257,26 +259,37 @@ class PipelineParallel(RankStrategy):
             self._refuse_loss_parallel()
         return StageExpertParallel(ep * tp, setting.routing, setting.capacity_factor, tp=tp)
 
-    def _context_parallel(self, cp: int, tp: int, ep: int, replicas: int, pipeline: Pipeline) -> ContextParallel:
-        """cp inside every stage, as torchtitan runs it: each stage's attention a ring over the cp
-        group, the microbatch's sequence sharded over it, FSDP2 over dp_shard x cp. Checked against
-        real gloo runs (tests/test_gloo_pipeline_cp.py) under GPipe, 1F1B and Interleaved1F1B, without
-        tp, ep or dp_replicate; the rest refused by name.
+    def _refuse_beside_context_parallel(self, mesh: Mesh) -> None:
+        """Refuse what cp inside pipeline stages is not checked with: ep and dp_replicate. Checked against
+        real gloo runs (tests/test_gloo_pipeline_cp.py): pp × cp, pp × dp_shard × cp, pp × cp × tp and
+        pp × dp_shard × cp × tp (sixteen processes).
 
         Raises:
-            InapplicableOptionError: cp with tp, ep or dp_replicate, or a zero-bubble or V schedule.
+            InapplicableOptionError: cp with ep or dp_replicate, named.
         """
-        others = {"tp": tp, "ep": ep, "dp_replicate": replicas}
+        cp = mesh.cp
+        others = {"ep": mesh.ep, "dp_replicate": mesh.dp_replicate}
         listed = ", ".join(f"{name}={degree}" for name, degree in others.items() if degree > 1)
         if listed:
             # without cp: dp_replicate needs dp_shard (or ep) beside it in a pipeline (HSDP stages)
-            alone = listed.replace(", ", ",") + (",dp_shard=N" if replicas > 1 and ep == 1 else "")
+            alone = listed.replace(", ", ",") + (",dp_shard=N" if mesh.dp_replicate > 1 and mesh.ep == 1 else "")
             raise InapplicableOptionError(
                 f"pp={self.degree} with cp={cp} and {listed} is not modelled yet: memcalc composes context "
-                f"parallelism inside pipeline stages with dp_shard only (checked against real gloo runs of "
-                f"torch's schedules with its ring attention: pp x cp and pp x dp_shard x cp)",
-                hint=f"Estimate --mesh pp={self.degree},cp={cp} (dp_shard=N around it), or pp={self.degree},"
-                     f"{alone} without cp.")
+                f"parallelism inside pipeline stages with dp_shard or tp only (checked against real gloo runs of "
+                f"torch's schedules with its ring attention: pp x cp, with dp_shard, tp or both)",
+                hint=f"Estimate --mesh pp={self.degree},cp={cp} (dp_shard=N, tp=T or both beside it), or "
+                     f"pp={self.degree},{alone} without cp.")
+
+    def _context_parallel(self, cp: int, pipeline: Pipeline) -> ContextParallel:
+        """cp inside every stage, as torchtitan runs it: each stage's attention a ring over the cp
+        group (of each tp rank's local heads, after tp's plan), the microbatch's sequence sharded over
+        it, FSDP2 over dp_shard x cp. Checked against real gloo runs (tests/test_gloo_pipeline_cp.py)
+        under GPipe, 1F1B and Interleaved1F1B; the meshes it is not checked with are refused when the
+        strategy is made (:meth:`_refuse_beside_context_parallel`).
+
+        Raises:
+            InapplicableOptionError: a zero-bubble or V schedule.
+        """
         if pipeline.schedule_kind not in _WITH_DP_SHARD:
             raise InapplicableOptionError(
                 f"pp={self.degree} with cp={cp} under the {pipeline.schedule_kind.value} schedule is not modelled "
@@ -302,11 +315,12 @@ class PipelineParallel(RankStrategy):
                 f"logits is not traced inside a pipeline schedule",
                 hint="Leave out --loss-parallel: the last stage gathers the logits.")
 
-    def _tensor_parallel(self, step: Step, tp: int, dp_shard: int) -> StageTensorParallel:
-        """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there."""
+    def _tensor_parallel(self, step: Step, tp: int, fsdp: bool) -> StageTensorParallel:
+        """tp inside every stage: the user's plan (or the model's), refusing what is not modelled there;
+        ``fsdp``: FSDP2 wraps each stage (dp_shard or cp), so every parameter is a DTensor."""
         self._refuse_loss_parallel()
         return StageTensorParallel(tp, self._tp_strings(), lambda: stage_mesh("tp"),
-                                   optimizer_impl=self._tp_impl(step, dp_shard > 1))
+                                   optimizer_impl=self._tp_impl(step, fsdp))
 
 
 def _balanced(step: Step, cp: int) -> bool:
