@@ -3,8 +3,7 @@ a model with on N GPUs (docs/many-gpus.md).
 
 The space: every mesh of the modelled, ``planned`` dimensions' degrees over N GPUs (tp within a
 node; cp where ``2 × cp`` divides the sequence, as torch's load balancer needs; ep for a mixture of
-experts only, where ``ep × cp × tp`` divides its experts and FSDP2 or HSDP syncs the dense part:
-:func:`_expert_meshes`), less those
+experts only, as :func:`_expert_meshes` says), less those
 :func:`refusal` — the one predicate — says memcalc cannot estimate (counted,
 named, and searched the day a dimension's file accepts it; pp × tp without dp_shard under a
 foreach or fused optimizer, which torch refuses: :mod:`memcalc.search.plan_refusals`); per mesh

@@ -27,9 +27,7 @@ Both are lower bounds, so pruning on them never drops a configuration that would
   trainable parameters' for the weights' gradients, and the forward again under full
   checkpointing, split by ``tp × pp × cp``, over the GPU's dense peak for the compute dtype (the
   roofline divides each kernel's FLOPs by that peak times an efficiency ≤ 1, and adds memory-bound
-  kernels). The embedding (a gather, no matmul) is left out; attention's FLOPs are left out; of a
-  mixture of experts' experts, the ``top_k / experts`` a token is routed to (each ep rank computes
-  as many routed rows as it sends under balanced routing: ep does not split them).
+  kernels). Left out: the embedding (a gather), attention, the experts a token is not routed to.
 """
 from __future__ import annotations
 
@@ -98,7 +96,9 @@ def compute_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkp
     embedding = facts.vocab * facts.hidden if facts.vocab is not None and facts.hidden is not None else 0
     matmul: float = max(facts.parameters - embedding, 0)
     trained: float = max(facts.trainable - embedding, 0)
-    if facts.experts and facts.top_k:  # a token runs top_k of the experts: the others' weights do no FLOPs for it
+    # a token runs top_k of the experts: the others' weights do no FLOPs for it (and ep does not split them: under
+    # balanced routing a rank computes as many routed rows as it sends)
+    if facts.experts and facts.top_k:
         idle = 1 - min(facts.top_k, facts.experts) / facts.experts
         matmul -= facts.expert_parameters * idle
         trained -= facts.expert_trainable * idle

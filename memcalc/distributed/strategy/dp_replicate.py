@@ -45,10 +45,11 @@ class DpReplicate(RankStrategy):
         """An all-reduce (reduce-scatter then all-gather: twice a ring's bytes) of the gradients
         every backward: DDP's whole gradients, or under HSDP each replica's shard of them (1 /
         dp_shard; under ep 1 / (dp_shard × ep × cp): FSDP2 shards the dense part over all three and
-        the experts are split over ep × cp (× tp) before it), of a rank's tensor-parallel shard. memcalc's loops do not use ``no_sync``, so it
-        runs every micro-batch; under a pipeline once per step, after the last microbatch: torch's
-        ``PipelineStage`` turns an FSDP2 stage's gradient sync off until then
-        (``set_requires_gradient_sync``), and HSDP's all-reduce runs with its reduce-scatter."""
+        the experts are split over ep × cp (× tp) before it), of a rank's tensor-parallel shard.
+        memcalc's loops do not use ``no_sync``, so it runs every micro-batch; under a pipeline once
+        per step, after the last microbatch: torch's ``PipelineStage`` turns an FSDP2 stage's
+        gradient sync off until then (``set_requires_gradient_sync``), and HSDP's all-reduce runs
+        with its reduce-scatter."""
         r, span = mesh.dp_replicate, group_span(mesh, "dp_replicate")
         if r == 1:
             return ()
