@@ -539,6 +539,7 @@ def plan(
     checkpoint: str = "search",
     on_estimate: Callable[[str], None] | None = None,
     context_parallel: bool | None = None,
+    expert_parallel: bool | None = None,
 ) -> PlanResult:
     """The fastest ways to train ``model`` on ``gpus`` GPUs that fit: device meshes of the modelled
     dimensions, micro-batches and activation checkpointing, ranked by estimated step time (the
@@ -563,6 +564,8 @@ def plan(
         context_parallel: search context-parallel meshes (True) or not (False); None (the
             default) searches them from 16,384 tokens a sample, where a ring pays for itself and
             below which its meshes multiply the traces (``memcalc.search.plan.LONG_CONTEXT``).
+        expert_parallel: search expert-parallel meshes of a mixture of experts (None, the
+            default, or True) or not (False: fewer traces); a model without experts has none.
 
     Returns:
         A :class:`~memcalc.search.plan.PlanResult`: the best, fastest first (empty if nothing
@@ -586,4 +589,4 @@ def plan(
     from memcalc.search.plan import find_plan, model_facts
 
     return find_plan(step, gpus, global_batch, model_facts(step), network=network, top=top, on_estimate=on_estimate,
-                     checkpoint=checkpoint, context_parallel=context_parallel)
+                     checkpoint=checkpoint, context_parallel=context_parallel, expert_parallel=expert_parallel)

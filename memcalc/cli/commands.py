@@ -54,7 +54,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "sweep": Subcommand("memcalc.cli.sweep:sweep_command",
                         "Estimate MODEL for every batch size × optimizer × precision: one row each."),
     "plan": Subcommand("memcalc.cli.plan:plan_command",
-                       "The fastest meshes (dp_replicate, dp_shard, tp, pp, cp), pipeline schedules, micro-batches and "
+                       "The fastest meshes (dp_replicate, dp_shard, tp, pp, cp; ep for a mixture of experts), pipeline "
+                       "schedules, micro-batches and "
                        "activation checkpointing to train MODEL on --gpus GPUs that fit --gpu, ranked by estimated "
                        "step time (the roofline of the traced step, the pipeline bubble, and a collective cost model "
                        "with NVLink within a node and the network between nodes)."),

@@ -47,15 +47,19 @@ __all__ = ("plan_command",)
               help="GB/s into each GPU between nodes (one 400 Gb/s NIC per GPU: 50).")
 @click.option("--cp/--no-cp", "context_parallel", default=None,
               help="Search context-parallel meshes (--cp) or not (--no-cp); by default from 16,384 tokens a sample.")
+@click.option("--ep/--no-ep", "expert_parallel", default=None,
+              help="Search expert-parallel meshes of a mixture of experts (the default) or not (--no-ep); a model "
+                   "without experts has none.")
 @output_options
 @handle_errors
 def plan_command(model: str, gpus: int, gpu: str, global_batch: int, seq_len: int | None, precision: str,
                  optim: str, checkpoint: str, top: int, gpus_per_node: int, intra_node_gbps: float,
-                 inter_node_gbps: float, context_parallel: bool | None, fmt: str, units: str, debug: bool) -> None:
-    """The fastest meshes (dp_replicate, dp_shard, tp, pp, cp), pipeline schedules, micro-batches and
-    activation checkpointing to train MODEL on --gpus GPUs that fit --gpu, ranked by estimated
-    step time (the roofline of the traced step, the pipeline bubble, and a collective cost model
-    with NVLink within a node and the network between nodes).
+                 inter_node_gbps: float, context_parallel: bool | None, expert_parallel: bool | None, fmt: str,
+                 units: str, debug: bool) -> None:
+    """The fastest meshes (dp_replicate, dp_shard, tp, pp, cp; ep for a mixture of experts), pipeline
+    schedules, micro-batches and activation checkpointing to train MODEL on --gpus GPUs that fit
+    --gpu, ranked by estimated step time (the roofline of the traced step, the pipeline bubble,
+    and a collective cost model with NVLink within a node and the network between nodes).
 
     Exits 1 when nothing fits (what was pruned, and why, is printed).
 
@@ -66,7 +70,8 @@ def plan_command(model: str, gpus: int, gpu: str, global_batch: int, seq_len: in
         result = api.plan(model, gpus=gpus, gpu=gpu, global_batch=global_batch, seq_len=seq_len,
                           precision=precision, optimizer=optim, gpus_per_node=gpus_per_node,
                           intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps, top=top,
-                          checkpoint=checkpoint.lower(), context_parallel=context_parallel)
+                          checkpoint=checkpoint.lower(), context_parallel=context_parallel,
+                          expert_parallel=expert_parallel)
     payload: Any = result.to_dict()
     if fmt == "json":
         click.echo(render_json(payload))

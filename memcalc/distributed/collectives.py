@@ -100,6 +100,14 @@ class ModelFacts:
             (``S / cp``) and the rate its attention calls are taken to run at (the GPU's dense
             peak: the least time a call can take, so the ring's exposed share is not understated;
             0: the ring hides behind nothing).
+        experts, top_k, moe_layers: a mixture of experts' experts per MoE layer, the experts each
+            token is routed to and the MoE layers (the modules its expert-parallel plan dispatches
+            to); None, None, 0: no experts (``ep`` then offers degree 1 only).
+        expert_parameters, expert_trainable: the parameters of those layers' experts (and the
+            trainable ones): ep splits them, FSDP2 shards them over dp_shard only.
+        recompute_all_to_all: the candidate's: whether its backward re-runs the forward's
+            all-to-alls (any checkpointing that recomputes them: full, and selective-op, whose
+            saved ops do not include them, as torchtitan's list of 2026 did not).
     """
 
     parameters: int
@@ -118,6 +126,12 @@ class ModelFacts:
     recompute: bool = False
     seq_len: int = 0
     attention_flops_per_second: float = 0.0
+    experts: int | None = None
+    top_k: int | None = None
+    moe_layers: int = 0
+    expert_parameters: int = 0
+    expert_trainable: int = 0
+    recompute_all_to_all: bool = False
 
 
 @dataclass(frozen=True)

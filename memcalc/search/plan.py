@@ -2,7 +2,8 @@
 a model with on N GPUs (docs/many-gpus.md).
 
 The space: every mesh of the modelled, ``planned`` dimensions' degrees over N GPUs (tp within a
-node; cp where ``2 × cp`` divides the sequence, as torch's load balancer needs), less those
+node; cp where ``2 × cp`` divides the sequence, as torch's load balancer needs; ep for a mixture of
+experts only, as :func:`_expert_meshes` says), less those
 :func:`refusal` — the one predicate — says memcalc cannot estimate (counted,
 named, and searched the day a dimension's file accepts it; pp × tp without dp_shard under a
 foreach or fused optimizer, which torch refuses: :mod:`memcalc.search.plan_refusals`); per mesh
@@ -43,6 +44,7 @@ from memcalc.core.errors import InvalidInputError, MemcalcError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import OpClass, StepTime
 from memcalc.distributed.collectives import LAYOUT, Collective, ModelFacts, Network
+from memcalc.distributed.expert_parallel import expert_modules, expert_parallelism_available
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.pipeline import PipelineOverCapacity, stop_at_unfit_rank
 from memcalc.distributed.pipeline_schedules import PipelineSchedule
@@ -74,6 +76,9 @@ __all__ = ("CHECKPOINTS", "SCHEDULES", "PlanCandidate", "PlanResult", "collectiv
 CHECKPOINTS = (OFF, Checkpointing(CheckpointKind.SELECTIVE_OP), FULL)
 #: The pipeline schedules tried (those whose FSDP2 stages memcalc checks against real runs).
 SCHEDULES = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B)
+#: The checkpointing whose backward re-runs the experts' all-to-alls (SELECTIVE_OP: memcalc's saved
+#: ops, torchtitan's, do not include them). ``auto`` chooses per configuration after the trace: not counted.
+_RECOMPUTES_ALL_TO_ALL = frozenset({CheckpointKind.FULL, CheckpointKind.SELECTIVE_OP})
 #: Phases that run once per optimizer step, whatever the accumulation.
 _ONCE_PER_STEP = ("optimizer", "zero_grad")
 
@@ -162,7 +167,8 @@ def model_facts(step: Step) -> ModelFacts:
     """The parameter counts, communicated dtypes and transformer shape of ``step``'s model (one
     meta build). Under autocast FSDP gathers 16-bit parameters and reduces float32 gradients
     (torchtitan's ``MixedPrecisionPolicy``); otherwise both move in the stored dtype."""
-    module = step.resolved(1).module
+    resolved = step.resolved(1)
+    module = resolved.module
     seen: dict[int, torch.nn.Parameter] = {id(p): p for p in module.parameters()}
     parameters = sum(p.numel() for p in seen.values())
     trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
@@ -178,6 +184,7 @@ def model_facts(step: Step) -> ModelFacts:
                 return value
         return None
 
+    experts = _experts_of(module, resolved.name, attribute("num_experts_per_tok", "experts_per_token"))
     return ModelFacts(parameters=parameters, trainable=trainable, gather_bytes=gather,
                       reduce_bytes=4 if precision.is_amp else stored_bytes,
                       layers=attribute("num_hidden_layers", "n_layer", "num_layers"),
@@ -185,7 +192,27 @@ def model_facts(step: Step) -> ModelFacts:
                       kv_heads=attribute("num_key_value_heads", "num_attention_heads", "n_head"),
                       hidden=attribute("hidden_size", "n_embd", "d_model"), vocab=attribute("vocab_size"),
                       intermediate=attribute("intermediate_size", "n_inner", "ffn_dim"),
-                      activation_bytes=precision.compute_dtype.itemsize)
+                      activation_bytes=precision.compute_dtype.itemsize, **experts)
+
+
+def _experts_of(module: torch.nn.Module, name: str, top_k: int | None) -> dict[str, Any]:
+    """The mixture of experts' facts (:class:`ModelFacts`) of ``module``: the modules its own
+    expert-parallel plan dispatches tokens to (what ``ep`` shards, :func:`expert_modules`), their
+    experts and parameters; none for a model without such a plan, or where the installed
+    transformers has no expert parallelism (``ep`` then offers degree 1 only)."""
+    if top_k is None or not expert_parallelism_available():
+        return {}
+    try:
+        paths = expert_modules(module, 1, name)
+    except MemcalcError:  # no expert-parallel plan: not a mixture of experts ep can shard
+        return {}
+    counts = {getattr(module.get_submodule(p), "num_experts", None) for p in paths}
+    if not paths or len(counts) != 1 or not isinstance(next(iter(counts)), int):
+        return {}
+    seen = {id(p): p for path in paths for p in module.get_submodule(path).parameters()}
+    return {"experts": next(iter(counts)), "top_k": top_k, "moe_layers": len(paths),
+            "expert_parameters": sum(p.numel() for p in seen.values()),
+            "expert_trainable": sum(p.numel() for p in seen.values() if p.requires_grad)}
 
 
 def meshes_over(gpus: int, facts: ModelFacts) -> list[Mesh]:
@@ -333,7 +360,8 @@ class _Search:
         seq_len = self.sequence // config.mesh.cp
         return replace(self.facts, tokens=config.micro * seq_len, seq_len=seq_len,
                        stages_per_rank=config.stages_per_rank, attention_flops_per_second=self.flops_rate(),
-                       recompute=self.checkpoints[config.ckpt].kind is CheckpointKind.FULL)
+                       recompute=self.checkpoints[config.ckpt].kind is CheckpointKind.FULL,
+                       recompute_all_to_all=self.checkpoints[config.ckpt].kind in _RECOMPUTES_ALL_TO_ALL)
 
     @staticmethod
     def key(config: _Config) -> tuple[Any, ...]:
@@ -408,6 +436,47 @@ def _balanced_rings(meshes: list[Mesh], sequence: int) -> tuple[list[Mesh], list
     return [m for m in meshes if m.cp not in unsplit], notes
 
 
+def _data_parallel(mesh: Mesh) -> int:
+    """The ranks the global batch splits over: ``dp_replicate × dp_shard × ep`` (every ep rank runs a
+    batch of its own: :attr:`memcalc.Distributed.data_parallel_size`)."""
+    return mesh.dp_replicate * mesh.dp_shard * mesh.ep
+
+
+def _searches_ep(asked: bool | None, facts: ModelFacts) -> bool:
+    """Whether plan searches ep meshes: for a mixture of experts unless asked not to (a model
+    without experts has no ep degree but 1: :meth:`ExpertParallelDimension.plan_degrees`)."""
+    return facts.experts is not None and asked is not False
+
+
+def _expert_meshes(meshes: list[Mesh], facts: ModelFacts) -> tuple[list[Mesh], list[str]]:
+    """``meshes`` less the ep meshes memcalc's ep program would refuse at trace time or does not
+    model the step's communication of, and a note per reason: the experts split over ``ep × cp ×
+    tp`` ranks (torchtitan's ep borrows cp and tp, etp=1) must divide them (transformers' check); FSDP2
+    shards each rank's experts on dim 0 over dp_shard, so at most as many dp_shard ranks as a rank
+    has experts (dp_shard's check: torchtitan's Shard(1) otherwise); and without FSDP2 (neither
+    dp_shard nor dp_replicate's HSDP) the dense gradients' synchronisation over the ep ranks is not
+    modelled (ep's file), so plan would time a step that leaves it out."""
+    experts = facts.experts or 1
+    uneven = [m for m in meshes if m.ep > 1 and experts % (m.ep * m.cp * m.tp)]
+    crowded = [m for m in meshes if m.ep > 1 and m not in uneven and m.dp_shard > experts // (m.ep * m.cp * m.tp)]
+    unsynced = [m for m in meshes if m.ep > 1 and m.dp_shard == 1 and m.dp_replicate == 1]
+    notes = []
+    if uneven:
+        notes.append(f"{len(uneven)} meshes with ep: not searched (ep x cp x tp does not divide the {experts} experts: "
+                     f"{'; '.join(m.describe() for m in uneven[:4])}{'; …' if len(uneven) > 4 else ''})")
+    if crowded:
+        notes.append(f"{len(crowded)} meshes with ep: not searched (more dp_shard ranks than a rank's experts, which "
+                     f"FSDP2 would shard on dim 1: {'; '.join(m.describe() for m in crowded[:4])}"
+                     f"{'; …' if len(crowded) > 4 else ''})")
+    unsynced = [m for m in unsynced if m not in uneven and m not in crowded]
+    if unsynced:
+        notes.append(f"{len(unsynced)} meshes with ep and neither dp_shard nor dp_replicate: not searched (the dense "
+                     f"gradients' synchronisation over the ep ranks is not modelled: "
+                     f"{'; '.join(m.describe() for m in unsynced[:4])}{'; …' if len(unsynced) > 4 else ''})")
+    dropped = {*uneven, *crowded, *unsynced}
+    return [m for m in meshes if m not in dropped], notes
+
+
 def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
@@ -434,7 +503,7 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
     sequence = search.sequence
     layers = search.facts.layers or 1
     for mesh in meshes:
-        per_rank = global_batch // (mesh.dp_replicate * mesh.dp_shard)
+        per_rank = global_batch // _data_parallel(mesh)
         shapes: list[tuple[PipelineSchedule | None, int, int]] = []
         if mesh.pp > 1:
             for kind in SCHEDULES:
@@ -468,19 +537,21 @@ def _configs(search: _Search, meshes: list[Mesh], global_batch: int, peak: float
 
 def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, network: Network,
               top: int = 5, on_estimate: Callable[[str], None] | None = None,
-              checkpoint: str = "search", context_parallel: bool | None = None) -> PlanResult:
+              checkpoint: str = "search", context_parallel: bool | None = None,
+              expert_parallel: bool | None = None) -> PlanResult:
     """The ``top`` fastest configurations of ``step`` on ``gpus`` GPUs that fit (see the module
     docstring). ``step`` names the GPU (its capacity and figures); its batch, checkpointing and
     accumulation are replaced. ``checkpoint``: ``search`` (off, selective-op and full), ``auto``
     (:mod:`memcalc.distributed.checkpoint_auto` chooses per configuration), or one setting's label.
     ``context_parallel``: search cp meshes (True), or not (False); None searches them from
-    :data:`LONG_CONTEXT` tokens a sample on (:func:`_searches_cp`).
+    :data:`LONG_CONTEXT` tokens a sample on (:func:`_searches_cp`). ``expert_parallel``: search ep
+    meshes of a mixture of experts (None or True), or not (False); a model without experts has none.
 
     Raises:
         InvalidInputError: no mesh splits ``global_batch`` evenly.
     """
     checkpoints = _checkpoints(checkpoint)
-    meshes = [m for m in meshes_over(gpus, facts) if global_batch % (m.dp_replicate * m.dp_shard) == 0]
+    meshes = [m for m in meshes_over(gpus, facts) if global_batch % _data_parallel(m) == 0]
     if not meshes:
         raise InvalidInputError(f"no mesh over {gpus} GPUs splits a global batch of {global_batch} evenly",
                                 hint=f"give a global batch that is a multiple of {gpus}")
@@ -503,6 +574,14 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
         meshes = [m for m in meshes if m.cp == 1]
     meshes, unsplit = _balanced_rings(meshes, search.sequence)
     search.pruned += unsplit
+    searches_ep = _searches_ep(expert_parallel, facts)
+    if not searches_ep:
+        routed = [m for m in meshes if m.ep > 1]
+        if routed:
+            search.pruned.append(f"{len(routed)} meshes with ep: not searched (--no-ep)")
+        meshes = [m for m in meshes if m.ep == 1]
+    meshes, unrouted = _expert_meshes(meshes, facts)
+    search.pruned += unrouted
     refused = {m: refusal(step, m, resolved) for m in meshes}
     unsupported = [m for m in meshes if refused[m] is not None]
     search.pruned += [f"{m.describe()}: {refused[m]}" for m in unsupported]
@@ -616,11 +695,14 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
             continue
         best = sorted([*best, candidate], key=lambda c: c.seconds)
     known = dimensions()
-    searched = tuple(n for n in APPLICATION_ORDER if n in known and known[n].planned and (n != "cp" or searches_cp))
+    searched = tuple(n for n in APPLICATION_ORDER if n in known and known[n].planned and (n != "cp" or searches_cp)
+                     and (n != "ep" or searches_ep))
     return PlanResult(best=tuple(best[:top]), gpus=gpus, global_batch=global_batch, network=network,
                       searched=searched, not_searched=tuple(n for n in APPLICATION_ORDER if n not in searched),
                       meshes=tuple(meshes), configurations=len(configs) + search.over, estimates=search.estimates,
-                      pruned=tuple(search.pruned), assumptions=_ASSUMPTIONS, unsupported=len(unmodelled),
+                      pruned=tuple(search.pruned),
+                      assumptions=(*_ASSUMPTIONS, _EP_ASSUMPTION) if searches_ep else _ASSUMPTIONS,
+                      unsupported=len(unmodelled),
                       bounded=bounded, reused=search.reused)
 
 
@@ -638,8 +720,8 @@ class _Timings:
 
     # per kin: (dp_shard, ckpt, micro, compute, work)
     traced: dict[tuple[Any, ...], list[tuple[int, int, int, float, float]]] = field(default_factory=dict)
-    # (tp, cp, dp_shard, ckpt, micro, r)
-    ratios: list[tuple[int, int, int, int, int, float]] = field(default_factory=list)
+    # (tp, cp, dp_shard, ckpt, micro, r, ep)
+    ratios: list[tuple[int, int, int, int, int, float, int]] = field(default_factory=list)
 
     def record(self, config: _Config, compute: float, once: float) -> None:
         """A traced configuration's compute per optimizer step and its optimizer step's part."""
@@ -648,15 +730,15 @@ class _Timings:
                                                          compute - once))
         if config.schedule is None and config.flops > 0:
             self.ratios.append((mesh.tp, mesh.cp, mesh.dp_shard, config.ckpt, config.micro,
-                                (compute - once) / config.flops))
+                                (compute - once) / config.flops, mesh.ep))
 
     def bound(self, config: _Config) -> _Config:
         """``config`` with the tightest bound the traces give (its own, if they give none tighter)."""
         mesh = config.mesh
         kin = [(compute, work) for s, c, m, compute, work in self.traced.get(config.kin(), [])
                if mesh.dp_shard <= s and config.ckpt >= c and config.micro <= m]
-        work = max([w for _, w in kin] + [config.flops_at[c] * r for tp, cp, s, c, m, r in self.ratios
-                                          if tp <= mesh.tp and cp == mesh.cp and s >= mesh.dp_shard
+        work = max([w for _, w in kin] + [config.flops_at[c] * r for tp, cp, s, c, m, r, ep in self.ratios
+                                          if tp <= mesh.tp and cp == mesh.cp and ep == mesh.ep and s >= mesh.dp_shard
                                           and c <= config.ckpt and m >= config.micro], default=0.0)
         floor = max([compute for compute, _ in kin] + [work, config.floor])
         bound = config.with_compute(floor, work)
@@ -748,6 +830,16 @@ _ASSUMPTIONS = (
 )
 
 
+#: Said beside the others where plan searches ep (a mixture of experts).
+_EP_ASSUMPTION = (
+    "expert parallelism: transformers' AllToAllEP per MoE layer all-to-alls the routed tokens (dispatch and combine) "
+    "in forward and backward (the forward's again under full and selective-op checkpointing), exposed, over the "
+    "ep x cp x tp ranks that hold the experts (torchtitan's ep borrows cp and tp, etp=1), balanced routing, each "
+    "rank's rows to the others (hidden x compute-dtype bytes a row); FSDP2 over dp_shard x cp x ep for the dense "
+    "part, over dp_shard for each rank's experts; every ep rank runs a batch of its own; compute bounds count a "
+    "token's top_k of the experts; meshes with ep need dp_shard or dp_replicate (FSDP2 or HSDP)")
+
+
 def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tuple[float, float]]:
     """The configuration estimated and timed, or None (pruned) when it does not fit; beside it, its
     compute seconds per optimizer step and the optimizer step's part of them, fitting or not."""
@@ -769,7 +861,7 @@ def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tu
     comm, exposed, seconds = step_seconds(compute, bubble, collectives, search.network, search.facts.layers)
     mesh = config.mesh
     tokens = None if time.tokens is None or not time.samples else (
-        time.tokens // time.samples * mesh.cp * config.micro * config.accum * mesh.dp_replicate * mesh.dp_shard)
+        time.tokens // time.samples * mesh.cp * config.micro * config.accum * _data_parallel(mesh))
     chosen = next((n.split("chose ", 1)[1].split(":", 1)[0] for n in report.notes
                    if n.startswith("checkpoint auto chose ")), None)
     candidate = PlanCandidate(mesh=mesh, checkpoint=search.checkpoints[config.ckpt], micro_batch=config.micro,

@@ -27,7 +27,7 @@ Both are lower bounds, so pruning on them never drops a configuration that would
   trainable parameters' for the weights' gradients, and the forward again under full
   checkpointing, split by ``tp × pp × cp``, over the GPU's dense peak for the compute dtype (the
   roofline divides each kernel's FLOPs by that peak times an efficiency ≤ 1, and adds memory-bound
-  kernels). The embedding (a gather, no matmul) is left out; attention's FLOPs are left out.
+  kernels). Left out: the embedding (a gather), attention, the experts a token is not routed to.
 """
 from __future__ import annotations
 
@@ -53,12 +53,33 @@ def states_floor(step: Step, facts: ModelFacts, mesh: Mesh) -> float:
     multiplier = step.optimizer.textbook_multiplier
     frozen = facts.parameters - facts.trainable
     fsdp = mesh.dp_shard * mesh.cp  # torchtitan's dp_shard_cp group
+    if mesh.ep > 1:  # the experts split over ep x cp x tp, the rest (at most) over dp_shard x cp x ep: see below
+        return _expert_states_floor(step, facts, mesh)
     held = (facts.trainable * stored * multiplier + frozen * stored) / (fsdp * mesh.tp * mesh.pp)
     if mesh.pp > 1 and fsdp > 1:
         stage = 1 / (mesh.tp * mesh.pp)
         # unsharded parameters and gradients replace the sharded gradients over the microbatches
         held += (facts.parameters * facts.gather_bytes + facts.trainable * facts.reduce_bytes) * stage
         held -= facts.trainable * stored / (fsdp * mesh.tp * mesh.pp)
+    return held
+
+
+def _expert_states_floor(step: Step, facts: ModelFacts, mesh: Mesh) -> float:
+    """:func:`states_floor` under ep: every parameter over ``dp_shard × cp × ep × tp × pp`` ranks
+    at most (the experts' split over ep × cp × tp, then FSDP2's over dp_shard; the dense part's
+    FSDP2 over dp_shard × cp × ep, or whole without FSDP2: more), and under a pipeline of FSDP2
+    stages (dp_shard's, or HSDP's over ep) the stage's unsharded share, the experts'
+    ``1 / (ep × cp)`` of them, as :func:`states_floor` counts it."""
+    stored = step.precision.parameter_dtype.itemsize
+    frozen = facts.parameters - facts.trainable
+    ways = mesh.dp_shard * mesh.cp * mesh.ep * mesh.tp * mesh.pp
+    held = (facts.trainable * stored * step.optimizer.textbook_multiplier + frozen * stored) / ways
+    if mesh.pp > 1 and (mesh.dp_shard > 1 or mesh.dp_replicate > 1):  # FSDP2 stages (HSDP's over ep)
+        split = mesh.ep * mesh.cp
+        local = facts.parameters - facts.expert_parameters * (1 - 1 / split)
+        local_trained = facts.trainable - facts.expert_trainable * (1 - 1 / split)
+        held += (local * facts.gather_bytes + local_trained * facts.reduce_bytes) / (mesh.tp * mesh.pp)
+        held -= facts.trainable * stored / ways
     return held
 
 
@@ -73,8 +94,14 @@ def compute_floor(facts: ModelFacts, mesh: Mesh, tokens: int, checkpoint: Checkp
     """Seconds a rank's matmuls take at least for ``tokens`` tokens per optimizer step (of the
     whole sequences: a cp rank computes ``1 / cp`` of them)."""
     embedding = facts.vocab * facts.hidden if facts.vocab is not None and facts.hidden is not None else 0
-    matmul = max(facts.parameters - embedding, 0)
-    trained = max(facts.trainable - embedding, 0)
+    matmul: float = max(facts.parameters - embedding, 0)
+    trained: float = max(facts.trainable - embedding, 0)
+    # a token runs top_k of the experts: the others' weights do no FLOPs for it (and ep does not split them: under
+    # balanced routing a rank computes as many routed rows as it sends)
+    if facts.experts and facts.top_k:
+        idle = 1 - min(facts.top_k, facts.experts) / facts.experts
+        matmul -= facts.expert_parameters * idle
+        trained -= facts.expert_trainable * idle
     flops = 4 * matmul + 2 * trained + (2 * matmul if checkpoint.kind is CheckpointKind.FULL else 0)
     return tokens * flops / (mesh.tp * mesh.pp * mesh.cp) / peak
 

@@ -44,15 +44,19 @@ class DpReplicate(RankStrategy):
     def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
         """An all-reduce (reduce-scatter then all-gather: twice a ring's bytes) of the gradients
         every backward: DDP's whole gradients, or under HSDP each replica's shard of them (1 /
-        dp_shard), of a rank's tensor-parallel shard. memcalc's loops do not use ``no_sync``, so it
-        runs every micro-batch; under a pipeline once per step, after the last microbatch: torch's
-        ``PipelineStage`` turns an FSDP2 stage's gradient sync off until then
-        (``set_requires_gradient_sync``), and HSDP's all-reduce runs with its reduce-scatter."""
+        dp_shard; under ep 1 / (dp_shard × ep × cp): FSDP2 shards the dense part over all three and
+        the experts are split over ep × cp (× tp) before it), of a rank's tensor-parallel shard.
+        memcalc's loops do not use ``no_sync``, so it runs every micro-batch; under a pipeline once
+        per step, after the last microbatch: torch's ``PipelineStage`` turns an FSDP2 stage's
+        gradient sync off until then (``set_requires_gradient_sync``), and HSDP's all-reduce runs
+        with its reduce-scatter."""
         r, span = mesh.dp_replicate, group_span(mesh, "dp_replicate")
         if r == 1:
             return ()
         size = facts.trainable * facts.reduce_bytes / (mesh.dp_shard * mesh.tp * mesh.pp)
-        what = "all-reduce of gradients" + (" (HSDP: each replica's shard)" if mesh.dp_shard > 1 else "")
+        if mesh.ep > 1:  # FSDP2 over dp_shard x cp x ep (the dense part) and the experts split over ep x cp (x tp)
+            size /= mesh.ep * mesh.cp
+        what = "all-reduce of gradients" + (" (HSDP: each replica's shard)" if mesh.dp_shard > 1 or mesh.ep > 1 else "")
         if mesh.pp > 1:
             return (Collective(cls.name, what + " (after the last microbatch)", 2 * ring_bytes(size, r), span),)
         return (Collective(cls.name, what, 2 * ring_bytes(size, r) * micro_batches, span, micro_batches),)

@@ -89,6 +89,8 @@ def fsdp_collectives(name: str, mesh: Mesh, facts: ModelFacts, micro_batches: in
     """FSDP2's collectives over ``dp_shard × cp`` ranks (:meth:`DpShard.collectives`), named
     ``name`` (the dimension that wraps FSDP2: cp's file does without dp_shard)."""
     n, span = mesh.dp_shard * mesh.cp, group_span(mesh, "dp_shard")  # dp_shard's span counts the inner cp
+    if mesh.ep > 1 and facts.expert_parameters:
+        return _moe_fsdp_collectives(name, mesh, facts, micro_batches)
     if n == 1:
         return ()
     owned = mesh.tp * mesh.pp
@@ -100,6 +102,39 @@ def fsdp_collectives(name: str, mesh: Mesh, facts: ModelFacts, micro_batches: in
     return (Collective(name, "all-gather of parameters (forward and backward)",
                        2 * gather * micro_batches, span, 2 * micro_batches),
             Collective(name, "reduce-scatter of gradients", reduce * micro_batches, span, micro_batches))
+
+
+def _moe_fsdp_collectives(name: str, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
+    """FSDP2 as torchtitan shards a mixture of experts under ep (:func:`fsdp_program` with
+    ``experts_degree``): the dense parameters over ``dp_shard × cp × ep`` (its ``dp_shard_cp``
+    mesh), each block's experts — a rank's ``1 / (ep × cp × tp)`` of them — over the ``dp_shard``
+    ranks that hold the same experts (``dp_shard_mod_ep``: none with dp_shard = 1). The group spans
+    the ``dp_shard × cp × ep × tp`` consecutive GPUs either way (the experts' every ``cp × ep × tp``-th)."""
+    span, pp = group_span(mesh, "dp_shard"), mesh.pp
+    dense_n, experts_n = mesh.dp_shard * mesh.cp * mesh.ep, mesh.dp_shard
+    owners = mesh.ep * mesh.cp * mesh.tp
+    dense_gather = ring_bytes((facts.parameters - facts.expert_parameters) * facts.gather_bytes / (mesh.tp * pp),
+                              dense_n)
+    dense_reduce = ring_bytes((facts.trainable - facts.expert_trainable) * facts.reduce_bytes / (mesh.tp * pp),
+                              dense_n)
+    gather = ring_bytes(facts.expert_parameters * facts.gather_bytes / (owners * pp), experts_n)
+    reduce = ring_bytes(facts.expert_trainable * facts.reduce_bytes / (owners * pp), experts_n)
+    if pp > 1:
+        out = [Collective(name, "all-gather of parameters (dense; once: kept over the microbatches)", dense_gather,
+                          span),
+               Collective(name, "reduce-scatter of gradients (dense; after the last microbatch)", dense_reduce, span)]
+        if experts_n > 1:
+            out += [Collective(name, "all-gather of experts (once: kept over the microbatches)", gather, span),
+                    Collective(name, "reduce-scatter of experts' gradients (after the last microbatch)", reduce, span)]
+        return tuple(out)
+    out = [Collective(name, "all-gather of parameters (dense; forward and backward)", 2 * dense_gather * micro_batches,
+                      span, 2 * micro_batches),
+           Collective(name, "reduce-scatter of gradients (dense)", dense_reduce * micro_batches, span, micro_batches)]
+    if experts_n > 1:
+        out += [Collective(name, "all-gather of experts (forward and backward)", 2 * gather * micro_batches, span,
+                           2 * micro_batches),
+                Collective(name, "reduce-scatter of experts' gradients", reduce * micro_batches, span, micro_batches)]
+    return tuple(out)
 
 
 def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = False,

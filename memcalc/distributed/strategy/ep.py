@@ -38,8 +38,10 @@ from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
+from memcalc.distributed.collectives import Collective, ModelFacts, group_span
 from memcalc.distributed.expert_parallel import (
     ExpertParallel,
+    dispatch_rows,
     expert_modules,
     expert_parallelism_available,
     expert_tensor_parallel,
@@ -49,7 +51,7 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.program import RankProgram, StackedProgram
 from memcalc.distributed.ring_attention import RingAttentionProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
-from memcalc.distributed.strategy.dp_shard import fsdp_program
+from memcalc.distributed.strategy.dp_shard import fsdp_collectives, fsdp_program
 from memcalc.distributed.vocabulary import Routing
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.optimizers import resolve_impl
@@ -65,8 +67,49 @@ class ExpertParallelDimension(RankStrategy):
 
     name = "ep"
     mesh_dimension = "ep"
-    planned = False  # its all-to-alls are not in plan's cost model yet
     options = frozenset({"routing", "capacity_factor"})
+
+    @classmethod
+    def plan_degrees(cls, facts: ModelFacts, gpus: int) -> tuple[int, ...]:
+        """Divisors of ``gpus`` that divide the experts of a mixture of experts; 1 for a model
+        without experts (``memcalc plan`` checks that ``ep × cp × tp`` divides them too)."""
+        if facts.experts is None:
+            return (1,)
+        return tuple(d for d in super().plan_degrees(facts, gpus) if facts.experts % d == 0)
+
+    @classmethod
+    def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
+        """Per MoE layer (``moe_layers / pp`` per micro-batch), ``AllToAllEP``'s two all-to-alls
+        over the ``ep × cp × tp`` ranks that hold the experts (torchtitan's ep group: the
+        ``cp × ep × tp`` consecutive GPUs): the dispatch receives the rows the other ranks route to
+        this rank's experts, the combine this rank's own rows back from them, each row
+        ``hidden × activation_bytes``; the backward runs both again (each one's gradient, the
+        other way), the forward's again where checkpointing recomputes them (full and
+        selective-op: ``recompute_all_to_all``; a trace under either runs 12 where off runs 8,
+        tests/test_plan_ep.py). The rows are what the estimate's
+        program answers the split sizes with (:func:`dispatch_rows`, balanced routing: plan's
+        default), for the ``tokens / tp`` tokens a rank dispatches (``tokens``: micro-batch ×
+        ``S / cp``; under tp each tp rank its share of the group's), less its rows to itself, which
+        cross no link. Exposed: each layer's experts wait on the dispatch, its output on the
+        combine (``AllToAllEP`` overlaps neither). With dp_replicate and neither dp_shard nor cp,
+        FSDP2 over the ep ranks (dp_replicate's HSDP): its all-gathers and reduce-scatters here."""
+        fsdp = (fsdp_collectives(cls.name, mesh, facts, micro_batches)
+                if mesh.dp_shard == 1 and mesh.cp == 1 and mesh.dp_replicate > 1 else ())
+        if facts.experts is None or facts.top_k is None or not facts.tokens or facts.hidden is None:
+            return fsdp
+        owners = mesh.ep * mesh.cp * mesh.tp
+        send, receive = dispatch_rows(facts.tokens // mesh.tp, facts.top_k, facts.experts, owners, 0,
+                                      Routing.BALANCED)
+        row = facts.hidden * facts.activation_bytes
+        layer = (sum(receive) - receive[0] + sum(send) - send[0]) * row  # dispatch and combine, from the others
+        calls = -(-facts.moe_layers // mesh.pp) * micro_batches  # the busiest stage's MoE layers
+        forwards = 2 * calls if facts.recompute_all_to_all else calls
+        span = group_span(mesh, "cp")  # cp, ep and tp: consecutive GPUs (LAYOUT)
+        return (*fsdp,
+                Collective(cls.name, "all-to-all of routed tokens (dispatch and combine, forward)", layer * forwards,
+                           span, 2 * forwards, overlapped=False),
+                Collective(cls.name, "all-to-all of routed tokens' gradients (backward)", layer * calls, span,
+                           2 * calls, overlapped=False))
 
     def refuse_finetune(self, finetune: FineTune) -> None:
         if finetune.is_empty:
