@@ -418,6 +418,19 @@ def test_pp_x_dp_shard_x_ep_model_states_by_hand(tiny: str) -> None:
     assert {role.ranks: role.model_states for role in report.roles} == {ranks: 8 * n for ranks, n in held.items()}
 
 
+
+@pytest.mark.parametrize("checkpoint", ["off", "full"])
+def test_pp_x_dp_shard_x_ep_under_amp_on_the_cuda_target_by_hand(tiny: str, checkpoint: str) -> None:
+    """Under amp-bf16 FSDP2 all-gathers the experts in bf16, and ``_grouped_mm`` on CUDA takes any floating
+    dtype; the last stage's output shapes, worked out on meta before the trace, once met torch's own meta
+    kernel (bf16 only) on the stage's float32 weights and refused the whole estimate. FSDP2's mixed precision
+    keeps the shards and their gradients in float32: the model states are fp32's, 8 B an element with SGD."""
+    setting = memcalc.Distributed(pp=2, dp_shard=2, ep=2, microbatches=2)
+    report = memcalc.estimate(tiny, batch_size=2, seq_len=16, optimizer="sgd", gpu="h100-80gb", distributed=setting,
+                              precision="amp-bf16", checkpoint=checkpoint)
+    assert {role.ranks: role.model_states for role in report.roles} == {(0, 1, 2, 3): 8 * 31_840,
+                                                                        (4, 5, 6, 7): 8 * 31_856}
+
 # ---- refusals ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("degrees, message", [

@@ -67,6 +67,7 @@ from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
+from memcalc.targets.grouped_mm import grouped_mm_on_meta
 
 __all__ = ("InnerParallel", "Pipeline", "PipelineEstimate", "PipelineOverCapacity", "RankEstimate", "estimate_pipeline",
            "stage_mesh", "stop_at_unfit_rank", "trace_order")
@@ -616,7 +617,10 @@ class _PipelineProgram:
 
                     answering = StorageTracer("meta", read_values=tracer.read_values)
                     answering.defer_to = (DTensor,)  # DTensor's own dispatch first, as in the step
-                with answering, contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model."):
+                # with the real kernels' meta rules that the step's backend puts in place (a mixture of
+                # experts' ``_grouped_mm`` on float32 weights: torch's own meta kernel takes bf16 only)
+                with (answering, grouped_mm_on_meta(),
+                      contextlib.nullcontext() if inner is None else inner.applied(stage_module, "model.")):
                     output = example.call(stage_module)
             else:  # the activation the next stage receives
                 shape, dtype = self.layout.activation
