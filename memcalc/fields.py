@@ -30,7 +30,7 @@ from memcalc.core.categories import Mode
 from memcalc.core.checkpointing import Checkpointing, parse_checkpointing
 from memcalc.core.choices import parse_choice
 from memcalc.core.counts import INT64_MAX, as_integer, fits_int64
-from memcalc.core.errors import InapplicableOptionError, InvalidInputError, MissingPackageError
+from memcalc.core.errors import CLI_KEYWORD_HINTS, InapplicableOptionError, InvalidInputError, MissingPackageError
 from memcalc.core.finetune import FineTune
 from memcalc.core.float8 import RECIPES, Float8, parse_float8
 from memcalc.core.gpu import CPU_PROFILE, GENERIC, GpuProfile
@@ -572,9 +572,11 @@ def check_keywords(function: str, keywords: Mapping[str, Any], own: Sequence[str
             raise InvalidInputError(f"{function}() does not take {name}: {field.searched}")
         if name not in takes:
             close = difflib.get_close_matches(name, takes, n=1)
+            cli = CLI_KEYWORD_HINTS.get(name)
             raise InvalidInputError(f"{function}() got an unknown argument {name!r}"
-                                    + (f"; did you mean {close[0]!r}?" if close else ""),
-                                    hint=f"The estimate options it takes: {', '.join(takes)}.")
+                                    + (f"; did you mean {close[0]!r}?" if close and cli is None else ""),
+                                    hint=(f"{cli[0].upper()}{cli[1:]}. " if cli else "")
+                                    + f"The estimate options it takes: {', '.join(takes)}.")
 
 
 def _check_generation(step: Step) -> None:

@@ -712,3 +712,37 @@ def test_an_activation_past_int64_bytes_blames_the_batch():
     assert f"sizes=[{batch}, 1024]" in str(caught.value)
     assert "A tensor of these sizes would hold more than 2**63 - 1 bytes" in (caught.value.hint or "")
     assert caught.value.exit_code == 2
+
+
+@pytest.mark.parametrize("call, message, hint", [
+    (lambda: memcalc.estimate("mlp", mesh="pp=2"), "estimate() has no argument 'mesh'",
+     "distributed=memcalc.Distributed(dp_shard=8, tp=2) (the CLI's --mesh"),
+    (lambda: memcalc.estimate("mlp", optimiser="adam"), "estimate() has no argument 'optimiser'",
+     "did you mean optimizer=?; see help(memcalc.estimate)"),
+    (lambda: memcalc.max_batch_size("mlp", gpu="t4", strategy="ddp"),
+     "max_batch_size() got an unknown argument 'strategy'", "(the CLI's --strategy)"),
+    (lambda: memcalc.estimate("mlp", 8, 16), "estimate(): too many positional arguments",
+     "see help(memcalc.estimate)"),
+])
+def test_a_call_its_signature_refuses_is_the_callers_mistake(call, message, hint):
+    """Python's own TypeError for an unknown keyword used to leave the API as "internal error in memcalc,
+    please report it"; it is the caller's mistake, named with the closest keyword (or the API's form of the
+    CLI's option), before any model is resolved."""
+    with pytest.raises(InvalidInputError) as raised:
+        call()
+    assert str(raised.value).splitlines()[0] == message
+    assert hint in str(raised.value)
+
+
+def test_a_type_error_from_inside_a_call_that_fits_stays_an_internal_error(monkeypatch):
+    """The signature is read only to tell the caller's mistake from memcalc's: a TypeError raised inside
+    an estimate whose call fits the signature is still reported as memcalc's."""
+    import memcalc.api as api
+    from memcalc.core.errors import InternalError
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise TypeError("unsupported operand type(s)")
+
+    monkeypatch.setattr(api, "estimate_step", broken)
+    with pytest.raises(InternalError, match="please report it: TypeError: unsupported operand"):
+        memcalc.estimate("mlp")

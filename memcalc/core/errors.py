@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 
 __all__ = (
+    "CLI_KEYWORD_HINTS",
     "DataDependentError",
     "InapplicableOptionError",
     "InternalError",
@@ -232,8 +233,15 @@ def internal_errors_named(stage: str) -> Callable[[Callable[_P, _R]], Callable[_
     def decorate(func: Callable[_P, _R]) -> Callable[_P, _R]:
         @functools.wraps(func)
         def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            with _mapped(stage):
-                result = func(*args, **kwargs)
+            try:
+                with _mapped(stage):
+                    result = func(*args, **kwargs)
+            except InternalError as exc:
+                # a call that does not fit the signature (a misspelt or unknown keyword) is the
+                # caller's mistake, not memcalc's; the signature is read only once a call failed
+                if isinstance(exc.__cause__, TypeError) and (refused := _misfit_call(func, args, kwargs)):
+                    raise refused from None
+                raise
             if isinstance(result, Iterator):
                 return cast(_R, _iterated(result, stage))
             return result
@@ -241,6 +249,41 @@ def internal_errors_named(stage: str) -> Callable[[Callable[_P, _R]], Callable[_
         return call
 
     return decorate
+
+
+#: Hints for keywords that users reach for by the CLI's names (``--mesh``, ``--strategy``, ``--world-size``).
+CLI_KEYWORD_HINTS = {
+    "mesh": "a mesh is distributed=memcalc.Distributed(dp_shard=8, tp=2) (the CLI's --mesh dp_shard=8,tp=2)",
+    "strategy": "a strategy is distributed=memcalc.Distributed(\"fsdp\", world_size=8) (the CLI's --strategy)",
+    "world_size": "the world size is distributed=memcalc.Distributed(\"ddp\", world_size=8) (the CLI's --world-size)",
+}
+
+
+def _misfit_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> InvalidInputError | None:
+    """The error for a call of ``func`` that its signature refuses (an unknown keyword, too many
+    positional arguments), naming the closest keyword; None when the call fits (the TypeError
+    came from inside)."""
+    import difflib  # only once a call failed: not on --help's path
+    import inspect
+
+    signature = inspect.signature(func)
+    # the public API's functions are read as memcalc.NAME (memcalc/__init__.py re-exports them)
+    public = func.__name__ in getattr(sys.modules.get("memcalc"), "__all__", ())
+    where = f"help({'memcalc' if public else func.__module__}.{func.__name__})"
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        known = [name for name, p in signature.parameters.items()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = [name for name in kwargs if name not in signature.parameters]
+        if not unknown:
+            return InvalidInputError(f"{func.__name__}(): {exc}", hint=f"see {where}")
+        name = unknown[0]
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = CLI_KEYWORD_HINTS.get(name) or (f"did you mean {close[0]}=?" if close else None)
+        return InvalidInputError(f"{func.__name__}() has no argument {name!r}",
+                                 hint=(hint + "; " if hint else "") + f"see {where}")
+    return None
 
 
 def _iterated(items: Iterator[Any], stage: str) -> Iterator[Any]:
