@@ -343,6 +343,17 @@ class MemoryReport:
         """The same report, its FLOPs and step time computed from ``costs`` when asked."""
         return replace(self, on_request=replace(self.on_request, costs=costs))
 
+    def without_trace(self) -> MemoryReport:
+        """The same report (equal, the same ``to_dict()``) without the traced step it keeps for
+        :meth:`timeline`, :meth:`flops` and :meth:`time_on`, in its roles' reports too.
+
+        A search that keeps a report per configuration (``memcalc plan``) keeps only what it
+        reads: a traced step of an 80-layer model holds its events, storages and kernel records,
+        tens of MiB each, hundreds under a pipeline's ranks, which add up over a search's traces.
+        """
+        roles = tuple(replace(role, report=role.report.without_trace()) for role in self.roles)
+        return replace(self, on_request=OnRequest(), distribution=replace(self.distribution, roles=roles))
+
     def timeline(self) -> Timeline:
         """The memory of every event of the simulated step (both iterations of a training
         step): bytes per category, allocated and reserved after each event, phases, the

@@ -87,7 +87,9 @@ _ONCE_PER_STEP = ("optimizer", "zero_grad")
 class PlanCandidate:
     """One configuration, estimated: its mesh, pipeline schedule (None: no pipeline), micro-batch,
     micro-batches per step (accumulation, or a pipeline's microbatches) and checkpointing, its
-    busiest rank's report, and its time per optimizer step."""
+    busiest rank's report, and its time per optimizer step. The report is without its traced step
+    (:meth:`MemoryReport.without_trace`: the search keeps one per trace): its timeline and FLOPs
+    come from estimating the configuration itself (``memcalc MODEL --mesh ...``); its time is kept."""
 
     mesh: Mesh
     checkpoint: Checkpointing
@@ -340,8 +342,11 @@ class _Search:
     reused: int = 0
     over: int = 0  # configurations whose memory bound exceeds the GPU
     pruned: list[str] = field(default_factory=list)
+    # each report without its traced step (MemoryReport.without_trace): the search reads its bytes and time only,
+    # and 72 kept traces of a 70B model with cp held 5.1 GiB (docs/many-gpus.md)
     reports: dict[tuple[Any, ...], MemoryReport] = field(default_factory=dict)
-    unfit: dict[tuple[Any, ...], PipelineOverCapacity] = field(default_factory=dict)  # pipelines stopped early
+    # pipelines stopped early: (rank, peak allocated), not the exception, whose traceback holds the trace's frames
+    unfit: dict[tuple[Any, ...], tuple[int, int]] = field(default_factory=dict)
 
     sequence: int = 1
     peak: float = 0.0  # the GPU's dense peak FLOP/s for the compute dtype (0: the step's GPU's, read when needed)
@@ -381,7 +386,7 @@ class _Search:
         key = self.key(config)
         if key in self.unfit:
             self.reused += 1
-            raise self.unfit[key]
+            raise PipelineOverCapacity(*self.unfit[key])
         if key in self.reports:
             self.reused += 1
             return self.reports[key]
@@ -399,9 +404,9 @@ class _Search:
             with stop_at_unfit_rank():
                 report = run_estimate(step, distributed)
         except PipelineOverCapacity as stop:
-            self.unfit[key] = stop
+            self.unfit[key] = (stop.rank, stop.peak_allocated)
             raise
-        report = replace(report, time=step_time(report))
+        report = replace(report, time=step_time(report)).without_trace()
         self.reports[key] = report
         return report
 
@@ -415,8 +420,9 @@ def _sequence(resolved: ResolvedModel) -> int:
 
 #: From this many tokens a sample, plan searches context parallelism unless told not to. Below it a
 #: ring only adds traffic to what FSDP2 and tp already fit (torchtitan's recipes turn cp on for long
-#: context), and its meshes multiply a plan's traces: the 70B question at 8,192 tokens took 72 traces,
-#: 507 CPU-s and 5.1 GiB with cp searched, against 70–98 CPU-s and 668 MiB without (docs/many-gpus.md).
+#: context), and its meshes multiply a plan's traces: the 70B question at 8,192 tokens took 72 traces and
+#: 507 CPU-s with cp searched, against 70–98 CPU-s without (docs/many-gpus.md). Its 5.1 GiB were the traced
+#: steps plan kept beside its reports (hundreds of MiB a pipeline's), which it now lets go (_Search.reports).
 LONG_CONTEXT = 16_384
 
 
