@@ -20,7 +20,7 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 from click.testing import CliRunner
-from support import hf_config_source
+from support import bf16_on_avx512, hf_config_source
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -299,6 +299,7 @@ def test_autocast_mlp_matches_the_real_compiled_step() -> None:
 
 
 @pytest.mark.slow  # bf16 convolutions on this CPU are slow: about 2 minutes
+@bf16_on_avx512
 def test_autocast_cnn_matches_the_real_compiled_step() -> None:
     report, real = _compare(SmallCNN, precision="amp-bf16", batch_size=8, input_shape=(3, 32, 32),
                             optimizer="sgd")

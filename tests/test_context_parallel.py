@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from click.testing import CliRunner
-from support import bf16_followed
+from support import bf16_followed, bf16_on_avx512
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._context_parallel import _attention as ring_source
@@ -90,7 +90,7 @@ def test_torchs_context_parallel_shards_the_sequence_but_cannot_attend_on_the_cp
 
 @pytest.mark.quick_cases("2-float32-model")
 @pytest.mark.parametrize("layout", ["model", "contiguous", "expanded"])
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=bf16_followed)],
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=[bf16_followed, bf16_on_avx512])],
                          ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_bytes_match_torchs_ring_on_every_rank(cp, dtype, layout):
