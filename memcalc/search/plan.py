@@ -454,6 +454,11 @@ def _searches_ep(asked: bool | None, facts: ModelFacts) -> bool:
     return facts.experts is not None and asked is not False
 
 
+def _named(meshes: list[Mesh], most: int) -> str:
+    """The first ``most`` of ``meshes`` for a pruned line, "; …" where more were left out."""
+    return "; ".join(m.describe() for m in meshes[:most]) + ("; …" if len(meshes) > most else "")
+
+
 def _expert_meshes(meshes: list[Mesh], facts: ModelFacts) -> tuple[list[Mesh], list[str]]:
     """``meshes`` less the ep meshes memcalc's ep program would refuse at trace time or does not
     model the step's communication of, and a note per reason: the experts split over ``ep × cp ×
@@ -469,16 +474,15 @@ def _expert_meshes(meshes: list[Mesh], facts: ModelFacts) -> tuple[list[Mesh], l
     notes = []
     if uneven:
         notes.append(f"{len(uneven)} meshes with ep: not searched (ep x cp x tp does not divide the {experts} experts: "
-                     f"{'; '.join(m.describe() for m in uneven[:4])}{'; …' if len(uneven) > 4 else ''})")
+                     f"{_named(uneven, 4)})")
     if crowded:
         notes.append(f"{len(crowded)} meshes with ep: not searched (more dp_shard ranks than a rank's experts, which "
-                     f"FSDP2 would shard on dim 1: {'; '.join(m.describe() for m in crowded[:4])}"
-                     f"{'; …' if len(crowded) > 4 else ''})")
+                     f"FSDP2 would shard on dim 1: {_named(crowded, 4)})")
     unsynced = [m for m in unsynced if m not in uneven and m not in crowded]
     if unsynced:
         notes.append(f"{len(unsynced)} meshes with ep and neither dp_shard nor dp_replicate: not searched (the dense "
                      f"gradients' synchronisation over the ep ranks is not modelled: "
-                     f"{'; '.join(m.describe() for m in unsynced[:4])}{'; …' if len(unsynced) > 4 else ''})")
+                     f"{_named(unsynced, 4)})")
     dropped = {*uneven, *crowded, *unsynced}
     return [m for m in meshes if m not in dropped], notes
 
@@ -599,7 +603,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     if heavy:
         search.pruned.append(f"{len(heavy)} meshes whose model states alone exceed the GPU (at least "
                              f"{_gib(min(states_floor(step, facts, m) for m in heavy))}): not estimated "
-                             f"({'; '.join(m.describe() for m in heavy[:6])}{'; …' if len(heavy) > 6 else ''})")
+                             f"({_named(heavy, 6)})")
     meshes = [m for m in meshes if m not in heavy]
     configs = _configs(search, meshes, global_batch, search.flops_rate())
     if not configs and not search.over and not heavy:
