@@ -123,7 +123,7 @@ def test_plan_lists_only_what_fits_fastest_first(tight_plan):
 def test_plan_json_shape(tight_plan):
     data = json.loads(json.dumps(tight_plan.to_dict()))
     assert set(data) == {"gpus", "global_batch", "network", "dimensions_searched", "dimensions_not_searched",
-                         "meshes", "unsupported_meshes", "configurations", "estimates", "pruned_by_bounds",
+                         "why_not_searched", "meshes", "unsupported_meshes", "configurations", "estimates", "pruned_by_bounds",
                          "traces_reused", "pruned", "assumptions", "best"}
     assert data["network"] == {"gpus_per_node": 8, "intra_node_gbps": 450.0, "inter_node_gbps": 50.0}
     row = data["best"][0]
@@ -139,6 +139,7 @@ def test_plan_json_shape(tight_plan):
     # mixture of experts (llama-tiny has no experts: tests/test_plan_ep.py searches it)
     assert set(data["dimensions_searched"]) == {name for name, cls in DIMENSIONS.items() if cls.planned} - {"ep"}
     assert DIMENSIONS["ep"].planned and "ep" in data["dimensions_not_searched"]
+    assert data["why_not_searched"] == {"ep": "the model has no experts"}
     assert {"dp_shard", "dp_replicate", "cp"} <= set(data["dimensions_searched"])
     assert set(data["dimensions_not_searched"]) == {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"} - set(
         data["dimensions_searched"])

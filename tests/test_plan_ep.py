@@ -170,6 +170,6 @@ def test_no_ep_leaves_the_experts_unsplit(heavy: tuple[str, Any]) -> None:
                                        "--format", "json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
-    assert "ep" in payload["dimensions_not_searched"]
+    assert "ep" in payload["dimensions_not_searched"] and payload["why_not_searched"]["ep"] == "--no-ep"
     assert "1 meshes with ep: not searched (--no-ep)" in payload["pruned"]
     assert all(row["mesh"].get("ep", 1) == 1 for row in payload["best"])

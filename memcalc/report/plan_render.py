@@ -29,6 +29,13 @@ def _row(rank: int, c: PlanCandidate, unit: Unit) -> list[str]:
             "" if tokens is None else f"{tokens:,.0f}"]
 
 
+def _unsearched(result: PlanResult) -> str:
+    """The dimensions plan left out, each with its reason: the request's own shape (no experts, a
+    short sequence) or an option, not only what memcalc cannot model."""
+    whys = result.not_searched_why or ("not modelled, or not yet in plan's cost model",) * len(result.not_searched)
+    return ", ".join(f"{n} ({why})" for n, why in zip(result.not_searched, whys, strict=True)) or "none"
+
+
 def render_plan(result: PlanResult, *, unit: Unit = Unit.AUTO, fmt: str = "simple") -> str:
     """The plan as text: the table of the best, then what was searched, pruned and assumed."""
     lines = [f"Plan: {result.gpus} GPUs, global batch {result.global_batch} per optimizer step"]
@@ -41,8 +48,7 @@ def render_plan(result: PlanResult, *, unit: Unit = Unit.AUTO, fmt: str = "simpl
         lines += ["", "Nothing fits: see what was pruned below."]
     lines += ["", f"Network: {result.network.describe()}.",
               f"Searched: {', '.join(result.searched)} ({len(result.meshes)} meshes: "
-              f"{'; '.join(m.describe() for m in result.meshes)}); not searched (not modelled, or not yet in "
-              f"plan's cost model): {', '.join(result.not_searched) or 'none'}.",
+              f"{'; '.join(m.describe() for m in result.meshes)}); not searched: {_unsearched(result)}.",
               *([f"{result.unsupported} meshes skipped as not modelled together yet (named below)."]
                 if result.unsupported else []),
               f"{result.configurations} configurations (mesh × schedule × micro-batch × checkpointing); "

@@ -153,11 +153,15 @@ class PlanResult:
     unsupported: int = 0
     bounded: int = 0
     reused: int = 0
+    #: why each of :attr:`not_searched` was left out, in its order ("the model has no experts"):
+    #: a dimension left out for the request's own shape is not one memcalc cannot model
+    not_searched_why: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The ``memcalc plan --format json`` contract (docs/many-gpus.md)."""
         return {"gpus": self.gpus, "global_batch": self.global_batch, "network": self.network.to_dict(),
                 "dimensions_searched": list(self.searched), "dimensions_not_searched": list(self.not_searched),
+                "why_not_searched": dict(zip(self.not_searched, self.not_searched_why, strict=False)),
                 "meshes": [m.describe() for m in self.meshes], "unsupported_meshes": self.unsupported,
                 "configurations": self.configurations, "estimates": self.estimates,
                 "pruned_by_bounds": self.bounded, "traces_reused": self.reused,
@@ -707,8 +711,14 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     known = dimensions()
     searched = tuple(n for n in APPLICATION_ORDER if n in known and known[n].planned and (n != "cp" or searches_cp)
                      and (n != "ep" or searches_ep))
+    not_searched = tuple(n for n in APPLICATION_ORDER if n not in searched)
+    why_not = {"cp": "--no-cp" if context_parallel is False else
+               f"the sequence, {search.sequence:,} tokens, is under {LONG_CONTEXT:,}: --cp searches it",
+               "ep": "--no-ep" if facts.experts is not None else "the model has no experts"}
     return PlanResult(best=tuple(best[:top]), gpus=gpus, global_batch=global_batch, network=network,
-                      searched=searched, not_searched=tuple(n for n in APPLICATION_ORDER if n not in searched),
+                      searched=searched, not_searched=not_searched,
+                      not_searched_why=tuple(why_not.get(n, "not modelled, or not yet in plan's cost model")
+                                             for n in not_searched),
                       meshes=tuple(meshes), configurations=len(configs) + search.over, estimates=search.estimates,
                       pruned=tuple(search.pruned),
                       assumptions=(*_ASSUMPTIONS, _EP_ASSUMPTION) if searches_ep else _ASSUMPTIONS,
