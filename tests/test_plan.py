@@ -123,8 +123,8 @@ def test_plan_lists_only_what_fits_fastest_first(tight_plan):
 def test_plan_json_shape(tight_plan):
     data = json.loads(json.dumps(tight_plan.to_dict()))
     assert set(data) == {"gpus", "global_batch", "network", "dimensions_searched", "dimensions_not_searched",
-                         "why_not_searched", "meshes", "unsupported_meshes", "configurations", "estimates", "pruned_by_bounds",
-                         "traces_reused", "pruned", "assumptions", "best"}
+                         "why_not_searched", "meshes", "unsupported_meshes", "configurations", "estimates",
+                         "pruned_by_bounds", "traces_reused", "pruned", "assumptions", "best"}
     assert data["network"] == {"gpus_per_node": 8, "intra_node_gbps": 450.0, "inter_node_gbps": 50.0}
     row = data["best"][0]
     assert set(row) == {"mesh", "micro_batch", "accum_steps", "pp_schedule", "checkpoint", "peak_allocated",
