@@ -62,7 +62,7 @@ def test_what_pp_x_tp_does_not_model_is_refused_by_name():
     with pytest.raises(InapplicableOptionError, match="loss_parallel with pp=2 is not modelled yet"):
         memcalc.estimate(small_llama, distributed=memcalc.Distributed(pp=2, tp=2, loss_parallel=True), **_OPTIONS)
     # 344 (SwiGLU) over 8 ranks: 43 each, but 1000 (the vocabulary) over 8 is 125: even; the KV 64 over 3 is not
-    with pytest.raises(InapplicableOptionError, match="splits .* unevenly"):
+    with pytest.raises(InapplicableOptionError, match=r"splits .* unevenly"):
         memcalc.estimate(small_llama, distributed=memcalc.Distributed(pp=2, tp=3, microbatches=4), **_OPTIONS)
 
 
@@ -86,3 +86,7 @@ def test_pp_x_cp_x_tp_shards_each_stages_tp_shards_over_cp_by_hand():
     assert report.world_size == 8 and report.global_batch_size == 2
     assert f"context parallelism over 2 ranks: {LLAMA_SEQ // 2} of {LLAMA_SEQ} tokens" in " ".join(report.notes)
 
+    # with dp_shard of one FSDP2's note names the cp ranks alone, as cp without a pipeline does (it once read
+    # "dp_shard x cp = 1 x 2")
+    assert not any("dp_shard x cp" in note for note in report.notes)
+    assert any(note.startswith("FSDP2 of each pipeline stage over 2 ranks") for note in report.notes)

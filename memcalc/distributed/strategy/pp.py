@@ -184,7 +184,8 @@ class PipelineParallel(RankStrategy):
             assert program is not None
             program, stage_step = _ringed(ring, program, step), replace(stage_step, seq_len=ring.local_seq_len(step))
             shard = (*shard[:1], Shard(MODEL_STATES, "cp", cp), Shard(("sequence",), "cp", cp), *shard[1:])
-            fsdp_notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
+            if dp_shard > 1:  # as the cp file says it: with dp_shard of one, FSDP2's note names the cp ranks
+                fsdp_notes[0] += f" (dp_shard x cp = {dp_shard} x {cp}: torchtitan's dp_shard_cp mesh)"
             fsdp_notes.append(ring.note(stage_step.seq_len or 0, _balanced(step, cp), step))
         estimate = estimate_pipeline(stage_step, pipeline, costs=costs,
                                      stage_program=program, trace_precision=precision, inner=inner)
