@@ -1,10 +1,11 @@
-"""Depth extrapolation (:mod:`memcalc.distributed.depth_step`): a deep model's step under FSDP2 and
-tensor parallelism composed from the same step traced at 2, 3 and 4 blocks gives the report of
-the step traced whole, byte for byte: the JSON, the module rows, the timeline (every event, its
-storage's module, op, phase and category, the allocator's curve). Where the composition declines
-(``every:2`` checkpointing, tensor parallelism alone) the estimate traces the whole model and is
-checked the same way. Under ``time`` the kernels' cost records are composed too, and must equal the
-whole trace's, record by record (each op's phase, module, FLOPs, bytes and event)."""
+"""Depth extrapolation (:mod:`memcalc.distributed.depth_step`): a deep model's step under FSDP2, tensor
+parallelism and context parallelism's ring composed from the same step traced at 2, 3 and 4 blocks
+gives the report of the step traced whole, byte for byte: the JSON, the module rows, the timeline
+(every event, its storage's module, op, phase and category, the allocator's curve). Where the
+composition declines (``every:2`` checkpointing, tensor parallelism alone) the estimate traces the
+whole model and is checked the same way. Under ``time`` the kernels' cost records are composed too,
+and must equal the whole trace's, record by record (each op's phase, module, FLOPs, bytes and
+event)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,15 @@ CASES = {
     "fsdp-tp-hf-llama-selective-time": ("llama-tiny", {"dp_shard": 2, "tp": 2},
                                         {"time": True, "gpu": "h100-80gb", "precision": "amp-bf16",
                                          "checkpoint": "selective-op"}),
+    # context parallelism: FSDP2 over dp_shard x cp (or the cp ranks alone), the ring around each
+    # block's attention (2026-12-07: a 70B cp plan traced 80 layers per candidate)
+    "cp-llama": ("torch:llama-tiny", {"cp": 2}, {}),
+    "fsdp-cp-llama-checkpoint": ("torch:llama-tiny", {"dp_shard": 2, "cp": 2}, {"checkpoint": True}),
+    "cp-tp-hf-llama-time": ("llama-tiny", {"cp": 2, "tp": 2},
+                            {"time": True, "gpu": "h100-80gb", "precision": "amp-bf16", "checkpoint": True}),
+    "fsdp-cp-tp-hf-llama-selective-time": ("llama-tiny", {"dp_shard": 2, "cp": 2, "tp": 2},
+                                           {"time": True, "gpu": "h100-80gb", "precision": "amp-bf16",
+                                            "checkpoint": "selective-op"}),
 }
 DECLINED = {
     # tensor parallelism alone: the optimizer all-reduces the replicated (norm) parameters' Partial
@@ -79,9 +89,10 @@ DECLINED = {
 
 @pytest.mark.parametrize("case", [*CASES, *DECLINED])
 # issue 36 item 7: the quick suite keeps one composed case, the one that composes the most (FSDP2 x
-# tp, a Hugging Face model, amp, checkpointing, the cost records under --time: 1.7 CPU-s), and one
-# declined; the other ten (13 CPU-s under load, 2026-12-07) run in the full suite
-@pytest.mark.quick_cases("fsdp-tp-hf-llama-time", "fsdp-llama-every-2")
+# tp, a Hugging Face model, amp, checkpointing, the cost records under --time: 1.7 CPU-s), the cheapest
+# ring (FSDP2 over dp_shard x cp, checkpointing: 1.6 s at load 11), and one declined; the others run in
+# the full suite
+@pytest.mark.quick_cases("fsdp-tp-hf-llama-time", "fsdp-cp-llama-checkpoint", "fsdp-llama-every-2")
 def test_a_composed_step_reports_what_the_whole_trace_reports(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     model, mesh, options = {**CASES, **DECLINED}[case]
     options = {"batch_size": 2, "seq_len": 64, **options}

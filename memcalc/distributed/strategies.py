@@ -192,11 +192,15 @@ def refuse_unused_reentrant(resolved: ResolvedModel, step: Step, distributed: Di
 
 #: Meshes whose rank programs a deep model's step is composed under from shallow ones
 #: (:mod:`memcalc.distributed.depth_step`): FSDP2 or HSDP (FSDP2 replicated over ``dp_replicate``),
-#: alone or over tensor parallelism. Tensor parallelism alone is left out: its optimizer
-#: all-reduces the replicated parameters' Partial gradients in nested groups the composition does
-#: not place, and its check would decline after three shallow traces.
-_BY_DEPTH = tuple(frozenset(dims) | replicate for dims in ({"dp_shard"}, {"dp_shard", "tp"})
-                  for replicate in (frozenset(), frozenset({"dp_replicate"})))
+#: alone or over tensor parallelism, and context parallelism's ring around FSDP2 over ``dp_shard ×
+#: cp`` (or the cp ranks alone), with tensor parallelism or without (dp_replicate with cp is not
+#: modelled). Tensor parallelism alone is left out: its optimizer all-reduces the replicated
+#: parameters' Partial gradients in nested groups the composition does not place, and its check
+#: would decline after three shallow traces. Each composition is still checked against a traced
+#: 4-block step before it is used (tests/test_depth_step.py: cp cases byte for byte).
+_BY_DEPTH = (*(frozenset(dims) | replicate for dims in ({"dp_shard"}, {"dp_shard", "tp"})
+               for replicate in (frozenset(), frozenset({"dp_replicate"}))),
+             *(frozenset(dims) for dims in ({"cp"}, {"cp", "tp"}, {"dp_shard", "cp"}, {"dp_shard", "cp", "tp"})))
 
 
 def _by_depth(distributed: Distributed) -> bool:
