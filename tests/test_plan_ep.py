@@ -25,7 +25,7 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.strategy.ep import ExpertParallelDimension
 from memcalc.fields import build_step
 from memcalc.search.plan import collectives_of, model_facts
-from memcalc.search.plan_bounds import compute_floor, states_floor
+from memcalc.search.plan_bounds import activations_floor, compute_floor, states_floor
 from memcalc.targets.backend import trace_step
 
 pytest.importorskip("transformers")
@@ -129,6 +129,56 @@ def test_bounds_count_a_tokens_experts_and_ep_s_split_by_hand() -> None:
     assert compute_floor(facts, Mesh(), 10, OFF, 1.0) == 10 * 6 * 140_096
     step = build_step("llama-tiny", batch_size=1, seq_len=16, precision="fp32", optimizer="adam")
     assert states_floor(step, facts, Mesh(dp_shard=2, ep=2)) == 16 * PARAMETERS / 4
+
+
+#: A tiny Qwen3-MoE whose config keeps a dense ``intermediate_size`` (8,192) that no layer uses: every
+#: layer is sparse (``decoder_sparse_step`` 1), 4 experts of SwiGLU 32, top-2.
+WIDE_DENSE_QWEN: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 8192,
+    "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256,
+    "max_position_embeddings": 4096, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def test_the_activation_floor_counts_the_experts_width_not_an_unused_dense_one(tmp_path: Path) -> None:
+    """A token passes top-2 experts of 32 (64 wide in all), never the config's dense 8,192: plan's floor
+    counts a block at 4 · 64 + 2 · 64 elements a token, not 4 · 64 + 2 · 8,192. The experts' parameters say
+    the same: 2 layers · 4 experts · 3 · 64 · 32. Mixtral's ``intermediate_size`` is an expert's: unchanged."""
+    qwen = model_facts(build_step(hf_config_source(tmp_path, WIDE_DENSE_QWEN), batch_size=1, seq_len=16))
+    assert (qwen.experts, qwen.top_k, qwen.expert_parameters) == (4, 2, 2 * 4 * 3 * 64 * 32)
+    assert qwen.intermediate == 2 * 32
+    (tmp_path / "mixtral").mkdir()
+    mixtral = model_facts(build_step(hf_config_source(tmp_path / "mixtral", TINY_MIXTRAL), batch_size=1, seq_len=16))
+    assert mixtral.intermediate == 128  # top-2 of 128 is wider than one expert: the config's 128 is the floor
+    tokens = 4096
+    floor = activations_floor(qwen, Mesh(), tokens, OFF, 1.0)  # no logits given: one tensor of the compute dtype
+    assert floor == (2 * (4 * 64 + 2 * 64) + 256) * tokens * 4  # fp32: two blocks, then the vocabulary
+
+
+@pytest.mark.slow  # two traces of 4,096 tokens
+@pytest.mark.parametrize("checkpoint", ["off", "full"])
+def test_the_moe_memory_floor_never_exceeds_the_traced_peak(tmp_path: Path, checkpoint: str) -> None:
+    """plan prunes on model states + kept activations: sound only if that is never above the trace's
+    peak. With the dense width counted, this model's floor was 560 MB (off) and 276 MB (full) against
+    traced peaks of 182 MB and 128 MB (amp-bf16, 2 × 4,096 tokens, on the H100 target)."""
+    from memcalc.core.checkpointing import parse_checkpointing
+    from memcalc.distributed.collectives import DEFAULT_NETWORK
+    from memcalc.search import plan as planning
+    from memcalc.search.plan_bounds import in_flight, logits_bytes, off_saved, selective_saved
+
+    step = build_step(hf_config_source(tmp_path, WIDE_DENSE_QWEN), batch_size=1, seq_len=4096,
+                      precision="amp-bf16", gpu="h100-80gb")
+    facts = model_facts(step)
+    module = step.resolved(1).module
+    selective, off = selective_saved(module), off_saved(module)
+    checkpoints = (parse_checkpointing(checkpoint),)
+    search = planning._Search(step, facts, DEFAULT_NETWORK, checkpoints, None, sequence=4096, selective=selective,
+                              off=off)
+    bound = states_floor(step, facts, Mesh()) + activations_floor(
+        facts, Mesh(), 2 * 4096, checkpoints[0], in_flight(None, 1, facts.layers, 1), selective, off,
+        logits_bytes(step.precision))
+    peak = search.report(planning._Config(Mesh(), 0, 2, 1, None)).bytes.peak_allocated
+    assert 0 < bound <= peak, (bound, peak)
 
 
 @pytest.fixture(scope="module")

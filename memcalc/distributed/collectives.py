@@ -90,7 +90,10 @@ class ModelFacts:
         layers, heads, kv_heads: the transformer's block count and attention heads; None when
             the model is not one (a dimension that needs them then offers degree 1 only).
         hidden, vocab, intermediate: the hidden size, the vocabulary and the MLP's width (None:
-            not a transformer, or not said), whose activations tensor and pipeline parallelism move.
+            not a transformer, or not said), whose activations tensor and pipeline parallelism move;
+            for a mixture of experts the narrowest width a token passes through (``top_k`` times an
+            expert's, where that is below the dense ``intermediate_size``): plan's activation floor
+            must not exceed any block's.
         activation_bytes: bytes per activation element as computed (2 under amp-bf16).
         tokens, stages_per_rank, recompute: the candidate's, set by ``memcalc plan`` per
             configuration: tokens of one micro-batch on one rank (micro-batch × sequence; 0:

@@ -190,15 +190,39 @@ def model_facts(step: Step) -> ModelFacts:
                 return value
         return None
 
-    experts = _experts_of(module, resolved.name, attribute("num_experts_per_tok", "experts_per_token"))
+    top_k = attribute("num_experts_per_tok", "experts_per_token")
+    experts = _experts_of(module, resolved.name, top_k)
+    hidden = attribute("hidden_size", "n_embd", "d_model")
     return ModelFacts(parameters=parameters, trainable=trainable, gather_bytes=gather,
                       reduce_bytes=4 if precision.is_amp else stored_bytes,
                       layers=attribute("num_hidden_layers", "n_layer", "num_layers"),
                       heads=attribute("num_attention_heads", "n_head"),
                       kv_heads=attribute("num_key_value_heads", "num_attention_heads", "n_head"),
-                      hidden=attribute("hidden_size", "n_embd", "d_model"), vocab=attribute("vocab_size"),
-                      intermediate=attribute("intermediate_size", "n_inner", "ffn_dim"),
+                      hidden=hidden, vocab=attribute("vocab_size"),
+                      intermediate=_narrowest_mlp(attribute("intermediate_size", "n_inner", "ffn_dim"),
+                                                  attribute("moe_intermediate_size"), top_k, hidden, experts),
                       activation_bytes=precision.compute_dtype.itemsize, **experts)
+
+
+def _narrowest_mlp(dense: int | None, expert_width: int | None, top_k: int | None, hidden: int | None,
+                   experts: dict[str, Any]) -> int | None:
+    """The MLP width plan's activation floor counts a block with (:class:`ModelFacts`'
+    ``intermediate``): the config's dense width, or, for a mixture of experts, ``top_k`` times an
+    expert's width where that is narrower. Qwen-MoE and DeepSeek configs keep a dense
+    ``intermediate_size`` beside ``moe_intermediate_size``, which every sparse layer ignores: counted
+    as the dense width, a tiny Qwen3-MoE (``intermediate_size`` 8,192, experts of 32, top-2) had a
+    floor of 560 MB against a traced peak of 182 MB, pruning what fits. An expert's width is the
+    config's, else its parameters' (``3 · hidden · width`` an expert, a SwiGLU's gate, up and down;
+    a two-matrix expert reads narrower, which keeps the floor a floor). Shared experts are left out
+    (a floor too)."""
+    widths = [w for w in (dense,) if w]
+    if top_k and expert_width:
+        widths.append(top_k * expert_width)
+    if top_k and hidden and experts.get("expert_parameters") and experts.get("moe_layers"):
+        per_expert = experts["expert_parameters"] // (experts["moe_layers"] * experts["experts"] * 3 * hidden)
+        if per_expert:
+            widths.append(top_k * per_expert)
+    return min(widths) if widths else None
 
 
 def _experts_of(module: torch.nn.Module, name: str, top_k: int | None) -> dict[str, Any]:
