@@ -20,7 +20,7 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 from click.testing import CliRunner
-from support import bf16_on_avx512, hf_config_source
+from support import hf_config_source
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -299,12 +299,13 @@ def test_autocast_mlp_matches_the_real_compiled_step() -> None:
 
 
 @pytest.mark.slow  # bf16 convolutions on this CPU are slow: about 2 minutes
-@bf16_on_avx512
 def test_autocast_cnn_matches_the_real_compiled_step() -> None:
     report, real = _compare(SmallCNN, precision="amp-bf16", batch_size=8, input_shape=(3, 32, 32),
                             optimizer="sgd")
     compiled = report.peak_requested
-    # measured: compiled and real 4,825,880 B (eager estimate 4,940,696 B)
+    # measured on AVX512-BF16 (oneDNN's convolutions): compiled and real 4,825,880 B (eager estimate 4,940,696 B);
+    # on AVX2 (2026-12-07, ATen's Slow2d: memcalc/targets/cpu/convolution.py): compiled, eager and real 7,494,552 B,
+    # the peak the second convolution's backward columns (4,718,592 B; without them 4,825,880 B was estimated)
     assert _within(compiled, real), f"compiled estimate {compiled:,} B vs real compiled {real:,} B"
 
 

@@ -21,11 +21,13 @@ gradients and outputs at that step's shapes.
 Per target (:class:`RingTarget`): on the CPU each call has the CPU flash kernels' own temporaries
 (the partial step copies the second half of the output gradient into (B, L, H, E), its blocks
 are smaller), gloo stages the all-gather, ``log_sigmoid_forward`` takes a buffer, logsumexp is
-(B, L, H); on CUDA each call is taken to need the traced call's workspace (memcalc's CUDA rule
-for that kernel), NCCL stages nothing, the buffer is empty, logsumexp (B, H, L).
-tests/test_context_parallel.py runs the real ring and its backward on the CPU (fake process group,
-every rank of cp = 2 and 4, three layouts, balanced or not): both agree to the byte. A collective
-completes when called; NCCL's keeps its input (the K/V cat, 2·Nkv·s) to its wait: not modelled.
+(B, L, H), ``accumulator += gradient`` copies a bf16 gradient to float32 first (any ISA); on CUDA
+each call is taken to need the traced call's workspace (memcalc's CUDA rule for that kernel), NCCL
+stages nothing, the buffer is empty, logsumexp (B, H, L). tests/test_context_parallel.py runs the
+real ring and its backward on the CPU (fake process group, every rank of cp = 2 and 4, three
+layouts, balanced or not): both agree to the byte (bf16: without oneDNN's bf16; with it within 2%,
+its GEMM scratch in the flash kernels: docs/notes/cpu-kernels.md). A collective completes when
+called; NCCL's keeps its input (the K/V cat, 2·Nkv·s) to its wait: not modelled.
 """
 
 from __future__ import annotations
@@ -170,13 +172,18 @@ ForwardTemporaries = Callable[[Layout, Layout], int]
 class RingTarget:
     """What the ring's step models take from the target: each local call's temporaries (None:
     none, every call taken to need the traced call's, memcalc's rule for it adds that), gloo's
-    staging of the all-gather, log_sigmoid's input-sized buffer, the logsumexp's memory order."""
+    staging of the all-gather, log_sigmoid's input-sized buffer, the logsumexp's memory order, and
+    whether an in-place add copies a lower-precision operand to the accumulator's float32 first."""
 
     forward: ForwardTemporaries | None = None
     backward: CallTemporaries | None = None
     gloo: bool = False
     log_sigmoid_buffer: bool = False
     lse_order: tuple[int, ...] = (0, 1, 2)
+    # TensorIterator's compute_types (ATen/TensorIterator.cpp), ``common_device == kCPU`` only: "Promotes
+    # inputs by creating temporaries of the correct dtype" (``op.tensor().to(common_dtype_)``), freed
+    # when the op returns; CUDA's kernels cast as they load. Any CPU, whatever its ISA.
+    promotes_inputs: bool = False
 
 
 #: CUDA: torch's Python code only (NCCL collectives in the caller's buffers, log_sigmoid_forward's
@@ -186,14 +193,15 @@ CUDA_RING = RingTarget()
 
 def cpu_ring(threads: int) -> RingTarget:
     """The CPU target's (:mod:`memcalc.targets.cpu`): the CPU flash kernels' temporaries per
-    call, gloo's staging, the CPU ``log_sigmoid_forward``'s buffer, logsumexp laid out (B, L, H)."""
+    call, gloo's staging, the CPU ``log_sigmoid_forward``'s buffer, logsumexp laid out (B, L, H),
+    and the float32 copy of a bf16/fp16 gradient that ``accumulator += gradient`` makes first."""
     from memcalc.targets.cpu.kernels import flash_forward_workspace
 
     def forward(q: Layout, k: Layout) -> int:
         return flash_forward_workspace(q.shape, k.shape[2], _DTYPES[q.itemsize], threads)
 
     return RingTarget(forward, cpu_call_temporaries(threads), gloo=True, log_sigmoid_buffer=True,
-                      lse_order=(0, 2, 1))
+                      lse_order=(0, 2, 1), promotes_inputs=True)
 
 
 def cpu_call_temporaries(threads: int) -> CallTemporaries:
@@ -234,19 +242,30 @@ def ring_backward_bytes(grad_out: Layout, query: Layout, key: Layout, value: Lay
     temporaries = target.backward or _no_temporaries
     local = query.nbytes + key.nbytes + value.nbytes + temporaries(grad_out, query, key)
     return ring_backward_peak(grad_out, query, key, value, cp, rank=rank, load_balanced=load_balanced,
-                              temporaries=temporaries, gloo=target.gloo, lse_order=target.lse_order) - local
+                              temporaries=temporaries, gloo=target.gloo, lse_order=target.lse_order,
+                              promotes_inputs=target.promotes_inputs) - local
 
 
 def ring_backward_peak(grad_out: Layout, query: Layout, key: Layout, value: Layout, cp: int, *, rank: int,
                        load_balanced: bool, temporaries: CallTemporaries, gloo: bool,
-                       lse_order: tuple[int, ...]) -> int:
+                       lse_order: tuple[int, ...], promotes_inputs: bool = False) -> int:
     """The peak of ``_templated_ring_attention_backward`` (torch 2.13) on ``rank`` beyond what its
     caller holds, step by step as torch runs it with its defaults (K/V all-gathered once, the K/V
     gradients rotated by all-to-all, float32 accumulators), each line of its code in order; a
     collective completes when it is called (a fake group; gloo's too, on the CPU, for what is
-    alive)."""
+    alive). ``promotes_inputs``: each ``accumulator += gradient`` of a local call's bf16/fp16
+    gradient first copies it to float32 (the CPU's TensorIterator; :class:`RingTarget`)."""
     acc = _ACCUMULATOR_ITEMSIZE
     h = _Held()
+    promoted = promotes_inputs and query.itemsize != acc
+
+    def add_into_accumulator(gradients: tuple[int, int, int] | None, index: int) -> None:
+        """``accumulator += gradient``, ``gradients[index]`` the numel of the local call's gradient
+        (None: a SKIP step's float32 zeros): the float32 copy of a lower-precision gradient, freed
+        when the add returns."""
+        if promoted and gradients is not None:
+            h.transient(gradients[index] * acc)
+
     nq, nkv = query.numel, key.numel + value.numel
     # grad_query/key/value = torch.zeros_like(x, dtype=accum_dtype): x's layout, float32
     h.bind("grad_query", h.alloc(query.numel * acc))
@@ -275,6 +294,7 @@ def ring_backward_peak(grad_out: Layout, query: Layout, key: Layout, value: Layo
                     h.transient(cp * kv_bytes)
         behaviour = _causal_behaviour(rank, cp, i, load_balanced)
         partial = False
+        gradients: tuple[int, int, int] | None = None  # the local call's gradients (numels); None: SKIP
         if behaviour is not None:  # not SKIP: the local backward
             q, k, dout = query, key, grad_out
             if i > 0 and load_balanced and i <= rank:
@@ -289,6 +309,7 @@ def ring_backward_peak(grad_out: Layout, query: Layout, key: Layout, value: Layo
             h.bind("lse", lse_copy)
             v_bytes = value.nbytes // 2 if k is not key else value.nbytes
             outputs = [h.alloc(q.nbytes), h.alloc(k.nbytes), h.alloc(v_bytes)]
+            gradients = (q.numel, k.numel, v_bytes // value.itemsize)
             h.transient(temporaries(dout, q, k))
             for name, storage in zip(("grad_query_", "grad_key_", "grad_value_"), outputs, strict=True):
                 h.bind(name, storage)
@@ -300,9 +321,14 @@ def ring_backward_peak(grad_out: Layout, query: Layout, key: Layout, value: Layo
             for name in ("next_grad_kv", "grad_key", "grad_value"):
                 h.bind(name, received)
             grad_key_flat = grad_value_flat = True
-            if i <= rank and load_balanced:  # _partial_update: chunks[0] += new, then torch.cat
-                h.bind("grad_key", h.alloc(key.numel * acc))
-                h.bind("grad_value", h.alloc(value.numel * acc))
+        if i > 0 and i <= rank and load_balanced:  # _partial_update: chunks[0] += new, then torch.cat
+            add_into_accumulator(gradients, 1)
+            h.bind("grad_key", h.alloc(key.numel * acc))
+            add_into_accumulator(gradients, 2)
+            h.bind("grad_value", h.alloc(value.numel * acc))
+        else:  # grad_key += grad_key_; grad_value += grad_value_
+            add_into_accumulator(gradients, 1)
+            add_into_accumulator(gradients, 2)
         # next_grad_kv = torch.cat([grad_key.flatten(), grad_value.flatten()]): flatten copies what is
         # not contiguous, freed after the cat
         copies = [h.alloc(n * acc) for n, flat in ((key.numel, grad_key_flat), (value.numel, grad_value_flat))
@@ -314,7 +340,9 @@ def ring_backward_peak(grad_out: Layout, query: Layout, key: Layout, value: Layo
             h.bind(f"flatten{j}", None)
         h.bind("next_grad_kv", cat)
         h.bind("dkv_rotater", h.alloc(nkv * acc))  # permute_tensor's output replaces the buffer it held
-        if load_balanced and i > rank:  # grad_query = _partial_update(...): torch.cat
+        # grad_query += grad_query_, or _partial_update's chunks[1] += grad_query_ and its torch.cat
+        add_into_accumulator(gradients, 0)
+        if load_balanced and i > rank:
             h.bind("grad_query", h.alloc(nq * acc))
     if query.itemsize != acc:  # grad_query.to(query.dtype)
         h.bind("grad_query", h.alloc(query.nbytes))

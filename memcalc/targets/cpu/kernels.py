@@ -15,6 +15,8 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
 - mixed precision by CPU autocast's own op lists (:func:`autocast_arguments`);
 - ``at::linear``'s bias added in place (:func:`aten_linear`);
 - bfloat16 GEMMs' oneDNN scratchpad (:mod:`memcalc.targets.cpu.onednn`);
+- bfloat16/float16 convolutions on a CPU without oneDNN's support for them: ATen's ``Slow2d``
+  columns (:mod:`memcalc.targets.cpu.convolution`);
 - gloo's staging in the functional all-gather and reduce-scatter (:mod:`memcalc.targets.cpu.gloo`);
 - Python numbers in arithmetic, wrapped as CPU tensors (:mod:`memcalc.targets.cpu.scalars`);
 - normalisation statistics in the CPU's dtypes (:func:`follow_statistics`).
@@ -48,7 +50,7 @@ from memcalc.core.precision import Precision
 from memcalc.engine.rules import RuleRegistry, op_name
 from memcalc.engine.trace import StorageTracer
 from memcalc.targets.autocast import AutocastPolicy, cpu_autocast_policy
-from memcalc.targets.cpu import gloo, onednn, scalars
+from memcalc.targets.cpu import convolution, gloo, onednn, scalars
 from memcalc.targets.cpu.onednn import (
     ONEDNN_BF16_MATMUL_ISA,
     onednn_bf16_matmul_isa,
@@ -552,6 +554,8 @@ def bf16_matmul(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwar
 CPU_KERNEL_RULES.register(gloo.ALL_GATHER)(gloo.all_gather_staging)
 CPU_KERNEL_RULES.register(gloo.REDUCE_SCATTER)(gloo.reduce_scatter_staging)
 CPU_KERNEL_RULES.register(*scalars.WRAPPING_OPS)(scalars.wrapped_number)
+# ---- bf16/fp16 convolutions without oneDNN's: ATen's Slow2d (memcalc.targets.cpu.convolution) ----------
+CPU_KERNEL_RULES.register(*convolution.CONVOLUTION_OPS)(convolution.slow2d_columns)
 
 
 # ---- LSTM: oneDNN ------------------------------------------------------------------------------
