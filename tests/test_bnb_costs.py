@@ -196,7 +196,7 @@ def test_recomputation_inside_quantized_layers_is_booked_as_recompute() -> None:
     # MatMul4Bit.forward (an autograd Function) runs with grad mode off: its F.linear on the
     # dequantized weight must still count as recomputation, not backward. The base's FLOPs are the
     # same quantized or not, so every phase's FLOPs must be too. Both reentrant: the kind QLoRA's own
-    # loop takes from prepare_model_for_kbit_training (tests/test_kbit_reentrant.py), which recomputes
+    # loop takes from prepare_model_for_kbit_training with peft 0.21 (tests/test_kbit_reentrant.py), which recomputes
     # the whole block where the non-reentrant checkpoint stops early.
     reentrant = Checkpointing(CheckpointKind.FULL, reentrant=True)
 

@@ -1,11 +1,13 @@
 """The checkpoint kind of a QLoRA model prepared by ``peft.prepare_model_for_kbit_training``.
 
-PEFT enables transformers' checkpointing with empty ``gradient_checkpointing_kwargs``, so torch's
-checkpoint gets no ``use_reentrant`` and torch 2.13 runs it reentrant. A user's own loop keeps that;
-the Trainer re-enables checkpointing with its own kwargs. Checked against a real CPU step under the
-profiler: a 3-layer Llama loaded in 4 bits by bitsandbytes, prepared by PEFT, LoRA r 8, trained by
-the user's loop (bf16 autocast, SGD, two steps), whose reentrant checkpoint keeps one layer's output
-more than the non-reentrant one (+1 MiB): memcalc's default loop must pick the reentrant kind.
+peft 0.21 enables transformers' checkpointing with empty ``gradient_checkpointing_kwargs``, so
+torch's checkpoint gets no ``use_reentrant`` and torch 2.13 runs it reentrant; peft 0.22 passes None,
+for which transformers binds ``use_reentrant=False``. A user's own loop keeps PEFT's kind (read off
+a real forward: hf_harness.peft_default_reentrant); the Trainer re-enables checkpointing with its
+own kwargs. Checked against a real CPU step under the profiler: a 3-layer Llama loaded in 4 bits by
+bitsandbytes, prepared by PEFT, LoRA r 8, trained by the user's loop (bf16 autocast, SGD, two
+steps), whose reentrant checkpoint keeps one layer's output more than the non-reentrant one
+(+1 MiB): memcalc's default loop must pick PEFT's kind.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from hf_harness import (
     Recipe,
     llama_config,
     model_bytes,
+    peft_default_reentrant,
     profiled_peak,
     real_model,
     training_args,
@@ -48,10 +51,12 @@ def _notes(loop: str | None = None, **more: object) -> list[str]:
     return [note for note in report.notes if "reentrant" in note]
 
 
-def test_the_own_loop_keeps_the_reentrant_checkpoint_peft_set_up() -> None:
+def test_the_own_loop_keeps_the_kind_peft_set_up() -> None:
+    """Reentrant with peft 0.21 on torch 2.13 (a note says so), non-reentrant with peft 0.22 (no note)."""
     notes = _notes(checkpoint=True)
-    assert any("prepare_model_for_kbit_training set up is reentrant" in note for note in notes), notes
-    assert any("(reentrant: torch's CheckpointFunction" in note for note in notes), notes
+    reentrant = peft_default_reentrant()
+    assert any("prepare_model_for_kbit_training set up is reentrant" in note for note in notes) is reentrant, notes
+    assert any("(reentrant: torch's CheckpointFunction" in note for note in notes) is reentrant, notes
 
 
 def test_the_trainer_reenables_checkpointing_with_its_own_kind() -> None:
@@ -97,11 +102,13 @@ def _real_own_loop(reenable: dict[str, bool] | None) -> tuple[int, bool]:
 def test_the_real_own_loop_keeps_the_kind_peft_set_up(tmp_path: Path) -> None:
     """The real loop with PEFT's checkpointing, and again with the other kind forced, against
     memcalc's default loop: the estimate within the CPU bar of the first and outside it of the
-    second, so the test fails if memcalc picks the other kind. With torch 2.13 PEFT's kind is
-    reentrant: real 38,290,840 B (the non-reentrant 37,242,296 B, -1 MiB: one layer's fp32 output),
-    memcalc 38,283,848 B (-0.02%; it was 37,235,272 B, -2.76%, with the non-reentrant kind)."""
+    second, so the test fails if memcalc picks the other kind. With torch 2.13 and peft 0.21.2
+    PEFT's kind is reentrant: real 38,290,840 B (the non-reentrant 37,242,296 B, -1 MiB: one layer's
+    fp32 output), memcalc 38,283,848 B (-0.02%; it was 37,235,272 B, -2.76%, with the non-reentrant
+    kind). With peft 0.22.0 it is non-reentrant: real 37,242,296 B, memcalc 37,250,440 B (+0.02%)."""
     pytest.importorskip("bitsandbytes")
     real, reentrant = _real_own_loop(None)
+    assert reentrant is peft_default_reentrant()
     other, other_reentrant = _real_own_loop({"use_reentrant": not reentrant})
     assert other_reentrant is not reentrant
     estimate = memcalc.estimate(write_config(tmp_path, CONFIG), batch_size=BATCH, seq_len=SEQ, gpu="cpu",
@@ -117,16 +124,18 @@ def test_the_real_own_loop_keeps_the_kind_peft_set_up(tmp_path: Path) -> None:
 @pytest.mark.slow  # one real Trainer step on the 4-bit model: ~15 s on two CPU cores
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_the_real_trainer_replaces_pefts_kind(tmp_path: Path) -> None:
-    """Which kind wins in the Trainer, read off the real objects: PEFT leaves the reentrant
-    function (torch 2.13), and ``Trainer.train()`` with ``activation_checkpointing`` and no kwargs
-    replaces it by transformers' non-reentrant one, the kind memcalc's Trainer loop runs."""
+    """Which kind wins in the Trainer, read off the real objects: PEFT leaves its function (reentrant
+    with peft 0.21 on torch 2.13, non-reentrant with peft 0.22), and ``Trainer.train()`` with
+    ``activation_checkpointing`` and no kwargs leaves transformers' non-reentrant one, the kind
+    memcalc's Trainer loop runs."""
     pytest.importorskip("bitsandbytes")
     import transformers
 
     recipe = Recipe(CONFIG, batch=1, seq_len=32, bf16=True, weights=torch.bfloat16, qlora=True, lora=RANK,
                     checkpointing=True)
     model = real_model(recipe)
-    peft_kind = set_up_reentrant(model)  # torch's default: reentrant under 2.13 (the own-loop test's subject)
+    peft_kind = set_up_reentrant(model)  # the own-loop test's subject
+    assert peft_kind is peft_default_reentrant()
     ids = torch.randint(0, int(CONFIG["vocab_size"]), (recipe.seq_len,))  # type: ignore[call-overload]
     trainer = transformers.Trainer(model=model, args=training_args(recipe, tmp_path),
                                    train_dataset=[{"input_ids": ids, "labels": ids}] * 2)

@@ -8,7 +8,9 @@ False, True with no kwargs, or True with ``use_reentrant`` True or False: memcal
 ``FineTune(kbit_checkpointing=...)``). transformers 5.25's ``Trainer.train()`` calls
 ``activation_checkpointing_enable`` only when ``gradient_checkpointing`` is on (its kwargs, or
 ``use_reentrant=False`` when none), and never disables it: with it off, the model keeps what PEFT
-set up (torch's default kind when PEFT passes no ``use_reentrant``: reentrant on torch 2.13).
+set up (with no kwargs given to PEFT: reentrant with peft 0.21 on torch 2.13, which hands transformers
+``{}`` and so torch's default; non-reentrant with peft 0.22, which hands None and so transformers'
+``use_reentrant=False``; read off a real forward by hf_harness.peft_default_reentrant).
 
 The reference is read off the real objects after a real ``Trainer.train()`` step on a model that
 bitsandbytes loaded in 4 bits: whether any layer checkpoints (``is_activation_checkpointing``) and
@@ -21,6 +23,7 @@ keeps one layer's output more than the non-reentrant kind: the estimate must pic
 from __future__ import annotations
 
 import gc
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ import memcalc
 from memcalc.core.finetune import KbitCheckpointing
 
 sys.path.insert(0, str(Path(__file__).parent / "hf_reference"))
-from hf_harness import TOLERANCE, llama_config, model_bytes, profiled_peak, write_config
+from hf_harness import TOLERANCE, llama_config, model_bytes, peft_default_reentrant, profiled_peak, write_config
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -73,8 +76,11 @@ def _qlora(folder: Path, kbit: KbitCheckpointing, weights: torch.dtype = torch.f
                                                           device_map="cpu")
     if not any(type(m).__name__ == "Linear4bit" and m.weight.dtype == torch.uint8 for m in model.modules()):
         pytest.skip("bitsandbytes did not quantize the Linear layers to 4 bits on this CPU")
+    # peft 0.22 renamed the kwargs activation_checkpointing_kwargs (the old name warns); 0.21 has the old one only
+    named = ("activation_checkpointing_kwargs" if "activation_checkpointing_kwargs"
+             in inspect.signature(peft.prepare_model_for_kbit_training).parameters else "gradient_checkpointing_kwargs")
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=kbit is not KbitCheckpointing.OFF,
-                                                 gradient_checkpointing_kwargs=kbit.kwargs or None)
+                                                 **{named: kbit.kwargs or None})
     return peft.get_peft_model(model, peft.LoraConfig(r=RANK, task_type="CAUSAL_LM"))
 
 
@@ -125,19 +131,23 @@ def _memcalc_kind(source: str, cell: tuple[bool, Any, KbitCheckpointing]) -> str
     return "reentrant" if "(reentrant: torch's CheckpointFunction" in applied[0] else "non-reentrant"
 
 
-#: What the real step runs in each cell (torch 2.13, transformers 5.25, peft 0.21.2): the Trainer's
-#: kind where it enables checkpointing, PEFT's where it does not, none where neither does.
-def _expected(cell: tuple[bool, Any, KbitCheckpointing]) -> str:
+#: What the real step runs in each cell (torch 2.13, transformers 5.25, peft 0.21.2 and 0.22.0): the
+#: Trainer's kind where it enables checkpointing, PEFT's where it does not, none where neither does.
+#: PEFT's default call (``on``) sets up ``peft_default``: reentrant with peft 0.21, not with 0.22.
+def _expected(cell: tuple[bool, Any, KbitCheckpointing], peft_default: bool) -> str:
     gc_on, kwargs, kbit = cell
     if gc_on:
         return "reentrant" if (kwargs or {}).get("use_reentrant") else "non-reentrant"
+    if kbit is KbitCheckpointing.ON:
+        return "reentrant" if peft_default else "non-reentrant"
     return {KbitCheckpointing.OFF: "off", KbitCheckpointing.NON_REENTRANT: "non-reentrant"}.get(kbit, "reentrant")
 
 
 def test_the_trainer_without_checkpointing_keeps_pefts(tmp_path: Path) -> None:
     """The cheap representative of the table: ``gradient_checkpointing=False`` on a model PEFT
-    prepared with its defaults runs PEFT's checkpoint, reentrant on torch 2.13 (measured below);
-    memcalc's reading before this (no checkpointing) is ``kbit_checkpointing="off"``."""
+    prepared with its defaults runs PEFT's checkpoint, reentrant with peft 0.21 on torch 2.13 and
+    non-reentrant with peft 0.22 (measured below); memcalc's reading before this (no checkpointing)
+    is ``kbit_checkpointing="off"``."""
     from memcalc.fields import build_step
     from memcalc.stacks.kbit import kbit_checkpointing
     from memcalc.stacks.peft import apply_finetune
@@ -148,8 +158,8 @@ def test_the_trainer_without_checkpointing_keeps_pefts(tmp_path: Path) -> None:
     assert not step.checkpoint
     resolved = apply_finetune(step.resolved(), finetune, precision=step.precision, mode=step.mode, checkpoint=False)
     made = kbit_checkpointing(resolved.module, step)  # the estimate's reading (the full estimate: the slow table)
-    assert made.checkpoint.kind.value == "full" and made.checkpoint.reentrant
-    assert _expected((False, None, KbitCheckpointing.ON)) == "reentrant"
+    reentrant = peft_default_reentrant()
+    assert made.checkpoint.kind.value == "full" and made.checkpoint.reentrant is reentrant
     assert "it stays on in loop trainer" in made.notes[-1]
 
 
@@ -227,7 +237,8 @@ def test_every_cell_against_the_real_trainer(tiny_4bit: Path) -> None:
         gc.collect()
     print("\n".join(rows))
     assert all(row.split("real ")[1].split(",")[0] == row.split("memcalc ")[1] for row in rows), "\n".join(rows)
-    assert [row.split("real ")[1].split(",")[0] for row in rows] == [_expected(cell) for cell in CELLS]
+    peft_default = peft_default_reentrant()
+    assert [row.split("real ")[1].split(",")[0] for row in rows] == [_expected(cell, peft_default) for cell in CELLS]
 
 
 #: tests/test_kbit_reentrant.py's Llama: the peak is in its checkpointed layers' backward, where the
@@ -241,9 +252,9 @@ BATCH, SEQ = 2, 512
 def test_the_trainer_without_checkpointing_runs_pefts_against_a_real_step(tmp_path: Path) -> None:
     """``Trainer(gradient_checkpointing=False)`` on a model ``prepare_model_for_kbit_training`` set
     up with its defaults: the real step (under the profiler, two optimizer steps, SGD, fp32) runs
-    PEFT's reentrant checkpoint, and memcalc with ``kbit_checkpointing="on"`` estimates it within
-    the CPU bar; the reading memcalc had before (no checkpointing: ``kbit_checkpointing="off"``,
-    the default without ``checkpoint``) is far outside it."""
+    PEFT's checkpoint (reentrant with peft 0.21, non-reentrant with 0.22), and memcalc with
+    ``kbit_checkpointing="on"`` estimates it within the CPU bar; the reading memcalc had before (no
+    checkpointing: ``kbit_checkpointing="off"``, the default without ``checkpoint``) is far outside it."""
     import transformers
 
     pytest.importorskip("bitsandbytes")

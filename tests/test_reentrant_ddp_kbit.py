@@ -1,5 +1,6 @@
-"""QLoRA's own loop under DDP checkpoints as PEFT set it up: reentrant (tests/test_kbit_reentrant.py
-on one GPU; PEFT passes transformers no ``use_reentrant`` and torch 2.13 runs ``CheckpointFunction``).
+"""QLoRA's own loop under DDP checkpoints as PEFT set it up (tests/test_kbit_reentrant.py on one GPU):
+reentrant with peft 0.21 (it passes transformers ``{}``, no ``use_reentrant``, and torch 2.13 runs
+``CheckpointFunction``), non-reentrant with peft 0.22 (it passes None: transformers' ``use_reentrant=False``).
 Each DDP rank runs the same model and loop, so its estimate follows the same kind: the role's model is
 read after ``prepare_model_for_kbit_training`` (memcalc.stacks.kbit.kbit_checkpointing), as on one GPU.
 DDP with reentrant checkpointing is checked against real gloo runs in tests/test_reentrant_ddp.py.
@@ -24,7 +25,16 @@ from memcalc.core.checkpointing import FULL, Checkpointing, CheckpointKind
 from memcalc.stacks.kbit import set_up_reentrant
 
 sys.path.insert(0, str(Path(__file__).parent / "hf_reference"))
-from hf_harness import TOLERANCE, Recipe, llama_config, model_bytes, real_model, relative_error, write_config
+from hf_harness import (
+    TOLERANCE,
+    Recipe,
+    llama_config,
+    model_bytes,
+    peft_default_reentrant,
+    real_model,
+    relative_error,
+    write_config,
+)
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -38,13 +48,14 @@ def _estimate(checkpoint: Checkpointing) -> memcalc.MemoryReport:
                             checkpoint=checkpoint, distributed=DDP)
 
 
-def test_the_own_loop_under_ddp_keeps_the_reentrant_checkpoint_peft_set_up() -> None:
+def test_the_own_loop_under_ddp_keeps_the_kind_peft_set_up() -> None:
     report = _estimate(FULL)
+    reentrant = peft_default_reentrant()  # peft 0.21 on torch 2.13: True; peft 0.22: False
     notes = [note for note in report.notes if "reentrant" in note]
-    assert any("prepare_model_for_kbit_training set up is reentrant" in note for note in notes), notes
-    assert any("(reentrant: torch's CheckpointFunction" in note for note in notes), notes
-    # the same trace as asking for the reentrant checkpoint outright (now modelled under DDP)
-    explicit = _estimate(Checkpointing(CheckpointKind.FULL, reentrant=True))
+    assert any("prepare_model_for_kbit_training set up is reentrant" in note for note in notes) is reentrant, notes
+    assert any("(reentrant: torch's CheckpointFunction" in note for note in notes) is reentrant, notes
+    # the same trace as asking for PEFT's kind outright (the reentrant one modelled under DDP too)
+    explicit = _estimate(Checkpointing(CheckpointKind.FULL, reentrant=reentrant))
     assert report.peak_requested == explicit.peak_requested
 
 
@@ -133,6 +144,7 @@ def test_the_estimate_follows_the_real_ddp_ranks_kind(tmp_path: Path) -> None:
         print(f"rank {rank}: PEFT's kind (reentrant {real['peft_reentrant']}) {real['peft']:,} B, the other kind "
               f"{real['other']:,} B; memcalc {estimate:,} B ({relative_error(estimate, real['peft']):+.3%}, "
               f"{relative_error(estimate, real['other']):+.3%})")
-        assert real["peft_reentrant"] and not real["other_reentrant"]
+        assert real["peft_reentrant"] is peft_default_reentrant()
+        assert real["other_reentrant"] is not real["peft_reentrant"]
         assert abs(relative_error(estimate, real["peft"])) <= TOLERANCE
         assert abs(relative_error(estimate, real["other"])) > TOLERANCE

@@ -76,7 +76,9 @@ def setup_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--double-quant", is_flag=True, help="With --quant nf4|fp4: quantize the absmax too."),
         click.option("--kbit-checkpointing", type=click.Choice([k.value for k in KbitCheckpointing]), default=None,
                      help="With --quant and --lora: how the recipe called prepare_model_for_kbit_training: "
-                          "use_gradient_checkpointing off, on (PEFT's default: no kwargs, torch's default kind), or "
+                          "use_gradient_checkpointing off, on (PEFT's default: no kwargs; the kind is read off the "
+                          "function transformers sets up: reentrant with peft 0.21 on torch 2.13, non-reentrant "
+                          "with peft 0.22), or "
                           "on with use_reentrant True (reentrant) or False (non-reentrant). Its checkpointing stays "
                           "on where the loop enables none (the Trainer with gradient_checkpointing=False). Default: "
                           "on with --checkpoint, off without."),

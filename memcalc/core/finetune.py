@@ -26,24 +26,26 @@ class Quant(str, enum.Enum):
 
 class KbitCheckpointing(str, enum.Enum):
     """How the recipe called ``peft.prepare_model_for_kbit_training``: its
-    ``use_gradient_checkpointing`` (True by default) and ``gradient_checkpointing_kwargs``.
+    ``use_gradient_checkpointing`` (True by default) and ``activation_checkpointing_kwargs``
+    (peft 0.22; ``gradient_checkpointing_kwargs`` in 0.21, deprecated in 0.22).
 
     The checkpointing it turns on stays on where the loop does not enable its own (the Trainer
     with ``gradient_checkpointing=False``, a user's loop): docs/checkpointing.md, "QLoRA"."""
 
     #: ``use_gradient_checkpointing=False``.
     OFF = "off"
-    #: ``use_gradient_checkpointing=True`` with no kwargs (PEFT's default call): torch's own
-    #: default kind, read off the function transformers installs (reentrant on torch 2.13).
+    #: ``use_gradient_checkpointing=True`` with no kwargs (PEFT's default call): the kind read off
+    #: the function transformers installs. peft 0.21 hands transformers ``{}``, so torch's default
+    #: runs (reentrant on torch 2.13); peft 0.22 hands None, so transformers' ``use_reentrant=False``.
     ON = "on"
-    #: ``gradient_checkpointing_kwargs={"use_reentrant": True}``.
+    #: ``activation_checkpointing_kwargs={"use_reentrant": True}``.
     REENTRANT = "reentrant"
-    #: ``gradient_checkpointing_kwargs={"use_reentrant": False}``.
+    #: ``activation_checkpointing_kwargs={"use_reentrant": False}``.
     NON_REENTRANT = "non-reentrant"
 
     @property
     def kwargs(self) -> dict[str, bool]:
-        """PEFT's ``gradient_checkpointing_kwargs`` for this call."""
+        """PEFT's ``activation_checkpointing_kwargs`` for this call (empty: none given)."""
         return {"use_reentrant": self is KbitCheckpointing.REENTRANT} if self in _GIVEN else {}
 
 

@@ -10,12 +10,13 @@ runs on it: every parameter frozen, the unquantized 16-bit ones cast to float32 
 :data:`~memcalc.engine.prepare.KEEP_DTYPE`), and with ``--checkpoint`` transformers' own
 gradient checkpointing, given memcalc's checkpoint function.
 
-**The checkpoint's kind.** PEFT enables transformers' checkpointing with empty
-``gradient_checkpointing_kwargs``, so torch's ``checkpoint`` gets no ``use_reentrant``: torch 2.13
-runs that reentrant. :func:`kbit_checkpointing` reads the kind off the function transformers set
-up (one probe call) and a step on memcalc's or the user's loop follows it; the Trainer (TRL's
-trainers too) re-enables checkpointing with its own kwargs only with ``gradient_checkpointing=True``,
-whose kind then wins; without it PEFT's stays on (docs/notes/kbit.md; the recipe's call:
+**The checkpoint's kind** depends on the installed peft, transformers and torch: peft 0.21 hands
+transformers ``{}``, which binds no ``use_reentrant`` (torch 2.13 then runs reentrant); peft 0.22
+hands it None, for which transformers binds its default ``use_reentrant=False``. memcalc copies
+neither: :func:`kbit_checkpointing` reads the kind off the function transformers set up (one probe
+call) and a step on memcalc's or the user's loop follows it; the Trainer (TRL's trainers too)
+re-enables checkpointing with its own kwargs only with ``gradient_checkpointing=True``, whose kind
+then wins; without it PEFT's stays on (docs/notes/kbit.md; the recipe's call:
 :class:`~memcalc.core.finetune.KbitCheckpointing`).
 
 **The step's precision.** After preparation no parameter is in 16 bits, so a bf16 recipe runs
@@ -29,8 +30,12 @@ The recipe and each preparation step in full: docs/notes/kbit.md.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,8 +51,8 @@ from memcalc.engine.prepare import KEEP_DTYPE
 from memcalc.engine.step_spec import Step
 from memcalc.stacks.transformers.hub import import_hf
 
-__all__ = ("is_transformers_model", "kbit_checkpointing", "kbit_precision", "prepare_checkpointing",
-           "prepare_for_kbit_training", "prepares_for_kbit", "set_up_reentrant")
+__all__ = ("bound_use_reentrant", "is_transformers_model", "kbit_checkpointing", "kbit_precision",
+           "prepare_checkpointing", "prepare_for_kbit_training", "prepares_for_kbit", "set_up_reentrant")
 
 #: The dtypes ``prepare_model_for_kbit_training`` casts to float32.
 _HALF = (torch.float16, torch.bfloat16)
@@ -55,6 +60,9 @@ _HALF = (torch.float16, torch.bfloat16)
 _REENTRANT_NODE = "CheckpointFunctionBackward"
 #: The attribute transformers keeps a checkpointable layer's checkpoint function in.
 _FUNCTION = "_gradient_checkpointing_func"
+#: peft 0.22's name of the kwargs ``prepare_model_for_kbit_training`` hands transformers
+#: (0.21's ``gradient_checkpointing_kwargs``, deprecated in 0.22, warns there).
+_KWARGS = "activation_checkpointing_kwargs"
 
 
 #: TRL loops whose scoring forward re-enables checkpointing with the config's kwargs (TRL 1.16's
@@ -100,7 +108,7 @@ def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Pre
             :func:`memcalc.stacks.bitsandbytes.quantized_base.quantize_linears`.
         quant: the quantization (which ``is_loaded_in_*`` transformers sets).
         precision: the user's precision: the dtype the model is loaded in (``from_pretrained(dtype=...)``).
-        checkpointing: PEFT's ``use_gradient_checkpointing`` and ``gradient_checkpointing_kwargs``.
+        checkpointing: PEFT's ``use_gradient_checkpointing`` and checkpointing kwargs.
     """
     peft = import_hf("peft", "QLoRA (--lora with --quant)")
     _load_in(module, precision.parameter_dtype)
@@ -112,7 +120,8 @@ def prepare_for_kbit_training(module: nn.Module, quant: Quant, *, precision: Pre
         warnings.filterwarnings("ignore", category=FutureWarning)
         peft.prepare_model_for_kbit_training(module,
                                              use_gradient_checkpointing=checkpointing is not KbitCheckpointing.OFF,
-                                             gradient_checkpointing_kwargs=checkpointing.kwargs or None)
+                                             **_kwargs_as_named(peft.prepare_model_for_kbit_training,
+                                                                checkpointing.kwargs or None))
     cast = [p for p in module.parameters() if id(p) in half and p.dtype is torch.float32]
     for p in module.parameters():
         if p.is_floating_point():
@@ -158,9 +167,7 @@ def kbit_checkpointing(module: nn.Module, step: Step) -> Step:
         return step
     reentrant = set_up_reentrant(module)
     kind = "reentrant" if reentrant else "non-reentrant"
-    how = ("PEFT passes transformers no use_reentrant, and torch "
-           f"{torch.__version__.split('+')[0]}'s checkpoint without it runs {'' if reentrant else 'no '}"
-           "CheckpointFunction" if not called.kwargs else f"gradient_checkpointing_kwargs={called.kwargs}")
+    how = _how(module, called, reentrant)
     if step.checkpoint:
         if not reentrant:
             return step
@@ -187,11 +194,10 @@ def kbit_checkpointing(module: nn.Module, step: Step) -> Step:
 def set_up_reentrant(module: nn.Module) -> bool:
     """Whether the checkpoint function transformers gave ``module``'s layers runs torch's
     reentrant ``CheckpointFunction``: the function itself is called once on a one-element CPU
-    tensor and its output's autograd node read, so the answer is the installed torch's (and
-    transformers') own, whatever their defaults become. False where no layer has one."""
-    function = next((getattr(sub, _FUNCTION) for sub in module.modules()
-                     if getattr(sub, "gradient_checkpointing", False) and callable(getattr(sub, _FUNCTION, None))),
-                    None)
+    tensor and its output's autograd node read, so the answer is the installed torch's,
+    transformers' and peft's own (peft 0.21 and 0.22 differ: module docstring), whatever their
+    defaults become. False where no layer has one."""
+    function = _installed_function(module)
     if function is None:
         return False
     probe = torch.zeros(1, requires_grad=True)
@@ -200,6 +206,45 @@ def set_up_reentrant(module: nn.Module) -> bool:
         warnings.simplefilter("ignore")
         out = function(lambda t: t * 2, probe)
     return type(out.grad_fn).__name__ == _REENTRANT_NODE
+
+
+def bound_use_reentrant(module: nn.Module) -> bool | None:
+    """The ``use_reentrant`` transformers bound into the checkpoint function of ``module``'s layers
+    (the keywords of its ``functools.partial(checkpoint, **kwargs)``), None where it bound none and
+    torch's own default decides. It says *why* a kind was set up (peft 0.21's ``{}`` binds none,
+    peft 0.22's None binds transformers' ``False``); :func:`set_up_reentrant` says *which*."""
+    function = _installed_function(module)
+    if not isinstance(function, functools.partial) or "use_reentrant" not in function.keywords:
+        return None
+    return bool(function.keywords["use_reentrant"])
+
+
+def _installed_function(module: nn.Module) -> Callable[..., Any] | None:
+    """The checkpoint function of the first layer transformers checkpoints, None where none does."""
+    return next((getattr(sub, _FUNCTION) for sub in module.modules()
+                 if getattr(sub, "gradient_checkpointing", False) and callable(getattr(sub, _FUNCTION, None))), None)
+
+
+def _kwargs_as_named(prepare: Callable[..., Any], kwargs: dict[str, bool] | None) -> dict[str, Any]:
+    """``kwargs`` under the name the installed ``prepare_model_for_kbit_training`` takes: peft 0.22's
+    ``activation_checkpointing_kwargs`` where its signature has it (the deprecated
+    ``gradient_checkpointing_kwargs`` would warn there), else 0.21's. Read off the signature rather
+    than the version, so a peft that renames it back or keeps both is called as it asks."""
+    named = _KWARGS if _KWARGS in inspect.signature(prepare).parameters else "gradient_checkpointing_kwargs"
+    return {named: kwargs}
+
+
+def _how(module: nn.Module, called: KbitCheckpointing, reentrant: bool) -> str:
+    """Why PEFT's checkpoint is of its kind, for the note: what the recipe gave PEFT, else what
+    transformers bound for PEFT's call (:func:`bound_use_reentrant`), else torch's own default."""
+    if called.kwargs:
+        return f"the recipe gave PEFT use_reentrant={called.kwargs['use_reentrant']}"
+    bound = bound_use_reentrant(module)
+    if bound is not None:
+        return f"transformers bound use_reentrant={bound} into the checkpoint function for PEFT's call"
+    return ("transformers bound no use_reentrant for PEFT's call, and torch "
+            f"{torch.__version__.split('+')[0]}'s checkpoint without it runs {'' if reentrant else 'no '}"
+            "CheckpointFunction")
 
 
 def _load_in(module: nn.Module, dtype: torch.dtype) -> None:

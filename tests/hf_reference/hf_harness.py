@@ -18,10 +18,12 @@ and dataloader, draws the batches, runs two optimizer steps (``max_steps=2``) an
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -216,6 +218,36 @@ def _qlora_model(model_class: Any, config: Any, recipe: Recipe) -> torch.nn.Modu
         pytest.skip("bitsandbytes did not quantize the Linear layers to 4 bits on this CPU")
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.checkpointing)
     return peft.get_peft_model(model, peft.LoraConfig(r=recipe.lora or 16, task_type="CAUSAL_LM"))
+
+
+@functools.cache
+def peft_default_reentrant() -> bool:
+    """Whether the installed peft's default ``prepare_model_for_kbit_training(model)`` leaves a real
+    model checkpointed with torch's reentrant ``CheckpointFunction``, read off a real forward: a
+    two-layer Llama on the CPU (float32, marked ``is_loaded_in_4bit`` as transformers' quantizer
+    marks it), prepared by peft, one forward with the token ids, and the autograd node of the last
+    layer's output (the final norm's input). Not memcalc's reading (memcalc.stacks.kbit probes the
+    installed function on a lone tensor): the expectation the QLoRA tests hold memcalc to. peft 0.21
+    hands transformers ``{}`` (torch 2.13's default: reentrant), peft 0.22 None (transformers'
+    ``use_reentrant=False``). About 0.1 s, once a process."""
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(
+        transformers.AutoConfig.for_model(**llama_config(64, hidden=32, layers=2), use_cache=False),
+        dtype=torch.float32)
+    model.is_loaded_in_4bit = True  # Bnb4BitHfQuantizer._process_model_after_weight_loading
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's use_reentrant warning, transformers' deprecations
+        model = peft.prepare_model_for_kbit_training(model)
+        nodes: list[str] = []
+        handle = model.model.norm.register_forward_hook(
+            lambda _m, inputs, _o: nodes.append(type(inputs[0].grad_fn).__name__))
+        model.train()
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    handle.remove()
+    return nodes == ["CheckpointFunctionBackward"]
 
 
 def _dataset(recipe: Recipe) -> list[dict[str, torch.Tensor]]:
