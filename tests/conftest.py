@@ -39,6 +39,19 @@ import pytest
 # 3.5 of its 11 CPU-s of start (issue 36 item 7); one pass at the end (gc.collect) finds the same.
 gc.disable()
 
+# OpenMP threads that sleep while they wait at a parallel region's barrier, instead of spinning
+# (libgomp's default spins first), in every test process and what it starts (the gloo forkserver, a
+# Jupyter kernel, Inductor's compile workers). A slow test keeps the process's thread count (two on
+# CI's 2 cores; ``cpu_threads`` below) for its real steps, beside the other xdist worker and gloo
+# ranks: a thread spinning for its sibling holds the core that sibling needs. On 2026-12-07 (the
+# 2-core AMD EPYC host, load 10-11) three real Adam steps of llama-tiny (2 x 128 tokens) on two
+# threads took 68.1 and 46.4 s by default, 15.3 and 12.8 s passive, alternating
+# (benchmarks/omp_wait.py). The thread count, and so every per-thread buffer and measured byte, is
+# unchanged. libgomp reads it once, when torch loads it: set here, before any test imports torch
+# (this file imports none; ``test_conftest.py`` checks that the setting took). A value exported by
+# whoever runs the tests is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # torch, support and memcalc are imported where they are used, not here: pytest-xdist's controller
 # loads this file too but runs no test, and importing torch and torch._dynamo (support's CPU
 # capabilities) there cost it about 2 CPU-s of the run's (issue 36 item 7). The workers import

@@ -60,6 +60,16 @@ MAX_ATTEMPTS = 150
 START_METHOD = "forkserver"
 #: The forkserver's preload (tests/gloo_preload.py).
 PRELOAD = "gloo_preload"
+#: The environment the forkserver starts with, and so every rank forked from it: each rank's OpenMP
+#: threads (libgomp's, torch's parallel backend) sleep between parallel regions instead of spinning
+#: (libgomp's default spins at every barrier until its spin count runs out). The ranks keep the test
+#: process's thread count (:func:`_rank`); only how an idle thread waits changes, which allocates
+#: nothing. Four to sixteen ranks of two threads each share CI's two cores with the other xdist
+#: worker, and a spinning thread holds a core that the rank it waits on needs: on 2026-12-07 (the
+#: 2-core AMD EPYC host, load 6-13, tests/test_gloo_pipeline_cp.py's pp=2 x cp=2 x tp=2 GPipe case,
+#: the same peaks to the byte) 192 s -> 63 s. libgomp reads it once, when torch loads it (the
+#: preload), so it is set for the forkserver's start; a value the user exported is kept.
+RANK_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 #: Input features, batch and model width of :class:`BlockNet`.
 FEATURES = 64
 BATCH = 16
@@ -228,20 +238,25 @@ def start_forkserver() -> None:
 
     The forkserver is a fresh interpreter, and Python 3.11's ignores the ``sys_path`` it is
     given (later releases apply it): it finds ``tests/`` on ``PYTHONPATH``, set for its start
-    alone. A preload it cannot import is skipped silently, and every rank then imports for itself.
+    alone, as :data:`RANK_ENVIRONMENT` is. A preload it cannot import is skipped silently, and
+    every rank then imports for itself.
     """
     from multiprocessing import forkserver
 
     mp.get_context(START_METHOD).set_forkserver_preload([PRELOAD])
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *([saved] if saved else [])])
+    path = os.environ.get("PYTHONPATH")
+    start_with = {**RANK_ENVIRONMENT, **{name: os.environ[name] for name in RANK_ENVIRONMENT if name in os.environ},
+                  "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *([path] if path else [])])}
+    saved = {name: os.environ.get(name) for name in start_with}
+    os.environ.update(start_with)
     try:
         forkserver.ensure_running()
     finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def until_complete(measure: Callable[[], tuple[int, bool]], before: int, counters: int, name: str) -> RankPeak:

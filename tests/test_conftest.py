@@ -10,6 +10,7 @@
 * The collector, off while conftest.py imports and pytest collects, is on for the tests.
 * A quick test runs on one CPU thread, a slow one or one of golden output on the process's own
   count, and the gloo ranks on their test's.
+* OpenMP threads wait passively (``OMP_WAIT_POLICY``), set before anything imports torch.
 """
 
 from __future__ import annotations
@@ -233,3 +234,21 @@ def test_a_gloo_rank_runs_on_the_threads_its_test_gave_it() -> None:
     finally:
         torch.set_num_threads(saved)
     assert seen == [(1, 3, "args")]
+
+
+@pytest.mark.slow  # a fresh interpreter that imports pytest: about a second on this host
+def test_openmp_threads_wait_passively_and_conftest_imports_no_torch() -> None:
+    """conftest.py sets ``OMP_WAIT_POLICY`` (kept where it was exported) before any test imports
+    torch: libgomp reads it once, when torch loads it, so the setting only takes if importing
+    conftest.py imports no torch. Checked in a fresh interpreter, where nothing else did."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+    probe = ("import json, os, sys; import conftest; "
+             "print(json.dumps(['torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY')]))")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [False, "PASSIVE"]

@@ -147,3 +147,31 @@ def test_hsdp_against_every_rank_of_a_real_2d_mesh(hsdp_peaks, case):
     # the first rank of each row holds the larger shards of the head (9 rows over 2)
     assert estimate == ranks[0].step_peak == ranks[2].step_peak
     assert ranks[0].step_peak - ranks[1].step_peak == ranks[2].step_peak - ranks[3].step_peak == 2 * 4 * (256 + 1)
+
+
+def _report_environment(rank: int, world_size: int, port: int, work_dir: str) -> None:
+    import json
+    import os
+
+    import torch
+    (Path(work_dir) / f"rank{rank}.json").write_text(json.dumps(
+        {"policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}))
+
+
+def test_the_ranks_wait_passively_on_the_test_process_threads(tmp_path: Path) -> None:
+    """The forkserver's ranks start with gloo_runs.RANK_ENVIRONMENT (OpenMP threads that sleep
+    rather than spin while a rank waits on a collective: the gloo runs' wall time on CI's two
+    cores) and on this process's thread count (what the CPU target sizes its per-thread buffers
+    by); the test process's own environment is left as it was."""
+    import json
+    import os
+
+    import torch
+    from gloo_runs import RANK_ENVIRONMENT, spawn_ranks
+
+    before = os.environ.get("OMP_WAIT_POLICY")
+    spawn_ranks(_report_environment, WORLD, (str(tmp_path),), timeout_s=60.0, what="the environment report")
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    policy = before if before is not None else RANK_ENVIRONMENT["OMP_WAIT_POLICY"]
+    assert ranks == [{"policy": policy, "threads": torch.get_num_threads()}] * WORLD
+    assert os.environ.get("OMP_WAIT_POLICY") == before

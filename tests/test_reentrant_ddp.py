@@ -10,7 +10,9 @@ memcalc's default loop (loss = the output's mean, the output held to the step, t
 
 A transformers Llama (small vocabulary, 3 layers) checkpoints itself: its layers run
 ``checkpoint(super().__call__)``, so FSDP2's hooks run inside the reentrant checkpoint, and its peak
-is in the layers' backward, where reentrance keeps one layer's output more.
+is in the layers' backward, where reentrance keeps one layer's output more. Its real runs under DDP
+and FSDP2 are in tests/test_reentrant_gloo_options.py's one spawn, which runs the same model, step
+and DDP wrapper for its DDP options (a spawn of its own here had measured the DDP cases twice).
 
 DDP: torch's notes say reentrant checkpointing works "when there are no unused parameters in the
 model and each layer is checkpointed at most once" (``find_unused_parameters`` False, the
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,6 @@ from torch.utils.checkpoint import checkpoint
 
 import memcalc
 from memcalc.core.checkpointing import Checkpointing, CheckpointKind
-
-sys.path.insert(0, str(Path(__file__).parent / "hf_reference"))
-from hf_harness import llama_config, write_config
 
 pytestmark = pytest.mark.slow  # one spawn of two processes for all cases
 
@@ -182,111 +180,8 @@ def test_unchecked_strategies_are_refused(distributed: dict[str, Any], message: 
                          distributed=memcalc.Distributed(**distributed))
 
 
-
 # ============================================================================================
-# A model that checkpoints itself: transformers' layers, FSDP2's hooks inside the checkpoint
+# A model that checkpoints itself (transformers' layers, FSDP2's hooks inside the checkpoint):
+# tests/test_reentrant_gloo_options.py, whose one spawn runs the same transformers Llama under DDP
+# and FSDP2 (test_transformers_own_reentrant_checkpoint_against_real_ranks there)
 # ============================================================================================
-
-#: A small-vocabulary Llama (tests/test_reentrant.py's): its peak is in its layers' backward.
-HF_CONFIG = {**llama_config(512, hidden=256, layers=3), "intermediate_size": 1024}
-HF_BATCH, HF_SEQ = 2, 512
-HF_CASES = [(strategy, reentrant) for strategy in ("ddp", "fsdp") for reentrant in (False, True)]
-
-
-def _real_hf(strategy: str, reentrant: bool) -> int:
-    import transformers
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from memcalc.measure.step import storage_bytes
-
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**HF_CONFIG)
-    model: nn.Module = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    model.train()
-    ids = torch.randint(0, 512, (HF_BATCH, HF_SEQ), generator=torch.Generator().manual_seed(1))
-    if strategy == "ddp":
-        wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
-    else:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
-    trainable = [p for p in wrapped.parameters() if p.requires_grad]
-    # labels a tensor of their own, as a causal-LM collator makes them (``labels = input_ids.clone()``)
-    # and as memcalc's step has them
-    kwargs = {"input_ids": ids, "labels": ids.clone()}
-
-    def step() -> None:
-        optimizer = torch.optim.SGD(trainable, lr=1e-3, foreach=True)
-        for _ in range(2):
-            output = wrapped(**kwargs)
-            output.loss.backward()
-            del output
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        del optimizer
-        gc.collect()
-
-    step()
-    before = _storages_before(wrapped, ids) + storage_bytes([kwargs["labels"]])
-    return until_complete(lambda: profiled(step), before, 0, f"hf {strategy} {reentrant}: ").peak
-
-
-def _hf_worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
-    import warnings
-
-    warnings.simplefilter("ignore")
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        results = {_name(*case): _real_hf(*case) for case in HF_CASES}
-    finally:
-        dist.destroy_process_group()
-    (Path(work_dir) / f"rank{rank}.json").write_text(json.dumps(results))
-
-
-@pytest.fixture(scope="module")
-def hf_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    pytest.importorskip("transformers")
-    work_dir = tmp_path_factory.mktemp("gloo-reentrant-hf")
-    spawn_ranks(_hf_worker, WORLD, (str(work_dir),), timeout_s=600.0)
-    ranks = [json.loads((work_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    return {_name(*case): [ranks[rank][_name(*case)] for rank in range(WORLD)] for case in HF_CASES}
-
-
-#: One layer's CPU generator state (see :data:`RNG_STATES`); HF_CONFIG has 3 layers.
-RNG_STATE = torch.get_rng_state().numel()
-#: How many more generator states reentrance holds at the layers' backward peak: all 3 layers'
-#: (until backward ends) against the non-reentrant checkpoint's 1 under DDP and 2 under FSDP2 (each
-#: freed with its layer's saved tensors; FSDP2's peak comes a layer earlier), read off the runs' profilers.
-MORE_STATES = {"ddp": 2, "fsdp": 1}
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_transformers_own_reentrant_checkpoint_against_real_ranks(hf_peaks: dict[str, list[int]], strategy: str,
-                                                                   tmp_path: Path) -> None:
-    """transformers' layers checkpoint ``super().__call__``, so FSDP2's hooks run inside the reentrant
-    checkpoint (in forward under ``no_grad``, again in the recomputation). The peak is in the
-    layers' backward, where reentrance keeps one layer's output more (1 MiB) and more CPU generator
-    states. Every rank to the byte. Measured 2026-12-07 (torch 2.13, both ranks alike): DDP
-    73,208,008 B non-reentrant and 74,266,696 B reentrant; FSDP2 61,934,216 B and 62,987,848 B.
-    Before the CPU target counted the generator states and the runs passed labels of their own
-    (they passed ``input_ids`` as labels, 8,192 B less than a collator's batch), memcalc was
-    +3,136, -6,976, -1,920 and -6,976 B off."""
-    source = write_config(tmp_path, HF_CONFIG)
-    estimates = {reentrant: memcalc.estimate(
-        source, batch_size=HF_BATCH, seq_len=HF_SEQ, gpu="cpu", optimizer="sgd", loop=FOREACH,
-        checkpoint=Checkpointing(CheckpointKind.FULL, reentrant=reentrant),
-        distributed=memcalc.Distributed(strategy, world_size=WORLD)).peak_requested for reentrant in (False, True)}
-    for reentrant in (False, True):
-        for rank, real in enumerate(hf_peaks[_name(strategy, reentrant)]):
-            estimate = estimates[reentrant]
-            print(f"hf {_name(strategy, reentrant)} rank {rank}: real {real:,} B, estimate {estimate:,} B, "
-                  f"{(estimate - real) / real:+.4%}")
-        assert hf_peaks[_name(strategy, reentrant)] == [estimates[reentrant]] * WORLD
-    one_layer_output = HF_BATCH * HF_SEQ * 256 * 4  # fp32
-    assert estimates[True] - estimates[False] == one_layer_output + MORE_STATES[strategy] * RNG_STATE

@@ -14,6 +14,10 @@ two-process gloo runs (the harness of tests/gloo_runs.py, as tests/test_reentran
   unreachable from the output, so DDP marks them unused and then sees their gradients): recorded
   as the error the real run raises.
 
+The same spawn runs that Llama under DDP and under ``fully_shard``'s defaults, with and without the
+reentrant checkpoint, for the comparison of transformers' own checkpoint with the estimate
+(test_transformers_own_reentrant_checkpoint_against_real_ranks, from tests/test_reentrant_ddp.py).
+
 memcalc models no DDP option: the measured peaks say the options change nothing on this step
 (the test asserts every rank equal to plain DDP's), so memcalc's DDP estimate holds for them; the
 failing combination is refused where the Trainer would pass it
@@ -61,6 +65,9 @@ CASES: dict[str, tuple[str, str, bool | None, dict[str, bool]]] = {
        for r in (False, True)},
     **{f"hf-fsdp-{sharding}-{_KINDS[r]}": ("hf", "fsdp", r, {"reshard_after_forward": sharding == "full"})
        for sharding in ("full", "sgo") for r in (None, False, True)},
+    # fully_shard's defaults (the root left unsharded between forward and backward), as a user calls it:
+    # test_transformers_own_reentrant_checkpoint_against_real_ranks
+    **{f"hf-fsdp-default-{_KINDS[r]}": ("hf", "fsdp", r, {}) for r in (False, True)},
     **{f"hf-ddp-{_KINDS[r]}": ("hf", "ddp", r, {}) for r in (False, True)},
     **{f"hf-ddp-static-{_KINDS[r]}": ("hf", "ddp", r, {"static_graph": True}) for r in (False, True)},
     "hf-ddp-unused-plain": ("hf", "ddp", False, {"find_unused_parameters": True}),
@@ -229,3 +236,35 @@ def test_ddp_options_change_no_memory(real_peaks: dict[str, list[Any]], option: 
                    for result in real_peaks[name]), real_peaks[name]
         return
     assert real_peaks[name] == real_peaks[f"hf-ddp-{_KINDS[reentrant]}"]
+
+
+#: One layer's CPU generator state (the CPU target counts it: memcalc.targets.cpu.generator); HF_CONFIG has 3 layers.
+RNG_STATE = torch.get_rng_state().numel()
+#: How many more generator states reentrance holds at the layers' backward peak: all 3 layers'
+#: (until backward ends) against the non-reentrant checkpoint's 1 under DDP and 2 under FSDP2 (each
+#: freed with its layer's saved tensors; FSDP2's peak comes a layer earlier), read off the runs' profilers.
+MORE_STATES = {"ddp": 2, "fsdp": 1}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_transformers_own_reentrant_checkpoint_against_real_ranks(real_peaks: dict[str, list[Any]], strategy: str,
+                                                                   tmp_path: Path) -> None:
+    """transformers' layers checkpoint ``super().__call__``, so FSDP2's hooks run inside the reentrant
+    checkpoint (in forward under ``no_grad``, again in the recomputation). The peak is in the
+    layers' backward, where reentrance keeps one layer's output more (1 MiB) and more CPU generator
+    states. Every rank to the byte. Measured 2026-12-07 (torch 2.13, both ranks alike): DDP
+    73,208,008 B non-reentrant and 74,266,696 B reentrant; FSDP2 61,934,216 B and 62,987,848 B.
+    Before the CPU target counted the generator states and the runs passed labels of their own
+    (they passed ``input_ids`` as labels, 8,192 B less than a collator's batch), memcalc was
+    +3,136, -6,976, -1,920 and -6,976 B off. (Moved from tests/test_reentrant_ddp.py, whose spawn of its
+    own ran these DDP cases as this module's hf-ddp cases run them.)"""
+    source = write_config(tmp_path, HF_CONFIG)
+    estimates = {reentrant: memcalc.estimate(
+        source, batch_size=HF_BATCH, seq_len=HF_SEQ, gpu="cpu", optimizer="sgd", loop=FOREACH,
+        checkpoint=Checkpointing(CheckpointKind.FULL, reentrant=reentrant),
+        distributed=memcalc.Distributed(strategy, world_size=WORLD)).peak_requested for reentrant in (False, True)}
+    for reentrant in (False, True):
+        name = f"hf-{strategy}-{_KINDS[reentrant]}" if strategy == "ddp" else f"hf-fsdp-default-{_KINDS[reentrant]}"
+        assert _per_rank(real_peaks, name, estimates[reentrant]) == [0] * WORLD
+    one_layer_output = HF_BATCH * HF_SEQ * 256 * 4  # fp32
+    assert estimates[True] - estimates[False] == one_layer_output + MORE_STATES[strategy] * RNG_STATE
