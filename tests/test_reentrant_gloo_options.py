@@ -229,7 +229,8 @@ def test_ddp_options_change_no_memory(real_peaks: dict[str, list[Any]], option: 
     """``static_graph=True`` and ``find_unused_parameters=True`` against plain DDP in the same run,
     every rank: equal to the byte (73,208,008 B non-reentrant, 74,266,696 B reentrant on 2026-12-07
     evening; 73,199,816 and 74,258,504 B that morning), so memcalc's DDP estimate (which models neither)
-    holds for them; except ``find_unused_parameters=True`` with the reentrant checkpoint, which torch refuses in backward."""
+    holds for them; except ``find_unused_parameters=True`` with the reentrant checkpoint, which torch
+    refuses in backward."""
     name = f"hf-ddp-{option}-{_KINDS[reentrant]}"
     if option == "unused" and reentrant:
         assert all(str(result).startswith("RuntimeError: Expected to mark a variable ready only once")
