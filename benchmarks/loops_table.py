@@ -43,7 +43,7 @@ def table() -> None:
                 peak = report.bytes.peak_allocated
                 baseline = baseline or peak
                 where = f"{report.peak_phase.value}, it. {report.peak_iteration}"
-                print(f"{label:<26} {preset:<16} {str(keep):<10} {peak / MiB:>11,.1f} {peak / baseline:>10.3f}  "
+                print(f"{label:<26} {preset:<16} {keep!s:<10} {peak / MiB:>11,.1f} {peak / baseline:>10.3f}  "
                       f"{where:<18} {report.optimizer} ({report.optimizer_impl})")
         print()
 

@@ -148,7 +148,8 @@ def _run_case(case: PipelineCase, global_rank: int, world_size: int) -> RankPeak
                     fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
             fully_shard(stage_module, mesh=dp_mesh, reshard_after_forward=False)
         group = mesh["pp"].get_group()
-    stages = [PipelineStage(m, i, total, torch.device("cpu"), group=group) for m, i in zip(modules, indices)]
+    stages = [PipelineStage(m, i, total, torch.device("cpu"), group=group) for m, i in zip(modules, indices,
+                                                                                           strict=True)]
     schedule_cls = get_schedule_class(case.schedule)
     schedule = schedule_cls(stages[0] if case.stages_per_rank == 1 else stages, case.microbatches,
                             loss_fn=lambda out, _target: out.mean())

@@ -203,7 +203,8 @@ def test_gpus_lists_and_marks_the_most_free(two_gpus, golden):
     assert result.exit_code == 0, result.output
     golden(result.output)
     rows = json.loads(run("gpus", "--format", "json").stdout)
-    assert [(r["device"], r["physical_index"], r["most_free"]) for r in rows] == [("cuda:0", 1, False), ("cuda:1", 0, True)]
+    assert [(r["device"], r["physical_index"], r["most_free"]) for r in rows] == [("cuda:0", 1, False), ("cuda:1", 0,
+                                                                                                         True)]
     assert rows[1]["free_memory"] == 1024 * MiB and rows[0]["catalogue"] == "a100-40gb"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -71,6 +73,7 @@ def test_optimizer_state_multiple_of_parameter_bytes(optimizer, state_multiple):
     # whenever the peak is in the second iteration or the optimizer step).
     traced_state = _symbolic_state_bytes(optimizer)
     assert traced_state == state
+    assert r.bytes.optimizer_state == state  # and the report's breakdown at the peak says it
 
 
 def _state_bytes_after_real_step(optimizer: str) -> int:
@@ -199,7 +202,7 @@ def test_to_dict_is_exactly_the_contract():
 
 def test_report_is_frozen():
     r = memcalc.estimate("fc-32-16", batch_size=1)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.batch_size = 2  # type: ignore[misc]
 
 

@@ -18,11 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch as _torch
-
-#: memcalc drives torch.distributed.pipelining's internals as torch 2.13 has them; an older torch
-#: is refused by name (test_an_older_torch_is_refused_by_name)
-pytestmark = pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),
-                                reason="pipeline parallelism needs torch >= 2.13's pipelining")
 import torch.distributed as dist
 from gloo_pipeline import (
     BATCH,
@@ -38,6 +33,11 @@ from gloo_runs import FEATURES, RankPeak
 import memcalc
 from memcalc.distributed.pipeline import Pipeline, PipelineEstimate, estimate_pipeline
 from memcalc.fields import build_step
+
+#: memcalc drives torch.distributed.pipelining's internals as torch 2.13 has them; an older torch
+#: is refused by name (test_an_older_torch_is_refused_by_name)
+pytestmark = pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),
+                                reason="pipeline parallelism needs torch >= 2.13's pipelining")
 
 # issue 33: the quick suite keeps one real run of each kind: GPipe and 1F1B over 2 stages, one
 # spawn of two forked processes for both schedules (about 19 CPU-s); the sharded, HSDP and SAC
@@ -74,8 +74,8 @@ def test_every_pipeline_rank_against_a_real_gloo_run(real_peaks, case):
     assert estimate.busiest.rank == real_busiest
 
 
-#: pp=2 x dp_shard=2 on four processes (GPipe, 1F1B, Interleaved1F1B): each stage fully_shard-ed over its two dp_shard ranks
-#: (tests/gloo_pipeline.py), ranks 0-1 the first stage, 2-3 the second (pp outermost). On torch
+#: pp=2 x dp_shard=2 on four processes (GPipe, 1F1B, Interleaved1F1B): each stage fully_shard-ed over its
+#: two dp_shard ranks (tests/gloo_pipeline.py), ranks 0-1 the first stage, 2-3 the second (pp outermost). On torch
 #: 2.13 ranks 0-2 agree to the byte; rank 3, the second dp_shard rank of the last stage, is 520 B
 #: under memcalc (0.004%, 0.011%, 0.007%): its shard of the head's 9 rows is 4 rows, not the padded 5, in what
 #: Adam's state is made from, and memcalc traces the first dp_shard rank of each stage for both.

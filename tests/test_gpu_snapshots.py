@@ -325,7 +325,8 @@ OUTSIDE_3PCT_RESERVED: dict[str, tuple[str, str]] = {
         "+18.1%", "as gpt2-b8-s1024-adamw-amp-bf16: the measuring process held the warm-up's cuBLAS "
                   "workspaces in segments of their own before the step; estimated so, exact "
                   "(test_reserved_as_measured_with_the_warm_up_workspaces); in a fresh process on an H200 "
-                  "(2026-11-28, tests/test_gpu_fresh_snapshots.py) exact to the byte. Before the allocator model placed "
+                  "(2026-11-28, tests/test_gpu_fresh_snapshots.py) exact to the byte. Before the allocator model "
+                  "placed "
                   "segments as the driver does (VA_GRANULARITY), the fresh estimate came out -1.8%: the "
                   "tie-breaks of its many equal 8 MiB blocks fell otherwise"),
     "gpt2-b8-s1024-eval": (

@@ -489,7 +489,8 @@ def test_mig_visible_devices_go_straight_to_torch():
     nvml = FakeNvml(sample("one_gpu.csv"))
     found = list_local_gpus({"CUDA_VISIBLE_DEVICES": "MIG-1234"}, runner=smi_runner(sample("one_gpu.csv")),
                             which=on_path, nvml=lambda: nvml, torch_cuda=lambda: mig, driver_loaded=lambda: True)
-    assert [(g.name, g.uuid, g.physical_index) for g in found] == [("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "MIG-1234", None)]
+    assert [(g.name, g.uuid, g.physical_index) for g in found] == [("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "MIG-1234",
+                                                                    None)]
 
 
 def test_torch_is_not_asked_without_a_driver():

@@ -163,7 +163,8 @@ class TestFlashTemporaries:
     def test_backward_rounding(self) -> None:
         # L=1000 → seqlen_q_rounded 1024; D=80 → head_size 80, rounded to 32 → 96;
         # D=160 → 160 rounded to 64 → 192 (head_size > 128 rounds to 64)
-        buffers = attention_memory.backward_temporaries(call(seq_q=1000, seq_kv=1000, head_dim=80, head_dim_v=80), B.FLASH, H100,
+        buffers = attention_memory.backward_temporaries(call(seq_q=1000, seq_kv=1000, head_dim=80, head_dim_v=80),
+                                                        B.FLASH, H100,
                                                         sm_count=H100_SMS)
         assert buffers[0].shape == (2, 16, 1024)
         assert buffers[1].shape == (2, 1024, 16, 96)
@@ -265,7 +266,8 @@ class TestPrologueAndCorrections:
 
     def test_mem_efficient_pads_unaligned_mask(self) -> None:
         masked = call(has_mask=True, is_causal=False, seq_kv=1000)
-        buffers = attention_memory.sdpa_prologue_buffers(masked, B.EFFICIENT, mask_shape=(2048, 1000), mask_is_bool=True)
+        buffers = attention_memory.sdpa_prologue_buffers(masked, B.EFFICIENT, mask_shape=(2048, 1000),
+                                                         mask_is_bool=True)
         assert [(b.name, b.shape) for b in buffers] == [("sdpa_mask_float", (2048, 1000)),
                                                          ("sdpa_mask_padded", (2, 16, 2048, 1008))]
 
@@ -343,7 +345,8 @@ class TestAutocast:
             for name in torch._C._dispatch_get_all_op_names()
             if name.startswith("aten::") and has_kernel(name, "AutocastCUDA")
         }
-        ours = {name.split(".", 1)[0] for names in autocast.autocast_lists(torch.__version__).values() for name in names}
+        ours = {name.split(".",
+                           1)[0] for names in autocast.autocast_lists(torch.__version__).values() for name in names}
         if torch.version.cuda is None:  # a CPU build registers no cuDNN RNN (aten/src/ATen/cudnn/AutocastRNN.cpp)
             ours.discard("_cudnn_rnn")
         assert registered == ours

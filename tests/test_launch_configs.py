@@ -149,7 +149,8 @@ def test_accelerate_plain_types(tmp_path, kind, strategy):
 
 def test_accelerate_deepspeed_config_file_is_read(tmp_path):
     _write(tmp_path, "z.json", {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}})
-    text = f"distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n  deepspeed_config_file: {tmp_path}/z.json\n"
+    text = ("distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n"
+            f"  deepspeed_config_file: {tmp_path}/z.json\n")
     setup = read_accelerate(_write(tmp_path, "a.yaml", text))
     assert dict(setup.distributed) == {"strategy": "zero1", "world_size": 8}
     assert dict(setup.values) == {"batch_size": 2, "precision": "fp32"}

@@ -335,5 +335,5 @@ def test_ep_without_transformers_expert_parallelism_is_refused_by_name(monkeypat
     from memcalc.distributed.strategy import ep
 
     monkeypatch.setattr(ep, "expert_parallelism_available", lambda: False)
-    with pytest.raises(InapplicableOptionError, match="transformers.distributed.expert_parallel"):
+    with pytest.raises(InapplicableOptionError, match=r"transformers\.distributed\.expert_parallel"):
         memcalc.estimate("mlp", batch_size=2, distributed=memcalc.Distributed(ep=2))

@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch as _torch
-
-#: memcalc drives torch.distributed.pipelining's internals as torch 2.13 has them; an older torch
-#: is refused by name (test_an_older_torch_is_refused_by_name)
-pytestmark = pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),
-                                reason="pipeline parallelism needs torch >= 2.13's pipelining")
 from click.testing import CliRunner
 from gloo_pipeline import BATCH, POSITIONS, pipeline_model
 from gloo_runs import FEATURES
@@ -22,6 +17,11 @@ from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed.pipeline import Pipeline, estimate_pipeline
 from memcalc.fields import build_step
+
+#: memcalc drives torch.distributed.pipelining's internals as torch 2.13 has them; an older torch
+#: is refused by name (test_an_older_torch_is_refused_by_name)
+pytestmark = pytest.mark.skipif(tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 13),
+                                reason="pipeline parallelism needs torch >= 2.13's pipelining")
 
 _OPTIONS = dict(input_shape=(POSITIONS, FEATURES), optimizer="adam", loss="mean", gpu="cpu",
                 loop=memcalc.Loop(optimizer_impl="foreach"))

@@ -82,7 +82,7 @@ def test_grouped_mm_output_is_what_the_cpu_kernel_allocates(dtype: torch.dtype) 
         assert (meta.shape, meta.stride(), meta.dtype) == (real.shape, real.stride(), real.dtype)
         assert meta.untyped_storage().nbytes() == real.untyped_storage().nbytes()
     # torch's own meta kernel is back on exit
-    with pytest.raises(RuntimeError, match="BF16|BFloat16"):  # torch 2.13 says BF16, 2.14 BFloat16
+    with pytest.raises(RuntimeError, match=r"BF16|BFloat16"):  # torch 2.13 says BF16, 2.14 BFloat16
         torch._grouped_mm(torch.empty(4, 16, device="meta"), torch.empty(2, 16, 8, device="meta"),
                           offs=torch.empty(2, device="meta", dtype=torch.int32))
 

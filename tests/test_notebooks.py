@@ -34,7 +34,9 @@ EXPECTED = {"01_quickstart", "02_batch_size", "03_precision_checkpointing", "04_
             "06_llm_finetuning"}  # issue 14: fine-tuning an LLM on one GPU
 
 KERNEL = "python3"
-CELL_TIMEOUT_S = 600  # a hang guard, not a time limit: 06's batch search takes about 80 s on 2 idle CPU cores, and over 180 s beside another test run
+# a hang guard, not a time limit: 06's batch search takes about 80 s on 2 idle CPU cores, and over
+# 180 s beside another test run
+CELL_TIMEOUT_S = 600
 REGEN = bool(os.environ.get("MEMCALC_REGEN_NOTEBOOKS"))
 
 

@@ -235,8 +235,9 @@ def test_a_measured_bandwidth_factor_times_the_h100_and_can_be_overridden() -> N
     assert device_rates(h100, bandwidth_scale=1.0).spread == 0.0  # the caller's coefficients: no fitted spread
     assert "its bandwidth term fitted to 8 of its own steps" in device_rates(h100).basis
     # the peaks line says the bandwidth is not the datasheet's alone
-    assert device_rates(h100).source.endswith(f"3.35 TB/s; the bandwidth term times "
-                                              f"{fitted.MEASURED_BANDWIDTH['h100-80gb']:.4g} (fitted to its 8 measured steps)")
+    scale = fitted.MEASURED_BANDWIDTH["h100-80gb"]
+    assert device_rates(h100).source.endswith(f"3.35 TB/s; the bandwidth term times {scale:.4g} (fitted to its 8 "
+                                              f"measured steps)")
     assert device_rates(h100, bandwidth_scale=1.5).source.endswith("times 1.5 (given)")
     assert device_rates(h100, bandwidth_scale=1.0).source.endswith("3.35 TB/s")
     with pytest.raises(memcalc.InvalidInputError, match="bandwidth_scale must be positive"):

@@ -45,7 +45,8 @@ def _storages_born_in_forward(model, batch=64):
     # target="cpu": tensors only, without the synthetic CUDA workspaces
     traced = trace_model(resolve(model, batch_size=batch, input_shape=(512,)),
                          build_step(optimizer="none", mode="eval", gpu="cpu"))
-    return [traced.trace.nbytes[u] for u in range(traced.trace.num_storages) if traced.trace.phase[u].value == "forward"]
+    trace = traced.trace
+    return [trace.nbytes[u] for u in range(trace.num_storages) if trace.phase[u].value == "forward"]
 
 
 def test_inplace_relu_allocates_nothing():
@@ -64,7 +65,8 @@ class ViewNet(nn.Module):
 def test_views_share_storage_and_copies_do_not():
     traced = trace_model(resolve(ViewNet(), batch_size=8, input_shape=(4, 4)),
                          build_step(optimizer="none", mode="eval"))
-    born = [traced.trace.nbytes[u] for u in range(traced.trace.num_storages) if traced.trace.phase[u].value == "forward"]
+    trace = traced.trace
+    born = [trace.nbytes[u] for u in range(trace.num_storages) if trace.phase[u].value == "forward"]
     # x*2: 8·16·4 = 512 B; view and t() share it; contiguous() of the transpose copies: 512 B
     assert born == [512, 512]
 
@@ -120,7 +122,7 @@ def test_user_module_with_real_weights_left_untouched():
     assert not model.training  # train/eval mode as it was
     assert [p.data_ptr() for p in model.parameters()] + [b.data_ptr() for b in model.buffers()] == pointers
     assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, model.state_dict().values(), strict=True))
     assert not model._forward_hooks and not model[0]._forward_pre_hooks  # hooks removed
 
 

@@ -232,14 +232,18 @@ def test_zero_model_states_match_deepspeed(world_size, precision):
 
 def test_zero2_on_gpt2_matches_deepspeed_with_tied_weights_counted_once():
     # GPT-2 small: Ψ = 124,439,808 (lm_head shares wte), divisible by 2·8: no padding.
-    r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, distributed=memcalc.Distributed("zero2", world_size=8, reduce_bucket_size=1024), precision="amp-fp16")
-    total, largest = ds.model_to_params(_gpt2())
+    r = memcalc.estimate("gpt2", seq_len=32, batch_size=1,
+                         distributed=memcalc.Distributed("zero2", world_size=8, reduce_bucket_size=1024),
+                         precision="amp-fp16")
+    total, _largest = ds.model_to_params(_gpt2())
     assert total == 124_439_808
     assert _only_role(r).model_states == ds.zero2_model_states(total, 8).gpu_bytes
 
 
 def test_zero3_on_gpt2_matches_deepspeed_up_to_per_parameter_padding():
-    r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, distributed=memcalc.Distributed("zero3", world_size=8, reduce_bucket_size=1024), precision="amp-fp16")
+    r = memcalc.estimate("gpt2", seq_len=32, batch_size=1,
+                         distributed=memcalc.Distributed("zero3", world_size=8, reduce_bucket_size=1024),
+                         precision="amp-fp16")
     model = _gpt2()
     total, largest = ds.model_to_params(model)
     assert largest == 50257 * 768  # wte
@@ -281,7 +285,9 @@ def test_deepspeed_formulas_by_hand():
 @pytest.mark.parametrize("world_size", [2, 8])
 @pytest.mark.parametrize("precision", ["fp32", "amp-fp16"])
 def test_model_states_order_zero3_zero2_zero1_ddp(world_size, precision):
-    states = {s: _only_role(memcalc.estimate("mlp", batch_size=4, distributed=memcalc.Distributed(s, world_size=world_size, **_zero_bucket(s)),
+    states = {s: _only_role(memcalc.estimate("mlp", batch_size=4,
+                                             distributed=memcalc.Distributed(s, world_size=world_size,
+                                                                             **_zero_bucket(s)),
                                              precision=precision)).model_states
               for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
     # zero1 keeps fp32 parameters and gradients whole in fp32 (8Ψ + 16Ψ/N): at N = 2 it equals
@@ -310,12 +316,14 @@ def test_dp_chunks_like_torch_chunk():
 
 
 def test_dp_global_batch_is_chunked_and_idle_devices_are_said():
-    r = memcalc.estimate("mlp", batch_size=10, distributed=memcalc.Distributed("dp", device_ids=[2, 5, 6, 7], batch_is_global=True))
+    r = memcalc.estimate("mlp", batch_size=10,
+                         distributed=memcalc.Distributed("dp", device_ids=[2, 5, 6, 7], batch_is_global=True))
     output, others = r.roles
     assert (output.name, output.ranks, output.batch_size) == ("output device (cuda:2)", (2,), 3)
     assert (others.ranks, others.batch_size) == ((5, 6, 7), 3)
     assert r.global_batch_size == 10 and r.world_size == 4
-    small = memcalc.estimate("mlp", batch_size=2, distributed=memcalc.Distributed("dp", world_size=4, batch_is_global=True))
+    small = memcalc.estimate("mlp", batch_size=2,
+                             distributed=memcalc.Distributed("dp", world_size=4, batch_is_global=True))
     assert [role.ranks for role in small.roles] == [(0,), (1,)]
     assert any("cuda:2, cuda:3 get no chunk" in n for n in small.notes)
 
@@ -323,7 +331,8 @@ def test_dp_global_batch_is_chunked_and_idle_devices_are_said():
 def test_dp_output_device_holds_the_gathered_logits():
     # GPT-2, 4 devices × 2 sequences of 32 tokens: device 0 gathers the logits of all
     # 8 sequences (8·32·50257·4 B) and computes the loss there; the others send theirs away.
-    r = memcalc.estimate("gpt2", seq_len=32, batch_size=2, distributed=memcalc.Distributed("dp", world_size=4), optimizer="sgd")
+    r = memcalc.estimate("gpt2", seq_len=32, batch_size=2, distributed=memcalc.Distributed("dp", world_size=4),
+                         optimizer="sgd")
     output, others = r.roles
     gathered_logits = 8 * 32 * 50257 * 4
     assert output.peak_allocated - others.peak_allocated > gathered_logits
@@ -338,12 +347,14 @@ def test_dp_output_device_holds_the_gathered_logits():
 
 def test_ddp_batch_global_or_per_rank():
     per_rank = memcalc.estimate("mlp", batch_size=8, distributed=memcalc.Distributed("ddp", world_size=4))
-    global_ = memcalc.estimate("mlp", batch_size=32, distributed=memcalc.Distributed("ddp", world_size=4, batch_is_global=True))
+    global_ = memcalc.estimate("mlp", batch_size=32,
+                               distributed=memcalc.Distributed("ddp", world_size=4, batch_is_global=True))
     assert per_rank.batch_size == global_.batch_size == 8
     assert per_rank.global_batch_size == global_.global_batch_size == 32
     assert per_rank.bytes == global_.bytes
     with pytest.raises(InvalidInputError, match="does not split evenly"):
-        memcalc.estimate("mlp", batch_size=30, distributed=memcalc.Distributed("ddp", world_size=4, batch_is_global=True))
+        memcalc.estimate("mlp", batch_size=30,
+                         distributed=memcalc.Distributed("ddp", world_size=4, batch_is_global=True))
 
 
 def test_ddp_bucket_cap_sets_the_number_of_buckets_not_their_bytes():
@@ -402,7 +413,9 @@ def test_fsdp_mixed_precision_gathers_16_bit_and_keeps_fp32_states():
 @pytest.mark.slow
 def test_checkpointing_and_accumulation_run_under_every_strategy():
     for strategy in ("dp", "ddp", "fsdp", "zero1", "zero2", "zero3"):
-        r = memcalc.estimate("gpt2", seq_len=32, batch_size=1, distributed=memcalc.Distributed(strategy, world_size=2, **_zero_bucket(strategy)), checkpoint=True,
+        r = memcalc.estimate("gpt2", seq_len=32, batch_size=1,
+                             distributed=memcalc.Distributed(strategy, world_size=2, **_zero_bucket(strategy)),
+                             checkpoint=True,
                              accum_steps=2, precision="amp-bf16")
         assert r.bytes.peak_allocated > 0 and r.roles
 
@@ -482,8 +495,9 @@ def test_fsdp_against_real_fully_shard(fake_process_group, factory, shape, batch
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     real = _real_peak(model, torch.randn(batch, *shape), [p.to_local() for p in model.parameters()])
-    estimate = memcalc.estimate(factory, input_shape=shape, batch_size=batch, distributed=memcalc.Distributed("fsdp", world_size=fake_process_group, sharding=sharding), optimizer="adam", loss="mean",
-                                gpu="cpu", loop=FOREACH)
+    setting = memcalc.Distributed("fsdp", world_size=fake_process_group, sharding=sharding)
+    estimate = memcalc.estimate(factory, input_shape=shape, batch_size=batch, distributed=setting, optimizer="adam",
+                                loss="mean", gpu="cpu", loop=FOREACH)
     assert estimate.peak_requested == real - _step_counters(factory)
 
 
@@ -513,7 +527,10 @@ def test_ddp_against_real_distributed_data_parallel(fake_process_group, view, bu
     torch.manual_seed(0)
     model = _BlockNet()
     real = _real_peak(model, torch.randn(16, 64), list(model.parameters()), setup=wrap)
-    estimate = memcalc.estimate(_BlockNet, input_shape=(64,), batch_size=16, distributed=memcalc.Distributed("ddp", world_size=fake_process_group, gradient_as_bucket_view=view, bucket_cap_mb=bucket_cap_mb), optimizer="adam", loss="mean", gpu="cpu", loop=FOREACH)
+    setting = memcalc.Distributed("ddp", world_size=fake_process_group, gradient_as_bucket_view=view,
+                                  bucket_cap_mb=bucket_cap_mb)
+    estimate = memcalc.estimate(_BlockNet, input_shape=(64,), batch_size=16, distributed=setting, optimizer="adam",
+                                loss="mean", gpu="cpu", loop=FOREACH)
     # + 12 B: DDP's own CPU scalars
     assert 0 <= real - _step_counters(_BlockNet) - estimate.peak_requested <= 16
 
@@ -542,7 +559,7 @@ def test_bad_input_is_refused(kwargs, message):
 
 
 def test_distributed_must_be_the_options_object():
-    with pytest.raises(InvalidInputError, match="memcalc.Distributed"):
+    with pytest.raises(InvalidInputError, match=r"memcalc\.Distributed"):
         memcalc.estimate("mlp", batch_size=2, distributed="ddp")
 
 

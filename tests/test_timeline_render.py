@@ -61,7 +61,7 @@ def synthetic(*, layers: int = 12, capacity: int | None = None, role: str = "") 
     def free(storage: int, phase: Phase, op: str) -> None:
         rows.append((storage, False, phase, births[storage][1], op))
 
-    for i in range(4):
+    for _ in range(4):
         alloc(3 * MIB + 100, Category.PARAMETERS, Phase.SETUP, "", "")
     alloc(MIB, Category.INPUTS, Phase.SETUP, "", "")
     spans.append(PhaseSpan(Phase.SETUP, 1, 0, len(rows)))

@@ -28,7 +28,7 @@ def test_parameter_counts_equal_hugging_face(transformers, zoo, hf):
 
     ours = resolve(f"torch:{zoo}", batch_size=1, seq_len=8).module
     theirs = resolve(hf, batch_size=1, seq_len=8).module
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    count = lambda m: sum(p.numel() for p in m.parameters())
     if zoo == "bert-base":  # hf:bert builds BertLMHeadModel; the zoo is BertModel with pooler
         theirs = theirs.bert
         assert count(ours) == count(theirs) + 768 * 768 + 768  # HF's LM-head model drops the pooler

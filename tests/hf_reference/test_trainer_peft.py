@@ -35,7 +35,8 @@ def test_lora_fp32_weights_amp_bf16(tmp_path: Path) -> None:
 
 
 def test_lora_bf16_weights(tmp_path: Path) -> None:
-    # before the model's own loss: -45.9% (its fp32 upcast of the (2, 256, 151936) logits of Qwen2's vocabulary was missing)
+    # before the model's own loss: -45.9% (its fp32 upcast of the (2, 256, 151936) logits of Qwen2's
+    # vocabulary was missing)
     recipe = Recipe(llama_config(BF16_ODD_VOCAB), bf16=True, weights=torch.bfloat16, lora=16,
                     estimate=dict(optimizer="adamw", precision="bf16", loop=_TRAINER, finetune=_LORA))
     check_trainer_recipe(recipe, tmp_path, "LoRA, bf16 weights + amp bf16", TOLERANCE)
