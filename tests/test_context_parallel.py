@@ -25,6 +25,7 @@ from torch.distributed.tensor.experimental._context_parallel import _attention a
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import memcalc
+import memcalc.distributed.strategies as strategies
 from memcalc.cli import main
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.distributed import ring_attention as ring_module
@@ -228,6 +229,9 @@ def test_a_cp_rank_is_the_step_at_s_over_cp_with_the_ring_around_attention(monke
         return workspace(self, nbytes, label)
 
     monkeypatch.setattr(RingAttentionProgram, "_workspace", spy)
+    # the whole model traced, as the count below is per layer (depth extrapolation would trace 2, 3 and 4
+    # layers and compose the 8: the same report, tests/test_depth_step.py's cp cases)
+    monkeypatch.setattr(strategies, "traced_by_depth", lambda *args, **kwargs: None)
     cp = _estimate(256, cp=2)
     # every one of the 8 layers: forward 3,153,920 B and backward 8,130,560 B (test_ring_bytes_by_hand:
     # B=2, 8 heads (K/V repeated: contiguous; q's layout copies nothing), 128 tokens of 256, D=64, fp32; the
