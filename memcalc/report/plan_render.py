@@ -32,8 +32,8 @@ def _row(rank: int, c: PlanCandidate, unit: Unit) -> list[str]:
 def _unsearched(result: PlanResult) -> str:
     """The dimensions plan left out, each with its reason: the request's own shape (no experts, a
     short sequence) or an option, not only what memcalc cannot model."""
-    whys = result.not_searched_why or ("not modelled, or not yet in plan's cost model",) * len(result.not_searched)
-    return ", ".join(f"{n} ({why})" for n, why in zip(result.not_searched, whys, strict=True)) or "none"
+    reasons = zip(result.not_searched, result.not_searched_why, strict=True)
+    return ", ".join(f"{n} ({why})" for n, why in reasons) or "none"
 
 
 def render_plan(result: PlanResult, *, unit: Unit = Unit.AUTO, fmt: str = "simple") -> str:

@@ -145,6 +145,9 @@ class PlanResult:
     network: Network
     searched: tuple[str, ...]
     not_searched: tuple[str, ...]
+    #: why each of :attr:`not_searched` was left out, in its order ("the model has no experts"):
+    #: a dimension left out for the request's own shape is not one memcalc cannot model
+    not_searched_why: tuple[str, ...]
     meshes: tuple[Mesh, ...]
     configurations: int
     estimates: int
@@ -153,15 +156,12 @@ class PlanResult:
     unsupported: int = 0
     bounded: int = 0
     reused: int = 0
-    #: why each of :attr:`not_searched` was left out, in its order ("the model has no experts"):
-    #: a dimension left out for the request's own shape is not one memcalc cannot model
-    not_searched_why: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The ``memcalc plan --format json`` contract (docs/many-gpus.md)."""
         return {"gpus": self.gpus, "global_batch": self.global_batch, "network": self.network.to_dict(),
                 "dimensions_searched": list(self.searched), "dimensions_not_searched": list(self.not_searched),
-                "why_not_searched": dict(zip(self.not_searched, self.not_searched_why, strict=False)),
+                "why_not_searched": dict(zip(self.not_searched, self.not_searched_why, strict=True)),
                 "meshes": [m.describe() for m in self.meshes], "unsupported_meshes": self.unsupported,
                 "configurations": self.configurations, "estimates": self.estimates,
                 "pruned_by_bounds": self.bounded, "traces_reused": self.reused,
@@ -215,7 +215,7 @@ def _narrowest_mlp(dense: int | None, expert_width: int | None, top_k: int | Non
     config's, else its parameters' (``3 · hidden · width`` an expert, a SwiGLU's gate, up and down;
     a two-matrix expert reads narrower, which keeps the floor a floor). Shared experts are left out
     (a floor too)."""
-    widths = [w for w in (dense,) if w]
+    widths = [dense] if dense else []
     if top_k and expert_width:
         widths.append(top_k * expert_width)
     if top_k and hidden and experts.get("expert_parameters") and experts.get("moe_layers"):
@@ -459,6 +459,13 @@ def _searches_cp(asked: bool | None, sequence: int) -> bool:
     return asked if asked is not None else sequence >= LONG_CONTEXT
 
 
+def _why_no_cp(asked: bool | None, sequence: int, searched: str) -> str:
+    """Why plan leaves cp out (:func:`_searches_cp` said no): ``--no-cp``, or a sequence under
+    :data:`LONG_CONTEXT`; ``searched``: what ``--cp`` would search ("them": the meshes, "it": cp)."""
+    return ("--no-cp" if asked is False else
+            f"the sequence, {sequence:,} tokens, is under {LONG_CONTEXT:,}: --cp searches {searched}")
+
+
 def _balanced_rings(meshes: list[Mesh], sequence: int) -> tuple[list[Mesh], list[str]]:
     """``meshes`` less those whose ``2 × cp`` does not divide the sequence, and a note per such cp:
     torch's head-tail load balancer splits each sample into ``2 × cp`` chunks for causal attention
@@ -606,9 +613,8 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     if not searches_cp:
         ringed = [m for m in meshes if m.cp > 1]
         if ringed:
-            why = ("--no-cp" if context_parallel is False else
-                   f"the sequence, {search.sequence:,} tokens, is under {LONG_CONTEXT:,}: --cp searches them")
-            search.pruned.append(f"{len(ringed)} meshes with cp: not searched ({why})")
+            search.pruned.append(f"{len(ringed)} meshes with cp: not searched "
+                                 f"({_why_no_cp(context_parallel, search.sequence, 'them')})")
         meshes = [m for m in meshes if m.cp == 1]
     meshes, unsplit = _balanced_rings(meshes, search.sequence)
     search.pruned += unsplit
@@ -736,8 +742,7 @@ def find_plan(step: Step, gpus: int, global_batch: int, facts: ModelFacts, *, ne
     searched = tuple(n for n in APPLICATION_ORDER if n in known and known[n].planned and (n != "cp" or searches_cp)
                      and (n != "ep" or searches_ep))
     not_searched = tuple(n for n in APPLICATION_ORDER if n not in searched)
-    why_not = {"cp": "--no-cp" if context_parallel is False else
-               f"the sequence, {search.sequence:,} tokens, is under {LONG_CONTEXT:,}: --cp searches it",
+    why_not = {"cp": _why_no_cp(context_parallel, search.sequence, "it"),
                "ep": "--no-ep" if facts.experts is not None else "the model has no experts"}
     return PlanResult(best=tuple(best[:top]), gpus=gpus, global_batch=global_batch, network=network,
                       searched=searched, not_searched=not_searched,
