@@ -307,6 +307,8 @@ API_CASES = [
      ["budget", "'x'"]),
     ("max_batch_size device='banana'", lambda: memcalc.max_batch_size("mlp", device="banana"), InvalidInputError,
      ["device 'banana' is not a device spec"]),
+    ("max_batch_size device='cpu'", lambda: memcalc.max_batch_size("mlp", device="cpu"), InvalidInputError,
+     ["device 'cpu' is not a device spec", "a CUDA GPU of this machine", "--gpu cpu"]),
     ("max_batch_size device=0", lambda: memcalc.max_batch_size("mlp", device=0), InvalidInputError,
      ["device 0 is not a device spec"]),
     ("max_batch_size optimizer in eval", lambda: memcalc.max_batch_size("mlp", gpu="t4", optimizer="adam",
