@@ -33,6 +33,8 @@ from typing import Any, Protocol
 import torch
 from torch._ops import OpOverload
 
+from memcalc.targets.convolution_args import ConvolutionBackwardArgs, convolution_call
+
 __all__ = ("CONVOLUTION_OPS", "columns_nbytes", "runs_slow2d", "slow2d_columns")
 
 aten = torch.ops.aten
@@ -106,18 +108,14 @@ def slow2d_columns(kernels: _Kernels, op: OpOverload, args: tuple[Any, ...], kwa
                    out: Any) -> None:
     """The after-op rule of ``convolution`` and ``convolution_backward``: the columns ``Slow2d``
     unfolds, as a temporary (module docstring)."""
-    if op is aten.convolution_backward.default:
-        x, weight = args[1], args[2]
-        stride, padding, dilation, transposed, groups, mask = args[4], args[5], args[6], args[7], args[9], args[10]
-        if not mask[1]:  # no weight gradient: no columns through the allocator
-            return
-    else:
-        x, weight = args[0], args[1]
-        stride, padding, dilation, transposed, groups = args[3], args[4], args[5], args[6], args[8]
+    conv = convolution_call(op, args, kwargs)
+    if isinstance(conv, ConvolutionBackwardArgs) and not conv.output_mask[1]:
+        return  # no weight gradient: no columns through the allocator
+    x = conv.input
     if not runs_slow2d(x, kernels.capabilities) or x.numel() == 0:
         return
-    x_shape, w_shape, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
-    if transposed or len(x_shape) != 4 or any(d != 1 for d in dilation) or groups != 1:
+    x_shape, w_shape, stride, padding, dilation = _as_2d(x, conv.weight, conv.stride, conv.padding, conv.dilation)
+    if conv.transposed or len(x_shape) != 4 or any(d != 1 for d in dilation) or conv.groups != 1:
         kernels.cannot_follow(op, f"{str(x.dtype).removeprefix('torch.')} without oneDNN's: ATen's slow "
                                   "transposed, dilated, 3-D or grouped convolution")
         return
