@@ -18,8 +18,9 @@ non-dilated convolution: ``thnn_conv2d`` → ``_slow_conv2d_forward`` and ``_slo
 Measured (tests/test_cpu_convolution.py, test_compile.py's SmallCNN under autocast bf16 on a 2-core AMD
 EPYC, AVX2): the events are ``_slow_conv2d_forward``'s ``empty`` of exactly these bytes, and the
 compiled step's peak is the columns of its second 32-channel convolution's backward. On a CPU with
-oneDNN's bf16 the rule does nothing: oneDNN's convolution takes its scratchpad inside ideep, as the
-float32 one does (both left to the approximation named in the report).
+oneDNN's bf16 the rule adds nothing: oneDNN's convolution takes its scratchpad inside ideep, as the
+float32 one does; such calls (and every float32 one, whichever backend runs it) are the report's
+approximated ops (``MemoryReport.unsupported_ops``), and the Slow2d calls followed here are not.
 
 A grouped convolution (``groups > 1``: ``_convolution`` runs one ``Slow2d`` per group on contiguous
 slices, then ``cat``), a transposed, dilated or 3-D one run other slow backends: named as not followed.
@@ -68,6 +69,8 @@ class _Kernels(Protocol):
 
     def cannot_follow(self, op: object, why: str) -> None: ...
 
+    def approximate(self, op: OpOverload) -> None: ...
+
 
 def _onednn_takes(dtype: torch.dtype, caps: _Capabilities) -> bool:
     """``use_mkldnn``'s reduced-precision branch: oneDNN enabled and the device check of ``dtype``."""
@@ -107,12 +110,17 @@ def _as_2d(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding
 def slow2d_columns(kernels: _Kernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                    out: Any) -> None:
     """The after-op rule of ``convolution`` and ``convolution_backward``: the columns ``Slow2d``
-    unfolds, as a temporary (module docstring)."""
+    unfolds, as a temporary (module docstring); a call another backend runs (oneDNN's, or any
+    float32 one: oneDNN, NNPACK or Slow2d, whose memory inside is not modelled) is counted as
+    approximated, for the report's list."""
     conv = convolution_call(op, args, kwargs)
+    x = conv.input
+    if not runs_slow2d(x, kernels.capabilities):  # oneDNN's convolution, or float32's backends: not modelled
+        kernels.approximate(op)
+        return
     if isinstance(conv, ConvolutionBackwardArgs) and not conv.output_mask[1]:
         return  # no weight gradient: no columns through the allocator
-    x = conv.input
-    if not runs_slow2d(x, kernels.capabilities) or x.numel() == 0:
+    if x.numel() == 0:
         return
     x_shape, w_shape, stride, padding, dilation = _as_2d(x, conv.weight, conv.stride, conv.padding, conv.dilation)
     if conv.transposed or len(x_shape) != 4 or any(d != 1 for d in dilation) or conv.groups != 1:

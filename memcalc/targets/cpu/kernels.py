@@ -168,6 +168,7 @@ class CpuKernels:
         self.tracer: StorageTracer | None = None
         self.followed: Counter[str] = Counter()
         self.unfollowed: dict[str, tuple[int, str]] = {}  # op name → (calls, why)
+        self.approximated: Counter[str] = Counter()  # the report's ops whose memory inside is approximated
         self.saved_numbers = scalars.SavedNumbers()  # Python numbers autograd holds (scalars module)
 
     def attach(self, tracer: StorageTracer) -> None:
@@ -206,6 +207,11 @@ class CpuKernels:
     def follow(self, op: OpOverload) -> None:
         """A call of ``op`` whose CPU memory a rule modelled."""
         self.followed[op_name(op)] += 1
+
+    def approximate(self, op: OpOverload) -> None:
+        """A call of ``op`` that takes a kernel whose memory inside no rule models, a known gap the
+        report lists with its calls (``MemoryReport.unsupported_ops``: oneDNN's convolutions)."""
+        self.approximated[op.__name__] += 1
 
     def cannot_follow(self, op: object, why: str) -> None:
         """``op`` (an op, or a name) allocates memory on the CPU that no rule models: say so."""
