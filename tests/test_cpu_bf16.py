@@ -248,3 +248,28 @@ def test_flash_backward_gemm_scratch_by_hand() -> None:
     amx = dataclasses.replace(avx512, onednn_bf16_isa="avx512_core_amx")
     for caps, dtype in ((avx2, torch.bfloat16), (amx, torch.bfloat16), (avx512, torch.float32)):
         assert flash_backward_gemm_scratch((2, 8, 128, 64), 128, dtype, caps) == 0
+
+
+class LearnedKeysAndValues(nn.Module):
+    """Causal attention of the input over learned keys and values, (2, 8, 128, 64) each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Parameter(torch.randn(2, 8, 128, 64))
+        self.v = nn.Parameter(torch.randn(2, 8, 128, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(x, self.k, self.v, is_causal=True)
+
+
+@pytest.mark.parametrize("onednn", [pytest.param(True, marks=bf16_followed), False], ids=["oneDNN", "ATen's GEMM"])
+def test_a_bf16_step_peaking_in_the_flash_backward_matches_the_profiler(onednn: bool) -> None:
+    # bf16 training (sgd): the step peaks inside the flash backward, its gradients and buffers beside the
+    # bf16 GEMMs' oneDNN scratch (ring attention's call: 50,948 B on 2 threads); the estimate was that much
+    # under before the scratch was modelled, and named the op as not followed. oneDNN off: nothing to add
+    step = dict(inputs=(torch.randn(2, 8, 128, 64),), optimizer="sgd", precision="bf16")
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        estimate = memcalc.estimate(LearnedKeysAndValues, gpu="cpu", **step)  # type: ignore[arg-type]
+        measured = measure_cpu(build_step(LearnedKeysAndValues, **step)).peak_allocated  # type: ignore[arg-type]
+    assert estimate.peak_requested == measured
+    assert not any(note.startswith(NOT_FOLLOWED) for note in estimate.notes)
