@@ -1,7 +1,8 @@
 """bfloat16/float16 convolutions on a CPU without oneDNN's support for them: ATen's ``Slow2d`` and
 the columns it unfolds (memcalc/targets/cpu/convolution.py). By hand with the capability forced
-both ways, and against the CPU profiler on a host without AVX512-BF16 (on one with it, oneDNN runs
-them and the rule does nothing)."""
+both ways; against the CPU profiler on every host (on one with AVX512-BF16, where oneDNN runs them,
+with oneDNN turned off, as torch then takes the AVX2 machines' path); and the report's list of
+approximated convolutions, which names only those oneDNN (or float32's backends) run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import memcalc
 from memcalc.engine.run import build_report, trace_model
 from memcalc.fields import build_step
 from memcalc.measure.step import measure_cpu
+from memcalc.report.render import render_report
 from memcalc.sources.resolve import resolve
 from memcalc.targets.backend import CpuBackend
 from memcalc.targets.cpu.convolution import columns_nbytes
@@ -90,12 +92,42 @@ def test_a_grouped_slow_convolution_is_named() -> None:
             "dilated, 3-D or grouped convolution)") in notes
 
 
-@pytest.mark.skipif(HERE.onednn_bf16, reason="oneDNN runs bf16 convolutions on this CPU (AVX512-BF16): no Slow2d")
+#: Where oneDNN takes bf16 convolutions (AVX512-BF16), turning it off (``use_mkldnn`` false; NNPACK takes
+#: float32 only) sends them to Slow2d, as an AVX2 CPU does; the capabilities memcalc reads then say so.
+SLOW2D_HERE = not (HERE.onednn and HERE.onednn_bf16)
+
+
 @pytest.mark.parametrize("step", [INFERENCE, dict(optimizer="sgd", precision="bf16"),
                                   dict(optimizer="sgd", precision="amp-bf16")], ids=["eval", "bf16", "amp-bf16"])
 def test_slow2d_matches_the_profiler_to_the_byte(step: dict[str, object]) -> None:
-    # measured 2026-12-07 (AMD EPYC, AVX2): the forward's and the backward's columns are the only memory
-    # the CPU's convolutions take beyond their outputs (the input gradient's are make_unique arrays)
-    estimate = memcalc.estimate(Convs, gpu="cpu", inputs=INPUTS, **step)  # type: ignore[arg-type]
-    measured = measure_cpu(build_step(Convs, inputs=INPUTS, **step)).peak_allocated  # type: ignore[arg-type]
+    # measured 2026-12-07 (AMD EPYC, AVX2; and Intel AVX512-BF16 with oneDNN off): the forward's and the
+    # backward's columns are the only memory the CPU's convolutions take beyond their outputs (the input
+    # gradient's are make_unique arrays): 12,016 B, 12,988 B and 16,540 B
+    with torch.backends.mkldnn.flags(enabled=SLOW2D_HERE):
+        estimate = memcalc.estimate(Convs, gpu="cpu", inputs=INPUTS, **step)  # type: ignore[arg-type]
+        measured = measure_cpu(build_step(Convs, inputs=INPUTS, **step)).peak_allocated  # type: ignore[arg-type]
     assert estimate.peak_requested == measured
+    assert estimate.unsupported_ops == ()  # every convolution followed: none approximated
+
+
+def test_the_report_lists_only_the_convolutions_it_does_not_follow() -> None:
+    # bf16 training (sgd): three convolutions and their backwards (each asks for its weight's gradient).
+    # AVX2: Slow2d runs all six, and the rule follows them (their columns): none approximated
+    avx2 = _peak(AVX2, optimizer="sgd", precision="bf16")
+    assert avx2.unsupported_ops == ()
+    assert any("aten.convolution.default ×3, aten.convolution_backward.default ×3" in note for note in avx2.notes)
+    # AVX512-BF16: oneDNN runs all six, its memory inside not modelled
+    avx512 = _peak(AVX512_BF16, optimizer="sgd", precision="bf16")
+    assert avx512.unsupported_ops == (("convolution.default", 3), ("convolution_backward.default", 3))
+    # float32 runs oneDNN, NNPACK or Slow2d on any CPU: approximated on both
+    assert _peak(AVX2, optimizer="sgd", precision="fp32").unsupported_ops == avx512.unsupported_ops
+    # a grouped Slow2d convolution is named in the notes (test_a_grouped_slow_convolution_is_named), not listed
+
+    class Grouped(Convs):
+        def __init__(self) -> None:
+            super().__init__(groups=2)
+
+    assert _peak(AVX2, Grouped).unsupported_ops == ()
+    # the report's note reads the list
+    assert "approximated" not in render_report(avx2)
+    assert "approximated: convolution.default ×3, convolution_backward.default ×3" in render_report(avx512)

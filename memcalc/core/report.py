@@ -294,7 +294,9 @@ class MemoryReport:
     # segments that do not expand: the peak reserved under the capacity replayed again with
     # expandable_segments:True when it then fits, -1 when it does not; None: not asked.
     reserved_if_expandable: int | None = None
-    unsupported_ops: tuple[tuple[str, int], ...] = ()  # ops whose CUDA memory is approximated
+    # ops whose memory inside the kernel is approximated, with their calls: CUDA's cuDNN convolutions; the
+    # CPU's that oneDNN (or, in float32, any backend) runs, not the Slow2d ones its rule follows
+    unsupported_ops: tuple[tuple[str, int], ...] = ()
     measurement: Measurement | None = None
     notes: tuple[str, ...] = field(default=())
     attention_backend: str | None = None  # the backend of most attention calls; None: no attention

@@ -147,6 +147,8 @@ def _compose(shallow: RoleTrace, deep: RoleTrace, deep_depth: int, depth: int,
     traced.output_shapes = {name: d.output_shapes[old] for name, old in order if old in d.output_shapes}
     traced.notes = notes
     traced.attention = dict(_affine(Counter(s.attention), Counter(d.attention), extra))
+    if d.approximated is not None:  # the backend's own count, on the same line as the op counts
+        traced.approximated = dict(_affine(Counter(s.approximated or {}), Counter(d.approximated), extra))
     traced.successors = {}
     if composed.records is not None:
         traced.costs = copy.copy(d.costs)

@@ -25,9 +25,9 @@ are smaller), gloo stages the all-gather, ``log_sigmoid_forward`` takes a buffer
 each call is taken to need the traced call's workspace (memcalc's CUDA rule for that kernel), NCCL
 stages nothing, the buffer is empty, logsumexp (B, H, L). tests/test_context_parallel.py runs the
 real ring and its backward on the CPU (fake process group, every rank of cp = 2 and 4, three
-layouts, balanced or not): both agree to the byte (bf16: without oneDNN's bf16; with it within 2%,
-its GEMM scratch in the flash kernels: docs/notes/cpu-kernels.md). A collective completes when
-called; NCCL's keeps its input (the K/V cat, 2·Nkv·s) to its wait: not modelled.
+layouts, balanced or not): both agree to the byte, bf16 too, with or without oneDNN's bf16 matmul
+(its avx512_core_bf16 scratch in the flash backward's GEMMs: docs/notes/cpu-kernels.md). A collective
+completes when called; NCCL's keeps its input (the K/V cat, 2·Nkv·s) to its wait: not modelled.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ from memcalc.core.errors import InapplicableOptionError
 from memcalc.distributed.program import RankProgram
 from memcalc.engine.optimizers import OptimizerSpec
 from memcalc.engine.trace import StorageTracer
+from memcalc.targets.cpu.kernels import (
+    CpuCapabilities,
+    flash_backward_gemm_scratch,
+    flash_backward_workspace,
+    flash_forward_workspace,
+)
 
 __all__ = ("CUDA_RING", "CallTemporaries", "ForwardTemporaries", "Layout", "RingAttentionProgram", "RingTarget",
            "cpu_call_temporaries", "cpu_ring", "merged_output", "ring_backward_bytes", "ring_backward_peak",
@@ -191,28 +197,29 @@ class RingTarget:
 CUDA_RING = RingTarget()
 
 
-def cpu_ring(threads: int) -> RingTarget:
-    """The CPU target's (:mod:`memcalc.targets.cpu`): the CPU flash kernels' temporaries per
-    call, gloo's staging, the CPU ``log_sigmoid_forward``'s buffer, logsumexp laid out (B, L, H),
-    and the float32 copy of a bf16/fp16 gradient that ``accumulator += gradient`` makes first."""
-    from memcalc.targets.cpu.kernels import flash_forward_workspace
-
+def cpu_ring(capabilities: CpuCapabilities) -> RingTarget:
+    """The CPU target's (:mod:`memcalc.targets.cpu`) on a CPU with ``capabilities``: the CPU flash
+    kernels' temporaries per call, gloo's staging, the CPU ``log_sigmoid_forward``'s buffer,
+    logsumexp laid out (B, L, H), and the float32 copy of a bf16/fp16 gradient that
+    ``accumulator += gradient`` makes first."""
     def forward(q: Layout, k: Layout) -> int:
-        return flash_forward_workspace(q.shape, k.shape[2], _DTYPES[q.itemsize], threads)
+        return flash_forward_workspace(q.shape, k.shape[2], _DTYPES[q.itemsize], capabilities.threads)
 
-    return RingTarget(forward, cpu_call_temporaries(threads), gloo=True, log_sigmoid_buffer=True,
+    return RingTarget(forward, cpu_call_temporaries(capabilities), gloo=True, log_sigmoid_buffer=True,
                       lse_order=(0, 2, 1), promotes_inputs=True)
 
 
-def cpu_call_temporaries(threads: int) -> CallTemporaries:
+def cpu_call_temporaries(capabilities: CpuCapabilities) -> CallTemporaries:
     """The CPU flash backward's temporaries per call (:mod:`memcalc.targets.cpu.kernels`): its
     copy of an output gradient not laid out as (B, L, H, E) — the partial step's second half of
-    the gradient is not, for B > 1 — and its buffers, sized by that call's query length."""
-    from memcalc.targets.cpu.kernels import flash_backward_workspace
-
+    the gradient is not, for B > 1 — its buffers, sized by that call's query length, and (bf16
+    through oneDNN's avx512_core_bf16 matmul) its GEMMs' scratch. Only step 0's call is causal, with
+    as many queries as keys: its blocks are a non-causal call's."""
     def temporaries(grad_out: Layout, q: Layout, k: Layout) -> int:
         copy = 0 if grad_out.transposed(1, 2).is_contiguous() else grad_out.nbytes
-        return copy + flash_backward_workspace(q.shape, k.shape[2], _DTYPES[q.itemsize], threads)
+        dtype = _DTYPES[q.itemsize]
+        return (copy + flash_backward_workspace(q.shape, k.shape[2], dtype, capabilities.threads)
+                + flash_backward_gemm_scratch(q.shape, k.shape[2], dtype, capabilities))
 
     return temporaries
 
@@ -380,7 +387,7 @@ class RingAttentionProgram(RankProgram):
         self.load_balanced = load_balanced
         #: the CPU target: each local call's own temporaries (the CPU flash kernels') and gloo's
         #: staging; on CUDA every call is taken to need the traced call's workspace (memcalc's CUDA rule)
-        self.target = cpu_ring(torch.get_num_threads()) if cpu else CUDA_RING
+        self.target = cpu_ring(CpuCapabilities.here()) if cpu else CUDA_RING
         self.inner = inner
         self.communication = inner.communication  # one set: the report counts both programs' buffers
         self.notes = inner.notes

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -287,6 +287,9 @@ class TracedStep:
         self.iteration_starts: list[int] | None = None
         #: pre-existing storages the step freed, and which of its own it left in their place (:func:`build_program`)
         self.successors: dict[int, int | None] = {}
+        #: the calls whose memory inside the kernel the backend's rules found approximated (StepBackend.
+        #: approximated_ops); None: the engine's list by op name (:func:`_approximated`)
+        self.approximated: Mapping[str, int] | None = None
 
     @property
     def categories(self) -> list[Category]:
@@ -424,7 +427,7 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
     def counted() -> RunCounts:
         return RunCounts(Counter(tracer.trace.op_counts), dict(backend.attention_backends()),
                          tuple(backend.notes(module)), dict(tracer.modules.output_shapes),
-                         tuple(tracer.modules.order))
+                         tuple(tracer.modules.order), _copied(backend.approximated_ops()))
 
     try:
         with tracer, backend.mode():
@@ -476,7 +479,7 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
     if compiled is not None:
         compiled.backend.check_ran(runs_before)
     attention = dict(backend.attention_backends())
-    backend_notes = backend.notes(module)
+    backend_notes, approximated = backend.notes(module), backend.approximated_ops()
     if steady is not None:
         assert step.new_tokens is not None and retrace is not None
         extension = extend(trace, decoded, counted(), step.new_tokens)
@@ -489,7 +492,7 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
                                 f"({extension})")
             return traced
         trace.op_counts = extension.op_counts
-        attention, backend_notes = extension.attention, extension.notes
+        attention, backend_notes, approximated = extension.attention, extension.notes, extension.approximated
         report_progress(GENERATING, step.new_tokens, step.new_tokens)
     elif unsteady is not None:
         notes.append(f"generation traced token by token: {unsteady}")
@@ -500,6 +503,7 @@ def trace_model(resolved: ResolvedModel, step: Step, backend: StepBackend | None
     has_step = step.mode is Mode.TRAIN and step.optimizer.factory is not None
     traced = TracedStep(trace, categories, tracer, loss_name, step, attention, notes,
                         config.optimizer_impl.value if has_step else "", codes=codes)
+    traced.approximated = approximated
     traced.costs = recorder
     traced.paged_optimizer_state = _set_apart(trace, observer.paged_uids)
     if observer.second_iteration is not None:
@@ -942,7 +946,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         # judged by), so that the reserved bytes shown never contradict ``fits``
         peak_reserved=stats.peak_reserved if reserved_within is None else reserved_within,
         peak_reserved_unconstrained=stats.peak_reserved,
-        unsupported_ops=_approximated(trace, step),
+        unsupported_ops=_approximated(traced),
         fits=fits,
         reserved_within_capacity=reserved_within,
         reserved_if_expandable=expandable,
@@ -1173,11 +1177,22 @@ def _self_and_ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
-# Ops whose CUDA memory memcalc approximates (the report lists them with their counts).
-_APPROXIMATED_CUDA = {"convolution.default", "convolution_backward.default"}  # cuDNN workspace: a model
-_APPROXIMATED_CPU = {"convolution.default", "convolution_backward.default"}
+#: Ops whose memory inside the kernel memcalc approximates, counted by name where the backend's
+#: rules do not decide per call (StepBackend.approximated_ops): CUDA's cuDNN workspace is a model;
+#: a step traced with no device's rules follows no convolution.
+_APPROXIMATED = {"convolution.default", "convolution_backward.default"}
 
 
-def _approximated(trace: StepTrace, step: Step) -> tuple[tuple[str, int], ...]:
-    names = _APPROXIMATED_CUDA if step.emulate_cuda else _APPROXIMATED_CPU
-    return tuple((op, count) for op, count in sorted(trace.op_counts.items()) if op in names)
+def _copied(counts: Mapping[str, int] | None) -> dict[str, int] | None:
+    """A backend's running count as it is now (RunCounts keeps one per decode step)."""
+    return None if counts is None else dict(counts)
+
+
+def _approximated(traced: TracedStep) -> tuple[tuple[str, int], ...]:
+    """The report's approximated ops with their calls: the backend's own count where it keeps one
+    (the CPU target: the convolutions oneDNN or float32's backends run, not the Slow2d ones it
+    follows nor those its notes name), else every call of :data:`_APPROXIMATED`."""
+    counts = traced.approximated
+    if counts is None:
+        counts = {op: n for op, n in traced.trace.op_counts.items() if op in _APPROXIMATED}
+    return tuple((op, n) for op, n in sorted(counts.items()) if n)

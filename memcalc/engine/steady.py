@@ -76,6 +76,7 @@ class RunCounts:
     notes: tuple[str, ...]
     output_shapes: Mapping[str, tuple[int, ...]]
     order: tuple[str, ...]
+    approximated: Mapping[str, int] | None = None  # the backend's own count (StepBackend.approximated_ops)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Extension:
     op_counts: Counter[str]
     attention: dict[str, int]
     notes: list[str]
+    approximated: dict[str, int] | None = None
 
 
 class _NotSteady(Exception):
@@ -294,7 +296,10 @@ def _counts(counts: Sequence[RunCounts], end: RunCounts, steps: int, new_tokens:
                       dict(end.attention), extra, "attention calls")
     notes = [_note([c.notes[k] if k < len(c.notes) else "" for c in seen], note, extra)
              for k, note in enumerate(end.notes)]
-    return Extension(op_counts, attention, notes)
+    approximated = None if end.approximated is None else _line(
+        {name: [(c.approximated or {}).get(name, 0) for c in seen] for name in end.approximated},
+        dict(end.approximated), extra, "approximated calls")
+    return Extension(op_counts, attention, notes, approximated)
 
 
 def _line(values: Mapping[str, list[int]], end: Mapping[str, int], extra: int, what: str) -> dict[str, int]:

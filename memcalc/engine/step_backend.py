@@ -113,6 +113,10 @@ class StepBackend(Protocol):
     def notes(self, module: torch.nn.Module) -> list[str]:
         """Lines for the report about what the backend modelled."""
 
+    def approximated_ops(self) -> Mapping[str, int] | None:
+        """The calls, by op name, whose memory inside the kernel the backend's own rules found
+        approximated (the report's list); None: the engine's list by op name applies."""
+
 
 class PlainBackend:
     """The step as meta tensors run it: nothing emulated, nothing added."""
@@ -143,6 +147,9 @@ class PlainBackend:
 
     def notes(self, module: torch.nn.Module) -> list[str]:
         return []
+
+    def approximated_ops(self) -> Mapping[str, int] | None:
+        return None
 
 
 class _Regions(threading.local):

@@ -434,7 +434,7 @@ def attach_measurement(report: MemoryReport, step: Step, *, device: str | None =
 def cpu_comparison_note(cpu_report: MemoryReport) -> str:
     """What a CPU measurement is compared with, and each op whose CPU memory ``cpu_report``
     (an estimate with ``gpu="cpu"``) does not follow, by name and count."""
-    unfollowed = [f"{op} ×{n} (memory inside oneDNN's kernel)" for op, n in cpu_report.unsupported_ops]
+    unfollowed = [f"{op} ×{n} (memory inside the kernel, not modelled)" for op, n in cpu_report.unsupported_ops]
     unfollowed += [line.removeprefix(NOT_FOLLOWED).strip() for line in cpu_report.notes
                    if line.startswith(NOT_FOLLOWED)]
     note = "compared with the estimate for this CPU: its own kernels, no CUDA workspaces, unrounded"

@@ -79,6 +79,10 @@ class _EmulatingBackend:
         assert self.tracer is not None
         accumulate_in_place(self.tracer, func, args, kwargs, out)
 
+    def approximated_ops(self) -> Mapping[str, int] | None:
+        """The engine's list by op name (CUDA's cuDNN workspaces); the CPU's rules decide per call."""
+        return None
+
     def mode(self) -> AbstractContextManager[Any]:
         return _emulating(self.emulation)
 
@@ -196,6 +200,10 @@ class CpuBackend(_EmulatingBackend):
 
     def notes(self, module: nn.Module) -> list[str]:
         return self.kernels.notes()
+
+    def approximated_ops(self) -> Mapping[str, int] | None:
+        """The convolutions the CPU's rules left to oneDNN (or float32's backends), not every one."""
+        return dict(self.kernels.approximated)
 
 
 def trace_step(resolved: ResolvedModel, step: Step, *, hooks: RankHooks | None = None,

@@ -40,8 +40,9 @@ def test_trainer_full_fine_tune(name: str, tmp_path: Path) -> None:
 
 
 def test_trainer_bf16_weights(tmp_path: Path) -> None:
-    # a model loaded with dtype=torch.bfloat16, trained with Trainer(bf16=True); memcalc's nearest: pure bf16.
+    # a model loaded with dtype=torch.bfloat16, trained with Trainer(bf16=True): amp-bf16 over bf16 weights (pure
+    # bf16, the nearest before weight_dtype, gives the same bytes here: autocast casts nothing).
     # Before the model's own loss: -39.7% (its fp32 upcast of the (2, 256, 128256) logits was missing)
     recipe = Recipe(llama_config(BF16_VOCAB), bf16=True, weights=torch.bfloat16,
-                    estimate=dict(optimizer="adamw", precision="bf16", loop=_TRAINER))
+                    estimate=dict(optimizer="adamw", precision="amp-bf16", weight_dtype="bf16", loop=_TRAINER))
     check_trainer_recipe(recipe, tmp_path, "bf16 weights + amp bf16", TOLERANCE)

@@ -18,8 +18,9 @@ non-dilated convolution: ``thnn_conv2d`` → ``_slow_conv2d_forward`` and ``_slo
 Measured (tests/test_cpu_convolution.py, test_compile.py's SmallCNN under autocast bf16 on a 2-core AMD
 EPYC, AVX2): the events are ``_slow_conv2d_forward``'s ``empty`` of exactly these bytes, and the
 compiled step's peak is the columns of its second 32-channel convolution's backward. On a CPU with
-oneDNN's bf16 the rule does nothing: oneDNN's convolution takes its scratchpad inside ideep, as the
-float32 one does (both left to the approximation named in the report).
+oneDNN's bf16 the rule adds nothing: oneDNN's convolution takes its scratchpad inside ideep, as the
+float32 one does; such calls (and every float32 one, whichever backend runs it) are the report's
+approximated ops (``MemoryReport.unsupported_ops``), and the Slow2d calls followed here are not.
 
 A grouped convolution (``groups > 1``: ``_convolution`` runs one ``Slow2d`` per group on contiguous
 slices, then ``cat``), a transposed, dilated or 3-D one run other slow backends: named as not followed.
@@ -32,6 +33,8 @@ from typing import Any, Protocol
 
 import torch
 from torch._ops import OpOverload
+
+from memcalc.targets.convolution_args import ConvolutionBackwardArgs, convolution_call
 
 __all__ = ("CONVOLUTION_OPS", "columns_nbytes", "runs_slow2d", "slow2d_columns")
 
@@ -65,6 +68,8 @@ class _Kernels(Protocol):
     def follow(self, op: OpOverload) -> None: ...
 
     def cannot_follow(self, op: object, why: str) -> None: ...
+
+    def approximate(self, op: OpOverload) -> None: ...
 
 
 def _onednn_takes(dtype: torch.dtype, caps: _Capabilities) -> bool:
@@ -105,19 +110,20 @@ def _as_2d(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding
 def slow2d_columns(kernels: _Kernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                    out: Any) -> None:
     """The after-op rule of ``convolution`` and ``convolution_backward``: the columns ``Slow2d``
-    unfolds, as a temporary (module docstring)."""
-    if op is aten.convolution_backward.default:
-        x, weight = args[1], args[2]
-        stride, padding, dilation, transposed, groups, mask = args[4], args[5], args[6], args[7], args[9], args[10]
-        if not mask[1]:  # no weight gradient: no columns through the allocator
-            return
-    else:
-        x, weight = args[0], args[1]
-        stride, padding, dilation, transposed, groups = args[3], args[4], args[5], args[6], args[8]
-    if not runs_slow2d(x, kernels.capabilities) or x.numel() == 0:
+    unfolds, as a temporary (module docstring); a call another backend runs (oneDNN's, or any
+    float32 one: oneDNN, NNPACK or Slow2d, whose memory inside is not modelled) is counted as
+    approximated, for the report's list."""
+    conv = convolution_call(op, args, kwargs)
+    x = conv.input
+    if not runs_slow2d(x, kernels.capabilities):  # oneDNN's convolution, or float32's backends: not modelled
+        kernels.approximate(op)
         return
-    x_shape, w_shape, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
-    if transposed or len(x_shape) != 4 or any(d != 1 for d in dilation) or groups != 1:
+    if isinstance(conv, ConvolutionBackwardArgs) and not conv.output_mask[1]:
+        return  # no weight gradient: no columns through the allocator
+    if x.numel() == 0:
+        return
+    x_shape, w_shape, stride, padding, dilation = _as_2d(x, conv.weight, conv.stride, conv.padding, conv.dilation)
+    if conv.transposed or len(x_shape) != 4 or any(d != 1 for d in dilation) or conv.groups != 1:
         kernels.cannot_follow(op, f"{str(x.dtype).removeprefix('torch.')} without oneDNN's: ATen's slow "
                                   "transposed, dilated, 3-D or grouped convolution")
         return

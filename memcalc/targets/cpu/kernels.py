@@ -14,7 +14,8 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
   ``_rnn_impl`` (:func:`generic_rnn`, :func:`packed_rnn`, :func:`uniform_packed_mkldnn_rnn`);
 - mixed precision by CPU autocast's own op lists (:func:`autocast_arguments`);
 - ``at::linear``'s bias added in place (:func:`aten_linear`);
-- bfloat16 GEMMs' oneDNN scratchpad (:mod:`memcalc.targets.cpu.onednn`);
+- bfloat16 GEMMs' oneDNN scratchpad (:mod:`memcalc.targets.cpu.onednn`), the flash backward's
+  inner ones included (:func:`flash_backward_gemm_scratch`);
 - bfloat16/float16 convolutions on a CPU without oneDNN's support for them: ATen's ``Slow2d``
   columns (:mod:`memcalc.targets.cpu.convolution`);
 - gloo's staging in the functional all-gather and reduce-scatter (:mod:`memcalc.targets.cpu.gloo`);
@@ -71,6 +72,7 @@ __all__ = (
     "RnnKind",
     "autocast_arguments",
     "cpu_flash_refusal",
+    "flash_backward_gemm_scratch",
     "flash_backward_temporaries",
     "flash_backward_workspace",
     "flash_forward_temporaries",
@@ -166,6 +168,7 @@ class CpuKernels:
         self.tracer: StorageTracer | None = None
         self.followed: Counter[str] = Counter()
         self.unfollowed: dict[str, tuple[int, str]] = {}  # op name → (calls, why)
+        self.approximated: Counter[str] = Counter()  # the report's ops whose memory inside is approximated
         self.saved_numbers = scalars.SavedNumbers()  # Python numbers autograd holds (scalars module)
 
     def attach(self, tracer: StorageTracer) -> None:
@@ -204,6 +207,11 @@ class CpuKernels:
     def follow(self, op: OpOverload) -> None:
         """A call of ``op`` whose CPU memory a rule modelled."""
         self.followed[op_name(op)] += 1
+
+    def approximate(self, op: OpOverload) -> None:
+        """A call of ``op`` that takes a kernel whose memory inside no rule models, a known gap the
+        report lists with its calls (``MemoryReport.unsupported_ops``: oneDNN's convolutions)."""
+        self.approximated[op.__name__] += 1
 
     def cannot_follow(self, op: object, why: str) -> None:
         """``op`` (an op, or a name) allocates memory on the CPU that no rule models: say so."""
@@ -398,6 +406,63 @@ def flash_backward_workspace(q_shape: Sequence[int], kv_len: int, dtype: torch.d
     return buf + buf_reduced + q_split * accumulate
 
 
+#: ideep hands oneDNN a matmul's scale other than 1 as a one-float tensor from the CPU allocator,
+#: alive around the call's scratchpad (measured: 4 B about each scaled GEMM of the flash backward).
+_ONEDNN_SCALE_BYTES = 4
+
+
+def _flash_backward_blocks(q_len: int, kv_len: int, causal: bool) -> set[tuple[int, int]]:
+    """The (query rows, keys) blocks that one (batch, head) of cpu_flash_attention_backward
+    multiplies: each query block against the key blocks before ``num_keys`` (the causal diagonal,
+    top-left aligned), blocks of the split sizes and a tail. Each thread runs whole heads, so the
+    calling thread meets all of them. Of the query blocks of one size only the last matters: an
+    earlier one reaches a prefix of the same key blocks."""
+    q_split, kv_split = _flash_splits(q_len, kv_len)
+    last_kv = (kv_len - 1) // kv_split * kv_split  # where the last key block starts
+    q_tail = q_len - (q_len - 1) // q_split * q_split
+    last_starts = {q_len - q_tail: q_tail}
+    if q_len - q_tail >= q_split:  # a shorter tail: the last full block before it
+        last_starts[q_len - q_tail - q_split] = q_split
+    blocks = set()
+    for start, rows in last_starts.items():
+        reach = min(start + rows, kv_len) if causal else kv_len
+        if last_kv > 0:  # the first key block is a full one
+            blocks.add((rows, kv_split))
+        if reach > last_kv:
+            blocks.add((rows, kv_len - last_kv))
+    return blocks
+
+
+def flash_backward_gemm_scratch(q_shape: Sequence[int], kv_len: int, dtype: torch.dtype,
+                                capabilities: CpuCapabilities, *, causal: bool = False,
+                                scale: float | None = None) -> int:
+    """The most that the CPU flash backward's oneDNN GEMMs take at once on the calling thread,
+    where oneDNN's bf16 matmul runs ``brg_matmul:avx512_core_bf16`` (else 0: ATen's own GEMM takes
+    nothing; another ISA is named by the rule). Three of its five ``cpublas::gemm`` calls per block
+    write bfloat16 and go through mkldnn_bf16_gemm — grad_v += attnᵀ·dO, grad_q += s·dA·k and
+    grad_k += s·dAᵀ·q — each with a scratchpad (:func:`onednn_bf16_matmul_scratchpad`) and, the
+    scaled two, the scale's 4 B; the two writing float32 (q·kᵀ, dO·vᵀ, and the forward's) take
+    nothing (measured, torch 2.13). mkldnn_gemm hands the column-major C = A·B to oneDNN as
+    Cᵀ = Bᵀ·Aᵀ: rows M = n, columns N = m, source B transposed when ``transb`` is."""
+    if not (dtype is torch.bfloat16 and capabilities.onednn and capabilities.onednn_bf16
+            and capabilities.onednn_bf16_isa == ONEDNN_BF16_MATMUL_ISA) or not q_shape[2] or not kv_len:
+        return 0
+    head = int(q_shape[3])
+    alpha = 1 / head ** 0.5 if scale is None else scale  # sdp::calculate_scale
+    scaled = _ONEDNN_SCALE_BYTES if alpha != 1 else 0
+    most = 0
+    for rows, keys in _flash_backward_blocks(int(q_shape[2]), kv_len, causal):
+        # (M, N, K, source transposed, alpha, scale bytes): grad_v, grad_q, grad_k
+        for m, n, k, transposed, factor, extra in ((keys, head, rows, True, 1.0, 0),
+                                                   (rows, head, keys, False, alpha, scaled),
+                                                   (keys, head, rows, True, alpha, scaled)):
+            if m * n * k <= _ONEDNN_GEMM_MIN_SIZE or factor == 0:  # mkldnn_gemm declines: ATen's GEMM
+                continue
+            scratchpad = onednn_bf16_matmul_scratchpad(m, n, k, threads=capabilities.threads, a_transposed=transposed)
+            most = max(most, extra + scratchpad)
+    return most
+
+
 @CPU_KERNEL_RULES.register(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def flash_forward(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                   out: Any) -> None:
@@ -415,14 +480,18 @@ def flash_forward(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kw
 @CPU_KERNEL_RULES.register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def flash_backward(kernels: CpuKernels, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                    out: Any) -> None:
-    """The backward's copy of the output gradient and per-thread buffers."""
+    """The backward's copy of the output gradient, per-thread buffers and its bf16 GEMMs' oneDNN scratch."""
     grad_out, q, k = args[0], args[1], args[2]
-    if q.dtype in (torch.bfloat16, torch.float16):
-        # cpublas::gemm on reduced types goes through oneDNN, which takes scratch per call
+    caps = kernels.capabilities
+    bf16_elsewhere = caps.onednn and caps.onednn_bf16 and caps.onednn_bf16_isa != ONEDNN_BF16_MATMUL_ISA
+    if q.dtype is torch.float16 or (q.dtype is torch.bfloat16 and bf16_elsewhere):
+        # cpublas::gemm on reduced types goes through oneDNN: its fp16 matmul, or a bf16 ISA not modelled
         kernels.cannot_follow(op, f"{str(q.dtype).removeprefix('torch.')}: the scratch of the GEMMs inside")
     else:
         kernels.follow(op)
-    kernels.add_temporary(flash_backward_temporaries(grad_out, q, k, kernels.capabilities.threads))
+    is_causal = bool(args[7]) if len(args) > 7 else bool(kwargs.get("is_causal", False))
+    kernels.add_temporary(flash_backward_temporaries(grad_out, q, k, caps.threads) + flash_backward_gemm_scratch(
+        tuple(q.shape), int(k.shape[2]), q.dtype, caps, causal=is_causal, scale=kwargs.get("scale")))
 
 
 # ---- what a dispatch mode changes ------------------------------------------------------------

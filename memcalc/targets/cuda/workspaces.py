@@ -35,6 +35,7 @@ from memcalc.core.categories import Category
 from memcalc.core.gpu import GpuProfile
 from memcalc.engine.rules import RuleRegistry
 from memcalc.engine.trace import ShapeSized, StorageTracer
+from memcalc.targets.convolution_args import convolution_args, convolution_backward_args
 from memcalc.targets.cuda.attention_memory import Buffer, backward_temporaries, forward_temporaries
 from memcalc.targets.cuda.cublas import cublas_workspace_bytes, cublas_workspaces_in_training_step
 from memcalc.targets.cuda.cudnn import ConvDirection, ConvWorkspaceRule
@@ -297,24 +298,24 @@ def cublas_workspace(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...
 def conv_forward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                  out: Any) -> None:
     """``convolution``: cuDNN's forward, or its backward-data kernel for a transposed one."""
-    x, w = args[0], args[1]
-    stride, _padding, _dilation, transposed, _, groups = args[3:9]
+    conv = convolution_args(args, kwargs)
     # a transposed convolution runs cuDNN's backward-data kernel
-    direction = ConvDirection.BACKWARD_DATA if transposed else ConvDirection.FORWARD
-    model.conv(x, w, out, stride, groups, direction)
+    direction = ConvDirection.BACKWARD_DATA if conv.transposed else ConvDirection.FORWARD
+    model.conv(conv.input, conv.weight, out, conv.stride, conv.groups, direction)
 
 
 @WORKSPACE_RULES.register(aten.convolution_backward.default)
 def conv_backward(model: WorkspaceModel, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                   out: Any) -> None:
     """``convolution_backward``: one cuDNN call per gradient its output mask asks for."""
-    grad_out, x, w = args[0], args[1], args[2]
-    stride, _padding, _dilation, transposed, _, groups, mask = args[4:11]
+    conv = convolution_backward_args(args, kwargs)
+    grad_out, x, w, stride, groups, mask = (conv.grad_output, conv.input, conv.weight, conv.stride, conv.groups,
+                                            conv.output_mask)
     if mask[0]:
         # a transposed convolution's input gradient is cuDNN's forward
         # (cudnn_convolution_transpose_backward_input calls raw_cudnn_convolution_forward_out)
         model.conv(x, w, grad_out, stride, groups,
-                   ConvDirection.FORWARD if transposed else ConvDirection.BACKWARD_DATA)
+                   ConvDirection.FORWARD if conv.transposed else ConvDirection.BACKWARD_DATA)
     if mask[1]:
         model.conv(x, w, grad_out, stride, groups, ConvDirection.BACKWARD_FILTER)
     if len(mask) > 2 and mask[2]:
