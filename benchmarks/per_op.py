@@ -105,7 +105,7 @@ else:
             memcalc.estimate(model, batch_size=result.batch_size, gpu=GPU, capacity=result.budget_bytes, **options)
             estimates.append(time.process_time() - start)
         print(json.dumps({"case": model + (" margin 0" if fit_options else ""), "fit": min(fits),
-                          "estimate": min(estimates), "batch": result.batch_size,
+                          "estimate": min(estimates), "batch": result.batch_size, "gpu": GPU,
                           "estimates": result.num_estimates, "replays": result.replays}), flush=True)
 '''
 
