@@ -1,0 +1,165 @@
+"""The Hugging Face Trainer's own step under DDP and FSDP2, run for real on two processes over gloo,
+against memcalc's per-rank estimate of ``loop="trainer"`` under ``--strategy ddp`` / ``fsdp``.
+
+Each rank builds a real ``transformers.Trainer`` (its ``TrainingArguments`` defaults: fused AdamW,
+``max_grad_norm`` 1.0) in a process that accelerate sees as one of two (``RANK``, ``WORLD_SIZE``:
+``DistributedType.MULTI_CPU`` over the gloo group the harness made), and runs two optimizer updates
+as ``Trainer._run_epoch`` runs them, with the Trainer's own methods: ``get_batch_samples`` (its
+``num_items_in_batch``, gathered over the ranks), ``training_step`` (``compute_loss``, the
+loss's scaling, ``accelerator.backward``), ``_clip_grad_norm`` and ``_get_grad_norm`` (accelerate's
+``clip_grad_norm_``), the optimizer ``create_optimizer`` built, and ``model.zero_grad()``. The model
+is wrapped by accelerate itself: DDP by ``Accelerator.prepare_model`` with the Trainer's DDP kwargs;
+FSDP2 by ``accelerate.utils.fsdp_utils.fsdp2_prepare_model`` with a ``FullyShardedDataParallelPlugin
+(fsdp_version=2)`` (accelerate runs FSDP on GPUs only: the plugin is set on this CPU state by hand, and
+the wrapping is accelerate's code). Not ``Trainer.train()`` itself: its window would hold DDP's first
+iteration (the buckets rebuilt) and could not be repeated until gloo's trace is complete
+(tests/gloo_runs.py says why a step is measured more than once); tests/hf_reference/test_trainer_full.py
+measures ``train()`` on one process.
+
+Each rank's peak is the profiler's over the two updates plus the storages alive before them (the
+local parameters, buffers, DDP's buckets), after one warm-up run; the batches are made as they are
+drawn (``{"input_ids", "labels"}``, a collator's), inside the window, as memcalc's loop draws them.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_runs import _storages_before, profiled, spawn_ranks, until_complete
+from torch import nn
+
+import memcalc
+
+sys.path.insert(0, str(Path(__file__).parent / "hf_reference"))
+from hf_harness import llama_config, write_config
+
+pytestmark = pytest.mark.slow  # one spawn of two processes for every case
+
+WORLD = 2
+#: A small Llama whose head (8,000 x 128) weighs as much as its two layers: where each unit's
+#: parameters are gathered and freed moves the peak.
+CONFIG = llama_config(8_000, hidden=128, layers=2)
+BATCH, SEQ = 2, 128
+#: The relative error allowed (the brief: the byte, or 0.1%).
+TOLERANCE = 0.001
+#: name -> how accelerate wraps the model.
+CASES = ("ddp", "fsdp")
+
+
+def _batches(vocab: int) -> Iterator[dict[str, torch.Tensor]]:
+    """A collator's batches, each made when drawn: token ids and labels of their own."""
+    generator = torch.Generator().manual_seed(1)
+    while True:
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+        yield {"input_ids": ids, "labels": ids.clone()}
+
+
+def _wrap(trainer: Any, model: nn.Module, case: str) -> nn.Module:
+    """``model`` as accelerate prepares it on this process: DDP, or FSDP2 (module docstring)."""
+    if case == "ddp":
+        return trainer.accelerator.prepare_model(model)  # type: ignore[no-any-return]
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    state = trainer.accelerator.state
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
+                                                       auto_wrap_policy="transformer_based_wrap")
+    try:
+        return fsdp2_prepare_model(trainer.accelerator, model)  # type: ignore[no-any-return]
+    finally:
+        state.fsdp_plugin = None
+
+
+def _updates(trainer: Any, wrapped: nn.Module, batches: Iterator[dict[str, torch.Tensor]]) -> None:
+    """Two optimizer updates as ``Trainer._run_epoch`` runs them (one micro-batch each), with a
+    fresh optimizer dropped at the end with its state."""
+    trainer.optimizer = None
+    optimizer = trainer.create_optimizer()
+    tr_loss = torch.tensor(0.0)
+    for _ in range(2):
+        batch_samples, num_items_in_batch = trainer.get_batch_samples(batches, 1, trainer.args.device)
+        trainer.current_gradient_accumulation_steps = len(batch_samples)
+        for inputs in batch_samples:
+            tr_loss_step = trainer.training_step(wrapped, inputs, num_items_in_batch)
+            tr_loss += tr_loss_step
+        grad_norm = trainer._clip_grad_norm(wrapped)
+        grad_norm = trainer._get_grad_norm(wrapped, grad_norm=grad_norm)
+        optimizer.step()
+        wrapped.zero_grad()
+    del optimizer, grad_norm, inputs, batch_samples, tr_loss_step, tr_loss, num_items_in_batch
+    trainer.optimizer = None
+    gc.collect()
+
+
+def _real_peak(case: str, output_dir: str) -> int:
+    import transformers
+
+    torch.manual_seed(0)  # the same weights on every rank
+    config = transformers.AutoConfig.for_model(**CONFIG)
+    model: nn.Module = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
+    args = transformers.TrainingArguments(output_dir=output_dir, use_cpu=True, per_device_train_batch_size=BATCH,
+                                          max_steps=2, report_to="none", save_strategy="no",
+                                          logging_strategy="no", disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args)
+    assert trainer.accelerator.num_processes == WORLD, trainer.accelerator.state
+    wrapped = _wrap(trainer, model, case)
+    batches = _batches(int(CONFIG["vocab_size"]))  # type: ignore[call-overload]
+    _updates(trainer, wrapped, batches)  # the warm-up (FSDP's lazy init, DDP's bucket rebuild)
+    before = _storages_before(wrapped, torch.empty(0))
+    return until_complete(lambda: profiled(lambda: _updates(trainer, wrapped, batches)), before, 0,
+                          f"{case}: ").peak
+
+
+def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    # what a launcher sets: accelerate then sees one of world_size processes (MULTI_CPU) and joins this group
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    results: dict[str, int] = {}
+    try:
+        for case in CASES:
+            results[case] = _real_peak(case, str(Path(work_dir) / f"out{rank}"))
+    finally:
+        dist.destroy_process_group()
+    (Path(work_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    work_dir = tmp_path_factory.mktemp("gloo-trainer")
+    spawn_ranks(_worker, WORLD, (str(work_dir),), timeout_s=600.0, what="Trainer gloo runs")
+    ranks = [json.loads((work_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    print(json.dumps(ranks))
+    return {case: [ranks[rank][case] for rank in range(WORLD)] for case in CASES}
+
+
+def _estimate(strategy: str, tmp_path: Path) -> int:
+    return memcalc.estimate(write_config(tmp_path, CONFIG), batch_size=BATCH, seq_len=SEQ, gpu="cpu",
+                            loop="trainer", distributed=memcalc.Distributed(strategy, world_size=WORLD)
+                            ).peak_requested
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_step_against_every_rank(real_peaks: dict[str, list[int]], case: str, tmp_path: Path) -> None:
+    estimate = _estimate(case, tmp_path)
+    for rank, real in enumerate(real_peaks[case]):
+        error = (estimate - real) / real
+        print(f"trainer {case} rank {rank}: real {real:,} B, estimate {estimate:,} B, {error:+.4%}")
+        assert abs(error) <= TOLERANCE, f"rank {rank}: estimate {estimate:,} B, real {real:,} B ({error:+.3%})"
