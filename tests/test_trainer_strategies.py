@@ -105,3 +105,31 @@ def test_fsdp_notes_name_accelerates_layout_for_the_trainer_only(model: str) -> 
     said = "FSDP2 units as accelerate's fsdp2_prepare_model makes them for the Trainer"
     assert any(said in note for note in notes("trainer"))
     assert not any(said in note for note in notes("minimal"))
+
+
+@pytest.mark.parametrize(("trainer_args", "checkpoint", "lora", "expected"), [
+    (None, False, False, True),  # a PreTrainedModel without checkpointing: not is_activation_checkpointing
+    (None, True, False, False),
+    (None, False, True, True),  # the Trainer is handed the PeftModel, not a PreTrainedModel
+    ({"ddp_find_unused_parameters": False}, False, False, False),
+    ({"ddp_find_unused_parameters": True}, True, False, True),
+])
+def test_trainer_finds_unused_as_transformers_decides(model: str, trainer_args: dict[str, bool] | None,
+                                                      checkpoint: bool, lora: bool, expected: bool) -> None:
+    from memcalc.distributed.ddp import trainer_finds_unused
+    from memcalc.fields import build_step
+
+    finetune = memcalc.FineTune(lora=memcalc.LoRA(8)) if lora else None
+    step = build_step(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", trainer_args=trainer_args,
+                      checkpoint=checkpoint, finetune=finetune)
+    assert trainer_finds_unused(step.resolved(2).module, step) is expected
+
+
+def test_ddp_sink_clones_raise_the_trainer_estimate(model: str) -> None:
+    """DDP's _DDPSink clones the outputs under find_unused_parameters=True (the Trainer's default
+    here): the estimate with it is above the one with ddp_find_unused_parameters=False."""
+    def peak(args: dict[str, bool] | None) -> int:
+        return memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", trainer_args=args,
+                                distributed=memcalc.Distributed("ddp", **TWO)).peak_requested
+
+    assert peak(None) > peak({"ddp_find_unused_parameters": False})
