@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from memcalc.core.categories import Mode
 from memcalc.core.checkpointing import CheckpointKind
 from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.loop import LoopPreset
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.checkpoint_auto import choose_checkpointing
@@ -155,6 +156,13 @@ def _check_trainer_strategy(step: Step, distributed: Distributed) -> None:
                                       "PeftModel.generate runs the base model's forward, outside the hooks of FSDP2's "
                                       "root (the PeftModel), whose parameters are then sharded",
                                       hint="Estimate it under ddp, zero1 or zero2, or without LoRA under fsdp.")
+    if step.loop.preset is LoopPreset.TRAINER and distributed.strategy is Strategy.FSDP and step.precision.is_amp:
+        raise InapplicableOptionError(f"loop trainer under --strategy fsdp with precision {step.precision.value} is "
+                                      f"not modelled: accelerate runs FSDP2 with MixedPrecisionPolicy(param_dtype and "
+                                      f"reduce_dtype both 16-bit), fp32 master weights and its autocast around the "
+                                      f"forward; memcalc's FSDP2 reduces in float32 without autocast",
+                                      hint="Estimate the Trainer's FSDP2 step at fp32 (or bf16 / fp16 weights "
+                                           "without amp), or under --strategy ddp with the amp precision.")
     mesh = dict(step.trainer_args.mesh) if step.trainer_args is not None else {}
     who = ("TRL's trainers are" if step.loop.preset is not None and step.loop.preset.is_trl
            else "the Trainer's loop is")

@@ -133,3 +133,14 @@ def test_ddp_sink_clones_raise_the_trainer_estimate(model: str) -> None:
                                 distributed=memcalc.Distributed("ddp", **TWO)).peak_requested
 
     assert peak(None) > peak({"ddp_find_unused_parameters": False})
+
+
+def test_trainer_loop_under_fsdp_refuses_amp(model: str) -> None:
+    """accelerate's FSDP2 under amp (16-bit reduce, fp32 master weights, autocast) is not memcalc's FSDP2."""
+    with pytest.raises(InapplicableOptionError, match=r"loop trainer under --strategy fsdp with precision amp-bf16 "
+                                                      r"is not modelled: accelerate runs FSDP2 with "
+                                                      r"MixedPrecisionPolicy"):
+        memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", precision="amp-bf16",
+                         distributed=memcalc.Distributed("fsdp", **TWO))
+    memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", precision="amp-bf16",
+                     distributed=memcalc.Distributed("ddp", **TWO))  # accelerate's autocast around DDP: estimated

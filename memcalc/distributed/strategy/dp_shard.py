@@ -1,5 +1,6 @@
 """``dp_shard`` (``--strategy fsdp``): FSDP2 ``fully_shard`` on every block and on the root
-(:class:`~memcalc.distributed.fsdp.ShardedProgram`): each rank holds 1/N of the parameters,
+(:class:`~memcalc.distributed.fsdp.ShardedProgram`; under the Trainer's loop, the units accelerate's
+``fsdp2_prepare_model`` makes: :mod:`memcalc.distributed.accelerate_fsdp`): each rank holds 1/N of the parameters,
 gradients and optimizer state, plus the all-gather and reduce-scatter buffers of the units in
 flight. Under ``amp-bf16`` / ``amp-fp16`` it is ``MixedPrecisionPolicy(param_dtype=16-bit,
 reduce_dtype=float32)``: the gathered parameters are 16-bit and the model computes in them
