@@ -23,6 +23,8 @@ drawn (``{"input_ids", "labels"}``, a collator's), inside the window, as memcalc
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -51,9 +53,13 @@ CONFIG = llama_config(8_000, hidden=128, layers=2)
 BATCH, SEQ = 2, 128
 #: The relative error allowed (the brief: the byte, or 0.1%).
 TOLERANCE = 0.001
-#: name -> (how accelerate wraps the model, the TrainingArguments' ddp_find_unused_parameters). Unset, the
-#: Trainer passes DDP find_unused_parameters=True for a PreTrainedModel trained without checkpointing.
-CASES: dict[str, tuple[str, bool | None]] = {"ddp": ("ddp", None), "ddp-used": ("ddp", False), "fsdp": ("fsdp", None)}
+#: name -> (how accelerate wraps the model, the TrainingArguments beyond the harness's own). Without
+#: ddp_find_unused_parameters the Trainer passes DDP find_unused_parameters=True for a PreTrainedModel
+#: trained without checkpointing; bf16 is accelerate's autocast around the forward (AVX512-BF16 here).
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddp": ("ddp", {}), "ddp-used": ("ddp", {"ddp_find_unused_parameters": False}),
+    "ddp-accumulation": ("ddp", {"gradient_accumulation_steps": 2}), "ddp-amp-bf16": ("ddp", {"bf16": True}),
+    "fsdp": ("fsdp", {}), "fsdp-accumulation": ("fsdp", {"gradient_accumulation_steps": 2})}
 
 
 def _batches(vocab: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -81,16 +87,22 @@ def _wrap(trainer: Any, model: nn.Module, wrapper: str) -> nn.Module:
 
 
 def _updates(trainer: Any, wrapped: nn.Module, batches: Iterator[dict[str, torch.Tensor]]) -> None:
-    """Two optimizer updates as ``Trainer._run_epoch`` runs them (one micro-batch each), with a
-    fresh optimizer dropped at the end with its state."""
+    """Two optimizer updates as ``Trainer._run_epoch`` runs them (the micro-batches of each drawn
+    first; all but the last under accelerate's ``no_sync``), with a fresh optimizer dropped at the end
+    with its state."""
     trainer.optimizer = None
     optimizer = trainer.create_optimizer()
     tr_loss = torch.tensor(0.0)
     for _ in range(2):
-        batch_samples, num_items_in_batch = trainer.get_batch_samples(batches, 1, trainer.args.device)
+        batch_samples, num_items_in_batch = trainer.get_batch_samples(
+            batches, trainer.args.gradient_accumulation_steps, trainer.args.device)
         trainer.current_gradient_accumulation_steps = len(batch_samples)
-        for inputs in batch_samples:
-            tr_loss_step = trainer.training_step(wrapped, inputs, num_items_in_batch)
+        for i, inputs in enumerate(batch_samples):
+            last = i == len(batch_samples) - 1
+            trainer.accelerator.gradient_state._set_sync_gradients(last)
+            sync = contextlib.nullcontext if last else functools.partial(trainer.accelerator.no_sync, model=wrapped)
+            with sync():
+                tr_loss_step = trainer.training_step(wrapped, inputs, num_items_in_batch)
             tr_loss += tr_loss_step
         grad_norm = trainer._clip_grad_norm(wrapped)
         grad_norm = trainer._get_grad_norm(wrapped, grad_norm=grad_norm)
@@ -103,15 +115,16 @@ def _updates(trainer: Any, wrapped: nn.Module, batches: Iterator[dict[str, torch
 
 def _real_peak(case: str, output_dir: str) -> int:
     import transformers
+    from accelerate.state import AcceleratorState
 
-    wrapper, find_unused = CASES[case]
+    wrapper, more = CASES[case]
+    AcceleratorState._reset_state()  # each case's Trainer sets its own mixed precision (the process group stays)
     torch.manual_seed(0)  # the same weights on every rank
     config = transformers.AutoConfig.for_model(**CONFIG)
     model: nn.Module = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
     args = transformers.TrainingArguments(output_dir=output_dir, use_cpu=True, per_device_train_batch_size=BATCH,
                                           max_steps=2, report_to="none", save_strategy="no",
-                                          logging_strategy="no", disable_tqdm=True, seed=0,
-                                          ddp_find_unused_parameters=find_unused)
+                                          logging_strategy="no", disable_tqdm=True, seed=0, **more)
     trainer = transformers.Trainer(model=model, args=args)
     assert trainer.accelerator.num_processes == WORLD, trainer.accelerator.state
     wrapped = _wrap(trainer, model, wrapper)
@@ -154,8 +167,7 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]
 
 
 def _estimate(case: str, tmp_path: Path) -> int:
-    strategy, find_unused = CASES[case]
-    args = {} if find_unused is None else {"ddp_find_unused_parameters": find_unused}
+    strategy, args = CASES[case]
     return memcalc.estimate(write_config(tmp_path, CONFIG), batch_size=BATCH, seq_len=SEQ, gpu="cpu",
                             loop="trainer", trainer_args=args or None,
                             distributed=memcalc.Distributed(strategy, world_size=WORLD)).peak_requested
@@ -164,9 +176,11 @@ def _estimate(case: str, tmp_path: Path) -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_trainer_step_against_every_rank(real_peaks: dict[str, list[int]], case: str, tmp_path: Path) -> None:
     """Every rank within 0.1%. Measured 2026-12-07 (torch 2.13, transformers 5.25, accelerate 1.16, both
-    ranks alike): FSDP2 47,633,904 B real, 47,633,896 B estimated; DDP as the Trainer passes it
-    (find_unused_parameters=True) 66,977,008 B and 66,974,956 B; DDP with ddp_find_unused_parameters=False
-    66,972,912 B and 66,972,904 B. The 8 B: 4 B are the Trainer's num_items_in_batch (gone from the real
+    ranks alike), real and estimated: FSDP2 47,633,904 B and 47,633,896 B, with 2 micro-batches
+    52,325,104 B and 52,325,096 B; DDP as the Trainer passes it (find_unused_parameters=True)
+    66,977,008 B and 66,974,956 B, with 2 micro-batches (accelerate's no_sync on the first) 76,355,312 B
+    and 76,353,260 B, under bf16 autocast 68,238,576 B and 68,234,472 B; DDP with
+    ddp_find_unused_parameters=False 66,972,912 B and 66,972,904 B. The 8 B: 4 B are the Trainer's num_items_in_batch (gone from the real
     run when the model takes no loss kwargs), 4 B not traced down. Of the 4,096 B that
     find_unused_parameters=True adds to the real peak, memcalc's _DDPSink clones account for 2,052 B;
     2,048 B (a (2, 128) int64 tensor's size) are not traced down. With memcalc's own FSDP2 layout
