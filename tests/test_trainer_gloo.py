@@ -180,11 +180,12 @@ def test_trainer_step_against_every_rank(real_peaks: dict[str, list[int]], case:
     52,325,104 B and 52,325,096 B; DDP as the Trainer passes it (find_unused_parameters=True)
     66,977,008 B and 66,974,956 B, with 2 micro-batches (accelerate's no_sync on the first) 76,355,312 B
     and 76,353,260 B, under bf16 autocast 68,238,576 B and 68,234,472 B; DDP with
-    ddp_find_unused_parameters=False 66,972,912 B and 66,972,904 B. The 8 B: 4 B are the Trainer's num_items_in_batch (gone from the real
-    run when the model takes no loss kwargs), 4 B not traced down. Of the 4,096 B that
-    find_unused_parameters=True adds to the real peak, memcalc's _DDPSink clones account for 2,052 B;
-    2,048 B (a (2, 128) int64 tensor's size) are not traced down. With memcalc's own FSDP2 layout
-    (blocks + root) instead of accelerate's, the FSDP2 estimate was 52,320,744 B: +9.84%."""
+    ddp_find_unused_parameters=False 66,972,912 B and 66,972,904 B. The 8 B: 4 B are the Trainer's
+    num_items_in_batch (gone from the real run when the model takes no loss kwargs), 4 B not traced
+    down. Of the 4,096 B that find_unused_parameters=True adds to the real peak, memcalc's _DDPSink
+    clones account for 2,052 B; 2,048 B (a (2, 128) int64 tensor's size) are not traced down. With
+    memcalc's own FSDP2 layout (blocks + root) instead of accelerate's, the FSDP2 estimate was
+    52,320,744 B: +9.84%."""
     estimate = _estimate(case, tmp_path)
     for rank, real in enumerate(real_peaks[case]):
         error = (estimate - real) / real
