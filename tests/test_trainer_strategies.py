@@ -133,6 +133,9 @@ def test_ddp_sink_clones_raise_the_trainer_estimate(model: str) -> None:
                                 distributed=memcalc.Distributed("ddp", **TWO)).peak_requested
 
     assert peak(None) > peak({"ddp_find_unused_parameters": False})
+    notes = memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer",
+                             distributed=memcalc.Distributed("ddp", **TWO)).notes
+    assert any("_DDPSink clones the model's outputs" in note for note in notes)
 
 
 def test_trainer_loop_under_fsdp_refuses_amp(model: str) -> None:

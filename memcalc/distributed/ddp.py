@@ -47,6 +47,10 @@ class DdpProgram(RankProgram):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.training = training
         self.find_unused_parameters = find_unused_parameters
+        if find_unused_parameters and training:
+            self.notes.append("DDP find_unused_parameters=True, as the Trainer passes it here (its "
+                              "ddp_find_unused_parameters, else True unless a PreTrainedModel is checkpointed): "
+                              "DDP's _DDPSink clones the model's outputs after each forward")
         self.bucket_bytes: list[int] = []
         self._views: dict[int, torch.Tensor] = {}
 
