@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from memcalc.core.categories import Mode
 from memcalc.core.checkpointing import CheckpointKind
 from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.loop import LoopPreset
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.checkpoint_auto import choose_checkpointing
@@ -105,8 +106,8 @@ def _auto_per_trace() -> InapplicableOptionError:
 
 def _check(step: Step, distributed: Distributed) -> None:
     """Refuse, by name, the options this setting does not model."""
-    if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trl:
-        _check_trl_strategy(step, distributed)
+    if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trainer:
+        _check_trainer_strategy(step, distributed)
     if step.checkpoint.reentrant and not distributed.is_single:
         refuse_reentrant(distributed)  # the strategies it is checked under: memcalc.distributed.strategies
     if distributed.is_single and step.float8 is not None and step.float8.all_gather:
@@ -137,32 +138,43 @@ def _trace_single(step: Step, costs: CostRecorderFactory | None) -> TracedEstima
     return TracedEstimate(resolved, trace_step(resolved, step, costs=costs), step)
 
 
-#: The strategies TRL's trainers are estimated under (accelerate's MULTI_GPU, FSDP and DEEPSPEED).
-_TRL_STRATEGIES = frozenset({Strategy.DDP, Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3})
+#: The strategies the Trainer's loop (its own, TRL's trainers') is estimated under: accelerate's
+#: MULTI_GPU (DDP), FSDP (FSDP2 over one dimension) and DEEPSPEED (ZeRO).
+_TRAINER_STRATEGIES = frozenset({Strategy.DDP, Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3})
 
 
-def _check_trl_strategy(step: Step, distributed: Distributed) -> None:
-    """TRL's trainers run under accelerate's data parallelism: DDP, FSDP2 (the reference sharded on
-    its root alone, as ``prepare_fsdp`` does; GRPO's generation through the model
+def _check_trainer_strategy(step: Step, distributed: Distributed) -> None:
+    """The Trainer's loop runs under accelerate's data parallelism: DDP, FSDP2 and ZeRO; the other
+    mesh dimensions are not modelled. Its step under each is the one-GPU step's, around the
+    strategy's rank program (docs/many-gpus.md, "The Trainer's loop"). TRL's trainers too (the
+    reference sharded on its root alone, as ``prepare_fsdp`` does; GRPO's generation through the model
     ``unwrap_model_for_generation`` yields, under FSDP2 the sharded policy gathering its units per
-    forward) and ZeRO (GRPO's generation under ZeRO-3 as ``ds3_gather_for_generation`` says); the other
-    mesh dimensions are not modelled."""
+    forward; under ZeRO-3 as ``ds3_gather_for_generation`` says)."""
     if (step.loop.name == "trl-grpo" and distributed.strategy is Strategy.FSDP and step.finetune is not None
             and step.finetune.lora is not None):
         raise InapplicableOptionError("loop trl-grpo with LoRA under --strategy fsdp is not modelled: "
                                       "PeftModel.generate runs the base model's forward, outside the hooks of FSDP2's "
                                       "root (the PeftModel), whose parameters are then sharded",
                                       hint="Estimate it under ddp, zero1 or zero2, or without LoRA under fsdp.")
+    if step.loop.preset is LoopPreset.TRAINER and distributed.strategy is Strategy.FSDP and step.precision.is_amp:
+        raise InapplicableOptionError(f"loop trainer under --strategy fsdp with precision {step.precision.value} is "
+                                      f"not modelled: accelerate runs FSDP2 with MixedPrecisionPolicy(param_dtype and "
+                                      f"reduce_dtype both 16-bit), fp32 master weights and its autocast around the "
+                                      f"forward; memcalc's FSDP2 reduces in float32 without autocast",
+                                      hint="Estimate the Trainer's FSDP2 step at fp32 (or bf16 / fp16 weights "
+                                           "without amp), or under --strategy ddp with the amp precision.")
     mesh = dict(step.trainer_args.mesh) if step.trainer_args is not None else {}
-    if distributed.strategy not in _TRL_STRATEGIES and mesh:
+    who = ("TRL's trainers are" if step.loop.preset is not None and step.loop.preset.is_trl
+           else "the Trainer's loop is")
+    if distributed.strategy not in _TRAINER_STRATEGIES and mesh:
         raise InapplicableOptionError(f"loop {step.loop.name} with its config's parallelism_config "
                                       f"({', '.join(f'{k}_size={v}' for k, v in mesh.items())}) is not modelled: "
-                                      f"TRL's trainers are estimated under accelerate's DDP, FSDP2 over one "
+                                      f"{who} estimated under accelerate's DDP, FSDP2 over one "
                                       f"dimension and ZeRO, not HSDP, tensor or context parallelism",
                                       hint="Give dp_shard_size alone (FSDP2) or dp_replicate_size alone (DDP).")
-    if distributed.strategy not in _TRL_STRATEGIES:
+    if distributed.strategy not in _TRAINER_STRATEGIES:
         raise InapplicableOptionError(f"loop {step.loop.name} under --strategy {distributed.strategy.value} is not "
-                                      f"modelled: TRL's trainers are estimated under ddp, fsdp, zero1, zero2 and zero3 "
+                                      f"modelled: {who} estimated under ddp, fsdp, zero1, zero2 and zero3 "
                                       f"(accelerate's MULTI_GPU, FSDP and DEEPSPEED)",
                                       hint="Give --strategy ddp, fsdp or zero1/2/3.")
 

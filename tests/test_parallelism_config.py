@@ -171,11 +171,27 @@ def test_accelerate_config_refusals(model: str, tmp_path: Path, text: str, error
         memcalc.estimate(model, seq_len=SEQ, gpu="cpu", accelerate_config=str(path))
 
 
-def test_trainers_own_loop_under_a_mesh_refused(model: str) -> None:
-    args = {"per_device_train_batch_size": 2, "parallelism_config": {"dp_shard_size": 2, "tp_size": 2}}
-    with pytest.raises(InapplicableOptionError, match=r"parallelism_config \(mesh dp_shard=2,tp=2\): the Trainer's "
-                                                      r"loop .* one GPU only"):
+@pytest.mark.parametrize(("sizes", "said"), [({"dp_shard_size": 2, "tp_size": 2}, "dp_shard_size=2, tp_size=2"),
+                                            ({"dp_replicate_size": 2, "dp_shard_size": 2},
+                                             "dp_replicate_size=2, dp_shard_size=2")])
+def test_trainers_own_loop_under_hsdp_tp_refused(model: str, sizes: dict[str, int], said: str) -> None:
+    args = {"per_device_train_batch_size": 2, "parallelism_config": sizes}
+    with pytest.raises(InapplicableOptionError, match=rf"loop trainer with its config's parallelism_config "
+                                                      rf"\({said}\) is not modelled: the Trainer's loop is estimated "
+                                                      rf"under accelerate's DDP, FSDP2 over one dimension and ZeRO"):
         memcalc.estimate(model, trainer_args=args, seq_len=SEQ, gpu="cpu")
+
+
+@pytest.mark.parametrize(("sizes", "strategy"), [({"dp_shard_size": 2}, "fsdp"), ({"dp_replicate_size": 2}, "ddp")])
+def test_trainers_own_loop_under_its_data_parallel_mesh(model: str, sizes: dict[str, int], strategy: str) -> None:
+    """A dp_shard or dp_replicate parallelism_config runs the Trainer's loop under FSDP2 or DDP, as
+    --strategy does (the same estimate)."""
+    args = {"per_device_train_batch_size": 2, "parallelism_config": sizes}
+    theirs = memcalc.estimate(model, trainer_args=args, seq_len=SEQ, gpu="cpu")
+    ours = memcalc.estimate(model, trainer_args={"per_device_train_batch_size": 2}, seq_len=SEQ, gpu="cpu",
+                            distributed=memcalc.Distributed(strategy, world_size=2))
+    assert theirs.distribution is not None and theirs.distribution.strategy == strategy
+    assert theirs.peak_requested == ours.peak_requested
 
 
 @needs_trl

@@ -1,5 +1,7 @@
 """One rank of ``torch.nn.parallel.DistributedDataParallel``: the whole model, plus the
-Reducer's gradient buckets and the per-forward broadcast of buffers."""
+Reducer's gradient buckets, the per-forward broadcast of buffers and, with
+``find_unused_parameters=True`` (what the Hugging Face Trainer passes for most models:
+:func:`trainer_finds_unused`), the clones of the outputs DDP's ``_DDPSink`` makes."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import torch
 from torch import nn
 
 from memcalc.core.categories import Category
-from memcalc.distributed.program import RankProgram, coalesced_chunks
+from memcalc.distributed.program import RankProgram, coalesced_chunks, map_output
+from memcalc.engine.step_spec import Step
 from memcalc.engine.trace import StorageTracer
+from memcalc.stacks.kbit import is_transformers_model
 
 __all__ = (
     "DDP_BROADCAST_BUCKET_BYTES",
     "DdpProgram",
+    "trainer_finds_unused",
 )
 
 # DistributedDataParallel(broadcast_buffers=True) broadcasts buffers every forward through
@@ -35,11 +40,17 @@ class DdpProgram(RankProgram):
     instead: the buckets *are* the gradients (the tensor autograd allocates after
     ``zero_grad(set_to_none=True)`` lives only until it is copied in)."""
 
-    def __init__(self, bucket_cap_bytes: int, gradient_as_bucket_view: bool, training: bool):
+    def __init__(self, bucket_cap_bytes: int, gradient_as_bucket_view: bool, training: bool,
+                 find_unused_parameters: bool = False):
         super().__init__()
         self.bucket_cap_bytes = bucket_cap_bytes
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.training = training
+        self.find_unused_parameters = find_unused_parameters
+        if find_unused_parameters and training:
+            self.notes.append("DDP find_unused_parameters=True, as the Trainer passes it here (its "
+                              "ddp_find_unused_parameters, else True unless a PreTrainedModel is checkpointed): "
+                              "DDP's _DDPSink clones the model's outputs after each forward")
         self.bucket_bytes: list[int] = []
         self._views: dict[int, torch.Tensor] = {}
 
@@ -55,6 +66,8 @@ class DdpProgram(RankProgram):
                     self._transient(chunk)
 
             self._handles.append(module.register_forward_pre_hook(broadcast_buffers))
+        if self.find_unused_parameters and self.training:
+            self._handles.append(module.register_forward_hook(_ddp_sink))
 
     def _make_buckets(self, params: list[nn.Parameter]) -> None:
         # torch.distributed re-exports this without declaring it (its stubs hide it); imported
@@ -84,3 +97,24 @@ class DdpProgram(RankProgram):
             self._tracer.track(param.grad, Category.GRADIENTS)
             view.copy_(param.grad)
             param.grad = view  # the gradient autograd allocated dies here, as in the Reducer
+
+
+def _ddp_sink(_module: nn.Module, _args: Any, output: Any) -> Any:
+    """``DistributedDataParallel._post_forward`` with ``find_unused_parameters=True`` (torch 2.13,
+    not under ``static_graph``): every output tensor with a ``grad_fn`` goes through ``_DDPSink``,
+    which clones it (``_ddp_sink_clone``, on by default), and the output is rebuilt from the clones;
+    the originals live on only where autograd saved them. Its backward passes the gradients through."""
+    return map_output(output, lambda t: t.clone() if t.grad_fn is not None and torch.is_grad_enabled() else t)
+
+
+def trainer_finds_unused(module: nn.Module, step: Step) -> bool:
+    """The ``find_unused_parameters`` the Hugging Face Trainer passes DDP (transformers 5.25,
+    ``_build_accelerator_args``): ``ddp_find_unused_parameters`` when set; else, for a
+    ``PreTrainedModel``, ``not`` activation checkpointing, and True for any other model (a
+    ``PeftModel`` among them: the Trainer is handed it under LoRA)."""
+    given = step.trainer_args.ddp_find_unused_parameters if step.trainer_args is not None else None
+    if given is not None:
+        return given
+    if step.finetune.lora is not None or not is_transformers_model(module):
+        return True
+    return not step.checkpoint

@@ -67,8 +67,8 @@ def extrapolated_depth(resolved: ResolvedModel, step: Step) -> int | None:
     (no fine-tuning, compile, float8 or trainer loop) checkpointing every block alike; None: none."""
     if len(resolved.block_containers) != 1 or step.mode is not Mode.TRAIN or step.compile:
         return None
-    trl = step.loop.preset is not None and step.loop.preset.is_trl
-    if step.float8 is not None or step.finetune != FineTune() or trl:
+    trainer = step.loop.preset is not None and step.loop.preset.is_trainer  # the Trainer's loop, TRL's too
+    if step.float8 is not None or step.finetune != FineTune() or trainer:
         return None
     if step.checkpoint.kind not in _UNIFORM:
         return None

@@ -63,6 +63,14 @@ class Unit:
     #: (``--mesh dp_shard=N,ep=E``) are sharded over the dp_shard ranks that hold the same experts,
     #: the rest over all ``N × E`` (torchtitan's ``dp_shard_mod_ep`` and ``dp_shard_cp`` meshes).
     world_size: int | None = None
+    #: The modules of one ``fully_shard([a, b])`` call (``module`` among them), whose forward hooks act
+    #: as one (torch's ``_register_group_forward_hooks``): the first of them to run gathers the unit and
+    #: registers its post-backward on its inputs, the last to finish runs the post-forward; empty:
+    #: ``module`` alone.
+    group: tuple[nn.Module, ...] = ()
+    #: ``reshard_after_forward`` as given to this unit's ``fully_shard`` (accelerate gives its tail
+    #: False); None: the program's.
+    reshard_after_forward: bool | None = None
 
 
 def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[str] = (),
@@ -384,6 +392,9 @@ class ShardedProgram(RankProgram):
             self._handles.append(root_module.register_forward_hook(
                 lambda m, args, out, c=coordinator: self._in_forward.discard(id(c))))
         for state in self.states:
+            if state.unit.group:
+                self._hook_group(state)
+                continue
             self._handles.append(state.unit.module.register_forward_pre_hook(
                 lambda m, args, s=state: self._pre_forward(s, args)))
             self._handles.append(state.unit.module.register_forward_hook(
@@ -400,7 +411,34 @@ class ShardedProgram(RankProgram):
             # stage3.py __init__ (contiguous_gradients): __ipg_bucket_flat_buffer
             self._buffer(self.reduce_bucket_size, dtype, Category.WORKSPACE, preexisting=True)
 
+    def _hook_group(self, state: _UnitState) -> None:
+        """The forward hooks of a ``fully_shard([a, b])`` unit (:attr:`Unit.group`), as torch's
+        ``_register_group_forward_hooks`` gates them: every member's pre-forward gathers (once), the
+        first to run registers the post-backward on its inputs (``FSDPParamGroup.pre_forward``,
+        ``entering_forward_pass``), and the post-forward runs when the last of them has run."""
+        to_run: set[int] = set()
+        members = {id(m) for m in state.unit.group}
+
+        def pre(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            entering = not to_run
+            if entering:
+                to_run.update(members)
+            return self._pre_forward(state, args, register=entering)
+
+        def post(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+            if id(module) in to_run:
+                to_run.discard(id(module))
+                if not to_run:
+                    return self._post_forward(state, out)
+            return None
+
+        for module in state.unit.group:
+            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(module.register_forward_hook(post))
+
     def _unit_reshards(self, unit: Unit, root: nn.Module) -> bool:
+        if self.fsdp2 and unit.reshard_after_forward is not None:
+            return unit.reshard_after_forward
         if self.fsdp2 and unit.module is root and not unit.reshards_as_given:
             return False  # FSDP2's lazy init: the root is not resharded after forward
         return self.reshard_after_forward
@@ -746,7 +784,9 @@ class ShardedProgram(RankProgram):
             self._set(module, name, p.unsharded)
 
     # ---- forward ----------------------------------------------------------------------------
-    def _pre_forward(self, state: _UnitState, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    def _pre_forward(self, state: _UnitState, args: tuple[Any, ...], register: bool = True) -> tuple[Any, ...] | None:
+        """A unit's forward begins: gather it; ``register``: wrap its inputs for its post-backward
+        (False: another module of its group began this forward pass)."""
         if self.coordinators and not self._hooked(state):
             return None
         if self.coordinators:  # DeepSpeed: fetch_sub_module (a recomputation too)
@@ -775,7 +815,7 @@ class ShardedProgram(RankProgram):
             self._trained_forward_over()
         self._gather(state, forward=True)
         self._swap_in(state)
-        if self.training and torch.is_grad_enabled():
+        if register and self.training and torch.is_grad_enabled():
             return _wrap_inputs(args, lambda: self._post_backward(state)) or args
         return args
 

@@ -25,6 +25,7 @@ from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.precision import Precision
 from memcalc.core.report import Distribution, MemoryReport, RoleReport, busiest_role
+from memcalc.distributed.ddp import trainer_finds_unused
 from memcalc.distributed.depth_step import RoleTrace, cut_blocks, extrapolated_depth, traced_by_depth
 from memcalc.distributed.program import model_states_at_step
 from memcalc.distributed.setting import Distributed
@@ -36,7 +37,7 @@ from memcalc.engine.optimizers import Optimizer, spec_for
 from memcalc.engine.run import CostRecorderFactory, Replayed, build_report, replay_step
 from memcalc.engine.step_spec import Step
 from memcalc.stacks.float8 import apply_float8
-from memcalc.stacks.kbit import is_transformers_model, kbit_checkpointing
+from memcalc.stacks.kbit import kbit_checkpointing
 from memcalc.stacks.peft import apply_finetune, step_precision
 from memcalc.targets.backend import trace_step
 
@@ -175,10 +176,10 @@ def refuse_unused_reentrant(resolved: ResolvedModel, step: Step, distributed: Di
     if not (distributed.strategy is Strategy.DDP and step.checkpoint.reentrant and preset is not None
             and preset.is_trainer and step.trainer_args is not None):
         return
+    if not trainer_finds_unused(resolved.module, step):
+        return
     given = step.trainer_args.ddp_find_unused_parameters
     peft = step.finetune.lora is not None  # the Trainer is handed the PeftModel
-    if given is False or (given is None and not peft and is_transformers_model(resolved.module)):
-        return
     why = ("ddp_find_unused_parameters=True" if given else
            "ddp_find_unused_parameters is unset, so the Trainer passes find_unused_parameters=True for a model "
            f"that is not a PreTrainedModel ({'a PeftModel' if peft else 'a plain torch module'})")

@@ -200,15 +200,17 @@ def check_loop(step: Step, *, multi_gpu: bool) -> None:
     """Refuse what a traced loop cannot honour, rather than ignore it.
 
     Raises:
-        InapplicableOptionError: a multi-GPU strategy, an eval or inference step, or — with the
-            user's own loop, which computes its own loss, runs its own autocast and zeroes its own
-            gradients — a chosen loss, an amp precision or ``keep_grads``.
+        InapplicableOptionError: a multi-GPU strategy around a loop other than the Trainer's (its
+            own or a TRL trainer's: memcalc.estimation checks which strategies), an eval or
+            inference step, or — with the user's own loop, which computes its own loss, runs its
+            own autocast and zeroes its own gradients — a chosen loss, an amp precision or ``keep_grads``.
     """
     loop = step.loop
-    if multi_gpu and not (loop.preset is not None and loop.preset.is_trl):  # TRL's: estimation.py checks
+    if multi_gpu and not (loop.preset is not None and loop.preset.is_trainer):
         raise InapplicableOptionError(
             f"the loop {loop.name} (loop, --loop, --keep-grads) is estimated on one GPU only for now; a multi-GPU "
-            f"strategy runs memcalc's own loop", hint="Leave out the loop (and --keep-grads), or the strategy.")
+            f"strategy runs memcalc's own loop or the Trainer's (--loop trainer, TRL's)",
+            hint="Leave out the loop (and --keep-grads), or the strategy, or give --loop trainer.")
     if step.mode is not Mode.TRAIN:
         raise InapplicableOptionError(f"a training loop applies to mode train; the mode is {step.mode.value}")
     if loop.preset is not None:

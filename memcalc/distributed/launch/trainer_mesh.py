@@ -8,9 +8,10 @@ then: ``prepare_model`` skips DDP when tp is enabled); a file's FSDP2 settings (
 kept. Anything else is refused by name: a mesh that disagrees with ``--mesh``, dp_shard or cp under
 DDP (accelerate then wraps DDP over every process, or refuses cp without FSDP2), FSDP2 with
 nothing to shard (accelerate's own refusal), DeepSpeed (its tensor / sequence parallelism is
-DeepSpeed's), the Trainer's own loop (estimated on one GPU only), and tp on a model without its
-own Hugging Face tp plan (accelerate's tp is the plan ``from_pretrained(tp_plan="auto")``
-applies; memcalc would use another).
+DeepSpeed's), and tp on a model without its own Hugging Face tp plan (accelerate's tp is the plan
+``from_pretrained(tp_plan="auto")`` applies; memcalc would use another). The Trainer's loop (its
+own, TRL's) is then estimated under the mesh where it is modelled: dp_shard alone (FSDP2) or
+dp_replicate alone (DDP); memcalc.estimation refuses the others by name.
 """
 
 from __future__ import annotations
@@ -37,14 +38,6 @@ def with_trainer_mesh(step: Step, distributed: Distributed | None) -> Distribute
     world = 1
     for degree in mesh.values():
         world *= degree
-    preset = step.loop.preset
-    if preset is not None and not preset.is_trl:  # the Trainer's own loop
-        raise InapplicableOptionError(f"{_WHERE} (mesh {spelled}): the Trainer's loop (loop trainer) is estimated on "
-                                      f"one GPU only for now, under no mesh; TRL's trainers (--loop trl-sft, ...) "
-                                      f"are estimated under a dp_shard or dp_replicate mesh, memcalc's own loop "
-                                      f"under any (--accelerate-config with this parallelism_config section)",
-                                      hint="Leave parallelism_config out to estimate one GPU's Trainer step, or give "
-                                           "the mesh with --mesh and memcalc's own loop.")
     if given.mesh is not None and given.mesh.used == mesh:
         return given  # --mesh (or --strategy) says the same: its own settings (tp plan, batch) kept
     if given.is_single:

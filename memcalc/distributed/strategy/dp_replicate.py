@@ -15,10 +15,11 @@ from dataclasses import replace
 
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
+from memcalc.core.loop import LoopPreset
 from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
 from memcalc.distributed.collectives import Collective, ModelFacts, group_span, ring_bytes
-from memcalc.distributed.ddp import DdpProgram
+from memcalc.distributed.ddp import DdpProgram, trainer_finds_unused
 from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.program import RankProgram
 from memcalc.distributed.strategy.base import Plan, RankStrategy, every_rank, register, sharding
@@ -81,8 +82,11 @@ class DpReplicate(RankStrategy):
         view = self.distributed.gradient_as_bucket_view
         training = step.mode is Mode.TRAIN
 
-        def ddp(_resolved: ResolvedModel) -> RankProgram:
-            return DdpProgram(int(cap_mb * _MIB), view, training)
+        trainer = step.loop.preset is LoopPreset.TRAINER  # the Trainer's own DDP kwargs (TRL's: not modelled)
+
+        def ddp(resolved: ResolvedModel) -> RankProgram:
+            return DdpProgram(int(cap_mb * _MIB), view, training,
+                              find_unused_parameters=trainer and trainer_finds_unused(resolved.module, step))
 
         roles = tuple(replace(role, program=ddp, sharding=sharding(role.sharding, batch)) for role in plan.roles)
         note = (f"DDP gradient buckets of {cap_mb:g} MiB, gradient_as_bucket_view={view}"

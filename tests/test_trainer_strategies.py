@@ -1,0 +1,149 @@
+"""The Trainer's own loop (``--loop trainer``) under multi-GPU strategies: what is estimated, what is
+refused and why, and accelerate's FSDP2 layout of the model's units. The real two-process runs it is
+checked against are tests/test_trainer_gloo.py's (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from support import SMALL_LLAMA, hf_config_source
+
+import memcalc
+from memcalc.cli import main
+from memcalc.core.errors import InapplicableOptionError
+from memcalc.distributed.accelerate_fsdp import accelerate_units
+
+pytest.importorskip("transformers")
+
+SEQ = 32
+TWO = {"world_size": 2}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> str:
+    return hf_config_source(tmp_path)
+
+
+def test_cli_estimates_the_trainer_loop_under_ddp(model: str) -> None:
+    """The command that said "estimated on one GPU only for now" estimates each rank."""
+    result = CliRunner().invoke(main, [model, "--batch", "2", "--seq-len", str(SEQ), "--loop", "trainer",
+                                       "--strategy", "ddp", "--world-size", "2", "--gpu", "cpu", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["loop"] == "trainer"
+    api = memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer",
+                           distributed=memcalc.Distributed("ddp", **TWO))
+    assert data["bytes"]["peak_allocated"] == api.bytes.peak_allocated
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_trainer_loop_runs_under_accelerates_strategies(model: str, strategy: str) -> None:
+    report = memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer",
+                              distributed=memcalc.Distributed(strategy, **TWO))
+    assert report.distribution is not None and report.distribution.strategy == strategy
+    assert report.loop == "trainer"
+
+
+def test_other_loops_still_refused_under_a_strategy(model: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=r"the loop tutorial .* one GPU only for now; a multi-GPU "
+                                                      r"strategy runs memcalc's own loop or the Trainer's") as caught:
+        memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="tutorial",
+                         distributed=memcalc.Distributed("ddp", **TWO))
+    assert "--loop trainer" in (caught.value.hint or "")
+
+
+@pytest.mark.parametrize("mesh", [{"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2}, {"cp": 2}])
+def test_trainer_loop_refused_under_other_meshes(model: str, mesh: dict[str, int]) -> None:
+    with pytest.raises(InapplicableOptionError, match=r"loop trainer under --strategy mesh is not modelled: the "
+                                                      r"Trainer's loop is estimated under ddp, fsdp, zero1, zero2 "
+                                                      r"and zero3"):
+        memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer",
+                         distributed=memcalc.Distributed(mesh=mesh))
+
+
+def _meta_llama(tie: bool) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{**SMALL_LLAMA, "tie_word_embeddings": tie})
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)  # type: ignore[no-any-return]
+
+
+def test_accelerate_units_untied() -> None:
+    """fsdp2_prepare_model's units (accelerate 1.16): each layer, the embeddings alone, the final
+    norm with the head (not resharded after forward), the root holding the rotary buffers' module."""
+    module = _meta_llama(tie=False)
+    units = accelerate_units(module, ("model.layers",))
+    assert [u.name for u in units] == ["model.embed_tokens", "model.layers.0", "model.layers.1",
+                                       "model.norm + lm_head", "(root)"]
+    tail = units[3]
+    assert tail.group == (module.model.norm, module.lm_head) and tail.reshard_after_forward is False
+    assert all(u.reshard_after_forward is None for u in (*units[:3], units[4]))
+    gathered = [p for u in units for m in u.members for p in m.parameters(recurse=False)]
+    assert len(gathered) == len(list(module.parameters()))  # every parameter in one unit, once
+    assert not [p for m in units[4].members for p in m.parameters(recurse=False)]
+
+
+def test_accelerate_units_tied() -> None:
+    """Tied embeddings: no unit of their own; the tail is norm, embeddings, head (one weight)."""
+    module = _meta_llama(tie=True)
+    units = accelerate_units(module, ("model.layers",))
+    assert [u.name for u in units] == ["model.layers.0", "model.layers.1",
+                                       "model.norm + model.embed_tokens + lm_head", "(root)"]
+    assert units[2].group == (module.model.norm, module.model.embed_tokens, module.lm_head)
+
+
+def test_fsdp_notes_name_accelerates_layout_for_the_trainer_only(model: str) -> None:
+    def notes(loop: str) -> list[str]:
+        return memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop=loop,
+                                distributed=memcalc.Distributed("fsdp", **TWO)).notes
+
+    said = "FSDP2 units as accelerate's fsdp2_prepare_model makes them for the Trainer"
+    assert any(said in note for note in notes("trainer"))
+    assert not any(said in note for note in notes("minimal"))
+
+
+@pytest.mark.parametrize(("trainer_args", "checkpoint", "lora", "expected"), [
+    (None, False, False, True),  # a PreTrainedModel without checkpointing: not is_activation_checkpointing
+    (None, True, False, False),
+    (None, False, True, True),  # the Trainer is handed the PeftModel, not a PreTrainedModel
+    ({"ddp_find_unused_parameters": False}, False, False, False),
+    ({"ddp_find_unused_parameters": True}, True, False, True),
+])
+def test_trainer_finds_unused_as_transformers_decides(model: str, trainer_args: dict[str, bool] | None,
+                                                      checkpoint: bool, lora: bool, expected: bool) -> None:
+    from memcalc.distributed.ddp import trainer_finds_unused
+    from memcalc.fields import build_step
+
+    finetune = memcalc.FineTune(lora=memcalc.LoRA(8)) if lora else None
+    step = build_step(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", trainer_args=trainer_args,
+                      checkpoint=checkpoint, finetune=finetune)
+    assert trainer_finds_unused(step.resolved(2).module, step) is expected
+
+
+def test_ddp_sink_clones_raise_the_trainer_estimate(model: str) -> None:
+    """DDP's _DDPSink clones the outputs under find_unused_parameters=True (the Trainer's default
+    here): the estimate with it is above the one with ddp_find_unused_parameters=False."""
+    def peak(args: dict[str, bool] | None) -> int:
+        return memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", trainer_args=args,
+                                distributed=memcalc.Distributed("ddp", **TWO)).peak_requested
+
+    assert peak(None) > peak({"ddp_find_unused_parameters": False})
+    notes = memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer",
+                             distributed=memcalc.Distributed("ddp", **TWO)).notes
+    assert any("_DDPSink clones the model's outputs" in note for note in notes)
+
+
+def test_trainer_loop_under_fsdp_refuses_amp(model: str) -> None:
+    """accelerate's FSDP2 under amp (16-bit reduce, fp32 master weights, autocast) is not memcalc's FSDP2."""
+    with pytest.raises(InapplicableOptionError, match=r"loop trainer under --strategy fsdp with precision amp-bf16 "
+                                                      r"is not modelled: accelerate runs FSDP2 with "
+                                                      r"MixedPrecisionPolicy"):
+        memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", precision="amp-bf16",
+                         distributed=memcalc.Distributed("fsdp", **TWO))
+    memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", precision="amp-bf16",
+                     distributed=memcalc.Distributed("ddp", **TWO))  # accelerate's autocast around DDP: estimated
