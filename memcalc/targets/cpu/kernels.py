@@ -23,10 +23,9 @@ gets), so that autograd saves what the CPU's kernel saves; an after-op rule
 - normalisation statistics in the CPU's dtypes (:func:`follow_statistics`).
 
 Sizes follow torch 2.13 with oneDNN v3.12 on x86-64 (float32, and bfloat16 GEMMs on
-AVX512-BF16 without AMX; checked against the CPU profiler). The per-thread buffers use this
-process's ``torch.get_num_threads()``. What a rule cannot follow is named in
-:meth:`CpuKernels.notes` (each line starts with :data:`NOT_FOLLOWED`), so a CPU measurement
-can say which op it is.
+AVX512-BF16 without AMX; checked against the CPU profiler). Per-thread buffers use this process's
+``torch.get_num_threads()``. What a rule cannot follow is named in :meth:`CpuKernels.notes`
+(each line starts with :data:`NOT_FOLLOWED`), so a CPU measurement can say which op it is.
 
 Each rule with the ATen source it follows: docs/notes/cpu-kernels.md.
 """

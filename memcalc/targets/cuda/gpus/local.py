@@ -399,14 +399,15 @@ def check_device_spec(spec: object) -> str:
     ``"cuda:N"``, ``"N"``); :class:`~memcalc.core.errors.InvalidInputError` otherwise — before any
     GPU is looked for, so that a typo is not answered with "no GPU is visible"."""
     text = spec.strip().lower() if isinstance(spec, str) else None
-    if text == "cpu":  # the CPU is a target of its own, not a device of --device's GPUs
-        raise InvalidInputError(f"device {spec!r} is not a device spec: --device picks a CUDA GPU of this machine",
-                                hint='For this CPU give --gpu cpu (gpu="cpu" in the API): its own kernels, '
-                                     "measured with the CPU profiler under --measure.")
     if text is None or (text != "auto" and _DEVICE_SPEC.match(text) is None):
-        raise InvalidInputError(f"device {spec!r} is not a device spec",
-                                hint=f"Give {_DEVICE_SPEC_FORMS}, N being torch's index after "
-                                     f"CUDA_VISIBLE_DEVICES (memcalc gpus lists them).")
+        forms = (f"Give {_DEVICE_SPEC_FORMS}, N being torch's index after CUDA_VISIBLE_DEVICES (memcalc gpus "
+                 f"lists them).")
+        if text == "cpu":  # the CPU is a target of its own, not one of --device's GPUs
+            raise InvalidInputError(f"device {spec!r} is not a device spec: --device picks a CUDA GPU of this "
+                                    f"machine", hint=f'For this CPU give --gpu cpu (gpu="cpu" in the API): its own '
+                                                     f"kernels, measured with the CPU profiler under --measure. "
+                                                     f"{forms}")
+        raise InvalidInputError(f"device {spec!r} is not a device spec", hint=forms)
     return text
 
 
