@@ -24,7 +24,7 @@ from memcalc.distributed import strategies
 from memcalc.distributed.collectives import DEFAULT_NETWORK, Collective, ModelFacts
 from memcalc.distributed.expert_parallel import expert_parallelism_available
 from memcalc.distributed.mesh import Mesh
-from memcalc.distributed.tp_plans import resolve_plan
+from memcalc.distributed.tp_plans import llama_plan, resolve_plan
 from memcalc.distributed.tp_traffic import Kind, plan_traffic
 from memcalc.fields import build_step
 from memcalc.search import plan as planning
@@ -124,6 +124,9 @@ def test_a_dense_model_keeps_the_closed_formula_and_its_plan_reads_as_traced() -
     assert kinds == {(Kind.ALL_REDUCE, False): 1 + 2 * 8, (Kind.ALL_REDUCE, True): 5 * 8 + 1,
                      (Kind.ALL_GATHER, False): 1}
     assert sum(t.recomputed for t in traffic) == 8  # o_proj's
+    # torchtitan's plan (sequence-parallel norms, PrepareModuleInput): layouts these rules do not read
+    titan = llama_plan(resolved.module)
+    assert titan is not None and plan_traffic(resolved.module, titan, blocks) is None
 
 
 def test_plan_reads_what_checkpoint_auto_chose(mixtral: str) -> None:

@@ -14,10 +14,11 @@ Each style's layouts say it (torch 2.13, ``torch/distributed/tensor/parallel/sty
 
 Element sizes: a ``Linear``'s output is the compute dtype (autocast's matmul); an ``Embedding``'s
 output and a block's residual stream, which every column-wise input is taken from, are in the
-dtype the parameters are in during the forward (:meth:`ModelFacts.stream_bytes_under`: float32 under
-autocast, FSDP2's 16-bit ``param_dtype`` where it casts them). Sequence-sharded layouts (``Shard(1)``: torchtitan's
-plan, ``SequenceParallel``, ``PrepareModuleInput``) are not read here: :func:`plan_traffic` says
-None for such a plan, and tp's closed formula stands for it.
+dtype the parameters are in during the forward (:meth:`ModelFacts.stream_bytes_under`: float32
+under autocast, FSDP2's 16-bit ``param_dtype`` where it casts them). Other layouts (``Shard(1)``:
+torchtitan's plan, ``SequenceParallel``, ``PrepareModuleInput``; a row-wise output left sharded)
+are not read here: :func:`plan_traffic` says None for such a plan, and tp's closed formula
+stands for it.
 
 Checkpointing re-runs a block's forward collectives in backward, but torch's non-reentrant
 checkpoint stops its recomputation once the saved tensors are back (``_enable_checkpoint_early_stop``),
@@ -74,7 +75,11 @@ def plan_traffic(module: nn.Module, plan: TpPlan, blocks: Sequence[str]) -> tupl
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
             return None
         (given,), (made,) = style.input_layouts, style.output_layouts
-        if not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == -1) for p in (given, made)):
+        row = isinstance(style, RowwiseParallel)
+        last_dim = [isinstance(p, Shard) and p.dim == -1 for p in (given, made)]
+        # column-wise: Replicate in, Replicate or Shard(-1) out; row-wise: Replicate or Shard(-1) in, Replicate out
+        if not (isinstance(given, Replicate) or (row and last_dim[0])) or not (
+                isinstance(made, Replicate) or (not row and last_dim[1])):
             return None
         if isinstance(member, nn.Linear):
             width_in, width_out, out_stream = member.in_features, member.out_features, False
@@ -83,7 +88,6 @@ def plan_traffic(module: nn.Module, plan: TpPlan, blocks: Sequence[str]) -> tupl
         else:
             return None
         block = next((i for i, b in enumerate(blocks) if name.startswith(f"{b}.")), None)
-        row = isinstance(style, RowwiseParallel)
         if isinstance(made, Replicate):  # row-wise: Partial -> Replicate; column-wise: Shard(-1) -> Replicate
             if block is not None:
                 final[block] = (len(out), name[len(blocks[block]) + 1:].split(".")[0])
