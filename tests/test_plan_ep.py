@@ -32,6 +32,7 @@ pytest.importorskip("transformers")
 if not expert_parallelism_available():  # transformers 5.17 (the oldest matrix leg)
     pytest.skip("ep needs transformers' expert parallelism", allow_module_level=True)
 
+SELECTIVE = Checkpointing(CheckpointKind.SELECTIVE_OP)
 #: tests/test_ep.py's tiny Mixtral: 2 layers, d 64, 4 experts of SwiGLU 128, top-2, vocabulary 256.
 TINY_MIXTRAL: dict[str, Any] = {
     "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
@@ -45,10 +46,13 @@ HEAVY: dict[str, Any] = {**TINY_MIXTRAL, "num_local_experts": 32, "hidden_size":
 
 
 def _facts(tokens: int, activation_bytes: int = 4, **changes: Any) -> ModelFacts:
-    return ModelFacts(parameters=PARAMETERS, trainable=PARAMETERS, gather_bytes=4, reduce_bytes=4, layers=2, heads=4,
-                      kv_heads=2, hidden=64, vocab=256, intermediate=128, activation_bytes=activation_bytes,
-                      tokens=tokens, experts=4, top_k=2, moe_layers=2, expert_parameters=EXPERTS,
-                      expert_trainable=EXPERTS, **changes)
+    """The tiny Mixtral's facts, stored, gathered and computed in ``activation_bytes`` (fp32 or pure bf16)
+    unless ``changes`` say otherwise."""
+    dtypes = {"gather_bytes": activation_bytes, "stream_bytes": activation_bytes, **changes}
+    return ModelFacts(parameters=PARAMETERS, trainable=PARAMETERS, reduce_bytes=4, layers=2, heads=4, kv_heads=2,
+                      hidden=64, vocab=256, intermediate=128, activation_bytes=activation_bytes, tokens=tokens,
+                      experts=4, top_k=2, moe_layers=2, moe_blocks=(0, 1), expert_parameters=EXPERTS,
+                      expert_trainable=EXPERTS, **dtypes)
 
 
 def _by_what(collectives: Any) -> dict[str, tuple[float, int, int]]:
@@ -74,9 +78,11 @@ def test_all_to_all_and_fsdp_bytes_by_hand() -> None:
     the same backward. FSDP2: the dense 254,784 − 196,608 = 58,176 parameters over dp_shard × ep = 4
     ranks, ring 3/4, forward and backward: 2 · 58,176 · 4 · 3/4 = 349,056 B, reduce-scatter 174,528 B; each
     rank's 196,608 / 2 = 98,304 expert parameters over the 2 dp_shard ranks: 2 · 98,304 · 4 · 1/2 =
-    393,216 B gathered, 196,608 B reduced. Every group: 4 consecutive GPUs."""
+    393,216 B gathered, 196,608 B reduced. Every group: 4 consecutive GPUs. Before the rows, each layer
+    all-to-alls its 4 int64 split counts (half from the other rank): 2 · 16 = 32 B in 2 calls."""
     got = _by_what(collectives_of(Mesh(dp_shard=2, ep=2), _facts(32), 1))
     assert got == {
+        "all-to-all of the split counts (forward)": (32, 2, 2),
         "all-to-all of routed tokens (dispatch and combine, forward)": (32_768, 4, 2),
         "all-to-all of routed tokens' gradients (backward)": (32_768, 4, 2),
         "all-gather of parameters (dense; forward and backward)": (349_056, 2, 4),
@@ -87,18 +93,42 @@ def test_all_to_all_and_fsdp_bytes_by_hand() -> None:
 
 
 def test_all_to_all_under_tp_recompute_and_a_pipeline_by_hand() -> None:
-    """tp=2, ep=2 (etp=1: the experts over ep × tp = 4 ranks) with dp_shard=2: a tp rank dispatches 32 / 2 =
-    16 tokens, 32 pairs, 8 to each of the 4 ranks' experts, receiving 8 from each: 3 · 8 + 3 · 8 = 48 rows
-    from the others a layer, 48 · 64 · 2 B (bf16) = 6,144 B, 2 layers: 12,288 B. Recomputed (full or
-    selective-op) the forward's twice: 24,576 B in 8 calls. pp=2: the busiest stage's 1 MoE layer, 4 micro-
-    batches: 4 · 6,144 = 24,576 B forward in 8 calls."""
+    """tp=2, ep=2 (etp=1: the experts over ep × tp = 4 ranks) with dp_shard=2, pure bf16: a tp rank
+    dispatches 32 / 2 = 16 tokens, 32 pairs, 8 to each of the 4 ranks' experts, receiving 8 from each:
+    3 · 8 + 3 · 8 = 48 rows from the others a layer, 48 · 64 · 2 B = 6,144 B, 2 layers: 12,288 B. Recomputed
+    (full or selective-op) the forward's twice: 24,576 B in 8 calls; every:2 recomputes block 1 only (its
+    count from 1 is 2): 18,432 B in 6. pp=2: the busiest stage's 1 MoE layer, 4 micro-batches: 4 · 6,144 =
+    24,576 B forward in 8 calls. Over tp (AllToAllEP's Replicate -> Shard(0) and back, 2 consecutive GPUs):
+    forward the combined 32 · 64 rows in float32 (the router's weights are), half from the other rank:
+    4,096 B a layer, not re-run under full checkpointing (the MoE layer ends the block, where torch's
+    checkpoint stops early); backward the rows' bf16 gradients (32 · 64 · 2) and the float32 routing
+    weights' (32 · 2 · 4), half each: 2,048 + 128 B a layer, 2 calls."""
     mesh = Mesh(dp_shard=2, tp=2, ep=2)
     forward = "all-to-all of routed tokens (dispatch and combine, forward)"
     assert _by_what(collectives_of(mesh, _facts(32, 2), 1))[forward] == (12_288, 4, 4)
-    assert _by_what(collectives_of(mesh, _facts(32, 2, recompute_all_to_all=True), 1))[forward] == (24_576, 8, 4)
+    full = _by_what(collectives_of(mesh, _facts(32, 2, checkpoint=FULL), 1))
+    assert full[forward] == (24_576, 8, 4)
+    assert _by_what(collectives_of(mesh, _facts(32, 2, checkpoint=SELECTIVE), 1))[forward] == (24_576, 8, 4)
+    every_2 = Checkpointing(CheckpointKind.EVERY, 2)
+    assert _by_what(collectives_of(mesh, _facts(32, 2, checkpoint=every_2), 1))[forward] == (18_432, 6, 4)
+    assert full["all-gather of the combined tokens over tp (forward)"] == (2 * 4_096, 2, 2)
+    assert full["all-gather of routed tokens' and routing weights' gradients over tp (backward)"] == (
+        2 * (2_048 + 128), 4, 2)
     piped = Mesh(dp_shard=2, ep=2, pp=2)
     # no tp: 32 tokens, 64 rows from the other rank a layer, 64 · 64 · 2 = 8,192 B; 1 layer, 4 microbatches
     assert _by_what(collectives_of(piped, _facts(32, 2), 4))[forward] == (32_768, 8, 2)
+
+
+def test_a_mixture_of_experts_all_to_alls_its_residual_stream_under_autocast() -> None:
+    """Under amp-bf16 alone the block's hidden states stay float32 (the parameters' dtype; autocast casts
+    the matmuls' inputs only), and AllToAllEP dispatches them as they are: rows of 64 · 4 B, not 64 · 2 B
+    (ep=2: 64 rows from the other rank a layer, 2 layers: 32,768 B). Under FSDP2 (dp_shard, or HSDP over
+    ep) its MixedPrecisionPolicy runs the model in bf16, without autocast: rows of 64 · 2 B, 16,384 B."""
+    forward = "all-to-all of routed tokens (dispatch and combine, forward)"
+    amp = _facts(32, 2, stream_bytes=4, gather_bytes=2)
+    assert _by_what(collectives_of(Mesh(ep=2), amp, 1))[forward] == (32_768, 4, 2)
+    assert _by_what(collectives_of(Mesh(dp_shard=2, ep=2), amp, 1))[forward] == (16_384, 4, 2)
+    assert _by_what(collectives_of(Mesh(dp_replicate=2, ep=2), amp, 1))[forward] == (16_384, 4, 2)
 
 
 @pytest.mark.parametrize("checkpoint, calls", [(OFF, 8), (Checkpointing(CheckpointKind.SELECTIVE_OP), 12), (FULL, 12)])
@@ -108,17 +138,21 @@ def test_the_time_model_counts_what_the_estimates_ep_program_communicates(tmp_pa
     records each all-to-all's output: 8 outputs of 64 rows · 64 · 4 B = 16,384 B without checkpointing
     (2 layers: dispatch and combine, forward and backward), 12 where the backward re-runs the forward's
     (full, and selective-op: memcalc's and torchtitan's saved ops leave the all-to-all out). Half of each
-    output is rank 0's own rows (balanced, ep=2): the other half crossed the link, which plan counts."""
+    output is rank 0's own rows (balanced, ep=2): the other half crossed the link, which plan counts. Each
+    forward (its recomputation too) first all-to-alls the split counts in place (``alltoall_base_``, no
+    new storage): half as many calls."""
     step = build_step(hf_config_source(tmp_path, TINY_MIXTRAL), batch_size=2, seq_len=16, optimizer="adam",
                       gpu="cpu", checkpoint=checkpoint)
     trace = trace_step(step.resolved(batch_size=2), step, hooks=ExpertParallel(2)).trace
     outputs = [trace.nbytes[uid] for uid, op in enumerate(trace.op) if op.startswith("_c10d_functional.all_to_all")]
     assert outputs == [64 * 64 * 4] * calls
-    recomputed = checkpoint.kind is not CheckpointKind.OFF
-    modelled = [c for c in collectives_of(Mesh(dp_shard=2, ep=2), _facts(32, recompute_all_to_all=recomputed), 1)
-                if c.dimension == "ep"]
-    assert sum(c.count for c in modelled) == calls
-    assert sum(c.received for c in modelled) == sum(outputs) / 2
+    modelled = _by_what(c for c in collectives_of(Mesh(dp_shard=2, ep=2), _facts(32, checkpoint=checkpoint), 1)
+                        if c.dimension == "ep")
+    rows = [modelled[f"all-to-all of routed tokens{what}"] for what in (" (dispatch and combine, forward)",
+                                                                       "' gradients (backward)")]
+    assert sum(count for _, count, _ in rows) == calls
+    assert sum(received for received, _, _ in rows) == sum(outputs) / 2
+    assert modelled["all-to-all of the split counts (forward)"][1] == trace.op_counts["alltoall_base_.default"]
 
 
 def test_bounds_count_a_tokens_experts_and_ep_s_split_by_hand() -> None:
@@ -191,8 +225,9 @@ def heavy(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
 def test_plan_chooses_ep_where_fsdp_would_gather_every_expert(heavy: tuple[str, Any]) -> None:
     """Four GPUs on four nodes (50 GB/s): dp_shard=4 gathers all 805,306,368 expert parameters twice a
     step, dp_shard=2 × ep=2 (or HSDP over ep=2) each rank's half; ep's all-to-alls (32 tokens · top-2 = 64
-    pairs, 32 of them from the other rank and 32 back, bf16: 64 · 1,024 · 2 = 131,072 B a layer, 2 layers,
-    forward and backward) are small beside them. A pipeline avoids the gathers too: pp=2 × dp_shard=2 (each
+    pairs, 32 of them from the other rank and 32 back, bf16 (FSDP2's param_dtype): 64 · 1,024 · 2 = 131,072 B a
+    layer, 2 layers, forward and backward; before them each layer's 32 int64 split counts, 128 B from the other
+    rank) are small beside them. A pipeline avoids the gathers too: pp=2 × dp_shard=2 (each
     rank gathers its stage's experts only, and sends one activation a microbatch) comes first, under GPipe and
     1F1B alike; ep=2 leads the meshes without one. (Until the pipeline's output shapes used the real kernels'
     ``_grouped_mm`` rule, every pipeline of this model failed under amp-bf16 and ep came first.)"""
@@ -202,7 +237,7 @@ def test_plan_chooses_ep_where_fsdp_would_gather_every_expert(heavy: tuple[str, 
     best = next(c for c in result.best if c.mesh.pp == 1)
     assert best.mesh.ep == 2 and best.report.fits
     a2a = [c for c in best.collectives if c.dimension == "ep" and c.what.startswith("all-to-all")]
-    assert [(c.received, c.count) for c in a2a] == [(2 * 131_072, 4), (2 * 131_072, 4)]
+    assert [(c.received, c.count) for c in a2a] == [(2 * 128, 2), (2 * 131_072, 4), (2 * 131_072, 4)]
     assert best.exposed_seconds >= sum(c.seconds(result.network) for c in a2a)
     # the memory bound plan pruned with never exceeds what the trace holds
     step = build_step(source, batch_size=1, seq_len=32, precision="amp-bf16", optimizer="adam", gpu="h100-80gb")

@@ -21,9 +21,14 @@ beside one local attention call), each call exposed by what exceeds it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from memcalc.core.checkpointing import OFF, Checkpointing, CheckpointKind
 from memcalc.core.errors import InvalidInputError
 from memcalc.distributed.mesh import Mesh
+
+if TYPE_CHECKING:  # torch's styles are read where the traffic is made (plan's model facts)
+    from memcalc.distributed.tp_traffic import Transfer
 
 __all__ = ("DEFAULT_NETWORK", "LAYOUT", "Collective", "ModelFacts", "Network", "group_span", "ring_bytes")
 
@@ -31,6 +36,8 @@ __all__ = ("DEFAULT_NETWORK", "LAYOUT", "Collective", "ModelFacts", "Network", "
 LAYOUT = ("pp", "dp_replicate", "dp_shard", "cp", "ep", "tp")
 
 _GB = 1e9
+#: The checkpointing whose recomputation re-runs a checkpointed block's collectives.
+_RECOMPUTING = frozenset({CheckpointKind.FULL, CheckpointKind.SELECTIVE_OP, CheckpointKind.EVERY})
 
 
 @dataclass(frozen=True)
@@ -108,9 +115,17 @@ class ModelFacts:
             to); None, None, 0: no experts (``ep`` then offers degree 1 only).
         expert_parameters, expert_trainable: the parameters of those layers' experts (and the
             trainable ones): ep splits them, FSDP2 shards them over dp_shard only.
-        recompute_all_to_all: the candidate's: whether its backward re-runs the forward's
-            all-to-alls (any checkpointing that recomputes them: full, and selective-op, whose
-            saved ops do not include them, as torchtitan's list of 2026 did not).
+        checkpoint: the candidate's checkpointing as it runs (``--checkpoint auto``: as chosen after the
+            trace; before it, ``auto`` itself, which re-runs nothing: a bound): which blocks' forward
+            collectives the backward re-runs (:meth:`recomputes`).
+        stream_bytes: bytes per element of the parameters' stored dtype (float32 under autocast,
+            whose matmuls alone run in 16 bits), a block's residual stream's where nothing casts
+            them (:meth:`stream_bytes_under`).
+        moe_blocks: the blocks (0-based, model order) that hold the MoE layers.
+        tp_traffic, tp_traffic_ep: the collectives the model's own tensor-parallel plan runs
+            (:func:`~memcalc.distributed.tp_traffic.plan_traffic`), without ep and under it (tp × ep:
+            the plan without the rules on the experts); None where the plan is not one those rules
+            read (tp's closed formula stands), or for a model without experts (below).
     """
 
     parameters: int
@@ -134,7 +149,34 @@ class ModelFacts:
     moe_layers: int = 0
     expert_parameters: int = 0
     expert_trainable: int = 0
-    recompute_all_to_all: bool = False
+    checkpoint: Checkpointing = OFF
+    stream_bytes: int = 4
+    moe_blocks: tuple[int, ...] = ()
+    tp_traffic: tuple[Transfer, ...] | None = None
+    tp_traffic_ep: tuple[Transfer, ...] | None = None
+
+    def recomputes(self, block: int) -> bool:
+        """Whether the backward re-runs ``block``'s forward collectives: full and selective-op
+        (whose saved ops, torchtitan's, include no all-to-all, all-reduce or all-gather) every block,
+        ``every:N`` its blocks; off, and ``auto`` before its choice, none."""
+        kind = self.checkpoint.kind
+        return kind in _RECOMPUTING and self.checkpoint.checkpoints_block(block)
+
+    def stream_bytes_under(self, mesh: Mesh) -> int:
+        """Bytes per element of a block's residual stream on ``mesh``: what a MoE layer dispatches
+        and combines (transformers' ``AllToAllEP`` on the block's hidden states) and a column-wise
+        layer's input gradient. The parameters' dtype during the forward: FSDP2's ``param_dtype``
+        (``gather_bytes``) where its MixedPrecisionPolicy runs the model without autocast (dp_shard,
+        and dp_replicate's HSDP over ep without dp_shard or cp: their ``trace_precision``), else
+        the stored dtype (autocast casts the matmuls' inputs alone). A traced tiny Mixtral under
+        amp-bf16 dispatches float32 rows at tp=2 × ep=2, bfloat16 ones with dp_shard or HSDP."""
+        fsdp = mesh.dp_shard > 1 or (mesh.dp_replicate > 1 and mesh.ep > 1 and mesh.cp == 1)
+        return self.gather_bytes if fsdp else self.stream_bytes
+
+    @property
+    def recomputed_moe_layers(self) -> int:
+        """The MoE layers whose forward collectives the backward re-runs (:meth:`recomputes`)."""
+        return sum(self.recomputes(block) for block in self.moe_blocks)
 
 
 @dataclass(frozen=True)

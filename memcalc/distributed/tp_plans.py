@@ -32,8 +32,8 @@ from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 if TYPE_CHECKING:  # torch.distributed.tensor (and sympy under it) is imported where a plan is made
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ("STYLES", "TpPlan", "hf_plan", "llama_plan", "planned_modules", "resolve_plan", "stage_plan", "user_plan",
-           "without_expert_rules")
+__all__ = ("STYLES", "TpPlan", "hf_plan", "llama_plan", "planned", "planned_modules", "resolve_plan", "stage_plan",
+           "user_plan", "without_expert_rules")
 
 
 def _colwise() -> ParallelStyle:
@@ -242,7 +242,18 @@ def resolve_plan(module: nn.Module, strings: Mapping[str, str] | None, model_nam
 
 def planned_modules(module: nn.Module, plan: TpPlan) -> list[nn.Module]:
     """The submodules of ``module`` some pattern of ``plan`` names."""
-    return [m for name, m in module.named_modules() if name and any(_matches(p, name) for p in plan.styles)]
+    return [m for _, m, _ in planned(module, plan)]
+
+
+def planned(module: nn.Module, plan: TpPlan) -> list[tuple[str, nn.Module, ParallelStyle]]:
+    """Each submodule of ``module`` some pattern of ``plan`` names, by name, with the style of its
+    first pattern, in ``named_modules`` order."""
+    out = []
+    for name, m in module.named_modules():
+        style = next((s for p, s in plan.styles.items() if name and _matches(p, name)), None)
+        if style is not None:
+            out.append((name, m, style))
+    return out
 
 
 def stage_plan(plan: TpPlan, module: nn.Module, prefix: str = "") -> TpPlan:

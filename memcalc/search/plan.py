@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from memcalc.core.checkpointing import AUTO, FULL, OFF, Checkpointing, CheckpointKind
+from memcalc.core.checkpointing import AUTO, FULL, OFF, Checkpointing, CheckpointKind, parse_checkpointing
 from memcalc.core.errors import InvalidInputError, MemcalcError
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import OpClass, StepTime
@@ -52,6 +52,7 @@ from memcalc.distributed.setting import Distributed
 from memcalc.distributed.strategy.base import Plan
 from memcalc.distributed.strategy.catalogue import APPLICATION_ORDER, dimensions, strategies_for
 from memcalc.distributed.tp_plans import resolve_plan
+from memcalc.distributed.tp_traffic import plan_traffic
 from memcalc.engine.model import ResolvedModel
 from memcalc.engine.step_spec import Step
 from memcalc.estimation import run_estimate
@@ -76,9 +77,6 @@ __all__ = ("CHECKPOINTS", "SCHEDULES", "PlanCandidate", "PlanResult", "collectiv
 CHECKPOINTS = (OFF, Checkpointing(CheckpointKind.SELECTIVE_OP), FULL)
 #: The pipeline schedules tried (those whose FSDP2 stages memcalc checks against real runs).
 SCHEDULES = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B)
-#: The checkpointing whose backward re-runs the experts' all-to-alls (SELECTIVE_OP: memcalc's saved
-#: ops, torchtitan's, do not include them). ``auto`` chooses per configuration after the trace: not counted.
-_RECOMPUTES_ALL_TO_ALL = frozenset({CheckpointKind.FULL, CheckpointKind.SELECTIVE_OP})
 #: Phases that run once per optimizer step, whatever the accumulation.
 _ONCE_PER_STEP = ("optimizer", "zero_grad")
 
@@ -191,9 +189,13 @@ def model_facts(step: Step) -> ModelFacts:
         return None
 
     top_k = attribute("num_experts_per_tok", "experts_per_token")
-    experts = _experts_of(module, resolved.name, top_k)
+    blocks = [f"{path}.{child}" for path in resolved.block_containers
+              for child, _ in module.get_submodule(path).named_children()]
+    experts = _experts_of(module, resolved.name, top_k, blocks)
+    if experts:
+        experts.update(_tp_traffic(resolved, blocks))
     hidden = attribute("hidden_size", "n_embd", "d_model")
-    return ModelFacts(parameters=parameters, trainable=trainable, gather_bytes=gather,
+    return ModelFacts(parameters=parameters, trainable=trainable, gather_bytes=gather, stream_bytes=stored_bytes,
                       reduce_bytes=4 if precision.is_amp else stored_bytes,
                       layers=attribute("num_hidden_layers", "n_layer", "num_layers"),
                       heads=attribute("num_attention_heads", "n_head"),
@@ -225,11 +227,30 @@ def _narrowest_mlp(dense: int | None, expert_width: int | None, top_k: int | Non
     return min(widths) if widths else None
 
 
-def _experts_of(module: torch.nn.Module, name: str, top_k: int | None) -> dict[str, Any]:
+def _tp_traffic(resolved: ResolvedModel, blocks: list[str]) -> dict[str, Any]:
+    """The collectives the model's own tensor-parallel plan runs, without ep and under it
+    (:class:`ModelFacts`' ``tp_traffic`` and ``tp_traffic_ep``; each None where the plan does not
+    resolve or its styles are not ones :func:`plan_traffic` reads). Read for a mixture of experts
+    only: for a dense model tp's closed formula (torchtitan's Llama plan) stands, its answers kept
+    as they were (a traced llama-tiny runs its Hugging Face plan's all-reduces instead, 58 where the
+    formula counts 64 + 5 all-gathers and reduce-scatters: docs/many-gpus.md)."""
+    out: dict[str, Any] = {}
+    for key, under_ep in (("tp_traffic", False), ("tp_traffic_ep", True)):
+        try:
+            plan = resolve_plan(resolved.module, None, resolved.name, expert_parallel=under_ep)
+        except MemcalcError:  # no plan, or one with styles torch has none for: tp is refused there
+            out[key] = None
+            continue
+        out[key] = plan_traffic(resolved.module, plan, blocks)
+    return out
+
+
+def _experts_of(module: torch.nn.Module, name: str, top_k: int | None, blocks: list[str]) -> dict[str, Any]:
     """The mixture of experts' facts (:class:`ModelFacts`) of ``module``: the modules its own
     expert-parallel plan dispatches tokens to (what ``ep`` shards, :func:`expert_modules`), their
-    experts and parameters; none for a model without such a plan, or where the installed
-    transformers has no expert parallelism (``ep`` then offers degree 1 only)."""
+    experts and parameters, and which of ``blocks`` hold them; none for a model without such a
+    plan, or where the installed transformers has no expert parallelism (``ep`` then offers degree
+    1 only)."""
     if top_k is None or not expert_parallelism_available():
         return {}
     try:
@@ -241,6 +262,7 @@ def _experts_of(module: torch.nn.Module, name: str, top_k: int | None) -> dict[s
         return {}
     seen = {id(p): p for path in paths for p in module.get_submodule(path).parameters()}
     return {"experts": next(iter(counts)), "top_k": top_k, "moe_layers": len(paths),
+            "moe_blocks": tuple(i for i, block in enumerate(blocks) if any(p.startswith(f"{block}.") for p in paths)),
             "expert_parameters": sum(p.numel() for p in seen.values()),
             "expert_trainable": sum(p.numel() for p in seen.values() if p.requires_grad)}
 
@@ -388,13 +410,15 @@ class _Search:
             self.peak = peak_flops(self.step)
         return self.peak
 
-    def facts_for(self, config: _Config) -> ModelFacts:
-        """The facts with ``config``'s: one rank's tokens of a micro-batch (``S / cp`` per sample)."""
+    def facts_for(self, config: _Config, chosen: Checkpointing | None = None) -> ModelFacts:
+        """The facts with ``config``'s: one rank's tokens of a micro-batch (``S / cp`` per sample) and
+        its checkpointing, or ``chosen``: what ``--checkpoint auto`` chose for it after its trace
+        (before, ``auto`` re-runs no collective: a bound)."""
         seq_len = self.sequence // config.mesh.cp
+        checkpoint = chosen if chosen is not None else self.checkpoints[config.ckpt]
         return replace(self.facts, tokens=config.micro * seq_len, seq_len=seq_len,
                        stages_per_rank=config.stages_per_rank, attention_flops_per_second=self.flops_rate(),
-                       recompute=self.checkpoints[config.ckpt].kind is CheckpointKind.FULL,
-                       recompute_all_to_all=self.checkpoints[config.ckpt].kind in _RECOMPUTES_ALL_TO_ALL)
+                       recompute=checkpoint.kind is CheckpointKind.FULL, checkpoint=checkpoint)
 
     @staticmethod
     def key(config: _Config) -> tuple[Any, ...]:
@@ -881,12 +905,15 @@ _ASSUMPTIONS = (
 
 #: Said beside the others where plan searches ep (a mixture of experts).
 _EP_ASSUMPTION = (
-    "expert parallelism: transformers' AllToAllEP per MoE layer all-to-alls the routed tokens (dispatch and combine) "
-    "in forward and backward (the forward's again under full and selective-op checkpointing), exposed, over the "
-    "ep x cp x tp ranks that hold the experts (torchtitan's ep borrows cp and tp, etp=1), balanced routing, each "
-    "rank's rows to the others (hidden x compute-dtype bytes a row); FSDP2 over dp_shard x cp x ep for the dense "
-    "part, over dp_shard for each rank's experts; every ep rank runs a batch of its own; compute bounds count a "
-    "token's top_k of the experts; meshes with ep need dp_shard or dp_replicate (FSDP2 or HSDP)")
+    "expert parallelism: transformers' AllToAllEP per MoE layer all-to-alls its split counts and the routed tokens "
+    "(dispatch and combine) in forward and the tokens in backward (the forward's again in each block checkpointing "
+    "recomputes: full, selective-op, auto's choice), exposed, over the ep x cp x tp ranks that hold the experts "
+    "(torchtitan's ep borrows cp and tp, etp=1), balanced routing, each rank's rows to the others (hidden elements "
+    "of the residual stream a row: FSDP2's param_dtype); under tp its combined rows all-gathered over tp (their "
+    "gradients in backward), and tp's own collectives those of the model's own plan less the experts; FSDP2 over "
+    "dp_shard x cp x ep for the dense part, over dp_shard for each rank's experts; every ep rank runs a batch of its "
+    "own; compute bounds count a token's top_k of the experts; meshes with ep need dp_shard or dp_replicate (FSDP2 "
+    "or HSDP)")
 
 
 def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tuple[float, float]]:
@@ -906,19 +933,31 @@ def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tu
         search.pruned.append(f"{label}: does not fit ({_gib(report.bytes.peak_allocated)} allocated at its peak)")
         return None, (compute, once)
     bubble = per * (config.mesh.pp - 1) / config.stages_per_rank
-    collectives = collectives_of(config.mesh, search.facts_for(config), config.accum)
+    chosen = _auto_choice(report)
+    collectives = collectives_of(config.mesh, search.facts_for(config, chosen), config.accum)
     comm, exposed, seconds = step_seconds(compute, bubble, collectives, search.network, search.facts.layers)
     mesh = config.mesh
     tokens = None if time.tokens is None or not time.samples else (
         time.tokens // time.samples * mesh.cp * config.micro * config.accum * _data_parallel(mesh))
-    chosen = next((n.split("chose ", 1)[1].split(":", 1)[0] for n in report.notes
-                   if n.startswith("checkpoint auto chose ")), None)
     candidate = PlanCandidate(mesh=mesh, checkpoint=search.checkpoints[config.ckpt], micro_batch=config.micro,
                               accum_steps=config.accum, report=report, compute_seconds=compute, collectives=collectives,
                               comm_seconds=comm, exposed_seconds=exposed, seconds=seconds, tokens_per_step=tokens,
                               schedule=config.schedule, bubble_seconds=bubble, once_seconds=once,
-                              checkpoint_label=f"auto → {chosen}" if chosen else "")
+                              checkpoint_label=f"auto → {chosen.label}" if chosen is not None else "")
     return candidate, (compute, once)
+
+
+#: How ``--checkpoint auto``'s note names its choice (:mod:`memcalc.distributed.checkpoint_auto`).
+_AUTO_CHOSE = "checkpoint auto chose "
+
+
+def _auto_choice(report: MemoryReport) -> Checkpointing | None:
+    """The checkpointing ``--checkpoint auto`` chose for ``report``'s configuration (its note: ``checkpoint
+    auto chose every:2: ...``), which says which blocks' collectives the backward re-runs; None: not auto,
+    or none of its settings fit (``checkpoint auto: no setting fits``; not a candidate then)."""
+    label = next((n.removeprefix(_AUTO_CHOSE).split(": ", 1)[0] for n in report.notes if n.startswith(_AUTO_CHOSE)),
+                 None)
+    return None if label is None else parse_checkpointing(label)
 
 
 def _gib(nbytes: float) -> str:

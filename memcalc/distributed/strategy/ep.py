@@ -38,7 +38,7 @@ from memcalc.core.errors import InapplicableOptionError, InvalidInputError
 from memcalc.core.finetune import FineTune
 from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
-from memcalc.distributed.collectives import Collective, ModelFacts, group_span
+from memcalc.distributed.collectives import Collective, ModelFacts, group_span, ring_bytes
 from memcalc.distributed.expert_parallel import (
     ExpertParallel,
     dispatch_rows,
@@ -60,6 +60,15 @@ from memcalc.stacks.transformers.reads import routing_notes
 
 __all__ = ("ExpertParallelDimension",)
 
+#: Bytes of one split count: ``AllToAllEP`` counts the pairs per expert in ``torch.long``.
+_SPLIT_COUNT_BYTES = 8
+#: Bytes of a routing weight: Mixtral's router (transformers 5.25) takes the softmax in float32 and
+#: keeps it, so the combine's product with them is float32 under any precision (a traced bf16 tp × ep
+#: step all-gathers float32 rows over tp). Qwen3-MoE's casts them to the router's dtype, which ModelFacts
+#: does not carry; its own tp plan is refused today (``replicated_with_grad_allreduce``), so tp × ep never
+#: meets it.
+_ROUTING_WEIGHT_BYTES = 4
+
 
 @register()
 class ExpertParallelDimension(RankStrategy):
@@ -79,20 +88,31 @@ class ExpertParallelDimension(RankStrategy):
 
     @classmethod
     def collectives(cls, mesh: Mesh, facts: ModelFacts, micro_batches: int) -> tuple[Collective, ...]:
-        """Per MoE layer (``moe_layers / pp`` per micro-batch), ``AllToAllEP``'s two all-to-alls
-        over the ``ep × cp × tp`` ranks that hold the experts (torchtitan's ep group: the
-        ``cp × ep × tp`` consecutive GPUs): the dispatch receives the rows the other ranks route to
-        this rank's experts, the combine this rank's own rows back from them, each row
-        ``hidden × activation_bytes``; the backward runs both again (each one's gradient, the
-        other way), the forward's again where checkpointing recomputes them (full and
-        selective-op: ``recompute_all_to_all``; a trace under either runs 12 where off runs 8,
-        tests/test_plan_ep.py). The rows are what the estimate's
-        program answers the split sizes with (:func:`dispatch_rows`, balanced routing: plan's
-        default), for the ``tokens / tp`` tokens a rank dispatches (``tokens``: micro-batch ×
-        ``S / cp``; under tp each tp rank its share of the group's), less its rows to itself, which
-        cross no link. Exposed: each layer's experts wait on the dispatch, its output on the
-        combine (``AllToAllEP`` overlaps neither). With dp_replicate and neither dp_shard nor cp,
-        FSDP2 over the ep ranks (dp_replicate's HSDP): its all-gathers and reduce-scatters here."""
+        """Per MoE layer (``moe_layers / pp`` per micro-batch), ``AllToAllEP``'s collectives over
+        the ``ep × cp × tp`` ranks that hold the experts (torchtitan's ep group: the ``cp × ep × tp``
+        consecutive GPUs), as transformers 5.25 runs them (``distributed/expert_parallel.py``):
+
+        - the split counts (one ``int64`` a global expert, ``all_to_all_single`` in place) and the
+          routed rows: the dispatch receives the rows the other ranks route to this rank's
+          experts, the combine this rank's own rows back from them, each row ``hidden`` elements
+          of the residual stream (:meth:`ModelFacts.stream_bytes_under`: float32 under autocast
+          alone, FSDP2's bf16 ``param_dtype`` where it runs the model, as traced); the backward
+          runs both row all-to-alls again (each one's gradient, the other way), and a recomputed
+          block (full, selective-op, ``every:N``'s) its forward's three
+          (:meth:`ModelFacts.recomputes`). The rows are what the estimate's
+          program answers the split sizes with (:func:`dispatch_rows`, balanced routing: plan's
+          default) for the ``tokens / tp`` tokens a rank dispatches (``tokens``: micro-batch ×
+          ``S / cp``), less its rows to itself, which cross no link;
+        - under tp, over the tp ranks that share a batch: the combine's output all-gathered
+          (``Shard(0) -> Replicate``: the group's ``tokens × hidden``, float32, the product with
+          the router's float32 weights), which a recomputed block does not re-run (torch's
+          checkpoint stops early: the MoE layer ends the block); in backward the gradients of the
+          rows and of the routing weights (``tokens × top_k`` float32) all-gathered back from
+          ``Replicate -> Shard(0)``.
+
+        Exposed: each layer's experts wait on the dispatch, its output on the combine (``AllToAllEP``
+        overlaps neither). With dp_replicate and neither dp_shard nor cp, FSDP2 over the ep ranks
+        (dp_replicate's HSDP): its all-gathers and reduce-scatters here."""
         fsdp = (fsdp_collectives(cls.name, mesh, facts, micro_batches)
                 if mesh.dp_shard == 1 and mesh.cp == 1 and mesh.dp_replicate > 1 else ())
         if facts.experts is None or facts.top_k is None or not facts.tokens or facts.hidden is None:
@@ -100,16 +120,30 @@ class ExpertParallelDimension(RankStrategy):
         owners = mesh.ep * mesh.cp * mesh.tp
         send, receive = dispatch_rows(facts.tokens // mesh.tp, facts.top_k, facts.experts, owners, 0,
                                       Routing.BALANCED)
-        row = facts.hidden * facts.activation_bytes
+        stream = facts.stream_bytes_under(mesh)
+        row = facts.hidden * stream
         layer = (sum(receive) - receive[0] + sum(send) - send[0]) * row  # dispatch and combine, from the others
         calls = -(-facts.moe_layers // mesh.pp) * micro_batches  # the busiest stage's MoE layers
-        forwards = 2 * calls if facts.recompute_all_to_all else calls
+        forwards = calls + -(-facts.recomputed_moe_layers // mesh.pp) * micro_batches
         span = group_span(mesh, "cp")  # cp, ep and tp: consecutive GPUs (LAYOUT)
-        return (*fsdp,
-                Collective(cls.name, "all-to-all of routed tokens (dispatch and combine, forward)", layer * forwards,
-                           span, 2 * forwards, overlapped=False),
-                Collective(cls.name, "all-to-all of routed tokens' gradients (backward)", layer * calls, span,
-                           2 * calls, overlapped=False))
+        counts = ring_bytes(facts.experts * _SPLIT_COUNT_BYTES, owners)
+        out = [*fsdp,
+               Collective(cls.name, "all-to-all of the split counts (forward)", counts * forwards, span, forwards,
+                          overlapped=False),
+               Collective(cls.name, "all-to-all of routed tokens (dispatch and combine, forward)", layer * forwards,
+                          span, 2 * forwards, overlapped=False),
+               Collective(cls.name, "all-to-all of routed tokens' gradients (backward)", layer * calls, span,
+                          2 * calls, overlapped=False)]
+        if mesh.tp > 1:
+            tp_span = group_span(mesh, "tp")
+            combined = ring_bytes(facts.tokens * facts.hidden * max(stream, _ROUTING_WEIGHT_BYTES), mesh.tp)
+            gradients = ring_bytes(facts.tokens * (facts.hidden * stream + facts.top_k * _ROUTING_WEIGHT_BYTES),
+                                   mesh.tp)
+            out += [Collective(cls.name, "all-gather of the combined tokens over tp (forward)", combined * calls,
+                               tp_span, calls, overlapped=False),
+                    Collective(cls.name, "all-gather of routed tokens' and routing weights' gradients over tp "
+                                         "(backward)", gradients * calls, tp_span, 2 * calls, overlapped=False)]
+        return tuple(out)
 
     def refuse_finetune(self, finetune: FineTune) -> None:
         if finetune.is_empty:

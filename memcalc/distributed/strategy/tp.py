@@ -34,6 +34,7 @@ from memcalc.distributed.mesh import Mesh
 from memcalc.distributed.strategy.base import MODEL_STATES, Plan, RankStrategy, Role, every_rank, register, sharding
 from memcalc.distributed.tensor_parallel import tensor_parallel
 from memcalc.distributed.tp_plans import planned_modules, resolve_plan
+from memcalc.distributed.tp_traffic import Kind, Transfer
 from memcalc.engine.optimizers import resolve_impl
 from memcalc.engine.step_spec import Step
 
@@ -65,10 +66,18 @@ class TensorParallelDimension(RankStrategy):
         under full checkpointing; the embedding reduce-scatters ``A`` (its backward all-gathers it),
         the final norm's output is all-gathered for the head (reduce-scattered back), and without
         ``loss_parallel`` the logits ``tokens × vocab`` are all-gathered. Each a ring over ``tp``.
-        Exposed: every block waits on them (no async tensor parallelism)."""
+        Exposed: every block waits on them (no async tensor parallelism).
+
+        Where plan read the model's own plan (``facts.tp_traffic``, under ep ``tp_traffic_ep``:
+        a mixture of experts' Hugging Face plan, :mod:`memcalc.distributed.tp_traffic`), its
+        collectives instead (:meth:`_planned`): under tp × ep the experts keep no tp rule, so none
+        is counted for them."""
         n = mesh.tp
         if n == 1 or facts.hidden is None or not facts.tokens:
             return ()
+        traffic = facts.tp_traffic_ep if mesh.ep > 1 else facts.tp_traffic
+        if traffic is not None:
+            return cls._planned(mesh, facts, traffic, micro_batches)
         span = group_span(mesh, "tp")
         layers = -(-(facts.layers or 0) // mesh.pp)  # the busiest stage's blocks
         activation = ring_bytes(facts.tokens * facts.hidden * facts.activation_bytes, n)
@@ -82,6 +91,32 @@ class TensorParallelDimension(RankStrategy):
                                   (4 * activation + logits) * micro_batches, span, 5 * micro_batches,
                                   overlapped=False))
         return tuple(out)
+
+    @classmethod
+    def _planned(cls, mesh: Mesh, facts: ModelFacts, traffic: tuple[Transfer, ...],
+                 micro_batches: int) -> tuple[Collective, ...]:
+        """The plan's collectives per optimizer step, one :class:`Collective` per kind and pass: the
+        busiest stage's ``⌈layers / pp⌉`` blocks (the first ones) and the blocks outside them (its
+        embedding and head, counted on it as the closed formula counts them), a recomputed block's
+        forward collectives again (:meth:`ModelFacts.recomputes`), each whole tensor ``tokens ×
+        elements per token`` (in the residual stream's dtype or the compute dtype) a ring over tp.
+        Exposed, as the closed formula's."""
+        n, span = mesh.tp, group_span(mesh, "tp")
+        stage = -(-(facts.layers or 0) // mesh.pp)
+        stream = facts.stream_bytes_under(mesh)
+        sums: dict[tuple[Kind, bool], list[float]] = {}
+        for t in traffic:
+            if t.block is not None and t.block >= stage:
+                continue
+            calls = 1 + (not t.backward and t.recomputed and t.block is not None and facts.recomputes(t.block))
+            element = stream if t.stream else facts.activation_bytes
+            size = ring_bytes(facts.tokens * t.elements * element, n) * (2 if t.kind is Kind.ALL_REDUCE else 1)
+            total = sums.setdefault((t.kind, t.backward), [0.0, 0])
+            total[0] += calls * size * micro_batches
+            total[1] += calls * micro_batches
+        return tuple(Collective(cls.name, f"{kind.value} of activations ({'backward' if backward else 'forward'}; "
+                                          f"the model's own plan)", received, span, int(count), overlapped=False)
+                     for (kind, backward), (received, count) in sums.items())
 
     def plan(self, plan: Plan, step: Step) -> Plan:
         self._refuse_others()
