@@ -125,7 +125,7 @@ class ModelFacts:
         tp_traffic, tp_traffic_ep: the collectives the model's own tensor-parallel plan runs
             (:func:`~memcalc.distributed.tp_traffic.plan_traffic`), without ep and under it (tp × ep:
             the plan without the rules on the experts); None where the plan is not one those rules
-            read (tp's closed formula stands), or for a model without experts (below).
+            read (tp's closed formula stands); ``tp_traffic_ep`` None for a model without experts.
     """
 
     parameters: int

@@ -192,8 +192,7 @@ def model_facts(step: Step) -> ModelFacts:
     blocks = [f"{path}.{child}" for path in resolved.block_containers
               for child, _ in module.get_submodule(path).named_children()]
     experts = _experts_of(module, resolved.name, top_k, blocks)
-    if experts:
-        experts.update(_tp_traffic(resolved, blocks))
+    experts.update(_tp_traffic(resolved, blocks, expert_parallel=bool(experts)))
     hidden = attribute("hidden_size", "n_embd", "d_model")
     return ModelFacts(parameters=parameters, trainable=trainable, gather_bytes=gather, stream_bytes=stored_bytes,
                       reduce_bytes=4 if precision.is_amp else stored_bytes,
@@ -227,15 +226,16 @@ def _narrowest_mlp(dense: int | None, expert_width: int | None, top_k: int | Non
     return min(widths) if widths else None
 
 
-def _tp_traffic(resolved: ResolvedModel, blocks: list[str]) -> dict[str, Any]:
-    """The collectives the model's own tensor-parallel plan runs, without ep and under it
-    (:class:`ModelFacts`' ``tp_traffic`` and ``tp_traffic_ep``; each None where the plan does not
-    resolve or its styles are not ones :func:`plan_traffic` reads). Read for a mixture of experts
-    only: for a dense model tp's closed formula (torchtitan's Llama plan) stands, its answers kept
-    as they were (a traced llama-tiny runs its Hugging Face plan's all-reduces instead, 58 where the
-    formula counts 64 + 5 all-gathers and reduce-scatters: docs/many-gpus.md)."""
+def _tp_traffic(resolved: ResolvedModel, blocks: list[str], *, expert_parallel: bool) -> dict[str, Any]:
+    """The collectives the plan the trace runs makes (:func:`resolve_plan`: the model's own, else
+    torchtitan's for the zoo's Llama family), without ep and, for a mixture of experts
+    (``expert_parallel``), under it: :class:`ModelFacts`' ``tp_traffic`` and ``tp_traffic_ep``, each
+    None where no plan resolves or its styles are not ones :func:`plan_traffic` reads (torchtitan's
+    sequence-parallel plan: tp's closed formula is that plan's). A Hugging Face plan's all-reduces are
+    not the closed formula's all-gathers and reduce-scatters: a traced llama-tiny at tp=2 runs 58
+    all-reduces and one all-gather where the formula counted 64 + 5 (docs/many-gpus.md)."""
     out: dict[str, Any] = {}
-    for key, under_ep in (("tp_traffic", False), ("tp_traffic_ep", True)):
+    for key, under_ep in (("tp_traffic", False), ("tp_traffic_ep", True))[:2 if expert_parallel else 1]:
         try:
             plan = resolve_plan(resolved.module, None, resolved.name, expert_parallel=under_ep)
         except MemcalcError:  # no plan, or one with styles torch has none for: tp is refused there
@@ -893,8 +893,11 @@ _ASSUMPTIONS = (
     "once per step, reshard_after_forward=False); DDP/HSDP all-reduce every micro-batch (no no_sync; under a pipeline "
     "once per step, with the reduce-scatter); a rank moves "
     "1 / (tp × pp) of the parameters (FSDP2's group: dp_shard × cp)",
-    "tensor parallelism: torchtitan's Llama plan with sequence parallelism, 4 all-gathers and 4 reduce-scatters of a "
-    "block's activation per micro-batch (6 + 6 under full checkpointing), the logits all-gathered (no loss_parallel)",
+    "tensor parallelism: the collectives of the plan the trace runs, read per module (a Hugging Face tp_plan: an "
+    "all-reduce after each row-wise layer in forward and before each column-wise one in backward, a recomputed "
+    "block's forward ones again); torchtitan's Llama plan: sequence parallelism, 4 all-gathers and 4 "
+    "reduce-scatters of a block's activation per micro-batch (6 + 6 under full checkpointing); the logits "
+    "all-gathered (no loss_parallel)",
     "pipeline: bubble = (pp − 1) / stages per rank × one microbatch's compute of the busiest rank; each microbatch's "
     "activation and its gradient cross every stage boundary at the slowest link of the pp group",
     "pruning bounds (never above the truth): model states of a rank ≥ the textbook bytes over dp_shard × cp × tp × "
