@@ -69,8 +69,8 @@ class TensorParallelDimension(RankStrategy):
         Exposed: every block waits on them (no async tensor parallelism).
 
         Where plan read the plan the trace runs (``facts.tp_traffic``, under ep ``tp_traffic_ep``:
-        a Hugging Face plan, :mod:`memcalc.distributed.tp_traffic`), its collectives instead (:meth:`_planned`): under tp × ep the experts keep no tp rule, so none
-        is counted for them."""
+        a Hugging Face plan, :mod:`memcalc.distributed.tp_traffic`), its collectives instead
+        (:meth:`_planned`): under tp × ep the experts keep no tp rule, so none is counted for them."""
         n = mesh.tp
         if n == 1 or facts.hidden is None or not facts.tokens:
             return ()
