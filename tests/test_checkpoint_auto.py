@@ -92,6 +92,7 @@ def test_fit_auto_answer_stays_under_the_budget_in_a_real_cpu_step() -> None:
 def test_auto_choice_stays_under_the_budget_in_a_real_cpu_step(small_llama: str, budget: int, chosen: str) -> None:
     report = memcalc.estimate(small_llama, gpu="cpu", checkpoint="auto", capacity=budget, **LLAMA)
     assert report.notes[0].startswith(f"checkpoint auto chose {chosen}:")
+    assert report.checkpointing == report.to_dict().get("checkpointing", "off") == chosen  # the JSON says it too
     assert report.peak_requested <= budget
     real = measure_cpu(build_step(small_llama, checkpoint=chosen, **LLAMA)).peak_allocated
     assert real is not None and real <= budget

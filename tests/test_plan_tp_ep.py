@@ -133,20 +133,15 @@ def test_a_dense_models_own_plan_is_read_and_torchtitans_keeps_the_closed_formul
     assert titan is not None and plan_traffic(resolved.module, titan, blocks) is None
 
 
-def test_plan_reads_what_checkpoint_auto_chose(mixtral: str) -> None:
-    """``--checkpoint auto`` chooses after the trace; plan reads its note, which names the blocks the
-    backward re-runs (every:2: the second)."""
-    report = memcalc.estimate("mlp", batch_size=1)
-    noted = [replace(report, notes=(f"checkpoint auto chose {label}: the least recomputation whose peak fits "
-                                    f"80,000.0 MB",)) for label in ("every:2", "full", "off")]
-    assert [planning._auto_choice(r) for r in noted] == [EVERY_2, FULL, OFF]
-    assert planning._auto_choice(report) is None
-    # the candidate's collectives then count the chosen blocks' recomputed all-to-alls: block 1's three
+def test_plan_counts_what_checkpoint_auto_chose(mixtral: str) -> None:
+    """``--checkpoint auto`` chooses after the trace, and the report says which setting it ran
+    (``MemoryReport.checkpointing``, test_checkpoint_auto.py); the candidate's collectives then count the
+    chosen blocks' recomputed all-to-alls (every:2: block 1's three), none before the trace (a bound)."""
     step = build_step(mixtral, batch_size=2, seq_len=16, gpu="h100-80gb", checkpoint="auto")
     search = planning._Search(step, model_facts(step), DEFAULT_NETWORK, (parse_checkpointing("auto"),), None,
                               sequence=16)
     config = planning._Config(Mesh(dp_shard=2, ep=2), 0, 2, 1, None)
-    before, chosen = search.facts_for(config), search.facts_for(config, planning._auto_choice(noted[0]))
+    before, chosen = search.facts_for(config), search.facts_for(config, EVERY_2)
     assert _kinds(collectives_of(config.mesh, before, 1), "ep")["all-to-all"][0] == 8  # a bound: none re-run
     assert _kinds(collectives_of(config.mesh, chosen, 1), "ep")["all-to-all"][0] == 10
 

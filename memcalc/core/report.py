@@ -188,6 +188,9 @@ class StepDescription:
     loss: str = ""
     accum_steps: int = 1
     checkpoint: bool = False
+    # The checkpointing the step ran, as Checkpointing.label spells it ("off", "full", "every:2",
+    # "selective-op", "policy NAME"; ", reentrant" appended): under checkpoint auto, the setting it chose.
+    checkpointing: str = "off"
     # The loop and stack the step was estimated for (memcalc.core.loop, memcalc.core.stack).
     loop: str = "minimal"  # a preset's name, or the user's loop function's qualified name
     keep_grads: bool = False  # zero_grad(set_to_none=False): gradients allocated throughout
@@ -324,6 +327,7 @@ class MemoryReport:
     loss = _Of[str]("step")
     accum_steps = _Of[int]("step")
     checkpoint = _Of[bool]("step")
+    checkpointing = _Of[str]("step")
     loop = _Of[str]("step")
     keep_grads = _Of[bool]("step")
     optimizer_impl = _Of[str]("step")
@@ -465,6 +469,8 @@ class MemoryReport:
                                    "peaks_in": self.peaks_in}
         if self.alloc_conf:
             data["alloc_conf"] = self.alloc_conf
+        if self.checkpointing != "off":  # what ran; under checkpoint auto, the setting it chose
+            data["checkpointing"] = self.checkpointing
         if self.reserved_if_expandable is not None:
             data["fits_with_expandable_segments"] = self.reserved_if_expandable >= 0
         return data

@@ -924,6 +924,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
             loss=traced.loss,
             accum_steps=step.accum_steps,
             checkpoint=bool(step.checkpoint),
+            checkpointing=step.checkpoint.label,
             loop=step.loop.name,
             keep_grads=step.loop.keep_grads,
             optimizer_impl=traced.optimizer_impl,

@@ -936,7 +936,9 @@ def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tu
         search.pruned.append(f"{label}: does not fit ({_gib(report.bytes.peak_allocated)} allocated at its peak)")
         return None, (compute, once)
     bubble = per * (config.mesh.pp - 1) / config.stages_per_rank
-    chosen = _auto_choice(report)
+    # what --checkpoint auto chose says which blocks' collectives the backward re-runs
+    chosen = (parse_checkpointing(report.checkpointing)
+              if search.checkpoints[config.ckpt].kind is CheckpointKind.AUTO else None)
     collectives = collectives_of(config.mesh, search.facts_for(config, chosen), config.accum)
     comm, exposed, seconds = step_seconds(compute, bubble, collectives, search.network, search.facts.layers)
     mesh = config.mesh
@@ -948,19 +950,6 @@ def _confirm(search: _Search, config: _Config) -> tuple[PlanCandidate | None, tu
                               schedule=config.schedule, bubble_seconds=bubble, once_seconds=once,
                               checkpoint_label=f"auto → {chosen.label}" if chosen is not None else "")
     return candidate, (compute, once)
-
-
-#: How ``--checkpoint auto``'s note names its choice (:mod:`memcalc.distributed.checkpoint_auto`).
-_AUTO_CHOSE = "checkpoint auto chose "
-
-
-def _auto_choice(report: MemoryReport) -> Checkpointing | None:
-    """The checkpointing ``--checkpoint auto`` chose for ``report``'s configuration (its note: ``checkpoint
-    auto chose every:2: ...``), which says which blocks' collectives the backward re-runs; None: not auto,
-    or none of its settings fit (``checkpoint auto: no setting fits``; not a candidate then)."""
-    label = next((n.removeprefix(_AUTO_CHOSE).split(": ", 1)[0] for n in report.notes if n.startswith(_AUTO_CHOSE)),
-                 None)
-    return None if label is None else parse_checkpointing(label)
 
 
 def _gib(nbytes: float) -> str:
