@@ -78,8 +78,8 @@ def _header(report: MemoryReport) -> str:
         step += f", optimizer {report.optimizer}" + (f" ({report.optimizer_impl})" if report.optimizer_impl else "")
         if report.accum_steps > 1:
             step += f", {report.accum_steps} accumulation steps"
-        if report.checkpoint:
-            step += ", checkpointing"
+        if report.checkpoint:  # the setting that ran (under --checkpoint auto, the one chosen)
+            step += f", checkpointing {report.checkpointing}"
     gpu = _device_text(report)
     lines = [
         f"memcalc: {report.model}, batch {report.batch_size}, {step}, {report.precision.value}",
