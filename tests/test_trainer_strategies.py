@@ -75,14 +75,15 @@ def _meta_llama(tie: bool) -> torch.nn.Module:
 
 def test_accelerate_units_untied() -> None:
     """fsdp2_prepare_model's units (accelerate 1.16): each layer, the embeddings alone, the final
-    norm with the head (not resharded after forward), the root holding the rotary buffers' module."""
+    norm with the head (not resharded after forward), the root holding the rotary buffers' module (torch's
+    default for a root: not resharded after forward either)."""
     module = _meta_llama(tie=False)
     units = accelerate_units(module, ("model.layers",))
     assert [u.name for u in units] == ["model.embed_tokens", "model.layers.0", "model.layers.1",
                                        "model.norm + lm_head", "(root)"]
     tail = units[3]
     assert tail.group == (module.model.norm, module.lm_head) and tail.reshard_after_forward is False
-    assert all(u.reshard_after_forward is None for u in (*units[:3], units[4]))
+    assert all(u.reshard_after_forward is None for u in units[:3]) and units[4].reshard_after_forward is False
     gathered = [p for u in units for m in u.members for p in m.parameters(recurse=False)]
     assert len(gathered) == len(list(module.parameters()))  # every parameter in one unit, once
     assert not [p for m in units[4].members for p in m.parameters(recurse=False)]

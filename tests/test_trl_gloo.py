@@ -143,7 +143,7 @@ def _estimate(name: str) -> int:
     root = "policy" if model_class is GenerateScoreTrain else None
 
     def with_reference(self: Step, *args: Any, **kwargs: Any) -> ResolvedModel:
-        return replace(resolved(self, *args, **kwargs), separate_models=("reference",), fsdp_root=root)
+        return replace(resolved(self, *args, **kwargs), separate_models=("reference",), trained_root=root)
 
     with mock.patch.object(Step, "resolved", with_reference):
         report = memcalc.estimate(model_class, input_shape=(FEATURES,), batch_size=BATCH, optimizer="adam",

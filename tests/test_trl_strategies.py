@@ -23,7 +23,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
-from trl_llama import CONFIG, P
+from trl_llama import CONFIG, HIDDEN, VOCAB, P
 
 import memcalc
 from memcalc.cli import main
@@ -129,15 +129,19 @@ def test_grpo_under_ddp_adds_its_gradient_bucket(model: str) -> None:
 
 
 def test_grpo_under_fsdp_gathers_the_reference_whole(model: str) -> None:
-    """GRPO under FSDP2: the policy is the trained model's root (accelerate's ``fully_shard(model)``),
-    called by every generate() step, the scoring and the training forward, each gathering its units
-    again; the frozen reference is sharded on its own root (``prepare_fsdp``), one unit. Its scoring
-    peaks the generation phase: the reference's whole all-gather output (P) beside the two models'
-    shards (P/2 each) is the one GPU's two whole models (2 P), with the same scoring tensors beside
-    them; the training step, where the policy's gradients and Adam's state are sharded, is lower."""
+    """GRPO under FSDP2: the policy in accelerate's units (``fsdp2_prepare_model``), called by every
+    generate() step, the scoring and the training forward, each gathering its layers and embeddings
+    again; its final norm and head, ``fully_shard([norm, lm_head], reshard_after_forward=False)``, stay
+    gathered from the first generate() step to the backward (torch's ``FSDPParamGroup.reshard`` keeps
+    such a group unsharded after any forward, no_grad too); the frozen reference is sharded on its own
+    root (``prepare_fsdp``), one unit. Its scoring peaks the generation phase: the reference's whole
+    all-gather output (P) beside the two models' shards (P/2 each) is the one GPU's two whole models
+    (2 P), with the same scoring tensors beside them, plus the policy's gathered head and norm (V·H and
+    H fp32 elements); the training step, where the policy's gradients and Adam's state are sharded, is
+    lower."""
     one, fsdp = _grpo(model, None), _grpo(model, "fsdp")
     assert one.generation_peak is not None and fsdp.generation_peak is not None
-    assert fsdp.generation_peak == one.generation_peak
+    assert fsdp.generation_peak - one.generation_peak == 4 * (VOCAB * HIDDEN + HIDDEN)  # 4,194,816 B
     assert fsdp.bytes.peak_allocated < one.bytes.peak_allocated
     assert fsdp.roles[0].report.generation_peak == fsdp.generation_peak
 
@@ -292,3 +296,103 @@ def test_cli_fit_reads_a_deepspeed_config(model: str, tmp_path: Path) -> None:
                                       budget="192MiB", margin=0)
     assert f"largest batch that fits: {expected.batch_size} " in result.output
     assert "under zero2, 2 GPUs" in result.output
+
+
+def _trl_resolved(model: str, loop: str, **config: Any) -> tuple[ResolvedModel, Step]:
+    """The module memcalc traces for a TRL loop (``trl_model``: the policy and the reference inside the
+    module whose forward is TRL's ``compute_loss``) and its step."""
+    from memcalc.fields import build_step
+    from memcalc.stacks.trl.step import trl_model
+
+    args = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False, **config}
+    step = build_step(model, loop=loop, trainer_args=args, seq_len=SEQ, gpu="cpu")
+    return trl_model(step.resolved(2), step), step
+
+
+def _fsdp_groups(model: nn.Module) -> dict[frozenset[tuple[int, str]], bool]:
+    """Each ``fully_shard`` group of ``model`` that holds parameters, as the (module, name) pairs of its
+    parameters, with whether torch reshards it after forward (``post_forward_mesh_info`` set)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups: dict[int, Any] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                groups[id(group)] = group
+    return {frozenset((id(p._module_info.module), p._module_info.param_name) for p in group.fsdp_params):
+            group.post_forward_mesh_info is not None for group in groups.values()}
+
+
+def test_dpo_units_against_accelerate_and_trl(fake_process_group: int, model: str) -> None:
+    """DPO's policy and reference under FSDP2, sharded by accelerate 1.16's own ``fsdp2_prepare_model``
+    (the Trainer's policy) and TRL's own ``prepare_fsdp`` (the reference), over a fake process group on
+    meta: memcalc's units are the same parameter groups with the same ``reshard_after_forward`` —
+    each layer and the embeddings resharded, the norm with the head not, the reference whole, resharded
+    (the policy's root holds no parameter here; torch resolves its default to False at lazy init). Before
+    TRL's loops used accelerate's layout memcalc sharded the policy's blocks and root alone."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from trl.models.utils import prepare_fsdp
+
+    from memcalc.distributed.accelerate_fsdp import accelerate_units
+
+    resolved, _step = _trl_resolved(model, "trl-dpo")
+    units = accelerate_units(resolved.module, resolved.block_containers, resolved.separate_models,
+                             resolved.trained_root)
+    ours = {frozenset((id(m), name) for m in unit.members for name, p in m.named_parameters(recurse=False)):
+            unit.reshard_after_forward is not False for unit in units}
+    ours = {members: reshards for members, reshards in ours.items() if members}
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
+                                            auto_wrap_policy="transformer_based_wrap")
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+                                  is_main_process=True, device=torch.device("cpu"))
+    fsdp2_prepare_model(accelerator, resolved.module.policy)
+    prepare_fsdp(resolved.module.reference, accelerator)
+    assert _fsdp_groups(resolved.module) == ours
+    assert len(ours) == 5  # the reference; the embeddings; two layers; the norm with the head
+
+
+@pytest.mark.parametrize(("loop", "config", "lora", "finds_unused"), [
+    ("trl-sft", {}, False, True),  # a PreTrainedModel policy, not checkpointed
+    ("trl-sft", {"gradient_checkpointing": True}, False, False),
+    ("trl-dpo", {"gradient_checkpointing": True}, True, True),  # the Trainer is handed the PeftModel
+    ("trl-dpo", {"ddp_find_unused_parameters": False}, False, False),
+])
+def test_trl_ddp_finds_unused_as_the_trainer_decides(model: str, loop: str, config: dict[str, Any], lora: bool,
+                                                     finds_unused: bool) -> None:
+    """TRL's trainers are Trainers: DDP gets the ``find_unused_parameters`` the Trainer decides from the
+    policy (``_build_accelerator_args``), and _DDPSink clones the policy's outputs, not the loss of the
+    module around TRL's ``compute_loss`` (which is no module of DDP's)."""
+    args = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False, **config}
+    report = memcalc.estimate(model, loop=loop, trainer_args=args, seq_len=SEQ, gpu="cpu",
+                              finetune=memcalc.FineTune(lora=memcalc.LoRA(8)) if lora else None,
+                              distributed=memcalc.Distributed("ddp", world_size=2))
+    assert any("_DDPSink clones" in note for note in report.notes) is finds_unused
+
+
+def test_ddp_sink_on_the_policy(model: str) -> None:
+    """The DDP rank program of a TRL loop wraps the policy (``trained_root``): its forward hook (the
+    _DDPSink clones) sits there, on no other module."""
+    from memcalc.distributed.ddp import DdpProgram
+    from memcalc.engine.trace import StorageTracer
+
+    resolved, _step = _trl_resolved(model, "trl-sft")
+    program = DdpProgram(25 * 2**20, True, True, find_unused_parameters=True, wrapped=resolved.trained_root)
+    program.install(StorageTracer(), resolved.module)
+    try:
+        hooked = [name for name, m in resolved.module.named_modules() if m._forward_hooks]
+        assert hooked == ["policy"]
+    finally:
+        program.remove()
+
+
+@pytest.mark.parametrize("loop", ["trl-sft", "trl-dpo"])
+def test_trl_fsdp_notes_accelerates_layout(model: str, loop: str) -> None:
+    """TRL's trainers run the Trainer's accelerate: their FSDP2 estimate says it lays accelerate's units."""
+    args = {"per_device_train_batch_size": 2, "bf16": False, "gradient_checkpointing": False}
+    notes = memcalc.estimate(model, loop=loop, trainer_args=args, seq_len=SEQ, gpu="cpu",
+                             distributed=memcalc.Distributed("fsdp", world_size=2)).notes
+    assert any("FSDP2 units as accelerate's fsdp2_prepare_model makes them" in note for note in notes)

@@ -41,8 +41,12 @@ class DdpProgram(RankProgram):
     ``zero_grad(set_to_none=True)`` lives only until it is copied in)."""
 
     def __init__(self, bucket_cap_bytes: int, gradient_as_bucket_view: bool, training: bool,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, wrapped: str | None = None):
+        """``wrapped``: the submodule DDP wraps (TRL's policy: accelerate prepares the reference with
+        ``evaluation_mode=True``, outside DDP, and TRL's ``compute_loss`` around both is no module of
+        DDP's), whose outputs ``_DDPSink`` clones and whose buffers are broadcast; None: the model."""
         super().__init__()
+        self.wrapped = wrapped
         self.bucket_cap_bytes = bucket_cap_bytes
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.training = training
@@ -59,6 +63,8 @@ class DdpProgram(RankProgram):
         params = [p for p in module.parameters() if p.requires_grad]
         if params:
             self._make_buckets(params)
+        if self.wrapped is not None:
+            module = module.get_submodule(self.wrapped)
         chunks = coalesced_chunks(list(module.buffers()), DDP_BROADCAST_BUCKET_BYTES)
         if chunks:
             def broadcast_buffers(_module: nn.Module, _args: Any) -> None:

@@ -55,8 +55,8 @@ class Unit:
     #: all-gather output after its forward, and the trained model's backward neither prefetches nor
     #: visits it.
     own_root: bool = False
-    #: The trained model's root sharded with ``reshard_after_forward`` given explicitly (accelerate's
-    #: ``fully_shard(model, reshard_after_forward=True)``): torch then reshards it after each forward
+    #: The trained model's root sharded with ``reshard_after_forward`` given explicitly (an accelerate
+    #: before 1.16: ``fully_shard(model, reshard_after_forward=True)``): torch then reshards it after each forward
     #: too, where a root left to its default stays unsharded until backward.
     reshards_as_given: bool = False
     #: The ranks this unit is sharded over; None: the program's. An expert-parallel model's experts
@@ -80,7 +80,7 @@ def fsdp_units(module: nn.Module, containers: Sequence[str], separate: Sequence[
     outermost ``nn.ModuleList``s (how transformer layers are held), else on every direct
     child that has parameters. ``separate``: submodules sharded as models of their own, one unit
     each (:attr:`Unit.own_root`). ``root``: the submodule that is the trained model's FSDP root,
-    sharded as accelerate shards it (:attr:`Unit.reshards_as_given`), for a module whose forward
+    sharded as an older accelerate shards it (:attr:`Unit.reshards_as_given`), for a module whose forward
     calls it several times (TRL's GRPO step: every generate() step, the scoring and the training
     forward); None: ``module`` itself. ``inner``: submodules (a block's experts) ``fully_shard``-ed
     before their block, each over the given number of ranks (:attr:`Unit.world_size`)."""
@@ -823,11 +823,14 @@ class ShardedProgram(RankProgram):
         """A separate model's forward runs after the trained model's (TRL's reference after the policy),
         whose own FSDP root ends at the trained model's post-forward — memcalc's root unit is the wrapper
         around both: the last all-gather output is freed there, and the root's parameters are resharded
-        (accelerate passes ``reshard_after_forward`` to ``fully_shard`` explicitly, and torch then reshards
-        a root after its forward too; the backward gathers them again)."""
+        where ``reshard_after_forward=True`` was passed to its ``fully_shard`` explicitly (an older
+        accelerate's; torch then reshards a root after its forward too; the backward gathers them again).
+        accelerate 1.16 leaves the root to torch's default (:attr:`Unit.reshard_after_forward` False,
+        :mod:`memcalc.distributed.accelerate_fsdp`): it stays gathered until its backward."""
         self._pending_all_gather = None
         root = self.states[-1]
-        if self.reshard_after_forward and root.gathered and not root.backward_started:
+        if (self.reshard_after_forward and root.unit.reshard_after_forward is None and root.gathered
+                and not root.backward_started):
             self._reshard(root)
 
     def _cast_input(self, tensor: torch.Tensor) -> torch.Tensor:

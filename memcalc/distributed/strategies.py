@@ -176,7 +176,7 @@ def refuse_unused_reentrant(resolved: ResolvedModel, step: Step, distributed: Di
     if not (distributed.strategy is Strategy.DDP and step.checkpoint.reentrant and preset is not None
             and preset.is_trainer and step.trainer_args is not None):
         return
-    if not trainer_finds_unused(resolved.module, step):
+    if not trainer_finds_unused(resolved.trained_model, step):
         return
     given = step.trainer_args.ddp_find_unused_parameters
     peft = step.finetune.lora is not None  # the Trainer is handed the PeftModel

@@ -131,10 +131,12 @@ class ResolvedModel:
     #: Submodules a data-parallel strategy prepares as frozen models of their own, outside the trained
     #: one (TRL's reference model: accelerate's ``prepare_fsdp`` shards it on its root alone); or ().
     separate_models: tuple[str, ...] = ()
-    #: The submodule a data-parallel strategy shards as the trained model's root, as accelerate's
-    #: ``fully_shard(model, reshard_after_forward=True)`` does (TRL's GRPO policy, called several times
-    #: in one step); None: the module itself.
-    fsdp_root: str | None = None
+    #: The submodule that is the trained model (TRL's policy, inside the module whose forward is TRL's
+    #: ``compute_loss``): what accelerate prepares — DDP wraps it, ``fsdp2_prepare_model`` lays its
+    #: units over it (:mod:`memcalc.distributed.accelerate_fsdp`); under memcalc's own FSDP2 layout it
+    #: is the root, sharded as ``fully_shard(model, reshard_after_forward=True)`` (an older accelerate's
+    #: explicit root). None: the module itself.
+    trained_root: str | None = None
     #: What resolving decided that the report should say (where the inputs came from, a grown model).
     notes: tuple[str, ...] = ()
     #: Whether the model is a decoder language model (a KV cache applies); None: not known.
@@ -178,6 +180,12 @@ class ResolvedModel:
             return inputs
         added = {k: v for k, v in self.labels(inputs).items() if k not in inputs.kwargs}
         return ModelInputs(inputs.args, {**inputs.kwargs, **added}) if added else inputs
+
+    @property
+    def trained_model(self) -> nn.Module:
+        """The model accelerate prepares (:attr:`trained_root`): what the Trainer decides its DDP
+        arguments from (a ``PreTrainedModel`` or not)."""
+        return self.module if self.trained_root is None else self.module.get_submodule(self.trained_root)
 
     @property
     def batch_size(self) -> int:

@@ -95,13 +95,14 @@ def _sft_peak(tmp_path: Path, batch: int, seq_len: int, **config: Any) -> int:
     return profiled_peak(model_bytes(model), trainer.train)
 
 
-def _estimate(tmp_path: Path, loop: str, batch: int, seq_len: int, lora: int, **config: Any) -> int:
+def _estimate(tmp_path: Path, loop: str, batch: int, seq_len: int, lora: int,
+              distributed: memcalc.Distributed | None = None, **config: Any) -> int:
     arguments = tmp_path / "args.json"
     arguments.write_text(json.dumps({"per_device_train_batch_size": batch, "bf16": False,
                                      "gradient_checkpointing": False, **config}))
     finetune = memcalc.FineTune(lora=memcalc.LoRA(lora)) if lora else None
     report = memcalc.estimate(write_config(tmp_path, llama_config(VOCAB)), loop=loop, trainer_args=str(arguments),
-                              seq_len=seq_len, gpu="cpu", finetune=finetune)
+                              seq_len=seq_len, gpu="cpu", finetune=finetune, distributed=distributed)
     return report.peak_requested
 
 

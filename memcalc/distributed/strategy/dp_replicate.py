@@ -15,7 +15,6 @@ from dataclasses import replace
 
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
-from memcalc.core.loop import LoopPreset
 from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
 from memcalc.distributed.collectives import Collective, ModelFacts, group_span, ring_bytes
@@ -82,11 +81,12 @@ class DpReplicate(RankStrategy):
         view = self.distributed.gradient_as_bucket_view
         training = step.mode is Mode.TRAIN
 
-        trainer = step.loop.preset is LoopPreset.TRAINER  # the Trainer's own DDP kwargs (TRL's: not modelled)
+        trainer = step.loop.preset is not None and step.loop.preset.is_trainer  # the Trainer's DDP kwargs (TRL's too)
 
         def ddp(resolved: ResolvedModel) -> RankProgram:
-            return DdpProgram(int(cap_mb * _MIB), view, training,
-                              find_unused_parameters=trainer and trainer_finds_unused(resolved.module, step))
+            finds_unused = trainer and trainer_finds_unused(resolved.trained_model, step)
+            return DdpProgram(int(cap_mb * _MIB), view, training, find_unused_parameters=finds_unused,
+                              wrapped=resolved.trained_root)
 
         roles = tuple(replace(role, program=ddp, sharding=sharding(role.sharding, batch)) for role in plan.roles)
         note = (f"DDP gradient buckets of {cap_mb:g} MiB, gradient_as_bucket_view={view}"

@@ -1,5 +1,5 @@
 """``dp_shard`` (``--strategy fsdp``): FSDP2 ``fully_shard`` on every block and on the root
-(:class:`~memcalc.distributed.fsdp.ShardedProgram`; under the Trainer's loop, the units accelerate's
+(:class:`~memcalc.distributed.fsdp.ShardedProgram`; under the Trainer's loop and TRL's, the units accelerate's
 ``fsdp2_prepare_model`` makes: :mod:`memcalc.distributed.accelerate_fsdp`): each rank holds 1/N of the parameters,
 gradients and optimizer state, plus the all-gather and reduce-scatter buffers of the units in
 flight. Under ``amp-bf16`` / ``amp-fp16`` it is ``MixedPrecisionPolicy(param_dtype=16-bit,
@@ -18,7 +18,6 @@ import torch
 from memcalc.core.categories import Mode
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.core.finetune import FineTune
-from memcalc.core.loop import LoopPreset
 from memcalc.core.precision import Precision
 from memcalc.core.report import Shard
 from memcalc.distributed.accelerate_fsdp import accelerate_units
@@ -168,9 +167,10 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
                 f"computes in {_dtype(low)} without autocast" if mixed else "")]
     if precision is Precision.AMP_FP16:
         notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
-    # the Trainer's own loop: its model sharded by accelerate's fsdp2_prepare_model (TRL's trainers keep
-    # memcalc's layout, which their reference models and GRPO's generation are modelled on)
-    accelerate = step.loop.preset is LoopPreset.TRAINER and experts_degree is None and not pipelined
+    # the Trainer's loop, its own or a TRL trainer's: the trained model sharded by accelerate's
+    # fsdp2_prepare_model (a TRL reference by prepare_fsdp, on its root alone)
+    accelerate = (step.loop.preset is not None and step.loop.preset.is_trainer and experts_degree is None
+                  and not pipelined)
     if accelerate:
         notes.append("FSDP2 units as accelerate's fsdp2_prepare_model makes them for the Trainer: each layer, "
                      "the input embeddings, the final norm with the head (reshard_after_forward=False), the root")
@@ -179,10 +179,11 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
         inner = (None if experts_degree is None
                  else _experts_units(resolved, experts_degree, ep, experts, owners or ep))
         if accelerate:
-            units = accelerate_units(resolved.module, resolved.block_containers)
+            units = accelerate_units(resolved.module, resolved.block_containers, resolved.separate_models,
+                                     resolved.trained_root)
         else:
             units = fsdp_units(resolved.module, resolved.block_containers, resolved.separate_models,
-                               resolved.fsdp_root, inner)
+                               resolved.trained_root, inner)
         return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
                               sharded_dtype=torch.float32 if mixed else None,
                               gather_dtype=low if mixed else None,

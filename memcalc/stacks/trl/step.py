@@ -302,7 +302,7 @@ def trl_model(resolved: ResolvedModel, step: Step) -> ResolvedModel:
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=_reads(resolved.reads, bool(settings.get("padding_free") or settings.get("packing"))),
         build_real=_no_real(step.loop.name), separate_models=("reference",) if reference is not None else (),
-        block_containers=_containers(policy, base, resolved.block_containers))
+        trained_root="policy", block_containers=_containers(policy, base, resolved.block_containers))
 
 
 def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module, base: Any,
@@ -362,7 +362,7 @@ def _grpo_model(resolved: ResolvedModel, step: Step, trl: Any, policy: nn.Module
                        else lambda m, fn, which: checkpointing(_policy_of(m), fn, which)),
         reads=grpo.grpo_reads(reads, _innermost_library), build_real=_no_real(step.loop.name),
         block_containers=_containers(policy, base, resolved.block_containers), opens_autocast=amp,
-        separate_models=("reference",) if reference is not None else (), fsdp_root="policy")
+        separate_models=("reference",) if reference is not None else (), trained_root="policy")
 
 
 def _prepare_forward(model: nn.Module, accelerator: _Accelerator) -> None:
