@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_runs import _storages_before, profiled, spawn_ranks, until_complete
+from gloo_runs import TRAINER_MAX_ATTEMPTS, _storages_before, profiled, spawn_ranks, until_complete
 from torch import nn
 
 import memcalc
@@ -132,7 +132,7 @@ def _real_peak(case: str, output_dir: str) -> int:
     _updates(trainer, wrapped, batches)  # the warm-up (FSDP's lazy init, DDP's bucket rebuild)
     before = _storages_before(wrapped, torch.empty(0))
     return until_complete(lambda: profiled(lambda: _updates(trainer, wrapped, batches)), before, 0,
-                          f"{case}: ").peak
+                          f"{case}: ", TRAINER_MAX_ATTEMPTS).peak
 
 
 def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_runs import RankPeak, _storages_before, profiled, spawn_ranks, until_complete
+from gloo_runs import TRAINER_MAX_ATTEMPTS, RankPeak, _storages_before, profiled, spawn_ranks, until_complete
 from test_trainer_gloo import _updates, _wrap
 
 import memcalc
@@ -104,7 +104,8 @@ def _real_peak(case: str, output_dir: str) -> RankPeak:
     before = _storages_before(wrapped, torch.empty(0))
     if reference is not None:
         before += _storages_before(reference, torch.empty(0))
-    return until_complete(lambda: profiled(lambda: _updates(trainer, wrapped, batches)), before, 0, f"{case}: ")
+    return until_complete(lambda: profiled(lambda: _updates(trainer, wrapped, batches)), before, 0, f"{case}: ",
+                          TRAINER_MAX_ATTEMPTS)
 
 
 def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
