@@ -54,10 +54,10 @@ from memcalc.core.finetune import FineTune
 #: at its first complete trace, so the bound is generous: it only decides when a run gives up.
 MAX_ATTEMPTS = 150
 #: The Hugging Face Trainer's steps (its own loop and TRL's, tests/test_trainer_gloo.py and
-#: test_trl_trainer_gloo.py) left incomplete traces more often: 2 to 55 repeats by the host's load
-#: (2026-12-07), and once under load none in 150 (DPO under FSDP2). A bound, not a cost: a run stops
-#: at its first complete trace on every rank.
-TRAINER_MAX_ATTEMPTS = 500
+#: test_trl_trainer_gloo.py) leave incomplete traces far more often: 2 to 109 repeats, and DPO under
+#: FSDP2 232 to 370 on an idle machine (2026-12-07; a `dist.barrier()` closing the window did not
+#: help), about 0.4 s each. A bound, not a cost: a run stops at its first complete trace on every rank.
+TRAINER_MAX_ATTEMPTS = 1000
 #: How the ranks start: forked from one server process per test process, which has imported what
 #: they import (:data:`PRELOAD`), instead of a fresh interpreter each (``spawn``) that imports torch
 #: again: seconds of CPU a rank. The forkserver, unlike ``fork``, forks from a process that has run

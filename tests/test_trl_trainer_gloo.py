@@ -134,7 +134,8 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]
     for package in ("transformers", "accelerate", "trl", "datasets"):
         pytest.importorskip(package)
     work_dir = tmp_path_factory.mktemp("gloo-trl-trainer")
-    spawn_ranks(_worker, WORLD, (str(work_dir),), timeout_s=600.0, what="TRL trainer gloo runs")
+    # DPO under FSDP2 repeats its step hundreds of times for a complete trace (gloo_runs.TRAINER_MAX_ATTEMPTS)
+    spawn_ranks(_worker, WORLD, (str(work_dir),), timeout_s=1200.0, what="TRL trainer gloo runs")
     ranks = [json.loads((work_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
     print(json.dumps(ranks))
     return {case: [ranks[rank][case][0] for rank in range(WORLD)] for case in CASES}
