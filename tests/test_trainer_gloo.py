@@ -29,14 +29,14 @@ import gc
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_runs import TRAINER_MAX_ATTEMPTS, _storages_before, profiled, spawn_ranks, until_complete
+from gloo_runs import TRAINER_MAX_ATTEMPTS, RankPeak, _storages_before, profiled, spawn_ranks, until_complete
 from torch import nn
 
 import memcalc
@@ -113,13 +113,12 @@ def _updates(trainer: Any, wrapped: nn.Module, batches: Iterator[dict[str, torch
     gc.collect()
 
 
-def _real_peak(case: str, output_dir: str) -> int:
+def _real_peak(case: str, output_dir: str) -> RankPeak:
     import transformers
     from accelerate.state import AcceleratorState
 
     wrapper, more = CASES[case]
     AcceleratorState._reset_state()  # each case's Trainer sets its own mixed precision (the process group stays)
-    torch.manual_seed(0)  # the same weights on every rank
     config = transformers.AutoConfig.for_model(**CONFIG)
     model: nn.Module = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
     args = transformers.TrainingArguments(output_dir=output_dir, use_cpu=True, per_device_train_batch_size=BATCH,
@@ -132,25 +131,41 @@ def _real_peak(case: str, output_dir: str) -> int:
     _updates(trainer, wrapped, batches)  # the warm-up (FSDP's lazy init, DDP's bucket rebuild)
     before = _storages_before(wrapped, torch.empty(0))
     return until_complete(lambda: profiled(lambda: _updates(trainer, wrapped, batches)), before, 0,
-                          f"{case}: ", TRAINER_MAX_ATTEMPTS).peak
+                          f"{case}: ", TRAINER_MAX_ATTEMPTS)
 
 
-def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
+def launched_worker(rank: int, world_size: int, port: int, work_dir: str, real_peak: Callable[[str, str], RankPeak],
+                    cases: list[str]) -> None:
+    """One rank of a Trainer run (this file's and tests/test_trl_trainer_gloo.py's), started as a launcher
+    starts it: accelerate then sees one of ``world_size`` processes (MULTI_CPU) and joins this group. Each
+    case's peak and repeats, by ``real_peak(case, output_dir)`` (a module-level function, so the
+    forkserver's ranks can unpickle it), written to ``rank{rank}.json``."""
     import warnings
 
     warnings.simplefilter("ignore")
-    # what a launcher sets: accelerate then sees one of world_size processes (MULTI_CPU) and joins this group
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    results: dict[str, int] = {}
+    results: dict[str, tuple[int, int]] = {}
     try:
-        for case in CASES:
-            results[case] = _real_peak(case, str(Path(work_dir) / f"out{rank}"))
+        for case in cases:
+            torch.manual_seed(0)  # the same weights on every rank
+            measured = real_peak(case, str(Path(work_dir) / f"out{rank}"))
+            results[case] = (measured.peak, measured.attempts)
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def run_launched(real_peak: Callable[[str, str], RankPeak], cases: list[str], work_dir: Path, timeout_s: float,
+                 what: str) -> dict[str, list[int]]:
+    """Every case on :data:`WORLD` launched ranks (:func:`launched_worker`) in one spawn; each case's peaks
+    by rank (the repeats printed)."""
+    spawn_ranks(launched_worker, WORLD, (str(work_dir), real_peak, cases), timeout_s=timeout_s, what=what)
+    ranks = [json.loads((work_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    print(json.dumps(ranks))
+    return {case: [ranks[rank][case][0] for rank in range(WORLD)] for case in cases}
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +174,7 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]
         pytest.skip("this torch has no gloo backend")
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    work_dir = tmp_path_factory.mktemp("gloo-trainer")
-    spawn_ranks(_worker, WORLD, (str(work_dir),), timeout_s=600.0, what="Trainer gloo runs")
-    ranks = [json.loads((work_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    print(json.dumps(ranks))
-    return {case: [ranks[rank][case] for rank in range(WORLD)] for case in CASES}
+    return run_launched(_real_peak, list(CASES), tmp_path_factory.mktemp("gloo-trainer"), 600.0, "Trainer gloo runs")
 
 
 def _estimate(case: str, tmp_path: Path) -> int:

@@ -16,8 +16,6 @@ because accelerate runs FSDP on GPUs only and the plugin is set by hand after ``
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +24,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_runs import TRAINER_MAX_ATTEMPTS, RankPeak, _storages_before, profiled, spawn_ranks, until_complete
-from test_trainer_gloo import _updates, _wrap
+from gloo_runs import TRAINER_MAX_ATTEMPTS, RankPeak, _storages_before, profiled, until_complete
+from test_trainer_gloo import _updates, _wrap, run_launched
 
 import memcalc
 
@@ -108,37 +106,15 @@ def _real_peak(case: str, output_dir: str) -> RankPeak:
                           TRAINER_MAX_ATTEMPTS)
 
 
-def _worker(rank: int, world_size: int, port: int, work_dir: str) -> None:
-    import warnings
-
-    warnings.simplefilter("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    results: dict[str, tuple[int, int]] = {}
-    try:
-        for case in CASES:
-            torch.manual_seed(0)
-            measured = _real_peak(case, str(Path(work_dir) / f"out{rank}"))
-            results[case] = (measured.peak, measured.attempts)
-    finally:
-        dist.destroy_process_group()
-    (Path(work_dir) / f"rank{rank}.json").write_text(json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("this torch has no gloo backend")
     for package in ("transformers", "accelerate", "trl", "datasets"):
         pytest.importorskip(package)
-    work_dir = tmp_path_factory.mktemp("gloo-trl-trainer")
     # DPO under FSDP2 repeats its step hundreds of times for a complete trace (gloo_runs.TRAINER_MAX_ATTEMPTS)
-    spawn_ranks(_worker, WORLD, (str(work_dir),), timeout_s=1200.0, what="TRL trainer gloo runs")
-    ranks = [json.loads((work_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    print(json.dumps(ranks))
-    return {case: [ranks[rank][case][0] for rank in range(WORLD)] for case in CASES}
+    return run_launched(_real_peak, list(CASES), tmp_path_factory.mktemp("gloo-trl-trainer"), 1200.0,
+                        "TRL trainer gloo runs")
 
 
 @pytest.mark.parametrize("case", list(CASES))
