@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from memcalc.core.categories import Mode
 from memcalc.core.checkpointing import CheckpointKind
 from memcalc.core.errors import InapplicableOptionError
-from memcalc.core.loop import LoopPreset
+from memcalc.core.precision import Precision
 from memcalc.core.report import MemoryReport
 from memcalc.core.throughput import DeviceRates, StepFlops, StepTime
 from memcalc.distributed.checkpoint_auto import choose_checkpointing
@@ -156,13 +156,8 @@ def _check_trainer_strategy(step: Step, distributed: Distributed) -> None:
                                       "PeftModel.generate runs the base model's forward, outside the hooks of FSDP2's "
                                       "root (the PeftModel), whose parameters are then sharded",
                                       hint="Estimate it under ddp, zero1 or zero2, or without LoRA under fsdp.")
-    if step.loop.preset is LoopPreset.TRAINER and distributed.strategy is Strategy.FSDP and step.precision.is_amp:
-        raise InapplicableOptionError(f"loop trainer under --strategy fsdp with precision {step.precision.value} is "
-                                      f"not modelled: accelerate runs FSDP2 with MixedPrecisionPolicy(param_dtype and "
-                                      f"reduce_dtype both 16-bit), fp32 master weights and its autocast around the "
-                                      f"forward; memcalc's FSDP2 reduces in float32 without autocast",
-                                      hint="Estimate the Trainer's FSDP2 step at fp32 (or bf16 / fp16 weights "
-                                           "without amp), or under --strategy ddp with the amp precision.")
+    if distributed.strategy is Strategy.FSDP and step.precision.is_amp:
+        _check_accelerate_amp(step)
     mesh = dict(step.trainer_args.mesh) if step.trainer_args is not None else {}
     who = ("TRL's trainers are" if step.loop.preset is not None and step.loop.preset.is_trl
            else "the Trainer's loop is")
@@ -177,6 +172,31 @@ def _check_trainer_strategy(step: Step, distributed: Distributed) -> None:
                                       f"modelled: {who} estimated under ddp, fsdp, zero1, zero2 and zero3 "
                                       f"(accelerate's MULTI_GPU, FSDP and DEEPSPEED)",
                                       hint="Give --strategy ddp, fsdp or zero1/2/3.")
+
+
+def _check_accelerate_amp(step: Step) -> None:
+    """The Trainer's loop and TRL's under accelerate's FSDP2 with amp (``bf16`` / ``fp16``): accelerate's
+    ``_prepare_fsdp2`` wraps no forward in autocast; the FSDP plugin's ``MixedPrecisionPolicy`` casts
+    (param_dtype and reduce_dtype both 16-bit, over float32 masters), which memcalc's FSDP2 program runs
+    (:func:`memcalc.distributed.strategy.dp_shard.fsdp_program`). Refused: fp16, whose ``GradScaler``
+    (``get_fsdp2_grad_scaler``) unscales sharded gradients and whose reduce-scatter pre- and post-divides,
+    with no real run to check them against (accelerate refuses fp16 on the CPU); GRPO, whose scoring and
+    training forwards open ``accelerator.autocast()`` themselves over FSDP2's 16-bit parameters while its
+    generation runs without."""
+    if step.precision is Precision.AMP_FP16:
+        raise InapplicableOptionError(f"loop {step.loop.name} under --strategy fsdp with precision amp-fp16 "
+                                      f"(fp16=True) is not modelled: accelerate runs FSDP2 with MixedPrecisionPolicy("
+                                      f"param_dtype and reduce_dtype float16) and torch's GradScaler "
+                                      f"(get_fsdp2_grad_scaler) over the sharded gradients, which no real run here "
+                                      f"checks (accelerate refuses fp16 on the CPU)",
+                                      hint="Estimate it with bf16=True (amp-bf16), or under --strategy ddp with fp16.")
+    if step.loop.name == "trl-grpo":
+        raise InapplicableOptionError(f"loop trl-grpo under --strategy fsdp with precision {step.precision.value} is "
+                                      f"not modelled: GRPOTrainer opens accelerator.autocast() around its scoring and "
+                                      f"training forwards over FSDP2's 16-bit gathered parameters, and generates "
+                                      f"through the FSDP2 policy without it",
+                                      hint="Estimate GRPO under fsdp at fp32 (bf16=False), or under ddp or zero1/2/3 "
+                                           "with bf16.")
 
 
 def _trl_checkpointing(step: Step, distributed: Distributed) -> Step:

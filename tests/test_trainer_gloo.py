@@ -55,11 +55,19 @@ BATCH, SEQ = 2, 128
 TOLERANCE = 0.001
 #: name -> (how accelerate wraps the model, the TrainingArguments beyond the harness's own). Without
 #: ddp_find_unused_parameters the Trainer passes DDP find_unused_parameters=True for a PreTrainedModel
-#: trained without checkpointing; bf16 is accelerate's autocast around the forward (AVX512-BF16 here).
+#: trained without checkpointing; bf16 is accelerate's autocast around the forward under DDP (AVX512-BF16
+#: here), under FSDP2 the plugin's MixedPrecisionPolicy over fp32 master weights, without autocast.
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp": ("ddp", {}), "ddp-used": ("ddp", {"ddp_find_unused_parameters": False}),
     "ddp-accumulation": ("ddp", {"gradient_accumulation_steps": 2}), "ddp-amp-bf16": ("ddp", {"bf16": True}),
-    "fsdp": ("fsdp", {}), "fsdp-accumulation": ("fsdp", {"gradient_accumulation_steps": 2})}
+    "fsdp": ("fsdp", {}), "fsdp-accumulation": ("fsdp", {"gradient_accumulation_steps": 2}),
+    "fsdp-amp-bf16": ("fsdp", {"bf16": True}), "fsdp-amp-bf16-wide": ("fsdp", {"bf16": True}),
+    "fsdp-amp-bf16-wide-accumulation": ("fsdp", {"bf16": True, "gradient_accumulation_steps": 2})}
+#: A wider Llama (hidden 512, a 1,000-token vocabulary), whose peak comes in the backward's reduce-scatters,
+#: where FSDP2's reduce dtype counts (on CONFIG it comes before them).
+WIDE = llama_config(1_000, hidden=512, layers=2)
+#: The cases on :data:`WIDE` (the others: :data:`CONFIG`).
+CONFIGS: dict[str, dict[str, object]] = {"fsdp-amp-bf16-wide": WIDE, "fsdp-amp-bf16-wide-accumulation": WIDE}
 
 
 def _batches(vocab: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -78,12 +86,22 @@ def _wrap(trainer: Any, model: nn.Module, wrapper: str) -> nn.Module:
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     state = trainer.accelerator.state
-    state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
-                                                       auto_wrap_policy="transformer_based_wrap")
+    state.fsdp_plugin = _amp(state, FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
+                                                                   auto_wrap_policy="transformer_based_wrap"))
     try:
         return fsdp2_prepare_model(trainer.accelerator, model)  # type: ignore[no-any-return]
     finally:
         state.fsdp_plugin = None
+
+
+def _amp(state: Any, plugin: Any) -> Any:
+    """``plugin`` with the mixed precision accelerate's state gives an FSDP plugin (``AcceleratorState``
+    under ``DistributedType.FSDP``: ``fsdp_plugin.set_mixed_precision(mixed_precision)`` unless "no"):
+    under bf16, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=bfloat16)``. The plugin is set
+    on this CPU state by hand, so accelerate's state does not do it."""
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    return plugin
 
 
 def _updates(trainer: Any, wrapped: nn.Module, batches: Iterator[dict[str, torch.Tensor]]) -> None:
@@ -119,7 +137,8 @@ def _real_peak(case: str, output_dir: str) -> RankPeak:
 
     wrapper, more = CASES[case]
     AcceleratorState._reset_state()  # each case's Trainer sets its own mixed precision (the process group stays)
-    config = transformers.AutoConfig.for_model(**CONFIG)
+    llama = CONFIGS.get(case, CONFIG)
+    config = transformers.AutoConfig.for_model(**llama)
     model: nn.Module = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
     args = transformers.TrainingArguments(output_dir=output_dir, use_cpu=True, per_device_train_batch_size=BATCH,
                                           max_steps=2, report_to="none", save_strategy="no",
@@ -127,7 +146,7 @@ def _real_peak(case: str, output_dir: str) -> RankPeak:
     trainer = transformers.Trainer(model=model, args=args)
     assert trainer.accelerator.num_processes == WORLD, trainer.accelerator.state
     wrapped = _wrap(trainer, model, wrapper)
-    batches = _batches(int(CONFIG["vocab_size"]))  # type: ignore[call-overload]
+    batches = _batches(int(llama["vocab_size"]))  # type: ignore[call-overload]
     _updates(trainer, wrapped, batches)  # the warm-up (FSDP's lazy init, DDP's bucket rebuild)
     before = _storages_before(wrapped, torch.empty(0))
     return until_complete(lambda: profiled(lambda: _updates(trainer, wrapped, batches)), before, 0,
@@ -179,7 +198,7 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]
 
 def _estimate(case: str, tmp_path: Path) -> int:
     strategy, args = CASES[case]
-    return memcalc.estimate(write_config(tmp_path, CONFIG), batch_size=BATCH, seq_len=SEQ, gpu="cpu",
+    return memcalc.estimate(write_config(tmp_path, CONFIGS.get(case, CONFIG)), batch_size=BATCH, seq_len=SEQ, gpu="cpu",
                             loop="trainer", trainer_args=args or None,
                             distributed=memcalc.Distributed(strategy, world_size=WORLD)).peak_requested
 
@@ -196,7 +215,11 @@ def test_trainer_step_against_every_rank(real_peaks: dict[str, list[int]], case:
     down. Of the 4,096 B that find_unused_parameters=True adds to the real peak, memcalc's _DDPSink
     clones account for 2,052 B; 2,048 B (a (2, 128) int64 tensor's size) are not traced down. With
     memcalc's own FSDP2 layout (blocks + root) instead of accelerate's, the FSDP2 estimate was
-    52,320,744 B: +9.84%."""
+    52,320,744 B: +9.84%. FSDP2 with bf16=True (accelerate's MixedPrecisionPolicy, bf16 gathered and reduced,
+    fp32 masters, no autocast; 2026-12-08): 43,472,112 B and 43,472,104 B; on the wider Llama 63,349,360 B
+    and 63,349,352 B, where memcalc's own float32 reduce would give 69,140,084 B (+9.14%); with 2 micro-batches
+    (accelerate's no_sync: FSDP2's set_requires_gradient_sync(False) on the first) 73,818,736 B and
+    73,818,728 B."""
     estimate = _estimate(case, tmp_path)
     for rank, real in enumerate(real_peaks[case]):
         error = (estimate - real) / real

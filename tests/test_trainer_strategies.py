@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -139,12 +140,98 @@ def test_ddp_sink_clones_raise_the_trainer_estimate(model: str) -> None:
     assert any("_DDPSink clones the model's outputs" in note for note in notes)
 
 
-def test_trainer_loop_under_fsdp_refuses_amp(model: str) -> None:
-    """accelerate's FSDP2 under amp (16-bit reduce, fp32 master weights, autocast) is not memcalc's FSDP2."""
-    with pytest.raises(InapplicableOptionError, match=r"loop trainer under --strategy fsdp with precision amp-bf16 "
-                                                      r"is not modelled: accelerate runs FSDP2 with "
-                                                      r"MixedPrecisionPolicy"):
-        memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", precision="amp-bf16",
+def _fsdp2_program(model: str, loop: str, precision: str) -> tuple[Any, list[str]]:
+    """The FSDP2 rank program memcalc builds for ``loop`` over two ranks, and its notes."""
+    from memcalc.distributed.strategy.dp_shard import fsdp_program
+    from memcalc.distributed.vocabulary import FsdpSharding
+    from memcalc.fields import build_step
+
+    step = build_step(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop=loop, precision=precision)
+    build, notes = fsdp_program(FsdpSharding.FULL_SHARD, step, 2)
+    return build(step.resolved(2)), notes
+
+
+def test_trainer_fsdp_program_takes_accelerates_policy(model: str) -> None:
+    """Under amp the Trainer's FSDP2 program gathers and reduces in the dtypes of the policy accelerate's
+    own FSDP plugin makes from ``mixed_precision="bf16"`` (what ``AcceleratorState`` calls for bf16=True
+    under FSDP), over float32 shards (fsdp2_prepare_model's upcast masters); memcalc's own loop keeps
+    torchtitan's float32 reduce."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")
+    policy = plugin.mixed_precision_policy
+    trainer, notes = _fsdp2_program(model, "trainer", "amp-bf16")
+    assert (trainer.gather_dtype, trainer.reduce_dtype) == (policy.param_dtype, policy.reduce_dtype)
+    assert (trainer.gather_dtype, trainer.reduce_dtype, trainer.sharded_dtype) == (
+        torch.bfloat16, torch.bfloat16, torch.float32)
+    assert "reduce_dtype=bfloat16), as accelerate's FSDP plugin sets it" in notes[0]
+    own, notes = _fsdp2_program(model, "minimal", "amp-bf16")
+    assert (own.gather_dtype, own.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert "reduce_dtype=float32): the model computes in bfloat16 without autocast" in notes[0]
+    fp32, _ = _fsdp2_program(model, "trainer", "fp32")
+    assert (fp32.gather_dtype, fp32.reduce_dtype, fp32.sharded_dtype) == (None, None, None)
+
+
+def test_trainer_loop_under_fsdp_estimates_bf16_amp(model: str) -> None:
+    """bf16=True under FSDP2, once refused, is estimated with accelerate's policy, without autocast: the
+    16-bit gathered parameters are the compute, as at amp-bf16 under memcalc's own FSDP2 loop. Below fp32
+    (half the gathered bytes), and the notes say the policy."""
+    def estimate(precision: str) -> memcalc.MemoryReport:
+        return memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", precision=precision,
+                                distributed=memcalc.Distributed("fsdp", **TWO))
+
+    amp, fp32 = estimate("amp-bf16"), estimate("fp32")
+    assert amp.precision == "amp-bf16"
+    assert amp.peak_requested < fp32.peak_requested
+    assert any("MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=bfloat16)" in note for note in amp.notes)
+
+
+def test_trainer_loop_under_fsdp_refuses_fp16(model: str) -> None:
+    """fp16 under accelerate's FSDP2 (GradScaler over the sharded gradients) is refused by name."""
+    with pytest.raises(InapplicableOptionError, match=r"loop trainer under --strategy fsdp with precision amp-fp16 "
+                                                      r"\(fp16=True\) is not modelled: accelerate runs FSDP2 with "
+                                                      r"MixedPrecisionPolicy\(param_dtype and reduce_dtype float16\) "
+                                                      r"and torch's GradScaler") as caught:
+        memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", trainer_args={"fp16": True},
                          distributed=memcalc.Distributed("fsdp", **TWO))
-    memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", precision="amp-bf16",
+    assert "bf16=True" in (caught.value.hint or "")
+    memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trainer", precision="amp-fp16",
                      distributed=memcalc.Distributed("ddp", **TWO))  # accelerate's autocast around DDP: estimated
+
+
+def test_trl_fsdp_program_takes_accelerates_policy(model: str) -> None:
+    """TRL's trainers run accelerate's FSDP2 path as the Trainer's loop does: the same policy."""
+    trainer, _ = _fsdp2_program(model, "trainer", "amp-bf16")
+    for loop in ("trl-sft", "trl-dpo", "trl-reward"):
+        trl, notes = _fsdp2_program(model, loop, "amp-bf16")
+        assert (trl.gather_dtype, trl.reduce_dtype, trl.sharded_dtype) == (
+            trainer.gather_dtype, trainer.reduce_dtype, trainer.sharded_dtype), loop
+        assert "as accelerate's FSDP plugin sets it" in notes[0]
+
+
+@pytest.mark.parametrize("loop", ["trainer", "trl-sft", "trl-dpo", "trl-reward", "trl-grpo"])
+def test_accelerates_fsdp2_refuses_fp16(model: str, loop: str) -> None:
+    with pytest.raises(InapplicableOptionError, match=rf"loop {loop} under --strategy fsdp with precision amp-fp16 "
+                                                      r"\(fp16=True\) is not modelled"):
+        memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop=loop, precision="amp-fp16",
+                         distributed=memcalc.Distributed("fsdp", **TWO))
+
+
+def test_grpo_under_fsdp_refuses_amp(model: str) -> None:
+    """GRPO opens accelerator.autocast() itself around its scoring and training forwards: refused by name
+    under FSDP2's bf16 policy; fp32 under FSDP2 is not refused here."""
+    with pytest.raises(InapplicableOptionError, match=r"loop trl-grpo under --strategy fsdp with precision "
+                                                      r"amp-bf16 is not modelled: GRPOTrainer opens "
+                                                      r"accelerator.autocast\(\)") as caught:
+        memcalc.estimate(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trl-grpo", precision="amp-bf16",
+                         distributed=memcalc.Distributed("fsdp", **TWO))
+    assert "bf16=False" in (caught.value.hint or "")
+    from memcalc.distributed.setting import Distributed
+    from memcalc.estimation import _check
+    from memcalc.fields import build_step
+
+    step = build_step(model, batch_size=2, seq_len=SEQ, gpu="cpu", loop="trl-grpo", trainer_args={"bf16": False})
+    assert step.precision.value == "fp32"
+    _check(step, Distributed("fsdp", **TWO))

@@ -43,10 +43,11 @@ def _words(n: int, offset: int) -> str:
     return " ".join(f"w{(offset + i) % WORDS}" for i in range(n))
 
 
-def _model(lora: int) -> torch.nn.Module:
+def _model(lora: int, llama: dict[str, object] | None = None) -> torch.nn.Module:
+    """The Llama of ``llama`` (None: :func:`llama_config` over :data:`VOCAB`), with LoRA of rank ``lora``."""
     import transformers
 
-    config = transformers.AutoConfig.for_model(**llama_config(VOCAB))
+    config = transformers.AutoConfig.for_model(**(llama or llama_config(VOCAB)))
     torch.manual_seed(0)
     model: torch.nn.Module = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
     if lora:
@@ -96,13 +97,15 @@ def _sft_peak(tmp_path: Path, batch: int, seq_len: int, **config: Any) -> int:
 
 
 def _estimate(tmp_path: Path, loop: str, batch: int, seq_len: int, lora: int,
-              distributed: memcalc.Distributed | None = None, **config: Any) -> int:
+              distributed: memcalc.Distributed | None = None, llama: dict[str, object] | None = None,
+              **config: Any) -> int:
     arguments = tmp_path / "args.json"
     arguments.write_text(json.dumps({"per_device_train_batch_size": batch, "bf16": False,
                                      "gradient_checkpointing": False, **config}))
     finetune = memcalc.FineTune(lora=memcalc.LoRA(lora)) if lora else None
-    report = memcalc.estimate(write_config(tmp_path, llama_config(VOCAB)), loop=loop, trainer_args=str(arguments),
-                              seq_len=seq_len, gpu="cpu", finetune=finetune, distributed=distributed)
+    report = memcalc.estimate(write_config(tmp_path, llama or llama_config(VOCAB)), loop=loop,
+                              trainer_args=str(arguments), seq_len=seq_len, gpu="cpu", finetune=finetune,
+                              distributed=distributed)
     return report.peak_requested
 
 

@@ -3,10 +3,11 @@
 ``fsdp2_prepare_model`` makes: :mod:`memcalc.distributed.accelerate_fsdp`): each rank holds 1/N of the parameters,
 gradients and optimizer state, plus the all-gather and reduce-scatter buffers of the units in
 flight. Under ``amp-bf16`` / ``amp-fp16`` it is ``MixedPrecisionPolicy(param_dtype=16-bit,
-reduce_dtype=float32)``: the gathered parameters are 16-bit and the model computes in them
-without autocast. After tensor parallelism (``--mesh dp_shard=N,tp=M``) its program is stacked
-on tp's: FSDP2 shards each rank's local DTensor shard, as torchtitan's ``fully_shard`` over the
-dp_shard sub-mesh does."""
+reduce_dtype=float32)`` (torchtitan's): the gathered parameters are 16-bit and the model computes in them
+without autocast; under the Trainer's loop and TRL's, accelerate's (``reduce_dtype`` 16-bit too, the
+trainable parameters float32 masters, no autocast: docs/many-gpus.md, "The Trainer's loop"). After
+tensor parallelism (``--mesh dp_shard=N,tp=M``) its program is stacked on tp's: FSDP2 shards each rank's
+local DTensor shard, as torchtitan's ``fully_shard`` over the dp_shard sub-mesh does."""
 
 from __future__ import annotations
 
@@ -162,15 +163,15 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
     shape = (f" of each pipeline stage over {n} ranks, reshard_after_forward=False (torchtitan's default under "
              f"pp): its unsharded parameters and gradients kept over the microbatches, reduce-scattered after the "
              f"last" if pipelined else f" {sharding_.value.upper()} over {n} ranks")
-    notes = [f"FSDP2{shape}"
-             + (f"; MixedPrecisionPolicy(param_dtype={_dtype(low)}, reduce_dtype=float32): the model "
-                f"computes in {_dtype(low)} without autocast" if mixed else "")]
-    if precision is Precision.AMP_FP16:
-        notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
     # the Trainer's loop, its own or a TRL trainer's: the trained model sharded by accelerate's
     # fsdp2_prepare_model (a TRL reference by prepare_fsdp, on its root alone)
     accelerate = (step.loop.preset is not None and step.loop.preset.is_trainer and experts_degree is None
                   and not pipelined)
+    # accelerate's FSDP plugin reduces in the 16-bit dtype too (FullyShardedDataParallelPlugin.set_mixed_precision)
+    reduce = (low if accelerate else torch.float32) if mixed else None
+    notes = [f"FSDP2{shape}" + (_policy_note(low, reduce, accelerate) if reduce is not None else "")]
+    if precision is Precision.AMP_FP16:
+        notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
     if accelerate:
         notes.append("FSDP2 units as accelerate's fsdp2_prepare_model makes them for the Trainer: each layer, "
                      "the input embeddings, the final norm with the head (reshard_after_forward=False), the root")
@@ -187,10 +188,20 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
         return ShardedProgram(units, n, style="fsdp2", reshard_after_forward=reshard,
                               sharded_dtype=torch.float32 if mixed else None,
                               gather_dtype=low if mixed else None,
-                              reduce_dtype=torch.float32 if mixed else None, training=training, cpu=cpu,
+                              reduce_dtype=reduce, training=training, cpu=cpu,
                               accumulate=pipelined)
 
     return fsdp, notes
+
+
+def _policy_note(low: torch.dtype, reduce: torch.dtype, accelerate: bool) -> str:
+    """The note on FSDP2's mixed precision: torchtitan's policy (a float32 reduce), or accelerate's."""
+    policy = f"; MixedPrecisionPolicy(param_dtype={_dtype(low)}, reduce_dtype={_dtype(reduce)})"
+    if not accelerate:
+        return f"{policy}: the model computes in {_dtype(low)} without autocast"
+    return (f"{policy}, as accelerate's FSDP plugin sets it from the mixed precision: the trainable parameters "
+            f"upcast to float32 masters (fsdp2_prepare_model), the model computing in {_dtype(low)} without "
+            f"autocast (accelerate's FSDP2 prepare wraps no forward in it)")
 
 
 def _experts_units(resolved: ResolvedModel, degree: int, ep: int,
