@@ -8,32 +8,25 @@ The small pool is a machine of its own: a small request never touches a large-po
 it reaches the driver only for a new segment. So where the small pool's state before a stretch
 of events (every block's address, size and owner — a recent owner named from the stretch's first
 storage, an older one by uid) is the state before the stretch *p* before it, and the stretch's
-small requests and frees are those of that one (the same relative owners, the same rounded
-sizes), the stretch does to the small pool what that one did: nothing but renaming, no new
-segment. :func:`replay_generation` finds such repetitions at two scales: whole decode steps
-(their owners named from the decode steps' first storage), and, within a step that changes (a
-sequence crossing a 512-B rounding step), its units — the events from one numbered module's
-first storage (``model.layers.3``) to the next one's, owners within a layer's storages named
-from the unit — whose layers repeat each other. It feeds a skipped stretch's large-pool events
-alone and renames the small pool's owners once the repetition ends. Reserved memory changes
-only at a new segment, so the peak reserved is exact; allocated and requested are sums over
-every event in numpy (exact, int64), as is the index of their peak. The events fed go through
-:meth:`~memcalc.engine.allocator.CachingAllocatorModel.feed`, the allocator's loop inlined.
+small requests and frees are those of that one, the stretch does to the small pool what that one
+did: nothing but renaming. :func:`replay_generation` finds such repetitions at two scales: whole
+decode steps, and, within a step that changes (a sequence crossing a 512-B rounding step), its
+units (one numbered module's storages, ``model.layers.3``) whose layers repeat each other. It
+feeds a skipped stretch's large-pool events alone and renames the small pool's owners once the
+repetition ends. Reserved memory changes only at a new segment, so the peak reserved is exact;
+allocated and requested are sums over every event in numpy (exact, int64), as is their peak's index.
 
-Under a capacity, a new segment that does not fit first releases every unsplit cached block of
-both pools: in a stretch skipped, the small pool is not the real one. So a stretch's large-pool
-events are fed under a guard that stops before such a segment (:class:`_GuardedModel`); the small
-pool is brought to that event (renamed to its period, the period's small events before it fed)
-and the rest of its step or unit replayed in full. A period repeats only where no segment was
-released in the one it repeats: then its small pool's segments only grew, and its state came back,
-so it met no driver. The first OOM's index is the program's (:class:`_Replay`).
+Under a capacity a new segment that does not fit releases cached blocks of both pools, which in a
+stretch skipped is not the real small pool: a guard (:class:`_GuardedModel`) stops the stretch
+before it, the small pool is brought to that event and the rest of its step replayed in full; a
+period repeats only where no segment was released in the one it repeats (:meth:`_Replay.skip`).
 
 It applies to the report's replays, unlimited or under a capacity (``engine.run._fit_under``), on
 one stream with PyTorch's 512-B rounding and cudaMalloc'ed segments; anything else (expandable
 segments, garbage collection under a capacity, the CPU allocator, ``roundup_power2_divisions``,
 another stream) is replayed event by event by the caller. tests/test_steady_replay.py compares the
-two replays' stats on generations of several models, with and without capacities that release and
-run out. docs/notes/generation-replay.md: why the skip is exact.
+two replays' stats, with and without capacities that release and run out; why each skip is exact:
+docs/notes/generation-replay.md.
 """
 
 from __future__ import annotations
