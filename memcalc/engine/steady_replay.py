@@ -132,12 +132,14 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     except _Unsteady:
         return None
     report_progress(REPLAYING, count, count)
-    held = replay.held
-    sizes = rounded.copy()  # a small block is its request rounded (the small pool splits off any rest)
+    oom_at, held = replay.oom_at, replay.held
+    # a small block is its request rounded (the small pool splits off any rest); ``rounded`` made
+    # into the blocks' sizes in place, not copied: one int64 by storage fewer at the peak RSS
+    sizes = rounded
     sizes[np.fromiter(held, dtype=np.int64, count=len(held))] = np.fromiter(held.values(), dtype=np.int64,
                                                                            count=len(held))
     peak_requested = None if steady is None else _peak_requested(steady, events, offset, nbytes)
-    return _stats(model.stats(), events, sizes, nbytes, peak_requested, replay.oom_at)
+    return _stats(model.stats(), events, sizes, nbytes, peak_requested, oom_at)
 
 
 class _Unsteady(Exception):
@@ -437,7 +439,12 @@ def _by_event(values: np.ndarray, events: np.ndarray, *, signed: bool = False) -
     """``values[uid]`` at each event (a birth ``uid``, a free ``~uid``), negated at a free when
     ``signed``: one gather from ``values`` and its reverse after it, where a free's key ``~uid ==
     -uid - 1`` indexes from the end to ``uid``'s mirror — no array of uids or signs made first."""
-    table = np.concatenate([values, -values[::-1] if signed else values[::-1]])
+    table = np.empty(2 * values.size, dtype=values.dtype)  # filled in place: no negated copy made first
+    table[:values.size] = values
+    if signed:
+        np.negative(values[::-1], out=table[values.size:])
+    else:
+        table[values.size:] = values[::-1]
     gathered: np.ndarray = table[events]  # (indexing, not ``take``: 1.5x faster on 2.9M events)
     return gathered
 
