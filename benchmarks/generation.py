@@ -17,14 +17,17 @@ The report's replay skips the small pool's repeated decode steps (:mod:`memcalc.
 ``--replay-all`` replays every event instead, for the figure before it.
 
 Run: ``python benchmarks/generation.py [--model llama-2-7b] [--seq-len 512] [--new-tokens 1024]
-[--skip-full] [--replay-all] [--cpu-time] [--repeat K] [--baseline DIR]``; ``--skip-full`` leaves out
+[--skip-full] [--replay-all] [--cpu-time] [--repeat K] [--gpu NAME] [--baseline DIR]``; ``--skip-full`` leaves out
 "before" (llama-2-7b, 1,024 tokens: minutes); ``--repeat K`` times the prefill-only estimate and
 "after" K times each, taking turns, and prints their medians (a collection of Python's older
 generations, 0.14 s when it falls in one estimate, moves a single figure by more than the change
 measured); ``--baseline DIR`` first runs this script on DIR's tree (a ``git archive`` of another
 commit: its ``memcalc``, this measuring code) with the same options in its own process, then on
-this one: the two commits back to back. The issue's two: ``--model llama-2-7b`` (prompt 512, 1,024
-tokens) and ``--model gpt2 --seq-len 256 --new-tokens 768`` (its whole 1,024-position context).
+this one: the two commits back to back; ``--gpu h100`` judges every estimate under that GPU's
+capacity, where a long generation's unlimited peak reserved exceeds it and the replay under the
+capacity decides (``--replay-all``: every event of both replays). The issue's two: ``--model
+llama-2-7b`` (prompt 512, 1,024 tokens) and ``--model gpt2 --seq-len 256 --new-tokens 768`` (its whole
+1,024-position context).
 """
 
 from __future__ import annotations
@@ -65,11 +68,15 @@ def _timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+#: ``--gpu``: the GPU every estimate is judged under (None: no capacity).
+_GPU: list[str | None] = [None]
+
+
 def _estimate(model: str, seq_len: int, tokens: int) -> tuple[memcalc.MemoryReport, float, dict[str, float]]:
     _SPLIT.clear()
     start = _CLOCK[0]()
     report = memcalc.estimate(model, batch_size=1, seq_len=seq_len, mode="generate", new_tokens=tokens,
-                              optimizer="none")
+                              optimizer="none", gpu=_GPU[0])
     return report, _CLOCK[0]() - start, dict(_SPLIT)
 
 
@@ -84,7 +91,9 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a tree of another commit, run first with the same options")
     parser.add_argument("--tree", type=Path, help="the tree whose memcalc is measured (default: this script's)")
     parser.add_argument("--repeat", type=int, default=1, help="time prefill-only and after this many times each")
+    parser.add_argument("--gpu", help="judge every estimate under this GPU's capacity (h100: the replay under it)")
     args = parser.parse_args()
+    _GPU[0] = args.gpu
     if args.baseline is not None:
         given = [a for i, a in enumerate(sys.argv[1:]) if a != "--baseline" and sys.argv[i] != "--baseline"
                  and not a.startswith("--baseline=")]
@@ -124,8 +133,8 @@ def main() -> None:
             steady.EXTRAPOLATE_FROM = saved
         rows.append((f"before: {args.new_tokens} tokens, every decode step traced", full_time, full_split))
 
-    print(f"{args.model}, prompt {args.seq_len}, mode generate (one process, after a warm-up estimate"
-          f"{'; CPU seconds' if args.cpu_time else ''})")
+    print(f"{args.model}, prompt {args.seq_len}, mode generate{f', --gpu {args.gpu}' if args.gpu else ''} (one "
+          f"process, after a warm-up estimate{'; CPU seconds' if args.cpu_time else ''})")
     print(f"{'estimate':<58} {'seconds':>8} {'trace':>7} {'report':>7} {'x prefill':>10}")
     for name, seconds, split in rows:
         print(f"{name:<58} {seconds:8.2f} {split.get('trace', 0):7.2f} {split.get('report', 0):7.2f} "
@@ -138,6 +147,9 @@ def main() -> None:
         print(f"before / after: {rows[3][1] / after_time:.1f}x; same report: JSON {same_json}, text {same_text}")
     print(f"peak allocated {after.bytes.peak_allocated:,} B, reserved {after.peak_reserved:,} B, at "
           f"{after.peak_location}")
+    if after.fits is not None:
+        print(f"fits: {after.fits}; reserved within the capacity {after.reserved_within_capacity:,} B, with no "
+              f"limit {after.peak_reserved_unconstrained:,} B")
     note = [n for n in after.notes if "token by token" in n]
     if note:
         print(f"not extrapolated: {note[0]}")

@@ -342,23 +342,33 @@ def test_the_short_path_has_the_full_paths_allocator_stats(tmp_path: Path, monke
 
 
 def test_a_replay_under_a_capacity_reads_the_held_steps_written_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A capacity the unlimited replay exceeds is replayed again under it, every event listed: the
-    steps the extrapolation held unwritten are written out for it (trace.UnwrittenSteps), and the
-    report is the full trace's."""
+    """A capacity the unlimited replay exceeds is replayed again under it, its small pool's repeated
+    steps skipped as without a limit (engine.steady_replay); a step that does not fit is replayed
+    once more with expandable segments, every event listed: the steps the extrapolation held
+    unwritten are written out for it (trace.UnwrittenSteps). Either way the report is the full trace's."""
     source = hf_config_source(tmp_path, WIDE_LLAMA)
     options: dict[str, Any] = dict(batch_size=1, seq_len=300, new_tokens=70)
     unlimited = memcalc.estimate(source, mode="generate", optimizer="none", **options)
     limits: list[int | None] = []
-    replay = allocator.replay
+    skipped: list[int | None] = []
+    replay, skipping = allocator.replay, run.replay_generation
 
     def spy(*args: Any, **given: Any) -> allocator.AllocatorStats:
         limits.append(given.get("capacity"))
         return replay(*args, **given)
 
+    def skipping_spy(*args: Any, **given: Any) -> allocator.AllocatorStats | None:
+        stats = skipping(*args, **given)
+        if stats is not None:
+            skipped.append(given.get("capacity"))
+        return stats
+
     monkeypatch.setattr(allocator, "replay", spy)
+    monkeypatch.setattr(run, "replay_generation", skipping_spy)
     capacity = unlimited.peak_reserved - (1 << 20)
     extrapolated, full = _both(source, monkeypatch, capacity=capacity, **options)
-    # each estimate replayed under the capacity (and again with expandable segments where it does not fit)
-    assert limits.count(capacity) == (2 if extrapolated.fits else 4)
+    # each estimate's replay under the capacity skipping, and, where it does not fit, with expandable segments
+    assert skipped.count(capacity) == 2
+    assert limits.count(capacity) == (0 if extrapolated.fits else 2)
     _assert_identical(extrapolated, full)
     assert extrapolated.fits == full.fits is not None

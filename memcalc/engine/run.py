@@ -893,7 +893,7 @@ def build_report(resolved: ResolvedModel, traced: TracedStep, step: Step, *, rol
         input_bytes=_preexisting_bytes(trace, traced.categories, Category.INPUTS),
         frozen_parameter_bytes=_frozen_parameter_bytes(module) if training else 0,
     )
-    fits, reserved_within = _fit_under(program, trace, capacity, stats, settings, host=host)
+    fits, reserved_within = _fit_under(program, trace, capacity, stats, settings, host=host, columns=columns)
     expandable = (_reserved_if_expandable(program, trace.nbytes, capacity, settings)
                   if fits is False and not host and capacity is not None and stats.peak_allocated <= capacity
                   else None)
@@ -1001,16 +1001,24 @@ def _main_backend(attention: dict[str, int]) -> str | None:
 
 
 def _fit_under(program: Program, trace: StepTrace, capacity: int | None, stats: allocator.AllocatorStats,
-               settings: AllocConf | None = None, *, host: bool = False) -> tuple[bool | None, int | None]:
+               settings: AllocConf | None = None, *, host: bool = False,
+               columns: _Columns | None = None) -> tuple[bool | None, int | None]:
     """Whether the step runs within ``capacity`` reserved bytes, and the peak reserved when it
-    does so under that limit (the allocator frees cached segments under pressure)."""
+    does so under that limit (the allocator frees cached segments under pressure). A long
+    generation's replay under the capacity skips its small pool's repeated decode steps, as the
+    unlimited one does (:func:`~memcalc.engine.steady_replay.replay_generation`; ``columns``: the
+    trace's arrays, where the caller has them)."""
     if capacity is None:
         return None, None
     gc = settings is not None and settings.garbage_collection_threshold > 0.0  # collects below the capacity
     if stats.peak_reserved <= capacity and not gc:
         return True, stats.peak_reserved  # never under pressure: the same replay
-    limited = allocator.replay(allocator_events(program, trace.nbytes), capacity=capacity, settings=settings, host=host,
-                               streams=program.streams)
+    limited = replay_generation(program, trace, settings, host, capacity=capacity,
+                                nbytes=None if columns is None else columns.nbytes,
+                                steady=None if columns is None or program.iterations != 1 else columns.steady)
+    if limited is None:
+        limited = allocator.replay(allocator_events(program, trace.nbytes), capacity=capacity, settings=settings,
+                                   host=host, streams=program.streams)
     return limited.oom_at is None, limited.peak_reserved
 
 

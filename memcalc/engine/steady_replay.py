@@ -8,26 +8,30 @@ The small pool is a machine of its own: a small request never touches a large-po
 it reaches the driver only for a new segment. So where the small pool's state before a stretch
 of events (every block's address, size and owner — a recent owner named from the stretch's first
 storage, an older one by uid) is the state before the stretch *p* before it, and the stretch's
-small requests and frees are those of that one (the same relative owners, the same rounded
-sizes), the stretch does to the small pool what that one did: nothing but renaming, no new
-segment. :func:`replay_generation` finds such repetitions at two scales: whole decode steps
-(their owners named from the decode steps' first storage), and, within a step that changes (a
-sequence crossing a 512-B rounding step), its units — the events from one numbered module's
-first storage (``model.layers.3``) to the next one's, owners within a layer's storages named
-from the unit — whose layers repeat each other. It feeds a skipped stretch's large-pool events
-alone and renames the small pool's owners once the repetition ends. Reserved memory changes
-only at a new segment, so the peak reserved is exact; allocated and requested are sums over
-every event in numpy (exact, int64), as is the index of their peak. The events fed go through
-:meth:`~memcalc.engine.allocator.CachingAllocatorModel.feed`, the allocator's loop inlined.
+small requests and frees are those of that one, the stretch does to the small pool what that one
+did: nothing but renaming. :func:`replay_generation` finds such repetitions at two scales: whole
+decode steps, and, within a step that changes (a sequence crossing a 512-B rounding step), its
+units (one numbered module's storages, ``model.layers.3``) whose layers repeat each other. It
+feeds a skipped stretch's large-pool events alone and renames the small pool's owners once the
+repetition ends. Reserved memory changes only at a new segment, so the peak reserved is exact;
+allocated and requested are sums over every event in numpy (exact, int64), as is their peak's index.
 
-It applies to the report's unlimited replay on one stream with PyTorch's 512-B rounding and
-cudaMalloc'ed segments; anything else (a capacity, expandable segments, the CPU allocator,
-``roundup_power2_divisions``, another stream) is replayed event by event by the caller.
-tests/test_steady_replay.py compares the two replays' stats on generations of several models.
+Under a capacity a new segment that does not fit releases cached blocks of both pools, which in a
+stretch skipped is not the real small pool: a guard (:class:`_GuardedModel`) stops the stretch
+before it, the small pool is brought to that event and the rest of its step replayed in full; a
+period repeats only where no segment was released in the one it repeats (:meth:`_Replay.skip`).
+
+It applies to the report's replays, unlimited or under a capacity (``engine.run._fit_under``), on
+one stream with PyTorch's 512-B rounding and cudaMalloc'ed segments; anything else (expandable
+segments, garbage collection under a capacity, the CPU allocator, ``roundup_power2_divisions``,
+another stream) is replayed event by event by the caller. tests/test_steady_replay.py compares the
+two replays' stats, with and without capacities that release and run out; why each skip is exact:
+docs/notes/generation-replay.md.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import re
 from collections.abc import Hashable, Sequence
@@ -64,17 +68,19 @@ _FREES_FROM = 1 << 62
 
 
 def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | None,
-                      host: bool, *, nbytes: np.ndarray | None = None,
-                      steady: SteadyRun | None = None) -> allocator.AllocatorStats | None:
-    """The unlimited replay's stats of a generation's ``program``, its small pool's repeated
-    decode steps skipped (module docstring); None where that does not apply. ``nbytes``:
-    ``trace.nbytes`` as int64, when the caller has it; ``steady``: its written decode steps, checked
-    (:func:`memcalc.engine.steady_sums.applies`): the peak requested is read off a few of them."""
+                      host: bool, *, nbytes: np.ndarray | None = None, steady: SteadyRun | None = None,
+                      capacity: int | None = None) -> allocator.AllocatorStats | None:
+    """The replay's stats of a generation's ``program`` under ``capacity`` (None: unlimited), its
+    small pool's repeated decode steps skipped (module docstring); None where that does not apply.
+    ``nbytes``: ``trace.nbytes`` as int64, when the caller has it; ``steady``: its written decode
+    steps, checked (:func:`memcalc.engine.steady_sums.applies`): the peak requested is read off a few
+    of them."""
     offset = program.iteration_starts[0]  # the pre-existing storages' births come first
     starts = [offset + start for phase, start in trace.phase_log if phase is Phase.DECODE]
     settings = settings or AllocConf()
     if (host or program.streams or program.iterations != 1 or len(starts) < SKIP_FROM
             or settings.expandable_segments or any(settings.roundup_power2_divisions)
+            or (capacity is not None and settings.garbage_collection_threshold > 0.0)
             or program.num_events != offset + trace.num_events):
         return None
     events = program.keys
@@ -83,16 +89,16 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
     bits = allocator.K_MIN_BLOCK_SIZE.bit_length() - 1
     rounded = ((nbytes + (allocator.K_MIN_BLOCK_SIZE - 1)) >> bits) << bits
     small = _by_event(rounded <= allocator.K_SMALL_SIZE, events)
-    model = allocator.CachingAllocatorModel(settings=settings)
+    model = _GuardedModel(capacity, settings=settings)
     bounds = [*starts, len(events)]
     bases = _bases(events, bounds)
     if bases is None:
         return None
     first = bases[0]  # storages from here on are named relative to their step's first
-    held: dict[int, int] = {}
-    _feed(model, events[:starts[0]], rounded, held)
+    replay = _Replay(model, events, small, rounded)
+    replay.feed(0, starts[0])
     widths = [y - x for x, y in itertools.pairwise(bases)]
-    layers = _Layers(model, events, small, rounded, trace, held)
+    layers = _Layers(replay, trace)
     requests: dict[int, bytes] = {}
 
     def request(j: int) -> bytes:  # step j's small requests and frees, named from its first storage
@@ -104,41 +110,139 @@ def replay_generation(program: Program, trace: StepTrace, settings: AllocConf | 
                            + (events[lo:hi][mask] >= 0).tobytes() + rounded[step].tobytes())
         return requests[j]
 
-    states: dict[int, _Signature] = {}
+    states: dict[int, tuple[_Signature, int]] = {}  # a step's small pool before it, and the segments freed so far
     j, count = 0, len(starts)
-    while j < count:
-        report_progress(REPLAYING, j, count)
-        state = states[j] = _small_state(model, first, bases[j])
-        period = next((p for p in range(1, MAX_PERIOD + 1) if j + p <= count and states.get(j - p) == state
-                       and all(request(j - p + i) == request(j + i) for i in range(p))), 0)
-        if not period:
-            try:
+    try:
+        while j < count:
+            report_progress(REPLAYING, j, count)
+            state = states[j] = (_small_state(model, first, bases[j]), model.num_device_frees)
+            period = next((p for p in range(1, MAX_PERIOD + 1) if j + p <= count and states.get(j - p) == state
+                           and all(request(j - p + i) == request(j + i) for i in range(p))), 0)
+            if not period:
                 if not layers.feed(bounds[j], bounds[j + 1], bases[j + 1]):
-                    _feed(model, events[bounds[j]:bounds[j + 1]], rounded, held)
-            except _Unsteady:
-                return None
-            j += 1
-            continue
-        # steps j .. j + period - 1 repeat the period before them: their small pool, renamed; the
-        # periods that repeat in turn found first (their requests), then their large-pool events fed at once
-        end = j
-        while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
-            end += period
-        lo, hi = bounds[j], bounds[end]
-        _feed(model, events[lo:hi][~small[lo:hi]], rounded, held)
-        shift, j = bases[end] - bases[j], end  # the storages of steps j .. end - 1
-        if not _rename(model, first, shift):
-            return None
+                    replay.feed(bounds[j], bounds[j + 1])
+                j += 1
+                continue
+            # steps j .. j + period - 1 repeat the period before them: their small pool, renamed; the
+            # periods that repeat in turn found first (their requests), then their large-pool events fed at once
+            end = j
+            while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
+                end += period
+            j = replay.skip(bounds, bases, j, end, period, first)
+    except _Unsteady:
+        return None
     report_progress(REPLAYING, count, count)
-    sizes = rounded.copy()  # a small block is its request rounded (the small pool splits off any rest)
+    oom_at, held = replay.oom_at, replay.held
+    # a small block is its request rounded (the small pool splits off any rest); ``rounded`` made
+    # into the blocks' sizes in place, not copied: one int64 by storage fewer at the peak RSS
+    sizes = rounded
     sizes[np.fromiter(held, dtype=np.int64, count=len(held))] = np.fromiter(held.values(), dtype=np.int64,
                                                                            count=len(held))
     peak_requested = None if steady is None else _peak_requested(steady, events, offset, nbytes)
-    return _stats(model.stats(), events, sizes, nbytes, peak_requested)
+    return _stats(model.stats(), events, sizes, nbytes, peak_requested, oom_at)
 
 
 class _Unsteady(Exception):
-    """A renamed owner is live already: not a repetition after all (the replay starts over)."""
+    """A renamed owner is live already, or a small request met the driver in a stretch skipped:
+    not a repetition after all (the caller replays every event)."""
+
+
+class _Pressure(Exception):
+    """A cudaMalloc that would exceed the capacity, met while a stretch's small pool is skipped
+    (:class:`_GuardedModel`): the allocator would free cached blocks of both pools there."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(at)
+        self.at = at  # the event's index in the events fed (the caller makes it the program's)
+
+
+class _GuardedModel(allocator.CachingAllocatorModel):
+    """The allocator, which while :attr:`guarded` raises :class:`_Pressure` at a new segment that
+    would not fit under the capacity, before changing anything: that is where it would release
+    cached blocks (``release_cached_blocks``: every unsplit free block of both pools), and the small
+    pool it would release from is, in a stretch skipped, the one before the stretch renamed."""
+
+    guarded = False
+
+    @property
+    def num_device_frees(self) -> int:
+        """Segments released so far (an empty cache or a capacity's release)."""
+        return self._num_device_frees
+
+    @property
+    def num_segments(self) -> int:
+        """Segments cudaMalloc'ed so far."""
+        return self._num_segments
+
+    def _new_block(self, pool: allocator._Pool, size: int, index: int) -> allocator._Block:
+        if (self.guarded and self.capacity is not None
+                and self.reserved + allocator.segment_size(size) > self.capacity):
+            self._events = index  # malloc counted the event; it is not replayed here
+            raise _Pressure(index)
+        return super()._new_block(pool, size, index)
+
+
+class _Replay:
+    """The allocator and the events it is fed, by their indices in the program (``lo .. hi``): the
+    blocks handed out larger than their requests rounded (:attr:`held`), the program's index of the
+    first event that did not fit under the capacity (:attr:`oom_at`; the allocator's own counts
+    the events fed only), and the skip of a stretch of repeated steps or units (:meth:`skip`)."""
+
+    def __init__(self, model: _GuardedModel, events: np.ndarray, small: np.ndarray, rounded: np.ndarray) -> None:
+        self.model, self.events, self.small, self.rounded = model, events, small, rounded
+        self.held: dict[int, int] = {}
+        self.oom_at: int | None = None
+
+    def feed(self, lo: int, hi: int, *, pool: bool | None = None) -> None:
+        """Feed the events ``lo .. hi``: all of them, or (``pool``) the small pool's (True) or the
+        large pool's (False) alone, under the guard (:class:`_Pressure`, its index the program's)."""
+        model = self.model
+        chosen = None if pool is None else np.flatnonzero(self.small[lo:hi] == pool) + lo
+        events = self.events[lo:hi] if chosen is None else self.events[chosen]
+        before, model.guarded = model._events, pool is not None
+        try:
+            _feed(model, events, self.rounded, self.held)
+        except _Pressure as pressure:
+            raise _Pressure(self._index(pressure.at - before, lo, chosen)) from None
+        finally:
+            model.guarded = False
+            if self.oom_at is None and model.oom_at is not None:
+                self.oom_at = self._index(model.oom_at - before, lo, chosen)
+
+    @staticmethod
+    def _index(fed: int, lo: int, chosen: np.ndarray | None) -> int:
+        """The program's index of the ``fed``-th event of a :meth:`feed` call."""
+        return lo + fed if chosen is None else int(chosen[fed])
+
+    def skip(self, bounds: Sequence[int], bases: Sequence[int], k: int, end: int, period: int, first: int) -> int:
+        """Replay the units (decode steps, or a step's layers: events ``bounds[u] .. bounds[u + 1]``,
+        storages from ``bases[u]``) ``k .. end - 1``, which repeat those ``period`` before them in
+        the small pool: their large-pool events fed, the small pool's owners from ``first`` on
+        renamed; the unit to go on from. At a new segment that would not fit under the capacity
+        (where the allocator releases cached blocks of both pools), the small pool is brought to
+        that event — renamed to its unit's period, the period's small events fed — and the rest of
+        its unit replayed in full: the stats are those of every event replayed."""
+        model = self.model
+        try:
+            self.feed(bounds[k], bounds[end], pool=False)
+        except _Pressure as pressure:
+            at = pressure.at
+            unit = bisect.bisect_right(bounds, at) - 1
+            start = k + (unit - k) // period * period  # the small pool before it: the one before k, renamed
+            if start > k and not _rename(model, first, bases[start] - bases[k]):
+                raise _Unsteady from None
+            segments = model.num_segments
+            try:  # the small events before it, alone: in a repetition they meet no driver
+                self.feed(bounds[start], at, pool=True)
+            except _Pressure:
+                raise _Unsteady from None
+            if model.num_segments != segments:
+                raise _Unsteady from None
+            self.feed(at, bounds[unit + 1])
+            return unit + 1
+        if not _rename(model, first, bases[end] - bases[k]):  # the storages of units k .. end - 1
+            raise _Unsteady
+        return end
 
 
 class _Layers:
@@ -149,10 +253,9 @@ class _Layers:
     are named from its first storage, older ones by uid (the rotary tables, the sequences), so
     that one layer's residual stream is the next layer's."""
 
-    def __init__(self, model: allocator.CachingAllocatorModel, events: np.ndarray, small: np.ndarray,
-                 rounded: np.ndarray, trace: StepTrace, held: dict[int, int]) -> None:
-        self.model, self.events, self.small = model, events, small
-        self.rounded, self.trace, self.held = rounded, trace, held
+    def __init__(self, replay: _Replay, trace: StepTrace) -> None:
+        self.replay, self.trace = replay, trace
+        self.model, self.events, self.small, self.rounded = replay.model, replay.events, replay.small, replay.rounded
         self.keys: dict[str, str] = {}
         self.last: tuple[list[str], list[int], list[bool]] | None = None  # the step before's modules, units
 
@@ -209,29 +312,27 @@ class _Layers:
                                + small_born[a:b].tobytes() + small_rounded[a:b].tobytes())
             return requests[k]
 
-        model, events, rounded, held = self.model, self.events, self.rounded, self.held
-        states: dict[int, _Signature] = {}
+        model, replay = self.model, self.replay
+        states: dict[int, tuple[_Signature, int]] = {}  # as the decode steps' (replay_generation)
         near = range(-MAX_UNIT_PERIOD, MAX_UNIT_PERIOD + 1)
+        marks = [*bases, end]
         k = 0
         while k < count:
             if layer[k] and any(d and 0 <= k + d < count and request(k + d) == request(k) for d in near):
-                states[k] = _small_state(model, bases[k] - horizon, bases[k])  # a unit that may repeat
+                # a unit that may repeat
+                states[k] = (_small_state(model, bases[k] - horizon, bases[k]), model.num_device_frees)
             period = next((p for p in range(1, min(MAX_UNIT_PERIOD, k) + 1)
                            if k + p <= count and k in states and states.get(k - p) == states[k]
                            and all(request(k - p + i) == request(k + i) for i in range(p))), 0)
             if not period:
-                _feed(model, events[bounds[k]:bounds[k + 1]], rounded, held)
+                replay.feed(bounds[k], bounds[k + 1])
                 k += 1
                 continue
-            end = k  # the units that repeat in turn, then their large-pool events fed at once
-            while end + period <= count and all(request(end + i) == request(end - period + i) for i in range(period)):
-                end += period
-            a, b = bounds[k], bounds[end]
-            _feed(model, self.events[a:b][~self.small[a:b]], rounded, held)
-            threshold, shift = bases[k] - horizon, sum(widths[k:end])
-            k = end
-            if not _rename(model, threshold, shift):
-                raise _Unsteady
+            stop = k  # the units that repeat in turn, then their large-pool events fed at once
+            while stop + period <= count and all(request(stop + i) == request(stop - period + i)
+                                                 for i in range(period)):
+                stop += period
+            k = replay.skip(bounds, marks, k, stop, period, bases[k] - horizon)
         return True
 
 
@@ -310,11 +411,12 @@ def _peak_requested(steady: SteadyRun, events: np.ndarray, offset: int, nbytes: 
     return int(sums.max()) if sums.size else 0
 
 
-def _stats(stats: allocator.AllocatorStats, events: np.ndarray, sizes: np.ndarray,
-           nbytes: np.ndarray, peak_requested: int | None = None) -> allocator.AllocatorStats:
+def _stats(stats: allocator.AllocatorStats, events: np.ndarray, sizes: np.ndarray, nbytes: np.ndarray,
+           peak_requested: int | None = None, oom_at: int | None = None) -> allocator.AllocatorStats:
     """``stats`` with allocated (the blocks' ``sizes``) and requested, which the skipped events
     changed on the way, summed over every event (the peak requested: ``peak_requested`` where the
-    caller read it off a few steps); each event's signed bytes one gather (:func:`_by_event`)."""
+    caller read it off a few steps), and the first OOM's index in the program, ``oom_at``; each
+    event's signed bytes one gather (:func:`_by_event`)."""
     allocated = _by_event(sizes, events, signed=True)
     np.cumsum(allocated, out=allocated)  # int64: exact
     if peak_requested is None:
@@ -326,7 +428,7 @@ def _stats(stats: allocator.AllocatorStats, events: np.ndarray, sizes: np.ndarra
     return allocator.AllocatorStats(
         peak_allocated=max(peak, 0), peak_reserved=stats.peak_reserved,
         final_allocated=int(allocated[-1]) if allocated.size else 0, final_reserved=stats.final_reserved,
-        num_segments=stats.num_segments, num_mallocs=stats.num_mallocs, oom_at=None,
+        num_segments=stats.num_segments, num_mallocs=stats.num_mallocs, oom_at=oom_at,
         peak_index=at if peak > 0 else -1,
         peak_requested=max(peak_requested, 0),
         final_segments=stats.final_segments, num_device_frees=stats.num_device_frees,
@@ -337,7 +439,12 @@ def _by_event(values: np.ndarray, events: np.ndarray, *, signed: bool = False) -
     """``values[uid]`` at each event (a birth ``uid``, a free ``~uid``), negated at a free when
     ``signed``: one gather from ``values`` and its reverse after it, where a free's key ``~uid ==
     -uid - 1`` indexes from the end to ``uid``'s mirror — no array of uids or signs made first."""
-    table = np.concatenate([values, -values[::-1] if signed else values[::-1]])
+    table = np.empty(2 * values.size, dtype=values.dtype)  # filled in place: no negated copy made first
+    table[:values.size] = values
+    if signed:
+        np.negative(values[::-1], out=table[values.size:])
+    else:
+        table[values.size:] = values[::-1]
     gathered: np.ndarray = table[events]  # (indexing, not ``take``: 1.5x faster on 2.9M events)
     return gathered
 
