@@ -16,7 +16,13 @@ fresh Adam). For each step it prints, per rank:
 * with ``--all-threads``, the ``[memory]`` events recorded under
   ``_ExperimentalConfig(profile_all_threads=True)`` as well.
 
-Run: ``PYTHONPATH=. python benchmarks/gloo_trace_threads.py [--strategy ddp] [--steps 20]``.
+With ``--trainer CASE ...`` it runs the slow tests' own Trainer harnesses instead (a case of
+tests/test_trainer_gloo.py, or of tests/test_trl_trainer_gloo.py with a ``trl:`` prefix), their
+``profiled`` wrapped to tally, over the repeats ``until_complete`` makes, what each trace saw made
+and not freed, and prints each rank's repeats and tally.
+
+Run: ``PYTHONPATH=. python benchmarks/gloo_trace_threads.py [--strategy ddp] [--steps 20] [--all-threads]``,
+or ``... --trainer ddp fsdp trl:dpo-fsdp``.
 """
 
 from __future__ import annotations
@@ -115,12 +121,61 @@ def _rank(rank: int, world_size: int, port: int, strategy: str, steps: int, all_
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(rows))
 
 
+def _harness(case: str) -> tuple[Any, str]:
+    """The test module whose Trainer harness runs ``case``, and the case's name there."""
+    import test_trainer_gloo
+
+    if case.startswith("trl:"):
+        import test_trl_trainer_gloo
+
+        return test_trl_trainer_gloo, case.removeprefix("trl:")
+    return test_trainer_gloo, case
+
+
+def _tallied_peak(case: str, output_dir: str) -> gloo_runs.RankPeak:
+    """``case``'s real peak by its own harness, each trace's unseen frees tallied in ``output_dir``'s parent."""
+    module, name = _harness(case)
+    tally: Counter[str] = Counter()
+
+    def profiled(step: Any) -> tuple[int, bool]:
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        tally.update(_unfreed(_allocations(prof)))
+        return _profiler_peak(prof), gloo_runs._net_bytes(prof) == 0
+
+    module.profiled = profiled
+    peak: gloo_runs.RankPeak = module._real_peak(name, output_dir)
+    tallies = Path(output_dir).parent / f"tally-{case.replace(':', '-')}-{dist.get_rank()}.json"
+    tallies.write_text(json.dumps(tally.most_common(8)))
+    return peak
+
+
+def trainer_main(cases: list[str]) -> None:
+    import test_trainer_gloo
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as out:
+        test_trainer_gloo.run_launched(_tallied_peak, cases, Path(out), 1200.0, "Trainer runs")
+        for case in cases:
+            for rank in range(test_trainer_gloo.WORLD):
+                measured = json.loads((Path(out) / f"rank{rank}.json").read_text())[case]
+                tally = json.loads((Path(out) / f"tally-{case.replace(':', '-')}-{rank}.json").read_text())
+                print(f"{case} rank {rank}: peak {measured[0]} B after {measured[1]} steps; unfreed, over all of them:")
+                for what, count in tally:
+                    print(f"  x{count}: {what}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--all-threads", action="store_true")
+    parser.add_argument("--trainer", nargs="+", metavar="CASE")
     args = parser.parse_args()
+    if args.trainer:
+        trainer_main(args.trainer)
+        return
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out:
         gloo_runs.spawn_ranks(_rank, 2, (args.strategy, args.steps, args.all_threads, out), 300.0)
