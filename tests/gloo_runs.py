@@ -17,14 +17,21 @@ loop (loss = the output's mean, the output referenced until the optimizer step,
 the storages alive before it (parameters, buffers, the input, DDP's buckets).
 
 Why a step can be measured more than once: gloo runs each collective on a worker thread, and
-the profiler records a thread's allocations only while that thread carries the profiler's
-state. The reduce-scatter's clone of its input (``ProcessGroupGloo::
-reduce_scatter_tensor_coalesced``) is held by the all-reduce work too; when gloo's worker
-thread drops that work after the caller has dropped its own reference, the clone is freed
-there, unrecorded, and the running sum never comes down (a real run's trace then ends one
-clone or more above where it began). So the step ends by dropping its optimizer: a complete
-trace ends where it began, and a rank repeats the step until it has one (the ranks repeat
-together, since every step runs collectives).
+the profiler records a thread's allocations and frees only while that thread carries the
+profiler's state, which ``ProcessGroupGloo::AsyncWork::execute`` gives the worker around the
+collective's ``run()`` alone. A buffer the work holds (the reduce-scatter's clone of its input in
+``reduce_scatter_tensor_coalesced``, FSDP2's all-gather output) is freed where the last reference
+to the work is dropped: when that is gloo's worker, after the caller, the free goes unrecorded and
+the running sum never comes down (a trace then ends one buffer or more above where it began). So
+the step ends by dropping its optimizer: a complete trace ends where it began, and a rank repeats
+the step until it has one (the ranks repeat together, since every step runs collectives).
+
+The complete trace is not only the readable one: its peak is the ordering in which every buffer
+dies when the caller drops it, the ordering memcalc models. In the other steps the process
+really holds a buffer longer, and the CPU allocator's own counter peaks up to one buffer higher
+in about a third of FSDP2's steps. torch 2.13's ``profile_all_threads`` records no ``[memory]``
+event at all (the allocator reports only to the thread-local profiler state), so it cannot
+complete a trace. Measurements and torch's code: docs/notes/gloo-traces.md.
 """
 
 from __future__ import annotations
