@@ -229,7 +229,8 @@ def launched_step(model: Any, launch: LaunchSetup, fields: dict[str, Any], distr
         launch = launch.with_hidden_size(hidden_size_of(step.resolved(1).module, launch.source))
     distributed_ = launch_distributed(launch)
     check_plan_source(step, distributed_, f"{launch.source} parallelism_config")  # tp comes from that section only
-    return replace(step, notes=(*step.notes, launch.describe())), distributed_
+    return replace(step, accelerate_prepared=launch.accelerate_prepares,
+                   notes=(*step.notes, launch.describe())), distributed_
 
 
 def _given_option(fields: dict[str, Any], name: str) -> bool:

@@ -108,6 +108,13 @@ def _check(step: Step, distributed: Distributed) -> None:
     """Refuse, by name, the options this setting does not model."""
     if not distributed.is_single and step.loop.preset is not None and step.loop.preset.is_trainer:
         _check_trainer_strategy(step, distributed)
+    elif step.accelerate_prepared and distributed.strategy is Strategy.FSDP and step.precision is Precision.AMP_FP16:
+        raise InapplicableOptionError(f"loop {step.loop.name} under an accelerate config's FSDP2 with mixed_precision "
+                                      f"fp16 is not modelled: accelerate runs FSDP2 with MixedPrecisionPolicy("
+                                      f"param_dtype and reduce_dtype float16) and torch's GradScaler "
+                                      f"(get_fsdp2_grad_scaler) over the sharded gradients, which no real run here "
+                                      f"checks (accelerate refuses fp16 on the CPU)",
+                                      hint="Estimate it with mixed_precision: bf16, or under MULTI_GPU with fp16.")
     if step.checkpoint.reentrant and not distributed.is_single:
         refuse_reentrant(distributed)  # the strategies it is checked under: memcalc.distributed.strategies
     if distributed.is_single and step.float8 is not None and step.float8.all_gather:

@@ -44,8 +44,9 @@ def test_estimate_documents_every_field():
 def test_every_attribute_of_the_step_comes_from_exactly_one_field():
     filled = [attribute for field in FIELDS.values() for attribute in field.attributes]
     assert len(filled) == len(set(filled))  # no attribute filled twice
-    # the positional model, its resolver (the API's), and the notes building the step found
-    attributes = {f.name for f in dataclasses.fields(Step)} - {"model", "resolver", "notes"}
+    # the positional model, its resolver (the API's), the notes building the step found, and what
+    # an accelerate launch config decides about the prepared model (set from the file, not an option)
+    attributes = {f.name for f in dataclasses.fields(Step)} - {"model", "resolver", "notes", "accelerate_prepared"}
     assert set(filled) == attributes
 
 

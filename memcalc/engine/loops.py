@@ -37,7 +37,7 @@ from memcalc.core.categories import Category
 from memcalc.core.errors import InvalidInputError, LoopFunctionError, MemcalcError
 from memcalc.core.loop import Loop, LoopFn, LoopPreset
 from memcalc.engine.model import ModelInputs
-from memcalc.engine.step import NullObserver, StepConfig, StepKit, StepObserver, StepOutcome, Targets
+from memcalc.engine.step import NullObserver, StepConfig, StepKit, StepObserver, StepOutcome, Targets, fp32_outputs
 from memcalc.engine.trainable import build_optimizer
 
 __all__ = ("ITERATIONS", "PRESETS", "Batches", "LoopObserver", "NullLoopObserver", "loop_name", "minimal", "run_loop",
@@ -300,8 +300,10 @@ def run_loop(model: nn.Module, inputs: ModelInputs, config: StepConfig, loop: Lo
     step = StepKit(config, obs, keep_grads=loop.keep_grads)
     batches = Batches(inputs, iterations * config.accum_steps, config.accum_steps, obs,
                       step if preset is not None else None)
+    # the Trainer's loop copies its outputs to float32 itself (_compute_loss), as its prepared model does
+    prepared = nullcontext() if preset is not None and preset.is_trainer else fp32_outputs(model, config)
     try:
-        with obs.watching(model, optimizer):
+        with obs.watching(model, optimizer), prepared:
             if preset is not None:
                 PRESETS[preset](model, optimizer, batches, step)
             else:

@@ -340,6 +340,8 @@ def step_config(resolved: ResolvedModel, step: Step, *, autocast: AutocastRegion
                                                    else nullcontext),
         scaler_factory=scaler if step.mode is Mode.TRAIN else None,
         model_loss=step.trains_own_loss, amp=step.precision.is_amp,
+        # accelerate's prepare_model under amp (DDP, one GPU); under FSDP2 the traced precision is not amp
+        fp32_outputs=step.accelerate_prepared and step.precision.is_amp,
     )
 
 

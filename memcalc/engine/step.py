@@ -29,8 +29,9 @@ the same under ``torch.inference_mode()``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,7 +48,8 @@ from memcalc.engine.optimizers import OptimizerSpec, TorchOptim
 from memcalc.engine.step_backend import idle_modes_off
 from memcalc.engine.trainable import build_optimizer, check_loss_trains
 
-__all__ = ("NullObserver", "Scaler", "StepConfig", "StepKit", "StepObserver", "StepOutcome", "Targets", "run_step")
+__all__ = ("NullObserver", "Scaler", "StepConfig", "StepKit", "StepObserver", "StepOutcome", "Targets", "fp32_outputs",
+           "run_step")
 
 #: The package of torch's own optimizers (``torch.optim.adam.Adam``, ``torch.optim.Adafactor``): their
 #: step and ``zero_grad`` call no ``torch.nn.functional`` function, attention, dropout or loss
@@ -148,6 +150,9 @@ class StepConfig:
     #: Train with the loss the model returns itself (``output.loss``) when it returns one: the
     #: user chose no loss, and a batch with ``labels`` makes a Hugging Face model compute it.
     model_loss: bool = False
+    #: The model's forward returns its 16-bit outputs copied to float32, as the forward
+    #: ``Accelerator.prepare_model`` makes under mixed precision does (:func:`fp32_outputs`).
+    fp32_outputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -333,6 +338,16 @@ def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepO
         opt = build_optimizer(model, config.optimizer, config.optimizer_impl)
     plain = idle_modes_off if opt is None or _torch_optimizer(opt) else nullcontext
     step = StepKit(config, obs)
+    with fp32_outputs(model, config):
+        _iterations(model, inputs, config, obs, step, opt, params, plain)
+    obs.finished()  # the optimizer (and its state) is still alive here, as in a real loop
+    return step.outcome()
+
+
+def _iterations(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepObserver, step: StepKit,
+                opt: torch.optim.Optimizer | None, params: list[nn.Parameter],
+                plain: Callable[[], AbstractContextManager[Any]]) -> None:
+    """The training iterations of :func:`_train` (module docstring)."""
     iteration = 0
     while iteration < config.iterations or obs.run_again():
         iteration += 1
@@ -354,8 +369,29 @@ def _train(model: nn.Module, inputs: ModelInputs, config: StepConfig, obs: StepO
                 obs.optimizer_stepped(opt)
             obs.set_phase(Phase.ZERO_GRAD)
             step.zero_grad(model, opt)
-    obs.finished()  # the optimizer (and its state) is still alive here, as in a real loop
-    return step.outcome()
+
+
+@contextmanager
+def fp32_outputs(model: nn.Module, config: StepConfig) -> Iterator[None]:
+    """``model.forward`` as ``Accelerator.prepare_model`` leaves it under 16-bit mixed precision
+    (accelerate/accelerator.py), while the loop runs: accelerate's own ``convert_outputs_to_fp32``
+    around it, so the forward's fp16/bf16 outputs (a causal LM's logits) come back as float32 copies
+    and the 16-bit ones die — the copies are what the loop's ``output`` holds through backward. The
+    autocast region is the step's own (``config.autocast``). Nothing without ``config.fp32_outputs``;
+    the forward is restored on the way out."""
+    if not config.fp32_outputs:
+        yield
+        return
+    convert = importlib.import_module("accelerate.utils").convert_outputs_to_fp32
+    own = vars(model).get("forward")  # an instance's own forward (a stack's wrapper), put back after
+    model.forward = convert(model.forward)
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 def _torch_optimizer(optimizer: torch.optim.Optimizer) -> bool:

@@ -84,6 +84,10 @@ class Step:
             to an estimate. The memory figures do not depend on it.
         alloc_conf: the CUDA caching allocator's settings (``PYTORCH_CUDA_ALLOC_CONF``) its
             replays model.
+        accelerate_prepared: the loop runs the model ``Accelerator.prepare`` returned, as an
+            accelerate config says accelerate launches it (set from the config, not a user's
+            option): under FSDP2 ``fsdp2_prepare_model``'s units and policy, under DDP or on one GPU
+            with amp the forward's 16-bit outputs copied to float32 (``convert_outputs_to_fp32``).
         notes: what building the step found out (the local GPU it stands for), shown first
             among the report's notes.
         resolver: resolves ``model`` at a batch (:meth:`resolved`); the API sets it, so that the
@@ -121,6 +125,7 @@ class Step:
     new_tokens: int | None = None
     record_costs: bool = False
     alloc_conf: AllocConf = field(default_factory=AllocConf)
+    accelerate_prepared: bool = False
     notes: tuple[str, ...] = ()
     resolver: ModelResolver | None = field(default=None, compare=False, repr=False)
 

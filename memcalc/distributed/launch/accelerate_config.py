@@ -8,10 +8,18 @@ strategy (``NO``: one GPU; ``MULTI_GPU``: DDP; ``FSDP``: FSDP2 per block; ``DEEP
 through :func:`~memcalc.distributed.launch.deepspeed_config.read_deepspeed` on the config
 accelerate's ``DeepSpeedPlugin`` builds, or on its ``deepspeed_config_file``), ``num_processes``
 (the total over the machines: ``accelerate launch`` runs ``num_processes // num_machines`` per
-machine) the world size, ``mixed_precision`` the precision (``amp-bf16`` / ``amp-fp16``: the
-Accelerator's autocast). What each ``fsdp_config`` key becomes is docs/launch-configs.md. A
-``parallelism_config`` section (with FSDP2 only, as ``accelerate launch`` asks) makes the device
-mesh (:mod:`memcalc.stacks.transformers.parallelism_config`): FSDP2 over its ``dp_shard × cp``, with tp and cp.
+machine) the world size, ``mixed_precision`` the precision (``amp-bf16`` / ``amp-fp16``). What each
+``fsdp_config`` key becomes is docs/launch-configs.md. A ``parallelism_config`` section (with FSDP2
+only, as ``accelerate launch`` asks) makes the device mesh
+(:mod:`memcalc.stacks.transformers.parallelism_config`): FSDP2 over its ``dp_shard × cp``, with tp and cp.
+
+The loop then runs the model ``accelerator.prepare`` returns (:attr:`LaunchSetup.accelerate_prepares`),
+as accelerate 1.16 prepares it: under ``MULTI_GPU`` and ``NO`` with 16-bit ``mixed_precision``,
+``prepare_model`` wraps the forward in autocast and copies its 16-bit outputs to float32; under FSDP2
+``_prepare_fsdp2`` wraps nothing, and ``fsdp2_prepare_model`` shards its own units with the plugin's
+``MixedPrecisionPolicy`` (param and reduce dtype 16-bit, float32 masters:
+:mod:`memcalc.distributed.accelerate_fsdp`). On a ``parallelism_config`` mesh memcalc's own loops keep
+torchtitan's layout (not checked against a real run there), and say so in a note.
 """
 
 from __future__ import annotations
@@ -87,15 +95,21 @@ def read_accelerate(path: Any) -> LaunchSetup:
         raise InapplicableOptionError(f"{where}: mixed_precision {precision!r} is not modelled",
                                       hint="memcalc models no, fp16 and bf16.")
     values["precision"] = _PRECISION[precision]
+    prepares = True  # the model is the one accelerator.prepare returns, prepared as this setting says
     if kind == "NO":
         distributed: dict[str, Any] = {}
+        notes += _prepare_model_notes(precision)
     elif kind == "MULTI_GPU":
         distributed = {"strategy": "ddp", "world_size": world}
+        notes += _prepare_model_notes(precision)
     elif kind == "FSDP":
         distributed, checkpoint, said = _fsdp(config.fsdp_config or {}, where)
         distributed["world_size"] = world
         notes += said
         distributed, said = _on_mesh(distributed, data.get("parallelism_config"), world, where)
+        if set(distributed) - {"dp_shard", "sharding", "strategy", "world_size"}:
+            prepares = False  # tp, cp or HSDP: memcalc's own loops keep torchtitan's FSDP2 layout and policy
+            said.append(_MESH_LAYOUT)
         notes += said
         if checkpoint:
             values["checkpoint"] = True
@@ -108,7 +122,24 @@ def read_accelerate(path: Any) -> LaunchSetup:
     else:
         raise InapplicableOptionError(f"{where}: distributed_type {kind} is not modelled",
                                       hint="memcalc models NO, MULTI_GPU (DDP), FSDP (FSDP2) and DEEPSPEED (ZeRO).")
-    return LaunchSetup(where, distributed, values, tuple(notes))
+    return LaunchSetup(where, distributed, values, tuple(notes), accelerate_prepares=prepares)
+
+
+def _prepare_model_notes(precision: str) -> list[str]:
+    """What ``Accelerator.prepare_model`` does to the model's forward under DDP or on one GPU with
+    16-bit mixed precision (accelerate/accelerator.py): one autocast region, its 16-bit outputs
+    copied to float32 (``convert_outputs_to_fp32``), the copy what the loop's ``outputs`` holds."""
+    if precision == "no":
+        return []
+    return [f"accelerator.prepare: the forward under {precision} autocast, its 16-bit outputs copied to float32 "
+            f"(convert_outputs_to_fp32), which the loop's outputs hold"]
+
+
+#: The layout memcalc's own loops keep on a ``parallelism_config`` mesh: accelerate's ``fsdp2_prepare_model``
+#: units over a tp / cp / HSDP mesh are not checked against a real run.
+_MESH_LAYOUT = ("on this mesh memcalc's own loops are estimated with FSDP2 per block and root and "
+                "MixedPrecisionPolicy(reduce_dtype float32) (torchtitan's layout), not with accelerate's "
+                "fsdp2_prepare_model units and 16-bit reduce")
 
 
 def _on_mesh(distributed: dict[str, Any], section: Any, world: int,

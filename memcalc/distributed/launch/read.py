@@ -4,6 +4,7 @@ model is built: a bad file is said at once) and turned into the multi-GPU settin
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from memcalc.core.counts import as_integer
@@ -44,8 +45,7 @@ def read_launch(accelerate_config: Any = None, deepspeed: Any = None, world_size
         if theirs is not None and theirs != number:
             raise InapplicableOptionError(f"world size {number} disagrees with {setup.source}, which says {theirs}",
                                           hint="Leave out the world size: the file counts the processes.")
-        return LaunchSetup(setup.source, {**setup.distributed, "world_size": number}, setup.values, setup.notes,
-                           setup.auto_hidden)
+        return replace(setup, distributed={**setup.distributed, "world_size": number})
     if theirs is None and setup.distributed.get("strategy") is not None:
         raise InvalidInputError(f"{setup.source} does not say how many GPUs (its train_batch_size is not a number)",
                                 hint="Give the world size: --world-size N (world_size=N).")

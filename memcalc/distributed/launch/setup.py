@@ -38,6 +38,10 @@ class LaunchSetup:
         notes: what was read, ignored or approximated, for the report.
         auto_hidden: DeepSpeed keys left ``"auto"`` that Hugging Face's integration fills from the
             model's ``hidden_size`` (``reduce_bucket_size`` → hidden_size²).
+        accelerate_prepares: ``accelerate launch`` runs the job and the model is the one
+            ``Accelerator.prepare`` returns, as accelerate prepares it under this setting (FSDP2 with
+            ``fsdp2_prepare_model``'s units and policy; DDP or one GPU with ``prepare_model``'s
+            autocast and float32 outputs): :attr:`memcalc.engine.step_spec.Step.accelerate_prepared`.
     """
 
     source: str
@@ -45,6 +49,7 @@ class LaunchSetup:
     values: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     auto_hidden: tuple[str, ...] = ()
+    accelerate_prepares: bool = False
 
     def describe(self) -> str:
         """One note for the report: the source and what it became."""
@@ -66,7 +71,7 @@ class LaunchSetup:
                 value = fill(hidden_size)
                 distributed["stage3"] = dataclasses.replace(distributed["stage3"], **{name: value})
                 notes.append(f"{key} auto → {value:,} elements from hidden_size {hidden_size:,} (transformers)")
-        return LaunchSetup(self.source, distributed, self.values, tuple(notes), ())
+        return dataclasses.replace(self, distributed=distributed, notes=tuple(notes), auto_hidden=())
 
 
 def load_mapping(path: Any, what: str, suffixes: tuple[str, ...]) -> dict[str, Any]:

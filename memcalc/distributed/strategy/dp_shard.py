@@ -1,11 +1,12 @@
 """``dp_shard`` (``--strategy fsdp``): FSDP2 ``fully_shard`` on every block and on the root
-(:class:`~memcalc.distributed.fsdp.ShardedProgram`; under the Trainer's loop and TRL's, the units accelerate's
+(:class:`~memcalc.distributed.fsdp.ShardedProgram`; under the Trainer's loop and TRL's, and any loop an
+accelerate config launches (:attr:`~memcalc.engine.step_spec.Step.accelerate_prepared`), the units accelerate's
 ``fsdp2_prepare_model`` makes: :mod:`memcalc.distributed.accelerate_fsdp`): each rank holds 1/N of the parameters,
 gradients and optimizer state, plus the all-gather and reduce-scatter buffers of the units in
 flight. Under ``amp-bf16`` / ``amp-fp16`` it is ``MixedPrecisionPolicy(param_dtype=16-bit,
 reduce_dtype=float32)`` (torchtitan's): the gathered parameters are 16-bit and the model computes in them
-without autocast; under the Trainer's loop and TRL's, accelerate's (``reduce_dtype`` 16-bit too, the
-trainable parameters float32 masters, no autocast: docs/many-gpus.md, "The Trainer's loop"). After
+without autocast; under the Trainer's loop and TRL's, and an accelerate config's, accelerate's (``reduce_dtype``
+16-bit too, the trainable parameters float32 masters, no autocast: docs/many-gpus.md, "The Trainer's loop"). After
 tensor parallelism (``--mesh dp_shard=N,tp=M``) its program is stacked on tp's: FSDP2 shards each rank's
 local DTensor shard, as torchtitan's ``fully_shard`` over the dp_shard sub-mesh does."""
 
@@ -163,18 +164,19 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
     shape = (f" of each pipeline stage over {n} ranks, reshard_after_forward=False (torchtitan's default under "
              f"pp): its unsharded parameters and gradients kept over the microbatches, reduce-scattered after the "
              f"last" if pipelined else f" {sharding_.value.upper()} over {n} ranks")
-    # the Trainer's loop, its own or a TRL trainer's: the trained model sharded by accelerate's
-    # fsdp2_prepare_model (a TRL reference by prepare_fsdp, on its root alone)
-    accelerate = (step.loop.preset is not None and step.loop.preset.is_trainer and experts_degree is None
-                  and not pipelined)
+    # the Trainer's loop, its own or a TRL trainer's, or any loop an accelerate config launches: the trained
+    # model sharded by accelerate's fsdp2_prepare_model (a TRL reference by prepare_fsdp, on its root alone)
+    trainer = step.loop.preset is not None and step.loop.preset.is_trainer
+    accelerate = (trainer or step.accelerate_prepared) and experts_degree is None and not pipelined
     # accelerate's FSDP plugin reduces in the 16-bit dtype too (FullyShardedDataParallelPlugin.set_mixed_precision)
     reduce = (low if accelerate else torch.float32) if mixed else None
     notes = [f"FSDP2{shape}" + (_policy_note(low, reduce, accelerate) if reduce is not None else "")]
     if precision is Precision.AMP_FP16:
         notes.append("fp16 under FSDP needs ShardedGradScaler; its (small) buffers are not modelled")
     if accelerate:
-        notes.append("FSDP2 units as accelerate's fsdp2_prepare_model makes them for the Trainer: each layer, "
-                     "the input embeddings, the final norm with the head (reshard_after_forward=False), the root")
+        whose = "the Trainer" if trainer else "accelerator.prepare"
+        notes.append(f"FSDP2 units as accelerate's fsdp2_prepare_model makes them for {whose}: each layer, "
+                     f"the input embeddings, the final norm with the head (reshard_after_forward=False), the root")
 
     def fsdp(resolved: ResolvedModel) -> RankProgram:
         inner = (None if experts_degree is None
