@@ -70,3 +70,23 @@ def test_feed_refuses_what_malloc_and_free_refuse() -> None:
         model.feed([0], [4096], [4096], {})
     with pytest.raises(allocator.NotLiveError):
         model.feed([~1], [4096, 4096], [4096, 4096], {})
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("host, settings", [
+    pytest.param(False, None, id="defaults"),
+    pytest.param(False, AllocConf(max_split_size=20 * MiB), id="max-split-size"),
+    pytest.param(True, None, id="host"),
+])
+def test_replay_keys_is_replay_with_prefix(seed: int, host: bool, settings: AllocConf | None) -> None:
+    # the estimate's replay of its program as keys (engine/run.py) against the same program as
+    # (kind, key, nbytes) events: the same stats after the prefix (the first iteration) and at the end
+    events, nbytes = _requests(seed, 3000)
+    as_tuples = [(allocator.ALLOC, event, nbytes[event]) if event >= 0 else (allocator.FREE, ~event, 0)
+                 for event in events]
+    prefix = 1234
+    expected = allocator.replay_with_prefix(as_tuples, prefix, settings, host=host)
+    assert allocator.replay_keys(events, nbytes, prefix, settings, host=host) == expected
+    whole, same = allocator.replay_keys(events, nbytes, None, settings, host=host)
+    assert whole is same and whole == allocator.replay(as_tuples, settings=settings, host=host)
+    assert expected[0] != expected[1]  # the prefix's stats are not the whole's: the check can fail

@@ -775,6 +775,10 @@ def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None, ho
             return (fast, fast) if program.iterations <= 1 else (allocator.replay(
                 allocator_events(program, trace.nbytes, until=program.iteration_starts[1]), settings=settings,
                 host=host, streams=program.streams), fast)
+        if not program.streams and len(program.events) < REPLAY_PROGRESS_FROM:  # most steps: one stream, no bar
+            return allocator.replay_keys(program.events, _sizes_by_key(program, trace.nbytes),
+                                         program.iteration_starts[1] if program.iterations > 1 else None,
+                                         settings=settings, host=host)
         events: Iterable[tuple[int, int, int]] = allocator_events(program, trace.nbytes)
         if len(program.events) >= REPLAY_PROGRESS_FROM:  # seconds of replay: a bar (stderr, a terminal)
             events = reported(REPLAYING, events, len(program.events))
@@ -793,6 +797,14 @@ def _replayed(program: Program, trace: StepTrace, settings: AllocConf | None, ho
             raise InternalError(exc, stage=f"replaying pre-existing storage {uid} ({kind})") from exc
         raise InternalError(exc, op=trace.op[uid], module=trace.module[uid], phase=trace.phase[uid].value,
                             stage=f"replaying storage {uid}, made by") from exc
+
+
+def _sizes_by_key(program: Program, nbytes: Sequence[int]) -> list[int]:
+    """Each event key's bytes as a list indexed by the key (:func:`allocator.replay_keys`): the
+    storages' bytes once per copy of the step the keys number (``key % num_storages``)."""
+    n = program.num_storages
+    copies = max(program.events, default=-1) // n + 1 if n else 0
+    return list(nbytes[:n]) * copies
 
 
 @dataclass(frozen=True)

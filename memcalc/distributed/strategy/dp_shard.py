@@ -176,8 +176,8 @@ def fsdp_program(sharding_: FsdpSharding, step: Step, n: int, pipelined: bool = 
     if accelerate:
         whose = "the Trainer" if trainer else "accelerator.prepare"
         notes.append(f"FSDP2 units as accelerate's fsdp2_prepare_model makes them for {whose}: each layer, "
-                     f"the input embeddings (untied), the final norm with the head (reshard_after_forward=False), where "
-                     f"the model has them, the root")
+                     f"the input embeddings (untied), the final norm with the head (reshard_after_forward=False), "
+                     f"where the model has them, the root")
 
     def fsdp(resolved: ResolvedModel) -> RankProgram:
         inner = (None if experts_degree is None
