@@ -4,6 +4,7 @@ checked against are tests/test_trainer_gloo.py's (slow)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,11 @@ def test_trainer_loop_under_fsdp_refuses_fp16(model: str) -> None:
                      distributed=memcalc.Distributed("ddp", **TWO))  # accelerate's autocast around DDP: estimated
 
 
+#: TRL's loops read TRL's config classes: the oldest version leg of .ci/run installs no trl extra.
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the trl extra is not installed")
+
+
+@needs_trl
 def test_trl_fsdp_program_takes_accelerates_policy(model: str) -> None:
     """TRL's trainers run accelerate's FSDP2 path as the Trainer's loop does: the same policy."""
     trainer, _ = _fsdp2_program(model, "trainer", "amp-bf16")
@@ -211,7 +217,8 @@ def test_trl_fsdp_program_takes_accelerates_policy(model: str) -> None:
         assert "as accelerate's FSDP plugin sets it" in notes[0]
 
 
-@pytest.mark.parametrize("loop", ["trainer", "trl-sft", "trl-dpo", "trl-reward", "trl-grpo"])
+@pytest.mark.parametrize("loop", ["trainer", *(pytest.param(loop, marks=needs_trl)
+                                              for loop in ("trl-sft", "trl-dpo", "trl-reward", "trl-grpo"))])
 def test_accelerates_fsdp2_refuses_fp16(model: str, loop: str) -> None:
     with pytest.raises(InapplicableOptionError, match=rf"loop {loop} under --strategy fsdp with precision amp-fp16 "
                                                       r"\(fp16=True\) is not modelled"):
@@ -219,6 +226,7 @@ def test_accelerates_fsdp2_refuses_fp16(model: str, loop: str) -> None:
                          distributed=memcalc.Distributed("fsdp", **TWO))
 
 
+@needs_trl
 def test_grpo_under_fsdp_refuses_amp(model: str) -> None:
     """GRPO opens accelerator.autocast() itself around its scoring and training forwards: refused by name
     under FSDP2's bf16 policy; fp32 under FSDP2 is not refused here."""
