@@ -7,13 +7,17 @@ checked against: tests/test_accelerate_own_gloo.py (slow)."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import memcalc
+from memcalc.core.categories import Phase
 from memcalc.core.errors import InapplicableOptionError
 from memcalc.distributed.launch.accelerate_config import read_accelerate
+from memcalc.engine.run import accelerator_backward
+from memcalc.fields import build_step
 
 sys.path.insert(0, str(Path(__file__).parent / "hf_reference"))
 from hf_harness import llama_config, write_config
@@ -105,18 +109,55 @@ def test_amp_outputs_copied_to_float32_hold_the_logits_through_backward(tmp_path
     by_file = _estimate(tmp_path, accelerate_config=_config(tmp_path, kind, "bf16"))
     distributed = memcalc.Distributed("ddp", world_size=2) if kind == "MULTI_GPU" else None
     by_hand = _estimate(tmp_path, precision="amp-bf16", distributed=distributed)
-    # the loop's outputs hold float32 logits instead of bf16 ones during backward: 2 more bytes each
-    assert by_file.peak_requested - by_hand.peak_requested == BATCH * SEQ * VOCAB * (4 - 2)
+    # the loop's outputs hold float32 logits instead of bf16 ones during backward: 2 more bytes each; and
+    # accelerator.backward's loss / gradient_accumulation_steps, a float32 scalar (4 B), alive through it
+    assert by_file.peak_requested - by_hand.peak_requested == BATCH * SEQ * VOCAB * (4 - 2) + 4
     assert any("convert_outputs_to_fp32" in note for note in _notes(by_file))
 
 
-def test_fp32_is_what_it_was(tmp_path):
+def test_fp32_is_what_it_was_but_accelerator_backwards_division(tmp_path):
     by_file = _estimate(tmp_path, accelerate_config=_config(tmp_path, "MULTI_GPU", "no"))
     by_hand = _estimate(tmp_path, distributed=memcalc.Distributed("ddp", world_size=2))
-    assert by_file.peak_requested == by_hand.peak_requested
+    # DDP as given by hand, and the float32 scalar accelerator.backward divides the loss into (peak: backward)
+    assert by_file.peak_phase is Phase.BACKWARD
+    assert by_file.peak_requested == by_hand.peak_requested + 4
 
 
 def test_fp16_under_accelerates_fsdp2_is_refused_by_name(tmp_path):
     with pytest.raises(InapplicableOptionError, match="loop minimal under an accelerate config's FSDP2 with "
                                                       "mixed_precision fp16 is not modelled"):
         _estimate(tmp_path, accelerate_config=_config(tmp_path, "FSDP", "fp16", FSDP))
+
+
+# ============================================================================================
+# Accelerator.backward: the loss divided by gradient_accumulation_steps before backward
+# ============================================================================================
+
+
+def test_accelerator_backward_divides_the_loss_first(tmp_path):
+    """accelerate's ``backward`` runs ``loss = loss / self.gradient_accumulation_steps`` (1 here), then
+    ``loss.backward()``: a new 0-dim float32 tensor, alive through the backward beside the caller's undivided
+    loss. This model's peak is in the backward, and the CPU target rounds nothing: 4 B more, exactly."""
+    plain = _estimate(tmp_path, optimizer="adam")
+    prepared = _estimate(tmp_path, optimizer="adam", accelerate_config=_config(tmp_path, "NO", "no"))
+    assert prepared.peak_phase is plain.peak_phase is Phase.BACKWARD
+    assert prepared.peak_requested - plain.peak_requested == 4  # one float32 scalar: 1 x 4 B
+
+
+def test_accumulating_the_loops_own_division_stands_for_accelerates(tmp_path):
+    """At ``accum_steps`` 2 memcalc's own loop divides the loss by 2 itself, the one division accelerate's
+    backward makes in a loop written for it (``accelerator.accumulate``): no second one, the same peak."""
+    plain = _estimate(tmp_path, optimizer="adam", accum_steps=2)
+    prepared = _estimate(tmp_path, optimizer="adam", accum_steps=2,
+                         accelerate_config=_config(tmp_path, "NO", "no"))
+    assert prepared.peak_requested == plain.peak_requested
+
+
+def test_the_trainers_loop_goes_through_accelerator_backward():
+    """The Trainer's ``training_step`` ends in ``self.accelerator.backward(loss)`` whatever the launch (its
+    accelerator at one accumulation step); memcalc's own loops only under an accelerate config."""
+    assert accelerator_backward(build_step(loop="trainer", gpu="cpu"))
+    own = build_step(gpu="cpu")
+    assert not accelerator_backward(own)
+    assert accelerator_backward(replace(own, accelerate_prepared=True))
+    assert not accelerator_backward(replace(own, accelerate_prepared=True, accum_steps=2))

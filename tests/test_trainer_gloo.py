@@ -70,11 +70,20 @@ CONFIGS: dict[str, dict[str, object]] = {"fsdp-amp-bf16-wide": WIDE}
 
 
 def _batches(vocab: int) -> Iterator[dict[str, torch.Tensor]]:
-    """A collator's batches, each made when drawn: token ids and labels of their own."""
+    """A collator's batches, each made when drawn: token ids and labels of their own. The generator
+    keeps no reference to a batch it handed out (:func:`_batch` makes it): a local ``ids`` here would
+    keep the last batch's ids alive while the generator waits, into the next measured window, where
+    their free is recorded (the CPU allocator's size table outlives a profiler session) but their
+    bytes are not among the storages alive before it: every complete trace read 2,048 B low."""
     generator = torch.Generator().manual_seed(1)
     while True:
-        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
-        yield {"input_ids": ids, "labels": ids.clone()}
+        yield _batch(generator, vocab)
+
+
+def _batch(generator: torch.Generator, vocab: int) -> dict[str, torch.Tensor]:
+    """One batch: ``(BATCH, SEQ)`` token ids and their copy as labels."""
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
 
 
 def _wrap(trainer: Any, model: nn.Module, wrapper: str) -> nn.Module:
@@ -157,7 +166,8 @@ def launched_worker(rank: int, world_size: int, port: int, work_dir: str, real_p
     """One rank of a Trainer run (this file's and tests/test_trl_trainer_gloo.py's), started as a launcher
     starts it: accelerate then sees one of ``world_size`` processes (MULTI_CPU) and joins this group. Each
     case's peak and repeats, by ``real_peak(case, output_dir)`` (a module-level function, so the
-    forkserver's ranks can unpickle it), written to ``rank{rank}.json``."""
+    forkserver's ranks can unpickle it), less the optimizer's CPU step counters it names (:attr:`RankPeak.step_peak`),
+    written to ``rank{rank}.json``."""
     import warnings
 
     warnings.simplefilter("ignore")
@@ -170,7 +180,7 @@ def launched_worker(rank: int, world_size: int, port: int, work_dir: str, real_p
         for case in cases:
             torch.manual_seed(0)  # the same weights on every rank
             measured = real_peak(case, str(Path(work_dir) / f"out{rank}"))
-            results[case] = (measured.peak, measured.attempts)
+            results[case] = (measured.step_peak, measured.attempts)  # less any CPU step counters it names
     finally:
         dist.destroy_process_group()
     (Path(work_dir) / f"rank{rank}.json").write_text(json.dumps(results))
@@ -204,23 +214,27 @@ def _estimate(case: str, tmp_path: Path) -> int:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trainer_step_against_every_rank(real_peaks: dict[str, list[int]], case: str, tmp_path: Path) -> None:
-    """Every rank within 0.1%. Measured 2026-12-07 (torch 2.13, transformers 5.25, accelerate 1.16, both
-    ranks alike), real and estimated: FSDP2 47,633,904 B and 47,633,896 B, with 2 micro-batches
-    52,325,104 B and 52,325,096 B; DDP as the Trainer passes it (find_unused_parameters=True)
-    66,977,008 B and 66,974,956 B, with 2 micro-batches (accelerate's no_sync on the first) 76,355,312 B
-    and 76,353,260 B, under bf16 autocast 68,238,576 B and 68,234,472 B; DDP with
-    ddp_find_unused_parameters=False 66,972,912 B and 66,972,904 B. The 8 B: 4 B are the Trainer's
-    num_items_in_batch (gone from the real run when the model takes no loss kwargs), 4 B not traced
-    down. Of the 4,096 B that find_unused_parameters=True adds to the real peak, memcalc's _DDPSink
-    clones account for 2,052 B; 2,048 B (a (2, 128) int64 tensor's size) are not traced down. With
-    memcalc's own FSDP2 layout (blocks + root) instead of accelerate's, the FSDP2 estimate was
-    52,320,744 B: +9.84%. FSDP2 with bf16=True (accelerate's MixedPrecisionPolicy, bf16 gathered and reduced,
-    fp32 masters, no autocast; 2026-12-08): 43,472,112 B and 43,472,104 B; on the wider Llama 63,349,360 B
-    and 63,349,352 B, where memcalc's own float32 reduce would give 69,140,084 B (+9.14%); with 2 micro-batches
-    (accelerate's no_sync: FSDP2's set_requires_gradient_sync(False) on the first) 73,818,736 B and
-    73,818,728 B, measured once and not kept as a case: its ranks repeated the step 203 and 342 times for a
-    complete trace (minutes of CI; docs/notes/gloo-traces.md says why), and fsdp-accumulation and
-    fsdp-amp-bf16-wide check its two parts."""
+    """Every rank within 0.1%. Measured 2026-12-08 (torch 2.13, transformers 5.25, accelerate 1.16, both
+    ranks alike), real and estimated: FSDP2 47,635,952 B and 47,633,900 B, with 2 micro-batches 52,327,152 B and
+    52,325,100 B; DDP as the Trainer passes it (find_unused_parameters=True) 66,979,056 B and 66,974,956 B, with
+    2 micro-batches (accelerate's no_sync on the first) 76,357,360 B and 76,353,260 B, under bf16 autocast
+    68,240,624 B and 68,234,476 B; DDP with ddp_find_unused_parameters=False 66,974,960 B and 66,972,908 B. FSDP2
+    with bf16=True (accelerate's MixedPrecisionPolicy, bf16 gathered and reduced, fp32 masters, no autocast):
+    43,474,160 B and 43,472,108 B; on the wider Llama 63,351,408 B and 63,349,356 B, where memcalc's own float32
+    reduce would give 69,140,084 B (+9.14%). With memcalc's own FSDP2 layout (blocks + root) instead of
+    accelerate's, the FSDP2 estimate was 52,320,744 B: +9.84%.
+
+    The 2,052 B under the real peaks (4,100 B with find_unused_parameters=True), traced in the profiler's
+    allocation list: 2,048 B are a MULTI_CPU artefact, not a GPU's memory. accelerate's device here is
+    ``torch.device("cpu", 0)`` and a CPU tensor's ``cpu``, so ``_prepare_input``'s ``.to(device)`` copies the
+    batch ((2, 128) int64 each) where on a GPU it returns the batch accelerate's loader placed there; the
+    embedding's backward saves the ids' copy, and at find_unused_parameters' forward peak (``_DDPSink``'s clone
+    of the logits) the labels' copy is alive too. 4 B are the Trainer's ``num_items_in_batch`` (a float32
+    scalar), which memcalc's loop does not make. Until 2026-12-08 the real peaks read 2,048 B low (the batch
+    generator's artefact, :func:`_batches`), so the rows showed -8 B. The bf16 FSDP2 case with 2 micro-batches
+    on the wider Llama (2026-12-07: 73,818,736 B real, then 2,048 B low, and 73,818,728 B) is not kept: its
+    ranks repeated the step 203 and 342 times for a complete trace (minutes of CI; docs/notes/gloo-traces.md
+    says why), and fsdp-accumulation and fsdp-amp-bf16-wide check its two parts."""
     estimate = _estimate(case, tmp_path)
     for rank, real in enumerate(real_peaks[case]):
         error = (estimate - real) / real

@@ -342,7 +342,20 @@ def step_config(resolved: ResolvedModel, step: Step, *, autocast: AutocastRegion
         model_loss=step.trains_own_loss, amp=step.precision.is_amp,
         # accelerate's prepare_model under amp (DDP, one GPU); under FSDP2 the traced precision is not amp
         fp32_outputs=step.accelerate_prepared and step.precision.is_amp,
+        accelerator_backward=accelerator_backward(step),
     )
+
+
+def accelerator_backward(step: Step) -> bool:
+    """Whether the step's backward is ``Accelerator.backward``'s (its loss divided first): the Trainer's
+    loop and TRL's (``training_step`` calls it, its accelerator at one accumulation step), and memcalc's
+    own loops under ``accelerate launch`` (``--accelerate-config``) at ``accum_steps`` 1, as accelerate's
+    loops are written. Accumulating, an own loop's ``loss / accum_steps`` stands for accelerate's (one
+    division each); a user's loop function makes its own backward."""
+    preset = step.loop.preset
+    if preset is not None and preset.is_trainer:
+        return True
+    return step.accelerate_prepared and step.accum_steps == 1 and preset is not None
 
 
 @torch.inference_mode(False)  # a caller's inference mode would make every tensor of the step an inference tensor

@@ -153,6 +153,16 @@ class StepConfig:
     #: The model's forward returns its 16-bit outputs copied to float32, as the forward
     #: ``Accelerator.prepare_model`` makes under mixed precision does (:func:`fp32_outputs`).
     fp32_outputs: bool = False
+    #: ``backward`` is ``Accelerator.backward(loss)``: outside DeepSpeed it divides the loss by its
+    #: ``gradient_accumulation_steps`` first (accelerate/accelerator.py), a new tensor alive through the
+    #: backward beside the caller's undivided loss (:attr:`ACCELERATOR_LOSS_DIVISOR`).
+    accelerator_backward: bool = False
+
+
+#: The ``gradient_accumulation_steps`` ``Accelerator.backward`` divides by where memcalc models it: the
+#: Trainer builds its accelerator with ``GradientAccumulationPlugin(num_steps=1)`` and divides the loss
+#: itself (transformers/trainer.py); a loop of one's own under ``accelerate launch`` at ``accum_steps`` 1.
+ACCELERATOR_LOSS_DIVISOR = 1
 
 
 @dataclass(frozen=True)
@@ -254,9 +264,12 @@ class StepKit:
         return Targets(tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in self._target_spec))
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` (``scaler.scale(loss).backward()`` under amp-fp16); refused, as
+        """``loss.backward()`` (``scaler.scale(loss).backward()`` under amp-fp16), or
+        ``Accelerator.backward(loss)`` (:attr:`StepConfig.accelerator_backward`); refused, as
         PyTorch refuses it, when the loss does not require grad."""
         check_loss_trains(loss)
+        if self.config.accelerator_backward:  # accelerate's ``loss = loss / self.gradient_accumulation_steps``
+            loss = loss / ACCELERATOR_LOSS_DIVISOR
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
         scaled.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is untyped in torch
 
