@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_runs import TRAINER_MAX_ATTEMPTS, RankPeak, _storages_before, profiled, until_complete
-from test_trainer_gloo import run_launched
+from test_trainer_gloo import BATCH, SEQ, _batches, run_launched  # the batches its _batches draws
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -46,7 +46,6 @@ from hf_harness import llama_config, write_config
 pytestmark = pytest.mark.slow  # one spawn of two processes for every case
 
 WORLD = 2
-BATCH, SEQ = 2, 128
 #: The relative error allowed (the Trainer's gloo cases: 0.1%).
 TOLERANCE = 0.001
 #: A small Llama whose head (8,000 x 128) weighs as much as its two layers (tests/test_trainer_gloo.py's).
@@ -68,23 +67,6 @@ def accelerate_config(kind: str, precision: str) -> str:
         text += ("fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n"
                  "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n")
     return text
-
-
-def _batches(vocab: int) -> Iterator[dict[str, torch.Tensor]]:
-    """A collator's batches, each made when drawn: token ids and labels of their own. The generator
-    keeps no reference to a batch it handed out (:func:`_batch` makes it): a local ``ids`` here would
-    keep the last batch's ids alive while the generator waits, into the next measured window, where
-    their free is recorded (the CPU allocator's size table outlives a profiler session) but their
-    bytes are not among the storages alive before it: every complete trace read 2,048 B low."""
-    generator = torch.Generator().manual_seed(1)
-    while True:
-        yield _batch(generator, vocab)
-
-
-def _batch(generator: torch.Generator, vocab: int) -> dict[str, torch.Tensor]:
-    """One batch: ``(BATCH, SEQ)`` token ids and their copy as labels."""
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
-    return {"input_ids": ids, "labels": ids.clone()}
 
 
 def _accelerator(kind: str, precision: str) -> Any:

@@ -40,10 +40,8 @@ WIDE_GPT2: dict[str, object] = {
     "vocab_size": 1000, "n_positions": 4096}
 
 
-def _replays(monkeypatch: pytest.MonkeyPatch, source: str, **options: object
-             ) -> tuple[allocator.AllocatorStats | None, allocator.AllocatorStats, int, int]:
-    """The skipping replay's stats and the full replay's, the events the skipping one fed the
-    allocator and all the events, of the generation ``options`` estimate."""
+def _traced(monkeypatch: pytest.MonkeyPatch, source: str, **options: object) -> tuple[Program, StepTrace]:
+    """The program and trace of the generation ``options`` estimate, as the report replays them."""
     seen: list[tuple[Program, StepTrace]] = []
     original = run._replayed
 
@@ -52,9 +50,17 @@ def _replays(monkeypatch: pytest.MonkeyPatch, source: str, **options: object
         seen.append((program, trace))
         return original(program, trace, settings, host, **given)
 
-    monkeypatch.setattr(run, "_replayed", spy)
-    memcalc.estimate(source, mode="generate", optimizer="none", **options)  # type: ignore[arg-type]
-    program, trace = seen[-1]
+    with monkeypatch.context() as patch:
+        patch.setattr(run, "_replayed", spy)
+        memcalc.estimate(source, mode="generate", optimizer="none", **options)  # type: ignore[arg-type]
+    return seen[-1]
+
+
+def _replays(monkeypatch: pytest.MonkeyPatch, source: str, **options: object
+             ) -> tuple[allocator.AllocatorStats | None, allocator.AllocatorStats, int, int]:
+    """The skipping replay's stats and the full replay's, the events the skipping one fed the
+    allocator and all the events, of the generation ``options`` estimate."""
+    program, trace = _traced(monkeypatch, source, **options)
     fed = [0]
     feed = steady_replay._feed
 
@@ -209,22 +215,6 @@ def test_values_by_event_are_each_storages_signed_at_its_free() -> None:
 #: (10 MiB at 320 tokens) leave their 20-MiB segments within the decode steps and the allocator,
 #: under a capacity, releases its cache there; six layers, which the replay skips within a step too
 PRESSED_LLAMA: dict[str, object] = {**DEEP_LLAMA, "hidden_size": 8192, "intermediate_size": 256}
-
-
-def _traced(monkeypatch: pytest.MonkeyPatch, source: str, **options: object) -> tuple[Program, StepTrace]:
-    """The program and trace of the generation ``options`` estimate, as the report replays them."""
-    seen: list[tuple[Program, StepTrace]] = []
-    original = run._replayed
-
-    def spy(program: Program, trace: StepTrace, settings: AllocConf | None, host: bool, **given: Any
-            ) -> tuple[allocator.AllocatorStats, allocator.AllocatorStats]:
-        seen.append((program, trace))
-        return original(program, trace, settings, host, **given)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(run, "_replayed", spy)
-        memcalc.estimate(source, mode="generate", optimizer="none", **options)  # type: ignore[arg-type]
-    return seen[-1]
 
 
 def _pressing_capacities(program: Program, trace: StepTrace, count: int) -> list[int]:
