@@ -32,7 +32,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from gloo_runs import TRAINER_MAX_ATTEMPTS, RankPeak, _storages_before, profiled, until_complete
 from test_trainer_gloo import BATCH, SEQ, _batches, run_launched  # the batches its _batches draws
 from torch import nn
@@ -125,10 +124,6 @@ def _real_peak(case: str, output_dir: str) -> RankPeak:
 
 @pytest.fixture(scope="module")
 def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
     return run_launched(_real_peak, list(CASES), tmp_path_factory.mktemp("gloo-accelerate"), 600.0,
                         "accelerate own-loop gloo runs")
 

@@ -29,7 +29,7 @@ import gc
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,9 +187,13 @@ def launched_worker(rank: int, world_size: int, port: int, work_dir: str, real_p
 
 
 def run_launched(real_peak: Callable[[str, str], RankPeak], cases: list[str], work_dir: Path, timeout_s: float,
-                 what: str) -> dict[str, list[int]]:
+                 what: str, needs: Sequence[str] = ("transformers", "accelerate")) -> dict[str, list[int]]:
     """Every case on :data:`WORLD` launched ranks (:func:`launched_worker`) in one spawn; each case's peaks
-    by rank (the repeats printed)."""
+    by rank (the repeats printed). Skipped without gloo or one of the packages ``needs``."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    for package in needs:
+        pytest.importorskip(package)
     spawn_ranks(launched_worker, WORLD, (str(work_dir), real_peak, cases), timeout_s=timeout_s, what=what)
     ranks = [json.loads((work_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
     print(json.dumps(ranks))
@@ -198,10 +202,6 @@ def run_launched(real_peak: Callable[[str, str], RankPeak], cases: list[str], wo
 
 @pytest.fixture(scope="module")
 def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
     return run_launched(_real_peak, list(CASES), tmp_path_factory.mktemp("gloo-trainer"), 600.0, "Trainer gloo runs")
 
 

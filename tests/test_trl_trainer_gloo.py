@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from gloo_runs import TRAINER_MAX_ATTEMPTS, RankPeak, _storages_before, profiled, until_complete
 from test_trainer_gloo import _amp, _updates, _wrap, run_launched
 
@@ -119,13 +118,9 @@ def _real_peak(case: str, output_dir: str) -> RankPeak:
 
 @pytest.fixture(scope="module")
 def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    for package in ("transformers", "accelerate", "trl", "datasets"):
-        pytest.importorskip(package)
     # DPO under FSDP2 repeats its step hundreds of times for a complete trace (gloo_runs.TRAINER_MAX_ATTEMPTS)
     return run_launched(_real_peak, list(CASES), tmp_path_factory.mktemp("gloo-trl-trainer"), 1200.0,
-                        "TRL trainer gloo runs")
+                        "TRL trainer gloo runs", needs=("transformers", "accelerate", "trl", "datasets"))
 
 
 @pytest.mark.parametrize("case", list(CASES))

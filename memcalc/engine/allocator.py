@@ -370,6 +370,16 @@ class CachingAllocatorModel:
         return self._reserved
 
     @property
+    def num_segments(self) -> int:
+        """Segments cudaMalloc'ed so far (``num_segments`` of :meth:`stats`)."""
+        return self._num_segments
+
+    @property
+    def num_device_frees(self) -> int:
+        """Segments released so far: an empty cache or a capacity's release (``num_device_frees``)."""
+        return self._num_device_frees
+
+    @property
     def peak_allocated(self) -> int:
         """The highest :attr:`allocated` so far (``max_memory_allocated()``)."""
         return self._peak_allocated

@@ -164,16 +164,6 @@ class _GuardedModel(allocator.CachingAllocatorModel):
 
     guarded = False
 
-    @property
-    def num_device_frees(self) -> int:
-        """Segments released so far (an empty cache or a capacity's release)."""
-        return self._num_device_frees
-
-    @property
-    def num_segments(self) -> int:
-        """Segments cudaMalloc'ed so far."""
-        return self._num_segments
-
     def _new_block(self, pool: allocator._Pool, size: int, index: int) -> allocator._Block:
         if (self.guarded and self.capacity is not None
                 and self.reserved + allocator.segment_size(size) > self.capacity):
